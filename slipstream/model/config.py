@@ -1,0 +1,326 @@
+"""ModelConfig: the Llama-family decoder shape, read from and written to Hugging Face `config.json`.
+
+One frozen dataclass covers `llama` (with Llama 3 and linear RoPE scaling), `mistral` (optional
+sliding window), `qwen2` (q/k/v bias) and `qwen3` (per-head q/k RMSNorm). The family decides the
+few structural switches (`qkv_bias`, `o_bias`, `qk_norm`); everything else is a plain field.
+
+Both spellings Hugging Face has used are read: the transformers 4 keys `rope_theta` /
+`rope_scaling` / `torch_dtype` and the transformers 5 keys `rope_parameters` / `dtype`. We write
+the transformers 4 spelling (plus `dtype`), which both major versions load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = ("float32", "bfloat16", "float16")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+# config.json keys that are not ModelConfig fields but are understood: bookkeeping, training-time
+# settings, or other spellings read by the helpers below. Other unknown keys are logged.
+_IGNORED_KEYS = frozenset(
+    {
+        "architectures", "attention_dropout", "initializer_range", "transformers_version",
+        "use_cache", "pretraining_tp", "max_window_layers", "layer_types", "use_sliding_window",
+        "_name_or_path", "output_attentions", "output_hidden_states", "return_dict",
+        "tie_encoder_decoder", "is_encoder_decoder", "is_decoder", "torch_dtype",
+        "rope_parameters", "hidden_act", "id2label", "label2id", "problem_type",
+        "chunk_size_feed_forward",
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RopeScaling:
+    """RoPE frequency scaling as Hugging Face defines it (`rope_type` "linear" or "llama3")."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("linear", "llama3"):
+            raise ValueError(
+                f"unsupported rope_scaling rope_type {self.rope_type!r}; "
+                f"supported: {', '.join(ROPE_TYPES)}"
+            )
+        if not self.factor > 0:
+            raise ValueError(f"rope_scaling factor must be > 0, got {self.factor}")
+        if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
+                f"{self.low_freq_factor} and {self.high_freq_factor}"
+            )
+
+    def to_hf(self) -> dict[str, Any]:
+        if self.rope_type == "linear":
+            return {"rope_type": "linear", "factor": self.factor}
+        return {
+            "rope_type": "llama3",
+            "factor": self.factor,
+            "low_freq_factor": self.low_freq_factor,
+            "high_freq_factor": self.high_freq_factor,
+            "original_max_position_embeddings": self.original_max_position_embeddings,
+        }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """The shape and numerics of one decoder-only transformer of the Llama family."""
+
+    model_type: str = "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    """Defaults to `num_attention_heads` (multi-head attention); fewer means GQA."""
+    head_dim: int | None = None
+    """Defaults to `hidden_size // num_attention_heads`; may be set independently (Qwen3, Mistral)."""
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    """Bias on q, k, v and o projections (llama, qwen3). qwen2 always has q/k/v bias and no o bias."""
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    """Mistral: each token attends to at most this many previous positions (itself included)."""
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    dtype: str = "float32"
+    """The dtype the weights are stored in."""
+
+    def __post_init__(self) -> None:
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {self.model_type!r}; supported: {', '.join(MODEL_TYPES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "max_position_embeddings"):
+            _check_positive_int(name, getattr(self, name))
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        _check_positive_int("num_key_value_heads", self.num_key_value_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                    f"({self.num_attention_heads}); set head_dim explicitly"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        _check_positive_int("head_dim", self.head_dim)
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta}")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if self.sliding_window is not None:
+            _check_positive_int("sliding_window", self.sliding_window)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if self.attention_bias and self.model_type in ("mistral", "qwen2"):
+            raise ValueError(f"attention_bias=True is not supported for model_type {self.model_type!r}")
+        if self.sliding_window is not None and self.model_type != "mistral":
+            raise ValueError(
+                f"sliding_window is only supported for model_type 'mistral', not {self.model_type!r}"
+            )
+
+    # Structural switches decided by the family.
+    @property
+    def qkv_bias(self) -> bool:
+        return self.model_type == "qwen2" or self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.model_type == "qwen3"
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # Hugging Face config.json
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Build from a parsed Hugging Face `config.json`; unsupported values raise ValueError."""
+        model_type = d.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}"
+            )
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
+        _check_unsupported_features(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in d if k not in known and k not in _IGNORED_KEYS)
+        if unknown:
+            logger.warning("ignoring config.json keys that slipstream does not use: %s", unknown)
+        rope_theta, rope_scaling = _read_rope(d)
+        kwargs: dict[str, Any] = {k: d[k] for k in known if k in d and d[k] is not None}
+        kwargs.pop("rope_scaling", None)
+        kwargs.update(rope_theta=rope_theta, rope_scaling=rope_scaling)
+        kwargs["dtype"] = _read_dtype(d)
+        kwargs["sliding_window"] = _read_sliding_window(model_type, d)
+        kwargs["attention_bias"] = bool(d.get("attention_bias", False))
+        kwargs["mlp_bias"] = bool(d.get("mlp_bias", False))
+        if kwargs["mlp_bias"] and model_type != "llama":
+            raise ValueError(f"mlp_bias=True is not supported for model_type {model_type!r}")
+        return cls(**kwargs)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The Hugging Face `config.json` contents for this config."""
+        out: dict[str, Any] = {
+            "architectures": [_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling.to_hf() if self.rope_scaling else None,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id)
+            if isinstance(self.eos_token_id, tuple)
+            else self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "torch_dtype": self.dtype,
+            "dtype": self.dtype,
+        }
+        if self.model_type in ("llama", "qwen3"):
+            out["attention_bias"] = self.attention_bias
+        if self.model_type == "llama":
+            out["mlp_bias"] = self.mlp_bias
+        if self.model_type == "mistral":
+            out["sliding_window"] = self.sliding_window
+        if self.model_type in ("qwen2", "qwen3"):
+            out["use_sliding_window"] = False
+            out["sliding_window"] = None
+        return out
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        """Read `model_dir/config.json`."""
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in {model_dir}")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise ValueError(f"{path} must hold a JSON object")
+        return cls.from_hf_dict(d)
+
+    def save_pretrained(self, model_dir: str | Path) -> None:
+        """Write `model_dir/config.json` (creating the directory)."""
+        path = Path(model_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(self.to_hf_dict(), indent=2) + "\n")
+
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+# Keys whose presence (with a value other than the harmless one) changes the math in ways this
+# decoder does not implement; better a clear error than wrong logits.
+_UNSUPPORTED_FEATURES = {
+    "quantization_config": None,
+    "num_experts": None,
+    "num_local_experts": None,
+    "partial_rotary_factor": 1.0,
+    "use_mrope": False,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+}
+
+
+def _check_unsupported_features(d: dict[str, Any]) -> None:
+    for key, harmless in _UNSUPPORTED_FEATURES.items():
+        if key in d and d[key] != harmless:
+            raise ValueError(f"unsupported config.json field {key}={d[key]!r}")
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _read_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """RoPE theta and scaling from either the transformers 4 or the transformers 5 spelling."""
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_scaling must be an object or null, got {params!r}")
+    theta = float(d.get("rope_theta") or params.get("rope_theta") or 10000.0)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_scaling rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, None
+    fields = {f.name for f in dataclasses.fields(RopeScaling)}
+    return theta, RopeScaling(**{k: v for k, v in params.items() if k in fields} | {"rope_type": rope_type})
+
+
+def _read_dtype(d: dict[str, Any]) -> str:
+    dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r} in config.json; supported: {', '.join(DTYPES)}")
+    return dtype
+
+
+def _read_sliding_window(model_type: str, d: dict[str, Any]) -> int | None:
+    if model_type == "mistral":
+        window = d.get("sliding_window")
+        if window is not None and window >= d.get("max_position_embeddings", math.inf):
+            return None  # the window covers the whole context: plain causal attention
+        return window
+    if d.get("use_sliding_window", False):
+        raise ValueError(f"use_sliding_window=True is not supported for model_type {model_type!r}")
+    return None

@@ -1,0 +1,245 @@
+"""The Llama-family decoder: one definition of the math for training and serving.
+
+`Transformer(config)(token_ids, positions)` returns logits. With `attn=None` every sequence in
+the batch attends causally to itself (SDPA); the serving engine instead passes an attention
+metadata object, which each layer calls as `attn(layer_idx, q, k, v)` to write the new keys and
+values into the paged cache and attend over it. Parameter names equal Hugging Face's
+(`model.layers.0.self_attn.q_proj.weight`, ...), so checkpoints load without renaming.
+
+The numerics follow Hugging Face's implementation step for step (RMSNorm in fp32, RoPE tables
+in fp32 cast to the activation dtype, `rotate_half` pairing), so fp32 logits agree to rounding.
+
+Layout legend: B batch, T tokens, E hidden size, H query heads, K key/value heads, D head dim,
+V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.model.config import ModelConfig
+from slipstream.ops.attention import dense_causal_attention
+
+
+class AttentionMetadata(Protocol):
+    """What the serving engine passes as `attn`: a callable that owns the KV cache."""
+
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the activation dtype, as the reference implementation does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse frequencies (D/2,) in fp32, with linear or Llama 3 scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)
+    )
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # Llama 3: leave high frequencies alone, divide low ones by `factor`, interpolate between.
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables (*positions.shape, D), computed in fp32 and cast to `dtype`."""
+    freqs = positions.unsqueeze(-1).float() * inv_freq  # (..., D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (..., D)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, T, heads, D) by per-token angles; pairs dimension i with i + D/2."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (B, T, 1, D)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.sliding_window = config.sliding_window
+        E, D = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(E, self.num_heads * D, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(E, self.num_kv_heads * D, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(E, self.num_kv_heads * D, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * D, E, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(D, config.rms_norm_eps)
+            self.k_norm = RMSNorm(D, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, E)
+        cos: torch.Tensor,  # (B, T, D)
+        sin: torch.Tensor,  # (B, T, D)
+        attn: AttentionMetadata | None,
+    ) -> torch.Tensor:  # (B, T, E)
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if attn is None:
+            out = dense_causal_attention(q, k, v, sliding_window=self.sliding_window)
+        else:
+            out = attn(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        E, F_ = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(E, F_, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(E, F_, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(F_, E, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata | None
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(nn.Module):
+    """Embedding, the layer stack and the final norm: token ids to hidden states."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata | None
+    ) -> torch.Tensor:  # (B, T, E)
+        x = self.embed_tokens(token_ids)  # (B, T, E)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # (B, T, D) each
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+
+class Transformer(nn.Module):
+    """A causal language model: `forward(token_ids, positions, attn=None) -> logits`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # (B, T) int64
+        positions: torch.Tensor,  # (B, T) int64
+        attn: AttentionMetadata | None = None,
+    ) -> torch.Tensor:  # (B, T, V)
+        return self.compute_logits(self.hidden_states(token_ids, positions, attn))
+
+    def hidden_states(
+        self,
+        token_ids: torch.Tensor,  # (B, T)
+        positions: torch.Tensor,  # (B, T)
+        attn: AttentionMetadata | None = None,
+    ) -> torch.Tensor:  # (B, T, E)
+        """The final-norm hidden states, for callers that need logits at only some positions."""
+        if token_ids.dim() != 2 or positions.shape != token_ids.shape:
+            raise ValueError(
+                "token_ids and positions must both have shape (batch, seq); got "
+                f"{tuple(token_ids.shape)} and {tuple(positions.shape)}"
+            )
+        return self.model(token_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (..., E) -> (..., V)
+        return self.lm_head(hidden)
+
+    def tie_weights(self) -> None:
+        """Share the embedding table with the output projection when the config says so."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self, *, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """Random initialisation for training from scratch, on whatever device the model is on.
+
+        Normal(0, std) for embeddings and projections as Hugging Face's Llama does, with the
+        projections that write into the residual stream (o_proj, down_proj) scaled down by
+        sqrt(2 * layers) as in GPT-2, zero biases, unit norms. Also rebuilds the RoPE buffer,
+        so a model built on the meta device and moved with `to_empty` is usable afterwards.
+        """
+        residual_std = std / math.sqrt(2 * self.config.num_hidden_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                scale = residual_std if name.endswith(("o_proj", "down_proj")) else std
+                nn.init.normal_(module.weight, mean=0.0, std=scale, generator=generator)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+        self.tie_weights()
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers (the RoPE frequencies) on the model's device."""
+        device = self.model.embed_tokens.weight.device
+        self.model.inv_freq = rope_inv_freq(self.config, device=device)

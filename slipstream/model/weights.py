@@ -1,0 +1,222 @@
+"""Hugging Face safetensors checkpoints: load into and save from a `Transformer`.
+
+Loading builds the model on the meta device and moves one tensor at a time from the memory-mapped
+file into it (converting dtype on the way), so peak memory is the model plus one tensor, never two
+copies of the weights. Only safetensors is read: no pickle, ever.
+
+Layouts: a single `model.safetensors`, or shards listed in `model.safetensors.index.json`
+(`{"metadata": {"total_size": ...}, "weight_map": {name: file}}`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from slipstream.model.config import ModelConfig
+from slipstream.model.transformer import Transformer
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Tensors some checkpoints carry that are derived, not learned.
+_DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """torch.dtype from a torch.dtype or its name ("bfloat16", "bf16", "fp32", ...)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; supported: {', '.join(DTYPES)}")
+        return dtype
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+    name = aliases.get(dtype, dtype)
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, value in DTYPES.items() if value == dtype)
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint, checking that an index names only existing shards."""
+    model_dir = Path(model_dir)
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index_path} is not a valid safetensors index: {e}") from e
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index_path} lists shards that do not exist: {', '.join(missing)}")
+        return files
+    if (model_dir / SINGLE_FILE).is_file():
+        return [model_dir / SINGLE_FILE]
+    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
+
+
+def iter_tensors(
+    model_dir: str | Path, *, release_each: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of a checkpoint, as views of the memory-mapped files.
+
+    With `release_each`, every tensor gets its own short-lived mapping, so a caller that converts
+    and drops each tensor never has more than one tensor's pages of the file resident.
+    """
+    for path in checkpoint_files(model_dir):
+        with _open_safetensors(path) as f:
+            names = list(f.keys())
+            if not release_each:
+                for name in names:
+                    yield name, f.get_tensor(name)
+                continue
+        for name in names:
+            with _open_safetensors(path) as f:
+                tensor = f.get_tensor(name)
+            yield name, tensor
+
+
+@contextlib.contextmanager
+def _open_safetensors(path: Path):
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            yield f
+    except SafetensorError as e:
+        raise ValueError(f"cannot read {path}: corrupt or truncated safetensors file ({e})") from e
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+) -> Transformer:
+    """Load a Hugging Face model directory (config.json + safetensors) into a `Transformer`.
+
+    Every parameter must be present with the right shape, and every tensor in the files must
+    belong to the model; anything else is a ValueError naming the tensors.
+    """
+    stored = ModelConfig.from_pretrained(model_dir)
+    dtype = resolve_dtype(dtype)
+    config = stored.replace(dtype=dtype_name(dtype))
+    with torch.device("meta"):
+        model = Transformer(config)
+    params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    unexpected = []
+    # When the stored dtype is kept on the CPU, parameters stay views of the memory-mapped file
+    # (no copy at all); otherwise each tensor is converted from its own short-lived mapping.
+    keep_mapped = str(device) == "cpu" and dtype == resolve_dtype(stored.dtype)
+    for name, tensor in iter_tensors(model_dir, release_each=not keep_mapped):
+        if name in tied or name.endswith(_DERIVED_SUFFIXES):
+            continue
+        param = params.pop(name, None)
+        if param is None:
+            unexpected.append(name)
+            continue
+        if tensor.shape != param.shape:
+            raise ValueError(
+                f"weight {name} has shape {tuple(tensor.shape)} in {model_dir}, "
+                f"but the config implies {tuple(param.shape)}"
+            )
+        _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
+    if params:
+        raise ValueError(f"weights missing from {model_dir}: {', '.join(sorted(params))}")
+    if unexpected:
+        raise ValueError(f"unexpected weights in {model_dir}: {', '.join(sorted(unexpected))}")
+    model.tie_weights()
+    model.init_buffers()
+    return model.eval()
+
+
+def _set_parameter(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, param_name = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    setattr(module, param_name, torch.nn.Parameter(tensor))
+
+
+def save_model(
+    model: Transformer,
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype | str | None = None,
+    max_shard_bytes: int | None = None,
+) -> None:
+    """Write `config.json` and the weights as Hugging Face safetensors (sharded past a size).
+
+    Files are written under temporary names and renamed into place, so a crash never leaves a
+    half-written file under a final name.
+    """
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    state = {
+        name: tensor
+        for name, tensor in model.state_dict().items()
+        if not (name == "lm_head.weight" and model.config.tie_word_embeddings)
+    }
+    out_dtype = resolve_dtype(dtype) if dtype is not None else next(iter(state.values())).dtype
+    shards = _split_into_shards(state, out_dtype, max_shard_bytes)
+    _remove_old_weights(model_dir)
+    if len(shards) == 1:
+        _write_safetensors(shards[0], out_dtype, model_dir / SINGLE_FILE)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            filename = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            _write_safetensors(shard, out_dtype, model_dir / filename)
+            weight_map.update(dict.fromkeys(shard, filename))
+        total_bytes = sum(t.numel() * out_dtype.itemsize for t in state.values())
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        _atomic_write_text(model_dir / INDEX_FILE, json.dumps(index, indent=2) + "\n")
+    model.config.replace(dtype=dtype_name(out_dtype)).save_pretrained(model_dir)
+
+
+def _split_into_shards(
+    state: dict[str, torch.Tensor], dtype: torch.dtype, max_shard_bytes: int | None
+) -> list[dict[str, torch.Tensor]]:
+    """Greedy split in state-dict order; a tensor larger than the limit gets a shard of its own."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * dtype.itemsize
+        if max_shard_bytes is not None and shards[-1] and shard_bytes + nbytes > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += nbytes
+    return shards
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor], dtype: torch.dtype, path: Path) -> None:
+    converted = {name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in tensors.items()}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(converted, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _remove_old_weights(model_dir: Path) -> None:
+    """Saving over an existing model directory must not leave stale shards behind."""
+    for path in model_dir.glob("model*.safetensors"):
+        path.unlink()
+    (model_dir / INDEX_FILE).unlink(missing_ok=True)

@@ -1,0 +1,165 @@
+"""Safetensors weight I/O: layouts, dtypes, and clear errors for broken checkpoints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from slipstream.model import ModelConfig, Transformer, load_model, save_model
+
+CONFIG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+
+
+def _model(config: ModelConfig = CONFIG, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(config)
+    model.init_weights()
+    return model
+
+
+def _assert_same_weights(a: Transformer, b: Transformer) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name].to(sa[name].dtype)), name
+
+
+def test_sharded_round_trip(tmp_path):
+    """Past max_shard_bytes the weights are split into shards with an index; loading reads all."""
+    model = _model()
+    save_model(model, tmp_path, max_shard_bytes=20_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and not (tmp_path / "model.safetensors").exists()
+    assert index["metadata"]["total_size"] == sum(p.numel() * 4 for p in model.parameters())
+    _assert_same_weights(model, load_model(tmp_path))
+
+
+def test_resave_single_file_removes_old_shards(tmp_path):
+    """Saving over a sharded directory leaves exactly one consistent layout behind."""
+    save_model(_model(), tmp_path, max_shard_bytes=20_000)
+    save_model(_model(seed=1), tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("model*")) == ["model.safetensors"]
+    _assert_same_weights(_model(seed=1), load_model(tmp_path))
+
+
+@pytest.mark.parametrize("save_dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("load_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dtype_conversion(tmp_path, save_dtype, load_dtype):
+    """Weights are stored in the requested dtype, config.json records it, and loading converts."""
+    model = _model()
+    save_model(model, tmp_path, dtype=save_dtype)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert {t.dtype for t in stored.values()} == {getattr(torch, save_dtype)}
+    assert ModelConfig.from_pretrained(tmp_path).dtype == save_dtype
+    loaded = load_model(tmp_path, dtype=load_dtype)
+    assert {p.dtype for p in loaded.parameters()} == {load_dtype}
+    expected = model.model.embed_tokens.weight.to(getattr(torch, save_dtype)).to(load_dtype)
+    assert torch.equal(loaded.model.embed_tokens.weight, expected)
+
+
+def test_tied_embeddings_saved_once_and_retied(tmp_path):
+    """A tied lm_head is not written (as HF does) and is shared again after loading."""
+    model = _model(CONFIG.replace(tie_word_embeddings=True))
+    save_model(model, tmp_path)
+    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    loaded = load_model(tmp_path)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+def _resave_without(tmp_path, drop: str | None = None, add: dict | None = None) -> None:
+    tensors = load_file(tmp_path / "model.safetensors")
+    if drop:
+        del tensors[drop]
+    tensors |= add or {}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_missing_weight_is_named(tmp_path):
+    """A checkpoint lacking a parameter is a ValueError naming it."""
+    save_model(_model(), tmp_path)
+    _resave_without(tmp_path, drop="model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(ValueError, match=r"missing.*model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_model(tmp_path)
+
+
+def test_wrong_shape_is_named(tmp_path):
+    """A tensor whose shape disagrees with config.json is a ValueError naming both shapes."""
+    save_model(_model(), tmp_path)
+    _resave_without(tmp_path, add={"model.norm.weight": torch.ones(31)})
+    with pytest.raises(ValueError, match=r"model\.norm\.weight has shape \(31,\).*\(32,\)"):
+        load_model(tmp_path)
+
+
+def test_unexpected_weight_is_named(tmp_path):
+    """A tensor the model has no place for is an error, not silently dropped."""
+    save_model(_model(), tmp_path)
+    _resave_without(tmp_path, add={"model.layers.0.mystery.weight": torch.ones(3)})
+    with pytest.raises(ValueError, match=r"unexpected.*mystery"):
+        load_model(tmp_path)
+
+
+def test_truncated_file_is_a_clear_error(tmp_path):
+    """A truncated safetensors file is a ValueError naming the file, not a crash."""
+    save_model(_model(), tmp_path)
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    for keep in (len(data) - 100, 200, 5):
+        path.write_bytes(data[:keep])
+        with pytest.raises(ValueError, match="model.safetensors"):
+            load_model(tmp_path)
+
+
+def test_missing_shard_is_named(tmp_path):
+    """An index that points at a shard that is not there names the shard."""
+    save_model(_model(), tmp_path, max_shard_bytes=20_000)
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(ValueError, match=shard.name):
+        load_model(tmp_path)
+
+
+def test_pickle_checkpoints_are_never_read(tmp_path):
+    """A directory with only a pickled pytorch_model.bin is refused: we read safetensors only."""
+    model = _model()
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_loading_holds_one_copy_of_the_weights(tmp_path, dtype):
+    """Peak memory while loading (VmHWM of a fresh process, all weights touched) stays within one
+    copy of the loaded weights plus the largest single tensor: stored-dtype weights are views of
+    the memory-mapped file, converted ones are converted tensor by tensor."""
+    config = ModelConfig(vocab_size=32000, hidden_size=512, intermediate_size=2048,
+                         num_hidden_layers=8, num_attention_heads=8)
+    model = _model(config)
+    save_model(model, tmp_path)
+    loaded_bytes = sum(p.numel() for p in model.parameters()) * getattr(torch, dtype).itemsize
+    largest_stored_bytes = max(p.numel() for p in model.parameters()) * 4
+    script = textwrap.dedent(f"""
+        import torch
+        from slipstream.model import load_model
+        def status(key):
+            return int(open('/proc/self/status').read().split(key + ':')[1].split()[0]) * 1024
+        base = status('VmRSS')
+        model = load_model({str(tmp_path)!r}, dtype=torch.{dtype})
+        for p in model.parameters():
+            p.data.view(-1)[::1024].sum()  # touch every page of every weight
+        print(status('VmHWM') - base)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    peak_growth_bytes = int(out.stdout.split()[-1])
+    budget_bytes = loaded_bytes + largest_stored_bytes + 96 * 2**20  # torch runtime start-up
+    print(f"{dtype}: weights {loaded_bytes / 1e6:.0f} MB loaded, peak RSS grew "
+          f"{peak_growth_bytes / 1e6:.0f} MB (budget {budget_bytes / 1e6:.0f} MB)")
+    assert peak_growth_bytes < budget_bytes
