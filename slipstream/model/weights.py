@@ -206,7 +206,14 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], dtype: torch.dtype, pat
     converted = {name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in tensors.items()}
     tmp = path.with_name(path.name + ".tmp")
     save_file(converted, str(tmp), metadata={"format": "pt"})
+    os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates files owner-only
     os.replace(tmp, path)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _atomic_write_text(path: Path, text: str) -> None:

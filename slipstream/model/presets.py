@@ -1,0 +1,104 @@
+"""Named model shapes: small ones we create and train here, real ones for planning.
+
+`tiny` (~16M parameters) and `small` (~125M) are the shapes the README, tests and benchmarks use
+on a CPU. The larger presets are the published shapes of real models (as their Hugging Face
+`config.json` files give them); they exist as configs for the performance model and are too big
+to initialise on a small machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from slipstream.model.config import ModelConfig, RopeScaling
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Preset:
+    name: str
+    config: ModelConfig
+    description: str
+    config_only: bool = False
+    """Too large to create with random weights here; usable as a shape for planning."""
+
+
+_LLAMA3_ROPE = dict(rope_theta=500000.0, max_position_embeddings=131072)
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in [
+        Preset(
+            name="tiny",
+            description="~16M Llama shape for quick CPU training and tests",
+            config=ModelConfig(
+                vocab_size=8192, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=2048,
+            ),
+        ),
+        Preset(
+            name="small",
+            description="~125M Llama shape (GPT-2 small class), the serving benchmark model",
+            config=ModelConfig(
+                vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048,
+            ),
+        ),
+        Preset(
+            name="medium",
+            description="~360M Llama shape",
+            config=ModelConfig(
+                vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24,
+                num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=2048,
+            ),
+        ),
+        Preset(
+            name="llama3.2-1b",
+            description="Llama 3.2 1B shape (meta-llama/Llama-3.2-1B config.json)",
+            config_only=True,
+            config=ModelConfig(
+                vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                tie_word_embeddings=True, rms_norm_eps=1e-5, dtype="bfloat16",
+                rope_scaling=RopeScaling(rope_type="llama3", factor=32.0), **_LLAMA3_ROPE,
+            ),
+        ),
+        Preset(
+            name="llama3-8b",
+            description="Llama 3.1 8B shape (meta-llama/Llama-3.1-8B config.json)",
+            config_only=True,
+            config=ModelConfig(
+                vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5, dtype="bfloat16",
+                rope_scaling=RopeScaling(rope_type="llama3", factor=8.0), **_LLAMA3_ROPE,
+            ),
+        ),
+        Preset(
+            name="llama3-70b",
+            description="Llama 3.1 70B shape (meta-llama/Llama-3.1-70B config.json)",
+            config_only=True,
+            config=ModelConfig(
+                vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                num_attention_heads=64, num_key_value_heads=8, rms_norm_eps=1e-5, dtype="bfloat16",
+                rope_scaling=RopeScaling(rope_type="llama3", factor=8.0), **_LLAMA3_ROPE,
+            ),
+        ),
+        Preset(
+            name="llama3-405b",
+            description="Llama 3.1 405B shape (meta-llama/Llama-3.1-405B config.json)",
+            config_only=True,
+            config=ModelConfig(
+                vocab_size=128256, hidden_size=16384, intermediate_size=53248,
+                num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
+                rms_norm_eps=1e-5, dtype="bfloat16",
+                rope_scaling=RopeScaling(rope_type="llama3", factor=8.0), **_LLAMA3_ROPE,
+            ),
+        ),
+    ]
+}
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called `name`; an unknown name is a ValueError listing the known ones."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+    return PRESETS[name]

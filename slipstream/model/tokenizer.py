@@ -1,0 +1,387 @@
+"""Tokenizer: Hugging Face `tokenizer.json` plus special tokens, chat template and streaming decode.
+
+`Tokenizer` wraps a `tokenizers.Tokenizer` and reads the few things a model directory adds around
+it: named special tokens and the chat template (`tokenizer_config.json`, `chat_template.jinja`,
+`additional_chat_templates/`) and the end-of-sequence ids (`generation_config.json`). It renders
+chat templates the way `transformers` does, so prompts are byte-identical to a Hugging Face
+tokenizer's. `IncrementalDetokenizer` turns a stream of generated ids into valid UTF-8 text deltas.
+`train_tokenizer` trains a byte-level BPE with ChatML special tokens on a corpus of files.
+
+Decoding is exactly `tokenizers`' decode: we do not apply `clean_up_tokenization_spaces`, a
+WordPiece-era post-processing that transformers 5 also ignores for BPE models.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from slipstream.corpus import read_documents, select_files
+from slipstream.model.chat_template import CHATML_TEMPLATE, compile_chat_template, render_chat_template
+
+logger = logging.getLogger(__name__)
+
+# The named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKEN_NAMES = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+)
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+
+# transformers writes this when a tokenizer has no length limit; we read it back as "no limit".
+_NO_MAX_LENGTH = int(1e29)
+
+# Tokens of already-emitted text the incremental detokenizer re-decodes as context, so decoders
+# that treat the first token of a sequence specially (SentencePiece's leading space) agree.
+_DETOKENIZE_CONTEXT_TOKENS = 5
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` with named special tokens, a chat template and end-of-sequence ids.
+
+    `special_tokens` maps names from `SPECIAL_TOKEN_NAMES` ("eos_token", ...) to token strings.
+    `chat_template` is a Jinja source, or a mapping from template name to source ("default" is
+    used unless tools are given and a "tool_use" template exists). `extra_eos_token_ids` are ids
+    besides `eos_token` that end generation (e.g. from `generation_config.json`);
+    `eos_token_ids` holds them all, `eos_token_id` first.
+    """
+
+    def __init__(
+        self,
+        hf_tokenizer: tokenizers.Tokenizer,
+        *,
+        special_tokens: Mapping[str, str] | None = None,
+        chat_template: str | Mapping[str, str] | None = None,
+        model_max_length: int | None = None,
+        extra_eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        special_tokens = dict(special_tokens or {})
+        unknown = sorted(set(special_tokens) - set(SPECIAL_TOKEN_NAMES))
+        if unknown:
+            raise ValueError(f"unknown special token names {unknown}; valid: {SPECIAL_TOKEN_NAMES}")
+        self.backend = hf_tokenizer
+        self.special_tokens = special_tokens
+        if chat_template is not None and not isinstance(chat_template, str):
+            chat_template = dict(chat_template)
+        self.chat_template = chat_template
+        self.model_max_length = model_max_length
+        self._special_ids = {name: self._require_id(tok) for name, tok in special_tokens.items()}
+        eos_ids = [self.eos_token_id] if self.eos_token_id is not None else []
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos_ids, *extra_eos_token_ids]))
+        self._compiled_templates: dict[str, jinja2.Template] = {}
+
+    def _require_id(self, token: str) -> int:
+        token_id = self.backend.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"special token {token!r} is not in the tokenizer's vocabulary")
+        return token_id
+
+    # ---- loading and saving -------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
+        """Load `tokenizer.json`, `tokenizer_config.json`, chat template files and EOS ids."""
+        model_dir = Path(model_dir)
+        tokenizer_path = model_dir / "tokenizer.json"
+        if not tokenizer_path.is_file():
+            raise FileNotFoundError(f"{tokenizer_path} not found; a model directory needs one")
+        try:
+            hf_tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+        except Exception as error:  # tokenizers raises a bare Exception on bad JSON
+            raise ValueError(f"{tokenizer_path} is not a valid tokenizer.json: {error}") from error
+        config = _read_json(model_dir / "tokenizer_config.json")
+        special_tokens_map = _read_json(model_dir / "special_tokens_map.json")
+        generation_config = _read_json(model_dir / "generation_config.json")
+        max_length = config.get("model_max_length")
+        if not isinstance(max_length, int) or max_length >= _NO_MAX_LENGTH:
+            max_length = None
+        return cls(
+            hf_tokenizer,
+            special_tokens=_read_special_tokens(config, special_tokens_map),
+            chat_template=_read_chat_templates(model_dir, config),
+            model_max_length=max_length,
+            extra_eos_token_ids=_as_id_list(generation_config.get("eos_token_id")),
+        )
+
+    def save_pretrained(self, model_dir: str | Path) -> None:
+        """Write `tokenizer.json` and `tokenizer_config.json`, loadable by `AutoTokenizer`.
+
+        Only tokenizer files are written; `eos_token_ids` belongs in `generation_config.json`,
+        which the caller writes with the rest of the model.
+        """
+        model_dir = Path(model_dir)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(model_dir / "tokenizer.json"), pretty=True)
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **self.special_tokens,
+            "clean_up_tokenization_spaces": False,
+        }
+        if self.model_max_length is not None:
+            config["model_max_length"] = self.model_max_length
+        if isinstance(self.chat_template, dict):
+            config["chat_template"] = [
+                {"name": name, "template": source} for name, source in self.chat_template.items()
+            ]
+        elif self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        if (model_dir / "chat_template.jinja").exists():
+            logger.warning("%s has a chat_template.jinja, overriding the saved one", model_dir)
+        text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+        (model_dir / "tokenizer_config.json").write_text(text, encoding="utf-8")
+
+    # ---- vocabulary -------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included (what `len(hf_tokenizer)` returns)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._special_ids.get("bos_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._special_ids.get("eos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._special_ids.get("pad_token")
+
+    @property
+    def unk_token_id(self) -> int | None:
+        return self._special_ids.get("unk_token")
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of `token`, or None when it is not in the vocabulary."""
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary string of `token_id` (byte-level form for BPE), None if out of range."""
+        return self.backend.id_to_token(token_id)
+
+    # ---- encode and decode ------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special-token strings in `text` become their ids."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """`encode` for many texts at once (parallel in the Rust backend)."""
+        encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return [encoding.ids for encoding in encodings]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; bytes that do not form valid UTF-8 become U+FFFD."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(
+        self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
+        """A streaming decoder for ids generated after `prompt_ids`."""
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens=skip_special_tokens)
+
+    # ---- chat -------------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = False,
+        tokenize: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Render `messages` with the chat template exactly as transformers does.
+
+        The template sees `messages`, `tools`, `documents` (None unless passed),
+        `add_generation_prompt`, the named special tokens (`bos_token`, ...) and `kwargs`.
+        With `tokenize=True` returns the ids of the rendered text, encoded without adding
+        special tokens (the template already wrote them).
+        """
+        source = self._template_source(tools)
+        if source not in self._compiled_templates:
+            self._compiled_templates[source] = compile_chat_template(source)
+        text = render_chat_template(
+            self._compiled_templates[source], messages, tools=tools,
+            add_generation_prompt=add_generation_prompt, special_tokens=self.special_tokens, **kwargs,
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _template_source(self, tools: object) -> str:
+        source = self.chat_template
+        if source is None:
+            raise ValueError("this tokenizer has no chat template (none in tokenizer_config.json "
+                             "or chat_template.jinja), so apply_chat_template cannot be used")
+        if isinstance(source, dict):
+            name = "tool_use" if tools is not None and "tool_use" in source else "default"
+            if name not in source:
+                raise ValueError(f"no 'default' chat template among {sorted(source)}")
+            source = source[name]
+        return source
+
+
+class IncrementalDetokenizer:
+    """Turns ids pushed one at a time into text deltas that are always valid UTF-8.
+
+    Algorithm (the prefix/read offset technique): keep a short window of ids whose text was
+    already emitted (the prefix) followed by ids not yet emitted. Each push decodes the window and
+    emits whatever extends past the prefix text, unless it ends in U+FFFD, which means a
+    multi-byte character is still incomplete; then the ids stay pending. After emitting, the
+    pending ids become the new prefix. Work per push is bounded by the window, which only grows
+    while output is held back, so `"".join(deltas) + flush()` equals `decode(all_ids)` at a cost
+    independent of the sequence length.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._window_ids = list(prompt_ids[-_DETOKENIZE_CONTEXT_TOKENS:])
+        self._num_prefix_ids = len(self._window_ids)
+        # A prompt that ends inside a character decodes to a trailing U+FFFD; dropping it lets the
+        # completed character appear in the first delta instead of being swallowed.
+        self._prefix_text = self._decode(self._window_ids).rstrip("\ufffd")
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        """Add one generated id; return the newly completed text ("" while held back)."""
+        self._window_ids.append(token_id)
+        text = self._decode(self._window_ids)
+        if len(text) <= len(self._prefix_text) or text.endswith("\ufffd"):
+            return ""
+        return self._emit(text)
+
+    def flush(self) -> str:
+        """Return any held-back text (e.g. a trailing incomplete character, as U+FFFD)."""
+        text = self._decode(self._window_ids)
+        return self._emit(text) if len(text) > len(self._prefix_text) else ""
+
+    def _emit(self, text: str) -> str:
+        delta = text[len(self._prefix_text):]
+        del self._window_ids[: self._num_prefix_ids]
+        self._num_prefix_ids = len(self._window_ids)
+        self._prefix_text = self._decode(self._window_ids)
+        return delta
+
+
+# ---- training ---------------------------------------------------------------------------------
+
+
+def train_tokenizer(
+    files: Iterable[Path],
+    vocab_size: int,
+    *,
+    min_frequency: int = 2,
+    max_bytes: int | None = None,
+    model_max_length: int | None = None,
+    show_progress: bool = False,
+) -> Tokenizer:
+    """Train a byte-level BPE (GPT-2 pre-tokenizer regex) with ChatML special tokens on `files`.
+
+    Special tokens get the first ids: `<|endoftext|>` = 0 (eos and pad, no BOS, as in Qwen),
+    `<|im_start|>` = 1, `<|im_end|>` = 2; `eos_token_ids` holds both 0 and 2. `max_bytes` trains on
+    a deterministic, evenly spread subset of `files` (see `corpus.select_files`). The same files
+    and arguments give a byte-identical `tokenizer.json`, whatever the number of threads.
+    """
+    special = [ENDOFTEXT, IM_START, IM_END]
+    min_vocab_size = 256 + len(special)
+    if vocab_size < min_vocab_size:
+        raise ValueError(
+            f"vocab_size must be at least {min_vocab_size} (256 bytes + specials), got {vocab_size}"
+        )
+    hf_tokenizer = tokenizers.Tokenizer(models.BPE())
+    hf_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf_tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=show_progress,
+    )
+    hf_tokenizer.train_from_iterator(read_documents(select_files(files, max_bytes)), trainer)
+    logger.info("trained a byte-level BPE tokenizer with %d tokens", hf_tokenizer.get_vocab_size())
+    return Tokenizer(
+        hf_tokenizer,
+        special_tokens={"eos_token": ENDOFTEXT, "pad_token": ENDOFTEXT},
+        chat_template=CHATML_TEMPLATE,
+        model_max_length=model_max_length,
+        extra_eos_token_ids=[hf_tokenizer.token_to_id(IM_END)],
+    )
+
+
+# ---- helpers: model directory files -----------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, {} when the file does not exist."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as written by transformers: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_special_tokens(config: dict[str, Any], special_tokens_map: dict[str, Any]) -> dict:
+    tokens = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        token = _token_content(config.get(name)) or _token_content(special_tokens_map.get(name))
+        if token is not None:
+            tokens[name] = token
+    return tokens
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else [int(token_id) for token_id in value]
+
+
+def _read_chat_templates(model_dir: Path, config: dict[str, Any]) -> str | dict[str, str] | None:
+    """The chat template(s); template files take priority over `tokenizer_config.json`."""
+    templates: dict[str, str] = {}
+    if (model_dir / "chat_template.jinja").is_file():
+        templates["default"] = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    extra_dir = model_dir / "additional_chat_templates"
+    if extra_dir.is_dir():
+        for path in sorted(extra_dir.glob("*.jinja")):
+            templates[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
+    if not templates:
+        configured = config.get("chat_template")
+        if isinstance(configured, list):  # [{"name": ..., "template": ...}, ...]
+            templates = {entry["name"]: entry["template"] for entry in configured}
+        elif configured is None or isinstance(configured, str):
+            return configured
+        else:
+            raise ValueError(f"chat_template in {model_dir}/tokenizer_config.json must be a string "
+                             f"or a list of {{name, template}}, got {type(configured).__name__}")
+    return templates["default"] if list(templates) == ["default"] else templates

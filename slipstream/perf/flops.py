@@ -1,0 +1,210 @@
+"""FLOPs, parameters and bytes per token of a `ModelConfig`, as plain functions.
+
+Conventions (each function restates the one it uses):
+
+- A FLOP is one multiply or one add, so a multiply-accumulate is 2 FLOPs (fvcore counts MACs,
+  which is half of this).
+- `N` in the FLOP formulas is `matmul_params(config)`: every weight that takes part in a matmul
+  per token, the lm_head included even when it shares the embedding matrix. This equals
+  torchtitan's `N_nonembedding` for untied models up to norm weights and biases (well under
+  0.1 %), and avoids its undercount for tied models, where the lm_head matmul still runs.
+- Attention FLOPs follow PaLM (arXiv 2204.02311, appendix B) and torchtitan
+  (`get_dense_model_nparams_and_flops`): QK^T and AV cost `4 * L * H * Q` per token per key,
+  with every query charged for all `T` keys (no causal halving) unless `causal=True` is asked for.
+
+Pure Python: no torch import, so planners and reports can use it without a runtime.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # only for annotations: importing slipstream.model would pull in torch
+    from slipstream.model.config import ModelConfig
+
+_BYTES_PER_ELEMENT = {
+    "float64": 8, "fp64": 8,
+    "float32": 4, "fp32": 4, "tf32": 4,
+    "bfloat16": 2, "bf16": 2,
+    "float16": 2, "fp16": 2, "half": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1,
+    "int8": 1, "uint8": 1,
+}
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of `dtype`: a name ("bfloat16", "bf16", ...) or a `torch.dtype`."""
+    name = str(dtype).removeprefix("torch.").lower()
+    if name not in _BYTES_PER_ELEMENT:
+        raise ValueError(
+            f"unknown dtype {dtype!r}; known: {', '.join(sorted(_BYTES_PER_ELEMENT))}"
+        )
+    return _BYTES_PER_ELEMENT[name]
+
+
+def embedding_params(config: ModelConfig) -> int:
+    """Parameters of the input embedding table: `vocab_size * hidden_size`."""
+    return config.vocab_size * config.hidden_size
+
+
+def _attention_matmul_params(config: ModelConfig) -> int:
+    d, q = config.hidden_size, config.head_dim
+    q_out = config.num_attention_heads * q
+    kv_out = config.num_key_value_heads * q
+    return d * q_out + 2 * d * kv_out + q_out * d  # q, k, v, o projections
+
+
+def _layer_params(config: ModelConfig) -> int:
+    d, q, i = config.hidden_size, config.head_dim, config.intermediate_size
+    n = _attention_matmul_params(config) + 3 * d * i  # + gate, up, down
+    if config.qkv_bias:
+        n += (config.num_attention_heads + 2 * config.num_key_value_heads) * q
+    if config.o_bias:
+        n += d
+    if config.mlp_bias:
+        n += 2 * i + d
+    if config.qk_norm:
+        n += 2 * q  # per-head q and k RMSNorm weights, shared across heads
+    return n + 2 * d  # input_layernorm, post_attention_layernorm
+
+
+def num_params(config: ModelConfig, *, include_embedding: bool = True) -> int:
+    """Exact parameter count, equal to `sum(p.numel() for p in model.parameters())`.
+
+    Counts every weight of the Hugging Face model of this family: biases, qwen3's q/k norms, the
+    final norm, and the lm_head once when it is not tied (a tied lm_head is the embedding matrix
+    and is counted once). `include_embedding=False` follows torchtitan's convention: the total
+    minus the input embedding table. An untied lm_head is then non-embedding; a tied one is the
+    embedding table and is excluded with it.
+    """
+    embedding = embedding_params(config)
+    total = embedding + config.num_hidden_layers * _layer_params(config) + config.hidden_size
+    if not config.tie_word_embeddings:
+        total += embedding  # lm_head
+    return total if include_embedding else total - embedding
+
+
+def matmul_params(config: ModelConfig) -> int:
+    """Weights that take part in a matmul for each token: all linear layers and the lm_head.
+
+    The lm_head counts also when it is tied to the embedding (the logits matmul runs either
+    way); the embedding lookup itself is a gather, not a matmul, and norms and biases are
+    elementwise, so none of those count.
+    """
+    d, i = config.hidden_size, config.intermediate_size
+    per_layer = _attention_matmul_params(config) + 3 * d * i
+    return config.num_hidden_layers * per_layer + embedding_params(config)
+
+
+def mean_keys_per_query(config: ModelConfig, seq_len: int) -> float:
+    """Mean number of keys a query attends to over a causal sequence of `seq_len` tokens.
+
+    Query i (1-based) sees min(i, window) keys, where window is Mistral's `sliding_window`
+    (unbounded otherwise): (T + 1) / 2 without a window.
+    """
+    _check_non_negative("seq_len", seq_len)
+    if seq_len == 0:
+        return 0.0
+    window = config.sliding_window or seq_len
+    w = min(window, seq_len)
+    total = w * (w + 1) // 2 + (seq_len - w) * w  # ramp up to w, then w keys each
+    return total / seq_len
+
+
+def attention_flops_per_token(
+    config: ModelConfig, context_len: int, *, causal: bool = False
+) -> float:
+    """QK^T and AV FLOPs per token: `4 * L * H * Q * keys` (2 matmuls, 2 FLOPs per MAC).
+
+    `causal=False` (PaLM / torchtitan convention): keys = `context_len`, every query is charged
+    for the whole context and masks are ignored. It is also the exact cost of one decode token
+    that attends `context_len` cached positions (with a sliding window, pass
+    `min(context_len, sliding_window)`). `causal=True`: keys = the mean over a sequence
+    of `context_len` tokens of the keys each query really attends to under the causal mask and
+    the sliding window, `mean_keys_per_query` (about half).
+    """
+    _check_non_negative("context_len", context_len)
+    keys = mean_keys_per_query(config, context_len) if causal else context_len
+    return 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * keys
+
+
+def forward_flops_per_token(
+    config: ModelConfig, context_len: int, *, causal: bool = False
+) -> float:
+    """Forward FLOPs per token: `2 * matmul_params + attention_flops_per_token(context_len)`.
+
+    Elementwise work (norms, activations, softmax, RoPE) is not counted, as in PaLM appendix B.
+    For a sequence of T tokens pass `context_len=T`; see `attention_flops_per_token` for
+    `causal`.
+    """
+    return 2 * matmul_params(config) + attention_flops_per_token(config, context_len, causal=causal)
+
+
+def train_flops_per_token(config: ModelConfig, seq_len: int, *, causal: bool = False) -> float:
+    """Training FLOPs per token: 3x the forward, `6 * N + 12 * L * H * Q * T`.
+
+    The backward pass costs twice the forward (Transformer Math 101; PaLM appendix B;
+    nanoGPT `estimate_mfu`; torchtitan `get_dense_model_nparams_and_flops`). N is
+    `matmul_params` (see the module docstring), T is `seq_len`, the training sequence length.
+    Activation recomputation is not counted (this is MFU, not HFU). `causal=False` is the
+    PaLM/torchtitan convention; `causal=True` charges each query only the keys it attends to.
+    """
+    return 3 * forward_flops_per_token(config, seq_len, causal=causal)
+
+
+def weight_bytes(config: ModelConfig, dtype: Any = None) -> int:
+    """Bytes of all parameters (a tied lm_head once) in `dtype` (default: `config.dtype`)."""
+    return num_params(config) * dtype_bytes(config.dtype if dtype is None else dtype)
+
+
+def kv_cache_bytes_per_token(config: ModelConfig, dtype: Any = None) -> int:
+    """KV cache bytes per token: `2 * L * kv_heads * head_dim * bytes` (K and V, all layers).
+
+    Source: Scaling Book `inference.md` ("2 * bytes * H * K * L * T"); `dtype` defaults to
+    `config.dtype`.
+    """
+    per_layer = 2 * config.num_key_value_heads * config.head_dim  # K and V
+    element_bytes = dtype_bytes(config.dtype if dtype is None else dtype)
+    return config.num_hidden_layers * per_layer * element_bytes
+
+
+def decode_bytes_per_step(
+    config: ModelConfig, dtype: Any, batch_size: int, context_len: int
+) -> int:
+    """Bytes read from memory by one decode step of `batch_size` sequences (a roofline bound).
+
+    Every weight is read once, except the input embedding table, of which only the `batch_size`
+    gathered rows are read (a tied table is read in full anyway, by the lm_head). Each sequence
+    reads its KV cache: `context_len` positions (the cache length including the new token),
+    capped at Mistral's sliding window. Activations and the new token's KV write are not counted
+    (both are O(batch * hidden), small next to the weights). Scaling Book `inference.md`.
+    """
+    _check_non_negative("batch_size", batch_size)
+    _check_non_negative("context_len", context_len)
+    element_bytes = dtype_bytes(config.dtype if dtype is None else dtype)
+    weights = num_params(config)
+    if not config.tie_word_embeddings:
+        weights -= embedding_params(config)
+    gathered_rows = batch_size * config.hidden_size
+    kv_positions = min(context_len, config.sliding_window or context_len)
+    kv = batch_size * kv_positions * kv_cache_bytes_per_token(config, dtype)
+    return (weights + gathered_rows) * element_bytes + kv
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_per_s: float) -> float:
+    """Model FLOPs utilization: `tokens_per_s * flops_per_token / peak_flops_per_s` (0..1)."""
+    if not peak_flops_per_s > 0:
+        raise ValueError(f"peak_flops_per_s must be > 0, got {peak_flops_per_s}")
+    return tokens_per_s * flops_per_token / peak_flops_per_s
+
+
+def mbu(steps_per_s: float, bytes_per_step: float, peak_bytes_per_s: float) -> float:
+    """Memory bandwidth utilization: `steps_per_s * bytes_per_step / peak_bytes_per_s` (0..1)."""
+    if not peak_bytes_per_s > 0:
+        raise ValueError(f"peak_bytes_per_s must be > 0, got {peak_bytes_per_s}")
+    return steps_per_s * bytes_per_step / peak_bytes_per_s
+
+
+def _check_non_negative(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")

@@ -1,0 +1,46 @@
+"""The `slipstream` command as a user runs it: the README's main job and calibration."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One cache (calibration, tokenizers) shared by the tests here, isolated from the user's."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def _run(*args: str, cache_dir) -> subprocess.CompletedProcess:
+    env = os.environ | {"XDG_CACHE_HOME": str(cache_dir)}
+    return subprocess.run([sys.executable, "-m", "slipstream.cli", *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_demo_reports_a_sane_forward_pass(tmp_path, cache_dir):
+    """`slipstream demo` (the README's main job) creates the tiny model and reports a loss near
+    ln(vocab) for random weights, positive throughput and an MFU between 0 and 1."""
+    result = _run("demo", "--workdir", str(tmp_path / "demo"), cache_dir=cache_dir)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert abs(report["float32_loss"] - math.log(report["vocab_size"])) < 1.0
+    for dtype in ("float32", "bfloat16"):
+        assert report[f"{dtype}_tokens_per_s"] > 0
+        assert 0 < report[f"{dtype}_mfu"] < 1
+
+
+def test_perf_calibrate_json_and_table(cache_dir):
+    """`slipstream perf calibrate --json` prints a record with a peak per dtype and a bandwidth;
+    the second call (table form) reads the cache."""
+    result = _run("perf", "calibrate", "--json", cache_dir=cache_dir)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["matmul_flops_per_s"]["fp32"] and record["memory_bandwidth_bytes_per_s"] > 0
+    table = _run("perf", "calibrate", cache_dir=cache_dir)
+    assert "matmul GFLOP/s" in table.stdout and "memory read" in table.stdout

@@ -1,0 +1,151 @@
+"""Accelerator table and local calibration of `slipstream.perf.hardware`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+import torch
+
+from slipstream.perf.hardware import (
+    ACCELERATORS,
+    DTYPE_KEYS,
+    Accelerator,
+    Calibration,
+    cache_dir,
+    calibrate,
+    dtype_key,
+    get_accelerator,
+)
+
+_FIELDS = ("peak_flops_per_s", "memory_bandwidth_bytes_per_s", "memory_bytes")
+
+
+@pytest.mark.parametrize("name", ACCELERATORS)
+def test_every_field_has_a_source(name):
+    """Guards provenance: every numeric field of every entry names a public document."""
+    accelerator = ACCELERATORS[name]
+    for field in _FIELDS:
+        source = accelerator.sources[field]
+        assert "http" in source and len(source) > 20, (name, field, source)
+    assert set(accelerator.peak_flops_per_s) <= set(DTYPE_KEYS)
+    assert all(v > 0 for v in accelerator.peak_flops_per_s.values())
+    assert accelerator.memory_bandwidth_bytes_per_s > 0 and accelerator.memory_bytes > 0
+
+
+def test_dense_bf16_peaks_are_dense():
+    """Guards against sparse datasheet figures leaking in as dense peaks (a 2x MFU error)."""
+    expected = {"A100 SXM 80GB": 312e12, "H100 SXM": 989e12, "H200": 989e12, "B200": 2.25e15,
+                "MI300X": 1307e12}
+    for name, peak in expected.items():
+        assert get_accelerator(name).peak_flops("bf16") == pytest.approx(peak, rel=1e-3)
+    for accelerator in ACCELERATORS.values():
+        peaks = accelerator.peak_flops_per_s
+        assert peaks["fp16"] == peaks["bf16"]
+        assert peaks["tf32"] == pytest.approx(peaks["bf16"] / 2, rel=0.03)
+        assert peaks["fp32"] < peaks["tf32"]
+        if "fp8" in peaks:
+            assert peaks["fp8"] == pytest.approx(2 * peaks["bf16"], rel=1e-3)
+        assert 100 < accelerator.ridge_flops_per_byte("bf16") < 400  # FLOPs per byte
+
+
+def test_memory_values():
+    """Guards the HBM capacity and bandwidth of the table against the datasheet values."""
+    assert get_accelerator("a100").memory_bandwidth_bytes_per_s == 2.039e12
+    assert get_accelerator("h100").memory_bandwidth_bytes_per_s == 3.35e12
+    assert get_accelerator("h200").memory_bytes == 141e9
+    assert get_accelerator("mi300x").memory_bytes == 192e9
+
+
+def test_get_accelerator_names_and_aliases():
+    """Guards lookup: case-insensitive, aliases, and torch.cuda device names."""
+    assert get_accelerator("h100 sxm") is ACCELERATORS["H100 SXM"]
+    assert get_accelerator("H100_SXM") is ACCELERATORS["H100 SXM"]
+    assert get_accelerator("NVIDIA H100 80GB HBM3") is ACCELERATORS["H100 SXM"]
+    assert get_accelerator("NVIDIA A100-SXM4-80GB") is ACCELERATORS["A100 SXM 80GB"]
+    assert get_accelerator("AMD Instinct MI300X") is ACCELERATORS["MI300X"]
+    assert get_accelerator("b200") is ACCELERATORS["B200"]
+
+
+def test_unknown_accelerator_raises_listing_known():
+    """Guards against a silent fallback peak (torchtitan's 563 % MFU on an unknown part)."""
+    with pytest.raises(ValueError, match="known: .*H100 SXM"):
+        get_accelerator("NVIDIA H100 PCIe")
+
+
+def test_missing_dtype_and_missing_source_raise():
+    """Guards that a peak the part lacks (A100 fp8) and an unsourced entry are errors."""
+    with pytest.raises(ValueError, match="no fp8"):
+        get_accelerator("a100").peak_flops(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="no source"):
+        Accelerator(name="x", peak_flops_per_s={"bf16": 1.0}, memory_bandwidth_bytes_per_s=1.0,
+                    memory_bytes=1, sources={})
+    with pytest.raises(ValueError, match="unknown dtype"):
+        dtype_key("float7")
+    assert dtype_key(torch.bfloat16) == dtype_key("bfloat16") == "bf16"
+
+
+@pytest.fixture(scope="module")
+def quick_calibration(tmp_path_factory):
+    """One quick CPU calibration into a temporary cache, shared by the tests below."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        start_s = time.perf_counter()
+        result = calibrate(quick=True, device="cpu")
+        first_s = time.perf_counter() - start_s
+        start_s = time.perf_counter()
+        again = calibrate(quick=True, device="cpu")
+        second_s = time.perf_counter() - start_s
+        files = list(cache_dir().glob("*.json"))
+    return result, again, first_s, second_s, files
+
+
+def test_calibrate_measures_this_cpu(quick_calibration):
+    """Guards that calibration measures positive fp32/bf16 peaks and memory bandwidth."""
+    result, _, first_s, _, _ = quick_calibration
+    print(result.format())
+    assert result.device == "cpu" and result.num_threads == torch.get_num_threads()
+    assert result.peak_flops("float32") > 1e9
+    assert result.peak_flops("float32") == max(result.matmul_flops_per_s["fp32"].values())
+    assert result.memory_bandwidth_bytes_per_s == result.memory_read_bytes_per_s > 1e9
+    assert result.memory_copy_bytes_per_s > 1e9
+    for dtype, path in result.best_paths.items():
+        assert result.peak_flops(dtype) == result.matmul_flops_per_s[dtype][path]
+    assert first_s < 20
+
+
+def test_calibration_cache_round_trips(quick_calibration):
+    """Guards the cache: a second call loads the same record from XDG_CACHE_HOME, fast."""
+    result, again, first_s, second_s, files = quick_calibration
+    print(f"first call {first_s:.2f} s, cached call {second_s:.3f} s")
+    assert again == result
+    assert len(files) == 1 and "quick" in files[0].name
+    assert second_s < 0.5
+
+
+def test_calibration_dict_round_trip_and_format(quick_calibration):
+    """Guards to_dict/from_dict (through JSON), the derived keys, and the CLI table."""
+    result = quick_calibration[0]
+    d = json.loads(json.dumps(result.to_dict()))
+    assert d["best_paths"] == result.best_paths
+    assert Calibration.from_dict(d) == result
+    with pytest.raises(ValueError, match="unknown keys"):
+        Calibration.from_dict(d | {"bogus": 1})
+    text = result.format()
+    assert "fp32" in text and "GB/s" in text and str(result) == text
+    with pytest.raises(ValueError, match="no fp8 matmul"):
+        result.peak_flops("fp8")
+
+
+def test_corrupt_cache_is_remeasured(tmp_path, monkeypatch):
+    """Guards that an unreadable cache file is replaced by a fresh measurement, not an error."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = calibrate(quick=True, device="cpu")
+    (path,) = cache_dir().glob("*.json")
+    path.write_text("{not json")
+    second = calibrate(quick=True, device="cpu")
+    assert dataclasses.asdict(second).keys() == dataclasses.asdict(first).keys()
+    assert Calibration.from_dict(json.loads(path.read_text())) == second
+    assert calibrate(quick=True, device="cpu", force=True) != second  # measured again

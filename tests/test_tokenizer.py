@@ -1,0 +1,404 @@
+"""Tokenizer: transformers parity (encode, decode, chat template), streaming decode, training."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jinja2
+import pytest
+import tokenizers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from slipstream.corpus import stdlib_files
+from slipstream.model.tokenizer import IncrementalDetokenizer, Tokenizer, train_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB_SIZE = 2048
+
+TEXTS = [
+    "def main(argv):\n    for i in range(10):\n        print(i)  # loop\n\n\n",
+    "class Foo(Bar):\n\t\"\"\"Docstring.\"\"\"\n\tx: int = 0x1F\n",
+    "héllo wörld, naïve café — ünïcödé",
+    "emoji 😀🚀 family 👨\u200d👩\u200d👧 flags 🇯🇵",
+    "中文字符和日本語のテキスト、한국어",
+    "   leading, trailing   \t\t\r\n   \n\n\n        ",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+    "x<|endoftext|>y<|im_start|>",
+    "12345678901234567890 3.14159 1e-10",
+    "",
+    " ",
+]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello!"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "and 中文 😀?\n\n  spaces  "},
+    ],
+    [{"role": "user", "content": ""}, {"role": "assistant", "content": "<|im_end|> inside"}],
+]
+
+LLAMA3_STYLE_TEMPLATE = """{{- bos_token }}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] | trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if tools is not none %}
+    {{- "Year: " + strftime_now("%Y") + "\\n" }}
+    {%- for tool in tools %}
+        {{- tool | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+{%- endif %}
+{% if date_string is defined %}
+    Today: {{ date_string }}
+{% endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{% for message in messages %}
+    {% if message['role'] == 'note' %}
+        {% continue %}
+    {% endif %}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{- raise_exception('Conversation roles must alternate user/assistant/...') }}
+    {%- endif %}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}
+    {{- message['content'] | trim + '<|eot_id|>' }}
+    {% if loop.index >= 4 %}
+        {% break %}
+    {% endif %}
+{% endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+
+LLAMA3_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Wetter für eine Stadt <b>now</b>",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    # Every 40th stdlib file (~0.6 MB) trains in well under a second.
+    return train_tokenizer(stdlib_files()[::40], VOCAB_SIZE, model_max_length=4096)
+
+
+@pytest.fixture(scope="session")
+def saved_dir(tokenizer, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("chatml_tokenizer")
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(saved_dir):
+    return transformers.AutoTokenizer.from_pretrained(saved_dir)
+
+
+@pytest.fixture(scope="session")
+def llama3_dir(saved_dir, tmp_path_factory) -> Path:
+    """A model dir with Llama-3-style special tokens and template, written by hand as HF would."""
+    path = tmp_path_factory.mktemp("llama3_style")
+    backend = tokenizers.Tokenizer.from_file(str(saved_dir / "tokenizer.json"))
+    backend.add_special_tokens(LLAMA3_TOKENS)
+    backend.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": {"__type": "AddedToken", "content": "<|begin_of_text|>", "special": True},
+        "eos_token": "<|eot_id|>",
+        "chat_template": LLAMA3_STYLE_TEMPLATE,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_encode_matches_transformers(tokenizer, hf_tokenizer):
+    """Our ids equal AutoTokenizer's on code, unicode, emoji, CJK, whitespace and special tokens."""
+    for text in TEXTS:
+        for add_special_tokens in (True, False):
+            expected = hf_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            assert tokenizer.encode(text, add_special_tokens=add_special_tokens) == expected, text
+    assert tokenizer.encode_batch(TEXTS) == [hf_tokenizer.encode(text) for text in TEXTS]
+
+
+def test_decode_matches_transformers(tokenizer, hf_tokenizer):
+    """decode equals AutoTokenizer.decode with and without skipping special tokens."""
+    for text in TEXTS:
+        ids = hf_tokenizer.encode(text)
+        assert tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+        assert tokenizer.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids)
+        assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_special_tokens_and_vocab(tokenizer, hf_tokenizer):
+    """ChatML special ids are 0, 1, 2; eos/pad/vocab size agree with transformers."""
+    assert tokenizer.vocab_size == len(hf_tokenizer) == VOCAB_SIZE
+    assert [tokenizer.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [
+        0, 1, 2,
+    ]
+    assert tokenizer.eos_token_id == hf_tokenizer.eos_token_id == 0
+    assert tokenizer.pad_token_id == hf_tokenizer.pad_token_id == 0
+    assert tokenizer.bos_token_id is None and hf_tokenizer.bos_token_id is None
+    assert tokenizer.eos_token_ids == (0, 2)
+    assert tokenizer.id_to_token(2) == "<|im_end|>"
+    assert tokenizer.id_to_token(VOCAB_SIZE) is None
+    assert hf_tokenizer.model_max_length == tokenizer.model_max_length == 4096
+
+
+def test_from_pretrained_roundtrip_and_generation_config(tokenizer, saved_dir, tmp_path):
+    """A saved tokenizer reloads identically, and generation_config.json eos ids are merged in."""
+    shutil.copytree(saved_dir, tmp_path, dirs_exist_ok=True)
+    loaded = Tokenizer.from_pretrained(tmp_path)
+    assert loaded.encode_batch(TEXTS) == tokenizer.encode_batch(TEXTS)
+    assert loaded.chat_template == tokenizer.chat_template
+    assert loaded.eos_token_ids == (0,)  # <|im_end|> needs generation_config.json
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+    assert Tokenizer.from_pretrained(tmp_path).eos_token_ids == (0, 2)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert Tokenizer.from_pretrained(tmp_path).eos_token_ids == (0, 2)
+
+
+def test_save_is_byte_identical(tokenizer, saved_dir, tmp_path):
+    """Saving a loaded tokenizer again reproduces tokenizer.json and tokenizer_config.json."""
+    Tokenizer.from_pretrained(saved_dir).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / name).read_bytes() == (saved_dir / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [False, True])
+def test_chatml_template_matches_transformers(
+    tokenizer, hf_tokenizer, conversation, add_generation_prompt
+):
+    """The trained ChatML template renders and tokenizes exactly as transformers does."""
+    kwargs = {"add_generation_prompt": add_generation_prompt}
+    expected = hf_tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
+    assert tokenizer.apply_chat_template(conversation, **kwargs) == expected
+    expected_ids = hf_tokenizer.apply_chat_template(
+        conversation, tokenize=True, return_dict=False, **kwargs
+    )
+    assert tokenizer.apply_chat_template(conversation, tokenize=True, **kwargs) == expected_ids
+
+
+def test_chatml_template_format(tokenizer):
+    """The ChatML layout is what the serving and SFT code will rely on."""
+    rendered = tokenizer.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True)
+    assert rendered == "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize(
+    "conversation",
+    [
+        CONVERSATIONS[0],
+        CONVERSATIONS[1],
+        CONVERSATIONS[1] + [{"role": "note", "content": "skipped by continue"}],
+        [{"role": "user", "content": f"turn {i}"} if i % 2 == 0 else
+         {"role": "assistant", "content": f"  reply {i}  "} for i in range(7)],  # hits break
+    ],
+)
+@pytest.mark.parametrize("add_generation_prompt", [False, True])
+@pytest.mark.parametrize("extra", [{}, {"tools": TOOLS}, {"date_string": "26 Jul 2024"}])
+def test_llama3_style_template_matches_transformers(
+    llama3_dir, conversation, add_generation_prompt, extra
+):
+    """bos_token, trim/lstrip blocks, loop controls, tojson(indent), strftime_now, tools, kwargs."""
+    ours = Tokenizer.from_pretrained(llama3_dir)
+    hf = transformers.AutoTokenizer.from_pretrained(llama3_dir)
+    kwargs = {"add_generation_prompt": add_generation_prompt, **extra}
+    expected = hf.apply_chat_template(conversation, tokenize=False, **kwargs)
+    assert ours.apply_chat_template(conversation, **kwargs) == expected
+    assert expected.startswith("<|begin_of_text|>")
+    ids = ours.apply_chat_template(conversation, tokenize=True, **kwargs)
+    assert ids == hf.apply_chat_template(conversation, tokenize=True, return_dict=False, **kwargs)
+    assert ids[0] == ours.bos_token_id == hf.bos_token_id
+
+
+def test_template_raise_exception(llama3_dir):
+    """raise_exception in a template surfaces as a jinja2 TemplateError, as in transformers."""
+    ours = Tokenizer.from_pretrained(llama3_dir)
+    bad = [{"role": "assistant", "content": "I speak first"}]
+    with pytest.raises(jinja2.TemplateError, match="must alternate"):
+        ours.apply_chat_template(bad)
+
+
+def test_template_files_and_named_templates(saved_dir, tmp_path):
+    """chat_template.jinja overrides the config; a list of named templates uses default/tool_use."""
+    shutil.copy(saved_dir / "tokenizer.json", tmp_path)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "chat_template": [
+            {"name": "default", "template": "D{% for m in messages %}{{ m.content }}{% endfor %}"},
+            {"name": "tool_use", "template": "T{{ tools | tojson }}{{ messages[0].content }}"},
+        ],
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ours = Tokenizer.from_pretrained(tmp_path)
+    messages = [{"role": "user", "content": "ü"}]
+    for tools in (None, TOOLS):
+        expected = hf.apply_chat_template(messages, tools=tools, tokenize=False)
+        assert ours.apply_chat_template(messages, tools=tools) == expected
+    (tmp_path / "chat_template.jinja").write_text("J{{ messages | length }}{{ eos_token }}")
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ours = Tokenizer.from_pretrained(tmp_path)
+    expected = hf.apply_chat_template(messages, tokenize=False)
+    assert ours.apply_chat_template(messages) == expected == "J1<|endoftext|>"
+
+
+def test_generation_tag_and_reasoning_fields(saved_dir, tmp_path):
+    """{% generation %} blocks parse, and reasoning fields are aliased as transformers 5 does."""
+    shutil.copy(saved_dir / "tokenizer.json", tmp_path)
+    template = (
+        "{% for m in messages %}{{ m.role }}:{% if m.reasoning_content is defined %}"
+        "<think>{{ m.reasoning_content }}|{{ m.thinking }}</think>{% endif %}"
+        "{% generation %}{{ m.content }}{% endgeneration %}\n{% endfor %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ours = Tokenizer.from_pretrained(tmp_path)
+    messages = [
+        {"role": "user", "content": "q", "reasoning_content": None},
+        {"role": "assistant", "content": "a", "reasoning": "because"},
+    ]
+    expected = hf.apply_chat_template(messages, tokenize=False)
+    assert ours.apply_chat_template(messages) == expected  # trim_blocks eats the newlines
+    assert expected == "user:qassistant:<think>because|because</think>a"
+
+
+def _stream(tokenizer, ids, prompt_ids=(), skip_special_tokens=True) -> list[str]:
+    detokenizer = tokenizer.detokenizer(prompt_ids, skip_special_tokens=skip_special_tokens)
+    deltas = [detokenizer.push(token_id) for token_id in ids]
+    return deltas + [detokenizer.flush()]
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ids=st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=40), skip=st.booleans())
+def test_detokenizer_random_ids_concatenate_to_decode(tokenizer, ids, skip):
+    """For any id sequence (split characters, specials) the deltas join to decode(ids)."""
+    deltas = _stream(tokenizer, ids, skip_special_tokens=skip)
+    full_text = tokenizer.decode(ids, skip_special_tokens=skip)
+    assert "".join(deltas) == full_text
+    if "\ufffd" not in full_text:
+        assert not any("\ufffd" in delta for delta in deltas)
+
+
+@pytest.mark.parametrize("text", TEXTS + ["ÿ€😀中" * 20])
+def test_detokenizer_multibyte_text(tokenizer, text):
+    """Real text streams as valid UTF-8: no U+FFFD ever, and the deltas join to the text."""
+    ids = tokenizer.encode(text)
+    deltas = _stream(tokenizer, ids)
+    assert "".join(deltas) == tokenizer.decode(ids)
+    assert not any("\ufffd" in delta for delta in deltas)
+
+
+def test_detokenizer_after_prompt(tokenizer):
+    """With prompt ids, the deltas are exactly the text the generated ids add to the prompt."""
+    prompt_ids = tokenizer.encode("<|im_start|>user\nSay 😀 in 中文<|im_end|>\n")
+    generated_ids = tokenizer.encode("<|im_start|>assistant\n😀 是 emoji。<|im_end|>")
+    deltas = _stream(tokenizer, generated_ids, prompt_ids)
+    prompt_text = tokenizer.decode(prompt_ids)
+    assert "".join(deltas) == tokenizer.decode(prompt_ids + generated_ids)[len(prompt_text):]
+    assert "".join(deltas) == "assistant\n😀 是 emoji。"
+
+
+class _CountingTokenizer:
+    """Wraps a Tokenizer and records how many ids each decode call received."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.decoded_lengths: list[int] = []
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decoded_lengths.append(len(ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_detokenizer_cost_does_not_grow(tokenizer):
+    """Each push decodes a short window, not the whole sequence so far."""
+    ids = tokenizer.encode(Path(stdlib_files()[0]).read_text() * 3 + "😀中文" * 200)
+    assert len(ids) > 1000
+    counting = _CountingTokenizer(tokenizer)
+    detokenizer = IncrementalDetokenizer(counting, ids[:50])
+    text = "".join(detokenizer.push(token_id) for token_id in ids[50:]) + detokenizer.flush()
+    assert text == tokenizer.decode(ids)[len(tokenizer.decode(ids[:50])):]
+    assert max(counting.decoded_lengths) <= 16
+
+
+def test_missing_and_corrupt_files(saved_dir, tmp_path):
+    """Missing tokenizer.json is FileNotFoundError and corrupt JSON ValueError, naming the file."""
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        Tokenizer.from_pretrained(tmp_path)
+    shutil.copy(saved_dir / "tokenizer.json", tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": ')
+    with pytest.raises(ValueError, match="tokenizer_config.json"):
+        Tokenizer.from_pretrained(tmp_path)
+
+
+def test_no_chat_template(saved_dir, tmp_path):
+    """A tokenizer without a chat template refuses apply_chat_template with a clear message."""
+    shutil.copy(saved_dir / "tokenizer.json", tmp_path)
+    tokenizer = Tokenizer.from_pretrained(tmp_path)
+    assert tokenizer.chat_template is None and tokenizer.eos_token_ids == ()
+    with pytest.raises(ValueError, match="no chat template"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ([], "non-empty list"),
+        ("hello", "non-empty list"),
+        ([{"role": "user", "content": "ok"}, "not a dict"], r"messages\[1\]"),
+        ([{"role": "user"}], r"messages\[0\]"),
+        ([{"content": "no role"}], r"messages\[0\]"),
+        ([{"role": 3, "content": "x"}], r"messages\[0\]"),
+        ([{"role": "user", "content": [{"type": "text", "text": "x"}]}], r"messages\[0\]"),
+    ],
+)
+def test_malformed_messages(tokenizer, messages, match):
+    """Malformed messages are a ValueError naming the offending message."""
+    with pytest.raises(ValueError, match=match):
+        tokenizer.apply_chat_template(messages)
+
+
+def test_train_is_deterministic(tmp_path):
+    """Two trainings on the same files give a byte-identical tokenizer.json."""
+    files = stdlib_files()[5::97]
+    first = train_tokenizer(files, 600)
+    second = train_tokenizer(files, 600)
+    first.save_pretrained(tmp_path / "a")
+    second.save_pretrained(tmp_path / "b")
+    first_json = (tmp_path / "a/tokenizer.json").read_bytes()
+    assert first_json == (tmp_path / "b/tokenizer.json").read_bytes()
+    assert first.vocab_size == 600
+
+
+def test_train_rejects_tiny_vocab():
+    """A vocabulary smaller than the 256 bytes plus specials is a user error."""
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_tokenizer(stdlib_files()[:2], 100)
