@@ -1,0 +1,21 @@
+"""slipstream: serve, train and measure large language models on PyTorch.
+
+`LLM`, `SamplingParams` and `RequestOutput` are importable from here; they load on first use, so
+that torch-free parts (the scheduler, the performance model) stay importable without torch.
+"""
+
+import importlib
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+
+_EXPORTS = {
+    "LLM": "slipstream.serve.llm",
+    "RequestOutput": "slipstream.serve.request",
+    "SamplingParams": "slipstream.serve.request",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'slipstream' has no attribute {name!r}")

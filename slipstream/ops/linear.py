@@ -1,0 +1,67 @@
+"""Fast inference linear layers, applied to a finished model as a function.
+
+On x86 CPUs PyTorch's default fp32 GEMM path runs at less than half the speed oneDNN reaches on
+the same shapes (on the AMD EPYC development machine: ~210 vs ~490 GFLOP/s for fp32, and a batch-1
+GEMV streams its weights at 18 vs 36 GB/s). `pack_linears(model)` replaces every `nn.Linear` with a
+`PackedLinear` that keeps its weight pre-packed in oneDNN's blocked layout and calls oneDNN's
+linear directly, as vLLM's CPU backend does. The math is unchanged (y = x W^T + b, up to
+summation order); `nn.Linear` stays the tested fallback wherever oneDNN is not available.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+_PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class PackedLinear(nn.Module):
+    """Inference-only linear layer over a oneDNN pre-packed weight."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight = linear.weight.detach()
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.dtype = weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN packed"
+
+
+def can_pack(model: nn.Module) -> bool:
+    """Whether oneDNN packing applies: CPU weights in fp32 or bf16 and oneDNN built in."""
+    param = next(model.parameters())
+    return (
+        param.device.type == "cpu"
+        and param.dtype in _PACKABLE_DTYPES
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+@torch.no_grad()
+def pack_linears(model: nn.Module) -> nn.Module:
+    """Replace every `nn.Linear` of `model` (in place) with a `PackedLinear`; returns the model.
+
+    The model is for inference afterwards: packed weights take no gradients. A tied lm_head gets
+    its own packed copy; the embedding table stays as it is for the lookup.
+    """
+    if not can_pack(model):
+        logger.info("oneDNN linear packing does not apply here; keeping nn.Linear")
+        return model
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, linear in targets:
+        parent_name, _, child_name = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child_name, PackedLinear(linear))
+    logger.info("packed %d linear layers for oneDNN", len(targets))
+    return model

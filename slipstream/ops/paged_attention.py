@@ -1,0 +1,175 @@
+"""Paged attention: keys and values live in fixed-size blocks addressed through block tables.
+
+A batch is a flat run of tokens from several sequences. Sequence i contributes `query_lens[i]`
+new tokens at the end of its `seq_lens[i]` tokens; its keys and values (new and earlier ones)
+are in the blocks of its block table, token t at slot
+`block_table[t // block_size] * block_size + t % block_size` of the cache.
+
+`write_kv` stores the new tokens' keys and values. `paged_attention` attends every new token to
+its sequence's keys up to its own position (causal, optionally within a sliding window): one
+batched computation for all single-token (decode) sequences, and one SDPA call per multi-token
+(prefill) chunk. The tests check it against dense attention over unpaged keys.
+
+Layout legend: N new tokens in the batch, H query heads, K kv heads, D head dim, P blocks,
+S block size, B decoding sequences, L keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from slipstream.ops.attention import causal_mask
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrefillChunk:
+    token_start: int  # first row of this chunk in the flat batch
+    num_tokens: int  # new tokens
+    seq_len: int  # all tokens of the sequence, the new ones included
+    block_table: torch.Tensor  # (num_blocks,) int64
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PagedBatch:
+    """Per-step layout of a flat batch over the paged cache, built once and used by every layer."""
+
+    slot_mapping: torch.Tensor  # (N,) int64: cache slot of each new token
+    block_size: int
+    sliding_window: int | None
+    prefills: list[PrefillChunk]
+    decode_token_rows: torch.Tensor  # (B,) int64: flat-batch row of each decode token
+    decode_block_tables: torch.Tensor  # (B, max_blocks) int64, padded with block 0
+    decode_seq_lens: torch.Tensor  # (B,) int64
+    decode_max_len: int
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        seq_lens: Sequence[int],
+        query_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        sliding_window: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> PagedBatch:
+        """Layout for sequences given in batch order (their new tokens are consecutive)."""
+        slots, prefills = [], []
+        decode_rows, decode_tables, decode_lens = [], [], []
+        token_start = 0
+        for seq_len, query_len, table in zip(seq_lens, query_lens, block_tables, strict=True):
+            for position in range(seq_len - query_len, seq_len):
+                slots.append(table[position // block_size] * block_size + position % block_size)
+            num_blocks = -(-seq_len // block_size)
+            if query_len == 1:
+                decode_rows.append(token_start)
+                decode_tables.append(table[:num_blocks])
+                decode_lens.append(seq_len)
+            else:
+                prefills.append(PrefillChunk(
+                    token_start=token_start, num_tokens=query_len, seq_len=seq_len,
+                    block_table=torch.tensor(table[:num_blocks], device=device),
+                ))
+            token_start += query_len
+        max_blocks = max((len(t) for t in decode_tables), default=0)
+        padded = [list(t) + [0] * (max_blocks - len(t)) for t in decode_tables]
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_size=block_size,
+            sliding_window=sliding_window,
+            prefills=prefills,
+            decode_token_rows=torch.tensor(decode_rows, dtype=torch.int64, device=device),
+            decode_block_tables=torch.tensor(padded, dtype=torch.int64, device=device).view(
+                len(padded), max_blocks
+            ),
+            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64, device=device),
+            decode_max_len=max(decode_lens, default=0),
+        )
+
+
+def write_kv(
+    k_cache: torch.Tensor,  # (P, S, K, D)
+    v_cache: torch.Tensor,  # (P, S, K, D)
+    k: torch.Tensor,  # (N, K, D)
+    v: torch.Tensor,  # (N, K, D)
+    slot_mapping: torch.Tensor,  # (N,)
+) -> None:
+    """Store the new tokens' keys and values at their slots."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,  # (N, H, D)
+    k_cache: torch.Tensor,  # (P, S, K, D)
+    v_cache: torch.Tensor,  # (P, S, K, D)
+    batch: PagedBatch,
+) -> torch.Tensor:  # (N, H, D)
+    """Attention of each new token over its sequence's cached keys (see the module docstring)."""
+    out = torch.empty_like(q)
+    for chunk in batch.prefills:
+        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        keys = _gather(k_cache, chunk.block_table, chunk.seq_len)  # (L, K, D)
+        values = _gather(v_cache, chunk.block_table, chunk.seq_len)
+        out[rows] = _attend(q[rows], keys, values, batch.sliding_window)
+    if len(batch.decode_token_rows):
+        rows = batch.decode_token_rows
+        out[rows] = _batched_decode(q[rows], k_cache, v_cache, batch)
+    return out
+
+
+def _batched_decode(
+    q: torch.Tensor,  # (B, H, D): one query per decoding sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedBatch,
+) -> torch.Tensor:  # (B, H, D)
+    """All decode queries at once: gather their blocks, mask positions past each length."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    max_len = batch.decode_max_len
+    keys = k_cache[batch.decode_block_tables].flatten(1, 2)[:, :max_len]  # (B, L, K, D)
+    values = v_cache[batch.decode_block_tables].flatten(1, 2)[:, :max_len]
+    positions = torch.arange(max_len, device=q.device)
+    valid = positions[None, :] < batch.decode_seq_lens[:, None]  # (B, L)
+    if batch.sliding_window is not None:
+        valid &= positions[None, :] >= batch.decode_seq_lens[:, None] - batch.sliding_window
+    # Slots past a sequence's end were never written (the cache is not zeroed) and may hold any
+    # bits; a zero weight times a NaN there would still be NaN, so clear them in the copy.
+    values.masked_fill_(~valid[:, :, None, None], 0.0)
+    group = num_heads // num_kv_heads
+    q = q.view(num_seqs, num_kv_heads, group, head_dim)  # (B, K, G, D)
+    scores = torch.einsum("bkgd,blkd->bkgl", q, keys) * head_dim**-0.5  # (B, K, G, L)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, values)  # (B, K, G, D)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """(seq_len, K, D): one sequence's keys or values in position order."""
+    return cache[block_table].flatten(0, 1)[:seq_len]
+
+
+def _attend(
+    q: torch.Tensor,  # (T, H, D): the last T of the sequence's L positions
+    keys: torch.Tensor,  # (L, K, D)
+    values: torch.Tensor,  # (L, K, D)
+    sliding_window: int | None,
+) -> torch.Tensor:  # (T, H, D)
+    num_queries, num_heads = q.shape[0], q.shape[1]
+    num_keys, num_kv_heads = keys.shape[0], keys.shape[1]
+    q, keys, values = (x.transpose(0, 1) for x in (q, keys, values))  # (heads, len, D)
+    if num_kv_heads != num_heads:
+        keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=0)
+        values = values.repeat_interleave(num_heads // num_kv_heads, dim=0)
+    if num_queries == num_keys and (sliding_window is None or num_keys <= sliding_window):
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+    else:
+        mask = causal_mask(num_queries, num_keys, sliding_window=sliding_window, device=q.device)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    return out.transpose(0, 1)

@@ -1,0 +1,348 @@
+"""The serving engine: requests in, a scheduler-runner-sampler step loop, RequestOutputs out.
+
+`Engine.step()` is one iteration of the loop in ../../docs/design.md: the scheduler plans which
+requests advance by how many tokens under one token budget, the runner executes the plan over the
+paged KV cache, the sampler picks the next token of every request that reached the end of its
+known tokens, the scheduler records them (and stops requests on end-of-sequence, stop tokens or
+length), and the output side detokenizes, matches stop strings and builds outputs.
+
+A prompt with `n` completions runs as `n` requests with ids "`{id}#{i}`" sharing its prompt (and
+its KV blocks, through prefix caching); with a seed, completion i samples with seed + i.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from slipstream.model.config import ModelConfig
+from slipstream.model.tokenizer import Tokenizer
+from slipstream.model.weights import dtype_name, load_model, resolve_dtype
+from slipstream.ops.linear import pack_linears
+from slipstream.perf.flops import kv_cache_bytes_per_token
+from slipstream.serve.outputs import PromptOutput, SequenceOutput
+from slipstream.serve.request import (
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    validate_prompt_token_ids,
+)
+from slipstream.serve.runner import Runner
+from slipstream.serve.sampler import SamplingBatch, SamplingRow, make_generator, prompt_logprobs, sample
+from slipstream.serve.scheduler import Scheduler, SchedulerConfig, StepPlan
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 4 * 2**30
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    """How to run a model. Defaults suit a CPU; names follow vLLM's engine arguments."""
+
+    model: str
+    """A Hugging Face model directory (config.json, safetensors, tokenizer.json)."""
+    dtype: str = "auto"
+    """"auto" keeps the checkpoint's dtype; or float32, bfloat16, float16."""
+    device: str | None = None
+    """Default: cuda when available, else cpu."""
+    max_num_seqs: int = 128
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (prefill chunks and decodes together)."""
+    max_model_len: int | None = None
+    """Context length (prompt + output); default and upper bound: the model's."""
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    """Bytes for the KV cache. Default on CPU: what max_num_seqs full-length sequences need, at
+    most 4 GiB and 40% of available memory; on CUDA: 90% of the memory left after the weights."""
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    max_logprobs: int = 20
+    fast_linear: bool = True
+    """Use oneDNN pre-packed linear layers where they apply (CPU, fp32/bf16)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(
+                f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}"
+            )
+        if self.dtype != "auto":
+            resolve_dtype(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class EngineLimits:
+    """Values derived once when the engine starts (never written back into the config)."""
+
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+class Engine:
+    """Loads a model once and generates for any number of requests, one `step()` at a time."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = Tokenizer.from_pretrained(config.model)
+        model_config = ModelConfig.from_pretrained(config.model)
+        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = resolve_dtype(model_config.dtype if config.dtype == "auto" else config.dtype)
+        model = load_model(config.model, dtype=dtype, device=device)
+        if config.fast_linear:
+            model = pack_linears(model)
+        self.limits = _derive_limits(config, model_config, self.tokenizer, dtype, device)
+        self.model_config = model_config
+        self.runner = Runner(model, num_blocks=self.limits.num_blocks, block_size=config.block_size,
+                             dtype=dtype, device=device)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            block_size=config.block_size,
+            num_blocks=self.limits.num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            policy=config.scheduling_policy,
+        ))
+        self._prompts: dict[str, PromptOutput] = {}
+        self._sequences: dict[str, tuple[PromptOutput, SequenceOutput, torch.Generator | None]] = {}
+        logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens",
+                    config.model, device, dtype_name(dtype), self.limits.num_blocks, config.block_size)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time_s: float | None = None,
+    ) -> None:
+        """Queue a prompt (text or token ids); invalid input is a ValueError naming the problem."""
+        params = params or SamplingParams()
+        if request_id in self._prompts:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        token_ids = validate_prompt_token_ids(
+            token_ids, vocab_size=self.limits.vocab_size, max_model_len=self.limits.max_model_len
+        )
+        self._validate_params(params)
+        arrival = time.monotonic() if arrival_time_s is None else arrival_time_s
+        entry = PromptOutput(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
+                             sequences=[], metrics=RequestMetrics(arrival_time_s=arrival),
+                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        requests = []
+        for index in range(params.n):
+            child = params if params.n == 1 else _child_params(params, index)
+            sequence = SequenceOutput(index, self.tokenizer, child, token_ids)
+            entry.sequences.append(sequence)
+            generator = None if child.seed is None else make_generator(child.seed, self.limits.device)
+            request = Request(
+                request_id=_child_id(request_id, index, params.n), prompt_token_ids=token_ids,
+                sampling_params=child, eos_token_ids=self.limits.eos_token_ids,
+                max_total_tokens=self.limits.max_model_len, arrival_time_s=arrival, priority=priority,
+            )
+            requests.append(request)
+            self._sequences[request.request_id] = (entry, sequence, generator)
+        for request in requests:
+            self.scheduler.add(request)
+        self._prompts[request_id] = entry
+
+    def _validate_params(self, params: SamplingParams) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(
+                    f"{name}={value} exceeds the engine's max_logprobs ({self.config.max_logprobs})"
+                )
+        bad = [t for t in params.stop_token_ids if t >= self.limits.vocab_size]
+        if bad:
+            raise ValueError(
+                f"stop_token_ids {bad} are outside the vocabulary (size {self.limits.vocab_size})"
+            )
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Stop requests now and free their KV blocks; unknown ids are ignored."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            entry = self._prompts.pop(request_id, None)
+            if entry is None:
+                continue
+            children = [_child_id(request_id, s.index, len(entry.sequences)) for s in entry.sequences]
+            self.scheduler.abort(children)
+            for child_id, sequence in zip(children, entry.sequences, strict=True):
+                sequence.finish("abort")
+                del self._sequences[child_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._prompts)
+
+    # ---- the step loop ------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Advance every scheduled request by one step; returns the prompts that changed."""
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        now = time.monotonic()
+        for chunk in plan.chunks:
+            metrics = self._sequences[chunk.request.request_id][0].metrics
+            if metrics.first_scheduled_time_s is None:
+                metrics.first_scheduled_time_s = now
+        logits = self.runner.execute(plan)
+        sampling = [c for c in plan.chunks if c.samples]
+        rows = [self._sampling_row(c.request) for c in sampling]
+        batch = SamplingBatch.build(rows, vocab_size=self.limits.vocab_size, device=self.limits.device)
+        sampled = sample(logits.sample_logits, batch)
+        token_ids = sampled.token_ids.tolist()
+        finished = self.scheduler.update(
+            plan, {c.request.request_id: t for c, t in zip(sampling, token_ids, strict=True)}
+        )
+        changed = self._record_prompt_logprobs(plan, logits.prompt_logits)
+        position_logprobs = sampled.position_logprobs()
+        now = time.monotonic()
+        for chunk, token_id, logprobs in zip(sampling, token_ids, position_logprobs, strict=True):
+            changed.add(self._append_token(chunk.request, token_id, logprobs, now))
+        for request in finished:
+            changed.add(self._finish_sequence(request, now))
+        return [entry.to_request_output() for entry in changed]
+
+    def _sampling_row(self, request: Request) -> SamplingRow:
+        generator = self._sequences[request.request_id][2]
+        return SamplingRow(
+            params=request.sampling_params, prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids, eos_token_ids=request.eos_token_ids,
+            generator=generator,
+        )
+
+    def _append_token(self, request: Request, token_id: int, logprobs, now: float) -> PromptOutput:
+        entry, sequence, _ = self._sequences[request.request_id]
+        if entry.metrics.first_token_time_s is None:
+            entry.metrics.first_token_time_s = now
+        if logprobs is not None:
+            for token, logprob in logprobs.items():
+                logprob.decoded_token = self.tokenizer.decode([token], skip_special_tokens=False)
+        stop = sequence.append(token_id, logprobs)
+        if stop is not None and not request.is_finished:
+            self.scheduler.finish(request.request_id, "stop")
+            sequence.finish("stop", stop)
+            self._drop_if_done(request.request_id, entry, now)
+        return entry
+
+    def _finish_sequence(self, request: Request, now: float) -> PromptOutput:
+        entry, sequence, _ = self._sequences[request.request_id]
+        stop_reason = None
+        last = request.output_token_ids[-1] if request.output_token_ids else None
+        if request.finish_reason == "stop" and last in request.sampling_params.stop_token_ids:
+            stop_reason = last
+        sequence.finish(request.finish_reason, stop_reason)
+        self._drop_if_done(request.request_id, entry, now)
+        return entry
+
+    def _drop_if_done(self, child_id: str, entry: PromptOutput, now: float) -> None:
+        self._sequences.pop(child_id, None)
+        if entry.finished:
+            entry.metrics.finished_time_s = now
+            self._prompts.pop(entry.request_id, None)
+
+    def _record_prompt_logprobs(
+        self, plan: StepPlan, prompt_logits: dict[str, torch.Tensor]
+    ) -> set[PromptOutput]:
+        changed = set()
+        for chunk in plan.chunks:
+            logits = prompt_logits.get(chunk.request.request_id)
+            if logits is None or chunk.request.request_id not in self._sequences:
+                continue
+            entry, sequence, _ = self._sequences[chunk.request.request_id]
+            if sequence.index != 0 or entry.prompt_logprobs is None:
+                continue
+            changed.add(self._prompt_logprobs_chunk(entry, chunk.start, logits))
+        return changed
+
+    def _prompt_logprobs_chunk(self, entry: PromptOutput, start: int, logits: torch.Tensor) -> PromptOutput:
+        """Logits at position p predict prompt token p + 1; positions past the prompt (a
+        recomputed output after preemption) do not count."""
+        num_prompt = len(entry.prompt_token_ids)
+        num_positions = min(logits.shape[0], num_prompt - 1 - start)
+        if num_positions <= 0:
+            return entry
+        next_ids = torch.tensor(entry.prompt_token_ids[start + 1 : start + 1 + num_positions])
+        num_top = entry.sequences[0].params.prompt_logprobs
+        tensors = prompt_logprobs(logits[:num_positions], next_ids, num_top)
+        for position in tensors.to_position_logprobs([num_top] * num_positions):
+            for token, logprob in position.items():
+                logprob.decoded_token = self.tokenizer.decode([token], skip_special_tokens=False)
+            entry.prompt_logprobs.append(position)
+        return entry
+
+    # ---- introspection for metrics ------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+
+def _child_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{request_id}#{index}"
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    seed = None if params.seed is None else params.seed + index
+    return params.replace(n=1, seed=seed)
+
+
+def _derive_limits(
+    config: EngineConfig, model_config: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype,
+    device: torch.device,
+) -> EngineLimits:
+    max_model_len = model_config.max_position_embeddings
+    if config.max_model_len is not None:
+        if config.max_model_len > max_model_len:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {max_model_len}")
+        max_model_len = config.max_model_len
+    bytes_per_block = config.block_size * kv_cache_bytes_per_token(model_config, dtype_name(dtype))
+    budget = config.kv_cache_memory or _default_kv_cache_bytes(
+        config, max_model_len, bytes_per_block, device
+    )
+    num_blocks = int(budget // bytes_per_block)
+    if num_blocks * config.block_size < max_model_len:
+        raise ValueError(
+            f"kv_cache_memory of {budget / 2**20:.1f} MiB holds {num_blocks * config.block_size} "
+            f"tokens, fewer than one full-length sequence ({max_model_len}); raise it or lower max_model_len"
+        )
+    eos = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *model_config.eos_token_ids]))
+    return EngineLimits(dtype=dtype, device=device, max_model_len=max_model_len, num_blocks=num_blocks,
+                        block_size=config.block_size, vocab_size=model_config.vocab_size, eos_token_ids=eos)
+
+
+def _default_kv_cache_bytes(
+    config: EngineConfig, max_model_len: int, bytes_per_block: int, device: torch.device
+) -> int:
+    blocks_wanted = config.max_num_seqs * -(-max_model_len // config.block_size)
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        return int(0.9 * free_bytes)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(min(blocks_wanted * bytes_per_block, DEFAULT_CPU_KV_CACHE_BYTES, 0.4 * available))

@@ -1,0 +1,262 @@
+"""Paged KV cache bookkeeping: a pool of fixed-size blocks, per-request block tables and a prefix
+cache of full blocks. Plain Python, no torch: the runner owns the tensors, this module decides
+which block ids hold which tokens.
+
+Prefix cache. A full block is known by its key, (key id of the block before it, its token ids):
+the parent's key id (0 for a sequence's first block) and the tuple of its `block_size` token ids.
+Key ids are handed out once per registered block and never reused, so equal keys mean equal token
+ids over the whole prefix. The dict compares keys by value, so a hash collision costs a probe,
+never wrong KV. (vLLM and nano-vllm chain hashes of (parent hash, tokens) and compare one block's
+tokens on a hit; comparing keys by value makes the whole chain exact at the same cost.)
+
+Free blocks wait in one LRU queue (an OrderedDict: O(1) at both ends and in the middle). A freed
+block that holds a key joins the tail and stays hittable until allocation takes it from the head,
+which is when its key is evicted; a freed block without a key joins the head, since reusing it
+first loses nothing. A request's blocks are freed tail first, so a prefix outlives its suffixes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+from slipstream.serve.request import Request
+
+BlockKey = tuple[int, tuple[int, ...]]
+"""(key id of the parent block or 0, token ids of the block)."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Allocation:
+    """The blocks one request holds."""
+
+    request: Request
+    block_ids: list[int]
+    """The block table: block i holds the request's tokens [i * block_size, (i + 1) * block_size)."""
+    key_ids: list[int] = dataclasses.field(default_factory=list)
+    """Key id of each leading full, computed block (the request's own or an equal cached one)."""
+
+
+class KVCacheManager:
+    """Reference-counted blocks, block tables per request id, and the prefix cache."""
+
+    def __init__(self, *, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache_queries = 0
+        """Tokens of requests looked up in the prefix cache (first admissions only, as in vLLM)."""
+        self.prefix_cache_hits = 0
+        """Of those, tokens found in the cache."""
+        self._ref_counts = [0] * num_blocks
+        self._block_keys: list[BlockKey | None] = [None] * num_blocks
+        self._block_key_ids = [0] * num_blocks
+        self._cache: dict[BlockKey, int] = {}
+        self._free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(num_blocks))
+        self._allocations: dict[str, _Allocation] = {}
+        self._next_key_id = 1
+
+    # ----- metrics -----
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds, cached (evictable) ones included."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (vLLM's kv_cache_usage_perc)."""
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Full blocks registered in the prefix cache, held or evictable."""
+        return len(self._cache)
+
+    def block_ids(self, request_id: str) -> tuple[int, ...]:
+        """The request's block table; empty if it holds no blocks."""
+        allocation = self._allocations.get(request_id)
+        return tuple(allocation.block_ids) if allocation else ()
+
+    # ----- the scheduler's calls -----
+
+    def lookup(self, request: Request) -> list[int]:
+        """Cached blocks holding the longest prefix of the request's tokens. Takes no references.
+
+        Never all of its tokens: the last one must be computed to have logits to sample from, so
+        a request whose tokens fill whole blocks backs off by one block (as vLLM does). A request
+        that wants prompt logprobs gets no hits: every prompt position must be computed.
+        """
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return []
+        block_ids: list[int] = []
+        parent_key_id = 0
+        for i in range((request.num_tokens - 1) // self.block_size):
+            block = self._cache.get((parent_key_id, self._block_token_ids(request, i)))
+            if block is None:
+                break
+            block_ids.append(block)
+            parent_key_id = self._block_key_ids[block]
+        return block_ids
+
+    def allocate(
+        self, request: Request, num_new_tokens: int, cached_block_ids: Sequence[int] = ()
+    ) -> tuple[int, ...] | None:
+        """Grow the request's block table to hold `num_new_tokens` more tokens; None if the pool
+        is short of blocks, in which case nothing changed.
+
+        A request holding no blocks starts from `cached_block_ids` (the result of `lookup`, taken
+        with a reference each); its computed tokens are then those blocks' tokens. A request that
+        holds blocks has `request.num_computed_tokens` computed.
+        """
+        allocation = self._allocations.get(request.request_id)
+        if allocation is None:
+            num_computed_tokens = len(cached_block_ids) * self.block_size
+            num_held_blocks = len(cached_block_ids)
+        else:
+            assert not cached_block_ids, "cached blocks are only taken by a request's first allocation"
+            num_computed_tokens = request.num_computed_tokens
+            num_held_blocks = len(allocation.block_ids)
+        num_needed = -(-(num_computed_tokens + num_new_tokens) // self.block_size) - num_held_blocks
+        num_evictable_hits = sum(1 for block in cached_block_ids if self._ref_counts[block] == 0)
+        if num_needed > len(self._free) - num_evictable_hits:
+            return None
+        if allocation is None:
+            allocation = self._start_allocation(request, cached_block_ids)
+        for _ in range(num_needed):
+            allocation.block_ids.append(self._take_free_block())
+        return tuple(allocation.block_ids)
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's full, computed blocks in the prefix cache (prompt or output).
+
+        A block whose key is already cached (a twin computed by another request in the same step)
+        stays uncached; the request's chain continues through the cached twin's key id.
+        """
+        allocation = self._allocations.get(request.request_id)
+        if allocation is None or not self.enable_prefix_caching:
+            return
+        key_ids = allocation.key_ids
+        for i in range(len(key_ids), request.num_computed_tokens // self.block_size):
+            key = (key_ids[-1] if key_ids else 0, self._block_token_ids(request, i))
+            twin = self._cache.get(key)
+            if twin is not None:
+                key_ids.append(self._block_key_ids[twin])
+                continue
+            block = allocation.block_ids[i]
+            self._cache[key] = block
+            self._block_keys[block] = key
+            self._block_key_ids[block] = self._next_key_id
+            key_ids.append(self._next_key_id)
+            self._next_key_id += 1
+
+    def free(self, request: Request) -> None:
+        """Drop all the request's references at once; unheld blocks join the free queue."""
+        allocation = self._allocations.pop(request.request_id, None)
+        if allocation is None:
+            return
+        for block in reversed(allocation.block_ids):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free[block] = None
+                if self._block_keys[block] is None:
+                    self._free.move_to_end(block, last=False)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (for benchmarks measuring a cold cache). Only possible while
+        no request holds blocks; returns whether it was done."""
+        if self.num_used_blocks:
+            return False
+        self._cache.clear()
+        self._block_keys = [None] * self.num_blocks
+        self._block_key_ids = [0] * self.num_blocks
+        return True
+
+    # ----- internals -----
+
+    def _block_token_ids(self, request: Request, index: int) -> tuple[int, ...]:
+        start = index * self.block_size
+        return tuple(request.token_ids_range(start, start + self.block_size))
+
+    def _start_allocation(self, request: Request, cached_block_ids: Sequence[int]) -> _Allocation:
+        for block in cached_block_ids:
+            assert self._block_keys[block] is not None, "a cached block was evicted before it was taken"
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+            self._ref_counts[block] += 1
+        allocation = _Allocation(
+            request, list(cached_block_ids), [self._block_key_ids[block] for block in cached_block_ids]
+        )
+        self._allocations[request.request_id] = allocation
+        if self.enable_prefix_caching and request.num_preemptions == 0:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(cached_block_ids) * self.block_size
+        return allocation
+
+    def _take_free_block(self) -> int:
+        """The least recently freed block, its cached key (if any) evicted."""
+        block, _ = self._free.popitem(last=False)
+        key = self._block_keys[block]
+        if key is not None:
+            del self._cache[key]
+            self._block_keys[block] = None
+            self._block_key_ids[block] = 0
+        self._ref_counts[block] = 1
+        return block
+
+    # ----- checks -----
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent. O(tokens held): tests and debug."""
+        holders = [0] * self.num_blocks
+        for request_id, allocation in self._allocations.items():
+            blocks = allocation.block_ids
+            _expect(len(set(blocks)) == len(blocks), f"{request_id} holds a block twice: {blocks}")
+            for block in blocks:
+                holders[block] += 1
+            self._check_allocation(request_id, allocation)
+        _expect(holders == self._ref_counts, "reference counts differ from the block tables holding them")
+        unheld = {block for block, count in enumerate(holders) if count == 0}
+        _expect(set(self._free) == unheld, "the free queue is not exactly the blocks no request holds")
+        num_held = sum(1 for count in holders if count)
+        _expect(len(self._free) + num_held == self.num_blocks, "free + used != total")
+        for key, block in self._cache.items():
+            _expect(self._block_keys[block] == key, f"cached key maps to block {block} holding another key")
+            _expect(len(key[1]) == self.block_size, f"cached block {block} is not full")
+        num_keyed = sum(key is not None for key in self._block_keys)
+        _expect(num_keyed == len(self._cache), "a block holds a key the cache does not map to it")
+        key_ids = [key_id for key_id in self._block_key_ids if key_id]
+        _expect(len(set(key_ids)) == len(key_ids) == num_keyed, "key ids are not unique per cached block")
+
+    def _check_allocation(self, request_id: str, allocation: _Allocation) -> None:
+        """The table covers the computed tokens, and each of its cached blocks holds exactly the
+        request's token ids at that position after exactly the request's prefix."""
+        request = allocation.request
+        _expect(request.request_id == request_id, f"allocation of {request_id} names another request")
+        num_covered = len(allocation.block_ids) * self.block_size
+        _expect(num_covered >= request.num_computed_tokens, f"{request_id}'s blocks miss computed tokens")
+        _expect(len(allocation.key_ids) <= len(allocation.block_ids), f"{request_id}: keys past its blocks")
+        for i, key_id in enumerate(allocation.key_ids):
+            block = allocation.block_ids[i]
+            key = self._block_keys[block]
+            if key is None:  # an uncached twin of a block computed in the same step
+                continue
+            parent_key_id = allocation.key_ids[i - 1] if i else 0
+            _expect(
+                key == (parent_key_id, self._block_token_ids(request, i)),
+                f"{request_id}'s block {i} holds other token ids than the request",
+            )
+            _expect(self._block_key_ids[block] == key_id, f"{request_id}'s key id {i} is stale")
+
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

@@ -1,0 +1,281 @@
+"""Requests, sampling parameters and outputs of the serving engine. Plain Python, no torch.
+
+`SamplingParams` mirrors vLLM's (same names, same meanings) and is validated when built, so a bad
+value is a `ValueError` naming the parameter before anything is queued. `Request` is the engine's
+mutable record of one sequence being generated; `RequestOutput` / `CompletionOutput` are what
+`LLM.generate` returns, shaped like vLLM's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Sequence
+from typing import Any
+
+FINISH_REASONS = ("stop", "length", "abort")
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingParams:
+    """How to sample one prompt's completions. Defaults follow vLLM."""
+
+    n: int = 1
+    """Number of completions to generate for the prompt."""
+    temperature: float = 1.0
+    """0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability sums to at least top_p; in (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 keeps all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    repetition_penalty: float = 1.0
+    """> 1 discourages tokens already in the prompt or output (divides positive logits)."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token that already appeared in the output."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per earlier occurrence of the token in the output."""
+    seed: int | None = None
+    """Seed of this request's own random generator, for reproducible sampling."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; None means up to the model's context length."""
+    min_tokens: int = 0
+    """End-of-sequence and stop tokens are suppressed until this many tokens are generated."""
+    stop: tuple[str, ...] = ()
+    """Strings that end generation when they appear in the output text (not included in it)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end generation (in addition to the model's end-of-sequence ids)."""
+    ignore_eos: bool = False
+    """Keep generating past end-of-sequence tokens (for benchmarks)."""
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    """Return the log-probabilities of the sampled token and of the `logprobs` most likely."""
+    prompt_logprobs: int | None = None
+    """Return log-probabilities for every prompt token, with the `prompt_logprobs` most likely."""
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        _check_int("n", self.n, minimum=1)
+        _check_float("temperature", self.temperature, minimum=0.0)
+        _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, minimum=-1)
+        _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_float(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, minimum=-(2**63))
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, minimum=0)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=0)
+
+    @property
+    def greedy(self) -> bool:
+        """Temperatures this small are a point mass on the argmax anyway (vLLM's cutoff)."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_float(name: str, value: Any, *, minimum: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One sequence the engine generates: the prompt, what was generated so far, and progress.
+
+    The tokens the model owes this request are `all_token_ids`; `num_computed_tokens` of them have
+    their keys and values in the KV cache. A request with `n > 1` completions is served as `n`
+    requests sharing the prompt (and, through prefix caching, its KV blocks).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    max_total_tokens: int = 2**62
+    """Prompt plus output may not exceed this (the model's context length)."""
+    arrival_time_s: float = 0.0
+    priority: int = 0
+    """Lower values are served first under the priority policy, and preempted last."""
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    """Prompt tokens found in the prefix cache when the request was (last) admitted."""
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_range(self, start: int, stop: int) -> list[int]:
+        """all_token_ids[start:stop] without building the whole list."""
+        num_prompt = len(self.prompt_token_ids)
+        if stop <= num_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : stop - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
+
+    @property
+    def max_output_tokens(self) -> int:
+        """Output tokens allowed: max_tokens, capped by the context length."""
+        room = self.max_total_tokens - self.num_prompt_tokens
+        if self.sampling_params.max_tokens is None:
+            return room
+        return min(self.sampling_params.max_tokens, room)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Logprob:
+    """A token's log-probability and its rank among the vocabulary (1 = most likely)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob, holding the chosen token and the top-n alternatives.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclasses.dataclass(kw_only=True)
+class CompletionOutput:
+    """One of the `n` completions of a prompt."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+    """"stop" (end-of-sequence, stop token or stop string), "length" or "abort"."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended it, if any."""
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass(kw_only=True)
+class RequestMetrics:
+    """Per-request timings (seconds on the engine's monotonic clock)."""
+
+    arrival_time_s: float
+    first_scheduled_time_s: float | None = None
+    first_token_time_s: float | None = None
+    finished_time_s: float | None = None
+
+    @property
+    def queue_time_s(self) -> float | None:
+        if self.first_scheduled_time_s is None:
+            return None
+        return self.first_scheduled_time_s - self.arrival_time_s
+
+    @property
+    def time_to_first_token_s(self) -> float | None:
+        if self.first_token_time_s is None:
+            return None
+        return self.first_token_time_s - self.arrival_time_s
+
+    @property
+    def e2e_latency_s(self) -> float | None:
+        if self.finished_time_s is None:
+            return None
+        return self.finished_time_s - self.arrival_time_s
+
+
+@dataclasses.dataclass(kw_only=True)
+class RequestOutput:
+    """Everything generated for one prompt so far (complete when `finished`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+
+
+def validate_prompt_token_ids(
+    token_ids: Sequence[int], *, vocab_size: int, max_model_len: int
+) -> list[int]:
+    """The prompt as a list of ints, or a ValueError saying what is wrong with it."""
+    if len(token_ids) == 0:
+        raise ValueError("prompt must not be empty")
+    ids = list(token_ids)
+    for token_id in ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+            raise ValueError(f"prompt token id {token_id!r} is not in [0, {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt has {len(ids)} tokens, but the model's context length is {max_model_len} "
+            "(the prompt must leave room for at least one generated token)"
+        )
+    return ids

@@ -1,0 +1,114 @@
+"""The model runner: turns a scheduler's StepPlan into one forward pass over the paged KV cache.
+
+Each step the runner lays the scheduled chunks out as one flat batch of tokens (token ids,
+positions, cache slots, block tables), runs the single model definition with a paged-attention
+callable as its `attn` argument, and returns logits only at the rows that need them: the last
+token of every chunk that samples, plus every prompt position of requests that asked for prompt
+logprobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from slipstream.model.config import ModelConfig
+from slipstream.model.transformer import Transformer
+from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
+from slipstream.serve.scheduler import StepPlan
+
+logger = logging.getLogger(__name__)
+
+
+class PagedKVCache:
+    """Per-layer key and value blocks: (num_blocks, block_size, kv_heads, head_dim) each.
+
+    Allocated with `torch.empty`: zeroing gigabytes up front costs seconds of page faults on a
+    CPU, and attention never uses a slot before it is written (see `paged_attention`).
+    """
+
+    def __init__(
+        self, config: ModelConfig, *, num_blocks: int, block_size: int, dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        num_layers = config.num_hidden_layers
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttention:
+    """The model's `attn` argument for one step: write new K/V into the cache, then attend."""
+
+    cache: PagedKVCache
+    batch: PagedBatch
+
+    def __call__(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,  # (1, N, H, D)
+        k: torch.Tensor,  # (1, N, K, D)
+        v: torch.Tensor,  # (1, N, K, D)
+    ) -> torch.Tensor:  # (1, N, H, D)
+        k_cache, v_cache = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        write_kv(k_cache, v_cache, k[0], v[0], self.batch.slot_mapping)
+        return paged_attention(q[0], k_cache, v_cache, self.batch)[None]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLogits:
+    """Logits a step produced, by purpose."""
+
+    sample_logits: torch.Tensor  # (num_sampling_chunks, V) float32, in plan order
+    prompt_logits: dict[str, torch.Tensor]  # request_id -> (num_tokens, V) over its chunk
+
+
+class Runner:
+    """Runs the model over StepPlans against its own paged KV cache."""
+
+    def __init__(
+        self, model: Transformer, *, num_blocks: int, block_size: int, dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.cache = PagedKVCache(
+            model.config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device
+        )
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepLogits:
+        token_ids, positions = [], []
+        for chunk in plan.chunks:
+            token_ids += chunk.request.token_ids_range(chunk.start, chunk.start + chunk.num_tokens)
+            positions += range(chunk.start, chunk.start + chunk.num_tokens)
+        batch = PagedBatch.build(
+            seq_lens=[c.start + c.num_tokens for c in plan.chunks],
+            query_lens=[c.num_tokens for c in plan.chunks],
+            block_tables=[c.block_ids for c in plan.chunks],
+            block_size=self.cache.block_size,
+            sliding_window=self.model.config.sliding_window,
+            device=self.device,
+        )
+        hidden = self.model.hidden_states(
+            torch.tensor([token_ids], device=self.device),
+            torch.tensor([positions], device=self.device),
+            PagedAttention(self.cache, batch),
+        )[0]  # (N, E)
+        return self._logits(plan, hidden)
+
+    def _logits(self, plan: StepPlan, hidden: torch.Tensor) -> StepLogits:
+        ends = torch.tensor([c.num_tokens for c in plan.chunks]).cumsum(0)
+        sample_rows = [int(end) - 1 for end, c in zip(ends, plan.chunks, strict=True) if c.samples]
+        sample_logits = self.model.compute_logits(hidden[sample_rows]).float()
+        prompt_logits = {}
+        for end, chunk in zip(ends.tolist(), plan.chunks, strict=True):
+            if chunk.request.sampling_params.prompt_logprobs is not None:
+                rows = hidden[end - chunk.num_tokens : end]
+                prompt_logits[chunk.request.request_id] = self.model.compute_logits(rows).float()
+        return StepLogits(sample_logits=sample_logits, prompt_logits=prompt_logits)

@@ -1,0 +1,387 @@
+"""The scheduler: which requests run each step, and how many tokens each. Plain Python, no torch.
+
+One token budget per step, as in vLLM v1, with no prefill or decode phase: every scheduled request
+catches up from `num_computed_tokens` towards `num_tokens`, so a long prompt is chunked over steps
+and decodes ride in the same step as prefills.
+
+Every request has one place in a total order: arrival (FCFS; `Request.priority` is ignored), or
+(priority, arrival) under the priority policy, ties broken by the order of `add`. Running requests
+are scheduled in that order; when the KV pool runs out of blocks, the running request that comes
+last is preempted by recompute: its blocks are freed and it waits again, keeping its place in the
+order (so it is re-admitted before later arrivals), to be recomputed with help from the prefix
+cache. Then waiting requests are admitted in that order while the budget, `max_num_seqs` and the
+pool allow; the first that does not fit stops admission (no overtaking), and a step that had to
+preempt admits nobody. Under the priority policy a waiting request short of blocks may preempt
+running requests of strictly lower priority.
+
+The engine calls `schedule()`, runs the returned `StepPlan`, then calls `update()` with the sampled
+tokens; `update()` advances the requests, applies stop conditions and frees finished requests.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import heapq
+import logging
+from collections.abc import Iterable
+
+from slipstream.serve.kv_cache import KVCacheManager
+from slipstream.serve.request import FINISH_REASONS, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("fcfs", "priority")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulerConfig:
+    """Limits of one scheduling step and of the KV pool (whose size the engine computes)."""
+
+    max_num_seqs: int
+    """Most requests running at once."""
+    max_num_batched_tokens: int
+    """Token budget of one step, prompt chunks and decodes together."""
+    block_size: int
+    """Tokens per KV block."""
+    num_blocks: int
+    """Blocks in the KV pool."""
+    enable_prefix_caching: bool = True
+    policy: str = "fcfs"
+    """"fcfs": arrival order; "priority": lower `Request.priority` first, then arrival."""
+    long_prefill_token_threshold: int = 0
+    """Most tokens one request may compute in a step; 0 means no cap beyond the budget."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Tokens [start, start + num_tokens) of one request, to compute this step."""
+
+    request: Request
+    start: int
+    """The request's num_computed_tokens before this step: position of the first token."""
+    num_tokens: int
+    block_ids: tuple[int, ...]
+    """The request's whole block table, covering start + num_tokens tokens."""
+    samples: bool
+    """True iff the chunk reaches the end of the known tokens, so a new token must be sampled."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What the runner executes in one step."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    num_batched_tokens: int
+    preempted_request_ids: tuple[str, ...]
+
+
+@dataclasses.dataclass(slots=True)
+class _StepBuilder:
+    budget: int
+    chunks: dict[str, ScheduledChunk] = dataclasses.field(default_factory=dict)
+    preempted_ids: list[str] = dataclasses.field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int, block_ids: tuple[int, ...]) -> None:
+        start = request.num_computed_tokens
+        samples = start + num_tokens == request.num_tokens
+        self.chunks[request.request_id] = ScheduledChunk(request, start, num_tokens, block_ids, samples)
+        self.budget -= num_tokens
+
+    def preempted(self, request: Request) -> None:
+        chunk = self.chunks.pop(request.request_id, None)
+        if chunk is not None:
+            self.budget += chunk.num_tokens
+        self.preempted_ids.append(request.request_id)
+
+    def build(self) -> StepPlan:
+        chunks = tuple(self.chunks.values())
+        return StepPlan(chunks, sum(chunk.num_tokens for chunk in chunks), tuple(self.preempted_ids))
+
+
+class _WaitingQueue:
+    """Waiting requests by their order key. Removal is lazy: entries of requests that are no
+    longer waiting (aborted) are dropped when they reach the head."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple, Request]] = []
+        self._num_waiting = 0
+
+    def __len__(self) -> int:
+        return self._num_waiting
+
+    def push(self, key: tuple, request: Request) -> None:
+        heapq.heappush(self._heap, (key, request))
+        self._num_waiting += 1
+
+    def peek(self) -> Request | None:
+        while self._heap and self._heap[0][1].status is not RequestStatus.WAITING:
+            heapq.heappop(self._heap)
+        return self._heap[0][1] if self._heap else None
+
+    def pop(self) -> Request:
+        request = self.peek()
+        assert request is not None
+        heapq.heappop(self._heap)
+        self._num_waiting -= 1
+        return request
+
+    def discard(self, request: Request) -> None:
+        """Forget a waiting request whose status already changed from WAITING."""
+        assert request.status is not RequestStatus.WAITING
+        self._num_waiting -= 1
+
+
+class Scheduler:
+    """Continuous batching under one token budget per step, with recompute preemption."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv_cache = KVCacheManager(
+            num_blocks=config.num_blocks,
+            block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.num_preemptions = 0
+        """Preemptions so far (vLLM's num_preemptions_total)."""
+        self._requests: dict[str, Request] = {}
+        self._order_keys: dict[str, tuple] = {}
+        self._waiting = _WaitingQueue()
+        self._running: list[Request] = []
+        """Sorted by order key, so the last is the one to preempt."""
+        self._num_added = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ----- requests in and out -----
+
+    def add(self, request: Request) -> None:
+        """Queue a new request; ValueError if it is malformed or could never fit in the KV pool."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already queued")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} is not new (status {request.status.value})")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.max_output_tokens < 1:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens leaves no "
+                f"room to generate within max_total_tokens={request.max_total_tokens}"
+            )
+        self._check_fits(request)
+        order = (request.priority if self.config.policy == "priority" else 0, request.arrival_time_s)
+        self._order_keys[request.request_id] = (*order, self._num_added)
+        self._num_added += 1
+        self._requests[request.request_id] = request
+        self._waiting.push(self._order_keys[request.request_id], request)
+
+    def _check_fits(self, request: Request) -> None:
+        """Reject a request that needs more KV than the whole pool: it could only livelock."""
+        # The last generated token is never fed back, so its KV is never needed.
+        num_kv_tokens = request.num_prompt_tokens + request.max_output_tokens - 1
+        capacity = self.config.num_blocks * self.config.block_size
+        if num_kv_tokens > capacity:
+            raise ValueError(
+                f"request {request.request_id!r} may need KV for {num_kv_tokens} tokens "
+                f"({request.num_prompt_tokens} prompt + up to {request.max_output_tokens} output), but the "
+                f"KV cache holds {self.config.num_blocks} blocks x {self.config.block_size} tokens = "
+                f"{capacity} tokens; lower max_tokens or the prompt, or give the cache more memory"
+            )
+
+    def finish(self, request_id: str, reason: str) -> Request | None:
+        """End a request the engine found finished (e.g. on a stop string) and free its blocks.
+        Returns it, or None if it is unknown or already finished."""
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"reason must be one of {FINISH_REASONS}, got {reason!r}")
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+        self._release(request, reason)
+        return request
+
+    def abort(self, request_ids: str | Iterable[str]) -> list[Request]:
+        """Finish requests with reason "abort", waiting or running; unknown ids are ignored.
+        Returns the requests aborted."""
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        aborted = [self.finish(request_id, "abort") for request_id in request_ids]
+        return [request for request in aborted if request is not None]
+
+    def _release(self, request: Request, reason: str) -> None:
+        """Mark finished and free its blocks; the caller takes it out of `_running`."""
+        was_waiting = request.status is RequestStatus.WAITING
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self._requests[request.request_id]
+        del self._order_keys[request.request_id]
+        self.kv_cache.free(request)
+        if was_waiting:
+            self._waiting.discard(request)
+
+    # ----- one step -----
+
+    def schedule(self) -> StepPlan:
+        """Plan the next step: running requests first, then admissions, under one token budget."""
+        step = _StepBuilder(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted_ids:  # a step short of blocks admits nobody: it would only thrash
+            self._schedule_waiting(step)
+        return step.build()
+
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int, budget: int) -> int:
+        num_tokens = min(request.num_tokens - num_computed_tokens, budget)
+        if self.config.long_prefill_token_threshold:
+            num_tokens = min(num_tokens, self.config.long_prefill_token_threshold)
+        return num_tokens
+
+    def _schedule_running(self, step: _StepBuilder) -> None:
+        """Give each running request its tokens, in order, preempting from the tail when the pool
+        runs dry. Victims come from behind the current request, so none was scheduled yet."""
+        for request in list(self._running):
+            if step.budget == 0:
+                return
+            if request.status is not RequestStatus.RUNNING:  # preempted for an earlier request
+                continue
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, step.budget)
+            while (block_ids := self.kv_cache.allocate(request, num_new)) is None:
+                victim = self._running[-1]
+                self._preempt(victim, step)
+                if victim is request:
+                    return  # everything behind it is preempted already
+            step.add(request, num_new, block_ids)
+
+    def _schedule_waiting(self, step: _StepBuilder) -> None:
+        """Admit waiting requests in order until the budget, max_num_seqs or the pool runs out."""
+        while step.budget > 0 and len(self._running) < self.config.max_num_seqs:
+            request = self._waiting.peek()
+            if request is None or request.request_id in step.preempted_ids or not self._admit(request, step):
+                return
+
+    def _admit(self, request: Request, step: _StepBuilder) -> bool:
+        """Start a waiting request from its longest cached prefix; False if blocks are short."""
+        cached_block_ids = self.kv_cache.lookup(request)
+        num_cached_tokens = len(cached_block_ids) * self.config.block_size
+        while True:  # a victim scheduled this step gives its budget back, so size the chunk again
+            num_new = self._num_new_tokens(request, num_cached_tokens, step.budget)
+            block_ids = self.kv_cache.allocate(request, num_new, cached_block_ids)
+            if block_ids is not None:
+                break
+            if not self._may_preempt_for(request):
+                return False
+            self._preempt(self._running[-1], step)
+        popped = self._waiting.pop()
+        assert popped is request, "victims queue behind the request they make room for"
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached_tokens
+        request.num_cached_prompt_tokens = min(num_cached_tokens, request.num_prompt_tokens)
+        bisect.insort(self._running, request, key=lambda r: self._order_keys[r.request_id])
+        step.add(request, num_new, block_ids)
+        return True
+
+    def _may_preempt_for(self, request: Request) -> bool:
+        """Under the priority policy a waiting request short of blocks may preempt a running one
+        of strictly lower priority (never one admitted this step: admission goes in priority
+        order). A full house of max_num_seqs is not a reason to preempt."""
+        if self.config.policy != "priority" or not self._running:
+            return False
+        return self._running[-1].priority > request.priority
+
+    def _preempt(self, request: Request, step: _StepBuilder) -> None:
+        """Free all of a running request's blocks and queue it to be recomputed (output kept)."""
+        assert self._running[-1] is request, "victims are taken from the tail of the running list"
+        self._running.pop()
+        self.kv_cache.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._waiting.push(self._order_keys[request.request_id], request)
+        step.preempted(request)
+        logger.debug("preempted %s (%d tokens to recompute)", request.request_id, request.num_tokens)
+
+    # ----- after the step -----
+
+    def update(self, plan: StepPlan, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Advance the requests the plan ran, append their sampled tokens and apply stop
+        conditions. Returns the requests that finished in this step, their blocks freed."""
+        finished = []
+        for chunk in plan.chunks:
+            request = chunk.request
+            if request.is_finished:  # finished or aborted since schedule()
+                continue
+            assert request.num_computed_tokens == chunk.start, "plans must be updated in order"
+            request.num_computed_tokens += chunk.num_tokens
+            if chunk.samples:
+                request.output_token_ids.append(sampled_token_ids[request.request_id])
+            self.kv_cache.cache_full_blocks(request)
+            reason = _stop_reason(request) if chunk.samples else None
+            if reason is not None:
+                self._release(request, reason)
+                finished.append(request)
+        if finished:
+            self._running = [request for request in self._running if not request.is_finished]
+        return finished
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the scheduler's or the KV cache's bookkeeping is inconsistent."""
+        self.kv_cache.check_invariants()
+        keys = [self._order_keys[request.request_id] for request in self._running]
+        _expect(keys == sorted(keys), "running requests are out of order")
+        _expect(len(self._running) <= self.config.max_num_seqs, "more running requests than max_num_seqs")
+        num_waiting = 0
+        for request_id, request in self._requests.items():
+            _expect(not request.is_finished, f"finished request {request_id} is still tracked")
+            holds_blocks = bool(self.kv_cache.block_ids(request_id))
+            if request.status is RequestStatus.WAITING:
+                num_waiting += 1
+                _expect(not (holds_blocks or request.num_computed_tokens), f"waiting {request_id} has KV")
+            else:
+                _expect(holds_blocks, f"running request {request_id} holds no blocks")
+                _expect(request.num_computed_tokens < request.num_tokens, f"{request_id}: nothing to compute")
+        _expect(num_waiting == len(self._waiting), "the waiting count is off")
+        _expect(num_waiting + len(self._running) == len(self._requests), "requests lost or duplicated")
+
+
+def _stop_reason(request: Request) -> str | None:
+    """Why the request stops after its newest token, or None. A stop token wins over the length
+    limit; neither end-of-sequence nor a stop token counts before min_tokens."""
+    params = request.sampling_params
+    num_output = len(request.output_token_ids)
+    token_id = request.output_token_ids[-1]
+    if num_output >= params.min_tokens and (
+        token_id in params.stop_token_ids or (not params.ignore_eos and token_id in request.eos_token_ids)
+    ):
+        return "stop"
+    if num_output >= request.max_output_tokens:
+        return "length"
+    return None
+
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

@@ -1,0 +1,212 @@
+"""KVCacheManager: block accounting, prefix-cache hits and eviction order, through its public API."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from slipstream.serve.kv_cache import KVCacheManager
+from slipstream.serve.request import Request, SamplingParams
+
+BLOCK_SIZE = 4
+
+
+def make_request(request_id: str, token_ids: list[int]) -> Request:
+    return Request(request_id, list(token_ids), SamplingParams(max_tokens=8))
+
+
+def compute(kv: KVCacheManager, request: Request, num_tokens: int) -> tuple[int, ...]:
+    """What the scheduler and runner do for one chunk: allocate, compute, register full blocks."""
+    if not kv.block_ids(request.request_id):
+        cached = kv.lookup(request)
+        block_ids = kv.allocate(request, num_tokens, cached)
+        request.num_computed_tokens = len(cached) * kv.block_size
+    else:
+        block_ids = kv.allocate(request, num_tokens)
+    assert block_ids is not None
+    request.num_computed_tokens += num_tokens
+    kv.cache_full_blocks(request)
+    kv.check_invariants()
+    return block_ids
+
+
+def test_import_does_not_load_torch():
+    """kv_cache.py stays plain Python: importing it must not import torch."""
+    code = "import sys, slipstream.serve.kv_cache; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_allocate_and_free_account_for_every_block():
+    """Allocation takes ceil(tokens / block_size) blocks; free returns them all; counters agree."""
+    kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
+    request = make_request("a", range(9))
+    block_ids = compute(kv, request, 9)
+    assert len(block_ids) == 3 and kv.num_used_blocks == 3 and kv.num_free_blocks == 7
+    assert kv.usage == pytest.approx(0.3)
+    assert kv.block_ids("a") == block_ids
+    kv.free(request)
+    kv.check_invariants()
+    assert kv.num_used_blocks == 0 and kv.num_free_blocks == 10 and kv.block_ids("a") == ()
+
+
+def test_allocation_failure_changes_nothing():
+    """A request the pool cannot hold gets None and leaves every count as it was."""
+    kv = KVCacheManager(num_blocks=3, block_size=BLOCK_SIZE)
+    compute(kv, make_request("a", range(8)), 8)
+    request = make_request("b", range(100, 109))
+    assert kv.allocate(request, 9) is None
+    kv.check_invariants()
+    assert kv.num_used_blocks == 2 and kv.block_ids("b") == () and kv.prefix_cache_queries == 8
+
+
+def test_prefix_hit_shares_blocks_and_counts_tokens():
+    """Two prompts sharing 3 full blocks: the second takes the first's blocks (ref count 2) and
+    its 3 * block_size tokens count as hits; queries count every prompt token."""
+    kv = KVCacheManager(num_blocks=20, block_size=BLOCK_SIZE)
+    shared = list(range(12))
+    first = make_request("a", shared + [50, 51])
+    first_blocks = compute(kv, first, first.num_tokens)
+    second = make_request("b", shared + [60, 61, 62])
+    cached = kv.lookup(second)
+    assert cached == list(first_blocks[:3])
+    second_blocks = compute(kv, second, second.num_tokens - 12)
+    assert second.num_computed_tokens == second.num_tokens
+    assert second_blocks[:3] == first_blocks[:3] and second_blocks[3] != first_blocks[3]
+    assert kv.prefix_cache_queries == 14 + 15 and kv.prefix_cache_hits == 12
+    assert kv.num_used_blocks == 5  # 4 + the second's own tail block
+    kv.free(first)
+    kv.check_invariants()
+    assert kv.num_used_blocks == 4  # shared blocks are still held by the second
+
+
+def test_hit_never_covers_every_token():
+    """A prompt whose every block is cached backs off one block, so its last token is computed."""
+    kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
+    compute(kv, make_request("a", range(8)), 8)
+    assert len(kv.lookup(make_request("b", range(8)))) == 1
+    assert len(kv.lookup(make_request("c", range(9)))) == 2
+    assert len(kv.lookup(make_request("d", range(7)))) == 1
+
+
+def test_hit_needs_the_whole_prefix_identical():
+    """A block with the same token ids after a different prefix is a miss: the chain is exact."""
+    kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
+    compute(kv, make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]), 9)
+    assert kv.lookup(make_request("b", [0, 2, 3, 4, 5, 6, 7, 8, 9])) == []
+    assert len(kv.lookup(make_request("c", [1, 2, 3, 4, 0, 6, 7, 8, 9]))) == 1
+
+
+def test_generated_tokens_fill_cacheable_blocks():
+    """Blocks filled by generated tokens are registered too, so a follow-up turn hits them."""
+    kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
+    request = make_request("a", range(6))
+    compute(kv, request, 6)
+    for token_id in (100, 101, 102):  # decode: each sampled token is fed back next step
+        request.output_token_ids.append(token_id)
+        compute(kv, request, 1)
+    assert kv.num_cached_blocks == 2
+    kv.free(request)
+    follow_up = make_request("b", list(range(6)) + [100, 101, 102, 7, 8])
+    assert len(kv.lookup(follow_up)) == 2
+
+
+def test_cached_blocks_survive_free_and_evict_least_recently_freed_first():
+    """Freed cached blocks stay hittable; allocation reuses uncached blocks first, then evicts
+    cached ones in the order they were freed, each request's tail block before its head."""
+    kv = KVCacheManager(num_blocks=6, block_size=BLOCK_SIZE)
+    older = make_request("a", range(0, 9))  # 2 full blocks + 1 partial
+    newer = make_request("b", range(100, 109))
+    compute(kv, older, 9)
+    compute(kv, newer, 9)
+    kv.free(older)
+    kv.free(newer)
+    kv.check_invariants()
+    assert kv.num_free_blocks == 6 and kv.num_cached_blocks == 4
+    filler = make_request("c", range(200, 212))
+    kv.allocate(filler, 4)  # takes a partial (uncached) block: nothing evicted
+    assert kv.num_cached_blocks == 4
+    kv.allocate(make_request("d", range(300, 304)), 4)
+    assert kv.num_cached_blocks == 4  # the other partial block
+    kv.allocate(make_request("e", range(400, 404)), 4)  # evicts the older request's tail block
+    assert len(kv.lookup(make_request("a2", range(0, 9)))) == 1
+    assert len(kv.lookup(make_request("b2", range(100, 109)))) == 2
+    kv.allocate(make_request("f", range(500, 508)), 8)  # the older head, then the newer tail
+    assert kv.lookup(make_request("a3", range(0, 9))) == []
+    assert len(kv.lookup(make_request("b3", range(100, 109)))) == 1
+    kv.check_invariants()
+
+
+def test_hit_on_a_free_cached_block_takes_it_out_of_the_free_queue():
+    """A hit revives an evictable block: it is held again and allocation cannot reuse it."""
+    kv = KVCacheManager(num_blocks=3, block_size=BLOCK_SIZE)
+    first = make_request("a", range(9))
+    compute(kv, first, 9)
+    kv.free(first)
+    second = make_request("b", list(range(8)) + [77])
+    cached = kv.lookup(second)
+    assert len(cached) == 2
+    assert kv.allocate(second, 2, cached) is not None  # one new block; the two hits are held
+    assert kv.num_free_blocks == 0
+    assert kv.allocate(make_request("c", range(50, 54)), 4) is None
+
+
+def test_twin_blocks_from_the_same_step_stay_consistent():
+    """Two identical prompts computed before either is cached: the first's blocks are cached, the
+    second's twins stay private, and a third request hits the first's blocks."""
+    kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
+    first, second = make_request("a", range(9)), make_request("b", range(9))
+    for request in (first, second):
+        assert kv.lookup(request) == [] and kv.allocate(request, 9) is not None
+    for request in (first, second):
+        request.num_computed_tokens = 9
+        kv.cache_full_blocks(request)
+        kv.check_invariants()
+    assert kv.num_cached_blocks == 2
+    third = make_request("c", range(9))
+    assert kv.lookup(third) == list(kv.block_ids("a")[:2])
+    kv.free(first)
+    kv.free(second)
+    kv.check_invariants()
+    assert kv.num_used_blocks == 0
+
+
+def test_prefix_caching_disabled_never_hits():
+    """With prefix caching off nothing is registered, looked up or counted."""
+    kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    request = make_request("a", range(9))
+    compute(kv, request, 9)
+    kv.free(request)
+    assert kv.lookup(make_request("b", range(9))) == []
+    assert kv.num_cached_blocks == 0 and kv.prefix_cache_queries == 0
+
+
+def test_reset_prefix_cache_only_when_idle():
+    """reset_prefix_cache refuses while blocks are held and forgets every cached block after."""
+    kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
+    request = make_request("a", range(9))
+    compute(kv, request, 9)
+    assert not kv.reset_prefix_cache()
+    kv.free(request)
+    assert kv.reset_prefix_cache()
+    kv.check_invariants()
+    assert kv.num_cached_blocks == 0 and kv.lookup(make_request("b", range(9))) == []
+
+
+def test_check_invariants_catches_tokens_changed_under_a_cached_block():
+    """A cached block must hold exactly its request's token ids; a mismatch is reported."""
+    kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
+    request = make_request("a", range(9))
+    compute(kv, request, 9)
+    request.prompt_token_ids[1] = 99
+    with pytest.raises(AssertionError, match="other token ids"):
+        kv.check_invariants()
+
+
+@pytest.mark.parametrize("field", ["num_blocks", "block_size"])
+def test_bad_sizes_are_value_errors(field):
+    """Non-positive pool sizes are rejected with the field's name."""
+    sizes = {"num_blocks": 4, "block_size": 4} | {field: 0}
+    with pytest.raises(ValueError, match=field):
+        KVCacheManager(**sizes)

@@ -1,0 +1,526 @@
+"""Scheduler: token budget, chunking, admission order, preemption, stop conditions, aborts, and a
+randomized fuzzer, all on CPU against a fake model over a paged token store."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import subprocess
+import sys
+
+import pytest
+
+from slipstream.serve.request import Request, RequestStatus, SamplingParams
+from slipstream.serve.scheduler import Scheduler, SchedulerConfig, StepPlan
+
+EOS = 0
+
+
+def make_config(**overrides) -> SchedulerConfig:
+    values = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, num_blocks=64) | overrides
+    return SchedulerConfig(**values)
+
+
+def make_request(request_id: str, prompt, *, max_tokens=4, priority=0, arrival=0.0, **params) -> Request:
+    return Request(
+        request_id,
+        list(prompt),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=params.pop("ignore_eos", True), **params),
+        eos_token_ids=(EOS,),
+        arrival_time_s=arrival,
+        priority=priority,
+    )
+
+
+class FakeRunner:
+    """A stand-in model over a paged token store, shaped like the real KV cache: every computed
+    token is written to its slot through the block table, and before sampling the whole context
+    is read back the same way, so a wrong block table or a wrong prefix hit shows up as a context
+    differing from the request's tokens. The sampled token is a function of the context (so
+    recomputation after preemption must reproduce it), or random when `rng` is given."""
+
+    def __init__(self, config: SchedulerConfig, *, rng: random.Random | None = None, eos_prob=0.0):
+        self.block_size = config.block_size
+        self.slots: list[int | None] = [None] * (config.num_blocks * config.block_size)
+        self.rng = rng
+        self.eos_prob = eos_prob
+
+    def execute(self, plan: StepPlan) -> dict[str, int]:
+        for chunk in plan.chunks:
+            token_ids = chunk.request.token_ids_range(chunk.start, chunk.start + chunk.num_tokens)
+            for position, token_id in enumerate(token_ids, start=chunk.start):
+                self.slots[self._slot(chunk.block_ids, position)] = token_id
+        sampled = {}
+        for chunk in plan.chunks:
+            if chunk.samples:
+                end = chunk.start + chunk.num_tokens
+                context = [self.slots[self._slot(chunk.block_ids, p)] for p in range(end)]
+                assert context == chunk.request.all_token_ids, f"{chunk.request.request_id} read wrong KV"
+                sampled[chunk.request.request_id] = self._sample(context)
+        return sampled
+
+    def _slot(self, block_ids: tuple[int, ...], position: int) -> int:
+        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _sample(self, context: list[int]) -> int:
+        if self.rng is None:
+            return 1 + (sum(context) * 31 + len(context)) % 97
+        return EOS if self.rng.random() < self.eos_prob else self.rng.randrange(1, 50)
+
+
+def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[StepPlan, list[Request]]:
+    """One engine step, with every check that must hold after any step."""
+    plan = scheduler.schedule()
+    scheduler.check_invariants()
+    config = scheduler.config
+    assert plan.num_batched_tokens == sum(chunk.num_tokens for chunk in plan.chunks)
+    assert plan.num_batched_tokens <= config.max_num_batched_tokens
+    assert len(plan.chunks) <= config.max_num_seqs and scheduler.num_running <= config.max_num_seqs
+    for chunk in plan.chunks:
+        assert chunk.num_tokens >= 1 and chunk.start == chunk.request.num_computed_tokens
+        assert chunk.samples == (chunk.start + chunk.num_tokens == chunk.request.num_tokens)
+        if config.long_prefill_token_threshold:
+            assert chunk.num_tokens <= config.long_prefill_token_threshold
+    finished = scheduler.update(plan, runner.execute(plan))
+    scheduler.check_invariants()
+    for request in finished:
+        assert request.is_finished and scheduler.kv_cache.block_ids(request.request_id) == ()
+    return plan, finished
+
+
+def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps=10_000) -> list[StepPlan]:
+    plans = []
+    while scheduler.has_unfinished():
+        assert len(plans) < max_steps, "requests never finished: livelock or starvation"
+        plans.append(step(scheduler, runner)[0])
+    assert scheduler.kv_cache.num_used_blocks == 0
+    return plans
+
+
+def scheduled_ids(plan: StepPlan) -> list[str]:
+    return [chunk.request.request_id for chunk in plan.chunks]
+
+
+def test_import_does_not_load_torch():
+    """scheduler.py stays plain Python: importing it must not import torch."""
+    code = "import sys, slipstream.serve.scheduler; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_num_seqs", 0),
+        ("max_num_batched_tokens", -1),
+        ("block_size", 0),
+        ("num_blocks", 1.5),
+        ("long_prefill_token_threshold", -1),
+        ("policy", "lifo"),
+        ("enable_prefix_caching", "yes"),
+        ("max_num_seqs", True),
+    ],
+)
+def test_bad_config_values_are_value_errors_naming_the_field(field, value):
+    """Each invalid SchedulerConfig value is a ValueError naming the field."""
+    with pytest.raises(ValueError, match=field):
+        make_config(**{field: value})
+
+
+def test_config_is_frozen_and_keyword_only():
+    """The config cannot be changed after construction nor built positionally."""
+    config = make_config()
+    with pytest.raises(AttributeError):
+        config.num_blocks = 3
+    with pytest.raises(TypeError):
+        SchedulerConfig(8, 64, 4, 64)
+
+
+def test_add_rejects_a_request_that_can_never_fit_in_the_pool():
+    """A request needing more KV than the whole pool is refused at add (naming the sizes) rather
+    than livelocking; one that exactly fits is accepted and completes."""
+    config = make_config(num_blocks=4, block_size=4)  # 16 tokens of KV
+    scheduler = Scheduler(config)
+    with pytest.raises(ValueError, match=r"17 tokens .* 4 blocks x 4 tokens = 16"):
+        scheduler.add(make_request("big", range(1, 11), max_tokens=8))
+    scheduler.add(make_request("fits", range(1, 11), max_tokens=7))  # the last token needs no KV
+    run_to_completion(scheduler, FakeRunner(config))
+
+
+def test_add_rejects_duplicates_and_non_new_requests():
+    """Duplicate ids, empty prompts and requests already started are ValueErrors."""
+    scheduler = Scheduler(make_config())
+    scheduler.add(make_request("a", [1, 2]))
+    with pytest.raises(ValueError, match="already queued"):
+        scheduler.add(make_request("a", [1, 2]))
+    with pytest.raises(ValueError, match="empty prompt"):
+        scheduler.add(make_request("b", []))
+    started = make_request("c", [1, 2])
+    started.num_computed_tokens = 1
+    with pytest.raises(ValueError, match="not new"):
+        scheduler.add(started)
+
+
+def test_long_prompt_is_chunked_and_decodes_ride_along():
+    """A 100-token prompt under a 16-token budget takes 7 steps, while a decoding request gets
+    its token in every one of those steps."""
+    config = make_config(max_num_batched_tokens=16)
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    scheduler.add(make_request("decoder", [1, 2, 3], max_tokens=20, arrival=0.0))
+    step(scheduler, runner)
+    scheduler.add(make_request("long", range(1, 101), max_tokens=1, arrival=1.0))
+    steps = 0
+    while scheduler.has_unfinished() and steps < 20:
+        plan, finished = step(scheduler, runner)
+        steps += 1
+        chunks = {chunk.request.request_id: chunk for chunk in plan.chunks}
+        assert chunks["decoder"].num_tokens == 1 and chunks["decoder"].samples
+        assert chunks["long"].samples == bool(finished and finished[-1].request_id == "long")
+        if finished:
+            break
+    assert steps == 7 and finished[0].finish_reason == "length"
+
+
+def test_long_prefill_threshold_caps_each_chunk():
+    """long_prefill_token_threshold caps one request's tokens per step below the budget."""
+    config = make_config(max_num_batched_tokens=64, long_prefill_token_threshold=10)
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    scheduler.add(make_request("a", range(1, 36), max_tokens=1))
+    scheduler.add(make_request("b", range(1, 6), max_tokens=1))
+    plan, _ = step(scheduler, runner)
+    assert [chunk.num_tokens for chunk in plan.chunks] == [10, 5]
+    assert len(run_to_completion(scheduler, runner)) == 3
+
+
+def test_budget_and_max_num_seqs_are_never_exceeded():
+    """Many requests: no step batches more tokens than the budget or runs more than max_num_seqs,
+    and admissions beyond the limit wait."""
+    config = make_config(max_num_seqs=3, max_num_batched_tokens=10)
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    for i in range(10):
+        scheduler.add(make_request(f"r{i}", range(1, 8 + i), max_tokens=3))
+    plan, _ = step(scheduler, runner)
+    assert scheduler.num_running <= 3 and scheduler.num_waiting >= 7
+    plans = run_to_completion(scheduler, runner)
+    assert max(plan.num_batched_tokens for plan in plans) == 10
+    assert max(len(plan.chunks) for plan in plans) == 3
+
+
+def test_prefix_hit_skips_shared_blocks_and_counts_hits():
+    """A second prompt sharing 3 full blocks with a computed one starts at 3 * block_size tokens,
+    reports them as cached prompt tokens, and the hit counters count them."""
+    config = make_config(block_size=4)
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    shared = list(range(1, 13))
+    scheduler.add(make_request("a", shared + [20, 21], max_tokens=2))
+    run_to_completion(scheduler, runner)
+    scheduler.add(make_request("b", shared + [30], max_tokens=2))
+    plan, _ = step(scheduler, runner)
+    (chunk,) = plan.chunks
+    assert chunk.start == 12 and chunk.num_tokens == 1
+    assert chunk.request.num_cached_prompt_tokens == 12
+    assert scheduler.kv_cache.prefix_cache_hits == 12
+    assert scheduler.kv_cache.prefix_cache_queries == 14 + 13
+    run_to_completion(scheduler, runner)
+
+
+@pytest.mark.parametrize("prompt_len", [8, 9])
+def test_whole_prompt_hit_still_computes_the_last_token(prompt_len):
+    """A prompt that is entirely cached still computes at least its last token, so there are
+    logits to sample from; it then finishes with the same output as the first time."""
+    config = make_config(block_size=4)
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    first = make_request("a", range(1, 1 + prompt_len), max_tokens=3)
+    scheduler.add(first)
+    run_to_completion(scheduler, runner)
+    again = make_request("b", range(1, 1 + prompt_len), max_tokens=3)
+    scheduler.add(again)
+    plan, _ = step(scheduler, runner)
+    (chunk,) = plan.chunks
+    assert 1 <= chunk.num_tokens <= 4 and chunk.samples
+    assert chunk.start == (prompt_len - 1) // 4 * 4
+    run_to_completion(scheduler, runner)
+    assert again.output_token_ids == first.output_token_ids
+
+
+def test_identical_prompts_in_one_step_miss_then_later_ones_hit():
+    """Two identical prompts admitted in the same step both compute everything (the second cannot
+    hit blocks not yet computed); a third one admitted later hits."""
+    config = make_config(block_size=4)
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    for request_id in ("a", "b"):
+        scheduler.add(make_request(request_id, range(1, 11), max_tokens=2))
+    plan, _ = step(scheduler, runner)
+    assert [chunk.start for chunk in plan.chunks] == [0, 0]
+    scheduler.add(make_request("c", range(1, 11), max_tokens=2))
+    plan, _ = step(scheduler, runner)
+    assert {chunk.request.request_id: chunk.start for chunk in plan.chunks}["c"] == 8
+    run_to_completion(scheduler, runner)
+
+
+def test_n_siblings_share_their_prompt_blocks():
+    """n=3 completions of one prompt: the first fills the step's budget, the other two are admitted
+    next step and hit its prompt blocks (all but the last block, whose last token must be
+    computed); each generates its own output and all blocks return at the end."""
+    config = make_config(block_size=4, max_num_batched_tokens=12)
+    scheduler, runner = Scheduler(config), FakeRunner(config, rng=random.Random(0))
+    prompt = list(range(1, 13))
+    siblings = [make_request(f"p-{i}", prompt, max_tokens=5, arrival=float(i)) for i in range(3)]
+    for request in siblings:
+        scheduler.add(request)
+    step(scheduler, runner)
+    step(scheduler, runner)
+    assert [request.num_cached_prompt_tokens for request in siblings] == [0, 8, 8]
+    tables = [scheduler.kv_cache.block_ids(request.request_id) for request in siblings]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]
+    run_to_completion(scheduler, runner)
+    assert all(len(request.output_token_ids) == 5 for request in siblings)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_admission_order_follows_the_policy(policy):
+    """With one seat: FCFS admits in arrival order, the priority policy lowest priority value
+    first (ties by arrival)."""
+    config = make_config(max_num_seqs=1, policy=policy)
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    for request_id, priority, arrival in (("a", 2, 0.0), ("b", 0, 1.0), ("c", 1, 2.0), ("d", 0, 3.0)):
+        scheduler.add(make_request(request_id, [1, 2, 3], max_tokens=1, priority=priority, arrival=arrival))
+    order = [scheduled_ids(plan)[0] for plan in run_to_completion(scheduler, runner)]
+    assert order == (["a", "b", "c", "d"] if policy == "fcfs" else ["b", "d", "c", "a"])
+
+
+def preemption_setup(policy: str, priorities: dict[str, int]):
+    """Three 2-token prompts in a 4-block pool of 2-token blocks: in the second step every request
+    needs a second block and only one is free, so the scheduler must preempt."""
+    config = make_config(block_size=2, num_blocks=4, policy=policy)
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    requests = {}
+    for arrival, (request_id, priority) in enumerate(priorities.items()):
+        requests[request_id] = make_request(
+            request_id, [5, 6], max_tokens=6, priority=priority, arrival=arrival
+        )
+        scheduler.add(requests[request_id])
+    step(scheduler, runner)
+    return scheduler, runner, requests
+
+
+def reference_outputs(request_ids, prompt, max_tokens) -> dict[str, list[int]]:
+    """Outputs of the same requests in a pool too roomy for any preemption."""
+    config = make_config(num_blocks=256)
+    scheduler = Scheduler(config)
+    requests = [make_request(request_id, prompt, max_tokens=max_tokens) for request_id in request_ids]
+    for request in requests:
+        scheduler.add(request)
+    run_to_completion(scheduler, FakeRunner(config))
+    assert scheduler.num_preemptions == 0
+    return {request.request_id: request.output_token_ids for request in requests}
+
+
+@pytest.mark.parametrize(
+    ("policy", "priorities", "victim"),
+    [
+        ("priority", {"a": 0, "b": 1, "c": 1}, "c"),  # lowest priority, then latest arrival
+        ("priority", {"a": 1, "b": 2, "c": 0}, "b"),  # lowest priority beats later arrival
+        ("fcfs", {"a": 1, "b": 2, "c": 0}, "c"),  # priority means nothing under FCFS
+    ],
+)
+def test_preemption_picks_lowest_priority_then_latest_arrival(policy, priorities, victim):
+    """When blocks run out, the victim is the running request that comes last in the policy's
+    order; it waits again, later completes, and produces exactly the output an unpreempted run
+    produces (recompute keeps its generated tokens)."""
+    scheduler, runner, requests = preemption_setup(policy, priorities)
+    plan, _ = step(scheduler, runner)
+    assert plan.preempted_request_ids == (victim,) and victim not in scheduled_ids(plan)
+    assert scheduler.num_preemptions == 1 and scheduler.num_waiting == 1
+    assert requests[victim].status is RequestStatus.WAITING and requests[victim].num_preemptions == 1
+    run_to_completion(scheduler, runner)
+    expected = reference_outputs(requests, [5, 6], max_tokens=6)
+    assert {request_id: r.output_token_ids for request_id, r in requests.items()} == expected
+    assert all(request.finish_reason == "length" for request in requests.values())
+
+
+def test_preemption_of_a_request_in_mid_prefill():
+    """A long prompt being chunked is preempted when an earlier request's decode needs its blocks;
+    both still complete, with the same outputs as in a roomy pool."""
+    config = make_config(block_size=4, num_blocks=8, max_num_batched_tokens=8)
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    early = make_request("early", range(1, 9), max_tokens=16, arrival=0.0)
+    late = make_request("late", range(20, 44), max_tokens=4, arrival=1.0)
+    scheduler.add(early)
+    scheduler.add(late)
+    progress_when_preempted = []
+    while scheduler.has_unfinished():
+        progress = late.num_computed_tokens
+        plan, _ = step(scheduler, runner)
+        if "late" in plan.preempted_request_ids:
+            progress_when_preempted.append(progress)
+    assert any(0 < progress < late.num_prompt_tokens for progress in progress_when_preempted)
+    assert scheduler.kv_cache.num_used_blocks == 0
+    assert {"early": early.output_token_ids} == reference_outputs(["early"], range(1, 9), 16)
+    assert {"late": late.output_token_ids} == reference_outputs(["late"], range(20, 44), 4)
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_priority_arrival_preempts_a_lower_priority_runner(policy):
+    """Under the priority policy a waiting request with strictly better priority preempts a
+    running lower-priority one when blocks are short, and the victim's already planned decode
+    gives its budget back; under FCFS the newcomer waits instead."""
+    config = make_config(block_size=4, num_blocks=4, max_num_batched_tokens=8, policy=policy)
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    scheduler.add(make_request("low", range(1, 12), max_tokens=5, priority=5))
+    plan, _ = step(scheduler, runner)
+    plan, _ = step(scheduler, runner)  # the 11-token prompt takes two steps
+    scheduler.add(make_request("high", range(30, 38), max_tokens=2, priority=0, arrival=1.0))
+    plan, _ = step(scheduler, runner)
+    if policy == "priority":
+        assert plan.preempted_request_ids == ("low",) and scheduled_ids(plan) == ["high"]
+        assert plan.num_batched_tokens == 8 and plan.chunks[0].samples
+    else:
+        assert plan.preempted_request_ids == () and scheduled_ids(plan) == ["low"]
+    run_to_completion(scheduler, runner)
+
+
+def test_stop_conditions():
+    """EOS stops ("stop") unless ignore_eos, never before min_tokens; stop_token_ids stop; the
+    length limit is max_tokens capped by max_total_tokens ("length")."""
+    config = make_config()
+    scheduler = Scheduler(config)
+    cases = {
+        "eos": (make_request("eos", [1, 2], max_tokens=10, ignore_eos=False), "stop", 1),
+        "ignored": (make_request("ignored", [1, 2], max_tokens=10, ignore_eos=True), "length", 10),
+        "min": (make_request("min", [1, 2], max_tokens=10, ignore_eos=False, min_tokens=3), "stop", 3),
+        "stop_id": (make_request("stop_id", [1, 2], max_tokens=10, stop_token_ids=[7]), "stop", 1),
+    }
+    context = Request("ctx", [1, 2, 3], SamplingParams(max_tokens=None), max_total_tokens=6)
+    for request, _, _ in cases.values():
+        scheduler.add(request)
+    scheduler.add(context)
+    tokens = {"eos": EOS, "ignored": EOS, "min": EOS, "stop_id": 7, "ctx": 3}
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        scheduler.update(plan, {c.request.request_id: tokens[c.request.request_id] for c in plan.chunks})
+        scheduler.check_invariants()
+    for request, reason, num_output in cases.values():
+        outcome = (request.finish_reason, len(request.output_token_ids))
+        assert outcome == (reason, num_output), request.request_id
+    assert context.finish_reason == "length" and len(context.output_token_ids) == 3
+
+
+def test_abort_waiting_running_and_mid_prefill_requests():
+    """Abort frees everything at once, whether the request waits, decodes or is mid-prefill;
+    unknown ids are ignored; a request aborted between schedule and update is skipped."""
+    config = make_config(max_num_seqs=2, max_num_batched_tokens=8)
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    requests = [make_request(name, range(1, 21), max_tokens=50) for name in ("a", "b", "c")]
+    for request in requests:
+        scheduler.add(request)
+    step(scheduler, runner)  # a: mid-prefill, b and c waiting (max_num_seqs counts a, budget spent)
+    assert requests[0].num_computed_tokens == 8 and scheduler.num_waiting == 2
+    aborted = scheduler.abort(["c", "no-such-id"])
+    assert aborted == [requests[2]] and scheduler.num_waiting == 1
+    assert scheduler.abort("a") == [requests[0]]
+    for request in requests[::2]:
+        assert request.finish_reason == "abort" and scheduler.kv_cache.block_ids(request.request_id) == ()
+    scheduler.check_invariants()
+    plan = scheduler.schedule()
+    assert scheduled_ids(plan) == ["b"]
+    scheduler.abort(["b"])
+    assert scheduler.update(plan, runner.execute(plan)) == []
+    scheduler.check_invariants()
+    assert not scheduler.has_unfinished() and scheduler.kv_cache.num_used_blocks == 0
+    assert scheduler.abort(["b"]) == []
+
+
+def test_finish_frees_blocks_and_keeps_them_cached():
+    """finish() (a stop string found by the engine) frees at once; full blocks stay hittable."""
+    config = make_config(block_size=4)
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    request = make_request("a", range(1, 10), max_tokens=50)
+    scheduler.add(request)
+    step(scheduler, runner)
+    assert scheduler.finish("a", "stop") is request
+    assert scheduler.finish("a", "stop") is None
+    scheduler.check_invariants()
+    assert request.finish_reason == "stop" and scheduler.kv_cache.num_used_blocks == 0
+    assert scheduler.kv_cache.num_cached_blocks == 2
+    with pytest.raises(ValueError, match="reason"):
+        scheduler.finish("a", "done")
+
+
+def test_follow_up_turn_hits_generated_blocks():
+    """Blocks filled with generated tokens are cached, so a follow-up turn whose prompt is the
+    previous prompt plus its output hits them."""
+    config = make_config(block_size=4)
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    first = make_request("turn1", range(1, 7), max_tokens=8)
+    scheduler.add(first)
+    run_to_completion(scheduler, runner)
+    follow_up = make_request("turn2", first.all_token_ids + [3, 4, 5], max_tokens=2)
+    scheduler.add(follow_up)
+    step(scheduler, runner)
+    assert follow_up.num_cached_prompt_tokens == 12  # 13 tokens known, 14 computed: 3 full blocks
+    run_to_completion(scheduler, runner)
+
+
+def fuzz_config(rng: random.Random) -> SchedulerConfig:
+    block_size = rng.choice([1, 2, 4, 8])
+    return SchedulerConfig(
+        max_num_seqs=rng.randint(1, 8),
+        max_num_batched_tokens=rng.randint(1, 48),
+        block_size=block_size,
+        num_blocks=rng.randint(24, 96) // block_size + 2,
+        enable_prefix_caching=rng.random() < 0.8,
+        policy=rng.choice(["fcfs", "priority"]),
+        long_prefill_token_threshold=rng.choice([0, 0, rng.randint(1, 16)]),
+    )
+
+
+def fuzz_request(rng: random.Random, index: int, prefixes: list[list[int]]) -> Request:
+    tail = [rng.randrange(1, 50) for _ in range(rng.randint(1, 12))]
+    prompt = rng.choice(prefixes)[: rng.randint(0, 24)] + tail
+    return make_request(
+        f"r{index}",
+        prompt,
+        max_tokens=rng.randint(1, 16),
+        priority=rng.randint(0, 3),
+        arrival=float(index),
+        ignore_eos=rng.random() < 0.5,
+        min_tokens=rng.choice([0, 0, 1]),
+    )
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_fuzz_random_adds_aborts_and_finishes(seed):
+    """Random workloads on small pools (forcing preemption): invariants hold after every step,
+    every request finishes (no livelock or starvation) with a consistent finish reason, finished
+    requests hold no blocks, and at the end every block is free."""
+    rng = random.Random(seed)
+    config = fuzz_config(rng)
+    scheduler, runner = Scheduler(config), FakeRunner(config, rng=rng, eos_prob=0.1)
+    capacity = config.num_blocks * config.block_size
+    prefixes = [[rng.randrange(1, 50) for _ in range(24)] for _ in range(3)]
+    requests: list[Request] = []
+    for step_index in range(250):
+        for _ in range(rng.choice([0, 0, 0, 1, 2])):
+            request = fuzz_request(rng, len(requests), prefixes)
+            if request.num_prompt_tokens + request.max_output_tokens - 1 > capacity:
+                with pytest.raises(ValueError, match="KV cache holds"):
+                    scheduler.add(request)
+                continue
+            for _ in range(rng.choice([1, 1, 1, 3])):  # sometimes n > 1 siblings
+                sibling = dataclasses.replace(  # fresh output list: siblings share only the prompt
+                    request, request_id=f"r{len(requests)}", output_token_ids=[], arrival_time_s=step_index
+                )
+                scheduler.add(sibling)
+                requests.append(sibling)
+        if requests and rng.random() < 0.05:
+            for request in scheduler.abort([rng.choice(requests).request_id]):
+                assert scheduler.kv_cache.block_ids(request.request_id) == ()
+        if requests and rng.random() < 0.03:
+            scheduler.finish(rng.choice(requests).request_id, "stop")
+        step(scheduler, runner)
+    run_to_completion(scheduler, runner, max_steps=5_000)
+    for request in requests:
+        assert request.is_finished and scheduler.kv_cache.block_ids(request.request_id) == ()
+        if request.finish_reason == "length":
+            assert len(request.output_token_ids) == request.max_output_tokens
+    assert scheduler.kv_cache.num_used_blocks == 0 and scheduler.num_waiting == scheduler.num_running == 0
