@@ -268,3 +268,38 @@ def test_flops_and_hardware_import_without_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_generation_flops_matches_flop_counter_on_engine_shapes():
+    """generation_flops equals FlopCounterMode's matmul count for a dense prefill that computes
+    logits only at the last position, plus decode steps (eager attention counted by bmm)."""
+    transformers = pytest.importorskip("transformers")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from slipstream.model import ModelConfig
+    from slipstream.perf.flops import generation_flops
+
+    config = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**config.to_hf_dict()), attn_implementation="eager"
+    ).eval()
+    prompt_len, output_len = 7, 4
+    ids = torch.randint(0, 97, (1, prompt_len + output_len))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        out = hf(input_ids=ids[:, :prompt_len], use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        for j in range(output_len - 1):
+            out = hf(input_ids=ids[:, prompt_len + j : prompt_len + j + 1], past_key_values=cache,
+                     use_cache=True)
+            cache = out.past_key_values
+    counted = counter.get_total_flops()
+    # the counter charges eager prefill attention for the full (non-causal) score matrix:
+    # replace its prefill attention (4*L*H*D*T*T) by the causal count generation_flops uses
+    per_key = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+    causal_keys = prompt_len * (prompt_len + 1) // 2
+    counted += per_key * (causal_keys - prompt_len * prompt_len)
+    expected = generation_flops(config, prompt_len, output_len)
+    print(f"counted {counted}, generation_flops {expected}")
+    assert counted == expected

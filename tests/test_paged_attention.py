@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from slipstream.ops import cpu_kernels
 from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
 
 
@@ -27,17 +28,24 @@ def _dense_reference(q, keys, values, sliding_window):
     return out
 
 
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["c-kernel", "pytorch"])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2), (4, 1)])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_prefill_and_decode_batch_matches_dense(num_heads, num_kv_heads, sliding_window, dtype):
+def test_mixed_prefill_and_decode_batch_matches_dense(
+    num_heads, num_kv_heads, sliding_window, dtype, use_kernel
+):
     """A batch mixing fresh prefills, chunks with earlier context and single-token decodes,
-    over shuffled blocks, equals dense attention on each sequence's unpaged keys."""
+    over shuffled blocks, equals dense attention on each sequence's unpaged keys, with decodes
+    through the C kernel and through the PyTorch path."""
+    if use_kernel:
+        assert cpu_kernels.library() is not None, "the C kernel must build on the CI machine"
     rng = random.Random(0)
     torch.manual_seed(0)
     head_dim, block_size, num_blocks = 8, 4, 64
-    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
+    # NaN everywhere not written: attention must never let an unwritten slot reach the output.
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
     free_blocks = list(range(num_blocks))
     rng.shuffle(free_blocks)
     # (tokens already cached, new tokens) per sequence
@@ -60,7 +68,7 @@ def test_mixed_prefill_and_decode_batch_matches_dense(num_heads, num_kv_heads, s
     new_values = torch.cat([v[-n:] for v, n in zip(dense_values, query_lens, strict=False)])
     write_kv(k_cache, v_cache, new_keys, new_values, batch.slot_mapping)
     q = torch.randn(sum(query_lens), num_heads, head_dim, dtype=dtype)
-    got = paged_attention(q, k_cache, v_cache, batch)
+    got = paged_attention(q, k_cache, v_cache, batch, use_kernel=use_kernel)
     expected = torch.cat([
         _dense_reference(q_i, k, v, sliding_window)
         for q_i, k, v in zip(q.split(query_lens), dense_keys, dense_values, strict=False)
@@ -69,3 +77,9 @@ def test_mixed_prefill_and_decode_batch_matches_dense(num_heads, num_kv_heads, s
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     print(f"{dtype} heads {num_heads}/{num_kv_heads} window {sliding_window}: max diff {diff:.3g}")
     assert diff < tolerance
+
+
+def test_kernel_library_leaves_subnormals_alone():
+    """Loading the C kernel library does not switch the process to flush-to-zero."""
+    assert cpu_kernels.library() is not None
+    assert torch.tensor(1e-40, dtype=torch.float32).item() != 0.0

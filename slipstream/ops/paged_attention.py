@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from slipstream.ops import cpu_kernels
 from slipstream.ops.attention import causal_mask
 
 
@@ -108,8 +109,14 @@ def paged_attention(
     k_cache: torch.Tensor,  # (P, S, K, D)
     v_cache: torch.Tensor,  # (P, S, K, D)
     batch: PagedBatch,
+    *,
+    use_kernel: bool = True,
 ) -> torch.Tensor:  # (N, H, D)
-    """Attention of each new token over its sequence's cached keys (see the module docstring)."""
+    """Attention of each new token over its sequence's cached keys (see the module docstring).
+
+    Decodes go through the C kernel of `cpu_kernels` where it applies and `use_kernel` is set,
+    else through the batched PyTorch version below.
+    """
     out = torch.empty_like(q)
     for chunk in batch.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
@@ -118,7 +125,13 @@ def paged_attention(
         out[rows] = _attend(q[rows], keys, values, batch.sliding_window)
     if len(batch.decode_token_rows):
         rows = batch.decode_token_rows
-        out[rows] = _batched_decode(q[rows], k_cache, v_cache, batch)
+        if use_kernel and cpu_kernels.supports(q, q.shape[1], k_cache.shape[2]):
+            out[rows] = cpu_kernels.paged_decode_attention(
+                q[rows], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens,
+                batch.sliding_window,
+            )
+        else:
+            out[rows] = _batched_decode(q[rows], k_cache, v_cache, batch)
     return out
 
 
@@ -163,13 +176,15 @@ def _attend(
 ) -> torch.Tensor:  # (T, H, D)
     num_queries, num_heads = q.shape[0], q.shape[1]
     num_keys, num_kv_heads = keys.shape[0], keys.shape[1]
-    q, keys, values = (x.transpose(0, 1) for x in (q, keys, values))  # (heads, len, D)
+    # 4-D (1, heads, len, D): SDPA's fused CPU kernels take only 4-D inputs (3-D falls back to
+    # the unfused math path, about 40x slower here).
+    q, keys, values = (x.transpose(0, 1)[None] for x in (q, keys, values))
     if num_kv_heads != num_heads:
-        keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=0)
-        values = values.repeat_interleave(num_heads // num_kv_heads, dim=0)
+        keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
     if num_queries == num_keys and (sliding_window is None or num_keys <= sliding_window):
         out = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
     else:
         mask = causal_mask(num_queries, num_keys, sliding_window=sliding_window, device=q.device)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)

@@ -191,6 +191,26 @@ def decode_bytes_per_step(
     return (weights + gathered_rows) * element_bytes + kv
 
 
+def generation_flops(config: ModelConfig, prompt_len: int, output_len: int) -> float:
+    """Model FLOPs to serve one request: prefill `prompt_len` tokens, then generate `output_len`.
+
+    What an engine that computes logits only where it samples must do: every prompt token runs
+    all layers (attention causal: token i attends i + 1 keys, capped by a sliding window), the
+    lm_head runs once per generated token (the first from the last prompt position), and
+    generated token j attends `prompt_len + j` keys. Same per-FLOP conventions as above.
+    """
+    _check_non_negative("prompt_len", prompt_len)
+    _check_non_negative("output_len", output_len)
+    lm_head = 2 * embedding_params(config)
+    layers = 2 * matmul_params(config) - lm_head
+    attention_per_key = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+    window = config.sliding_window
+    keys = sum(min(i + 1, window or i + 1) for i in range(prompt_len))
+    keys += sum(min(prompt_len + j, window or prompt_len + j) for j in range(1, output_len))
+    num_layer_tokens = prompt_len + max(output_len - 1, 0)
+    return layers * num_layer_tokens + lm_head * output_len + attention_per_key * keys
+
+
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops_per_s: float) -> float:
     """Model FLOPs utilization: `tokens_per_s * flops_per_token / peak_flops_per_s` (0..1)."""
     if not peak_flops_per_s > 0:

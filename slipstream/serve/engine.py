@@ -6,13 +6,15 @@ paged KV cache, the sampler picks the next token of every request that reached t
 known tokens, the scheduler records them (and stops requests on end-of-sequence, stop tokens or
 length), and the output side detokenizes, matches stop strings and builds outputs.
 
-A prompt with `n` completions runs as `n` requests with ids "`{id}#{i}`" sharing its prompt (and
-its KV blocks, through prefix caching); with a seed, completion i samples with seed + i.
+A prompt with `n` completions runs as `n` scheduler requests sharing its prompt (and its KV
+blocks, through prefix caching), under engine-made ids; with a seed, completion i samples with
+seed + i.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -120,6 +122,7 @@ class Engine:
             enable_prefix_caching=config.enable_prefix_caching,
             policy=config.scheduling_policy,
         ))
+        self._ids = itertools.count()
         self._prompts: dict[str, PromptOutput] = {}
         self._sequences: dict[str, tuple[PromptOutput, SequenceOutput, torch.Generator | None]] = {}
         logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens",
@@ -150,22 +153,34 @@ class Engine:
         entry = PromptOutput(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
                              sequences=[], metrics=RequestMetrics(arrival_time_s=arrival),
                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
-        requests = []
-        for index in range(params.n):
-            child = params if params.n == 1 else _child_params(params, index)
-            sequence = SequenceOutput(index, self.tokenizer, child, token_ids)
-            entry.sequences.append(sequence)
-            generator = None if child.seed is None else make_generator(child.seed, self.limits.device)
-            request = Request(
-                request_id=_child_id(request_id, index, params.n), prompt_token_ids=token_ids,
-                sampling_params=child, eos_token_ids=self.limits.eos_token_ids,
-                max_total_tokens=self.limits.max_model_len, arrival_time_s=arrival, priority=priority,
-            )
-            requests.append(request)
+        requests = [self._completion_request(entry, params, index, priority) for index in range(params.n)]
+        try:
+            for request in requests:
+                self.scheduler.add(request)
+        except ValueError:
+            self.scheduler.abort([r.request_id for r in requests])
+            raise
+        for request, sequence in zip(requests, entry.sequences, strict=True):
+            generator = None
+            if request.sampling_params.seed is not None:
+                generator = make_generator(request.sampling_params.seed, self.limits.device)
             self._sequences[request.request_id] = (entry, sequence, generator)
-        for request in requests:
-            self.scheduler.add(request)
         self._prompts[request_id] = entry
+
+    def _completion_request(
+        self, entry: PromptOutput, params: SamplingParams, index: int, priority: int
+    ) -> Request:
+        """The scheduler's request for completion `index` of a prompt, under an engine-unique id
+        (so no user-chosen id can collide with it)."""
+        child = params if params.n == 1 else _child_params(params, index)
+        entry.sequences.append(SequenceOutput(index, self.tokenizer, child, entry.prompt_token_ids))
+        internal_id = f"{next(self._ids)}:{entry.request_id}#{index}"
+        entry.internal_ids.append(internal_id)
+        return Request(
+            request_id=internal_id, prompt_token_ids=entry.prompt_token_ids, sampling_params=child,
+            eos_token_ids=self.limits.eos_token_ids, max_total_tokens=self.limits.max_model_len,
+            arrival_time_s=entry.metrics.arrival_time_s, priority=priority,
+        )
 
     def _validate_params(self, params: SamplingParams) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -180,17 +195,29 @@ class Engine:
                 f"stop_token_ids {bad} are outside the vocabulary (size {self.limits.vocab_size})"
             )
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        """Stop requests now and free their KV blocks; unknown ids are ignored."""
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Stop requests now and free their KV blocks; returns their final outputs (finish
+        reason "abort" for completions still running). Unknown or finished ids are ignored."""
+        outputs = []
+        now = time.monotonic()
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             entry = self._prompts.pop(request_id, None)
             if entry is None:
                 continue
-            children = [_child_id(request_id, s.index, len(entry.sequences)) for s in entry.sequences]
-            self.scheduler.abort(children)
-            for child_id, sequence in zip(children, entry.sequences, strict=True):
+            self.scheduler.abort(entry.internal_ids)
+            for internal_id, sequence in zip(entry.internal_ids, entry.sequences, strict=True):
                 sequence.finish("abort")
-                del self._sequences[child_id]
+                self._sequences.pop(internal_id, None)
+            entry.metrics.finished_time_s = now
+            outputs.append(entry.to_request_output())
+        return outputs
+
+    def num_kv_blocks_held(self, request_id: str) -> int:
+        """KV cache blocks held by a request's completions (0 when it is finished or unknown)."""
+        entry = self._prompts.get(request_id)
+        if entry is None:
+            return 0
+        return sum(len(self.scheduler.kv_cache.block_ids(i)) for i in entry.internal_ids)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._prompts)
@@ -202,28 +229,30 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
-        now = time.monotonic()
-        for chunk in plan.chunks:
-            metrics = self._sequences[chunk.request.request_id][0].metrics
-            if metrics.first_scheduled_time_s is None:
-                metrics.first_scheduled_time_s = now
+        self._mark_scheduled(plan)
         logits = self.runner.execute(plan)
         sampling = [c for c in plan.chunks if c.samples]
         rows = [self._sampling_row(c.request) for c in sampling]
         batch = SamplingBatch.build(rows, vocab_size=self.limits.vocab_size, device=self.limits.device)
         sampled = sample(logits.sample_logits, batch)
         token_ids = sampled.token_ids.tolist()
-        finished = self.scheduler.update(
+        self.scheduler.update(
             plan, {c.request.request_id: t for c, t in zip(sampling, token_ids, strict=True)}
         )
         changed = self._record_prompt_logprobs(plan, logits.prompt_logits)
-        position_logprobs = sampled.position_logprobs()
         now = time.monotonic()
-        for chunk, token_id, logprobs in zip(sampling, token_ids, position_logprobs, strict=True):
-            changed.add(self._append_token(chunk.request, token_id, logprobs, now))
-        for request in finished:
-            changed.add(self._finish_sequence(request, now))
+        for chunk, token_id, logprobs in zip(sampling, token_ids, sampled.position_logprobs(), strict=True):
+            if chunk.request.request_id in self._sequences:
+                changed.add(self._record_token(chunk.request, token_id, logprobs, now))
         return [entry.to_request_output() for entry in changed]
+
+    def _mark_scheduled(self, plan: StepPlan) -> None:
+        now = time.monotonic()
+        for chunk in plan.chunks:
+            entry = self._sequences[chunk.request.request_id][0]
+            if entry.metrics.first_scheduled_time_s is None:
+                entry.metrics.first_scheduled_time_s = now
+                entry.num_cached_tokens = chunk.request.num_cached_prompt_tokens
 
     def _sampling_row(self, request: Request) -> SamplingRow:
         generator = self._sequences[request.request_id][2]
@@ -233,35 +262,37 @@ class Engine:
             generator=generator,
         )
 
-    def _append_token(self, request: Request, token_id: int, logprobs, now: float) -> PromptOutput:
+    def _record_token(self, request: Request, token_id: int, logprobs, now: float) -> PromptOutput:
+        """Add a sampled token to its completion's output and settle how the completion ends.
+
+        A token that ended the request (end-of-sequence or a stop token id) is kept in token_ids
+        but, as in vLLM, its text is not added. A stop string in the text ends the completion
+        with reason "stop" even when the same token also reached max_tokens.
+        """
         entry, sequence, _ = self._sequences[request.request_id]
         if entry.metrics.first_token_time_s is None:
             entry.metrics.first_token_time_s = now
         if logprobs is not None:
             for token, logprob in logprobs.items():
                 logprob.decoded_token = self.tokenizer.decode([token], skip_special_tokens=False)
-        stop = sequence.append(token_id, logprobs)
-        if stop is not None and not request.is_finished:
-            self.scheduler.finish(request.request_id, "stop")
+        params = request.sampling_params
+        ended_by_token = request.is_finished and request.finish_reason == "stop"
+        stop = sequence.append(
+            token_id, logprobs, detokenize=not ended_by_token or params.include_stop_str_in_output
+        )
+        if stop is not None:
+            if not request.is_finished:
+                self.scheduler.finish(request.request_id, "stop")
             sequence.finish("stop", stop)
-            self._drop_if_done(request.request_id, entry, now)
+        elif request.is_finished:
+            stop_token = token_id if ended_by_token and token_id in params.stop_token_ids else None
+            sequence.finish(request.finish_reason, stop_token)
+        if sequence.finish_reason is not None:
+            self._sequences.pop(request.request_id, None)
+            if entry.finished:
+                entry.metrics.finished_time_s = now
+                self._prompts.pop(entry.request_id, None)
         return entry
-
-    def _finish_sequence(self, request: Request, now: float) -> PromptOutput:
-        entry, sequence, _ = self._sequences[request.request_id]
-        stop_reason = None
-        last = request.output_token_ids[-1] if request.output_token_ids else None
-        if request.finish_reason == "stop" and last in request.sampling_params.stop_token_ids:
-            stop_reason = last
-        sequence.finish(request.finish_reason, stop_reason)
-        self._drop_if_done(request.request_id, entry, now)
-        return entry
-
-    def _drop_if_done(self, child_id: str, entry: PromptOutput, now: float) -> None:
-        self._sequences.pop(child_id, None)
-        if entry.finished:
-            entry.metrics.finished_time_s = now
-            self._prompts.pop(entry.request_id, None)
 
     def _record_prompt_logprobs(
         self, plan: StepPlan, prompt_logits: dict[str, torch.Tensor]
@@ -279,7 +310,10 @@ class Engine:
 
     def _prompt_logprobs_chunk(self, entry: PromptOutput, start: int, logits: torch.Tensor) -> PromptOutput:
         """Logits at position p predict prompt token p + 1; positions past the prompt (a
-        recomputed output after preemption) do not count."""
+        recomputed output after preemption) do not count, nor do positions already recorded
+        (a preempted request recomputes its prompt from the start)."""
+        already = max(0, len(entry.prompt_logprobs) - 1 - start)
+        logits, start = logits[already:], start + already
         num_prompt = len(entry.prompt_token_ids)
         num_positions = min(logits.shape[0], num_prompt - 1 - start)
         if num_positions <= 0:
@@ -302,10 +336,6 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
-
-
-def _child_id(request_id: str, index: int, n: int) -> str:
-    return request_id if n == 1 else f"{request_id}#{index}"
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

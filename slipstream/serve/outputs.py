@@ -36,21 +36,24 @@ class SequenceOutput:
         self.cumulative_logprob = 0.0 if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.num_streamed_chars = 0
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
+        self._stop_search_floor = 0  # stop strings in the text of the first min_tokens don't count
 
-    def append(self, token_id: int, logprobs: PositionLogprobs | None) -> str | None:
+    def append(
+        self, token_id: int, logprobs: PositionLogprobs | None, *, detokenize: bool = True
+    ) -> str | None:
         """Add a generated token; returns the stop string if the text now contains one."""
         self.token_ids.append(token_id)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token_id].logprob
-        delta = self.detokenizer.push(token_id)
-        if not delta:
-            return None
-        start = max(0, len(self.text) - self._max_stop_len + 1)
+        delta = self.detokenizer.push(token_id) if detokenize else ""
+        start = max(self._stop_search_floor, len(self.text) - self._max_stop_len + 1)
         self.text += delta
-        return self._find_stop(start) if self.params.stop else None
+        if len(self.token_ids) <= self.params.min_tokens:
+            self._stop_search_floor = len(self.text)
+            return None
+        return self._find_stop(start) if delta and self.params.stop else None
 
     def _find_stop(self, search_from: int) -> str | None:
         """Earliest stop string that appears in the new text; trims the text at it."""
@@ -99,6 +102,8 @@ class PromptOutput:
     metrics: RequestMetrics
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    internal_ids: list[str] = dataclasses.field(default_factory=list)
+    """The engine's scheduler ids of the completions, in index order."""
 
     @property
     def finished(self) -> bool:

@@ -1,0 +1,51 @@
+"""Shared pieces of the benchmark scripts: the model under test, workloads, statistics, output."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slipstream.model import ModelConfig
+from slipstream.model.create import create_model_dir
+
+DEFAULT_MODEL_DIR = Path("runs/bench/small")
+
+
+def ensure_model(model_dir: str | None, preset: str = "small") -> Path:
+    """The given model directory, or the `small` preset (~125M) created once under runs/bench."""
+    if model_dir is not None:
+        return Path(model_dir)
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        create_model_dir(preset, DEFAULT_MODEL_DIR)
+    return DEFAULT_MODEL_DIR
+
+
+def random_prompts(config: ModelConfig, num_prompts: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+    """Deterministic random token-id prompts with lengths uniform in [min_len, max_len]."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (num_prompts,), generator=g).tolist()
+    # Ids from 3 up avoid the tokenizer's special tokens (end-of-text and the chat markers).
+    return [torch.randint(3, config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def print_json(record: dict[str, Any]) -> None:
+    """The last line of every benchmark: one JSON object."""
+    print(json.dumps(record, sort_keys=True))

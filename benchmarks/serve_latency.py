@@ -1,0 +1,115 @@
+"""Batch-1 decode latency: ms per output token against the memory-bandwidth roofline.
+
+One request (a random prompt of --input-len tokens, --output-len greedy tokens, ignore_eos) runs
+through slipstream's engine step by step; the median decode step is the per-token latency. The
+floor is the bytes a decode step must read (all weights but the gathered embedding rows, plus the
+KV cache; slipstream.perf.flops.decode_bytes_per_step) divided by this machine's read bandwidth,
+measured in this run right before and after (best of the two). transformers' batch-1 `generate`
+on the same prompt is the baseline. Also reports the time from `LLM(...)` to the first token.
+
+    python benchmarks/serve_latency.py                 # ~125M preset, fp32 and bf16
+
+Last line JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+from common import ensure_model, machine, median, print_json, random_prompts
+from slipstream import LLM, SamplingParams
+from slipstream.model import ModelConfig
+from slipstream.perf.flops import decode_bytes_per_step
+from slipstream.perf.hardware import measure_memory_bandwidth
+
+
+def startup_to_first_token_s(model_dir, dtype, prompt):
+    start = time.perf_counter()
+    llm = LLM(str(model_dir), dtype=dtype)
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return elapsed, llm
+
+
+def decode_step_times_s(llm, prompt, output_len):
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    engine.add_request("latency", prompt, params)
+    times = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return times[0], times[1:]  # prefill (first token), then one decode step per token
+
+
+def transformers_ms_per_token(model_dir, dtype, prompt, output_len):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    ids = torch.tensor([prompt])
+
+    def run(n):
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+        return time.perf_counter() - start
+
+    run(2)  # warm-up
+    first = median([run(1) for _ in range(3)])
+    full = median([run(output_len) for _ in range(2)])
+    del model
+    gc.collect()
+    return 1e3 * (full - first) / (output_len - 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="HF model directory (default: the small preset, created once)")
+    parser.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args()
+
+    model_dir = ensure_model(args.model)
+    config = ModelConfig.from_pretrained(model_dir)
+    prompt = random_prompts(config, 1, args.input_len, args.input_len, seed=0)[0]
+    record = {"benchmark": "serve_latency", "model": str(model_dir), "input_len": args.input_len,
+              "output_len": args.output_len, **machine()}
+    for dtype in (["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]):
+        bandwidth_before = measure_memory_bandwidth()[0]
+        startup_s, llm = startup_to_first_token_s(model_dir, dtype, prompt)
+        steps = [decode_step_times_s(llm, prompt, args.output_len) for _ in range(args.repeats)]
+        bandwidth = max(bandwidth_before, measure_memory_bandwidth()[0])
+        del llm
+        gc.collect()
+        step_s = median([t for _, decode in steps for t in decode])
+        ttft_s = median([prefill for prefill, _ in steps])
+        contexts = range(args.input_len + 1, args.input_len + args.output_len)
+        bytes_per_step = sum(decode_bytes_per_step(config, dtype, 1, c) for c in contexts) / len(contexts)
+        floor_s = bytes_per_step / bandwidth
+        print(f"{dtype:>8} slipstream: {1e3 * step_s:6.2f} ms/token, roofline {1e3 * floor_s:5.2f} ms "
+              f"({bytes_per_step / 1e6:.0f} MB/step at {bandwidth / 1e9:.1f} GB/s measured now) = "
+              f"{100 * floor_s / step_s:4.1f}% of bandwidth; prefill of {args.input_len} tokens "
+              f"{1e3 * ttft_s:.0f} ms; LLM() to first token {startup_s:.2f} s", flush=True)
+        record |= {f"{dtype}_ms_per_token": 1e3 * step_s, f"{dtype}_bandwidth_fraction": floor_s / step_s,
+                   f"{dtype}_roofline_ms_per_token": 1e3 * floor_s, f"{dtype}_measured_read_gb_per_s": bandwidth / 1e9,
+                   f"{dtype}_prefill_ms": 1e3 * ttft_s, f"{dtype}_startup_to_first_token_s": startup_s}
+        if not args.skip_transformers:
+            hf_ms = transformers_ms_per_token(model_dir, dtype, prompt, args.output_len)
+            print(f"{dtype:>8} transformers: {hf_ms:6.2f} ms/token; slipstream is "
+                  f"{hf_ms / (1e3 * step_s):.2f}x faster", flush=True)
+            record |= {f"{dtype}_transformers_ms_per_token": hf_ms,
+                       f"{dtype}_speedup_vs_transformers": hf_ms / (1e3 * step_s)}
+    print_json(record)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Small C kernels for the CPU, compiled on first use and called through ctypes.
+
+PyTorch has no paged-attention kernel for the CPU, and gathering a batch's cache blocks into
+dense tensors first triples the memory traffic of a decode step (read, write the copy, read it
+again). `csrc/paged_decode_attention.c` reads the cache in place. It needs no PyTorch headers, so
+it builds with the system C compiler in well under a second and is cached under
+`~/.cache/slipstream/kernels/`, keyed by the source, the compiler flags and this CPU's features.
+Where no compiler is found or the build fails, `library()` returns None and callers use their
+plain PyTorch path (which the tests check the kernel against).
+
+OpenMP: the library links the `libgomp.so.1` that PyTorch has already loaded (same soname), so
+both share one thread pool instead of two pools competing for the cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.c"
+# -ffast-math only when compiling: linking with it would add startup code that sets the CPU's
+# flush-to-zero mode for the whole process (subnormals would vanish in PyTorch too).
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+LDFLAGS = ["-shared", "-fopenmp"]
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None where it cannot be built here."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        logger.warning("no C compiler found: using the PyTorch paged-attention path")
+        return None
+    path = _cache_dir() / f"paged_decode_attention-{_build_key(compiler)}.so"
+    if not path.is_file():
+        try:
+            _compile(compiler, path)
+        except (OSError, subprocess.CalledProcessError) as e:
+            logger.warning("building the CPU attention kernel failed (%s): using PyTorch", e)
+            return None
+    lib = ctypes.CDLL(str(path))
+    lib.paged_decode_attention.restype = ctypes.c_int
+    lib.paged_decode_attention.argtypes = (
+        [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    )
+    return lib
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # (B, H, D)
+    k_cache: torch.Tensor,  # (P, S, K, D)
+    v_cache: torch.Tensor,  # (P, S, K, D)
+    block_tables: torch.Tensor,  # (B, max_blocks) int64
+    seq_lens: torch.Tensor,  # (B,) int64
+    sliding_window: int | None,
+) -> torch.Tensor:  # (B, H, D)
+    """One decode query per sequence against its paged keys and values (see the C source)."""
+    lib = library()
+    assert lib is not None and q.dtype in DTYPE_CODES and q.device.type == "cpu"
+    q, block_tables, seq_lens = q.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
+    out = torch.empty_like(q)
+    num_seqs, num_heads, head_dim = q.shape
+    status = lib.paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        block_tables.data_ptr(), seq_lens.data_ptr(),
+        num_seqs, block_tables.shape[1], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
+        sliding_window or 0, head_dim**-0.5, DTYPE_CODES[q.dtype], torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"paged_decode_attention kernel failed with status {status}")
+    return out
+
+
+def supports(q: torch.Tensor, num_heads: int, num_kv_heads: int) -> bool:
+    """Whether the kernel handles this case (else use the PyTorch path)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in DTYPE_CODES
+        and num_heads // num_kv_heads <= 64
+        and library() is not None
+    )
+
+
+def _build_key(compiler: str) -> str:
+    cpu_flags = ""
+    try:
+        cpu_flags = next(
+            (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), ""
+        )
+    except OSError:
+        pass
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    material = "\n".join([SOURCE.read_text(), " ".join(CFLAGS + LDFLAGS), cpu_flags, version])
+    return hashlib.sha256(material.encode()).hexdigest()[:16]
+
+
+def _compile(compiler: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        tmp_path = Path(tmp) / path.name
+        obj = Path(tmp) / "kernel.o"
+        subprocess.run([compiler, *CFLAGS, "-c", "-o", str(obj), str(SOURCE)],
+                       check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *LDFLAGS, "-o", str(tmp_path), str(obj), "-lm"],
+                       check=True, capture_output=True, text=True)
+        os.replace(tmp_path, path)  # atomic: concurrent builders race harmlessly
+    logger.info("built %s", path)
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "slipstream" / "kernels"

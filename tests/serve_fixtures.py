@@ -1,0 +1,90 @@
+"""Shared pieces of the serving tests: a small random model directory and a dense reference.
+
+The model is a 2-layer Llama shape (2.4M parameters) with the tiny preset's tokenizer (vocabulary
+8192, ChatML template, end-of-sequence ids 0 `<|endoftext|>` and 2 `<|im_end|>`), so an engine over
+it starts in well under a second and a step costs milliseconds on a CPU.
+
+The test modules load this file as a plugin (`pytest_plugins`), so that its session fixtures are built
+once for all of them, and also import its constants and helpers; it holds no asserts, so it opts out
+of assertion rewriting (PYTEST_DONT_REWRITE), which pytest cannot apply to a module already imported.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from slipstream.model.config import ModelConfig
+from slipstream.model.create import stdlib_tokenizer
+from slipstream.model.transformer import Transformer
+from slipstream.model.weights import load_model, save_model
+
+VOCAB_SIZE = 8192
+NUM_LAYERS = 2
+NUM_KV_HEADS = 2
+HEAD_DIM = 32
+MAX_POSITIONS = 512
+EOS_TRIGGER_ID = 4321
+"""After this token the model's greedy choice is `<|im_end|>` (id 2), by a margin of about 1 logit: its
+output row copies this token's embedding, so the two align whenever this token is the last one."""
+
+
+def build_model_dir(out_dir: Path, *, seed: int = 0) -> Path:
+    """Write a small random model with the tiny preset's tokenizer (the cached one that
+    `create_model_dir("tiny", ...)` uses, without writing that 16M-parameter model) to `out_dir`."""
+    tokenizer = stdlib_tokenizer(VOCAB_SIZE)
+    config = ModelConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4, num_key_value_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POSITIONS, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Transformer(config)
+    model.init_weights(generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():  # so that end-of-sequence can be provoked: see EOS_TRIGGER_ID
+        model.lm_head.weight[2] = model.model.embed_tokens.weight[EOS_TRIGGER_ID]
+    save_model(model, out_dir, dtype="float32")
+    tokenizer.save_pretrained(out_dir)
+    generation = {"eos_token_id": list(tokenizer.eos_token_ids), "pad_token_id": tokenizer.pad_token_id}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation) + "\n")
+    return out_dir
+
+
+def kv_bytes_for_blocks(num_blocks: int, block_size: int) -> int:
+    """`kv_cache_memory` that gives the engine exactly `num_blocks` fp32 blocks of this model."""
+    return num_blocks * block_size * 2 * NUM_LAYERS * NUM_KV_HEADS * HEAD_DIM * 4
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    """The small model directory, built once per test session."""
+    return build_model_dir(tmp_path_factory.mktemp("serve-model"))
+
+
+@pytest.fixture(scope="session")
+def dense_model(model_dir) -> Transformer:
+    """The same weights loaded for a plain dense forward (the reference for logprobs)."""
+    return load_model(model_dir)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Run a module's tests with one intra-op thread, restoring the setting afterwards. The ops of
+    this model take microseconds, so a second thread gains nothing, and on a loaded machine every
+    parallel region waits for a descheduled thread: with one busy neighbour process, the serving
+    tests took 26 s with two threads and 5 s with one."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@torch.no_grad()
+def dense_logprobs(model: Transformer, token_ids: list[int]) -> torch.Tensor:
+    """log_softmax of the model's logits over `token_ids` in one dense causal forward: (T, V)."""
+    ids = torch.tensor([token_ids])  # (1, T)
+    logits = model(ids, torch.arange(len(token_ids))[None])[0]  # (T, V)
+    return logits.float().log_softmax(-1)

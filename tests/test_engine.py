@@ -1,0 +1,314 @@
+"""The engine's step loop over a small random model: scheduler and KV invariants under chunking and
+preemption, aborts, request metrics, prefix caching, request ids and the streamed text."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import sys
+
+import pytest
+from serve_fixtures import VOCAB_SIZE, kv_bytes_for_blocks
+
+from slipstream.serve.engine import Engine, EngineConfig
+from slipstream.serve.request import RequestOutput, SamplingParams
+
+pytest_plugins = ["serve_fixtures"]  # the model_dir and dense_model fixtures, built once
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MAX_STEPS = 2000
+"""Every run here finishes in far fewer steps; more means the loop no longer makes progress."""
+
+
+def greedy(max_tokens: int = 12, **overrides) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **overrides)
+
+
+def make_engine(model_dir, **overrides) -> Engine:
+    values = dict(max_model_len=128, max_num_batched_tokens=256, block_size=8) | overrides
+    return Engine(EngineConfig(model=str(model_dir), **values))
+
+
+@pytest.fixture(scope="module")
+def reference_engine(model_dir) -> Engine:
+    """Room for everything, no prefix caching: the outputs other configurations must reproduce."""
+    return make_engine(model_dir, enable_prefix_caching=False)
+
+
+def random_prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(3, VOCAB_SIZE) for _ in range(length)]
+
+
+def run(engine: Engine, *, check: bool = True) -> tuple[dict[str, RequestOutput], list[RequestOutput]]:
+    """Step until every request finished: (final output per request id, every output in order),
+    checking the scheduler's and KV cache's invariants after each step."""
+    finals: dict[str, RequestOutput] = {}
+    stream: list[RequestOutput] = []
+    for _ in range(MAX_STEPS):
+        if not engine.has_unfinished_requests():
+            return finals, stream
+        for output in engine.step():
+            stream.append(output)
+            if output.finished:
+                assert output.request_id not in finals, "a request finished twice"
+                finals[output.request_id] = output
+        if check:
+            engine.scheduler.check_invariants()
+    raise AssertionError(f"requests still unfinished after {MAX_STEPS} steps")
+
+
+def generate(engine: Engine, prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, list[int]]:
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, params)
+    finals, _ = run(engine)
+    return {request_id: finals[request_id].outputs[0].token_ids for request_id in prompts}
+
+
+# ---- invariants under chunking and preemption ----------------------------------------------------
+
+
+def test_invariants_hold_every_step_under_chunking_and_preemption(model_dir, reference_engine):
+    """Invariants hold every step under chunking and preemption, and outputs match a roomy engine's."""
+    rng = random.Random(0)
+    lengths = [90, 5, 60, 3, 40, 100, 17, 8]
+    prompts = {f"r{i}": random_prompt(rng, n) for i, n in enumerate(lengths)}
+    params = greedy(max_tokens=20)
+    sampled = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=20, ignore_eos=True)
+    engine = make_engine(model_dir, max_num_batched_tokens=24, kv_cache_memory=kv_bytes_for_blocks(18, 8))
+    assert engine.limits.num_blocks == 18
+    late = ["r6", "r7"]
+    for request_id in prompts.keys() - set(late):
+        engine.add_request(request_id, prompts[request_id], params)
+    for _ in range(5):
+        engine.step()
+        engine.scheduler.check_invariants()
+    for request_id in late:
+        engine.add_request(request_id, prompts[request_id], params)
+    engine.add_request("sampled", prompts["r2"], sampled)
+    finals, _ = run(engine)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.kv_cache.num_used_blocks == 0
+    assert not engine.scheduler.has_unfinished()
+    assert set(finals) == set(prompts) | {"sampled"}
+    for output in finals.values():
+        for completion in output.outputs:
+            assert completion.finish_reason == "length"
+            assert len(completion.token_ids) == 20
+    expected = generate(reference_engine, prompts, params)
+    assert {request_id: finals[request_id].outputs[0].token_ids for request_id in prompts} == expected
+    # Seeded sampling continues each completion's own random stream across preemptions.
+    reference_engine.add_request("sampled", prompts["r2"], sampled)
+    expected_sampled = run(reference_engine)[0]["sampled"]
+    assert [c.token_ids for c in finals["sampled"].outputs] == [c.token_ids for c in expected_sampled.outputs]
+
+
+def test_prompt_logprobs_survive_preemption(model_dir):
+    """A preempted, recomputed request still has exactly one prompt-logprobs entry per prompt token."""
+    rng = random.Random(1)
+    engine = make_engine(model_dir, max_num_batched_tokens=32, block_size=4,
+                         kv_cache_memory=kv_bytes_for_blocks(36, 4))
+    prompts = {f"p{i}": random_prompt(rng, 20) for i in range(4)}
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, greedy(max_tokens=30, prompt_logprobs=1))
+    finals, _ = run(engine)
+    assert engine.scheduler.num_preemptions > 0
+    for request_id, prompt in prompts.items():
+        assert len(finals[request_id].prompt_logprobs) == len(prompt)
+
+
+# ---- aborts --------------------------------------------------------------------------------------
+
+
+def start_two(engine: Engine) -> None:
+    """Queue a request to keep and one to abort, and step until the victim has generated tokens."""
+    rng = random.Random(2)
+    engine.add_request("keep", random_prompt(rng, 30), greedy(max_tokens=10))
+    engine.add_request("victim", random_prompt(rng, 40), greedy(max_tokens=50))
+    for _ in range(3):
+        engine.step()
+    engine.scheduler.check_invariants()
+
+
+def test_abort_frees_blocks_at_once(model_dir):
+    """abort_request frees the request's blocks at once; the other request finishes normally."""
+    engine = make_engine(model_dir)
+    start_two(engine)
+    kv_cache = engine.scheduler.kv_cache
+    used, held = kv_cache.num_used_blocks, engine.num_kv_blocks_held("victim")
+    assert held >= 40 // 8
+    engine.abort_request("victim")
+    assert engine.num_kv_blocks_held("victim") == 0
+    assert kv_cache.num_used_blocks == used - held  # the two prompts share no block
+    engine.scheduler.check_invariants()
+    finals, stream = run(engine)
+    assert set(finals) == {"keep"}
+    assert all(output.request_id == "keep" for output in stream)
+    assert len(finals["keep"].outputs[0].token_ids) == 10
+    assert engine.scheduler.kv_cache.num_used_blocks == 0
+
+
+def test_abort_reports_a_final_abort_output(model_dir):
+    """An aborted request gets a final output with finish_reason "abort" and its tokens so far."""
+    engine = make_engine(model_dir)
+    start_two(engine)
+    returned = engine.abort_request("victim") or []
+    outputs = [*returned, *engine.step()]
+    finals = [output for output in outputs if output.request_id == "victim"]
+    assert len(finals) == 1, f"{len(finals)} outputs for the aborted request"
+    final = finals[0]
+    assert final.finished
+    assert final.outputs[0].finish_reason == "abort"
+    assert len(final.outputs[0].token_ids) > 0
+
+
+def test_abort_of_unknown_or_finished_ids_is_harmless(model_dir):
+    """Aborting ids that were never added, or that already finished, changes nothing."""
+    engine = make_engine(model_dir)
+    engine.add_request("done", [5, 6, 7], greedy(max_tokens=2))
+    run(engine)
+    engine.add_request("live", [5, 6, 7, 8], greedy(max_tokens=4))
+    engine.step()
+    engine.abort_request("never-added")
+    engine.abort_request(["done", "also-unknown"])
+    engine.scheduler.check_invariants()
+    finals, _ = run(engine)
+    assert len(finals["live"].outputs[0].token_ids) == 4
+    assert engine.scheduler.kv_cache.num_used_blocks == 0
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+
+def test_request_metrics_are_ordered(model_dir):
+    """arrival <= first scheduled <= first token <= finished, also for requests that queued."""
+    engine = make_engine(model_dir, max_num_seqs=2, max_num_batched_tokens=16)
+    rng = random.Random(3)
+    for i in range(5):
+        engine.add_request(f"m{i}", random_prompt(rng, 10 + 7 * i), greedy(max_tokens=4))
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            # Checked on receipt: outputs of one request share its live metrics record.
+            assert (output.metrics.finished_time_s is not None) == output.finished
+            if output.finished:
+                finals[output.request_id] = output
+    assert len(finals) == 5
+    for output in finals.values():
+        m = output.metrics
+        assert m.arrival_time_s <= m.first_scheduled_time_s <= m.first_token_time_s <= m.finished_time_s
+        assert m.queue_time_s >= 0
+        assert m.time_to_first_token_s >= m.queue_time_s
+        assert m.e2e_latency_s >= m.time_to_first_token_s
+
+
+# ---- prefix caching ------------------------------------------------------------------------------
+
+
+def shared_prefix_prompts() -> dict[str, list[int]]:
+    rng = random.Random(4)
+    prefix = random_prompt(rng, 45)
+    return {"first": prefix + random_prompt(rng, 6), "second": prefix + random_prompt(rng, 9)}
+
+
+def test_prefix_cache_hits_keep_outputs_identical(model_dir, reference_engine):
+    """A shared prompt prefix hits the prefix cache and gives the same greedy tokens as no caching."""
+    engine = make_engine(model_dir)
+    prompts = shared_prefix_prompts()
+    outputs = {}
+    for request_id, prompt in prompts.items():
+        outputs |= generate(engine, {request_id: prompt}, greedy())
+    kv_cache = engine.scheduler.kv_cache
+    assert kv_cache.prefix_cache_hits >= 40  # the 5 full blocks of the shared 45-token prefix
+    assert kv_cache.prefix_cache_queries == sum(len(p) for p in prompts.values())
+    assert outputs == generate(reference_engine, prompts, greedy())
+    # The same prompt again hits everything but its last block, and still agrees.
+    again = generate(engine, {"again": prompts["second"]}, greedy())
+    assert again["again"] == outputs["second"]
+    assert kv_cache.num_used_blocks == 0
+    engine.scheduler.check_invariants()
+
+
+def test_num_cached_tokens_reports_prefix_hits(model_dir):
+    """RequestOutput.num_cached_tokens reports the prompt tokens served from the prefix cache (vLLM)."""
+    engine = make_engine(model_dir)
+    prompts = shared_prefix_prompts()
+    engine.add_request("first", prompts["first"], greedy())
+    first, _ = run(engine)
+    engine.add_request("second", prompts["second"], greedy())
+    second, _ = run(engine)
+    assert first["first"].num_cached_tokens == 0
+    assert second["second"].num_cached_tokens == 40
+
+
+# ---- request ids ---------------------------------------------------------------------------------
+
+
+def test_request_id_in_use_is_a_value_error(model_dir):
+    """Reusing an active id is a ValueError that leaves the active request alone; a finished id is free."""
+    engine = make_engine(model_dir)
+    engine.add_request("r", [5, 6, 7], greedy(max_tokens=6))
+    engine.step()
+    with pytest.raises(ValueError, match="'r'"):
+        engine.add_request("r", [9, 9, 9], greedy(max_tokens=2))
+    finals, _ = run(engine)
+    assert finals["r"].prompt_token_ids == [5, 6, 7]
+    assert len(finals["r"].outputs[0].token_ids) == 6
+    engine.add_request("r", [9, 9, 9], greedy(max_tokens=2))
+    finals, _ = run(engine)
+    assert len(finals["r"].outputs[0].token_ids) == 2
+
+
+def test_user_ids_never_collide_with_completion_ids(model_dir):
+    """An id that looks like another prompt's completion ("a#0") is just another request: both
+    finish with their own outputs."""
+    engine = make_engine(model_dir)
+    engine.add_request("a", [5, 6, 7], greedy(max_tokens=3, n=2))
+    engine.add_request("a#0", [8, 9], greedy(max_tokens=4))
+    finals, _ = run(engine)
+    assert [len(c.token_ids) for c in finals["a"].outputs] == [3, 3]
+    assert finals["a#0"].prompt_token_ids == [8, 9]
+    assert [len(c.token_ids) for c in finals["a#0"].outputs] == [4]
+
+
+# ---- streaming -----------------------------------------------------------------------------------
+
+
+def test_streamed_text_only_grows_and_never_shows_a_stop_string(model_dir, reference_engine):
+    """Streamed text only grows and never shows any part of a stop string that completes later."""
+    prompt = random.Random(5).sample(range(3, VOCAB_SIZE), 8)
+    reference_engine.add_request("ref", prompt, greedy(max_tokens=30))
+    reference = run(reference_engine)[0]["ref"].outputs[0]
+    decode = reference_engine.tokenizer.decode
+    token_ends = {len(decode(reference.token_ids[: i + 1])) for i in range(len(reference.token_ids))}
+    text = reference.text
+    # A 6-letter stop string first appearing in the second half, spread over more than one token.
+    k = next(
+        k for k in range(len(text) // 2, len(text) - 6)
+        if text[k : k + 6].isascii() and text[k : k + 6].isalpha() and text.find(text[k : k + 6]) == k
+        and any(k < end < k + 6 for end in token_ends)
+    )
+    stop = text[k : k + 6]
+    engine = make_engine(model_dir)
+    engine.add_request("s", prompt, greedy(max_tokens=30, stop=[stop]))
+    finals, stream = run(engine)
+    final = finals["s"].outputs[0]
+    assert (final.text, final.finish_reason, final.stop_reason) == (text[:k], "stop", stop)
+    texts = [output.outputs[0].text for output in stream]
+    assert len(texts) > 3
+    for earlier, later in itertools.pairwise(texts):
+        assert later.startswith(earlier)
+    for shown in texts:
+        assert final.text.startswith(shown)
+    # The hold-back was exercised: some intermediate output had generated the stop string's start.
+    assert any(decode(output.outputs[0].token_ids)[k:k + 1] == stop[0] for output in stream[:-1])
+
+
+# ---- process state -------------------------------------------------------------------------------
+
+def test_engine_leaves_subnormal_floats_working(model_dir):
+    """Serving leaves the process's floating-point mode alone: subnormal numbers still exist."""
+    engine = make_engine(model_dir)
+    engine.add_request("x", [5, 6, 7], greedy(max_tokens=3))
+    run(engine)
+    tiny = sys.float_info.min  # the smallest normal double
+    assert tiny / 2 > 0

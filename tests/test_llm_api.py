@@ -1,0 +1,364 @@
+"""The offline `LLM` API as a vLLM user drives it: prompt forms, sampling parameters, stop conditions,
+logprobs against a dense forward of the same weights, chat, and input validation.
+
+All tests share one `LLM` over a small random model (see serve_fixtures.py) with a 64-token context
+and a 32-token step budget, so prompts longer than 32 tokens are prefilled in chunks.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from serve_fixtures import EOS_TRIGGER_ID, VOCAB_SIZE, dense_logprobs
+
+from slipstream import LLM, SamplingParams
+
+pytest_plugins = ["serve_fixtures"]  # the model_dir and dense_model fixtures, built once
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MAX_MODEL_LEN = 64
+LOGPROB_TOL = 1e-4
+"""Engine logprobs (paged attention, packed linears, chunked prefill) vs a dense fp32 forward."""
+
+PROMPT = "def fib(n):"
+
+
+def greedy(**overrides) -> SamplingParams:
+    return SamplingParams(**({"temperature": 0.0, "max_tokens": 16, "ignore_eos": True} | overrides))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    return LLM(model_dir, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llm):
+    return llm.get_tokenizer()
+
+
+def generate_one(llm: LLM, prompt, params: SamplingParams):
+    """The single completion of one prompt."""
+    [output] = llm.generate(prompt, params, use_tqdm=False)
+    return output.outputs[0]
+
+
+def random_prompts(num: int, seed: int, *, min_len: int = 3, max_len: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)]
+
+
+def stop_string_in(text: str, *, length: int, min_start: int) -> tuple[int, str]:
+    """(k, s): a letters-only substring s of `text` whose first occurrence starts at k >= min_start."""
+    for k in range(min_start, len(text) - length + 1):
+        s = text[k : k + length]
+        if s.isascii() and s.isalpha() and text.find(s) == k:
+            return k, s
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+# ---- prompt forms and output shape ---------------------------------------------------------------
+
+
+def test_single_string_prompt_gives_one_output(llm, tokenizer):
+    """A bare string is one prompt; the output carries the prompt, its ids and a decoded completion."""
+    outputs = llm.generate(PROMPT, greedy(max_tokens=5), use_tqdm=False)
+    assert len(outputs) == 1
+    output = outputs[0]
+    assert output.finished
+    assert output.prompt == PROMPT
+    assert output.prompt_token_ids == tokenizer.encode(PROMPT)
+    [completion] = output.outputs
+    assert completion.index == 0
+    assert len(completion.token_ids) == 5
+    assert completion.text == tokenizer.decode(completion.token_ids)
+    assert completion.finish_reason == "length"
+
+
+def test_prompt_forms_are_equivalent_and_outputs_keep_input_order(llm, tokenizer):
+    """Strings, token-id lists and prompt dicts mean the same prompt; outputs keep input order."""
+    texts = ["import os\n", "hello world", PROMPT, "class Foo:"]
+    ids = [tokenizer.encode(t) for t in texts]
+    alone = [generate_one(llm, t, greedy()).token_ids for t in texts]
+    prompts = [texts[0], ids[1], {"prompt_token_ids": ids[2]}, {"prompt": texts[3]}]
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == ids
+    assert [o.outputs[0].token_ids for o in outputs] == alone
+    assert [o.prompt for o in outputs] == [texts[0], None, None, texts[3]]
+    # A flat list of ints is one prompt given as token ids, not several prompts.
+    [single] = llm.generate(ids[2], greedy(), use_tqdm=False)
+    assert single.outputs[0].token_ids == alone[2]
+
+
+def test_per_prompt_sampling_params(llm):
+    """A list of SamplingParams applies one per prompt, in order; a list of the wrong length is refused."""
+    params = [greedy(max_tokens=1), greedy(max_tokens=7), greedy(max_tokens=3)]
+    outputs = llm.generate(["a", "b", "c"], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 7, 3]
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], params, use_tqdm=False)
+
+
+def test_n_completions_seeded_differ_and_reproduce(llm):
+    """n=3 gives completions 0..2 that differ; with a seed they reproduce, alone or batched."""
+    params = SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=8, ignore_eos=True)
+    [first] = llm.generate(PROMPT, params, use_tqdm=False)
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    tokens = [tuple(c.token_ids) for c in first.outputs]
+    assert all(len(t) == 8 for t in tokens)
+    assert len(set(tokens)) == 3
+    [again] = llm.generate(PROMPT, params, use_tqdm=False)
+    assert [tuple(c.token_ids) for c in again.outputs] == tokens
+    others = SamplingParams(temperature=1.0, max_tokens=8)
+    batched = llm.generate(["x = 1", PROMPT, "y = 2"], [others, params, others], use_tqdm=False)
+    assert [tuple(c.token_ids) for c in batched[1].outputs] == tokens
+
+
+def test_greedy_is_deterministic_and_batch_invariant(llm):
+    """Greedy tokens of a prompt do not depend on the call or on the other prompts in the batch."""
+    prompts = random_prompts(10, seed=1)
+    alone = [generate_one(llm, p, greedy()).token_ids for p in prompts]
+    batched = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in batched] == alone
+    assert generate_one(llm, prompts[4], greedy()).token_ids == alone[4]
+
+
+# ---- length, eos, stop conditions ----------------------------------------------------------------
+
+
+def test_max_tokens_finishes_with_length(llm):
+    """max_tokens gives exactly that many tokens and finish_reason "length" with no stop_reason."""
+    for max_tokens in (1, 7):
+        completion = generate_one(llm, PROMPT, greedy(max_tokens=max_tokens))
+        assert len(completion.token_ids) == max_tokens
+        assert (completion.finish_reason, completion.stop_reason) == ("length", None)
+
+
+def test_context_length_caps_the_output(llm):
+    """A prompt one token short of the context length still gets its one token, ending with "length"."""
+    completion = generate_one(llm, [[7] * (MAX_MODEL_LEN - 1)], greedy(max_tokens=16))
+    assert len(completion.token_ids) == 1
+    assert completion.finish_reason == "length"
+
+
+def test_eos_stops_and_ignore_eos_continues(llm):
+    """End-of-sequence ends generation with "stop" (and no text); ignore_eos generates past it."""
+    prompt = [[11, 12, EOS_TRIGGER_ID]]  # the model answers <|im_end|> after EOS_TRIGGER_ID
+    stopped = generate_one(llm, prompt, greedy(ignore_eos=False))
+    assert stopped.token_ids == [2]
+    assert (stopped.finish_reason, stopped.stop_reason, stopped.text) == ("stop", None, "")
+    ignored = generate_one(llm, prompt, greedy(ignore_eos=True, max_tokens=6))
+    assert ignored.token_ids[0] == 2
+    assert len(ignored.token_ids) == 6
+    assert ignored.finish_reason == "length"
+
+
+def test_stop_string_is_trimmed_from_text(llm, tokenizer):
+    """A stop string in the text ends generation and is cut off (kept with include_stop_str_in_output)."""
+    reference = generate_one(llm, PROMPT, greedy(max_tokens=24))
+    k, stop = stop_string_in(reference.text, length=4, min_start=len(reference.text) // 3)
+    completion = generate_one(llm, PROMPT, greedy(max_tokens=24, stop=[stop]))
+    assert completion.text == reference.text[:k]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+    # It stopped at the token that completed the stop string.
+    num = len(completion.token_ids)
+    assert completion.token_ids == reference.token_ids[:num]
+    assert stop in tokenizer.decode(completion.token_ids)
+    assert stop not in tokenizer.decode(completion.token_ids[:-1])
+    kept = generate_one(llm, PROMPT, greedy(max_tokens=24, stop=[stop], include_stop_str_in_output=True))
+    assert kept.text == reference.text[: k + len(stop)]
+    assert (kept.finish_reason, kept.stop_reason) == ("stop", stop)
+    # Of several stop strings, the one appearing first wins.
+    late_k, late = stop_string_in(reference.text, length=3, min_start=k + len(stop))
+    either = generate_one(llm, PROMPT, greedy(max_tokens=24, stop=[late, stop]))
+    assert (either.text, either.stop_reason) == (reference.text[:k], stop)
+
+
+def test_stop_string_on_last_token_reports_stop(llm):
+    """A stop string completed by the max_tokens-th token still finishes with "stop" (as in vLLM)."""
+    reference = generate_one(llm, PROMPT, greedy(max_tokens=5))
+    stop = reference.text[-3:]
+    assert reference.text.find(stop) == len(reference.text) - 3
+    completion = generate_one(llm, PROMPT, greedy(max_tokens=5, stop=[stop]))
+    assert completion.text == reference.text[:-3]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+
+
+def word_token_position(token_ids: list[int], tokenizer) -> int:
+    """Position (>= 2) of the first occurrence of a token that decodes to a plain word, after text
+    that decodes completely (no partial UTF-8 character before it)."""
+    return next(
+        i for i in range(2, len(token_ids))
+        if token_ids.index(token_ids[i]) == i and tokenizer.decode(token_ids[i : i + 1]).strip().isalpha()
+        and not tokenizer.decode(token_ids[:i]).endswith("\ufffd")
+    )
+
+
+def test_stop_token_ids_end_generation(llm, tokenizer):
+    """A stop token id ends generation at its first occurrence, with stop_reason set to that id."""
+    reference = generate_one(llm, PROMPT, greedy(max_tokens=24)).token_ids
+    j = word_token_position(reference, tokenizer)
+    completion = generate_one(llm, PROMPT, greedy(max_tokens=24, stop_token_ids=[reference[j]]))
+    assert completion.token_ids == reference[: j + 1]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", reference[j])
+
+
+def test_stop_token_text_is_not_in_output(llm, tokenizer):
+    """As in vLLM, a stop token's own text is not in the output text."""
+    reference = generate_one(llm, PROMPT, greedy(max_tokens=24)).token_ids
+    j = word_token_position(reference, tokenizer)
+    completion = generate_one(llm, PROMPT, greedy(max_tokens=24, stop_token_ids=[reference[j]]))
+    assert completion.text == tokenizer.decode(reference[:j])
+
+
+def test_min_tokens_suppresses_eos_and_stop_token_ids(llm):
+    """Before min_tokens outputs, neither end-of-sequence nor stop token ids can be chosen."""
+    eos_prompt = [[11, 12, EOS_TRIGGER_ID]]
+    completion = generate_one(llm, eos_prompt, greedy(ignore_eos=False, min_tokens=3, max_tokens=8))
+    assert len(completion.token_ids) >= 3
+    assert not {0, 2} & set(completion.token_ids[:3])
+    first = generate_one(llm, PROMPT, greedy(max_tokens=1)).token_ids[0]
+    completion = generate_one(llm, PROMPT, greedy(stop_token_ids=[first], min_tokens=4, max_tokens=8))
+    assert len(completion.token_ids) >= 4
+    assert first not in completion.token_ids[:4]
+
+
+def test_min_tokens_defers_stop_strings(llm):
+    """As in vLLM, stop strings in the text of the first min_tokens tokens do not end generation."""
+    reference = generate_one(llm, PROMPT, greedy(max_tokens=8))
+    first_text = llm.get_tokenizer().decode(reference.token_ids[:1]).strip()
+    assert first_text
+    completion = generate_one(llm, PROMPT, greedy(max_tokens=8, min_tokens=5, stop=[first_text]))
+    assert len(completion.token_ids) >= 5
+
+
+# ---- logprobs ------------------------------------------------------------------------------------
+
+
+def check_position(position: dict, reference, chosen: int, num_top: int, tokenizer) -> float:
+    """Assert one position's logprobs match `reference` (V,) log-probabilities; return the max diff."""
+    assert chosen in position
+    assert num_top <= len(position) <= num_top + 1
+    diff = max(abs(lp.logprob - reference[t].item()) for t, lp in position.items())
+    assert diff <= LOGPROB_TOL
+    top = sorted((lp.logprob for lp in position.values() if lp.rank <= num_top), reverse=True)
+    assert top == pytest.approx(reference.topk(num_top).values.tolist(), abs=LOGPROB_TOL)
+    assert position[chosen].rank == int((reference >= reference[chosen]).sum())
+    for token, lp in position.items():
+        assert lp.decoded_token == tokenizer.decode([token], skip_special_tokens=False)
+    return diff
+
+
+def test_sample_logprobs_match_a_dense_forward(llm, tokenizer, dense_model):
+    """logprobs=3 gives the chosen token and top 3 per position, equal to a dense forward's."""
+    prompts = [tokenizer.encode(PROMPT), random_prompts(1, seed=3, min_len=40, max_len=40)[0]]
+    params = [greedy(max_tokens=6, logprobs=3),
+              SamplingParams(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True, logprobs=3)]
+    max_diff = 0.0
+    for output, p in zip(llm.generate(prompts, params, use_tqdm=False), params, strict=True):
+        completion = output.outputs[0]
+        reference = dense_logprobs(dense_model, output.prompt_token_ids + completion.token_ids)
+        first = len(output.prompt_token_ids) - 1
+        assert len(completion.logprobs) == len(completion.token_ids) == 6
+        for i, (position, chosen) in enumerate(zip(completion.logprobs, completion.token_ids, strict=True)):
+            max_diff = max(max_diff, check_position(position, reference[first + i], chosen, 3, tokenizer))
+            if p.temperature == 0:
+                assert position[chosen].rank == 1
+        expected = sum(reference[first + i, t].item() for i, t in enumerate(completion.token_ids))
+        assert completion.cumulative_logprob == pytest.approx(expected, abs=6 * LOGPROB_TOL)
+    print(f"sample logprobs: max |engine - dense| = {max_diff:.2e} (tolerance {LOGPROB_TOL})")
+
+
+def test_prompt_logprobs_match_a_dense_forward(llm, tokenizer, dense_model):
+    """prompt_logprobs=2 gives None, then per prompt token the dense forward's logprobs and top 2."""
+    prompt = random_prompts(1, seed=4, min_len=45, max_len=45)[0]
+    [output] = llm.generate([prompt], greedy(max_tokens=2, prompt_logprobs=2), use_tqdm=False)
+    reference = dense_logprobs(dense_model, prompt)
+    assert len(output.prompt_logprobs) == len(prompt)
+    assert output.prompt_logprobs[0] is None
+    max_diff = 0.0
+    for p in range(1, len(prompt)):
+        position = output.prompt_logprobs[p]
+        max_diff = max(max_diff, check_position(position, reference[p - 1], prompt[p], 2, tokenizer))
+    print(f"prompt logprobs: max |engine - dense| = {max_diff:.2e} (tolerance {LOGPROB_TOL})")
+
+
+# ---- chat ----------------------------------------------------------------------------------------
+
+
+def test_chat_renders_through_the_chat_template(llm, tokenizer):
+    """chat() prompts through the chat template with the generation prompt, for one or many chats."""
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    expected = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    [output] = llm.chat(conversation, greedy(max_tokens=4), use_tqdm=False)
+    assert output.prompt_token_ids == expected
+    assert tokenizer.decode(expected, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+    assert output.outputs[0].token_ids == generate_one(llm, [expected], greedy(max_tokens=4)).token_ids
+    other = [{"role": "user", "content": "What is 2 + 2?"}]
+    outputs = llm.chat([conversation, other], greedy(max_tokens=4), use_tqdm=False)
+    assert outputs[1].prompt_token_ids == tokenizer.apply_chat_template(
+        other, add_generation_prompt=True, tokenize=True
+    )
+    assert outputs[0].outputs[0].token_ids == output.outputs[0].token_ids
+
+
+# ---- validation ----------------------------------------------------------------------------------
+
+BAD_PROMPTS = {
+    "empty string": ("", "prompt"),
+    "empty token ids": ({"prompt_token_ids": []}, "prompt"),
+    "filling the context": ([[5] * MAX_MODEL_LEN], "prompt.*context length"),
+    "longer than the context": ("word " * 100, "prompt.*context length"),
+    "dict without a prompt": ({"text": "hi"}, "prompt"),
+    "token id past the vocabulary": ([[5, VOCAB_SIZE]], "prompt token id"),
+    "negative token id": ([[5, -1]], "prompt token id"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PROMPTS))
+def test_bad_prompt_is_a_value_error(llm, case):
+    """An empty prompt, one that fills the context, or an out-of-vocabulary id is a ValueError."""
+    prompt, message = BAD_PROMPTS[case]
+    with pytest.raises(ValueError, match=message):
+        llm.generate(prompt, greedy(), use_tqdm=False)
+
+
+BAD_PARAMS = {
+    "max_tokens": dict(max_tokens=0),
+    "temperature": dict(temperature=-0.5),
+    "top_p": dict(top_p=0.0),
+    "top_p ": dict(top_p=1.5),
+    "n": dict(n=0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_PARAMS))
+def test_bad_sampling_params_are_value_errors(name):
+    """Out-of-range sampling parameters are refused when built, naming the parameter."""
+    with pytest.raises(ValueError, match=name.strip()):
+        SamplingParams(**BAD_PARAMS[name])
+
+
+@pytest.mark.parametrize(
+    "name, params",
+    [("logprobs", dict(logprobs=21)), ("prompt_logprobs", dict(prompt_logprobs=21)),
+     ("stop_token_ids", dict(stop_token_ids=[VOCAB_SIZE]))],
+)
+def test_params_beyond_engine_limits_are_value_errors(llm, name, params):
+    """logprobs above max_logprobs (20) and stop ids outside the vocabulary are refused by generate."""
+    with pytest.raises(ValueError, match=name):
+        llm.generate(PROMPT, greedy(**params), use_tqdm=False)
+
+
+def test_engine_recovers_after_a_failed_generate(llm):
+    """After a generate fails on a bad prompt, nothing is queued or held and generation still works."""
+    before = generate_one(llm, PROMPT, greedy()).token_ids
+    with pytest.raises(ValueError, match="prompt token id"):
+        llm.generate([PROMPT, "hello", [5, VOCAB_SIZE]], greedy(), use_tqdm=False)
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert (engine.num_running, engine.num_waiting) == (0, 0)
+    assert engine.scheduler.kv_cache.num_used_blocks == 0
+    engine.scheduler.check_invariants()
+    assert generate_one(llm, PROMPT, greedy()).token_ids == before
