@@ -82,12 +82,13 @@ def reference(model_dir):
     return prompts, *_transformers_greedy(model_dir, prompts)
 
 
-@pytest.mark.parametrize("fast_linear", [True, False])
-def test_continuous_batching_matches_transformers(model_dir, reference, fast_linear):
-    """(a) All prompts batched together: identical tokens, with the oneDNN and the plain linears."""
+@pytest.mark.parametrize("fast_cpu_kernels", [True, False])
+def test_continuous_batching_matches_transformers(model_dir, reference, fast_cpu_kernels):
+    """(a) All prompts batched together: identical tokens, with the CPU fast path (oneDNN linears,
+    C kernels) and with the model's plain PyTorch modules."""
     prompts, expected, gaps = reference
-    got, _ = _engine_greedy(model_dir, prompts, fast_linear=fast_linear)
-    _assert_same_tokens(expected, gaps, got, f"continuous batching, fast_linear={fast_linear}")
+    got, _ = _engine_greedy(model_dir, prompts, fast_cpu_kernels=fast_cpu_kernels)
+    _assert_same_tokens(expected, gaps, got, f"continuous batching, fast_cpu_kernels={fast_cpu_kernels}")
 
 
 def test_chunked_prefill_matches_transformers(model_dir, reference):

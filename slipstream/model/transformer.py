@@ -91,6 +91,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+class Rotary(nn.Module):
+    """Applies the rotary embedding to queries and keys. A module (with no parameters) so that
+    an inference fast path can swap in a fused kernel without touching the attention code."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -107,6 +117,7 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(D, config.rms_norm_eps)
             self.k_norm = RMSNorm(D, config.rms_norm_eps)
+        self.rotary = Rotary()
 
     def forward(
         self,
@@ -121,7 +132,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rotary(q, k, cos, sin)
         if attn is None:
             out = dense_causal_attention(q, k, v, sliding_window=self.sliding_window)
         else:

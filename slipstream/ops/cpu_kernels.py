@@ -2,11 +2,12 @@
 
 PyTorch has no paged-attention kernel for the CPU, and gathering a batch's cache blocks into
 dense tensors first triples the memory traffic of a decode step (read, write the copy, read it
-again). `csrc/paged_decode_attention.c` reads the cache in place. It needs no PyTorch headers, so
-it builds with the system C compiler in well under a second and is cached under
-`~/.cache/slipstream/kernels/`, keyed by the source, the compiler flags and this CPU's features.
-Where no compiler is found or the build fails, `library()` returns None and callers use their
-plain PyTorch path (which the tests check the kernel against).
+again); `csrc/cpu_ops.c` reads the cache in place. It also fuses RMSNorm and the rotary
+embedding, each several PyTorch ops (and several passes over memory) in eager mode. The file
+needs no PyTorch headers, so it builds with the system C compiler in about a second and is
+cached under `~/.cache/slipstream/kernels/`, keyed by the source, the compiler flags and this
+CPU's features. Where no compiler is found or the build fails, `library()` returns None and
+callers use their plain PyTorch path (which the tests check the kernels against).
 
 OpenMP: the library links the `libgomp.so.1` that PyTorch has already loaded (same soname), so
 both share one thread pool instead of two pools competing for the cores.
@@ -28,7 +29,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode_attention.c"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
 # -ffast-math only when compiling: linking with it would add startup code that sets the CPU's
 # flush-to-zero mode for the whole process (subnormals would vanish in PyTorch too).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
@@ -41,20 +42,26 @@ def library() -> ctypes.CDLL | None:
     """The compiled kernel library, or None where it cannot be built here."""
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
-        logger.warning("no C compiler found: using the PyTorch paged-attention path")
+        logger.warning("no C compiler found: using PyTorch for attention, norms and rotary")
         return None
-    path = _cache_dir() / f"paged_decode_attention-{_build_key(compiler)}.so"
+    path = _cache_dir() / f"cpu_ops-{_build_key(compiler)}.so"
     if not path.is_file():
         try:
             _compile(compiler, path)
         except (OSError, subprocess.CalledProcessError) as e:
-            logger.warning("building the CPU attention kernel failed (%s): using PyTorch", e)
+            logger.warning("building the CPU kernels failed (%s): using PyTorch", e)
             return None
     lib = ctypes.CDLL(str(path))
     lib.paged_decode_attention.restype = ctypes.c_int
     lib.paged_decode_attention.argtypes = (
         [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     )
+    lib.rms_norm.restype = None
+    lib.rms_norm.argtypes = (
+        [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    )
+    lib.rotary_embedding.restype = None
+    lib.rotary_embedding.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     return lib
 
 
@@ -83,14 +90,37 @@ def paged_decode_attention(
     return out
 
 
-def supports(q: torch.Tensor, num_heads: int, num_kv_heads: int) -> bool:
-    """Whether the kernel handles this case (else use the PyTorch path)."""
-    return (
-        q.device.type == "cpu"
-        and q.dtype in DTYPE_CODES
-        and num_heads // num_kv_heads <= 64
-        and library() is not None
-    )
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, rounding as Hugging Face's implementation does."""
+    lib = library()
+    assert lib is not None and supports(x) and weight.dtype == x.dtype
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    lib.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
+                 DTYPE_CODES[x.dtype], torch.get_num_threads())
+    return out
+
+
+def rotary_embedding_(
+    x: torch.Tensor,  # (..., T, heads, D), rotated in place
+    cos: torch.Tensor,  # (..., T, D)
+    sin: torch.Tensor,  # (..., T, D)
+) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, in place on a contiguous x; returns x."""
+    lib = library()
+    assert lib is not None and supports(x) and x.is_contiguous() and cos.dtype == x.dtype
+    cos, sin = cos.contiguous(), sin.contiguous()
+    num_heads, head_dim = x.shape[-2], x.shape[-1]
+    lib.rotary_embedding(x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                         x.numel() // (num_heads * head_dim), num_heads, head_dim,
+                         DTYPE_CODES[x.dtype], torch.get_num_threads())
+    return x
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether the kernels handle tensors like `x` (else use the PyTorch path)."""
+    return x.device.type == "cpu" and x.dtype in DTYPE_CODES and library() is not None
 
 
 def _build_key(compiler: str) -> str:

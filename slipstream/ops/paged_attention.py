@@ -125,7 +125,7 @@ def paged_attention(
         out[rows] = _attend(q[rows], keys, values, batch.sliding_window)
     if len(batch.decode_token_rows):
         rows = batch.decode_token_rows
-        if use_kernel and cpu_kernels.supports(q, q.shape[1], k_cache.shape[2]):
+        if use_kernel and cpu_kernels.supports(q):
             out[rows] = cpu_kernels.paged_decode_attention(
                 q[rows], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens,
                 batch.sliding_window,

@@ -25,7 +25,8 @@ import torch
 from slipstream.model.config import ModelConfig
 from slipstream.model.tokenizer import Tokenizer
 from slipstream.model.weights import dtype_name, load_model, resolve_dtype
-from slipstream.ops.linear import pack_linears
+from slipstream.ops.allocator import keep_freed_memory
+from slipstream.ops.inference import optimize_for_cpu_inference
 from slipstream.perf.flops import kv_cache_bytes_per_token
 from slipstream.serve.outputs import PromptOutput, SequenceOutput
 from slipstream.serve.request import (
@@ -67,8 +68,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
-    fast_linear: bool = True
-    """Use oneDNN pre-packed linear layers where they apply (CPU, fp32/bf16)."""
+    fast_cpu_kernels: bool = True
+    """On CPU: oneDNN pre-packed linears and fused C kernels (attention, RMSNorm, rotary), each
+    where it applies; False runs the model's plain PyTorch modules (the tested reference)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
@@ -106,14 +108,16 @@ class Engine:
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         model_config = ModelConfig.from_pretrained(config.model)
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cpu":
+            keep_freed_memory()
         dtype = resolve_dtype(model_config.dtype if config.dtype == "auto" else config.dtype)
         model = load_model(config.model, dtype=dtype, device=device)
-        if config.fast_linear:
-            model = pack_linears(model)
+        if config.fast_cpu_kernels:
+            model = optimize_for_cpu_inference(model)
         self.limits = _derive_limits(config, model_config, self.tokenizer, dtype, device)
         self.model_config = model_config
         self.runner = Runner(model, num_blocks=self.limits.num_blocks, block_size=config.block_size,
-                             dtype=dtype, device=device)
+                             dtype=dtype, device=device, use_kernels=config.fast_cpu_kernels)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -218,6 +222,11 @@ class Engine:
         if entry is None:
             return 0
         return sum(len(self.scheduler.kv_cache.block_ids(i)) for i in entry.internal_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes (e.g. between benchmark repeats); only possible while no
+        request holds KV blocks. Returns whether it was done."""
+        return self.scheduler.kv_cache.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._prompts)

@@ -36,6 +36,10 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes (as vLLM's `LLM.reset_prefix_cache`)."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

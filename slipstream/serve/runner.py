@@ -47,6 +47,7 @@ class PagedAttention:
 
     cache: PagedKVCache
     batch: PagedBatch
+    use_kernel: bool = True
 
     def __call__(
         self,
@@ -57,7 +58,7 @@ class PagedAttention:
     ) -> torch.Tensor:  # (1, N, H, D)
         k_cache, v_cache = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         write_kv(k_cache, v_cache, k[0], v[0], self.batch.slot_mapping)
-        return paged_attention(q[0], k_cache, v_cache, self.batch)[None]
+        return paged_attention(q[0], k_cache, v_cache, self.batch, use_kernel=self.use_kernel)[None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +74,11 @@ class Runner:
 
     def __init__(
         self, model: Transformer, *, num_blocks: int, block_size: int, dtype: torch.dtype,
-        device: torch.device,
+        device: torch.device, use_kernels: bool = True,
     ) -> None:
         self.model = model
         self.device = device
+        self.use_kernels = use_kernels
         self.cache = PagedKVCache(
             model.config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device
         )
@@ -98,7 +100,7 @@ class Runner:
         hidden = self.model.hidden_states(
             torch.tensor([token_ids], device=self.device),
             torch.tensor([positions], device=self.device),
-            PagedAttention(self.cache, batch),
+            PagedAttention(self.cache, batch, self.use_kernels),
         )[0]  # (N, E)
         return self._logits(plan, hidden)
 

@@ -1,0 +1,271 @@
+/*
+ * Paged attention for decoding sequences (one new query token each), on the CPU.
+ *
+ * For every (sequence, kv head) pair, in parallel: walk the sequence's blocks through its block
+ * table and read that head's keys in place (no gather copy), score the G query heads that share
+ * the kv head, take a softmax, then walk the blocks again to accumulate the values. Keys and
+ * values are each read exactly once, which is what bounds a decode step: the cache streams from
+ * memory. fp32 and bf16 caches; bf16 is widened to fp32 for the arithmetic.
+ *
+ * Layouts (row-major): q and out (num_seqs, num_heads, head_dim); k_cache and v_cache
+ * (num_blocks, block_size, num_kv_heads, head_dim); block_tables (num_seqs, max_blocks) int64;
+ * seq_lens (num_seqs,) int64. Query head h uses kv head h / (num_heads / num_kv_heads).
+ * window > 0 limits each query to its `window` most recent keys (itself included).
+ *
+ * Built with -ffast-math for vectorised expf and reductions, but linked without it, so the
+ * library does not switch the process to flush-to-zero when it is loaded. head_dim 64 and 128
+ * get specialised copies (fully unrolled inner loops); others use the generic one.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } bits = {.u = (uint32_t)x << 16};
+    return bits.f;
+}
+
+static inline uint16_t f32_to_bf16(float x) {  /* round to nearest even, as torch does */
+    union { float f; uint32_t u; } bits = {.f = x};
+    return (uint16_t)((bits.u + 0x7FFFu + ((bits.u >> 16) & 1u)) >> 16);
+}
+
+/* Fixed-size fp32 copy of a head_dim row: the cache row itself (fp32) or a widened copy. */
+static inline const float *row_f32(const void *base, int64_t index, int64_t head_dim, int dtype,
+                                   float *buffer) {
+    if (dtype == DTYPE_F32) return (const float *)base + index;
+    const uint16_t *src = (const uint16_t *)base + index;
+    for (int64_t d = 0; d < head_dim; d++) buffer[d] = bf16_to_f32(src[d]);
+    return buffer;
+}
+
+static inline void prefetch_block(const void *cache, int64_t block, int64_t block_size,
+                                  int64_t num_kv_heads, int64_t kv, int64_t head_dim,
+                                  int64_t elem_size) {
+    const char *base = (const char *)cache;
+    const int64_t row_bytes = head_dim * elem_size;
+    for (int64_t s = 0; s < block_size; s++) {
+        const char *row = base + ((block * block_size + s) * num_kv_heads + kv) * row_bytes;
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
+    }
+}
+
+/* Calls BODY for each key position of the sequence with `index` = the element offset of kv head
+ * `kv`'s row for that token, and `t` = 0, 1, ...; walks block by block (no division per key). */
+#define FOR_EACH_KEY(CACHE, BODY)                                                             \
+    for (int64_t pos = first, t = 0; pos < seq_len;) {                                        \
+        const int64_t block = block_table[pos / block_size];                                  \
+        const int64_t offset = pos % block_size;                                              \
+        const int64_t rest = seq_len - pos;                                                   \
+        const int64_t count = block_size - offset < rest ? block_size - offset : rest;        \
+        int64_t index = ((block * block_size + offset) * num_kv_heads + kv) * head_dim;       \
+        if (pos + count < seq_len)  /* the next block is elsewhere in memory: request it now */ \
+            prefetch_block(CACHE, block_table[(pos + count) / block_size], block_size,        \
+                           num_kv_heads, kv, head_dim, elem_size);                            \
+        for (int64_t s = 0; s < count; s++, t++, index += row_stride) { BODY }                \
+        pos += count;                                                                         \
+    }
+
+/*
+ * Attention of one sequence's query heads that use kv heads [kv_first, kv_first + kv_count).
+ * Head by head: the query (or the output accumulator) stays in registers while the loop streams
+ * over the keys (values); the G query heads of one kv head re-read its rows from cache, not
+ * from memory.
+ */
+static inline __attribute__((always_inline)) void attend_one(
+        const void *q, const void *k_cache, const void *v_cache, void *out,
+        const int64_t *block_table, int64_t seq_len, int64_t seq, int64_t kv_first,
+        int64_t kv_count, int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim,
+        int64_t block_size, int64_t window, float scale, int dtype, float *scratch) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t first = (window > 0 && seq_len > window) ? seq_len - window : 0;
+    const int64_t num_keys = seq_len - first;
+    const int64_t row_stride = num_kv_heads * head_dim;
+    const int64_t elem_size = dtype == DTYPE_F32 ? 4 : 2;
+    float *buffer = scratch;                 /* head_dim */
+    float *scores = scratch + head_dim;      /* num_keys */
+    float query[head_dim], acc[head_dim];
+
+    for (int64_t kv = kv_first; kv < kv_first + kv_count; kv++) {
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t head_index = (seq * num_heads + kv * group + g) * head_dim;
+            const float *qrow = row_f32(q, head_index, head_dim, dtype, buffer);
+            for (int64_t d = 0; d < head_dim; d++) query[d] = qrow[d] * scale;
+            float max_score = -3.0e38f;  /* finite: built with finite math */
+            FOR_EACH_KEY(k_cache, {
+                float dot = 0.0f;
+                if (dtype == DTYPE_F32) {
+                    const float *k = (const float *)k_cache + index;
+                    for (int64_t d = 0; d < head_dim; d++) dot += query[d] * k[d];
+                } else {
+                    const uint16_t *k = (const uint16_t *)k_cache + index;
+                    for (int64_t d = 0; d < head_dim; d++) dot += query[d] * bf16_to_f32(k[d]);
+                }
+                scores[t] = dot;
+                max_score = dot > max_score ? dot : max_score;
+            })
+            float sum = 0.0f;
+            for (int64_t i = 0; i < num_keys; i++) {
+                scores[i] = expf(scores[i] - max_score);
+                sum += scores[i];
+            }
+            for (int64_t d = 0; d < head_dim; d++) acc[d] = 0.0f;
+            FOR_EACH_KEY(v_cache, {
+                const float w = scores[t];
+                if (dtype == DTYPE_F32) {
+                    const float *v = (const float *)v_cache + index;
+                    for (int64_t d = 0; d < head_dim; d++) acc[d] += w * v[d];
+                } else {
+                    const uint16_t *v = (const uint16_t *)v_cache + index;
+                    for (int64_t d = 0; d < head_dim; d++) acc[d] += w * bf16_to_f32(v[d]);
+                }
+            })
+            const float inv_sum = 1.0f / sum;
+            if (dtype == DTYPE_F32) {
+                float *dst = (float *)out + head_index;
+                for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[d] * inv_sum;
+            } else {
+                uint16_t *dst = (uint16_t *)out + head_index;
+                for (int64_t d = 0; d < head_dim; d++) dst[d] = f32_to_bf16(acc[d] * inv_sum);
+            }
+        }
+    }
+}
+
+typedef void (*attend_fn)(const void *, const void *, const void *, void *, const int64_t *,
+                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, float, int, float *);
+
+#define DEFINE_ATTEND(NAME, HEAD_DIM, DTYPE)                                                   \
+    static void NAME(const void *q, const void *k, const void *v, void *out,                  \
+                     const int64_t *table, int64_t len, int64_t seq, int64_t kv_first,         \
+                     int64_t kv_count, int64_t num_heads, int64_t num_kv_heads,                \
+                     int64_t head_dim, int64_t block_size, int64_t window, float scale,        \
+                     int dtype, float *scratch) {                                              \
+        (void)dtype;                                                                           \
+        attend_one(q, k, v, out, table, len, seq, kv_first, kv_count, num_heads,              \
+                   num_kv_heads, HEAD_DIM, block_size, window, scale, DTYPE, scratch);         \
+    }
+/* Constant head sizes and dtypes let the compiler unroll and drop branches in the hot loops. */
+DEFINE_ATTEND(attend_f32_d64, 64, DTYPE_F32)
+DEFINE_ATTEND(attend_f32_d128, 128, DTYPE_F32)
+DEFINE_ATTEND(attend_bf16_d64, 64, DTYPE_BF16)
+DEFINE_ATTEND(attend_bf16_d128, 128, DTYPE_BF16)
+DEFINE_ATTEND(attend_any, head_dim, dtype)  /* variable-length arrays for other head sizes */
+
+static attend_fn choose_kernel(int64_t head_dim, int dtype) {
+    if (head_dim == 64) return dtype == DTYPE_F32 ? attend_f32_d64 : attend_bf16_d64;
+    if (head_dim == 128) return dtype == DTYPE_F32 ? attend_f32_d128 : attend_bf16_d128;
+    return attend_any;
+}
+
+/* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad argument. */
+int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                           const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
+                           int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, int64_t window, float scale,
+                           int dtype, int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
+    int64_t max_len = 0;
+    for (int64_t i = 0; i < num_seqs; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+    /* Whole sequences per task when there are enough of them to keep every thread busy. */
+    const int64_t kv_per_task = num_seqs >= 4 * num_threads ? num_kv_heads : 1;
+    const int64_t tasks_per_seq = num_kv_heads / kv_per_task;
+    const int64_t scratch_floats = head_dim + max_len;
+    const attend_fn attend = choose_kernel(head_dim, dtype);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scratch = malloc(scratch_floats * sizeof(float));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_seqs * tasks_per_seq; task++) {
+            const int64_t seq = task / tasks_per_seq;
+            if (scratch != NULL && seq_lens[seq] > 0)
+                attend(q, k_cache, v_cache, out, block_tables + seq * max_blocks, seq_lens[seq], seq,
+                       (task % tasks_per_seq) * kv_per_task, kv_per_task, num_heads, num_kv_heads,
+                       head_dim, block_size, window, scale, dtype, scratch);
+        }
+        free(scratch);
+    }
+    return failed;
+}
+
+/*
+ * RMSNorm over the last dimension, numerically as Hugging Face's Llama computes it: in fp32,
+ * x * rsqrt(mean(x^2) + eps) rounded to the activation dtype, then times the weight in the
+ * activation dtype (for bf16 that is a second rounding, which we reproduce).
+ * x, out: (num_rows, dim); weight: (dim,). out may alias x.
+ */
+void rms_norm(const void *x, const void *weight, void *out, int64_t num_rows, int64_t dim,
+              float eps, int dtype, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < num_rows; r++) {
+        float sum_sq = 0.0f;
+        if (dtype == DTYPE_F32) {
+            const float *row = (const float *)x + r * dim;
+            const float *w = (const float *)weight;
+            float *dst = (float *)out + r * dim;
+            for (int64_t d = 0; d < dim; d++) sum_sq += row[d] * row[d];
+            const float inv = 1.0f / sqrtf(sum_sq / (float)dim + eps);
+            for (int64_t d = 0; d < dim; d++) dst[d] = w[d] * (row[d] * inv);
+        } else {
+            const uint16_t *row = (const uint16_t *)x + r * dim;
+            const uint16_t *w = (const uint16_t *)weight;
+            uint16_t *dst = (uint16_t *)out + r * dim;
+            for (int64_t d = 0; d < dim; d++) sum_sq += bf16_to_f32(row[d]) * bf16_to_f32(row[d]);
+            const float inv = 1.0f / sqrtf(sum_sq / (float)dim + eps);
+            for (int64_t d = 0; d < dim; d++) {
+                const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(row[d]) * inv));
+                dst[d] = f32_to_bf16(bf16_to_f32(w[d]) * normed);
+            }
+        }
+    }
+}
+
+/*
+ * Rotary embedding in place, Hugging Face's "rotate_half" pairing (dimension i with i + D/2):
+ * x' = x * cos + rotate_half(x) * sin, with the cos/sin tables the model computed (already in
+ * the activation dtype). In bf16 each product and the sum round to bf16, as the separate
+ * PyTorch ops of the reference do. x: (num_tokens, num_heads, head_dim); cos, sin:
+ * (num_tokens, head_dim), whose two halves are equal.
+ */
+void rotary_embedding(void *x, const void *cos_table, const void *sin_table, int64_t num_tokens,
+                      int64_t num_heads, int64_t head_dim, int dtype, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t t = 0; t < num_tokens; t++) {
+        for (int64_t h = 0; h < num_heads; h++) {
+            const int64_t base = (t * num_heads + h) * head_dim;
+            if (dtype == DTYPE_F32) {
+                float *v = (float *)x + base;
+                const float *c = (const float *)cos_table + t * head_dim;
+                const float *s = (const float *)sin_table + t * head_dim;
+                for (int64_t i = 0; i < half; i++) {
+                    const float a = v[i], b = v[i + half];
+                    v[i] = a * c[i] - b * s[i];
+                    v[i + half] = b * c[i + half] + a * s[i + half];
+                }
+            } else {
+                uint16_t *v = (uint16_t *)x + base;
+                const uint16_t *c = (const uint16_t *)cos_table + t * head_dim;
+                const uint16_t *s = (const uint16_t *)sin_table + t * head_dim;
+                for (int64_t i = 0; i < half; i++) {
+                    const float a = bf16_to_f32(v[i]), b = bf16_to_f32(v[i + half]);
+                    const float c0 = bf16_to_f32(c[i]), s0 = bf16_to_f32(s[i]);
+                    const float c1 = bf16_to_f32(c[i + half]), s1 = bf16_to_f32(s[i + half]);
+                    const float low = bf16_to_f32(f32_to_bf16(a * c0)) + bf16_to_f32(f32_to_bf16(-b * s0));
+                    const float high = bf16_to_f32(f32_to_bf16(b * c1)) + bf16_to_f32(f32_to_bf16(a * s1));
+                    v[i] = f32_to_bf16(low);
+                    v[i + half] = f32_to_bf16(high);
+                }
+            }
+        }
+    }
+}

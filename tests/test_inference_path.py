@@ -1,0 +1,66 @@
+"""The CPU inference fast path computes what the model's plain modules compute."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from slipstream.model import ModelConfig, Transformer
+from slipstream.model.transformer import RMSNorm, Rotary
+from slipstream.ops import cpu_kernels
+from slipstream.ops.inference import KernelRMSNorm, KernelRotary, optimize_for_cpu_inference
+
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_kernel_matches_module(dtype):
+    """The fused RMSNorm equals RMSNorm (bitwise in bf16, where both round twice; 1e-6 in fp32)."""
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-6).to(dtype)
+    norm.weight.data.normal_()
+    x = (3 * torch.randn(5, 7, 96)).to(dtype)
+    expected, got = norm(x), KernelRMSNorm(norm)(x)
+    diff = (expected.float() - got.float()).abs().max().item()
+    print(f"{dtype}: max diff {diff:.3g}")
+    assert diff <= (0 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_kernel_matches_module(dtype):
+    """The in-place rotary kernel equals apply_rope on queries and keys (GQA shapes)."""
+    from slipstream.model.transformer import rope_cos_sin, rope_inv_freq
+
+    config = ModelConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    positions = torch.tensor([[0, 1, 7, 300, 4095]])
+    cos, sin = rope_cos_sin(rope_inv_freq(config), positions, dtype)
+    q = torch.randn(1, 5, 4, 32).to(dtype)
+    k = torch.randn(1, 5, 2, 32).to(dtype)
+    expected = Rotary()(q, k, cos, sin)
+    got = KernelRotary()(q.clone(), k.clone(), cos, sin)
+    diffs = [(e.float() - g.float()).abs().max().item() for e, g in zip(expected, got, strict=True)]
+    print(f"{dtype}: max diff q {diffs[0]:.3g}, k {diffs[1]:.3g}")
+    assert max(diffs) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_optimized_model_matches_plain_model(dtype):
+    """A whole model after optimize_for_cpu_inference gives the plain model's logits."""
+    config = ModelConfig(model_type="qwen3", vocab_size=300, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    torch.manual_seed(0)
+    plain = Transformer(config)
+    plain.init_weights(std=0.1)
+    plain = plain.to(dtype).eval()
+    fast = optimize_for_cpu_inference(copy.deepcopy(plain))
+    assert any(isinstance(m, KernelRMSNorm) for m in fast.modules())
+    ids = torch.randint(0, 300, (2, 11))
+    positions = torch.arange(11).expand(2, 11)
+    with torch.inference_mode():
+        expected, got = plain(ids, positions).float(), fast(ids, positions).float()
+    diff = (expected - got).abs().max().item()
+    print(f"{dtype}: max |logit diff| {diff:.3g} (logit scale {expected.abs().max().item():.3g})")
+    assert diff < (5e-2 * expected.abs().max().item() if dtype == torch.bfloat16 else 1e-4)
