@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slipstream.ops import cpu_kernels
-from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
+from slipstream.ops.paged_attention import PagedBatch, cache_shapes, paged_attention, write_kv
 
 
 def _dense_reference(q, keys, values, sliding_window):
@@ -28,12 +28,13 @@ def _dense_reference(q, keys, values, sliding_window):
     return out
 
 
+@pytest.mark.parametrize("head_dim, block_size", [(8, 4), (64, 16), (128, 16)])
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["c-kernel", "pytorch"])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2), (4, 1)])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_prefill_and_decode_batch_matches_dense(
-    num_heads, num_kv_heads, sliding_window, dtype, use_kernel
+    num_heads, num_kv_heads, sliding_window, dtype, use_kernel, head_dim, block_size
 ):
     """A batch mixing fresh prefills, chunks with earlier context and single-token decodes,
     over shuffled blocks, equals dense attention on each sequence's unpaged keys, with decodes
@@ -42,14 +43,15 @@ def test_mixed_prefill_and_decode_batch_matches_dense(
         assert cpu_kernels.library() is not None, "the C kernel must build on the CI machine"
     rng = random.Random(0)
     torch.manual_seed(0)
-    head_dim, block_size, num_blocks = 8, 4, 64
+    num_blocks = 64
     # NaN everywhere not written: attention must never let an unwritten slot reach the output.
-    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
-    v_cache = torch.full_like(k_cache, float("nan"))
+    key_shape, value_shape = cache_shapes(num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(key_shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(value_shape, float("nan"), dtype=dtype)
     free_blocks = list(range(num_blocks))
     rng.shuffle(free_blocks)
     # (tokens already cached, new tokens) per sequence
-    shapes = [(0, 9), (0, 1), (7, 1), (13, 1), (6, 5), (0, 4), (22, 1), (3, 8)]
+    shapes = [(0, 9), (0, 1), (7, 1), (13, 1), (6, 5), (0, 4), (22, 1), (3, 8), (60, 1)]
     seq_lens, query_lens, tables, dense_keys, dense_values = [], [], [], [], []
     for cached, new in shapes:
         seq_len = cached + new
@@ -59,14 +61,15 @@ def test_mixed_prefill_and_decode_batch_matches_dense(
         if cached:  # earlier steps wrote these
             earlier = PagedBatch.build(seq_lens=[cached], query_lens=[cached], block_tables=[table],
                                        block_size=block_size)
-            write_kv(k_cache, v_cache, keys[:cached], values[:cached], earlier.slot_mapping)
+            write_kv(k_cache, v_cache, keys[:cached], values[:cached], earlier.slot_mapping,
+                     use_kernel=use_kernel)
         seq_lens.append(seq_len), query_lens.append(new), tables.append(table)
         dense_keys.append(keys), dense_values.append(values)
     batch = PagedBatch.build(seq_lens=seq_lens, query_lens=query_lens, block_tables=tables,
                              block_size=block_size, sliding_window=sliding_window)
     new_keys = torch.cat([k[-n:] for k, n in zip(dense_keys, query_lens, strict=False)])
     new_values = torch.cat([v[-n:] for v, n in zip(dense_values, query_lens, strict=False)])
-    write_kv(k_cache, v_cache, new_keys, new_values, batch.slot_mapping)
+    write_kv(k_cache, v_cache, new_keys, new_values, batch.slot_mapping, use_kernel=use_kernel)
     q = torch.randn(sum(query_lens), num_heads, head_dim, dtype=dtype)
     got = paged_attention(q, k_cache, v_cache, batch, use_kernel=use_kernel)
     expected = torch.cat([
