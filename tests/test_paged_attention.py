@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slipstream.ops import cpu_kernels
-from slipstream.ops.paged_attention import PagedBatch, cache_shapes, paged_attention, write_kv
+from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
 
 
 def _dense_reference(q, keys, values, sliding_window):
@@ -45,9 +45,8 @@ def test_mixed_prefill_and_decode_batch_matches_dense(
     torch.manual_seed(0)
     num_blocks = 64
     # NaN everywhere not written: attention must never let an unwritten slot reach the output.
-    key_shape, value_shape = cache_shapes(num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(key_shape, float("nan"), dtype=dtype)
-    v_cache = torch.full(value_shape, float("nan"), dtype=dtype)
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
     free_blocks = list(range(num_blocks))
     rng.shuffle(free_blocks)
     # (tokens already cached, new tokens) per sequence
@@ -61,15 +60,14 @@ def test_mixed_prefill_and_decode_batch_matches_dense(
         if cached:  # earlier steps wrote these
             earlier = PagedBatch.build(seq_lens=[cached], query_lens=[cached], block_tables=[table],
                                        block_size=block_size)
-            write_kv(k_cache, v_cache, keys[:cached], values[:cached], earlier.slot_mapping,
-                     use_kernel=use_kernel)
+            write_kv(k_cache, v_cache, keys[:cached], values[:cached], earlier.slot_mapping)
         seq_lens.append(seq_len), query_lens.append(new), tables.append(table)
         dense_keys.append(keys), dense_values.append(values)
     batch = PagedBatch.build(seq_lens=seq_lens, query_lens=query_lens, block_tables=tables,
                              block_size=block_size, sliding_window=sliding_window)
     new_keys = torch.cat([k[-n:] for k, n in zip(dense_keys, query_lens, strict=False)])
     new_values = torch.cat([v[-n:] for v, n in zip(dense_values, query_lens, strict=False)])
-    write_kv(k_cache, v_cache, new_keys, new_values, batch.slot_mapping, use_kernel=use_kernel)
+    write_kv(k_cache, v_cache, new_keys, new_values, batch.slot_mapping)
     q = torch.randn(sum(query_lens), num_heads, head_dim, dtype=dtype)
     got = paged_attention(q, k_cache, v_cache, batch, use_kernel=use_kernel)
     expected = torch.cat([

@@ -56,8 +56,6 @@ def library() -> ctypes.CDLL | None:
     lib.paged_decode_attention.argtypes = (
         [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     )
-    lib.write_kv.restype = None
-    lib.write_kv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = (
         [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -69,7 +67,7 @@ def library() -> ctypes.CDLL | None:
 
 def paged_decode_attention(
     q: torch.Tensor,  # (B, H, D)
-    k_cache: torch.Tensor,  # (P, K, D, S): blocks transposed
+    k_cache: torch.Tensor,  # (P, S, K, D)
     v_cache: torch.Tensor,  # (P, S, K, D)
     block_tables: torch.Tensor,  # (B, max_blocks) int64
     seq_lens: torch.Tensor,  # (B,) int64
@@ -84,29 +82,12 @@ def paged_decode_attention(
     status = lib.paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         block_tables.data_ptr(), seq_lens.data_ptr(),
-        num_seqs, block_tables.shape[1], num_heads, v_cache.shape[2], head_dim, v_cache.shape[1],
+        num_seqs, block_tables.shape[1], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
         sliding_window or 0, head_dim**-0.5, DTYPE_CODES[q.dtype], torch.get_num_threads(),
     )
     if status != 0:
         raise RuntimeError(f"paged_decode_attention kernel failed with status {status}")
     return out
-
-
-def write_kv(
-    k: torch.Tensor,  # (N, K, D)
-    v: torch.Tensor,  # (N, K, D)
-    k_cache: torch.Tensor,  # (P, K, D, S)
-    v_cache: torch.Tensor,  # (P, S, K, D)
-    slot_mapping: torch.Tensor,  # (N,) int64
-) -> None:
-    """Store new keys (into the transposed block layout) and values at their slots."""
-    lib = library()
-    assert lib is not None and supports(k) and k_cache.dtype == k.dtype
-    k, v, slot_mapping = k.contiguous(), v.contiguous(), slot_mapping.contiguous()
-    num_tokens, num_kv_heads, head_dim = k.shape
-    lib.write_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                 slot_mapping.data_ptr(), num_tokens, num_kv_heads, head_dim, v_cache.shape[1],
-                 DTYPE_CODES[k.dtype], torch.get_num_threads())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -5,10 +5,6 @@ new tokens at the end of its `seq_lens[i]` tokens; its keys and values (new and 
 are in the blocks of its block table, token t at slot
 `block_table[t // block_size] * block_size + t % block_size` of the cache.
 
-Cache layouts: values (P, S, K, D), one row per token; keys (P, K, D, S), each block stored
-transposed, so that a decode kernel scores a block's S tokens with S-wide vector operations.
-`cache_shapes` gives both; `write_kv` and the readers here know the layouts.
-
 `write_kv` stores the new tokens' keys and values. `paged_attention` attends every new token to
 its sequence's keys up to its own position (causal, optionally within a sliding window): one
 batched computation for all single-token (decode) sequences, and one SDPA call per multi-token
@@ -96,34 +92,21 @@ class PagedBatch:
         )
 
 
-def cache_shapes(
-    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes of one layer's key cache (blocks transposed) and value cache."""
-    return (num_blocks, num_kv_heads, head_dim, block_size), (num_blocks, block_size, num_kv_heads, head_dim)
-
-
 def write_kv(
-    k_cache: torch.Tensor,  # (P, K, D, S)
+    k_cache: torch.Tensor,  # (P, S, K, D)
     v_cache: torch.Tensor,  # (P, S, K, D)
     k: torch.Tensor,  # (N, K, D)
     v: torch.Tensor,  # (N, K, D)
     slot_mapping: torch.Tensor,  # (N,)
-    *,
-    use_kernel: bool = True,
 ) -> None:
     """Store the new tokens' keys and values at their slots."""
-    if use_kernel and cpu_kernels.supports(k):
-        cpu_kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
-        return
-    block_size = v_cache.shape[1]
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
-    k_cache[slot_mapping // block_size, :, :, slot_mapping % block_size] = k
 
 
 def paged_attention(
     q: torch.Tensor,  # (N, H, D)
-    k_cache: torch.Tensor,  # (P, K, D, S)
+    k_cache: torch.Tensor,  # (P, S, K, D)
     v_cache: torch.Tensor,  # (P, S, K, D)
     batch: PagedBatch,
     *,
@@ -137,8 +120,8 @@ def paged_attention(
     out = torch.empty_like(q)
     for chunk in batch.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-        keys = _gather_keys(k_cache, chunk.block_table, chunk.seq_len)  # (L, K, D)
-        values = _gather_values(v_cache, chunk.block_table, chunk.seq_len)
+        keys = _gather(k_cache, chunk.block_table, chunk.seq_len)  # (L, K, D)
+        values = _gather(v_cache, chunk.block_table, chunk.seq_len)
         out[rows] = _attend(q[rows], keys, values, batch.sliding_window)
     if len(batch.decode_token_rows):
         rows = batch.decode_token_rows
@@ -160,10 +143,9 @@ def _batched_decode(
 ) -> torch.Tensor:  # (B, H, D)
     """All decode queries at once: gather their blocks, mask positions past each length."""
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = v_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     max_len = batch.decode_max_len
-    keys = k_cache[batch.decode_block_tables]  # (B, blocks, K, D, S)
-    keys = keys.permute(0, 1, 4, 2, 3).flatten(1, 2)[:, :max_len]  # (B, L, K, D)
+    keys = k_cache[batch.decode_block_tables].flatten(1, 2)[:, :max_len]  # (B, L, K, D)
     values = v_cache[batch.decode_block_tables].flatten(1, 2)[:, :max_len]
     positions = torch.arange(max_len, device=q.device)
     valid = positions[None, :] < batch.decode_seq_lens[:, None]  # (B, L)
@@ -181,14 +163,9 @@ def _batched_decode(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def _gather_values(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """(seq_len, K, D): one sequence's values in position order."""
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """(seq_len, K, D): one sequence's keys or values in position order."""
     return cache[block_table].flatten(0, 1)[:seq_len]
-
-
-def _gather_keys(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """(seq_len, K, D): one sequence's keys in position order, from the transposed blocks."""
-    return cache[block_table].permute(0, 3, 1, 2).flatten(0, 1)[:seq_len]
 
 
 def _attend(

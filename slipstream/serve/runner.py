@@ -16,14 +16,14 @@ import torch
 
 from slipstream.model.config import ModelConfig
 from slipstream.model.transformer import Transformer
-from slipstream.ops.paged_attention import PagedBatch, cache_shapes, paged_attention, write_kv
+from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
 from slipstream.serve.scheduler import StepPlan
 
 logger = logging.getLogger(__name__)
 
 
 class PagedKVCache:
-    """Per-layer key and value blocks, in the layouts of `ops.paged_attention.cache_shapes`.
+    """Per-layer key and value blocks: (num_blocks, block_size, kv_heads, head_dim) each.
 
     Allocated with `torch.empty`: zeroing gigabytes up front costs seconds of page faults on a
     CPU, and attention never uses a slot before it is written (see `paged_attention`).
@@ -33,12 +33,10 @@ class PagedKVCache:
         self, config: ModelConfig, *, num_blocks: int, block_size: int, dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        key_shape, value_shape = cache_shapes(
-            num_blocks, block_size, config.num_key_value_heads, config.head_dim
-        )
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         num_layers = config.num_hidden_layers
-        self.keys = [torch.empty(key_shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.empty(value_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
 
@@ -59,7 +57,7 @@ class PagedAttention:
         v: torch.Tensor,  # (1, N, K, D)
     ) -> torch.Tensor:  # (1, N, H, D)
         k_cache, v_cache = self.cache.keys[layer_idx], self.cache.values[layer_idx]
-        write_kv(k_cache, v_cache, k[0], v[0], self.batch.slot_mapping, use_kernel=self.use_kernel)
+        write_kv(k_cache, v_cache, k[0], v[0], self.batch.slot_mapping)
         return paged_attention(q[0], k_cache, v_cache, self.batch, use_kernel=self.use_kernel)[None]
 
 
