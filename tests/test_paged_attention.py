@@ -60,14 +60,15 @@ def test_mixed_prefill_and_decode_batch_matches_dense(
         if cached:  # earlier steps wrote these
             earlier = PagedBatch.build(seq_lens=[cached], query_lens=[cached], block_tables=[table],
                                        block_size=block_size)
-            write_kv(k_cache, v_cache, keys[:cached], values[:cached], earlier.slot_mapping)
+            write_kv(k_cache, v_cache, keys[:cached], values[:cached], earlier.slot_mapping,
+                     use_kernel=use_kernel)
         seq_lens.append(seq_len), query_lens.append(new), tables.append(table)
         dense_keys.append(keys), dense_values.append(values)
     batch = PagedBatch.build(seq_lens=seq_lens, query_lens=query_lens, block_tables=tables,
                              block_size=block_size, sliding_window=sliding_window)
     new_keys = torch.cat([k[-n:] for k, n in zip(dense_keys, query_lens, strict=False)])
     new_values = torch.cat([v[-n:] for v, n in zip(dense_values, query_lens, strict=False)])
-    write_kv(k_cache, v_cache, new_keys, new_values, batch.slot_mapping)
+    write_kv(k_cache, v_cache, new_keys, new_values, batch.slot_mapping, use_kernel=use_kernel)
     q = torch.randn(sum(query_lens), num_heads, head_dim, dtype=dtype)
     got = paged_attention(q, k_cache, v_cache, batch, use_kernel=use_kernel)
     expected = torch.cat([

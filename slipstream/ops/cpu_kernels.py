@@ -56,6 +56,8 @@ def library() -> ctypes.CDLL | None:
     lib.paged_decode_attention.argtypes = (
         [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     )
+    lib.write_kv.restype = None
+    lib.write_kv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = (
         [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -88,6 +90,21 @@ def paged_decode_attention(
     if status != 0:
         raise RuntimeError(f"paged_decode_attention kernel failed with status {status}")
     return out
+
+
+def write_kv(
+    k: torch.Tensor,  # (N, K, D)
+    v: torch.Tensor,  # (N, K, D)
+    k_cache: torch.Tensor,  # (P, S, K, D)
+    v_cache: torch.Tensor,  # (P, S, K, D)
+    slot_mapping: torch.Tensor,  # (N,) int64
+) -> None:
+    """Store the new tokens' keys and values at their cache slots."""
+    lib = library()
+    assert lib is not None and supports(k) and k_cache.dtype == k.dtype and k_cache.is_contiguous()
+    k, v, slot_mapping = k.contiguous(), v.contiguous(), slot_mapping.contiguous()
+    lib.write_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                 slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], DTYPE_CODES[k.dtype])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -98,8 +98,13 @@ def write_kv(
     k: torch.Tensor,  # (N, K, D)
     v: torch.Tensor,  # (N, K, D)
     slot_mapping: torch.Tensor,  # (N,)
+    *,
+    use_kernel: bool = True,
 ) -> None:
     """Store the new tokens' keys and values at their slots."""
+    if use_kernel and cpu_kernels.supports(k):
+        cpu_kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 

@@ -57,7 +57,7 @@ class PagedAttention:
         v: torch.Tensor,  # (1, N, K, D)
     ) -> torch.Tensor:  # (1, N, H, D)
         k_cache, v_cache = self.cache.keys[layer_idx], self.cache.values[layer_idx]
-        write_kv(k_cache, v_cache, k[0], v[0], self.batch.slot_mapping)
+        write_kv(k_cache, v_cache, k[0], v[0], self.batch.slot_mapping, use_kernel=self.use_kernel)
         return paged_attention(q[0], k_cache, v_cache, self.batch, use_kernel=self.use_kernel)[None]
 
 

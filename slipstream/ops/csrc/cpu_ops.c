@@ -198,6 +198,20 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
 }
 
 /*
+ * Stores new tokens' keys and values at their cache slots: row t of k and v (num_kv_heads x
+ * head_dim values) goes to row slots[t] of k_cache and v_cache. One call for both, instead of
+ * two index_copy_ dispatches per layer.
+ */
+void write_kv(const void *k, const void *v, void *k_cache, void *v_cache, const int64_t *slots,
+              int64_t num_tokens, int64_t row_elems, int dtype) {
+    const int64_t row_bytes = row_elems * (dtype == DTYPE_F32 ? 4 : 2);
+    for (int64_t t = 0; t < num_tokens; t++) {
+        memcpy((char *)k_cache + slots[t] * row_bytes, (const char *)k + t * row_bytes, row_bytes);
+        memcpy((char *)v_cache + slots[t] * row_bytes, (const char *)v + t * row_bytes, row_bytes);
+    }
+}
+
+/*
  * RMSNorm over the last dimension, numerically as Hugging Face's Llama computes it: in fp32,
  * x * rsqrt(mean(x^2) + eps) rounded to the activation dtype, then times the weight in the
  * activation dtype (for bf16 that is a second rounding, which we reproduce).
