@@ -362,3 +362,11 @@ def test_engine_recovers_after_a_failed_generate(llm):
     assert engine.scheduler.kv_cache.num_used_blocks == 0
     engine.scheduler.check_invariants()
     assert generate_one(llm, PROMPT, greedy()).token_ids == before
+
+
+def test_out_of_range_seed_is_refused_and_engine_keeps_working(llm):
+    """A seed outside the 64-bit range is a ValueError naming `seed`, and the engine still serves."""
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)
+    outputs = llm.generate([[5, 6, 7]], SamplingParams(seed=2**63 - 1, max_tokens=3), use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) == 3

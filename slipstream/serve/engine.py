@@ -158,16 +158,18 @@ class Engine:
                              sequences=[], metrics=RequestMetrics(arrival_time_s=arrival),
                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         requests = [self._completion_request(entry, params, index, priority) for index in range(params.n)]
+        generators = [
+            None if r.sampling_params.seed is None
+            else make_generator(r.sampling_params.seed, self.limits.device)
+            for r in requests
+        ]
         try:
             for request in requests:
                 self.scheduler.add(request)
         except ValueError:
             self.scheduler.abort([r.request_id for r in requests])
             raise
-        for request, sequence in zip(requests, entry.sequences, strict=True):
-            generator = None
-            if request.sampling_params.seed is not None:
-                generator = make_generator(request.sampling_params.seed, self.limits.device)
+        for request, sequence, generator in zip(requests, entry.sequences, generators, strict=True):
             self._sequences[request.request_id] = (entry, sequence, generator)
         self._prompts[request_id] = entry
 

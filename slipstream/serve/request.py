@@ -84,6 +84,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if self.seed is not None:
             _check_int("seed", self.seed, minimum=-(2**63))
+            if self.seed >= 2**63:
+                raise ValueError(f"seed must be < 2**63, got {self.seed}")
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, minimum=1)
         _check_int("min_tokens", self.min_tokens, minimum=0)
