@@ -18,6 +18,9 @@
  */
 #include <math.h>
 #include <stdint.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
@@ -51,6 +54,29 @@ static inline void prefetch_block(const void *cache, int64_t block, int64_t bloc
         const char *row = base + ((block * block_size + s) * num_kv_heads + kv) * row_bytes;
         for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
     }
+}
+
+/* scale * (q . k) for bf16 rows. With AVX512-BF16, pairs of bf16 products accumulate straight
+ * into fp32 (vdpbf16ps) from the unscaled bf16 query row; otherwise the key row is widened and
+ * multiplied with the already-scaled fp32 query. */
+static inline float dot_bf16(const void *q, int64_t q_index, const void *k_cache, int64_t k_index,
+                             int64_t head_dim, float scale, const float *scaled_query) {
+#if defined(__AVX512BF16__)
+    if (head_dim % 32 == 0) {
+        const uint16_t *qrow = (const uint16_t *)q + q_index;
+        const uint16_t *krow = (const uint16_t *)k_cache + k_index;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d += 32)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qrow + d),
+                                   (__m512bh)_mm512_loadu_si512(krow + d));
+        return _mm512_reduce_add_ps(acc) * scale;
+    }
+#endif
+    (void)q; (void)q_index; (void)scale;
+    const uint16_t *k = (const uint16_t *)k_cache + k_index;
+    float dot = 0.0f;
+    for (int64_t d = 0; d < head_dim; d++) dot += scaled_query[d] * bf16_to_f32(k[d]);
+    return dot;
 }
 
 /* Calls BODY for each key position of the sequence with `index` = the element offset of kv head
@@ -101,8 +127,7 @@ static inline __attribute__((always_inline)) void attend_one(
                     const float *k = (const float *)k_cache + index;
                     for (int64_t d = 0; d < head_dim; d++) dot += query[d] * k[d];
                 } else {
-                    const uint16_t *k = (const uint16_t *)k_cache + index;
-                    for (int64_t d = 0; d < head_dim; d++) dot += query[d] * bf16_to_f32(k[d]);
+                    dot = dot_bf16(q, head_index, k_cache, index, head_dim, scale, query);
                 }
                 scores[t] = dot;
                 max_score = dot > max_score ? dot : max_score;
