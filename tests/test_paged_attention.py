@@ -33,8 +33,9 @@ def _dense_reference(q, keys, values, sliding_window):
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2), (4, 1)])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode-only"])
 def test_mixed_prefill_and_decode_batch_matches_dense(
-    num_heads, num_kv_heads, sliding_window, dtype, use_kernel, head_dim, block_size
+    num_heads, num_kv_heads, sliding_window, dtype, use_kernel, head_dim, block_size, decode_only
 ):
     """A batch mixing fresh prefills, chunks with earlier context and single-token decodes,
     over shuffled blocks, equals dense attention on each sequence's unpaged keys, with decodes
@@ -51,6 +52,8 @@ def test_mixed_prefill_and_decode_batch_matches_dense(
     rng.shuffle(free_blocks)
     # (tokens already cached, new tokens) per sequence
     shapes = [(0, 9), (0, 1), (7, 1), (13, 1), (6, 5), (0, 4), (22, 1), (3, 8), (60, 1)]
+    if decode_only:
+        shapes = [(cached, new) for cached, new in shapes if new == 1]
     seq_lens, query_lens, tables, dense_keys, dense_values = [], [], [], [], []
     for cached, new in shapes:
         seq_len = cached + new

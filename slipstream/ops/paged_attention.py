@@ -122,6 +122,8 @@ def paged_attention(
     Decodes go through the C kernel of `cpu_kernels` where it applies and `use_kernel` is set,
     else through the batched PyTorch version below.
     """
+    if not batch.prefills:  # a pure decode step: every row is a decode, in order
+        return _decode(q, k_cache, v_cache, batch, use_kernel)
     out = torch.empty_like(q)
     for chunk in batch.prefills:
         rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
@@ -130,14 +132,22 @@ def paged_attention(
         out[rows] = _attend(q[rows], keys, values, batch.sliding_window)
     if len(batch.decode_token_rows):
         rows = batch.decode_token_rows
-        if use_kernel and cpu_kernels.supports(q):
-            out[rows] = cpu_kernels.paged_decode_attention(
-                q[rows], k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens,
-                batch.sliding_window,
-            )
-        else:
-            out[rows] = _batched_decode(q[rows], k_cache, v_cache, batch)
+        out[rows] = _decode(q[rows], k_cache, v_cache, batch, use_kernel)
     return out
+
+
+def _decode(
+    q: torch.Tensor,  # (B, H, D): the decode rows
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedBatch,
+    use_kernel: bool,
+) -> torch.Tensor:  # (B, H, D)
+    if use_kernel and cpu_kernels.supports(q):
+        return cpu_kernels.paged_decode_attention(
+            q, k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens, batch.sliding_window
+        )
+    return _batched_decode(q, k_cache, v_cache, batch)
 
 
 def _batched_decode(

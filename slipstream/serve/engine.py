@@ -142,8 +142,13 @@ class Engine:
         *,
         priority: int = 0,
         arrival_time_s: float | None = None,
+        stream: bool = True,
     ) -> None:
-        """Queue a prompt (text or token ids); invalid input is a ValueError naming the problem."""
+        """Queue a prompt (text or token ids); invalid input is a ValueError naming the problem.
+
+        With `stream`, `step()` returns this prompt's output every step it changes (what a
+        streaming server needs); without, only once it has finished (what `LLM.generate` needs).
+        """
         params = params or SamplingParams()
         if request_id in self._prompts:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -156,7 +161,8 @@ class Engine:
         arrival = time.monotonic() if arrival_time_s is None else arrival_time_s
         entry = PromptOutput(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
                              sequences=[], metrics=RequestMetrics(arrival_time_s=arrival),
-                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+                             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                             stream=stream)
         requests = [self._completion_request(entry, params, index, priority) for index in range(params.n)]
         generators = [
             None if r.sampling_params.seed is None
@@ -255,7 +261,7 @@ class Engine:
         for chunk, token_id, logprobs in zip(sampling, token_ids, sampled.position_logprobs(), strict=True):
             if chunk.request.request_id in self._sequences:
                 changed.add(self._record_token(chunk.request, token_id, logprobs, now))
-        return [entry.to_request_output() for entry in changed]
+        return [entry.to_request_output() for entry in changed if entry.stream or entry.finished]
 
     def _mark_scheduled(self, plan: StepPlan) -> None:
         now = time.monotonic()

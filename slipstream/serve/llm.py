@@ -60,7 +60,7 @@ class LLM:
         ids = [str(next(self._ids)) for _ in prompts]
         try:
             for request_id, prompt, p, prio in zip(ids, prompts, params, priorities, strict=True):
-                self.engine.add_request(request_id, _prompt_input(prompt), p, priority=prio)
+                self.engine.add_request(request_id, _prompt_input(prompt), p, priority=prio, stream=False)
             return self._run(ids, use_tqdm)
         except BaseException:
             self.engine.abort_request(ids)

@@ -104,6 +104,8 @@ class PromptOutput:
     num_cached_tokens: int = 0
     internal_ids: list[str] = dataclasses.field(default_factory=list)
     """The engine's scheduler ids of the completions, in index order."""
+    stream: bool = True
+    """Report every step's progress; False reports the prompt only once it has finished."""
 
     @property
     def finished(self) -> bool:
