@@ -38,6 +38,7 @@ def startup_to_first_token_s(model_dir, dtype, prompt):
 
 def decode_step_times_s(llm, prompt, output_len):
     engine = llm.engine
+    engine.reset_prefix_cache()  # every repeat prefills the whole prompt
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     engine.add_request("latency", prompt, params)
     times = []

@@ -56,6 +56,8 @@ def library() -> ctypes.CDLL | None:
     lib.paged_decode_attention.argtypes = (
         [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     )
+    lib.gemv.restype = None
+    lib.gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.write_kv.restype = None
     lib.write_kv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.rms_norm.restype = None
@@ -89,6 +91,25 @@ def paged_decode_attention(
     )
     if status != 0:
         raise RuntimeError(f"paged_decode_attention kernel failed with status {status}")
+    return out
+
+
+MAX_GEMV_ROWS = 4  # as in cpu_ops.c
+
+
+def gemv(
+    x: torch.Tensor,  # (..., K) with at most MAX_GEMV_ROWS rows
+    weight: torch.Tensor,  # (N, K) row-major, as nn.Linear stores it
+    bias: torch.Tensor | None,  # (N,)
+) -> torch.Tensor:  # (..., N)
+    """x W^T + b for a few rows, streaming the weight once (the batch-1 decode inner loop)."""
+    lib = library()
+    num_rows = x.numel() // x.shape[-1]
+    assert lib is not None and supports(x) and num_rows <= MAX_GEMV_ROWS and weight.is_contiguous()
+    x = x.contiguous()
+    out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
+    lib.gemv(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+             num_rows, weight.shape[0], weight.shape[1], DTYPE_CODES[x.dtype], torch.get_num_threads())
     return out
 
 

@@ -10,6 +10,7 @@ own modules stay; tests check the optimised model against the plain one.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
@@ -43,10 +44,19 @@ class KernelRotary(nn.Module):
         return cpu_kernels.rotary_embedding_(q, cos, sin), cpu_kernels.rotary_embedding_(k, cos, sin)
 
 
+# Keep a second, row-major copy of the linear weights for batch-1 decode only while the model's
+# weights are at most this fraction of available memory.
+MAX_WEIGHT_FRACTION_FOR_GEMV_COPY = 0.25
+
+
 @torch.no_grad()
 def optimize_for_cpu_inference(model: nn.Module) -> nn.Module:
     """Pack linears for oneDNN and swap in the fused C kernels, in place; returns the model."""
-    pack_linears(model)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    keep_rows = weight_bytes <= MAX_WEIGHT_FRACTION_FOR_GEMV_COPY * _available_memory_bytes()
+    if not keep_rows:
+        logger.info("weights too large to keep a second copy: batch-1 decode uses oneDNN GEMV")
+    pack_linears(model, keep_rows=keep_rows)
     param = next(model.parameters(), None)
     if param is None or not cpu_kernels.supports(param):
         return model
@@ -59,3 +69,7 @@ def optimize_for_cpu_inference(model: nn.Module) -> nn.Module:
             swaps += 1
     logger.info("swapped %d RMSNorm/rotary modules for fused C kernels", swaps)
     return model
+
+
+def _available_memory_bytes() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

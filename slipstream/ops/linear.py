@@ -15,24 +15,34 @@ import logging
 import torch
 from torch import nn
 
+from slipstream.ops import cpu_kernels
+
 logger = logging.getLogger(__name__)
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class PackedLinear(nn.Module):
-    """Inference-only linear layer over a oneDNN pre-packed weight."""
+    """Inference-only linear layer over a oneDNN pre-packed weight.
 
-    def __init__(self, linear: nn.Linear) -> None:
+    With `keep_rows`, the row-major weight is kept as well and inputs of at most
+    `cpu_kernels.MAX_GEMV_ROWS` rows (batch-1 decode) go through the C matrix-vector kernel,
+    which streams the weight faster than oneDNN does at that size; this doubles the layer's
+    weight memory.
+    """
+
+    def __init__(self, linear: nn.Linear, *, keep_rows: bool = False) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
-        self.dtype = weight.dtype
+        self.row_weight = weight.contiguous() if keep_rows and cpu_kernels.supports(weight) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        if self.row_weight is not None and x.numel() <= cpu_kernels.MAX_GEMV_ROWS * self.in_features:
+            return cpu_kernels.gemv(x, self.row_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
@@ -50,11 +60,12 @@ def can_pack(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def pack_linears(model: nn.Module) -> nn.Module:
+def pack_linears(model: nn.Module, *, keep_rows: bool = False) -> nn.Module:
     """Replace every `nn.Linear` of `model` (in place) with a `PackedLinear`; returns the model.
 
     The model is for inference afterwards: packed weights take no gradients. A tied lm_head gets
-    its own packed copy; the embedding table stays as it is for the lookup.
+    its own packed copy; the embedding table stays as it is for the lookup. `keep_rows`: see
+    `PackedLinear`.
     """
     if not can_pack(model):
         logger.info("oneDNN linear packing does not apply here; keeping nn.Linear")
@@ -62,6 +73,6 @@ def pack_linears(model: nn.Module) -> nn.Module:
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, linear in targets:
         parent_name, _, child_name = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child_name, PackedLinear(linear))
+        setattr(model.get_submodule(parent_name), child_name, PackedLinear(linear, keep_rows=keep_rows))
     logger.info("packed %d linear layers for oneDNN", len(targets))
     return model

@@ -18,13 +18,16 @@
  */
 #include <math.h>
 #include <stdint.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <stdlib.h>
 #include <string.h>
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+/* Below this many rows, waking a second thread costs more than the work it would take over. */
+enum { MIN_PARALLEL_ROWS = 16 };
 
 static inline float bf16_to_f32(uint16_t x) {
     union { uint32_t u; float f; } bits = {.u = (uint32_t)x << 16};
@@ -223,6 +226,68 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
 }
 
 /*
+ * Matrix-vector products for a few rows: y (M, N) = x (M, K) W^T (+ bias), W row-major (N, K) as
+ * nn.Linear stores it. Batch-1 decode reads every weight once per token, so this is the
+ * memory-bound inner loop of single-stream latency: four weight rows are streamed at a time
+ * (prefetching the next four), each against every row of x, with fp32 accumulation (bf16 pairs
+ * through vdpbf16ps where the CPU has AVX512-BF16). M <= MAX_GEMV_ROWS.
+ */
+enum { MAX_GEMV_ROWS = 4 };
+
+static inline float dot_f32(const float *w, const float *x, int64_t K) {
+    int64_t k = 0;
+    float sum = 0.0f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; k + 16 <= K; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), acc);
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; k < K; k++) sum += w[k] * x[k];
+    return sum;
+}
+
+static inline float dot_bf16_rows(const uint16_t *w, const uint16_t *x, int64_t K) {
+    int64_t k = 0;
+    float sum = 0.0f;
+#if defined(__AVX512BF16__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; k + 32 <= K; k += 32)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; k < K; k++) sum += bf16_to_f32(w[k]) * bf16_to_f32(x[k]);
+    return sum;
+}
+
+void gemv(const void *W, const void *x, const void *bias, void *y, int64_t M, int64_t N,
+          int64_t K, int dtype, int num_threads) {
+    const int64_t elem_size = dtype == DTYPE_F32 ? 4 : 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += 4) {
+        const int64_t rows = N - n0 < 4 ? N - n0 : 4;
+        for (int64_t r = 0; r < rows; r++) {  /* the next four rows are elsewhere: ask now */
+            const char *ahead = (const char *)W + (n0 + 4 + r) * K * elem_size;
+            if (n0 + 4 + r < N)
+                for (int64_t b = 0; b < K * elem_size; b += 64) __builtin_prefetch(ahead + b);
+        }
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t n = n0 + r;
+                float value;
+                if (dtype == DTYPE_F32) {
+                    value = dot_f32((const float *)W + n * K, (const float *)x + m * K, K);
+                    if (bias != NULL) value += ((const float *)bias)[n];
+                    ((float *)y)[m * N + n] = value;
+                } else {
+                    value = dot_bf16_rows((const uint16_t *)W + n * K, (const uint16_t *)x + m * K, K);
+                    if (bias != NULL) value += bf16_to_f32(((const uint16_t *)bias)[n]);
+                    ((uint16_t *)y)[m * N + n] = f32_to_bf16(value);
+                }
+            }
+    }
+}
+
+/*
  * Stores new tokens' keys and values at their cache slots: row t of k and v (num_kv_heads x
  * head_dim values) goes to row slots[t] of k_cache and v_cache. One call for both, instead of
  * two index_copy_ dispatches per layer.
@@ -244,7 +309,7 @@ void write_kv(const void *k, const void *v, void *k_cache, void *v_cache, const 
  */
 void rms_norm(const void *x, const void *weight, void *out, int64_t num_rows, int64_t dim,
               float eps, int dtype, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= MIN_PARALLEL_ROWS)
     for (int64_t r = 0; r < num_rows; r++) {
         float sum_sq = 0.0f;
         if (dtype == DTYPE_F32) {
@@ -278,7 +343,7 @@ void rms_norm(const void *x, const void *weight, void *out, int64_t num_rows, in
 void rotary_embedding(void *x, const void *cos_table, const void *sin_table, int64_t num_tokens,
                       int64_t num_heads, int64_t head_dim, int dtype, int num_threads) {
     const int64_t half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens >= MIN_PARALLEL_ROWS)
     for (int64_t t = 0; t < num_tokens; t++) {
         for (int64_t h = 0; h < num_heads; h++) {
             const int64_t base = (t * num_heads + h) * head_dim;
