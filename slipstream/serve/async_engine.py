@@ -1,0 +1,317 @@
+"""The server's engine loop: `Engine.step()` in a background thread, asyncio on the outside.
+
+The event loop never runs engine code. Requests and aborts cross into the engine thread through a
+thread-safe command queue, which the thread drains before every step (and blocks on when it has
+nothing to do). After each iteration the thread hands the step's outputs and a snapshot of the
+engine's load to the event loop in one `call_soon_threadsafe` call; there each output goes to the
+asyncio queue of its `RequestStream`. torch releases the GIL inside its kernels, so the event loop
+keeps serving HTTP while a step runs.
+
+The thread survives anything a step raises: it logs the exception, fails the requests in flight
+(their streams raise `EngineError`) and aborts them, freeing their KV blocks, then keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from slipstream.serve.engine import Engine
+from slipstream.serve.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine failed while serving a request (a bug, logged in full where it happened)."""
+
+
+class Overloaded(RuntimeError):
+    """The waiting queue is full."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's load, taken in the engine thread at the end of an iteration."""
+
+    time_s: float
+    """When the iteration ended (monotonic); the time its new tokens count as produced."""
+    num_running: int = 0
+    num_waiting: int = 0
+    num_used_blocks: int = 0
+    num_blocks: int = 1
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Add:
+    prompts: dict[str, list[int]]
+    params: SamplingParams
+    arrival_time_s: float
+    accepted: concurrent.futures.Future
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Abort:
+    request_ids: list[str] | None
+    """None: every request the engine holds."""
+
+
+_STOP = object()
+
+StepCallback = Callable[[list[RequestOutput], EngineStats], None]
+
+
+class RequestStream:
+    """The outputs of the prompts of one API call, in order, as the engine produces them."""
+
+    def __init__(self, request_ids: Sequence[str], engine: AsyncEngine) -> None:
+        self.request_ids = list(request_ids)
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._unfinished = set(request_ids)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the consumer has seen the final output of every prompt."""
+        return not self._unfinished
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def get(self) -> list[RequestOutput]:
+        """The newest output of every prompt that changed since the last call (waits for one).
+
+        Outputs are cumulative, so a consumer slower than the engine skips the older ones."""
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        newest: dict[str, RequestOutput] = {}
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+            newest[item.request_id] = item
+        self._unfinished.difference_update(o.request_id for o in newest.values() if o.finished)
+        return list(newest.values())
+
+    def close(self) -> None:
+        """Abort the prompts that are not finished (the client went away or the server stops)."""
+        if self._unfinished:
+            self._engine.abort(sorted(self._unfinished))
+            self._unfinished.clear()
+
+
+class AsyncEngine:
+    """Runs an `Engine` in a thread of its own and serves it to coroutines on one event loop.
+
+    `on_step` (called on the event loop) sees every output and every load snapshot, for metrics.
+    """
+
+    def __init__(self, engine: Engine, *, max_waiting: int, on_step: StepCallback | None = None) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.stats = EngineStats(time_s=time.monotonic(), num_blocks=engine.limits.num_blocks)
+        self._on_step = on_step
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._num_in_transit = 0
+        """Sequences sent to the engine thread that it has not queued yet (event loop only)."""
+        self._active: set[str] = set()
+        """Requests the engine holds (engine thread only)."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- the event loop's side ------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will await the streams."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="slipstream-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort whatever is still running and end the engine thread."""
+        self._stopping = True
+        if self._thread is not None:
+            self._commands.put(_STOP)
+            await asyncio.to_thread(self._thread.join)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not yet scheduled, those still on their way to the engine included."""
+        return self.stats.num_waiting + self._num_in_transit
+
+    async def add(
+        self, prompts: dict[str, list[int]], params: SamplingParams, *, arrival_time_s: float
+    ) -> RequestStream:
+        """Queue the prompts of one API call (request id -> prompt token ids) under one stream.
+
+        Raises `Overloaded` when they would take the waiting queue past `max_waiting`, ValueError
+        when they could never fit in it, and the engine's ValueError for input it rejects (then
+        none of them is queued)."""
+        if self._stopping:
+            raise Overloaded("the engine is stopping")
+        num_sequences = len(prompts) * params.n
+        if num_sequences > self.max_waiting:
+            raise ValueError(f"prompt has {num_sequences} sequences to generate ({len(prompts)} prompts x "
+                             f"n={params.n}), more than the server queues ({self.max_waiting})")
+        if self.num_waiting + num_sequences > self.max_waiting:
+            raise Overloaded(f"{self.num_waiting} sequences are waiting (at most {self.max_waiting})")
+        stream = RequestStream(list(prompts), self)
+        for request_id in prompts:
+            self._streams[request_id] = stream
+        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        self._num_in_transit += num_sequences
+        self._commands.put(_Add(prompts, params, arrival_time_s, accepted))
+        try:
+            await asyncio.wrap_future(accepted)
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (their KV blocks are freed before the next step); unknown ids are ignored."""
+        for request_id in request_ids:
+            self._streams.pop(request_id, None)
+        self._commands.put(_Abort(request_ids))
+
+    def abort_all(self) -> None:
+        """Abort every request; their streams end with finish reason "abort"."""
+        self._commands.put(_Abort(None))
+
+    def _deliver(
+        self, outputs: list[RequestOutput], failed: list[str], stats: EngineStats, num_taken: int
+    ) -> None:
+        """Runs on the event loop: route one iteration's outputs to their streams."""
+        self._num_in_transit -= num_taken
+        self.stats = stats
+        for request_id in failed:  # before their abort outputs, which they must not see
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(EngineError("the engine failed while running this request; see the server log"))
+        if self._on_step is not None:
+            try:
+                self._on_step(outputs, stats)
+            except Exception:  # metrics must never stop outputs from reaching their streams
+                logger.exception("the on_step callback failed")
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put(output)
+                if output.finished:
+                    del self._streams[output.request_id]
+
+    # ---- the engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        """The engine thread: take commands, step, deliver; until told to stop."""
+        while True:
+            commands = self._take_commands(block=not self._active)
+            stopping = _STOP in commands
+            num_taken = sum(len(c.prompts) * c.params.n for c in commands if isinstance(c, _Add))
+            try:
+                outputs, failed = self._iterate([c for c in commands if c is not _STOP], step=not stopping)
+                if stopping:
+                    outputs += self._abort(None)
+            except Exception:  # a bug outside step(): keep serving the other requests
+                logger.exception("engine loop iteration failed")
+                outputs, failed = [], []
+            self._post(outputs, failed, num_taken)
+            if stopping:
+                return
+
+    def _take_commands(self, *, block: bool) -> list:
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _iterate(self, commands: list, *, step: bool) -> tuple[list[RequestOutput], list[str]]:
+        """Apply the commands, then step: (outputs, ids of requests that failed in the step)."""
+        outputs: list[RequestOutput] = []
+        for command in commands:
+            if isinstance(command, _Add):
+                self._add(command)
+            else:
+                outputs += self._abort(command.request_ids)
+        failed: list[str] = []
+        if step and self._active:
+            step_outputs, failed = self._step()
+            outputs += step_outputs
+        for output in outputs:
+            if output.finished:
+                self._active.discard(output.request_id)
+        return outputs, failed
+
+    def _add(self, command: _Add) -> None:
+        """Queue all prompts of one call, or none; the caller learns which through `accepted`."""
+        if not command.accepted.set_running_or_notify_cancel():
+            return  # the client left before the engine saw the request
+        added = []
+        try:
+            for request_id, token_ids in command.prompts.items():
+                self.engine.add_request(request_id, token_ids, command.params,
+                                        arrival_time_s=command.arrival_time_s)
+                added.append(request_id)
+        except Exception as error:
+            if not isinstance(error, ValueError):
+                logger.exception("add_request failed")
+            command.accepted.set_exception(error)
+            self.engine.abort_request(added)
+            return
+        self._active.update(added)
+        command.accepted.set_result(None)
+
+    def _abort(self, request_ids: list[str] | None) -> list[RequestOutput]:
+        request_ids = sorted(self._active) if request_ids is None else request_ids
+        outputs = self.engine.abort_request(request_ids)
+        self._active.difference_update(request_ids)
+        return outputs
+
+    def _step(self) -> tuple[list[RequestOutput], list[str]]:
+        """One engine step; when it raises, the requests in flight fail (their abort outputs still
+        go out, for the metrics) and the loop goes on."""
+        try:
+            return self.engine.step(), []
+        except Exception:
+            logger.exception("engine step failed; failing the %d requests in flight", len(self._active))
+            failed = sorted(self._active)
+            try:
+                return self._abort(failed), failed
+            except Exception:
+                logger.exception("aborting the failed requests failed too")
+                self._active.clear()
+                return [], failed
+
+    def _post(self, outputs: list[RequestOutput], failed: list[str], num_taken: int) -> None:
+        kv_cache = self.engine.scheduler.kv_cache
+        stats = EngineStats(
+            time_s=time.monotonic(), num_running=self.engine.num_running, num_waiting=self.engine.num_waiting,
+            num_used_blocks=kv_cache.num_used_blocks, num_blocks=kv_cache.num_blocks,
+            prefix_cache_queries=kv_cache.prefix_cache_queries, prefix_cache_hits=kv_cache.prefix_cache_hits,
+            num_preemptions=self.engine.scheduler.num_preemptions,
+        )
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, outputs, failed, stats, num_taken)
+        except RuntimeError:  # the event loop is closed: nobody is left to deliver to
+            pass

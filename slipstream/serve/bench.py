@@ -1,0 +1,394 @@
+"""`slipstream bench serve`: a load generator for any OpenAI-compatible server, with the metric
+definitions of vLLM's `vllm bench serve` (../../docs/serving.md), so that its numbers compare with
+vLLM's and it can measure vLLM itself.
+
+Every request streams. Its clock starts just before the POST; TTFT is the time of the first chunk
+carrying non-empty text (vLLM's chat client also counts the role-only first chunk; we do not); ITL
+is the gap between successive non-empty chunks, pooled over requests; E2EL runs to the last chunk;
+TPOT = (E2EL - TTFT) / (output tokens - 1) per request with more than one output token. Output
+tokens come from the server's `usage` (requested with `stream_options.include_usage`), else from
+the number of non-empty chunks. Throughputs divide by the wall time of the whole run. Arrivals
+follow a gamma process (shape `burstiness`, 1 = Poisson) rescaled, as in vLLM, so that N requests
+span exactly N / rate seconds; rate inf sends them all at once.
+
+Datasets: `random` draws prompt token ids uniformly from the tokenizer's non-special ids and sends
+them as token ids to /v1/completions (lengths exact), or decoded to text for chat (then the
+server's tokenization may change lengths; the reported input length is the re-encoded text's).
+`sharegpt` takes the first human turn of each conversation as the prompt and the reply's token
+count as the output length, with vLLM's filters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from tqdm.auto import tqdm
+
+from slipstream.model.tokenizer import Tokenizer
+
+SLO_METRICS = ("ttft", "tpot", "e2el")
+PERCENTILES = (90, 99)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """One benchmark run; names follow `vllm bench serve`'s flags."""
+
+    base_url: str
+    model: str
+    endpoint: str = "/v1/completions"
+    tokenizer: str | None = None
+    """Model directory with tokenizer.json; default: `model`."""
+    dataset_name: str = "random"
+    dataset_path: str | None = None
+    num_prompts: int = 1000
+    random_input_len: int = 1024
+    random_output_len: int = 128
+    random_range_ratio: float = 0.0
+    sharegpt_output_len: int | None = None
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    goodput: tuple[str, ...] = ()
+    """SLOs as "ttft:MS", "tpot:MS", "e2el:MS"."""
+    seed: int = 0
+    ignore_eos: bool = False
+    api_key: str | None = None
+    disable_tqdm: bool = False
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ("/v1/completions", "/v1/chat/completions"):
+            raise ValueError(
+                f"endpoint must be /v1/completions or /v1/chat/completions, got {self.endpoint!r}"
+            )
+        if self.dataset_name not in ("random", "sharegpt"):
+            raise ValueError(f"dataset_name must be random or sharegpt, got {self.dataset_name!r}")
+        if self.dataset_name == "sharegpt" and not self.dataset_path:
+            raise ValueError("the sharegpt dataset needs dataset_path")
+        for name in ("num_prompts", "random_input_len", "random_output_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.random_range_ratio < 1:
+            raise ValueError(f"random_range_ratio must be in [0, 1), got {self.random_range_ratio}")
+        if not self.request_rate > 0 or not self.burstiness > 0:
+            raise ValueError(
+                f"request_rate and burstiness must be > 0, got {self.request_rate}, {self.burstiness}"
+            )
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        object.__setattr__(self, "goodput", tuple(self.goodput))
+        parse_goodput(self.goodput)
+
+
+def parse_goodput(specs: tuple[str, ...] | list[str]) -> dict[str, float]:
+    """{"ttft": ms, ...} from ["ttft:500", ...]."""
+    slos = {}
+    for spec in specs:
+        name, _, value = spec.partition(":")
+        try:
+            slos[name] = float(value)
+        except ValueError:
+            raise ValueError(f"goodput SLOs look like ttft:MS, got {spec!r}") from None
+        if name not in SLO_METRICS or slos[name] <= 0:
+            raise ValueError(f"goodput SLOs are {SLO_METRICS} with a positive value in ms, got {spec!r}")
+    return slos
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SampleRequest:
+    prompt: str | list[int]
+    prompt_len: int
+    output_len: int
+
+
+@dataclasses.dataclass(slots=True)
+class RequestResult:
+    """What the client saw of one request (seconds from its own start unless said otherwise)."""
+
+    success: bool = False
+    error: str = ""
+    generated_text: str = ""
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    itl_s: list[float] = dataclasses.field(default_factory=list)
+    latency_s: float = 0.0
+    start_s: float = 0.0
+    """When it was sent, on the run's clock."""
+
+
+# ---- datasets -------------------------------------------------------------------------------
+
+
+def random_requests(config: BenchConfig, tokenizer: Tokenizer, *, as_text: bool) -> list[SampleRequest]:
+    """Random prompts of about `random_input_len` tokens (+- the range ratio), as vLLM's dataset."""
+    rng = np.random.default_rng(config.seed)
+    special = set(tokenizer.backend.get_added_tokens_decoder())
+    allowed = np.array([i for i in range(tokenizer.vocab_size) if i not in special])
+    input_lens = _lengths(rng, config.random_input_len, config.random_range_ratio, config.num_prompts)
+    output_lens = _lengths(rng, config.random_output_len, config.random_range_ratio, config.num_prompts)
+    requests = []
+    for input_len, output_len in zip(input_lens, output_lens, strict=True):
+        token_ids = rng.choice(allowed, size=input_len).tolist()
+        if as_text:
+            text = tokenizer.decode(token_ids)
+            num_tokens = len(tokenizer.encode(text, add_special_tokens=False))
+            requests.append(SampleRequest(text, num_tokens, output_len))
+        else:
+            requests.append(SampleRequest(token_ids, input_len, output_len))
+    return requests
+
+
+def _lengths(rng: np.random.Generator, mean: int, range_ratio: float, num: int) -> list[int]:
+    low, high = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
+    return rng.integers(low, high + 1, size=num).tolist()
+
+
+def sharegpt_requests(config: BenchConfig, tokenizer: Tokenizer) -> list[SampleRequest]:
+    """First human turn and reply length of ShareGPT conversations, shuffled by the seed; as vLLM,
+    drops pairs under 4 tokens and prompts over 1024 or pairs over 2048 tokens."""
+    conversations = json.loads(Path(config.dataset_path).read_text())
+    pairs = [c["conversations"][:2] for c in conversations if len(c.get("conversations", ())) >= 2]
+    random.Random(config.seed).shuffle(pairs)
+    requests = []
+    for human, reply in pairs:
+        prompt_len = len(tokenizer.encode(human["value"]))
+        output_len = config.sharegpt_output_len or len(tokenizer.encode(reply["value"]))
+        too_short = prompt_len < 4 or (config.sharegpt_output_len is None and output_len < 4)
+        if too_short or prompt_len > 1024 or prompt_len + output_len > 2048:
+            continue
+        requests.append(SampleRequest(human["value"], prompt_len, output_len))
+        if len(requests) == config.num_prompts:
+            return requests
+    raise ValueError(f"{config.dataset_path} has only {len(requests)} usable conversations, "
+                     f"fewer than num_prompts={config.num_prompts}")
+
+
+def arrival_times(config: BenchConfig) -> list[float]:
+    """Send times from the run's start: gamma gaps rescaled to span num_prompts / rate (vLLM's)."""
+    if math.isinf(config.request_rate):
+        return [0.0] * config.num_prompts
+    rng = np.random.default_rng(config.seed)
+    theta = 1.0 / (config.request_rate * config.burstiness)
+    times = np.cumsum(rng.gamma(shape=config.burstiness, scale=theta, size=config.num_prompts))
+    return (times * (config.num_prompts / config.request_rate / times[-1])).tolist()
+
+
+# ---- requests --------------------------------------------------------------------------------
+
+
+def _payload(config: BenchConfig, request: SampleRequest) -> dict:
+    payload = {"model": config.model, "temperature": 0.0, "stream": True,
+               "stream_options": {"include_usage": True}}
+    if config.endpoint == "/v1/completions":
+        payload |= {"prompt": request.prompt, "max_tokens": request.output_len}
+    else:
+        payload |= {"messages": [{"role": "user", "content": request.prompt}],
+                    "max_completion_tokens": request.output_len}
+    if config.ignore_eos:
+        payload["ignore_eos"] = True
+    return payload
+
+
+async def send_request(client: httpx.AsyncClient, config: BenchConfig, request: SampleRequest,
+                       run_start: float) -> RequestResult:
+    """Stream one request and time its chunks."""
+    result = RequestResult()
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    start = time.perf_counter()
+    result.start_s = start - run_start
+    last_chunk = most_recent = start
+    num_chunks = 0
+    try:
+        async with client.stream("POST", config.base_url.rstrip("/") + config.endpoint,
+                                 json=_payload(config, request), headers=headers) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {body}"
+                return result
+            async for line in response.aiter_lines():
+                data = line.removeprefix("data:").strip()
+                if not line.startswith("data:") or data == "[DONE]":
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = f"error event: {chunk['error']}"
+                    return result
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"].get("completion_tokens") or 0
+                if not chunk.get("choices"):
+                    continue
+                now = time.perf_counter()
+                last_chunk = now
+                text = _chunk_text(chunk["choices"][0])
+                if text:
+                    if num_chunks == 0:
+                        result.ttft_s = now - start
+                    else:
+                        result.itl_s.append(now - most_recent)
+                    most_recent = now
+                    num_chunks += 1
+                    result.generated_text += text
+    except (httpx.HTTPError, json.JSONDecodeError) as error:
+        result.error = f"{type(error).__name__}: {error}"
+        return result
+    result.latency_s = last_chunk - start
+    if num_chunks == 0:  # e.g. end-of-sequence first: no text, so the first token is the last
+        result.ttft_s = result.latency_s
+    result.output_tokens = result.output_tokens or num_chunks
+    result.success = True
+    return result
+
+
+def _chunk_text(choice: dict) -> str:
+    if "delta" in choice:
+        return choice["delta"].get("content") or ""
+    return choice.get("text") or ""
+
+
+async def _run(config: BenchConfig, requests: list[SampleRequest]) -> tuple[list[RequestResult], float]:
+    limits = httpx.Limits(max_connections=config.max_concurrency,
+                          max_keepalive_connections=config.max_concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600.0), limits=limits) as client:
+        test = await send_request(client, config, requests[0], time.perf_counter())
+        if not test.success:
+            raise ValueError(f"the initial test request failed: {test.error}")
+        semaphore = asyncio.Semaphore(config.max_concurrency or len(requests))
+        bar = tqdm(total=len(requests), desc="requests", disable=config.disable_tqdm)
+
+        async def limited(request: SampleRequest) -> RequestResult:
+            async with semaphore:
+                result = await send_request(client, config, request, start)
+            bar.update(1)
+            return result
+
+        start = time.perf_counter()
+        tasks = []
+        for request, send_at in zip(requests, arrival_times(config), strict=True):
+            await asyncio.sleep(max(0.0, start + send_at - time.perf_counter()))
+            tasks.append(asyncio.create_task(limited(request)))
+        results = await asyncio.gather(*tasks)
+        duration_s = time.perf_counter() - start
+        bar.close()
+    return results, duration_s
+
+
+def run_benchmark(config: BenchConfig) -> dict:
+    """Run the benchmark; returns vLLM's result JSON fields (the config's included)."""
+    tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model)
+    if config.dataset_name == "sharegpt":
+        requests = sharegpt_requests(config, tokenizer)
+    else:
+        requests = random_requests(config, tokenizer, as_text=config.endpoint == "/v1/chat/completions")
+    results, duration_s = asyncio.run(_run(config, requests))
+    return {
+        "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "endpoint": config.endpoint, "model_id": config.model,
+        "tokenizer_id": config.tokenizer or config.model,
+        "dataset_name": config.dataset_name, "num_prompts": config.num_prompts,
+        "request_rate": config.request_rate if math.isfinite(config.request_rate) else "inf",
+        "burstiness": config.burstiness, "max_concurrency": config.max_concurrency,
+    } | compute_metrics(requests, results, duration_s, parse_goodput(config.goodput))
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+
+
+def compute_metrics(requests: list[SampleRequest], results: list[RequestResult], duration_s: float,
+                    slos: dict[str, float]) -> dict:
+    """vLLM's `calculate_metrics`: totals, throughputs, goodput and latency statistics in ms."""
+    done = [(q, r) for q, r in zip(requests, results, strict=True) if r.success]
+    ttfts = [r.ttft_s for _, r in done]
+    tpots = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for _, r in done if r.output_tokens > 1]
+    itls = [gap for _, r in done for gap in r.itl_s]
+    e2els = [r.latency_s for _, r in done]
+    total_input = sum(q.prompt_len for q, _ in done)
+    total_output = sum(r.output_tokens for _, r in done)
+    metrics = {
+        "duration": duration_s, "completed": len(done), "failed": len(results) - len(done),
+        "total_input_tokens": total_input, "total_output_tokens": total_output,
+        "request_throughput": len(done) / duration_s,
+        "request_goodput": _num_good(done, slos) / duration_s if slos else None,
+        "output_throughput": total_output / duration_s,
+        "total_token_throughput": (total_input + total_output) / duration_s,
+        "max_output_tokens_per_s": _peak_output_per_s([r for _, r in done]),
+        "max_concurrent_requests": _peak_concurrency([r for _, r in done]),
+        "input_lens": [q.prompt_len for q, _ in done], "output_lens": [r.output_tokens for _, r in done],
+        "ttfts": ttfts, "itls": [r.itl_s for _, r in done],
+        "generated_texts": [r.generated_text for _, r in done],
+        "errors": [r.error for r in results if not r.success],
+    }
+    for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
+        ms = np.array(values or [0.0]) * 1000
+        metrics |= {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
+                    f"std_{name}_ms": float(ms.std())}
+        metrics |= {f"p{p}_{name}_ms": float(np.percentile(ms, p)) for p in PERCENTILES}
+    return metrics
+
+
+def _num_good(done: list[tuple[SampleRequest, RequestResult]], slos: dict[str, float]) -> int:
+    """Requests meeting every SLO; as vLLM, one with a single output token has TPOT 0."""
+    def meets(r: RequestResult) -> bool:
+        tpot = (r.latency_s - r.ttft_s) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
+        values_ms = {"ttft": r.ttft_s * 1000, "tpot": tpot * 1000, "e2el": r.latency_s * 1000}
+        return all(values_ms[name] <= limit for name, limit in slos.items())
+    return sum(meets(r) for _, r in done)
+
+
+def _peak_output_per_s(results: list[RequestResult]) -> float:
+    """Most non-empty chunks in any one-second bucket of the run (vLLM's peak output throughput)."""
+    buckets: dict[int, int] = {}
+    for r in results:
+        t = r.start_s + r.ttft_s
+        for gap in [0.0, *r.itl_s]:
+            t += gap
+            buckets[int(t)] = buckets.get(int(t), 0) + 1
+    return float(max(buckets.values(), default=0))
+
+
+def _peak_concurrency(results: list[RequestResult]) -> int:
+    events = sorted([(r.start_s, 1) for r in results] + [(r.start_s + r.latency_s, -1) for r in results])
+    peak = current = 0
+    for _, change in events:
+        current += change
+        peak = max(peak, current)
+    return peak
+
+
+def format_result(result: dict) -> str:
+    """vLLM's "Serving Benchmark Result" table."""
+    lines = [f"{' Serving Benchmark Result ':=^50}"]
+
+    def row(label: str, value) -> None:
+        spec = "<10.2f" if isinstance(value, float) else "<10"
+        lines.append(f"{label:<40} {value:{spec}}")
+
+    row("Successful requests:", result["completed"])
+    row("Failed requests:", result["failed"])
+    row("Benchmark duration (s):", result["duration"])
+    row("Total input tokens:", result["total_input_tokens"])
+    row("Total generated tokens:", result["total_output_tokens"])
+    row("Request throughput (req/s):", result["request_throughput"])
+    if result["request_goodput"] is not None:
+        row("Request goodput (req/s):", result["request_goodput"])
+    row("Output token throughput (tok/s):", result["output_throughput"])
+    row("Peak output token throughput (tok/s):", result["max_output_tokens_per_s"])
+    row("Peak concurrent requests:", result["max_concurrent_requests"])
+    row("Total Token throughput (tok/s):", result["total_token_throughput"])
+    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        lines.append(f"{title:-^50}")
+        row(f"Mean {name.upper()} (ms):", result[f"mean_{name}_ms"])
+        row(f"Median {name.upper()} (ms):", result[f"median_{name}_ms"])
+        for p in PERCENTILES:
+            row(f"P{p} {name.upper()} (ms):", result[f"p{p}_{name}_ms"])
+    lines.append("=" * 50)
+    return "\n".join(lines)

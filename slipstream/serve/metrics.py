@@ -1,0 +1,138 @@
+"""Prometheus metrics of the server, with vLLM's names under `slipstream:` and its definitions.
+
+Intervals come from the engine's per-request timestamps (../../docs/serving.md): queue =
+arrival -> first scheduled, prefill = first scheduled -> first token, decode = first token ->
+finished, TTFT = arrival -> first token, end-to-end = arrival -> finished. The arrival time is
+taken when the HTTP handler starts, before tokenization, as vLLM's frontend does. Inter-token
+latency is observed per request and engine step that gave it new tokens: the time since the step
+that gave it its previous ones. Every metric carries a `model_name` label. Everything here runs on
+the event loop, off the engine thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from slipstream.serve.async_engine import EngineStats
+from slipstream.serve.request import RequestOutput
+
+PREFIX = "slipstream:"
+
+# vLLM's buckets, with finer ones below 10 ms for CPU-sized models.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+@dataclasses.dataclass(slots=True)
+class _Progress:
+    """What metrics have already counted of one request."""
+
+    num_tokens: list[int]
+    """Tokens seen so far, per completion."""
+    last_token_time_s: float
+
+
+class ServerMetrics:
+    """The server's metrics, in a registry of their own (`render()` is the /metrics body)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self._model_name = model_name
+        self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds", "Time between a request's successive "
+                                   "new tokens.", ITL_BUCKETS)
+        self.tpot = self._histogram("request_time_per_output_token_seconds", "Per request: decode time "
+                                    "over output tokens after the first.", ITL_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
+        self.queue = self._histogram("request_queue_time_seconds", "Arrival to first scheduled.",
+                                     REQUEST_BUCKETS)
+        self.prefill = self._histogram("request_prefill_time_seconds", "First scheduled to first token.",
+                                       REQUEST_BUCKETS)
+        self.decode = self._histogram("request_decode_time_seconds", "First token to finish.",
+                                      REQUEST_BUCKETS)
+        self.running = self._gauge("num_requests_running", "Sequences in the running batch.")
+        self.waiting = self._gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.kv_usage = self._gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks held by requests "
+                                    "(1 = full).")
+        self.kv_used_blocks = self._gauge("kv_cache_used_blocks", "KV-cache blocks held by requests.")
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = self._counter("generation_tokens", "Tokens generated.")
+        self.prefix_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the "
+                                            "prefix cache.")
+        self.prefix_hits = self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = self._counter("num_preemptions", "Requests preempted to free KV blocks.")
+        self.success = Counter(PREFIX + "request_success", "Finished completions by finish reason.",
+                               ["model_name", "finished_reason"], registry=self.registry)
+        self._progress: dict[str, _Progress] = {}
+        self._last_stats = EngineStats(time_s=0.0)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]):
+        return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
+                         registry=self.registry).labels(self._model_name)
+
+    def _gauge(self, name: str, doc: str):
+        return Gauge(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(self._model_name)
+
+    def _counter(self, name: str, doc: str):
+        return Counter(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(self._model_name)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def observe(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        """Record one engine iteration: its outputs (every one, in order) and the load after it."""
+        for output in outputs:
+            self._observe_output(output, stats.time_s)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.kv_used_blocks.set(stats.num_used_blocks)
+        last = self._last_stats
+        self.prefix_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
+        self.prefix_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
+        self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self._last_stats = stats
+
+    def _observe_output(self, output: RequestOutput, now: float) -> None:
+        progress = self._progress.get(output.request_id)
+        num_tokens = [len(c.token_ids) for c in output.outputs]
+        if progress is None:
+            progress = _Progress(num_tokens=[0] * len(num_tokens), last_token_time_s=now)
+            self._progress[output.request_id] = progress
+            if output.metrics.first_token_time_s is not None:
+                self.prompt_tokens.inc(len(output.prompt_token_ids))
+                self.ttft.observe(output.metrics.time_to_first_token_s)
+        num_new = sum(num_tokens) - sum(progress.num_tokens)
+        if num_new > 0:
+            if sum(progress.num_tokens) > 0:
+                self.itl.observe(now - progress.last_token_time_s)
+            self.generation_tokens.inc(num_new)
+            progress.num_tokens = num_tokens
+            progress.last_token_time_s = now
+        if output.finished:
+            self._observe_finished(output)
+            del self._progress[output.request_id]
+
+    def _observe_finished(self, output: RequestOutput) -> None:
+        metrics = output.metrics
+        for completion in output.outputs:
+            self.success.labels(self._model_name, completion.finish_reason).inc()
+        if metrics.e2e_latency_s is not None:
+            self.e2e.observe(metrics.e2e_latency_s)
+        if metrics.queue_time_s is not None:
+            self.queue.observe(metrics.queue_time_s)
+        if metrics.first_token_time_s is None or metrics.finished_time_s is None:
+            return
+        if metrics.first_scheduled_time_s is not None:
+            self.prefill.observe(metrics.first_token_time_s - metrics.first_scheduled_time_s)
+        decode_s = metrics.finished_time_s - metrics.first_token_time_s
+        self.decode.observe(decode_s)
+        num_tokens = max(len(c.token_ids) for c in output.outputs)
+        if num_tokens > 1:
+            self.tpot.observe(decode_s / (num_tokens - 1))

@@ -1,0 +1,216 @@
+"""OpenAI's request side: bodies as strict pydantic models, their errors, and sampling params.
+
+Bodies are parsed in pydantic's strict mode, as OpenAI's API does: `"max_tokens": "5"` or
+`"stream": 1` is a 400, not a silent coercion. Unknown fields are ignored (as vLLM does), so that
+clients which send newer OpenAI fields keep working; known OpenAI fields this server cannot honour
+(`echo`, `suffix`, `logit_bias`, tools, `response_format`) are a 400 when set rather than ignored.
+The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
+`stop_token_ids`, `include_stop_str_in_output` and `skip_special_tokens` are accepted too.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from slipstream.serve.request import SamplingParams
+
+MAX_N = 128
+"""Most completions per prompt; more would only let one request fill the whole queue."""
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status_code: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _GenerationBody(_Body):
+    """Fields that completions and chat completions share."""
+
+    model: str | None = None
+    """None means the served model."""
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: TokenIds | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def check_supported(self) -> None:
+        """Refuse set fields this server cannot honour, rather than ignore them."""
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams; a value it rejects is a 400 naming the parameter."""
+        values = dict(
+            n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or (),
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                        min_p=self.min_p, repetition_penalty=self.repetition_penalty)
+        values |= {name: value for name, value in optional.items() if value is not None}
+        try:
+            return SamplingParams(**values)
+        except ValueError as error:
+            param = str(error).split(" ", 1)[0]
+            raise bad_request(str(error), param if param in values else None) from error
+
+
+class CompletionRequest(_GenerationBody):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name, unsupported in (("echo", self.echo), ("suffix", self.suffix is not None),
+                                  ("best_of", self.best_of not in (None, self.n))):
+            if unsupported:
+                raise bad_request(f"{name} is not supported", name)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt or batch of prompts, each text or token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            prompts = [self.prompt]
+        else:
+            prompts = list(self.prompt)
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise bad_request("prompt must not be empty", "prompt")
+        return prompts
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def template_message(self) -> dict[str, str]:
+        """The message as the chat template sees it (text parts joined)."""
+        content = self.content or ""
+        if not isinstance(content, str):
+            content = "".join(part.text for part in content)
+        message = {"role": self.role, "content": content}
+        return message | ({"name": self.name} if self.name is not None else {})
+
+
+class ChatCompletionRequest(_GenerationBody):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise bad_request("tool calling is not supported", "tools")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """max_completion_tokens, or the older max_tokens; None means up to the context length."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per position the engine must return (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def parse_body(model: type[_Body], body: bytes) -> Any:
+    """The body as `model`, or a 400 saying what is wrong with it."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as error:
+        raise validation_error(error) from None
+
+
+def validation_error(error: ValidationError) -> APIError:
+    """A 400 for the first problem pydantic found. Alternatives of one union field (stop: a string
+    or a list of strings) each report an error; they are summed up in one message."""
+    errors = error.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return bad_request(f"the request body is not valid JSON: {first['msg']}")
+    if not first["loc"]:
+        return bad_request(f"the request body must be a JSON object: {first['msg']}")
+    param = str(first["loc"][0])
+    same_field = [e for e in errors if e["loc"][:1] == first["loc"][:1]]
+    if len(same_field) > 1 and first["type"] != "missing":
+        where = ".".join(str(part) for part in os.path.commonprefix([e["loc"] for e in same_field]))
+        reasons = "; ".join(dict.fromkeys(e["msg"] for e in same_field))
+        return bad_request(f"{where} has the wrong type or value ({reasons})", param)
+    where = ".".join(str(part) for part in first["loc"])
+    return bad_request(f"{where}: {first['msg']}", param)
+

@@ -1,0 +1,237 @@
+"""OpenAI's response side: completions and chat completions as whole JSON bodies or as server-sent
+event chunks, with usage and logprobs in OpenAI's two formats (legacy completions, chat).
+
+A stream sends each choice's news as its own chunk: the text added since the last chunk (the
+engine already holds back a possible stop-string prefix), the logprobs of the new tokens, and the
+finish reason on the last one. Chunks with nothing to say are not sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from slipstream.serve.request import CompletionOutput, Logprob, RequestOutput
+
+MIN_LOGPROB = -9999.0
+"""-inf is not JSON; like vLLM, report impossible tokens with this floor."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResponseMeta:
+    """What every response and chunk of one API call starts with."""
+
+    id: str
+    created: int
+    model: str
+
+    @classmethod
+    def new(cls, prefix: str, model: str) -> ResponseMeta:
+        return cls(id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()), model=model)
+
+    def head(self, object: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object, "created": self.created, "model": self.model}
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+def usage(outputs: Iterable[RequestOutput]) -> dict[str, int]:
+    """Prompt tokens (once per prompt) and generated tokens (over all choices)."""
+    outputs = list(outputs)
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# ---- logprobs -------------------------------------------------------------------------------
+
+
+def _logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def _positions(completion: CompletionOutput, start: int, end: int):
+    return zip(completion.token_ids[start:end], completion.logprobs[start:end], strict=True)
+
+
+def completion_logprobs(completion: CompletionOutput, start: int, end: int, text_offset: int) -> dict:
+    """Legacy completions logprobs of tokens [start, end): the sampled token's and the top ones'."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    for token_id, position in _positions(completion, start, end):
+        token = position[token_id].decoded_token or ""
+        tokens.append(token)
+        token_logprobs.append(_logprob(position[token_id].logprob))
+        top_logprobs.append({p.decoded_token or "": _logprob(p.logprob) for p in position.values()})
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+def chat_logprobs(completion: CompletionOutput, start: int, end: int, num_top: int) -> dict:
+    """Chat logprobs of tokens [start, end): each token with its `num_top` most likely alternatives."""
+    content = []
+    for token_id, position in _positions(completion, start, end):
+        top = sorted((p for p in position.values() if p.rank <= num_top), key=lambda p: p.rank)
+        content.append(_chat_token(position[token_id]) | {"top_logprobs": [_chat_token(p) for p in top]})
+    return {"content": content}
+
+
+def _chat_token(logprob: Logprob) -> dict[str, Any]:
+    token = logprob.decoded_token or ""
+    return {"token": token, "logprob": _logprob(logprob.logprob), "bytes": list(token.encode())}
+
+
+# ---- whole responses ------------------------------------------------------------------------
+
+
+def completion_response(meta: ResponseMeta, outputs: Sequence[RequestOutput], *, n: int,
+                        logprobs: int | None) -> dict:
+    """The body of a non-streamed completions call: prompt i's choices are i*n .. i*n + n-1."""
+    choices = []
+    for prompt_index, output in enumerate(outputs):
+        for completion in output.outputs:
+            choice_logprobs = None
+            if logprobs is not None:
+                choice_logprobs = completion_logprobs(completion, 0, len(completion.token_ids), 0)
+            choices.append({"index": prompt_index * n + completion.index, "text": completion.text,
+                            "logprobs": choice_logprobs} | _finish(completion))
+    return meta.head("text_completion") | {"choices": choices, "usage": usage(outputs)}
+
+
+def chat_response(meta: ResponseMeta, output: RequestOutput, *, num_logprobs: int | None) -> dict:
+    """The body of a non-streamed chat completion (`num_logprobs` None: no logprobs)."""
+    choices = []
+    for completion in output.outputs:
+        logprobs = None
+        if num_logprobs is not None:
+            logprobs = chat_logprobs(completion, 0, len(completion.token_ids), num_logprobs)
+        message = {"role": "assistant", "content": completion.text}
+        choices.append({"index": completion.index, "message": message, "logprobs": logprobs}
+                       | _finish(completion))
+    return meta.head("chat.completion") | {"choices": choices, "usage": usage([output])}
+
+
+def _finish(completion: CompletionOutput) -> dict[str, Any]:
+    return {"finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+
+
+# ---- streams --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(slots=True)
+class _Sent:
+    num_chars: int = 0
+    num_tokens: int = 0
+    finished: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _News:
+    """What a choice gained since its last chunk: text, and the new tokens [start, end)."""
+
+    text: str
+    start: int
+    end: int
+    text_offset: int
+    """Characters sent before this text."""
+
+
+class _Deltas:
+    """Remembers how much of each choice a stream has sent, and says what is new."""
+
+    def __init__(self, *, with_logprobs: bool) -> None:
+        self._with_logprobs = with_logprobs
+        self._sent: dict[int, _Sent] = {}
+
+    def news(self, index: int, completion: CompletionOutput) -> _News | None:
+        """The choice's news, or None when nothing is worth a chunk: no text, no finish, and no new
+        token whose logprobs were asked for."""
+        sent = self._sent.setdefault(index, _Sent())
+        if sent.finished:
+            return None
+        news = _News(completion.text[sent.num_chars:], sent.num_tokens, len(completion.token_ids),
+                     sent.num_chars)
+        if not news.text and completion.finish_reason is None and not (
+            self._with_logprobs and news.end > news.start
+        ):
+            return None
+        sent.num_chars += len(news.text)
+        sent.num_tokens = news.end
+        sent.finished = completion.finish_reason is not None
+        return news
+
+
+class CompletionStream:
+    """The chunks of a streamed completions call (one or several prompts, n choices each)."""
+
+    object = "text_completion"
+
+    def __init__(self, meta: ResponseMeta, request_ids: Sequence[str], *, n: int, logprobs: int | None):
+        self.meta = meta
+        self._logprobs = logprobs
+        self._deltas = _Deltas(with_logprobs=logprobs is not None)
+        self._first_index = {request_id: i * n for i, request_id in enumerate(request_ids)}
+
+    def opening(self) -> list[str]:
+        return []
+
+    def events(self, output: RequestOutput) -> list[str]:
+        events = []
+        for completion in output.outputs:
+            index = self._first_index[output.request_id] + completion.index
+            news = self._deltas.news(index, completion)
+            if news is None:
+                continue
+            logprobs = None
+            if self._logprobs is not None:  # as vLLM, offsets continue from the text already sent
+                logprobs = completion_logprobs(completion, news.start, news.end, news.text_offset)
+            choice = {"index": index, "text": news.text, "logprobs": logprobs} | _finish(completion)
+            events.append(sse(self.meta.head(self.object) | {"choices": [choice]}))
+        return events
+
+
+class ChatStream:
+    """The chunks of a streamed chat completion: first the assistant role of every choice."""
+
+    object = "chat.completion.chunk"
+
+    def __init__(self, meta: ResponseMeta, *, n: int, num_logprobs: int | None) -> None:
+        self.meta = meta
+        self._n = n
+        self._num_logprobs = num_logprobs
+        self._deltas = _Deltas(with_logprobs=num_logprobs is not None)
+
+    def opening(self) -> list[str]:
+        return [self._chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(self._n)]
+
+    def events(self, output: RequestOutput) -> list[str]:
+        events = []
+        for completion in output.outputs:
+            news = self._deltas.news(completion.index, completion)
+            if news is None:
+                continue
+            logprobs = None
+            if self._num_logprobs is not None:
+                logprobs = chat_logprobs(completion, news.start, news.end, self._num_logprobs)
+            events.append(self._chunk(completion.index, {"content": news.text}, logprobs, completion))
+        return events
+
+    def _chunk(self, index: int, delta: dict, logprobs: dict | None,
+               completion: CompletionOutput | None) -> str:
+        finish = _finish(completion) if completion else {"finish_reason": None}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs} | finish
+        return sse(self.meta.head(self.object) | {"choices": [choice]})
+
+
+def usage_event(stream: CompletionStream | ChatStream, outputs: Iterable[RequestOutput]) -> str:
+    """The last chunk when `stream_options.include_usage` is set: no choices, the usage."""
+    return sse(stream.meta.head(stream.object) | {"choices": [], "usage": usage(outputs)})

@@ -1,0 +1,360 @@
+"""The OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health,
+/metrics, over an `AsyncEngine` (../../docs/serving.md).
+
+A handler validates the body (a 400 for anything wrong with it), tokenizes off the event loop,
+queues the prompts and either streams server-sent events or waits for the final outputs. A client
+that disconnects aborts its request at once, whether it was streaming or not, which frees its KV
+blocks. `run_server` drains on SIGTERM: it stops accepting connections, lets the requests in flight
+finish for up to `drain_timeout_s`, aborts the rest and returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import logging
+import re
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import jinja2
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from slipstream.serve import protocol, responses
+from slipstream.serve.async_engine import AsyncEngine, EngineError, Overloaded, RequestStream
+from slipstream.serve.engine import Engine, EngineConfig
+from slipstream.serve.metrics import ServerMetrics
+from slipstream.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from slipstream.serve.request import RequestOutput, SamplingParams
+from slipstream.serve.responses import ResponseMeta
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DRAIN_POLL_S = 0.1
+"""How often the server checks whether uvicorn began a graceful shutdown (uvicorn's own tick)."""
+DRAIN_GRACE_S = 5.0
+"""After aborting at the drain deadline, how long uvicorn waits for responses to go out before
+it cancels what is left."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ServerConfig:
+    """How to serve an engine over HTTP."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    """When set, /v1/* needs `Authorization: Bearer <api_key>`; /health and /metrics stay open."""
+    served_model_name: str | None = None
+    """The `model` clients name; default: the model directory as given."""
+    max_waiting: int = 1024
+    """Most sequences waiting to be scheduled; past it, requests get 503 with Retry-After."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM, how long requests in flight may take to finish before they are aborted."""
+    max_body_bytes: int = 8 * 2**20
+    retry_after_s: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 2**16:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("max_waiting", "max_body_bytes", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty (leave it unset to serve without one)")
+
+
+class OpenAIServer:
+    """The FastAPI app (`.app`) serving one engine under one model name."""
+
+    def __init__(self, engine: Engine, config: ServerConfig,
+                 is_draining: Callable[[], bool] = lambda: False) -> None:
+        self.config = config
+        self.model_name = config.served_model_name or engine.config.model
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.limits.max_model_len
+        self.metrics = ServerMetrics(self.model_name)
+        self.engine = AsyncEngine(engine, max_waiting=config.max_waiting, on_step=self.metrics.observe)
+        self.is_draining = is_draining
+        self.created = int(time.time())
+        self.app = self._build_app()
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="slipstream", lifespan=self._lifespan, docs_url=None, redoc_url=None,
+                      openapi_url=None)
+        app.add_exception_handler(APIError, _api_error_response)
+        app.add_exception_handler(HTTPException, _http_error_response)
+        app.add_exception_handler(Exception, _internal_error_response)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.render_metrics)
+        app.get("/v1/models")(self.models)
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
+        return app
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        self.engine.start()
+        drain = asyncio.create_task(self._abort_after_drain_timeout())
+        yield
+        drain.cancel()
+        await self.engine.stop()
+
+    async def _abort_after_drain_timeout(self) -> None:
+        """Once draining starts, give the requests in flight drain_timeout_s, then abort the rest:
+        streams end with finish reason "abort", waiting clients get a 503."""
+        while not self.is_draining():
+            await asyncio.sleep(DRAIN_POLL_S)
+        await asyncio.sleep(self.config.drain_timeout_s)
+        logger.warning("drain timeout of %.1f s reached; aborting the requests still running",
+                       self.config.drain_timeout_s)
+        self.engine.abort_all()
+
+    # ---- routes -------------------------------------------------------------------------------
+
+    async def health(self) -> Response:
+        if self.is_draining() or not self.engine.is_alive:
+            raise APIError(503, "the server is shutting down", type="server_error", code="unavailable")
+        return Response(status_code=200)
+
+    async def render_metrics(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "slipstream",
+                "max_model_len": self.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    async def completions(self, request: Request) -> Response:
+        arrival_time_s = time.monotonic()
+        body = await self._parse(request, CompletionRequest)
+        params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs)
+        prompts = await asyncio.to_thread(self._tokenize, body.prompts())
+        for token_ids in prompts:
+            self._check_context(len(token_ids), body.max_tokens, "prompt")
+        meta = ResponseMeta.new("cmpl", self.model_name)
+        stream = await self._submit(meta.id, prompts, params, arrival_time_s, "prompt")
+        if body.stream:
+            chunks = responses.CompletionStream(meta, stream.request_ids, n=params.n, logprobs=body.logprobs)
+            return _event_stream(self._events(stream, chunks, body.include_usage))
+        outputs = await self._collect(request, stream)
+        return JSONResponse(responses.completion_response(meta, outputs, n=params.n, logprobs=body.logprobs))
+
+    async def chat_completions(self, request: Request) -> Response:
+        arrival_time_s = time.monotonic()
+        body = await self._parse(request, ChatCompletionRequest)
+        params = body.sampling_params(max_tokens=body.max_new_tokens, logprobs=body.num_logprobs)
+        token_ids = await asyncio.to_thread(self._render_chat, body)
+        self._check_context(len(token_ids), body.max_new_tokens, "messages")
+        meta = ResponseMeta.new("chatcmpl", self.model_name)
+        stream = await self._submit(meta.id, [token_ids], params, arrival_time_s, "messages")
+        if body.stream:
+            chunks = responses.ChatStream(meta, n=params.n, num_logprobs=body.num_logprobs)
+            return _event_stream(self._events(stream, chunks, body.include_usage))
+        [output] = await self._collect(request, stream)
+        return JSONResponse(responses.chat_response(meta, output, num_logprobs=body.num_logprobs))
+
+    # ---- request handling ---------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        if self.config.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        expected = self.config.api_key.encode()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+            raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+
+    async def _parse(self, request: Request, model: type[T]) -> T:
+        """Authorize, then read and validate the body: a 4xx for anything wrong with it."""
+        self._authorize(request)
+        body = protocol.parse_body(model, await self._read_body(request))
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
+                           f"{self.model_name!r}", param="model", code="model_not_found")
+        body.check_supported()
+        return body
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, or a 413 past `max_body_bytes`. An oversized body is read to its end but not
+        kept, so that the client, still sending, gets the 413 rather than a reset connection."""
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= self.config.max_body_bytes:
+                chunks.append(chunk)
+        if size > self.config.max_body_bytes:
+            raise APIError(413, f"the request body has {size} bytes, more than this server accepts "
+                           f"({self.config.max_body_bytes})")
+        return b"".join(chunks)
+
+    def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+
+    def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
+        messages = [m.template_message() for m in body.messages]
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except (ValueError, TypeError, jinja2.TemplateError) as error:
+            raise protocol.bad_request(f"the chat template rejected the messages: {error}",
+                                       "messages") from error
+
+    def _check_context(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> None:
+        """As vLLM: the prompt plus max_tokens must fit the context (the engine would silently cap it)."""
+        if num_prompt_tokens >= self.max_model_len:
+            raise protocol.bad_request(
+                f"the prompt has {num_prompt_tokens} tokens, but the model's context length is "
+                f"{self.max_model_len} (prompt and output together)", prompt_param)
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+            raise protocol.bad_request(
+                f"the model's context length is {self.max_model_len} tokens, but the prompt has "
+                f"{num_prompt_tokens} and max_tokens asks for {max_tokens} more", "max_tokens")
+
+    async def _submit(self, response_id: str, prompts: list[list[int]], params: SamplingParams,
+                      arrival_time_s: float, prompt_param: str) -> RequestStream:
+        """Queue the prompts: 503 past the waiting bound or while draining, 400 for what the
+        engine rejects."""
+        if self.is_draining():
+            raise APIError(503, "the server is shutting down", type="server_error", code="unavailable")
+        ids = {f"{response_id}-{i}": token_ids for i, token_ids in enumerate(prompts)}
+        try:
+            return await self.engine.add(ids, params, arrival_time_s=arrival_time_s)
+        except Overloaded as error:
+            retry_after = {"Retry-After": str(self.config.retry_after_s)}
+            raise APIError(503, f"the server is overloaded ({error}); retry later", type="server_error",
+                           code="overloaded", headers=retry_after) from error
+        except ValueError as error:
+            raise protocol.bad_request(str(error), _param_named_in(str(error), prompt_param)) from error
+
+    async def _collect(self, request: Request, stream: RequestStream) -> list[RequestOutput]:
+        """The final outputs of the stream's prompts, in order. A disconnect aborts them."""
+        async def final_outputs() -> list[RequestOutput]:
+            latest: dict[str, RequestOutput] = {}
+            while not stream.finished:
+                for output in await stream.get():
+                    latest[output.request_id] = output
+            return [latest[request_id] for request_id in stream.request_ids]
+
+        try:
+            outputs = await _unless_disconnected(request, final_outputs())
+        except EngineError as error:
+            raise APIError(500, str(error), type="server_error", code="internal_error") from error
+        finally:
+            stream.close()
+        if any(c.finish_reason == "abort" for o in outputs for c in o.outputs):
+            raise APIError(503, "the server shut down before the request finished", type="server_error",
+                           code="unavailable")
+        return outputs
+
+    # ---- streaming ------------------------------------------------------------------------------
+
+    async def _events(self, stream: RequestStream, chunks: responses.CompletionStream | responses.ChatStream,
+                      include_usage: bool) -> AsyncIterator[str]:
+        """The events of a stream until [DONE]; closing the generator (the client left) aborts."""
+        latest: dict[str, RequestOutput] = {}
+        try:
+            for event in chunks.opening():
+                yield event
+            while not stream.finished:
+                for output in await stream.get():
+                    latest[output.request_id] = output
+                    for event in chunks.events(output):
+                        yield event
+            if include_usage:
+                yield responses.usage_event(chunks, latest.values())
+        except EngineError as error:
+            logger.error("stream %s failed: %s", chunks.meta.id, error)
+            yield responses.sse(APIError(500, str(error), type="server_error", code="internal_error").body())
+        finally:
+            stream.close()
+        yield responses.sse("[DONE]")
+
+
+def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _param_named_in(message: str, prompt_param: str) -> str | None:
+    """The request field an engine error names: "logprobs=30 exceeds ..." -> logprobs."""
+    word = re.match(r"\w+", message)
+    if word is None:
+        return None
+    if word.group() == "prompt":
+        return prompt_param
+    return word.group() if word.group() in ("logprobs", "prompt_logprobs", "stop_token_ids") else None
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and answering 499) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()  # a no-op when it is done; otherwise we were cancelled or the client left
+    if not task.done() or task.cancelled():
+        raise APIError(499, "the client closed the connection")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+
+async def _api_error_response(request: Request, error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
+
+
+async def _http_error_response(request: Request, error: HTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown route, wrong method) in OpenAI's shape."""
+    message = f"{request.method} {request.url.path}: {error.detail}"
+    return JSONResponse(APIError(error.status_code, message).body(), status_code=error.status_code,
+                        headers=error.headers)
+
+
+async def _internal_error_response(request: Request, error: Exception) -> JSONResponse:
+    """A bug: the traceback goes to the log (Starlette re-raises it), the client gets a 500."""
+    body = APIError(500, "internal server error; see the server log", type="server_error",
+                    code="internal_error").body()
+    return JSONResponse(body, status_code=500)
+
+
+# ---- running --------------------------------------------------------------------------------
+
+
+def run_server(engine_config: EngineConfig, config: ServerConfig, *, log_level: str = "info") -> None:
+    """Load the model and serve it until SIGTERM or SIGINT; then drain and return."""
+    engine = Engine(engine_config)
+    server: uvicorn.Server | None = None
+    api = OpenAIServer(engine, config, is_draining=lambda: server is not None and server.should_exit)
+    server = uvicorn.Server(uvicorn.Config(
+        api.app, host=config.host, port=config.port, log_level=log_level, access_log=log_level == "debug",
+        timeout_graceful_shutdown=config.drain_timeout_s + DRAIN_GRACE_S,
+    ))
+    # uvicorn re-raises the signal that stopped it once it has drained, under the handler that was
+    # there before it started; make that one a no-op so that a drained server exits with status 0.
+    signals = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in signals}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

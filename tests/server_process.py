@@ -1,0 +1,99 @@
+"""A real `slipstream serve` process for the server tests, and the session fixture that shares one.
+
+The server runs as `python -m slipstream.cli serve` on a free port of 127.0.0.1 over the small
+model of serve_fixtures.py, with one torch thread (the model's ops take microseconds; a second
+thread only waits on a loaded machine). Its output goes to a log file that a failing start-up
+prints. PYTEST_DONT_REWRITE: this module holds no asserts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+API_KEY = "test-key"
+MODEL_NAME = "tiny-test"
+MAX_MODEL_LEN = 256
+ENGINE_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--block-size", "8")
+START_TIMEOUT_S = 90.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`slipstream serve MODEL_DIR --port P ARGS...` in a subprocess."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        command = [sys.executable, "-m", "slipstream.cli", "serve", str(model_dir), "--port", str(self.port),
+                   "--served-model-name", MODEL_NAME, *args]
+        env = os.environ | {"OMP_NUM_THREADS": "1"}
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self) -> ServerProcess:
+        """Wait for /health to answer 200; fail with the server's log if it never does."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                break
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        pytest.fail(f"the server did not start; its log:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def terminate(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+
+
+def metric_values(server: ServerProcess) -> dict[str, float]:
+    """The unlabelled-by-reason samples of /metrics, by metric name."""
+    text = httpx.get(server.url + "/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name_and_labels, value = line.rsplit(" ", 1)
+            values[name_and_labels.split("{")[0] + _reason(name_and_labels)] = float(value)
+    return values
+
+
+def _reason(name_and_labels: str) -> str:
+    marker = 'finished_reason="'
+    if marker not in name_and_labels:
+        return ""
+    return ":" + name_and_labels.split(marker)[1].split('"')[0]
+
+
+@pytest.fixture(scope="session")
+def server(model_dir, tmp_path_factory) -> ServerProcess:
+    """One server for the functional, bad-input, load and bench tests, with an API key."""
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    process = ServerProcess(model_dir, log_path, "--api-key", API_KEY, *ENGINE_ARGS).wait_ready()
+    yield process
+    process.stop()

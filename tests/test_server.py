@@ -1,0 +1,209 @@
+"""The OpenAI-compatible server as the official `openai` client drives it: completions and chat,
+streamed and not, n, stop strings, logprobs, usage, auth, /v1/models and /metrics; greedy output
+equal to the offline `LLM`'s for the same model and prompt.
+
+One real server process (tests/server_process.py) serves all tests here over the small model of
+serve_fixtures.py.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from server_process import API_KEY, MAX_MODEL_LEN, MODEL_NAME, metric_values
+
+from slipstream import LLM, SamplingParams
+
+pytest_plugins = ["serve_fixtures", "server_process"]
+
+PROMPT = "def fib(n):"
+MESSAGES = [{"role": "user", "content": "Write a haiku about caches."}]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    """The offline engine over the same model and context length as the server."""
+    return LLM(model_dir, max_model_len=MAX_MODEL_LEN, block_size=8)
+
+
+def greedy(max_tokens: int = 16, **overrides) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **overrides)
+
+
+def test_models_lists_the_served_model(client):
+    """/v1/models names the served model and its context length."""
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL_NAME]
+    assert models[0].max_model_len == MAX_MODEL_LEN
+
+
+def test_greedy_completion_equals_offline_generate(client, llm):
+    """Greedy text through the server equals `LLM.generate` on the same prompt, text or token ids."""
+    [expected] = llm.generate(PROMPT, greedy(24), use_tqdm=False)
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=24, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert response.choices[0].text == expected.outputs[0].text
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.usage.completion_tokens == 24
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=expected.prompt_token_ids, max_tokens=24,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == expected.outputs[0].text
+
+
+def test_greedy_chat_equals_offline_chat(client, llm):
+    """A greedy chat reply through the server equals `LLM.chat` (same chat template)."""
+    [expected] = llm.chat(MESSAGES, greedy(20), use_tqdm=False)
+    response = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=20,
+                                              temperature=0, extra_body={"ignore_eos": True})
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected.outputs[0].text
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 20
+
+
+def test_streamed_completion_adds_up_to_the_whole(client):
+    """Streamed text chunks concatenate to the non-streamed text; include_usage adds a final usage
+    chunk with no choices; the last choice chunk carries the finish reason."""
+    args = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=20, temperature=0,
+                extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_streamed_chat_sends_role_then_content(client):
+    """A streamed chat reply opens with the assistant role and adds up to the non-streamed one."""
+    args = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].object == "chat.completion.chunk"
+
+
+def test_n_completions_are_seeded_and_indexed(client):
+    """n=3 sampled completions come back as choices 0..2, reproducible under a seed, and
+    usage counts all of their tokens."""
+    args = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=3, temperature=1.0, seed=7,
+                extra_body={"ignore_eos": True})
+    first, second = client.completions.create(**args), client.completions.create(**args)
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert len({c.text for c in first.choices}) > 1
+    assert first.usage.completion_tokens == 24
+    streamed = list(client.completions.create(stream=True, **args))
+    for index in range(3):
+        text = "".join(c.choices[0].text for c in streamed if c.choices[0].index == index)
+        assert text == first.choices[index].text
+
+
+def test_batch_of_prompts(client):
+    """A list of prompts (text or token ids) answers choices in prompt order, n per prompt."""
+    response = client.completions.create(model=MODEL_NAME, prompt=["one", "two two"], max_tokens=4, n=2,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert response.choices[0].text == response.choices[1].text  # greedy: n copies agree
+    assert response.usage.completion_tokens == 16
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=[[5, 6, 7], [8, 9]], max_tokens=3,
+                                       temperature=0)
+    assert by_ids.usage.prompt_tokens == 5 and len(by_ids.choices) == 2
+
+
+def test_stop_string_ends_the_text(client):
+    """A stop string cuts the text before it, finish_reason "stop", streamed or not."""
+    full = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[10:13]
+    expected = full[: full.index(stop)]
+    args = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop, "\x00never"],
+                extra_body={"ignore_eos": True})
+    response = client.completions.create(**args)
+    assert response.choices[0].text == expected
+    assert response.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(stream=True, **args))
+    assert "".join(c.choices[0].text for c in streamed) == expected
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_completion_logprobs(client):
+    """Completions logprobs: one entry per token, the sampled token's logprob is in its top list,
+    top lists hold the requested number (plus the sampled token when it is not among them)."""
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0,
+                                         logprobs=3, extra_body={"ignore_eos": True})
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    positions = zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True)
+    for token, logprob, top in positions:
+        assert 3 <= len(top) <= 4 and logprob <= 0
+        assert top[token] == pytest.approx(logprob)
+        assert logprob == pytest.approx(max(top.values()))  # greedy: the sampled token is the top one
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+
+
+def test_chat_logprobs(client):
+    """Chat logprobs: per token its logprob, bytes and exactly top_logprobs alternatives by rank."""
+    args = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True,
+                top_logprobs=2, extra_body={"ignore_eos": True})
+    content = client.chat.completions.create(**args).choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert bytes(entry.bytes).decode() == entry.token
+    streamed = list(client.chat.completions.create(stream=True, **args))
+    streamed_content = [entry for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+                        for entry in chunk.choices[0].logprobs.content]
+    assert [e.token for e in streamed_content] == [e.token for e in content]
+
+
+def test_auth(server, client):
+    """With --api-key, /v1 needs the bearer token (401 without it or with a wrong one, in OpenAI's
+    error shape); /health and /metrics stay open."""
+    for key in ("wrong-key", ""):
+        bad = openai.OpenAI(base_url=server.url + "/v1", api_key=key or "x", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as error:
+            bad.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)
+        assert error.value.status_code == 401
+        assert error.value.body["code"] == "invalid_api_key"
+    response = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPT})
+    assert response.status_code == 401 and response.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(server.url + "/v1/models").status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 200
+
+
+def test_metrics_count_requests_and_kv_returns_to_zero(server, client):
+    """/metrics has vLLM's metric names under slipstream:, counts prompt and generated tokens and
+    finished requests by reason, and shows no KV blocks held once requests are done."""
+    before = metric_values(server)
+    client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = metric_values(server)
+    for name in ("time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
+                 "e2e_request_latency_seconds_count", "request_queue_time_seconds_count",
+                 "request_prefill_time_seconds_count", "request_decode_time_seconds_count",
+                 "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prefix_cache_queries_total", "prefix_cache_hits_total"):
+        assert "slipstream:" + name in after, name
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta["slipstream:generation_tokens_total"] == 10
+    assert delta["slipstream:prompt_tokens_total"] > 0
+    assert delta["slipstream:request_success_total:length"] == 1
+    assert delta["slipstream:inter_token_latency_seconds_count"] == 9
+    assert after["slipstream:kv_cache_usage_perc"] == 0
+    assert after["slipstream:kv_cache_used_blocks"] == 0
+    assert after["slipstream:num_requests_running"] == 0

@@ -1,0 +1,105 @@
+"""The server's engine loop in-process: outputs reach their streams, an abort frees KV blocks before
+the next step, and a failing engine step fails only the requests in flight while the loop keeps
+serving."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from slipstream.serve.async_engine import AsyncEngine, EngineError
+from slipstream.serve.engine import Engine, EngineConfig
+from slipstream.serve.request import SamplingParams
+
+pytest_plugins = ["serve_fixtures"]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), max_model_len=128, block_size=8))
+
+
+async def run_to_end(loop_engine: AsyncEngine, request_id: str, prompt: list[int]):
+    stream = await loop_engine.add({request_id: prompt}, PARAMS, arrival_time_s=time.monotonic())
+    while not stream.finished:
+        [output] = await stream.get()
+    return output
+
+
+async def wait_until(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_outputs_match_the_engine_run_directly(engine):
+    """Concurrent requests through the loop thread give the same greedy tokens as Engine.step()."""
+    prompts = {f"r{i}": [11 + i, 12, 13, 14 + i] for i in range(4)}
+
+    async def main():
+        loop_engine = AsyncEngine(engine, max_waiting=16)
+        loop_engine.start()
+        outputs = await asyncio.gather(*[run_to_end(loop_engine, rid, p) for rid, p in prompts.items()])
+        await loop_engine.stop()
+        return outputs
+
+    served = asyncio.run(main())
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, PARAMS)
+    direct = {}
+    while engine.has_unfinished_requests():
+        direct |= {o.request_id: o for o in engine.step() if o.finished}
+    for output in served:
+        assert output.outputs[0].token_ids == direct[output.request_id].outputs[0].token_ids
+
+
+def test_closing_a_stream_aborts_and_frees_blocks(engine):
+    """A consumer that closes its stream mid-generation aborts the request: its blocks are free
+    and nothing runs by the next load snapshot."""
+    async def main():
+        loop_engine = AsyncEngine(engine, max_waiting=16)
+        loop_engine.start()
+        stream = await loop_engine.add({"a": [5, 6, 7]}, PARAMS, arrival_time_s=time.monotonic())
+        [first] = await stream.get()
+        assert not first.finished
+        stream.close()
+        stats = lambda: loop_engine.stats  # noqa: E731
+        await wait_until(lambda: stats().num_running == 0 and stats().num_used_blocks == 0)
+        await loop_engine.stop()
+
+    asyncio.run(main())
+    assert not engine.has_unfinished_requests()
+
+
+def test_failing_step_fails_requests_in_flight_and_the_loop_goes_on(engine, monkeypatch):
+    """An exception inside Engine.step() is logged, the requests in flight get EngineError and lose
+    their blocks, and the next request is served normally."""
+    real_step = engine.step
+    calls = []
+
+    def step_failing_once():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected fault")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step_failing_once)
+
+    async def main():
+        loop_engine = AsyncEngine(engine, max_waiting=16)
+        loop_engine.start()
+        with pytest.raises(EngineError):
+            await run_to_end(loop_engine, "doomed", [8, 9, 10])
+        await wait_until(lambda: loop_engine.stats.num_used_blocks == 0)
+        output = await run_to_end(loop_engine, "fine", [8, 9, 10])
+        await loop_engine.stop()
+        return output
+
+    output = asyncio.run(main())
+    assert output.finished and len(output.outputs[0].token_ids) == PARAMS.max_tokens

@@ -1,0 +1,120 @@
+"""Malformed and hostile requests get the right 4xx status with OpenAI's error body, never a 500,
+and the server keeps serving after all of them."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from server_process import API_KEY, MAX_MODEL_LEN, MODEL_NAME
+
+pytest_plugins = ["serve_fixtures", "server_process"]
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+OK_COMPLETION = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}
+OK_CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def completion(**changes) -> dict:
+    return OK_COMPLETION | changes
+
+
+def chat(**changes) -> dict:
+    return OK_CHAT | changes
+
+
+# (name, path, body: dict (sent as JSON) or bytes (sent raw), expected status, expected param)
+CASES = [
+    ("bad JSON", COMPLETIONS, b'{"prompt": "hi", ', 400, None),
+    ("body is not an object", COMPLETIONS, b"[1, 2, 3]", 400, None),
+    ("invalid UTF-8", COMPLETIONS, b'{"prompt": "\xff\xfe\xfa"}', 400, None),
+    ("deeply nested JSON", COMPLETIONS, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
+    ("NaN temperature", COMPLETIONS, b'{"prompt": "hi", "temperature": NaN}', 400, None),
+    ("missing prompt", COMPLETIONS, {"model": MODEL_NAME}, 400, "prompt"),
+    ("max_tokens as a string", COMPLETIONS, completion(max_tokens="5"), 400, "max_tokens"),
+    ("temperature as a string", COMPLETIONS, completion(temperature="hot"), 400, "temperature"),
+    ("stream as a number", COMPLETIONS, completion(stream=1), 400, "stream"),
+    ("seed as a float", COMPLETIONS, completion(seed=1.5), 400, "seed"),
+    ("negative max_tokens", COMPLETIONS, completion(max_tokens=-1), 400, "max_tokens"),
+    ("huge max_tokens", COMPLETIONS, completion(max_tokens=10**12), 400, "max_tokens"),
+    ("negative temperature", COMPLETIONS, completion(temperature=-0.5), 400, "temperature"),
+    ("top_p of zero", COMPLETIONS, completion(top_p=0.0), 400, "top_p"),
+    ("presence_penalty out of range", COMPLETIONS, completion(presence_penalty=3.0), 400, "presence_penalty"),
+    ("n = 0", COMPLETIONS, completion(n=0), 400, "n"),
+    ("n far too large", COMPLETIONS, completion(n=100_000), 400, "n"),
+    ("logprobs too high", COMPLETIONS, completion(logprobs=1000), 400, "logprobs"),
+    ("min_tokens above max_tokens", COMPLETIONS, completion(min_tokens=5, max_tokens=2), 400, "min_tokens"),
+    ("stop of the wrong type", COMPLETIONS, completion(stop=5), 400, "stop"),
+    ("empty stop string", COMPLETIONS, completion(stop=[""]), 400, "stop"),
+    ("prompt token id out of the vocabulary", COMPLETIONS, completion(prompt=[1, 2, 10**7]), 400, "prompt"),
+    ("negative prompt token id", COMPLETIONS, completion(prompt=[1, -2]), 400, "prompt"),
+    ("stop token id out of the vocabulary", COMPLETIONS, completion(stop_token_ids=[10**7]), 400,
+     "stop_token_ids"),
+    ("prompt of mixed types", COMPLETIONS, completion(prompt=["a", 1]), 400, "prompt"),
+    ("empty prompt", COMPLETIONS, completion(prompt=""), 400, "prompt"),
+    ("empty prompt list", COMPLETIONS, completion(prompt=[]), 400, "prompt"),
+    ("prompt longer than the context", COMPLETIONS, completion(prompt=[7] * (MAX_MODEL_LEN + 10)), 400,
+     "prompt"),
+    ("text prompt longer than the context", COMPLETIONS, completion(prompt="tok " * 2000), 400, "prompt"),
+    ("logit_bias", COMPLETIONS, completion(logit_bias={"5": 10}), 400, "logit_bias"),
+    ("stream_options without stream", COMPLETIONS, completion(stream_options={"include_usage": True}), 400,
+     "stream_options"),
+    ("echo", COMPLETIONS, completion(echo=True), 400, "echo"),
+    ("unknown model", COMPLETIONS, completion(model="gpt-4"), 404, "model"),
+    ("empty messages", CHAT, chat(messages=[]), 400, "messages"),
+    ("messages as a string", CHAT, chat(messages="hi"), 400, "messages"),
+    ("bad role", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages"),
+    ("image content part", CHAT, chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400, "messages"),
+    ("top_logprobs too high", CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
+    ("top_logprobs without logprobs", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
+    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("chat longer than the context", CHAT, chat(messages=[{"role": "user", "content": "tok " * 2000}]), 400,
+     "messages"),
+    ("10 MB body", COMPLETIONS, completion(prompt="x" * 10 * 2**20), 413, None),
+    ("unknown route", "/v1/engines", {}, 404, None),
+]
+
+
+@pytest.fixture(scope="module")
+def http(server) -> httpx.Client:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as client:
+        yield client
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+@pytest.mark.parametrize("name, path, body, status, param", CASES, ids=[case[0] for case in CASES])
+def test_bad_request_gets_an_openai_error(http, name, path, body, status, param):
+    """Each malformed or hostile request gets its 4xx with OpenAI's error body and the param named."""
+    if isinstance(body, bytes):
+        response = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    else:
+        response = http.post(path, json=body)
+    assert_openai_error(response, status, param)
+
+
+def test_auth_errors_and_methods(server, http):
+    """A missing or wrong bearer token is a 401, a wrong method a 405, both in OpenAI's shape."""
+    assert_openai_error(httpx.post(server.url + COMPLETIONS, json=OK_COMPLETION), 401)
+    wrong = {"Authorization": "Bearer nope"}
+    assert_openai_error(httpx.post(server.url + COMPLETIONS, json=OK_COMPLETION, headers=wrong), 401)
+    assert_openai_error(http.get(COMPLETIONS), 405)
+
+
+def test_server_still_serves_after_bad_requests(http):
+    """After every kind of bad input the engine still answers (runs after the cases above)."""
+    for path, body in ((COMPLETIONS, OK_COMPLETION), (CHAT, OK_CHAT)):
+        response = http.post(path, json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] >= 1

@@ -1,0 +1,210 @@
+"""The server under load and faults: hundreds of concurrent streams with a third cancelled
+mid-stream, the bounded waiting queue (503 with Retry-After), draining on SIGTERM, and
+`slipstream bench serve` against a live server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+
+import httpx
+import pytest
+from server_process import API_KEY, ENGINE_ARGS, MODEL_NAME, ServerProcess, metric_values
+
+from slipstream.cli import main as cli_main
+
+pytest_plugins = ["serve_fixtures", "server_process"]
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+NUM_LOAD_REQUESTS = 200
+LOAD_TIMEOUT_S = 60.0
+
+
+async def stream_request(client: httpx.AsyncClient, index: int, cancel_after: int | None) -> str:
+    """One streamed completion; with `cancel_after`, hang up after that many chunks. Returns
+    "completed", "cancelled" or what went wrong."""
+    body = {"model": MODEL_NAME, "prompt": f"request {index}:", "max_tokens": 24, "stream": True,
+            "ignore_eos": True, "temperature": 1.0, "seed": index}
+    chunks = []
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            return f"HTTP {response.status_code}: {(await response.aread()).decode()}"
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                break
+            chunks.append(json.loads(line[6:]))
+            if cancel_after is not None and len(chunks) >= cancel_after:
+                return "cancelled"  # leaving the block closes the connection mid-stream
+    finished = chunks and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    return "completed" if finished else f"stream ended without a finish: {chunks[-1:]}"
+
+
+async def cancelled_plain_request(client: httpx.AsyncClient, index: int) -> str:
+    """A non-streaming request whose client gives up after a few milliseconds."""
+    body = {"model": MODEL_NAME, "prompt": f"plain {index}", "max_tokens": 200, "ignore_eos": True}
+    try:
+        response = await client.post("/v1/completions", json=body, timeout=0.005 * (1 + index % 5))
+    except httpx.TimeoutException:
+        return "cancelled"
+    return "completed" if response.status_code == 200 else f"HTTP {response.status_code}"
+
+
+async def load(url: str) -> list[str]:
+    rng = random.Random(0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, headers=AUTH, limits=limits, timeout=LOAD_TIMEOUT_S) as client:
+        tasks = [stream_request(client, i, rng.randint(1, 6) if rng.random() < 1 / 3 else None)
+                 for i in range(NUM_LOAD_REQUESTS)]
+        tasks += [cancelled_plain_request(client, i) for i in range(10)]
+        return await asyncio.wait_for(asyncio.gather(*tasks), LOAD_TIMEOUT_S)
+
+
+def wait_for_idle(server, timeout_s: float = 10.0) -> dict[str, float]:
+    """/metrics once nothing runs, waits or holds KV blocks (aborts land within a step or two)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = metric_values(server)
+        idle = all(values[f"slipstream:{name}"] == 0 for name in
+                   ("num_requests_running", "num_requests_waiting", "kv_cache_used_blocks"))
+        if idle or time.monotonic() > deadline:
+            return values
+        time.sleep(0.05)
+
+
+def test_load_with_cancellations_frees_every_block(server):
+    """200 concurrent streams, a third hung up mid-stream, plus non-streaming requests abandoned by
+    their clients: each completes or is cancelled cleanly, nothing answers 5xx, and afterwards no
+    request runs or waits and the KV cache holds zero blocks."""
+    before = metric_values(server)
+    outcomes = asyncio.run(load(server.url))
+    unexpected = [o for o in outcomes if o not in ("completed", "cancelled")]
+    assert not unexpected, unexpected[:5]
+    assert outcomes.count("cancelled") >= NUM_LOAD_REQUESTS // 5
+    values = wait_for_idle(server)
+    assert values["slipstream:num_requests_running"] == 0
+    assert values["slipstream:num_requests_waiting"] == 0
+    assert values["slipstream:kv_cache_used_blocks"] == 0
+    assert values["slipstream:kv_cache_usage_perc"] == 0
+    aborted = values.get("slipstream:request_success_total:abort", 0) - before.get(
+        "slipstream:request_success_total:abort", 0)
+    assert aborted > 0
+    assert httpx.post(server.url + "/v1/completions", headers=AUTH,
+                      json={"prompt": "still there?", "max_tokens": 2}).status_code == 200
+
+
+async def burst(url: str, num: int) -> list[httpx.Response]:
+    body = {"model": MODEL_NAME, "prompt": "queue", "max_tokens": 96, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        return await asyncio.gather(*[client.post("/v1/completions", json=body) for _ in range(num)])
+
+
+@pytest.fixture(scope="module")
+def small_queue_server(model_dir, tmp_path_factory) -> ServerProcess:
+    log_path = tmp_path_factory.mktemp("small-queue") / "server.log"
+    process = ServerProcess(model_dir, log_path, "--max-waiting", "2", "--max-num-seqs", "1",
+                            *ENGINE_ARGS).wait_ready()
+    yield process
+    process.stop()
+
+
+def test_full_waiting_queue_answers_503(small_queue_server):
+    """Past --max-waiting, requests get 503 with Retry-After and an OpenAI error body at once; the
+    admitted ones complete, and the server serves again once the queue drains."""
+    responses = asyncio.run(burst(small_queue_server.url, 12))
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) <= {200, 503}, statuses
+    assert statuses.count(503) >= 6 and statuses.count(200) >= 1, statuses
+    rejected = next(r for r in responses if r.status_code == 503)
+    assert int(rejected.headers["Retry-After"]) >= 1
+    assert rejected.json()["error"]["code"] == "overloaded"
+    assert all(r.json()["usage"]["completion_tokens"] == 96 for r in responses if r.status_code == 200)
+    assert [r.status_code for r in asyncio.run(burst(small_queue_server.url, 1))] == [200]
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir, tmp_path):
+    """On SIGTERM the server stops accepting (new connections are refused), lets a request in
+    flight finish, answers 503 to one that outlives --drain-timeout (aborting it), and exits 0."""
+    server = ServerProcess(model_dir, tmp_path / "server.log", "--drain-timeout", "3", "--max-num-seqs", "2",
+                           *ENGINE_ARGS).wait_ready()
+    try:
+        asyncio.run(drain_scenario(server))
+        assert server.process.wait(timeout=30) == 0, server.log()
+    finally:
+        server.stop()
+
+
+async def drain_scenario(server: ServerProcess) -> None:
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        body = {"prompt": "short", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")
+            # 128 completions of 200 tokens, two at a time: far longer than the drain deadline.
+            endless = asyncio.create_task(client.post("/v1/completions", json={
+                "prompt": "long", "max_tokens": 200, "n": 128, "ignore_eos": True}))
+            await asyncio.sleep(0.3)
+            server.terminate()
+            await asyncio.sleep(0.3)
+            with pytest.raises(httpx.ConnectError):
+                async with httpx.AsyncClient(timeout=5) as other:
+                    await other.post(server.url + "/v1/completions", json={"prompt": "new"})
+            events = [line async for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+        aborted = await endless
+        assert aborted.status_code == 503, aborted.text
+        assert aborted.json()["error"]["code"] == "unavailable"
+
+
+def test_bench_serve_reports_vllm_metrics(server, model_dir, tmp_path, capsys):
+    """`slipstream bench serve` against a live server writes vLLM's result fields (and prints its
+    table), for completions with token-id prompts and for chat with text prompts."""
+    for endpoint in ("/v1/completions", "/v1/chat/completions"):
+        path = tmp_path / "result.json"
+        code = cli_main(["bench", "serve", "--base-url", server.url, "--model", MODEL_NAME,
+                         "--tokenizer", str(model_dir), "--endpoint", endpoint, "--num-prompts", "6",
+                         "--random-input-len", "20", "--random-output-len", "8", "--ignore-eos",
+                         "--request-rate", "40", "--goodput", "ttft:60000", "tpot:60000", "--seed", "1",
+                         "--api-key", API_KEY, "--save-result", str(path), "--disable-tqdm"])
+        assert code == 0
+        result = json.loads(path.read_text())
+        assert result["completed"] == 6 and result["failed"] == 0
+        assert result["total_output_tokens"] == 6 * 8
+        if endpoint == "/v1/completions":
+            assert result["total_input_tokens"] == 6 * 20
+        assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+        for name in ("ttft", "tpot", "itl", "e2el"):
+            for stat in ("mean", "median", "std", "p90", "p99"):
+                assert result[f"{stat}_{name}_ms"] >= 0
+        assert result["mean_e2el_ms"] >= result["mean_ttft_ms"] > 0
+        assert 0 < result["output_throughput"] < result["total_token_throughput"]
+        assert len(result["itls"]) == 6 and all(len(itl) <= 7 for itl in result["itls"])
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+def test_bench_serve_sharegpt(server, model_dir, tmp_path):
+    """The ShareGPT dataset: the first human turn is the prompt, the reply's token count the output
+    length, conversations too short dropped; results count the prompts asked for."""
+    conversations = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}]
+    for i in range(3):
+        conversations += [
+            {"conversations": [{"from": "human", "value": f"question number {i} about caches and queues"},
+                               {"from": "gpt", "value": f"answer {i}: " + "tokens " * (4 + i)}]},
+            {"conversations": [{"from": "human", "value": "an unanswered question"}]},
+        ]
+    dataset = tmp_path / "sharegpt.json"
+    dataset.write_text(json.dumps(conversations))
+    path = tmp_path / "result.json"
+    code = cli_main(["bench", "serve", "--base-url", server.url, "--model", MODEL_NAME, "--tokenizer",
+                     str(model_dir), "--dataset-name", "sharegpt", "--dataset-path", str(dataset),
+                     "--num-prompts", "3", "--api-key", API_KEY, "--save-result", str(path),
+                     "--disable-tqdm"])
+    assert code == 0
+    result = json.loads(path.read_text())
+    assert result["completed"] == 3 and result["num_prompts"] == 3
+    assert result["total_input_tokens"] == sum(result["input_lens"]) > 3 * 4
+
