@@ -1,8 +1,8 @@
 """Accelerator peaks with their sources, and a calibration that measures this machine.
 
-The table holds dense (no 2:4 sparsity) peak FLOP/s per dtype, memory bandwidth and capacity,
-each field with the public document it comes from. NVIDIA datasheets print sparse tensor-core
-figures; the dense peak is half of those, which is what the table stores.
+The table (dense and sparse peaks per dtype, memory, links, each field with the public document
+it comes from) lives in `slipstream.perf.accelerators` and is re-exported here;
+`get_accelerator("cpu")` is this machine as `calibrate()` measures it.
 
 `calibrate()` measures the machine at hand: matmul FLOP/s per dtype through each GEMM path
 PyTorch offers here, and memory read and copy bandwidth. MFU computed against a calibrated
@@ -19,188 +19,57 @@ import os
 import platform
 import re
 import time
-import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from slipstream.perf.accelerators import (  # noqa: F401  (re-exported: the table lives there)
+    ACCELERATORS,
+    DTYPE_KEYS,
+    Accelerator,
+    dtype_key,
+)
+from slipstream.perf.accelerators import get_accelerator as _table_accelerator
+
 logger = logging.getLogger(__name__)
 
-DTYPE_KEYS = ("fp32", "tf32", "bf16", "fp16", "fp8")
-_DTYPE_ALIASES = {
-    "float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
-    "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
-}
-
-
-def dtype_key(dtype: Any) -> str:
-    """The table's key for `dtype`: "fp32", "tf32", "bf16", "fp16" or "fp8".
-
-    Accepts those keys, torch names ("bfloat16") and `torch.dtype` objects.
-    """
-    name = str(dtype).removeprefix("torch.").lower()
-    name = _DTYPE_ALIASES.get(name, name)
-    if name not in DTYPE_KEYS:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_KEYS)}")
-    return name
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Accelerator:
-    """Dense peak compute and memory of one accelerator, with a source for every field."""
-
-    name: str
-    peak_flops_per_s: Mapping[str, float]
-    """Dense peak per dtype key (see `DTYPE_KEYS`); a missing key means no such tensor-core path."""
-    memory_bandwidth_bytes_per_s: float
-    memory_bytes: int
-    sources: Mapping[str, str]
-    """Field name -> public document (name and URL) the value comes from."""
-
-    def __post_init__(self) -> None:
-        unknown = set(self.peak_flops_per_s) - set(DTYPE_KEYS)
-        if unknown:
-            raise ValueError(f"{self.name}: unknown dtype keys {sorted(unknown)}")
-        missing = set(_SOURCED_FIELDS) - set(self.sources)
-        if missing:
-            raise ValueError(f"{self.name}: no source for {sorted(missing)}")
-        for name in ("peak_flops_per_s", "sources"):  # read-only views: the entry is frozen
-            object.__setattr__(self, name, types.MappingProxyType(dict(getattr(self, name))))
-
-    def peak_flops(self, dtype: Any) -> float:
-        """Dense peak FLOP/s for `dtype`; ValueError if this accelerator has no such path."""
-        key = dtype_key(dtype)
-        if key not in self.peak_flops_per_s:
-            raise ValueError(
-                f"{self.name} lists no {key} peak; listed: {', '.join(self.peak_flops_per_s)}"
-            )
-        return self.peak_flops_per_s[key]
-
-    def ridge_flops_per_byte(self, dtype: Any = "bf16") -> float:
-        """Arithmetic intensity above which a kernel is compute-bound: peak / bandwidth."""
-        return self.peak_flops(dtype) / self.memory_bandwidth_bytes_per_s
-
-
-_SOURCED_FIELDS = ("peak_flops_per_s", "memory_bandwidth_bytes_per_s", "memory_bytes")
-
-_A100_DATASHEET = (
-    "NVIDIA A100 Tensor Core GPU datasheet, SXM column (dense; starred figures are sparse), "
-    "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
-    "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
-)
-_H100_DATASHEET = (
-    "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column, "
-    "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
-)
-_HOPPER_DENSE = (
-    "sparse datasheet figures halved; dense values as in the NVIDIA H100 Tensor Core GPU "
-    "Architecture whitepaper (132 SMs at 1.83 GHz), "
-    "https://resources.nvidia.com/en-us-tensor-core/gtc22-whitepaper-hopper"
-)
-_H200_DATASHEET = (
-    "NVIDIA H200 Tensor Core GPU datasheet, H200 SXM column, "
-    "https://www.nvidia.com/en-us/data-center/h200/"
-)
-_HGX_B200 = (
-    "NVIDIA HGX platform specifications, HGX B200 per-GPU column (1,000 W; sparse figures "
-    "halved), https://www.nvidia.com/en-us/data-center/hgx/"
-)
-_DGX_B200 = (
-    "NVIDIA DGX B200 datasheet: 1,440 GB and 64 TB/s HBM3e over 8 GPUs (192 GB physical per "
-    "GPU, 180 GB usable), https://resources.nvidia.com/en-us-dgx-systems/dgx-b200-datasheet"
-)
-_MI300X_DATASHEET = (
-    "AMD Instinct MI300X accelerator data sheet (dense columns), "
-    "https://www.amd.com/content/dam/amd/en/documents/instinct-tech-docs/data-sheets/"
-    "amd-instinct-mi300x-data-sheet.pdf"
-)
-
-ACCELERATORS: dict[str, Accelerator] = {
-    a.name: a
-    for a in (
-        Accelerator(
-            name="A100 SXM 80GB",
-            peak_flops_per_s={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
-            memory_bandwidth_bytes_per_s=2.039e12,
-            memory_bytes=80 * 10**9,
-            sources=dict.fromkeys(_SOURCED_FIELDS, _A100_DATASHEET),
-        ),
-        Accelerator(
-            name="H100 SXM",
-            peak_flops_per_s={
-                "fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12,
-                "fp8": 1978.9e12,
-            },
-            memory_bandwidth_bytes_per_s=3.35e12,
-            memory_bytes=80 * 10**9,
-            sources=dict.fromkeys(_SOURCED_FIELDS, _H100_DATASHEET)
-            | {"peak_flops_per_s": f"{_H100_DATASHEET}; {_HOPPER_DENSE}"},
-        ),
-        Accelerator(
-            name="H200",
-            peak_flops_per_s={
-                "fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12,
-                "fp8": 1978.9e12,
-            },
-            memory_bandwidth_bytes_per_s=4.8e12,
-            memory_bytes=141 * 10**9,
-            sources=dict.fromkeys(_SOURCED_FIELDS, _H200_DATASHEET)
-            | {"peak_flops_per_s": f"{_H200_DATASHEET}; {_HOPPER_DENSE}"},
-        ),
-        Accelerator(
-            name="B200",
-            peak_flops_per_s={
-                "fp32": 75e12, "tf32": 1.1e15, "bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15,
-            },
-            memory_bandwidth_bytes_per_s=8e12,
-            memory_bytes=180 * 10**9,
-            sources={
-                "peak_flops_per_s": _HGX_B200,
-                "memory_bandwidth_bytes_per_s": _DGX_B200,
-                "memory_bytes": _DGX_B200,
-            },
-        ),
-        Accelerator(
-            name="MI300X",
-            peak_flops_per_s={
-                "fp32": 163.4e12, "tf32": 653.7e12, "bf16": 1307.4e12, "fp16": 1307.4e12,
-                "fp8": 2614.9e12,
-            },
-            memory_bandwidth_bytes_per_s=5.3e12,
-            memory_bytes=192 * 10**9,
-            sources=dict.fromkeys(_SOURCED_FIELDS, _MI300X_DATASHEET),
-        ),
-    )
-}
-
-# Other spellings, including what `torch.cuda.get_device_name()` reports for these parts.
-_ALIASES = {
-    "a100": "A100 SXM 80GB", "a100-80gb": "A100 SXM 80GB", "a100-sxm": "A100 SXM 80GB",
-    "a100-sxm4-80gb": "A100 SXM 80GB", "nvidia-a100-sxm4-80gb": "A100 SXM 80GB",
-    "h100": "H100 SXM", "h100-sxm5": "H100 SXM", "h100-80gb-hbm3": "H100 SXM",
-    "nvidia-h100-80gb-hbm3": "H100 SXM",
-    "h200-sxm": "H200", "nvidia-h200": "H200",
-    "hgx-b200": "B200", "nvidia-b200": "B200",
-    "mi300": "MI300X", "amd-instinct-mi300x": "MI300X",
-}
-
-
-def _normalize_name(name: str) -> str:
-    return re.sub(r"[\s_]+", "-", name.strip().lower())
+_LOCAL_NAMES = ("cpu", "local")
 
 
 def get_accelerator(name: str) -> Accelerator:
-    """The table entry for `name` (case-insensitive, a few aliases); ValueError if unknown."""
-    key = _normalize_name(name)
-    by_key = {_normalize_name(n): a for n, a in ACCELERATORS.items()}
-    if key in by_key:
-        return by_key[key]
-    if key in _ALIASES:
-        return ACCELERATORS[_ALIASES[key]]
-    raise ValueError(
-        f"unknown accelerator {name!r}; known: {', '.join(ACCELERATORS)} "
-        f"(aliases: {', '.join(sorted(_ALIASES))})"
+    """The table entry for `name` (see `slipstream.perf.accelerators`), or this machine.
+
+    "cpu" (or "local") is the machine at hand as `calibrate()` measures it (cached after the
+    first call): measured matmul peaks and read bandwidth, its RAM as capacity, no links.
+    Any other unknown name is a ValueError listing the known ones.
+    """
+    if name.strip().lower() in _LOCAL_NAMES:
+        return local_accelerator(calibrate(device="cpu"))
+    return _table_accelerator(name)
+
+
+def local_accelerator(calibration: Calibration) -> Accelerator:
+    """An `Accelerator` for a calibrated device: best measured GEMM rate per dtype as the peak."""
+    measured = f"measured by slipstream.perf.hardware.calibrate() at {calibration.created_at}"
+    peaks = {d: max(p.values()) for d, p in calibration.matmul_flops_per_s.items() if p}
+    return Accelerator(
+        name=f"{calibration.device_name} ({calibration.num_threads} threads, calibrated)",
+        peak_flops_per_s=peaks,
+        memory_bandwidth_bytes_per_s=calibration.memory_bandwidth_bytes_per_s,
+        memory_bytes=_physical_memory_bytes(),
+        sources={"peak_flops_per_s": measured, "memory_bandwidth_bytes_per_s": measured,
+                 "memory_bytes": "/proc/meminfo MemTotal (os.sysconf fallback)"},
     )
+
+
+def _physical_memory_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,213 @@
+"""Latency-bandwidth (alpha-beta) costs of collectives, and nccl-tests' algbw/busbw conventions.
+
+Sizes follow nccl-tests (`doc/PERFORMANCE.md`, https://github.com/NVIDIA/nccl-tests/blob/master/
+doc/PERFORMANCE.md): `size_bytes` is the size of the *full* array: the buffer being all-reduced
+or broadcast, the gathered output of an all-gather, the input of a reduce-scatter, one rank's
+whole send buffer of an all-to-all. Then `algbw = size / time` and `busbw = algbw * factor`, with
+factor 2(n-1)/n for all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 for
+broadcast, reduce and send/recv. busbw is what a link must carry per direction, so it is the
+number to compare with a link's per-direction bandwidth.
+
+Costs (Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in
+MPICH", IJHPCA 2005; p ranks, alpha the per-step latency, B the per-direction link bandwidth):
+
+- ring all-gather / reduce-scatter: `(p-1) alpha + (p-1)/p * S / B`
+- ring all-reduce (reduce-scatter then all-gather): `2 (p-1) alpha + 2 (p-1)/p * S / B`
+- tree all-reduce: `2 ceil(log2 p) alpha` latency with the ring's bandwidth term; NCCL's double
+  binary tree moves the same bytes per link (nccl-tests: the all-reduce bus factor does not
+  depend on the algorithm), so only the latency term differs (our approximation).
+- all-to-all (pairwise exchange): `(p-1) alpha + (p-1)/p * S / B`
+- broadcast: pipelined ring `(p-1) alpha + S / B`, or binomial tree `ceil(log2 p) (alpha + S / B)`.
+
+Hierarchical variants (g devices per node, N nodes; composition, our derivation): all-reduce =
+reduce-scatter inside the node + all-reduce of S/g across nodes + all-gather inside the node;
+all-gather / reduce-scatter = the inter-node step on S/g plus the intra-node step on S;
+all-to-all = the intra-node share of the bytes over the node link plus the rest over the network.
+Reduction arithmetic (the gamma term) is ignored: on GPUs it hides under the transfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+ALGORITHMS = ("ring", "tree")
+
+
+def busbw_factor(collective: str, num_ranks: int) -> float:
+    """nccl-tests' bus-bandwidth factor: busbw = algbw * factor (doc/PERFORMANCE.md)."""
+    _check(collective, num_ranks)
+    n = num_ranks
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n
+    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0  # broadcast, reduce, send/recv
+
+
+def algbw(size_bytes: float, time_s: float) -> float:
+    """Algorithm bandwidth: full array size over time (nccl-tests)."""
+    if not time_s > 0:
+        raise ValueError(f"time_s must be > 0, got {time_s}")
+    return size_bytes / time_s
+
+
+def busbw(collective: str, size_bytes: float, time_s: float, num_ranks: int) -> float:
+    """Bus bandwidth: `algbw * busbw_factor` (nccl-tests)."""
+    return algbw(size_bytes, time_s) * busbw_factor(collective, num_ranks)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Link:
+    """One link tier: per-step latency alpha and per-direction bandwidth (1 / beta)."""
+
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0 or not self.bandwidth_bytes_per_s > 0:
+            raise ValueError(f"need latency_s >= 0 and bandwidth > 0, got {self}")
+
+
+def latency_steps(collective: str, num_ranks: int, algorithm: str = "ring") -> float:
+    """How many alpha terms one collective pays (see the module docstring)."""
+    _check(collective, num_ranks, algorithm)
+    p = num_ranks
+    if p == 1:
+        return 0.0
+    log_p = math.ceil(math.log2(p))
+    if collective == "all_reduce":
+        return 2 * log_p if algorithm == "tree" else 2 * (p - 1)
+    if collective == "broadcast":
+        return log_p if algorithm == "tree" else p - 1
+    if collective == "send_recv":
+        return 1.0
+    return p - 1.0
+
+
+def bandwidth_bytes(collective: str, size_bytes: float, num_ranks: int, algorithm: str = "ring") -> float:
+    """Bytes each rank must push through its link per direction (the beta term's numerator)."""
+    _check(collective, num_ranks, algorithm)
+    if num_ranks == 1:
+        return 0.0
+    if collective == "broadcast" and algorithm == "tree":
+        return math.ceil(math.log2(num_ranks)) * size_bytes
+    return size_bytes * busbw_factor(collective, num_ranks)
+
+
+def collective_time_s(
+    collective: str, size_bytes: float, num_ranks: int, link: Link, algorithm: str = "ring"
+) -> float:
+    """Alpha-beta time of one flat collective over `num_ranks` ranks joined by `link`."""
+    if size_bytes < 0:
+        raise ValueError(f"size_bytes must be >= 0, got {size_bytes}")
+    steps = latency_steps(collective, num_ranks, algorithm)
+    return steps * link.latency_s + bandwidth_bytes(collective, size_bytes, num_ranks, algorithm) / (
+        link.bandwidth_bytes_per_s
+    )
+
+
+def hierarchical_time_s(
+    collective: str, size_bytes: float, num_ranks: int, ranks_per_node: int,
+    intra: Link, inter: Link, algorithm: str = "ring",
+) -> float:
+    """Two-level time: `ranks_per_node` ranks share the fast `intra` link, nodes use `inter`.
+
+    Falls back to a flat collective when the group fits in one node (or spans one rank per node).
+    """
+    g = min(ranks_per_node, num_ranks)
+    if num_ranks % g:
+        raise ValueError(f"{num_ranks} ranks do not split into nodes of {g}")
+    nodes = num_ranks // g
+    if nodes == 1:
+        return collective_time_s(collective, size_bytes, g, intra, algorithm)
+    if g == 1:
+        return collective_time_s(collective, size_bytes, nodes, inter, algorithm)
+    if collective == "all_reduce":
+        return (collective_time_s("reduce_scatter", size_bytes, g, intra)
+                + collective_time_s("all_reduce", size_bytes / g, nodes, inter, algorithm)
+                + collective_time_s("all_gather", size_bytes, g, intra))
+    if collective in ("all_gather", "reduce_scatter"):
+        return (collective_time_s(collective, size_bytes / g, nodes, inter)
+                + collective_time_s(collective, size_bytes, g, intra))
+    if collective == "all_to_all":
+        local = size_bytes * (g - 1) / num_ranks  # the share bound for the same node
+        remote = size_bytes * (num_ranks - g) / num_ranks
+        return ((g - 1) * intra.latency_s + local / intra.bandwidth_bytes_per_s
+                + (nodes - 1) * inter.latency_s + remote / inter.bandwidth_bytes_per_s)
+    if collective == "broadcast":
+        return (collective_time_s("broadcast", size_bytes, nodes, inter, algorithm)
+                + collective_time_s("broadcast", size_bytes, g, intra, algorithm))
+    return collective_time_s(collective, size_bytes, 2, inter)  # send_recv crosses the network
+
+
+@dataclasses.dataclass(frozen=True)
+class AlphaBetaFit:
+    """Least-squares fit of measured collective times: `time = alpha_s + beta_s_per_byte * bus_bytes`.
+
+    `bus_bytes = size * busbw_factor`, so `1 / beta_s_per_byte` is the asymptotic busbw and
+    `alpha_s` the whole collective's start-up latency (per step: `alpha_s / latency_steps`).
+    """
+
+    collective: str
+    num_ranks: int
+    alpha_s: float
+    beta_s_per_byte: float
+    max_relative_error: float
+
+    @property
+    def busbw_bytes_per_s(self) -> float:
+        return math.inf if self.beta_s_per_byte <= 0 else 1.0 / self.beta_s_per_byte
+
+    def link(self, algorithm: str = "ring") -> Link:
+        """The fitted link as a `Link` (alpha spread over the algorithm's latency steps)."""
+        steps = max(latency_steps(self.collective, self.num_ranks, algorithm), 1.0)
+        return Link(latency_s=self.alpha_s / steps, bandwidth_bytes_per_s=self.busbw_bytes_per_s)
+
+    def predict_s(self, size_bytes: float) -> float:
+        factor = busbw_factor(self.collective, self.num_ranks)
+        return self.alpha_s + self.beta_s_per_byte * size_bytes * factor
+
+
+def fit_alpha_beta(
+    collective: str, num_ranks: int, sizes_bytes: Sequence[float], times_s: Sequence[float]
+) -> AlphaBetaFit:
+    """Fit alpha and beta to (size, time) measurements by least squares on relative error.
+
+    Each point is weighted by 1 / time so small (latency-bound) messages count as much as large
+    ones; both coefficients are kept non-negative.
+    """
+    if len(sizes_bytes) != len(times_s) or len(sizes_bytes) < 2:
+        raise ValueError("need at least two (size, time) pairs of equal length")
+    factor = busbw_factor(collective, num_ranks)
+    xs = [s * factor for s in sizes_bytes]
+    alpha, beta = _weighted_line(xs, list(times_s))
+    errors = [abs(alpha + beta * x - t) / t for x, t in zip(xs, times_s, strict=True)]
+    return AlphaBetaFit(collective, num_ranks, alpha, beta, max(errors))
+
+
+def _weighted_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Minimise sum(((a + b x - y) / y)^2) with a, b >= 0 (2x2 normal equations, then clamps)."""
+    w = [1.0 / (y * y) for y in ys]
+    s0, s1 = sum(w), sum(wi * x for wi, x in zip(w, xs, strict=True))
+    s2 = sum(wi * x * x for wi, x in zip(w, xs, strict=True))
+    t0 = sum(wi * y for wi, y in zip(w, ys, strict=True))
+    t1 = sum(wi * x * y for wi, x, y in zip(w, xs, ys, strict=True))
+    det = s0 * s2 - s1 * s1
+    a, b = ((t0 * s2 - s1 * t1) / det, (s0 * t1 - s1 * t0) / det) if det else (t0 / s0, 0.0)
+    if b < 0:
+        return t0 / s0, 0.0
+    if a < 0:
+        return 0.0, t1 / s2
+    return a, b
+
+
+def _check(collective: str, num_ranks: int, algorithm: str = "ring") -> None:
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; known: {', '.join(ALGORITHMS)}")
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be a positive integer, got {num_ranks!r}")

@@ -1,0 +1,256 @@
+"""What the `slipstream perf ...` subcommands compute: each returns (text table, JSON-ready dict).
+
+`slipstream/cli.py` declares the arguments and prints; the work happens here so that the CLI
+holds no logic and the same functions serve tests and notebooks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from slipstream.perf import measured, planner, roofline, serving, validation, whatif
+from slipstream.perf.efficiency import Efficiency, default_efficiency
+from slipstream.perf.fit import apply_scales
+from slipstream.perf.hardware import get_accelerator
+from slipstream.perf.model import Layout, TrainSetup, predict_training
+from slipstream.perf.records import read_engine_steps, read_jsonl, read_train_run
+from slipstream.perf.shapes import resolve_model
+
+Result = tuple[str, dict[str, Any]]
+
+
+def efficiency_for(args: argparse.Namespace, accelerator) -> tuple[Efficiency, str]:
+    """--efficiency FILE (from `perf fit`), --profile NAME (fitted to published runs), or defaults."""
+    if getattr(args, "efficiency", None):
+        return Efficiency.from_dict(json.loads(Path(args.efficiency).read_text())), f"file {args.efficiency}"
+    profile = getattr(args, "profile", None)
+    if profile:
+        data = validation.load()
+        if profile not in data["profiles"]:
+            raise ValueError(f"unknown profile {profile!r}; known: {', '.join(data['profiles'])}")
+        scales = validation.profile_scales(profile, data)
+        return apply_scales(default_efficiency(accelerator), scales), f"profile {profile} {scales}"
+    return default_efficiency(accelerator), "defaults (datasheet x public measurements)"
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError as e:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from e
+
+
+def train_setup(args: argparse.Namespace) -> TrainSetup:
+    return TrainSetup(shape=resolve_model(args.model), global_batch_size=args.global_batch,
+                      seq_len=args.seq_len, micro_batch_size=args.micro_batch, dtype=args.dtype,
+                      recompute=args.recompute, attention=args.attention)
+
+
+def layout_from(args: argparse.Namespace) -> Layout:
+    model_parallel = args.tp * args.pp * args.cp
+    if args.devices % model_parallel:
+        raise ValueError(f"--devices {args.devices} is not a multiple of tp*pp*cp = {model_parallel}")
+    return Layout(dp=args.devices // model_parallel, tp=args.tp, pp=args.pp, cp=args.cp,
+                  sequence_parallel=args.tp > 1 and not args.no_sp, zero_stage=args.zero,
+                  virtual_stages=args.vp)
+
+
+def train(args: argparse.Namespace) -> Result:
+    acc = get_accelerator(args.hardware)
+    eff, source = efficiency_for(args, acc)
+    p = predict_training(train_setup(args), layout_from(args), acc, eff)
+    d = p.to_dict() | {"hardware": acc.name, "model": args.model, "efficiency": source}
+    m = p.memory
+    text = "\n".join([
+        f"{args.model} on {p.layout.num_devices} x {acc.name}, {p.layout.describe()}"
+        + (f", {p.layout.schedule} schedule" if p.layout.pp > 1 else ""),
+        f"step time   {p.step_time_s:.3f} s   ({p.tokens_per_s:,.0f} tokens/s, bound by {p.work.bound()})",
+        f"MFU         {100 * p.mfu:.1f}%   (HFU {100 * p.hfu:.1f}%)",
+        "breakdown   " + ", ".join(f"{k} {v:.3f}" for k, v in p.breakdown_s.items()),
+        f"memory      {m.total_bytes / 2**30:.1f} GiB per device of {acc.memory_bytes / 2**30:.0f} "
+        f"({'fits' if p.fits else 'DOES NOT FIT'}): weights {m.weights_bytes / 2**30:.1f}, grads "
+        f"{m.gradients_bytes / 2**30:.1f}, optimizer {m.optimizer_bytes / 2**30:.1f}, activations "
+        f"{m.activations_bytes / 2**30:.1f}, reserved {m.reserved_bytes / 2**30:.1f}",
+        f"efficiency  {source}",
+    ])
+    return text, d
+
+
+def _serve_setup(args: argparse.Namespace) -> serving.ServeSetup:
+    return serving.ServeSetup(shape=resolve_model(args.model), tp=args.tp, dtype=args.dtype)
+
+
+def serve(args: argparse.Namespace) -> Result:
+    acc = get_accelerator(args.hardware)
+    eff, source = efficiency_for(args, acc)
+    setup = _serve_setup(args)
+    prefill = serving.step_time(setup, acc, prefill_lens=[args.input_len], efficiency=eff)
+    rows, lines = [], [
+        f"{args.model} on {args.tp} x {acc.name} (tp {args.tp}), {args.dtype}; efficiency {source}",
+        f"prefill of {args.input_len} tokens: {1e3 * prefill.total_s:.2f} ms (bound by {prefill.bound()})",
+        f"{'batch':>6}{'context':>9}{'decode ms/token':>17}{'tokens/s/user':>15}{'tokens/s':>11}  bound"]
+    for batch in _ints(args.batch):
+        work = serving.step_time(setup, acc, decode_contexts=[args.context] * batch, efficiency=eff)
+        rows.append({"batch_size": batch, "context_len": args.context, "decode_s_per_token": work.total_s,
+                     "bound": work.bound(), "work": work.to_dict()})
+        lines.append(f"{batch:>6}{args.context:>9}{1e3 * work.total_s:>17.3f}{1 / work.total_s:>15.1f}"
+                     f"{batch / work.total_s:>11.0f}  {work.bound()}")
+    cap = serving.kv_capacity(setup, acc, args.input_len + args.output_len)
+    lines.append(f"KV cache: {cap.max_tokens:,} tokens per device, {cap.max_sequences} sequences of "
+                 f"{cap.context_len} tokens")
+    d = {"model": args.model, "hardware": acc.name, "efficiency": source, "prefill_s": prefill.total_s,
+         "prefill_tokens": args.input_len, "decode": rows,
+         "decode_s_per_token": rows[0]["decode_s_per_token"], "kv_capacity": cap.to_dict()}
+    if args.rate:
+        load = serving.under_load(setup, acc, args.rate, args.input_len, args.output_len,
+                                  args.max_num_seqs, eff)
+        d["load"] = load.to_dict()
+        lines.append(f"at {args.rate:g} req/s: TTFT {1e3 * load.ttft_s:.1f} ms, "
+                     f"TPOT {1e3 * load.tpot_s:.2f} ms, {load.output_tokens_per_s:,.0f} output tokens/s, "
+                     f"{load.concurrency:.1f} running"
+                     + (" (SATURATED)" if load.saturated else ""))
+    return "\n".join(lines), d
+
+
+def plan(args: argparse.Namespace) -> Result:
+    acc = get_accelerator(args.hardware)
+    eff, source = efficiency_for(args, acc)
+    if args.serve:
+        plans = planner.plan_serving(_serve_setup(args), args.devices, acc, args.input_len,
+                                     args.output_len, args.max_num_seqs, eff)
+        lines = [f"{args.model} serving on {args.devices} x {acc.name}, {args.input_len} in / "
+                 f"{args.output_len} out; efficiency {source}",
+                 f"{'tp':>4}{'replicas':>10}{'ms/token (bs1)':>16}{'max batch':>11}{'tokens/s':>12}"]
+        lines += [f"{p.tp:>4}{p.replicas:>10}{p.decode_ms_per_token_batch1:>16.2f}{p.max_batch:>11}"
+                  f"{p.throughput_tokens_per_s:>12,.0f}" for p in plans]
+        return "\n".join(lines), {"plans": [p.to_dict() for p in plans], "efficiency": source}
+    setup = train_setup(args)
+    plans = planner.plan_training(setup, args.devices, acc, eff, top=args.top)
+    if not plans:
+        raise ValueError(f"no layout of {args.model} fits on {args.devices} x {acc.name}")
+    lines = [f"{args.model} on {args.devices} x {acc.name}: global batch {args.global_batch} x "
+             f"{args.seq_len} tokens, {args.dtype}; efficiency {source}",
+             f"{'#':>3}  {'layout':<32}{'mb':>3} {'recompute':<10}{'step s':>8}{'MFU':>7}"
+             f"{'GiB/dev':>9}  bound"]
+    for i, p in enumerate(plans, start=1):
+        r = p.prediction
+        lines.append(f"{i:>3}  {r.layout.describe():<32}{p.setup.micro_batch_size:>3} {p.setup.recompute:<10}"
+                     f"{r.step_time_s:>8.2f}{100 * r.mfu:>6.1f}%{r.memory_bytes_per_device / 2**30:>9.1f}  "
+                     f"{r.work.bound()}")
+    lines += planner.explain(plans, acc)
+    return "\n".join(lines), {"plans": [p.to_dict() for p in plans], "efficiency": source}
+
+
+def _parse_scale(text: str | None) -> dict[str, float]:
+    scales = {}
+    for part in (text or "").split(","):
+        if part.strip():
+            key, _, value = part.partition("=")
+            scales[key.strip()] = float(value)
+    return scales
+
+
+def what_if(args: argparse.Namespace) -> Result:
+    acc = get_accelerator(args.hardware)
+    eff, source = efficiency_for(args, acc)
+    if args.serve:
+        setup = _serve_setup(args)
+        batch = _ints(args.batch)[0]
+
+        def workload(a):
+            return serving.step_time(setup, a, decode_contexts=[args.context] * batch, efficiency=eff)
+        target = 1.0 / args.target_tokens_per_s_per_user if args.target_tokens_per_s_per_user else None
+        label = f"decode step (batch {batch}, context {args.context})"
+    else:
+        setup, layout = train_setup(args), layout_from(args)
+
+        def workload(a):
+            return predict_training(setup, layout, a, eff).work
+        target, label = args.target_step_s, "training step"
+    scaled = acc.scaled(**_parse_scale(args.scale))
+    base, new = workload(acc), workload(scaled)
+    lines = [f"{label} of {args.model}: {acc.name} {base.total_s * 1e3:.3f} ms (bound by {base.bound()})"
+             f" -> {scaled.name} {new.total_s * 1e3:.3f} ms (bound by {new.bound()}), "
+             f"x{base.total_s / new.total_s:.2f}"]
+    rows = whatif.sweep(workload, acc)
+    lines += [f"  {r['resource']:<17} x{r['factor']:<4g} {1e3 * r['time_s']:>10.3f} ms  bound by {r['bound']}"
+              for r in rows]
+    d = {"baseline": base.to_dict(), "scaled": new.to_dict(), "scaled_hardware": scaled.name,
+         "sweep": rows, "efficiency": source}
+    if target:
+        reqs = whatif.requirements(workload, acc, target)
+        d["target_s"], d["requirements"] = target, [r.to_dict() for r in reqs]
+        lines.append(f"to reach {1e3 * target:.3f} ms:")
+        lines += [f"  {r.resource:<17} " + (f"x{r.factor:.2f}" if r.factor else
+                  f"cannot (x1000 still leaves {1e3 * r.floor_s:.3f} ms)") for r in reqs]
+    return "\n".join(lines), d
+
+
+def roofline_cmd(args: argparse.Namespace) -> Result:
+    acc = get_accelerator(args.hardware)
+    eff, source = efficiency_for(args, acc)
+    setup = _serve_setup(args)
+    points = [roofline.point(f"prefill {args.input_len}",
+                             serving.step_time(setup, acc, prefill_lens=[args.input_len], efficiency=eff))]
+    for batch in _ints(args.batch):
+        work = serving.step_time(setup, acc, decode_contexts=[args.context] * batch, efficiency=eff)
+        points.append(roofline.point(f"decode bs{batch}", work))
+    for step in read_engine_steps(read_jsonl(Path(args.records))) if args.records else []:
+        work = measured.engine_step_work(step, setup, acc, eff)
+        points.append(roofline.point(f"{step.phase} bs{step.batch_size} len{step.length}", work, step.step_s))
+    d = {"hardware": acc.name, "dtype": args.dtype, "efficiency": source,
+         "points": [p.to_dict() for p in points]}
+    text = roofline.format_points(points, acc, args.dtype)
+    if args.out:
+        try:
+            d["png"] = str(roofline.plot_png(points, acc, args.dtype, args.out))
+            text += f"\nwrote {args.out}"
+        except RuntimeError as e:  # matplotlib is optional: the table still stands
+            d["png_error"] = str(e)
+            text += f"\nno PNG: {e}"
+    return text, d
+
+
+def collectives(args: argparse.Namespace) -> Result:
+    from slipstream.perf import collectives_bench
+
+    timings, errors = collectives_bench.measure(args.world_size, args.backend, _ints(args.sizes),
+                                                iterations=args.iterations)
+    fits = collectives_bench.fit(timings)
+    d = {"timings": [t.to_dict() for t in timings], "errors": errors,
+         "fits": [dataclasses.asdict(f) | {"busbw_bytes_per_s": f.busbw_bytes_per_s} for f in fits]}
+    return collectives_bench.format_report(timings, fits, errors), d
+
+
+def validate(args: argparse.Namespace) -> Result:
+    results = validation.run()
+    return validation.format_table(results), {
+        "points": [dataclasses.asdict(r) | {"error": r.error} for r in results],
+        "summary": validation.summary(results)}
+
+
+def fit(args: argparse.Namespace) -> Result:
+    """Fit the efficiency to this machine's records and write it as JSON for --efficiency."""
+    acc = get_accelerator(args.hardware)
+    eff = default_efficiency(acc)
+    if args.engine_records:
+        setup = _serve_setup(args)
+        steps = read_engine_steps(read_jsonl(Path(args.engine_records)))
+        cal = measured.fit_engine_steps(steps, setup, acc, eff)
+        works = [measured.engine_step_work(s, setup, acc, cal.efficiency) for s in steps]
+        rows = [measured.Comparison(f"{s.phase} bs{s.batch_size} len{s.length}", s.step_s, w.total_s)
+                for s, w in zip(steps, works, strict=True)]
+    else:
+        runs = [read_train_run(d) for d in args.run_dir]
+        cal = measured.fit_train_runs(runs, acc, eff)
+        rows = [measured.Comparison(str(r.run_dir), r.median_step_s,
+                                    measured.train_run_work(r, acc, cal.efficiency).total_s) for r in runs]
+    if args.out:
+        Path(args.out).write_text(json.dumps(cal.efficiency.to_dict(), indent=2) + "\n")
+    text = measured.format_comparisons(rows) + f"\nfitted multipliers: {cal.scales}"
+    text += f"\nwrote {args.out}" if args.out else ""
+    return text, {"calibration": cal.to_dict(), "rows": [r.to_dict() for r in rows]}

@@ -1,0 +1,195 @@
+"""How close a software stack gets to a device's datasheet: the model's calibration knobs.
+
+Kernel times are rooflines with size-dependent efficiency, not one constant:
+
+    gemm_time   = max(2 m k n / (peak * gemm_fraction), bytes / (bandwidth * memory_fraction))
+                  + gemm_overhead_s
+    stream_time = bytes / (bandwidth * memory_fraction) + kernel_overhead_s
+    link        = per-direction bandwidth * link_fraction, latency per algorithm step
+
+The fixed per-call overhead makes the achieved fraction of peak rise with the GEMM's size and
+saturate at `gemm_fraction` (`gemm_efficiency` reports it), the curve Calculon tabulates per
+size (calculon-ai/calculon, systems/*.json `gflops_efficiency`). `fit.py` fits these knobs to
+measured steps; `default_efficiency` gives, per accelerator, values from public measurements
+(named in `sources`) where they exist and labelled assumptions where they do not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping
+from typing import Any
+
+from slipstream.perf.accelerators import Accelerator
+from slipstream.perf.collectives import Link
+
+_MAMF = (
+    "Maximum Achievable Matmul FLOPS table, stas00/ml-engineering compute/accelerator/README.md "
+    "(bf16 matmul, best shape): A100 SXM 267.9 of 312 TFLOPS, H100 SXM 792.1 of 989, MI300X "
+    "781.9 of 1300 (ROCm 6.2), https://github.com/stas00/ml-engineering/blob/master/compute/"
+    "accelerator/README.md#maximum-achievable-matmul-flops-comparison-table"
+)
+_GPT_FAST_BW = (
+    "pytorch-labs/gpt-fast README: on an A100 80GB 'peak bandwidth is about 1700 GB/s' "
+    "empirically, 1700 / 2039 = 0.834, https://github.com/pytorch-labs/gpt-fast#speculative-sampling"
+)
+_ASTRA_H100 = (
+    "ASTRA-sim HGX-H100 network config validated against NCCL: 400 GB/s of NVLink4's 450 per "
+    "direction and 936.25 ns per step, https://github.com/astra-sim/astra-sim/blob/master/"
+    "examples/network/analytical/HGX-H100-validated.yml"
+)
+_A100_NCCL = (
+    "nccl-tests issue #149: 8x A100-SXM4-80GB over NVSwitch, all_reduce busbw about 200 GB/s "
+    "of 300 per direction (https://github.com/NVIDIA/nccl-tests/issues/149); Calculon's A100 "
+    "system file uses 0.65 (calculon-ai/calculon systems/a100_80g.json)"
+)
+_IB_NCCL = (
+    "nccl-tests issue #119: 3 nodes of 8x A100 with 4x HDR per node, all_reduce busbw about "
+    "85 GB/s of 100 (https://github.com/NVIDIA/nccl-tests/issues/119)"
+)
+_FA2 = (
+    "Dao, 'FlashAttention-2', arXiv 2307.08691, abstract: 50-73% of the A100's peak (0.6, the "
+    "middle of that range), https://arxiv.org/abs/2307.08691"
+)
+_FA3 = (
+    "Shah et al., 'FlashAttention-3', arXiv 2407.08608, abstract: FlashAttention-2 reaches only "
+    "35% of the H100's peak (FlashAttention-3 up to 75%), https://arxiv.org/abs/2407.08608"
+)
+_ASSUMED = "assumption (no public measurement found); fit it to your runs with `slipstream perf fit`"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Efficiency:
+    """Fractions of the datasheet a stack achieves, and fixed per-call costs, with sources."""
+
+    gemm_fraction: float = 0.8
+    """Plateau fraction of the dense peak for large GEMMs."""
+    gemm_overhead_s: float = 3e-6
+    """Fixed time per GEMM call (launch, ramp, tail wave): small GEMMs achieve less."""
+    attention_fraction: float = 0.5
+    """Fraction of the dense peak a fused (flash) attention kernel achieves, forward and backward."""
+    memory_fraction: float = 0.83
+    """Fraction of the memory bandwidth a streaming kernel achieves."""
+    kernel_overhead_s: float = 3e-6
+    """Fixed time per non-GEMM kernel."""
+    step_overhead_s: float = 0.0
+    """Fixed host time per serving step (scheduling, launching the step)."""
+    sequence_overhead_s: float = 0.0
+    """Host time per sequence per serving step (its sampling row, detokenization, output)."""
+    link_fraction: float = 0.8
+    """Achieved busbw over the per-direction link bandwidth, scale-up link."""
+    network_fraction: float = 0.85
+    """The same for the scale-out network."""
+    link_latency_s: float = 1e-6
+    network_latency_s: float = 5e-6
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("gemm_fraction", "attention_fraction", "memory_fraction", "link_fraction",
+                     "network_fraction"):
+            value = getattr(self, name)
+            if not 0 < value <= 1.5:  # > 1 is allowed: a calibration can beat a conservative peak
+                raise ValueError(f"{name} must be in (0, 1.5], got {value}")
+        for name in ("gemm_overhead_s", "kernel_overhead_s", "step_overhead_s", "sequence_overhead_s",
+                     "link_latency_s", "network_latency_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        object.__setattr__(self, "sources", types.MappingProxyType(dict(self.sources)))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Efficiency:
+        """Inverse of `to_dict`; unknown keys are a ValueError naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown efficiency keys {sorted(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> Efficiency:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: (dict(v) if isinstance(v := getattr(self, f.name), Mapping) else v)
+                for f in dataclasses.fields(self)}
+
+    # ---- kernel times -----------------------------------------------------------------------
+
+    def gemm_time_s(self, m: float, k: float, n: float, element_bytes: float,
+                    acc: Accelerator, dtype: str, count: float = 1) -> float:
+        """Time of `count` (m x k) @ (k x n) GEMMs: the roofline plus a fixed cost per call."""
+        flops = 2.0 * m * k * n
+        traffic = element_bytes * (m * k + k * n + m * n)
+        compute_s = flops / (acc.peak_flops(dtype) * self.gemm_fraction)
+        memory_s = traffic / (acc.memory_bandwidth_bytes_per_s * self.memory_fraction)
+        return count * (max(compute_s, memory_s) + self.gemm_overhead_s)
+
+    def gemm_efficiency(self, m: float, k: float, n: float, element_bytes: float,
+                        acc: Accelerator, dtype: str) -> float:
+        """Achieved fraction of the dense peak for one GEMM of this size (the size curve)."""
+        time_s = self.gemm_time_s(m, k, n, element_bytes, acc, dtype)
+        return 2.0 * m * k * n / time_s / acc.peak_flops(dtype)
+
+    def stream_time_s(self, num_bytes: float, acc: Accelerator, num_kernels: float = 1) -> float:
+        """Time of memory-bound kernels moving `num_bytes` in total."""
+        bandwidth = acc.memory_bandwidth_bytes_per_s * self.memory_fraction
+        return num_bytes / bandwidth + num_kernels * self.kernel_overhead_s
+
+    def intra_link(self, acc: Accelerator) -> Link:
+        """The scale-up link at its achieved bandwidth."""
+        bandwidth = acc.intra_node_bytes_per_s or acc.inter_node_bytes_per_s
+        if not bandwidth:
+            raise ValueError(f"{acc.name} lists no link bandwidth; collectives need one")
+        return Link(latency_s=self.link_latency_s, bandwidth_bytes_per_s=bandwidth * self.link_fraction)
+
+    def inter_link(self, acc: Accelerator) -> Link:
+        """The scale-out network at its achieved bandwidth."""
+        bandwidth = acc.inter_node_bytes_per_s or acc.intra_node_bytes_per_s
+        if not bandwidth:
+            raise ValueError(f"{acc.name} lists no network bandwidth; collectives need one")
+        return Link(latency_s=self.network_latency_s,
+                    bandwidth_bytes_per_s=bandwidth * self.network_fraction)
+
+
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "A100 SXM 80GB": dict(gemm_fraction=267.9 / 312, link_fraction=0.67, attention_fraction=0.6,
+                          sources={"gemm_fraction": _MAMF, "link_fraction": _A100_NCCL,
+                                   "attention_fraction": _FA2}),
+    "H100 SXM": dict(gemm_fraction=792.1 / 989.4, link_fraction=400 / 450, link_latency_s=0.936e-6,
+                     attention_fraction=0.35,
+                     sources={"gemm_fraction": _MAMF, "link_fraction": _ASTRA_H100,
+                              "link_latency_s": _ASTRA_H100, "attention_fraction": _FA3}),
+    "H200": dict(gemm_fraction=792.1 / 989.4, link_fraction=400 / 450, link_latency_s=0.936e-6,
+                 attention_fraction=0.35,
+                 sources={"gemm_fraction": f"{_MAMF} (H200: same GH100 die, H100 value)",
+                          "link_fraction": _ASTRA_H100, "link_latency_s": _ASTRA_H100,
+                          "attention_fraction": _FA3}),
+    "MI300X": dict(gemm_fraction=781.9 / 1307.4, link_fraction=0.67,
+                   sources={"gemm_fraction": _MAMF, "link_fraction": f"{_ASSUMED} (A100 value)"}),
+}
+
+
+def default_efficiency(acc: Accelerator) -> Efficiency:
+    """Public-measurement defaults for `acc` (see `sources`); a calibrated CPU gets 1.0 of its
+    measured peaks, which already are achieved rates."""
+    if "calibrated" in acc.name:
+        measured = "calibrate() measured the achieved rates: fraction 1.0 of them"
+        return Efficiency(gemm_fraction=1.0, memory_fraction=1.0, attention_fraction=0.5,
+                          gemm_overhead_s=20e-6,
+                          kernel_overhead_s=10e-6, step_overhead_s=0.5e-3, sequence_overhead_s=50e-6,
+                          sources={"gemm_fraction": measured, "memory_fraction": measured,
+                                   "attention_fraction": _ASSUMED, "gemm_overhead_s": _ASSUMED,
+                                   "kernel_overhead_s": _ASSUMED, "step_overhead_s": _ASSUMED,
+                                   "sequence_overhead_s": _ASSUMED})
+    base = {"gemm_fraction": f"{_ASSUMED} (H100 value)", "memory_fraction": _GPT_FAST_BW,
+            "attention_fraction": _ASSUMED,
+            "gemm_overhead_s": _ASSUMED, "kernel_overhead_s": _ASSUMED, "step_overhead_s": _ASSUMED,
+            "sequence_overhead_s": _ASSUMED,
+            "link_fraction": _ASSUMED, "link_latency_s": _ASSUMED,
+            "network_fraction": _IB_NCCL, "network_latency_s": _ASSUMED}
+    known = next((v for k, v in _DEFAULTS.items() if acc.name.startswith(k)), None)
+    if known is None:
+        return Efficiency(gemm_fraction=792.1 / 989.4, memory_fraction=1700 / 2039, sources=base)
+    values = dict(known)
+    sources = base | values.pop("sources")
+    return Efficiency(memory_fraction=1700 / 2039, **values, sources=sources)

@@ -1,0 +1,180 @@
+"""Per-layer work of one transformer layer on one device: GEMMs, streamed bytes, TP collectives.
+
+Shared by the training model (forward, backward, recomputation of a micro-batch) and the serving
+model (a prefill or decode step). Megatron's tensor parallelism (Shoeybi et al. 2019, arXiv
+1909.08053): q/k/v and the MLP's first matrices are split by columns, o and the MLP's last matrix
+by rows, so each device holds 1/t of every matrix and a layer needs two all-reduces forward and
+two backward; sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198, section 4.2.2)
+turns each all-reduce into an all-gather plus a reduce-scatter of the same volume and shards the
+norms, dropouts and residual adds by 1/t.
+
+Streamed bytes count what each memory-bound kernel reads and writes (16-bit activations, 1-byte
+dropout masks), op by op as in Korthikanti et al. section 4.1. The backward pass of a memory-bound
+kernel is charged twice its forward bytes (it reads the saved input and the incoming gradient and
+writes a gradient); GEMM backward is two GEMMs (input and weight gradients).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from slipstream.perf.accelerators import Accelerator
+from slipstream.perf.collectives import collective_time_s, hierarchical_time_s
+from slipstream.perf.efficiency import Efficiency
+from slipstream.perf.shapes import TransformerShape
+from slipstream.perf.work import Work
+
+ATTENTION_KERNELS = ("flash", "unfused")
+FLASH_BACKWARD_FACTOR = 2.5
+"""FlashAttention's backward runs 5 matmuls to the forward's 2 (it recomputes the scores): Dao,
+"FlashAttention-2", arXiv 2307.08691, section 3.1.2."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Device:
+    """What a kernel-time estimate needs: the accelerator, its efficiency, the compute dtype."""
+
+    accelerator: Accelerator
+    efficiency: Efficiency
+    dtype: str = "bf16"
+    element_bytes: int = 2
+
+    def gemm(self, m: float, k: float, n: float, count: float = 1) -> Work:
+        """`count` GEMMs; a memory-bound one (left of the ridge) is charged as memory time."""
+        flops = 2.0 * m * k * n
+        traffic = self.element_bytes * (m * k + k * n + m * n)
+        return self.roofline(count * flops, count * traffic, self.efficiency.gemm_fraction,
+                              count * self.efficiency.gemm_overhead_s)
+
+    def roofline(self, flops: float, traffic: float, fraction: float, overhead_s: float) -> Work:
+        """A kernel at `fraction` of the peak or at the streaming bandwidth, whichever is slower."""
+        compute_s = flops / (self.accelerator.peak_flops(self.dtype) * fraction)
+        memory_s = self.efficiency.stream_time_s(traffic, self.accelerator, 0)
+        if compute_s >= memory_s:
+            return Work(gemm_s=compute_s, overhead_s=overhead_s, flops=flops, memory_bytes=traffic)
+        return Work(memory_s=memory_s, overhead_s=overhead_s, flops=flops, memory_bytes=traffic)
+
+    def stream(self, num_bytes: float, num_kernels: float) -> Work:
+        time_s = self.efficiency.stream_time_s(num_bytes, self.accelerator, 0)
+        return Work(memory_s=time_s, overhead_s=num_kernels * self.efficiency.kernel_overhead_s,
+                    memory_bytes=num_bytes)
+
+    def collective(self, op: str, size_bytes: float, num_ranks: int, ranks_per_node: int) -> Work:
+        """One collective over `num_ranks` ranks, two-level when it spans nodes."""
+        if num_ranks <= 1:
+            return Work()
+        acc, eff = self.accelerator, self.efficiency
+        time_s = hierarchical_time_s(op, size_bytes, num_ranks, min(ranks_per_node, num_ranks),
+                                     eff.intra_link(acc), eff.inter_link(acc))
+        return Work(comm_s=time_s, comm_bytes=size_bytes)
+
+    def p2p(self, size_bytes: float, crosses_node: bool) -> Work:
+        link = self.efficiency.inter_link(self.accelerator) if crosses_node else (
+            self.efficiency.intra_link(self.accelerator))
+        return Work(comm_s=collective_time_s("send_recv", size_bytes, 2, link), comm_bytes=size_bytes)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerSpec:
+    """One layer's slice of work on one device."""
+
+    shape: TransformerShape
+    num_tokens: int
+    """Tokens this device's layer processes (after context-parallel splitting)."""
+    tp: int = 1
+    sequence_parallel: bool = False
+    attention: str = "flash"
+    dropout: bool = False
+    attention_pairs: float = 0.0
+    """Query-key pairs each head computes, summed over sequences: s^2 per sequence for an unfused
+    kernel (it masks after computing), about s^2 / 2 for causal FlashAttention (it skips masked
+    blocks), the cached positions for decode."""
+    kv_read_tokens: float = 0.0
+    """KV-cache positions read (serving decode); 0 when K and V come from this step's tokens."""
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
+
+
+def layer_gemms(shape: TransformerShape, num_tokens: float, tp: int) -> list[tuple[float, float, float]]:
+    """(m, k, n) of one layer's linear GEMMs on one device of a tensor-parallel group."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    up = (shape.mlp_matrices - 1) * f  # gate and up fused, or GELU's single up matrix
+    return [
+        (num_tokens, h, (shape.q_dim + 2 * shape.kv_dim) / tp),  # qkv
+        (num_tokens, shape.q_dim / tp, h),  # o
+        (num_tokens, h, up / tp),  # mlp up (and gate)
+        (num_tokens, f / tp, h),  # mlp down
+    ]
+
+
+def attention_core_forward(spec: LayerSpec, device: Device) -> Work:
+    """QK^T, softmax (and dropout), AV for this device's heads."""
+    shape, heads = spec.shape, spec.shape.num_heads / spec.tp
+    flops = 4.0 * heads * shape.head_dim * spec.attention_pairs
+    e = device.element_bytes
+    if spec.kv_read_tokens:  # decode: stream the cache, the scores are tiny
+        kv_heads = max(shape.num_kv_heads / spec.tp, 1)
+        num_bytes = 2 * kv_heads * shape.head_dim * e * spec.kv_read_tokens
+        return device.stream(num_bytes, 2) + Work(flops=flops)
+    qkv_bytes = e * spec.num_tokens * (shape.q_dim * 2 + 2 * shape.kv_dim) / spec.tp
+    if spec.attention == "flash":
+        return device.roofline(flops, qkv_bytes, device.efficiency.attention_fraction,
+                                device.efficiency.kernel_overhead_s)
+    scores = heads * spec.attention_pairs  # elements of the score matrix
+    bmm_bytes = qkv_bytes + 2 * scores * e  # QK^T writes the scores, AV reads the probabilities
+    softmax_bytes = 2 * scores * e + (3 * scores * e + scores if spec.dropout else 0)
+    bmm = device.roofline(flops, bmm_bytes, device.efficiency.gemm_fraction,
+                           2 * device.efficiency.gemm_overhead_s)
+    return bmm + device.stream(softmax_bytes, 2 if spec.dropout else 1)
+
+
+def pointwise_forward(spec: LayerSpec, device: Device) -> Work:
+    """Norms, residual adds (with bias and dropout), the MLP activation, rotary embeddings."""
+    shape, e, n = spec.shape, device.element_bytes, spec.num_tokens
+    replicated = n * shape.hidden_size / (spec.tp if spec.sequence_parallel else 1)
+    norms = 2 * (2 * replicated * e)  # read x, write y, twice per layer
+    residual = 2 * (3 * replicated * e + (replicated if spec.dropout else 0))
+    f_local = n * shape.ffn_hidden_size / spec.tp
+    activation = (3 if shape.mlp == "swiglu" else 2) * f_local * e
+    rotary = 0 if shape.learned_positions else 2 * n * (shape.q_dim + shape.kv_dim) / spec.tp * e
+    return device.stream(norms + residual + activation + rotary, 6 if rotary else 5)
+
+
+def tp_collectives(spec: LayerSpec, device: Device, ranks_per_node: int) -> Work:
+    """Forward tensor-parallel communication of one layer: 2 all-reduces (or AG + RS pairs)."""
+    if spec.tp == 1:
+        return Work()
+    size = spec.num_tokens * spec.shape.hidden_size * device.element_bytes
+    if spec.sequence_parallel:
+        pair = (device.collective("all_gather", size, spec.tp, ranks_per_node)
+                + device.collective("reduce_scatter", size, spec.tp, ranks_per_node))
+        return pair * 2
+    return device.collective("all_reduce", size, spec.tp, ranks_per_node) * 2
+
+
+def layer_forward(spec: LayerSpec, device: Device) -> Work:
+    """Compute and memory time of one layer's forward pass (communication separately)."""
+    gemms = [device.gemm(m, k, n) for m, k, n in layer_gemms(spec.shape, spec.num_tokens, spec.tp)]
+    work = attention_core_forward(spec, device) + pointwise_forward(spec, device)
+    for g in gemms:
+        work = work + g
+    return work
+
+
+def layer_backward(spec: LayerSpec, device: Device) -> Work:
+    """Backward of one layer: two GEMMs per forward GEMM, twice the streamed bytes."""
+    work = Work()
+    for m, k, n in layer_gemms(spec.shape, spec.num_tokens, spec.tp):
+        work = work + device.gemm(m, n, k) + device.gemm(k, m, n)  # input grad, weight grad
+    attention = attention_core_forward(spec, device)
+    factor = FLASH_BACKWARD_FACTOR if spec.attention == "flash" else 2.0
+    return work + attention * factor + pointwise_forward(spec, device) * 2.0
+
+
+def attention_recompute(spec: LayerSpec, device: Device) -> Work:
+    """Selective recomputation: the attention core's forward again (Korthikanti et al. section 5)."""
+    if spec.attention == "flash":
+        return Work()  # FlashAttention already recomputes inside its backward
+    return attention_core_forward(spec, device)

@@ -1,0 +1,132 @@
+"""Predicted against measured for slipstream's own runs, and calibration from them.
+
+`records.py` reads the files; this module maps each measured step onto the model (an engine step
+onto `serving.step_time`, a training run onto `model.predict_training`), fits the efficiency to
+a set of them (`fit.calibrate`) and tabulates predicted against measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from slipstream.perf.accelerators import Accelerator
+from slipstream.perf.efficiency import Efficiency
+from slipstream.perf.fit import Calibration, calibrate
+from slipstream.perf.model import Layout, TrainSetup, predict_training
+from slipstream.perf.records import EngineStep, TrainRun
+from slipstream.perf.serving import ServeSetup, step_time
+from slipstream.perf.shapes import TransformerShape, resolve_model
+from slipstream.perf.work import Work
+
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def engine_step_work(step: EngineStep, setup: ServeSetup, accelerator: Accelerator,
+                     efficiency: Efficiency) -> Work:
+    """The model's time for one measured engine step."""
+    if step.phase == "prefill":
+        return step_time(setup, accelerator, prefill_lens=[step.length] * step.batch_size,
+                         efficiency=efficiency)
+    return step_time(setup, accelerator, decode_contexts=[step.length] * step.batch_size,
+                     efficiency=efficiency)
+
+
+def fit_engine_steps(
+    steps: Sequence[EngineStep], setup: ServeSetup, accelerator: Accelerator, efficiency: Efficiency,
+    components: Sequence[str] = ("gemm_s", "memory_s", "overhead_s"),
+) -> Calibration:
+    """Fit `efficiency` to measured engine steps of one model."""
+    if not steps:
+        raise ValueError("no engine steps to fit")
+
+    def predict(e: Efficiency) -> list[Work]:
+        return [engine_step_work(s, setup, accelerator, e) for s in steps]
+
+    return calibrate(predict, [s.step_s for s in steps], efficiency, components)
+
+
+def train_setup(run: TrainRun, shape: TransformerShape | None = None) -> tuple[TrainSetup, Layout]:
+    """The model's description of a measured single-device (or data-parallel) training run."""
+    c = run.config
+    missing = [k for k in ("seq_len", "global_batch_size") if k not in c]
+    if missing or (shape is None and "preset" not in c and "model_path" not in c):
+        raise ValueError(f"{run.run_dir}: the run's config lacks {missing or ['model preset or path']}")
+    shape = shape or resolve_model(str(c.get("model_path") or c["preset"]))
+    world = int(c.get("world_size", 1))
+    dtype = _DTYPES.get(str(c.get("dtype", "float32")), str(c.get("dtype", "fp32")))
+    recompute = "full" if c.get("activation_checkpointing") in (True, "full") else "none"
+    micro = int(c.get("micro_batch_size", c["global_batch_size"]))
+    setup = TrainSetup(shape=shape, global_batch_size=int(c["global_batch_size"]), seq_len=int(c["seq_len"]),
+                       micro_batch_size=micro, dtype=dtype, recompute=recompute,
+                       weight_bytes=4, grad_bytes=4, optimizer_bytes=8, reserved_bytes=0)
+    return setup, Layout(dp=world, zero_stage=3 if world > 1 else 0)
+
+
+def train_run_work(run: TrainRun, accelerator: Accelerator, efficiency: Efficiency,
+                   shape: TransformerShape | None = None) -> Work:
+    """The model's time for one optimizer step of the run."""
+    setup, layout = train_setup(run, shape)
+    return predict_training(setup, layout, accelerator, efficiency).work
+
+
+def _measurements(run: TrainRun) -> list[tuple[str, float]]:
+    """What one run measured: its forward+backward and optimizer phases when the trainer logged
+    them (two numbers, so one run can fit two multipliers), else the whole step."""
+    forward_backward, optimizer = run.median_phase_s("forward_backward_s"), run.median_phase_s("optimizer_s")
+    if forward_backward and optimizer:
+        return [("forward_backward", forward_backward), ("optimizer", optimizer)]
+    return [("step", run.median_step_s)]
+
+
+def _phase_work(run: TrainRun, phase: str, accelerator: Accelerator, efficiency: Efficiency) -> Work:
+    setup, layout = train_setup(run)
+    parts = predict_training(setup, layout, accelerator, efficiency).parts
+    if phase == "optimizer":
+        return parts["optimizer"]
+    if phase == "forward_backward":
+        return parts["pipeline"] + parts["bubble"] + parts["data_parallel"]
+    return parts["pipeline"] + parts["bubble"] + parts["data_parallel"] + parts["optimizer"]
+
+
+def fit_train_runs(
+    runs: Sequence[TrainRun], accelerator: Accelerator, efficiency: Efficiency,
+    components: Sequence[str] | None = None,
+) -> Calibration:
+    """Fit to the measured phases of each run (see `_measurements`): as many multipliers as
+    measurements allow, GEMM first, then memory, then overhead."""
+    if not runs:
+        raise ValueError("no training runs to fit")
+    points = [(run, phase, t) for run in runs for phase, t in _measurements(run)]
+    chosen = components or ("gemm_s", "memory_s", "overhead_s")[:min(len(points), 3)]
+
+    def predict(e: Efficiency) -> list[Work]:
+        return [_phase_work(run, phase, accelerator, e) for run, phase, _ in points]
+
+    return calibrate(predict, [t for _, _, t in points], efficiency, chosen)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    label: str
+    measured_s: float
+    predicted_s: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted_s / self.measured_s - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"error": self.error}
+
+
+def format_comparisons(rows: Sequence[Comparison]) -> str:
+    lines = [f"{'step':<36}{'measured ms':>13}{'predicted ms':>14}{'error':>9}"]
+    for r in rows:
+        lines.append(f"{r.label:<36}{1e3 * r.measured_s:>13.2f}{1e3 * r.predicted_s:>14.2f}"
+                     f"{100 * r.error:>+8.1f}%")
+    if rows:
+        errors = [abs(r.error) for r in rows]
+        lines.append(f"mean |error| {100 * sum(errors) / len(errors):.1f}%, max {100 * max(errors):.1f}%")
+    return "\n".join(lines)

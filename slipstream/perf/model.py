@@ -1,0 +1,364 @@
+"""Training step time, memory per device and MFU for a shape, a batch and a parallel layout.
+
+A step is `m = global_batch / (dp * micro_batch)` micro-batches through a pipeline of `pp`
+stages, each device holding `L / pp` layers split `tp` ways over `num_tokens = b * s / cp` tokens:
+
+- per layer and micro-batch: forward, backward (2x the GEMMs), recomputation (full: the forward
+  again, with its collectives; selective: the attention core, Korthikanti et al. 2022 section 5),
+  tensor-parallel collectives from the alpha-beta model (`collectives.py`);
+- overlap, stated: tensor-parallel collectives are exposed in the forward; in the backward they
+  overlap the weight-gradient GEMMs (`tp_overlap="backward"`, as Megatron does, Korthikanti et al.
+  section 6.2), or not at all, or fully (`"full"`, asynchronous TP);
+- pipeline: the slowest stage sets the pace, plus the bubble `(p - 1) / v` stage-times (1F1B:
+  Narayanan et al. 2021, arXiv 2104.04473, section 2.2; interleaved with v chunks per device:
+  section 2.2.2), plus point-to-point sends of each micro-batch's activations;
+- data parallel: gradient all-reduce (ZeRO-1/2: reduce-scatter + all-gather, same bytes) once per
+  step, hidden under the last micro-batch's backward when `dp_overlap`; ZeRO-3/FSDP all-gathers
+  weights twice and reduce-scatters gradients per micro-batch, prefetched under compute;
+- context parallel: ring attention passes K and V around the group, overlapped with attention;
+- the optimizer step streams each local parameter's weights, gradient and Adam moments.
+
+MFU is PaLM's (appendix B): model FLOPs per token `6 N + 12 L H Q T` (no causal halving, no
+recomputation) times tokens per second, over the dense peak of all devices; HFU adds recomputation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from slipstream.perf.accelerators import Accelerator, dtype_key
+from slipstream.perf.efficiency import Efficiency, default_efficiency
+from slipstream.perf.layers import (
+    ATTENTION_KERNELS,
+    Device,
+    LayerSpec,
+    attention_recompute,
+    layer_backward,
+    layer_forward,
+    tp_collectives,
+)
+from slipstream.perf.memory import RECOMPUTE_MODES, MemoryBreakdown, training_memory
+from slipstream.perf.shapes import TransformerShape
+from slipstream.perf.work import Work, total
+
+TP_OVERLAP = ("none", "backward", "full")
+OPTIMIZER_BYTES_PER_PARAM = 38
+"""Adam step traffic per local parameter: read fp32 master, grad, m, v (16 B), write master, m, v
+and the 16-bit weight (14 B), plus the gradient-norm read and the zeroing write (8 B)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Layout:
+    """How N devices split the work: data, tensor, pipeline and context parallel degrees."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    zero_stage: int = 1
+    """0: plain data parallel; 1-2: sharded optimizer (and gradients); 3: FSDP."""
+    virtual_stages: int = 1
+    """Model chunks per device: 1 is 1F1B, more is the interleaved schedule."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "cp", "virtual_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"layout.{name} must be a positive integer, got {value!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"layout.zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel needs tp > 1")
+        if self.virtual_stages > 1 and self.pp == 1:
+            raise ValueError("virtual_stages > 1 (interleaved schedule) needs pp > 1")
+
+    @property
+    def num_devices(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def schedule(self) -> str:
+        return "none" if self.pp == 1 else ("interleaved-1f1b" if self.virtual_stages > 1 else "1f1b")
+
+    def describe(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"cp{self.cp}"]
+        extras = (["sp"] if self.sequence_parallel else []) + [f"zero{self.zero_stage}"]
+        extras += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
+        return " ".join(parts + extras)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainSetup:
+    """What is trained: the shape, the batch, the numerics and the implementation choices."""
+
+    shape: TransformerShape
+    global_batch_size: int
+    """Sequences per optimizer step over all data-parallel ranks."""
+    seq_len: int
+    micro_batch_size: int = 1
+    dtype: str = "bf16"
+    recompute: str = "none"
+    attention: str = "flash"
+    dropout: bool = False
+    weight_bytes: int = 2
+    grad_bytes: int = 4
+    optimizer_bytes: int = 12
+    """Defaults: bf16 weights, fp32 gradients, fp32 master weights and Adam moments (Megatron)."""
+    tp_overlap: str = "backward"
+    dp_overlap: bool = True
+    reserved_bytes: float = 2 * 2**30
+    """CUDA context, communication buffers, allocator fragmentation (the cookbook's 'misc')."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "seq_len", "micro_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        dtype_key(self.dtype)
+        checks = (("recompute", RECOMPUTE_MODES), ("attention", ATTENTION_KERNELS),
+                  ("tp_overlap", TP_OVERLAP))
+        for name, valid in checks:
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name} must be one of {valid}, got {getattr(self, name)!r}")
+
+    def num_microbatches(self, layout: Layout) -> int:
+        per_rank, rem = divmod(self.global_batch_size, layout.dp * self.micro_batch_size)
+        if rem or per_rank == 0:
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not a multiple of dp "
+                f"({layout.dp}) x micro_batch_size ({self.micro_batch_size})"
+            )
+        return per_rank
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingPrediction:
+    """The model's answer for one (setup, layout, accelerator)."""
+
+    layout: Layout
+    step_time_s: float
+    mfu: float
+    hfu: float
+    tokens_per_s: float
+    memory: MemoryBreakdown
+    fits: bool
+    work: Work
+    breakdown_s: dict[str, float]
+    model_flops_per_step: float
+    parts: dict[str, Work] = dataclasses.field(default_factory=dict)
+    """The step's Work by phase: "pipeline" (forward, backward), "bubble", "data_parallel",
+    "optimizer"; they sum to `work`."""
+
+    @property
+    def memory_bytes_per_device(self) -> float:
+        return self.memory.total_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layout": dataclasses.asdict(self.layout) | {"describe": self.layout.describe()},
+            "step_time_s": self.step_time_s, "mfu": self.mfu, "hfu": self.hfu,
+            "tokens_per_s": self.tokens_per_s, "memory_bytes_per_device": self.memory_bytes_per_device,
+            "memory": self.memory.to_dict(), "fits": self.fits, "bound": self.work.bound(),
+            "breakdown_s": self.breakdown_s, "work": self.work.to_dict(),
+            "model_flops_per_step": self.model_flops_per_step,
+        }
+
+
+def predict_training(
+    setup: TrainSetup, layout: Layout, accelerator: Accelerator, efficiency: Efficiency | None = None,
+) -> TrainingPrediction:
+    """Step time, MFU and memory per device; see the module docstring for what is modeled."""
+    _check_layout(setup, layout)
+    device = _device(setup, accelerator, efficiency)
+    m = setup.num_microbatches(layout)
+    spec = _layer_spec(setup, layout)
+    layer = _layer_microbatch(setup, layout, spec, device)
+    stages = _stage_works(setup, layout, spec, device, layer)
+    slowest = max(stages, key=lambda w: w.total_s)
+    average = total(stages) * (1.0 / len(stages))
+    bubble = average * ((layout.pp - 1) / layout.virtual_stages)
+    pipeline = slowest * m + bubble
+    dp, optimizer = _data_parallel(setup, layout, device, layer, m), _optimizer_step(setup, layout, device)
+    work = pipeline + dp + optimizer
+    flops = setup.tokens_per_step * setup.shape.train_flops_per_token(setup.seq_len)
+    peak = accelerator.peak_flops(setup.dtype) * layout.num_devices
+    hardware_flops = flops + _recompute_flops(setup) * setup.tokens_per_step
+    memory = training_memory(setup, layout)
+    return TrainingPrediction(
+        layout=layout, step_time_s=work.total_s, mfu=flops / work.total_s / peak,
+        hfu=hardware_flops / work.total_s / peak, tokens_per_s=setup.tokens_per_step / work.total_s,
+        memory=memory, fits=memory.total_bytes <= accelerator.memory_bytes, work=work,
+        breakdown_s={"pipeline_s": (slowest * m).total_s, "bubble_s": bubble.total_s,
+                     "data_parallel_s": dp.total_s, "optimizer_s": optimizer.total_s,
+                     "exposed_comm_s": work.comm_s},
+        model_flops_per_step=flops,
+        parts={"pipeline": slowest * m, "bubble": bubble, "data_parallel": dp, "optimizer": optimizer},
+    )
+
+
+def layer_passes(
+    setup: TrainSetup, layout: Layout, accelerator: Accelerator, efficiency: Efficiency | None = None,
+) -> dict[str, Work]:
+    """One layer, one micro-batch: "forward" and "backward" (with recomputation), exposed comm
+    included; what Korthikanti et al. Table 4 measures for the 22B model."""
+    device = _device(setup, accelerator, efficiency)
+    return _layer_passes(setup, layout, _layer_spec(setup, layout), device)
+
+
+def _layer_passes(setup: TrainSetup, layout: Layout, spec: LayerSpec, device: Device) -> dict[str, Work]:
+    per_node = device.accelerator.devices_per_node
+    forward, backward = layer_forward(spec, device), layer_backward(spec, device)
+    comm = tp_collectives(spec, device, per_node)
+    recompute = Work()
+    if setup.recompute == "full":
+        recompute = forward + comm
+    elif setup.recompute == "selective":
+        recompute = attention_recompute(spec, device)
+    if setup.tp_overlap == "full":
+        exposed_forward, exposed_backward = Work(), Work()
+    elif setup.tp_overlap == "backward":  # hidden under the weight-gradient GEMMs (half the GEMMs)
+        exposed_forward = comm
+        exposed_backward = comm + Work(comm_s=-min(comm.comm_s, 0.5 * backward.gemm_s))
+    else:
+        exposed_forward, exposed_backward = comm, comm
+    if layout.sequence_parallel:  # the extra all-gather of each block's sharded input (sec. 4.2.2);
+        # overlapped in Megatron, yet Table 4 shows SP's backward no faster: charged as exposed
+        size = spec.num_tokens * setup.shape.hidden_size * device.element_bytes
+        exposed_backward = exposed_backward + device.collective("all_gather", size, layout.tp, per_node) * 2
+    cp = _context_parallel(setup, layout, spec, device)
+    return {"forward": forward + exposed_forward + cp * (1 / 3),
+            "backward": backward + recompute + exposed_backward + cp * (2 / 3)}
+
+
+def _layer_microbatch(setup: TrainSetup, layout: Layout, spec: LayerSpec, device: Device) -> Work:
+    passes = _layer_passes(setup, layout, spec, device)
+    return passes["forward"] + passes["backward"]
+
+
+def _device(setup: TrainSetup, accelerator: Accelerator, efficiency: Efficiency | None) -> Device:
+    key = dtype_key(setup.dtype)
+    return Device(accelerator=accelerator, efficiency=efficiency or default_efficiency(accelerator),
+                  dtype=key, element_bytes=4 if key == "fp32" else 2)
+
+
+def _layer_spec(setup: TrainSetup, layout: Layout) -> LayerSpec:
+    tokens = setup.micro_batch_size * setup.seq_len
+    keys = setup.seq_len if setup.attention == "unfused" else (setup.seq_len + 1) / 2  # causal skip
+    return LayerSpec(shape=setup.shape, num_tokens=tokens // layout.cp, tp=layout.tp,
+                     sequence_parallel=layout.sequence_parallel, attention=setup.attention,
+                     dropout=setup.dropout, attention_pairs=tokens * keys / layout.cp)
+
+
+def _context_parallel(setup: TrainSetup, layout: Layout, spec: LayerSpec, device: Device) -> Work:
+    """All-gather of the other ranks' K and V before attention, forward and (again, plus the
+    reduce-scatter of their gradients) backward; exposed on the critical path, as in Llama 3's
+    all-gather based context parallelism (Dubey et al. 2024, section 3.3.2)."""
+    if layout.cp == 1:
+        return Work()
+    shape = setup.shape
+    kv = spec.num_tokens * 2 * shape.kv_dim / layout.tp * device.element_bytes * layout.cp
+    per_node = device.accelerator.devices_per_node // layout.tp
+    gather = device.collective("all_gather", kv, layout.cp, max(per_node, 1))
+    scatter = device.collective("reduce_scatter", kv, layout.cp, max(per_node, 1))
+    return gather * 2 + scatter
+
+
+def _stage_works(
+    setup: TrainSetup, layout: Layout, spec: LayerSpec, device: Device, layer: Work
+) -> list[Work]:
+    """Per-micro-batch time of the first, middle and last stages (embedding / logits differ)."""
+    shape = setup.shape
+    first, middle_layers, last = stage_layers(shape.num_layers, layout)
+    tokens, v = spec.num_tokens, shape.vocab_size
+    logits = device.gemm(tokens, shape.hidden_size, v / layout.tp, count=3)  # forward + 2 backward
+    loss = device.stream(3 * 4.0 * tokens * v / layout.tp, 3)  # fp32 logits: softmax, grad
+    embedding = device.stream(4.0 * tokens * shape.hidden_size, 2)
+    if layout.pp == 1:
+        return [layer * shape.num_layers + logits + loss + embedding]
+    # Scatter-gather (Narayanan et al. 2021, section 4.1): each TP rank sends 1/t of the
+    # activations across stages and the receiving node all-gathers them over its fast link.
+    full = tokens * shape.hidden_size * device.element_bytes
+    crosses = layout.tp * layout.cp * layout.dp >= device.accelerator.devices_per_node
+    p2p = device.p2p(full / layout.tp, crosses)
+    if not layout.sequence_parallel:
+        p2p = p2p + device.collective("all_gather", full, layout.tp, device.accelerator.devices_per_node)
+    p2p = p2p * (2.0 * layout.virtual_stages)
+    return [layer * first + p2p + embedding, layer * middle_layers + p2p,
+            layer * last + p2p + logits + loss]
+
+
+def stage_layers(num_layers: int, layout: Layout) -> tuple[int, int, int]:
+    """Layers on the first, a middle and the last pipeline stage.
+
+    Stages get ceil(L / (p v)) layers per chunk; when that overshoots L, the spare slots go to
+    the first and last stages, which also carry the embedding and the output layer (as Llama 3
+    does: one layer fewer on each, Dubey et al. 2024, arXiv 2407.21783, section 3.3.2).
+    """
+    chunk = -(-num_layers // (layout.pp * layout.virtual_stages))
+    full = chunk * layout.virtual_stages
+    spare = layout.pp * full - num_layers
+    if layout.pp == 1:
+        return num_layers, num_layers, num_layers
+    return full - spare // 2, full, full - (spare - spare // 2)
+
+
+def _data_parallel(setup: TrainSetup, layout: Layout, device: Device, layer: Work, m: int) -> Work:
+    """Gradient (and FSDP weight) collectives over the data-parallel x context-parallel group."""
+    group = layout.dp * layout.cp
+    if group == 1:
+        return Work()
+    shape = setup.shape
+    params = (shape.num_layers / layout.pp * shape.layer_params() + shape.embedding_params()) / layout.tp
+    per_node = max(device.accelerator.devices_per_node // (layout.tp * layout.cp * layout.pp), 1)
+    grads = params * setup.grad_bytes
+    if layout.zero_stage >= 3:
+        weights = params * setup.weight_bytes
+        comm = (device.collective("all_gather", weights, group, per_node) * 2
+                + device.collective("reduce_scatter", grads, group, per_node)) * m
+        compute = (layer * (shape.num_layers / layout.pp) * m)
+        hidden = min(comm.comm_s, 0.9 * (compute.gemm_s + compute.memory_s))
+        return comm + Work(comm_s=-hidden)
+    comm = device.collective("all_reduce", grads, group, per_node)
+    if setup.dp_overlap:  # bucketed under the last micro-batch's backward
+        window = (layer * (shape.num_layers / layout.pp)).gemm_s * (2 / 3)
+        return comm + Work(comm_s=-min(comm.comm_s, window))
+    return comm
+
+
+def _optimizer_step(setup: TrainSetup, layout: Layout, device: Device) -> Work:
+    shape = setup.shape
+    params = (shape.num_layers / layout.pp * shape.layer_params() + shape.embedding_params()) / layout.tp
+    if layout.zero_stage >= 1:
+        params /= layout.dp * layout.cp
+    return device.stream(OPTIMIZER_BYTES_PER_PARAM * params, 8)
+
+
+def _recompute_flops(setup: TrainSetup) -> float:
+    """Extra FLOPs per token from recomputation (HFU minus MFU numerator)."""
+    shape = setup.shape
+    if setup.recompute == "full":
+        return setup.shape.train_flops_per_token(setup.seq_len) / 3
+    if setup.recompute == "selective" and setup.attention == "unfused":
+        return shape.attention_flops_per_token(setup.seq_len)
+    return 0.0
+
+
+def _check_layout(setup: TrainSetup, layout: Layout) -> None:
+    shape = setup.shape
+    first, _, last = stage_layers(shape.num_layers, layout)
+    if layout.pp * layout.virtual_stages > shape.num_layers + 2 or min(first, last) < 0:
+        raise ValueError(f"{shape.num_layers} layers (+ embedding and output chunks) cannot fill "
+                         f"pp={layout.pp} x "
+                         f"virtual_stages={layout.virtual_stages} chunks")
+    if shape.num_heads % layout.tp or shape.ffn_hidden_size % layout.tp:
+        raise ValueError(f"tp={layout.tp} does not divide {shape.num_heads} heads and "
+                         f"{shape.ffn_hidden_size} MLP columns")
+    if setup.seq_len % layout.cp:
+        raise ValueError(f"cp={layout.cp} does not divide seq_len={setup.seq_len}")
+    setup.num_microbatches(layout)

@@ -1,0 +1,184 @@
+"""Readers for slipstream's own metrics records, turned into what the model predicts.
+
+Training: a run directory holds `metrics.jsonl` (one JSON object per line; the trainer writes
+`kind: "train"` records with torchtitan-like names: `step`, `loss`, `tokens_per_s`, `step_s`)
+and the resolved config (`config.toml` or `config.json`). The reader is tolerant: it skips lines
+that do not parse, accepts other spellings of the fields (`step_time_s`, `time_s`, `tps`, ...),
+derives the step time from tokens/s when only that is logged, and drops warm-up steps.
+
+Serving: engine step records (`kind: "engine_step"`, see `benchmarks/perf_local_validation.py`)
+say what one `Engine.step()` did (`phase` prefill or decode, `batch_size`, `prompt_len` or
+`context_len`) and how long it took (`step_s`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+logger = logging.getLogger(__name__)
+
+STEP_TIME_KEYS = ("step_s", "step_time_s", "time_s", "iteration_time_s", "elapsed_s")
+PHASE_KEYS = ("forward_backward_s", "optimizer_s")
+TOKENS_PER_S_KEYS = ("tokens_per_s", "tps", "throughput_tokens_per_s", "tokens_per_second")
+CONFIG_KEYS = {
+    "preset": ("model.preset", "model.name", "model.flavor", "preset"),
+    "model_path": ("model.path", "model.hf_assets_path", "model_path"),
+    "seq_len": ("data.seq_len", "training.seq_len", "seq_len", "model.seq_len"),
+    "global_batch_size": ("training.global_batch_size", "global_batch_size", "training.batch_size"),
+    "micro_batch_size": ("training.micro_batch_size", "training.local_batch_size", "micro_batch_size"),
+    "dtype": ("training.dtype", "training.mixed_precision_param", "dtype"),
+    "activation_checkpointing": ("parallel.activation_checkpointing", "activation_checkpoint.mode"),
+}
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every line of `path` that is a JSON object; others are logged and skipped."""
+    records = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            logger.warning("%s:%d: not JSON, skipped", path, number)
+            continue
+        if isinstance(value, dict):
+            records.append(value)
+    return records
+
+
+def _first(record: Mapping[str, Any], keys: Sequence[str]) -> Any:
+    for key in keys:
+        value = _lookup(record, key)
+        if value is not None:
+            return value
+    return None
+
+
+def _lookup(record: Mapping[str, Any], dotted: str) -> Any:
+    value: Any = record
+    for part in dotted.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainRun:
+    """A training run as the model needs it: its config values and measured step times."""
+
+    run_dir: Path
+    config: dict[str, Any]
+    """Normalised keys (see `CONFIG_KEYS`); missing ones are absent."""
+    step_times_s: list[float]
+    run_record: dict[str, Any]
+    phase_times_s: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    """Per-step times of the phases the trainer logs (`forward_backward_s`, `optimizer_s`)."""
+
+    @property
+    def median_step_s(self) -> float:
+        if not self.step_times_s:
+            raise ValueError(f"{self.run_dir}: no training step times in metrics.jsonl")
+        return statistics.median(self.step_times_s)
+
+    def median_phase_s(self, name: str) -> float | None:
+        times = self.phase_times_s.get(name)
+        return statistics.median(times) if times and len(times) == len(self.step_times_s) else None
+
+
+def read_train_run(run_dir: str | Path, warmup_steps: int = 2) -> TrainRun:
+    """Read `metrics.jsonl` and the config of a run directory (see the module docstring)."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
+    records = read_jsonl(metrics)
+    config = _normalise(read_config(run_dir))
+    run = next((r for r in records if r.get("kind") == "run"), {})
+    tokens_per_step = run.get("tokens_per_step") or _tokens_per_step(config)
+    times, phases = [], {name: [] for name in PHASE_KEYS}
+    for record in records:
+        if record.get("kind", "train") != "train":
+            continue
+        step_s = _step_time_s(record, tokens_per_step)
+        if step_s is not None and int(record.get("step", warmup_steps + 1)) > warmup_steps:
+            times.append(step_s)
+            for name in PHASE_KEYS:
+                if isinstance(record.get(name), (int, float)):
+                    phases[name].append(float(record[name]))
+    for key in ("world_size", "device", "dtype"):
+        if key in run and key not in config:
+            config[key] = run[key]
+    return TrainRun(run_dir, config, times, run, {k: v for k, v in phases.items() if v})
+
+
+def _step_time_s(record: Mapping[str, Any], tokens_per_step: float | None) -> float | None:
+    step_s = _first(record, STEP_TIME_KEYS)
+    if step_s is None and tokens_per_step:
+        tps = _first(record, TOKENS_PER_S_KEYS)
+        step_s = tokens_per_step / tps if tps else None
+    try:
+        return float(step_s) if step_s is not None and float(step_s) > 0 else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _tokens_per_step(config: Mapping[str, Any]) -> float | None:
+    if "global_batch_size" in config and "seq_len" in config:
+        return float(config["global_batch_size"]) * float(config["seq_len"])
+    return None
+
+
+def read_config(run_dir: Path) -> dict[str, Any]:
+    """The run's resolved config: config.toml, else config.json; {} when neither is there."""
+    for name, parse in (("config.toml", tomllib.loads), ("config.json", json.loads)):
+        path = run_dir / name
+        if path.is_file():
+            try:
+                return parse(path.read_text())
+            except (ValueError, tomllib.TOMLDecodeError) as e:
+                logger.warning("%s: unreadable (%s), ignored", path, e)
+    return {}
+
+
+def _normalise(raw: Mapping[str, Any]) -> dict[str, Any]:
+    config = {}
+    for key, candidates in CONFIG_KEYS.items():
+        value = _first(raw, candidates)
+        if value is not None:
+            config[key] = value
+    return config
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStep:
+    """One measured engine step."""
+
+    phase: str
+    batch_size: int
+    length: int
+    """Prompt tokens per sequence (prefill) or cached context per sequence (decode)."""
+    step_s: float
+
+
+def read_engine_steps(records: Iterable[Mapping[str, Any]]) -> list[EngineStep]:
+    """Engine step records (`kind: "engine_step"`); malformed ones are skipped."""
+    steps = []
+    for r in records:
+        if r.get("kind") != "engine_step" or r.get("phase") not in ("prefill", "decode"):
+            continue
+        try:
+            length = r["prompt_len"] if r["phase"] == "prefill" else r["context_len"]
+            steps.append(EngineStep(r["phase"], int(r["batch_size"]), int(length), float(r["step_s"])))
+        except (KeyError, TypeError, ValueError):
+            logger.warning("malformed engine_step record skipped: %s", r)
+    return steps

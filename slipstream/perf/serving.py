@@ -1,0 +1,251 @@
+"""Serving: prefill and decode step times, KV-cache capacity, latency and throughput under load.
+
+A step runs every layer once over the step's tokens (`layers.py`): GEMMs with m = tokens in the
+step (weights read once per step, so decode is memory-bound until the batch passes the ridge
+point), attention over the cache (decode streams each sequence's K and V; prefill is causal
+FlashAttention math), two tensor-parallel all-reduces per layer, the lm_head only where a token
+is sampled, plus a fixed per-step cost (scheduling, sampling, launches). KV capacity is what
+memory is left after the weights (Scaling Book, `inference.md`: 2 bytes x K x H x L per token).
+
+Under load, requests arrive at `request_rate` with fixed prompt and output lengths and are
+served by continuous batching: per second the engine spends `rate * prefill_time` on prefills
+and the rest on decode steps of the `concurrency` running sequences, where concurrency follows
+Little's law (`rate * end-to-end latency`), solved by fixed-point iteration. TTFT adds an M/D/1
+queueing wait for the prefill server (Kleinrock, Queueing Systems vol. 1, Pollaczek-Khinchine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from slipstream.perf.accelerators import Accelerator, dtype_key
+from slipstream.perf.efficiency import Efficiency, default_efficiency
+from slipstream.perf.layers import (
+    Device,
+    LayerSpec,
+    attention_core_forward,
+    layer_forward,
+    layer_gemms,
+    pointwise_forward,
+    tp_collectives,
+)
+from slipstream.perf.shapes import TransformerShape
+from slipstream.perf.work import Work
+
+STEP_KERNELS = 6
+"""Kernels outside the layers per step: embedding gather, final norm, lm_head, sampling."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServeSetup:
+    """What is served, how: the shape, the tensor-parallel degree, weight and KV dtypes."""
+
+    shape: TransformerShape
+    tp: int = 1
+    dtype: str = "bf16"
+    kv_dtype: str | None = None
+    """Default: `dtype`."""
+    memory_utilization: float = 0.9
+    """Fraction of device memory the engine may use (vLLM's gpu_memory_utilization)."""
+
+    def __post_init__(self) -> None:
+        dtype_key(self.dtype)
+        if self.kv_dtype is not None:
+            dtype_key(self.kv_dtype)
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tp must be a positive integer, got {self.tp!r}")
+        if self.shape.num_heads % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide {self.shape.num_heads} heads")
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+
+    @property
+    def element_bytes(self) -> int:
+        return {"fp32": 4, "tf32": 4, "fp8": 1}.get(dtype_key(self.dtype), 2)
+
+    @property
+    def kv_element_bytes(self) -> int:
+        return {"fp32": 4, "tf32": 4, "fp8": 1}.get(dtype_key(self.kv_dtype or self.dtype), 2)
+
+
+def _device(setup: ServeSetup, accelerator: Accelerator, efficiency: Efficiency | None) -> Device:
+    return Device(accelerator=accelerator, efficiency=efficiency or default_efficiency(accelerator),
+                  dtype=dtype_key(setup.dtype), element_bytes=setup.element_bytes)
+
+
+def step_time(
+    setup: ServeSetup, accelerator: Accelerator, *, prefill_lens: Sequence[int] = (),
+    decode_contexts: Sequence[int] = (), efficiency: Efficiency | None = None,
+) -> Work:
+    """One engine step: prefill chunks of `prefill_lens` tokens (each from position 0) and one
+    decode token for each sequence with `decode_contexts` cached positions, on one device."""
+    device = _device(setup, accelerator, efficiency)
+    shape = setup.shape
+    window = shape.sliding_window
+    tokens = sum(prefill_lens) + len(decode_contexts)
+    if tokens == 0:
+        return Work()
+    causal_pairs = sum(_causal_pairs(n, window) for n in prefill_lens)
+    kv_read = sum(min(c + 1, window or c + 1) for c in decode_contexts)
+    layer = Work()
+    if prefill_lens:
+        spec = LayerSpec(shape=shape, num_tokens=sum(prefill_lens), tp=setup.tp, attention="flash",
+                         attention_pairs=causal_pairs)
+        layer = layer + layer_forward(spec, device)
+    if decode_contexts:
+        spec = LayerSpec(shape=shape, num_tokens=len(decode_contexts), tp=setup.tp,
+                         attention="flash", attention_pairs=kv_read, kv_read_tokens=kv_read)
+        kv_device = dataclasses.replace(device, element_bytes=setup.kv_element_bytes)
+        layer = layer + _decode_layer(spec, device, kv_device)
+    comm = tp_collectives(LayerSpec(shape=shape, num_tokens=tokens, tp=setup.tp), device,
+                          accelerator.devices_per_node)
+    sampled = len(prefill_lens) + len(decode_contexts)
+    head = device.gemm(sampled, shape.hidden_size, shape.vocab_size / setup.tp)
+    extra = device.stream(2.0 * tokens * shape.hidden_size * setup.element_bytes, STEP_KERNELS)
+    host = device.efficiency.step_overhead_s + sampled * device.efficiency.sequence_overhead_s
+    return (layer + comm) * shape.num_layers + head + extra + Work(overhead_s=host)
+
+
+def _decode_layer(spec: LayerSpec, device: Device, kv_device: Device) -> Work:
+    """Decode tokens of one layer: the dense part at the weights' dtype, the cache at the KV's."""
+    work = attention_core_forward(spec, kv_device) + pointwise_forward(spec, device)
+    for m, k, n in layer_gemms(spec.shape, spec.num_tokens, spec.tp):
+        work = work + device.gemm(m, k, n)
+    return work
+
+
+def _causal_pairs(n: int, window: int | None) -> float:
+    """Query-key pairs of a causal prefill of n tokens (each query sees itself and its past)."""
+    if window is None or window >= n:
+        return n * (n + 1) / 2
+    return window * (window + 1) / 2 + (n - window) * window
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCapacity:
+    """How many tokens and sequences the KV cache holds on each device."""
+
+    weights_bytes_per_device: float
+    kv_bytes_per_token_per_device: float
+    kv_budget_bytes_per_device: float
+    max_tokens: int
+    max_sequences: int
+    context_len: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def kv_capacity(setup: ServeSetup, accelerator: Accelerator, context_len: int,
+                activation_reserve_bytes: float = 1 * 2**30) -> KVCapacity:
+    """Tokens (and sequences of `context_len`) that fit beside the weights on each device.
+
+    KV heads split over tensor parallelism, at least one per device (replicated when the TP
+    degree exceeds the KV heads, as in llm-analysis `get_memory_kv_cache_per_layer`).
+    """
+    shape = setup.shape
+    weights = shape.num_params() * setup.element_bytes / setup.tp
+    kv_heads = max(shape.num_kv_heads / setup.tp, 1)
+    per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * setup.kv_element_bytes
+    budget = accelerator.memory_bytes * setup.memory_utilization - weights - activation_reserve_bytes
+    tokens = max(int(budget // per_token), 0)
+    return KVCapacity(weights, per_token, budget, tokens, tokens // max(context_len, 1), context_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPrediction:
+    """A static batch: all sequences prefill together, then decode `output_len - 1` steps."""
+
+    prefill_s: float
+    decode_step_s: float
+    """Mean decode step (per output token after the first)."""
+    total_s: float
+    output_tokens_per_s: float
+    prefill_work: Work
+    decode_work: Work
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prefill_s": self.prefill_s, "ttft_s": self.prefill_s,
+                "decode_step_s": self.decode_step_s, "tpot_s": self.decode_step_s,
+                "total_s": self.total_s, "output_tokens_per_s": self.output_tokens_per_s,
+                "prefill_bound": self.prefill_work.bound(), "decode_bound": self.decode_work.bound()}
+
+
+def static_batch(
+    setup: ServeSetup, accelerator: Accelerator, batch_size: int, input_len: int, output_len: int,
+    efficiency: Efficiency | None = None, samples: int = 8,
+) -> BatchPrediction:
+    """Prefill `batch_size` prompts of `input_len`, then decode to `output_len` tokens each.
+
+    The decode steps are integrated over the growing context with `samples` midpoints.
+    """
+    if min(batch_size, input_len, output_len) < 1:
+        raise ValueError("batch_size, input_len and output_len must be >= 1")
+    prefill = step_time(setup, accelerator, prefill_lens=[input_len] * batch_size, efficiency=efficiency)
+    steps = output_len - 1
+    decode = Work()
+    if steps:
+        n = min(samples, steps)
+        for i in range(n):
+            context = input_len + int((i + 0.5) * steps / n)
+            decode = decode + step_time(setup, accelerator, decode_contexts=[context] * batch_size,
+                                        efficiency=efficiency) * (steps / n)
+    total = prefill.total_s + decode.total_s
+    mean_step = decode.total_s / steps if steps else 0.0
+    return BatchPrediction(prefill.total_s, mean_step, total, batch_size * output_len / total,
+                           prefill, decode * (1 / steps if steps else 0.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPrediction:
+    """Steady state of continuous batching at a request rate."""
+
+    request_rate: float
+    concurrency: float
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+    output_tokens_per_s: float
+    utilization: float
+    """Fraction of time the prefills take; at 1 the queue grows without bound."""
+    saturated: bool
+    limit: str
+    """What capped concurrency, if anything: "" , "max_num_seqs" or "kv_cache"."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def under_load(
+    setup: ServeSetup, accelerator: Accelerator, request_rate: float, input_len: int,
+    output_len: int, max_num_seqs: int = 256, efficiency: Efficiency | None = None,
+) -> LoadPrediction:
+    """TTFT, TPOT and throughput with `request_rate` requests/s (see the module docstring)."""
+    if not request_rate > 0:
+        raise ValueError(f"request_rate must be > 0, got {request_rate}")
+    prefill_s = step_time(setup, accelerator, prefill_lens=[input_len], efficiency=efficiency).total_s
+    capacity = kv_capacity(setup, accelerator, input_len + output_len)
+    cap, limit = min(max_num_seqs, capacity.max_sequences), ""
+    rho = request_rate * prefill_s
+    context = input_len + output_len // 2
+    concurrency, tpot_s = 1.0, 0.0
+    for _ in range(50):
+        batch = max(int(round(concurrency)), 1)
+        decode_s = step_time(setup, accelerator, decode_contexts=[context] * batch,
+                             efficiency=efficiency).total_s
+        tpot_s = decode_s / max(1.0 - rho, 1e-9)
+        wait_s = rho * prefill_s / (2 * max(1.0 - rho, 1e-9))
+        ttft_s = wait_s + prefill_s + decode_s
+        e2e_s = ttft_s + (output_len - 1) * tpot_s
+        new = request_rate * e2e_s
+        if new > cap:
+            new, limit = float(cap), ("max_num_seqs" if cap == max_num_seqs else "kv_cache")
+        if abs(new - concurrency) < 0.01 * max(concurrency, 1):
+            concurrency = new
+            break
+        concurrency = 0.5 * (concurrency + new)
+    throughput = min(request_rate, concurrency / e2e_s) * output_len
+    saturated = rho >= 1 or (limit != "" and request_rate * e2e_s > cap)
+    return LoadPrediction(request_rate, concurrency, ttft_s, tpot_s, e2e_s, throughput, rho, saturated, limit)

@@ -1,0 +1,205 @@
+"""`TransformerShape`: the few numbers of a decoder-only transformer the performance model needs.
+
+Why a shape of its own rather than `ModelConfig`: the published performance points we validate
+against are GPT-style models (LayerNorm with bias, a GELU MLP of width 4h, learned positions,
+multi-head attention, biased linears), which slipstream cannot run and `ModelConfig` (the Llama
+family slipstream serves and trains) must not pretend to describe. Both map onto this shape:
+`TransformerShape.from_model_config` for anything slipstream runs (presets or a config.json),
+`GPT_SHAPES` for the published GPT shapes. FLOP conventions are those of `slipstream.perf.flops`
+(a multiply-accumulate is 2 FLOPs, attention charged for the whole context unless causal).
+
+Pure Python; importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+MLP_KINDS = ("swiglu", "gelu")
+NORM_KINDS = ("rmsnorm", "layernorm")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TransformerShape:
+    """Layer counts and widths of one decoder-only transformer."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    mlp: str = "swiglu"
+    """"swiglu" (gate, up and down matrices) or "gelu" (two matrices)."""
+    norm: str = "rmsnorm"
+    """"rmsnorm" (a weight) or "layernorm" (a weight and a bias)."""
+    tied_embeddings: bool = False
+    learned_positions: int = 0
+    """Rows of a learned position-embedding table (GPT); 0 for rotary models."""
+    linear_bias: bool = False
+    """Every linear layer has a bias (GPT)."""
+    extra_params_per_layer: int = 0
+    """Small per-layer weights outside this description (Qwen q/k/v biases, q/k norms)."""
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                      "ffn_hidden_size", "vocab_size"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{self.name}: {field} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.name}: num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.mlp not in MLP_KINDS:
+            raise ValueError(f"{self.name}: mlp must be one of {MLP_KINDS}, got {self.mlp!r}")
+        if self.norm not in NORM_KINDS:
+            raise ValueError(f"{self.name}: norm must be one of {NORM_KINDS}, got {self.norm!r}")
+
+    @classmethod
+    def from_model_config(cls, config: Any, name: str = "model") -> TransformerShape:
+        """The shape of a slipstream `ModelConfig` (the Llama family: RMSNorm, SwiGLU, RoPE)."""
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        extra = (q + 2 * kv) if config.qkv_bias else 0
+        extra += config.hidden_size if config.o_bias else 0
+        extra += (2 * config.intermediate_size + config.hidden_size) if config.mlp_bias else 0
+        extra += 2 * config.head_dim if config.qk_norm else 0
+        return cls(
+            name=name, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim, ffn_hidden_size=config.intermediate_size,
+            vocab_size=config.vocab_size, tied_embeddings=config.tie_word_embeddings,
+            extra_params_per_layer=extra, sliding_window=config.sliding_window,
+        )
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.mlp == "swiglu" else 2
+
+    def layer_matmul_params(self) -> int:
+        """Weights of one layer's linear layers: q, k, v, o and the MLP matrices."""
+        h = self.hidden_size
+        attention = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
+        return attention + self.mlp_matrices * h * self.ffn_hidden_size
+
+    def layer_params(self) -> int:
+        """All weights of one layer: linears, their biases, the two norms, extras."""
+        h, norm = self.hidden_size, 2 if self.norm == "layernorm" else 1
+        bias = 0
+        if self.linear_bias:
+            up = self.ffn_hidden_size * (self.mlp_matrices - 1)
+            bias = self.q_dim + 2 * self.kv_dim + h + up + h
+        return self.layer_matmul_params() + bias + 2 * norm * h + self.extra_params_per_layer
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def num_params(self) -> int:
+        """Every weight once (a tied lm_head is the embedding matrix, counted once)."""
+        final_norm = self.hidden_size * (2 if self.norm == "layernorm" else 1)
+        total = self.embedding_params() + self.learned_positions * self.hidden_size
+        total += self.num_layers * self.layer_params() + final_norm
+        return total + (0 if self.tied_embeddings else self.embedding_params())
+
+    def matmul_params(self) -> int:
+        """Weights used in a matmul per token: all linears and the lm_head (tied or not)."""
+        return self.num_layers * self.layer_matmul_params() + self.embedding_params()
+
+    def attention_flops_per_token(self, keys: float) -> float:
+        """QK^T and AV: `4 * L * H * head_dim * keys` (PaLM appendix B)."""
+        return 4 * self.num_layers * self.num_heads * self.head_dim * keys
+
+    def train_flops_per_token(self, seq_len: int) -> float:
+        """`6 N + 12 L H Q T` (PaLM / torchtitan / Korthikanti eq. 7; no causal halving)."""
+        return 3 * (2 * self.matmul_params() + self.attention_flops_per_token(seq_len))
+
+    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
+        """K and V of every layer: `2 * L * kv_heads * head_dim * bytes`."""
+        return 2 * self.num_layers * self.kv_dim * bytes_per_element
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _gpt(
+    name: str, layers: int, hidden: int, heads: int, vocab: int, positions: int = 2048
+) -> TransformerShape:
+    return TransformerShape(
+        name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=heads,
+        head_dim=hidden // heads, ffn_hidden_size=4 * hidden, vocab_size=vocab, mlp="gelu",
+        norm="layernorm", tied_embeddings=True, learned_positions=positions, linear_bias=True,
+    )
+
+
+# GPT-3 175B: Brown et al. 2020, "Language Models are Few-Shot Learners", arXiv 2005.14165,
+# Table 2.1 (96 layers, d_model 12288, 96 heads of 128, context 2048; GPT-2's 50257-token BPE).
+# Megatron shapes: Korthikanti et al. 2022, arXiv 2205.05198, Table 3 (heads, hidden, layers) and
+# section 6 (sequence 2048, vocabulary 51200, 4h MLP, tied embeddings, learned positions).
+GPT_SHAPES: dict[str, TransformerShape] = {
+    s.name: s
+    for s in (
+        _gpt("gpt3-175b", 96, 12288, 96, 50257),
+        _gpt("megatron-22b", 48, 6144, 64, 51200),
+        _gpt("megatron-175b", 96, 12288, 96, 51200),
+        _gpt("megatron-530b", 105, 20480, 128, 51200),
+        _gpt("megatron-1t", 128, 25600, 160, 51200),
+    )
+}
+
+
+def model_names() -> list[str]:
+    """Every name `resolve_model` accepts besides a config.json path."""
+    from slipstream.model.presets import PRESETS
+
+    return list(PRESETS) + list(GPT_SHAPES)
+
+
+def resolve_model(name_or_path: str) -> TransformerShape:
+    """A shape from a slipstream preset, a GPT shape name, or a config.json (file or its dir).
+
+    A config.json of a slipstream family (llama, mistral, qwen2, qwen3) is read through
+    `ModelConfig`; a GPT-2-style one (`n_embd`, `n_layer`, `n_head`) maps to a GPT shape.
+    """
+    if name_or_path in GPT_SHAPES:
+        return GPT_SHAPES[name_or_path]
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" or path.is_file():
+        if not path.is_file():
+            raise ValueError(f"no config.json at {name_or_path!r}")
+        return _shape_from_config_json(json.loads(path.read_text()), path.parent.name or str(path))
+    from slipstream.model.presets import PRESETS
+
+    if name_or_path in PRESETS:
+        return TransformerShape.from_model_config(PRESETS[name_or_path].config, name_or_path)
+    raise ValueError(
+        f"unknown model {name_or_path!r}; known: {', '.join(model_names())}, or a config.json path"
+    )
+
+
+def _shape_from_config_json(d: dict[str, Any], name: str) -> TransformerShape:
+    if "n_embd" in d:  # GPT-2 family keys
+        hidden, heads = int(d["n_embd"]), int(d["n_head"])
+        return dataclasses.replace(
+            _gpt(name, int(d["n_layer"]), hidden, heads, int(d["vocab_size"]),
+                 int(d.get("n_positions", 1024))),
+            ffn_hidden_size=int(d.get("n_inner") or 4 * hidden),
+            tied_embeddings=bool(d.get("tie_word_embeddings", True)),
+        )
+    from slipstream.model.config import ModelConfig
+
+    return TransformerShape.from_model_config(ModelConfig.from_hf_dict(d), name)

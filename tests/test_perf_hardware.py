@@ -1,0 +1,95 @@
+"""The completed accelerator table (`slipstream.perf.accelerators`) and the local CPU entry."""
+
+from __future__ import annotations
+
+import pytest
+
+from slipstream.perf.accelerators import ACCELERATORS, Accelerator, get_accelerator
+from slipstream.perf.hardware import calibrate, local_accelerator
+
+_ALL_FIELDS = ("peak_flops_per_s", "sparse_peak_flops_per_s", "memory_bandwidth_bytes_per_s",
+               "memory_bytes", "intra_node_bytes_per_s", "devices_per_node", "inter_node_bytes_per_s")
+
+
+def test_table_covers_the_issue_parts():
+    """Guards the required parts: A100, H100 SXM, H200, B200, MI300X, TPU v5e and v5p."""
+    for name in ("a100", "h100", "h200", "b200", "mi300x", "v5e", "v5p"):
+        assert get_accelerator(name).name in ACCELERATORS
+
+
+@pytest.mark.parametrize("name", ACCELERATORS)
+def test_every_link_and_sparse_field_has_a_source(name):
+    """Guards provenance of the new fields: links, node size and sparse peaks name a document."""
+    acc = ACCELERATORS[name]
+    for field in _ALL_FIELDS:
+        if field == "sparse_peak_flops_per_s" and not acc.sparse_peak_flops_per_s:
+            continue  # TPUs list no structured sparsity
+        assert "http" in acc.sources[field], (name, field)
+    assert acc.intra_node_bytes_per_s > acc.inter_node_bytes_per_s > 0
+    assert acc.devices_per_node >= 8
+
+
+def test_sparse_is_twice_dense_and_stated_separately():
+    """Guards dense vs sparse: 2:4 sparsity doubles each tensor-core dtype and never fp32."""
+    for acc in ACCELERATORS.values():
+        for dtype, sparse in acc.sparse_peak_flops_per_s.items():
+            assert sparse == pytest.approx(2 * acc.peak_flops_per_s[dtype], rel=0.03), (acc.name, dtype)
+        assert "fp32" not in acc.sparse_peak_flops_per_s
+    assert get_accelerator("h100").sparse_peak_flops_per_s["fp8"] == pytest.approx(3958e12, rel=1e-3)
+    assert not get_accelerator("v5p").sparse_peak_flops_per_s
+
+
+def test_links_are_per_direction():
+    """Guards the per-direction convention: NVLink 600/900/1800 GB/s totals are halved."""
+    expected = {"a100": 300e9, "h100": 450e9, "h200": 450e9, "b200": 900e9, "mi300x": 448e9,
+                "v5e": 200e9, "v5p": 600e9}
+    for name, bandwidth in expected.items():
+        assert get_accelerator(name).intra_node_bytes_per_s == pytest.approx(bandwidth)
+    assert get_accelerator("a100").inter_node_bytes_per_s == 25e9  # 200 Gb/s HDR per GPU
+    assert get_accelerator("h100").inter_node_bytes_per_s == 50e9  # 400 Gb/s per GPU
+
+
+def test_tpu_values_and_units():
+    """Guards the TPU rows, including v5p's 95 GiB (not GB) and v5e's 819 GB/s."""
+    v5e, v5p = get_accelerator("TPU v5e"), get_accelerator("tpu v5p")
+    assert v5e.peak_flops("bf16") == 197e12 and v5e.memory_bandwidth_bytes_per_s == 819e9
+    assert v5p.memory_bytes == 95 * 2**30 and v5p.peak_flops("fp8") == 459e12
+    with pytest.raises(ValueError, match="lists no fp32"):
+        v5e.peak_flops("fp32")
+
+
+def test_unknown_device_error_lists_known_and_cpu():
+    """Guards that an unknown name fails loudly and says how to get this machine."""
+    with pytest.raises(ValueError, match="known: .*TPU v5p.*'cpu'"):
+        get_accelerator("A800")
+
+
+def test_scaled_what_if_copy():
+    """Guards Accelerator.scaled: each factor multiplies its fields only, and is named."""
+    base = get_accelerator("h100")
+    fast = base.scaled(flops=2, memory_bandwidth=1.5, link=3)
+    assert fast.peak_flops("bf16") == 2 * base.peak_flops("bf16")
+    assert fast.memory_bandwidth_bytes_per_s == 1.5 * base.memory_bandwidth_bytes_per_s
+    assert fast.intra_node_bytes_per_s == 3 * base.intra_node_bytes_per_s
+    assert fast.memory_bytes == base.memory_bytes and "flops x2" in fast.name
+    with pytest.raises(ValueError, match="unknown scale factors"):
+        base.scaled(clock=2)
+
+
+def test_missing_source_for_a_link_is_an_error():
+    """Guards that a link bandwidth without a source cannot enter the table."""
+    with pytest.raises(ValueError, match="no source for .*intra_node"):
+        Accelerator(name="x", peak_flops_per_s={"bf16": 1.0}, memory_bandwidth_bytes_per_s=1.0,
+                    memory_bytes=1, intra_node_bytes_per_s=1.0,
+                    sources=dict.fromkeys(("peak_flops_per_s", "memory_bandwidth_bytes_per_s",
+                                           "memory_bytes"), "x http://x"))
+
+
+def test_local_cpu_from_calibration(tmp_path, monkeypatch):
+    """Guards the local entry: measured peaks and bandwidth from calibrate(), RAM as capacity."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calibration = calibrate(quick=True, device="cpu")
+    acc = local_accelerator(calibration)
+    assert acc.peak_flops("fp32") == calibration.peak_flops("fp32")
+    assert acc.memory_bandwidth_bytes_per_s == calibration.memory_bandwidth_bytes_per_s
+    assert acc.memory_bytes > 2**30 and "calibrated" in acc.name

@@ -1,0 +1,71 @@
+"""Planner (feasible layouts, ranking, explanation) and what-if hardware."""
+
+from __future__ import annotations
+
+import pytest
+
+from slipstream.perf.accelerators import get_accelerator
+from slipstream.perf.efficiency import Efficiency
+from slipstream.perf.model import TrainSetup
+from slipstream.perf.planner import candidate_layouts, explain, plan_serving, plan_training
+from slipstream.perf.serving import ServeSetup, step_time
+from slipstream.perf.shapes import resolve_model
+from slipstream.perf.whatif import requirements, sweep
+
+H100 = get_accelerator("h100")
+
+
+def test_plan_ranks_feasible_layouts():
+    """Guards the planner: every plan fits, uses all devices, and plans are sorted by speed."""
+    setup = TrainSetup(shape=resolve_model("llama3-8b"), global_batch_size=64, seq_len=4096)
+    plans = plan_training(setup, 16, H100, top=5)
+    assert plans, "no plan"
+    times = [p.prediction.step_time_s for p in plans]
+    assert times == sorted(times)
+    for p in plans:
+        assert p.prediction.fits and p.prediction.layout.num_devices == 16
+    lines = explain(plans, H100)
+    print("\n".join(lines))
+    assert lines[0].startswith("#1 ") and "bound by" in lines[0]
+
+
+def test_candidates_respect_node_and_shape():
+    """Guards enumeration: TP stays within a node and divides the heads; degrees multiply to N."""
+    setup = TrainSetup(shape=resolve_model("llama3-70b"), global_batch_size=256, seq_len=8192)
+    layouts = candidate_layouts(setup, 64, H100)
+    assert layouts and all(lay.num_devices == 64 for lay in layouts)
+    assert all(lay.tp <= 8 and 64 % lay.tp == 0 for lay in layouts)
+
+
+def test_too_small_a_cluster_has_no_plan():
+    """Guards infeasibility: a 405B model does not fit on 8 GPUs, so no layout is returned."""
+    setup = TrainSetup(shape=resolve_model("llama3-405b"), global_batch_size=16, seq_len=8192)
+    assert plan_training(setup, 8, H100) == []
+
+
+def test_serving_plan_prefers_replicas_when_the_model_fits():
+    """Guards the serving planner: an 8B model on 8 GPUs is fastest as replicas, TP divides heads."""
+    plans = plan_serving(ServeSetup(shape=resolve_model("llama3-8b")), 8, H100, 1024, 256)
+    assert [p.tp * p.replicas for p in plans] == [8] * len(plans)
+    assert plans[0].throughput_tokens_per_s >= plans[-1].throughput_tokens_per_s
+
+
+def test_whatif_memory_bound_decode_needs_bandwidth_not_flops():
+    """Guards what-if: batch-1 decode is memory-bound, so FLOP/s do not help and bandwidth does,
+    about in proportion (no overheads, ideal efficiency)."""
+    ideal = Efficiency(gemm_fraction=1, attention_fraction=1, memory_fraction=1, gemm_overhead_s=0,
+                       kernel_overhead_s=0)
+    setup = ServeSetup(shape=resolve_model("llama3-8b"))
+
+    def workload(acc):
+        return step_time(setup, acc, decode_contexts=[1024], efficiency=ideal)
+
+    base = workload(H100).total_s
+    rows = {(r["resource"], r["factor"]): r for r in sweep(workload, H100)}
+    assert rows[("flops", 2.0)]["time_s"] == pytest.approx(base)
+    assert rows[("memory_bandwidth", 2.0)]["time_s"] == pytest.approx(base / 2, rel=0.01)
+    reqs = {r.resource: r for r in requirements(workload, H100, base / 1.5)}
+    assert reqs["memory_bandwidth"].factor == pytest.approx(1.5, rel=0.01)
+    assert reqs["flops"].factor is None and reqs["link"].factor is None
+    with pytest.raises(ValueError, match="target"):
+        requirements(workload, H100, 0)

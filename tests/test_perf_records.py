@@ -1,0 +1,127 @@
+"""Metrics-record readers and calibration from measurements (fit, then predict again)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from slipstream.perf.accelerators import get_accelerator
+from slipstream.perf.efficiency import Efficiency, default_efficiency
+from slipstream.perf.fit import apply_scales, calibrate, fit_scales
+from slipstream.perf.measured import engine_step_work, fit_engine_steps, fit_train_runs, train_run_work
+from slipstream.perf.records import EngineStep, read_engine_steps, read_jsonl, read_train_run
+from slipstream.perf.serving import ServeSetup
+from slipstream.perf.shapes import resolve_model
+from slipstream.perf.work import Work
+
+A100 = get_accelerator("a100")
+
+
+def _write_run(tmp_path, lines, config_toml):
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    if config_toml:
+        (tmp_path / "config.toml").write_text(config_toml)
+    return tmp_path
+
+
+def test_train_reader_is_tolerant(tmp_path):
+    """Guards the reader: bad lines skipped, other spellings read, warm-up dropped, tokens/s only."""
+    lines = [json.dumps({"kind": "run", "world_size": 1, "tokens_per_step": 4096}), "not json",
+             json.dumps({"kind": "train", "step": 1, "step_s": 9.0, "loss": 5.0}),
+             json.dumps({"kind": "train", "step": 3, "step_time_s": 2.0}),
+             json.dumps({"step": 4, "tps": 2048.0}),  # no kind, torchtitan's name, no time
+             json.dumps({"kind": "eval", "step": 5, "eval_loss": 4.0})]
+    toml = "[model]\npreset = \"tiny\"\n[data]\nseq_len = 256\n[training]\nglobal_batch_size = 16\n"
+    run = read_train_run(_write_run(tmp_path, lines, toml))
+    assert run.step_times_s == [2.0, 2.0]
+    assert run.config == {"preset": "tiny", "seq_len": 256, "global_batch_size": 16, "world_size": 1}
+    assert run.median_step_s == 2.0
+
+
+def test_train_reader_config_json_and_missing_metrics(tmp_path):
+    """Guards config.json as an alternative, and a clear error without metrics.jsonl."""
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"preset": "tiny"}, "seq_len": 64}))
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        read_train_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 9, "step_s": 1.5}) + "\n")
+    assert read_train_run(tmp_path).config == {"preset": "tiny", "seq_len": 64}
+
+
+def test_engine_step_records(tmp_path):
+    """Guards engine step records: phases read, malformed records skipped."""
+    path = tmp_path / "steps.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"kind": "engine_step", "phase": "prefill", "batch_size": 2, "prompt_len": 64, "step_s": 0.1},
+        {"kind": "engine_step", "phase": "decode", "batch_size": 8, "context_len": 100, "step_s": 0.01},
+        {"kind": "engine_step", "phase": "decode", "batch_size": "x", "context_len": 1, "step_s": 1},
+        {"kind": "request"}]) + "\n")
+    steps = read_engine_steps(read_jsonl(path))
+    assert steps == [EngineStep("prefill", 2, 64, 0.1), EngineStep("decode", 8, 100, 0.01)]
+
+
+def test_fit_recovers_known_multipliers():
+    """Guards the least-squares fit: synthetic times made with known multipliers give them back."""
+    works = [Work(gemm_s=g, memory_s=m, overhead_s=o) for g, m, o in
+             [(1.0, 0.2, 0.01), (0.5, 0.6, 0.02), (0.1, 0.9, 0.05), (2.0, 0.1, 0.03)]]
+    truth = {"gemm_s": 1.3, "memory_s": 0.8, "overhead_s": 2.0}
+    measured = [w.scaled(truth).total_s for w in works]
+    fitted = fit_scales(works, measured, ("gemm_s", "memory_s", "overhead_s"), prior_weight=1e-9)
+    assert fitted == pytest.approx(truth, rel=1e-4)
+
+
+def test_calibrate_engine_steps_then_predict_again():
+    """Guards the calibration loop: fitted to steps measured on a 'slower' device, the model
+    reproduces them, including steps it was not fitted to."""
+    setup = ServeSetup(shape=resolve_model("small"), dtype="fp32")
+    base = default_efficiency(A100)
+    slow = apply_scales(base, {"gemm_s": 1.4, "memory_s": 1.2, "overhead_s": 3.0})
+    steps = [EngineStep("prefill", b, n, 0.0) for b, n in [(1, 128), (1, 512), (2, 1024), (4, 256)]]
+    steps += [EngineStep("decode", b, c, 0.0) for b, c in [(1, 128), (4, 1024), (8, 512), (16, 64),
+                                                           (32, 256)]]
+    steps = [EngineStep(s.phase, s.batch_size, s.length, engine_step_work(s, setup, A100, slow).total_s)
+             for s in steps]
+    cal = fit_engine_steps(steps[:-1], setup, A100, base)
+    held_out = engine_step_work(steps[-1], setup, A100, cal.efficiency).total_s
+    print(cal.scales, cal.errors_before, cal.errors_after)
+    assert max(abs(e) for e in cal.errors_after) < 0.02
+    assert held_out == pytest.approx(steps[-1].step_s, rel=0.03)
+
+
+def test_calibrate_from_a_training_run(tmp_path):
+    """Guards fitting to a trainer run directory (metrics.jsonl + config.toml)."""
+    toml = ("[model]\npreset = \"tiny\"\n[data]\nseq_len = 256\n[training]\nglobal_batch_size = 8\n"
+            "micro_batch_size = 8\ndtype = \"float32\"\n")
+    lines = [json.dumps({"kind": "train", "step": s, "step_s": 0.05, "loss": 1.0}) for s in range(1, 8)]
+    run = read_train_run(_write_run(tmp_path, lines, toml))
+    acc = get_accelerator("a100")
+    cal = fit_train_runs([run], acc, default_efficiency(acc))
+    assert train_run_work(run, acc, cal.efficiency).total_s == pytest.approx(0.05, rel=0.01)
+    assert set(cal.scales) == {"gemm_s"}
+
+
+def test_calibrate_rejects_bad_input():
+    """Guards user errors in fitting: mismatched lengths, non-positive times."""
+    with pytest.raises(ValueError):
+        fit_scales([Work(gemm_s=1.0)], [1.0, 2.0])
+    with pytest.raises(ValueError):
+        fit_scales([Work(gemm_s=1.0)], [0.0])
+    cal = calibrate(lambda e: [Work(gemm_s=2.0 / e.gemm_fraction)], [1.0], Efficiency(gemm_fraction=1.0),
+                    ("gemm_s",))
+    assert cal.efficiency.gemm_fraction == pytest.approx(2.0, rel=0.01) or cal.efficiency.gemm_fraction == 1.5
+
+
+def test_one_run_with_phases_fits_two_multipliers(tmp_path):
+    """Guards the phase fit: the trainer's forward_backward_s and optimizer_s give two numbers
+    from one run, so GEMM and memory multipliers are both fitted and both phases reproduced."""
+    toml = ("[model]\npreset = \"tiny\"\n[data]\nseq_len = 256\n[training]\nglobal_batch_size = 8\n"
+            "micro_batch_size = 8\ndtype = \"float32\"\n")
+    lines = [json.dumps({"kind": "train", "step": s, "step_s": 0.06, "forward_backward_s": 0.05,
+                         "optimizer_s": 0.003}) for s in range(1, 8)]
+    run = read_train_run(_write_run(tmp_path, lines, toml))
+    assert run.median_phase_s("optimizer_s") == 0.003
+    acc = get_accelerator("a100")
+    cal = fit_train_runs([run], acc, default_efficiency(acc))
+    print(cal.scales, cal.errors_after)
+    assert set(cal.scales) == {"gemm_s", "memory_s"}
+    assert max(abs(e) for e in cal.errors_after) < 0.01

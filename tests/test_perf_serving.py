@@ -1,0 +1,90 @@
+"""Serving model: decode and prefill rooflines, KV capacity, static batches, load, TP layouts."""
+
+from __future__ import annotations
+
+import pytest
+
+from slipstream.perf.accelerators import get_accelerator
+from slipstream.perf.efficiency import Efficiency
+from slipstream.perf.serving import ServeSetup, kv_capacity, static_batch, step_time, under_load
+from slipstream.perf.shapes import resolve_model
+
+H100 = get_accelerator("h100")
+LLAMA8B = resolve_model("llama3-8b")
+# Ideal hardware: no overheads, full peak and bandwidth, so rooflines show as closed forms.
+IDEAL = Efficiency(gemm_fraction=1.0, attention_fraction=1.0, memory_fraction=1.0, gemm_overhead_s=0,
+                   kernel_overhead_s=0, link_fraction=1.0, link_latency_s=0)
+
+
+def test_decode_batch1_is_the_memory_roofline():
+    """Guards decode at batch 1: weights (minus the gathered embedding) + KV over bandwidth."""
+    setup = ServeSetup(shape=LLAMA8B)
+    work = step_time(setup, H100, decode_contexts=[4095], efficiency=IDEAL)
+    weights = (LLAMA8B.num_params() - LLAMA8B.embedding_params()) * 2
+    kv = 4096 * LLAMA8B.kv_bytes_per_token(2)
+    expected = (weights + kv) / H100.memory_bandwidth_bytes_per_s
+    print(f"decode {1e3 * work.total_s:.3f} ms, roofline {1e3 * expected:.3f} ms")
+    assert work.total_s == pytest.approx(expected, rel=0.01)
+    assert work.bound() == "memory"
+
+
+def test_large_prefill_is_compute_bound():
+    """Guards prefill: 2 N FLOPs per token plus causal attention, over the peak, when large."""
+    setup = ServeSetup(shape=LLAMA8B)
+    n = 8192
+    work = step_time(setup, H100, prefill_lens=[n], efficiency=IDEAL)
+    flops = 2 * (LLAMA8B.matmul_params() - LLAMA8B.embedding_params()) * n + 2 * LLAMA8B.embedding_params()
+    flops += LLAMA8B.attention_flops_per_token(1) * n * (n + 1) / 2
+    assert work.flops == pytest.approx(flops, rel=1e-9)
+    head = 2 * LLAMA8B.embedding_params()  # the lm_head at one sampled row is memory-bound
+    assert work.gemm_s == pytest.approx((flops - head) / H100.peak_flops("bf16"), rel=1e-9)
+    print(f"GEMM {work.gemm_s:.4f} s, streamed norms/activations/rotary {work.memory_s:.4f} s")
+    assert work.bound() == "gemm" and work.memory_s < 0.2 * work.gemm_s
+
+
+def test_tensor_parallel_decode_is_faster_and_pays_all_reduces():
+    """Guards TP layouts: per-device weights shrink by t, two all-reduces per layer appear."""
+    one = step_time(ServeSetup(shape=resolve_model("llama3-70b"), tp=1), H100, decode_contexts=[1024])
+    eight = step_time(ServeSetup(shape=resolve_model("llama3-70b"), tp=8), H100, decode_contexts=[1024])
+    assert one.comm_s == 0 and eight.comm_s > 0
+    assert 3 < one.total_s / eight.total_s < 8
+
+
+def test_kv_capacity_closed_form():
+    """Guards KV capacity: (memory x utilization - weights - reserve) / (2 L kv_heads d bytes)."""
+    setup = ServeSetup(shape=LLAMA8B, memory_utilization=0.9)
+    cap = kv_capacity(setup, H100, context_len=8192, activation_reserve_bytes=0)
+    per_token = 2 * 32 * 8 * 128 * 2  # 128 KiB (perf-tools: Llama-3-8B 128 KiB/token)
+    budget = 0.9 * 80e9 - LLAMA8B.num_params() * 2
+    assert cap.kv_bytes_per_token_per_device == per_token
+    assert cap.max_tokens == int(budget // per_token) and cap.max_sequences == cap.max_tokens // 8192
+    tp16 = kv_capacity(ServeSetup(shape=LLAMA8B, tp=16), H100, 8192)  # 8 KV heads: replicated
+    assert tp16.kv_bytes_per_token_per_device == per_token / 8
+
+
+def test_static_batch_throughput_definition():
+    """Guards throughput = batch x output tokens / (prefill + decode steps)."""
+    setup = ServeSetup(shape=LLAMA8B)
+    b = static_batch(setup, H100, batch_size=16, input_len=128, output_len=64)
+    assert b.output_tokens_per_s == pytest.approx(16 * 64 / b.total_s)
+    assert b.total_s == pytest.approx(b.prefill_s + 63 * b.decode_step_s)
+
+
+def test_under_load_saturates():
+    """Guards the load model: latency grows with the rate, and an impossible rate saturates."""
+    setup = ServeSetup(shape=LLAMA8B)
+    low = under_load(setup, H100, 0.5, 512, 128)
+    high = under_load(setup, H100, 20.0, 512, 128)
+    assert low.ttft_s < high.ttft_s and low.tpot_s <= high.tpot_s and not low.saturated
+    assert high.output_tokens_per_s > low.output_tokens_per_s
+    assert under_load(setup, H100, 1e5, 512, 128).saturated
+
+
+def test_serve_setup_errors():
+    """Guards user errors: TP not dividing heads, bad utilization, bad rate."""
+    with pytest.raises(ValueError, match="tp=3"):
+        ServeSetup(shape=LLAMA8B, tp=3)
+    with pytest.raises(ValueError, match="memory_utilization"):
+        ServeSetup(shape=LLAMA8B, memory_utilization=1.5)
+    with pytest.raises(ValueError, match="request_rate"):
+        under_load(ServeSetup(shape=LLAMA8B), H100, 0, 10, 10)
