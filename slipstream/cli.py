@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 
 def _init_model(args: argparse.Namespace) -> None:
@@ -27,12 +29,99 @@ def _perf_calibrate(args: argparse.Namespace) -> None:
     print(json.dumps(calibration.to_dict(), indent=2) if args.json else calibration.format())
 
 
+def _data_prepare(args: argparse.Namespace) -> None:
+    from slipstream.model.create import stdlib_tokenizer
+    from slipstream.model.tokenizer import Tokenizer
+    from slipstream.train.data import corpus_documents, prepare_dataset
+
+    tokenizer = (Tokenizer.from_pretrained(args.tokenizer) if args.tokenizer
+                 else stdlib_tokenizer(args.vocab_size))
+    meta = prepare_dataset(args.out, tokenizer, corpus_documents(args.corpus),
+                           heldout_fraction=args.heldout_fraction)
+    splits = ", ".join(f"{name} {s['num_tokens']:,} tokens ({s['num_documents']} documents)"
+                       for name, s in meta["splits"].items())
+    print(f"{args.out}: {splits}; vocab {meta['vocab_size']}, {meta['dtype']}")
+
+
+def _train(args: argparse.Namespace) -> None:
+    from slipstream.train.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    if args.nproc > 1 or args.max_restarts > 0:
+        # One host: torchrun starts a process per rank running this command, and its elastic
+        # agent restarts them all when one fails (train.supervisor).
+        from slipstream.train.goodput import record_launch
+        from slipstream.train.supervisor import launch, torchrun_command
+
+        record_launch(config.run.dir)
+        train_args = [*(["--config", args.config] if args.config else []), *args.overrides]
+        returncode = launch(torchrun_command(args.nproc, args.max_restarts, train_args))
+        if returncode:
+            raise SystemExit(returncode)
+        return
+    from slipstream.train.goodput import process_start_time
+    from slipstream.train.trainer import Trainer
+
+    trainer = Trainer(config, console=print, started_at=process_start_time())
+    trainer.run()
+
+
+def _goodput(args: argparse.Namespace) -> None:
+    from slipstream.train.goodput import format_summary, read_events, summarize
+
+    summary = summarize(read_events(args.run_dir))
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+
+
+def _export(args: argparse.Namespace) -> None:
+    from slipstream.train.export import export_run
+
+    checkpoint = export_run(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype)
+    print(f"exported {checkpoint} to {args.out_dir}")
+
+
+def _perf(args: argparse.Namespace) -> None:
+    from slipstream.perf import commands
+
+    text, record = getattr(commands, args.perf_function)(args)
+    print(json.dumps(record, indent=2) if args.json else text)
+
+
 def _demo(args: argparse.Namespace) -> None:
     from slipstream.demo import format_report, run_demo
 
-    report = run_demo(args.workdir, preset=args.preset)
+    report = run_demo(args.workdir, preset=args.preset, max_steps=args.max_steps,
+                      max_documents=args.max_documents, dtype=args.dtype)
     print(format_report(report))
     print(json.dumps(report))
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from slipstream.serve.engine import EngineConfig
+    from slipstream.serve.server import ServerConfig, run_server
+
+    engine_config = EngineConfig(
+        model=args.model_dir, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=not args.no_enable_prefix_caching, max_logprobs=args.max_logprobs,
+    )
+    server_config = ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
+        max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
+    )
+    run_server(engine_config, server_config, log_level="debug" if args.verbose else "info")
+
+
+def _bench_serve(args: argparse.Namespace) -> None:
+    from slipstream.serve.bench import BenchConfig, format_result, run_benchmark
+
+    config = BenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)})
+    result = run_benchmark(config)
+    print(format_result(result))
+    if args.save_result:
+        Path(args.save_result).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.save_result}")
 
 
 def _add(
@@ -57,9 +146,97 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
 
     p = _add(commands, "demo", _demo,
-             "the main job on the embedded defaults: create a model, run it on the corpus, report")
+             "the main job on the embedded defaults: train a model on the corpus, export it, "
+             "generate with it, report")
     p.add_argument("--workdir", default="runs/demo")
     p.add_argument("--preset", default="tiny")
+    p.add_argument("--max-steps", type=int, default=600, help="training steps (default 600)")
+    p.add_argument("--max-documents", type=int,
+                   help="train on an evenly spread subset of this many corpus files (quick checks)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+
+    p = _add(commands, "serve", _serve, "serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model_dir")
+    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to listen on every interface")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--served-model-name", help="the model name clients send (default: MODEL_DIR)")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="most sequences waiting to be scheduled; past it, 503 with Retry-After")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=int, help="bytes for the KV cache")
+    p.add_argument("--no-enable-prefix-caching", action="store_true")
+    p.add_argument("--max-logprobs", type=int, default=20)
+
+    bench = _add(commands, "bench", None, "benchmarks")
+    bench = bench.add_subparsers(dest="bench_command", required=True)
+    p = _add(bench, "serve", _bench_serve,
+             "load-test an OpenAI-compatible server with vLLM's `bench serve` metrics")
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="the served model name")
+    p.add_argument("--endpoint", default="/v1/completions",
+                   choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--tokenizer", help="model directory with tokenizer.json (default: --model)")
+    p.add_argument("--dataset-name", default="random", choices=["random", "sharegpt"])
+    p.add_argument("--dataset-path", help="ShareGPT-format JSON file")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--sharegpt-output-len", type=int, help="override each ShareGPT reply's length")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s (Poisson); inf: all at once")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals; 1 is Poisson")
+    p.add_argument("--max-concurrency", type=int, help="most requests in flight")
+    p.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--api-key", help="sent as a bearer token")
+    p.add_argument("--save-result", help="write the result JSON here")
+    p.add_argument("--disable-tqdm", action="store_true")
+
+    data = _add(commands, "data", None, "training data")
+    data = data.add_subparsers(dest="data_command", required=True)
+    p = _add(data, "prepare", _data_prepare,
+             "tokenize a corpus into memory-mapped token shards with a held-out split")
+    p.add_argument("--corpus", nargs="+", default=["stdlib"],
+                   help="'stdlib' (the standard library's sources), directories or files")
+    p.add_argument("--tokenizer", help="a directory with tokenizer.json (default: a BPE trained "
+                   "on the standard library, of --vocab-size tokens)")
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--heldout-fraction", type=float, default=0.01)
+    p.add_argument("--out", required=True)
+
+    p = _add(commands, "train", _train,
+             "train a model: --config FILE.toml and --section.key=value overrides "
+             "(see docs/training.md)")
+    p.add_argument("--config", help="a TOML file of [section] tables")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="processes on this host (started with torchrun)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the job from its newest checkpoint after a failure or hang, at "
+                   "most this many times (torchrun's elastic agent; see docs/training.md)")
+    p.set_defaults(accepts_overrides=True)
+
+    p = _add(commands, "goodput", _goodput,
+             "where a training run's wall time went, across restarts: productive steps and "
+             "each named loss")
+    p.add_argument("run_dir")
+    p.add_argument("--json", action="store_true")
+
+    p = _add(commands, "export", _export,
+             "write a training run's checkpoint as a Hugging Face model directory")
+    p.add_argument("run_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
     perf = _add(commands, "perf", None, "performance tools")
     perf = perf.add_subparsers(dest="perf_command", required=True)
@@ -67,11 +244,87 @@ def build_parser() -> argparse.ArgumentParser:
              "measure this machine's matmul peak per dtype and GEMM path, and its memory bandwidth")
     p.add_argument("--json", action="store_true")
     p.add_argument("--force", action="store_true", help="measure again instead of using the cache")
+    for name, function, groups, help in _PERF_COMMANDS:
+        p = _add(perf, name, _perf, help)
+        p.set_defaults(perf_function=function)
+        _perf_arguments(p, groups)
     return parser
 
 
+_PERF_COMMANDS = [
+    ("train", "train", ("model", "train", "layout"), "predict training step time, memory per device and MFU"),
+    ("serve", "serve", ("model", "serve"),
+     "predict prefill, per-token decode, KV capacity and load behaviour"),
+    ("plan", "plan", ("model", "train", "serve", "plan"), "rank the parallel layouts that fit on N devices"),
+    ("whatif", "what_if", ("model", "train", "layout", "serve", "whatif"),
+     "scale FLOP/s, bandwidth, capacity or links: what bounds the workload, what reaches a target"),
+    ("roofline", "roofline_cmd", ("model", "serve", "roofline"),
+     "roofline table and PNG with operating points"),
+    ("collectives", "collectives", ("collectives",),
+     "measure torch.distributed collectives (gloo here, NCCL on GPUs) and fit alpha-beta"),
+    ("validate", "validate", (), "the model against published measurements (data/published.json)"),
+    ("fit", "fit", ("model", "serve", "fit"), "fit the efficiency to this machine's metrics records"),
+]
+
+
+def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None:
+    p.add_argument("--json", action="store_true")
+    if "model" in groups:
+        p.add_argument("--model", default="llama3-8b", help="preset, GPT shape (gpt3-175b, megatron-22b/"
+                       "175b/530b/1t) or a config.json path")
+        p.add_argument("--hardware", default="h100", help="a100, h100, h200, b200, mi300x, v5e, v5p, cpu")
+        p.add_argument("--dtype", default="bf16")
+        p.add_argument("--profile", help="efficiency fitted to published runs (see perf validate)")
+        p.add_argument("--efficiency", help="efficiency JSON written by `slipstream perf fit`")
+    if "train" in groups:
+        p.add_argument("--devices", type=int, default=8)
+        p.add_argument("--global-batch", type=int, default=256, help="sequences per step")
+        p.add_argument("--seq-len", type=int, default=8192)
+        p.add_argument("--micro-batch", type=int, default=1)
+        p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+        p.add_argument("--attention", default="flash", choices=["flash", "unfused"])
+    if "layout" in groups:
+        for name in ("tp", "pp", "cp", "vp"):
+            p.add_argument(f"--{name}", type=int, default=1)
+        p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="3 = FSDP")
+        p.add_argument("--no-sp", action="store_true", help="no sequence parallelism with tp > 1")
+    if "serve" in groups:
+        if "layout" not in groups:
+            p.add_argument("--tp", type=int, default=1)
+        p.add_argument("--batch", default="1,8,32", help="decode batch sizes")
+        p.add_argument("--context", type=int, default=1024, help="cached tokens per sequence")
+        p.add_argument("--input-len", type=int, default=1024)
+        p.add_argument("--output-len", type=int, default=256)
+        p.add_argument("--rate", type=float, help="requests/s for TTFT/TPOT under load")
+        p.add_argument("--max-num-seqs", type=int, default=256)
+    if "plan" in groups:
+        p.add_argument("--serve", action="store_true", help="plan serving (TP x replicas) instead")
+        p.add_argument("--top", type=int, default=10)
+    if "whatif" in groups:
+        p.add_argument("--serve", action="store_true", help="a decode step instead of a training step")
+        p.add_argument("--scale", help="e.g. flops=2,memory_bandwidth=1.5,memory_capacity=2,link=2")
+        p.add_argument("--target-step-s", type=float)
+        p.add_argument("--target-tokens-per-s-per-user", type=float)
+    if "roofline" in groups:
+        p.add_argument("--records", help="engine step records (JSON lines) to place measured points")
+        p.add_argument("--out", help="write the roofline PNG here (needs matplotlib)")
+    if "collectives" in groups:
+        p.add_argument("--world-size", type=int, default=2)
+        p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+        p.add_argument("--sizes", default=",".join(str(2**k) for k in range(10, 25, 2)), help="bytes")
+        p.add_argument("--iterations", type=int, default=10)
+    if "fit" in groups:
+        p.add_argument("--engine-records", help="engine step records (JSON lines)")
+        p.add_argument("--run-dir", nargs="*", default=[], help="training run directories")
+        p.add_argument("--out", help="write the fitted efficiency JSON here")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "accepts_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = extra
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -1,0 +1,1 @@
+"""The training runtime: config, data, parallelism, the trainer, checkpoints and export."""

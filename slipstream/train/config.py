@@ -1,0 +1,496 @@
+"""The training run's configuration: one frozen, keyword-only dataclass per concern.
+
+A run is configured by an optional TOML file plus `--section.key=value` overrides, resolved into
+a `TrainConfig` and written to the run directory as `config.toml`:
+
+    [model]                          # what to train
+    preset = "tiny"
+    [data]
+    path = "runs/data"
+    seq_len = 256
+    [optimizer]
+    lr = 1e-3
+    [training]
+    steps = 500
+    global_batch_size = 16
+    micro_batch_size = 8
+
+Every value is checked when its dataclass is built (`ValueError` naming `section.key`); an unknown
+section or key is an error naming the closest valid one. Checks that need the running world (the
+number of ranks, whether the data directory exists) are in `check_run(config, world_size)`, which
+the trainer calls before it builds anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+DTYPES = ("float32", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+STRATEGIES = ("fsdp", "ddp")
+OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
+DECAYS = ("cosine", "linear", "constant")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSource:
+    """Which model to train: a preset initialised from a seed, or a Hugging Face model dir."""
+
+    preset: str = "tiny"
+    """A name from `slipstream.model.presets` (tiny, small, medium); ignored when `path` is set."""
+    path: str | None = None
+    """Start from this Hugging Face model directory's config and weights instead."""
+    init_std: float = 0.02
+    init_seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.init_std > 0, "model.init_std", self.init_std, "a positive number")
+        _check_non_negative_int("model.init_seed", self.init_seed)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    path: str = ""
+    """A directory written by `slipstream data prepare` (required)."""
+    seq_len: int = 256
+    """Tokens per training sequence (windows of seq_len + 1 tokens give inputs and targets)."""
+    seed: int = 0
+    """Seeds the order of windows (a new permutation every epoch)."""
+    prefetch: int = 2
+    """Batches the background thread prepares ahead of the step."""
+
+    def __post_init__(self) -> None:
+        _check_positive_int("data.seq_len", self.seq_len)
+        _check_non_negative_int("data.seed", self.seed)
+        _check_non_negative_int("data.prefetch", self.prefetch)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW (decoupled weight decay, applied to matrices only, not to norms or biases)."""
+
+    lr: float = 1e-3
+    """Peak learning rate, reached at the end of the warm-up."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    implementation: str = "auto"
+    """auto (fused where available, else foreach), fused, foreach or for_loop."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0 and math.isfinite(self.lr), "optimizer.lr", self.lr, "a positive number")
+        _check(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "optimizer.betas", self.betas, "two numbers in [0, 1)",
+        )
+        _check(self.eps > 0, "optimizer.eps", self.eps, "a positive number")
+        _check(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, "a number >= 0")
+        _check_choice("optimizer.implementation", self.implementation, OPTIMIZER_IMPLEMENTATIONS)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """Learning rate: linear warm-up from lr / (warmup_steps + 1), then decay to min_lr_ratio * lr."""
+
+    warmup_steps: int = 100
+    decay: str = "cosine"
+    """cosine, linear or constant, over the steps after the warm-up."""
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check_non_negative_int("schedule.warmup_steps", self.warmup_steps)
+        _check_choice("schedule.decay", self.decay, DECAYS)
+        _check(0 <= self.min_lr_ratio <= 1, "schedule.min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainingConfig:
+    steps: int = 1000
+    """Optimizer steps to run."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step over all ranks: micro_batch_size x ranks x accumulation."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one rank."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping (the norm is still logged)."""
+    dtype: str = "float32"
+    """float32, or bfloat16 (autocast: bf16 matmuls, fp32 weights, optimizer state and loss)."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    seed: int = 0
+    deterministic: bool = False
+    """Deterministic algorithms and seeded RNGs: the same run gives the same bits."""
+    fast_kernels: bool = True
+    """On CPU: oneDNN matmuls for the linear layers' forward and backward (`train.cpu_kernels`)."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch_size", "micro_batch_size"):
+            _check_positive_int(f"training.{name}", getattr(self, name))
+        _check(
+            self.max_grad_norm >= 0, "training.max_grad_norm", self.max_grad_norm,
+            "a number >= 0 (0 disables clipping)",
+        )
+        _check_choice("training.dtype", self.dtype, DTYPES)
+        _check_choice("training.device", self.device, DEVICES)
+        _check_non_negative_int("training.seed", self.seed)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How the model is executed over ranks; applied by `train.parallel.parallelize`."""
+
+    strategy: str = "fsdp"
+    """With more than one rank: fsdp (FSDP2 fully_shard per layer) or ddp (replicate)."""
+    backend: str = "auto"
+    """torch.distributed backend: auto (nccl on CUDA, gloo on CPU), gloo or nccl."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass."""
+    compile: bool = False
+    """torch.compile each decoder layer."""
+
+    def __post_init__(self) -> None:
+        _check_choice("parallel.strategy", self.strategy, STRATEGIES)
+        _check_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    interval: int = 100
+    """Evaluate on the held-out split every this many steps and after the last; 0 disables."""
+    num_batches: int = 8
+    """Global batches (training.global_batch_size sequences each) per evaluation, from the start
+    of the held-out split: the same windows at every world size (fewer if the split is smaller)."""
+
+    def __post_init__(self) -> None:
+        _check_non_negative_int("eval.interval", self.interval)
+        _check_positive_int("eval.num_batches", self.num_batches)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Sharded torch.distributed.checkpoint saves, committed by a checksummed manifest."""
+
+    interval: int = 0
+    """Save every this many steps; 0 saves only at the end (if `save_final`)."""
+    keep_last: int = 2
+    """Committed checkpoints to keep; older ones are deleted (except those `keep_every` keeps)."""
+    keep_every: int = 0
+    """Also keep, forever, every checkpoint whose step is a multiple of this; 0 keeps none."""
+    save_final: bool = True
+    async_save: bool = True
+    """Stage the state to host memory and write it in a background thread (the step waits only
+    for the copy); false writes before the step continues."""
+
+    def __post_init__(self) -> None:
+        _check_non_negative_int("checkpoint.interval", self.interval)
+        _check_positive_int("checkpoint.keep_last", self.keep_last)
+        _check_non_negative_int("checkpoint.keep_every", self.keep_every)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SupervisorConfig:
+    """What a rank does about hangs, non-finite losses and restarts (see `train.supervisor`)."""
+
+    hang_timeout_s: float = 0.0
+    """Seconds without step progress (counted from the end of the first step) after which a
+    rank dumps every thread's Python stack to RUN_DIR/stacks/ and exits, so the launcher
+    restarts the job; 0 disables the watchdog."""
+    restart_backoff_s: float = 1.0
+    """A restarted attempt waits this long before it starts, doubling with every further
+    restart, up to `max_backoff_s`."""
+    max_backoff_s: float = 30.0
+    max_rollbacks: int = 3
+    """Non-finite losses the run recovers from (roll back to the last checkpoint, skip the
+    step's batches) before it fails."""
+
+    def __post_init__(self) -> None:
+        for name in ("hang_timeout_s", "restart_backoff_s", "max_backoff_s"):
+            value = getattr(self, name)
+            _check(value >= 0 and math.isfinite(value), f"supervisor.{name}", value, "a number >= 0")
+        _check_non_negative_int("supervisor.max_rollbacks", self.max_rollbacks)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FaultConfig:
+    """Injected faults for tests and drills (`train.faults`); each fires once per run dir.
+    A step of 0 disables that fault."""
+
+    crash_at_step: int = 0
+    """Exit the process abruptly after this step (before its checkpoint)."""
+    hang_at_step: int = 0
+    """Stop making progress after this step (sleep forever)."""
+    nan_at_step: int = 0
+    """Poison a weight with NaN just before this step, so its loss is non-finite."""
+    kill_during_checkpoint: int = 0
+    """SIGKILL the process while the checkpoint of this step is being written: on rank 0 when
+    its data files are on disk and the manifest has not committed them, on other ranks before
+    their shards are written."""
+    preempt_at_step: int = 0
+    """Send the process SIGTERM after this step, as a scheduler preempting the job would."""
+    rank: int = 0
+    """The rank the faults hit."""
+
+    def __post_init__(self) -> None:
+        for name in ("crash_at_step", "hang_at_step", "nan_at_step", "kill_during_checkpoint",
+                     "preempt_at_step", "rank"):
+            _check_non_negative_int(f"faults.{name}", getattr(self, name))
+
+    @property
+    def any(self) -> bool:
+        return any((self.crash_at_step, self.hang_at_step, self.nan_at_step,
+                    self.kill_during_checkpoint, self.preempt_at_step))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    interval: int = 10
+    """Print a console line every this many steps (every step goes to metrics.jsonl)."""
+    tensorboard: bool = True
+    """Also write TensorBoard events when tensorboard is installed."""
+    peak_flops_per_s: float | None = None
+    """MFU denominator per device; default: the calibrated (CPU) or tabled (GPU) peak."""
+
+    def __post_init__(self) -> None:
+        _check_positive_int("logging.interval", self.interval)
+        if self.peak_flops_per_s is not None:
+            _check(self.peak_flops_per_s > 0, "logging.peak_flops_per_s", self.peak_flops_per_s,
+                   "a positive number of FLOP/s")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    dir: str = "runs/train"
+    """Where config.toml, metrics.jsonl, checkpoints and TensorBoard events go."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    model: ModelSource = dataclasses.field(default_factory=ModelSource)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    supervisor: SupervisorConfig = dataclasses.field(default_factory=SupervisorConfig)
+    faults: FaultConfig = dataclasses.field(default_factory=FaultConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        """TOML text that `load_config` reads back to an equal config (None values are omitted,
+        which is their default)."""
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines += [f"{key} = {_toml_value(v)}" for key, v in values.items() if v is not None]
+            lines.append("")
+        return "\n".join(lines)
+
+    def replace(self, **sections: Mapping[str, Any]) -> TrainConfig:
+        """A copy with some keys changed (and checked again): `replace(training={"steps": 10})`."""
+        return dataclasses.replace(self, **{
+            name: dataclasses.replace(getattr(self, name), **values)
+            for name, values in sections.items()
+        })
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """The config from an optional TOML file plus `--section.key=value` overrides (later wins).
+
+    Override values are TOML values (`1e-3`, `true`, `[0.9, 0.95]`, `"text"`); anything that is
+    not valid TOML is taken as a string, so `--data.path=runs/data` needs no quotes.
+    """
+    values: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        try:
+            values = tomllib.loads(Path(path).read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path} is not valid TOML: {e}") from e
+        for section, table in values.items():
+            if not isinstance(table, dict):
+                raise ValueError(f"{path}: {section!r} must be a [section] table, not a value")
+    for override in overrides:
+        section, key, value = parse_override(override)
+        values.setdefault(section, {})[key] = value
+    return from_dict(values)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """("optimizer", "lr", 0.001) from "--optimizer.lr=1e-3"."""
+    name, sep, raw = text.removeprefix("--").partition("=")
+    section, dot, key = name.partition(".")
+    if not (sep and dot and section and key):
+        raise ValueError(f"override {text!r} must look like --section.key=value")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, key, value
+
+
+def from_dict(values: Mapping[str, Mapping[str, Any]]) -> TrainConfig:
+    """Build and validate a TrainConfig from {section: {key: value}}; missing keys keep defaults."""
+    section_types = _section_types()
+    sections = {}
+    for section, table in values.items():
+        if section not in section_types:
+            raise ValueError(f"unknown config section [{section}]{_suggest(section, section_types)}")
+        cls = section_types[section]
+        hints = typing.get_type_hints(cls)
+        for key in table:
+            if key not in hints:
+                raise ValueError(
+                    f"unknown config key {section}.{key}{_suggest(f'{section}.{key}', _all_keys())}"
+                )
+        kwargs = {key: _coerce(f"{section}.{key}", value, hints[key]) for key, value in table.items()}
+        sections[section] = cls(**kwargs)
+    return TrainConfig(**sections)
+
+
+def check_run(config: TrainConfig, world_size: int) -> None:
+    """Checks that need the running job: batch divisibility by the ranks, and the data dir."""
+    per_step = world_size * config.training.micro_batch_size
+    if config.training.global_batch_size % per_step:
+        raise ValueError(
+            f"training.global_batch_size ({config.training.global_batch_size}) must be divisible "
+            f"by world size x training.micro_batch_size ({world_size} x "
+            f"{config.training.micro_batch_size} = {per_step})"
+        )
+    data_dir = Path(config.data.path) if config.data.path else None
+    if data_dir is None:
+        raise ValueError("data.path is required: a directory written by `slipstream data prepare`")
+    if not (data_dir / "meta.json").is_file():
+        raise ValueError(
+            f"data.path {str(data_dir)!r} holds no prepared dataset (no meta.json); "
+            f"run `slipstream data prepare --out {data_dir}` first"
+        )
+    if config.model.path is not None and not (Path(config.model.path) / "config.json").is_file():
+        raise ValueError(f"model.path {config.model.path!r} has no config.json")
+
+
+RESUME_IDENTITY = (
+    "model.preset", "model.path", "model.init_std", "model.init_seed", "data.seq_len", "data.seed",
+    "training.global_batch_size",
+)
+"""Keys a rerun in a run dir that already holds a run must keep: they fix the weights' shapes,
+the initial state, and which windows every step reads (loader positions count global windows
+of `training.global_batch_size` sequences). Everything else may change on a rerun and is
+reported (extending `training.steps`, another world size or micro-batch, a lower learning
+rate); changing the optimizer, schedule or seeds loses bit-exactness with the original run."""
+
+_NOT_COMPARED = ("run", "faults")
+
+
+def resume_changes(saved: TrainConfig, new: TrainConfig) -> list[str]:
+    """"section.key: old -> new" for every compared key a rerun changes; ValueError naming the
+    keys when one of `RESUME_IDENTITY` changed (the run dir holds another run)."""
+    changes, conflicts = [], []
+    old_values, new_values = saved.to_dict(), new.to_dict()
+    for section, values in new_values.items():
+        if section in _NOT_COMPARED:
+            continue
+        for key, value in values.items():
+            old = old_values[section][key]
+            if old != value:
+                name = f"{section}.{key}"
+                (conflicts if name in RESUME_IDENTITY else changes).append(f"{name}: {old!r} -> {value!r}")
+    if conflicts:
+        raise ValueError(
+            f"run.dir {new.run.dir!r} holds a run with another config ({'; '.join(conflicts)}); "
+            "rerun with the same values to resume it, or choose a new run.dir"
+        )
+    return changes
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def _section_types() -> dict[str, type]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{k}" for s, cls in _section_types().items() for k in typing.get_type_hints(cls)]
+
+
+def _suggest(name: str, valid: Sequence[str]) -> str:
+    """"; did you mean X?" for the closest valid name; a key put in the wrong section (training.lr)
+    points to the section that has it."""
+    same_key = [v for v in valid if v.rpartition(".")[2] == name.rpartition(".")[2]]
+    close = same_key or difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]}?" if close else f"; valid: {', '.join(valid)}"
+
+
+def _coerce(name: str, value: Any, annotation: Any) -> Any:
+    """`value` as the annotated type, or a ValueError naming the field."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (annotation,) = [a for a in args if a is not type(None)]
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif annotation is str:
+        if isinstance(value, str):
+            return value
+    elif typing.get_origin(annotation) is tuple:
+        if isinstance(value, (list, tuple)):
+            item_types = typing.get_args(annotation)
+            if len(value) == len(item_types):
+                return tuple(_coerce(name, v, t) for v, t in zip(value, item_types, strict=True))
+    if typing.get_origin(annotation) is tuple:
+        item_types = typing.get_args(annotation)
+        expected = f"a list of {len(item_types)} values ({', '.join(t.__name__ for t in item_types)})"
+    else:
+        expected = getattr(annotation, "__name__", str(annotation))
+    raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def _check(ok: bool, name: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+           name, value, "a positive integer")
+
+
+def _check_non_negative_int(name: str, value: Any) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+           name, value, "an integer >= 0")
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    _check(value in choices, name, value, f"one of {', '.join(choices)}")

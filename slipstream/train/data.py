@@ -1,0 +1,410 @@
+"""Training data: a corpus tokenized into memory-mapped shards, and a resumable window loader.
+
+`prepare_dataset` tokenizes documents (default: the Python standard library's sources), joins
+them with the end-of-text token and writes one flat token file per split (`train.bin`,
+`val.bin`: raw uint16, or uint32 for vocabularies over 65,536), the tokenizer, and `meta.json`
+(written last: a directory without it holds no dataset). The held-out split is chosen by
+document, in the order of a hash of each document's name, so it is the same on every machine
+and barely moves when files are added.
+
+`WindowLoader` cuts a split into windows of `seq_len + 1` tokens (inputs and next-token
+targets; consecutive windows share one token, so every token is a target once per epoch) and
+serves them in a seeded permutation that changes every epoch. Rank r of W takes windows
+r, r + W, r + 2W, ... of each global batch, so the ranks together see exactly the windows one
+process would, and no window repeats within an epoch. Its state is the epoch and the number of
+windows consumed globally in it, which is the same on every rank and at every world size.
+A background thread prepares the next batches while the step runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import hashlib
+import json
+import logging
+import os
+import queue
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from slipstream.corpus import read_documents, stdlib_files, stdlib_root
+from slipstream.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+SPLITS = ("train", "val")
+TOKENIZER_DIR = "tokenizer"
+_DOCUMENTS_PER_BATCH = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    name: str
+    """Stable name (path relative to the corpus root): decides the split and the fingerprint."""
+    path: Path
+
+
+def corpus_documents(sources: Sequence[str] = ("stdlib",)) -> list[Document]:
+    """The documents of `sources`: "stdlib" (the standard library's .py files), directories (every
+    file under them, sorted) or single files."""
+    documents: list[Document] = []
+    for source in sources:
+        if source == "stdlib":
+            root = stdlib_root()
+            documents += [Document(f"stdlib/{p.relative_to(root).as_posix()}", p) for p in stdlib_files()]
+            continue
+        path = Path(source)
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file())
+            documents += [Document(f"{path.name}/{p.relative_to(path).as_posix()}", p) for p in files]
+        elif path.is_file():
+            documents.append(Document(path.name, path))
+        else:
+            raise FileNotFoundError(f"corpus source {source!r} is neither 'stdlib' nor an existing path")
+    if not documents:
+        raise ValueError(f"the corpus {list(sources)} holds no files")
+    return documents
+
+
+def heldout_documents(documents: Sequence[Document], fraction: float) -> set[str]:
+    """Names of the held-out documents: in the order of a hash of their names, the first ones
+    until they hold `fraction` of the corpus's bytes (at least one document)."""
+    by_hash = sorted(documents, key=lambda d: hashlib.sha256(d.name.encode()).digest())
+    target_bytes = fraction * sum(d.path.stat().st_size for d in documents)
+    names: set[str] = set()
+    num_bytes = 0
+    for document in by_hash:
+        if names and num_bytes >= target_bytes:
+            break
+        names.add(document.name)
+        num_bytes += document.path.stat().st_size
+    return names
+
+
+def prepare_dataset(
+    out_dir: str | Path,
+    tokenizer: Tokenizer,
+    documents: Sequence[Document],
+    *,
+    heldout_fraction: float = 0.01,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Tokenize `documents` into `out_dir` and return its metadata; reuse what is already there.
+
+    If `out_dir` already holds a dataset of the same documents (names and sizes), tokenizer and
+    held-out fraction, nothing is done.
+    """
+    if not 0 < heldout_fraction < 1:
+        raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
+    out_dir = Path(out_dir)
+    fingerprint = _fingerprint(tokenizer, documents, heldout_fraction)
+    existing = _read_meta(out_dir)
+    if existing is not None and existing.get("fingerprint") == fingerprint:
+        logger.info("dataset in %s is up to date", out_dir)
+        return existing
+    heldout = heldout_documents(documents, heldout_fraction)
+    if len(heldout) == len(documents):
+        raise ValueError("the corpus needs at least two documents: one to train on, one held out")
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / META_FILE).unlink(missing_ok=True)  # invalid until the new meta is written
+    tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".tmp-"))
+    try:
+        counts = _tokenize_to_files(tmp, tokenizer, documents, heldout, dtype, progress)
+        _save_tokenizer(tokenizer, tmp / TOKENIZER_DIR)
+        for name in [f"{split}.bin" for split in SPLITS] + [TOKENIZER_DIR]:
+            target = out_dir / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            os.replace(tmp / name, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "fingerprint": fingerprint,
+        "dtype": np.dtype(dtype).name,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_token_id": tokenizer.eos_token_id,
+        "tokenizer_sha256": _tokenizer_sha256(tokenizer),
+        "sources_sha256": _sources_sha256(documents),
+        "num_source_files": len(documents),
+        "heldout_fraction": heldout_fraction,
+        "splits": counts,
+        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    tmp_meta = out_dir / (META_FILE + ".tmp")
+    tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(tmp_meta, out_dir / META_FILE)
+    logger.info("wrote %s: %s", out_dir, counts)
+    return meta
+
+
+def _tokenize_to_files(
+    out_dir: Path, tokenizer: Tokenizer, documents: Sequence[Document], heldout: set[str],
+    dtype: type, progress: bool,
+) -> dict[str, dict[str, int]]:
+    """Append each document's tokens and an end-of-text token to its split's file."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError("the tokenizer has no end-of-text token to join documents with")
+    counts = {split: {"num_tokens": 0, "num_documents": 0, "num_skipped": 0} for split in SPLITS}
+    files = {split: open(out_dir / f"{split}.bin", "wb") for split in SPLITS}  # noqa: SIM115
+    total_bytes = sum(d.path.stat().st_size for d in documents)
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
+              disable=not progress) as bar:
+        try:
+            for start in range(0, len(documents), _DOCUMENTS_PER_BATCH):
+                batch = documents[start:start + _DOCUMENTS_PER_BATCH]
+                texts = [next(read_documents([d.path]), None) for d in batch]
+                kept = [(d, t) for d, t in zip(batch, texts, strict=True) if t is not None]
+                for d, t in zip(batch, texts, strict=True):
+                    if t is None:
+                        counts["val" if d.name in heldout else "train"]["num_skipped"] += 1
+                ids = tokenizer.encode_batch([t for _, t in kept], add_special_tokens=False)
+                for (document, _), doc_ids in zip(kept, ids, strict=True):
+                    split = "val" if document.name in heldout else "train"
+                    array = np.asarray(doc_ids + [tokenizer.eos_token_id], dtype=dtype)
+                    files[split].write(array.tobytes())
+                    counts[split]["num_tokens"] += len(array)
+                    counts[split]["num_documents"] += 1
+                bar.update(sum(d.path.stat().st_size for d in batch))
+        finally:
+            for f in files.values():
+                f.close()
+    return counts
+
+
+def _save_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> None:
+    tokenizer.save_pretrained(out_dir)
+    generation = {"eos_token_id": list(tokenizer.eos_token_ids), "pad_token_id": tokenizer.pad_token_id}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def _tokenizer_sha256(tokenizer: Tokenizer) -> str:
+    return hashlib.sha256(tokenizer.backend.to_str().encode()).hexdigest()
+
+
+def _sources_sha256(documents: Sequence[Document]) -> str:
+    listing = [(d.name, d.path.stat().st_size) for d in documents]
+    return hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+
+
+def _fingerprint(tokenizer: Tokenizer, documents: Sequence[Document], heldout_fraction: float) -> str:
+    parts = [FORMAT_VERSION, _tokenizer_sha256(tokenizer), _sources_sha256(documents), heldout_fraction]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def _read_meta(data_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((data_dir / META_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class TokenDataset:
+    """A prepared dataset directory: metadata, memory-mapped token splits, its tokenizer."""
+
+    def __init__(self, data_dir: str | Path) -> None:
+        self.dir = Path(data_dir)
+        meta = _read_meta(self.dir)
+        if meta is None:
+            raise FileNotFoundError(
+                f"{self.dir} holds no prepared dataset (no readable {META_FILE}); "
+                f"run `slipstream data prepare --out {self.dir}`"
+            )
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{self.dir} has dataset format {meta.get('format_version')}, "
+                             f"this slipstream reads {FORMAT_VERSION}; prepare it again")
+        self.meta = meta
+
+    @property
+    def vocab_size(self) -> int:
+        return self.meta["vocab_size"]
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.dir / TOKENIZER_DIR
+
+    def tokens(self, split: str) -> np.ndarray:
+        """The split's tokens as a read-only memory map (no copy)."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; splits: {', '.join(SPLITS)}")
+        num_tokens = self.meta["splits"][split]["num_tokens"]
+        if num_tokens == 0:
+            return np.zeros(0, dtype=self.meta["dtype"])
+        return np.memmap(self.dir / f"{split}.bin", dtype=self.meta["dtype"], mode="r",
+                         shape=(num_tokens,))
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    inputs: torch.Tensor  # (B, T) int64
+    targets: torch.Tensor  # (B, T) int64: inputs shifted left by one token
+    window_ids: np.ndarray  # (B,) which windows of the split these are
+    epoch: int
+    position: int
+    """Windows consumed globally in this epoch before this batch."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.targets.numel()
+
+
+class WindowLoader:
+    """Batches of `batch_size` windows of `seq_len + 1` tokens for one rank, forever (epochs).
+
+    Iteration is resumable: `state_dict()` after any number of batches, then `load_state_dict`
+    on a fresh loader, continues with exactly the batches the first would have produced next.
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        *,
+        seq_len: int,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        prefetch: int = 2,
+        pin_memory: bool = False,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.prefetch = prefetch
+        self.pin_memory = pin_memory
+        self.num_windows = max(len(tokens) - 1, 0) // seq_len
+        self.global_batch_windows = world_size * batch_size
+        if self.num_windows < self.global_batch_windows:
+            raise ValueError(
+                f"the split has {len(tokens)} tokens = {self.num_windows} windows of "
+                f"{seq_len} + 1 tokens, fewer than one batch of {batch_size} x {world_size} ranks"
+            )
+        self._epoch = 0
+        self._position = 0
+        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue[Batch] | None = None
+        self._stop = threading.Event()
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.num_windows // self.global_batch_windows
+
+    # ---- the order of windows -----------------------------------------------------------------
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 (a handful of small arrays per loader)
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_windows)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+
+    def window_ids(self, epoch: int, position: int) -> np.ndarray:
+        """This rank's windows for the global batch starting at `position` in `epoch`."""
+        start = position + self.rank
+        return self._order(epoch)[start:position + self.global_batch_windows:self.world_size]
+
+    def _advance(self, epoch: int, position: int) -> tuple[int, int]:
+        position += self.global_batch_windows
+        if position + self.global_batch_windows > self.num_windows:  # the tail is skipped
+            return epoch + 1, 0
+        return epoch, position
+
+    def _make_batch(self, epoch: int, position: int) -> Batch:
+        ids = self.window_ids(epoch, position)
+        starts = ids * self.seq_len
+        offsets = np.arange(self.seq_len + 1)
+        windows = torch.from_numpy(self.tokens[starts[:, None] + offsets].astype(np.int64))
+        if self.pin_memory:
+            windows = windows.pin_memory()
+        return Batch(windows[:, :-1], windows[:, 1:], ids, epoch, position)  # (B, T) each
+
+    # ---- iteration --------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        if self.prefetch == 0:
+            batch = self._make_batch(self._epoch, self._position)
+        else:
+            if self._thread is None:
+                self._start_thread()
+            assert self._queue is not None
+            batch = self._queue.get()
+            if isinstance(batch, BaseException):
+                raise RuntimeError("the data loader's prefetch thread failed") from batch
+        assert (batch.epoch, batch.position) == (self._epoch, self._position), "prefetch out of order"
+        self._epoch, self._position = self._advance(self._epoch, self._position)
+        return batch
+
+    def _start_thread(self) -> None:
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=self.prefetch)
+        self._thread = threading.Thread(
+            target=self._produce, args=(self._epoch, self._position, self._queue, self._stop),
+            name="slipstream-data-prefetch", daemon=True,
+        )
+        self._thread.start()
+
+    def _produce(self, epoch: int, position: int, out: queue.Queue, stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                batch = self._make_batch(epoch, position)
+                while not stop.is_set():
+                    try:
+                        out.put(batch, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                epoch, position = self._advance(epoch, position)
+        except BaseException as e:  # handed to the consumer, which raises it
+            out.put(e)
+
+    def close(self) -> None:
+        """Stop the prefetch thread (iteration can continue later; it restarts the thread)."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            self._queue = None
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the next batch starts; the same on every rank and valid for any world size."""
+        return {"epoch": self._epoch, "position": self._position, "seed": self.seed,
+                "seq_len": self.seq_len, "num_windows": self.num_windows}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for key in ("seed", "seq_len", "num_windows"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"loader state has {key}={state[key]}, this loader {getattr(self, key)}: "
+                    "it was saved for other data or settings"
+                )
+        if state["position"] % self.global_batch_windows:
+            raise ValueError(
+                f"loader position {state['position']} is not a multiple of this loader's global "
+                f"batch of {self.global_batch_windows} windows"
+            )
+        self.close()
+        self._epoch, self._position = state["epoch"], state["position"]

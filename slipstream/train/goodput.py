@@ -1,0 +1,182 @@
+"""The goodput ledger: every second of a run's wall time, across restarts, charged to productive
+training or to a named loss.
+
+Rank 0 appends one JSON line per event to RUN_DIR/goodput.jsonl and flushes it, so the log
+survives a kill at any point. `summarize(read_events(run_dir))` charges the time:
+
+| bucket | what |
+|---|---|
+| `productive` | compute time of the steps whose results survive into the run's state |
+| `data_stall` | time those steps waited for a batch |
+| `startup` | from a process's start (or the launcher's) until it is ready to train, less the restore |
+| `restore` | loading a checkpoint: when an attempt starts, and rolling back after a non-finite loss |
+| `checkpoint_stall` | the part of each save the step waited for (the previous save, staging) |
+| `eval` | held-out evaluations |
+| `lost_work` | steps lost to a crash, hang or rollback and redone; if unfinished, after the last commit |
+| `restart` | from an attempt's last event to the next process's start, and the backoff |
+| `other` | the rest inside attempts: logging, hooks, shutdown |
+
+goodput = productive / total, total = from the first start to the last event. This is the
+Google ML Goodput and Meta ETTR definition: productive, preserved step time over the job's
+wall time across all attempts (docs/training.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+LEDGER_FILE = "goodput.jsonl"
+BUCKETS = ("productive", "data_stall", "startup", "restore", "checkpoint_stall", "eval",
+           "lost_work", "restart", "other")
+
+
+class GoodputLedger:
+    """Appends events to the run's ledger (a no-op when not `enabled`, i.e. off rank 0).
+    Thread-safe: the checkpoint thread records commits."""
+
+    def __init__(self, run_dir: str | Path, *, enabled: bool) -> None:
+        self.path = Path(run_dir) / LEDGER_FILE
+        self.enabled = enabled
+        self._lock = threading.Lock()
+        self._file = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a")  # noqa: SIM115
+
+    def record(self, event: str, *, t: float | None = None, **fields: Any) -> None:
+        if self._file is None:
+            return
+        line = json.dumps({"event": event, "t": time.time() if t is None else t, **fields})
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def record_launch(run_dir: str | Path) -> None:
+    """The launcher's start (`slipstream train --nproc/--max-restarts`), so the time torchrun
+    takes to start the workers is charged too."""
+    ledger = GoodputLedger(run_dir, enabled=True)
+    ledger.record("launch", pid=os.getpid())
+    ledger.close()
+
+
+def process_start_time() -> float:
+    """This process's start as wall-clock time (Linux: /proc, 10 ms resolution); now elsewhere."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        start_ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22: starttime
+        age_s = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age_s
+    except (OSError, ValueError, AttributeError):
+        return time.time()
+
+
+def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The ledger's events in order (a line cut short by a kill is skipped)."""
+    path = Path(run_dir) / LEDGER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} has no {LEDGER_FILE}; is it a training run directory?")
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue
+    return events
+
+
+def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Seconds per bucket (they sum to `total_s`), goodput, and counts of attempts, restarts,
+    lost and kept steps."""
+    starts = [e for e in events if e["event"] == "start"]
+    if not starts:
+        raise ValueError("the goodput ledger has no start event")
+    launches = [e["t"] for e in events if e["event"] == "launch"]
+    origin = min([*launches, *(e["process_start"] for e in starts)])
+    total_s = events[-1]["t"] - origin
+    seconds = dict.fromkeys(BUCKETS, 0.0)
+    seconds["restart"] = _restart_downtime(events)
+    seconds["startup"] = (starts[0]["process_start"] - origin) if launches else 0.0
+    for e in events:
+        kind = e["event"]
+        if kind == "ready":
+            seconds["startup"] += e["t"] - e["process_start"] - e["restore_s"] - e["backoff_s"]
+            seconds["restore"] += e["restore_s"]
+            seconds["restart"] += e["backoff_s"]
+        elif kind == "rollback":
+            seconds["restore"] += e["restore_s"]
+        elif kind == "checkpoint":
+            seconds["checkpoint_stall"] += e["stall_s"]
+        elif kind == "eval":
+            seconds["eval"] += e["eval_s"]
+    kept, lost = _classify_steps(events)
+    seconds["productive"] = sum(e["step_s"] - e["data_s"] for e in kept)
+    seconds["data_stall"] = sum(e["data_s"] for e in kept)
+    seconds["lost_work"] = sum(e["step_s"] for e in lost)
+    seconds["other"] = total_s - sum(seconds.values())
+    return {
+        "goodput": seconds["productive"] / total_s if total_s > 0 else 0.0,
+        "total_s": total_s,
+        "seconds": seconds,
+        "attempts": len(starts),
+        "restarts": len(starts) - 1,
+        "rollbacks": sum(e["event"] == "rollback" for e in events),
+        "steps_kept": len(kept),
+        "steps_lost": len(lost),
+        "last_step": max((e["step"] for e in kept), default=0),
+        "finished": events[-1]["event"] == "end" and events[-1]["reason"] == "finished",
+    }
+
+
+def _restart_downtime(events: list[dict[str, Any]]) -> float:
+    """From each attempt's last event to the next attempt's process start."""
+    downtime, last_t = 0.0, None
+    for e in events:
+        if e["event"] == "start" and last_t is not None:
+            downtime += max(e["process_start"] - last_t, 0.0)
+        if e["event"] != "launch":
+            last_t = e["t"]
+    return downtime
+
+
+def _classify_steps(events: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
+    """(kept, lost) step events: a step is kept when it is the last execution of its step
+    number, and, unless the run finished, no later than the newest committed checkpoint."""
+    steps = [e for e in events if e["event"] == "step"]
+    last_index = {e["step"]: i for i, e in enumerate(steps)}
+    finished = events[-1]["event"] == "end" and events[-1]["reason"] == "finished"
+    committed = max((e["step"] for e in events if e["event"] == "commit"), default=0)
+    kept, lost = [], []
+    for i, e in enumerate(steps):
+        survives = last_index[e["step"]] == i and (finished or e["step"] <= committed)
+        (kept if survives else lost).append(e)
+    return kept, lost
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The breakdown as a table, largest loss first."""
+    total = summary["total_s"]
+    lines = [
+        f"goodput {100 * summary['goodput']:.1f}% of {total:.1f}s wall time over "
+        f"{summary['attempts']} attempt(s) ({summary['restarts']} restart(s), "
+        f"{summary['rollbacks']} rollback(s)); {summary['steps_kept']} steps kept, "
+        f"{summary['steps_lost']} lost and recomputed"
+        + ("" if summary["finished"] else "; the run has not finished"),
+    ]
+    seconds = summary["seconds"]
+    order = ["productive"] + sorted((b for b in BUCKETS if b != "productive"), key=lambda b: -seconds[b])
+    for bucket in order:
+        share = 100 * seconds[bucket] / total if total > 0 else 0.0
+        lines.append(f"  {bucket:<17} {seconds[bucket]:>10.2f}s {share:>6.1f}%")
+    return "\n".join(lines)

@@ -1,0 +1,229 @@
+"""Distributed set-up and the functions that make a built model trainable at scale.
+
+The model is built on the meta device with no process group (model files are math only);
+`parallelize(model, mesh, config)` then applies, in torchtitan's order, activation checkpointing,
+`torch.compile` per decoder layer, and data parallelism: FSDP2 (`fully_shard` on every decoder
+layer, then the root) or DDP (`replicate`, which wraps the model in DistributedDataParallel
+when it first runs). None of these change parameter names, so state dicts keep Hugging Face's.
+`materialize` finally allocates the parameters on the device and fills them from a full state
+dict held by rank 0 (broadcast to the others, sharded as each rank needs), so every world size
+starts from the same weights.
+
+Processes are started by `torchrun` (one per rank), which sets RANK, WORLD_SIZE, LOCAL_RANK and
+MASTER_ADDR/PORT, the `torch.distributed` launch protocol; gloo serves CPUs, NCCL GPUs. Under
+torchrun's elastic agent the workers share the agent's TCPStore, which outlives a restart:
+joining the default way would read the dead attempt's peer addresses (gloo: "connectFullMesh
+failed ... Connection refused"). So each attempt joins under a store prefix no earlier attempt
+used (`attempt_store`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import logging
+import os
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+from slipstream.train.config import ParallelConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    attempt: int = 0
+    """This job's attempt: 0, then one more per restart by torchrun's elastic agent (the same
+    on every rank); 0 outside torchrun."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_type: str, backend: str = "auto", timeout_s: float = 600) -> DistInfo:
+    """Join the process group torchrun describes (none for a single process)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # one process: one node
+    if world_size > 1 and not dist.is_initialized():
+        if backend == "auto":
+            backend = "nccl" if device_type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            store, attempt = attempt_store(rank, world_size, timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
+        logger.info("rank %d of %d joined the %s process group (attempt %d)",
+                    rank, world_size, backend, attempt)
+    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device, attempt=attempt)
+
+
+def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> tuple[dist.Store, int]:
+    """torchrun's shared store under the prefix of this attempt, and the attempt's number."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    attempt = agree_on_attempt(store, rank, world_size)
+    return dist.PrefixStore(f"slipstream/attempt-{attempt}", store), attempt
+
+
+def agree_on_attempt(store: dist.Store, rank: int, world_size: int) -> int:
+    """A number no earlier attempt on `store` has used, the same on every rank.
+
+    TORCHELASTIC_RESTART_COUNT cannot be it: it counts one node's restarts, and nodes restart
+    different numbers of times. Rank 0 draws the number from a counter in the store; every
+    other rank posts a fresh nonce under its rank and waits for rank 0's answer under that
+    nonce, a key no earlier attempt can have written. Rank 0 passes over posts it has already
+    answered (left by a dead attempt) and waits for a fresh one."""
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        store.set(f"slipstream/hello/{rank}", nonce)
+        return int(store.get(f"slipstream/welcome/{nonce}"))
+    attempt = store.add("slipstream/attempts", 1) - 1
+    for other in range(1, world_size):
+        while True:
+            nonce = store.get(f"slipstream/hello/{other}").decode()
+            if not store.check([f"slipstream/welcome/{nonce}"]):
+                break
+            time.sleep(0.02)
+        store.set(f"slipstream/welcome/{nonce}", str(attempt))
+    return attempt
+
+
+def checkpoint_group(info: DistInfo) -> dist.ProcessGroup | None:
+    """A gloo group over all ranks for checkpoint collectives, which run in a background thread
+    while the training group is busy; None for a single process."""
+    return dist.new_group(backend="gloo") if info.world_size > 1 else None
+
+
+def any_rank(flag: bool, info: DistInfo) -> bool:
+    """True on every rank when `flag` is true on any (a one-element all-reduce)."""
+    if info.world_size == 1:
+        return flag
+    value = torch.tensor([float(flag)], device=info.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def build_mesh(info: DistInfo) -> DeviceMesh | None:
+    """A 1-D data-parallel mesh over all ranks; None for a single process."""
+    if info.world_size == 1:
+        return None
+    return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp",))
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh | None, config: ParallelConfig) -> nn.Module:
+    """Apply activation checkpointing, compile and FSDP2 / DDP to `model` in place (on meta or a
+    device); returns the model. The model must have `model.model.layers` (slipstream's
+    `Transformer`)."""
+    if config.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if config.compile:
+        apply_compile(model)
+    if mesh is not None:
+        if config.strategy == "fsdp":
+            apply_fsdp(model, mesh)
+        else:
+            apply_ddp(model, mesh)
+    return model
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward pass (non-reentrant), by
+    wrapping the layer's forward; the layer stays where it was, so names do not change."""
+    for layer in model.model.layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """torch.compile every decoder layer in place (the layers share one compiled graph)."""
+    for layer in model.model.layers:
+        layer.compile()
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> None:
+    """FSDP2: each decoder layer is one all-gather unit, the root holds embeddings and head."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> None:
+    """DDP through the composable `replicate` (as torchtitan does): gradients are all-reduced
+    in buckets during the backward pass; rank 0's weights are broadcast on the first forward."""
+    from torch.distributed._composable.replicate import replicate
+
+    replicate(model, device_mesh=mesh)
+
+
+def materialize(
+    model: nn.Module, device: torch.device, full_state: dict[str, torch.Tensor], distributed: bool
+) -> None:
+    """Allocate `model`'s (meta) parameters on `device` and load `full_state` into them.
+
+    With `distributed`, only rank 0 needs `full_state` (others pass {}): it is broadcast and each
+    rank keeps its shard. Non-persistent buffers (RoPE tables) are rebuilt.
+    """
+    model.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed, strict=True)
+    set_model_state_dict(model, full_state, options=options)
+    model.init_buffers()
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Turn the gradient reduction of FSDP2 / DDP on or off (off for all but the last
+    micro-batch of an accumulated step); a no-op for an unwrapped model."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
+
+
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The global L2 norm of all gradients (over every rank's shards), and clipping to
+    `max_norm` when it is > 0. Returns the norm before clipping."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(total_norm, DTensor):  # FSDP2: a partial norm per rank, reduced here
+        total_norm = total_norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
+    return total_norm
+
+
+def all_reduce_mean(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """The mean of a scalar tensor over all ranks."""
+    if info.world_size > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= info.world_size
+    return value
+
+
+def barrier(info: DistInfo) -> None:
+    if info.world_size > 1:
+        dist.barrier()

@@ -1,0 +1,610 @@
+"""The training loop: one process per rank, the same code for 1 or N ranks.
+
+`Trainer(config)` builds everything from a `TrainConfig`: it joins the process group torchrun
+describes, opens the prepared data, builds the model on the meta device, applies the CPU fast
+path and `parallelize` (activation checkpointing, compile, FSDP2 / DDP), materializes the
+weights from rank 0's initial state, and creates AdamW, the warm-up + decay schedule and the
+resumable loaders. `run()` then loops: `train_step()` (micro-batches with gradient accumulation,
+clip, optimizer step, schedule step) emits one flat metrics record; evaluation and checkpoints
+happen between steps, and `hooks` are called after every step with the trainer and its record.
+
+Everything a resumed run needs is reachable: `model`, `optimizer`, `lr_scheduler`,
+`train_loader` and `train_state()` (step, tokens seen, loader and schedule state, RNG states),
+restored by `load_train_state`; `save_checkpoint` / `load_checkpoint` write and read all of it
+through the `CheckpointManager` (sharded, asynchronous, atomic). A trainer whose run dir holds
+a run resumes it from the newest valid checkpoint, so rerunning a command continues it.
+
+Resilience (docs/training.md, "Failures and restarts"): a non-finite loss rolls back to the
+newest checkpoint and skips the step's batches; SIGTERM saves and returns; the hang watchdog,
+fault injection (`train.faults`, as hooks) and the goodput ledger (`train.goodput`) are wired
+in here and live in their own modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from slipstream.model import ModelConfig, Transformer
+from slipstream.model.presets import get_preset
+from slipstream.model.tokenizer import Tokenizer
+from slipstream.model.weights import load_model
+from slipstream.ops.allocator import keep_freed_memory
+from slipstream.perf.flops import mfu, num_params, train_flops_per_token
+from slipstream.train import checkpoint as ckpt
+from slipstream.train.config import TrainConfig, check_run, load_config, resume_changes
+from slipstream.train.cpu_kernels import keep_large_freed_memory, use_onednn_linears
+from slipstream.train.data import TokenDataset, WindowLoader
+from slipstream.train.faults import FaultInjector
+from slipstream.train.goodput import GoodputLedger
+from slipstream.train.metrics import MetricsLogger, peak_memory_bytes, perplexity, resolve_peak_flops
+from slipstream.train.optim import WarmupDecay, build_optimizer
+from slipstream.train.parallel import (
+    DistInfo,
+    all_reduce_mean,
+    any_rank,
+    barrier,
+    build_mesh,
+    checkpoint_group,
+    clip_grad_norm_,
+    destroy_distributed,
+    init_distributed,
+    materialize,
+    parallelize,
+    set_gradient_sync,
+)
+from slipstream.train.rng import rng_state, seed_everything, set_rng_state
+from slipstream.train.supervisor import (
+    PreemptionHandler,
+    SkippedWindows,
+    Watchdog,
+    restart_backoff_s,
+    restart_count,
+)
+
+logger = logging.getLogger(__name__)
+
+StepHook = Callable[["Trainer", dict[str, Any]], None]
+
+
+class Trainer:
+    """One rank's training job: built from a `TrainConfig`, run with `run()` (or step by step
+    with `train_step()`), closed with `close()`. `console` receives the rank-0 console lines
+    (default: logging); `hooks` are called as `hook(trainer, record)` after every step;
+    `started_at` is the wall-clock time this attempt began (the CLI passes its process's
+    start, so the goodput ledger charges interpreter start-up too; default: now)."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        console: Callable[[str], None] | None = None,
+        hooks: Sequence[StepHook] = (),
+        started_at: float | None = None,
+    ) -> None:
+        started_at = time.time() if started_at is None else started_at
+        start = time.perf_counter()
+        self.config = config
+        self.hooks = list(hooks)
+        self._closed = False
+        self._set_up_process()
+        self.dataset = TokenDataset(config.data.path)
+        self.tokenizer = Tokenizer.from_pretrained(self.dataset.tokenizer_dir)
+        self.model_config = resolve_model_config(config, self.tokenizer)
+        self.mesh = build_mesh(self.dist)
+        self.model = self._build_model()
+        self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, WarmupDecay(config.schedule, config.training.steps)
+        )
+        self.accumulation_steps = config.training.global_batch_size // (
+            self.dist.world_size * config.training.micro_batch_size
+        )
+        self.train_loader = WindowLoader(
+            self.dataset.tokens("train"), seq_len=config.data.seq_len,
+            batch_size=config.training.micro_batch_size, rank=self.dist.rank,
+            world_size=self.dist.world_size, seed=config.data.seed, prefetch=config.data.prefetch,
+            pin_memory=self.device.type == "cuda",
+        )
+        self.val_loader = self._build_val_loader()
+        self.step = 0
+        self.tokens_seen = 0
+        self.flops_per_token = train_flops_per_token(self.model_config, config.data.seq_len)
+        self._build_resilience()
+        if self.dist.is_main:
+            self._write_run_dir()
+        self.peak_flops_per_s, self.peak_source = self._resolve_peak()
+        self.metrics = MetricsLogger(
+            self.run_dir, enabled=self.dist.is_main, console=console,
+            console_interval=config.logging.interval, tensorboard=config.logging.tensorboard,
+        )
+        restore_s = self._resume()
+        self.time_s = {"startup": time.perf_counter() - start, "eval": 0.0, "checkpoint": 0.0}
+        """Seconds spent outside steps: building the trainer, evaluations, checkpoints."""
+        self.ledger.record("start", process_start=started_at, attempt=self.dist.attempt,
+                           restarts=restart_count(), world_size=self.dist.world_size)
+        self.ledger.record("ready", process_start=started_at, restore_s=restore_s,
+                           backoff_s=self._backoff_s, step=self.step)
+
+    # ---- set-up -------------------------------------------------------------------------------
+
+    def _set_up_process(self) -> None:
+        """Restart backoff, process group, checks that need it, seeds, deterministic mode, CPU
+        allocator."""
+        config = self.config
+        device_type = _device_type(config.training.device)
+        self._backoff_s = restart_backoff_s(config.supervisor, restart_count())
+        if self._backoff_s:
+            logger.warning("restart %d: waiting %.1fs before starting", restart_count(), self._backoff_s)
+            time.sleep(self._backoff_s)
+        was_initialized = torch.distributed.is_initialized()
+        self.dist: DistInfo = init_distributed(device_type, config.parallel.backend)
+        self._owns_process_group = torch.distributed.is_initialized() and not was_initialized
+        self.device = self.dist.device
+        check_run(config, self.dist.world_size)
+        self.run_dir = Path(config.run.dir)
+        # Every rank checks before rank 0 writes anything there: the first write comes after
+        # `materialize`, a collective that every rank enters later.
+        self.config_changes = _check_resumable(self.run_dir, config)
+        self._was_deterministic = torch.are_deterministic_algorithms_enabled()
+        seed_everything(config.training.seed + self.dist.rank, config.training.deterministic)
+        if device_type == "cpu":
+            keep_freed_memory()
+            keep_large_freed_memory()
+
+    def _build_resilience(self) -> None:
+        """Checkpoint manager, fault injector, goodput ledger, skipped windows, watchdog, SIGTERM."""
+        config, info = self.config, self.dist
+        self.faults = FaultInjector(config.faults, self.run_dir, info.rank)
+        self.hooks.append(self.faults.after_step)
+        self.ledger = GoodputLedger(self.run_dir, enabled=info.is_main)
+        self.checkpoints = ckpt.CheckpointManager(
+            self.run_dir, rank=info.rank, world_size=info.world_size,
+            process_group=checkpoint_group(info), keep_last=config.checkpoint.keep_last,
+            keep_every=config.checkpoint.keep_every, async_save=config.checkpoint.async_save,
+            on_files_written=self.faults.on_checkpoint_written,
+            on_commit=lambda step, path: self.ledger.record("commit", step=step),
+        )
+        self.skipped_windows = SkippedWindows(self.run_dir, writable=info.is_main)
+        self.watchdog = Watchdog(config.supervisor.hang_timeout_s, self.run_dir, info.rank, info.attempt)
+        self.preemption = PreemptionHandler()
+        self._code_version = ckpt.code_version() if info.is_main else {}
+        self._saved_step: int | None = None
+        self.resumed_from: int | None = None
+
+    def _resume(self) -> float:
+        """Load the newest valid checkpoint of the run dir, if any; returns the seconds it took."""
+        start = time.perf_counter()
+        for change in self.config_changes:
+            self.metrics.log({"kind": "config_change", "step": 0, "change": change})
+            logger.warning("resuming with a changed config: %s", change)
+        path, skipped = self.checkpoints.newest()
+        if path is None:
+            return 0.0
+        state = self.load_checkpoint(path)
+        self.resumed_from = self._saved_step = self.step
+        restore_s = time.perf_counter() - start
+        self.metrics.log({"kind": "resume", "step": self.step, "path": str(path), "skipped": skipped,
+                          "resharded": state["resharded"], "restore_s": restore_s})
+        return restore_s
+
+    def _build_model(self) -> nn.Module:
+        """Meta-device model -> CPU fast path -> parallelize -> weights from rank 0."""
+        with torch.device("meta"):
+            model = Transformer(self.model_config)
+        if self.config.training.fast_kernels and self.device.type == "cpu":
+            use_onednn_linears(model)
+        parallelize(model, self.mesh, self.config.parallel)
+        full_state = initial_state(self.config, self.model_config) if self.dist.is_main else {}
+        materialize(model, self.device, full_state, distributed=self.mesh is not None)
+        return model
+
+    def _build_val_loader(self) -> WindowLoader | None:
+        if self.config.eval.interval == 0:
+            return None
+        try:
+            return WindowLoader(
+                self.dataset.tokens("val"), seq_len=self.config.data.seq_len,
+                batch_size=self.config.training.micro_batch_size, rank=self.dist.rank,
+                world_size=self.dist.world_size, shuffle=False, prefetch=0,
+            )
+        except ValueError as e:
+            logger.warning("evaluation disabled: the held-out split is too small (%s)", e)
+            return None
+
+    def _resolve_peak(self) -> tuple[float, str]:
+        # Rank 0 measures (or reads the cache) first, so ranks do not calibrate against each other.
+        if not self.dist.is_main:
+            barrier(self.dist)
+        peak = resolve_peak_flops(self.device, self.config.training.dtype,
+                                  self.config.logging.peak_flops_per_s)
+        if self.dist.is_main:
+            barrier(self.dist)
+        return peak
+
+    def _write_run_dir(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(self.config.to_toml())
+        self.model_config.save_pretrained(self.run_dir / "model")
+        tokenizer_dir = self.run_dir / "tokenizer"
+        shutil.rmtree(tokenizer_dir, ignore_errors=True)
+        shutil.copytree(self.dataset.tokenizer_dir, tokenizer_dir)
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """Train to `training.steps`, evaluating and checkpointing on schedule; returns the last
+        train record. A non-finite loss rolls back to the newest checkpoint; SIGTERM saves a
+        checkpoint and returns early (the ranks agree on it at a step boundary)."""
+        self.metrics.log(self.run_record())
+        record: dict[str, Any] = {}
+        outcome = "failed"
+        self.preemption.install()
+        self.watchdog.start()
+        try:
+            while self.step < self.config.training.steps:
+                if any_rank(self.preemption.requested, self.dist):
+                    self._stop_for_preemption()
+                    outcome = "preempted"
+                    break
+                self.faults.before_step(self)
+                step_record = self.train_step()
+                if math.isfinite(step_record["loss"]):
+                    record = step_record
+                    self._finish_step(record)
+                else:
+                    self._roll_back(step_record)
+            else:
+                outcome = "finished"
+        finally:
+            self.close(outcome)
+        return record
+
+    def _finish_step(self, record: dict[str, Any]) -> None:
+        """Log the step, run the hooks, then evaluate and checkpoint when they are due."""
+        config = self.config
+        self.metrics.log(record)
+        self.ledger.record("step", step=self.step, step_s=record["step_s"], data_s=record["data_wait_s"])
+        for hook in self.hooks:
+            hook(self, record)
+        self.watchdog.progress()
+        last = self.step == config.training.steps
+        if self.val_loader is not None and (self.step % config.eval.interval == 0 or last):
+            self.metrics.log(self.evaluate())
+        interval = config.checkpoint.interval
+        if (interval and self.step % interval == 0) or (last and config.checkpoint.save_final):
+            self.save_checkpoint()
+        self._log_saves()
+
+    def _roll_back(self, record: dict[str, Any]) -> None:
+        """After a non-finite loss: remember where the step's batches start (so they are
+        skipped from now on, also after restarts), reload the newest checkpoint."""
+        bad_step, loss = self.step, record["loss"]
+        self.skipped_windows.add(record["data_epoch"], record["data_position"], step=bad_step,
+                                 loss=str(loss))
+        self.ledger.record("step", step=bad_step, step_s=record["step_s"], data_s=record["data_wait_s"])
+        if len(self.skipped_windows) > self.config.supervisor.max_rollbacks:
+            raise RuntimeError(f"non-finite loss ({loss}) at step {bad_step}, more than "
+                               f"supervisor.max_rollbacks = {self.config.supervisor.max_rollbacks}")
+        start = time.perf_counter()
+        path, _ = self.checkpoints.newest()
+        if path is None:
+            raise RuntimeError(
+                f"non-finite loss ({loss}) at step {bad_step} before the first checkpoint: nothing "
+                f"to roll back to; a rerun starts over and skips that step's batches"
+            )
+        self.load_checkpoint(path)
+        self._saved_step = self.step
+        restore_s = time.perf_counter() - start
+        self.ledger.record("rollback", from_step=bad_step, to_step=self.step, restore_s=restore_s)
+        self.metrics.log({"kind": "rollback", "step": bad_step, "loss": str(loss), "to_step": self.step,
+                          "data_epoch": record["data_epoch"], "data_position": record["data_position"],
+                          "restore_s": restore_s})
+        logger.warning("non-finite loss at step %d: rolled back to step %d, skipping its batches",
+                       bad_step, self.step)
+
+    def _stop_for_preemption(self) -> None:
+        if self._saved_step != self.step:
+            self.save_checkpoint(wait=True)
+        self.checkpoints.wait()
+        self._log_saves()
+        self.metrics.log({"kind": "preempted", "step": self.step})
+        logger.warning("SIGTERM: checkpoint of step %d saved; rerun the command to resume", self.step)
+
+    def _skip_windows(self) -> dict[str, int]:
+        """Pass over steps' batches that start where a non-finite loss was seen; returns the
+        loader state where this step's batches start."""
+        state = self.train_loader.state_dict()
+        while (state["epoch"], state["position"]) in self.skipped_windows:
+            for _ in range(self.accumulation_steps):
+                next(self.train_loader)
+            self.metrics.log({"kind": "skip", "step": self.step + 1, "data_epoch": state["epoch"],
+                              "data_position": state["position"]})
+            state = self.train_loader.state_dict()
+        return state
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step over `accumulation_steps` micro-batches; returns its record."""
+        start = time.perf_counter()
+        data_state = self._skip_windows()
+        data_wait_s = forward_backward_s = 0.0
+        loss_sum = torch.zeros((), device=self.device)
+        num_tokens = 0
+        for micro_step in range(self.accumulation_steps):
+            t0 = time.perf_counter()
+            batch = next(self.train_loader)
+            inputs = batch.inputs.to(self.device, non_blocking=True)  # (B, T)
+            targets = batch.targets.to(self.device, non_blocking=True)  # (B, T)
+            t1 = time.perf_counter()
+            set_gradient_sync(self.model, micro_step == self.accumulation_steps - 1)
+            loss = self.loss(inputs, targets)
+            (loss / self.accumulation_steps).backward()
+            loss_sum += loss.detach()
+            self._synchronize()
+            data_wait_s += t1 - t0
+            forward_backward_s += time.perf_counter() - t1
+            num_tokens += batch.num_tokens * self.dist.world_size
+        t2 = time.perf_counter()
+        lr = self.optimizer.param_groups[0]["lr"]
+        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.config.training.max_grad_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._synchronize()
+        optimizer_s = time.perf_counter() - t2
+        loss_value = all_reduce_mean(loss_sum / self.accumulation_steps, self.dist).item()
+        self.step += 1
+        self.tokens_seen += num_tokens
+        step_s = time.perf_counter() - start
+        return self._train_record(loss_value, grad_norm.item(), lr, num_tokens, step_s, {
+            "data_wait_s": data_wait_s, "forward_backward_s": forward_backward_s,
+            "optimizer_s": optimizer_s, "data_epoch": data_state["epoch"],
+            "data_position": data_state["position"],
+        })
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (fp32) of a (B, T) batch."""
+        positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)  # (B, T)
+        with self._autocast():
+            logits = self.model(inputs, positions)  # (B, T, V)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any]:
+        """Mean loss over the first `eval.num_batches` micro-batches of the held-out split."""
+        assert self.val_loader is not None
+        start = time.perf_counter()
+        self.val_loader.load_state_dict({**self.val_loader.state_dict(), "epoch": 0, "position": 0})
+        # The same windows at every world size: num_batches global batches, each rank its share.
+        global_batches = min(self.config.eval.num_batches,
+                             self.val_loader.num_windows // self.config.training.global_batch_size)
+        num_micro_batches = max(global_batches, 1) * self.accumulation_steps
+        loss_sum = torch.zeros((), device=self.device)
+        for batch in itertools.islice(self.val_loader, num_micro_batches):
+            loss_sum += self.loss(batch.inputs.to(self.device), batch.targets.to(self.device))
+        loss = all_reduce_mean(loss_sum / num_micro_batches, self.dist).item()
+        eval_s = time.perf_counter() - start
+        self.time_s["eval"] += eval_s
+        self.ledger.record("eval", step=self.step, eval_s=eval_s)
+        num_tokens = num_micro_batches * self.val_loader.global_batch_windows * self.config.data.seq_len
+        return {"kind": "eval", "step": self.step, "eval_loss": loss,
+                "eval_perplexity": perplexity(loss), "eval_tokens": num_tokens, "eval_s": eval_s}
+
+    def close(self, outcome: str = "closed") -> None:
+        """Wait for the checkpoint in flight, stop the prefetch thread and the watchdog, flush
+        metrics, record how the attempt ended (`outcome`: finished, preempted, failed, closed),
+        undo the process-wide deterministic setting (so a trainer inside a larger program leaves
+        it as it was), and leave the process group if this trainer joined it."""
+        if self._closed:
+            return
+        self._closed = True
+        self.watchdog.stop()
+        self.preemption.uninstall()
+        error = None
+        try:
+            self.checkpoints.close()
+            self._log_saves()
+        except Exception as e:  # a failed save: report it unless the run already failed
+            if outcome == "failed":
+                logger.exception("the checkpoint in flight failed")
+            else:
+                error = e
+        self.ledger.record("end", reason="failed" if error else outcome, step=self.step)
+        self.ledger.close()
+        self.train_loader.close()
+        self.metrics.close()
+        torch.use_deterministic_algorithms(self._was_deterministic)
+        if self._owns_process_group:
+            destroy_distributed()
+            self._owns_process_group = False
+        if error is not None:
+            raise error
+
+    # ---- records ------------------------------------------------------------------------------
+
+    def _train_record(
+        self, loss: float, grad_norm: float, lr: float, num_tokens: int, step_s: float,
+        times_s: dict[str, float],
+    ) -> dict[str, Any]:
+        tokens_per_s = num_tokens / step_s
+        tokens_per_s_per_device = tokens_per_s / self.dist.world_size
+        return {
+            "kind": "train",
+            "step": self.step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens": num_tokens,
+            "tokens_seen": self.tokens_seen,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": tokens_per_s_per_device,
+            "mfu": mfu(tokens_per_s_per_device, self.flops_per_token, self.peak_flops_per_s),
+            **times_s,
+            "step_s": step_s,
+            "peak_memory_bytes": peak_memory_bytes(self.device),
+            "attempt": self.dist.attempt,
+        }
+
+    def run_record(self) -> dict[str, Any]:
+        """The "run" record: what is trained, where, and the MFU convention."""
+        config = self.config
+        return {
+            "kind": "run",
+            "step": self.step,
+            "num_params": num_params(self.model_config),
+            "model": config.model.path or config.model.preset,
+            "world_size": self.dist.world_size,
+            "device": str(self.device),
+            "dtype": config.training.dtype,
+            "strategy": config.parallel.strategy if self.dist.world_size > 1 else "single",
+            "seq_len": config.data.seq_len,
+            "global_batch_size": config.training.global_batch_size,
+            "accumulation_steps": self.accumulation_steps,
+            "tokens_per_step": config.training.global_batch_size * config.data.seq_len,
+            "flops_per_token": self.flops_per_token,
+            "peak_flops_per_s": self.peak_flops_per_s,
+            "peak_source": self.peak_source,
+            "mfu_convention": "6N + 12*L*H*Q*T per token (PaLM/torchtitan, no causal discount, "
+                              "no recompute), per device, over the peak for the matmul dtype",
+            "vocab_size": self.model_config.vocab_size,
+            "attempt": self.dist.attempt,
+            "resumed_from_step": self.resumed_from,
+        }
+
+    # ---- state and checkpoints ----------------------------------------------------------------
+
+    def train_state(self) -> dict[str, Any]:
+        """Everything but model and optimizer that a resumed run needs (this rank's RNGs)."""
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "data": self.train_loader.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "rng": rng_state(),
+        }
+
+    def load_train_state(self, state: dict[str, Any]) -> None:
+        """Restore `train_state()`; RNG states only when present (a rank the saving job did not
+        have keeps its fresh seed)."""
+        self.step = state["step"]
+        self.tokens_seen = state["tokens_seen"]
+        self.train_loader.load_state_dict(state["data"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if "rng" in state:
+            set_rng_state(state["rng"])
+
+    def save_checkpoint(self, *, wait: bool = False) -> Path:
+        """Save the current state (in the background with `checkpoint.async_save`; with `wait`,
+        return once it is committed); returns the folder it commits to. Every rank calls it."""
+        stall_s = self.checkpoints.save(self.step, self.model, self.optimizer, self.train_state(),
+                                        self._checkpoint_meta(), self.model_config)
+        if wait:
+            start = time.perf_counter()
+            self.checkpoints.wait()
+            stall_s += time.perf_counter() - start
+        self.time_s["checkpoint"] += stall_s
+        self.ledger.record("checkpoint", step=self.step, stall_s=stall_s)
+        self._saved_step = self.step
+        return ckpt.checkpoint_dir(self.run_dir, self.step)
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Load a checkpoint (written at any world size) into this trainer; returns its train
+        state. Every rank calls it."""
+        state = self.checkpoints.load(path, self.model, self.optimizer)
+        self.load_train_state(state)
+        return state
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(), "code_version": self._code_version,
+                "attempt": self.dist.attempt, "time": time.time()}
+
+    def _log_saves(self) -> None:
+        for result in self.checkpoints.completed():
+            self.metrics.log({"kind": "checkpoint", "step": result.step, "path": str(result.path),
+                              "checkpoint_s": result.stall_s, "write_s": result.write_s,
+                              "bytes": result.num_bytes, "async": self.config.checkpoint.async_save})
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.config.training.dtype == "bfloat16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+# ---- building blocks (public: tests and the benchmark use them) -------------------------------
+
+
+def resolve_model_config(config: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
+    """The model's shape from the preset or model dir, checked against the data's tokenizer."""
+    source = config.model
+    if source.path is not None:
+        model_config = ModelConfig.from_pretrained(source.path)
+        field = "model.path"
+    else:
+        preset = get_preset(source.preset)
+        if preset.config_only:
+            raise ValueError(f"model.preset {source.preset!r} is a planning shape too large to train here")
+        model_config = preset.config.replace(
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
+        )
+        field = "model.preset"
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise ValueError(
+            f"{field} has a vocabulary of {model_config.vocab_size} tokens, but the data in "
+            f"data.path was tokenized with {tokenizer.vocab_size}; prepare the data with a "
+            "tokenizer of at most that size"
+        )
+    if config.data.seq_len > model_config.max_position_embeddings:
+        raise ValueError(
+            f"data.seq_len ({config.data.seq_len}) exceeds the model's max_position_embeddings "
+            f"({model_config.max_position_embeddings})"
+        )
+    return model_config.replace(dtype="float32")
+
+
+def initial_state(config: TrainConfig, model_config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The full fp32 starting weights: a seeded initialisation, or the model dir's weights."""
+    if config.model.path is not None:
+        return load_model(config.model.path, dtype=torch.float32).state_dict()
+    with torch.device("meta"):
+        model = Transformer(model_config)
+    model.to_empty(device="cpu")
+    model.init_weights(std=config.model.init_std,
+                       generator=torch.Generator().manual_seed(config.model.init_seed))
+    return model.state_dict()
+
+
+def _device_type(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("training.device is 'cuda' but no CUDA device is available")
+    return device
+
+
+def _check_resumable(run_dir: Path, config: TrainConfig) -> list[str]:
+    """The config changes of a rerun in a run dir that holds a run (ValueError if it holds
+    another run: see `config.RESUME_IDENTITY`); [] for a new run dir."""
+    saved = run_dir / "config.toml"
+    if saved.is_file():
+        return resume_changes(load_config(saved), config)
+    if ckpt.list_checkpoints(run_dir):
+        raise ValueError(f"run.dir {str(run_dir)!r} holds checkpoints but no config.toml; "
+                         "choose a new run.dir")
+    return []

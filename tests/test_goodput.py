@@ -1,0 +1,85 @@
+"""The goodput ledger: every second of wall time charged to one bucket, lost work after a
+restart, and `slipstream goodput`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from train_fixtures import small_config
+
+from slipstream.cli import main
+from slipstream.train.goodput import BUCKETS, summarize
+from slipstream.train.trainer import Trainer
+
+pytest_plugins = ["train_fixtures"]
+
+
+def _crash_and_restart_events(finished: bool = True) -> list[dict]:
+    """A launcher, an attempt that commits step 2 and dies after step 3, and a restarted attempt
+    that restores step 2 and redoes step 3."""
+    events = [
+        {"event": "launch", "t": 100.0},
+        {"event": "start", "t": 103.0, "process_start": 101.0},
+        {"event": "ready", "t": 103.0, "process_start": 101.0, "restore_s": 0.0, "backoff_s": 0.0},
+        {"event": "step", "t": 104.0, "step": 1, "step_s": 1.0, "data_s": 0.1},
+        {"event": "step", "t": 105.0, "step": 2, "step_s": 1.0, "data_s": 0.1},
+        {"event": "checkpoint", "t": 105.2, "step": 2, "stall_s": 0.2},
+        {"event": "commit", "t": 105.5, "step": 2},
+        {"event": "eval", "t": 106.0, "step": 2, "eval_s": 0.5},
+        {"event": "step", "t": 107.0, "step": 3, "step_s": 1.0, "data_s": 0.0},
+        {"event": "start", "t": 113.0, "process_start": 110.0},
+        {"event": "ready", "t": 113.0, "process_start": 110.0, "restore_s": 1.0, "backoff_s": 0.5},
+        {"event": "step", "t": 114.0, "step": 3, "step_s": 1.0, "data_s": 0.0},
+    ]
+    if finished:
+        events.append({"event": "end", "t": 114.5, "reason": "finished", "step": 3})
+    return events
+
+
+def test_buckets_sum_to_wall_time_and_charge_lost_work():
+    """Launch to last event is 14.5 s: the first step 3 (lost in the crash) is lost work, the
+    gap from its last event to the next process plus the backoff is restart downtime, the
+    restarted process's start-up less its restore is start-up; the buckets sum to the total."""
+    summary = summarize(_crash_and_restart_events())
+    seconds = summary["seconds"]
+    expected = {"productive": 0.9 + 0.9 + 1.0, "data_stall": 0.2, "startup": 1.0 + 2.0 + 1.5,
+                "restore": 1.0, "checkpoint_stall": 0.2, "eval": 0.5, "lost_work": 1.0,
+                "restart": 3.0 + 0.5, "other": 0.8}
+    assert set(seconds) == set(BUCKETS)
+    for bucket, value in expected.items():
+        assert seconds[bucket] == pytest.approx(value), bucket
+    assert summary["total_s"] == pytest.approx(14.5) == pytest.approx(sum(seconds.values()))
+    assert summary["goodput"] == pytest.approx(2.8 / 14.5)
+    counts = (summary["attempts"], summary["restarts"], summary["steps_kept"], summary["steps_lost"])
+    assert counts == (2, 1, 3, 1)
+    assert summary["finished"]
+
+
+def test_unfinished_run_counts_steps_after_the_last_commit_as_lost():
+    """While a run is not finished, steps after its newest committed checkpoint are at risk:
+    they count as lost work until a checkpoint covers them."""
+    summary = summarize(_crash_and_restart_events(finished=False))
+    assert not summary["finished"] and summary["steps_lost"] == 2
+    assert summary["seconds"]["lost_work"] == pytest.approx(2.0)
+    assert sum(summary["seconds"].values()) == pytest.approx(summary["total_s"])
+
+
+def test_goodput_command(data_dir, train_model_dir, tmp_path, capsys):
+    """`slipstream goodput RUN_DIR` prints the breakdown of a real run, `--json` the same as a
+    record whose buckets sum to the wall time; a directory without a ledger is an error."""
+    torch.set_num_threads(1)
+    run_dir = tmp_path / "run"
+    Trainer(small_config(data_dir, train_model_dir, run_dir, "--training.steps=4", "--checkpoint.interval=2",
+                         "--eval.interval=2")).run()
+    assert main(["goodput", str(run_dir)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("goodput ") and "productive" in text and "checkpoint_stall" in text
+    assert main(["goodput", str(run_dir), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["finished"] and summary["steps_kept"] == 4 and summary["restarts"] == 0
+    assert summary["seconds"]["eval"] > 0 and summary["seconds"]["checkpoint_stall"] > 0
+    assert sum(summary["seconds"].values()) == pytest.approx(summary["total_s"])
+    assert 0 < summary["goodput"] < 1 and summary["seconds"]["other"] >= -1e-6
+    assert main(["goodput", str(tmp_path)]) == 2

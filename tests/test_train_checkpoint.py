@@ -1,0 +1,202 @@
+"""Checkpoints: atomic and checksummed on disk, asynchronous, retention, corruption fallback, and
+resume by rerunning the same command after a real SIGKILL (bitwise, deterministic fp32)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from train_fixtures import read_metrics, small_config
+
+from slipstream.train.checkpoint import (
+    CorruptCheckpointError,
+    list_checkpoints,
+    load_model_state,
+    newest_checkpoint,
+    verify_checkpoint,
+)
+from slipstream.train.trainer import Trainer
+
+pytest_plugins = ["train_fixtures"]
+
+DETERMINISTIC = ("--training.deterministic=true", "--training.steps=8", "--checkpoint.interval=2")
+ENV = os.environ | {"OMP_NUM_THREADS": "1"}
+"""Every process of a comparison runs with the same thread count, so the same kernels run."""
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread (as the subprocesses have): the tiny model gains nothing from two,
+    and on a shared machine an OpenMP barrier waiting for a busy core costs 100x the step."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    """Each step's loss as the run's final state has it (a step recomputed after a restart
+    appears twice in metrics.jsonl; the later record is the one that survives)."""
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir)}
+
+
+def _assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = load_model_state(a), load_model_state(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+def _train_cli(config_path: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "slipstream.cli", "train", "--config", str(config_path)],
+                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _write_config(tmp_path: Path, name: str, config) -> Path:
+    path = tmp_path / f"{name}.toml"
+    path.write_text(config.to_toml())
+    return path
+
+
+@pytest.fixture(scope="module")
+def straight_run(data_dir, train_model_dir, tmp_path_factory):
+    """8 deterministic steps in one `slipstream train` process, checkpoints every 2 steps."""
+    tmp = tmp_path_factory.mktemp("straight")
+    config = _write_config(tmp, "run", small_config(data_dir, train_model_dir, tmp / "run", *DETERMINISTIC))
+    proc = _train_cli(config)
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
+    return tmp / "run"
+
+
+def test_checkpoint_layout_manifest_and_state(data_dir, train_model_dir, tmp_path):
+    """A committed checkpoint holds DCP shards, one train-state file per rank, meta.json (step,
+    world size, resolved config, code version) and a manifest with every other file's size and
+    CRC-32; no temporary folder is left behind."""
+    trainer = Trainer(small_config(data_dir, train_model_dir, tmp_path / "run", "--training.steps=2",
+                                   "--checkpoint.interval=2"))
+    trainer.run()
+    (step, path), = list_checkpoints(tmp_path / "run")
+    assert step == 2 and path.name == "step-00000002"
+    manifest = verify_checkpoint(path)
+    files = {p.name for p in path.iterdir()}
+    assert files == {".metadata", "__0_0.distcp", "rank-00000.pt", "meta.json", "config.json",
+                     "manifest.json"}
+    assert set(manifest["files"]) == files - {"manifest.json"}
+    assert all(manifest["files"][f]["size"] == (path / f).stat().st_size for f in manifest["files"])
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["step"] == 2 and meta["world_size"] == 1
+    assert meta["config"]["training"]["steps"] == 2 and "slipstream" in meta["code_version"]
+    state = torch.load(path / "rank-00000.pt", weights_only=True)
+    assert state["step"] == 2 and set(state["rng"]) >= {"python", "numpy", "torch"}
+    assert state["data"]["position"] == 2 * 4 and state["lr_scheduler"]["last_epoch"] == 2
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
+
+
+def test_retention_keeps_the_last_k_and_every_mth(data_dir, train_model_dir, tmp_path):
+    """keep_last=2 and keep_every=3 over checkpoints at steps 1..7 leave steps 3, 6 and 7."""
+    Trainer(small_config(data_dir, train_model_dir, tmp_path / "run", "--training.steps=7",
+                         "--checkpoint.interval=1", "--checkpoint.keep_last=2",
+                         "--checkpoint.keep_every=3")).run()
+    assert [step for step, _ in list_checkpoints(tmp_path / "run")] == [3, 6, 7]
+
+
+def test_async_save_stages_a_copy(data_dir, train_model_dir, tmp_path):
+    """An asynchronous save returns before the checkpoint is committed, and the weights the
+    training goes on to change are not what it writes: the checkpoint holds the weights of the
+    step it was taken at."""
+    trainer = Trainer(small_config(data_dir, train_model_dir, tmp_path / "run", "--training.steps=4"))
+    trainer.train_step()
+    at_save = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    path = trainer.save_checkpoint()
+    trainer.train_step()  # changes every weight while the write may still run
+    trainer.close()
+    saved = load_model_state(path)
+    assert all(torch.equal(saved[k], at_save[k]) for k in at_save)
+    assert not torch.equal(trainer.model.state_dict()["model.norm.weight"], at_save["model.norm.weight"])
+    (record,) = read_metrics(tmp_path / "run", "checkpoint")
+    print(f"async save: blocked {record['checkpoint_s'] * 1e3:.1f} ms, wrote in "
+          f"{record['write_s'] * 1e3:.1f} ms ({record['bytes']} bytes)")
+    assert record["async"] and record["checkpoint_s"] < record["write_s"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "manifest"])
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(damage, data_dir, train_model_dir, tmp_path,
+                                                             straight_run):
+    """A truncated or deleted data file, or a missing manifest, makes the newest checkpoint
+    invalid: the loader reports it and the rerun resumes from the previous one, ending with the
+    uninterrupted run's losses and weights."""
+    run_dir = tmp_path / "run"
+    config = small_config(data_dir, train_model_dir, run_dir, *DETERMINISTIC, "--checkpoint.keep_last=3")
+    trainer = Trainer(config.replace(training={"steps": 6}))
+    trainer.run()  # checkpoints at 2, 4, 6 (a shorter schedule: only the resumed tail is compared)
+    newest = run_dir / "checkpoints" / "step-00000006"
+    if damage == "truncate":
+        data = newest / "__0_0.distcp"
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    elif damage == "delete":
+        (newest / "rank-00000.pt").unlink()
+    else:
+        (newest / "manifest.json").unlink()
+    path, skipped = newest_checkpoint(run_dir)
+    assert path.name == "step-00000004"
+    if damage == "manifest":  # without a manifest it is not a checkpoint at all
+        assert skipped == [] and [s for s, _ in list_checkpoints(run_dir)] == [2, 4]
+    else:
+        with pytest.raises(CorruptCheckpointError):
+            verify_checkpoint(newest)
+        assert len(skipped) == 1 and "step-00000006" in skipped[0]
+    resumed = Trainer(config)
+    assert resumed.step == 4
+    resumed.run()
+    (resume,) = read_metrics(run_dir, "resume")
+    assert resume["step"] == 4 and len(resume["skipped"]) == len(skipped)
+    # Steps 5-8 of an 8-step schedule started at step 4 of the 6-step one: compare with a
+    # fresh run resumed from the same checkpoint instead of the straight run.
+    reference = Trainer(small_config(data_dir, train_model_dir, tmp_path / "ref", *DETERMINISTIC))
+    reference.load_checkpoint(run_dir / "checkpoints" / "step-00000004")
+    reference.run()
+    assert _losses(tmp_path / "ref") == {s: v for s, v in _losses(run_dir).items() if s > 4}
+    final = "checkpoints/step-00000008"
+    _assert_same_weights(run_dir / final, tmp_path / "ref" / final)
+
+
+@pytest.mark.parametrize("when", ["between_steps", "during_async_write"])
+def test_sigkill_then_rerun_is_bitwise(when, data_dir, train_model_dir, tmp_path, straight_run):
+    """Deterministic fp32: a `slipstream train` process SIGKILLed after its step-4 checkpoint
+    committed (or in the middle of writing its step-4 checkpoint, which then never commits),
+    rerun with the same command, gives every step's loss and the final weights of the
+    uninterrupted run bit for bit."""
+    run_dir = tmp_path / "run"
+    if when == "between_steps":  # it stops making progress after step 5; we kill it there
+        fault = "--faults.hang_at_step=5"
+    else:  # its checkpoint thread SIGKILLs it between writing the step-4 files and committing
+        fault = "--faults.kill_during_checkpoint=4"
+    config = small_config(data_dir, train_model_dir, run_dir, *DETERMINISTIC, fault)
+    config = _write_config(tmp_path, "run", config)
+    proc = _train_cli(config)
+    if when == "between_steps":
+        deadline = time.monotonic() + 120
+        hung, committed = run_dir / "faults" / "hang-step-5", run_dir / "checkpoints" / "step-00000004"
+        while not (hung.exists() and committed.exists()):  # the write may still run in the hang
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=120) == -signal.SIGKILL
+    checkpoints = run_dir / "checkpoints"
+    if when == "during_async_write":
+        assert (checkpoints / ".tmp-step-00000004" / "__0_0.distcp").is_file()
+        assert not (checkpoints / "step-00000004").exists()
+    rerun = _train_cli(config)
+    assert rerun.wait(timeout=300) == 0, rerun.stderr.read()[-3000:]
+    (resume,) = read_metrics(run_dir, "resume")
+    assert resume["step"] == (4 if when == "between_steps" else 2)
+    assert _losses(run_dir) == _losses(straight_run)
+    _assert_same_weights(checkpoints / "step-00000008", straight_run / "checkpoints" / "step-00000008")
+    assert not list(checkpoints.glob(".tmp-*"))

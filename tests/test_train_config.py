@@ -1,0 +1,79 @@
+"""The training config: TOML plus overrides, the resolved copy in the run dir, and bad configs
+failing at start with a message that names the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from slipstream.train.config import TrainConfig, check_run, load_config
+from slipstream.train.trainer import Trainer
+
+pytest_plugins = ["train_fixtures"]
+
+
+def test_toml_file_then_overrides(tmp_path):
+    """Values come from the TOML file, overrides win, untouched keys keep their defaults."""
+    path = tmp_path / "run.toml"
+    path.write_text('[optimizer]\nlr = 3e-4\nbetas = [0.9, 0.99]\n[training]\nsteps = 50\n')
+    config = load_config(path, ["--training.steps=7", "--data.path=some/dir", "--training.dtype=bfloat16"])
+    assert config.optimizer.lr == 3e-4 and config.optimizer.betas == (0.9, 0.99)
+    assert config.training.steps == 7 and config.training.dtype == "bfloat16"
+    assert config.data.path == "some/dir"
+    assert config.schedule == TrainConfig().schedule
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    """`to_toml` is what the run dir gets, and reading it back gives an equal config."""
+    config = load_config(None, ["--model.path=m", "--optimizer.eps=1e-10", "--logging.peak_flops_per_s=5e11"])
+    path = tmp_path / "config.toml"
+    path.write_text(config.to_toml())
+    assert load_config(path) == config
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("--optimizer.lrr=1e-3", "unknown config key optimizer.lrr; did you mean optimizer.lr?"),
+    ("--training.lr=1e-3", "did you mean optimizer.lr?"),
+    ("--optimiser.lr=1e-3", "unknown config section [optimiser]; did you mean optimizer?"),
+    ("--optimizer.lr=-1e-3", "optimizer.lr must be a positive number"),
+    ("--training.steps=1.5", "training.steps must be int"),
+    ("--training.dtype=fp16", "training.dtype must be one of float32, bfloat16"),
+    ("--optimizer.betas=[0.9]", "optimizer.betas must be a list of 2 values"),
+    ("--parallel.strategy=zero3", "parallel.strategy must be one of fsdp, ddp"),
+    ("optimizer.lr", "must look like --section.key=value"),
+])
+def test_bad_values_name_the_field(override, message):
+    """Unknown keys suggest the closest valid one; bad values name the field and what is valid."""
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("?", r"\?")):
+        load_config(None, [override])
+
+
+def test_unknown_key_in_a_toml_file(tmp_path):
+    """The TOML file gets the same check as overrides."""
+    path = tmp_path / "run.toml"
+    path.write_text("[schedule]\nwarmup = 10\n")
+    with pytest.raises(ValueError, match=r"schedule.warmup; did you mean schedule.warmup_steps\?"):
+        load_config(path)
+
+
+def test_batch_not_divisible_by_world_size(data_dir):
+    """The global batch must split into micro-batches over the ranks; the message names it."""
+    config = load_config(None, [f"--data.path={data_dir}", "--training.global_batch_size=12",
+                                "--training.micro_batch_size=4"])
+    check_run(config, world_size=3)
+    with pytest.raises(ValueError, match=r"training.global_batch_size \(12\) must be divisible by "
+                                         r"world size x training.micro_batch_size \(2 x 4 = 8\)"):
+        check_run(config, world_size=2)
+
+
+def test_bad_configs_fail_at_trainer_start(tmp_path, data_dir):
+    """The trainer checks before building anything: missing data dir, indivisible batch."""
+    missing = load_config(None, [f"--data.path={tmp_path / 'nope'}", f"--run.dir={tmp_path / 'run'}"])
+    with pytest.raises(ValueError, match="data.path .* holds no prepared dataset"):
+        Trainer(missing)
+    with pytest.raises(ValueError, match="data.path is required"):
+        Trainer(load_config(None, [f"--run.dir={tmp_path / 'run'}"]))
+    indivisible = load_config(None, [f"--data.path={data_dir}", "--training.global_batch_size=6",
+                                     "--training.micro_batch_size=4", f"--run.dir={tmp_path / 'run'}"])
+    with pytest.raises(ValueError, match="training.global_batch_size"):
+        Trainer(indivisible)
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,147 @@
+"""Training data: prepared token shards and the deterministic, resumable, rank-sharded loader."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from train_fixtures import SEQ_LEN, corpus
+
+from slipstream.model.tokenizer import Tokenizer
+from slipstream.train.data import TokenDataset, WindowLoader, heldout_documents, prepare_dataset
+
+pytest_plugins = ["train_fixtures"]
+
+
+def test_prepared_dataset_holds_every_document_once(data_dir):
+    """Each document lands in exactly one split, as its tokens followed by end-of-text, and the
+    metadata counts them; the held-out documents (chosen by a hash of their names) hold about
+    the held-out fraction of the bytes."""
+    dataset = TokenDataset(data_dir)
+    meta = dataset.meta
+    tokenizer = Tokenizer.from_pretrained(dataset.tokenizer_dir)
+    eos = tokenizer.eos_token_id
+    documents = corpus()
+    names = heldout_documents(documents, meta["heldout_fraction"])
+    heldout = [d for d in documents if d.name in names]
+    heldout_bytes = sum(d.path.stat().st_size for d in heldout)
+    assert heldout_bytes >= 0.1 * sum(d.path.stat().st_size for d in documents) > heldout_bytes - max(
+        d.path.stat().st_size for d in heldout)
+    assert meta["splits"]["val"]["num_documents"] == len(heldout)
+    assert meta["splits"]["train"]["num_documents"] == len(documents) - len(heldout)
+    assert meta["vocab_size"] == tokenizer.vocab_size and meta["dtype"] == "uint16"
+    val = dataset.tokens("val")
+    assert len(val) == meta["splits"]["val"]["num_tokens"]
+    first_doc = tokenizer.encode(heldout[0].path.read_text(), add_special_tokens=False)
+    assert val[: len(first_doc) + 1].tolist() == first_doc + [eos]
+    assert int((dataset.tokens("train") == eos).sum()) == meta["splits"]["train"]["num_documents"]
+
+
+def test_prepare_is_cached_and_redone_when_inputs_change(data_dir, tmp_path):
+    """Preparing the same documents with the same tokenizer again rewrites nothing; a different
+    document list gives a new fingerprint and new files."""
+    meta = json.loads((data_dir / "meta.json").read_text())
+    tokenizer = Tokenizer.from_pretrained(data_dir / "tokenizer")
+    mtime = os.stat(data_dir / "train.bin").st_mtime_ns
+    again = prepare_dataset(data_dir, tokenizer, corpus(), heldout_fraction=0.1, progress=False)
+    assert again == meta and os.stat(data_dir / "train.bin").st_mtime_ns == mtime
+    fewer = prepare_dataset(tmp_path, tokenizer, corpus()[:20], heldout_fraction=0.1, progress=False)
+    assert fewer["fingerprint"] != meta["fingerprint"]
+    assert fewer["splits"]["train"]["num_documents"] + fewer["splits"]["val"]["num_documents"] == 20
+
+
+def _tokens(n: int = 2000) -> np.ndarray:
+    return (np.arange(n) % 60000).astype(np.uint16)
+
+
+def test_windows_are_inputs_and_shifted_targets():
+    """A batch holds windows of seq_len + 1 consecutive tokens: inputs, and targets one ahead."""
+    tokens = _tokens()
+    loader = WindowLoader(tokens, seq_len=16, batch_size=4, prefetch=0)
+    batch = next(loader)
+    assert batch.inputs.shape == batch.targets.shape == (4, 16) and batch.inputs.dtype == torch.int64
+    for row, window in enumerate(batch.window_ids):
+        expected = torch.from_numpy(tokens[window * 16: window * 16 + 17].astype(np.int64))
+        assert torch.equal(batch.inputs[row], expected[:-1])
+        assert torch.equal(batch.targets[row], expected[1:])
+
+
+def _epoch_windows(loader: WindowLoader, epoch: int) -> list[int]:
+    ids = []
+    for batch in loader:
+        if batch.epoch != epoch:
+            break
+        ids += batch.window_ids.tolist()
+    return ids
+
+
+def test_ranks_split_each_global_batch_without_repeats():
+    """Within an epoch no window repeats across 3 ranks, the ranks' windows of each step together
+    are the single-process loader's batch, and the next epoch has a new order."""
+    tokens = _tokens()
+    world_size, batch_size = 3, 2
+    single = WindowLoader(tokens, seq_len=16, batch_size=world_size * batch_size, seed=1, prefetch=0)
+    ranks = [WindowLoader(tokens, seq_len=16, batch_size=batch_size, rank=r, world_size=world_size,
+                          seed=1, prefetch=0) for r in range(world_size)]
+    for _ in range(single.batches_per_epoch):
+        together = sorted(i for loader in ranks for i in next(loader).window_ids.tolist())
+        assert together == sorted(next(single).window_ids.tolist())
+    fresh = [WindowLoader(tokens, seq_len=16, batch_size=batch_size, rank=r, world_size=world_size,
+                          seed=1, prefetch=1) for r in range(world_size)]
+    epoch0 = [i for loader in fresh for i in _epoch_windows(loader, 0)]
+    assert len(epoch0) == len(set(epoch0)) == single.batches_per_epoch * world_size * batch_size
+    assert single.window_ids(1, 0).tolist() != single.window_ids(0, 0).tolist()
+    for loader in fresh:
+        loader.close()
+
+
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_state_round_trip_gives_the_uninterrupted_stream(prefetch):
+    """Stopping after k batches and restoring the state in a fresh loader yields exactly the
+    batches an uninterrupted loader gives next, across an epoch boundary, with or without the
+    prefetch thread."""
+    tokens = _tokens(700)  # 43 windows of 16 + 1: 5 batches of 8 per epoch
+    make = lambda: WindowLoader(tokens, seq_len=16, batch_size=4, world_size=2, rank=1,  # noqa: E731
+                                seed=7, prefetch=prefetch)
+    straight = make()
+    expected = [next(straight).window_ids.tolist() for _ in range(12)]
+    first = make()
+    seen = [next(first).window_ids.tolist() for _ in range(4)]
+    state = first.state_dict()
+    first.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert seen + [next(resumed).window_ids.tolist() for _ in range(8)] == expected
+    assert resumed.state_dict()["epoch"] == 2
+    straight.close()
+    resumed.close()
+
+
+def test_state_is_global_so_it_loads_at_another_world_size():
+    """A state saved by 2 ranks resumes on 1 rank at the same global window."""
+    tokens = _tokens()
+    two = [WindowLoader(tokens, seq_len=16, batch_size=2, rank=r, world_size=2, prefetch=0) for r in (0, 1)]
+    for _ in range(3):
+        for loader in two:
+            next(loader)
+    one = WindowLoader(tokens, seq_len=16, batch_size=4, prefetch=0)
+    one.load_state_dict(two[0].state_dict())
+    together = sorted(next(two[0]).window_ids.tolist() + next(two[1]).window_ids.tolist())
+    assert sorted(next(one).window_ids.tolist()) == together
+
+
+def test_state_from_other_data_is_refused():
+    """Loading a state saved for a different seed or sequence length is an error naming it."""
+    loader = WindowLoader(_tokens(), seq_len=16, batch_size=2, seed=0, prefetch=0)
+    other = WindowLoader(_tokens(), seq_len=16, batch_size=2, seed=1, prefetch=0)
+    with pytest.raises(ValueError, match="seed=1"):
+        loader.load_state_dict(other.state_dict())
+
+
+def test_too_little_data_is_an_error():
+    """A split shorter than one global batch of windows fails with the numbers."""
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        WindowLoader(_tokens(100), seq_len=SEQ_LEN, batch_size=4)

@@ -1,0 +1,76 @@
+"""Shared pieces of the training tests: a small prepared dataset and a 2-layer model directory.
+
+The dataset is 80 standard-library files tokenized with a 320-token BPE trained on them (about a
+second), and the model a 2-layer Llama shape of 0.1M parameters with that vocabulary, so a
+training step costs milliseconds and a two-process torchrun job a few seconds.
+
+Test modules load this file as a plugin (`pytest_plugins`) so its session fixtures are built once,
+and import its helpers; it holds no asserts (PYTEST_DONT_REWRITE).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from slipstream.corpus import stdlib_files
+from slipstream.model import ModelConfig, Transformer, save_model
+from slipstream.model.tokenizer import train_tokenizer
+from slipstream.train.config import TrainConfig, load_config
+from slipstream.train.data import Document, prepare_dataset
+
+VOCAB_SIZE = 320
+SEQ_LEN = 32
+NUM_FILES = 80
+
+
+def corpus() -> list[Document]:
+    files = stdlib_files()
+    picked = files[:: len(files) // NUM_FILES][:NUM_FILES]
+    return [Document(f"stdlib/{p.name}-{i}", p) for i, p in enumerate(picked)]
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    """A prepared dataset: train and val splits of the small corpus, 320-token tokenizer."""
+    documents = corpus()
+    tokenizer = train_tokenizer([d.path for d in documents], VOCAB_SIZE)
+    out = tmp_path_factory.mktemp("train-data")
+    prepare_dataset(out, tokenizer, documents, heldout_fraction=0.1, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def train_model_dir(tmp_path_factory, data_dir) -> Path:
+    """A randomly initialised 2-layer model over the dataset's vocabulary (HF directory)."""
+    out = tmp_path_factory.mktemp("train-model")
+    config = ModelConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        eos_token_id=0, pad_token_id=0,
+    )
+    model = Transformer(config)
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    save_model(model, out, dtype="float32")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (out / name).write_bytes((data_dir / "tokenizer" / name).read_bytes())
+    return out
+
+
+def small_config(data_dir: Path, train_model_dir: Path, run_dir: Path, *extra: str) -> TrainConfig:
+    """A fast config over the fixtures; `extra` holds --section.key=value overrides."""
+    return load_config(None, [
+        f"--data.path={data_dir}", f"--model.path={train_model_dir}", f"--run.dir={run_dir}",
+        f"--data.seq_len={SEQ_LEN}", "--training.global_batch_size=4",
+        "--training.micro_batch_size=4", "--training.steps=5", "--schedule.warmup_steps=2",
+        "--eval.interval=0", "--checkpoint.save_final=false", "--logging.tensorboard=false",
+        "--logging.peak_flops_per_s=1e11", *extra,
+    ])
+
+
+def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
