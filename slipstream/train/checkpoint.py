@@ -77,7 +77,8 @@ class SaveResult:
     step: int
     path: Path
     stall_s: float
-    """Seconds the training step waited: for the previous save, then to stage this one."""
+    """Seconds the training step waited: for the previous save and to stage this one (and, when
+    saving synchronously, for the write)."""
     write_s: float
     """Seconds the background write and commit took."""
     num_bytes: int
@@ -266,8 +267,9 @@ class CheckpointManager:
         if self.async_save:
             self._in_flight = self._executor.submit(self._write, *job)
         else:
-            self._done.append(self._write(*job))
+            result = self._write(*job)
             stall_s = time.perf_counter() - start
+            self._done.append(dataclasses.replace(result, stall_s=stall_s))
         return stall_s
 
     def wait(self) -> None:
