@@ -13,13 +13,17 @@ every `--fault-every` seconds of training:
 | sigkill | the drill SIGKILLs a random worker | torchrun restarts both ranks |
 | preempt | SIGTERM to `slipstream train` | a checkpoint is saved, the job exits; the drill reruns it |
 
-The fault steps come from the step time of a short calibration run. After every fault, every
+Two short calibration runs (without checkpoints, and with one every 2 steps) measure the step
+time and what one asynchronous checkpoint costs (its stall plus the slowdown of the steps its
+background write shares the cores with); they set the fault steps, the checkpoint interval
+(Young's optimum for a fault every --fault-every seconds) and the hang timeout (6 steps, at
+least 5 s). After every fault, every
 committed checkpoint must verify (sizes and CRC-32 of its manifest). At the end the run must
 have finished, and its final weights must equal bit for bit those of a fault-free run of the same
 command (told to skip the same batches as the NaN rollback did). The drill prints the run's
 goodput breakdown (`slipstream goodput`; target >= 85%) and, last, one JSON line.
 
-About 10 minutes with the defaults: calibration (~20 s), the faulty run (`--minutes`, 4.5) and
+About 11 minutes with the defaults: calibration (~1 min), the faulty run (`--minutes`, 4.5) and
 the fault-free reference (about as long, less the faults' cost).
 
     python benchmarks/soak_drill.py
@@ -30,10 +34,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -95,15 +101,31 @@ def last_step(run_dir: Path) -> int:
     return max(steps, default=0)
 
 
-def calibrate(nproc: int, data_dir: Path, workdir: Path) -> float:
-    """Seconds per step of this configuration (median of steps 3-12 of a 12-step run)."""
-    run_dir = workdir / "calibration"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    subprocess.run(train_command(nproc, config_args(data_dir, run_dir, 12, 0, 0)), env=ENV, check=True,
-                   stdout=subprocess.DEVNULL)
-    times = [json.loads(line)["step_s"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-             if line.startswith('{"kind": "train"')]
-    return float(sorted(times[2:])[len(times[2:]) // 2])
+def calibrate(nproc: int, data_dir: Path, workdir: Path) -> tuple[float, float]:
+    """(seconds per step, seconds one asynchronous checkpoint costs the run), from two 16-step
+    runs, without checkpoints and with one every 2 steps: the cost is the step time the second
+    run spends more per checkpoint (its background write shares the cores) plus its stall."""
+    def records(interval: int) -> tuple[list[float], list[dict]]:
+        run_dir = workdir / f"calibration-{interval}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        subprocess.run(train_command(nproc, config_args(data_dir, run_dir, 16, interval, 0)), env=ENV,
+                       check=True, stdout=subprocess.DEVNULL)
+        lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        steps = [r["step_s"] for r in lines if r["kind"] == "train"][2:]  # warm-up
+        return steps, [r for r in lines if r["kind"] == "checkpoint" and r["step"] > 2]
+
+    plain, _ = records(0)
+    with_saves, saves = records(2)
+    stall_s = statistics.median(r["checkpoint_s"] for r in saves)
+    interference_s = max(sum(with_saves) - sum(plain), 0.0) / len(saves)
+    return statistics.median(plain), stall_s + interference_s
+
+
+def young_interval(step_s: float, checkpoint_cost_s: float, mtbf_s: float) -> int:
+    """Steps between checkpoints that minimise checkpoint cost plus recomputed work when faults
+    come every `mtbf_s` on average: sqrt(2 * cost * MTBF) (Young, "A first order approximation to
+    the optimum checkpoint interval", CACM 17(9), 1974)."""
+    return max(round(math.sqrt(2 * checkpoint_cost_s * mtbf_s) / step_s), 1)
 
 
 def plan_faults(
@@ -215,12 +237,13 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     data_dir = prepared_data()
 
-    step_s = calibrate(args.nproc, data_dir, workdir)
+    step_s, checkpoint_cost_s = calibrate(args.nproc, data_dir, workdir)
     steps = int(args.minutes * 60 / step_s)
-    interval = max(round(10 / step_s), 1)  # a checkpoint every ~10 s of training
-    hang_s = max(5.0, 10 * step_s)
+    interval = young_interval(step_s, checkpoint_cost_s, args.fault_every)
+    hang_s = max(5.0, 6 * step_s)
     plan = plan_faults(rng, steps, step_s, args.fault_every, interval)
-    print(f"{step_s:.2f}s per step: {steps} steps, a checkpoint every {interval}, hang timeout "
+    print(f"{step_s:.2f}s per step, {checkpoint_cost_s:.2f}s per checkpoint: {steps} steps, a checkpoint "
+          f"every {interval} (Young's interval for a fault every {args.fault_every:.0f}s), hang timeout "
           f"{hang_s:.0f}s; faults: " + ", ".join(f"{kind} at step {step}" for step, kind in plan), flush=True)
 
     run_dir, reference_dir = workdir / "run", workdir / "reference"
@@ -249,6 +272,7 @@ def main() -> None:
           f"{100 * summary['goodput']:.1f}% (target >= 85%)")
     print_json({
         "benchmark": "soak_drill", "nproc": args.nproc, "steps": steps, "step_s": step_s,
+        "checkpoint_cost_s": checkpoint_cost_s,
         "checkpoint_interval": interval, "faults": log, "finished": summary["finished"],
         "weights_equal_fault_free": equal, "checkpoints_verified": verified,
         "goodput": summary["goodput"], "goodput_seconds": summary["seconds"],
