@@ -3,9 +3,13 @@
 Serving (slipstream's engine, fp32, the CPU fast path):
 - calibration run: the `small` preset; prefill steps of 1 x 128 and 1 x 512 tokens, decode steps at
   batch 1, 8 and 32 (context about 256): engine step records (`kind: "engine_step"`), fitted with
-  `slipstream.perf.measured.fit_engine_steps` (GEMM, memory and overhead multipliers);
+  `slipstream.perf.measured.fit_engine_steps` (GEMM and memory multipliers and the roofline
+  overlap; per-kernel and per-step overheads stay at their priors, which one model's steps cannot
+  separate from weight streaming);
 - predicted, then measured: `tiny` and `medium` at the same points (decode ms/token at batch 1, 8,
   32; prefill of 512 tokens), and `small` at batch 16 and a 1024-token prefill.
+  Every model is measured in each of --rounds rounds (3), in turn, and each point's median taken,
+  because the memory bandwidth a process gets here drifts from minute to minute.
 Training (slipstream's trainer, fp32, batch 8 x 256 on the stdlib corpus):
 - calibration run: `tiny`; its metrics.jsonl and config.toml fit the GEMM multiplier;
 - predicted, then measured: `tiny` at batch 16 and `small` at batch 8.
@@ -141,7 +145,7 @@ def compare(label: str, measured_s: float, calibrated_s: float, baseline_s: floa
     return row
 
 
-def serving_part(acc, base_eff) -> list[dict]:
+def serving_part(acc, base_eff, rounds: int) -> list[dict]:
     from common import ensure_model  # noqa: F401  (benchmarks/ on the path)
 
     from slipstream.model.create import create_model_dir
@@ -156,18 +160,26 @@ def serving_part(acc, base_eff) -> list[dict]:
             create_model_dir(preset, path, dtype="float32", overwrite=True)
         return path
 
-    calib_records = engine_records(model_dir("small"), DECODE_BATCHES, (128, 512))
+    # The memory bandwidth this machine gives a process drifts between minutes (40-65 GB/s), so
+    # every model is measured in each of `rounds` rounds, in turn, and the medians are used.
+    targets = [("tiny", DECODE_BATCHES, (512,)), ("medium", DECODE_BATCHES, (512,)),
+               ("small", (16,), (1024,))]
+    calib_records: list[dict] = []
+    target_records: dict[str, list[dict]] = {preset: [] for preset, _, _ in targets}
+    for _ in range(rounds):
+        calib_records += engine_records(model_dir("small"), DECODE_BATCHES, (128, 512))
+        for preset, batches, prefills in targets:
+            target_records[preset] += engine_records(model_dir(preset), batches, prefills)
     (RUNS / "engine-small.jsonl").write_text("\n".join(json.dumps(r) for r in calib_records) + "\n")
     steps = read_engine_steps(summarize(calib_records))
     cal = fit_engine_steps(steps, ServeSetup(shape=resolve_model("small"), dtype="fp32"), acc, base_eff)
-    print(f"serving fit on small: multipliers {cal.scales}, fit errors "
+    print(f"serving fit on small: multipliers {cal.scales}, roofline_overlap "
+          f"{cal.efficiency.roofline_overlap}, fit errors "
           f"{[round(100 * e, 1) for e in cal.errors_after]}%")
     rows = []
-    targets = [("tiny", DECODE_BATCHES, (512,)), ("medium", DECODE_BATCHES, (512,)),
-               ("small", (16,), (1024,))]
-    for preset, batches, prefills in targets:
+    for preset, _, _ in targets:
         setup = ServeSetup(shape=resolve_model(preset), dtype="fp32")
-        for step in read_engine_steps(summarize(engine_records(model_dir(preset), batches, prefills))):
+        for step in read_engine_steps(summarize(target_records[preset])):
             label = f"{preset} {step.phase} bs{step.batch_size} len{step.length}"
             calibrated = engine_step_work(step, setup, acc, cal.efficiency).total_s
             baseline = engine_step_work(step, setup, acc, base_eff).total_s
@@ -195,6 +207,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--force", action="store_true", help="run even if the machine is busy")
+    parser.add_argument("--rounds", type=int, default=3, help="serving measurements per model")
     parser.add_argument("--train-steps", type=int, default=8)
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--train-worker", nargs=3, help=argparse.SUPPRESS)
@@ -216,7 +229,7 @@ def main() -> None:
     print(f"{acc.name}: fp32 {acc.peak_flops('fp32') / 1e9:.0f} GFLOP/s, "
           f"read {acc.memory_bandwidth_bytes_per_s / 1e9:.1f} GB/s")
     print(f"{'point':<34}{'meas. ms':>11}{'pred. ms':>11}{'error':>9}{'uncal. ms':>12}{'error':>9}")
-    rows = serving_part(acc, base)
+    rows = serving_part(acc, base, args.rounds)
     if not args.skip_training:
         rows += training_part(acc, base, args.train_steps)
     errors = [abs(r["error"]) for r in rows]

@@ -81,11 +81,32 @@ def test_calibrate_engine_steps_then_predict_again():
                                                            (32, 256)]]
     steps = [EngineStep(s.phase, s.batch_size, s.length, engine_step_work(s, setup, A100, slow).total_s)
              for s in steps]
-    cal = fit_engine_steps(steps[:-1], setup, A100, base)
+    cal = fit_engine_steps(steps[:-1], setup, A100, base, ("gemm_s", "memory_s", "overhead_s"))
     held_out = engine_step_work(steps[-1], setup, A100, cal.efficiency).total_s
     print(cal.scales, cal.errors_before, cal.errors_after)
     assert max(abs(e) for e in cal.errors_after) < 0.02
     assert held_out == pytest.approx(steps[-1].step_s, rel=0.03)
+
+
+def test_engine_fit_recovers_the_roofline_overlap():
+    """Guards the overlap search: steps made with a CPU-like partial overlap (0.4) and slower
+    streaming are fitted with that overlap and the memory multiplier, overhead left at its prior."""
+    setup = ServeSetup(shape=resolve_model("small"), dtype="fp32")
+    base = default_efficiency(A100)
+    truth = apply_scales(base, {"gemm_s": 1.2, "memory_s": 1.5}).replace(roofline_overlap=0.4)
+    shapes = [("prefill", 1, 128), ("prefill", 1, 512), ("decode", 1, 264), ("decode", 8, 264),
+              ("decode", 32, 264), ("decode", 256, 264)]
+    steps = [EngineStep(p, b, n, engine_step_work(EngineStep(p, b, n, 1.0), setup, A100, truth).total_s)
+             for p, b, n in shapes]
+    cal = fit_engine_steps(steps, setup, A100, base)
+    print(cal.efficiency.roofline_overlap, cal.scales, cal.errors_after)
+    assert cal.efficiency.roofline_overlap == 0.4
+    assert set(cal.scales) == {"gemm_s", "memory_s"}
+    assert cal.scales["memory_s"] == pytest.approx(1.5, rel=0.02)
+    assert max(abs(e) for e in cal.errors_after) < 0.01
+    assert "fit_engine_steps" in cal.efficiency.sources["roofline_overlap"]
+    with pytest.raises(ValueError, match="overlaps"):
+        fit_engine_steps(steps, setup, A100, base, overlaps=(1.5,))
 
 
 def test_calibrate_from_a_training_run(tmp_path):

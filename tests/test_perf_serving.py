@@ -6,6 +6,7 @@ import pytest
 
 from slipstream.perf.accelerators import get_accelerator
 from slipstream.perf.efficiency import Efficiency
+from slipstream.perf.layers import Device
 from slipstream.perf.serving import ServeSetup, kv_capacity, static_batch, step_time, under_load
 from slipstream.perf.shapes import resolve_model
 
@@ -40,6 +41,26 @@ def test_large_prefill_is_compute_bound():
     assert work.gemm_s == pytest.approx((flops - head) / H100.peak_flops("bf16"), rel=1e-9)
     print(f"GEMM {work.gemm_s:.4f} s, streamed norms/activations/rotary {work.memory_s:.4f} s")
     assert work.bound() == "gemm" and work.memory_s < 0.2 * work.gemm_s
+
+
+@pytest.mark.parametrize("overlap", [1.0, 0.4, 0.0])
+def test_roofline_overlap_closed_form(overlap):
+    """Guards `roofline_overlap`: a kernel costs the longer of compute and memory plus the
+    unhidden part of the shorter (1: the roofline's max, 0: the ECM-style sum), in both regimes."""
+    eff = IDEAL.replace(roofline_overlap=overlap)
+    peak, bandwidth = H100.peak_flops("bf16"), H100.memory_bandwidth_bytes_per_s
+    device = Device(accelerator=H100, efficiency=eff)
+    for m in (1, 4096):  # decode-like (memory-bound) and prefill-like (compute-bound)
+        k = n = 4096
+        compute_s, memory_s = 2 * m * k * n / peak, 2 * (m * k + k * n + m * n) / bandwidth
+        expected = max(compute_s, memory_s) + (1 - overlap) * min(compute_s, memory_s)
+        work = device.gemm(m, k, n)
+        print(f"m={m} overlap={overlap}: {work.total_s * 1e6:.2f} us, closed form {expected * 1e6:.2f} us")
+        assert work.total_s == pytest.approx(expected, rel=1e-12)
+        assert eff.gemm_time_s(m, k, n, 2, H100, "bf16") == pytest.approx(expected, rel=1e-12)
+        assert work.bound() == ("memory" if m == 1 else "gemm")
+    with pytest.raises(ValueError, match="roofline_overlap"):
+        IDEAL.replace(roofline_overlap=1.5)
 
 
 def test_tensor_parallel_decode_is_faster_and_pays_all_reduces():

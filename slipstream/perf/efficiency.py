@@ -2,14 +2,17 @@
 
 Kernel times are rooflines with size-dependent efficiency, not one constant:
 
-    gemm_time   = max(2 m k n / (peak * gemm_fraction), bytes / (bandwidth * memory_fraction))
+    compute     = 2 m k n / (peak * gemm_fraction),  memory = bytes / (bandwidth * memory_fraction)
+    gemm_time   = max(compute, memory) + (1 - roofline_overlap) * min(compute, memory)
                   + gemm_overhead_s
     stream_time = bytes / (bandwidth * memory_fraction) + kernel_overhead_s
     link        = per-direction bandwidth * link_fraction, latency per algorithm step
 
 The fixed per-call overhead makes the achieved fraction of peak rise with the GEMM's size and
 saturate at `gemm_fraction` (`gemm_efficiency` reports it), the curve Calculon tabulates per
-size (calculon-ai/calculon, systems/*.json `gflops_efficiency`). `fit.py` fits these knobs to
+size (calculon-ai/calculon, systems/*.json `gflops_efficiency`). `roofline_overlap` is 1 (the
+roofline) on GPUs; on CPUs a small-M GEMM (decode at batch 8-32) costs about its weight streaming
+plus its compute, which is the ECM model's no-overlap sum (0). `fit.py` fits these knobs to
 measured steps; `default_efficiency` gives, per accelerator, values from public measurements
 (named in `sources`) where they exist and labelled assumptions where they do not.
 """
@@ -57,6 +60,17 @@ _FA3 = (
     "35% of the H100's peak (FlashAttention-3 up to 75%), https://arxiv.org/abs/2407.08608"
 )
 _ASSUMED = "assumption (no public measurement found); fit it to your runs with `slipstream perf fit`"
+_EAGER_OP_S = 5e-6
+_EAGER_OP = (
+    "PyTorch's operator micro-benchmarks time an eager CPU op doing almost no work at 2.3-3.4 us "
+    "(pytorch/pytorch PR #32194, split_M8_N8_cpu); an engine kernel is a module call around one "
+    "or two such ops: 5 us (assumption built on that measurement)"
+)
+_CPU_OVERLAP = (
+    "assumption: half way between the roofline (1, full overlap) and the ECM model's sum of "
+    "in-core and transfer time (0, https://hpc.fau.de/research/ecm/); `fit_engine_steps` picks "
+    "the value that fits measured engine steps"
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,6 +85,9 @@ class Efficiency:
     """Fraction of the dense peak a fused (flash) attention kernel achieves, forward and backward."""
     memory_fraction: float = 0.83
     """Fraction of the memory bandwidth a streaming kernel achieves."""
+    roofline_overlap: float = 1.0
+    """Fraction of the shorter of a kernel's compute and memory times hidden under the longer:
+    1 is the roofline's `max` (a pipelined GPU kernel), 0 adds the two (see `overlapped_s`)."""
     kernel_overhead_s: float = 3e-6
     """Fixed time per non-GEMM kernel."""
     step_overhead_s: float = 0.0
@@ -91,6 +108,8 @@ class Efficiency:
             value = getattr(self, name)
             if not 0 < value <= 1.5:  # > 1 is allowed: a calibration can beat a conservative peak
                 raise ValueError(f"{name} must be in (0, 1.5], got {value}")
+        if not 0 <= self.roofline_overlap <= 1:
+            raise ValueError(f"roofline_overlap must be in [0, 1], got {self.roofline_overlap}")
         for name in ("gemm_overhead_s", "kernel_overhead_s", "step_overhead_s", "sequence_overhead_s",
                      "link_latency_s", "network_latency_s"):
             if getattr(self, name) < 0:
@@ -122,7 +141,21 @@ class Efficiency:
         traffic = element_bytes * (m * k + k * n + m * n)
         compute_s = flops / (acc.peak_flops(dtype) * self.gemm_fraction)
         memory_s = traffic / (acc.memory_bandwidth_bytes_per_s * self.memory_fraction)
-        return count * (max(compute_s, memory_s) + self.gemm_overhead_s)
+        return count * (sum(self.overlapped_s(compute_s, memory_s)) + self.gemm_overhead_s)
+
+    def overlapped_s(self, compute_s: float, memory_s: float) -> tuple[float, float]:
+        """(compute, memory) seconds a kernel is charged: the longer in full, the shorter less
+        the fraction `roofline_overlap` hidden under it.
+
+        At 1 this is the roofline (Williams et al. 2009); at 0 the sum, as the ECM model adds a
+        CPU core's non-overlapping execution to its data-transfer time (Hager, Treibig, Wellein;
+        https://hpc.fau.de/research/ecm/): a small-M GEMM on a CPU streams a weight panel, then
+        computes on it.
+        """
+        exposed = 1.0 - self.roofline_overlap
+        if compute_s >= memory_s:
+            return compute_s, exposed * memory_s
+        return exposed * compute_s, memory_s
 
     def gemm_efficiency(self, m: float, k: float, n: float, element_bytes: float,
                         acc: Accelerator, dtype: str) -> float:
@@ -175,12 +208,13 @@ def default_efficiency(acc: Accelerator) -> Efficiency:
     if "calibrated" in acc.name:
         measured = "calibrate() measured the achieved rates: fraction 1.0 of them"
         return Efficiency(gemm_fraction=1.0, memory_fraction=1.0, attention_fraction=0.5,
-                          gemm_overhead_s=20e-6,
-                          kernel_overhead_s=10e-6, step_overhead_s=0.5e-3, sequence_overhead_s=50e-6,
+                          roofline_overlap=0.5, gemm_overhead_s=_EAGER_OP_S,
+                          kernel_overhead_s=_EAGER_OP_S, step_overhead_s=0.2e-3,
+                          sequence_overhead_s=50e-6,
                           sources={"gemm_fraction": measured, "memory_fraction": measured,
-                                   "attention_fraction": _ASSUMED, "gemm_overhead_s": _ASSUMED,
-                                   "kernel_overhead_s": _ASSUMED, "step_overhead_s": _ASSUMED,
-                                   "sequence_overhead_s": _ASSUMED})
+                                   "attention_fraction": _ASSUMED, "roofline_overlap": _CPU_OVERLAP,
+                                   "gemm_overhead_s": _EAGER_OP, "kernel_overhead_s": _EAGER_OP,
+                                   "step_overhead_s": _ASSUMED, "sequence_overhead_s": _ASSUMED})
     base = {"gemm_fraction": f"{_ASSUMED} (H100 value)", "memory_fraction": _GPT_FAST_BW,
             "attention_fraction": _ASSUMED,
             "gemm_overhead_s": _ASSUMED, "kernel_overhead_s": _ASSUMED, "step_overhead_s": _ASSUMED,

@@ -47,12 +47,13 @@ class Device:
                               count * self.efficiency.gemm_overhead_s)
 
     def roofline(self, flops: float, traffic: float, fraction: float, overhead_s: float) -> Work:
-        """A kernel at `fraction` of the peak or at the streaming bandwidth, whichever is slower."""
+        """A kernel at `fraction` of the peak and at the streaming bandwidth: the slower of the
+        two, plus what `roofline_overlap` leaves exposed of the faster (`Efficiency.overlapped_s`)."""
         compute_s = flops / (self.accelerator.peak_flops(self.dtype) * fraction)
         memory_s = self.efficiency.stream_time_s(traffic, self.accelerator, 0)
-        if compute_s >= memory_s:
-            return Work(gemm_s=compute_s, overhead_s=overhead_s, flops=flops, memory_bytes=traffic)
-        return Work(memory_s=memory_s, overhead_s=overhead_s, flops=flops, memory_bytes=traffic)
+        compute_s, memory_s = self.efficiency.overlapped_s(compute_s, memory_s)
+        return Work(gemm_s=compute_s, memory_s=memory_s, overhead_s=overhead_s, flops=flops,
+                    memory_bytes=traffic)
 
     def stream(self, num_bytes: float, num_kernels: float) -> Work:
         time_s = self.efficiency.stream_time_s(num_bytes, self.accelerator, 0)
