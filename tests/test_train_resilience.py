@@ -201,3 +201,27 @@ def test_ranks_agree_on_a_fresh_attempt_number():
 
     assert attempt({0: 0.0, 1: 0.0, 2: 0.0}) == {0: 0, 1: 0, 2: 0}
     assert attempt({0: 0.0, 1: 0.3, 2: 0.1}) == {0: 1, 1: 1, 2: 1}
+
+
+def test_backoff_only_for_attempts_that_committed_nothing(tmp_path):
+    """Restart backoff follows the crash loop read from the ledger: none after an attempt that
+    committed a checkpoint, then the configured wait doubling per attempt without one, capped."""
+    from slipstream.train.config import SupervisorConfig
+    from slipstream.train.goodput import GoodputLedger
+    from slipstream.train.supervisor import attempts_without_progress, restart_backoff_s
+
+    config = SupervisorConfig(restart_backoff_s=1.0, max_backoff_s=3.0)
+    assert attempts_without_progress(tmp_path) == 0
+    ledger = GoodputLedger(tmp_path, enabled=True)
+    ledger.record("start", process_start=0.0)
+    ledger.record("commit", step=8)
+    assert attempts_without_progress(tmp_path) == 0  # the first attempt made progress, then died
+    ledger.record("start", process_start=1.0)
+    assert attempts_without_progress(tmp_path) == 1
+    ledger.record("start", process_start=2.0)
+    ledger.record("start", process_start=3.0)
+    ledger.close()
+    with open(tmp_path / "goodput.jsonl", "a") as f:
+        f.write('{"event": "sta')  # a line cut short by a kill
+    assert attempts_without_progress(tmp_path) == 3
+    assert [restart_backoff_s(config, n) for n in range(5)] == [0.0, 1.0, 2.0, 3.0, 3.0]

@@ -205,8 +205,8 @@ class SupervisorConfig:
     rank dumps every thread's Python stack to RUN_DIR/stacks/ and exits, so the launcher
     restarts the job; 0 disables the watchdog."""
     restart_backoff_s: float = 1.0
-    """A restarted attempt waits this long before it starts, doubling with every further
-    restart, up to `max_backoff_s`."""
+    """A restarted attempt waits this long before it starts when the attempt before it committed
+    no checkpoint, doubling with every further such attempt, up to `max_backoff_s`."""
     max_backoff_s: float = 30.0
     max_rollbacks: int = 3
     """Non-finite losses the run recovers from (roll back to the last checkpoint, skip the

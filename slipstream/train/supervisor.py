@@ -19,8 +19,9 @@ launcher (torchrun on many hosts, a bare `slipstream train` rerun by hand or by 
   forwards it through torchrun to every worker) sets a flag; at the next step boundary the
   ranks agree on it, save a checkpoint, and exit with status 0 so the agent does not restart
   them. Rerunning the command resumes.
-- restart backoff (`restart_backoff_s`): a restarted worker sleeps before joining, doubling
-  per restart, so a failing dependency is not hammered.
+- restart backoff (`restart_backoff_s`): a restarted worker sleeps before joining when the
+  attempts before it committed no checkpoint, doubling per such attempt, so a crash loop does not
+  hammer a failing dependency.
 - non-finite loss: rolled back in process by the trainer (`Trainer._roll_back`).
 """
 
@@ -39,6 +40,7 @@ from pathlib import Path
 from types import FrameType
 
 from slipstream.train.config import SupervisorConfig
+from slipstream.train.goodput import LEDGER_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -109,11 +111,33 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def restart_backoff_s(config: SupervisorConfig, restarts: int) -> float:
-    """Seconds a worker waits after its `restarts`-th restart: backoff, doubled each time, capped."""
-    if restarts <= 0:
+def restart_backoff_s(config: SupervisorConfig, failures_in_a_row: int) -> float:
+    """Seconds a restarted worker waits when the last `failures_in_a_row` attempts committed no
+    checkpoint: none after an attempt that made progress, then the backoff, doubled each time,
+    capped (a crash loop backs off; failures minutes apart do not pay for each other, as with
+    Kubernetes' CrashLoopBackOff, which resets once a container has run well)."""
+    if failures_in_a_row <= 0:
         return 0.0
-    return min(config.restart_backoff_s * 2 ** (restarts - 1), config.max_backoff_s)
+    return min(config.restart_backoff_s * 2 ** (failures_in_a_row - 1), config.max_backoff_s)
+
+
+def attempts_without_progress(run_dir: str | Path) -> int:
+    """How many attempts in a row, up to the newest, started and committed no checkpoint (from
+    the run's goodput ledger; 0 for a new run)."""
+    path = Path(run_dir) / LEDGER_FILE
+    if not path.is_file():
+        return 0
+    count = 0
+    for line in path.read_text().splitlines():
+        try:
+            event = json.loads(line)["event"]
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a kill
+        if event == "commit":
+            count = 0
+        elif event == "start":
+            count += 1
+    return count
 
 
 def torchrun_command(nproc: int, max_restarts: int, train_args: Sequence[str]) -> list[str]:

@@ -69,6 +69,7 @@ from slipstream.train.supervisor import (
     PreemptionHandler,
     SkippedWindows,
     Watchdog,
+    attempts_without_progress,
     restart_backoff_s,
     restart_count,
 )
@@ -144,9 +145,11 @@ class Trainer:
         allocator."""
         config = self.config
         device_type = _device_type(config.training.device)
-        self._backoff_s = restart_backoff_s(config.supervisor, restart_count())
+        failures = attempts_without_progress(config.run.dir) if restart_count() > 0 else 0
+        self._backoff_s = restart_backoff_s(config.supervisor, failures)
         if self._backoff_s:
-            logger.warning("restart %d: waiting %.1fs before starting", restart_count(), self._backoff_s)
+            logger.warning("restart %d after %d attempt(s) without a checkpoint: waiting %.1fs",
+                           restart_count(), failures, self._backoff_s)
             time.sleep(self._backoff_s)
         was_initialized = torch.distributed.is_initialized()
         self.dist: DistInfo = init_distributed(device_type, config.parallel.backend)
