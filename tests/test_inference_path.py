@@ -8,9 +8,15 @@ import pytest
 import torch
 
 from slipstream.model import ModelConfig, Transformer
-from slipstream.model.transformer import RMSNorm, Rotary
+from slipstream.model.transformer import MLP, Attention, RMSNorm, Rotary, SiluAndMul
 from slipstream.ops import cpu_kernels
-from slipstream.ops.inference import KernelRMSNorm, KernelRotary, optimize_for_cpu_inference
+from slipstream.ops.inference import (
+    KernelRMSNorm,
+    KernelRotary,
+    KernelSiluAndMul,
+    fuse_projections,
+    optimize_for_cpu_inference,
+)
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler")
 
@@ -47,6 +53,47 @@ def test_rotary_kernel_matches_module(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_kernel_matches_module(dtype):
+    """The fused kernel equals F.silu(gate) * up, over a range that reaches exp's overflow on both
+    sides: within 1e-5 in fp32, and in bf16 (where both round twice) within one bf16 step, since
+    the last bit of exp can differ from PyTorch's."""
+    torch.manual_seed(0)
+    x = (20 * torch.randn(3, 5, 2 * 77)).to(dtype)
+    x[0, 0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    expected, got = SiluAndMul()(x), KernelSiluAndMul()(x)
+    diff = ((expected.float() - got.float()).abs() / expected.float().abs().clamp(min=1e-6)).max().item()
+    print(f"{dtype}: max relative diff {diff:.3g}")
+    assert got.shape == (3, 5, 77) and got.dtype == dtype
+    assert diff <= (2**-7 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_projections_match_separate_ones(bias):
+    """fuse_projections replaces q/k/v and gate/up with one linear each and keeps the logits."""
+    config = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=bias,
+                         mlp_bias=bias)
+    torch.manual_seed(0)
+    plain = Transformer(config)
+    plain.init_weights(std=0.2)
+    if bias:
+        for name, param in plain.named_parameters():
+            if name.endswith("bias"):
+                param.data.normal_()
+    fused = fuse_projections(copy.deepcopy(plain))
+    for module in fused.modules():
+        if isinstance(module, Attention):
+            assert module.qkv_proj.out_features == (4 + 2 + 2) * 16 and not hasattr(module, "q_proj")
+        if isinstance(module, MLP):
+            assert module.gate_up_proj.out_features == 2 * 48 and not hasattr(module, "up_proj")
+    ids = torch.randint(0, 50, (2, 9))
+    positions = torch.arange(9).expand(2, 9)
+    with torch.inference_mode():
+        diff = (plain(ids, positions) - fused(ids, positions)).abs().max().item()
+    assert diff < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_optimized_model_matches_plain_model(dtype):
     """A whole model after optimize_for_cpu_inference gives the plain model's logits."""
     config = ModelConfig(model_type="qwen3", vocab_size=300, hidden_size=64, intermediate_size=96,
@@ -57,6 +104,7 @@ def test_optimized_model_matches_plain_model(dtype):
     plain = plain.to(dtype).eval()
     fast = optimize_for_cpu_inference(copy.deepcopy(plain))
     assert any(isinstance(m, KernelRMSNorm) for m in fast.modules())
+    assert any(isinstance(m, KernelSiluAndMul) for m in fast.modules())
     ids = torch.randint(0, 300, (2, 11))
     positions = torch.arange(11).expand(2, 11)
     with torch.inference_mode():

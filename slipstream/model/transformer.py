@@ -118,6 +118,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(D, config.rms_norm_eps)
             self.k_norm = RMSNorm(D, config.rms_norm_eps)
         self.rotary = Rotary()
+        # One linear computing q, k and v together, set by the inference fast path
+        # (ops.inference.fuse_projections) in place of the three above.
+        self.qkv_proj: nn.Module | None = None
 
     def forward(
         self,
@@ -127,9 +130,14 @@ class Attention(nn.Module):
         attn: AttentionMetadata | None,
     ) -> torch.Tensor:  # (B, T, E)
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            kv_size = self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv_size, kv_size], dim=-1)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, cos, sin)
@@ -138,6 +146,15 @@ class Attention(nn.Module):
         else:
             out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up for x = [gate, up] along the last dimension. A module so that the inference
+    fast path can swap in a fused kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., 2F) -> (..., F)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -149,9 +166,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(E, F_, bias=config.mlp_bias)
         self.up_proj = nn.Linear(E, F_, bias=config.mlp_bias)
         self.down_proj = nn.Linear(F_, E, bias=config.mlp_bias)
+        # One linear computing [gate, up], set by the inference fast path in place of the two
+        # above, and the activation that consumes it.
+        self.gate_up_proj: nn.Module | None = None
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

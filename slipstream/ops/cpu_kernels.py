@@ -2,8 +2,9 @@
 
 PyTorch has no paged-attention kernel for the CPU, and gathering a batch's cache blocks into
 dense tensors first triples the memory traffic of a decode step (read, write the copy, read it
-again); `csrc/cpu_ops.c` reads the cache in place. It also fuses RMSNorm and the rotary
-embedding, each several PyTorch ops (and several passes over memory) in eager mode. The file
+again); `csrc/cpu_ops.c` reads the cache in place. It also fuses RMSNorm, the rotary embedding
+and SwiGLU's silu-and-multiply, each several PyTorch ops (and several passes over memory) in
+eager mode, and has the matrix-vector product of batch-1 decode. The file
 needs no PyTorch headers, so it builds with the system C compiler in about a second and is
 cached under `~/.cache/slipstream/kernels/`, keyed by the source, the compiler flags and this
 CPU's features. Where no compiler is found or the build fails, `library()` returns None and
@@ -66,6 +67,8 @@ def library() -> ctypes.CDLL | None:
     )
     lib.rotary_embedding.restype = None
     lib.rotary_embedding.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+    lib.silu_and_mul.restype = None
+    lib.silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
     return lib
 
 
@@ -154,6 +157,18 @@ def rotary_embedding_(
                          x.numel() // (num_heads * head_dim), num_heads, head_dim,
                          DTYPE_CODES[x.dtype], torch.get_num_threads())
     return x
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # (..., 2F) -> (..., F)
+    """silu(gate) * up for x = [gate, up] along the last dimension, in one pass."""
+    lib = library()
+    assert lib is not None and supports(x) and x.shape[-1] % 2 == 0
+    x = x.contiguous()
+    width = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], width, dtype=x.dtype)
+    lib.silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], width, DTYPE_CODES[x.dtype],
+                     torch.get_num_threads())
+    return out
 
 
 def supports(x: torch.Tensor) -> bool:

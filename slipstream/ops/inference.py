@@ -1,10 +1,11 @@
 """The CPU inference fast path, applied to a finished model as a function.
 
-`optimize_for_cpu_inference(model)` keeps the model's math and swaps in faster pieces:
-oneDNN pre-packed linear layers (`ops.linear`), and the fused RMSNorm and rotary-embedding C
-kernels of `ops.cpu_kernels` in place of their several-op PyTorch versions. The result is for
-inference only. Where a piece does not apply (no oneDNN, no C compiler, CUDA, fp16) the model's
-own modules stay; tests check the optimised model against the plain one.
+`optimize_for_cpu_inference(model)` keeps the model's math and swaps in faster pieces: the
+q/k/v and gate/up projections fused into one linear each (fewer, larger matrix products),
+oneDNN pre-packed linear layers (`ops.linear`), and the fused RMSNorm, rotary-embedding and
+silu-and-multiply C kernels of `ops.cpu_kernels` in place of their several-op PyTorch versions.
+The result is for inference only. Where a piece does not apply (no oneDNN, no C compiler, CUDA,
+fp16) the model's own modules stay; tests check the optimised model against the plain one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import torch
 from torch import nn
 
-from slipstream.model.transformer import RMSNorm, Rotary
+from slipstream.model.transformer import MLP, Attention, RMSNorm, Rotary, SiluAndMul
 from slipstream.ops import cpu_kernels
 from slipstream.ops.linear import pack_linears
 
@@ -44,6 +45,41 @@ class KernelRotary(nn.Module):
         return cpu_kernels.rotary_embedding_(q, cos, sin), cpu_kernels.rotary_embedding_(k, cos, sin)
 
 
+class KernelSiluAndMul(nn.Module):
+    """SiluAndMul through one C kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.silu_and_mul(x)
+
+
+@torch.no_grad()
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """Give every attention one q/k/v linear and every MLP one gate/up linear, in place.
+
+    The fused weight is the row-wise concatenation of the separate ones (as vLLM's
+    QKVParallelLinear and MergedColumnParallelLinear hold them): the same dot products, split
+    afterwards. The separate linears are removed.
+    """
+    for module in list(model.modules()):
+        if isinstance(module, Attention) and module.qkv_proj is None:
+            module.qkv_proj = _concatenated(module.q_proj, module.k_proj, module.v_proj)
+            del module.q_proj, module.k_proj, module.v_proj
+        elif isinstance(module, MLP) and module.gate_up_proj is None:
+            module.gate_up_proj = _concatenated(module.gate_proj, module.up_proj)
+            del module.gate_proj, module.up_proj
+    return model
+
+
+def _concatenated(*linears: nn.Linear) -> nn.Linear:
+    first = linears[0]
+    fused = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None,
+                      device=first.weight.device, dtype=first.weight.dtype)
+    fused.weight.copy_(torch.cat([m.weight for m in linears]))
+    if fused.bias is not None:
+        fused.bias.copy_(torch.cat([m.bias for m in linears]))
+    return fused
+
+
 # Keep a second, row-major copy of the linear weights for batch-1 decode only while the model's
 # weights are at most this fraction of available memory.
 MAX_WEIGHT_FRACTION_FOR_GEMV_COPY = 0.25
@@ -51,7 +87,9 @@ MAX_WEIGHT_FRACTION_FOR_GEMV_COPY = 0.25
 
 @torch.no_grad()
 def optimize_for_cpu_inference(model: nn.Module) -> nn.Module:
-    """Pack linears for oneDNN and swap in the fused C kernels, in place; returns the model."""
+    """Fuse projections, pack linears for oneDNN and swap in the C kernels, in place; returns
+    the model."""
+    fuse_projections(model)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     keep_rows = weight_bytes <= MAX_WEIGHT_FRACTION_FOR_GEMV_COPY * _available_memory_bytes()
     if not keep_rows:
@@ -62,12 +100,15 @@ def optimize_for_cpu_inference(model: nn.Module) -> nn.Module:
         return model
     swaps = 0
     for name, module in list(model.named_modules()):
-        if isinstance(module, (RMSNorm, Rotary)):
+        if isinstance(module, (RMSNorm, Rotary, SiluAndMul)):
             parent_name, _, child_name = name.rpartition(".")
-            fast = KernelRMSNorm(module) if isinstance(module, RMSNorm) else KernelRotary()
+            fast = (
+                KernelRMSNorm(module) if isinstance(module, RMSNorm)
+                else KernelRotary() if isinstance(module, Rotary) else KernelSiluAndMul()
+            )
             setattr(model.get_submodule(parent_name), child_name, fast)
             swaps += 1
-    logger.info("swapped %d RMSNorm/rotary modules for fused C kernels", swaps)
+    logger.info("swapped %d RMSNorm/rotary/SiluAndMul modules for fused C kernels", swaps)
     return model
 
 
