@@ -71,12 +71,14 @@ def fuse_projections(model: nn.Module) -> nn.Module:
 
 
 def _concatenated(*linears: nn.Linear) -> nn.Linear:
+    """One linear whose rows are those of `linears`, in order (built on the meta device, so no
+    random initialisation is spent on weights that are replaced at once)."""
     first = linears[0]
     fused = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None,
-                      device=first.weight.device, dtype=first.weight.dtype)
-    fused.weight.copy_(torch.cat([m.weight for m in linears]))
-    if fused.bias is not None:
-        fused.bias.copy_(torch.cat([m.bias for m in linears]))
+                      device="meta")
+    fused.weight = nn.Parameter(torch.cat([m.weight for m in linears]), requires_grad=False)
+    if first.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([m.bias for m in linears]), requires_grad=False)
     return fused
 
 
