@@ -91,6 +91,15 @@ def test_continuous_batching_matches_transformers(model_dir, reference, fast_cpu
     _assert_same_tokens(expected, gaps, got, f"continuous batching, fast_cpu_kernels={fast_cpu_kernels}")
 
 
+def test_small_batch_decode_graph_matches_transformers(model_dir, reference):
+    """At most 3 running requests: every decode step runs the layer stack in one C call (the CPU
+    decode graph), and the tokens are still transformers'."""
+    prompts, expected, gaps = reference
+    got, llm = _engine_greedy(model_dir, prompts, max_num_seqs=3)
+    assert llm.engine.runner.decode_graph is not None
+    _assert_same_tokens(expected, gaps, got, "decode graph, max_num_seqs=3")
+
+
 def test_chunked_prefill_matches_transformers(model_dir, reference):
     """(b) A 16-token budget chunks every prompt (all are longer) and mixes chunks with decodes."""
     prompts, expected, gaps = reference

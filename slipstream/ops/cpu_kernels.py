@@ -69,7 +69,32 @@ def library() -> ctypes.CDLL | None:
     lib.rotary_embedding.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.silu_and_mul.restype = None
     lib.silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
+    lib.decode_workspace_bytes.restype = ctypes.c_int64
+    lib.decode_workspace_bytes.argtypes = [ctypes.POINTER(DecodeShape), ctypes.c_int64]
+    lib.decode_layers.restype = ctypes.c_int
+    lib.decode_layers.argtypes = (
+        [ctypes.POINTER(DecodeLayer), ctypes.POINTER(DecodeShape)] + [ctypes.c_void_p] * 6
+        + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int]
+    )
     return lib
+
+
+class DecodeLayer(ctypes.Structure):
+    """One decoder layer's weights and cache for `decode_layers` (cpu_ops.c's `decode_layer`)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "o_bias",
+        "post_norm", "gate_up_weight", "gate_up_bias", "down_weight", "down_bias", "k_cache", "v_cache",
+    )]
+
+
+class DecodeShape(ctypes.Structure):
+    """The model's shape for `decode_layers` (cpu_ops.c's `decode_shape`)."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+        "block_size", "window",
+    )] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("dtype", ctypes.c_int)]
 
 
 def paged_decode_attention(

@@ -16,6 +16,7 @@ import torch
 
 from slipstream.model.config import ModelConfig
 from slipstream.model.transformer import Transformer
+from slipstream.ops.decode_graph import CpuDecodeGraph
 from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
 from slipstream.serve.scheduler import StepPlan
 
@@ -74,13 +75,17 @@ class Runner:
 
     def __init__(
         self, model: Transformer, *, num_blocks: int, block_size: int, dtype: torch.dtype,
-        device: torch.device, use_kernels: bool = True,
+        device: torch.device, use_kernels: bool = True, enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.device = device
         self.use_kernels = use_kernels
         self.cache = PagedKVCache(
             model.config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device
+        )
+        self.decode_graph = (
+            None if enforce_eager or not use_kernels
+            else CpuDecodeGraph.build(model, self.cache.keys, self.cache.values)
         )
 
     @torch.inference_mode()
@@ -97,11 +102,15 @@ class Runner:
             sliding_window=self.model.config.sliding_window,
             device=self.device,
         )
-        hidden = self.model.hidden_states(
-            torch.tensor([token_ids], device=self.device),
-            torch.tensor([positions], device=self.device),
-            PagedAttention(self.cache, batch, self.use_kernels),
-        )[0]  # (N, E)
+        token_ids = torch.tensor(token_ids, device=self.device)
+        positions = torch.tensor(positions, device=self.device)
+        graph = self.decode_graph
+        if graph is not None and not batch.prefills and len(plan.chunks) <= graph.max_seqs:
+            hidden = graph(token_ids, positions, batch)  # (N, E)
+        else:
+            hidden = self.model.hidden_states(
+                token_ids[None], positions[None], PagedAttention(self.cache, batch, self.use_kernels)
+            )[0]  # (N, E)
         return self._logits(plan, hidden)
 
     def _logits(self, plan: StepPlan, hidden: torch.Tensor) -> StepLogits:

@@ -190,6 +190,34 @@ static attend_fn choose_kernel(int64_t head_dim, int dtype) {
     return attend_any;
 }
 
+static int64_t max_seq_len(const int64_t *seq_lens, int64_t num_seqs) {
+    int64_t max_len = 0;
+    for (int64_t i = 0; i < num_seqs; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+    return max_len;
+}
+
+/* The attention of a decode batch, shared among the threads of the enclosing parallel region (an
+ * orphaned `omp for`). scratch: head_dim + max(seq_lens) floats for this thread, or NULL when its
+ * allocation failed (the thread's tasks are then skipped; the caller reports the failure). */
+static void attention_tasks(const void *q, const void *k_cache, const void *v_cache, void *out,
+                            const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
+                            int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, int64_t window, float scale,
+                            int dtype, int num_threads, float *scratch) {
+    /* Whole sequences per task when there are enough of them to keep every thread busy. */
+    const int64_t kv_per_task = num_seqs >= 4 * num_threads ? num_kv_heads : 1;
+    const int64_t tasks_per_seq = num_kv_heads / kv_per_task;
+    const attend_fn attend = choose_kernel(head_dim, dtype);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_seqs * tasks_per_seq; task++) {
+        const int64_t seq = task / tasks_per_seq;
+        if (scratch != NULL && seq_lens[seq] > 0)
+            attend(q, k_cache, v_cache, out, block_tables + seq * max_blocks, seq_lens[seq], seq,
+                   (task % tasks_per_seq) * kv_per_task, kv_per_task, num_heads, num_kv_heads,
+                   head_dim, block_size, window, scale, dtype, scratch);
+    }
+}
+
 /* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad argument. */
 int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
                            const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
@@ -197,13 +225,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
                            int64_t head_dim, int64_t block_size, int64_t window, float scale,
                            int dtype, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
-    int64_t max_len = 0;
-    for (int64_t i = 0; i < num_seqs; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
-    /* Whole sequences per task when there are enough of them to keep every thread busy. */
-    const int64_t kv_per_task = num_seqs >= 4 * num_threads ? num_kv_heads : 1;
-    const int64_t tasks_per_seq = num_kv_heads / kv_per_task;
-    const int64_t scratch_floats = head_dim + max_len;
-    const attend_fn attend = choose_kernel(head_dim, dtype);
+    const int64_t scratch_floats = head_dim + max_seq_len(seq_lens, num_seqs);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -212,14 +234,9 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < num_seqs * tasks_per_seq; task++) {
-            const int64_t seq = task / tasks_per_seq;
-            if (scratch != NULL && seq_lens[seq] > 0)
-                attend(q, k_cache, v_cache, out, block_tables + seq * max_blocks, seq_lens[seq], seq,
-                       (task % tasks_per_seq) * kv_per_task, kv_per_task, num_heads, num_kv_heads,
-                       head_dim, block_size, window, scale, dtype, scratch);
-        }
+        attention_tasks(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, max_blocks,
+                        num_heads, num_kv_heads, head_dim, block_size, window, scale, dtype,
+                        num_threads, scratch);
         free(scratch);
     }
     return failed;
@@ -261,26 +278,39 @@ static inline float dot_bf16_rows(const uint16_t *w, const uint16_t *x, int64_t 
     return sum;
 }
 
-void gemv(const void *W, const void *x, const void *bias, void *y, int64_t M, int64_t N,
-          int64_t K, int dtype, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+/* The rows of y among the threads of the enclosing parallel region (an orphaned `omp for`, each
+ * thread one contiguous run). With `residual`, y = residual + (x W^T + b), the product rounded to
+ * the dtype before the sum as `h + linear(x)` rounds in PyTorch; y may alias residual. */
+static void gemv_rows(const void *W, const void *x, const void *bias, const void *residual, void *y,
+                      int64_t M, int64_t N, int64_t K, int dtype) {
+#pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += 4) {
         const int64_t rows = N - n0 < 4 ? N - n0 : 4;
         for (int64_t m = 0; m < M; m++)
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t n = n0 + r;
-                float value;
                 if (dtype == DTYPE_F32) {
-                    value = dot_f32((const float *)W + n * K, (const float *)x + m * K, K);
+                    float value = dot_f32((const float *)W + n * K, (const float *)x + m * K, K);
                     if (bias != NULL) value += ((const float *)bias)[n];
+                    if (residual != NULL) value += ((const float *)residual)[m * N + n];
                     ((float *)y)[m * N + n] = value;
                 } else {
-                    value = dot_bf16_rows((const uint16_t *)W + n * K, (const uint16_t *)x + m * K, K);
+                    float value = dot_bf16_rows((const uint16_t *)W + n * K, (const uint16_t *)x + m * K, K);
                     if (bias != NULL) value += bf16_to_f32(((const uint16_t *)bias)[n]);
-                    ((uint16_t *)y)[m * N + n] = f32_to_bf16(value);
+                    uint16_t rounded = f32_to_bf16(value);
+                    if (residual != NULL)
+                        rounded = f32_to_bf16(bf16_to_f32(((const uint16_t *)residual)[m * N + n]) +
+                                              bf16_to_f32(rounded));
+                    ((uint16_t *)y)[m * N + n] = rounded;
                 }
             }
     }
+}
+
+void gemv(const void *W, const void *x, const void *bias, void *y, int64_t M, int64_t N,
+          int64_t K, int dtype, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    gemv_rows(W, x, bias, NULL, y, M, N, K, dtype);
 }
 
 /*
@@ -303,30 +333,33 @@ void write_kv(const void *k, const void *v, void *k_cache, void *v_cache, const 
  * activation dtype (for bf16 that is a second rounding, which we reproduce).
  * x, out: (num_rows, dim); weight: (dim,). out may alias x.
  */
-void rms_norm(const void *x, const void *weight, void *out, int64_t num_rows, int64_t dim,
-              float eps, int dtype, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= MIN_PARALLEL_ROWS)
-    for (int64_t r = 0; r < num_rows; r++) {
-        float sum_sq = 0.0f;
-        if (dtype == DTYPE_F32) {
-            const float *row = (const float *)x + r * dim;
-            const float *w = (const float *)weight;
-            float *dst = (float *)out + r * dim;
-            for (int64_t d = 0; d < dim; d++) sum_sq += row[d] * row[d];
-            const float inv = 1.0f / sqrtf(sum_sq / (float)dim + eps);
-            for (int64_t d = 0; d < dim; d++) dst[d] = w[d] * (row[d] * inv);
-        } else {
-            const uint16_t *row = (const uint16_t *)x + r * dim;
-            const uint16_t *w = (const uint16_t *)weight;
-            uint16_t *dst = (uint16_t *)out + r * dim;
-            for (int64_t d = 0; d < dim; d++) sum_sq += bf16_to_f32(row[d]) * bf16_to_f32(row[d]);
-            const float inv = 1.0f / sqrtf(sum_sq / (float)dim + eps);
-            for (int64_t d = 0; d < dim; d++) {
-                const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(row[d]) * inv));
-                dst[d] = f32_to_bf16(bf16_to_f32(w[d]) * normed);
-            }
+static __attribute__((noinline)) void rms_norm_row(const void *x, const void *weight, void *out,
+                                                   int64_t dim, float eps, int dtype) {
+    float sum_sq = 0.0f;
+    if (dtype == DTYPE_F32) {
+        const float *row = x, *w = weight;
+        float *dst = out;
+        for (int64_t d = 0; d < dim; d++) sum_sq += row[d] * row[d];
+        const float inv = 1.0f / sqrtf(sum_sq / (float)dim + eps);
+        for (int64_t d = 0; d < dim; d++) dst[d] = w[d] * (row[d] * inv);
+    } else {
+        const uint16_t *row = x, *w = weight;
+        uint16_t *dst = out;
+        for (int64_t d = 0; d < dim; d++) sum_sq += bf16_to_f32(row[d]) * bf16_to_f32(row[d]);
+        const float inv = 1.0f / sqrtf(sum_sq / (float)dim + eps);
+        for (int64_t d = 0; d < dim; d++) {
+            const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(row[d]) * inv));
+            dst[d] = f32_to_bf16(bf16_to_f32(w[d]) * normed);
         }
     }
+}
+
+void rms_norm(const void *x, const void *weight, void *out, int64_t num_rows, int64_t dim,
+              float eps, int dtype, int num_threads) {
+    const int64_t row_bytes = dim * (dtype == DTYPE_F32 ? 4 : 2);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= MIN_PARALLEL_ROWS)
+    for (int64_t r = 0; r < num_rows; r++)
+        rms_norm_row((const char *)x + r * row_bytes, weight, (char *)out + r * row_bytes, dim, eps, dtype);
 }
 
 /*
@@ -336,38 +369,41 @@ void rms_norm(const void *x, const void *weight, void *out, int64_t num_rows, in
  * PyTorch ops of the reference do. x: (num_tokens, num_heads, head_dim); cos, sin:
  * (num_tokens, head_dim), whose two halves are equal.
  */
-void rotary_embedding(void *x, const void *cos_table, const void *sin_table, int64_t num_tokens,
-                      int64_t num_heads, int64_t head_dim, int dtype, int num_threads) {
+static __attribute__((noinline)) void rotary_token(void *x, const void *cos_row, const void *sin_row,
+                                                   int64_t num_heads, int64_t head_dim, int dtype) {
     const int64_t half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens >= MIN_PARALLEL_ROWS)
-    for (int64_t t = 0; t < num_tokens; t++) {
-        for (int64_t h = 0; h < num_heads; h++) {
-            const int64_t base = (t * num_heads + h) * head_dim;
-            if (dtype == DTYPE_F32) {
-                float *v = (float *)x + base;
-                const float *c = (const float *)cos_table + t * head_dim;
-                const float *s = (const float *)sin_table + t * head_dim;
-                for (int64_t i = 0; i < half; i++) {
-                    const float a = v[i], b = v[i + half];
-                    v[i] = a * c[i] - b * s[i];
-                    v[i + half] = b * c[i + half] + a * s[i + half];
-                }
-            } else {
-                uint16_t *v = (uint16_t *)x + base;
-                const uint16_t *c = (const uint16_t *)cos_table + t * head_dim;
-                const uint16_t *s = (const uint16_t *)sin_table + t * head_dim;
-                for (int64_t i = 0; i < half; i++) {
-                    const float a = bf16_to_f32(v[i]), b = bf16_to_f32(v[i + half]);
-                    const float c0 = bf16_to_f32(c[i]), s0 = bf16_to_f32(s[i]);
-                    const float c1 = bf16_to_f32(c[i + half]), s1 = bf16_to_f32(s[i + half]);
-                    const float low = bf16_to_f32(f32_to_bf16(a * c0)) + bf16_to_f32(f32_to_bf16(-b * s0));
-                    const float high = bf16_to_f32(f32_to_bf16(b * c1)) + bf16_to_f32(f32_to_bf16(a * s1));
-                    v[i] = f32_to_bf16(low);
-                    v[i + half] = f32_to_bf16(high);
-                }
+    for (int64_t h = 0; h < num_heads; h++) {
+        if (dtype == DTYPE_F32) {
+            float *v = (float *)x + h * head_dim;
+            const float *c = cos_row, *s = sin_row;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        } else {
+            uint16_t *v = (uint16_t *)x + h * head_dim;
+            const uint16_t *c = cos_row, *s = sin_row;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = bf16_to_f32(v[i]), b = bf16_to_f32(v[i + half]);
+                const float c0 = bf16_to_f32(c[i]), s0 = bf16_to_f32(s[i]);
+                const float c1 = bf16_to_f32(c[i + half]), s1 = bf16_to_f32(s[i + half]);
+                const float low = bf16_to_f32(f32_to_bf16(a * c0)) + bf16_to_f32(f32_to_bf16(-b * s0));
+                const float high = bf16_to_f32(f32_to_bf16(b * c1)) + bf16_to_f32(f32_to_bf16(a * s1));
+                v[i] = f32_to_bf16(low);
+                v[i + half] = f32_to_bf16(high);
             }
         }
     }
+}
+
+void rotary_embedding(void *x, const void *cos_table, const void *sin_table, int64_t num_tokens,
+                      int64_t num_heads, int64_t head_dim, int dtype, int num_threads) {
+    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens >= MIN_PARALLEL_ROWS)
+    for (int64_t t = 0; t < num_tokens; t++)
+        rotary_token((char *)x + t * num_heads * head_dim * elem, (const char *)cos_table + t * head_dim * elem,
+                     (const char *)sin_table + t * head_dim * elem, num_heads, head_dim, dtype);
 }
 
 /*
@@ -379,21 +415,129 @@ void rotary_embedding(void *x, const void *cos_table, const void *sin_table, int
  */
 static inline float silu(float g) { return g < -88.7228f ? 0.0f : g / (1.0f + expf(-g)); }
 
-void silu_and_mul(const void *x, void *out, int64_t num_rows, int64_t width, int dtype,
-                  int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= MIN_PARALLEL_ROWS)
-    for (int64_t r = 0; r < num_rows; r++) {
-        if (dtype == DTYPE_F32) {
-            const float *gate = (const float *)x + r * 2 * width, *up = gate + width;
-            float *dst = (float *)out + r * width;
-            for (int64_t i = 0; i < width; i++) dst[i] = silu(gate[i]) * up[i];
-        } else {
-            const uint16_t *gate = (const uint16_t *)x + r * 2 * width, *up = gate + width;
-            uint16_t *dst = (uint16_t *)out + r * width;
-            for (int64_t i = 0; i < width; i++) {
-                const float activated = bf16_to_f32(f32_to_bf16(silu(bf16_to_f32(gate[i]))));
-                dst[i] = f32_to_bf16(activated * bf16_to_f32(up[i]));
-            }
+static __attribute__((noinline)) void silu_and_mul_row(const void *x, void *out, int64_t width, int dtype) {
+    if (dtype == DTYPE_F32) {
+        const float *gate = x, *up = gate + width;
+        float *dst = out;
+        for (int64_t i = 0; i < width; i++) dst[i] = silu(gate[i]) * up[i];
+    } else {
+        const uint16_t *gate = x, *up = gate + width;
+        uint16_t *dst = out;
+        for (int64_t i = 0; i < width; i++) {
+            const float activated = bf16_to_f32(f32_to_bf16(silu(bf16_to_f32(gate[i]))));
+            dst[i] = f32_to_bf16(activated * bf16_to_f32(up[i]));
         }
     }
+}
+
+void silu_and_mul(const void *x, void *out, int64_t num_rows, int64_t width, int dtype,
+                  int num_threads) {
+    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= MIN_PARALLEL_ROWS)
+    for (int64_t r = 0; r < num_rows; r++)
+        silu_and_mul_row((const char *)x + r * 2 * width * elem, (char *)out + r * width * elem, width, dtype);
+}
+
+/*
+ * A whole decode step of the decoder layers for a few sequences (one new token each), in one
+ * call: the CPU's counterpart of replaying a captured CUDA graph. At batch 1 a step is ~50
+ * memory-bound matrix-vector products of a few megabytes each; issued one by one from Python,
+ * the dispatch between them costs a third of the step. Here the layer loop runs inside one
+ * OpenMP parallel region: the products and the attention are shared among the threads, the
+ * small per-row work (norms, rotary, cache writes, activation) runs on one thread, and the
+ * threads meet at barriers instead of forking and joining for every op.
+ *
+ * The arithmetic is that of the per-op kernels above, through the same compiled functions
+ * (the row helpers are noinline so that no caller gets a differently vectorised copy), so the
+ * result equals the module-by-module path bit for bit.
+ *
+ * hidden (num_seqs, hidden_size): the embedded tokens in, the last layer's output out (before the
+ * final norm). cos, sin (num_seqs, head_dim); slots (num_seqs,); block_tables (num_seqs,
+ * max_blocks); seq_lens (num_seqs,), the new token included. workspace: decode_workspace_bytes().
+ * Returns 0, 1 if scratch memory could not be allocated, 2 for a bad shape.
+ */
+typedef struct {
+    const void *input_norm, *qkv_weight, *qkv_bias, *q_norm, *k_norm, *o_weight, *o_bias;
+    const void *post_norm, *gate_up_weight, *gate_up_bias, *down_weight, *down_bias;
+    void *k_cache, *v_cache;  /* (num_blocks, block_size, num_kv_heads, head_dim) */
+} decode_layer;  /* bias and q/k norm pointers are NULL where the model has none */
+
+typedef struct {
+    int64_t num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size;
+    int64_t block_size, window;
+    float eps, scale;
+    int dtype;
+} decode_shape;
+
+int64_t decode_workspace_bytes(const decode_shape *shape, int64_t num_seqs) {
+    const int64_t q_size = shape->num_heads * shape->head_dim;
+    const int64_t qkv_size = q_size + 2 * shape->num_kv_heads * shape->head_dim;
+    const int64_t per_row = shape->hidden_size + qkv_size + 2 * q_size + 3 * shape->intermediate_size;
+    return num_seqs * per_row * (shape->dtype == DTYPE_F32 ? 4 : 2);
+}
+
+int decode_layers(const decode_layer *layers, const decode_shape *shape, void *hidden,
+                  const void *cos_table, const void *sin_table, const int64_t *slots,
+                  const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
+                  int64_t max_blocks, void *workspace, int num_threads) {
+    const int64_t E = shape->hidden_size, H = shape->num_heads, KV = shape->num_kv_heads;
+    const int64_t D = shape->head_dim, F = shape->intermediate_size, M = num_seqs;
+    const int dtype = shape->dtype;
+    if (KV <= 0 || H % KV != 0 || M > MAX_GEMV_ROWS) return 2;
+    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
+    const int64_t q_size = H * D, kv_size = KV * D, qkv_size = q_size + 2 * kv_size;
+    char *normed = workspace;                 /* (M, E) */
+    char *qkv = normed + M * E * elem;        /* (M, q_size + 2 kv_size) */
+    char *q = qkv + M * qkv_size * elem;      /* (M, H, D): rotated queries, as attention reads them */
+    char *attn = q + M * q_size * elem;       /* (M, H, D) */
+    char *gate_up = attn + M * q_size * elem; /* (M, 2F) */
+    char *act = gate_up + M * 2 * F * elem;   /* (M, F) */
+    char *x = hidden;
+    const int64_t scratch_floats = D + max_seq_len(seq_lens, M);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scratch = malloc(scratch_floats * sizeof(float));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t l = 0; l < shape->num_layers; l++) {
+            const decode_layer *layer = &layers[l];
+#pragma omp single
+            for (int64_t m = 0; m < M; m++)
+                rms_norm_row(x + m * E * elem, layer->input_norm, normed + m * E * elem, E, shape->eps, dtype);
+            gemv_rows(layer->qkv_weight, normed, layer->qkv_bias, NULL, qkv, M, qkv_size, E, dtype);
+#pragma omp single
+            for (int64_t m = 0; m < M; m++) {
+                char *q_row = qkv + m * qkv_size * elem, *k_row = q_row + q_size * elem;
+                const char *v_row = k_row + kv_size * elem;
+                const char *cos_row = (const char *)cos_table + m * D * elem;
+                const char *sin_row = (const char *)sin_table + m * D * elem;
+                for (int64_t h = 0; layer->q_norm != NULL && h < H; h++)
+                    rms_norm_row(q_row + h * D * elem, layer->q_norm, q_row + h * D * elem, D, shape->eps, dtype);
+                for (int64_t h = 0; layer->k_norm != NULL && h < KV; h++)
+                    rms_norm_row(k_row + h * D * elem, layer->k_norm, k_row + h * D * elem, D, shape->eps, dtype);
+                rotary_token(q_row, cos_row, sin_row, H, D, dtype);
+                rotary_token(k_row, cos_row, sin_row, KV, D, dtype);
+                memcpy(q + m * q_size * elem, q_row, q_size * elem);
+                memcpy((char *)layer->k_cache + slots[m] * kv_size * elem, k_row, kv_size * elem);
+                memcpy((char *)layer->v_cache + slots[m] * kv_size * elem, v_row, kv_size * elem);
+            }
+            attention_tasks(q, layer->k_cache, layer->v_cache, attn, block_tables, seq_lens, M, max_blocks,
+                            H, KV, D, shape->block_size, shape->window, shape->scale, dtype, num_threads,
+                            scratch);
+            gemv_rows(layer->o_weight, attn, layer->o_bias, x, x, M, E, q_size, dtype);
+#pragma omp single
+            for (int64_t m = 0; m < M; m++)
+                rms_norm_row(x + m * E * elem, layer->post_norm, normed + m * E * elem, E, shape->eps, dtype);
+            gemv_rows(layer->gate_up_weight, normed, layer->gate_up_bias, NULL, gate_up, M, 2 * F, E, dtype);
+#pragma omp single
+            for (int64_t m = 0; m < M; m++)
+                silu_and_mul_row(gate_up + m * 2 * F * elem, act + m * F * elem, F, dtype);
+            gemv_rows(layer->down_weight, act, layer->down_bias, x, x, M, E, F, dtype);
+        }
+        free(scratch);
+    }
+    return failed;
 }

@@ -1,0 +1,106 @@
+"""The CPU decode graph computes a decode step exactly as the model's modules do."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from slipstream.model import Transformer
+from slipstream.ops import cpu_kernels
+from slipstream.ops.decode_graph import CpuDecodeGraph
+from slipstream.ops.inference import optimize_for_cpu_inference
+from slipstream.ops.paged_attention import PagedBatch
+from slipstream.serve.runner import PagedAttention, PagedKVCache
+
+pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler")
+
+BLOCK_SIZE, NUM_BLOCKS = 4, 48
+
+
+def _model(config, dtype):
+    """A random model with non-trivial norms and biases (ones and zeros would hide a missing one)."""
+    torch.manual_seed(0)
+    model = Transformer(config)
+    model.init_weights(std=0.1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                param.add_(0.2 * torch.randn_like(param))
+    return model.to(dtype).eval()
+
+
+def _decode_batch(config, seq_lens, dtype):
+    """A cache filled with random keys and values for every earlier position of each sequence
+    (over shuffled blocks), and the layout of one decode step that adds the last token."""
+    rng = random.Random(0)
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
+    cache = PagedKVCache(config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=dtype,
+                         device=torch.device("cpu"))
+    for tensor in [*cache.keys, *cache.values]:
+        tensor.copy_(torch.randn(tensor.shape))
+    batch = PagedBatch.build(seq_lens=seq_lens, query_lens=[1] * len(seq_lens), block_tables=tables,
+                             block_size=BLOCK_SIZE, sliding_window=config.sliding_window)
+    token_ids = torch.randint(0, config.vocab_size, (len(seq_lens),))
+    positions = torch.tensor([n - 1 for n in seq_lens])
+    return cache, batch, token_ids, positions
+
+
+def _module_path(model, cache, batch, token_ids, positions, use_kernel):
+    attention = PagedAttention(cache, batch, use_kernel)
+    with torch.inference_mode():
+        return model.hidden_states(token_ids[None], positions[None], attention)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq_lens", [[1], [9], [5, 17, 2], [30, 8, 13, 4]], ids=lambda s: f"lens{s}")
+def test_decode_graph_equals_module_path(family_config, dtype, seq_lens):
+    """Every family's quirks (biases, q/k norms, a sliding window shorter than the context, GQA,
+    head_dim apart from hidden size), one to four sequences: the graph's hidden states and the
+    keys and values it writes equal the module-by-module fast path bit for bit, and the plain
+    PyTorch model (no kernels, no fusion) to rounding."""
+    plain = _model(family_config, dtype)
+    fast = optimize_for_cpu_inference(copy.deepcopy(plain))
+    cache, batch, token_ids, positions = _decode_batch(family_config, seq_lens, dtype)
+    graph_cache, plain_cache = copy.deepcopy(cache), copy.deepcopy(cache)
+    graph = CpuDecodeGraph.build(fast, graph_cache.keys, graph_cache.values)
+    assert graph is not None
+
+    expected = _module_path(fast, cache, batch, token_ids, positions, use_kernel=True)
+    with torch.inference_mode():
+        got = graph(token_ids, positions, batch)
+    reference = _module_path(plain, plain_cache, batch, token_ids, positions, use_kernel=False)
+
+    assert got.shape == expected.shape == (len(seq_lens), family_config.hidden_size)
+    assert torch.equal(got, expected)
+    for layer in range(family_config.num_hidden_layers):
+        assert torch.equal(graph_cache.keys[layer], cache.keys[layer])
+        assert torch.equal(graph_cache.values[layer], cache.values[layer])
+    diff = (got.float() - reference.float()).abs().max().item()
+    scale = reference.float().abs().max().item()
+    print(f"{family_config.model_type} {dtype}: max |diff| vs plain model {diff:.3g} (scale {scale:.3g})")
+    assert diff <= (3e-2 * scale if dtype == torch.bfloat16 else 1e-4 * scale)
+
+
+def test_decode_graph_applies_only_to_the_optimised_model(family_config):
+    """The plain model (separate projections, nn.Linear) gets no graph; callers keep the modules."""
+    plain = _model(family_config, torch.float32)
+    cache = PagedKVCache(family_config, num_blocks=4, block_size=BLOCK_SIZE, dtype=torch.float32,
+                         device=torch.device("cpu"))
+    assert CpuDecodeGraph.build(plain, cache.keys, cache.values) is None
+
+
+def test_decode_graph_rejects_batches_it_cannot_run(family_config):
+    """More sequences than it was built for, or a prefill chunk: a ValueError, not a wrong answer."""
+    fast = optimize_for_cpu_inference(_model(family_config, torch.float32))
+    cache, batch, token_ids, positions = _decode_batch(family_config, [3] * 5, torch.float32)
+    graph = CpuDecodeGraph.build(fast, cache.keys, cache.values)
+    with pytest.raises(ValueError, match="decoding sequences"):
+        graph(token_ids, positions, batch)
+    prefill = PagedBatch.build(seq_lens=[3], query_lens=[3], block_tables=[[0]], block_size=BLOCK_SIZE)
+    with pytest.raises(ValueError, match="prefill"):
+        graph(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]), prefill)
