@@ -60,7 +60,7 @@ def library() -> ctypes.CDLL | None:
     lib.gemv.restype = None
     lib.gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.write_kv.restype = None
-    lib.write_kv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    lib.write_kv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = (
         [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -153,7 +153,8 @@ def write_kv(
     assert lib is not None and supports(k) and k_cache.dtype == k.dtype and k_cache.is_contiguous()
     k, v, slot_mapping = k.contiguous(), v.contiguous(), slot_mapping.contiguous()
     lib.write_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                 slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], DTYPE_CODES[k.dtype])
+                 slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], DTYPE_CODES[k.dtype],
+                 torch.get_num_threads())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

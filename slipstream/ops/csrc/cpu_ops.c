@@ -316,11 +316,13 @@ void gemv(const void *W, const void *x, const void *bias, void *y, int64_t M, in
 /*
  * Stores new tokens' keys and values at their cache slots: row t of k and v (num_kv_heads x
  * head_dim values) goes to row slots[t] of k_cache and v_cache. One call for both, instead of
- * two index_copy_ dispatches per layer.
+ * two index_copy_ dispatches per layer; the rows land in lines not yet in cache, so a batch's
+ * writes are shared among the threads.
  */
 void write_kv(const void *k, const void *v, void *k_cache, void *v_cache, const int64_t *slots,
-              int64_t num_tokens, int64_t row_elems, int dtype) {
+              int64_t num_tokens, int64_t row_elems, int dtype, int num_threads) {
     const int64_t row_bytes = row_elems * (dtype == DTYPE_F32 ? 4 : 2);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens >= MIN_PARALLEL_ROWS)
     for (int64_t t = 0; t < num_tokens; t++) {
         memcpy((char *)k_cache + slots[t] * row_bytes, (const char *)k + t * row_bytes, row_bytes);
         memcpy((char *)v_cache + slots[t] * row_bytes, (const char *)v + t * row_bytes, row_bytes);
