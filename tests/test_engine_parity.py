@@ -93,11 +93,14 @@ def test_continuous_batching_matches_transformers(model_dir, reference, fast_cpu
 
 def test_small_batch_decode_graph_matches_transformers(model_dir, reference):
     """At most 3 running requests: every decode step runs the layer stack in one C call (the CPU
-    decode graph), and the tokens are still transformers'."""
+    decode graph), and the tokens are still transformers', and those of enforce_eager=True."""
     prompts, expected, gaps = reference
     got, llm = _engine_greedy(model_dir, prompts, max_num_seqs=3)
     assert llm.engine.runner.decode_graph is not None
     _assert_same_tokens(expected, gaps, got, "decode graph, max_num_seqs=3")
+    eager, llm = _engine_greedy(model_dir, prompts, max_num_seqs=3, enforce_eager=True)
+    assert llm.engine.runner.decode_graph is None
+    assert eager == got
 
 
 def test_chunked_prefill_matches_transformers(model_dir, reference):
