@@ -33,18 +33,19 @@ def _dense_reference(q, keys, values, sliding_window):
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2), (4, 1)])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode-only"])
+@pytest.mark.parametrize("batch_kind", ["mixed", "decode-only", "many-decodes"])
 def test_mixed_prefill_and_decode_batch_matches_dense(
-    num_heads, num_kv_heads, sliding_window, dtype, use_kernel, head_dim, block_size, decode_only
+    num_heads, num_kv_heads, sliding_window, dtype, use_kernel, head_dim, block_size, batch_kind
 ):
     """A batch mixing fresh prefills, chunks with earlier context and single-token decodes,
     over shuffled blocks, equals dense attention on each sequence's unpaged keys, with decodes
-    through the C kernel and through the PyTorch path."""
+    through the C kernel and through the PyTorch path. "many-decodes" has enough sequences for
+    the kernel's whole-sequence tasks (which request each thread's next sequence early)."""
     if use_kernel:
         assert cpu_kernels.library() is not None, "the C kernel must build on the CI machine"
     rng = random.Random(0)
     torch.manual_seed(0)
-    num_blocks = 64
+    num_blocks = 160
     # NaN everywhere not written: attention must never let an unwritten slot reach the output.
     k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
@@ -52,8 +53,10 @@ def test_mixed_prefill_and_decode_batch_matches_dense(
     rng.shuffle(free_blocks)
     # (tokens already cached, new tokens) per sequence
     shapes = [(0, 9), (0, 1), (7, 1), (13, 1), (6, 5), (0, 4), (22, 1), (3, 8), (60, 1)]
-    if decode_only:
+    if batch_kind == "decode-only":
         shapes = [(cached, new) for cached, new in shapes if new == 1]
+    elif batch_kind == "many-decodes":
+        shapes = [(cached, 1) for cached in [0, 1, 3, 4, 7, 8, 15, 16, 21, 31, 33, 40, 47, 52, 63, 70]]
     seq_lens, query_lens, tables, dense_keys, dense_values = [], [], [], [], []
     for cached, new in shapes:
         seq_len = cached + new
