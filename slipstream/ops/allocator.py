@@ -1,4 +1,4 @@
-"""Keep freed CPU memory in the process instead of returning it to the system.
+"""CPU memory placement: keep freed memory in the process, and back streamed buffers with huge pages.
 
 PyTorch has no caching allocator on the CPU: every intermediate tensor is a malloc/free. glibc
 serves large allocations with fresh mmap'd pages and trims the heap on free, so each forward
@@ -6,6 +6,12 @@ pass pays page faults on all of its activations again. On the development VM a p
 about 2.5 us, which made elementwise ops over 16 MB activations 5-10x slower than their memory
 traffic (a 2048-token prefill step: 1.66 s -> 1.04 s once memory is kept). This is the same
 problem vLLM's CPU backend answers by preloading tcmalloc; here we tell glibc directly.
+
+Buffers that are streamed whole from memory at every step (the weights batch-1 decode reads)
+go on transparent huge pages where the system gives them on request (THP mode "madvise", the
+default of many distributions): with 4 KiB pages a stream takes a TLB miss and restarts the
+hardware prefetcher every 4 KiB. On the development VM the batch-1 matrix-vector products of the
+~125M model read ~9% faster from 2 MiB pages (bf16: 41-44 -> 45-48 GB/s; fp32: 45 -> 49 GB/s).
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import mmap
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -36,3 +45,29 @@ def keep_freed_memory() -> bool:
     ok &= mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
     logger.info("glibc allocator %s to keep freed memory", "set" if ok else "could not be set")
     return ok
+
+
+HUGE_PAGE_BYTES = 2 * 2**20
+
+
+def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised 1-D CPU tensor on 2 MiB-aligned memory that the kernel is asked to back
+    with transparent huge pages (madvise MADV_HUGEPAGE, before any page is touched). Where that
+    advice is not available the memory is an ordinary anonymous mapping; the tensor keeps the
+    mapping alive."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError) as e:  # no THP here, or not Linux
+        logger.debug("no transparent huge pages: %s", e)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE_BYTES
+    return raw[offset : offset + nbytes].view(dtype)
+
+
+def huge_page_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a CPU tensor on huge pages (see `huge_page_empty`)."""
+    out = huge_page_empty(tensor.numel(), tensor.dtype).view(tensor.shape)
+    out.copy_(tensor)
+    return out

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from slipstream.ops import cpu_kernels
+from slipstream.ops.allocator import huge_page_copy
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +26,10 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 class PackedLinear(nn.Module):
     """Inference-only linear layer over a oneDNN pre-packed weight.
 
-    With `keep_rows`, the row-major weight is kept as well and inputs of at most
-    `cpu_kernels.MAX_GEMV_ROWS` rows (batch-1 decode) go through the C matrix-vector kernel,
-    which streams the weight faster than oneDNN does at that size; this doubles the layer's
-    weight memory.
+    With `keep_rows`, a row-major copy of the weight is kept as well, on huge pages
+    (`ops.allocator.huge_page_copy`), and inputs of at most `cpu_kernels.MAX_GEMV_ROWS` rows
+    (batch-1 decode) go through the C matrix-vector kernel, which streams the weight faster than
+    oneDNN does at that size; this doubles the layer's weight memory.
     """
 
     def __init__(self, linear: nn.Linear, *, keep_rows: bool = False) -> None:
@@ -38,7 +39,7 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
-        self.row_weight = weight.contiguous() if keep_rows and cpu_kernels.supports(weight) else None
+        self.row_weight = huge_page_copy(weight) if keep_rows and cpu_kernels.supports(weight) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         if self.row_weight is not None and x.numel() <= cpu_kernels.MAX_GEMV_ROWS * self.in_features:

@@ -336,17 +336,24 @@ def measure_memory_bandwidth(device: str = "cpu", quick: bool = False) -> tuple[
     """(read, copy) bytes/s over a buffer well beyond the last-level cache, measured now.
 
     Benchmarks that report bandwidth use call this in the same run, because the bandwidth a
-    shared machine gives can change from minute to minute.
+    shared machine gives can change from minute to minute. On a CPU the buffers are on huge
+    pages where the system gives them, as the engine's streamed weights are (`ops.allocator`):
+    the best case for a stream, so a roofline against it does not flatter (4 KiB pages read ~7%
+    slower on the development VM).
     """
     import torch
 
+    from slipstream.ops.allocator import huge_page_empty
+
     if device == "cuda":
         nbytes = 256 * 2**20 if quick else 2 * 2**30
+        src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
     else:  # cheap enough that `quick` keeps the full size, which must not fit in cache
         nbytes = min(max(8 * _l3_cache_bytes(), 256 * 2**20), 2**30)
+        src = huge_page_empty(nbytes // 4, torch.float32)
     # Distinct values on every page, so no zero-page or page-merging trick can flatter the read.
-    src = torch.arange(nbytes // 4, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
+    torch.arange(nbytes // 4, dtype=torch.float32, device=device, out=src)
+    dst = huge_page_empty(src.numel(), src.dtype) if device == "cpu" else torch.empty_like(src)
     read_bps = nbytes / _best_time_s(src.sum, device)
     copy_bps = 2 * nbytes / _best_time_s(lambda: dst.copy_(src), device)
     logger.info("memory: read %.1f GB/s, copy %.1f GB/s (%d MiB)",
