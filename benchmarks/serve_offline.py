@@ -3,7 +3,8 @@
 Workload (deterministic): N requests of random token ids with prompt lengths uniform in a range,
 a fixed number of output tokens with ignore_eos, greedy. Slipstream gets all requests at once;
 transformers runs left-padded greedy `generate` in batches, at each batch size given, and its
-best batch size is the baseline. Both run in this process on the same model and dtype.
+best batch size is the baseline. Slipstream and transformers run in this process on the same
+model and dtype (vLLM in its own venv); every engine's time is the median of --repeats runs.
 
     python benchmarks/serve_offline.py                       # ~125M preset, fp32 and bf16
     python benchmarks/serve_offline.py --dtype bfloat16 --hf-batch-sizes 16,64
@@ -43,10 +44,18 @@ def run_slipstream(model_dir, dtype, prompts, output_len, repeats, engine_args):
     return median(times), times
 
 
-def run_transformers(model_dir, dtype, prompts, output_len, batch_size):
+def run_transformers(model_dir, dtype, prompts, output_len, batch_size, repeats):
+    """Median seconds over `repeats` runs of every prompt, `batch_size` at a time, and the times."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    times = [_transformers_once(model, prompts, output_len, batch_size) for _ in range(repeats)]
+    del model
+    gc.collect()
+    return median(times), times
+
+
+def _transformers_once(model, prompts, output_len, batch_size):
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
@@ -64,10 +73,7 @@ def run_transformers(model_dir, dtype, prompts, output_len, batch_size):
                 pad_token_id=0,
             )
         assert out.shape[1] == width + output_len
-    elapsed = time.perf_counter() - start
-    del model
-    gc.collect()
-    return elapsed
+    return time.perf_counter() - start
 
 
 def run_vllm(vllm_python, model_dir, dtype, prompts, output_len, repeats, engine_args):
@@ -137,9 +143,12 @@ def main() -> None:
         }
         best = None
         for batch_size in [int(b) for b in args.hf_batch_sizes.split(",") if b]:
-            hf_elapsed = run_transformers(model_dir, dtype, prompts, args.output_len, batch_size)
+            hf_elapsed, hf_times = run_transformers(
+                model_dir, dtype, prompts, args.output_len, batch_size, args.repeats
+            )
             hf = num_output_tokens / hf_elapsed
-            print(f"{dtype:>8} transformers batch {batch_size:3d}: {hf:7.0f} output tok/s", flush=True)
+            print(f"{dtype:>8} transformers batch {batch_size:3d}: {hf:7.0f} output tok/s (median of "
+                  f"{args.repeats}: {', '.join(f'{t:.2f}' for t in hf_times)} s)", flush=True)
             best = max(best or 0.0, hf)
         if best:
             print(f"{dtype:>8} ratio slipstream / best transformers: {ours / best:.2f}x")
