@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 
 import torch
 
 from slipstream.model.config import ModelConfig
 from slipstream.model.transformer import Transformer
-from slipstream.ops.allocator import huge_page_empty
 from slipstream.ops.decode_graph import CpuDecodeGraph
 from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
 from slipstream.serve.scheduler import StepPlan
@@ -28,11 +26,12 @@ logger = logging.getLogger(__name__)
 class PagedKVCache:
     """Per-layer key and value blocks: (num_blocks, block_size, kv_heads, head_dim) each.
 
-    Allocated uninitialised: zeroing gigabytes up front costs seconds of page faults on a CPU,
-    and attention never uses a slot before it is written (see `paged_attention`). On a CPU the
-    blocks are on huge pages (`ops.allocator.huge_page_empty`): decode attention reads blocks
-    scattered over the pool, and 2 MiB pages spare it most TLB misses (decode attention in a bf16
-    offline run of the development VM: 0.83-0.85 -> 0.74-0.78 s).
+    Allocated with `torch.empty`: zeroing gigabytes up front costs seconds of page faults on a
+    CPU, and attention never uses a slot before it is written (see `paged_attention`). Not on
+    huge pages, unlike the streamed weights: blocks are first touched while serving, and a 2 MiB
+    fault (zeroing, and the kernel's compaction) stalls the step that takes it by up to ~12 ms
+    (batch-64 bf16 decode on the development VM: writing the new keys and values went from 0.4 to
+    2.9 ms a step, with no gain in attention).
     """
 
     def __init__(
@@ -41,16 +40,10 @@ class PagedKVCache:
     ) -> None:
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         num_layers = config.num_hidden_layers
-        self.keys = [_uninitialised(shape, dtype, device) for _ in range(num_layers)]
-        self.values = [_uninitialised(shape, dtype, device) for _ in range(num_layers)]
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
-
-
-def _uninitialised(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return huge_page_empty(math.prod(shape), dtype).view(shape)
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 @dataclasses.dataclass(frozen=True)
