@@ -34,3 +34,10 @@ def test_without_huge_page_advice_the_buffer_still_works(monkeypatch):
     tensor = huge_page_empty(1024, torch.bfloat16)
     tensor.copy_(torch.arange(1024))
     assert torch.equal(tensor, torch.arange(1024).to(torch.bfloat16))
+
+
+def test_without_anonymous_mappings_it_is_an_ordinary_tensor(monkeypatch):
+    """Windows has no MAP_ANONYMOUS: the buffer is a plain tensor there."""
+    monkeypatch.delattr(mmap, "MAP_ANONYMOUS", raising=False)
+    tensor = huge_page_empty(10, torch.float32)
+    assert tensor.shape == (10,) and tensor.dtype == torch.float32

@@ -53,8 +53,10 @@ HUGE_PAGE_BYTES = 2 * 2**20
 def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor on 2 MiB-aligned memory that the kernel is asked to back
     with transparent huge pages (madvise MADV_HUGEPAGE, before any page is touched). Where that
-    advice is not available the memory is an ordinary anonymous mapping; the tensor keeps the
-    mapping alive."""
+    advice is not available the memory is an ordinary anonymous mapping, and where anonymous
+    mappings are not (Windows) an ordinary tensor; the tensor keeps the mapping alive."""
+    if not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.empty(numel, dtype=dtype)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
