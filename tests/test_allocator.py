@@ -7,14 +7,14 @@ import mmap
 import pytest
 import torch
 
-from slipstream.ops.allocator import HUGE_PAGE_BYTES, huge_page_copy, huge_page_empty
+from slipstream.ops.allocator import HUGE_PAGE_BYTES, huge_page_empty
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
 @pytest.mark.parametrize("shape", [(0,), (7,), (1000, 768), (3, 5, 2, 64)])
-def test_huge_page_copy_is_an_aligned_equal_copy(dtype, shape):
+def test_huge_page_buffer_is_aligned_and_holds_a_copy(dtype, shape):
     source = torch.randn(shape).to(dtype) if dtype.is_floating_point else torch.randint(-9, 9, shape)
-    copy = huge_page_copy(source)
+    copy = huge_page_empty(source.numel(), dtype).view(shape).copy_(source)
     assert copy.shape == source.shape and copy.dtype == source.dtype and copy.is_contiguous()
     assert torch.equal(copy, source)
     assert copy.data_ptr() % HUGE_PAGE_BYTES == 0

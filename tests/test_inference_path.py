@@ -131,3 +131,24 @@ def test_packed_linear_matches_linear(dtype, num_rows, bias):
     diff = (expected - got).abs().max().item() / expected.abs().max().item()
     print(f"{dtype} rows {num_rows} bias {bias}: max relative diff {diff:.3g}")
     assert diff < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_row_weights_share_one_huge_page_buffer():
+    """pack_linears(keep_rows=True) copies every weight into slices of one 2 MiB-aligned buffer
+    (small weights do not each take a huge page), holding exactly the original weights."""
+    from slipstream.ops.allocator import HUGE_PAGE_BYTES
+    from slipstream.ops.linear import PackedLinear, pack_linears
+
+    config = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    plain = Transformer(config)
+    plain.init_weights(std=0.1)
+    weights = {name: m.weight.detach().clone() for name, m in plain.named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    packed = pack_linears(copy.deepcopy(plain), keep_rows=True)
+    rows = {name: m.row_weight for name, m in packed.named_modules() if isinstance(m, PackedLinear)}
+    assert rows.keys() == weights.keys()
+    assert all(torch.equal(rows[name], weights[name]) for name in weights)
+    assert len({r.untyped_storage().data_ptr() for r in rows.values()}) == 1
+    assert min(r.data_ptr() for r in rows.values()) % HUGE_PAGE_BYTES == 0

@@ -66,10 +66,3 @@ def huge_page_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     raw = torch.frombuffer(mapping, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
     return raw[offset : offset + nbytes].view(dtype)
-
-
-def huge_page_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of a CPU tensor on huge pages (see `huge_page_empty`)."""
-    out = huge_page_empty(tensor.numel(), tensor.dtype).view(tensor.shape)
-    out.copy_(tensor)
-    return out
