@@ -44,9 +44,8 @@ class CpuDecodeGraph:
         self._layers = layers
         self._shape = shape
         self._bound = bound  # every tensor whose address `layers` holds, kept alive with it
-        lib = cpu_kernels.library()
-        self._lib = lib
-        self._workspace = torch.empty(lib.decode_workspace_bytes(ctypes.byref(shape), self.max_seqs),
+        self._lib = cpu_kernels.library()
+        self._workspace = torch.empty(self._lib.decode_workspace_bytes(ctypes.byref(shape), self.max_seqs),
                                       dtype=torch.uint8)
 
     @classmethod

@@ -446,6 +446,17 @@ static int64_t attention_scratch_floats(int64_t max_len, int64_t num_heads, int6
     return (2 + num_heads) * (max_len + 16) + (num_heads + 1) * head_dim;
 }
 
+/* This thread's attention scratch (attention_scratch_floats() of them), or NULL with *failed set
+ * when it cannot be allocated. Called inside a parallel region; the caller frees it. */
+static float *thread_scratch(int64_t floats, int *failed) {
+    float *scratch = malloc(floats * sizeof(float));
+    if (scratch == NULL) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+    return scratch;
+}
+
 /* The attention of a decode batch, shared among the threads of the enclosing parallel region (an
  * orphaned `omp for`). scratch: attention_scratch_floats() for this thread, or NULL when its
  * allocation failed (the thread's tasks are then skipped; the caller reports the failure). */
@@ -495,11 +506,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scratch = malloc(scratch_floats * sizeof(float));
-        if (scratch == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        float *scratch = thread_scratch(scratch_floats, &failed);
         attention_tasks(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, max_blocks,
                         num_heads, num_kv_heads, head_dim, block_size, window, scale, dtype,
                         num_threads, scratch);
@@ -767,11 +774,7 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, void *h
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scratch = malloc(scratch_floats * sizeof(float));
-        if (scratch == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
+        float *scratch = thread_scratch(scratch_floats, &failed);
         for (int64_t l = 0; l < shape->num_layers; l++) {
             const decode_layer *layer = &layers[l];
 #pragma omp single
