@@ -115,16 +115,20 @@ def test_optimized_model_matches_plain_model(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows", [1, 3, 4, 5])
+@pytest.mark.parametrize("num_rows", [1, 3, 4, 5, 70, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_linear(dtype, num_rows, bias):
-    """PackedLinear equals nn.Linear through both its paths: the C matrix-vector kernel (up to
-    four rows, odd sizes with tails) and oneDNN (more rows)."""
+@pytest.mark.parametrize("extra_copies", [False, True])
+def test_packed_linear_matches_linear(dtype, num_rows, bias, extra_copies):
+    """PackedLinear equals nn.Linear through each of its paths: the C matrix-vector kernel (up to
+    four rows, odd sizes with tails), the fp32 panel kernel (up to MAX_PANEL_ROWS rows) and
+    oneDNN (without the extra copies, in bf16, and past MAX_PANEL_ROWS rows)."""
     from slipstream.ops.linear import PackedLinear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(100, 257, bias=bias).to(dtype)
-    packed = PackedLinear(linear, keep_rows=True)
+    packed = PackedLinear(linear, extra_copies=extra_copies)
+    has_panels = extra_copies and dtype == torch.float32 and cpu_kernels.supports_panel_gemm(linear.weight)
+    assert (packed.panel_weight is not None) == has_panels
     x = torch.randn(1, num_rows, 100).to(dtype)
     with torch.inference_mode():
         expected, got = linear(x).float(), packed(x).float()
@@ -133,8 +137,31 @@ def test_packed_linear_matches_linear(dtype, num_rows, bias):
     assert diff < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("num_rows", [1, 2, 7, 8, 9, 64, 131])
+def test_panel_gemm_matches_float64_reference(num_rows):
+    """The fp32 panel kernel against a float64 product: output widths with partial panels (5, 50,
+    100) and exact ones (48, 96), reductions shorter than a vector, odd, and longer than one
+    k-chunk (1100 > 512), with and without bias; with at most as many panels as threads the rows
+    are split as well. Its error stays within that of PyTorch's own fp32 product."""
+    if not cpu_kernels.supports_panel_gemm(torch.empty(1)):
+        pytest.skip("no AVX-512 panel kernel on this CPU")
+    torch.manual_seed(num_rows)
+    for out_features, in_features in [(5, 7), (48, 16), (50, 33), (96, 512), (100, 1100)]:
+        weight = torch.randn(out_features, in_features)
+        bias = torch.randn(out_features)
+        x = torch.randn(num_rows, in_features)
+        panels = cpu_kernels.pack_panels(weight)
+        for b in (None, bias):
+            got = cpu_kernels.panel_gemm(x, panels, b, out_features)
+            exact = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+            torch_error = (torch.nn.functional.linear(x, weight, b).double() - exact).abs().max().item()
+            error = (got.double() - exact).abs().max().item()
+            assert got.shape == (num_rows, out_features)
+            assert error <= 8 * torch_error + 1e-6, (out_features, in_features, error, torch_error)
+
+
 def test_row_weights_share_one_huge_page_buffer():
-    """pack_linears(keep_rows=True) copies every weight into slices of one 2 MiB-aligned buffer
+    """pack_linears(extra_copies=True) copies every weight into slices of one 2 MiB-aligned buffer
     (small weights do not each take a huge page), holding exactly the original weights."""
     from slipstream.ops.allocator import HUGE_PAGE_BYTES
     from slipstream.ops.linear import PackedLinear, pack_linears
@@ -146,7 +173,7 @@ def test_row_weights_share_one_huge_page_buffer():
     plain.init_weights(std=0.1)
     weights = {name: m.weight.detach().clone() for name, m in plain.named_modules()
                if isinstance(m, torch.nn.Linear)}
-    packed = pack_linears(copy.deepcopy(plain), keep_rows=True)
+    packed = pack_linears(copy.deepcopy(plain), extra_copies=True)
     rows = {name: m.row_weight for name, m in packed.named_modules() if isinstance(m, PackedLinear)}
     assert rows.keys() == weights.keys()
     assert all(torch.equal(rows[name], weights[name]) for name in weights)

@@ -82,9 +82,9 @@ def _concatenated(*linears: nn.Linear) -> nn.Linear:
     return fused
 
 
-# Keep a second, row-major copy of the linear weights for batch-1 decode only while the model's
-# weights are at most this fraction of available memory.
-MAX_WEIGHT_FRACTION_FOR_GEMV_COPY = 0.25
+# Keep the extra copies of the linear weights (row-major for batch-1 decode; panel-packed too in
+# fp32) only while they take at most this fraction of available memory.
+MAX_EXTRA_COPIES_MEMORY_FRACTION = 0.25
 
 
 @torch.no_grad()
@@ -93,10 +93,12 @@ def optimize_for_cpu_inference(model: nn.Module) -> nn.Module:
     the model."""
     fuse_projections(model)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    keep_rows = weight_bytes <= MAX_WEIGHT_FRACTION_FOR_GEMV_COPY * _available_memory_bytes()
-    if not keep_rows:
-        logger.info("weights too large to keep a second copy: batch-1 decode uses oneDNN GEMV")
-    pack_linears(model, keep_rows=keep_rows)
+    param = next(model.parameters(), None)
+    copies = 2 if param is not None and cpu_kernels.supports_panel_gemm(param) else 1
+    extra_copies = copies * weight_bytes <= MAX_EXTRA_COPIES_MEMORY_FRACTION * _available_memory_bytes()
+    if not extra_copies:
+        logger.info("weights too large to keep extra copies: every linear goes through oneDNN")
+    pack_linears(model, extra_copies=extra_copies)
     param = next(model.parameters(), None)
     if param is None or not cpu_kernels.supports(param):
         return model

@@ -4,8 +4,12 @@ On x86 CPUs PyTorch's default fp32 GEMM path runs at less than half the speed on
 the same shapes (on the AMD EPYC development machine: ~210 vs ~490 GFLOP/s for fp32, and a batch-1
 GEMV streams its weights at 18 vs 36 GB/s). `pack_linears(model)` replaces every `nn.Linear` with a
 `PackedLinear` that keeps its weight pre-packed in oneDNN's blocked layout and calls oneDNN's
-linear directly, as vLLM's CPU backend does. The math is unchanged (y = x W^T + b, up to
-summation order); `nn.Linear` stays the tested fallback wherever oneDNN is not available.
+linear directly, as vLLM's CPU backend does. Where memory allows it keeps faster copies for the
+sizes oneDNN handles less well: row-major weights for the C matrix-vector kernel (batch-1 decode)
+and, in fp32, panel-packed weights for the C panel kernel (decode batches of up to
+`MAX_PANEL_ROWS` rows, whose weights stream from memory every step; see cpu_ops.c and
+benchmarks/linear_kernels.py). The math is unchanged (y = x W^T + b, up to summation order);
+`nn.Linear` stays the tested fallback wherever oneDNN is not available.
 """
 
 from __future__ import annotations
@@ -23,19 +27,25 @@ logger = logging.getLogger(__name__)
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
+# Up to this many rows the fp32 panel kernel beats oneDNN here (1.1-1.3x from 8 to 128 rows);
+# by 512 rows oneDNN is as fast or faster (benchmarks/linear_kernels.py).
+MAX_PANEL_ROWS = 256
+
+
 class PackedLinear(nn.Module):
     """Inference-only linear layer over a oneDNN pre-packed weight.
 
-    With `keep_rows`, a row-major copy of the weight is kept as well, on huge pages
-    (`ops.allocator`), and inputs of at most `cpu_kernels.MAX_GEMV_ROWS` rows (batch-1 decode) go
-    through the C matrix-vector kernel, which streams the weight faster than oneDNN does at that
-    size; this doubles the layer's weight memory. `row_buffer` (out_features * in_features
-    elements of the weight's dtype) is where to put that copy: `pack_linears` hands every layer a
-    slice of one model-wide buffer, so that small weights do not each occupy a 2 MiB page.
+    With `extra_copies`, two more copies of the weight are kept for small inputs: a row-major one,
+    on huge pages (`ops.allocator`), for inputs of at most `cpu_kernels.MAX_GEMV_ROWS` rows
+    (batch-1 decode: the C matrix-vector kernel streams the weight faster than oneDNN does at that
+    size), and in fp32 a panel-packed one for up to `MAX_PANEL_ROWS` rows (the C panel kernel).
+    `row_buffer` (out_features * in_features elements of the weight's dtype) is where to put the
+    row-major copy: `pack_linears` hands every layer a slice of one model-wide buffer, so that
+    small weights do not each occupy a 2 MiB page.
     """
 
     def __init__(
-        self, linear: nn.Linear, *, keep_rows: bool = False, row_buffer: torch.Tensor | None = None
+        self, linear: nn.Linear, *, extra_copies: bool = False, row_buffer: torch.Tensor | None = None
     ) -> None:
         super().__init__()
         self.in_features = linear.in_features
@@ -43,19 +53,26 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
-        self.row_weight = None
-        if keep_rows and cpu_kernels.supports(weight):
+        self.row_weight = self.panel_weight = None
+        if extra_copies and cpu_kernels.supports(weight):
             if row_buffer is None:
                 row_buffer = huge_page_empty(weight.numel(), weight.dtype)
             self.row_weight = row_buffer.view(weight.shape).copy_(weight)
+        if extra_copies and cpu_kernels.supports_panel_gemm(weight):
+            self.panel_weight = cpu_kernels.pack_panels(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        if self.row_weight is not None and x.numel() <= cpu_kernels.MAX_GEMV_ROWS * self.in_features:
+        rows = x.numel() // self.in_features
+        if self.row_weight is not None and rows <= cpu_kernels.MAX_GEMV_ROWS:
             return cpu_kernels.gemv(x, self.row_weight, self.bias)
+        if self.panel_weight is not None and rows <= MAX_PANEL_ROWS:
+            return cpu_kernels.panel_gemm(x, self.panel_weight, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN packed"
+        copies = {"rows": self.row_weight, "panels": self.panel_weight}
+        extra = "".join(f", {name}" for name, weight in copies.items() if weight is not None)
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN packed{extra}"
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -69,21 +86,21 @@ def can_pack(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def pack_linears(model: nn.Module, *, keep_rows: bool = False) -> nn.Module:
+def pack_linears(model: nn.Module, *, extra_copies: bool = False) -> nn.Module:
     """Replace every `nn.Linear` of `model` (in place) with a `PackedLinear`; returns the model.
 
     The model is for inference afterwards: packed weights take no gradients. A tied lm_head gets
-    its own packed copy; the embedding table stays as it is for the lookup. `keep_rows`: see
+    its own packed copy; the embedding table stays as it is for the lookup. `extra_copies`: see
     `PackedLinear`.
     """
     if not can_pack(model):
         logger.info("oneDNN linear packing does not apply here; keeping nn.Linear")
         return model
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    row_buffers = _row_buffers(targets) if keep_rows else {}
+    row_buffers = _row_buffers(targets) if extra_copies else {}
     for name, linear in targets:
         parent_name, _, child_name = name.rpartition(".")
-        packed = PackedLinear(linear, keep_rows=keep_rows, row_buffer=row_buffers.get(name))
+        packed = PackedLinear(linear, extra_copies=extra_copies, row_buffer=row_buffers.get(name))
         setattr(model.get_submodule(parent_name), child_name, packed)
     logger.info("packed %d linear layers for oneDNN", len(targets))
     return model
