@@ -1,13 +1,13 @@
-"""fp32 linear layers of the bench model's shapes: the panel kernel against oneDNN and PyTorch.
+"""Linear layers of the bench model's shapes: the panel kernel against oneDNN and PyTorch.
 
 A decode step multiplies a few tens of rows by every weight of the model once, so the weights
 come from memory each time. This runs the four projections of every layer of the ~125M bench
 model (12 layers of q/k/v 1280x768, o 768x768, gate/up 4096x768, down 768x2048: 48 distinct
 weights, 242 MB in fp32, more than the last-level cache) at several row counts, interleaving the
 three implementations, and prints the median time per pass, GFLOP/s, the ratio of the panel
-kernel to oneDNN and the fraction of the calibrated fp32 peak. Last line JSON.
+kernel to oneDNN and the fraction of the calibrated peak of the dtype. Last line JSON.
 
-    python benchmarks/linear_kernels.py [--rows 1 8 16 32 64 128 512 2048] [--repeats 7]
+    python benchmarks/linear_kernels.py [--dtype float32|bfloat16|both] [--rows 1 8 ... 2048]
 """
 
 from __future__ import annotations
@@ -25,18 +25,10 @@ LAYERS = 12
 SHAPES = [(1280, 768), (768, 768), (4096, 768), (768, 2048)]  # (out, in) of one layer
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 512, 2048])
-    parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args()
-    if not cpu_kernels.supports_panel_gemm(torch.empty(1)):
-        raise SystemExit("the panel kernel needs a CPU with AVX-512 and a C compiler")
-    peak = calibrate().peak_flops(torch.float32)
+def measure(dtype: torch.dtype, rows_list: list[int], repeats: int) -> list[dict]:
+    peak = calibrate().peak_flops(dtype)
     torch.manual_seed(0)
-    weights = [torch.randn(n, k) for _ in range(LAYERS) for n, k in SHAPES]
+    weights = [torch.randn(n, k).to(dtype) for _ in range(LAYERS) for n, k in SHAPES]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
     panels = [cpu_kernels.pack_panels(w) for w in weights]
     implementations = {
@@ -44,27 +36,45 @@ def main() -> None:
         "onednn": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], ""),
         "torch": lambda x, i: torch.nn.functional.linear(x, weights[i]),
     }
-    print(f"fp32 peak (calibrated): {peak / 1e9:.0f} GFLOP/s; {len(weights)} weights, "
-          f"{sum(w.numel() for w in weights) * 4 / 1e6:.0f} MB")
+    name = str(dtype).removeprefix("torch.")
+    print(f"{name} peak (calibrated): {peak / 1e9:.0f} GFLOP/s; {len(weights)} weights, "
+          f"{sum(w.numel() * w.element_size() for w in weights) / 1e6:.0f} MB")
     results = []
-    for rows in args.rows:
-        inputs = {k: torch.randn(rows, k) for _, k in SHAPES}
+    for rows in rows_list:
+        inputs = {k: torch.randn(rows, k).to(dtype) for _, k in SHAPES}
         flops = sum(2 * rows * w.numel() for w in weights)
-        times = {name: [] for name in implementations}
-        for _ in range(args.repeats):
-            for name, run in implementations.items():
+        times = {impl: [] for impl in implementations}
+        for _ in range(repeats):
+            for impl, run in implementations.items():
                 start = time.perf_counter()
                 for i, w in enumerate(weights):
                     run(inputs[w.shape[1]], i)
-                times[name].append(time.perf_counter() - start)
-        gflops = {name: flops / median(t) / 1e9 for name, t in times.items()}
+                times[impl].append(time.perf_counter() - start)
+        gflops = {impl: flops / median(t) / 1e9 for impl, t in times.items()}
         ratio = gflops["panel"] / gflops["onednn"]
-        print(f"M={rows:5d}: " + ", ".join(f"{name} {g:6.1f}" for name, g in gflops.items())
+        print(f"{name} M={rows:5d}: " + ", ".join(f"{impl} {g:6.1f}" for impl, g in gflops.items())
               + f" GFLOP/s; panel/oneDNN {ratio:.2f}x, panel at {gflops['panel'] * 1e9 / peak:.0%} of peak")
-        results.append({"rows": rows, "gflops": gflops, "panel_over_onednn": ratio,
-                        "panel_fraction_of_peak": gflops["panel"] * 1e9 / peak})
-    print_json({"benchmark": "linear_kernels", "machine": machine(), "peak_gflops": peak / 1e9,
-                "results": results})
+        results.append({"dtype": name, "rows": rows, "gflops": gflops, "panel_over_onednn": ratio,
+                        "panel_fraction_of_peak": gflops["panel"] * 1e9 / peak, "peak_gflops": peak / 1e9})
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64, 128, 512, 2048])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
+    args = parser.parse_args()
+    dtypes = [torch.float32, torch.bfloat16] if args.dtype == "both" else [getattr(torch, args.dtype)]
+    results = []
+    for dtype in dtypes:
+        if not cpu_kernels.supports_panel_gemm(torch.empty(1, dtype=dtype)):
+            print(f"{dtype}: no panel kernel on this CPU (fp32 needs AVX-512, bf16 AVX512-BF16)")
+            continue
+        results += measure(dtype, args.rows, args.repeats)
+    print_json({"benchmark": "linear_kernels", "machine": machine(), "results": results})
 
 
 if __name__ == "__main__":

@@ -120,14 +120,14 @@ def test_optimized_model_matches_plain_model(dtype):
 @pytest.mark.parametrize("extra_copies", [False, True])
 def test_packed_linear_matches_linear(dtype, num_rows, bias, extra_copies):
     """PackedLinear equals nn.Linear through each of its paths: the C matrix-vector kernel (up to
-    four rows, odd sizes with tails), the fp32 panel kernel (up to MAX_PANEL_ROWS rows) and
-    oneDNN (without the extra copies, in bf16, and past MAX_PANEL_ROWS rows)."""
+    four rows, odd sizes with tails), the panel kernel (up to MAX_PANEL_ROWS rows) and oneDNN
+    (without the extra copies, and past MAX_PANEL_ROWS rows)."""
     from slipstream.ops.linear import PackedLinear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(100, 257, bias=bias).to(dtype)
     packed = PackedLinear(linear, extra_copies=extra_copies)
-    has_panels = extra_copies and dtype == torch.float32 and cpu_kernels.supports_panel_gemm(linear.weight)
+    has_panels = extra_copies and cpu_kernels.supports_panel_gemm(linear.weight)
     assert (packed.panel_weight is not None) == has_panels
     x = torch.randn(1, num_rows, 100).to(dtype)
     with torch.inference_mode():
@@ -137,26 +137,29 @@ def test_packed_linear_matches_linear(dtype, num_rows, bias, extra_copies):
     assert diff < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_rows", [1, 2, 7, 8, 9, 64, 131])
-def test_panel_gemm_matches_float64_reference(num_rows):
-    """The fp32 panel kernel against a float64 product: output widths with partial panels (5, 50,
-    100) and exact ones (48, 96), reductions shorter than a vector, odd, and longer than one
-    k-chunk (1100 > 512), with and without bias; with at most as many panels as threads the rows
-    are split as well. Its error stays within that of PyTorch's own fp32 product."""
-    if not cpu_kernels.supports_panel_gemm(torch.empty(1)):
-        pytest.skip("no AVX-512 panel kernel on this CPU")
+def test_panel_gemm_matches_float64_reference(dtype, num_rows):
+    """The panel kernel against a float64 product: output widths with partial panels (5, 50,
+    100) and exact ones (48, 96), reductions shorter than a vector, odd (a bf16 pair without its
+    partner), and longer than one fp32 k-chunk (1101 > 512), with and without bias; with at most
+    as many panels as threads the rows are split as well. Its error stays within a few times that
+    of PyTorch's own product in the same dtype (fp32: a different summation order; bf16: both
+    round the fp32 sum once)."""
+    if not cpu_kernels.supports_panel_gemm(torch.empty(1, dtype=dtype)):
+        pytest.skip(f"no {dtype} panel kernel on this CPU")
     torch.manual_seed(num_rows)
-    for out_features, in_features in [(5, 7), (48, 16), (50, 33), (96, 512), (100, 1100)]:
-        weight = torch.randn(out_features, in_features)
-        bias = torch.randn(out_features)
-        x = torch.randn(num_rows, in_features)
+    for out_features, in_features in [(5, 7), (48, 16), (50, 33), (96, 512), (100, 1101)]:
+        weight = torch.randn(out_features, in_features).to(dtype)
+        bias = torch.randn(out_features).to(dtype)
+        x = torch.randn(num_rows, in_features).to(dtype)
         panels = cpu_kernels.pack_panels(weight)
         for b in (None, bias):
             got = cpu_kernels.panel_gemm(x, panels, b, out_features)
             exact = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
             torch_error = (torch.nn.functional.linear(x, weight, b).double() - exact).abs().max().item()
             error = (got.double() - exact).abs().max().item()
-            assert got.shape == (num_rows, out_features)
+            assert got.shape == (num_rows, out_features) and got.dtype == dtype
             assert error <= 8 * torch_error + 1e-6, (out_features, in_features, error, torch_error)
 
 

@@ -60,13 +60,13 @@ def library() -> ctypes.CDLL | None:
     lib.gemv.restype = None
     lib.gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.has_panel_gemm.restype = ctypes.c_int
-    lib.has_panel_gemm.argtypes = []
-    lib.panel_floats.restype = ctypes.c_int64
-    lib.panel_floats.argtypes = [ctypes.c_int64] * 2
+    lib.has_panel_gemm.argtypes = [ctypes.c_int]
+    lib.panel_numel.restype = ctypes.c_int64
+    lib.panel_numel.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.pack_panels.restype = None
-    lib.pack_panels.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    lib.pack_panels.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
     lib.panel_gemm.restype = ctypes.c_int
-    lib.panel_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.panel_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.write_kv.restype = None
     lib.write_kv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
     lib.rms_norm.restype = None
@@ -150,44 +150,48 @@ def gemv(
 
 
 def supports_panel_gemm(weight: torch.Tensor) -> bool:
-    """Whether `panel_gemm` handles this weight here (fp32 on a CPU with AVX-512)."""
+    """Whether `panel_gemm` handles this weight here (fp32 on a CPU with AVX-512, bf16 with
+    AVX512-BF16)."""
     lib = library()
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and lib is not None
-            and bool(lib.has_panel_gemm()))
+    return supports(weight) and bool(lib.has_panel_gemm(DTYPE_CODES[weight.dtype]))
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` (N, K), fp32, in the panel layout of `panel_gemm` (see cpu_ops.c), flat."""
+    """`weight` (N, K) in the panel layout of `panel_gemm` (see cpu_ops.c), flat."""
     lib = library()
     assert lib is not None and supports_panel_gemm(weight)
     weight = weight.contiguous()
     out_features, in_features = weight.shape
-    out = torch.empty(panel_numel(out_features, in_features), dtype=torch.float32)
-    lib.pack_panels(weight.data_ptr(), out.data_ptr(), out_features, in_features, torch.get_num_threads())
+    out = torch.empty(panel_numel(out_features, in_features, weight.dtype), dtype=weight.dtype)
+    lib.pack_panels(weight.data_ptr(), out.data_ptr(), out_features, in_features, DTYPE_CODES[weight.dtype],
+                    torch.get_num_threads())
     return out
 
 
-def panel_numel(out_features: int, in_features: int) -> int:
+def panel_numel(out_features: int, in_features: int, dtype: torch.dtype) -> int:
     lib = library()
     assert lib is not None
-    return lib.panel_floats(out_features, in_features)
+    return lib.panel_numel(out_features, in_features, DTYPE_CODES[dtype])
 
 
 def panel_gemm(
-    x: torch.Tensor,  # (..., K) fp32
+    x: torch.Tensor,  # (..., K), the weight's dtype
     panels: torch.Tensor,  # pack_panels(weight) of an (N, K) weight
     bias: torch.Tensor | None,  # (N,)
     out_features: int,
 ) -> torch.Tensor:  # (..., N)
-    """x W^T + b through the packed panels (the fp32 matrix-product kernel of cpu_ops.c)."""
+    """x W^T + b through the packed panels (the matrix-product kernel of cpu_ops.c)."""
     lib = library()
-    assert lib is not None and x.dtype == torch.float32 and (bias is None or bias.is_contiguous())
+    assert lib is not None and x.dtype == panels.dtype and (bias is None or bias.is_contiguous())
     x = x.contiguous()
     in_features = x.shape[-1]
-    assert panels.numel() >= panel_numel(out_features, in_features)
+    assert panels.numel() >= panel_numel(out_features, in_features, x.dtype)
     out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
-    lib.panel_gemm(x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                   x.numel() // in_features, out_features, in_features, torch.get_num_threads())
+    status = lib.panel_gemm(x.data_ptr(), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                            out.data_ptr(), x.numel() // in_features, out_features, in_features,
+                            DTYPE_CODES[x.dtype], torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"panel_gemm kernel failed with status {status}")
     return out
 
 

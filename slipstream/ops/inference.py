@@ -82,8 +82,8 @@ def _concatenated(*linears: nn.Linear) -> nn.Linear:
     return fused
 
 
-# Keep the extra copies of the linear weights (row-major for batch-1 decode; panel-packed too in
-# fp32) only while they take at most this fraction of available memory.
+# Keep the extra copies of the linear weights (row-major for batch-1 decode, panel-packed for
+# decode batches) only while they take at most this fraction of available memory.
 MAX_EXTRA_COPIES_MEMORY_FRACTION = 0.25
 
 

@@ -6,10 +6,10 @@ GEMV streams its weights at 18 vs 36 GB/s). `pack_linears(model)` replaces every
 `PackedLinear` that keeps its weight pre-packed in oneDNN's blocked layout and calls oneDNN's
 linear directly, as vLLM's CPU backend does. Where memory allows it keeps faster copies for the
 sizes oneDNN handles less well: row-major weights for the C matrix-vector kernel (batch-1 decode)
-and, in fp32, panel-packed weights for the C panel kernel (decode batches of up to
-`MAX_PANEL_ROWS` rows, whose weights stream from memory every step; see cpu_ops.c and
-benchmarks/linear_kernels.py). The math is unchanged (y = x W^T + b, up to summation order);
-`nn.Linear` stays the tested fallback wherever oneDNN is not available.
+and panel-packed weights for the C panel kernel (decode batches of up to `MAX_PANEL_ROWS` rows,
+whose weights stream from memory every step; see cpu_ops.c and benchmarks/linear_kernels.py).
+The math is unchanged (y = x W^T + b, up to summation order); `nn.Linear` stays the tested
+fallback wherever oneDNN is not available.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ logger = logging.getLogger(__name__)
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-# Up to this many rows the fp32 panel kernel beats oneDNN here (1.1-1.3x from 8 to 128 rows);
-# by 512 rows oneDNN is as fast or faster (benchmarks/linear_kernels.py).
+# Up to this many rows the panel kernel beats oneDNN here (fp32 and bf16: 1.1-1.4x from 8 to 128
+# rows, about even at 256); from 512 rows on oneDNN is faster (benchmarks/linear_kernels.py).
 MAX_PANEL_ROWS = 256
 
 
@@ -38,7 +38,8 @@ class PackedLinear(nn.Module):
     With `extra_copies`, two more copies of the weight are kept for small inputs: a row-major one,
     on huge pages (`ops.allocator`), for inputs of at most `cpu_kernels.MAX_GEMV_ROWS` rows
     (batch-1 decode: the C matrix-vector kernel streams the weight faster than oneDNN does at that
-    size), and in fp32 a panel-packed one for up to `MAX_PANEL_ROWS` rows (the C panel kernel).
+    size), and a panel-packed one for up to `MAX_PANEL_ROWS` rows (the C panel kernel; fp32 needs
+    AVX-512, bf16 AVX512-BF16).
     `row_buffer` (out_features * in_features elements of the weight's dtype) is where to put the
     row-major copy: `pack_linears` hands every layer a slice of one model-wide buffer, so that
     small weights do not each occupy a 2 MiB page.

@@ -600,42 +600,68 @@ void gemv(const void *W, const void *x, const void *bias, void *y, int64_t M, in
 }
 
 /*
- * fp32 matrix products y (M, N) = x (M, K) W^T (+ bias) for any M, over a copy of W packed in
- * panels of PANEL_COLS output features, k-major within a panel: panels[p][k][j] = W[p*48 + j][k],
- * zero past N (pack_panels). A micro-kernel keeps an 8 x 48 block of y in 24 registers and, per k,
- * loads three vectors of the panel and broadcasts one x value per row: 24 FMAs per 11 loads.
- * The panel is walked in chunks of PANEL_K_CHUNK values of k (96 KiB, so a chunk stays in L2
- * while every block of 8 rows passes over it), and the next chunk in memory order (the thread's
- * next piece of work) is requested a line or a few every other k, so that streaming the weights
- * from memory overlaps the arithmetic. This is where it beats oneDNN's fp32 kernels on decode
- * batches (M of tens of rows), whose weights come from memory every step: on the AMD EPYC
- * development machine, with 48 distinct weights of the bench model's shapes (cold), ~410-460
- * against ~375-395 GFLOP/s at M = 64, and no slower at M = 512 or 2048
- * (benchmarks/linear_kernels.py).
+ * Matrix products y (M, N) = x (M, K) W^T (+ bias) for any M, over a copy of W packed in panels of
+ * PANEL_COLS = 48 output features, k-major within a panel (pack_panels): in fp32
+ * panels[p][k][j] = W[p*48 + j][k]; in bf16 pairs of consecutive k side by side,
+ * panels[p][k/2][j][k%2], as vdpbf16ps takes them; zero past N (and past an odd K). A micro-kernel
+ * keeps an 8 x 48 block of y in 24 fp32 registers and, per k (per pair of k in bf16), loads three
+ * vectors of the panel and broadcasts one x value (pair) per row: 24 FMAs (vdpbf16ps) per 11 loads.
+ * In fp32 the panel is walked in chunks of PANEL_K_CHUNK values of k (96 KiB, so that a chunk
+ * stays in L2 while every block of 8 rows passes over it), partial sums going through y; a bf16
+ * panel (96 bytes per k) is walked whole for each block of rows, its sums kept in registers and
+ * rounded to bf16 once. The next chunk (panel) in memory order, the thread's next piece of work,
+ * is requested a line or a few every other k, so that streaming the weights from memory overlaps
+ * the arithmetic. This is where it beats oneDNN on decode batches (M of tens of rows), whose
+ * weights come from memory every step: on the AMD EPYC development machine, with 48 distinct
+ * weights of the bench model's shapes (cold), 1.1-1.3x oneDNN from 8 to 128 rows in fp32 and
+ * 1.05-1.3x in bf16, and slower from 512 rows on (benchmarks/linear_kernels.py).
  */
 enum { PANEL_COLS = 48, PANEL_ROWS = 8, PANEL_K_CHUNK = 512 };
 
-int has_panel_gemm(void) {
-#if defined(__AVX512F__)
-    return 1;
+int has_panel_gemm(int dtype) {
+#if defined(__AVX512BF16__)
+    return dtype == DTYPE_F32 || dtype == DTYPE_BF16;
+#elif defined(__AVX512F__)
+    return dtype == DTYPE_F32;
 #else
+    (void)dtype;
     return 0;
 #endif
 }
 
-int64_t panel_floats(int64_t N, int64_t K) { return (N + PANEL_COLS - 1) / PANEL_COLS * PANEL_COLS * K; }
+/* Elements (of the weight's dtype) of the packed copy of an (N, K) weight. */
+int64_t panel_numel(int64_t N, int64_t K, int dtype) {
+    const int64_t cols = (N + PANEL_COLS - 1) / PANEL_COLS * PANEL_COLS;
+    return dtype == DTYPE_F32 ? cols * K : cols * 2 * ((K + 1) / 2);
+}
 
-void pack_panels(const float *W, float *panels, int64_t N, int64_t K, int num_threads) {
+void pack_panels(const void *W, void *panels, int64_t N, int64_t K, int dtype, int num_threads) {
+    const int64_t depth = dtype == DTYPE_F32 ? K : (K + 1) / 2;  /* k values (pairs) per panel */
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t p = 0; p < (N + PANEL_COLS - 1) / PANEL_COLS; p++)
-        for (int64_t k = 0; k < K; k++)
+        for (int64_t d = 0; d < depth; d++)
             for (int64_t j = 0; j < PANEL_COLS; j++) {
-                const int64_t n = p * PANEL_COLS + j;
-                panels[(p * K + k) * PANEL_COLS + j] = n < N ? W[n * K + k] : 0.0f;
+                const int64_t n = p * PANEL_COLS + j, slot = (p * depth + d) * PANEL_COLS + j;
+                if (dtype == DTYPE_F32) {
+                    ((float *)panels)[slot] = n < N ? ((const float *)W)[n * K + d] : 0.0f;
+                    continue;
+                }
+                for (int64_t e = 0; e < 2; e++) {
+                    const int64_t k = 2 * d + e;
+                    ((uint16_t *)panels)[2 * slot + e] = n < N && k < K ? ((const uint16_t *)W)[n * K + k] : 0;
+                }
             }
 }
 
 #if defined(__AVX512F__)
+/* Which rows and panels each thread takes: whole panels, and the rows split too when there are
+ * too few panels to keep every thread busy. Task t is panel t / row_groups, row group
+ * t % row_groups; thread i runs tasks [tasks * i / threads, tasks * (i + 1) / threads). */
+static int64_t panel_row_groups(int64_t num_panels, int64_t blocks, int num_threads) {
+    const int64_t groups = (4 * num_threads + num_panels - 1) / num_panels;
+    return groups > blocks ? blocks : groups;
+}
+
 /* y[0:ROWS, 0:cols] (+)= x[0:ROWS, 0:kc] . chunk (kc x 48), where x rows are ldx apart and y rows
  * N apart. first: start from zero (and bias, when last as well), else from y; last: add the bias.
  * pf_lines lines of `prefetch` are requested every other k. */
@@ -681,17 +707,12 @@ typedef void (*panel_kernel_fn)(const float *, int64_t, const float *, int64_t, 
 static const panel_kernel_fn panel_kernels[PANEL_ROWS + 1] = {
     NULL, panel_kernel_1, panel_kernel_2, panel_kernel_3, panel_kernel_4,
     panel_kernel_5, panel_kernel_6, panel_kernel_7, panel_kernel_8};
-#endif
 
-/* Returns 0, or 2 where this build has no AVX-512 (has_panel_gemm() is 0). */
-int panel_gemm(const float *x, const float *panels, const float *bias, float *y, int64_t M, int64_t N,
-               int64_t K, int num_threads) {
-#if defined(__AVX512F__)
+static void panel_gemm_f32(const float *x, const float *panels, const float *bias, float *y, int64_t M,
+                           int64_t N, int64_t K, int num_threads) {
     const int64_t num_panels = (N + PANEL_COLS - 1) / PANEL_COLS;
     const int64_t blocks = (M + PANEL_ROWS - 1) / PANEL_ROWS;
-    /* Split the rows too when there are too few panels to keep every thread busy. */
-    int64_t row_groups = (4 * num_threads + num_panels - 1) / num_panels;
-    row_groups = row_groups > blocks ? blocks : row_groups;
+    const int64_t row_groups = panel_row_groups(num_panels, blocks, num_threads);
     const int64_t tasks = num_panels * row_groups;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -719,11 +740,106 @@ int panel_gemm(const float *x, const float *panels, const float *bias, float *y,
             }
         }
     }
-    return 0;
-#else
-    (void)x; (void)panels; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)num_threads;
-    return 2;
+}
 #endif
+
+
+#if defined(__AVX512BF16__)
+/* y[0:ROWS, 0:cols] = bf16(x[0:ROWS, 0:K] . panel + bias), the panel (K+1)/2 pairs x 48; x rows
+ * ldx apart, y rows N apart. pf_lines lines of `prefetch` are requested every other pair. */
+#define PANEL_KERNEL_BF16(ROWS)                                                                \
+    static void panel_kernel_bf16_##ROWS(const uint16_t *x, int64_t ldx, const uint16_t *panel,  \
+                                         int64_t K, uint16_t *y, int64_t N, int64_t cols,       \
+                                         const uint16_t *bias, const char *prefetch, int64_t pf_lines) { \
+        const int64_t pairs = (K + 1) / 2;                                                     \
+        __m512 acc[ROWS][3];                                                                   \
+        for (int r = 0; r < ROWS; r++)                                                         \
+            for (int j = 0; j < 3; j++) acc[r][j] = _mm512_setzero_ps();                       \
+        for (int64_t d = 0; d < pairs; d++) {                                                  \
+            if ((d & 1) == 0)                                                                  \
+                for (int64_t l = 0; l < pf_lines; l++, prefetch += 64) _mm_prefetch(prefetch, _MM_HINT_T1); \
+            const uint16_t *w = panel + d * 2 * PANEL_COLS;                                    \
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w),                               \
+                           w1 = (__m512bh)_mm512_loadu_si512(w + 32),                          \
+                           w2 = (__m512bh)_mm512_loadu_si512(w + 64);                          \
+            const int half = 2 * d + 1 == K;  /* the last k of an odd K: no pair partner in x */ \
+            for (int r = 0; r < ROWS; r++) {                                                   \
+                const uint16_t *xk = x + r * ldx + 2 * d;                                      \
+                uint32_t pair = xk[0];                                                         \
+                if (!half) memcpy(&pair, xk, sizeof pair);                                     \
+                const __m512bh b = (__m512bh)_mm512_set1_epi32((int)pair);                     \
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], b, w0);                                \
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, w1);                                \
+                acc[r][2] = _mm512_dpbf16_ps(acc[r][2], b, w2);                                \
+            }                                                                                  \
+        }                                                                                      \
+        for (int j = 0; j < 3; j++) {                                                          \
+            const int64_t left = cols - 16 * j;                                                \
+            if (left <= 0) break;                                                              \
+            const __mmask16 mask = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1u);      \
+            const __m512 add = bias == NULL ? _mm512_setzero_ps()                              \
+                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(                 \
+                      _mm256_maskz_loadu_epi16(mask, bias + 16 * j)), 16));                    \
+            for (int r = 0; r < ROWS; r++)                                                     \
+                _mm256_mask_storeu_epi16(y + r * N + 16 * j, mask,                             \
+                                         (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], add))); \
+        }                                                                                      \
+    }
+PANEL_KERNEL_BF16(1) PANEL_KERNEL_BF16(2) PANEL_KERNEL_BF16(3) PANEL_KERNEL_BF16(4)
+PANEL_KERNEL_BF16(5) PANEL_KERNEL_BF16(6) PANEL_KERNEL_BF16(7) PANEL_KERNEL_BF16(8)
+#undef PANEL_KERNEL_BF16
+
+typedef void (*panel_kernel_bf16_fn)(const uint16_t *, int64_t, const uint16_t *, int64_t, uint16_t *,
+                                     int64_t, int64_t, const uint16_t *, const char *, int64_t);
+static const panel_kernel_bf16_fn panel_kernels_bf16[PANEL_ROWS + 1] = {
+    NULL, panel_kernel_bf16_1, panel_kernel_bf16_2, panel_kernel_bf16_3, panel_kernel_bf16_4,
+    panel_kernel_bf16_5, panel_kernel_bf16_6, panel_kernel_bf16_7, panel_kernel_bf16_8};
+
+static void panel_gemm_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y,
+                            int64_t M, int64_t N, int64_t K, int num_threads) {
+    const int64_t num_panels = (N + PANEL_COLS - 1) / PANEL_COLS;
+    const int64_t blocks = (M + PANEL_ROWS - 1) / PANEL_ROWS;
+    const int64_t row_groups = panel_row_groups(num_panels, blocks, num_threads);
+    const int64_t tasks = num_panels * row_groups, panel_elems = 2 * ((K + 1) / 2) * PANEL_COLS;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
+        const int64_t task_end = tasks * (thread + 1) / threads;
+        for (int64_t task = tasks * thread / threads; task < task_end; task++) {
+            const int64_t p = task / row_groups, group = task % row_groups;
+            const int64_t block_begin = blocks * group / row_groups, block_end = blocks * (group + 1) / row_groups;
+            const int64_t cols = N - p * PANEL_COLS < PANEL_COLS ? N - p * PANEL_COLS : PANEL_COLS;
+            const uint16_t *panel = panels + p * panel_elems;
+            /* The next panel in memory is the next piece of work, unless this task is the last. */
+            const int64_t points = (block_end - block_begin) * (((K + 1) / 2 + 1) / 2);
+            const int64_t pf_lines = task == task_end - 1 ? 0 : (3 * ((K + 1) / 2) + points - 1) / points;
+            const char *prefetch = (const char *)(panel + panel_elems);
+            for (int64_t b = block_begin; b < block_end; b++) {
+                const int64_t m0 = b * PANEL_ROWS, rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
+                panel_kernels_bf16[rows](x + m0 * K, K, panel, K, y + m0 * N + p * PANEL_COLS, N, cols,
+                                         bias == NULL ? NULL : bias + p * PANEL_COLS, prefetch, pf_lines);
+                prefetch += (((K + 1) / 2 + 1) / 2) * pf_lines * 64;
+            }
+        }
+    }
+}
+#endif
+
+/* Returns 0, or 2 where this build has no panel kernel for the dtype (see has_panel_gemm). */
+int panel_gemm(const void *x, const void *panels, const void *bias, void *y, int64_t M, int64_t N,
+               int64_t K, int dtype, int num_threads) {
+    if (!has_panel_gemm(dtype)) return 2;
+#if defined(__AVX512F__)
+    if (dtype == DTYPE_F32) {
+        panel_gemm_f32(x, panels, bias, y, M, N, K, num_threads);
+        return 0;
+    }
+#endif
+#if defined(__AVX512BF16__)
+    panel_gemm_bf16(x, panels, bias, y, M, N, K, num_threads);
+#endif
+    (void)x; (void)panels; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)num_threads;
+    return 0;
 }
 
 /*
