@@ -111,37 +111,26 @@ static inline float dot_bf16(const void *q, int64_t q_index, const void *k_cache
  * a bare read of the same bytes. Only for whole-sequence tasks, whose rows are read whole.
  */
 typedef struct {
-    const char *caches[2];    /* keys, then values */
+    const char *k_cache, *v_cache;
     const int64_t *block_table;
-    int64_t first_block, end_block;  /* the window's blocks, as indices into block_table */
-    int64_t block_bytes;      /* a whole block: block_size rows, contiguous */
-    int64_t lines_per_tile;   /* 0: nothing (more) to request */
-    int cache;                /* which of caches[] is being requested */
-    int64_t block;            /* next block to start */
-    const char *cursor, *end; /* the lines of the block being requested */
+    int64_t first_byte;       /* of the window's first row, in the sequence's row order */
+    int64_t span_bytes;       /* of its rows, keys or values */
+    int64_t block_bytes;
+    int64_t requested;        /* bytes so far, keys then values */
+    int64_t lines_per_tile;   /* 0: nothing to request */
 } next_sequence;
 
-/* Requests the next lines_per_tile lines, walking each block's contiguous bytes (no division per
- * line: this runs once per tile of the current sequence). */
 static inline void request_next(next_sequence *next) {
 #if defined(__AVX512F__)
-    const char *cursor = next->cursor, *end = next->end;
-    for (int64_t i = 0; i < next->lines_per_tile; i++, cursor += 64) {
-        if (cursor >= end) {
-            if (next->block == next->end_block) {
-                if (++next->cache == 2) {
-                    next->lines_per_tile = 0;
-                    break;
-                }
-                next->block = next->first_block;
-            }
-            cursor = next->caches[next->cache] + next->block_table[next->block++] * next->block_bytes;
-            end = cursor + next->block_bytes;
-        }
-        _mm_prefetch(cursor, _MM_HINT_T0);
+    for (int64_t i = 0; i < next->lines_per_tile && next->requested < 2 * next->span_bytes;
+         i++, next->requested += 64) {
+        const int is_value = next->requested >= next->span_bytes;
+        const int64_t offset = next->first_byte + next->requested - (is_value ? next->span_bytes : 0);
+        const int64_t block = offset / next->block_bytes;
+        _mm_prefetch((is_value ? next->v_cache : next->k_cache)
+                     + next->block_table[block] * next->block_bytes + offset - block * next->block_bytes,
+                     _MM_HINT_T0);
     }
-    next->cursor = cursor;
-    next->end = end;
 #else
     (void)next;
 #endif
@@ -489,16 +478,14 @@ static void attention_tasks(const void *q, const void *k_cache, const void *v_ca
         if (kv_per_task == num_kv_heads && following < num_seqs && seq_lens[following] > 0) {
             const int64_t len = seq_lens[following];
             const int64_t first = (window > 0 && len > window) ? len - window : 0;
-            const int64_t first_block = first / block_size, end_block = (len + block_size - 1) / block_size;
-            const int64_t block_bytes = block_size * row_bytes;
             const int64_t tiles = 2 * ((seq_lens[seq] + 15) / 16);  /* key and value tiles */
             next = (next_sequence){
-                .caches = {k_cache, v_cache},
+                .k_cache = k_cache, .v_cache = v_cache,
                 .block_table = block_tables + following * max_blocks,
-                .first_block = first_block, .end_block = end_block, .block_bytes = block_bytes,
-                .lines_per_tile = (2 * (end_block - first_block) * block_bytes / 64 + tiles - 1) / tiles,
-                .cache = 0, .block = first_block, .cursor = NULL, .end = NULL,
+                .first_byte = first * row_bytes, .span_bytes = (len - first) * row_bytes,
+                .block_bytes = block_size * row_bytes, .requested = 0,
             };
+            next.lines_per_tile = (2 * next.span_bytes / 64 + tiles - 1) / tiles;
         }
         if (scratch != NULL && seq_lens[seq] > 0)
             attend(q, k_cache, v_cache, out, block_tables + seq * max_blocks, seq_lens[seq], seq,
