@@ -12,6 +12,7 @@ from slipstream.model import Transformer
 from slipstream.ops import cpu_kernels
 from slipstream.ops.decode_graph import CpuDecodeGraph
 from slipstream.ops.inference import optimize_for_cpu_inference
+from slipstream.ops.linear import MAX_PANEL_ROWS
 from slipstream.ops.paged_attention import PagedBatch
 from slipstream.serve.runner import PagedAttention, PagedKVCache
 
@@ -32,14 +33,14 @@ def _model(config, dtype):
     return model.to(dtype).eval()
 
 
-def _decode_batch(config, seq_lens, dtype):
+def _decode_batch(config, seq_lens, dtype, num_blocks=NUM_BLOCKS):
     """A cache filled with random keys and values for every earlier position of each sequence
     (over shuffled blocks), and the layout of one decode step that adds the last token."""
     rng = random.Random(0)
-    free = list(range(NUM_BLOCKS))
+    free = list(range(num_blocks))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
-    cache = PagedKVCache(config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=dtype,
+    cache = PagedKVCache(config, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype,
                          device=torch.device("cpu"))
     for tensor in [*cache.keys, *cache.values]:
         tensor.copy_(torch.randn(tensor.shape))
@@ -56,11 +57,17 @@ def _module_path(model, cache, batch, token_ids, positions, use_kernel):
         return model.hidden_states(token_ids[None], positions[None], attention)[0]
 
 
+# Up to four sequences the products go through the matrix-vector kernel; beyond, the panel kernel
+# (with the rows split among threads too where the model has few panels).
+BATCHES = [[1], [9], [5, 17, 2], [30, 8, 13, 4], [5, 17, 2, 9, 1, 30],
+           [3, 7, 11, 2, 5, 9, 1, 6, 4, 8, 10, 12, 2, 3, 7, 5, 9, 6, 1, 4]]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("seq_lens", [[1], [9], [5, 17, 2], [30, 8, 13, 4]], ids=lambda s: f"lens{s}")
+@pytest.mark.parametrize("seq_lens", BATCHES, ids=lambda s: f"{len(s)}seqs")
 def test_decode_graph_equals_module_path(family_config, dtype, seq_lens):
     """Every family's quirks (biases, q/k norms, a sliding window shorter than the context, GQA,
-    head_dim apart from hidden size), one to four sequences: the graph's hidden states and the
+    head_dim apart from hidden size), one to twenty sequences: the graph's hidden states and the
     keys and values it writes equal the module-by-module fast path bit for bit, and the plain
     PyTorch model (no kernels, no fusion) to rounding."""
     plain = _model(family_config, dtype)
@@ -69,6 +76,10 @@ def test_decode_graph_equals_module_path(family_config, dtype, seq_lens):
     graph_cache, plain_cache = copy.deepcopy(cache), copy.deepcopy(cache)
     graph = CpuDecodeGraph.build(fast, graph_cache.keys, graph_cache.values)
     assert graph is not None
+    panels = cpu_kernels.supports_panel_gemm(torch.empty(1, dtype=dtype))
+    assert graph.max_seqs == (MAX_PANEL_ROWS if panels else cpu_kernels.MAX_GEMV_ROWS)
+    if len(seq_lens) > graph.max_seqs:
+        pytest.skip(f"no {dtype} panel kernel on this CPU: the graph takes up to {graph.max_seqs} sequences")
 
     expected = _module_path(fast, cache, batch, token_ids, positions, use_kernel=True)
     with torch.inference_mode():
@@ -97,7 +108,11 @@ def test_decode_graph_applies_only_to_the_optimised_model(family_config):
 def test_decode_graph_rejects_batches_it_cannot_run(family_config):
     """More sequences than it was built for, or a prefill chunk: a ValueError, not a wrong answer."""
     fast = optimize_for_cpu_inference(_model(family_config, torch.float32))
-    cache, batch, token_ids, positions = _decode_batch(family_config, [3] * 5, torch.float32)
+    cache = PagedKVCache(family_config, num_blocks=4, block_size=BLOCK_SIZE, dtype=torch.float32,
+                         device=torch.device("cpu"))
+    too_many = CpuDecodeGraph.build(fast, cache.keys, cache.values).max_seqs + 1
+    cache, batch, token_ids, positions = _decode_batch(family_config, [3] * too_many, torch.float32,
+                                                       num_blocks=too_many)
     graph = CpuDecodeGraph.build(fast, cache.keys, cache.values)
     with pytest.raises(ValueError, match="decoding sequences"):
         graph(token_ids, positions, batch)

@@ -93,6 +93,7 @@ class DecodeLayer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "input_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "o_bias",
         "post_norm", "gate_up_weight", "gate_up_bias", "down_weight", "down_bias", "k_cache", "v_cache",
+        "qkv_panels", "o_panels", "gate_up_panels", "down_panels",
     )]
 
 

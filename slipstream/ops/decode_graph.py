@@ -1,18 +1,20 @@
-"""Small-batch decode as one C call per step: the CPU counterpart of replaying a CUDA graph.
+"""Decode as one C call per step: the CPU counterpart of replaying a CUDA graph.
 
 At batch 1 a decode step of a small model is about fifty memory-bound matrix-vector products
 of a few megabytes each, plus norms, rotary, cache writes and attention. Issued module by module
 from Python, the dispatch between those ops costs about a third of the step (on the 2-core
-development machine: ~1.6 of ~5 ms in bf16). GPU engines remove the same overhead by capturing
-the step in a CUDA graph once and replaying it; `CpuDecodeGraph` does the equivalent here: the
-address of every weight and cache tensor is bound once when it is built, and each step runs the
-whole layer stack in `decode_layers` (ops/csrc/cpu_ops.c) inside one OpenMP parallel region.
+development machine: ~1.6 of ~5 ms in bf16), and at batch 64 still a few milliseconds. GPU
+engines remove the same overhead by capturing the step in a CUDA graph once and replaying it;
+`CpuDecodeGraph` does the equivalent here: the address of every weight and cache tensor is bound
+once when it is built, and each step runs the whole layer stack in `decode_layers`
+(ops/csrc/cpu_ops.c) inside one OpenMP parallel region.
 
 It applies to the optimised CPU inference model (`ops.inference.optimize_for_cpu_inference`: fused
 q/k/v and gate/up projections whose row-major weights are kept for the matrix-vector kernel) and
-to decode steps of at most `cpu_kernels.MAX_GEMV_ROWS` sequences; `build` returns None for any
-other model and callers keep the module-by-module path, which the tests check it against (equal
-bit for bit, through the same compiled kernels) as well as against the plain model.
+to pure decode steps of at most `cpu_kernels.MAX_GEMV_ROWS` sequences, or of up to
+`linear.MAX_PANEL_ROWS` where the panel-packed weights are kept as well; `build` returns None for
+any other model and callers keep the module-by-module path, which the tests check it against
+(equal bit for bit, through the same compiled kernels) as well as against the plain model.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from slipstream.model.transformer import Transformer, rope_cos_sin
 from slipstream.ops import cpu_kernels
-from slipstream.ops.linear import PackedLinear
+from slipstream.ops.linear import MAX_PANEL_ROWS, PackedLinear
 from slipstream.ops.paged_attention import PagedBatch
 
 logger = logging.getLogger(__name__)
@@ -34,13 +36,12 @@ logger = logging.getLogger(__name__)
 class CpuDecodeGraph:
     """Runs a pure decode step of at most `max_seqs` sequences through the layer stack in C."""
 
-    max_seqs = cpu_kernels.MAX_GEMV_ROWS
-
     def __init__(
         self, model: Transformer, layers: ctypes.Array, shape: cpu_kernels.DecodeShape,
-        bound: list[torch.Tensor],
+        bound: list[torch.Tensor], max_seqs: int,
     ) -> None:
         self.model = model
+        self.max_seqs = max_seqs
         self._layers = layers
         self._shape = shape
         self._bound = bound  # every tensor whose address `layers` holds, kept alive with it
@@ -72,19 +73,20 @@ class CpuDecodeGraph:
             bound.append(tensor)
             return tensor.data_ptr()
 
-        def rows(linear: torch.nn.Module | None) -> tuple[int | None, int | None]:
+        def weights(linear: torch.nn.Module | None) -> tuple[int | None, int | None, int | None]:
+            """Addresses of the row-major weight, the bias and the panels (None if not kept)."""
             if not isinstance(linear, PackedLinear) or linear.row_weight is None:
                 raise _NotApplicable(f"{type(linear).__name__} is not a PackedLinear with row weights")
-            return address(linear.row_weight), address(linear.bias)
+            return address(linear.row_weight), address(linear.bias), address(linear.panel_weight)
 
         try:
             layers = []
             for layer, k_cache, v_cache in zip(model.model.layers, keys, values, strict=True):
                 attention, mlp = layer.self_attn, layer.mlp
-                qkv_weight, qkv_bias = rows(attention.qkv_proj)
-                o_weight, o_bias = rows(attention.o_proj)
-                gate_up_weight, gate_up_bias = rows(mlp.gate_up_proj)
-                down_weight, down_bias = rows(mlp.down_proj)
+                qkv_weight, qkv_bias, qkv_panels = weights(attention.qkv_proj)
+                o_weight, o_bias, o_panels = weights(attention.o_proj)
+                gate_up_weight, gate_up_bias, gate_up_panels = weights(mlp.gate_up_proj)
+                down_weight, down_bias, down_panels = weights(mlp.down_proj)
                 layers.append(cpu_kernels.DecodeLayer(
                     input_norm=address(layer.input_layernorm.weight),
                     qkv_weight=qkv_weight, qkv_bias=qkv_bias,
@@ -95,6 +97,8 @@ class CpuDecodeGraph:
                     gate_up_weight=gate_up_weight, gate_up_bias=gate_up_bias,
                     down_weight=down_weight, down_bias=down_bias,
                     k_cache=address(k_cache), v_cache=address(v_cache),
+                    qkv_panels=qkv_panels, o_panels=o_panels, gate_up_panels=gate_up_panels,
+                    down_panels=down_panels,
                 ))
         except _NotApplicable as e:
             logger.info("no CPU decode graph for this model (%s): decode runs module by module", e)
@@ -106,7 +110,10 @@ class CpuDecodeGraph:
             block_size=keys[0].shape[1], window=config.sliding_window or 0, eps=config.rms_norm_eps,
             scale=config.head_dim**-0.5, dtype=cpu_kernels.DTYPE_CODES[dtype],
         )
-        return cls(model, (cpu_kernels.DecodeLayer * len(layers))(*layers), shape, bound)
+        panels = all(layer.qkv_panels and layer.o_panels and layer.gate_up_panels and layer.down_panels
+                     for layer in layers)
+        max_seqs = MAX_PANEL_ROWS if panels else cpu_kernels.MAX_GEMV_ROWS
+        return cls(model, (cpu_kernels.DecodeLayer * len(layers))(*layers), shape, bound, max_seqs)
 
     def __call__(
         self,

@@ -695,15 +695,15 @@ static const panel_kernel_fn panel_kernels[PANEL_ROWS + 1] = {
     NULL, panel_kernel_1, panel_kernel_2, panel_kernel_3, panel_kernel_4,
     panel_kernel_5, panel_kernel_6, panel_kernel_7, panel_kernel_8};
 
-static void panel_gemm_f32(const float *x, const float *panels, const float *bias, float *y, int64_t M,
-                           int64_t N, int64_t K, int num_threads) {
+/* This thread's share of the product, inside a parallel region (no barrier at the end). */
+static void panel_tasks_f32(const float *x, const float *panels, const float *bias, float *y, int64_t M,
+                            int64_t N, int64_t K) {
+    const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
     const int64_t num_panels = (N + PANEL_COLS - 1) / PANEL_COLS;
     const int64_t blocks = (M + PANEL_ROWS - 1) / PANEL_ROWS;
-    const int64_t row_groups = panel_row_groups(num_panels, blocks, num_threads);
+    const int64_t row_groups = panel_row_groups(num_panels, blocks, threads);
     const int64_t tasks = num_panels * row_groups;
-#pragma omp parallel num_threads(num_threads)
     {
-        const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
         const int64_t task_end = tasks * (thread + 1) / threads;
         for (int64_t task = tasks * thread / threads; task < task_end; task++) {
             const int64_t p = task / row_groups, group = task % row_groups;
@@ -782,15 +782,14 @@ static const panel_kernel_bf16_fn panel_kernels_bf16[PANEL_ROWS + 1] = {
     NULL, panel_kernel_bf16_1, panel_kernel_bf16_2, panel_kernel_bf16_3, panel_kernel_bf16_4,
     panel_kernel_bf16_5, panel_kernel_bf16_6, panel_kernel_bf16_7, panel_kernel_bf16_8};
 
-static void panel_gemm_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y,
-                            int64_t M, int64_t N, int64_t K, int num_threads) {
+static void panel_tasks_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y,
+                             int64_t M, int64_t N, int64_t K) {
+    const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
     const int64_t num_panels = (N + PANEL_COLS - 1) / PANEL_COLS;
     const int64_t blocks = (M + PANEL_ROWS - 1) / PANEL_ROWS;
-    const int64_t row_groups = panel_row_groups(num_panels, blocks, num_threads);
+    const int64_t row_groups = panel_row_groups(num_panels, blocks, threads);
     const int64_t tasks = num_panels * row_groups, panel_elems = 2 * ((K + 1) / 2) * PANEL_COLS;
-#pragma omp parallel num_threads(num_threads)
     {
-        const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
         const int64_t task_end = tasks * (thread + 1) / threads;
         for (int64_t task = tasks * thread / threads; task < task_end; task++) {
             const int64_t p = task / row_groups, group = task % row_groups;
@@ -812,20 +811,28 @@ static void panel_gemm_bf16(const uint16_t *x, const uint16_t *panels, const uin
 }
 #endif
 
+/* This thread's share of y = x W^T + b through the panels, inside a parallel region (no barrier
+ * at the end); the caller has checked has_panel_gemm(dtype). */
+static void panel_tasks(const void *x, const void *panels, const void *bias, void *y, int64_t M, int64_t N,
+                        int64_t K, int dtype) {
+#if defined(__AVX512F__)
+    if (dtype == DTYPE_F32) {
+        panel_tasks_f32(x, panels, bias, y, M, N, K);
+        return;
+    }
+#endif
+#if defined(__AVX512BF16__)
+    panel_tasks_bf16(x, panels, bias, y, M, N, K);
+#endif
+    (void)x; (void)panels; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)dtype;
+}
+
 /* Returns 0, or 2 where this build has no panel kernel for the dtype (see has_panel_gemm). */
 int panel_gemm(const void *x, const void *panels, const void *bias, void *y, int64_t M, int64_t N,
                int64_t K, int dtype, int num_threads) {
     if (!has_panel_gemm(dtype)) return 2;
-#if defined(__AVX512F__)
-    if (dtype == DTYPE_F32) {
-        panel_gemm_f32(x, panels, bias, y, M, N, K, num_threads);
-        return 0;
-    }
-#endif
-#if defined(__AVX512BF16__)
-    panel_gemm_bf16(x, panels, bias, y, M, N, K, num_threads);
-#endif
-    (void)x; (void)panels; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)num_threads;
+#pragma omp parallel num_threads(num_threads)
+    panel_tasks(x, panels, bias, y, M, N, K, dtype);
     return 0;
 }
 
@@ -959,13 +966,15 @@ void silu_and_mul(const void *x, void *out, int64_t num_rows, int64_t width, int
 }
 
 /*
- * A whole decode step of the decoder layers for a few sequences (one new token each), in one
- * call: the CPU's counterpart of replaying a captured CUDA graph. At batch 1 a step is ~50
- * memory-bound matrix-vector products of a few megabytes each; issued one by one from Python,
- * the dispatch between them costs a third of the step. Here the layer loop runs inside one
- * OpenMP parallel region: the products and the attention are shared among the threads, the
- * small per-row work (norms, rotary, cache writes, activation) runs on one thread, and the
- * threads meet at barriers instead of forking and joining for every op.
+ * A whole decode step of the decoder layers (one new token per sequence) in one call: the CPU's
+ * counterpart of replaying a captured CUDA graph. At batch 1 a step is ~50 memory-bound
+ * matrix-vector products of a few megabytes each; issued one by one from Python, the dispatch
+ * between them costs a third of the step, and at batch 64 the ~180 ops of a step still cost a few
+ * milliseconds of dispatch. Here the layer loop runs inside one OpenMP parallel region: the
+ * products (the matrix-vector kernel for up to MAX_GEMV_ROWS sequences, the panel kernel beyond)
+ * and the attention are shared among the threads, the per-row work (norms, rotary, cache
+ * writes, activation) is split by rows, and the threads meet at barriers instead of forking and
+ * joining for every op.
  *
  * The arithmetic is that of the per-op kernels above, through the same compiled functions
  * (the row helpers are noinline so that no caller gets a differently vectorised copy), so the
@@ -974,13 +983,15 @@ void silu_and_mul(const void *x, void *out, int64_t num_rows, int64_t width, int
  * hidden (num_seqs, hidden_size): the embedded tokens in, the last layer's output out (before the
  * final norm). cos, sin (num_seqs, head_dim); slots (num_seqs,); block_tables (num_seqs,
  * max_blocks); seq_lens (num_seqs,), the new token included. workspace: decode_workspace_bytes().
+ * More than MAX_GEMV_ROWS sequences need every layer's panels (and has_panel_gemm(dtype)).
  * Returns 0, 1 if scratch memory could not be allocated, 2 for a bad shape.
  */
 typedef struct {
     const void *input_norm, *qkv_weight, *qkv_bias, *q_norm, *k_norm, *o_weight, *o_bias;
     const void *post_norm, *gate_up_weight, *gate_up_bias, *down_weight, *down_bias;
     void *k_cache, *v_cache;  /* (num_blocks, block_size, num_kv_heads, head_dim) */
-} decode_layer;  /* bias and q/k norm pointers are NULL where the model has none */
+    const void *qkv_panels, *o_panels, *gate_up_panels, *down_panels;  /* pack_panels() copies */
+} decode_layer;  /* bias, q/k norm and panel pointers are NULL where the model has none */
 
 typedef struct {
     int64_t num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size;
@@ -992,8 +1003,33 @@ typedef struct {
 int64_t decode_workspace_bytes(const decode_shape *shape, int64_t num_seqs) {
     const int64_t q_size = shape->num_heads * shape->head_dim;
     const int64_t qkv_size = q_size + 2 * shape->num_kv_heads * shape->head_dim;
-    const int64_t per_row = shape->hidden_size + qkv_size + 2 * q_size + 3 * shape->intermediate_size;
+    const int64_t per_row = 2 * shape->hidden_size + qkv_size + 2 * q_size + 3 * shape->intermediate_size;
     return num_seqs * per_row * (shape->dtype == DTYPE_F32 ? 4 : 2);
+}
+
+/* y = x W^T + b, or y = residual + (x W^T + b) rounded as `h + linear(x)` is in PyTorch (y may
+ * alias residual), shared among the threads of the enclosing parallel region, which all return
+ * with y complete: the matrix-vector kernel over the row-major weight for up to MAX_GEMV_ROWS
+ * rows, else the panel kernel into `product` (M x N) and then the residual sum by rows. */
+static void decode_linear(const void *rows, const void *panels, const void *bias, const void *residual,
+                          const void *x, void *y, void *product, int64_t M, int64_t N, int64_t K, int dtype) {
+    if (M <= MAX_GEMV_ROWS) {
+        gemv_rows(rows, x, bias, residual, y, M, N, K, dtype);
+        return;
+    }
+    panel_tasks(x, panels, bias, residual == NULL ? y : product, M, N, K, dtype);
+#pragma omp barrier
+    if (residual == NULL) return;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < M * N; i++) {
+        if (dtype == DTYPE_F32) {
+            ((float *)y)[i] = ((const float *)residual)[i] + ((const float *)product)[i];
+        } else {
+            const float sum = bf16_to_f32(((const uint16_t *)residual)[i]) +
+                              bf16_to_f32(((const uint16_t *)product)[i]);
+            ((uint16_t *)y)[i] = f32_to_bf16(sum);
+        }
+    }
 }
 
 int decode_layers(const decode_layer *layers, const decode_shape *shape, void *hidden,
@@ -1003,7 +1039,14 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, void *h
     const int64_t E = shape->hidden_size, H = shape->num_heads, KV = shape->num_kv_heads;
     const int64_t D = shape->head_dim, F = shape->intermediate_size, M = num_seqs;
     const int dtype = shape->dtype;
-    if (KV <= 0 || H % KV != 0 || M > MAX_GEMV_ROWS) return 2;
+    if (KV <= 0 || H % KV != 0 || M < 1) return 2;
+    if (M > MAX_GEMV_ROWS) {
+        if (!has_panel_gemm(dtype)) return 2;
+        for (int64_t l = 0; l < shape->num_layers; l++)
+            if (layers[l].qkv_panels == NULL || layers[l].o_panels == NULL ||
+                layers[l].gate_up_panels == NULL || layers[l].down_panels == NULL)
+                return 2;
+    }
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
     const int64_t q_size = H * D, kv_size = KV * D, qkv_size = q_size + 2 * kv_size;
     char *normed = workspace;                 /* (M, E) */
@@ -1012,6 +1055,7 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, void *h
     char *attn = q + M * q_size * elem;       /* (M, H, D) */
     char *gate_up = attn + M * q_size * elem; /* (M, 2F) */
     char *act = gate_up + M * 2 * F * elem;   /* (M, F) */
+    char *product = act + M * F * elem;       /* (M, E): o and down products before the residual */
     char *x = hidden;
     const int64_t scratch_floats = attention_scratch_floats(max_seq_len(seq_lens, M), H, D);
     int failed = 0;
@@ -1020,12 +1064,13 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, void *h
         float *scratch = thread_scratch(scratch_floats, &failed);
         for (int64_t l = 0; l < shape->num_layers; l++) {
             const decode_layer *layer = &layers[l];
-#pragma omp single
+#pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++)
                 rms_norm_row(x + m * E * elem, layer->input_norm, normed + m * E * elem, E, shape->eps,
                              dtype);
-            gemv_rows(layer->qkv_weight, normed, layer->qkv_bias, NULL, qkv, M, qkv_size, E, dtype);
-#pragma omp single
+            decode_linear(layer->qkv_weight, layer->qkv_panels, layer->qkv_bias, NULL, normed, qkv, product,
+                          M, qkv_size, E, dtype);
+#pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) {
                 char *q_row = qkv + m * qkv_size * elem, *k_row = q_row + q_size * elem;
                 const char *v_row = k_row + kv_size * elem;
@@ -1046,15 +1091,18 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, void *h
             attention_tasks(q, layer->k_cache, layer->v_cache, attn, block_tables, seq_lens, M, max_blocks,
                             H, KV, D, shape->block_size, shape->window, shape->scale, dtype, num_threads,
                             scratch);
-            gemv_rows(layer->o_weight, attn, layer->o_bias, x, x, M, E, q_size, dtype);
-#pragma omp single
+            decode_linear(layer->o_weight, layer->o_panels, layer->o_bias, x, attn, x, product, M, E, q_size,
+                          dtype);
+#pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++)
                 rms_norm_row(x + m * E * elem, layer->post_norm, normed + m * E * elem, E, shape->eps, dtype);
-            gemv_rows(layer->gate_up_weight, normed, layer->gate_up_bias, NULL, gate_up, M, 2 * F, E, dtype);
-#pragma omp single
+            decode_linear(layer->gate_up_weight, layer->gate_up_panels, layer->gate_up_bias, NULL, normed,
+                          gate_up, product, M, 2 * F, E, dtype);
+#pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++)
                 silu_and_mul_row(gate_up + m * 2 * F * elem, act + m * F * elem, F, dtype);
-            gemv_rows(layer->down_weight, act, layer->down_bias, x, x, M, E, F, dtype);
+            decode_linear(layer->down_weight, layer->down_panels, layer->down_bias, x, act, x, product, M, E, F,
+                          dtype);
         }
         free(scratch);
     }
