@@ -120,8 +120,8 @@ def test_optimized_model_matches_plain_model(dtype):
 @pytest.mark.parametrize("extra_copies", [False, True])
 def test_packed_linear_matches_linear(dtype, num_rows, bias, extra_copies):
     """PackedLinear equals nn.Linear through each of its paths: the C matrix-vector kernel (up to
-    four rows, odd sizes with tails), the panel kernel (up to MAX_PANEL_ROWS rows) and oneDNN
-    (without the extra copies, and past MAX_PANEL_ROWS rows)."""
+    four rows, odd sizes with tails), the panel kernel (fp32, and bf16 up to MAX_PANEL_ROWS rows)
+    and oneDNN (without the extra copies, and bf16 past MAX_PANEL_ROWS rows)."""
     from slipstream.ops.linear import PackedLinear
 
     torch.manual_seed(0)
@@ -138,14 +138,14 @@ def test_packed_linear_matches_linear(dtype, num_rows, bias, extra_copies):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_rows", [1, 2, 7, 8, 9, 64, 131])
+@pytest.mark.parametrize("num_rows", [1, 2, 7, 8, 9, 64, 131, 1030])
 def test_panel_gemm_matches_float64_reference(dtype, num_rows):
     """The panel kernel against a float64 product: output widths with partial panels (5, 50,
     100) and exact ones (48, 96), reductions shorter than a vector, odd (a bf16 pair without its
     partner), and longer than one fp32 k-chunk (1101 > 512), with and without bias; with at most
-    as many panels as threads the rows are split as well. Its error stays within a few times that
-    of PyTorch's own product in the same dtype (fp32: a different summation order; bf16: both
-    round the fp32 sum once)."""
+    as many panels as threads the rows are split as well; from 1024 rows they go in bands. Its
+    error stays within a few times that of PyTorch's own product in the same dtype (fp32: a
+    different summation order; bf16: both round the fp32 sum once)."""
     if not cpu_kernels.supports_panel_gemm(torch.empty(1, dtype=dtype)):
         pytest.skip(f"no {dtype} panel kernel on this CPU")
     torch.manual_seed(num_rows)

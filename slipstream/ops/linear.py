@@ -6,8 +6,8 @@ GEMV streams its weights at 18 vs 36 GB/s). `pack_linears(model)` replaces every
 `PackedLinear` that keeps its weight pre-packed in oneDNN's blocked layout and calls oneDNN's
 linear directly, as vLLM's CPU backend does. Where memory allows it keeps faster copies for the
 sizes oneDNN handles less well: row-major weights for the C matrix-vector kernel (batch-1 decode)
-and panel-packed weights for the C panel kernel (decode batches of up to `MAX_PANEL_ROWS` rows,
-whose weights stream from memory every step; see cpu_ops.c and benchmarks/linear_kernels.py).
+and panel-packed weights for the C panel kernel (decode batches, whose weights stream from
+memory every step, and in fp32 every size; see cpu_ops.c and benchmarks/linear_kernels.py).
 The math is unchanged (y = x W^T + b, up to summation order); `nn.Linear` stays the tested
 fallback wherever oneDNN is not available.
 """
@@ -28,7 +28,9 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 # Up to this many rows the panel kernel beats oneDNN here (fp32 and bf16: 1.1-1.4x from 8 to 128
-# rows, about even at 256); from 512 rows on oneDNN is faster (benchmarks/linear_kernels.py).
+# rows, about even at 256; benchmarks/linear_kernels.py). Beyond, bf16 goes to oneDNN (0.96-0.99x
+# from 512 to 2048 rows); fp32 stays on the panel kernel, even with oneDNN from 256 to 1024 rows
+# and ahead at prefill chunks of 2048 (rows in bands, cpu_ops.c).
 MAX_PANEL_ROWS = 256
 
 
@@ -38,8 +40,8 @@ class PackedLinear(nn.Module):
     With `extra_copies`, two more copies of the weight are kept for small inputs: a row-major one,
     on huge pages (`ops.allocator`), for inputs of at most `cpu_kernels.MAX_GEMV_ROWS` rows
     (batch-1 decode: the C matrix-vector kernel streams the weight faster than oneDNN does at that
-    size), and a panel-packed one for up to `MAX_PANEL_ROWS` rows (the C panel kernel; fp32 needs
-    AVX-512, bf16 AVX512-BF16).
+    size), and a panel-packed one for the C panel kernel (fp32 needs AVX-512, bf16 AVX512-BF16):
+    every input in fp32, up to `MAX_PANEL_ROWS` rows in bf16.
     `row_buffer` (out_features * in_features elements of the weight's dtype) is where to put the
     row-major copy: `pack_linears` hands every layer a slice of one model-wide buffer, so that
     small weights do not each occupy a 2 MiB page.
@@ -66,7 +68,7 @@ class PackedLinear(nn.Module):
         rows = x.numel() // self.in_features
         if self.row_weight is not None and rows <= cpu_kernels.MAX_GEMV_ROWS:
             return cpu_kernels.gemv(x, self.row_weight, self.bias)
-        if self.panel_weight is not None and rows <= MAX_PANEL_ROWS:
+        if self.panel_weight is not None and (rows <= MAX_PANEL_ROWS or x.dtype == torch.float32):
             return cpu_kernels.panel_gemm(x, self.panel_weight, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 

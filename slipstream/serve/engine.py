@@ -72,8 +72,9 @@ class EngineConfig:
     """On CPU: oneDNN pre-packed linears and fused C kernels (attention, RMSNorm, rotary), each
     where it applies; False runs the model's plain PyTorch modules (the tested reference)."""
     enforce_eager: bool = False
-    """As vLLM's: run every step module by module. Otherwise, with fast_cpu_kernels, decode
-    steps of at most 4 sequences run the whole layer stack in one C call (ops.decode_graph)."""
+    """As vLLM's: run every step module by module. Otherwise, with fast_cpu_kernels, pure decode
+    steps (up to linear.MAX_PANEL_ROWS sequences) run the layer stack in one C call
+    (ops.decode_graph)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
