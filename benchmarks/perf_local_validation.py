@@ -145,6 +145,19 @@ def compare(label: str, measured_s: float, calibrated_s: float, baseline_s: floa
     return row
 
 
+def decode_graph_max_batch() -> int:
+    """The largest fp32 decode batch the engine runs through its CPU decode graph here (0: none),
+    as `ops.decode_graph.CpuDecodeGraph.build` decides it for the optimised model."""
+    import torch
+
+    from slipstream.ops import cpu_kernels
+    from slipstream.ops.linear import MAX_PANEL_ROWS
+
+    if not cpu_kernels.supports(torch.empty(1)):
+        return 0
+    return MAX_PANEL_ROWS if cpu_kernels.supports_panel_gemm(torch.empty(1)) else cpu_kernels.MAX_GEMV_ROWS
+
+
 def serving_part(acc, base_eff, rounds: int) -> list[dict]:
     from common import ensure_model  # noqa: F401  (benchmarks/ on the path)
 
@@ -172,13 +185,15 @@ def serving_part(acc, base_eff, rounds: int) -> list[dict]:
             target_records[preset] += engine_records(model_dir(preset), batches, prefills)
     (RUNS / "engine-small.jsonl").write_text("\n".join(json.dumps(r) for r in calib_records) + "\n")
     steps = read_engine_steps(summarize(calib_records))
-    cal = fit_engine_steps(steps, ServeSetup(shape=resolve_model("small"), dtype="fp32"), acc, base_eff)
+    graph = decode_graph_max_batch()
+    cal = fit_engine_steps(steps, ServeSetup(shape=resolve_model("small"), dtype="fp32",
+                                             decode_graph_max_batch=graph), acc, base_eff)
     print(f"serving fit on small: multipliers {cal.scales}, roofline_overlap "
           f"{cal.efficiency.roofline_overlap}, fit errors "
           f"{[round(100 * e, 1) for e in cal.errors_after]}%")
     rows = []
     for preset, _, _ in targets:
-        setup = ServeSetup(shape=resolve_model(preset), dtype="fp32")
+        setup = ServeSetup(shape=resolve_model(preset), dtype="fp32", decode_graph_max_batch=graph)
         for step in read_engine_steps(summarize(target_records[preset])):
             label = f"{preset} {step.phase} bs{step.batch_size} len{step.length}"
             calibrated = engine_step_work(step, setup, acc, cal.efficiency).total_s

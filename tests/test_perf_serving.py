@@ -109,3 +109,25 @@ def test_serve_setup_errors():
         ServeSetup(shape=LLAMA8B, memory_utilization=1.5)
     with pytest.raises(ValueError, match="request_rate"):
         under_load(ServeSetup(shape=LLAMA8B), H100, 0, 10, 10)
+
+
+def test_decode_graph_removes_launch_overhead_only_for_graphed_steps():
+    """Decode-only steps up to decode_graph_max_batch pay no per-kernel or per-GEMM overhead in
+    their layers (the lm_head, embedding and host costs stay); larger batches and steps with a
+    prefill chunk are priced as before, and the data movement and FLOPs do not change."""
+    eager = ServeSetup(shape=LLAMA8B)
+    graphed = ServeSetup(shape=LLAMA8B, decode_graph_max_batch=8)
+    eff = Efficiency(gemm_overhead_s=5e-6, kernel_overhead_s=5e-6, step_overhead_s=0, sequence_overhead_s=0)
+    layer_launches = LLAMA8B.num_layers * 5e-6
+    for batch in (1, 8):
+        before = step_time(eager, H100, decode_contexts=[1000] * batch, efficiency=eff)
+        after = step_time(graphed, H100, decode_contexts=[1000] * batch, efficiency=eff)
+        assert after.flops == before.flops and after.memory_s == pytest.approx(before.memory_s)
+        assert before.overhead_s - after.overhead_s >= 4 * layer_launches  # several launches a layer
+        assert after.overhead_s > 0  # lm_head and the step's kernels outside the layers
+    for kwargs in ({"decode_contexts": [1000] * 9}, {"prefill_lens": [64], "decode_contexts": [1000]}):
+        assert (step_time(graphed, H100, efficiency=eff, **kwargs).overhead_s
+                == step_time(eager, H100, efficiency=eff, **kwargs).overhead_s)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="decode_graph_max_batch"):
+            ServeSetup(shape=LLAMA8B, decode_graph_max_batch=bad)

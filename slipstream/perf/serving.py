@@ -49,6 +49,9 @@ class ServeSetup:
     """Default: `dtype`."""
     memory_utilization: float = 0.9
     """Fraction of device memory the engine may use (vLLM's gpu_memory_utilization)."""
+    decode_graph_max_batch: int = 0
+    """Decode-only steps of up to this many sequences replay a captured graph (vLLM's CUDA graphs,
+    slipstream's CPU decode graph): their layers pay no per-kernel or per-GEMM launch overhead."""
 
     def __post_init__(self) -> None:
         dtype_key(self.dtype)
@@ -60,6 +63,10 @@ class ServeSetup:
             raise ValueError(f"tp={self.tp} does not divide {self.shape.num_heads} heads")
         if not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if (isinstance(self.decode_graph_max_batch, bool) or not isinstance(self.decode_graph_max_batch, int)
+                or self.decode_graph_max_batch < 0):
+            raise ValueError(f"decode_graph_max_batch must be a non-negative integer, "
+                             f"got {self.decode_graph_max_batch!r}")
 
     @property
     def element_bytes(self) -> int:
@@ -97,8 +104,12 @@ def step_time(
     if decode_contexts:
         spec = LayerSpec(shape=shape, num_tokens=len(decode_contexts), tp=setup.tp,
                          attention="flash", attention_pairs=kv_read, kv_read_tokens=kv_read)
-        kv_device = dataclasses.replace(device, element_bytes=setup.kv_element_bytes)
-        layer = layer + _decode_layer(spec, device, kv_device)
+        layer_device = device
+        if not prefill_lens and len(decode_contexts) <= setup.decode_graph_max_batch:
+            replay = dataclasses.replace(device.efficiency, gemm_overhead_s=0.0, kernel_overhead_s=0.0)
+            layer_device = dataclasses.replace(device, efficiency=replay)
+        kv_device = dataclasses.replace(layer_device, element_bytes=setup.kv_element_bytes)
+        layer = layer + _decode_layer(spec, layer_device, kv_device)
     comm = tp_collectives(LayerSpec(shape=shape, num_tokens=tokens, tp=setup.tp), device,
                           accelerator.devices_per_node)
     sampled = len(prefill_lens) + len(decode_contexts)
