@@ -622,7 +622,8 @@ void gemv(const void *W, const void *x, const void *bias, void *y, int64_t M, in
  * the arithmetic. This is where it beats oneDNN on decode batches (M of tens of rows), whose
  * weights come from memory every step: on the AMD EPYC development machine, with 48 distinct
  * weights of the bench model's shapes (cold), 1.1-1.3x oneDNN from 8 to 128 rows in fp32 and
- * 1.05-1.3x in bf16, and slower from 512 rows on (benchmarks/linear_kernels.py).
+ * 1.1-1.4x in bf16; from 256 rows on about even in fp32 (ahead at 2048, with rows in bands) and
+ * 0.94-0.99x in bf16 (benchmarks/linear_kernels.py).
  */
 enum { PANEL_COLS = 48, PANEL_ROWS = 8, PANEL_K_CHUNK = 512 };
 
@@ -724,27 +725,25 @@ static void panel_tasks_f32(const float *x, const float *panels, const float *bi
     const int64_t blocks = (M + PANEL_ROWS - 1) / PANEL_ROWS;
     const int64_t row_groups = panel_row_groups(num_panels, blocks, threads);
     const int64_t tasks = num_panels * row_groups;
-    {
-        const int64_t task_end = tasks * (thread + 1) / threads;
-        for (int64_t task = tasks * thread / threads; task < task_end; task++) {
-            const int64_t p = task / row_groups, group = task % row_groups;
-            const int64_t block_begin = blocks * group / row_groups, block_end = blocks * (group + 1) / row_groups;
-            const int64_t cols = N - p * PANEL_COLS < PANEL_COLS ? N - p * PANEL_COLS : PANEL_COLS;
-            for (int64_t k0 = 0; k0 < K; k0 += PANEL_K_CHUNK) {
-                const int64_t kc = K - k0 < PANEL_K_CHUNK ? K - k0 : PANEL_K_CHUNK;
-                const float *chunk = panels + (p * K + k0) * PANEL_COLS;
-                /* The next chunk in memory is the next piece of work, unless this is the last. */
-                const int is_final = task == task_end - 1 && k0 + kc >= K;
-                const int64_t points = (block_end - block_begin) * ((kc + 1) / 2);
-                const int64_t pf_lines = is_final ? 0 : (3 * kc + points - 1) / points;
-                const char *prefetch = (const char *)(chunk + kc * PANEL_COLS);
-                for (int64_t b = block_begin; b < block_end; b++) {
-                    const int64_t m0 = b * PANEL_ROWS, rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
-                    panel_kernels[rows](x + m0 * K + k0, K, chunk, kc, y + m0 * N + p * PANEL_COLS, N, cols,
-                                        bias == NULL ? NULL : bias + p * PANEL_COLS, k0 == 0, k0 + kc >= K,
-                                        prefetch, pf_lines);
-                    prefetch += (kc + 1) / 2 * pf_lines * 64;
-                }
+    const int64_t task_end = tasks * (thread + 1) / threads;
+    for (int64_t task = tasks * thread / threads; task < task_end; task++) {
+        const int64_t p = task / row_groups, group = task % row_groups;
+        const int64_t block_begin = blocks * group / row_groups, block_end = blocks * (group + 1) / row_groups;
+        const int64_t cols = N - p * PANEL_COLS < PANEL_COLS ? N - p * PANEL_COLS : PANEL_COLS;
+        for (int64_t k0 = 0; k0 < K; k0 += PANEL_K_CHUNK) {
+            const int64_t kc = K - k0 < PANEL_K_CHUNK ? K - k0 : PANEL_K_CHUNK;
+            const float *chunk = panels + (p * K + k0) * PANEL_COLS;
+            /* The next chunk in memory is the next piece of work, unless this is the last. */
+            const int is_final = task == task_end - 1 && k0 + kc >= K;
+            const int64_t points = (block_end - block_begin) * ((kc + 1) / 2);
+            const int64_t pf_lines = is_final ? 0 : (3 * kc + points - 1) / points;
+            const char *prefetch = (const char *)(chunk + kc * PANEL_COLS);
+            for (int64_t b = block_begin; b < block_end; b++) {
+                const int64_t m0 = b * PANEL_ROWS, rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
+                panel_kernels[rows](x + m0 * K + k0, K, chunk, kc, y + m0 * N + p * PANEL_COLS, N, cols,
+                                    bias == NULL ? NULL : bias + p * PANEL_COLS, k0 == 0, k0 + kc >= K,
+                                    prefetch, pf_lines);
+                prefetch += (kc + 1) / 2 * pf_lines * 64;
             }
         }
     }
@@ -810,23 +809,21 @@ static void panel_tasks_bf16(const uint16_t *x, const uint16_t *panels, const ui
     const int64_t blocks = (M + PANEL_ROWS - 1) / PANEL_ROWS;
     const int64_t row_groups = panel_row_groups(num_panels, blocks, threads);
     const int64_t tasks = num_panels * row_groups, panel_elems = 2 * ((K + 1) / 2) * PANEL_COLS;
-    {
-        const int64_t task_end = tasks * (thread + 1) / threads;
-        for (int64_t task = tasks * thread / threads; task < task_end; task++) {
-            const int64_t p = task / row_groups, group = task % row_groups;
-            const int64_t block_begin = blocks * group / row_groups, block_end = blocks * (group + 1) / row_groups;
-            const int64_t cols = N - p * PANEL_COLS < PANEL_COLS ? N - p * PANEL_COLS : PANEL_COLS;
-            const uint16_t *panel = panels + p * panel_elems;
-            /* The next panel in memory is the next piece of work, unless this task is the last. */
-            const int64_t points = (block_end - block_begin) * (((K + 1) / 2 + 1) / 2);
-            const int64_t pf_lines = task == task_end - 1 ? 0 : (3 * ((K + 1) / 2) + points - 1) / points;
-            const char *prefetch = (const char *)(panel + panel_elems);
-            for (int64_t b = block_begin; b < block_end; b++) {
-                const int64_t m0 = b * PANEL_ROWS, rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
-                panel_kernels_bf16[rows](x + m0 * K, K, panel, K, y + m0 * N + p * PANEL_COLS, N, cols,
-                                         bias == NULL ? NULL : bias + p * PANEL_COLS, prefetch, pf_lines);
-                prefetch += (((K + 1) / 2 + 1) / 2) * pf_lines * 64;
-            }
+    const int64_t task_end = tasks * (thread + 1) / threads;
+    for (int64_t task = tasks * thread / threads; task < task_end; task++) {
+        const int64_t p = task / row_groups, group = task % row_groups;
+        const int64_t block_begin = blocks * group / row_groups, block_end = blocks * (group + 1) / row_groups;
+        const int64_t cols = N - p * PANEL_COLS < PANEL_COLS ? N - p * PANEL_COLS : PANEL_COLS;
+        const uint16_t *panel = panels + p * panel_elems;
+        /* The next panel in memory is the next piece of work, unless this task is the last. */
+        const int64_t points = (block_end - block_begin) * (((K + 1) / 2 + 1) / 2);
+        const int64_t pf_lines = task == task_end - 1 ? 0 : (3 * ((K + 1) / 2) + points - 1) / points;
+        const char *prefetch = (const char *)(panel + panel_elems);
+        for (int64_t b = block_begin; b < block_end; b++) {
+            const int64_t m0 = b * PANEL_ROWS, rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
+            panel_kernels_bf16[rows](x + m0 * K, K, panel, K, y + m0 * N + p * PANEL_COLS, N, cols,
+                                     bias == NULL ? NULL : bias + p * PANEL_COLS, prefetch, pf_lines);
+            prefetch += (((K + 1) / 2 + 1) / 2) * pf_lines * 64;
         }
     }
 }
