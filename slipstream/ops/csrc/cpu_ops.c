@@ -657,18 +657,43 @@ void pack_panels(const void *W, void *panels, int64_t N, int64_t K, int dtype, i
                 }
                 for (int64_t e = 0; e < 2; e++) {
                     const int64_t k = 2 * d + e;
-                    ((uint16_t *)panels)[2 * slot + e] = n < N && k < K ? ((const uint16_t *)W)[n * K + k] : 0;
+                    ((uint16_t *)panels)[2 * slot + e] =
+                        n < N && k < K ? ((const uint16_t *)W)[n * K + k] : 0;
                 }
             }
 }
 
 #if defined(__AVX512F__)
-/* Which rows and panels each thread takes: whole panels, and the rows split too when there are
- * too few panels to keep every thread busy. Task t is panel t / row_groups, row group
- * t % row_groups; thread i runs tasks [tasks * i / threads, tasks * (i + 1) / threads). */
-static int64_t panel_row_groups(int64_t num_panels, int64_t blocks, int num_threads) {
-    const int64_t groups = (4 * num_threads + num_panels - 1) / num_panels;
-    return groups > blocks ? blocks : groups;
+/* This thread's pieces of an (M, N) product: whole panels, and the rows split too when there are
+ * too few panels to keep every thread busy. Task t is panel t / row_groups and row group
+ * t % row_groups; thread i runs tasks [begin, end) = [tasks * i / threads, tasks * (i + 1) / threads). */
+typedef struct {
+    int64_t blocks, row_groups, begin, end;
+} panel_schedule;
+
+typedef struct {
+    int64_t panel, block_begin, block_end, cols;  /* blocks of PANEL_ROWS rows; valid columns */
+} panel_task;
+
+static panel_schedule thread_panel_schedule(int64_t M, int64_t N) {
+    const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
+    const int64_t num_panels = (N + PANEL_COLS - 1) / PANEL_COLS;
+    const int64_t blocks = (M + PANEL_ROWS - 1) / PANEL_ROWS;
+    int64_t row_groups = (4 * threads + num_panels - 1) / num_panels;
+    row_groups = row_groups > blocks ? blocks : row_groups;
+    const int64_t tasks = num_panels * row_groups;
+    return (panel_schedule){.blocks = blocks, .row_groups = row_groups,
+                            .begin = tasks * thread / threads, .end = tasks * (thread + 1) / threads};
+}
+
+static panel_task panel_task_at(const panel_schedule *schedule, int64_t task, int64_t N) {
+    const int64_t p = task / schedule->row_groups, group = task % schedule->row_groups;
+    return (panel_task){
+        .panel = p,
+        .block_begin = schedule->blocks * group / schedule->row_groups,
+        .block_end = schedule->blocks * (group + 1) / schedule->row_groups,
+        .cols = N - p * PANEL_COLS < PANEL_COLS ? N - p * PANEL_COLS : PANEL_COLS,
+    };
 }
 
 /* y[0:ROWS, 0:cols] (+)= x[0:ROWS, 0:kc] . chunk (kc x 48), where x rows are ldx apart and y rows
@@ -720,29 +745,22 @@ static const panel_kernel_fn panel_kernels[PANEL_ROWS + 1] = {
 /* This thread's share of the product, inside a parallel region (no barrier at the end). */
 static void panel_tasks_f32(const float *x, const float *panels, const float *bias, float *y, int64_t M,
                             int64_t N, int64_t K) {
-    const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
-    const int64_t num_panels = (N + PANEL_COLS - 1) / PANEL_COLS;
-    const int64_t blocks = (M + PANEL_ROWS - 1) / PANEL_ROWS;
-    const int64_t row_groups = panel_row_groups(num_panels, blocks, threads);
-    const int64_t tasks = num_panels * row_groups;
-    const int64_t task_end = tasks * (thread + 1) / threads;
-    for (int64_t task = tasks * thread / threads; task < task_end; task++) {
-        const int64_t p = task / row_groups, group = task % row_groups;
-        const int64_t block_begin = blocks * group / row_groups, block_end = blocks * (group + 1) / row_groups;
-        const int64_t cols = N - p * PANEL_COLS < PANEL_COLS ? N - p * PANEL_COLS : PANEL_COLS;
+    const panel_schedule schedule = thread_panel_schedule(M, N);
+    for (int64_t task = schedule.begin; task < schedule.end; task++) {
+        const panel_task t = panel_task_at(&schedule, task, N);
         for (int64_t k0 = 0; k0 < K; k0 += PANEL_K_CHUNK) {
             const int64_t kc = K - k0 < PANEL_K_CHUNK ? K - k0 : PANEL_K_CHUNK;
-            const float *chunk = panels + (p * K + k0) * PANEL_COLS;
+            const float *chunk = panels + (t.panel * K + k0) * PANEL_COLS;
             /* The next chunk in memory is the next piece of work, unless this is the last. */
-            const int is_final = task == task_end - 1 && k0 + kc >= K;
-            const int64_t points = (block_end - block_begin) * ((kc + 1) / 2);
+            const int is_final = task == schedule.end - 1 && k0 + kc >= K;
+            const int64_t points = (t.block_end - t.block_begin) * ((kc + 1) / 2);
             const int64_t pf_lines = is_final ? 0 : (3 * kc + points - 1) / points;
             const char *prefetch = (const char *)(chunk + kc * PANEL_COLS);
-            for (int64_t b = block_begin; b < block_end; b++) {
+            for (int64_t b = t.block_begin; b < t.block_end; b++) {
                 const int64_t m0 = b * PANEL_ROWS, rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
-                panel_kernels[rows](x + m0 * K + k0, K, chunk, kc, y + m0 * N + p * PANEL_COLS, N, cols,
-                                    bias == NULL ? NULL : bias + p * PANEL_COLS, k0 == 0, k0 + kc >= K,
-                                    prefetch, pf_lines);
+                panel_kernels[rows](x + m0 * K + k0, K, chunk, kc, y + m0 * N + t.panel * PANEL_COLS, N,
+                                    t.cols, bias == NULL ? NULL : bias + t.panel * PANEL_COLS, k0 == 0,
+                                    k0 + kc >= K, prefetch, pf_lines);
                 prefetch += (kc + 1) / 2 * pf_lines * 64;
             }
         }
@@ -804,26 +822,20 @@ static const panel_kernel_bf16_fn panel_kernels_bf16[PANEL_ROWS + 1] = {
 
 static void panel_tasks_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y,
                              int64_t M, int64_t N, int64_t K) {
-    const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
-    const int64_t num_panels = (N + PANEL_COLS - 1) / PANEL_COLS;
-    const int64_t blocks = (M + PANEL_ROWS - 1) / PANEL_ROWS;
-    const int64_t row_groups = panel_row_groups(num_panels, blocks, threads);
-    const int64_t tasks = num_panels * row_groups, panel_elems = 2 * ((K + 1) / 2) * PANEL_COLS;
-    const int64_t task_end = tasks * (thread + 1) / threads;
-    for (int64_t task = tasks * thread / threads; task < task_end; task++) {
-        const int64_t p = task / row_groups, group = task % row_groups;
-        const int64_t block_begin = blocks * group / row_groups, block_end = blocks * (group + 1) / row_groups;
-        const int64_t cols = N - p * PANEL_COLS < PANEL_COLS ? N - p * PANEL_COLS : PANEL_COLS;
-        const uint16_t *panel = panels + p * panel_elems;
+    const panel_schedule schedule = thread_panel_schedule(M, N);
+    const int64_t pairs = (K + 1) / 2, panel_elems = 2 * pairs * PANEL_COLS;
+    for (int64_t task = schedule.begin; task < schedule.end; task++) {
+        const panel_task t = panel_task_at(&schedule, task, N);
+        const uint16_t *panel = panels + t.panel * panel_elems;
         /* The next panel in memory is the next piece of work, unless this task is the last. */
-        const int64_t points = (block_end - block_begin) * (((K + 1) / 2 + 1) / 2);
-        const int64_t pf_lines = task == task_end - 1 ? 0 : (3 * ((K + 1) / 2) + points - 1) / points;
+        const int64_t points = (t.block_end - t.block_begin) * ((pairs + 1) / 2);
+        const int64_t pf_lines = task == schedule.end - 1 ? 0 : (3 * pairs + points - 1) / points;
         const char *prefetch = (const char *)(panel + panel_elems);
-        for (int64_t b = block_begin; b < block_end; b++) {
+        for (int64_t b = t.block_begin; b < t.block_end; b++) {
             const int64_t m0 = b * PANEL_ROWS, rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
-            panel_kernels_bf16[rows](x + m0 * K, K, panel, K, y + m0 * N + p * PANEL_COLS, N, cols,
-                                     bias == NULL ? NULL : bias + p * PANEL_COLS, prefetch, pf_lines);
-            prefetch += (((K + 1) / 2 + 1) / 2) * pf_lines * 64;
+            panel_kernels_bf16[rows](x + m0 * K, K, panel, K, y + m0 * N + t.panel * PANEL_COLS, N, t.cols,
+                                     bias == NULL ? NULL : bias + t.panel * PANEL_COLS, prefetch, pf_lines);
+            prefetch += (pairs + 1) / 2 * pf_lines * 64;
         }
     }
 }
@@ -1132,8 +1144,8 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, void *h
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++)
                 silu_and_mul_row(gate_up + m * 2 * F * elem, act + m * F * elem, F, dtype);
-            decode_linear(layer->down_weight, layer->down_panels, layer->down_bias, x, act, x, product, M, E, F,
-                          dtype);
+            decode_linear(layer->down_weight, layer->down_panels, layer->down_bias, x, act, x, product, M, E,
+                          F, dtype);
         }
         free(scratch);
     }
