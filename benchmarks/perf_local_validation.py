@@ -42,8 +42,9 @@ def check_quiet(limit: float) -> None:
                          "on an idle machine (numbers taken under contention are not kept)")
 
 
-def engine_records(model_dir: Path, batches, prefill_lens) -> list[dict]:
-    """Engine step records: one prefill per length (batch 1), decode steps per batch size."""
+def engine_records(model_dir: Path, batches, prefill_lens) -> tuple[list[dict], int]:
+    """Engine step records: one prefill per length (batch 1), decode steps per batch size; and
+    the largest decode batch the engine ran as its CPU decode graph (0: none)."""
     import torch
 
     check_quiet(torch.get_num_threads() + 0.75)
@@ -87,7 +88,8 @@ def engine_records(model_dir: Path, batches, prefill_lens) -> list[dict]:
                             "context_len": PROMPT_LEN + j, "step_s": timed_step()})
         while engine.has_unfinished_requests():
             engine.step()
-    return records
+    graph = engine.runner.decode_graph
+    return records, 0 if graph is None else graph.max_seqs
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -145,19 +147,6 @@ def compare(label: str, measured_s: float, calibrated_s: float, baseline_s: floa
     return row
 
 
-def decode_graph_max_batch() -> int:
-    """The largest fp32 decode batch the engine runs through its CPU decode graph here (0: none),
-    as `ops.decode_graph.CpuDecodeGraph.build` decides it for the optimised model."""
-    import torch
-
-    from slipstream.ops import cpu_kernels
-    from slipstream.ops.linear import MAX_PANEL_ROWS
-
-    if not cpu_kernels.supports(torch.empty(1)):
-        return 0
-    return MAX_PANEL_ROWS if cpu_kernels.supports_panel_gemm(torch.empty(1)) else cpu_kernels.MAX_GEMV_ROWS
-
-
 def serving_part(acc, base_eff, rounds: int) -> list[dict]:
     from common import ensure_model  # noqa: F401  (benchmarks/ on the path)
 
@@ -179,21 +168,24 @@ def serving_part(acc, base_eff, rounds: int) -> list[dict]:
                ("small", (16,), (1024,))]
     calib_records: list[dict] = []
     target_records: dict[str, list[dict]] = {preset: [] for preset, _, _ in targets}
+    graph_batches: dict[str, int] = {}  # per preset: the engine's decode-graph limit
     for _ in range(rounds):
-        calib_records += engine_records(model_dir("small"), DECODE_BATCHES, (128, 512))
+        records, graph_batches["small"] = engine_records(model_dir("small"), DECODE_BATCHES, (128, 512))
+        calib_records += records
         for preset, batches, prefills in targets:
-            target_records[preset] += engine_records(model_dir(preset), batches, prefills)
+            records, graph_batches[preset] = engine_records(model_dir(preset), batches, prefills)
+            target_records[preset] += records
     (RUNS / "engine-small.jsonl").write_text("\n".join(json.dumps(r) for r in calib_records) + "\n")
     steps = read_engine_steps(summarize(calib_records))
-    graph = decode_graph_max_batch()
     cal = fit_engine_steps(steps, ServeSetup(shape=resolve_model("small"), dtype="fp32",
-                                             decode_graph_max_batch=graph), acc, base_eff)
+                                             decode_graph_max_batch=graph_batches["small"]), acc, base_eff)
     print(f"serving fit on small: multipliers {cal.scales}, roofline_overlap "
           f"{cal.efficiency.roofline_overlap}, fit errors "
           f"{[round(100 * e, 1) for e in cal.errors_after]}%")
     rows = []
     for preset, _, _ in targets:
-        setup = ServeSetup(shape=resolve_model(preset), dtype="fp32", decode_graph_max_batch=graph)
+        setup = ServeSetup(shape=resolve_model(preset), dtype="fp32",
+                           decode_graph_max_batch=graph_batches[preset])
         for step in read_engine_steps(summarize(target_records[preset])):
             label = f"{preset} {step.phase} bs{step.batch_size} len{step.length}"
             calibrated = engine_step_work(step, setup, acc, cal.efficiency).total_s
