@@ -33,14 +33,16 @@ def _dense_reference(q, keys, values, sliding_window):
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2), (4, 1)])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch_kind", ["mixed", "decode-only", "many-decodes"])
+@pytest.mark.parametrize("batch_kind", ["mixed", "decode-only", "many-decodes", "long-prefills"])
 def test_mixed_prefill_and_decode_batch_matches_dense(
     num_heads, num_kv_heads, sliding_window, dtype, use_kernel, head_dim, block_size, batch_kind
 ):
     """A batch mixing fresh prefills, chunks with earlier context and single-token decodes,
     over shuffled blocks, equals dense attention on each sequence's unpaged keys, with decodes
     through the C kernel and through the PyTorch path. "many-decodes" has enough sequences for
-    the kernel's whole-sequence tasks (which request each thread's next sequence early)."""
+    the kernel's whole-sequence tasks (which request each thread's next sequence early);
+    "long-prefills" has chunks of several query blocks and key tiles of the prefill kernel, one
+    after cached context, one exactly a tile long."""
     if use_kernel:
         assert cpu_kernels.library() is not None, "the C kernel must build on the CI machine"
     rng = random.Random(0)
@@ -57,6 +59,8 @@ def test_mixed_prefill_and_decode_batch_matches_dense(
         shapes = [(cached, new) for cached, new in shapes if new == 1]
     elif batch_kind == "many-decodes":
         shapes = [(cached, 1) for cached in [0, 1, 3, 4, 7, 8, 15, 16, 21, 31, 33, 40, 47, 52, 63, 70]]
+    elif batch_kind == "long-prefills":
+        shapes = [(0, 150), (70, 45), (0, 33), (130, 1), (5, 64)]
     seq_lens, query_lens, tables, dense_keys, dense_values = [], [], [], [], []
     for cached, new in shapes:
         seq_len = cached + new

@@ -57,6 +57,12 @@ def library() -> ctypes.CDLL | None:
     lib.paged_decode_attention.argtypes = (
         [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     )
+    lib.has_prefill_attention.restype = ctypes.c_int
+    lib.has_prefill_attention.argtypes = [ctypes.c_int64]
+    lib.paged_prefill_attention.restype = ctypes.c_int
+    lib.paged_prefill_attention.argtypes = (
+        [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    )
     lib.gemv.restype = None
     lib.gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.has_panel_gemm.restype = ctypes.c_int
@@ -128,6 +134,38 @@ def paged_decode_attention(
     )
     if status != 0:
         raise RuntimeError(f"paged_decode_attention kernel failed with status {status}")
+    return out
+
+
+def supports_prefill_attention(q: torch.Tensor) -> bool:
+    """Whether `paged_prefill_attention_` takes queries like `q` (N, H, D): AVX-512, D 64 or 128."""
+    lib = library()
+    return supports(q) and bool(lib.has_prefill_attention(q.shape[-1]))
+
+
+def paged_prefill_attention_(
+    out: torch.Tensor,  # (N, H, D): the chunks' rows are written, the others left as they are
+    q: torch.Tensor,  # (N, H, D)
+    k_cache: torch.Tensor,  # (P, S, K, D)
+    v_cache: torch.Tensor,  # (P, S, K, D)
+    chunk_rows: torch.Tensor,  # (C,) int64: first row of each chunk in q and out
+    chunk_lens: torch.Tensor,  # (C,) int64: its new tokens, the last of its sequence
+    seq_lens: torch.Tensor,  # (C,) int64: all tokens of its sequence
+    block_tables: torch.Tensor,  # (C, max_blocks) int64
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Causal attention of prefill chunks over their paged keys and values (see the C source)."""
+    lib = library()
+    assert lib is not None and supports_prefill_attention(q) and out.is_contiguous() and q.is_contiguous()
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    status = lib.paged_prefill_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), chunk_rows.data_ptr(),
+        chunk_lens.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), len(chunk_rows),
+        block_tables.shape[1], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
+        sliding_window or 0, head_dim**-0.5, DTYPE_CODES[q.dtype], torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"paged_prefill_attention kernel failed with status {status}")
     return out
 
 

@@ -7,8 +7,10 @@ are in the blocks of its block table, token t at slot
 
 `write_kv` stores the new tokens' keys and values. `paged_attention` attends every new token to
 its sequence's keys up to its own position (causal, optionally within a sliding window): one
-batched computation for all single-token (decode) sequences, and one SDPA call per multi-token
-(prefill) chunk. The tests check it against dense attention over unpaged keys.
+batched computation for all single-token (decode) sequences, and for the multi-token (prefill)
+chunks either one call of the C kernel (`cpu_kernels.paged_prefill_attention_`, reading the cache
+in place) or one SDPA call per chunk over its gathered keys. The tests check both against dense
+attention over unpaged keys.
 
 Layout legend: N new tokens in the batch, H query heads, K kv heads, D head dim, P blocks,
 S block size, B decoding sequences, L keys.
@@ -42,6 +44,10 @@ class PagedBatch:
     block_size: int
     sliding_window: int | None
     prefills: list[PrefillChunk]
+    prefill_rows: torch.Tensor  # (C,) int64: first flat-batch row of each prefill chunk
+    prefill_query_lens: torch.Tensor  # (C,) int64
+    prefill_seq_lens: torch.Tensor  # (C,) int64
+    prefill_block_tables: torch.Tensor  # (C, max_blocks) int64, padded with block 0
     decode_token_rows: torch.Tensor  # (B,) int64: flat-batch row of each decode token
     decode_block_tables: torch.Tensor  # (B, max_blocks) int64, padded with block 0
     decode_seq_lens: torch.Tensor  # (B,) int64
@@ -59,7 +65,7 @@ class PagedBatch:
         device: torch.device | str = "cpu",
     ) -> PagedBatch:
         """Layout for sequences given in batch order (their new tokens are consecutive)."""
-        slots, prefills = [], []
+        slots, prefills, prefill_tables = [], [], []
         decode_rows, decode_tables, decode_lens = [], [], []
         token_start = 0
         for seq_len, query_len, table in zip(seq_lens, query_lens, block_tables, strict=True):
@@ -75,19 +81,28 @@ class PagedBatch:
                     token_start=token_start, num_tokens=query_len, seq_len=seq_len,
                     block_table=torch.tensor(table[:num_blocks], device=device),
                 ))
+                prefill_tables.append(table[:num_blocks])
             token_start += query_len
-        max_blocks = max((len(t) for t in decode_tables), default=0)
-        padded = [list(t) + [0] * (max_blocks - len(t)) for t in decode_tables]
+
+        def int64(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        def padded(tables: list) -> torch.Tensor:
+            width = max((len(t) for t in tables), default=0)
+            return int64([list(t) + [0] * (width - len(t)) for t in tables]).view(len(tables), width)
+
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             block_size=block_size,
             sliding_window=sliding_window,
             prefills=prefills,
-            decode_token_rows=torch.tensor(decode_rows, dtype=torch.int64, device=device),
-            decode_block_tables=torch.tensor(padded, dtype=torch.int64, device=device).view(
-                len(padded), max_blocks
-            ),
-            decode_seq_lens=torch.tensor(decode_lens, dtype=torch.int64, device=device),
+            prefill_rows=int64([c.token_start for c in prefills]),
+            prefill_query_lens=int64([c.num_tokens for c in prefills]),
+            prefill_seq_lens=int64([c.seq_len for c in prefills]),
+            prefill_block_tables=padded(prefill_tables),
+            decode_token_rows=int64(decode_rows),
+            decode_block_tables=padded(decode_tables),
+            decode_seq_lens=int64(decode_lens),
             decode_max_len=max(decode_lens, default=0),
         )
 
@@ -119,17 +134,23 @@ def paged_attention(
 ) -> torch.Tensor:  # (N, H, D)
     """Attention of each new token over its sequence's cached keys (see the module docstring).
 
-    Decodes go through the C kernel of `cpu_kernels` where it applies and `use_kernel` is set,
-    else through the batched PyTorch version below.
+    Decodes and prefills go through the C kernels of `cpu_kernels` where they apply and
+    `use_kernel` is set, else through the PyTorch versions below.
     """
     if not batch.prefills:  # a pure decode step: every row is a decode, in order
         return _decode(q, k_cache, v_cache, batch, use_kernel)
     out = torch.empty_like(q)
-    for chunk in batch.prefills:
-        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-        keys = _gather(k_cache, chunk.block_table, chunk.seq_len)  # (L, K, D)
-        values = _gather(v_cache, chunk.block_table, chunk.seq_len)
-        out[rows] = _attend(q[rows], keys, values, batch.sliding_window)
+    if use_kernel and cpu_kernels.supports_prefill_attention(q):
+        cpu_kernels.paged_prefill_attention_(
+            out, q.contiguous(), k_cache, v_cache, batch.prefill_rows, batch.prefill_query_lens,
+            batch.prefill_seq_lens, batch.prefill_block_tables, batch.sliding_window,
+        )
+    else:
+        for chunk in batch.prefills:
+            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            keys = _gather(k_cache, chunk.block_table, chunk.seq_len)  # (L, K, D)
+            values = _gather(v_cache, chunk.block_table, chunk.seq_len)
+            out[rows] = _attend(q[rows], keys, values, batch.sliding_window)
     if len(batch.decode_token_rows):
         rows = batch.decode_token_rows
         out[rows] = _decode(q[rows], k_cache, v_cache, batch, use_kernel)

@@ -20,6 +20,7 @@
  * library does not switch the process to flush-to-zero when it is loaded. head_dim 64 and 128
  * get specialised copies (fully unrolled inner loops).
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #if defined(__AVX512F__)
@@ -534,6 +535,251 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
         free(scratch);
     }
     return failed;
+}
+
+/*
+ * Paged attention for prefill chunks (many new query tokens per sequence), on the CPU with
+ * AVX-512: FlashAttention's tiling (Dao et al. 2022, arXiv 2205.14135, Algorithm 1) over the paged
+ * cache. A task is one (chunk, kv head, block of PREFILL_QUERIES query positions); its rows are
+ * those positions times the query heads that share the kv head (GQA without copying keys), so a
+ * tile of keys and values, read from the cache once, serves all of them. Per tile of
+ * PREFILL_KEYS keys: S = Q K^T (the keys packed transposed, fp32), the causal and window masks,
+ * the online softmax (running max and sum per row, the accumulator rescaled when the max grows),
+ * then O += P V. Only tiles a row can see are visited, so a causal prefill computes about half of
+ * the square, as FlashAttention does. bf16 inputs are widened to fp32 when packed; the
+ * arithmetic is fp32. The queries of chunk c are the last chunk_lens[c] of its seq_lens[c]
+ * positions (their keys already written to the cache), at rows chunk_rows[c] of q and out.
+ * head_dim 64 or 128.
+ */
+enum { PREFILL_QUERIES = 32, PREFILL_KEYS = 64 };
+
+int has_prefill_attention(int64_t head_dim) {
+#if defined(__AVX512F__)
+    return head_dim == 64 || head_dim == 128;
+#else
+    (void)head_dim;
+    return 0;
+#endif
+}
+
+#if defined(__AVX512F__)
+/* s[r][0:64] = q[r][0:D] . kt[0:D][0:64] for ROWS rows (q rows D apart, s rows 64 apart). */
+#define SCORE_KERNEL(ROWS)                                                                      \
+    static void score_kernel_##ROWS(const float *q, const float *kt, float *s, int64_t D) {     \
+        __m512 acc[ROWS][4];                                                                    \
+        for (int r = 0; r < ROWS; r++)                                                          \
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();                        \
+        for (int64_t d = 0; d < D; d++) {                                                       \
+            const float *k = kt + d * PREFILL_KEYS;                                             \
+            const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16),                 \
+                         k2 = _mm512_loadu_ps(k + 32), k3 = _mm512_loadu_ps(k + 48);            \
+            for (int r = 0; r < ROWS; r++) {                                                    \
+                const __m512 b = _mm512_set1_ps(q[r * D + d]);                                  \
+                acc[r][0] = _mm512_fmadd_ps(b, k0, acc[r][0]);                                  \
+                acc[r][1] = _mm512_fmadd_ps(b, k1, acc[r][1]);                                  \
+                acc[r][2] = _mm512_fmadd_ps(b, k2, acc[r][2]);                                  \
+                acc[r][3] = _mm512_fmadd_ps(b, k3, acc[r][3]);                                  \
+            }                                                                                   \
+        }                                                                                       \
+        for (int r = 0; r < ROWS; r++)                                                          \
+            for (int j = 0; j < 4; j++) _mm512_storeu_ps(s + r * PREFILL_KEYS + 16 * j, acc[r][j]); \
+    }
+SCORE_KERNEL(1) SCORE_KERNEL(2) SCORE_KERNEL(3) SCORE_KERNEL(4) SCORE_KERNEL(5)
+#undef SCORE_KERNEL
+typedef void (*score_kernel_fn)(const float *, const float *, float *, int64_t);
+static const score_kernel_fn score_kernels[6] = {
+    NULL, score_kernel_1, score_kernel_2, score_kernel_3, score_kernel_4, score_kernel_5};
+
+/* o[r][0:16 VECS] += p[r][0:n] . v[0:n][0:16 VECS] for ROWS rows (p rows 64 apart, o and v
+ * rows 16 VECS apart). */
+#define VALUE_KERNEL(ROWS, VECS)                                                                \
+    static void value_kernel_##ROWS##_##VECS(const float *p, const float *v, float *o, int64_t n) { \
+        __m512 acc[ROWS][VECS];                                                                 \
+        for (int r = 0; r < ROWS; r++)                                                          \
+            for (int j = 0; j < VECS; j++) acc[r][j] = _mm512_loadu_ps(o + r * 16 * VECS + 16 * j); \
+        for (int64_t t = 0; t < n; t++) {                                                       \
+            __m512 vv[VECS];                                                                    \
+            for (int j = 0; j < VECS; j++) vv[j] = _mm512_loadu_ps(v + t * 16 * VECS + 16 * j);  \
+            for (int r = 0; r < ROWS; r++) {                                                    \
+                const __m512 b = _mm512_set1_ps(p[r * PREFILL_KEYS + t]);                       \
+                for (int j = 0; j < VECS; j++) acc[r][j] = _mm512_fmadd_ps(b, vv[j], acc[r][j]); \
+            }                                                                                   \
+        }                                                                                       \
+        for (int r = 0; r < ROWS; r++)                                                          \
+            for (int j = 0; j < VECS; j++) _mm512_storeu_ps(o + r * 16 * VECS + 16 * j, acc[r][j]); \
+    }
+VALUE_KERNEL(1, 4) VALUE_KERNEL(2, 4) VALUE_KERNEL(3, 4) VALUE_KERNEL(4, 4) VALUE_KERNEL(5, 4)
+VALUE_KERNEL(6, 4) VALUE_KERNEL(1, 8) VALUE_KERNEL(2, 8) VALUE_KERNEL(3, 8)
+#undef VALUE_KERNEL
+typedef void (*value_kernel_fn)(const float *, const float *, float *, int64_t);
+static const value_kernel_fn value_kernels_4[7] = {
+    NULL, value_kernel_1_4, value_kernel_2_4, value_kernel_3_4, value_kernel_4_4, value_kernel_5_4,
+    value_kernel_6_4};
+static const value_kernel_fn value_kernels_8[4] = {NULL, value_kernel_1_8, value_kernel_2_8, value_kernel_3_8};
+
+/* Row t of a cache (num_blocks, block_size, num_kv_heads, D) for kv head g, through a block table. */
+static inline const char *cache_row(const void *cache, const int64_t *block_table, int64_t t,
+                                    int64_t block_size, int64_t num_kv_heads, int64_t g, int64_t D,
+                                    int64_t elem) {
+    const int64_t slot = block_table[t / block_size] * block_size + t % block_size;
+    return (const char *)cache + ((slot * num_kv_heads + g) * D) * elem;
+}
+
+static inline void widen_row(const char *src, float *dst, int64_t D, int dtype, float scale) {
+    if (dtype == DTYPE_F32) {
+        for (int64_t d = 0; d < D; d++) dst[d] = ((const float *)src)[d] * scale;
+    } else {
+        for (int64_t d = 0; d < D; d++) dst[d] = bf16_to_f32(((const uint16_t *)src)[d]) * scale;
+    }
+}
+
+typedef struct {
+    float *q, *o, *s, *kt, *v, *max, *sum;
+} prefill_scratch;
+
+static int64_t prefill_scratch_floats(int64_t rows, int64_t D) {
+    return 2 * rows * D + rows * PREFILL_KEYS + 2 * PREFILL_KEYS * D + 2 * rows;
+}
+
+static prefill_scratch split_prefill_scratch(float *base, int64_t rows, int64_t D) {
+    prefill_scratch s = {.q = base};
+    s.o = s.q + rows * D;
+    s.s = s.o + rows * D;
+    s.kt = s.s + rows * PREFILL_KEYS;
+    s.v = s.kt + PREFILL_KEYS * D;
+    s.max = s.v + PREFILL_KEYS * D;
+    s.sum = s.max + rows;
+    return s;
+}
+
+/* One task: query positions [p0, p0 + count) of a chunk, kv head g, `group` query heads each. */
+static void prefill_task(const void *q, const void *k_cache, const void *v_cache, void *out,
+                         const int64_t *block_table, int64_t row0, int64_t first_position,
+                         int64_t p0, int64_t count, int64_t g, int64_t group, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t window,
+                         float scale, int dtype, prefill_scratch w) {
+    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2, rows = count * group;
+    for (int64_t i = 0; i < count; i++)  /* row i * group + h: position p0 + i, head g * group + h */
+        for (int64_t h = 0; h < group; h++) {
+            const char *src = (const char *)q + (((row0 + p0 - first_position + i) * num_heads
+                                                  + g * group + h) * D) * elem;
+            widen_row(src, w.q + (i * group + h) * D, D, dtype, scale);
+        }
+    memset(w.o, 0, rows * D * sizeof(float));
+    for (int64_t r = 0; r < rows; r++) w.max[r] = -FLT_MAX, w.sum[r] = 0.0f;
+    const int64_t last = p0 + count - 1;
+    const int64_t lo = window > 0 && p0 - window + 1 > 0 ? p0 - window + 1 : 0;
+    for (int64_t j0 = lo; j0 <= last; j0 += PREFILL_KEYS) {
+        const int64_t n = last - j0 + 1 < PREFILL_KEYS ? last - j0 + 1 : PREFILL_KEYS;
+        for (int64_t t = 0; t < PREFILL_KEYS; t++) {  /* pack the tile; zeros past its end */
+            float *v = w.v + t * D;
+            if (t >= n) {
+                memset(v, 0, D * sizeof(float));
+                for (int64_t d = 0; d < D; d++) w.kt[d * PREFILL_KEYS + t] = 0.0f;
+                continue;
+            }
+            widen_row(cache_row(v_cache, block_table, j0 + t, block_size, num_kv_heads, g, D, elem),
+                      v, D, dtype, 1.0f);
+            const char *k = cache_row(k_cache, block_table, j0 + t, block_size, num_kv_heads, g, D, elem);
+            for (int64_t d = 0; d < D; d++)
+                w.kt[d * PREFILL_KEYS + t] = dtype == DTYPE_F32 ? ((const float *)k)[d]
+                                                                : bf16_to_f32(((const uint16_t *)k)[d]);
+        }
+        for (int64_t r = 0; r < rows; r += 5) {
+            const int64_t m = rows - r < 5 ? rows - r : 5;
+            score_kernels[m](w.q + r * D, w.kt, w.s + r * PREFILL_KEYS, D);
+        }
+        for (int64_t r = 0; r < rows; r++) {  /* mask, online softmax; s becomes p */
+            const int64_t position = p0 + r / group;
+            const int64_t begin = window > 0 && position - window + 1 > j0 ? position - window + 1 - j0 : 0;
+            const int64_t end = position - j0 + 1 < n ? position - j0 + 1 : n;  /* keys [begin, end) */
+            float *s = w.s + r * PREFILL_KEYS;
+            if (begin >= end) {
+                memset(s, 0, PREFILL_KEYS * sizeof(float));
+                continue;
+            }
+            float tile_max = -FLT_MAX;
+            for (int64_t t = begin; t < end; t++) tile_max = s[t] > tile_max ? s[t] : tile_max;
+            const float new_max = tile_max > w.max[r] ? tile_max : w.max[r];
+            const float correction = expf(w.max[r] - new_max);
+            float sum = 0.0f;
+            for (int64_t t = 0; t < PREFILL_KEYS; t++) {
+                const float e = expf(s[t] - new_max);
+                s[t] = t >= begin && t < end ? e : 0.0f;
+                sum += s[t];
+            }
+            w.max[r] = new_max;
+            w.sum[r] = w.sum[r] * correction + sum;
+            if (correction != 1.0f)
+                for (int64_t d = 0; d < D; d++) w.o[r * D + d] *= correction;
+        }
+        const int64_t step = D == 64 ? 6 : 3;
+        for (int64_t r = 0; r < rows; r += step) {
+            const int64_t m = rows - r < step ? rows - r : step;
+            (D == 64 ? value_kernels_4 : value_kernels_8)[m](w.s + r * PREFILL_KEYS, w.v, w.o + r * D, n);
+        }
+    }
+    for (int64_t i = 0; i < count; i++)
+        for (int64_t h = 0; h < group; h++) {
+            const int64_t r = i * group + h;
+            char *dst = (char *)out + (((row0 + p0 - first_position + i) * num_heads + g * group + h) * D) * elem;
+            const float inv = 1.0f / w.sum[r];
+            for (int64_t d = 0; d < D; d++) {
+                const float value = w.o[r * D + d] * inv;
+                if (dtype == DTYPE_F32) ((float *)dst)[d] = value;
+                else ((uint16_t *)dst)[d] = f32_to_bf16(value);
+            }
+        }
+}
+#endif
+
+/* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad argument. */
+int paged_prefill_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                            const int64_t *chunk_rows, const int64_t *chunk_lens, const int64_t *seq_lens,
+                            const int64_t *block_tables, int64_t num_chunks, int64_t max_blocks,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t window, float scale, int dtype, int num_threads) {
+#if defined(__AVX512F__)
+    if (!has_prefill_attention(head_dim) || num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
+    for (int64_t c = 0; c < num_chunks; c++)
+        if (chunk_lens[c] < 1 || chunk_lens[c] > seq_lens[c]) return 2;
+    const int64_t group = num_heads / num_kv_heads, rows = PREFILL_QUERIES * group;
+    int64_t tasks = 0;  /* per chunk, per kv head: its query blocks */
+    for (int64_t c = 0; c < num_chunks; c++)
+        tasks += num_kv_heads * ((chunk_lens[c] + PREFILL_QUERIES - 1) / PREFILL_QUERIES);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *base = thread_scratch(prefill_scratch_floats(rows, head_dim), &failed);
+        const prefill_scratch w = split_prefill_scratch(base, rows, head_dim);
+        /* Dynamic: a block late in a long chunk sees more keys than an early one. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            int64_t c = 0, rest = task, blocks = 0;
+            for (;; c++) {
+                blocks = (chunk_lens[c] + PREFILL_QUERIES - 1) / PREFILL_QUERIES;
+                if (rest < num_kv_heads * blocks) break;
+                rest -= num_kv_heads * blocks;
+            }
+            /* Later query blocks first within a chunk: the longest tasks start earliest. */
+            const int64_t g = rest % num_kv_heads, b = blocks - 1 - rest / num_kv_heads;
+            const int64_t first_position = seq_lens[c] - chunk_lens[c];
+            const int64_t p0 = first_position + b * PREFILL_QUERIES;
+            const int64_t count = seq_lens[c] - p0 < PREFILL_QUERIES ? seq_lens[c] - p0 : PREFILL_QUERIES;
+            if (base != NULL)
+                prefill_task(q, k_cache, v_cache, out, block_tables + c * max_blocks, chunk_rows[c],
+                             first_position, p0, count, g, group, num_heads, num_kv_heads, head_dim,
+                             block_size, window, scale, dtype, w);
+        }
+        free(base);
+    }
+    return failed;
+#else
+    (void)q, (void)k_cache, (void)v_cache, (void)out, (void)chunk_rows, (void)chunk_lens, (void)seq_lens;
+    (void)block_tables, (void)num_chunks, (void)max_blocks, (void)num_heads, (void)num_kv_heads;
+    (void)head_dim, (void)block_size, (void)window, (void)scale, (void)dtype, (void)num_threads;
+    return 2;
+#endif
 }
 
 /*
