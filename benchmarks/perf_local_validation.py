@@ -1,11 +1,11 @@
 """Local validation of the performance model: calibrate from one run, predict others, measure.
 
 Serving (slipstream's engine, fp32, the CPU fast path):
-- calibration run: the `small` preset; prefill steps of 1 x 128 and 1 x 512 tokens, decode steps at
-  batch 1, 8 and 32 (context about 256): engine step records (`kind: "engine_step"`), fitted with
-  `slipstream.perf.measured.fit_engine_steps` (GEMM and memory multipliers and the roofline
-  overlap; per-kernel and per-step overheads stay at their priors, which one model's steps cannot
-  separate from weight streaming);
+- calibration run: the `small` preset; prefill steps of 1 x 128 and 1 x 1536 tokens, decode steps
+  at batch 1, 8 and 32 (context about 256): engine step records (`kind: "engine_step"`), fitted
+  with `slipstream.perf.measured.fit_engine_steps` (GEMM and memory multipliers, the roofline
+  overlap and the attention fraction; per-kernel and per-step overheads stay at their priors,
+  which one model's steps cannot separate from weight streaming);
 - predicted, then measured: `tiny` and `medium` at the same points (decode ms/token at batch 1, 8,
   32; prefill of 512 tokens), and `small` at batch 16 and a 1024-token prefill.
   Every model is measured in each of --rounds rounds (3), in turn, and each point's median taken,
@@ -31,6 +31,8 @@ from pathlib import Path
 
 RUNS = Path("runs/perf-local")
 DECODE_BATCHES = (1, 8, 32)
+CALIBRATION_PREFILLS = (128, 1536)
+"""A short and a long prompt: attention's share differs enough between them to fit its rate."""
 PROMPT_LEN, DECODE_STEPS = 256, 16
 
 
@@ -170,17 +172,25 @@ def serving_part(acc, base_eff, rounds: int) -> list[dict]:
     target_records: dict[str, list[dict]] = {preset: [] for preset, _, _ in targets}
     graph_batches: dict[str, int] = {}  # per preset: the engine's decode-graph limit
     for _ in range(rounds):
-        records, graph_batches["small"] = engine_records(model_dir("small"), DECODE_BATCHES, (128, 512))
+        records, graph_batches["small"] = engine_records(model_dir("small"), DECODE_BATCHES,
+                                                         CALIBRATION_PREFILLS)
         calib_records += records
         for preset, batches, prefills in targets:
             records, graph_batches[preset] = engine_records(model_dir(preset), batches, prefills)
             target_records[preset] += records
-    (RUNS / "engine-small.jsonl").write_text("\n".join(json.dumps(r) for r in calib_records) + "\n")
+
+    def write(name: str, records: list[dict]) -> None:
+        (RUNS / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    write("engine-small.jsonl", calib_records)
+    for preset, records in target_records.items():
+        write(f"engine-{preset}-targets.jsonl", records)
     steps = read_engine_steps(summarize(calib_records))
     cal = fit_engine_steps(steps, ServeSetup(shape=resolve_model("small"), dtype="fp32",
                                              decode_graph_max_batch=graph_batches["small"]), acc, base_eff)
     print(f"serving fit on small: multipliers {cal.scales}, roofline_overlap "
-          f"{cal.efficiency.roofline_overlap}, fit errors "
+          f"{cal.efficiency.roofline_overlap}, attention_fraction {cal.efficiency.attention_fraction:.3f}, "
+          f"fit errors "
           f"{[round(100 * e, 1) for e in cal.errors_after]}%")
     rows = []
     for preset, _, _ in targets:

@@ -109,6 +109,29 @@ def test_engine_fit_recovers_the_roofline_overlap():
         fit_engine_steps(steps, setup, A100, base, overlaps=(1.5,))
 
 
+def test_engine_fit_recovers_the_attention_fraction():
+    """Guards the attention search: prefills of two lengths, made with a CPU-like slow attention
+    (0.15 of the peak before a GEMM multiplier of 1.3), are fitted with that fraction; with one
+    prefill length the prior's fraction is kept."""
+    setup = ServeSetup(shape=resolve_model("small"), dtype="fp32")
+    base = default_efficiency(A100)
+    truth = apply_scales(base.replace(attention_fraction=0.15), {"gemm_s": 1.3, "memory_s": 1.1})
+    shapes = [("prefill", 1, 128), ("prefill", 1, 1024), ("decode", 1, 264), ("decode", 32, 264)]
+    steps = [EngineStep(p, b, n, engine_step_work(EngineStep(p, b, n, 1.0), setup, A100, truth).total_s)
+             for p, b, n in shapes]
+    cal = fit_engine_steps(steps, setup, A100, base, overlaps=(base.roofline_overlap,))
+    print(cal.efficiency.attention_fraction, cal.scales, cal.errors_after)
+    assert cal.efficiency.attention_fraction == pytest.approx(truth.attention_fraction, rel=0.02)
+    assert cal.scales["gemm_s"] == pytest.approx(1.3, rel=0.02)
+    assert max(abs(e) for e in cal.errors_after) < 0.01
+    assert "fit_engine_steps" in cal.efficiency.sources["attention_fraction"]
+    one_length = fit_engine_steps([steps[0], *steps[2:]], setup, A100, base, overlaps=(1.0,))
+    assert one_length.efficiency.attention_fraction == pytest.approx(
+        base.attention_fraction / one_length.scales["gemm_s"])
+    with pytest.raises(ValueError, match="attention_fractions"):
+        fit_engine_steps(steps, setup, A100, base, attention_fractions=(0.0,))
+
+
 def test_calibrate_from_a_training_run(tmp_path):
     """Guards fitting to a trainer run directory (metrics.jsonl + config.toml)."""
     toml = ("[model]\npreset = \"tiny\"\n[data]\nseq_len = 256\n[training]\nglobal_batch_size = 8\n"

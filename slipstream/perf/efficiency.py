@@ -66,6 +66,11 @@ _EAGER_OP = (
     "(pytorch/pytorch PR #32194, split_M8_N8_cpu); an engine kernel is a module call around one "
     "or two such ops: 5 us (assumption built on that measurement)"
 )
+_ENGINE_HOST = (
+    "measured: slipstream's engine outside the model (scheduling, sampling, outputs) on a 2-core "
+    "AMD EPYC, tiny and small presets, decode batches 1-32: 0.15-0.25 ms per step plus 13-21 us "
+    "per sequence (engine.step less runner.execute)"
+)
 _CPU_OVERLAP = (
     "assumption: half way between the roofline (1, full overlap) and the ECM model's sum of "
     "in-core and transfer time (0, https://hpc.fau.de/research/ecm/); `fit_engine_steps` picks "
@@ -210,11 +215,11 @@ def default_efficiency(acc: Accelerator) -> Efficiency:
         return Efficiency(gemm_fraction=1.0, memory_fraction=1.0, attention_fraction=0.5,
                           roofline_overlap=0.5, gemm_overhead_s=_EAGER_OP_S,
                           kernel_overhead_s=_EAGER_OP_S, step_overhead_s=0.2e-3,
-                          sequence_overhead_s=50e-6,
+                          sequence_overhead_s=20e-6,
                           sources={"gemm_fraction": measured, "memory_fraction": measured,
                                    "attention_fraction": _ASSUMED, "roofline_overlap": _CPU_OVERLAP,
                                    "gemm_overhead_s": _EAGER_OP, "kernel_overhead_s": _EAGER_OP,
-                                   "step_overhead_s": _ASSUMED, "sequence_overhead_s": _ASSUMED})
+                                   "step_overhead_s": _ENGINE_HOST, "sequence_overhead_s": _ENGINE_HOST})
     base = {"gemm_fraction": f"{_ASSUMED} (H100 value)", "memory_fraction": _GPT_FAST_BW,
             "attention_fraction": _ASSUMED,
             "gemm_overhead_s": _ASSUMED, "kernel_overhead_s": _ASSUMED, "step_overhead_s": _ASSUMED,

@@ -35,11 +35,14 @@ def engine_step_work(step: EngineStep, setup: ServeSetup, accelerator: Accelerat
 
 OVERLAPS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 """`roofline_overlap` values `fit_engine_steps` tries."""
+ATTENTION_FRACTIONS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
+"""`attention_fraction` values `fit_engine_steps` tries when prefills of two lengths are measured."""
 
 
 def fit_engine_steps(
     steps: Sequence[EngineStep], setup: ServeSetup, accelerator: Accelerator, efficiency: Efficiency,
     components: Sequence[str] = ("gemm_s", "memory_s"), overlaps: Sequence[float] = OVERLAPS,
+    attention_fractions: Sequence[float] | None = None,
 ) -> Calibration:
     """Fit `efficiency` to measured engine steps of one model.
 
@@ -50,24 +53,40 @@ def fit_engine_steps(
     from `overlaps` as the value whose fit leaves the smallest RMS relative error: decode at
     batch 8-32 shows how much of a small-M GEMM's compute hides under its weight streaming. Pass
     `overlaps=(efficiency.roofline_overlap,)` to keep the prior's.
+
+    `attention_fraction` is searched the same way over `attention_fractions` (default
+    `ATTENTION_FRACTIONS` when the steps hold prefills of at least two prompt lengths, whose
+    attention shares differ: quadratic against the linears' linear; otherwise the prior's). A CPU's
+    fused attention runs far below its GEMM rate, so the GEMM multiplier alone cannot carry both.
+    The fraction is the prior before the GEMM multiplier, which scales attention too.
     """
     if not steps:
         raise ValueError("no engine steps to fit")
-    if not overlaps or any(not 0 <= o <= 1 for o in overlaps):
-        raise ValueError(f"overlaps must be a non-empty sequence of values in [0, 1], got {overlaps!r}")
+    for name, values in (("overlaps", overlaps), ("attention_fractions", attention_fractions)):
+        if values is not None and (not values or any(not 0 <= v <= 1 for v in values)):
+            raise ValueError(f"{name} must be a non-empty sequence of values in [0, 1], got {values!r}")
+    if attention_fractions is None:
+        prefill_lengths = {s.length for s in steps if s.phase == "prefill"}
+        attention_fractions = (ATTENTION_FRACTIONS if len(prefill_lengths) > 1
+                               else (efficiency.attention_fraction,))
+    if any(a == 0 for a in attention_fractions):
+        raise ValueError(f"attention_fractions must be > 0, got {attention_fractions!r}")
     measured_s = [s.step_s for s in steps]
 
     def predict(e: Efficiency) -> list[Work]:
         return [engine_step_work(s, setup, accelerator, e) for s in steps]
 
-    def fit(overlap: float) -> Calibration:
-        prior = efficiency.replace(roofline_overlap=overlap)
-        if len(overlaps) > 1:
-            note = f"chosen by fit_engine_steps from {list(overlaps)} (smallest RMS error)"
-            prior = prior.replace(sources=dict(prior.sources) | {"roofline_overlap": note})
+    def fit(overlap: float, attention: float) -> Calibration:
+        prior = efficiency.replace(roofline_overlap=overlap, attention_fraction=attention)
+        notes = {}
+        for name, values in (("roofline_overlap", overlaps), ("attention_fraction", attention_fractions)):
+            if len(values) > 1:
+                notes[name] = f"chosen by fit_engine_steps from {list(values)} (smallest RMS error)"
+        prior = prior.replace(sources=dict(prior.sources) | notes)
         return calibrate(predict, measured_s, prior, components)
 
-    return min((fit(o) for o in overlaps), key=lambda c: sum(e * e for e in c.errors_after))
+    return min((fit(o, a) for o in overlaps for a in attention_fractions),
+               key=lambda c: sum(e * e for e in c.errors_after))
 
 
 def train_setup(run: TrainRun, shape: TransformerShape | None = None) -> tuple[TrainSetup, Layout]:
