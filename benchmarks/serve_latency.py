@@ -5,7 +5,10 @@ through slipstream's engine step by step; the median decode step is the per-toke
 floor is the bytes a decode step must read (all weights but the gathered embedding rows, plus the
 KV cache; slipstream.perf.flops.decode_bytes_per_step) divided by this machine's read bandwidth,
 measured in this run right before and after (best of the two). transformers' batch-1 `generate`
-on the same prompt is the baseline. Also reports the time from `LLM(...)` to the first token.
+on the same prompt is the baseline. Also reports the time from `LLM(...)` to the first token,
+after loading the C kernel library, whose load is timed and reported on its own: the first use on
+a machine (or after a change to the kernels' source) compiles it, about 2.3 s on the development
+machine, and later processes load the cached build.
 
     python benchmarks/serve_latency.py                 # ~125M preset, fp32 and bf16
 
@@ -23,6 +26,7 @@ from vllm_driver import run_vllm_driver
 
 from slipstream import LLM, SamplingParams
 from slipstream.model import ModelConfig
+from slipstream.ops import cpu_kernels
 from slipstream.perf.flops import decode_bytes_per_step
 from slipstream.perf.hardware import measure_memory_bandwidth
 
@@ -90,6 +94,10 @@ def main() -> None:
         "output_len": args.output_len,
         **machine(),
     }
+    start = time.perf_counter()
+    cpu_kernels.library()
+    record["kernel_library_load_s"] = time.perf_counter() - start
+    print(f"C kernel library loaded in {record['kernel_library_load_s']:.2f} s (a build when not cached)")
     for dtype in ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]:
         bandwidth_before = measure_memory_bandwidth()[0]
         startup_s, llm = startup_to_first_token_s(model_dir, dtype, prompt)

@@ -615,7 +615,8 @@ typedef void (*value_kernel_fn)(const float *, const float *, float *, int64_t);
 static const value_kernel_fn value_kernels_4[7] = {
     NULL, value_kernel_1_4, value_kernel_2_4, value_kernel_3_4, value_kernel_4_4, value_kernel_5_4,
     value_kernel_6_4};
-static const value_kernel_fn value_kernels_8[4] = {NULL, value_kernel_1_8, value_kernel_2_8, value_kernel_3_8};
+static const value_kernel_fn value_kernels_8[4] = {
+    NULL, value_kernel_1_8, value_kernel_2_8, value_kernel_3_8};
 
 /* Row t of a cache (num_blocks, block_size, num_kv_heads, D) for kv head g, through a block table. */
 static inline const char *cache_row(const void *cache, const int64_t *block_table, int64_t t,
@@ -623,6 +624,11 @@ static inline const char *cache_row(const void *cache, const int64_t *block_tabl
                                     int64_t elem) {
     const int64_t slot = block_table[t / block_size] * block_size + t % block_size;
     return (const char *)cache + ((slot * num_kv_heads + g) * D) * elem;
+}
+
+/* Element offset of (token row, head) in a (rows, num_heads, D) tensor. */
+static inline int64_t head_offset(int64_t row, int64_t head, int64_t num_heads, int64_t D) {
+    return (row * num_heads + head) * D;
 }
 
 static inline void widen_row(const char *src, float *dst, int64_t D, int dtype, float scale) {
@@ -659,12 +665,13 @@ static void prefill_task(const void *q, const void *k_cache, const void *v_cache
                          int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t window,
                          float scale, int dtype, prefill_scratch w) {
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2, rows = count * group;
-    for (int64_t i = 0; i < count; i++)  /* row i * group + h: position p0 + i, head g * group + h */
-        for (int64_t h = 0; h < group; h++) {
-            const char *src = (const char *)q + (((row0 + p0 - first_position + i) * num_heads
-                                                  + g * group + h) * D) * elem;
-            widen_row(src, w.q + (i * group + h) * D, D, dtype, scale);
-        }
+    /* Task row i * group + h: position p0 + i (flat row first_row + i of q and out), query head
+     * g * group + h. */
+    const int64_t first_row = row0 + p0 - first_position;
+    for (int64_t i = 0; i < count; i++)
+        for (int64_t h = 0; h < group; h++)
+            widen_row((const char *)q + head_offset(first_row + i, g * group + h, num_heads, D) * elem,
+                      w.q + (i * group + h) * D, D, dtype, scale);
     memset(w.o, 0, rows * D * sizeof(float));
     for (int64_t r = 0; r < rows; r++) w.max[r] = -FLT_MAX, w.sum[r] = 0.0f;
     const int64_t last = p0 + count - 1;
@@ -722,7 +729,7 @@ static void prefill_task(const void *q, const void *k_cache, const void *v_cache
     for (int64_t i = 0; i < count; i++)
         for (int64_t h = 0; h < group; h++) {
             const int64_t r = i * group + h;
-            char *dst = (char *)out + (((row0 + p0 - first_position + i) * num_heads + g * group + h) * D) * elem;
+            char *dst = (char *)out + head_offset(first_row + i, g * group + h, num_heads, D) * elem;
             const float inv = 1.0f / w.sum[r];
             for (int64_t d = 0; d < D; d++) {
                 const float value = w.o[r * D + d] * inv;
