@@ -19,8 +19,9 @@ from slipstream.model.create import stdlib_tokenizer
 from slipstream.perf.flops import kv_cache_bytes_per_token
 
 NUM_PROMPTS, MAX_NEW_TOKENS, BLOCK_SIZE = 32, 128, 16
+# head_dim 64: the size the CPU attention kernels (prefill and decode) are specialised for.
 CONFIG = ModelConfig(vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
                      eos_token_id=0, pad_token_id=0)
 
 
@@ -134,3 +135,32 @@ def test_prefix_caching_matches_transformers(model_dir):
     uncached, _ = _engine_greedy(model_dir, prompts, enable_prefix_caching=False)
     assert cached == uncached
     _assert_same_tokens(expected, gaps, cached, "prefix caching")
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [2048, 48])
+def test_families_at_the_kernels_head_size_match_transformers(family, make_hf_model, tmp_path,
+                                                             max_num_batched_tokens):
+    """Every family at head_dim 64 (biases, q/k norms, tied embeddings, and mistral's sliding
+    window of 40, shorter than the prompts), prompts of 70-150 tokens (several query blocks and
+    key tiles of the prefill kernel), whole or chunked by a 48-token budget: the engine's greedy
+    tokens are transformers'."""
+    window = {"sliding_window": 40} if family == "mistral" else {}
+    hf = make_hf_model(family, hidden_size=256, num_attention_heads=4, head_dim=64, initializer_range=0.1,
+                       **window)
+    hf.save_pretrained(tmp_path)
+    tokenizer = stdlib_tokenizer(hf.config.vocab_size)
+    tokenizer.save_pretrained(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist()
+               for n in torch.randint(70, 150, (6,), generator=g).tolist()]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None,
+                      pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    top2 = torch.stack(out.scores, 1).topk(2, dim=-1).values
+    llm = LLM(str(tmp_path), max_num_batched_tokens=max_num_batched_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    _assert_same_tokens(out.sequences[:, width:].tolist(), top2[..., 0] - top2[..., 1], got,
+                        f"{family}, budget {max_num_batched_tokens}")
