@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -95,3 +98,27 @@ def test_kernel_library_leaves_subnormals_alone():
     """Loading the C kernel library does not switch the process to flush-to-zero."""
     assert cpu_kernels.library() is not None
     assert torch.tensor(1e-40, dtype=torch.float32).item() != 0.0
+
+
+def test_kernel_library_builds_once_when_asked_from_two_threads(tmp_path):
+    """A cold cache: the engine's background build and a caller's library() on another thread
+    share one compilation, and both get the loaded library (in a fresh process)."""
+    script = (
+        "import threading\n"
+        "from slipstream.ops import cpu_kernels as k\n"
+        "builds = []\n"
+        "compile_ = k._compile\n"
+        "k._compile = lambda *a: (builds.append(a), compile_(*a))\n"
+        "k.build_in_background()\n"
+        "lib = k.library()\n"
+        "others = []\n"
+        "t = threading.Thread(target=lambda: others.append(k.library()))\n"
+        "t.start(); t.join()\n"
+        "assert lib is not None and others == [lib], (lib, others)\n"
+        "assert len(builds) == 1, builds\n"
+        "assert k.supports(__import__('torch').zeros(1))\n"
+    )
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert len(list((tmp_path / "slipstream" / "kernels").glob("*.so"))) == 1

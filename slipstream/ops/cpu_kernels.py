@@ -4,11 +4,14 @@ PyTorch has no paged-attention kernel for the CPU, and gathering a batch's cache
 dense tensors first triples the memory traffic of a decode step (read, write the copy, read it
 again); `csrc/cpu_ops.c` reads the cache in place. It also fuses RMSNorm, the rotary embedding
 and SwiGLU's silu-and-multiply, each several PyTorch ops (and several passes over memory) in
-eager mode, and has the matrix-vector product of batch-1 decode. The file
-needs no PyTorch headers, so it builds with the system C compiler in about a second and is
-cached under `~/.cache/slipstream/kernels/`, keyed by the source, the compiler flags and this
-CPU's features. Where no compiler is found or the build fails, `library()` returns None and
-callers use their plain PyTorch path (which the tests check the kernels against).
+eager mode, and has the matrix-vector product of batch-1 decode, the panel GEMM of decode
+batches, prefill attention and the decode graph's layer loop. The file needs no PyTorch headers,
+so it builds with the system C compiler (2-3 s at -O3) and is cached under
+`~/.cache/slipstream/kernels/`, keyed by the source, the compiler flags and this CPU's features;
+the engine starts that build on a thread first thing (`build_in_background`), so a first use
+compiles while the weights load. Where no compiler is found or the build fails, `library()`
+returns None and callers use their plain PyTorch path (which the tests check the kernels
+against).
 
 OpenMP: the library links the `libgomp.so.1` that PyTorch has already loaded (same soname), so
 both share one thread pool instead of two pools competing for the cores.
@@ -17,13 +20,13 @@ both share one thread pool instead of two pools competing for the cores.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -38,9 +41,32 @@ LDFLAGS = ["-shared", "-fopenmp"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-@functools.cache
+_LOCK = threading.Lock()
+_NOT_LOADED = object()
+_library: ctypes.CDLL | None | object = _NOT_LOADED
+
+
 def library() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None where it cannot be built here."""
+    """The compiled kernel library, or None where it cannot be built here. The first call builds
+    it (or loads the cached build); concurrent first calls wait for that one build."""
+    global _library
+    lib = _library
+    if lib is _NOT_LOADED:
+        with _LOCK:
+            if _library is _NOT_LOADED:
+                _library = _load()
+            lib = _library
+    return lib
+
+
+def build_in_background() -> None:
+    """Start building (or loading) the library on a thread, so that a first use's compilation
+    (2-3 s) runs while the caller does other work, such as reading a model's weights."""
+    if _library is _NOT_LOADED:
+        threading.Thread(target=library, name="slipstream-cpu-kernels", daemon=True).start()
+
+
+def _load() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         logger.warning("no C compiler found: using PyTorch for attention, norms and rotary")

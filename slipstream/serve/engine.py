@@ -25,6 +25,7 @@ import torch
 from slipstream.model.config import ModelConfig
 from slipstream.model.tokenizer import Tokenizer
 from slipstream.model.weights import dtype_name, load_model, resolve_dtype
+from slipstream.ops import cpu_kernels
 from slipstream.ops.allocator import keep_freed_memory
 from slipstream.ops.inference import optimize_for_cpu_inference
 from slipstream.perf.flops import kv_cache_bytes_per_token
@@ -109,9 +110,11 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cpu" and config.fast_cpu_kernels:
+            cpu_kernels.build_in_background()  # a first use compiles them while the weights load
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         model_config = ModelConfig.from_pretrained(config.model)
-        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if device.type == "cpu":
             keep_freed_memory()
         dtype = resolve_dtype(model_config.dtype if config.dtype == "auto" else config.dtype)
