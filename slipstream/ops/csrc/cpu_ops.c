@@ -551,7 +551,9 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
  * positions (their keys already written to the cache), at rows chunk_rows[c] of q and out.
  * head_dim 64 or 128.
  */
-enum { PREFILL_QUERIES = 32, PREFILL_KEYS = 64 };
+/* Query blocks of 64 ran 5-15% faster than blocks of 32 (each key tile packed for more rows) and
+ * than blocks of 128 below 2048 tokens (benchmarks/prefill_attention.py, bf16). */
+enum { PREFILL_QUERIES = 64, PREFILL_KEYS = 64 };
 
 int has_prefill_attention(int64_t head_dim) {
 #if defined(__AVX512F__)
