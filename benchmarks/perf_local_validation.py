@@ -8,7 +8,8 @@ Serving (slipstream's engine, fp32, the CPU fast path):
   which one model's steps cannot separate from weight streaming);
 - predicted, then measured: `tiny` and `medium` at the same points (decode ms/token at batch 1, 8,
   32; prefill of 512 tokens), and `small` at batch 16 and a 1024-token prefill.
-  Every model is measured in each of --rounds rounds (3), in turn, and each point's median taken,
+  Every model is measured in each of --rounds rounds (3), in turn; each point is the median of
+  its steps in the least disturbed round (`summarize`),
   because the memory bandwidth a process gets here drifts from minute to minute.
 Training (slipstream's trainer, fp32, batch 8 x 256 on the stdlib corpus):
 - calibration run: `tiny`; its metrics.jsonl and config.toml fit the GEMM multiplier;
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -95,17 +97,22 @@ def engine_records(model_dir: Path, batches, prefill_lens) -> tuple[list[dict], 
 
 
 def summarize(records: list[dict]) -> list[dict]:
-    """Median step time per (phase, batch), decode context at the middle of its steps."""
-    groups: dict[tuple, list[dict]] = {}
+    """Step time per (phase, batch): the median of each round's steps, then the fastest round
+    (decode context at the middle of its steps). Within a round the median drops stray slow
+    steps; across rounds the noise is one-sided (another tenant's load, a slow minute of memory
+    bandwidth only ever slow a round down), so the least disturbed round is the steadiest
+    statistic, and calibration and targets are summarised alike."""
+    groups: dict[tuple, dict[int, list[float]]] = {}
     for r in records:
-        groups.setdefault((r["phase"], r["batch_size"], r.get("prompt_len")), []).append(r)
+        key = (r["phase"], r["batch_size"], r.get("prompt_len"))
+        groups.setdefault(key, {}).setdefault(r.get("round", 0), []).append(r["step_s"])
     out = []
-    for (phase, batch, prompt), rs in groups.items():
-        times = sorted(r["step_s"] for r in rs)
+    for (phase, batch, prompt), rounds in groups.items():
+        step_s = min(statistics.median(times) for times in rounds.values())
         length = prompt if phase == "prefill" else PROMPT_LEN + DECODE_STEPS // 2
         key = "prompt_len" if phase == "prefill" else "context_len"
         out.append({"kind": "engine_step", "phase": phase, "batch_size": batch, key: length,
-                    "step_s": times[len(times) // 2]})
+                    "step_s": step_s})
     return out
 
 
@@ -164,20 +171,20 @@ def serving_part(acc, base_eff, rounds: int) -> list[dict]:
             create_model_dir(preset, path, dtype="float32", overwrite=True)
         return path
 
-    # The memory bandwidth this machine gives a process drifts between minutes (40-65 GB/s), so
-    # every model is measured in each of `rounds` rounds, in turn, and the medians are used.
+    # The memory bandwidth this machine gives a process drifts between minutes (40-88 GB/s), so
+    # every model is measured in each of `rounds` rounds, in turn (see `summarize`).
     targets = [("tiny", DECODE_BATCHES, (512,)), ("medium", DECODE_BATCHES, (512,)),
                ("small", (16,), (1024,))]
     calib_records: list[dict] = []
     target_records: dict[str, list[dict]] = {preset: [] for preset, _, _ in targets}
     graph_batches: dict[str, int] = {}  # per preset: the engine's decode-graph limit
-    for _ in range(rounds):
+    for i in range(rounds):
         records, graph_batches["small"] = engine_records(model_dir("small"), DECODE_BATCHES,
                                                          CALIBRATION_PREFILLS)
-        calib_records += records
+        calib_records += [r | {"round": i} for r in records]
         for preset, batches, prefills in targets:
             records, graph_batches[preset] = engine_records(model_dir(preset), batches, prefills)
-            target_records[preset] += records
+            target_records[preset] += [r | {"round": i} for r in records]
 
     def write(name: str, records: list[dict]) -> None:
         (RUNS / name).write_text("".join(json.dumps(r) + "\n" for r in records))
