@@ -760,7 +760,8 @@ int paged_prefill_attention(const void *q, const void *k_cache, const void *v_ca
 #pragma omp parallel num_threads(num_threads)
     {
         float *base = thread_scratch(prefill_scratch_floats(rows, head_dim), &failed);
-        const prefill_scratch w = split_prefill_scratch(base, rows, head_dim);
+        const prefill_scratch w = base == NULL ? (prefill_scratch){0}
+                                               : split_prefill_scratch(base, rows, head_dim);
         /* Dynamic: a block late in a long chunk sees more keys than an early one. */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
