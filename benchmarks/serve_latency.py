@@ -7,7 +7,7 @@ KV cache; slipstream.perf.flops.decode_bytes_per_step) divided by this machine's
 measured in this run right before and after (best of the two). transformers' batch-1 `generate`
 on the same prompt is the baseline. Also reports the time from `LLM(...)` to the first token,
 after loading the C kernel library, whose load is timed and reported on its own: the first use on
-a machine (or after a change to the kernels' source) compiles it, about 2.3 s on the development
+a machine (or after a change to the kernels' source) compiles it, about 2 s on the development
 machine, and later processes load the cached build.
 
     python benchmarks/serve_latency.py                 # ~125M preset, fp32 and bf16

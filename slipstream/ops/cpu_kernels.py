@@ -6,7 +6,7 @@ again); `csrc/cpu_ops.c` reads the cache in place. It also fuses RMSNorm, the ro
 and SwiGLU's silu-and-multiply, each several PyTorch ops (and several passes over memory) in
 eager mode, and has the matrix-vector product of batch-1 decode, the panel GEMM of decode
 batches, prefill attention and the decode graph's layer loop. The file needs no PyTorch headers,
-so it builds with the system C compiler (2-3 s at -O3) and is cached under
+so it builds with the system C compiler (about 2 s at -O3) and is cached under
 `~/.cache/slipstream/kernels/`, keyed by the source, the compiler flags and this CPU's features;
 the engine starts that build on a thread first thing (`build_in_background`), so a first use
 compiles while the weights load. Where no compiler is found or the build fails, `library()`
@@ -61,7 +61,7 @@ def library() -> ctypes.CDLL | None:
 
 def build_in_background() -> None:
     """Start building (or loading) the library on a thread, so that a first use's compilation
-    (2-3 s) runs while the caller does other work, such as reading a model's weights."""
+    (about 2 s) runs while the caller does other work, such as reading a model's weights."""
     if _library is _NOT_LOADED:
         threading.Thread(target=library, name="slipstream-cpu-kernels", daemon=True).start()
 
