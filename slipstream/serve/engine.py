@@ -111,10 +111,10 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cpu" and config.fast_cpu_kernels:
-            cpu_kernels.build_in_background()  # a first use compiles them while the weights load
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         model_config = ModelConfig.from_pretrained(config.model)
+        if device.type == "cpu" and config.fast_cpu_kernels:
+            cpu_kernels.build_in_background()  # a first use compiles them while the weights load
         if device.type == "cpu":
             keep_freed_memory()
         dtype = resolve_dtype(model_config.dtype if config.dtype == "auto" else config.dtype)
