@@ -33,7 +33,6 @@ class PrefillChunk:
     token_start: int  # first row of this chunk in the flat batch
     num_tokens: int  # new tokens
     seq_len: int  # all tokens of the sequence, the new ones included
-    block_table: torch.Tensor  # (num_blocks,) int64
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,10 +76,7 @@ class PagedBatch:
                 decode_tables.append(table[:num_blocks])
                 decode_lens.append(seq_len)
             else:
-                prefills.append(PrefillChunk(
-                    token_start=token_start, num_tokens=query_len, seq_len=seq_len,
-                    block_table=torch.tensor(table[:num_blocks], device=device),
-                ))
+                prefills.append(PrefillChunk(token_start=token_start, num_tokens=query_len, seq_len=seq_len))
                 prefill_tables.append(table[:num_blocks])
             token_start += query_len
 
@@ -146,10 +142,11 @@ def paged_attention(
             batch.prefill_seq_lens, batch.prefill_block_tables, batch.sliding_window,
         )
     else:
-        for chunk in batch.prefills:
+        for chunk, padded_table in zip(batch.prefills, batch.prefill_block_tables, strict=True):
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            keys = _gather(k_cache, chunk.block_table, chunk.seq_len)  # (L, K, D)
-            values = _gather(v_cache, chunk.block_table, chunk.seq_len)
+            table = padded_table[: -(-chunk.seq_len // batch.block_size)]
+            keys = _gather(k_cache, table, chunk.seq_len)  # (L, K, D)
+            values = _gather(v_cache, table, chunk.seq_len)
             out[rows] = _attend(q[rows], keys, values, batch.sliding_window)
     if len(batch.decode_token_rows):
         rows = batch.decode_token_rows
