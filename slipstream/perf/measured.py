@@ -62,15 +62,15 @@ def fit_engine_steps(
     """
     if not steps:
         raise ValueError("no engine steps to fit")
-    for name, values in (("overlaps", overlaps), ("attention_fractions", attention_fractions)):
-        if values is not None and (not values or any(not 0 <= v <= 1 for v in values)):
-            raise ValueError(f"{name} must be a non-empty sequence of values in [0, 1], got {values!r}")
+    if not overlaps or any(not 0 <= o <= 1 for o in overlaps):
+        raise ValueError(f"overlaps must be a non-empty sequence of values in [0, 1], got {overlaps!r}")
     if attention_fractions is None:
         prefill_lengths = {s.length for s in steps if s.phase == "prefill"}
         attention_fractions = (ATTENTION_FRACTIONS if len(prefill_lengths) > 1
                                else (efficiency.attention_fraction,))
-    if any(a == 0 for a in attention_fractions):
-        raise ValueError(f"attention_fractions must be > 0, got {attention_fractions!r}")
+    elif not attention_fractions or any(not 0 < a <= 1 for a in attention_fractions):
+        raise ValueError(f"attention_fractions must be a non-empty sequence of values in (0, 1], "
+                         f"got {attention_fractions!r}")
     measured_s = [s.step_s for s in steps]
 
     def predict(e: Efficiency) -> list[Work]:
