@@ -197,8 +197,7 @@ def serving_part(acc, base_eff, rounds: int) -> list[dict]:
                                              decode_graph_max_batch=graph_batches["small"]), acc, base_eff)
     print(f"serving fit on small: multipliers {cal.scales}, roofline_overlap "
           f"{cal.efficiency.roofline_overlap}, attention_fraction {cal.efficiency.attention_fraction:.3f}, "
-          f"fit errors "
-          f"{[round(100 * e, 1) for e in cal.errors_after]}%")
+          f"fit errors {[round(100 * e, 1) for e in cal.errors_after]}%")
     rows = []
     for preset, _, _ in targets:
         setup = ServeSetup(shape=resolve_model(preset), dtype="fp32",
