@@ -165,8 +165,7 @@ def paged_decode_attention(
 
 def supports_prefill_attention(q: torch.Tensor) -> bool:
     """Whether `paged_prefill_attention_` takes queries like `q` (N, H, D): AVX-512, D 64 or 128."""
-    lib = library()
-    return supports(q) and bool(lib.has_prefill_attention(q.shape[-1]))
+    return supports(q) and bool(library().has_prefill_attention(q.shape[-1]))
 
 
 def paged_prefill_attention_(
@@ -217,8 +216,7 @@ def gemv(
 def supports_panel_gemm(weight: torch.Tensor) -> bool:
     """Whether `panel_gemm` handles this weight here (fp32 on a CPU with AVX-512, bf16 with
     AVX512-BF16)."""
-    lib = library()
-    return supports(weight) and bool(lib.has_panel_gemm(DTYPE_CODES[weight.dtype]))
+    return supports(weight) and bool(library().has_panel_gemm(DTYPE_CODES[weight.dtype]))
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -233,7 +233,7 @@ def _attend(
         keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)
         values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
     causal_only = num_queries == num_keys and (sliding_window is None or num_keys <= sliding_window)
-    if q.dtype == torch.bfloat16 and num_keys <= _BF16_MATMUL_ATTENTION_MAX_KEYS:
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and num_keys <= _BF16_MATMUL_ATTENTION_MAX_KEYS:
         mask = causal_mask(num_queries, num_keys, sliding_window=sliding_window, device=q.device)
         out = _matmul_attention(q, keys, values, mask)
     elif causal_only:

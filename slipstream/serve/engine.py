@@ -73,9 +73,9 @@ class EngineConfig:
     """On CPU: oneDNN pre-packed linears and fused C kernels (attention, RMSNorm, rotary), each
     where it applies; False runs the model's plain PyTorch modules (the tested reference)."""
     enforce_eager: bool = False
-    """As vLLM's: run every step module by module. Otherwise, with fast_cpu_kernels, pure decode
-    steps (up to linear.MAX_PANEL_ROWS sequences) run the layer stack in one C call
-    (ops.decode_graph)."""
+    """As vLLM's: run every step module by module. Otherwise pure decode steps replay a graph: on
+    CUDA captured CUDA graphs (serve.cuda_graph); on a CPU, with fast_cpu_kernels, the layer stack
+    in one C call (ops.decode_graph, up to linear.MAX_PANEL_ROWS sequences)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
@@ -124,7 +124,8 @@ class Engine:
         self.limits = _derive_limits(config, model_config, self.tokenizer, dtype, device)
         self.model_config = model_config
         self.runner = Runner(model, num_blocks=self.limits.num_blocks, block_size=config.block_size,
-                             dtype=dtype, device=device, use_kernels=config.fast_cpu_kernels,
+                             dtype=dtype, device=device, max_num_seqs=config.max_num_seqs,
+                             max_model_len=self.limits.max_model_len, use_kernels=config.fast_cpu_kernels,
                              enforce_eager=config.enforce_eager)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,

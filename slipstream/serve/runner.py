@@ -18,6 +18,7 @@ from slipstream.model.config import ModelConfig
 from slipstream.model.transformer import Transformer
 from slipstream.ops.decode_graph import CpuDecodeGraph
 from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
+from slipstream.serve.cuda_graph import CudaDecodeGraphs
 from slipstream.serve.scheduler import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -75,22 +76,35 @@ class StepLogits:
 
 
 class Runner:
-    """Runs the model over StepPlans against its own paged KV cache."""
+    """Runs the model over StepPlans against its own paged KV cache.
+
+    Pure decode steps replay a graph unless `enforce_eager`: on a CPU the C decode graph (with
+    `use_kernels`, where it applies to the model), on CUDA captured CUDA graphs for up to
+    `max_num_seqs` sequences; those keep one spare cache block past `num_blocks` for their
+    padding rows.
+    """
 
     def __init__(
         self, model: Transformer, *, num_blocks: int, block_size: int, dtype: torch.dtype,
-        device: torch.device, use_kernels: bool = True, enforce_eager: bool = False,
+        device: torch.device, max_num_seqs: int, max_model_len: int, use_kernels: bool = True,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.device = device
         self.use_kernels = use_kernels
-        self.cache = PagedKVCache(
-            model.config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device
-        )
-        self.decode_graph = (
-            None if enforce_eager or not use_kernels
-            else CpuDecodeGraph.build(model, self.cache.keys, self.cache.values)
-        )
+        cuda_graphs = device.type == "cuda" and not enforce_eager
+        spare_blocks = 1 if cuda_graphs else 0
+        self.cache = PagedKVCache(model.config, num_blocks=num_blocks + spare_blocks, block_size=block_size,
+                                  dtype=dtype, device=device)
+        self.decode_graph: CpuDecodeGraph | CudaDecodeGraphs | None = None
+        if cuda_graphs:
+            self.decode_graph = CudaDecodeGraphs(
+                self.hidden_states, max_seqs=max_num_seqs, max_blocks=-(-max_model_len // block_size),
+                block_size=block_size, sliding_window=model.config.sliding_window, pad_block=num_blocks,
+                device=device,
+            )
+        elif device.type == "cpu" and use_kernels and not enforce_eager:
+            self.decode_graph = CpuDecodeGraph.build(model, self.cache.keys, self.cache.values)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepLogits:
@@ -112,10 +126,16 @@ class Runner:
         if graph is not None and not batch.prefills and len(plan.chunks) <= graph.max_seqs:
             hidden = graph(token_ids, positions, batch)  # (N, E)
         else:
-            hidden = self.model.hidden_states(
-                token_ids[None], positions[None], PagedAttention(self.cache, batch, self.use_kernels)
-            )[0]  # (N, E)
+            hidden = self.hidden_states(token_ids, positions, batch)
         return self._logits(plan, hidden)
+
+    def hidden_states(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch
+    ) -> torch.Tensor:
+        """(N,) token ids and positions laid out by `batch` -> (N, E) final-norm hidden states,
+        module by module."""
+        attn = PagedAttention(self.cache, batch, self.use_kernels)
+        return self.model.hidden_states(token_ids[None], positions[None], attn)[0]
 
     def _logits(self, plan: StepPlan, hidden: torch.Tensor) -> StepLogits:
         ends = torch.tensor([c.num_tokens for c in plan.chunks]).cumsum(0)
