@@ -207,3 +207,16 @@ def test_metrics_count_requests_and_kv_returns_to_zero(server, client):
     assert after["slipstream:kv_cache_usage_perc"] == 0
     assert after["slipstream:kv_cache_used_blocks"] == 0
     assert after["slipstream:num_requests_running"] == 0
+
+
+def test_streamed_text_offsets_equal_the_non_streamed(client):
+    """Streamed completions logprobs have the non-streamed text_offset, increasing, also while text is
+    held back as a possible stop-string start (offsets used to follow the text sent so far, which
+    lags the tokens sent: they stepped back, 37 then 34)."""
+    args = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=20, temperature=0, logprobs=1,
+                stop=["\x01" * 8], extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args).choices[0].logprobs
+    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True, **args)]
+    assert [t for lp in streamed for t in lp.tokens] == whole.tokens
+    assert [o for lp in streamed for o in lp.text_offset] == whole.text_offset
+    assert whole.text_offset == sorted(whole.text_offset)

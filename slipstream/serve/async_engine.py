@@ -75,12 +75,19 @@ StepCallback = Callable[[list[RequestOutput], EngineStats], None]
 
 
 class RequestStream:
-    """The outputs of the prompts of one API call, in order, as the engine produces them."""
+    """The outputs of the prompts of one API call, in order, as the engine produces them.
+
+    Outputs are cumulative, so the stream keeps only the newest one of each prompt until the
+    consumer reads it: a reader slower than the engine (a client that stops reading its socket)
+    costs one output per prompt, not every step's copy of the whole text and token ids so far."""
 
     def __init__(self, request_ids: Sequence[str], engine: AsyncEngine) -> None:
         self.request_ids = list(request_ids)
         self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._pending: dict[str, RequestOutput] = {}
+        """The newest unread output of each prompt that changed since the last `get`."""
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
         self._unfinished = set(request_ids)
 
     @property
@@ -89,20 +96,21 @@ class RequestStream:
         return not self._unfinished
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        if isinstance(item, BaseException):
+            self._error = item
+        else:
+            self._pending[item.request_id] = item  # replaces an older, unread output
+        self._ready.set()
 
     async def get(self) -> list[RequestOutput]:
-        """The newest output of every prompt that changed since the last call (waits for one).
-
-        Outputs are cumulative, so a consumer slower than the engine skips the older ones."""
-        items = [await self._queue.get()]
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
-        newest: dict[str, RequestOutput] = {}
-        for item in items:
-            if isinstance(item, BaseException):
-                raise item
-            newest[item.request_id] = item
+        """The newest output of every prompt that changed since the last call (waits for one);
+        raises the error the stream failed with (then on every later call too)."""
+        if self._error is None:
+            await self._ready.wait()
+            self._ready.clear()
+        if self._error is not None:
+            raise self._error
+        newest, self._pending = self._pending, {}
         self._unfinished.difference_update(o.request_id for o in newest.values() if o.finished)
         return list(newest.values())
 

@@ -141,8 +141,6 @@ class _News:
     text: str
     start: int
     end: int
-    text_offset: int
-    """Characters sent before this text."""
 
 
 class _Deltas:
@@ -158,8 +156,7 @@ class _Deltas:
         sent = self._sent.setdefault(index, _Sent())
         if sent.finished:
             return None
-        news = _News(completion.text[sent.num_chars:], sent.num_tokens, len(completion.token_ids),
-                     sent.num_chars)
+        news = _News(completion.text[sent.num_chars:], sent.num_tokens, len(completion.token_ids))
         if not news.text and completion.finish_reason is None and not (
             self._with_logprobs and news.end > news.start
         ):
@@ -180,6 +177,8 @@ class CompletionStream:
         self._logprobs = logprobs
         self._deltas = _Deltas(with_logprobs=logprobs is not None)
         self._first_index = {request_id: i * n for i, request_id in enumerate(request_ids)}
+        self._text_offsets: dict[int, int] = {}
+        """Per choice, the text_offset of its next token: the length of the tokens sent before."""
 
     def opening(self) -> list[str]:
         return []
@@ -192,8 +191,14 @@ class CompletionStream:
             if news is None:
                 continue
             logprobs = None
-            if self._logprobs is not None:  # as vLLM, offsets continue from the text already sent
-                logprobs = completion_logprobs(completion, news.start, news.end, news.text_offset)
+            if self._logprobs is not None:
+                # Offsets continue from the tokens already sent, not from the text: text held back
+                # (a possible stop-string start, an incomplete character) has had its tokens sent,
+                # so the text would lag them and offsets would step back. Counted over the tokens,
+                # they equal the non-streamed response's.
+                offset = self._text_offsets.get(index, 0)
+                logprobs = completion_logprobs(completion, news.start, news.end, offset)
+                self._text_offsets[index] = offset + sum(len(token) for token in logprobs["tokens"])
             choice = {"index": index, "text": news.text, "logprobs": logprobs} | _finish(completion)
             events.append(sse(self.meta.head(self.object) | {"choices": [choice]}))
         return events
