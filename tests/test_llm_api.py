@@ -330,6 +330,8 @@ BAD_PARAMS = {
     "top_p": dict(top_p=0.0),
     "top_p ": dict(top_p=1.5),
     "n": dict(n=0),
+    "repetition_penalty": dict(repetition_penalty=0.0),
+    "repetition_penalty ": dict(repetition_penalty=1e39),  # inf in float32: NaN logits
 }
 
 

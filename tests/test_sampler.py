@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slipstream.serve.request import SamplingParams
+from slipstream.serve.request import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingParams
 from slipstream.serve.sampler import (
     LogitFilters,
     SamplingBatch,
@@ -165,6 +165,21 @@ def test_penalties_match_reference(case):
                                        params.presence_penalty, params.frequency_penalty)
         torch.testing.assert_close(penalised[row], torch.tensor(expected, dtype=torch.float32),
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("repetition", [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY])
+def test_extreme_repetition_penalties_keep_logits_finite(repetition):
+    """At either bound of the repetition penalty, large logits of both signs stay finite, equal the
+    formula's values, and greedy picks the token the formula puts first."""
+    logits = [3.0e20, -2.0e20, 0.0, 1.0, -1.0]
+    prompt, output = [0, 1, 2], [2]
+    row = SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=repetition), prompt, output)
+    penalised = penalised_logits(torch.tensor([logits]), build([row], len(logits)))
+    expected = reference_penalties(logits, prompt, output, repetition, 0.0, 0.0)
+    assert torch.isfinite(penalised).all()
+    torch.testing.assert_close(penalised[0], torch.tensor(expected, dtype=torch.float32))
+    greedy = sample(torch.tensor([logits]), build([row], len(logits))).token_ids.item()
+    assert greedy == max(range(len(logits)), key=expected.__getitem__)
 
 
 def test_token_counts_record_matches_recounting():

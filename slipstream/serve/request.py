@@ -18,6 +18,12 @@ FINISH_REASONS = ("stop", "length", "abort")
 GREEDY_TEMPERATURE = 1e-5
 
 
+# vLLM takes any positive repetition penalty; the sampler applies it in float32, where one above
+# ~3.4e38 becomes inf (0 * inf: NaN logits, which argmax then picks) and one below ~1e-45 becomes 0
+# (0 / 0). Within these bounds a penalised logit stays finite for any logit below 1e32.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SamplingParams:
     """How to sample one prompt's completions. Defaults follow vLLM."""
@@ -75,8 +81,9 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         _check_float("repetition_penalty", self.repetition_penalty)
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                             f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_float(name, value)
