@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -58,7 +60,9 @@ def build_hf_model(family: str, seed: int = 0, **overrides):
     (their default init of ones and zeros would hide a missing norm or bias)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
-    config = transformers.AutoConfig.for_model(**(FAMILIES[family] | overrides))
+    # A deep copy: transformers writes into nested dicts it is given (rope_scaling), which would
+    # leak one test's overrides into the next build of the family.
+    config = transformers.AutoConfig.for_model(**(copy.deepcopy(FAMILIES[family]) | overrides))
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -67,6 +67,9 @@ def test_defaults_derived():
         ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
         ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
         ({"num_attention_heads": 5}, "hidden_size"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+         "partial_rotary_factor"),
     ],
 )
 def test_unsupported_values_name_the_field(change, match):

@@ -281,9 +281,11 @@ _UNSUPPORTED_FEATURES = {
 
 
 def _check_unsupported_features(d: dict[str, Any]) -> None:
-    for key, harmless in _UNSUPPORTED_FEATURES.items():
-        if key in d and d[key] != harmless:
-            raise ValueError(f"unsupported config.json field {key}={d[key]!r}")
+    rope = d.get("rope_parameters")  # transformers 5 keeps partial_rotary_factor in here
+    for fields in (d, rope if isinstance(rope, dict) else {}):
+        for key, harmless in _UNSUPPORTED_FEATURES.items():
+            if key in fields and fields[key] != harmless:
+                raise ValueError(f"unsupported config.json field {key}={fields[key]!r}")
 
 
 def _check_positive_int(name: str, value: Any) -> None:
