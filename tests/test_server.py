@@ -41,6 +41,9 @@ def test_models_lists_the_served_model(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL_NAME]
     assert models[0].max_model_len == MAX_MODEL_LEN
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError, match="model_not_found|does not exist"):
+        client.models.retrieve("no-such-model")
 
 
 def test_greedy_completion_equals_offline_generate(client, llm):

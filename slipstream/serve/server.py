@@ -101,6 +101,7 @@ class OpenAIServer:
         app.get("/health")(self.health)
         app.get("/metrics")(self.render_metrics)
         app.get("/v1/models")(self.models)
+        app.get("/v1/models/{model_id:path}")(self.model)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
         return app
@@ -135,9 +136,22 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> dict[str, Any]:
         self._authorize(request)
-        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "slipstream",
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, request: Request, model_id: str) -> dict[str, Any]:
+        """One model, as OpenAI's `GET /v1/models/{model}` (the client's `models.retrieve`)."""
+        self._authorize(request)
+        if model_id != self.model_name:
+            raise self._unknown_model(model_id)
+        return self._model_card()
+
+    def _unknown_model(self, name: str) -> APIError:
+        return APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                        param="model", code="model_not_found")
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "slipstream",
                 "max_model_len": self.max_model_len}
-        return {"object": "list", "data": [card]}
 
     async def completions(self, request: Request) -> Response:
         arrival_time_s = time.monotonic()
@@ -184,8 +198,7 @@ class OpenAIServer:
         self._authorize(request)
         body = protocol.parse_body(model, await self._read_body(request))
         if body.model is not None and body.model != self.model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
-                           f"{self.model_name!r}", param="model", code="model_not_found")
+            raise self._unknown_model(body.model)
         body.check_supported()
         return body
 
