@@ -76,6 +76,30 @@ def test_scaled_what_if_copy():
         base.scaled(clock=2)
 
 
+def _with_curve(curve: dict[int, float]) -> Accelerator:
+    return Accelerator(name="x", peak_flops_per_s={"bf16": 1.0}, memory_bandwidth_bytes_per_s=50.0,
+                       memory_bytes=1, cache_read_bytes_per_s=curve,
+                       sources=dict.fromkeys(("peak_flops_per_s", "memory_bandwidth_bytes_per_s",
+                                              "memory_bytes", "cache_read_bytes_per_s"), "x http://x"))
+
+
+def test_read_bandwidth_interpolates_the_measured_curve():
+    """Guards Accelerator.read_bandwidth: the measured rates at their sizes, linear in log size
+    between them (the geometric mean of two sizes is halfway), the smallest size's rate below it,
+    the memory bandwidth from the largest size on and for table parts (nothing measured)."""
+    acc = _with_curve({64: 80.0, 16: 200.0, 256: 50.0})  # given out of order
+    assert list(acc.cache_read_bytes_per_s) == [16, 64, 256]
+    assert [acc.read_bandwidth(size) for size in (1, 16, 64)] == [200.0, 200.0, 80.0]
+    assert acc.read_bandwidth(32) == pytest.approx(140.0)
+    assert acc.read_bandwidth(128) == pytest.approx(65.0)
+    assert acc.read_bandwidth(256) == acc.read_bandwidth(10**12) == 50.0
+    h100 = get_accelerator("h100")
+    assert h100.read_bandwidth(2**20) == h100.memory_bandwidth_bytes_per_s
+    assert acc.scaled(memory_bandwidth=2).read_bandwidth(32) == pytest.approx(280.0)
+    with pytest.raises(ValueError, match="positive sizes and rates"):
+        _with_curve({0: 1.0})
+
+
 def test_missing_source_for_a_link_is_an_error():
     """Guards that a link bandwidth without a source cannot enter the table."""
     with pytest.raises(ValueError, match="no source for .*intra_node"):
@@ -93,3 +117,7 @@ def test_local_cpu_from_calibration(tmp_path, monkeypatch):
     assert acc.peak_flops("fp32") == calibration.peak_flops("fp32")
     assert acc.memory_bandwidth_bytes_per_s == calibration.memory_bandwidth_bytes_per_s
     assert acc.memory_bytes > 2**30 and "calibrated" in acc.name
+    sizes = list(acc.cache_read_bytes_per_s)
+    assert len(sizes) > 2 and sizes == sorted(sizes)
+    assert acc.cache_read_bytes_per_s[sizes[-1]] == acc.memory_bandwidth_bytes_per_s
+    assert acc.cache_read_bytes_per_s == calibration.cache_read_bytes_per_s

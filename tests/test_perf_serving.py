@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from slipstream.perf.accelerators import get_accelerator
@@ -27,6 +29,26 @@ def test_decode_batch1_is_the_memory_roofline():
     print(f"decode {1e3 * work.total_s:.3f} ms, roofline {1e3 * expected:.3f} ms")
     assert work.total_s == pytest.approx(expected, rel=0.01)
     assert work.bound() == "memory"
+
+
+def test_decode_reads_at_the_bandwidth_of_its_working_set():
+    """Guards the cache-aware roofline: a decode step's bytes are re-read every step, so they go at
+    `read_bandwidth` of the bytes the step moves: twice the memory's for a model that fits the
+    cache (closed form: bytes / 2 x bandwidth), the memory's for one far beyond it."""
+    bandwidth = H100.memory_bandwidth_bytes_per_s
+    setup = ServeSetup(shape=resolve_model("tiny"))
+    plain = step_time(setup, H100, decode_contexts=[255], efficiency=IDEAL)
+    cached = dataclasses.replace(H100, cache_read_bytes_per_s={2**20: 2 * bandwidth, 2**30: 2 * bandwidth,
+                                                               2**31: bandwidth},
+                                 sources=dict(H100.sources) | {"cache_read_bytes_per_s": "test"})
+    assert plain.memory_bytes < 2**30
+    work = step_time(setup, cached, decode_contexts=[255], efficiency=IDEAL)
+    assert work.memory_bytes == plain.memory_bytes
+    assert work.total_s == pytest.approx(plain.memory_bytes / (2 * bandwidth), rel=0.01)
+    assert work.total_s == pytest.approx(plain.total_s / 2, rel=0.01)
+    big = ServeSetup(shape=LLAMA8B)
+    assert step_time(big, cached, decode_contexts=[4095], efficiency=IDEAL) == step_time(
+        big, H100, decode_contexts=[4095], efficiency=IDEAL)
 
 
 def test_large_prefill_is_compute_bound():

@@ -18,7 +18,9 @@ PR #772).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import math
 import re
 import types
 from collections.abc import Mapping
@@ -46,6 +48,7 @@ def dtype_key(dtype: Any) -> str:
 _CORE_FIELDS = ("peak_flops_per_s", "memory_bandwidth_bytes_per_s", "memory_bytes")
 _OPTIONAL_FIELDS = (
     "sparse_peak_flops_per_s", "intra_node_bytes_per_s", "devices_per_node", "inter_node_bytes_per_s",
+    "cache_read_bytes_per_s",
 )
 
 
@@ -68,6 +71,10 @@ class Accelerator:
     """Devices in one scale-up domain (joined by the intra-node link)."""
     inter_node_bytes_per_s: float | None = None
     """Scale-out network bandwidth per device, per direction (InfiniBand, data-center network)."""
+    cache_read_bytes_per_s: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    """Read bandwidth of a buffer read over and over, by its size in bytes, where measured (the
+    local machine's `calibrate()`): near the last-level cache's size part of it stays cached
+    between passes, as a decode step's weights do between steps. See `read_bandwidth`."""
 
     def __post_init__(self) -> None:
         for field in ("peak_flops_per_s", "sparse_peak_flops_per_s"):
@@ -78,8 +85,13 @@ class Accelerator:
                    if self._is_set(f) and f not in self.sources]
         if missing:
             raise ValueError(f"{self.name}: no source for {sorted(missing)}")
+        if any(not size > 0 or not rate > 0 for size, rate in self.cache_read_bytes_per_s.items()):
+            raise ValueError(f"{self.name}: cache_read_bytes_per_s needs positive sizes and rates, "
+                             f"got {dict(self.cache_read_bytes_per_s)}")
         for field in ("peak_flops_per_s", "sparse_peak_flops_per_s", "sources"):
             object.__setattr__(self, field, types.MappingProxyType(dict(getattr(self, field))))
+        curve = {int(size): float(rate) for size, rate in sorted(self.cache_read_bytes_per_s.items())}
+        object.__setattr__(self, "cache_read_bytes_per_s", types.MappingProxyType(curve))
 
     def _is_set(self, field: str) -> bool:
         value = getattr(self, field)
@@ -95,6 +107,22 @@ class Accelerator:
                 f"{self.name} lists no {key} peak; listed: {', '.join(self.peak_flops_per_s)}"
             )
         return self.peak_flops_per_s[key]
+
+    def read_bandwidth(self, working_set_bytes: float) -> float:
+        """Bandwidth of reading `working_set_bytes` once per pass, pass after pass (a decode step's
+        weights and KV cache, step after step): `cache_read_bytes_per_s` interpolated linearly in
+        log size, its smallest size's rate below it, and `memory_bandwidth_bytes_per_s` from its
+        largest size on (or everywhere, when nothing was measured)."""
+        curve = self.cache_read_bytes_per_s
+        sizes = list(curve)
+        if not sizes or working_set_bytes >= sizes[-1]:
+            return self.memory_bandwidth_bytes_per_s
+        if working_set_bytes <= sizes[0]:
+            return curve[sizes[0]]
+        above = bisect.bisect_right(sizes, working_set_bytes)  # sizes[above - 1] <= ws < sizes[above]
+        size_a, size_b = sizes[above - 1], sizes[above]
+        t = math.log(working_set_bytes / size_a) / math.log(size_b / size_a)
+        return curve[size_a] + t * (curve[size_b] - curve[size_a])
 
     def ridge_flops_per_byte(self, dtype: Any = "bf16") -> float:
         """Arithmetic intensity above which a kernel is compute-bound: peak / bandwidth."""
@@ -130,6 +158,8 @@ class Accelerator:
             peak_flops_per_s={k: v * f["flops"] for k, v in self.peak_flops_per_s.items()},
             sparse_peak_flops_per_s={k: v * f["flops"] for k, v in self.sparse_peak_flops_per_s.items()},
             memory_bandwidth_bytes_per_s=self.memory_bandwidth_bytes_per_s * f["memory_bandwidth"],
+            cache_read_bytes_per_s={size: rate * f["memory_bandwidth"]
+                                    for size, rate in self.cache_read_bytes_per_s.items()},
             memory_bytes=int(self.memory_bytes * f["memory_capacity"]),
             intra_node_bytes_per_s=link(self.intra_node_bytes_per_s),
             inter_node_bytes_per_s=link(self.inter_node_bytes_per_s),

@@ -57,8 +57,10 @@ def local_accelerator(calibration: Calibration) -> Accelerator:
         peak_flops_per_s=peaks,
         memory_bandwidth_bytes_per_s=calibration.memory_bandwidth_bytes_per_s,
         memory_bytes=_physical_memory_bytes(),
+        cache_read_bytes_per_s=calibration.cache_read_bytes_per_s,
         sources={"peak_flops_per_s": measured, "memory_bandwidth_bytes_per_s": measured,
-                 "memory_bytes": "/proc/meminfo MemTotal (os.sysconf fallback)"},
+                 "memory_bytes": "/proc/meminfo MemTotal (os.sysconf fallback)",
+                 "cache_read_bytes_per_s": measured},
     )
 
 
@@ -75,8 +77,9 @@ def _physical_memory_bytes() -> int:
 # ---------------------------------------------------------------------------------------------
 # Calibration: measure this machine.
 
-# Bumped when what calibrate() measures changes (2: memory bandwidth read from huge pages).
-CACHE_VERSION = 2
+# Bumped when what calibrate() measures changes (2: memory bandwidth read from huge pages; 3: reads
+# of buffers around the last-level cache's size).
+CACHE_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -97,6 +100,10 @@ class Calibration:
     """Reduction over a buffer several times the last-level cache: what decode needs."""
     memory_copy_bytes_per_s: float
     """`dst.copy_(src)`, counting bytes read plus bytes written (STREAM convention)."""
+    cache_read_bytes_per_s: Mapping[int, float]
+    """Buffer bytes -> read bandwidth of a reduction over a buffer of that size, repeated: from
+    half the last-level cache to the `memory_read_bytes_per_s` buffer, whose rate is the last
+    (on a CPU; empty on CUDA). What decode gets when its weights nearly fit in the cache."""
     quick: bool
     elapsed_s: float
     created_at: str
@@ -127,6 +134,7 @@ class Calibration:
         d = dataclasses.asdict(self) | {
             "matmul_flops_per_s": {k: dict(v) for k, v in self.matmul_flops_per_s.items()},
             "matmul_errors": dict(self.matmul_errors),
+            "cache_read_bytes_per_s": {str(k): v for k, v in self.cache_read_bytes_per_s.items()},
         }
         return d | {
             "best_paths": self.best_paths,
@@ -144,7 +152,9 @@ class Calibration:
             raise ValueError(
                 f"bad calibration record: unknown keys {sorted(unknown)}, missing {sorted(missing)}"
             )
-        return cls(**{k: v for k, v in d.items() if k in fields})
+        values = {k: v for k, v in d.items() if k in fields}
+        values["cache_read_bytes_per_s"] = {int(k): v for k, v in d["cache_read_bytes_per_s"].items()}
+        return cls(**values)
 
     def format(self) -> str:
         """A readable table for the CLI."""
@@ -168,6 +178,10 @@ class Calibration:
             f"memory copy      {self.memory_copy_bytes_per_s / 1e9:8.1f} GB/s"
             "  (bytes read + bytes written)",
         ]
+        if self.cache_read_bytes_per_s:
+            reads = ", ".join(f"{size / 2**20:.0f} MiB {rate / 1e9:.0f}"
+                              for size, rate in self.cache_read_bytes_per_s.items())
+            lines.append(f"repeated reads   {reads} GB/s")
         lines += [f"  not measured: {k}: {v}" for k, v in sorted(self.matmul_errors.items())]
         lines.append(f"measured in {self.elapsed_s:.1f} s at {self.created_at}")
         return "\n".join(lines)
@@ -210,6 +224,7 @@ def _measure(device: str, device_name: str, quick: bool) -> Calibration:
     logger.info("calibrating %s (%s)%s", device_name, device, ", quick" if quick else "")
     flops, errors = _measure_matmuls(device, quick)
     read_bps, copy_bps = measure_memory_bandwidth(device, quick)
+    cache_reads = _measure_cache_reads() | {_memory_buffer_bytes(): read_bps} if device == "cpu" else {}
     return Calibration(
         device=device,
         device_name=device_name,
@@ -219,6 +234,7 @@ def _measure(device: str, device_name: str, quick: bool) -> Calibration:
         matmul_errors=errors,
         memory_read_bytes_per_s=read_bps,
         memory_copy_bytes_per_s=copy_bps,
+        cache_read_bytes_per_s=cache_reads,
         quick=quick,
         elapsed_s=time.perf_counter() - start_s,
         created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -350,7 +366,7 @@ def measure_memory_bandwidth(device: str = "cpu", quick: bool = False) -> tuple[
         nbytes = 256 * 2**20 if quick else 2 * 2**30
         src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
     else:  # cheap enough that `quick` keeps the full size, which must not fit in cache
-        nbytes = min(max(8 * _l3_cache_bytes(), 256 * 2**20), 2**30)
+        nbytes = _memory_buffer_bytes()
         src = huge_page_empty(nbytes // 4, torch.float32)
     # Distinct values on every page, so no zero-page or page-merging trick can flatter the read.
     torch.arange(nbytes // 4, dtype=torch.float32, device=device, out=src)
@@ -360,6 +376,34 @@ def measure_memory_bandwidth(device: str = "cpu", quick: bool = False) -> tuple[
     logger.info("memory: read %.1f GB/s, copy %.1f GB/s (%d MiB)",
                 read_bps / 1e9, copy_bps / 1e9, nbytes >> 20)
     return read_bps, copy_bps
+
+
+def _memory_buffer_bytes() -> int:
+    """The CPU buffer `measure_memory_bandwidth` reads: well beyond the last-level cache."""
+    return min(max(8 * _l3_cache_bytes(), 256 * 2**20), 2**30)
+
+
+CACHE_READ_SIZES = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
+"""Buffers `calibrate()` reads repeatedly on a CPU, in last-level cache sizes."""
+
+
+def _measure_cache_reads() -> dict[int, float]:
+    """Read bandwidth over buffers of CACHE_READ_SIZES last-level caches, each read in a loop
+    (on huge pages, as `measure_memory_bandwidth`): the share of a buffer that stays cached from
+    one pass to the next depends on the cache's replacement policy, so it is measured, not
+    assumed (LRU would keep nothing of a buffer past the cache's size; the AMD development
+    machine's 32 MiB L3 kept about 40% of a 64 MiB one, which read at 1.4x the memory's rate)."""
+    import torch
+
+    from slipstream.ops.allocator import huge_page_empty
+
+    rates = {}
+    for fraction in CACHE_READ_SIZES:
+        nbytes = int(fraction * _l3_cache_bytes()) // 4 * 4
+        src = huge_page_empty(nbytes // 4, torch.float32)
+        torch.arange(nbytes // 4, dtype=torch.float32, out=src)
+        rates[nbytes] = nbytes / _best_time_s(src.sum, "cpu")
+    return rates
 
 
 def _l3_cache_bytes() -> int:
