@@ -2,12 +2,13 @@
 
 PyTorch has no paged-attention kernel for the CPU, and gathering a batch's cache blocks into
 dense tensors first triples the memory traffic of a decode step (read, write the copy, read it
-again); `csrc/cpu_ops.c` reads the cache in place. It also fuses RMSNorm, the rotary embedding
-and SwiGLU's silu-and-multiply, each several PyTorch ops (and several passes over memory) in
-eager mode, and has the matrix-vector product of batch-1 decode, the panel GEMM of decode
-batches, prefill attention and the decode graph's layer loop. The file needs no PyTorch headers,
-so it builds with the system C compiler (about 2 s at -O3) and is cached under
-`~/.cache/slipstream/kernels/`, keyed by the source, the compiler flags and this CPU's features;
+again); `csrc/attention.c` reads the cache in place, for decodes and for prefill chunks.
+`csrc/cpu_ops.c` fuses RMSNorm, the rotary embedding and SwiGLU's silu-and-multiply, each several
+PyTorch ops (and several passes over memory) in eager mode, and has the matrix-vector product of
+batch-1 decode, the panel GEMM of decode batches and the decode graph's layer loop. The files need
+no PyTorch headers, so they build with the system C compiler into one library (about 1.1 s at
+-O3, the two files in parallel) and it is cached under
+`~/.cache/slipstream/kernels/`, keyed by the sources, the compiler flags and this CPU's features;
 the engine starts that build on a thread first thing (`build_in_background`), so a first use
 compiles while the weights load. Where no compiler is found or the build fails, `library()`
 returns None and callers use their plain PyTorch path (which the tests check the kernels
@@ -33,7 +34,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.c"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "attention.c", CSRC / "cpu_ops.c")
+"""Compiled in parallel (a first build takes ~1.1 s instead of ~1.9 as one file), then linked."""
+HEADERS = (CSRC / "common.h",)
 # -ffast-math only when compiling: linking with it would add startup code that sets the CPU's
 # flush-to-zero mode for the whole process (subnormals would vanish in PyTorch too).
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
@@ -328,7 +332,8 @@ def _build_key(compiler: str) -> str:
     except OSError:
         pass
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    material = "\n".join([SOURCE.read_text(), " ".join(CFLAGS + LDFLAGS), cpu_flags, version])
+    sources = [path.read_text() for path in (*SOURCES, *HEADERS)]
+    material = "\n".join([*sources, " ".join(CFLAGS + LDFLAGS), cpu_flags, version])
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 
 
@@ -336,10 +341,15 @@ def _compile(compiler: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         tmp_path = Path(tmp) / path.name
-        obj = Path(tmp) / "kernel.o"
-        subprocess.run([compiler, *CFLAGS, "-c", "-o", str(obj), str(SOURCE)],
-                       check=True, capture_output=True, text=True)
-        subprocess.run([compiler, *LDFLAGS, "-o", str(tmp_path), str(obj), "-lm"],
+        objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        builds = [subprocess.Popen([compiler, *CFLAGS, "-c", "-o", str(obj), str(source)],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                  for source, obj in zip(SOURCES, objects, strict=True)]
+        outputs = [build.communicate()[0] for build in builds]
+        for build, output in zip(builds, outputs, strict=True):
+            if build.returncode != 0:
+                raise subprocess.CalledProcessError(build.returncode, build.args, output)
+        subprocess.run([compiler, *LDFLAGS, "-o", str(tmp_path), *map(str, objects), "-lm"],
                        check=True, capture_output=True, text=True)
         os.replace(tmp_path, path)  # atomic: concurrent builders race harmlessly
     logger.info("built %s", path)

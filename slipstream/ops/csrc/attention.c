@@ -1,0 +1,770 @@
+/*
+ * Paged attention for decoding sequences (one new query token each), on the CPU.
+ *
+ * Tasks run in parallel: a whole sequence each when there are enough sequences to keep every
+ * thread busy, else one (sequence, kv head) pair. A task walks the sequence's blocks through its
+ * block table and reads keys and values in place (no gather copy): scores of every query head,
+ * a softmax, then the values, each cache row read from memory once, which is what bounds a
+ * decode step. With AVX-512 (attend_avx512) keys and values go 16 tokens at a time, every query
+ * head of the task is served from each tile's rows, and the rows of the sequence a thread runs
+ * next are requested while it computes the current one; elsewhere a portable loop (attend_one)
+ * does the same work head by head. fp32 and bf16 caches; bf16 is widened to fp32 for the
+ * arithmetic.
+ *
+ * Layouts (row-major): q and out (num_seqs, num_heads, head_dim); k_cache and v_cache
+ * (num_blocks, block_size, num_kv_heads, head_dim); block_tables (num_seqs, max_blocks) int64;
+ * seq_lens (num_seqs,) int64. Query head h uses kv head h / (num_heads / num_kv_heads).
+ * window > 0 limits each query to its `window` most recent keys (itself included).
+ *
+ * Built with -ffast-math for vectorised expf and reductions, but linked without it, so the
+ * library does not switch the process to flush-to-zero when it is loaded. head_dim 64 and 128
+ * get specialised copies (fully unrolled inner loops).
+ *
+ * Prefill attention (many new query tokens per sequence, paged_prefill_attention) follows below.
+ */
+#include "common.h"
+
+/* Fixed-size fp32 copy of a head_dim row: the cache row itself (fp32) or a widened copy. */
+static inline const float *row_f32(const void *base, int64_t index, int64_t head_dim, int dtype,
+                                   float *buffer) {
+    if (dtype == DTYPE_F32) return (const float *)base + index;
+    const uint16_t *src = (const uint16_t *)base + index;
+    for (int64_t d = 0; d < head_dim; d++) buffer[d] = bf16_to_f32(src[d]);
+    return buffer;
+}
+
+static inline void prefetch_block(const void *cache, int64_t block, int64_t block_size,
+                                  int64_t num_kv_heads, int64_t kv, int64_t head_dim,
+                                  int64_t elem_size) {
+    const char *base = (const char *)cache;
+    const int64_t row_bytes = head_dim * elem_size;
+    for (int64_t s = 0; s < block_size; s++) {
+        const char *row = base + ((block * block_size + s) * num_kv_heads + kv) * row_bytes;
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
+    }
+}
+
+/* scale * (q . k) for bf16 rows. With AVX512-BF16, pairs of bf16 products accumulate straight
+ * into fp32 (vdpbf16ps) from the unscaled bf16 query row; otherwise the key row is widened and
+ * multiplied with the already-scaled fp32 query. */
+static inline float dot_bf16(const void *q, int64_t q_index, const void *k_cache, int64_t k_index,
+                             int64_t head_dim, float scale, const float *scaled_query) {
+#if defined(__AVX512BF16__)
+    if (head_dim % 32 == 0) {
+        const uint16_t *qrow = (const uint16_t *)q + q_index;
+        const uint16_t *krow = (const uint16_t *)k_cache + k_index;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < head_dim; d += 32)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qrow + d),
+                                   (__m512bh)_mm512_loadu_si512(krow + d));
+        return _mm512_reduce_add_ps(acc) * scale;
+    }
+#endif
+    (void)q; (void)q_index; (void)scale;
+    const uint16_t *k = (const uint16_t *)k_cache + k_index;
+    float dot = 0.0f;
+    for (int64_t d = 0; d < head_dim; d++) dot += scaled_query[d] * bf16_to_f32(k[d]);
+    return dot;
+}
+
+/* Calls BODY for each key position of the sequence with `index` = the element offset of kv head
+ * `kv`'s row for that token, and `t` = 0, 1, ...; walks block by block (no division per key). */
+#define FOR_EACH_KEY(CACHE, BODY)                                                             \
+    for (int64_t pos = first, t = 0; pos < seq_len;) {                                        \
+        const int64_t block = block_table[pos / block_size];                                  \
+        const int64_t offset = pos % block_size;                                              \
+        const int64_t rest = seq_len - pos;                                                   \
+        const int64_t count = block_size - offset < rest ? block_size - offset : rest;        \
+        int64_t index = ((block * block_size + offset) * num_kv_heads + kv) * head_dim;       \
+        if (pos + count < seq_len)  /* the next block is elsewhere in memory: request it now */ \
+            prefetch_block(CACHE, block_table[(pos + count) / block_size], block_size,        \
+                           num_kv_heads, kv, head_dim, elem_size);                            \
+        for (int64_t s = 0; s < count; s++, t++, index += row_stride) { BODY }                \
+        pos += count;                                                                         \
+    }
+
+/*
+ * The cache rows of the sequence a thread attends next, requested a few lines at a time while it
+ * computes the current one (spread over the query heads of each key tile and the kv heads of each
+ * value tile), so that the next sequence streams in while this one computes. Without it, a thread
+ * computes and waits on memory in turn. Only the first NEXT_SEQUENCE_BYTES of it are requested
+ * (its keys first): all of a long fp32 sequence (~450 KiB at 220 tokens here) and the current one
+ * together would not fit the 1 MiB L2. Walking whole blocks (block_size contiguous rows) keeps
+ * the cost per line to a pointer bump. In a synthetic batch of 64 sequences (~220 tokens each)
+ * over 12 layers' caches: 0.43-0.45 ms per call in bf16 and 0.95-0.98 in fp32, against 0.50-0.51
+ * and 0.99-1.06 requesting the whole next sequence at one point per tile, and ~0.68 (bf16)
+ * requesting nothing.
+ * Only for whole-sequence tasks, whose rows are read whole.
+ */
+enum { NEXT_SEQUENCE_BYTES = 256 * 1024 };
+
+typedef struct {
+    const char *caches[2];           /* keys, then values */
+    const int64_t *block_table;
+    int64_t first_block, end_block;  /* the window's blocks, as indices into block_table */
+    int64_t block_bytes;             /* a whole block: block_size rows, contiguous */
+    int64_t lines_per_tile;          /* to request over one tile of the current sequence */
+    int64_t remaining;               /* lines still to request */
+    int cache;                       /* which of caches[] is being requested */
+    int64_t block;                   /* the next block to start, an index into block_table */
+    const char *cursor, *end;        /* the lines left of the block being requested */
+} next_sequence;
+
+static inline void request_next(next_sequence *next, int64_t lines) {
+#if defined(__AVX512F__)
+    const char *cursor = next->cursor, *end = next->end;
+    for (lines = lines < next->remaining ? lines : next->remaining; lines > 0; lines--, cursor += 64) {
+        if (cursor >= end) {
+            if (next->block == next->end_block) {  /* the keys are all requested: the values */
+                next->cache++;
+                next->block = next->first_block;
+            }
+            cursor = next->caches[next->cache] + next->block_table[next->block++] * next->block_bytes;
+            end = cursor + next->block_bytes;
+        }
+        _mm_prefetch(cursor, _MM_HINT_T0);
+        next->remaining--;
+    }
+    next->cursor = cursor;
+    next->end = end;
+#else
+    (void)next;
+    (void)lines;
+#endif
+}
+
+/*
+ * Attention of one sequence's query heads that use kv heads [kv_first, kv_first + kv_count).
+ * Head by head: the query (or the output accumulator) stays in registers while the loop streams
+ * over the keys (values); the G query heads of one kv head re-read its rows from cache, not
+ * from memory.
+ */
+static inline __attribute__((always_inline)) void attend_one(
+        const void *q, const void *k_cache, const void *v_cache, void *out,
+        const int64_t *block_table, int64_t seq_len, int64_t seq, int64_t kv_first,
+        int64_t kv_count, int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim,
+        int64_t block_size, int64_t window, float scale, int dtype, float *scratch,
+        next_sequence *next) {
+    (void)next;
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t first = (window > 0 && seq_len > window) ? seq_len - window : 0;
+    const int64_t num_keys = seq_len - first;
+    const int64_t row_stride = num_kv_heads * head_dim;
+    const int64_t elem_size = dtype == DTYPE_F32 ? 4 : 2;
+    float *buffer = scratch;                 /* head_dim */
+    float *scores = scratch + head_dim;      /* num_keys */
+    float query[head_dim], acc[head_dim];
+
+    for (int64_t kv = kv_first; kv < kv_first + kv_count; kv++) {
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t head_index = (seq * num_heads + kv * group + g) * head_dim;
+            const float *qrow = row_f32(q, head_index, head_dim, dtype, buffer);
+            for (int64_t d = 0; d < head_dim; d++) query[d] = qrow[d] * scale;
+            float max_score = -3.0e38f;  /* finite: built with finite math */
+            FOR_EACH_KEY(k_cache, {
+                float dot = 0.0f;
+                if (dtype == DTYPE_F32) {
+                    const float *k = (const float *)k_cache + index;
+                    for (int64_t d = 0; d < head_dim; d++) dot += query[d] * k[d];
+                } else {
+                    dot = dot_bf16(q, head_index, k_cache, index, head_dim, scale, query);
+                }
+                scores[t] = dot;
+                max_score = dot > max_score ? dot : max_score;
+            })
+            float sum = 0.0f;
+            for (int64_t i = 0; i < num_keys; i++) {
+                scores[i] = expf(scores[i] - max_score);
+                sum += scores[i];
+            }
+            for (int64_t d = 0; d < head_dim; d++) acc[d] = 0.0f;
+            FOR_EACH_KEY(v_cache, {
+                const float w = scores[t];
+                if (dtype == DTYPE_F32) {
+                    const float *v = (const float *)v_cache + index;
+                    for (int64_t d = 0; d < head_dim; d++) acc[d] += w * v[d];
+                } else {
+                    const uint16_t *v = (const uint16_t *)v_cache + index;
+                    for (int64_t d = 0; d < head_dim; d++) acc[d] += w * bf16_to_f32(v[d]);
+                }
+            })
+            const float inv_sum = 1.0f / sum;
+            if (dtype == DTYPE_F32) {
+                float *dst = (float *)out + head_index;
+                for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[d] * inv_sum;
+            } else {
+                uint16_t *dst = (uint16_t *)out + head_index;
+                for (int64_t d = 0; d < head_dim; d++) dst[d] = f32_to_bf16(acc[d] * inv_sum);
+            }
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+/*
+ * The AVX-512 path, for head sizes that are a multiple of 16 (up to 256). It walks the keys (then
+ * the values) 16 tokens at a time and, per tile, serves every query head of the task from the
+ * tile's rows while the next tile's rows (all of the task's kv heads: whole contiguous rows when
+ * the task is a whole sequence) are prefetched. Reading a cache row whole, in token order, is
+ * what lets the cache stream: a block is only a few KiB, so the hardware prefetcher (which stops
+ * at page boundaries) cannot run ahead on its own, and reading one kv head's slice of every row
+ * per pass wastes most of each fetch. Scores come 16 keys at a time out of one transposing
+ * reduction (sum_lanes_16) instead of a horizontal sum per key.
+ */
+
+
+/* Lane i of the result = the sum of the 16 lanes of v[i]. */
+static inline __m512 sum_lanes_16(const __m512 v[16]) {
+    __m512 pairs[8], quads[4], octs[2];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: lanes 0+2 and 1+3 of rows 2i and 2i+1 */
+        pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                                 _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: one partial sum of each of 4 rows */
+        const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+        quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int i = 0; i < 2; i++)  /* 128-bit lanes 0+1 and 2+3 of two quads */
+        octs[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
+                                _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(octs[0], octs[1], 0x88),
+                         _mm512_shuffle_f32x4(octs[0], octs[1], 0xDD));
+}
+
+/* 16 consecutive elements as fp32. */
+static inline __m512 load16(const void *base, int64_t index, int dtype) {
+    if (dtype == DTYPE_F32) return _mm512_loadu_ps((const float *)base + index);
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+static inline void store16(void *base, int64_t index, __m512 value, int dtype) {
+    if (dtype == DTYPE_F32) {
+        _mm512_storeu_ps((float *)base + index, value);
+        return;
+    }
+    float lanes[16];
+    _mm512_storeu_ps(lanes, value);
+    for (int i = 0; i < 16; i++) ((uint16_t *)base)[index + i] = f32_to_bf16(lanes[i]);
+}
+
+static inline void prefetch_bytes(const void *base, int64_t index, int64_t bytes, int64_t elem_size) {
+    const char *start = (const char *)base + index * elem_size;
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(start + b, _MM_HINT_T0);
+}
+
+/* q . k as 16 partial sums. bf16 with AVX512-BF16: vdpbf16ps on the unscaled bf16 query (the
+ * caller scales the sums); otherwise FMAs with the scaled fp32 query. */
+static inline __m512 partial_dot(const __m512 *query, const uint16_t *q_bf16, const void *k_cache,
+                                 int64_t index, const int64_t head_dim, int dtype) {
+    __m512 acc = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+    if (dtype == DTYPE_BF16 && head_dim % 32 == 0) {
+        for (int64_t d = 0; d < head_dim; d += 32)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q_bf16 + d),
+                                   (__m512bh)_mm512_loadu_si512((const uint16_t *)k_cache + index + d));
+        return acc;
+    }
+#endif
+    (void)q_bf16;
+    for (int64_t c = 0; c < head_dim / 16; c++)
+        acc = _mm512_fmadd_ps(query[c], load16(k_cache, index + 16 * c, dtype), acc);
+    return acc;
+}
+
+/* acc[g] += sum over the tile's keys of probs[g][t] * value row t, for `count` query heads of
+ * one kv head (a constant at each call site, so acc stays in registers). */
+static inline __attribute__((always_inline)) void accumulate_tile(
+        const void *v_cache, const int64_t *offsets, int64_t tile, int64_t kv_offset,
+        const float *probs, int64_t probs_stride, const int count, const int64_t head_dim,
+        int dtype, float *acc) {
+    enum { MAX_HEADS = 4, MAX_VECTORS = 16 };
+    const int64_t vectors = head_dim / 16;
+    __m512 sums[MAX_HEADS][MAX_VECTORS];
+    for (int g = 0; g < count; g++)
+        for (int64_t c = 0; c < vectors; c++) sums[g][c] = _mm512_loadu_ps(acc + g * head_dim + 16 * c);
+    for (int64_t t = 0; t < tile; t++) {
+        const int64_t index = offsets[t] + kv_offset;
+        for (int64_t c = 0; c < vectors; c++) {
+            const __m512 value = load16(v_cache, index + 16 * c, dtype);
+            for (int g = 0; g < count; g++)
+                sums[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g * probs_stride + t]), value, sums[g][c]);
+        }
+    }
+    for (int g = 0; g < count; g++)
+        for (int64_t c = 0; c < vectors; c++) _mm512_storeu_ps(acc + g * head_dim + 16 * c, sums[g][c]);
+}
+
+enum { TILE = 16 };
+
+static inline __attribute__((always_inline)) void attend_avx512(
+        const void *q, const void *k_cache, const void *v_cache, void *out,
+        const int64_t *block_table, int64_t seq_len, int64_t seq, int64_t kv_first,
+        int64_t kv_count, int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim,
+        int64_t block_size, int64_t window, float scale, int dtype, float *scratch,
+        next_sequence *next) {
+    const int64_t group = num_heads / num_kv_heads, heads = kv_count * group;
+    const int64_t first = (window > 0 && seq_len > window) ? seq_len - window : 0;
+    const int64_t num_keys = seq_len - first;
+    const int64_t stride = (num_keys + TILE - 1) / TILE * TILE;
+    const int64_t vectors = head_dim / 16, elem_size = dtype == DTYPE_F32 ? 4 : 2;
+    const int64_t slice_bytes = kv_count * head_dim * elem_size;  /* the task's part of a row */
+    const int heads_per_pass = vectors >= 4 ? (int)(16 / vectors) : 4;  /* <= 16 accumulators */
+    const int64_t head0 = seq * num_heads + kv_first * group;  /* the task's first query head */
+    int64_t *offsets = (int64_t *)scratch;        /* stride: each key's slice, in elements */
+    float *scores = scratch + 2 * stride;          /* heads x stride */
+    float *acc = scores + heads * stride;          /* heads x head_dim */
+    for (int64_t t = 0; t < stride; t++) {  /* tails repeat the last key: valid addresses */
+        const int64_t pos = first + (t < num_keys ? t : num_keys - 1);
+        offsets[t] = ((block_table[pos / block_size] * block_size + pos % block_size) * num_kv_heads
+                      + kv_first) * head_dim;
+    }
+    float max_scores[heads];
+    for (int64_t h = 0; h < heads; h++) max_scores[h] = -3.0e38f;  /* finite: built with finite math */
+    for (int64_t t0 = 0; t0 < num_keys; t0 += TILE) {
+        const int64_t tile = num_keys - t0 < TILE ? num_keys - t0 : TILE;
+        const __mmask16 valid = (__mmask16)((1u << tile) - 1u);
+        for (int64_t h = 0; h < heads; h++) {
+            request_next(next, (next->lines_per_tile + heads - 1) / heads);
+            const int64_t kv_offset = (h / group) * head_dim;
+            const int64_t q_index = (head0 + h) * head_dim;
+            __m512 query[16], partial[TILE];
+            for (int64_t c = 0; c < vectors; c++)
+                query[c] = _mm512_mul_ps(load16(q, q_index + 16 * c, dtype), _mm512_set1_ps(scale));
+            for (int64_t j = 0; j < TILE; j++) {
+                if (h == 0 && t0 + 2 * TILE + j < num_keys)
+                    prefetch_bytes(k_cache, offsets[t0 + 2 * TILE + j], slice_bytes, elem_size);
+                partial[j] = partial_dot(query, (const uint16_t *)q + q_index, k_cache,
+                                         offsets[t0 + j] + kv_offset, head_dim, dtype);
+            }
+            __m512 tile_scores = sum_lanes_16(partial);
+#if defined(__AVX512BF16__)
+            if (dtype == DTYPE_BF16 && head_dim % 32 == 0)
+                tile_scores = _mm512_mul_ps(tile_scores, _mm512_set1_ps(scale));
+#endif
+            _mm512_storeu_ps(scores + h * stride + t0, tile_scores);
+            const float tile_max = _mm512_mask_reduce_max_ps(valid, tile_scores);
+            max_scores[h] = tile_max > max_scores[h] ? tile_max : max_scores[h];
+        }
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        float *row = scores + h * stride, sum = 0.0f;
+        for (int64_t t = 0; t < num_keys; t++) {
+            row[t] = expf(row[t] - max_scores[h]);
+            sum += row[t];
+        }
+        const float inv_sum = 1.0f / sum;
+        for (int64_t t = 0; t < num_keys; t++) row[t] *= inv_sum;
+    }
+    for (int64_t i = 0; i < heads * head_dim; i++) acc[i] = 0.0f;
+    for (int64_t t0 = 0; t0 < num_keys; t0 += TILE) {
+        const int64_t tile = num_keys - t0 < TILE ? num_keys - t0 : TILE;
+        for (int64_t j = 0; j < tile && t0 + 2 * TILE + j < num_keys; j++)
+            prefetch_bytes(v_cache, offsets[t0 + 2 * TILE + j], slice_bytes, elem_size);
+        for (int64_t kv = 0; kv < kv_count; kv++)
+            for (int64_t g0 = 0; g0 < group; g0 += heads_per_pass) {
+                request_next(next, (next->lines_per_tile + kv_count - 1) / kv_count);
+                const int count = group - g0 < heads_per_pass ? (int)(group - g0) : heads_per_pass;
+                const int64_t h = kv * group + g0;
+                const float *probs = scores + h * stride + t0;
+                float *head_acc = acc + h * head_dim;
+#define ACCUMULATE(COUNT) \
+    accumulate_tile(v_cache, offsets + t0, tile, kv * head_dim, probs, stride, COUNT, head_dim, dtype, \
+                    head_acc)
+                switch (count) {  /* a constant count per call keeps the accumulators in registers */
+                    case 1: ACCUMULATE(1); break;
+                    case 2: ACCUMULATE(2); break;
+                    case 3: ACCUMULATE(3); break;
+                    default: ACCUMULATE(4); break;
+                }
+#undef ACCUMULATE
+            }
+    }
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t c = 0; c < vectors; c++)
+            store16(out, (head0 + h) * head_dim + 16 * c, _mm512_loadu_ps(acc + h * head_dim + 16 * c),
+                    dtype);
+}
+#endif
+
+typedef void (*attend_fn)(const void *, const void *, const void *, void *, const int64_t *,
+                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, float, int, float *, next_sequence *);
+
+#define DEFINE_ATTEND(NAME, IMPL, HEAD_DIM, DTYPE)                                             \
+    static void NAME(const void *q, const void *k, const void *v, void *out,                  \
+                     const int64_t *table, int64_t len, int64_t seq, int64_t kv_first,         \
+                     int64_t kv_count, int64_t num_heads, int64_t num_kv_heads,                \
+                     int64_t head_dim, int64_t block_size, int64_t window, float scale,        \
+                     int dtype, float *scratch, next_sequence *next) {                         \
+        (void)dtype; (void)head_dim;                                                           \
+        IMPL(q, k, v, out, table, len, seq, kv_first, kv_count, num_heads, num_kv_heads,      \
+             HEAD_DIM, block_size, window, scale, DTYPE, scratch, next);                       \
+    }
+/* Constant head sizes and dtypes let the compiler unroll and drop branches in the hot loops. */
+DEFINE_ATTEND(attend_any, attend_one, head_dim, dtype)  /* variable-length arrays, any head size */
+#if defined(__AVX512F__)
+DEFINE_ATTEND(attend_f32_d64, attend_avx512, 64, DTYPE_F32)
+DEFINE_ATTEND(attend_f32_d128, attend_avx512, 128, DTYPE_F32)
+DEFINE_ATTEND(attend_bf16_d64, attend_avx512, 64, DTYPE_BF16)
+DEFINE_ATTEND(attend_bf16_d128, attend_avx512, 128, DTYPE_BF16)
+
+/* Other head sizes take the portable loop: the families served (Llama, Mistral, Qwen2/3) use 64
+ * or 128, and two more AVX-512 copies for the rest added 0.5 s (a quarter) to every first build. */
+static attend_fn choose_kernel(int64_t head_dim, int dtype) {
+    if (head_dim == 64) return dtype == DTYPE_F32 ? attend_f32_d64 : attend_bf16_d64;
+    if (head_dim == 128) return dtype == DTYPE_F32 ? attend_f32_d128 : attend_bf16_d128;
+    return attend_any;
+}
+#else
+DEFINE_ATTEND(attend_f32_d64, attend_one, 64, DTYPE_F32)
+DEFINE_ATTEND(attend_f32_d128, attend_one, 128, DTYPE_F32)
+DEFINE_ATTEND(attend_bf16_d64, attend_one, 64, DTYPE_BF16)
+DEFINE_ATTEND(attend_bf16_d128, attend_one, 128, DTYPE_BF16)
+
+static attend_fn choose_kernel(int64_t head_dim, int dtype) {
+    if (head_dim == 64) return dtype == DTYPE_F32 ? attend_f32_d64 : attend_bf16_d64;
+    if (head_dim == 128) return dtype == DTYPE_F32 ? attend_f32_d128 : attend_bf16_d128;
+    return attend_any;
+}
+#endif
+
+int64_t max_seq_len(const int64_t *seq_lens, int64_t num_seqs) {
+    int64_t max_len = 0;
+    for (int64_t i = 0; i < num_seqs; i++) max_len = seq_lens[i] > max_len ? seq_lens[i] : max_len;
+    return max_len;
+}
+
+/* Per-thread scratch of the attention: attend_one needs a row and the scores; attend_avx512 the
+ * keys' offsets (int64), every head's scores, and the value accumulators. */
+int64_t attention_scratch_floats(int64_t max_len, int64_t num_heads, int64_t head_dim) {
+    return (2 + num_heads) * (max_len + 16) + (num_heads + 1) * head_dim;
+}
+
+/* This thread's attention scratch (attention_scratch_floats() of them), or NULL with *failed set
+ * when it cannot be allocated. Called inside a parallel region; the caller frees it. */
+float *thread_scratch(int64_t floats, int *failed) {
+    float *scratch = malloc(floats * sizeof(float));
+    if (scratch == NULL) {
+#pragma omp atomic write
+        *failed = 1;
+    }
+    return scratch;
+}
+
+/* The attention of a decode batch, shared among the threads of the enclosing parallel region (an
+ * orphaned `omp for`). scratch: attention_scratch_floats() for this thread, or NULL when its
+ * allocation failed (the thread's tasks are then skipped; the caller reports the failure). */
+void attention_tasks(const void *q, const void *k_cache, const void *v_cache, void *out,
+                            const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
+                            int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, int64_t window, float scale,
+                            int dtype, int num_threads, float *scratch) {
+    /* Whole sequences per task when there are enough of them to keep every thread busy; then
+     * tasks go round-robin, so that a thread knows its next sequence and can request it early. */
+    const int64_t kv_per_task = num_seqs >= 4 * num_threads ? num_kv_heads : 1;
+    const int64_t tasks_per_seq = num_kv_heads / kv_per_task;
+    const int64_t row_bytes = num_kv_heads * head_dim * (dtype == DTYPE_F32 ? 4 : 2);
+    const attend_fn attend = choose_kernel(head_dim, dtype);
+#pragma omp for schedule(static, 1)
+    for (int64_t task = 0; task < num_seqs * tasks_per_seq; task++) {
+        const int64_t seq = task / tasks_per_seq, following = seq + omp_get_num_threads();
+        next_sequence next = {.remaining = 0};
+        if (kv_per_task == num_kv_heads && following < num_seqs && seq_lens[following] > 0) {
+            const int64_t len = seq_lens[following];
+            const int64_t first = (window > 0 && len > window) ? len - window : 0;
+            const int64_t first_block = first / block_size, end_block = (len + block_size - 1) / block_size;
+            const int64_t block_bytes = block_size * row_bytes;
+            const int64_t all_lines = 2 * (end_block - first_block) * block_bytes / 64;
+            const int64_t lines = all_lines < NEXT_SEQUENCE_BYTES / 64 ? all_lines : NEXT_SEQUENCE_BYTES / 64;
+            const int64_t tiles = 2 * ((seq_lens[seq] + 15) / 16);  /* key and value tiles */
+            next = (next_sequence){
+                .caches = {k_cache, v_cache},
+                .block_table = block_tables + following * max_blocks,
+                .first_block = first_block, .end_block = end_block, .block_bytes = block_bytes,
+                .lines_per_tile = (lines + tiles - 1) / tiles, .remaining = lines,
+                .cache = 0, .block = first_block, .cursor = NULL, .end = NULL,
+            };
+        }
+        if (scratch != NULL && seq_lens[seq] > 0)
+            attend(q, k_cache, v_cache, out, block_tables + seq * max_blocks, seq_lens[seq], seq,
+                   (task % tasks_per_seq) * kv_per_task, kv_per_task, num_heads, num_kv_heads,
+                   head_dim, block_size, window, scale, dtype, scratch, &next);
+    }
+}
+
+/* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad argument. */
+int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                           const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
+                           int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, int64_t window, float scale,
+                           int dtype, int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
+    const int64_t scratch_floats =
+        attention_scratch_floats(max_seq_len(seq_lens, num_seqs), num_heads, head_dim);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scratch = thread_scratch(scratch_floats, &failed);
+        attention_tasks(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, max_blocks,
+                        num_heads, num_kv_heads, head_dim, block_size, window, scale, dtype,
+                        num_threads, scratch);
+        free(scratch);
+    }
+    return failed;
+}
+
+/*
+ * Paged attention for prefill chunks (many new query tokens per sequence), on the CPU with
+ * AVX-512: FlashAttention's tiling (Dao et al. 2022, arXiv 2205.14135, Algorithm 1) over the paged
+ * cache. A task is one (chunk, kv head, block of PREFILL_QUERIES query positions); its rows are
+ * those positions times the query heads that share the kv head (GQA without copying keys), so a
+ * tile of keys and values, read from the cache once, serves all of them. Per tile of
+ * PREFILL_KEYS keys: S = Q K^T (the keys packed transposed, fp32), the causal and window masks,
+ * the online softmax (running max and sum per row, the accumulator rescaled when the max grows),
+ * then O += P V. Only tiles a row can see are visited, so a causal prefill computes about half of
+ * the square, as FlashAttention does. bf16 inputs are widened to fp32 when packed; the
+ * arithmetic is fp32. The queries of chunk c are the last chunk_lens[c] of its seq_lens[c]
+ * positions (their keys already written to the cache), at rows chunk_rows[c] of q and out.
+ * head_dim 64 or 128.
+ */
+/* Query blocks of 64 ran 5-15% faster than blocks of 32 (each key tile packed for more rows) and
+ * than blocks of 128 below 2048 tokens (benchmarks/prefill_attention.py, bf16). */
+enum { PREFILL_QUERIES = 64, PREFILL_KEYS = 64 };
+
+int has_prefill_attention(int64_t head_dim) {
+#if defined(__AVX512F__)
+    return head_dim == 64 || head_dim == 128;
+#else
+    (void)head_dim;
+    return 0;
+#endif
+}
+
+#if defined(__AVX512F__)
+/* s[r][0:64] = q[r][0:D] . kt[0:D][0:64] for ROWS rows (q rows D apart, s rows 64 apart). */
+#define SCORE_KERNEL(ROWS)                                                                      \
+    static void score_kernel_##ROWS(const float *q, const float *kt, float *s, int64_t D) {     \
+        __m512 acc[ROWS][4];                                                                    \
+        for (int r = 0; r < ROWS; r++)                                                          \
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();                        \
+        for (int64_t d = 0; d < D; d++) {                                                       \
+            const float *k = kt + d * PREFILL_KEYS;                                             \
+            const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16),                 \
+                         k2 = _mm512_loadu_ps(k + 32), k3 = _mm512_loadu_ps(k + 48);            \
+            for (int r = 0; r < ROWS; r++) {                                                    \
+                const __m512 b = _mm512_set1_ps(q[r * D + d]);                                  \
+                acc[r][0] = _mm512_fmadd_ps(b, k0, acc[r][0]);                                  \
+                acc[r][1] = _mm512_fmadd_ps(b, k1, acc[r][1]);                                  \
+                acc[r][2] = _mm512_fmadd_ps(b, k2, acc[r][2]);                                  \
+                acc[r][3] = _mm512_fmadd_ps(b, k3, acc[r][3]);                                  \
+            }                                                                                   \
+        }                                                                                       \
+        for (int r = 0; r < ROWS; r++)                                                          \
+            for (int j = 0; j < 4; j++) _mm512_storeu_ps(s + r * PREFILL_KEYS + 16 * j, acc[r][j]); \
+    }
+SCORE_KERNEL(1) SCORE_KERNEL(2) SCORE_KERNEL(3) SCORE_KERNEL(4) SCORE_KERNEL(5)
+#undef SCORE_KERNEL
+typedef void (*score_kernel_fn)(const float *, const float *, float *, int64_t);
+static const score_kernel_fn score_kernels[6] = {
+    NULL, score_kernel_1, score_kernel_2, score_kernel_3, score_kernel_4, score_kernel_5};
+
+/* o[r][0:16 VECS] += p[r][0:n] . v[0:n][0:16 VECS] for ROWS rows (p rows 64 apart, o and v
+ * rows 16 VECS apart). */
+#define VALUE_KERNEL(ROWS, VECS)                                                                \
+    static void value_kernel_##ROWS##_##VECS(const float *p, const float *v, float *o, int64_t n) { \
+        __m512 acc[ROWS][VECS];                                                                 \
+        for (int r = 0; r < ROWS; r++)                                                          \
+            for (int j = 0; j < VECS; j++) acc[r][j] = _mm512_loadu_ps(o + r * 16 * VECS + 16 * j); \
+        for (int64_t t = 0; t < n; t++) {                                                       \
+            __m512 vv[VECS];                                                                    \
+            for (int j = 0; j < VECS; j++) vv[j] = _mm512_loadu_ps(v + t * 16 * VECS + 16 * j);  \
+            for (int r = 0; r < ROWS; r++) {                                                    \
+                const __m512 b = _mm512_set1_ps(p[r * PREFILL_KEYS + t]);                       \
+                for (int j = 0; j < VECS; j++) acc[r][j] = _mm512_fmadd_ps(b, vv[j], acc[r][j]); \
+            }                                                                                   \
+        }                                                                                       \
+        for (int r = 0; r < ROWS; r++)                                                          \
+            for (int j = 0; j < VECS; j++) _mm512_storeu_ps(o + r * 16 * VECS + 16 * j, acc[r][j]); \
+    }
+VALUE_KERNEL(1, 4) VALUE_KERNEL(2, 4) VALUE_KERNEL(3, 4) VALUE_KERNEL(4, 4) VALUE_KERNEL(5, 4)
+VALUE_KERNEL(6, 4) VALUE_KERNEL(1, 8) VALUE_KERNEL(2, 8) VALUE_KERNEL(3, 8)
+#undef VALUE_KERNEL
+typedef void (*value_kernel_fn)(const float *, const float *, float *, int64_t);
+static const value_kernel_fn value_kernels_4[7] = {
+    NULL, value_kernel_1_4, value_kernel_2_4, value_kernel_3_4, value_kernel_4_4, value_kernel_5_4,
+    value_kernel_6_4};
+static const value_kernel_fn value_kernels_8[4] = {
+    NULL, value_kernel_1_8, value_kernel_2_8, value_kernel_3_8};
+
+/* Row t of a cache (num_blocks, block_size, num_kv_heads, D) for kv head g, through a block table. */
+static inline const char *cache_row(const void *cache, const int64_t *block_table, int64_t t,
+                                    int64_t block_size, int64_t num_kv_heads, int64_t g, int64_t D,
+                                    int64_t elem) {
+    const int64_t slot = block_table[t / block_size] * block_size + t % block_size;
+    return (const char *)cache + ((slot * num_kv_heads + g) * D) * elem;
+}
+
+/* Element offset of (token row, head) in a (rows, num_heads, D) tensor. */
+static inline int64_t head_offset(int64_t row, int64_t head, int64_t num_heads, int64_t D) {
+    return (row * num_heads + head) * D;
+}
+
+static inline void widen_row(const char *src, float *dst, int64_t D, int dtype, float scale) {
+    if (dtype == DTYPE_F32) {
+        for (int64_t d = 0; d < D; d++) dst[d] = ((const float *)src)[d] * scale;
+    } else {
+        for (int64_t d = 0; d < D; d++) dst[d] = bf16_to_f32(((const uint16_t *)src)[d]) * scale;
+    }
+}
+
+typedef struct {
+    float *q, *o, *s, *kt, *v, *max, *sum;
+} prefill_scratch;
+
+static int64_t prefill_scratch_floats(int64_t rows, int64_t D) {
+    return 2 * rows * D + rows * PREFILL_KEYS + 2 * PREFILL_KEYS * D + 2 * rows;
+}
+
+static prefill_scratch split_prefill_scratch(float *base, int64_t rows, int64_t D) {
+    prefill_scratch s = {.q = base};
+    s.o = s.q + rows * D;
+    s.s = s.o + rows * D;
+    s.kt = s.s + rows * PREFILL_KEYS;
+    s.v = s.kt + PREFILL_KEYS * D;
+    s.max = s.v + PREFILL_KEYS * D;
+    s.sum = s.max + rows;
+    return s;
+}
+
+/* One task: query positions [p0, p0 + count) of a chunk, kv head g, `group` query heads each. */
+static void prefill_task(const void *q, const void *k_cache, const void *v_cache, void *out,
+                         const int64_t *block_table, int64_t row0, int64_t first_position,
+                         int64_t p0, int64_t count, int64_t g, int64_t group, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t window,
+                         float scale, int dtype, prefill_scratch w) {
+    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2, rows = count * group;
+    /* Task row i * group + h: position p0 + i (flat row first_row + i of q and out), query head
+     * g * group + h. */
+    const int64_t first_row = row0 + p0 - first_position;
+    for (int64_t i = 0; i < count; i++)
+        for (int64_t h = 0; h < group; h++)
+            widen_row((const char *)q + head_offset(first_row + i, g * group + h, num_heads, D) * elem,
+                      w.q + (i * group + h) * D, D, dtype, scale);
+    memset(w.o, 0, rows * D * sizeof(float));
+    for (int64_t r = 0; r < rows; r++) w.max[r] = -FLT_MAX, w.sum[r] = 0.0f;
+    const int64_t last = p0 + count - 1;
+    const int64_t lo = window > 0 && p0 - window + 1 > 0 ? p0 - window + 1 : 0;
+    for (int64_t j0 = lo; j0 <= last; j0 += PREFILL_KEYS) {
+        const int64_t n = last - j0 + 1 < PREFILL_KEYS ? last - j0 + 1 : PREFILL_KEYS;
+        for (int64_t t = 0; t < PREFILL_KEYS; t++) {  /* pack the tile; zeros past its end */
+            float *v = w.v + t * D;
+            if (t >= n) {
+                memset(v, 0, D * sizeof(float));
+                for (int64_t d = 0; d < D; d++) w.kt[d * PREFILL_KEYS + t] = 0.0f;
+                continue;
+            }
+            widen_row(cache_row(v_cache, block_table, j0 + t, block_size, num_kv_heads, g, D, elem),
+                      v, D, dtype, 1.0f);
+            const char *k = cache_row(k_cache, block_table, j0 + t, block_size, num_kv_heads, g, D, elem);
+            for (int64_t d = 0; d < D; d++)
+                w.kt[d * PREFILL_KEYS + t] = dtype == DTYPE_F32 ? ((const float *)k)[d]
+                                                                : bf16_to_f32(((const uint16_t *)k)[d]);
+        }
+        for (int64_t r = 0; r < rows; r += 5) {
+            const int64_t m = rows - r < 5 ? rows - r : 5;
+            score_kernels[m](w.q + r * D, w.kt, w.s + r * PREFILL_KEYS, D);
+        }
+        for (int64_t r = 0; r < rows; r++) {  /* mask, online softmax; s becomes p */
+            const int64_t position = p0 + r / group;
+            const int64_t begin = window > 0 && position - window + 1 > j0 ? position - window + 1 - j0 : 0;
+            const int64_t end = position - j0 + 1 < n ? position - j0 + 1 : n;  /* keys [begin, end) */
+            float *s = w.s + r * PREFILL_KEYS;
+            if (begin >= end) {
+                memset(s, 0, PREFILL_KEYS * sizeof(float));
+                continue;
+            }
+            float tile_max = -FLT_MAX;
+            for (int64_t t = begin; t < end; t++) tile_max = s[t] > tile_max ? s[t] : tile_max;
+            const float new_max = tile_max > w.max[r] ? tile_max : w.max[r];
+            const float correction = expf(w.max[r] - new_max);
+            float sum = 0.0f;
+            for (int64_t t = 0; t < PREFILL_KEYS; t++) {
+                const float e = expf(s[t] - new_max);
+                s[t] = t >= begin && t < end ? e : 0.0f;
+                sum += s[t];
+            }
+            w.max[r] = new_max;
+            w.sum[r] = w.sum[r] * correction + sum;
+            if (correction != 1.0f)
+                for (int64_t d = 0; d < D; d++) w.o[r * D + d] *= correction;
+        }
+        const int64_t step = D == 64 ? 6 : 3;
+        for (int64_t r = 0; r < rows; r += step) {
+            const int64_t m = rows - r < step ? rows - r : step;
+            (D == 64 ? value_kernels_4 : value_kernels_8)[m](w.s + r * PREFILL_KEYS, w.v, w.o + r * D, n);
+        }
+    }
+    for (int64_t i = 0; i < count; i++)
+        for (int64_t h = 0; h < group; h++) {
+            const int64_t r = i * group + h;
+            char *dst = (char *)out + head_offset(first_row + i, g * group + h, num_heads, D) * elem;
+            const float inv = 1.0f / w.sum[r];
+            for (int64_t d = 0; d < D; d++) {
+                const float value = w.o[r * D + d] * inv;
+                if (dtype == DTYPE_F32) ((float *)dst)[d] = value;
+                else ((uint16_t *)dst)[d] = f32_to_bf16(value);
+            }
+        }
+}
+#endif
+
+/* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad argument. */
+int paged_prefill_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                            const int64_t *chunk_rows, const int64_t *chunk_lens, const int64_t *seq_lens,
+                            const int64_t *block_tables, int64_t num_chunks, int64_t max_blocks,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t window, float scale, int dtype, int num_threads) {
+#if defined(__AVX512F__)
+    if (!has_prefill_attention(head_dim) || num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
+    for (int64_t c = 0; c < num_chunks; c++)
+        if (chunk_lens[c] < 1 || chunk_lens[c] > seq_lens[c]) return 2;
+    const int64_t group = num_heads / num_kv_heads, rows = PREFILL_QUERIES * group;
+    int64_t tasks = 0;  /* per chunk, per kv head: its query blocks */
+    for (int64_t c = 0; c < num_chunks; c++)
+        tasks += num_kv_heads * ((chunk_lens[c] + PREFILL_QUERIES - 1) / PREFILL_QUERIES);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *base = thread_scratch(prefill_scratch_floats(rows, head_dim), &failed);
+        const prefill_scratch w = base == NULL ? (prefill_scratch){0}
+                                               : split_prefill_scratch(base, rows, head_dim);
+        /* Dynamic: a block late in a long chunk sees more keys than an early one. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            int64_t c = 0, rest = task, blocks = 0;
+            for (;; c++) {
+                blocks = (chunk_lens[c] + PREFILL_QUERIES - 1) / PREFILL_QUERIES;
+                if (rest < num_kv_heads * blocks) break;
+                rest -= num_kv_heads * blocks;
+            }
+            /* Later query blocks first within a chunk: the longest tasks start earliest. */
+            const int64_t g = rest % num_kv_heads, b = blocks - 1 - rest / num_kv_heads;
+            const int64_t first_position = seq_lens[c] - chunk_lens[c];
+            const int64_t p0 = first_position + b * PREFILL_QUERIES;
+            const int64_t count = seq_lens[c] - p0 < PREFILL_QUERIES ? seq_lens[c] - p0 : PREFILL_QUERIES;
+            if (base != NULL)
+                prefill_task(q, k_cache, v_cache, out, block_tables + c * max_blocks, chunk_rows[c],
+                             first_position, p0, count, g, group, num_heads, num_kv_heads, head_dim,
+                             block_size, window, scale, dtype, w);
+        }
+        free(base);
+    }
+    return failed;
+#else
+    (void)q, (void)k_cache, (void)v_cache, (void)out, (void)chunk_rows, (void)chunk_lens, (void)seq_lens;
+    (void)block_tables, (void)num_chunks, (void)max_blocks, (void)num_heads, (void)num_kv_heads;
+    (void)head_dim, (void)block_size, (void)window, (void)scale, (void)dtype, (void)num_threads;
+    return 2;
+#endif
+}

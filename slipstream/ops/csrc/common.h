@@ -1,0 +1,45 @@
+/*
+ * What the kernel files share: the dtype codes, bf16 conversions, and the attention entry points
+ * that the decode graph (cpu_ops.c) calls inside its parallel region (attention.c). The files are
+ * separate translation units so that a first build compiles them in parallel (cpu_kernels.py).
+ */
+#ifndef SLIPSTREAM_CPU_OPS_COMMON_H
+#define SLIPSTREAM_CPU_OPS_COMMON_H
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+/* Below this many rows, waking a second thread costs more than the work it would take over. */
+enum { MIN_PARALLEL_ROWS = 16 };
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } bits = {.u = (uint32_t)x << 16};
+    return bits.f;
+}
+
+static inline uint16_t f32_to_bf16(float x) {  /* round to nearest even, as torch does */
+    union { float f; uint32_t u; } bits = {.f = x};
+    return (uint16_t)((bits.u + 0x7FFFu + ((bits.u >> 16) & 1u)) >> 16);
+}
+
+/* attention.c: the decode attention of a batch, shared among the threads of the enclosing
+ * parallel region (see attention_tasks), and the per-thread scratch it needs. */
+int64_t max_seq_len(const int64_t *seq_lens, int64_t num_seqs);
+int64_t attention_scratch_floats(int64_t max_len, int64_t num_heads, int64_t head_dim);
+float *thread_scratch(int64_t floats, int *failed);
+void attention_tasks(const void *q, const void *k_cache, const void *v_cache, void *out,
+                     const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
+                     int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                     int64_t block_size, int64_t window, float scale, int dtype, int num_threads,
+                     float *scratch);
+
+#endif
