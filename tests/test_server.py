@@ -11,6 +11,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from serve_fixtures import dense_logprobs
 from server_process import API_KEY, MAX_MODEL_LEN, MODEL_NAME, metric_values
 
 from slipstream import LLM, SamplingParams
@@ -154,6 +155,38 @@ def test_completion_logprobs(client):
         assert top[token] == pytest.approx(logprob)
         assert logprob == pytest.approx(max(top.values()))  # greedy: the sampled token is the top one
     assert logprobs.text_offset == sorted(logprobs.text_offset)
+
+
+def test_prompt_logprobs_are_a_dense_forwards(client, dense_model):
+    """vLLM's prompt_logprobs extension: per prompt position (None for the first) the prompt
+    token's logprob and rank and the top alternatives, equal to log_softmax of a plain dense
+    forward over the prompt; in completions per choice, in chat at the top level; refused when
+    streaming (as vLLM does) and above the server's max_logprobs."""
+    prompt = [11, 205, 7, 311, 42, 9, 88]
+    response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, n=2,
+                                         extra_body={"prompt_logprobs": 2})
+    expected = dense_logprobs(dense_model, prompt)  # (T, V): row p predicts token p + 1
+    for choice in response.choices:
+        positions = choice.model_extra["prompt_logprobs"]
+        assert len(positions) == len(prompt) and positions[0] is None
+        for p, position in enumerate(positions[1:], start=1):
+            row = expected[p - 1]
+            top = row.topk(2).indices.tolist()
+            assert set(position) == {str(t) for t in [prompt[p], *top]}
+            for token_id, entry in position.items():
+                assert entry["logprob"] == pytest.approx(row[int(token_id)].item(), abs=1e-4)
+                assert entry["rank"] == int((row > row[int(token_id)]).sum()) + 1
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    positions = chat.model_extra["prompt_logprobs"]
+    assert positions[0] is None and len(positions) == chat.usage.prompt_tokens
+    assert all(len(position) == 1 for position in positions[1:])
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1,
+                                  extra_body={"prompt_logprobs": 1000})
 
 
 def test_chat_logprobs(client):

@@ -78,11 +78,15 @@ class _GenerationBody(_Body):
     stop_token_ids: TokenIds | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(default=None, ge=0)
+    """Log-probabilities of every prompt token with this many alternatives (as in vLLM)."""
 
     def check_supported(self) -> None:
         """Refuse set fields this server cannot honour, rather than ignore them."""
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM
+            raise bad_request("prompt_logprobs is not available when stream is true", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
@@ -97,7 +101,7 @@ class _GenerationBody(_Body):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or (),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
         )
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         min_p=self.min_p, repetition_penalty=self.repetition_penalty)

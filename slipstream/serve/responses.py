@@ -90,6 +90,15 @@ def _chat_token(logprob: Logprob) -> dict[str, Any]:
     return {"token": token, "logprob": _logprob(logprob.logprob), "bytes": list(token.encode())}
 
 
+def prompt_logprobs(output: RequestOutput) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt position, None for the first, else token id -> its
+    logprob, rank and text, for the prompt's token and the most likely alternatives."""
+    return [None if position is None else {
+        str(token_id): {"logprob": _logprob(p.logprob), "rank": p.rank, "decoded_token": p.decoded_token}
+        for token_id, p in position.items()
+    } for position in output.prompt_logprobs]
+
+
 # ---- whole responses ------------------------------------------------------------------------
 
 
@@ -102,8 +111,11 @@ def completion_response(meta: ResponseMeta, outputs: Sequence[RequestOutput], *,
             choice_logprobs = None
             if logprobs is not None:
                 choice_logprobs = completion_logprobs(completion, 0, len(completion.token_ids), 0)
-            choices.append({"index": prompt_index * n + completion.index, "text": completion.text,
-                            "logprobs": choice_logprobs} | _finish(completion))
+            choice = {"index": prompt_index * n + completion.index, "text": completion.text,
+                      "logprobs": choice_logprobs} | _finish(completion)
+            if output.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs(output)
+            choices.append(choice)
     return meta.head("text_completion") | {"choices": choices, "usage": usage(outputs)}
 
 
@@ -117,7 +129,10 @@ def chat_response(meta: ResponseMeta, output: RequestOutput, *, num_logprobs: in
         message = {"role": "assistant", "content": completion.text}
         choices.append({"index": completion.index, "message": message, "logprobs": logprobs}
                        | _finish(completion))
-    return meta.head("chat.completion") | {"choices": choices, "usage": usage([output])}
+    body = meta.head("chat.completion") | {"choices": choices, "usage": usage([output])}
+    if output.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs(output)
+    return body
 
 
 def _finish(completion: CompletionOutput) -> dict[str, Any]:
