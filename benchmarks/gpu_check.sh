@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The serving engine's checks on a GPU, as one short run for a session that is lent one (about 5
+# minutes on an H200; run from the repository root with the machine's own python3 and torch):
+# the CUDA-graph tests (captured graphs against transformers and enforce_eager=True), then
+# benchmarks/cuda_decode.py (graphs against eager decode steps, fp32 and bf16, batch 1 to 64).
+# Logs go to $OUT when it is set (the device tool's output folder), else to the current folder.
+set -euo pipefail
+out="${OUT:-$PWD}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py 2>&1 | tee "$out/gpu_tests.log"
+cd benchmarks
+python3 cuda_decode.py --dtype both --batch-sizes 1,8,32,64 --repeats 3 2>&1 | tee "$out/cuda_decode.log"
