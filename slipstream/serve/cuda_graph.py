@@ -20,7 +20,6 @@ use it to check the bucketing on a CPU against the unpadded step (equal bit for 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -48,11 +47,6 @@ def width_bucket(width: int, max_width: int) -> int:
     return min(1 << (width - 1).bit_length(), max_width)
 
 
-@dataclasses.dataclass
-class _Bucket:
-    run: Callable[[], torch.Tensor]  # runs the step on the static buffers; returns (bucket, E)
-
-
 class CudaDecodeGraphs:
     """Runs pure decode steps of 1 to `max_seqs` sequences from captured graphs."""
 
@@ -70,7 +64,8 @@ class CudaDecodeGraphs:
         self.capture = capture
         self._forward = forward
         self._batch_sizes = batch_buckets(max_seqs)
-        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._buckets: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+        """(batch, width) -> runs the step on the static buffers, returns (batch, E) hidden states."""
         self._pool = None
         int64 = {"dtype": torch.int64, "device": device}
         self._token_ids = torch.zeros(max_seqs, **int64)
@@ -98,7 +93,7 @@ class CudaDecodeGraphs:
                              f"got {tuple(token_ids.shape)} tokens for {num_seqs} decoding sequences and "
                              f"{len(batch.prefills)} prefill chunks")
         size = next(s for s in self._batch_sizes if s >= num_seqs)
-        bucket = self._bucket(size, width_bucket(width, self.max_blocks))
+        run = self._bucket(size, width_bucket(width, self.max_blocks))
         self._reset_padding(num_seqs, size, self.max_blocks)
         self._token_ids[:num_seqs].copy_(token_ids)
         self._positions[:num_seqs].copy_(positions)
@@ -106,7 +101,7 @@ class CudaDecodeGraphs:
         self._seq_lens[:num_seqs].copy_(batch.decode_seq_lens)
         self._block_tables[:num_seqs, :width].copy_(batch.decode_block_tables)
         self._block_tables[:num_seqs, width:].fill_(self.pad_block)
-        return bucket.run()[:num_seqs]
+        return run()[:num_seqs]
 
     def _reset_padding(self, start: int, end: int, width: int) -> None:
         """Rows [start, end) become padding: token 0 at position 0, one key, in the spare block."""
@@ -126,37 +121,38 @@ class CudaDecodeGraphs:
             decode_max_len=width * self.block_size,
         )
 
-    def _bucket(self, size: int, width: int) -> _Bucket:
-        bucket = self._buckets.get((size, width))
-        if bucket is not None:
-            return bucket
+    def _bucket(self, size: int, width: int) -> Callable[[], torch.Tensor]:
+        run = self._buckets.get((size, width))
+        if run is not None:
+            return run
         batch = self._static_batch(size, width)
 
         def step() -> torch.Tensor:
             return self._forward(self._token_ids[:size], self._positions[:size], batch)
 
-        if not self.capture:
-            bucket = _Bucket(run=step)
-        else:
-            # Captured on padding rows only (their keys go to the spare block). Warm-up runs
-            # first, on a side stream as PyTorch's docs ask: lazy initialisation (cuBLAS
-            # workspaces, the allocator's first blocks) must not happen during capture.
-            self._reset_padding(0, size, self.max_blocks)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                output = step()
-            self._pool = graph.pool()
+        run = self._capture(size, step) if self.capture else step
+        self._buckets[(size, width)] = run
+        return run
 
-            def replay() -> torch.Tensor:
-                graph.replay()
-                return output
+    def _capture(self, size: int, step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """`step` captured in a CUDA graph, on padding rows only (their keys go to the spare block);
+        returns its replay. Warm-up runs first, on a side stream as PyTorch's docs ask: lazy
+        initialisation (cuBLAS workspaces, the allocator's first blocks) must not happen during
+        capture."""
+        self._reset_padding(0, size, self.max_blocks)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = step()
+        self._pool = graph.pool()
 
-            bucket = _Bucket(run=replay)
-        self._buckets[(size, width)] = bucket
-        return bucket
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return output
+
+        return replay
