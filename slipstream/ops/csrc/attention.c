@@ -87,16 +87,19 @@ static inline float dot_bf16(const void *q, int64_t q_index, const void *k_cache
  * The cache rows of the sequence a thread attends next, requested a few lines at a time while it
  * computes the current one (spread over the query heads of each key tile and the kv heads of each
  * value tile), so that the next sequence streams in while this one computes. Without it, a thread
- * computes and waits on memory in turn. Only the first NEXT_SEQUENCE_BYTES of it are requested
- * (its keys first): all of a long fp32 sequence (~450 KiB at 220 tokens here) and the current one
- * together would not fit the 1 MiB L2. Walking whole blocks (block_size contiguous rows) keeps
- * the cost per line to a pointer bump. In a synthetic batch of 64 sequences (~220 tokens each)
- * over 12 layers' caches: 0.43-0.45 ms per call in bf16 and 0.95-0.98 in fp32, against 0.50-0.51
- * and 0.99-1.06 requesting the whole next sequence at one point per tile, and ~0.68 (bf16)
- * requesting nothing.
+ * computes and waits on memory in turn. Only the first NEXT_SEQUENCE_BYTES_F32 of an fp32
+ * sequence are requested (its keys first): all of a long one (~450 KiB at 220 tokens here) and the
+ * current one together would not fit the 1 MiB L2, and requesting all of it measured up to 9% slower.
+ * In bf16 the whole next sequence is requested (up to NEXT_SEQUENCE_BYTES_BF16), even where it
+ * does not fit L2 beside the current one (what L2 evicts, L3 keeps): at 1,024 keys a call took
+ * 0.64-0.71 ms instead of 0.93 (benchmarks/decode_attention.py's setup), at ~220 keys the same.
+ * Walking whole blocks (block_size contiguous rows) keeps the cost per line to a pointer bump. In
+ * a synthetic batch of 64 sequences (~220 tokens each) over 12 layers' caches: 0.43-0.45 ms per
+ * call in bf16 and 0.95-0.98 in fp32, against 0.50-0.51 and 0.99-1.06 requesting the whole next
+ * sequence at one point per tile, and ~0.68 (bf16) requesting nothing.
  * Only for whole-sequence tasks, whose rows are read whole.
  */
-enum { NEXT_SEQUENCE_BYTES = 256 * 1024 };
+enum { NEXT_SEQUENCE_BYTES_F32 = 256 * 1024, NEXT_SEQUENCE_BYTES_BF16 = 4096 * 1024 };
 
 typedef struct {
     const char *caches[2];           /* keys, then values */
@@ -476,7 +479,9 @@ void attention_tasks(const void *q, const void *k_cache, const void *v_cache, vo
             const int64_t first_block = first / block_size, end_block = (len + block_size - 1) / block_size;
             const int64_t block_bytes = block_size * row_bytes;
             const int64_t all_lines = 2 * (end_block - first_block) * block_bytes / 64;
-            const int64_t lines = all_lines < NEXT_SEQUENCE_BYTES / 64 ? all_lines : NEXT_SEQUENCE_BYTES / 64;
+            const int64_t max_bytes = dtype == DTYPE_F32 ? NEXT_SEQUENCE_BYTES_F32 : NEXT_SEQUENCE_BYTES_BF16;
+            const int64_t max_lines = max_bytes / 64;
+            const int64_t lines = all_lines < max_lines ? all_lines : max_lines;
             const int64_t tiles = 2 * ((seq_lens[seq] + 15) / 16);  /* key and value tiles */
             next = (next_sequence){
                 .caches = {k_cache, v_cache},
