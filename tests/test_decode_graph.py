@@ -59,20 +59,23 @@ def _module_path(model, cache, batch, token_ids, positions, use_kernel):
 
 # Up to four sequences the products go through the matrix-vector kernel; beyond, the panel kernel
 # (with the rows split among threads too where the model has few panels).
+# Sequences of over 512 keys are split into chunks by the attention (merged afterwards).
 BATCHES = [[1], [9], [5, 17, 2], [30, 8, 13, 4], [5, 17, 2, 9, 1, 30],
-           [3, 7, 11, 2, 5, 9, 1, 6, 4, 8, 10, 12, 2, 3, 7, 5, 9, 6, 1, 4]]
+           [3, 7, 11, 2, 5, 9, 1, 6, 4, 8, 10, 12, 2, 3, 7, 5, 9, 6, 1, 4], [700, 5, 530]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seq_lens", BATCHES, ids=lambda s: f"{len(s)}seqs")
 def test_decode_graph_equals_module_path(family_config, dtype, seq_lens):
     """Every family's quirks (biases, q/k norms, a sliding window shorter than the context, GQA,
-    head_dim apart from hidden size), one to twenty sequences: the graph's hidden states and the
-    keys and values it writes equal the module-by-module fast path bit for bit, and the plain
-    PyTorch model (no kernels, no fusion) to rounding."""
+    head_dim apart from hidden size), one to twenty sequences and three of up to 700 keys (the
+    attention splits those into chunks): the graph's hidden states and the keys and values it
+    writes equal the module-by-module fast path bit for bit, and the plain PyTorch model (no
+    kernels, no fusion) to rounding."""
     plain = _model(family_config, dtype)
     fast = optimize_for_cpu_inference(copy.deepcopy(plain))
-    cache, batch, token_ids, positions = _decode_batch(family_config, seq_lens, dtype)
+    num_blocks = max(NUM_BLOCKS, sum(-(-n // BLOCK_SIZE) for n in seq_lens))
+    cache, batch, token_ids, positions = _decode_batch(family_config, seq_lens, dtype, num_blocks)
     graph_cache, plain_cache = copy.deepcopy(cache), copy.deepcopy(cache)
     graph = CpuDecodeGraph.build(fast, graph_cache.keys, graph_cache.values)
     assert graph is not None

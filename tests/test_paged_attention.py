@@ -36,7 +36,8 @@ def _dense_reference(q, keys, values, sliding_window):
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2), (4, 1)])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch_kind", ["mixed", "decode-only", "many-decodes", "long-prefills"])
+@pytest.mark.parametrize("batch_kind", ["mixed", "decode-only", "many-decodes", "long-prefills",
+                                        "long-decodes", "one-long-decode"])
 def test_mixed_prefill_and_decode_batch_matches_dense(
     num_heads, num_kv_heads, sliding_window, dtype, use_kernel, head_dim, block_size, batch_kind
 ):
@@ -45,12 +46,17 @@ def test_mixed_prefill_and_decode_batch_matches_dense(
     through the C kernel and through the PyTorch path. "many-decodes" has enough sequences for
     the kernel's whole-sequence tasks (which request each thread's next sequence early);
     "long-prefills" has chunks of several query blocks and key tiles of the prefill kernel, one
-    after cached context, one exactly a tile long."""
+    after cached context, one exactly a tile long. "long-decodes" and "one-long-decode" have
+    sequences longer than the decode kernel's chunks (512 keys: split into chunks, each a task,
+    merged afterwards), among short ones and alone (then tasks split by kv head too); there a
+    window of 700 keys (longer than a chunk) stands in for 5."""
     if use_kernel:
         assert cpu_kernels.library() is not None, "the C kernel must build on the CI machine"
     rng = random.Random(0)
     torch.manual_seed(0)
-    num_blocks = 160
+    num_blocks = 160 if "long-decode" not in batch_kind else 2000
+    if "long-decode" in batch_kind and sliding_window is not None:
+        sliding_window = 700
     # NaN everywhere not written: attention must never let an unwritten slot reach the output.
     k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
@@ -64,6 +70,10 @@ def test_mixed_prefill_and_decode_batch_matches_dense(
         shapes = [(cached, 1) for cached in [0, 1, 3, 4, 7, 8, 15, 16, 21, 31, 33, 40, 47, 52, 63, 70]]
     elif batch_kind == "long-prefills":
         shapes = [(0, 150), (70, 45), (0, 33), (130, 1), (5, 64)]
+    elif batch_kind == "long-decodes":
+        shapes = [(1100, 1), (40, 1), (513, 1), (511, 1), (2000, 1), (1025, 1)]
+    elif batch_kind == "one-long-decode":
+        shapes = [(1300, 1)]
     seq_lens, query_lens, tables, dense_keys, dense_values = [], [], [], [], []
     for cached, new in shapes:
         seq_len = cached + new

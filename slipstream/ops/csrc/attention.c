@@ -1,14 +1,15 @@
 /*
  * Paged attention for decoding sequences (one new query token each), on the CPU.
  *
- * Tasks run in parallel: a whole sequence each when there are enough sequences to keep every
- * thread busy, else one (sequence, kv head) pair. A task walks the sequence's blocks through its
- * block table and reads keys and values in place (no gather copy): scores of every query head,
- * a softmax, then the values, each cache row read from memory once, which is what bounds a
- * decode step. With AVX-512 (attend_avx512) keys and values go 16 tokens at a time, every query
- * head of the task is served from each tile's rows, and the rows of the sequence a thread runs
- * next are requested while it computes the current one; elsewhere a portable loop (attend_one)
- * does the same work head by head. fp32 and bf16 caches; bf16 is widened to fp32 for the
+ * Tasks run in parallel: a sequence each (a chunk of CHUNK_KEYS keys of a longer one, the chunks
+ * merged afterwards) when there are enough of them to keep every thread busy, else one (chunk,
+ * kv head) pair. A task walks the sequence's blocks through its block table and reads keys and
+ * values in place (no gather copy): scores of every query head, a softmax, then the values, each
+ * cache row read from memory once, which is what bounds a decode step. With AVX-512
+ * (attend_avx512) keys and values go 16 tokens at a time, every query head of the task is served
+ * from each tile's rows, and the rows of the chunk a thread runs next are requested while it
+ * computes the current one; elsewhere a portable loop (attend_one) does the same work head by
+ * head. fp32 and bf16 caches; bf16 is widened to fp32 for the
  * arithmetic.
  *
  * Layouts (row-major): q and out (num_seqs, num_heads, head_dim); k_cache and v_cache
@@ -70,13 +71,13 @@ static inline float dot_bf16(const void *q, int64_t q_index, const void *k_cache
 /* Calls BODY for each key position of the sequence with `index` = the element offset of kv head
  * `kv`'s row for that token, and `t` = 0, 1, ...; walks block by block (no division per key). */
 #define FOR_EACH_KEY(CACHE, BODY)                                                             \
-    for (int64_t pos = first, t = 0; pos < seq_len;) {                                        \
+    for (int64_t pos = first, t = 0; pos < end;) {                                            \
         const int64_t block = block_table[pos / block_size];                                  \
         const int64_t offset = pos % block_size;                                              \
-        const int64_t rest = seq_len - pos;                                                   \
+        const int64_t rest = end - pos;                                                       \
         const int64_t count = block_size - offset < rest ? block_size - offset : rest;        \
         int64_t index = ((block * block_size + offset) * num_kv_heads + kv) * head_dim;       \
-        if (pos + count < seq_len)  /* the next block is elsewhere in memory: request it now */ \
+        if (pos + count < end)  /* the next block is elsewhere in memory: request it now */     \
             prefetch_block(CACHE, block_table[(pos + count) / block_size], block_size,        \
                            num_kv_heads, kv, head_dim, elem_size);                            \
         for (int64_t s = 0; s < count; s++, t++, index += row_stride) { BODY }                \
@@ -100,6 +101,15 @@ static inline float dot_bf16(const void *q, int64_t q_index, const void *k_cache
  * Only for whole-sequence tasks, whose rows are read whole.
  */
 enum { NEXT_SEQUENCE_BYTES_F32 = 256 * 1024, NEXT_SEQUENCE_BYTES_BF16 = 4096 * 1024 };
+
+/* Sequences with more keys to attend to than this are split into chunks of this many, each its own
+ * task, merged afterwards (attention_tasks): so that a long sequence streams as a row of short
+ * ones does, its next chunk requested while a thread computes the current one (requesting the
+ * current sequence's own rows further ahead, 2 to 64 tiles, changed nothing). With 12 layers'
+ * caches of shuffled blocks (benchmarks/decode_attention.py's setup), two alternating rounds:
+ * bf16 4 x 4,096 keys 1.34-1.41 -> 0.57-0.60 ms per call, 16 x 1,024 0.68-0.70 -> 0.57-0.61,
+ * fp32 4 x 4,096 1.64-1.68 -> 1.19-1.27; 64 x 224 unchanged. */
+enum { CHUNK_KEYS = 512 };
 
 typedef struct {
     const char *caches[2];           /* keys, then values */
@@ -143,15 +153,13 @@ static inline void request_next(next_sequence *next, int64_t lines) {
  * from memory.
  */
 static inline __attribute__((always_inline)) void attend_one(
-        const void *q, const void *k_cache, const void *v_cache, void *out,
-        const int64_t *block_table, int64_t seq_len, int64_t seq, int64_t kv_first,
-        int64_t kv_count, int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim,
-        int64_t block_size, int64_t window, float scale, int dtype, float *scratch,
-        next_sequence *next) {
+        const void *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
+        int64_t first, int64_t end, int64_t seq, int64_t kv_first, int64_t kv_count,
+        int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim, int64_t block_size,
+        float scale, int dtype, float *scratch, next_sequence *next, float *partial) {
     (void)next;
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t first = (window > 0 && seq_len > window) ? seq_len - window : 0;
-    const int64_t num_keys = seq_len - first;
+    const int64_t num_keys = end - first;
     const int64_t row_stride = num_kv_heads * head_dim;
     const int64_t elem_size = dtype == DTYPE_F32 ? 4 : 2;
     float *buffer = scratch;                 /* head_dim */
@@ -191,14 +199,10 @@ static inline __attribute__((always_inline)) void attend_one(
                     for (int64_t d = 0; d < head_dim; d++) acc[d] += w * bf16_to_f32(v[d]);
                 }
             })
-            const float inv_sum = 1.0f / sum;
-            if (dtype == DTYPE_F32) {
-                float *dst = (float *)out + head_index;
-                for (int64_t d = 0; d < head_dim; d++) dst[d] = acc[d] * inv_sum;
-            } else {
-                uint16_t *dst = (uint16_t *)out + head_index;
-                for (int64_t d = 0; d < head_dim; d++) dst[d] = f32_to_bf16(acc[d] * inv_sum);
-            }
+            float *dst = partial + ((kv - kv_first) * group + g) * (head_dim + 2);
+            dst[0] = max_score;
+            dst[1] = sum;
+            for (int64_t d = 0; d < head_dim; d++) dst[2 + d] = acc[d];
         }
     }
 }
@@ -239,16 +243,6 @@ static inline __m512 load16(const void *base, int64_t index, int dtype) {
     if (dtype == DTYPE_F32) return _mm512_loadu_ps((const float *)base + index);
     const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-static inline void store16(void *base, int64_t index, __m512 value, int dtype) {
-    if (dtype == DTYPE_F32) {
-        _mm512_storeu_ps((float *)base + index, value);
-        return;
-    }
-    float lanes[16];
-    _mm512_storeu_ps(lanes, value);
-    for (int i = 0; i < 16; i++) ((uint16_t *)base)[index + i] = f32_to_bf16(lanes[i]);
 }
 
 static inline void prefetch_bytes(const void *base, int64_t index, int64_t bytes, int64_t elem_size) {
@@ -301,14 +295,12 @@ static inline __attribute__((always_inline)) void accumulate_tile(
 enum { TILE = 16 };
 
 static inline __attribute__((always_inline)) void attend_avx512(
-        const void *q, const void *k_cache, const void *v_cache, void *out,
-        const int64_t *block_table, int64_t seq_len, int64_t seq, int64_t kv_first,
-        int64_t kv_count, int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim,
-        int64_t block_size, int64_t window, float scale, int dtype, float *scratch,
-        next_sequence *next) {
+        const void *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
+        int64_t first, int64_t end, int64_t seq, int64_t kv_first, int64_t kv_count,
+        int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim, int64_t block_size,
+        float scale, int dtype, float *scratch, next_sequence *next, float *partial) {
     const int64_t group = num_heads / num_kv_heads, heads = kv_count * group;
-    const int64_t first = (window > 0 && seq_len > window) ? seq_len - window : 0;
-    const int64_t num_keys = seq_len - first;
+    const int64_t num_keys = end - first;
     const int64_t stride = (num_keys + TILE - 1) / TILE * TILE;
     const int64_t vectors = head_dim / 16, elem_size = dtype == DTYPE_F32 ? 4 : 2;
     const int64_t slice_bytes = kv_count * head_dim * elem_size;  /* the task's part of a row */
@@ -350,14 +342,14 @@ static inline __attribute__((always_inline)) void attend_avx512(
             max_scores[h] = tile_max > max_scores[h] ? tile_max : max_scores[h];
         }
     }
+    float sums[heads];
     for (int64_t h = 0; h < heads; h++) {
         float *row = scores + h * stride, sum = 0.0f;
         for (int64_t t = 0; t < num_keys; t++) {
             row[t] = expf(row[t] - max_scores[h]);
             sum += row[t];
         }
-        const float inv_sum = 1.0f / sum;
-        for (int64_t t = 0; t < num_keys; t++) row[t] *= inv_sum;
+        sums[h] = sum;
     }
     for (int64_t i = 0; i < heads * head_dim; i++) acc[i] = 0.0f;
     for (int64_t t0 = 0; t0 < num_keys; t0 += TILE) {
@@ -383,26 +375,32 @@ static inline __attribute__((always_inline)) void attend_avx512(
 #undef ACCUMULATE
             }
     }
-    for (int64_t h = 0; h < heads; h++)
-        for (int64_t c = 0; c < vectors; c++)
-            store16(out, (head0 + h) * head_dim + 16 * c, _mm512_loadu_ps(acc + h * head_dim + 16 * c),
-                    dtype);
+    for (int64_t h = 0; h < heads; h++) {
+        float *dst = partial + h * (head_dim + 2);
+        dst[0] = max_scores[h];
+        dst[1] = sums[h];
+        memcpy(dst + 2, acc + h * head_dim, head_dim * sizeof(float));
+    }
 }
 #endif
 
-typedef void (*attend_fn)(const void *, const void *, const void *, void *, const int64_t *,
+/* Attention of query heads [kv_first * G, (kv_first + kv_count) * G) of sequence `seq` over its
+ * keys [first, end), as its softmax's parts: per head the largest score, the sum of exp(score -
+ * largest) and the values weighted by those, into partial (heads x (head_dim + 2) floats), for
+ * attention_tasks to normalise, or to merge with the sequence's other chunks. */
+typedef void (*attend_fn)(const void *, const void *, const void *, const int64_t *, int64_t,
                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                          int64_t, float, int, float *, next_sequence *);
+                          float, int, float *, next_sequence *, float *);
 
 #define DEFINE_ATTEND(NAME, IMPL, HEAD_DIM, DTYPE)                                             \
-    static void NAME(const void *q, const void *k, const void *v, void *out,                  \
-                     const int64_t *table, int64_t len, int64_t seq, int64_t kv_first,         \
+    static void NAME(const void *q, const void *k, const void *v, const int64_t *table,       \
+                     int64_t first, int64_t end, int64_t seq, int64_t kv_first,                \
                      int64_t kv_count, int64_t num_heads, int64_t num_kv_heads,                \
-                     int64_t head_dim, int64_t block_size, int64_t window, float scale,        \
-                     int dtype, float *scratch, next_sequence *next) {                         \
+                     int64_t head_dim, int64_t block_size, float scale, int dtype,             \
+                     float *scratch, next_sequence *next, float *partial) {                    \
         (void)dtype; (void)head_dim;                                                           \
-        IMPL(q, k, v, out, table, len, seq, kv_first, kv_count, num_heads, num_kv_heads,      \
-             HEAD_DIM, block_size, window, scale, DTYPE, scratch, next);                       \
+        IMPL(q, k, v, table, first, end, seq, kv_first, kv_count, num_heads, num_kv_heads,    \
+             HEAD_DIM, block_size, scale, DTYPE, scratch, next, partial);                      \
     }
 /* Constant head sizes and dtypes let the compiler unroll and drop branches in the hot loops. */
 DEFINE_ATTEND(attend_any, attend_one, head_dim, dtype)  /* variable-length arrays, any head size */
@@ -438,10 +436,11 @@ int64_t max_seq_len(const int64_t *seq_lens, int64_t num_seqs) {
     return max_len;
 }
 
-/* Per-thread scratch of the attention: attend_one needs a row and the scores; attend_avx512 the
- * keys' offsets (int64), every head's scores, and the value accumulators. */
+/* Per-thread scratch of the attention: a task's partial results (num_heads x (head_dim + 2)), then
+ * what the kernels need: attend_one a row and the scores; attend_avx512 the keys' offsets
+ * (int64), every head's scores, and the value accumulators. */
 int64_t attention_scratch_floats(int64_t max_len, int64_t num_heads, int64_t head_dim) {
-    return (2 + num_heads) * (max_len + 16) + (num_heads + 1) * head_dim;
+    return num_heads * (head_dim + 2) + (2 + num_heads) * (max_len + 16) + (num_heads + 1) * head_dim;
 }
 
 /* This thread's attention scratch (attention_scratch_floats() of them), or NULL with *failed set
@@ -455,46 +454,147 @@ float *thread_scratch(int64_t floats, int *failed) {
     return scratch;
 }
 
+/* The first key a decode query of a sequence of `len` tokens attends to. */
+static inline int64_t first_key(int64_t len, int64_t window) {
+    return (window > 0 && len > window) ? len - window : 0;
+}
+
+int plan_decode_split(const int64_t *seq_lens, int64_t num_seqs, int64_t window, int64_t num_heads,
+                      int64_t head_dim, decode_split *split) {
+    split->partials = NULL;
+    split->chunk_start = malloc((num_seqs + 1) * sizeof(int64_t));
+    if (split->chunk_start == NULL) return 1;
+    int64_t *chunk_start = split->chunk_start;
+    chunk_start[0] = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t keys = seq_lens[s] - first_key(seq_lens[s], window);
+        chunk_start[s + 1] = chunk_start[s] + (keys > CHUNK_KEYS ? (keys + CHUNK_KEYS - 1) / CHUNK_KEYS : 1);
+    }
+    if (chunk_start[num_seqs] == num_seqs) return 0;  /* nothing split */
+    split->partials = malloc(chunk_start[num_seqs] * num_heads * (head_dim + 2) * sizeof(float));
+    if (split->partials == NULL) {
+        free(split->chunk_start);
+        return 1;
+    }
+    return 0;
+}
+
+void free_decode_split(decode_split *split) {
+    free(split->chunk_start);
+    free(split->partials);
+}
+
+/* Rows of out for query heads [h0, h0 + num_heads_out) of sequence `seq`: the softmax merged over
+ * `chunks` partial results (attend_fn's) `chunk_stride` floats apart, as FlashDecoding merges a
+ * split sequence (Dao et al. 2023, "Flash-Decoding for long-context inference"); with one chunk,
+ * its weighted values over its sum. */
+static void write_heads(const float *partial, int64_t chunks, int64_t chunk_stride, void *out, int64_t seq,
+                        int64_t h0, int64_t num_heads_out, int64_t num_heads, int64_t head_dim, int dtype) {
+    for (int64_t h = 0; h < num_heads_out; h++) {
+        const float *head = partial + h * (head_dim + 2);
+        float max_score = -3.0e38f, sum = 0.0f, acc[head_dim];
+        for (int64_t c = 0; c < chunks; c++)
+            max_score = head[c * chunk_stride] > max_score ? head[c * chunk_stride] : max_score;
+        for (int64_t d = 0; d < head_dim; d++) acc[d] = 0.0f;
+        for (int64_t c = 0; c < chunks; c++) {
+            const float *p = head + c * chunk_stride;
+            const float w = expf(p[0] - max_score);
+            sum += w * p[1];
+            for (int64_t d = 0; d < head_dim; d++) acc[d] += w * p[2 + d];
+        }
+        const float inv_sum = 1.0f / sum;
+        const int64_t index = (seq * num_heads + h0 + h) * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) {
+            if (dtype == DTYPE_F32) ((float *)out)[index + d] = acc[d] * inv_sum;
+            else ((uint16_t *)out)[index + d] = f32_to_bf16(acc[d] * inv_sum);
+        }
+    }
+}
+
+/* The sequence that chunk `chunk` belongs to: chunk_start[seq] <= chunk < chunk_start[seq + 1]. */
+static int64_t chunk_sequence(const int64_t *chunk_start, int64_t num_seqs, int64_t chunk) {
+    int64_t lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (chunk_start[mid] <= chunk) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Keys [*first, *end) of chunk `chunk` of sequence `seq` (all of them when it is not split). */
+static void chunk_keys(const int64_t *chunk_start, const int64_t *seq_lens, int64_t window,
+                       int64_t seq, int64_t chunk, int64_t *first, int64_t *end) {
+    const int64_t len = seq_lens[seq];
+    *first = first_key(len, window) + (chunk - chunk_start[seq]) * CHUNK_KEYS;
+    *end = *first + CHUNK_KEYS < len ? *first + CHUNK_KEYS : len;
+}
+
 /* The attention of a decode batch, shared among the threads of the enclosing parallel region (an
- * orphaned `omp for`). scratch: attention_scratch_floats() for this thread, or NULL when its
- * allocation failed (the thread's tasks are then skipped; the caller reports the failure). */
+ * orphaned `omp for`, then a second one that merges split sequences). chunk_start: from
+ * split_sequences(); partials: total chunks x num_heads x (head_dim + 2) floats where a sequence
+ * is split, else unused (may be NULL). scratch: attention_scratch_floats() for this thread, or
+ * NULL when its allocation failed (the thread's tasks are then skipped; the caller reports it). */
 void attention_tasks(const void *q, const void *k_cache, const void *v_cache, void *out,
-                            const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
-                            int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, int64_t block_size, int64_t window, float scale,
-                            int dtype, int num_threads, float *scratch) {
-    /* Whole sequences per task when there are enough of them to keep every thread busy; then
-     * tasks go round-robin, so that a thread knows its next sequence and can request it early. */
-    const int64_t kv_per_task = num_seqs >= 4 * num_threads ? num_kv_heads : 1;
-    const int64_t tasks_per_seq = num_kv_heads / kv_per_task;
+                     const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
+                     int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                     int64_t block_size, int64_t window, float scale, int dtype, int num_threads,
+                     float *scratch, const int64_t *chunk_start, float *partials) {
+    /* Whole chunks (all kv heads) per task when there are enough of them to keep every thread
+     * busy; then tasks go round-robin, so that a thread knows its next chunk and can request it
+     * early. */
+    const int64_t num_chunks = chunk_start[num_seqs];
+    const int64_t kv_per_task = num_chunks >= 4 * num_threads ? num_kv_heads : 1;
+    const int64_t tasks_per_chunk = num_kv_heads / kv_per_task, group = num_heads / num_kv_heads;
     const int64_t row_bytes = num_kv_heads * head_dim * (dtype == DTYPE_F32 ? 4 : 2);
+    const int64_t partial_floats = head_dim + 2;
     const attend_fn attend = choose_kernel(head_dim, dtype);
 #pragma omp for schedule(static, 1)
-    for (int64_t task = 0; task < num_seqs * tasks_per_seq; task++) {
-        const int64_t seq = task / tasks_per_seq, following = seq + omp_get_num_threads();
+    for (int64_t task = 0; task < num_chunks * tasks_per_chunk; task++) {
+        const int64_t chunk = task / tasks_per_chunk, following = chunk + omp_get_num_threads();
+        const int64_t seq = chunk_sequence(chunk_start, num_seqs, chunk);
+        int64_t first, end;
+        chunk_keys(chunk_start, seq_lens, window, seq, chunk, &first, &end);
         next_sequence next = {.remaining = 0};
-        if (kv_per_task == num_kv_heads && following < num_seqs && seq_lens[following] > 0) {
-            const int64_t len = seq_lens[following];
-            const int64_t first = (window > 0 && len > window) ? len - window : 0;
-            const int64_t first_block = first / block_size, end_block = (len + block_size - 1) / block_size;
+        if (kv_per_task == num_kv_heads && following < num_chunks) {
+            const int64_t next_seq = chunk_sequence(chunk_start, num_seqs, following);
+            int64_t next_first, next_end;
+            chunk_keys(chunk_start, seq_lens, window, next_seq, following, &next_first, &next_end);
+            const int64_t first_block = next_first / block_size;
+            const int64_t end_block = (next_end + block_size - 1) / block_size;
             const int64_t block_bytes = block_size * row_bytes;
             const int64_t all_lines = 2 * (end_block - first_block) * block_bytes / 64;
             const int64_t max_bytes = dtype == DTYPE_F32 ? NEXT_SEQUENCE_BYTES_F32 : NEXT_SEQUENCE_BYTES_BF16;
-            const int64_t max_lines = max_bytes / 64;
-            const int64_t lines = all_lines < max_lines ? all_lines : max_lines;
-            const int64_t tiles = 2 * ((seq_lens[seq] + 15) / 16);  /* key and value tiles */
-            next = (next_sequence){
-                .caches = {k_cache, v_cache},
-                .block_table = block_tables + following * max_blocks,
-                .first_block = first_block, .end_block = end_block, .block_bytes = block_bytes,
-                .lines_per_tile = (lines + tiles - 1) / tiles, .remaining = lines,
-                .cache = 0, .block = first_block, .cursor = NULL, .end = NULL,
-            };
+            const int64_t lines = all_lines < max_bytes / 64 ? all_lines : max_bytes / 64;
+            const int64_t tiles = 2 * ((end - first + 15) / 16);  /* key and value tiles */
+            if (next_end > next_first)
+                next = (next_sequence){
+                    .caches = {k_cache, v_cache},
+                    .block_table = block_tables + next_seq * max_blocks,
+                    .first_block = first_block, .end_block = end_block, .block_bytes = block_bytes,
+                    .lines_per_tile = (lines + tiles - 1) / tiles, .remaining = lines,
+                    .cache = 0, .block = first_block, .cursor = NULL, .end = NULL,
+                };
         }
-        if (scratch != NULL && seq_lens[seq] > 0)
-            attend(q, k_cache, v_cache, out, block_tables + seq * max_blocks, seq_lens[seq], seq,
-                   (task % tasks_per_seq) * kv_per_task, kv_per_task, num_heads, num_kv_heads,
-                   head_dim, block_size, window, scale, dtype, scratch, &next);
+        const int64_t kv_first = (task % tasks_per_chunk) * kv_per_task, h0 = kv_first * group;
+        const int split = chunk_start[seq + 1] - chunk_start[seq] > 1;
+        /* A split sequence's chunks go to partials, merged below; a whole one's straight out. */
+        float *partial = split ? partials + (chunk * num_heads + h0) * partial_floats : scratch;
+        if (scratch != NULL && end > first) {
+            attend(q, k_cache, v_cache, block_tables + seq * max_blocks, first, end, seq, kv_first,
+                   kv_per_task, num_heads, num_kv_heads, head_dim, block_size, scale, dtype,
+                   scratch + num_heads * partial_floats, &next, partial);
+            if (!split)
+                write_heads(partial, 1, 0, out, seq, h0, kv_per_task * group, num_heads, head_dim, dtype);
+        }
+    }
+    if (num_chunks == num_seqs) return;  /* nothing split: nothing to merge */
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < num_seqs * num_heads; i++) {
+        const int64_t seq = i / num_heads, h = i % num_heads;
+        const int64_t chunks = chunk_start[seq + 1] - chunk_start[seq];
+        if (chunks > 1)
+            write_heads(partials + (chunk_start[seq] * num_heads + h) * partial_floats, chunks,
+                        num_heads * partial_floats, out, seq, h, 1, num_heads, head_dim, dtype);
     }
 }
 
@@ -507,15 +607,18 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
     const int64_t scratch_floats =
         attention_scratch_floats(max_seq_len(seq_lens, num_seqs), num_heads, head_dim);
+    decode_split split;
+    if (plan_decode_split(seq_lens, num_seqs, window, num_heads, head_dim, &split) != 0) return 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
         float *scratch = thread_scratch(scratch_floats, &failed);
         attention_tasks(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, max_blocks,
                         num_heads, num_kv_heads, head_dim, block_size, window, scale, dtype,
-                        num_threads, scratch);
+                        num_threads, scratch, split.chunk_start, split.partials);
         free(scratch);
     }
+    free_decode_split(&split);
     return failed;
 }
 

@@ -36,10 +36,21 @@ static inline uint16_t f32_to_bf16(float x) {  /* round to nearest even, as torc
 int64_t max_seq_len(const int64_t *seq_lens, int64_t num_seqs);
 int64_t attention_scratch_floats(int64_t max_len, int64_t num_heads, int64_t head_dim);
 float *thread_scratch(int64_t floats, int *failed);
+
+/* A decode batch's long sequences split into chunks, and where the chunks' partial results go
+ * until they are merged (attention.c). */
+typedef struct {
+    int64_t *chunk_start;  /* num_seqs + 1: the chunks of the sequences before each */
+    float *partials;       /* chunks x num_heads x (head_dim + 2); NULL when nothing is split */
+} decode_split;
+/* Returns 0, or 1 when its memory could not be allocated (then nothing is left to free). */
+int plan_decode_split(const int64_t *seq_lens, int64_t num_seqs, int64_t window, int64_t num_heads,
+                      int64_t head_dim, decode_split *split);
+void free_decode_split(decode_split *split);
 void attention_tasks(const void *q, const void *k_cache, const void *v_cache, void *out,
                      const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
                      int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                      int64_t block_size, int64_t window, float scale, int dtype, int num_threads,
-                     float *scratch);
+                     float *scratch, const int64_t *chunk_start, float *partials);
 
 #endif

@@ -572,6 +572,8 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, void *h
     char *product = act + M * F * elem;       /* (M, E): o and down products before the residual */
     char *x = hidden;
     const int64_t scratch_floats = attention_scratch_floats(max_seq_len(seq_lens, M), H, D);
+    decode_split split;
+    if (plan_decode_split(seq_lens, M, shape->window, H, D, &split) != 0) return 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -604,7 +606,7 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, void *h
             }
             attention_tasks(q, layer->k_cache, layer->v_cache, attn, block_tables, seq_lens, M, max_blocks,
                             H, KV, D, shape->block_size, shape->window, shape->scale, dtype, num_threads,
-                            scratch);
+                            scratch, split.chunk_start, split.partials);
             decode_linear(layer->o_weight, layer->o_panels, layer->o_bias, x, attn, x, product, M, E, q_size,
                           dtype);
 #pragma omp for schedule(static)
@@ -620,5 +622,6 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, void *h
         }
         free(scratch);
     }
+    free_decode_split(&split);
     return failed;
 }
