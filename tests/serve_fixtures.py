@@ -82,6 +82,18 @@ def one_torch_thread():
     torch.set_num_threads(num_threads)
 
 
+
+def random_model(config: ModelConfig, dtype: torch.dtype = torch.float32) -> Transformer:
+    """A random model with non-trivial norms and biases (ones and zeros would hide a missing one)."""
+    torch.manual_seed(0)
+    model = Transformer(config)
+    model.init_weights(std=0.1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                param.add_(0.2 * torch.randn_like(param))
+    return model.to(dtype).eval()
+
 @torch.no_grad()
 def dense_logprobs(model: Transformer, token_ids: list[int]) -> torch.Tensor:
     """log_softmax of the model's logits over `token_ids` in one dense causal forward: (T, V)."""

@@ -83,6 +83,18 @@ def metric_values(server: ServerProcess) -> dict[str, float]:
     return values
 
 
+def wait_for_idle(server: ServerProcess, timeout_s: float = 10.0) -> dict[str, float]:
+    """/metrics once nothing runs, waits or holds KV blocks (aborts land within a step or two)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = metric_values(server)
+        idle = all(values[f"slipstream:{name}"] == 0 for name in
+                   ("num_requests_running", "num_requests_waiting", "kv_cache_used_blocks"))
+        if idle or time.monotonic() > deadline:
+            return values
+        time.sleep(0.05)
+
+
 def _reason(name_and_labels: str) -> str:
     marker = 'finished_reason="'
     if marker not in name_and_labels:

@@ -13,9 +13,9 @@ import random
 
 import pytest
 import torch
+from serve_fixtures import random_model
 
 from slipstream import LLM, SamplingParams
-from slipstream.model import Transformer
 from slipstream.model.create import stdlib_tokenizer
 from slipstream.ops.paged_attention import PagedBatch
 from slipstream.serve.cuda_graph import CudaDecodeGraphs, batch_buckets, width_bucket
@@ -43,17 +43,6 @@ def test_width_bucket():
             width_bucket(bad, 16)
 
 
-def _model(config):
-    torch.manual_seed(0)
-    model = Transformer(config)
-    model.init_weights(std=0.1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or "bias" in name:
-                param.add_(0.2 * torch.randn_like(param))
-    return model.eval()
-
-
 def _forward(model, cache):
     def forward(token_ids, positions, batch):
         return model.hidden_states(token_ids[None], positions[None], PagedAttention(cache, batch, False))[0]
@@ -66,7 +55,7 @@ def test_padded_step_equals_unpadded_step(family_config, seq_lens):
     """Every family (a sliding window of 7 in mistral's), batches padded up to 1, 2, 4, 8, 32 rows
     and block tables up to a power of two: the hidden states equal the unpadded step's, the keys
     and values land in the same slots, and only the spare block gets anything else."""
-    model = _model(family_config)
+    model = random_model(family_config)
     rng = random.Random(len(seq_lens))
     free = list(range(NUM_BLOCKS))
     rng.shuffle(free)
@@ -98,7 +87,7 @@ def test_padded_step_equals_unpadded_step(family_config, seq_lens):
 
 
 def test_rejects_steps_it_cannot_run(family_config):
-    model = _model(family_config)
+    model = random_model(family_config)
     cache = PagedKVCache(family_config, num_blocks=5, block_size=BLOCK_SIZE, dtype=torch.float32,
                          device=torch.device("cpu"))
     graphs = CudaDecodeGraphs(_forward(model, cache), max_seqs=2, max_blocks=MAX_BLOCKS,

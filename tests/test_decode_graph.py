@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
+from serve_fixtures import random_model
 
-from slipstream.model import Transformer
 from slipstream.ops import cpu_kernels
 from slipstream.ops.decode_graph import CpuDecodeGraph
 from slipstream.ops.inference import optimize_for_cpu_inference
@@ -19,18 +19,6 @@ from slipstream.serve.runner import PagedAttention, PagedKVCache
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler")
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 48
-
-
-def _model(config, dtype):
-    """A random model with non-trivial norms and biases (ones and zeros would hide a missing one)."""
-    torch.manual_seed(0)
-    model = Transformer(config)
-    model.init_weights(std=0.1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or "bias" in name:
-                param.add_(0.2 * torch.randn_like(param))
-    return model.to(dtype).eval()
 
 
 def _decode_batch(config, seq_lens, dtype, num_blocks=NUM_BLOCKS):
@@ -72,7 +60,7 @@ def test_decode_graph_equals_module_path(family_config, dtype, seq_lens):
     attention splits those into chunks): the graph's hidden states and the keys and values it
     writes equal the module-by-module fast path bit for bit, and the plain PyTorch model (no
     kernels, no fusion) to rounding."""
-    plain = _model(family_config, dtype)
+    plain = random_model(family_config, dtype)
     fast = optimize_for_cpu_inference(copy.deepcopy(plain))
     num_blocks = max(NUM_BLOCKS, sum(-(-n // BLOCK_SIZE) for n in seq_lens))
     cache, batch, token_ids, positions = _decode_batch(family_config, seq_lens, dtype, num_blocks)
@@ -102,7 +90,7 @@ def test_decode_graph_equals_module_path(family_config, dtype, seq_lens):
 
 def test_decode_graph_applies_only_to_the_optimised_model(family_config):
     """The plain model (separate projections, nn.Linear) gets no graph; callers keep the modules."""
-    plain = _model(family_config, torch.float32)
+    plain = random_model(family_config, torch.float32)
     cache = PagedKVCache(family_config, num_blocks=4, block_size=BLOCK_SIZE, dtype=torch.float32,
                          device=torch.device("cpu"))
     assert CpuDecodeGraph.build(plain, cache.keys, cache.values) is None
@@ -110,7 +98,7 @@ def test_decode_graph_applies_only_to_the_optimised_model(family_config):
 
 def test_decode_graph_rejects_batches_it_cannot_run(family_config):
     """More sequences than it was built for, or a prefill chunk: a ValueError, not a wrong answer."""
-    fast = optimize_for_cpu_inference(_model(family_config, torch.float32))
+    fast = optimize_for_cpu_inference(random_model(family_config, torch.float32))
     cache = PagedKVCache(family_config, num_blocks=4, block_size=BLOCK_SIZE, dtype=torch.float32,
                          device=torch.device("cpu"))
     too_many = CpuDecodeGraph.build(fast, cache.keys, cache.values).max_seqs + 1

@@ -8,12 +8,11 @@ import asyncio
 import gc
 import json
 import socket
-import time
 import weakref
 
 import httpx
 import pytest
-from server_process import API_KEY, MODEL_NAME, metric_values
+from server_process import API_KEY, MODEL_NAME, metric_values, wait_for_idle
 
 from slipstream.serve.async_engine import EngineError, RequestStream
 from slipstream.serve.request import CompletionOutput, RequestMetrics, RequestOutput
@@ -29,17 +28,6 @@ def raw_post(server, path: str, body: dict) -> tuple[bytes, bytes]:
     head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nAuthorization: Bearer {API_KEY}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
     return head.encode(), data
-
-
-def wait_for_idle(server, timeout_s: float = 10.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        values = metric_values(server)
-        idle = all(values[f"slipstream:{name}"] == 0 for name in
-                   ("num_requests_running", "num_requests_waiting", "kv_cache_used_blocks"))
-        if idle or time.monotonic() > deadline:
-            return values
-        time.sleep(0.05)
 
 
 def test_hangups_at_every_point_free_everything_and_log_no_traceback(server):

@@ -7,11 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 
 import httpx
 import pytest
-from server_process import API_KEY, ENGINE_ARGS, MODEL_NAME, ServerProcess, metric_values
+from server_process import API_KEY, ENGINE_ARGS, MODEL_NAME, ServerProcess, metric_values, wait_for_idle
 
 from slipstream.cli import main as cli_main
 
@@ -61,18 +60,6 @@ async def load(url: str) -> list[str]:
                  for i in range(NUM_LOAD_REQUESTS)]
         tasks += [cancelled_plain_request(client, i) for i in range(10)]
         return await asyncio.wait_for(asyncio.gather(*tasks), LOAD_TIMEOUT_S)
-
-
-def wait_for_idle(server, timeout_s: float = 10.0) -> dict[str, float]:
-    """/metrics once nothing runs, waits or holds KV blocks (aborts land within a step or two)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        values = metric_values(server)
-        idle = all(values[f"slipstream:{name}"] == 0 for name in
-                   ("num_requests_running", "num_requests_waiting", "kv_cache_used_blocks"))
-        if idle or time.monotonic() > deadline:
-            return values
-        time.sleep(0.05)
 
 
 def test_load_with_cancellations_frees_every_block(server):
