@@ -405,10 +405,15 @@ typedef void (*attend_fn)(const void *, const void *, const void *, const int64_
 /* Constant head sizes and dtypes let the compiler unroll and drop branches in the hot loops. */
 DEFINE_ATTEND(attend_any, attend_one, head_dim, dtype)  /* variable-length arrays, any head size */
 #if defined(__AVX512F__)
-DEFINE_ATTEND(attend_f32_d64, attend_avx512, 64, DTYPE_F32)
-DEFINE_ATTEND(attend_f32_d128, attend_avx512, 128, DTYPE_F32)
-DEFINE_ATTEND(attend_bf16_d64, attend_avx512, 64, DTYPE_BF16)
-DEFINE_ATTEND(attend_bf16_d128, attend_avx512, 128, DTYPE_BF16)
+#define ATTEND_SPECIALISED attend_avx512
+#else
+#define ATTEND_SPECIALISED attend_one
+#endif
+DEFINE_ATTEND(attend_f32_d64, ATTEND_SPECIALISED, 64, DTYPE_F32)
+DEFINE_ATTEND(attend_f32_d128, ATTEND_SPECIALISED, 128, DTYPE_F32)
+DEFINE_ATTEND(attend_bf16_d64, ATTEND_SPECIALISED, 64, DTYPE_BF16)
+DEFINE_ATTEND(attend_bf16_d128, ATTEND_SPECIALISED, 128, DTYPE_BF16)
+#undef ATTEND_SPECIALISED
 
 /* Other head sizes take the portable loop: the families served (Llama, Mistral, Qwen2/3) use 64
  * or 128, and two more AVX-512 copies for the rest added 0.5 s (a quarter) to every first build. */
@@ -417,18 +422,6 @@ static attend_fn choose_kernel(int64_t head_dim, int dtype) {
     if (head_dim == 128) return dtype == DTYPE_F32 ? attend_f32_d128 : attend_bf16_d128;
     return attend_any;
 }
-#else
-DEFINE_ATTEND(attend_f32_d64, attend_one, 64, DTYPE_F32)
-DEFINE_ATTEND(attend_f32_d128, attend_one, 128, DTYPE_F32)
-DEFINE_ATTEND(attend_bf16_d64, attend_one, 64, DTYPE_BF16)
-DEFINE_ATTEND(attend_bf16_d128, attend_one, 128, DTYPE_BF16)
-
-static attend_fn choose_kernel(int64_t head_dim, int dtype) {
-    if (head_dim == 64) return dtype == DTYPE_F32 ? attend_f32_d64 : attend_bf16_d64;
-    if (head_dim == 128) return dtype == DTYPE_F32 ? attend_f32_d128 : attend_bf16_d128;
-    return attend_any;
-}
-#endif
 
 int64_t max_seq_len(const int64_t *seq_lens, int64_t num_seqs) {
     int64_t max_len = 0;
