@@ -67,6 +67,28 @@ def test_silu_and_mul_kernel_matches_module(dtype):
     assert diff <= (2**-7 if dtype == torch.bfloat16 else 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 15), (5, 16), (17, 33), (64, 32000), (2, 151936)])
+def test_argmax_kernel_matches_torch(dtype, shape):
+    """Row argmax equals torch.argmax, ties and NaNs included: the first of equal largest values
+    (-0.0 equal to 0.0), the first NaN of a row that has one, index 0 of a row of -inf."""
+    torch.manual_seed(0)
+    x = torch.randn(*shape).to(dtype)
+    rows, width = shape
+    special = [  # (row, columns, value)
+        (1, [width // 2, width - 1], float("nan")), (1, [0], float("inf")),
+        (2, slice(None), float("-inf")),
+        (3, [width - 1, width // 3], 1e4),
+        (4, slice(None), 0.0), (4, [width - 1], -0.0),
+        (5, [width - 1], float("inf")), (5, [width // 2], float("nan")),
+    ]
+    for row, columns, value in special:
+        if row < rows:
+            x[row, columns] = value
+    assert torch.equal(cpu_kernels.argmax(x), x.argmax(-1))
+    assert torch.equal(cpu_kernels.argmax(x.T.contiguous().T), x.argmax(-1))  # strided rows copied
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_projections_match_separate_ones(bias):
     """fuse_projections replaces q/k/v and gate/up with one linear each and keeps the logits."""

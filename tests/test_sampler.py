@@ -286,11 +286,14 @@ def test_prompt_logprobs_match_reference():
 
 
 def test_greedy_is_argmax():
-    """Greedy rows (temperature 0, or below 1e-5) take the argmax, alone or beside sampling rows."""
+    """Greedy rows (temperature 0, or below 1e-5) take the argmax, alone or beside sampling rows, of
+    fp32 or bf16 logits."""
     torch.manual_seed(2)
     logits = torch.randn(8, 50)  # (8, vocab)
     all_greedy = build([SamplingRow(SamplingParams(temperature=0.0))] * 8, 50)
     assert torch.equal(sample(logits, all_greedy).token_ids, logits.argmax(-1))
+    bf16 = logits.bfloat16()  # taken as they come, not converted: the same choice as in fp32
+    assert torch.equal(sample(bf16, all_greedy).token_ids, bf16.float().argmax(-1))
     temperatures = [0.0, 1.0, 1e-6, 0.8, 0.0, 1.0, 0.0, 0.5]
     mixed = build([SamplingRow(SamplingParams(temperature=t, top_k=3)) for t in temperatures], 50)
     token_ids = sample(logits, mixed).token_ids

@@ -113,6 +113,8 @@ def _load() -> ctypes.CDLL | None:
     lib.rotary_embedding.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.silu_and_mul.restype = None
     lib.silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
+    lib.argmax_rows.restype = None
+    lib.argmax_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
     lib.decode_workspace_bytes.restype = ctypes.c_int64
     lib.decode_workspace_bytes.argtypes = [ctypes.POINTER(DecodeShape), ctypes.c_int64]
     lib.decode_layers.restype = ctypes.c_int
@@ -315,6 +317,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # (..., 2F) -> (..., F)
     out = torch.empty(*x.shape[:-1], width, dtype=x.dtype)
     lib.silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], width, DTYPE_CODES[x.dtype],
                      torch.get_num_threads())
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:  # (rows, width) -> (rows,) long
+    """`x.argmax(-1)` of a 2-D tensor, as torch chooses (the first of equal largest values; the
+    first NaN where there is one), without converting bf16 to fp32 first."""
+    lib = library()
+    assert lib is not None and supports(x) and x.dim() == 2 and x.shape[1] > 0
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    lib.argmax_rows(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], DTYPE_CODES[x.dtype],
+                    torch.get_num_threads())
     return out
 
 

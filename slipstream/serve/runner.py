@@ -71,7 +71,7 @@ class PagedAttention:
 class StepLogits:
     """Logits a step produced, by purpose."""
 
-    sample_logits: torch.Tensor  # (num_sampling_chunks, V) float32, in plan order
+    sample_logits: torch.Tensor  # (num_sampling_chunks, V) in the model's dtype, in plan order
     prompt_logits: dict[str, torch.Tensor]  # request_id -> (num_tokens, V) over its chunk
 
 
@@ -140,7 +140,7 @@ class Runner:
     def _logits(self, plan: StepPlan, hidden: torch.Tensor) -> StepLogits:
         ends = torch.tensor([c.num_tokens for c in plan.chunks]).cumsum(0)
         sample_rows = [int(end) - 1 for end, c in zip(ends, plan.chunks, strict=True) if c.samples]
-        sample_logits = self.model.compute_logits(hidden[sample_rows]).float()
+        sample_logits = self.model.compute_logits(hidden[sample_rows])
         prompt_logits = {}
         for end, chunk in zip(ends.tolist(), plan.chunks, strict=True):
             if chunk.request.sampling_params.prompt_logprobs is not None:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from slipstream.ops import cpu_kernels
 from slipstream.serve.request import GREEDY_TEMPERATURE, Logprob, PositionLogprobs, SamplingParams
 
 
@@ -409,6 +410,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if logits.shape != (batch.num_rows, batch.vocab_size):
         raise ValueError(f"logits have shape {tuple(logits.shape)}, "
                          f"the batch expects ({batch.num_rows}, {batch.vocab_size})")
+    if batch.random is None and batch.penalties is None and batch.min_tokens_mask is None \
+            and batch.max_num_logprobs is None:  # plain greedy: bf16's argmax is that of its fp32 values
+        return SamplerOutput(token_ids=_argmax(logits), logprobs=None, num_logprobs=batch.num_logprobs)
     logits = logits.float()
     max_num_logprobs = batch.max_num_logprobs
     raw_logprobs = None if max_num_logprobs is None else logits.log_softmax(-1)  # (num_rows, vocab)
@@ -429,10 +433,10 @@ def penalised_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 
 def _choose(logits: torch.Tensor, random: RandomRows | None) -> torch.Tensor:
     if random is None:
-        return logits.argmax(-1)
+        return _argmax(logits)
     if random.index is None:
         return _sample_random(logits, random)
-    token_ids = logits.argmax(-1)  # (num_rows,) kept for the greedy rows
+    token_ids = _argmax(logits)  # (num_rows,) kept for the greedy rows
     return token_ids.index_copy_(0, random.index, _sample_random(logits[random.index], random))
 
 
@@ -450,7 +454,12 @@ def _sample_random(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
     for position, generator in random.generators:
         uniform[position].uniform_(generator=generator)  # the row's own stream, whatever the batch
     noise = uniform.clamp_(min=torch.finfo(uniform.dtype).tiny).log_().neg_()  # (num_random, vocab)
-    return probs.div_(noise).argmax(-1)
+    return _argmax(probs.div_(noise))
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)` of (num_rows, vocab): on the CPU through a C kernel, ~10x faster than torch's."""
+    return cpu_kernels.argmax(x) if cpu_kernels.supports(x) else x.argmax(-1)
 
 
 def _logprobs_of(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
