@@ -6,7 +6,8 @@ Llama-8B-like 32 / 8 of 128), interleaving the two implementations. The baseline
 `paged_attention` runs without the kernel: gather the sequence's keys and values, expand the kv
 heads, `F.scaled_dot_product_attention` (in bf16 under 385 keys: two matmuls and a softmax, the
 faster path there). Prints the median time per call, GFLOP/s over the causal half (4 H D L(L+1)/2
-FLOPs), the ratio and the fraction of the calibrated peak of fp32, the kernel's arithmetic dtype.
+FLOPs), the ratio and the fraction of the calibrated peak of the kernel's arithmetic dtype (bf16
+inputs compute in bf16 where the CPU has AVX512-BF16, else in fp32).
 Last line JSON.
 
     python benchmarks/prefill_attention.py [--dtype float32|bfloat16|both] [--lengths 128 ... 2048]
@@ -65,7 +66,8 @@ def flops_of(num_heads: int, head_dim: int, length: int) -> float:
 
 
 def measure(dtype: torch.dtype, lengths: list[int], repeats: int) -> list[dict]:
-    peak = calibrate().peak_flops("float32")
+    arithmetic = str(cpu_kernels.prefill_attention_arithmetic(dtype)).removeprefix("torch.")
+    peak = calibrate().peak_flops(arithmetic)
     name = str(dtype).removeprefix("torch.")
     torch.manual_seed(0)
     results = []
@@ -77,10 +79,11 @@ def measure(dtype: torch.dtype, lengths: list[int], repeats: int) -> list[dict]:
             print(f"{name} heads {num_heads}/{num_kv_heads} x {head_dim} L={length:5d}: "
                   f"kernel {1e3 * seconds['kernel']:8.3f} ms {gflops['kernel']:4.0f} GFLOP/s, "
                   f"torch {1e3 * seconds['torch']:8.3f} ms {gflops['torch']:4.0f} GFLOP/s; "
-                  f"{ratio:.2f}x, kernel at {gflops['kernel'] * 1e9 / peak:.0%} of the fp32 peak")
+                  f"{ratio:.2f}x, kernel at {gflops['kernel'] * 1e9 / peak:.0%} of the {arithmetic} peak")
             results.append({"dtype": name, "heads": num_heads, "kv_heads": num_kv_heads, "head_dim": head_dim,
                             "length": length, "seconds": seconds, "gflops": gflops, "speedup": ratio,
-                            "kernel_fraction_of_fp32_peak": gflops["kernel"] * 1e9 / peak})
+                            "kernel_arithmetic": arithmetic,
+                            "kernel_fraction_of_peak": gflops["kernel"] * 1e9 / peak})
     return results
 
 

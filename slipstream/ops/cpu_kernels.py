@@ -87,6 +87,8 @@ def _load() -> ctypes.CDLL | None:
     lib.paged_decode_attention.argtypes = (
         [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     )
+    lib.prefill_attention_arithmetic.restype = ctypes.c_int
+    lib.prefill_attention_arithmetic.argtypes = [ctypes.c_int]
     lib.has_prefill_attention.restype = ctypes.c_int
     lib.has_prefill_attention.argtypes = [ctypes.c_int64]
     lib.paged_prefill_attention.restype = ctypes.c_int
@@ -172,6 +174,15 @@ def paged_decode_attention(
 def supports_prefill_attention(q: torch.Tensor) -> bool:
     """Whether `paged_prefill_attention_` takes queries like `q` (N, H, D): AVX-512, D 64 or 128."""
     return supports(q) and bool(library().has_prefill_attention(q.shape[-1]))
+
+
+def prefill_attention_arithmetic(dtype: torch.dtype) -> torch.dtype:
+    """The dtype `paged_prefill_attention_` computes in for inputs of `dtype`: bf16 on a CPU with
+    AVX512-BF16 (vdpbf16ps, fp32 sums), else fp32."""
+    lib = library()
+    assert lib is not None and dtype in DTYPE_CODES
+    code = lib.prefill_attention_arithmetic(DTYPE_CODES[dtype])
+    return next(d for d, c in DTYPE_CODES.items() if c == code)
 
 
 def paged_prefill_attention_(

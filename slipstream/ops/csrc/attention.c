@@ -624,14 +624,26 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
  * PREFILL_KEYS keys: S = Q K^T (the keys packed transposed, fp32), the causal and window masks,
  * the online softmax (running max and sum per row, the accumulator rescaled when the max grows),
  * then O += P V. Only tiles a row can see are visited, so a causal prefill computes about half of
- * the square, as FlashAttention does. bf16 inputs are widened to fp32 when packed; the
- * arithmetic is fp32. The queries of chunk c are the last chunk_lens[c] of its seq_lens[c]
- * positions (their keys already written to the cache), at rows chunk_rows[c] of q and out.
- * head_dim 64 or 128.
+ * the square, as FlashAttention does. With bf16 inputs on a CPU with AVX512-BF16 both products
+ * take bf16 pairs through vdpbf16ps (fp32 sums), the probabilities rounded to bf16 for P V as
+ * FlashAttention and PyTorch's CPU flash attention round them; elsewhere bf16 is widened to fp32
+ * when packed and the arithmetic is fp32. The queries of chunk c are the last chunk_lens[c] of
+ * its seq_lens[c] positions (their keys already written to the cache), at rows chunk_rows[c] of q
+ * and out. head_dim 64 or 128.
  */
 /* Query blocks of 64 ran 5-15% faster than blocks of 32 (each key tile packed for more rows) and
  * than blocks of 128 below 2048 tokens (benchmarks/prefill_attention.py, bf16). */
 enum { PREFILL_QUERIES = 64, PREFILL_KEYS = 64 };
+
+/* The dtype paged_prefill_attention computes in for inputs of `dtype` (see above). */
+int prefill_attention_arithmetic(int dtype) {
+#if defined(__AVX512BF16__)
+    return dtype;
+#else
+    (void)dtype;
+    return DTYPE_F32;
+#endif
+}
 
 int has_prefill_attention(int64_t head_dim) {
 #if defined(__AVX512F__)
@@ -698,6 +710,70 @@ static const value_kernel_fn value_kernels_4[7] = {
 static const value_kernel_fn value_kernels_8[4] = {
     NULL, value_kernel_1_8, value_kernel_2_8, value_kernel_3_8};
 
+#if defined(__AVX512BF16__)
+/* bf16 through vdpbf16ps, pairs of bf16 in each 32-bit word. Scores: s[r][0:64] = scale * q[r] .
+ * k for ROWS rows, q rows as stored (`pairs` words each), kt[i][t] the pair (k_t[2i], k_t[2i+1]). */
+#define SCORE_KERNEL_BF16(ROWS)                                                                 \
+    static void score_kernel_bf16_##ROWS(const uint32_t *q, const uint32_t *kt, float *s,      \
+                                         int64_t pairs, float scale) {                          \
+        __m512 acc[ROWS][4];                                                                    \
+        for (int r = 0; r < ROWS; r++)                                                          \
+            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();                        \
+        for (int64_t i = 0; i < pairs; i++) {                                                   \
+            const uint32_t *k = kt + i * PREFILL_KEYS;                                          \
+            __m512bh keys[4];                                                                   \
+            for (int j = 0; j < 4; j++) keys[j] = (__m512bh)_mm512_loadu_si512(k + 16 * j);     \
+            for (int r = 0; r < ROWS; r++) {                                                    \
+                const __m512bh b = (__m512bh)_mm512_set1_epi32((int)q[r * pairs + i]);          \
+                for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], b, keys[j]); \
+            }                                                                                   \
+        }                                                                                       \
+        const __m512 scales = _mm512_set1_ps(scale);                                            \
+        for (int r = 0; r < ROWS; r++)                                                          \
+            for (int j = 0; j < 4; j++)                                                         \
+                _mm512_storeu_ps(s + r * PREFILL_KEYS + 16 * j, _mm512_mul_ps(acc[r][j], scales)); \
+    }
+SCORE_KERNEL_BF16(1) SCORE_KERNEL_BF16(2) SCORE_KERNEL_BF16(3) SCORE_KERNEL_BF16(4)
+SCORE_KERNEL_BF16(5) SCORE_KERNEL_BF16(6)
+#undef SCORE_KERNEL_BF16
+typedef void (*score_kernel_bf16_fn)(const uint32_t *, const uint32_t *, float *, int64_t, float);
+static const score_kernel_bf16_fn score_kernels_bf16[7] = {
+    NULL, score_kernel_bf16_1, score_kernel_bf16_2, score_kernel_bf16_3, score_kernel_bf16_4,
+    score_kernel_bf16_5, score_kernel_bf16_6};
+
+/* Values: o[r][0:16 VECS] += sum over key pairs i of the pair (p[r][2i], p[r][2i+1]) . the pair
+ * (v_2i, v_2i+1) of each column: p rows PREFILL_KEYS / 2 words apart, v[i][d] one word per
+ * column (16 VECS a row), o rows 16 VECS floats apart. */
+#define VALUE_KERNEL_BF16(ROWS, VECS)                                                           \
+    static void value_kernel_bf16_##ROWS##_##VECS(const uint32_t *p, const uint32_t *v, float *o, \
+                                                  int64_t pairs) {                              \
+        __m512 acc[ROWS][VECS];                                                                 \
+        for (int r = 0; r < ROWS; r++)                                                          \
+            for (int j = 0; j < VECS; j++) acc[r][j] = _mm512_loadu_ps(o + r * 16 * VECS + 16 * j); \
+        for (int64_t i = 0; i < pairs; i++) {                                                   \
+            __m512bh values[VECS];                                                              \
+            for (int j = 0; j < VECS; j++)                                                      \
+                values[j] = (__m512bh)_mm512_loadu_si512(v + i * 16 * VECS + 16 * j);           \
+            for (int r = 0; r < ROWS; r++) {                                                    \
+                const __m512bh b = (__m512bh)_mm512_set1_epi32((int)p[r * PREFILL_KEYS / 2 + i]); \
+                for (int j = 0; j < VECS; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], b, values[j]); \
+            }                                                                                   \
+        }                                                                                       \
+        for (int r = 0; r < ROWS; r++)                                                          \
+            for (int j = 0; j < VECS; j++) _mm512_storeu_ps(o + r * 16 * VECS + 16 * j, acc[r][j]); \
+    }
+VALUE_KERNEL_BF16(1, 4) VALUE_KERNEL_BF16(2, 4) VALUE_KERNEL_BF16(3, 4) VALUE_KERNEL_BF16(4, 4)
+VALUE_KERNEL_BF16(5, 4) VALUE_KERNEL_BF16(6, 4) VALUE_KERNEL_BF16(1, 8) VALUE_KERNEL_BF16(2, 8)
+VALUE_KERNEL_BF16(3, 8)
+#undef VALUE_KERNEL_BF16
+typedef void (*value_kernel_bf16_fn)(const uint32_t *, const uint32_t *, float *, int64_t);
+static const value_kernel_bf16_fn value_kernels_bf16_4[7] = {
+    NULL, value_kernel_bf16_1_4, value_kernel_bf16_2_4, value_kernel_bf16_3_4, value_kernel_bf16_4_4,
+    value_kernel_bf16_5_4, value_kernel_bf16_6_4};
+static const value_kernel_bf16_fn value_kernels_bf16_8[4] = {
+    NULL, value_kernel_bf16_1_8, value_kernel_bf16_2_8, value_kernel_bf16_3_8};
+#endif
+
 /* Row t of a cache (num_blocks, block_size, num_kv_heads, D) for kv head g, through a block table. */
 static inline const char *cache_row(const void *cache, const int64_t *block_table, int64_t t,
                                     int64_t block_size, int64_t num_kv_heads, int64_t g, int64_t D,
@@ -719,12 +795,15 @@ static inline void widen_row(const char *src, float *dst, int64_t D, int dtype, 
     }
 }
 
+/* A task's working memory. In bf16 q, kt, v and p hold bf16 pairs (the arithmetic's inputs), in
+ * fp32 q, kt and v fp32 values and p is unused; s, o, max and sum are fp32 either way. */
 typedef struct {
     float *q, *o, *s, *kt, *v, *max, *sum;
+    uint32_t *p;
 } prefill_scratch;
 
 static int64_t prefill_scratch_floats(int64_t rows, int64_t D) {
-    return 2 * rows * D + rows * PREFILL_KEYS + 2 * PREFILL_KEYS * D + 2 * rows;
+    return 2 * rows * D + rows * PREFILL_KEYS + 2 * PREFILL_KEYS * D + 2 * rows + rows * PREFILL_KEYS / 2;
 }
 
 static prefill_scratch split_prefill_scratch(float *base, int64_t rows, int64_t D) {
@@ -735,7 +814,106 @@ static prefill_scratch split_prefill_scratch(float *base, int64_t rows, int64_t 
     s.v = s.kt + PREFILL_KEYS * D;
     s.max = s.v + PREFILL_KEYS * D;
     s.sum = s.max + rows;
+    s.p = (uint32_t *)(s.sum + rows);
     return s;
+}
+
+/* fp32 arithmetic: keys [j0, j0 + n) widened into w.kt transposed (kt[d][t]) and w.v (v[t][d]),
+ * zeros past n. */
+static void pack_tile_f32(const void *k_cache, const void *v_cache, const int64_t *block_table,
+                          int64_t j0, int64_t n, int64_t g, int64_t num_kv_heads, int64_t D,
+                          int64_t block_size, int dtype, prefill_scratch w) {
+    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
+    for (int64_t t = 0; t < PREFILL_KEYS; t++) {
+        float *v = w.v + t * D;
+        if (t >= n) {
+            memset(v, 0, D * sizeof(float));
+            for (int64_t d = 0; d < D; d++) w.kt[d * PREFILL_KEYS + t] = 0.0f;
+            continue;
+        }
+        widen_row(cache_row(v_cache, block_table, j0 + t, block_size, num_kv_heads, g, D, elem), v, D, dtype,
+                  1.0f);
+        const char *k = cache_row(k_cache, block_table, j0 + t, block_size, num_kv_heads, g, D, elem);
+        for (int64_t d = 0; d < D; d++)
+            w.kt[d * PREFILL_KEYS + t] = dtype == DTYPE_F32 ? ((const float *)k)[d]
+                                                            : bf16_to_f32(((const uint16_t *)k)[d]);
+    }
+}
+
+#if defined(__AVX512BF16__)
+/* bf16 arithmetic: keys [j0, j0 + n) as pairs, kt[i][t] = (k_t[2i], k_t[2i+1]) and
+ * v[i][d] = (v_2i[d], v_2i+1[d]), zeros past n (unwritten cache slots may hold anything, and
+ * 0 * NaN would reach the output). */
+static void pack_tile_bf16(const void *k_cache, const void *v_cache, const int64_t *block_table,
+                           int64_t j0, int64_t n, int64_t g, int64_t num_kv_heads, int64_t D,
+                           int64_t block_size, prefill_scratch w) {
+    uint32_t *kt = (uint32_t *)w.kt, *v = (uint32_t *)w.v;
+    const int64_t pairs = D / 2;
+    for (int64_t t = 0; t < PREFILL_KEYS; t++) {
+        if (t >= n) {
+            for (int64_t i = 0; i < pairs; i++) kt[i * PREFILL_KEYS + t] = 0;
+            continue;
+        }
+        const uint32_t *k = (const uint32_t *)cache_row(k_cache, block_table, j0 + t, block_size,
+                                                        num_kv_heads, g, D, 2);
+        for (int64_t i = 0; i < pairs; i++) kt[i * PREFILL_KEYS + t] = k[i];
+    }
+    for (int64_t i = 0; i < PREFILL_KEYS / 2; i++) {
+        const uint16_t *rows[2];  /* keys 2i and 2i + 1, NULL past n */
+        for (int e = 0; e < 2; e++)
+            rows[e] = 2 * i + e < n ? (const uint16_t *)cache_row(v_cache, block_table, j0 + 2 * i + e,
+                                                                  block_size, num_kv_heads, g, D, 2)
+                                    : NULL;
+        for (int64_t d = 0; d < D; d += 16) {
+            __m512i words[2];
+            for (int e = 0; e < 2; e++)
+                words[e] = rows[e] == NULL ? _mm512_setzero_si512()
+                    : _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rows[e] + d)));
+            _mm512_storeu_si512(v + i * D + d, _mm512_or_si512(words[0], _mm512_slli_epi32(words[1], 16)));
+        }
+    }
+}
+
+/* Row r of p (fp32, PREFILL_KEYS values) as bf16 pairs, the rounding FlashAttention applies before
+ * its P V product; the softmax's sums stay fp32. */
+static void pair_probabilities(const float *s, uint32_t *p, int64_t rows) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < PREFILL_KEYS; j += 32)
+            _mm512_storeu_si512(p + r * PREFILL_KEYS / 2 + j / 2,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + r * PREFILL_KEYS + j + 16),
+                                                             _mm512_loadu_ps(s + r * PREFILL_KEYS + j)));
+}
+#endif
+
+/* The causal and window masks and the online softmax over one tile's scores (keys [j0, j0 + n)):
+ * each row's scores become its probabilities against the running max, which, with the running
+ * sum and the row's accumulator, is brought up to date. */
+static void softmax_tile(prefill_scratch w, int64_t rows, int64_t group, int64_t p0, int64_t j0, int64_t n,
+                         int64_t window, int64_t D) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t position = p0 + r / group;
+        const int64_t begin = window > 0 && position - window + 1 > j0 ? position - window + 1 - j0 : 0;
+        const int64_t end = position - j0 + 1 < n ? position - j0 + 1 : n;  /* keys [begin, end) */
+        float *s = w.s + r * PREFILL_KEYS;
+        if (begin >= end) {
+            memset(s, 0, PREFILL_KEYS * sizeof(float));
+            continue;
+        }
+        float tile_max = -FLT_MAX;
+        for (int64_t t = begin; t < end; t++) tile_max = s[t] > tile_max ? s[t] : tile_max;
+        const float new_max = tile_max > w.max[r] ? tile_max : w.max[r];
+        const float correction = expf(w.max[r] - new_max);
+        float sum = 0.0f;
+        for (int64_t t = 0; t < PREFILL_KEYS; t++) {
+            const float e = expf(s[t] - new_max);
+            s[t] = t >= begin && t < end ? e : 0.0f;
+            sum += s[t];
+        }
+        w.max[r] = new_max;
+        w.sum[r] = w.sum[r] * correction + sum;
+        if (correction != 1.0f)
+            for (int64_t d = 0; d < D; d++) w.o[r * D + d] *= correction;
+    }
 }
 
 /* One task: query positions [p0, p0 + count) of a chunk, kv head g, `group` query heads each. */
@@ -745,61 +923,52 @@ static void prefill_task(const void *q, const void *k_cache, const void *v_cache
                          int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t window,
                          float scale, int dtype, prefill_scratch w) {
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2, rows = count * group;
+#if defined(__AVX512BF16__)
+    const int bf16 = dtype == DTYPE_BF16;
+#else
+    const int bf16 = 0;
+#endif
     /* Task row i * group + h: position p0 + i (flat row first_row + i of q and out), query head
-     * g * group + h. */
+     * g * group + h. bf16 queries stay as they are, the scale applied to the scores. */
     const int64_t first_row = row0 + p0 - first_position;
     for (int64_t i = 0; i < count; i++)
-        for (int64_t h = 0; h < group; h++)
-            widen_row((const char *)q + head_offset(first_row + i, g * group + h, num_heads, D) * elem,
-                      w.q + (i * group + h) * D, D, dtype, scale);
+        for (int64_t h = 0; h < group; h++) {
+            const int64_t r = i * group + h, offset = head_offset(first_row + i, g * group + h, num_heads, D);
+            const char *src = (const char *)q + offset * elem;
+            if (bf16) memcpy((uint16_t *)w.q + r * D, src, D * sizeof(uint16_t));
+            else widen_row(src, w.q + r * D, D, dtype, scale);
+        }
     memset(w.o, 0, rows * D * sizeof(float));
     for (int64_t r = 0; r < rows; r++) w.max[r] = -FLT_MAX, w.sum[r] = 0.0f;
     const int64_t last = p0 + count - 1;
     const int64_t lo = window > 0 && p0 - window + 1 > 0 ? p0 - window + 1 : 0;
     for (int64_t j0 = lo; j0 <= last; j0 += PREFILL_KEYS) {
         const int64_t n = last - j0 + 1 < PREFILL_KEYS ? last - j0 + 1 : PREFILL_KEYS;
-        for (int64_t t = 0; t < PREFILL_KEYS; t++) {  /* pack the tile; zeros past its end */
-            float *v = w.v + t * D;
-            if (t >= n) {
-                memset(v, 0, D * sizeof(float));
-                for (int64_t d = 0; d < D; d++) w.kt[d * PREFILL_KEYS + t] = 0.0f;
-                continue;
+#if defined(__AVX512BF16__)
+        if (bf16) {
+            pack_tile_bf16(k_cache, v_cache, block_table, j0, n, g, num_kv_heads, D, block_size, w);
+            for (int64_t r = 0; r < rows; r += 6) {
+                const int64_t m = rows - r < 6 ? rows - r : 6;
+                score_kernels_bf16[m]((const uint32_t *)w.q + r * D / 2, (const uint32_t *)w.kt,
+                                      w.s + r * PREFILL_KEYS, D / 2, scale);
             }
-            widen_row(cache_row(v_cache, block_table, j0 + t, block_size, num_kv_heads, g, D, elem),
-                      v, D, dtype, 1.0f);
-            const char *k = cache_row(k_cache, block_table, j0 + t, block_size, num_kv_heads, g, D, elem);
-            for (int64_t d = 0; d < D; d++)
-                w.kt[d * PREFILL_KEYS + t] = dtype == DTYPE_F32 ? ((const float *)k)[d]
-                                                                : bf16_to_f32(((const uint16_t *)k)[d]);
+            softmax_tile(w, rows, group, p0, j0, n, window, D);
+            pair_probabilities(w.s, w.p, rows);
+            const int64_t step = D == 64 ? 6 : 3, pairs = (n + 1) / 2;
+            for (int64_t r = 0; r < rows; r += step) {
+                const int64_t m = rows - r < step ? rows - r : step;
+                (D == 64 ? value_kernels_bf16_4 : value_kernels_bf16_8)[m](
+                    w.p + r * PREFILL_KEYS / 2, (const uint32_t *)w.v, w.o + r * D, pairs);
+            }
+            continue;
         }
+#endif
+        pack_tile_f32(k_cache, v_cache, block_table, j0, n, g, num_kv_heads, D, block_size, dtype, w);
         for (int64_t r = 0; r < rows; r += 5) {
             const int64_t m = rows - r < 5 ? rows - r : 5;
             score_kernels[m](w.q + r * D, w.kt, w.s + r * PREFILL_KEYS, D);
         }
-        for (int64_t r = 0; r < rows; r++) {  /* mask, online softmax; s becomes p */
-            const int64_t position = p0 + r / group;
-            const int64_t begin = window > 0 && position - window + 1 > j0 ? position - window + 1 - j0 : 0;
-            const int64_t end = position - j0 + 1 < n ? position - j0 + 1 : n;  /* keys [begin, end) */
-            float *s = w.s + r * PREFILL_KEYS;
-            if (begin >= end) {
-                memset(s, 0, PREFILL_KEYS * sizeof(float));
-                continue;
-            }
-            float tile_max = -FLT_MAX;
-            for (int64_t t = begin; t < end; t++) tile_max = s[t] > tile_max ? s[t] : tile_max;
-            const float new_max = tile_max > w.max[r] ? tile_max : w.max[r];
-            const float correction = expf(w.max[r] - new_max);
-            float sum = 0.0f;
-            for (int64_t t = 0; t < PREFILL_KEYS; t++) {
-                const float e = expf(s[t] - new_max);
-                s[t] = t >= begin && t < end ? e : 0.0f;
-                sum += s[t];
-            }
-            w.max[r] = new_max;
-            w.sum[r] = w.sum[r] * correction + sum;
-            if (correction != 1.0f)
-                for (int64_t d = 0; d < D; d++) w.o[r * D + d] *= correction;
-        }
+        softmax_tile(w, rows, group, p0, j0, n, window, D);
         const int64_t step = D == 64 ? 6 : 3;
         for (int64_t r = 0; r < rows; r += step) {
             const int64_t m = rows - r < step ? rows - r : step;
