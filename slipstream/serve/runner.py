@@ -10,6 +10,7 @@ logprobs.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 
 import torch
@@ -138,11 +139,11 @@ class Runner:
         return self.model.hidden_states(token_ids[None], positions[None], attn)[0]
 
     def _logits(self, plan: StepPlan, hidden: torch.Tensor) -> StepLogits:
-        ends = torch.tensor([c.num_tokens for c in plan.chunks]).cumsum(0)
-        sample_rows = [int(end) - 1 for end, c in zip(ends, plan.chunks, strict=True) if c.samples]
+        ends = list(itertools.accumulate(c.num_tokens for c in plan.chunks))  # past each chunk's rows
+        sample_rows = [end - 1 for end, c in zip(ends, plan.chunks, strict=True) if c.samples]
         sample_logits = self.model.compute_logits(hidden[sample_rows])
         prompt_logits = {}
-        for end, chunk in zip(ends.tolist(), plan.chunks, strict=True):
+        for end, chunk in zip(ends, plan.chunks, strict=True):
             if chunk.request.sampling_params.prompt_logprobs is not None:
                 rows = hidden[end - chunk.num_tokens : end]
                 prompt_logits[chunk.request.request_id] = self.model.compute_logits(rows).float()
