@@ -239,13 +239,6 @@ static inline __m512 sum_lanes_16(const __m512 v[16]) {
                          _mm512_shuffle_f32x4(octs[0], octs[1], 0xDD));
 }
 
-/* 16 consecutive elements as fp32. */
-static inline __m512 load16(const void *base, int64_t index, int dtype) {
-    if (dtype == DTYPE_F32) return _mm512_loadu_ps((const float *)base + index);
-    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
 static inline void prefetch_bytes(const void *base, int64_t index, int64_t bytes, int64_t elem_size) {
     const char *start = (const char *)base + index * elem_size;
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(start + b, _MM_HINT_T0);
@@ -345,7 +338,7 @@ static inline __attribute__((always_inline)) void attend_avx512(
         for (int64_t t = 1; t < num_keys; t++) max_score = row[t] > max_score ? row[t] : max_score;
         max_scores[h] = max_score;
         for (int64_t t = 0; t < num_keys; t++) {
-            row[t] = expf(row[t] - max_scores[h]);
+            row[t] = expf(row[t] - max_score);
             sum += row[t];
         }
         sums[h] = sum;

@@ -1,7 +1,8 @@
 /*
- * What the kernel files share: the dtype codes, bf16 conversions, and the attention entry points
- * that the decode graph (cpu_ops.c) calls inside its parallel region (attention.c). The files are
- * separate translation units so that a first build compiles them in parallel (cpu_kernels.py).
+ * What the kernel files share: the dtype codes, bf16 conversions, a 16-element fp32 loader, and
+ * the attention entry points that the decode graph (cpu_ops.c) calls inside its parallel region
+ * (attention.c). The files are separate translation units so that a first build compiles them
+ * in parallel (cpu_kernels.py).
  */
 #ifndef SLIPSTREAM_CPU_OPS_COMMON_H
 #define SLIPSTREAM_CPU_OPS_COMMON_H
@@ -30,6 +31,15 @@ static inline uint16_t f32_to_bf16(float x) {  /* round to nearest even, as torc
     union { float f; uint32_t u; } bits = {.f = x};
     return (uint16_t)((bits.u + 0x7FFFu + ((bits.u >> 16) & 1u)) >> 16);
 }
+
+#if defined(__AVX512F__)
+/* 16 consecutive elements as fp32. */
+static inline __m512 load16(const void *base, int64_t index, int dtype) {
+    if (dtype == DTYPE_F32) return _mm512_loadu_ps((const float *)base + index);
+    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#endif
 
 /* attention.c: the decode attention of a batch, shared among the threads of the enclosing
  * parallel region (see attention_tasks), and the per-thread scratch it needs. */

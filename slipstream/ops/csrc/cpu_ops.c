@@ -498,14 +498,6 @@ static inline float bits_value(uint32_t bits) {
     return v.f;
 }
 
-#if defined(__AVX512F__)
-static inline __m512i load_bits16(const void *row, int64_t i, int dtype) {
-    if (dtype == DTYPE_F32) return _mm512_loadu_si512((const uint32_t *)row + i);
-    const __m256i halves = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i));
-    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16);
-}
-#endif
-
 /* Starting from the first value rather than -inf: finite math may fold comparisons with an infinite
  * constant, not with values read at run time. */
 static int64_t argmax_row(const void *row, int64_t n, int dtype) {
@@ -517,7 +509,7 @@ static int64_t argmax_row(const void *row, int64_t n, int dtype) {
     __m512 max16 = _mm512_set1_ps(max_value);
     __mmask16 nans = 0;
     for (; i + 16 <= n; i += 16) {
-        const __m512i bits = load_bits16(row, i, dtype);
+        const __m512i bits = _mm512_castps_si512(load16(row, i, dtype));
         nans |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, magnitude), inf);
         max16 = _mm512_max_ps(max16, _mm512_castsi512_ps(bits));
     }
@@ -534,7 +526,7 @@ static int64_t argmax_row(const void *row, int64_t n, int dtype) {
 #if defined(__AVX512F__)
     const __m512 target = _mm512_set1_ps(max_value);
     for (; i + 16 <= n; i += 16) {
-        const __m512i bits = load_bits16(row, i, dtype);
+        const __m512i bits = _mm512_castps_si512(load16(row, i, dtype));
         const __mmask16 hit = nan ? _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, magnitude), inf)
                                   : _mm512_cmp_ps_mask(_mm512_castsi512_ps(bits), target, _CMP_EQ_OQ);
         if (hit) return i + __builtin_ctz(hit);
