@@ -88,19 +88,19 @@ static inline float dot_bf16(const void *q, int64_t q_index, const void *k_cache
  * The cache rows of the sequence a thread attends next, requested a few lines at a time while it
  * computes the current one (spread over the query heads of each key tile and the kv heads of each
  * value tile), so that the next sequence streams in while this one computes. Without it, a thread
- * computes and waits on memory in turn. Only the first NEXT_SEQUENCE_BYTES_F32 of an fp32
- * sequence are requested (its keys first): all of a long one (~450 KiB at 220 tokens here) and the
- * current one together would not fit the 1 MiB L2, and requesting all of it measured up to 9% slower.
- * In bf16 the whole next sequence is requested (up to NEXT_SEQUENCE_BYTES_BF16), even where it
- * does not fit L2 beside the current one (what L2 evicts, L3 keeps): at 1,024 keys a call took
- * 0.64-0.71 ms instead of 0.93 (benchmarks/decode_attention.py's setup), at ~220 keys the same.
- * Walking whole blocks (block_size contiguous rows) keeps the cost per line to a pointer bump. In
- * a synthetic batch of 64 sequences (~220 tokens each) over 12 layers' caches: 0.43-0.45 ms per
- * call in bf16 and 0.95-0.98 in fp32, against 0.50-0.51 and 0.99-1.06 requesting the whole next
- * sequence at one point per tile, and ~0.68 (bf16) requesting nothing.
- * Only for whole-sequence tasks, whose rows are read whole.
+ * computes and waits on memory in turn. The requests ask for L2 (_MM_HINT_T1), where the next
+ * sequence waits beside the current one, not for L1, whose 32-48 KiB the current tiles need: the
+ * whole next sequence is requested (up to NEXT_SEQUENCE_BYTES; ~450 KiB at 220 fp32 tokens here).
+ * Walking whole blocks (block_size contiguous rows) keeps the cost per line to a pointer bump.
+ * benchmarks/decode_attention.py's setup (12 layers' caches of shuffled blocks), on the Zen 4
+ * development machine, alternating with the previous requests (into L1, and only the first 256 KiB
+ * of an fp32 sequence, which measured up to 9% faster than the whole one on Zen 5): 64 x 224 keys
+ * bf16 1.01-1.03 -> 0.65-0.83 ms per call, fp32 1.90-2.11 -> 1.31-1.54; 16 x 1,024 bf16 1.24 ->
+ * 0.79-0.85, fp32 2.19-2.49 -> 1.71-1.74; ~1 ms per call with nothing requested. On Zen 5 a T2
+ * hint (the same as T1 on Zen 4) measured as T0. Only for whole-sequence tasks, whose rows are read
+ * whole.
  */
-enum { NEXT_SEQUENCE_BYTES_F32 = 256 * 1024, NEXT_SEQUENCE_BYTES_BF16 = 4096 * 1024 };
+enum { NEXT_SEQUENCE_BYTES = 4096 * 1024 };
 
 /* Sequences with more keys to attend to than this are split into chunks of this many, each its own
  * task, merged afterwards (attention_tasks): so that a long sequence streams as a row of short
@@ -137,7 +137,7 @@ static inline void request_next(next_sequence *next, int64_t lines) {
             cursor = next->caches[next->cache] + next->block_table[next->block++] * next->block_bytes;
             end = cursor + next->block_bytes;
         }
-        _mm_prefetch(cursor, _MM_HINT_T0);
+        _mm_prefetch(cursor, _MM_HINT_T1);
     }
     next->cursor = cursor;
     next->end = end;
@@ -548,8 +548,7 @@ void attention_tasks(const void *q, const void *k_cache, const void *v_cache, vo
             const int64_t end_block = (next_end + block_size - 1) / block_size;
             const int64_t block_bytes = block_size * row_bytes;
             const int64_t all_lines = 2 * (end_block - first_block) * block_bytes / 64;
-            const int64_t max_bytes = dtype == DTYPE_F32 ? NEXT_SEQUENCE_BYTES_F32 : NEXT_SEQUENCE_BYTES_BF16;
-            const int64_t lines = all_lines < max_bytes / 64 ? all_lines : max_bytes / 64;
+            const int64_t lines = all_lines < NEXT_SEQUENCE_BYTES / 64 ? all_lines : NEXT_SEQUENCE_BYTES / 64;
             const int64_t tiles = 2 * ((end - first + 15) / 16);  /* key and value tiles */
             if (next_end > next_first)
                 next = (next_sequence){
