@@ -13,6 +13,7 @@ import torch
 
 from slipstream.model import ModelConfig
 from slipstream.model.create import create_model_dir
+from slipstream.perf.hardware import device_name_of
 
 DEFAULT_MODEL_DIR = Path("runs/bench/small")
 
@@ -60,6 +61,7 @@ def median(values: list[float]) -> float:
 def machine() -> dict[str, Any]:
     return {
         "cpu": platform.processor() or platform.machine(),
+        "cpu_name": device_name_of("cpu"),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,

@@ -16,6 +16,7 @@ from slipstream.perf.hardware import (
     Calibration,
     cache_dir,
     calibrate,
+    cpu_name,
     dtype_key,
     get_accelerator,
 )
@@ -151,3 +152,15 @@ def test_corrupt_cache_is_remeasured(tmp_path, monkeypatch):
     assert dataclasses.asdict(second).keys() == dataclasses.asdict(first).keys()
     assert Calibration.from_dict(json.loads(path.read_text())) == second
     assert calibrate(quick=True, device="cpu", force=True) != second  # measured again
+
+
+def test_cpu_name_tells_generations_with_one_model_name_apart():
+    """Virtual machines report a bare "AMD EPYC" for Zen 4 and Zen 5 alike; the family and model
+    keep their calibrations (and cache files) apart. Only the first processor's block counts."""
+    block = "processor\t: {p}\nvendor_id\t: AuthenticAMD\ncpu family\t: {f}\nmodel\t\t: {m}\n" \
+            "model name\t: AMD EPYC\nstepping\t: 1\n"
+    zen4 = block.format(p=0, f=25, m=17) + "\n" + block.format(p=1, f=26, m=2)
+    zen5 = block.format(p=0, f=26, m=2)
+    assert cpu_name(zen4) == "AMD EPYC (family 25, model 17, stepping 1)"
+    assert cpu_name(zen5) == "AMD EPYC (family 26, model 2, stepping 1)"
+    assert cpu_name("processor\t: 0\nmodel name\t: Some CPU\n") == "Some CPU"

@@ -204,7 +204,7 @@ def calibrate(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    device_name = _device_name(device)
+    device_name = device_name_of(device)
     path = _cache_path(device, device_name, torch.__version__, torch.get_num_threads(), quick)
     if cache and not force:
         cached = _load_cached(path)
@@ -419,18 +419,32 @@ def _l3_cache_bytes() -> int:
     return 32 * 2**20
 
 
-def _device_name(device: str) -> str:
+def device_name_of(device: str) -> str:
+    """What calibrations and benchmark records call `device` ("cpu" or "cuda") on this machine."""
     import torch
 
     if device == "cuda":
         return torch.cuda.get_device_name()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        return cpu_name(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown cpu"
+        return platform.processor() or platform.machine() or "unknown cpu"
+
+
+def cpu_name(cpuinfo: str) -> str:
+    """The first processor's model name in /proc/cpuinfo text, with its family, model and stepping
+    where given: virtual machines often report a bare "AMD EPYC" for different generations (Zen 4
+    and Zen 5 here, with peaks a factor of two apart), which must not share a calibration."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block ends here
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or platform.machine() or "unknown cpu"
+    ids = [f"{key.removeprefix('cpu ')} {fields[key]}" for key in ("cpu family", "model", "stepping")
+           if fields.get(key)]
+    return f"{name} ({', '.join(ids)})" if ids else name
 
 
 def cache_dir() -> Path:
