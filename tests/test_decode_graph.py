@@ -110,3 +110,18 @@ def test_decode_graph_rejects_batches_it_cannot_run(family_config):
     prefill = PagedBatch.build(seq_lens=[3], query_lens=[3], block_tables=[[0]], block_size=BLOCK_SIZE)
     with pytest.raises(ValueError, match="prefill"):
         graph(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2]), prefill)
+
+
+@pytest.mark.parametrize("bad", [-1, "vocab"])
+def test_decode_graph_rejects_token_ids_outside_the_vocabulary(family_config, bad):
+    """The embedding lookup is in C: an id outside [0, vocab) is a ValueError naming it, as
+    nn.Embedding refuses it, never a read past the table; nothing is written to the cache."""
+    fast = optimize_for_cpu_inference(random_model(family_config, torch.float32))
+    cache, batch, token_ids, positions = _decode_batch(family_config, [5, 9], torch.float32)
+    graph = CpuDecodeGraph.build(fast, cache.keys, cache.values)
+    bad_id = family_config.vocab_size if bad == "vocab" else bad
+    token_ids[1] = bad_id
+    before = [t.clone() for t in cache.keys]
+    with pytest.raises(ValueError, match=rf"\[0, {family_config.vocab_size}\).*{bad_id}"):
+        graph(token_ids, positions, batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.keys, strict=True))

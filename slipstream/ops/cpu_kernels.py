@@ -121,7 +121,7 @@ def _load() -> ctypes.CDLL | None:
     lib.decode_workspace_bytes.argtypes = [ctypes.POINTER(DecodeShape), ctypes.c_int64]
     lib.decode_layers.restype = ctypes.c_int
     lib.decode_layers.argtypes = (
-        [ctypes.POINTER(DecodeLayer), ctypes.POINTER(DecodeShape)] + [ctypes.c_void_p] * 6
+        [ctypes.POINTER(DecodeLayer), ctypes.POINTER(DecodeShape)] + [ctypes.c_void_p] * 10
         + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int]
     )
     return lib
@@ -142,7 +142,7 @@ class DecodeShape(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_int64) for name in (
         "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-        "block_size", "window",
+        "block_size", "window", "vocab_size",
     )] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("dtype", ctypes.c_int)]
 
 

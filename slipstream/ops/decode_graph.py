@@ -6,8 +6,8 @@ from Python, the dispatch between those ops costs about a third of the step (on 
 development machine: ~1.6 of ~5 ms in bf16), and at batch 64 still a few milliseconds. GPU
 engines remove the same overhead by capturing the step in a CUDA graph once and replaying it;
 `CpuDecodeGraph` does the equivalent here: the address of every weight and cache tensor is bound
-once when it is built, and each step runs the whole layer stack in `decode_layers`
-(ops/csrc/cpu_ops.c) inside one OpenMP parallel region.
+once when it is built, and each step runs the embedding lookup, the whole layer stack and the
+final norm in `decode_layers` (ops/csrc/cpu_ops.c) inside one OpenMP parallel region.
 
 It applies to the optimised CPU inference model (`ops.inference.optimize_for_cpu_inference`: fused
 q/k/v and gate/up projections whose row-major weights are kept for the matrix-vector kernel) and
@@ -38,11 +38,12 @@ class CpuDecodeGraph:
 
     def __init__(
         self, model: Transformer, layers: ctypes.Array, shape: cpu_kernels.DecodeShape,
-        bound: list[torch.Tensor], max_seqs: int,
+        embedding: int, final_norm: int, bound: list[torch.Tensor], max_seqs: int,
     ) -> None:
         self.model = model
         self.max_seqs = max_seqs
         self._layers = layers
+        self._embedding, self._final_norm = embedding, final_norm  # addresses, kept alive by `bound`
         self._shape = shape
         self._bound = bound  # every tensor whose address `layers` holds, kept alive with it
         self._lib = cpu_kernels.library()
@@ -80,6 +81,7 @@ class CpuDecodeGraph:
             return address(linear.row_weight), address(linear.bias), address(linear.panel_weight)
 
         try:
+            embedding_address, final_norm = address(embedding), address(model.model.norm.weight)
             layers = []
             for layer, k_cache, v_cache in zip(model.model.layers, keys, values, strict=True):
                 attention, mlp = layer.self_attn, layer.mlp
@@ -107,13 +109,15 @@ class CpuDecodeGraph:
             num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
             num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim, intermediate_size=config.intermediate_size,
-            block_size=keys[0].shape[1], window=config.sliding_window or 0, eps=config.rms_norm_eps,
+            block_size=keys[0].shape[1], window=config.sliding_window or 0, vocab_size=embedding.shape[0],
+            eps=config.rms_norm_eps,
             scale=config.head_dim**-0.5, dtype=cpu_kernels.DTYPE_CODES[dtype],
         )
         panels = all(layer.qkv_panels and layer.o_panels and layer.gate_up_panels and layer.down_panels
                      for layer in layers)
         max_seqs = MAX_PANEL_ROWS if panels else cpu_kernels.MAX_GEMV_ROWS
-        return cls(model, (cpu_kernels.DecodeLayer * len(layers))(*layers), shape, bound, max_seqs)
+        return cls(model, (cpu_kernels.DecodeLayer * len(layers))(*layers), shape, embedding_address,
+                   final_norm, bound, max_seqs)
 
     def __call__(
         self,
@@ -125,18 +129,27 @@ class CpuDecodeGraph:
         if batch.prefills or not 0 < num_seqs <= self.max_seqs or len(batch.decode_seq_lens) != num_seqs:
             raise ValueError(f"the decode graph takes 1 to {self.max_seqs} decoding sequences and no "
                              f"prefill; got {num_seqs} tokens, {len(batch.prefills)} prefill chunks")
-        decoder = self.model.model
-        hidden = decoder.embed_tokens(token_ids)  # (B, E), a fresh tensor the C code updates
-        cos, sin = rope_cos_sin(decoder.inv_freq, positions, hidden.dtype)  # (B, D) each
+        vocab_size = self._shape.vocab_size
+        token_ids = token_ids.to(torch.int64).contiguous()
+        if token_ids.dim() != 1 or positions.shape != token_ids.shape:
+            raise ValueError(f"token_ids and positions must both be (B,); got {tuple(token_ids.shape)} "
+                             f"and {tuple(positions.shape)}")
+        dtype = self.model.model.embed_tokens.weight.dtype
+        cos, sin = rope_cos_sin(self.model.model.inv_freq, positions, dtype)  # (B, D) each
+        hidden = torch.empty(num_seqs, self._shape.hidden_size, dtype=dtype)  # the residual stream
+        out = torch.empty_like(hidden)
         tables = batch.decode_block_tables
         status = self._lib.decode_layers(
-            self._layers, ctypes.byref(self._shape), hidden.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            batch.slot_mapping.data_ptr(), tables.data_ptr(), batch.decode_seq_lens.data_ptr(),
-            num_seqs, tables.shape[1], self._workspace.data_ptr(), torch.get_num_threads(),
+            self._layers, ctypes.byref(self._shape), token_ids.data_ptr(), self._embedding, self._final_norm,
+            hidden.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), batch.slot_mapping.data_ptr(),
+            tables.data_ptr(), batch.decode_seq_lens.data_ptr(), num_seqs, tables.shape[1],
+            self._workspace.data_ptr(), torch.get_num_threads(),
         )
+        if status == 2 and not all(0 <= t < vocab_size for t in token_ids.tolist()):
+            raise ValueError(f"token ids must be in [0, {vocab_size}); got {token_ids.tolist()}")
         if status != 0:
             raise RuntimeError(f"decode_layers failed with status {status}")
-        return decoder.norm(hidden)
+        return out
 
 
 class _NotApplicable(Exception):
