@@ -96,9 +96,9 @@ static inline float dot_bf16(const void *q, int64_t q_index, const void *k_cache
  * development machine, alternating with the previous requests (into L1, and only the first 256 KiB
  * of an fp32 sequence, which measured up to 9% faster than the whole one on Zen 5): 64 x 224 keys
  * bf16 1.01-1.03 -> 0.65-0.83 ms per call, fp32 1.90-2.11 -> 1.31-1.54; 16 x 1,024 bf16 1.24 ->
- * 0.79-0.85, fp32 2.19-2.49 -> 1.71-1.74; ~1 ms per call with nothing requested. On Zen 5 a T2
- * hint (the same as T1 on Zen 4) measured as T0. Only for whole-sequence tasks, whose rows are read
- * whole.
+ * 0.79-0.85, fp32 2.19-2.49 -> 1.71-1.74; with nothing requested, 64 x 224 took as long as with
+ * the L1 requests (bf16 1.03-1.14, fp32 1.9-2.0). On Zen 5 a T2 hint (the same as T1 on Zen 4)
+ * measured as T0. Only for whole-sequence tasks, whose rows are read whole.
  */
 enum { NEXT_SEQUENCE_BYTES = 4096 * 1024 };
 
