@@ -129,7 +129,6 @@ class CpuDecodeGraph:
         if batch.prefills or not 0 < num_seqs <= self.max_seqs or len(batch.decode_seq_lens) != num_seqs:
             raise ValueError(f"the decode graph takes 1 to {self.max_seqs} decoding sequences and no "
                              f"prefill; got {num_seqs} tokens, {len(batch.prefills)} prefill chunks")
-        vocab_size = self._shape.vocab_size
         token_ids = token_ids.to(torch.int64).contiguous()
         if token_ids.dim() != 1 or positions.shape != token_ids.shape:
             raise ValueError(f"token_ids and positions must both be (B,); got {tuple(token_ids.shape)} "
@@ -145,8 +144,8 @@ class CpuDecodeGraph:
             tables.data_ptr(), batch.decode_seq_lens.data_ptr(), num_seqs, tables.shape[1],
             self._workspace.data_ptr(), torch.get_num_threads(),
         )
-        if status == 2 and not all(0 <= t < vocab_size for t in token_ids.tolist()):
-            raise ValueError(f"token ids must be in [0, {vocab_size}); got {token_ids.tolist()}")
+        if status == 3:
+            raise ValueError(f"token ids must be in [0, {self._shape.vocab_size}); got {token_ids.tolist()}")
         if status != 0:
             raise RuntimeError(f"decode_layers failed with status {status}")
         return out

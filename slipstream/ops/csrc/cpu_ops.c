@@ -572,7 +572,7 @@ void argmax_rows(const void *x, int64_t *out, int64_t num_rows, int64_t width, i
  * head_dim); slots (num_seqs,); block_tables (num_seqs, max_blocks); seq_lens (num_seqs,), the new
  * token included. workspace: decode_workspace_bytes(). More than MAX_GEMV_ROWS sequences need
  * every layer's panels (and has_panel_gemm(dtype)). Returns 0, 1 if scratch memory could not be
- * allocated, 2 for a bad shape or token id.
+ * allocated, 2 for a bad shape, 3 for a token id outside the vocabulary (before any work).
  */
 typedef struct {
     const void *input_norm, *qkv_weight, *qkv_bias, *q_norm, *k_norm, *o_weight, *o_bias;
@@ -630,7 +630,7 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const i
     const int dtype = shape->dtype;
     if (KV <= 0 || H % KV != 0 || M < 1) return 2;
     for (int64_t m = 0; m < M; m++)
-        if (token_ids[m] < 0 || token_ids[m] >= shape->vocab_size) return 2;
+        if (token_ids[m] < 0 || token_ids[m] >= shape->vocab_size) return 3;
     if (M > MAX_GEMV_ROWS) {
         if (!has_panel_gemm(dtype)) return 2;
         for (int64_t l = 0; l < shape->num_layers; l++)
