@@ -56,10 +56,10 @@ BATCHES = [[1], [9], [5, 17, 2], [30, 8, 13, 4], [5, 17, 2, 9, 1, 30],
 @pytest.mark.parametrize("seq_lens", BATCHES, ids=lambda s: f"{len(s)}seqs")
 def test_decode_graph_equals_module_path(family_config, dtype, seq_lens):
     """Every family's quirks (biases, q/k norms, a sliding window shorter than the context, GQA,
-    head_dim apart from hidden size), one to twenty sequences and three of up to 700 keys (the
-    attention splits those into chunks): the graph's hidden states and the keys and values it
-    writes equal the module-by-module fast path bit for bit, and the plain PyTorch model (no
-    kernels, no fusion) to rounding."""
+    head_dim apart from hidden size, tied embeddings), one to twenty sequences and three of up to
+    700 keys (the attention splits those into chunks): the graph's hidden states, its logits (the
+    lm_head in the graph) and the keys and values it writes equal the module-by-module fast path
+    bit for bit, and the plain PyTorch model (no kernels, no fusion) to rounding."""
     plain = random_model(family_config, dtype)
     fast = optimize_for_cpu_inference(copy.deepcopy(plain))
     num_blocks = max(NUM_BLOCKS, sum(-(-n // BLOCK_SIZE) for n in seq_lens))
@@ -72,16 +72,23 @@ def test_decode_graph_equals_module_path(family_config, dtype, seq_lens):
     if len(seq_lens) > graph.max_seqs:
         pytest.skip(f"no {dtype} panel kernel on this CPU: the graph takes up to {graph.max_seqs} sequences")
 
+    logits_cache = copy.deepcopy(cache)
+    logits_graph = CpuDecodeGraph.build(fast, logits_cache.keys, logits_cache.values)
     expected = _module_path(fast, cache, batch, token_ids, positions, use_kernel=True)
     with torch.inference_mode():
         got = graph(token_ids, positions, batch)
+        got_logits = logits_graph(token_ids, positions, batch, logits=True)
+        expected_logits = fast.compute_logits(expected)
     reference = _module_path(plain, plain_cache, batch, token_ids, positions, use_kernel=False)
 
     assert got.shape == expected.shape == (len(seq_lens), family_config.hidden_size)
     assert torch.equal(got, expected)
+    assert got_logits.shape == (len(seq_lens), family_config.vocab_size)
+    assert torch.equal(got_logits, expected_logits)
     for layer in range(family_config.num_hidden_layers):
-        assert torch.equal(graph_cache.keys[layer], cache.keys[layer])
-        assert torch.equal(graph_cache.values[layer], cache.values[layer])
+        for written in (graph_cache, logits_cache):
+            assert torch.equal(written.keys[layer], cache.keys[layer])
+            assert torch.equal(written.values[layer], cache.values[layer])
     diff = (got.float() - reference.float()).abs().max().item()
     scale = reference.float().abs().max().item()
     print(f"{family_config.model_type} {dtype}: max |diff| vs plain model {diff:.3g} (scale {scale:.3g})")
@@ -124,4 +131,38 @@ def test_decode_graph_rejects_token_ids_outside_the_vocabulary(family_config, ba
     before = [t.clone() for t in cache.keys]
     with pytest.raises(ValueError, match=rf"\[0, {family_config.vocab_size}\).*{bad_id}"):
         graph(token_ids, positions, batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.keys, strict=True))
+
+
+def test_decode_graph_grows_its_rotary_tables(family_config):
+    """Positions past the rotary tables built so far (1,024 at first) grow them: one graph runs a
+    step of short sequences, then one with a sequence of 2,100 keys, each equal to the module path
+    bit for bit."""
+    fast = optimize_for_cpu_inference(random_model(family_config, torch.float32))
+    seq_lens = [2100, 3]
+    num_blocks = sum(-(-n // BLOCK_SIZE) for n in seq_lens)
+    cache, long_step, token_ids, positions = _decode_batch(family_config, seq_lens, torch.float32, num_blocks)
+    tables = long_step.decode_block_tables.tolist()
+    short_step = PagedBatch.build(seq_lens=[5, 3], query_lens=[1, 1],
+                                  block_tables=[tables[0][:2], tables[1][:1]], block_size=BLOCK_SIZE,
+                                  sliding_window=family_config.sliding_window)
+    graph_cache = copy.deepcopy(cache)
+    graph = CpuDecodeGraph.build(fast, graph_cache.keys, graph_cache.values)
+    for batch, step_positions in ((short_step, torch.tensor([4, 2])), (long_step, positions)):
+        expected = _module_path(fast, cache, batch, token_ids, step_positions, use_kernel=True)
+        with torch.inference_mode():
+            assert torch.equal(graph(token_ids, step_positions, batch), expected)
+
+
+def test_decode_graph_rejects_positions_that_are_not_the_last_token(family_config):
+    """A position past the sequence (beyond the rotary tables the graph keeps for its lengths) is a
+    ValueError naming it, checked in C before any work: nothing is written to the cache."""
+    fast = optimize_for_cpu_inference(random_model(family_config, torch.float32))
+    cache, batch, token_ids, positions = _decode_batch(family_config, [5, 9], torch.float32)
+    graph = CpuDecodeGraph.build(fast, cache.keys, cache.values)
+    before = [t.clone() for t in cache.keys]
+    for bad in (-1, 1 << 20):
+        positions[1] = bad
+        with pytest.raises(ValueError, match=rf"position.*{bad}"):
+            graph(token_ids, positions, batch)
     assert all(torch.equal(a, b) for a, b in zip(before, cache.keys, strict=True))

@@ -121,8 +121,8 @@ def _load() -> ctypes.CDLL | None:
     lib.decode_workspace_bytes.argtypes = [ctypes.POINTER(DecodeShape), ctypes.c_int64]
     lib.decode_layers.restype = ctypes.c_int
     lib.decode_layers.argtypes = (
-        [ctypes.POINTER(DecodeLayer), ctypes.POINTER(DecodeShape)] + [ctypes.c_void_p] * 10
-        + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int]
+        [ctypes.POINTER(DecodeLayer), ctypes.POINTER(DecodeShape), ctypes.POINTER(DecodeModel)]
+        + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
     )
     return lib
 
@@ -144,6 +144,14 @@ class DecodeShape(ctypes.Structure):
         "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
         "block_size", "window", "vocab_size",
     )] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("dtype", ctypes.c_int)]
+
+
+class DecodeModel(ctypes.Structure):
+    """The tensors around the layers for `decode_layers` (cpu_ops.c's `decode_model`)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "embedding", "final_norm", "lm_head_weight", "lm_head_bias", "lm_head_panels", "rope_cos", "rope_sin",
+    )] + [("rope_positions", ctypes.c_int64)]
 
 
 def paged_decode_attention(

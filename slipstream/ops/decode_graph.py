@@ -6,8 +6,10 @@ from Python, the dispatch between those ops costs about a third of the step (on 
 development machine: ~1.6 of ~5 ms in bf16), and at batch 64 still a few milliseconds. GPU
 engines remove the same overhead by capturing the step in a CUDA graph once and replaying it;
 `CpuDecodeGraph` does the equivalent here: the address of every weight and cache tensor is bound
-once when it is built, and each step runs the embedding lookup, the whole layer stack and the
-final norm in `decode_layers` (ops/csrc/cpu_ops.c) inside one OpenMP parallel region.
+once when it is built, and each step runs the embedding lookup, the whole layer stack, the final
+norm and, where the caller wants logits, the lm_head in `decode_layers` (ops/csrc/cpu_ops.c)
+inside one OpenMP parallel region. The rotary angles come from tables of every position so far,
+computed as the model computes them.
 
 It applies to the optimised CPU inference model (`ops.inference.optimize_for_cpu_inference`: fused
 q/k/v and gate/up projections whose row-major weights are kept for the matrix-vector kernel) and
@@ -38,14 +40,15 @@ class CpuDecodeGraph:
 
     def __init__(
         self, model: Transformer, layers: ctypes.Array, shape: cpu_kernels.DecodeShape,
-        embedding: int, final_norm: int, bound: list[torch.Tensor], max_seqs: int,
+        tensors: cpu_kernels.DecodeModel, bound: list[torch.Tensor], max_seqs: int,
     ) -> None:
         self.model = model
         self.max_seqs = max_seqs
         self._layers = layers
-        self._embedding, self._final_norm = embedding, final_norm  # addresses, kept alive by `bound`
+        self._tensors = tensors  # addresses of the embedding, final norm, lm_head and rotary tables
         self._shape = shape
-        self._bound = bound  # every tensor whose address `layers` holds, kept alive with it
+        self._bound = bound  # every tensor whose address `layers` or `tensors` holds, kept alive with them
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._lib = cpu_kernels.library()
         self._workspace = torch.empty(self._lib.decode_workspace_bytes(ctypes.byref(shape), self.max_seqs),
                                       dtype=torch.uint8)
@@ -81,7 +84,14 @@ class CpuDecodeGraph:
             return address(linear.row_weight), address(linear.bias), address(linear.panel_weight)
 
         try:
-            embedding_address, final_norm = address(embedding), address(model.model.norm.weight)
+            if model.lm_head.out_features != embedding.shape[0]:
+                raise _NotApplicable(f"an lm_head of {model.lm_head.out_features} rows for a vocabulary of "
+                                     f"{embedding.shape[0]}")
+            lm_head_weight, lm_head_bias, lm_head_panels = weights(model.lm_head)
+            tensors = cpu_kernels.DecodeModel(
+                embedding=address(embedding), final_norm=address(model.model.norm.weight),
+                lm_head_weight=lm_head_weight, lm_head_bias=lm_head_bias, lm_head_panels=lm_head_panels,
+            )
             layers = []
             for layer, k_cache, v_cache in zip(model.model.layers, keys, values, strict=True):
                 attention, mlp = layer.self_attn, layer.mlp
@@ -113,42 +123,63 @@ class CpuDecodeGraph:
             eps=config.rms_norm_eps,
             scale=config.head_dim**-0.5, dtype=cpu_kernels.DTYPE_CODES[dtype],
         )
-        panels = all(layer.qkv_panels and layer.o_panels and layer.gate_up_panels and layer.down_panels
-                     for layer in layers)
+        panels = tensors.lm_head_panels and all(
+            layer.qkv_panels and layer.o_panels and layer.gate_up_panels and layer.down_panels
+            for layer in layers
+        )
         max_seqs = MAX_PANEL_ROWS if panels else cpu_kernels.MAX_GEMV_ROWS
-        return cls(model, (cpu_kernels.DecodeLayer * len(layers))(*layers), shape, embedding_address,
-                   final_norm, bound, max_seqs)
+        return cls(model, (cpu_kernels.DecodeLayer * len(layers))(*layers), shape, tensors, bound, max_seqs)
 
     def __call__(
         self,
         token_ids: torch.Tensor,  # (B,) int64: each sequence's new token
-        positions: torch.Tensor,  # (B,) int64
+        positions: torch.Tensor,  # (B,) int64: each sequence's length - 1
         batch: PagedBatch,  # a pure decode batch of those B sequences, in order
-    ) -> torch.Tensor:  # (B, E): final-norm hidden states
+        *,
+        logits: bool = False,
+    ) -> torch.Tensor:  # (B, E) final-norm hidden states, or with `logits` (B, V) logits
         num_seqs = token_ids.shape[0]
         if batch.prefills or not 0 < num_seqs <= self.max_seqs or len(batch.decode_seq_lens) != num_seqs:
             raise ValueError(f"the decode graph takes 1 to {self.max_seqs} decoding sequences and no "
                              f"prefill; got {num_seqs} tokens, {len(batch.prefills)} prefill chunks")
-        token_ids = token_ids.to(torch.int64).contiguous()
+        token_ids, positions = token_ids.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
         if token_ids.dim() != 1 or positions.shape != token_ids.shape:
             raise ValueError(f"token_ids and positions must both be (B,); got {tuple(token_ids.shape)} "
                              f"and {tuple(positions.shape)}")
+        self._cover_positions(batch.decode_max_len)
         dtype = self.model.model.embed_tokens.weight.dtype
-        cos, sin = rope_cos_sin(self.model.model.inv_freq, positions, dtype)  # (B, D) each
         hidden = torch.empty(num_seqs, self._shape.hidden_size, dtype=dtype)  # the residual stream
         out = torch.empty_like(hidden)
+        scores = torch.empty(num_seqs, self._shape.vocab_size, dtype=dtype) if logits else None
         tables = batch.decode_block_tables
         status = self._lib.decode_layers(
-            self._layers, ctypes.byref(self._shape), token_ids.data_ptr(), self._embedding, self._final_norm,
-            hidden.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), batch.slot_mapping.data_ptr(),
-            tables.data_ptr(), batch.decode_seq_lens.data_ptr(), num_seqs, tables.shape[1],
-            self._workspace.data_ptr(), torch.get_num_threads(),
+            self._layers, ctypes.byref(self._shape), ctypes.byref(self._tensors), token_ids.data_ptr(),
+            positions.data_ptr(), batch.slot_mapping.data_ptr(), tables.data_ptr(),
+            batch.decode_seq_lens.data_ptr(), num_seqs, tables.shape[1], hidden.data_ptr(), out.data_ptr(),
+            None if scores is None else scores.data_ptr(), self._workspace.data_ptr(),
+            torch.get_num_threads(),
         )
         if status == 3:
             raise ValueError(f"token ids must be in [0, {self._shape.vocab_size}); got {token_ids.tolist()}")
+        if status == 4:
+            raise ValueError(f"each position must be its sequence's length - 1 (lengths "
+                             f"{batch.decode_seq_lens.tolist()}); got {positions.tolist()}")
         if status != 0:
             raise RuntimeError(f"decode_layers failed with status {status}")
-        return out
+        return out if scores is None else scores
+
+    def _cover_positions(self, num_positions: int) -> None:
+        """Rotary cos and sin tables for at least `num_positions` positions, computed as the model
+        computes them (`rope_cos_sin`), so a row equals what the model gets for its position.
+        Grown by doubling as sequences get longer, never sized for the whole context up front (a
+        128K-token context would take 64 MiB)."""
+        if self._rope is not None and self._rope[0].shape[0] >= num_positions:
+            return
+        size = max(1024, 1 << (num_positions - 1).bit_length())
+        dtype = self.model.model.embed_tokens.weight.dtype
+        self._rope = rope_cos_sin(self.model.model.inv_freq, torch.arange(size), dtype)
+        self._tensors.rope_cos, self._tensors.rope_sin = (table.data_ptr() for table in self._rope)
+        self._tensors.rope_positions = size
 
 
 class _NotApplicable(Exception):

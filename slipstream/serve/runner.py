@@ -20,7 +20,7 @@ from slipstream.model.transformer import Transformer
 from slipstream.ops.decode_graph import CpuDecodeGraph
 from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
 from slipstream.serve.cuda_graph import CudaDecodeGraphs
-from slipstream.serve.scheduler import StepPlan
+from slipstream.serve.scheduler import ScheduledChunk, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,11 @@ class Runner:
         positions = torch.tensor(positions, device=self.device)
         graph = self.decode_graph
         if graph is not None and not batch.prefills and len(plan.chunks) <= graph.max_seqs:
+            if isinstance(graph, CpuDecodeGraph) and all(c.samples and not _wants_prompt_logits(c)
+                                                         for c in plan.chunks):
+                # Every row samples and none is a prompt position: the lm_head runs in the graph.
+                logits = graph(token_ids, positions, batch, logits=True)
+                return StepLogits(sample_logits=logits, prompt_logits={})
             hidden = graph(token_ids, positions, batch)  # (N, E)
         else:
             hidden = self.hidden_states(token_ids, positions, batch)
@@ -144,7 +149,15 @@ class Runner:
         sample_logits = self.model.compute_logits(hidden[sample_rows])
         prompt_logits = {}
         for end, chunk in zip(ends, plan.chunks, strict=True):
-            if chunk.request.sampling_params.prompt_logprobs is not None:
+            if _wants_prompt_logits(chunk):
                 rows = hidden[end - chunk.num_tokens : end]
                 prompt_logits[chunk.request.request_id] = self.model.compute_logits(rows).float()
         return StepLogits(sample_logits=sample_logits, prompt_logits=prompt_logits)
+
+
+def _wants_prompt_logits(chunk: ScheduledChunk) -> bool:
+    """Whether a chunk's logits serve its request's prompt logprobs: the logits at a position
+    before the prompt's last token score the prompt token after it."""
+    request = chunk.request
+    wanted = request.sampling_params.prompt_logprobs is not None
+    return wanted and chunk.start < len(request.prompt_token_ids) - 1

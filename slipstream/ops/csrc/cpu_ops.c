@@ -563,16 +563,20 @@ void argmax_rows(const void *x, int64_t *out, int64_t num_rows, int64_t width, i
  * (the row helpers are noinline so that no caller gets a differently vectorised copy), so the
  * result equals the module-by-module path bit for bit.
  *
- * token_ids (num_seqs,), each in [0, vocab_size), are looked up in embedding (vocab_size,
- * hidden_size) into hidden (num_seqs, hidden_size), which then holds the residual stream and ends
- * as the last layer's output; out (num_seqs, hidden_size) receives it through the final norm. The
- * lookup and the final norm are in the call because, between steps of streaming the weights, the
- * caches hold none of Python's and PyTorch's working set: there the three small ops around the
- * layers took ~0.27 ms of a ~4-5 ms bf16 batch-1 step, against ~25 us warm. cos, sin (num_seqs,
- * head_dim); slots (num_seqs,); block_tables (num_seqs, max_blocks); seq_lens (num_seqs,), the new
- * token included. workspace: decode_workspace_bytes(). More than MAX_GEMV_ROWS sequences need
- * every layer's panels (and has_panel_gemm(dtype)). Returns 0, 1 if scratch memory could not be
- * allocated, 2 for a bad shape, 3 for a token id outside the vocabulary (before any work).
+ * token_ids (num_seqs,), each in [0, vocab_size), are looked up in the model's embedding into
+ * hidden (num_seqs, hidden_size), which then holds the residual stream and ends as the last
+ * layer's output; out (num_seqs, hidden_size) receives it through the final norm and, unless
+ * logits is NULL, logits (num_seqs, vocab_size) the lm_head's product of out. The lookup, the
+ * final norm, the rotary angles and the lm_head are in the call because, between steps of
+ * streaming the weights, the caches hold none of Python's and PyTorch's working set: there the
+ * small ops around the layers took ~0.5 ms of a ~5 ms bf16 batch-1 step, against tens of
+ * microseconds warm. positions (num_seqs,) index the model's rotary tables, each in
+ * [0, rope_positions); slots (num_seqs,); block_tables (num_seqs, max_blocks); seq_lens
+ * (num_seqs,), the new token included. workspace: decode_workspace_bytes(). More than
+ * MAX_GEMV_ROWS sequences need the panels of every layer and of the lm_head (and
+ * has_panel_gemm(dtype)). Returns 0, 1 if scratch memory could not be allocated, 2 for a bad shape,
+ * 3 for a token id outside the vocabulary, 4 for a position outside the rotary tables (both
+ * checked before any work).
  */
 typedef struct {
     const void *input_norm, *qkv_weight, *qkv_bias, *q_norm, *k_norm, *o_weight, *o_bias;
@@ -587,6 +591,15 @@ typedef struct {
     float eps, scale;
     int dtype;
 } decode_shape;
+
+typedef struct {
+    const void *embedding;                          /* (vocab_size, hidden_size) */
+    const void *final_norm;                         /* (hidden_size,) */
+    const void *lm_head_weight, *lm_head_bias;      /* (vocab_size, hidden_size) row-major, bias or NULL */
+    const void *lm_head_panels;                     /* pack_panels() copy, or NULL */
+    const void *rope_cos, *rope_sin;                /* (rope_positions, head_dim), in the dtype */
+    int64_t rope_positions;
+} decode_model;
 
 int64_t decode_workspace_bytes(const decode_shape *shape, int64_t num_seqs) {
     const int64_t q_size = shape->num_heads * shape->head_dim;
@@ -620,19 +633,20 @@ static void decode_linear(const void *rows, const void *panels, const void *bias
     }
 }
 
-int decode_layers(const decode_layer *layers, const decode_shape *shape, const int64_t *token_ids,
-                  const void *embedding, const void *final_norm, void *hidden, void *out,
-                  const void *cos_table, const void *sin_table, const int64_t *slots,
-                  const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
-                  int64_t max_blocks, void *workspace, int num_threads) {
+int decode_layers(const decode_layer *layers, const decode_shape *shape, const decode_model *model,
+                  const int64_t *token_ids, const int64_t *positions, const int64_t *slots,
+                  const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs, int64_t max_blocks,
+                  void *hidden, void *out, void *logits, void *workspace, int num_threads) {
     const int64_t E = shape->hidden_size, H = shape->num_heads, KV = shape->num_kv_heads;
-    const int64_t D = shape->head_dim, F = shape->intermediate_size, M = num_seqs;
+    const int64_t D = shape->head_dim, F = shape->intermediate_size, V = shape->vocab_size, M = num_seqs;
     const int dtype = shape->dtype;
     if (KV <= 0 || H % KV != 0 || M < 1) return 2;
     for (int64_t m = 0; m < M; m++)
-        if (token_ids[m] < 0 || token_ids[m] >= shape->vocab_size) return 3;
+        if (token_ids[m] < 0 || token_ids[m] >= V) return 3;
+    for (int64_t m = 0; m < M; m++)
+        if (positions[m] < 0 || positions[m] >= model->rope_positions) return 4;
     if (M > MAX_GEMV_ROWS) {
-        if (!has_panel_gemm(dtype)) return 2;
+        if (!has_panel_gemm(dtype) || (logits != NULL && model->lm_head_panels == NULL)) return 2;
         for (int64_t l = 0; l < shape->num_layers; l++)
             if (layers[l].qkv_panels == NULL || layers[l].o_panels == NULL ||
                 layers[l].gate_up_panels == NULL || layers[l].down_panels == NULL)
@@ -657,7 +671,7 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const i
         float *scratch = thread_scratch(scratch_floats, &failed);
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
-            memcpy(x + m * E * elem, (const char *)embedding + token_ids[m] * E * elem, E * elem);
+            memcpy(x + m * E * elem, (const char *)model->embedding + token_ids[m] * E * elem, E * elem);
         for (int64_t l = 0; l < shape->num_layers; l++) {
             const decode_layer *layer = &layers[l];
 #pragma omp for schedule(static)
@@ -670,8 +684,8 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const i
             for (int64_t m = 0; m < M; m++) {
                 char *q_row = qkv + m * qkv_size * elem, *k_row = q_row + q_size * elem;
                 const char *v_row = k_row + kv_size * elem;
-                const char *cos_row = (const char *)cos_table + m * D * elem;
-                const char *sin_row = (const char *)sin_table + m * D * elem;
+                const char *cos_row = (const char *)model->rope_cos + positions[m] * D * elem;
+                const char *sin_row = (const char *)model->rope_sin + positions[m] * D * elem;
                 for (int64_t h = 0; layer->q_norm != NULL && h < H; h++)
                     rms_norm_row(q_row + h * D * elem, layer->q_norm, q_row + h * D * elem, D, shape->eps,
                                  dtype);
@@ -702,7 +716,11 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const i
         }
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
-            rms_norm_row(x + m * E * elem, final_norm, (char *)out + m * E * elem, E, shape->eps, dtype);
+            rms_norm_row(x + m * E * elem, model->final_norm, (char *)out + m * E * elem, E, shape->eps,
+                         dtype);
+        if (logits != NULL)
+            decode_linear(model->lm_head_weight, model->lm_head_panels, model->lm_head_bias, NULL, out,
+                          logits, NULL, M, V, E, dtype);
         free(scratch);
     }
     free_decode_split(&split);
