@@ -4,7 +4,9 @@ One request (a random prompt of --input-len tokens, --output-len greedy tokens, 
 through slipstream's engine step by step; the median decode step is the per-token latency. The
 floor is the bytes a decode step must read (all weights but the gathered embedding rows, plus the
 KV cache; slipstream.perf.flops.decode_bytes_per_step) divided by this machine's read bandwidth,
-measured in this run right before and after (best of the two). transformers' batch-1 `generate`
+measured right before and after each repeat (the better of the two: a shared machine's bandwidth
+can change twofold from one minute to the next); the share of the roofline is the median of the
+repeats' shares. transformers' batch-1 `generate`
 on the same prompt is the baseline. Also reports the time from `LLM(...)` to the first token,
 after loading the C kernel library, whose load is timed and reported on its own: the first use on
 a machine (or after a change to the kernels' source) compiles it, about 2 s on the development
@@ -99,29 +101,40 @@ def main() -> None:
     record["kernel_library_load_s"] = time.perf_counter() - start
     print(f"C kernel library loaded in {record['kernel_library_load_s']:.2f} s (a build when not cached)")
     for dtype in ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]:
-        bandwidth_before = measure_memory_bandwidth()[0]
         startup_s, llm = startup_to_first_token_s(model_dir, dtype, prompt)
-        steps = [decode_step_times_s(llm, prompt, args.output_len) for _ in range(args.repeats)]
-        bandwidth = max(bandwidth_before, measure_memory_bandwidth()[0])
-        del llm
-        gc.collect()
-        step_s = median([t for _, decode in steps for t in decode])
-        ttft_s = median([prefill for prefill, _ in steps])
         contexts = range(args.input_len + 1, args.input_len + args.output_len)
         bytes_per_step = sum(decode_bytes_per_step(config, dtype, 1, c) for c in contexts) / len(contexts)
-        floor_s = bytes_per_step / bandwidth
+        repeats = []  # (first-token s, median decode step s, read bandwidth around the repeat)
+        for _ in range(args.repeats):
+            bandwidth_before = measure_memory_bandwidth()[0]
+            prefill_s, decode_s = decode_step_times_s(llm, prompt, args.output_len)
+            bandwidth = max(bandwidth_before, measure_memory_bandwidth()[0])
+            step_s = median(decode_s)
+            repeats.append((prefill_s, step_s, bandwidth))
+            print(f"{dtype:>8} repeat: {1e3 * step_s:6.2f} ms/token at {bandwidth / 1e9:.1f} GB/s = "
+                  f"{100 * bytes_per_step / bandwidth / step_s:4.1f}% of bandwidth", flush=True)
+        del llm
+        gc.collect()
+        step_s = median([step for _, step, _ in repeats])
+        ttft_s = median([prefill for prefill, _, _ in repeats])
+        fraction = median([bytes_per_step / bandwidth / step for _, step, bandwidth in repeats])
+        bandwidth = median([bandwidth for _, _, bandwidth in repeats])
         print(
-            f"{dtype:>8} slipstream: {1e3 * step_s:6.2f} ms/token, roofline {1e3 * floor_s:5.2f} ms "
-            f"({bytes_per_step / 1e6:.0f} MB/step at {bandwidth / 1e9:.1f} GB/s measured now) = "
-            f"{100 * floor_s / step_s:4.1f}% of bandwidth; prefill of {args.input_len} tokens "
-            f"{1e3 * ttft_s:.0f} ms; LLM() to first token {startup_s:.2f} s",
+            f"{dtype:>8} slipstream: {1e3 * step_s:6.2f} ms/token, {100 * fraction:4.1f}% of bandwidth "
+            f"({bytes_per_step / 1e6:.0f} MB/step; medians of the repeats); prefill of {args.input_len} "
+            f"tokens {1e3 * ttft_s:.0f} ms; LLM() to first token {startup_s:.2f} s",
             flush=True,
         )
         record |= {
             f"{dtype}_ms_per_token": 1e3 * step_s,
-            f"{dtype}_bandwidth_fraction": floor_s / step_s,
-            f"{dtype}_roofline_ms_per_token": 1e3 * floor_s,
+            f"{dtype}_bandwidth_fraction": fraction,
+            f"{dtype}_roofline_ms_per_token": 1e3 * bytes_per_step / bandwidth,
             f"{dtype}_measured_read_gb_per_s": bandwidth / 1e9,
+            f"{dtype}_repeats": [
+                {"ms_per_token": 1e3 * step, "read_gb_per_s": bandwidth / 1e9,
+                 "bandwidth_fraction": bytes_per_step / bandwidth / step}
+                for _, step, bandwidth in repeats
+            ],
             f"{dtype}_prefill_ms": 1e3 * ttft_s,
             f"{dtype}_startup_to_first_token_s": startup_s,
         }
