@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
 from slipstream.model import ModelConfig, Transformer, load_model, save_model
+from slipstream.model.config import RopeScaling
 
 TOLERANCE_FP32 = 1e-4
 
@@ -115,6 +120,28 @@ def test_builds_on_meta_device(family_config):
         assert model.lm_head.weight is model.model.embed_tokens.weight
     logits = model(_batch(config.vocab_size, 1, 4, 0), _positions(1, 4))
     assert logits.shape == (1, 4, config.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_loading_a_model_imports_no_compiler(tmp_path):
+    """Building on the meta device computes nothing (no embedding initialisation, no RoPE
+    frequencies), so loading a model for serving does not import torch._dynamo, which PyTorch
+    does for normal_ or a division on meta (~1.5 s of the time to a first token). A fresh
+    interpreter, since any earlier test may have imported it; the loaded RoPE frequencies are the
+    model's own."""
+    config = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, rope_scaling=RopeScaling(rope_type="linear", factor=2.0))
+    model = Transformer(config)
+    model.init_weights()
+    save_model(model, tmp_path)
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from slipstream.model import load_model
+        from slipstream.model.transformer import rope_inv_freq
+        model = load_model({str(tmp_path)!r})
+        assert "torch._dynamo" not in sys.modules, "loading imported torch._dynamo"
+        assert torch.equal(model.model.inv_freq, rope_inv_freq(model.config))
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
 
 
 def test_forward_rejects_mismatched_shapes():

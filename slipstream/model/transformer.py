@@ -197,10 +197,17 @@ class Decoder(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # On the meta device (a model built to be loaded or materialized later) nothing is computed,
+        # so the embedding's initialisation and the RoPE frequencies are skipped there: in PyTorch
+        # both (normal_, a division) import torch._dynamo on meta, ~1.5 s of the time to a first
+        # token. `init_buffers` computes the frequencies once the model is on a real device.
+        on_meta = torch.get_default_device().type == "meta"
+        weight = torch.empty(config.vocab_size, config.hidden_size) if on_meta else None
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        inv_freq = torch.empty(config.head_dim // 2) if on_meta else rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata | None
