@@ -49,6 +49,7 @@ class CpuDecodeGraph:
         self._shape = shape
         self._bound = bound  # every tensor whose address `layers` or `tensors` holds, kept alive with them
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._dtype = model.model.embed_tokens.weight.dtype
         self._lib = cpu_kernels.library()
         self._workspace = torch.empty(self._lib.decode_workspace_bytes(ctypes.byref(shape), self.max_seqs),
                                       dtype=torch.uint8)
@@ -147,10 +148,9 @@ class CpuDecodeGraph:
             raise ValueError(f"token_ids and positions must both be (B,); got {tuple(token_ids.shape)} "
                              f"and {tuple(positions.shape)}")
         self._cover_positions(batch.decode_max_len)
-        dtype = self.model.model.embed_tokens.weight.dtype
-        hidden = torch.empty(num_seqs, self._shape.hidden_size, dtype=dtype)  # the residual stream
+        hidden = torch.empty(num_seqs, self._shape.hidden_size, dtype=self._dtype)  # the residual stream
         out = torch.empty_like(hidden)
-        scores = torch.empty(num_seqs, self._shape.vocab_size, dtype=dtype) if logits else None
+        scores = torch.empty(num_seqs, self._shape.vocab_size, dtype=self._dtype) if logits else None
         tables = batch.decode_block_tables
         status = self._lib.decode_layers(
             self._layers, ctypes.byref(self._shape), ctypes.byref(self._tensors), token_ids.data_ptr(),
@@ -176,8 +176,7 @@ class CpuDecodeGraph:
         if self._rope is not None and self._rope[0].shape[0] >= num_positions:
             return
         size = max(1024, 1 << (num_positions - 1).bit_length())
-        dtype = self.model.model.embed_tokens.weight.dtype
-        self._rope = rope_cos_sin(self.model.model.inv_freq, torch.arange(size), dtype)
+        self._rope = rope_cos_sin(self.model.model.inv_freq, torch.arange(size), self._dtype)
         self._tensors.rope_cos, self._tensors.rope_sin = (table.data_ptr() for table in self._rope)
         self._tensors.rope_positions = size
 

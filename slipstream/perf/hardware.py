@@ -426,9 +426,10 @@ def device_name_of(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
     try:
-        return cpu_name(Path("/proc/cpuinfo").read_text())
+        cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor() or platform.machine() or "unknown cpu"
+        cpuinfo = ""  # cpu_name falls back to what the platform module says
+    return cpu_name(cpuinfo)
 
 
 def cpu_name(cpuinfo: str) -> str:
