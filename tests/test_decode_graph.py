@@ -15,6 +15,7 @@ from slipstream.ops.inference import optimize_for_cpu_inference
 from slipstream.ops.linear import MAX_PANEL_ROWS
 from slipstream.ops.paged_attention import PagedBatch
 from slipstream.serve.runner import PagedAttention, PagedKVCache
+from slipstream.serve.sampler import argmax
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler")
 
@@ -166,3 +167,55 @@ def test_decode_graph_rejects_positions_that_are_not_the_last_token(family_confi
         with pytest.raises(ValueError, match=rf"position.*{bad}"):
             graph(token_ids, positions, batch)
     assert all(torch.equal(a, b) for a, b in zip(before, cache.keys, strict=True))
+
+
+NUM_GREEDY_STEPS = 6  # with blocks of 4 tokens, every sequence crosses into a new block
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq_lens", [[1], [5, 17, 2], [5, 17, 2, 9, 1, 30]], ids=lambda s: f"{len(s)}seqs")
+def test_greedy_steps_equal_one_step_at_a_time(family_config, dtype, seq_lens):
+    """Several greedy steps in one call (multi-step decoding) feed each sequence the argmax of its
+    last logits: the tokens and the keys and values written equal those of as many steps of the
+    module-by-module fast path, each sampled by the sampler's argmax, bit for bit."""
+    fast = optimize_for_cpu_inference(random_model(family_config, dtype))
+    lengths = [n + NUM_GREEDY_STEPS - 1 for n in seq_lens]  # the last step's sequence lengths
+    num_blocks = max(NUM_BLOCKS, sum(-(-n // BLOCK_SIZE) for n in lengths))
+    cache, last_step, token_ids, _ = _decode_batch(family_config, lengths, dtype, num_blocks)
+    tables = last_step.decode_block_tables
+    graph_cache = copy.deepcopy(cache)
+    graph = CpuDecodeGraph.build(fast, graph_cache.keys, graph_cache.values)
+    if len(seq_lens) > graph.max_seqs:
+        pytest.skip(f"no {dtype} panel kernel on this CPU: the graph takes up to {graph.max_seqs} sequences")
+    positions = torch.tensor([n - 1 for n in seq_lens])
+    with torch.inference_mode():
+        got = graph.greedy(token_ids, positions, tables, NUM_GREEDY_STEPS)
+    expected, tokens = [], token_ids
+    for step in range(NUM_GREEDY_STEPS):
+        batch = PagedBatch.build(seq_lens=[n + step for n in seq_lens], query_lens=[1] * len(seq_lens),
+                                 block_tables=tables.tolist(), block_size=BLOCK_SIZE,
+                                 sliding_window=family_config.sliding_window)
+        hidden = _module_path(fast, cache, batch, tokens, positions + step, use_kernel=True)
+        with torch.inference_mode():
+            tokens = argmax(fast.compute_logits(hidden))
+        expected.append(tokens)
+    assert got.tolist() == torch.stack(expected).tolist()
+    for layer in range(family_config.num_hidden_layers):
+        assert torch.equal(graph_cache.keys[layer], cache.keys[layer])
+        assert torch.equal(graph_cache.values[layer], cache.values[layer])
+
+
+def test_greedy_steps_need_block_tables_that_cover_them(family_config):
+    """Block tables too short for the last step's position, or a negative position: a ValueError
+    before any work, nothing written to the cache."""
+    fast = optimize_for_cpu_inference(random_model(family_config, torch.float32))
+    cache, batch, token_ids, positions = _decode_batch(family_config, [5, 8], torch.float32)
+    graph = CpuDecodeGraph.build(fast, cache.keys, cache.values)
+    tables = batch.decode_block_tables  # 2 blocks each: positions up to 7
+    before = [t.clone() for t in cache.keys]
+    for bad_positions, num_steps in (([4, 7], 2), ([4, 6], 3), ([-1, 3], 1)):
+        with pytest.raises(ValueError, match="block tables"):
+            graph.greedy(token_ids, torch.tensor(bad_positions), tables, num_steps)
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.keys, strict=True))
+    with pytest.raises(ValueError, match="at least one step"):
+        graph.greedy(token_ids, positions, tables, 0)

@@ -124,6 +124,11 @@ def _load() -> ctypes.CDLL | None:
         [ctypes.POINTER(DecodeLayer), ctypes.POINTER(DecodeShape), ctypes.POINTER(DecodeModel)]
         + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
     )
+    lib.decode_greedy.restype = ctypes.c_int
+    lib.decode_greedy.argtypes = (
+        [ctypes.POINTER(DecodeLayer), ctypes.POINTER(DecodeShape), ctypes.POINTER(DecodeModel)]
+        + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_int]
+    )
     return lib
 
 

@@ -168,6 +168,47 @@ class CpuDecodeGraph:
             raise RuntimeError(f"decode_layers failed with status {status}")
         return out if scores is None else scores
 
+    def greedy(
+        self,
+        token_ids: torch.Tensor,  # (B,) int64: each sequence's next token to feed
+        positions: torch.Tensor,  # (B,) int64: its position (the sequence's length - 1)
+        block_tables: torch.Tensor,  # (B, W) int64, covering positions + num_steps - 1
+        num_steps: int,
+    ) -> torch.Tensor:  # (num_steps, B) int64: each step's greedy token per sequence
+        """`num_steps` pure decode steps in one C call, each feeding every sequence the argmax of
+        its previous step's logits (as `sampler.sample` takes it for a plain greedy row), writing
+        their keys and values into the cache at the slots `block_tables` gives their positions."""
+        num_seqs = token_ids.shape[0]
+        if not 0 < num_seqs <= self.max_seqs or num_steps < 1:
+            raise ValueError(f"the decode graph takes 1 to {self.max_seqs} sequences and at least one "
+                             f"step; got {num_seqs} sequences, {num_steps} steps")
+        token_ids, positions = token_ids.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+        block_tables = block_tables.to(torch.int64).contiguous()
+        if positions.shape != (num_seqs,) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+            raise ValueError(f"token_ids and positions must be (B,) and block_tables (B, W); got "
+                             f"{tuple(token_ids.shape)}, {tuple(positions.shape)}, "
+                             f"{tuple(block_tables.shape)}")
+        self._cover_positions(int(positions.max()) + num_steps)
+        hidden = torch.empty(num_seqs, self._shape.hidden_size, dtype=self._dtype)
+        out = torch.empty_like(hidden)
+        scores = torch.empty(num_seqs, self._shape.vocab_size, dtype=self._dtype)
+        sampled = torch.empty(num_steps, num_seqs, dtype=torch.int64)
+        status = self._lib.decode_greedy(
+            self._layers, ctypes.byref(self._shape), ctypes.byref(self._tensors), token_ids.data_ptr(),
+            positions.data_ptr(), block_tables.data_ptr(), num_seqs, block_tables.shape[1], num_steps,
+            hidden.data_ptr(), out.data_ptr(), scores.data_ptr(), sampled.data_ptr(),
+            self._workspace.data_ptr(), torch.get_num_threads(),
+        )
+        if status == 3:
+            raise ValueError(f"token ids must be in [0, {self._shape.vocab_size}); got {token_ids.tolist()}")
+        if status == 5:
+            raise ValueError(f"positions {positions.tolist()} must be >= 0 and, {num_steps} steps on, still "
+                             f"in the block tables ({block_tables.shape[1]} blocks of "
+                             f"{self._shape.block_size} tokens)")
+        if status != 0:
+            raise RuntimeError(f"decode_greedy failed with status {status}")
+        return sampled
+
     def _cover_positions(self, num_positions: int) -> None:
         """Rotary cos and sin tables for at least `num_positions` positions, computed as the model
         computes them (`rope_cos_sin`), so a row equals what the model gets for its position.

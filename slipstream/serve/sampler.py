@@ -412,7 +412,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
                          f"the batch expects ({batch.num_rows}, {batch.vocab_size})")
     if batch.random is None and batch.penalties is None and batch.min_tokens_mask is None \
             and batch.max_num_logprobs is None:  # plain greedy: bf16's argmax is that of its fp32 values
-        return SamplerOutput(token_ids=_argmax(logits), logprobs=None, num_logprobs=batch.num_logprobs)
+        return SamplerOutput(token_ids=argmax(logits), logprobs=None, num_logprobs=batch.num_logprobs)
     logits = logits.float()
     max_num_logprobs = batch.max_num_logprobs
     raw_logprobs = None if max_num_logprobs is None else logits.log_softmax(-1)  # (num_rows, vocab)
@@ -433,10 +433,10 @@ def penalised_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 
 def _choose(logits: torch.Tensor, random: RandomRows | None) -> torch.Tensor:
     if random is None:
-        return _argmax(logits)
+        return argmax(logits)
     if random.index is None:
         return _sample_random(logits, random)
-    token_ids = _argmax(logits)  # (num_rows,) kept for the greedy rows
+    token_ids = argmax(logits)  # (num_rows,) kept for the greedy rows
     return token_ids.index_copy_(0, random.index, _sample_random(logits[random.index], random))
 
 
@@ -454,10 +454,18 @@ def _sample_random(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
     for position, generator in random.generators:
         uniform[position].uniform_(generator=generator)  # the row's own stream, whatever the batch
     noise = uniform.clamp_(min=torch.finfo(uniform.dtype).tiny).log_().neg_()  # (num_random, vocab)
-    return _argmax(probs.div_(noise))
+    return argmax(probs.div_(noise))
 
 
-def _argmax(x: torch.Tensor) -> torch.Tensor:
+def takes_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether `sample` takes a row's next token as the plain argmax of its logits: greedy, with no
+    penalty, no logprobs and min_tokens reached (nothing masked). The engine may then run several
+    decode steps of it at once (`EngineConfig.num_scheduler_steps`)."""
+    return (params.greedy and not _has_penalty(params) and params.logprobs is None
+            and params.prompt_logprobs is None and num_output_tokens >= params.min_tokens)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(-1)` of (num_rows, vocab): on the CPU through a C kernel, ~10x faster than torch's."""
     return cpu_kernels.argmax(x) if cpu_kernels.supports(x) else x.argmax(-1)
 

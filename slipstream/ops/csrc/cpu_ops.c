@@ -726,3 +726,49 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
     free_decode_split(&split);
     return failed;
 }
+
+/*
+ * num_steps greedy decode steps in one call, each a decode_layers() step whose tokens are the
+ * previous step's argmax (argmax_rows, torch.argmax's choice): the CPU counterpart of vLLM v0's
+ * multi-step scheduling. At batch 1 a step's return to Python costs ~0.5 ms of a ~4.6 ms bf16
+ * step, as the weights' stream has evicted the interpreter's working set; here it is paid once per
+ * num_steps tokens.
+ *
+ * token_ids (num_seqs,) are the first step's tokens at positions (num_seqs,); step s feeds each
+ * sequence its token at position positions[m] + s, whose slot comes from block_tables (num_seqs,
+ * max_blocks), which must cover positions[m] + num_steps - 1. sampled (num_steps, num_seqs)
+ * receives every step's argmax; hidden, out, logits and workspace as for decode_layers, holding
+ * the last step's. The caller's arrays are not modified. Returns decode_layers' statuses, or 5 for
+ * a position the block tables do not cover (checked before any work).
+ */
+int decode_greedy(const decode_layer *layers, const decode_shape *shape, const decode_model *model,
+                  const int64_t *token_ids, const int64_t *positions, const int64_t *block_tables,
+                  int64_t num_seqs, int64_t max_blocks, int64_t num_steps, void *hidden, void *out,
+                  void *logits, int64_t *sampled, void *workspace, int num_threads) {
+    const int64_t M = num_seqs, S = shape->block_size;
+    if (M < 1 || num_steps < 1 || S < 1) return 2;
+    for (int64_t m = 0; m < M; m++)
+        if (positions[m] < 0 || (positions[m] + num_steps - 1) / S >= max_blocks) return 5;
+    int64_t *state = malloc(4 * M * sizeof(int64_t));
+    if (state == NULL) return 1;
+    int64_t *tokens = state, *pos = state + M, *slots = state + 2 * M, *lens = state + 3 * M;
+    memcpy(tokens, token_ids, M * sizeof(int64_t));
+    memcpy(pos, positions, M * sizeof(int64_t));
+    int status = 0;
+    for (int64_t s = 0; s < num_steps && status == 0; s++) {
+        for (int64_t m = 0; m < M; m++) {
+            slots[m] = block_tables[m * max_blocks + pos[m] / S] * S + pos[m] % S;
+            lens[m] = pos[m] + 1;
+        }
+        status = decode_layers(layers, shape, model, tokens, pos, slots, block_tables, lens, M, max_blocks,
+                               hidden, out, logits, workspace, num_threads);
+        if (status != 0) break;
+        argmax_rows(logits, sampled + s * M, M, shape->vocab_size, shape->dtype, num_threads);
+        for (int64_t m = 0; m < M; m++) {
+            tokens[m] = sampled[s * M + m];
+            pos[m]++;
+        }
+    }
+    free(state);
+    return status;
+}
