@@ -68,8 +68,12 @@ class FakeRunner:
         return EOS if self.rng.random() < self.eos_prob else self.rng.randrange(1, 50)
 
 
-def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[StepPlan, list[Request]]:
-    """One engine step, with every check that must hold after any step."""
+def step(
+    scheduler: Scheduler, runner: FakeRunner, *, steps_at_once: int = 1
+) -> tuple[StepPlan, list[Request]]:
+    """One engine step, with every check that must hold after any step. With `steps_at_once`, a
+    plan of decodes only runs that many steps (fewer near a request's max_tokens) when the pool
+    has their blocks, as the engine's multi-step decoding does."""
     plan = scheduler.schedule()
     scheduler.check_invariants()
     config = scheduler.config
@@ -81,18 +85,50 @@ def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[StepPlan, list[Reque
         assert chunk.samples == (chunk.start + chunk.num_tokens == chunk.request.num_tokens)
         if config.long_prefill_token_threshold:
             assert chunk.num_tokens <= config.long_prefill_token_threshold
-    finished = scheduler.update(plan, runner.execute(plan))
+    finished = None
+    if steps_at_once > 1 and plan.chunks and not plan.preempted_request_ids and all(
+            chunk.num_tokens == 1 and chunk.samples for chunk in plan.chunks):
+        finished = run_steps_at_once(scheduler, runner, plan, steps_at_once)
+    if finished is None:
+        finished = scheduler.update(plan, runner.execute(plan))
     scheduler.check_invariants()
     for request in finished:
         assert request.is_finished and scheduler.kv_cache.block_ids(request.request_id) == ()
     return plan, finished
 
 
-def run_to_completion(scheduler: Scheduler, runner: FakeRunner, max_steps=10_000) -> list[StepPlan]:
+def run_steps_at_once(
+    scheduler: Scheduler, runner: FakeRunner, plan: StepPlan, steps_at_once: int
+) -> list[Request] | None:
+    """Blocks for the next steps of every request of a decode plan, then one update per step with
+    the plan's chunks moved on by one token (dropping requests that finished); None, with only
+    blocks taken, if the pool is short."""
+    num_steps = min(steps_at_once, *(c.request.max_output_tokens - len(c.request.output_token_ids)
+                                     for c in plan.chunks))
+    tables = scheduler.reserve_lookahead(plan, num_steps)
+    scheduler.check_invariants()
+    if tables is None:
+        return None
+    for chunk, table in zip(plan.chunks, tables, strict=True):
+        assert len(table) * scheduler.config.block_size >= chunk.start + num_steps
+    finished = []
+    for offset in range(num_steps):
+        chunks = tuple(dataclasses.replace(chunk, start=chunk.start + offset, block_ids=table)
+                       for chunk, table in zip(plan.chunks, tables, strict=True)
+                       if not chunk.request.is_finished)
+        sub_plan = StepPlan(chunks, len(chunks), ())
+        finished += scheduler.update(sub_plan, runner.execute(sub_plan))
+        scheduler.check_invariants()
+    return finished
+
+
+def run_to_completion(
+    scheduler: Scheduler, runner: FakeRunner, max_steps=10_000, steps_at_once: int = 1
+) -> list[StepPlan]:
     plans = []
     while scheduler.has_unfinished():
         assert len(plans) < max_steps, "requests never finished: livelock or starvation"
-        plans.append(step(scheduler, runner)[0])
+        plans.append(step(scheduler, runner, steps_at_once=steps_at_once)[0])
     assert scheduler.kv_cache.num_used_blocks == 0
     return plans
 
@@ -379,6 +415,24 @@ def test_priority_arrival_preempts_a_lower_priority_runner(policy):
     run_to_completion(scheduler, runner)
 
 
+def test_reserve_lookahead_covers_the_steps_ahead_or_takes_nothing():
+    """Blocks for several decode steps at once: the table covers them, a pool too small for them
+    changes nothing, and a prompt chunk (several tokens) is refused."""
+    config = make_config(num_blocks=6, block_size=4)
+    scheduler = Scheduler(config)
+    scheduler.add(make_request("a", range(1, 8), max_tokens=10))  # 7 prompt tokens
+    prefill = scheduler.schedule()
+    with pytest.raises(ValueError, match="single-token"):
+        scheduler.reserve_lookahead(prefill, 4)
+    scheduler.update(prefill, {"a": 9})
+    decode = scheduler.schedule()  # position 7, the table's 2 blocks hold 8 tokens
+    assert scheduler.reserve_lookahead(decode, 18) is None  # 25 tokens: 7 blocks of 6
+    assert scheduler.kv_cache.block_ids("a") == decode.chunks[0].block_ids
+    (table,) = scheduler.reserve_lookahead(decode, 6)  # positions 7-12: 4 blocks
+    assert len(table) == 4 and table[:2] == decode.chunks[0].block_ids
+    scheduler.check_invariants()
+
+
 def test_stop_conditions():
     """EOS stops ("stop") unless ignore_eos, never before min_tokens; stop_token_ids stop; the
     length limit is max_tokens capped by max_total_tokens ("length")."""
@@ -488,11 +542,13 @@ def fuzz_request(rng: random.Random, index: int, prefixes: list[list[int]]) -> R
     )
 
 
+@pytest.mark.parametrize("steps_at_once", [1, 4])
 @pytest.mark.parametrize("seed", range(12))
-def test_fuzz_random_adds_aborts_and_finishes(seed):
+def test_fuzz_random_adds_aborts_and_finishes(seed, steps_at_once):
     """Random workloads on small pools (forcing preemption): invariants hold after every step,
     every request finishes (no livelock or starvation) with a consistent finish reason, finished
-    requests hold no blocks, and at the end every block is free."""
+    requests hold no blocks, and at the end every block is free; also when decode plans run
+    several steps at once on blocks taken ahead."""
     rng = random.Random(seed)
     config = fuzz_config(rng)
     scheduler, runner = Scheduler(config), FakeRunner(config, rng=rng, eos_prob=0.1)
@@ -517,8 +573,8 @@ def test_fuzz_random_adds_aborts_and_finishes(seed):
                 assert scheduler.kv_cache.block_ids(request.request_id) == ()
         if requests and rng.random() < 0.03:
             scheduler.finish(rng.choice(requests).request_id, "stop")
-        step(scheduler, runner)
-    run_to_completion(scheduler, runner, max_steps=5_000)
+        step(scheduler, runner, steps_at_once=steps_at_once)
+    run_to_completion(scheduler, runner, max_steps=5_000, steps_at_once=steps_at_once)
     for request in requests:
         assert request.is_finished and scheduler.kv_cache.block_ids(request.request_id) == ()
         if request.finish_reason == "length":

@@ -15,7 +15,9 @@ preempt admits nobody. Under the priority policy a waiting request short of bloc
 running requests of strictly lower priority.
 
 The engine calls `schedule()`, runs the returned `StepPlan`, then calls `update()` with the sampled
-tokens; `update()` advances the requests, applies stop conditions and frees finished requests.
+tokens; `update()` advances the requests, applies stop conditions and frees finished requests. To run
+several decode steps of a plan at once, the engine first takes blocks for all of them
+(`reserve_lookahead`), then updates once per step, each time with that step's single-token chunks.
 """
 
 from __future__ import annotations
@@ -323,6 +325,21 @@ class Scheduler:
         self._waiting.push(self._order_keys[request.request_id], request)
         step.preempted(request)
         logger.debug("preempted %s (%d tokens to recompute)", request.request_id, request.num_tokens)
+
+    def reserve_lookahead(self, plan: StepPlan, num_steps: int) -> list[tuple[int, ...]] | None:
+        """Blocks for the next `num_steps` tokens of every request of a plan of single-token chunks,
+        for a runner that runs that many decode steps at once; returns their block tables, or None
+        if the pool is short (nothing is preempted for it: the caller runs the plan as one step, and
+        blocks already taken stay with their requests for their next steps)."""
+        if any(chunk.num_tokens != 1 for chunk in plan.chunks):
+            raise ValueError("only single-token (decode) chunks can run several steps at once")
+        tables = []
+        for chunk in plan.chunks:
+            table = self.kv_cache.allocate(chunk.request, num_steps)
+            if table is None:
+                return None
+            tables.append(table)
+        return tables
 
     # ----- after the step -----
 
