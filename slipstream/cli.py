@@ -105,7 +105,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=not args.no_enable_prefix_caching, max_logprobs=args.max_logprobs,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
     )
     server_config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step module by module (no CPU decode graph)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="greedy decode steps run at once when every running request allows it "
+                        "(tokens then stream in bursts)")
 
     bench = _add(commands, "bench", None, "benchmarks")
     bench = bench.add_subparsers(dest="bench_command", required=True)

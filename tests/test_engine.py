@@ -67,14 +67,18 @@ def generate(engine: Engine, prompts: dict[str, list[int]], params: SamplingPara
 # ---- invariants under chunking and preemption ----------------------------------------------------
 
 
-def test_invariants_hold_every_step_under_chunking_and_preemption(model_dir, reference_engine):
-    """Invariants hold every step under chunking and preemption, and outputs match a roomy engine's."""
+@pytest.mark.parametrize("num_scheduler_steps", [1, 8])
+def test_invariants_hold_every_step_under_chunking_and_preemption(model_dir, reference_engine,
+                                                                  num_scheduler_steps):
+    """Invariants hold every step under chunking and preemption, and outputs match a roomy engine's;
+    also when greedy decodes run several steps at once (whose blocks the short pool often lacks)."""
     rng = random.Random(0)
     lengths = [90, 5, 60, 3, 40, 100, 17, 8]
     prompts = {f"r{i}": random_prompt(rng, n) for i, n in enumerate(lengths)}
     params = greedy(max_tokens=20)
     sampled = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=20, ignore_eos=True)
-    engine = make_engine(model_dir, max_num_batched_tokens=24, kv_cache_memory=kv_bytes_for_blocks(18, 8))
+    engine = make_engine(model_dir, max_num_batched_tokens=24, kv_cache_memory=kv_bytes_for_blocks(18, 8),
+                         num_scheduler_steps=num_scheduler_steps)
     assert engine.limits.num_blocks == 18
     late = ["r6", "r7"]
     for request_id in prompts.keys() - set(late):
@@ -129,9 +133,11 @@ def start_two(engine: Engine) -> None:
     engine.scheduler.check_invariants()
 
 
-def test_abort_frees_blocks_at_once(model_dir):
-    """abort_request frees the request's blocks at once; the other request finishes normally."""
-    engine = make_engine(model_dir)
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_abort_frees_blocks_at_once(model_dir, num_scheduler_steps):
+    """abort_request frees the request's blocks at once (those taken for steps ahead too); the
+    other request finishes normally."""
+    engine = make_engine(model_dir, num_scheduler_steps=num_scheduler_steps)
     start_two(engine)
     kv_cache = engine.scheduler.kv_cache
     used, held = kv_cache.num_used_blocks, engine.num_kv_blocks_held("victim")
@@ -301,6 +307,102 @@ def test_streamed_text_only_grows_and_never_shows_a_stop_string(model_dir, refer
         assert final.text.startswith(shown)
     # The hold-back was exercised: some intermediate output had generated the stop string's start.
     assert any(decode(output.outputs[0].token_ids)[k:k + 1] == stop[0] for output in stream[:-1])
+
+
+# ---- several decode steps at once -----------------------------------------------------------------
+
+
+def count_steps(engine: Engine) -> tuple[int, dict[str, RequestOutput]]:
+    """Step until every request finished, checking invariants: (steps taken, final outputs)."""
+    finals = {}
+    for steps in range(1, MAX_STEPS):
+        finals |= {output.request_id: output for output in engine.step() if output.finished}
+        engine.scheduler.check_invariants()
+        if not engine.has_unfinished_requests():
+            return steps, finals
+    raise AssertionError(f"requests still unfinished after {MAX_STEPS} steps")
+
+
+def test_multi_step_decoding_runs_bursts_of_the_same_tokens(model_dir, reference_engine):
+    """num_scheduler_steps=8: a greedy request of 20 tokens takes 4 engine steps (its prefill, then
+    8, 8 and 3 decode steps: never past max_tokens), and requests of several lengths together get
+    the tokens of one step at a time; every block returns to the pool."""
+    rng = random.Random(11)
+    prompts = {f"m{i}": random_prompt(rng, n) for i, n in enumerate([10, 33, 4, 61])}
+    engine = make_engine(model_dir, num_scheduler_steps=8)
+    engine.add_request("m0", prompts["m0"], greedy(max_tokens=20))
+    assert count_steps(engine)[0] == 4
+    lengths = {"m0": 20, "m1": 13, "m2": 9, "m3": 26}
+    for request_id, n in lengths.items():
+        engine.add_request(request_id, prompts[request_id], greedy(max_tokens=n))
+    finals, _ = run(engine)
+    got = {request_id: finals[request_id].outputs[0].token_ids for request_id in lengths}
+    expected = {}
+    for request_id, n in lengths.items():
+        expected |= generate(reference_engine, {request_id: prompts[request_id]}, greedy(max_tokens=n))
+    assert got == expected
+    assert engine.scheduler.kv_cache.num_used_blocks == 0
+
+
+def test_multi_step_decoding_stops_mid_burst(model_dir, reference_engine):
+    """A stop token id or a stop string reached inside a burst ends the request there, as one step
+    at a time would: the tokens computed after it are dropped, the stop string is trimmed, the
+    streamed text only grows, and every block returns to the pool."""
+    prompt = random.Random(12).sample(range(3, VOCAB_SIZE), 9)
+    reference_engine.add_request("ref", prompt, greedy(max_tokens=30))
+    reference = run(reference_engine)[0]["ref"].outputs[0]
+    stop_token = reference.token_ids[10]
+    end = reference.token_ids.index(stop_token)
+    engine = make_engine(model_dir, num_scheduler_steps=8)
+    engine.add_request("token", prompt, greedy(max_tokens=30, stop_token_ids=[stop_token]))
+    final = run(engine)[0]["token"].outputs[0]
+    assert final.token_ids == reference.token_ids[: end + 1]
+    assert (final.finish_reason, final.stop_reason) == ("stop", stop_token)
+
+    text = reference.text
+    k = next(k for k in range(len(text) // 3, len(text) - 4)
+             if text[k : k + 4].strip() == text[k : k + 4] and text.find(text[k : k + 4]) == k)
+    stop = text[k : k + 4]
+    engine.add_request("string", prompt, greedy(max_tokens=30, stop=[stop]))
+    finals, stream = run(engine)
+    final = finals["string"].outputs[0]
+    assert (final.text, final.finish_reason, final.stop_reason) == (text[:k], "stop", stop)
+    assert len(final.token_ids) < len(reference.token_ids)
+    # Tokens 1-8 come from the first burst, 9-16 from the second: each stop came before its burst's end.
+    assert end % 8 != 0 and (len(final.token_ids) - 1) % 8 != 0
+    texts = [output.outputs[0].text for output in stream]
+    for earlier, later in itertools.pairwise(texts):
+        assert later.startswith(earlier)
+    assert engine.scheduler.kv_cache.num_used_blocks == 0
+
+
+def test_multi_step_decoding_leaves_rows_that_need_each_step_alone(model_dir):
+    """Rows whose sampling needs every step's logits (a random sample, logprobs, min_tokens still
+    masking a stop token) run one step at a time, with the tokens, logprobs and seeded samples of
+    an engine without multi-step; min_tokens allows bursts once reached."""
+    rng = random.Random(13)
+    prompt = random_prompt(rng, 12)
+    cases = {
+        "sampled": (SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True), 12),
+        "logprobs": (greedy(max_tokens=12, logprobs=2), 12),
+        # Stop token 0 is masked for the first 10 tokens (one step each), then 2 bursts: 8 and 2.
+        "min_tokens": (greedy(max_tokens=20, min_tokens=10, stop_token_ids=[0]), 1 + 9 + 2),
+    }
+    for request_id, (params, num_steps) in cases.items():
+        single, multi = make_engine(model_dir), make_engine(model_dir, num_scheduler_steps=8)
+        single.add_request(request_id, prompt, params)
+        multi.add_request(request_id, prompt, params)
+        steps, finals = count_steps(multi)
+        assert steps == num_steps, request_id
+        expected, got = run(single)[0][request_id].outputs[0], finals[request_id].outputs[0]
+        assert got.token_ids == expected.token_ids
+        assert got.logprobs == expected.logprobs
+
+
+def test_num_scheduler_steps_must_be_a_positive_integer(model_dir):
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="num_scheduler_steps"):
+            EngineConfig(model=str(model_dir), num_scheduler_steps=bad)
 
 
 # ---- process state -------------------------------------------------------------------------------

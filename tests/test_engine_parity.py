@@ -104,6 +104,18 @@ def test_small_batch_decode_graph_matches_transformers(model_dir, reference):
     assert eager == got
 
 
+@pytest.mark.parametrize("max_num_seqs", [3, 32])
+def test_multi_step_decoding_matches_transformers(model_dir, reference, max_num_seqs):
+    """Eight greedy decode steps per engine step (num_scheduler_steps=8: one C call with the decode
+    graph) for up to 3 or all 32 requests at once: transformers' tokens, also module by module."""
+    prompts, expected, gaps = reference
+    got, _ = _engine_greedy(model_dir, prompts, max_num_seqs=max_num_seqs, num_scheduler_steps=8)
+    _assert_same_tokens(expected, gaps, got, f"multi-step decoding, max_num_seqs={max_num_seqs}")
+    eager, _ = _engine_greedy(model_dir, prompts, max_num_seqs=max_num_seqs, num_scheduler_steps=8,
+                              enforce_eager=True)
+    assert eager == got
+
+
 def test_chunked_prefill_matches_transformers(model_dir, reference):
     """(b) A 16-token budget chunks every prompt (all are longer) and mixes chunks with decodes."""
     prompts, expected, gaps = reference
@@ -137,13 +149,13 @@ def test_prefix_caching_matches_transformers(model_dir):
     _assert_same_tokens(expected, gaps, cached, "prefix caching")
 
 
-@pytest.mark.parametrize("max_num_batched_tokens", [2048, 48])
+@pytest.mark.parametrize(("max_num_batched_tokens", "num_scheduler_steps"), [(2048, 1), (48, 1), (2048, 6)])
 def test_families_at_the_kernels_head_size_match_transformers(family, make_hf_model, tmp_path,
-                                                             max_num_batched_tokens):
+                                                             max_num_batched_tokens, num_scheduler_steps):
     """Every family at head_dim 64 (biases, q/k norms, tied embeddings, and mistral's sliding
     window of 40, shorter than the prompts), prompts of 70-150 tokens (several query blocks and
-    key tiles of the prefill kernel), whole or chunked by a 48-token budget: the engine's greedy
-    tokens are transformers'."""
+    key tiles of the prefill kernel), whole or chunked by a 48-token budget, decoding one step or
+    six at a time: the engine's greedy tokens are transformers'."""
     window = {"sliding_window": 40} if family == "mistral" else {}
     hf = make_hf_model(family, hidden_size=256, num_attention_heads=4, head_dim=64, initializer_range=0.1,
                        **window)
@@ -159,8 +171,9 @@ def test_families_at_the_kernels_head_size_match_transformers(family, make_hf_mo
     out = hf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None,
                       pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     top2 = torch.stack(out.scores, 1).topk(2, dim=-1).values
-    llm = LLM(str(tmp_path), max_num_batched_tokens=max_num_batched_tokens)
+    llm = LLM(str(tmp_path), max_num_batched_tokens=max_num_batched_tokens,
+              num_scheduler_steps=num_scheduler_steps)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     _assert_same_tokens(out.sequences[:, width:].tolist(), top2[..., 0] - top2[..., 1], got,
-                        f"{family}, budget {max_num_batched_tokens}")
+                        f"{family}, budget {max_num_batched_tokens}, {num_scheduler_steps} steps at once")

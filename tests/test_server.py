@@ -256,3 +256,33 @@ def test_streamed_text_offsets_equal_the_non_streamed(client):
     assert [t for lp in streamed for t in lp.tokens] == whole.tokens
     assert [o for lp in streamed for o in lp.text_offset] == whole.text_offset
     assert whole.text_offset == sorted(whole.text_offset)
+
+
+def test_multi_step_server_streams_bursts_of_the_same_text(model_dir, llm, tmp_path):
+    """A server running greedy decodes four steps at once (--num-scheduler-steps 4) streams the
+    offline engine's text in fewer, larger chunks, trims a stop string met inside a burst, counts
+    every generated token in /metrics and holds no KV blocks afterwards."""
+    from server_process import ENGINE_ARGS, ServerProcess, wait_for_idle
+
+    server = ServerProcess(model_dir, tmp_path / "server.log", "--num-scheduler-steps", "4",
+                           *ENGINE_ARGS).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        [expected] = llm.generate(PROMPT, greedy(21), use_tqdm=False)
+        args = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=21, temperature=0,
+                    extra_body={"ignore_eos": True})
+        chunks = [c for c in client.completions.create(stream=True, **args) if c.choices]
+        assert "".join(c.choices[0].text for c in chunks) == expected.outputs[0].text
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert len(chunks) <= 1 + 5 + 1  # the prefill's token, five bursts (4 x 5), the finish
+        text = expected.outputs[0].text
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        response = client.completions.create(**args, stop=[stop])
+        stopped = response.choices[0]
+        assert (stopped.text, stopped.finish_reason) == (text[: text.find(stop)], "stop")
+        values = wait_for_idle(server)
+        assert values["slipstream:generation_tokens_total"] == 21 + response.usage.completion_tokens
+        assert values["slipstream:request_success_total:length"] == 1
+        assert values["slipstream:kv_cache_used_blocks"] == 0
+    finally:
+        server.stop()

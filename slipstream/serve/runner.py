@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -20,6 +21,7 @@ from slipstream.model.transformer import Transformer
 from slipstream.ops.decode_graph import CpuDecodeGraph
 from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
 from slipstream.serve.cuda_graph import CudaDecodeGraphs
+from slipstream.serve.sampler import argmax
 from slipstream.serve.scheduler import ScheduledChunk, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -134,6 +136,42 @@ class Runner:
         else:
             hidden = self.hidden_states(token_ids, positions, batch)
         return self._logits(plan, hidden)
+
+    @torch.inference_mode()
+    def execute_greedy(
+        self, plan: StepPlan, block_tables: Sequence[Sequence[int]], num_steps: int
+    ) -> list[list[int]]:
+        """`num_steps` decode steps of a plan of single-token chunks, each step feeding every
+        sequence the argmax of its previous logits (the sampler's choice for a plain greedy row);
+        `block_tables` cover every step's position. Returns each step's token per chunk.
+
+        On a CPU with the C decode graph the steps run in one call; otherwise step by step, as
+        `execute` runs a decode step."""
+        chunks = plan.chunks
+        if any(chunk.num_tokens != 1 for chunk in chunks) or len(block_tables) != len(chunks):
+            raise ValueError("execute_greedy takes single-token chunks and one block table per chunk")
+        token_ids = torch.tensor([c.request.token_ids_range(c.start, c.start + 1)[0] for c in chunks],
+                                 device=self.device)
+        positions = torch.tensor([c.start for c in chunks], device=self.device)
+        graph = self.decode_graph
+        if isinstance(graph, CpuDecodeGraph) and len(chunks) <= graph.max_seqs:
+            width = max(len(table) for table in block_tables)
+            tables = torch.tensor([[*table, *[0] * (width - len(table))] for table in block_tables])
+            return graph.greedy(token_ids, positions, tables, num_steps).tolist()
+        steps = []
+        for step in range(num_steps):
+            batch = PagedBatch.build(
+                seq_lens=[c.start + step + 1 for c in chunks], query_lens=[1] * len(chunks),
+                block_tables=block_tables, block_size=self.cache.block_size,
+                sliding_window=self.model.config.sliding_window, device=self.device,
+            )
+            if graph is not None and len(chunks) <= graph.max_seqs:
+                hidden = graph(token_ids, positions + step, batch)
+            else:
+                hidden = self.hidden_states(token_ids, positions + step, batch)
+            token_ids = argmax(self.model.compute_logits(hidden))
+            steps.append(token_ids)
+        return torch.stack(steps).tolist()
 
     def hidden_states(
         self, token_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch
