@@ -1,7 +1,9 @@
 """Batch-1 decode latency: ms per output token against the memory-bandwidth roofline.
 
 One request (a random prompt of --input-len tokens, --output-len greedy tokens, ignore_eos) runs
-through slipstream's engine step by step; the median decode step is the per-token latency. The
+through slipstream's engine step by step; the median decode step (per token it produced) is the
+per-token latency: with the default engine, one token per step, and again with
+--num-scheduler-steps greedy steps per engine step (multi-step decoding, opt-in). The
 floor is the bytes a decode step must read (all weights but the gathered embedding rows, plus the
 KV cache; slipstream.perf.flops.decode_bytes_per_step) divided by this machine's read bandwidth,
 measured right before and after each repeat (the better of the two: a shared machine's bandwidth
@@ -42,16 +44,47 @@ def startup_to_first_token_s(model_dir, dtype, prompt):
 
 
 def decode_step_times_s(llm, prompt, output_len):
+    """(prefill step s, every decode step's time per token it produced)."""
     engine = llm.engine
     engine.reset_prefix_cache()  # every repeat prefills the whole prompt
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     engine.add_request("latency", prompt, params)
-    times = []
+    times, num_tokens = [], 0
     while engine.has_unfinished_requests():
         start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    return times[0], times[1:]  # prefill (first token), then one decode step per token
+        [output] = engine.step()
+        elapsed = time.perf_counter() - start
+        num_new = len(output.outputs[0].token_ids) - num_tokens
+        num_tokens += num_new
+        times.append(elapsed / num_new)
+    return times[0], times[1:]
+
+
+def measure(llm, label, prompt, output_len, bytes_per_step):
+    """One repeat: (prefill s, median decode s per token, read bandwidth around the repeat)."""
+    bandwidth_before = measure_memory_bandwidth()[0]
+    prefill_s, decode_s = decode_step_times_s(llm, prompt, output_len)
+    bandwidth = max(bandwidth_before, measure_memory_bandwidth()[0])
+    step_s = median(decode_s)
+    print(f"{label} repeat: {1e3 * step_s:6.2f} ms/token at {bandwidth / 1e9:.1f} GB/s = "
+          f"{100 * bytes_per_step / bandwidth / step_s:4.1f}% of bandwidth", flush=True)
+    return prefill_s, step_s, bandwidth
+
+
+def summary(prefix, results, bytes_per_step):
+    """The medians of the repeats, as JSON fields under `prefix`."""
+    return {
+        f"{prefix}_ms_per_token": 1e3 * median([step for _, step, _ in results]),
+        f"{prefix}_bandwidth_fraction": median([bytes_per_step / bandwidth / step
+                                                for _, step, bandwidth in results]),
+        f"{prefix}_roofline_ms_per_token": 1e3 * bytes_per_step / median([b for _, _, b in results]),
+        f"{prefix}_measured_read_gb_per_s": median([bandwidth for _, _, bandwidth in results]) / 1e9,
+        f"{prefix}_repeats": [
+            {"ms_per_token": 1e3 * step, "read_gb_per_s": bandwidth / 1e9,
+             "bandwidth_fraction": bytes_per_step / bandwidth / step}
+            for _, step, bandwidth in results
+        ],
+    }
 
 
 def transformers_ms_per_token(model_dir, dtype, prompt, output_len):
@@ -84,6 +117,8 @@ def main() -> None:
     parser = serving_parser(__doc__)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--num-scheduler-steps", type=int, default=8,
+                        help="greedy steps per engine step for the multi-step measurement")
     args = parser.parse_args()
 
     model_dir = ensure_model(args.model)
@@ -94,6 +129,7 @@ def main() -> None:
         "model": str(model_dir),
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "num_scheduler_steps": args.num_scheduler_steps,
         **machine(),
     }
     start = time.perf_counter()
@@ -104,40 +140,32 @@ def main() -> None:
         startup_s, llm = startup_to_first_token_s(model_dir, dtype, prompt)
         contexts = range(args.input_len + 1, args.input_len + args.output_len)
         bytes_per_step = sum(decode_bytes_per_step(config, dtype, 1, c) for c in contexts) / len(contexts)
-        repeats = []  # (first-token s, median decode step s, read bandwidth around the repeat)
+        multi_step_llm = LLM(str(model_dir), dtype=dtype, num_scheduler_steps=args.num_scheduler_steps)
+        repeats, multi_step = [], []  # alternating, so that both meet the same minutes of the machine
         for _ in range(args.repeats):
-            bandwidth_before = measure_memory_bandwidth()[0]
-            prefill_s, decode_s = decode_step_times_s(llm, prompt, args.output_len)
-            bandwidth = max(bandwidth_before, measure_memory_bandwidth()[0])
-            step_s = median(decode_s)
-            repeats.append((prefill_s, step_s, bandwidth))
-            print(f"{dtype:>8} repeat: {1e3 * step_s:6.2f} ms/token at {bandwidth / 1e9:.1f} GB/s = "
-                  f"{100 * bytes_per_step / bandwidth / step_s:4.1f}% of bandwidth", flush=True)
-        del llm
+            repeats.append(measure(llm, f"{dtype:>8}", prompt, args.output_len, bytes_per_step))
+            multi_step.append(measure(multi_step_llm, f"{dtype:>8} {args.num_scheduler_steps} steps at once",
+                                      prompt, args.output_len, bytes_per_step))
+        del llm, multi_step_llm
         gc.collect()
-        step_s = median([step for _, step, _ in repeats])
-        ttft_s = median([prefill for prefill, _, _ in repeats])
-        fraction = median([bytes_per_step / bandwidth / step for _, step, bandwidth in repeats])
-        bandwidth = median([bandwidth for _, _, bandwidth in repeats])
+        record |= summary(dtype, repeats, bytes_per_step)
+        record |= {f"{dtype}_prefill_ms": 1e3 * median([prefill for prefill, _, _ in repeats]),
+                   f"{dtype}_startup_to_first_token_s": startup_s}
+        record |= summary(f"{dtype}_multi_step", multi_step, bytes_per_step)
+        step_s = record[f"{dtype}_ms_per_token"] / 1e3
         print(
-            f"{dtype:>8} slipstream: {1e3 * step_s:6.2f} ms/token, {100 * fraction:4.1f}% of bandwidth "
+            f"{dtype:>8} slipstream: {1e3 * step_s:6.2f} ms/token, "
+            f"{100 * record[f'{dtype}_bandwidth_fraction']:4.1f}% of bandwidth "
             f"({bytes_per_step / 1e6:.0f} MB/step; medians of the repeats); prefill of {args.input_len} "
-            f"tokens {1e3 * ttft_s:.0f} ms; LLM() to first token {startup_s:.2f} s",
+            f"tokens {record[f'{dtype}_prefill_ms']:.0f} ms; LLM() to first token {startup_s:.2f} s",
             flush=True,
         )
-        record |= {
-            f"{dtype}_ms_per_token": 1e3 * step_s,
-            f"{dtype}_bandwidth_fraction": fraction,
-            f"{dtype}_roofline_ms_per_token": 1e3 * bytes_per_step / bandwidth,
-            f"{dtype}_measured_read_gb_per_s": bandwidth / 1e9,
-            f"{dtype}_repeats": [
-                {"ms_per_token": 1e3 * step, "read_gb_per_s": bandwidth / 1e9,
-                 "bandwidth_fraction": bytes_per_step / bandwidth / step}
-                for _, step, bandwidth in repeats
-            ],
-            f"{dtype}_prefill_ms": 1e3 * ttft_s,
-            f"{dtype}_startup_to_first_token_s": startup_s,
-        }
+        print(
+            f"{dtype:>8} slipstream, num_scheduler_steps={args.num_scheduler_steps}: "
+            f"{record[f'{dtype}_multi_step_ms_per_token']:6.2f} ms/token, "
+            f"{100 * record[f'{dtype}_multi_step_bandwidth_fraction']:4.1f}% of bandwidth",
+            flush=True,
+        )
         if not args.skip_transformers:
             hf_ms = transformers_ms_per_token(model_dir, dtype, prompt, args.output_len)
             print(
