@@ -4,7 +4,9 @@
 requests advance by how many tokens under one token budget, the runner executes the plan over the
 paged KV cache, the sampler picks the next token of every request that reached the end of its
 known tokens, the scheduler records them (and stops requests on end-of-sequence, stop tokens or
-length), and the output side detokenizes, matches stop strings and builds outputs.
+length), and the output side detokenizes, matches stop strings and builds outputs. With
+`num_scheduler_steps`, a step whose requests all decode greedily may run several decode steps
+before it returns, recorded one at a time as if each had been its own step.
 
 A prompt with `n` completions runs as `n` scheduler requests sharing its prompt (and its KV
 blocks, through prefix caching), under engine-made ids; with a seed, completion i samples with
