@@ -128,13 +128,14 @@ def mistral_dir(make_hf_model, tmp_path):
     return tmp_path, prompts, _greedy_reference(hf, prompts, 20)
 
 
-def test_engine_through_padded_steps_matches_transformers(mistral_dir):
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_engine_through_padded_steps_matches_transformers(mistral_dir, num_scheduler_steps):
     """Greedy generation whose decode steps all go through the bucketed static buffers (at most 5
     running requests: batches of 1 to 5 padded to 1, 2, 4, 5; block tables of 1 to 5 blocks
-    padded to 1, 2, 4, 8): transformers' tokens."""
+    padded to 1, 2, 4, 8), one decode step per engine step or four: transformers' tokens."""
     model_dir, prompts, expected = mistral_dir
     llm = LLM(str(model_dir), max_num_seqs=5, block_size=BLOCK_SIZE, enforce_eager=True,
-              fast_cpu_kernels=False)
+              fast_cpu_kernels=False, num_scheduler_steps=num_scheduler_steps)
     engine = llm.engine
     runner = engine.runner
     runner.cache = PagedKVCache(engine.model_config, num_blocks=engine.limits.num_blocks + 1,
@@ -151,8 +152,8 @@ def test_engine_through_padded_steps_matches_transformers(mistral_dir):
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_captured_graphs_match_transformers_and_eager(mistral_dir):
-    """On a GPU: decode steps replay captured graphs, and the greedy tokens are transformers' and
-    those of enforce_eager=True."""
+    """On a GPU: decode steps replay captured graphs, and the greedy tokens are transformers', those
+    of enforce_eager=True and those of four decode steps per engine step."""
     model_dir, prompts, expected = mistral_dir
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     llm = LLM(str(model_dir), device="cuda", dtype="float32", max_num_seqs=5, block_size=BLOCK_SIZE)
@@ -164,3 +165,6 @@ def test_captured_graphs_match_transformers_and_eager(mistral_dir):
     assert eager.engine.runner.decode_graph is None
     assert [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)] == got
     assert got == expected
+    multi_step = LLM(str(model_dir), device="cuda", dtype="float32", max_num_seqs=5, block_size=BLOCK_SIZE,
+                     num_scheduler_steps=4)
+    assert [o.outputs[0].token_ids for o in multi_step.generate(prompts, params, use_tqdm=False)] == got
