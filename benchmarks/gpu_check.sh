@@ -2,8 +2,8 @@
 # The serving engine's checks on a GPU, as one short run for a session that is lent one (about 5
 # minutes on an H200; run from the repository root with the machine's own python3 and torch):
 # the CUDA-graph tests (captured graphs against transformers, enforce_eager=True and four decode
-# steps per engine step), then
-# benchmarks/cuda_decode.py (graphs against eager decode steps, fp32 and bf16, batch 1 to 64).
+# steps per engine step), then benchmarks/cuda_decode.py (graphs against eager decode steps, fp32
+# and bf16, batch 1 to 64).
 # Logs go to $OUT when it is set (the device tool's output folder), else to the current folder.
 set -euo pipefail
 out="${OUT:-$PWD}"
