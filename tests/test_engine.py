@@ -312,17 +312,6 @@ def test_streamed_text_only_grows_and_never_shows_a_stop_string(model_dir, refer
 # ---- several decode steps at once -----------------------------------------------------------------
 
 
-def count_steps(engine: Engine) -> tuple[int, dict[str, RequestOutput]]:
-    """Step until every request finished, checking invariants: (steps taken, final outputs)."""
-    finals = {}
-    for steps in range(1, MAX_STEPS):
-        finals |= {output.request_id: output for output in engine.step() if output.finished}
-        engine.scheduler.check_invariants()
-        if not engine.has_unfinished_requests():
-            return steps, finals
-    raise AssertionError(f"requests still unfinished after {MAX_STEPS} steps")
-
-
 def test_multi_step_decoding_runs_bursts_of_the_same_tokens(model_dir, reference_engine):
     """num_scheduler_steps=8: a greedy request of 20 tokens takes 4 engine steps (its prefill, then
     8, 8 and 3 decode steps: never past max_tokens), and requests of several lengths together get
@@ -331,7 +320,7 @@ def test_multi_step_decoding_runs_bursts_of_the_same_tokens(model_dir, reference
     prompts = {f"m{i}": random_prompt(rng, n) for i, n in enumerate([10, 33, 4, 61])}
     engine = make_engine(model_dir, num_scheduler_steps=8)
     engine.add_request("m0", prompts["m0"], greedy(max_tokens=20))
-    assert count_steps(engine)[0] == 4
+    assert len(run(engine)[1]) == 4  # one streamed output per step: each step adds a token
     lengths = {"m0": 20, "m1": 13, "m2": 9, "m3": 26}
     for request_id, n in lengths.items():
         engine.add_request(request_id, prompts[request_id], greedy(max_tokens=n))
@@ -392,8 +381,8 @@ def test_multi_step_decoding_leaves_rows_that_need_each_step_alone(model_dir):
         single, multi = make_engine(model_dir), make_engine(model_dir, num_scheduler_steps=8)
         single.add_request(request_id, prompt, params)
         multi.add_request(request_id, prompt, params)
-        steps, finals = count_steps(multi)
-        assert steps == num_steps, request_id
+        finals, stream = run(multi)
+        assert len(stream) == num_steps, request_id  # one streamed output per step
         expected, got = run(single)[0][request_id].outputs[0], finals[request_id].outputs[0]
         assert got.token_ids == expected.token_ids
         assert got.logprobs == expected.logprobs

@@ -148,9 +148,7 @@ class CpuDecodeGraph:
             raise ValueError(f"token_ids and positions must both be (B,); got {tuple(token_ids.shape)} "
                              f"and {tuple(positions.shape)}")
         self._cover_positions(batch.decode_max_len)
-        hidden = torch.empty(num_seqs, self._shape.hidden_size, dtype=self._dtype)  # the residual stream
-        out = torch.empty_like(hidden)
-        scores = torch.empty(num_seqs, self._shape.vocab_size, dtype=self._dtype) if logits else None
+        hidden, out, scores = self._outputs(num_seqs, logits)
         tables = batch.decode_block_tables
         status = self._lib.decode_layers(
             self._layers, ctypes.byref(self._shape), ctypes.byref(self._tensors), token_ids.data_ptr(),
@@ -159,13 +157,10 @@ class CpuDecodeGraph:
             None if scores is None else scores.data_ptr(), self._workspace.data_ptr(),
             torch.get_num_threads(),
         )
-        if status == 3:
-            raise ValueError(f"token ids must be in [0, {self._shape.vocab_size}); got {token_ids.tolist()}")
         if status == 4:
             raise ValueError(f"each position must be its sequence's length - 1 (lengths "
                              f"{batch.decode_seq_lens.tolist()}); got {positions.tolist()}")
-        if status != 0:
-            raise RuntimeError(f"decode_layers failed with status {status}")
+        self._check(status, token_ids, "decode_layers")
         return out if scores is None else scores
 
     def greedy(
@@ -189,9 +184,7 @@ class CpuDecodeGraph:
                              f"{tuple(token_ids.shape)}, {tuple(positions.shape)}, "
                              f"{tuple(block_tables.shape)}")
         self._cover_positions(int(positions.max()) + num_steps)
-        hidden = torch.empty(num_seqs, self._shape.hidden_size, dtype=self._dtype)
-        out = torch.empty_like(hidden)
-        scores = torch.empty(num_seqs, self._shape.vocab_size, dtype=self._dtype)
+        hidden, out, scores = self._outputs(num_seqs, logits=True)
         sampled = torch.empty(num_steps, num_seqs, dtype=torch.int64)
         status = self._lib.decode_greedy(
             self._layers, ctypes.byref(self._shape), ctypes.byref(self._tensors), token_ids.data_ptr(),
@@ -199,15 +192,28 @@ class CpuDecodeGraph:
             hidden.data_ptr(), out.data_ptr(), scores.data_ptr(), sampled.data_ptr(),
             self._workspace.data_ptr(), torch.get_num_threads(),
         )
-        if status == 3:
-            raise ValueError(f"token ids must be in [0, {self._shape.vocab_size}); got {token_ids.tolist()}")
         if status == 5:
             raise ValueError(f"positions {positions.tolist()} must be >= 0 and, {num_steps} steps on, still "
                              f"in the block tables ({block_tables.shape[1]} blocks of "
                              f"{self._shape.block_size} tokens)")
-        if status != 0:
-            raise RuntimeError(f"decode_greedy failed with status {status}")
+        self._check(status, token_ids, "decode_greedy")
         return sampled
+
+    def _outputs(
+        self, num_seqs: int, logits: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The C call's outputs: the residual stream and the final-norm hidden states, each (B, E),
+        and the logits (B, V) or None."""
+        hidden = torch.empty(num_seqs, self._shape.hidden_size, dtype=self._dtype)
+        scores = torch.empty(num_seqs, self._shape.vocab_size, dtype=self._dtype) if logits else None
+        return hidden, torch.empty_like(hidden), scores
+
+    def _check(self, status: int, token_ids: torch.Tensor, function: str) -> None:
+        """Raise for the statuses both C calls share (a caller handles its own first)."""
+        if status == 3:
+            raise ValueError(f"token ids must be in [0, {self._shape.vocab_size}); got {token_ids.tolist()}")
+        if status != 0:
+            raise RuntimeError(f"{function} failed with status {status}")
 
     def _cover_positions(self, num_positions: int) -> None:
         """Rotary cos and sin tables for at least `num_positions` positions, computed as the model

@@ -125,17 +125,28 @@ class Runner:
         )
         token_ids = torch.tensor(token_ids, device=self.device)
         positions = torch.tensor(positions, device=self.device)
+        graph = self._graph_for(batch)
+        if isinstance(graph, CpuDecodeGraph) and all(c.samples and not _wants_prompt_logits(c)
+                                                     for c in plan.chunks):
+            # Every row samples and none is a prompt position: the lm_head runs in the graph.
+            logits = graph(token_ids, positions, batch, logits=True)
+            return StepLogits(sample_logits=logits, prompt_logits={})
+        return self._logits(plan, self._decode_or_forward(graph, token_ids, positions, batch))
+
+    def _graph_for(self, batch: PagedBatch) -> CpuDecodeGraph | CudaDecodeGraphs | None:
+        """The decode graph that runs `batch`: none for a step with a prefill chunk or more
+        sequences than the graph takes."""
         graph = self.decode_graph
-        if graph is not None and not batch.prefills and len(plan.chunks) <= graph.max_seqs:
-            if isinstance(graph, CpuDecodeGraph) and all(c.samples and not _wants_prompt_logits(c)
-                                                         for c in plan.chunks):
-                # Every row samples and none is a prompt position: the lm_head runs in the graph.
-                logits = graph(token_ids, positions, batch, logits=True)
-                return StepLogits(sample_logits=logits, prompt_logits={})
-            hidden = graph(token_ids, positions, batch)  # (N, E)
-        else:
-            hidden = self.hidden_states(token_ids, positions, batch)
-        return self._logits(plan, hidden)
+        fits = graph is not None and not batch.prefills and len(batch.decode_seq_lens) <= graph.max_seqs
+        return graph if fits else None
+
+    def _decode_or_forward(
+        self, graph: CpuDecodeGraph | CudaDecodeGraphs | None, token_ids: torch.Tensor,
+        positions: torch.Tensor, batch: PagedBatch,
+    ) -> torch.Tensor:  # (N, E) final-norm hidden states
+        if graph is None:
+            return self.hidden_states(token_ids, positions, batch)
+        return graph(token_ids, positions, batch)
 
     @torch.inference_mode()
     def execute_greedy(
@@ -165,10 +176,7 @@ class Runner:
                 block_tables=block_tables, block_size=self.cache.block_size,
                 sliding_window=self.model.config.sliding_window, device=self.device,
             )
-            if graph is not None and len(chunks) <= graph.max_seqs:
-                hidden = graph(token_ids, positions + step, batch)
-            else:
-                hidden = self.hidden_states(token_ids, positions + step, batch)
+            hidden = self._decode_or_forward(self._graph_for(batch), token_ids, positions + step, batch)
             token_ids = argmax(self.model.compute_logits(hidden))
             steps.append(token_ids)
         return torch.stack(steps).tolist()
