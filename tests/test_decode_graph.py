@@ -189,7 +189,7 @@ def test_greedy_steps_equal_one_step_at_a_time(family_config, dtype, seq_lens):
         pytest.skip(f"no {dtype} panel kernel on this CPU: the graph takes up to {graph.max_seqs} sequences")
     positions = torch.tensor([n - 1 for n in seq_lens])
     with torch.inference_mode():
-        got = graph.greedy(token_ids, positions, tables, NUM_GREEDY_STEPS)
+        got = graph.greedy(token_ids.tolist(), positions.tolist(), tables.tolist(), NUM_GREEDY_STEPS)
     expected, tokens = [], token_ids
     for step in range(NUM_GREEDY_STEPS):
         batch = PagedBatch.build(seq_lens=[n + step for n in seq_lens], query_lens=[1] * len(seq_lens),
@@ -199,23 +199,28 @@ def test_greedy_steps_equal_one_step_at_a_time(family_config, dtype, seq_lens):
         with torch.inference_mode():
             tokens = argmax(fast.compute_logits(hidden))
         expected.append(tokens)
-    assert got.tolist() == torch.stack(expected).tolist()
+    assert got == torch.stack(expected).tolist()
     for layer in range(family_config.num_hidden_layers):
         assert torch.equal(graph_cache.keys[layer], cache.keys[layer])
         assert torch.equal(graph_cache.values[layer], cache.values[layer])
 
 
 def test_greedy_steps_need_block_tables_that_cover_them(family_config):
-    """Block tables too short for the last step's position, or a negative position: a ValueError
-    before any work, nothing written to the cache."""
+    """A block table too short for the last step's position, a negative position, or token ids
+    outside the vocabulary: a ValueError before any work, nothing written to the cache."""
     fast = optimize_for_cpu_inference(random_model(family_config, torch.float32))
     cache, batch, token_ids, positions = _decode_batch(family_config, [5, 8], torch.float32)
     graph = CpuDecodeGraph.build(fast, cache.keys, cache.values)
-    tables = batch.decode_block_tables  # 2 blocks each: positions up to 7
+    token_ids, positions = token_ids.tolist(), positions.tolist()
+    tables = batch.decode_block_tables.tolist()  # 2 blocks of 4 each: positions up to 7
     before = [t.clone() for t in cache.keys]
     for bad_positions, num_steps in (([4, 7], 2), ([4, 6], 3), ([-1, 3], 1)):
-        with pytest.raises(ValueError, match="block tables"):
-            graph.greedy(token_ids, torch.tensor(bad_positions), tables, num_steps)
+        with pytest.raises(ValueError, match="block table"):
+            graph.greedy(token_ids, bad_positions, tables, num_steps)
+    with pytest.raises(ValueError, match="block table"):  # each sequence's own table, not the longest
+        graph.greedy(token_ids, [4, 7], [tables[0], tables[1][:1]], 1)
+    with pytest.raises(ValueError, match="token ids"):
+        graph.greedy([token_ids[0], family_config.vocab_size], positions, tables, 1)
     assert all(torch.equal(a, b) for a, b in zip(before, cache.keys, strict=True))
     with pytest.raises(ValueError, match="at least one step"):
         graph.greedy(token_ids, positions, tables, 0)

@@ -10,6 +10,7 @@ import sys
 import pytest
 from serve_fixtures import VOCAB_SIZE, kv_bytes_for_blocks
 
+from slipstream.serve import engine as engine_module
 from slipstream.serve.engine import Engine, EngineConfig
 from slipstream.serve.request import RequestOutput, SamplingParams
 
@@ -386,6 +387,30 @@ def test_multi_step_decoding_leaves_rows_that_need_each_step_alone(model_dir):
         expected, got = run(single)[0][request_id].outputs[0], finals[request_id].outputs[0]
         assert got.token_ids == expected.token_ids
         assert got.logprobs == expected.logprobs
+
+
+def test_plain_greedy_decodes_skip_the_sampler(model_dir, monkeypatch):
+    """One step at a time (the default), a decode step whose rows all take a plain argmax gets its
+    tokens from the runner: the sampler sees only the prefill; a row that wants logprobs goes
+    through it every step, with the same tokens."""
+    rows_sampled = []
+    real_sample = engine_module.sample
+
+    def counting_sample(logits, batch):
+        rows_sampled.append(logits.shape[0])
+        return real_sample(logits, batch)
+
+    monkeypatch.setattr(engine_module, "sample", counting_sample)
+    prompt = random_prompt(random.Random(14), 12)
+    engine = make_engine(model_dir)
+    engine.add_request("plain", prompt, greedy(max_tokens=12))
+    plain = run(engine)[0]["plain"].outputs[0]
+    assert rows_sampled == [1]
+    rows_sampled.clear()
+    engine.add_request("logprobs", prompt, greedy(max_tokens=12, logprobs=1))
+    with_logprobs = run(engine)[0]["logprobs"].outputs[0]
+    assert rows_sampled == [1] * 12
+    assert with_logprobs.token_ids == plain.token_ids
 
 
 def test_num_scheduler_steps_must_be_a_positive_integer(model_dir):

@@ -49,6 +49,7 @@ class CpuDecodeGraph:
         self._shape = shape
         self._bound = bound  # every tensor whose address `layers` or `tensors` holds, kept alive with them
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._greedy_outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._dtype = model.model.embed_tokens.weight.dtype
         self._lib = cpu_kernels.library()
         self._workspace = torch.empty(self._lib.decode_workspace_bytes(ctypes.byref(shape), self.max_seqs),
@@ -165,39 +166,51 @@ class CpuDecodeGraph:
 
     def greedy(
         self,
-        token_ids: torch.Tensor,  # (B,) int64: each sequence's next token to feed
-        positions: torch.Tensor,  # (B,) int64: its position (the sequence's length - 1)
-        block_tables: torch.Tensor,  # (B, W) int64, covering positions + num_steps - 1
+        token_ids: Sequence[int],  # each sequence's next token to feed
+        positions: Sequence[int],  # its position (the sequence's length - 1)
+        block_tables: Sequence[Sequence[int]],  # each sequence's, covering positions + num_steps - 1
         num_steps: int,
-    ) -> torch.Tensor:  # (num_steps, B) int64: each step's greedy token per sequence
+    ) -> list[list[int]]:  # num_steps lists of B: each step's greedy token per sequence
         """`num_steps` pure decode steps in one C call, each feeding every sequence the argmax of
         its previous step's logits (as `sampler.sample` takes it for a plain greedy row), writing
-        their keys and values into the cache at the slots `block_tables` gives their positions."""
-        num_seqs = token_ids.shape[0]
+        their keys and values into the cache at the slots `block_tables` gives their positions.
+
+        Takes and returns plain lists: a batch-1 step lasts a few milliseconds, and building,
+        converting and reading back small tensors around the call cost a few percent of that (the
+        weights streamed through the caches in the step leave PyTorch's dispatch code cold)."""
+        num_seqs, block_size = len(token_ids), self._shape.block_size
         if not 0 < num_seqs <= self.max_seqs or num_steps < 1:
             raise ValueError(f"the decode graph takes 1 to {self.max_seqs} sequences and at least one "
                              f"step; got {num_seqs} sequences, {num_steps} steps")
-        token_ids, positions = token_ids.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
-        block_tables = block_tables.to(torch.int64).contiguous()
-        if positions.shape != (num_seqs,) or block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-            raise ValueError(f"token_ids and positions must be (B,) and block_tables (B, W); got "
-                             f"{tuple(token_ids.shape)}, {tuple(positions.shape)}, "
-                             f"{tuple(block_tables.shape)}")
-        self._cover_positions(int(positions.max()) + num_steps)
-        hidden, out, scores = self._outputs(num_seqs, logits=True)
-        sampled = torch.empty(num_steps, num_seqs, dtype=torch.int64)
+        if len(positions) != num_seqs or len(block_tables) != num_seqs:
+            raise ValueError(f"one position and one block table per token; got {num_seqs} tokens, "
+                             f"{len(positions)} positions, {len(block_tables)} block tables")
+        for position, table in zip(positions, block_tables, strict=True):
+            if not 0 <= position <= len(table) * block_size - num_steps:
+                raise ValueError(f"position {position} must be >= 0 and, {num_steps} steps on, still in "
+                                 f"its block table ({len(table)} blocks of {block_size} tokens)")
+        width = max(len(table) for table in block_tables)
+        tables = (ctypes.c_int64 * (num_seqs * width))()
+        for row, table in enumerate(block_tables):
+            tables[row * width : row * width + len(table)] = table
+        self._cover_positions(max(positions) + num_steps)
+        hidden, out, scores = self._greedy_buffers()
+        sampled = (ctypes.c_int64 * (num_steps * num_seqs))()
         status = self._lib.decode_greedy(
-            self._layers, ctypes.byref(self._shape), ctypes.byref(self._tensors), token_ids.data_ptr(),
-            positions.data_ptr(), block_tables.data_ptr(), num_seqs, block_tables.shape[1], num_steps,
-            hidden.data_ptr(), out.data_ptr(), scores.data_ptr(), sampled.data_ptr(),
+            self._layers, ctypes.byref(self._shape), ctypes.byref(self._tensors),
+            (ctypes.c_int64 * num_seqs)(*token_ids), (ctypes.c_int64 * num_seqs)(*positions), tables,
+            num_seqs, width, num_steps, hidden.data_ptr(), out.data_ptr(), scores.data_ptr(), sampled,
             self._workspace.data_ptr(), torch.get_num_threads(),
         )
-        if status == 5:
-            raise ValueError(f"positions {positions.tolist()} must be >= 0 and, {num_steps} steps on, still "
-                             f"in the block tables ({block_tables.shape[1]} blocks of "
-                             f"{self._shape.block_size} tokens)")
         self._check(status, token_ids, "decode_greedy")
-        return sampled
+        return [sampled[step * num_seqs : (step + 1) * num_seqs] for step in range(num_steps)]
+
+    def _greedy_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`greedy`'s outputs, which it only reads back through the sampled tokens: kept from call to
+        call, allocated for `max_seqs` rows at the first."""
+        if self._greedy_outputs is None:
+            self._greedy_outputs = self._outputs(self.max_seqs, logits=True)
+        return self._greedy_outputs
 
     def _outputs(
         self, num_seqs: int, logits: bool
@@ -208,10 +221,11 @@ class CpuDecodeGraph:
         scores = torch.empty(num_seqs, self._shape.vocab_size, dtype=self._dtype) if logits else None
         return hidden, torch.empty_like(hidden), scores
 
-    def _check(self, status: int, token_ids: torch.Tensor, function: str) -> None:
+    def _check(self, status: int, token_ids: torch.Tensor | Sequence[int], function: str) -> None:
         """Raise for the statuses both C calls share (a caller handles its own first)."""
         if status == 3:
-            raise ValueError(f"token ids must be in [0, {self._shape.vocab_size}); got {token_ids.tolist()}")
+            raise ValueError(f"token ids must be in [0, {self._shape.vocab_size}); got "
+                             f"{[int(t) for t in token_ids]}")
         if status != 0:
             raise RuntimeError(f"{function} failed with status {status}")
 

@@ -4,9 +4,10 @@
 requests advance by how many tokens under one token budget, the runner executes the plan over the
 paged KV cache, the sampler picks the next token of every request that reached the end of its
 known tokens, the scheduler records them (and stops requests on end-of-sequence, stop tokens or
-length), and the output side detokenizes, matches stop strings and builds outputs. With
-`num_scheduler_steps`, a step whose requests all decode greedily may run several decode steps
-before it returns, recorded one at a time as if each had been its own step.
+length), and the output side detokenizes, matches stop strings and builds outputs. A step whose
+requests all decode by a plain argmax skips the sampler (the runner takes the argmax); with
+`num_scheduler_steps`, such a step may run several decode steps before it returns, recorded one
+at a time as if each had been its own step.
 
 A prompt with `n` completions runs as `n` scheduler requests sharing its prompt (and its KV
 blocks, through prefix caching), under engine-made ids; with a seed, completion i samples with
@@ -275,7 +276,7 @@ class Engine:
             return []
         self._mark_scheduled(plan)
         num_steps = self._num_greedy_steps(plan)
-        block_tables = self.scheduler.reserve_lookahead(plan, num_steps) if num_steps > 1 else None
+        block_tables = self.scheduler.reserve_lookahead(plan, num_steps) if num_steps else None
         if block_tables is not None:
             changed = self._run_greedy_steps(plan, block_tables, num_steps)
         else:
@@ -300,19 +301,18 @@ class Engine:
         return changed
 
     def _num_greedy_steps(self, plan: StepPlan) -> int:
-        """How many decode steps the plan may run at once: up to num_scheduler_steps when every chunk
-        is a single token that samples by a plain argmax, and no more than any request may still
-        generate (so no step computes past a request's last possible token). 1 after a preemption:
-        the pool is short."""
-        num_steps = self.config.num_scheduler_steps
-        if num_steps == 1 or plan.preempted_request_ids:
-            return 1
+        """How many decode steps the plan may run at once on the runner's greedy path, which takes
+        each token as the argmax of its logits without the sampler; 0 unless every chunk is a single
+        token that samples by a plain argmax. Up to num_scheduler_steps, no more than any request
+        may still generate (so no step computes past a request's last possible token), and 1 after
+        a preemption: the pool is short."""
+        num_steps = 1 if plan.preempted_request_ids else self.config.num_scheduler_steps
         for chunk in plan.chunks:
             request = chunk.request
             num_output = len(request.output_token_ids)
             single = chunk.num_tokens == 1 and chunk.samples
             if not single or not takes_argmax(request.sampling_params, num_output):
-                return 1
+                return 0
             num_steps = min(num_steps, request.max_output_tokens - num_output)
         return num_steps
 

@@ -161,14 +161,13 @@ class Runner:
         chunks = plan.chunks
         if any(chunk.num_tokens != 1 for chunk in chunks) or len(block_tables) != len(chunks):
             raise ValueError("execute_greedy takes single-token chunks and one block table per chunk")
-        token_ids = torch.tensor([c.request.token_ids_range(c.start, c.start + 1)[0] for c in chunks],
-                                 device=self.device)
-        positions = torch.tensor([c.start for c in chunks], device=self.device)
+        token_ids = [c.request.token_ids_range(c.start, c.start + 1)[0] for c in chunks]
+        positions = [c.start for c in chunks]
         graph = self.decode_graph
         if isinstance(graph, CpuDecodeGraph) and len(chunks) <= graph.max_seqs:
-            width = max(len(table) for table in block_tables)
-            tables = torch.tensor([[*table, *[0] * (width - len(table))] for table in block_tables])
-            return graph.greedy(token_ids, positions, tables, num_steps).tolist()
+            return graph.greedy(token_ids, positions, block_tables, num_steps)
+        token_ids = torch.tensor(token_ids, device=self.device)
+        positions = torch.tensor(positions, device=self.device)
         steps = []
         for step in range(num_steps):
             batch = PagedBatch.build(
