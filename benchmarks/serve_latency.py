@@ -6,9 +6,11 @@ per-token latency: with the default engine, one token per step, and again with
 --num-scheduler-steps greedy steps per engine step (multi-step decoding, opt-in). The
 floor is the bytes a decode step must read (all weights but the gathered embedding rows, plus the
 KV cache; slipstream.perf.flops.decode_bytes_per_step) divided by this machine's read bandwidth,
-measured right before and after each repeat (the better of the two: a shared machine's bandwidth
-can change twofold from one minute to the next); the share of the roofline is the median of the
-repeats' shares. transformers' batch-1 `generate`
+measured right before and after each repeat (the better of the two); the share of the roofline is
+the median of the repeats' shares. A shared machine's bandwidth can change twofold from one
+minute to the next, so a repeat whose two measurements differ by more than STEADY_BANDWIDTH
+ran at a bandwidth nobody knows: it is printed and kept in the JSON, marked unsteady, but left
+out of the medians (unless every repeat was). transformers' batch-1 `generate`
 on the same prompt is the baseline. Also reports the time from `LLM(...)` to the first token,
 after loading the C kernel library, whose load is timed and reported on its own: the first use on
 a machine (or after a change to the kernels' source) compiles it, about 2 s on the development
@@ -60,29 +62,38 @@ def decode_step_times_s(llm, prompt, output_len):
     return times[0], times[1:]
 
 
+STEADY_BANDWIDTH = 0.85
+"""A repeat counts when the lower of the bandwidths measured before and after it is at least this
+share of the higher."""
+
+
 def measure(llm, label, prompt, output_len, bytes_per_step):
-    """One repeat: (prefill s, median decode s per token, read bandwidth around the repeat)."""
-    bandwidth_before = measure_memory_bandwidth()[0]
+    """One repeat: (prefill s, median decode s per token, read bandwidth around the repeat,
+    whether that bandwidth held steady)."""
+    before = measure_memory_bandwidth()[0]
     prefill_s, decode_s = decode_step_times_s(llm, prompt, output_len)
-    bandwidth = max(bandwidth_before, measure_memory_bandwidth()[0])
+    after = measure_memory_bandwidth()[0]
+    bandwidth, steady = max(before, after), min(before, after) >= STEADY_BANDWIDTH * max(before, after)
     step_s = median(decode_s)
+    unsteady = "" if steady else f" (read {before / 1e9:.1f} GB/s before, {after / 1e9:.1f} after: unsteady)"
     print(f"{label} repeat: {1e3 * step_s:6.2f} ms/token at {bandwidth / 1e9:.1f} GB/s = "
-          f"{100 * bytes_per_step / bandwidth / step_s:4.1f}% of bandwidth", flush=True)
-    return prefill_s, step_s, bandwidth
+          f"{100 * bytes_per_step / bandwidth / step_s:4.1f}% of bandwidth{unsteady}", flush=True)
+    return prefill_s, step_s, bandwidth, steady
 
 
 def summary(prefix, results, bytes_per_step):
-    """The medians of the repeats, as JSON fields under `prefix`."""
+    """The medians of the steady repeats (of all, if none was), as JSON fields under `prefix`."""
+    counted = [r for r in results if r[3]] or results
     return {
-        f"{prefix}_ms_per_token": 1e3 * median([step for _, step, _ in results]),
+        f"{prefix}_ms_per_token": 1e3 * median([step for _, step, _, _ in counted]),
         f"{prefix}_bandwidth_fraction": median([bytes_per_step / bandwidth / step
-                                                for _, step, bandwidth in results]),
-        f"{prefix}_roofline_ms_per_token": 1e3 * bytes_per_step / median([b for _, _, b in results]),
-        f"{prefix}_measured_read_gb_per_s": median([bandwidth for _, _, bandwidth in results]) / 1e9,
+                                                for _, step, bandwidth, _ in counted]),
+        f"{prefix}_roofline_ms_per_token": 1e3 * bytes_per_step / median([b for _, _, b, _ in counted]),
+        f"{prefix}_measured_read_gb_per_s": median([bandwidth for _, _, bandwidth, _ in counted]) / 1e9,
         f"{prefix}_repeats": [
             {"ms_per_token": 1e3 * step, "read_gb_per_s": bandwidth / 1e9,
-             "bandwidth_fraction": bytes_per_step / bandwidth / step}
-            for _, step, bandwidth in results
+             "bandwidth_fraction": bytes_per_step / bandwidth / step, "steady": steady}
+            for _, step, bandwidth, steady in results
         ],
     }
 
@@ -149,15 +160,16 @@ def main() -> None:
         del llm, multi_step_llm
         gc.collect()
         record |= summary(dtype, repeats, bytes_per_step)
-        record |= {f"{dtype}_prefill_ms": 1e3 * median([prefill for prefill, _, _ in repeats]),
+        record |= {f"{dtype}_prefill_ms": 1e3 * median([prefill for prefill, *_ in repeats]),
                    f"{dtype}_startup_to_first_token_s": startup_s}
         record |= summary(f"{dtype}_multi_step", multi_step, bytes_per_step)
         step_s = record[f"{dtype}_ms_per_token"] / 1e3
         print(
             f"{dtype:>8} slipstream: {1e3 * step_s:6.2f} ms/token, "
             f"{100 * record[f'{dtype}_bandwidth_fraction']:4.1f}% of bandwidth "
-            f"({bytes_per_step / 1e6:.0f} MB/step; medians of the repeats); prefill of {args.input_len} "
-            f"tokens {record[f'{dtype}_prefill_ms']:.0f} ms; LLM() to first token {startup_s:.2f} s",
+            f"({bytes_per_step / 1e6:.0f} MB/step; medians of the steady repeats); prefill of "
+            f"{args.input_len} tokens {record[f'{dtype}_prefill_ms']:.0f} ms; LLM() to first token "
+            f"{startup_s:.2f} s",
             flush=True,
         )
         print(
