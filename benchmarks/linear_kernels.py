@@ -5,7 +5,10 @@ come from memory each time. This runs the four projections of every layer of the
 model (12 layers of q/k/v 1280x768, o 768x768, gate/up 4096x768, down 768x2048: 48 distinct
 weights, 242 MB in fp32, more than the last-level cache) at several row counts, interleaving the
 three implementations, and prints the median time per pass, GFLOP/s, the ratio of the panel
-kernel to oneDNN and the fraction of the calibrated peak of the dtype. Last line JSON.
+kernel to oneDNN and the fraction of the calibrated peak of the dtype. Up to
+`cpu_kernels.MAX_GEMV_ROWS` rows it also runs the matrix-vector kernel of batch-1 decode, memory
+bound, and prints the rate at which it reads the weights against the read bandwidth measured
+right before those rows. Last line JSON.
 
     python benchmarks/linear_kernels.py [--dtype float32|bfloat16|both] [--rows 1 8 ... 2048]
 """
@@ -19,7 +22,7 @@ import torch
 from common import machine, median, print_json
 
 from slipstream.ops import cpu_kernels
-from slipstream.perf.hardware import calibrate
+from slipstream.perf.hardware import calibrate, measure_memory_bandwidth
 
 LAYERS = 12
 SHAPES = [(1280, 768), (768, 768), (4096, 768), (768, 2048)]  # (out, in) of one layer
@@ -43,9 +46,13 @@ def measure(dtype: torch.dtype, rows_list: list[int], repeats: int) -> list[dict
     for rows in rows_list:
         inputs = {k: torch.randn(rows, k).to(dtype) for _, k in SHAPES}
         flops = sum(2 * rows * w.numel() for w in weights)
-        times = {impl: [] for impl in implementations}
+        run_now = dict(implementations)
+        if rows <= cpu_kernels.MAX_GEMV_ROWS:
+            run_now["gemv"] = lambda x, i: cpu_kernels.gemv(x, weights[i], None)
+            bandwidth = measure_memory_bandwidth()[0]
+        times = {impl: [] for impl in run_now}
         for _ in range(repeats):
-            for impl, run in implementations.items():
+            for impl, run in run_now.items():
                 start = time.perf_counter()
                 for i, w in enumerate(weights):
                     run(inputs[w.shape[1]], i)
@@ -56,6 +63,12 @@ def measure(dtype: torch.dtype, rows_list: list[int], repeats: int) -> list[dict
               + f" GFLOP/s; panel/oneDNN {ratio:.2f}x, panel at {gflops['panel'] * 1e9 / peak:.0%} of peak")
         results.append({"dtype": name, "rows": rows, "gflops": gflops, "panel_over_onednn": ratio,
                         "panel_fraction_of_peak": gflops["panel"] * 1e9 / peak, "peak_gflops": peak / 1e9})
+        if "gemv" in times:
+            read = sum(w.numel() * w.element_size() for w in weights) / median(times["gemv"])
+            print(f"{name} M={rows:5d}: the matrix-vector kernel reads the weights at {read / 1e9:.1f} GB/s, "
+                  f"{read / bandwidth:.0%} of the {bandwidth / 1e9:.1f} GB/s measured before")
+            results[-1] |= {"gemv_read_gb_per_s": read / 1e9, "read_gb_per_s": bandwidth / 1e9,
+                            "gemv_bandwidth_fraction": read / bandwidth}
     return results
 
 

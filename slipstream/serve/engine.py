@@ -90,7 +90,7 @@ class EngineConfig:
     """As vLLM v0's multi-step scheduling: when every running request decodes greedily with nothing
     that needs a step's logits (no penalty, logprobs or pending min_tokens), run up to this many
     decode steps at once (on a CPU with the decode graph, in one C call). Fewer returns to Python
-    per token (batch 1 bf16 on the development machine: ~10% less time per token); in exchange
+    per token (batch 1 on the development machine: 2-6% less time per token); in exchange
     tokens arrive in bursts, a new request waits up to that many steps for its prefill, and a
     request that stops early (end-of-sequence, stop token or string) has computed a few steps
     for nothing."""
