@@ -46,10 +46,11 @@ def _module_path(model, cache, batch, token_ids, positions, use_kernel):
         return model.hidden_states(token_ids[None], positions[None], attention)[0]
 
 
-# Up to four sequences the products go through the matrix-vector kernel; beyond, the panel kernel
-# (with the rows split among threads too where the model has few panels).
+# One or two sequences' products go through the matrix-vector kernel, more through the panel kernel
+# (with the rows split among threads too where the model has few panels), or up to four through
+# the matrix-vector kernel where the CPU has no panel kernel for the dtype.
 # Sequences of over 512 keys are split into chunks by the attention (merged afterwards).
-BATCHES = [[1], [9], [5, 17, 2], [30, 8, 13, 4], [5, 17, 2, 9, 1, 30],
+BATCHES = [[1], [9], [9, 3], [5, 17, 2], [30, 8, 13, 4], [5, 17, 2, 9, 1, 30],
            [3, 7, 11, 2, 5, 9, 1, 6, 4, 8, 10, 12, 2, 3, 7, 5, 9, 6, 1, 4], [700, 5, 530]]
 
 

@@ -225,6 +225,7 @@ def paged_prefill_attention_(
 
 
 MAX_GEMV_ROWS = 4  # as in cpu_ops.c
+MIN_PANEL_ROWS = 3  # as in cpu_ops.c: fewer rows take the matrix-vector kernel even where panels are kept
 
 
 def gemv(

@@ -38,10 +38,12 @@ class PackedLinear(nn.Module):
     """Inference-only linear layer over a oneDNN pre-packed weight.
 
     With `extra_copies`, two more copies of the weight are kept for small inputs: a row-major one,
-    on huge pages (`ops.allocator`), for inputs of at most `cpu_kernels.MAX_GEMV_ROWS` rows
+    on huge pages (`ops.allocator`), for inputs of fewer than `cpu_kernels.MIN_PANEL_ROWS` rows
     (batch-1 decode: the C matrix-vector kernel streams the weight faster than oneDNN does at that
-    size), and a panel-packed one for the C panel kernel (fp32 needs AVX-512, bf16 AVX512-BF16):
-    every input in fp32, up to `MAX_PANEL_ROWS` rows in bf16.
+    size, and faster than the panel kernel), and a panel-packed one for the C panel kernel (fp32
+    needs AVX-512, bf16 AVX512-BF16): every other input in fp32, up to `MAX_PANEL_ROWS` rows in
+    bf16. Without the panel copy the matrix-vector kernel takes up to `cpu_kernels.MAX_GEMV_ROWS`
+    rows.
     `row_buffer` (out_features * in_features elements of the weight's dtype) is where to put the
     row-major copy: `pack_linears` hands every layer a slice of one model-wide buffer, so that
     small weights do not each occupy a 2 MiB page.
@@ -66,7 +68,10 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         rows = x.numel() // self.in_features
-        if self.row_weight is not None and rows <= cpu_kernels.MAX_GEMV_ROWS:
+        few_rows = rows < cpu_kernels.MIN_PANEL_ROWS or (
+            self.panel_weight is None and rows <= cpu_kernels.MAX_GEMV_ROWS
+        )
+        if self.row_weight is not None and few_rows:
             return cpu_kernels.gemv(x, self.row_weight, self.bias)
         if self.panel_weight is not None and (rows <= MAX_PANEL_ROWS or x.dtype == torch.float32):
             return cpu_kernels.panel_gemm(x, self.panel_weight, self.bias, self.out_features)

@@ -14,9 +14,12 @@
  * each against every row of x, with fp32 accumulation (bf16 pairs through vdpbf16ps where the CPU
  * has AVX512-BF16). Each thread reads one contiguous run of rows, which the hardware prefetcher
  * follows; software prefetching of the next rows measured no faster, and slower for K = 2048.
- * M <= MAX_GEMV_ROWS.
+ * M <= MAX_GEMV_ROWS; where the panel copies are kept, M < MIN_PANEL_ROWS: from 3 rows the panel
+ * kernel is faster (decode steps of the ~125M bench model through the engine on the Zen 4, the
+ * two alternating: 3 sequences 1.1x bf16 and 1.2x fp32, 4 sequences 1.05x and 1.2-1.4x), at 2
+ * rows it is not (0.9x bf16, 0.96x fp32).
  */
-enum { MAX_GEMV_ROWS = 4 };
+enum { MAX_GEMV_ROWS = 4, MIN_PANEL_ROWS = 3 };
 
 /* Two accumulators: with one, each row's multiply-adds wait on each other, and at the full
  * bandwidth of the development VM's fast minutes the fp32 stream ran at ~52 GB/s instead of ~61
@@ -562,7 +565,8 @@ void argmax_rows(const void *x, int64_t *out, int64_t num_rows, int64_t width, i
  * matrix-vector products of a few megabytes each; issued one by one from Python, the dispatch
  * between them costs a third of the step, and at batch 64 the ~180 ops of a step still cost a few
  * milliseconds of dispatch. Here the layer loop runs inside one OpenMP parallel region: the
- * products (the matrix-vector kernel for up to MAX_GEMV_ROWS sequences, the panel kernel beyond)
+ * products (the matrix-vector kernel below MIN_PANEL_ROWS sequences, the panel kernel from there;
+ * without panel copies, the matrix-vector kernel for up to MAX_GEMV_ROWS)
  * and the attention are shared among the threads, the per-row work (norms, rotary, cache
  * writes, activation) is split by rows, and the threads meet at barriers instead of forking and
  * joining for every op.
@@ -618,11 +622,12 @@ int64_t decode_workspace_bytes(const decode_shape *shape, int64_t num_seqs) {
 
 /* y = x W^T + b, or y = residual + (x W^T + b) rounded as `h + linear(x)` is in PyTorch (y may
  * alias residual), shared among the threads of the enclosing parallel region, which all return
- * with y complete: the matrix-vector kernel over the row-major weight for up to MAX_GEMV_ROWS
- * rows, else the panel kernel into `product` (M x N) and then the residual sum by rows. */
+ * with y complete: the matrix-vector kernel over the row-major weight below MIN_PANEL_ROWS rows
+ * (up to MAX_GEMV_ROWS where the weight has no panels), else the panel kernel into `product` (M x N) and
+ * then the residual sum by rows. */
 static void decode_linear(const void *rows, const void *panels, const void *bias, const void *residual,
                           const void *x, void *y, void *product, int64_t M, int64_t N, int64_t K, int dtype) {
-    if (M <= MAX_GEMV_ROWS) {
+    if (M < MIN_PANEL_ROWS || (panels == NULL && M <= MAX_GEMV_ROWS)) {
         gemv_rows(rows, x, bias, residual, y, M, N, K, dtype);
         return;
     }
