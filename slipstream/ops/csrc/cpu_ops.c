@@ -12,14 +12,16 @@
  * nn.Linear stores it. Batch-1 decode reads every weight once per token, so this is the
  * memory-bound inner loop of single-stream latency: four weight rows are streamed at a time,
  * each against every row of x, with fp32 accumulation (bf16 pairs through vdpbf16ps where the CPU
- * has AVX512-BF16). Each thread reads one contiguous run of rows, which the hardware prefetcher
- * follows; software prefetching of the next rows measured no faster, and slower for K = 2048.
+ * has AVX512-BF16; in bf16 several rows of x share every load of the weight, gemv_bf16_rows_of).
+ * Each thread reads one contiguous run of rows, which the hardware prefetcher follows; software
+ * prefetching of the next rows measured no faster, and slower for K = 2048.
  * M <= MAX_GEMV_ROWS; where the panel copies are kept, M < MIN_PANEL_ROWS: from 3 rows the panel
  * kernel is faster (decode steps of the ~125M bench model through the engine on the Zen 4, the
  * two alternating: 3 sequences 1.1x bf16 and 1.2x fp32, 4 sequences 1.05x and 1.2-1.4x), at 2
  * rows it is not (0.9x bf16, 0.96x fp32).
  */
 enum { MAX_GEMV_ROWS = 4, MIN_PANEL_ROWS = 3 };
+_Static_assert(MAX_GEMV_ROWS == 4, "gemv_rows dispatches bf16 on 2 to 4 rows");
 
 /* Two accumulators: with one, each row's multiply-adds wait on each other, and at the full
  * bandwidth of the development VM's fast minutes the fp32 stream ran at ~52 GB/s instead of ~61
@@ -54,11 +56,59 @@ static inline float dot_bf16_rows(const uint16_t *w, const uint16_t *x, int64_t 
     return sum;
 }
 
+/* gemv_rows for 2 <= M <= MAX_GEMV_ROWS bf16 rows of x (M fixed, so the loops over them unroll): one
+ * accumulator per row of x, all sharing every load of the weight. With two rows, each row of x in
+ * turn against the weight (read again from L1) streamed all 49 weights of the ~125M bench model
+ * at ~37 GB/s where this order reaches ~59 (2 threads, a standalone C loop alternating the
+ * variants, fast minutes of the development VM, ~60 GB/s probe); through linear_kernels.py
+ * 1.2-1.25x. The same shared loads measured 1.15x in fp32 in that loop but 0.8x through
+ * linear_kernels.py, and a single row gained nothing from them, so both keep the loop below. */
+static inline __attribute__((always_inline)) void gemv_bf16_rows_of(
+    const uint16_t *W, const uint16_t *x, const uint16_t *bias, const uint16_t *residual, uint16_t *y,
+    const int M, int64_t N, int64_t K) {
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint16_t *w = W + n * K;
+        float sums[MAX_GEMV_ROWS];
+        int64_t k = 0;
+        for (int m = 0; m < M; m++) sums[m] = 0.0f;
+#if defined(__AVX512BF16__)
+        __m512 acc[MAX_GEMV_ROWS];
+        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+        for (; k + 32 <= K; k += 32) {
+            const __m512bh wk = (__m512bh)_mm512_loadu_si512(w + k);
+            for (int m = 0; m < M; m++)
+                acc[m] = _mm512_dpbf16_ps(acc[m], wk, (__m512bh)_mm512_loadu_si512(x + m * K + k));
+        }
+        for (int m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(acc[m]);
+#endif
+        for (; k < K; k++)
+            for (int m = 0; m < M; m++) sums[m] += bf16_to_f32(w[k]) * bf16_to_f32(x[m * K + k]);
+        for (int m = 0; m < M; m++) {
+            float value = sums[m];
+            if (bias != NULL) value += bf16_to_f32(bias[n]);
+            uint16_t rounded = f32_to_bf16(value);
+            if (residual != NULL)
+                rounded = f32_to_bf16(bf16_to_f32(residual[m * N + n]) + bf16_to_f32(rounded));
+            y[m * N + n] = rounded;
+        }
+    }
+}
+
 /* The rows of y among the threads of the enclosing parallel region (an orphaned `omp for`, each
  * thread one contiguous run). With `residual`, y = residual + (x W^T + b), the product rounded to
  * the dtype before the sum as `h + linear(x)` rounds in PyTorch; y may alias residual. */
 static void gemv_rows(const void *W, const void *x, const void *bias, const void *residual, void *y,
                       int64_t M, int64_t N, int64_t K, int dtype) {
+    if (dtype != DTYPE_F32 && M > 1) {
+        const uint16_t *w = W, *xs = x, *b = bias, *r = residual;
+        switch (M) {
+        case 2: gemv_bf16_rows_of(w, xs, b, r, y, 2, N, K); return;
+        case 3: gemv_bf16_rows_of(w, xs, b, r, y, 3, N, K); return;
+        case 4: gemv_bf16_rows_of(w, xs, b, r, y, 4, N, K); return;
+        default: return;  /* callers never pass more than MAX_GEMV_ROWS */
+        }
+    }
 #pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += 4) {
         const int64_t rows = N - n0 < 4 ? N - n0 : 4;
