@@ -194,7 +194,7 @@ class CpuDecodeGraph:
         for row, table in enumerate(block_tables):
             tables[row * width : row * width + len(table)] = table
         self._cover_positions(max(positions) + num_steps)
-        hidden, out, scores = self._greedy_buffers()
+        hidden, out, scores = self._greedy_buffers(num_seqs)
         sampled = (ctypes.c_int64 * (num_steps * num_seqs))()
         status = self._lib.decode_greedy(
             self._layers, ctypes.byref(self._shape), ctypes.byref(self._tensors),
@@ -205,11 +205,11 @@ class CpuDecodeGraph:
         self._check(status, token_ids, "decode_greedy")
         return [sampled[step * num_seqs : (step + 1) * num_seqs] for step in range(num_steps)]
 
-    def _greedy_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`greedy`'s outputs, which it only reads back through the sampled tokens: kept from call to
-        call, allocated for `max_seqs` rows at the first."""
-        if self._greedy_outputs is None:
-            self._greedy_outputs = self._outputs(self.max_seqs, logits=True)
+    def _greedy_buffers(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`greedy`'s outputs for at least `num_seqs` rows, which it only reads back through the
+        sampled tokens: kept from call to call, reallocated only for a larger batch than before."""
+        if self._greedy_outputs is None or self._greedy_outputs[0].shape[0] < num_seqs:
+            self._greedy_outputs = self._outputs(num_seqs, logits=True)
         return self._greedy_outputs
 
     def _outputs(
