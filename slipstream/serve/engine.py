@@ -325,14 +325,16 @@ class Engine:
         steps = self.runner.execute_greedy(plan, block_tables, num_steps)
         changed = set()
         now = time.monotonic()
+        step_plan = plan  # the first step is the plan itself; later ones start `offset` tokens on
         for offset, token_ids in enumerate(steps):
-            chunks = tuple(
-                dataclasses.replace(chunk, start=chunk.start + offset, block_ids=table)
-                for chunk, table in zip(plan.chunks, block_tables, strict=True)
-            )
+            if offset:
+                step_plan = StepPlan(tuple(
+                    dataclasses.replace(chunk, start=chunk.start + offset, block_ids=table)
+                    for chunk, table in zip(plan.chunks, block_tables, strict=True)
+                ), len(plan.chunks), ())
+            chunks = step_plan.chunks
             self.scheduler.update(
-                StepPlan(chunks, len(chunks), ()),
-                {c.request.request_id: t for c, t in zip(chunks, token_ids, strict=True)},
+                step_plan, {c.request.request_id: t for c, t in zip(chunks, token_ids, strict=True)}
             )
             for chunk, token_id in zip(chunks, token_ids, strict=True):
                 if chunk.request.request_id in self._sequences:
