@@ -66,7 +66,7 @@ def flops_of(num_heads: int, head_dim: int, length: int) -> float:
 
 
 def measure(dtype: torch.dtype, lengths: list[int], repeats: int) -> list[dict]:
-    arithmetic = str(cpu_kernels.prefill_attention_arithmetic(dtype)).removeprefix("torch.")
+    arithmetic = str(cpu_kernels.arithmetic_dtype(dtype)).removeprefix("torch.")
     peak = calibrate().peak_flops(arithmetic)
     name = str(dtype).removeprefix("torch.")
     torch.manual_seed(0)

@@ -141,10 +141,11 @@ def test_optimized_model_matches_plain_model(dtype):
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("extra_copies", [False, True])
 def test_packed_linear_matches_linear(dtype, num_rows, bias, extra_copies):
-    """PackedLinear equals nn.Linear through each of its paths: the C matrix-vector kernel (up
-    to two rows, or four where the CPU has no panel kernel; odd sizes with tails), the panel kernel
-    (fp32, and bf16 up to MAX_PANEL_ROWS rows) and oneDNN (without the extra copies, and bf16 past
-    MAX_PANEL_ROWS rows)."""
+    """PackedLinear equals nn.Linear through each of its paths: the C matrix-vector kernel (below
+    `cpu_kernels.min_panel_rows` rows, or up to four where the CPU has no panel kernel; odd sizes
+    with tails), the panel kernel (fp32, and bf16 up to MAX_PANEL_ROWS rows or all where it
+    multiplies in fp32) and oneDNN (without the extra copies, and bf16 past MAX_PANEL_ROWS rows
+    where the CPU multiplies bf16 natively)."""
     from slipstream.ops.linear import PackedLinear
 
     torch.manual_seed(0)
@@ -162,20 +163,17 @@ def test_packed_linear_matches_linear(dtype, num_rows, bias, extra_copies):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 4])
-def test_matrix_vector_kernel_without_panels_matches_linear(dtype, num_rows):
-    """Where the CPU has no panel kernel for the dtype, PackedLinear sends up to four rows to the
-    matrix-vector kernel (here: its panel copy dropped); input widths that end in a full vector
-    pair, a single vector and a scalar tail all equal nn.Linear."""
-    from slipstream.ops.linear import PackedLinear
-
+def test_matrix_vector_kernel_matches_linear(dtype, num_rows):
+    """The C matrix-vector kernel (batch-1 decode; up to four rows where the CPU has no panel
+    kernel) equals nn.Linear for input widths that end in a full vector pair, a single vector and
+    a scalar tail."""
     torch.manual_seed(num_rows)
     for in_features in (64, 80, 116):
         linear = torch.nn.Linear(in_features, 257, bias=True).to(dtype)
-        packed = PackedLinear(linear, extra_copies=True)
-        packed.panel_weight = None
         x = torch.randn(num_rows, in_features).to(dtype)
         with torch.inference_mode():
-            expected, got = linear(x).float(), packed(x).float()
+            expected = linear(x).float()
+            got = cpu_kernels.gemv(x, linear.weight.contiguous(), linear.bias).float()
         diff = (expected - got).abs().max().item() / expected.abs().max().item()
         assert diff < (1e-2 if dtype == torch.bfloat16 else 1e-5), (in_features, diff)
 

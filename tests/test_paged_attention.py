@@ -105,15 +105,15 @@ def test_mixed_prefill_and_decode_batch_matches_dense(
     assert diff < tolerance
 
 
-def test_prefill_kernel_computes_bf16_in_bf16_where_the_cpu_can():
-    """bf16 prefill attention runs on vdpbf16ps exactly when the CPU has AVX512-BF16 (the build is
+def test_kernels_compute_bf16_in_bf16_where_the_cpu_can():
+    """The kernels multiply bf16 on vdpbf16ps exactly when the CPU has AVX512-BF16 (the build is
     -march=native); fp32 inputs always compute in fp32."""
     assert cpu_kernels.library() is not None
     cpu_flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("flags")), "").split()
     expected = torch.bfloat16 if "avx512_bf16" in cpu_flags else torch.float32
-    assert cpu_kernels.prefill_attention_arithmetic(torch.bfloat16) == expected
-    assert cpu_kernels.prefill_attention_arithmetic(torch.float32) == torch.float32
+    assert cpu_kernels.arithmetic_dtype(torch.bfloat16) == expected
+    assert cpu_kernels.arithmetic_dtype(torch.float32) == torch.float32
 
 
 def test_kernel_library_leaves_subnormals_alone():

@@ -21,6 +21,7 @@ both share one thread pool instead of two pools competing for the cores.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -87,8 +88,10 @@ def _load() -> ctypes.CDLL | None:
     lib.paged_decode_attention.argtypes = (
         [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     )
-    lib.prefill_attention_arithmetic.restype = ctypes.c_int
-    lib.prefill_attention_arithmetic.argtypes = [ctypes.c_int]
+    lib.arithmetic_dtype.restype = ctypes.c_int
+    lib.arithmetic_dtype.argtypes = [ctypes.c_int]
+    lib.min_panel_rows.restype = ctypes.c_int
+    lib.min_panel_rows.argtypes = [ctypes.c_int]
     lib.has_prefill_attention.restype = ctypes.c_int
     lib.has_prefill_attention.argtypes = [ctypes.c_int64]
     lib.paged_prefill_attention.restype = ctypes.c_int
@@ -189,12 +192,14 @@ def supports_prefill_attention(q: torch.Tensor) -> bool:
     return supports(q) and bool(library().has_prefill_attention(q.shape[-1]))
 
 
-def prefill_attention_arithmetic(dtype: torch.dtype) -> torch.dtype:
-    """The dtype `paged_prefill_attention_` computes in for inputs of `dtype`: bf16 on a CPU with
-    AVX512-BF16 (vdpbf16ps, fp32 sums), else fp32."""
+@functools.cache
+def arithmetic_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the C kernels' products (panel, matrix-vector, prefill attention) multiply in for
+    inputs of `dtype`: bf16 on a CPU with AVX512-BF16 (vdpbf16ps, fp32 sums), else fp32 (bf16
+    widened exactly)."""
     lib = library()
     assert lib is not None and dtype in DTYPE_CODES
-    code = lib.prefill_attention_arithmetic(DTYPE_CODES[dtype])
+    code = lib.arithmetic_dtype(DTYPE_CODES[dtype])
     return next(d for d, c in DTYPE_CODES.items() if c == code)
 
 
@@ -225,7 +230,15 @@ def paged_prefill_attention_(
 
 
 MAX_GEMV_ROWS = 4  # as in cpu_ops.c
-MIN_PANEL_ROWS = 3  # as in cpu_ops.c: fewer rows take the matrix-vector kernel even where panels are kept
+
+
+@functools.cache
+def min_panel_rows(dtype: torch.dtype) -> int:
+    """The fewest rows of `dtype` that take the panel kernel where its copies are kept; fewer take
+    the matrix-vector kernel (3, or 1 for bf16 on a CPU without AVX512-BF16: see cpu_ops.c)."""
+    lib = library()
+    assert lib is not None and dtype in DTYPE_CODES
+    return lib.min_panel_rows(DTYPE_CODES[dtype])
 
 
 def gemv(
@@ -245,8 +258,7 @@ def gemv(
 
 
 def supports_panel_gemm(weight: torch.Tensor) -> bool:
-    """Whether `panel_gemm` handles this weight here (fp32 on a CPU with AVX-512, bf16 with
-    AVX512-BF16)."""
+    """Whether `panel_gemm` handles this weight here (fp32 or bf16 on a CPU with AVX-512)."""
     return supports(weight) and bool(library().has_panel_gemm(DTYPE_CODES[weight.dtype]))
 
 

@@ -12,7 +12,8 @@ inside one OpenMP parallel region. The rotary angles come from tables of every p
 computed as the model computes them.
 
 It applies to the optimised CPU inference model (`ops.inference.optimize_for_cpu_inference`: fused
-q/k/v and gate/up projections whose row-major weights are kept for the matrix-vector kernel) and
+q/k/v and gate/up projections whose row-major weights are kept for the matrix-vector kernel, or
+only panel-packed ones where the panel kernel takes every size) and
 to pure decode steps of at most `cpu_kernels.MAX_GEMV_ROWS` sequences, or of up to
 `linear.MAX_PANEL_ROWS` where the panel-packed weights are kept as well; `build` returns None for
 any other model and callers keep the module-by-module path, which the tests check it against
@@ -80,9 +81,13 @@ class CpuDecodeGraph:
             return tensor.data_ptr()
 
         def weights(linear: torch.nn.Module | None) -> tuple[int | None, int | None, int | None]:
-            """Addresses of the row-major weight, the bias and the panels (None if not kept)."""
-            if not isinstance(linear, PackedLinear) or linear.row_weight is None:
-                raise _NotApplicable(f"{type(linear).__name__} is not a PackedLinear with row weights")
+            """Addresses of the row-major weight, the bias and the panels (None if not kept): the
+            row-major weight is needed unless the panels take every number of rows."""
+            if not isinstance(linear, PackedLinear):
+                raise _NotApplicable(f"{type(linear).__name__} is not a PackedLinear")
+            panels_only = linear.panel_weight is not None and cpu_kernels.min_panel_rows(dtype) == 1
+            if linear.row_weight is None and not panels_only:
+                raise _NotApplicable("a PackedLinear without its row-major copy")
             return address(linear.row_weight), address(linear.bias), address(linear.panel_weight)
 
         try:

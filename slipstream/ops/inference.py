@@ -18,7 +18,7 @@ from torch import nn
 
 from slipstream.model.transformer import MLP, Attention, RMSNorm, Rotary, SiluAndMul
 from slipstream.ops import cpu_kernels
-from slipstream.ops.linear import pack_linears
+from slipstream.ops.linear import extra_copies_of, pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def optimize_for_cpu_inference(model: nn.Module) -> nn.Module:
     fuse_projections(model)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     param = next(model.parameters(), None)
-    copies = 2 if param is not None and cpu_kernels.supports_panel_gemm(param) else 1
+    copies = sum(extra_copies_of(param)) if param is not None else 0
     extra_copies = copies * weight_bytes <= MAX_EXTRA_COPIES_MEMORY_FRACTION * _available_memory_bytes()
     if not extra_copies:
         logger.info("weights too large to keep extra copies: every linear goes through oneDNN")

@@ -28,22 +28,24 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 # Up to this many rows the panel kernel beats oneDNN here (fp32 and bf16: 1.1-1.4x from 8 to 128
-# rows, about even at 256; benchmarks/linear_kernels.py). Beyond, bf16 goes to oneDNN (0.96-0.99x
-# from 512 to 2048 rows); fp32 stays on the panel kernel, even with oneDNN from 256 to 1024 rows
-# and ahead at prefill chunks of 2048 (rows in bands, cpu_ops.c).
+# rows, about even at 256; benchmarks/linear_kernels.py). Beyond, bf16 goes to oneDNN where the CPU
+# multiplies bf16 natively (0.96-0.99x from 512 to 2048 rows on the AMD EPYC); fp32 stays on the
+# panel kernel, even with oneDNN from 256 to 1024 rows and ahead at prefill chunks of 2048 (rows in
+# bands, cpu_ops.c), and so does bf16 where both multiply in fp32 (an Ice Lake Xeon, without
+# AVX512-BF16: 3.6-3.7x oneDNN from 512 to 2048 rows).
 MAX_PANEL_ROWS = 256
 
 
 class PackedLinear(nn.Module):
     """Inference-only linear layer over a oneDNN pre-packed weight.
 
-    With `extra_copies`, two more copies of the weight are kept for small inputs: a row-major one,
-    on huge pages (`ops.allocator`), for inputs of fewer than `cpu_kernels.MIN_PANEL_ROWS` rows
-    (batch-1 decode: the C matrix-vector kernel streams the weight faster than oneDNN does at that
-    size, and faster than the panel kernel), and a panel-packed one for the C panel kernel (fp32
-    needs AVX-512, bf16 AVX512-BF16): every other input in fp32, up to `MAX_PANEL_ROWS` rows in
-    bf16. Without the panel copy the matrix-vector kernel takes up to `cpu_kernels.MAX_GEMV_ROWS`
-    rows.
+    With `extra_copies`, up to two more copies of the weight are kept for small inputs (see
+    `extra_copies_of`): a row-major one, on huge pages (`ops.allocator`), for inputs of fewer than
+    `cpu_kernels.min_panel_rows` rows (batch-1 decode: the C matrix-vector kernel streams the
+    weight faster than oneDNN does at that size, and faster than the panel kernel), and a
+    panel-packed one for the C panel kernel (AVX-512): every other input in fp32, and in bf16 up
+    to `MAX_PANEL_ROWS` rows, or all where the CPU multiplies bf16 in fp32. Without the panel copy
+    the matrix-vector kernel takes up to `cpu_kernels.MAX_GEMV_ROWS` rows.
     `row_buffer` (out_features * in_features elements of the weight's dtype) is where to put the
     row-major copy: `pack_linears` hands every layer a slice of one model-wide buffer, so that
     small weights do not each occupy a 2 MiB page.
@@ -59,21 +61,25 @@ class PackedLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
         self.row_weight = self.panel_weight = None
-        if extra_copies and cpu_kernels.supports(weight):
+        rows, panels = extra_copies_of(weight) if extra_copies else (False, False)
+        if rows:
             if row_buffer is None:
                 row_buffer = huge_page_empty(weight.numel(), weight.dtype)
             self.row_weight = row_buffer.view(weight.shape).copy_(weight)
-        if extra_copies and cpu_kernels.supports_panel_gemm(weight):
+        if panels:
             self.panel_weight = cpu_kernels.pack_panels(weight)
+        # The rows from which the panel kernel takes over, and whether oneDNN does beyond MAX_PANEL_ROWS.
+        self._min_panel_rows = cpu_kernels.min_panel_rows(weight.dtype) if panels else 0
+        self._panels_for_all_rows = panels and cpu_kernels.arithmetic_dtype(weight.dtype) == torch.float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         rows = x.numel() // self.in_features
-        few_rows = rows < cpu_kernels.MIN_PANEL_ROWS or (
+        few_rows = rows < self._min_panel_rows or (
             self.panel_weight is None and rows <= cpu_kernels.MAX_GEMV_ROWS
         )
         if self.row_weight is not None and few_rows:
             return cpu_kernels.gemv(x, self.row_weight, self.bias)
-        if self.panel_weight is not None and (rows <= MAX_PANEL_ROWS or x.dtype == torch.float32):
+        if self.panel_weight is not None and (rows <= MAX_PANEL_ROWS or self._panels_for_all_rows):
             return cpu_kernels.panel_gemm(x, self.panel_weight, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
@@ -81,6 +87,15 @@ class PackedLinear(nn.Module):
         copies = {"rows": self.row_weight, "panels": self.panel_weight}
         extra = "".join(f", {name}" for name, weight in copies.items() if weight is not None)
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN packed{extra}"
+
+
+def extra_copies_of(weight: torch.Tensor) -> tuple[bool, bool]:
+    """Which extra copies a `PackedLinear` keeps of `weight` with `extra_copies`: (row-major,
+    panel-packed). The row-major copy only where some inputs take the matrix-vector kernel: not
+    in bf16 on a CPU without AVX512-BF16, whose panel kernel takes every size."""
+    panels = cpu_kernels.supports_panel_gemm(weight)
+    rows = cpu_kernels.supports(weight) and not (panels and cpu_kernels.min_panel_rows(weight.dtype) == 1)
+    return rows, panels
 
 
 def can_pack(model: nn.Module) -> bool:
@@ -105,7 +120,8 @@ def pack_linears(model: nn.Module, *, extra_copies: bool = False) -> nn.Module:
         logger.info("oneDNN linear packing does not apply here; keeping nn.Linear")
         return model
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    row_buffers = _row_buffers(targets) if extra_copies else {}
+    with_rows = [(name, m) for name, m in targets if extra_copies_of(m.weight)[0]]
+    row_buffers = _row_buffers(with_rows) if extra_copies else {}
     for name, linear in targets:
         parent_name, _, child_name = name.rpartition(".")
         packed = PackedLinear(linear, extra_copies=extra_copies, row_buffer=row_buffers.get(name))

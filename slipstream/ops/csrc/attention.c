@@ -626,16 +626,6 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
  * than blocks of 128 below 2048 tokens (benchmarks/prefill_attention.py, bf16). */
 enum { PREFILL_QUERIES = 64, PREFILL_KEYS = 64 };
 
-/* The dtype paged_prefill_attention computes in for inputs of `dtype` (see above). */
-int prefill_attention_arithmetic(int dtype) {
-#if defined(__AVX512BF16__)
-    return dtype;
-#else
-    (void)dtype;
-    return DTYPE_F32;
-#endif
-}
-
 int has_prefill_attention(int64_t head_dim) {
 #if defined(__AVX512F__)
     return head_dim == 64 || head_dim == 128;

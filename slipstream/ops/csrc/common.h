@@ -39,6 +39,38 @@ static inline __m512 load16(const void *base, int64_t index, int dtype) {
     const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+
+/* The even and odd bf16 of each 32-bit lane of 32 bf16 values (a pair of consecutive elements
+ * per lane), as fp32: exact, by a shift and by a mask. */
+static inline __m512 even_bf16(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+static inline __m512 odd_bf16(__m512i pairs) {
+    return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* acc += the products of 32 bf16 pairs a and b, summed per lane in fp32: with AVX512-BF16 one
+ * vdpbf16ps into acc[0]; without it (Skylake to Ice Lake Xeons) both operands widened to fp32 and
+ * the even and odd products into acc[0] and acc[1], two chains of FMAs where one would wait on
+ * the other. The caller adds acc[0] and acc[1] at the end. */
+static inline void accumulate_bf16_pairs(__m512 acc[2], __m512i a, __m512i b) {
+#if defined(__AVX512BF16__)
+    acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)a, (__m512bh)b);
+#else
+    acc[0] = _mm512_fmadd_ps(even_bf16(a), even_bf16(b), acc[0]);
+    acc[1] = _mm512_fmadd_ps(odd_bf16(a), odd_bf16(b), acc[1]);
+#endif
+}
+
+/* 16 fp32 values rounded to bf16, to nearest even as torch rounds (f32_to_bf16). */
+static inline __m256i round_to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+}
 #endif
 
 /* attention.c: the decode attention of a batch, shared among the threads of the enclosing

@@ -15,13 +15,34 @@
  * has AVX512-BF16; in bf16 several rows of x share every load of the weight, gemv_bf16_rows_of).
  * Each thread reads one contiguous run of rows, which the hardware prefetcher follows; software
  * prefetching of the next rows measured no faster, and slower for K = 2048.
- * M <= MAX_GEMV_ROWS; where the panel copies are kept, M < MIN_PANEL_ROWS: from 3 rows the panel
- * kernel is faster (decode steps of the ~125M bench model through the engine on the Zen 4, the
- * two alternating: 3 sequences 1.1x bf16 and 1.2x fp32, 4 sequences 1.05x and 1.2-1.4x), at 2
- * rows it is not (0.9x bf16, 0.96x fp32).
+ * M <= MAX_GEMV_ROWS; where the panel copies are kept, M < min_panel_rows(dtype).
  */
 enum { MAX_GEMV_ROWS = 4, MIN_PANEL_ROWS = 3 };
 _Static_assert(MAX_GEMV_ROWS == 4, "gemv_rows dispatches bf16 on 2 to 4 rows");
+
+/* The dtype the products of the kernels (panel, matrix-vector, prefill attention) multiply in
+ * for inputs of `dtype`: bf16 pairs on a CPU with AVX512-BF16 (vdpbf16ps, fp32 sums), else fp32
+ * (bf16 widened exactly). */
+int arithmetic_dtype(int dtype) {
+#if defined(__AVX512BF16__)
+    return dtype;
+#else
+    (void)dtype;
+    return DTYPE_F32;
+#endif
+}
+
+/* The fewest rows that take the panel kernel where its copies are kept; fewer take the
+ * matrix-vector kernel. MIN_PANEL_ROWS in general: from 3 rows the panel kernel is faster
+ * (decode steps of the ~125M bench model through the engine on the Zen 4, the two alternating: 3
+ * sequences 1.1x bf16 and 1.2x fp32, 4 sequences 1.05x and 1.2-1.4x), at 2 rows it is not (0.9x
+ * bf16, 0.96x fp32). bf16 without AVX512-BF16 takes the panel kernel from one row: it widens each
+ * weight vector once where the matrix-vector kernel widens x as well, and it prefetches the next
+ * panel (all 48 weights of the bench model, Ice Lake Xeon, the two alternating: 1.15x at 1 row,
+ * 1.26x at 2). */
+int min_panel_rows(int dtype) {
+    return arithmetic_dtype(dtype) == dtype ? MIN_PANEL_ROWS : 1;
+}
 
 /* Two accumulators: with one, each row's multiply-adds wait on each other, and at the full
  * bandwidth of the development VM's fast minutes the fp32 stream ran at ~52 GB/s instead of ~61
@@ -46,11 +67,11 @@ static inline float dot_f32(const float *w, const float *x, int64_t K) {
 static inline float dot_bf16_rows(const uint16_t *w, const uint16_t *x, int64_t K) {
     int64_t k = 0;
     float sum = 0.0f;
-#if defined(__AVX512BF16__)
-    __m512 acc = _mm512_setzero_ps();
+#if defined(__AVX512F__)
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (; k + 32 <= K; k += 32)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + k), (__m512bh)_mm512_loadu_si512(x + k));
-    sum = _mm512_reduce_add_ps(acc);
+        accumulate_bf16_pairs(acc, _mm512_loadu_si512(w + k), _mm512_loadu_si512(x + k));
+    sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
 #endif
     for (; k < K; k++) sum += bf16_to_f32(w[k]) * bf16_to_f32(x[k]);
     return sum;
@@ -72,15 +93,14 @@ static inline __attribute__((always_inline)) void gemv_bf16_rows_of(
         float sums[MAX_GEMV_ROWS];
         int64_t k = 0;
         for (int m = 0; m < M; m++) sums[m] = 0.0f;
-#if defined(__AVX512BF16__)
-        __m512 acc[MAX_GEMV_ROWS];
-        for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+#if defined(__AVX512F__)
+        __m512 acc[MAX_GEMV_ROWS][2];
+        for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
         for (; k + 32 <= K; k += 32) {
-            const __m512bh wk = (__m512bh)_mm512_loadu_si512(w + k);
-            for (int m = 0; m < M; m++)
-                acc[m] = _mm512_dpbf16_ps(acc[m], wk, (__m512bh)_mm512_loadu_si512(x + m * K + k));
+            const __m512i wk = _mm512_loadu_si512(w + k);
+            for (int m = 0; m < M; m++) accumulate_bf16_pairs(acc[m], wk, _mm512_loadu_si512(x + m * K + k));
         }
-        for (int m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(acc[m]);
+        for (int m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
 #endif
         for (; k < K; k++)
             for (int m = 0; m < M; m++) sums[m] += bf16_to_f32(w[k]) * bf16_to_f32(x[m * K + k]);
@@ -160,10 +180,8 @@ void gemv(const void *W, const void *x, const void *bias, void *y, int64_t M, in
 enum { PANEL_COLS = 48, PANEL_ROWS = 8, PANEL_K_CHUNK = 512 };
 
 int has_panel_gemm(int dtype) {
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
     return dtype == DTYPE_F32 || dtype == DTYPE_BF16;
-#elif defined(__AVX512F__)
-    return dtype == DTYPE_F32;
 #else
     (void)dtype;
     return 0;
@@ -301,7 +319,7 @@ static void panel_tasks_f32(const float *x, const float *panels, const float *bi
 #endif
 
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 /* y[0:ROWS, 0:cols] = bf16(x[0:ROWS, 0:K] . panel + bias), the panel (K+1)/2 pairs x 48; x rows
  * ldx apart, y rows N apart. pf_lines lines of `prefetch` are requested every other pair. */
 #define PANEL_KERNEL_BF16(ROWS)                                                                \
@@ -312,6 +330,22 @@ static void panel_tasks_f32(const float *x, const float *panels, const float *bi
         __m512 acc[ROWS][3];                                                                   \
         for (int r = 0; r < ROWS; r++)                                                         \
             for (int j = 0; j < 3; j++) acc[r][j] = _mm512_setzero_ps();                       \
+        PANEL_PAIRS_BF16(ROWS)                                                                 \
+        for (int j = 0; j < 3; j++) {                                                          \
+            const int64_t left = cols - 16 * j;                                                \
+            if (left <= 0) break;                                                              \
+            const __mmask16 mask = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1u);      \
+            const __m512 add = bias == NULL ? _mm512_setzero_ps()                              \
+                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(                 \
+                      _mm256_maskz_loadu_epi16(mask, bias + 16 * j)), 16));                    \
+            for (int r = 0; r < ROWS; r++)                                                     \
+                _mm256_mask_storeu_epi16(y + r * N + 16 * j, mask, round_to_bf16(_mm512_add_ps(acc[r][j], add))); \
+        }                                                                                      \
+    }
+
+#if defined(__AVX512BF16__)
+/* The pairs of one row of x broadcast as they are, into vdpbf16ps. */
+#define PANEL_PAIRS_BF16(ROWS)                                                                 \
         for (int64_t d = 0; d < pairs; d++) {                                                  \
             if ((d & 1) == 0)                                                                  \
                 for (int64_t l = 0; l < pf_lines; l++, prefetch += 64) _mm_prefetch(prefetch, _MM_HINT_T1); \
@@ -329,22 +363,46 @@ static void panel_tasks_f32(const float *x, const float *panels, const float *bi
                 acc[r][1] = _mm512_dpbf16_ps(acc[r][1], b, w1);                                \
                 acc[r][2] = _mm512_dpbf16_ps(acc[r][2], b, w2);                                \
             }                                                                                  \
-        }                                                                                      \
-        for (int j = 0; j < 3; j++) {                                                          \
-            const int64_t left = cols - 16 * j;                                                \
-            if (left <= 0) break;                                                              \
-            const __mmask16 mask = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1u);      \
-            const __m512 add = bias == NULL ? _mm512_setzero_ps()                              \
-                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(                 \
-                      _mm256_maskz_loadu_epi16(mask, bias + 16 * j)), 16));                    \
+        }
+#else
+/* Without AVX512-BF16 the arithmetic is fp32: PANEL_WIDE_PAIRS pairs of every row of x at a time
+ * widened to fp32 on the stack (so that each k is one broadcast from memory, not a shift per row),
+ * each panel vector split into its even and odd k (even_bf16, odd_bf16): 48 FMAs per pair of k
+ * for 8 rows, against 24 vdpbf16ps. */
+enum { PANEL_WIDE_PAIRS = 64 };
+#define PANEL_PAIRS_BF16(ROWS)                                                                 \
+        float xs[ROWS][2 * PANEL_WIDE_PAIRS];                                                  \
+        for (int64_t d0 = 0; d0 < pairs; d0 += PANEL_WIDE_PAIRS) {                             \
+            const int64_t dn = pairs - d0 < PANEL_WIDE_PAIRS ? pairs - d0 : PANEL_WIDE_PAIRS;   \
+            const int64_t k0 = 2 * d0, kn = K - k0 < 2 * dn ? K - k0 : 2 * dn;                 \
             for (int r = 0; r < ROWS; r++)                                                     \
-                _mm256_mask_storeu_epi16(y + r * N + 16 * j, mask,                             \
-                                         (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], add))); \
-        }                                                                                      \
-    }
+                for (int64_t k = 0; k < 2 * dn; k += 16) {                                     \
+                    const __mmask16 in = kn - k >= 16 ? 0xFFFF : kn <= k ? 0 : (__mmask16)((1u << (kn - k)) - 1u); \
+                    _mm512_storeu_ps(xs[r] + k, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32( \
+                        _mm256_maskz_loadu_epi16(in, x + r * ldx + k0 + k)), 16)));           \
+                }                                                                              \
+            for (int64_t d = d0; d < d0 + dn; d++) {                                           \
+                if ((d & 1) == 0)                                                              \
+                    for (int64_t l = 0; l < pf_lines; l++, prefetch += 64) _mm_prefetch(prefetch, _MM_HINT_T1); \
+                const uint16_t *w = panel + d * 2 * PANEL_COLS;                                \
+                const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 32),      \
+                              w2 = _mm512_loadu_si512(w + 64);                                 \
+                const __m512 e0 = even_bf16(w0), e1 = even_bf16(w1), e2 = even_bf16(w2);       \
+                const __m512 o0 = odd_bf16(w0), o1 = odd_bf16(w1), o2 = odd_bf16(w2);          \
+                for (int r = 0; r < ROWS; r++) {                                               \
+                    const __m512 be = _mm512_set1_ps(xs[r][2 * (d - d0)]);                     \
+                    const __m512 bo = _mm512_set1_ps(xs[r][2 * (d - d0) + 1]);                 \
+                    acc[r][0] = _mm512_fmadd_ps(bo, o0, _mm512_fmadd_ps(be, e0, acc[r][0]));   \
+                    acc[r][1] = _mm512_fmadd_ps(bo, o1, _mm512_fmadd_ps(be, e1, acc[r][1]));   \
+                    acc[r][2] = _mm512_fmadd_ps(bo, o2, _mm512_fmadd_ps(be, e2, acc[r][2]));   \
+                }                                                                              \
+            }                                                                                  \
+        }
+#endif
 PANEL_KERNEL_BF16(1) PANEL_KERNEL_BF16(2) PANEL_KERNEL_BF16(3) PANEL_KERNEL_BF16(4)
 PANEL_KERNEL_BF16(5) PANEL_KERNEL_BF16(6) PANEL_KERNEL_BF16(7) PANEL_KERNEL_BF16(8)
 #undef PANEL_KERNEL_BF16
+#undef PANEL_PAIRS_BF16
 
 typedef void (*panel_kernel_bf16_fn)(const uint16_t *, int64_t, const uint16_t *, int64_t, uint16_t *,
                                      int64_t, int64_t, const uint16_t *, const char *, int64_t);
@@ -389,13 +447,10 @@ static void panel_tasks(const void *x, const void *panels, const void *bias, voi
     for (int64_t m0 = 0; m0 < M; m0 += band) {
         const int64_t rows = M - m0 < band ? M - m0 : band;
 #if defined(__AVX512F__)
-        if (dtype == DTYPE_F32) {
+        if (dtype == DTYPE_F32)
             panel_tasks_f32((const float *)x + m0 * K, panels, bias, (float *)y + m0 * N, rows, N, K);
-            continue;
-        }
-#endif
-#if defined(__AVX512BF16__)
-        panel_tasks_bf16((const uint16_t *)x + m0 * K, panels, bias, (uint16_t *)y + m0 * N, rows, N, K);
+        else
+            panel_tasks_bf16((const uint16_t *)x + m0 * K, panels, bias, (uint16_t *)y + m0 * N, rows, N, K);
 #endif
         (void)rows;
     }
@@ -615,7 +670,7 @@ void argmax_rows(const void *x, int64_t *out, int64_t num_rows, int64_t width, i
  * matrix-vector products of a few megabytes each; issued one by one from Python, the dispatch
  * between them costs a third of the step, and at batch 64 the ~180 ops of a step still cost a few
  * milliseconds of dispatch. Here the layer loop runs inside one OpenMP parallel region: the
- * products (the matrix-vector kernel below MIN_PANEL_ROWS sequences, the panel kernel from there;
+ * products (the matrix-vector kernel below min_panel_rows sequences, the panel kernel from there;
  * without panel copies, the matrix-vector kernel for up to MAX_GEMV_ROWS)
  * and the attention are shared among the threads, the per-row work (norms, rotary, cache
  * writes, activation) is split by rows, and the threads meet at barriers instead of forking and
@@ -672,12 +727,12 @@ int64_t decode_workspace_bytes(const decode_shape *shape, int64_t num_seqs) {
 
 /* y = x W^T + b, or y = residual + (x W^T + b) rounded as `h + linear(x)` is in PyTorch (y may
  * alias residual), shared among the threads of the enclosing parallel region, which all return
- * with y complete: the matrix-vector kernel over the row-major weight below MIN_PANEL_ROWS rows
- * (up to MAX_GEMV_ROWS where the weight has no panels), else the panel kernel into `product` (M x N) and
+ * with y complete: the matrix-vector kernel over the row-major weight below min_panel_rows(dtype)
+ * rows (up to MAX_GEMV_ROWS where the weight has no panels), else the panel kernel into `product` (M x N) and
  * then the residual sum by rows. */
 static void decode_linear(const void *rows, const void *panels, const void *bias, const void *residual,
                           const void *x, void *y, void *product, int64_t M, int64_t N, int64_t K, int dtype) {
-    if (M < MIN_PANEL_ROWS || (panels == NULL && M <= MAX_GEMV_ROWS)) {
+    if ((panels == NULL && M <= MAX_GEMV_ROWS) || M < min_panel_rows(dtype)) {
         gemv_rows(rows, x, bias, residual, y, M, N, K, dtype);
         return;
     }
