@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=600, help="training steps (default 600)")
     p.add_argument("--max-documents", type=int,
                    help="train on an evenly spread subset of this many corpus files (quick checks)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="auto (default): bfloat16 where the device multiplies bf16, else float32")
 
     p = _add(commands, "serve", _serve, "serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("model_dir")

@@ -3,8 +3,9 @@
 1. Tokenizes the Python standard library's sources (the embedded corpus) with a BPE trained on
    them into `WORKDIR/data` (reused when already there), holding 1% of the files out.
 2. Trains the `tiny` preset (~16M parameters) from scratch with slipstream's trainer: batch
-   8 x 256 tokens, bf16 autocast, AdamW with warm-up and cosine decay, evaluating on the held-out
-   files as it goes (a few minutes on a 2-core CPU), into `WORKDIR/run`.
+   8 x 256 tokens, AdamW with warm-up and cosine decay, evaluating on the held-out files as it
+   goes (a few minutes on a 2-core CPU), into `WORKDIR/run`; under bf16 autocast where the device
+   multiplies bf16 (`perf.hardware.multiplies_bf16`), else in fp32.
 3. Exports the last checkpoint as a Hugging Face model directory, `WORKDIR/model`.
 4. Generates greedy completions of a few Python prompts with the serving engine (`slipstream.LLM`).
 5. Reports the held-out loss curve against a uniform guess (ln vocab), tokens/s, MFU against the
@@ -27,13 +28,14 @@ from tqdm.auto import tqdm
 from slipstream.model.create import stdlib_tokenizer
 from slipstream.model.presets import get_preset
 from slipstream.perf.flops import num_params
+from slipstream.perf.hardware import multiplies_bf16
 from slipstream.train.config import load_config
 from slipstream.train.data import corpus_documents, prepare_dataset
 from slipstream.train.export import export_run
 from slipstream.train.goodput import read_events
 from slipstream.train.goodput import summarize as summarize_goodput
 from slipstream.train.metrics import METRICS_FILE
-from slipstream.train.trainer import Trainer
+from slipstream.train.trainer import Trainer, device_type_of
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +57,17 @@ def run_demo(
     preset: str = "tiny",
     max_steps: int = DEFAULT_STEPS,
     max_documents: int | None = None,
-    dtype: str = "bfloat16",
+    dtype: str = "auto",
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run the job and return a flat report (also what the CLI prints as its JSON line).
 
-    `max_documents` trains on an evenly spread subset of the corpus (for quick checks).
+    `max_documents` trains on an evenly spread subset of the corpus (for quick checks). `dtype`
+    "auto" is bfloat16 where the training device multiplies bf16, else float32.
     """
     start = time.perf_counter()
+    if dtype == "auto":
+        dtype = "bfloat16" if multiplies_bf16(device_type_of("auto")) else "float32"
     workdir = Path(workdir)
     vocab_size = get_preset(preset).config.vocab_size
     documents = corpus_documents(["stdlib"])

@@ -16,6 +16,7 @@ from slipstream.perf.hardware import (
     Calibration,
     cache_dir,
     calibrate,
+    cpu_multiplies_bf16,
     cpu_name,
     dtype_key,
     get_accelerator,
@@ -164,3 +165,17 @@ def test_cpu_name_tells_generations_with_one_model_name_apart():
     assert cpu_name(zen4) == "AMD EPYC (family 25, model 17, stepping 1)"
     assert cpu_name(zen5) == "AMD EPYC (family 26, model 2, stepping 1)"
     assert cpu_name("processor\t: 0\nmodel name\t: Some CPU\n") == "Some CPU"
+
+
+def test_cpu_bf16_arithmetic_from_the_cpuinfo_flags():
+    """bf16 arithmetic is the kernel's avx512_bf16 or amx_bf16 flag on x86 (an Ice Lake Xeon has
+    AVX-512 but neither; Zen 4 and Sapphire Rapids have them) and the bf16 hwcap in an Arm CPU's
+    Features; avx512bw and the like are not it, and a CPU without flags has none."""
+    ice_lake = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_vnni avx512_bitalg\n"
+    zen4 = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni\n"
+    sapphire_rapids = "processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile amx_int8\n"
+    graviton3 = "processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd sve bf16 i8mm\n"
+    graviton2 = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics\n"
+    assert not cpu_multiplies_bf16(ice_lake) and not cpu_multiplies_bf16(graviton2)
+    assert all(map(cpu_multiplies_bf16, (zen4, sapphire_rapids, graviton3)))
+    assert not cpu_multiplies_bf16("") and not cpu_multiplies_bf16("processor\t: 0\nmodel name\t: X\n")

@@ -144,7 +144,7 @@ class Trainer:
         """Restart backoff, process group, checks that need it, seeds, deterministic mode, CPU
         allocator."""
         config = self.config
-        device_type = _device_type(config.training.device)
+        device_type = device_type_of(config.training.device)
         failures = attempts_without_progress(config.run.dir) if restart_count() > 0 else 0
         self._backoff_s = restart_backoff_s(config.supervisor, failures)
         if self._backoff_s:
@@ -593,7 +593,8 @@ def initial_state(config: TrainConfig, model_config: ModelConfig) -> dict[str, t
     return model.state_dict()
 
 
-def _device_type(device: str) -> str:
+def device_type_of(device: str) -> str:
+    """The device type a `training.device` setting trains on ("auto": CUDA where available)."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
