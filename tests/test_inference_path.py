@@ -145,20 +145,49 @@ def test_packed_linear_matches_linear(dtype, num_rows, bias, extra_copies):
     `cpu_kernels.min_panel_rows` rows, or up to four where the CPU has no panel kernel; odd sizes
     with tails), the panel kernel (fp32, and bf16 up to MAX_PANEL_ROWS rows or all where it
     multiplies in fp32) and oneDNN (without the extra copies, and bf16 past MAX_PANEL_ROWS rows
-    where the CPU multiplies bf16 natively)."""
-    from slipstream.ops.linear import PackedLinear
+    where the CPU multiplies bf16 natively). Where oneDNN cannot multiply the dtype (bf16 on an
+    AVX2 CPU) the panel copy is kept even without the extra copies."""
+    from slipstream.ops.linear import PackedLinear, onednn_multiplies
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(100, 257, bias=bias).to(dtype)
     packed = PackedLinear(linear, extra_copies=extra_copies)
-    has_panels = extra_copies and cpu_kernels.supports_panel_gemm(linear.weight)
+    has_panels = cpu_kernels.supports_panel_gemm(linear.weight) and (extra_copies or not onednn_multiplies(dtype))
     assert (packed.panel_weight is not None) == has_panels
+    assert (packed.packed_weight is not None) == onednn_multiplies(dtype)
     x = torch.randn(1, num_rows, 100).to(dtype)
     with torch.inference_mode():
         expected, got = linear(x).float(), packed(x).float()
     diff = (expected - got).abs().max().item() / expected.abs().max().item()
     print(f"{dtype} rows {num_rows} bias {bias}: max relative diff {diff:.3g}")
     assert diff < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("panels", [False, True])
+def test_packed_linear_without_onednn_matches_linear(monkeypatch, dtype, panels):
+    """Where oneDNN cannot multiply the dtype (its bf16 needs AVX-512 or AVX-NE-CONVERT, so an
+    AVX2 CPU has none), PackedLinear keeps no oneDNN copy and still equals nn.Linear at every
+    size: through the panel copy as its only one, or, where the CPU has no panel kernel either,
+    through PyTorch's own product."""
+    from slipstream.ops import linear as linear_module
+
+    monkeypatch.setattr(linear_module, "onednn_multiplies", lambda dtype: False)
+    if not panels:
+        monkeypatch.setattr(cpu_kernels, "supports_panel_gemm", lambda weight: False)
+    elif not cpu_kernels.supports_panel_gemm(torch.empty(1, dtype=dtype)):
+        pytest.skip(f"no {dtype} panel kernel on this CPU")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(100, 257, bias=True).to(dtype)
+    for extra_copies in (False, True):
+        packed = linear_module.PackedLinear(linear, extra_copies=extra_copies)
+        assert packed.packed_weight is None and (packed.panel_weight is not None) == panels
+        for num_rows in (1, 3, 5, 70, 300):
+            x = torch.randn(num_rows, 100).to(dtype)
+            with torch.inference_mode():
+                expected, got = linear(x).float(), packed(x).float()
+            diff = (expected - got).abs().max().item() / expected.abs().max().item()
+            assert diff < (1e-2 if dtype == torch.bfloat16 else 1e-5), (extra_copies, num_rows, diff)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

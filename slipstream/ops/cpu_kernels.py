@@ -102,6 +102,8 @@ def _load() -> ctypes.CDLL | None:
     lib.gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.has_panel_gemm.restype = ctypes.c_int
     lib.has_panel_gemm.argtypes = [ctypes.c_int]
+    lib.panel_gemm_takes_all_rows.restype = ctypes.c_int
+    lib.panel_gemm_takes_all_rows.argtypes = [ctypes.c_int]
     lib.panel_numel.restype = ctypes.c_int64
     lib.panel_numel.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.pack_panels.restype = None
@@ -235,7 +237,7 @@ MAX_GEMV_ROWS = 4  # as in cpu_ops.c
 @functools.cache
 def min_panel_rows(dtype: torch.dtype) -> int:
     """The fewest rows of `dtype` that take the panel kernel where its copies are kept; fewer take
-    the matrix-vector kernel (3, or 1 for bf16 on a CPU without AVX512-BF16: see cpu_ops.c)."""
+    the matrix-vector kernel (3, or 1 for bf16 on a CPU without bf16 arithmetic: see cpu_ops.c)."""
     lib = library()
     assert lib is not None and dtype in DTYPE_CODES
     return lib.min_panel_rows(DTYPE_CODES[dtype])
@@ -258,8 +260,18 @@ def gemv(
 
 
 def supports_panel_gemm(weight: torch.Tensor) -> bool:
-    """Whether `panel_gemm` handles this weight here (fp32 or bf16 on a CPU with AVX-512)."""
+    """Whether `panel_gemm` handles this weight here (fp32 or bf16 on a CPU with AVX-512, or AVX2
+    with FMA)."""
     return supports(weight) and bool(library().has_panel_gemm(DTYPE_CODES[weight.dtype]))
+
+
+@functools.cache
+def panel_gemm_takes_all_rows(dtype: torch.dtype) -> bool:
+    """Whether the panel kernel should take inputs of `dtype` of every size, prefill chunks
+    included, even where oneDNN could take them (see cpu_ops.c)."""
+    lib = library()
+    assert lib is not None and dtype in DTYPE_CODES
+    return bool(lib.panel_gemm_takes_all_rows(DTYPE_CODES[dtype]))
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

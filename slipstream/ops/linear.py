@@ -9,7 +9,9 @@ sizes oneDNN handles less well: row-major weights for the C matrix-vector kernel
 and panel-packed weights for the C panel kernel (decode batches, whose weights stream from
 memory every step, and in fp32 every size; see cpu_ops.c and benchmarks/linear_kernels.py).
 The math is unchanged (y = x W^T + b, up to summation order); `nn.Linear` stays the tested
-fallback wherever oneDNN is not available.
+fallback wherever oneDNN is not available. oneDNN multiplies bf16 only on CPUs with AVX-512 or
+AVX-NE-CONVERT (`onednn_multiplies`); on others (AVX2 CPUs such as a Zen 3) a bf16 layer keeps its
+panel-packed copy as its only one, or, without the C kernels, PyTorch's own product.
 """
 
 from __future__ import annotations
@@ -32,19 +34,23 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # multiplies bf16 natively (0.96-0.99x from 512 to 2048 rows on the AMD EPYC); fp32 stays on the
 # panel kernel, even with oneDNN from 256 to 1024 rows and ahead at prefill chunks of 2048 (rows in
 # bands, cpu_ops.c), and so does bf16 where both multiply in fp32 (an Ice Lake Xeon, without
-# AVX512-BF16: 3.6-3.7x oneDNN from 512 to 2048 rows).
+# AVX512-BF16: 3.6-3.7x oneDNN from 512 to 2048 rows). With AVX2, oneDNN takes fp32 beyond and the
+# panel kernel every bf16 size, which oneDNN does not multiply there
+# (`cpu_kernels.panel_gemm_takes_all_rows`).
 MAX_PANEL_ROWS = 256
 
 
 class PackedLinear(nn.Module):
-    """Inference-only linear layer over a oneDNN pre-packed weight.
+    """Inference-only linear layer over a oneDNN pre-packed weight (where oneDNN multiplies the
+    dtype; else over the panel-packed copy, or the weight as it is for PyTorch's product).
 
     With `extra_copies`, up to two more copies of the weight are kept for small inputs (see
     `extra_copies_of`): a row-major one, on huge pages (`ops.allocator`), for inputs of fewer than
     `cpu_kernels.min_panel_rows` rows (batch-1 decode: the C matrix-vector kernel streams the
     weight faster than oneDNN does at that size, and faster than the panel kernel), and a
-    panel-packed one for the C panel kernel (AVX-512): every other input in fp32, and in bf16 up
-    to `MAX_PANEL_ROWS` rows, or all where the CPU multiplies bf16 in fp32. Without the panel copy
+    panel-packed one for the C panel kernel (AVX-512 or AVX2): every other input up to
+    `MAX_PANEL_ROWS` rows, or all where `cpu_kernels.panel_gemm_takes_all_rows` or where oneDNN
+    does not multiply the dtype. Without the panel copy
     the matrix-vector kernel takes up to `cpu_kernels.MAX_GEMV_ROWS` rows.
     `row_buffer` (out_features * in_features elements of the weight's dtype) is where to put the
     row-major copy: `pack_linears` hands every layer a slice of one model-wide buffer, so that
@@ -58,10 +64,12 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        onednn = onednn_multiplies(weight.dtype)
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if onednn else None
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
         self.row_weight = self.panel_weight = None
         rows, panels = extra_copies_of(weight) if extra_copies else (False, False)
+        panels = panels or (not onednn and cpu_kernels.supports_panel_gemm(weight))
         if rows:
             if row_buffer is None:
                 row_buffer = huge_page_empty(weight.numel(), weight.dtype)
@@ -70,7 +78,9 @@ class PackedLinear(nn.Module):
             self.panel_weight = cpu_kernels.pack_panels(weight)
         # The rows from which the panel kernel takes over, and whether oneDNN does beyond MAX_PANEL_ROWS.
         self._min_panel_rows = cpu_kernels.min_panel_rows(weight.dtype) if panels else 0
-        self._panels_for_all_rows = panels and cpu_kernels.arithmetic_dtype(weight.dtype) == torch.float32
+        self._panels_for_all_rows = panels and (not onednn or cpu_kernels.panel_gemm_takes_all_rows(weight.dtype))
+        # PyTorch's product where neither oneDNN nor the panel kernel takes every size.
+        self.plain_weight = weight if not onednn and not self._panels_for_all_rows else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         rows = x.numel() // self.in_features
@@ -81,18 +91,30 @@ class PackedLinear(nn.Module):
             return cpu_kernels.gemv(x, self.row_weight, self.bias)
         if self.panel_weight is not None and (rows <= MAX_PANEL_ROWS or self._panels_for_all_rows):
             return cpu_kernels.panel_gemm(x, self.panel_weight, self.bias, self.out_features)
+        if self.packed_weight is None:
+            return torch.nn.functional.linear(x, self.plain_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        copies = {"rows": self.row_weight, "panels": self.panel_weight}
-        extra = "".join(f", {name}" for name, weight in copies.items() if weight is not None)
-        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN packed{extra}"
+        copies = {"oneDNN packed": self.packed_weight, "plain": self.plain_weight, "rows": self.row_weight,
+                  "panels": self.panel_weight}
+        held = ", ".join(name for name, weight in copies.items() if weight is not None)
+        return f"in_features={self.in_features}, out_features={self.out_features}, {held}"
+
+
+def onednn_multiplies(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's linear takes weights of `dtype` here: fp32 wherever PyTorch has oneDNN, bf16
+    only where the CPU has AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, PyTorch's own test (on an AVX2
+    CPU, such as a Zen 3, oneDNN's bf16 weight packing raises)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def extra_copies_of(weight: torch.Tensor) -> tuple[bool, bool]:
     """Which extra copies a `PackedLinear` keeps of `weight` with `extra_copies`: (row-major,
     panel-packed). The row-major copy only where some inputs take the matrix-vector kernel: not
-    in bf16 on a CPU without AVX512-BF16, whose panel kernel takes every size."""
+    in bf16 on a CPU without bf16 arithmetic, whose panel kernel takes every size."""
     panels = cpu_kernels.supports_panel_gemm(weight)
     rows = cpu_kernels.supports(weight) and not (panels and cpu_kernels.min_panel_rows(weight.dtype) == 1)
     return rows, panels

@@ -10,7 +10,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <omp.h>
@@ -70,6 +70,31 @@ static inline __m256i round_to_bf16(__m512 v) {
     const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 #endif
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* AVX2 with FMA and without AVX-512 (Haswell to Alder Lake, Zen 1 to 3): the products of the
+ * matrix-vector and panel kernels in 8-lane vectors, bf16 widened to fp32 as above. */
+#define SLIPSTREAM_AVX2 1
+
+static inline __m256 even_bf16_8(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+static inline __m256 odd_bf16_8(__m256i pairs) {
+    return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline float sum_lanes_8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* 8 fp32 values rounded to bf16, to nearest even as f32_to_bf16 rounds. After the shift every
+ * lane is below 2^16, so the signed-to-unsigned pack never saturates. */
+static inline __m128i round_to_bf16_8(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
 }
 #endif
 

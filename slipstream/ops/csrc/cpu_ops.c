@@ -39,9 +39,10 @@ int arithmetic_dtype(int dtype) {
  * bf16, 0.96x fp32). bf16 without AVX512-BF16 takes the panel kernel from one row: it widens each
  * weight vector once where the matrix-vector kernel widens x as well, and it prefetches the next
  * panel (all 48 weights of the bench model, Ice Lake Xeon, the two alternating: 1.15x at 1 row,
- * 1.26x at 2). */
+ * 1.26x at 2), and so does bf16 with AVX2 (Zen 3, benchmarks/linear_kernels.py: 13.5-17.6 against
+ * 12.0-16.4 GFLOP/s at 1 row; fp32 about even, 7.7-7.9 against 7.2-8.1). */
 int min_panel_rows(int dtype) {
-#if defined(__AVX512F__) && !defined(__AVX512BF16__)
+#if (defined(__AVX512F__) || defined(SLIPSTREAM_AVX2)) && !defined(__AVX512BF16__)
     if (dtype == DTYPE_BF16) return 1;
 #endif
     (void)dtype;
@@ -63,6 +64,14 @@ static inline float dot_f32(const float *w, const float *x, int64_t K) {
     }
     for (; k + 16 <= K; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), acc);
     sum = _mm512_reduce_add_ps(_mm512_add_ps(acc, acc2));
+#elif defined(SLIPSTREAM_AVX2)
+    __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), acc);
+        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), _mm256_loadu_ps(x + k + 8), acc2);
+    }
+    for (; k + 8 <= K; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), acc);
+    sum = sum_lanes_8(_mm256_add_ps(acc, acc2));
 #endif
     for (; k < K; k++) sum += w[k] * x[k];
     return sum;
@@ -76,6 +85,15 @@ static inline float dot_bf16_rows(const uint16_t *w, const uint16_t *x, int64_t 
     for (; k + 32 <= K; k += 32)
         accumulate_bf16_pairs(acc, _mm512_loadu_si512(w + k), _mm512_loadu_si512(x + k));
     sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+#elif defined(SLIPSTREAM_AVX2)
+    __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+        const __m256i wk = _mm256_loadu_si256((const __m256i *)(w + k));
+        const __m256i xk = _mm256_loadu_si256((const __m256i *)(x + k));
+        even = _mm256_fmadd_ps(even_bf16_8(wk), even_bf16_8(xk), even);
+        odd = _mm256_fmadd_ps(odd_bf16_8(wk), odd_bf16_8(xk), odd);
+    }
+    sum = sum_lanes_8(_mm256_add_ps(even, odd));
 #endif
     for (; k < K; k++) sum += bf16_to_f32(w[k]) * bf16_to_f32(x[k]);
     return sum;
@@ -105,6 +123,19 @@ static inline __attribute__((always_inline)) void gemv_bf16_rows_of(
             for (int m = 0; m < M; m++) accumulate_bf16_pairs(acc[m], wk, _mm512_loadu_si512(x + m * K + k));
         }
         for (int m = 0; m < M; m++) sums[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+#elif defined(SLIPSTREAM_AVX2)
+        __m256 acc[MAX_GEMV_ROWS][2];
+        for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+        for (; k + 16 <= K; k += 16) {
+            const __m256i wk = _mm256_loadu_si256((const __m256i *)(w + k));
+            const __m256 even = even_bf16_8(wk), odd = odd_bf16_8(wk);
+            for (int m = 0; m < M; m++) {
+                const __m256i xk = _mm256_loadu_si256((const __m256i *)(x + m * K + k));
+                acc[m][0] = _mm256_fmadd_ps(even, even_bf16_8(xk), acc[m][0]);
+                acc[m][1] = _mm256_fmadd_ps(odd, odd_bf16_8(xk), acc[m][1]);
+            }
+        }
+        for (int m = 0; m < M; m++) sums[m] = sum_lanes_8(_mm256_add_ps(acc[m][0], acc[m][1]));
 #endif
         for (; k < K; k++)
             for (int m = 0; m < M; m++) sums[m] += bf16_to_f32(w[k]) * bf16_to_f32(x[m * K + k]);
@@ -165,7 +196,7 @@ void gemv(const void *W, const void *x, const void *bias, void *y, int64_t M, in
 
 /*
  * Matrix products y (M, N) = x (M, K) W^T (+ bias) for any M, over a copy of W packed in panels of
- * PANEL_COLS = 48 output features, k-major within a panel (pack_panels): in fp32
+ * PANEL_COLS = 48 output features (16 with AVX2, below), k-major within a panel (pack_panels): in fp32
  * panels[p][k][j] = W[p*48 + j][k]; in bf16 pairs of consecutive k side by side,
  * panels[p][k/2][j][k%2], as vdpbf16ps takes them; zero past N (and past an odd K). A micro-kernel
  * keeps an 8 x 48 block of y in 24 fp32 registers and, per k (per pair of k in bf16), loads three
@@ -181,11 +212,38 @@ void gemv(const void *W, const void *x, const void *bias, void *y, int64_t M, in
  * 1.1-1.4x in bf16; from 256 rows on about even in fp32 (ahead at 2048, with rows in bands) and
  * 0.94-0.99x in bf16 (benchmarks/linear_kernels.py).
  */
+#if defined(__AVX512F__)
 enum { PANEL_COLS = 48, PANEL_ROWS = 8, PANEL_K_CHUNK = 512 };
+#define HAS_PANEL_KERNEL 1
+#elif defined(SLIPSTREAM_AVX2)
+/* AVX2 has 16 vector registers of 8 floats: a 6 x 16 block of y in 12 of them (two vectors per
+ * row), two for the panel's vectors and one broadcast, the shape of BLIS's Haswell kernel; per k
+ * 12 FMAs for 8 loads. A panel row is one 64-byte line, in fp32 and in bf16 pairs alike. */
+enum { PANEL_COLS = 16, PANEL_ROWS = 6, PANEL_K_CHUNK = 1024 };
+#define HAS_PANEL_KERNEL 1
+#else
+enum { PANEL_COLS = 48 };
+#endif
+/* Cache lines of one panel row: one k in fp32, one pair of k in bf16. */
+enum { PANEL_ROW_LINES = PANEL_COLS * 4 / 64 };
 
 int has_panel_gemm(int dtype) {
-#if defined(__AVX512F__)
+#if defined(HAS_PANEL_KERNEL)
     return dtype == DTYPE_F32 || dtype == DTYPE_BF16;
+#else
+    (void)dtype;
+    return 0;
+#endif
+}
+
+/* Whether the panel kernel should take inputs of every size, prefill chunks included, where oneDNN
+ * could take the large ones: with AVX-512 where it multiplies in fp32 (fp32 on par with oneDNN
+ * from 256 to 1,024 rows and ahead at 2,048 on the Zen 4 and 5; bf16 without AVX512-BF16 3.6x
+ * oneDNN's bf16 on an Ice Lake Xeon), not with AVX2, where oneDNN's fp32 product is ahead from 64
+ * rows on (Zen 3, benchmarks/linear_kernels.py: 0.74-0.76x at 512 and 2,048 rows). */
+int panel_gemm_takes_all_rows(int dtype) {
+#if defined(__AVX512F__)
+    return arithmetic_dtype(dtype) == DTYPE_F32;
 #else
     (void)dtype;
     return 0;
@@ -217,7 +275,7 @@ void pack_panels(const void *W, void *panels, int64_t N, int64_t K, int dtype, i
             }
 }
 
-#if defined(__AVX512F__)
+#if defined(HAS_PANEL_KERNEL)
 /* This thread's pieces of an (M, N) product: whole panels, and the rows split too when there are
  * too few panels to keep every thread busy. Task t is panel t / row_groups and row group
  * t % row_groups; thread i runs tasks [begin, end) = [tasks * i / threads, tasks * (i + 1) / threads). */
@@ -250,9 +308,10 @@ static panel_task panel_task_at(const panel_schedule *schedule, int64_t task, in
     };
 }
 
-/* y[0:ROWS, 0:cols] (+)= x[0:ROWS, 0:kc] . chunk (kc x 48), where x rows are ldx apart and y rows
- * N apart. first: start from zero (and bias, when last as well), else from y; last: add the bias.
- * pf_lines lines of `prefetch` are requested every other k. */
+/* y[0:ROWS, 0:cols] (+)= x[0:ROWS, 0:kc] . chunk (kc x PANEL_COLS), where x rows are ldx apart and y
+ * rows N apart. first: start from zero (and bias, when last as well), else from y; last: add the
+ * bias. pf_lines lines of `prefetch` are requested every other k. */
+#if defined(__AVX512F__)
 #define PANEL_KERNEL(ROWS)                                                                     \
     static void panel_kernel_##ROWS(const float *x, int64_t ldx, const float *chunk, int64_t kc, \
                                     float *y, int64_t N, int64_t cols, const float *bias,      \
@@ -295,6 +354,56 @@ typedef void (*panel_kernel_fn)(const float *, int64_t, const float *, int64_t, 
 static const panel_kernel_fn panel_kernels[PANEL_ROWS + 1] = {
     NULL, panel_kernel_1, panel_kernel_2, panel_kernel_3, panel_kernel_4,
     panel_kernel_5, panel_kernel_6, panel_kernel_7, panel_kernel_8};
+#else
+/* Lanes [0, n) of 8 set, as AVX2's masked loads and stores take them. */
+/* Loops over the rows and columns of a block of y unrolled before GCC decides where the block's
+ * accumulators live: left as loops, it kept them on the stack, storing all 12 after every k (the
+ * fp32 kernel ran at ~40% of the peak). */
+#define UNROLLED _Pragma("GCC unroll 8")
+
+static inline __m256i first_lanes_8(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 0 ? 0 : n > 8 ? 8 : n)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+#define PANEL_KERNEL(ROWS)                                                                     \
+    static void panel_kernel_##ROWS(const float *x, int64_t ldx, const float *chunk, int64_t kc, \
+                                    float *y, int64_t N, int64_t cols, const float *bias,      \
+                                    int first, int last, const char *prefetch, int64_t pf_lines) { \
+        /* The column masks are made again for the stores: live across the loop, they would take \
+         * two of the 16 registers and push the accumulators onto the stack. */                 \
+        __m256 acc[ROWS][2];                                                                   \
+        UNROLLED for (int r = 0; r < ROWS; r++)                                                         \
+            UNROLLED for (int j = 0; j < 2; j++)                                                        \
+                acc[r][j] = first ? _mm256_setzero_ps()                                        \
+                                  : _mm256_maskload_ps(y + r * N + 8 * j, first_lanes_8(cols - 8 * j)); \
+        for (int64_t k = 0; k < kc; k++) {                                                     \
+            if ((k & 1) == 0)                                                                  \
+                for (int64_t l = 0; l < pf_lines; l++, prefetch += 64) _mm_prefetch(prefetch, _MM_HINT_T1); \
+            const float *w = chunk + k * PANEL_COLS;                                           \
+            const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);                 \
+            UNROLLED for (int r = 0; r < ROWS; r++) {                                                   \
+                const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);                         \
+                acc[r][0] = _mm256_fmadd_ps(b, w0, acc[r][0]);                                 \
+                acc[r][1] = _mm256_fmadd_ps(b, w1, acc[r][1]);                                 \
+            }                                                                                  \
+        }                                                                                      \
+        UNROLLED for (int j = 0; j < 2; j++) {                                                          \
+            const __m256i mask = first_lanes_8(cols - 8 * j);                                  \
+            const __m256 add = last && bias != NULL ? _mm256_maskload_ps(bias + 8 * j, mask)   \
+                                                    : _mm256_setzero_ps();                     \
+            UNROLLED for (int r = 0; r < ROWS; r++)                                                     \
+                _mm256_maskstore_ps(y + r * N + 8 * j, mask, _mm256_add_ps(acc[r][j], add));   \
+        }                                                                                      \
+    }
+PANEL_KERNEL(1) PANEL_KERNEL(2) PANEL_KERNEL(3) PANEL_KERNEL(4) PANEL_KERNEL(5) PANEL_KERNEL(6)
+#undef PANEL_KERNEL
+
+typedef void (*panel_kernel_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t,
+                                int64_t, const float *, int, int, const char *, int64_t);
+static const panel_kernel_fn panel_kernels[PANEL_ROWS + 1] = {
+    NULL, panel_kernel_1, panel_kernel_2, panel_kernel_3, panel_kernel_4, panel_kernel_5, panel_kernel_6};
+#endif
 
 /* This thread's share of the product, inside a parallel region (no barrier at the end). */
 static void panel_tasks_f32(const float *x, const float *panels, const float *bias, float *y, int64_t M,
@@ -308,7 +417,7 @@ static void panel_tasks_f32(const float *x, const float *panels, const float *bi
             /* The next chunk in memory is the next piece of work, unless this is the last. */
             const int is_final = task == schedule.end - 1 && k0 + kc >= K;
             const int64_t points = (t.block_end - t.block_begin) * ((kc + 1) / 2);
-            const int64_t pf_lines = is_final ? 0 : (3 * kc + points - 1) / points;
+            const int64_t pf_lines = is_final ? 0 : (PANEL_ROW_LINES * kc + points - 1) / points;
             const char *prefetch = (const char *)(chunk + kc * PANEL_COLS);
             for (int64_t b = t.block_begin; b < t.block_end; b++) {
                 const int64_t m0 = b * PANEL_ROWS, rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
@@ -413,6 +522,73 @@ typedef void (*panel_kernel_bf16_fn)(const uint16_t *, int64_t, const uint16_t *
 static const panel_kernel_bf16_fn panel_kernels_bf16[PANEL_ROWS + 1] = {
     NULL, panel_kernel_bf16_1, panel_kernel_bf16_2, panel_kernel_bf16_3, panel_kernel_bf16_4,
     panel_kernel_bf16_5, panel_kernel_bf16_6, panel_kernel_bf16_7, panel_kernel_bf16_8};
+#elif defined(SLIPSTREAM_AVX2)
+/* The AVX2 bf16 kernel: as the AVX-512 one without AVX512-BF16, 8 lanes at a time. A pair row of
+ * the panel is two vectors of 8 pairs, whose even and odd k widen to four fp32 vectors; each half
+ * of the columns takes its two in turn, so that 12 accumulators, two panel vectors and a broadcast
+ * fit in the 16 registers. PANEL_WIDE_PAIRS pairs of every row of x are widened on the stack first. */
+enum { PANEL_WIDE_PAIRS = 64 };
+#define PANEL_KERNEL_BF16(ROWS)                                                                \
+    static void panel_kernel_bf16_##ROWS(const uint16_t *x, int64_t ldx, const uint16_t *panel,  \
+                                         int64_t K, uint16_t *y, int64_t N, int64_t cols,       \
+                                         const uint16_t *bias, const char *prefetch, int64_t pf_lines) { \
+        const int64_t pairs = (K + 1) / 2;                                                     \
+        __m256 acc[ROWS][2];                                                                   \
+        UNROLLED for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();            \
+        float xs[ROWS][2 * PANEL_WIDE_PAIRS];                                                  \
+        for (int64_t d0 = 0; d0 < pairs; d0 += PANEL_WIDE_PAIRS) {                             \
+            const int64_t dn = pairs - d0 < PANEL_WIDE_PAIRS ? pairs - d0 : PANEL_WIDE_PAIRS;   \
+            const int64_t k0 = 2 * d0, kn = K - k0 < 2 * dn ? K - k0 : 2 * dn;                 \
+            UNROLLED for (int r = 0; r < ROWS; r++) {                                                   \
+                const uint16_t *xr = x + r * ldx + k0;                                         \
+                int64_t k = 0;                                                                 \
+                for (; k + 8 <= kn; k += 8)                                                    \
+                    _mm256_storeu_ps(xs[r] + k, _mm256_castsi256_ps(_mm256_slli_epi32(         \
+                        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xr + k))), 16))); \
+                for (; k < kn; k++) xs[r][k] = bf16_to_f32(xr[k]);                             \
+                for (; k < 2 * dn; k++) xs[r][k] = 0.0f;                                       \
+            }                                                                                  \
+            for (int64_t d = d0; d < d0 + dn; d++) {                                           \
+                if ((d & 1) == 0)                                                              \
+                    for (int64_t l = 0; l < pf_lines; l++, prefetch += 64) _mm_prefetch(prefetch, _MM_HINT_T1); \
+                const uint16_t *w = panel + d * 2 * PANEL_COLS;                                \
+                const float *xe = &xs[0][2 * (d - d0)];                                        \
+                UNROLLED for (int j = 0; j < 2; j++) {                                                  \
+                    const __m256i wj = _mm256_loadu_si256((const __m256i *)(w + 16 * j));      \
+                    const __m256 even = even_bf16_8(wj), odd = odd_bf16_8(wj);                 \
+                    UNROLLED for (int r = 0; r < ROWS; r++) {                                           \
+                        const float *xr = xe + r * 2 * PANEL_WIDE_PAIRS;                       \
+                        acc[r][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + 1), odd,          \
+                                        _mm256_fmadd_ps(_mm256_broadcast_ss(xr), even, acc[r][j])); \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        UNROLLED for (int j = 0; j < 2; j++) {                                                          \
+            const int64_t left = cols - 8 * j < 8 ? cols - 8 * j : 8;                          \
+            if (left <= 0) break;                                                              \
+            float add[8] = {0};                                                                \
+            for (int64_t i = 0; bias != NULL && i < left; i++) add[i] = bf16_to_f32(bias[8 * j + i]); \
+            UNROLLED for (int r = 0; r < ROWS; r++) {                                                   \
+                uint16_t out[8];                                                               \
+                _mm_storeu_si128((__m128i *)out, round_to_bf16_8(_mm256_add_ps(acc[r][j], _mm256_loadu_ps(add)))); \
+                memcpy(y + r * N + 8 * j, out, left * sizeof(uint16_t));                       \
+            }                                                                                  \
+        }                                                                                      \
+    }
+PANEL_KERNEL_BF16(1) PANEL_KERNEL_BF16(2) PANEL_KERNEL_BF16(3)
+PANEL_KERNEL_BF16(4) PANEL_KERNEL_BF16(5) PANEL_KERNEL_BF16(6)
+#undef PANEL_KERNEL_BF16
+
+
+typedef void (*panel_kernel_bf16_fn)(const uint16_t *, int64_t, const uint16_t *, int64_t, uint16_t *,
+                                     int64_t, int64_t, const uint16_t *, const char *, int64_t);
+static const panel_kernel_bf16_fn panel_kernels_bf16[PANEL_ROWS + 1] = {
+    NULL, panel_kernel_bf16_1, panel_kernel_bf16_2, panel_kernel_bf16_3, panel_kernel_bf16_4,
+    panel_kernel_bf16_5, panel_kernel_bf16_6};
+#endif
+
+#if defined(HAS_PANEL_KERNEL)
 
 static void panel_tasks_bf16(const uint16_t *x, const uint16_t *panels, const uint16_t *bias, uint16_t *y,
                              int64_t M, int64_t N, int64_t K) {
@@ -423,7 +599,7 @@ static void panel_tasks_bf16(const uint16_t *x, const uint16_t *panels, const ui
         const uint16_t *panel = panels + t.panel * panel_elems;
         /* The next panel in memory is the next piece of work, unless this task is the last. */
         const int64_t points = (t.block_end - t.block_begin) * ((pairs + 1) / 2);
-        const int64_t pf_lines = task == schedule.end - 1 ? 0 : (3 * pairs + points - 1) / points;
+        const int64_t pf_lines = task == schedule.end - 1 ? 0 : (PANEL_ROW_LINES * pairs + points - 1) / points;
         const char *prefetch = (const char *)(panel + panel_elems);
         for (int64_t b = t.block_begin; b < t.block_end; b++) {
             const int64_t m0 = b * PANEL_ROWS, rows = M - m0 < PANEL_ROWS ? M - m0 : PANEL_ROWS;
@@ -450,7 +626,7 @@ static void panel_tasks(const void *x, const void *panels, const void *bias, voi
     const int64_t band = M >= PANEL_BANDS_FROM_ROWS ? PANEL_BAND_ROWS : M;
     for (int64_t m0 = 0; m0 < M; m0 += band) {
         const int64_t rows = M - m0 < band ? M - m0 : band;
-#if defined(__AVX512F__)
+#if defined(HAS_PANEL_KERNEL)
         if (dtype == DTYPE_F32)
             panel_tasks_f32((const float *)x + m0 * K, panels, bias, (float *)y + m0 * N, rows, N, K);
         else
