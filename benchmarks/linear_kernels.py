@@ -42,7 +42,8 @@ def measure(dtype: torch.dtype, rows_list: list[int], repeats: int) -> list[dict
     baseline = "torch"
     if onednn_multiplies(dtype):
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
-        implementations["onednn"] = lambda x, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")
+        implementations["onednn"] = lambda x, i: torch.ops.mkldnn._linear_pointwise(
+            x, onednn[i], None, "none", [], "")
         baseline = "onednn"
     name = str(dtype).removeprefix("torch.")
     print(f"{name} peak (calibrated): {peak / 1e9:.0f} GFLOP/s; {len(weights)} weights, "
@@ -65,7 +66,8 @@ def measure(dtype: torch.dtype, rows_list: list[int], repeats: int) -> list[dict
         gflops = {impl: flops / median(t) / 1e9 for impl, t in times.items()}
         ratio = gflops["panel"] / gflops[baseline]
         print(f"{name} M={rows:5d}: " + ", ".join(f"{impl} {g:6.1f}" for impl, g in gflops.items())
-              + f" GFLOP/s; panel/{baseline} {ratio:.2f}x, panel at {gflops['panel'] * 1e9 / peak:.0%} of peak")
+              + f" GFLOP/s; panel/{baseline} {ratio:.2f}x,"
+              + f" panel at {gflops['panel'] * 1e9 / peak:.0%} of peak")
         results.append({"dtype": name, "rows": rows, "gflops": gflops, "baseline": baseline,
                         "panel_over_baseline": ratio, "panel_fraction_of_peak": gflops["panel"] * 1e9 / peak,
                         "peak_gflops": peak / 1e9})

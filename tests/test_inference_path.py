@@ -152,7 +152,8 @@ def test_packed_linear_matches_linear(dtype, num_rows, bias, extra_copies):
     torch.manual_seed(0)
     linear = torch.nn.Linear(100, 257, bias=bias).to(dtype)
     packed = PackedLinear(linear, extra_copies=extra_copies)
-    has_panels = cpu_kernels.supports_panel_gemm(linear.weight) and (extra_copies or not onednn_multiplies(dtype))
+    has_panels = cpu_kernels.supports_panel_gemm(linear.weight) and (
+        extra_copies or not onednn_multiplies(dtype))
     assert (packed.panel_weight is not None) == has_panels
     assert (packed.packed_weight is not None) == onednn_multiplies(dtype)
     x = torch.randn(1, num_rows, 100).to(dtype)

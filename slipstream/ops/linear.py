@@ -78,7 +78,8 @@ class PackedLinear(nn.Module):
             self.panel_weight = cpu_kernels.pack_panels(weight)
         # The rows from which the panel kernel takes over, and whether oneDNN does beyond MAX_PANEL_ROWS.
         self._min_panel_rows = cpu_kernels.min_panel_rows(weight.dtype) if panels else 0
-        self._panels_for_all_rows = panels and (not onednn or cpu_kernels.panel_gemm_takes_all_rows(weight.dtype))
+        self._panels_for_all_rows = panels and (
+            not onednn or cpu_kernels.panel_gemm_takes_all_rows(weight.dtype))
         # PyTorch's product where neither oneDNN nor the panel kernel takes every size.
         self.plain_weight = weight if not onednn and not self._panels_for_all_rows else None
 
@@ -108,7 +109,8 @@ def onednn_multiplies(dtype: torch.dtype) -> bool:
     CPU, such as a Zen 3, oneDNN's bf16 weight packing raises)."""
     if not torch.backends.mkldnn.is_available():
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 or (
+        dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def extra_copies_of(weight: torch.Tensor) -> tuple[bool, bool]:
