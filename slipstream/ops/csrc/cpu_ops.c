@@ -373,8 +373,8 @@ static inline __m256i first_lanes_8(int64_t n) {
         /* The column masks are made again for the stores: live across the loop, they would take \
          * two of the 16 registers and push the accumulators onto the stack. */                 \
         __m256 acc[ROWS][2];                                                                   \
-        UNROLLED for (int r = 0; r < ROWS; r++)                                                         \
-            UNROLLED for (int j = 0; j < 2; j++)                                                        \
+        UNROLLED for (int r = 0; r < ROWS; r++)                                                \
+            UNROLLED for (int j = 0; j < 2; j++)                                               \
                 acc[r][j] = first ? _mm256_setzero_ps()                                        \
                                   : _mm256_maskload_ps(y + r * N + 8 * j, first_lanes_8(cols - 8 * j)); \
         for (int64_t k = 0; k < kc; k++) {                                                     \
@@ -382,17 +382,17 @@ static inline __m256i first_lanes_8(int64_t n) {
                 for (int64_t l = 0; l < pf_lines; l++, prefetch += 64) _mm_prefetch(prefetch, _MM_HINT_T1); \
             const float *w = chunk + k * PANEL_COLS;                                           \
             const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);                 \
-            UNROLLED for (int r = 0; r < ROWS; r++) {                                                   \
+            UNROLLED for (int r = 0; r < ROWS; r++) {                                          \
                 const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);                         \
                 acc[r][0] = _mm256_fmadd_ps(b, w0, acc[r][0]);                                 \
                 acc[r][1] = _mm256_fmadd_ps(b, w1, acc[r][1]);                                 \
             }                                                                                  \
         }                                                                                      \
-        UNROLLED for (int j = 0; j < 2; j++) {                                                          \
+        UNROLLED for (int j = 0; j < 2; j++) {                                                 \
             const __m256i mask = first_lanes_8(cols - 8 * j);                                  \
             const __m256 add = last && bias != NULL ? _mm256_maskload_ps(bias + 8 * j, mask)   \
                                                     : _mm256_setzero_ps();                     \
-            UNROLLED for (int r = 0; r < ROWS; r++)                                                     \
+            UNROLLED for (int r = 0; r < ROWS; r++)                                            \
                 _mm256_maskstore_ps(y + r * N + 8 * j, mask, _mm256_add_ps(acc[r][j], add));   \
         }                                                                                      \
     }
@@ -534,12 +534,12 @@ enum { PANEL_WIDE_PAIRS = 64 };
                                          const uint16_t *bias, const char *prefetch, int64_t pf_lines) { \
         const int64_t pairs = (K + 1) / 2;                                                     \
         __m256 acc[ROWS][2];                                                                   \
-        UNROLLED for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();            \
+        UNROLLED for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();   \
         float xs[ROWS][2 * PANEL_WIDE_PAIRS];                                                  \
         for (int64_t d0 = 0; d0 < pairs; d0 += PANEL_WIDE_PAIRS) {                             \
             const int64_t dn = pairs - d0 < PANEL_WIDE_PAIRS ? pairs - d0 : PANEL_WIDE_PAIRS;   \
             const int64_t k0 = 2 * d0, kn = K - k0 < 2 * dn ? K - k0 : 2 * dn;                 \
-            UNROLLED for (int r = 0; r < ROWS; r++) {                                                   \
+            UNROLLED for (int r = 0; r < ROWS; r++) {                                          \
                 const uint16_t *xr = x + r * ldx + k0;                                         \
                 int64_t k = 0;                                                                 \
                 for (; k + 8 <= kn; k += 8)                                                    \
@@ -553,10 +553,10 @@ enum { PANEL_WIDE_PAIRS = 64 };
                     for (int64_t l = 0; l < pf_lines; l++, prefetch += 64) _mm_prefetch(prefetch, _MM_HINT_T1); \
                 const uint16_t *w = panel + d * 2 * PANEL_COLS;                                \
                 const float *xe = &xs[0][2 * (d - d0)];                                        \
-                UNROLLED for (int j = 0; j < 2; j++) {                                                  \
+                UNROLLED for (int j = 0; j < 2; j++) {                                         \
                     const __m256i wj = _mm256_loadu_si256((const __m256i *)(w + 16 * j));      \
                     const __m256 even = even_bf16_8(wj), odd = odd_bf16_8(wj);                 \
-                    UNROLLED for (int r = 0; r < ROWS; r++) {                                           \
+                    UNROLLED for (int r = 0; r < ROWS; r++) {                                  \
                         const float *xr = xe + r * 2 * PANEL_WIDE_PAIRS;                       \
                         acc[r][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + 1), odd,          \
                                         _mm256_fmadd_ps(_mm256_broadcast_ss(xr), even, acc[r][j])); \
@@ -564,12 +564,12 @@ enum { PANEL_WIDE_PAIRS = 64 };
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
-        UNROLLED for (int j = 0; j < 2; j++) {                                                          \
+        UNROLLED for (int j = 0; j < 2; j++) {                                                 \
             const int64_t left = cols - 8 * j < 8 ? cols - 8 * j : 8;                          \
             if (left <= 0) break;                                                              \
             float add[8] = {0};                                                                \
             for (int64_t i = 0; bias != NULL && i < left; i++) add[i] = bf16_to_f32(bias[8 * j + i]); \
-            UNROLLED for (int r = 0; r < ROWS; r++) {                                                   \
+            UNROLLED for (int r = 0; r < ROWS; r++) {                                          \
                 uint16_t out[8];                                                               \
                 _mm_storeu_si128((__m128i *)out, round_to_bf16_8(_mm256_add_ps(acc[r][j], _mm256_loadu_ps(add)))); \
                 memcpy(y + r * N + 8 * j, out, left * sizeof(uint16_t));                       \
