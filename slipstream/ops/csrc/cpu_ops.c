@@ -198,7 +198,8 @@ void gemv(const void *W, const void *x, const void *bias, void *y, int64_t M, in
  * Matrix products y (M, N) = x (M, K) W^T (+ bias) for any M, over a copy of W packed in panels of
  * PANEL_COLS = 48 output features (16 with AVX2, below), k-major within a panel (pack_panels): in fp32
  * panels[p][k][j] = W[p*48 + j][k]; in bf16 pairs of consecutive k side by side,
- * panels[p][k/2][j][k%2], as vdpbf16ps takes them; zero past N (and past an odd K). A micro-kernel
+ * panels[p][k/2][j][k%2], as vdpbf16ps takes them (with AVX2 k-major as in fp32, the AVX2 bf16
+ * kernel below); zero past N (and past an odd K). A micro-kernel
  * keeps an 8 x 48 block of y in 24 fp32 registers and, per k (per pair of k in bf16), loads three
  * vectors of the panel and broadcasts one x value (pair) per row: 24 FMAs (vdpbf16ps) per 11 loads.
  * In fp32 the panel is walked in chunks of PANEL_K_CHUNK values of k (96 KiB, so that a chunk
@@ -218,7 +219,8 @@ enum { PANEL_COLS = 48, PANEL_ROWS = 8, PANEL_K_CHUNK = 512 };
 #elif defined(SLIPSTREAM_AVX2)
 /* AVX2 has 16 vector registers of 8 floats: a 6 x 16 block of y in 12 of them (two vectors per
  * row), two for the panel's vectors and one broadcast, the shape of BLIS's Haswell kernel; per k
- * 12 FMAs for 8 loads. A panel row is one 64-byte line, in fp32 and in bf16 pairs alike. */
+ * 12 FMAs for 8 loads. A panel row is one 64-byte line, in fp32 and in bf16 pairs alike. An fp32
+ * chunk of 1,024 k is 64 KiB (Zen 3: 0.90x oneDNN at 64 rows, 0.83x with chunks of 256). */
 enum { PANEL_COLS = 16, PANEL_ROWS = 6, PANEL_K_CHUNK = 1024 };
 #define HAS_PANEL_KERNEL 1
 #else
@@ -269,8 +271,12 @@ void pack_panels(const void *W, void *panels, int64_t N, int64_t K, int dtype, i
                 }
                 for (int64_t e = 0; e < 2; e++) {
                     const int64_t k = 2 * d + e;
-                    ((uint16_t *)panels)[2 * slot + e] =
-                        n < N && k < K ? ((const uint16_t *)W)[n * K + k] : 0;
+#if defined(SLIPSTREAM_AVX2)
+                    const int64_t at = ((p * depth + d) * 2 + e) * PANEL_COLS + j;  /* k-major, as fp32 */
+#else
+                    const int64_t at = 2 * slot + e;  /* pairs side by side, as vdpbf16ps takes them */
+#endif
+                    ((uint16_t *)panels)[at] = n < N && k < K ? ((const uint16_t *)W)[n * K + k] : 0;
                 }
             }
 }
@@ -523,18 +529,30 @@ static const panel_kernel_bf16_fn panel_kernels_bf16[PANEL_ROWS + 1] = {
     NULL, panel_kernel_bf16_1, panel_kernel_bf16_2, panel_kernel_bf16_3, panel_kernel_bf16_4,
     panel_kernel_bf16_5, panel_kernel_bf16_6, panel_kernel_bf16_7, panel_kernel_bf16_8};
 #elif defined(SLIPSTREAM_AVX2)
-/* The AVX2 bf16 kernel: as the AVX-512 one without AVX512-BF16, 8 lanes at a time. A pair row of
- * the panel is two vectors of 8 pairs, whose even and odd k widen to four fp32 vectors; each half
- * of the columns takes its two in turn, so that 12 accumulators, two panel vectors and a broadcast
- * fit in the 16 registers. PANEL_WIDE_PAIRS pairs of every row of x are widened on the stack first. */
+/* The AVX2 bf16 kernel: the fp32 kernel's 6 x 16 block over a bf16 panel packed k-major as the
+ * fp32 one is (pack_panels; 32 bytes per k, a line per pair of k), each k's 16 weights widened
+ * to two fp32 vectors. Pairs side by side, as the AVX-512 kernels take them, widen into four
+ * vectors (even and odd k of each half) that, with two broadcasts, do not fit beside the 12
+ * accumulators: GCC kept two of them on the stack. Without the spills it measured the same or
+ * slightly faster (Zen 3, linear_kernels.py alternating the two: 64 rows 71.7-72.2 against
+ * 65.4-70.7 GFLOP/s, 512 rows 64.6-75.4 against 66.2-71.0), still short of the fp32 kernel's
+ * ~90: there the widening (a shuffle and a shift per 8 weights) probably takes turns with the
+ * FMAs on the same vector pipes. PANEL_WIDE_PAIRS pairs of every row of x are widened on the
+ * stack first, so that each broadcast is one load. */
 enum { PANEL_WIDE_PAIRS = 64 };
+
+static inline __m256 widen_bf16_8(const uint16_t *src) {
+    const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
+
 #define PANEL_KERNEL_BF16(ROWS)                                                                \
     static void panel_kernel_bf16_##ROWS(const uint16_t *x, int64_t ldx, const uint16_t *panel,  \
                                          int64_t K, uint16_t *y, int64_t N, int64_t cols,       \
                                          const uint16_t *bias, const char *prefetch, int64_t pf_lines) { \
         const int64_t pairs = (K + 1) / 2;                                                     \
         __m256 acc[ROWS][2];                                                                   \
-        UNROLLED for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();   \
+        UNROLLED for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();    \
         float xs[ROWS][2 * PANEL_WIDE_PAIRS];                                                  \
         for (int64_t d0 = 0; d0 < pairs; d0 += PANEL_WIDE_PAIRS) {                             \
             const int64_t dn = pairs - d0 < PANEL_WIDE_PAIRS ? pairs - d0 : PANEL_WIDE_PAIRS;   \
@@ -542,25 +560,19 @@ enum { PANEL_WIDE_PAIRS = 64 };
             UNROLLED for (int r = 0; r < ROWS; r++) {                                          \
                 const uint16_t *xr = x + r * ldx + k0;                                         \
                 int64_t k = 0;                                                                 \
-                for (; k + 8 <= kn; k += 8)                                                    \
-                    _mm256_storeu_ps(xs[r] + k, _mm256_castsi256_ps(_mm256_slli_epi32(         \
-                        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xr + k))), 16))); \
+                for (; k + 8 <= kn; k += 8) _mm256_storeu_ps(xs[r] + k, widen_bf16_8(xr + k));  \
                 for (; k < kn; k++) xs[r][k] = bf16_to_f32(xr[k]);                             \
                 for (; k < 2 * dn; k++) xs[r][k] = 0.0f;                                       \
             }                                                                                  \
-            for (int64_t d = d0; d < d0 + dn; d++) {                                           \
-                if ((d & 1) == 0)                                                              \
+            for (int64_t k = 0; k < 2 * dn; k++) {                                             \
+                if ((k & 3) == 0)                                                              \
                     for (int64_t l = 0; l < pf_lines; l++, prefetch += 64) _mm_prefetch(prefetch, _MM_HINT_T1); \
-                const uint16_t *w = panel + d * 2 * PANEL_COLS;                                \
-                const float *xe = &xs[0][2 * (d - d0)];                                        \
-                UNROLLED for (int j = 0; j < 2; j++) {                                         \
-                    const __m256i wj = _mm256_loadu_si256((const __m256i *)(w + 16 * j));      \
-                    const __m256 even = even_bf16_8(wj), odd = odd_bf16_8(wj);                 \
-                    UNROLLED for (int r = 0; r < ROWS; r++) {                                  \
-                        const float *xr = xe + r * 2 * PANEL_WIDE_PAIRS;                       \
-                        acc[r][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xr + 1), odd,          \
-                                        _mm256_fmadd_ps(_mm256_broadcast_ss(xr), even, acc[r][j])); \
-                    }                                                                          \
+                const uint16_t *w = panel + (k0 + k) * PANEL_COLS;                             \
+                const __m256 w0 = widen_bf16_8(w), w1 = widen_bf16_8(w + 8);                   \
+                UNROLLED for (int r = 0; r < ROWS; r++) {                                      \
+                    const __m256 b = _mm256_broadcast_ss(&xs[r][k]);                           \
+                    acc[r][0] = _mm256_fmadd_ps(b, w0, acc[r][0]);                             \
+                    acc[r][1] = _mm256_fmadd_ps(b, w1, acc[r][1]);                             \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
