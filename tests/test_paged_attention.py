@@ -34,7 +34,7 @@ def _dense_reference(q, keys, values, sliding_window):
 
 @pytest.mark.parametrize("head_dim, block_size", [(8, 4), (64, 16), (128, 16)])
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["c-kernel", "pytorch"])
-@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2), (4, 1)])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2), (4, 1), (10, 2)])
 @pytest.mark.parametrize("sliding_window", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch_kind", ["mixed", "decode-only", "many-decodes", "long-prefills",

@@ -6,11 +6,10 @@
  * kv head) pair. A task walks the sequence's blocks through its block table and reads keys and
  * values in place (no gather copy): scores of every query head, a softmax, then the values, each
  * cache row read from memory once, which is what bounds a decode step. With AVX-512
- * (attend_avx512) keys and values go 16 tokens at a time, every query head of the task is served
- * from each tile's rows, and the rows of the chunk a thread runs next are requested while it
- * computes the current one; elsewhere a portable loop (attend_one) does the same work head by
- * head. fp32 and bf16 caches; bf16 is widened to fp32 for the
- * arithmetic.
+ * (attend_avx512) or AVX2 (attend_avx2) keys and values go 16 tokens at a time, every query head
+ * of the task is served from each tile's rows, and the rows of the chunk a thread runs next are
+ * requested while it computes the current one; elsewhere a portable loop (attend_one) does the
+ * same work head by head. fp32 and bf16 caches; bf16 is widened to fp32 for the arithmetic.
  *
  * Layouts (row-major): q and out (num_seqs, num_heads, head_dim); k_cache and v_cache
  * (num_blocks, block_size, num_kv_heads, head_dim); block_tables (num_seqs, max_blocks) int64;
@@ -98,7 +97,10 @@ static inline float dot_bf16(const void *q, int64_t q_index, const void *k_cache
  * bf16 1.01-1.03 -> 0.65-0.83 ms per call, fp32 1.90-2.11 -> 1.31-1.54; 16 x 1,024 bf16 1.24 ->
  * 0.79-0.85, fp32 2.19-2.49 -> 1.71-1.74; with nothing requested, 64 x 224 took as long as with
  * the L1 requests (bf16 1.03-1.14, fp32 1.9-2.0). On Zen 5 a T2 hint (the same as T1 on Zen 4)
- * measured as T0. Only for whole-sequence tasks, whose rows are read whole.
+ * measured as T0. Only for whole-sequence tasks, whose rows are read whole. On the Zen 3 (512 KiB
+ * of L2) the AVX2 path measured the same: the whole sequence ahead of 256 KiB, 64 KiB and nothing
+ * (64 x 224 keys bf16 1.8-2.2 ms against 1.8-2.2, 2.6-2.9 and 3.1-3.5; 16 x 1,024 fp32 4.1-4.9
+ * against 3.9-4.9, 4.0-4.8 and 5.3-5.7).
  */
 enum { NEXT_SEQUENCE_BYTES = 4096 * 1024 };
 
@@ -124,7 +126,7 @@ typedef struct {
 } next_sequence;
 
 static inline void request_next(next_sequence *next, int64_t lines) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(SLIPSTREAM_AVX2)
     const char *cursor = next->cursor, *end = next->end;
     lines = lines < next->remaining ? lines : next->remaining;
     next->remaining -= lines;  /* not in the loop: a store there would chain every iteration */
@@ -208,6 +210,17 @@ static inline __attribute__((always_inline)) void attend_one(
     }
 }
 
+#if defined(__AVX512F__) || defined(SLIPSTREAM_AVX2)
+/* Keys (values) per tile of the vector paths. */
+enum { TILE = 16 };
+
+static inline void prefetch_bytes(const void *base, int64_t index, int64_t bytes, int64_t elem_size) {
+    const char *start = (const char *)base + index * elem_size;
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(start + b, _MM_HINT_T0);
+}
+
+#endif
+
 #if defined(__AVX512F__)
 /*
  * The AVX-512 path, for head sizes that are a multiple of 16 (up to 256). It walks the keys (then
@@ -237,11 +250,6 @@ static inline __m512 sum_lanes_16(const __m512 v[16]) {
                                 _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(octs[0], octs[1], 0x88),
                          _mm512_shuffle_f32x4(octs[0], octs[1], 0xDD));
-}
-
-static inline void prefetch_bytes(const void *base, int64_t index, int64_t bytes, int64_t elem_size) {
-    const char *start = (const char *)base + index * elem_size;
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(start + b, _MM_HINT_T0);
 }
 
 /* q . k as 16 partial sums. bf16 with AVX512-BF16: vdpbf16ps on the unscaled bf16 query (the
@@ -285,8 +293,6 @@ static inline __attribute__((always_inline)) void accumulate_tile(
     for (int g = 0; g < count; g++)
         for (int64_t c = 0; c < vectors; c++) _mm512_storeu_ps(acc + g * head_dim + 16 * c, sums[g][c]);
 }
-
-enum { TILE = 16 };
 
 static inline __attribute__((always_inline)) void attend_avx512(
         const void *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
@@ -374,6 +380,139 @@ static inline __attribute__((always_inline)) void attend_avx512(
         memcpy(dst + 2, acc + h * head_dim, head_dim * sizeof(float));
     }
 }
+#elif defined(SLIPSTREAM_AVX2)
+/*
+ * The AVX2 path (Zen 1-3, Haswell to Alder Lake), for head sizes that are a multiple of 32: the
+ * AVX-512 path's walk (tiles of 16 keys, every query head of the task served from each tile's
+ * rows, the next tiles and the next sequence requested meanwhile) in 8-lane vectors. With 16
+ * vector registers the scaled query stays in L1, not in registers, and each pass over a tile's
+ * values accumulates 32 columns of up to 3 query heads (12 accumulators).
+ */
+
+/* 8 consecutive elements as fp32. */
+static inline __m256 load8(const void *base, int64_t index, int dtype) {
+    if (dtype == DTYPE_F32) return _mm256_loadu_ps((const float *)base + index);
+    return widen_bf16_8((const uint16_t *)base + index);
+}
+
+/* Lane i of the result = the sum of the 8 lanes of v[i]. */
+static inline __m256 sum_lanes_8x8(const __m256 v[8]) {
+    const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);  /* halves' sums */
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                         _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+enum { VALUE_HEADS = 3, VALUE_VECTORS = 4 };  /* per pass over a tile's values */
+
+/* acc[g][0:32] += sum over the tile's keys of probs[g][t] * value row t's columns [0, 32) (from
+ * kv_offset), for `count` query heads of one kv head (a constant at each call site). */
+static inline __attribute__((always_inline)) void accumulate_tile_8(
+        const void *v_cache, const int64_t *offsets, int64_t tile, int64_t kv_offset,
+        const float *probs, int64_t probs_stride, const int count, const int64_t head_dim,
+        int dtype, float *acc) {
+    __m256 sums[VALUE_HEADS][VALUE_VECTORS];
+    for (int g = 0; g < count; g++)
+        for (int c = 0; c < VALUE_VECTORS; c++) sums[g][c] = _mm256_loadu_ps(acc + g * head_dim + 8 * c);
+    for (int64_t t = 0; t < tile; t++) {
+        const int64_t index = offsets[t] + kv_offset;
+        for (int c = 0; c < VALUE_VECTORS; c++) {
+            const __m256 value = load8(v_cache, index + 8 * c, dtype);
+            for (int g = 0; g < count; g++)
+                sums[g][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(probs + g * probs_stride + t), value, sums[g][c]);
+        }
+    }
+    for (int g = 0; g < count; g++)
+        for (int c = 0; c < VALUE_VECTORS; c++) _mm256_storeu_ps(acc + g * head_dim + 8 * c, sums[g][c]);
+}
+
+static inline __attribute__((always_inline)) void attend_avx2(
+        const void *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
+        int64_t first, int64_t end, int64_t seq, int64_t kv_first, int64_t kv_count,
+        int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim, int64_t block_size,
+        float scale, int dtype, float *scratch, next_sequence *next, float *partial) {
+    const int64_t group = num_heads / num_kv_heads, heads = kv_count * group;
+    const int64_t num_keys = end - first;
+    const int64_t stride = (num_keys + TILE - 1) / TILE * TILE;
+    const int64_t vectors = head_dim / 8, elem_size = dtype == DTYPE_F32 ? 4 : 2;
+    const int64_t slice_bytes = kv_count * head_dim * elem_size;  /* the task's part of a row */
+    const int64_t head0 = seq * num_heads + kv_first * group;  /* the task's first query head */
+    const int64_t value_passes = kv_count * (vectors / VALUE_VECTORS) * ((group + VALUE_HEADS - 1) / VALUE_HEADS);
+    int64_t *offsets = (int64_t *)scratch;        /* stride: each key's slice, in elements */
+    float *scores = scratch + 2 * stride;          /* heads x stride */
+    float *acc = scores + heads * stride;          /* heads x head_dim */
+    for (int64_t t = 0; t < stride; t++) {  /* tails repeat the last key: valid addresses */
+        const int64_t pos = first + (t < num_keys ? t : num_keys - 1);
+        offsets[t] = ((block_table[pos / block_size] * block_size + pos % block_size) * num_kv_heads
+                      + kv_first) * head_dim;
+    }
+    float query[head_dim];
+    for (int64_t t0 = 0; t0 < num_keys; t0 += TILE) {
+        for (int64_t h = 0; h < heads; h++) {
+            request_next(next, (next->lines_per_tile + heads - 1) / heads);
+            const int64_t kv_offset = (h / group) * head_dim;
+            for (int64_t c = 0; c < vectors; c++)
+                _mm256_storeu_ps(query + 8 * c, _mm256_mul_ps(load8(q, (head0 + h) * head_dim + 8 * c, dtype),
+                                                              _mm256_set1_ps(scale)));
+            for (int64_t j0 = 0; j0 < TILE; j0 += 8) {
+                __m256 partial_dots[8];
+                for (int64_t j = 0; j < 8; j++) {
+                    const int64_t t = t0 + j0 + j;
+                    if (h == 0 && t + 2 * TILE < num_keys)
+                        prefetch_bytes(k_cache, offsets[t + 2 * TILE], slice_bytes, elem_size);
+                    __m256 dot = _mm256_setzero_ps();
+                    for (int64_t c = 0; c < vectors; c++)
+                        dot = _mm256_fmadd_ps(_mm256_loadu_ps(query + 8 * c),
+                                              load8(k_cache, offsets[t] + kv_offset + 8 * c, dtype), dot);
+                    partial_dots[j] = dot;
+                }
+                _mm256_storeu_ps(scores + h * stride + t0 + j0, sum_lanes_8x8(partial_dots));
+            }
+        }
+    }
+    float max_scores[heads], sums[heads];
+    for (int64_t h = 0; h < heads; h++) {
+        float *row = scores + h * stride, max_score = row[0], sum = 0.0f;
+        for (int64_t t = 1; t < num_keys; t++) max_score = row[t] > max_score ? row[t] : max_score;
+        max_scores[h] = max_score;
+        for (int64_t t = 0; t < num_keys; t++) {
+            row[t] = expf(row[t] - max_score);
+            sum += row[t];
+        }
+        sums[h] = sum;
+    }
+    for (int64_t i = 0; i < heads * head_dim; i++) acc[i] = 0.0f;
+    for (int64_t t0 = 0; t0 < num_keys; t0 += TILE) {
+        const int64_t tile = num_keys - t0 < TILE ? num_keys - t0 : TILE;
+        for (int64_t j = 0; j < tile && t0 + 2 * TILE + j < num_keys; j++)
+            prefetch_bytes(v_cache, offsets[t0 + 2 * TILE + j], slice_bytes, elem_size);
+        for (int64_t kv = 0; kv < kv_count; kv++)
+            for (int64_t c0 = 0; c0 < vectors; c0 += VALUE_VECTORS)
+                for (int64_t g0 = 0; g0 < group; g0 += VALUE_HEADS) {
+                    request_next(next, (next->lines_per_tile + value_passes - 1) / value_passes);
+                    const int count = group - g0 < VALUE_HEADS ? (int)(group - g0) : VALUE_HEADS;
+                    const int64_t h = kv * group + g0;
+                    const float *probs = scores + h * stride + t0;
+                    float *head_acc = acc + h * head_dim + 8 * c0;
+#define ACCUMULATE(COUNT) \
+    accumulate_tile_8(v_cache, offsets + t0, tile, kv * head_dim + 8 * c0, probs, stride, COUNT, head_dim, \
+                      dtype, head_acc)
+                    switch (count) {  /* a constant count per call keeps the accumulators in registers */
+                        case 1: ACCUMULATE(1); break;
+                        case 2: ACCUMULATE(2); break;
+                        default: ACCUMULATE(3); break;
+                    }
+#undef ACCUMULATE
+                }
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        float *dst = partial + h * (head_dim + 2);
+        dst[0] = max_scores[h];
+        dst[1] = sums[h];
+        memcpy(dst + 2, acc + h * head_dim, head_dim * sizeof(float));
+    }
+}
 #endif
 
 /* Attention of query heads [kv_first * G, (kv_first + kv_count) * G) of sequence `seq` over its
@@ -398,6 +537,8 @@ typedef void (*attend_fn)(const void *, const void *, const void *, const int64_
 DEFINE_ATTEND(attend_any, attend_one, head_dim, dtype)  /* variable-length arrays, any head size */
 #if defined(__AVX512F__)
 #define ATTEND_SPECIALISED attend_avx512
+#elif defined(SLIPSTREAM_AVX2)
+#define ATTEND_SPECIALISED attend_avx2
 #else
 #define ATTEND_SPECIALISED attend_one
 #endif

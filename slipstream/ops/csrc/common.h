@@ -81,6 +81,12 @@ static inline __m256 odd_bf16_8(__m256i pairs) {
     return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 
+/* 8 consecutive bf16 as fp32: exact, each widened to 32 bits and shifted into the high half. */
+static inline __m256 widen_bf16_8(const uint16_t *src) {
+    const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
+
 static inline float sum_lanes_8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -541,11 +541,6 @@ static const panel_kernel_bf16_fn panel_kernels_bf16[PANEL_ROWS + 1] = {
  * stack first, so that each broadcast is one load. */
 enum { PANEL_WIDE_PAIRS = 64 };
 
-static inline __m256 widen_bf16_8(const uint16_t *src) {
-    const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
-}
-
 #define PANEL_KERNEL_BF16(ROWS)                                                                \
     static void panel_kernel_bf16_##ROWS(const uint16_t *x, int64_t ldx, const uint16_t *panel,  \
                                          int64_t K, uint16_t *y, int64_t N, int64_t cols,       \
