@@ -160,18 +160,19 @@ class Calibration:
         """A readable table for the CLI."""
         paths = sorted({p for by_path in self.matmul_flops_per_s.values() for p in by_path})
         paths += sorted({k.split("/")[1] for k in self.matmul_errors} - set(paths))
+        width = max([10, *(len(p) + 2 for p in paths)])  # "onednn-fp32" needs more than 10
         lines = [
             f"{self.device_name} ({self.device}, {self.num_threads} threads, "
             f"torch {self.torch_version}{', quick' if self.quick else ''})",
-            f"{'matmul GFLOP/s':<16}" + "".join(f"{p:>10}" for p in paths) + f"{'best':>10}",
+            f"{'matmul GFLOP/s':<16}" + "".join(f"{p:>{width}}" for p in paths) + f"{'best':>{width}}",
         ]
         measured = self.matmul_flops_per_s.keys() | {k.split("/")[0] for k in self.matmul_errors}
         for dtype in (d for d in DTYPE_KEYS if d in measured):
             by_path = self.matmul_flops_per_s.get(dtype, {})
             cells = "".join(
-                f"{by_path[p] / 1e9:>10.1f}" if p in by_path else f"{'-':>10}" for p in paths
+                f"{by_path[p] / 1e9:>{width}.1f}" if p in by_path else f"{'-':>{width}}" for p in paths
             )
-            lines.append(f"  {dtype:<14}{cells}{self.best_paths.get(dtype, '-'):>10}")
+            lines.append(f"  {dtype:<14}{cells}{self.best_paths.get(dtype, '-'):>{width}}")
         lines += [
             f"memory read      {self.memory_read_bytes_per_s / 1e9:8.1f} GB/s"
             "  (memory_bandwidth: what decode needs)",
