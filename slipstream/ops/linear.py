@@ -16,6 +16,7 @@ panel-packed copy as its only one, or, without the C kernels, PyTorch's own prod
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -103,6 +104,7 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {held}"
 
 
+@functools.cache
 def onednn_multiplies(dtype: torch.dtype) -> bool:
     """Whether oneDNN's linear takes weights of `dtype` here: fp32 wherever PyTorch has oneDNN, bf16
     only where the CPU has AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, PyTorch's own test (on an AVX2

@@ -219,6 +219,48 @@ static inline void prefetch_bytes(const void *base, int64_t index, int64_t bytes
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(start + b, _MM_HINT_T0);
 }
 
+/* offsets[t], t < stride: the element offset of key first + t's row slice from kv head kv_first;
+ * tails past num_keys repeat the last key, so that every tile's addresses are valid. */
+static inline void key_offsets(int64_t *offsets, int64_t stride, int64_t first, int64_t num_keys,
+                               const int64_t *block_table, int64_t block_size, int64_t num_kv_heads,
+                               int64_t kv_first, int64_t head_dim) {
+    for (int64_t t = 0; t < stride; t++) {
+        const int64_t pos = first + (t < num_keys ? t : num_keys - 1);
+        offsets[t] = ((block_table[pos / block_size] * block_size + pos % block_size) * num_kv_heads
+                      + kv_first) * head_dim;
+    }
+}
+
+/* Each of `heads` score rows (stride apart, num_keys long) replaced by exp(score - its largest),
+ * the largest and the sum of the exponentials kept per row. The largest comes from one vectorised
+ * pass over the row, not from a horizontal maximum per tile (that reduction was ~7% of a call's
+ * instructions with AVX-512). */
+static inline void exponentiate_rows(float *scores, int64_t heads, int64_t stride, int64_t num_keys,
+                                     float *max_scores, float *sums) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *row = scores + h * stride, max_score = row[0], sum = 0.0f;
+        for (int64_t t = 1; t < num_keys; t++) max_score = row[t] > max_score ? row[t] : max_score;
+        max_scores[h] = max_score;
+        for (int64_t t = 0; t < num_keys; t++) {
+            row[t] = expf(row[t] - max_score);
+            sum += row[t];
+        }
+        sums[h] = sum;
+    }
+}
+
+/* The task's softmax parts, as attend_fn returns them: per head its largest score, its sum and
+ * its weighted values (acc, heads x head_dim). */
+static inline void store_partials(float *partial, const float *max_scores, const float *sums,
+                                  const float *acc, int64_t heads, int64_t head_dim) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *dst = partial + h * (head_dim + 2);
+        dst[0] = max_scores[h];
+        dst[1] = sums[h];
+        memcpy(dst + 2, acc + h * head_dim, head_dim * sizeof(float));
+    }
+}
+
 #endif
 
 #if defined(__AVX512F__)
@@ -309,11 +351,7 @@ static inline __attribute__((always_inline)) void attend_avx512(
     int64_t *offsets = (int64_t *)scratch;        /* stride: each key's slice, in elements */
     float *scores = scratch + 2 * stride;          /* heads x stride */
     float *acc = scores + heads * stride;          /* heads x head_dim */
-    for (int64_t t = 0; t < stride; t++) {  /* tails repeat the last key: valid addresses */
-        const int64_t pos = first + (t < num_keys ? t : num_keys - 1);
-        offsets[t] = ((block_table[pos / block_size] * block_size + pos % block_size) * num_kv_heads
-                      + kv_first) * head_dim;
-    }
+    key_offsets(offsets, stride, first, num_keys, block_table, block_size, num_kv_heads, kv_first, head_dim);
     for (int64_t t0 = 0; t0 < num_keys; t0 += TILE) {
         for (int64_t h = 0; h < heads; h++) {
             request_next(next, (next->lines_per_tile + heads - 1) / heads);
@@ -336,19 +374,8 @@ static inline __attribute__((always_inline)) void attend_avx512(
             _mm512_storeu_ps(scores + h * stride + t0, tile_scores);
         }
     }
-    /* Each head's largest score in one vectorised pass over its row, not a horizontal maximum per
-     * tile (that reduction was ~7% of a call's instructions). */
     float max_scores[heads], sums[heads];
-    for (int64_t h = 0; h < heads; h++) {
-        float *row = scores + h * stride, max_score = row[0], sum = 0.0f;
-        for (int64_t t = 1; t < num_keys; t++) max_score = row[t] > max_score ? row[t] : max_score;
-        max_scores[h] = max_score;
-        for (int64_t t = 0; t < num_keys; t++) {
-            row[t] = expf(row[t] - max_score);
-            sum += row[t];
-        }
-        sums[h] = sum;
-    }
+    exponentiate_rows(scores, heads, stride, num_keys, max_scores, sums);
     for (int64_t i = 0; i < heads * head_dim; i++) acc[i] = 0.0f;
     for (int64_t t0 = 0; t0 < num_keys; t0 += TILE) {
         const int64_t tile = num_keys - t0 < TILE ? num_keys - t0 : TILE;
@@ -373,12 +400,7 @@ static inline __attribute__((always_inline)) void attend_avx512(
 #undef ACCUMULATE
             }
     }
-    for (int64_t h = 0; h < heads; h++) {
-        float *dst = partial + h * (head_dim + 2);
-        dst[0] = max_scores[h];
-        dst[1] = sums[h];
-        memcpy(dst + 2, acc + h * head_dim, head_dim * sizeof(float));
-    }
+    store_partials(partial, max_scores, sums, acc, heads, head_dim);
 }
 #elif defined(SLIPSTREAM_AVX2)
 /*
@@ -420,7 +442,8 @@ static inline __attribute__((always_inline)) void accumulate_tile_8(
         for (int c = 0; c < VALUE_VECTORS; c++) {
             const __m256 value = load8(v_cache, index + 8 * c, dtype);
             for (int g = 0; g < count; g++)
-                sums[g][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(probs + g * probs_stride + t), value, sums[g][c]);
+                sums[g][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(probs + g * probs_stride + t), value,
+                                             sums[g][c]);
         }
     }
     for (int g = 0; g < count; g++)
@@ -438,15 +461,12 @@ static inline __attribute__((always_inline)) void attend_avx2(
     const int64_t vectors = head_dim / 8, elem_size = dtype == DTYPE_F32 ? 4 : 2;
     const int64_t slice_bytes = kv_count * head_dim * elem_size;  /* the task's part of a row */
     const int64_t head0 = seq * num_heads + kv_first * group;  /* the task's first query head */
-    const int64_t value_passes = kv_count * (vectors / VALUE_VECTORS) * ((group + VALUE_HEADS - 1) / VALUE_HEADS);
+    const int64_t value_passes =  /* request_next calls per value tile */
+        kv_count * (vectors / VALUE_VECTORS) * ((group + VALUE_HEADS - 1) / VALUE_HEADS);
     int64_t *offsets = (int64_t *)scratch;        /* stride: each key's slice, in elements */
     float *scores = scratch + 2 * stride;          /* heads x stride */
     float *acc = scores + heads * stride;          /* heads x head_dim */
-    for (int64_t t = 0; t < stride; t++) {  /* tails repeat the last key: valid addresses */
-        const int64_t pos = first + (t < num_keys ? t : num_keys - 1);
-        offsets[t] = ((block_table[pos / block_size] * block_size + pos % block_size) * num_kv_heads
-                      + kv_first) * head_dim;
-    }
+    key_offsets(offsets, stride, first, num_keys, block_table, block_size, num_kv_heads, kv_first, head_dim);
     float query[head_dim];
     for (int64_t t0 = 0; t0 < num_keys; t0 += TILE) {
         for (int64_t h = 0; h < heads; h++) {
@@ -472,16 +492,7 @@ static inline __attribute__((always_inline)) void attend_avx2(
         }
     }
     float max_scores[heads], sums[heads];
-    for (int64_t h = 0; h < heads; h++) {
-        float *row = scores + h * stride, max_score = row[0], sum = 0.0f;
-        for (int64_t t = 1; t < num_keys; t++) max_score = row[t] > max_score ? row[t] : max_score;
-        max_scores[h] = max_score;
-        for (int64_t t = 0; t < num_keys; t++) {
-            row[t] = expf(row[t] - max_score);
-            sum += row[t];
-        }
-        sums[h] = sum;
-    }
+    exponentiate_rows(scores, heads, stride, num_keys, max_scores, sums);
     for (int64_t i = 0; i < heads * head_dim; i++) acc[i] = 0.0f;
     for (int64_t t0 = 0; t0 < num_keys; t0 += TILE) {
         const int64_t tile = num_keys - t0 < TILE ? num_keys - t0 : TILE;
@@ -506,12 +517,7 @@ static inline __attribute__((always_inline)) void attend_avx2(
 #undef ACCUMULATE
                 }
     }
-    for (int64_t h = 0; h < heads; h++) {
-        float *dst = partial + h * (head_dim + 2);
-        dst[0] = max_scores[h];
-        dst[1] = sums[h];
-        memcpy(dst + 2, acc + h * head_dim, head_dim * sizeof(float));
-    }
+    store_partials(partial, max_scores, sums, acc, heads, head_dim);
 }
 #endif
 
