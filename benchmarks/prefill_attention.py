@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
     args = parser.parse_args()
     if not cpu_kernels.supports_prefill_attention(torch.empty(1, 1, 64)):
-        raise SystemExit("no prefill attention kernel on this CPU (it needs AVX-512)")
+        raise SystemExit("no prefill attention kernel on this CPU (it needs AVX-512, or AVX2 and FMA)")
     dtypes = [torch.float32, torch.bfloat16] if args.dtype == "both" else [getattr(torch, args.dtype)]
     results = [r for dtype in dtypes for r in measure(dtype, args.lengths, args.repeats)]
     speedups = [r["speedup"] for r in results]

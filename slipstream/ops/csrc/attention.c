@@ -755,7 +755,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
 
 /*
  * Paged attention for prefill chunks (many new query tokens per sequence), on the CPU with
- * AVX-512: FlashAttention's tiling (Dao et al. 2022, arXiv 2205.14135, Algorithm 1) over the paged
+ * AVX-512 or AVX2: FlashAttention's tiling (Dao et al. 2022, arXiv 2205.14135, Algorithm 1) over the paged
  * cache. A task is one (chunk, kv head, block of PREFILL_QUERIES query positions); its rows are
  * those positions times the query heads that share the kv head (GQA without copying keys), so a
  * tile of keys and values, read from the cache once, serves all of them. Per tile of
@@ -774,7 +774,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
 enum { PREFILL_QUERIES = 64, PREFILL_KEYS = 64 };
 
 int has_prefill_attention(int64_t head_dim) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(SLIPSTREAM_AVX2)
     return head_dim == 64 || head_dim == 128;
 #else
     (void)head_dim;
@@ -837,6 +837,23 @@ static const value_kernel_fn value_kernels_4[7] = {
     value_kernel_6_4};
 static const value_kernel_fn value_kernels_8[4] = {
     NULL, value_kernel_1_8, value_kernel_2_8, value_kernel_3_8};
+
+/* A tile's two fp32 products for `rows` task rows: s = q kt (q rows D apart, s rows PREFILL_KEYS
+ * apart) and o += s[:, 0:n] v (v and o rows D apart). */
+static void score_products(const float *q, const float *kt, float *s, int64_t rows, int64_t D) {
+    for (int64_t r = 0; r < rows; r += 5) {
+        const int64_t m = rows - r < 5 ? rows - r : 5;
+        score_kernels[m](q + r * D, kt, s + r * PREFILL_KEYS, D);
+    }
+}
+
+static void value_products(const float *s, const float *v, float *o, int64_t rows, int64_t n, int64_t D) {
+    const int64_t step = D == 64 ? 6 : 3;
+    for (int64_t r = 0; r < rows; r += step) {
+        const int64_t m = rows - r < step ? rows - r : step;
+        (D == 64 ? value_kernels_4 : value_kernels_8)[m](s + r * PREFILL_KEYS, v, o + r * D, n);
+    }
+}
 
 #if defined(__AVX512BF16__)
 /* bf16 through vdpbf16ps, pairs of bf16 in each 32-bit word. Scores: s[r][0:64] = scale * q[r] .
@@ -902,7 +919,57 @@ static const value_kernel_bf16_fn value_kernels_bf16_4[7] = {
 static const value_kernel_bf16_fn value_kernels_bf16_8[3] = {
     NULL, value_kernel_bf16_1_8, value_kernel_bf16_2_8};
 #endif
+#elif defined(SLIPSTREAM_AVX2)
+/* With AVX2 one micro-kernel serves both products: c[r][0:16] (+)= sum over t < k of a[r][t] *
+ * b[t][0:16] for ROWS rows (rows of a, b and c lda, ldb and ldc apart), a 6 x 16 block of c in
+ * 12 of the 16 vector registers, the shape of the panel kernel in cpu_ops.c. The row and column
+ * loops are unrolled by pragma so that the block stays in registers. */
+#define TILE_KERNEL(ROWS)                                                                       \
+    static void tile_kernel_##ROWS(const float *a, int64_t lda, const float *b, int64_t ldb,   \
+                                   int64_t k, float *c, int64_t ldc, int accumulate) {         \
+        __m256 acc[ROWS][2];                                                                   \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++)                                 \
+            _Pragma("GCC unroll 2") for (int j = 0; j < 2; j++)                                \
+                acc[r][j] = accumulate ? _mm256_loadu_ps(c + r * ldc + 8 * j) : _mm256_setzero_ps(); \
+        for (int64_t t = 0; t < k; t++) {                                                      \
+            const __m256 b0 = _mm256_loadu_ps(b + t * ldb), b1 = _mm256_loadu_ps(b + t * ldb + 8); \
+            _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++) {                           \
+                const __m256 x = _mm256_broadcast_ss(a + r * lda + t);                         \
+                acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);                                 \
+                acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);                                 \
+            }                                                                                  \
+        }                                                                                      \
+        _Pragma("GCC unroll 8") for (int r = 0; r < ROWS; r++)                                 \
+            _Pragma("GCC unroll 2") for (int j = 0; j < 2; j++)                                \
+                _mm256_storeu_ps(c + r * ldc + 8 * j, acc[r][j]);                              \
+    }
+TILE_KERNEL(1) TILE_KERNEL(2) TILE_KERNEL(3) TILE_KERNEL(4) TILE_KERNEL(5) TILE_KERNEL(6)
+#undef TILE_KERNEL
+typedef void (*tile_kernel_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t, int);
+static const tile_kernel_fn tile_kernels[7] = {
+    NULL, tile_kernel_1, tile_kernel_2, tile_kernel_3, tile_kernel_4, tile_kernel_5, tile_kernel_6};
+enum { TILE_ROWS = 6, TILE_COLS = 16 };
 
+/* score_products and value_products as with AVX-512: the scores of 6 rows in blocks of 16 keys
+ * (q . kt over D), their values' product in blocks of 16 columns (s . v over the tile's n keys). */
+static void score_products(const float *q, const float *kt, float *s, int64_t rows, int64_t D) {
+    for (int64_t r = 0; r < rows; r += TILE_ROWS) {
+        const int64_t m = rows - r < TILE_ROWS ? rows - r : TILE_ROWS;
+        for (int64_t j = 0; j < PREFILL_KEYS; j += TILE_COLS)
+            tile_kernels[m](q + r * D, D, kt + j, PREFILL_KEYS, D, s + r * PREFILL_KEYS + j, PREFILL_KEYS, 0);
+    }
+}
+
+static void value_products(const float *s, const float *v, float *o, int64_t rows, int64_t n, int64_t D) {
+    for (int64_t r = 0; r < rows; r += TILE_ROWS) {
+        const int64_t m = rows - r < TILE_ROWS ? rows - r : TILE_ROWS;
+        for (int64_t c = 0; c < D; c += TILE_COLS)
+            tile_kernels[m](s + r * PREFILL_KEYS, PREFILL_KEYS, v + c, D, n, o + r * D + c, D, 1);
+    }
+}
+#endif
+
+#if defined(__AVX512F__) || defined(SLIPSTREAM_AVX2)
 /* Row t of a cache (num_blocks, block_size, num_kv_heads, D) for kv head g, through a block table. */
 static inline const char *cache_row(const void *cache, const int64_t *block_table, int64_t t,
                                     int64_t block_size, int64_t num_kv_heads, int64_t g, int64_t D,
@@ -1093,16 +1160,9 @@ static void prefill_task(const void *q, const void *k_cache, const void *v_cache
         }
 #endif
         pack_tile_f32(k_cache, v_cache, block_table, j0, n, g, num_kv_heads, D, block_size, dtype, w);
-        for (int64_t r = 0; r < rows; r += 5) {
-            const int64_t m = rows - r < 5 ? rows - r : 5;
-            score_kernels[m](w.q + r * D, w.kt, w.s + r * PREFILL_KEYS, D);
-        }
+        score_products(w.q, w.kt, w.s, rows, D);
         softmax_tile(w, rows, group, p0, j0, n, window, D);
-        const int64_t step = D == 64 ? 6 : 3;
-        for (int64_t r = 0; r < rows; r += step) {
-            const int64_t m = rows - r < step ? rows - r : step;
-            (D == 64 ? value_kernels_4 : value_kernels_8)[m](w.s + r * PREFILL_KEYS, w.v, w.o + r * D, n);
-        }
+        value_products(w.s, w.v, w.o, rows, n, D);
     }
     for (int64_t i = 0; i < count; i++)
         for (int64_t h = 0; h < group; h++) {
@@ -1124,7 +1184,7 @@ int paged_prefill_attention(const void *q, const void *k_cache, const void *v_ca
                             const int64_t *block_tables, int64_t num_chunks, int64_t max_blocks,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             int64_t block_size, int64_t window, float scale, int dtype, int num_threads) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(SLIPSTREAM_AVX2)
     if (!has_prefill_attention(head_dim) || num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
     for (int64_t c = 0; c < num_chunks; c++)
         if (chunk_lens[c] < 1 || chunk_lens[c] > seq_lens[c]) return 2;
