@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #endif
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -104,6 +105,80 @@ static inline __m128i round_to_bf16_8(__m256 v) {
 }
 #endif
 
+/*
+ * Work stealing among the threads of a parallel region, for the panel products (cpu_ops.c) and
+ * decode attention (attention.c). Each thread starts on its share [begin, end) of a loop's tasks,
+ * in memory order, so that it can request its next task's data while computing the current one;
+ * a thread whose share is done takes tasks from the back of the others' (without requests: its
+ * next task is not the next in memory). Even shares of even work did not finish together: the
+ * VM's two cores ran at different speeds from moment to moment, and over the bench model's 48
+ * fp32 weights at 64 rows the faster thread's wait at the end of each product took ~9% of the
+ * products' samples (perf, in libgomp).
+ *
+ * A share's state is one word, so that a compare-and-swap moves either end: the loop's number
+ * (16 bits, counted by each thread: every thread of a team runs the same loops in the same
+ * order), the share's back and its front (24 bits each: a loop has fewer than 2^24 tasks). A
+ * thread steals only from a share of the same loop: one not yet opened, or already a later
+ * loop's, is skipped. A loop opened this way has no barrier at its end.
+ */
+typedef struct {
+    _Alignas(64) _Atomic uint64_t word;
+} task_share;
+
+typedef struct {
+    task_share *shares;  /* one per thread of the team, shared by the team */
+    uint32_t loop;       /* this thread's count of the loops it has opened */
+} task_team;
+
+enum { SHARE_BITS = 24 };
+#define SHARE_MASK ((UINT64_C(1) << SHARE_BITS) - 1)
+
+/* A team over `shares` (one per thread, each word zero before the parallel region starts). */
+static inline task_team team_of(task_share *shares) {
+    return (task_team){.shares = shares, .loop = 0};
+}
+
+static inline uint64_t share_word(uint32_t loop, int64_t front, int64_t back) {
+    return (uint64_t)(loop & 0xFFFF) << (2 * SHARE_BITS) | (uint64_t)back << SHARE_BITS | (uint64_t)front;
+}
+
+/* Publishes this thread's share [begin, end) of the team's next loop. */
+static inline void open_share(task_team *team, int64_t begin, int64_t end) {
+    team->loop = (team->loop + 1) & 0xFFFF;
+    atomic_store(&team->shares[omp_get_thread_num()].word, share_word(team->loop, begin, end));
+}
+
+/* Takes the front (from_back 0) or the back task of `thread`'s share of this loop into *task; 0
+ * when it is empty or not this loop's. */
+static inline int take_task(task_team *team, int thread, int from_back, int64_t *task) {
+    _Atomic uint64_t *word = &team->shares[thread].word;
+    uint64_t seen = atomic_load(word);
+    for (;;) {
+        const int64_t front = (int64_t)(seen & SHARE_MASK), back = (int64_t)(seen >> SHARE_BITS & SHARE_MASK);
+        if (seen >> (2 * SHARE_BITS) != team->loop || front >= back) return 0;
+        const uint64_t next = from_back ? share_word(team->loop, front, back - 1)
+                                        : share_word(team->loop, front + 1, back);
+        if (atomic_compare_exchange_weak(word, &seen, next)) {
+            *task = from_back ? back - 1 : front;
+            return 1;
+        }
+    }
+}
+
+/* This thread's next task of the loop: its own share's front, else another's back (*stolen set);
+ * 0 when none is left. *victim: the share being taken from, this thread's own at first. */
+static inline int next_task(task_team *team, int *victim, int *stolen, int64_t *task) {
+    const int me = omp_get_thread_num(), threads = omp_get_num_threads();
+    for (;;) {
+        if (take_task(team, *victim, *victim != me, task)) {
+            *stolen = *victim != me;
+            return 1;
+        }
+        *victim = (*victim + 1) % threads;
+        if (*victim == me) return 0;
+    }
+}
+
 /* attention.c: the decode attention of a batch, shared among the threads of the enclosing
  * parallel region (see attention_tasks), and the per-thread scratch it needs. */
 int64_t max_seq_len(const int64_t *seq_lens, int64_t num_seqs);
@@ -120,7 +195,7 @@ typedef struct {
 int plan_decode_split(const int64_t *seq_lens, int64_t num_seqs, int64_t window, int64_t num_heads,
                       int64_t head_dim, decode_split *split);
 void free_decode_split(decode_split *split);
-void attention_tasks(const void *q, const void *k_cache, const void *v_cache, void *out,
+void attention_tasks(task_team *team, const void *q, const void *k_cache, const void *v_cache, void *out,
                      const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
                      int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                      int64_t block_size, int64_t window, float scale, int dtype, int num_threads,

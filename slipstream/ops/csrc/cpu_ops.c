@@ -6,8 +6,6 @@
  */
 #include "common.h"
 
-#include <stdatomic.h>
-
 
 /*
  * Matrix-vector products for a few rows: y (M, N) = x (M, K) W^T (+ bias), W row-major (N, K) as
@@ -283,35 +281,6 @@ void pack_panels(const void *W, void *panels, int64_t N, int64_t K, int dtype, i
             }
 }
 
-/*
- * Work stealing among the threads of a product. Each thread starts on its share [begin, end) of
- * the tasks, in memory order, so that it can request its next panel while computing the current
- * one; a thread whose share is done takes tasks from the back of the others' (without requests:
- * its next task is not the next in memory). Even shares of even work did not finish together:
- * the VM's two cores ran at different speeds from moment to moment, and over the bench model's
- * 48 fp32 weights at 64 rows the faster thread's wait at the end of each product took ~9% of the
- * products' samples (perf, in libgomp). With stealing, those weights alternating with the even
- * shares over 31 rounds (Zen 3): 1.12x at 64 rows and 1.08x at 16 (per-round ratios' medians).
- *
- * A share's state is one word, so that a compare-and-swap moves either end: the product's
- * number (16 bits, counted by each thread: every thread of a team runs the same products in the
- * same order), its back and its front (24 bits each; a product has fewer than 2^24 tasks, as N
- * is below 2^27). A thread steals only from a share of the same product: one not yet opened, or
- * already a later product's, is skipped.
- */
-typedef struct {
-    _Alignas(64) _Atomic uint64_t word;
-} panel_share;
-
-typedef struct {
-    panel_share *shares;  /* one per thread of the team, shared by the team */
-    uint32_t product;     /* this thread's count of the products it has opened */
-} panel_team;
-
-static panel_team team_of(panel_share *shares) {
-    return (panel_team){.shares = shares, .product = 0};
-}
-
 #if defined(HAS_PANEL_KERNEL)
 /* This thread's pieces of an (M, N) product: whole panels, and the rows split too when there are
  * too few panels to keep every thread busy. Task t is panel t / row_groups and row group
@@ -333,50 +302,6 @@ static panel_schedule thread_panel_schedule(int64_t M, int64_t N) {
     const int64_t tasks = num_panels * row_groups;
     return (panel_schedule){.blocks = blocks, .row_groups = row_groups,
                             .begin = tasks * thread / threads, .end = tasks * (thread + 1) / threads};
-}
-
-enum { SHARE_BITS = 24 };
-#define SHARE_MASK ((UINT64_C(1) << SHARE_BITS) - 1)
-
-static inline uint64_t share_word(uint32_t product, int64_t front, int64_t back) {
-    return (uint64_t)(product & 0xFFFF) << (2 * SHARE_BITS) | (uint64_t)back << SHARE_BITS | (uint64_t)front;
-}
-
-/* Publishes this thread's share [begin, end) of the team's next product. */
-static void open_share(panel_team *team, int64_t begin, int64_t end) {
-    team->product = (team->product + 1) & 0xFFFF;
-    atomic_store(&team->shares[omp_get_thread_num()].word, share_word(team->product, begin, end));
-}
-
-/* Takes the front (from_back 0) or the back task of `thread`'s share of this product into *task;
- * 0 when it is empty or not this product's. */
-static int take_task(panel_team *team, int thread, int from_back, int64_t *task) {
-    _Atomic uint64_t *word = &team->shares[thread].word;
-    uint64_t seen = atomic_load(word);
-    for (;;) {
-        const int64_t front = (int64_t)(seen & SHARE_MASK), back = (int64_t)(seen >> SHARE_BITS & SHARE_MASK);
-        if (seen >> (2 * SHARE_BITS) != team->product || front >= back) return 0;
-        const uint64_t next = from_back ? share_word(team->product, front, back - 1)
-                                        : share_word(team->product, front + 1, back);
-        if (atomic_compare_exchange_weak(word, &seen, next)) {
-            *task = from_back ? back - 1 : front;
-            return 1;
-        }
-    }
-}
-
-/* This thread's next task of the product: its own share's front, else another's back (*stolen
- * set); 0 when none is left. *victim: the share being taken from, this thread's own at first. */
-static int next_task(panel_team *team, int *victim, int *stolen, int64_t *task) {
-    const int me = omp_get_thread_num(), threads = omp_get_num_threads();
-    for (;;) {
-        if (take_task(team, *victim, *victim != me, task)) {
-            *stolen = *victim != me;
-            return 1;
-        }
-        *victim = (*victim + 1) % threads;
-        if (*victim == me) return 0;
-    }
 }
 
 /* The first row of block b of `blocks`: M rows in blocks of as even sizes as PANEL_ROWS allows
@@ -520,8 +445,11 @@ static const panel_kernel_fn panel_kernels[PANEL_ROWS + 1] = {
     NULL, panel_kernel_1, panel_kernel_2, panel_kernel_3, panel_kernel_4, panel_kernel_5, panel_kernel_6};
 #endif
 
-/* This thread's part of the product, inside a parallel region (no barrier at the end). */
-static void panel_tasks_f32(panel_team *team, const float *x, const float *panels, const float *bias, float *y,
+/* This thread's part of the product, inside a parallel region (no barrier at the end): tasks
+ * from its share, then stolen from others' (common.h). Stealing, with the bench model's weights
+ * alternating with even static shares over 31 rounds (Zen 3, per-round ratios' medians): fp32
+ * 1.09x at 64 and 256 rows, bf16 1.06x at 64, 1.07x at 256 and 1.13x at 2,048; even at 16 rows. */
+static void panel_tasks_f32(task_team *team, const float *x, const float *panels, const float *bias, float *y,
                             int64_t M, int64_t N, int64_t K) {
     const panel_schedule schedule = thread_panel_schedule(M, N);
     open_share(team, schedule.begin, schedule.end);
@@ -720,7 +648,7 @@ static const panel_kernel_bf16_fn panel_kernels_bf16[PANEL_ROWS + 1] = {
 
 #if defined(HAS_PANEL_KERNEL)
 
-static void panel_tasks_bf16(panel_team *team, const uint16_t *x, const uint16_t *panels, const uint16_t *bias,
+static void panel_tasks_bf16(task_team *team, const uint16_t *x, const uint16_t *panels, const uint16_t *bias,
                              uint16_t *y, int64_t M, int64_t N, int64_t K) {
     const panel_schedule schedule = thread_panel_schedule(M, N);
     const int64_t pairs = (K + 1) / 2, panel_elems = 2 * pairs * PANEL_COLS;
@@ -756,7 +684,7 @@ enum { PANEL_BAND_ROWS = 64, PANEL_BANDS_FROM_ROWS = 1024 };
 
 /* This thread's part of y = x W^T + b through the panels, inside a parallel region (no barrier
  * at the end); the caller has checked has_panel_gemm(dtype). */
-static void panel_tasks(panel_team *team, const void *x, const void *panels, const void *bias, void *y,
+static void panel_tasks(task_team *team, const void *x, const void *panels, const void *bias, void *y,
                         int64_t M, int64_t N, int64_t K, int dtype) {
     const int64_t band = M >= PANEL_BANDS_FROM_ROWS ? PANEL_BAND_ROWS : M;
     for (int64_t m0 = 0; m0 < M; m0 += band) {
@@ -765,8 +693,8 @@ static void panel_tasks(panel_team *team, const void *x, const void *panels, con
         if (dtype == DTYPE_F32)
             panel_tasks_f32(team, (const float *)x + m0 * K, panels, bias, (float *)y + m0 * N, rows, N, K);
         else
-            panel_tasks_bf16(team, (const uint16_t *)x + m0 * K, panels, bias, (uint16_t *)y + m0 * N, rows, N,
-                             K);
+            panel_tasks_bf16(team, (const uint16_t *)x + m0 * K, panels, bias, (uint16_t *)y + m0 * N, rows,
+                             N, K);
 #endif
         (void)rows;
     }
@@ -777,11 +705,11 @@ static void panel_tasks(panel_team *team, const void *x, const void *panels, con
 int panel_gemm(const void *x, const void *panels, const void *bias, void *y, int64_t M, int64_t N,
                int64_t K, int dtype, int num_threads) {
     if (!has_panel_gemm(dtype)) return 2;
-    panel_share shares[num_threads];
+    task_share shares[num_threads];
     for (int t = 0; t < num_threads; t++) atomic_init(&shares[t].word, 0);
 #pragma omp parallel num_threads(num_threads)
     {
-        panel_team team = team_of(shares);
+        task_team team = team_of(shares);
         panel_tasks(&team, x, panels, bias, y, M, N, K, dtype);
     }
     return 0;
@@ -1051,7 +979,7 @@ int64_t decode_workspace_bytes(const decode_shape *shape, int64_t num_seqs) {
  * with y complete: the matrix-vector kernel over the row-major weight below min_panel_rows(dtype)
  * rows (up to MAX_GEMV_ROWS where the weight has no panels), else the panel kernel into `product` (M x N) and
  * then the residual sum by rows. */
-static void decode_linear(panel_team *team, const void *rows, const void *panels, const void *bias,
+static void decode_linear(task_team *team, const void *rows, const void *panels, const void *bias,
                           const void *residual, const void *x, void *y, void *product, int64_t M, int64_t N,
                           int64_t K, int dtype) {
     if ((panels == NULL && M <= MAX_GEMV_ROWS) || M < min_panel_rows(dtype)) {
@@ -1106,12 +1034,12 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
     decode_split split;
     if (plan_decode_split(seq_lens, M, shape->window, H, D, &split) != 0) return 1;
     int failed = 0;
-    panel_share shares[num_threads];
+    task_share shares[num_threads];
     for (int t = 0; t < num_threads; t++) atomic_init(&shares[t].word, 0);
 #pragma omp parallel num_threads(num_threads)
     {
         float *scratch = thread_scratch(scratch_floats, &failed);
-        panel_team team = team_of(shares);
+        task_team team = team_of(shares);
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
             memcpy(x + m * E * elem, (const char *)model->embedding + token_ids[m] * E * elem, E * elem);
@@ -1121,8 +1049,8 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
             for (int64_t m = 0; m < M; m++)
                 rms_norm_row(x + m * E * elem, layer->input_norm, normed + m * E * elem, E, shape->eps,
                              dtype);
-            decode_linear(&team, layer->qkv_weight, layer->qkv_panels, layer->qkv_bias, NULL, normed, qkv, product,
-                          M, qkv_size, E, dtype);
+            decode_linear(&team, layer->qkv_weight, layer->qkv_panels, layer->qkv_bias, NULL, normed, qkv,
+                          product, M, qkv_size, E, dtype);
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) {
                 char *q_row = qkv + m * qkv_size * elem, *k_row = q_row + q_size * elem;
@@ -1141,21 +1069,21 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
                 memcpy((char *)layer->k_cache + slots[m] * kv_size * elem, k_row, kv_size * elem);
                 memcpy((char *)layer->v_cache + slots[m] * kv_size * elem, v_row, kv_size * elem);
             }
-            attention_tasks(q, layer->k_cache, layer->v_cache, attn, block_tables, seq_lens, M, max_blocks,
-                            H, KV, D, shape->block_size, shape->window, shape->scale, dtype, num_threads,
-                            scratch, split.chunk_start, split.partials);
-            decode_linear(&team, layer->o_weight, layer->o_panels, layer->o_bias, x, attn, x, product, M, E, q_size,
-                          dtype);
+            attention_tasks(&team, q, layer->k_cache, layer->v_cache, attn, block_tables, seq_lens, M,
+                            max_blocks, H, KV, D, shape->block_size, shape->window, shape->scale, dtype,
+                            num_threads, scratch, split.chunk_start, split.partials);
+            decode_linear(&team, layer->o_weight, layer->o_panels, layer->o_bias, x, attn, x, product, M, E,
+                          q_size, dtype);
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++)
                 rms_norm_row(x + m * E * elem, layer->post_norm, normed + m * E * elem, E, shape->eps, dtype);
-            decode_linear(&team, layer->gate_up_weight, layer->gate_up_panels, layer->gate_up_bias, NULL, normed,
-                          gate_up, product, M, 2 * F, E, dtype);
+            decode_linear(&team, layer->gate_up_weight, layer->gate_up_panels, layer->gate_up_bias, NULL,
+                          normed, gate_up, product, M, 2 * F, E, dtype);
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++)
                 silu_and_mul_row(gate_up + m * 2 * F * elem, act + m * F * elem, F, dtype);
-            decode_linear(&team, layer->down_weight, layer->down_panels, layer->down_bias, x, act, x, product, M, E,
-                          F, dtype);
+            decode_linear(&team, layer->down_weight, layer->down_panels, layer->down_bias, x, act, x, product,
+                          M, E, F, dtype);
         }
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
