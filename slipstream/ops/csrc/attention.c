@@ -688,9 +688,9 @@ void attention_tasks(task_team *team, const void *q, const void *k_cache, const 
     const int me = omp_get_thread_num(), threads = omp_get_num_threads();
     const int64_t share_end = tasks * (me + 1) / threads;
     open_share(team, tasks * me / threads, share_end);
-    int victim = me, stolen = 0;
+    int stolen = 0;
     int64_t task;
-    while (next_task(team, &victim, &stolen, &task)) {
+    while (next_task(team, &stolen, &task)) {
         const int64_t chunk = task / tasks_per_chunk, following = chunk + 1;
         const int64_t seq = chunk_sequence(chunk_start, num_seqs, chunk);
         int64_t first, end;
@@ -752,7 +752,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     if (plan_decode_split(seq_lens, num_seqs, window, num_heads, head_dim, &split) != 0) return 1;
     int failed = 0;
     task_share shares[num_threads];
-    for (int t = 0; t < num_threads; t++) atomic_init(&shares[t].word, 0);
+    clear_shares(shares, num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
         float *scratch = thread_scratch(scratch_floats, &failed);
@@ -768,10 +768,10 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
 
 /*
  * Paged attention for prefill chunks (many new query tokens per sequence), on the CPU with
- * AVX-512 or AVX2: FlashAttention's tiling (Dao et al. 2022, arXiv 2205.14135, Algorithm 1) over the paged
- * cache. A task is one (chunk, kv head, block of PREFILL_QUERIES query positions); its rows are
- * those positions times the query heads that share the kv head (GQA without copying keys), so a
- * tile of keys and values, read from the cache once, serves all of them. Per tile of
+ * AVX-512 or AVX2: FlashAttention's tiling (Dao et al. 2022, arXiv 2205.14135, Algorithm 1) over
+ * the paged cache. A task is one (chunk, kv head, block of PREFILL_QUERIES query positions); its
+ * rows are those positions times the query heads that share the kv head (GQA without copying
+ * keys), so a tile of keys and values, read from the cache once, serves all of them. Per tile of
  * PREFILL_KEYS keys: S = Q K^T (the keys packed transposed, fp32), the causal and window masks,
  * the online softmax (running max and sum per row, the accumulator rescaled when the max grows),
  * then O += P V. Only tiles a row can see are visited, so a causal prefill computes about half of

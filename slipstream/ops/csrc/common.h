@@ -128,14 +128,20 @@ typedef struct {
 typedef struct {
     task_share *shares;  /* one per thread of the team, shared by the team */
     uint32_t loop;       /* this thread's count of the loops it has opened */
+    int victim;          /* the share this thread takes from in the current loop */
 } task_team;
 
 enum { SHARE_BITS = 24 };
 #define SHARE_MASK ((UINT64_C(1) << SHARE_BITS) - 1)
 
-/* A team over `shares` (one per thread, each word zero before the parallel region starts). */
+/* Before the parallel region: every share empty. */
+static inline void clear_shares(task_share *shares, int num_threads) {
+    for (int t = 0; t < num_threads; t++) atomic_init(&shares[t].word, 0);
+}
+
+/* This thread's view of a team over `shares` (cleared by clear_shares). */
 static inline task_team team_of(task_share *shares) {
-    return (task_team){.shares = shares, .loop = 0};
+    return (task_team){.shares = shares, .loop = 0, .victim = omp_get_thread_num()};
 }
 
 static inline uint64_t share_word(uint32_t loop, int64_t front, int64_t back) {
@@ -145,6 +151,7 @@ static inline uint64_t share_word(uint32_t loop, int64_t front, int64_t back) {
 /* Publishes this thread's share [begin, end) of the team's next loop. */
 static inline void open_share(task_team *team, int64_t begin, int64_t end) {
     team->loop = (team->loop + 1) & 0xFFFF;
+    team->victim = omp_get_thread_num();
     atomic_store(&team->shares[omp_get_thread_num()].word, share_word(team->loop, begin, end));
 }
 
@@ -166,16 +173,16 @@ static inline int take_task(task_team *team, int thread, int from_back, int64_t 
 }
 
 /* This thread's next task of the loop: its own share's front, else another's back (*stolen set);
- * 0 when none is left. *victim: the share being taken from, this thread's own at first. */
-static inline int next_task(task_team *team, int *victim, int *stolen, int64_t *task) {
+ * 0 when none is left. */
+static inline int next_task(task_team *team, int *stolen, int64_t *task) {
     const int me = omp_get_thread_num(), threads = omp_get_num_threads();
     for (;;) {
-        if (take_task(team, *victim, *victim != me, task)) {
-            *stolen = *victim != me;
+        if (take_task(team, team->victim, team->victim != me, task)) {
+            *stolen = team->victim != me;
             return 1;
         }
-        *victim = (*victim + 1) % threads;
-        if (*victim == me) return 0;
+        team->victim = (team->victim + 1) % threads;
+        if (team->victim == me) return 0;
     }
 }
 

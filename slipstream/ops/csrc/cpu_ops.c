@@ -174,9 +174,9 @@ static void gemv_rows(task_team *team, const void *W, const void *x, const void 
     const int me = omp_get_thread_num(), threads = omp_get_num_threads();
     const int64_t tasks = (N + GEMV_TASK_ROWS - 1) / GEMV_TASK_ROWS;
     open_share(team, tasks * me / threads, tasks * (me + 1) / threads);
-    int victim = me, stolen = 0;
+    int stolen = 0;
     int64_t task;
-    while (next_task(team, &victim, &stolen, &task)) {
+    while (next_task(team, &stolen, &task)) {
         const int64_t end = (task + 1) * GEMV_TASK_ROWS < N ? (task + 1) * GEMV_TASK_ROWS : N;
         for (int64_t n0 = task * GEMV_TASK_ROWS; n0 < end; n0 += 4) {
             const int64_t rows = end - n0 < 4 ? end - n0 : 4;
@@ -207,7 +207,7 @@ static void gemv_rows(task_team *team, const void *W, const void *x, const void 
 void gemv(const void *W, const void *x, const void *bias, void *y, int64_t M, int64_t N,
           int64_t K, int dtype, int num_threads) {
     task_share shares[num_threads];
-    for (int t = 0; t < num_threads; t++) atomic_init(&shares[t].word, 0);
+    clear_shares(shares, num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
         task_team team = team_of(shares);
@@ -474,9 +474,9 @@ static void panel_tasks_f32(task_team *team, const float *x, const float *panels
                             int64_t M, int64_t N, int64_t K) {
     const panel_schedule schedule = thread_panel_schedule(M, N);
     open_share(team, schedule.begin, schedule.end);
-    int victim = omp_get_thread_num(), stolen = 0;
+    int stolen = 0;
     int64_t task;
-    while (next_task(team, &victim, &stolen, &task)) {
+    while (next_task(team, &stolen, &task)) {
         const panel_task t = panel_task_at(&schedule, task, N);
         for (int64_t k0 = 0; k0 < K; k0 += PANEL_K_CHUNK) {
             const int64_t kc = K - k0 < PANEL_K_CHUNK ? K - k0 : PANEL_K_CHUNK;
@@ -674,9 +674,9 @@ static void panel_tasks_bf16(task_team *team, const uint16_t *x, const uint16_t 
     const panel_schedule schedule = thread_panel_schedule(M, N);
     const int64_t pairs = (K + 1) / 2, panel_elems = 2 * pairs * PANEL_COLS;
     open_share(team, schedule.begin, schedule.end);
-    int victim = omp_get_thread_num(), stolen = 0;
+    int stolen = 0;
     int64_t task;
-    while (next_task(team, &victim, &stolen, &task)) {
+    while (next_task(team, &stolen, &task)) {
         const panel_task t = panel_task_at(&schedule, task, N);
         const uint16_t *panel = panels + t.panel * panel_elems;
         /* The next panel in memory is the next piece of work, unless this is the share's last task. */
@@ -727,7 +727,7 @@ int panel_gemm(const void *x, const void *panels, const void *bias, void *y, int
                int64_t K, int dtype, int num_threads) {
     if (!has_panel_gemm(dtype)) return 2;
     task_share shares[num_threads];
-    for (int t = 0; t < num_threads; t++) atomic_init(&shares[t].word, 0);
+    clear_shares(shares, num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
         task_team team = team_of(shares);
@@ -1056,7 +1056,7 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
     if (plan_decode_split(seq_lens, M, shape->window, H, D, &split) != 0) return 1;
     int failed = 0;
     task_share shares[num_threads];
-    for (int t = 0; t < num_threads; t++) atomic_init(&shares[t].word, 0);
+    clear_shares(shares, num_threads);
 #pragma omp parallel num_threads(num_threads)
     {
         float *scratch = thread_scratch(scratch_floats, &failed);
