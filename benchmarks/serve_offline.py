@@ -4,7 +4,11 @@ Workload (deterministic): N requests of random token ids with prompt lengths uni
 a fixed number of output tokens with ignore_eos, greedy. Slipstream gets all requests at once;
 transformers runs left-padded greedy `generate` in batches, at each batch size given, and its
 best batch size is the baseline. Slipstream and transformers run in this process on the same
-model and dtype (vLLM in its own venv); every engine's time is the median of --repeats runs.
+model and dtype, vLLM in its own venv (a driver process kept up between runs). Every engine is
+built and warmed once, then the engines take turns, one timed run each per round, for --repeats
+rounds: a shared machine's speed drifts over the tens of minutes a benchmark takes, and this way
+every round compares the engines within the same few minutes. Each engine's time is the median
+of its rounds; each ratio is the median of the per-round ratios.
 
     python benchmarks/serve_offline.py                       # ~125M preset, fp32 and bf16
     python benchmarks/serve_offline.py --dtype bfloat16 --hf-batch-sizes 16,64
@@ -15,47 +19,51 @@ the calibrated peak (model FLOPs from slipstream.perf.flops.generation_flops); l
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import time
+from collections.abc import Callable
 
 import torch
 from common import ensure_model, machine, median, print_json, random_prompts, serving_parser
-from vllm_driver import run_vllm_driver
+from vllm_driver import OfflineRounds
 
 from slipstream import LLM, SamplingParams
 from slipstream.model import ModelConfig
 from slipstream.perf.flops import generation_flops
 from slipstream.perf.hardware import calibrate
 
+PAUSE_S = 1.0
+"""Idle time before each timed run, so that the threads of the engine that ran before (OpenMP
+workers spin for a while after their last parallel region) are asleep when the next one starts."""
 
-def run_slipstream(model_dir, dtype, prompts, output_len, repeats, engine_args):
+
+def slipstream_runner(model_dir, dtype, prompts, output_len, engine_args) -> Callable[[], float]:
+    """slipstream's LLM, built and warmed up; the returned call times one run of every prompt."""
     llm = LLM(str(model_dir), dtype=dtype, **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
-    times = []
-    for _ in range(repeats):
-        llm.reset_prefix_cache()  # every repeat computes every prompt: same prompts, cold cache
+
+    def run() -> float:
+        llm.reset_prefix_cache()  # every run computes every prompt: same prompts, cold cache
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
         assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
-    del llm
-    gc.collect()
-    return median(times), times
+        return elapsed
+
+    return run
 
 
-def run_transformers(model_dir, dtype, prompts, output_len, batch_size, repeats):
-    """Median seconds over `repeats` runs of every prompt, `batch_size` at a time, and the times."""
+def load_transformers(model_dir, dtype):
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    times = [_transformers_once(model, prompts, output_len, batch_size) for _ in range(repeats)]
-    del model
-    gc.collect()
-    return median(times), times
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
 
 
-def _transformers_once(model, prompts, output_len, batch_size):
+def _transformers_once(model, prompts, output_len, batch_size) -> float:
+    """Seconds of one run of every prompt, `batch_size` at a time."""
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
@@ -76,23 +84,34 @@ def _transformers_once(model, prompts, output_len, batch_size):
     return time.perf_counter() - start
 
 
-def run_vllm(vllm_python, model_dir, dtype, prompts, output_len, repeats, engine_args):
-    """vLLM's CPU backend on the same prompts and engine limits, in a subprocess of its own venv."""
-    return run_vllm_driver(
-        vllm_python,
-        model_dir,
-        dtype,
-        prompts,
-        output_len,
-        repeats,
-        "offline",
-        [
-            "--max-num-seqs",
-            str(engine_args["max_num_seqs"]),
-            "--max-num-batched-tokens",
-            str(engine_args["max_num_batched_tokens"]),
-        ],
+def vllm_rounds(vllm_python, model_dir, dtype, prompts, output_len, engine_args) -> OfflineRounds:
+    """vLLM's CPU backend on the same prompts and engine limits, up and warm in its own venv's
+    process, one timed run per call of `run`."""
+    return OfflineRounds(
+        vllm_python, model_dir, dtype, prompts, output_len,
+        ["--max-num-seqs", str(engine_args["max_num_seqs"]),
+         "--max-num-batched-tokens", str(engine_args["max_num_batched_tokens"])],
     )
+
+
+def run_rounds(runners: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    """Each runner's seconds over `repeats` rounds of one run per runner, in turn."""
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, run in runners.items():
+            time.sleep(PAUSE_S)
+            times[name].append(run())
+    return times
+
+
+def ratio_to(tok_per_s: dict[str, list[float]], name: str) -> float:
+    """The median over rounds of slipstream's throughput over `name`'s in the same round."""
+    pairs = zip(tok_per_s["slipstream"], tok_per_s[name], strict=True)
+    return median([ours / theirs for ours, theirs in pairs])
+
+
+def _listed(times: list[float]) -> str:
+    return ", ".join(f"{t:.2f}" for t in times)
 
 
 def main() -> None:
@@ -124,54 +143,72 @@ def main() -> None:
     print(
         f"{args.num_prompts} requests, {num_prompt_tokens} prompt tokens, {num_output_tokens} output tokens"
     )
+    batch_sizes = [int(b) for b in args.hf_batch_sizes.split(",") if b]
     for dtype in ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]:
-        elapsed, times = run_slipstream(model_dir, dtype, prompts, args.output_len, args.repeats, engine_args)
-        ours = num_output_tokens / elapsed
+        with contextlib.ExitStack() as stack:
+            # vLLM first: its start-up (minutes here) runs alone, before anything is timed.
+            vllm = (stack.enter_context(vllm_rounds(args.vllm_python, model_dir, dtype, prompts,
+                                                    args.output_len, engine_args))
+                    if args.vllm_python else None)
+            ours_run = slipstream_runner(model_dir, dtype, prompts, args.output_len, engine_args)
+            runners = {"slipstream": ours_run}
+            hf_model = load_transformers(model_dir, dtype) if batch_sizes else None
+            for batch_size in batch_sizes:
+                runners[f"transformers batch {batch_size}"] = functools.partial(
+                    _transformers_once, hf_model, prompts, args.output_len, batch_size)
+            if vllm is not None:
+                runners["vllm"] = vllm.run
+            times = run_rounds(runners, args.repeats)
+            version = vllm.close()["vllm"] if vllm is not None else None
+            del runners, ours_run, hf_model
+        gc.collect()
+
+        tok_per_s = {name: [num_output_tokens / t for t in ts] for name, ts in times.items()}
+        ours = median(tok_per_s["slipstream"])
+        elapsed = median(times["slipstream"])
         achieved = total_flops / elapsed
         peak = calibration.peak_flops(dtype)
-        line = (
+        print(
             f"{dtype:>8} slipstream: {ours:7.0f} output tok/s, "
             f"{(num_prompt_tokens + num_output_tokens) / elapsed:7.0f} total tok/s, "
             f"{achieved / 1e9:5.0f} GFLOP/s = {100 * achieved / peak:4.1f}% MFU "
-            f"(median of {args.repeats}: {', '.join(f'{t:.2f}' for t in times)} s)"
+            f"(median of {args.repeats} rounds: {_listed(times['slipstream'])} s)",
+            flush=True,
         )
-        print(line, flush=True)
         record |= {
             f"{dtype}_output_tok_per_s": ours,
             f"{dtype}_mfu": achieved / peak,
             f"{dtype}_total_tok_per_s": (num_prompt_tokens + num_output_tokens) / elapsed,
+            f"{dtype}_times_s": times,
         }
-        best = None
-        for batch_size in [int(b) for b in args.hf_batch_sizes.split(",") if b]:
-            hf_elapsed, hf_times = run_transformers(
-                model_dir, dtype, prompts, args.output_len, batch_size, args.repeats
-            )
-            hf = num_output_tokens / hf_elapsed
-            print(f"{dtype:>8} transformers batch {batch_size:3d}: {hf:7.0f} output tok/s (median of "
-                  f"{args.repeats}: {', '.join(f'{t:.2f}' for t in hf_times)} s)", flush=True)
-            best = max(best or 0.0, hf)
-        if best:
-            print(f"{dtype:>8} ratio slipstream / best transformers: {ours / best:.2f}x")
+
+        if batch_sizes:
+            for batch_size in batch_sizes:
+                name = f"transformers batch {batch_size}"
+                print(f"{dtype:>8} {name:>22}: {median(tok_per_s[name]):7.0f} output tok/s (median of "
+                      f"{args.repeats} rounds: {_listed(times[name])} s)", flush=True)
+            best = max((f"transformers batch {b}" for b in batch_sizes), key=lambda n: median(tok_per_s[n]))
+            print(f"{dtype:>8} ratio slipstream / best transformers ({best}): "
+                  f"{ratio_to(tok_per_s, best):.2f}x (median of the rounds' ratios)")
             record |= {
-                f"{dtype}_transformers_output_tok_per_s": best,
-                f"{dtype}_ratio_vs_transformers": ours / best,
+                f"{dtype}_transformers_output_tok_per_s": median(tok_per_s[best]),
+                f"{dtype}_ratio_vs_transformers": ratio_to(tok_per_s, best),
             }
-        if args.vllm_python:
-            vllm = run_vllm(
-                args.vllm_python, model_dir, dtype, prompts, args.output_len, args.repeats, engine_args
-            )
+        if vllm is not None:
+            theirs = median(tok_per_s["vllm"])
+            theirs_total = (num_prompt_tokens + num_output_tokens) / median(times["vllm"])
             print(
-                f"{dtype:>8} vLLM {vllm['vllm']}: {vllm['output_tok_per_s']:7.0f} output tok/s, "
-                f"{vllm['total_tok_per_s']:7.0f} total tok/s (median of {args.repeats}: "
-                f"{', '.join(f'{t:.2f}' for t in vllm['times_s'])} s); slipstream / vLLM: "
-                f"{ours / vllm['output_tok_per_s']:.2f}x",
+                f"{dtype:>8} vLLM {version}: {theirs:7.0f} output tok/s, "
+                f"{theirs_total:7.0f} total tok/s "
+                f"(median of {args.repeats} rounds: {_listed(times['vllm'])} s); slipstream / vLLM: "
+                f"{ratio_to(tok_per_s, 'vllm'):.2f}x (median of the rounds' ratios)",
                 flush=True,
             )
             record |= {
-                "vllm": vllm["vllm"],
-                f"{dtype}_vllm_output_tok_per_s": vllm["output_tok_per_s"],
-                f"{dtype}_vllm_total_tok_per_s": vllm["total_tok_per_s"],
-                f"{dtype}_ratio_vs_vllm": ours / vllm["output_tok_per_s"],
+                "vllm": version,
+                f"{dtype}_vllm_output_tok_per_s": theirs,
+                f"{dtype}_vllm_total_tok_per_s": theirs_total,
+                f"{dtype}_ratio_vs_vllm": ratio_to(tok_per_s, "vllm"),
             }
     print_json(record)
 

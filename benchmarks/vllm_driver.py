@@ -25,7 +25,10 @@ Direct use (the environment variables are those of `vllm_env`):
 
 Both modes time `LLM(...)` to the first generated token (one prompt, max_tokens=1), then warm up
 as slipstream does (the first two prompts, 4 tokens). offline: all prompts in one `generate`,
-greedy, ignore_eos, median over repeats, prefix cache reset before each repeat. latency: batch 1,
+greedy, ignore_eos, median over repeats, prefix cache reset before each repeat; with
+`--rounds-from-stdin`, one such run per `run` line read from stdin instead of --repeats of them,
+each answered with a JSON line, so that a benchmark can keep vLLM up and alternate it with other
+engines round by round (`OfflineRounds`, below). latency: batch 1,
 the first prompt; ms per output token = (median time for N tokens - median time for 1 token)/(N-1),
 the prefix cache reset before every generate so each one prefills. Last stdout line: JSON.
 """
@@ -38,6 +41,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -114,23 +118,7 @@ def run_vllm_driver(
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="vllm_prompts_") as f:
         json.dump(prompts, f)
         f.flush()
-        cmd = [
-            vllm_python,
-            str(Path(__file__).resolve()),
-            "--model",
-            str(Path(model_dir).resolve()),
-            "--dtype",
-            dtype,
-            "--prompts-json",
-            f.name,
-            "--output-len",
-            str(output_len),
-            "--repeats",
-            str(repeats),
-            "--mode",
-            mode,
-            *extra_args,
-        ]
+        cmd = _driver_command(vllm_python, model_dir, dtype, f.name, output_len, repeats, mode, extra_args)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(
@@ -141,6 +129,70 @@ def run_vllm_driver(
     if not lines:
         raise RuntimeError(f"vLLM driver printed no JSON: {proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return json.loads(lines[-1])
+
+
+def _driver_command(vllm_python: str, model_dir, dtype: str, prompts_json: str, output_len: int, repeats: int,
+                    mode: str, extra_args=()) -> list[str]:
+    return [
+        vllm_python, str(Path(__file__).resolve()), "--model", str(Path(model_dir).resolve()),
+        "--dtype", dtype, "--prompts-json", prompts_json, "--output-len", str(output_len),
+        "--repeats", str(repeats), "--mode", mode, *extra_args,
+    ]
+
+
+class OfflineRounds:
+    """vLLM's offline runs on demand: the driver started once (vLLM's start-up takes minutes on
+    a small CPU), then one timed `generate` of every prompt per `run()`, so that a benchmark can
+    alternate vLLM with the other engines round by round and compare them under the same
+    minute's machine; a shared machine's speed drifts over the tens of minutes that engine after
+    engine would take. The driver waits on stdin between runs, its engine idle. A context
+    manager: leaving it kills a driver not yet closed."""
+
+    def __init__(self, vllm_python: str, model_dir, dtype: str, prompts: list[list[int]], output_len: int,
+                 extra_args=()) -> None:
+        env = vllm_env(vllm_python)
+        self._prompts = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="vllm_prompts_")
+        json.dump(prompts, self._prompts)
+        self._prompts.flush()
+        self._stderr = tempfile.TemporaryFile("w+")  # vLLM's log, shown only if the driver fails
+        self._cmd = _driver_command(vllm_python, model_dir, dtype, self._prompts.name, output_len, 1,
+                                    "offline", [*extra_args, "--rounds-from-stdin"])
+        self._proc = subprocess.Popen(self._cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self._stderr, text=True)
+        self.startup = self._read_record()  # once vLLM is up and warm
+
+    def run(self) -> float:
+        """Seconds of one offline run of every prompt."""
+        self._proc.stdin.write("run\n")
+        self._proc.stdin.flush()
+        return self._read_record()["time_s"]
+
+    def close(self) -> dict:
+        """Stop the driver; its final record (as the plain offline mode prints, over the runs)."""
+        self._proc.stdin.close()
+        record = self._read_record()
+        self._proc.wait()
+        return record
+
+    def __enter__(self) -> OfflineRounds:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        """Kill the driver if it is still up (the benchmark failed before `close`)."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._prompts.close()
+        self._stderr.close()
+
+    def _read_record(self) -> dict:
+        for line in self._proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        self._proc.wait()
+        self._stderr.seek(0)
+        raise RuntimeError(f"vLLM driver failed (exit {self._proc.returncode}): {' '.join(self._cmd)}\n"
+                           f"{self._stderr.read()[-6000:]}")
 
 
 def main() -> None:
@@ -169,7 +221,11 @@ def main() -> None:
         choices=[0, 1, 2, 3],
         help="vLLM CompilationMode; default: vLLM's (on CPU: Dynamo trace once + inductor); 0 = eager",
     )
+    parser.add_argument("--rounds-from-stdin", action="store_true",
+                        help="offline: one timed run per 'run' line on stdin (until EOF), not --repeats")
     args = parser.parse_args()
+    if args.rounds_from_stdin and args.mode != "offline":
+        parser.error("--rounds-from-stdin is for --mode offline")
 
     from vllm import LLM, SamplingParams  # only here: the benchmarks import this file from slipstream's venv
     from vllm.inputs import TokensPrompt
@@ -224,8 +280,19 @@ def main() -> None:
         "construct_s": construct_s,
         "startup_to_first_token_s": startup_s,
     }
+    if args.mode == "offline" and args.rounds_from_stdin:
+        print(json.dumps(record, sort_keys=True), flush=True)  # up and warm
+        times = []
+        for line in sys.stdin:
+            if line.strip() != "run":
+                raise SystemExit(f"expected 'run' on stdin, got {line.strip()!r}")
+            times.append(timed_generate(prompts, args.output_len))
+            print(json.dumps({"time_s": times[-1]}), flush=True)
+        if not times:
+            raise SystemExit("no 'run' line on stdin: nothing measured")
     if args.mode == "offline":
-        times = [timed_generate(prompts, args.output_len) for _ in range(args.repeats)]
+        if not args.rounds_from_stdin:
+            times = [timed_generate(prompts, args.output_len) for _ in range(args.repeats)]
         elapsed = statistics.median(times)
         num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         num_output_tokens = len(prompts) * args.output_len
