@@ -220,15 +220,19 @@ static inline void prefetch_bytes(const void *base, int64_t index, int64_t bytes
 }
 
 /* offsets[t], t < stride: the element offset of key first + t's row slice from kv head kv_first;
- * tails past num_keys repeat the last key, so that every tile's addresses are valid. */
+ * tails past num_keys repeat the last key, so that every tile's addresses are valid. Block by
+ * block, one division per sequence rather than one per key. */
 static inline void key_offsets(int64_t *offsets, int64_t stride, int64_t first, int64_t num_keys,
                                const int64_t *block_table, int64_t block_size, int64_t num_kv_heads,
                                int64_t kv_first, int64_t head_dim) {
-    for (int64_t t = 0; t < stride; t++) {
-        const int64_t pos = first + (t < num_keys ? t : num_keys - 1);
-        offsets[t] = ((block_table[pos / block_size] * block_size + pos % block_size) * num_kv_heads
-                      + kv_first) * head_dim;
+    const int64_t row = num_kv_heads * head_dim;  /* elements per cache row */
+    int64_t block = first / block_size, slot = first % block_size;
+    int64_t t = 0;
+    for (; t < num_keys; block++, slot = 0) {
+        const int64_t base = (block_table[block] * block_size * num_kv_heads + kv_first) * head_dim;
+        for (; slot < block_size && t < num_keys; slot++, t++) offsets[t] = base + slot * row;
     }
+    for (; t < stride; t++) offsets[t] = offsets[num_keys - 1];
 }
 
 /* Each of `heads` score rows (stride apart, num_keys long) replaced by exp(score - its largest),
