@@ -159,7 +159,7 @@ class OfflineRounds:
                                     "offline", [*extra_args, "--rounds-from-stdin"])
         self._proc = subprocess.Popen(self._cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=self._stderr, text=True)
-        self.startup = self._read_record()  # once vLLM is up and warm
+        self._read_record()  # returns once vLLM is up and warm
 
     def run(self) -> float:
         """Seconds of one offline run of every prompt."""
@@ -193,6 +193,19 @@ class OfflineRounds:
         self._stderr.seek(0)
         raise RuntimeError(f"vLLM driver failed (exit {self._proc.returncode}): {' '.join(self._cmd)}\n"
                            f"{self._stderr.read()[-6000:]}")
+
+
+def _runs_from_stdin(timed_run) -> list[float]:
+    """One `timed_run()` per 'run' line on stdin until EOF, each time answered on stdout."""
+    times = []
+    for line in sys.stdin:
+        if line.strip() != "run":
+            raise SystemExit(f"expected 'run' on stdin, got {line.strip()!r}")
+        times.append(timed_run())
+        print(json.dumps({"time_s": times[-1]}), flush=True)
+    if not times:
+        raise SystemExit("no 'run' line on stdin: nothing measured")
+    return times
 
 
 def main() -> None:
@@ -280,18 +293,11 @@ def main() -> None:
         "construct_s": construct_s,
         "startup_to_first_token_s": startup_s,
     }
-    if args.mode == "offline" and args.rounds_from_stdin:
-        print(json.dumps(record, sort_keys=True), flush=True)  # up and warm
-        times = []
-        for line in sys.stdin:
-            if line.strip() != "run":
-                raise SystemExit(f"expected 'run' on stdin, got {line.strip()!r}")
-            times.append(timed_generate(prompts, args.output_len))
-            print(json.dumps({"time_s": times[-1]}), flush=True)
-        if not times:
-            raise SystemExit("no 'run' line on stdin: nothing measured")
     if args.mode == "offline":
-        if not args.rounds_from_stdin:
+        if args.rounds_from_stdin:
+            print(json.dumps(record, sort_keys=True), flush=True)  # up and warm
+            times = _runs_from_stdin(lambda: timed_generate(prompts, args.output_len))
+        else:
             times = [timed_generate(prompts, args.output_len) for _ in range(args.repeats)]
         elapsed = statistics.median(times)
         num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
