@@ -49,8 +49,8 @@ def test_mixed_prefill_and_decode_batch_matches_dense(
     "long-prefills" has chunks of several query blocks and key tiles of the prefill kernel, one
     after cached context, one exactly a tile long. "long-decodes" and "one-long-decode" have
     sequences longer than the decode kernel's chunks (512 keys: split into chunks, each a task,
-    merged afterwards), among short ones and alone (then tasks split by kv head too); there a
-    window of 700 keys (longer than a chunk) stands in for 5."""
+    merged afterwards), among short ones and alone (then, as a small batch, cut into shorter
+    chunks); there a window of 700 keys (longer than a chunk) stands in for 5."""
     if use_kernel:
         assert cpu_kernels.library() is not None, "the C kernel must build on the CI machine"
     rng = random.Random(0)
@@ -103,6 +103,43 @@ def test_mixed_prefill_and_decode_batch_matches_dense(
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     print(f"{dtype} heads {num_heads}/{num_kv_heads} window {sliding_window}: max diff {diff:.3g}")
     assert diff < tolerance
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[40], [320], [600], [1300], [600, 40, 320]])
+def test_decode_kernel_matches_dense_however_it_splits_the_work(num_threads, dtype, lens):
+    """The decode kernel cuts a batch's keys by the number of threads: a small batch into chunks
+    of a few tens of keys (all kv heads per task), a larger one into chunks of 512, or, where
+    there are too few keys for either to give every thread work, into (chunk, kv head) tasks.
+    These lengths and thread counts reach each way, and each equals dense attention."""
+    if cpu_kernels.library() is None:
+        pytest.skip("no C kernel library here")
+    num_heads, num_kv_heads, head_dim, block_size = 12, 4, 64, 16
+    torch.manual_seed(0)
+    num_blocks = sum(-(-n // block_size) for n in lens)
+    order = torch.randperm(num_blocks).tolist()
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    tables, keys, values = [], [], []
+    for n in lens:
+        tables.append([order.pop() for _ in range(-(-n // block_size))])
+        keys.append(torch.randn(n, num_kv_heads, head_dim, dtype=dtype))
+        values.append(torch.randn(n, num_kv_heads, head_dim, dtype=dtype))
+    written = PagedBatch.build(seq_lens=lens, query_lens=lens, block_tables=tables, block_size=block_size)
+    write_kv(k_cache, v_cache, torch.cat(keys), torch.cat(values), written.slot_mapping)
+    batch = PagedBatch.build(seq_lens=lens, query_lens=[1] * len(lens), block_tables=tables,
+                             block_size=block_size)
+    q = torch.randn(len(lens), num_heads, head_dim, dtype=dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        got = paged_attention(q, k_cache, v_cache, batch, use_kernel=True)
+    finally:
+        torch.set_num_threads(threads)
+    expected = torch.cat([_dense_reference(q[i : i + 1], keys[i], values[i], None) for i in range(len(lens))])
+    diff = (got.float() - expected.float()).abs().max().item()
+    assert diff < (1e-5 if dtype == torch.float32 else 2e-2), diff
 
 
 def test_kernels_compute_bf16_in_bf16_where_the_cpu_can():

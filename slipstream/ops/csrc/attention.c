@@ -1,15 +1,16 @@
 /*
  * Paged attention for decoding sequences (one new query token each), on the CPU.
  *
- * Tasks run in parallel: a sequence each (a chunk of CHUNK_KEYS keys of a longer one, the chunks
- * merged afterwards) when there are enough of them to keep every thread busy, else one (chunk,
- * kv head) pair. A task walks the sequence's blocks through its block table and reads keys and
- * values in place (no gather copy): scores of every query head, a softmax, then the values, each
- * cache row read from memory once, which is what bounds a decode step. With AVX-512
- * (attend_avx512) or AVX2 (attend_avx2) keys and values go 16 tokens at a time, every query head
- * of the task is served from each tile's rows, and the rows of the chunk a thread runs next are
- * requested while it computes the current one; elsewhere a portable loop (attend_one) does the
- * same work head by head. fp32 and bf16 caches; bf16 is widened to fp32 for the arithmetic.
+ * Tasks run in parallel: a sequence each (a chunk of CHUNK_KEYS keys of a longer one, of fewer in
+ * a small batch, the chunks merged afterwards) when there are enough of them to keep every thread
+ * busy, else one (chunk, kv head) pair. A task walks the sequence's blocks through its block
+ * table and reads keys and values in place (no gather copy): scores of every query head, a
+ * softmax, then the values, each cache row read from memory once, which is what bounds a decode
+ * step. With AVX-512 (attend_avx512) or AVX2 (attend_avx2) keys and values go 16 tokens at a
+ * time, every query head of the task is served from each tile's rows, and the rows of the chunk a
+ * thread runs next are requested while it computes the current one; elsewhere a portable loop
+ * (attend_one) does the same work head by head. fp32 and bf16 caches; bf16 is widened to fp32
+ * for the arithmetic.
  *
  * Layouts (row-major): q and out (num_seqs, num_heads, head_dim); k_cache and v_cache
  * (num_blocks, block_size, num_kv_heads, head_dim); block_tables (num_seqs, max_blocks) int64;
@@ -112,6 +113,17 @@ enum { NEXT_SEQUENCE_BYTES = 4096 * 1024 };
  * bf16 4 x 4,096 keys 1.34-1.41 -> 0.57-0.60 ms per call, 16 x 1,024 0.68-0.70 -> 0.57-0.61,
  * fp32 4 x 4,096 1.64-1.68 -> 1.19-1.27; 64 x 224 unchanged. */
 enum { CHUNK_KEYS = 512 };
+
+/* A small batch (too few keys for CHUNK_KEYS-key chunks to give every thread SMALL_BATCH_TASKS
+ * of them) is cut into shorter chunks that do, so that its tasks still read whole cache rows,
+ * every kv head of a run of keys, instead of one kv head's slice of each row, and a thread's next
+ * chunk is requested while it computes the current one; unless they would be shorter than
+ * MIN_CHUNK_KEYS (one sequence of 40 keys in chunks of 32: 0.9x). 12 layers' caches of shuffled
+ * blocks, each call after a 96 MiB read so that its rows come from memory as in a decode step,
+ * alternating with the kv head split over 31 rounds (Zen 3): one sequence of 320 bf16 keys (the
+ * batch-1 benchmark's, in chunks of 40) 1.23-1.33x, of 1,024 1.24x, 4 x 300 1.30x, fp32 1 x 320
+ * 1.26x; from 8 sequences the chunks are as before. */
+enum { SMALL_BATCH_TASKS = 4, MIN_CHUNK_KEYS = 32 };
 
 typedef struct {
     const char *caches[2];           /* keys, then values */
@@ -596,15 +608,20 @@ static inline int64_t first_key(int64_t len, int64_t window) {
 }
 
 int plan_decode_split(const int64_t *seq_lens, int64_t num_seqs, int64_t window, int64_t num_heads,
-                      int64_t head_dim, decode_split *split) {
+                      int64_t head_dim, int num_threads, decode_split *split) {
     split->partials = NULL;
     split->chunk_start = malloc((num_seqs + 1) * sizeof(int64_t));
     if (split->chunk_start == NULL) return 1;
-    int64_t *chunk_start = split->chunk_start;
+    int64_t *chunk_start = split->chunk_start, total_keys = 0;
+    for (int64_t s = 0; s < num_seqs; s++) total_keys += seq_lens[s] - first_key(seq_lens[s], window);
+    const int64_t tasks = (int64_t)SMALL_BATCH_TASKS * num_threads;
+    int64_t chunk = (total_keys + tasks - 1) / tasks;
+    chunk = chunk > CHUNK_KEYS || chunk < MIN_CHUNK_KEYS ? CHUNK_KEYS : chunk;
+    split->chunk_keys = chunk;
     chunk_start[0] = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t keys = seq_lens[s] - first_key(seq_lens[s], window);
-        chunk_start[s + 1] = chunk_start[s] + (keys > CHUNK_KEYS ? (keys + CHUNK_KEYS - 1) / CHUNK_KEYS : 1);
+        chunk_start[s + 1] = chunk_start[s] + (keys > chunk ? (keys + chunk - 1) / chunk : 1);
     }
     if (chunk_start[num_seqs] == num_seqs) return 0;  /* nothing split */
     split->partials = malloc(chunk_start[num_seqs] * num_heads * (head_dim + 2) * sizeof(float));
@@ -658,32 +675,33 @@ static int64_t chunk_sequence(const int64_t *chunk_start, int64_t num_seqs, int6
 }
 
 /* Keys [*first, *end) of chunk `chunk` of sequence `seq` (all of them when it is not split). */
-static void chunk_keys(const int64_t *chunk_start, const int64_t *seq_lens, int64_t window,
+static void chunk_keys(const decode_split *split, const int64_t *seq_lens, int64_t window,
                        int64_t seq, int64_t chunk, int64_t *first, int64_t *end) {
-    const int64_t len = seq_lens[seq];
-    *first = first_key(len, window) + (chunk - chunk_start[seq]) * CHUNK_KEYS;
-    *end = *first + CHUNK_KEYS < len ? *first + CHUNK_KEYS : len;
+    const int64_t len = seq_lens[seq], size = split->chunk_keys;
+    *first = first_key(len, window) + (chunk - split->chunk_start[seq]) * size;
+    *end = *first + size < len ? *first + size : len;
 }
 
 /* The attention of a decode batch, shared among the threads of the enclosing parallel region (a
- * loop of `team`'s, common.h, then an orphaned `omp for` that merges split sequences). chunk_start:
- * from split_sequences(); partials: total chunks x num_heads x (head_dim + 2) floats where a
- * sequence is split, else unused (may be NULL). scratch: attention_scratch_floats() for this
- * thread, or NULL when its allocation failed (the thread's tasks are then skipped; the caller
- * reports it). */
+ * loop of `team`'s, common.h, then an orphaned `omp for` that merges split sequences). split:
+ * from plan_decode_split(), for the same batch and number of threads. scratch:
+ * attention_scratch_floats() for this thread, or NULL when its allocation failed (the thread's
+ * tasks are then skipped; the caller reports it). */
 void attention_tasks(task_team *team, const void *q, const void *k_cache, const void *v_cache, void *out,
                      const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
                      int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                      int64_t block_size, int64_t window, float scale, int dtype, int num_threads,
-                     float *scratch, const int64_t *chunk_start, float *partials) {
+                     float *scratch, const decode_split *split) {
     /* Whole chunks (all kv heads) per task when there are enough of them to keep every thread
      * busy; then each thread's share is a run of consecutive chunks, so that it knows its next
      * chunk and can request it early. Against the round-robin static loop before, 12 layers'
      * caches of shuffled blocks and uneven lengths, alternating over 31 rounds (Zen 3): 64
      * sequences of up to 288 keys fp32 1.02-1.03x, bf16 1.04x; 16 x 1,024 fp32 1.06x; 4 x 4,096
      * bf16 1.15x; one sequence even. */
+    const int64_t *chunk_start = split->chunk_start;
+    float *partials = split->partials;
     const int64_t num_chunks = chunk_start[num_seqs];
-    const int64_t kv_per_task = num_chunks >= 4 * num_threads ? num_kv_heads : 1;
+    const int64_t kv_per_task = num_chunks >= SMALL_BATCH_TASKS * num_threads ? num_kv_heads : 1;
     const int64_t tasks_per_chunk = num_kv_heads / kv_per_task, group = num_heads / num_kv_heads;
     const int64_t row_bytes = num_kv_heads * head_dim * (dtype == DTYPE_F32 ? 4 : 2);
     const int64_t partial_floats = head_dim + 2;
@@ -698,12 +716,12 @@ void attention_tasks(task_team *team, const void *q, const void *k_cache, const 
         const int64_t chunk = task / tasks_per_chunk, following = chunk + 1;
         const int64_t seq = chunk_sequence(chunk_start, num_seqs, chunk);
         int64_t first, end;
-        chunk_keys(chunk_start, seq_lens, window, seq, chunk, &first, &end);
+        chunk_keys(split, seq_lens, window, seq, chunk, &first, &end);
         next_sequence next = {.remaining = 0};
         if (kv_per_task == num_kv_heads && !stolen && task + 1 < share_end) {
             const int64_t next_seq = chunk_sequence(chunk_start, num_seqs, following);
             int64_t next_first, next_end;
-            chunk_keys(chunk_start, seq_lens, window, next_seq, following, &next_first, &next_end);
+            chunk_keys(split, seq_lens, window, next_seq, following, &next_first, &next_end);
             const int64_t first_block = next_first / block_size;
             const int64_t end_block = (next_end + block_size - 1) / block_size;
             const int64_t block_bytes = block_size * row_bytes;
@@ -720,14 +738,14 @@ void attention_tasks(task_team *team, const void *q, const void *k_cache, const 
                 };
         }
         const int64_t kv_first = (task % tasks_per_chunk) * kv_per_task, h0 = kv_first * group;
-        const int split = chunk_start[seq + 1] - chunk_start[seq] > 1;
+        const int is_split = chunk_start[seq + 1] - chunk_start[seq] > 1;
         /* A split sequence's chunks go to partials, merged below; a whole one's straight out. */
-        float *partial = split ? partials + (chunk * num_heads + h0) * partial_floats : scratch;
+        float *partial = is_split ? partials + (chunk * num_heads + h0) * partial_floats : scratch;
         if (scratch != NULL && end > first) {
             attend(q, k_cache, v_cache, block_tables + seq * max_blocks, first, end, seq, kv_first,
                    kv_per_task, num_heads, num_kv_heads, head_dim, block_size, scale, dtype,
                    scratch + num_heads * partial_floats, &next, partial);
-            if (!split)
+            if (!is_split)
                 write_heads(partial, 1, 0, out, seq, h0, kv_per_task * group, num_heads, head_dim, dtype);
         }
     }
@@ -753,7 +771,8 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     const int64_t scratch_floats =
         attention_scratch_floats(max_seq_len(seq_lens, num_seqs), num_heads, head_dim);
     decode_split split;
-    if (plan_decode_split(seq_lens, num_seqs, window, num_heads, head_dim, &split) != 0) return 1;
+    if (plan_decode_split(seq_lens, num_seqs, window, num_heads, head_dim, num_threads, &split) != 0)
+        return 1;
     int failed = 0;
     task_share shares[num_threads];
     clear_shares(shares, num_threads);
@@ -763,7 +782,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
         task_team team = team_of(shares);
         attention_tasks(&team, q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, max_blocks,
                         num_heads, num_kv_heads, head_dim, block_size, window, scale, dtype,
-                        num_threads, scratch, split.chunk_start, split.partials);
+                        num_threads, scratch, &split);
         free(scratch);
     }
     free_decode_split(&split);

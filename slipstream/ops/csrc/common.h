@@ -197,15 +197,16 @@ float *thread_scratch(int64_t floats, int *failed);
 typedef struct {
     int64_t *chunk_start;  /* num_seqs + 1: the chunks of the sequences before each */
     float *partials;       /* chunks x num_heads x (head_dim + 2); NULL when nothing is split */
+    int64_t chunk_keys;    /* keys per chunk (a sequence's last chunk may have fewer) */
 } decode_split;
 /* Returns 0, or 1 when its memory could not be allocated (then nothing is left to free). */
 int plan_decode_split(const int64_t *seq_lens, int64_t num_seqs, int64_t window, int64_t num_heads,
-                      int64_t head_dim, decode_split *split);
+                      int64_t head_dim, int num_threads, decode_split *split);
 void free_decode_split(decode_split *split);
 void attention_tasks(task_team *team, const void *q, const void *k_cache, const void *v_cache, void *out,
                      const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
                      int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                      int64_t block_size, int64_t window, float scale, int dtype, int num_threads,
-                     float *scratch, const int64_t *chunk_start, float *partials);
+                     float *scratch, const decode_split *split);
 
 #endif

@@ -1053,7 +1053,7 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
     char *x = hidden;
     const int64_t scratch_floats = attention_scratch_floats(max_seq_len(seq_lens, M), H, D);
     decode_split split;
-    if (plan_decode_split(seq_lens, M, shape->window, H, D, &split) != 0) return 1;
+    if (plan_decode_split(seq_lens, M, shape->window, H, D, num_threads, &split) != 0) return 1;
     int failed = 0;
     task_share shares[num_threads];
     clear_shares(shares, num_threads);
@@ -1092,7 +1092,7 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
             }
             attention_tasks(&team, q, layer->k_cache, layer->v_cache, attn, block_tables, seq_lens, M,
                             max_blocks, H, KV, D, shape->block_size, shape->window, shape->scale, dtype,
-                            num_threads, scratch, split.chunk_start, split.partials);
+                            num_threads, scratch, &split);
             decode_linear(&team, layer->o_weight, layer->o_panels, layer->o_bias, x, attn, x, product, M, E,
                           q_size, dtype);
 #pragma omp for schedule(static)
