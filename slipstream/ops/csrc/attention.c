@@ -118,11 +118,10 @@ enum { CHUNK_KEYS = 512 };
  * of them) is cut into shorter chunks that do, so that its tasks still read whole cache rows,
  * every kv head of a run of keys, instead of one kv head's slice of each row, and a thread's next
  * chunk is requested while it computes the current one; unless they would be shorter than
- * MIN_CHUNK_KEYS (one sequence of 40 keys in chunks of 32: 0.9x). 12 layers' caches of shuffled
- * blocks, each call after a 96 MiB read so that its rows come from memory as in a decode step,
- * alternating with the kv head split over 31 rounds (Zen 3): one sequence of 320 bf16 keys (the
- * batch-1 benchmark's, in chunks of 40) 1.23-1.33x, of 1,024 1.24x, 4 x 300 1.30x, fp32 1 x 320
- * 1.26x; from 8 sequences the chunks are as before. */
+ * MIN_CHUNK_KEYS (one sequence of 40 keys in chunks of 32: 0.9x). Against the kv head split,
+ * benchmarks/decode_attention_ab.c --cold (Zen 3): one sequence of 320 bf16 keys (the batch-1
+ * benchmark's, in chunks of 40) 1.13-1.33x, of 1,024 1.24x, 4 x 300 1.26-1.30x, fp32 1 x 320
+ * 1.26-1.27x; from 8 sequences the chunks are as before. */
 enum { SMALL_BATCH_TASKS = 4, MIN_CHUNK_KEYS = 32 };
 
 typedef struct {
