@@ -234,9 +234,10 @@ def test_panel_gemm_matches_float64_reference(dtype, num_rows):
             assert error <= 8 * torch_error + 1e-6, (out_features, in_features, error, torch_error)
 
 
-def test_row_weights_share_one_huge_page_buffer():
+def test_weight_copies_share_one_huge_page_buffer_per_layout():
     """pack_linears(extra_copies=True) copies every weight into slices of one 2 MiB-aligned buffer
-    (small weights do not each take a huge page), holding exactly the original weights."""
+    (small weights do not each take a huge page), holding exactly the original weights, and its
+    panel-packed copies into slices of another, each what pack_panels makes of the weight alone."""
     from slipstream.ops.allocator import HUGE_PAGE_BYTES
     from slipstream.ops.linear import PackedLinear, pack_linears
 
@@ -253,3 +254,23 @@ def test_row_weights_share_one_huge_page_buffer():
     assert all(torch.equal(rows[name], weights[name]) for name in weights)
     assert len({r.untyped_storage().data_ptr() for r in rows.values()}) == 1
     assert min(r.data_ptr() for r in rows.values()) % HUGE_PAGE_BYTES == 0
+    if not cpu_kernels.supports_panel_gemm(next(iter(weights.values()))):
+        return
+    panels = {name: m.panel_weight for name, m in packed.named_modules() if isinstance(m, PackedLinear)}
+    assert all(torch.equal(panels[name], cpu_kernels.pack_panels(weights[name])) for name in weights)
+    assert len({p.untyped_storage().data_ptr() for p in panels.values()}) == 1
+    assert min(p.data_ptr() for p in panels.values()) % HUGE_PAGE_BYTES == 0
+
+
+def test_pack_panels_into_a_buffer_checks_its_size_and_dtype():
+    weight = torch.randn(20, 12)
+    if not cpu_kernels.supports_panel_gemm(weight):
+        pytest.skip("no panel kernel here")
+    numel = cpu_kernels.panel_numel(20, 12, torch.float32)
+    into = torch.full((numel,), float("nan"))
+    assert cpu_kernels.pack_panels(weight, out=into) is into
+    assert torch.equal(into, cpu_kernels.pack_panels(weight))
+    strided = torch.empty(2 * numel)[::2]
+    for bad in (torch.empty(numel - 1), torch.empty(numel, dtype=torch.bfloat16), strided):
+        with pytest.raises(ValueError, match="out must be"):
+            cpu_kernels.pack_panels(weight, out=bad)

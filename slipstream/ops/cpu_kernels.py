@@ -275,13 +275,19 @@ def panel_gemm_takes_all_rows(dtype: torch.dtype) -> bool:
     return bool(lib.panel_gemm_takes_all_rows(DTYPE_CODES[dtype]))
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` (N, K) in the panel layout of `panel_gemm` (see cpu_ops.c), flat."""
+def pack_panels(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`weight` (N, K) in the panel layout of `panel_gemm` (see cpu_ops.c), flat: into `out` where
+    given (contiguous, `panel_numel` elements of the weight's dtype), else a new tensor."""
     lib = library()
     assert lib is not None and supports_panel_gemm(weight)
     weight = weight.contiguous()
     out_features, in_features = weight.shape
-    out = torch.empty(panel_numel(out_features, in_features, weight.dtype), dtype=weight.dtype)
+    numel = panel_numel(out_features, in_features, weight.dtype)
+    if out is None:
+        out = torch.empty(numel, dtype=weight.dtype)
+    elif out.numel() != numel or out.dtype != weight.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {weight.dtype} tensor of {numel} elements, got "
+                         f"{out.dtype} {tuple(out.shape)}")
     lib.pack_panels(weight.data_ptr(), out.data_ptr(), out_features, in_features, DTYPE_CODES[weight.dtype],
                     torch.get_num_threads())
     return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -53,13 +54,15 @@ class PackedLinear(nn.Module):
     `MAX_PANEL_ROWS` rows, or all where `cpu_kernels.panel_gemm_takes_all_rows` or where oneDNN
     does not multiply the dtype. Without the panel copy
     the matrix-vector kernel takes up to `cpu_kernels.MAX_GEMV_ROWS` rows.
-    `row_buffer` (out_features * in_features elements of the weight's dtype) is where to put the
-    row-major copy: `pack_linears` hands every layer a slice of one model-wide buffer, so that
-    small weights do not each occupy a 2 MiB page.
+    Both copies go on huge pages, since decode streams them whole at every step: `row_buffer`
+    (out_features * in_features elements of the weight's dtype) and `panel_buffer`
+    (`cpu_kernels.panel_numel` elements) are where to put them; `pack_linears` hands every layer
+    slices of model-wide buffers, so that small weights do not each occupy a 2 MiB page.
     """
 
     def __init__(
-        self, linear: nn.Linear, *, extra_copies: bool = False, row_buffer: torch.Tensor | None = None
+        self, linear: nn.Linear, *, extra_copies: bool = False, row_buffer: torch.Tensor | None = None,
+        panel_buffer: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.in_features = linear.in_features
@@ -69,14 +72,16 @@ class PackedLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if onednn else None
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
         self.row_weight = self.panel_weight = None
-        rows, panels = extra_copies_of(weight) if extra_copies else (False, False)
-        panels = panels or (not onednn and cpu_kernels.supports_panel_gemm(weight))
+        rows = extra_copies and extra_copies_of(weight)[0]
+        panels = keeps_panels(weight, extra_copies)
         if rows:
             if row_buffer is None:
                 row_buffer = huge_page_empty(weight.numel(), weight.dtype)
             self.row_weight = row_buffer.view(weight.shape).copy_(weight)
         if panels:
-            self.panel_weight = cpu_kernels.pack_panels(weight)
+            if panel_buffer is None:
+                panel_buffer = huge_page_empty(_panel_numel(weight), weight.dtype)
+            self.panel_weight = cpu_kernels.pack_panels(weight, out=panel_buffer)
         # The rows from which the panel kernel takes over, and whether oneDNN does beyond MAX_PANEL_ROWS.
         self._min_panel_rows = cpu_kernels.min_panel_rows(weight.dtype) if panels else 0
         self._panels_for_all_rows = panels and (
@@ -124,6 +129,17 @@ def extra_copies_of(weight: torch.Tensor) -> tuple[bool, bool]:
     return rows, panels
 
 
+def keeps_panels(weight: torch.Tensor, extra_copies: bool) -> bool:
+    """Whether a `PackedLinear` of `weight` keeps a panel-packed copy: as an extra copy, or as its
+    only one where oneDNN does not multiply the dtype."""
+    supported = cpu_kernels.supports_panel_gemm(weight)
+    return supported and (extra_copies or not onednn_multiplies(weight.dtype))
+
+
+def _panel_numel(weight: torch.Tensor) -> int:
+    return cpu_kernels.panel_numel(weight.shape[0], weight.shape[1], weight.dtype)
+
+
 def can_pack(model: nn.Module) -> bool:
     """Whether oneDNN packing applies: CPU weights in fp32 or bf16 and oneDNN built in."""
     param = next(model.parameters())
@@ -146,23 +162,29 @@ def pack_linears(model: nn.Module, *, extra_copies: bool = False) -> nn.Module:
         logger.info("oneDNN linear packing does not apply here; keeping nn.Linear")
         return model
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    with_rows = [(name, m) for name, m in targets if extra_copies_of(m.weight)[0]]
-    row_buffers = _row_buffers(with_rows) if extra_copies else {}
+    with_rows = [(name, m) for name, m in targets if extra_copies and extra_copies_of(m.weight)[0]]
+    with_panels = [(name, m) for name, m in targets if keeps_panels(m.weight, extra_copies)]
+    row_buffers = _huge_page_buffers(with_rows, lambda weight: weight.numel())
+    panel_buffers = _huge_page_buffers(with_panels, _panel_numel)
     for name, linear in targets:
         parent_name, _, child_name = name.rpartition(".")
-        packed = PackedLinear(linear, extra_copies=extra_copies, row_buffer=row_buffers.get(name))
+        packed = PackedLinear(linear, extra_copies=extra_copies, row_buffer=row_buffers.get(name),
+                              panel_buffer=panel_buffers.get(name))
         setattr(model.get_submodule(parent_name), child_name, packed)
     logger.info("packed %d linear layers for oneDNN", len(targets))
     return model
 
 
-def _row_buffers(targets: list[tuple[str, nn.Linear]]) -> dict[str, torch.Tensor]:
-    """One huge-page buffer for the row-major copies of all `targets`' weights, sliced per layer
-    by name (empty where their dtypes differ: each layer then gets a buffer of its own)."""
+def _huge_page_buffers(
+    targets: list[tuple[str, nn.Linear]], numel: Callable[[torch.Tensor], int]
+) -> dict[str, torch.Tensor]:
+    """One huge-page buffer for a copy of each of `targets`' weights (`numel(weight)` elements),
+    sliced per layer by name (empty where their dtypes differ: each layer then gets a buffer of
+    its own)."""
     weights = {name: linear.weight for name, linear in targets}
     dtypes = {w.dtype for w in weights.values()}
     if len(dtypes) != 1:
         return {}
-    sizes = [w.numel() for w in weights.values()]
+    sizes = [numel(w) for w in weights.values()]
     arena = huge_page_empty(sum(sizes), dtypes.pop())
     return dict(zip(weights, arena.split(sizes), strict=True))
