@@ -15,8 +15,11 @@ hardware prefetcher every 4 KiB. On the development VM the batch-1 matrix-vector
 The panel-packed copies of decode batches go there too (`linear.pack_linears`): on a Zen 3,
 where bf16 takes them from one row, benchmarks/weight_pages_ab.py measured whole decode steps
 1.07-1.08x at batch 1 and 1.08-1.10x at batch 4 in bf16, fp32 1.03-1.05x at batch 4, even at
-batch 64; the fp32 engine's start-up took ~0.2 s longer (faulting in 2 MiB pages is slower there
-than 4 KiB ones: 1.6 against 0.4 s per GiB), the bf16 one's no measurably longer.
+batch 64. The cost is start-up, as faulting in 2 MiB pages is slower there than 4 KiB ones (1.6
+against 0.4 s per GiB): the script's fp32 engine built in 2.00 s with every copy on huge pages
+against 1.04 s with none (an upper bound: the first engine also pays the process's first-use
+costs); in fresh processes fp32 `LLM()` to first token went from 1.7-2.3 to 2.0-2.3 s, and bf16
+(200 MB of panels) was not measurably slower.
 """
 
 from __future__ import annotations
