@@ -3,7 +3,10 @@
 One request (a random prompt of --input-len tokens, --output-len greedy tokens, ignore_eos) runs
 through slipstream's engine step by step; the median decode step (per token it produced) is the
 per-token latency: with the default engine, one token per step, and again with
---num-scheduler-steps greedy steps per engine step (multi-step decoding, opt-in). The
+--num-scheduler-steps greedy steps per engine step (multi-step decoding, opt-in), the two in turns
+on the same engine, so that both read the same weights from the same memory (two engines of
+the same configuration in one process differed by up to 20% on the development VM, each keeping
+its speed from repeat to repeat: where its buffers landed). The
 floor is the bytes a decode step must read (all weights but the gathered embedding rows, plus the
 KV cache; slipstream.perf.flops.decode_bytes_per_step) divided by this machine's read bandwidth,
 measured right before and after each repeat (the better of the two); the share of the roofline is
@@ -23,6 +26,7 @@ Last line JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 
@@ -151,18 +155,21 @@ def main() -> None:
         startup_s, llm = startup_to_first_token_s(model_dir, dtype, prompt)
         contexts = range(args.input_len + 1, args.input_len + args.output_len)
         bytes_per_step = sum(decode_bytes_per_step(config, dtype, 1, c) for c in contexts) / len(contexts)
-        multi_step_llm = LLM(str(model_dir), dtype=dtype, num_scheduler_steps=args.num_scheduler_steps)
-        repeats, multi_step = [], []  # alternating, so that both meet the same minutes of the machine
+        one_step, multi_step = llm.engine.config, dataclasses.replace(
+            llm.engine.config, num_scheduler_steps=args.num_scheduler_steps)
+        repeats, multi_steps = [], []  # alternating, so that both meet the same minutes of the machine
         for _ in range(args.repeats):
+            llm.engine.config = one_step
             repeats.append(measure(llm, f"{dtype:>8}", prompt, args.output_len, bytes_per_step))
-            multi_step.append(measure(multi_step_llm, f"{dtype:>8} {args.num_scheduler_steps} steps at once",
-                                      prompt, args.output_len, bytes_per_step))
-        del llm, multi_step_llm
+            llm.engine.config = multi_step
+            multi_steps.append(measure(llm, f"{dtype:>8} {args.num_scheduler_steps} steps at once",
+                                       prompt, args.output_len, bytes_per_step))
+        del llm
         gc.collect()
         record |= summary(dtype, repeats, bytes_per_step)
         record |= {f"{dtype}_prefill_ms": 1e3 * median([prefill for prefill, *_ in repeats]),
                    f"{dtype}_startup_to_first_token_s": startup_s}
-        record |= summary(f"{dtype}_multi_step", multi_step, bytes_per_step)
+        record |= summary(f"{dtype}_multi_step", multi_steps, bytes_per_step)
         step_s = record[f"{dtype}_ms_per_token"] / 1e3
         print(
             f"{dtype:>8} slipstream: {1e3 * step_s:6.2f} ms/token, "

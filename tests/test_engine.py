@@ -389,6 +389,21 @@ def test_multi_step_decoding_leaves_rows_that_need_each_step_alone(model_dir):
         assert got.logprobs == expected.logprobs
 
 
+def test_multi_step_decoding_runs_one_step_at_a_time_while_a_request_waits(model_dir, reference_engine):
+    """With room for one running request, the second waits: meanwhile the first decodes one step
+    per engine step (so the second is admitted the step after the first ends, not at a burst's
+    end); alone, the second runs in bursts (its prefill, then 8 and 3 steps). Same tokens."""
+    rng = random.Random(15)
+    prompts = {"first": random_prompt(rng, 10), "second": random_prompt(rng, 7)}
+    engine = make_engine(model_dir, num_scheduler_steps=8, max_num_seqs=1)
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, greedy(max_tokens=12))
+    finals, stream = run(engine)
+    assert [output.request_id for output in stream] == ["first"] * 12 + ["second"] * 3
+    expected = generate(reference_engine, prompts, greedy(max_tokens=12))
+    assert {request_id: finals[request_id].outputs[0].token_ids for request_id in prompts} == expected
+
+
 def test_plain_greedy_decodes_skip_the_sampler(model_dir, monkeypatch):
     """One step at a time (the default), a decode step whose rows all take a plain argmax gets its
     tokens from the runner: the sampler sees only the prefill; a row that wants logprobs goes

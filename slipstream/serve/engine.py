@@ -89,11 +89,11 @@ class EngineConfig:
     num_scheduler_steps: int = 1
     """As vLLM v0's multi-step scheduling: when every running request decodes greedily with nothing
     that needs a step's logits (no penalty, logprobs or pending min_tokens), run up to this many
-    decode steps at once (on a CPU with the decode graph, in one C call). Fewer returns to Python
-    per token (batch 1 on the development machine: 2-6% less time per token); in exchange
-    tokens arrive in bursts, a new request waits up to that many steps for its prefill, and a
-    request that stops early (end-of-sequence, stop token or string) has computed a few steps
-    for nothing."""
+    decode steps at once (on a CPU with the decode graph, in one C call), unless a request waits
+    to be admitted. Fewer returns to Python per token (batch 1 on the development machine: 2-6%
+    less time per token); in exchange tokens arrive in bursts, a request that arrives during a
+    burst waits for its end, and a request that stops early (end-of-sequence, stop token or
+    string) has computed a few steps for nothing."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs",
@@ -304,9 +304,11 @@ class Engine:
         """How many decode steps the plan may run at once on the runner's greedy path, which takes
         each token as the argmax of its logits without the sampler; 0 unless every chunk is a single
         token that samples by a plain argmax. Up to num_scheduler_steps, no more than any request
-        may still generate (so no step computes past a request's last possible token), and 1 after
-        a preemption: the pool is short."""
-        num_steps = 1 if plan.preempted_request_ids else self.config.num_scheduler_steps
+        may still generate (so no step computes past a request's last possible token); 1 after a
+        preemption (the pool is short) and while a request waits to be admitted, which it is as
+        soon as a running one finishes, not at the end of a burst."""
+        waits = plan.preempted_request_ids or self.scheduler.num_waiting
+        num_steps = 1 if waits else self.config.num_scheduler_steps
         for chunk in plan.chunks:
             request = chunk.request
             num_output = len(request.output_token_ids)
