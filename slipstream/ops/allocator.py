@@ -5,7 +5,14 @@ serves large allocations with fresh mmap'd pages and trims the heap on free, so 
 pass pays page faults on all of its activations again. On the development VM a page fault costs
 about 2.5 us, which made elementwise ops over 16 MB activations 5-10x slower than their memory
 traffic (a 2048-token prefill step: 1.66 s -> 1.04 s once memory is kept). This is the same
-problem vLLM's CPU backend answers by preloading tcmalloc; here we tell glibc directly.
+problem vLLM's CPU backend answers by preloading tcmalloc; here we tell glibc directly
+(`keep_freed_memory`). glibc maps allocations beyond 32 MiB directly whatever the threshold, so
+`keep_large_freed_memory` turns that off for the loops whose sizes repeat. The fp32 gate/up
+product of a 2,048-token prefill chunk of the ~125M model is exactly 32 MiB, one allocation
+header past that limit, so every layer of every chunk mapped it afresh and faulted it in: the 64
+prompts of serve_offline.py's workload, prefilled alone (max_tokens=1, an ad-hoc probe on the
+Zen 3), spent 1.7-1.9 s of system time per run, 0.2-0.3 s after (13.1-14.5 s per run, against
+14.3-17.0).
 
 Buffers that are streamed whole from memory at every step (the weights batch-1 decode reads)
 go on transparent huge pages where the system gives them on request (THP mode "madvise", the
@@ -36,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_MMAP_MAX = -4
 _MAX_MMAP_THRESHOLD_BYTES = 32 * 2**20  # glibc's upper limit on 64-bit systems
 
 
@@ -52,6 +60,26 @@ def keep_freed_memory() -> bool:
     ok = mallopt(_M_MMAP_THRESHOLD, _MAX_MMAP_THRESHOLD_BYTES) == 1
     ok &= mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
     logger.info("glibc allocator %s to keep freed memory", "set" if ok else "could not be set")
+    return ok
+
+
+@functools.cache
+def keep_large_freed_memory() -> bool:
+    """Serve every later allocation from the heap (glibc's M_MMAP_MAX = 0), so that freed tensors
+    beyond glibc's 32 MiB limit on the mmap threshold are reused too instead of unmapped; with
+    `keep_freed_memory`, which stops the heap being trimmed. Process-wide and idempotent; a no-op
+    returning False where glibc's mallopt is absent. For loops whose tensor sizes repeat: CPU
+    training (the logits and their gradients) and the engine's steps once its weights and KV
+    cache are in place (an fp32 prefill chunk of 2,048 tokens has a 32 MiB gate/up product per
+    layer). Memory freed afterwards stays with the process."""
+    libc_name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(libc_name).mallopt
+    except (OSError, AttributeError, TypeError):
+        logger.info("no glibc mallopt here; leaving the allocator alone")
+        return False
+    ok = mallopt(_M_MMAP_MAX, 0) == 1
+    logger.info("glibc allocator %s to serve large allocations from the heap", "set" if ok else "not set")
     return ok
 
 

@@ -29,7 +29,7 @@ from slipstream.model.config import ModelConfig
 from slipstream.model.tokenizer import Tokenizer
 from slipstream.model.weights import dtype_name, load_model, resolve_dtype
 from slipstream.ops import cpu_kernels
-from slipstream.ops.allocator import keep_freed_memory
+from slipstream.ops.allocator import keep_freed_memory, keep_large_freed_memory
 from slipstream.ops.inference import optimize_for_cpu_inference
 from slipstream.perf.flops import kv_cache_bytes_per_token
 from slipstream.serve.outputs import PromptOutput, SequenceOutput
@@ -154,6 +154,8 @@ class Engine:
             enable_prefix_caching=config.enable_prefix_caching,
             policy=config.scheduling_policy,
         ))
+        if device.type == "cpu":  # the weights and the KV cache keep their own mappings
+            keep_large_freed_memory()
         self._ids = itertools.count()
         self._prompts: dict[str, PromptOutput] = {}
         self._sequences: dict[str, tuple[PromptOutput, SequenceOutput, torch.Generator | None]] = {}

@@ -9,10 +9,6 @@ transposed, strided) views, without copies: about 1.8x the plain layer's fp32 fo
 on the training shapes. Under bf16 autocast `F.linear` already takes oneDNN's bf16 path (and was
 faster than this function there), so the layer defers to it.
 
-`keep_large_freed_memory()` extends `ops.allocator.keep_freed_memory` to allocations above glibc's
-32 MiB mmap limit (logits, their gradients), which otherwise get fresh pages, and page faults,
-every step: the `small` preset's bf16 step went from about 14 s to 2.7 s with it on the 2-core VM.
-
 `use_onednn_linears(model)` swaps every `nn.Linear` for a `OneDNNLinear` that holds the very
 same parameters (names, sharing and tying unchanged); `nn.Linear` stays the tested fallback where
 oneDNN is absent or the model is not on the CPU.
@@ -20,9 +16,6 @@ oneDNN is absent or the model is not on the CPU.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import logging
 
 import torch
@@ -112,21 +105,3 @@ def use_onednn_linears(model: nn.Module) -> int:
         setattr(model.get_submodule(parent_name), child_name, OneDNNLinear(linear))
     logger.info("using oneDNN for %d linear layers in training", len(targets))
     return len(targets)
-
-
-_M_MMAP_MAX = -4
-
-
-@functools.cache
-def keep_large_freed_memory() -> bool:
-    """Serve every allocation from the heap (glibc's M_MMAP_MAX = 0), so freed large tensors are
-    reused instead of unmapped; use with `ops.allocator.keep_freed_memory` (which stops the heap
-    being trimmed). Process-wide, for CPU training whose tensor sizes repeat every step; a no-op
-    returning False where glibc's mallopt is absent."""
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
-    except (OSError, AttributeError, TypeError):
-        return False
-    ok = mallopt(_M_MMAP_MAX, 0) == 1
-    logger.info("glibc allocator %s to serve large allocations from the heap", "set" if ok else "not set")
-    return ok

@@ -40,11 +40,11 @@ from slipstream.model import ModelConfig, Transformer
 from slipstream.model.presets import get_preset
 from slipstream.model.tokenizer import Tokenizer
 from slipstream.model.weights import load_model
-from slipstream.ops.allocator import keep_freed_memory
+from slipstream.ops.allocator import keep_freed_memory, keep_large_freed_memory
 from slipstream.perf.flops import mfu, num_params, train_flops_per_token
 from slipstream.train import checkpoint as ckpt
 from slipstream.train.config import TrainConfig, check_run, load_config, resume_changes
-from slipstream.train.cpu_kernels import keep_large_freed_memory, use_onednn_linears
+from slipstream.train.cpu_kernels import use_onednn_linears
 from slipstream.train.data import TokenDataset, WindowLoader
 from slipstream.train.faults import FaultInjector
 from slipstream.train.goodput import GoodputLedger
