@@ -262,6 +262,43 @@ def test_weight_copies_share_one_huge_page_buffer_per_layout():
     assert min(p.data_ptr() for p in panels.values()) % HUGE_PAGE_BYTES == 0
 
 
+def test_fusing_and_packing_free_each_original_weight_as_they_go(monkeypatch):
+    """optimize_for_cpu_inference holds no original linear weight past its own fusing or packing,
+    so that the copies after it can reuse its memory: when a linear is packed, every linear packed
+    before it is gone, and so is every q/k/v and gate/up weight fused before the current one."""
+    import weakref
+
+    from slipstream.ops import inference as inference_module
+    from slipstream.ops import linear as linear_module
+
+    config = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    model.init_weights(std=0.1)
+    fused_before, alive_at_fusing = [], []
+    real_concatenated = inference_module._concatenated
+
+    def recording_concatenated(*linears):
+        alive_at_fusing.append(sum(ref() is not None for ref in fused_before))
+        fused_before.extend(weakref.ref(m.weight) for m in linears)
+        return real_concatenated(*linears)
+
+    packed_before, alive_at_packing = [], []
+    real_init = linear_module.PackedLinear.__init__
+
+    def recording_init(self, linear, **kwargs):
+        alive_at_packing.append(sum(ref() is not None for ref in packed_before))
+        packed_before.append(weakref.ref(linear.weight))
+        real_init(self, linear, **kwargs)
+
+    monkeypatch.setattr(inference_module, "_concatenated", recording_concatenated)
+    monkeypatch.setattr(linear_module.PackedLinear, "__init__", recording_init)
+    optimize_for_cpu_inference(model)
+    assert alive_at_fusing == [0] * 2 * 3  # q/k/v and gate/up per layer
+    assert alive_at_packing == [0] * (4 * 3 + 1)  # qkv, o, gate_up, down per layer and the lm_head
+
+
 def test_pack_panels_into_a_buffer_checks_its_size_and_dtype():
     weight = torch.randn(20, 12)
     if not cpu_kernels.supports_panel_gemm(weight):

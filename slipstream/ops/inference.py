@@ -60,7 +60,9 @@ def fuse_projections(model: nn.Module) -> nn.Module:
     QKVParallelLinear and MergedColumnParallelLinear hold them): the same dot products, split
     afterwards. The separate linears are removed.
     """
-    for module in list(model.modules()):
+    # Only the parents are listed, so that each original linear is freed as soon as it is fused
+    # and the next concatenation can reuse its memory instead of faulting in fresh pages.
+    for module in [m for m in model.modules() if isinstance(m, (Attention, MLP))]:
         if isinstance(module, Attention) and module.qkv_proj is None:
             module.qkv_proj = _concatenated(module.q_proj, module.k_proj, module.v_proj)
             del module.q_proj, module.k_proj, module.v_proj

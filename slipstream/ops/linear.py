@@ -166,12 +166,17 @@ def pack_linears(model: nn.Module, *, extra_copies: bool = False) -> nn.Module:
     with_panels = [(name, m) for name, m in targets if keeps_panels(m.weight, extra_copies)]
     row_buffers = _huge_page_buffers(with_rows, lambda weight: weight.numel())
     panel_buffers = _huge_page_buffers(with_panels, _panel_numel)
-    for name, linear in targets:
+    del with_rows, with_panels
+    num_packed = len(targets)
+    targets.reverse()
+    while targets:  # each original is freed once packed: the next layer's copies reuse its memory
+        name, linear = targets.pop()
         parent_name, _, child_name = name.rpartition(".")
         packed = PackedLinear(linear, extra_copies=extra_copies, row_buffer=row_buffers.get(name),
                               panel_buffer=panel_buffers.get(name))
         setattr(model.get_submodule(parent_name), child_name, packed)
-    logger.info("packed %d linear layers for oneDNN", len(targets))
+        del linear
+    logger.info("packed %d linear layers for oneDNN", num_packed)
     return model
 
 
