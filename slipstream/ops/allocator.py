@@ -47,15 +47,21 @@ _M_MMAP_MAX = -4
 _MAX_MMAP_THRESHOLD_BYTES = 32 * 2**20  # glibc's upper limit on 64-bit systems
 
 
+def _mallopt():
+    """glibc's mallopt, or None (with a log line) where there is none."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    except (OSError, AttributeError, TypeError):
+        logger.info("no glibc mallopt here; leaving the allocator alone")
+        return None
+
+
 @functools.cache
 def keep_freed_memory() -> bool:
     """Serve allocations up to 32 MiB from the heap and never trim it (glibc only; a no-op
     returning False elsewhere). Process-wide and idempotent: engines and trainers call it."""
-    libc_name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(libc_name).mallopt
-    except (OSError, AttributeError, TypeError):
-        logger.info("no glibc mallopt here; leaving the allocator alone")
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
     ok = mallopt(_M_MMAP_THRESHOLD, _MAX_MMAP_THRESHOLD_BYTES) == 1
     ok &= mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
@@ -72,11 +78,8 @@ def keep_large_freed_memory() -> bool:
     training (the logits and their gradients) and the engine's steps once its weights and KV
     cache are in place (an fp32 prefill chunk of 2,048 tokens has a 32 MiB gate/up product per
     layer). Memory freed afterwards stays with the process."""
-    libc_name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(libc_name).mallopt
-    except (OSError, AttributeError, TypeError):
-        logger.info("no glibc mallopt here; leaving the allocator alone")
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
     ok = mallopt(_M_MMAP_MAX, 0) == 1
     logger.info("glibc allocator %s to serve large allocations from the heap", "set" if ok else "not set")

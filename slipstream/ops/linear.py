@@ -162,21 +162,20 @@ def pack_linears(model: nn.Module, *, extra_copies: bool = False) -> nn.Module:
         logger.info("oneDNN linear packing does not apply here; keeping nn.Linear")
         return model
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    with_rows = [(name, m) for name, m in targets if extra_copies and extra_copies_of(m.weight)[0]]
-    with_panels = [(name, m) for name, m in targets if keeps_panels(m.weight, extra_copies)]
-    row_buffers = _huge_page_buffers(with_rows, lambda weight: weight.numel())
-    panel_buffers = _huge_page_buffers(with_panels, _panel_numel)
-    del with_rows, with_panels
-    num_packed = len(targets)
-    targets.reverse()
-    while targets:  # each original is freed once packed: the next layer's copies reuse its memory
-        name, linear = targets.pop()
+    row_buffers = _huge_page_buffers(
+        [(name, m) for name, m in targets if extra_copies and extra_copies_of(m.weight)[0]],
+        lambda weight: weight.numel())
+    panel_buffers = _huge_page_buffers(
+        [(name, m) for name, m in targets if keeps_panels(m.weight, extra_copies)], _panel_numel)
+    names = [name for name, _ in targets]
+    del targets
+    for name in names:  # looked up one at a time: each original is freed once the next replaces it
         parent_name, _, child_name = name.rpartition(".")
+        linear = model.get_submodule(name)
         packed = PackedLinear(linear, extra_copies=extra_copies, row_buffer=row_buffers.get(name),
                               panel_buffer=panel_buffers.get(name))
         setattr(model.get_submodule(parent_name), child_name, packed)
-        del linear
-    logger.info("packed %d linear layers for oneDNN", num_packed)
+    logger.info("packed %d linear layers for oneDNN", len(names))
     return model
 
 
