@@ -501,11 +501,12 @@ static inline __attribute__((always_inline)) void attend_avx2(
                 /* The eight keys' sums step together over the head dimension (each key's in the
                  * same order as one key at a time, so bit for bit the same): bf16, 64 x 224 keys
                  * from memory, 1.05x (decode_attention_ab.c, Zen 3); fp32 even. */
+                const int64_t *keys = offsets + t0 + j0;
                 for (int64_t c = 0; c < vectors; c++) {
                     const __m256 query_c = _mm256_loadu_ps(query + 8 * c);
                     for (int64_t j = 0; j < 8; j++)
                         partial_dots[j] = _mm256_fmadd_ps(
-                            query_c, load8(k_cache, offsets[t0 + j0 + j] + kv_offset + 8 * c, dtype), partial_dots[j]);
+                            query_c, load8(k_cache, keys[j] + kv_offset + 8 * c, dtype), partial_dots[j]);
                 }
                 _mm256_storeu_ps(scores + h * stride + t0 + j0, sum_lanes_8x8(partial_dots));
             }
