@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -213,14 +214,15 @@ def test_matrix_vector_kernel_matches_linear(dtype, num_rows):
 def test_panel_gemm_matches_float64_reference(dtype, num_rows):
     """The panel kernel against a float64 product: output widths with partial panels (5, 50,
     100) and exact ones (48, 96), reductions shorter than a vector, odd (a bf16 pair without its
-    partner), and longer than one fp32 k-chunk (1101 > 512), with and without bias; with at most
+    partner), and longer than one fp32 k-chunk (1101 > 512), multiples of 32 (AMX tiles where
+    the CPU has them) and not (the vector kernels there), with and without bias; with at most
     as many panels as threads the rows are split as well; from 1024 rows they go in bands. Its
     error stays within a few times that of PyTorch's own product in the same dtype (fp32: a
     different summation order; bf16: both round the fp32 sum once)."""
     if not cpu_kernels.supports_panel_gemm(torch.empty(1, dtype=dtype)):
         pytest.skip(f"no {dtype} panel kernel on this CPU")
     torch.manual_seed(num_rows)
-    for out_features, in_features in [(5, 7), (48, 16), (50, 33), (96, 512), (100, 1101)]:
+    for out_features, in_features in [(5, 7), (48, 16), (50, 33), (96, 512), (100, 1101), (70, 96)]:
         weight = torch.randn(out_features, in_features).to(dtype)
         bias = torch.randn(out_features).to(dtype)
         x = torch.randn(num_rows, in_features).to(dtype)
@@ -232,6 +234,16 @@ def test_panel_gemm_matches_float64_reference(dtype, num_rows):
             error = (got.double() - exact).abs().max().item()
             assert got.shape == (num_rows, out_features) and got.dtype == dtype
             assert error <= 8 * torch_error + 1e-6, (out_features, in_features, error, torch_error)
+
+
+def test_panel_gemm_uses_amx_only_where_the_cpu_has_it():
+    """The tiles are used only where the kernel reports the AMX-BF16 flag (and then bf16 takes
+    the panel kernel from one row: it streams the weight faster than the matrix-vector kernel)."""
+    if cpu_kernels.library() is None:
+        pytest.skip("no C kernels here")
+    if cpu_kernels.panel_gemm_uses_amx():
+        assert " amx_bf16" in Path("/proc/cpuinfo").read_text()
+        assert cpu_kernels.min_panel_rows(torch.bfloat16) == 1
 
 
 def test_weight_copies_share_one_huge_page_buffer_per_layout():

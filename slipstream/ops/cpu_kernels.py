@@ -104,6 +104,8 @@ def _load() -> ctypes.CDLL | None:
     lib.has_panel_gemm.argtypes = [ctypes.c_int]
     lib.panel_gemm_takes_all_rows.restype = ctypes.c_int
     lib.panel_gemm_takes_all_rows.argtypes = [ctypes.c_int]
+    lib.panel_gemm_uses_amx.restype = ctypes.c_int
+    lib.panel_gemm_uses_amx.argtypes = []
     lib.panel_numel.restype = ctypes.c_int64
     lib.panel_numel.argtypes = [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.pack_panels.restype = None
@@ -238,7 +240,8 @@ MAX_GEMV_ROWS = 4  # as in cpu_ops.c
 @functools.cache
 def min_panel_rows(dtype: torch.dtype) -> int:
     """The fewest rows of `dtype` that take the panel kernel where its copies are kept; fewer take
-    the matrix-vector kernel (3, or 1 for bf16 on a CPU without bf16 arithmetic: see cpu_ops.c)."""
+    the matrix-vector kernel (3, or 1 for bf16 on a CPU without bf16 arithmetic or with AMX: see
+    cpu_ops.c)."""
     lib = library()
     assert lib is not None and dtype in DTYPE_CODES
     return lib.min_panel_rows(DTYPE_CODES[dtype])
@@ -264,6 +267,15 @@ def supports_panel_gemm(weight: torch.Tensor) -> bool:
     """Whether `panel_gemm` handles this weight here (fp32 or bf16 on a CPU with AVX-512, or AVX2
     with FMA)."""
     return supports(weight) and bool(library().has_panel_gemm(DTYPE_CODES[weight.dtype]))
+
+
+@functools.cache
+def panel_gemm_uses_amx() -> bool:
+    """Whether bf16 panel products run on the AMX tile unit here (Intel Xeons from Sapphire Rapids
+    on, where Linux grants the process the tiles), for inputs whose width is a multiple of 32; the
+    others, and every CPU without AMX, take the vector kernels (see cpu_ops.c)."""
+    lib = library()
+    return lib is not None and bool(lib.panel_gemm_uses_amx())
 
 
 @functools.cache

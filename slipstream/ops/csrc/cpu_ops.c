@@ -2,8 +2,10 @@
  * Matrix products, row operations and the decode graph, on the CPU: the matrix-vector kernel of
  * batch-1 decode, the panel GEMM of decode batches, KV-cache writes, RMSNorm, the rotary
  * embedding, silu-and-mul, and decode_layers, which runs a whole decode step of the layer stack
- * in one call (its attention is attention.c's). fp32 and bf16; bf16 arithmetic is fp32.
+ * in one call (its attention is attention.c's). fp32 and bf16; bf16 multiplies on AMX tiles, in
+ * vdpbf16ps or widened to fp32, by what the CPU has.
  */
+#define _GNU_SOURCE /* syscall, for the AMX permission */
 #include "common.h"
 
 
@@ -41,11 +43,13 @@ int arithmetic_dtype(int dtype) {
  * panel (all 48 weights of the bench model, Ice Lake Xeon, the two alternating: 1.15x at 1 row,
  * 1.26x at 2), and so does bf16 with AVX2 (Zen 3, benchmarks/linear_kernels.py: 13.5-17.6 against
  * 12.0-16.4 GFLOP/s at 1 row; fp32 about even, 7.7-7.9 against 7.2-8.1). */
+static int amx_takes(int64_t K);
+
 int min_panel_rows(int dtype) {
 #if (defined(__AVX512F__) || defined(SLIPSTREAM_AVX2)) && !defined(__AVX512BF16__)
     if (dtype == DTYPE_BF16) return 1;
 #endif
-    (void)dtype;
+    if (dtype == DTYPE_BF16 && amx_takes(32)) return 1;
     return MIN_PANEL_ROWS;
 }
 
@@ -314,10 +318,10 @@ typedef struct {
     int64_t panel, block_begin, block_end, cols;  /* blocks of PANEL_ROWS rows; valid columns */
 } panel_task;
 
-static panel_schedule thread_panel_schedule(int64_t M, int64_t N) {
+static panel_schedule thread_panel_schedule(int64_t M, int64_t N, int64_t block_rows) {
     const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
     const int64_t num_panels = (N + PANEL_COLS - 1) / PANEL_COLS;
-    const int64_t blocks = (M + PANEL_ROWS - 1) / PANEL_ROWS;
+    const int64_t blocks = (M + block_rows - 1) / block_rows;
     int64_t row_groups = (4 * threads + num_panels - 1) / num_panels;
     row_groups = row_groups > blocks ? blocks : row_groups;
     const int64_t tasks = num_panels * row_groups;
@@ -472,7 +476,7 @@ static const panel_kernel_fn panel_kernels[PANEL_ROWS + 1] = {
  * 1.09x at 64 and 256 rows, bf16 1.06x at 64, 1.07x at 256 and 1.13x at 2,048; even at 16 rows. */
 static void panel_tasks_f32(task_team *team, const float *x, const float *panels, const float *bias, float *y,
                             int64_t M, int64_t N, int64_t K) {
-    const panel_schedule schedule = thread_panel_schedule(M, N);
+    const panel_schedule schedule = thread_panel_schedule(M, N, PANEL_ROWS);
     open_share(team, schedule.begin, schedule.end);
     int stolen = 0;
     int64_t task;
@@ -671,7 +675,7 @@ static const panel_kernel_bf16_fn panel_kernels_bf16[PANEL_ROWS + 1] = {
 
 static void panel_tasks_bf16(task_team *team, const uint16_t *x, const uint16_t *panels, const uint16_t *bias,
                              uint16_t *y, int64_t M, int64_t N, int64_t K) {
-    const panel_schedule schedule = thread_panel_schedule(M, N);
+    const panel_schedule schedule = thread_panel_schedule(M, N, PANEL_ROWS);
     const int64_t pairs = (K + 1) / 2, panel_elems = 2 * pairs * PANEL_COLS;
     open_share(team, schedule.begin, schedule.end);
     int stolen = 0;
@@ -695,6 +699,133 @@ static void panel_tasks_bf16(task_team *team, const uint16_t *x, const uint16_t 
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/*
+ * bf16 products on AMX (Intel Xeons from Sapphire Rapids on): the tile unit multiplies a 16 x 32
+ * tile of x by a 32 x 16 tile of the weight into a 16 x 16 fp32 tile in one instruction
+ * (tdpbf16ps, 16 x 16 x 32 multiply-adds). The bf16 panels (pairs of consecutive k side by side,
+ * 48 columns) are already the weight tiles' layout: rows of 16 columns x 2 k, 192 bytes apart. A
+ * block of up to 16 rows keeps its 16 x 48 sums in three tiles; per 32 k it loads one tile of x
+ * and three of the panel. vdpbf16ps, which the kernels above use, reached only ~210 GFLOP/s here
+ * (an Intel Xeon of family 6, model 167, 2 cores; benchmarks/linear_kernels.py), against ~700 for
+ * oneDNN's AMX product at 64 rows.
+ *
+ * Linux hands out the tile registers only to a process that asks (arch_prctl
+ * ARCH_REQ_XCOMP_PERM, once per process, for every thread); where it refuses, or where K is not
+ * a multiple of 32, the vdpbf16ps kernels run instead.
+ */
+#define SLIPSTREAM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+enum { AMX_ROWS = 16, AMX_K = 32, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+
+static int amx_granted(void) {
+    static _Atomic int state = 0;  /* 0: not asked yet, 1: granted, -1: refused */
+    int seen = atomic_load(&state);
+    if (seen == 0) {
+        seen = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        atomic_store(&state, seen);
+    }
+    return seen == 1;
+}
+
+/* The tile configuration (palette 1) for blocks of `rows` rows: tiles 0-2 the sums, 3 the rows of
+ * x, 4-6 the panel's three column tiles. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static void configure_tiles(int64_t rows) {
+    tile_config config = {.palette = 1};
+    for (int t = 0; t < 7; t++) {
+        config.colsb[t] = 64;
+        config.rows[t] = t < 4 ? (uint8_t)rows : AMX_K / 2;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* y[0:rows, 0:cols] = bf16(x[0:rows, 0:K] . panel + bias) as panel_kernel_bf16_*, for the rows the
+ * tiles are configured for; pf_lines lines of `prefetch` requested per 32 k. */
+static void amx_block_bf16(const uint16_t *x, int64_t ldx, const uint16_t *panel, int64_t K, uint16_t *y,
+                           int64_t N, int64_t rows, int64_t cols, const uint16_t *bias, const char *prefetch,
+                           int64_t pf_lines) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int64_t k = 0; k < K; k += AMX_K) {
+        for (int64_t l = 0; l < pf_lines; l++, prefetch += 64) _mm_prefetch(prefetch, _MM_HINT_T1);
+        const uint16_t *w = panel + k * PANEL_COLS;  /* pair k / 2, 2 x 48 values per pair */
+        _tile_loadd(3, x + k, ldx * 2);
+        _tile_loadd(4, w, 4 * PANEL_COLS);
+        _tile_loadd(5, w + 32, 4 * PANEL_COLS);
+        _tile_loadd(6, w + 64, 4 * PANEL_COLS);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_dpbf16ps(1, 3, 5);
+        _tile_dpbf16ps(2, 3, 6);
+    }
+    float sums[AMX_ROWS][PANEL_COLS];
+    _tile_stored(0, sums[0], sizeof sums[0]);
+    _tile_stored(1, sums[0] + 16, sizeof sums[0]);
+    _tile_stored(2, sums[0] + 32, sizeof sums[0]);
+    for (int j = 0; j < 3; j++) {
+        const int64_t left = cols - 16 * j;
+        if (left <= 0) break;
+        const __mmask16 mask = left >= 16 ? 0xFFFF : (__mmask16)((1u << left) - 1u);
+        const __m512 add = bias == NULL ? _mm512_setzero_ps()
+            : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                  _mm256_maskz_loadu_epi16(mask, bias + 16 * j)), 16));
+        for (int64_t r = 0; r < rows; r++)
+            _mm256_mask_storeu_epi16(y + r * N + 16 * j, mask,
+                                     round_to_bf16(_mm512_add_ps(_mm512_loadu_ps(sums[r] + 16 * j), add)));
+    }
+}
+
+/* panel_tasks_bf16 on the tiles: the same panels and work stealing, blocks of up to 16 rows. */
+static void panel_tasks_amx(task_team *team, const uint16_t *x, const uint16_t *panels, const uint16_t *bias,
+                            uint16_t *y, int64_t M, int64_t N, int64_t K) {
+    const panel_schedule schedule = thread_panel_schedule(M, N, AMX_ROWS);
+    const int64_t panel_elems = K * PANEL_COLS, steps = K / AMX_K;
+    open_share(team, schedule.begin, schedule.end);
+    int64_t configured = 0, task;
+    int stolen = 0;
+    while (next_task(team, &stolen, &task)) {
+        const panel_task t = panel_task_at(&schedule, task, N);
+        const uint16_t *panel = panels + t.panel * panel_elems;
+        const int64_t points = (t.block_end - t.block_begin) * steps;
+        const int64_t pf_lines = stolen || task == schedule.end - 1
+                                     ? 0 : (PANEL_ROW_LINES * K / 2 + points - 1) / points;
+        const char *prefetch = (const char *)(panel + panel_elems);
+        for (int64_t b = t.block_begin; b < t.block_end; b++) {
+            const int64_t m0 = block_row(b, M, schedule.blocks);
+            const int64_t rows = block_row(b + 1, M, schedule.blocks) - m0;
+            if (rows != configured) configure_tiles(configured = rows);
+            amx_block_bf16(x + m0 * K, K, panel, K, y + m0 * N + t.panel * PANEL_COLS, N, rows, t.cols,
+                           bias == NULL ? NULL : bias + t.panel * PANEL_COLS, prefetch, pf_lines);
+            prefetch += steps * pf_lines * 64;
+        }
+    }
+    if (configured) _tile_release();
+}
+#endif
+
+/* Whether bf16 products of (., K) inputs run on the AMX tiles here. */
+static int amx_takes(int64_t K) {
+#if defined(SLIPSTREAM_AMX)
+    return K % 32 == 0 && amx_granted();
+#else
+    (void)K;
+    return 0;
+#endif
+}
+
+/* Whether this build and process multiply bf16 on AMX tiles (for inputs whose K is a multiple of 32). */
+int panel_gemm_uses_amx(void) {
+    return amx_takes(32);
+}
+
 /* From PANEL_BANDS_FROM_ROWS rows on, rows go in bands of PANEL_BAND_ROWS: every panel passes
  * over one band (whose x rows stay in L2) before the next band starts, instead of each panel
  * passing over all M rows, whose x then streams from L3 or memory for every panel. fp32, the 48
@@ -713,6 +844,10 @@ static void panel_tasks(task_team *team, const void *x, const void *panels, cons
 #if defined(HAS_PANEL_KERNEL)
         if (dtype == DTYPE_F32)
             panel_tasks_f32(team, (const float *)x + m0 * K, panels, bias, (float *)y + m0 * N, rows, N, K);
+#if defined(SLIPSTREAM_AMX)
+        else if (amx_takes(K))
+            panel_tasks_amx(team, (const uint16_t *)x + m0 * K, panels, bias, (uint16_t *)y + m0 * N, rows, N, K);
+#endif
         else
             panel_tasks_bf16(team, (const uint16_t *)x + m0 * K, panels, bias, (uint16_t *)y + m0 * N, rows,
                              N, K);
