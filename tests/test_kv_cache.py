@@ -194,6 +194,21 @@ def test_reset_prefix_cache_only_when_idle():
     assert kv.num_cached_blocks == 0 and kv.lookup(make_request("b", range(9))) == []
 
 
+def test_blocks_used_before_a_reset_are_taken_before_fresh_ones():
+    """After reset_prefix_cache the blocks that held keys are reused first (their memory is already
+    mapped), in the order they were freed, before blocks no request has used."""
+    kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
+    first = make_request("a", range(9))
+    compute(kv, first, 9)
+    used = kv.block_ids("a")
+    kv.free(first)
+    assert kv.reset_prefix_cache()
+    second = make_request("b", range(100, 109))
+    compute(kv, second, 9)
+    assert set(kv.block_ids("b")) == set(used)
+    kv.check_invariants()
+
+
 def test_check_invariants_catches_tokens_changed_under_a_cached_block():
     """A cached block must hold exactly its request's token ids; a mismatch is reported."""
     kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
