@@ -1123,6 +1123,84 @@ static void pair_probabilities(const float *s, uint32_t *p, int64_t rows) {
 }
 #endif
 
+#if defined(SLIPSTREAM_AMX)
+/* Both bf16 products of a tile on AMX tiles (common.h), 16 task rows at a time: the packed keys
+ * (kt) and values (v) are already B tiles' layout (pairs of consecutive k, here d for the keys and
+ * keys for the values, side by side), q and p rows are A tiles. Tiles 0-3 hold four 16-column
+ * blocks of the sums, 4 the rows of q or p, 5-7 the keys or values. Past the tile's n keys kt, v
+ * and p are zero, so every product runs over all PREFILL_KEYS. */
+enum { AMX_TILE_ROWS = 16 };
+
+static void configure_prefill_tiles(int64_t rows, int64_t *configured) {
+    if (rows != *configured) configure_amx(*configured = rows, 4, 1, 3);
+}
+
+/* s[r][0:64] = scale * q[r] . k for the task's rows (q rows D bf16 apart). */
+static void amx_scores(const uint16_t *q, const uint32_t *kt, float *s, int64_t rows, int64_t D, float scale,
+                       int64_t *configured) {
+    for (int64_t r0 = 0; r0 < rows; r0 += AMX_TILE_ROWS) {
+        const int64_t m = rows - r0 < AMX_TILE_ROWS ? rows - r0 : AMX_TILE_ROWS;
+        configure_prefill_tiles(m, configured);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {
+            const uint32_t *k = kt + d0 / 2 * PREFILL_KEYS;  /* pairs d0 / 2 on, 16 rows */
+            _tile_loadd(4, q + r0 * D + d0, D * sizeof(uint16_t));
+            _tile_loadd(5, k, PREFILL_KEYS * sizeof(uint32_t));
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, k + 16, PREFILL_KEYS * sizeof(uint32_t));
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(7, k + 32, PREFILL_KEYS * sizeof(uint32_t));
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, k + 48, PREFILL_KEYS * sizeof(uint32_t));
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        float *out = s + r0 * PREFILL_KEYS;
+        _tile_stored(0, out, PREFILL_KEYS * sizeof(float));
+        _tile_stored(1, out + 16, PREFILL_KEYS * sizeof(float));
+        _tile_stored(2, out + 32, PREFILL_KEYS * sizeof(float));
+        _tile_stored(3, out + 48, PREFILL_KEYS * sizeof(float));
+        const __m512 scales = _mm512_set1_ps(scale);
+        for (int64_t i = 0; i < m * PREFILL_KEYS; i += 16)
+            _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(out + i), scales));
+    }
+}
+
+/* o[r] += p[r] . v for the task's rows (p rows PREFILL_KEYS / 2 words apart, o rows D floats). */
+static void amx_values(const uint32_t *p, const uint32_t *v, float *o, int64_t rows, int64_t D,
+                       int64_t *configured) {
+    for (int64_t r0 = 0; r0 < rows; r0 += AMX_TILE_ROWS) {
+        const int64_t m = rows - r0 < AMX_TILE_ROWS ? rows - r0 : AMX_TILE_ROWS;
+        configure_prefill_tiles(m, configured);
+        for (int64_t c0 = 0; c0 < D; c0 += 64) {  /* four 16-column blocks of o at a time */
+            float *acc = o + r0 * D + c0;
+            _tile_loadd(0, acc, D * sizeof(float));
+            _tile_loadd(1, acc + 16, D * sizeof(float));
+            _tile_loadd(2, acc + 32, D * sizeof(float));
+            _tile_loadd(3, acc + 48, D * sizeof(float));
+            for (int64_t t0 = 0; t0 < PREFILL_KEYS; t0 += 32) {
+                const uint32_t *pairs = v + t0 / 2 * D + c0;  /* key pairs t0 / 2 on, 16 rows */
+                _tile_loadd(4, p + r0 * PREFILL_KEYS / 2 + t0 / 2, PREFILL_KEYS / 2 * sizeof(uint32_t));
+                _tile_loadd(5, pairs, D * sizeof(uint32_t));
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, pairs + 16, D * sizeof(uint32_t));
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(7, pairs + 32, D * sizeof(uint32_t));
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_loadd(5, pairs + 48, D * sizeof(uint32_t));
+                _tile_dpbf16ps(3, 4, 5);
+            }
+            _tile_stored(0, acc, D * sizeof(float));
+            _tile_stored(1, acc + 16, D * sizeof(float));
+            _tile_stored(2, acc + 32, D * sizeof(float));
+            _tile_stored(3, acc + 48, D * sizeof(float));
+        }
+    }
+}
+#endif
+
 /* The causal and window masks and the online softmax over one tile's scores (keys [j0, j0 + n)):
  * each row's scores become its probabilities against the running max, which, with the running
  * sum and the row's accumulator, is brought up to date. */
@@ -1166,6 +1244,10 @@ static void prefill_task(const void *q, const void *k_cache, const void *v_cache
 #else
     const int bf16 = 0;
 #endif
+#if defined(SLIPSTREAM_AMX)
+    const int amx = bf16 && amx_granted();
+    int64_t configured = 0;  /* the rows the tiles are configured for; 0 before the first */
+#endif
     /* Task row i * group + h: position p0 + i (flat row first_row + i of q and out), query head
      * g * group + h. bf16 queries stay as they are, the scale applied to the scores. */
     const int64_t first_row = row0 + p0 - first_position;
@@ -1185,6 +1267,15 @@ static void prefill_task(const void *q, const void *k_cache, const void *v_cache
 #if defined(__AVX512BF16__)
         if (bf16) {
             pack_tile_bf16(k_cache, v_cache, block_table, j0, n, g, num_kv_heads, D, block_size, w);
+#if defined(SLIPSTREAM_AMX)
+            if (amx) {
+                amx_scores((const uint16_t *)w.q, (const uint32_t *)w.kt, w.s, rows, D, scale, &configured);
+                softmax_tile(w, rows, group, p0, j0, n, window, D);
+                pair_probabilities(w.s, w.p, rows);
+                amx_values(w.p, (const uint32_t *)w.v, w.o, rows, D, &configured);
+                continue;
+            }
+#endif
             for (int64_t r = 0; r < rows; r += 6) {
                 const int64_t m = rows - r < 6 ? rows - r : 6;
                 score_kernels_bf16[m]((const uint32_t *)w.q + r * D / 2, (const uint32_t *)w.kt,
@@ -1206,6 +1297,9 @@ static void prefill_task(const void *q, const void *k_cache, const void *v_cache
         softmax_tile(w, rows, group, p0, j0, n, window, D);
         value_products(w.s, w.v, w.o, rows, n, D);
     }
+#if defined(SLIPSTREAM_AMX)
+    if (configured) _tile_release();
+#endif
     for (int64_t i = 0; i < count; i++)
         for (int64_t h = 0; h < group; h++) {
             const int64_t r = i * group + h;

@@ -7,6 +7,8 @@
 #ifndef SLIPSTREAM_CPU_OPS_COMMON_H
 #define SLIPSTREAM_CPU_OPS_COMMON_H
 
+#define _GNU_SOURCE  /* syscall, for the AMX permission; before any system header */
+
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -102,6 +104,49 @@ static inline __m128i round_to_bf16_8(__m256 v) {
     const __m256i rounded = _mm256_srli_epi32(
         _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
     return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/*
+ * AMX (Intel Xeons from Sapphire Rapids on): eight tile registers of up to 16 rows x 64 bytes and
+ * tdpbf16ps, C (16 x 16 fp32) += A (16 rows x 32 bf16) . B (16 rows of 16 columns x 2 bf16, pairs
+ * of consecutive k side by side): 8,192 multiply-adds per instruction. The bf16 panel products
+ * (cpu_ops.c) and prefill attention (attention.c) use them. Linux hands the tiles only to a
+ * process that asks (arch_prctl ARCH_REQ_XCOMP_PERM, once per process, for all its threads);
+ * where it refuses, the vector kernels run instead.
+ */
+#define SLIPSTREAM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+
+static inline int amx_granted(void) {
+    static _Atomic int state = 0;  /* 0: not asked yet, 1: granted, -1: refused */
+    int seen = atomic_load(&state);
+    if (seen == 0) {
+        seen = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        atomic_store(&state, seen);
+    }
+    return seen == 1;
+}
+
+typedef struct {  /* ldtilecfg's operand, palette 1 */
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* This thread's tiles, all 64 bytes wide: `sums` tiles of `rows` rows from tile 0 (fp32 sums), then
+ * `a` tiles of `rows` rows (bf16 rows of A), then `b` tiles of 16 rows (bf16 pairs of B). */
+static inline void configure_amx(int64_t rows, int sums, int a, int b) {
+    tile_config config = {.palette = 1};
+    for (int t = 0; t < sums + a + b; t++) {
+        config.colsb[t] = 64;
+        config.rows[t] = t < sums + a ? (uint8_t)rows : 16;
+    }
+    _tile_loadconfig(&config);
 }
 #endif
 

@@ -5,7 +5,6 @@
  * in one call (its attention is attention.c's). fp32 and bf16; bf16 multiplies on AMX tiles, in
  * vdpbf16ps or widened to fp32, by what the CPU has.
  */
-#define _GNU_SOURCE /* syscall, for the AMX permission */
 #include "common.h"
 
 
@@ -699,52 +698,21 @@ static void panel_tasks_bf16(task_team *team, const uint16_t *x, const uint16_t 
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(SLIPSTREAM_AMX)
 /*
- * bf16 products on AMX (Intel Xeons from Sapphire Rapids on): the tile unit multiplies a 16 x 32
- * tile of x by a 32 x 16 tile of the weight into a 16 x 16 fp32 tile in one instruction
- * (tdpbf16ps, 16 x 16 x 32 multiply-adds). The bf16 panels (pairs of consecutive k side by side,
+ * bf16 products on AMX tiles (common.h). The bf16 panels (pairs of consecutive k side by side,
  * 48 columns) are already the weight tiles' layout: rows of 16 columns x 2 k, 192 bytes apart. A
  * block of up to 16 rows keeps its 16 x 48 sums in three tiles; per 32 k it loads one tile of x
  * and three of the panel. vdpbf16ps, which the kernels above use, reached only ~210 GFLOP/s here
  * (an Intel Xeon of family 6, model 167, 2 cores; benchmarks/linear_kernels.py), against ~700 for
- * oneDNN's AMX product at 64 rows.
- *
- * Linux hands out the tile registers only to a process that asks (arch_prctl
- * ARCH_REQ_XCOMP_PERM, once per process, for every thread); where it refuses, or where K is not
- * a multiple of 32, the vdpbf16ps kernels run instead.
+ * oneDNN's AMX product at 64 rows. Where K is not a multiple of 32, the vdpbf16ps kernels run.
  */
-#define SLIPSTREAM_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+enum { AMX_ROWS = 16, AMX_K = 32 };
 
-enum { AMX_ROWS = 16, AMX_K = 32, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
-
-static int amx_granted(void) {
-    static _Atomic int state = 0;  /* 0: not asked yet, 1: granted, -1: refused */
-    int seen = atomic_load(&state);
-    if (seen == 0) {
-        seen = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-        atomic_store(&state, seen);
-    }
-    return seen == 1;
-}
-
-/* The tile configuration (palette 1) for blocks of `rows` rows: tiles 0-2 the sums, 3 the rows of
- * x, 4-6 the panel's three column tiles. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
+/* The tiles for blocks of `rows` rows: 0-2 the sums, 3 the rows of x, 4-6 the panel's three column
+ * tiles. */
 static void configure_tiles(int64_t rows) {
-    tile_config config = {.palette = 1};
-    for (int t = 0; t < 7; t++) {
-        config.colsb[t] = 64;
-        config.rows[t] = t < 4 ? (uint8_t)rows : AMX_K / 2;
-    }
-    _tile_loadconfig(&config);
+    configure_amx(rows, 3, 1, 3);
 }
 
 /* y[0:rows, 0:cols] = bf16(x[0:rows, 0:K] . panel + bias) as panel_kernel_bf16_*, for the rows the
@@ -814,7 +782,7 @@ static void panel_tasks_amx(task_team *team, const uint16_t *x, const uint16_t *
 /* Whether bf16 products of (., K) inputs run on the AMX tiles here. */
 static int amx_takes(int64_t K) {
 #if defined(SLIPSTREAM_AMX)
-    return K % 32 == 0 && amx_granted();
+    return K % AMX_K == 0 && amx_granted();
 #else
     (void)K;
     return 0;
