@@ -1204,7 +1204,7 @@ static void amx_values(const uint32_t *p, const uint32_t *v, float *o, int64_t r
 /* The causal and window masks and the online softmax over one tile's scores (keys [j0, j0 + n)):
  * each row's scores become its probabilities against the running max, which, with the running
  * sum and the row's accumulator, is brought up to date. */
-static void softmax_tile(prefill_scratch w, int64_t rows, int64_t group, int64_t p0, int64_t j0, int64_t n,
+static WIDE_VECTORS void softmax_tile(prefill_scratch w, int64_t rows, int64_t group, int64_t p0, int64_t j0, int64_t n,
                          int64_t window, int64_t D) {
     for (int64_t r = 0; r < rows; r++) {
         const int64_t position = p0 + r / group;

@@ -861,7 +861,7 @@ void write_kv(const void *k, const void *v, void *k_cache, void *v_cache, const 
  * activation dtype (for bf16 that is a second rounding, which we reproduce).
  * x, out: (num_rows, dim); weight: (dim,). out may alias x.
  */
-static __attribute__((noinline)) void rms_norm_row(const void *x, const void *weight, void *out,
+static __attribute__((noinline)) WIDE_VECTORS void rms_norm_row(const void *x, const void *weight, void *out,
                                                    int64_t dim, float eps, int dtype) {
     float sum_sq = 0.0f;
     if (dtype == DTYPE_F32) {
@@ -897,7 +897,7 @@ void rms_norm(const void *x, const void *weight, void *out, int64_t num_rows, in
  * PyTorch ops of the reference do. x: (num_tokens, num_heads, head_dim); cos, sin:
  * (num_tokens, head_dim), whose two halves are equal.
  */
-static __attribute__((noinline)) void rotary_token(void *x, const void *cos_row, const void *sin_row,
+static __attribute__((noinline)) WIDE_VECTORS void rotary_token(void *x, const void *cos_row, const void *sin_row,
                                                    int64_t num_heads, int64_t head_dim, int dtype) {
     const int64_t half = head_dim / 2;
     for (int64_t h = 0; h < num_heads; h++) {
@@ -944,7 +944,7 @@ void rotary_embedding(void *x, const void *cos_table, const void *sin_table, int
  */
 static inline float silu(float g) { return g < -88.7228f ? 0.0f : g / (1.0f + expf(-g)); }
 
-static __attribute__((noinline)) void silu_and_mul_row(const void *x, void *out, int64_t width, int dtype) {
+static __attribute__((noinline)) WIDE_VECTORS void silu_and_mul_row(const void *x, void *out, int64_t width, int dtype) {
     if (dtype == DTYPE_F32) {
         const float *gate = x, *up = gate + width;
         float *dst = out;
