@@ -405,7 +405,9 @@ def _measure_cache_reads() -> dict[int, float]:
     (on huge pages, as `measure_memory_bandwidth`): the share of a buffer that stays cached from
     one pass to the next depends on the cache's replacement policy, so it is measured, not
     assumed (LRU would keep nothing of a buffer past the cache's size; the AMD development
-    machine's 32 MiB L3 kept about 40% of a 64 MiB one, which read at 1.4x the memory's rate)."""
+    machine's 32 MiB L3 kept about 40% of a 64 MiB one, which read at 1.4x the memory's rate).
+    Only sizes below the memory buffer's: its rate ends the curve (an Intel Xeon VM reported 480
+    MiB of L3, whose larger multiples are past the 1 GiB buffer)."""
     import torch
 
     from slipstream.ops.allocator import huge_page_empty
@@ -413,6 +415,8 @@ def _measure_cache_reads() -> dict[int, float]:
     rates = {}
     for fraction in CACHE_READ_SIZES:
         nbytes = int(fraction * _l3_cache_bytes()) // 4 * 4
+        if nbytes >= _memory_buffer_bytes():
+            break
         src = huge_page_empty(nbytes // 4, torch.float32)
         torch.arange(nbytes // 4, dtype=torch.float32, out=src)
         rates[nbytes] = nbytes / _best_time_s(src.sum, "cpu")
