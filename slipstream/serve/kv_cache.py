@@ -178,8 +178,9 @@ class KVCacheManager:
         # Keyless now, the blocks that held keys go to the head as freed keyless blocks do, ahead of
         # blocks never used: their pages are already mapped (a first write to a fresh block's pages
         # faults and zeroes them, ~5% of a bf16 offline round of the bench model when every round
-        # took fresh blocks) and may still be in cache.
-        held = [block for block in self._free if self._block_keys[block] is not None]
+        # took fresh blocks) and may still be in cache. In ascending order, as the pool starts, so
+        # that a prompt's blocks are again neighbours in memory.
+        held = sorted(block for block in self._free if self._block_keys[block] is not None)
         for block in reversed(held):
             self._free.move_to_end(block, last=False)
         self._cache.clear()
