@@ -13,6 +13,8 @@ Free blocks wait in one LRU queue (an OrderedDict: O(1) at both ends and in the 
 block that holds a key joins the tail and stays hittable until allocation takes it from the head,
 which is when its key is evicted; a freed block without a key joins the head, since reusing it
 first loses nothing. A request's blocks are freed tail first, so a prefix outlives its suffixes.
+`reset_prefix_cache` drops every key and moves the blocks that held one to the head, in ascending
+order: reused before blocks never written, whose pages the first write must fault in.
 """
 
 from __future__ import annotations
