@@ -804,7 +804,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
  * the online softmax (running max and sum per row, the accumulator rescaled when the max grows),
  * then O += P V. Only tiles a row can see are visited, so a causal prefill computes about half of
  * the square, as FlashAttention does. With bf16 inputs on a CPU with AVX512-BF16 both products
- * take bf16 pairs through vdpbf16ps (fp32 sums), the probabilities rounded to bf16 for P V as
+ * take bf16 pairs through vdpbf16ps (fp32 sums; on AMX tiles where the CPU has them), the probabilities rounded to bf16 for P V as
  * FlashAttention and PyTorch's CPU flash attention round them; elsewhere bf16 is widened to fp32
  * when packed and the arithmetic is fp32. The queries of chunk c are the last chunk_lens[c] of
  * its seq_lens[c] positions (their keys already written to the cache), at rows chunk_rows[c] of q
@@ -1204,8 +1204,8 @@ static void amx_values(const uint32_t *p, const uint32_t *v, float *o, int64_t r
 /* The causal and window masks and the online softmax over one tile's scores (keys [j0, j0 + n)):
  * each row's scores become its probabilities against the running max, which, with the running
  * sum and the row's accumulator, is brought up to date. */
-static WIDE_VECTORS void softmax_tile(prefill_scratch w, int64_t rows, int64_t group, int64_t p0, int64_t j0, int64_t n,
-                         int64_t window, int64_t D) {
+static WIDE_VECTORS void softmax_tile(prefill_scratch w, int64_t rows, int64_t group, int64_t p0, int64_t j0,
+                                      int64_t n, int64_t window, int64_t D) {
     for (int64_t r = 0; r < rows; r++) {
         const int64_t position = p0 + r / group;
         const int64_t begin = window > 0 && position - window + 1 > j0 ? position - window + 1 - j0 : 0;

@@ -33,6 +33,8 @@ int arithmetic_dtype(int dtype) {
 #endif
 }
 
+static int amx_takes(int64_t K);
+
 /* The fewest rows that take the panel kernel where its copies are kept; fewer take the
  * matrix-vector kernel. MIN_PANEL_ROWS in general: from 3 rows the panel kernel is faster
  * (decode steps of the ~125M bench model through the engine on the Zen 4, the two alternating: 3
@@ -41,9 +43,8 @@ int arithmetic_dtype(int dtype) {
  * weight vector once where the matrix-vector kernel widens x as well, and it prefetches the next
  * panel (all 48 weights of the bench model, Ice Lake Xeon, the two alternating: 1.15x at 1 row,
  * 1.26x at 2), and so does bf16 with AVX2 (Zen 3, benchmarks/linear_kernels.py: 13.5-17.6 against
- * 12.0-16.4 GFLOP/s at 1 row; fp32 about even, 7.7-7.9 against 7.2-8.1). */
-static int amx_takes(int64_t K);
-
+ * 12.0-16.4 GFLOP/s at 1 row; fp32 about even, 7.7-7.9 against 7.2-8.1), and so does bf16 on AMX
+ * tiles (Intel Xeon, model 167: 21.8 against 18.9 GFLOP/s at 1 row, 42.4 against 31.3 at 2). */
 int min_panel_rows(int dtype) {
 #if (defined(__AVX512F__) || defined(SLIPSTREAM_AVX2)) && !defined(__AVX512BF16__)
     if (dtype == DTYPE_BF16) return 1;
@@ -814,7 +815,8 @@ static void panel_tasks(task_team *team, const void *x, const void *panels, cons
             panel_tasks_f32(team, (const float *)x + m0 * K, panels, bias, (float *)y + m0 * N, rows, N, K);
 #if defined(SLIPSTREAM_AMX)
         else if (amx_takes(K))
-            panel_tasks_amx(team, (const uint16_t *)x + m0 * K, panels, bias, (uint16_t *)y + m0 * N, rows, N, K);
+            panel_tasks_amx(team, (const uint16_t *)x + m0 * K, panels, bias, (uint16_t *)y + m0 * N, rows,
+                            N, K);
 #endif
         else
             panel_tasks_bf16(team, (const uint16_t *)x + m0 * K, panels, bias, (uint16_t *)y + m0 * N, rows,
@@ -861,8 +863,9 @@ void write_kv(const void *k, const void *v, void *k_cache, void *v_cache, const 
  * activation dtype (for bf16 that is a second rounding, which we reproduce).
  * x, out: (num_rows, dim); weight: (dim,). out may alias x.
  */
-static __attribute__((noinline)) WIDE_VECTORS void rms_norm_row(const void *x, const void *weight, void *out,
-                                                   int64_t dim, float eps, int dtype) {
+static __attribute__((noinline)) WIDE_VECTORS void rms_norm_row(const void *x, const void *weight,
+                                                                void *out, int64_t dim, float eps,
+                                                                int dtype) {
     float sum_sq = 0.0f;
     if (dtype == DTYPE_F32) {
         const float *row = x, *w = weight;
@@ -897,8 +900,9 @@ void rms_norm(const void *x, const void *weight, void *out, int64_t num_rows, in
  * PyTorch ops of the reference do. x: (num_tokens, num_heads, head_dim); cos, sin:
  * (num_tokens, head_dim), whose two halves are equal.
  */
-static __attribute__((noinline)) WIDE_VECTORS void rotary_token(void *x, const void *cos_row, const void *sin_row,
-                                                   int64_t num_heads, int64_t head_dim, int dtype) {
+static __attribute__((noinline)) WIDE_VECTORS void rotary_token(void *x, const void *cos_row,
+                                                                const void *sin_row, int64_t num_heads,
+                                                                int64_t head_dim, int dtype) {
     const int64_t half = head_dim / 2;
     for (int64_t h = 0; h < num_heads; h++) {
         if (dtype == DTYPE_F32) {
@@ -944,7 +948,8 @@ void rotary_embedding(void *x, const void *cos_table, const void *sin_table, int
  */
 static inline float silu(float g) { return g < -88.7228f ? 0.0f : g / (1.0f + expf(-g)); }
 
-static __attribute__((noinline)) WIDE_VECTORS void silu_and_mul_row(const void *x, void *out, int64_t width, int dtype) {
+static __attribute__((noinline)) WIDE_VECTORS void silu_and_mul_row(const void *x, void *out, int64_t width,
+                                                                    int dtype) {
     if (dtype == DTYPE_F32) {
         const float *gate = x, *up = gate + width;
         float *dst = out;
