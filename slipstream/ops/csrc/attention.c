@@ -1079,6 +1079,34 @@ static void pack_tile_f32(const void *k_cache, const void *v_cache, const int64_
 }
 
 #if defined(__AVX512BF16__)
+/* rows[c] = column c of the 16 x 16 matrix of 32-bit words rows[0:16]: pairs of rows interleaved
+ * word by word, then pairs of words, then 128-bit lanes across rows 4 and 8 apart. */
+static inline void transpose_16x16(__m512i rows[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(rows[2 * i], rows[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(rows[2 * i], rows[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {  /* rows[4i + j], 128-bit lane L: rows 4i..4i+3 of column 4L + j */
+        rows[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        rows[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        rows[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        rows[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        t[j] = _mm512_shuffle_i32x4(rows[j], rows[4 + j], 0x88);       /* lanes 0, 2 */
+        t[4 + j] = _mm512_shuffle_i32x4(rows[j], rows[4 + j], 0xDD);   /* lanes 1, 3 */
+        t[8 + j] = _mm512_shuffle_i32x4(rows[8 + j], rows[12 + j], 0x88);
+        t[12 + j] = _mm512_shuffle_i32x4(rows[8 + j], rows[12 + j], 0xDD);
+    }
+    for (int j = 0; j < 4; j++) {
+        rows[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+        rows[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xDD);
+        rows[4 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0x88);
+        rows[12 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0xDD);
+    }
+}
+
 /* bf16 arithmetic: keys [j0, j0 + n) as pairs, kt[i][t] = (k_t[2i], k_t[2i+1]) and
  * v[i][d] = (v_2i[d], v_2i+1[d]), zeros past n (unwritten cache slots may hold anything, and
  * 0 * NaN would reach the output). */
@@ -1087,14 +1115,19 @@ static void pack_tile_bf16(const void *k_cache, const void *v_cache, const int64
                            int64_t block_size, prefill_scratch w) {
     uint32_t *kt = (uint32_t *)w.kt, *v = (uint32_t *)w.v;
     const int64_t pairs = D / 2;
-    for (int64_t t = 0; t < PREFILL_KEYS; t++) {
-        if (t >= n) {
-            for (int64_t i = 0; i < pairs; i++) kt[i * PREFILL_KEYS + t] = 0;
-            continue;
+    for (int64_t t0 = 0; t0 < PREFILL_KEYS; t0 += 16) {  /* 16 keys x 16 pairs at a time, transposed */
+        const uint32_t *keys[16];
+        for (int64_t e = 0; e < 16; e++)
+            keys[e] = t0 + e < n ? (const uint32_t *)cache_row(k_cache, block_table, j0 + t0 + e, block_size,
+                                                               num_kv_heads, g, D, 2)
+                                 : NULL;
+        for (int64_t i0 = 0; i0 < pairs; i0 += 16) {
+            __m512i rows[16];
+            for (int e = 0; e < 16; e++)
+                rows[e] = keys[e] == NULL ? _mm512_setzero_si512() : _mm512_loadu_si512(keys[e] + i0);
+            transpose_16x16(rows);
+            for (int c = 0; c < 16; c++) _mm512_storeu_si512(kt + (i0 + c) * PREFILL_KEYS + t0, rows[c]);
         }
-        const uint32_t *k = (const uint32_t *)cache_row(k_cache, block_table, j0 + t, block_size,
-                                                        num_kv_heads, g, D, 2);
-        for (int64_t i = 0; i < pairs; i++) kt[i * PREFILL_KEYS + t] = k[i];
     }
     for (int64_t i = 0; i < PREFILL_KEYS / 2; i++) {
         const uint16_t *rows[2];  /* keys 2i and 2i + 1, NULL past n */
