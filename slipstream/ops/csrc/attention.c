@@ -256,10 +256,22 @@ static inline void exponentiate_rows(float *scores, int64_t heads, int64_t strid
         float *row = scores + h * stride, max_score = row[0], sum = 0.0f;
         for (int64_t t = 1; t < num_keys; t++) max_score = row[t] > max_score ? row[t] : max_score;
         max_scores[h] = max_score;
+#if defined(__AVX512F__)
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t t = 0; t < num_keys; t += 16) {
+            const __mmask16 in = num_keys - t >= 16 ? 0xFFFF : (__mmask16)((1u << (num_keys - t)) - 1u);
+            const __m512 e = _mm512_maskz_mov_ps(
+                in, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, row + t), _mm512_set1_ps(max_score))));
+            _mm512_mask_storeu_ps(row + t, in, e);
+            total = _mm512_add_ps(total, e);
+        }
+        sum = _mm512_reduce_add_ps(total);
+#else
         for (int64_t t = 0; t < num_keys; t++) {
             row[t] = expf(row[t] - max_score);
             sum += row[t];
         }
+#endif
         sums[h] = sum;
     }
 }
@@ -1253,11 +1265,25 @@ static WIDE_VECTORS void softmax_tile(prefill_scratch w, int64_t rows, int64_t g
         const float new_max = tile_max > w.max[r] ? tile_max : w.max[r];
         const float correction = expf(w.max[r] - new_max);
         float sum = 0.0f;
+#if defined(__AVX512F__)
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t t = 0; t < PREFILL_KEYS; t += 16) {
+            const int64_t lo = begin - t < 0 ? 0 : begin - t > 16 ? 16 : begin - t;
+            const int64_t hi = end - t < 0 ? 0 : end - t > 16 ? 16 : end - t;
+            const __mmask16 in = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));  /* keys [begin, end) */
+            const __m512 e = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t),
+                                                                         _mm512_set1_ps(new_max))));
+            _mm512_storeu_ps(s + t, e);
+            total = _mm512_add_ps(total, e);
+        }
+        sum = _mm512_reduce_add_ps(total);
+#else
         for (int64_t t = 0; t < PREFILL_KEYS; t++) {
             const float e = expf(s[t] - new_max);
             s[t] = t >= begin && t < end ? e : 0.0f;
             sum += s[t];
         }
+#endif
         w.max[r] = new_max;
         w.sum[r] = w.sum[r] * correction + sum;
         if (correction != 1.0f)

@@ -948,16 +948,43 @@ void rotary_embedding(void *x, const void *cos_table, const void *sin_table, int
  */
 static inline float silu(float g) { return g < -88.7228f ? 0.0f : g / (1.0f + expf(-g)); }
 
+#if defined(__AVX512F__)
+/* silu() of 16 lanes, through exp16 (common.h): over [-100, 100] within 3 ulp of fp64's silu, and
+ * in bf16 equal to PyTorch's F.silu on 3 million values. silu_and_mul at 64 rows of the bench
+ * model's 2,048 features, alternating processes (Zen 5): 1.7x (bf16) and 2x (fp32) the loop GCC
+ * vectorises around its vector expf. */
+static inline __m512 silu16(__m512 g) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
+    const __mmask16 live = _mm512_cmp_ps_mask(g, _mm512_set1_ps(-88.7228f), _CMP_GE_OQ);
+    return _mm512_maskz_div_ps(live, g, denominator);
+}
+#endif
+
 static __attribute__((noinline)) WIDE_VECTORS void silu_and_mul_row(const void *x, void *out, int64_t width,
                                                                     int dtype) {
+    int64_t i = 0;
     if (dtype == DTYPE_F32) {
         const float *gate = x, *up = gate + width;
         float *dst = out;
-        for (int64_t i = 0; i < width; i++) dst[i] = silu(gate[i]) * up[i];
+#if defined(__AVX512F__)
+        for (; i + 16 <= width; i += 16)
+            _mm512_storeu_ps(dst + i,
+                             _mm512_mul_ps(silu16(_mm512_loadu_ps(gate + i)), _mm512_loadu_ps(up + i)));
+#endif
+        for (; i < width; i++) dst[i] = silu(gate[i]) * up[i];
     } else {
         const uint16_t *gate = x, *up = gate + width;
         uint16_t *dst = out;
-        for (int64_t i = 0; i < width; i++) {
+#if defined(__AVX512F__)
+        for (; i + 16 <= width; i += 16) {
+            const __m512 activated = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(round_to_bf16(silu16(load16(gate, i, DTYPE_BF16)))), 16));
+            _mm256_storeu_si256((__m256i *)(dst + i),
+                                round_to_bf16(_mm512_mul_ps(activated, load16(up, i, DTYPE_BF16))));
+        }
+#endif
+        for (; i < width; i++) {
             const float activated = bf16_to_f32(f32_to_bf16(silu(bf16_to_f32(gate[i]))));
             dst[i] = f32_to_bf16(activated * bf16_to_f32(up[i]));
         }
