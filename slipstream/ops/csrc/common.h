@@ -41,11 +41,15 @@ static inline uint16_t f32_to_bf16(float x) {  /* round to nearest even, as torc
  * at a time too). */
 #define WIDE_VECTORS __attribute__((target("prefer-vector-width=512")))
 
+/* 16 bf16 as fp32: exact, each widened to 32 bits and shifted into the high half. */
+static inline __m512 widen_bf16_16(__m256i bits) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 /* 16 consecutive elements as fp32. */
 static inline __m512 load16(const void *base, int64_t index, int dtype) {
     if (dtype == DTYPE_F32) return _mm512_loadu_ps((const float *)base + index);
-    const __m256i bits = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    return widen_bf16_16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + index)));
 }
 
 /* The even and odd bf16 of each 32-bit lane of 32 bf16 values (a pair of consecutive elements

@@ -978,8 +978,7 @@ static __attribute__((noinline)) WIDE_VECTORS void silu_and_mul_row(const void *
         uint16_t *dst = out;
 #if defined(__AVX512F__)
         for (; i + 16 <= width; i += 16) {
-            const __m512 activated = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(round_to_bf16(silu16(load16(gate, i, DTYPE_BF16)))), 16));
+            const __m512 activated = widen_bf16_16(round_to_bf16(silu16(load16(gate, i, DTYPE_BF16))));
             _mm256_storeu_si256((__m256i *)(dst + i),
                                 round_to_bf16(_mm512_mul_ps(activated, load16(up, i, DTYPE_BF16))));
         }
