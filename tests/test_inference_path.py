@@ -147,7 +147,8 @@ def test_packed_linear_matches_linear(dtype, num_rows, bias, extra_copies):
     with tails), the panel kernel (fp32, and bf16 up to MAX_PANEL_ROWS rows or all where it
     multiplies in fp32) and oneDNN (without the extra copies, and bf16 past MAX_PANEL_ROWS rows
     where the CPU multiplies bf16 natively). Where oneDNN cannot multiply the dtype (bf16 on an
-    AVX2 CPU) the panel copy is kept even without the extra copies."""
+    AVX2 CPU) the panel copy is kept even without the extra copies; where the panel copy takes
+    every size (fp32 with AVX-512), no oneDNN copy is made."""
     from slipstream.ops.linear import PackedLinear, onednn_multiplies
 
     torch.manual_seed(0)
@@ -156,7 +157,8 @@ def test_packed_linear_matches_linear(dtype, num_rows, bias, extra_copies):
     has_panels = cpu_kernels.supports_panel_gemm(linear.weight) and (
         extra_copies or not onednn_multiplies(dtype))
     assert (packed.panel_weight is not None) == has_panels
-    assert (packed.packed_weight is not None) == onednn_multiplies(dtype)
+    panels_take_all = has_panels and cpu_kernels.panel_gemm_takes_all_rows(dtype)
+    assert (packed.packed_weight is not None) == (onednn_multiplies(dtype) and not panels_take_all)
     x = torch.randn(1, num_rows, 100).to(dtype)
     with torch.inference_mode():
         expected, got = linear(x).float(), packed(x).float()

@@ -45,7 +45,9 @@ MAX_PANEL_ROWS = 256
 
 class PackedLinear(nn.Module):
     """Inference-only linear layer over a oneDNN pre-packed weight (where oneDNN multiplies the
-    dtype; else over the panel-packed copy, or the weight as it is for PyTorch's product).
+    dtype; else over the panel-packed copy, or the weight as it is for PyTorch's product). Where
+    the panel copy takes every input its row-major copy does not (fp32 with AVX-512), no oneDNN
+    copy is made: it would never be read.
 
     With `extra_copies`, up to two more copies of the weight are kept for small inputs (see
     `extra_copies_of`): a row-major one, on huge pages (`ops.allocator`), for inputs of fewer than
@@ -70,11 +72,17 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         weight = linear.weight.detach()
         onednn = onednn_multiplies(weight.dtype)
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if onednn else None
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
         self.row_weight = self.panel_weight = None
         rows = extra_copies and extra_copies_of(weight)[0]
         panels = keeps_panels(weight, extra_copies)
+        # The rows from which the panel kernel takes over, and whether it takes every size beyond.
+        self._min_panel_rows = cpu_kernels.min_panel_rows(weight.dtype) if panels else 0
+        self._panels_for_all_rows = panels and (
+            not onednn or cpu_kernels.panel_gemm_takes_all_rows(weight.dtype))
+        # oneDNN's copy only where some inputs reach it (not fp32 with AVX-512 and the panel copy).
+        self.packed_weight = (torch.ops.mkldnn._reorder_linear_weight(weight, None)
+                              if onednn and not self._panels_for_all_rows else None)
         if rows:
             if row_buffer is None:
                 row_buffer = huge_page_empty(weight.numel(), weight.dtype)
@@ -83,10 +91,6 @@ class PackedLinear(nn.Module):
             if panel_buffer is None:
                 panel_buffer = huge_page_empty(_panel_numel(weight), weight.dtype)
             self.panel_weight = cpu_kernels.pack_panels(weight, out=panel_buffer)
-        # The rows from which the panel kernel takes over, and whether oneDNN does beyond MAX_PANEL_ROWS.
-        self._min_panel_rows = cpu_kernels.min_panel_rows(weight.dtype) if panels else 0
-        self._panels_for_all_rows = panels and (
-            not onednn or cpu_kernels.panel_gemm_takes_all_rows(weight.dtype))
         # PyTorch's product where neither oneDNN nor the panel kernel takes every size.
         self.plain_weight = weight if not onednn and not self._panels_for_all_rows else None
 
