@@ -345,12 +345,23 @@ def test_bad_sampling_params_are_value_errors(name):
 @pytest.mark.parametrize(
     "name, params",
     [("logprobs", dict(logprobs=21)), ("prompt_logprobs", dict(prompt_logprobs=21)),
-     ("stop_token_ids", dict(stop_token_ids=[VOCAB_SIZE]))],
+     ("stop_token_ids", dict(stop_token_ids=[VOCAB_SIZE])),
+     ("min_tokens", dict(max_tokens=None, min_tokens=MAX_MODEL_LEN))],
 )
 def test_params_beyond_engine_limits_are_value_errors(llm, name, params):
-    """logprobs above max_logprobs (20) and stop ids outside the vocabulary are refused by generate."""
+    """logprobs above max_logprobs (20), stop ids outside the vocabulary and a min_tokens the
+    context cannot hold (it would silently go unmet) are refused by generate."""
     with pytest.raises(ValueError, match=name):
         llm.generate(PROMPT, greedy(**params), use_tqdm=False)
+
+
+def test_n_completions_take_any_int64_seed(llm):
+    """n > 1 derives completion i's seed as seed + i, wrapped into int64: the largest seed is valid,
+    and its second completion samples as seed -2**63 does."""
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, n=2, seed=2**63 - 1)
+    [output] = llm.generate(PROMPT, params, use_tqdm=False)
+    wrapped = generate_one(llm, PROMPT, params.replace(n=1, seed=-(2**63)))
+    assert output.outputs[1].token_ids == wrapped.token_ids
 
 
 def test_engine_recovers_after_a_failed_generate(llm):

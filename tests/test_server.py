@@ -114,6 +114,34 @@ def test_n_completions_are_seeded_and_indexed(client):
         assert text == first.choices[index].text
 
 
+def test_n_completions_take_the_largest_seed(client):
+    """A seed at the top of the int64 range is valid for every n (each completion's own seed wraps)."""
+    args = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, n=2, temperature=1.0, seed=2**63 - 1)
+    first, second = client.completions.create(**args), client.completions.create(**args)
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+
+
+def test_chat_continues_the_final_message(client, llm):
+    """vLLM's continue_final_message (with add_generation_prompt false) continues the final
+    assistant message, as `LLM.chat` does, from the prompt transformers would render."""
+    messages = [{"role": "user", "content": "Count:"}, {"role": "assistant", "content": "one two"}]
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True)
+    assert tokenizer.decode(prompt_ids, skip_special_tokens=False).endswith("one two")
+    [expected] = llm.chat(messages, greedy(12), use_tqdm=False, add_generation_prompt=False,
+                          continue_final_message=True)
+    assert expected.prompt_token_ids == prompt_ids
+    extra = {"ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True}
+    response = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=12,
+                                              temperature=0, extra_body=extra)
+    assert response.choices[0].message.content == expected.outputs[0].text
+    assert response.usage.prompt_tokens == len(prompt_ids)
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=1,
+                                           extra_body={"add_generation_prompt": False})
+    no_generation_prompt = tokenizer.apply_chat_template(messages, tokenize=True)
+    assert plain.usage.prompt_tokens == len(no_generation_prompt)
+
+
 def test_batch_of_prompts(client):
     """A list of prompts (text or token ids) answers choices in prompt order, n per prompt."""
     response = client.completions.create(model=MODEL_NAME, prompt=["one", "two two"], max_tokens=4, n=2,

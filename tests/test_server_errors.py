@@ -3,9 +3,16 @@ and the server keeps serving after all of them."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 import pytest
+import uvicorn
 from server_process import API_KEY, MAX_MODEL_LEN, MODEL_NAME
+
+from slipstream.serve.engine import Engine, EngineConfig
+from slipstream.serve.server import OpenAIServer, ServerConfig
 
 pytest_plugins = ["serve_fixtures", "server_process"]
 
@@ -72,6 +79,26 @@ CASES = [
     ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("chat longer than the context", CHAT, chat(messages=[{"role": "user", "content": "tok " * 2000}]), 400,
      "messages"),
+    ("empty stop string alone", COMPLETIONS, completion(stop=""), 400, "stop"),
+    ("beam search", COMPLETIONS, completion(use_beam_search=True, best_of=2, n=2), 400, "use_beam_search"),
+    ("guided choice", CHAT, chat(guided_choice=["yes", "no"]), 400, "guided_choice"),
+    ("allowed_token_ids", COMPLETIONS, completion(allowed_token_ids=[5]), 400, "allowed_token_ids"),
+    ("truncate_prompt_tokens", COMPLETIONS, completion(truncate_prompt_tokens=4), 400, "truncate_prompt_tokens"),
+    ("functions", CHAT, chat(functions=[{"name": "f", "parameters": {}}]), 400, "functions"),
+    ("tool_choice without tools", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
+    ("assistant tool_calls in the history", CHAT, chat(messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                                              "function": {"name": "f", "arguments": "{}"}}]}]), 400, "messages"),
+    ("continue_final_message with a generation prompt", CHAT, chat(continue_final_message=True), 400,
+     "continue_final_message"),
+    ("min_tokens past the context, max_tokens unset", CHAT,
+     {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "min_tokens": MAX_MODEL_LEN}, 400,
+     "min_tokens"),
+    ("min_tokens past the context, max_tokens null", COMPLETIONS,
+     completion(max_tokens=None, min_tokens=MAX_MODEL_LEN), 400, "min_tokens"),
+    ("max_completion_tokens past the context", CHAT, chat(max_tokens=None, max_completion_tokens=10**5), 400,
+     "max_completion_tokens"),
     ("10 MB body", COMPLETIONS, completion(prompt="x" * 10 * 2**20), 413, None),
     ("unknown route", "/v1/engines", {}, 404, None),
 ]
@@ -118,3 +145,33 @@ def test_server_still_serves_after_bad_requests(http):
         response = http.post(path, json=body)
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_bug_gets_a_500_that_closes_the_connection(model_dir, monkeypatch):
+    """An unexpected exception (a bug) is an OpenAI-shaped 500 that tells the client to close the
+    connection, which uvicorn drops after it; the client's next request goes out on a new one."""
+    api = OpenAIServer(Engine(EngineConfig(model=str(model_dir), max_model_len=64)), ServerConfig(port=0))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("an injected bug")
+
+    monkeypatch.setattr(api.engine, "add", broken)
+    server = uvicorn.Server(uvicorn.Config(api.app, host="127.0.0.1", port=0, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            for _ in range(2):
+                response = client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2})
+                assert response.status_code == 500
+                assert response.headers["connection"] == "close"
+                assert response.json()["error"]["code"] == "internal_error"
+                assert client.get("/health").status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -232,6 +232,20 @@ def test_llama3_style_template_matches_transformers(
     assert ids[0] == ours.bos_token_id == hf.bos_token_id
 
 
+@pytest.mark.parametrize("reply", ["The answer", "  padded reply  ", "ends in a newline\n"])
+def test_continue_final_message_matches_transformers(tokenizer, hf_tokenizer, llama3_dir, reply):
+    """The final message is left open, as transformers leaves it: cut after its content, which a
+    trimming template (the Llama 3 one) trims here too."""
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}]
+    llama3 = (Tokenizer.from_pretrained(llama3_dir), transformers.AutoTokenizer.from_pretrained(llama3_dir))
+    for ours, hf in ((tokenizer, hf_tokenizer), llama3):
+        expected = hf.apply_chat_template(conversation, tokenize=False, continue_final_message=True)
+        assert ours.apply_chat_template(conversation, continue_final_message=True) == expected
+        assert expected.endswith(reply.strip()) or expected.endswith(reply)
+    with pytest.raises(ValueError, match="cannot both be true"):
+        tokenizer.apply_chat_template(conversation, continue_final_message=True, add_generation_prompt=True)
+
+
 def test_template_raise_exception(llama3_dir):
     """raise_exception in a template surfaces as a jinja2 TemplateError, as in transformers."""
     ours = Tokenizer.from_pretrained(llama3_dir)

@@ -31,27 +31,47 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return _jinja_environment().from_string(source)
 
 
+_CONTINUE_MARK = "\x00slipstream:continue\x00 "
+"""Appended to the final message under `continue_final_message` to find where it ends once
+rendered; the trailing space shows whether the template trimmed it."""
+
+
 def render_chat_template(
     template: jinja2.Template,
     messages: Sequence[Mapping[str, Any]],
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
     add_generation_prompt: bool = False,
+    continue_final_message: bool = False,
     special_tokens: Mapping[str, str] | None = None,
     **kwargs: Any,
 ) -> str:
     """Render `messages` (validated: each a dict with a string role and content) to text.
 
     The template sees `messages`, `tools`, `documents` (None unless passed),
-    `add_generation_prompt`, the named special tokens (`bos_token`, ...) and `kwargs`.
+    `add_generation_prompt`, the named special tokens (`bos_token`, ...) and `kwargs`. With
+    `continue_final_message` the text ends where the final message's content does (what the
+    template writes after it, such as an end-of-turn token, is cut), so that generation continues
+    that message, as transformers does; a template that trims the content trims it here too.
     """
     variables = {"documents": None, **(special_tokens or {}), **_plain(kwargs, "kwargs")}
-    variables.update(
-        messages=_validated_messages(messages),
-        tools=_plain_tools(tools),
-        add_generation_prompt=add_generation_prompt,
-    )
-    return template.render(**variables)
+    messages = _validated_messages(messages)
+    if continue_final_message:
+        if add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if not isinstance(messages[-1].get("content"), str):
+            raise ValueError("continue_final_message needs a final message with string content")
+        messages[-1] = messages[-1] | {"content": messages[-1]["content"] + _CONTINUE_MARK}
+    variables.update(messages=messages, tools=_plain_tools(tools), add_generation_prompt=add_generation_prompt)
+    text = template.render(**variables)
+    if not continue_final_message:
+        return text
+    end = text.rfind(_CONTINUE_MARK.rstrip())
+    if end < 0:
+        raise ValueError("continue_final_message is set, but the chat template does not write the final "
+                         "message's content, so there is nothing to continue")
+    kept_spacing = text.startswith(_CONTINUE_MARK, end)
+    return text[:end] if kept_spacing else text[:end].rstrip()
 
 
 class _GenerationTag(jinja2.ext.Extension):

@@ -198,6 +198,7 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
         tokenize: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
         **kwargs: Any,
@@ -206,6 +207,7 @@ class Tokenizer:
 
         The template sees `messages`, `tools`, `documents` (None unless passed),
         `add_generation_prompt`, the named special tokens (`bos_token`, ...) and `kwargs`.
+        `continue_final_message` leaves the final message open for the reply to continue.
         With `tokenize=True` returns the ids of the rendered text, encoded without adding
         special tokens (the template already wrote them).
         """
@@ -214,7 +216,8 @@ class Tokenizer:
             self._compiled_templates[source] = compile_chat_template(source)
         text = render_chat_template(
             self._compiled_templates[source], messages, tools=tools,
-            add_generation_prompt=add_generation_prompt, special_tokens=self.special_tokens, **kwargs,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            special_tokens=self.special_tokens, **kwargs,
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 

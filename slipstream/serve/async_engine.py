@@ -178,8 +178,9 @@ class AsyncEngine:
             raise Overloaded("the engine is stopping")
         num_sequences = len(prompts) * params.n
         if num_sequences > self.max_waiting:
-            raise ValueError(f"prompt has {num_sequences} sequences to generate ({len(prompts)} prompts x "
-                             f"n={params.n}), more than the server queues ({self.max_waiting})")
+            raise ValueError(f"{'n' if params.n > 1 else 'prompt'} makes {num_sequences} sequences to "
+                             f"generate ({len(prompts)} prompts x n={params.n}), more than the server "
+                             f"queues ({self.max_waiting})")
         if self.num_waiting + num_sequences > self.max_waiting:
             raise Overloaded(f"{self.num_waiting} sequences are waiting (at most {self.max_waiting})")
         stream = RequestStream(list(prompts), self)

@@ -188,6 +188,10 @@ class Engine:
             token_ids, vocab_size=self.limits.vocab_size, max_model_len=self.limits.max_model_len
         )
         self._validate_params(params)
+        room = self.limits.max_model_len - len(token_ids)
+        if params.min_tokens > room:
+            raise ValueError(f"min_tokens ({params.min_tokens}) exceeds the {room} tokens the context "
+                             f"({self.limits.max_model_len}) leaves after the prompt's {len(token_ids)}")
         arrival = time.monotonic() if arrival_time_s is None else arrival_time_s
         entry = PromptOutput(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
                              sequences=[], metrics=RequestMetrics(arrival_time_s=arrival),
@@ -438,7 +442,9 @@ class Engine:
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    seed = None if params.seed is None else params.seed + index
+    """Completion `index` of an n > 1 request samples with seed + index, wrapped into int64 as the
+    seed itself must be."""
+    seed = None if params.seed is None else (params.seed + index + 2**63) % 2**64 - 2**63
     return params.replace(n=1, seed=seed)
 
 

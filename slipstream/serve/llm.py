@@ -73,14 +73,18 @@ class LLM:
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template."""
+        """Generate replies to one conversation or a list of them, through the chat template.
+        With `continue_final_message` (and add_generation_prompt=False) the reply continues the
+        final message instead of starting a new one, as in vLLM."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         tokenizer = self.engine.tokenizer
         prompts = [
             tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+                conversation, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=True,
                 **(chat_template_kwargs or {}),
             )
             for conversation in conversations

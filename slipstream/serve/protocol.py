@@ -2,10 +2,13 @@
 
 Bodies are parsed in pydantic's strict mode, as OpenAI's API does: `"max_tokens": "5"` or
 `"stream": 1` is a 400, not a silent coercion. Unknown fields are ignored (as vLLM does), so that
-clients which send newer OpenAI fields keep working; known OpenAI fields this server cannot honour
-(`echo`, `suffix`, `logit_bias`, tools, `response_format`) are a 400 when set rather than ignored.
-The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
-`stop_token_ids`, `include_stop_str_in_output` and `skip_special_tokens` are accepted too.
+clients which send newer OpenAI fields keep working; known OpenAI and vLLM fields this server
+cannot honour (`echo`, `suffix`, `logit_bias`, tools, `response_format`, guided decoding, beam
+search, ...: `UNSUPPORTED_FIELDS`) are a 400 when set rather than ignored, since ignoring them
+would answer a different question than the one asked. The vLLM extensions `top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
+`skip_special_tokens`, `prompt_logprobs` and, for chat, `add_generation_prompt` and
+`continue_final_message` are accepted too.
 """
 
 from __future__ import annotations
@@ -45,8 +48,26 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+UNSUPPORTED_FIELDS: dict[str, object] = {
+    "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
+    "logits_processors": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
+    "guided_grammar": None, "structured_outputs": None, "truncate_prompt_tokens": None,
+    "return_tokens_as_token_ids": False, "prompt_embeds": None, "functions": None,
+    "function_call": None, "chat_template": None, "documents": None,
+}
+"""OpenAI and vLLM request fields this server cannot honour, each with the value that asks for
+nothing; any other value (None, an empty list or dict aside) is a 400."""
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+def _refuse_unsupported(extra: dict[str, Any] | None) -> None:
+    """A 400 for the first field of UNSUPPORTED_FIELDS that asks for something."""
+    for name, value in (extra or {}).items():
+        if name in UNSUPPORTED_FIELDS and value not in (None, [], {}, UNSUPPORTED_FIELDS[name]):
+            raise bad_request(f"{name} is not supported by this server", name)
 
 
 class StreamOptions(_Body):
@@ -55,6 +76,8 @@ class StreamOptions(_Body):
 
 class _GenerationBody(_Body):
     """Fields that completions and chat completions share."""
+
+    model_config = ConfigDict(extra="allow")  # kept, so that check_supported sees them
 
     model: str | None = None
     """None means the served model."""
@@ -83,6 +106,7 @@ class _GenerationBody(_Body):
 
     def check_supported(self) -> None:
         """Refuse set fields this server cannot honour, rather than ignore them."""
+        _refuse_unsupported(self.model_extra)
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         if self.prompt_logprobs is not None and self.stream:  # as vLLM
@@ -98,7 +122,8 @@ class _GenerationBody(_Body):
         """The engine's SamplingParams; a value it rejects is a 400 naming the parameter."""
         values = dict(
             n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or (),
+            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            stop=() if self.stop is None else self.stop,
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
@@ -150,6 +175,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
+    """Refused when not empty: without tool calling, the model would see an empty assistant turn."""
 
     def template_message(self) -> dict[str, str]:
         """The message as the chat template sees it (text parts joined)."""
@@ -171,11 +198,23 @@ class ChatCompletionRequest(_GenerationBody):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's extensions
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """Render the final (assistant) message open, so that the reply continues it."""
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools or self.tool_choice not in (None, "none"):
+        if self.tools:
             raise bad_request("tool calling is not supported", "tools")
+        if self.tool_choice not in (None, "none"):
+            raise bad_request("tool calling is not supported", "tool_choice")
+        for index, message in enumerate(self.messages):
+            if message.tool_calls:
+                raise bad_request(f"messages[{index}].tool_calls: tool calling is not supported", "messages")
+        if self.add_generation_prompt and self.continue_final_message:  # as vLLM
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true "
+                              "(set add_generation_prompt to false)", "continue_final_message")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
@@ -185,6 +224,11 @@ class ChatCompletionRequest(_GenerationBody):
     def max_new_tokens(self) -> int | None:
         """max_completion_tokens, or the older max_tokens; None means up to the context length."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        """The field max_new_tokens came from, for errors that name it."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @property
     def num_logprobs(self) -> int | None:

@@ -159,9 +159,9 @@ class OpenAIServer:
         params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs)
         prompts = await asyncio.to_thread(self._tokenize, body.prompts())
         for token_ids in prompts:
-            self._check_context(len(token_ids), body.max_tokens, "prompt")
+            self._check_context(len(token_ids), params, "prompt", "max_tokens")
         meta = ResponseMeta.new("cmpl", self.model_name)
-        stream = await self._submit(meta.id, prompts, params, arrival_time_s, "prompt")
+        stream = await self._submit(meta.id, prompts, params, arrival_time_s, {"prompt": "prompt"})
         if body.stream:
             chunks = responses.CompletionStream(meta, stream.request_ids, n=params.n, logprobs=body.logprobs)
             return _event_stream(self._events(stream, chunks, body.include_usage))
@@ -173,9 +173,10 @@ class OpenAIServer:
         body = await self._parse(request, ChatCompletionRequest)
         params = body.sampling_params(max_tokens=body.max_new_tokens, logprobs=body.num_logprobs)
         token_ids = await asyncio.to_thread(self._render_chat, body)
-        self._check_context(len(token_ids), body.max_new_tokens, "messages")
+        self._check_context(len(token_ids), params, "messages", body.max_tokens_param)
         meta = ResponseMeta.new("chatcmpl", self.model_name)
-        stream = await self._submit(meta.id, [token_ids], params, arrival_time_s, "messages")
+        stream = await self._submit(meta.id, [token_ids], params, arrival_time_s,
+                                    {"prompt": "messages", "logprobs": "top_logprobs"})
         if body.stream:
             chunks = responses.ChatStream(meta, n=params.n, num_logprobs=body.num_logprobs)
             return _event_stream(self._events(stream, chunks, body.include_usage))
@@ -226,26 +227,33 @@ class OpenAIServer:
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
         messages = [m.template_message() for m in body.messages]
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message, tokenize=True)
         except (ValueError, TypeError, jinja2.TemplateError) as error:
             raise protocol.bad_request(f"the chat template rejected the messages: {error}",
                                        "messages") from error
 
-    def _check_context(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> None:
-        """As vLLM: the prompt plus max_tokens must fit the context (the engine would silently cap it)."""
+    def _check_context(self, num_prompt_tokens: int, params: SamplingParams, prompt_param: str,
+                       max_tokens_param: str) -> None:
+        """As vLLM: the prompt plus max_tokens must fit the context (the engine would silently cap
+        it), and so must min_tokens when max_tokens is left to the context."""
         if num_prompt_tokens >= self.max_model_len:
             raise protocol.bad_request(
                 f"the prompt has {num_prompt_tokens} tokens, but the model's context length is "
                 f"{self.max_model_len} (prompt and output together)", prompt_param)
-        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+        wanted, param = ((params.max_tokens, max_tokens_param) if params.max_tokens is not None
+                         else (params.min_tokens, "min_tokens"))
+        if num_prompt_tokens + wanted > self.max_model_len:
             raise protocol.bad_request(
                 f"the model's context length is {self.max_model_len} tokens, but the prompt has "
-                f"{num_prompt_tokens} and max_tokens asks for {max_tokens} more", "max_tokens")
+                f"{num_prompt_tokens} and {param} asks for {wanted} more", param)
 
     async def _submit(self, response_id: str, prompts: list[list[int]], params: SamplingParams,
-                      arrival_time_s: float, prompt_param: str) -> RequestStream:
+                      arrival_time_s: float, params_named: dict[str, str]) -> RequestStream:
         """Queue the prompts: 503 past the waiting bound or while draining, 400 for what the
-        engine rejects."""
+        engine rejects (its errors name engine parameters; `params_named` maps those whose request
+        field has another name)."""
         if self.is_draining():
             raise APIError(503, "the server is shutting down", type="server_error", code="unavailable")
         ids = {f"{response_id}-{i}": token_ids for i, token_ids in enumerate(prompts)}
@@ -256,7 +264,7 @@ class OpenAIServer:
             raise APIError(503, f"the server is overloaded ({error}); retry later", type="server_error",
                            code="overloaded", headers=retry_after) from error
         except ValueError as error:
-            raise protocol.bad_request(str(error), _param_named_in(str(error), prompt_param)) from error
+            raise protocol.bad_request(str(error), _param_named_in(str(error), params_named)) from error
 
     async def _collect(self, request: Request, stream: RequestStream) -> list[RequestOutput]:
         """The final outputs of the stream's prompts, in order. A disconnect aborts them."""
@@ -306,14 +314,12 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def _param_named_in(message: str, prompt_param: str) -> str | None:
+def _param_named_in(message: str, params_named: dict[str, str]) -> str | None:
     """The request field an engine error names: "logprobs=30 exceeds ..." -> logprobs."""
     word = re.match(r"\w+", message)
-    if word is None:
+    if word is None or word.group() not in ("prompt", "n", "logprobs", "prompt_logprobs", "stop_token_ids"):
         return None
-    if word.group() == "prompt":
-        return prompt_param
-    return word.group() if word.group() in ("logprobs", "prompt_logprobs", "stop_token_ids") else None
+    return params_named.get(word.group(), word.group())
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -353,7 +359,9 @@ async def _internal_error_response(request: Request, error: Exception) -> JSONRe
     """A bug: the traceback goes to the log (Starlette re-raises it), the client gets a 500."""
     body = APIError(500, "internal server error; see the server log", type="server_error",
                     code="internal_error").body()
-    return JSONResponse(body, status_code=500)
+    # Starlette re-raises the error after this response, and uvicorn then drops the connection:
+    # tell the client not to send its next request down it.
+    return JSONResponse(body, status_code=500, headers={"Connection": "close"})
 
 
 # ---- running --------------------------------------------------------------------------------
