@@ -227,11 +227,21 @@ def test_chat_logprobs(client):
         assert len(entry.top_logprobs) == 2
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
-        assert bytes(entry.bytes).decode() == entry.token
+        assert bytes(entry.bytes).decode(errors="replace") == entry.token
     streamed = list(client.chat.completions.create(stream=True, **args))
     streamed_content = [entry for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
                         for entry in chunk.choices[0].logprobs.content]
     assert [e.token for e in streamed_content] == [e.token for e in content]
+
+
+def test_chat_logprob_bytes_rebuild_the_reply(client):
+    """A token that holds part of a multi-byte character has the text U+FFFD but its own bytes,
+    so the bytes of all tokens join to the reply's UTF-8 (why OpenAI sends them)."""
+    choice = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=64, temperature=1.5, seed=2, logprobs=True,
+        extra_body={"ignore_eos": True}).choices[0]
+    raw = b"".join(bytes(entry.bytes) for entry in choice.logprobs.content)
+    assert raw.decode(errors="replace") == choice.message.content
 
 
 def test_auth(server, client):

@@ -246,6 +246,23 @@ def test_continue_final_message_matches_transformers(tokenizer, hf_tokenizer, ll
         tokenizer.apply_chat_template(conversation, continue_final_message=True, add_generation_prompt=True)
 
 
+def test_token_bytes_rebuild_multi_byte_characters(tokenizer):
+    """Each token's bytes (OpenAI's logprob `bytes`) join to the text's UTF-8, also where a token
+    holds part of a character and decodes to U+FFFD alone: byte-level BPE and byte fallback."""
+    text = "héllo 中文 😀 naïve ✓"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert any(tokenizer.decode([i]) == "\ufffd" for i in ids)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode()
+    pieces = ["<unk>", "▁a", *(f"<0x{b:02X}>" for b in "中".encode())]
+    model = tokenizers.models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>", byte_fallback=True)
+    fallback = tokenizers.Tokenizer(model)
+    fallback.decoder = tokenizers.decoders.Sequence([
+        tokenizers.decoders.Replace("▁", " "), tokenizers.decoders.ByteFallback(), tokenizers.decoders.Fuse()])
+    ours = Tokenizer(fallback)
+    assert [ours.decode([i]) for i in (2, 3)] == ["\ufffd", "\ufffd"]
+    assert b"".join(ours.token_bytes(i) for i in (1, 2, 3, 4)) == " a中".encode()
+
+
 def test_template_raise_exception(llama3_dir):
     """raise_exception in a template surfaces as a jinja2 TemplateError, as in transformers."""
     ours = Tokenizer.from_pretrained(llama3_dir)

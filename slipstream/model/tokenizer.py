@@ -13,8 +13,10 @@ WordPiece-era post-processing that transformers 5 also ignores for BPE models.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -185,6 +187,22 @@ class Tokenizer:
         """Text of `ids`; bytes that do not form valid UTF-8 become U+FFFD."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int, text: str | None = None) -> bytes:
+        """The bytes one token stands for (OpenAI's logprob `bytes`): the UTF-8 of its text
+        (`text`, when the caller has decoded it already), except for a token that holds part of a
+        multi-byte character, whose text is U+FFFD: then its own bytes, from its byte-level BPE
+        form or its byte-fallback piece (`<0xE2>`)."""
+        text = self.decode([token_id], skip_special_tokens=False) if text is None else text
+        piece = self.id_to_token(token_id)
+        if "\ufffd" not in text or piece is None:
+            return text.encode()
+        if fallback := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
+            return bytes([int(fallback.group(1), 16)])
+        alphabet = _byte_level_alphabet()
+        if all(char in alphabet for char in piece):
+            return bytes(alphabet[char] for char in piece)
+        return text.encode()
+
     def detokenizer(
         self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
     ) -> IncrementalDetokenizer:
@@ -332,6 +350,16 @@ def train_tokenizer(
 
 
 # ---- helpers: model directory files -----------------------------------------------------------
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's scheme, which `tokenizers`'
+    ByteLevel uses): the printable Latin-1 bytes stand for themselves, the other bytes, in order,
+    for the characters from U+0100 on."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(0x100 + i): b for i, b in enumerate(others)}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -378,6 +378,7 @@ class Engine:
         if logprobs is not None:
             for token, logprob in logprobs.items():
                 logprob.decoded_token = self.tokenizer.decode([token], skip_special_tokens=False)
+                logprob.token_bytes = self.tokenizer.token_bytes(token, logprob.decoded_token)
         params = request.sampling_params
         ended_by_token = request.is_finished and request.finish_reason == "stop"
         stop = sequence.append(
@@ -427,6 +428,7 @@ class Engine:
         for position in tensors.to_position_logprobs([num_top] * num_positions):
             for token, logprob in position.items():
                 logprob.decoded_token = self.tokenizer.decode([token], skip_special_tokens=False)
+                logprob.token_bytes = self.tokenizer.token_bytes(token, logprob.decoded_token)
             entry.prompt_logprobs.append(position)
         return entry
 

@@ -205,6 +205,9 @@ class Logprob:
     logprob: float
     rank: int
     decoded_token: str | None = None
+    token_bytes: bytes | None = None
+    """The token's own bytes, which differ from decoded_token's UTF-8 for a token that holds part
+    of a multi-byte character (its text is U+FFFD)."""
 
 
 # Per position: token id -> Logprob, holding the chosen token and the top-n alternatives.

@@ -87,7 +87,8 @@ def chat_logprobs(completion: CompletionOutput, start: int, end: int, num_top: i
 
 def _chat_token(logprob: Logprob) -> dict[str, Any]:
     token = logprob.decoded_token or ""
-    return {"token": token, "logprob": _logprob(logprob.logprob), "bytes": list(token.encode())}
+    raw = token.encode() if logprob.token_bytes is None else logprob.token_bytes
+    return {"token": token, "logprob": _logprob(logprob.logprob), "bytes": list(raw)}
 
 
 def prompt_logprobs(output: RequestOutput) -> list[dict[str, dict[str, Any]] | None]:
