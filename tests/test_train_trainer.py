@@ -159,6 +159,34 @@ def test_resume_from_a_checkpoint_is_bitwise(data_dir, train_model_dir, tmp_path
     assert not torch.are_deterministic_algorithms_enabled()  # close() restored the setting
 
 
+def test_resumed_trainer_takes_its_own_optimizer_settings(data_dir, train_model_dir, tmp_path):
+    """A checkpoint holds the saving run's lr, betas, weight decay and schedule; a trainer with a
+    changed config that loads it (a rerun's config_change) trains with its own: each step's lr is
+    the one a fresh run of its config has at that step, and so are its parameter groups' settings."""
+    first = Trainer(small_config(data_dir, train_model_dir, tmp_path / "first", "--training.steps=3"))
+    for _ in range(3):
+        first.train_step()
+    checkpoint = first.save_checkpoint()
+    first.close()
+    changed = ("--training.steps=8", "--optimizer.lr=5e-4", "--optimizer.weight_decay=0.5",
+               "--optimizer.eps=1e-6", "--schedule.min_lr_ratio=0.5", "--schedule.decay=linear")
+    fresh = Trainer(small_config(data_dir, train_model_dir, tmp_path / "fresh", *changed))
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in fresh.optimizer.param_groups]
+    fresh.run()
+    resumed = Trainer(small_config(data_dir, train_model_dir, tmp_path / "resumed", *changed))
+    resumed.load_checkpoint(checkpoint)
+    assert resumed.step == 3
+    for group in resumed.optimizer.param_groups:
+        assert group["weight_decay"] in (0.5, 0.0) and group["eps"] == 1e-6 and group["initial_lr"] == 5e-4
+    resumed.run()
+    for group, expected in zip(resumed.optimizer.param_groups, settings, strict=True):
+        assert {k: v for k, v in group.items() if k not in ("params", "lr")} == {
+            k: v for k, v in expected.items() if k != "lr"}
+    expected_lrs = [r["lr"] for r in read_metrics(tmp_path / "fresh")][3:]
+    assert [r["lr"] for r in read_metrics(tmp_path / "resumed")] == expected_lrs
+    assert expected_lrs[-1] > 0.5 * 5e-4  # linear decay over 8 steps, not the 3-step run's floor
+
+
 def test_metrics_records(data_dir, train_model_dir, tmp_path):
     """metrics.jsonl holds a run record, one flat train record per step with the time split,
     MFU from perf.flops and the configured peak, eval and checkpoint records."""

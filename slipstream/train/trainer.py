@@ -106,9 +106,11 @@ class Trainer:
         self.mesh = build_mesh(self.dist)
         self.model = self._build_model()
         self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
-        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, WarmupDecay(config.schedule, config.training.steps)
-        )
+        self.lr_scheduler = self._build_lr_scheduler(steps_taken=0)
+        # This run's settings of each parameter group (lr, betas, weight decay, ...), which a
+        # loaded optimizer state would otherwise replace with the saving run's.
+        self._optimizer_settings = [{k: v for k, v in group.items() if k != "params"}
+                                    for group in self.optimizer.param_groups]
         self.accumulation_steps = config.training.global_batch_size // (
             self.dist.world_size * config.training.micro_batch_size
         )
@@ -503,9 +505,25 @@ class Trainer:
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.train_loader.load_state_dict(state["data"])
-        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self._resume_optimizer_settings(state["lr_scheduler"]["last_epoch"])
         if "rng" in state:
             set_rng_state(state["rng"])
+
+    def _build_lr_scheduler(self, steps_taken: int) -> torch.optim.lr_scheduler.LambdaLR:
+        """This run's schedule, with the learning rate set for the optimizer step after
+        `steps_taken` (LambdaLR's `last_epoch` counts the steps taken before it)."""
+        schedule = WarmupDecay(self.config.schedule, self.config.training.steps)
+        return torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule, last_epoch=steps_taken - 1)
+
+    def _resume_optimizer_settings(self, steps_taken: int) -> None:
+        """Keep of a loaded optimizer and schedule only their state (moments, step counts), and
+        take the settings from this run's config: a checkpoint holds the saving run's lr, betas,
+        weight decay and schedule (LambdaLR's state even holds its schedule object's fields), and
+        a rerun that changes them (its `config_change` records) must train with the new ones. With
+        the config unchanged this sets the very values the uninterrupted run has."""
+        for group, settings in zip(self.optimizer.param_groups, self._optimizer_settings, strict=True):
+            group.update(settings)
+        self.lr_scheduler = self._build_lr_scheduler(steps_taken)
 
     def save_checkpoint(self, *, wait: bool = False) -> Path:
         """Save the current state (in the background with `checkpoint.async_save`; with `wait`,
