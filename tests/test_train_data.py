@@ -142,6 +142,35 @@ def test_state_from_other_data_is_refused():
 
 
 def test_too_little_data_is_an_error():
-    """A split shorter than one global batch of windows fails with the numbers."""
-    with pytest.raises(ValueError, match="fewer than one batch"):
+    """A split shorter than one step's windows fails with the numbers."""
+    with pytest.raises(ValueError, match="fewer than one step of 4 windows"):
         WindowLoader(_tokens(100), seq_len=SEQ_LEN, batch_size=4)
+    with pytest.raises(ValueError, match="fewer than one step of 64 windows"):
+        WindowLoader(_tokens(700), seq_len=16, batch_size=4, windows_per_step=64)
+    with pytest.raises(ValueError, match="multiple of batch_size x world_size"):
+        WindowLoader(_tokens(700), seq_len=16, batch_size=4, windows_per_step=6)
+
+
+def _step_windows(world_size: int, micro: int, windows_per_step: int, steps: int) -> list[tuple]:
+    """Per step: (its epochs, the sorted windows all ranks read over its accumulation batches)."""
+    tokens = _tokens(700)  # 43 windows of 16 + 1
+    ranks = [WindowLoader(tokens, seq_len=16, batch_size=micro, rank=r, world_size=world_size, seed=3,
+                          prefetch=0, windows_per_step=windows_per_step) for r in range(world_size)]
+    steps_read = []
+    for _ in range(steps):
+        batches = [next(loader) for _ in range(windows_per_step // (world_size * micro)) for loader in ranks]
+        assert all(b.window_ids.shape == (micro,) for b in batches)
+        steps_read.append(({b.epoch for b in batches}, sorted(i for b in batches for i in b.window_ids.tolist())))
+    return steps_read
+
+
+def test_every_layout_reads_the_same_whole_steps_across_epochs():
+    """With gradient accumulation, each step's windows come from one epoch and are the same for
+    every layout of the step (ranks x micro-batch x accumulation): the epoch ends with its last
+    whole step of 8 windows (40 of the 43), not with its last micro-batch."""
+    reference = _step_windows(1, 8, 8, steps=12)  # 5 steps per epoch
+    assert [min(epochs) for epochs, _ in reference] == [0] * 5 + [1] * 5 + [2] * 2
+    for epochs, windows in reference:
+        assert len(epochs) == 1 and len(windows) == len(set(windows)) == 8
+    for world_size, micro in ((1, 4), (1, 1), (2, 2), (2, 1), (4, 1)):
+        assert _step_windows(world_size, micro, 8, steps=12) == reference, (world_size, micro)

@@ -264,6 +264,13 @@ class Batch:
 class WindowLoader:
     """Batches of `batch_size` windows of `seq_len + 1` tokens for one rank, forever (epochs).
 
+    An epoch is a permutation of the split's windows, read in global batches of `world_size x
+    batch_size` windows (one per rank each). `windows_per_step` is the global batch of one
+    optimizer step (a multiple of that: the trainer's `global_batch_size`, which gradient
+    accumulation reaches in several batches); an epoch ends with the last whole step, its tail
+    skipped, so no step mixes two epochs and every layout of the same step size reads the same
+    windows at every step.
+
     Iteration is resumable: `state_dict()` after any number of batches, then `load_state_dict`
     on a fresh loader, continues with exactly the batches the first would have produced next.
     """
@@ -280,9 +287,14 @@ class WindowLoader:
         shuffle: bool = True,
         prefetch: int = 2,
         pin_memory: bool = False,
+        windows_per_step: int | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        windows_per_step = world_size * batch_size if windows_per_step is None else windows_per_step
+        if windows_per_step < 1 or windows_per_step % (world_size * batch_size):
+            raise ValueError(f"windows_per_step ({windows_per_step}) must be a positive multiple of "
+                             f"batch_size x world_size ({batch_size} x {world_size})")
         self.tokens = tokens
         self.seq_len = seq_len
         self.batch_size = batch_size
@@ -294,11 +306,14 @@ class WindowLoader:
         self.pin_memory = pin_memory
         self.num_windows = max(len(tokens) - 1, 0) // seq_len
         self.global_batch_windows = world_size * batch_size
-        if self.num_windows < self.global_batch_windows:
+        if self.num_windows < windows_per_step:
             raise ValueError(
                 f"the split has {len(tokens)} tokens = {self.num_windows} windows of "
-                f"{seq_len} + 1 tokens, fewer than one batch of {batch_size} x {world_size} ranks"
+                f"{seq_len} + 1 tokens, fewer than one step of {windows_per_step} windows"
+                f" ({batch_size} x {world_size} ranks per batch)"
             )
+        self.windows_per_epoch = self.num_windows - self.num_windows % windows_per_step
+        """The windows read per epoch: whole steps only."""
         self._epoch = 0
         self._position = 0
         self._thread: threading.Thread | None = None
@@ -307,7 +322,7 @@ class WindowLoader:
 
     @property
     def batches_per_epoch(self) -> int:
-        return self.num_windows // self.global_batch_windows
+        return self.windows_per_epoch // self.global_batch_windows
 
     # ---- the order of windows -----------------------------------------------------------------
 
@@ -324,7 +339,7 @@ class WindowLoader:
 
     def _advance(self, epoch: int, position: int) -> tuple[int, int]:
         position += self.global_batch_windows
-        if position + self.global_batch_windows > self.num_windows:  # the tail is skipped
+        if position == self.windows_per_epoch:  # the tail, short of a step, is skipped
             return epoch + 1, 0
         return epoch, position
 
@@ -401,10 +416,11 @@ class WindowLoader:
                     f"loader state has {key}={state[key]}, this loader {getattr(self, key)}: "
                     "it was saved for other data or settings"
                 )
-        if state["position"] % self.global_batch_windows:
+        if state["position"] % self.global_batch_windows or state["position"] >= self.windows_per_epoch:
             raise ValueError(
                 f"loader position {state['position']} is not a multiple of this loader's global "
-                f"batch of {self.global_batch_windows} windows"
+                f"batch of {self.global_batch_windows} windows below its {self.windows_per_epoch} "
+                "windows per epoch"
             )
         self.close()
         self._epoch, self._position = state["epoch"], state["position"]

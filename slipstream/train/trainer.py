@@ -118,7 +118,7 @@ class Trainer:
             self.dataset.tokens("train"), seq_len=config.data.seq_len,
             batch_size=config.training.micro_batch_size, rank=self.dist.rank,
             world_size=self.dist.world_size, seed=config.data.seed, prefetch=config.data.prefetch,
-            pin_memory=self.device.type == "cuda",
+            pin_memory=self.device.type == "cuda", windows_per_step=config.training.global_batch_size,
         )
         self.val_loader = self._build_val_loader()
         self.step = 0
