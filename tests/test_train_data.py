@@ -53,6 +53,38 @@ def test_prepare_is_cached_and_redone_when_inputs_change(data_dir, tmp_path):
     assert fewer["splits"]["train"]["num_documents"] + fewer["splits"]["val"]["num_documents"] == 20
 
 
+@pytest.mark.parametrize("damage", ["truncate", "delete", "garbage"])
+def test_a_damaged_token_file_is_named_and_prepared_again(data_dir, tmp_path, damage):
+    """A split file cut short or deleted is refused when loaded, naming the file; garbage of the
+    right size (ids outside the vocabulary) is refused by the loader; preparing again redoes it."""
+    import shutil
+    shutil.copytree(data_dir, tmp_path / "data")
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    path = tmp_path / "data" / "train.bin"
+    original = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(original[:-10])
+    elif damage == "delete":
+        path.unlink()
+    else:
+        path.write_bytes(b"\xff" * len(original))
+    dataset = TokenDataset(tmp_path / "data")
+    if damage == "garbage":
+        loader = WindowLoader(dataset.tokens("train"), seq_len=SEQ_LEN, batch_size=2, prefetch=1,
+                              vocab_size=dataset.vocab_size)
+        with pytest.raises(ValueError, match="token id 65535, outside the vocabulary"):
+            next(loader)
+        loader.close()
+    else:
+        with pytest.raises(ValueError, match="train.bin (is missing|has .* bytes)"):
+            dataset.tokens("train")
+    tokenizer = Tokenizer.from_pretrained(data_dir / "tokenizer")
+    again = prepare_dataset(tmp_path / "data", tokenizer, corpus(), heldout_fraction=0.1, progress=False)
+    assert path.read_bytes() == original
+    assert {k: v for k, v in again.items() if k != "created_at"} == {
+        k: v for k, v in meta.items() if k != "created_at"}
+
+
 def _tokens(n: int = 2000) -> np.ndarray:
     return (np.arange(n) % 60000).astype(np.uint16)
 

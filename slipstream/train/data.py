@@ -112,8 +112,11 @@ def prepare_dataset(
     fingerprint = _fingerprint(tokenizer, documents, heldout_fraction)
     existing = _read_meta(out_dir)
     if existing is not None and existing.get("fingerprint") == fingerprint:
-        logger.info("dataset in %s is up to date", out_dir)
-        return existing
+        damaged = _damaged_split_files(out_dir, existing)
+        if not damaged:
+            logger.info("dataset in %s is up to date", out_dir)
+            return existing
+        logger.warning("preparing %s again: %s", out_dir, "; ".join(damaged))
     heldout = heldout_documents(documents, heldout_fraction)
     if len(heldout) == len(documents):
         raise ValueError("the corpus needs at least two documents: one to train on, one held out")
@@ -160,6 +163,7 @@ def _tokenize_to_files(
         raise ValueError("the tokenizer has no end-of-text token to join documents with")
     counts = {split: {"num_tokens": 0, "num_documents": 0, "num_skipped": 0} for split in SPLITS}
     files = {split: open(out_dir / f"{split}.bin", "wb") for split in SPLITS}  # noqa: SIM115
+    hashes = {split: hashlib.sha256() for split in SPLITS}
     total_bytes = sum(d.path.stat().st_size for d in documents)
     with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
               disable=not progress) as bar:
@@ -176,12 +180,15 @@ def _tokenize_to_files(
                     split = "val" if document.name in heldout else "train"
                     array = np.asarray(doc_ids + [tokenizer.eos_token_id], dtype=dtype)
                     files[split].write(array.tobytes())
+                    hashes[split].update(array.tobytes())
                     counts[split]["num_tokens"] += len(array)
                     counts[split]["num_documents"] += 1
                 bar.update(sum(d.path.stat().st_size for d in batch))
         finally:
             for f in files.values():
                 f.close()
+    for split in SPLITS:
+        counts[split]["sha256"] = hashes[split].hexdigest()
     return counts
 
 
@@ -203,6 +210,38 @@ def _sources_sha256(documents: Sequence[Document]) -> str:
 def _fingerprint(tokenizer: Tokenizer, documents: Sequence[Document], heldout_fraction: float) -> str:
     parts = [FORMAT_VERSION, _tokenizer_sha256(tokenizer), _sources_sha256(documents), heldout_fraction]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def _split_file_problem(path: Path, dtype: str, num_tokens: int) -> str | None:
+    """Why a split file does not hold `num_tokens` tokens of `dtype` (missing, or another size)."""
+    expected = num_tokens * np.dtype(dtype).itemsize
+    if not path.is_file():
+        return f"{path} is missing"
+    if path.stat().st_size != expected:
+        return f"{path} has {path.stat().st_size} bytes, not the {expected} of its {num_tokens} tokens"
+    return None
+
+
+def _damaged_split_files(data_dir: Path, meta: dict[str, Any]) -> list[str]:
+    """What is wrong with the split files of a prepared dataset: missing, truncated, or (for a
+    dataset whose metadata has their checksums) any changed byte."""
+    problems = []
+    for split, counts in meta["splits"].items():
+        path = data_dir / f"{split}.bin"
+        problem = _split_file_problem(path, meta["dtype"], counts["num_tokens"])
+        if problem is None and "sha256" in counts and _file_sha256(path) != counts["sha256"]:
+            problem = f"{path} does not match its checksum"
+        if problem is not None:
+            problems.append(problem)
+    return problems
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(2**24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _read_meta(data_dir: Path) -> dict[str, Any] | None:
@@ -243,6 +282,10 @@ class TokenDataset:
         num_tokens = self.meta["splits"][split]["num_tokens"]
         if num_tokens == 0:
             return np.zeros(0, dtype=self.meta["dtype"])
+        problem = _split_file_problem(self.dir / f"{split}.bin", self.meta["dtype"], num_tokens)
+        if problem is not None:
+            raise ValueError(f"the prepared dataset is damaged: {problem}; prepare it again "
+                             f"(`slipstream data prepare --out {self.dir}` redoes damaged files)")
         return np.memmap(self.dir / f"{split}.bin", dtype=self.meta["dtype"], mode="r",
                          shape=(num_tokens,))
 
@@ -288,6 +331,7 @@ class WindowLoader:
         prefetch: int = 2,
         pin_memory: bool = False,
         windows_per_step: int | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
@@ -304,6 +348,8 @@ class WindowLoader:
         self.shuffle = shuffle
         self.prefetch = prefetch
         self.pin_memory = pin_memory
+        self.vocab_size = vocab_size
+        """When set, a batch holding a larger token id (a damaged file) is a ValueError."""
         self.num_windows = max(len(tokens) - 1, 0) // seq_len
         self.global_batch_windows = world_size * batch_size
         if self.num_windows < windows_per_step:
@@ -348,6 +394,10 @@ class WindowLoader:
         starts = ids * self.seq_len
         offsets = np.arange(self.seq_len + 1)
         windows = torch.from_numpy(self.tokens[starts[:, None] + offsets].astype(np.int64))
+        if self.vocab_size is not None and int(windows.max()) >= self.vocab_size:
+            row = int(windows.max(dim=1).values.argmax())
+            raise ValueError(f"window {ids[row]} holds token id {int(windows.max())}, outside the "
+                             f"vocabulary of {self.vocab_size}: the token file is damaged; prepare it again")
         if self.pin_memory:
             windows = windows.pin_memory()
         return Batch(windows[:, :-1], windows[:, 1:], ids, epoch, position)  # (B, T) each
@@ -365,6 +415,8 @@ class WindowLoader:
                 self._start_thread()
             assert self._queue is not None
             batch = self._queue.get()
+            if isinstance(batch, ValueError):  # the data's own error (a damaged file), as without prefetch
+                raise batch
             if isinstance(batch, BaseException):
                 raise RuntimeError("the data loader's prefetch thread failed") from batch
         assert (batch.epoch, batch.position) == (self._epoch, self._position), "prefetch out of order"

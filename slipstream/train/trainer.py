@@ -119,6 +119,7 @@ class Trainer:
             batch_size=config.training.micro_batch_size, rank=self.dist.rank,
             world_size=self.dist.world_size, seed=config.data.seed, prefetch=config.data.prefetch,
             pin_memory=self.device.type == "cuda", windows_per_step=config.training.global_batch_size,
+            vocab_size=self.dataset.vocab_size,
         )
         self.val_loader = self._build_val_loader()
         self.step = 0
@@ -222,7 +223,7 @@ class Trainer:
             return WindowLoader(
                 self.dataset.tokens("val"), seq_len=self.config.data.seq_len,
                 batch_size=self.config.training.micro_batch_size, rank=self.dist.rank,
-                world_size=self.dist.world_size, shuffle=False, prefetch=0,
+                world_size=self.dist.world_size, shuffle=False, prefetch=0, vocab_size=self.dataset.vocab_size,
             )
         except ValueError as e:
             logger.warning("evaluation disabled: the held-out split is too small (%s)", e)
