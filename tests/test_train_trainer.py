@@ -187,6 +187,18 @@ def test_resumed_trainer_takes_its_own_optimizer_settings(data_dir, train_model_
     assert expected_lrs[-1] > 0.5 * 5e-4  # linear decay over 8 steps, not the 3-step run's floor
 
 
+def test_a_run_dir_whose_checkpoints_all_fail_to_verify_is_refused(data_dir, train_model_dir, tmp_path):
+    """When no checkpoint verifies, a rerun stops with the reasons rather than starting over."""
+    extra = ("--training.steps=2", "--checkpoint.interval=1")
+    Trainer(small_config(data_dir, train_model_dir, tmp_path / "run", *extra)).run()
+    checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
+    assert len(checkpoints) == 2
+    for checkpoint in checkpoints:
+        (checkpoint / "meta.json").write_text("{}")
+    with pytest.raises(ValueError, match="holds 2 checkpoints and none verifies"):
+        Trainer(small_config(data_dir, train_model_dir, tmp_path / "run", *extra))
+
+
 def test_metrics_records(data_dir, train_model_dir, tmp_path):
     """metrics.jsonl holds a run record, one flat train record per step with the time split,
     MFU from perf.flops and the configured peak, eval and checkpoint records."""
