@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import signal
+import time
 
 import httpx
 import pytest
@@ -143,6 +145,44 @@ async def drain_scenario(server: ServerProcess) -> None:
         assert events[-1] == "data: [DONE]"
         assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
         aborted = await endless
+        assert aborted.status_code == 503, aborted.text
+        assert aborted.json()["error"]["code"] == "unavailable"
+
+
+def test_second_ctrl_c_aborts_in_flight_requests_cleanly(model_dir, tmp_path):
+    """A second SIGINT while draining aborts what is in flight at once, long before the drain
+    timeout: the stream ends with finish reason "abort" and [DONE], the waiting client gets the
+    503 JSON, no handler fails, and the server exits 0."""
+    server = ServerProcess(model_dir, tmp_path / "server.log", "--drain-timeout", "60", "--max-num-seqs", "2",
+                           *ENGINE_ARGS).wait_ready()
+    try:
+        start = time.monotonic()
+        asyncio.run(second_interrupt_scenario(server))
+        assert server.process.wait(timeout=30) == 0, server.log()
+        assert time.monotonic() - start < 30
+        assert "Exception in ASGI application" not in server.log()
+    finally:
+        server.stop()
+
+
+async def second_interrupt_scenario(server: ServerProcess) -> None:
+    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+        # 16 completions of 200 tokens, two at a time: far longer than the test.
+        body = {"prompt": "short", "max_tokens": 200, "n": 16, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")
+            waiting = asyncio.create_task(client.post("/v1/completions", json={
+                "prompt": "long", "max_tokens": 200, "n": 64, "ignore_eos": True}))
+            await asyncio.sleep(0.3)
+            server.process.send_signal(signal.SIGINT)
+            await asyncio.sleep(0.3)
+            server.process.send_signal(signal.SIGINT)
+            events = [line async for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        reasons = [c["finish_reason"] for e in events[:-1] for c in json.loads(e[6:])["choices"]]
+        assert "abort" in reasons
+        aborted = await waiting
         assert aborted.status_code == 503, aborted.text
         assert aborted.json()["error"]["code"] == "unavailable"
 

@@ -89,6 +89,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(self.model_name)
         self.engine = AsyncEngine(engine, max_waiting=config.max_waiting, on_step=self.metrics.observe)
         self.is_draining = is_draining
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.created = int(time.time())
         self.app = self._build_app()
 
@@ -108,11 +109,18 @@ class OpenAIServer:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        self._loop = asyncio.get_running_loop()
         self.engine.start()
         drain = asyncio.create_task(self._abort_after_drain_timeout())
         yield
         drain.cancel()
         await self.engine.stop()
+
+    def abort_all_soon(self) -> None:
+        """Abort every request from any thread or a signal handler (through the event loop: a
+        handler must not take the engine's locks, which the code it interrupted may hold)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.engine.abort_all)
 
     async def _abort_after_drain_timeout(self) -> None:
         """Once draining starts, give the requests in flight drain_timeout_s, then abort the rest:
@@ -372,7 +380,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, *, log_level: 
     engine = Engine(engine_config)
     server: uvicorn.Server | None = None
     api = OpenAIServer(engine, config, is_draining=lambda: server is not None and server.should_exit)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _Server(api, uvicorn.Config(
         api.app, host=config.host, port=config.port, log_level=log_level, access_log=log_level == "debug",
         timeout_graceful_shutdown=config.drain_timeout_s + DRAIN_GRACE_S,
     ))
@@ -385,3 +393,23 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, *, log_level: 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, but a second SIGINT (Ctrl-C while draining) aborts the requests in flight,
+    so that streams still end with finish reason "abort" and [DONE], waiting clients get a 503 and
+    the engine stops, and only then exits; uvicorn would cut every connection at once and skip
+    the shutdown. A third SIGINT forces the exit as uvicorn does."""
+
+    def __init__(self, api: OpenAIServer, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._api = api
+        self._aborted = False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.should_exit and sig == signal.SIGINT and not self._aborted:
+            logger.warning("second interrupt: aborting the requests in flight, then exiting")
+            self._aborted = True
+            self._api.abort_all_soon()
+            return
+        super().handle_exit(sig, frame)
