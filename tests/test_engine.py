@@ -3,6 +3,7 @@ preemption, aborts, request metrics, prefix caching, request ids and the streame
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import random
 import sys
@@ -308,6 +309,26 @@ def test_streamed_text_only_grows_and_never_shows_a_stop_string(model_dir, refer
         assert final.text.startswith(shown)
     # The hold-back was exercised: some intermediate output had generated the stop string's start.
     assert any(decode(output.outputs[0].token_ids)[k:k + 1] == stop[0] for output in stream[:-1])
+
+
+def test_output_cut_inside_a_character_drops_its_bytes(model_dir, reference_engine):
+    """A completion that max_tokens ends inside a multi-byte character ends with the text before it
+    (vLLM drops the incomplete bytes), not U+FFFD, and the streamed text adds up to it. Reference:
+    Python's incremental UTF-8 decoder, which holds an incomplete tail back."""
+    tokenizer = reference_engine.tokenizer
+    reference_engine.add_request("ref", "class Foo:", greedy(max_tokens=40))
+    token_ids = run(reference_engine)[0]["ref"].outputs[0].token_ids
+    pieces = [tokenizer.token_bytes(t) for t in token_ids]
+    # The first token that ends with the lead byte of a multi-byte character (0xc2-0xf4).
+    cut = next(i for i, piece in enumerate(pieces) if 0xC2 <= piece[-1] <= 0xF4)
+    expected = codecs.getincrementaldecoder("utf-8")().decode(b"".join(pieces[: cut + 1]), final=False)
+    engine = make_engine(model_dir)
+    engine.add_request("cut", "class Foo:", greedy(max_tokens=cut + 1))
+    finals, stream = run(engine)
+    final = finals["cut"].outputs[0]
+    assert (final.token_ids, final.text, final.finish_reason) == (token_ids[: cut + 1], expected, "length")
+    assert expected and not expected.endswith("\ufffd")
+    assert all(expected.startswith(output.outputs[0].text) for output in stream)
 
 
 # ---- several decode steps at once -----------------------------------------------------------------

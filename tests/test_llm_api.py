@@ -7,7 +7,9 @@ and a 32-token step budget, so prompts longer than 32 tokens are prefilled in ch
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 
 import pytest
 from serve_fixtures import EOS_TRIGGER_ID, VOCAB_SIZE, dense_logprobs
@@ -91,6 +93,15 @@ def test_prompt_forms_are_equivalent_and_outputs_keep_input_order(llm, tokenizer
     assert single.outputs[0].token_ids == alone[2]
 
 
+def test_prompt_dict_with_text_and_ids_generates_from_the_ids_and_reports_the_text(llm, tokenizer):
+    """As vLLM: {"prompt": text, "prompt_token_ids": ids} generates from the ids; output.prompt is
+    the text."""
+    ids = tokenizer.encode("class Foo:")
+    [output] = llm.generate({"prompt": "some text", "prompt_token_ids": ids}, greedy(), use_tqdm=False)
+    assert (output.prompt, output.prompt_token_ids) == ("some text", ids)
+    assert output.outputs[0].token_ids == generate_one(llm, [ids], greedy()).token_ids
+
+
 def test_per_prompt_sampling_params(llm):
     """A list of SamplingParams applies one per prompt, in order; a list of the wrong length is refused."""
     params = [greedy(max_tokens=1), greedy(max_tokens=7), greedy(max_tokens=3)]
@@ -98,6 +109,53 @@ def test_per_prompt_sampling_params(llm):
     assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 7, 3]
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(["a", "b"], params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"lengths of prompts \(2\) and sampling_params \(0\)"):
+        llm.generate(["a", "b"], [], use_tqdm=False)  # not the defaults, as vLLM
+
+
+@pytest.mark.parametrize("params", [[None], {"temperature": 0}, "greedy", [greedy(), 0.5]],
+                         ids=["[None]", "dict", "str", "list with a float"])
+def test_sampling_params_that_are_not_sampling_params_are_a_type_error(llm, params):
+    """Anything but a SamplingParams (or a list of them) is a TypeError naming sampling_params."""
+    prompts = ["a", "b"] if isinstance(params, list) and len(params) == 2 else ["a"]
+    with pytest.raises(TypeError, match="sampling_params"):
+        llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_priority_is_one_int_or_one_per_prompt(llm):
+    """priority takes an int for every prompt or a list of one int per prompt (as vLLM), in
+    generate and chat; anything else is refused."""
+    expected = [generate_one(llm, p, greedy(max_tokens=3)).token_ids for p in ("a", "b")]
+    for priority in (0, 5, [1, 0], (0, 0)):
+        outputs = llm.generate(["a", "b"], greedy(max_tokens=3), priority=priority, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    conversation = [{"role": "user", "content": "Hi"}]
+    assert llm.chat(conversation, greedy(max_tokens=3), priority=1, use_tqdm=False)[0].finished
+    bad = ((["x", 0], TypeError), ([0, True], TypeError), (0.5, TypeError), ([0], ValueError))
+    for priority, error in bad:
+        with pytest.raises(error, match="priority"):
+            llm.generate(["a", "b"], greedy(), priority=priority, use_tqdm=False)
+
+
+def test_default_sampling_params_come_from_generation_config(model_dir, tmp_path):
+    """As vLLM's default generation_config="auto": sampling_params=None samples with the sampling
+    values of generation_config.json (max_new_tokens as max_tokens; other keys ignored);
+    generation_config="vllm" keeps SamplingParams()."""
+    shutil.copytree(model_dir, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "generation_config.json").read_text())
+    config |= {"temperature": 0.0, "repetition_penalty": 1.5, "max_new_tokens": 5, "do_sample": True}
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    llm = LLM(tmp_path, max_model_len=MAX_MODEL_LEN)
+    expected = SamplingParams(temperature=0.0, repetition_penalty=1.5, max_tokens=5)
+    assert llm.get_default_sampling_params() == expected
+    outputs = llm.generate(["a", PROMPT], use_tqdm=False)
+    explicit = llm.generate(["a", PROMPT], expected, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in explicit]
+    assert all(len(o.outputs[0].token_ids) <= 5 for o in outputs)
+    [chat] = llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)
+    assert len(chat.outputs[0].token_ids) <= 5
+    neutral = LLM(tmp_path, max_model_len=MAX_MODEL_LEN, generation_config="vllm")
+    assert neutral.get_default_sampling_params() == SamplingParams()
 
 
 def test_n_completions_seeded_differ_and_reproduce(llm):
@@ -113,6 +171,23 @@ def test_n_completions_seeded_differ_and_reproduce(llm):
     others = SamplingParams(temperature=1.0, max_tokens=8)
     batched = llm.generate(["x = 1", PROMPT, "y = 2"], [others, params, others], use_tqdm=False)
     assert [tuple(c.token_ids) for c in batched[1].outputs] == tokens
+
+
+def test_engine_seed_makes_unseeded_sampling_reproducible(model_dir):
+    """As vLLM's LLM(seed=...) (default 0): a fresh engine with the same seed samples the same tokens
+    for the same unseeded requests, in order; another seed samples others."""
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+
+    def two_samples(**seed) -> list[list[int]]:
+        llm = LLM(model_dir, max_model_len=MAX_MODEL_LEN, **seed)
+        return [generate_one(llm, PROMPT, params).token_ids for _ in range(2)]
+
+    first = two_samples()
+    assert first[0] != first[1]
+    assert two_samples(seed=0) == first
+    assert two_samples(seed=1) != first
+    with pytest.raises(ValueError, match="seed"):
+        LLM(model_dir, seed="0")
 
 
 def test_greedy_is_deterministic_and_batch_invariant(llm):
@@ -169,7 +244,7 @@ def test_stop_string_is_trimmed_from_text(llm, tokenizer):
     kept = generate_one(llm, PROMPT, greedy(max_tokens=24, stop=[stop], include_stop_str_in_output=True))
     assert kept.text == reference.text[: k + len(stop)]
     assert (kept.finish_reason, kept.stop_reason) == ("stop", stop)
-    # Of several stop strings, the one appearing first wins.
+    # Of several stop strings, the one completed first wins (here also the one starting first).
     late_k, late = stop_string_in(reference.text, length=3, min_start=k + len(stop))
     either = generate_one(llm, PROMPT, greedy(max_tokens=24, stop=[late, stop]))
     assert (either.text, either.stop_reason) == (reference.text[:k], stop)
@@ -183,6 +258,54 @@ def test_stop_string_on_last_token_reports_stop(llm):
     completion = generate_one(llm, PROMPT, greedy(max_tokens=5, stop=[stop]))
     assert completion.text == reference.text[:-3]
     assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+
+
+def first_stop_char_by_char(text: str, stops: list[str]) -> tuple[int, str]:
+    """(start, stop string) of the stop that streaming `text` one character at a time meets first,
+    ties going to the earlier in `stops`: the rule vLLM states (and applies to any step size)."""
+    for end in range(1, len(text) + 1):
+        for stop in stops:
+            if text[:end].endswith(stop):
+                return end - len(stop), stop
+    raise AssertionError(f"none of {stops} in {text!r}")
+
+
+def test_of_overlapping_stop_strings_the_one_completed_first_wins(llm):
+    """Of two stop strings, the one whose end comes first ends generation even if the other starts
+    earlier; with equal ends the earlier in the list wins (vLLM's rule, that of char-by-char)."""
+    reference = generate_one(llm, PROMPT, greedy(max_tokens=24)).text
+    k = next(k for k in range(len(reference) - 6) if reference[k : k + 6].isalpha()
+             and reference.find(reference[k : k + 6]) == k
+             and reference.find(reference[k + 2 : k + 4]) == k + 2)
+    outer, inner, tail = reference[k : k + 6], reference[k + 2 : k + 4], reference[k : k + 4]
+    for stops in ([outer, inner], [tail, inner], [inner, tail]):
+        start, winner = first_stop_char_by_char(reference, stops)
+        for include in (False, True):
+            completion = generate_one(llm, PROMPT, greedy(max_tokens=24, stop=stops,
+                                                         include_stop_str_in_output=include))
+            end = start + len(winner) if include else start
+            assert (completion.text, completion.stop_reason) == (reference[:end], winner), stops
+    assert first_stop_char_by_char(reference, [outer, inner])[1] == inner  # the case is the overlap
+
+
+def test_stop_string_may_start_inside_the_min_tokens_text(llm, tokenizer):
+    """As in vLLM, a stop string counts once it ends after the text of the first min_tokens tokens,
+    even if it starts inside that text."""
+    reference = generate_one(llm, PROMPT, greedy(max_tokens=24))
+    text, token_ids = reference.text, reference.token_ids
+    for m in range(2, len(token_ids) - 1):
+        head = tokenizer.decode(token_ids[:m])
+        e = len(head)
+        if (text.startswith(head) and not head.endswith("\ufffd") and e >= 2
+                and len(tokenizer.decode(token_ids[: m + 1])) >= e + 2
+                and text.find(text[e - 2 : e + 2]) == e - 2):
+            break
+    else:
+        raise AssertionError(f"no usable min_tokens boundary in {text!r}")
+    stop = text[e - 2 : e + 2]
+    completion = generate_one(llm, PROMPT, greedy(max_tokens=24, min_tokens=m, stop=[stop]))
+    assert (completion.text, completion.stop_reason) == (text[: e - 2], stop)
+    assert completion.token_ids == token_ids[: m + 1]
 
 
 def word_token_position(token_ids: list[int], tokenizer) -> int:
@@ -303,6 +426,46 @@ def test_chat_renders_through_the_chat_template(llm, tokenizer):
     assert outputs[0].outputs[0].token_ids == output.outputs[0].token_ids
 
 
+def chatml(*turns: tuple[str, str], generation_prompt: bool = True) -> str:
+    """The tiny preset's ChatML template written out by hand."""
+    text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns)
+    return text + ("<|im_start|>assistant\n" if generation_prompt else "")
+
+
+def test_chat_reports_the_rendered_prompt_and_takes_openai_messages(llm, tokenizer):
+    """As vLLM's LLM.chat: output.prompt is the rendered text; content may be a list of text parts
+    (joined) and an assistant turn may have content None (as the HTTP server reads them)."""
+    expected = chatml(("user", "Hi there"))
+    cases = {
+        "string": [{"role": "user", "content": "Hi there"}],
+        "text parts": [{"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                                     {"type": "text", "text": "there"}]}],
+    }
+    for name, conversation in cases.items():
+        [output] = llm.chat(conversation, greedy(max_tokens=2), use_tqdm=False)
+        assert output.prompt == expected, name
+        assert output.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
+    none = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}]
+    [output] = llm.chat(none, greedy(max_tokens=2), add_generation_prompt=False, use_tqdm=False)
+    assert output.prompt == chatml(("user", "Hi"), ("assistant", ""), generation_prompt=False)
+    with pytest.raises(ValueError, match="text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], use_tqdm=False)
+
+
+def test_chat_template_kwargs_override_and_template_and_tools_reach_the_template(llm):
+    """chat_template_kwargs override the named arguments (vLLM merges them over), a chat_template
+    source replaces the tokenizer's, and tools reach it."""
+    conversation = [{"role": "user", "content": "Hi"}]
+    [output] = llm.chat(conversation, greedy(max_tokens=2), use_tqdm=False,
+                        chat_template_kwargs={"add_generation_prompt": False})
+    assert output.prompt == chatml(("user", "Hi"), generation_prompt=False)
+    template = ("{% for t in tools or [] %}[{{ t['name'] }}]{% endfor %}"
+                "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{{ greeting }}")
+    [output] = llm.chat(conversation, greedy(max_tokens=2), chat_template=template, use_tqdm=False,
+                        tools=[{"name": "search"}], chat_template_kwargs={"greeting": "Bot:"})
+    assert output.prompt == "[search]user: Hi\nBot:"
+
+
 # ---- validation ----------------------------------------------------------------------------------
 
 BAD_PROMPTS = {
@@ -313,6 +476,7 @@ BAD_PROMPTS = {
     "dict without a prompt": ({"text": "hi"}, "prompt"),
     "token id past the vocabulary": ([[5, VOCAB_SIZE]], "prompt token id"),
     "negative token id": ([[5, -1]], "prompt token id"),
+    "float token id": ([5, 6.0], "integers, got 6.0"),
 }
 
 
@@ -324,6 +488,25 @@ def test_bad_prompt_is_a_value_error(llm, case):
         llm.generate(prompt, greedy(), use_tqdm=False)
 
 
+BAD_PROMPT_TYPES = {
+    "bytes": (b"hi", "bytes"),  # a Sequence of ints, but not token ids
+    "bytes in a list": ([b"hi", "ok"], "bytes"),
+    "dict prompt not a string": ({"prompt": 5}, "'prompt'"),
+    "dict token ids not a list": ({"prompt_token_ids": 5}, "'prompt_token_ids'"),
+    "int among text prompts": (["a", 5], "token ids"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PROMPT_TYPES))
+def test_prompt_of_the_wrong_type_is_a_type_error(llm, case):
+    """A prompt that is not a string, a list of token ids or a prompt dict is a TypeError saying
+    which part is wrong (vLLM refuses bytes too), before anything is queued."""
+    prompt, message = BAD_PROMPT_TYPES[case]
+    with pytest.raises(TypeError, match=message):
+        llm.generate(prompt, greedy(), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 BAD_PARAMS = {
     "max_tokens": dict(max_tokens=0),
     "temperature": dict(temperature=-0.5),
@@ -332,6 +515,12 @@ BAD_PARAMS = {
     "n": dict(n=0),
     "repetition_penalty": dict(repetition_penalty=0.0),
     "repetition_penalty ": dict(repetition_penalty=1e39),  # inf in float32: NaN logits
+    "temperature ": dict(temperature=1e39),  # likewise: -inf / inf is NaN
+    "ignore_eos": dict(ignore_eos="false"),  # a truthy string
+    "include_stop_str_in_output": dict(include_stop_str_in_output=1),
+    "skip_special_tokens": dict(skip_special_tokens="no"),
+    "stop": dict(stop={"a": 1}),  # not its keys
+    "stop ": dict(stop={"a", "b"}),
 }
 
 
@@ -353,6 +542,22 @@ def test_params_beyond_engine_limits_are_value_errors(llm, name, params):
     context cannot hold (it would silently go unmet) are refused by generate."""
     with pytest.raises(ValueError, match=name):
         llm.generate(PROMPT, greedy(**params), use_tqdm=False)
+
+
+def test_min_tokens_past_the_context_with_max_tokens_runs_to_the_context(llm):
+    """As vLLM: with an explicit max_tokens, a min_tokens the context cannot hold is no error; the
+    completion fills the context (3 tokens here) and ends with "length"."""
+    params = greedy(max_tokens=8, min_tokens=8, ignore_eos=False)
+    completion = generate_one(llm, [[7] * (MAX_MODEL_LEN - 3)], params)
+    assert (len(completion.token_ids), completion.finish_reason) == (3, "length")
+
+
+def test_seed_minus_one_means_unseeded(llm):
+    """As vLLM, seed=-1 is no seed: two samples differ (a seeded pair would be equal)."""
+    params = SamplingParams(seed=-1, temperature=1.0, max_tokens=8, ignore_eos=True)
+    assert params.seed is None
+    first, second = (generate_one(llm, PROMPT, params).token_ids for _ in range(2))
+    assert first != second
 
 
 def test_n_completions_take_any_int64_seed(llm):

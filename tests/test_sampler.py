@@ -10,7 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slipstream.serve.request import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingParams
+from slipstream.serve.request import (
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+)
 from slipstream.serve.sampler import (
     LogitFilters,
     SamplingBatch,
@@ -227,6 +232,23 @@ def test_min_tokens_suppresses_eos_and_stop_ids():
     assert (token_ids[:, 0] != eos).all() and (token_ids[:, 0] != stop).all()
     assert (token_ids[:, 1] != eos).all() and (token_ids[:, 1] != stop).all()
     assert (token_ids[:, 2] == eos).all() and (token_ids[:, 3] == eos).all()
+
+
+def test_highest_temperature_keeps_masked_tokens_out():
+    """At MAX_TEMPERATURE, whose float32 value is finite (a temperature that overflowed to inf made
+    masked logits NaN, and the NaN token won), min_tokens-masked tokens are never sampled and the
+    draw is near uniform over the rest; a higher temperature is refused."""
+    assert math.isfinite(torch.tensor(MAX_TEMPERATURE, dtype=torch.float32).item())
+    vocab, eos = 8, 0
+    params = SamplingParams(temperature=MAX_TEMPERATURE, min_tokens=4, seed=3)
+    row = SamplingRow(params, eos_token_ids=(eos,), generator=make_generator(3, "cpu"))
+    logits = torch.linspace(5.0, -5.0, vocab)[None]  # (1, vocab): eos the most likely
+    token_ids = [sample(logits, build([row], vocab)).token_ids.item() for _ in range(700)]
+    assert eos not in token_ids
+    counts = [token_ids.count(t) for t in range(1, vocab)]
+    assert min(counts) > 60  # 100 each expected: a uniform draw over the 7 unmasked tokens
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=MAX_TEMPERATURE * 1.01)
 
 
 # ---------------------------------------------------------------------------------------------------

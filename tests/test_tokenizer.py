@@ -199,6 +199,17 @@ def test_chatml_template_matches_transformers(
     assert tokenizer.apply_chat_template(conversation, tokenize=True, **kwargs) == expected_ids
 
 
+@pytest.mark.parametrize("extra", [{}, {"tools": TOOLS}])
+def test_chat_template_argument_replaces_the_tokenizers_as_in_transformers(tokenizer, hf_tokenizer, extra):
+    """A `chat_template` source renders instead of the tokenizer's, as transformers' argument does."""
+    source = ("{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}"
+              "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}")
+    expected = hf_tokenizer.apply_chat_template(CONVERSATIONS[1], chat_template=source, tokenize=False,
+                                                **extra)
+    assert tokenizer.apply_chat_template(CONVERSATIONS[1], chat_template=source, **extra) == expected
+    assert expected != tokenizer.apply_chat_template(CONVERSATIONS[1])
+
+
 def test_chatml_template_format(tokenizer):
     """The ChatML layout is what the serving and SFT code will rely on."""
     rendered = tokenizer.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True)
@@ -289,6 +300,9 @@ def test_template_files_and_named_templates(saved_dir, tmp_path):
     for tools in (None, TOOLS):
         expected = hf.apply_chat_template(messages, tools=tools, tokenize=False)
         assert ours.apply_chat_template(messages, tools=tools) == expected
+    # chat_template may name one of them (and is otherwise a template source).
+    expected = hf.apply_chat_template(messages, chat_template="tool_use", tokenize=False)
+    assert ours.apply_chat_template(messages, chat_template="tool_use") == expected
     (tmp_path / "chat_template.jinja").write_text("J{{ messages | length }}{{ eos_token }}")
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
     ours = Tokenizer.from_pretrained(tmp_path)

@@ -219,9 +219,11 @@ class Tokenizer:
         continue_final_message: bool = False,
         tokenize: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> str | list[int]:
-        """Render `messages` with the chat template exactly as transformers does.
+        """Render `messages` with the chat template exactly as transformers does; `chat_template`,
+        as there, replaces it with a template source or the name of one of the named templates.
 
         The template sees `messages`, `tools`, `documents` (None unless passed),
         `add_generation_prompt`, the named special tokens (`bos_token`, ...) and `kwargs`.
@@ -229,7 +231,7 @@ class Tokenizer:
         With `tokenize=True` returns the ids of the rendered text, encoded without adding
         special tokens (the template already wrote them).
         """
-        source = self._template_source(tools)
+        source = self._template_source(tools, chat_template)
         if source not in self._compiled_templates:
             self._compiled_templates[source] = compile_chat_template(source)
         text = render_chat_template(
@@ -239,7 +241,12 @@ class Tokenizer:
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
-    def _template_source(self, tools: object) -> str:
+    def _template_source(self, tools: object, chat_template: str | None) -> str:
+        """`chat_template` when given (as in transformers, a name among the tokenizer's named
+        templates or a template source), else the tokenizer's template for the call."""
+        if chat_template is not None:
+            named = self.chat_template if isinstance(self.chat_template, dict) else {}
+            return named.get(chat_template, chat_template)
         source = self.chat_template
         if source is None:
             raise ValueError("this tokenizer has no chat template (none in tokenizer_config.json "

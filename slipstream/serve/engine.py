@@ -79,6 +79,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
+    seed: int | None = 0
+    """As vLLM's: seeds the generator that requests without a seed of their own sample from, once
+    when the engine starts, so that a process that makes the same requests in the same order
+    samples the same tokens; None draws from torch's default generator."""
     fast_cpu_kernels: bool = True
     """On CPU: oneDNN pre-packed linears and fused C kernels (attention, RMSNorm, rotary), each
     where it applies; False runs the model's plain PyTorch modules (the tested reference)."""
@@ -107,6 +111,9 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}"
             )
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -(2**63) <= self.seed < 2**63):
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**63), got {self.seed!r}")
         if self.dtype != "auto":
             resolve_dtype(self.dtype)
 
@@ -157,6 +164,7 @@ class Engine:
         if device.type == "cpu":  # the weights and the KV cache keep their own mappings
             keep_large_freed_memory()
         self._ids = itertools.count()
+        self._unseeded_generator = None if config.seed is None else make_generator(config.seed, device)
         self._prompts: dict[str, PromptOutput] = {}
         self._sequences: dict[str, tuple[PromptOutput, SequenceOutput, torch.Generator | None]] = {}
         logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens",
@@ -173,25 +181,24 @@ class Engine:
         priority: int = 0,
         arrival_time_s: float | None = None,
         stream: bool = True,
+        prompt_text: str | None = None,
     ) -> None:
         """Queue a prompt (text or token ids); invalid input is a ValueError naming the problem.
 
         With `stream`, `step()` returns this prompt's output every step it changes (what a
         streaming server needs); without, only once it has finished (what `LLM.generate` needs).
+        `prompt_text` is the text that token-id prompts came from (a rendered chat), reported as
+        `RequestOutput.prompt`.
         """
         params = params or SamplingParams()
         if request_id in self._prompts:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text = prompt if isinstance(prompt, str) else None
+        text = prompt if isinstance(prompt, str) else prompt_text
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         token_ids = validate_prompt_token_ids(
             token_ids, vocab_size=self.limits.vocab_size, max_model_len=self.limits.max_model_len
         )
-        self._validate_params(params)
-        room = self.limits.max_model_len - len(token_ids)
-        if params.min_tokens > room:
-            raise ValueError(f"min_tokens ({params.min_tokens}) exceeds the {room} tokens the context "
-                             f"({self.limits.max_model_len}) leaves after the prompt's {len(token_ids)}")
+        self._validate_params(params, len(token_ids))
         arrival = time.monotonic() if arrival_time_s is None else arrival_time_s
         entry = PromptOutput(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
                              sequences=[], metrics=RequestMetrics(arrival_time_s=arrival),
@@ -228,7 +235,14 @@ class Engine:
             arrival_time_s=entry.metrics.arrival_time_s, priority=priority,
         )
 
-    def _validate_params(self, params: SamplingParams) -> None:
+    def _validate_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        """As vLLM: with max_tokens left to the context, min_tokens must fit in what the context
+        leaves (or it would silently go unmet); with an explicit max_tokens, generation simply
+        runs until the context is full ("length")."""
+        room = self.limits.max_model_len - num_prompt_tokens
+        if params.max_tokens is None and params.min_tokens > room:
+            raise ValueError(f"min_tokens ({params.min_tokens}) exceeds the {room} tokens the context "
+                             f"({self.limits.max_model_len}) leaves after the prompt's {num_prompt_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.config.max_logprobs:
@@ -293,7 +307,8 @@ class Engine:
         logits = self.runner.execute(plan)
         sampling = [c for c in plan.chunks if c.samples]
         rows = [self._sampling_row(c.request) for c in sampling]
-        batch = SamplingBatch.build(rows, vocab_size=self.limits.vocab_size, device=self.limits.device)
+        batch = SamplingBatch.build(rows, vocab_size=self.limits.vocab_size, device=self.limits.device,
+                                    unseeded_generator=self._unseeded_generator)
         sampled = sample(logits.sample_logits, batch)
         token_ids = sampled.token_ids.tolist()
         self.scheduler.update(

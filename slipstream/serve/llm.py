@@ -9,7 +9,9 @@
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -21,20 +23,39 @@ from slipstream.serve.request import RequestOutput, SamplingParams
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
 
+# The generation_config.json keys that vLLM's generation_config="auto" (its default) turns into
+# default sampling parameters, under their SamplingParams names.
+GENERATION_CONFIG_SAMPLING_KEYS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens",
+}
+
 
 class LLM:
     """Generate for a batch of prompts with continuous batching over a paged KV cache.
 
     Keyword arguments are `EngineConfig` fields (dtype, max_num_seqs, max_num_batched_tokens,
-    kv_cache_memory, enable_prefix_caching, max_model_len, block_size, device, ...).
+    kv_cache_memory, enable_prefix_caching, max_model_len, block_size, device, ...), and, as in
+    vLLM, `generation_config`: where the defaults for `sampling_params=None` come from: "auto"
+    (the model's generation_config.json), "vllm" (SamplingParams()) or another model directory.
     """
 
-    def __init__(self, model: str, **engine_args: Any) -> None:
+    def __init__(self, model: str, *, generation_config: str = "auto", **engine_args: Any) -> None:
         self.engine = Engine(EngineConfig(model=str(model), **engine_args))
+        self._default_sampling_params = _default_sampling_params(
+            str(model) if generation_config == "auto" else generation_config
+        )
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `sampling_params=None` means: SamplingParams() with the sampling values of the
+        generation config (temperature, top_p, top_k, min_p, the penalties, max_new_tokens as
+        max_tokens), as vLLM's `LLM.get_default_sampling_params`."""
+        return self._default_sampling_params
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (as vLLM's `LLM.reset_prefix_cache`)."""
@@ -46,21 +67,26 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
-        priority: Sequence[int] | None = None,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in the order given.
 
-        A prompt is a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}.
+        A prompt is a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}
+        (with both, the ids are generated from and the text is reported as the output's prompt).
+        `sampling_params` (default: `get_default_sampling_params()`) and `priority` are one value
+        for every prompt or a list of one per prompt.
         """
         prompts = _as_prompt_list(prompts)
-        params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
-        priorities = _per_prompt(0, len(prompts), "priority") if priority is None else list(priority)
-        if len(priorities) != len(prompts):
-            raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
+        inputs = [_prompt_input(prompt) for prompt in prompts]
+        if sampling_params is None:
+            sampling_params = self._default_sampling_params
+        params = _per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams,
+                             "a SamplingParams")
+        priorities = _per_prompt(0 if priority is None else priority, len(prompts), "priority", int, "an int")
         ids = [str(next(self._ids)) for _ in prompts]
         try:
-            for request_id, prompt, p, prio in zip(ids, prompts, params, priorities, strict=True):
-                self.engine.add_request(request_id, _prompt_input(prompt), p, priority=prio, stream=False)
+            for request_id, (prompt, text), p, prio in zip(ids, inputs, params, priorities, strict=True):
+                self.engine.add_request(request_id, prompt, p, priority=prio, stream=False, prompt_text=text)
             return self._run(ids, use_tqdm)
         except BaseException:
             self.engine.abort_request(ids)
@@ -72,24 +98,33 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        priority: int | Sequence[int] | None = None,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the chat template.
-        With `continue_final_message` (and add_generation_prompt=False) the reply continues the
-        final message instead of starting a new one, as in vLLM."""
+        """Generate replies to one conversation or a list of them, through the chat template (the
+        tokenizer's, or the template source `chat_template`), as vLLM's `LLM.chat`.
+
+        A message's content is a string or a list of OpenAI text parts (joined); None reads as ""
+        (as in the HTTP server). With `continue_final_message` (and add_generation_prompt=False) the
+        reply continues the final message instead of starting a new one. `chat_template_kwargs`
+        reach the template and override the arguments above. Each output's prompt is the
+        rendered text.
+        """
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        options = {"add_generation_prompt": add_generation_prompt,
+                   "continue_final_message": continue_final_message, "tools": tools,
+                   "chat_template": chat_template, **(chat_template_kwargs or {})}
         tokenizer = self.engine.tokenizer
-        prompts = [
-            tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=True,
-                **(chat_template_kwargs or {}),
-            )
-            for conversation in conversations
-        ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template([_template_message(m) for m in conversation], **options)
+            ids = tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -102,32 +137,91 @@ class LLM:
         return [finished[i] for i in ids]
 
 
+def _default_sampling_params(source: str) -> SamplingParams:
+    """The defaults from `source`'s generation_config.json (none without the file), or vLLM's
+    own for "vllm"; a value SamplingParams refuses is an error now, not at the first generate."""
+    if source == "vllm":
+        return SamplingParams()
+    path = Path(source) / "generation_config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    values = {name: config[key] for key, name in GENERATION_CONFIG_SAMPLING_KEYS.items()
+              if config.get(key) is not None}
+    try:
+        return SamplingParams(**values)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error} (generation_config='vllm' ignores the file's "
+                         "sampling defaults)") from error
+
+
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, Mapping)):
         return [prompts]
+    _check_not_bytes(prompts)
     prompts = list(prompts)
-    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
-        return [prompts]  # one prompt given as token ids
+    if prompts and all(_is_number(p) for p in prompts):
+        return [prompts]  # one prompt given as token ids (a float among them is refused later)
     return prompts
 
 
-def _prompt_input(prompt: Prompt) -> str | list[int]:
+def _prompt_input(prompt: Prompt) -> tuple[str | list[int], str | None]:
+    """(what the engine generates from, the prompt text to report when that is token ids)."""
     if isinstance(prompt, Mapping):
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise TypeError(f"a prompt dict's 'prompt' must be a string, got {text!r}")
         if "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
-        if "prompt" in prompt:
-            return prompt["prompt"]
+            return _token_ids(prompt["prompt_token_ids"], "a prompt dict's 'prompt_token_ids'"), text
+        if text is not None:
+            return text, None
         raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
     if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, Sequence):
-        return list(prompt)
-    raise ValueError(f"a prompt must be a string, token ids or a dict, got {type(prompt).__name__}")
+        return prompt, None
+    return _token_ids(prompt, "a prompt that is not a string or a dict"), None
 
 
-def _per_prompt(value: Any, num_prompts: int, name: str) -> list[Any]:
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        if len(value) != num_prompts:
-            raise ValueError(f"{name} has {len(value)} entries for {num_prompts} prompts")
-        return list(value)
-    return [value] * num_prompts
+def _token_ids(value: Any, what: str) -> list[int]:
+    """A token-id prompt as a list; the engine then checks every id."""
+    _check_not_bytes(value)
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise TypeError(f"{what} must be a list of token ids, got {value!r}")
+    return list(value)
+
+
+def _check_not_bytes(value: Any) -> None:
+    """bytes are a Sequence of ints, but surely meant as text: refuse them rather than read them
+    as token ids."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raise TypeError(f"a prompt must be a string, a list of token ids or a dict, not bytes "
+                        f"({value!r}); decode it first")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _per_prompt(value: Any, num_prompts: int, name: str, kind: type, a_kind: str) -> list[Any]:
+    """`value` once per prompt: one `kind` for all, or a list or tuple of one per prompt."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * num_prompts
+    if len(values) != num_prompts:
+        raise ValueError(f"the lengths of prompts ({num_prompts}) and {name} ({len(values)}) "
+                         "must be the same")
+    for v in values:
+        if not isinstance(v, kind) or isinstance(v, bool):  # True is an int, but no priority
+            raise TypeError(f"{name} must be {a_kind} or a list of one per prompt, got {v!r}")
+    return values
+
+
+def _template_message(message: Message) -> Message:
+    """The message as the chat template sees it: text parts joined, as the HTTP server does
+    (protocol.ChatMessage.template_message); content None is "" unless the message calls tools."""
+    if not isinstance(message, Mapping):
+        return message  # the template's own check names it
+    content = message.get("content")
+    if isinstance(content, (list, tuple)):
+        if not all(isinstance(part, Mapping) and part.get("type") == "text" for part in content):
+            raise ValueError(f"only text content parts ({{'type': 'text', 'text': ...}}) are "
+                             f"supported, got {content!r}")
+        content = "".join(part["text"] for part in content)
+    elif content is None and "tool_calls" not in message:
+        content = ""
+    return {**message, "content": content}

@@ -37,7 +37,6 @@ class SequenceOutput:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
-        self._stop_search_floor = 0  # stop strings in the text of the first min_tokens don't count
 
     def append(
         self, token_id: int, logprobs: PositionLogprobs | None, *, detokenize: bool = True
@@ -48,21 +47,26 @@ class SequenceOutput:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token_id].logprob
         delta = self.detokenizer.push(token_id) if detokenize else ""
-        start = max(self._stop_search_floor, len(self.text) - self._max_stop_len + 1)
+        num_old_chars = len(self.text)
         self.text += delta
-        if len(self.token_ids) <= self.params.min_tokens:
-            self._stop_search_floor = len(self.text)
+        if not delta or not self.params.stop or len(self.token_ids) <= self.params.min_tokens:
             return None
-        return self._find_stop(start) if delta and self.params.stop else None
+        return self._find_stop(num_old_chars)
 
-    def _find_stop(self, search_from: int) -> str | None:
-        """Earliest stop string that appears in the new text; trims the text at it."""
-        found = [(i, s) for s in self.params.stop if (i := self.text.find(s, search_from)) >= 0]
-        if not found:
+    def _find_stop(self, num_old_chars: int) -> str | None:
+        """The stop string that the new text (past `num_old_chars`) completes first, ties going to
+        the earlier one in `stop`; trims the text at it. As in vLLM: the result is that of adding
+        the text one character at a time, and a match may start in older text, even in that of
+        the first min_tokens tokens, so long as it ends in the new text."""
+        best: tuple[int, int, str] | None = None  # (end, start, stop string)
+        for stop in self.params.stop:
+            start = self.text.find(stop, max(0, num_old_chars - len(stop) + 1))
+            if start >= 0 and (best is None or start + len(stop) < best[0]):
+                best = (start + len(stop), start, stop)
+        if best is None:
             return None
-        position, stop = min(found)
-        end = position + len(stop) if self.params.include_stop_str_in_output else position
-        self.text = self.text[:end]
+        end, start, stop = best
+        self.text = self.text[: end if self.params.include_stop_str_in_output else start]
         return stop
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
@@ -70,7 +74,10 @@ class SequenceOutput:
             self.finish_reason = reason
             self.stop_reason = stop_reason
             if stop_reason is None or isinstance(stop_reason, int):
-                self.text += self.detokenizer.flush()
+                # Text held back for an incomplete multi-byte character (max_tokens cut it) is
+                # dropped, as vLLM does, rather than shown as U+FFFD; it never streamed, so the
+                # deltas still add up to the final text.
+                self.text += self.detokenizer.flush().rstrip("\ufffd")
 
     def streamable_text(self) -> str:
         """Text that may be shown now: all of it once finished, else all but a possible

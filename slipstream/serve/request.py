@@ -23,6 +23,13 @@ GREEDY_TEMPERATURE = 1e-5
 # (0 / 0). Within these bounds a penalised logit stays finite for any logit below 1e32.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 
+# vLLM 0.32 refuses temperatures above 2, older vLLM took any finite one, so scripts may pass more
+# than 2. The sampler divides logits by the temperature in float32, where one above ~3.4e38 is inf
+# and a masked -inf logit becomes NaN (-inf / inf), which then wins the draw. At 1e4, logits 10
+# apart (odds of e^10 at temperature 1) end up 1e-3 apart: the draw is already uniform over the
+# kept tokens to within 0.1%, so a higher bound would add nothing but the risk.
+MAX_TEMPERATURE = 1e4
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SamplingParams:
@@ -45,7 +52,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     """Subtracted once per earlier occurrence of the token in the output."""
     seed: int | None = None
-    """Seed of this request's own random generator, for reproducible sampling."""
+    """Seed of this request's own random generator, for reproducible sampling; -1 means none (as
+    in vLLM)."""
     max_tokens: int | None = 16
     """Most tokens to generate; None means up to the model's context length."""
     min_tokens: int = 0
@@ -64,15 +72,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif self.stop is None:
-            object.__setattr__(self, "stop", ())
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if isinstance(self.seed, int) and self.seed == -1:
+            object.__setattr__(self, "seed", None)
         _check_int("n", self.n, minimum=1)
         _check_float("temperature", self.temperature, minimum=0.0)
+        if self.temperature > MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be <= {MAX_TEMPERATURE:g}, got {self.temperature}")
         _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -108,6 +115,9 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=0)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):  # a string such as "false" is truthy
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
@@ -116,6 +126,18 @@ class SamplingParams:
 
     def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    """`stop` as a tuple: None, one string, or a list or tuple of strings (not any iterable: a
+    dict's keys or a set's arbitrary order are surely a mistake)."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    return tuple(stop)
 
 
 def _check_int(name: str, value: Any, *, minimum: int) -> None:
@@ -283,7 +305,10 @@ def validate_prompt_token_ids(
         raise ValueError("prompt must not be empty")
     ids = list(token_ids)
     for token_id in ids:
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise ValueError(f"prompt token ids must be integers, got {token_id!r} "
+                             f"({type(token_id).__name__})")
+        if not 0 <= token_id < vocab_size:
             raise ValueError(f"prompt token id {token_id!r} is not in [0, {vocab_size})")
     if len(ids) >= max_model_len:
         raise ValueError(

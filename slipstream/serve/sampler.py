@@ -293,9 +293,13 @@ class RandomRows:
     filters: LogitFilters | None
     generators: tuple[tuple[int, torch.Generator], ...]  # (position in sub-batch, generator)
     any_unseeded: bool
+    unseeded_generator: torch.Generator | None  # what rows without a generator draw from
 
 
-def _build_random_rows(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device):
+def _build_random_rows(
+    rows: Sequence[SamplingRow], vocab_size: int, device: torch.device,
+    unseeded_generator: torch.Generator | None,
+):
     ids = [i for i, row in enumerate(rows) if row.params.temperature >= GREEDY_TEMPERATURE]
     if not ids:
         return None
@@ -314,6 +318,7 @@ def _build_random_rows(rows: Sequence[SamplingRow], vocab_size: int, device: tor
         generators=tuple((j, rows[i].generator) for j, i in enumerate(ids)
                          if rows[i].generator is not None),
         any_unseeded=any(rows[i].generator is None for i in ids),
+        unseeded_generator=unseeded_generator,
     )
 
 
@@ -333,17 +338,19 @@ class SamplingBatch:
     @classmethod
     def build(
         cls, rows: Sequence[SamplingRow], *, vocab_size: int, device: torch.device | str,
-        token_counts: TokenCounts | None = None,
+        token_counts: TokenCounts | None = None, unseeded_generator: torch.Generator | None = None,
     ) -> SamplingBatch:
         """The batch of `rows`, in order (row i samples from logits[i]). Work no row needs is skipped:
-        no counts without penalties, no sort without top-p, only an argmax when all rows are greedy."""
+        no counts without penalties, no sort without top-p, only an argmax when all rows are greedy.
+        Rows without a generator of their own draw from `unseeded_generator` (the engine's, seeded
+        once: `EngineConfig.seed`), or torch's default generator when it is None."""
         device = torch.device(device)
         slotted = [i for i, row in enumerate(rows) if row.counts_slot is not None]
         num_logprobs = tuple(row.params.logprobs for row in rows)
         return cls(
             num_rows=len(rows),
             vocab_size=vocab_size,
-            random=_build_random_rows(rows, vocab_size, device),
+            random=_build_random_rows(rows, vocab_size, device, unseeded_generator),
             penalties=_build_penalties(rows, vocab_size, device, token_counts),
             min_tokens_mask=_build_min_tokens(rows, vocab_size, device),
             num_logprobs=num_logprobs,
@@ -450,7 +457,8 @@ def _sample_random(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
     # Exp(1) and several times cheaper on CPU than exponential_(). U is kept above 0 so that E is
     # finite: an infinite E would zero every kept token of a row with one survivor, and the argmax of
     # all zeros could be a masked token.
-    uniform = torch.rand_like(probs) if random.any_unseeded else torch.empty_like(probs)
+    uniform = (torch.rand(probs.shape, generator=random.unseeded_generator, dtype=probs.dtype,
+                          device=probs.device) if random.any_unseeded else torch.empty_like(probs))
     for position, generator in random.generators:
         uniform[position].uniform_(generator=generator)  # the row's own stream, whatever the batch
     noise = uniform.clamp_(min=torch.finfo(uniform.dtype).tiny).log_().neg_()  # (num_random, vocab)
