@@ -8,11 +8,14 @@ serve_fixtures.py.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import httpx
 import openai
 import pytest
 from serve_fixtures import dense_logprobs
-from server_process import API_KEY, MAX_MODEL_LEN, MODEL_NAME, metric_values
+from server_process import API_KEY, ENGINE_ARGS, MAX_MODEL_LEN, MODEL_NAME, ServerProcess, metric_values
 
 from slipstream import LLM, SamplingParams
 
@@ -322,5 +325,29 @@ def test_multi_step_server_streams_bursts_of_the_same_text(model_dir, llm, tmp_p
         assert values["slipstream:generation_tokens_total"] == 21 + response.usage.completion_tokens
         assert values["slipstream:request_success_total:length"] == 1
         assert values["slipstream:kv_cache_used_blocks"] == 0
+    finally:
+        server.stop()
+
+
+def test_unset_sampling_fields_take_the_generation_config_defaults(model_dir, llm, tmp_path):
+    """As vLLM, what a request leaves unset is sampled as the model's generation_config.json says:
+    with its top_k of 1 a sampled chat reply is the greedy one, and it has the config's
+    max_new_tokens; a request's own top_k still wins."""
+    shutil.copytree(model_dir, tmp_path / "model")
+    config_path = tmp_path / "model" / "generation_config.json"
+    config = json.loads(config_path.read_text()) | {"top_k": 1, "max_new_tokens": 6}
+    config_path.write_text(json.dumps(config))
+    server = ServerProcess(tmp_path / "model", tmp_path / "server.log", *ENGINE_ARGS).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        [expected] = llm.chat(MESSAGES, greedy(6), use_tqdm=False)
+        reply = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=1.0, seed=3,
+                                               extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 6
+        assert reply.choices[0].message.content == expected.outputs[0].text
+        texts = {client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, temperature=1.0, seed=seed,
+            extra_body={"ignore_eos": True, "top_k": -1}).choices[0].message.content for seed in range(4)}
+        assert len(texts) > 1
     finally:
         server.stop()

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,19 +17,10 @@ from tqdm.auto import tqdm
 
 from slipstream.model.tokenizer import Tokenizer
 from slipstream.serve.engine import Engine, EngineConfig
-from slipstream.serve.request import RequestOutput, SamplingParams
+from slipstream.serve.request import RequestOutput, SamplingParams, generation_config_defaults
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
-
-# The generation_config.json keys that vLLM's generation_config="auto" (its default) turns into
-# default sampling parameters, under their SamplingParams names.
-GENERATION_CONFIG_SAMPLING_KEYS = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens",
-}
-
 
 class LLM:
     """Generate for a batch of prompts with continuous batching over a paged KV cache.
@@ -142,15 +132,11 @@ def _default_sampling_params(source: str) -> SamplingParams:
     own for "vllm"; a value SamplingParams refuses is an error now, not at the first generate."""
     if source == "vllm":
         return SamplingParams()
-    path = Path(source) / "generation_config.json"
-    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    values = {name: config[key] for key, name in GENERATION_CONFIG_SAMPLING_KEYS.items()
-              if config.get(key) is not None}
     try:
-        return SamplingParams(**values)
+        return SamplingParams(**generation_config_defaults(source))
     except ValueError as error:
-        raise ValueError(f"{path}: {error} (generation_config='vllm' ignores the file's "
-                         "sampling defaults)") from error
+        raise ValueError(f"{Path(source) / 'generation_config.json'}: {error} (generation_config='vllm' "
+                         "ignores the file's sampling defaults)") from error
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

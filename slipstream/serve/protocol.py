@@ -84,8 +84,8 @@ class _GenerationBody(_Body):
     n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -118,19 +118,25 @@ class _GenerationBody(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The engine's SamplingParams; a value it rejects is a 400 naming the parameter."""
+    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """The engine's SamplingParams; a value it rejects is a 400 naming the parameter. The
+        sampling values the request leaves unset (and max_tokens, when None) come from `defaults`
+        (the model's generation config, `request.generation_config_defaults`), as in vLLM."""
+        defaults = defaults or {}
         values = dict(
-            n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            n=self.n, seed=self.seed, min_tokens=self.min_tokens,
+            max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens,
             stop=() if self.stop is None else self.stop,
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
         )
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                        min_p=self.min_p, repetition_penalty=self.repetition_penalty)
-        values |= {name: value for name, value in optional.items() if value is not None}
+                        min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                        presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+        values |= {name: value if value is not None else defaults[name]
+                   for name, value in optional.items() if value is not None or name in defaults}
         try:
             return SamplingParams(**values)
         except ValueError as error:

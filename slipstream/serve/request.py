@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -126,6 +128,25 @@ class SamplingParams:
 
     def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+
+GENERATION_CONFIG_SAMPLING_KEYS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens",
+}
+"""The generation_config.json keys that vLLM's generation_config="auto" (its default) turns into
+default sampling parameters, under their SamplingParams names."""
+
+
+def generation_config_defaults(model_dir: str | Path) -> dict[str, Any]:
+    """The sampling defaults a model directory's generation_config.json sets (none without the
+    file), by SamplingParams name: what the offline API and the server use for what a request
+    leaves unset."""
+    path = Path(model_dir) / "generation_config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    return {name: config[key] for key, name in GENERATION_CONFIG_SAMPLING_KEYS.items()
+            if config.get(key) is not None}
 
 
 def _stop_strings(stop: Any) -> tuple[str, ...]:

@@ -34,7 +34,7 @@ from slipstream.serve.async_engine import AsyncEngine, EngineError, Overloaded, 
 from slipstream.serve.engine import Engine, EngineConfig
 from slipstream.serve.metrics import ServerMetrics
 from slipstream.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from slipstream.serve.request import RequestOutput, SamplingParams
+from slipstream.serve.request import RequestOutput, SamplingParams, generation_config_defaults
 from slipstream.serve.responses import ResponseMeta
 
 logger = logging.getLogger(__name__)
@@ -86,6 +86,8 @@ class OpenAIServer:
         self.model_name = config.served_model_name or engine.config.model
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.limits.max_model_len
+        self.sampling_defaults = generation_config_defaults(engine.config.model)
+        """What requests leave unset is sampled as the model's generation_config.json says."""
         self.metrics = ServerMetrics(self.model_name)
         self.engine = AsyncEngine(engine, max_waiting=config.max_waiting, on_step=self.metrics.observe)
         self.is_draining = is_draining
@@ -164,10 +166,11 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         arrival_time_s = time.monotonic()
         body = await self._parse(request, CompletionRequest)
-        params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs)
+        params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs,
+                                      defaults=self.sampling_defaults)
         prompts = await asyncio.to_thread(self._tokenize, body.prompts())
         for token_ids in prompts:
-            self._check_context(len(token_ids), params, "prompt", "max_tokens")
+            self._check_context(len(token_ids), body.max_tokens, params.min_tokens, "prompt", "max_tokens")
         meta = ResponseMeta.new("cmpl", self.model_name)
         stream = await self._submit(meta.id, prompts, params, arrival_time_s, {"prompt": "prompt"})
         if body.stream:
@@ -179,9 +182,11 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         arrival_time_s = time.monotonic()
         body = await self._parse(request, ChatCompletionRequest)
-        params = body.sampling_params(max_tokens=body.max_new_tokens, logprobs=body.num_logprobs)
+        params = body.sampling_params(max_tokens=body.max_new_tokens, logprobs=body.num_logprobs,
+                                      defaults=self.sampling_defaults)
         token_ids = await asyncio.to_thread(self._render_chat, body)
-        self._check_context(len(token_ids), params, "messages", body.max_tokens_param)
+        self._check_context(len(token_ids), body.max_new_tokens, params.min_tokens, "messages",
+                            body.max_tokens_param)
         meta = ResponseMeta.new("chatcmpl", self.model_name)
         stream = await self._submit(meta.id, [token_ids], params, arrival_time_s,
                                     {"prompt": "messages", "logprobs": "top_logprobs"})
@@ -242,16 +247,17 @@ class OpenAIServer:
             raise protocol.bad_request(f"the chat template rejected the messages: {error}",
                                        "messages") from error
 
-    def _check_context(self, num_prompt_tokens: int, params: SamplingParams, prompt_param: str,
-                       max_tokens_param: str) -> None:
-        """As vLLM: the prompt plus max_tokens must fit the context (the engine would silently cap
-        it), and so must min_tokens when max_tokens is left to the context."""
+    def _check_context(self, num_prompt_tokens: int, max_tokens: int | None, min_tokens: int,
+                       prompt_param: str, max_tokens_param: str) -> None:
+        """As vLLM: the prompt plus the max_tokens a request asks for must fit the context (the
+        engine would silently cap it), and so must min_tokens when it asks for none (a default
+        from the generation config is capped at the context, as in vLLM)."""
         if num_prompt_tokens >= self.max_model_len:
             raise protocol.bad_request(
                 f"the prompt has {num_prompt_tokens} tokens, but the model's context length is "
                 f"{self.max_model_len} (prompt and output together)", prompt_param)
-        wanted, param = ((params.max_tokens, max_tokens_param) if params.max_tokens is not None
-                         else (params.min_tokens, "min_tokens"))
+        wanted, param = ((max_tokens, max_tokens_param) if max_tokens is not None
+                         else (min_tokens, "min_tokens"))
         if num_prompt_tokens + wanted > self.max_model_len:
             raise protocol.bad_request(
                 f"the model's context length is {self.max_model_len} tokens, but the prompt has "
