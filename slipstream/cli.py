@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from slipstream.train.config import TrainConfig
 
 
 def _init_model(args: argparse.Namespace) -> None:
@@ -48,28 +53,55 @@ def _train(args: argparse.Namespace) -> None:
 
     config = load_config(args.config, args.overrides)
     if args.nproc > 1 or args.max_restarts > 0:
-        # One host: torchrun starts a process per rank running this command, and its elastic
-        # agent restarts them all when one fails (train.supervisor).
-        from slipstream.train.goodput import record_launch
-        from slipstream.train.supervisor import launch, torchrun_command
-
-        record_launch(config.run.dir)
-        train_args = [*(["--config", args.config] if args.config else []), *args.overrides]
-        returncode = launch(torchrun_command(args.nproc, args.max_restarts, train_args))
-        if returncode:
-            raise SystemExit(returncode)
+        _launch(args, config)
         return
     from slipstream.train.goodput import process_start_time
+    from slipstream.train.supervisor import check_job, job_world_size, lock_run_dir, process_locks
     from slipstream.train.trainer import Trainer
 
-    trainer = Trainer(config, console=print, started_at=process_start_time())
-    trainer.run()
+    check_job(config, job_world_size())
+    with contextlib.ExitStack() as locks:
+        for name in process_locks():
+            locks.enter_context(lock_run_dir(config.run.dir, name))
+        Trainer(config, console=print, started_at=process_start_time()).run()
+
+
+def _launch(args: argparse.Namespace, config: TrainConfig) -> None:
+    """One host: torchrun starts a process per rank running this command, and its elastic
+    agent restarts them all when one fails (train.supervisor). What can be checked without
+    them is checked first: a user error is one line here, not a failure per restart."""
+    from slipstream.train.goodput import record_launch
+    from slipstream.train.supervisor import (
+        JOB_LOCK,
+        WORKERS_LOCK,
+        check_job,
+        launch,
+        lock_run_dir,
+        torchrun_command,
+    )
+
+    check_job(config, args.nproc)
+    with lock_run_dir(config.run.dir, JOB_LOCK) as job_lock:
+        lock_run_dir(config.run.dir, WORKERS_LOCK).close()  # no worker of an earlier job runs on
+        record_launch(config.run.dir)
+        train_args = [*(["--config", args.config] if args.config else []), *args.overrides]
+        returncode = launch(torchrun_command(args.nproc, args.max_restarts, train_args), keep_open=job_lock)
+    if returncode:
+        raise SystemExit(returncode)
 
 
 def _goodput(args: argparse.Namespace) -> None:
     from slipstream.train.goodput import format_summary, read_events, summarize
 
-    summary = summarize(read_events(args.run_dir))
+    events = read_events(args.run_dir)
+    if not any(e["event"] == "start" for e in events):
+        # Launched, but no process got as far as building its trainer (or one is starting now).
+        launches = sum(e["event"] == "launch" for e in events)
+        print(json.dumps({"attempts": 0, "launches": launches, "finished": False}) if args.json else
+              f"{args.run_dir}: no attempt has started training: {launches} launch(es), none got as "
+              "far as building its trainer (the launcher's output says why), or one is starting now")
+        return
+    summary = summarize(events)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
 
 
@@ -123,6 +155,21 @@ def _bench_serve(args: argparse.Namespace) -> None:
     if args.save_result:
         Path(args.save_result).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.save_result}")
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum` (argparse names the flag in its error)."""
+
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    return count
 
 
 def _add(
@@ -225,9 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
              "train a model: --config FILE.toml and --section.key=value overrides "
              "(see docs/training.md)")
     p.add_argument("--config", help="a TOML file of [section] tables")
-    p.add_argument("--nproc", type=int, default=1,
+    p.add_argument("--nproc", type=_int_at_least(1), default=1,
                    help="processes on this host (started with torchrun)")
-    p.add_argument("--max-restarts", type=int, default=0,
+    p.add_argument("--max-restarts", type=_int_at_least(0), default=0,
                    help="restart the job from its newest checkpoint after a failure or hang, at "
                    "most this many times (torchrun's elastic agent; see docs/training.md)")
     p.set_defaults(accepts_overrides=True)

@@ -1,16 +1,21 @@
-"""The `slipstream` command as a user runs it: the README's main job and calibration."""
+"""The `slipstream` command as a user runs it: the README's main job, calibration, and the
+checks `slipstream train` makes before it starts anything."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+from train_fixtures import small_config
 
 from slipstream.perf.hardware import multiplies_bf16
+
+pytest_plugins = ["train_fixtures"]
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +60,47 @@ def test_perf_calibrate_json_and_table(cache_dir):
     assert record["matmul_flops_per_s"]["fp32"] and record["memory_bandwidth_bytes_per_s"] > 0
     table = _run("perf", "calibrate", cache_dir=cache_dir)
     assert "matmul GFLOP/s" in table.stdout and "memory read" in table.stdout
+
+
+def _train_config(tmp_path, data_dir, train_model_dir, *extra: str) -> str:
+    path = tmp_path / "run.toml"
+    path.write_text(small_config(data_dir, train_model_dir, tmp_path / "run", *extra).to_toml())
+    return str(path)
+
+
+@pytest.mark.parametrize("flag, value", [("--nproc", "0"), ("--nproc", "-3"), ("--max-restarts", "-1")])
+def test_train_process_counts_out_of_range_are_errors(flag, value, cache_dir):
+    """`--nproc` below 1 and `--max-restarts` below 0 are errors naming the flag, not a
+    single-process run."""
+    result = _run("train", flag, value, "--data.path=unused", cache_dir=cache_dir)
+    assert result.returncode == 2
+    assert f"argument {flag}: must be an integer >= " in result.stderr and repr(value) in result.stderr
+
+
+@pytest.mark.parametrize("launch, rank", [((), 7), (("--nproc", "2"), 2)])
+def test_faults_rank_outside_the_job_is_an_error(launch, rank, tmp_path, data_dir, train_model_dir,
+                                                 cache_dir):
+    """A fault aimed at a rank the job does not have would never fire: an error naming it."""
+    config = _train_config(tmp_path, data_dir, train_model_dir, "--training.micro_batch_size=2")
+    result = _run("train", "--config", config, *launch, f"--faults.rank={rank}", cache_dir=cache_dir)
+    assert result.returncode == 2
+    assert f"faults.rank ({rank}) must be below the job's number of ranks" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_launcher_checks_the_job_before_starting_workers(tmp_path, data_dir, train_model_dir, cache_dir):
+    """Under `--nproc 2 --max-restarts 3`, a data dir without train.bin and a global batch the
+    ranks cannot split are one-line errors with status 2 before any worker starts (as without
+    --nproc), not a restart loop ending in torchrun's ChildFailedError."""
+    broken = tmp_path / "data"
+    shutil.copytree(data_dir, broken)
+    (broken / "train.bin").unlink()
+    config = _train_config(tmp_path, data_dir, train_model_dir)
+    for extra, expected in [((f"--data.path={broken}", "--training.micro_batch_size=2"), "train.bin"),
+                            ((), "training.global_batch_size (4) must be divisible")]:
+        result = _run("train", "--config", config, "--nproc", "2", "--max-restarts", "3", *extra,
+                      cache_dir=cache_dir)
+        assert result.returncode == 2
+        (line,) = result.stderr.splitlines()
+        assert line.startswith("slipstream train: error: ") and expected in line, line
+    assert not (tmp_path / "run").exists()  # nothing launched

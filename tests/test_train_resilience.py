@@ -1,14 +1,19 @@
 """Failures and restarts: resharding a checkpoint 2 -> 1 and 1 -> 2 ranks, automatic restart
 after a crash (torchrun's agent, per-attempt store prefix), the hang watchdog, rollback on a
-non-finite loss, preemption by SIGTERM, and the attempt-number protocol."""
+non-finite loss, preemption by SIGTERM, the attempt-number protocol, backoff after failures to
+start, and the run-dir lock."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +24,7 @@ from train_fixtures import read_metrics, small_config
 from slipstream.train.checkpoint import list_checkpoints, load_model_state
 from slipstream.train.goodput import read_events, summarize
 from slipstream.train.parallel import agree_on_attempt
+from slipstream.train.supervisor import STACKS_DIR, child_pids
 from slipstream.train.trainer import Trainer
 
 pytest_plugins = ["train_fixtures"]
@@ -32,14 +38,48 @@ over 8 steps; the issue measured 3e-8 on the weights after 5 steps); far below d
 ENV = os.environ | {"OMP_NUM_THREADS": "1"}
 
 
+def _train_command(tmp_path: Path, run_dir: Path, data_dir, train_model_dir, *extra: str, nproc: int = 1,
+                   max_restarts: int = 0) -> list[str]:
+    config = tmp_path / f"{run_dir.name}.toml"
+    config.write_text(small_config(data_dir, train_model_dir, run_dir, *RUN, *extra).to_toml())
+    return [sys.executable, "-m", "slipstream.cli", "train", "--config", str(config),
+            "--nproc", str(nproc), "--max-restarts", str(max_restarts)]
+
+
 def _train(tmp_path: Path, run_dir: Path, data_dir, train_model_dir, *extra: str, nproc: int = 1,
            max_restarts: int = 0) -> subprocess.CompletedProcess:
     """`slipstream train` with a config file, as a user runs it."""
-    config = tmp_path / f"{run_dir.name}.toml"
-    config.write_text(small_config(data_dir, train_model_dir, run_dir, *RUN, *extra).to_toml())
-    command = [sys.executable, "-m", "slipstream.cli", "train", "--config", str(config),
-               "--nproc", str(nproc), "--max-restarts", str(max_restarts)]
+    command = _train_command(tmp_path, run_dir, data_dir, train_model_dir, *extra, nproc=nproc,
+                             max_restarts=max_restarts)
     return subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def _start(command: list[str], log: Path) -> subprocess.Popen:
+    """A launcher in a session of its own (so that `_kill_tree` can end it and its children),
+    writing to `log`: a pipe would stay open in workers that outlive it."""
+    with open(log, "w") as out:
+        return subprocess.Popen(command, env=ENV, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL a launcher, its torchrun and torchrun's workers (which run in sessions of their own)."""
+    if process.poll() is not None:
+        return  # it was waited for: its pid may be another process's by now
+    pids = [process.pid]
+    for pid in pids:  # grows as it goes: every descendant
+        pids += child_pids(pid)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait()
+
+
+def _wait_for(condition, what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -135,7 +175,8 @@ def test_hang_dumps_stacks_and_restarts(data_dir, train_model_dir, tmp_path, one
     result = _train(tmp_path, run_dir, data_dir, train_model_dir, "--faults.hang_at_step=5",
                     "--supervisor.hang_timeout_s=2", "--supervisor.restart_backoff_s=0", max_restarts=1)
     assert result.returncode == 0, result.stderr[-3000:]
-    stacks = (run_dir / "stacks" / "attempt-0-rank-0.txt").read_text()
+    (stacks_file,) = (run_dir / "stacks").glob("attempt-0-rank-0-pid-*.txt")
+    stacks = stacks_file.read_text()
     print(stacks[:1500])
     assert "Timeout" in stacks and "faults.py" in stacks and "after_step" in stacks
     assert "slipstream-checkpoint" in stacks or stacks.count("Thread 0x") >= 2  # every thread
@@ -228,3 +269,121 @@ def test_backoff_only_for_attempts_that_committed_nothing(tmp_path):
         f.write('{"event": "sta')  # a line cut short by a kill
     assert attempts_without_progress(tmp_path) == 3
     assert [restart_backoff_s(config, n) for n in range(5)] == [0.0, 1.0, 2.0, 3.0, 3.0]
+
+
+def test_attempts_that_failed_while_starting_count_as_without_progress(tmp_path):
+    """An attempt that fails before its trainer is built records no `start`: the attempts of
+    the newest launch missing from the ledger count as attempts without progress."""
+    from slipstream.train.goodput import GoodputLedger
+    from slipstream.train.supervisor import attempts_without_progress
+
+    ledger = GoodputLedger(tmp_path, enabled=True)
+    ledger.record("launch", pid=1)
+    ledger.record("start", process_start=0.0)
+    ledger.record("commit", step=4)
+    ledger.record("launch", pid=2)
+    ledger.close()
+    assert attempts_without_progress(tmp_path, restarts=0) == 0
+    assert attempts_without_progress(tmp_path, restarts=2) == 2  # attempts 0 and 1 never started
+    ledger = GoodputLedger(tmp_path, enabled=True)
+    ledger.record("start", process_start=1.0)  # attempt 0 started, then attempt 1 did not
+    ledger.close()
+    assert attempts_without_progress(tmp_path, restarts=2) == 2
+
+
+def test_a_failure_while_starting_backs_off_and_goodput_says_so(data_dir, train_model_dir, tmp_path):
+    """A worker that fails before its trainer is built (a model dir without weights: the
+    launcher's checks pass) is restarted with the backoff of a crash loop, and `slipstream
+    goodput` reports a ledger that holds launches but no start instead of failing."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(train_model_dir, model_dir)
+    (model_dir / "model.safetensors").unlink()
+    run_dir = tmp_path / "run"
+    result = _train(tmp_path, run_dir, data_dir, model_dir, "--supervisor.restart_backoff_s=0.1",
+                    max_restarts=1)
+    assert result.returncode != 0
+    assert "restart 1 after 1 attempt(s) without a checkpoint: waiting 0.1s" in result.stderr, \
+        result.stderr[-3000:]
+    goodput = subprocess.run([sys.executable, "-m", "slipstream.cli", "goodput", str(run_dir)],
+                             capture_output=True, text=True, timeout=60)
+    assert goodput.returncode == 0, goodput.stderr
+    assert "no attempt has started training: 1 launch(es)" in goodput.stdout
+
+
+def test_watchdog_stops_when_its_stack_file_was_removed(data_dir, train_model_dir, tmp_path):
+    """Removing RUN_DIR/stacks/ during a run does not fail it: the run ends as finished in
+    the goodput ledger."""
+    torch.set_num_threads(1)
+    run_dir = tmp_path / "run"
+
+    def remove_stacks(trainer: Trainer, record: dict) -> None:
+        shutil.rmtree(run_dir / STACKS_DIR, ignore_errors=True)
+
+    config = small_config(data_dir, train_model_dir, run_dir, "--training.steps=2")
+    Trainer(config, hooks=[remove_stacks]).run()
+    assert read_events(run_dir)[-1]["reason"] == "finished"
+
+
+def test_stack_files_of_two_launches_do_not_collide(tmp_path):
+    """Two processes with the same attempt and rank (attempt numbers start at 0 in every
+    launch) each write SIGUSR1's stacks to a file of their own."""
+    script = ("import os, signal, sys; from slipstream.train.supervisor import Watchdog; "
+              "w = Watchdog(0, sys.argv[1], rank=0, attempt=0); w.start(); "
+              "os.kill(os.getpid(), signal.SIGUSR1); w.stop()")
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True, timeout=60)
+    files = sorted((tmp_path / STACKS_DIR).iterdir())
+    assert len(files) == 2 and all(f.name.startswith("attempt-0-rank-0-") for f in files), files
+    assert all("Current thread" in f.read_text() for f in files)
+
+
+def test_sigterm_to_the_launcher_of_two_ranks_saves_and_exits_0(data_dir, train_model_dir, tmp_path):
+    """SIGTERM to `slipstream train --nproc 2` (a scheduler's preemption) reaches both workers,
+    which commit a checkpoint of the same step and exit 0; the launcher exits 0 without
+    torchrun's SignalException."""
+    run_dir = tmp_path / "run"
+    command = _train_command(tmp_path, run_dir, data_dir, train_model_dir, "--training.steps=100000",
+                             "--checkpoint.interval=0", nproc=2)
+    launcher = _start(command, tmp_path / "launcher.log")
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        _wait_for(lambda: metrics.is_file() and metrics.read_text().count('"kind": "train"') >= 3, "step 3")
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=120)
+    finally:
+        _kill_tree(launcher)
+    output = (tmp_path / "launcher.log").read_text()
+    assert launcher.returncode == 0, output[-3000:]
+    assert "SignalException" not in output and "Traceback" not in output, output[-3000:]
+    (preempted,) = read_metrics(run_dir, "preempted")
+    assert [step for step, _ in list_checkpoints(run_dir)] == [preempted["step"]]
+    assert read_events(run_dir)[-1]["reason"] == "preempted"
+
+
+def test_a_second_job_in_a_busy_run_dir_is_refused(data_dir, train_model_dir, tmp_path):
+    """While a job trains in a run dir, a second `slipstream train` there is refused naming the
+    run dir and the holder's pid: the launcher's, and, once the launcher and torchrun are
+    SIGKILLed, that of the worker they left running."""
+    run_dir = tmp_path / "run"
+    command = _train_command(tmp_path, run_dir, data_dir, train_model_dir, "--faults.hang_at_step=2",
+                             max_restarts=1)
+    launcher = _start(command, tmp_path / "launcher.log")
+    worker = None
+    try:
+        _wait_for(lambda: (run_dir / "faults" / "hang-step-2").exists(), "the worker to hang")
+        second = subprocess.run(command[:-4], env=ENV, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"run.dir {str(run_dir)!r} is in use" in second.stderr
+        assert f"pid {launcher.pid} " in second.stderr
+        (torchrun,) = child_pids(launcher.pid)
+        (worker,) = child_pids(torchrun)
+        os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and torchrun, not the worker
+        launcher.wait()
+        third = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=120)
+        assert third.returncode == 2, third.stderr[-3000:]
+        assert f"pid {worker} " in third.stderr
+    finally:
+        _kill_tree(launcher)
+        with contextlib.suppress(OSError):  # unless it has ended (and its pid is another's)
+            if worker is not None and str(tmp_path) in Path(f"/proc/{worker}/cmdline").read_text():
+                os.kill(worker, signal.SIGKILL)

@@ -11,23 +11,28 @@ launcher (torchrun on many hosts, a bare `slipstream train` rerun by hand or by 
   because the agent's store keeps the dead attempt's peer addresses;
 - hang watchdog (`Watchdog`): `faulthandler.dump_traceback_later`, re-armed after every step,
   runs on a C thread that needs no GIL, so it also fires when Python is stuck inside a
-  collective: it writes every thread's stack to RUN_DIR/stacks/ and exits with status 1,
-  which the agent treats as a failure. When one rank hangs, its peers block in the next
-  collective and their watchdogs fire too, so every rank leaves its stacks. SIGUSR1 dumps the
-  stacks of a live rank on demand.
+  collective: it writes every thread's stack to RUN_DIR/stacks/ (a file per process) and exits
+  with status 1, which the agent treats as a failure. When one rank hangs, its peers block in
+  the next collective and their watchdogs fire too, so every rank leaves its stacks. SIGUSR1
+  dumps the stacks of a live rank on demand.
 - preemption (`PreemptionHandler`): SIGTERM (sent by a scheduler to the launcher, which
-  forwards it through torchrun to every worker) sets a flag; at the next step boundary the
-  ranks agree on it, save a checkpoint, and exit with status 0 so the agent does not restart
-  them. Rerunning the command resumes.
+  sends it on to every worker, `launch`) sets a flag; at the next step boundary the ranks agree
+  on it, save a checkpoint, and exit with status 0, so the agent neither restarts them nor
+  fails. Rerunning the command resumes.
 - restart backoff (`restart_backoff_s`): a restarted worker sleeps before joining when the
   attempts before it committed no checkpoint, doubling per such attempt, so a crash loop does not
   hammer a failing dependency.
+- checks before anything starts (`check_job`), so a user error is one line, not a restart loop;
+- one job per run dir (`lock_run_dir`): the launcher, and rank 0 of its workers, hold locks
+  in the run dir that a second job cannot take.
 - non-finite loss: rolled back in process by the trainer (`Trainer._roll_back`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import fcntl
 import json
 import logging
 import os
@@ -38,24 +43,28 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
+from typing import IO
 
-from slipstream.train.config import SupervisorConfig
+from slipstream.train.config import SupervisorConfig, TrainConfig, check_run, load_config, resume_changes
+from slipstream.train.data import TokenDataset
 from slipstream.train.goodput import LEDGER_FILE
 
 logger = logging.getLogger(__name__)
 
 STACKS_DIR = "stacks"
+JOB_LOCK, WORKERS_LOCK = "job.lock", "workers.lock"
 
 
 class Watchdog:
     """Dump every thread's stack and exit when `progress()` is not called again within
     `timeout_s` (0 disables it). `start()` opens the stack file and registers SIGUSR1; the
     first `progress()` (after the first step, so start-up and compilation are not timed) arms
-    it; `stop()` disarms it."""
+    it; `stop()` disarms it. The file is named after this process too: attempt numbers start
+    at 0 again in every launch, and a rerun must not write into an earlier run's stacks."""
 
     def __init__(self, timeout_s: float, run_dir: str | Path, rank: int, attempt: int) -> None:
         self.timeout_s = timeout_s
-        self.path = Path(run_dir) / STACKS_DIR / f"attempt-{attempt}-rank-{rank}.txt"
+        self.path = Path(run_dir) / STACKS_DIR / f"attempt-{attempt}-rank-{rank}-pid-{os.getpid()}.txt"
         self._file = None
 
     def start(self) -> None:
@@ -76,8 +85,9 @@ class Watchdog:
             faulthandler.unregister(signal.SIGUSR1)
         self._file.close()
         self._file = None
-        if self.path.stat().st_size == 0:
-            self.path.unlink()
+        with contextlib.suppress(FileNotFoundError):  # removed during the run
+            if self.path.stat().st_size == 0:
+                self.path.unlink()
 
 
 class PreemptionHandler:
@@ -111,6 +121,11 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def job_world_size() -> int:
+    """How many ranks torchrun started this process among (1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def restart_backoff_s(config: SupervisorConfig, failures_in_a_row: int) -> float:
     """Seconds a restarted worker waits when the last `failures_in_a_row` attempts committed no
     checkpoint: none after an attempt that made progress, then the backoff, doubled each time,
@@ -121,14 +136,17 @@ def restart_backoff_s(config: SupervisorConfig, failures_in_a_row: int) -> float
     return min(config.restart_backoff_s * 2 ** (failures_in_a_row - 1), config.max_backoff_s)
 
 
-def attempts_without_progress(run_dir: str | Path) -> int:
-    """How many attempts in a row, up to the newest, started and committed no checkpoint (from
-    the run's goodput ledger; 0 for a new run)."""
+def attempts_without_progress(run_dir: str | Path, restarts: int | None = None) -> int:
+    """How many attempts in a row, up to the newest, committed no checkpoint (from the run's
+    goodput ledger; 0 for a new run). An attempt records `start` only once it is built, so the
+    attempts of this launch (`restarts` of them before this one, default `restart_count()`)
+    that left no `start` after the ledger's last `launch` failed while starting: they count
+    too, as the newest (a failure to start tends to repeat)."""
+    restarts = restart_count() if restarts is None else restarts
     path = Path(run_dir) / LEDGER_FILE
-    if not path.is_file():
-        return 0
-    count = 0
-    for line in path.read_text().splitlines():
+    lines = path.read_text().splitlines() if path.is_file() else []
+    count = starts_since_launch = 0
+    for line in lines:
         try:
             event = json.loads(line)["event"]
         except (ValueError, KeyError, TypeError):
@@ -137,7 +155,57 @@ def attempts_without_progress(run_dir: str | Path) -> int:
             count = 0
         elif event == "start":
             count += 1
-    return count
+            starts_since_launch += 1
+        elif event == "launch":
+            starts_since_launch = 0
+    return count + max(restarts - starts_since_launch, 0)
+
+
+def check_job(config: TrainConfig, world_size: int) -> None:
+    """The checks of a job that need no process group, made before any process is started, so
+    that a user error is one line (ValueError, FileNotFoundError) and not a restart loop:
+    `check_run`, a readable training split, a rerun's config against the run dir's, and
+    `faults.rank` among the ranks."""
+    check_run(config, world_size)
+    TokenDataset(config.data.path).tokens("train")
+    saved = Path(config.run.dir) / "config.toml"
+    if saved.is_file():
+        resume_changes(load_config(saved), config)
+    if config.faults.rank >= world_size:
+        raise ValueError(f"faults.rank ({config.faults.rank}) must be below the job's number of "
+                         f"ranks ({world_size}, set by --nproc)")
+
+
+def lock_run_dir(run_dir: str | Path, name: str) -> IO[str]:
+    """Lock RUN_DIR/`name` (flock, exclusive) for as long as the returned file is open in this
+    process or any process it passes the file to; the kernel releases it however they end.
+    ValueError naming the run dir and the holder's pid when another job holds it."""
+    path = Path(run_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    file = open(path, "a+")  # noqa: SIM115 (held until the caller closes it)
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.seek(0)
+        holder = file.read().strip() or "unknown"
+        file.close()
+        raise ValueError(f"run.dir {str(run_dir)!r} is in use by another training job (pid {holder} "
+                         f"or processes it started hold {path}); wait for it to end or choose "
+                         "another run.dir") from None
+    file.truncate(0)
+    file.write(f"{os.getpid()}\n")
+    file.flush()
+    return file
+
+
+def process_locks() -> tuple[str, ...]:
+    """The run-dir locks a training process holds: both for a process of its own. Under
+    torchrun the launcher holds the job lock (`slipstream train --nproc`; nobody under a bare
+    torchrun), and rank 0 the workers lock, so that workers which outlive a killed launcher
+    (they run in sessions of their own) still keep a second job out."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return (JOB_LOCK, WORKERS_LOCK)
+    return (WORKERS_LOCK,) if os.environ.get("RANK") == "0" else ()
 
 
 def torchrun_command(nproc: int, max_restarts: int, train_args: Sequence[str]) -> list[str]:
@@ -150,13 +218,22 @@ def torchrun_command(nproc: int, max_restarts: int, train_args: Sequence[str]) -
     ]
 
 
-def launch(command: Sequence[str]) -> int:
-    """Run the launcher command, forwarding SIGTERM and SIGINT to it (torchrun passes them on to
-    the workers, which save a checkpoint and exit); returns its exit status."""
-    child = subprocess.Popen(command)
+def launch(command: Sequence[str], *, keep_open: IO | None = None) -> int:
+    """Run the torchrun command; returns its exit status. The first SIGTERM goes straight to
+    the workers, which save a checkpoint and exit with status 0, so torchrun ends with 0 too:
+    sent to torchrun, it ends with a SignalException (status 1) and kills workers whose save
+    outlasts its shutdown timeout. SIGINT, a second SIGTERM, and one before any worker runs go
+    to torchrun, which stops the workers. torchrun inherits `keep_open` (the run-dir lock)."""
+    child = subprocess.Popen(command, pass_fds=() if keep_open is None else (keep_open.fileno(),))
+    preempting = False
 
     def forward(signum: int, frame: FrameType | None) -> None:
-        child.send_signal(signum)
+        nonlocal preempting
+        workers = child_pids(child.pid) if signum == signal.SIGTERM and not preempting else []
+        preempting = preempting or bool(workers)
+        for pid in workers or [child.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -164,6 +241,19 @@ def launch(command: Sequence[str]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from Linux's /proc; none elsewhere)."""
+    children = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            stat = stat_file.read_text()
+        except OSError:
+            continue  # it exited meanwhile
+        if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:  # field 4: the parent's pid
+            children.append(int(stat_file.parent.name))
+    return children
 
 
 class SkippedWindows:
