@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,12 +18,14 @@ import torch
 from train_fixtures import read_metrics, small_config
 
 from slipstream.train.checkpoint import (
+    FORMAT,
     CorruptCheckpointError,
     list_checkpoints,
     load_model_state,
     newest_checkpoint,
     verify_checkpoint,
 )
+from slipstream.train.export import export_run
 from slipstream.train.trainer import Trainer
 
 pytest_plugins = ["train_fixtures"]
@@ -107,6 +111,30 @@ def test_retention_keeps_the_last_k_and_every_mth(data_dir, train_model_dir, tmp
     assert [step for step, _ in list_checkpoints(tmp_path / "run")] == [3, 6, 7]
 
 
+def test_retention_counts_only_valid_checkpoints(data_dir, train_model_dir, tmp_path):
+    """Corrupt checkpoints newer than a fresh commit do not count toward keep_last: a rerun with
+    keep_last=1 that resumes from step 2 past truncated steps 4 and 6 keeps its step-4 commit
+    (it used to delete it at once, leaving only the corrupt step 6), and the corrupt folders are
+    moved aside untouched, not deleted."""
+    run_dir = tmp_path / "run"
+    config = small_config(data_dir, train_model_dir, run_dir, "--training.steps=6",
+                          "--checkpoint.interval=2", "--checkpoint.keep_last=3")
+    Trainer(config).run()
+    checkpoints = run_dir / "checkpoints"
+    truncated = {}  # step: its shard's size after truncation
+    for step in (4, 6):
+        shard = checkpoints / f"step-{step:08d}" / "__0_0.distcp"
+        truncated[step] = shard.stat().st_size - 10
+        os.truncate(shard, truncated[step])
+    rerun = Trainer(config.replace(training={"steps": 4}, checkpoint={"keep_last": 1}))
+    assert rerun.step == 2
+    rerun.run()
+    assert [step for step, _ in list_checkpoints(run_dir)] == [4]
+    assert newest_checkpoint(run_dir) == (checkpoints / "step-00000004", [])
+    for step, size in truncated.items():
+        assert (checkpoints / f"corrupt-step-{step:08d}" / "__0_0.distcp").stat().st_size == size
+
+
 def test_async_save_stages_a_copy(data_dir, train_model_dir, tmp_path):
     """An asynchronous save returns before the checkpoint is committed, and the weights the
     training goes on to change are not what it writes: the checkpoint holds the weights of the
@@ -165,6 +193,47 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(damage, data_dir, 
     assert _losses(tmp_path / "ref") == {s: v for s, v in _losses(run_dir).items() if s > 4}
     final = "checkpoints/step-00000008"
     _assert_same_weights(run_dir / final, tmp_path / "ref" / final)
+
+
+def _with_files(change):
+    """A manifest's damage: its table of files replaced by `change(files)`."""
+    return lambda manifest: {**manifest, "files": change(manifest["files"])}
+
+
+def _without(name: str):
+    return _with_files(lambda files: {k: v for k, v in files.items() if k != name})
+
+
+MALFORMED_MANIFESTS = {  # id: (damage to a good manifest, what the reason says)
+    "list": (lambda manifest: [], "holds [], not a JSON object"),
+    "null": (lambda manifest: None, "holds None, not a JSON object"),
+    "no-files": (lambda manifest: {"format": FORMAT}, "has no table of files (None)"),
+    "files-list": (_with_files(list), "has no table of files (['.metadata'"),
+    "entry-int": (_with_files(lambda files: {**files, "meta.json": 5}), "gives meta.json 5, not a size"),
+    "entry-no-crc": (_with_files(lambda files: {**files, "meta.json": {"size": files["meta.json"]["size"]}}),
+                     "gives meta.json {'size': "),
+    "files-empty": (_with_files(lambda files: {}), "does not list .metadata"),
+    "no-shard": (_without("__0_0.distcp"), "does not list __0_0.distcp"),
+    "no-train-state": (_without("rank-00000.pt"), "does not list rank-00000.pt"),
+}
+
+
+@pytest.mark.parametrize("damage, reason", MALFORMED_MANIFESTS.values(), ids=MALFORMED_MANIFESTS)
+def test_malformed_manifest_is_a_corrupt_checkpoint(damage, reason, tmp_path, straight_run):
+    """A manifest that is valid JSON of the wrong shape, or that leaves out a file every
+    checkpoint has, makes the checkpoint corrupt with a reason naming the problem: the loader
+    takes the previous one and export of that step refuses (rather than an AttributeError,
+    KeyError or a failed load)."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.copytree(straight_run / "checkpoints", checkpoints)
+    newest = checkpoints / "step-00000008"
+    manifest = json.loads((newest / "manifest.json").read_text())
+    (newest / "manifest.json").write_text(json.dumps(damage(manifest)))
+    path, skipped = newest_checkpoint(tmp_path / "run")
+    assert path.name == "step-00000006"
+    assert len(skipped) == 1 and "step-00000008" in skipped[0] and reason in skipped[0], skipped
+    with pytest.raises(CorruptCheckpointError, match=re.escape(reason)):
+        export_run(tmp_path / "run", tmp_path / "out", step=8)
 
 
 @pytest.mark.parametrize("when", ["between_steps", "during_async_write"])

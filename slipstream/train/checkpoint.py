@@ -10,6 +10,8 @@
             config.json                             the model's ModelConfig (for export)
             manifest.json                           written last: every file's size and CRC-32
         .tmp-step-00000200/                         a save in flight (or a dead one's leftovers)
+        corrupt-step-00000300/                      a checkpoint that failed verification, set
+                                                    aside for a person to inspect
 
 Saving: every rank takes its model and optimizer state through `get_state_dict` (sharded
 DTensors under FSDP2, whole tensors under DDP or one process, fully-qualified names either
@@ -18,9 +20,11 @@ waits for), and a background thread writes it with `dcp.save` into a fresh tempo
 this is DCP's thread-based `async_save`, run by our own thread so that staging reuses buffers
 and the commit follows the write. Rank 0 then writes `meta.json`, checksums every file into
 `manifest.json`, fsyncs, renames the folder to `step-N` and fsyncs the parent. A `step-N`
-folder without a readable manifest whose sizes and checksums match is not a checkpoint: the
-loader skips it, says why, and takes the next older one. At most one save is in flight; a new
-save, a load or `close()` first waits for it.
+folder without a well-formed manifest that lists every file a save writes, with matching sizes
+and checksums, is not a checkpoint: the loader skips it, says why, and takes the next older one.
+Retention keeps the newest `keep_last` valid checkpoints; a corrupt one it meets on the way is
+moved aside, not deleted. At most one save is in flight; a new save, a load or `close()` first
+waits for it.
 
 DCP already fsyncs its files and renames `.metadata` into place last, but it keeps no checksums
 and saving again into a folder that holds a checkpoint overwrites the data the old metadata
@@ -41,11 +45,12 @@ import json
 import logging
 import os
 import re
+import reprlib
 import shutil
 import time
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +68,9 @@ MANIFEST = "manifest.json"
 FORMAT = "slipstream-checkpoint/1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _CHUNK_BYTES = 8 << 20
+_SAVED_BY_RANK_0 = (".metadata", "meta.json", "config.json")
+"""What rank 0 adds to every checkpoint besides the manifest: DCP's metadata, which points to the
+shard files, and meta.json, which gives the world size and so the train-state files."""
 
 # dcp.save / dcp.load with no_dist=True warn that they assume a single process, which is meant.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -104,19 +112,16 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def verify_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The manifest of a checkpoint whose every file has its recorded size and CRC-32;
-    CorruptCheckpointError naming the first problem otherwise."""
+def verify_checkpoint(path: str | Path, *, checksums: bool = True) -> dict[str, Any]:
+    """The manifest of a checkpoint whose manifest is well formed and lists every file its save
+    wrote, each with its recorded size and CRC-32; CorruptCheckpointError naming the first
+    problem otherwise. Without `checksums` only the sizes are compared: a cheap recheck, for a
+    checkpoint that verified before, that still finds truncated and deleted files."""
     path = Path(path)
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpointError(f"{path}: no readable {MANIFEST} ({e})") from e
-    if manifest.get("format") != FORMAT:
-        raise CorruptCheckpointError(
-            f"{path}: {MANIFEST} has format {manifest.get('format')!r}, not {FORMAT!r}"
-        )
-    for name, entry in manifest["files"].items():
+    manifest = _read_manifest(path)
+    files = manifest["files"]
+    _check_listed(path, files, _SAVED_BY_RANK_0)  # before meta.json and .metadata are read
+    for name, entry in files.items():
         file = path / name
         if not file.is_file():
             raise CorruptCheckpointError(f"{path}: {name} is missing")
@@ -125,9 +130,50 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
             raise CorruptCheckpointError(
                 f"{path}: {name} has {size} bytes, the manifest says {entry['size']}"
             )
-        if _crc32(file) != entry["crc32"]:
+        if checksums and _crc32(file) != entry["crc32"]:
             raise CorruptCheckpointError(f"{path}: {name} does not match its CRC-32")
+    _check_listed(path, files, _saved_files(path))
     return manifest
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of `path` if it is readable and well formed: an object of our format whose
+    "files" gives each file's size and CRC-32 as integers."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"{path}: no readable {MANIFEST} ({e})") from e
+    if not isinstance(manifest, dict):
+        raise CorruptCheckpointError(f"{path}: {MANIFEST} holds {reprlib.repr(manifest)}, not a JSON object")
+    if manifest.get("format") != FORMAT:
+        raise CorruptCheckpointError(
+            f"{path}: {MANIFEST} has format {manifest.get('format')!r}, not {FORMAT!r}"
+        )
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise CorruptCheckpointError(f"{path}: {MANIFEST} has no table of files ({reprlib.repr(files)})")
+    for name, entry in files.items():
+        # `type(...) is int`: JSON's true and false would pass isinstance(..., int)
+        if not (isinstance(entry, dict) and all(type(entry.get(key)) is int for key in ("size", "crc32"))):
+            raise CorruptCheckpointError(
+                f"{path}: {MANIFEST} gives {name} {reprlib.repr(entry)}, not a size and CRC-32"
+            )
+    return manifest
+
+
+def _saved_files(path: Path) -> list[str]:
+    """Every file the save of `path` wrote besides the manifest, as its meta.json (one train-state
+    file per rank of the saving job) and DCP's metadata (the shard files it points to) say."""
+    world_size = read_meta(path)["world_size"]
+    storage = dcp.FileSystemReader(path).read_metadata().storage_data
+    shards = sorted({info.relative_path for info in storage.values()})
+    return [*_SAVED_BY_RANK_0, *map(_rank_file, range(world_size)), *shards]
+
+
+def _check_listed(path: Path, files: dict[str, Any], names: Iterable[str]) -> None:
+    for name in names:
+        if name not in files:
+            raise CorruptCheckpointError(f"{path}: {MANIFEST} does not list {name}")
 
 
 def newest_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:
@@ -246,6 +292,9 @@ class CheckpointManager:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slipstream-checkpoint")
         self._in_flight: concurrent.futures.Future[SaveResult] | None = None
         self._done: list[SaveResult] = []
+        self._verified: set[str] = set()
+        """Rank 0: the folders whose checksums this job has checked (at their commit, when
+        `newest` took them, or in retention), which retention only rechecks for sizes."""
         if rank == 0:  # no save is in flight when a job starts: leftovers are from a dead one
             for tmp in self.root.glob(".tmp-step-*"):
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -307,6 +356,8 @@ class CheckpointManager:
         """The newest valid checkpoint as rank 0 finds it (verifying checksums), on every rank."""
         self.wait()
         found = list(newest_checkpoint(self.root.parent)) if self.rank == 0 else [None, []]
+        if found[0] is not None:
+            self._verified.add(found[0].name)
         if self.world_size > 1:
             dist.broadcast_object_list(found, src=0, group=self.process_group)
         return found[0], found[1]
@@ -339,7 +390,7 @@ class CheckpointManager:
             if self.on_files_written is not None:
                 self.on_files_written(step, tmp)
             num_bytes = self._commit(tmp, final, step, meta, model_config)
-            self._retain()
+            self._retain(final)
             if self.on_commit is not None:
                 self.on_commit(step, final)
         return SaveResult(step, final, stall_s, time.perf_counter() - start, num_bytes)
@@ -356,23 +407,31 @@ class CheckpointManager:
         _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1))
         _fsync_path(tmp)
         if final.exists():  # a corrupt checkpoint of this step that the loader skipped
-            stale = final.with_name(f".stale-{final.name}")
-            shutil.rmtree(stale, ignore_errors=True)
-            os.replace(final, stale)
-            shutil.rmtree(stale, ignore_errors=True)
+            _set_aside(final, f"a new checkpoint of step {step} takes its place")
         os.replace(tmp, final)
         _fsync_path(self.root)
+        self._verified.add(final.name)  # its checksums were just computed from these files
         logger.info("committed checkpoint %s", final)
         return sum(entry["size"] for entry in files.values())
 
-    def _retain(self) -> None:
-        """Delete all but the newest `keep_last` and the multiples of `keep_every`."""
-        checkpoints = list_checkpoints(self.root.parent)
-        keep = {step for step, _ in checkpoints[-self.keep_last:]}
-        for step, path in checkpoints:
-            if step not in keep and not (self.keep_every and step % self.keep_every == 0):
+    def _retain(self, committed: Path) -> None:
+        """Keep the newest `keep_last` valid checkpoints, the multiples of `keep_every` and the
+        one just committed; delete the others. Walking from the newest, a corrupt checkpoint met
+        before `keep_last` valid ones does not count and is set aside, not deleted (older ones
+        are deleted unverified, as any old checkpoint). A checkpoint's checksums are computed
+        once per job; later rounds recheck its sizes only."""
+        counted = []
+        for step, path in reversed(list_checkpoints(self.root.parent)):
+            if len(counted) < self.keep_last:
+                try:
+                    verify_checkpoint(path, checksums=path.name not in self._verified)
+                    counted.append(path.name)
+                except CorruptCheckpointError as e:
+                    _set_aside(path, str(e))
+            elif path != committed and not (self.keep_every and step % self.keep_every == 0):
                 shutil.rmtree(path, ignore_errors=True)
                 logger.info("removed old checkpoint %s", path)
+        self._verified = set(counted)
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -380,6 +439,16 @@ class CheckpointManager:
 
 def _rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
+
+
+def _set_aside(path: Path, reason: str) -> None:
+    """Rename a corrupt checkpoint to `corrupt-step-N`, out of the loader's and retention's way,
+    rather than delete it: a person may want to look at it, and a read error can make a good
+    checkpoint look corrupt. A copy of the same step set aside before is replaced."""
+    aside = path.with_name(f"corrupt-{path.name}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(path, aside)
+    logger.warning("moved corrupt checkpoint %s to %s: %s", path, aside.name, reason)
 
 
 def _stage(value: Any, buffers: dict[str, torch.Tensor], key: str) -> Any:
