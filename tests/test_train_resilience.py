@@ -183,6 +183,21 @@ def test_hang_dumps_stacks_and_restarts(data_dir, train_model_dir, tmp_path, one
     _assert_bitwise(run_dir, one_process_run)
 
 
+@pytest.mark.parametrize("extra", [
+    ("--faults.hang_at_step=1", "--supervisor.hang_timeout_s=2", "--supervisor.first_step_timeout_s=30"),
+    ("--supervisor.hang_timeout_s=0.01", "--supervisor.first_step_timeout_s=0.01"),
+], ids=["hang after step 1", "first step longer than its timeout"])
+def test_the_first_step_is_watched_too(data_dir, train_model_dir, tmp_path, extra):
+    """The watchdog is armed from the start of training: a hang right after the first step is
+    stopped after hang_timeout_s, and a first step that outlasts first_step_timeout_s is too."""
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    result = _train(tmp_path, run_dir, data_dir, train_model_dir, *extra)
+    assert result.returncode != 0 and time.monotonic() - start < 60
+    (stacks_file,) = (run_dir / "stacks").glob("attempt-0-rank-0-pid-*.txt")
+    assert "Timeout" in stacks_file.read_text()
+
+
 def test_sigterm_saves_and_a_rerun_resumes(data_dir, train_model_dir, tmp_path, one_process_run):
     """SIGTERM after step 3 (between checkpoints): the process saves a step-3 checkpoint, exits
     with status 0, and the rerun resumes from it to the uninterrupted run's weights."""

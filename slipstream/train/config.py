@@ -201,9 +201,13 @@ class SupervisorConfig:
     """What a rank does about hangs, non-finite losses and restarts (see `train.supervisor`)."""
 
     hang_timeout_s: float = 0.0
-    """Seconds without step progress (counted from the end of the first step) after which a
-    rank dumps every thread's Python stack to RUN_DIR/stacks/ and exits, so the launcher
+    """Seconds without step progress (from the end of one step to the end of the next) after
+    which a rank dumps every thread's Python stack to RUN_DIR/stacks/ and exits, so the launcher
     restarts the job; 0 disables the watchdog."""
+    first_step_timeout_s: float = 600.0
+    """With the watchdog on, the seconds the first step may take instead (it compiles, warms
+    up allocators and makes the first collectives), as torchtitan gives its first step a longer
+    timeout (`comm.init_timeout_seconds`)."""
     restart_backoff_s: float = 1.0
     """A restarted attempt waits this long before it starts when the attempt before it committed
     no checkpoint, doubling with every further such attempt, up to `max_backoff_s`."""
@@ -213,7 +217,7 @@ class SupervisorConfig:
     step's batches) before it fails."""
 
     def __post_init__(self) -> None:
-        for name in ("hang_timeout_s", "restart_backoff_s", "max_backoff_s"):
+        for name in ("hang_timeout_s", "first_step_timeout_s", "restart_backoff_s", "max_backoff_s"):
             value = getattr(self, name)
             _check(value >= 0 and math.isfinite(value), f"supervisor.{name}", value, "a number >= 0")
         _check_non_negative_int("supervisor.max_rollbacks", self.max_rollbacks)

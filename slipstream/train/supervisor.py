@@ -57,13 +57,15 @@ JOB_LOCK, WORKERS_LOCK = "job.lock", "workers.lock"
 
 class Watchdog:
     """Dump every thread's stack and exit when `progress()` is not called again within
-    `timeout_s` (0 disables it). `start()` opens the stack file and registers SIGUSR1; the
-    first `progress()` (after the first step, so start-up and compilation are not timed) arms
-    it; `stop()` disarms it. The file is named after this process too: attempt numbers start
+    `timeout_s` (0 disables it). `start()` opens the stack file, registers SIGUSR1 and arms it
+    for `first_timeout_s` (the first step compiles and warms up, so it gets longer); every
+    `progress()` re-arms it for `timeout_s`; `stop()` disarms it. The file is named after this process too: attempt numbers start
     at 0 again in every launch, and a rerun must not write into an earlier run's stacks."""
 
-    def __init__(self, timeout_s: float, run_dir: str | Path, rank: int, attempt: int) -> None:
+    def __init__(self, timeout_s: float, run_dir: str | Path, rank: int, attempt: int,
+                 first_timeout_s: float | None = None) -> None:
         self.timeout_s = timeout_s
+        self.first_timeout_s = timeout_s if first_timeout_s is None else max(first_timeout_s, timeout_s)
         self.path = Path(run_dir) / STACKS_DIR / f"attempt-{attempt}-rank-{rank}-pid-{os.getpid()}.txt"
         self._file = None
 
@@ -72,10 +74,14 @@ class Watchdog:
         self._file = open(self.path, "a")  # noqa: SIM115 (faulthandler writes to it until stop)
         if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):
             faulthandler.register(signal.SIGUSR1, file=self._file, all_threads=True)
+        self._arm(self.first_timeout_s)
 
     def progress(self) -> None:
+        self._arm(self.timeout_s)
+
+    def _arm(self, timeout_s: float) -> None:
         if self._file is not None and self.timeout_s > 0:
-            faulthandler.dump_traceback_later(self.timeout_s, exit=True, file=self._file)
+            faulthandler.dump_traceback_later(timeout_s, exit=True, file=self._file)
 
     def stop(self) -> None:
         if self._file is None:

@@ -183,7 +183,8 @@ class Trainer:
             on_commit=lambda step, path: self.ledger.record("commit", step=step),
         )
         self.skipped_windows = SkippedWindows(self.run_dir, writable=info.is_main)
-        self.watchdog = Watchdog(config.supervisor.hang_timeout_s, self.run_dir, info.rank, info.attempt)
+        self.watchdog = Watchdog(config.supervisor.hang_timeout_s, self.run_dir, info.rank, info.attempt,
+                                 first_timeout_s=config.supervisor.first_step_timeout_s)
         self.preemption = PreemptionHandler()
         self._code_version = ckpt.code_version() if info.is_main else {}
         self._saved_step: int | None = None
@@ -288,9 +289,9 @@ class Trainer:
         config = self.config
         self.metrics.log(record)
         self.ledger.record("step", step=self.step, step_s=record["step_s"], data_s=record["data_wait_s"])
+        self.watchdog.progress()  # the step is done; what follows (hooks, eval, saves) is timed
         for hook in self.hooks:
             hook(self, record)
-        self.watchdog.progress()
         last = self.step == config.training.steps
         if self.val_loader is not None and (self.step % config.eval.interval == 0 or last):
             self.metrics.log(self.evaluate())
