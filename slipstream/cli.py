@@ -7,6 +7,8 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -91,9 +93,9 @@ def _launch(args: argparse.Namespace, config: TrainConfig) -> None:
 
 
 def _goodput(args: argparse.Namespace) -> None:
-    from slipstream.train.goodput import format_summary, read_events, summarize
+    from slipstream.train.goodput import format_summary, read_ledger, summarize
 
-    events = read_events(args.run_dir)
+    events, skipped_lines = read_ledger(args.run_dir)
     if not any(e["event"] == "start" for e in events):
         # Launched, but no process got as far as building its trainer (or one is starting now).
         launches = sum(e["event"] == "launch" for e in events)
@@ -101,7 +103,7 @@ def _goodput(args: argparse.Namespace) -> None:
               f"{args.run_dir}: no attempt has started training: {launches} launch(es), none got as "
               "far as building its trainer (the launcher's output says why), or one is starting now")
         return
-    summary = summarize(events)
+    summary = summarize(events, skipped_lines=skipped_lines)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
 
 
@@ -170,6 +172,17 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return count
+
+
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (argparse names the flag in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
 
 
 def _add(
@@ -255,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help="sent as a bearer token")
     p.add_argument("--save-result", help="write the result JSON here")
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--ready-timeout", dest="ready_timeout_s", type=_positive_float, default=60.0,
+                   help="seconds the initial test request may wait to connect and for each piece "
+                   "of its response (default 60)")
 
     data = _add(commands, "data", None, "training data")
     data = data.add_subparsers(dest="data_command", required=True)
@@ -331,34 +347,34 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
         p.add_argument("--profile", help="efficiency fitted to published runs (see perf validate)")
         p.add_argument("--efficiency", help="efficiency JSON written by `slipstream perf fit`")
     if "train" in groups:
-        p.add_argument("--devices", type=int, default=8)
-        p.add_argument("--global-batch", type=int, default=256, help="sequences per step")
-        p.add_argument("--seq-len", type=int, default=8192)
-        p.add_argument("--micro-batch", type=int, default=1)
+        p.add_argument("--devices", type=_int_at_least(1), default=8)
+        p.add_argument("--global-batch", type=_int_at_least(1), default=256, help="sequences per step")
+        p.add_argument("--seq-len", type=_int_at_least(1), default=8192)
+        p.add_argument("--micro-batch", type=_int_at_least(1), default=1)
         p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
         p.add_argument("--attention", default="flash", choices=["flash", "unfused"])
     if "layout" in groups:
         for name in ("tp", "pp", "cp", "vp"):
-            p.add_argument(f"--{name}", type=int, default=1)
+            p.add_argument(f"--{name}", type=_int_at_least(1), default=1)
         p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="3 = FSDP")
         p.add_argument("--no-sp", action="store_true", help="no sequence parallelism with tp > 1")
     if "serve" in groups:
         if "layout" not in groups:
-            p.add_argument("--tp", type=int, default=1)
+            p.add_argument("--tp", type=_int_at_least(1), default=1)
         p.add_argument("--batch", default="1,8,32", help="decode batch sizes")
-        p.add_argument("--context", type=int, default=1024, help="cached tokens per sequence")
-        p.add_argument("--input-len", type=int, default=1024)
-        p.add_argument("--output-len", type=int, default=256)
-        p.add_argument("--rate", type=float, help="requests/s for TTFT/TPOT under load")
-        p.add_argument("--max-num-seqs", type=int, default=256)
+        p.add_argument("--context", type=_int_at_least(1), default=1024, help="cached tokens per sequence")
+        p.add_argument("--input-len", type=_int_at_least(1), default=1024)
+        p.add_argument("--output-len", type=_int_at_least(1), default=256)
+        p.add_argument("--rate", type=_positive_float, help="requests/s for TTFT/TPOT under load")
+        p.add_argument("--max-num-seqs", type=_int_at_least(1), default=256)
     if "plan" in groups:
         p.add_argument("--serve", action="store_true", help="plan serving (TP x replicas) instead")
-        p.add_argument("--top", type=int, default=10)
+        p.add_argument("--top", type=_int_at_least(1), default=10)
     if "whatif" in groups:
         p.add_argument("--serve", action="store_true", help="a decode step instead of a training step")
         p.add_argument("--scale", help="e.g. flops=2,memory_bandwidth=1.5,memory_capacity=2,link=2")
-        p.add_argument("--target-step-s", type=float)
-        p.add_argument("--target-tokens-per-s-per-user", type=float)
+        p.add_argument("--target-step-s", type=_positive_float)
+        p.add_argument("--target-tokens-per-s-per-user", type=_positive_float)
     if "roofline" in groups:
         p.add_argument("--records", help="engine step records (JSON lines) to place measured points")
         p.add_argument("--out", help="write the roofline PNG here (needs matplotlib)")
@@ -366,7 +382,7 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
         p.add_argument("--world-size", type=int, default=2)
         p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
         p.add_argument("--sizes", default=",".join(str(2**k) for k in range(10, 25, 2)), help="bytes")
-        p.add_argument("--iterations", type=int, default=10)
+        p.add_argument("--iterations", type=_int_at_least(1), default=10)
     if "fit" in groups:
         p.add_argument("--engine-records", help="engine step records (JSON lines)")
         p.add_argument("--run-dir", nargs="*", default=[], help="training run directories")
@@ -385,9 +401,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         args.handler(args)
+        sys.stdout.flush()  # a closed pipe raises here, inside the try, not at exit
     except (ValueError, FileNotFoundError) as e:
         print(f"slipstream {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`slipstream perf ... | head`): as CPython's note on SIGPIPE says,
+        # point stdout at devnull so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     return 0
 
 

@@ -104,3 +104,63 @@ def test_the_launcher_checks_the_job_before_starting_workers(tmp_path, data_dir,
         (line,) = result.stderr.splitlines()
         assert line.startswith("slipstream train: error: ") and expected in line, line
     assert not (tmp_path / "run").exists()  # nothing launched
+
+
+def _bench_error(capsys, *args: str) -> str:
+    """The error `slipstream bench serve ARGS` prints, after checking it exits 2 without a traceback."""
+    from slipstream.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:  # argparse errors exit from inside main
+        raise SystemExit(main(["bench", "serve", "--model", "m", *args]))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("http://127.0.0.1:99999", "'http://127.0.0.1:99999' is not a valid URL: Port out of range"),
+    ("http://[::1", "'http://[::1' is not a valid URL"),
+    ("localhost:8000", "base_url must look like http://HOST:PORT, got 'localhost:8000'"),
+])
+def test_bench_serve_bad_base_url_is_an_error(url, expected, capsys):
+    """A port out of range or a malformed URL is an error naming the URL, before any request
+    (not an OverflowError inside an ExceptionGroup or httpx.InvalidURL)."""
+    assert expected in _bench_error(capsys, "--base-url", url)
+
+
+@pytest.mark.parametrize("dataset, expected", [
+    ("[1, 2]", "entry 0 is not {'conversations'"),
+    ('[{"conversations": "abc"}]', "entry 0 is not {'conversations'"),
+    ('[{"conversations": [{"value": 1}, {"value": "x"}]}]', "entry 0 is not"),
+    ('{"conversations": []}', "must hold a JSON list of"),
+    ("[{", "is not valid JSON"),
+])
+def test_bench_serve_malformed_sharegpt_file_is_an_error_naming_it(dataset, expected, data_dir, tmp_path,
+                                                                 capsys):
+    """A ShareGPT file that is not a list of conversations of text turns is an error naming the
+    file and the entry (not an AttributeError or a TypeError)."""
+    path = tmp_path / "sharegpt.json"
+    path.write_text(dataset)
+    err = _bench_error(capsys, "--base-url", "http://127.0.0.1:1", "--tokenizer", str(data_dir / "tokenizer"),
+                       "--dataset-name", "sharegpt", "--dataset-path", str(path))
+    assert str(path) in err and expected in err, err
+
+
+def test_bench_serve_against_a_silent_server_fails_after_the_ready_timeout(data_dir, capsys):
+    """A port that accepts connections but never answers fails the initial test request after
+    `--ready-timeout` seconds with an error saying so, instead of waiting the run's 6 hours."""
+    import socket
+    import time
+
+    with socket.create_server(("127.0.0.1", 0)) as server:  # the kernel accepts; nobody answers
+        port = server.getsockname()[1]
+        start = time.monotonic()
+        err = _bench_error(capsys, "--base-url", f"http://127.0.0.1:{port}", "--tokenizer",
+                           str(data_dir / "tokenizer"), "--num-prompts", "1", "--random-input-len", "8",
+                           "--random-output-len", "2", "--ready-timeout", "1", "--disable-tqdm")
+    assert time.monotonic() - start < 30
+    assert f"the initial test request to http://127.0.0.1:{port} failed" in err
+    assert "no response within 1.0 s" in err, err
+    assert "must be a number > 0, got '0'" in _bench_error(capsys, "--base-url", "http://h:1",
+                                                           "--ready-timeout", "0")

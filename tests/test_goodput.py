@@ -83,3 +83,67 @@ def test_goodput_command(data_dir, train_model_dir, tmp_path, capsys):
     assert sum(summary["seconds"].values()) == pytest.approx(summary["total_s"])
     assert 0 < summary["goodput"] < 1 and summary["seconds"]["other"] >= -1e-6
     assert main(["goodput", str(tmp_path)]) == 2
+
+
+def test_events_after_the_last_attempts_end_do_not_change_the_summary():
+    """A `launch` appended after a finished run's `end` (a relaunch that failed to start) or an
+    unknown event leaves it finished, its steps kept and its wall time at 14.5 s: finished comes
+    from the last attempt's last `end`, the total from the attempts' events."""
+    clean = summarize(_crash_and_restart_events())
+    for extra in ({"event": "launch", "t": 200.0}, {"event": "note", "t": 114.6}):
+        summary = summarize([*_crash_and_restart_events(), extra])
+        assert summary["finished"] and summary["steps_lost"] == 1 and summary["steps_kept"] == 3
+        total = 14.6 if extra["event"] == "note" else 14.5  # an attempt's event extends it
+        assert summary["total_s"] == pytest.approx(total)
+        assert summary["seconds"]["productive"] == pytest.approx(clean["seconds"]["productive"])
+
+
+def test_a_clock_stepping_back_gives_no_negative_wall_time():
+    """The `end` written after the clock stepped back 54.5 s: the total runs from the launch
+    (100) to the latest event (the last step, 114), 14.0 s, `other` shrinks from 0.8 to 0.3 s,
+    and the run is still finished (the order of events is the file's)."""
+    events = _crash_and_restart_events()
+    events[-1] = events[-1] | {"t": 60.0}
+    summary = summarize(events)
+    assert summary["total_s"] == pytest.approx(14.0) and summary["finished"]
+    assert summary["seconds"]["other"] == pytest.approx(0.3)
+    assert summary["goodput"] == pytest.approx(2.8 / 14.0)
+    assert sum(summary["seconds"].values()) == pytest.approx(14.0)
+
+
+MALFORMED_LINES = ["42", "null", '"step"', "[1]", '{"t": 1.0}', '{"event": "step", "t": "105"}',
+                   '{"event": "step", "t": NaN, "step": 9, "step_s": 1.0, "data_s": 0.0}',
+                   '{"event": "step", "t": 106.5, "step": 9, "step_s": 1.0}',
+                   '{"event": "ready", "t": 103.0, "process_start": 101.0}',
+                   '{"event": "start", "t": 103.0}', '{"event": "end", "t": 115.0}',
+                   '{"event": "commit", "t": 106.0, "step": "3"}', '{"event": "step", "t": 10']
+
+
+def test_malformed_ledger_lines_are_skipped_and_counted(tmp_path, capsys):
+    """Lines that are valid JSON but not events (`42`, `null`), events without the fields their
+    kind needs, a string or NaN `t`, and a line cut short are skipped, counted in
+    `skipped_lines` and reported; the summary is the clean ledger's."""
+    clean = summarize(_crash_and_restart_events())
+    lines = [json.dumps(e) for e in _crash_and_restart_events()]
+    lines[6:6] = MALFORMED_LINES  # after step 2's commit, before step 3
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "goodput.jsonl").write_text("\n".join(lines) + "\n")
+    assert main(["goodput", str(run_dir), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["skipped_lines"] == len(MALFORMED_LINES)
+    assert summary["seconds"] == pytest.approx(clean["seconds"])
+    counts = ("attempts", "restarts", "rollbacks", "steps_kept", "steps_lost", "last_step", "finished")
+    assert {k: summary[k] for k in counts} == {k: clean[k] for k in counts}
+    assert summary["total_s"] == pytest.approx(14.5) and summary["finished"]
+    assert main(["goodput", str(run_dir)]) == 0
+    assert f"; {len(MALFORMED_LINES)} malformed ledger line(s) skipped" in capsys.readouterr().out
+    in_memory = summarize([*_crash_and_restart_events(), 42, None, {"event": "step", "t": "x"}])
+    assert in_memory["skipped_lines"] == 3 and in_memory["seconds"] == pytest.approx(clean["seconds"])
+
+
+def test_a_ledger_of_only_malformed_lines_reports_no_attempt(tmp_path, capsys):
+    """A ledger with no well-formed `start` says no attempt started, not a KeyError."""
+    (tmp_path / "goodput.jsonl").write_text("\n".join(MALFORMED_LINES) + "\n")
+    assert main(["goodput", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"attempts": 0, "launches": 0, "finished": False}

@@ -81,3 +81,111 @@ def test_profiles_apply_to_any_hardware(profile):
                   "--global-batch", "16", "--profile", profile, "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["efficiency"].startswith(f"profile {profile}")
+
+
+def _error(argv: list[str], capsys) -> str:
+    """The one-line error `slipstream` prints for `argv`, after checking it exits 2."""
+    from slipstream.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:  # argparse errors exit from inside main
+        raise SystemExit(main(argv))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--tp", "0"], "argument --tp: must be an integer >= 1, got '0'"),
+    (["train", "--pp", "0"], "argument --pp: must be an integer >= 1, got '0'"),
+    (["train", "--cp", "0"], "argument --cp: must be an integer >= 1, got '0'"),
+    (["train", "--tp", "-2"], "argument --tp: must be an integer >= 1, got '-2'"),
+    (["train", "--devices", "0"], "argument --devices: must be an integer >= 1, got '0'"),
+    (["serve", "--batch", "0"], "--batch expects comma-separated integers >= 1, got '0'"),
+    (["serve", "--batch", "-4"], "--batch expects comma-separated integers >= 1, got '-4'"),
+    (["serve", "--batch", ","], "--batch expects comma-separated integers >= 1, got ','"),
+    (["serve", "--batch="], "--batch expects comma-separated integers >= 1, got ''"),
+    (["serve", "--batch", "1,x"], "--batch expects comma-separated integers, got '1,x'"),
+    (["whatif", "--serve", "--batch", "0"], "--batch expects comma-separated integers >= 1, got '0'"),
+    (["roofline", "--batch", ","], "--batch expects comma-separated integers >= 1, got ','"),
+    (["plan", "--top", "0"], "argument --top: must be an integer >= 1, got '0'"),
+    (["plan", "--top", "-1"], "argument --top: must be an integer >= 1, got '-1'"),
+    (["plan", "--devices", "0"], "argument --devices: must be an integer >= 1, got '0'"),
+    (["plan", "--serve", "--devices", "1", "--model", "llama3-70b"],
+     "no tensor-parallel degree of llama3-70b fits on 1 x"),
+    (["serve", "--rate", "0"], "argument --rate: must be a number > 0, got '0'"),
+    (["serve", "--rate", "nan"], "argument --rate: must be a number > 0, got 'nan'"),
+    (["whatif", "--target-step-s", "0"], "argument --target-step-s: must be a number > 0, got '0'"),
+    (["whatif", "--serve", "--target-step-s", "1"], "--target-step-s is for a training step"),
+    (["whatif", "--target-tokens-per-s-per-user", "10"], "is for a decode step: add --serve"),
+    (["whatif", "--scale", "flops"], "--scale expects NAME=FACTOR pairs, got 'flops'"),
+    (["collectives", "--sizes", ","], "--sizes expects comma-separated integers >= 1, got ','"),
+])
+def test_out_of_range_flags_are_errors_naming_the_flag(argv, expected, capsys):
+    """Guards the perf flags: a zero, negative or empty count or rate is an error naming the
+    flag and the value (not a ZeroDivisionError, an IndexError or a silently ignored flag)."""
+    assert expected in _error(["perf", *argv], capsys)
+
+
+@pytest.mark.parametrize("config, expected", [
+    ("[1, 2]", "must hold a JSON object of model settings, got list"),
+    ("{bad", "is not valid JSON"),
+    ('{"model_type": "llama"}', "lacks vocab_size, hidden_size, intermediate_size"),
+    ('{"n_embd": 768, "n_layer": 2, "vocab_size": 100}', "lacks n_head"),
+    ('{"n_embd": 768, "n_layer": 2, "n_head": 7, "vocab_size": 100}',
+     "n_embd (768) must be a multiple of n_head (7)"),
+    ('{"n_embd": 768, "n_layer": "2", "n_head": 12, "vocab_size": 100}',
+     "n_layer must be a positive integer, got '2'"),
+    ('{"model_type": "llama", "vocab_size": 8, "hidden_size": "x", "intermediate_size": 8, '
+     '"num_hidden_layers": 1, "num_attention_heads": 1}', "hidden_size must be a positive integer"),
+])
+def test_malformed_config_json_is_an_error_naming_the_file(config, expected, tmp_path, capsys):
+    """Guards `--model CONFIG.json`: a JSON list, missing keys, a GPT-2 width that n_head does
+    not divide, or a bad value is an error naming the file and the key."""
+    path = tmp_path / "config.json"
+    path.write_text(config)
+    err = _error(["perf", "train", "--model", str(path)], capsys)
+    assert str(path) in err and expected in err, err
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "is a directory; expected a file"),
+    ('{"gemm_fraction": "abc"}', "gemm_fraction must be a number, got 'abc'"),
+    ('{"gemm_fraction": null}', "gemm_fraction must be a number, got None"),
+    ('{"link_latency_s": NaN}', "link_latency_s must be a number, got nan"),
+    ("[0.8]", "must be a JSON object"),
+    ("{bad", "is not valid JSON"),
+])
+def test_bad_efficiency_file_is_an_error_naming_it(content, expected, tmp_path, capsys):
+    """Guards `--efficiency FILE`: a directory, a non-number or a non-object is an error naming
+    the flag, the file and the bad value."""
+    path = tmp_path / "efficiency.json"
+    path.mkdir() if content is None else path.write_text(content)
+    err = _error(["perf", "train", "--efficiency", str(path)], capsys)
+    assert f"--efficiency {path}" in err and expected in err, err
+
+
+@pytest.mark.parametrize("record, flag", [
+    ({"phase": "decode", "batch_size": 1, "context_len": -5, "step_s": 0.01}, "--records"),
+    ({"phase": "decode", "batch_size": 1, "context_len": 5, "step_s": -0.01}, "--records"),
+    ({"phase": "prefill", "batch_size": 0, "prompt_len": 5, "step_s": 0.01}, "--engine-records"),
+])
+def test_impossible_engine_records_are_errors(record, flag, tmp_path, capsys):
+    """Guards `roofline --records` and `fit --engine-records`: a negative time or length or an
+    empty batch is an error naming the file, a directory too."""
+    path = tmp_path / "records.jsonl"
+    path.write_text(json.dumps({"kind": "engine_step", **record}) + "\n")
+    command = "roofline" if flag == "--records" else "fit"
+    err = _error(["perf", command, flag, str(path)], capsys)
+    assert f"{flag} {path}: an engine step needs step_s > 0" in err, err
+    assert "is a directory" in _error(["perf", command, flag, str(tmp_path)], capsys)
+
+
+def test_output_into_a_closed_pipe_is_not_a_traceback():
+    """Guards `slipstream perf ... | head`: the reader closing the pipe ends the command
+    quietly (status 1, CPython's advice for SIGPIPE), not with a BrokenPipeError traceback."""
+    process = subprocess.Popen([sys.executable, "-m", "slipstream.cli", "perf", "plan", "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ.copy())
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=300) == 1 and "BrokenPipeError" not in err and "Traceback" not in err, err

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from slipstream.perf.efficiency import Efficiency, default_efficiency
 from slipstream.perf.fit import apply_scales
 from slipstream.perf.hardware import get_accelerator
 from slipstream.perf.model import Layout, TrainSetup, predict_training
-from slipstream.perf.records import read_engine_steps, read_jsonl, read_train_run
+from slipstream.perf.records import EngineStep, read_engine_steps, read_jsonl, read_train_run
 from slipstream.perf.shapes import resolve_model
 
 Result = tuple[str, dict[str, Any]]
@@ -26,7 +27,7 @@ Result = tuple[str, dict[str, Any]]
 def efficiency_for(args: argparse.Namespace, accelerator) -> tuple[Efficiency, str]:
     """--efficiency FILE (from `perf fit`), --profile NAME (fitted to published runs), or defaults."""
     if getattr(args, "efficiency", None):
-        return Efficiency.from_dict(json.loads(Path(args.efficiency).read_text())), f"file {args.efficiency}"
+        return _read_efficiency(args.efficiency), f"file {args.efficiency}"
     profile = getattr(args, "profile", None)
     if profile:
         data = validation.load()
@@ -37,11 +38,45 @@ def efficiency_for(args: argparse.Namespace, accelerator) -> tuple[Efficiency, s
     return default_efficiency(accelerator), "defaults (datasheet x public measurements)"
 
 
-def _ints(text: str) -> list[int]:
+def _read_efficiency(path: str) -> Efficiency:
     try:
-        return [int(v) for v in str(text).split(",") if v.strip()]
+        d = json.loads(_input_file(path, "--efficiency").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--efficiency {path} is not valid JSON: {e}") from e
+    try:
+        return Efficiency.from_dict(d)
     except ValueError as e:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from e
+        raise ValueError(f"--efficiency {path}: {e}") from e
+
+
+def _input_file(path: str, flag: str) -> Path:
+    """`path` as a file to read; a directory or a missing file is an error naming `flag`."""
+    if Path(path).is_dir():
+        raise ValueError(f"{flag} {path} is a directory; expected a file")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{flag} {path}: no such file")
+    return Path(path)
+
+
+def _engine_steps(path: str, flag: str) -> list[EngineStep]:
+    """The engine step records in `path`; a measured step must have taken time and have a batch."""
+    steps = read_engine_steps(read_jsonl(_input_file(path, flag)))
+    for step in steps:
+        if not (step.step_s > 0 and math.isfinite(step.step_s)) or step.batch_size < 1 or step.length < 0:
+            raise ValueError(f"{flag} {path}: an engine step needs step_s > 0, batch_size >= 1 and a "
+                             f"length >= 0, got {step}")
+    return steps
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    """A comma-separated list of at least one positive integer."""
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError as e:
+        raise ValueError(f"{flag} expects comma-separated integers, got {text!r}") from e
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} expects comma-separated integers >= 1, got {text!r}")
+    return values
 
 
 def train_setup(args: argparse.Namespace) -> TrainSetup:
@@ -51,6 +86,9 @@ def train_setup(args: argparse.Namespace) -> TrainSetup:
 
 
 def layout_from(args: argparse.Namespace) -> Layout:
+    for flag in ("devices", "tp", "pp", "cp", "vp"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     model_parallel = args.tp * args.pp * args.cp
     if args.devices % model_parallel:
         raise ValueError(f"--devices {args.devices} is not a multiple of tp*pp*cp = {model_parallel}")
@@ -93,7 +131,7 @@ def serve(args: argparse.Namespace) -> Result:
         f"{args.model} on {args.tp} x {acc.name} (tp {args.tp}), {args.dtype}; efficiency {source}",
         f"prefill of {args.input_len} tokens: {1e3 * prefill.total_s:.2f} ms (bound by {prefill.bound()})",
         f"{'batch':>6}{'context':>9}{'decode ms/token':>17}{'tokens/s/user':>15}{'tokens/s':>11}  bound"]
-    for batch in _ints(args.batch):
+    for batch in _ints(args.batch, "--batch"):
         work = serving.step_time(setup, acc, decode_contexts=[args.context] * batch, efficiency=eff)
         rows.append({"batch_size": batch, "context_len": args.context, "decode_s_per_token": work.total_s,
                      "bound": work.bound(), "work": work.to_dict()})
@@ -105,7 +143,7 @@ def serve(args: argparse.Namespace) -> Result:
     d = {"model": args.model, "hardware": acc.name, "efficiency": source, "prefill_s": prefill.total_s,
          "prefill_tokens": args.input_len, "decode": rows,
          "decode_s_per_token": rows[0]["decode_s_per_token"], "kv_capacity": cap.to_dict()}
-    if args.rate:
+    if args.rate is not None:
         load = serving.under_load(setup, acc, args.rate, args.input_len, args.output_len,
                                   args.max_num_seqs, eff)
         d["load"] = load.to_dict()
@@ -119,9 +157,13 @@ def serve(args: argparse.Namespace) -> Result:
 def plan(args: argparse.Namespace) -> Result:
     acc = get_accelerator(args.hardware)
     eff, source = efficiency_for(args, acc)
+    if args.devices < 1 or args.top < 1:
+        raise ValueError(f"--devices and --top must be >= 1, got {args.devices} and {args.top}")
     if args.serve:
         plans = planner.plan_serving(_serve_setup(args), args.devices, acc, args.input_len,
                                      args.output_len, args.max_num_seqs, eff)
+        if not plans:
+            raise ValueError(f"no tensor-parallel degree of {args.model} fits on {args.devices} x {acc.name}")
         lines = [f"{args.model} serving on {args.devices} x {acc.name}, {args.input_len} in / "
                  f"{args.output_len} out; efficiency {source}",
                  f"{'tp':>4}{'replicas':>10}{'ms/token (bs1)':>16}{'max batch':>11}{'tokens/s':>12}"]
@@ -150,7 +192,10 @@ def _parse_scale(text: str | None) -> dict[str, float]:
     for part in (text or "").split(","):
         if part.strip():
             key, _, value = part.partition("=")
-            scales[key.strip()] = float(value)
+            try:
+                scales[key.strip()] = float(value)
+            except ValueError as e:
+                raise ValueError(f"--scale expects NAME=FACTOR pairs, got {part.strip()!r}") from e
     return scales
 
 
@@ -159,17 +204,25 @@ def what_if(args: argparse.Namespace) -> Result:
     eff, source = efficiency_for(args, acc)
     if args.serve:
         setup = _serve_setup(args)
-        batch = _ints(args.batch)[0]
+        batch = _ints(args.batch, "--batch")[0]
 
         def workload(a):
             return serving.step_time(setup, a, decode_contexts=[args.context] * batch, efficiency=eff)
-        target = 1.0 / args.target_tokens_per_s_per_user if args.target_tokens_per_s_per_user else None
+        if args.target_step_s is not None:
+            raise ValueError("--target-step-s is for a training step; with --serve use "
+                             "--target-tokens-per-s-per-user")
+        per_user = args.target_tokens_per_s_per_user
+        if per_user is not None and not per_user > 0:
+            raise ValueError(f"--target-tokens-per-s-per-user must be > 0, got {per_user}")
+        target = 1.0 / per_user if per_user is not None else None
         label = f"decode step (batch {batch}, context {args.context})"
     else:
         setup, layout = train_setup(args), layout_from(args)
 
         def workload(a):
             return predict_training(setup, layout, a, eff).work
+        if args.target_tokens_per_s_per_user is not None:
+            raise ValueError("--target-tokens-per-s-per-user is for a decode step: add --serve")
         target, label = args.target_step_s, "training step"
     scaled = acc.scaled(**_parse_scale(args.scale))
     base, new = workload(acc), workload(scaled)
@@ -181,7 +234,7 @@ def what_if(args: argparse.Namespace) -> Result:
               for r in rows]
     d = {"baseline": base.to_dict(), "scaled": new.to_dict(), "scaled_hardware": scaled.name,
          "sweep": rows, "efficiency": source}
-    if target:
+    if target is not None:
         reqs = whatif.requirements(workload, acc, target)
         d["target_s"], d["requirements"] = target, [r.to_dict() for r in reqs]
         lines.append(f"to reach {1e3 * target:.3f} ms:")
@@ -196,10 +249,10 @@ def roofline_cmd(args: argparse.Namespace) -> Result:
     setup = _serve_setup(args)
     points = [roofline.point(f"prefill {args.input_len}",
                              serving.step_time(setup, acc, prefill_lens=[args.input_len], efficiency=eff))]
-    for batch in _ints(args.batch):
+    for batch in _ints(args.batch, "--batch"):
         work = serving.step_time(setup, acc, decode_contexts=[args.context] * batch, efficiency=eff)
         points.append(roofline.point(f"decode bs{batch}", work))
-    for step in read_engine_steps(read_jsonl(Path(args.records))) if args.records else []:
+    for step in _engine_steps(args.records, "--records") if args.records else []:
         work = measured.engine_step_work(step, setup, acc, eff)
         points.append(roofline.point(f"{step.phase} bs{step.batch_size} len{step.length}", work, step.step_s))
     d = {"hardware": acc.name, "dtype": args.dtype, "efficiency": source,
@@ -218,7 +271,7 @@ def roofline_cmd(args: argparse.Namespace) -> Result:
 def collectives(args: argparse.Namespace) -> Result:
     from slipstream.perf import collectives_bench
 
-    timings, errors = collectives_bench.measure(args.world_size, args.backend, _ints(args.sizes),
+    timings, errors = collectives_bench.measure(args.world_size, args.backend, _ints(args.sizes, "--sizes"),
                                                 iterations=args.iterations)
     fits = collectives_bench.fit(timings)
     d = {"timings": [t.to_dict() for t in timings], "errors": errors,
@@ -239,7 +292,7 @@ def fit(args: argparse.Namespace) -> Result:
     eff = default_efficiency(acc)
     if args.engine_records:
         setup = _serve_setup(args)
-        steps = read_engine_steps(read_jsonl(Path(args.engine_records)))
+        steps = _engine_steps(args.engine_records, "--engine-records")
         cal = measured.fit_engine_steps(steps, setup, acc, eff)
         works = [measured.engine_step_work(s, setup, acc, cal.efficiency) for s in steps]
         rows = [measured.Comparison(f"{s.phase} bs{s.batch_size} len{s.length}", s.step_s, w.total_s)

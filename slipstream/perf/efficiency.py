@@ -20,6 +20,8 @@ measured steps; `default_efficiency` gives, per accelerator, values from public 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -108,6 +110,13 @@ class Efficiency:
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "sources" and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                                        or math.isnan(value)):
+                raise ValueError(f"{f.name} must be a number, got {value!r}")
+        if not isinstance(self.sources, Mapping):
+            raise ValueError(f"sources must be a mapping of field to source, got {self.sources!r}")
         for name in ("gemm_fraction", "attention_fraction", "memory_fraction", "link_fraction",
                      "network_fraction"):
             value = getattr(self, name)
@@ -124,6 +133,9 @@ class Efficiency:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Efficiency:
         """Inverse of `to_dict`; unknown keys are a ValueError naming them."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"efficiency must be a JSON object of fractions and costs, "
+                             f"got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:

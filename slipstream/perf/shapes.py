@@ -181,7 +181,7 @@ def resolve_model(name_or_path: str) -> TransformerShape:
     if path.suffix == ".json" or path.is_file():
         if not path.is_file():
             raise ValueError(f"no config.json at {name_or_path!r}")
-        return _shape_from_config_json(json.loads(path.read_text()), path.parent.name or str(path))
+        return _shape_from_config_json(_read_config_json(path), path.parent.name or str(path), path)
     from slipstream.model.presets import PRESETS
 
     if name_or_path in PRESETS:
@@ -191,15 +191,47 @@ def resolve_model(name_or_path: str) -> TransformerShape:
     )
 
 
-def _shape_from_config_json(d: dict[str, Any], name: str) -> TransformerShape:
+def _read_config_json(path: Path) -> dict[str, Any]:
+    try:
+        d = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(d, dict):
+        raise ValueError(f"{path} must hold a JSON object of model settings, got {type(d).__name__}")
+    return d
+
+
+# Keys without which a config.json does not describe a shape (ModelConfig requires them too).
+_GPT2_KEYS = ("n_embd", "n_layer", "n_head", "vocab_size")
+_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _shape_from_config_json(d: dict[str, Any], name: str, path: Path) -> TransformerShape:
+    required = _GPT2_KEYS if "n_embd" in d else _HF_KEYS
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(missing)}")
     if "n_embd" in d:  # GPT-2 family keys
-        hidden, heads = int(d["n_embd"]), int(d["n_head"])
+        hidden, heads = _config_int(d, "n_embd", path), _config_int(d, "n_head", path)
+        if hidden % heads:
+            raise ValueError(f"{path}: n_embd ({hidden}) must be a multiple of n_head ({heads})")
         return dataclasses.replace(
-            _gpt(name, int(d["n_layer"]), hidden, heads, int(d["vocab_size"]),
-                 int(d.get("n_positions", 1024))),
-            ffn_hidden_size=int(d.get("n_inner") or 4 * hidden),
+            _gpt(name, _config_int(d, "n_layer", path), hidden, heads, _config_int(d, "vocab_size", path),
+                 _config_int(d, "n_positions", path, 1024)),
+            ffn_hidden_size=_config_int(d, "n_inner", path, 4 * hidden),
             tied_embeddings=bool(d.get("tie_word_embeddings", True)),
         )
     from slipstream.model.config import ModelConfig
 
-    return TransformerShape.from_model_config(ModelConfig.from_hf_dict(d), name)
+    try:
+        config = ModelConfig.from_hf_dict(d)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+    return TransformerShape.from_model_config(config, name)
+
+
+def _config_int(d: dict[str, Any], key: str, path: Path, default: int | None = None) -> int:
+    value = d.get(key) if d.get(key) is not None else default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{path}: {key} must be a positive integer, got {value!r}")
+    return value

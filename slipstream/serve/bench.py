@@ -27,6 +27,7 @@ import json
 import math
 import random
 import time
+import urllib.parse
 from pathlib import Path
 
 import httpx
@@ -64,8 +65,14 @@ class BenchConfig:
     ignore_eos: bool = False
     api_key: str | None = None
     disable_tqdm: bool = False
+    ready_timeout_s: float = 60.0
+    """Seconds the initial test request may wait to connect and for each piece of its response:
+    a server that accepts but never answers fails the run instead of hanging it."""
 
     def __post_init__(self) -> None:
+        _check_base_url(self.base_url)
+        if not (math.isfinite(self.ready_timeout_s) and self.ready_timeout_s > 0):
+            raise ValueError(f"ready_timeout_s must be a number > 0, got {self.ready_timeout_s}")
         if self.endpoint not in ("/v1/completions", "/v1/chat/completions"):
             raise ValueError(
                 f"endpoint must be /v1/completions or /v1/chat/completions, got {self.endpoint!r}"
@@ -87,6 +94,18 @@ class BenchConfig:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         object.__setattr__(self, "goodput", tuple(self.goodput))
         parse_goodput(self.goodput)
+
+
+def _check_base_url(base_url: str) -> None:
+    try:
+        parts = urllib.parse.urlsplit(base_url)
+        port = parts.port
+    except ValueError as e:  # an unclosed IPv6 bracket, a port out of 0-65535 or not a number
+        raise ValueError(f"base_url {base_url!r} is not a valid URL: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"base_url must look like http://HOST:PORT, got {base_url!r}")
+    if port == 0:
+        raise ValueError(f"base_url {base_url!r}: port 0 is not a server's port")
 
 
 def parse_goodput(specs: tuple[str, ...] | list[str]) -> dict[str, float]:
@@ -155,8 +174,7 @@ def _lengths(rng: np.random.Generator, mean: int, range_ratio: float, num: int) 
 def sharegpt_requests(config: BenchConfig, tokenizer: Tokenizer) -> list[SampleRequest]:
     """First human turn and reply length of ShareGPT conversations, shuffled by the seed; as vLLM,
     drops pairs under 4 tokens and prompts over 1024 or pairs over 2048 tokens."""
-    conversations = json.loads(Path(config.dataset_path).read_text())
-    pairs = [c["conversations"][:2] for c in conversations if len(c.get("conversations", ())) >= 2]
+    pairs = _sharegpt_pairs(config.dataset_path)
     random.Random(config.seed).shuffle(pairs)
     requests = []
     for human, reply in pairs:
@@ -170,6 +188,29 @@ def sharegpt_requests(config: BenchConfig, tokenizer: Tokenizer) -> list[SampleR
             return requests
     raise ValueError(f"{config.dataset_path} has only {len(requests)} usable conversations, "
                      f"fewer than num_prompts={config.num_prompts}")
+
+
+def _sharegpt_pairs(path: str) -> list[tuple[dict, dict]]:
+    """(human, reply) turns of each conversation with at least two, each turn with a text
+    `value`; any other shape is an error naming the file."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no ShareGPT dataset file at {path}")
+    try:
+        conversations = json.loads(Path(path).read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    entry = "{'conversations': [{'value': TEXT}, ...]}"
+    if not isinstance(conversations, list):
+        raise ValueError(f"{path} must hold a JSON list of {entry}, got {type(conversations).__name__}")
+    pairs = []
+    for number, c in enumerate(conversations):
+        turns = c.get("conversations", []) if isinstance(c, dict) else None
+        if not isinstance(turns, list) or not all(
+                isinstance(t, dict) and isinstance(t.get("value"), str) for t in turns[:2]):
+            raise ValueError(f"{path}: entry {number} is not {entry}: {str(c)[:80]}")
+        if len(turns) >= 2:
+            pairs.append((turns[0], turns[1]))
+    return pairs
 
 
 def arrival_times(config: BenchConfig) -> list[float]:
@@ -199,8 +240,9 @@ def _payload(config: BenchConfig, request: SampleRequest) -> dict:
 
 
 async def send_request(client: httpx.AsyncClient, config: BenchConfig, request: SampleRequest,
-                       run_start: float) -> RequestResult:
-    """Stream one request and time its chunks."""
+                       run_start: float, *, timeout_s: float | None = None) -> RequestResult:
+    """Stream one request and time its chunks (`timeout_s`: to connect and per read, instead of
+    the client's)."""
     result = RequestResult()
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     start = time.perf_counter()
@@ -208,8 +250,10 @@ async def send_request(client: httpx.AsyncClient, config: BenchConfig, request: 
     last_chunk = most_recent = start
     num_chunks = 0
     try:
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else httpx.Timeout(timeout_s)
         async with client.stream("POST", config.base_url.rstrip("/") + config.endpoint,
-                                 json=_payload(config, request), headers=headers) as response:
+                                 json=_payload(config, request), headers=headers,
+                                 timeout=timeout) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {body}"
@@ -237,6 +281,9 @@ async def send_request(client: httpx.AsyncClient, config: BenchConfig, request: 
                     most_recent = now
                     num_chunks += 1
                     result.generated_text += text
+    except httpx.TimeoutException as error:
+        result.error = f"{type(error).__name__}: no response within {timeout_s or 'the client timeout'} s"
+        return result
     except (httpx.HTTPError, json.JSONDecodeError) as error:
         result.error = f"{type(error).__name__}: {error}"
         return result
@@ -258,9 +305,10 @@ async def _run(config: BenchConfig, requests: list[SampleRequest]) -> tuple[list
     limits = httpx.Limits(max_connections=config.max_concurrency,
                           max_keepalive_connections=config.max_concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600.0), limits=limits) as client:
-        test = await send_request(client, config, requests[0], time.perf_counter())
+        test = await send_request(client, config, requests[0], time.perf_counter(),
+                                  timeout_s=config.ready_timeout_s)
         if not test.success:
-            raise ValueError(f"the initial test request failed: {test.error}")
+            raise ValueError(f"the initial test request to {config.base_url} failed: {test.error}")
         semaphore = asyncio.Semaphore(config.max_concurrency or len(requests))
         bar = tqdm(total=len(requests), desc="requests", disable=config.disable_tqdm)
 

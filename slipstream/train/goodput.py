@@ -16,7 +16,9 @@ survives a kill at any point. `summarize(read_events(run_dir))` charges the time
 | `restart` | from an attempt's last event to the next process's start, and the backoff |
 | `other` | the rest inside attempts: logging, hooks, shutdown |
 
-goodput = productive / total, total = from the first start to the last event. This is the
+goodput = productive / total, total = from the first start to the latest event of an attempt
+(a launch after the last attempt's start is not one); a ledger line that is cut short or not a
+well-formed event is skipped and counted. This is the
 Google ML Goodput and Meta ETTR definition: productive, preserved step time over the job's
 wall time across all attempts (docs/training.md).
 """
@@ -24,6 +26,7 @@ wall time across all attempts (docs/training.md).
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -83,47 +86,83 @@ def process_start_time() -> float:
 
 
 def read_events(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The ledger's events in order (a line cut short by a kill is skipped)."""
+    """The ledger's well-formed events in file order (see `read_ledger`)."""
+    return read_ledger(run_dir)[0]
+
+
+def read_ledger(run_dir: str | Path) -> tuple[list[dict[str, Any]], int]:
+    """The ledger's well-formed events in file order, and how many lines were skipped: a line cut
+    short by a kill, or one that is not an event `summarize` can charge (see `well_formed`)."""
     path = Path(run_dir) / LEDGER_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no {LEDGER_FILE}; is it a training run directory?")
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except ValueError:
+    events, skipped = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
             continue
-    return events
+        try:
+            event = json.loads(line)
+        except ValueError:
+            event = None
+        if well_formed(event):
+            events.append(event)
+        else:
+            skipped += 1
+    return events, skipped
 
 
-def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
+# The seconds each kind of event carries, besides its time `t`.
+_DURATIONS = {
+    "start": ("process_start",),
+    "ready": ("process_start", "restore_s", "backoff_s"),
+    "step": ("step_s", "data_s"),
+    "rollback": ("restore_s",),
+    "checkpoint": ("stall_s",),
+    "eval": ("eval_s",),
+}
+
+
+def well_formed(event: Any) -> bool:
+    """Whether `event` holds what `summarize` reads: an `event` name, a finite time `t`, its kind's
+    seconds (finite; durations >= 0), an integer `step` in steps and commits, an end's `reason`."""
+    if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+        return False
+    kind = event["event"]
+    for key in ("t", *_DURATIONS.get(kind, ())):
+        value = event.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            return False
+        if key.endswith("_s") and value < 0:
+            return False
+    if kind in ("step", "commit") and (isinstance(event.get("step"), bool)
+                                       or not isinstance(event.get("step"), int)):
+        return False
+    return kind != "end" or isinstance(event.get("reason"), str)
+
+
+def summarize(events: list[Any], *, skipped_lines: int = 0) -> dict[str, Any]:
     """Seconds per bucket (they sum to `total_s`), goodput, and counts of attempts, restarts,
-    lost and kept steps."""
-    starts = [e for e in events if e["event"] == "start"]
-    if not starts:
+    lost and kept steps. Events that are not `well_formed` are left out and counted with
+    `skipped_lines` (lines `read_ledger` skipped) in `skipped_lines`.
+
+    The order of attempts and of a step's executions is the file's (one writer appends); times
+    only measure: the total runs from the earliest start to the latest event, so a clock that
+    steps back does not make it negative."""
+    valid = [e for e in events if well_formed(e)]
+    skipped_lines += len(events) - len(valid)
+    start_indices = [i for i, e in enumerate(valid) if e["event"] == "start"]
+    if not start_indices:
         raise ValueError("the goodput ledger has no start event")
+    # A launch after the last start launched nothing that ran (a relaunch that failed to start,
+    # or one starting now): it neither begins nor ends the run's wall time.
+    events = [e for i, e in enumerate(valid) if e["event"] != "launch" or i < start_indices[-1]]
+    starts = [e for e in events if e["event"] == "start"]
     launches = [e["t"] for e in events if e["event"] == "launch"]
     origin = min([*launches, *(e["process_start"] for e in starts)])
-    total_s = events[-1]["t"] - origin
-    seconds = dict.fromkeys(BUCKETS, 0.0)
-    seconds["restart"] = _restart_downtime(events)
-    seconds["startup"] = (starts[0]["process_start"] - origin) if launches else 0.0
-    for e in events:
-        kind = e["event"]
-        if kind == "ready":
-            seconds["startup"] += e["t"] - e["process_start"] - e["restore_s"] - e["backoff_s"]
-            seconds["restore"] += e["restore_s"]
-            seconds["restart"] += e["backoff_s"]
-        elif kind == "rollback":
-            seconds["restore"] += e["restore_s"]
-        elif kind == "checkpoint":
-            seconds["checkpoint_stall"] += e["stall_s"]
-        elif kind == "eval":
-            seconds["eval"] += e["eval_s"]
-    kept, lost = _classify_steps(events)
-    seconds["productive"] = sum(e["step_s"] - e["data_s"] for e in kept)
-    seconds["data_stall"] = sum(e["data_s"] for e in kept)
-    seconds["lost_work"] = sum(e["step_s"] for e in lost)
+    total_s = max(max(e["t"] for e in events if e["event"] != "launch") - origin, 0.0)
+    finished = _finished(events)
+    kept, lost = _classify_steps(events, finished)
+    seconds = _charge(events, origin, bool(launches), kept, lost)
     seconds["other"] = total_s - sum(seconds.values())
     return {
         "goodput": seconds["productive"] / total_s if total_s > 0 else 0.0,
@@ -135,8 +174,41 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         "steps_kept": len(kept),
         "steps_lost": len(lost),
         "last_step": max((e["step"] for e in kept), default=0),
-        "finished": events[-1]["event"] == "end" and events[-1]["reason"] == "finished",
+        "finished": finished,
+        "skipped_lines": skipped_lines,
     }
+
+
+def _charge(events: list[dict[str, Any]], origin: float, launched: bool, kept: list[dict],
+            lost: list[dict]) -> dict[str, float]:
+    """Seconds per bucket, `other` (the remainder of the total) left at 0."""
+    seconds = dict.fromkeys(BUCKETS, 0.0)
+    seconds["restart"] = _restart_downtime(events)
+    first_start = next(e for e in events if e["event"] == "start")
+    seconds["startup"] = (first_start["process_start"] - origin) if launched else 0.0
+    for e in events:
+        kind = e["event"]
+        if kind == "ready":
+            seconds["startup"] += max(e["t"] - e["process_start"] - e["restore_s"] - e["backoff_s"], 0.0)
+            seconds["restore"] += e["restore_s"]
+            seconds["restart"] += e["backoff_s"]
+        elif kind == "rollback":
+            seconds["restore"] += e["restore_s"]
+        elif kind == "checkpoint":
+            seconds["checkpoint_stall"] += e["stall_s"]
+        elif kind == "eval":
+            seconds["eval"] += e["eval_s"]
+    seconds["productive"] = sum(max(e["step_s"] - e["data_s"], 0.0) for e in kept)
+    seconds["data_stall"] = sum(min(e["data_s"], e["step_s"]) for e in kept)
+    seconds["lost_work"] = sum(e["step_s"] for e in lost)
+    return seconds
+
+
+def _finished(events: list[dict[str, Any]]) -> bool:
+    """Whether the last attempt's last `end` says it finished (whatever was appended after it)."""
+    last_start = max(i for i, e in enumerate(events) if e["event"] == "start")
+    ends = [e for e in events[last_start:] if e["event"] == "end"]
+    return bool(ends) and ends[-1]["reason"] == "finished"
 
 
 def _restart_downtime(events: list[dict[str, Any]]) -> float:
@@ -150,12 +222,11 @@ def _restart_downtime(events: list[dict[str, Any]]) -> float:
     return downtime
 
 
-def _classify_steps(events: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
+def _classify_steps(events: list[dict[str, Any]], finished: bool) -> tuple[list[dict], list[dict]]:
     """(kept, lost) step events: a step is kept when it is the last execution of its step
     number, and, unless the run finished, no later than the newest committed checkpoint."""
     steps = [e for e in events if e["event"] == "step"]
     last_index = {e["step"]: i for i, e in enumerate(steps)}
-    finished = events[-1]["event"] == "end" and events[-1]["reason"] == "finished"
     committed = max((e["step"] for e in events if e["event"] == "commit"), default=0)
     kept, lost = [], []
     for i, e in enumerate(steps):
@@ -167,12 +238,14 @@ def _classify_steps(events: list[dict[str, Any]]) -> tuple[list[dict], list[dict
 def format_summary(summary: dict[str, Any]) -> str:
     """The breakdown as a table, largest loss first."""
     total = summary["total_s"]
+    skipped = summary.get("skipped_lines", 0)
     lines = [
         f"goodput {100 * summary['goodput']:.1f}% of {total:.1f}s wall time over "
         f"{summary['attempts']} attempt(s) ({summary['restarts']} restart(s), "
         f"{summary['rollbacks']} rollback(s)); {summary['steps_kept']} steps kept, "
         f"{summary['steps_lost']} lost and recomputed"
-        + ("" if summary["finished"] else "; the run has not finished"),
+        + ("" if summary["finished"] else "; the run has not finished")
+        + (f"; {skipped} malformed ledger line(s) skipped" if skipped else ""),
     ]
     seconds = summary["seconds"]
     order = ["productive"] + sorted((b for b in BUCKETS if b != "productive"), key=lambda b: -seconds[b])
