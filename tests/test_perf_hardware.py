@@ -121,3 +121,15 @@ def test_local_cpu_from_calibration(tmp_path, monkeypatch):
     assert len(sizes) > 2 and sizes == sorted(sizes)
     assert acc.cache_read_bytes_per_s[sizes[-1]] == acc.memory_bandwidth_bytes_per_s
     assert acc.cache_read_bytes_per_s == calibration.cache_read_bytes_per_s
+
+
+def test_80gb_parts_have_what_nvml_reports():
+    """Guards the GB/GiB confusion: the datasheets' "80GB" A100 and H100 expose 81,920 MiB and
+    81,559 MiB (nvidia-smi / NVML totals tabulated by Modal,
+    https://thundergolfer.com/blog/nvidia-gpu-memory-capacity), not 80e9 bytes."""
+    a100, h100 = get_accelerator("a100"), get_accelerator("h100")
+    assert a100.memory_bytes == 80 * 2**30 == 81_920 * 2**20
+    assert h100.memory_bytes == 81_559 * 2**20
+    assert h100.memory_bytes / 1e9 == pytest.approx(85.52, abs=0.005)
+    for acc in (a100, h100):
+        assert "thundergolfer.com" in acc.sources["memory_bytes"]

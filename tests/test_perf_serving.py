@@ -9,7 +9,14 @@ import pytest
 from slipstream.perf.accelerators import get_accelerator
 from slipstream.perf.efficiency import Efficiency
 from slipstream.perf.layers import Device
-from slipstream.perf.serving import ServeSetup, kv_capacity, static_batch, step_time, under_load
+from slipstream.perf.serving import (
+    ServeSetup,
+    kv_capacity,
+    max_request_rate,
+    static_batch,
+    step_time,
+    under_load,
+)
 from slipstream.perf.shapes import resolve_model
 
 H100 = get_accelerator("h100")
@@ -87,8 +94,9 @@ def test_roofline_overlap_closed_form(overlap):
 
 def test_tensor_parallel_decode_is_faster_and_pays_all_reduces():
     """Guards TP layouts: per-device weights shrink by t, two all-reduces per layer appear."""
-    one = step_time(ServeSetup(shape=resolve_model("llama3-70b"), tp=1), H100, decode_contexts=[1024])
-    eight = step_time(ServeSetup(shape=resolve_model("llama3-70b"), tp=8), H100, decode_contexts=[1024])
+    b200 = get_accelerator("b200")  # 141 GB of bf16 weights fit one 180 GB device, not an 80 GiB one
+    one = step_time(ServeSetup(shape=resolve_model("llama3-70b"), tp=1), b200, decode_contexts=[1024])
+    eight = step_time(ServeSetup(shape=resolve_model("llama3-70b"), tp=8), b200, decode_contexts=[1024])
     assert one.comm_s == 0 and eight.comm_s > 0
     assert 3 < one.total_s / eight.total_s < 8
 
@@ -98,7 +106,7 @@ def test_kv_capacity_closed_form():
     setup = ServeSetup(shape=LLAMA8B, memory_utilization=0.9)
     cap = kv_capacity(setup, H100, context_len=8192, activation_reserve_bytes=0)
     per_token = 2 * 32 * 8 * 128 * 2  # 128 KiB (perf-tools: Llama-3-8B 128 KiB/token)
-    budget = 0.9 * 80e9 - LLAMA8B.num_params() * 2
+    budget = 0.9 * 81_559 * 2**20 - LLAMA8B.num_params() * 2  # NVML's H100 80GB total
     assert cap.kv_bytes_per_token_per_device == per_token
     assert cap.max_tokens == int(budget // per_token) and cap.max_sequences == cap.max_tokens // 8192
     tp16 = kv_capacity(ServeSetup(shape=LLAMA8B, tp=16), H100, 8192)  # 8 KV heads: replicated
@@ -113,14 +121,43 @@ def test_static_batch_throughput_definition():
     assert b.total_s == pytest.approx(b.prefill_s + 63 * b.decode_step_s)
 
 
-def test_under_load_saturates():
-    """Guards the load model: latency grows with the rate, and an impossible rate saturates."""
+def test_under_load_latency_grows_with_the_rate():
+    """Guards the load model: latency and throughput grow with the rate below capacity."""
     setup = ServeSetup(shape=LLAMA8B)
     low = under_load(setup, H100, 0.5, 512, 128)
     high = under_load(setup, H100, 20.0, 512, 128)
     assert low.ttft_s < high.ttft_s and low.tpot_s <= high.tpot_s and not low.saturated
     assert high.output_tokens_per_s > low.output_tokens_per_s
-    assert under_load(setup, H100, 1e5, 512, 128).saturated
+
+
+def test_over_capacity_rate_is_an_error_naming_the_sustainable_rate():
+    """Guards saturation: at or above the rate the engine can serve (each request's prefill plus
+    its share of output_len - 1 decode steps of max_num_seqs sequences, closed form below) there is
+    no steady state: a ValueError naming that rate, not TTFTs of 1e17 ms; just below it, numbers."""
+    setup = ServeSetup(shape=LLAMA8B)
+    cap, context = 64, 512 + 128 // 2
+    prefill = step_time(setup, H100, prefill_lens=[512]).total_s
+    decode = step_time(setup, H100, decode_contexts=[context] * cap).total_s
+    closed_form = 1 / (prefill + 127 * decode / cap)
+    assert max_request_rate(setup, H100, 512, 128, max_num_seqs=cap) == pytest.approx(closed_form)
+    below = under_load(setup, H100, 0.95 * closed_form, 512, 128, max_num_seqs=cap)
+    print(f"max {closed_form:.2f} req/s; at 95%: TTFT {1e3 * below.ttft_s:.1f} ms, "
+          f"TPOT {1e3 * below.tpot_s:.2f} ms")
+    assert below.max_request_rate == pytest.approx(closed_form) and below.e2e_s < 3600
+    for rate in (1.01 * closed_form, 1e5):
+        with pytest.raises(ValueError, match=f"over capacity: at most {closed_form:.3g} req/s"):
+            under_load(setup, H100, rate, 512, 128, max_num_seqs=cap)
+
+
+def test_weights_that_do_not_fit_are_an_error():
+    """Guards Llama 3 405B at tp 8 on 80 GiB H100s: 405.9e9 bf16 parameters are 101.5 GB per
+    device, over 0.9 x 85.5 GB, so there is no decode time to report; at tp 8 on B200s it fits."""
+    setup = ServeSetup(shape=resolve_model("llama3-405b"), tp=8)
+    with pytest.raises(ValueError, match=r"does not fit: weights 101.5 GB per device > 77.0 GB"):
+        step_time(setup, H100, decode_contexts=[2048])
+    with pytest.raises(ValueError, match="does not fit"):
+        under_load(setup, H100, 1.0, 1024, 256)
+    assert step_time(setup, get_accelerator("b200"), decode_contexts=[2048]).total_s > 0
 
 
 def test_serve_setup_errors():
@@ -131,6 +168,25 @@ def test_serve_setup_errors():
         ServeSetup(shape=LLAMA8B, memory_utilization=1.5)
     with pytest.raises(ValueError, match="request_rate"):
         under_load(ServeSetup(shape=LLAMA8B), H100, 0, 10, 10)
+
+
+@pytest.mark.parametrize("name, call", [
+    ("input_len", lambda s: under_load(s, H100, 1.0, 0, 16)),
+    ("output_len", lambda s: under_load(s, H100, 1.0, 128, -1)),
+    ("max_num_seqs", lambda s: under_load(s, H100, 1.0, 128, 16, max_num_seqs=0)),
+    ("request_rate", lambda s: under_load(s, H100, -2.0, 128, 16)),
+    ("request_rate", lambda s: under_load(s, H100, float("inf"), 128, 16)),
+    ("input_len", lambda s: static_batch(s, H100, 1, 0, 16)),
+    ("batch_size", lambda s: static_batch(s, H100, -1, 16, 16)),
+    ("context_len", lambda s: kv_capacity(s, H100, 0)),
+    ("prefill_lens", lambda s: step_time(s, H100, prefill_lens=[0])),
+    ("decode_contexts", lambda s: step_time(s, H100, decode_contexts=[-5])),
+])
+def test_non_positive_lengths_and_rates_name_the_parameter(name, call):
+    """Guards user errors: zero or negative lengths, batch, max_num_seqs or rate are ValueErrors
+    naming the parameter, not negative throughputs."""
+    with pytest.raises(ValueError, match=name):
+        call(ServeSetup(shape=LLAMA8B))
 
 
 def test_decode_graph_removes_launch_overhead_only_for_graphed_steps():

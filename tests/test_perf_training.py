@@ -7,7 +7,12 @@ import dataclasses
 import pytest
 
 from slipstream.perf.accelerators import get_accelerator
-from slipstream.perf.memory import activation_bytes_per_layer, training_memory
+from slipstream.perf.memory import (
+    activation_bytes_per_layer,
+    in_flight_microbatches,
+    stage_params,
+    training_memory,
+)
 from slipstream.perf.model import Layout, TrainSetup, predict_training, stage_layers
 from slipstream.perf.shapes import GPT_SHAPES, resolve_model
 
@@ -56,8 +61,9 @@ def test_zero_stages_shard_optimizer_grads_weights():
     assert mems[1].optimizer_bytes == pytest.approx(mems[0].optimizer_bytes / 8)
     assert mems[2].gradients_bytes == pytest.approx(mems[1].gradients_bytes / 8)
     assert mems[3].weights_bytes == pytest.approx(mems[2].weights_bytes / 8)
-    per_param = (setup.weight_bytes + setup.grad_bytes + setup.optimizer_bytes)
-    params = mems[0].weights_bytes / setup.weight_bytes
+    weight_bytes, grad_bytes, optimizer_bytes = setup.state_bytes_per_param()
+    per_param = weight_bytes + grad_bytes + optimizer_bytes
+    params = mems[0].weights_bytes / weight_bytes
     assert mems[0].weights_bytes + mems[0].gradients_bytes + mems[0].optimizer_bytes == pytest.approx(
         per_param * params)
 
@@ -121,3 +127,124 @@ def test_bad_layouts_are_value_errors():
         Layout(sequence_parallel=True)
     with pytest.raises(ValueError, match="recompute must be"):
         _setup(recompute="some")
+
+
+def test_activation_bytes_follow_the_training_dtype():
+    """Guards fp32 training against a hand count of Korthikanti's Table 2 at 4-byte activations.
+
+    Their 34 sbh is 32 sbh of 2-byte tensors (norm inputs 4, QKV input 2, Q and K 4, V 2,
+    projection input 2, MLP input 2, GELU input 8 and output 8) plus two 1-byte dropout masks;
+    5 a s^2 b is the 2-byte softmax output, its 1-byte mask and 2-byte dropout output. At 4 bytes:
+    64 + 2 = 66 sbh and 4 + 1 + 4 = 9 a s^2 b.
+    """
+    s, h, a = 2048, GPT175.hidden_size, GPT175.num_heads
+    fp32 = activation_bytes_per_layer(_setup(dtype="fp32"), 1, False, s)
+    bf16 = activation_bytes_per_layer(_setup(dtype="bf16"), 1, False, s)
+    assert fp32 == pytest.approx(s * h * (66 + 9 * a * s / h), rel=1e-12)
+    assert bf16 == pytest.approx(s * h * (34 + 5 * a * s / h), rel=1e-12)
+    full = activation_bytes_per_layer(_setup(dtype="fp32", recompute="full"), 1, False, s)
+    assert full == 4 * s * h  # the fp32 layer input
+
+
+def _trainer_state_bytes_per_param(autocast: bool) -> tuple[float, float, float]:
+    """What torch holds per parameter for the trainer's recipe, from tensor numel x element size:
+    fp32 parameters and gradients, AdamW's moments, and (under bf16 autocast) the bf16 weight
+    copies autograd saves from the forward for the backward."""
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False), torch.nn.Linear(96, 32, bias=False))
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    weight_numels = {p.numel() for p in params}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.dtype == torch.bfloat16 and t.numel() in weight_numels:
+            saved[t.untyped_storage().data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    context = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context:
+        inputs = torch.randn(4, 64, requires_grad=True)  # (4, 64), as an embedding's output
+        loss = model(inputs).float().square().mean()  # (4, 32) -> scalar
+    loss.backward()
+    optimizer = torch.optim.AdamW(params)
+    optimizer.step()
+    state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for k, v in s.items()
+                if k != "step")
+    weights = sum(p.numel() * p.element_size() for p in params) + sum(saved.values())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in params)
+    return weights / numel, grads / numel, state / numel
+
+
+def test_state_bytes_follow_the_trainers_mixed_precision():
+    """Guards weight/grad/optimizer bytes per parameter against what torch holds for the trainer's
+    recipe (fp32 model, AdamW, bf16 autocast), counted from tensors; explicit fields still win."""
+    for dtype, autocast in (("fp32", False), ("bf16", True)):
+        measured = _trainer_state_bytes_per_param(autocast)
+        setup = TrainSetup(shape=GPT175, global_batch_size=8, seq_len=2048, dtype=dtype)
+        print(dtype, "torch", measured, "model", setup.state_bytes_per_param())
+        assert setup.state_bytes_per_param() == pytest.approx(measured)
+    megatron = TrainSetup(shape=GPT175, global_batch_size=8, seq_len=2048, weight_bytes=2,
+                          optimizer_bytes=12)
+    assert megatron.state_bytes_per_param() == (2.0, 4.0, 12.0)
+    shape = resolve_model("llama3-8b")
+    mems = {d: training_memory(TrainSetup(shape=shape, global_batch_size=8, seq_len=4096, dtype=d),
+                               Layout(dp=8)) for d in ("bf16", "fp32")}
+    assert mems["fp32"].activations_bytes > 1.8 * mems["bf16"].activations_bytes
+    assert mems["fp32"].weights_bytes == pytest.approx(mems["bf16"].weights_bytes * 4 / 6)
+
+
+def _hf_num_params(**config) -> int:
+    """`sum(p.numel())` of a transformers Llama built on the meta device."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    return sum(p.numel() for p in model.parameters())
+
+
+LLAMA3_8B_HF = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                    tie_word_embeddings=False)
+
+
+def test_data_parallel_gradients_include_the_untied_lm_head():
+    """Guards the DP all-reduce and optimizer of Llama-3 8B: 4 bytes x every HF parameter (the
+    untied lm_head included), and the pipeline stages' parameters summing to the HF count."""
+    count = _hf_num_params(**LLAMA3_8B_HF)
+    assert count == 8_030_261_248  # the published "8.03B" of meta-llama/Meta-Llama-3-8B
+    shape = resolve_model("llama3-8b")
+    setup = TrainSetup(shape=shape, global_batch_size=64, seq_len=4096)
+    p = predict_training(setup, Layout(dp=8), H100)
+    print("all-reduce", p.parts["data_parallel"].comm_bytes / 1e9, "GB, 4 B x HF", 4 * count / 1e9)
+    assert p.parts["data_parallel"].comm_bytes == pytest.approx(4 * count)
+    optimizer = predict_training(setup, Layout(dp=8, zero_stage=0), H100).parts["optimizer"]
+    assert optimizer.memory_bytes == pytest.approx(38 * count)
+    for pp in (2, 4):
+        first, middle, last = stage_params(shape, Layout(pp=pp, tp=2))
+        assert 2 * (first + (pp - 2) * middle + last) == count
+
+
+def test_pipeline_memory_uses_whole_layers_and_the_fullest_stage():
+    """Guards Llama 3 405B at pp 16 (126 layers: 7, 8 x 14, 7): memory counts whole layers as the
+    time model does, and the stage that holds the most (here stage 1: 8 layers x 15 micro-batches
+    in flight, against 7 x 16 on the first) is the one reported."""
+    shape = resolve_model("llama3-405b")
+    setup = TrainSetup(shape=shape, global_batch_size=16, seq_len=8192)
+    layout = Layout(tp=8, pp=16, sequence_parallel=True)
+    mem = training_memory(setup, layout)
+    per_layer = activation_bytes_per_layer(setup, 8, True, 8192)
+    assert stage_layers(126, layout) == (7, 8, 7)
+    assert mem.activations_bytes == pytest.approx(per_layer * 8 * 15)
+    assert mem.weights_bytes == pytest.approx(8 * shape.layer_params() / 8 * 6)
+
+
+def test_in_flight_microbatches_per_stage():
+    """Guards the per-stage peak against the schedules' warm-up counts: 1F1B stage r holds p - r
+    micro-batches; interleaved (Megatron) 2 (p - r - 1) + (v - 1) p chunk micro-batches plus one,
+    which on the first stage is Narayanan's p (1 + (p - 1) / (p v))."""
+    p, v, m = 4, 2, 8
+    assert [in_flight_microbatches(Layout(pp=p), m, r) for r in range(p)] == [4, 3, 2, 1]
+    interleaved = Layout(pp=p, virtual_stages=v)
+    assert in_flight_microbatches(interleaved, m, 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+    assert in_flight_microbatches(interleaved, m, p - 1) == pytest.approx(((v - 1) * p + 1) / v)

@@ -177,6 +177,12 @@ _A100_DATASHEET = (
     "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
     "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
 )
+_NVML_MEMORY = (
+    "total memory as NVML (nvidia-smi) reports it, the capacity the runtime can allocate: "
+    "A100 80GB 81,920 MiB (80 GiB), H100 80GB 81,559 MiB (79.65 GiB, 85.52 GB); the datasheets' "
+    "'80GB' are binary gigabytes. Modal, 'Why does an NVIDIA H100 80GB card offer 85.52 GB?', "
+    "https://thundergolfer.com/blog/nvidia-gpu-memory-capacity"
+)
 _H100_DATASHEET = (
     "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column, "
     "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
@@ -269,16 +275,17 @@ ACCELERATORS: dict[str, Accelerator] = {
             "A100 SXM 80GB",
             dense={"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
             sparse={"tf32": 312e12, "bf16": 624e12, "fp16": 624e12},
-            bandwidth=2.039e12, memory=80 * 10**9, nvlink=600e9, nic=25e9,
-            sources=_sources(_A100_DATASHEET, intra_node_bytes_per_s=_NVLINK,
-                             devices_per_node=_DGX_A100, inter_node_bytes_per_s=_DGX_A100),
+            bandwidth=2.039e12, memory=81_920 * 2**20, nvlink=600e9, nic=25e9,  # 80 GiB (NVML)
+            sources=_sources(_A100_DATASHEET, memory_bytes=_NVML_MEMORY,
+                             intra_node_bytes_per_s=_NVLINK, devices_per_node=_DGX_A100,
+                             inter_node_bytes_per_s=_DGX_A100),
         ),
         _nvidia(
             "H100 SXM", dense=_HOPPER_DENSE_PEAKS, sparse=_HOPPER_SPARSE_PEAKS,
-            bandwidth=3.35e12, memory=80 * 10**9, nvlink=900e9, nic=50e9,
+            bandwidth=3.35e12, memory=81_559 * 2**20, nvlink=900e9, nic=50e9,  # NVML's total
             sources=_sources(_H100_DATASHEET, peak_flops_per_s=f"{_H100_DATASHEET}; {_HOPPER_DENSE}",
-                             intra_node_bytes_per_s=_NVLINK, devices_per_node=_DGX_H100,
-                             inter_node_bytes_per_s=_DGX_H100),
+                             memory_bytes=_NVML_MEMORY, intra_node_bytes_per_s=_NVLINK,
+                             devices_per_node=_DGX_H100, inter_node_bytes_per_s=_DGX_H100),
         ),
         _nvidia(
             "H200", dense=_HOPPER_DENSE_PEAKS, sparse=_HOPPER_SPARSE_PEAKS,

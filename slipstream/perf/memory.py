@@ -16,8 +16,14 @@ their Table 2 (bytes per layer; s sequence, b micro-batch, h hidden, a heads, t 
     + selective recomputation         the 5 a s / h terms vanish
     full recomputation                2 s b h (the layer input)
 
-With pipeline parallelism the first stage holds `min(m, p)` micro-batches of its L/p layers in
-1F1B (about L layers' worth), times `1 + (p - 1) / (p v)` with v interleaved chunks (section 4.2.3).
+With pipeline parallelism stage r holds `min(m, p - r)` micro-batches of its layers in 1F1B
+(the first stage about L layers' worth), times `1 + (p - 1) / (p v)` on the first stage with v
+interleaved chunks (section 4.2.3). Layers are whole, split as the time model splits them
+(`stage_layers`), and the stage with the most memory is the one reported: it is what must fit.
+
+Bytes follow the training dtype as slipstream's trainer runs it: fp32 parameters, gradients and
+AdamW moments, plus autocast's 16-bit weight copies in bf16/fp16; activations are 2 bytes under
+autocast and 4 in fp32 (`TrainSetup.state_bytes_per_param`, `TrainSetup.activation_bytes`).
 """
 
 from __future__ import annotations
@@ -27,13 +33,14 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from slipstream.perf.model import Layout, TrainSetup
+    from slipstream.perf.shapes import TransformerShape
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes on the most loaded device (the first pipeline stage)."""
+    """Bytes on the most loaded device (the pipeline stage with the most memory)."""
 
     weights_bytes: float
     gradients_bytes: float
@@ -56,24 +63,25 @@ def activation_bytes_per_layer(
     """Activation bytes one layer keeps for the backward pass, for one micro-batch on one device.
 
     `micro_batch_tokens` is s*b on this device (after context-parallel splitting). Generalises
-    Korthikanti et al. section 4.1 op by op (2-byte activations, 1-byte dropout masks).
+    Korthikanti et al. section 4.1 op by op: e-byte activations (`setup.activation_bytes`, 2 in
+    bf16/fp16, 4 in fp32), 1-byte dropout masks, fp32 softmax statistics.
     """
-    shape, n = setup.shape, micro_batch_tokens
+    shape, n, e = setup.shape, micro_batch_tokens, setup.activation_bytes
     if setup.recompute == "full":
-        return 2.0 * n * shape.hidden_size  # the checkpointed layer input
+        return e * n * shape.hidden_size  # the checkpointed layer input
     h, f = shape.hidden_size, shape.ffn_hidden_size
     mask = 1.0 if setup.dropout else 0.0
-    # Replicated without SP: both norm inputs (4), the q/k/v and MLP inputs (4), dropout masks (2).
-    replicated = n * h * (4 + 4 + 2 * mask)
-    # Split by TP: q, k, v and the projection input (8 sbh for MHA), the MLP intermediates (GELU
-    # input and the down-projection input, 16 sbh for a 4h GELU MLP; SwiGLU keeps gate, up, product).
-    attention = 2 * n * (2 * shape.q_dim + 2 * shape.kv_dim)
-    mlp = 2 * n * f * (3 if shape.mlp == "swiglu" else 2)
+    # Replicated without SP: both norm inputs (2e), the q/k/v and MLP inputs (2e), dropout masks.
+    replicated = n * h * (4 * e + 2 * mask)
+    # Split by TP: q, k, v and the projection input (4e sbh for MHA), the MLP intermediates (GELU
+    # input and the down-projection input, 8e sbh for a 4h GELU MLP; SwiGLU keeps gate, up, product).
+    attention = e * n * (2 * shape.q_dim + 2 * shape.kv_dim)
+    mlp = e * n * f * (3 if shape.mlp == "swiglu" else 2)
     split = attention + mlp
     scores = 0.0
     if setup.attention == "unfused" and setup.recompute != "selective":
         pairs = n * setup.seq_len  # every query against the whole sequence
-        scores = shape.num_heads * pairs * (2 + 3 * mask)  # softmax out (+ dropout mask and out)
+        scores = shape.num_heads * pairs * (e + (1 + e) * mask)  # softmax out (+ dropout mask, out)
     elif setup.attention == "flash":
         scores = 4.0 * n * shape.num_heads  # fp32 log-sum-exp per query and head
     if sequence_parallel:
@@ -81,35 +89,81 @@ def activation_bytes_per_layer(
     return replicated + (split + scores) / tp
 
 
-def in_flight_microbatches(layout: Layout, num_microbatches: int) -> float:
-    """Micro-batches whose activations the first stage holds at its peak (1F1B / interleaved)."""
+def stage_layers(num_layers: int, layout: Layout) -> tuple[int, int, int]:
+    """Layers on the first, a middle and the last pipeline stage.
+
+    Stages get ceil(L / (p v)) layers per chunk; when that overshoots L, the spare slots go to
+    the first and last stages, which also carry the embedding and the output layer (as Llama 3
+    does: one layer fewer on each, Dubey et al. 2024, arXiv 2407.21783, section 3.3.2).
+    """
+    chunk = -(-num_layers // (layout.pp * layout.virtual_stages))
+    full = chunk * layout.virtual_stages
+    spare = layout.pp * full - num_layers
     if layout.pp == 1:
+        return num_layers, num_layers, num_layers
+    return full - spare // 2, full, full - (spare - spare // 2)
+
+
+def stage_params(shape: TransformerShape, layout: Layout) -> tuple[float, float, float]:
+    """Parameters per device on the first, a middle and the last stage (whole layers, /tp).
+
+    The first stage adds the embedding (and learned positions), the last the final norm and the
+    lm_head: its own matrix when untied, with pp > 1 a copy of the tied embedding (Megatron keeps
+    one there and all-reduces its gradient with the first stage's). With pp = 1 it is every
+    parameter (`num_params`)."""
+    first, middle, last = stage_layers(shape.num_layers, layout)
+    layer = shape.layer_params()
+    embedding = shape.embedding_params() + shape.learned_positions * shape.hidden_size
+    final_norm = shape.hidden_size * (2 if shape.norm == "layernorm" else 1)
+    head = final_norm + (0 if layout.pp == 1 and shape.tied_embeddings else shape.embedding_params())
+    if layout.pp == 1:
+        return ((first * layer + embedding + head) / layout.tp,) * 3
+    return ((first * layer + embedding) / layout.tp, middle * layer / layout.tp,
+            (last * layer + head) / layout.tp)
+
+
+def in_flight_microbatches(layout: Layout, num_microbatches: int, stage: int = 0) -> float:
+    """Micro-batches of its layers whose activations pipeline stage `stage` holds at its peak.
+
+    1F1B: stage r holds min(m, p - r). Interleaved with v chunks: Megatron's warm-up of
+    2 (p - r - 1) + (v - 1) p chunk micro-batches plus the one in flight, in units of the
+    stage's v chunks; on the first stage that is p (1 + (p - 1) / (p v)) (section 4.2.3).
+    """
+    p, v = layout.pp, layout.virtual_stages
+    if p == 1:
         return 1.0
-    held = min(num_microbatches, layout.pp)
-    if layout.virtual_stages > 1:
-        held *= 1 + (layout.pp - 1) / (layout.pp * layout.virtual_stages)
-    return held
+    if v == 1:
+        return float(min(num_microbatches, p - stage))
+    chunks = 2 * (p - stage - 1) + (v - 1) * p + 1
+    return min(num_microbatches, p) * chunks / (p * v)
 
 
 def training_memory(setup: TrainSetup, layout: Layout) -> MemoryBreakdown:
-    """Memory of the first pipeline stage (embedding, its layers, its in-flight activations)."""
-    shape = setup.shape
-    layers = shape.num_layers / layout.pp
-    params = layers * shape.layer_params() / layout.tp
-    params += (shape.embedding_params() + shape.learned_positions * shape.hidden_size) / layout.tp
-    if layout.pp == 1 and not shape.tied_embeddings:
-        params += shape.embedding_params() / layout.tp
+    """Memory of the most loaded pipeline stage: the first (embedding, most micro-batches in
+    flight), the second (whole middle layers) or the last (lm_head, fp32 logits)."""
+    first, middle, last = stage_layers(setup.shape.num_layers, layout)
+    params = stage_params(setup.shape, layout)
+    stages = [_stage_memory(setup, layout, 0, first, params[0])]
+    if layout.pp > 1:
+        stages += [_stage_memory(setup, layout, 1, middle, params[1]) if layout.pp > 2 else None,
+                   _stage_memory(setup, layout, layout.pp - 1, last, params[2])]
+    return max((s for s in stages if s is not None), key=lambda s: s.total_bytes)
+
+
+def _stage_memory(setup: TrainSetup, layout: Layout, stage: int, layers: int, params: float
+                  ) -> MemoryBreakdown:
+    weight_bytes, grad_bytes, optimizer_bytes = setup.state_bytes_per_param()
     zero, dp_shards = layout.zero_stage, layout.dp * layout.cp  # FSDP shards over DP x CP
-    weights = params * setup.weight_bytes / (dp_shards if zero >= 3 else 1)
-    grads = params * setup.grad_bytes / (dp_shards if zero >= 2 else 1)
-    optimizer = params * setup.optimizer_bytes / (dp_shards if zero >= 1 else 1)
+    weights = params * weight_bytes / (dp_shards if zero >= 3 else 1)
+    grads = params * grad_bytes / (dp_shards if zero >= 2 else 1)
+    optimizer = params * optimizer_bytes / (dp_shards if zero >= 1 else 1)
     tokens = setup.micro_batch_size * setup.seq_len / layout.cp
     per_layer = activation_bytes_per_layer(setup, layout.tp, layout.sequence_parallel, tokens)
-    held = in_flight_microbatches(layout, setup.num_microbatches(layout))
+    held = in_flight_microbatches(layout, setup.num_microbatches(layout), stage)
     activations = per_layer * layers * held
     if setup.recompute == "full":  # the layer being recomputed materialises its activations
         full = dataclasses.replace(setup, recompute="none")
         activations += activation_bytes_per_layer(full, layout.tp, layout.sequence_parallel, tokens)
-    if layout.pp == 1:  # logits of the loss in fp32 (section 4.3), on the last stage
-        activations += 4.0 * tokens * shape.vocab_size / layout.tp
+    if stage == layout.pp - 1:  # logits of the loss in fp32 (section 4.3), on the last stage
+        activations += 4.0 * tokens * setup.shape.vocab_size / layout.tp
     return MemoryBreakdown(weights, grads, optimizer, activations, setup.reserved_bytes)

@@ -38,7 +38,13 @@ from slipstream.perf.layers import (
     layer_forward,
     tp_collectives,
 )
-from slipstream.perf.memory import RECOMPUTE_MODES, MemoryBreakdown, training_memory
+from slipstream.perf.memory import (
+    RECOMPUTE_MODES,
+    MemoryBreakdown,
+    stage_layers,
+    stage_params,
+    training_memory,
+)
 from slipstream.perf.shapes import TransformerShape
 from slipstream.perf.work import Work, total
 
@@ -102,10 +108,11 @@ class TrainSetup:
     recompute: str = "none"
     attention: str = "flash"
     dropout: bool = False
-    weight_bytes: int = 2
-    grad_bytes: int = 4
-    optimizer_bytes: int = 12
-    """Defaults: bf16 weights, fp32 gradients, fp32 master weights and Adam moments (Megatron)."""
+    weight_bytes: float | None = None
+    grad_bytes: float | None = None
+    optimizer_bytes: float | None = None
+    """Bytes per parameter; None follows `dtype` as slipstream's trainer runs it (see
+    `state_bytes_per_param`). Megatron's split is weight 2, grad 4, optimizer 12."""
     tp_overlap: str = "backward"
     dp_overlap: bool = True
     reserved_bytes: float = 2 * 2**30
@@ -122,6 +129,28 @@ class TrainSetup:
         for name, valid in checks:
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name} must be one of {valid}, got {getattr(self, name)!r}")
+        for name in ("weight_bytes", "grad_bytes", "optimizer_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not value >= 0):
+                raise ValueError(f"{name} must be None or >= 0 bytes per parameter, got {value!r}")
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes per saved activation element: 4 in fp32/tf32, else 2 (autocast's bf16/fp16)."""
+        return 4 if dtype_key(self.dtype) in ("fp32", "tf32") else 2
+
+    def state_bytes_per_param(self) -> tuple[float, float, float]:
+        """Weight, gradient and optimizer bytes per parameter; explicit fields win.
+
+        As slipstream's trainer runs it (`slipstream/train`): parameters, gradients and AdamW's
+        two moments are fp32 (4, 4, 8 bytes); in bf16/fp16 training autocast also keeps a 16-bit
+        copy of every weight from the forward to the backward (its cast cache, saved for the
+        input gradient), so weights cost 4 + 2 bytes.
+        """
+        weights = 4.0 if self.activation_bytes == 4 else 6.0
+        defaults = (weights, 4.0, 8.0)
+        given = (self.weight_bytes, self.grad_bytes, self.optimizer_bytes)
+        return tuple(d if g is None else float(g) for g, d in zip(given, defaults, strict=True))
 
     def num_microbatches(self, layout: Layout) -> int:
         per_rank, rem = divmod(self.global_batch_size, layout.dp * self.micro_batch_size)
@@ -244,7 +273,7 @@ def _layer_microbatch(setup: TrainSetup, layout: Layout, spec: LayerSpec, device
 def _device(setup: TrainSetup, accelerator: Accelerator, efficiency: Efficiency | None) -> Device:
     key = dtype_key(setup.dtype)
     return Device(accelerator=accelerator, efficiency=efficiency or default_efficiency(accelerator),
-                  dtype=key, element_bytes=4 if key == "fp32" else 2)
+                  dtype=key, element_bytes=setup.activation_bytes)
 
 
 def _layer_spec(setup: TrainSetup, layout: Layout) -> LayerSpec:
@@ -293,32 +322,17 @@ def _stage_works(
             layer * last + p2p + logits + loss]
 
 
-def stage_layers(num_layers: int, layout: Layout) -> tuple[int, int, int]:
-    """Layers on the first, a middle and the last pipeline stage.
-
-    Stages get ceil(L / (p v)) layers per chunk; when that overshoots L, the spare slots go to
-    the first and last stages, which also carry the embedding and the output layer (as Llama 3
-    does: one layer fewer on each, Dubey et al. 2024, arXiv 2407.21783, section 3.3.2).
-    """
-    chunk = -(-num_layers // (layout.pp * layout.virtual_stages))
-    full = chunk * layout.virtual_stages
-    spare = layout.pp * full - num_layers
-    if layout.pp == 1:
-        return num_layers, num_layers, num_layers
-    return full - spare // 2, full, full - (spare - spare // 2)
-
-
 def _data_parallel(setup: TrainSetup, layout: Layout, device: Device, layer: Work, m: int) -> Work:
     """Gradient (and FSDP weight) collectives over the data-parallel x context-parallel group."""
     group = layout.dp * layout.cp
     if group == 1:
         return Work()
     shape = setup.shape
-    params = (shape.num_layers / layout.pp * shape.layer_params() + shape.embedding_params()) / layout.tp
+    params = max(stage_params(shape, layout))  # each stage's group at once: the largest sets the pace
     per_node = max(device.accelerator.devices_per_node // (layout.tp * layout.cp * layout.pp), 1)
-    grads = params * setup.grad_bytes
-    if layout.zero_stage >= 3:
-        weights = params * setup.weight_bytes
+    grads = params * setup.state_bytes_per_param()[1]
+    if layout.zero_stage >= 3:  # FSDP gathers the compute copy of the weights (bf16 in mixed precision)
+        weights = params * device.element_bytes
         comm = (device.collective("all_gather", weights, group, per_node) * 2
                 + device.collective("reduce_scatter", grads, group, per_node)) * m
         compute = (layer * (shape.num_layers / layout.pp) * m)
@@ -332,8 +346,7 @@ def _data_parallel(setup: TrainSetup, layout: Layout, device: Device, layer: Wor
 
 
 def _optimizer_step(setup: TrainSetup, layout: Layout, device: Device) -> Work:
-    shape = setup.shape
-    params = (shape.num_layers / layout.pp * shape.layer_params() + shape.embedding_params()) / layout.tp
+    params = max(stage_params(setup.shape, layout))
     if layout.zero_stage >= 1:
         params /= layout.dp * layout.cp
     return device.stream(OPTIMIZER_BYTES_PER_PARAM * params, 8)

@@ -12,6 +12,8 @@ served by continuous batching: per second the engine spends `rate * prefill_time
 and the rest on decode steps of the `concurrency` running sequences, where concurrency follows
 Little's law (`rate * end-to-end latency`), solved by fixed-point iteration. TTFT adds an M/D/1
 queueing wait for the prefill server (Kleinrock, Queueing Systems vol. 1, Pollaczek-Khinchine).
+A rate at or above `max_request_rate` has no steady state and is a ValueError that names the
+sustainable rate; so is a model whose weights do not fit a device (`check_weights_fit`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,24 @@ class ServeSetup:
         return {"fp32": 4, "tf32": 4, "fp8": 1}.get(dtype_key(self.kv_dtype or self.dtype), 2)
 
 
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_weights_fit(setup: ServeSetup, accelerator: Accelerator) -> None:
+    """ValueError when one device's share of the weights exceeds the memory the engine may use
+    (`memory_utilization` of the device, as vLLM's gpu_memory_utilization): no step can run."""
+    weights = setup.shape.num_params() * setup.element_bytes / setup.tp
+    usable = accelerator.memory_bytes * setup.memory_utilization
+    if weights > usable:
+        raise ValueError(
+            f"{setup.shape.name} at tp {setup.tp} does not fit: weights {weights / 1e9:.1f} GB per "
+            f"device > {usable / 1e9:.1f} GB ({setup.memory_utilization:g} x {accelerator.name}'s "
+            f"{accelerator.memory_bytes / 1e9:.1f} GB); raise tp or use a smaller dtype"
+        )
+
+
 def _device(setup: ServeSetup, accelerator: Accelerator, efficiency: Efficiency | None) -> Device:
     return Device(accelerator=accelerator, efficiency=efficiency or default_efficiency(accelerator),
                   dtype=dtype_key(setup.dtype), element_bytes=setup.element_bytes)
@@ -92,7 +112,12 @@ def step_time(
     Steps follow one another over the same weights (and mostly the same KV cache), so the memory
     bandwidth is that of re-reading the bytes a step moves (`Accelerator.read_bandwidth`): above
     the memory's where they nearly fit in the last-level cache (a small model's decode on a CPU).
+    ValueError for lengths below 1 or weights that do not fit (`check_weights_fit`).
     """
+    for name, values in (("prefill_lens", prefill_lens), ("decode_contexts", decode_contexts)):
+        for value in values:
+            _check_positive(f"each of {name}", value)
+    check_weights_fit(setup, accelerator)
     work = _step_work(setup, accelerator, prefill_lens, decode_contexts, efficiency)
     bandwidth = accelerator.read_bandwidth(work.memory_bytes)
     if bandwidth == accelerator.memory_bandwidth_bytes_per_s:
@@ -173,6 +198,7 @@ def kv_capacity(setup: ServeSetup, accelerator: Accelerator, context_len: int,
     KV heads split over tensor parallelism, at least one per device (replicated when the TP
     degree exceeds the KV heads, as in llm-analysis `get_memory_kv_cache_per_layer`).
     """
+    _check_positive("context_len", context_len)
     shape = setup.shape
     weights = shape.num_params() * setup.element_bytes / setup.tp
     kv_heads = max(shape.num_kv_heads / setup.tp, 1)
@@ -209,8 +235,8 @@ def static_batch(
 
     The decode steps are integrated over the growing context with `samples` midpoints.
     """
-    if min(batch_size, input_len, output_len) < 1:
-        raise ValueError("batch_size, input_len and output_len must be >= 1")
+    for name, value in (("batch_size", batch_size), ("input_len", input_len), ("output_len", output_len)):
+        _check_positive(name, value)
     prefill = step_time(setup, accelerator, prefill_lens=[input_len] * batch_size, efficiency=efficiency)
     steps = output_len - 1
     decode = Work()
@@ -237,34 +263,67 @@ class LoadPrediction:
     e2e_s: float
     output_tokens_per_s: float
     utilization: float
-    """Fraction of time the prefills take; at 1 the queue grows without bound."""
+    """Fraction of time the prefills take (below 1: over capacity is a ValueError)."""
     saturated: bool
     limit: str
     """What capped concurrency, if anything: "" , "max_num_seqs" or "kv_cache"."""
+    max_request_rate: float
+    """The most requests/s the engine sustains (`max_request_rate`); `request_rate` is below it."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def max_request_rate(
+    setup: ServeSetup, accelerator: Accelerator, input_len: int, output_len: int,
+    max_num_seqs: int = 256, efficiency: Efficiency | None = None,
+) -> float:
+    """Requests/s above which the queue grows without bound: each request costs its prefill plus
+    its share of `output_len - 1` decode steps of the most sequences that can run at once,
+    1 / (prefill_s + (output_len - 1) x decode_s(cap) / cap); 0 when no sequence fits the cache."""
+    for name, value in (("input_len", input_len), ("output_len", output_len),
+                        ("max_num_seqs", max_num_seqs)):
+        _check_positive(name, value)
+    prefill_s = step_time(setup, accelerator, prefill_lens=[input_len], efficiency=efficiency).total_s
+    cap = min(max_num_seqs, kv_capacity(setup, accelerator, input_len + output_len).max_sequences)
+    if cap < 1:
+        return 0.0
+    decode_s = step_time(setup, accelerator, decode_contexts=[input_len + output_len // 2] * cap,
+                         efficiency=efficiency).total_s
+    return 1.0 / (prefill_s + (output_len - 1) * decode_s / cap)
 
 
 def under_load(
     setup: ServeSetup, accelerator: Accelerator, request_rate: float, input_len: int,
     output_len: int, max_num_seqs: int = 256, efficiency: Efficiency | None = None,
 ) -> LoadPrediction:
-    """TTFT, TPOT and throughput with `request_rate` requests/s (see the module docstring)."""
-    if not request_rate > 0:
-        raise ValueError(f"request_rate must be > 0, got {request_rate}")
+    """TTFT, TPOT and throughput with `request_rate` requests/s (see the module docstring).
+
+    ValueError when the rate is at or over capacity (`max_request_rate`): there is no steady
+    state to report, the latencies grow without bound.
+    """
+    if isinstance(request_rate, bool) or not (isinstance(request_rate, int | float)
+                                              and 0 < request_rate < float("inf")):
+        raise ValueError(f"request_rate must be a finite number > 0, got {request_rate!r}")
+    limit_rate = max_request_rate(setup, accelerator, input_len, output_len, max_num_seqs, efficiency)
+    if limit_rate == 0:
+        raise ValueError(f"the KV cache holds no sequence of {input_len + output_len} tokens "
+                         f"(input_len + output_len) beside the weights")
+    if request_rate >= limit_rate:
+        raise ValueError(f"request_rate {request_rate:g} req/s is over capacity: at most "
+                         f"{limit_rate:.3g} req/s sustainable with {input_len} in / {output_len} out")
     prefill_s = step_time(setup, accelerator, prefill_lens=[input_len], efficiency=efficiency).total_s
     capacity = kv_capacity(setup, accelerator, input_len + output_len)
     cap, limit = min(max_num_seqs, capacity.max_sequences), ""
-    rho = request_rate * prefill_s
+    rho = request_rate * prefill_s  # < 1 below capacity
     context = input_len + output_len // 2
     concurrency, tpot_s = 1.0, 0.0
     for _ in range(50):
         batch = max(int(round(concurrency)), 1)
         decode_s = step_time(setup, accelerator, decode_contexts=[context] * batch,
                              efficiency=efficiency).total_s
-        tpot_s = decode_s / max(1.0 - rho, 1e-9)
-        wait_s = rho * prefill_s / (2 * max(1.0 - rho, 1e-9))
+        tpot_s = decode_s / (1.0 - rho)
+        wait_s = rho * prefill_s / (2 * (1.0 - rho))
         ttft_s = wait_s + prefill_s + decode_s
         e2e_s = ttft_s + (output_len - 1) * tpot_s
         new = request_rate * e2e_s
@@ -275,5 +334,6 @@ def under_load(
             break
         concurrency = 0.5 * (concurrency + new)
     throughput = min(request_rate, concurrency / e2e_s) * output_len
-    saturated = rho >= 1 or (limit != "" and request_rate * e2e_s > cap)
-    return LoadPrediction(request_rate, concurrency, ttft_s, tpot_s, e2e_s, throughput, rho, saturated, limit)
+    saturated = limit != "" and request_rate * e2e_s > cap
+    return LoadPrediction(request_rate, concurrency, ttft_s, tpot_s, e2e_s, throughput, rho, saturated,
+                          limit, limit_rate)
