@@ -5,6 +5,7 @@ mid-stream, the bounded waiting queue (503 with Retry-After), draining on SIGTER
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import signal
@@ -126,16 +127,29 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir, tmp_path):
         server.stop()
 
 
+@contextlib.asynccontextmanager
+async def stream_and_queued(client: httpx.AsyncClient, stream_n: int, queued_n: int):
+    """A streamed request of `stream_n` completions that has sent its first event, and a
+    non-streamed one of `queued_n` queued behind it (200 tokens each, two sequences at a time:
+    far longer than the tests): (the stream's remaining lines, the queued request's task)."""
+    body = {"prompt": "short", "max_tokens": 200, "n": stream_n, "ignore_eos": True, "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.aiter_lines()
+        assert (await anext(lines)).startswith("data: ")
+        queued = asyncio.create_task(client.post("/v1/completions", json={
+            "prompt": "long", "max_tokens": 200, "n": queued_n, "ignore_eos": True}))
+        await asyncio.sleep(0.3)
+        yield lines, queued
+
+
+def assert_unavailable(response: httpx.Response) -> None:
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "unavailable"
+
+
 async def drain_scenario(server: ServerProcess) -> None:
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-        body = {"prompt": "short", "max_tokens": 200, "ignore_eos": True, "stream": True}
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            lines = response.aiter_lines()
-            assert (await anext(lines)).startswith("data: ")
-            # 128 completions of 200 tokens, two at a time: far longer than the drain deadline.
-            endless = asyncio.create_task(client.post("/v1/completions", json={
-                "prompt": "long", "max_tokens": 200, "n": 128, "ignore_eos": True}))
-            await asyncio.sleep(0.3)
+        async with stream_and_queued(client, stream_n=1, queued_n=128) as (lines, endless):
             server.terminate()
             await asyncio.sleep(0.3)
             with pytest.raises(httpx.ConnectError):
@@ -144,9 +158,7 @@ async def drain_scenario(server: ServerProcess) -> None:
             events = [line async for line in lines if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
         assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
-        aborted = await endless
-        assert aborted.status_code == 503, aborted.text
-        assert aborted.json()["error"]["code"] == "unavailable"
+        assert_unavailable(await endless)
 
 
 def test_second_ctrl_c_aborts_in_flight_requests_cleanly(model_dir, tmp_path):
@@ -167,14 +179,7 @@ def test_second_ctrl_c_aborts_in_flight_requests_cleanly(model_dir, tmp_path):
 
 async def second_interrupt_scenario(server: ServerProcess) -> None:
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-        # 16 completions of 200 tokens, two at a time: far longer than the test.
-        body = {"prompt": "short", "max_tokens": 200, "n": 16, "ignore_eos": True, "stream": True}
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            lines = response.aiter_lines()
-            assert (await anext(lines)).startswith("data: ")
-            waiting = asyncio.create_task(client.post("/v1/completions", json={
-                "prompt": "long", "max_tokens": 200, "n": 64, "ignore_eos": True}))
-            await asyncio.sleep(0.3)
+        async with stream_and_queued(client, stream_n=16, queued_n=64) as (lines, waiting):
             server.process.send_signal(signal.SIGINT)
             await asyncio.sleep(0.3)
             server.process.send_signal(signal.SIGINT)
@@ -182,9 +187,7 @@ async def second_interrupt_scenario(server: ServerProcess) -> None:
         assert events[-1] == "data: [DONE]"
         reasons = [c["finish_reason"] for e in events[:-1] for c in json.loads(e[6:])["choices"]]
         assert "abort" in reasons
-        aborted = await waiting
-        assert aborted.status_code == 503, aborted.text
-        assert aborted.json()["error"]["code"] == "unavailable"
+        assert_unavailable(await waiting)
 
 
 def test_bench_serve_reports_vllm_metrics(server, model_dir, tmp_path, capsys):

@@ -193,8 +193,10 @@ class Tokenizer:
         multi-byte character, whose text is U+FFFD: then its own bytes, from its byte-level BPE
         form or its byte-fallback piece (`<0xE2>`)."""
         text = self.decode([token_id], skip_special_tokens=False) if text is None else text
+        if "\ufffd" not in text:  # every token that decodes to whole characters: no lookup
+            return text.encode()
         piece = self.id_to_token(token_id)
-        if "\ufffd" not in text or piece is None:
+        if piece is None:
             return text.encode()
         if fallback := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
             return bytes([int(fallback.group(1), 16)])
