@@ -34,6 +34,37 @@ class AttentionMetadata(Protocol):
     ) -> torch.Tensor: ...
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """weight * norm(x), saving only x and the per-row 1/rms for the backward.
+
+    Autograd of the three-op forward would also save the normalised fp32 copy of x, 4 bytes per
+    element; the backward recomputes it from x and the 1/rms instead.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # Normalise in fp32 whatever the activation dtype, as the reference implementation does.
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1) fp32
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.float() * rstd  # (..., dim) fp32
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            # d/dx of x * rstd: rstd * (g - normed * mean(g * normed)) along the normalised dim.
+            grad_normed = (grad_out * weight).float()
+            grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+            grad_x = grad_x.to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            rounded = normed.to(x.dtype).float()  # what the forward multiplied the weight by
+            grad_weight = (grad_out.float() * rounded).flatten(0, -2).sum(0).to(weight.dtype)
+        return grad_x, grad_weight, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -41,10 +72,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the activation dtype, as the reference implementation does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -91,6 +119,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def cast_once_for_autocast(x: torch.Tensor) -> torch.Tensor:
+    """x in the autocast dtype when autocast is on, else x unchanged.
+
+    Autocast casts each op's input itself, so the projections that read one activation (q, k and
+    v; gate and up) would each save their own low-precision copy of it for the backward. Cast once
+    before them and they share one.
+    """
+    if torch.is_autocast_enabled(x.device.type):
+        return x.to(torch.get_autocast_dtype(x.device.type))
+    return x
+
+
 class Rotary(nn.Module):
     """Applies the rotary embedding to queries and keys. A module (with no parameters) so that
     an inference fast path can swap in a fused kernel without touching the attention code."""
@@ -131,6 +171,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # (B, T, E)
         B, T, _ = x.shape
         if self.qkv_proj is None:
+            x = cast_once_for_autocast(x)
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
             kv_size = self.num_kv_heads * self.head_dim
@@ -173,6 +214,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
+            x = cast_once_for_autocast(x)
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 

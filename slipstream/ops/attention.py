@@ -21,18 +21,36 @@ def dense_causal_attention(
     *,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # (B, T, H, D)
-    """Causal self-attention over whole sequences with SDPA; grouped-query heads are expanded."""
+    """Causal self-attention over whole sequences with SDPA."""
     num_tokens, num_heads, num_kv_heads = q.shape[1], q.shape[2], k.shape[2]
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, heads, T, D)
-    if num_kv_heads != num_heads:
+    masked = sliding_window is not None and num_tokens > sliding_window
+    grouped = num_kv_heads != num_heads
+    gqa = grouped and _sdpa_takes_gqa(q, masked)
+    if grouped and not gqa:
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
-    if sliding_window is None or num_tokens <= sliding_window:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if not masked:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     else:
         mask = causal_mask(num_tokens, num_tokens, sliding_window=sliding_window, device=q.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return out.transpose(1, 2)
+
+
+def _sdpa_takes_gqa(q: torch.Tensor, masked: bool) -> bool:
+    """Whether a fused SDPA kernel attends grouped K/V heads without expanding them first.
+
+    Expanded K and V are what the backward saves, H / K times their own bytes. PyTorch's CPU
+    flash kernel takes grouped heads with or without a mask. On CUDA only flash attention does
+    (fp16/bf16, head dim up to 256, no mask); elsewhere `enable_gqa` silently falls back to the
+    unfused math kernel, slower than expanding (pytorch/pytorch#181528,
+    huggingface/transformers#46960).
+    """
+    if q.device.type == "cpu":
+        return True
+    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] <= 256 and not masked)
 
 
 def causal_mask(
