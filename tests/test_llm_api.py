@@ -8,13 +8,18 @@ and a 32-token step budget, so prompts longer than 32 tokens are prefilled in ch
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 import shutil
+from pathlib import Path
 
 import pytest
-from serve_fixtures import EOS_TRIGGER_ID, VOCAB_SIZE, dense_logprobs
+import torch
+from serve_fixtures import EOS_TRIGGER_ID, VOCAB_SIZE, dense_logprobs, kv_bytes_for_blocks
 
 from slipstream import LLM, SamplingParams
+from slipstream.serve.engine import EngineConfig
 
 pytest_plugins = ["serve_fixtures"]  # the model_dir and dense_model fixtures, built once
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -38,6 +43,12 @@ def llm(model_dir) -> LLM:
 @pytest.fixture(scope="module")
 def tokenizer(llm):
     return llm.get_tokenizer()
+
+
+def output_text(tokenizer, token_ids: list[int]) -> str:
+    """The text of generated ids as outputs have it: special tokens skipped (SamplingParams'
+    default), where the tokenizer's decode keeps them (transformers' default)."""
+    return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
 def generate_one(llm: LLM, prompt, params: SamplingParams):
@@ -74,7 +85,7 @@ def test_single_string_prompt_gives_one_output(llm, tokenizer):
     [completion] = output.outputs
     assert completion.index == 0
     assert len(completion.token_ids) == 5
-    assert completion.text == tokenizer.decode(completion.token_ids)
+    assert completion.text == output_text(tokenizer, completion.token_ids)
     assert completion.finish_reason == "length"
 
 
@@ -239,8 +250,8 @@ def test_stop_string_is_trimmed_from_text(llm, tokenizer):
     # It stopped at the token that completed the stop string.
     num = len(completion.token_ids)
     assert completion.token_ids == reference.token_ids[:num]
-    assert stop in tokenizer.decode(completion.token_ids)
-    assert stop not in tokenizer.decode(completion.token_ids[:-1])
+    assert stop in output_text(tokenizer, completion.token_ids)
+    assert stop not in output_text(tokenizer, completion.token_ids[:-1])
     kept = generate_one(llm, PROMPT, greedy(max_tokens=24, stop=[stop], include_stop_str_in_output=True))
     assert kept.text == reference.text[: k + len(stop)]
     assert (kept.finish_reason, kept.stop_reason) == ("stop", stop)
@@ -294,10 +305,10 @@ def test_stop_string_may_start_inside_the_min_tokens_text(llm, tokenizer):
     reference = generate_one(llm, PROMPT, greedy(max_tokens=24))
     text, token_ids = reference.text, reference.token_ids
     for m in range(2, len(token_ids) - 1):
-        head = tokenizer.decode(token_ids[:m])
+        head = output_text(tokenizer, token_ids[:m])
         e = len(head)
         if (text.startswith(head) and not head.endswith("\ufffd") and e >= 2
-                and len(tokenizer.decode(token_ids[: m + 1])) >= e + 2
+                and len(output_text(tokenizer, token_ids[: m + 1])) >= e + 2
                 and text.find(text[e - 2 : e + 2]) == e - 2):
             break
     else:
@@ -313,8 +324,9 @@ def word_token_position(token_ids: list[int], tokenizer) -> int:
     that decodes completely (no partial UTF-8 character before it)."""
     return next(
         i for i in range(2, len(token_ids))
-        if token_ids.index(token_ids[i]) == i and tokenizer.decode(token_ids[i : i + 1]).strip().isalpha()
-        and not tokenizer.decode(token_ids[:i]).endswith("\ufffd")
+        if token_ids.index(token_ids[i]) == i
+        and output_text(tokenizer, token_ids[i : i + 1]).strip().isalpha()
+        and not output_text(tokenizer, token_ids[:i]).endswith("\ufffd")
     )
 
 
@@ -332,7 +344,7 @@ def test_stop_token_text_is_not_in_output(llm, tokenizer):
     reference = generate_one(llm, PROMPT, greedy(max_tokens=24)).token_ids
     j = word_token_position(reference, tokenizer)
     completion = generate_one(llm, PROMPT, greedy(max_tokens=24, stop_token_ids=[reference[j]]))
-    assert completion.text == tokenizer.decode(reference[:j])
+    assert completion.text == output_text(tokenizer, reference[:j])
 
 
 def test_min_tokens_suppresses_eos_and_stop_token_ids(llm):
@@ -350,7 +362,7 @@ def test_min_tokens_suppresses_eos_and_stop_token_ids(llm):
 def test_min_tokens_defers_stop_strings(llm):
     """As in vLLM, stop strings in the text of the first min_tokens tokens do not end generation."""
     reference = generate_one(llm, PROMPT, greedy(max_tokens=8))
-    first_text = llm.get_tokenizer().decode(reference.token_ids[:1]).strip()
+    first_text = output_text(llm.get_tokenizer(), reference.token_ids[:1]).strip()
     assert first_text
     completion = generate_one(llm, PROMPT, greedy(max_tokens=8, min_tokens=5, stop=[first_text]))
     assert len(completion.token_ids) >= 5
@@ -464,6 +476,134 @@ def test_chat_template_kwargs_override_and_template_and_tools_reach_the_template
     [output] = llm.chat(conversation, greedy(max_tokens=2), chat_template=template, use_tqdm=False,
                         tools=[{"name": "search"}], chat_template_kwargs={"greeting": "Bot:"})
     assert output.prompt == "[search]user: Hi\nBot:"
+
+
+# ---- as in vLLM: the tokenizer and the engine arguments ------------------------------------------
+
+
+def test_outputs_skip_special_tokens_and_get_tokenizer_decodes_as_transformers(llm, model_dir):
+    """With a special token among the generated ids, the output text skips it (SamplingParams'
+    default, as vLLM) or keeps it (skip_special_tokens=False), equal to transformers' decode either
+    way; llm.get_tokenizer().decode keeps it by default, as transformers' decode does."""
+    hf = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(model_dir)
+    prompt = [[11, 12, EOS_TRIGGER_ID]]  # the model answers <|im_end|>; ignore_eos generates past it
+    skipped = generate_one(llm, prompt, greedy(max_tokens=6))
+    ids = skipped.token_ids
+    assert ids[0] == 2
+    kept = generate_one(llm, prompt, greedy(max_tokens=6, skip_special_tokens=False))
+    assert kept.token_ids == ids
+    assert skipped.text == hf.decode(ids, skip_special_tokens=True)
+    assert kept.text == hf.decode(ids) and kept.text.startswith("<|im_end|>")
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer.decode(ids) == kept.text
+    assert tokenizer.batch_decode([ids, ids[1:]]) == hf.batch_decode([ids, ids[1:]])
+    assert tokenizer(PROMPT).input_ids == hf(PROMPT).input_ids == tokenizer.encode(PROMPT)
+
+
+def test_vllm_engine_arguments_that_mean_what_slipstream_does_are_accepted(model_dir):
+    """vLLM's LLM(...) arguments at values that mean what slipstream does anyway (one device, no
+    quantization, the model's own tokenizer, chunked prefill, ...), and None where vLLM's None
+    means "choose for me", build the engine config of slipstream's own arguments;
+    kv_cache_memory_bytes is kv_cache_memory."""
+    kv_bytes = kv_bytes_for_blocks(64, 16)
+    llm = LLM(
+        model_dir, max_model_len=MAX_MODEL_LEN, tensor_parallel_size=1, pipeline_parallel_size=1,
+        data_parallel_size=1, trust_remote_code=True, tokenizer=str(model_dir), tokenizer_mode="auto",
+        quantization=None, kv_cache_dtype="auto", cpu_offload_gb=0, enable_chunked_prefill=True,
+        disable_log_stats=True, skip_tokenizer_init=False, revision=None, tokenizer_revision=None,
+        download_dir=None, max_num_seqs=None, max_num_batched_tokens=None, block_size=None,
+        enable_prefix_caching=None, kv_cache_memory_bytes=kv_bytes,
+    )
+    expected = EngineConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory=kv_bytes)
+    assert llm.engine.config == expected
+    assert llm.engine.limits.num_blocks == 64
+    assert len(generate_one(llm, PROMPT, greedy(max_tokens=3)).token_ids) == 3
+
+
+UNSUPPORTED_VLLM_ARGS = {
+    "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "data_parallel_size": 2,
+    "quantization": "awq", "kv_cache_dtype": "fp8", "cpu_offload_gb": 4,
+    "enable_chunked_prefill": False, "disable_log_stats": False, "skip_tokenizer_init": True,
+    "tokenizer_mode": "mistral", "trust_remote_code": "yes", "revision": "main",
+    "tokenizer_revision": "v2", "download_dir": "/tmp/models", "tokenizer": "/elsewhere/tokenizer",
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED_VLLM_ARGS))
+def test_vllm_engine_arguments_slipstream_cannot_honour_are_value_errors(model_dir, name):
+    """A vLLM argument asking for what slipstream does not do (two GPUs, AWQ weights, an fp8 KV
+    cache, unchunked prefill, a hub revision, another tokenizer, ...) is a ValueError naming it and
+    its value, never silently ignored."""
+    value = UNSUPPORTED_VLLM_ARGS[name]
+    with pytest.raises(ValueError, match=re.escape(f"{name}={value!r} is not supported")):
+        LLM(model_dir, **{name: value})
+
+
+def test_unknown_engine_arguments_are_type_errors(model_dir):
+    """An argument neither slipstream's nor vLLM's is a TypeError naming it, as vLLM 0.32 raises for
+    unknown engine arguments (swap_space among them: vLLM's v1 engine dropped it), with the
+    closest valid name when there is one."""
+    with pytest.raises(TypeError, match="'swap_space'"):
+        LLM(model_dir, swap_space=4)
+    with pytest.raises(TypeError, match="'max_num_seq'; did you mean 'max_num_seqs'"):
+        LLM(model_dir, max_num_seq=8)
+
+
+@pytest.mark.parametrize("args, match", [
+    (dict(kv_cache_memory_bytes=2**24, kv_cache_memory=2**24), "same setting"),
+    (dict(gpu_memory_utilization=0.5, kv_cache_memory_bytes=2**24), "both size the KV cache"),
+    (dict(gpu_memory_utilization=0), r"fraction in \(0, 1\], got 0"),
+    (dict(gpu_memory_utilization=1.5), r"fraction in \(0, 1\], got 1.5"),
+    (dict(gpu_memory_utilization="0.9"), r"fraction in \(0, 1\], got '0.9'"),
+    (dict(gpu_memory_utilization=1e-9), r"gpu_memory_utilization=1e-09 gives .* raise it"),
+], ids=["kv bytes twice", "utilization and kv bytes", "zero", "over one", "a string", "too small"])
+def test_conflicting_or_bad_kv_cache_sizes_are_value_errors(model_dir, args, match):
+    """The KV cache is sized one way at a time, and gpu_memory_utilization is a fraction in (0, 1]
+    that leaves room for a KV cache after the weights."""
+    with pytest.raises(ValueError, match=match):
+        LLM(model_dir, max_model_len=MAX_MODEL_LEN, **args)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory, from /proc/self/status."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE).group(1)) * 1024
+
+
+def test_gpu_memory_utilization_on_a_cpu_is_a_fraction_of_ram_as_in_vllm(model_dir):
+    """As vLLM's CPU backend reads gpu_memory_utilization: that fraction of the machine's RAM is
+    the instance's, and the KV cache gets it less the process's resident memory and the weights
+    (here the safetensors file's size). The fraction aims at 16 MiB of KV cache; the process's
+    memory moves a little between the test's measurement and the engine's (tolerance 2 MiB)."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    weights = (model_dir / "model.safetensors").stat().st_size
+    target = 16 * 2**20
+    utilization = (resident_bytes() + weights + target) / total
+    llm = LLM(model_dir, device="cpu", max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=utilization)
+    kv_bytes = llm.engine.limits.num_blocks * kv_bytes_for_blocks(1, 16)
+    print(f"gpu_memory_utilization={utilization:.6f}: KV cache {kv_bytes / 2**20:.2f} MiB, "
+          f"aimed at {target / 2**20:.0f} MiB (tolerance 2 MiB)")
+    assert abs(kv_bytes - target) <= 2 * 2**20
+    assert len(generate_one(llm, PROMPT, greedy(max_tokens=3)).token_ids) == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_memory_utilization_on_cuda_is_a_fraction_of_device_memory_as_in_vllm(model_dir):
+    """As vLLM: gpu_memory_utilization of the GPU's total memory is the instance's, and the KV
+    cache gets it less the weights (the safetensors file's size) and what torch already holds on
+    the device; exact to one block."""
+    free, total = torch.cuda.mem_get_info()
+    held = torch.cuda.memory_reserved()
+    weights = (model_dir / "model.safetensors").stat().st_size
+    utilization = round((held + 0.1 * free) / total, 4)
+    llm = LLM(model_dir, device="cuda", max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=utilization)
+    block_bytes = kv_bytes_for_blocks(1, 16)
+    expected = int(utilization * total) - held - weights
+    kv_bytes = llm.engine.limits.num_blocks * block_bytes
+    print(f"gpu_memory_utilization={utilization}: KV cache {kv_bytes / 2**30:.3f} GiB, expected "
+          f"{expected / 2**30:.3f} GiB (tolerance: the safetensors header and one block)")
+    assert expected - block_bytes <= kv_bytes <= expected + 2**20
+    assert len(generate_one(llm, PROMPT, greedy(max_tokens=3)).token_ids) == 3
 
 
 # ---- validation ----------------------------------------------------------------------------------

@@ -141,12 +141,66 @@ def test_encode_matches_transformers(tokenizer, hf_tokenizer):
 
 
 def test_decode_matches_transformers(tokenizer, hf_tokenizer):
-    """decode equals AutoTokenizer.decode with and without skipping special tokens."""
+    """decode equals AutoTokenizer.decode with and without skipping special tokens, and keeps them
+    by default as transformers does (vLLM scripts decode with llm.get_tokenizer())."""
     for text in TEXTS:
         ids = hf_tokenizer.encode(text)
-        assert tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+        skipped = hf_tokenizer.decode(ids, skip_special_tokens=True)
+        assert tokenizer.decode(ids, skip_special_tokens=True) == skipped
+        assert tokenizer.decode(ids) == hf_tokenizer.decode(ids)
         assert tokenizer.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids)
-        assert tokenizer.decode(ids, skip_special_tokens=False) == text
+        assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(2) == hf_tokenizer.decode(2) == "<|im_end|>"  # one id, as an int
+
+
+def test_transformers_calls_of_vllm_scripts_match(tokenizer, hf_tokenizer, llama3_dir):
+    """What vLLM scripts call on llm.get_tokenizer() (a transformers tokenizer there) gives
+    AutoTokenizer's results: tokenizer(text) and tokenizer(texts), batch_decode, the token/id
+    conversions, len, the vocabularies, the special tokens and their ids, and a chat prompt as text;
+    on the ChatML tokenizer and on the Llama-3-style one (a BOS token, tokens added to the vocab)."""
+    pairs = [(tokenizer, hf_tokenizer),
+             (Tokenizer.from_pretrained(llama3_dir), transformers.AutoTokenizer.from_pretrained(llama3_dir))]
+    for ours, hf in pairs:
+        for add_special_tokens in (True, False):
+            for text in TEXTS:
+                expected = hf(text, add_special_tokens=add_special_tokens)
+                assert ours(text, add_special_tokens=add_special_tokens) == dict(expected), text
+            assert ours(TEXTS, add_special_tokens=add_special_tokens) == dict(
+                hf(TEXTS, add_special_tokens=add_special_tokens))
+        assert ours(TEXTS[0]).input_ids == hf(TEXTS[0]).input_ids
+        batch = hf(TEXTS).input_ids
+        for skip in (False, True):
+            assert ours.batch_decode(batch, skip_special_tokens=skip) == hf.batch_decode(
+                batch, skip_special_tokens=skip)
+        assert ours.batch_decode(batch) == hf.batch_decode(batch)
+        ids = [*hf.encode(TEXTS[2] + TEXTS[6]), len(hf) - 1, len(hf)]  # the last is out of range
+        tokens = hf.convert_ids_to_tokens(ids)
+        assert ours.convert_ids_to_tokens(ids) == tokens and tokens[-1] is None
+        assert ours.convert_ids_to_tokens(ids[0]) == hf.convert_ids_to_tokens(ids[0])
+        assert ours.convert_tokens_to_ids(tokens[:-1] + ["not a token"]) == hf.convert_tokens_to_ids(
+            tokens[:-1] + ["not a token"])
+        assert ours.convert_tokens_to_ids(tokens[0]) == hf.convert_tokens_to_ids(tokens[0])
+        assert ours.convert_tokens_to_string(tokens[:-1]) == hf.convert_tokens_to_string(tokens[:-1])
+        assert len(ours) == len(hf)
+        assert ours.get_vocab() == hf.get_vocab() and ours.get_added_vocab() == hf.get_added_vocab()
+        for name in ("bos", "eos", "pad", "unk"):
+            assert getattr(ours, f"{name}_token") == getattr(hf, f"{name}_token"), name
+            assert getattr(ours, f"{name}_token_id") == getattr(hf, f"{name}_token_id"), name
+        conversation = CONVERSATIONS[1][:2]
+        expected = hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        assert ours.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True) == expected
+
+
+def test_unknown_tokens_convert_to_the_unk_id_as_in_transformers(saved_dir):
+    """convert_tokens_to_ids gives unk_token_id for a string outside the vocabulary, as
+    PreTrainedTokenizerFast over the same tokenizer.json with the same unk token does."""
+    backend = tokenizers.Tokenizer.from_file(str(saved_dir / "tokenizer.json"))
+    ours = Tokenizer(backend, special_tokens={"unk_token": "<|im_start|>"})
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(saved_dir / "tokenizer.json"),
+                                              unk_token="<|im_start|>")
+    tokens = ["not a token", "<|im_end|>", backend.id_to_token(300)]
+    assert ours.convert_tokens_to_ids(tokens) == hf.convert_tokens_to_ids(tokens) == [1, 2, 300]
+    assert ours.unk_token == hf.unk_token and ours.unk_token_id == hf.unk_token_id == 1
 
 
 def test_special_tokens_and_vocab(tokenizer, hf_tokenizer):
@@ -354,7 +408,7 @@ def test_detokenizer_multibyte_text(tokenizer, text):
     """Real text streams as valid UTF-8: no U+FFFD ever, and the deltas join to the text."""
     ids = tokenizer.encode(text)
     deltas = _stream(tokenizer, ids)
-    assert "".join(deltas) == tokenizer.decode(ids)
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
     assert not any("\ufffd" in delta for delta in deltas)
 
 
@@ -363,8 +417,9 @@ def test_detokenizer_after_prompt(tokenizer):
     prompt_ids = tokenizer.encode("<|im_start|>user\nSay 😀 in 中文<|im_end|>\n")
     generated_ids = tokenizer.encode("<|im_start|>assistant\n😀 是 emoji。<|im_end|>")
     deltas = _stream(tokenizer, generated_ids, prompt_ids)
-    prompt_text = tokenizer.decode(prompt_ids)
-    assert "".join(deltas) == tokenizer.decode(prompt_ids + generated_ids)[len(prompt_text):]
+    prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    full_text = tokenizer.decode(prompt_ids + generated_ids, skip_special_tokens=True)
+    assert "".join(deltas) == full_text[len(prompt_text):]
     assert "".join(deltas) == "assistant\n😀 是 emoji。"
 
 
@@ -375,7 +430,7 @@ class _CountingTokenizer:
         self.tokenizer = tokenizer
         self.decoded_lengths: list[int] = []
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens=False):
         self.decoded_lengths.append(len(ids))
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -4,7 +4,11 @@
 it: named special tokens and the chat template (`tokenizer_config.json`, `chat_template.jinja`,
 `additional_chat_templates/`) and the end-of-sequence ids (`generation_config.json`). It renders
 chat templates the way `transformers` does, so prompts are byte-identical to a Hugging Face
-tokenizer's. `IncrementalDetokenizer` turns a stream of generated ids into valid UTF-8 text deltas.
+tokenizer's, and it answers the calls that vLLM scripts make on `llm.get_tokenizer()` (which in vLLM
+is a transformers tokenizer) with transformers' defaults and results: `tokenizer(text)`, `decode`,
+`batch_decode`, `convert_ids_to_tokens`, `convert_tokens_to_ids`, `len(tokenizer)`, the special
+tokens and their ids. `IncrementalDetokenizer` turns a stream of generated ids into valid UTF-8 text
+deltas.
 `train_tokenizer` trains a byte-level BPE with ChatML special tokens on a corpus of files.
 
 Decoding is exactly `tokenizers`' decode: we do not apply `clean_up_tokenization_spaces`, a
@@ -43,6 +47,17 @@ _NO_MAX_LENGTH = int(1e29)
 # Tokens of already-emitted text the incremental detokenizer re-decodes as context, so decoders
 # that treat the first token of a sequence specially (SentencePiece's leading space) agree.
 _DETOKENIZE_CONTEXT_TOKENS = 5
+
+
+class BatchEncoding(dict):
+    """What calling a `Tokenizer` returns, as transformers' BatchEncoding: a dict whose keys
+    (`input_ids`, `attention_mask`) also read as attributes (`encoding.input_ids`)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 class Tokenizer:
@@ -146,6 +161,26 @@ class Tokenizer:
         """Number of ids, added tokens included (what `len(hf_tokenizer)` returns)."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    def __len__(self) -> int:
+        """Number of ids, added tokens included, as `len()` of a transformers tokenizer."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens.get("eos_token")
+
+    @property
+    def pad_token(self) -> str | None:
+        return self.special_tokens.get("pad_token")
+
+    @property
+    def unk_token(self) -> str | None:
+        return self.special_tokens.get("unk_token")
+
     @property
     def bos_token_id(self) -> int | None:
         return self._special_ids.get("bos_token")
@@ -170,6 +205,37 @@ class Tokenizer:
         """The vocabulary string of `token_id` (byte-level form for BPE), None if out of range."""
         return self.backend.id_to_token(token_id)
 
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | None | list[str | None]:
+        """transformers' name for `id_to_token`: the vocabulary string of one id, or of each id
+        of a list (None for an id out of range)."""
+        if isinstance(ids, int):
+            return self.backend.id_to_token(ids)
+        return [self.backend.id_to_token(token_id) for token_id in ids]
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
+        """As transformers: the id of one vocabulary string, or of each string of a list; a string
+        not in the vocabulary gets `unk_token_id` (None when there is no unk token)."""
+
+        def to_id(token: str) -> int | None:
+            token_id = self.backend.token_to_id(token)
+            return self.unk_token_id if token_id is None else token_id
+
+        return to_id(tokens) if isinstance(tokens, str) else [to_id(token) for token in tokens]
+
+    def convert_tokens_to_string(self, tokens: Sequence[str]) -> str:
+        """The text of vocabulary strings, through the tokenizer's decoder (as transformers)."""
+        decoder = self.backend.decoder
+        return decoder.decode(list(tokens)) if decoder is not None else " ".join(tokens)
+
+    def get_vocab(self) -> dict[str, int]:
+        """Vocabulary string -> id, added tokens included."""
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    def get_added_vocab(self) -> dict[str, int]:
+        """Added token (special tokens among them) -> id."""
+        added = sorted(self.backend.get_added_tokens_decoder().items())
+        return {token.content: token_id for token_id, token in added}
+
     # ---- encode and decode ------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -183,9 +249,28 @@ class Tokenizer:
         encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         return [encoding.ids for encoding in encodings]
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of `ids`; bytes that do not form valid UTF-8 become U+FFFD."""
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def __call__(self, text: str | Sequence[str], *, add_special_tokens: bool = True) -> BatchEncoding:
+        """As calling a transformers tokenizer: `input_ids` and `attention_mask` (all ones: nothing
+        is padded) of one text, or lists of them for a list of texts."""
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens=add_special_tokens)
+            return BatchEncoding(input_ids=ids, attention_mask=[1] * len(ids))
+        batch = self.encode_batch(text, add_special_tokens=add_special_tokens)
+        return BatchEncoding(input_ids=batch, attention_mask=[[1] * len(ids) for ids in batch])
+
+    def decode(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids` (or of one id); bytes that do not form valid UTF-8 become U+FFFD. Special
+        tokens are kept unless `skip_special_tokens`, as transformers' default (generated text
+        skips them by default: SamplingParams.skip_special_tokens)."""
+        ids = [ids] if isinstance(ids, int) else list(ids)
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(
+        self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False
+    ) -> list[str]:
+        """`decode` for each id sequence, as transformers' `batch_decode`."""
+        batch = [list(ids) for ids in sequences]
+        return self.backend.decode_batch(batch, skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int, text: str | None = None) -> bytes:
         """The bytes one token stands for (OpenAI's logprob `bytes`): the UTF-8 of its text

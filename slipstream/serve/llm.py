@@ -8,31 +8,77 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import itertools
+import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
+from slipstream.model.config import ModelConfig
 from slipstream.model.tokenizer import Tokenizer
+from slipstream.model.weights import resolve_dtype
+from slipstream.perf.flops import weight_bytes
 from slipstream.serve.engine import Engine, EngineConfig
 from slipstream.serve.request import RequestOutput, SamplingParams, generation_config_defaults
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
 
+_ONE_DEVICE = "slipstream serves a model on one device"
+_LOCAL_ONLY = "slipstream loads a local model directory and downloads nothing"
+
+# vLLM engine arguments that slipstream takes only with values that mean what it does anyway
+# (vLLM's default first). Any other value would change what runs, so it is refused, not ignored.
+_FIXED_VLLM_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tensor_parallel_size": ((1,), _ONE_DEVICE),
+    "pipeline_parallel_size": ((1,), _ONE_DEVICE),
+    "data_parallel_size": ((1,), _ONE_DEVICE),
+    "quantization": ((None,), "slipstream runs unquantized weights in `dtype`"),
+    "kv_cache_dtype": (("auto",), "the KV cache is kept in the model's dtype"),
+    "cpu_offload_gb": ((0,), "the weights stay on the device"),
+    "enable_chunked_prefill": ((None, True), "slipstream always prefills long prompts in chunks of "
+                                             "max_num_batched_tokens"),
+    "disable_log_stats": ((True,), "the offline LLM logs no periodic engine stats"),
+    "skip_tokenizer_init": ((False,), "slipstream always loads the tokenizer and detokenizes"),
+    "tokenizer_mode": (("auto", "hf"), "slipstream uses the model's tokenizer.json, a Hugging Face "
+                                       "fast tokenizer"),
+    "trust_remote_code": ((False, True), "it is a bool; slipstream never runs code from the model "
+                                         "directory, so either value is safe"),
+    "revision": ((None,), _LOCAL_ONLY),
+    "tokenizer_revision": ((None,), _LOCAL_ONLY),
+    "download_dir": ((None,), _LOCAL_ONLY),
+}
+
+# vLLM engine arguments whose None means "choose for me": slipstream's EngineConfig default.
+_NONE_MEANS_DEFAULT = frozenset({"max_num_seqs", "max_num_batched_tokens", "block_size",
+                                 "enable_prefix_caching", "kv_cache_memory_bytes"})
+
+_VLLM_ARG_NAMES = frozenset({*_FIXED_VLLM_ARGS, "tokenizer", "kv_cache_memory_bytes",
+                             "gpu_memory_utilization"})
+
+
 class LLM:
     """Generate for a batch of prompts with continuous batching over a paged KV cache.
 
     Keyword arguments are `EngineConfig` fields (dtype, max_num_seqs, max_num_batched_tokens,
-    kv_cache_memory, enable_prefix_caching, max_model_len, block_size, device, ...), and, as in
-    vLLM, `generation_config`: where the defaults for `sampling_params=None` come from: "auto"
-    (the model's generation_config.json), "vllm" (SamplingParams()) or another model directory.
+    kv_cache_memory, enable_prefix_caching, max_model_len, block_size, device, seed, enforce_eager,
+    ...), vLLM's engine arguments as docs/serving.md lists them (`kv_cache_memory_bytes` is
+    kv_cache_memory; `gpu_memory_utilization` sizes the KV cache as vLLM does; the likes of
+    tensor_parallel_size and trust_remote_code are taken at the values that mean what slipstream
+    does, and any other value is a ValueError), and, as in vLLM,
+    `generation_config`: where the defaults for `sampling_params=None` come from: "auto" (the
+    model's generation_config.json), "vllm" (SamplingParams()) or another model directory.
+    An unknown keyword is a TypeError, as in vLLM.
     """
 
     def __init__(self, model: str, *, generation_config: str = "auto", **engine_args: Any) -> None:
-        self.engine = Engine(EngineConfig(model=str(model), **engine_args))
+        self.engine = Engine(_engine_config(str(model), engine_args))
         self._default_sampling_params = _default_sampling_params(
             str(model) if generation_config == "auto" else generation_config
         )
@@ -125,6 +171,89 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return [finished[i] for i in ids]
+
+
+def _engine_config(model: str, args: dict[str, Any]) -> EngineConfig:
+    """The EngineConfig of `LLM(model, **args)`: EngineConfig fields as given, vLLM's engine
+    arguments mapped onto them or checked to mean what slipstream does."""
+    _check_argument_names(args)
+    args = {name: value for name, value in args.items()
+            if not (value is None and name in _NONE_MEANS_DEFAULT)}
+    for name in sorted(_FIXED_VLLM_ARGS.keys() & args.keys()):
+        value = args.pop(name)
+        accepted, reason = _FIXED_VLLM_ARGS[name]
+        if value not in accepted:
+            raise ValueError(f"{name}={value!r} is not supported: {reason} (supported: "
+                             f"{', '.join(map(repr, accepted))})")
+    tokenizer = args.pop("tokenizer", None)
+    if tokenizer is not None and Path(tokenizer).resolve() != Path(model).resolve():
+        raise ValueError(f"tokenizer={tokenizer!r} is not supported: slipstream reads the tokenizer "
+                         f"from the model directory ({model})")
+    if "kv_cache_memory_bytes" in args:
+        if "kv_cache_memory" in args:
+            raise ValueError("kv_cache_memory_bytes (vLLM's name) and kv_cache_memory are the same "
+                             "setting; pass one")
+        args["kv_cache_memory"] = args.pop("kv_cache_memory_bytes")
+    utilization = args.pop("gpu_memory_utilization", None)
+    config = EngineConfig(model=model, **args)
+    if utilization is None:
+        return config
+    if config.kv_cache_memory is not None:
+        raise ValueError("gpu_memory_utilization and kv_cache_memory_bytes (kv_cache_memory) both "
+                         "size the KV cache; pass one (vLLM would ignore gpu_memory_utilization)")
+    return dataclasses.replace(config, kv_cache_memory=_kv_cache_bytes_for(utilization, config))
+
+
+def _check_argument_names(args: Mapping[str, Any]) -> None:
+    """A TypeError for a keyword neither EngineConfig's nor vLLM's, naming the closest valid one."""
+    valid = {field.name for field in dataclasses.fields(EngineConfig)} | _VLLM_ARG_NAMES
+    for name in args:
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}{hint}")
+
+
+def _kv_cache_bytes_for(utilization: Any, config: EngineConfig) -> int:
+    """vLLM's gpu_memory_utilization as KV cache bytes: that fraction of the device's memory (on
+    a CPU, of RAM, as vLLM's CPU backend reads it) is this instance's, for its weights and KV
+    cache, so the KV cache gets the fraction less the weights and what the process already holds.
+    vLLM also fits the activations it profiles into the fraction; slipstream does not profile, so
+    they come out of the rest."""
+    if (isinstance(utilization, bool) or not isinstance(utilization, (int, float))
+            or not 0 < utilization <= 1):
+        raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {utilization!r}")
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model_config = ModelConfig.from_pretrained(config.model)
+    dtype = resolve_dtype(model_config.dtype if config.dtype == "auto" else config.dtype)
+    weights = weight_bytes(model_config, dtype)
+    total, free, held = _device_memory(device)
+    share = int(utilization * total)
+    asked = f"gpu_memory_utilization={utilization} gives {_gib(share)} of the {device.type}'s {_gib(total)}"
+    if share - held - weights <= 0:
+        raise ValueError(f"{asked}, no more than the weights ({_gib(weights)}) and what the process "
+                         f"already holds ({_gib(held)}); raise it")
+    if share - held > free:
+        raise ValueError(f"{asked}: {_gib(share - held)} beyond the {_gib(held)} the process holds, "
+                         f"but only {_gib(free)} are free; lower it or free memory")
+    return share - held - weights
+
+
+def _device_memory(device: torch.device) -> tuple[int, int, int]:
+    """(total, free, held by this process) bytes of the device's memory; for a CPU, of RAM, where
+    free is MemAvailable (page cache the kernel can reclaim counts) and held the resident set."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total, free, torch.cuda.memory_reserved(device)
+    meminfo = Path("/proc/meminfo").read_text()
+    total, free = (int(re.search(rf"^{key}:\s+(\d+) kB", meminfo, re.MULTILINE).group(1)) * 1024
+                   for key in ("MemTotal", "MemAvailable"))
+    resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return total, free, resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
 
 
 def _default_sampling_params(source: str) -> SamplingParams:
