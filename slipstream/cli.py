@@ -141,6 +141,10 @@ def _serve(args: argparse.Namespace) -> None:
         enable_prefix_caching=not args.no_enable_prefix_caching, max_logprobs=args.max_logprobs,
         enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
     )
+    if args.gpu_memory_utilization is not None:
+        from slipstream.serve.llm import with_memory_utilization
+
+        engine_config = with_memory_utilization(engine_config, args.gpu_memory_utilization)
     server_config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
         max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
@@ -234,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=int, help="bytes for the KV cache")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help="as in vLLM: the fraction of the device's memory (RAM on a CPU) for the "
+                        "weights and the KV cache, which gets what the weights leave")
     p.add_argument("--no-enable-prefix-caching", action="store_true")
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--enforce-eager", action="store_true",

@@ -728,3 +728,28 @@ def test_out_of_range_seed_is_refused_and_engine_keeps_working(llm):
         SamplingParams(seed=2**64)
     outputs = llm.generate([[5, 6, 7]], SamplingParams(seed=2**63 - 1, max_tokens=3), use_tqdm=False)
     assert len(outputs[0].outputs[0].token_ids) == 3
+
+
+def test_serve_gpu_memory_utilization_flag_sizes_the_kv_cache_as_the_argument(model_dir, monkeypatch,
+                                                                              capsys):
+    """`slipstream serve --gpu-memory-utilization F` hands the server the KV cache vLLM's formula
+    gives (aimed at 16 MiB, as above); outside (0, 1] it is a one-line error, exit status 2."""
+    from slipstream import cli
+    from slipstream.serve import server
+
+    started = []
+    monkeypatch.setattr(server, "run_server", lambda engine, srv, log_level: started.append(engine))
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    weights = (model_dir / "model.safetensors").stat().st_size
+    target = 16 * 2**20
+    utilization = (resident_bytes() + weights + target) / total
+    assert cli.main(["serve", str(model_dir), "--device", "cpu",
+                     "--gpu-memory-utilization", repr(utilization)]) == 0
+    (engine_config,) = started
+    print(f"--gpu-memory-utilization {utilization:.6f}: kv_cache_memory "
+          f"{engine_config.kv_cache_memory / 2**20:.2f} MiB, aimed at 16 MiB")
+    assert abs(engine_config.kv_cache_memory - target) <= 2 * 2**20
+    assert cli.main(["serve", str(model_dir), "--gpu-memory-utilization", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("slipstream serve: error: gpu_memory_utilization must be a fraction in "
+                           "(0, 1], got 1.5")

@@ -196,8 +196,13 @@ def _engine_config(model: str, args: dict[str, Any]) -> EngineConfig:
         args["kv_cache_memory"] = args.pop("kv_cache_memory_bytes")
     utilization = args.pop("gpu_memory_utilization", None)
     config = EngineConfig(model=model, **args)
-    if utilization is None:
-        return config
+    return config if utilization is None else with_memory_utilization(config, utilization)
+
+
+def with_memory_utilization(config: EngineConfig, utilization: Any) -> EngineConfig:
+    """`config` with its KV cache sized by vLLM's gpu_memory_utilization (see
+    `_kv_cache_bytes_for`); `LLM(gpu_memory_utilization=...)` and `slipstream serve
+    --gpu-memory-utilization` both come here."""
     if config.kv_cache_memory is not None:
         raise ValueError("gpu_memory_utilization and kv_cache_memory_bytes (kv_cache_memory) both "
                          "size the KV cache; pass one (vLLM would ignore gpu_memory_utilization)")
