@@ -286,7 +286,9 @@ def test_streamed_text_only_grows_and_never_shows_a_stop_string(model_dir, refer
     prompt = random.Random(5).sample(range(3, VOCAB_SIZE), 8)
     reference_engine.add_request("ref", prompt, greedy(max_tokens=30))
     reference = run(reference_engine)[0]["ref"].outputs[0]
-    decode = reference_engine.tokenizer.decode
+    def decode(ids):  # the output text's decoding (SamplingParams.skip_special_tokens=True)
+        return reference_engine.tokenizer.decode(ids, skip_special_tokens=True)
+
     token_ends = {len(decode(reference.token_ids[: i + 1])) for i in range(len(reference.token_ids))}
     text = reference.text
     # A 6-letter stop string first appearing in the second half, spread over more than one token.
