@@ -56,11 +56,21 @@ def test_dense_bf16_peaks_are_dense():
 
 
 def test_memory_values():
-    """Guards the HBM capacity and bandwidth of the table against the datasheet values."""
+    """Guards HBM bandwidth against the datasheets and capacity against what the runtime reports:
+    the H200's 143,771 MiB from NVML (Modal's table, thundergolfer.com/blog/nvidia-gpu-memory-
+    capacity), the B200's 183,359 MiB from NVML (179 GB in Vultr's nvidia-smi check, 180 GB per GPU
+    in the DGX B200 datasheet) and the MI300X's 196,592 MiB from HIP (ROCm/ROCm issue #4203), not
+    the datasheets' 141e9 and 192e9 bytes, which are binary gigabytes read as decimal ones."""
     assert get_accelerator("a100").memory_bandwidth_bytes_per_s == 2.039e12
     assert get_accelerator("h100").memory_bandwidth_bytes_per_s == 3.35e12
-    assert get_accelerator("h200").memory_bytes == 141e9
-    assert get_accelerator("mi300x").memory_bytes == 192e9
+    capacities = {"h200": (143_771, "thundergolfer.com"), "b200": (183_359, "docs.vultr.com"),
+                  "mi300x": (196_592, "ROCm/ROCm/issues/4203")}
+    for name, (mib, source) in capacities.items():
+        accelerator = get_accelerator(name)
+        assert accelerator.memory_bytes == mib * 2**20
+        assert source in accelerator.sources["memory_bytes"]
+    assert get_accelerator("b200").memory_bytes / 2**30 == pytest.approx(179.06, abs=0.005)
+    assert get_accelerator("mi300x").memory_bytes / 2**30 == pytest.approx(192, abs=0.02)
 
 
 def test_get_accelerator_names_and_aliases():

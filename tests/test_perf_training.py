@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from slipstream.perf.accelerators import get_accelerator
+from slipstream.perf.accelerators import Accelerator, get_accelerator
 from slipstream.perf.memory import (
     activation_bytes_per_layer,
     in_flight_microbatches,
@@ -248,3 +248,150 @@ def test_in_flight_microbatches_per_stage():
     interleaved = Layout(pp=p, virtual_stages=v)
     assert in_flight_microbatches(interleaved, m, 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
     assert in_flight_microbatches(interleaved, m, p - 1) == pytest.approx(((v - 1) * p + 1) / v)
+
+
+def _eager_pointwise_bytes(config, dtype, num_tokens: int) -> tuple[float, float, int, int]:
+    """Bytes read plus written, and kernels, of the non-matmul, non-attention ops torch runs for
+    one slipstream DecoderLayer forward and backward in `dtype` (views and aliases free)."""
+    torch = pytest.importorskip("torch")
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from slipstream.model.transformer import DecoderLayer, rope_cos_sin, rope_inv_freq
+
+    class Counter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes, self.kernels = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            storages = {t.untyped_storage().data_ptr() for t in inputs}
+            matmul = func.__name__.startswith(("mm", "addmm", "bmm", "_scaled_dot_product"))
+            if not matmul and not any(t.untyped_storage().data_ptr() in storages for t in outputs):
+                self.bytes += sum(t.numel() * t.element_size() for t in inputs + outputs)
+                self.kernels += 1
+            return out
+
+    layer = DecoderLayer(config, 0).to(dtype)
+    x = torch.randn(1, num_tokens, config.hidden_size, dtype=dtype, requires_grad=True)  # (B, T, E)
+    cos, sin = rope_cos_sin(rope_inv_freq(config), torch.arange(num_tokens)[None], dtype)
+    forward, backward = Counter(), Counter()
+    with forward:
+        y = layer(x, cos, sin, None)  # (B, T, E)
+    grad = torch.randn_like(y)
+    with backward:
+        y.backward(grad)
+    return forward.bytes, backward.bytes, forward.kernels, backward.kernels
+
+
+def test_eager_pointwise_bytes_match_torch():
+    """Guards the eager pointwise count against what torch's dispatcher sees slipstream's layer
+    read and write outside its matmuls and attention, forward and backward, in bf16 and fp32:
+    within 2% (the per-row norm statistics the model leaves out), kernels exactly."""
+    torch = pytest.importorskip("torch")
+    from slipstream.model.config import ModelConfig
+    from slipstream.perf.efficiency import Efficiency
+    from slipstream.perf.layers import Device, LayerSpec, pointwise_backward, pointwise_forward
+    from slipstream.perf.shapes import TransformerShape
+
+    config = ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+    shape = TransformerShape.from_model_config(config)
+    for dtype, element_bytes in ((torch.bfloat16, 2), (torch.float32, 4)):
+        counted = _eager_pointwise_bytes(config, dtype, 256)
+        device = Device(accelerator=A100, efficiency=Efficiency(), element_bytes=element_bytes)
+        spec = LayerSpec(shape=shape, num_tokens=256, pointwise="eager")
+        model = (pointwise_forward(spec, device), pointwise_backward(spec, device))
+        fused = pointwise_forward(LayerSpec(shape=shape, num_tokens=256), device)
+        print(dtype, "torch", counted, "model", [w.memory_bytes for w in model],
+              "fused forward", fused.memory_bytes)
+        for work, num_bytes in zip(model, counted[:2], strict=True):
+            assert work.memory_bytes == pytest.approx(num_bytes, rel=0.02)
+        kernels = [w.overhead_s / device.efficiency.kernel_overhead_s for w in model]
+        assert kernels == pytest.approx(list(counted[2:]))
+        assert model[0].memory_bytes > 2 * fused.memory_bytes
+
+
+def _mfu(setup: TrainSetup, layout: Layout, accelerator) -> float:
+    return predict_training(setup, layout, accelerator).mfu
+
+
+def test_fused_megatron_on_h100_matches_nvidias_published_mfu():
+    """Guards the default H100 efficiency against NVIDIA's published BF16 runs of NeMo 24.09
+    (Megatron with fused kernels), NVIDIA/dgxc-benchmarking llama3.1/README_8b.md and
+    README_70b.md: Llama 3.1 8B on 8 H100s (TP 1, PP 1, CP 2, micro-batch 1, global batch 128,
+    8192 tokens) 59.37% MFU; 70B on 64 (TP 4, PP 4, CP 2, VP 5) 54.10%. Within 5%."""
+    megatron = dict(global_batch_size=128, seq_len=8192, pointwise="fused", weight_bytes=2,
+                    grad_bytes=4, optimizer_bytes=12)
+    cases = [
+        (TrainSetup(shape=resolve_model("llama3-8b"), **megatron), Layout(dp=4, cp=2), 0.5937),
+        (TrainSetup(shape=resolve_model("llama3-70b"), **megatron),
+         Layout(dp=2, tp=4, pp=4, cp=2, virtual_stages=5, sequence_parallel=True), 0.5410),
+    ]
+    for setup, layout, published in cases:
+        mfu = _mfu(setup, layout, H100)
+        print(setup.shape.name, layout.describe(), f"model {mfu:.4f} published {published}")
+        assert mfu == pytest.approx(published, rel=0.05)
+
+
+def test_eager_fsdp_on_a100_matches_torchtitans_published_mfu():
+    """Guards the eager-PyTorch FSDP prediction against torchtitan's Llama 3 runs on 64 A100s
+    (FSDP2, local batch 1, 8192 tokens; pytorch/torchtitan docs/performance.md as of PR #712):
+    8B with selective op checkpointing 58.2%, 70B with full checkpointing 51.7%. The 70B within 5%;
+    the 8B within +20%, because torchtitan's op-level checkpointing also recomputes every second
+    matmul of the forward (about 9% more time), which the model's `selective` does not charge."""
+    fsdp = Layout(dp=64, zero_stage=3)
+    mfu_8b = _mfu(TrainSetup(shape=resolve_model("llama3-8b"), global_batch_size=64, seq_len=8192,
+                             recompute="selective"), fsdp, A100)
+    mfu_70b = _mfu(TrainSetup(shape=resolve_model("llama3-70b"), global_batch_size=64, seq_len=8192,
+                              recompute="full"), fsdp, A100)
+    print(f"8B model {mfu_8b:.4f} published 0.582; 70B model {mfu_70b:.4f} published 0.517")
+    assert 1.0 < mfu_8b / 0.582 < 1.2
+    assert mfu_70b == pytest.approx(0.517, rel=0.05)
+
+
+def test_torchtitan_h100_gap_between_eager_and_compiled():
+    """Guards against the torchtitan H100 table (benchmarks/llama3_h100_202412_torchtitan.md,
+    Table 1: Llama 3.1 8B, 8 GPUs, FSDP, local batch 2, 8192 tokens, selective checkpointing):
+    5,762 tokens/s per GPU eager (33.5% MFU against the SXM peak), 6,667 with torch.compile.
+    Their H100s ran at 500 W with 2.4 TB/s HBM2e, a peak "between SXM and NVL", modeled here at
+    NVL's 835.5 TFLOPS. The compile gain (1.157 measured) is the eager pointwise term: the model's
+    may exceed it by up to 10% (compile leaves some eager ops, such as autograd's gradient adds
+    around FSDP's hooks) but not fall below it. The model stays 20-40% optimistic in both modes
+    (op-level recompute, about 9%, is not charged; the rest is FSDP2's exposed costs that the model
+    does not see), which this also pins."""
+    torchtitan_h100 = H100.scaled(memory_bandwidth=2.4 / 3.35, flops=835.5 / 989.4)
+    setups = {p: TrainSetup(shape=resolve_model("llama3-8b"), global_batch_size=16, micro_batch_size=2,
+                            seq_len=8192, recompute="selective", pointwise=p) for p in ("eager", "fused")}
+    layout = Layout(dp=8, zero_stage=3)
+    tokens_per_s = {p: predict_training(s, layout, torchtitan_h100).tokens_per_s / 8
+                    for p, s in setups.items()}
+    published = {"eager": 5762, "fused": 6667}
+    print({p: (round(t), published[p]) for p, t in tokens_per_s.items()})
+    assert 1.0 < (tokens_per_s["fused"] / tokens_per_s["eager"]) / (6667 / 5762) < 1.1
+    for mode, rate in tokens_per_s.items():
+        assert 1.2 < rate / published[mode] < 1.4
+
+
+def test_tiny_on_the_development_cpu_matches_its_measured_mfu():
+    """Guards the calibrated-CPU defaults against the trainer's measured MFU of the tiny preset
+    (docs/training.md, Performance: batch 8 x 256 on the 2-core AMD EPYC, against calibrated
+    oneDNN peaks of 469 GFLOP/s fp32 and 971 bf16 and docs/perf.md's 68 GB/s): fp32 55.5%, within
+    10%. bf16 measured 42.2% (41.7% in `make demo`); the model stays up to 30% optimistic there:
+    that run's profile puts its GEMMs at 84% of the calibrated peak and its elementwise work and
+    loss at 28% of the step, where the model charges about 15%. Its attention fraction comes from
+    the same profile, which makes fp32 the cleaner check."""
+    measured = "docs/training.md and docs/perf.md (calibrate() on the development machine)"
+    cpu = Accelerator(name="AMD EPYC (2 threads, calibrated)",
+                      peak_flops_per_s={"fp32": 469e9, "bf16": 971e9},
+                      memory_bandwidth_bytes_per_s=68e9, memory_bytes=24 * 2**30,
+                      sources=dict.fromkeys(("peak_flops_per_s", "memory_bandwidth_bytes_per_s",
+                                             "memory_bytes"), measured))
+    mfu = {dtype: _mfu(TrainSetup(shape=resolve_model("tiny"), global_batch_size=8, micro_batch_size=8,
+                                  seq_len=256, dtype=dtype), Layout(), cpu) for dtype in ("fp32", "bf16")}
+    print(f"fp32 model {mfu['fp32']:.4f} measured 0.555; bf16 model {mfu['bf16']:.4f} measured 0.422")
+    assert mfu["fp32"] == pytest.approx(0.555, rel=0.10)
+    assert 1.0 < mfu["bf16"] / 0.422 < 1.3

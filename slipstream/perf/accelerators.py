@@ -179,9 +179,23 @@ _A100_DATASHEET = (
 )
 _NVML_MEMORY = (
     "total memory as NVML (nvidia-smi) reports it, the capacity the runtime can allocate: "
-    "A100 80GB 81,920 MiB (80 GiB), H100 80GB 81,559 MiB (79.65 GiB, 85.52 GB); the datasheets' "
-    "'80GB' are binary gigabytes. Modal, 'Why does an NVIDIA H100 80GB card offer 85.52 GB?', "
+    "A100 80GB 81,920 MiB (80 GiB), H100 80GB 81,559 MiB (79.65 GiB, 85.52 GB), H200 143,771 MiB "
+    "(140.40 GiB, 150.75 GB); the datasheets' '80GB' and '141GB' are binary gigabytes. Modal, "
+    "'Why does an NVIDIA H100 80GB card offer 85.52 GB?', "
     "https://thundergolfer.com/blog/nvidia-gpu-memory-capacity"
+)
+_B200_MEMORY = (
+    "total memory as NVML reports it on an HGX B200: 183,359 MiB (179.06 GiB, 192.27 GB); Vultr's "
+    "HGX B200 hardware overview, checked with nvidia-smi --query-gpu=memory.total, lists 179 GB "
+    "(https://docs.vultr.com/inference-cookbook/cuda/getting-started/hardware-overview) and the "
+    "DGX B200 datasheet 1,440 GB over 8 GPUs, 180 each (https://resources.nvidia.com/en-us-dgx-"
+    "systems/dgx-b200-datasheet), both binary gigabytes; the HGX page's 192 GB is not what the "
+    "runtime can allocate"
+)
+_MI300X_MEMORY = (
+    "total memory as HIP reports it: torch.cuda.get_device_properties on an MI300X prints "
+    "total_memory=196592MB (MiB: 191.98 GiB, 206.14 GB) in ROCm/ROCm issue #4203, "
+    "https://github.com/ROCm/ROCm/issues/4203; the data sheet's '192 GB' HBM3 is 192 GiB"
 )
 _H100_DATASHEET = (
     "NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column, "
@@ -201,8 +215,7 @@ _HGX_B200 = (
     "page lists sparse figures, dense is half), https://www.nvidia.com/en-us/data-center/hgx/"
 )
 _DGX_B200 = (
-    "NVIDIA DGX B200 datasheet: 1,440 GB and 64 TB/s HBM3e over 8 GPUs (192 GB physical per "
-    "GPU, 180 GB usable), 8x ConnectX-7 400 Gb/s, "
+    "NVIDIA DGX B200 datasheet: 1,440 GB and 64 TB/s HBM3e over 8 GPUs, 8x ConnectX-7 400 Gb/s, "
     "https://resources.nvidia.com/en-us-dgx-systems/dgx-b200-datasheet"
 )
 _MI300X_DATASHEET = (
@@ -289,17 +302,17 @@ ACCELERATORS: dict[str, Accelerator] = {
         ),
         _nvidia(
             "H200", dense=_HOPPER_DENSE_PEAKS, sparse=_HOPPER_SPARSE_PEAKS,
-            bandwidth=4.8e12, memory=141 * 10**9, nvlink=900e9, nic=50e9,
+            bandwidth=4.8e12, memory=143_771 * 2**20, nvlink=900e9, nic=50e9,  # NVML's total
             sources=_sources(_H200_DATASHEET, peak_flops_per_s=f"{_H200_DATASHEET}; {_HOPPER_DENSE}",
-                             intra_node_bytes_per_s=_NVLINK, devices_per_node=_DGX_H100,
-                             inter_node_bytes_per_s=_DGX_H100),
+                             memory_bytes=_NVML_MEMORY, intra_node_bytes_per_s=_NVLINK,
+                             devices_per_node=_DGX_H100, inter_node_bytes_per_s=_DGX_H100),
         ),
         _nvidia(
             "B200",
             dense={"fp32": 75e12, "tf32": 1.1e15, "bf16": 2.25e15, "fp16": 2.25e15, "fp8": 4.5e15},
             sparse={"tf32": 2.2e15, "bf16": 4.5e15, "fp16": 4.5e15, "fp8": 9e15},
-            bandwidth=8e12, memory=180 * 10**9, nvlink=1.8e12, nic=50e9,
-            sources=_sources(_HGX_B200, memory_bandwidth_bytes_per_s=_DGX_B200, memory_bytes=_DGX_B200,
+            bandwidth=8e12, memory=183_359 * 2**20, nvlink=1.8e12, nic=50e9,  # NVML's total
+            sources=_sources(_HGX_B200, memory_bandwidth_bytes_per_s=_DGX_B200, memory_bytes=_B200_MEMORY,
                              intra_node_bytes_per_s=_NVLINK, devices_per_node=_DGX_B200,
                              inter_node_bytes_per_s=_DGX_B200),
         ),
@@ -309,9 +322,10 @@ ACCELERATORS: dict[str, Accelerator] = {
                               "fp16": 1307.4e12, "fp8": 2614.9e12},
             sparse_peak_flops_per_s={"tf32": 1307.4e12, "bf16": 2614.9e12, "fp16": 2614.9e12,
                                      "fp8": 5229.8e12},
-            memory_bandwidth_bytes_per_s=5.3e12, memory_bytes=192 * 10**9,
+            memory_bandwidth_bytes_per_s=5.3e12, memory_bytes=196_592 * 2**20,  # HIP's total
             intra_node_bytes_per_s=7 * 64e9, devices_per_node=8, inter_node_bytes_per_s=50e9,
-            sources=_sources(_MI300X_DATASHEET, intra_node_bytes_per_s=_MI300X_LINKS,
+            sources=_sources(_MI300X_DATASHEET, memory_bytes=_MI300X_MEMORY,
+                             intra_node_bytes_per_s=_MI300X_LINKS,
                              devices_per_node=_MI300X_LINKS, inter_node_bytes_per_s=_ND_MI300X),
         ),
         Accelerator(

@@ -35,6 +35,22 @@ _MAMF = (
     "781.9 of 1300 (ROCm 6.2), https://github.com/stas00/ml-engineering/blob/master/compute/"
     "accelerator/README.md#maximum-achievable-matmul-flops-comparison-table"
 )
+_H200_MSMF, _H200_MAMF = 698.6e12, 823.9e12
+_B200_MSMF, _B200_MAMF = 1426.4e12, 1751.2e12
+_MSMF = (
+    "Maximum Sustainable Matmul FLOPS, stas00/ml-engineering compute/accelerator/benchmarks/"
+    "README.md ('What we measured: alone vs all-8 concurrent', bf16, mean of 8 GPUs x 5 rounds "
+    "with every GPU of the node computing): H200 698.6 TFLOPS sustained against a 823.9 boost-"
+    "burst MAMF, B200 1426.4 against 1751.2; MSMF, the clock settled at the power limit, is "
+    "'the power-saturated, sustained rate that matches real training throughput', MAMF the short "
+    "burst's, https://github.com/stas00/ml-engineering/blob/master/compute/accelerator/benchmarks/"
+    "README.md#maximum-achievable-matmul-flops-finder"
+)
+_SUSTAINED_FROM_MAMF = (
+    f"assumption built on measurements: no sustained (MSMF) figure is published for this part, so "
+    f"its burst MAMF ({_MAMF}) times the H200's sustained-to-burst ratio "
+    f"{_H200_MSMF / _H200_MAMF:.3f} (B200: {_B200_MSMF / _B200_MAMF:.3f}) ({_MSMF})"
+)
 _GPT_FAST_BW = (
     "pytorch-labs/gpt-fast README: on an A100 80GB 'peak bandwidth is about 1700 GB/s' "
     "empirically, 1700 / 2039 = 0.834, https://github.com/pytorch-labs/gpt-fast#speculative-sampling"
@@ -73,6 +89,12 @@ _ENGINE_HOST = (
     "AMD EPYC, tiny and small presets, decode batches 1-32: 0.15-0.25 ms per step plus 13-21 us "
     "per sequence (engine.step less runner.execute)"
 )
+_CPU_SDPA_TRAINING = (
+    "measured (docs/training.md, Performance): in a bf16 training step of the tiny preset on a "
+    "2-core AMD EPYC, PyTorch's CPU flash-attention kernel (SDPA, forward and backward, head_dim "
+    "64) ran at about 70 GFLOP/s, 7% of the calibrated 971 GFLOP/s bf16 peak; the same fraction "
+    "is assumed in fp32 (SDPA's forward alone: 10-30% of the fp32 peak, docs/perf.md)"
+)
 _CPU_OVERLAP = (
     "assumption: half way between the roofline (1, full overlap) and the ECM model's sum of "
     "in-core and transfer time (0, https://hpc.fau.de/research/ecm/); `fit_engine_steps` picks "
@@ -85,11 +107,14 @@ class Efficiency:
     """Fractions of the datasheet a stack achieves, and fixed per-call costs, with sources."""
 
     gemm_fraction: float = 0.8
-    """Plateau fraction of the dense peak for large GEMMs."""
+    """Plateau fraction of the dense peak for large GEMMs, at the clock a long run sustains."""
     gemm_overhead_s: float = 3e-6
     """Fixed time per GEMM call (launch, ramp, tail wave): small GEMMs achieve less."""
     attention_fraction: float = 0.5
     """Fraction of the dense peak a fused (flash) attention kernel achieves, forward and backward."""
+    training_attention_fraction: float | None = None
+    """The same for the kernel training runs; None is `attention_fraction` (on GPUs both are
+    FlashAttention). On a CPU training runs PyTorch's SDPA, the engine's prefill its own kernel."""
     memory_fraction: float = 0.83
     """Fraction of the memory bandwidth a streaming kernel achieves."""
     roofline_overlap: float = 1.0
@@ -110,6 +135,8 @@ class Efficiency:
     sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.training_attention_fraction is None:
+            object.__setattr__(self, "training_attention_fraction", self.attention_fraction)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name != "sources" and (isinstance(value, bool) or not isinstance(value, numbers.Real)
@@ -117,8 +144,8 @@ class Efficiency:
                 raise ValueError(f"{f.name} must be a number, got {value!r}")
         if not isinstance(self.sources, Mapping):
             raise ValueError(f"sources must be a mapping of field to source, got {self.sources!r}")
-        for name in ("gemm_fraction", "attention_fraction", "memory_fraction", "link_fraction",
-                     "network_fraction"):
+        for name in ("gemm_fraction", "attention_fraction", "training_attention_fraction",
+                     "memory_fraction", "link_fraction", "network_fraction"):
             value = getattr(self, name)
             if not 0 < value <= 1.5:  # > 1 is allowed: a calibration can beat a conservative peak
                 raise ValueError(f"{name} must be in (0, 1.5], got {value}")
@@ -201,21 +228,30 @@ class Efficiency:
                     bandwidth_bytes_per_s=bandwidth * self.network_fraction)
 
 
+# GEMMs run at the sustained (power-limited) rate, not the burst MAMF: a training step keeps
+# every SM busy for seconds, so the clock settles at the power limit.
+_HOPPER_SUSTAINED = _H200_MSMF / 989.4e12
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "A100 SXM 80GB": dict(gemm_fraction=267.9 / 312, link_fraction=0.67, attention_fraction=0.6,
-                          sources={"gemm_fraction": _MAMF, "link_fraction": _A100_NCCL,
-                                   "attention_fraction": _FA2}),
-    "H100 SXM": dict(gemm_fraction=792.1 / 989.4, link_fraction=400 / 450, link_latency_s=0.936e-6,
-                     attention_fraction=0.35,
-                     sources={"gemm_fraction": _MAMF, "link_fraction": _ASTRA_H100,
-                              "link_latency_s": _ASTRA_H100, "attention_fraction": _FA3}),
-    "H200": dict(gemm_fraction=792.1 / 989.4, link_fraction=400 / 450, link_latency_s=0.936e-6,
+    "A100 SXM 80GB": dict(gemm_fraction=267.9 / 312 * _H200_MSMF / _H200_MAMF, link_fraction=0.67,
+                          attention_fraction=0.6,
+                          sources={"gemm_fraction": _SUSTAINED_FROM_MAMF,
+                                   "link_fraction": _A100_NCCL, "attention_fraction": _FA2}),
+    "H100 SXM": dict(gemm_fraction=_HOPPER_SUSTAINED, link_fraction=400 / 450,
+                     link_latency_s=0.936e-6, attention_fraction=0.35,
+                     sources={"gemm_fraction": f"{_MSMF} (H100: the H200's GH100 die at the same "
+                                               "700 W; the MAMF table lists the H200 as the same)",
+                              "link_fraction": _ASTRA_H100, "link_latency_s": _ASTRA_H100,
+                              "attention_fraction": _FA3}),
+    "H200": dict(gemm_fraction=_HOPPER_SUSTAINED, link_fraction=400 / 450, link_latency_s=0.936e-6,
                  attention_fraction=0.35,
-                 sources={"gemm_fraction": f"{_MAMF} (H200: same GH100 die, H100 value)",
-                          "link_fraction": _ASTRA_H100, "link_latency_s": _ASTRA_H100,
-                          "attention_fraction": _FA3}),
+                 sources={"gemm_fraction": _MSMF, "link_fraction": _ASTRA_H100,
+                          "link_latency_s": _ASTRA_H100, "attention_fraction": _FA3}),
+    "B200": dict(gemm_fraction=_B200_MSMF / 2250e12, sources={"gemm_fraction": _MSMF}),
     "MI300X": dict(gemm_fraction=781.9 / 1307.4, link_fraction=0.67,
-                   sources={"gemm_fraction": _MAMF, "link_fraction": f"{_ASSUMED} (A100 value)"}),
+                   sources={"gemm_fraction": f"{_MAMF}; the MI300X reaches its 750 W limit within "
+                                             f"one bf16 kernel, so its MAMF is already the "
+                                             f"sustained rate ({_MSMF})",
+                            "link_fraction": f"{_ASSUMED} (A100 value)"}),
 }
 
 
@@ -225,22 +261,25 @@ def default_efficiency(acc: Accelerator) -> Efficiency:
     if "calibrated" in acc.name:
         measured = "calibrate() measured the achieved rates: fraction 1.0 of them"
         return Efficiency(gemm_fraction=1.0, memory_fraction=1.0, attention_fraction=0.5,
-                          roofline_overlap=0.5, gemm_overhead_s=_EAGER_OP_S,
-                          kernel_overhead_s=_EAGER_OP_S, step_overhead_s=0.2e-3,
-                          sequence_overhead_s=20e-6,
+                          training_attention_fraction=70 / 971, roofline_overlap=0.5,
+                          gemm_overhead_s=_EAGER_OP_S, kernel_overhead_s=_EAGER_OP_S,
+                          step_overhead_s=0.2e-3, sequence_overhead_s=20e-6,
                           sources={"gemm_fraction": measured, "memory_fraction": measured,
-                                   "attention_fraction": _ASSUMED, "roofline_overlap": _CPU_OVERLAP,
+                                   "attention_fraction": _ASSUMED,
+                                   "training_attention_fraction": _CPU_SDPA_TRAINING,
+                                   "roofline_overlap": _CPU_OVERLAP,
                                    "gemm_overhead_s": _EAGER_OP, "kernel_overhead_s": _EAGER_OP,
                                    "step_overhead_s": _ENGINE_HOST, "sequence_overhead_s": _ENGINE_HOST})
-    base = {"gemm_fraction": f"{_ASSUMED} (H100 value)", "memory_fraction": _GPT_FAST_BW,
-            "attention_fraction": _ASSUMED,
+    base = {"gemm_fraction": f"{_ASSUMED} (H100's sustained value)", "memory_fraction": _GPT_FAST_BW,
+            "attention_fraction": _ASSUMED, "training_attention_fraction": _ASSUMED,
             "gemm_overhead_s": _ASSUMED, "kernel_overhead_s": _ASSUMED, "step_overhead_s": _ASSUMED,
             "sequence_overhead_s": _ASSUMED,
             "link_fraction": _ASSUMED, "link_latency_s": _ASSUMED,
             "network_fraction": _IB_NCCL, "network_latency_s": _ASSUMED}
     known = next((v for k, v in _DEFAULTS.items() if acc.name.startswith(k)), None)
     if known is None:
-        return Efficiency(gemm_fraction=792.1 / 989.4, memory_fraction=1700 / 2039, sources=base)
+        return Efficiency(gemm_fraction=_HOPPER_SUSTAINED, memory_fraction=1700 / 2039, sources=base)
     values = dict(known)
     sources = base | values.pop("sources")
+    sources["training_attention_fraction"] = sources["attention_fraction"]  # the same kernel
     return Efficiency(memory_fraction=1700 / 2039, **values, sources=sources)

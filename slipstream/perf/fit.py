@@ -60,6 +60,7 @@ def apply_scales(efficiency: Efficiency, scales: dict[str, float]) -> Efficiency
     return efficiency.replace(
         gemm_fraction=min(efficiency.gemm_fraction / g, 1.5),
         attention_fraction=min(efficiency.attention_fraction / g, 1.5),
+        training_attention_fraction=min(efficiency.training_attention_fraction / g, 1.5),
         memory_fraction=min(efficiency.memory_fraction / m, 1.5),
         link_fraction=min(efficiency.link_fraction / c, 1.5),
         network_fraction=min(efficiency.network_fraction / c, 1.5),

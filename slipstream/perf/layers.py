@@ -9,9 +9,12 @@ turns each all-reduce into an all-gather plus a reduce-scatter of the same volum
 norms, dropouts and residual adds by 1/t.
 
 Streamed bytes count what each memory-bound kernel reads and writes (16-bit activations, 1-byte
-dropout masks), op by op as in Korthikanti et al. section 4.1. The backward pass of a memory-bound
-kernel is charged twice its forward bytes (it reads the saved input and the incoming gradient and
-writes a gradient); GEMM backward is two GEMMs (input and weight gradients).
+dropout masks), op by op as in Korthikanti et al. section 4.1. With fused pointwise kernels
+(Megatron's, or a compiler's) each norm, activation, rotary embedding and residual add is one
+kernel, and its backward is charged twice its forward bytes (it reads the saved input and the
+incoming gradient and writes a gradient). Eager PyTorch runs them op by op as slipstream's
+`slipstream/model/transformer.py` (and torchtitan's Llama) writes them (`_eager_pointwise`). GEMM
+backward is two GEMMs (input and weight gradients).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from slipstream.perf.shapes import TransformerShape
 from slipstream.perf.work import Work
 
 ATTENTION_KERNELS = ("flash", "unfused")
+POINTWISE_KERNELS = ("eager", "fused")
 FLASH_BACKWARD_FACTOR = 2.5
 """FlashAttention's backward runs 5 matmuls to the forward's 2 (it recomputes the scores): Dao,
 "FlashAttention-2", arXiv 2307.08691, section 3.1.2."""
@@ -92,10 +96,15 @@ class LayerSpec:
     blocks), the cached positions for decode."""
     kv_read_tokens: float = 0.0
     """KV-cache positions read (serving decode); 0 when K and V come from this step's tokens."""
+    pointwise: str = "fused"
+    """"fused": one kernel per norm, activation, rotary embedding and residual add; "eager": the
+    PyTorch ops of slipstream's model code, one kernel each (see `_eager_pointwise`)."""
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
+        if self.pointwise not in POINTWISE_KERNELS:
+            raise ValueError(f"pointwise must be one of {POINTWISE_KERNELS}, got {self.pointwise!r}")
 
 
 def layer_gemms(shape: TransformerShape, num_tokens: float, tp: int) -> list[tuple[float, float, float]]:
@@ -133,14 +142,62 @@ def attention_core_forward(spec: LayerSpec, device: Device) -> Work:
 
 def pointwise_forward(spec: LayerSpec, device: Device) -> Work:
     """Norms, residual adds (with bias and dropout), the MLP activation, rotary embeddings."""
-    shape, e, n = spec.shape, device.element_bytes, spec.num_tokens
+    return device.stream(*_pointwise(spec, device.element_bytes, backward=False))
+
+
+def pointwise_backward(spec: LayerSpec, device: Device) -> Work:
+    """Their gradients: twice the forward bytes when fused; eager autograd's own ops otherwise."""
+    return device.stream(*_pointwise(spec, device.element_bytes, backward=True))
+
+
+def _pointwise(spec: LayerSpec, e: int, backward: bool) -> tuple[float, int]:
+    """(bytes, kernels) of one layer's pointwise work on one device, forward or backward."""
+    shape, n = spec.shape, spec.num_tokens
     replicated = n * shape.hidden_size / (spec.tp if spec.sequence_parallel else 1)
-    norms = 2 * (2 * replicated * e)  # read x, write y, twice per layer
-    residual = 2 * (3 * replicated * e + (replicated if spec.dropout else 0))
     f_local = n * shape.ffn_hidden_size / spec.tp
-    activation = (3 if shape.mlp == "swiglu" else 2) * f_local * e
-    rotary = 0 if shape.learned_positions else 2 * n * (shape.q_dim + shape.kv_dim) / spec.tp * e
-    return device.stream(norms + residual + activation + rotary, 6 if rotary else 5)
+    rotary_width = 0 if shape.learned_positions else n * (shape.q_dim + shape.kv_dim) / spec.tp
+    scale = 2 if backward else 1
+    parts = {  # fused: one kernel per operation, forward; the backward twice the bytes
+        "norm": (scale * 2 * (2 * replicated * e), scale * 2),  # read x, write y, twice per layer
+        "residual": (scale * 2 * (3 * replicated * e + (replicated if spec.dropout else 0)), scale * 2),
+        "activation": (scale * (3 if shape.mlp == "swiglu" else 2) * f_local * e, scale),
+        "rotary": (scale * 2 * rotary_width * e, scale if rotary_width else 0),
+    }
+    if spec.pointwise == "eager":
+        parts |= _eager_pointwise(spec, e, backward, replicated, f_local, rotary_width)
+    return sum(b for b, _ in parts.values()), sum(k for _, k in parts.values())
+
+
+def _eager_pointwise(spec: LayerSpec, e: int, backward: bool, replicated: float, f_local: float,
+                     rotary_width: float) -> dict[str, tuple[float, int]]:
+    """The parts eager PyTorch runs as several ops, counted op by op (bytes read plus written per
+    element, kernels) from slipstream/model/transformer.py, whose RMSNorm, SwiGLU and rotary
+    embedding torchtitan's and Hugging Face's Llama also write in plain ops; LayerNorm, GELU and
+    the residual adds are one op either way and keep the fused count. Per-row norm statistics
+    (a few bytes per token) are left out."""
+    shape, n = spec.shape, spec.num_tokens
+    cast = 0 if e == 4 else e + 4  # x.float() or .to(x.dtype): read e, write 4 (or back); fp32: no-op
+    casts = 1 if cast else 0
+    parts: dict[str, tuple[float, int]] = {}
+    if shape.norm == "rmsnorm":  # two per layer
+        if backward:  # six casts, six fp32 multiplies (normed, grad * weight, g * normed, normed *
+            # mean(g * normed), rstd * (.), the weight gradient's), mean, sub, sum
+            parts["norm"] = (2 * replicated * (68 + 2 * e + 6 * cast), 2 * (9 + 7 * casts))
+        else:  # x.float(), pow, mean, + eps, rsqrt, x * rstd (fp32), .to(dtype), * weight
+            parts["norm"] = (2 * replicated * (20 + 2 * e + 2 * cast), 2 * (6 + 2 * casts))
+    if shape.mlp == "swiglu":  # silu(gate) * up; backward: two muls and silu_backward
+        parts["activation"] = ((9 if backward else 5) * e * f_local, 3 if backward else 2)
+    if rotary_width:  # x * cos + cat(-x2, x1) * sin for queries and keys, each multiply reading
+        # a cos or sin row per token; backward: grad * cos and * sin, two slice_backwards, neg, two adds
+        tables = 4 * n * shape.head_dim * e
+        parts["rotary"] = ((14 if backward else 10) * e * rotary_width + tables, 14 if backward else 10)
+    if backward:  # a residual add passes its gradient through; autograd adds gradients where
+        # branches meet (read two, write one): each residual, and the input q, k and v share (two
+        # adds) and gate and up share (one); dropout's backward multiplies by its 1-byte mask
+        dropout = 2 * (2 * e + 1) * replicated if spec.dropout else 0
+        parts["residual"] = (dropout, 2 if spec.dropout else 0)
+        parts["gradient_adds"] = (3 * e * (2 * replicated + 3 * n * shape.hidden_size), 5)
+    return parts
 
 
 def tp_collectives(spec: LayerSpec, device: Device, ranks_per_node: int) -> Work:
@@ -171,7 +228,7 @@ def layer_backward(spec: LayerSpec, device: Device) -> Work:
         work = work + device.gemm(m, n, k) + device.gemm(k, m, n)  # input grad, weight grad
     attention = attention_core_forward(spec, device)
     factor = FLASH_BACKWARD_FACTOR if spec.attention == "flash" else 2.0
-    return work + attention * factor + pointwise_forward(spec, device) * 2.0
+    return work + attention * factor + pointwise_backward(spec, device)
 
 
 def attention_recompute(spec: LayerSpec, device: Device) -> Work:

@@ -5,7 +5,8 @@ stages, each device holding `L / pp` layers split `tp` ways over `num_tokens = b
 
 - per layer and micro-batch: forward, backward (2x the GEMMs), recomputation (full: the forward
   again, with its collectives; selective: the attention core, Korthikanti et al. 2022 section 5),
-  tensor-parallel collectives from the alpha-beta model (`collectives.py`);
+  tensor-parallel collectives from the alpha-beta model (`collectives.py`); pointwise work eager
+  (op by op, as slipstream's trainer runs it) or fused (`TrainSetup.pointwise`);
 - overlap, stated: tensor-parallel collectives are exposed in the forward; in the backward they
   overlap the weight-gradient GEMMs (`tp_overlap="backward"`, as Megatron does, Korthikanti et al.
   section 6.2), or not at all, or fully (`"full"`, asynchronous TP);
@@ -31,6 +32,7 @@ from slipstream.perf.accelerators import Accelerator, dtype_key
 from slipstream.perf.efficiency import Efficiency, default_efficiency
 from slipstream.perf.layers import (
     ATTENTION_KERNELS,
+    POINTWISE_KERNELS,
     Device,
     LayerSpec,
     attention_recompute,
@@ -107,6 +109,9 @@ class TrainSetup:
     dtype: str = "bf16"
     recompute: str = "none"
     attention: str = "flash"
+    pointwise: str = "eager"
+    """"eager": norms, activation and rotary embeddings op by op, as slipstream's trainer and
+    torchtitan without torch.compile run them; "fused": one kernel each (Megatron, torch.compile)."""
     dropout: bool = False
     weight_bytes: float | None = None
     grad_bytes: float | None = None
@@ -125,7 +130,7 @@ class TrainSetup:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         dtype_key(self.dtype)
         checks = (("recompute", RECOMPUTE_MODES), ("attention", ATTENTION_KERNELS),
-                  ("tp_overlap", TP_OVERLAP))
+                  ("pointwise", POINTWISE_KERNELS), ("tp_overlap", TP_OVERLAP))
         for name, valid in checks:
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name} must be one of {valid}, got {getattr(self, name)!r}")
@@ -271,9 +276,11 @@ def _layer_microbatch(setup: TrainSetup, layout: Layout, spec: LayerSpec, device
 
 
 def _device(setup: TrainSetup, accelerator: Accelerator, efficiency: Efficiency | None) -> Device:
-    key = dtype_key(setup.dtype)
-    return Device(accelerator=accelerator, efficiency=efficiency or default_efficiency(accelerator),
-                  dtype=key, element_bytes=setup.activation_bytes)
+    """The device as training sees it: attention at the training kernel's fraction."""
+    efficiency = efficiency or default_efficiency(accelerator)
+    training = efficiency.replace(attention_fraction=efficiency.training_attention_fraction)
+    return Device(accelerator=accelerator, efficiency=training, dtype=dtype_key(setup.dtype),
+                  element_bytes=setup.activation_bytes)
 
 
 def _layer_spec(setup: TrainSetup, layout: Layout) -> LayerSpec:
@@ -281,7 +288,8 @@ def _layer_spec(setup: TrainSetup, layout: Layout) -> LayerSpec:
     keys = setup.seq_len if setup.attention == "unfused" else (setup.seq_len + 1) / 2  # causal skip
     return LayerSpec(shape=setup.shape, num_tokens=tokens // layout.cp, tp=layout.tp,
                      sequence_parallel=layout.sequence_parallel, attention=setup.attention,
-                     dropout=setup.dropout, attention_pairs=tokens * keys / layout.cp)
+                     pointwise=setup.pointwise, dropout=setup.dropout,
+                     attention_pairs=tokens * keys / layout.cp)
 
 
 def _context_parallel(setup: TrainSetup, layout: Layout, spec: LayerSpec, device: Device) -> Work:
