@@ -360,6 +360,9 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
         p.add_argument("--micro-batch", type=_int_at_least(1), default=1)
         p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
         p.add_argument("--attention", default="flash", choices=["flash", "unfused"])
+        p.add_argument("--pointwise", default="eager", choices=["eager", "fused"],
+                       help="norms, activation and rotary embedding op by op (eager PyTorch, "
+                            "slipstream's trainer) or one kernel each (Megatron, torch.compile)")
     if "layout" in groups:
         for name in ("tp", "pp", "cp", "vp"):
             p.add_argument(f"--{name}", type=_int_at_least(1), default=1)
