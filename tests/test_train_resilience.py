@@ -1,7 +1,8 @@
 """Failures and restarts: resharding a checkpoint 2 -> 1 and 1 -> 2 ranks, automatic restart
 after a crash (torchrun's agent, per-attempt store prefix), the hang watchdog, rollback on a
-non-finite loss, preemption by SIGTERM, the attempt-number protocol, backoff after failures to
-start, and the run-dir lock."""
+non-finite loss, preemption by SIGTERM (also while a trainer is being built), the attempt-number
+protocol, backoff after failures to start, and the run-dir lock (also for a trainer built in
+Python)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from train_fixtures import read_metrics, small_config
 
-from slipstream.train.checkpoint import list_checkpoints, load_model_state
+from slipstream.train.checkpoint import list_checkpoints, load_model_state, verify_checkpoint
 from slipstream.train.goodput import read_events, summarize
 from slipstream.train.parallel import agree_on_attempt
 from slipstream.train.supervisor import STACKS_DIR, child_pids
@@ -402,3 +403,102 @@ def test_a_second_job_in_a_busy_run_dir_is_refused(data_dir, train_model_dir, tm
         with contextlib.suppress(OSError):  # unless it has ended (and its pid is another's)
             if worker is not None and str(tmp_path) in Path(f"/proc/{worker}/cmdline").read_text():
                 os.kill(worker, signal.SIGKILL)
+
+
+def test_sigterm_while_a_restarted_worker_is_built_exits_0(data_dir, train_model_dir, tmp_path):
+    """SIGTERM to `slipstream train --max-restarts 1` while its restarted worker is still being
+    built (waiting out a 60 s backoff after a crash, before the process group and the model):
+    the worker stops there at once, torchrun and the launcher exit 0 as after a preemption at a
+    step boundary, and the ledger ends the attempt as preempted, charged to start-up."""
+    run_dir = tmp_path / "run"
+    command = _train_command(tmp_path, run_dir, data_dir, train_model_dir, "--faults.crash_at_step=1",
+                             "--supervisor.restart_backoff_s=60", "--supervisor.max_backoff_s=60",
+                             max_restarts=1)
+    log = tmp_path / "launcher.log"
+    launcher = _start(command, log)
+    try:
+        _wait_for(lambda: "without a checkpoint: waiting 60.0s" in log.read_text(), "the restart's backoff")
+        start = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=60)
+        stopped_s = time.monotonic() - start
+    finally:
+        _kill_tree(launcher)
+    output = log.read_text()
+    assert launcher.returncode == 0, output[-3000:]
+    assert stopped_s < 30 and "SignalException" not in output and "Traceback" not in output, output[-3000:]
+    events = read_events(run_dir)
+    assert [e["event"] for e in events[-2:]] == ["start", "end"]
+    assert events[-1]["reason"] == "preempted" and events[-1]["starting"]
+    assert events[-2]["attempt"] == 1 and not list_checkpoints(run_dir)
+    summary = summarize(events)
+    print(f"stopped {stopped_s:.1f}s after SIGTERM; goodput seconds {summary['seconds']}")
+    assert summary["attempts"] == 2 and not summary["finished"]
+    assert summary["seconds"]["startup"] >= events[-1]["t"] - events[-2]["process_start"]
+    assert sum(summary["seconds"].values()) == pytest.approx(summary["total_s"])
+
+
+def test_sigterm_while_the_workers_start_exits_0_and_keeps_checkpoints(data_dir, train_model_dir, tmp_path):
+    """SIGTERM to `slipstream train --nproc 2` as soon as its two workers exist (while Python
+    starts in them): the launcher passes it on to each worker once it handles SIGTERM, they stop
+    before training (or at the first step boundary, with nothing new to save), the job exits 0,
+    the committed checkpoint is untouched and verifies, and a rerun resumes from it."""
+    run_dir = tmp_path / "run"
+    first = _train(tmp_path, run_dir, data_dir, train_model_dir, "--faults.preempt_at_step=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    committed = list_checkpoints(run_dir)
+    assert [step for step, _ in committed] == [2]
+    launcher = _start(_train_command(tmp_path, run_dir, data_dir, train_model_dir, nproc=2),
+                      tmp_path / "launcher.log")
+    try:
+        _wait_for(lambda: any(len(child_pids(pid)) == 2 for pid in child_pids(launcher.pid)), "two workers")
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=120)
+    finally:
+        _kill_tree(launcher)
+    output = (tmp_path / "launcher.log").read_text()
+    assert launcher.returncode == 0, output[-3000:]
+    assert "SignalException" not in output and "Traceback" not in output, output[-3000:]
+    assert read_events(run_dir)[-1]["reason"] == "preempted"
+    assert list_checkpoints(run_dir) == committed
+    verify_checkpoint(committed[0][1])
+    rerun = _train(tmp_path, run_dir, data_dir, train_model_dir)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(run_dir, "resume")][-1] == 2
+    assert max(_losses(run_dir)) == 8
+
+
+def test_a_trainer_built_in_python_holds_the_run_dir(data_dir, train_model_dir, tmp_path):
+    """A Trainer built from Python locks its run dir from its construction until close(): a
+    second one in another process is refused with an error naming the run dir and the holder's
+    pid, and so is `slipstream train`; once the first is closed (its process still running),
+    the next one trains."""
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.toml"
+    config.write_text(small_config(data_dir, train_model_dir, run_dir, "--training.steps=2").to_toml())
+    imports = ("import sys; from slipstream.train.config import load_config; "
+               "from slipstream.train.trainer import Trainer")
+    train = f"{imports}; Trainer(load_config(sys.argv[1])).run()"
+    hold = (f"{imports}; t = Trainer(load_config(sys.argv[1])); print('built', flush=True); "
+            "sys.stdin.readline(); t.close(); print('closed', flush=True); sys.stdin.readline()")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(config)], env=ENV, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "built\n"
+        in_use = f"run.dir {str(run_dir)!r} is in use by another training job (pid {holder.pid} "
+        second = subprocess.run([sys.executable, "-c", train, str(config)], env=ENV,
+                                capture_output=True, text=True, timeout=120)
+        assert second.returncode != 0 and f"ValueError: {in_use}" in second.stderr, second.stderr[-3000:]
+        cli = subprocess.run([sys.executable, "-m", "slipstream.cli", "train", "--config", str(config)],
+                             env=ENV, capture_output=True, text=True, timeout=120)
+        assert cli.returncode == 2 and in_use in cli.stderr, cli.stderr[-3000:]
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline() == "closed\n"
+        third = subprocess.run([sys.executable, "-c", train, str(config)], env=ENV,
+                               capture_output=True, text=True, timeout=120)
+        assert third.returncode == 0, third.stderr[-3000:]
+        assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+    finally:
+        holder.kill()
+        holder.wait()

@@ -16,6 +16,9 @@ survives a kill at any point. `summarize(read_events(run_dir))` charges the time
 | `restart` | from an attempt's last event to the next process's start, and the backoff |
 | `other` | the rest inside attempts: logging, hooks, shutdown |
 
+An attempt preempted while it was starting (a `start`, then an `end`, no `ready`) is start-up
+from its process's start to its end.
+
 goodput = productive / total, total = from the first start to the latest event of an attempt
 (a launch after the last attempt's start is not one); a ledger line that is cut short or not a
 well-formed event is skipped and counted. This is the
@@ -186,9 +189,16 @@ def _charge(events: list[dict[str, Any]], origin: float, launched: bool, kept: l
     seconds["restart"] = _restart_downtime(events)
     first_start = next(e for e in events if e["event"] == "start")
     seconds["startup"] = (first_start["process_start"] - origin) if launched else 0.0
+    starting = None  # the start of an attempt that is not ready yet
     for e in events:
         kind = e["event"]
-        if kind == "ready":
+        if kind == "start":
+            starting = e
+        elif kind == "end" and starting is not None:  # preempted while starting: all start-up
+            seconds["startup"] += max(e["t"] - starting["process_start"], 0.0)
+            starting = None
+        elif kind == "ready":
+            starting = None
             seconds["startup"] += max(e["t"] - e["process_start"] - e["restore_s"] - e["backoff_s"], 0.0)
             seconds["restore"] += e["restore_s"]
             seconds["restart"] += e["backoff_s"]

@@ -16,15 +16,17 @@ launcher (torchrun on many hosts, a bare `slipstream train` rerun by hand or by 
   the next collective and their watchdogs fire too, so every rank leaves its stacks. SIGUSR1
   dumps the stacks of a live rank on demand.
 - preemption (`PreemptionHandler`): SIGTERM (sent by a scheduler to the launcher, which
-  sends it on to every worker, `launch`) sets a flag; at the next step boundary the ranks agree
-  on it, save a checkpoint, and exit with status 0, so the agent neither restarts them nor
-  fails. Rerunning the command resumes.
+  sends it on to each worker once the worker handles it, `launch`) sets a flag, from the start
+  of a trainer's construction; at the next step boundary the ranks agree on it, save a
+  checkpoint, and exit with status 0, so the agent neither restarts them nor fails. A trainer
+  still being built stops at the next stage of its construction instead, with nothing new to
+  save (`Preempted`, status 0). Rerunning the command resumes.
 - restart backoff (`restart_backoff_s`): a restarted worker sleeps before joining when the
   attempts before it committed no checkpoint, doubling per such attempt, so a crash loop does not
   hammer a failing dependency.
 - checks before anything starts (`check_job`), so a user error is one line, not a restart loop;
-- one job per run dir (`lock_run_dir`): the launcher, and rank 0 of its workers, hold locks
-  in the run dir that a second job cannot take.
+- one job per run dir (`lock_run_dir`): the launcher (or a process training on its own) and
+  rank 0's trainer hold locks in the run dir that a second job cannot take.
 - non-finite loss: rolled back in process by the trainer (`Trainer._roll_back`).
 """
 
@@ -40,6 +42,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -53,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 STACKS_DIR = "stacks"
 JOB_LOCK, WORKERS_LOCK = "job.lock", "workers.lock"
+POLL_S = 0.1
+"""How often a wait looks for a SIGTERM that has arrived (the restart backoff, the launcher)."""
 
 
 class Watchdog:
@@ -96,9 +101,19 @@ class Watchdog:
                 self.path.unlink()
 
 
+class Preempted(SystemExit):
+    """A trainer received SIGTERM while it was being built and stopped before training: a
+    SystemExit with status 0, the status of a preemption at a step boundary, so that uncaught it
+    ends the process as the preemption asked and torchrun's agent does not restart it."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
 class PreemptionHandler:
-    """Turns SIGTERM into a flag the training loop polls between steps; a second SIGTERM
-    terminates at once. Installed only from the main thread (signals arrive there)."""
+    """Turns SIGTERM into a flag (`requested`) that the trainer polls between the stages of its
+    construction and between steps; a second SIGTERM terminates at once. Installed only from the
+    main thread (signals arrive there)."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -113,12 +128,21 @@ class PreemptionHandler:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
 
+    def wait(self, timeout_s: float) -> None:
+        """Sleep `timeout_s`, or less when SIGTERM arrives meanwhile (within `POLL_S`). Polled:
+        the handler cannot wake a `threading.Event` safely, since it runs on the thread that
+        would be waiting on it."""
+        deadline = time.monotonic() + timeout_s
+        while not self.requested and (left_s := deadline - time.monotonic()) > 0:
+            time.sleep(min(left_s, POLL_S))
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested:
             self.uninstall()
             os.kill(os.getpid(), signal.SIGTERM)
             return
-        logger.warning("SIGTERM: saving a checkpoint at the end of this step, then exiting")
+        logger.warning("SIGTERM: stopping at the end of this step, or of this stage of start-up, "
+                       "then exiting")
         self.requested = True
 
 
@@ -205,13 +229,12 @@ def lock_run_dir(run_dir: str | Path, name: str) -> IO[str]:
 
 
 def process_locks() -> tuple[str, ...]:
-    """The run-dir locks a training process holds: both for a process of its own. Under
-    torchrun the launcher holds the job lock (`slipstream train --nproc`; nobody under a bare
-    torchrun), and rank 0 the workers lock, so that workers which outlive a killed launcher
-    (they run in sessions of their own) still keep a second job out."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return (JOB_LOCK, WORKERS_LOCK)
-    return (WORKERS_LOCK,) if os.environ.get("RANK") == "0" else ()
+    """The run-dir locks `slipstream train` takes before it builds its trainer: the job lock
+    for a process of its own; none under torchrun, where the launcher holds it
+    (`slipstream train --nproc`; nobody under a bare torchrun). The workers lock is the trainer's
+    own, taken by rank 0 (`Trainer`), so that workers which outlive a killed launcher (they run in
+    sessions of their own), and trainers built in Python, keep a second job out too."""
+    return () if "TORCHELASTIC_RUN_ID" in os.environ else (JOB_LOCK,)
 
 
 def torchrun_command(nproc: int, max_restarts: int, train_args: Sequence[str]) -> list[str]:
@@ -225,28 +248,57 @@ def torchrun_command(nproc: int, max_restarts: int, train_args: Sequence[str]) -
 
 
 def launch(command: Sequence[str], *, keep_open: IO | None = None) -> int:
-    """Run the torchrun command; returns its exit status. The first SIGTERM goes straight to
-    the workers, which save a checkpoint and exit with status 0, so torchrun ends with 0 too:
-    sent to torchrun, it ends with a SignalException (status 1) and kills workers whose save
-    outlasts its shutdown timeout. SIGINT, a second SIGTERM, and one before any worker runs go
-    to torchrun, which stops the workers. torchrun inherits `keep_open` (the run-dir lock)."""
+    """Run the torchrun command; returns its exit status. The first SIGTERM is passed straight
+    to the workers, each as soon as it handles SIGTERM (a trainer does from the start of its
+    construction; before, while Python starts, SIGTERM would kill it): they stop cleanly and
+    exit with status 0, so torchrun ends with 0 too. Sent to torchrun, it ends with a
+    SignalException (status 1) and kills workers whose save outlasts its shutdown timeout.
+    SIGINT, a second SIGTERM, and one before any worker runs go to torchrun, which stops the
+    workers. torchrun inherits `keep_open` (the run-dir lock)."""
     child = subprocess.Popen(command, pass_fds=() if keep_open is None else (keep_open.fileno(),))
     preempting = False
 
     def forward(signum: int, frame: FrameType | None) -> None:
         nonlocal preempting
-        workers = child_pids(child.pid) if signum == signal.SIGTERM and not preempting else []
-        preempting = preempting or bool(workers)
-        for pid in workers or [child.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+        if signum == signal.SIGTERM and not preempting and child_pids(child.pid):
+            preempting = True  # passed on by the loop below
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    preempted: set[int] = set()
     try:
-        return child.wait()
+        while child.poll() is None:
+            if preempting:
+                preempt_workers(child.pid, preempted)
+            time.sleep(POLL_S)
+        return child.returncode
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def preempt_workers(parent: int, preempted: set[int]) -> None:
+    """SIGTERM each child of `parent` that handles SIGTERM and is not in `preempted` yet, and add
+    it there (workers that torchrun starts later, after a failure, get theirs when they are
+    ready for it)."""
+    for pid in child_pids(parent):
+        if pid not in preempted and handles_signal(pid, signal.SIGTERM):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            preempted.add(pid)
+
+
+def handles_signal(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler installed for `signum` (SigCgt in Linux's /proc;
+    False for a process that has exited, and elsewhere)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+    return bool(int(caught, 16) >> (signum - 1) & 1)
 
 
 def child_pids(pid: int) -> list[int]:

@@ -15,9 +15,11 @@ through the `CheckpointManager` (sharded, asynchronous, atomic). A trainer whose
 a run resumes it from the newest valid checkpoint, so rerunning a command continues it.
 
 Resilience (docs/training.md, "Failures and restarts"): a non-finite loss rolls back to the
-newest checkpoint and skips the step's batches; SIGTERM saves and returns; the hang watchdog,
-fault injection (`train.faults`, as hooks) and the goodput ledger (`train.goodput`) are wired
-in here and live in their own modules.
+newest checkpoint and skips the step's batches; SIGTERM saves and returns, or, while the
+trainer is still being built, stops it before training (`supervisor.Preempted`); rank 0 holds
+the run dir's workers lock, so a second job there is refused; the hang watchdog, fault injection
+(`train.faults`, as hooks) and the goodput ledger (`train.goodput`) are wired in here and live
+in their own modules.
 """
 
 from __future__ import annotations
@@ -66,10 +68,13 @@ from slipstream.train.parallel import (
 )
 from slipstream.train.rng import rng_state, seed_everything, set_rng_state
 from slipstream.train.supervisor import (
+    WORKERS_LOCK,
+    Preempted,
     PreemptionHandler,
     SkippedWindows,
     Watchdog,
     attempts_without_progress,
+    lock_run_dir,
     restart_backoff_s,
     restart_count,
 )
@@ -84,7 +89,13 @@ class Trainer:
     with `train_step()`), closed with `close()`. `console` receives the rank-0 console lines
     (default: logging); `hooks` are called as `hook(trainer, record)` after every step;
     `started_at` is the wall-clock time this attempt began (the CLI passes its process's
-    start, so the goodput ledger charges interpreter start-up too; default: now)."""
+    start, so the goodput ledger charges interpreter start-up too; default: now).
+
+    From the start of its construction until `close()`, rank 0 holds the run dir's workers lock
+    (a second trainer there, in any process, gets a ValueError naming the holder's pid) and the
+    trainer turns SIGTERM into `preemption.requested`: `run()` honours it at the next step
+    boundary; a SIGTERM while the trainer is being built makes construction raise `Preempted`
+    (a SystemExit with status 0) at the next stage of it; a loop of your own polls the flag."""
 
     def __init__(
         self,
@@ -94,12 +105,35 @@ class Trainer:
         hooks: Sequence[StepHook] = (),
         started_at: float | None = None,
     ) -> None:
-        started_at = time.time() if started_at is None else started_at
-        start = time.perf_counter()
         self.config = config
         self.hooks = list(hooks)
+        self.step = 0
+        self.tokens_seen = 0
+        self._started_at = time.time() if started_at is None else started_at
         self._closed = False
+        self._held = contextlib.ExitStack()
+        """What the trainer holds until `close()`, or a construction that fails, releases it (the
+        newest first): metrics, the prefetch thread, the deterministic setting, the ledger, the
+        run-dir lock, the process group, the SIGTERM handler."""
+        # SIGTERM is a preemption request from the start, so that one landing while the trainer
+        # is built (loading data, the model, a checkpoint) stops it cleanly, not the default way.
+        self.preemption = PreemptionHandler()
+        self.preemption.install()
+        self._held.callback(self.preemption.uninstall)
+        try:
+            self._build(console)
+        except BaseException:  # a failure or `Preempted`: release what was taken so far
+            self._held.close()
+            raise
+
+    # ---- set-up -------------------------------------------------------------------------------
+
+    def _build(self, console: Callable[[str], None] | None) -> None:
+        """Everything the trainer is made of, in order, stopping between stages when preempted."""
+        start = time.perf_counter()
+        config = self.config
         self._set_up_process()
+        self._stop_if_preempted()
         self.dataset = TokenDataset(config.data.path)
         self.tokenizer = Tokenizer.from_pretrained(self.dataset.tokenizer_dir)
         self.model_config = resolve_model_config(config, self.tokenizer)
@@ -121,11 +155,11 @@ class Trainer:
             pin_memory=self.device.type == "cuda", windows_per_step=config.training.global_batch_size,
             vocab_size=self.dataset.vocab_size,
         )
+        self._held.callback(self.train_loader.close)
         self.val_loader = self._build_val_loader()
-        self.step = 0
-        self.tokens_seen = 0
         self.flops_per_token = train_flops_per_token(self.model_config, config.data.seq_len)
         self._build_resilience()
+        self._stop_if_preempted()  # before the run dir is written and a checkpoint loaded
         if self.dist.is_main:
             self._write_run_dir()
         self.peak_flops_per_s, self.peak_source = self._resolve_peak()
@@ -133,19 +167,18 @@ class Trainer:
             self.run_dir, enabled=self.dist.is_main, console=console,
             console_interval=config.logging.interval, tensorboard=config.logging.tensorboard,
         )
+        self._held.callback(self.metrics.close)
         restore_s = self._resume()
+        self._stop_if_preempted()
         self.time_s = {"startup": time.perf_counter() - start, "eval": 0.0, "checkpoint": 0.0}
         """Seconds spent outside steps: building the trainer, evaluations, checkpoints."""
-        self.ledger.record("start", process_start=started_at, attempt=self.dist.attempt,
-                           restarts=restart_count(), world_size=self.dist.world_size)
-        self.ledger.record("ready", process_start=started_at, restore_s=restore_s,
+        self._record_start()
+        self.ledger.record("ready", process_start=self._started_at, restore_s=restore_s,
                            backoff_s=self._backoff_s, step=self.step)
 
-    # ---- set-up -------------------------------------------------------------------------------
-
     def _set_up_process(self) -> None:
-        """Restart backoff, process group, checks that need it, seeds, deterministic mode, CPU
-        allocator."""
+        """Restart backoff, process group, checks that need it, the run-dir lock and the goodput
+        ledger (rank 0), seeds, deterministic mode, CPU allocator."""
         config = self.config
         device_type = device_type_of(config.training.device)
         failures = attempts_without_progress(config.run.dir) if restart_count() > 0 else 0
@@ -153,28 +186,32 @@ class Trainer:
         if self._backoff_s:
             logger.warning("restart %d after %d attempt(s) without a checkpoint: waiting %.1fs",
                            restart_count(), failures, self._backoff_s)
-            time.sleep(self._backoff_s)
+            self.preemption.wait(self._backoff_s)
         was_initialized = torch.distributed.is_initialized()
         self.dist: DistInfo = init_distributed(device_type, config.parallel.backend)
-        self._owns_process_group = torch.distributed.is_initialized() and not was_initialized
+        if torch.distributed.is_initialized() and not was_initialized:
+            self._held.callback(destroy_distributed)
         self.device = self.dist.device
         check_run(config, self.dist.world_size)
         self.run_dir = Path(config.run.dir)
-        # Every rank checks before rank 0 writes anything there: the first write comes after
-        # `materialize`, a collective that every rank enters later.
+        # Every rank checks before rank 0 rewrites config.toml: that comes after `materialize`,
+        # a collective that every rank enters later.
         self.config_changes = _check_resumable(self.run_dir, config)
-        self._was_deterministic = torch.are_deterministic_algorithms_enabled()
+        if self.dist.is_main:  # one job per run dir, also for a trainer built in Python
+            self._held.enter_context(lock_run_dir(self.run_dir, WORKERS_LOCK))
+        self.ledger = GoodputLedger(self.run_dir, enabled=self.dist.is_main)
+        self._held.callback(self.ledger.close)
+        self._held.callback(torch.use_deterministic_algorithms, torch.are_deterministic_algorithms_enabled())
         seed_everything(config.training.seed + self.dist.rank, config.training.deterministic)
         if device_type == "cpu":
             keep_freed_memory()
             keep_large_freed_memory()
 
     def _build_resilience(self) -> None:
-        """Checkpoint manager, fault injector, goodput ledger, skipped windows, watchdog, SIGTERM."""
+        """Checkpoint manager, fault injector, skipped windows, watchdog."""
         config, info = self.config, self.dist
         self.faults = FaultInjector(config.faults, self.run_dir, info.rank)
         self.hooks.append(self.faults.after_step)
-        self.ledger = GoodputLedger(self.run_dir, enabled=info.is_main)
         self.checkpoints = ckpt.CheckpointManager(
             self.run_dir, rank=info.rank, world_size=info.world_size,
             process_group=checkpoint_group(info), keep_last=config.checkpoint.keep_last,
@@ -185,10 +222,25 @@ class Trainer:
         self.skipped_windows = SkippedWindows(self.run_dir, writable=info.is_main)
         self.watchdog = Watchdog(config.supervisor.hang_timeout_s, self.run_dir, info.rank, info.attempt,
                                  first_timeout_s=config.supervisor.first_step_timeout_s)
-        self.preemption = PreemptionHandler()
         self._code_version = ckpt.code_version() if info.is_main else {}
         self._saved_step: int | None = None
         self.resumed_from: int | None = None
+
+    def _stop_if_preempted(self) -> None:
+        """Between the stages of construction: when any rank has received SIGTERM, stop before
+        training. There is nothing new to save, and the committed checkpoints stay as they are;
+        the ledger records an attempt that started and was preempted, and `Preempted` ends the
+        process with status 0, as a preemption at a step boundary does."""
+        if not any_rank(self.preemption.requested, self.dist):
+            return
+        self._record_start()
+        self.ledger.record("end", reason="preempted", starting=True)
+        logger.warning("SIGTERM while starting: stopped before training; rerun the command to resume")
+        raise Preempted
+
+    def _record_start(self) -> None:
+        self.ledger.record("start", process_start=self._started_at, attempt=self.dist.attempt,
+                           restarts=restart_count(), world_size=self.dist.world_size)
 
     def _resume(self) -> float:
         """Load the newest valid checkpoint of the run dir, if any; returns the seconds it took."""
@@ -263,7 +315,6 @@ class Trainer:
         self.metrics.log(self.run_record())
         record: dict[str, Any] = {}
         outcome = "failed"
-        self.preemption.install()
         self.watchdog.start()
         try:
             while self.step < self.config.training.steps:
@@ -415,15 +466,15 @@ class Trainer:
                 "eval_perplexity": perplexity(loss), "eval_tokens": num_tokens, "eval_s": eval_s}
 
     def close(self, outcome: str = "closed") -> None:
-        """Wait for the checkpoint in flight, stop the prefetch thread and the watchdog, flush
-        metrics, record how the attempt ended (`outcome`: finished, preempted, failed, closed),
-        undo the process-wide deterministic setting (so a trainer inside a larger program leaves
-        it as it was), and leave the process group if this trainer joined it."""
+        """Stop the watchdog, wait for the checkpoint in flight, record how the attempt ended
+        (`outcome`: finished, preempted, failed, closed), then release what the trainer holds:
+        flush metrics, stop the prefetch thread, undo the process-wide deterministic setting (so
+        a trainer inside a larger program leaves it as it was), release the run-dir lock, leave
+        the process group if this trainer joined it, and restore the SIGTERM handler."""
         if self._closed:
             return
         self._closed = True
         self.watchdog.stop()
-        self.preemption.uninstall()
         error = None
         try:
             self.checkpoints.close()
@@ -434,13 +485,7 @@ class Trainer:
             else:
                 error = e
         self.ledger.record("end", reason="failed" if error else outcome, step=self.step)
-        self.ledger.close()
-        self.train_loader.close()
-        self.metrics.close()
-        torch.use_deterministic_algorithms(self._was_deterministic)
-        if self._owns_process_group:
-            destroy_distributed()
-            self._owns_process_group = False
+        self._held.close()
         if error is not None:
             raise error
 
