@@ -181,7 +181,7 @@ def test_transformers_calls_of_vllm_scripts_match(tokenizer, hf_tokenizer, llama
             tokens[:-1] + ["not a token"])
         assert ours.convert_tokens_to_ids(tokens[0]) == hf.convert_tokens_to_ids(tokens[0])
         assert ours.convert_tokens_to_string(tokens[:-1]) == hf.convert_tokens_to_string(tokens[:-1])
-        assert len(ours) == len(hf)
+        assert len(ours) == len(hf) and ours.vocab_size == hf.vocab_size
         assert ours.get_vocab() == hf.get_vocab() and ours.get_added_vocab() == hf.get_added_vocab()
         for name in ("bos", "eos", "pad", "unk"):
             assert getattr(ours, f"{name}_token") == getattr(hf, f"{name}_token"), name
@@ -205,7 +205,8 @@ def test_unknown_tokens_convert_to_the_unk_id_as_in_transformers(saved_dir):
 
 def test_special_tokens_and_vocab(tokenizer, hf_tokenizer):
     """ChatML special ids are 0, 1, 2; eos/pad/vocab size agree with transformers."""
-    assert tokenizer.vocab_size == len(hf_tokenizer) == VOCAB_SIZE
+    assert len(tokenizer) == len(hf_tokenizer) == VOCAB_SIZE
+    assert tokenizer.vocab_size == hf_tokenizer.vocab_size
     assert [tokenizer.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")] == [
         0, 1, 2,
     ]

@@ -32,7 +32,7 @@ def test_prepared_dataset_holds_every_document_once(data_dir):
         d.path.stat().st_size for d in heldout)
     assert meta["splits"]["val"]["num_documents"] == len(heldout)
     assert meta["splits"]["train"]["num_documents"] == len(documents) - len(heldout)
-    assert meta["vocab_size"] == tokenizer.vocab_size and meta["dtype"] == "uint16"
+    assert meta["vocab_size"] == len(tokenizer) and meta["dtype"] == "uint16"
     val = dataset.tokens("val")
     assert len(val) == meta["splits"]["val"]["num_tokens"]
     first_doc = tokenizer.encode(heldout[0].path.read_text(), add_special_tokens=False)

@@ -158,8 +158,9 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of ids, added tokens included (what `len(hf_tokenizer)` returns)."""
-        return self.backend.get_vocab_size(with_added_tokens=True)
+        """Size of the base vocabulary, added tokens left out, as transformers' `vocab_size`;
+        `len(tokenizer)` counts every id."""
+        return self.backend.get_vocab_size(with_added_tokens=False)
 
     def __len__(self) -> int:
         """Number of ids, added tokens included, as `len()` of a transformers tokenizer."""

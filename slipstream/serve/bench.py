@@ -151,7 +151,7 @@ def random_requests(config: BenchConfig, tokenizer: Tokenizer, *, as_text: bool)
     """Random prompts of about `random_input_len` tokens (+- the range ratio), as vLLM's dataset."""
     rng = np.random.default_rng(config.seed)
     special = set(tokenizer.backend.get_added_tokens_decoder())
-    allowed = np.array([i for i in range(tokenizer.vocab_size) if i not in special])
+    allowed = np.array([i for i in range(len(tokenizer)) if i not in special])
     input_lens = _lengths(rng, config.random_input_len, config.random_range_ratio, config.num_prompts)
     output_lens = _lengths(rng, config.random_output_len, config.random_range_ratio, config.num_prompts)
     requests = []

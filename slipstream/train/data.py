@@ -120,7 +120,7 @@ def prepare_dataset(
     heldout = heldout_documents(documents, heldout_fraction)
     if len(heldout) == len(documents):
         raise ValueError("the corpus needs at least two documents: one to train on, one held out")
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    dtype = np.uint16 if len(tokenizer) <= 2**16 else np.uint32
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / META_FILE).unlink(missing_ok=True)  # invalid until the new meta is written
     tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".tmp-"))
@@ -138,7 +138,7 @@ def prepare_dataset(
         "format_version": FORMAT_VERSION,
         "fingerprint": fingerprint,
         "dtype": np.dtype(dtype).name,
-        "vocab_size": tokenizer.vocab_size,
+        "vocab_size": len(tokenizer),
         "eos_token_id": tokenizer.eos_token_id,
         "tokenizer_sha256": _tokenizer_sha256(tokenizer),
         "sources_sha256": _sources_sha256(documents),

@@ -638,10 +638,10 @@ def resolve_model_config(config: TrainConfig, tokenizer: Tokenizer) -> ModelConf
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
         )
         field = "model.preset"
-    if tokenizer.vocab_size > model_config.vocab_size:
+    if len(tokenizer) > model_config.vocab_size:
         raise ValueError(
             f"{field} has a vocabulary of {model_config.vocab_size} tokens, but the data in "
-            f"data.path was tokenized with {tokenizer.vocab_size}; prepare the data with a "
+            f"data.path was tokenized with {len(tokenizer)}; prepare the data with a "
             "tokenizer of at most that size"
         )
     if config.data.seq_len > model_config.max_position_embeddings:
