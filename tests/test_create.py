@@ -52,7 +52,8 @@ def test_init_model_directory_contents(tiny_dir):
     tokenizer = Tokenizer.from_pretrained(tiny_dir)
     assert set(generation["eos_token_id"]) == set(tokenizer.eos_token_ids) == {0, 2}
     assert len(tokenizer) <= config.vocab_size
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                       tokenize=False)
     assert chat.endswith("<|im_start|>assistant\n")
 
 

@@ -425,7 +425,7 @@ def test_prompt_logprobs_match_a_dense_forward(llm, tokenizer, dense_model):
 def test_chat_renders_through_the_chat_template(llm, tokenizer):
     """chat() prompts through the chat template with the generation prompt, for one or many chats."""
     conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-    expected = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+    expected = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, return_dict=False)
     [output] = llm.chat(conversation, greedy(max_tokens=4), use_tqdm=False)
     assert output.prompt_token_ids == expected
     assert tokenizer.decode(expected, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
@@ -433,7 +433,7 @@ def test_chat_renders_through_the_chat_template(llm, tokenizer):
     other = [{"role": "user", "content": "What is 2 + 2?"}]
     outputs = llm.chat([conversation, other], greedy(max_tokens=4), use_tqdm=False)
     assert outputs[1].prompt_token_ids == tokenizer.apply_chat_template(
-        other, add_generation_prompt=True, tokenize=True
+        other, add_generation_prompt=True, return_dict=False
     )
     assert outputs[0].outputs[0].token_ids == output.outputs[0].token_ids
 

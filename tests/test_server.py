@@ -129,7 +129,7 @@ def test_chat_continues_the_final_message(client, llm):
     assistant message, as `LLM.chat` does, from the prompt transformers would render."""
     messages = [{"role": "user", "content": "Count:"}, {"role": "assistant", "content": "one two"}]
     tokenizer = llm.get_tokenizer()
-    prompt_ids = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True)
+    prompt_ids = tokenizer.apply_chat_template(messages, continue_final_message=True, return_dict=False)
     assert tokenizer.decode(prompt_ids, skip_special_tokens=False).endswith("one two")
     [expected] = llm.chat(messages, greedy(12), use_tqdm=False, add_generation_prompt=False,
                           continue_final_message=True)
@@ -141,7 +141,7 @@ def test_chat_continues_the_final_message(client, llm):
     assert response.usage.prompt_tokens == len(prompt_ids)
     plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=1,
                                            extra_body={"add_generation_prompt": False})
-    no_generation_prompt = tokenizer.apply_chat_template(messages, tokenize=True)
+    no_generation_prompt = tokenizer.apply_chat_template(messages, return_dict=False)
     assert plain.usage.prompt_tokens == len(no_generation_prompt)
 
 

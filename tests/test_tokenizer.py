@@ -247,11 +247,23 @@ def test_chatml_template_matches_transformers(
     """The trained ChatML template renders and tokenizes exactly as transformers does."""
     kwargs = {"add_generation_prompt": add_generation_prompt}
     expected = hf_tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
-    assert tokenizer.apply_chat_template(conversation, **kwargs) == expected
+    assert tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs) == expected
     expected_ids = hf_tokenizer.apply_chat_template(
         conversation, tokenize=True, return_dict=False, **kwargs
     )
-    assert tokenizer.apply_chat_template(conversation, tokenize=True, **kwargs) == expected_ids
+    assert tokenizer.apply_chat_template(conversation, return_dict=False, **kwargs) == expected_ids
+    encoding = hf_tokenizer.apply_chat_template(conversation, **kwargs)  # transformers 5's defaults
+    assert tokenizer.apply_chat_template(conversation, **kwargs) == dict(encoding)
+    assert tokenizer.apply_chat_template(conversation, **kwargs).input_ids == expected_ids
+
+
+def test_chat_template_arguments_it_cannot_honour_are_refused(tokenizer):
+    """transformers' padding, truncation and tensor arguments are a ValueError naming them, not
+    template variables that would be silently ignored."""
+    for name, value in [("padding", True), ("truncation", True), ("max_length", 8),
+                        ("return_tensors", "pt"), ("return_assistant_tokens_mask", True)]:
+        with pytest.raises(ValueError, match=f"does not support {name}"):
+            tokenizer.apply_chat_template(CONVERSATIONS[0], **{name: value})
 
 
 @pytest.mark.parametrize("extra", [{}, {"tools": TOOLS}])
@@ -261,13 +273,14 @@ def test_chat_template_argument_replaces_the_tokenizers_as_in_transformers(token
               "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}")
     expected = hf_tokenizer.apply_chat_template(CONVERSATIONS[1], chat_template=source, tokenize=False,
                                                 **extra)
-    assert tokenizer.apply_chat_template(CONVERSATIONS[1], chat_template=source, **extra) == expected
-    assert expected != tokenizer.apply_chat_template(CONVERSATIONS[1])
+    assert tokenizer.apply_chat_template(CONVERSATIONS[1], chat_template=source, tokenize=False,
+                                         **extra) == expected
+    assert expected != tokenizer.apply_chat_template(CONVERSATIONS[1], tokenize=False)
 
 
 def test_chatml_template_format(tokenizer):
     """The ChatML layout is what the serving and SFT code will rely on."""
-    rendered = tokenizer.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True, tokenize=False)
     assert rendered == "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -291,9 +304,9 @@ def test_llama3_style_template_matches_transformers(
     hf = transformers.AutoTokenizer.from_pretrained(llama3_dir)
     kwargs = {"add_generation_prompt": add_generation_prompt, **extra}
     expected = hf.apply_chat_template(conversation, tokenize=False, **kwargs)
-    assert ours.apply_chat_template(conversation, **kwargs) == expected
+    assert ours.apply_chat_template(conversation, tokenize=False, **kwargs) == expected
     assert expected.startswith("<|begin_of_text|>")
-    ids = ours.apply_chat_template(conversation, tokenize=True, **kwargs)
+    ids = ours.apply_chat_template(conversation, return_dict=False, **kwargs)
     assert ids == hf.apply_chat_template(conversation, tokenize=True, return_dict=False, **kwargs)
     assert ids[0] == ours.bos_token_id == hf.bos_token_id
 
@@ -306,7 +319,7 @@ def test_continue_final_message_matches_transformers(tokenizer, hf_tokenizer, ll
     llama3 = (Tokenizer.from_pretrained(llama3_dir), transformers.AutoTokenizer.from_pretrained(llama3_dir))
     for ours, hf in ((tokenizer, hf_tokenizer), llama3):
         expected = hf.apply_chat_template(conversation, tokenize=False, continue_final_message=True)
-        assert ours.apply_chat_template(conversation, continue_final_message=True) == expected
+        assert ours.apply_chat_template(conversation, continue_final_message=True, tokenize=False) == expected
         assert expected.endswith(reply.strip()) or expected.endswith(reply)
     with pytest.raises(ValueError, match="cannot both be true"):
         tokenizer.apply_chat_template(conversation, continue_final_message=True, add_generation_prompt=True)
@@ -354,15 +367,15 @@ def test_template_files_and_named_templates(saved_dir, tmp_path):
     messages = [{"role": "user", "content": "ü"}]
     for tools in (None, TOOLS):
         expected = hf.apply_chat_template(messages, tools=tools, tokenize=False)
-        assert ours.apply_chat_template(messages, tools=tools) == expected
+        assert ours.apply_chat_template(messages, tools=tools, tokenize=False) == expected
     # chat_template may name one of them (and is otherwise a template source).
     expected = hf.apply_chat_template(messages, chat_template="tool_use", tokenize=False)
-    assert ours.apply_chat_template(messages, chat_template="tool_use") == expected
+    assert ours.apply_chat_template(messages, chat_template="tool_use", tokenize=False) == expected
     (tmp_path / "chat_template.jinja").write_text("J{{ messages | length }}{{ eos_token }}")
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
     ours = Tokenizer.from_pretrained(tmp_path)
     expected = hf.apply_chat_template(messages, tokenize=False)
-    assert ours.apply_chat_template(messages) == expected == "J1<|endoftext|>"
+    assert ours.apply_chat_template(messages, tokenize=False) == expected == "J1<|endoftext|>"
 
 
 def test_generation_tag_and_reasoning_fields(saved_dir, tmp_path):
@@ -381,7 +394,7 @@ def test_generation_tag_and_reasoning_fields(saved_dir, tmp_path):
         {"role": "assistant", "content": "a", "reasoning": "because"},
     ]
     expected = hf.apply_chat_template(messages, tokenize=False)
-    assert ours.apply_chat_template(messages) == expected  # trim_blocks eats the newlines
+    assert ours.apply_chat_template(messages, tokenize=False) == expected  # trim_blocks eats the newlines
     assert expected == "user:qassistant:<think>because|because</think>a"
 
 

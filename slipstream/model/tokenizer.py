@@ -49,6 +49,14 @@ _NO_MAX_LENGTH = int(1e29)
 _DETOKENIZE_CONTEXT_TOKENS = 5
 
 
+# transformers' apply_chat_template arguments this tokenizer does not implement; left in
+# `kwargs` they would silently become template variables.
+_UNSUPPORTED_CHAT_TEMPLATE_ARGS = frozenset({
+    "padding", "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "sanitize_control_tokens",
+})
+
+
 class BatchEncoding(dict):
     """What calling a `Tokenizer` returns, as transformers' BatchEncoding: a dict whose keys
     (`input_ids`, `attention_mask`) also read as attributes (`encoding.input_ids`)."""
@@ -305,20 +313,26 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = False,
         continue_final_message: bool = False,
-        tokenize: bool = False,
+        tokenize: bool = True,
+        return_dict: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template: str | None = None,
         **kwargs: Any,
-    ) -> str | list[int]:
+    ) -> str | list[int] | BatchEncoding:
         """Render `messages` with the chat template exactly as transformers does; `chat_template`,
         as there, replaces it with a template source or the name of one of the named templates.
 
         The template sees `messages`, `tools`, `documents` (None unless passed),
         `add_generation_prompt`, the named special tokens (`bos_token`, ...) and `kwargs`.
         `continue_final_message` leaves the final message open for the reply to continue.
-        With `tokenize=True` returns the ids of the rendered text, encoded without adding
-        special tokens (the template already wrote them).
+        Returns, with transformers 5's defaults, the encoding of the rendered text (its
+        `input_ids` and `attention_mask`, encoded without adding special tokens: the template
+        already wrote them); with `return_dict=False` the ids; with `tokenize=False` the text.
         """
+        unsupported = sorted(_UNSUPPORTED_CHAT_TEMPLATE_ARGS & kwargs.keys())
+        if unsupported:
+            raise ValueError(f"apply_chat_template does not support {', '.join(unsupported)} "
+                             "(slipstream's tokenizer neither pads, truncates nor builds tensors)")
         source = self._template_source(tools, chat_template)
         if source not in self._compiled_templates:
             self._compiled_templates[source] = compile_chat_template(source)
@@ -327,7 +341,10 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             special_tokens=self.special_tokens, **kwargs,
         )
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        if not tokenize:
+            return text
+        encoding = self(text, add_special_tokens=False)
+        return encoding if return_dict else encoding["input_ids"]
 
     def _template_source(self, tools: object, chat_template: str | None) -> str:
         """`chat_template` when given (as in transformers, a name among the tokenizer's named

@@ -151,7 +151,7 @@ class LLM:
         rendered text.
         """
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        options = {"add_generation_prompt": add_generation_prompt,
+        options = {"tokenize": False, "add_generation_prompt": add_generation_prompt,
                    "continue_final_message": continue_final_message, "tools": tools,
                    "chat_template": chat_template, **(chat_template_kwargs or {})}
         tokenizer = self.engine.tokenizer

@@ -242,7 +242,7 @@ class OpenAIServer:
         try:
             return self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message, tokenize=True)
+                continue_final_message=body.continue_final_message, return_dict=False)
         except (ValueError, TypeError, jinja2.TemplateError) as error:
             raise protocol.bad_request(f"the chat template rejected the messages: {error}",
                                        "messages") from error
