@@ -380,7 +380,7 @@ def test_tiny_on_the_development_cpu_matches_its_measured_mfu():
     """Guards the calibrated-CPU defaults against the trainer's measured MFU of the tiny preset
     (docs/training.md, Performance: batch 8 x 256 on the 2-core AMD EPYC, against calibrated
     oneDNN peaks of 469 GFLOP/s fp32 and 971 bf16 and docs/perf.md's 68 GB/s): fp32 55.5%, within
-    10%. bf16 measured 42.2% (41.7% in `make demo`); the model stays up to 30% optimistic there:
+    10%. bf16 measured 42.2% (41.7% in `make demo` on the Zen 5); the model stays up to 30% optimistic there:
     that run's profile puts its GEMMs at 84% of the calibrated peak and its elementwise work and
     loss at 28% of the step, where the model charges about 15%. Its attention fraction comes from
     the same profile, which makes fp32 the cleaner check."""
