@@ -51,21 +51,31 @@ def _data_prepare(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from slipstream.train.config import load_config
-
-    config = load_config(args.config, args.overrides)
     if args.nproc > 1 or args.max_restarts > 0:
-        _launch(args, config)
-        return
-    from slipstream.train.goodput import process_start_time
-    from slipstream.train.supervisor import check_job, job_world_size, lock_run_dir, process_locks
-    from slipstream.train.trainer import Trainer
+        from slipstream.train.config import load_config
 
-    check_job(config, job_world_size())
-    with contextlib.ExitStack() as locks:
-        for name in process_locks():
-            locks.enter_context(lock_run_dir(config.run.dir, name))
-        Trainer(config, console=print, started_at=process_start_time()).run()
+        _launch(args, load_config(args.config, args.overrides))
+        return
+    from slipstream.train.preemption import PreemptionHandler
+
+    # Before torch is imported (seconds), so that a SIGTERM during start-up stops the worker
+    # cleanly (status 0) rather than killing it.
+    preemption = PreemptionHandler()
+    preemption.install()
+    try:
+        from slipstream.train.config import load_config
+        from slipstream.train.goodput import process_start_time
+        from slipstream.train.supervisor import check_job, job_world_size, lock_run_dir, process_locks
+        from slipstream.train.trainer import Trainer
+
+        config = load_config(args.config, args.overrides)
+        check_job(config, job_world_size())
+        with contextlib.ExitStack() as locks:
+            for name in process_locks():
+                locks.enter_context(lock_run_dir(config.run.dir, name))
+            Trainer(config, console=print, started_at=process_start_time(), preemption=preemption).run()
+    finally:
+        preemption.uninstall()
 
 
 def _launch(args: argparse.Namespace, config: TrainConfig) -> None:

@@ -25,7 +25,7 @@ from train_fixtures import read_metrics, small_config
 from slipstream.train.checkpoint import list_checkpoints, load_model_state, verify_checkpoint
 from slipstream.train.goodput import read_events, summarize
 from slipstream.train.parallel import agree_on_attempt
-from slipstream.train.supervisor import STACKS_DIR, child_pids
+from slipstream.train.supervisor import STACKS_DIR, child_pids, handles_signal
 from slipstream.train.trainer import Trainer
 
 pytest_plugins = ["train_fixtures"]
@@ -466,6 +466,30 @@ def test_sigterm_while_the_workers_start_exits_0_and_keeps_checkpoints(data_dir,
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert [r["step"] for r in read_metrics(run_dir, "resume")][-1] == 2
     assert max(_losses(run_dir)) == 8
+
+
+def test_sigterm_before_torch_is_imported_stops_cleanly(data_dir, train_model_dir, tmp_path):
+    """`slipstream train` in its own process handles SIGTERM before it has loaded torch (no
+    libtorch in its memory map when the handler appears), and a SIGTERM then ends it with status
+    0 and a preempted start in the ledger, nothing trained or logged: the trainer, built after
+    it, stops at its first stage."""
+    run_dir = tmp_path / "run"
+    process = _start(_train_command(tmp_path, run_dir, data_dir, train_model_dir), tmp_path / "train.log")
+    try:
+        deadline = time.monotonic() + 60
+        while not handles_signal(process.pid, signal.SIGTERM):
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.005)
+        assert "libtorch" not in Path(f"/proc/{process.pid}/maps").read_text()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=120)
+    finally:
+        _kill_tree(process)
+    output = (tmp_path / "train.log").read_text()
+    assert process.returncode == 0 and "Traceback" not in output, output[-3000:]
+    end = read_events(run_dir)[-1]
+    assert (end["event"], end["reason"], end["starting"]) == ("end", "preempted", True)
+    assert list_checkpoints(run_dir) == [] and not (run_dir / "metrics.jsonl").exists()
 
 
 def test_a_trainer_built_in_python_holds_the_run_dir(data_dir, train_model_dir, tmp_path):

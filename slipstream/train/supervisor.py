@@ -15,12 +15,12 @@ launcher (torchrun on many hosts, a bare `slipstream train` rerun by hand or by 
   with status 1, which the agent treats as a failure. When one rank hangs, its peers block in
   the next collective and their watchdogs fire too, so every rank leaves its stacks. SIGUSR1
   dumps the stacks of a live rank on demand.
-- preemption (`PreemptionHandler`): SIGTERM (sent by a scheduler to the launcher, which
+- preemption (`preemption.PreemptionHandler`): SIGTERM (sent by a scheduler to the launcher, which
   sends it on to each worker once the worker handles it, `launch`) sets a flag, from the start
   of a trainer's construction; at the next step boundary the ranks agree on it, save a
   checkpoint, and exit with status 0, so the agent neither restarts them nor fails. A trainer
   still being built stops at the next stage of its construction instead, with nothing new to
-  save (`Preempted`, status 0). Rerunning the command resumes.
+  save (`preemption.Preempted`, status 0). Rerunning the command resumes.
 - restart backoff (`restart_backoff_s`): a restarted worker sleeps before joining when the
   attempts before it committed no checkpoint, doubling per such attempt, so a crash loop does not
   hammer a failing dependency.
@@ -51,13 +51,12 @@ from typing import IO
 from slipstream.train.config import SupervisorConfig, TrainConfig, check_run, load_config, resume_changes
 from slipstream.train.data import TokenDataset
 from slipstream.train.goodput import LEDGER_FILE
+from slipstream.train.preemption import POLL_S
 
 logger = logging.getLogger(__name__)
 
 STACKS_DIR = "stacks"
 JOB_LOCK, WORKERS_LOCK = "job.lock", "workers.lock"
-POLL_S = 0.1
-"""How often a wait looks for a SIGTERM that has arrived (the restart backoff, the launcher)."""
 
 
 class Watchdog:
@@ -99,51 +98,6 @@ class Watchdog:
         with contextlib.suppress(FileNotFoundError):  # removed during the run
             if self.path.stat().st_size == 0:
                 self.path.unlink()
-
-
-class Preempted(SystemExit):
-    """A trainer received SIGTERM while it was being built and stopped before training: a
-    SystemExit with status 0, the status of a preemption at a step boundary, so that uncaught it
-    ends the process as the preemption asked and torchrun's agent does not restart it."""
-
-    def __init__(self) -> None:
-        super().__init__(0)
-
-
-class PreemptionHandler:
-    """Turns SIGTERM into a flag (`requested`) that the trainer polls between the stages of its
-    construction and between steps; a second SIGTERM terminates at once. Installed only from the
-    main thread (signals arrive there)."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = None
-
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def uninstall(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-    def wait(self, timeout_s: float) -> None:
-        """Sleep `timeout_s`, or less when SIGTERM arrives meanwhile (within `POLL_S`). Polled:
-        the handler cannot wake a `threading.Event` safely, since it runs on the thread that
-        would be waiting on it."""
-        deadline = time.monotonic() + timeout_s
-        while not self.requested and (left_s := deadline - time.monotonic()) > 0:
-            time.sleep(min(left_s, POLL_S))
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested:
-            self.uninstall()
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        logger.warning("SIGTERM: stopping at the end of this step, or of this stage of start-up, "
-                       "then exiting")
-        self.requested = True
 
 
 def restart_count() -> int:

@@ -16,7 +16,7 @@ a run resumes it from the newest valid checkpoint, so rerunning a command contin
 
 Resilience (docs/training.md, "Failures and restarts"): a non-finite loss rolls back to the
 newest checkpoint and skips the step's batches; SIGTERM saves and returns, or, while the
-trainer is still being built, stops it before training (`supervisor.Preempted`); rank 0 holds
+trainer is still being built, stops it before training (`preemption.Preempted`); rank 0 holds
 the run dir's workers lock, so a second job there is refused; the hang watchdog, fault injection
 (`train.faults`, as hooks) and the goodput ledger (`train.goodput`) are wired in here and live
 in their own modules.
@@ -66,11 +66,10 @@ from slipstream.train.parallel import (
     parallelize,
     set_gradient_sync,
 )
+from slipstream.train.preemption import Preempted, PreemptionHandler
 from slipstream.train.rng import rng_state, seed_everything, set_rng_state
 from slipstream.train.supervisor import (
     WORKERS_LOCK,
-    Preempted,
-    PreemptionHandler,
     SkippedWindows,
     Watchdog,
     attempts_without_progress,
@@ -95,7 +94,10 @@ class Trainer:
     (a second trainer there, in any process, gets a ValueError naming the holder's pid) and the
     trainer turns SIGTERM into `preemption.requested`: `run()` honours it at the next step
     boundary; a SIGTERM while the trainer is being built makes construction raise `Preempted`
-    (a SystemExit with status 0) at the next stage of it; a loop of your own polls the flag."""
+    (a SystemExit with status 0) at the next stage of it; a loop of your own polls the flag.
+    `preemption`, when given, is a handler the caller installed earlier and removes itself
+    (`slipstream train` installs one before it imports torch); a SIGTERM it has already turned
+    into a request stops the trainer at its first stage."""
 
     def __init__(
         self,
@@ -104,6 +106,7 @@ class Trainer:
         console: Callable[[str], None] | None = None,
         hooks: Sequence[StepHook] = (),
         started_at: float | None = None,
+        preemption: PreemptionHandler | None = None,
     ) -> None:
         self.config = config
         self.hooks = list(hooks)
@@ -117,9 +120,11 @@ class Trainer:
         run-dir lock, the process group, the SIGTERM handler."""
         # SIGTERM is a preemption request from the start, so that one landing while the trainer
         # is built (loading data, the model, a checkpoint) stops it cleanly, not the default way.
-        self.preemption = PreemptionHandler()
-        self.preemption.install()
-        self._held.callback(self.preemption.uninstall)
+        if preemption is None:
+            preemption = PreemptionHandler()
+            preemption.install()
+            self._held.callback(preemption.uninstall)
+        self.preemption = preemption
         try:
             self._build(console)
         except BaseException:  # a failure or `Preempted`: release what was taken so far
