@@ -144,3 +144,15 @@ def test_autocast_projections_share_one_saved_input():
     hidden_bf16 = [t for t in saved.values()
                    if t.dtype == torch.bfloat16 and t.untyped_storage().nbytes() == 2 * 9 * 32 * 2]
     assert len(hidden_bf16) == 2
+
+
+def test_swiglu_saves_gate_and_up_only():
+    """The MLP's backward holds its input, gate, up and the product (the down projection's
+    input), not silu(gate) too: four (tokens, ...) tensors besides the weights."""
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=12)
+    mlp = Transformer(config).model.layers[0].mlp
+    x = torch.randn(2, 9, 32, requires_grad=True)
+    saved = _saved_storages(lambda: mlp(x))
+    numels = sorted(t.untyped_storage().nbytes() // 4 for t in saved.values())
+    assert numels == [2 * 9 * 32] + [2 * 9 * 40] * 3 + [32 * 40] * 3  # then the three weights

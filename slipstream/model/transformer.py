@@ -189,6 +189,26 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 
+class _SiluAndMulFunction(torch.autograd.Function):
+    """silu(gate) * up, saving only gate and up for the backward, which recomputes silu(gate).
+
+    Autograd of the two ops would also save silu(gate), an intermediate-sized tensor per layer.
+    The backward runs the same ops autograd would, so gradients are bitwise the same.
+    """
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        grad_gate = torch.ops.aten.silu_backward(grad_out * up, gate) if ctx.needs_input_grad[0] else None
+        grad_up = grad_out * F.silu(gate) if ctx.needs_input_grad[1] else None
+        return grad_gate, grad_up
+
+
 class SiluAndMul(nn.Module):
     """silu(gate) * up for x = [gate, up] along the last dimension. A module so that the inference
     fast path can swap in a fused kernel."""
@@ -215,7 +235,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             x = cast_once_for_autocast(x)
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(_SiluAndMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
