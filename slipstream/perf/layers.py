@@ -185,8 +185,8 @@ def _eager_pointwise(spec: LayerSpec, e: int, backward: bool, replicated: float,
             parts["norm"] = (2 * replicated * (68 + 2 * e + 6 * cast), 2 * (9 + 7 * casts))
         else:  # x.float(), pow, mean, + eps, rsqrt, x * rstd (fp32), .to(dtype), * weight
             parts["norm"] = (2 * replicated * (20 + 2 * e + 2 * cast), 2 * (6 + 2 * casts))
-    if shape.mlp == "swiglu":  # silu(gate) * up; backward: two muls and silu_backward
-        parts["activation"] = ((9 if backward else 5) * e * f_local, 3 if backward else 2)
+    if shape.mlp == "swiglu":  # silu(gate) * up; backward: silu(gate) again, two muls, silu_backward
+        parts["activation"] = ((11 if backward else 5) * e * f_local, 4 if backward else 2)
     if rotary_width:  # x * cos + cat(-x2, x1) * sin for queries and keys, each multiply reading
         # a cos or sin row per token; backward: grad * cos and * sin, two slice_backwards, neg, two adds
         tables = 4 * n * shape.head_dim * e
