@@ -373,6 +373,10 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
         p.add_argument("--pointwise", default="eager", choices=["eager", "fused"],
                        help="norms, activation and rotary embedding op by op (eager PyTorch, "
                             "slipstream's trainer) or one kernel each (Megatron, torch.compile)")
+        p.add_argument("--mixed-precision", default="autocast", choices=["autocast", "parameters"],
+                       help="16-bit training on fp32 weights under torch.autocast (slipstream's "
+                            "trainer: fp32 residual stream, weights cast per micro-batch) or on "
+                            "16-bit parameters (Megatron, FSDP param_dtype)")
     if "layout" in groups:
         for name in ("tp", "pp", "cp", "vp"):
             p.add_argument(f"--{name}", type=_int_at_least(1), default=1)

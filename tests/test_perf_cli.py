@@ -191,9 +191,10 @@ def test_output_into_a_closed_pipe_is_not_a_traceback():
     assert process.wait(timeout=300) == 1 and "BrokenPipeError" not in err and "Traceback" not in err, err
 
 
-def test_train_pointwise_flag_reaches_the_model(capsys):
-    """`perf train --pointwise fused` predicts what TrainSetup(pointwise="fused") does, and eager
-    (the default, what slipstream's trainer runs) is slower."""
+def test_train_pointwise_and_precision_flags_reach_the_model(capsys):
+    """`perf train --pointwise fused --mixed-precision parameters` predicts what TrainSetup with
+    those fields does; eager and autocast (the defaults, what slipstream's trainer runs) are each
+    slower."""
     from slipstream.cli import main
     from slipstream.perf.accelerators import get_accelerator
     from slipstream.perf.model import Layout, TrainSetup, predict_training
@@ -201,12 +202,16 @@ def test_train_pointwise_flag_reaches_the_model(capsys):
 
     times = {}
     for pointwise in ("eager", "fused"):
-        assert main(["perf", "train", "--model", "llama3-8b", "--hardware", "h100", "--devices", "8",
-                     "--global-batch", "16", "--micro-batch", "2", "--zero", "3",
-                     "--pointwise", pointwise, "--json"]) == 0
-        times[pointwise] = json.loads(capsys.readouterr().out)["step_time_s"]
-        setup = TrainSetup(shape=resolve_model("llama3-8b"), global_batch_size=16, seq_len=8192,
-                           micro_batch_size=2, pointwise=pointwise)
-        expected = predict_training(setup, Layout(dp=8, zero_stage=3), get_accelerator("h100"))
-        assert times[pointwise] == pytest.approx(expected.step_time_s)
-    assert times["eager"] > times["fused"]
+        for precision in ("autocast", "parameters"):
+            assert main(["perf", "train", "--model", "llama3-8b", "--hardware", "h100", "--devices", "8",
+                         "--global-batch", "16", "--micro-batch", "2", "--zero", "3",
+                         "--pointwise", pointwise, "--mixed-precision", precision, "--json"]) == 0
+            times[pointwise, precision] = json.loads(capsys.readouterr().out)["step_time_s"]
+            setup = TrainSetup(shape=resolve_model("llama3-8b"), global_batch_size=16, seq_len=8192,
+                               micro_batch_size=2, pointwise=pointwise, mixed_precision=precision)
+            expected = predict_training(setup, Layout(dp=8, zero_stage=3), get_accelerator("h100"))
+            assert times[pointwise, precision] == pytest.approx(expected.step_time_s)
+    for precision in ("autocast", "parameters"):
+        assert times["eager", precision] > times["fused", precision]
+    for pointwise in ("eager", "fused"):
+        assert times[pointwise, "autocast"] > times[pointwise, "parameters"]

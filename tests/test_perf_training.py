@@ -22,7 +22,7 @@ GPT175 = GPT_SHAPES["megatron-175b"]
 
 def _setup(**kw) -> TrainSetup:
     base = dict(shape=GPT175, global_batch_size=64, seq_len=2048, micro_batch_size=1, dtype="fp16",
-                attention="unfused", dropout=True)
+                attention="unfused", dropout=True, mixed_precision="parameters")  # Megatron
     return TrainSetup(**(base | kw))
 
 
@@ -187,11 +187,70 @@ def test_state_bytes_follow_the_trainers_mixed_precision():
     megatron = TrainSetup(shape=GPT175, global_batch_size=8, seq_len=2048, weight_bytes=2,
                           optimizer_bytes=12)
     assert megatron.state_bytes_per_param() == (2.0, 4.0, 12.0)
+    megatron = TrainSetup(shape=GPT175, global_batch_size=8, seq_len=2048, mixed_precision="parameters")
+    assert megatron.state_bytes_per_param() == (2.0, 4.0, 12.0)
     shape = resolve_model("llama3-8b")
     mems = {d: training_memory(TrainSetup(shape=shape, global_batch_size=8, seq_len=4096, dtype=d),
                                Layout(dp=8)) for d in ("bf16", "fp32")}
-    assert mems["fp32"].activations_bytes > 1.8 * mems["bf16"].activations_bytes
     assert mems["fp32"].weights_bytes == pytest.approx(mems["bf16"].weights_bytes * 4 / 6)
+
+
+def _trainer_saved_activation_bytes(config, dtype: str, batch: int, seq_len: int) -> int:
+    """Bytes autograd keeps for the backward of one micro-batch of slipstream's model as
+    `Trainer.loss` runs it (bf16: autocast around the forward; fp32 cross-entropy), each storage
+    counted once; parameters and autocast's weight copies (the model's weight bytes) left out."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    from slipstream.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(config)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    weight_shapes = {s for p in model.parameters() if p.dim() == 2 for s in (p.shape, p.shape[::-1])}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        copy = t.dtype == torch.bfloat16 and tuple(t.shape) in weight_shapes
+        if storage.data_ptr() not in params and not copy:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    tokens = torch.randint(0, config.vocab_size, (batch, seq_len + 1))  # (B, T + 1)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    positions = torch.arange(seq_len).expand_as(inputs)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with autocast:
+            logits = model(inputs, positions)  # (B, T, V)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    loss.backward()
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_activation_memory_equals_what_the_trainers_model_saves(family):
+    """Guards the activation bytes against what autograd saves for slipstream's model under the
+    trainer's recipe, fp32 and bf16 autocast (whose fp32 residual stream makes the norm inputs
+    4 bytes), with and without Qwen3's q/k norms: within 1%, the per-row norm statistics the
+    model leaves out."""
+    from slipstream.model.config import ModelConfig
+    from slipstream.perf.shapes import TransformerShape
+
+    # Token count and widths differ, so no activation shares a shape with a weight.
+    config = ModelConfig(model_type=family, vocab_size=1024, hidden_size=256, intermediate_size=640,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256)
+    shape = TransformerShape.from_model_config(config)
+    batch, seq_len = 3, 80
+    for dtype in ("fp32", "bf16"):
+        measured = _trainer_saved_activation_bytes(config, dtype, batch, seq_len)
+        setup = TrainSetup(shape=shape, global_batch_size=batch, micro_batch_size=batch,
+                           seq_len=seq_len, dtype=dtype)
+        model = training_memory(setup, Layout()).activations_bytes
+        print(family, dtype, "autograd saves", measured, "model", model)
+        assert model == pytest.approx(measured, rel=0.01)
 
 
 def _hf_num_params(**config) -> int:
@@ -228,14 +287,15 @@ def test_data_parallel_gradients_include_the_untied_lm_head():
 def test_pipeline_memory_uses_whole_layers_and_the_fullest_stage():
     """Guards Llama 3 405B at pp 16 (126 layers: 7, 8 x 14, 7): memory counts whole layers as the
     time model does, and the stage that holds the most (here stage 1: 8 layers x 15 micro-batches
-    in flight, against 7 x 16 on the first) is the one reported."""
+    in flight, against 7 x 16 on the first, plus the rotary tables) is the one reported."""
     shape = resolve_model("llama3-405b")
     setup = TrainSetup(shape=shape, global_batch_size=16, seq_len=8192)
     layout = Layout(tp=8, pp=16, sequence_parallel=True)
     mem = training_memory(setup, layout)
     per_layer = activation_bytes_per_layer(setup, 8, True, 8192)
     assert stage_layers(126, layout) == (7, 8, 7)
-    assert mem.activations_bytes == pytest.approx(per_layer * 8 * 15)
+    rotary_tables = 2 * setup.residual_bytes * 8192 * shape.head_dim
+    assert mem.activations_bytes == pytest.approx(per_layer * 8 * 15 + rotary_tables)
     assert mem.weights_bytes == pytest.approx(8 * shape.layer_params() / 8 * 6)
 
 
@@ -250,9 +310,12 @@ def test_in_flight_microbatches_per_stage():
     assert in_flight_microbatches(interleaved, m, p - 1) == pytest.approx(((v - 1) * p + 1) / v)
 
 
-def _eager_pointwise_bytes(config, dtype, num_tokens: int) -> tuple[float, float, int, int]:
+def _eager_pointwise_bytes(config, dtype, num_tokens: int, autocast: bool = False
+                           ) -> tuple[float, float, int, int]:
     """Bytes read plus written, and kernels, of the non-matmul, non-attention ops torch runs for
-    one slipstream DecoderLayer forward and backward in `dtype` (views and aliases free)."""
+    one slipstream DecoderLayer forward and backward in `dtype` (views and aliases free); with
+    `autocast`, an fp32 layer on an fp32 residual stream under bf16 autocast, as the trainer runs
+    it (the weight casts and their gradients' casts included)."""
     torch = pytest.importorskip("torch")
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
@@ -279,7 +342,7 @@ def _eager_pointwise_bytes(config, dtype, num_tokens: int) -> tuple[float, float
     x = torch.randn(1, num_tokens, config.hidden_size, dtype=dtype, requires_grad=True)  # (B, T, E)
     cos, sin = rope_cos_sin(rope_inv_freq(config), torch.arange(num_tokens)[None], dtype)
     forward, backward = Counter(), Counter()
-    with forward:
+    with forward, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         y = layer(x, cos, sin, None)  # (B, T, E)
     grad = torch.randn_like(y)
     with backward:
@@ -289,8 +352,9 @@ def _eager_pointwise_bytes(config, dtype, num_tokens: int) -> tuple[float, float
 
 def test_eager_pointwise_bytes_match_torch():
     """Guards the eager pointwise count against what torch's dispatcher sees slipstream's layer
-    read and write outside its matmuls and attention, forward and backward, in bf16 and fp32:
-    within 2% (the per-row norm statistics the model leaves out), kernels exactly."""
+    read and write outside its matmuls and attention, forward and backward, in bf16 parameters,
+    fp32, and fp32 under bf16 autocast (the trainer: fp32 residual stream and rotary tables, weight
+    casts): within 2% (the per-row norm statistics the model leaves out), kernels exactly."""
     torch = pytest.importorskip("torch")
     from slipstream.model.config import ModelConfig
     from slipstream.perf.efficiency import Efficiency
@@ -300,19 +364,22 @@ def test_eager_pointwise_bytes_match_torch():
     config = ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=1,
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
     shape = TransformerShape.from_model_config(config)
-    for dtype, element_bytes in ((torch.bfloat16, 2), (torch.float32, 4)):
-        counted = _eager_pointwise_bytes(config, dtype, 256)
+    cases = ((torch.bfloat16, 2, False), (torch.float32, 4, False), (torch.float32, 2, True))
+    for dtype, element_bytes, autocast in cases:
+        counted = _eager_pointwise_bytes(config, dtype, 256, autocast)
         device = Device(accelerator=A100, efficiency=Efficiency(), element_bytes=element_bytes)
-        spec = LayerSpec(shape=shape, num_tokens=256, pointwise="eager")
+        recipe = dict(residual_bytes=4, autocast_weights=True) if autocast else {}
+        spec = LayerSpec(shape=shape, num_tokens=256, pointwise="eager", **recipe)
         model = (pointwise_forward(spec, device), pointwise_backward(spec, device))
-        fused = pointwise_forward(LayerSpec(shape=shape, num_tokens=256), device)
-        print(dtype, "torch", counted, "model", [w.memory_bytes for w in model],
-              "fused forward", fused.memory_bytes)
+        fused = pointwise_forward(LayerSpec(shape=shape, num_tokens=256, **recipe), device)
+        print(dtype, "autocast" if autocast else "", "torch", counted, "model",
+              [w.memory_bytes for w in model], "fused forward", fused.memory_bytes)
         for work, num_bytes in zip(model, counted[:2], strict=True):
             assert work.memory_bytes == pytest.approx(num_bytes, rel=0.02)
         kernels = [w.overhead_s / device.efficiency.kernel_overhead_s for w in model]
         assert kernels == pytest.approx(list(counted[2:]))
-        assert model[0].memory_bytes > 2 * fused.memory_bytes
+        if not autocast:  # (under autocast both also carry the layer's weight casts)
+            assert model[0].memory_bytes > 2 * fused.memory_bytes
 
 
 def _mfu(setup: TrainSetup, layout: Layout, accelerator) -> float:
@@ -324,8 +391,7 @@ def test_fused_megatron_on_h100_matches_nvidias_published_mfu():
     (Megatron with fused kernels), NVIDIA/dgxc-benchmarking llama3.1/README_8b.md and
     README_70b.md: Llama 3.1 8B on 8 H100s (TP 1, PP 1, CP 2, micro-batch 1, global batch 128,
     8192 tokens) 59.37% MFU; 70B on 64 (TP 4, PP 4, CP 2, VP 5) 54.10%. Within 5%."""
-    megatron = dict(global_batch_size=128, seq_len=8192, pointwise="fused", weight_bytes=2,
-                    grad_bytes=4, optimizer_bytes=12)
+    megatron = dict(global_batch_size=128, seq_len=8192, pointwise="fused", mixed_precision="parameters")
     cases = [
         (TrainSetup(shape=resolve_model("llama3-8b"), **megatron), Layout(dp=4, cp=2), 0.5937),
         (TrainSetup(shape=resolve_model("llama3-70b"), **megatron),
@@ -339,15 +405,17 @@ def test_fused_megatron_on_h100_matches_nvidias_published_mfu():
 
 def test_eager_fsdp_on_a100_matches_torchtitans_published_mfu():
     """Guards the eager-PyTorch FSDP prediction against torchtitan's Llama 3 runs on 64 A100s
-    (FSDP2, local batch 1, 8192 tokens; pytorch/torchtitan docs/performance.md as of PR #712):
+    (FSDP2 with bf16 parameters, local batch 1, 8192 tokens; pytorch/torchtitan
+    docs/performance.md as of PR #712):
     8B with selective op checkpointing 58.2%, 70B with full checkpointing 51.7%. The 70B within 5%;
     the 8B within +20%, because torchtitan's op-level checkpointing also recomputes every second
     matmul of the forward (about 9% more time), which the model's `selective` does not charge."""
     fsdp = Layout(dp=64, zero_stage=3)
-    mfu_8b = _mfu(TrainSetup(shape=resolve_model("llama3-8b"), global_batch_size=64, seq_len=8192,
-                             recompute="selective"), fsdp, A100)
-    mfu_70b = _mfu(TrainSetup(shape=resolve_model("llama3-70b"), global_batch_size=64, seq_len=8192,
-                              recompute="full"), fsdp, A100)
+    bf16_params = dict(global_batch_size=64, seq_len=8192, mixed_precision="parameters")
+    mfu_8b = _mfu(TrainSetup(shape=resolve_model("llama3-8b"), recompute="selective", **bf16_params),
+                  fsdp, A100)
+    mfu_70b = _mfu(TrainSetup(shape=resolve_model("llama3-70b"), recompute="full", **bf16_params),
+                   fsdp, A100)
     print(f"8B model {mfu_8b:.4f} published 0.582; 70B model {mfu_70b:.4f} published 0.517")
     assert 1.0 < mfu_8b / 0.582 < 1.2
     assert mfu_70b == pytest.approx(0.517, rel=0.05)
@@ -365,7 +433,8 @@ def test_torchtitan_h100_gap_between_eager_and_compiled():
     does not see), which this also pins."""
     torchtitan_h100 = H100.scaled(memory_bandwidth=2.4 / 3.35, flops=835.5 / 989.4)
     setups = {p: TrainSetup(shape=resolve_model("llama3-8b"), global_batch_size=16, micro_batch_size=2,
-                            seq_len=8192, recompute="selective", pointwise=p) for p in ("eager", "fused")}
+                            seq_len=8192, recompute="selective", pointwise=p, mixed_precision="parameters")
+              for p in ("eager", "fused")}
     layout = Layout(dp=8, zero_stage=3)
     tokens_per_s = {p: predict_training(s, layout, torchtitan_h100).tokens_per_s / 8
                     for p, s in setups.items()}
@@ -380,10 +449,11 @@ def test_tiny_on_the_development_cpu_matches_its_measured_mfu():
     """Guards the calibrated-CPU defaults against the trainer's measured MFU of the tiny preset
     (docs/training.md, Performance: batch 8 x 256 on the 2-core AMD EPYC, against calibrated
     oneDNN peaks of 469 GFLOP/s fp32 and 971 bf16 and docs/perf.md's 68 GB/s): fp32 55.5%, within
-    10%. bf16 measured 42.2% (41.7% in `make demo` on the Zen 5); the model stays up to 30% optimistic there:
-    that run's profile puts its GEMMs at 84% of the calibrated peak and its elementwise work and
-    loss at 28% of the step, where the model charges about 15%. Its attention fraction comes from
-    the same profile, which makes fp32 the cleaner check."""
+    10%. bf16 measured 42.2% (41.7% in `make demo` on the Zen 5); the model stays up to 25%
+    optimistic there: that run's profile puts its GEMMs at 84% of the calibrated peak and its
+    elementwise work and loss at 28% of the step, where the model charges 19% (bytes checked by
+    `test_eager_pointwise_bytes_match_torch`, so the gap is the CPU's rate on those kernels). Its
+    attention fraction comes from the same profile, which makes fp32 the cleaner check."""
     measured = "docs/training.md and docs/perf.md (calibrate() on the development machine)"
     cpu = Accelerator(name="AMD EPYC (2 threads, calibrated)",
                       peak_flops_per_s={"fp32": 469e9, "bf16": 971e9},
@@ -394,4 +464,4 @@ def test_tiny_on_the_development_cpu_matches_its_measured_mfu():
                                   seq_len=256, dtype=dtype), Layout(), cpu) for dtype in ("fp32", "bf16")}
     print(f"fp32 model {mfu['fp32']:.4f} measured 0.555; bf16 model {mfu['bf16']:.4f} measured 0.422")
     assert mfu["fp32"] == pytest.approx(0.555, rel=0.10)
-    assert 1.0 < mfu["bf16"] / 0.422 < 1.3
+    assert 1.0 < mfu["bf16"] / 0.422 < 1.25

@@ -82,7 +82,8 @@ def _ints(text: str, flag: str) -> list[int]:
 def train_setup(args: argparse.Namespace) -> TrainSetup:
     return TrainSetup(shape=resolve_model(args.model), global_batch_size=args.global_batch,
                       seq_len=args.seq_len, micro_batch_size=args.micro_batch, dtype=args.dtype,
-                      recompute=args.recompute, attention=args.attention, pointwise=args.pointwise)
+                      recompute=args.recompute, attention=args.attention, pointwise=args.pointwise,
+                      mixed_precision=args.mixed_precision)
 
 
 def layout_from(args: argparse.Namespace) -> Layout:

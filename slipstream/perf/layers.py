@@ -99,6 +99,12 @@ class LayerSpec:
     pointwise: str = "fused"
     """"fused": one kernel per norm, activation, rotary embedding and residual add; "eager": the
     PyTorch ops of slipstream's model code, one kernel each (see `_eager_pointwise`)."""
+    residual_bytes: int | None = None
+    """Bytes per element of the residual stream (the norm inputs and the residual adds, and the
+    rotary tables made from it); None: the activation bytes. 4 under autocast (fp32 weights)."""
+    autocast_weights: bool = False
+    """fp32 weights under `torch.autocast`: the forward casts each matmul weight to 16 bits and
+    the backward casts its gradient back (6 bytes per parameter each, one kernel per matrix)."""
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KERNELS:
@@ -152,51 +158,64 @@ def pointwise_backward(spec: LayerSpec, device: Device) -> Work:
 
 def _pointwise(spec: LayerSpec, e: int, backward: bool) -> tuple[float, int]:
     """(bytes, kernels) of one layer's pointwise work on one device, forward or backward."""
-    shape, n = spec.shape, spec.num_tokens
+    shape, n, r = spec.shape, spec.num_tokens, spec.residual_bytes or e
     replicated = n * shape.hidden_size / (spec.tp if spec.sequence_parallel else 1)
     f_local = n * shape.ffn_hidden_size / spec.tp
     rotary_width = 0 if shape.learned_positions else n * (shape.q_dim + shape.kv_dim) / spec.tp
     scale = 2 if backward else 1
+    mask = replicated if spec.dropout else 0
     parts = {  # fused: one kernel per operation, forward; the backward twice the bytes
-        "norm": (scale * 2 * (2 * replicated * e), scale * 2),  # read x, write y, twice per layer
-        "residual": (scale * 2 * (3 * replicated * e + (replicated if spec.dropout else 0)), scale * 2),
+        "norm": (scale * 2 * replicated * (r + e), scale * 2),  # read x, write y, twice per layer
+        "residual": (scale * 2 * (replicated * (2 * r + e) + mask), scale * 2),  # x + f(x)
         "activation": (scale * (3 if shape.mlp == "swiglu" else 2) * f_local * e, scale),
         "rotary": (scale * 2 * rotary_width * e, scale if rotary_width else 0),
     }
     if spec.pointwise == "eager":
-        parts |= _eager_pointwise(spec, e, backward, replicated, f_local, rotary_width)
+        parts |= _eager_pointwise(spec, e, r, backward, replicated, f_local, rotary_width)
+    if spec.autocast_weights:
+        matrices = 4 + shape.mlp_matrices  # q, k, v, o and the MLP's
+        parts["weight_casts"] = (6.0 * shape.layer_matmul_params() / spec.tp, matrices)
     return sum(b for b, _ in parts.values()), sum(k for _, k in parts.values())
 
 
-def _eager_pointwise(spec: LayerSpec, e: int, backward: bool, replicated: float, f_local: float,
-                     rotary_width: float) -> dict[str, tuple[float, int]]:
+def _eager_pointwise(spec: LayerSpec, e: int, r: int, backward: bool, replicated: float,
+                     f_local: float, rotary_width: float) -> dict[str, tuple[float, int]]:
     """The parts eager PyTorch runs as several ops, counted op by op (bytes read plus written per
     element, kernels) from slipstream/model/transformer.py, whose RMSNorm, SwiGLU and rotary
     embedding torchtitan's and Hugging Face's Llama also write in plain ops; LayerNorm, GELU and
-    the residual adds are one op either way and keep the fused count. Per-row norm statistics
-    (a few bytes per token) are left out."""
+    the residual adds are one op either way and keep the fused count. Norms read the r-byte
+    residual stream; under autocast (r = 4 > e) its fp32 rotary tables make q and k fp32 until
+    attention casts them back, and autograd casts each gradient to its input's dtype. Per-row
+    norm statistics (a few bytes per token) are left out."""
     shape, n = spec.shape, spec.num_tokens
-    cast = 0 if e == 4 else e + 4  # x.float() or .to(x.dtype): read e, write 4 (or back); fp32: no-op
+    cast = 0 if r == 4 else r + 4  # x.float() or .to(x.dtype): read r, write 4 (or back); fp32: no-op
     casts = 1 if cast else 0
+    down = r + e if r != e else 0  # autocast: an fp32 tensor cast to the matmul dtype (or back)
+    downs = 1 if down else 0
     parts: dict[str, tuple[float, int]] = {}
-    if shape.norm == "rmsnorm":  # two per layer
+    if shape.norm == "rmsnorm":  # two per layer, each output cast once for its matmuls
         if backward:  # six casts, six fp32 multiplies (normed, grad * weight, g * normed, normed *
             # mean(g * normed), rstd * (.), the weight gradient's), mean, sub, sum
-            parts["norm"] = (2 * replicated * (68 + 2 * e + 6 * cast), 2 * (9 + 7 * casts))
+            parts["norm"] = (2 * replicated * (68 + 2 * r + 6 * cast + down), 2 * (9 + 7 * casts + downs))
         else:  # x.float(), pow, mean, + eps, rsqrt, x * rstd (fp32), .to(dtype), * weight
-            parts["norm"] = (2 * replicated * (20 + 2 * e + 2 * cast), 2 * (6 + 2 * casts))
+            parts["norm"] = (2 * replicated * (20 + 2 * r + 2 * cast + down), 2 * (6 + 2 * casts + downs))
     if shape.mlp == "swiglu":  # silu(gate) * up; backward: silu(gate) again, two muls, silu_backward
         parts["activation"] = ((11 if backward else 5) * e * f_local, 4 if backward else 2)
     if rotary_width:  # x * cos + cat(-x2, x1) * sin for queries and keys, each multiply reading
-        # a cos or sin row per token; backward: grad * cos and * sin, two slice_backwards, neg, two adds
-        tables = 4 * n * shape.head_dim * e
-        parts["rotary"] = ((14 if backward else 10) * e * rotary_width + tables, 14 if backward else 10)
-    if backward:  # a residual add passes its gradient through; autograd adds gradients where
-        # branches meet (read two, write one): each residual, and the input q, k and v share (two
-        # adds) and gate and up share (one); dropout's backward multiplies by its 1-byte mask
+        # an r-byte cos or sin row per token; backward: grad * cos and * sin, two slice_backwards,
+        # neg, two adds; under autocast the fp32 results are cast for attention (back: 3 casts)
+        tables = 4 * n * shape.head_dim * r
+        if backward:
+            parts["rotary"] = ((10 * e + 4 * r + 3 * down) * rotary_width + tables, 14 + 6 * downs)
+        else:
+            parts["rotary"] = ((5 * e + 5 * r + down) * rotary_width + tables, 10 + 2 * downs)
+    if backward:  # a residual add passes its gradient through (cast to the branch's dtype under
+        # autocast); autograd adds gradients where branches meet (read two, write one): each
+        # residual, and the input q, k and v share (two adds) and gate and up share (one);
+        # dropout's backward multiplies by its 1-byte mask
         dropout = 2 * (2 * e + 1) * replicated if spec.dropout else 0
-        parts["residual"] = (dropout, 2 if spec.dropout else 0)
-        parts["gradient_adds"] = (3 * e * (2 * replicated + 3 * n * shape.hidden_size), 5)
+        parts["residual"] = (dropout + 2 * down * replicated, (2 if spec.dropout else 0) + 2 * downs)
+        parts["gradient_adds"] = (6 * r * replicated + 9 * e * n * shape.hidden_size, 5)
     return parts
 
 

@@ -23,7 +23,9 @@ interleaved chunks (section 4.2.3). Layers are whole, split as the time model sp
 
 Bytes follow the training dtype as slipstream's trainer runs it: fp32 parameters, gradients and
 AdamW moments, plus autocast's 16-bit weight copies in bf16/fp16; activations are 2 bytes under
-autocast and 4 in fp32 (`TrainSetup.state_bytes_per_param`, `TrainSetup.activation_bytes`).
+autocast and 4 in fp32, and the residual stream (the norm inputs) stays fp32 under autocast
+(`TrainSetup.state_bytes_per_param`, `activation_bytes`, `residual_bytes`). 16-bit parameters
+(`mixed_precision="parameters"`, Megatron) keep it in 16 bits, as Korthikanti et al. count it.
 """
 
 from __future__ import annotations
@@ -64,18 +66,22 @@ def activation_bytes_per_layer(
 
     `micro_batch_tokens` is s*b on this device (after context-parallel splitting). Generalises
     Korthikanti et al. section 4.1 op by op: e-byte activations (`setup.activation_bytes`, 2 in
-    bf16/fp16, 4 in fp32), 1-byte dropout masks, fp32 softmax statistics.
+    bf16/fp16, 4 in fp32) off an r-byte residual stream (`setup.residual_bytes`), 1-byte dropout
+    masks, fp32 softmax statistics.
     """
-    shape, n, e = setup.shape, micro_batch_tokens, setup.activation_bytes
+    shape, n, e, r = setup.shape, micro_batch_tokens, setup.activation_bytes, setup.residual_bytes
     if setup.recompute == "full":
-        return e * n * shape.hidden_size  # the checkpointed layer input
+        return r * n * shape.hidden_size  # the checkpointed layer input
     h, f = shape.hidden_size, shape.ffn_hidden_size
     mask = 1.0 if setup.dropout else 0.0
-    # Replicated without SP: both norm inputs (2e), the q/k/v and MLP inputs (2e), dropout masks.
-    replicated = n * h * (4 * e + 2 * mask)
+    # Replicated without SP: both norm inputs (2r: the residual stream, fp32 under autocast), the
+    # q/k/v and MLP inputs (2e), dropout masks.
+    replicated = n * h * (2 * r + 2 * e + 2 * mask)
     # Split by TP: q, k, v and the projection input (4e sbh for MHA), the MLP intermediates (GELU
     # input and the down-projection input, 8e sbh for a 4h GELU MLP; SwiGLU keeps gate, up, product).
     attention = e * n * (2 * shape.q_dim + 2 * shape.kv_dim)
+    if shape.qk_norm:  # the q and k norms keep their inputs too
+        attention += e * n * (shape.q_dim + shape.kv_dim)
     mlp = e * n * f * (3 if shape.mlp == "swiglu" else 2)
     split = attention + mlp
     scores = 0.0
@@ -164,6 +170,12 @@ def _stage_memory(setup: TrainSetup, layout: Layout, stage: int, layers: int, pa
     if setup.recompute == "full":  # the layer being recomputed materialises its activations
         full = dataclasses.replace(setup, recompute="none")
         activations += activation_bytes_per_layer(full, layout.tp, layout.sequence_parallel, tokens)
-    if stage == layout.pp - 1:  # logits of the loss in fp32 (section 4.3), on the last stage
-        activations += 4.0 * tokens * setup.shape.vocab_size / layout.tp
+    if not setup.shape.learned_positions:  # the rotary cos and sin rows of every token, which
+        # every layer's q and k multiply by (the trainer builds them once per micro-batch)
+        activations += 2.0 * setup.residual_bytes * tokens * setup.shape.head_dim
+    if stage == layout.pp - 1:  # on the last stage: the final norm's and lm_head's inputs and
+        # the fp32 logits of the loss (section 4.3)
+        split = layout.tp if layout.sequence_parallel else 1
+        h, e, r = setup.shape.hidden_size, setup.activation_bytes, setup.residual_bytes
+        activations += (r + e) * tokens * h / split + 4.0 * tokens * setup.shape.vocab_size / layout.tp
     return MemoryBreakdown(weights, grads, optimizer, activations, setup.reserved_bytes)

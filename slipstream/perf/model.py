@@ -51,6 +51,7 @@ from slipstream.perf.shapes import TransformerShape
 from slipstream.perf.work import Work, total
 
 TP_OVERLAP = ("none", "backward", "full")
+MIXED_PRECISION = ("autocast", "parameters")
 OPTIMIZER_BYTES_PER_PARAM = 38
 """Adam step traffic per local parameter: read fp32 master, grad, m, v (16 B), write master, m, v
 and the 16-bit weight (14 B), plus the gradient-norm read and the zeroing write (8 B)."""
@@ -113,11 +114,17 @@ class TrainSetup:
     """"eager": norms, activation and rotary embeddings op by op, as slipstream's trainer and
     torchtitan without torch.compile run them; "fused": one kernel each (Megatron, torch.compile)."""
     dropout: bool = False
+    mixed_precision: str = "autocast"
+    """How 16-bit training holds its numbers (no effect in fp32/tf32). "autocast": slipstream's
+    trainer, fp32 parameters under `torch.autocast`, so each micro-batch casts the weights to 16
+    bits and their gradients back to fp32, and the residual stream (embedding output, residual
+    adds, norm inputs) stays fp32. "parameters": 16-bit parameters (Megatron; torchtitan's FSDP
+    `param_dtype`), so the residual stream is 16-bit and nothing is cast per micro-batch."""
     weight_bytes: float | None = None
     grad_bytes: float | None = None
     optimizer_bytes: float | None = None
-    """Bytes per parameter; None follows `dtype` as slipstream's trainer runs it (see
-    `state_bytes_per_param`). Megatron's split is weight 2, grad 4, optimizer 12."""
+    """Bytes per parameter; None follows `dtype` and `mixed_precision` (see
+    `state_bytes_per_param`)."""
     tp_overlap: str = "backward"
     dp_overlap: bool = True
     reserved_bytes: float = 2 * 2**30
@@ -130,7 +137,8 @@ class TrainSetup:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         dtype_key(self.dtype)
         checks = (("recompute", RECOMPUTE_MODES), ("attention", ATTENTION_KERNELS),
-                  ("pointwise", POINTWISE_KERNELS), ("tp_overlap", TP_OVERLAP))
+                  ("pointwise", POINTWISE_KERNELS), ("mixed_precision", MIXED_PRECISION),
+                  ("tp_overlap", TP_OVERLAP))
         for name, valid in checks:
             if getattr(self, name) not in valid:
                 raise ValueError(f"{name} must be one of {valid}, got {getattr(self, name)!r}")
@@ -144,16 +152,29 @@ class TrainSetup:
         """Bytes per saved activation element: 4 in fp32/tf32, else 2 (autocast's bf16/fp16)."""
         return 4 if dtype_key(self.dtype) in ("fp32", "tf32") else 2
 
+    @property
+    def autocast(self) -> bool:
+        """16-bit compute on fp32 parameters through `torch.autocast` (see `mixed_precision`)."""
+        return self.activation_bytes == 2 and self.mixed_precision == "autocast"
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes per element of the residual stream: 4 in fp32 and under autocast, else 2."""
+        return 4 if self.autocast else self.activation_bytes
+
     def state_bytes_per_param(self) -> tuple[float, float, float]:
         """Weight, gradient and optimizer bytes per parameter; explicit fields win.
 
         As slipstream's trainer runs it (`slipstream/train`): parameters, gradients and AdamW's
-        two moments are fp32 (4, 4, 8 bytes); in bf16/fp16 training autocast also keeps a 16-bit
-        copy of every weight from the forward to the backward (its cast cache, saved for the
-        input gradient), so weights cost 4 + 2 bytes.
+        two moments are fp32 (4, 4, 8 bytes); under autocast a 16-bit copy of every weight also
+        lives from the forward to the backward (its cast cache, saved for the input gradient), so
+        weights cost 4 + 2 bytes. With 16-bit `parameters` the fp32 master weights are counted
+        with the optimizer (weight 2, grad 4, optimizer 12: Megatron's split).
         """
-        weights = 4.0 if self.activation_bytes == 4 else 6.0
-        defaults = (weights, 4.0, 8.0)
+        if self.activation_bytes == 2 and not self.autocast:
+            defaults = (2.0, 4.0, 12.0)
+        else:
+            defaults = (6.0 if self.autocast else 4.0, 4.0, 8.0)
         given = (self.weight_bytes, self.grad_bytes, self.optimizer_bytes)
         return tuple(d if g is None else float(g) for g, d in zip(given, defaults, strict=True))
 
@@ -289,7 +310,8 @@ def _layer_spec(setup: TrainSetup, layout: Layout) -> LayerSpec:
     return LayerSpec(shape=setup.shape, num_tokens=tokens // layout.cp, tp=layout.tp,
                      sequence_parallel=layout.sequence_parallel, attention=setup.attention,
                      pointwise=setup.pointwise, dropout=setup.dropout,
-                     attention_pairs=tokens * keys / layout.cp)
+                     attention_pairs=tokens * keys / layout.cp, residual_bytes=setup.residual_bytes,
+                     autocast_weights=setup.autocast)
 
 
 def _context_parallel(setup: TrainSetup, layout: Layout, spec: LayerSpec, device: Device) -> Work:
@@ -312,10 +334,14 @@ def _stage_works(
     """Per-micro-batch time of the first, middle and last stages (embedding / logits differ)."""
     shape = setup.shape
     first, middle_layers, last = stage_layers(shape.num_layers, layout)
-    tokens, v = spec.num_tokens, shape.vocab_size
-    logits = device.gemm(tokens, shape.hidden_size, v / layout.tp, count=3)  # forward + 2 backward
-    loss = device.stream(3 * 4.0 * tokens * v / layout.tp, 3)  # fp32 logits: softmax, grad
-    embedding = device.stream(4.0 * tokens * shape.hidden_size, 2)
+    tokens, v, h, r = spec.num_tokens, shape.vocab_size, shape.hidden_size, setup.residual_bytes
+    logits = device.gemm(tokens, h, v / layout.tp, count=3)  # forward + 2 backward
+    if setup.autocast:  # the lm_head weight cast to 16 bits, its gradient back
+        logits = logits + device.stream(12.0 * h * v / layout.tp, 2)
+    logit_bytes = _loss_bytes_per_logit(setup)
+    loss = device.stream(logit_bytes[0] * tokens * v / layout.tp, logit_bytes[1])
+    # Rows gathered and their gradient scattered into a dense fp32 table gradient.
+    embedding = device.stream(3.0 * r * tokens * h + 4.0 * v * h / layout.tp, 2)
     if layout.pp == 1:
         return [layer * shape.num_layers + logits + loss + embedding]
     # Scatter-gather (Narayanan et al. 2021, section 4.1): each TP rank sends 1/t of the
@@ -328,6 +354,18 @@ def _stage_works(
     p2p = p2p * (2.0 * layout.virtual_stages)
     return [layer * first + p2p + embedding, layer * middle_layers + p2p,
             layer * last + p2p + logits + loss]
+
+
+def _loss_bytes_per_logit(setup: TrainSetup) -> tuple[float, int]:
+    """(bytes per logit, kernels) of the fp32 cross-entropy, forward and backward. Fused (Megatron's
+    vocab-parallel kernel): read the logits, write and read back their gradient. Eager, as
+    `Trainer.loss` runs it: 16-bit logits cast to fp32 (read e, write 4), log_softmax (8), the
+    NLL's scalar, its backward's dense gradient (4), log_softmax's backward (12), the cast back."""
+    if setup.pointwise == "fused":
+        return 12.0, 3
+    e = setup.activation_bytes
+    cast = 0.0 if e == 4 else e + 4.0
+    return 24.0 + 2 * cast, 4 + (2 if cast else 0)
 
 
 def _data_parallel(setup: TrainSetup, layout: Layout, device: Device, layer: Work, m: int) -> Work:

@@ -46,6 +46,8 @@ class TransformerShape:
     extra_params_per_layer: int = 0
     """Small per-layer weights outside this description (Qwen q/k/v biases, q/k norms)."""
     sliding_window: int | None = None
+    qk_norm: bool = False
+    """An RMSNorm on every head's query and key before the rotary embedding (Qwen3)."""
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -75,6 +77,7 @@ class TransformerShape:
             head_dim=config.head_dim, ffn_hidden_size=config.intermediate_size,
             vocab_size=config.vocab_size, tied_embeddings=config.tie_word_embeddings,
             extra_params_per_layer=extra, sliding_window=config.sliding_window,
+            qk_norm=config.qk_norm,
         )
 
     @property
