@@ -77,7 +77,7 @@ def test_rms_norm_backward_equals_autograd_of_the_reference(dtype):
             out = norm(leaf)
             out.backward(grad_out)
             results.append((out, leaf.grad, norm.weight.grad))
-        for name, want, have in zip(("output", "grad x", "grad weight"), *results):
+        for name, want, have in zip(("output", "grad x", "grad weight"), *results, strict=True):
             err = ((have.float() - want.float()).norm() / want.float().norm()).item()
             print(dtype, shape, name, f"relative error {err:.2e}")
             assert err < (1e-6 if dtype == torch.float32 else 1e-2), name
@@ -113,7 +113,8 @@ def test_grouped_query_attention_saves_unexpanded_keys_and_values():
     k, v = (torch.randn(B, T, K, D, requires_grad=True) for _ in range(2))
     for window in (None, 8):
         out: list[torch.Tensor] = []
-        saved = _saved_storages(lambda: out.append(dense_causal_attention(q, k, v, sliding_window=window)))
+        saved = _saved_storages(
+            lambda out=out, w=window: out.append(dense_causal_attention(q, k, v, sliding_window=w)))
         assert max(t.untyped_storage().nbytes() for t in saved.values()) == B * T * H * D * 4
         assert sum(t.untyped_storage().nbytes() == B * T * H * D * 4 for t in saved.values()) == 2  # q, out
         expanded = [x.repeat_interleave(H // K, dim=2).transpose(1, 2) for x in (k, v)]
@@ -138,7 +139,8 @@ def test_autocast_projections_share_one_saved_input():
 
     def forward():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            model.model.layers[0](model.model.embed_tokens(ids), *rope_cos_sin(model.model.inv_freq, positions, torch.float32), None)
+            cos_sin = rope_cos_sin(model.model.inv_freq, positions, torch.float32)
+            model.model.layers[0](model.model.embed_tokens(ids), *cos_sin, None)
 
     saved = _saved_storages(forward)
     hidden_bf16 = [t for t in saved.values()

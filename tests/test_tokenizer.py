@@ -333,10 +333,12 @@ def test_token_bytes_rebuild_multi_byte_characters(tokenizer):
     assert any(tokenizer.decode([i]) == "\ufffd" for i in ids)
     assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode()
     pieces = ["<unk>", "▁a", *(f"<0x{b:02X}>" for b in "中".encode())]
-    model = tokenizers.models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>", byte_fallback=True)
+    model = tokenizers.models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>",
+                                  byte_fallback=True)
     fallback = tokenizers.Tokenizer(model)
     fallback.decoder = tokenizers.decoders.Sequence([
-        tokenizers.decoders.Replace("▁", " "), tokenizers.decoders.ByteFallback(), tokenizers.decoders.Fuse()])
+        tokenizers.decoders.Replace("▁", " "), tokenizers.decoders.ByteFallback(),
+        tokenizers.decoders.Fuse()])
     ours = Tokenizer(fallback)
     assert [ours.decode([i]) for i in (2, 3)] == ["\ufffd", "\ufffd"]
     assert b"".join(ours.token_bytes(i) for i in (1, 2, 3, 4)) == " a中".encode()

@@ -192,7 +192,8 @@ def _step_windows(world_size: int, micro: int, windows_per_step: int, steps: int
     for _ in range(steps):
         batches = [next(loader) for _ in range(windows_per_step // (world_size * micro)) for loader in ranks]
         assert all(b.window_ids.shape == (micro,) for b in batches)
-        steps_read.append(({b.epoch for b in batches}, sorted(i for b in batches for i in b.window_ids.tolist())))
+        ids = sorted(i for b in batches for i in b.window_ids.tolist())
+        steps_read.append(({b.epoch for b in batches}, ids))
     return steps_read
 
 

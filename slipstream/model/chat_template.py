@@ -62,7 +62,8 @@ def render_chat_template(
         if not isinstance(messages[-1].get("content"), str):
             raise ValueError("continue_final_message needs a final message with string content")
         messages[-1] = messages[-1] | {"content": messages[-1]["content"] + _CONTINUE_MARK}
-    variables.update(messages=messages, tools=_plain_tools(tools), add_generation_prompt=add_generation_prompt)
+    variables.update(messages=messages, tools=_plain_tools(tools),
+                     add_generation_prompt=add_generation_prompt)
     text = template.render(**variables)
     if not continue_final_message:
         return text

@@ -63,8 +63,9 @@ class Watchdog:
     """Dump every thread's stack and exit when `progress()` is not called again within
     `timeout_s` (0 disables it). `start()` opens the stack file, registers SIGUSR1 and arms it
     for `first_timeout_s` (the first step compiles and warms up, so it gets longer); every
-    `progress()` re-arms it for `timeout_s`; `stop()` disarms it. The file is named after this process too: attempt numbers start
-    at 0 again in every launch, and a rerun must not write into an earlier run's stacks."""
+    `progress()` re-arms it for `timeout_s`; `stop()` disarms it. The file is named after this
+    process too: attempt numbers start at 0 again in every launch, and a rerun must not write
+    into an earlier run's stacks."""
 
     def __init__(self, timeout_s: float, run_dir: str | Path, rank: int, attempt: int,
                  first_timeout_s: float | None = None) -> None:

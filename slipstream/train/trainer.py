@@ -287,7 +287,8 @@ class Trainer:
             return WindowLoader(
                 self.dataset.tokens("val"), seq_len=self.config.data.seq_len,
                 batch_size=self.config.training.micro_batch_size, rank=self.dist.rank,
-                world_size=self.dist.world_size, shuffle=False, prefetch=0, vocab_size=self.dataset.vocab_size,
+                world_size=self.dist.world_size, shuffle=False, prefetch=0,
+                vocab_size=self.dataset.vocab_size,
             )
         except ValueError as e:
             logger.warning("evaluation disabled: the held-out split is too small (%s)", e)
