@@ -350,19 +350,22 @@ def _eager_pointwise_bytes(config, dtype, num_tokens: int, autocast: bool = Fals
     return forward.bytes, backward.bytes, forward.kernels, backward.kernels
 
 
-def test_eager_pointwise_bytes_match_torch():
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_eager_pointwise_bytes_match_torch(family):
     """Guards the eager pointwise count against what torch's dispatcher sees slipstream's layer
     read and write outside its matmuls and attention, forward and backward, in bf16 parameters,
     fp32, and fp32 under bf16 autocast (the trainer: fp32 residual stream and rotary tables, weight
-    casts): within 2% (the per-row norm statistics the model leaves out), kernels exactly."""
+    casts), with and without Qwen3's q/k norms: within 2% (the per-row norm statistics the model
+    leaves out), kernels exactly."""
     torch = pytest.importorskip("torch")
     from slipstream.model.config import ModelConfig
     from slipstream.perf.efficiency import Efficiency
     from slipstream.perf.layers import Device, LayerSpec, pointwise_backward, pointwise_forward
     from slipstream.perf.shapes import TransformerShape
 
-    config = ModelConfig(vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=1,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024)
+    config = ModelConfig(model_type=family, vocab_size=512, hidden_size=512, intermediate_size=1536,
+                         num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2,
+                         max_position_embeddings=1024)
     shape = TransformerShape.from_model_config(config)
     cases = ((torch.bfloat16, 2, False), (torch.float32, 4, False), (torch.float32, 2, True))
     for dtype, element_bytes, autocast in cases:

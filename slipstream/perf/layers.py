@@ -170,6 +170,8 @@ def _pointwise(spec: LayerSpec, e: int, backward: bool) -> tuple[float, int]:
         "activation": (scale * (3 if shape.mlp == "swiglu" else 2) * f_local * e, scale),
         "rotary": (scale * 2 * rotary_width * e, scale if rotary_width else 0),
     }
+    if shape.qk_norm:  # one per head of q and of k
+        parts["qk_norm"] = (scale * 2 * rotary_width * e, scale * 2 if rotary_width else 0)
     if spec.pointwise == "eager":
         parts |= _eager_pointwise(spec, e, r, backward, replicated, f_local, rotary_width)
     if spec.autocast_weights:
@@ -188,27 +190,31 @@ def _eager_pointwise(spec: LayerSpec, e: int, r: int, backward: bool, replicated
     attention casts them back, and autograd casts each gradient to its input's dtype. Per-row
     norm statistics (a few bytes per token) are left out."""
     shape, n = spec.shape, spec.num_tokens
-    cast = 0 if r == 4 else r + 4  # x.float() or .to(x.dtype): read r, write 4 (or back); fp32: no-op
-    casts = 1 if cast else 0
     down = r + e if r != e else 0  # autocast: an fp32 tensor cast to the matmul dtype (or back)
     downs = 1 if down else 0
     parts: dict[str, tuple[float, int]] = {}
     if shape.norm == "rmsnorm":  # two per layer, each output cast once for its matmuls
-        if backward:  # six casts, six fp32 multiplies (normed, grad * weight, g * normed, normed *
-            # mean(g * normed), rstd * (.), the weight gradient's), mean, sub, sum
-            parts["norm"] = (2 * replicated * (68 + 2 * r + 6 * cast + down), 2 * (9 + 7 * casts + downs))
-        else:  # x.float(), pow, mean, + eps, rsqrt, x * rstd (fp32), .to(dtype), * weight
-            parts["norm"] = (2 * replicated * (20 + 2 * r + 2 * cast + down), 2 * (6 + 2 * casts + downs))
+        num_bytes, kernels = _rms_norm(r, r, r, backward)
+        parts["norm"] = (2 * replicated * (num_bytes + down), 2 * (kernels + downs))
+    # The rotary embedding's input: q and k as the projections wrote them, or as their norms
+    # did (the norm's weight has the residual stream's dtype, which the product takes).
+    rotary_in = e
+    if shape.qk_norm and rotary_width:
+        rotary_in = r
+        num_bytes, kernels = _rms_norm(e, rotary_in, r, backward)
+        parts["qk_norm"] = (num_bytes * rotary_width, 2 * kernels)
     if shape.mlp == "swiglu":  # silu(gate) * up; backward: silu(gate) again, two muls, silu_backward
         parts["activation"] = ((11 if backward else 5) * e * f_local, 4 if backward else 2)
     if rotary_width:  # x * cos + cat(-x2, x1) * sin for queries and keys, each multiply reading
         # an r-byte cos or sin row per token; backward: grad * cos and * sin, two slice_backwards,
-        # neg, two adds; under autocast the fp32 results are cast for attention (back: 3 casts)
-        tables = 4 * n * shape.head_dim * r
-        if backward:
-            parts["rotary"] = ((10 * e + 4 * r + 3 * down) * rotary_width + tables, 14 + 6 * downs)
+        # neg, two adds; under autocast the fp32 results are cast for attention, and back
+        tables, i = 4 * n * shape.head_dim * r, rotary_in
+        if backward:  # the gradients of the multiplies cast to the input's dtype when it differs
+            to_input = r + i if r != i else 0
+            per_element = 10 * i + 4 * r + 2 * to_input + down
+            parts["rotary"] = (per_element * rotary_width + tables, 14 + 4 * (to_input > 0) + 2 * downs)
         else:
-            parts["rotary"] = ((5 * e + 5 * r + down) * rotary_width + tables, 10 + 2 * downs)
+            parts["rotary"] = ((5 * i + 5 * r + down) * rotary_width + tables, 10 + 2 * downs)
     if backward:  # a residual add passes its gradient through (cast to the branch's dtype under
         # autocast); autograd adds gradients where branches meet (read two, write one): each
         # residual, and the input q, k and v share (two adds) and gate and up share (one);
@@ -217,6 +223,27 @@ def _eager_pointwise(spec: LayerSpec, e: int, r: int, backward: bool, replicated
         parts["residual"] = (dropout + 2 * down * replicated, (2 if spec.dropout else 0) + 2 * downs)
         parts["gradient_adds"] = (6 * r * replicated + 9 * e * n * shape.hidden_size, 5)
     return parts
+
+
+def _rms_norm(x: int, out: int, weight: int, backward: bool) -> tuple[float, int]:
+    """(bytes per element, kernels) of slipstream's RMSNorm on x-byte input with a weight-byte
+    weight, writing out-byte results (the product's promoted dtype).
+
+    Forward: x.float(), pow, mean, + eps, rsqrt, x * rstd (fp32), .to(x.dtype), * weight.
+    Backward (`_RMSNormFunction`): x.float() * rstd, (grad * weight).float(), the fp32 input
+    gradient (g * normed, mean, normed * mean, sub, rstd *) and .to(x.dtype), the weight
+    gradient's normed.to(x.dtype).float(), grad.float(), multiply and sum, and .to(weight.dtype).
+    A cast to or from fp32 reads and writes (b + 4) bytes and is free when b is 4."""
+    def cast(b: int) -> int:
+        return 0 if b == 4 else b + 4
+
+    def casts(b: int) -> int:
+        return 0 if b == 4 else 1
+
+    if backward:
+        num_bytes = 68 + 2 * out + 4 * cast(x) + 2 * cast(out)
+        return num_bytes, 9 + 4 * casts(x) + 2 * casts(out) + casts(weight)
+    return 20 + 2 * cast(x) + x + out, 6 + 2 * casts(x)
 
 
 def tp_collectives(spec: LayerSpec, device: Device, ranks_per_node: int) -> Work:
