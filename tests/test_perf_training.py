@@ -385,6 +385,52 @@ def test_eager_pointwise_bytes_match_torch(family):
             assert model[0].memory_bytes > 2 * fused.memory_bytes
 
 
+def test_eager_loss_bytes_match_torch():
+    """Guards the eager loss count (bytes per logit, kernels) against what torch's dispatcher sees
+    `Trainer.loss`'s cross-entropy read and write, forward and backward, from bf16 logits (as
+    autocast's lm_head writes them) and from fp32. The NLL ops read one logit per row, so only
+    their outputs are counted (the backward's is the dense gradient)."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from slipstream.perf.model import _loss_bytes_per_logit
+
+    class Counter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes, self.kernels = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            storages = {t.untyped_storage().data_ptr() for t in inputs}
+            alias = any(t.untyped_storage().data_ptr() in storages for t in outputs)
+            if func.__name__.startswith("nll_loss"):
+                inputs = []
+            if not alias and func.__name__ != "ones_like.default":  # (the seed gradient)
+                self.bytes += sum(t.numel() * t.element_size() for t in inputs + outputs)
+                self.kernels += 1
+            return out
+
+    num_tokens, vocab = 96, 4096
+    for dtype in ("bf16", "fp32"):
+        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        logits = torch.randn(num_tokens, vocab, dtype=torch_dtype, requires_grad=True)  # (N, V)
+        targets = torch.randint(0, vocab, (num_tokens,))
+        counter = Counter()
+        with counter:
+            F.cross_entropy(logits.float(), targets).backward()
+        setup = TrainSetup(shape=GPT175, global_batch_size=1, seq_len=num_tokens, dtype=dtype)
+        per_logit, kernels = _loss_bytes_per_logit(setup)
+        print(dtype, "torch", counter.bytes / (num_tokens * vocab), counter.kernels, "model", per_logit,
+              kernels)
+        assert per_logit == pytest.approx(counter.bytes / (num_tokens * vocab), rel=0.01)
+        assert kernels == counter.kernels
+
+
 def _mfu(setup: TrainSetup, layout: Layout, accelerator) -> float:
     return predict_training(setup, layout, accelerator).mfu
 
