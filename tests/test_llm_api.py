@@ -8,6 +8,7 @@ and a 32-token step budget, so prompts longer than 32 tokens are prefilled in ch
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -753,3 +754,52 @@ def test_serve_gpu_memory_utilization_flag_sizes_the_kv_cache_as_the_argument(mo
     err = capsys.readouterr().err
     assert err.strip() == ("slipstream serve: error: gpu_memory_utilization must be a fraction in "
                            "(0, 1], got 1.5")
+
+
+def dense_greedy(model, prompt: list[int], num_tokens: int, *, logit_bias=None, allowed=None) -> list[int]:
+    """Greedy decoding by dense forwards of the whole sequence, with the bias added to and the tokens
+    outside `allowed` masked from each step's log-probabilities (the same argmax as the logits')."""
+    tokens = list(prompt)
+    for _ in range(num_tokens):
+        scores = dense_logprobs(model, tokens)[-1].double()  # (V,)
+        for token_id, bias in (logit_bias or {}).items():
+            scores[token_id] += bias
+        if allowed is not None:
+            keep = torch.zeros_like(scores, dtype=torch.bool)
+            keep[list(allowed)] = True
+            scores = scores.masked_fill(~keep, -math.inf)
+        tokens.append(int(scores.argmax()))
+    return tokens[len(prompt):]
+
+
+def test_logit_bias_and_allowed_token_ids_match_a_dense_reference(llm, dense_model):
+    """Greedy generation with logit_bias, allowed_token_ids or both equals dense greedy decoding with
+    the same bias and mask; each changes the output, and no token outside the allowed set appears."""
+    prompts = random_prompts(3, seed=11)
+    gen = random.Random(5)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(max_tokens=10), use_tqdm=False)]
+    bias = {plain[0][0]: -3.0, plain[1][2]: -2.5, gen.randrange(VOCAB_SIZE): 4.0}
+    allowed = gen.sample(range(VOCAB_SIZE), 7)
+    for overrides in (dict(logit_bias=bias), dict(allowed_token_ids=allowed),
+                      dict(logit_bias=bias, allowed_token_ids=allowed)):
+        outputs = llm.generate(prompts, greedy(max_tokens=10, **overrides), use_tqdm=False)
+        got = [o.outputs[0].token_ids for o in outputs]
+        expected = [dense_greedy(dense_model, p, 10, logit_bias=overrides.get("logit_bias"),
+                                 allowed=overrides.get("allowed_token_ids")) for p in prompts]
+        assert got == expected, overrides
+        assert got != plain, overrides
+        if "allowed_token_ids" in overrides:
+            assert all(t in allowed for tokens in got for t in tokens)
+
+
+@pytest.mark.parametrize("params, match", [
+    (dict(logit_bias={VOCAB_SIZE: 1.0}), "logit_bias"),
+    (dict(allowed_token_ids=[1, VOCAB_SIZE + 3]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[2, 3], stop_token_ids=[3], min_tokens=2, ignore_eos=False),  # 2: <|im_end|>
+     "allowed_token_ids"),
+])
+def test_logit_bias_and_allowed_token_ids_beyond_the_engine_are_value_errors(llm, params, match):
+    """Token ids outside the vocabulary are refused, and so is an allowed set that min_tokens masks
+    whole (only stop tokens)."""
+    with pytest.raises(ValueError, match=match):
+        llm.generate(PROMPT, greedy(**params), use_tqdm=False)

@@ -26,6 +26,7 @@ from slipstream.serve.sampler import (
     penalised_logits,
     prompt_logprobs,
     sample,
+    takes_argmax,
 )
 
 # A token within this distance of a top-p or min-p boundary may be kept or dropped: the sampler works
@@ -394,3 +395,72 @@ def test_user_errors():
         sample(torch.zeros(2, 10), build([SamplingRow(SamplingParams())], 10))
     with pytest.raises(ValueError, match="token_counts"):
         build([SamplingRow(SamplingParams(presence_penalty=1.0), counts_slot=0)], 10)
+
+
+def reference_masks_and_bias(logits, params, output, eos) -> list[float]:
+    """vLLM's order, one token at a time: allowed_token_ids, min_tokens, logit_bias, then penalties."""
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else {eos})
+    masked = []
+    for token_id, logit in enumerate(logits):
+        if params.allowed_token_ids is not None and token_id not in params.allowed_token_ids:
+            logit = -math.inf
+        if len(output) < params.min_tokens and token_id in stops:
+            logit = -math.inf
+        masked.append(logit + (params.logit_bias or {}).get(token_id, 0.0))
+    return reference_penalties(masked, [], output, params.repetition_penalty,
+                               params.presence_penalty, params.frequency_penalty)
+
+
+def test_allowed_token_ids_and_logit_bias_match_the_reference():
+    """Random rows mixing allowed_token_ids, logit_bias, min_tokens and penalties give the reference's
+    logits; greedy takes their argmax and sampled rows draw only allowed tokens."""
+    vocab, eos, gen = 12, 11, random.Random(0)
+    logits = torch.randn(24, vocab)
+    rows, params_list = [], []
+    for i in range(24):
+        allowed = (gen.randrange(3, eos), *gen.sample(range(vocab), gen.randint(0, 4))) if i % 3 else None
+        bias = {gen.randrange(vocab): gen.uniform(-5, 5) for _ in range(gen.randint(0, 3))} if i % 2 else None
+        params = SamplingParams(temperature=0.0 if i % 4 == 0 else 1.0, allowed_token_ids=allowed,
+                                logit_bias=bias, min_tokens=gen.choice([0, 3]),
+                                presence_penalty=gen.choice([0.0, 0.7]), stop_token_ids=(2,))
+        output = [gen.randrange(vocab) for _ in range(gen.randint(0, 4))]
+        params_list.append((params, output))
+    counts = TokenCounts(len(params_list), vocab, "cpu")
+    for i, (params, output) in enumerate(params_list):
+        counts.reset(i, (), output)
+        rows.append(SamplingRow(params, (), output, eos_token_ids=(eos,), counts_slot=i))
+    batch = build(rows, vocab, counts)
+    penalised = penalised_logits(logits, batch)
+    for i, (params, output) in enumerate(params_list):
+        expected = reference_masks_and_bias(logits[i].tolist(), params, output, eos)
+        torch.testing.assert_close(penalised[i], torch.tensor(expected, dtype=torch.float32))
+    for _ in range(20):
+        token_ids = sample(logits, batch).token_ids.tolist()
+        for i, (params, _) in enumerate(params_list):
+            if params.allowed_token_ids is not None:
+                assert token_ids[i] in params.allowed_token_ids
+            if params.greedy:
+                assert token_ids[i] == penalised[i].argmax().item()
+
+
+def test_logit_bias_and_allowed_token_ids_leave_the_plain_argmax():
+    """A greedy row with a bias or an allowed set is not a plain argmax (so the engine will not run
+    several decode steps of it unsampled), and its bias changes the greedy choice."""
+    logits = torch.tensor([[5.0, 1.0, 0.0, 2.0]])
+    for params, expected in ((SamplingParams(temperature=0.0, logit_bias={1: 4.5}), 1),
+                             (SamplingParams(temperature=0.0, allowed_token_ids=[2, 3]), 3)):
+        assert not takes_argmax(params, num_output_tokens=0)
+        row = SamplingRow(params, (), ())
+        assert sample(logits, build([row], 4)).token_ids.item() == expected
+    assert takes_argmax(SamplingParams(temperature=0.0), num_output_tokens=0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[-1]), "allowed_token_ids"),
+    (dict(allowed_token_ids="12"), "allowed_token_ids"), (dict(logit_bias={1: math.nan}), "logit_bias"),
+    (dict(logit_bias={"1": 2.0}), "logit_bias"), (dict(logit_bias=[(1, 2.0)]), "logit_bias"),
+    (dict(logit_bias={1: 1e31}), "logit_bias"),
+])
+def test_bad_logit_bias_and_allowed_token_ids_are_value_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)

@@ -75,6 +75,27 @@ def test_greedy_chat_equals_offline_chat(client, llm):
     assert response.usage.total_tokens == response.usage.prompt_tokens + 20
 
 
+def test_logit_bias_and_allowed_token_ids_equal_offline(client, llm):
+    """OpenAI's logit_bias (string token ids, values clamped to [-100, 100]) and vLLM's
+    allowed_token_ids give the offline engine's output for the same bias and set."""
+    [plain] = llm.generate(PROMPT, greedy(12), use_tqdm=False)
+    first, second = plain.outputs[0].token_ids[:2]
+    bias = {first: -100.0, second: 100.0}
+    [expected] = llm.generate(PROMPT, greedy(12, logit_bias=bias), use_tqdm=False)
+    assert expected.outputs[0].token_ids == [second] * 12
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0,
+                                         logit_bias={str(first): -500, str(second): 100},
+                                         extra_body={"ignore_eos": True})
+    assert response.choices[0].text == expected.outputs[0].text
+    allowed = [first, second, 300, 301]
+    [expected] = llm.chat(MESSAGES, greedy(12, allowed_token_ids=allowed), use_tqdm=False)
+    assert set(expected.outputs[0].token_ids) <= set(allowed)
+    response = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=12,
+                                              temperature=0,
+                                              extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    assert response.choices[0].message.content == expected.outputs[0].text
+
+
 def test_streamed_completion_adds_up_to_the_whole(client):
     """Streamed text chunks concatenate to the non-streamed text; include_usage adds a final usage
     chunk with no choices; the last choice chunk carries the finish reason."""

@@ -249,11 +249,17 @@ class Engine:
                 raise ValueError(
                     f"{name}={value} exceeds the engine's max_logprobs ({self.config.max_logprobs})"
                 )
-        bad = [t for t in params.stop_token_ids if t >= self.limits.vocab_size]
-        if bad:
-            raise ValueError(
-                f"stop_token_ids {bad} are outside the vocabulary (size {self.limits.vocab_size})"
-            )
+        for name, token_ids in (("stop_token_ids", params.stop_token_ids),
+                                ("logit_bias", params.logit_bias or ()),
+                                ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = sorted({t for t in token_ids if t >= self.limits.vocab_size})
+            if bad:
+                raise ValueError(f"{name} {bad} are outside the vocabulary (size {self.limits.vocab_size})")
+        if params.allowed_token_ids is not None and params.min_tokens > 0 and set(
+                params.allowed_token_ids) <= set(params.stop_token_ids) | set(
+                () if params.ignore_eos else self.limits.eos_token_ids):
+            raise ValueError(f"allowed_token_ids {list(params.allowed_token_ids)} are all stop tokens, "
+                             f"which min_tokens={params.min_tokens} masks: nothing is left to sample")
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Stop requests now and free their KV blocks; returns their final outputs (finish

@@ -3,11 +3,11 @@
 Bodies are parsed in pydantic's strict mode, as OpenAI's API does: `"max_tokens": "5"` or
 `"stream": 1` is a 400, not a silent coercion. Unknown fields are ignored (as vLLM does), so that
 clients which send newer OpenAI fields keep working; known OpenAI and vLLM fields this server
-cannot honour (`echo`, `suffix`, `logit_bias`, tools, `response_format`, guided decoding, beam
+cannot honour (`echo`, `suffix`, tools, `response_format`, guided decoding, beam
 search, ...: `UNSUPPORTED_FIELDS`) are a 400 when set rather than ignored, since ignoring them
 would answer a different question than the one asked. The vLLM extensions `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
-`skip_special_tokens`, `prompt_logprobs` and, for chat, `add_generation_prompt` and
+`skip_special_tokens`, `prompt_logprobs`, `allowed_token_ids` and, for chat, `add_generation_prompt` and
 `continue_final_message` are accepted too.
 """
 
@@ -49,7 +49,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 UNSUPPORTED_FIELDS: dict[str, object] = {
-    "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": None,
+    "use_beam_search": False, "length_penalty": 1.0, "bad_words": None,
     "logits_processors": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
     "guided_grammar": None, "structured_outputs": None, "truncate_prompt_tokens": None,
     "return_tokens_as_token_ids": False, "prompt_embeds": None, "functions": None,
@@ -92,6 +92,8 @@ class _GenerationBody(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    """Token id (as a string, as OpenAI's API sends it) -> bias, clamped to [-100, 100] as OpenAI
+    documents and vLLM does."""
     # vLLM's extensions
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
@@ -103,12 +105,11 @@ class _GenerationBody(_Body):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = Field(default=None, ge=0)
     """Log-probabilities of every prompt token with this many alternatives (as in vLLM)."""
+    allowed_token_ids: TokenIds | None = None
 
     def check_supported(self) -> None:
         """Refuse set fields this server cannot honour, rather than ignore them."""
         _refuse_unsupported(self.model_extra)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
         if self.prompt_logprobs is not None and self.stream:  # as vLLM
             raise bad_request("prompt_logprobs is not available when stream is true", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
@@ -117,6 +118,16 @@ class _GenerationBody(_Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isascii() or not key.isdigit():
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            bias[int(key)] = min(max(value, -100.0), 100.0)
+        return bias
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -131,6 +142,7 @@ class _GenerationBody(_Body):
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
         )
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         min_p=self.min_p, repetition_penalty=self.repetition_penalty,

@@ -32,6 +32,11 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 # kept tokens to within 0.1%, so a higher bound would add nothing but the risk.
 MAX_TEMPERATURE = 1e4
 
+# A float32 logit overflows to inf past ~3.4e38, and an inf logit makes softmax NaN. A bias of at most
+# 1e30, divided by the smallest sampling temperature or multiplied by the largest repetition penalty,
+# stays finite. (The OpenAI layer clamps to [-100, 100], as vLLM's does.)
+MAX_LOGIT_BIAS = 1e30
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SamplingParams:
@@ -72,10 +77,22 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Return log-probabilities for every prompt token, with the `prompt_logprobs` most likely."""
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of these token ids before penalties and sampling (as in vLLM)."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """Sample only among these token ids (as in vLLM); None allows every token."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            if isinstance(self.allowed_token_ids, (str, bytes)) or not self.allowed_token_ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, "
+                                 f"got {self.allowed_token_ids!r}")
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+            for token_id in self.allowed_token_ids:
+                _check_int("allowed_token_ids", token_id, minimum=0)
         if isinstance(self.seed, int) and self.seed == -1:
             object.__setattr__(self, "seed", None)
         _check_int("n", self.n, minimum=1)
@@ -159,6 +176,21 @@ def _stop_strings(stop: Any) -> tuple[str, ...]:
     if not isinstance(stop, (list, tuple)):
         raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
     return tuple(stop)
+
+
+def _logit_bias(logit_bias: Any) -> dict[int, float] | None:
+    """A copy of `logit_bias` ({token id: finite bias}); None or {} means no bias."""
+    if logit_bias is None:
+        return None
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id to bias, got {logit_bias!r}")
+    for token_id, bias in logit_bias.items():
+        _check_int("logit_bias", token_id, minimum=0)
+        _check_float("logit_bias", bias)
+        if abs(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                             f"got {bias} for token {token_id}")
+    return dict(logit_bias) or None
 
 
 def _check_int(name: str, value: Any, *, minimum: int) -> None:

@@ -5,9 +5,11 @@ The engine builds one `SamplingBatch` per step from the sequences that sample in
 (see `slipstream.serve.request.SamplingParams`):
 
 1. logprobs, when any row asks for them, come from the raw logits (log_softmax before anything below);
-2. repetition penalty over prompt and output tokens, then frequency and presence over output tokens;
+2. allowed_token_ids masks every other token;
 3. min_tokens masks end-of-sequence and stop token ids while the output is shorter;
-4. greedy rows take the argmax; the others are divided by their temperature, filtered by top-k, top-p
+4. logit_bias is added;
+5. repetition penalty over prompt and output tokens, then frequency and presence over output tokens;
+6. greedy rows take the argmax; the others are divided by their temperature, filtered by top-k, top-p
    (over the top-k survivors) and min-p, and sampled by an exponential race, argmax(probs / Exp(1)),
    a seeded row drawing its noise from its own generator so its tokens do not depend on the batch.
 
@@ -280,6 +282,29 @@ def _build_min_tokens(rows: Sequence[SamplingRow], vocab_size: int, device: torc
     return row_ids, token_ids
 
 
+def _build_allowed(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device):
+    """(row ids, mask) for the rows with allowed_token_ids: mask (num_those_rows, vocab) is True at the
+    tokens to mask to -inf, every token outside the row's set."""
+    ids = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+    if not ids:
+        return None
+    mask = torch.ones(len(ids), vocab_size, dtype=torch.bool)
+    for j, i in enumerate(ids):
+        mask[j, list(rows[i].params.allowed_token_ids)] = False
+    return torch.tensor(ids, device=device), mask.to(device)
+
+
+def _build_logit_bias(rows: Sequence[SamplingRow], device: torch.device):
+    """(row ids, token ids, biases) to add to the logits."""
+    triples = [(i, token_id, bias) for i, row in enumerate(rows) if row.params.logit_bias
+               for token_id, bias in row.params.logit_bias.items()]
+    if not triples:
+        return None
+    row_ids, token_ids, biases = zip(*triples, strict=True)
+    return (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device),
+            torch.tensor(biases, dtype=torch.float32, device=device))
+
+
 # ---------------------------------------------------------------------------------------------------
 # the batch
 
@@ -331,6 +356,8 @@ class SamplingBatch:
     random: RandomRows | None  # None when every row is greedy
     penalties: Penalties | None  # None when no row has a penalty
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # (row ids, token ids) to mask
+    allowed_mask: tuple[torch.Tensor, torch.Tensor] | None  # (row ids, (rows, vocab) bool: to mask)
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row ids, token ids, biases)
     num_logprobs: tuple[int | None, ...]  # per row: SamplingParams.logprobs
     slot_rows: torch.Tensor | None  # (num_slot_rows,) long rows with a counts_slot, for TokenCounts
     slots: torch.Tensor | None  # (num_slot_rows,) long their slots
@@ -353,6 +380,8 @@ class SamplingBatch:
             random=_build_random_rows(rows, vocab_size, device, unseeded_generator),
             penalties=_build_penalties(rows, vocab_size, device, token_counts),
             min_tokens_mask=_build_min_tokens(rows, vocab_size, device),
+            allowed_mask=_build_allowed(rows, vocab_size, device),
+            logit_bias=_build_logit_bias(rows, device),
             num_logprobs=num_logprobs,
             slot_rows=torch.tensor(slotted, device=device) if slotted else None,
             slots=torch.tensor([rows[i].counts_slot for i in slotted], device=device) if slotted else None,
@@ -418,6 +447,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raise ValueError(f"logits have shape {tuple(logits.shape)}, "
                          f"the batch expects ({batch.num_rows}, {batch.vocab_size})")
     if batch.random is None and batch.penalties is None and batch.min_tokens_mask is None \
+            and batch.allowed_mask is None and batch.logit_bias is None \
             and batch.max_num_logprobs is None:  # plain greedy: bf16's argmax is that of its fp32 values
         return SamplerOutput(token_ids=argmax(logits), logprobs=None, num_logprobs=batch.num_logprobs)
     logits = logits.float()
@@ -429,12 +459,19 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 
 
 def penalised_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """`logits` (num_rows, vocab) after penalties and min_tokens: what greedy rows take the argmax of,
-    and random rows divide by their temperature. The input itself when neither applies."""
-    if batch.penalties is not None:
-        logits = apply_penalties(logits, batch.penalties)
+    """`logits` (num_rows, vocab) after steps 2-5 of the module docstring (allowed tokens, min_tokens,
+    logit bias, penalties): what greedy rows take the argmax of, and random rows divide by their
+    temperature. The input itself when none applies."""
+    if batch.allowed_mask is not None:
+        row_ids, mask = batch.allowed_mask
+        logits = logits.index_put((row_ids,), logits[row_ids].masked_fill(mask, -math.inf))
     if batch.min_tokens_mask is not None:
         logits = logits.index_put(batch.min_tokens_mask, logits.new_full((), -math.inf))
+    if batch.logit_bias is not None:
+        row_ids, token_ids, biases = batch.logit_bias
+        logits = logits.index_put((row_ids, token_ids), biases, accumulate=True)
+    if batch.penalties is not None:
+        logits = apply_penalties(logits, batch.penalties)
     return logits
 
 
@@ -467,10 +504,11 @@ def _sample_random(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
 
 def takes_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether `sample` takes a row's next token as the plain argmax of its logits: greedy, with no
-    penalty, no logprobs and min_tokens reached (nothing masked). The engine may then run several
-    decode steps of it at once (`EngineConfig.num_scheduler_steps`)."""
+    penalty, no logprobs, no bias or allowed set and min_tokens reached (nothing masked). The engine may
+    then run several decode steps of it at once (`EngineConfig.num_scheduler_steps`)."""
     return (params.greedy and not _has_penalty(params) and params.logprobs is None
-            and params.prompt_logprobs is None and num_output_tokens >= params.min_tokens)
+            and params.prompt_logprobs is None and num_output_tokens >= params.min_tokens
+            and params.logit_bias is None and params.allowed_token_ids is None)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -331,7 +331,8 @@ def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
 def _param_named_in(message: str, params_named: dict[str, str]) -> str | None:
     """The request field an engine error names: "logprobs=30 exceeds ..." -> logprobs."""
     word = re.match(r"\w+", message)
-    if word is None or word.group() not in ("prompt", "n", "logprobs", "prompt_logprobs", "stop_token_ids"):
+    if word is None or word.group() not in ("prompt", "n", "logprobs", "prompt_logprobs", "stop_token_ids",
+                                            "logit_bias", "allowed_token_ids"):
         return None
     return params_named.get(word.group(), word.group())
 
