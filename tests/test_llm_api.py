@@ -756,12 +756,18 @@ def test_serve_gpu_memory_utilization_flag_sizes_the_kv_cache_as_the_argument(mo
                            "(0, 1], got 1.5")
 
 
-def dense_greedy(model, prompt: list[int], num_tokens: int, *, logit_bias=None, allowed=None) -> list[int]:
+def dense_greedy(model, prompt: list[int], num_tokens: int, *, logit_bias=None, allowed=None,
+                 bad_words=()) -> list[int]:
     """Greedy decoding by dense forwards of the whole sequence, with the bias added to and the tokens
-    outside `allowed` masked from each step's log-probabilities (the same argmax as the logits')."""
+    outside `allowed` masked from each step's log-probabilities (the same argmax as the logits'), and
+    the last token of each `bad_words` id sequence masked where the output ends with its others."""
     tokens = list(prompt)
     for _ in range(num_tokens):
         scores = dense_logprobs(model, tokens)[-1].double()  # (V,)
+        output = tokens[len(prompt):]
+        for word in bad_words:
+            if len(output) >= len(word) - 1 and output[len(output) - len(word) + 1:] == list(word[:-1]):
+                scores[word[-1]] = -math.inf
         for token_id, bias in (logit_bias or {}).items():
             scores[token_id] += bias
         if allowed is not None:
@@ -803,3 +809,23 @@ def test_logit_bias_and_allowed_token_ids_beyond_the_engine_are_value_errors(llm
     whole (only stop tokens)."""
     with pytest.raises(ValueError, match=match):
         llm.generate(PROMPT, greedy(**params), use_tqdm=False)
+
+
+def test_bad_words_match_a_dense_reference(llm, tokenizer, dense_model):
+    """A bad word made of two tokens the plain greedy output contains, and a one-token word, change
+    the output to dense greedy decoding with vLLM's rule: each word as it begins a text and after a
+    space (when that changes its first token but not its length) never completed."""
+    prompts = random_prompts(3, seed=12)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(max_tokens=12), use_tqdm=False)]
+    words = [tokenizer.decode(plain[0][3:5]), tokenizer.decode(plain[1][:1])]
+    sequences = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences.append(bare)
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    outputs = llm.generate(prompts, greedy(max_tokens=12, bad_words=words), use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outputs]
+    assert got == [dense_greedy(dense_model, p, 12, bad_words=sequences) for p in prompts]
+    assert got[0] != plain[0] and got[1] != plain[1]

@@ -464,3 +464,22 @@ def test_logit_bias_and_allowed_token_ids_leave_the_plain_argmax():
 def test_bad_logit_bias_and_allowed_token_ids_are_value_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_bad_words_mask_the_token_that_would_complete_a_word():
+    """A one-token bad word is always masked; a longer one's last token only when the output ends
+    with the rest of it, checked against every suffix of random outputs."""
+    vocab, gen = 6, random.Random(3)
+    words = ((4,), (1, 2), (2, 3, 5), (0, 0))
+    rows, outputs = [], []
+    for _ in range(40):
+        output = [gen.randrange(vocab) for _ in range(gen.randint(0, 4))]
+        outputs.append(output)
+        rows.append(SamplingRow(SamplingParams(temperature=0.0, bad_words=["x"]), (), output,
+                                bad_words_token_ids=words))
+    penalised = penalised_logits(torch.zeros(len(rows), vocab), build(rows, vocab))
+    for i, output in enumerate(outputs):
+        masked = {word[-1] for word in words if output[len(output) - len(word) + 1:] == list(word[:-1])
+                  and len(output) >= len(word) - 1}
+        assert {t for t in range(vocab) if penalised[i, t] == -math.inf} == masked, output
+    assert not takes_argmax(rows[0].params, num_output_tokens=0)

@@ -75,9 +75,9 @@ def test_greedy_chat_equals_offline_chat(client, llm):
     assert response.usage.total_tokens == response.usage.prompt_tokens + 20
 
 
-def test_logit_bias_and_allowed_token_ids_equal_offline(client, llm):
+def test_logit_bias_allowed_token_ids_and_bad_words_equal_offline(client, llm):
     """OpenAI's logit_bias (string token ids, values clamped to [-100, 100]) and vLLM's
-    allowed_token_ids give the offline engine's output for the same bias and set."""
+    allowed_token_ids and bad_words give the offline engine's output for the same values."""
     [plain] = llm.generate(PROMPT, greedy(12), use_tqdm=False)
     first, second = plain.outputs[0].token_ids[:2]
     bias = {first: -100.0, second: 100.0}
@@ -94,6 +94,12 @@ def test_logit_bias_and_allowed_token_ids_equal_offline(client, llm):
                                               temperature=0,
                                               extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
     assert response.choices[0].message.content == expected.outputs[0].text
+    bad_words = [llm.get_tokenizer().decode(plain.outputs[0].token_ids[:1])]  # the first token's word
+    [expected] = llm.generate(PROMPT, greedy(12, bad_words=bad_words), use_tqdm=False)
+    assert expected.outputs[0].token_ids != plain.outputs[0].token_ids
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True, "bad_words": bad_words})
+    assert response.choices[0].text == expected.outputs[0].text
 
 
 def test_streamed_completion_adds_up_to_the_whole(client):

@@ -17,6 +17,7 @@ seed + i.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -38,6 +39,7 @@ from slipstream.serve.request import (
     RequestMetrics,
     RequestOutput,
     SamplingParams,
+    bad_words_token_ids,
     validate_prompt_token_ids,
 )
 from slipstream.serve.runner import Runner
@@ -204,7 +206,12 @@ class Engine:
                              sequences=[], metrics=RequestMetrics(arrival_time_s=arrival),
                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                              stream=stream)
-        requests = [self._completion_request(entry, params, index, priority) for index in range(params.n)]
+        bad_words = bad_words_token_ids(
+            params.bad_words, functools.partial(self.tokenizer.encode, add_special_tokens=False),
+            self.limits.vocab_size,
+        ) if params.bad_words else ()
+        requests = [self._completion_request(entry, params, index, priority, bad_words)
+                    for index in range(params.n)]
         generators = [
             None if r.sampling_params.seed is None
             else make_generator(r.sampling_params.seed, self.limits.device)
@@ -221,7 +228,8 @@ class Engine:
         self._prompts[request_id] = entry
 
     def _completion_request(
-        self, entry: PromptOutput, params: SamplingParams, index: int, priority: int
+        self, entry: PromptOutput, params: SamplingParams, index: int, priority: int,
+        bad_words: tuple[tuple[int, ...], ...],
     ) -> Request:
         """The scheduler's request for completion `index` of a prompt, under an engine-unique id
         (so no user-chosen id can collide with it)."""
@@ -231,7 +239,8 @@ class Engine:
         entry.internal_ids.append(internal_id)
         return Request(
             request_id=internal_id, prompt_token_ids=entry.prompt_token_ids, sampling_params=child,
-            eos_token_ids=self.limits.eos_token_ids, max_total_tokens=self.limits.max_model_len,
+            eos_token_ids=self.limits.eos_token_ids, bad_words_token_ids=bad_words,
+            max_total_tokens=self.limits.max_model_len,
             arrival_time_s=entry.metrics.arrival_time_s, priority=priority,
         )
 
@@ -383,7 +392,7 @@ class Engine:
         return SamplingRow(
             params=request.sampling_params, prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids, eos_token_ids=request.eos_token_ids,
-            generator=generator,
+            bad_words_token_ids=request.bad_words_token_ids, generator=generator,
         )
 
     def _record_token(self, request: Request, token_id: int, logprobs, now: float) -> PromptOutput:

@@ -12,7 +12,7 @@ import dataclasses
 import enum
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,11 +81,19 @@ class SamplingParams:
     """Added to the logits of these token ids before penalties and sampling (as in vLLM)."""
     allowed_token_ids: tuple[int, ...] | None = None
     """Sample only among these token ids (as in vLLM); None allows every token."""
+    bad_words: tuple[str, ...] = ()
+    """Words never to generate (as in vLLM): the engine tokenizes each as it would begin the text
+    and as it would follow a space, and masks a word's last token whenever the output ends with
+    the rest of it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if not isinstance(self.bad_words or (), (list, tuple)) or any(
+                not isinstance(word, str) or not word.strip() for word in self.bad_words or ()):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
         if self.allowed_token_ids is not None:
             if isinstance(self.allowed_token_ids, (str, bytes)) or not self.allowed_token_ids:
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, "
@@ -166,6 +174,23 @@ def generation_config_defaults(model_dir: str | Path) -> dict[str, Any]:
             if config.get(key) is not None}
 
 
+def bad_words_token_ids(
+    bad_words: Sequence[str], encode: Callable[[str], list[int]], vocab_size: int,
+) -> tuple[tuple[int, ...], ...]:
+    """The token id sequences that spell `bad_words`, as vLLM derives them: each word (leading spaces
+    stripped) encoded as is, and after a space when that changes its first token but not its length.
+    `encode` tokenizes without special tokens. Sequences with ids outside the vocabulary, which the
+    model cannot generate, are left out."""
+    sequences: dict[tuple[int, ...], None] = {}
+    for word in bad_words:
+        bare = tuple(encode(word.lstrip()))
+        spaced = tuple(encode(" " + word.lstrip()))
+        sequences[bare] = None
+        if bare and spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences[spaced] = None
+    return tuple(ids for ids in sequences if ids and all(0 <= t < vocab_size for t in ids))
+
+
 def _stop_strings(stop: Any) -> tuple[str, ...]:
     """`stop` as a tuple: None, one string, or a list or tuple of strings (not any iterable: a
     dict's keys or a set's arbitrary order are surely a mistake)."""
@@ -226,6 +251,8 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    """`sampling_params.bad_words` as token id sequences (`bad_words_token_ids`)."""
     max_total_tokens: int = 2**62
     """Prompt plus output may not exceed this (the model's context length)."""
     arrival_time_s: float = 0.0

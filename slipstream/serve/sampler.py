@@ -5,7 +5,7 @@ The engine builds one `SamplingBatch` per step from the sequences that sample in
 (see `slipstream.serve.request.SamplingParams`):
 
 1. logprobs, when any row asks for them, come from the raw logits (log_softmax before anything below);
-2. allowed_token_ids masks every other token;
+2. allowed_token_ids masks every other token; bad words mask the token that would complete one;
 3. min_tokens masks end-of-sequence and stop token ids while the output is shorter;
 4. logit_bias is added;
 5. repetition penalty over prompt and output tokens, then frequency and presence over output tokens;
@@ -52,6 +52,8 @@ class SamplingRow:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     eos_token_ids: Sequence[int] = ()
+    bad_words_token_ids: Sequence[Sequence[int]] = ()
+    """`params.bad_words` as token id sequences (`request.bad_words_token_ids`)."""
     generator: torch.Generator | None = None
     """The request's own generator (`make_generator`); required when `params.seed` is set."""
     counts_slot: int | None = None
@@ -294,6 +296,18 @@ def _build_allowed(rows: Sequence[SamplingRow], vocab_size: int, device: torch.d
     return torch.tensor(ids, device=device), mask.to(device)
 
 
+def _build_bad_words(rows: Sequence[SamplingRow], device: torch.device):
+    """(row ids, token ids) to mask to -inf: the last token of each bad word whose other tokens end
+    the row's output (a one-token word always)."""
+    pairs = [(i, word[-1]) for i, row in enumerate(rows) for word in row.bad_words_token_ids
+             if len(word) == 1 or (len(row.output_token_ids) >= len(word) - 1
+                                   and tuple(row.output_token_ids[-(len(word) - 1):]) == tuple(word[:-1]))]
+    if not pairs:
+        return None
+    row_ids, token_ids = torch.tensor(pairs, dtype=torch.long).to(device).T  # each (num_pairs,)
+    return row_ids, token_ids
+
+
 def _build_logit_bias(rows: Sequence[SamplingRow], device: torch.device):
     """(row ids, token ids, biases) to add to the logits."""
     triples = [(i, token_id, bias) for i, row in enumerate(rows) if row.params.logit_bias
@@ -357,6 +371,7 @@ class SamplingBatch:
     penalties: Penalties | None  # None when no row has a penalty
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # (row ids, token ids) to mask
     allowed_mask: tuple[torch.Tensor, torch.Tensor] | None  # (row ids, (rows, vocab) bool: to mask)
+    bad_words_mask: tuple[torch.Tensor, torch.Tensor] | None  # (row ids, token ids) to mask
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row ids, token ids, biases)
     num_logprobs: tuple[int | None, ...]  # per row: SamplingParams.logprobs
     slot_rows: torch.Tensor | None  # (num_slot_rows,) long rows with a counts_slot, for TokenCounts
@@ -381,6 +396,7 @@ class SamplingBatch:
             penalties=_build_penalties(rows, vocab_size, device, token_counts),
             min_tokens_mask=_build_min_tokens(rows, vocab_size, device),
             allowed_mask=_build_allowed(rows, vocab_size, device),
+            bad_words_mask=_build_bad_words(rows, device),
             logit_bias=_build_logit_bias(rows, device),
             num_logprobs=num_logprobs,
             slot_rows=torch.tensor(slotted, device=device) if slotted else None,
@@ -447,7 +463,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raise ValueError(f"logits have shape {tuple(logits.shape)}, "
                          f"the batch expects ({batch.num_rows}, {batch.vocab_size})")
     if batch.random is None and batch.penalties is None and batch.min_tokens_mask is None \
-            and batch.allowed_mask is None and batch.logit_bias is None \
+            and batch.allowed_mask is None and batch.bad_words_mask is None and batch.logit_bias is None \
             and batch.max_num_logprobs is None:  # plain greedy: bf16's argmax is that of its fp32 values
         return SamplerOutput(token_ids=argmax(logits), logprobs=None, num_logprobs=batch.num_logprobs)
     logits = logits.float()
@@ -459,12 +475,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 
 
 def penalised_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """`logits` (num_rows, vocab) after steps 2-5 of the module docstring (allowed tokens, min_tokens,
-    logit bias, penalties): what greedy rows take the argmax of, and random rows divide by their
-    temperature. The input itself when none applies."""
+    """`logits` (num_rows, vocab) after steps 2-5 of the module docstring (allowed tokens, bad words,
+    min_tokens, logit bias, penalties): what greedy rows take the argmax of, and random rows divide by
+    their temperature. The input itself when none applies."""
     if batch.allowed_mask is not None:
         row_ids, mask = batch.allowed_mask
         logits = logits.index_put((row_ids,), logits[row_ids].masked_fill(mask, -math.inf))
+    if batch.bad_words_mask is not None:
+        logits = logits.index_put(batch.bad_words_mask, logits.new_full((), -math.inf))
     if batch.min_tokens_mask is not None:
         logits = logits.index_put(batch.min_tokens_mask, logits.new_full((), -math.inf))
     if batch.logit_bias is not None:
@@ -504,11 +522,11 @@ def _sample_random(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
 
 def takes_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether `sample` takes a row's next token as the plain argmax of its logits: greedy, with no
-    penalty, no logprobs, no bias or allowed set and min_tokens reached (nothing masked). The engine may
-    then run several decode steps of it at once (`EngineConfig.num_scheduler_steps`)."""
+    penalty, no logprobs, no bias, allowed set or bad words, and min_tokens reached (nothing masked).
+    The engine may then run several decode steps of it at once (`EngineConfig.num_scheduler_steps`)."""
     return (params.greedy and not _has_penalty(params) and params.logprobs is None
             and params.prompt_logprobs is None and num_output_tokens >= params.min_tokens
-            and params.logit_bias is None and params.allowed_token_ids is None)
+            and params.logit_bias is None and params.allowed_token_ids is None and not params.bad_words)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
