@@ -209,7 +209,7 @@ class Engine:
         bad_words = bad_words_token_ids(
             params.bad_words, functools.partial(self.tokenizer.encode, add_special_tokens=False),
             self.limits.vocab_size,
-        ) if params.bad_words else ()
+        )
         requests = [self._completion_request(entry, params, index, priority, bad_words)
                     for index in range(params.n)]
         generators = [

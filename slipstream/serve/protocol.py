@@ -144,7 +144,7 @@ class _GenerationBody(_Body):
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
-            bad_words=tuple(self.bad_words or ()),
+            bad_words=self.bad_words or (),
         )
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         min_p=self.min_p, repetition_penalty=self.repetition_penalty,

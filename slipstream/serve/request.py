@@ -90,10 +90,11 @@ class SamplingParams:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
-        if not isinstance(self.bad_words or (), (list, tuple)) or any(
-                not isinstance(word, str) or not word.strip() for word in self.bad_words or ()):
+        bad_words = self.bad_words or ()
+        if not isinstance(bad_words, (list, tuple)) or any(
+                not isinstance(word, str) or not word.strip() for word in bad_words):
             raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
-        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
+        object.__setattr__(self, "bad_words", tuple(bad_words))
         if self.allowed_token_ids is not None:
             if isinstance(self.allowed_token_ids, (str, bytes)) or not self.allowed_token_ids:
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, "

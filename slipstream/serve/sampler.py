@@ -278,9 +278,14 @@ def _build_min_tokens(rows: Sequence[SamplingRow], vocab_size: int, device: torc
     pairs = [(i, token_id) for i, row in enumerate(rows)
              if len(row.output_token_ids) < row.params.min_tokens
              for token_id in _stop_ids(row) if 0 <= token_id < vocab_size]
+    return _row_token_pairs(pairs, device)
+
+
+def _row_token_pairs(pairs: list[tuple[int, int]], device: torch.device):
+    """(row ids, token ids) tensors of (row, token) pairs, each (num_pairs,); None for no pairs."""
     if not pairs:
         return None
-    row_ids, token_ids = torch.tensor(pairs, dtype=torch.long).to(device).T  # each (num_pairs,)
+    row_ids, token_ids = torch.tensor(pairs, dtype=torch.long).to(device).T
     return row_ids, token_ids
 
 
@@ -300,12 +305,13 @@ def _build_bad_words(rows: Sequence[SamplingRow], device: torch.device):
     """(row ids, token ids) to mask to -inf: the last token of each bad word whose other tokens end
     the row's output (a one-token word always)."""
     pairs = [(i, word[-1]) for i, row in enumerate(rows) for word in row.bad_words_token_ids
-             if len(word) == 1 or (len(row.output_token_ids) >= len(word) - 1
-                                   and tuple(row.output_token_ids[-(len(word) - 1):]) == tuple(word[:-1]))]
-    if not pairs:
-        return None
-    row_ids, token_ids = torch.tensor(pairs, dtype=torch.long).to(device).T  # each (num_pairs,)
-    return row_ids, token_ids
+             if _ends_with(row.output_token_ids, word[:-1])]
+    return _row_token_pairs(pairs, device)
+
+
+def _ends_with(tokens: Sequence[int], suffix: Sequence[int]) -> bool:
+    start = len(tokens) - len(suffix)
+    return start >= 0 and tuple(tokens[start:]) == tuple(suffix)
 
 
 def _build_logit_bias(rows: Sequence[SamplingRow], device: torch.device):
