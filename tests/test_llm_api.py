@@ -16,6 +16,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+import tokenizers
+import tokenizers.processors
 import torch
 from serve_fixtures import EOS_TRIGGER_ID, VOCAB_SIZE, dense_logprobs, kv_bytes_for_blocks
 
@@ -113,6 +115,55 @@ def test_prompt_dict_with_text_and_ids_generates_from_the_ids_and_reports_the_te
     assert (output.prompt, output.prompt_token_ids) == ("some text", ids)
     assert output.outputs[0].token_ids == generate_one(llm, [ids], greedy()).token_ids
 
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(llm, tokenizer):
+    """As vLLM: truncate_prompt_tokens=k generates from the last k prompt ids (so a prompt longer
+    than the context can be generated from), as the truncated ids given whole do; -1 means the
+    context length, which a short prompt fits untouched."""
+    ids = random_prompts(1, seed=11, min_len=90, max_len=90)[0]  # longer than the context (64)
+    text = tokenizer.decode(ids)
+    for prompt in (ids, text):
+        with pytest.raises(ValueError, match="context length"):
+            llm.generate(prompt, greedy(), use_tqdm=False)
+        [output] = llm.generate(prompt, greedy(truncate_prompt_tokens=20), use_tqdm=False)
+        expected = (ids if prompt is ids else tokenizer.encode(text))[-20:]
+        assert output.prompt_token_ids == expected
+        assert output.outputs[0].token_ids == generate_one(llm, [expected], greedy()).token_ids
+    [whole] = llm.generate(PROMPT, greedy(truncate_prompt_tokens=-1), use_tqdm=False)
+    assert whole.prompt_token_ids == tokenizer.encode(PROMPT)
+
+
+def test_truncate_prompt_tokens_keeps_a_text_prompts_bos_as_transformers(model_dir, tmp_path):
+    """A text prompt is cut before the tokenizer adds its special tokens, so its BOS stays: the ids
+    are transformers' left truncation (vLLM's tokenizer truncates on the left)."""
+    shutil.copytree(model_dir, tmp_path, dirs_exist_ok=True)
+    backend = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    bos_id = backend.token_to_id("<|im_start|>")
+    backend.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos_id)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config | {"bos_token": "<|im_start|>"}))
+    hf = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(tmp_path, truncation_side="left")
+    llm = LLM(tmp_path, max_model_len=MAX_MODEL_LEN)
+    text = "word " * 100
+    expected = hf(text, truncation=True, max_length=12).input_ids
+    assert expected[0] == bos_id and len(expected) == 12
+    [output] = llm.generate(text, greedy(max_tokens=3, truncate_prompt_tokens=12), use_tqdm=False)
+    assert output.prompt_token_ids == expected
+    assert llm.get_tokenizer().truncation_side == "left"
+
+
+@pytest.mark.parametrize("value, message", [
+    (0, "truncate_prompt_tokens must be >= 1, or -1"), (-2, "truncate_prompt_tokens must be >= -1"),
+    (2.5, "truncate_prompt_tokens must be an integer"),
+    (MAX_MODEL_LEN + 1, r"truncate_prompt_tokens \(65\) is greater than the model's context length \(64\)"),
+])
+def test_bad_truncate_prompt_tokens_is_a_value_error(llm, value, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(PROMPT, greedy(truncate_prompt_tokens=value), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 def test_per_prompt_sampling_params(llm):
     """A list of SamplingParams applies one per prompt, in order; a list of the wrong length is refused."""

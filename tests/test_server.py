@@ -102,6 +102,33 @@ def test_logit_bias_allowed_token_ids_and_bad_words_equal_offline(client, llm):
     assert response.choices[0].text == expected.outputs[0].text
 
 
+
+def test_truncate_prompt_tokens_equals_offline(client, llm):
+    """vLLM's truncate_prompt_tokens: a prompt longer than the context, cut to its last k tokens,
+    gives the offline engine's output from those k (and usage counts k), for completions and chat;
+    one past the context length is a 400 naming it."""
+    tokenizer = llm.get_tokenizer()
+    text = "def f(x):\n    return x\n" * 60
+    assert len(tokenizer.encode(text)) > MAX_MODEL_LEN
+    [expected] = llm.generate(text, greedy(8, truncate_prompt_tokens=30), use_tqdm=False)
+    response = client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True, "truncate_prompt_tokens": 30})
+    assert response.choices[0].text == expected.outputs[0].text
+    assert response.usage.prompt_tokens == 30
+    messages = [{"role": "user", "content": text}]
+    [expected] = llm.chat(messages, greedy(8, truncate_prompt_tokens=40), use_tqdm=False)
+    assert len(expected.prompt_token_ids) == 40
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_completion_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True, "truncate_prompt_tokens": 40})
+    assert response.choices[0].message.content == expected.outputs[0].text
+    assert response.usage.prompt_tokens == 40
+    for value in (MAX_MODEL_LEN + 1, 0):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2,
+                                      extra_body={"truncate_prompt_tokens": value})
+        assert error.value.body["param"] == "truncate_prompt_tokens"
+
 def test_streamed_completion_adds_up_to_the_whole(client):
     """Streamed text chunks concatenate to the non-streamed text; include_usage adds a final usage
     chunk with no choices; the last choice chunk carries the finish reason."""

@@ -9,6 +9,7 @@ from pathlib import Path
 import jinja2
 import pytest
 import tokenizers
+import tokenizers.processors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -190,6 +191,82 @@ def test_transformers_calls_of_vllm_scripts_match(tokenizer, hf_tokenizer, llama
         expected = hf.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         assert ours.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True) == expected
 
+
+
+@pytest.fixture(scope="session")
+def bos_eos_dir(saved_dir, tmp_path_factory) -> Path:
+    """A model dir whose tokenizer.json adds a BOS and an EOS to every text (a post-processor), so
+    that truncation has special tokens to keep."""
+    path = tmp_path_factory.mktemp("bos_eos")
+    backend = tokenizers.Tokenizer.from_file(str(saved_dir / "tokenizer.json"))
+    backend.add_special_tokens(["<s>"])
+    backend.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A <|endoftext|>",
+        special_tokens=[("<s>", backend.token_to_id("<s>")),
+                        ("<|endoftext|>", backend.token_to_id("<|endoftext|>"))])
+    backend.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+              "eos_token": "<|endoftext|>", "pad_token": "<|im_end|>", "model_max_length": 12}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padding_and_truncation_match_transformers(saved_dir, llama3_dir, bos_eos_dir, side, tmp_path):
+    """tokenizer(texts, padding=..., truncation=..., max_length=...) equals AutoTokenizer's on
+    either side, with and without special tokens (which truncation keeps), for one text and a
+    batch, and the sides are read from tokenizer_config.json as transformers reads them."""
+    calls = [
+        {"truncation": True, "max_length": 5}, {"truncation": "longest_first", "max_length": 2},
+        {"max_length": 7}, {"truncation": True}, {"truncation": False, "max_length": 3},
+        {"padding": True}, {"padding": "longest", "pad_to_multiple_of": 8},
+        {"padding": "max_length", "max_length": 40}, {"padding": "max_length", "max_length": 6},
+        {"padding": True, "truncation": True, "max_length": 6},
+        {"padding": "max_length", "truncation": True, "max_length": 9},
+        {"padding": True, "padding_side": "left" if side == "right" else "right"},
+    ]
+    for source in (saved_dir, llama3_dir, bos_eos_dir):
+        model_dir = tmp_path / source.name
+        shutil.copytree(source, model_dir)
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        config.update(padding_side=side, truncation_side=side,
+                      pad_token=config.get("pad_token") or "<|im_end|>")
+        (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+        ours, hf = Tokenizer.from_pretrained(model_dir), transformers.AutoTokenizer.from_pretrained(model_dir)
+        assert (ours.padding_side, ours.truncation_side) == (side, side)
+        assert (hf.padding_side, hf.truncation_side) == (side, side)
+        for kwargs in calls:
+            for add_special_tokens in (True, False):
+                args = {"add_special_tokens": add_special_tokens, **kwargs}
+                assert ours(TEXTS[:9], **args) == dict(hf(TEXTS[:9], **args)), (source.name, args)
+                assert ours(TEXTS[0], **args) == dict(hf(TEXTS[0], **args)), (source.name, args)
+                if "padding" not in kwargs and "padding_side" not in kwargs:
+                    assert ours.encode(TEXTS[1], **args) == hf.encode(TEXTS[1], **args), (source.name, args)
+    truncated = Tokenizer.from_pretrained(model_dir).encode(TEXTS[0], truncation=True, max_length=4)
+    assert len(truncated) == 4 and truncated[0] == ours.bos_token_id and truncated[-1] == ours.eos_token_id
+
+
+def test_bad_padding_and_truncation_arguments_are_value_errors(bos_eos_dir):
+    tokenizer = Tokenizer.from_pretrained(bos_eos_dir)
+    with pytest.raises(ValueError, match="padding must be"):
+        tokenizer("x", padding="longer")
+    with pytest.raises(ValueError, match="truncation must be"):
+        tokenizer("x", truncation="right")
+    with pytest.raises(ValueError, match="max_length must be a positive integer, got 0"):
+        tokenizer.encode("x", truncation=True, max_length=0)
+    with pytest.raises(ValueError, match=r"max_length \(1\) leaves no room for the 2 special tokens"):
+        tokenizer.encode("x y", truncation=True, max_length=1)
+    with pytest.raises(ValueError, match="pad_to_multiple_of must be a positive integer"):
+        tokenizer(["x"], padding=True, pad_to_multiple_of=-8)
+    with pytest.raises(ValueError, match="padding_side must be 'left' or 'right', got 'top'"):
+        tokenizer(["x"], padding=True, padding_side="top")
+    with pytest.raises(ValueError, match="truncation_side must be"):
+        Tokenizer(tokenizer.backend, truncation_side="middle")
+    no_pad = Tokenizer(tokenizer.backend)
+    with pytest.raises(ValueError, match="cannot pad: the tokenizer has no pad_token"):
+        no_pad(["x", "x y"], padding=True)
+    with pytest.raises(ValueError, match="needs max_length"):
+        Tokenizer(tokenizer.backend, special_tokens={"pad_token": "<s>"})(["x"], padding="max_length")
 
 def test_unknown_tokens_convert_to_the_unk_id_as_in_transformers(saved_dir):
     """convert_tokens_to_ids gives unk_token_id for a string outside the vocabulary, as

@@ -7,8 +7,9 @@ chat templates the way `transformers` does, so prompts are byte-identical to a H
 tokenizer's, and it answers the calls that vLLM scripts make on `llm.get_tokenizer()` (which in vLLM
 is a transformers tokenizer) with transformers' defaults and results: `tokenizer(text)`, `decode`,
 `batch_decode`, `convert_ids_to_tokens`, `convert_tokens_to_ids`, `len(tokenizer)`, the special
-tokens and their ids. `IncrementalDetokenizer` turns a stream of generated ids into valid UTF-8 text
-deltas.
+tokens and their ids; `tokenizer(texts, padding=..., truncation=..., max_length=...)` pads and
+truncates as transformers does (on `padding_side` and `truncation_side`).
+`IncrementalDetokenizer` turns a stream of generated ids into valid UTF-8 text deltas.
 `train_tokenizer` trains a byte-level BPE with ChatML special tokens on a corpus of files.
 
 Decoding is exactly `tokenizers`' decode: we do not apply `clean_up_tokenization_spaces`, a
@@ -86,6 +87,8 @@ class Tokenizer:
         chat_template: str | Mapping[str, str] | None = None,
         model_max_length: int | None = None,
         extra_eos_token_ids: Iterable[int] = (),
+        padding_side: str = "right",
+        truncation_side: str = "right",
     ) -> None:
         special_tokens = dict(special_tokens or {})
         unknown = sorted(set(special_tokens) - set(SPECIAL_TOKEN_NAMES))
@@ -97,6 +100,14 @@ class Tokenizer:
             chat_template = dict(chat_template)
         self.chat_template = chat_template
         self.model_max_length = model_max_length
+        for name, side in (("padding_side", padding_side), ("truncation_side", truncation_side)):
+            if side not in ("left", "right"):
+                raise ValueError(f"{name} must be 'left' or 'right', got {side!r}")
+        self.padding_side = padding_side
+        """Where `tokenizer(texts, padding=...)` puts pad tokens (transformers' default: "right")."""
+        self.truncation_side = truncation_side
+        """Which end truncation cuts (transformers' default: "right"; vLLM generates from
+        left-truncated prompts)."""
         self._special_ids = {name: self._require_id(tok) for name, tok in special_tokens.items()}
         eos_ids = [self.eos_token_id] if self.eos_token_id is not None else []
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos_ids, *extra_eos_token_ids]))
@@ -133,6 +144,8 @@ class Tokenizer:
             chat_template=_read_chat_templates(model_dir, config),
             model_max_length=max_length,
             extra_eos_token_ids=_as_id_list(generation_config.get("eos_token_id")),
+            padding_side=config.get("padding_side", "right"),
+            truncation_side=config.get("truncation_side", "right"),
         )
 
     def save_pretrained(self, model_dir: str | Path) -> None:
@@ -148,6 +161,8 @@ class Tokenizer:
             "tokenizer_class": "PreTrainedTokenizerFast",
             **self.special_tokens,
             "clean_up_tokenization_spaces": False,
+            "padding_side": self.padding_side,
+            "truncation_side": self.truncation_side,
         }
         if self.model_max_length is not None:
             config["model_max_length"] = self.model_max_length
@@ -247,25 +262,106 @@ class Tokenizer:
 
     # ---- encode and decode ------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; special-token strings in `text` become their ids."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(
+        self, text: str, add_special_tokens: bool = True, *,
+        truncation: bool | str | None = None, max_length: int | None = None,
+    ) -> list[int]:
+        """Token ids of `text`; special-token strings in `text` become their ids. `truncation` and
+        `max_length` cut it to at most `max_length` ids, special tokens included, as transformers
+        does (`truncation_side` says which end goes)."""
+        return self._encode([text], add_special_tokens, self._truncation_length(truncation, max_length))[0]
 
     def encode_batch(
         self, texts: Sequence[str], add_special_tokens: bool = True
     ) -> list[list[int]]:
         """`encode` for many texts at once (parallel in the Rust backend)."""
-        encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
-        return [encoding.ids for encoding in encodings]
+        return self._encode(list(texts), add_special_tokens, None)
 
-    def __call__(self, text: str | Sequence[str], *, add_special_tokens: bool = True) -> BatchEncoding:
-        """As calling a transformers tokenizer: `input_ids` and `attention_mask` (all ones: nothing
-        is padded) of one text, or lists of them for a list of texts."""
+    def __call__(
+        self, text: str | Sequence[str], *, add_special_tokens: bool = True,
+        padding: bool | str = False, truncation: bool | str | None = None,
+        max_length: int | None = None, pad_to_multiple_of: int | None = None,
+        padding_side: str | None = None,
+    ) -> BatchEncoding:
+        """As calling a transformers tokenizer: `input_ids` and `attention_mask` of one text, or
+        lists of them for a list of texts, with transformers' padding and truncation.
+
+        `padding` is False ("do_not_pad"), True ("longest": to the longest text) or "max_length"
+        (to `max_length`, else `model_max_length`), rounded up to a multiple of
+        `pad_to_multiple_of`; pads go on `padding_side` (default `self.padding_side`) and have mask
+        0. `truncation` (True, "longest_first" or "only_first"; also implied by `max_length` when
+        not padding) cuts each text to `max_length` (default `model_max_length`), special tokens
+        included, at `truncation_side`.
+        """
+        padding = _padding_strategy(padding)
+        if truncation is None and padding != "do_not_pad":
+            truncation = False  # as transformers: max_length then says how far to pad, not to cut
+        texts = [text] if isinstance(text, str) else list(text)
+        batch = self._encode(texts, add_special_tokens, self._truncation_length(truncation, max_length))
+        masks = [[1] * len(ids) for ids in batch]
+        if padding != "do_not_pad" or pad_to_multiple_of is not None:
+            batch, masks = self._pad(batch, padding, max_length, pad_to_multiple_of,
+                                     padding_side or self.padding_side)
         if isinstance(text, str):
-            ids = self.encode(text, add_special_tokens=add_special_tokens)
-            return BatchEncoding(input_ids=ids, attention_mask=[1] * len(ids))
-        batch = self.encode_batch(text, add_special_tokens=add_special_tokens)
-        return BatchEncoding(input_ids=batch, attention_mask=[[1] * len(ids) for ids in batch])
+            return BatchEncoding(input_ids=batch[0], attention_mask=masks[0])
+        return BatchEncoding(input_ids=batch, attention_mask=masks)
+
+    def _truncation_length(self, truncation: bool | str | None, max_length: int | None) -> int | None:
+        """The most ids an encoding may have under transformers' rules, None for no limit."""
+        if truncation not in (None, True, False, "longest_first", "only_first", "do_not_truncate"):
+            raise ValueError(f"truncation must be True, False, 'longest_first', 'only_first' or "
+                             f"'do_not_truncate', got {truncation!r}")
+        if max_length is not None:
+            _check_length("max_length", max_length)
+        if truncation in (False, "do_not_truncate") or (truncation is None and max_length is None):
+            return None
+        return max_length if max_length is not None else self.model_max_length
+
+    def _encode(self, texts: list[str], add_special_tokens: bool, max_length: int | None) -> list[list[int]]:
+        """Ids of each text, cut to `max_length` at `truncation_side` (None: not cut) before the
+        special tokens are added, so that they stay (transformers' truncation)."""
+        if max_length is None:
+            encodings = self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+            return [encoding.ids for encoding in encodings]
+        specials = self.backend.num_special_tokens_to_add(False) if add_special_tokens else 0
+        if max_length < specials:
+            raise ValueError(f"max_length ({max_length}) leaves no room for the {specials} special "
+                             "tokens this tokenizer adds")
+        encodings = self.backend.encode_batch(texts, add_special_tokens=False)
+        for encoding in encodings:
+            encoding.truncate(max_length - specials, direction=self.truncation_side)
+        return [self.backend.post_process(encoding, add_special_tokens=add_special_tokens).ids
+                for encoding in encodings]
+
+    def _pad(
+        self, batch: list[list[int]], padding: str, max_length: int | None,
+        pad_to_multiple_of: int | None, side: str,
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """The encodings padded with `pad_token_id` to a common length, and their masks."""
+        if side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', got {side!r}")
+        if self.pad_token_id is None:
+            raise ValueError("cannot pad: the tokenizer has no pad_token")
+        if padding == "max_length":
+            length = max_length if max_length is not None else self.model_max_length
+            if length is None:
+                raise ValueError("padding='max_length' needs max_length (the tokenizer has no "
+                                 "model_max_length)")
+        else:
+            length = max(len(ids) for ids in batch)
+        if pad_to_multiple_of is not None:
+            _check_length("pad_to_multiple_of", pad_to_multiple_of)
+            length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+        padded, masks = [], []
+        for ids in batch:
+            pads = max(length - len(ids), 0)
+            if side == "left":
+                padded.append([self.pad_token_id] * pads + ids)
+                masks.append([0] * pads + [1] * len(ids))
+            else:
+                padded.append(ids + [self.pad_token_id] * pads)
+                masks.append([1] * len(ids) + [0] * pads)
+        return padded, masks
 
     def decode(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids` (or of one id); bytes that do not form valid UTF-8 become U+FFFD. Special
@@ -472,6 +568,21 @@ def _byte_level_alphabet() -> dict[str, int]:
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     others = [b for b in range(256) if b not in printable]
     return {chr(b): b for b in printable} | {chr(0x100 + i): b for i, b in enumerate(others)}
+
+
+def _padding_strategy(padding: bool | str) -> str:
+    """transformers' name for a `padding` argument: "do_not_pad", "longest" or "max_length"."""
+    strategies = {False: "do_not_pad", True: "longest", "do_not_pad": "do_not_pad",
+                  "longest": "longest", "max_length": "max_length"}
+    if isinstance(padding, bool) or (isinstance(padding, str) and padding in strategies):
+        return strategies[padding]
+    raise ValueError(f"padding must be True, False, 'longest', 'max_length' or 'do_not_pad', "
+                     f"got {padding!r}")
+
+
+def _check_length(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def _read_json(path: Path) -> dict[str, Any]:

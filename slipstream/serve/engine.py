@@ -140,6 +140,7 @@ class Engine:
         self.config = config
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = Tokenizer.from_pretrained(config.model)
+        self.tokenizer.truncation_side = "left"  # as vLLM's: truncate_prompt_tokens keeps a prompt's end
         model_config = ModelConfig.from_pretrained(config.model)
         if device.type == "cpu" and config.fast_cpu_kernels:
             cpu_kernels.build_in_background()  # a first use compiles them while the weights load
@@ -196,9 +197,9 @@ class Engine:
         if request_id in self._prompts:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else prompt_text
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         token_ids = validate_prompt_token_ids(
-            token_ids, vocab_size=self.limits.vocab_size, max_model_len=self.limits.max_model_len
+            self.tokenize(prompt, params.truncate_prompt_tokens), vocab_size=self.limits.vocab_size,
+            max_model_len=self.limits.max_model_len,
         )
         self._validate_params(params, len(token_ids))
         arrival = time.monotonic() if arrival_time_s is None else arrival_time_s
@@ -226,6 +227,25 @@ class Engine:
         for request, sequence, generator in zip(requests, entry.sequences, generators, strict=True):
             self._sequences[request.request_id] = (entry, sequence, generator)
         self._prompts[request_id] = entry
+
+    def tokenize(self, prompt: str | Sequence[int], truncate_prompt_tokens: int | None = None) -> list[int]:
+        """The ids generated from: a text prompt's encoding (special tokens added), or the ids
+        given. With `truncate_prompt_tokens` k (-1: the context length), only the last k, as in
+        vLLM: ids are sliced, a text is cut before the tokenizer adds its special tokens (so a BOS
+        stays). A k past the context length is a ValueError."""
+        max_length = truncate_prompt_tokens
+        if max_length == -1:
+            max_length = self.limits.max_model_len
+        if max_length is not None and max_length > self.limits.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({max_length}) is greater than the model's "
+                             f"context length ({self.limits.max_model_len})")
+        if isinstance(prompt, str):
+            try:
+                return self.tokenizer.encode(prompt, truncation=max_length is not None, max_length=max_length)
+            except ValueError as error:  # a k too small for the special tokens
+                raise ValueError(f"truncate_prompt_tokens: {error}") from error
+        token_ids = list(prompt)
+        return token_ids if max_length is None else token_ids[-max_length:]
 
     def _completion_request(
         self, entry: PromptOutput, params: SamplingParams, index: int, priority: int,

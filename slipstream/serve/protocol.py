@@ -7,7 +7,8 @@ cannot honour (`echo`, `suffix`, tools, `response_format`, guided decoding, beam
 search, ...: `UNSUPPORTED_FIELDS`) are a 400 when set rather than ignored, since ignoring them
 would answer a different question than the one asked. The vLLM extensions `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
-`skip_special_tokens`, `prompt_logprobs`, `allowed_token_ids`, `bad_words` and, for chat,
+`skip_special_tokens`, `prompt_logprobs`, `allowed_token_ids`, `bad_words`,
+`truncate_prompt_tokens` and, for chat,
 `add_generation_prompt` and `continue_final_message` are accepted too.
 """
 
@@ -51,7 +52,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 UNSUPPORTED_FIELDS: dict[str, object] = {
     "use_beam_search": False, "length_penalty": 1.0,
     "logits_processors": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
-    "guided_grammar": None, "structured_outputs": None, "truncate_prompt_tokens": None,
+    "guided_grammar": None, "structured_outputs": None,
     "return_tokens_as_token_ids": False, "prompt_embeds": None, "functions": None,
     "function_call": None, "chat_template": None, "documents": None,
 }
@@ -107,6 +108,8 @@ class _GenerationBody(_Body):
     """Log-probabilities of every prompt token with this many alternatives (as in vLLM)."""
     allowed_token_ids: TokenIds | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    """Keep only the prompt's last k tokens (-1: the context length), as vLLM."""
 
     def check_supported(self) -> None:
         """Refuse set fields this server cannot honour, rather than ignore them."""
@@ -144,7 +147,7 @@ class _GenerationBody(_Body):
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
-            bad_words=self.bad_words or (),
+            bad_words=self.bad_words or (), truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         min_p=self.min_p, repetition_penalty=self.repetition_penalty,

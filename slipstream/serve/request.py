@@ -85,6 +85,9 @@ class SamplingParams:
     """Words never to generate (as in vLLM): the engine tokenizes each as it would begin the text
     and as it would follow a space, and masks a word's last token whenever the output ends with
     the rest of it."""
+    truncate_prompt_tokens: int | None = None
+    """Generate from only the last k prompt tokens (left truncation, as in vLLM; a text prompt
+    keeps the special tokens its tokenizer adds); -1 means the model's context length."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
@@ -140,6 +143,10 @@ class SamplingParams:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, minimum=0)
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=-1)
+            if self.truncate_prompt_tokens == 0:
+                raise ValueError("truncate_prompt_tokens must be >= 1, or -1 for the context length, got 0")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=0)

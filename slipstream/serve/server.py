@@ -85,6 +85,7 @@ class OpenAIServer:
         self.config = config
         self.model_name = config.served_model_name or engine.config.model
         self.tokenizer = engine.tokenizer
+        self.tokenize = engine.tokenize
         self.max_model_len = engine.limits.max_model_len
         self.sampling_defaults = generation_config_defaults(engine.config.model)
         """What requests leave unset is sampled as the model's generation_config.json says."""
@@ -168,7 +169,7 @@ class OpenAIServer:
         body = await self._parse(request, CompletionRequest)
         params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs,
                                       defaults=self.sampling_defaults)
-        prompts = await asyncio.to_thread(self._tokenize, body.prompts())
+        prompts = await asyncio.to_thread(self._tokenize, body.prompts(), params.truncate_prompt_tokens)
         for token_ids in prompts:
             self._check_context(len(token_ids), body.max_tokens, params.min_tokens, "prompt", "max_tokens")
         meta = ResponseMeta.new("cmpl", self.model_name)
@@ -184,7 +185,8 @@ class OpenAIServer:
         body = await self._parse(request, ChatCompletionRequest)
         params = body.sampling_params(max_tokens=body.max_new_tokens, logprobs=body.num_logprobs,
                                       defaults=self.sampling_defaults)
-        token_ids = await asyncio.to_thread(self._render_chat, body)
+        rendered = await asyncio.to_thread(self._render_chat, body)
+        [token_ids] = self._tokenize([rendered], params.truncate_prompt_tokens)
         self._check_context(len(token_ids), body.max_new_tokens, params.min_tokens, "messages",
                             body.max_tokens_param)
         meta = ResponseMeta.new("chatcmpl", self.model_name)
@@ -234,8 +236,14 @@ class OpenAIServer:
                            f"({self.config.max_body_bytes})")
         return b"".join(chunks)
 
-    def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
-        return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    def _tokenize(self, prompts: list[str | list[int]],
+                  truncate_prompt_tokens: int | None) -> list[list[int]]:
+        """The ids of each prompt, left-truncated to `truncate_prompt_tokens` as in the engine; a
+        truncation the context cannot hold is a 400."""
+        try:
+            return [self.tokenize(prompt, truncate_prompt_tokens) for prompt in prompts]
+        except ValueError as error:
+            raise protocol.bad_request(str(error), "truncate_prompt_tokens") from error
 
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
         messages = [m.template_message() for m in body.messages]
