@@ -158,6 +158,7 @@ def _serve(args: argparse.Namespace) -> None:
     server_config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
         max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
     )
     run_server(engine_config, server_config, log_level="debug" if args.verbose else "info")
 
@@ -241,6 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most sequences waiting to be scheduled; past it, 503 with Retry-After")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="name logprobs tokens 'token_id:ID' unless a request says otherwise (as vLLM)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--max-num-seqs", type=int, default=128)

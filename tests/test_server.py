@@ -9,6 +9,7 @@ serve_fixtures.py.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import httpx
@@ -180,7 +181,8 @@ def test_n_completions_take_the_largest_seed(client):
 
 def test_chat_continues_the_final_message(client, llm):
     """vLLM's continue_final_message (with add_generation_prompt false) continues the final
-    assistant message, as `LLM.chat` does, from the prompt transformers would render."""
+    assistant message, as `LLM.chat` does, from the prompt transformers would render; with echo
+    the reply starts with that message."""
     messages = [{"role": "user", "content": "Count:"}, {"role": "assistant", "content": "one two"}]
     tokenizer = llm.get_tokenizer()
     prompt_ids = tokenizer.apply_chat_template(messages, continue_final_message=True, return_dict=False)
@@ -193,6 +195,18 @@ def test_chat_continues_the_final_message(client, llm):
                                               temperature=0, extra_body=extra)
     assert response.choices[0].message.content == expected.outputs[0].text
     assert response.usage.prompt_tokens == len(prompt_ids)
+    # vLLM's chat echo: the reply starts with the message it continues, streamed or not.
+    args = dict(model=MODEL_NAME, messages=messages, max_completion_tokens=12, temperature=0,
+                extra_body=extra | {"echo": True})
+    echoed = client.chat.completions.create(n=2, **args)
+    assert [c.message.content for c in echoed.choices] == ["one two" + expected.outputs[0].text] * 2
+    assert echoed.usage.completion_tokens == 24
+    chunks = list(client.chat.completions.create(stream=True, **args))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == echoed.choices[0].message.content
+    [expected] = llm.chat(MESSAGES, greedy(4), use_tqdm=False)
+    new_reply = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=4,
+                                               temperature=0, extra_body={"echo": True, "ignore_eos": True})
+    assert new_reply.choices[0].message.content == expected.outputs[0].text  # nothing to echo
     plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=1,
                                            extra_body={"add_generation_prompt": False})
     no_generation_prompt = tokenizer.apply_chat_template(messages, return_dict=False)
@@ -273,6 +287,82 @@ def test_prompt_logprobs_are_a_dense_forwards(client, dense_model):
         client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1,
                                   extra_body={"prompt_logprobs": 1000})
 
+
+
+def test_echo_scores_the_prompt_as_a_dense_forward(client, llm, dense_model):
+    """OpenAI's echo with max_tokens 0 and logprobs (how lm-evaluation-harness scores a text
+    through a completions server): the choice is the prompt alone, its first token without a
+    logprob, every other token with log_softmax of a dense forward, its text offsets adding up to
+    the text, no completion tokens counted. With max_tokens > 0 the generated text and logprobs
+    follow the prompt's, equal to the non-echoed completion's; streamed chunks add up to the
+    same."""
+    tokenizer = llm.get_tokenizer()
+    prompt = [11, 205, 7, 311, 42, 9, 88]
+    expected = dense_logprobs(dense_model, prompt)
+    response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True,
+                                         logprobs=1, temperature=0)
+    [choice] = response.choices
+    assert choice.text == tokenizer.decode(prompt) and choice.finish_reason == "length"
+    assert response.usage.completion_tokens == 0 and response.usage.prompt_tokens == len(prompt)
+    logprobs = choice.logprobs
+    assert logprobs.tokens == [tokenizer.decode([t]) for t in prompt]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    for p in range(1, len(prompt)):
+        assert logprobs.token_logprobs[p] == pytest.approx(expected[p - 1, prompt[p]].item(), abs=1e-4)
+        assert logprobs.top_logprobs[p][logprobs.tokens[p]] == pytest.approx(logprobs.token_logprobs[p])
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:p])) for p in range(len(prompt))]
+
+    args = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
+                extra_body={"ignore_eos": True})
+    plain = client.completions.create(**args).choices[0]
+    echoed = client.completions.create(echo=True, **args)
+    choice = echoed.choices[0]
+    num_prompt = echoed.usage.prompt_tokens
+    assert echoed.usage.completion_tokens == 6
+    assert choice.text == PROMPT + plain.text
+    assert choice.logprobs.tokens[num_prompt:] == plain.logprobs.tokens
+    assert choice.logprobs.token_logprobs[num_prompt:] == pytest.approx(plain.logprobs.token_logprobs)
+    assert choice.logprobs.text_offset[num_prompt] == len("".join(choice.logprobs.tokens[:num_prompt]))
+    chunks = [c for c in client.completions.create(echo=True, stream=True, **args) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == choice.logprobs.tokens
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == choice.logprobs.text_offset
+    without_logprobs = client.completions.create(model=MODEL_NAME, prompt=[PROMPT, "x = 1"], max_tokens=3,
+                                                 temperature=0, echo=True, n=2)
+    assert [c.text[:len(PROMPT)] for c in without_logprobs.choices[:2]] == [PROMPT] * 2
+    assert [c.text[:5] for c in without_logprobs.choices[2:]] == ["x = 1"] * 2
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0)
+    assert error.value.body["param"] == "max_tokens"
+
+
+def test_return_tokens_as_token_ids_names_tokens_by_id(client, llm):
+    """vLLM's return_tokens_as_token_ids: logprobs tokens (and top-logprob keys) read
+    "token_id:{id}" for the ids the offline engine generates, in completions and chat; the texts,
+    offsets and bytes stay those of the tokens."""
+    [offline] = llm.generate(PROMPT, greedy(5), use_tqdm=False)
+    args = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2)
+    plain = client.completions.create(extra_body={"ignore_eos": True}, **args).choices[0]
+    named = client.completions.create(
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, **args).choices[0]
+    assert named.logprobs.tokens == [f"token_id:{t}" for t in offline.outputs[0].token_ids]
+    assert named.text == plain.text and named.logprobs.text_offset == plain.logprobs.text_offset
+    for token, top in zip(named.logprobs.tokens, named.logprobs.top_logprobs, strict=True):
+        assert token in top and all(re.fullmatch(r"token_id:\d+", key) for key in top)
+    chat_args = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True,
+                     top_logprobs=2)
+    [offline] = llm.chat(MESSAGES, greedy(5), use_tqdm=False)
+    plain = client.chat.completions.create(extra_body={"ignore_eos": True}, **chat_args).choices[0]
+    named = client.chat.completions.create(
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, **chat_args).choices[0]
+    expected_names = [f"token_id:{t}" for t in offline.outputs[0].token_ids]
+    assert [e.token for e in named.logprobs.content] == expected_names
+    for plain_entry, entry in zip(plain.logprobs.content, named.logprobs.content, strict=True):
+        assert entry.bytes == plain_entry.bytes
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen token ranks first
+        assert all(re.fullmatch(r"token_id:\d+", top.token) for top in entry.top_logprobs)
 
 def test_chat_logprobs(client):
     """Chat logprobs: per token its logprob, bytes and exactly top_logprobs alternatives by rank."""
@@ -403,5 +493,25 @@ def test_unset_sampling_fields_take_the_generation_config_defaults(model_dir, ll
             model=MODEL_NAME, messages=MESSAGES, temperature=1.0, seed=seed,
             extra_body={"ignore_eos": True, "top_k": -1}).choices[0].message.content for seed in range(4)}
         assert len(texts) > 1
+    finally:
+        server.stop()
+
+
+def test_return_tokens_as_token_ids_flag_sets_the_servers_default(model_dir, llm, tmp_path):
+    """`slipstream serve --return-tokens-as-token-ids` names tokens by id for requests that do not
+    say, as vLLM's flag does; a request's own false still gets the tokens' text."""
+    from server_process import ENGINE_ARGS, ServerProcess
+
+    server = ServerProcess(model_dir, tmp_path / "server.log", "--return-tokens-as-token-ids",
+                           *ENGINE_ARGS).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        [expected] = llm.generate(PROMPT, greedy(4), use_tqdm=False)
+        args = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0)
+        named = client.completions.create(extra_body={"ignore_eos": True}, **args).choices[0]
+        assert named.logprobs.tokens == [f"token_id:{t}" for t in expected.outputs[0].token_ids]
+        texts = client.completions.create(
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": False}, **args).choices[0]
+        assert "".join(texts.logprobs.tokens) == expected.outputs[0].text
     finally:
         server.stop()

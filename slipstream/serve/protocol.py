@@ -3,7 +3,7 @@
 Bodies are parsed in pydantic's strict mode, as OpenAI's API does: `"max_tokens": "5"` or
 `"stream": 1` is a 400, not a silent coercion. Unknown fields are ignored (as vLLM does), so that
 clients which send newer OpenAI fields keep working; known OpenAI and vLLM fields this server
-cannot honour (`echo`, `suffix`, tools, `response_format`, guided decoding, beam
+cannot honour (`suffix`, tools, `response_format`, guided decoding, beam
 search, ...: `UNSUPPORTED_FIELDS`) are a 400 when set rather than ignored, since ignoring them
 would answer a different question than the one asked. The vLLM extensions `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
@@ -53,7 +53,7 @@ UNSUPPORTED_FIELDS: dict[str, object] = {
     "use_beam_search": False, "length_penalty": 1.0,
     "logits_processors": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
     "guided_grammar": None, "structured_outputs": None,
-    "return_tokens_as_token_ids": False, "prompt_embeds": None, "functions": None,
+    "prompt_embeds": None, "functions": None,
     "function_call": None, "chat_template": None, "documents": None,
 }
 """OpenAI and vLLM request fields this server cannot honour, each with the value that asks for
@@ -75,7 +75,7 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _GenerationBody(_Body):
+class GenerationBody(_Body):
     """Fields that completions and chat completions share."""
 
     model_config = ConfigDict(extra="allow")  # kept, so that check_supported sees them
@@ -110,6 +110,8 @@ class _GenerationBody(_Body):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     """Keep only the prompt's last k tokens (-1: the context length), as vLLM."""
+    return_tokens_as_token_ids: bool | None = None
+    """Name logprobs tokens "token_id:{id}" (None: the server's default), as vLLM."""
 
     def check_supported(self) -> None:
         """Refuse set fields this server cannot honour, rather than ignore them."""
@@ -161,22 +163,37 @@ class _GenerationBody(_Body):
             raise bad_request(str(error), param if param in values else None) from error
 
 
-class CompletionRequest(_GenerationBody):
+class CompletionRequest(GenerationBody):
     """POST /v1/completions."""
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)
+    """0 only with `echo`: the prompt alone, scored (vLLM's and OpenAI's legacy scoring call)."""
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool = False
+    """Each choice starts with its prompt (and, with logprobs, the prompt's logprobs)."""
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name, unsupported in (("echo", self.echo), ("suffix", self.suffix is not None),
+        for name, unsupported in (("suffix", self.suffix is not None),
                                   ("best_of", self.best_of not in (None, self.n))):
             if unsupported:
                 raise bad_request(f"{name} is not supported", name)
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens must be at least 1 (0 only with echo)", "max_tokens")
+
+    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """As for any body, except that an echo of the prompt alone (max_tokens 0) generates one
+        token, which the response leaves out, and that echo with logprobs scores the prompt too
+        (with `prompt_logprobs` alternatives if set, else `logprobs`, as vLLM)."""
+        params = super().sampling_params(max_tokens=max(max_tokens, 1) if max_tokens is not None else None,
+                                         logprobs=logprobs, defaults=defaults)
+        if self.echo and logprobs is not None and params.prompt_logprobs is None:
+            params = params.replace(prompt_logprobs=logprobs)
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt or batch of prompts, each text or token ids."""
@@ -210,7 +227,7 @@ class ChatMessage(_Body):
         return message | ({"name": self.name} if self.name is not None else {})
 
 
-class ChatCompletionRequest(_GenerationBody):
+class ChatCompletionRequest(GenerationBody):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -225,6 +242,9 @@ class ChatCompletionRequest(_GenerationBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     """Render the final (assistant) message open, so that the reply continues it."""
+    echo: bool = False
+    """Start each reply with the final message's content when the reply continues it (vLLM's
+    chat echo: the final message is the assistant's, or add_generation_prompt is false)."""
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -242,6 +262,15 @@ class ChatCompletionRequest(_GenerationBody):
             raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+
+    @property
+    def echoed_text(self) -> str:
+        """What echo puts before each reply: the final message's content, when the reply continues
+        that message's role ("" otherwise, or without echo)."""
+        final = self.messages[-1]
+        if not self.echo or (self.add_generation_prompt and final.role != "assistant"):
+            return ""
+        return final.template_message()["content"]
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -43,12 +43,49 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {payload}\n\n"
 
 
-def usage(outputs: Iterable[RequestOutput]) -> dict[str, int]:
-    """Prompt tokens (once per prompt) and generated tokens (over all choices)."""
+def usage(outputs: Iterable[RequestOutput], echo: Echo | None = None) -> dict[str, int]:
+    """Prompt tokens (once per prompt) and generated tokens (over all choices; none for an echo of
+    the prompt alone)."""
     outputs = list(outputs)
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = 0
+    if echo is None or echo.generate:
+        completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Echo:
+    """Completions' `echo`: every choice starts with its prompt (the text, the ids and, when
+    logprobs are asked for, the prompt's logprobs: None for the first token, which nothing
+    predicts). Without `generate` (`max_tokens` 0) a choice is the prompt alone, as in vLLM,
+    which scoring harnesses (lm-evaluation-harness) use to read a text's log-likelihood."""
+
+    prompt_texts: dict[str, str]
+    """Request id -> the text echoed."""
+    first_tokens: dict[str, str]
+    """Request id -> the text of the prompt's first token (its logprobs entry has no position)."""
+    generate: bool
+    with_logprobs: bool
+
+    def choice(self, output: RequestOutput, completion: CompletionOutput) -> CompletionOutput | None:
+        """The choice as the client sees it; None while the prompt's logprobs are still being
+        computed (a chunked prefill), so that a stream sends the prompt whole."""
+        logprobs = None
+        if self.with_logprobs:
+            scored = output.prompt_logprobs or []
+            if len(scored) < len(output.prompt_token_ids):
+                return None
+            logprobs = [*scored, *(completion.logprobs if self.generate else [])]
+        prompt_text = self.prompt_texts[output.request_id]
+        if not self.generate:
+            finish = None if completion.finish_reason is None else "length"
+            return CompletionOutput(index=completion.index, text=prompt_text,
+                                    token_ids=list(output.prompt_token_ids), logprobs=logprobs,
+                                    finish_reason=finish)
+        return dataclasses.replace(completion, text=prompt_text + completion.text,
+                                   token_ids=[*output.prompt_token_ids, *completion.token_ids],
+                                   logprobs=logprobs)
 
 
 # ---- logprobs -------------------------------------------------------------------------------
@@ -62,33 +99,54 @@ def _positions(completion: CompletionOutput, start: int, end: int):
     return zip(completion.token_ids[start:end], completion.logprobs[start:end], strict=True)
 
 
-def completion_logprobs(completion: CompletionOutput, start: int, end: int, text_offset: int) -> dict:
-    """Legacy completions logprobs of tokens [start, end): the sampled token's and the top ones'."""
+def completion_logprobs(completion: CompletionOutput, start: int, end: int, text_offset: int, *,
+                        first_token: str = "", as_token_ids: bool = False) -> tuple[dict, int]:
+    """Legacy completions logprobs of tokens [start, end): the sampled token's and the top ones',
+    and the text offset past them.
+    A position without logprobs (an echoed prompt's first token, whose text is `first_token`) has
+    None for both, as in vLLM. With `as_token_ids` (vLLM's return_tokens_as_token_ids) tokens are
+    named "token_id:{id}"; text offsets still count the tokens' text."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for token_id, position in _positions(completion, start, end):
-        token = position[token_id].decoded_token or ""
-        tokens.append(token)
-        token_logprobs.append(_logprob(position[token_id].logprob))
-        top_logprobs.append({p.decoded_token or "": _logprob(p.logprob) for p in position.values()})
         offsets.append(text_offset)
-        text_offset += len(token)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": offsets}
+        if position is None:
+            text = first_token
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+        else:
+            text = position[token_id].decoded_token or ""
+            token_logprobs.append(_logprob(position[token_id].logprob))
+            top_logprobs.append({_token_name(i, p, as_token_ids): _logprob(p.logprob)
+                                 for i, p in position.items()})
+        tokens.append(f"token_id:{token_id}" if as_token_ids else text)
+        text_offset += len(text)
+    logprobs = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+    return logprobs, text_offset
 
 
-def chat_logprobs(completion: CompletionOutput, start: int, end: int, num_top: int) -> dict:
-    """Chat logprobs of tokens [start, end): each token with its `num_top` most likely alternatives."""
+def chat_logprobs(completion: CompletionOutput, start: int, end: int, num_top: int, *,
+                  as_token_ids: bool = False) -> dict:
+    """Chat logprobs of tokens [start, end): each token with its `num_top` most likely alternatives
+    (named "token_id:{id}" with `as_token_ids`; `bytes` stay the token's own)."""
     content = []
     for token_id, position in _positions(completion, start, end):
-        top = sorted((p for p in position.values() if p.rank <= num_top), key=lambda p: p.rank)
-        content.append(_chat_token(position[token_id]) | {"top_logprobs": [_chat_token(p) for p in top]})
+        top = sorted((item for item in position.items() if item[1].rank <= num_top),
+                     key=lambda item: item[1].rank)
+        content.append(_chat_token(token_id, position[token_id], as_token_ids)
+                       | {"top_logprobs": [_chat_token(i, p, as_token_ids) for i, p in top]})
     return {"content": content}
 
 
-def _chat_token(logprob: Logprob) -> dict[str, Any]:
-    token = logprob.decoded_token or ""
-    raw = token.encode() if logprob.token_bytes is None else logprob.token_bytes
-    return {"token": token, "logprob": _logprob(logprob.logprob), "bytes": list(raw)}
+def _token_name(token_id: int, logprob: Logprob, as_token_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_token_ids else logprob.decoded_token or ""
+
+
+def _chat_token(token_id: int, logprob: Logprob, as_token_ids: bool) -> dict[str, Any]:
+    text = logprob.decoded_token or ""
+    raw = text.encode() if logprob.token_bytes is None else logprob.token_bytes
+    return {"token": _token_name(token_id, logprob, as_token_ids), "logprob": _logprob(logprob.logprob),
+            "bytes": list(raw)}
 
 
 def prompt_logprobs(output: RequestOutput) -> list[dict[str, dict[str, Any]] | None]:
@@ -104,30 +162,38 @@ def prompt_logprobs(output: RequestOutput) -> list[dict[str, dict[str, Any]] | N
 
 
 def completion_response(meta: ResponseMeta, outputs: Sequence[RequestOutput], *, n: int,
-                        logprobs: int | None) -> dict:
+                        logprobs: int | None, echo: Echo | None = None, as_token_ids: bool = False,
+                        ) -> dict:
     """The body of a non-streamed completions call: prompt i's choices are i*n .. i*n + n-1."""
     choices = []
     for prompt_index, output in enumerate(outputs):
+        first_token = echo.first_tokens[output.request_id] if echo is not None else ""
         for completion in output.outputs:
+            if echo is not None:
+                completion = echo.choice(output, completion)
             choice_logprobs = None
             if logprobs is not None:
-                choice_logprobs = completion_logprobs(completion, 0, len(completion.token_ids), 0)
+                choice_logprobs, _ = completion_logprobs(completion, 0, len(completion.token_ids), 0,
+                                                         first_token=first_token, as_token_ids=as_token_ids)
             choice = {"index": prompt_index * n + completion.index, "text": completion.text,
                       "logprobs": choice_logprobs} | _finish(completion)
             if output.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs(output)
             choices.append(choice)
-    return meta.head("text_completion") | {"choices": choices, "usage": usage(outputs)}
+    return meta.head("text_completion") | {"choices": choices, "usage": usage(outputs, echo)}
 
 
-def chat_response(meta: ResponseMeta, output: RequestOutput, *, num_logprobs: int | None) -> dict:
-    """The body of a non-streamed chat completion (`num_logprobs` None: no logprobs)."""
+def chat_response(meta: ResponseMeta, output: RequestOutput, *, num_logprobs: int | None,
+                  as_token_ids: bool = False, echo: str = "") -> dict:
+    """The body of a non-streamed chat completion (`num_logprobs` None: no logprobs); each reply
+    starts with `echo`."""
     choices = []
     for completion in output.outputs:
         logprobs = None
         if num_logprobs is not None:
-            logprobs = chat_logprobs(completion, 0, len(completion.token_ids), num_logprobs)
-        message = {"role": "assistant", "content": completion.text}
+            logprobs = chat_logprobs(completion, 0, len(completion.token_ids), num_logprobs,
+                                     as_token_ids=as_token_ids)
+        message = {"role": "assistant", "content": echo + completion.text}
         choices.append({"index": completion.index, "message": message, "logprobs": logprobs}
                        | _finish(completion))
     body = meta.head("chat.completion") | {"choices": choices, "usage": usage([output])}
@@ -188,9 +254,12 @@ class CompletionStream:
 
     object = "text_completion"
 
-    def __init__(self, meta: ResponseMeta, request_ids: Sequence[str], *, n: int, logprobs: int | None):
+    def __init__(self, meta: ResponseMeta, request_ids: Sequence[str], *, n: int, logprobs: int | None,
+                 echo: Echo | None = None, as_token_ids: bool = False) -> None:
         self.meta = meta
+        self.echo = echo
         self._logprobs = logprobs
+        self._as_token_ids = as_token_ids
         self._deltas = _Deltas(with_logprobs=logprobs is not None)
         self._first_index = {request_id: i * n for i, request_id in enumerate(request_ids)}
         self._text_offsets: dict[int, int] = {}
@@ -199,10 +268,18 @@ class CompletionStream:
     def opening(self) -> list[str]:
         return []
 
+    def usage(self, outputs: Iterable[RequestOutput]) -> dict[str, int]:
+        return usage(outputs, self.echo)
+
     def events(self, output: RequestOutput) -> list[str]:
         events = []
+        first_token = self.echo.first_tokens[output.request_id] if self.echo is not None else ""
         for completion in output.outputs:
             index = self._first_index[output.request_id] + completion.index
+            if self.echo is not None:
+                completion = self.echo.choice(output, completion)
+                if completion is None:
+                    continue
             news = self._deltas.news(index, completion)
             if news is None:
                 continue
@@ -213,26 +290,38 @@ class CompletionStream:
                 # so the text would lag them and offsets would step back. Counted over the tokens,
                 # they equal the non-streamed response's.
                 offset = self._text_offsets.get(index, 0)
-                logprobs = completion_logprobs(completion, news.start, news.end, offset)
-                self._text_offsets[index] = offset + sum(len(token) for token in logprobs["tokens"])
+                logprobs, self._text_offsets[index] = completion_logprobs(
+                    completion, news.start, news.end, offset, first_token=first_token,
+                    as_token_ids=self._as_token_ids)
             choice = {"index": index, "text": news.text, "logprobs": logprobs} | _finish(completion)
             events.append(sse(self.meta.head(self.object) | {"choices": [choice]}))
         return events
 
 
 class ChatStream:
-    """The chunks of a streamed chat completion: first the assistant role of every choice."""
+    """The chunks of a streamed chat completion: first the assistant role of every choice (and
+    the echoed text), then each choice's news."""
 
     object = "chat.completion.chunk"
 
-    def __init__(self, meta: ResponseMeta, *, n: int, num_logprobs: int | None) -> None:
+    def __init__(self, meta: ResponseMeta, *, n: int, num_logprobs: int | None,
+                 as_token_ids: bool = False, echo: str = "") -> None:
         self.meta = meta
+        self._echoed_text = echo
         self._n = n
         self._num_logprobs = num_logprobs
+        self._as_token_ids = as_token_ids
         self._deltas = _Deltas(with_logprobs=num_logprobs is not None)
 
     def opening(self) -> list[str]:
-        return [self._chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(self._n)]
+        """The assistant role of every choice, then, with echo, the echoed text of each."""
+        events = [self._chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(self._n)]
+        if self._echoed_text:
+            events += [self._chunk(i, {"content": self._echoed_text}, None, None) for i in range(self._n)]
+        return events
+
+    def usage(self, outputs: Iterable[RequestOutput]) -> dict[str, int]:
+        return usage(outputs)
 
     def events(self, output: RequestOutput) -> list[str]:
         events = []
@@ -242,7 +331,8 @@ class ChatStream:
                 continue
             logprobs = None
             if self._num_logprobs is not None:
-                logprobs = chat_logprobs(completion, news.start, news.end, self._num_logprobs)
+                logprobs = chat_logprobs(completion, news.start, news.end, self._num_logprobs,
+                                         as_token_ids=self._as_token_ids)
             events.append(self._chunk(completion.index, {"content": news.text}, logprobs, completion))
         return events
 
@@ -255,4 +345,4 @@ class ChatStream:
 
 def usage_event(stream: CompletionStream | ChatStream, outputs: Iterable[RequestOutput]) -> str:
     """The last chunk when `stream_options.include_usage` is set: no choices, the usage."""
-    return sse(stream.meta.head(stream.object) | {"choices": [], "usage": usage(outputs)})
+    return sse(stream.meta.head(stream.object) | {"choices": [], "usage": stream.usage(outputs)})

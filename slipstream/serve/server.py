@@ -64,6 +64,9 @@ class ServerConfig:
     """On SIGTERM, how long requests in flight may take to finish before they are aborted."""
     max_body_bytes: int = 8 * 2**20
     retry_after_s: int = 1
+    return_tokens_as_token_ids: bool = False
+    """Name logprobs tokens "token_id:{id}" for requests that do not set
+    `return_tokens_as_token_ids` themselves (vLLM's --return-tokens-as-token-ids)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 2**16:
@@ -169,16 +172,19 @@ class OpenAIServer:
         body = await self._parse(request, CompletionRequest)
         params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs,
                                       defaults=self.sampling_defaults)
-        prompts = await asyncio.to_thread(self._tokenize, body.prompts(), params.truncate_prompt_tokens)
+        texts = body.prompts()
+        prompts = await asyncio.to_thread(self._tokenize, texts, params.truncate_prompt_tokens)
         for token_ids in prompts:
             self._check_context(len(token_ids), body.max_tokens, params.min_tokens, "prompt", "max_tokens")
         meta = ResponseMeta.new("cmpl", self.model_name)
         stream = await self._submit(meta.id, prompts, params, arrival_time_s, {"prompt": "prompt"})
+        echo = self._echo(body, stream.request_ids, texts, prompts) if body.echo else None
+        options = dict(n=params.n, logprobs=body.logprobs, echo=echo, as_token_ids=self._as_token_ids(body))
         if body.stream:
-            chunks = responses.CompletionStream(meta, stream.request_ids, n=params.n, logprobs=body.logprobs)
+            chunks = responses.CompletionStream(meta, stream.request_ids, **options)
             return _event_stream(self._events(stream, chunks, body.include_usage))
         outputs = await self._collect(request, stream)
-        return JSONResponse(responses.completion_response(meta, outputs, n=params.n, logprobs=body.logprobs))
+        return JSONResponse(responses.completion_response(meta, outputs, **options))
 
     async def chat_completions(self, request: Request) -> Response:
         arrival_time_s = time.monotonic()
@@ -192,11 +198,13 @@ class OpenAIServer:
         meta = ResponseMeta.new("chatcmpl", self.model_name)
         stream = await self._submit(meta.id, [token_ids], params, arrival_time_s,
                                     {"prompt": "messages", "logprobs": "top_logprobs"})
+        options = dict(num_logprobs=body.num_logprobs, as_token_ids=self._as_token_ids(body),
+                       echo=body.echoed_text)
         if body.stream:
-            chunks = responses.ChatStream(meta, n=params.n, num_logprobs=body.num_logprobs)
+            chunks = responses.ChatStream(meta, n=params.n, **options)
             return _event_stream(self._events(stream, chunks, body.include_usage))
         [output] = await self._collect(request, stream)
-        return JSONResponse(responses.chat_response(meta, output, num_logprobs=body.num_logprobs))
+        return JSONResponse(responses.chat_response(meta, output, **options))
 
     # ---- request handling ---------------------------------------------------------------------
 
@@ -244,6 +252,23 @@ class OpenAIServer:
             return [self.tokenize(prompt, truncate_prompt_tokens) for prompt in prompts]
         except ValueError as error:
             raise protocol.bad_request(str(error), "truncate_prompt_tokens") from error
+
+    def _as_token_ids(self, body: protocol.GenerationBody) -> bool:
+        if body.return_tokens_as_token_ids is None:
+            return self.config.return_tokens_as_token_ids
+        return body.return_tokens_as_token_ids
+
+    def _echo(self, body: CompletionRequest, request_ids: list[str], prompts: list[str | list[int]],
+              token_ids: list[list[int]]) -> responses.Echo:
+        """What `echo` puts before each choice: the prompt as sent, or, when it was token ids or
+        was truncated, the text of the ids generated from (special tokens kept, as in vLLM)."""
+        texts, first_tokens = {}, {}
+        for request_id, prompt, ids in zip(request_ids, prompts, token_ids, strict=True):
+            whole_text = isinstance(prompt, str) and body.truncate_prompt_tokens is None
+            texts[request_id] = prompt if whole_text else self.tokenizer.decode(ids)
+            first_tokens[request_id] = self.tokenizer.decode(ids[:1])
+        return responses.Echo(texts, first_tokens, generate=body.max_tokens != 0,
+                              with_logprobs=body.logprobs is not None)
 
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
         messages = [m.template_message() for m in body.messages]
