@@ -1,15 +1,17 @@
 """slipstream: serve, train and measure large language models on PyTorch.
 
-`LLM`, `SamplingParams` and `RequestOutput` are importable from here; they load on first use, so
-that torch-free parts (the scheduler, the performance model) stay importable without torch.
+`LLM`, `SamplingParams`, `BeamSearchParams` and `RequestOutput` are importable from here; they load
+on first use, so that torch-free parts (the scheduler, the performance model) stay importable
+without torch.
 """
 
 import importlib
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "RequestOutput", "SamplingParams"]
 
 _EXPORTS = {
     "LLM": "slipstream.serve.llm",
+    "BeamSearchParams": "slipstream.serve.beam_search",
     "RequestOutput": "slipstream.serve.request",
     "SamplingParams": "slipstream.serve.request",
 }

@@ -24,8 +24,21 @@ from slipstream.model.config import ModelConfig
 from slipstream.model.tokenizer import Tokenizer
 from slipstream.model.weights import resolve_dtype
 from slipstream.perf.flops import weight_bytes
+from slipstream.serve.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    advance,
+    next_requests,
+    step_sampling_params,
+)
 from slipstream.serve.engine import Engine, EngineConfig
-from slipstream.serve.request import RequestOutput, SamplingParams, generation_config_defaults
+from slipstream.serve.request import (
+    RequestOutput,
+    SamplingParams,
+    generation_config_defaults,
+    validate_prompt_token_ids,
+)
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
@@ -127,6 +140,38 @@ class LLM:
         except BaseException:
             self.engine.abort_request(ids)
             raise
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *, use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """The best `params.beam_width` beams of each prompt, best first, as vLLM's
+        `LLM.beam_search` (the search: slipstream/serve/beam_search.py). Each step is one
+        `generate` call for the running beams of every prompt at once, with prefix caching (when
+        enabled) keeping the beams' shared tokens computed."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if params.num_logprobs > self.engine.config.max_logprobs:
+            raise ValueError(f"beam_width={params.beam_width} asks for {params.num_logprobs} logprobs per "
+                             f"step, more than the engine's max_logprobs ({self.engine.config.max_logprobs})")
+        limits = self.engine.limits
+        searches = []
+        for prompt in _as_prompt_list(prompts):
+            token_ids = validate_prompt_token_ids(
+                self.engine.tokenize(_prompt_input(prompt)[0]), vocab_size=limits.vocab_size,
+                max_model_len=limits.max_model_len)
+            searches.append(BeamSearch(token_ids, params, limits.eos_token_ids, limits.max_model_len))
+        step = step_sampling_params(params)
+        with tqdm(total=params.max_tokens, desc="beam search", unit="tok", disable=not use_tqdm) as bar:
+            while beams := next_requests(searches):
+                advance(searches, self.generate(beams, step, use_tqdm=False))
+                bar.update(1)
+        results = []
+        for search in searches:
+            best = search.best()
+            for beam in best:
+                beam.text = self.engine.tokenizer.decode(beam.tokens)
+            results.append(BeamSearchOutput(best))
+        return results
 
     def chat(
         self,
