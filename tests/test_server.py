@@ -18,7 +18,7 @@ import pytest
 from serve_fixtures import dense_logprobs
 from server_process import API_KEY, ENGINE_ARGS, MAX_MODEL_LEN, MODEL_NAME, ServerProcess, metric_values
 
-from slipstream import LLM, SamplingParams
+from slipstream import LLM, BeamSearchParams, SamplingParams
 
 pytest_plugins = ["serve_fixtures", "server_process"]
 
@@ -515,3 +515,47 @@ def test_return_tokens_as_token_ids_flag_sets_the_servers_default(model_dir, llm
         assert "".join(texts.logprobs.tokens) == expected.outputs[0].text
     finally:
         server.stop()
+
+
+def test_beam_search_equals_offline(client, llm):
+    """vLLM's use_beam_search: the n choices are the offline `LLM.beam_search`'s best n beams, best
+    first, their generated text (no end-of-sequence token) and tokens' logprobs; streamed, the
+    same choices arrive whole; in chat too. Fields beam search cannot honour are a 400."""
+    tokenizer = llm.get_tokenizer()
+    prompt = tokenizer.encode(PROMPT)
+    [expected] = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5))
+    texts = []
+    for beam in expected.sequences:
+        generated = beam.tokens[len(prompt):]
+        texts.append(tokenizer.decode(generated[:-1] if beam.finish_reason == "stop" else generated,
+                                      skip_special_tokens=True))
+    args = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, n=3, logprobs=1,
+                extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    response = client.completions.create(**args)
+    assert [c.text for c in response.choices] == texts
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    for choice, beam in zip(response.choices, expected.sequences, strict=True):
+        assert choice.finish_reason == beam.finish_reason
+        assert sum(choice.logprobs.token_logprobs) == pytest.approx(beam.cum_logprob, abs=1e-3)
+        assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
+    assert response.usage.completion_tokens == sum(len(b.tokens) - len(prompt) for b in expected.sequences)
+    chunks = [c for c in client.completions.create(stream=True, **args) if c.choices]
+    assert sorted((c.choices[0].index, c.choices[0].text) for c in chunks) == list(enumerate(texts))
+
+    [expected] = llm.beam_search([tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                                                return_dict=False)],
+                                 BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True))
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=5, n=2,
+                                          extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert [c.message.content for c in chat.choices] == [
+        tokenizer.decode(b.tokens[-5:], skip_special_tokens=True) for b in expected.sequences]
+
+    refused = {"temperature": 0.7, "top_p": 0.5, "stop": ["x"], "n": 11, "echo": True}
+    for name, value in refused.items():
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2,
+                                      extra_body={"use_beam_search": True, name: value})
+        assert error.value.body["param"] == name
+    with pytest.raises(openai.BadRequestError, match="length_penalty applies only with use_beam_search"):
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2,
+                                  extra_body={"length_penalty": 2.0})

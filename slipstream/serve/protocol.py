@@ -3,12 +3,12 @@
 Bodies are parsed in pydantic's strict mode, as OpenAI's API does: `"max_tokens": "5"` or
 `"stream": 1` is a 400, not a silent coercion. Unknown fields are ignored (as vLLM does), so that
 clients which send newer OpenAI fields keep working; known OpenAI and vLLM fields this server
-cannot honour (`suffix`, tools, `response_format`, guided decoding, beam
-search, ...: `UNSUPPORTED_FIELDS`) are a 400 when set rather than ignored, since ignoring them
-would answer a different question than the one asked. The vLLM extensions `top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
-`skip_special_tokens`, `prompt_logprobs`, `allowed_token_ids`, `bad_words`,
-`truncate_prompt_tokens` and, for chat,
+cannot honour (`suffix`, tools, `response_format`, guided decoding, ...: `UNSUPPORTED_FIELDS`)
+are a 400 when set rather than ignored, since ignoring them would answer a different question
+than the one asked. The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+`ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`,
+`prompt_logprobs`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`,
+`return_tokens_as_token_ids`, `use_beam_search` with `length_penalty`, `echo` and, for chat,
 `add_generation_prompt` and `continue_final_message` are accepted too.
 """
 
@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from slipstream.serve.beam_search import BeamSearchParams
 from slipstream.serve.request import SamplingParams
 
 MAX_N = 128
@@ -49,8 +50,16 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+BEAM_SEARCH_CONFLICTS: dict[str, tuple[object, ...]] = {
+    "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "stop": ([], ""), "stop_token_ids": ([],),
+    "min_tokens": (0,), "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],),
+    "prompt_logprobs": (), "echo": (False,),
+}
+"""Request fields beam search cannot honour (vLLM's silently ignores them), each with the values
+that ask for nothing (None aside); any other value is a 400."""
+
 UNSUPPORTED_FIELDS: dict[str, object] = {
-    "use_beam_search": False, "length_penalty": 1.0,
     "logits_processors": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
     "guided_grammar": None, "structured_outputs": None,
     "prompt_embeds": None, "functions": None,
@@ -112,6 +121,10 @@ class GenerationBody(_Body):
     """Keep only the prompt's last k tokens (-1: the context length), as vLLM."""
     return_tokens_as_token_ids: bool | None = None
     """Name logprobs tokens "token_id:{id}" (None: the server's default), as vLLM."""
+    use_beam_search: bool = False
+    """vLLM's beam search: the `n` best of `n` beams, ranked by the model's log-probabilities."""
+    length_penalty: float = 1.0
+    """Beam search only: the exponent of the generated length a beam's score divides by."""
 
     def check_supported(self) -> None:
         """Refuse set fields this server cannot honour, rather than ignore them."""
@@ -120,6 +133,26 @@ class GenerationBody(_Body):
             raise bad_request("prompt_logprobs is not available when stream is true", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        if self.use_beam_search:
+            for name, neutral in BEAM_SEARCH_CONFLICTS.items():
+                if getattr(self, name, None) not in (None, *neutral):
+                    raise bad_request(f"{name} cannot be used with use_beam_search, which ranks beams by "
+                                      "the model's log-probabilities alone", name)
+        elif self.length_penalty != 1.0:
+            raise bad_request("length_penalty applies only with use_beam_search", "length_penalty")
+
+    def beam_search_params(self, *, max_tokens: int, max_logprobs: int) -> BeamSearchParams:
+        """vLLM's use_beam_search: `n` beams of at most `max_tokens`; a 400 naming what beam search
+        cannot take (temperature other than 0; more beams than `max_logprobs` / 2)."""
+        if 2 * self.n > max_logprobs:
+            raise bad_request(f"use_beam_search with n={self.n} asks for {2 * self.n} logprobs per step, "
+                              f"more than the server's max_logprobs ({max_logprobs})", "n")
+        try:
+            return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                    temperature=self.temperature or 0.0, length_penalty=self.length_penalty,
+                                    include_stop_str_in_output=self.include_stop_str_in_output)
+        except ValueError as error:
+            raise bad_request(str(error), str(error).split(" ", 1)[0]) from error
 
     @property
     def include_usage(self) -> bool:

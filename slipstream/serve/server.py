@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import itertools
 import logging
 import re
 import signal
@@ -31,10 +32,24 @@ from starlette.requests import ClientDisconnect
 
 from slipstream.serve import protocol, responses
 from slipstream.serve.async_engine import AsyncEngine, EngineError, Overloaded, RequestStream
+from slipstream.serve.beam_search import (
+    BeamSearch,
+    BeamSearchParams,
+    BeamSearchSequence,
+    advance,
+    next_requests,
+    step_sampling_params,
+)
 from slipstream.serve.engine import Engine, EngineConfig
 from slipstream.serve.metrics import ServerMetrics
 from slipstream.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from slipstream.serve.request import RequestOutput, SamplingParams, generation_config_defaults
+from slipstream.serve.request import (
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    generation_config_defaults,
+)
 from slipstream.serve.responses import ResponseMeta
 
 logger = logging.getLogger(__name__)
@@ -90,6 +105,8 @@ class OpenAIServer:
         self.tokenizer = engine.tokenizer
         self.tokenize = engine.tokenize
         self.max_model_len = engine.limits.max_model_len
+        self.eos_token_ids = engine.limits.eos_token_ids
+        self.max_logprobs = engine.config.max_logprobs
         self.sampling_defaults = generation_config_defaults(engine.config.model)
         """What requests leave unset is sampled as the model's generation_config.json says."""
         self.metrics = ServerMetrics(self.model_name)
@@ -177,6 +194,16 @@ class OpenAIServer:
         for token_ids in prompts:
             self._check_context(len(token_ids), body.max_tokens, params.min_tokens, "prompt", "max_tokens")
         meta = ResponseMeta.new("cmpl", self.model_name)
+        if body.use_beam_search:
+            beams = body.beam_search_params(max_tokens=body.max_tokens or self.max_model_len,
+                                            max_logprobs=self.max_logprobs)
+            outputs = await self._beam_search(request, meta.id, prompts, beams, arrival_time_s,
+                                              body.logprobs, params.skip_special_tokens)
+            options = dict(n=params.n, logprobs=body.logprobs, as_token_ids=self._as_token_ids(body))
+            if body.stream:
+                chunks = responses.CompletionStream(meta, [o.request_id for o in outputs], **options)
+                return _event_stream(_final_events(outputs, chunks, body.include_usage))
+            return JSONResponse(responses.completion_response(meta, outputs, **options))
         stream = await self._submit(meta.id, prompts, params, arrival_time_s, {"prompt": "prompt"})
         echo = self._echo(body, stream.request_ids, texts, prompts) if body.echo else None
         options = dict(n=params.n, logprobs=body.logprobs, echo=echo, as_token_ids=self._as_token_ids(body))
@@ -196,10 +223,19 @@ class OpenAIServer:
         self._check_context(len(token_ids), body.max_new_tokens, params.min_tokens, "messages",
                             body.max_tokens_param)
         meta = ResponseMeta.new("chatcmpl", self.model_name)
-        stream = await self._submit(meta.id, [token_ids], params, arrival_time_s,
-                                    {"prompt": "messages", "logprobs": "top_logprobs"})
         options = dict(num_logprobs=body.num_logprobs, as_token_ids=self._as_token_ids(body),
                        echo=body.echoed_text)
+        if body.use_beam_search:
+            beams = body.beam_search_params(max_tokens=body.max_new_tokens or self.max_model_len,
+                                            max_logprobs=self.max_logprobs)
+            [output] = await self._beam_search(request, meta.id, [token_ids], beams, arrival_time_s,
+                                               body.num_logprobs, params.skip_special_tokens)
+            if body.stream:
+                chunks = responses.ChatStream(meta, n=params.n, **options)
+                return _event_stream(_final_events([output], chunks, body.include_usage))
+            return JSONResponse(responses.chat_response(meta, output, **options))
+        stream = await self._submit(meta.id, [token_ids], params, arrival_time_s,
+                                    {"prompt": "messages", "logprobs": "top_logprobs"})
         if body.stream:
             chunks = responses.ChatStream(meta, n=params.n, **options)
             return _event_stream(self._events(stream, chunks, body.include_usage))
@@ -313,6 +349,43 @@ class OpenAIServer:
         except ValueError as error:
             raise protocol.bad_request(str(error), _param_named_in(str(error), params_named)) from error
 
+    async def _beam_search(self, request: Request, response_id: str, prompts: list[list[int]],
+                           params: BeamSearchParams, arrival_time_s: float, num_logprobs: int | None,
+                           skip_special_tokens: bool) -> list[RequestOutput]:
+        """vLLM's use_beam_search: the search of beam_search.py with each step's beams queued on
+        the engine as one-token requests, among everyone else's; one output per prompt, its
+        `n` choices the best beams, best first."""
+        searches = [BeamSearch(ids, params, self.eos_token_ids, self.max_model_len) for ids in prompts]
+        step = step_sampling_params(params)
+        for number in itertools.count():
+            if not (beams := next_requests(searches)):
+                break
+            stream = await self._submit(f"{response_id}-step{number}", beams, step, arrival_time_s, {})
+            advance(searches, await self._collect(request, stream))
+        metrics = RequestMetrics(arrival_time_s=arrival_time_s, finished_time_s=time.monotonic())
+        outputs = []
+        for index, (token_ids, search) in enumerate(zip(prompts, searches, strict=True)):
+            choices = [self._beam_choice(beam, choice, len(token_ids), num_logprobs, skip_special_tokens)
+                       for choice, beam in enumerate(search.best())]
+            outputs.append(RequestOutput(request_id=f"{response_id}-{index}", prompt=None,
+                                         prompt_token_ids=token_ids, outputs=choices, finished=True,
+                                         metrics=metrics))
+        return outputs
+
+    def _beam_choice(self, beam: BeamSearchSequence, index: int, num_prompt_tokens: int,
+                     num_logprobs: int | None, skip_special_tokens: bool) -> CompletionOutput:
+        """A beam as a choice: its generated tokens (the text without the end-of-sequence token that
+        completed it) and, when asked for, the logprobs of the `num_logprobs` best candidates."""
+        token_ids = beam.tokens[num_prompt_tokens:]
+        text = self.tokenizer.decode(token_ids[:-1] if beam.finish_reason == "stop" else token_ids,
+                                     skip_special_tokens=skip_special_tokens)
+        logprobs = None
+        if num_logprobs is not None:
+            logprobs = [{t: p for t, p in position.items() if p.rank <= num_logprobs or t == chosen}
+                        for chosen, position in zip(token_ids, beam.logprobs, strict=True)]
+        return CompletionOutput(index=index, text=text, token_ids=token_ids, logprobs=logprobs,
+                                finish_reason=beam.finish_reason, cumulative_logprob=beam.cum_logprob)
+
     async def _collect(self, request: Request, stream: RequestStream) -> list[RequestOutput]:
         """The final outputs of the stream's prompts, in order. A disconnect aborts them."""
         async def final_outputs() -> list[RequestOutput]:
@@ -355,6 +428,20 @@ class OpenAIServer:
         finally:
             stream.close()
         yield responses.sse("[DONE]")
+
+
+async def _final_events(outputs: list[RequestOutput],
+                        chunks: responses.CompletionStream | responses.ChatStream,
+                        include_usage: bool) -> AsyncIterator[str]:
+    """The events of outputs that are already final (beam search's): each choice whole."""
+    for event in chunks.opening():
+        yield event
+    for output in outputs:
+        for event in chunks.events(output):
+            yield event
+    if include_usage:
+        yield responses.usage_event(chunks, outputs)
+    yield responses.sse("[DONE]")
 
 
 def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
