@@ -1,19 +1,20 @@
 """slipstream: serve, train and measure large language models on PyTorch.
 
-`LLM`, `SamplingParams`, `BeamSearchParams` and `RequestOutput` are importable from here; they load
-on first use, so that torch-free parts (the scheduler, the performance model) stay importable
+`LLM`, `SamplingParams`, `BeamSearchParams`, `StructuredOutputsParams` and `RequestOutput` are
+importable from here; they load on first use, so that torch-free parts (the scheduler, the performance model) stay importable
 without torch.
 """
 
 import importlib
 
-__all__ = ["LLM", "BeamSearchParams", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 _EXPORTS = {
     "LLM": "slipstream.serve.llm",
     "BeamSearchParams": "slipstream.serve.beam_search",
     "RequestOutput": "slipstream.serve.request",
     "SamplingParams": "slipstream.serve.request",
+    "StructuredOutputsParams": "slipstream.serve.structured",
 }
 
 

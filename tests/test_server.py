@@ -19,6 +19,7 @@ from serve_fixtures import dense_logprobs
 from server_process import API_KEY, ENGINE_ARGS, MAX_MODEL_LEN, MODEL_NAME, ServerProcess, metric_values
 
 from slipstream import LLM, BeamSearchParams, SamplingParams
+from slipstream.serve.structured import StructuredOutputsParams
 
 pytest_plugins = ["serve_fixtures", "server_process"]
 
@@ -559,3 +560,32 @@ def test_beam_search_equals_offline(client, llm):
     with pytest.raises(openai.BadRequestError, match="length_penalty applies only with use_beam_search"):
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2,
                                   extra_body={"length_penalty": 2.0})
+
+
+def test_structured_output_choice_equals_offline(client, llm):
+    """vLLM's structured_outputs {"choice": [...]} and its older guided_choice give the offline
+    engine's choice, greedy and seeded; the constraints slipstream cannot compile are a 400."""
+    choices = ["positive", "negative", "neutral"]
+    structured = StructuredOutputsParams(choice=choices)
+    params = SamplingParams(temperature=0, max_tokens=10, structured_outputs=structured)
+    [greedy_output] = llm.generate(PROMPT, params, use_tqdm=False)
+    [sampled] = llm.generate(PROMPT, params.replace(temperature=1.5, seed=5), use_tqdm=False)
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0,
+                                         extra_body={"structured_outputs": {"choice": choices}})
+    assert response.choices[0].text == greedy_output.outputs[0].text
+    assert response.choices[0].finish_reason == "stop"
+    seeded = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=1.5,
+                                       seed=5, extra_body={"guided_choice": choices})
+    assert seeded.choices[0].text == sampled.outputs[0].text
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=10, n=4,
+                                          temperature=1.5, extra_body={"guided_choice": choices})
+    assert {c.message.content for c in chat.choices} <= set(choices)
+    for body, param in (({"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
+                        ({"structured_outputs": {"choices": choices}}, "structured_outputs"),
+                        ({"guided_choice": []}, None),
+                        ({"guided_choice": ["a"], "ignore_eos": True}, "ignore_eos"),
+                        ({"guided_regex": "[a-z]+"}, "guided_regex")):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, extra_body=body)
+        if param is not None:
+            assert error.value.body["param"] == param, body

@@ -52,6 +52,7 @@ from slipstream.serve.sampler import (
     takes_argmax,
 )
 from slipstream.serve.scheduler import Scheduler, SchedulerConfig, StepPlan
+from slipstream.serve.structured import ChoiceGuide, Vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +212,10 @@ class Engine:
             params.bad_words, functools.partial(self.tokenizer.encode, add_special_tokens=False),
             self.limits.vocab_size,
         )
-        requests = [self._completion_request(entry, params, index, priority, bad_words)
+        guide = None
+        if params.structured_outputs is not None:
+            guide = ChoiceGuide(params.structured_outputs.choice, self._vocabulary, self.limits.eos_token_ids)
+        requests = [self._completion_request(entry, params, index, priority, bad_words, guide)
                     for index in range(params.n)]
         generators = [
             None if r.sampling_params.seed is None
@@ -247,9 +251,19 @@ class Engine:
         token_ids = list(prompt)
         return token_ids if max_length is None else token_ids[-max_length:]
 
+    @functools.cached_property
+    def _vocabulary(self) -> Vocabulary:
+        """The tokenizer's tokens as structured outputs spell with them (special tokens left out),
+        built on first use: about a second for a 150k vocabulary."""
+        specials = {token_id for token_id, token in self.tokenizer.backend.get_added_tokens_decoder().items()
+                    if token.special}
+        num_tokens = min(len(self.tokenizer), self.limits.vocab_size)
+        return Vocabulary([None if token_id in specials else self.tokenizer.token_bytes(token_id)
+                           for token_id in range(num_tokens)])
+
     def _completion_request(
         self, entry: PromptOutput, params: SamplingParams, index: int, priority: int,
-        bad_words: tuple[tuple[int, ...], ...],
+        bad_words: tuple[tuple[int, ...], ...], guide: ChoiceGuide | None,
     ) -> Request:
         """The scheduler's request for completion `index` of a prompt, under an engine-unique id
         (so no user-chosen id can collide with it)."""
@@ -260,6 +274,7 @@ class Engine:
         return Request(
             request_id=internal_id, prompt_token_ids=entry.prompt_token_ids, sampling_params=child,
             eos_token_ids=self.limits.eos_token_ids, bad_words_token_ids=bad_words,
+            guide=guide, guide_state=None if guide is None else guide.root,
             max_total_tokens=self.limits.max_model_len,
             arrival_time_s=entry.metrics.arrival_time_s, priority=priority,
         )
@@ -413,6 +428,8 @@ class Engine:
             params=request.sampling_params, prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids, eos_token_ids=request.eos_token_ids,
             bad_words_token_ids=request.bad_words_token_ids, generator=generator,
+            allowed_token_ids=None if request.guide is None else request.guide.allowed_token_ids(
+                request.guide_state),
         )
 
     def _record_token(self, request: Request, token_id: int, logprobs, now: float) -> PromptOutput:
@@ -429,6 +446,8 @@ class Engine:
             for token, logprob in logprobs.items():
                 logprob.decoded_token = self.tokenizer.decode([token], skip_special_tokens=False)
                 logprob.token_bytes = self.tokenizer.token_bytes(token, logprob.decoded_token)
+        if request.guide is not None:
+            request.guide_state = request.guide.advance(request.guide_state, token_id)
         params = request.sampling_params
         ended_by_token = request.is_finished and request.finish_reason == "stop"
         stop = sequence.append(

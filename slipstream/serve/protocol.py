@@ -3,7 +3,8 @@
 Bodies are parsed in pydantic's strict mode, as OpenAI's API does: `"max_tokens": "5"` or
 `"stream": 1` is a 400, not a silent coercion. Unknown fields are ignored (as vLLM does), so that
 clients which send newer OpenAI fields keep working; known OpenAI and vLLM fields this server
-cannot honour (`suffix`, tools, `response_format`, guided decoding, ...: `UNSUPPORTED_FIELDS`)
+cannot honour (`suffix`, tools, `response_format`, guided decoding but for a choice, ...:
+`UNSUPPORTED_FIELDS`)
 are a 400 when set rather than ignored, since ignoring them would answer a different question
 than the one asked. The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
 `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`,
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from slipstream.serve.beam_search import BeamSearchParams
 from slipstream.serve.request import SamplingParams
+from slipstream.serve.structured import StructuredOutputsParams
 
 MAX_N = 128
 """Most completions per prompt; more would only let one request fill the whole queue."""
@@ -54,14 +56,13 @@ BEAM_SEARCH_CONFLICTS: dict[str, tuple[object, ...]] = {
     "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "presence_penalty": (0.0,),
     "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "stop": ([], ""), "stop_token_ids": ([],),
     "min_tokens": (0,), "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],),
-    "prompt_logprobs": (), "echo": (False,),
+    "prompt_logprobs": (), "echo": (False,), "structured_outputs": ({},), "guided_choice": ([],),
 }
 """Request fields beam search cannot honour (vLLM's silently ignores them), each with the values
 that ask for nothing (None aside); any other value is a 400."""
 
 UNSUPPORTED_FIELDS: dict[str, object] = {
-    "logits_processors": None, "guided_json": None, "guided_regex": None, "guided_choice": None,
-    "guided_grammar": None, "structured_outputs": None,
+    "logits_processors": None, "guided_json": None, "guided_regex": None, "guided_grammar": None,
     "prompt_embeds": None, "functions": None,
     "function_call": None, "chat_template": None, "documents": None,
 }
@@ -121,6 +122,10 @@ class GenerationBody(_Body):
     """Keep only the prompt's last k tokens (-1: the context length), as vLLM."""
     return_tokens_as_token_ids: bool | None = None
     """Name logprobs tokens "token_id:{id}" (None: the server's default), as vLLM."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's structured outputs; of them, `{"choice": [...]}`: the output is one of the strings."""
+    guided_choice: list[str] | None = None
+    """vLLM's older name for structured_outputs' choice."""
     use_beam_search: bool = False
     """vLLM's beam search: the `n` best of `n` beams, ranked by the model's log-probabilities."""
     length_penalty: float = 1.0
@@ -168,6 +173,26 @@ class GenerationBody(_Body):
             bias[int(key)] = min(max(value, -100.0), 100.0)
         return bias
 
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """structured_outputs (or guided_choice) as the engine's; a 400 naming the field for what it
+        cannot take (json, regex, grammar: slipstream implements choice)."""
+        if self.structured_outputs is not None and self.guided_choice is not None:
+            raise bad_request("give structured_outputs or guided_choice, not both", "guided_choice")
+        param = "guided_choice" if self.guided_choice is not None else "structured_outputs"
+        fields = {"choice": self.guided_choice} if self.guided_choice is not None else self.structured_outputs
+        if not fields:
+            return None
+        known = {"choice", "json", "regex", "grammar", "json_object"}
+        options = {"disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                   "whitespace_pattern"}  # vLLM's knobs of the grammar backends: moot for a choice
+        for name in fields:
+            if name not in known | options:
+                raise bad_request(f"structured_outputs.{name} is not a structured output", param)
+        try:
+            return StructuredOutputsParams(**{name: fields.get(name) for name in known})
+        except (ValueError, TypeError) as error:
+            raise bad_request(str(error), param) from error
+
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
                         defaults: dict[str, Any] | None = None) -> SamplingParams:
         """The engine's SamplingParams; a value it rejects is a 400 naming the parameter. The
@@ -183,6 +208,7 @@ class GenerationBody(_Body):
             prompt_logprobs=self.prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
             logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words or (), truncate_prompt_tokens=self.truncate_prompt_tokens,
+            structured_outputs=self._structured_outputs(),
         )
         optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                         min_p=self.min_p, repetition_penalty=self.repetition_penalty,

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from slipstream.serve.structured import ChoiceGuide, StructuredOutputsParams
+
 FINISH_REASONS = ("stop", "length", "abort")
 GREEDY_TEMPERATURE = 1e-5
 
@@ -85,6 +87,9 @@ class SamplingParams:
     """Words never to generate (as in vLLM): the engine tokenizes each as it would begin the text
     and as it would follow a space, and masks a word's last token whenever the output ends with
     the rest of it."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output (as vLLM's): `StructuredOutputsParams(choice=[...])` makes it exactly one
+    of the strings."""
     truncate_prompt_tokens: int | None = None
     """Generate from only the last k prompt tokens (left truncation, as in vLLM; a text prompt
     keeps the special tokens its tokenizer adds); -1 means the model's context length."""
@@ -143,6 +148,15 @@ class SamplingParams:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, minimum=0)
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{self.structured_outputs!r}")
+            for name, conflict in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens),
+                                   ("allowed_token_ids", self.allowed_token_ids)):
+                if conflict:
+                    raise ValueError(f"{name} cannot be used with structured_outputs, which ends the "
+                                     "output with an end-of-sequence token once a choice is complete")
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=-1)
             if self.truncate_prompt_tokens == 0:
@@ -261,6 +275,10 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     """`sampling_params.bad_words` as token id sequences (`bad_words_token_ids`)."""
+    guide: ChoiceGuide | None = None
+    """`sampling_params.structured_outputs` as the engine enforces it; `guide_state` is where the
+    output has reached."""
+    guide_state: Any = None
     max_total_tokens: int = 2**62
     """Prompt plus output may not exceed this (the model's context length)."""
     arrival_time_s: float = 0.0

@@ -5,7 +5,8 @@ The engine builds one `SamplingBatch` per step from the sequences that sample in
 (see `slipstream.serve.request.SamplingParams`):
 
 1. logprobs, when any row asks for them, come from the raw logits (log_softmax before anything below);
-2. allowed_token_ids masks every other token; bad words mask the token that would complete one;
+2. allowed_token_ids (or a structured output's tokens of this step) masks every other token; bad
+   words mask the token that would complete one;
 3. min_tokens masks end-of-sequence and stop token ids while the output is shorter;
 4. logit_bias is added;
 5. repetition penalty over prompt and output tokens, then frequency and presence over output tokens;
@@ -56,6 +57,9 @@ class SamplingRow:
     """`params.bad_words` as token id sequences (`request.bad_words_token_ids`)."""
     generator: torch.Generator | None = None
     """The request's own generator (`make_generator`); required when `params.seed` is set."""
+    allowed_token_ids: Sequence[int] | None = None
+    """This step's allowed tokens under `params.structured_outputs` (the engine's guide), used as
+    `params.allowed_token_ids` is."""
     counts_slot: int | None = None
     """The request's slot in the `TokenCounts` given to `build`, which then replaces counting lists."""
 
@@ -292,12 +296,14 @@ def _row_token_pairs(pairs: list[tuple[int, int]], device: torch.device):
 def _build_allowed(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device):
     """(row ids, mask) for the rows with allowed_token_ids: mask (num_those_rows, vocab) is True at the
     tokens to mask to -inf, every token outside the row's set."""
-    ids = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+    allowed = [row.params.allowed_token_ids if row.allowed_token_ids is None else row.allowed_token_ids
+               for row in rows]
+    ids = [i for i, tokens in enumerate(allowed) if tokens is not None]
     if not ids:
         return None
     mask = torch.ones(len(ids), vocab_size, dtype=torch.bool)
     for j, i in enumerate(ids):
-        mask[j, list(rows[i].params.allowed_token_ids)] = False
+        mask[j, list(allowed[i])] = False
     return torch.tensor(ids, device=device), mask.to(device)
 
 
@@ -528,11 +534,13 @@ def _sample_random(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
 
 def takes_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether `sample` takes a row's next token as the plain argmax of its logits: greedy, with no
-    penalty, no logprobs, no bias, allowed set or bad words, and min_tokens reached (nothing masked).
-    The engine may then run several decode steps of it at once (`EngineConfig.num_scheduler_steps`)."""
+    penalty, no logprobs, no bias, allowed set, bad words or structured output, and min_tokens
+    reached (nothing masked). The engine may then run several decode steps of it at once
+    (`EngineConfig.num_scheduler_steps`)."""
     return (params.greedy and not _has_penalty(params) and params.logprobs is None
             and params.prompt_logprobs is None and num_output_tokens >= params.min_tokens
-            and params.logit_bias is None and params.allowed_token_ids is None and not params.bad_words)
+            and params.logit_bias is None and params.allowed_token_ids is None and not params.bad_words
+            and params.structured_outputs is None)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
