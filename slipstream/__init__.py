@@ -1,8 +1,8 @@
 """slipstream: serve, train and measure large language models on PyTorch.
 
 `LLM`, `SamplingParams`, `BeamSearchParams`, `StructuredOutputsParams` and `RequestOutput` are
-importable from here; they load on first use, so that torch-free parts (the scheduler, the performance model) stay importable
-without torch.
+importable from here; they load on first use, so that torch-free parts (the scheduler, the
+performance model) stay importable without torch.
 """
 
 import importlib
