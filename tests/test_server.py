@@ -562,9 +562,10 @@ def test_beam_search_equals_offline(client, llm):
                                   extra_body={"length_penalty": 2.0})
 
 
-def test_structured_output_choice_equals_offline(client, llm):
-    """vLLM's structured_outputs {"choice": [...]} and its older guided_choice give the offline
-    engine's choice, greedy and seeded; the constraints slipstream cannot compile are a 400."""
+def test_structured_outputs_equal_offline(client, llm):
+    """vLLM's structured_outputs {"choice": [...]} or {"regex": ...} and the older guided_choice
+    and guided_regex give the offline engine's output, greedy and seeded; the constraints slipstream
+    cannot compile are a 400."""
     choices = ["positive", "negative", "neutral"]
     structured = StructuredOutputsParams(choice=choices)
     params = SamplingParams(temperature=0, max_tokens=10, structured_outputs=structured)
@@ -580,11 +581,20 @@ def test_structured_output_choice_equals_offline(client, llm):
     chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=10, n=4,
                                           temperature=1.5, extra_body={"guided_choice": choices})
     assert {c.message.content for c in chat.choices} <= set(choices)
-    for body, param in (({"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
+    pattern = r"[a-z]{2,6}-[0-9]{1,3}"
+    regex = StructuredOutputsParams(regex=pattern)
+    [expected] = llm.generate(PROMPT, params.replace(structured_outputs=regex), use_tqdm=False)
+    assert re.fullmatch(pattern, expected.outputs[0].text)
+    for body in ({"structured_outputs": {"regex": pattern}}, {"guided_regex": pattern}):
+        response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0,
+                                             extra_body=body)
+        assert response.choices[0].text == expected.outputs[0].text
+    for body, param in (({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs"),
                         ({"structured_outputs": {"choices": choices}}, "structured_outputs"),
                         ({"guided_choice": []}, None),
                         ({"guided_choice": ["a"], "ignore_eos": True}, "ignore_eos"),
-                        ({"guided_regex": "[a-z]+"}, "guided_regex")):
+                        ({"guided_regex": "(?=a)"}, "guided_regex"),
+                        ({"guided_json": {"type": "object"}}, "guided_json")):
         with pytest.raises(openai.BadRequestError) as error:
             client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, extra_body=body)
         if param is not None:

@@ -4,59 +4,71 @@ force."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from serve_fixtures import dense_logprobs
 
 from slipstream import LLM, SamplingParams
-from slipstream.serve.structured import ChoiceGuide, StructuredOutputsParams, Vocabulary
+from slipstream.serve.fsm import ByteDFA
+from slipstream.serve.structured import Guide, StructuredOutputsParams, Vocabulary
 
 pytest_plugins = ["serve_fixtures"]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 EURO = "€"  # three bytes: e2 82 ac
-TOKENS = [None, b"a", b"b", b"ab", b"abc", b"c", b"\xe2", b"\x82\xac", b"x", b"\xe2\x82"]
 EOS = 0
+# Every single byte (ids 1..256, as a byte-level BPE has them), then some longer tokens.
+TOKENS = [None, *(bytes([b]) for b in range(256)), b"ab", b"abc", b"\xe2\x82", b"yes", b"no"]
+ID = {data: i for i, data in enumerate(TOKENS) if data}
 
 
-def guide(*choices: str) -> ChoiceGuide:
-    return ChoiceGuide(choices, Vocabulary(TOKENS), eos_token_ids=[EOS])
+def guide(pattern: str) -> Guide:
+    return Guide(ByteDFA(pattern), Vocabulary(TOKENS), eos_token_ids=[EOS])
 
 
-def walk(g: ChoiceGuide, token_ids: list[int]):
-    state = g.root
-    for token_id in token_ids:
-        state = g.advance(state, token_id)
+def walk(g: Guide, tokens: list[bytes]):
+    state = g.start
+    for data in tokens:
+        state = g.advance(state, ID[data])
     return state
 
 
-def test_allowed_tokens_keep_the_output_on_a_choice():
-    """At each point the allowed tokens are exactly those whose bytes continue some choice, with
-    end-of-sequence where a choice is complete; a multi-byte character may be split over tokens."""
-    g = guide("ab", "abc", EURO)
-    # a, ab, abc, e2 (then 82 ac); not e2 82, after which no token spells the last byte, ac
-    assert g.allowed_token_ids(g.root) == [1, 3, 4, 6]
-    assert g.allowed_token_ids(walk(g, [1])) == [2]  # "a" -> "b"
-    assert g.allowed_token_ids(walk(g, [3])) == [EOS, 5]  # "ab" is complete, or "c" follows
-    assert g.allowed_token_ids(walk(g, [4])) == [EOS]
-    assert g.allowed_token_ids(walk(g, [6])) == [7]  # e2 -> 82 ac
-    assert walk(g, [1, 2]) is walk(g, [3])  # the same node, however it was spelt
-    assert walk(g, [3, EOS]) is None and g.allowed_token_ids(None) == [EOS]
+def names(g: Guide, state) -> list:
+    return sorted(TOKENS[t] or b"<eos>" for t in g.allowed_token_ids(state))
 
 
-def test_choices_no_token_can_finish_are_never_started():
-    """A choice whose last byte no token spells is left out from its first token; if none is
-    left, the guide is a ValueError."""
-    g = guide("ay", "x")
-    assert g.allowed_token_ids(g.root) == [8]
-    with pytest.raises(ValueError, match="no choice can be spelt"):
-        guide("ay", "cy")
+def test_allowed_tokens_keep_the_output_able_to_match():
+    """At each point the allowed tokens are exactly those whose bytes lead on to a possible match,
+    with end-of-sequence where the output matches; a multi-byte character may be split."""
+    g = guide(StructuredOutputsParams(choice=["ab", "abc", EURO]).pattern)
+    assert names(g, g.start) == [b"a", b"ab", b"abc", b"\xe2", b"\xe2\x82"]
+    assert names(g, walk(g, [b"a"])) == [b"b"]
+    assert names(g, walk(g, [b"ab"])) == [b"<eos>", b"c"]  # "ab" is complete, or "c" follows
+    assert names(g, walk(g, [b"abc"])) == [b"<eos>"]
+    assert names(g, walk(g, [b"\xe2"])) == [b"\x82"]
+    assert names(g, walk(g, [b"\xe2\x82"])) == [b"\xac"]
+    assert walk(g, [b"a", b"b"]) == walk(g, [b"ab"])  # the same state, however it was spelt
+    assert walk(g, [b"ab", b"c", b"c"]) is None
+    assert g.advance(walk(g, [b"ab"]), EOS) is None and g.allowed_token_ids(None) == [EOS]
+    digits = guide(r"[0-9]+(yes|no)?")
+    assert names(digits, digits.start) == sorted(bytes([b]) for b in b"0123456789")
+    after = walk(digits, [b"4"])
+    assert names(digits, after) == sorted([b"<eos>", b"n", b"no", b"y", b"yes",
+                                           *(bytes([b]) for b in b"0123456789")])
+
+
+def test_a_vocabulary_without_every_byte_is_a_value_error():
+    with pytest.raises(ValueError, match="structured outputs need a token for every byte"):
+        Vocabulary([b"a", b"b"])
 
 
 @pytest.mark.parametrize("params, message", [
-    (dict(regex="[a-z]+"), "structured_outputs.regex is not supported"),
+    (dict(regex="(a)\\1"), "structured_outputs.regex: .* backreferences are not supported"),
     (dict(json={"type": "object"}), "structured_outputs.json is not supported"),
-    (dict(), "structured_outputs needs choice"),
+    (dict(), "structured_outputs needs one of choice"),
+    (dict(choice=["a"], regex="a"), "structured_outputs needs one of choice"),
     (dict(choice=[]), "non-empty list of non-empty strings"),
     (dict(choice="yes"), "non-empty list of non-empty strings"),
     (dict(choice=["yes", ""]), "non-empty list of non-empty strings"),
@@ -131,3 +143,30 @@ def test_sampled_outputs_are_always_a_choice(llm):
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.scheduler.kv_cache.num_used_blocks == 0
     assert torch.get_num_threads() == 1
+
+
+REGEXES = [
+    r"-?(0|[1-9][0-9]{0,5})",
+    r"(yes|no), because [a-z ]{3,20}\.",
+    r'"[^"\\\n]{0,12}"',
+    r"[A-Z][a-z]{1,8} (is|was) [0-9]{1,3} years old",
+]
+
+
+@pytest.mark.parametrize("pattern", REGEXES)
+def test_sampled_outputs_match_the_regex(llm, pattern):
+    """Sampled at a high temperature, every output that ends with end-of-sequence is a whole match
+    by Python's `re`; one cut short by max_tokens is a prefix some match begins with."""
+    params = SamplingParams(temperature=1.5, seed=1, n=6, max_tokens=40,
+                            structured_outputs=StructuredOutputsParams(regex=pattern))
+    completions = [c for o in llm.generate(["a", "The answer:"], params, use_tqdm=False) for c in o.outputs]
+    dfa = ByteDFA(pattern)
+    for completion in completions:
+        if completion.finish_reason == "stop":
+            assert re.fullmatch(pattern, completion.text, re.ASCII), completion.text
+        else:
+            state = dfa.start
+            for byte in completion.text.encode():
+                state = dfa.step(state, byte)
+                assert state is not None, completion.text
+    assert any(c.finish_reason == "stop" for c in completions)

@@ -33,6 +33,7 @@ from slipstream.ops import cpu_kernels
 from slipstream.ops.allocator import keep_freed_memory, keep_large_freed_memory
 from slipstream.ops.inference import optimize_for_cpu_inference
 from slipstream.perf.flops import kv_cache_bytes_per_token
+from slipstream.serve.fsm import ByteDFA
 from slipstream.serve.outputs import PromptOutput, SequenceOutput
 from slipstream.serve.request import (
     Request,
@@ -52,11 +53,14 @@ from slipstream.serve.sampler import (
     takes_argmax,
 )
 from slipstream.serve.scheduler import Scheduler, SchedulerConfig, StepPlan
-from slipstream.serve.structured import ChoiceGuide, Vocabulary
+from slipstream.serve.structured import Guide, Vocabulary
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 2**30
+MAX_CACHED_GUIDES = 64
+"""Structured-output guides kept for reuse (their automata and allowed tokens), least recently
+used dropped first."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -171,6 +175,7 @@ class Engine:
         self._unseeded_generator = None if config.seed is None else make_generator(config.seed, device)
         self._prompts: dict[str, PromptOutput] = {}
         self._sequences: dict[str, tuple[PromptOutput, SequenceOutput, torch.Generator | None]] = {}
+        self._guides: dict[str, Guide] = {}
         logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens",
                     config.model, device, dtype_name(dtype), self.limits.num_blocks, config.block_size)
 
@@ -212,9 +217,7 @@ class Engine:
             params.bad_words, functools.partial(self.tokenizer.encode, add_special_tokens=False),
             self.limits.vocab_size,
         )
-        guide = None
-        if params.structured_outputs is not None:
-            guide = ChoiceGuide(params.structured_outputs.choice, self._vocabulary, self.limits.eos_token_ids)
+        guide = None if params.structured_outputs is None else self._guide(params.structured_outputs.pattern)
         requests = [self._completion_request(entry, params, index, priority, bad_words, guide)
                     for index in range(params.n)]
         generators = [
@@ -251,6 +254,17 @@ class Engine:
         token_ids = list(prompt)
         return token_ids if max_length is None else token_ids[-max_length:]
 
+    def _guide(self, pattern: str) -> Guide:
+        """The guide of a structured output's pattern, shared by the requests that use it (its
+        automaton and allowed tokens are built as outputs reach its states)."""
+        guide = self._guides.pop(pattern, None)
+        if guide is None:
+            guide = Guide(ByteDFA(pattern), self._vocabulary, self.limits.eos_token_ids)
+        self._guides[pattern] = guide  # the most recently used last
+        if len(self._guides) > MAX_CACHED_GUIDES:
+            del self._guides[next(iter(self._guides))]
+        return guide
+
     @functools.cached_property
     def _vocabulary(self) -> Vocabulary:
         """The tokenizer's tokens as structured outputs spell with them (special tokens left out),
@@ -263,7 +277,7 @@ class Engine:
 
     def _completion_request(
         self, entry: PromptOutput, params: SamplingParams, index: int, priority: int,
-        bad_words: tuple[tuple[int, ...], ...], guide: ChoiceGuide | None,
+        bad_words: tuple[tuple[int, ...], ...], guide: Guide | None,
     ) -> Request:
         """The scheduler's request for completion `index` of a prompt, under an engine-unique id
         (so no user-chosen id can collide with it)."""
@@ -274,7 +288,7 @@ class Engine:
         return Request(
             request_id=internal_id, prompt_token_ids=entry.prompt_token_ids, sampling_params=child,
             eos_token_ids=self.limits.eos_token_ids, bad_words_token_ids=bad_words,
-            guide=guide, guide_state=None if guide is None else guide.root,
+            guide=guide, guide_state=None if guide is None else guide.start,
             max_total_tokens=self.limits.max_model_len,
             arrival_time_s=entry.metrics.arrival_time_s, priority=priority,
         )

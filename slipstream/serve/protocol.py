@@ -3,7 +3,7 @@
 Bodies are parsed in pydantic's strict mode, as OpenAI's API does: `"max_tokens": "5"` or
 `"stream": 1` is a 400, not a silent coercion. Unknown fields are ignored (as vLLM does), so that
 clients which send newer OpenAI fields keep working; known OpenAI and vLLM fields this server
-cannot honour (`suffix`, tools, `response_format`, guided decoding but for a choice, ...:
+cannot honour (`suffix`, tools, `response_format`, guided decoding but for choice and regex, ...:
 `UNSUPPORTED_FIELDS`)
 are a 400 when set rather than ignored, since ignoring them would answer a different question
 than the one asked. The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
@@ -57,12 +57,13 @@ BEAM_SEARCH_CONFLICTS: dict[str, tuple[object, ...]] = {
     "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "stop": ([], ""), "stop_token_ids": ([],),
     "min_tokens": (0,), "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],),
     "prompt_logprobs": (), "echo": (False,), "structured_outputs": ({},), "guided_choice": ([],),
+    "guided_regex": (),
 }
 """Request fields beam search cannot honour (vLLM's silently ignores them), each with the values
 that ask for nothing (None aside); any other value is a 400."""
 
 UNSUPPORTED_FIELDS: dict[str, object] = {
-    "logits_processors": None, "guided_json": None, "guided_regex": None, "guided_grammar": None,
+    "logits_processors": None, "guided_json": None, "guided_grammar": None,
     "prompt_embeds": None, "functions": None,
     "function_call": None, "chat_template": None, "documents": None,
 }
@@ -123,9 +124,12 @@ class GenerationBody(_Body):
     return_tokens_as_token_ids: bool | None = None
     """Name logprobs tokens "token_id:{id}" (None: the server's default), as vLLM."""
     structured_outputs: dict[str, Any] | None = None
-    """vLLM's structured outputs; of them, `{"choice": [...]}`: the output is one of the strings."""
+    """vLLM's structured outputs; of them `{"choice": [...]}` (the output is one of the strings) and
+    `{"regex": ...}` (the output matches it)."""
     guided_choice: list[str] | None = None
     """vLLM's older name for structured_outputs' choice."""
+    guided_regex: str | None = None
+    """vLLM's older name for structured_outputs' regex."""
     use_beam_search: bool = False
     """vLLM's beam search: the `n` best of `n` beams, ranked by the model's log-probabilities."""
     length_penalty: float = 1.0
@@ -174,17 +178,21 @@ class GenerationBody(_Body):
         return bias
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
-        """structured_outputs (or guided_choice) as the engine's; a 400 naming the field for what it
-        cannot take (json, regex, grammar: slipstream implements choice)."""
-        if self.structured_outputs is not None and self.guided_choice is not None:
-            raise bad_request("give structured_outputs or guided_choice, not both", "guided_choice")
-        param = "guided_choice" if self.guided_choice is not None else "structured_outputs"
-        fields = {"choice": self.guided_choice} if self.guided_choice is not None else self.structured_outputs
-        if not fields:
+        """structured_outputs (or the older guided_choice / guided_regex) as the engine's; a 400
+        naming the field for what it cannot take (json, grammar: slipstream implements choice and
+        regex)."""
+        given = {name: value for name, value in (("structured_outputs", self.structured_outputs),
+                                                  ("guided_choice", self.guided_choice),
+                                                  ("guided_regex", self.guided_regex)) if value is not None}
+        if len(given) > 1:
+            raise bad_request(f"give one of {' and '.join(given)}", list(given)[-1])
+        if not given:
             return None
+        [(param, value)] = given.items()
+        fields = value if param == "structured_outputs" else {param.removeprefix("guided_"): value}
         known = {"choice", "json", "regex", "grammar", "json_object"}
         options = {"disable_fallback", "disable_any_whitespace", "disable_additional_properties",
-                   "whitespace_pattern"}  # vLLM's knobs of the grammar backends: moot for a choice
+                   "whitespace_pattern"}  # vLLM's knobs of its grammar backends, which mean nothing here
         for name in fields:
             if name not in known | options:
                 raise bad_request(f"structured_outputs.{name} is not a structured output", param)

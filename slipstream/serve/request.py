@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from slipstream.serve.structured import ChoiceGuide, StructuredOutputsParams
+from slipstream.serve.structured import Guide, StructuredOutputsParams
 
 FINISH_REASONS = ("stop", "length", "abort")
 GREEDY_TEMPERATURE = 1e-5
@@ -89,7 +89,7 @@ class SamplingParams:
     the rest of it."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output (as vLLM's): `StructuredOutputsParams(choice=[...])` makes it exactly one
-    of the strings."""
+    of the strings, `StructuredOutputsParams(regex=...)` a match of the regular expression."""
     truncate_prompt_tokens: int | None = None
     """Generate from only the last k prompt tokens (left truncation, as in vLLM; a text prompt
     keeps the special tokens its tokenizer adds); -1 means the model's context length."""
@@ -156,7 +156,7 @@ class SamplingParams:
                                    ("allowed_token_ids", self.allowed_token_ids)):
                 if conflict:
                     raise ValueError(f"{name} cannot be used with structured_outputs, which ends the "
-                                     "output with an end-of-sequence token once a choice is complete")
+                                     "output with an end-of-sequence token where it matches")
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, minimum=-1)
             if self.truncate_prompt_tokens == 0:
@@ -275,7 +275,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     """`sampling_params.bad_words` as token id sequences (`bad_words_token_ids`)."""
-    guide: ChoiceGuide | None = None
+    guide: Guide | None = None
     """`sampling_params.structured_outputs` as the engine enforces it; `guide_state` is where the
     output has reached."""
     guide_state: Any = None
