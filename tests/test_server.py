@@ -563,8 +563,9 @@ def test_beam_search_equals_offline(client, llm):
 
 
 def test_structured_outputs_equal_offline(client, llm):
-    """vLLM's structured_outputs {"choice": [...]} or {"regex": ...} and the older guided_choice
-    and guided_regex give the offline engine's output, greedy and seeded; the constraints slipstream
+    """vLLM's structured_outputs {"choice": [...]}, {"regex": ...}, {"json": schema} or
+    {"json_object": true}, the older guided_choice, guided_regex and guided_json, and OpenAI's
+    response_format give the offline engine's output, greedy and seeded; the constraints slipstream
     cannot compile are a 400."""
     choices = ["positive", "negative", "neutral"]
     structured = StructuredOutputsParams(choice=choices)
@@ -589,12 +590,31 @@ def test_structured_outputs_equal_offline(client, llm):
         response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0,
                                              extra_body=body)
         assert response.choices[0].text == expected.outputs[0].text
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
+                                               "ok": {"type": "boolean"}}, "required": ["name", "ok"]}
+    json_schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    for structured, bodies in (
+            (StructuredOutputsParams(json=schema), (
+                {"structured_outputs": {"json": schema}}, {"guided_json": json.dumps(schema)},
+                {"response_format": json_schema})),
+            (StructuredOutputsParams(json_object=True), (
+                {"structured_outputs": {"json_object": True}},
+                {"response_format": {"type": "json_object"}}))):
+        [expected] = llm.chat(MESSAGES, params.replace(max_tokens=30, structured_outputs=structured),
+                              use_tqdm=False)
+        for body in bodies:
+            chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=0,
+                                                  max_completion_tokens=30, extra_body=body)
+            assert chat.choices[0].message.content == expected.outputs[0].text, body
     for body, param in (({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs"),
                         ({"structured_outputs": {"choices": choices}}, "structured_outputs"),
                         ({"guided_choice": []}, None),
                         ({"guided_choice": ["a"], "ignore_eos": True}, "ignore_eos"),
                         ({"guided_regex": "(?=a)"}, "guided_regex"),
-                        ({"guided_json": {"type": "object"}}, "guided_json")):
+                        ({"guided_json": {"type": "integer", "minimum": 0}}, "guided_json"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+                         "response_format"),
+                        ({"response_format": {"type": "yaml"}}, "response_format")):
         with pytest.raises(openai.BadRequestError) as error:
             client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, extra_body=body)
         if param is not None:

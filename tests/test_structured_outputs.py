@@ -4,6 +4,7 @@ force."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -66,9 +67,11 @@ def test_a_vocabulary_without_every_byte_is_a_value_error():
 
 @pytest.mark.parametrize("params, message", [
     (dict(regex="(a)\\1"), "structured_outputs.regex: .* backreferences are not supported"),
-    (dict(json={"type": "object"}), "structured_outputs.json is not supported"),
-    (dict(), "structured_outputs needs one of choice"),
-    (dict(choice=["a"], regex="a"), "structured_outputs needs one of choice"),
+    (dict(grammar="root ::= 'a'"), "structured_outputs.grammar is not supported"),
+    (dict(json={"type": "integer", "minimum": 0}), "structured_outputs.json: #: minimum cannot be enforced"),
+    (dict(json="{not json"), "structured_outputs.json: the JSON schema is not valid JSON"),
+    (dict(), "needs exactly one of choice, regex, json and json_object, got none"),
+    (dict(choice=["a"], regex="a"), r"needs exactly one of .*, got \['choice', 'regex'\]"),
     (dict(choice=[]), "non-empty list of non-empty strings"),
     (dict(choice="yes"), "non-empty list of non-empty strings"),
     (dict(choice=["yes", ""]), "non-empty list of non-empty strings"),
@@ -170,3 +173,36 @@ def test_sampled_outputs_match_the_regex(llm, pattern):
                 state = dfa.step(state, byte)
                 assert state is not None, completion.text
     assert any(c.finish_reason == "stop" for c in completions)
+
+
+PET = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6}, "kind": {"enum": ["cat", "dog", "fish"]},
+    "vaccinated": {"type": "boolean"},
+    "owner": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 4}]}},
+    "required": ["name", "kind", "vaccinated"]}
+
+
+JSON_CONSTRAINTS = [StructuredOutputsParams(json=PET), StructuredOutputsParams(json_object=True)]
+
+
+@pytest.mark.parametrize("structured", JSON_CONSTRAINTS, ids=["json schema", "json_object"])
+def test_sampled_outputs_are_valid_json(llm, structured):
+    """Under a JSON schema every output that ends with end-of-sequence parses and validates (by
+    `jsonschema`); under json_object it is a JSON object; one cut short is a prefix of a match."""
+    jsonschema = pytest.importorskip("jsonschema")
+    params = SamplingParams(temperature=1.0, seed=2, n=6, max_tokens=60, structured_outputs=structured)
+    completions = [c for o in llm.generate(["a", "{"], params, use_tqdm=False) for c in o.outputs]
+    dfa = ByteDFA(structured.pattern)
+    for completion in completions:
+        if completion.finish_reason == "stop":
+            value = json.loads(completion.text)
+            if structured.json is not None:
+                jsonschema.validate(value, PET)
+            assert isinstance(value, dict)
+        else:
+            state = dfa.start
+            for byte in completion.text.encode():
+                state = dfa.step(state, byte)
+                assert state is not None, completion.text
+    if structured.json is not None:
+        assert any(c.finish_reason == "stop" for c in completions)

@@ -33,7 +33,7 @@ from slipstream.ops import cpu_kernels
 from slipstream.ops.allocator import keep_freed_memory, keep_large_freed_memory
 from slipstream.ops.inference import optimize_for_cpu_inference
 from slipstream.perf.flops import kv_cache_bytes_per_token
-from slipstream.serve.fsm import ByteDFA
+from slipstream.serve.fsm import compile_pattern
 from slipstream.serve.outputs import PromptOutput, SequenceOutput
 from slipstream.serve.request import (
     Request,
@@ -259,7 +259,7 @@ class Engine:
         automaton and allowed tokens are built as outputs reach its states)."""
         guide = self._guides.pop(pattern, None)
         if guide is None:
-            guide = Guide(ByteDFA(pattern), self._vocabulary, self.limits.eos_token_ids)
+            guide = Guide(compile_pattern(pattern), self._vocabulary, self.limits.eos_token_ids)
         self._guides[pattern] = guide  # the most recently used last
         if len(self._guides) > MAX_CACHED_GUIDES:
             del self._guides[next(iter(self._guides))]

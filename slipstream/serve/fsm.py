@@ -18,6 +18,7 @@ boundaries, flags, possessive quantifiers) is a ValueError naming it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 MAX_NFA_STATES = 50_000
 """A bound on the automaton's size (counted repetitions such as `{1,5000}` copy their body)."""
@@ -437,3 +438,10 @@ class ByteDFA:
             if state is None:
                 return False
         return self.accepts(state)
+
+
+@functools.lru_cache(maxsize=64)
+def compile_pattern(pattern: str) -> ByteDFA:
+    """`ByteDFA(pattern)`, kept for the next request with the same pattern (an automaton's states
+    and transitions, built as texts reach them, serve every text alike)."""
+    return ByteDFA(pattern)

@@ -3,7 +3,7 @@
 Bodies are parsed in pydantic's strict mode, as OpenAI's API does: `"max_tokens": "5"` or
 `"stream": 1` is a 400, not a silent coercion. Unknown fields are ignored (as vLLM does), so that
 clients which send newer OpenAI fields keep working; known OpenAI and vLLM fields this server
-cannot honour (`suffix`, tools, `response_format`, guided decoding but for choice and regex, ...:
+cannot honour (`suffix`, tools, `guided_grammar`, ...:
 `UNSUPPORTED_FIELDS`)
 are a 400 when set rather than ignored, since ignoring them would answer a different question
 than the one asked. The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
@@ -57,13 +57,13 @@ BEAM_SEARCH_CONFLICTS: dict[str, tuple[object, ...]] = {
     "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "stop": ([], ""), "stop_token_ids": ([],),
     "min_tokens": (0,), "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],),
     "prompt_logprobs": (), "echo": (False,), "structured_outputs": ({},), "guided_choice": ([],),
-    "guided_regex": (),
+    "guided_regex": (), "guided_json": (), "response_format": ({"type": "text"},),
 }
 """Request fields beam search cannot honour (vLLM's silently ignores them), each with the values
 that ask for nothing (None aside); any other value is a 400."""
 
 UNSUPPORTED_FIELDS: dict[str, object] = {
-    "logits_processors": None, "guided_json": None, "guided_grammar": None,
+    "logits_processors": None, "guided_grammar": None,
     "prompt_embeds": None, "functions": None,
     "function_call": None, "chat_template": None, "documents": None,
 }
@@ -130,6 +130,11 @@ class GenerationBody(_Body):
     """vLLM's older name for structured_outputs' choice."""
     guided_regex: str | None = None
     """vLLM's older name for structured_outputs' regex."""
+    guided_json: dict[str, Any] | str | None = None
+    """vLLM's older name for structured_outputs' json (a JSON schema)."""
+    response_format: dict[str, Any] | None = None
+    """OpenAI's: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}}}."""
     use_beam_search: bool = False
     """vLLM's beam search: the `n` best of `n` beams, ranked by the model's log-probabilities."""
     length_penalty: float = 1.0
@@ -177,19 +182,39 @@ class GenerationBody(_Body):
             bias[int(key)] = min(max(value, -100.0), 100.0)
         return bias
 
+    def _response_format(self) -> dict[str, Any] | None:
+        """response_format as structured_outputs fields (None for text)."""
+        response_format = self.response_format
+        if response_format is None or response_format.get("type") == "text":
+            return None
+        if response_format.get("type") == "json_object":
+            return {"json_object": True}
+        if response_format.get("type") == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
+            return {"json": spec["schema"]}
+        raise bad_request(f"response_format type must be text, json_object or json_schema, got "
+                          f"{response_format.get('type')!r}", "response_format")
+
     def _structured_outputs(self) -> StructuredOutputsParams | None:
-        """structured_outputs (or the older guided_choice / guided_regex) as the engine's; a 400
-        naming the field for what it cannot take (json, grammar: slipstream implements choice and
-        regex)."""
+        """structured_outputs (or the older guided_choice / guided_regex / guided_json, or OpenAI's
+        response_format) as the engine's; a 400 naming the field for what it cannot take."""
         given = {name: value for name, value in (("structured_outputs", self.structured_outputs),
                                                   ("guided_choice", self.guided_choice),
-                                                  ("guided_regex", self.guided_regex)) if value is not None}
+                                                  ("guided_regex", self.guided_regex),
+                                                  ("guided_json", self.guided_json),
+                                                  ("response_format", self._response_format()))
+                 if value is not None}
         if len(given) > 1:
             raise bad_request(f"give one of {' and '.join(given)}", list(given)[-1])
         if not given:
             return None
         [(param, value)] = given.items()
-        fields = value if param == "structured_outputs" else {param.removeprefix("guided_"): value}
+        if param in ("structured_outputs", "response_format"):
+            fields = value
+        else:
+            fields = {param.removeprefix("guided_"): value}
         known = {"choice", "json", "regex", "grammar", "json_object"}
         options = {"disable_fallback", "disable_any_whitespace", "disable_additional_properties",
                    "whitespace_pattern"}  # vLLM's knobs of its grammar backends, which mean nothing here
@@ -304,7 +329,6 @@ class ChatCompletionRequest(GenerationBody):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM's extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -325,8 +349,6 @@ class ChatCompletionRequest(GenerationBody):
         if self.add_generation_prompt and self.continue_final_message:  # as vLLM
             raise bad_request("continue_final_message and add_generation_prompt cannot both be true "
                               "(set add_generation_prompt to false)", "continue_final_message")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
 

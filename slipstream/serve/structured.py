@@ -1,7 +1,8 @@
-"""Structured outputs: constrain generation to a regular expression or a set of strings (vLLM's
-`regex` and `choice`). Plain Python.
+"""Structured outputs: constrain generation to a set of strings, a regular expression, a JSON
+schema or any JSON object (vLLM's `choice`, `regex`, `json` and `json_object`). Plain Python.
 
-A constraint is a byte automaton (`fsm.ByteDFA`; a choice is the regex of its escaped strings).
+A constraint is a byte automaton (`fsm.ByteDFA`) of a regular expression: a choice is the regex of
+its escaped strings, a JSON schema the regex `json_schema.py` writes for it.
 The tokenizer's tokens, by their bytes (special tokens left out), form a trie. At a state of the
 automaton, a token is allowed when its bytes lead from that state to a state that can still
 reach a match; one walk over the token trie, stepping the automaton byte by byte, finds them
@@ -21,13 +22,14 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from slipstream.serve.fsm import ByteDFA
+from slipstream.serve.fsm import ByteDFA, compile_pattern
+from slipstream.serve.json_schema import json_object_regex, schema_regex
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class StructuredOutputsParams:
-    """vLLM's `StructuredOutputsParams`; of its constraints slipstream implements `choice` and
-    `regex` (exactly one of them)."""
+    """vLLM's `StructuredOutputsParams`: exactly one of `choice`, `regex`, `json` and `json_object`
+    (`grammar`, a context-free grammar, is not supported)."""
 
     choice: tuple[str, ...] | None = None
     """The output is exactly one of these strings."""
@@ -35,33 +37,43 @@ class StructuredOutputsParams:
     """The output matches this regular expression as a whole (Python syntax, ASCII classes:
     `fsm.py` lists what is supported)."""
     json: Any = None
-    grammar: str | None = None
+    """The output is JSON valid under this schema (a dict or its JSON text; `json_schema.py` lists
+    what is supported)."""
     json_object: bool | None = None
+    """The output is a JSON object."""
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("json", "grammar", "json_object"):
-            if getattr(self, name) not in (None, False):
-                raise ValueError(f"structured_outputs.{name} is not supported (slipstream implements "
-                                 "choice and regex, without a grammar library to compile the others)")
-        if (self.choice is None) == (self.regex is None):
-            raise ValueError("structured_outputs needs one of choice (a list of strings) and regex")
+        if self.grammar is not None:
+            raise ValueError("structured_outputs.grammar is not supported (slipstream compiles regular "
+                             "expressions and JSON schemas, not context-free grammars)")
+        given = [name for name in ("choice", "regex", "json", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of choice, regex, json and json_object, "
+                             f"got {given or 'none'}")
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object must be true, got {self.json_object!r}")
         if self.choice is not None:
             if isinstance(self.choice, (str, bytes)) or not isinstance(self.choice, Sequence) or not all(
                     isinstance(c, str) and c for c in self.choice) or not self.choice:
                 raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty "
                                  f"strings, got {self.choice!r}")
             object.__setattr__(self, "choice", tuple(self.choice))
-        else:
-            try:
-                ByteDFA(self.regex)
-            except ValueError as error:
-                raise ValueError(f"structured_outputs.regex: {error}") from error
+        try:
+            compile_pattern(self.pattern)
+        except ValueError as error:
+            raise ValueError(f"structured_outputs.{given[0]}: {error}") from error
 
     @property
     def pattern(self) -> str:
         """The constraint as one regular expression."""
         if self.regex is not None:
             return self.regex
+        if self.json is not None:
+            return schema_regex(self.json)
+        if self.json_object:
+            return json_object_regex()
         return "|".join(re.escape(choice) for choice in self.choice)
 
 

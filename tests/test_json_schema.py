@@ -1,0 +1,156 @@
+"""JSON schemas as regular expressions (slipstream/serve/json_schema.py): every text the regex
+matches is JSON valid under the schema, by `jsonschema` (texts drawn from the regex by
+hypothesis), and the usual instances, written as a model would, are matched."""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel, Field
+
+from slipstream.serve.fsm import ByteDFA
+from slipstream.serve.json_schema import json_object_regex, schema_regex
+
+jsonschema = pytest.importorskip("jsonschema")
+
+
+class Color(enum.Enum):
+    RED = "red"
+    GREEN = "green"
+
+
+class Address(BaseModel):
+    street: str = Field(max_length=20)
+    zip_code: str = Field(pattern=r"^[0-9]{5}$")
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+    email: str | None = None
+    favourite: Color = Color.RED
+    addresses: list[Address] = Field(default_factory=list, max_length=2)
+    scores: tuple[float, bool]
+
+
+SCHEMAS = {
+    "scalars": {"type": "object", "properties": {
+        "s": {"type": "string"}, "i": {"type": "integer"}, "n": {"type": "number"},
+        "b": {"type": "boolean"}, "z": {"type": "null"}}, "required": ["s", "i", "n", "b", "z"]},
+    "optional": {"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "string"}, "c": {"type": "boolean"}}, "required": ["b"]},
+    "none required": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}},
+    "enum const anyOf": {"type": "object", "properties": {
+        "kind": {"enum": ["cat", "dog", 3, None, True]}, "v": {"const": {"x": [1, "é"]}},
+        "either": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}]},
+        "several": {"type": ["integer", "null"]}}, "required": ["kind", "v", "either", "several"]},
+    "arrays": {"type": "object", "properties": {
+        "xs": {"type": "array", "items": {"type": "integer"}, "minItems": 1, "maxItems": 3},
+        "pair": {"type": "array", "prefixItems": [{"type": "string"}, {"type": "number"}], "items": False},
+        "any": {"type": "array"}}, "required": ["xs", "pair", "any"]},
+    "strings": {"type": "object", "properties": {
+        "short": {"type": "string", "minLength": 2, "maxLength": 4},
+        "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]+$"},
+        "day": {"type": "string", "format": "date"}, "when": {"type": "string", "format": "date-time"},
+        "id": {"type": "string", "format": "uuid"}}, "required": ["short", "code", "day", "when", "id"]},
+    "open": {"type": "object", "properties": {
+        "meta": {}, "extra": {"type": "object"},
+        "counts": {"type": "object", "additionalProperties": {"type": "integer"}}},
+        "required": ["meta", "extra", "counts"]},
+    "top-level array": {"type": "array", "items": {"$ref": "#/$defs/item"}, "maxItems": 4,
+                        "$defs": {"item": {"type": "object", "properties": {"id": {"type": "integer"}},
+                                           "required": ["id"]}}},
+    "recursive": {"$ref": "#/$defs/node", "$defs": {"node": {"type": "object", "properties": {
+        "value": {"type": "integer"}, "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+        "required": ["value"]}}},
+    "pydantic": Person.model_json_schema(),
+}
+
+
+OPEN = {"open", "arrays"}
+"""Schemas with values left open, whose regexes are large: hypothesis draws from them slowly."""
+
+
+@pytest.mark.parametrize("name", sorted(set(SCHEMAS) - OPEN))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_match_is_valid_under_the_schema(name, data):
+    check_a_match(name, data)
+
+
+@pytest.mark.parametrize("name", sorted(OPEN))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_match_of_an_open_schema_is_valid(name, data):
+    check_a_match(name, data)
+
+
+def check_a_match(name, data):
+    schema = SCHEMAS[name]
+    text = data.draw(st.from_regex(re.compile(schema_regex(schema)), fullmatch=True))
+    jsonschema.validate(json.loads(text), schema)
+    if name == "pydantic":
+        Person.model_validate_json(text)
+
+
+INSTANCES = {
+    "scalars": {"s": "x \"q\" \\ \u00e9 😀", "i": -12, "n": 3.5e-3, "b": False, "z": None},
+    "optional": {"b": ""},
+    "none required": {},
+    "enum const anyOf": {"kind": None, "v": {"x": [1, "é"]}, "either": "abc", "several": None},
+    "arrays": {"xs": [1, 2, 3], "pair": ["a", 1.5], "any": [[1, {"a": None}], "s"]},
+    "strings": {"short": "abcd", "code": "AB-12", "day": "2026-12-04", "when": "2026-12-04T10:00:00Z",
+                "id": "123e4567-e89b-12d3-a456-426614174000"},
+    "open": {"meta": {"a": [1, 2]}, "extra": {}, "counts": {"a": 1, "b": -2}},
+    "top-level array": [{"id": 1}, {"id": 2}],
+    "recursive": {"value": 1, "children": [{"value": 2, "children": [{"value": 3}]}]},
+    "pydantic": {"name": "Ann", "age": 30, "email": None, "favourite": "green",
+                 "addresses": [{"street": "Main St", "zip_code": "12345"}], "scores": [0.5, True]},
+}
+
+
+@pytest.mark.parametrize("name", sorted(INSTANCES))
+@pytest.mark.parametrize("separators", [(",", ":"), (", ", ": ")])
+def test_valid_instances_written_compactly_or_spaced_are_matched(name, separators):
+    """Instances whose properties come in the schema's order, with no space or one space after
+    ',' and ':', match; so does a JSON object of json_object."""
+    text = json.dumps(INSTANCES[name], separators=separators, ensure_ascii=False)
+    jsonschema.validate(INSTANCES[name], SCHEMAS[name])
+    assert ByteDFA(schema_regex(SCHEMAS[name])).matches(text.encode()), text
+    assert ByteDFA(schema_regex(json.dumps(SCHEMAS[name]))).matches(text.encode())  # a schema as JSON text
+
+
+def test_json_object_matches_json_objects_only():
+    """Any JSON object nested up to MAX_OPEN_DEPTH (3) levels, and nothing else."""
+    dfa = ByteDFA(json_object_regex())
+    for value in ({}, {"a": 1}, {"a": [1, {"b": "x"}], "c": "d"}):
+        assert dfa.matches(json.dumps(value).encode())
+    for text in ("[1]", '"x"', "{", '{"a" 1}', "{'a': 1}", '{"a": [1,]}', "null", '{"a": [{"b": [1]}]}'):
+        assert not dfa.matches(text.encode()), text
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "integer", "minimum": 0}, "minimum cannot be enforced"),
+    ({"type": "array", "uniqueItems": True}, "uniqueItems cannot be enforced"),
+    ({"type": "object", "patternProperties": {"^a": {}}}, "patternProperties cannot be enforced"),
+    ({"not": {"type": "string"}}, "not cannot be enforced"),
+    ({"type": "string", "format": "email"}, "string format 'email' is not supported"),
+    ({"type": "string", "pattern": "[a-z]+"}, "must be anchored"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, r"required properties \['b'\]"),
+    ({"$ref": "https://example.com/s.json"}, r"only local \$refs"),
+    ({"$ref": "#/$defs/missing"}, "points nowhere"),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}, "nest deeper than"),
+    ({"type": "array", "minItems": 3, "maxItems": 2}, r"maxItems \(2\) is below minItems \(3\)"),
+    ({"type": "date"}, "unknown type 'date'"),
+    (False, "allows no value"),
+    ("{bad json", "not valid JSON"),
+    ([1], "must be an object or a boolean"),
+])
+def test_what_a_regex_cannot_enforce_is_a_value_error(schema, message):
+    with pytest.raises(ValueError, match=message):
+        schema_regex(schema)
