@@ -20,6 +20,7 @@ last one kept are all kept, and the three filters combine into one `masked_fill`
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
 import itertools
@@ -58,8 +59,8 @@ class SamplingRow:
     generator: torch.Generator | None = None
     """The request's own generator (`make_generator`); required when `params.seed` is set."""
     allowed_token_ids: Sequence[int] | None = None
-    """This step's allowed tokens under `params.structured_outputs` (the engine's guide), used as
-    `params.allowed_token_ids` is."""
+    """This step's allowed tokens under `params.structured_outputs` (the engine's guide: an int64
+    `array.array`, read without a copy), used as `params.allowed_token_ids` is."""
     counts_slot: int | None = None
     """The request's slot in the `TokenCounts` given to `build`, which then replaces counting lists."""
 
@@ -303,7 +304,9 @@ def _build_allowed(rows: Sequence[SamplingRow], vocab_size: int, device: torch.d
         return None
     mask = torch.ones(len(ids), vocab_size, dtype=torch.bool)
     for j, i in enumerate(ids):
-        mask[j, list(allowed[i])] = False
+        tokens = allowed[i]
+        mask[j, torch.frombuffer(tokens, dtype=torch.int64) if isinstance(tokens, array.array)
+             else torch.tensor(tokens, dtype=torch.int64)] = False
     return torch.tensor(ids, device=device), mask.to(device)
 
 

@@ -17,6 +17,7 @@ prefix the automaton allows can then be spelt, so an output never strands part-w
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import re
 from collections.abc import Sequence
@@ -116,13 +117,14 @@ class Guide:
     def __init__(self, dfa: ByteDFA, vocabulary: Vocabulary, eos_token_ids: Sequence[int]) -> None:
         self._dfa = dfa
         self._vocabulary = vocabulary
-        self._eos_token_ids = sorted(set(eos_token_ids))
-        self._allowed: dict[int, list[int]] = {}
+        self._eos_token_ids = array.array("q", sorted(set(eos_token_ids)))
+        self._allowed: dict[int, array.array] = {}
         self.start = dfa.start
 
-    def allowed_token_ids(self, state: int | None) -> list[int]:
-        """The tokens that may come next at `state`: those that keep the output able to match, and
-        the end-of-sequence ids where it matches (or has left the constraint)."""
+    def allowed_token_ids(self, state: int | None) -> array.array:
+        """The tokens that may come next at `state`, sorted: those that keep the output able to
+        match, and the end-of-sequence ids where it matches (or has left the constraint). An int64
+        array, which the sampler reads without a copy (`torch.frombuffer`)."""
         if state is None:
             return self._eos_token_ids
         allowed = self._allowed.get(state)
@@ -137,7 +139,7 @@ class Guide:
                         found.update(child.token_ids)
                         if child.children:
                             pending.append((child, next_state))
-            allowed = self._allowed[state] = sorted(found)
+            allowed = self._allowed[state] = array.array("q", sorted(found))
         return allowed
 
     def advance(self, state: int | None, token_id: int) -> int | None:
