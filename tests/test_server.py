@@ -8,6 +8,7 @@ serve_fixtures.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -19,6 +20,8 @@ from serve_fixtures import dense_logprobs
 from server_process import API_KEY, ENGINE_ARGS, MAX_MODEL_LEN, MODEL_NAME, ServerProcess, metric_values
 
 from slipstream import LLM, BeamSearchParams, SamplingParams
+from slipstream.serve import protocol, responses
+from slipstream.serve.request import CompletionOutput, RequestMetrics, RequestOutput
 from slipstream.serve.structured import StructuredOutputsParams
 
 pytest_plugins = ["serve_fixtures", "server_process"]
@@ -619,3 +622,122 @@ def test_structured_outputs_equal_offline(client, llm):
             client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, extra_body=body)
         if param is not None:
             assert error.value.body["param"] == param, body
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "required": ["city", "unit"], "properties": {
+        "city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}}}}}
+PICK = {"type": "function", "function": {"name": "pick", "parameters": {
+    "type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}}}
+
+
+def constrained(max_tokens: int, schema: dict) -> SamplingParams:
+    """Greedy under a JSON schema, stopping at end-of-sequence."""
+    return SamplingParams(temperature=0, max_tokens=max_tokens,
+                          structured_outputs=StructuredOutputsParams(json=schema))
+
+
+def test_named_tool_choice_calls_the_function_with_constrained_arguments(client, llm):
+    """vLLM's named tool_choice: the reply is a call of that function, its arguments the offline
+    engine's output under the function's parameter schema (so valid under it), content null,
+    finish reason "stop"; streamed, the first chunk names the call and the arguments follow."""
+    jsonschema = pytest.importorskip("jsonschema")
+    parameters = WEATHER["function"]["parameters"]
+    [expected] = llm.chat(MESSAGES, constrained(40, parameters), tools=[WEATHER, PICK], use_tqdm=False)
+    args = dict(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, PICK], max_completion_tokens=40,
+                temperature=0, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = client.chat.completions.create(**args).choices[0]
+    [call] = choice.message.tool_calls
+    assert (call.function.name, call.type, choice.message.content) == ("get_weather", "function", None)
+    assert call.function.arguments == expected.outputs[0].text and call.id.startswith("chatcmpl-tool-")
+    assert choice.finish_reason == expected.outputs[0].finish_reason
+    if choice.finish_reason == "stop":
+        jsonschema.validate(json.loads(call.function.arguments), parameters)
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **args) if c.choices]
+    calls = [d.tool_calls[0] for d in deltas if d.tool_calls]
+    assert (calls[0].function.name, calls[0].id is not None) == ("get_weather", True)
+    assert all(c.id is None and c.function.name is None for c in calls[1:])
+    assert "".join(c.function.arguments for c in calls) == call.function.arguments
+
+
+def test_required_tool_choice_returns_the_calls_of_the_constrained_list(client, llm):
+    """vLLM's "required": the output is a JSON list of {"name", "parameters"} calls, each of one of
+    the tools (the offline engine under vLLM's schema gives the same text), returned as tool_calls
+    with JSON arguments and finish reason "tool_calls"; a list cut short by max_tokens is content."""
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+        {"properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
+                        "parameters": tool["function"]["parameters"]}, "required": ["name", "parameters"]}
+        for tool in (WEATHER, PICK)]}}
+    for max_tokens in (60, 4):
+        [expected] = llm.chat(MESSAGES, constrained(max_tokens, schema), tools=[WEATHER, PICK],
+                              use_tqdm=False)
+        choice = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, PICK],
+                                                tool_choice="required", max_completion_tokens=max_tokens,
+                                                temperature=0).choices[0]
+        text = expected.outputs[0].text
+        if expected.outputs[0].finish_reason == "stop":
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+            assert calls == [(call["name"], call["parameters"]) for call in json.loads(text)]
+        else:
+            assert choice.finish_reason == "length"
+            assert (choice.message.content, choice.message.tool_calls) == (text, None)
+
+
+def test_tool_calls_and_results_in_the_history_reach_the_chat_template(client, llm, model_dir):
+    """An assistant's earlier calls (arguments as JSON text, as OpenAI sends them; a dict to the
+    template, as transformers' tool templates expect) and the tool's answer render as transformers
+    renders them, with the tools: through a template that shows them, and as the server counts the
+    prompt under the model's own."""
+    transformers = pytest.importorskip("transformers")
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% for c in m.tool_calls or [] %}"
+                "[{{ c.function.name }}({{ c.function.arguments.city }})]{% endfor %}"
+                "{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}{% endfor %}"
+                "{% for t in tools or [] %}{{ t.function.name }};{% endfor %}<assistant>")
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}]},
+               {"role": "tool", "tool_call_id": "call1", "content": "sunny"}]
+    as_template_sees = [history[0], {**history[1], "content": "", "tool_calls": [
+        {"id": "call1", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}}]}, history[2]]
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    body = protocol.ChatCompletionRequest.model_validate(
+        {"messages": history, "tools": [WEATHER, PICK], "tool_choice": "none"})
+    messages = [m.template_message() for m in body.messages]
+    expected = hf.apply_chat_template(as_template_sees, tools=[WEATHER, PICK], chat_template=template,
+                                      tokenize=False)
+    assert "[get_weather(Paris)]" in expected and "#call1" in expected and "pick;" in expected
+    ours = llm.get_tokenizer().apply_chat_template(messages, tools=body.template_tools(),
+                                                   chat_template=template, tokenize=False)
+    assert ours == expected
+    response = client.chat.completions.create(model=MODEL_NAME, messages=history, tools=[WEATHER, PICK],
+                                              tool_choice="none", max_completion_tokens=1)
+    prompt = hf.apply_chat_template(as_template_sees, tools=[WEATHER, PICK], add_generation_prompt=True,
+                                    tokenize=True, return_dict=False)
+    assert response.usage.prompt_tokens == len(prompt)
+
+
+def test_a_complete_required_list_becomes_tool_calls_whole_or_streamed():
+    """The "required" reply's JSON list, once complete, is OpenAI's tool_calls (JSON arguments,
+    finish reason "tool_calls"), in the response and as one streamed chunk at the end."""
+    text = '[{"name": "pick", "parameters": {"x": 2}}, {"name": "get_weather", "parameters": {"city": "é"}}]'
+    tool_calls = responses.ToolCalls("required")
+    done = CompletionOutput(index=0, text=text, token_ids=[1], finish_reason="stop")
+    message = tool_calls.message(done)
+    assert message["content"] is None and tool_calls.finish(done)["finish_reason"] == "tool_calls"
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+    assert calls == [("pick", {"x": 2}), ("get_weather", {"city": "é"})]
+    stream = responses.ChatStream(responses.ResponseMeta.new("chatcmpl", "m"), n=1, num_logprobs=None,
+                                  tool_calls=tool_calls)
+    output = RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1], finished=False,
+                           metrics=RequestMetrics(arrival_time_s=0.0),
+                           outputs=[CompletionOutput(index=0, text=text[:20], token_ids=[1])])
+    assert stream.events(output) == []  # nothing to say until the list is complete
+    output.outputs = [dataclasses.replace(done, token_ids=[1, 2])]
+    [event] = stream.events(output)
+    choice = json.loads(event[6:])["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert [c["index"] for c in choice["delta"]["tool_calls"]] == [0, 1]

@@ -15,6 +15,7 @@ than the one asked. The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, 
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Annotated, Any, Literal
 
@@ -57,7 +58,7 @@ BEAM_SEARCH_CONFLICTS: dict[str, tuple[object, ...]] = {
     "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "stop": ([], ""), "stop_token_ids": ([],),
     "min_tokens": (0,), "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],),
     "prompt_logprobs": (), "echo": (False,), "structured_outputs": ({},), "guided_choice": ([],),
-    "guided_regex": (), "guided_json": (), "response_format": ({"type": "text"},),
+    "guided_regex": (), "guided_json": (), "response_format": ({"type": "text"},), "tool_choice": ("none",),
 }
 """Request fields beam search cannot honour (vLLM's silently ignores them), each with the values
 that ask for nothing (None aside); any other value is a 400."""
@@ -197,10 +198,17 @@ class GenerationBody(_Body):
         raise bad_request(f"response_format type must be text, json_object or json_schema, got "
                           f"{response_format.get('type')!r}", "response_format")
 
+    def tool_schema(self) -> dict[str, Any] | None:
+        """The JSON schema a forced tool call's output must follow (chat only)."""
+        return None
+
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """structured_outputs (or the older guided_choice / guided_regex / guided_json, or OpenAI's
         response_format) as the engine's; a 400 naming the field for what it cannot take."""
-        given = {name: value for name, value in (("structured_outputs", self.structured_outputs),
+        tool_schema = self.tool_schema()
+        given = {name: value for name, value in (("tool_choice", None if tool_schema is None
+                                                  else {"json": tool_schema}),
+                                                 ("structured_outputs", self.structured_outputs),
                                                   ("guided_choice", self.guided_choice),
                                                   ("guided_regex", self.guided_regex),
                                                   ("guided_json", self.guided_json),
@@ -211,7 +219,7 @@ class GenerationBody(_Body):
         if not given:
             return None
         [(param, value)] = given.items()
-        if param in ("structured_outputs", "response_format"):
+        if param in ("structured_outputs", "response_format", "tool_choice"):
             fields = value
         else:
             fields = {param.removeprefix("guided_"): value}
@@ -303,20 +311,74 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+    """The arguments as JSON text, as OpenAI sends them."""
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
-    """Refused when not empty: without tool calling, the model would see an empty assistant turn."""
+    tool_calls: list[ToolCall] | None = None
+    """An assistant's earlier calls."""
+    tool_call_id: str | None = None
+    """A tool message's answer to this call."""
 
-    def template_message(self) -> dict[str, str]:
-        """The message as the chat template sees it (text parts joined)."""
+    def template_message(self) -> dict[str, Any]:
+        """The message as the chat template sees it: text parts joined, and a tool call's
+        arguments as a dict (what transformers' tool-use templates expect, as vLLM passes them)."""
         content = self.content or ""
         if not isinstance(content, str):
             content = "".join(part.text for part in content)
-        message = {"role": self.role, "content": content}
-        return message | ({"name": self.name} if self.name is not None else {})
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": call.type,
+                 "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                for call in self.tool_calls]
+        return message
+
+
+def _arguments(text: str) -> Any:
+    """A call's JSON arguments, parsed; the text itself where it is no JSON."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments."""
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(GenerationBody):
@@ -327,8 +389,11 @@ class ChatCompletionRequest(GenerationBody):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """As vLLM: a named function or "required" makes the reply a call (its arguments, or the list of
+    calls, constrained to the tools' JSON schemas); "auto", the default with tools, needs a parser
+    of the model's call format, which slipstream does not have: a 400."""
     # vLLM's extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -339,18 +404,69 @@ class ChatCompletionRequest(GenerationBody):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise bad_request("tool calling is not supported", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool calling is not supported", "tool_choice")
-        for index, message in enumerate(self.messages):
-            if message.tool_calls:
-                raise bad_request(f"messages[{index}].tool_calls: tool calling is not supported", "messages")
+        self._check_tools()
         if self.add_generation_prompt and self.continue_final_message:  # as vLLM
             raise bad_request("continue_final_message and add_generation_prompt cannot both be true "
                               "(set add_generation_prompt to false)", "continue_final_message")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+
+    def _check_tools(self) -> None:
+        """vLLM's rules: tool_choice needs tools, a named one must be among them, "auto" (the
+        default when tools are given) needs a call parser, and a call is no structured output."""
+        choice = self.tool_choice
+        if choice is None:
+            choice = "auto" if self.tools else "none"
+        if choice == "none":
+            return
+        if not self.tools:
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        if choice == "auto":
+            raise bad_request('"auto" tool choice (the default when tools are given) needs a parser of the '
+                              "model's tool-call format, which this server does not have: set tool_choice "
+                              'to "required", a named function or "none"', "tool_choice")
+        names = {tool.function.name for tool in self.tools}
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise bad_request(f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                              "tool_choice")
+        for name in ("structured_outputs", "guided_choice", "guided_regex", "guided_json"):
+            if getattr(self, name) is not None:
+                raise bad_request(f"{name} cannot be used with tool_choice {choice!r}", name)
+        if self._response_format() is not None:
+            raise bad_request("response_format cannot be used with a tool_choice", "response_format")
+
+    @property
+    def tool_mode(self) -> Literal["named", "required"] | None:
+        """How the reply is a tool call: "named" (its arguments), "required" (a list of calls), or
+        None (text)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return "required" if self.tool_choice == "required" and self.tools else None
+
+    @property
+    def forced_function(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def tool_schema(self) -> dict[str, Any] | None:
+        """The JSON schema a forced call's output must follow (vLLM's): a named function's
+        parameters, or for "required" a non-empty list of {"name", "parameters"} objects, one of
+        the tools each."""
+        def parameters(tool: Tool) -> dict[str, Any]:
+            return tool.function.parameters or {"type": "object", "properties": {}}
+
+        if self.tool_mode == "named":
+            [tool] = [t for t in self.tools if t.function.name == self.forced_function]
+            return parameters(tool)
+        if self.tool_mode == "required":
+            calls = [{"properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                     "parameters": parameters(tool)}, "required": ["name", "parameters"]}
+                     for tool in self.tools]
+            return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+        return None
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template sees them (OpenAI's dicts)."""
+        return None if not self.tools else [tool.model_dump(exclude_none=True) for tool in self.tools]
 
     @property
     def echoed_text(self) -> str:

@@ -88,6 +88,48 @@ class Echo:
                                    logprobs=logprobs)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolCalls:
+    """A reply forced to be a tool call (vLLM's named or "required" tool_choice), whose text the
+    engine constrained to JSON: a named function's arguments, or a list of {"name", "parameters"}
+    calls. The reply becomes OpenAI's `tool_calls`, its content null; a text cut short by
+    max_tokens, which is no complete call, stays the content."""
+
+    mode: str
+    """"named" or "required"."""
+    function: str | None = None
+    """The named function."""
+
+    def calls(self, text: str) -> list[dict[str, Any]] | None:
+        """The calls of a reply's text; None where it is no complete call."""
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if self.mode == "named":
+            return [_tool_call(self.function, text)]
+        return [_tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
+                for call in value]
+
+    def message(self, completion: CompletionOutput) -> dict[str, Any]:
+        calls = self.calls(completion.text)
+        if calls is None:
+            return {"role": "assistant", "content": completion.text}
+        return {"role": "assistant", "content": None, "tool_calls": calls}
+
+    def finish(self, completion: CompletionOutput) -> dict[str, Any]:
+        """As vLLM: "tool_calls" where a "required" reply ended as a complete list of calls."""
+        finish = _finish(completion)
+        if self.mode == "required" and completion.finish_reason == "stop" and self.calls(completion.text):
+            finish["finish_reason"] = "tool_calls"
+        return finish
+
+
+def _tool_call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
 # ---- logprobs -------------------------------------------------------------------------------
 
 
@@ -184,18 +226,20 @@ def completion_response(meta: ResponseMeta, outputs: Sequence[RequestOutput], *,
 
 
 def chat_response(meta: ResponseMeta, output: RequestOutput, *, num_logprobs: int | None,
-                  as_token_ids: bool = False, echo: str = "") -> dict:
+                  as_token_ids: bool = False, echo: str = "", tool_calls: ToolCalls | None = None) -> dict:
     """The body of a non-streamed chat completion (`num_logprobs` None: no logprobs); each reply
-    starts with `echo`."""
+    starts with `echo`, or is a tool call."""
     choices = []
     for completion in output.outputs:
         logprobs = None
         if num_logprobs is not None:
             logprobs = chat_logprobs(completion, 0, len(completion.token_ids), num_logprobs,
                                      as_token_ids=as_token_ids)
-        message = {"role": "assistant", "content": echo + completion.text}
-        choices.append({"index": completion.index, "message": message, "logprobs": logprobs}
-                       | _finish(completion))
+        if tool_calls is None:
+            message, finish = {"role": "assistant", "content": echo + completion.text}, _finish(completion)
+        else:
+            message, finish = tool_calls.message(completion), tool_calls.finish(completion)
+        choices.append({"index": completion.index, "message": message, "logprobs": logprobs} | finish)
     body = meta.head("chat.completion") | {"choices": choices, "usage": usage([output])}
     if output.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs(output)
@@ -305,9 +349,12 @@ class ChatStream:
     object = "chat.completion.chunk"
 
     def __init__(self, meta: ResponseMeta, *, n: int, num_logprobs: int | None,
-                 as_token_ids: bool = False, echo: str = "") -> None:
+                 as_token_ids: bool = False, echo: str = "", tool_calls: ToolCalls | None = None) -> None:
         self.meta = meta
         self._echoed_text = echo
+        self._tool_calls = tool_calls
+        self._call_ids: dict[int, str] = {}
+        """Per choice, the id of its named call, once its first chunk is out."""
         self._n = n
         self._num_logprobs = num_logprobs
         self._as_token_ids = as_token_ids
@@ -333,12 +380,36 @@ class ChatStream:
             if self._num_logprobs is not None:
                 logprobs = chat_logprobs(completion, news.start, news.end, self._num_logprobs,
                                          as_token_ids=self._as_token_ids)
-            events.append(self._chunk(completion.index, {"content": news.text}, logprobs, completion))
+            delta = {"content": news.text} if self._tool_calls is None else self._call_delta(completion, news)
+            if delta or logprobs is not None or completion.finish_reason is not None:
+                events.append(self._chunk(completion.index, delta, logprobs, completion))
         return events
+
+    def _call_delta(self, completion: CompletionOutput, news: _News) -> dict[str, Any]:
+        """A forced call's delta, as OpenAI streams calls: a named call's id and name with its first
+        arguments text, then more arguments; "required" calls whole once the reply is complete
+        (their list is only known then), or the text as content if it is no complete call."""
+        tool_calls = self._tool_calls
+        if tool_calls.mode == "named":
+            if not news.text:
+                return {}
+            if completion.index not in self._call_ids:
+                call = _tool_call(tool_calls.function, news.text)
+                self._call_ids[completion.index] = call["id"]
+                return {"tool_calls": [{"index": 0, **call}]}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": news.text}}]}
+        if completion.finish_reason is None:
+            return {}
+        calls = tool_calls.calls(completion.text)
+        if calls is None:
+            return {"content": completion.text}
+        return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
 
     def _chunk(self, index: int, delta: dict, logprobs: dict | None,
                completion: CompletionOutput | None) -> str:
-        finish = _finish(completion) if completion else {"finish_reason": None}
+        finish = {"finish_reason": None}
+        if completion is not None:
+            finish = _finish(completion) if self._tool_calls is None else self._tool_calls.finish(completion)
         choice = {"index": index, "delta": delta, "logprobs": logprobs} | finish
         return sse(self.meta.head(self.object) | {"choices": [choice]})
 

@@ -223,8 +223,11 @@ class OpenAIServer:
         self._check_context(len(token_ids), body.max_new_tokens, params.min_tokens, "messages",
                             body.max_tokens_param)
         meta = ResponseMeta.new("chatcmpl", self.model_name)
+        tool_calls = None
+        if body.tool_mode is not None:
+            tool_calls = responses.ToolCalls(body.tool_mode, body.forced_function)
         options = dict(num_logprobs=body.num_logprobs, as_token_ids=self._as_token_ids(body),
-                       echo=body.echoed_text)
+                       echo=body.echoed_text, tool_calls=tool_calls)
         if body.use_beam_search:
             beams = body.beam_search_params(max_tokens=body.max_new_tokens or self.max_model_len,
                                             max_logprobs=self.max_logprobs)
@@ -311,7 +314,8 @@ class OpenAIServer:
         try:
             return self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message, return_dict=False)
+                continue_final_message=body.continue_final_message, tools=body.template_tools(),
+                return_dict=False)
         except (ValueError, TypeError, jinja2.TemplateError) as error:
             raise protocol.bad_request(f"the chat template rejected the messages: {error}",
                                        "messages") from error
