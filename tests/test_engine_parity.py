@@ -116,6 +116,24 @@ def test_multi_step_decoding_matches_transformers(model_dir, reference, max_num_
     assert eager == got
 
 
+@pytest.mark.parametrize("engine_args", [dict(), dict(max_num_seqs=3), dict(kv_cache_memory="small")],
+                         ids=["batched", "decode graph", "preempting"])
+def test_speculative_decoding_matches_transformers(model_dir, reference, engine_args):
+    """N-gram speculative decoding (speculative_config, 4 guesses a step) keeps transformers'
+    tokens, batched, beside the decode graph and under preemption. This model rarely repeats
+    itself, so most guesses are refused (tests/test_speculative.py has one that loops)."""
+    prompts, expected, gaps = reference
+    if engine_args.get("kv_cache_memory") == "small":
+        engine_args = dict(max_model_len=256, kv_cache_memory=24 * BLOCK_SIZE * kv_cache_bytes_per_token(
+            CONFIG, "float32"))
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    got, llm = _engine_greedy(model_dir, prompts, speculative_config=spec, **engine_args)
+    engine = llm.engine
+    print(f"speculative: {engine.num_accepted_tokens} of {engine.num_draft_tokens} guesses confirmed")
+    assert engine.num_draft_tokens > 1000 and engine.num_accepted_tokens > 0
+    _assert_same_tokens(expected, gaps, got, f"speculative decoding {engine_args}")
+
+
 def test_chunked_prefill_matches_transformers(model_dir, reference):
     """(b) A 16-token budget chunks every prompt (all are longer) and mixes chunks with decodes."""
     prompts, expected, gaps = reference

@@ -22,7 +22,8 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -53,6 +54,7 @@ from slipstream.serve.sampler import (
     takes_argmax,
 )
 from slipstream.serve.scheduler import Scheduler, SchedulerConfig, StepPlan
+from slipstream.serve.speculative import SpeculativeConfig, accepted_tokens
 from slipstream.serve.structured import Guide, Vocabulary
 
 logger = logging.getLogger(__name__)
@@ -105,8 +107,15 @@ class EngineConfig:
     less time per token); in exchange tokens arrive in bursts, a request that arrives during a
     burst waits for its end, and a request that stops early (end-of-sequence, stop token or
     string) has computed a few steps for nothing."""
+    speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
+    """As vLLM's, for the "ngram" method (`speculative.py`): `{"method": "ngram",
+    "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}`. Steps in which
+    every running request decodes greedily (as for num_scheduler_steps) check up to k guessed
+    tokens per request in one forward pass; other steps run as usual."""
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs",
                      "num_scheduler_steps"):
             value = getattr(self, name)
@@ -176,6 +185,10 @@ class Engine:
         self._prompts: dict[str, PromptOutput] = {}
         self._sequences: dict[str, tuple[PromptOutput, SequenceOutput, torch.Generator | None]] = {}
         self._guides: dict[str, Guide] = {}
+        self.num_draft_tokens = 0
+        """Guessed tokens checked so far (speculative_config; vLLM's spec_decode_num_draft_tokens)."""
+        self.num_accepted_tokens = 0
+        """Of them, those the model's greedy choice confirmed."""
         logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens",
                     config.model, device, dtype_name(dtype), self.limits.num_blocks, config.block_size)
 
@@ -360,11 +373,18 @@ class Engine:
             return []
         self._mark_scheduled(plan)
         num_steps = self._num_greedy_steps(plan)
-        block_tables = self.scheduler.reserve_lookahead(plan, num_steps) if num_steps else None
+        drafts = self._drafts(plan) if num_steps and self.config.speculative_config else None
+        block_tables = None
+        if drafts is not None:
+            block_tables = self.scheduler.reserve_tokens(plan, [1 + len(d) for d in drafts])
         if block_tables is not None:
-            changed = self._run_greedy_steps(plan, block_tables, num_steps)
+            changed = self._run_speculative(plan, block_tables, drafts)
         else:
-            changed = self._run_step(plan)
+            block_tables = self.scheduler.reserve_lookahead(plan, num_steps) if num_steps else None
+            if block_tables is not None:
+                changed = self._run_greedy_steps(plan, block_tables, num_steps)
+            else:
+                changed = self._run_step(plan)
         return [entry.to_request_output() for entry in changed if entry.stream or entry.finished]
 
     def _run_step(self, plan: StepPlan) -> set[PromptOutput]:
@@ -410,22 +430,54 @@ class Engine:
         each had been a step of its own: a request that stops on one (end-of-sequence, stop token,
         stop string) is finished there and the tokens computed after it are dropped."""
         steps = self.runner.execute_greedy(plan, block_tables, num_steps)
+        per_chunk = [list(tokens) for tokens in zip(*steps, strict=True)]
+        return self._record_tokens(plan, block_tables, per_chunk)
+
+    def _drafts(self, plan: StepPlan) -> list[list[int]] | None:
+        """Each chunk's guessed tokens (speculative_config), none past what its request may still
+        generate after this step's token or past the step's token budget; None when no chunk
+        has a guess."""
+        spec = self.config.speculative_config
+        budget = self.config.max_num_batched_tokens - len(plan.chunks)
+        drafts = []
+        for chunk in plan.chunks:
+            request = chunk.request
+            room = min(request.max_output_tokens - len(request.output_token_ids) - 1, budget)
+            draft = spec.propose(request.all_token_ids, room) if room > 0 else []
+            budget -= len(draft)
+            drafts.append(draft)
+        return drafts if any(drafts) else None
+
+    def _run_speculative(
+        self, plan: StepPlan, block_tables: list[tuple[int, ...]], drafts: list[list[int]]
+    ) -> set[PromptOutput]:
+        """Check every chunk's guesses in one forward pass and record, for each, the model's greedy
+        tokens up to its first wrong guess (speculative.py)."""
+        targets = self.runner.execute_verify(plan, block_tables, drafts)
+        accepted = [accepted_tokens(draft, target) for draft, target in zip(drafts, targets, strict=True)]
+        self.num_draft_tokens += sum(len(draft) for draft in drafts)
+        self.num_accepted_tokens += sum(len(tokens) - 1 for tokens in accepted)
+        return self._record_tokens(plan, block_tables, accepted)
+
+    def _record_tokens(
+        self, plan: StepPlan, block_tables: Sequence[tuple[int, ...]], tokens: list[list[int]]
+    ) -> set[PromptOutput]:
+        """Record several greedy tokens per chunk (`tokens[i]` for chunk i, computed past the
+        plan at once) one position at a time, as if each had been a step of its own: a request
+        that stops on one (end-of-sequence, stop token or string, length) is finished there and
+        its later tokens are dropped."""
         changed = set()
         now = time.monotonic()
-        step_plan = plan  # the first step is the plan itself; later ones start `offset` tokens on
-        for offset, token_ids in enumerate(steps):
-            if offset:
-                step_plan = StepPlan(tuple(
-                    dataclasses.replace(chunk, start=chunk.start + offset, block_ids=table)
-                    for chunk, table in zip(plan.chunks, block_tables, strict=True)
-                ), len(plan.chunks), ())
-            chunks = step_plan.chunks
-            self.scheduler.update(
-                step_plan, {c.request.request_id: t for c, t in zip(chunks, token_ids, strict=True)}
-            )
-            for chunk, token_id in zip(chunks, token_ids, strict=True):
+        for offset in range(max(len(t) for t in tokens)):
+            present = [i for i, t in enumerate(tokens) if offset < len(t)]
+            chunks = tuple(dataclasses.replace(plan.chunks[i], start=plan.chunks[i].start + offset,
+                                               block_ids=block_tables[i]) for i in present)
+            self.scheduler.update(StepPlan(chunks, len(chunks), ()),
+                                  {c.request.request_id: tokens[i][offset] for c, i in zip(chunks, present,
+                                                                                           strict=True)})
+            for chunk, i in zip(chunks, present, strict=True):
                 if chunk.request.request_id in self._sequences:
-                    changed.add(self._record_token(chunk.request, token_id, None, now))
+                    changed.add(self._record_token(chunk.request, tokens[i][offset], None, now))
         return changed
 
     def _mark_scheduled(self, plan: StepPlan) -> None:

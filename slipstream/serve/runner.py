@@ -180,6 +180,32 @@ class Runner:
             steps.append(token_ids)
         return torch.stack(steps).tolist()
 
+    @torch.inference_mode()
+    def execute_verify(
+        self, plan: StepPlan, block_tables: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]
+    ) -> list[list[int]]:
+        """One forward pass over each single-token chunk's token followed by its guessed tokens
+        `drafts[i]` (speculative decoding), as a short prefill; returns, per chunk, the argmax at
+        each of those positions (len(drafts[i]) + 1 tokens). `block_tables` cover them all."""
+        chunks = plan.chunks
+        if any(chunk.num_tokens != 1 for chunk in chunks) or len(drafts) != len(chunks):
+            raise ValueError("execute_verify takes single-token chunks and one draft per chunk")
+        token_ids, positions = [], []
+        for chunk, draft in zip(chunks, drafts, strict=True):
+            token_ids += [*chunk.request.token_ids_range(chunk.start, chunk.start + 1), *draft]
+            positions += range(chunk.start, chunk.start + 1 + len(draft))
+        batch = PagedBatch.build(
+            seq_lens=[c.start + 1 + len(d) for c, d in zip(chunks, drafts, strict=True)],
+            query_lens=[1 + len(d) for d in drafts], block_tables=block_tables,
+            block_size=self.cache.block_size, sliding_window=self.model.config.sliding_window,
+            device=self.device,
+        )
+        hidden = self.hidden_states(torch.tensor(token_ids, device=self.device),
+                                    torch.tensor(positions, device=self.device), batch)
+        choices = argmax(self.model.compute_logits(hidden)).tolist()
+        ends = list(itertools.accumulate(1 + len(d) for d in drafts))
+        return [choices[end - 1 - len(d):end] for end, d in zip(ends, drafts, strict=True)]
+
     def hidden_states(
         self, token_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch
     ) -> torch.Tensor:

@@ -26,7 +26,7 @@ import bisect
 import dataclasses
 import heapq
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from slipstream.serve.kv_cache import KVCacheManager
 from slipstream.serve.request import FINISH_REASONS, Request, RequestStatus
@@ -325,6 +325,20 @@ class Scheduler:
         self._waiting.push(self._order_keys[request.request_id], request)
         step.preempted(request)
         logger.debug("preempted %s (%d tokens to recompute)", request.request_id, request.num_tokens)
+
+    def reserve_tokens(self, plan: StepPlan, num_tokens: Sequence[int]) -> list[tuple[int, ...]] | None:
+        """Blocks for `num_tokens[i]` tokens from the start of chunk i of a plan of single-token
+        chunks (a decode plus guesses to check, speculative decoding); their block tables, or
+        None if the pool is short (as reserve_lookahead)."""
+        if any(chunk.num_tokens != 1 for chunk in plan.chunks):
+            raise ValueError("only single-token (decode) chunks can take more tokens at once")
+        tables = []
+        for chunk, count in zip(plan.chunks, num_tokens, strict=True):
+            table = self.kv_cache.allocate(chunk.request, count)
+            if table is None:
+                return None
+            tables.append(table)
+        return tables
 
     def reserve_lookahead(self, plan: StepPlan, num_steps: int) -> list[tuple[int, ...]] | None:
         """Blocks for the next `num_steps` tokens of every request of a plan of single-token chunks,

@@ -1,0 +1,88 @@
+"""Speculative decoding by n-gram lookup (vLLM's "ngram" method, prompt lookup). Plain Python.
+
+A greedy decode that repeats text it has seen (code under edit, a document it summarises or
+quotes) is guessed from its own context: the longest n-gram (`prompt_lookup_min` to
+`prompt_lookup_max` tokens) that ends the sequence and also occurs earlier proposes the tokens
+that followed its latest earlier occurrence, up to `num_speculative_tokens`. The engine checks
+the guesses in one forward pass (the last token plus the guesses, as a short prefill), keeps the
+longest run of guesses that equal the model's own greedy choices, and adds the model's next
+choice after them: each step yields between 1 and 1 + k tokens, all of them the model's argmax,
+for about the cost of reading the weights once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` for the "ngram" method."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int
+    """Most guessed tokens checked per sequence and step."""
+    prompt_lookup_max: int = 4
+    """Longest n-gram to look up."""
+    prompt_lookup_min: int = 1
+    """Shortest n-gram to look up."""
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config method must be 'ngram' (slipstream has no draft models), "
+                             f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str) -> SpeculativeConfig:
+        """From a SpeculativeConfig, a dict or its JSON text (vLLM's --speculative-config)."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config is not valid JSON: {error}") from error
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be a dict, got {value!r}")
+        fields = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise ValueError(f"speculative_config keys {unknown} are not supported (known: {sorted(fields)})")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        return cls(**value)
+
+    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """At most `max_tokens` (and num_speculative_tokens) guesses of what follows `token_ids`:
+        the tokens after the latest earlier occurrence of the longest n-gram that ends them; none
+        if no n-gram recurs."""
+        limit = min(max_tokens, self.num_speculative_tokens)
+        end = len(token_ids)
+        if limit <= 0:
+            return []
+        for n in range(min(self.prompt_lookup_max, end - 1), self.prompt_lookup_min - 1, -1):
+            pattern = list(token_ids[end - n:])
+            first = pattern[0]
+            for start in range(end - n - 1, -1, -1):  # the latest occurrence first
+                if token_ids[start] == first and list(token_ids[start:start + n]) == pattern:
+                    return list(token_ids[start + n:start + n + limit])
+        return []
+
+
+def accepted_tokens(draft: Sequence[int], targets: Sequence[int]) -> list[int]:
+    """The tokens a checked guess yields: the model's choices `targets` (one per checked position,
+    len(draft) + 1) up to and including the first where the guess differs from them."""
+    num_accepted = 0
+    while num_accepted < len(draft) and draft[num_accepted] == targets[num_accepted]:
+        num_accepted += 1
+    return list(targets[: num_accepted + 1])
