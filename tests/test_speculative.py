@@ -104,3 +104,16 @@ def test_sampled_requests_run_without_speculation(model_dir, prompts):
     spec, engine = generate(model_dir, prompts[:3], params, speculative_config=SPEC)
     assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
     assert engine.num_draft_tokens == 0
+
+
+def test_disable_by_batch_size_turns_guessing_off_for_larger_steps(model_dir, prompts):
+    """As vLLM's: no guesses in a step of more running requests than disable_by_batch_size; the
+    last requests of a batch, once the others finished, guess again."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    small_batches_only = SPEC | {"disable_by_batch_size": 3}
+    _, engine = generate(model_dir, prompts[:4], params, speculative_config=small_batches_only)
+    assert engine.num_draft_tokens == 0
+    short = [params.replace(max_tokens=4)] * 3 + [params]
+    llm = LLM(model_dir, max_model_len=256, speculative_config=SPEC | {"disable_by_batch_size": 1})
+    llm.generate(prompts[:4], short, use_tqdm=False)
+    assert llm.engine.num_draft_tokens > 0

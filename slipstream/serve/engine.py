@@ -438,6 +438,8 @@ class Engine:
         generate after this step's token or past the step's token budget; None when no chunk
         has a guess."""
         spec = self.config.speculative_config
+        if spec.disable_by_batch_size is not None and len(plan.chunks) > spec.disable_by_batch_size:
+            return None
         budget = self.config.max_num_batched_tokens - len(plan.chunks)
         drafts = []
         for chunk in plan.chunks:

@@ -29,6 +29,11 @@ class SpeculativeConfig:
     """Longest n-gram to look up."""
     prompt_lookup_min: int = 1
     """Shortest n-gram to look up."""
+    disable_by_batch_size: int | None = None
+    """As vLLM's: no guesses in a step of more running requests than this. Checking k guesses for
+    each of b requests is a forward pass over b(1 + k) tokens, which stops being bound by reading the
+    weights, and so stops being nearly free, once b(1 + k) passes the machine's flops-to-bandwidth
+    ratio (about 16 fp32 tokens on the development CPU; hundreds on a GPU)."""
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
@@ -38,6 +43,10 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
+        limit = self.disable_by_batch_size
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"speculative_config disable_by_batch_size must be a positive integer, got "
+                             f"{self.disable_by_batch_size!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
