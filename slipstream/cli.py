@@ -160,6 +160,7 @@ def _serve(args: argparse.Namespace) -> None:
         host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
         max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
     )
     run_server(engine_config, server_config, log_level="debug" if args.verbose else "info")
 
@@ -243,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most sequences waiting to be scheduled; past it, 503 with Retry-After")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='as vLLM: let the model choose whether to call a tool (tool_choice "auto")')
+    p.add_argument("--tool-call-parser", choices=["hermes"],
+                   help="the model's tool-call format, for --enable-auto-tool-choice")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="name logprobs tokens 'token_id:ID' unless a request says otherwise (as vLLM)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")

@@ -22,6 +22,7 @@ from server_process import API_KEY, ENGINE_ARGS, MAX_MODEL_LEN, MODEL_NAME, Serv
 from slipstream import LLM, BeamSearchParams, SamplingParams
 from slipstream.serve import protocol, responses
 from slipstream.serve.request import CompletionOutput, RequestMetrics, RequestOutput
+from slipstream.serve.server import ServerConfig
 from slipstream.serve.structured import StructuredOutputsParams
 
 pytest_plugins = ["serve_fixtures", "server_process"]
@@ -741,3 +742,29 @@ def test_a_complete_required_list_becomes_tool_calls_whole_or_streamed():
     choice = json.loads(event[6:])["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert [c["index"] for c in choice["delta"]["tool_calls"]] == [0, 1]
+
+
+def test_auto_tool_choice_with_the_hermes_parser(model_dir, llm, tmp_path):
+    """`slipstream serve --enable-auto-tool-choice --tool-call-parser hermes` takes tools with the
+    default tool_choice, auto: the model's reply (which this one never makes a call) comes back as
+    the offline chat's text, special tokens kept as vLLM keeps them for the parser; without the
+    flags, auto is a 400."""
+    from server_process import ENGINE_ARGS, ServerProcess
+
+    server = ServerProcess(model_dir, tmp_path / "server.log", "--enable-auto-tool-choice",
+                           "--tool-call-parser", "hermes", *ENGINE_ARGS).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        [expected] = llm.chat(MESSAGES, greedy(12, skip_special_tokens=False), tools=[WEATHER],
+                              use_tqdm=False)
+        choice = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER],
+                                                max_completion_tokens=12, temperature=0,
+                                                extra_body={"ignore_eos": True}).choices[0]
+        assert (choice.message.content, choice.message.tool_calls) == (expected.outputs[0].text, None)
+        assert choice.finish_reason == "length"
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="needs a tool_call_parser"):
+        ServerConfig(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="tool_call_parser must be one of"):
+        ServerConfig(tool_call_parser="mistral")

@@ -392,8 +392,8 @@ class ChatCompletionRequest(GenerationBody):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """As vLLM: a named function or "required" makes the reply a call (its arguments, or the list of
-    calls, constrained to the tools' JSON schemas); "auto", the default with tools, needs a parser
-    of the model's call format, which slipstream does not have: a 400."""
+    calls, constrained to the tools' JSON schemas); "auto", the default with tools, lets the model
+    choose, which needs the server's --tool-call-parser to read its calls."""
     # vLLM's extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -412,8 +412,8 @@ class ChatCompletionRequest(GenerationBody):
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
 
     def _check_tools(self) -> None:
-        """vLLM's rules: tool_choice needs tools, a named one must be among them, "auto" (the
-        default when tools are given) needs a call parser, and a call is no structured output."""
+        """vLLM's rules: tool_choice needs tools, a named one must be among them, and a forced call
+        is no structured output (the server checks that "auto" has a parser)."""
         choice = self.tool_choice
         if choice is None:
             choice = "auto" if self.tools else "none"
@@ -421,14 +421,12 @@ class ChatCompletionRequest(GenerationBody):
             return
         if not self.tools:
             raise bad_request("tool_choice needs tools", "tool_choice")
-        if choice == "auto":
-            raise bad_request('"auto" tool choice (the default when tools are given) needs a parser of the '
-                              "model's tool-call format, which this server does not have: set tool_choice "
-                              'to "required", a named function or "none"', "tool_choice")
         names = {tool.function.name for tool in self.tools}
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise bad_request(f"tool_choice names {choice.function.name!r}, which is not among the tools",
                               "tool_choice")
+        if choice == "auto":
+            return
         for name in ("structured_outputs", "guided_choice", "guided_regex", "guided_json"):
             if getattr(self, name) is not None:
                 raise bad_request(f"{name} cannot be used with tool_choice {choice!r}", name)
@@ -436,12 +434,14 @@ class ChatCompletionRequest(GenerationBody):
             raise bad_request("response_format cannot be used with a tool_choice", "response_format")
 
     @property
-    def tool_mode(self) -> Literal["named", "required"] | None:
-        """How the reply is a tool call: "named" (its arguments), "required" (a list of calls), or
-        None (text)."""
+    def tool_mode(self) -> Literal["named", "required", "auto"] | None:
+        """How the reply may be a tool call: "named" (its arguments), "required" (a list of calls),
+        "auto" (the model's choice, in its own format), or None (text)."""
         if isinstance(self.tool_choice, NamedToolChoice):
             return "named"
-        return "required" if self.tool_choice == "required" and self.tools else None
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return "required" if self.tool_choice == "required" else "auto"
 
     @property
     def forced_function(self) -> str | None:

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from slipstream.serve.request import CompletionOutput, Logprob, RequestOutput
+from slipstream.serve.tool_parsers import HermesStream, HermesToolParser, tool_call
 
 MIN_LOGPROB = -9999.0
 """-inf is not JSON; like vLLM, report impossible tokens with this floor."""
@@ -90,44 +91,46 @@ class Echo:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ToolCalls:
-    """A reply forced to be a tool call (vLLM's named or "required" tool_choice), whose text the
-    engine constrained to JSON: a named function's arguments, or a list of {"name", "parameters"}
-    calls. The reply becomes OpenAI's `tool_calls`, its content null; a text cut short by
-    max_tokens, which is no complete call, stays the content."""
+    """A reply that is, or may be, a tool call. "named" and "required" (vLLM's forced
+    tool_choice): the engine constrained the text to JSON, a named function's arguments or a list
+    of {"name", "parameters"} calls; the reply becomes OpenAI's `tool_calls`, its content null, and
+    a text cut short by max_tokens, which is no complete call, stays the content. "auto": the
+    model's own call format, read by `tool_parsers.HermesToolParser`."""
 
     mode: str
-    """"named" or "required"."""
+    """"named", "required" or "auto"."""
     function: str | None = None
     """The named function."""
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """The calls of a reply's text; None where it is no complete call."""
+        if self.mode == "auto":
+            return HermesToolParser().parse(text).tool_calls or None
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
             return None
         if self.mode == "named":
-            return [_tool_call(self.function, text)]
-        return [_tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
-                for call in value]
+            return [tool_call(self.function, text)]
+        return [tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in value]
 
     def message(self, completion: CompletionOutput) -> dict[str, Any]:
+        if self.mode == "auto":
+            parsed = HermesToolParser().parse(completion.text)
+            message = {"role": "assistant", "content": parsed.content}
+            return message | ({"tool_calls": parsed.tool_calls} if parsed.tool_calls else {})
         calls = self.calls(completion.text)
         if calls is None:
             return {"role": "assistant", "content": completion.text}
         return {"role": "assistant", "content": None, "tool_calls": calls}
 
     def finish(self, completion: CompletionOutput) -> dict[str, Any]:
-        """As vLLM: "tool_calls" where a "required" reply ended as a complete list of calls."""
+        """As vLLM: "tool_calls" where a "required" reply ended as a complete list of calls, or an
+        "auto" one called a tool."""
         finish = _finish(completion)
-        if self.mode == "required" and completion.finish_reason == "stop" and self.calls(completion.text):
+        if self.mode != "named" and completion.finish_reason == "stop" and self.calls(completion.text):
             finish["finish_reason"] = "tool_calls"
         return finish
-
-
-def _tool_call(name: str, arguments: str) -> dict[str, Any]:
-    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
 
 
 # ---- logprobs -------------------------------------------------------------------------------
@@ -355,6 +358,8 @@ class ChatStream:
         self._tool_calls = tool_calls
         self._call_ids: dict[int, str] = {}
         """Per choice, the id of its named call, once its first chunk is out."""
+        self._parsers: dict[int, HermesStream] = {}
+        """Per choice, the reader of its "auto" reply."""
         self._n = n
         self._num_logprobs = num_logprobs
         self._as_token_ids = as_token_ids
@@ -390,11 +395,14 @@ class ChatStream:
         arguments text, then more arguments; "required" calls whole once the reply is complete
         (their list is only known then), or the text as content if it is no complete call."""
         tool_calls = self._tool_calls
+        if tool_calls.mode == "auto":
+            parser = self._parsers.setdefault(completion.index, HermesStream())
+            return parser.feed(completion.text, completion.finish_reason is not None)
         if tool_calls.mode == "named":
             if not news.text:
                 return {}
             if completion.index not in self._call_ids:
-                call = _tool_call(tool_calls.function, news.text)
+                call = tool_call(tool_calls.function, news.text)
                 self._call_ids[completion.index] = call["id"]
                 return {"tool_calls": [{"index": 0, **call}]}
             return {"tool_calls": [{"index": 0, "function": {"arguments": news.text}}]}

@@ -51,6 +51,7 @@ from slipstream.serve.request import (
     generation_config_defaults,
 )
 from slipstream.serve.responses import ResponseMeta
+from slipstream.serve.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,11 @@ class ServerConfig:
     return_tokens_as_token_ids: bool = False
     """Name logprobs tokens "token_id:{id}" for requests that do not set
     `return_tokens_as_token_ids` themselves (vLLM's --return-tokens-as-token-ids)."""
+    enable_auto_tool_choice: bool = False
+    """Let chat requests with tools leave the choice of a call to the model (tool_choice "auto",
+    the default with tools), whose calls `tool_call_parser` reads (vLLM's flags of these names)."""
+    tool_call_parser: str | None = None
+    """The model's call format: "hermes" (tool_parsers.py)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 2**16:
@@ -93,6 +99,12 @@ class ServerConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset to serve without one)")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (as vLLM's "
+                             "--enable-auto-tool-choice needs --tool-call-parser)")
 
 
 class OpenAIServer:
@@ -218,6 +230,13 @@ class OpenAIServer:
         body = await self._parse(request, ChatCompletionRequest)
         params = body.sampling_params(max_tokens=body.max_new_tokens, logprobs=body.num_logprobs,
                                       defaults=self.sampling_defaults)
+        if body.tool_mode == "auto":
+            if not self.config.enable_auto_tool_choice:
+                raise protocol.bad_request(
+                    '"auto" tool choice (the default when tools are given) needs the server\'s '
+                    "--enable-auto-tool-choice and --tool-call-parser; or set tool_choice to "
+                    '"required", a named function or "none"', "tool_choice")
+            params = params.replace(skip_special_tokens=False)  # as vLLM: keep the call tags
         rendered = await asyncio.to_thread(self._render_chat, body)
         [token_ids] = self._tokenize([rendered], params.truncate_prompt_tokens)
         self._check_context(len(token_ids), body.max_new_tokens, params.min_tokens, "messages",
