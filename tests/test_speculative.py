@@ -117,3 +117,23 @@ def test_disable_by_batch_size_turns_guessing_off_for_larger_steps(model_dir, pr
     llm = LLM(model_dir, max_model_len=256, speculative_config=SPEC | {"disable_by_batch_size": 1})
     llm.generate(prompts[:4], short, use_tqdm=False)
     assert llm.engine.num_draft_tokens > 0
+
+
+def test_guesses_are_checked_through_the_cpu_decode_graph(model_dir, prompts, monkeypatch):
+    """Each checked position is a decode row of its own, so the check runs in the C decode graph
+    (more rows than running requests) and still gives plain greedy decoding's tokens."""
+    from slipstream.ops.decode_graph import CpuDecodeGraph
+
+    rows_per_call = []
+    call = CpuDecodeGraph.__call__
+
+    def counting(self, token_ids, positions, batch, **kwargs):
+        rows_per_call.append(token_ids.shape[0])
+        return call(self, token_ids, positions, batch, **kwargs)
+
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    plain, _ = generate(model_dir, prompts[:1], params)
+    monkeypatch.setattr(CpuDecodeGraph, "__call__", counting)
+    spec, engine = generate(model_dir, prompts[:1], params, speculative_config=SPEC)
+    assert engine.runner.decode_graph is not None and max(rows_per_call) > 1
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]

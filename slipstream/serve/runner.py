@@ -185,24 +185,34 @@ class Runner:
         self, plan: StepPlan, block_tables: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]
     ) -> list[list[int]]:
         """One forward pass over each single-token chunk's token followed by its guessed tokens
-        `drafts[i]` (speculative decoding), as a short prefill; returns, per chunk, the argmax at
-        each of those positions (len(drafts[i]) + 1 tokens). `block_tables` cover them all."""
+        `drafts[i]` (speculative decoding); returns, per chunk, the argmax at each of those
+        positions (len(drafts[i]) + 1 tokens). `block_tables` cover them all.
+
+        Each position is laid out as a decode row of its own, reading the chunk's block table up
+        to itself: every layer writes all rows' keys and values before any row attends, so row j
+        sees the guesses before it, as a prefill chunk would, and the step runs where decode steps
+        run (the C decode graph on a CPU, for up to its row limit)."""
         chunks = plan.chunks
         if any(chunk.num_tokens != 1 for chunk in chunks) or len(drafts) != len(chunks):
             raise ValueError("execute_verify takes single-token chunks and one draft per chunk")
-        token_ids, positions = [], []
-        for chunk, draft in zip(chunks, drafts, strict=True):
+        token_ids, positions, tables = [], [], []
+        for chunk, draft, table in zip(chunks, drafts, block_tables, strict=True):
             token_ids += [*chunk.request.token_ids_range(chunk.start, chunk.start + 1), *draft]
             positions += range(chunk.start, chunk.start + 1 + len(draft))
+            tables += [table] * (1 + len(draft))
         batch = PagedBatch.build(
-            seq_lens=[c.start + 1 + len(d) for c, d in zip(chunks, drafts, strict=True)],
-            query_lens=[1 + len(d) for d in drafts], block_tables=block_tables,
-            block_size=self.cache.block_size, sliding_window=self.model.config.sliding_window,
-            device=self.device,
+            seq_lens=[position + 1 for position in positions], query_lens=[1] * len(positions),
+            block_tables=tables, block_size=self.cache.block_size,
+            sliding_window=self.model.config.sliding_window, device=self.device,
         )
-        hidden = self.hidden_states(torch.tensor(token_ids, device=self.device),
-                                    torch.tensor(positions, device=self.device), batch)
-        choices = argmax(self.model.compute_logits(hidden)).tolist()
+        token_ids = torch.tensor(token_ids, device=self.device)
+        positions = torch.tensor(positions, device=self.device)
+        graph = self._graph_for(batch)
+        if isinstance(graph, CpuDecodeGraph):
+            logits = graph(token_ids, positions, batch, logits=True)
+        else:
+            logits = self.model.compute_logits(self._decode_or_forward(graph, token_ids, positions, batch))
+        choices = argmax(logits).tolist()
         ends = list(itertools.accumulate(1 + len(d) for d in drafts))
         return [choices[end - 1 - len(d):end] for end, d in zip(ends, drafts, strict=True)]
 
