@@ -161,6 +161,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     run_server(engine_config, server_config, log_level="debug" if args.verbose else "info")
 
@@ -244,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most sequences waiting to be scheduled; past it, 503 with Retry-After")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="as vLLM: let requests bring their own chat_template")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='as vLLM: let the model choose whether to call a tool (tool_choice "auto")')
     p.add_argument("--tool-call-parser", choices=["hermes"],

@@ -768,3 +768,43 @@ def test_auto_tool_choice_with_the_hermes_parser(model_dir, llm, tmp_path):
         ServerConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
         ServerConfig(tool_call_parser="mistral")
+
+
+def test_chat_template_kwargs_reach_the_template_and_request_templates_need_trust(client, model_dir,
+                                                                                   tmp_path):
+    """vLLM's chat_template_kwargs override the named template arguments and add variables (such
+    as Qwen 3's enable_thinking), and documents reach the template, rendered as transformers
+    renders them; a request's own chat_template needs --trust-request-chat-template."""
+    transformers = pytest.importorskip("transformers")
+    from server_process import ENGINE_ARGS, ServerProcess
+
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    no_prompt = {"chat_template_kwargs": {"add_generation_prompt": False}}
+    response = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=1,
+                                              extra_body=no_prompt)
+    assert response.usage.prompt_tokens == len(hf.apply_chat_template(MESSAGES, add_generation_prompt=False,
+                                                                      tokenize=True, return_dict=False))
+    template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                "{% for d in documents or [] %}[{{ d.title }}] {{ d.text }}\n{% endfor %}"
+                "{% if enable_thinking %}<think>{% else %}<no-think>{% endif %}")
+    documents = [{"title": "caches", "text": "LRU evicts the least recently used block."}]
+    for extra, param in (({"chat_template": template}, "chat_template"),
+                         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs")):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=1,
+                                           extra_body=extra)
+        assert error.value.body["param"] == param
+    server = ServerProcess(model_dir, tmp_path / "server.log", "--trust-request-chat-template",
+                           *ENGINE_ARGS).wait_ready()
+    try:
+        trusting = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for thinking in (True, False):
+            expected = hf.apply_chat_template(MESSAGES, chat_template=template, documents=documents,
+                                              enable_thinking=thinking, tokenize=True, return_dict=False)
+            response = trusting.chat.completions.create(
+                model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=1,
+                extra_body={"chat_template": template, "documents": documents,
+                            "chat_template_kwargs": {"enable_thinking": thinking}})
+            assert response.usage.prompt_tokens == len(expected)
+    finally:
+        server.stop()

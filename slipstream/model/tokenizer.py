@@ -45,6 +45,9 @@ ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # transformers writes this when a tokenizer has no length limit; we read it back as "no limit".
 _NO_MAX_LENGTH = int(1e29)
 
+MAX_COMPILED_TEMPLATES = 32
+"""Chat templates kept compiled (the model's, and those requests bring); the oldest goes first."""
+
 # Tokens of already-emitted text the incremental detokenizer re-decodes as context, so decoders
 # that treat the first token of a sequence specially (SentencePiece's leading space) agree.
 _DETOKENIZE_CONTEXT_TOKENS = 5
@@ -431,6 +434,8 @@ class Tokenizer:
                              "(slipstream's tokenizer neither pads, truncates nor builds tensors)")
         source = self._template_source(tools, chat_template)
         if source not in self._compiled_templates:
+            if len(self._compiled_templates) >= MAX_COMPILED_TEMPLATES:  # templates may come with requests
+                del self._compiled_templates[next(iter(self._compiled_templates))]
             self._compiled_templates[source] = compile_chat_template(source)
         text = render_chat_template(
             self._compiled_templates[source], messages, tools=tools,

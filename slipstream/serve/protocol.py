@@ -9,8 +9,9 @@ are a 400 when set rather than ignored, since ignoring them would answer a diffe
 than the one asked. The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
 `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`,
 `prompt_logprobs`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`,
-`return_tokens_as_token_ids`, `use_beam_search` with `length_penalty`, `echo` and, for chat,
-`add_generation_prompt` and `continue_final_message` are accepted too.
+`return_tokens_as_token_ids`, `use_beam_search` with `length_penalty`, `echo`, the structured
+outputs and, for chat, `add_generation_prompt`, `continue_final_message`, `chat_template`,
+`chat_template_kwargs` and `documents` are accepted too.
 """
 
 from __future__ import annotations
@@ -65,8 +66,7 @@ that ask for nothing (None aside); any other value is a 400."""
 
 UNSUPPORTED_FIELDS: dict[str, object] = {
     "logits_processors": None, "guided_grammar": None,
-    "prompt_embeds": None, "functions": None,
-    "function_call": None, "chat_template": None, "documents": None,
+    "prompt_embeds": None, "functions": None, "function_call": None,
 }
 """OpenAI and vLLM request fields this server cannot honour, each with the value that asks for
 nothing; any other value (None, an empty list or dict aside) is a 400."""
@@ -401,6 +401,14 @@ class ChatCompletionRequest(GenerationBody):
     echo: bool = False
     """Start each reply with the final message's content when the reply continues it (vLLM's
     chat echo: the final message is the assistant's, or add_generation_prompt is false)."""
+    chat_template: str | None = None
+    """A Jinja chat template for this request instead of the model's (vLLM's; the server must
+    trust request templates: --trust-request-chat-template)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """More variables for the template (e.g. Qwen 3's enable_thinking), overriding the named ones,
+    as vLLM's."""
+    documents: list[dict[str, Any]] | None = None
+    """Documents for retrieval-augmented templates (the template's `documents`)."""
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -410,6 +418,11 @@ class ChatCompletionRequest(GenerationBody):
                               "(set add_generation_prompt to false)", "continue_final_message")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+        reserved = {"tokenize", "return_dict", "messages", "conversation"} & set(
+            self.chat_template_kwargs or {})
+        if reserved:
+            raise bad_request(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}",
+                              "chat_template_kwargs")
 
     def _check_tools(self) -> None:
         """vLLM's rules: tool_choice needs tools, a named one must be among them, and a forced call
@@ -463,6 +476,16 @@ class ChatCompletionRequest(GenerationBody):
                      for tool in self.tools]
             return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
         return None
+
+    def template_arguments(self) -> dict[str, Any]:
+        """What apply_chat_template takes besides the messages, as vLLM merges them: the named
+        arguments, then chat_template_kwargs over them."""
+        arguments = {"add_generation_prompt": self.add_generation_prompt,
+                     "continue_final_message": self.continue_final_message, "tools": self.template_tools(),
+                     "chat_template": self.chat_template}
+        if self.documents is not None:
+            arguments["documents"] = self.documents
+        return arguments | (self.chat_template_kwargs or {})
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template sees them (OpenAI's dicts)."""

@@ -83,6 +83,9 @@ class ServerConfig:
     return_tokens_as_token_ids: bool = False
     """Name logprobs tokens "token_id:{id}" for requests that do not set
     `return_tokens_as_token_ids` themselves (vLLM's --return-tokens-as-token-ids)."""
+    trust_request_chat_template: bool = False
+    """Take a request's own `chat_template` (vLLM's --trust-request-chat-template); rendered in the
+    same sandboxed Jinja environment as the model's."""
     enable_auto_tool_choice: bool = False
     """Let chat requests with tools leave the choice of a call to the model (tool_choice "auto",
     the default with tools), whose calls `tool_call_parser` reads (vLLM's flags of these names)."""
@@ -228,6 +231,9 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         arrival_time_s = time.monotonic()
         body = await self._parse(request, ChatCompletionRequest)
+        if body.chat_template is not None and not self.config.trust_request_chat_template:
+            raise protocol.bad_request("this server does not take chat templates from requests (start it "
+                                       "with --trust-request-chat-template)", "chat_template")
         params = body.sampling_params(max_tokens=body.max_new_tokens, logprobs=body.num_logprobs,
                                       defaults=self.sampling_defaults)
         if body.tool_mode == "auto":
@@ -331,10 +337,8 @@ class OpenAIServer:
     def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
         messages = [m.template_message() for m in body.messages]
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message, tools=body.template_tools(),
-                return_dict=False)
+            return self.tokenizer.apply_chat_template(messages, **body.template_arguments(),
+                                                      return_dict=False)
         except (ValueError, TypeError, jinja2.TemplateError) as error:
             raise protocol.bad_request(f"the chat template rejected the messages: {error}",
                                        "messages") from error
