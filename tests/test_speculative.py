@@ -30,6 +30,30 @@ def test_proposals_follow_the_latest_occurrence_of_the_longest_ngram():
     assert SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=2).propose([1, 2, 5, 2], 4) == []
 
 
+
+def latest_ngram_reference(config: SpeculativeConfig, tokens: list[int], max_tokens: int) -> list[int]:
+    """The proposal rule written out over lists."""
+    limit, end = min(max_tokens, config.num_speculative_tokens), len(tokens)
+    for n in range(min(config.prompt_lookup_max, end - 1), config.prompt_lookup_min - 1, -1):
+        for start in range(end - n - 1, -1, -1):
+            if limit > 0 and tokens[start:start + n] == tokens[end - n:]:
+                return tokens[start + n:start + n + limit]
+    return []
+
+
+def test_proposals_equal_a_list_search_on_random_sequences():
+    """The byte search finds what a search over the lists finds, with ids whose int32 bytes
+    could match across id boundaries (0, 1, 256, 2**24, ...)."""
+    rng = random.Random(0)
+    alphabets = [[0, 1, 2, 3], [0, 1, 256, 65536, 2**24, 2**24 + 1, 16777472]]
+    for _ in range(3000):
+        tokens = [rng.choice(rng.choice(alphabets)) for _ in range(rng.randint(0, 30))]
+        config = SpeculativeConfig(num_speculative_tokens=rng.randint(1, 5),
+                                   prompt_lookup_max=rng.randint(2, 5), prompt_lookup_min=rng.randint(1, 2))
+        max_tokens = rng.randint(0, 6)
+        expected = latest_ngram_reference(config, tokens, max_tokens)
+        assert config.propose(tokens, max_tokens) == expected, tokens
+
 def test_accepted_tokens_run_to_the_first_wrong_guess():
     assert accepted_tokens([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all confirmed, plus the next
     assert accepted_tokens([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # the model's choice replaces the miss

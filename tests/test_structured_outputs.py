@@ -206,3 +206,21 @@ def test_sampled_outputs_are_valid_json(llm, structured):
                 assert state is not None, completion.text
     if structured.json is not None:
         assert any(c.finish_reason == "stop" for c in completions)
+
+
+def test_a_model_without_an_end_of_sequence_token_refuses_structured_outputs(model_dir, tmp_path):
+    """A match ends with end-of-sequence; a model that names none gets a ValueError, not a
+    request that can never end."""
+    import shutil
+
+    shutil.copytree(model_dir, tmp_path, dirs_exist_ok=True)
+    for name, keys in (("config.json", ("eos_token_id",)), ("generation_config.json", ("eos_token_id",)),
+                       ("tokenizer_config.json", ("eos_token",))):
+        values = json.loads((tmp_path / name).read_text())
+        (tmp_path / name).write_text(json.dumps({k: v for k, v in values.items() if k not in keys}))
+    llm = LLM(tmp_path, max_model_len=64)
+    assert llm.engine.limits.eos_token_ids == ()
+    with pytest.raises(ValueError, match="structured_outputs need an end-of-sequence token"):
+        llm.generate("a", SamplingParams(structured_outputs=StructuredOutputsParams(choice=["x"])),
+                     use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

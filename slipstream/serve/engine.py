@@ -270,6 +270,9 @@ class Engine:
     def _guide(self, pattern: str) -> Guide:
         """The guide of a structured output's pattern, shared by the requests that use it (its
         automaton and allowed tokens are built as outputs reach its states)."""
+        if not self.limits.eos_token_ids:
+            raise ValueError("structured_outputs need an end-of-sequence token to end a match with, "
+                             "and this model's tokenizer and generation config name none")
         guide = self._guides.pop(pattern, None)
         if guide is None:
             guide = Guide(compile_pattern(pattern), self._vocabulary, self.limits.eos_token_ids)
