@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 import re
 import shutil
 
@@ -806,5 +807,29 @@ def test_chat_template_kwargs_reach_the_template_and_request_templates_need_trus
                 extra_body={"chat_template": template, "documents": documents,
                             "chat_template_kwargs": {"enable_thinking": thinking}})
             assert response.usage.prompt_tokens == len(expected)
+    finally:
+        server.stop()
+
+
+def test_speculative_server_equals_plain_greedy_and_counts_guesses(model_dir, llm, tmp_path):
+    """`slipstream serve --speculative-config` (vLLM's JSON) serves plain greedy decoding's text,
+    and /metrics counts the guesses checked and confirmed under vLLM's names."""
+    from server_process import ENGINE_ARGS, ServerProcess, wait_for_idle
+
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+    server = ServerProcess(model_dir, tmp_path / "server.log", "--speculative-config", spec,
+                           *ENGINE_ARGS).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        rng = random.Random(0)
+        prompt = [rng.randrange(3, 8000) for _ in range(59)]  # its greedy output soon loops
+        [expected] = llm.generate([prompt], greedy(100), use_tqdm=False)
+        response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=100, temperature=0,
+                                             extra_body={"ignore_eos": True})
+        assert response.choices[0].text == expected.outputs[0].text
+        values = wait_for_idle(server)
+        drafts = values["slipstream:spec_decode_num_draft_tokens_total"]
+        assert 0 < values["slipstream:spec_decode_num_accepted_tokens_total"] <= drafts
+        assert values["slipstream:generation_tokens_total"] == 100
     finally:
         server.stop()

@@ -49,6 +49,9 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0
+    """Speculative guesses checked so far, and of them the confirmed ones."""
+    num_accepted_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -319,6 +322,8 @@ class AsyncEngine:
             num_used_blocks=kv_cache.num_used_blocks, num_blocks=kv_cache.num_blocks,
             prefix_cache_queries=kv_cache.prefix_cache_queries, prefix_cache_hits=kv_cache.prefix_cache_hits,
             num_preemptions=self.engine.scheduler.num_preemptions,
+            num_draft_tokens=self.engine.num_draft_tokens,
+            num_accepted_tokens=self.engine.num_accepted_tokens,
         )
         try:
             self._loop.call_soon_threadsafe(self._deliver, outputs, failed, stats, num_taken)

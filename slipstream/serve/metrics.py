@@ -67,6 +67,9 @@ class ServerMetrics:
                                             "prefix cache.")
         self.prefix_hits = self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = self._counter("num_preemptions", "Requests preempted to free KV blocks.")
+        self.draft_tokens = self._counter("spec_decode_num_draft_tokens", "Speculative guesses checked.")
+        self.accepted_tokens = self._counter("spec_decode_num_accepted_tokens", "Speculative guesses the "
+                                             "model's own choice confirmed.")
         self.success = Counter(PREFIX + "request_success", "Finished completions by finish reason.",
                                ["model_name", "finished_reason"], registry=self.registry)
         self._progress: dict[str, _Progress] = {}
@@ -97,6 +100,8 @@ class ServerMetrics:
         self.prefix_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
         self.prefix_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
         self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self.draft_tokens.inc(max(0, stats.num_draft_tokens - last.num_draft_tokens))
+        self.accepted_tokens.inc(max(0, stats.num_accepted_tokens - last.num_accepted_tokens))
         self._last_stats = stats
 
     def _observe_output(self, output: RequestOutput, now: float) -> None:
