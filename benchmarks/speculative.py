@@ -30,7 +30,7 @@ import dataclasses
 import time
 
 import torch
-from common import ensure_model, machine, median, print_json, random_prompts
+from common import ensure_model, machine, median, model_parser, print_json, random_prompts
 
 from slipstream import LLM, SamplingParams
 from slipstream.model import ModelConfig
@@ -61,17 +61,11 @@ def decode_time_per_token(llm: LLM, prompts: list[list[int]], output_len: int) -
 
 
 def main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="HF model directory (default: the small preset, created once)")
+    parser = model_parser(__doc__)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
     model_dir = ensure_model(args.model)

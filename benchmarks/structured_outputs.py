@@ -17,12 +17,11 @@ Last line JSON.
 
 from __future__ import annotations
 
-import argparse
 import array
 import time
 
 import torch
-from common import ensure_model, machine, median, print_json, random_prompts
+from common import ensure_model, machine, median, model_parser, print_json, random_prompts
 
 from slipstream import LLM, SamplingParams, StructuredOutputsParams
 from slipstream.model import ModelConfig
@@ -103,12 +102,8 @@ def end_to_end(llm: LLM, prompts: list[list[int]], output_len: int, repeats: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="HF model directory (default: the small preset, created once)")
+    parser = model_parser(__doc__, output_len=64)
     parser.add_argument("--num-requests", type=int, default=16)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     model_dir = ensure_model(args.model)
     config = ModelConfig.from_pretrained(model_dir)

@@ -377,17 +377,12 @@ class Engine:
         self._mark_scheduled(plan)
         num_steps = self._num_greedy_steps(plan)
         drafts = self._drafts(plan) if num_steps and self.config.speculative_config else None
-        block_tables = None
-        if drafts is not None:
-            block_tables = self.scheduler.reserve_tokens(plan, [1 + len(d) for d in drafts])
-        if block_tables is not None:
-            changed = self._run_speculative(plan, block_tables, drafts)
+        if drafts and (tables := self.scheduler.reserve_tokens(plan, [1 + len(d) for d in drafts])):
+            changed = self._run_speculative(plan, tables, drafts)
+        elif num_steps and (tables := self.scheduler.reserve_lookahead(plan, num_steps)):
+            changed = self._run_greedy_steps(plan, tables, num_steps)
         else:
-            block_tables = self.scheduler.reserve_lookahead(plan, num_steps) if num_steps else None
-            if block_tables is not None:
-                changed = self._run_greedy_steps(plan, block_tables, num_steps)
-            else:
-                changed = self._run_step(plan)
+            changed = self._run_step(plan)
         return [entry.to_request_output() for entry in changed if entry.stream or entry.finished]
 
     def _run_step(self, plan: StepPlan) -> set[PromptOutput]:

@@ -328,8 +328,10 @@ class Scheduler:
 
     def reserve_tokens(self, plan: StepPlan, num_tokens: Sequence[int]) -> list[tuple[int, ...]] | None:
         """Blocks for `num_tokens[i]` tokens from the start of chunk i of a plan of single-token
-        chunks (a decode plus guesses to check, speculative decoding); their block tables, or
-        None if the pool is short (as reserve_lookahead)."""
+        chunks (several decode steps at once, or a decode plus guesses to check); returns their
+        block tables, or None if the pool is short (nothing is preempted for it: the caller runs
+        the plan as one step, and blocks already taken stay with their requests for their next
+        steps)."""
         if any(chunk.num_tokens != 1 for chunk in plan.chunks):
             raise ValueError("only single-token (decode) chunks can take more tokens at once")
         tables = []
@@ -341,19 +343,9 @@ class Scheduler:
         return tables
 
     def reserve_lookahead(self, plan: StepPlan, num_steps: int) -> list[tuple[int, ...]] | None:
-        """Blocks for the next `num_steps` tokens of every request of a plan of single-token chunks,
-        for a runner that runs that many decode steps at once; returns their block tables, or None
-        if the pool is short (nothing is preempted for it: the caller runs the plan as one step, and
-        blocks already taken stay with their requests for their next steps)."""
-        if any(chunk.num_tokens != 1 for chunk in plan.chunks):
-            raise ValueError("only single-token (decode) chunks can run several steps at once")
-        tables = []
-        for chunk in plan.chunks:
-            table = self.kv_cache.allocate(chunk.request, num_steps)
-            if table is None:
-                return None
-            tables.append(table)
-        return tables
+        """`reserve_tokens` of `num_steps` tokens for every chunk, for a runner that runs that many
+        decode steps at once."""
+        return self.reserve_tokens(plan, [num_steps] * len(plan.chunks))
 
     # ----- after the step -----
 

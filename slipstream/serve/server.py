@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import itertools
 import logging
 import re
 import signal
@@ -383,12 +382,11 @@ class OpenAIServer:
         the engine as one-token requests, among everyone else's; one output per prompt, its
         `n` choices the best beams, best first."""
         searches = [BeamSearch(ids, params, self.eos_token_ids, self.max_model_len) for ids in prompts]
-        step = step_sampling_params(params)
-        for number in itertools.count():
-            if not (beams := next_requests(searches)):
-                break
+        step, number = step_sampling_params(params), 0
+        while beams := next_requests(searches):
             stream = await self._submit(f"{response_id}-step{number}", beams, step, arrival_time_s, {})
             advance(searches, await self._collect(request, stream))
+            number += 1
         metrics = RequestMetrics(arrival_time_s=arrival_time_s, finished_time_s=time.monotonic())
         outputs = []
         for index, (token_ids, search) in enumerate(zip(prompts, searches, strict=True)):
