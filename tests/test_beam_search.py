@@ -166,3 +166,16 @@ def test_search_rules_on_hand_made_candidates():
     # with length_penalty 3: [7, 1, 4] -1.1/8 beats [7, 0] -0.5/1
     assert [beam.tokens for beam in long_first.best()] == [[7, 1, 4], [7, 1, 5]]
     assert [beam.finish_reason for beam in long_first.best()] == ["length", "length"]
+
+
+@pytest.mark.parametrize("length_penalty, best_length", [(1e308, 2), (-1e308, 1)])
+def test_an_extreme_length_penalty_ranks_without_overflow(length_penalty, best_length):
+    """A finite length_penalty whose power of the length overflows a float (a 500 at the server
+    once) still ranks beams: a huge positive one puts the longest first, a huge negative one the
+    shortest."""
+    search = BeamSearch([7], BeamSearchParams(beam_width=2, max_tokens=2, length_penalty=length_penalty),
+                        eos_token_ids={0}, max_model_len=100)
+    search.step([position(t0=-0.5, t1=-1.0, t2=-2.0)])
+    search.step([position(t4=-0.1, t5=-0.2), position(t4=-0.1, t5=-3.0)])
+    assert len(search.best()[0].tokens) - 1 == best_length
+

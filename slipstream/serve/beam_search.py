@@ -104,8 +104,15 @@ class BeamSearch:
     def done(self) -> bool:
         return self._steps_left <= 0 or not self.running
 
-    def score(self, beam: BeamSearchSequence) -> float:
-        return beam.cum_logprob / (len(beam.tokens) - self.num_prompt_tokens) ** self.params.length_penalty
+    def rank(self, beam: BeamSearchSequence) -> float:
+        """A key that orders beams as their scores (cum_logprob / generated ** length_penalty,
+        higher is better) do, computed from the score's logarithm: the power itself overflows a
+        float for a large length_penalty. Log-probabilities are at most 0, so a higher score has a
+        lower log(-score)."""
+        if beam.cum_logprob == 0:
+            return math.inf
+        generated = len(beam.tokens) - self.num_prompt_tokens
+        return self.params.length_penalty * math.log(generated) - math.log(-beam.cum_logprob)
 
     def step(self, candidates: Sequence[PositionLogprobs]) -> None:
         """Extend each running beam by each of its candidates (the engine's logprobs of its next
@@ -121,7 +128,7 @@ class BeamSearch:
                     self.completed.append(child)
                 else:
                     extended.append(child)
-        self.running = sorted(extended, key=self.score, reverse=True)[: self.params.beam_width]
+        self.running = sorted(extended, key=self.rank, reverse=True)[: self.params.beam_width]
         self._steps_left -= 1
         if self._steps_left <= 0:
             for beam in self.running:
@@ -129,7 +136,7 @@ class BeamSearch:
 
     def best(self) -> list[BeamSearchSequence]:
         """The best `beam_width` beams, complete or not, best first."""
-        beams = sorted([*self.completed, *self.running], key=self.score, reverse=True)
+        beams = sorted([*self.completed, *self.running], key=self.rank, reverse=True)
         return beams[: self.params.beam_width]
 
 
