@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+from decimal import Decimal
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -135,12 +136,12 @@ def test_json_object_matches_json_objects_only():
 
 
 @pytest.mark.parametrize("schema, message", [
-    ({"type": "integer", "minimum": 0}, "minimum cannot be enforced"),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf cannot be enforced"),
     ({"type": "array", "uniqueItems": True}, "uniqueItems cannot be enforced"),
     ({"type": "object", "patternProperties": {"^a": {}}}, "patternProperties cannot be enforced"),
     ({"not": {"type": "string"}}, "not cannot be enforced"),
     ({"type": "string", "format": "email"}, "string format 'email' is not supported"),
-    ({"type": "string", "pattern": "[a-z]+"}, "must be anchored"),
+    ({"type": "string", "pattern": "(?=a)"}, "lookaround"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, r"required properties \['b'\]"),
     ({"$ref": "https://example.com/s.json"}, r"only local \$refs"),
     ({"$ref": "#/$defs/missing"}, "points nowhere"),
@@ -150,7 +151,114 @@ def test_json_object_matches_json_objects_only():
     (False, "allows no value"),
     ("{bad json", "not valid JSON"),
     ([1], "must be an object or a boolean"),
+    # keywords of the wrong type (each a 500 at the server once)
+    ({"type": "string", "pattern": 1e308}, "pattern must be a string"),
+    ({"type": "string", "format": {"a": 1}}, "format must be a string"),
+    ({"type": "object", "properties": [1]}, "properties must be an object"),
+    ({"type": "object", "properties": {"a": {}}, "required": [{}]}, "required must list strings"),
+    ({"type": [{}]}, "type must list strings"),
+    ({"type": "array", "prefixItems": {"a": 1}}, "prefixItems must be a list"),
+    ({"type": "string", "minLength": 1.5}, "minLength must be a non-negative integer"),
+    ({"type": "string", "minLength": 3, "maxLength": 2}, r"maxLength \(2\) is below minLength \(3\)"),
+    ({"type": "integer", "minimum": "0"}, "minimum must be a finite number"),
+    ({"type": "integer", "maximum": True}, "maximum must be a finite number"),
+    ({"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 1}, "no integer lies within the bounds"),
+    ({"type": "number", "minimum": 2, "maximum": 1}, "no number lies within the bounds"),
+    ({"type": "number", "minimum": 1, "exclusiveMaximum": 1}, "no number lies within the bounds"),
+    ({"type": "number", "minimum": 1e-70}, "more than 64 digits"),
 ])
 def test_what_a_regex_cannot_enforce_is_a_value_error(schema, message):
     with pytest.raises(ValueError, match=message):
         schema_regex(schema)
+
+PATTERNS = [r"^[0-9]{5}$", r'[a-z"\\]+', r"^a|bc$", r".{0,6}", r"(?:x\n|\t\x01|é😀)*", r"[^a-z]{2,4}"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_string_pattern_gives_valid_json_whose_value_matches_it_whole(pattern, data):
+    """Characters JSON escapes (quotes, backslashes, controls) come escaped, so the text is JSON,
+    and the decoded value matches the whole pattern (so jsonschema's search finds it too)."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}},
+              "required": ["s"]}
+    text = data.draw(st.from_regex(re.compile(schema_regex(schema)), fullmatch=True))
+    value = json.loads(text)
+    assert re.fullmatch(pattern, value["s"]), (text, value)
+    jsonschema.validate(value, schema)
+
+
+@pytest.mark.parametrize("pattern, value", [
+    (r'[a-z"\\]+', 'a"b\\'), (r".{0,6}", '\x1f"\t'), (r"^a|bc$", "bc"),
+    (r"(?:x\n|\t\x01|é😀)*", "x\n\t\x01é😀"),
+])
+def test_a_string_pattern_matches_the_values_json_dumps_writes(pattern, value):
+    text = json.dumps({"s": value}, ensure_ascii=False)
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}},
+              "required": ["s"]}
+    assert ByteDFA(schema_regex(schema)).matches(text.encode()), text
+
+
+BOUND_VALUES = st.one_of(st.integers(-1200, 1200), st.decimals(-30, 30, places=3), st.sampled_from(
+    [Decimal(0), Decimal("0.5"), Decimal("-0.5"), Decimal("0.05"), Decimal("99.99"), Decimal("1e3")]))
+
+
+@st.composite
+def numeric_schemas(draw):
+    """An integer or number schema with a random mix of inclusive and exclusive bounds (each a
+    number, or draft 4's boolean form), and the exact interval it allows."""
+    kind = draw(st.sampled_from(["integer", "number"]))
+    schema, interval = {"type": kind}, [None, True, None, True]
+    for side, (inclusive_name, exclusive_name) in enumerate([("minimum", "exclusiveMinimum"),
+                                                            ("maximum", "exclusiveMaximum")]):
+        form = draw(st.sampled_from(["none", "inclusive", "exclusive", "draft4"]))
+        if form == "none":
+            continue
+        bound = Decimal(draw(BOUND_VALUES))
+        value = int(bound) if bound == bound.to_integral_value() and draw(st.booleans()) else float(bound)
+        if form == "exclusive":
+            schema[exclusive_name] = value
+        else:
+            schema[inclusive_name] = value
+            if form == "draft4":
+                schema[exclusive_name] = True
+        interval[2 * side: 2 * side + 2] = [Decimal(repr(value)), form == "inclusive"]
+    return schema, interval
+
+
+def within(value: Decimal, interval) -> bool:
+    low, low_inclusive, high, high_inclusive = interval
+    return ((low is None or value > low or (low_inclusive and value == low))
+            and (high is None or value < high or (high_inclusive and value == high)))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=numeric_schemas(), data=st.data())
+def test_numeric_bounds_allow_exactly_the_numbers_within(case, data):
+    """Every number a bounded schema's regex matches lies within the bounds (exactly, as a decimal)
+    and is JSON of the right type; every number within, as `format(value, "f")` writes it, matches;
+    and numbers just outside do not. Where no number fits, a ValueError says so."""
+    schema, interval = case
+    integer = schema["type"] == "integer"
+    low, _, high, _ = interval
+    step = Decimal(1) if integer else Decimal("0.001")
+    edges = [edge + delta for edge in (low, high) if edge is not None for delta in (-step, 0, step)]
+    candidates = edges + [data.draw(st.decimals(-1300, 1300, places=0 if integer else 4)) for _ in range(5)]
+    if integer:
+        candidates = [value for value in candidates if value == value.to_integral_value()]
+    inside = [value for value in candidates if within(value, interval)]
+    try:
+        pattern = re.compile(schema_regex(schema))
+    except ValueError as error:
+        assert "lies within the bounds" in str(error)
+        assert not inside
+        return
+    text = data.draw(st.from_regex(pattern, fullmatch=True))
+    value = json.loads(text, parse_float=Decimal)
+    assert isinstance(value, int) if integer else isinstance(value, (int, Decimal)), text
+    assert within(Decimal(value), interval), (schema, text)
+    for value in candidates:
+        written = str(int(value)) if integer else format(value, "f")
+        if written.startswith("-") and value == 0:
+            continue  # -0 is never written
+        assert bool(pattern.fullmatch(written)) == within(value, interval), (schema, written)

@@ -68,7 +68,7 @@ def test_a_vocabulary_without_every_byte_is_a_value_error():
 @pytest.mark.parametrize("params, message", [
     (dict(regex="(a)\\1"), "structured_outputs.regex: .* backreferences are not supported"),
     (dict(grammar="root ::= 'a'"), "structured_outputs.grammar is not supported"),
-    (dict(json={"type": "integer", "minimum": 0}), "structured_outputs.json: #: minimum cannot be enforced"),
+    (dict(json={"type": "number", "multipleOf": 2}), "structured_outputs.json: #: multipleOf cannot be enforced"),
     (dict(json="{not json"), "structured_outputs.json: the JSON schema is not valid JSON"),
     (dict(), "needs exactly one of choice, regex, json and json_object, got none"),
     (dict(choice=["a"], regex="a"), r"needs exactly one of .*, got \['choice', 'regex'\]"),
@@ -177,9 +177,10 @@ def test_sampled_outputs_match_the_regex(llm, pattern):
 
 PET = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 6}, "kind": {"enum": ["cat", "dog", "fish"]},
-    "vaccinated": {"type": "boolean"},
-    "owner": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 4}]}},
-    "required": ["name", "kind", "vaccinated"]}
+    "vaccinated": {"type": "boolean"}, "age": {"type": "integer", "minimum": 0, "maximum": 30},
+    "weight": {"type": "number", "exclusiveMinimum": 0, "maximum": 9.5},
+    "owner": {"anyOf": [{"type": "null"}, {"type": "string", "pattern": '^[a-z"]{1,4}$'}]}},
+    "required": ["name", "kind", "vaccinated", "age", "weight"]}
 
 
 JSON_CONSTRAINTS = [StructuredOutputsParams(json=PET), StructuredOutputsParams(json_object=True)]

@@ -303,6 +303,67 @@ def _split_for_uniform_bytes(low: int, high: int, pending: list[tuple[int, int]]
     return False
 
 
+# ---- JSON strings: a pattern over a string's value -> one over its JSON text -------------------
+
+_JSON_MUST_ESCAPE = ((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C))
+"""Code points a JSON string cannot hold as themselves: controls, '"' and '\\'."""
+_JSON_SHORT_ESCAPES = {0x22: '\\"', 0x5C: "\\\\", 0x08: "\\b", 0x0C: "\\f", 0x0A: "\\n", 0x0D: "\\r",
+                       0x09: "\\t"}
+
+
+def json_string_regex(pattern: str) -> str:
+    """The regex of the JSON texts (quotes included) of the strings that match `pattern` whole.
+
+    A character JSON must escape is matched in the one form `json.dumps` writes it (`\\"`,
+    `\\n`, `\\u001f`, ...), every other character as itself, so every match is a valid JSON
+    string whose value matches the pattern."""
+    return f'"{_regex_text(_json_encoded(_Parser(pattern).parse()))}"'
+
+
+def _json_encoded(tree):
+    if isinstance(tree, _Chars):
+        plain = _subtract(tree.ranges, _JSON_MUST_ESCAPE)
+        escaped = [code for low, high in _intersect(tree.ranges, _JSON_MUST_ESCAPE)
+                   for code in range(low, high + 1)]
+        options = ([_Chars(plain)] if plain else []) + [
+            _Concat(tuple(_Chars(((ord(char), ord(char)),)) for char in _json_escape(code)))
+            for code in escaped]
+        return options[0] if len(options) == 1 else _Alternation(tuple(options)) if options else tree
+    if isinstance(tree, _Concat):
+        return _Concat(tuple(_json_encoded(item) for item in tree.items))
+    if isinstance(tree, _Alternation):
+        return _Alternation(tuple(_json_encoded(option) for option in tree.options))
+    return _Repeat(_json_encoded(tree.item), tree.min, tree.max)
+
+
+def _json_escape(code: int) -> str:
+    return _JSON_SHORT_ESCAPES.get(code, f"\\u{code:04x}")
+
+
+def _intersect(ranges, others) -> tuple[tuple[int, int], ...]:
+    return _normalise((max(lo, other_lo), min(hi, other_hi))
+                      for lo, hi in ranges for other_lo, other_hi in others
+                      if max(lo, other_lo) <= min(hi, other_hi))
+
+
+def _subtract(ranges, others) -> tuple[tuple[int, int], ...]:
+    return _intersect(ranges, _complement(others))
+
+
+def _regex_text(tree) -> str:
+    """A tree written back as a pattern the parser reads as the same tree."""
+    if isinstance(tree, _Chars):
+        if not tree.ranges:
+            return f"[^\\x00-\\U{_MAX_CODE_POINT:08x}]"
+        return "[" + "".join(f"\\U{lo:08x}" if lo == hi else f"\\U{lo:08x}-\\U{hi:08x}"
+                             for lo, hi in tree.ranges) + "]"
+    if isinstance(tree, _Concat):
+        return "(?:" + "".join(_regex_text(item) for item in tree.items) + ")"
+    if isinstance(tree, _Alternation):
+        return "(?:" + "|".join(_regex_text(option) for option in tree.options) + ")"
+    return f"(?:{_regex_text(tree.item)}){{{tree.min},{'' if tree.max is None else tree.max}}}"
+
+
 # ---- automata ------------------------------------------------------------------------------------
 
 

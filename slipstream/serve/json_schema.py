@@ -10,18 +10,29 @@ schema is unrolled `MAX_REF_DEPTH` `$ref`s deep: below that, the optional proper
 and `anyOf` options that would recurse further are left out (a tree whose leaves have no
 children); a required one is a ValueError.
 
+A string `pattern` must match the whole value, as vLLM's grammar backends read it (JSON Schema's
+own reading is a search, which allows more: every output is still valid), and characters that JSON
+escapes are written escaped. Numeric bounds (`minimum`, `maximum`, `exclusiveMinimum`,
+`exclusiveMaximum`, draft 4's boolean exclusives too) are exact, on the decimal value the text
+writes: a bounded number is written without an exponent and a negative one never as `-0`.
+
 Validation keywords whose limits a regular expression cannot hold or this module does not write
-(numeric bounds, `uniqueItems`, `patternProperties`, `not`, ...) are a ValueError naming them,
-rather than an output the schema would reject. Annotations (`title`, `description`, `default`,
-`examples`, ...) are ignored.
+(`multipleOf`, `uniqueItems`, `patternProperties`, `not`, ...) are a ValueError naming them,
+rather than an output the schema would reject, and so is a keyword of the wrong type. Annotations
+(`title`, `description`, `default`, `examples`, ...) are ignored.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import re
 from collections.abc import Mapping
+from decimal import Decimal
 from typing import Any
+
+from slipstream.serve.fsm import json_string_regex
 
 MAX_OPEN_DEPTH = 3
 """Levels of nesting a value the schema leaves open may have (each level multiplies the automaton
@@ -51,11 +62,19 @@ _ANNOTATIONS = frozenset({
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
     "readOnly", "writeOnly", "$defs", "definitions", "strict",
 })
-_HANDLED = frozenset({
-    "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properties", "required",
-    "additionalProperties", "items", "prefixItems", "minItems", "maxItems", "minLength", "maxLength",
-    "pattern", "format",
-})
+_COUNTS = ("minItems", "maxItems", "minLength", "maxLength")
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_KEYWORD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "type": ((str, list), "a type name or a list of them"),
+    "enum": ((list,), "a list"), "anyOf": ((list,), "a list"), "oneOf": ((list,), "a list"),
+    "allOf": ((list,), "a list"), "prefixItems": ((list,), "a list"),
+    "required": ((list,), "a list of property names"), "properties": ((Mapping,), "an object"),
+    "additionalProperties": ((bool, Mapping), "a schema"), "items": ((bool, Mapping), "a schema"),
+    "pattern": ((str,), "a string"), "format": ((str,), "a string"), "$ref": ((str,), "a string"),
+}
+_HANDLED = frozenset({"const", *_KEYWORD_TYPES, *_COUNTS, *_BOUNDS})
+MAX_BOUND_DIGITS = 64
+"""Most digits a numeric bound may have, written without an exponent."""
 
 
 def json_object_regex() -> str:
@@ -139,6 +158,7 @@ class _Writer:
         unsupported = sorted(set(schema) - _HANDLED - _ANNOTATIONS)
         if unsupported:
             raise ValueError(f"{where}: {', '.join(unsupported)} cannot be enforced by structured outputs")
+        _check_keyword_types(schema, where)
         if "$ref" in schema:
             if refs_left == 0:
                 raise _TooDeep(where)
@@ -146,13 +166,13 @@ class _Writer:
         if "const" in schema:
             return _literal(schema["const"])
         if "enum" in schema:
-            if not isinstance(schema["enum"], list) or not schema["enum"]:
+            if not schema["enum"]:
                 raise ValueError(f"{where}: enum must be a non-empty list")
             return "(?:" + "|".join(_literal(value) for value in schema["enum"]) + ")"
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 options = schema[key]
-                if not isinstance(options, list) or not options:
+                if not options:
                     raise ValueError(f"{where}: {key} must be a non-empty list")
                 regexes = []
                 for i, option in enumerate(options):
@@ -164,14 +184,14 @@ class _Writer:
                     raise _TooDeep(where)
                 return "(?:" + "|".join(regexes) + ")"
         if "allOf" in schema:
-            if not isinstance(schema["allOf"], list) or len(schema["allOf"]) != 1:
+            if len(schema["allOf"]) != 1:
                 raise ValueError(f"{where}: allOf is supported with one schema only")
             return self.regex(schema["allOf"][0], f"{where}/allOf/0", refs_left)
         kind = schema.get("type")
         if kind is None:
             string_keys = {"pattern", "format", "minLength", "maxLength"} & schema.keys()
             kind = ("object" if "properties" in schema else "array" if "items" in schema
-                    else "string" if string_keys else None)
+                    else "string" if string_keys else "number" if set(_BOUNDS) & schema.keys() else None)
         if kind is None:
             return _open_value(MAX_OPEN_DEPTH)
         if isinstance(kind, list):
@@ -182,6 +202,8 @@ class _Writer:
             return self._array(schema, where, refs_left)
         if kind == "string":
             return self._string(schema, where)
+        if kind in ("integer", "number"):
+            return _number(schema, where, integer=kind == "integer")
         if kind in _SCALARS:
             return _SCALARS[kind]
         raise ValueError(f"{where}: unknown type {kind!r}")
@@ -206,8 +228,6 @@ class _Writer:
             values = None if extra is True else self.regex(extra, f"{where}/additionalProperties", refs_left)
             return _open_object(MAX_OPEN_DEPTH, values)
         required = schema.get("required", [])
-        if not isinstance(required, list):
-            raise ValueError(f"{where}: required must be a list of property names")
         unknown = sorted(set(required) - set(properties))
         if unknown:
             raise ValueError(f"{where}: required properties {unknown} are not in properties")
@@ -237,12 +257,7 @@ class _Writer:
         return rf"\{{{WHITESPACE}{body}{WHITESPACE}\}}"
 
     def _array(self, schema: Mapping, where: str, refs_left: int) -> str:
-        low, high = schema.get("minItems", 0), schema.get("maxItems")
-        for name, value in (("minItems", low), ("maxItems", high)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{where}: {name} must be a non-negative integer, got {value!r}")
-        if high is not None and high < low:
-            raise ValueError(f"{where}: maxItems ({high}) is below minItems ({low})")
+        low, high = _count_range(schema, "minItems", "maxItems", where)
         if "prefixItems" in schema:
             if "items" in schema and schema["items"] is not False:
                 raise ValueError(f"{where}: prefixItems is supported with items false or absent only")
@@ -261,17 +276,194 @@ class _Writer:
         if "pattern" in schema:
             if {"format", "minLength", "maxLength"} & schema.keys():
                 raise ValueError(f"{where}: pattern cannot be combined with format, minLength or maxLength")
-            pattern = schema["pattern"]
-            if not (pattern.startswith("^") and pattern.endswith("$")):
-                raise ValueError(f"{where}: a string pattern must be anchored (^...$): a partial match "
-                                 "would let any text surround it")
-            return f'"{pattern[1:-1]}"'
+            return json_string_regex(schema["pattern"])
         if "format" in schema:
             if schema["format"] not in _FORMATS:
                 raise ValueError(f"{where}: string format {schema['format']!r} is not supported "
                                  f"(supported: {', '.join(sorted(_FORMATS))})")
             return f'"{_FORMATS[schema["format"]]}"'
-        low, high = schema.get("minLength", 0), schema.get("maxLength")
+        low, high = _count_range(schema, "minLength", "maxLength", where)
         if low == 0 and high is None:
             return STRING
         return f'"{_STRING_CHAR}{{{low},{"" if high is None else high}}}"'
+
+
+def _check_keyword_types(schema: Mapping, where: str) -> None:
+    for name, (types, what) in _KEYWORD_TYPES.items():
+        if name in schema and not isinstance(schema[name], types):
+            raise ValueError(f"{where}: {name} must be {what}, got {schema[name]!r}")
+    for name in ("type", "required"):
+        if isinstance(schema.get(name), list) and not all(isinstance(item, str) for item in schema[name]):
+            raise ValueError(f"{where}: {name} must list strings, got {schema[name]!r}")
+    for name in _COUNTS:
+        value = schema.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{where}: {name} must be a non-negative integer, got {value!r}")
+    for name in _BOUNDS:
+        value = schema.get(name, 0)
+        if isinstance(value, bool) and name.startswith("exclusive"):
+            continue  # draft 4: it makes minimum (maximum) exclusive
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{where}: {name} must be a finite number, got {value!r}")
+
+
+def _count_range(schema: Mapping, low_name: str, high_name: str, where: str) -> tuple[int, int | None]:
+    low, high = schema.get(low_name, 0), schema.get(high_name)
+    if high is not None and high < low:
+        raise ValueError(f"{where}: {high_name} ({high}) is below {low_name} ({low})")
+    return low, high
+
+
+# ---- numeric bounds ----------------------------------------------------------------------------
+# A bounded number is split by sign into magnitudes, and a magnitude into its integer part (a
+# range of integers, written digit by digit as the classic range-to-regex construction does) and
+# its fraction (digit strings compared with a bound's digits one at a time).
+
+
+def _number(schema: Mapping, where: str, *, integer: bool) -> str:
+    low, low_inclusive, high, high_inclusive = _bounds(schema, where)
+    if low is None and high is None:
+        return _SCALARS["integer" if integer else "number"]
+    if low is not None and high is not None:  # (_decimal_magnitude needs low <= high)
+        if low > high or (low == high and not (low_inclusive and high_inclusive)):
+            raise ValueError(f"{where}: no number lies within the bounds")
+    if integer:  # the same integers within inclusive integer bounds
+        low = None if low is None else math.ceil(low) if low_inclusive else math.floor(low) + 1
+        high = None if high is None else math.floor(high) if high_inclusive else math.ceil(high) - 1
+        low_inclusive = high_inclusive = True
+    magnitude = _integer_magnitude if integer else _decimal_magnitude
+    options = []
+    if high is None or high > 0 or (high == 0 and high_inclusive):  # values >= 0
+        from_zero = low is None or low < 0
+        options.append(magnitude(0 if from_zero else low, from_zero or low_inclusive, high, high_inclusive))
+    if low is None or low < 0:  # values < 0: '-' and a magnitude above 0
+        below_zero = high is not None and high < 0
+        options.append(magnitude(-high if below_zero else 0, below_zero and high_inclusive,
+                                 None if low is None else -low, low_inclusive))
+        if options[-1] is not None:
+            options[-1] = "-" + options[-1]
+    options = [option for option in options if option is not None]
+    if not options:
+        raise ValueError(f"{where}: no {'integer' if integer else 'number'} lies within the bounds")
+    return "(?:" + "|".join(options) + ")"
+
+
+def _bounds(schema: Mapping, where: str) -> tuple[Decimal | None, bool, Decimal | None, bool]:
+    """(low, low inclusive, high, high inclusive): the tighter of minimum and exclusiveMinimum and of
+    maximum and exclusiveMaximum, exact (a float bound is the decimal its shortest repr writes)."""
+    def bound(name: str) -> Decimal | None:
+        value = schema.get(name)
+        if value is None or isinstance(value, bool):
+            return None
+        exact = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
+        if len(f"{exact:f}") > MAX_BOUND_DIGITS:
+            raise ValueError(f"{where}: {name} {value!r} has more than {MAX_BOUND_DIGITS} digits")
+        return exact
+
+    low, low_inclusive = bound("minimum"), schema.get("exclusiveMinimum") is not True
+    high, high_inclusive = bound("maximum"), schema.get("exclusiveMaximum") is not True
+    exclusive_low, exclusive_high = bound("exclusiveMinimum"), bound("exclusiveMaximum")
+    if exclusive_low is not None and (low is None or exclusive_low >= low):
+        low, low_inclusive = exclusive_low, False
+    if exclusive_high is not None and (high is None or exclusive_high <= high):
+        high, high_inclusive = exclusive_high, False
+    return low, low_inclusive, high, high_inclusive
+
+
+def _integer_magnitude(low: int, low_inclusive: bool, high: int | None, high_inclusive: bool) -> str | None:
+    """Integers in [low, high] (bounds made inclusive by the caller; an exclusive 0 is 1)."""
+    return _natural_range(low if low_inclusive else low + 1, high)
+
+
+def _natural_range(low: int, high: int | None) -> str | None:
+    """Integers in [low, high] (None: unbounded), low >= 0, written as JSON writes them."""
+    if high is not None and high < low:
+        return None
+    options, digits = [], len(str(low))
+    while high is None or digits <= len(str(high)):
+        first, last = (10 ** (digits - 1) if digits > 1 else 0), 10**digits - 1
+        start = max(low, first)
+        if high is None and start == first:  # every integer of `digits` digits or more
+            options.append("(?:0|[1-9][0-9]*)" if digits == 1 else f"[1-9][0-9]{{{digits - 1},}}")
+            break
+        options.append(_same_length_range(str(start), str(last if high is None else min(high, last))))
+        digits += 1
+    return "(?:" + "|".join(options) + ")"
+
+
+def _same_length_range(low: str, high: str) -> str:
+    """Digit strings of one length between `low` and `high` (inclusive)."""
+    if low == high:
+        return low
+    if len(low) == 1:
+        return f"[{low}-{high}]"
+    rest = len(low) - 1
+    if low[0] == high[0]:
+        return low[0] + _same_length_range(low[1:], high[1:])
+    if low[1:] == "0" * rest and high[1:] == "9" * rest:
+        return f"[{low[0]}-{high[0]}][0-9]{{{rest}}}"
+    options = [low[0] + _same_length_range(low[1:], "9" * rest)]
+    if int(high[0]) - int(low[0]) > 1:
+        options.append(f"[{int(low[0]) + 1}-{int(high[0]) - 1}][0-9]{{{rest}}}")
+    options.append(high[0] + _same_length_range("0" * rest, high[1:]))
+    return "(?:" + "|".join(options) + ")"
+
+
+def _decimal_magnitude(low: Decimal, low_inclusive: bool, high: Decimal | None,
+                       high_inclusive: bool) -> str | None:
+    """Decimals (an integer part, then a fraction or not) between low >= 0 and high (None: none)."""
+    low_int, low_fraction = _split_decimal(low)
+    high_int, high_fraction = _split_decimal(high) if high is not None else (None, None)
+    if high_int == low_int:
+        parts = [(str(low_int), _fraction(low_fraction, low_inclusive, high_fraction, high_inclusive))]
+    else:
+        parts = [(str(low_int), _fraction(low_fraction, low_inclusive, None, True))]
+        middle = _natural_range(low_int + 1, None if high_int is None else high_int - 1)
+        if middle is not None:
+            parts.append((middle, (True, "[0-9]+")))
+        if high_int is not None:
+            parts.append((str(high_int), _fraction(None, True, high_fraction, high_inclusive)))
+    options = []
+    for integer_part, (whole, fraction) in parts:
+        if fraction is not None:
+            options.append(rf"{integer_part}(?:\.{fraction})" + ("?" if whole else ""))
+        elif whole:
+            options.append(integer_part)
+    return "(?:" + "|".join(options) + ")" if options else None
+
+
+def _split_decimal(value: Decimal) -> tuple[int, str]:
+    """A non-negative decimal's integer part and the digits of its fraction, trailing zeros dropped."""
+    integer, _, fraction = f"{value:f}".partition(".")
+    return int(integer), fraction.rstrip("0")
+
+
+def _fraction(low: str | None, low_inclusive: bool, high: str | None,
+              high_inclusive: bool) -> tuple[bool, str | None]:
+    """The digit strings F after a decimal point with 0.F within bounds given as digit strings
+    without trailing zeros ("" is 0; None: no bound): whether F may be empty (no fraction at all),
+    and a regex of the non-empty ones (None: there are none)."""
+    if low == "" and low_inclusive:
+        low = None
+    whole = low is None and (high is None or high != "" or high_inclusive)  # F empty: 0.F is 0
+    if low is None and high is None:
+        return True, "[0-9]+"
+    if high == "":  # 0.F <= 0: only zeros
+        return whole, ("0+" if whole else None)
+    if low == "" and high is None:  # 0.F > 0: a digit other than 0
+        return False, "[0-9]*[1-9][0-9]*"
+    by_digit = []  # (digit, the regex of what may follow it), digits in order
+    for digit in "0123456789":
+        if low not in (None, "") and digit < low[0] or high is not None and digit > high[0]:
+            continue
+        next_low = low if low == "" and digit == "0" else low[1:] if low and digit == low[0] else None
+        next_high = high[1:] if high and digit == high[0] else None
+        empty, rest = _fraction(next_low, low_inclusive, next_high, high_inclusive)
+        if empty or rest is not None:
+            by_digit.append((digit, "" if rest is None else f"(?:{rest})" + ("?" if empty else "")))
+    options = []
+    for follow, group in itertools.groupby(by_digit, key=lambda pair: pair[1]):
+        digits = [digit for digit, _ in group]
+        head = digits[0] if len(digits) == 1 else f"[{digits[0]}-{digits[-1]}]"
+        options.append(head + follow)
+    return whole, ("(?:" + "|".join(options) + ")" if options else None)
