@@ -595,6 +595,15 @@ def test_structured_outputs_equal_offline(client, llm):
         response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=0,
                                              extra_body=body)
         assert response.choices[0].text == expected.outputs[0].text
+    grammar = 'root ::= "(" expr ")"\nexpr ::= [0-9] | "(" expr ")" "+" expr'
+    grammar_params = params.replace(max_tokens=20,
+                                    structured_outputs=StructuredOutputsParams(grammar=grammar))
+    [expected] = llm.generate(PROMPT, grammar_params, use_tqdm=False)
+    for body in ({"structured_outputs": {"grammar": grammar}}, {"guided_grammar": grammar}):
+        response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=20, temperature=0,
+                                             extra_body=body)
+        assert response.choices[0].text == expected.outputs[0].text
+        assert response.choices[0].text.startswith("(")
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
                                                "ok": {"type": "boolean"}}, "required": ["name", "ok"]}
     json_schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
@@ -612,6 +621,7 @@ def test_structured_outputs_equal_offline(client, llm):
                                                   max_completion_tokens=30, extra_body=body)
             assert chat.choices[0].message.content == expected.outputs[0].text, body
     for body, param in (({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs"),
+                        ({"guided_grammar": "root ::= missing"}, "guided_grammar"),
                         ({"structured_outputs": {"choices": choices}}, "structured_outputs"),
                         ({"guided_choice": []}, None),
                         ({"guided_choice": ["a"], "ignore_eos": True}, "ignore_eos"),

@@ -1,11 +1,13 @@
-"""Structured outputs (vLLM's `choice`): the guide's allowed tokens on a hand-made vocabulary, and
-generation that spells one of the choices, greedy equal to a dense reference that masks by brute
-force."""
+"""Structured outputs: the guide's allowed tokens on a hand-made vocabulary; generation that spells
+one of the choices, greedy equal to a dense reference that masks by brute force; outputs that match
+regexes, JSON schemas and context-free grammars (llguidance's, checked against the regex guide and
+a recursive-descent recognizer)."""
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -67,10 +69,15 @@ def test_a_vocabulary_without_every_byte_is_a_value_error():
 
 @pytest.mark.parametrize("params, message", [
     (dict(regex="(a)\\1"), "structured_outputs.regex: .* backreferences are not supported"),
-    (dict(grammar="root ::= 'a'"), "structured_outputs.grammar is not supported"),
-    (dict(json={"type": "number", "multipleOf": 2}), "structured_outputs.json: #: multipleOf cannot be enforced"),
+    (dict(grammar="root ::= 'a'"), "structured_outputs.grammar: .*GBNF to Lark"),
+    (dict(grammar="root ::= expr"), "structured_outputs.grammar: .*Rule 'expr' not found"),
+    (dict(grammar="start: /a(/"), "structured_outputs.grammar: .*invalid regex"),
+    (dict(grammar=" "), "structured_outputs.grammar must be a non-empty string"),
+    (dict(grammar={"root": "a"}), "structured_outputs.grammar must be a non-empty string"),
+    (dict(json={"type": "number", "multipleOf": 2}),
+     "structured_outputs.json: #: multipleOf cannot be enforced"),
     (dict(json="{not json"), "structured_outputs.json: the JSON schema is not valid JSON"),
-    (dict(), "needs exactly one of choice, regex, json and json_object, got none"),
+    (dict(), "needs exactly one of choice, regex, json, json_object and grammar, got none"),
     (dict(choice=["a"], regex="a"), r"needs exactly one of .*, got \['choice', 'regex'\]"),
     (dict(choice=[]), "non-empty list of non-empty strings"),
     (dict(choice="yes"), "non-empty list of non-empty strings"),
@@ -225,3 +232,79 @@ def test_a_model_without_an_end_of_sequence_token_refuses_structured_outputs(mod
         llm.generate("a", SamplingParams(structured_outputs=StructuredOutputsParams(choice=["x"])),
                      use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+# Grammars with no forced bytes (a literal of several characters is forced after its first, where
+# llguidance allows only the tokens that spell the rest canonically), so that a token is allowed
+# exactly when its bytes continue a sentence, as the regex guide allows it.
+GRAMMARS_AS_REGEXES = [
+    ('root ::= [a-z]+ " " [0-9]+', "[a-z]+ [0-9]+"),
+    ('start: /[a-z0-9]+/ ("." /[a-z_]+/)*', r"[a-z0-9]+(?:\.[a-z_]+)*"),  # Lark
+]
+
+
+@pytest.mark.parametrize("grammar, regex", GRAMMARS_AS_REGEXES)
+def test_a_regular_grammar_gives_the_regex_guides_greedy_tokens(llm, grammar, regex):
+    """Two independent implementations, llguidance's Earley parser and the byte automaton, agree
+    token for token on grammars whose language a regex also writes."""
+    pytest.importorskip("llguidance")
+    prompts = ["def f(x):", "import os", "class A:", "    return", "x = 1", "#"]
+    by_grammar, by_regex = (
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, structured_outputs=structured),
+                     use_tqdm=False)
+        for structured in (StructuredOutputsParams(grammar=grammar), StructuredOutputsParams(regex=regex)))
+    for a, b in zip(by_grammar, by_regex, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert re.fullmatch(regex, a.outputs[0].text) or a.outputs[0].finish_reason == "length"
+
+
+ARITHMETIC = 'root ::= expr\nexpr ::= term ("+" term)*\nterm ::= [0-9] | "(" expr ")"'
+
+
+def arithmetic_prefix_end(text: str, position: int = 0) -> int:
+    """Where the expression at `position` ends (a recursive-descent recognizer of ARITHMETIC),
+    len(text) + 1 where the text ends inside it; a ValueError where the text breaks the grammar."""
+    def term(i: int) -> int:
+        if i == len(text):
+            return len(text) + 1
+        if text[i].isdigit():
+            return i + 1
+        if text[i] != "(":
+            raise ValueError(text)
+        i = expr(i + 1)
+        if i >= len(text):
+            return len(text) + 1
+        if text[i] != ")":
+            raise ValueError(text)
+        return i + 1
+
+    def expr(i: int) -> int:
+        i = term(i)
+        while i < len(text) and text[i] == "+":
+            i = term(i + 1)
+        return i
+
+    return expr(position)
+
+
+def test_sampled_outputs_are_sentences_of_a_context_free_grammar(llm):
+    """Balanced parentheses, which no regex can count: every output that ends with
+    end-of-sequence is a sentence, every one cut short a prefix of one."""
+    pytest.importorskip("llguidance")
+    params = SamplingParams(temperature=1.0, seed=3, n=8, max_tokens=40,
+                            structured_outputs=StructuredOutputsParams(grammar=ARITHMETIC))
+    completions = [c for o in llm.generate(["x = ", "("], params, use_tqdm=False) for c in o.outputs]
+    for completion in completions:
+        end = arithmetic_prefix_end(completion.text)
+        if completion.finish_reason == "stop":
+            assert end == len(completion.text), completion.text
+        else:
+            assert end == len(completion.text) + 1 or end == len(completion.text), completion.text
+    assert any(c.finish_reason == "stop" and "(" in c.text for c in completions)
+
+
+def test_without_llguidance_a_grammar_is_a_value_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    with pytest.raises(ValueError, match=r"needs the llguidance package: pip install 'slipstream\[grammar"):
+        StructuredOutputsParams(grammar='root ::= "never compiled before"')
+

@@ -55,7 +55,14 @@ from slipstream.serve.sampler import (
 )
 from slipstream.serve.scheduler import Scheduler, SchedulerConfig, StepPlan
 from slipstream.serve.speculative import SpeculativeConfig, accepted_tokens
-from slipstream.serve.structured import Guide, Vocabulary
+from slipstream.serve.structured import (
+    GrammarGuide,
+    Guide,
+    StructuredOutputsParams,
+    Vocabulary,
+    compile_grammar,
+    grammar_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +191,7 @@ class Engine:
         self._unseeded_generator = None if config.seed is None else make_generator(config.seed, device)
         self._prompts: dict[str, PromptOutput] = {}
         self._sequences: dict[str, tuple[PromptOutput, SequenceOutput, torch.Generator | None]] = {}
-        self._guides: dict[str, Guide] = {}
+        self._guides: dict[tuple[str, str], Guide | GrammarGuide] = {}
         self.num_draft_tokens = 0
         """Guessed tokens checked so far (speculative_config; vLLM's spec_decode_num_draft_tokens)."""
         self.num_accepted_tokens = 0
@@ -230,7 +237,7 @@ class Engine:
             params.bad_words, functools.partial(self.tokenizer.encode, add_special_tokens=False),
             self.limits.vocab_size,
         )
-        guide = None if params.structured_outputs is None else self._guide(params.structured_outputs.pattern)
+        guide = None if params.structured_outputs is None else self._guide(params.structured_outputs)
         requests = [self._completion_request(entry, params, index, priority, bad_words, guide)
                     for index in range(params.n)]
         generators = [
@@ -267,19 +274,29 @@ class Engine:
         token_ids = list(prompt)
         return token_ids if max_length is None else token_ids[-max_length:]
 
-    def _guide(self, pattern: str) -> Guide:
-        """The guide of a structured output's pattern, shared by the requests that use it (its
+    def _guide(self, structured: StructuredOutputsParams) -> Guide | GrammarGuide:
+        """The guide of a structured output, shared by the requests that use it (a pattern's
         automaton and allowed tokens are built as outputs reach its states)."""
         if not self.limits.eos_token_ids:
             raise ValueError("structured_outputs need an end-of-sequence token to end a match with, "
                              "and this model's tokenizer and generation config name none")
-        guide = self._guides.pop(pattern, None)
-        if guide is None:
-            guide = Guide(compile_pattern(pattern), self._vocabulary, self.limits.eos_token_ids)
-        self._guides[pattern] = guide  # the most recently used last
+        key = structured.guide_key
+        guide = self._guides.pop(key, None)
+        if guide is None and structured.grammar is not None:
+            guide = GrammarGuide(compile_grammar(structured.grammar), self._grammar_tokenizer,
+                                 self.limits.vocab_size, self.limits.eos_token_ids)
+        elif guide is None:
+            guide = Guide(compile_pattern(structured.pattern), self._vocabulary, self.limits.eos_token_ids)
+        self._guides[key] = guide  # the most recently used last
         if len(self._guides) > MAX_CACHED_GUIDES:
             del self._guides[next(iter(self._guides))]
         return guide
+
+    @functools.cached_property
+    def _grammar_tokenizer(self) -> Any:
+        """The tokenizer as llguidance reads it, for grammars (built on first use)."""
+        return grammar_tokenizer(self.tokenizer.backend, max(len(self.tokenizer), self.limits.vocab_size),
+                                 self.limits.eos_token_ids)
 
     @functools.cached_property
     def _vocabulary(self) -> Vocabulary:
@@ -293,7 +310,7 @@ class Engine:
 
     def _completion_request(
         self, entry: PromptOutput, params: SamplingParams, index: int, priority: int,
-        bad_words: tuple[tuple[int, ...], ...], guide: Guide | None,
+        bad_words: tuple[tuple[int, ...], ...], guide: Guide | GrammarGuide | None,
     ) -> Request:
         """The scheduler's request for completion `index` of a prompt, under an engine-unique id
         (so no user-chosen id can collide with it)."""

@@ -3,10 +3,9 @@
 Bodies are parsed in pydantic's strict mode, as OpenAI's API does: `"max_tokens": "5"` or
 `"stream": 1` is a 400, not a silent coercion. Unknown fields are ignored (as vLLM does), so that
 clients which send newer OpenAI fields keep working; known OpenAI and vLLM fields this server
-cannot honour (`suffix`, tools, `guided_grammar`, ...:
-`UNSUPPORTED_FIELDS`)
-are a 400 when set rather than ignored, since ignoring them would answer a different question
-than the one asked. The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+cannot honour (`logits_processors`, `prompt_embeds`, ...: `UNSUPPORTED_FIELDS`) are a 400 when
+set rather than ignored, since ignoring them would answer a different question than the one
+asked. The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
 `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`,
 `prompt_logprobs`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`,
 `return_tokens_as_token_ids`, `use_beam_search` with `length_penalty`, `echo`, the structured
@@ -59,13 +58,14 @@ BEAM_SEARCH_CONFLICTS: dict[str, tuple[object, ...]] = {
     "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "stop": ([], ""), "stop_token_ids": ([],),
     "min_tokens": (0,), "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],),
     "prompt_logprobs": (), "echo": (False,), "structured_outputs": ({},), "guided_choice": ([],),
-    "guided_regex": (), "guided_json": (), "response_format": ({"type": "text"},), "tool_choice": ("none",),
+    "guided_regex": (), "guided_json": (), "guided_grammar": (), "response_format": ({"type": "text"},),
+    "tool_choice": ("none",),
 }
 """Request fields beam search cannot honour (vLLM's silently ignores them), each with the values
 that ask for nothing (None aside); any other value is a 400."""
 
 UNSUPPORTED_FIELDS: dict[str, object] = {
-    "logits_processors": None, "guided_grammar": None,
+    "logits_processors": None,
     "prompt_embeds": None, "functions": None, "function_call": None,
 }
 """OpenAI and vLLM request fields this server cannot honour, each with the value that asks for
@@ -125,14 +125,16 @@ class GenerationBody(_Body):
     return_tokens_as_token_ids: bool | None = None
     """Name logprobs tokens "token_id:{id}" (None: the server's default), as vLLM."""
     structured_outputs: dict[str, Any] | None = None
-    """vLLM's structured outputs; of them `{"choice": [...]}` (the output is one of the strings) and
-    `{"regex": ...}` (the output matches it)."""
+    """vLLM's structured outputs: `{"choice": [...]}` (the output is one of the strings), `{"regex":
+    ...}` (it matches), `{"json": schema}`, `{"json_object": true}` or `{"grammar": ...}`."""
     guided_choice: list[str] | None = None
     """vLLM's older name for structured_outputs' choice."""
     guided_regex: str | None = None
     """vLLM's older name for structured_outputs' regex."""
     guided_json: dict[str, Any] | str | None = None
     """vLLM's older name for structured_outputs' json (a JSON schema)."""
+    guided_grammar: str | None = None
+    """vLLM's older name for structured_outputs' grammar (GBNF or Lark)."""
     response_format: dict[str, Any] | None = None
     """OpenAI's: {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema":
     {"name": ..., "schema": {...}}}."""
@@ -212,6 +214,7 @@ class GenerationBody(_Body):
                                                   ("guided_choice", self.guided_choice),
                                                   ("guided_regex", self.guided_regex),
                                                   ("guided_json", self.guided_json),
+                                                  ("guided_grammar", self.guided_grammar),
                                                   ("response_format", self._response_format()))
                  if value is not None}
         if len(given) > 1:
@@ -440,7 +443,7 @@ class ChatCompletionRequest(GenerationBody):
                               "tool_choice")
         if choice == "auto":
             return
-        for name in ("structured_outputs", "guided_choice", "guided_regex", "guided_json"):
+        for name in ("structured_outputs", "guided_choice", "guided_regex", "guided_json", "guided_grammar"):
             if getattr(self, name) is not None:
                 raise bad_request(f"{name} cannot be used with tool_choice {choice!r}", name)
         if self._response_format() is not None:

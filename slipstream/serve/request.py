@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from slipstream.serve.structured import Guide, StructuredOutputsParams
+from slipstream.serve.structured import GrammarGuide, Guide, StructuredOutputsParams
 
 FINISH_REASONS = ("stop", "length", "abort")
 GREEDY_TEMPERATURE = 1e-5
@@ -275,7 +275,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     """`sampling_params.bad_words` as token id sequences (`bad_words_token_ids`)."""
-    guide: Guide | None = None
+    guide: Guide | GrammarGuide | None = None
     """`sampling_params.structured_outputs` as the engine enforces it; `guide_state` is where the
     output has reached."""
     guide_state: Any = None

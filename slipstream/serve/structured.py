@@ -1,5 +1,6 @@
 """Structured outputs: constrain generation to a set of strings, a regular expression, a JSON
-schema or any JSON object (vLLM's `choice`, `regex`, `json` and `json_object`). Plain Python.
+schema, any JSON object or a context-free grammar (vLLM's `choice`, `regex`, `json`,
+`json_object` and `grammar`).
 
 A constraint is a byte automaton (`fsm.ByteDFA`) of a regular expression: a choice is the regex of
 its escaped strings, a JSON schema the regex `json_schema.py` writes for it.
@@ -13,24 +14,35 @@ the engine shares between requests with the same constraint.
 Token bytes are those each token decodes to alone (`Tokenizer.token_bytes`), exact for byte-level
 BPE and byte-fallback tokenizers, which hold a token for every byte, as the guide requires: any
 prefix the automaton allows can then be spelt, so an output never strands part-way.
+
+A grammar's language is no regular one, so no automaton with finitely many states holds it: a
+`GrammarGuide` hands it to llguidance (the Rust library behind vLLM's "guidance" backend, an
+optional dependency), whose Earley parser computes each step's allowed tokens as a bitmask.
 """
 
 from __future__ import annotations
 
 import array
+import copy
 import dataclasses
+import functools
+import logging
 import re
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from slipstream.serve.fsm import ByteDFA, compile_pattern
 from slipstream.serve.json_schema import json_object_regex, schema_regex
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class StructuredOutputsParams:
-    """vLLM's `StructuredOutputsParams`: exactly one of `choice`, `regex`, `json` and `json_object`
-    (`grammar`, a context-free grammar, is not supported)."""
+    """vLLM's `StructuredOutputsParams`: exactly one of `choice`, `regex`, `json`, `json_object` and
+    `grammar`."""
 
     choice: tuple[str, ...] | None = None
     """The output is exactly one of these strings."""
@@ -43,16 +55,22 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     """The output is a JSON object."""
     grammar: str | None = None
+    """The output is a sentence of this context-free grammar, in GBNF (llama.cpp's, which vLLM's
+    xgrammar backend takes) or Lark syntax (vLLM's guidance backend); needs the llguidance package
+    (`pip install 'slipstream[grammar]'`)."""
 
     def __post_init__(self) -> None:
-        if self.grammar is not None:
-            raise ValueError("structured_outputs.grammar is not supported (slipstream compiles regular "
-                             "expressions and JSON schemas, not context-free grammars)")
-        given = [name for name in ("choice", "regex", "json", "json_object")
+        given = [name for name in ("choice", "regex", "json", "json_object", "grammar")
                  if getattr(self, name) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"structured_outputs needs exactly one of choice, regex, json and json_object, "
-                             f"got {given or 'none'}")
+            raise ValueError(f"structured_outputs needs exactly one of choice, regex, json, json_object and "
+                             f"grammar, got {given or 'none'}")
+        if self.grammar is not None:
+            if not isinstance(self.grammar, str) or not self.grammar.strip():
+                raise ValueError(f"structured_outputs.grammar must be a non-empty string, "
+                                 f"got {self.grammar!r}")
+            compile_grammar(self.grammar)
+            return
         if self.json_object not in (None, True, False):
             raise ValueError(f"structured_outputs.json_object must be true, got {self.json_object!r}")
         if self.choice is not None:
@@ -67,8 +85,14 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.{given[0]}: {error}") from error
 
     @property
+    def guide_key(self) -> tuple[str, str]:
+        """What a guide is built from: requests with the same key share one."""
+        return ("grammar", self.grammar) if self.grammar is not None else ("regex", self.pattern)
+
+    @property
     def pattern(self) -> str:
-        """The constraint as one regular expression."""
+        """The constraint as one regular expression (any but a grammar)."""
+        assert self.grammar is None, "a grammar is no regular expression"
         if self.regex is not None:
             return self.regex
         if self.json is not None:
@@ -153,3 +177,76 @@ class Guide:
                 return None
             state = self._dfa.step(state, byte)
         return state
+
+
+@functools.lru_cache(maxsize=64)
+def compile_grammar(grammar: str) -> str:
+    """A GBNF or Lark grammar as llguidance's grammar definition; a ValueError naming what is wrong
+    with it, or that llguidance is missing."""
+    try:
+        import llguidance
+    except ImportError:
+        raise ValueError("structured_outputs.grammar needs the llguidance package: "
+                         "pip install 'slipstream[grammar]'") from None
+    try:
+        definition = llguidance.grammar_from("grammar", grammar)
+    except ValueError as error:  # GBNF that does not convert to Lark
+        raise ValueError(f"structured_outputs.grammar: {error}") from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(definition)
+    if is_error:
+        raise ValueError(f"structured_outputs.grammar: {messages[0]}")
+    return definition
+
+
+def grammar_tokenizer(backend: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
+    """llguidance's view of a `tokenizers.Tokenizer` (read from its JSON, without padding or
+    truncation); `vocab_size` covers every id the model's logits have."""
+    import llguidance
+
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
+
+
+class GrammarGuide:
+    """One grammar over one vocabulary, as `Guide` is for a pattern. A completion's state is a
+    matcher of its own (a parser's state, which completions cannot share), None once the output
+    has left the grammar (with an end-of-sequence token)."""
+
+    def __init__(self, definition: str, tokenizer: Any, vocab_size: int,
+                 eos_token_ids: Sequence[int]) -> None:
+        """`definition`: `compile_grammar`'s; `tokenizer`: `grammar_tokenizer`'s; `vocab_size`: the
+        model's (the tokenizer may hold more)."""
+        self._definition = definition
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos_token_ids = array.array("q", sorted(set(eos_token_ids)))
+
+    @property
+    def start(self) -> Any:
+        """A new completion's state: a fresh matcher."""
+        import llguidance
+
+        return llguidance.LLMatcher(self._tokenizer, self._definition, log_level=0)
+
+    def allowed_token_ids(self, matcher: Any) -> array.array:
+        """The tokens that may come next, sorted (with the end-of-sequence ids where the output is
+        a sentence), as an int64 array."""
+        if matcher is None:
+            return self._eos_token_ids
+        if matcher.is_error():  # a parser limit reached: end the output where it is
+            logger.warning("structured_outputs.grammar: %s; ending the output", matcher.get_error())
+            return self._eos_token_ids
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        allowed = array.array("q")
+        allowed.frombytes(np.flatnonzero(bits[: self._vocab_size]).astype(np.int64).tobytes())
+        return allowed
+
+    def advance(self, matcher: Any, token_id: int) -> Any:
+        """The state after `token_id` (the matcher, moved on); None off the grammar."""
+        if matcher is None or token_id in self._eos_token_ids:
+            return None
+        matcher.consume_token(token_id)  # a token it refuses leaves it in its error state
+        return matcher
+
