@@ -9,6 +9,8 @@ import time
 import httpx
 import pytest
 import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from server_process import API_KEY, MAX_MODEL_LEN, MODEL_NAME
 
 from slipstream.serve.engine import Engine, EngineConfig
@@ -226,3 +228,89 @@ def test_a_bug_gets_a_500_that_closes_the_connection(model_dir, monkeypatch):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+# ---- fuzzing: random bodies over the fields the routes know ------------------------------------
+
+SCHEMA_KEYS = ["type", "properties", "items", "required", "enum", "const", "anyOf", "allOf", "$ref",
+               "$defs", "minimum", "exclusiveMaximum", "pattern", "format", "minItems", "maxLength",
+               "additionalProperties", "prefixItems", "role", "content", "name", "function", "parameters",
+               "json_schema", "schema", "choice", "regex", "json", "json_object", "grammar", "text"]
+ANY_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=3)
+    | st.dictionaries(st.sampled_from(SCHEMA_KEYS) | st.text(max_size=4), children, max_size=4),
+    max_leaves=12)
+SCHEMA = st.recursive(
+    st.fixed_dictionaries({}, optional={
+        "type": st.sampled_from(["string", "integer", "number", "boolean", "null", "object"]) | ANY_JSON,
+        **{key: ANY_JSON for key in ("pattern", "format", "minLength", "maxLength", "minimum",
+                                     "exclusiveMaximum", "enum", "const", "anyOf", "$ref")}}),
+    lambda children: st.fixed_dictionaries(
+        {"type": st.just("object"), "properties": st.dictionaries(st.text(max_size=3), children, max_size=3)},
+        optional={"required": ANY_JSON, "additionalProperties": children})
+    | st.fixed_dictionaries({"type": st.just("array"), "items": children},
+                            optional={"minItems": ANY_JSON, "prefixItems": ANY_JSON}),
+    max_leaves=6)
+TOOL = st.fixed_dictionaries({"name": st.text(min_size=1, max_size=4), "parameters": SCHEMA | ANY_JSON})
+FIELD_VALUES = {
+    "n": st.sampled_from([1, 2, 0, 129]), "temperature": st.sampled_from([0, 0.7, 2.5, -1, 1e-30]),
+    "top_p": st.sampled_from([1, 0.5, 1e-30, 0]), "top_k": st.sampled_from([-1, 0, 5, 2**63]),
+    "min_p": st.sampled_from([0, 0.5, 1.1]), "seed": st.sampled_from([0, -1, 2**63 - 1, 2**63]),
+    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3),
+    "logit_bias": st.dictionaries(st.text(max_size=4) | st.integers(-5, 10**6).map(str),
+                                  st.floats(allow_nan=False, allow_infinity=False), max_size=2),
+    "presence_penalty": st.sampled_from([0, 2, -2.5]),
+    "repetition_penalty": st.sampled_from([1, 0.5, 0, 1e10]),
+    "min_tokens": st.sampled_from([0, 1, 10**9]), "max_tokens": st.sampled_from([1, 3, 0, -1, 10**9]),
+    "ignore_eos": st.booleans(), "stop_token_ids": st.lists(st.integers(-1, 10**6), max_size=2),
+    "logprobs": st.sampled_from([0, 5, 21, True]), "top_logprobs": st.sampled_from([0, 5, 21]),
+    "prompt_logprobs": st.sampled_from([0, 3, 21]), "echo": st.booleans(), "stream": st.booleans(),
+    "allowed_token_ids": st.lists(st.integers(-1, 10**6), max_size=3),
+    "bad_words": st.lists(st.text(max_size=4), max_size=2),
+    "truncate_prompt_tokens": st.sampled_from([-2, -1, 1]),
+    "structured_outputs": ANY_JSON | st.fixed_dictionaries({"json": SCHEMA}) | st.fixed_dictionaries(
+        {"regex": st.text(max_size=6)}) | st.fixed_dictionaries({"grammar": st.text(max_size=12)}),
+    "guided_json": SCHEMA | ANY_JSON, "guided_regex": st.text(max_size=6),
+    "guided_grammar": st.text(max_size=12),
+    "response_format": ANY_JSON | st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema":
+                                                        st.fixed_dictionaries({"name": st.just("x"),
+                                                                               "schema": SCHEMA})}),
+    "use_beam_search": st.booleans(), "length_penalty": st.sampled_from([1.0, -1e308, 1e308]),
+    "tools": ANY_JSON | st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": TOOL}),
+                                 max_size=2),
+    "tool_choice": st.sampled_from(["auto", "none", "required"]) | ANY_JSON,
+    "chat_template_kwargs": ANY_JSON, "stream_options": ANY_JSON,
+}
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", "x"])},
+                                optional={"content": st.text(max_size=8) | ANY_JSON, "tool_calls": ANY_JSON,
+                                          "name": ANY_JSON})
+
+
+@st.composite
+def request_bodies(draw):
+    chat = draw(st.booleans())
+    fields = draw(st.lists(st.sampled_from(sorted(FIELD_VALUES)), max_size=5, unique=True))
+    body = {name: draw(FIELD_VALUES[name]) for name in fields}
+    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 3:
+        body["max_tokens"] = 3
+    if chat:
+        body["messages"] = draw(st.lists(MESSAGE, max_size=3) | ANY_JSON)
+    else:
+        body["prompt"] = draw(st.text(max_size=12) | st.lists(st.integers(-1, 10**6), max_size=4) | ANY_JSON)
+    return (CHAT if chat else COMPLETIONS), body
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=request_bodies())
+def test_random_requests_never_get_a_server_error(http, case):
+    """Whatever mix of fields and values a body holds, the answer is a 200 (a stream that ends with
+    [DONE]) or a 4xx in OpenAI's error shape, never a 5xx: each 500 this found was a fix."""
+    path, body = case
+    response = http.post(path, json=body)
+    if response.status_code == 200:
+        assert body.get("stream") is not True or response.text.rstrip().endswith("data: [DONE]"), body
+    else:
+        assert 400 <= response.status_code < 500, (body, response.text)
+        assert response.json()["error"]["message"]
