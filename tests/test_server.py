@@ -626,7 +626,7 @@ def test_structured_outputs_equal_offline(client, llm):
                         ({"guided_choice": []}, None),
                         ({"guided_choice": ["a"], "ignore_eos": True}, "ignore_eos"),
                         ({"guided_regex": "(?=a)"}, "guided_regex"),
-                        ({"guided_json": {"type": "number", "multipleOf": 2}}, "guided_json"),
+                        ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json"),
                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
                          "response_format"),
                         ({"response_format": {"type": "yaml"}}, "response_format")):

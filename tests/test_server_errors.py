@@ -117,7 +117,7 @@ CASES = [
     ("guided_regex with a backreference", CHAT, chat(guided_regex="(a)\\1"), 400, "guided_regex"),
     ("guided_regex and guided_choice", CHAT, chat(guided_regex="a", guided_choice=["a"]), 400,
      "guided_regex"),
-    ("guided_json with multipleOf", CHAT, chat(guided_json={"type": "number", "multipleOf": 2}), 400,
+    ("guided_json with uniqueItems", CHAT, chat(guided_json={"type": "array", "uniqueItems": True}), 400,
      "guided_json"),
     ("guided_json with a pattern that is a number", CHAT,
      chat(guided_json={"type": "string", "pattern": 1e308}), 400, "guided_json"),

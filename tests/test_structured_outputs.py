@@ -74,8 +74,8 @@ def test_a_vocabulary_without_every_byte_is_a_value_error():
     (dict(grammar="start: /a(/"), "structured_outputs.grammar: .*invalid regex"),
     (dict(grammar=" "), "structured_outputs.grammar must be a non-empty string"),
     (dict(grammar={"root": "a"}), "structured_outputs.grammar must be a non-empty string"),
-    (dict(json={"type": "number", "multipleOf": 2}),
-     "structured_outputs.json: #: multipleOf cannot be enforced"),
+    (dict(json={"type": "array", "uniqueItems": True}),
+     "structured_outputs.json: #: uniqueItems cannot be enforced .*; nor can llguidance: .*uniqueItems"),
     (dict(json="{not json"), "structured_outputs.json: the JSON schema is not valid JSON"),
     (dict(), "needs exactly one of choice, regex, json, json_object and grammar, got none"),
     (dict(choice=["a"], regex="a"), r"needs exactly one of .*, got \['choice', 'regex'\]"),
@@ -303,8 +303,34 @@ def test_sampled_outputs_are_sentences_of_a_context_free_grammar(llm):
     assert any(c.finish_reason == "stop" and "(" in c.text for c in completions)
 
 
-def test_without_llguidance_a_grammar_is_a_value_error(monkeypatch):
+def test_without_llguidance_a_grammar_or_what_the_automaton_cannot_hold_is_a_value_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "llguidance", None)
     with pytest.raises(ValueError, match=r"needs the llguidance package: pip install 'slipstream\[grammar"):
         StructuredOutputsParams(grammar='root ::= "never compiled before"')
+    with pytest.raises(ValueError, match="multipleOf cannot be enforced .*the optional llguidance package"):
+        StructuredOutputsParams(json={"type": "integer", "multipleOf": 3})
+
+
+BEYOND_THE_AUTOMATON = {"type": "object", "properties": {
+    "count": {"type": "integer", "multipleOf": 5, "minimum": 0, "maximum": 100},
+    "tags": {"type": "object", "patternProperties": {"^[a-z]{1,3}$": {"type": "boolean"}}, "maxProperties": 2,
+             "additionalProperties": False}},
+    "required": ["count", "tags"], "additionalProperties": False}
+
+
+def test_a_schema_the_automaton_cannot_hold_goes_to_llguidance(llm):
+    """multipleOf and patternProperties, which the regex writer refuses, are enforced by
+    llguidance's JSON Schema compiler (vLLM's fallback from xgrammar to guidance): every output
+    that ends validates under `jsonschema`."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    structured = StructuredOutputsParams(json=BEYOND_THE_AUTOMATON)
+    assert structured.guide_key[0] == "llguidance"
+    assert StructuredOutputsParams(json=PET).guide_key[0] == "regex"
+    params = SamplingParams(temperature=1.0, seed=4, n=6, max_tokens=60, structured_outputs=structured)
+    completions = [c for o in llm.generate(["a", "{"], params, use_tqdm=False) for c in o.outputs]
+    finished = [json.loads(c.text) for c in completions if c.finish_reason == "stop"]
+    for value in finished:
+        jsonschema.validate(value, BEYOND_THE_AUTOMATON)
+    assert finished
 

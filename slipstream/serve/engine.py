@@ -60,7 +60,6 @@ from slipstream.serve.structured import (
     Guide,
     StructuredOutputsParams,
     Vocabulary,
-    compile_grammar,
     grammar_tokenizer,
 )
 
@@ -280,13 +279,13 @@ class Engine:
         if not self.limits.eos_token_ids:
             raise ValueError("structured_outputs need an end-of-sequence token to end a match with, "
                              "and this model's tokenizer and generation config name none")
-        key = structured.guide_key
+        key = kind, source = structured.guide_key
         guide = self._guides.pop(key, None)
-        if guide is None and structured.grammar is not None:
-            guide = GrammarGuide(compile_grammar(structured.grammar), self._grammar_tokenizer,
-                                 self.limits.vocab_size, self.limits.eos_token_ids)
+        if guide is None and kind == "llguidance":
+            guide = GrammarGuide(source, self._grammar_tokenizer, self.limits.vocab_size,
+                                 self.limits.eos_token_ids)
         elif guide is None:
-            guide = Guide(compile_pattern(structured.pattern), self._vocabulary, self.limits.eos_token_ids)
+            guide = Guide(compile_pattern(source), self._vocabulary, self.limits.eos_token_ids)
         self._guides[key] = guide  # the most recently used last
         if len(self._guides) > MAX_CACHED_GUIDES:
             del self._guides[next(iter(self._guides))]

@@ -51,7 +51,7 @@ class StructuredOutputsParams:
     `fsm.py` lists what is supported)."""
     json: Any = None
     """The output is JSON valid under this schema (a dict or its JSON text; `json_schema.py` lists
-    what is supported)."""
+    what the byte automaton enforces, and llguidance, where installed, takes most of the rest)."""
     json_object: bool | None = None
     """The output is a JSON object."""
     grammar: str | None = None
@@ -65,12 +65,8 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise ValueError(f"structured_outputs needs exactly one of choice, regex, json, json_object and "
                              f"grammar, got {given or 'none'}")
-        if self.grammar is not None:
-            if not isinstance(self.grammar, str) or not self.grammar.strip():
-                raise ValueError(f"structured_outputs.grammar must be a non-empty string, "
-                                 f"got {self.grammar!r}")
-            compile_grammar(self.grammar)
-            return
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError(f"structured_outputs.grammar must be a non-empty string, got {self.grammar!r}")
         if self.json_object not in (None, True, False):
             raise ValueError(f"structured_outputs.json_object must be true, got {self.json_object!r}")
         if self.choice is not None:
@@ -79,15 +75,25 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty "
                                  f"strings, got {self.choice!r}")
             object.__setattr__(self, "choice", tuple(self.choice))
-        try:
-            compile_pattern(self.pattern)
-        except ValueError as error:
-            raise ValueError(f"structured_outputs.{given[0]}: {error}") from error
+        self.guide_key  # noqa: B018 (a ValueError here names the field and what is wrong with it)
 
     @property
     def guide_key(self) -> tuple[str, str]:
-        """What a guide is built from: requests with the same key share one."""
-        return ("grammar", self.grammar) if self.grammar is not None else ("regex", self.pattern)
+        """What enforces the constraint, and from what: ("regex", pattern) for the byte automaton,
+        ("llguidance", definition) for a grammar, and for a JSON schema the automaton cannot hold
+        where llguidance is installed (as vLLM's "auto" backend falls back from xgrammar to
+        guidance). Requests with the same key share a guide."""
+        if self.grammar is not None:
+            return "llguidance", compile_grammar(self.grammar)
+        try:
+            pattern = self.pattern
+            compile_pattern(pattern)
+            return "regex", pattern
+        except ValueError as error:
+            if self.json is None:
+                field = "regex" if self.regex is not None else "choice"
+                raise ValueError(f"structured_outputs.{field}: {error}") from error
+            return "llguidance", json_schema_grammar(self.json, error)
 
     @property
     def pattern(self) -> str:
@@ -195,6 +201,29 @@ def compile_grammar(grammar: str) -> str:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(definition)
     if is_error:
         raise ValueError(f"structured_outputs.grammar: {messages[0]}")
+    return definition
+
+
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""llguidance's JSON as `json.dumps` lays it out: by default it allows any whitespace anywhere,
+which a model can fill without end."""
+
+
+def json_schema_grammar(schema: Any, regex_error: ValueError) -> str:
+    """llguidance's grammar of a JSON schema that the byte automaton cannot enforce (the reason:
+    `regex_error`); a ValueError with both reasons where llguidance cannot either or is missing."""
+    try:
+        import llguidance
+    except ImportError:
+        raise ValueError(f"structured_outputs.json: {regex_error} (the optional llguidance package "
+                         "enforces more of JSON Schema)") from None
+    try:
+        definition = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_LAYOUT)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(definition)
+    except (ValueError, TypeError) as error:  # not a schema at all
+        is_error, messages = True, [str(error)]
+    if is_error:
+        raise ValueError(f"structured_outputs.json: {regex_error}; nor can llguidance: {messages[0]}")
     return definition
 
 
