@@ -212,6 +212,8 @@ def _add(
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from slipstream.serve.tool_parsers import TOOL_CALL_PARSERS  # plain Python, quick to import
+
     parser = argparse.ArgumentParser(prog="slipstream", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -249,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="as vLLM: let requests bring their own chat_template")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='as vLLM: let the model choose whether to call a tool (tool_choice "auto")')
-    p.add_argument("--tool-call-parser", choices=["hermes"],
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS),
                    help="the model's tool-call format, for --enable-auto-tool-choice")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="name logprobs tokens 'token_id:ID' unless a request says otherwise (as vLLM)")

@@ -778,7 +778,44 @@ def test_auto_tool_choice_with_the_hermes_parser(model_dir, llm, tmp_path):
     with pytest.raises(ValueError, match="needs a tool_call_parser"):
         ServerConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
-        ServerConfig(tool_call_parser="mistral")
+        ServerConfig(tool_call_parser="pythonic")
+
+
+CITY = '[A-Z][a-z]{1,6}'
+CALL_FORMATS = {  # parser: a regex of one get_weather call in its format
+    "hermes": rf'<tool_call>\{{"name": "get_weather", "arguments": \{{"city": "{CITY}", "unit": "C"\}}\}}'
+              '</tool_call>',
+    "llama3_json": rf'\{{"name": "get_weather", "parameters": \{{"city": "{CITY}", "unit": "C"\}}\}}',
+    "mistral": rf'\[TOOL_CALLS\]get_weather\[ARGS\]\{{"city": "{CITY}", "unit": "C"\}}',
+}
+
+
+@pytest.mark.parametrize("parser", sorted(CALL_FORMATS))
+def test_auto_tool_choice_reads_each_parsers_call_format(model_dir, tmp_path, parser):
+    """With --tool-call-parser, a reply in the model's call format (forced here with guided_regex,
+    which "auto" allows) comes back as OpenAI's tool_calls, whole and streamed, finish reason
+    "tool_calls", through the official client."""
+    from server_process import ENGINE_ARGS, ServerProcess
+
+    server = ServerProcess(model_dir, tmp_path / "server.log", "--enable-auto-tool-choice",
+                           "--tool-call-parser", parser, *ENGINE_ARGS).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        request = dict(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER], max_completion_tokens=60,
+                       temperature=0, extra_body={"guided_regex": CALL_FORMATS[parser]})
+        choice = client.chat.completions.create(**request).choices[0]
+        [call] = choice.message.tool_calls
+        assert (choice.message.content, choice.finish_reason, call.function.name) == (None, "tool_calls",
+                                                                                      "get_weather")
+        assert re.fullmatch(CITY, json.loads(call.function.arguments)["city"])
+        chunks = list(client.chat.completions.create(**request, stream=True))
+        [streamed] = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+        assert (streamed.function.name, streamed.function.arguments) == (call.function.name,
+                                                                         call.function.arguments)
+        assert not "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    finally:
+        server.stop()
 
 
 def test_chat_template_kwargs_reach_the_template_and_request_templates_need_trust(client, model_dir,

@@ -1,5 +1,5 @@
-"""The "hermes" tool-call parser (slipstream/serve/tool_parsers.py), whole and streamed: the
-streamed deltas, fed a reply one character at a time, add up to the whole parse."""
+"""The tool-call parsers (slipstream/serve/tool_parsers.py), whole and streamed: the streamed
+deltas, fed a reply one character at a time, add up to the whole parse."""
 
 from __future__ import annotations
 
@@ -7,45 +7,78 @@ import json
 
 import pytest
 
-from slipstream.serve.tool_parsers import HermesStream, HermesToolParser
+from slipstream.serve.tool_parsers import TOOL_CALL_PARSERS
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
 PARIS = ("get_weather", {"city": "Paris", "unit": "C"})
 NOOP = '<tool_call>{"name": "noop", "arguments": {}}</tool_call>'
-PLAIN = "Just an answer, with <b>tags</b> and a < sign."
+PLAIN = "Just an answer, with <b>tags</b> and a < sign; [brackets] {braces}."
 NO_JSON = "<tool_call>{not json}</tool_call>"
 NO_NAME = '<tool_call>{"arguments": {}}</tool_call>'
-# name: (reply, its content, its calls)
+LLAMA_WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}'
+# parser: {name: (reply, its content, its calls)}
 REPLIES = {
-    "plain text": (PLAIN, PLAIN, []),
-    "one call after text": (f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>", "Let me check.\n",
-                            [PARIS]),
-    "two calls, no text": (f"<tool_call>{WEATHER}</tool_call>\n{NOOP}", None, [PARIS, ("noop", {})]),
-    "an unclosed last call": (f"<tool_call>\n{WEATHER}\n", None, [PARIS]),
-    "a call that is no JSON": (NO_JSON, NO_JSON, []),
-    "a call without a name": (NO_NAME, NO_NAME, []),
-    "text ending like a tag": ("The answer is <tool", "The answer is <tool", []),
+    "hermes": {
+        "plain text": (PLAIN, PLAIN, []),
+        "one call after text": (f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>", "Let me check.\n",
+                                [PARIS]),
+        "two calls, no text": (f"<tool_call>{WEATHER}</tool_call>\n{NOOP}", None, [PARIS, ("noop", {})]),
+        "an unclosed last call": (f"<tool_call>\n{WEATHER}\n", None, [PARIS]),
+        "a call that is no JSON": (NO_JSON, NO_JSON, []),
+        "a call without a name": (NO_NAME, NO_NAME, []),
+        "text ending like a tag": ("The answer is <tool", "The answer is <tool", []),
+    },
+    "llama3_json": {
+        "plain text": (PLAIN, PLAIN, []),
+        "one call": (LLAMA_WEATHER, None, [PARIS]),
+        "a call after the python tag": (f"<|python_tag|>{LLAMA_WEATHER}", None, [PARIS]),
+        "two calls and spaces": (f'  {LLAMA_WEATHER}; {{"name": "noop", "parameters": {{}}}}\n', None,
+                                 [PARIS, ("noop", {})]),
+        "arguments as the key": (WEATHER, None, [PARIS]),
+        "a JSON answer that is no call": ('{"answer": 42}', '{"answer": 42}', []),
+        "a call then text": (f"{LLAMA_WEATHER} is a call", f"{LLAMA_WEATHER} is a call", []),
+        "cut short": ('{"name": "f", "parameters": {"ci', '{"name": "f", "parameters": {"ci', []),
+        "text beginning like the tag": ("<|python", "<|python", []),
+    },
+    "mistral": {
+        "plain text": (PLAIN, PLAIN, []),
+        "a list of calls (v0.3)": (f'[TOOL_CALLS] [{WEATHER}, {{"name": "noop", "arguments": {{}}}}]', None,
+                                   [PARIS, ("noop", {})]),
+        "name and args": ('Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "C"}', "Sure.",
+                          [PARIS]),
+        "two calls with ids": ('[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris", "unit": "C"}'
+                               '[TOOL_CALLS]noop[ARGS]{}', None, [PARIS, ("noop", {})]),
+        "args that are no JSON": ("[TOOL_CALLS]f[ARGS]{nope", "[TOOL_CALLS]f[ARGS]{nope", []),
+        "no args": ("[TOOL_CALLS]f", "[TOOL_CALLS]f", []),
+        "text ending like the marker": ("See [TOOL", "See [TOOL", []),
+    },
 }
+CASES = [(parser, name) for parser, replies in REPLIES.items() for name in sorted(replies)]
 
 
 def calls_of(calls):
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
-@pytest.mark.parametrize("name", sorted(REPLIES))
-def test_whole_replies_parse_into_content_and_calls(name):
-    text, content, calls = REPLIES[name]
-    parsed = HermesToolParser().parse(text)
+@pytest.mark.parametrize("parser, name", CASES)
+def test_whole_replies_parse_into_content_and_calls(parser, name):
+    text, content, calls = REPLIES[parser][name]
+    parsed = TOOL_CALL_PARSERS[parser]().parse(text)
     assert (parsed.content, calls_of(parsed.tool_calls)) == (content, calls)
     assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in parsed.tool_calls)
 
 
-@pytest.mark.parametrize("name", sorted(set(REPLIES) - {"a call that is no JSON", "a call without a name"}))
-def test_streamed_deltas_add_up_to_the_whole_parse(name):
-    """Content arrives until a call begins (a tail that may start a tag is held back), each call
-    whole, with consecutive indices, once its closing tag or the reply's end arrives."""
-    text, content, calls = REPLIES[name]
-    stream = HermesStream()
+HERMES_DROPS = [("hermes", "a call that is no JSON"), ("hermes", "a call without a name")]
+
+
+@pytest.mark.parametrize("parser, name", [case for case in CASES if case not in HERMES_DROPS])
+def test_streamed_deltas_add_up_to_the_whole_parse(parser, name):
+    """Content arrives until calls may begin (a tail that may start a marker is held back), the
+    calls whole, with consecutive indices: hermes' each once its closing tag or the reply's end
+    arrives, the others' at the reply's end. (Hermes drops a tag that holds no call, where the
+    whole parse makes the reply content.)"""
+    text, content, calls = REPLIES[parser][name]
+    stream = TOOL_CALL_PARSERS[parser]().stream()
     deltas = [stream.feed(text[:end], finished=end == len(text)) for end in range(1, len(text) + 1)]
     streamed = "".join(d.get("content", "") for d in deltas)
     assert streamed == (content or "")
@@ -53,5 +86,6 @@ def test_streamed_deltas_add_up_to_the_whole_parse(name):
     assert calls_of(streamed_calls) == calls
     assert [c["index"] for c in streamed_calls] == list(range(len(calls)))
     assert stream.num_calls == len(calls)
-    if "<tool" in text and not calls:  # held back until the end showed it was no tag
-        assert "<tool" not in "".join(d.get("content", "") for d in deltas[:-1])
+    for marker in ("<tool", "<|python", "[TOOL"):
+        if text.startswith(marker) or (marker in text and not calls):  # held back until the end
+            assert marker not in "".join(d.get("content", "") for d in deltas[:-1])

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from slipstream.serve.request import CompletionOutput, Logprob, RequestOutput
-from slipstream.serve.tool_parsers import HermesStream, HermesToolParser, tool_call
+from slipstream.serve.tool_parsers import TOOL_CALL_PARSERS, HermesStream, WholeCallsStream, tool_call
 
 MIN_LOGPROB = -9999.0
 """-inf is not JSON; like vLLM, report impossible tokens with this floor."""
@@ -95,17 +95,23 @@ class ToolCalls:
     tool_choice): the engine constrained the text to JSON, a named function's arguments or a list
     of {"name", "parameters"} calls; the reply becomes OpenAI's `tool_calls`, its content null, and
     a text cut short by max_tokens, which is no complete call, stays the content. "auto": the
-    model's own call format, read by `tool_parsers.HermesToolParser`."""
+    model's own call format, read by the server's `--tool-call-parser` (tool_parsers.py)."""
 
     mode: str
     """"named", "required" or "auto"."""
     function: str | None = None
     """The named function."""
+    parser: str = "hermes"
+    """"auto"'s: a name in tool_parsers.TOOL_CALL_PARSERS."""
+
+    def stream(self) -> HermesStream | WholeCallsStream:
+        """A reader of one "auto" reply as it grows."""
+        return TOOL_CALL_PARSERS[self.parser]().stream()
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """The calls of a reply's text; None where it is no complete call."""
         if self.mode == "auto":
-            return HermesToolParser().parse(text).tool_calls or None
+            return TOOL_CALL_PARSERS[self.parser]().parse(text).tool_calls or None
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
@@ -116,7 +122,7 @@ class ToolCalls:
 
     def message(self, completion: CompletionOutput) -> dict[str, Any]:
         if self.mode == "auto":
-            parsed = HermesToolParser().parse(completion.text)
+            parsed = TOOL_CALL_PARSERS[self.parser]().parse(completion.text)
             message = {"role": "assistant", "content": parsed.content}
             return message | ({"tool_calls": parsed.tool_calls} if parsed.tool_calls else {})
         calls = self.calls(completion.text)
@@ -358,7 +364,7 @@ class ChatStream:
         self._tool_calls = tool_calls
         self._call_ids: dict[int, str] = {}
         """Per choice, the id of its named call, once its first chunk is out."""
-        self._parsers: dict[int, HermesStream] = {}
+        self._parsers: dict[int, HermesStream | WholeCallsStream] = {}
         """Per choice, the reader of its "auto" reply."""
         self._n = n
         self._num_logprobs = num_logprobs
@@ -396,7 +402,7 @@ class ChatStream:
         (their list is only known then), or the text as content if it is no complete call."""
         tool_calls = self._tool_calls
         if tool_calls.mode == "auto":
-            parser = self._parsers.setdefault(completion.index, HermesStream())
+            parser = self._parsers.setdefault(completion.index, tool_calls.stream())
             return parser.feed(completion.text, completion.finish_reason is not None)
         if tool_calls.mode == "named":
             if not news.text:

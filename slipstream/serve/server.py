@@ -89,7 +89,7 @@ class ServerConfig:
     """Let chat requests with tools leave the choice of a call to the model (tool_choice "auto",
     the default with tools), whose calls `tool_call_parser` reads (vLLM's flags of these names)."""
     tool_call_parser: str | None = None
-    """The model's call format: "hermes" (tool_parsers.py)."""
+    """The model's call format: "hermes", "llama3_json" or "mistral" (tool_parsers.py)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 2**16:
@@ -102,7 +102,7 @@ class ServerConfig:
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset to serve without one)")
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
-            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, "
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (as vLLM's "
@@ -249,7 +249,8 @@ class OpenAIServer:
         meta = ResponseMeta.new("chatcmpl", self.model_name)
         tool_calls = None
         if body.tool_mode is not None:
-            tool_calls = responses.ToolCalls(body.tool_mode, body.forced_function)
+            tool_calls = responses.ToolCalls(body.tool_mode, body.forced_function,
+                                             self.config.tool_call_parser or "hermes")
         options = dict(num_logprobs=body.num_logprobs, as_token_ids=self._as_token_ids(body),
                        echo=body.echoed_text, tool_calls=tool_calls)
         if body.use_beam_search:
