@@ -880,3 +880,37 @@ def test_speculative_server_equals_plain_greedy_and_counts_guesses(model_dir, ll
         assert values["slipstream:generation_tokens_total"] == 100
     finally:
         server.stop()
+
+
+def test_tokenize_detokenize_and_version(server, model_dir):
+    """vLLM's /tokenize (a prompt with or without special tokens; a chat as transformers renders
+    its template), /detokenize and /version, outside /v1 and so open without the API key, as in
+    vLLM; bad bodies are 400s."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        prompt = "def fib(n):\n    return n"
+        response = http.post("/tokenize", json={"prompt": prompt, "return_token_strs": True}).json()
+        expected = hf(prompt)["input_ids"]
+        assert response == {"count": len(expected), "max_model_len": MAX_MODEL_LEN, "tokens": expected,
+                            "token_strs": hf.convert_ids_to_tokens(expected)}
+        bare = http.post("/tokenize", json={"prompt": prompt, "add_special_tokens": False}).json()
+        assert bare["tokens"] == hf(prompt, add_special_tokens=False)["input_ids"]
+        assert bare["token_strs"] is None
+        chat = http.post("/tokenize", json={"model": MODEL_NAME, "messages": MESSAGES}).json()
+        assert chat["tokens"] == hf.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False)
+        text = http.post("/detokenize", json={"tokens": expected}).json()
+        assert text == {"prompt": hf.decode(expected)}
+        assert http.get("/version").json()["version"]
+        for path, body, param in (("/tokenize", {}, "prompt"),
+                                  ("/tokenize", {"prompt": "a", "messages": MESSAGES}, "prompt"),
+                                  ("/tokenize", {"messages": [{"role": "user"}], "chat_template": "x"}, None),
+                                  ("/tokenize", {"prompt": 5}, "prompt"),
+                                  ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+                                  ("/detokenize", {"tokens": [10**9]}, "tokens")):
+            response = http.post(path, json=body)
+            assert response.status_code == 400, (body, response.text)
+            if param is not None:
+                assert response.json()["error"]["param"] == param
+        assert http.post("/detokenize", json={"model": "other", "tokens": [1]}).status_code == 404

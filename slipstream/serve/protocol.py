@@ -75,6 +75,9 @@ nothing; any other value (None, an empty list or dict aside) is a 400."""
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
+    def check_supported(self) -> None:
+        """A 400 for what the body asks that the server cannot honour (nothing, unless it says)."""
+
 
 def _refuse_unsupported(extra: dict[str, Any] | None) -> None:
     """A 400 for the first field of UNSUPPORTED_FIELDS that asks for something."""
@@ -517,6 +520,31 @@ class ChatCompletionRequest(GenerationBody):
     def num_logprobs(self) -> int | None:
         """Alternatives per position the engine must return (None: no logprobs)."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's): a prompt's ids, or a chat's as the chat route renders it (the chat
+    fields are those of ChatCompletionRequest, which validates them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    add_special_tokens: bool | None = None
+    """Add the tokenizer's special tokens (BOS, ...): by default to a prompt, and not to a chat,
+    whose template writes its own (vLLM's defaults)."""
+    return_token_strs: bool = False
+    """Also return each id's vocabulary string."""
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give one of prompt and messages", "prompt")
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's): the text of token ids."""
+
+    model: str | None = None
+    tokens: TokenIds
 
 
 def parse_body(model: type[_Body], body: bytes) -> Any:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import importlib.metadata
 import logging
 import re
 import signal
@@ -142,6 +143,9 @@ class OpenAIServer:
         app.get("/v1/models/{model_id:path}")(self.model)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/tokenize")(self.tokenize_route)
+        app.post("/detokenize")(self.detokenize_route)
+        app.get("/version")(self.version)
         return app
 
     @contextlib.asynccontextmanager
@@ -230,9 +234,7 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         arrival_time_s = time.monotonic()
         body = await self._parse(request, ChatCompletionRequest)
-        if body.chat_template is not None and not self.config.trust_request_chat_template:
-            raise protocol.bad_request("this server does not take chat templates from requests (start it "
-                                       "with --trust-request-chat-template)", "chat_template")
+        self._check_request_template(body)
         params = body.sampling_params(max_tokens=body.max_new_tokens, logprobs=body.num_logprobs,
                                       defaults=self.sampling_defaults)
         if body.tool_mode == "auto":
@@ -281,14 +283,57 @@ class OpenAIServer:
             raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
                            code="invalid_api_key")
 
+    async def tokenize_route(self, request: Request) -> dict[str, Any]:
+        """vLLM's POST /tokenize: a prompt's ids, or a chat's as /v1/chat/completions renders it.
+        As in vLLM, it and /detokenize are outside /v1 and need no API key."""
+        raw = await self._read_body(request)
+        body = self._validated(protocol.TokenizeRequest, raw)
+        if body.prompt is not None:
+            token_ids = self.tokenizer.encode(body.prompt,
+                                              add_special_tokens=body.add_special_tokens is not False)
+        else:
+            chat = self._validated(ChatCompletionRequest, raw)
+            self._check_request_template(chat)
+            if body.add_special_tokens:
+                text = await asyncio.to_thread(self._render_chat, chat, tokenize=False)
+                token_ids = self.tokenizer.encode(text, add_special_tokens=True)
+            else:
+                token_ids = await asyncio.to_thread(self._render_chat, chat)
+        strings = self.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
+        return {"count": len(token_ids), "max_model_len": self.max_model_len, "tokens": token_ids,
+                "token_strs": strings}
+
+    async def detokenize_route(self, request: Request) -> dict[str, Any]:
+        """vLLM's POST /detokenize: the text of token ids, special tokens kept."""
+        body = self._validated(protocol.DetokenizeRequest, await self._read_body(request))
+        out_of_range = [token for token in body.tokens if token >= len(self.tokenizer)]
+        if out_of_range:
+            raise protocol.bad_request(f"token ids {out_of_range[:5]} are not in the tokenizer's vocabulary "
+                                       f"(of {len(self.tokenizer)})", "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    async def version(self) -> dict[str, str]:
+        try:
+            return {"version": importlib.metadata.version("slipstream")}
+        except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+            return {"version": "unknown"}
+
     async def _parse(self, request: Request, model: type[T]) -> T:
         """Authorize, then read and validate the body: a 4xx for anything wrong with it."""
         self._authorize(request)
-        body = protocol.parse_body(model, await self._read_body(request))
+        return self._validated(model, await self._read_body(request))
+
+    def _validated(self, model: type[T], raw: bytes) -> T:
+        body = protocol.parse_body(model, raw)
         if body.model is not None and body.model != self.model_name:
             raise self._unknown_model(body.model)
         body.check_supported()
         return body
+
+    def _check_request_template(self, body: ChatCompletionRequest) -> None:
+        if body.chat_template is not None and not self.config.trust_request_chat_template:
+            raise protocol.bad_request("this server does not take chat templates from requests (start it "
+                                       "with --trust-request-chat-template)", "chat_template")
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, or a 413 past `max_body_bytes`. An oversized body is read to its end but not
@@ -334,11 +379,12 @@ class OpenAIServer:
         return responses.Echo(texts, first_tokens, generate=body.max_tokens != 0,
                               with_logprobs=body.logprobs is not None)
 
-    def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
+    def _render_chat(self, body: ChatCompletionRequest, tokenize: bool = True) -> list[int] | str:
+        """The chat's ids as its template renders them (its text, with tokenize=False)."""
         messages = [m.template_message() for m in body.messages]
         try:
             return self.tokenizer.apply_chat_template(messages, **body.template_arguments(),
-                                                      return_dict=False)
+                                                      tokenize=tokenize, return_dict=False)
         except (ValueError, TypeError, jinja2.TemplateError) as error:
             raise protocol.bad_request(f"the chat template rejected the messages: {error}",
                                        "messages") from error
