@@ -36,6 +36,7 @@ from slipstream.ops.inference import optimize_for_cpu_inference
 from slipstream.perf.flops import kv_cache_bytes_per_token
 from slipstream.serve.fsm import compile_pattern
 from slipstream.serve.outputs import PromptOutput, SequenceOutput
+from slipstream.serve.pooling import EmbeddingRequestOutput, Pool, PoolerConfig, PoolingJob, PoolingParams
 from slipstream.serve.request import (
     Request,
     RequestMetrics,
@@ -113,6 +114,9 @@ class EngineConfig:
     less time per token); in exchange tokens arrive in bursts, a request that arrives during a
     burst waits for its end, and a request that stops early (end-of-sequence, stop token or
     string) has computed a few steps for nothing."""
+    runner: str = "auto"
+    """As vLLM's: "generate" ("auto": the decoder generates), or "pooling": the engine embeds
+    prompts instead (`add_embedding_request`, `LLM.embed`; pooling.py)."""
     speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
     """As vLLM's, for the "ngram" method (`speculative.py`): `{"method": "ngram",
     "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}`. Steps in which
@@ -138,6 +142,8 @@ class EngineConfig:
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**63), got {self.seed!r}")
         if self.dtype != "auto":
             resolve_dtype(self.dtype)
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -176,12 +182,16 @@ class Engine:
                              dtype=dtype, device=device, max_num_seqs=config.max_num_seqs,
                              max_model_len=self.limits.max_model_len, use_kernels=config.fast_cpu_kernels,
                              enforce_eager=config.enforce_eager)
+        self.pooler = PoolerConfig.from_model_dir(config.model) if config.runner == "pooling" else None
+        """How embeddings are made, for a pooling engine (None: a generating one)."""
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             block_size=config.block_size,
             num_blocks=self.limits.num_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
+            # Pooling over every position needs them all computed, so no prefix may be reused.
+            enable_prefix_caching=config.enable_prefix_caching and (
+                self.pooler is None or self.pooler.pooling_type == "LAST"),
             policy=config.scheduling_policy,
         ))
         if device.type == "cpu":  # the weights and the KV cache keep their own mappings
@@ -191,6 +201,8 @@ class Engine:
         self._prompts: dict[str, PromptOutput] = {}
         self._sequences: dict[str, tuple[PromptOutput, SequenceOutput, torch.Generator | None]] = {}
         self._guides: dict[tuple[str, str], Guide | GrammarGuide] = {}
+        self._pooling: dict[str, PoolingJob] = {}
+        """A pooling engine's requests, by id."""
         self.num_draft_tokens = 0
         """Guessed tokens checked so far (speculative_config; vLLM's spec_decode_num_draft_tokens)."""
         self.num_accepted_tokens = 0
@@ -218,6 +230,8 @@ class Engine:
         `prompt_text` is the text that token-id prompts came from (a rendered chat), reported as
         `RequestOutput.prompt`.
         """
+        if self.pooler is not None:
+            raise ValueError("this engine embeds (runner='pooling'): it takes add_embedding_request")
         params = params or SamplingParams()
         if request_id in self._prompts:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -253,6 +267,34 @@ class Engine:
         for request, sequence, generator in zip(requests, entry.sequences, generators, strict=True):
             self._sequences[request.request_id] = (entry, sequence, generator)
         self._prompts[request_id] = entry
+
+    def add_embedding_request(
+        self, request_id: str, prompt: str | Sequence[int], params: PoolingParams | None = None, *,
+        arrival_time_s: float | None = None, truncate_prompt_tokens: int | None = None,
+    ) -> None:
+        """Queue a prompt to embed (a pooling engine's); `step()` returns its
+        EmbeddingRequestOutput once the step that computes its last token has pooled it. It runs
+        as a one-token request that never samples, so a prompt leaves room for one token, as a
+        generation prompt does."""
+        if self.pooler is None:
+            raise ValueError("this engine generates (runner='generate'); embedding needs runner='pooling'")
+        params = params or PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise TypeError(f"params must be a PoolingParams, got {type(params).__name__}")
+        self.pooler.check(params)
+        if request_id in self._pooling:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = validate_prompt_token_ids(
+            self.tokenize(prompt, truncate_prompt_tokens), vocab_size=self.limits.vocab_size,
+            max_model_len=self.limits.max_model_len,
+        )
+        arrival = time.monotonic() if arrival_time_s is None else arrival_time_s
+        self.scheduler.add(Request(request_id=request_id, prompt_token_ids=token_ids,
+                                   sampling_params=SamplingParams(max_tokens=1), arrival_time_s=arrival,
+                                   max_total_tokens=self.limits.max_model_len))
+        self._pooling[request_id] = PoolingJob(
+            request_id=request_id, prompt_token_ids=token_ids, params=params,
+            pool=Pool(self.pooler.pooling_type), metrics=RequestMetrics(arrival_time_s=arrival))
 
     def tokenize(self, prompt: str | Sequence[int], truncate_prompt_tokens: int | None = None) -> list[int]:
         """The ids generated from: a text prompt's encoding (special tokens added), or the ids
@@ -357,6 +399,8 @@ class Engine:
         outputs = []
         now = time.monotonic()
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            if self._pooling.pop(request_id, None) is not None:
+                self.scheduler.abort(request_id)
             entry = self._prompts.pop(request_id, None)
             if entry is None:
                 continue
@@ -381,7 +425,7 @@ class Engine:
         return self.scheduler.kv_cache.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._prompts)
+        return bool(self._prompts or self._pooling)
 
     # ---- the step loop ------------------------------------------------------------------
 
@@ -390,6 +434,8 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
+        if self.pooler is not None:
+            return self._run_pooling_step(plan)
         self._mark_scheduled(plan)
         num_steps = self._num_greedy_steps(plan)
         drafts = self._drafts(plan) if num_steps and self.config.speculative_config else None
@@ -418,6 +464,24 @@ class Engine:
             if chunk.request.request_id in self._sequences:
                 changed.add(self._record_token(chunk.request, token_id, logprobs, now))
         return changed
+
+    def _run_pooling_step(self, plan: StepPlan) -> list[EmbeddingRequestOutput]:
+        """Compute the plan's prompt chunks and pool each prompt whose last token it reached."""
+        hidden = self.runner.execute_hidden(plan)  # (num_batched_tokens, E)
+        outputs, row, now = [], 0, time.monotonic()
+        for chunk in plan.chunks:
+            job = self._pooling[chunk.request.request_id]
+            job.pool.add(hidden[row : row + chunk.num_tokens], chunk.start)
+            row += chunk.num_tokens
+            if job.metrics.first_scheduled_time_s is None:
+                job.metrics.first_scheduled_time_s = now
+                job.num_cached_tokens = chunk.request.num_cached_prompt_tokens
+            if chunk.samples:
+                self.scheduler.finish(job.request_id, "stop")
+                del self._pooling[job.request_id]
+                outputs.append(job.output(self.pooler, time.monotonic()))
+        self.scheduler.update(plan, {})  # the chunks still short of their prompt's end move on
+        return outputs
 
     def _num_greedy_steps(self, plan: StepPlan) -> int:
         """How many decode steps the plan may run at once on the runner's greedy path, which takes

@@ -33,6 +33,7 @@ from slipstream.serve.beam_search import (
     step_sampling_params,
 )
 from slipstream.serve.engine import Engine, EngineConfig
+from slipstream.serve.pooling import EmbeddingRequestOutput, PoolingParams
 from slipstream.serve.request import (
     RequestOutput,
     SamplingParams,
@@ -141,6 +142,30 @@ class LLM:
             self.engine.abort_request(ids)
             raise
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in the order given, as vLLM's `LLM.embed` (an LLM built with
+        runner="pooling"; pooling.py). Prompts are as `generate` takes them; `pooling_params` is
+        one for every prompt or a list of one per prompt."""
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(pooling_params or PoolingParams(), len(prompts), "pooling_params", PoolingParams,
+                             "a PoolingParams")
+        ids = [str(next(self._ids)) for _ in prompts]
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params, strict=True):
+                self.engine.add_embedding_request(request_id, _prompt_input(prompt)[0], p,
+                                                  truncate_prompt_tokens=truncate_prompt_tokens)
+            return self._run(ids, use_tqdm, desc="embedding")
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *, use_tqdm: bool = False,
     ) -> list[BeamSearchOutput]:
@@ -207,9 +232,10 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+    def _run(self, ids: list[str], use_tqdm: bool, desc: str = "generating") -> list[Any]:
+        """Step the engine until the requests `ids` are done; their final outputs, in order."""
+        finished: dict[str, Any] = {}
+        with tqdm(total=len(ids), desc=desc, unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:

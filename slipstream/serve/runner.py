@@ -111,6 +111,23 @@ class Runner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepLogits:
+        token_ids, positions, batch = self._inputs(plan)
+        graph = self._graph_for(batch)
+        if isinstance(graph, CpuDecodeGraph) and all(c.samples and not _wants_prompt_logits(c)
+                                                     for c in plan.chunks):
+            # Every row samples and none is a prompt position: the lm_head runs in the graph.
+            logits = graph(token_ids, positions, batch, logits=True)
+            return StepLogits(sample_logits=logits, prompt_logits={})
+        return self._logits(plan, self._decode_or_forward(graph, token_ids, positions, batch))
+
+    @torch.inference_mode()
+    def execute_hidden(self, plan: StepPlan) -> torch.Tensor:  # (num_batched_tokens, E)
+        """The plan's final-norm hidden states, every chunk's rows in plan order (for pooling)."""
+        token_ids, positions, batch = self._inputs(plan)
+        return self._decode_or_forward(self._graph_for(batch), token_ids, positions, batch)
+
+    def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
+        """The plan's chunks as one flat batch: token ids, positions and the paged layout."""
         token_ids, positions = [], []
         for chunk in plan.chunks:
             token_ids += chunk.request.token_ids_range(chunk.start, chunk.start + chunk.num_tokens)
@@ -123,15 +140,7 @@ class Runner:
             sliding_window=self.model.config.sliding_window,
             device=self.device,
         )
-        token_ids = torch.tensor(token_ids, device=self.device)
-        positions = torch.tensor(positions, device=self.device)
-        graph = self._graph_for(batch)
-        if isinstance(graph, CpuDecodeGraph) and all(c.samples and not _wants_prompt_logits(c)
-                                                     for c in plan.chunks):
-            # Every row samples and none is a prompt position: the lm_head runs in the graph.
-            logits = graph(token_ids, positions, batch, logits=True)
-            return StepLogits(sample_logits=logits, prompt_logits={})
-        return self._logits(plan, self._decode_or_forward(graph, token_ids, positions, batch))
+        return torch.tensor(token_ids, device=self.device), torch.tensor(positions, device=self.device), batch
 
     def _graph_for(self, batch: PagedBatch) -> CpuDecodeGraph | CudaDecodeGraphs | None:
         """The decode graph that runs `batch`: none for a step with a prefill chunk or more
