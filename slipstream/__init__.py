@@ -1,17 +1,19 @@
 """slipstream: serve, train and measure large language models on PyTorch.
 
-`LLM`, `SamplingParams`, `BeamSearchParams`, `StructuredOutputsParams` and `RequestOutput` are
-importable from here; they load on first use, so that torch-free parts (the scheduler, the
-performance model) stay importable without torch.
+`LLM`, `SamplingParams`, `BeamSearchParams`, `StructuredOutputsParams`, `PoolingParams` and
+`RequestOutput` are importable from here; they load on first use, so that torch-free parts (the
+scheduler, the performance model) stay importable without torch.
 """
 
 import importlib
 
-__all__ = ["LLM", "BeamSearchParams", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "BeamSearchParams", "PoolingParams", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]
 
 _EXPORTS = {
     "LLM": "slipstream.serve.llm",
     "BeamSearchParams": "slipstream.serve.beam_search",
+    "PoolingParams": "slipstream.serve.pooling",
     "RequestOutput": "slipstream.serve.request",
     "SamplingParams": "slipstream.serve.request",
     "StructuredOutputsParams": "slipstream.serve.structured",

@@ -150,7 +150,7 @@ def _serve(args: argparse.Namespace) -> None:
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=not args.no_enable_prefix_caching, max_logprobs=args.max_logprobs,
         enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
-        speculative_config=args.speculative_config,
+        speculative_config=args.speculative_config, runner=args.runner,
     )
     if args.gpu_memory_utilization is not None:
         from slipstream.serve.llm import with_memory_utilization
@@ -275,6 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config",
                    help='as vLLM: JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(n-gram speculative decoding of greedy requests)")
+    p.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
+                   help="as vLLM: pooling serves /v1/embeddings instead of generating")
 
     bench = _add(commands, "bench", None, "benchmarks")
     bench = bench.add_subparsers(dest="bench_command", required=True)

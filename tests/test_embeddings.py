@@ -12,9 +12,9 @@ import pytest
 import torch
 from serve_fixtures import MAX_POSITIONS, kv_bytes_for_blocks
 
-from slipstream import LLM
+from slipstream import LLM, PoolingParams
 from slipstream.serve.engine import Engine, EngineConfig
-from slipstream.serve.pooling import Pool, PoolingParams
+from slipstream.serve.pooling import Pool
 
 pytest_plugins = ["serve_fixtures"]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -185,3 +185,40 @@ def test_a_pool_restarts_with_a_recomputed_prompt(pooling):
     pool.add(hidden[5:], 5)
     torch.testing.assert_close(pool.result(), pooled(hidden, pooling, normalize=False))
 
+
+
+def test_the_embeddings_route_equals_the_offline_engine(model_dir, tmp_path):
+    """`slipstream serve --runner pooling` answers OpenAI's embeddings call, through the official
+    client, with the offline engine's vectors: texts and token ids, floats and base64 (the
+    client's default, which it decodes), usage counting the prompt tokens; generation routes,
+    an empty input and a `dimensions` the model lacks are 400s."""
+    openai = pytest.importorskip("openai")
+    from server_process import MODEL_NAME, ServerProcess, metric_values
+
+    llm = LLM(model_dir, runner="pooling", max_model_len=MAX_POSITIONS)
+    ids = llm.get_tokenizer().encode(TEXTS[3])
+    expected = llm.embed([TEXTS[0], TEXTS[1], ids], use_tqdm=False)
+    server = ServerProcess(model_dir, tmp_path / "server.log", "--runner", "pooling",
+                           "--max-model-len", str(MAX_POSITIONS)).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        texts = client.embeddings.create(model=MODEL_NAME, input=[TEXTS[0], TEXTS[1]])
+        as_ids = client.embeddings.create(model=MODEL_NAME, input=ids, encoding_format="float")
+        got = [item.embedding for item in texts.data] + [as_ids.data[0].embedding]
+        errors = [max(abs(a - b) for a, b in zip(g, e.outputs.embedding, strict=True))
+                  for g, e in zip(got, expected, strict=True)]
+        assert max(errors) < 1e-5, errors
+        assert [item.index for item in texts.data] == [0, 1]
+        assert texts.usage.prompt_tokens == texts.usage.total_tokens == sum(
+            len(e.prompt_token_ids) for e in expected[:2])
+        calls = ((lambda: client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2), None),
+                 (lambda: client.embeddings.create(model=MODEL_NAME, input=[]), "input"),
+                 (lambda: client.embeddings.create(model=MODEL_NAME, input="x", dimensions=8), "dimensions"))
+        for call, param in calls:
+            with pytest.raises(openai.BadRequestError) as error:
+                call()
+            assert error.value.body["param"] == param
+        metrics = metric_values(server)
+        assert metrics["slipstream:prompt_tokens_total"] == texts.usage.prompt_tokens + len(ids)
+    finally:
+        server.stop()

@@ -36,6 +36,8 @@ def chat(**changes) -> dict:
 # (name, path, body: dict (sent as JSON) or bytes (sent raw), expected status, expected param)
 CASES = [
     ("bad JSON", COMPLETIONS, b'{"prompt": "hi", ', 400, None),
+    ("embeddings from a generating server", "/v1/embeddings", {"input": "hi"}, 400, None),
+    ("embedding input of the wrong type", "/v1/embeddings", {"input": [1.5]}, 400, "input"),
     ("body is not an object", COMPLETIONS, b"[1, 2, 3]", 400, None),
     ("invalid UTF-8", COMPLETIONS, b'{"prompt": "\xff\xfe\xfa"}', 400, None),
     ("deeply nested JSON", COMPLETIONS, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),

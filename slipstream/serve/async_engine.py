@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from slipstream.serve.engine import Engine
+from slipstream.serve.pooling import EmbeddingRequestOutput, PoolingParams
 from slipstream.serve.request import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -61,9 +62,14 @@ class EngineStats:
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Add:
     prompts: dict[str, list[int]]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
+    """PoolingParams: prompts to embed (a pooling engine's)."""
     arrival_time_s: float
     accepted: concurrent.futures.Future
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.prompts) * (self.params.n if isinstance(self.params, SamplingParams) else 1)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,7 +80,8 @@ class _Abort:
 
 _STOP = object()
 
-StepCallback = Callable[[list[RequestOutput], EngineStats], None]
+Output = RequestOutput | EmbeddingRequestOutput
+StepCallback = Callable[[list[Output], EngineStats], None]
 
 
 class RequestStream:
@@ -87,7 +94,7 @@ class RequestStream:
     def __init__(self, request_ids: Sequence[str], engine: AsyncEngine) -> None:
         self.request_ids = list(request_ids)
         self._engine = engine
-        self._pending: dict[str, RequestOutput] = {}
+        self._pending: dict[str, Output] = {}
         """The newest unread output of each prompt that changed since the last `get`."""
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
@@ -98,14 +105,14 @@ class RequestStream:
         """Whether the consumer has seen the final output of every prompt."""
         return not self._unfinished
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: Output | BaseException) -> None:
         if isinstance(item, BaseException):
             self._error = item
         else:
             self._pending[item.request_id] = item  # replaces an older, unread output
         self._ready.set()
 
-    async def get(self) -> list[RequestOutput]:
+    async def get(self) -> list[Output]:
         """The newest output of every prompt that changed since the last call (waits for one);
         raises the error the stream failed with (then on every later call too)."""
         if self._error is None:
@@ -170,28 +177,31 @@ class AsyncEngine:
         return self.stats.num_waiting + self._num_in_transit
 
     async def add(
-        self, prompts: dict[str, list[int]], params: SamplingParams, *, arrival_time_s: float
+        self, prompts: dict[str, list[int]], params: SamplingParams | PoolingParams, *, arrival_time_s: float
     ) -> RequestStream:
-        """Queue the prompts of one API call (request id -> prompt token ids) under one stream.
+        """Queue the prompts of one API call (request id -> prompt token ids) under one stream: to
+        generate from, or with PoolingParams to embed.
 
         Raises `Overloaded` when they would take the waiting queue past `max_waiting`, ValueError
         when they could never fit in it, and the engine's ValueError for input it rejects (then
         none of them is queued)."""
         if self._stopping:
             raise Overloaded("the engine is stopping")
-        num_sequences = len(prompts) * params.n
+        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        command = _Add(prompts, params, arrival_time_s, accepted)
+        num_sequences = command.num_sequences
         if num_sequences > self.max_waiting:
-            raise ValueError(f"{'n' if params.n > 1 else 'prompt'} makes {num_sequences} sequences to "
-                             f"generate ({len(prompts)} prompts x n={params.n}), more than the server "
-                             f"queues ({self.max_waiting})")
+            per_prompt = num_sequences // len(prompts)
+            raise ValueError(f"{'n' if per_prompt > 1 else 'prompt'} makes {num_sequences} sequences "
+                             f"({len(prompts)} prompts x n={per_prompt}), more than the server queues "
+                             f"({self.max_waiting})")
         if self.num_waiting + num_sequences > self.max_waiting:
             raise Overloaded(f"{self.num_waiting} sequences are waiting (at most {self.max_waiting})")
         stream = RequestStream(list(prompts), self)
         for request_id in prompts:
             self._streams[request_id] = stream
-        accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._num_in_transit += num_sequences
-        self._commands.put(_Add(prompts, params, arrival_time_s, accepted))
+        self._commands.put(command)
         try:
             await asyncio.wrap_future(accepted)
         except BaseException:
@@ -210,7 +220,7 @@ class AsyncEngine:
         self._commands.put(_Abort(None))
 
     def _deliver(
-        self, outputs: list[RequestOutput], failed: list[str], stats: EngineStats, num_taken: int
+        self, outputs: list[Output], failed: list[str], stats: EngineStats, num_taken: int
     ) -> None:
         """Runs on the event loop: route one iteration's outputs to their streams."""
         self._num_in_transit -= num_taken
@@ -238,7 +248,7 @@ class AsyncEngine:
         while True:
             commands = self._take_commands(block=not self._active)
             stopping = _STOP in commands
-            num_taken = sum(len(c.prompts) * c.params.n for c in commands if isinstance(c, _Add))
+            num_taken = sum(c.num_sequences for c in commands if isinstance(c, _Add))
             try:
                 outputs, failed = self._iterate([c for c in commands if c is not _STOP], step=not stopping)
                 if stopping:
@@ -258,9 +268,9 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _iterate(self, commands: list, *, step: bool) -> tuple[list[RequestOutput], list[str]]:
+    def _iterate(self, commands: list, *, step: bool) -> tuple[list[Output], list[str]]:
         """Apply the commands, then step: (outputs, ids of requests that failed in the step)."""
-        outputs: list[RequestOutput] = []
+        outputs: list[Output] = []
         for command in commands:
             if isinstance(command, _Add):
                 self._add(command)
@@ -282,8 +292,12 @@ class AsyncEngine:
         added = []
         try:
             for request_id, token_ids in command.prompts.items():
-                self.engine.add_request(request_id, token_ids, command.params,
-                                        arrival_time_s=command.arrival_time_s)
+                if isinstance(command.params, PoolingParams):
+                    self.engine.add_embedding_request(request_id, token_ids, command.params,
+                                                      arrival_time_s=command.arrival_time_s)
+                else:
+                    self.engine.add_request(request_id, token_ids, command.params,
+                                            arrival_time_s=command.arrival_time_s)
                 added.append(request_id)
         except Exception as error:
             if not isinstance(error, ValueError):
@@ -294,13 +308,13 @@ class AsyncEngine:
         self._active.update(added)
         command.accepted.set_result(None)
 
-    def _abort(self, request_ids: list[str] | None) -> list[RequestOutput]:
+    def _abort(self, request_ids: list[str] | None) -> list[Output]:
         request_ids = sorted(self._active) if request_ids is None else request_ids
         outputs = self.engine.abort_request(request_ids)
         self._active.difference_update(request_ids)
         return outputs
 
-    def _step(self) -> tuple[list[RequestOutput], list[str]]:
+    def _step(self) -> tuple[list[Output], list[str]]:
         """One engine step; when it raises, the requests in flight fail (their abort outputs still
         go out, for the metrics) and the loop goes on."""
         try:
@@ -315,7 +329,7 @@ class AsyncEngine:
                 self._active.clear()
                 return [], failed
 
-    def _post(self, outputs: list[RequestOutput], failed: list[str], num_taken: int) -> None:
+    def _post(self, outputs: list[Output], failed: list[str], num_taken: int) -> None:
         kv_cache = self.engine.scheduler.kv_cache
         stats = EngineStats(
             time_s=time.monotonic(), num_running=self.engine.num_running, num_waiting=self.engine.num_waiting,

@@ -393,14 +393,17 @@ class Engine:
             raise ValueError(f"allowed_token_ids {list(params.allowed_token_ids)} are all stop tokens, "
                              f"which min_tokens={params.min_tokens} masks: nothing is left to sample")
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Stop requests now and free their KV blocks; returns their final outputs (finish
-        reason "abort" for completions still running). Unknown or finished ids are ignored."""
+        reason "abort" for completions still running, and for embeddings). Unknown or finished
+        ids are ignored."""
         outputs = []
         now = time.monotonic()
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
-            if self._pooling.pop(request_id, None) is not None:
+            job = self._pooling.pop(request_id, None)
+            if job is not None:
                 self.scheduler.abort(request_id)
+                outputs.append(job.output(None, now))
             entry = self._prompts.pop(request_id, None)
             if entry is None:
                 continue

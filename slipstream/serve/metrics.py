@@ -16,6 +16,7 @@ import dataclasses
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from slipstream.serve.async_engine import EngineStats
+from slipstream.serve.pooling import EmbeddingRequestOutput
 from slipstream.serve.request import RequestOutput
 
 PREFIX = "slipstream:"
@@ -88,10 +89,13 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def observe(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+    def observe(self, outputs: list[RequestOutput | EmbeddingRequestOutput], stats: EngineStats) -> None:
         """Record one engine iteration: its outputs (every one, in order) and the load after it."""
         for output in outputs:
-            self._observe_output(output, stats.time_s)
+            if isinstance(output, EmbeddingRequestOutput):
+                self._observe_embedding(output)
+            else:
+                self._observe_output(output, stats.time_s)
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
@@ -123,6 +127,17 @@ class ServerMetrics:
         if output.finished:
             self._observe_finished(output)
             del self._progress[output.request_id]
+
+    def _observe_embedding(self, output: EmbeddingRequestOutput) -> None:
+        """An embedding (always final): its prompt, its request and its times, as vLLM counts a
+        pooling request's."""
+        if output.finish_reason != "abort":
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.success.labels(self._model_name, output.finish_reason).inc()
+        if output.metrics.e2e_latency_s is not None:
+            self.e2e.observe(output.metrics.e2e_latency_s)
+        if output.metrics.queue_time_s is not None:
+            self.queue.observe(output.metrics.queue_time_s)
 
     def _observe_finished(self, output: RequestOutput) -> None:
         metrics = output.metrics

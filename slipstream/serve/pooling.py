@@ -159,6 +159,8 @@ class EmbeddingRequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     finished: bool = True
+    finish_reason: str = "stop"
+    """"abort" for a request aborted before its embedding (which is then empty)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -172,8 +174,14 @@ class PoolingJob:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
 
-    def output(self, pooler: PoolerConfig, now: float) -> EmbeddingRequestOutput:
-        self.metrics.first_token_time_s = self.metrics.finished_time_s = now
+    def output(self, pooler: PoolerConfig | None, now: float) -> EmbeddingRequestOutput:
+        """The request's embedding, pooled now; None for `pooler`: its output as an abort."""
+        self.metrics.finished_time_s = now
+        if pooler is None:
+            return EmbeddingRequestOutput(request_id=self.request_id, outputs=EmbeddingOutput([]),
+                                          prompt_token_ids=self.prompt_token_ids, metrics=self.metrics,
+                                          num_cached_tokens=self.num_cached_tokens, finish_reason="abort")
+        self.metrics.first_token_time_s = now
         embedding = pooler.embedding(self.pool.result(), self.params)
         return EmbeddingRequestOutput(request_id=self.request_id, outputs=EmbeddingOutput(embedding),
                                       prompt_token_ids=self.prompt_token_ids,

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from slipstream.serve.beam_search import BeamSearchParams
+from slipstream.serve.pooling import PoolingParams
 from slipstream.serve.request import SamplingParams
 from slipstream.serve.structured import StructuredOutputsParams
 
@@ -545,6 +546,36 @@ class DetokenizeRequest(_Body):
 
     model: str | None = None
     tokens: TokenIds
+
+
+class EmbeddingRequest(_Body):
+    """POST /v1/embeddings (OpenAI's), with vLLM's extensions."""
+
+    model: str | None = None
+    input: str | list[str] | TokenIds | list[TokenIds]
+    """A text, texts, token ids, or lists of them: one embedding each."""
+    encoding_format: Literal["float", "base64"] = "float"
+    """base64: each embedding as its little-endian float32 bytes, base64-encoded (as OpenAI's)."""
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    # vLLM's extensions
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    add_special_tokens: bool = True
+    use_activation: bool | None = None
+    """L2-normalise the embeddings (None: the model's default)."""
+
+    def check_supported(self) -> None:
+        if isinstance(self.input, list) and not self.input:
+            raise bad_request("input must not be empty", "input")
+
+    def inputs(self) -> list[str | list[int]]:
+        """One prompt per embedding."""
+        if isinstance(self.input, str) or (self.input and isinstance(self.input[0], int)):
+            return [self.input]
+        return list(self.input)
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(dimensions=self.dimensions, use_activation=self.use_activation)
 
 
 def parse_body(model: type[_Body], body: bytes) -> Any:

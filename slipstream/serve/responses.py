@@ -1,5 +1,6 @@
 """OpenAI's response side: completions and chat completions as whole JSON bodies or as server-sent
-event chunks, with usage and logprobs in OpenAI's two formats (legacy completions, chat).
+event chunks, with usage and logprobs in OpenAI's two formats (legacy completions, chat), and
+embeddings.
 
 A stream sends each choice's news as its own chunk: the text added since the last chunk (the
 engine already holds back a possible stop-string prefix), the logprobs of the new tokens, and the
@@ -8,6 +9,7 @@ finish reason on the last one. Chunks with nothing to say are not sent.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import time
@@ -15,6 +17,9 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
+from slipstream.serve.pooling import EmbeddingRequestOutput
 from slipstream.serve.request import CompletionOutput, Logprob, RequestOutput
 from slipstream.serve.tool_parsers import TOOL_CALL_PARSERS, HermesStream, WholeCallsStream, tool_call
 
@@ -36,6 +41,22 @@ class ResponseMeta:
 
     def head(self, object: str) -> dict[str, Any]:
         return {"id": self.id, "object": object, "created": self.created, "model": self.model}
+
+
+def embedding_response(meta: ResponseMeta, outputs: list[EmbeddingRequestOutput],
+                       encoding_format: str) -> dict[str, Any]:
+    """OpenAI's embeddings list: one entry per input, in order; base64 is the little-endian float32
+    bytes of each vector."""
+    def encoded(vector: list[float]) -> list[float] | str:
+        if encoding_format == "float":
+            return vector
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+
+    data = [{"object": "embedding", "index": index, "embedding": encoded(output.outputs.embedding)}
+            for index, output in enumerate(outputs)]
+    num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    return {"id": meta.id, "object": "list", "created": meta.created, "model": meta.model, "data": data,
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
 
 def sse(data: dict[str, Any] | str) -> str:

@@ -42,6 +42,7 @@ from slipstream.serve.beam_search import (
 )
 from slipstream.serve.engine import Engine, EngineConfig
 from slipstream.serve.metrics import ServerMetrics
+from slipstream.serve.pooling import EmbeddingRequestOutput
 from slipstream.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from slipstream.serve.request import (
     CompletionOutput,
@@ -122,6 +123,8 @@ class OpenAIServer:
         self.max_model_len = engine.limits.max_model_len
         self.eos_token_ids = engine.limits.eos_token_ids
         self.max_logprobs = engine.config.max_logprobs
+        self.pooler = engine.pooler
+        """How the engine embeds, when it is a pooling one (None: it generates)."""
         self.sampling_defaults = generation_config_defaults(engine.config.model)
         """What requests leave unset is sampled as the model's generation_config.json says."""
         self.metrics = ServerMetrics(self.model_name)
@@ -143,6 +146,7 @@ class OpenAIServer:
         app.get("/v1/models/{model_id:path}")(self.model)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/v1/embeddings")(self.embeddings)
         app.post("/tokenize")(self.tokenize_route)
         app.post("/detokenize")(self.detokenize_route)
         app.get("/version")(self.version)
@@ -205,6 +209,7 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         arrival_time_s = time.monotonic()
         body = await self._parse(request, CompletionRequest)
+        self._check_runner(generates=True)
         params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs,
                                       defaults=self.sampling_defaults)
         texts = body.prompts()
@@ -234,6 +239,7 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         arrival_time_s = time.monotonic()
         body = await self._parse(request, ChatCompletionRequest)
+        self._check_runner(generates=True)
         self._check_request_template(body)
         params = body.sampling_params(max_tokens=body.max_new_tokens, logprobs=body.num_logprobs,
                                       defaults=self.sampling_defaults)
@@ -271,6 +277,40 @@ class OpenAIServer:
             return _event_stream(self._events(stream, chunks, body.include_usage))
         [output] = await self._collect(request, stream)
         return JSONResponse(responses.chat_response(meta, output, **options))
+
+    async def embeddings(self, request: Request) -> Response:
+        """OpenAI's POST /v1/embeddings, for a server started with --runner pooling."""
+        arrival_time_s = time.monotonic()
+        body = await self._parse(request, protocol.EmbeddingRequest)
+        self._check_runner(generates=False)
+        params = body.pooling_params()
+        try:
+            self.pooler.check(params)
+        except ValueError as error:
+            raise protocol.bad_request(str(error), "dimensions") from error
+        prompts = await asyncio.to_thread(self._embedding_prompts, body)
+        for token_ids in prompts:
+            self._check_context(len(token_ids), 0, 0, "input", "input")
+        meta = ResponseMeta.new("embd", self.model_name)
+        stream = await self._submit(meta.id, prompts, params, arrival_time_s, {"prompt": "input"})
+        outputs = await self._collect(request, stream)
+        return JSONResponse(responses.embedding_response(meta, outputs, body.encoding_format))
+
+    def _embedding_prompts(self, body: protocol.EmbeddingRequest) -> list[list[int]]:
+        """Each input's ids: a text encoded with or without the tokenizer's special tokens, then
+        left-truncated to truncate_prompt_tokens, as the completions route does it."""
+        inputs = body.inputs()
+        if not body.add_special_tokens:
+            inputs = [self.tokenizer.encode(i, add_special_tokens=False) if isinstance(i, str) else i
+                      for i in inputs]
+        return self._tokenize(inputs, body.truncate_prompt_tokens)
+
+    def _check_runner(self, *, generates: bool) -> None:
+        if generates and self.pooler is not None:
+            raise protocol.bad_request("this server embeds (--runner pooling): it serves /v1/embeddings")
+        if not generates and self.pooler is None:
+            raise protocol.bad_request("this server generates; embeddings need a server started with "
+                                       "--runner pooling")
 
     # ---- request handling ---------------------------------------------------------------------
 
@@ -473,7 +513,7 @@ class OpenAIServer:
             raise APIError(500, str(error), type="server_error", code="internal_error") from error
         finally:
             stream.close()
-        if any(c.finish_reason == "abort" for o in outputs for c in o.outputs):
+        if any(_aborted(output) for output in outputs):
             raise APIError(503, "the server shut down before the request finished", type="server_error",
                            code="unavailable")
         return outputs
@@ -612,3 +652,10 @@ class _Server(uvicorn.Server):
             self._api.abort_all_soon()
             return
         super().handle_exit(sig, frame)
+
+
+def _aborted(output: RequestOutput | EmbeddingRequestOutput) -> bool:
+    if isinstance(output, EmbeddingRequestOutput):
+        return output.finish_reason == "abort"
+    return any(completion.finish_reason == "abort" for completion in output.outputs)
+
