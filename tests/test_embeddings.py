@@ -130,6 +130,18 @@ def test_matryoshka_dimensions(model_dir, reference, tmp_path):
         llm.embed("hi", pooling_params=PoolingParams(dimensions=48), use_tqdm=False)
 
 
+def test_a_repeated_prompt_reuses_its_cached_blocks(model_dir, reference):
+    """Last-token pooling keeps prefix caching: a prompt embedded again finds its full blocks
+    cached and computes the rest, to the same vector."""
+    llm = LLM(model_dir, runner="pooling", max_model_len=MAX_POSITIONS)
+    [first] = llm.embed(TEXTS[3], use_tqdm=False)
+    [again] = llm.embed(TEXTS[3], use_tqdm=False)
+    block_size = llm.engine.config.block_size
+    assert first.num_cached_tokens == 0
+    assert again.num_cached_tokens == (len(again.prompt_token_ids) - 1) // block_size * block_size > 0
+    assert_close([first, again], [pooled(reference(TEXTS[3]), "LAST")] * 2)
+
+
 def test_prompts_as_token_ids_and_dicts(model_dir, reference):
     llm = LLM(model_dir, runner="pooling", max_model_len=MAX_POSITIONS)
     ids = llm.get_tokenizer().encode(TEXTS[0])

@@ -580,3 +580,24 @@ def test_fuzz_random_adds_aborts_and_finishes(seed, steps_at_once):
         if request.finish_reason == "length":
             assert len(request.output_token_ids) == request.max_output_tokens
     assert scheduler.kv_cache.num_used_blocks == 0 and scheduler.num_waiting == scheduler.num_running == 0
+
+
+def test_pooled_requests_end_without_a_token_and_leave_their_blocks_cached():
+    """An embedding engine's requests end in the step that computes their last prompt token, with
+    reason "stop" and no token; their full blocks stay in the prefix cache for the next prompt
+    that starts the same way."""
+    scheduler = Scheduler(make_config(max_num_batched_tokens=6))
+    runner = FakeRunner(scheduler.config)
+    request = make_request("a", range(1, 11), max_tokens=1)
+    scheduler.add(request)
+    plan = scheduler.schedule()  # 6 of the 10 prompt tokens
+    assert scheduler.update(plan, runner.execute(plan), pooled_ids={"a"}) == []
+    assert not request.is_finished
+    plan = scheduler.schedule()
+    assert [chunk.samples for chunk in plan.chunks] == [True]
+    assert scheduler.update(plan, {}, pooled_ids={"a"}) == [request]
+    assert (request.finish_reason, request.output_token_ids) == ("stop", [])
+    scheduler.check_invariants()
+    assert scheduler.kv_cache.num_used_blocks == 0
+    again = make_request("b", range(1, 11), max_tokens=1)
+    assert len(scheduler.kv_cache.lookup(again)) == 2  # two full blocks of 4 of the 10 tokens

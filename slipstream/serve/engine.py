@@ -403,7 +403,7 @@ class Engine:
             job = self._pooling.pop(request_id, None)
             if job is not None:
                 self.scheduler.abort(request_id)
-                outputs.append(job.output(None, now))
+                outputs.append(job.aborted(now))
             entry = self._prompts.pop(request_id, None)
             if entry is None:
                 continue
@@ -471,7 +471,7 @@ class Engine:
     def _run_pooling_step(self, plan: StepPlan) -> list[EmbeddingRequestOutput]:
         """Compute the plan's prompt chunks and pool each prompt whose last token it reached."""
         hidden = self.runner.execute_hidden(plan)  # (num_batched_tokens, E)
-        outputs, row, now = [], 0, time.monotonic()
+        pooled, row, now = [], 0, time.monotonic()
         for chunk in plan.chunks:
             job = self._pooling[chunk.request.request_id]
             job.pool.add(hidden[row : row + chunk.num_tokens], chunk.start)
@@ -480,11 +480,10 @@ class Engine:
                 job.metrics.first_scheduled_time_s = now
                 job.num_cached_tokens = chunk.request.num_cached_prompt_tokens
             if chunk.samples:
-                self.scheduler.finish(job.request_id, "stop")
-                del self._pooling[job.request_id]
-                outputs.append(job.output(self.pooler, time.monotonic()))
-        self.scheduler.update(plan, {})  # the chunks still short of their prompt's end move on
-        return outputs
+                pooled.append(self._pooling.pop(job.request_id))
+        self.scheduler.update(plan, {}, pooled_ids={job.request_id for job in pooled})
+        now = time.monotonic()
+        return [job.output(self.pooler, now) for job in pooled]
 
     def _num_greedy_steps(self, plan: StepPlan) -> int:
         """How many decode steps the plan may run at once on the runner's greedy path, which takes

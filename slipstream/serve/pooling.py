@@ -174,16 +174,18 @@ class PoolingJob:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
 
-    def output(self, pooler: PoolerConfig | None, now: float) -> EmbeddingRequestOutput:
-        """The request's embedding, pooled now; None for `pooler`: its output as an abort."""
+    def output(self, pooler: PoolerConfig, now: float) -> EmbeddingRequestOutput:
+        """The request's embedding, its prompt pooled whole."""
+        self.metrics.first_token_time_s = self.metrics.finished_time_s = now
+        return self._output(pooler.embedding(self.pool.result(), self.params), "stop")
+
+    def aborted(self, now: float) -> EmbeddingRequestOutput:
+        """The output of the request aborted before its embedding: empty, finish reason "abort"."""
         self.metrics.finished_time_s = now
-        if pooler is None:
-            return EmbeddingRequestOutput(request_id=self.request_id, outputs=EmbeddingOutput([]),
-                                          prompt_token_ids=self.prompt_token_ids, metrics=self.metrics,
-                                          num_cached_tokens=self.num_cached_tokens, finish_reason="abort")
-        self.metrics.first_token_time_s = now
-        embedding = pooler.embedding(self.pool.result(), self.params)
+        return self._output([], "abort")
+
+    def _output(self, embedding: list[float], finish_reason: str) -> EmbeddingRequestOutput:
         return EmbeddingRequestOutput(request_id=self.request_id, outputs=EmbeddingOutput(embedding),
-                                      prompt_token_ids=self.prompt_token_ids,
-                                      num_cached_tokens=self.num_cached_tokens, metrics=self.metrics)
+                                      prompt_token_ids=self.prompt_token_ids, metrics=self.metrics,
+                                      num_cached_tokens=self.num_cached_tokens, finish_reason=finish_reason)
 

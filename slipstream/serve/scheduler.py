@@ -26,7 +26,7 @@ import bisect
 import dataclasses
 import heapq
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from slipstream.serve.kv_cache import KVCacheManager
 from slipstream.serve.request import FINISH_REASONS, Request, RequestStatus
@@ -349,9 +349,12 @@ class Scheduler:
 
     # ----- after the step -----
 
-    def update(self, plan: StepPlan, sampled_token_ids: dict[str, int]) -> list[Request]:
+    def update(self, plan: StepPlan, sampled_token_ids: dict[str, int],
+               pooled_ids: Collection[str] = ()) -> list[Request]:
         """Advance the requests the plan ran, append their sampled tokens and apply stop
-        conditions. Returns the requests that finished in this step, their blocks freed."""
+        conditions; a request of `pooled_ids` (an embedding engine's) whose chunk reached the end
+        of its prompt ends here with no token. Returns the requests that finished in this step, their blocks freed
+        (full ones kept in the prefix cache)."""
         finished = []
         for chunk in plan.chunks:
             request = chunk.request
@@ -359,10 +362,11 @@ class Scheduler:
                 continue
             assert request.num_computed_tokens == chunk.start, "plans must be updated in order"
             request.num_computed_tokens += chunk.num_tokens
-            if chunk.samples:
+            pooled = chunk.samples and request.request_id in pooled_ids
+            if chunk.samples and not pooled:
                 request.output_token_ids.append(sampled_token_ids[request.request_id])
             self.kv_cache.cache_full_blocks(request)
-            reason = _stop_reason(request) if chunk.samples else None
+            reason = "stop" if pooled else _stop_reason(request) if chunk.samples else None
             if reason is not None:
                 self._release(request, reason)
                 finished.append(request)
