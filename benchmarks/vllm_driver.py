@@ -21,10 +21,12 @@ this script in a subprocess with the environment vLLM's CPU docs ask for, and re
 Direct use (the environment variables are those of `vllm_env`):
 
     $VENV/bin/python benchmarks/vllm_driver.py --model DIR --dtype bfloat16 --prompts-json P.json \\
-        --output-len 128 --repeats 3 --mode offline|latency
+        --output-len 128 --repeats 3 --mode offline|latency|embed
 
-Both modes time `LLM(...)` to the first generated token (one prompt, max_tokens=1), then warm up
-as slipstream does (the first two prompts, 4 tokens). offline: all prompts in one `generate`,
+The modes time `LLM(...)` to the first generated token (one prompt, max_tokens=1; embed: to the
+first embedding), then warm up as slipstream does (the first two prompts, 4 tokens). embed: a
+pooling LLM (`runner="pooling"`) embeds all prompts in one `embed`, as offline generates them,
+the first prompt's vector in the record. offline: all prompts in one `generate`,
 greedy, ignore_eos, median over repeats, prefix cache reset before each repeat; with
 `--rounds-from-stdin`, one such run per `run` line read from stdin instead of --repeats of them,
 each answered with a JSON line, so that a benchmark can keep vLLM up and alternate it with other
@@ -149,14 +151,15 @@ class OfflineRounds:
     manager: leaving it kills a driver not yet closed."""
 
     def __init__(self, vllm_python: str, model_dir, dtype: str, prompts: list[list[int]], output_len: int,
-                 extra_args=()) -> None:
+                 extra_args=(), mode: str = "offline") -> None:
+        """`mode` "embed": each run embeds every prompt (a pooling LLM) instead of generating."""
         env = vllm_env(vllm_python)
         self._prompts = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="vllm_prompts_")
         json.dump(prompts, self._prompts)
         self._prompts.flush()
         self._stderr = tempfile.TemporaryFile("w+")  # vLLM's log, shown only if the driver fails
         self._cmd = _driver_command(vllm_python, model_dir, dtype, self._prompts.name, output_len, 1,
-                                    "offline", [*extra_args, "--rounds-from-stdin"])
+                                    mode, [*extra_args, "--rounds-from-stdin"])
         self._proc = subprocess.Popen(self._cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=self._stderr, text=True)
         self._read_record()  # returns once vLLM is up and warm
@@ -217,7 +220,7 @@ def main() -> None:
     parser.add_argument("--prompts-json", required=True, help="JSON list of token-id lists")
     parser.add_argument("--output-len", type=int, required=True)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--mode", required=True, choices=["offline", "latency"])
+    parser.add_argument("--mode", required=True, choices=["offline", "latency", "embed"])
     parser.add_argument(
         "--max-num-seqs",
         type=int,
@@ -237,8 +240,8 @@ def main() -> None:
     parser.add_argument("--rounds-from-stdin", action="store_true",
                         help="offline: one timed run per 'run' line on stdin (until EOF), not --repeats")
     args = parser.parse_args()
-    if args.rounds_from_stdin and args.mode != "offline":
-        parser.error("--rounds-from-stdin is for --mode offline")
+    if args.rounds_from_stdin and args.mode == "latency":
+        parser.error("--rounds-from-stdin is for --mode offline or embed")
 
     from vllm import LLM, SamplingParams  # only here: the benchmarks import this file from slipstream's venv
     from vllm.inputs import TokensPrompt
@@ -249,7 +252,7 @@ def main() -> None:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "block_size": args.block_size,
     }
-    if args.mode == "offline":
+    if args.mode in ("offline", "embed"):
         engine_args["max_num_seqs"] = max(args.max_num_seqs or 256, len(prompts))
     elif args.max_num_seqs is not None:
         engine_args["max_num_seqs"] = args.max_num_seqs
@@ -260,12 +263,19 @@ def main() -> None:
     import torch
     import vllm
 
+    pooling = args.mode == "embed"
     start = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, seed=0, **engine_args)
+    llm = LLM(model=args.model, dtype=args.dtype, seed=0, **({"runner": "pooling"} if pooling else {}),
+              **engine_args)
     construct_s = time.perf_counter() - start
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-    startup_s = time.perf_counter() - start
-    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+    if pooling:
+        llm.embed(prompts[:1], use_tqdm=False)
+        startup_s = time.perf_counter() - start
+        llm.embed(prompts[:2], use_tqdm=False)  # warm-up
+    else:
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        startup_s = time.perf_counter() - start
+        llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
 
     def timed_generate(batch, max_tokens):
         llm.reset_prefix_cache()  # every run computes every prompt: same prompts, cold cache
@@ -277,7 +287,15 @@ def main() -> None:
         sample.append(list(outputs[0].outputs[0].token_ids))
         return elapsed
 
-    sample = []  # the first prompt's output ids, to check against slipstream's greedy output
+    def timed_embed(batch):
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        outputs = llm.embed(batch, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        sample.append(list(outputs[0].outputs.embedding))
+        return elapsed
+
+    sample = []  # the first prompt's output ids (or embedding), to check against slipstream's
 
     record = {
         "engine": "vllm",
@@ -293,6 +311,18 @@ def main() -> None:
         "construct_s": construct_s,
         "startup_to_first_token_s": startup_s,
     }
+    if pooling:
+        if args.rounds_from_stdin:
+            print(json.dumps(record, sort_keys=True), flush=True)  # up and warm
+            times = _runs_from_stdin(lambda: timed_embed(prompts))
+        else:
+            times = [timed_embed(prompts) for _ in range(args.repeats)]
+        elapsed = statistics.median(times)
+        record |= {"num_prompts": len(prompts), "times_s": times, "elapsed_s": elapsed,
+                   "tokens_per_s": sum(len(p["prompt_token_ids"]) for p in prompts) / elapsed,
+                   "first_prompt_embedding": sample[-1]}
+        print(json.dumps(record, sort_keys=True), flush=True)
+        return
     if args.mode == "offline":
         if args.rounds_from_stdin:
             print(json.dumps(record, sort_keys=True), flush=True)  # up and warm
