@@ -124,7 +124,7 @@ class Pool:
         if start == 0:
             self._value, self._num_rows = None, 0
         if self.pooling_type == "LAST":
-            self._value = rows[-1]
+            self._value = rows[-1].clone()  # not a view, which would keep the step's whole output
         elif self.pooling_type == "CLS":
             if start == 0:
                 self._value = rows[0].clone()

@@ -353,8 +353,8 @@ class Scheduler:
                pooled_ids: Collection[str] = ()) -> list[Request]:
         """Advance the requests the plan ran, append their sampled tokens and apply stop
         conditions; a request of `pooled_ids` (an embedding engine's) whose chunk reached the end
-        of its prompt ends here with no token. Returns the requests that finished in this step, their blocks freed
-        (full ones kept in the prefix cache)."""
+        of its prompt ends here with no token. Returns the requests that finished in this step,
+        their blocks freed (full ones kept in the prefix cache)."""
         finished = []
         for chunk in plan.chunks:
             request = chunk.request
