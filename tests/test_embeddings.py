@@ -29,13 +29,15 @@ PREFIXED = [SHARED + tail for tail in ("x", "yy = 1", "print('z')")] + [SHARED] 
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    """transformers' hidden states of a text: (T, E), final norm applied."""
+    """transformers' hidden states of a text or of token ids: (T, E), final norm applied."""
     model = transformers.AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
 
     @torch.no_grad()
-    def hidden(text: str) -> torch.Tensor:
-        return model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0]
+    def hidden(prompt: str | list[int]) -> torch.Tensor:
+        if isinstance(prompt, str):
+            return model(**tokenizer(prompt, return_tensors="pt")).last_hidden_state[0]
+        return model(input_ids=torch.tensor([prompt])).last_hidden_state[0]
 
     return hidden
 
@@ -142,6 +144,22 @@ def test_a_repeated_prompt_reuses_its_cached_blocks(model_dir, reference):
     assert_close([first, again], [pooled(reference(TEXTS[3]), "LAST")] * 2)
 
 
+@pytest.mark.parametrize("pooling", ["LAST", "MEAN"])
+def test_a_prompt_may_fill_the_context(model_dir, reference, tmp_path, pooling):
+    """As in vLLM, a prompt to embed may be as long as the context (one to generate from must
+    leave room for a token), here in chunks through a KV cache of 96 token slots for 80 tokens."""
+    directory = with_sentence_transformers(model_dir, tmp_path, pooling, True)
+    llm = LLM(str(directory), runner="pooling", max_model_len=80, max_num_batched_tokens=9,
+              kv_cache_memory=kv_bytes_for_blocks(6, 16))
+    ids = llm.get_tokenizer().encode(TEXTS[3] * 2)[:80]
+    assert len(ids) == 80
+    outputs = llm.embed([ids, ids[:79]], use_tqdm=False)
+    assert_close(outputs, [pooled(reference(ids), pooling), pooled(reference(ids[:79]), pooling)])
+    assert llm.engine.scheduler.kv_cache.num_used_blocks == 0
+    with pytest.raises(ValueError, match="prompt has 81 tokens, but the model's context length is 80"):
+        llm.embed(ids + [1], use_tqdm=False)
+
+
 def test_prompts_as_token_ids_and_dicts(model_dir, reference):
     llm = LLM(model_dir, runner="pooling", max_model_len=MAX_POSITIONS)
     ids = llm.get_tokenizer().encode(TEXTS[0])
@@ -156,8 +174,8 @@ def test_bad_input_and_the_wrong_runner(model_dir, tmp_path):
     llm = LLM(model_dir, runner="pooling", max_model_len=MAX_POSITIONS)
     with pytest.raises(ValueError, match="prompt must not be empty"):
         llm.embed("", use_tqdm=False)
-    with pytest.raises(ValueError, match="context length"):
-        llm.embed([1] * MAX_POSITIONS, use_tqdm=False)
+    with pytest.raises(ValueError, match=f"prompt has {MAX_POSITIONS + 1} tokens, but the model's context"):
+        llm.embed([1] * (MAX_POSITIONS + 1), use_tqdm=False)
     with pytest.raises(ValueError, match="it takes add_embedding_request"):
         llm.generate("hi", use_tqdm=False)
     with pytest.raises(ValueError, match="dimensions must be a positive integer"):
@@ -203,7 +221,7 @@ def test_the_embeddings_route_equals_the_offline_engine(model_dir, tmp_path):
     """`slipstream serve --runner pooling` answers OpenAI's embeddings call, through the official
     client, with the offline engine's vectors: texts and token ids, floats and base64 (the
     client's default, which it decodes), usage counting the prompt tokens; generation routes,
-    an empty input and a `dimensions` the model lacks are 400s."""
+    an empty input, one longer than the context and a `dimensions` the model lacks are 400s."""
     openai = pytest.importorskip("openai")
     from server_process import MODEL_NAME, ServerProcess, metric_values
 
@@ -223,8 +241,10 @@ def test_the_embeddings_route_equals_the_offline_engine(model_dir, tmp_path):
         assert [item.index for item in texts.data] == [0, 1]
         assert texts.usage.prompt_tokens == texts.usage.total_tokens == sum(
             len(e.prompt_token_ids) for e in expected[:2])
+        too_long = [1] * (MAX_POSITIONS + 1)
         calls = ((lambda: client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2), None),
                  (lambda: client.embeddings.create(model=MODEL_NAME, input=[]), "input"),
+                 (lambda: client.embeddings.create(model=MODEL_NAME, input=too_long), "input"),
                  (lambda: client.embeddings.create(model=MODEL_NAME, input="x", dimensions=8), "dimensions"))
         for call, param in calls:
             with pytest.raises(openai.BadRequestError) as error:

@@ -274,8 +274,7 @@ class Engine:
     ) -> None:
         """Queue a prompt to embed (a pooling engine's); `step()` returns its
         EmbeddingRequestOutput once the step that computes its last token has pooled it. It runs
-        as a one-token request that never samples, so a prompt leaves room for one token, as a
-        generation prompt does."""
+        as a request that owes one token and never samples it, so a prompt may fill the context."""
         if self.pooler is None:
             raise ValueError("this engine generates (runner='generate'); embedding needs runner='pooling'")
         params = params or PoolingParams()
@@ -286,12 +285,14 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = validate_prompt_token_ids(
             self.tokenize(prompt, truncate_prompt_tokens), vocab_size=self.limits.vocab_size,
-            max_model_len=self.limits.max_model_len,
+            max_model_len=self.limits.max_model_len, generates=False,
         )
         arrival = time.monotonic() if arrival_time_s is None else arrival_time_s
+        # The owed token's place past the context is never filled: the step that computes the
+        # prompt's last token pools it and finishes the request (Scheduler.update's pooled_ids).
         self.scheduler.add(Request(request_id=request_id, prompt_token_ids=token_ids,
                                    sampling_params=SamplingParams(max_tokens=1), arrival_time_s=arrival,
-                                   max_total_tokens=self.limits.max_model_len))
+                                   max_total_tokens=self.limits.max_model_len + 1))
         self._pooling[request_id] = PoolingJob(
             request_id=request_id, prompt_token_ids=token_ids, params=params,
             pool=Pool(self.pooler.pooling_type), metrics=RequestMetrics(arrival_time_s=arrival))

@@ -404,9 +404,11 @@ class RequestOutput:
 
 
 def validate_prompt_token_ids(
-    token_ids: Sequence[int], *, vocab_size: int, max_model_len: int
+    token_ids: Sequence[int], *, vocab_size: int, max_model_len: int, generates: bool = True
 ) -> list[int]:
-    """The prompt as a list of ints, or a ValueError saying what is wrong with it."""
+    """The prompt as a list of ints, or a ValueError saying what is wrong with it. A prompt to
+    generate from must leave room for one token; one to embed (generates=False) may fill the
+    context."""
     if len(token_ids) == 0:
         raise ValueError("prompt must not be empty")
     ids = list(token_ids)
@@ -416,7 +418,9 @@ def validate_prompt_token_ids(
                              f"({type(token_id).__name__})")
         if not 0 <= token_id < vocab_size:
             raise ValueError(f"prompt token id {token_id!r} is not in [0, {vocab_size})")
-    if len(ids) >= max_model_len:
+    if not generates and len(ids) > max_model_len:
+        raise ValueError(f"prompt has {len(ids)} tokens, but the model's context length is {max_model_len}")
+    if generates and len(ids) >= max_model_len:
         raise ValueError(
             f"prompt has {len(ids)} tokens, but the model's context length is {max_model_len} "
             "(the prompt must leave room for at least one generated token)"

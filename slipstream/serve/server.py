@@ -290,7 +290,9 @@ class OpenAIServer:
             raise protocol.bad_request(str(error), "dimensions") from error
         prompts = await asyncio.to_thread(self._embedding_prompts, body)
         for token_ids in prompts:
-            self._check_context(len(token_ids), 0, 0, "input", "input")
+            if len(token_ids) > self.max_model_len:
+                raise protocol.bad_request(f"an input has {len(token_ids)} tokens, but the model's context "
+                                           f"length is {self.max_model_len}", "input")
         meta = ResponseMeta.new("embd", self.model_name)
         stream = await self._submit(meta.id, prompts, params, arrival_time_s, {"prompt": "input"})
         outputs = await self._collect(request, stream)
