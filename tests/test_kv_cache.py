@@ -209,6 +209,49 @@ def test_blocks_used_before_a_reset_are_taken_before_fresh_ones():
     kv.check_invariants()
 
 
+def decode_in_turns(kv: KVCacheManager, requests: list[Request], num_steps: int) -> None:
+    """Every request takes one generated token per step, as a decode batch does."""
+    for step in range(num_steps):
+        for request in requests:
+            request.output_token_ids.append(1000 + step)
+            compute(kv, request, 1)
+
+
+def test_a_request_grows_into_the_blocks_after_its_own():
+    """Requests admitted one after another and then decoding in turns each keep their blocks
+    side by side (the decode attention streams them in address order): a request starting a run
+    reserves, softly, what its prompt and max_tokens need, and other runs go past it."""
+    kv = KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE)
+    requests = [Request(f"r{i}", list(range(100 * i, 100 * i + 5 + i)), SamplingParams(max_tokens=12))
+                for i in range(4)]
+    for request in requests:
+        compute(kv, request, request.num_prompt_tokens)
+    decode_in_turns(kv, requests, 12)
+    for request in requests:
+        blocks = kv.block_ids(request.request_id)
+        assert len(blocks) == -(-request.num_tokens // BLOCK_SIZE)
+        assert list(blocks) == list(range(blocks[0], blocks[0] + len(blocks))), blocks
+    for request in requests:
+        kv.free(request)
+    kv.check_invariants()
+
+
+def test_reservations_give_way_when_the_pool_is_short():
+    """A reservation holds no memory: a pool with exactly the blocks the requests need serves
+    them all, taking reserved blocks from their would-be owners, and frees them all after."""
+    requests = [Request(f"r{i}", list(range(100 * i, 100 * i + 6)), SamplingParams(max_tokens=10))
+                for i in range(3)]
+    kv = KVCacheManager(num_blocks=3 * 4, block_size=BLOCK_SIZE)  # 16 tokens = 4 blocks each
+    for request in requests:
+        compute(kv, request, request.num_prompt_tokens)
+    decode_in_turns(kv, requests, 9)
+    assert kv.num_free_blocks == 0
+    for request in requests:
+        kv.free(request)
+    kv.check_invariants()
+    assert kv.num_free_blocks == 12
+
+
 def test_check_invariants_catches_tokens_changed_under_a_cached_block():
     """A cached block must hold exactly its request's token ids; a mismatch is reported."""
     kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
