@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import array
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -441,6 +443,21 @@ def test_allowed_token_ids_and_logit_bias_match_the_reference():
                 assert token_ids[i] in params.allowed_token_ids
             if params.greedy:
                 assert token_ids[i] == penalised[i].argmax().item()
+
+
+def test_a_structured_outputs_mask_equals_its_token_ids():
+    """A guide's step may allow tokens as int64 ids (`array.array`) or as a numpy bool mask over the
+    vocabulary (a grammar's bitmask): both mask the same logits to -inf, and leave the rest."""
+    vocab, gen = 40, random.Random(1)
+    logits = torch.randn(6, vocab)
+    allowed = [sorted(gen.sample(range(vocab), gen.randint(1, vocab))) for _ in range(6)]
+    masks = [np.isin(np.arange(vocab), ids) for ids in allowed]
+    params = SamplingParams(temperature=0.0)
+    as_ids = build([SamplingRow(params, allowed_token_ids=array.array("q", ids)) for ids in allowed], vocab)
+    as_masks = build([SamplingRow(params, allowed_token_ids=mask) for mask in masks], vocab)
+    expected = torch.where(torch.from_numpy(np.stack(masks)), logits, -math.inf)
+    torch.testing.assert_close(penalised_logits(logits, as_masks), expected)
+    torch.testing.assert_close(penalised_logits(logits, as_ids), expected)
 
 
 def test_logit_bias_and_allowed_token_ids_leave_the_plain_argmax():

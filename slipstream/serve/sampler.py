@@ -58,9 +58,10 @@ class SamplingRow:
     """`params.bad_words` as token id sequences (`request.bad_words_token_ids`)."""
     generator: torch.Generator | None = None
     """The request's own generator (`make_generator`); required when `params.seed` is set."""
-    allowed_token_ids: Sequence[int] | None = None
+    allowed_token_ids: Sequence[int] | np.ndarray | None = None
     """This step's allowed tokens under `params.structured_outputs` (the engine's guide: an int64
-    `array.array`, read without a copy), used as `params.allowed_token_ids` is."""
+    `array.array`, read without a copy, or a numpy bool mask over the vocabulary, True where
+    allowed), used as `params.allowed_token_ids` is."""
     counts_slot: int | None = None
     """The request's slot in the `TokenCounts` given to `build`, which then replaces counting lists."""
 
@@ -305,6 +306,9 @@ def _build_allowed(rows: Sequence[SamplingRow], vocab_size: int, device: torch.d
     mask = torch.ones(len(ids), vocab_size, dtype=torch.bool)
     for j, i in enumerate(ids):
         tokens = allowed[i]
+        if isinstance(tokens, np.ndarray) and tokens.dtype == np.bool_:
+            torch.logical_not(torch.from_numpy(tokens), out=mask[j])
+            continue
         mask[j, torch.frombuffer(tokens, dtype=torch.int64) if isinstance(tokens, array.array)
              else torch.tensor(tokens, dtype=torch.int64)] = False
     return torch.tensor(ids, device=device), mask.to(device)
