@@ -179,7 +179,9 @@ def test_second_ctrl_c_aborts_in_flight_requests_cleanly(model_dir, tmp_path):
 
 async def second_interrupt_scenario(server: ServerProcess) -> None:
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-        async with stream_and_queued(client, stream_n=16, queued_n=64) as (lines, waiting):
+        # 64 completions of 200 tokens, two at a time: on a fast CPU 16 could all end before the
+        # second interrupt (a Zen 5 did), leaving nothing in flight to abort.
+        async with stream_and_queued(client, stream_n=64, queued_n=64) as (lines, waiting):
             server.process.send_signal(signal.SIGINT)
             await asyncio.sleep(0.3)
             server.process.send_signal(signal.SIGINT)
