@@ -236,6 +236,19 @@ def test_a_request_grows_into_the_blocks_after_its_own():
     kv.check_invariants()
 
 
+def test_a_request_past_its_reservation_still_takes_a_free_neighbour():
+    """max_tokens=1 reserves nothing beyond the prompt's block; a request that grows anyway (as a
+    preempted one's recomputed output may) takes the free block after its own."""
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE)
+    request = Request("a", [1, 2, 3], SamplingParams(max_tokens=1))
+    compute(kv, request, 3)
+    other = Request("b", [7, 8], SamplingParams(max_tokens=1))
+    assert compute(kv, other, 2) == (1,)  # the next run starts past it ...
+    kv.free(other)  # ... and leaves block 1 free again
+    request.output_token_ids += [5, 6]
+    assert compute(kv, request, 2) == (0, 1)
+
+
 def test_reservations_give_way_when_the_pool_is_short():
     """A reservation holds no memory: a pool with exactly the blocks the requests need serves
     them all, taking reserved blocks from their would-be owners, and frees them all after."""

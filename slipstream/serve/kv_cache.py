@@ -241,9 +241,7 @@ class KVCacheManager:
         request_id = allocation.request.request_id
         if allocation.block_ids:
             block = allocation.block_ids[-1] + 1
-            if (block < self.num_blocks and block in self._free and self._block_keys[block] is None
-                    and self._reserved_for.get(block, request_id) == request_id):
-                self._reserved_for.pop(block, None)
+            if block < self.num_blocks and self._placeable(block, request_id):
                 return self._take(block)
         self._release_reservation(allocation)
         request = allocation.request
@@ -268,7 +266,7 @@ class KVCacheManager:
             block = (self._run_cursor + step) % self.num_blocks
             if block == 0:
                 run_length = 0  # a run does not wrap around the pool's end
-            if block in self._free and self._block_keys[block] is None and block not in self._reserved_for:
+            if self._placeable(block, None):
                 if run_length == 0:
                     run_start = block
                 run_length += 1
@@ -280,6 +278,12 @@ class KVCacheManager:
         self._run_cursor = (self._run_cursor + num_looked_at) % self.num_blocks
         return None
 
+    def _placeable(self, block: int, request_id: str | None) -> bool:
+        """Whether the block is free, keyless (taking it evicts nothing) and reserved for no one
+        but `request_id` (for no one at all when it is None)."""
+        return (block in self._free and self._block_keys[block] is None
+                and self._reserved_for.get(block, request_id) == request_id)
+
     def _release_reservation(self, allocation: _Allocation) -> None:
         """Drop what remains of the allocation's reservation."""
         request_id = allocation.request.request_id
@@ -290,8 +294,9 @@ class KVCacheManager:
         allocation.reserved_end = 0
 
     def _take(self, block: int) -> int:
-        """Take a free, keyless block out of the queue."""
+        """Take a free, keyless block out of the queue (and out of its reservation)."""
         del self._free[block]
+        self._reserved_for.pop(block, None)
         self._ref_counts[block] = 1
         return block
 

@@ -418,11 +418,8 @@ def validate_prompt_token_ids(
                              f"({type(token_id).__name__})")
         if not 0 <= token_id < vocab_size:
             raise ValueError(f"prompt token id {token_id!r} is not in [0, {vocab_size})")
-    if not generates and len(ids) > max_model_len:
-        raise ValueError(f"prompt has {len(ids)} tokens, but the model's context length is {max_model_len}")
-    if generates and len(ids) >= max_model_len:
-        raise ValueError(
-            f"prompt has {len(ids)} tokens, but the model's context length is {max_model_len} "
-            "(the prompt must leave room for at least one generated token)"
-        )
+    if len(ids) > max_model_len - generates:
+        room = " (the prompt must leave room for at least one generated token)" if generates else ""
+        raise ValueError(f"prompt has {len(ids)} tokens, but the model's context length is "
+                         f"{max_model_len}{room}")
     return ids
