@@ -909,35 +909,42 @@ static void value_products(const float *s, const float *v, float *o, int64_t row
 }
 
 #if defined(__AVX512BF16__)
-/* bf16 through vdpbf16ps, pairs of bf16 in each 32-bit word. Scores: s[r][0:64] = scale * q[r] .
- * k for ROWS rows, q rows as stored (`pairs` words each), kt[i][t] the pair (k_t[2i], k_t[2i+1]). */
-#define SCORE_KERNEL_BF16(ROWS)                                                                 \
-    static void score_kernel_bf16_##ROWS(const uint32_t *q, const uint32_t *kt, float *s,      \
-                                         int64_t pairs, float scale) {                          \
-        __m512 acc[ROWS][4];                                                                    \
+/* bf16 through vdpbf16ps, pairs of bf16 in each 32-bit word. Scores: s[r][0:16 KEYS] = scale * q[r]
+ * . k for ROWS rows and the tile's first 16 KEYS keys (the rows of a diagonal tile see no further:
+ * the scores past them are left as they were, and softmax_tile reads none of them), q rows as
+ * stored (`pairs` words each), kt[i][t] the pair (k_t[2i], k_t[2i+1]). */
+#define SCORE_KERNEL_BF16(ROWS, KEYS)                                                           \
+    static void score_kernel_bf16_##ROWS##_##KEYS(const uint32_t *q, const uint32_t *kt, float *s, \
+                                                  int64_t pairs, float scale) {                 \
+        __m512 acc[ROWS][KEYS];                                                                 \
         for (int r = 0; r < ROWS; r++)                                                          \
-            for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();                        \
+            for (int j = 0; j < KEYS; j++) acc[r][j] = _mm512_setzero_ps();                     \
         for (int64_t i = 0; i < pairs; i++) {                                                   \
             const uint32_t *k = kt + i * PREFILL_KEYS;                                          \
-            __m512bh keys[4];                                                                   \
-            for (int j = 0; j < 4; j++) keys[j] = (__m512bh)_mm512_loadu_si512(k + 16 * j);     \
+            __m512bh keys[KEYS];                                                                \
+            for (int j = 0; j < KEYS; j++) keys[j] = (__m512bh)_mm512_loadu_si512(k + 16 * j);  \
             for (int r = 0; r < ROWS; r++) {                                                    \
                 const __m512bh b = (__m512bh)_mm512_set1_epi32((int)q[r * pairs + i]);          \
-                for (int j = 0; j < 4; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], b, keys[j]); \
+                for (int j = 0; j < KEYS; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], b, keys[j]); \
             }                                                                                   \
         }                                                                                       \
         const __m512 scales = _mm512_set1_ps(scale);                                            \
         for (int r = 0; r < ROWS; r++)                                                          \
-            for (int j = 0; j < 4; j++)                                                         \
+            for (int j = 0; j < KEYS; j++)                                                      \
                 _mm512_storeu_ps(s + r * PREFILL_KEYS + 16 * j, _mm512_mul_ps(acc[r][j], scales)); \
     }
-SCORE_KERNEL_BF16(1) SCORE_KERNEL_BF16(2) SCORE_KERNEL_BF16(3) SCORE_KERNEL_BF16(4)
-SCORE_KERNEL_BF16(5) SCORE_KERNEL_BF16(6)
+#define SCORE_KERNELS_BF16(ROWS) SCORE_KERNEL_BF16(ROWS, 1) SCORE_KERNEL_BF16(ROWS, 2) \
+    SCORE_KERNEL_BF16(ROWS, 3) SCORE_KERNEL_BF16(ROWS, 4)
+SCORE_KERNELS_BF16(1) SCORE_KERNELS_BF16(2) SCORE_KERNELS_BF16(3) SCORE_KERNELS_BF16(4)
+SCORE_KERNELS_BF16(5) SCORE_KERNELS_BF16(6)
+#undef SCORE_KERNELS_BF16
 #undef SCORE_KERNEL_BF16
 typedef void (*score_kernel_bf16_fn)(const uint32_t *, const uint32_t *, float *, int64_t, float);
-static const score_kernel_bf16_fn score_kernels_bf16[7] = {
-    NULL, score_kernel_bf16_1, score_kernel_bf16_2, score_kernel_bf16_3, score_kernel_bf16_4,
-    score_kernel_bf16_5, score_kernel_bf16_6};
+#define SCORE_ROW(ROWS) {score_kernel_bf16_##ROWS##_1, score_kernel_bf16_##ROWS##_2, \
+                         score_kernel_bf16_##ROWS##_3, score_kernel_bf16_##ROWS##_4}
+static const score_kernel_bf16_fn score_kernels_bf16[7][4] = {
+    {NULL}, SCORE_ROW(1), SCORE_ROW(2), SCORE_ROW(3), SCORE_ROW(4), SCORE_ROW(5), SCORE_ROW(6)};
+#undef SCORE_ROW
 
 /* Values: o[r][0:16 VECS] += sum over key pairs i of the pair (p[r][2i], p[r][2i+1]) . the pair
  * (v_2i, v_2i+1) of each column: p rows PREFILL_KEYS / 2 words apart, v[i][d] one word per
@@ -1246,6 +1253,22 @@ static void amx_values(const uint32_t *p, const uint32_t *v, float *o, int64_t r
 }
 #endif
 
+/* How many of a tile's first keys (from j0, n in all) task row r (position p0 + r / group) may
+ * see: its position's, at least 1 (a row before the tile sees none of it) and at most n. */
+static inline int64_t reach_of(int64_t p0, int64_t r, int64_t group, int64_t j0, int64_t n) {
+    const int64_t reach = p0 + r / group - j0 + 1;
+    return reach < 1 ? 1 : reach < n ? reach : n;
+}
+
+#if defined(__AVX512F__)
+/* The lanes of a 16-key chunk that hold keys [lo, hi), both relative to the chunk's first key. */
+static inline __mmask16 key_mask(int64_t lo, int64_t hi) {
+    lo = lo < 0 ? 0 : lo;
+    hi = hi > 16 ? 16 : hi;
+    return (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+#endif
+
 /* The causal and window masks and the online softmax over one tile's scores (keys [j0, j0 + n)):
  * each row's scores become its probabilities against the running max, which, with the running
  * sum and the row's accumulator, is brought up to date. */
@@ -1260,30 +1283,39 @@ static WIDE_VECTORS void softmax_tile(prefill_scratch w, int64_t rows, int64_t g
             memset(s, 0, PREFILL_KEYS * sizeof(float));
             continue;
         }
-        float tile_max = -FLT_MAX;
-        for (int64_t t = begin; t < end; t++) tile_max = s[t] > tile_max ? s[t] : tile_max;
-        const float new_max = tile_max > w.max[r] ? tile_max : w.max[r];
-        const float correction = expf(w.max[r] - new_max);
-        float sum = 0.0f;
+        float sum = 0.0f, new_max;
 #if defined(__AVX512F__)
+        /* Only the 16-key chunks that hold keys [begin, end): the scores past them were not
+         * computed (reach_of) and their probabilities are zeros. */
+        const int64_t c0 = begin / 16 * 16, c1 = (end + 15) / 16 * 16;
+        __m512 maxima = _mm512_set1_ps(-FLT_MAX);
+        for (int64_t t = c0; t < c1; t += 16)
+            maxima = _mm512_mask_max_ps(maxima, key_mask(begin - t, end - t), maxima, _mm512_loadu_ps(s + t));
+        const float tile_max = _mm512_reduce_max_ps(maxima);
+        new_max = tile_max > w.max[r] ? tile_max : w.max[r];
         __m512 total = _mm512_setzero_ps();
         for (int64_t t = 0; t < PREFILL_KEYS; t += 16) {
-            const int64_t lo = begin - t < 0 ? 0 : begin - t > 16 ? 16 : begin - t;
-            const int64_t hi = end - t < 0 ? 0 : end - t > 16 ? 16 : end - t;
-            const __mmask16 in = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));  /* keys [begin, end) */
-            const __m512 e = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t),
-                                                                         _mm512_set1_ps(new_max))));
+            __m512 e = _mm512_setzero_ps();
+            if (t >= c0 && t < c1)
+                e = _mm512_maskz_mov_ps(key_mask(begin - t, end - t),
+                                        exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(new_max))));
             _mm512_storeu_ps(s + t, e);
             total = _mm512_add_ps(total, e);
         }
         sum = _mm512_reduce_add_ps(total);
 #else
+        float tile_max = -FLT_MAX;
+        for (int64_t t = begin; t < end; t++) tile_max = s[t] > tile_max ? s[t] : tile_max;
+        new_max = tile_max > w.max[r] ? tile_max : w.max[r];
         for (int64_t t = 0; t < PREFILL_KEYS; t++) {
             const float e = expf(s[t] - new_max);
             s[t] = t >= begin && t < end ? e : 0.0f;
             sum += s[t];
         }
 #endif
+        /* The row's running sum and accumulator in terms of the new max; nothing to rescale before
+         * the row's first keys (both are zeros) or when the max stays. */
+        const float correction = w.max[r] == -FLT_MAX || w.max[r] == new_max ? 1.0f : expf(w.max[r] - new_max);
         w.max[r] = new_max;
         w.sum[r] = w.sum[r] * correction + sum;
         if (correction != 1.0f)
@@ -1335,16 +1367,22 @@ static void prefill_task(const void *q, const void *k_cache, const void *v_cache
                 continue;
             }
 #endif
+            /* Row r sees keys up to its position: a block of rows needs the keys its last row
+             * sees, fewer than n on the diagonal tile (16 at a time for the scores, pairs for the
+             * values; the probabilities past a row's last key are zeros). */
             for (int64_t r = 0; r < rows; r += 6) {
                 const int64_t m = rows - r < 6 ? rows - r : 6;
-                score_kernels_bf16[m]((const uint32_t *)w.q + r * D / 2, (const uint32_t *)w.kt,
-                                      w.s + r * PREFILL_KEYS, D / 2, scale);
+                const int64_t reach = reach_of(p0, r + m - 1, group, j0, n);
+                score_kernels_bf16[m][(reach + 15) / 16 - 1](
+                    (const uint32_t *)w.q + r * D / 2, (const uint32_t *)w.kt, w.s + r * PREFILL_KEYS, D / 2,
+                    scale);
             }
             softmax_tile(w, rows, group, p0, j0, n, window, D);
             pair_probabilities(w.s, w.p, rows);
-            const int64_t step = D == 64 ? 6 : 2, pairs = (n + 1) / 2;
+            const int64_t step = D == 64 ? 6 : 2;
             for (int64_t r = 0; r < rows; r += step) {
                 const int64_t m = rows - r < step ? rows - r : step;
+                const int64_t pairs = (reach_of(p0, r + m - 1, group, j0, n) + 1) / 2;
                 (D == 64 ? value_kernels_bf16_4 : value_kernels_bf16_8)[m](
                     w.p + r * PREFILL_KEYS / 2, (const uint32_t *)w.v, w.o + r * D, pairs);
             }
