@@ -181,3 +181,58 @@ def test_kernel_library_builds_once_when_asked_from_two_threads(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert len(list((tmp_path / "slipstream" / "kernels").glob("*.so"))) == 1
+
+
+def _masked_reference(q, keys, values, sliding_window):
+    """_dense_reference vectorised over queries and heads (float64 scores, causal and window masks)."""
+    num_queries, num_heads, head_dim = q.shape
+    num_keys, num_kv_heads, _ = keys.shape
+    group = num_heads // num_kv_heads
+    k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, L, D)
+    v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) / head_dim**0.5  # (H, Q, L)
+    positions = torch.arange(num_keys - num_queries, num_keys)[:, None]
+    keys_at = torch.arange(num_keys)[None, :]
+    visible = keys_at <= positions
+    if sliding_window is not None:
+        visible &= keys_at > positions - sliding_window
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return (weights @ v).transpose(0, 1).to(q.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_kernel_matches_dense_over_random_chunks(dtype):
+    """Chunks of random lengths after random cached context (so query blocks start anywhere in a
+    key tile, and rows of a diagonal tile see anywhere from none to all of its keys), random
+    head layouts, head sizes and windows: the C prefill kernel equals dense attention."""
+    if not cpu_kernels.supports_prefill_attention(torch.empty(1, 4, 64, dtype=dtype)):
+        pytest.skip("no prefill kernel on this CPU")
+    rng = random.Random(1)
+    torch.manual_seed(1)
+    for case in range(24):
+        num_kv_heads, group = rng.choice([1, 2, 4]), rng.choice([1, 2, 3, 4])
+        head_dim, block_size = rng.choice([64, 128]), rng.choice([8, 16, 32])
+        window = rng.choice([None, None, rng.randint(1, 100)])
+        shapes = [(rng.randint(0, 200), rng.randint(2, 200)) for _ in range(rng.randint(1, 3))]
+        num_blocks = sum(-(-(cached + new) // block_size) for cached, new in shapes) + 4
+        k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+        v_cache = torch.full_like(k_cache, float("nan"))
+        free_blocks = list(range(num_blocks))
+        rng.shuffle(free_blocks)
+        tables, keys, values = [], [], []
+        for cached, new in shapes:
+            tables.append([free_blocks.pop() for _ in range(-(-(cached + new) // block_size))])
+            keys.append(torch.randn(cached + new, num_kv_heads, head_dim, dtype=dtype))
+            values.append(torch.randn(cached + new, num_kv_heads, head_dim, dtype=dtype))
+        whole = PagedBatch.build(seq_lens=[c + n for c, n in shapes], query_lens=[c + n for c, n in shapes],
+                                 block_tables=tables, block_size=block_size)
+        write_kv(k_cache, v_cache, torch.cat(keys), torch.cat(values), whole.slot_mapping)
+        batch = PagedBatch.build(seq_lens=[c + n for c, n in shapes], query_lens=[n for _, n in shapes],
+                                 block_tables=tables, block_size=block_size, sliding_window=window)
+        q = torch.randn(sum(n for _, n in shapes), num_kv_heads * group, head_dim, dtype=dtype)
+        got = paged_attention(q, k_cache, v_cache, batch)
+        expected = torch.cat([_masked_reference(q_i, k, v, window) for q_i, k, v in
+                              zip(q.split([n for _, n in shapes]), keys, values, strict=True)])
+        diff = (got.float() - expected.float()).abs().max().item()
+        assert diff < (1e-5 if dtype == torch.float32 else 2e-2), (case, shapes, num_kv_heads, group,
+                                                                   head_dim, window, diff)
