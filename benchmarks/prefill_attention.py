@@ -2,20 +2,24 @@
 
 One causal prefill of L tokens over a paged cache (shuffled blocks of 16), for head layouts of
 the presets (the bench model's 12 query / 4 kv heads of 64, tiny's 6 / 2, medium's 16 / 8, and a
-Llama-8B-like 32 / 8 of 128), interleaving the two implementations. The baseline is what
-`paged_attention` runs without the kernel: gather the sequence's keys and values, expand the kv
-heads, `F.scaled_dot_product_attention` (in bf16 under 385 keys: two matmuls and a softmax, the
-faster path there). Prints the median time per call, GFLOP/s over the causal half (4 H D L(L+1)/2
-FLOPs), the ratio and the fraction of the calibrated peak of the kernel's arithmetic dtype (bf16
-inputs compute in bf16 where the CPU has AVX512-BF16, else in fp32).
-Last line JSON.
+Llama-8B-like 32 / 8 of 128), interleaving the two implementations; then, per layout, one call
+shaped like a prefill step of serve_offline.py (prompts of 64-256 tokens, seeded, up to 2,048
+tokens; `--no-prompt-batch` leaves it out), which the PyTorch path takes one prompt at a time.
+The baseline is what `paged_attention` runs without the kernel: gather the sequence's keys and
+values, expand the kv heads, `F.scaled_dot_product_attention` (in bf16 under 385 keys: two
+matmuls and a softmax, the faster path there). Prints the median time per call, GFLOP/s over
+the causal half (4 H D L(L+1)/2 FLOPs per prompt), the ratio and the fraction of the calibrated
+peak of the kernel's arithmetic dtype (bf16 inputs compute in bf16 where the CPU has
+AVX512-BF16, else in fp32). Last line JSON.
 
     python benchmarks/prefill_attention.py [--dtype float32|bfloat16|both] [--lengths 128 ... 2048]
+                                           [--no-prompt-batch]
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import time
 
 import torch
@@ -29,25 +33,32 @@ HEADS = [(12, 4, 64), (6, 2, 64), (16, 8, 64), (32, 8, 128)]  # (query heads, kv
 BLOCK_SIZE = 16
 
 
-def time_calls(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, length: int,
+def time_calls(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, lengths: list[int],
                repeats: int) -> dict[str, float]:
-    """Median seconds per call of each implementation, interleaved."""
-    num_blocks = -(-length // BLOCK_SIZE)
-    k_cache = torch.randn(num_blocks + 8, BLOCK_SIZE, num_kv_heads, head_dim).to(dtype)
+    """Median seconds per call of each implementation, interleaved: one call prefills one prompt
+    of each of `lengths` tokens."""
+    blocks = [-(-length // BLOCK_SIZE) for length in lengths]
+    k_cache = torch.randn(sum(blocks) + 8, BLOCK_SIZE, num_kv_heads, head_dim).to(dtype)
     v_cache = torch.randn_like(k_cache)
-    table = torch.randperm(num_blocks + 8)[:num_blocks]
-    q = torch.randn(length, num_heads, head_dim).to(dtype)
+    shuffled = torch.randperm(sum(blocks) + 8)
+    tables = torch.zeros(len(lengths), max(blocks), dtype=torch.int64)
+    for i, n in enumerate(blocks):
+        tables[i, :n] = shuffled[sum(blocks[:i]) : sum(blocks[: i + 1])]
+    q = torch.randn(sum(lengths), num_heads, head_dim).to(dtype)
     out = torch.empty_like(q)
-    rows, lens = torch.tensor([0]), torch.tensor([length])
+    lens = torch.tensor(lengths)
+    rows = torch.cumsum(lens, 0) - lens
 
     def kernel() -> None:
-        cpu_kernels.paged_prefill_attention_(out, q, k_cache, v_cache, rows, lens, lens, table[None], None)
+        cpu_kernels.paged_prefill_attention_(out, q, k_cache, v_cache, rows, lens, lens, tables, None)
 
     def pytorch() -> None:
-        _attend(q, _gather(k_cache, table, length), _gather(v_cache, table, length), None)
+        for row, length, table in zip(rows.tolist(), lengths, tables, strict=True):
+            _attend(q[row : row + length], _gather(k_cache, table, length), _gather(v_cache, table, length),
+                    None)
 
     implementations = {"kernel": kernel, "torch": pytorch}
-    calls = max(1, int(1e9 / flops_of(num_heads, head_dim, length)))  # ~3-10 ms per timed batch
+    calls = max(1, int(1e9 / flops_of(num_heads, head_dim, lengths)))  # ~3-10 ms per timed batch
     times = {impl: [] for impl in implementations}
     for run in implementations.values():
         run()  # warm-up
@@ -60,28 +71,40 @@ def time_calls(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: 
     return {impl: median(t) for impl, t in times.items()}
 
 
-def flops_of(num_heads: int, head_dim: int, length: int) -> float:
-    """QK^T and PV over the causal half: 4 H D L(L+1)/2."""
-    return 4 * num_heads * head_dim * length * (length + 1) / 2
+def flops_of(num_heads: int, head_dim: int, lengths: list[int]) -> float:
+    """QK^T and PV over the causal half of each prompt: 4 H D L(L+1)/2."""
+    return sum(4 * num_heads * head_dim * length * (length + 1) / 2 for length in lengths)
 
 
-def measure(dtype: torch.dtype, lengths: list[int], repeats: int) -> list[dict]:
+def prompt_batch(seed: int = 0, budget: int = 2048) -> list[int]:
+    """Prompt lengths uniform in 64-256 (serve_offline.py's), as many as fit in `budget` tokens,
+    the last one cut to fill it: a prefill step of that workload."""
+    rng, lengths = random.Random(seed), []
+    while sum(lengths) < budget:
+        lengths.append(min(rng.randint(64, 256), budget - sum(lengths)))
+    return lengths
+
+
+def measure(dtype: torch.dtype, lengths: list[int], repeats: int, batch: bool) -> list[dict]:
     arithmetic = str(cpu_kernels.arithmetic_dtype(dtype)).removeprefix("torch.")
     peak = calibrate().peak_flops(arithmetic)
     name = str(dtype).removeprefix("torch.")
     torch.manual_seed(0)
+    shapes = [[length] for length in lengths] + ([prompt_batch()] if batch else [])
     results = []
     for num_heads, num_kv_heads, head_dim in HEADS:
-        for length in lengths:
-            seconds = time_calls(dtype, num_heads, num_kv_heads, head_dim, length, repeats)
-            gflops = {impl: flops_of(num_heads, head_dim, length) / s / 1e9 for impl, s in seconds.items()}
+        for prompts in shapes:
+            seconds = time_calls(dtype, num_heads, num_kv_heads, head_dim, prompts, repeats)
+            gflops = {impl: flops_of(num_heads, head_dim, prompts) / s / 1e9 for impl, s in seconds.items()}
             ratio = seconds["torch"] / seconds["kernel"]
-            print(f"{name} heads {num_heads}/{num_kv_heads} x {head_dim} L={length:5d}: "
+            label = (f"L={prompts[0]:5d}" if len(prompts) == 1 else
+                     f"{len(prompts)} prompts of {min(prompts)}-{max(prompts)} ({sum(prompts):,} tokens)")
+            print(f"{name} heads {num_heads}/{num_kv_heads} x {head_dim} {label}: "
                   f"kernel {1e3 * seconds['kernel']:8.3f} ms {gflops['kernel']:4.0f} GFLOP/s, "
                   f"torch {1e3 * seconds['torch']:8.3f} ms {gflops['torch']:4.0f} GFLOP/s; "
                   f"{ratio:.2f}x, kernel at {gflops['kernel'] * 1e9 / peak:.0%} of the {arithmetic} peak")
             results.append({"dtype": name, "heads": num_heads, "kv_heads": num_kv_heads, "head_dim": head_dim,
-                            "length": length, "seconds": seconds, "gflops": gflops, "speedup": ratio,
+                            "lengths": prompts, "seconds": seconds, "gflops": gflops, "speedup": ratio,
                             "kernel_arithmetic": arithmetic,
                             "kernel_fraction_of_peak": gflops["kernel"] * 1e9 / peak})
     return results
@@ -94,11 +117,13 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
+    parser.add_argument("--no-prompt-batch", dest="prompt_batch", action="store_false",
+                        help="leave out the call shaped like a serve_offline.py prefill step")
     args = parser.parse_args()
     if not cpu_kernels.supports_prefill_attention(torch.empty(1, 1, 64)):
         raise SystemExit("no prefill attention kernel on this CPU (it needs AVX-512, or AVX2 and FMA)")
     dtypes = [torch.float32, torch.bfloat16] if args.dtype == "both" else [getattr(torch, args.dtype)]
-    results = [r for dtype in dtypes for r in measure(dtype, args.lengths, args.repeats)]
+    results = [r for dtype in dtypes for r in measure(dtype, args.lengths, args.repeats, args.prompt_batch)]
     speedups = [r["speedup"] for r in results]
     print(f"kernel / torch: {min(speedups):.2f}-{max(speedups):.2f}x over {len(results)} shapes")
     print_json({"benchmark": "prefill_attention", "machine": machine(), "results": results,
