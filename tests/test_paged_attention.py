@@ -16,20 +16,21 @@ from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
 
 
 def _dense_reference(q, keys, values, sliding_window):
-    """softmax(q k^T / sqrt(d)) v for the last len(q) of len(keys) positions, written out."""
+    """softmax(q k^T / sqrt(d)) v for the last len(q) of len(keys) positions, each over the keys it
+    sees (causal, within the window), in float64."""
     num_queries, num_heads, head_dim = q.shape
     num_keys, num_kv_heads, _ = keys.shape
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
-    for i in range(num_queries):
-        position = num_keys - num_queries + i
-        first = 0 if sliding_window is None else max(0, position - sliding_window + 1)
-        for h in range(num_heads):
-            k = keys[first : position + 1, h // group].double()
-            v = values[first : position + 1, h // group].double()
-            weights = torch.softmax(k @ q[i, h].double() / head_dim**0.5, dim=0)
-            out[i, h] = (weights @ v).to(q.dtype)
-    return out
+    k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, L, D)
+    v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) / head_dim**0.5  # (H, Q, L)
+    positions = torch.arange(num_keys - num_queries, num_keys)[:, None]
+    keys_at = torch.arange(num_keys)[None, :]
+    visible = keys_at <= positions
+    if sliding_window is not None:
+        visible &= keys_at > positions - sliding_window
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return (weights @ v).transpose(0, 1).to(q.dtype)
 
 
 @pytest.mark.parametrize("head_dim, block_size", [(8, 4), (64, 16), (128, 16)])
@@ -183,23 +184,6 @@ def test_kernel_library_builds_once_when_asked_from_two_threads(tmp_path):
     assert len(list((tmp_path / "slipstream" / "kernels").glob("*.so"))) == 1
 
 
-def _masked_reference(q, keys, values, sliding_window):
-    """_dense_reference vectorised over queries and heads (float64 scores, causal and window masks)."""
-    num_queries, num_heads, head_dim = q.shape
-    num_keys, num_kv_heads, _ = keys.shape
-    group = num_heads // num_kv_heads
-    k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, L, D)
-    v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) / head_dim**0.5  # (H, Q, L)
-    positions = torch.arange(num_keys - num_queries, num_keys)[:, None]
-    keys_at = torch.arange(num_keys)[None, :]
-    visible = keys_at <= positions
-    if sliding_window is not None:
-        visible &= keys_at > positions - sliding_window
-    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    return (weights @ v).transpose(0, 1).to(q.dtype)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_kernel_matches_dense_over_random_chunks(dtype):
     """Chunks of random lengths after random cached context (so query blocks start anywhere in a
@@ -231,7 +215,7 @@ def test_prefill_kernel_matches_dense_over_random_chunks(dtype):
                                  block_tables=tables, block_size=block_size, sliding_window=window)
         q = torch.randn(sum(n for _, n in shapes), num_kv_heads * group, head_dim, dtype=dtype)
         got = paged_attention(q, k_cache, v_cache, batch)
-        expected = torch.cat([_masked_reference(q_i, k, v, window) for q_i, k, v in
+        expected = torch.cat([_dense_reference(q_i, k, v, window) for q_i, k, v in
                               zip(q.split([n for _, n in shapes]), keys, values, strict=True)])
         diff = (got.float() - expected.float()).abs().max().item()
         assert diff < (1e-5 if dtype == torch.float32 else 2e-2), (case, shapes, num_kv_heads, group,
