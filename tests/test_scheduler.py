@@ -426,6 +426,9 @@ def test_reserve_lookahead_covers_the_steps_ahead_or_takes_nothing():
         scheduler.reserve_lookahead(prefill, 4)
     scheduler.update(prefill, {"a": 9})
     decode = scheduler.schedule()  # position 7, the table's 2 blocks hold 8 tokens
+    free = scheduler.kv_cache.num_free_blocks
+    assert scheduler.reserve_lookahead(decode, 1) == [decode.chunks[0].block_ids]  # the plan's own
+    assert scheduler.kv_cache.num_free_blocks == free
     assert scheduler.reserve_lookahead(decode, 18) is None  # 25 tokens: 7 blocks of 6
     assert scheduler.kv_cache.block_ids("a") == decode.chunks[0].block_ids
     (table,) = scheduler.reserve_lookahead(decode, 6)  # positions 7-12: 4 blocks

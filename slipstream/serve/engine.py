@@ -54,7 +54,7 @@ from slipstream.serve.sampler import (
     sample,
     takes_argmax,
 )
-from slipstream.serve.scheduler import Scheduler, SchedulerConfig, StepPlan
+from slipstream.serve.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
 from slipstream.serve.speculative import SpeculativeConfig, accepted_tokens
 from slipstream.serve.structured import (
     GrammarGuide,
@@ -553,8 +553,7 @@ class Engine:
         now = time.monotonic()
         for offset in range(max(len(t) for t in tokens)):
             present = [i for i, t in enumerate(tokens) if offset < len(t)]
-            chunks = tuple(dataclasses.replace(plan.chunks[i], start=plan.chunks[i].start + offset,
-                                               block_ids=block_tables[i]) for i in present)
+            chunks = tuple(_chunk_at(plan.chunks[i], offset, block_tables[i]) for i in present)
             self.scheduler.update(StepPlan(chunks, len(chunks), ()),
                                   {c.request.request_id: tokens[i][offset] for c, i in zip(chunks, present,
                                                                                            strict=True)})
@@ -659,6 +658,14 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
+
+
+def _chunk_at(chunk: ScheduledChunk, offset: int, block_ids: tuple[int, ...]) -> ScheduledChunk:
+    """The single-token chunk `offset` tokens past `chunk`, over `block_ids`: `chunk` itself for
+    the first with its own table (a one-step decode: no copy per sequence and step)."""
+    if offset == 0 and block_ids is chunk.block_ids:
+        return chunk
+    return dataclasses.replace(chunk, start=chunk.start + offset, block_ids=block_ids)
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

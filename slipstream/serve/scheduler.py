@@ -344,7 +344,9 @@ class Scheduler:
 
     def reserve_lookahead(self, plan: StepPlan, num_steps: int) -> list[tuple[int, ...]] | None:
         """`reserve_tokens` of `num_steps` tokens for every chunk, for a runner that runs that many
-        decode steps at once."""
+        decode steps at once. For one step these are the tables the plan's chunks already hold."""
+        if num_steps == 1 and all(chunk.num_tokens == 1 for chunk in plan.chunks):
+            return [chunk.block_ids for chunk in plan.chunks]
         return self.reserve_tokens(plan, [num_steps] * len(plan.chunks))
 
     # ----- after the step -----
