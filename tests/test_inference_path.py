@@ -12,6 +12,7 @@ from slipstream.model import ModelConfig, Transformer
 from slipstream.model.transformer import MLP, Attention, RMSNorm, Rotary, SiluAndMul
 from slipstream.ops import cpu_kernels
 from slipstream.ops.inference import (
+    KernelDecoder,
     KernelRMSNorm,
     KernelRotary,
     KernelSiluAndMul,
@@ -33,6 +34,49 @@ def test_rms_norm_kernel_matches_module(dtype):
     diff = (expected.float() - got.float()).abs().max().item()
     print(f"{dtype}: max diff {diff:.3g}")
     assert diff <= (0 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 96), (5, 7, 96), (300, 77)])
+def test_add_rms_norm_kernel_matches_its_two_steps(dtype, shape):
+    """The fused residual sum and RMSNorm equal PyTorch's `residual + x` followed by the RMSNorm
+    kernel, bit for bit: the residual updated in place, the normed rows returned (rows past
+    MIN_PARALLEL_ROWS on both threads, a row length not a multiple of 16)."""
+    torch.manual_seed(0)
+    norm = RMSNorm(shape[-1], 1e-6).to(dtype)
+    norm.weight.data.normal_()
+    residual, x = (3 * torch.randn(shape)).to(dtype), (3 * torch.randn(shape)).to(dtype)
+    expected_sum = residual + x
+    expected = KernelRMSNorm(norm)(expected_sum)
+    got = cpu_kernels.add_rms_norm_(residual, x, norm.weight, norm.eps)
+    assert torch.equal(residual, expected_sum)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_decoder_matches_its_layers(dtype):
+    """optimize_for_cpu_inference's decoder, each residual sum fused into the next RMSNorm, gives
+    bit for bit the final hidden states of the same kernel modules run layer by layer."""
+    from slipstream.model.transformer import rope_cos_sin
+
+    config = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    model.init_weights(std=0.1)
+    fast = optimize_for_cpu_inference(model.to(dtype).eval())
+    decoder = fast.model
+    assert isinstance(decoder, KernelDecoder)
+    ids = torch.randint(0, 300, (2, 11))
+    positions = torch.arange(11).expand(2, 11)
+    with torch.inference_mode():
+        got = fast.hidden_states(ids, positions)
+        x = decoder.embed_tokens(ids)
+        cos, sin = rope_cos_sin(decoder.inv_freq, positions, x.dtype)
+        for layer in decoder.layers:
+            x = layer(x, cos, sin, None)
+        expected = decoder.norm(x)
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -118,6 +118,10 @@ def _load() -> ctypes.CDLL | None:
     lib.rms_norm.argtypes = (
         [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     )
+    lib.add_rms_norm.restype = None
+    lib.add_rms_norm.argtypes = (
+        [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    )
     lib.rotary_embedding.restype = None
     lib.rotary_embedding.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.silu_and_mul.restype = None
@@ -357,6 +361,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dim = x.shape[-1]
     lib.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
                  DTYPE_CODES[x.dtype], torch.get_num_threads())
+    return out
+
+
+def add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x in place (rounded as PyTorch's `residual + x`), then `rms_norm` of the new
+    residual, in one pass over the rows; returns the normed rows."""
+    lib = library()
+    assert lib is not None and supports(x) and residual.is_contiguous() and residual.shape == x.shape
+    assert residual.dtype == x.dtype == weight.dtype
+    x = x.contiguous()
+    out = torch.empty_like(residual)
+    dim = residual.shape[-1]
+    lib.add_rms_norm(residual.data_ptr(), x.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                     residual.numel() // dim, dim, eps, DTYPE_CODES[x.dtype], torch.get_num_threads())
     return out
 
 

@@ -3,7 +3,8 @@
 `optimize_for_cpu_inference(model)` keeps the model's math and swaps in faster pieces: the
 q/k/v and gate/up projections fused into one linear each (fewer, larger matrix products),
 oneDNN pre-packed linear layers (`ops.linear`), and the fused RMSNorm, rotary-embedding and
-silu-and-multiply C kernels of `ops.cpu_kernels` in place of their several-op PyTorch versions.
+silu-and-multiply C kernels of `ops.cpu_kernels` in place of their several-op PyTorch versions,
+and a decoder whose residual sums run inside those RMSNorm kernels (`KernelDecoder`).
 The result is for inference only. Where a piece does not apply (no oneDNN, no C compiler, CUDA,
 fp16) the model's own modules stay; tests check the optimised model against the plain one.
 """
@@ -16,7 +17,17 @@ import os
 import torch
 from torch import nn
 
-from slipstream.model.transformer import MLP, Attention, RMSNorm, Rotary, SiluAndMul
+from slipstream.model.transformer import (
+    MLP,
+    Attention,
+    AttentionMetadata,
+    Decoder,
+    DecoderLayer,
+    RMSNorm,
+    Rotary,
+    SiluAndMul,
+    rope_cos_sin,
+)
 from slipstream.ops import cpu_kernels
 from slipstream.ops.linear import extra_copies_of, pack_linears
 
@@ -33,6 +44,45 @@ class KernelRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.rms_norm(x, self.weight, self.eps)
+
+
+class KernelDecoder(nn.Module):
+    """`Decoder` whose residual sums each run in the C kernel of the RMSNorm that reads them
+    (`cpu_kernels.add_rms_norm_`), as vLLM's layers pass the residual to their next norm: the layer
+    stack keeps one residual stream, updated in place, and never writes a sum only to read it back
+    for its norm. The same modules and weights as the decoder it replaces, and the same results."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        super().__init__()
+        self.embed_tokens = decoder.embed_tokens
+        self.layers = decoder.layers
+        self.norm = decoder.norm
+        self.register_buffer("inv_freq", decoder.inv_freq, persistent=False)
+
+    @staticmethod
+    def applies_to(decoder: nn.Module) -> bool:
+        """Whether every norm of `decoder` (a `Decoder` of `DecoderLayer`s) has the C kernel."""
+        if type(decoder) is not Decoder or not isinstance(decoder.norm, KernelRMSNorm) or not decoder.layers:
+            return False
+        return all(type(layer) is DecoderLayer and isinstance(layer.input_layernorm, KernelRMSNorm)
+                   and isinstance(layer.post_attention_layernorm, KernelRMSNorm) for layer in decoder.layers)
+
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata | None
+    ) -> torch.Tensor:  # (B, T, E)
+        residual = self.embed_tokens(token_ids)  # a new tensor: the stream that the sums update
+        cos, sin = rope_cos_sin(self.inv_freq, positions, residual.dtype)
+        hidden = self.layers[0].input_layernorm(residual)
+        for i, layer in enumerate(self.layers):
+            attended = layer.self_attn(hidden, cos, sin, attn)
+            hidden = _add_and_norm(residual, attended, layer.post_attention_layernorm)
+            following = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            hidden = _add_and_norm(residual, layer.mlp(hidden), following)
+        return hidden
+
+
+def _add_and_norm(residual: torch.Tensor, x: torch.Tensor, norm: KernelRMSNorm) -> torch.Tensor:
+    return cpu_kernels.add_rms_norm_(residual, x, norm.weight, norm.eps)
 
 
 class KernelRotary(nn.Module):
@@ -115,6 +165,9 @@ def optimize_for_cpu_inference(model: nn.Module) -> nn.Module:
             setattr(model.get_submodule(parent_name), child_name, fast)
             swaps += 1
     logger.info("swapped %d RMSNorm/rotary/SiluAndMul modules for fused C kernels", swaps)
+    decoder = getattr(model, "model", None)
+    if KernelDecoder.applies_to(decoder):
+        model.model = KernelDecoder(decoder)
     return model
 
 

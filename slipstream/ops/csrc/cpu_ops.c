@@ -893,6 +893,35 @@ void rms_norm(const void *x, const void *weight, void *out, int64_t num_rows, in
         rms_norm_row((const char *)x + r * row_bytes, weight, (char *)out + r * row_bytes, dim, eps, dtype);
 }
 
+/* residual += x, each sum rounded to the dtype as PyTorch's `residual + x` rounds it. */
+static __attribute__((noinline)) WIDE_VECTORS void add_row(void *residual, const void *x, int64_t dim, int dtype) {
+    if (dtype == DTYPE_F32) {
+        float *sum = residual;
+        const float *add = x;
+        for (int64_t d = 0; d < dim; d++) sum[d] += add[d];
+    } else {
+        uint16_t *sum = residual;
+        const uint16_t *add = x;
+        for (int64_t d = 0; d < dim; d++) sum[d] = f32_to_bf16(bf16_to_f32(sum[d]) + bf16_to_f32(add[d]));
+    }
+}
+
+/*
+ * A residual sum and the RMSNorm that reads it, row by row in one pass (vLLM's fused_add_rms_norm):
+ * residual += x as add_row rounds it, then out = rms_norm of the new residual row while it is in
+ * L1. Each result equals the two separate steps'. residual, x, out: (num_rows, dim).
+ */
+void add_rms_norm(void *residual, const void *x, const void *weight, void *out, int64_t num_rows, int64_t dim,
+                  float eps, int dtype, int num_threads) {
+    const int64_t row_bytes = dim * (dtype == DTYPE_F32 ? 4 : 2);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= MIN_PARALLEL_ROWS)
+    for (int64_t r = 0; r < num_rows; r++) {
+        char *row = (char *)residual + r * row_bytes;
+        add_row(row, (const char *)x + r * row_bytes, dim, dtype);
+        rms_norm_row(row, weight, (char *)out + r * row_bytes, dim, eps, dtype);
+    }
+}
+
 /*
  * Rotary embedding in place, Hugging Face's "rotate_half" pairing (dimension i with i + D/2):
  * x' = x * cos + rotate_half(x) * sin, with the cos/sin tables the model computed (already in
