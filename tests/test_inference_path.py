@@ -98,6 +98,32 @@ def test_rotary_kernel_matches_module(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_kernel_rotates_strided_rows_in_place(dtype):
+    """Queries and keys as the fused q/k/v product's splits leave them are rotated where they lie
+    (the values beside them untouched), as their contiguous copies are; an expanded tensor, whose
+    rows share memory, is rotated into a copy instead."""
+    from slipstream.model.transformer import rope_cos_sin, rope_inv_freq
+
+    config = ModelConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    positions = torch.tensor([[0, 1, 7, 300, 4095]])
+    cos, sin = rope_cos_sin(rope_inv_freq(config), positions, dtype)
+    qkv = torch.randn(1, 5, 256, dtype=dtype)
+    before = qkv.clone()
+    q, k, v = (x.view(1, 5, -1, 32) for x in qkv.split([128, 64, 64], dim=-1))
+    expected = KernelRotary()(q.contiguous(), k.contiguous(), cos, sin)
+    got = KernelRotary()(q, k, cos, sin)
+    assert got[0].data_ptr() == q.data_ptr() and got[1].data_ptr() == k.data_ptr()
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert torch.equal(qkv[..., 192:], before[..., 192:])
+    row = torch.randn(1, 1, 2, 32, dtype=dtype)
+    expanded = row.expand(1, 5, 2, 32)
+    rotated = cpu_kernels.rotary_embedding_(expanded, cos, sin)
+    assert torch.equal(rotated, cpu_kernels.rotary_embedding_(expanded.contiguous(), cos, sin))
+    assert torch.equal(expanded[0, 0], row[0, 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_kernel_matches_module(dtype):
     """The fused kernel equals F.silu(gate) * up, over a range that reaches exp's overflow on both
     sides: within 1e-5 in fp32, and in bf16 (where both round twice) within one bf16 step, since

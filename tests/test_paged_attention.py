@@ -143,6 +143,32 @@ def test_decode_kernel_matches_dense_however_it_splits_the_work(num_threads, dty
     assert diff < (1e-5 if dtype == torch.float32 else 2e-2), diff
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_read_the_fused_qkv_products_rows_in_place(dtype):
+    """The cache writes and the prefill kernel take the queries, keys and values as the fused q/k/v
+    product's splits leave them (rows 1.5x their width apart) and give what they give for
+    contiguous copies, bit for bit."""
+    if cpu_kernels.library() is None or not cpu_kernels.supports_prefill_attention(
+            torch.empty(1, 4, 64, dtype=dtype)):
+        pytest.skip("no C prefill kernel here")
+    num_heads, num_kv_heads, head_dim, block_size, lens = 4, 2, 64, 16, [37, 70]
+    torch.manual_seed(0)
+    qkv = torch.randn(sum(lens), (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q, k, v = (x.view(sum(lens), -1, head_dim) for x in (q, k, v))
+    assert not q.is_contiguous() and not k.is_contiguous()
+    tables = [[4, 0, 2], [1, 5, 3, 6, 7]]
+    batch = PagedBatch.build(seq_lens=lens, query_lens=lens, block_tables=tables, block_size=block_size)
+    outputs = []
+    for queries, keys, values in ((q, k, v), (q.contiguous(), k.contiguous(), v.contiguous())):
+        k_cache = torch.full((8, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+        v_cache = torch.full_like(k_cache, float("nan"))
+        write_kv(k_cache, v_cache, keys, values, batch.slot_mapping)
+        outputs.append((paged_attention(queries, k_cache, v_cache, batch), k_cache, v_cache))
+    for strided, contiguous in zip(*outputs, strict=True):
+        assert torch.equal(strided.nan_to_num(), contiguous.nan_to_num())
+
+
 def test_kernels_compute_bf16_in_bf16_where_the_cpu_can():
     """The kernels multiply bf16 on vdpbf16ps exactly when the CPU has AVX512-BF16 (the build is
     -march=native); fp32 inputs always compute in fp32."""

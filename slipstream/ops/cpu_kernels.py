@@ -96,7 +96,8 @@ def _load() -> ctypes.CDLL | None:
     lib.has_prefill_attention.argtypes = [ctypes.c_int64]
     lib.paged_prefill_attention.restype = ctypes.c_int
     lib.paged_prefill_attention.argtypes = (
-        [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
+        + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     )
     lib.gemv.restype = None
     lib.gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
@@ -113,7 +114,7 @@ def _load() -> ctypes.CDLL | None:
     lib.panel_gemm.restype = ctypes.c_int
     lib.panel_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.write_kv.restype = None
-    lib.write_kv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
+    lib.write_kv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = (
         [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -123,7 +124,7 @@ def _load() -> ctypes.CDLL | None:
         [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     )
     lib.rotary_embedding.restype = None
-    lib.rotary_embedding.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+    lib.rotary_embedding.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2
     lib.silu_and_mul.restype = None
     lib.silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
     lib.argmax_rows.restype = None
@@ -223,14 +224,16 @@ def paged_prefill_attention_(
     block_tables: torch.Tensor,  # (C, max_blocks) int64
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """Causal attention of prefill chunks over their paged keys and values (see the C source)."""
+    """Causal attention of prefill chunks over their paged keys and values (see the C source). q
+    may be a view whose rows are strided (the fused q/k/v product's queries): it is read in place."""
     lib = library()
-    assert lib is not None and supports_prefill_attention(q) and out.is_contiguous() and q.is_contiguous()
+    assert lib is not None and supports_prefill_attention(q) and out.is_contiguous()
+    q = _rows_of_heads(q)
     num_heads, head_dim = q.shape[1], q.shape[2]
     status = lib.paged_prefill_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), chunk_rows.data_ptr(),
-        chunk_lens.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(), len(chunk_rows),
-        block_tables.shape[1], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        chunk_rows.data_ptr(), chunk_lens.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
+        len(chunk_rows), block_tables.shape[1], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
         sliding_window or 0, head_dim**-0.5, DTYPE_CODES[q.dtype], torch.get_num_threads(),
     )
     if status != 0:
@@ -343,13 +346,29 @@ def write_kv(
     v_cache: torch.Tensor,  # (P, S, K, D)
     slot_mapping: torch.Tensor,  # (N,) int64
 ) -> None:
-    """Store the new tokens' keys and values at their cache slots."""
+    """Store the new tokens' keys and values at their cache slots, reading k and v in place where
+    their rows are strided (the fused q/k/v product's keys and values)."""
     lib = library()
     assert lib is not None and supports(k) and k_cache.dtype == k.dtype and k_cache.is_contiguous()
-    k, v, slot_mapping = k.contiguous(), v.contiguous(), slot_mapping.contiguous()
+    k, v, slot_mapping = _rows_of_heads(k), _rows_of_heads(v), slot_mapping.contiguous()
     lib.write_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                 slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], DTYPE_CODES[k.dtype],
-                 torch.get_num_threads())
+                 slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], k.stride(0), v.stride(0),
+                 DTYPE_CODES[k.dtype], torch.get_num_threads())
+
+
+def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:
+    """x (..., heads, D) as (rows, heads, D) whose heads are contiguous within each row, rows
+    x.stride(0) apart: a view of x where its rows allow one (as the fused q/k/v product's splits
+    do), else a contiguous copy."""
+    heads, head_dim = x.shape[-2], x.shape[-1]
+    try:
+        rows = x.view(-1, heads, head_dim)
+    except RuntimeError:  # rows no single stride apart
+        return x.reshape(-1, heads, head_dim).contiguous()
+    overlapping = rows.shape[0] > 1 and rows.stride(0) < heads * head_dim  # an expanded x
+    if rows.stride(2) != 1 or rows.stride(1) != head_dim or overlapping:
+        return rows.contiguous()
+    return rows
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -383,15 +402,18 @@ def rotary_embedding_(
     cos: torch.Tensor,  # (..., T, D)
     sin: torch.Tensor,  # (..., T, D)
 ) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, in place on a contiguous x; returns x."""
+    """x * cos + rotate_half(x) * sin; returns the rotated tensor: x itself, rotated in place,
+    wherever its rows are one stride apart with contiguous heads (contiguous tensors, and the
+    fused q/k/v product's queries and keys), else a rotated copy."""
     lib = library()
-    assert lib is not None and supports(x) and x.is_contiguous() and cos.dtype == x.dtype
+    assert lib is not None and supports(x) and cos.dtype == x.dtype
+    rows = _rows_of_heads(x)
     cos, sin = cos.contiguous(), sin.contiguous()
     num_heads, head_dim = x.shape[-2], x.shape[-1]
-    lib.rotary_embedding(x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                         x.numel() // (num_heads * head_dim), num_heads, head_dim,
+    lib.rotary_embedding(rows.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                         rows.shape[0], num_heads, head_dim, rows.stride(0),
                          DTYPE_CODES[x.dtype], torch.get_num_threads())
-    return x
+    return x if rows.data_ptr() == x.data_ptr() else rows.view(x.shape)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # (..., 2F) -> (..., F)

@@ -91,7 +91,6 @@ class KernelRotary(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k = q.contiguous(), k.contiguous()
         return cpu_kernels.rotary_embedding_(q, cos, sin), cpu_kernels.rotary_embedding_(k, cos, sin)
 
 

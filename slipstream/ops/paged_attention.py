@@ -139,7 +139,7 @@ def paged_attention(
     out = torch.empty_like(q)
     if use_kernel and cpu_kernels.supports_prefill_attention(q):
         cpu_kernels.paged_prefill_attention_(
-            out, q.contiguous(), k_cache, v_cache, batch.prefill_rows, batch.prefill_query_lens,
+            out, q, k_cache, v_cache, batch.prefill_rows, batch.prefill_query_lens,
             batch.prefill_seq_lens, batch.prefill_block_tables, batch.sliding_window,
         )
     else:

@@ -820,7 +820,8 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
  * FlashAttention and PyTorch's CPU flash attention round them; elsewhere bf16 is widened to fp32
  * when packed and the arithmetic is fp32. The queries of chunk c are the last chunk_lens[c] of
  * its seq_lens[c] positions (their keys already written to the cache), at rows chunk_rows[c] of q
- * and out. head_dim 64 or 128.
+ * and out: out (rows, num_heads, head_dim), q rows of num_heads x head_dim values q_stride
+ * elements apart (the queries where the fused q/k/v product left them). head_dim 64 or 128.
  */
 /* Query blocks of 64 ran 5-15% faster than blocks of 32 (each key tile packed for more rows) and
  * than blocks of 128 below 2048 tokens (benchmarks/prefill_attention.py, bf16). */
@@ -1324,7 +1325,7 @@ static WIDE_VECTORS void softmax_tile(prefill_scratch w, int64_t rows, int64_t g
 }
 
 /* One task: query positions [p0, p0 + count) of a chunk, kv head g, `group` query heads each. */
-static void prefill_task(const void *q, const void *k_cache, const void *v_cache, void *out,
+static void prefill_task(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, void *out,
                          const int64_t *block_table, int64_t row0, int64_t first_position,
                          int64_t p0, int64_t count, int64_t g, int64_t group, int64_t num_heads,
                          int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t window,
@@ -1344,8 +1345,8 @@ static void prefill_task(const void *q, const void *k_cache, const void *v_cache
     const int64_t first_row = row0 + p0 - first_position;
     for (int64_t i = 0; i < count; i++)
         for (int64_t h = 0; h < group; h++) {
-            const int64_t r = i * group + h, offset = head_offset(first_row + i, g * group + h, num_heads, D);
-            const char *src = (const char *)q + offset * elem;
+            const int64_t r = i * group + h;
+            const char *src = (const char *)q + ((first_row + i) * q_stride + (g * group + h) * D) * elem;
             if (bf16) memcpy((uint16_t *)w.q + r * D, src, D * sizeof(uint16_t));
             else widen_row(src, w.q + r * D, D, dtype, scale);
         }
@@ -1412,7 +1413,7 @@ static void prefill_task(const void *q, const void *k_cache, const void *v_cache
 #endif
 
 /* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad argument. */
-int paged_prefill_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, void *out,
                             const int64_t *chunk_rows, const int64_t *chunk_lens, const int64_t *seq_lens,
                             const int64_t *block_tables, int64_t num_chunks, int64_t max_blocks,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -1446,7 +1447,7 @@ int paged_prefill_attention(const void *q, const void *k_cache, const void *v_ca
             const int64_t p0 = first_position + b * PREFILL_QUERIES;
             const int64_t count = seq_lens[c] - p0 < PREFILL_QUERIES ? seq_lens[c] - p0 : PREFILL_QUERIES;
             if (base != NULL)
-                prefill_task(q, k_cache, v_cache, out, block_tables + c * max_blocks, chunk_rows[c],
+                prefill_task(q, q_stride, k_cache, v_cache, out, block_tables + c * max_blocks, chunk_rows[c],
                              first_position, p0, count, g, group, num_heads, num_kv_heads, head_dim,
                              block_size, window, scale, dtype, w);
         }
@@ -1454,7 +1455,8 @@ int paged_prefill_attention(const void *q, const void *k_cache, const void *v_ca
     }
     return failed;
 #else
-    (void)q, (void)k_cache, (void)v_cache, (void)out, (void)chunk_rows, (void)chunk_lens, (void)seq_lens;
+    (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)out, (void)chunk_rows, (void)chunk_lens;
+    (void)seq_lens;
     (void)block_tables, (void)num_chunks, (void)max_blocks, (void)num_heads, (void)num_kv_heads;
     (void)head_dim, (void)block_size, (void)window, (void)scale, (void)dtype, (void)num_threads;
     return 2;

@@ -843,17 +843,19 @@ int panel_gemm(const void *x, const void *panels, const void *bias, void *y, int
 
 /*
  * Stores new tokens' keys and values at their cache slots: row t of k and v (num_kv_heads x
- * head_dim values) goes to row slots[t] of k_cache and v_cache. One call for both, instead of
+ * head_dim values, k_stride and v_stride elements after row t - 1: the keys and values can be
+ * read where the fused q/k/v product left them) goes to row slots[t] of k_cache and v_cache. One call for both, instead of
  * two index_copy_ dispatches per layer; the rows land in lines not yet in cache, so a batch's
  * writes are shared among the threads.
  */
 void write_kv(const void *k, const void *v, void *k_cache, void *v_cache, const int64_t *slots,
-              int64_t num_tokens, int64_t row_elems, int dtype, int num_threads) {
-    const int64_t row_bytes = row_elems * (dtype == DTYPE_F32 ? 4 : 2);
+              int64_t num_tokens, int64_t row_elems, int64_t k_stride, int64_t v_stride, int dtype,
+              int num_threads) {
+    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2, row_bytes = row_elems * elem;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens >= MIN_PARALLEL_ROWS)
     for (int64_t t = 0; t < num_tokens; t++) {
-        memcpy((char *)k_cache + slots[t] * row_bytes, (const char *)k + t * row_bytes, row_bytes);
-        memcpy((char *)v_cache + slots[t] * row_bytes, (const char *)v + t * row_bytes, row_bytes);
+        memcpy((char *)k_cache + slots[t] * row_bytes, (const char *)k + t * k_stride * elem, row_bytes);
+        memcpy((char *)v_cache + slots[t] * row_bytes, (const char *)v + t * v_stride * elem, row_bytes);
     }
 }
 
@@ -926,7 +928,8 @@ void add_rms_norm(void *residual, const void *x, const void *weight, void *out, 
  * Rotary embedding in place, Hugging Face's "rotate_half" pairing (dimension i with i + D/2):
  * x' = x * cos + rotate_half(x) * sin, with the cos/sin tables the model computed (already in
  * the activation dtype). In bf16 each product and the sum round to bf16, as the separate
- * PyTorch ops of the reference do. x: (num_tokens, num_heads, head_dim); cos, sin:
+ * PyTorch ops of the reference do. x: num_tokens rows of num_heads x head_dim values, row_stride
+ * elements apart (a token's queries or keys where the fused q/k/v product left them); cos, sin:
  * (num_tokens, head_dim), whose two halves are equal.
  */
 static __attribute__((noinline)) WIDE_VECTORS void rotary_token(void *x, const void *cos_row,
@@ -959,11 +962,11 @@ static __attribute__((noinline)) WIDE_VECTORS void rotary_token(void *x, const v
 }
 
 void rotary_embedding(void *x, const void *cos_table, const void *sin_table, int64_t num_tokens,
-                      int64_t num_heads, int64_t head_dim, int dtype, int num_threads) {
+                      int64_t num_heads, int64_t head_dim, int64_t row_stride, int dtype, int num_threads) {
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens >= MIN_PARALLEL_ROWS)
     for (int64_t t = 0; t < num_tokens; t++)
-        rotary_token((char *)x + t * num_heads * head_dim * elem,
+        rotary_token((char *)x + t * row_stride * elem,
                      (const char *)cos_table + t * head_dim * elem,
                      (const char *)sin_table + t * head_dim * elem, num_heads, head_dim, dtype);
 }
