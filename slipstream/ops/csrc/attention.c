@@ -1040,9 +1040,9 @@ static inline const char *cache_row(const void *cache, const int64_t *block_tabl
     return (const char *)cache + ((slot * num_kv_heads + g) * D) * elem;
 }
 
-/* Element offset of (token row, head) in a (rows, num_heads, D) tensor. */
-static inline int64_t head_offset(int64_t row, int64_t head, int64_t num_heads, int64_t D) {
-    return (row * num_heads + head) * D;
+/* Element offset of (token row, head) where rows of heads x D values are row_stride elements apart. */
+static inline int64_t head_offset(int64_t row, int64_t head, int64_t row_stride, int64_t D) {
+    return row * row_stride + head * D;
 }
 
 static inline void widen_row(const char *src, float *dst, int64_t D, int dtype, float scale) {
@@ -1325,8 +1325,8 @@ static WIDE_VECTORS void softmax_tile(prefill_scratch w, int64_t rows, int64_t g
 }
 
 /* One task: query positions [p0, p0 + count) of a chunk, kv head g, `group` query heads each. */
-static void prefill_task(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, void *out,
-                         const int64_t *block_table, int64_t row0, int64_t first_position,
+static void prefill_task(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                         void *out, const int64_t *block_table, int64_t row0, int64_t first_position,
                          int64_t p0, int64_t count, int64_t g, int64_t group, int64_t num_heads,
                          int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t window,
                          float scale, int dtype, prefill_scratch w) {
@@ -1345,8 +1345,8 @@ static void prefill_task(const void *q, int64_t q_stride, const void *k_cache, c
     const int64_t first_row = row0 + p0 - first_position;
     for (int64_t i = 0; i < count; i++)
         for (int64_t h = 0; h < group; h++) {
-            const int64_t r = i * group + h;
-            const char *src = (const char *)q + ((first_row + i) * q_stride + (g * group + h) * D) * elem;
+            const int64_t r = i * group + h, offset = head_offset(first_row + i, g * group + h, q_stride, D);
+            const char *src = (const char *)q + offset * elem;
             if (bf16) memcpy((uint16_t *)w.q + r * D, src, D * sizeof(uint16_t));
             else widen_row(src, w.q + r * D, D, dtype, scale);
         }
@@ -1401,7 +1401,7 @@ static void prefill_task(const void *q, int64_t q_stride, const void *k_cache, c
     for (int64_t i = 0; i < count; i++)
         for (int64_t h = 0; h < group; h++) {
             const int64_t r = i * group + h;
-            char *dst = (char *)out + head_offset(first_row + i, g * group + h, num_heads, D) * elem;
+            char *dst = (char *)out + head_offset(first_row + i, g * group + h, num_heads * D, D) * elem;
             const float inv = 1.0f / w.sum[r];
             for (int64_t d = 0; d < D; d++) {
                 const float value = w.o[r * D + d] * inv;
@@ -1413,9 +1413,10 @@ static void prefill_task(const void *q, int64_t q_stride, const void *k_cache, c
 #endif
 
 /* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad argument. */
-int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache, void *out,
-                            const int64_t *chunk_rows, const int64_t *chunk_lens, const int64_t *seq_lens,
-                            const int64_t *block_tables, int64_t num_chunks, int64_t max_blocks,
+int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                            void *out, const int64_t *chunk_rows, const int64_t *chunk_lens,
+                            const int64_t *seq_lens, const int64_t *block_tables, int64_t num_chunks,
+                            int64_t max_blocks,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             int64_t block_size, int64_t window, float scale, int dtype, int num_threads) {
 #if defined(__AVX512F__) || defined(SLIPSTREAM_AVX2)
@@ -1447,9 +1448,9 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
             const int64_t p0 = first_position + b * PREFILL_QUERIES;
             const int64_t count = seq_lens[c] - p0 < PREFILL_QUERIES ? seq_lens[c] - p0 : PREFILL_QUERIES;
             if (base != NULL)
-                prefill_task(q, q_stride, k_cache, v_cache, out, block_tables + c * max_blocks, chunk_rows[c],
-                             first_position, p0, count, g, group, num_heads, num_kv_heads, head_dim,
-                             block_size, window, scale, dtype, w);
+                prefill_task(q, q_stride, k_cache, v_cache, out, block_tables + c * max_blocks,
+                             chunk_rows[c], first_position, p0, count, g, group, num_heads, num_kv_heads,
+                             head_dim, block_size, window, scale, dtype, w);
         }
         free(base);
     }

@@ -844,9 +844,9 @@ int panel_gemm(const void *x, const void *panels, const void *bias, void *y, int
 /*
  * Stores new tokens' keys and values at their cache slots: row t of k and v (num_kv_heads x
  * head_dim values, k_stride and v_stride elements after row t - 1: the keys and values can be
- * read where the fused q/k/v product left them) goes to row slots[t] of k_cache and v_cache. One call for both, instead of
- * two index_copy_ dispatches per layer; the rows land in lines not yet in cache, so a batch's
- * writes are shared among the threads.
+ * read where the fused q/k/v product left them) goes to row slots[t] of k_cache and v_cache. One
+ * call for both, instead of two index_copy_ dispatches per layer; the rows land in lines not yet
+ * in cache, so a batch's writes are shared among the threads.
  */
 void write_kv(const void *k, const void *v, void *k_cache, void *v_cache, const int64_t *slots,
               int64_t num_tokens, int64_t row_elems, int64_t k_stride, int64_t v_stride, int dtype,
@@ -896,7 +896,8 @@ void rms_norm(const void *x, const void *weight, void *out, int64_t num_rows, in
 }
 
 /* residual += x, each sum rounded to the dtype as PyTorch's `residual + x` rounds it. */
-static __attribute__((noinline)) WIDE_VECTORS void add_row(void *residual, const void *x, int64_t dim, int dtype) {
+static __attribute__((noinline)) WIDE_VECTORS void add_row(void *residual, const void *x, int64_t dim,
+                                                           int dtype) {
     if (dtype == DTYPE_F32) {
         float *sum = residual;
         const float *add = x;
