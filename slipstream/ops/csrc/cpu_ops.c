@@ -1162,30 +1162,45 @@ int64_t decode_workspace_bytes(const decode_shape *shape, int64_t num_seqs) {
     return num_seqs * per_row * (shape->dtype == DTYPE_F32 ? 4 : 2);
 }
 
-/* y = x W^T + b, or y = residual + (x W^T + b) rounded as `h + linear(x)` is in PyTorch (y may
- * alias residual), shared among the threads of the enclosing parallel region, which all return
- * with y complete: the matrix-vector kernel over the row-major weight below min_panel_rows(dtype)
- * rows (up to MAX_GEMV_ROWS where the weight has no panels), else the panel kernel into `product` (M x N) and
- * then the residual sum by rows. */
-static void decode_linear(task_team *team, const void *rows, const void *panels, const void *bias,
-                          const void *residual, const void *x, void *y, void *product, int64_t M, int64_t N,
-                          int64_t K, int dtype) {
-    if ((panels == NULL && M <= MAX_GEMV_ROWS) || M < min_panel_rows(dtype)) {
-        gemv_rows(team, rows, x, bias, residual, y, M, N, K, dtype);
+/* y = x W^T + b, shared among the threads of the enclosing parallel region, which all return with y
+ * complete: the matrix-vector kernel over the row-major weight below min_panel_rows(dtype) rows (up
+ * to MAX_GEMV_ROWS where the weight has no panels), else the panel kernel. */
+static int takes_gemv(const void *panels, int64_t M, int dtype) {
+    return (panels == NULL && M <= MAX_GEMV_ROWS) || M < min_panel_rows(dtype);
+}
+
+static void decode_linear(task_team *team, const void *rows, const void *panels, const void *bias, const void *x,
+                          void *y, int64_t M, int64_t N, int64_t K, int dtype) {
+    if (takes_gemv(panels, M, dtype)) {
+        gemv_rows(team, rows, x, bias, NULL, y, M, N, K, dtype);
         return;
     }
-    panel_tasks(team, x, panels, bias, residual == NULL ? y : product, M, N, K, dtype);
+    panel_tasks(team, x, panels, bias, y, M, N, K, dtype);
 #pragma omp barrier
-    if (residual == NULL) return;
+}
+
+/* residual += x W^T + b, the product rounded to the dtype before the sum as `h + linear(x)` rounds
+ * in PyTorch, then normed = the RMSNorm (weight `norm`) of each new residual row: the residual
+ * stream's update and the norm that reads it (vLLM's fused_add_rms_norm). The matrix-vector kernel
+ * adds the product as it goes; the panel kernel's product (into `product`, M x N) is added in the
+ * norm's pass over each row (add_rms_norm's arithmetic), one pass over the rows and one barrier
+ * fewer than a sum of its own. */
+static void decode_linear_add_norm(task_team *team, const void *rows, const void *panels, const void *bias,
+                                   const void *x, void *residual, void *product, const void *norm,
+                                   void *normed, int64_t M, int64_t N, int64_t K, float eps, int dtype) {
+    const int64_t row_bytes = N * (dtype == DTYPE_F32 ? 4 : 2);
+    const int sum_in_norm = !takes_gemv(panels, M, dtype);
+    if (sum_in_norm) {
+        panel_tasks(team, x, panels, bias, product, M, N, K, dtype);
+#pragma omp barrier
+    } else {
+        gemv_rows(team, rows, x, bias, residual, residual, M, N, K, dtype);
+    }
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < M * N; i++) {
-        if (dtype == DTYPE_F32) {
-            ((float *)y)[i] = ((const float *)residual)[i] + ((const float *)product)[i];
-        } else {
-            const float sum = bf16_to_f32(((const uint16_t *)residual)[i]) +
-                              bf16_to_f32(((const uint16_t *)product)[i]);
-            ((uint16_t *)y)[i] = f32_to_bf16(sum);
-        }
+    for (int64_t m = 0; m < M; m++) {
+        char *row = (char *)residual + m * row_bytes;
+        if (sum_in_norm) add_row(row, (const char *)product + m * row_bytes, N, dtype);
+        rms_norm_row(row, norm, (char *)normed + m * row_bytes, N, eps, dtype);
     }
 }
 
@@ -1228,17 +1243,19 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
     {
         float *scratch = thread_scratch(scratch_floats, &failed);
         task_team team = team_of(shares);
+        /* Each norm reads the residual stream as the sum before it leaves it: the first layer's input
+         * norm the embedding, each later one (and the final norm) the last layer's down product's. */
+        const void *first_norm = shape->num_layers > 0 ? layers[0].input_norm : model->final_norm;
+        char *first_normed = shape->num_layers > 0 ? normed : out;
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
+        for (int64_t m = 0; m < M; m++) {
             memcpy(x + m * E * elem, (const char *)model->embedding + token_ids[m] * E * elem, E * elem);
+            rms_norm_row(x + m * E * elem, first_norm, first_normed + m * E * elem, E, shape->eps, dtype);
+        }
         for (int64_t l = 0; l < shape->num_layers; l++) {
             const decode_layer *layer = &layers[l];
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++)
-                rms_norm_row(x + m * E * elem, layer->input_norm, normed + m * E * elem, E, shape->eps,
-                             dtype);
-            decode_linear(&team, layer->qkv_weight, layer->qkv_panels, layer->qkv_bias, NULL, normed, qkv,
-                          product, M, qkv_size, E, dtype);
+            decode_linear(&team, layer->qkv_weight, layer->qkv_panels, layer->qkv_bias, normed, qkv, M, qkv_size,
+                          E, dtype);
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) {
                 char *q_row = qkv + m * qkv_size * elem, *k_row = q_row + q_size * elem;
@@ -1260,26 +1277,21 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
             attention_tasks(&team, q, layer->k_cache, layer->v_cache, attn, block_tables, seq_lens, M,
                             max_blocks, H, KV, D, shape->block_size, shape->window, shape->scale, dtype,
                             num_threads, scratch, &split);
-            decode_linear(&team, layer->o_weight, layer->o_panels, layer->o_bias, x, attn, x, product, M, E,
-                          q_size, dtype);
-#pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++)
-                rms_norm_row(x + m * E * elem, layer->post_norm, normed + m * E * elem, E, shape->eps, dtype);
-            decode_linear(&team, layer->gate_up_weight, layer->gate_up_panels, layer->gate_up_bias, NULL,
-                          normed, gate_up, product, M, 2 * F, E, dtype);
+            decode_linear_add_norm(&team, layer->o_weight, layer->o_panels, layer->o_bias, attn, x, product,
+                                   layer->post_norm, normed, M, E, q_size, shape->eps, dtype);
+            decode_linear(&team, layer->gate_up_weight, layer->gate_up_panels, layer->gate_up_bias, normed,
+                          gate_up, M, 2 * F, E, dtype);
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++)
                 silu_and_mul_row(gate_up + m * 2 * F * elem, act + m * F * elem, F, dtype);
-            decode_linear(&team, layer->down_weight, layer->down_panels, layer->down_bias, x, act, x, product,
-                          M, E, F, dtype);
+            const int last = l + 1 == shape->num_layers;
+            decode_linear_add_norm(&team, layer->down_weight, layer->down_panels, layer->down_bias, act, x,
+                                   product, last ? model->final_norm : layers[l + 1].input_norm,
+                                   last ? out : normed, M, E, F, shape->eps, dtype);
         }
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            rms_norm_row(x + m * E * elem, model->final_norm, (char *)out + m * E * elem, E, shape->eps,
-                         dtype);
         if (logits != NULL)
-            decode_linear(&team, model->lm_head_weight, model->lm_head_panels, model->lm_head_bias, NULL, out,
-                          logits, NULL, M, V, E, dtype);
+            decode_linear(&team, model->lm_head_weight, model->lm_head_panels, model->lm_head_bias, out, logits,
+                          M, V, E, dtype);
         free(scratch);
     }
     free_decode_split(&split);
