@@ -129,6 +129,8 @@ typedef struct {
     const int64_t *block_table;
     int64_t first_block, end_block;  /* the window's blocks, as indices into block_table */
     int64_t block_bytes;             /* a whole block: block_size rows, contiguous */
+    int64_t first_offset, last_end;  /* the rows in use: from first_offset bytes into the first
+                                        block to last_end bytes into the last */
     int64_t lines_per_tile;          /* to request over one tile of the current sequence */
     int64_t remaining;               /* lines still to request */
     int cache;                       /* which of caches[] is being requested */
@@ -147,8 +149,10 @@ static inline void request_next(next_sequence *next, int64_t lines) {
                 next->cache++;
                 next->block = next->first_block;
             }
-            cursor = next->caches[next->cache] + next->block_table[next->block++] * next->block_bytes;
-            end = cursor + next->block_bytes;
+            const char *base = next->caches[next->cache] + next->block_table[next->block] * next->block_bytes;
+            cursor = base + (next->block == next->first_block ? next->first_offset : 0);
+            end = base + (next->block + 1 == next->end_block ? next->last_end : next->block_bytes);
+            next->block++;
         }
         _mm_prefetch(cursor, _MM_HINT_T1);
     }
@@ -742,7 +746,13 @@ void attention_tasks(task_team *team, const void *q, const void *k_cache, const 
             const int64_t first_block = next_first / block_size;
             const int64_t end_block = (next_end + block_size - 1) / block_size;
             const int64_t block_bytes = block_size * row_bytes;
-            const int64_t all_lines = 2 * (end_block - first_block) * block_bytes / 64;
+            /* Only the rows of keys [next_first, next_end), not the whole first and last blocks:
+             * with vLLM's CPU default of 128-token blocks a last block holds 64 unused rows on
+             * average, which would be read from memory for nothing. */
+            const int64_t first_offset = next_first % block_size * row_bytes / 64 * 64;
+            const int64_t last_end = ((next_end - 1) % block_size + 1) * row_bytes;
+            const int64_t all_lines = 2 * ((end_block - first_block) * block_bytes - first_offset
+                                           - (block_bytes - last_end) + 63) / 64;
             const int64_t lines = all_lines < NEXT_SEQUENCE_BYTES / 64 ? all_lines : NEXT_SEQUENCE_BYTES / 64;
             const int64_t tiles = 2 * ((end - first + 15) / 16);  /* key and value tiles */
             if (next_end > next_first)
@@ -750,6 +760,7 @@ void attention_tasks(task_team *team, const void *q, const void *k_cache, const 
                     .caches = {k_cache, v_cache},
                     .block_table = block_tables + next_seq * max_blocks,
                     .first_block = first_block, .end_block = end_block, .block_bytes = block_bytes,
+                    .first_offset = first_offset, .last_end = last_end,
                     .lines_per_tile = (lines + tiles - 1) / tiles, .remaining = lines,
                     .cache = 0, .block = first_block, .cursor = NULL, .end = NULL,
                 };
