@@ -1162,15 +1162,16 @@ int64_t decode_workspace_bytes(const decode_shape *shape, int64_t num_seqs) {
     return num_seqs * per_row * (shape->dtype == DTYPE_F32 ? 4 : 2);
 }
 
-/* y = x W^T + b, shared among the threads of the enclosing parallel region, which all return with y
- * complete: the matrix-vector kernel over the row-major weight below min_panel_rows(dtype) rows (up
- * to MAX_GEMV_ROWS where the weight has no panels), else the panel kernel. */
+/* Whether an M-row product of the decode graph takes the matrix-vector kernel over the row-major
+ * weight: below min_panel_rows(dtype) rows, and up to MAX_GEMV_ROWS where the weight has no panels. */
 static int takes_gemv(const void *panels, int64_t M, int dtype) {
     return (panels == NULL && M <= MAX_GEMV_ROWS) || M < min_panel_rows(dtype);
 }
 
-static void decode_linear(task_team *team, const void *rows, const void *panels, const void *bias, const void *x,
-                          void *y, int64_t M, int64_t N, int64_t K, int dtype) {
+/* y = x W^T + b, shared among the threads of the enclosing parallel region, which all return with y
+ * complete: the matrix-vector kernel (takes_gemv) or the panel kernel. */
+static void decode_linear(task_team *team, const void *rows, const void *panels, const void *bias,
+                          const void *x, void *y, int64_t M, int64_t N, int64_t K, int dtype) {
     if (takes_gemv(panels, M, dtype)) {
         gemv_rows(team, rows, x, bias, NULL, y, M, N, K, dtype);
         return;
@@ -1243,8 +1244,9 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
     {
         float *scratch = thread_scratch(scratch_floats, &failed);
         task_team team = team_of(shares);
-        /* Each norm reads the residual stream as the sum before it leaves it: the first layer's input
-         * norm the embedding, each later one (and the final norm) the last layer's down product's. */
+        /* Each norm shares its pass over the rows with what last wrote the residual stream: the
+         * embedding lookup for the first layer's input norm (the final norm's, without layers),
+         * decode_linear_add_norm for the others. */
         const void *first_norm = shape->num_layers > 0 ? layers[0].input_norm : model->final_norm;
         char *first_normed = shape->num_layers > 0 ? normed : out;
 #pragma omp for schedule(static)
@@ -1254,8 +1256,8 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
         }
         for (int64_t l = 0; l < shape->num_layers; l++) {
             const decode_layer *layer = &layers[l];
-            decode_linear(&team, layer->qkv_weight, layer->qkv_panels, layer->qkv_bias, normed, qkv, M, qkv_size,
-                          E, dtype);
+            decode_linear(&team, layer->qkv_weight, layer->qkv_panels, layer->qkv_bias, normed, qkv, M,
+                          qkv_size, E, dtype);
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) {
                 char *q_row = qkv + m * qkv_size * elem, *k_row = q_row + q_size * elem;
@@ -1290,8 +1292,8 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
                                    last ? out : normed, M, E, F, shape->eps, dtype);
         }
         if (logits != NULL)
-            decode_linear(&team, model->lm_head_weight, model->lm_head_panels, model->lm_head_bias, out, logits,
-                          M, V, E, dtype);
+            decode_linear(&team, model->lm_head_weight, model->lm_head_panels, model->lm_head_bias, out,
+                          logits, M, V, E, dtype);
         free(scratch);
     }
     free_decode_split(&split);
