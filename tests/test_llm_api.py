@@ -23,6 +23,7 @@ from serve_fixtures import EOS_TRIGGER_ID, VOCAB_SIZE, dense_logprobs, kv_bytes_
 
 from slipstream import LLM, SamplingParams
 from slipstream.serve.engine import EngineConfig
+from slipstream.serve.llm import OFFLINE_SCHEDULER_STEPS
 
 pytest_plugins = ["serve_fixtures"]  # the model_dir and dense_model fixtures, built once
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -251,6 +252,29 @@ def test_engine_seed_makes_unseeded_sampling_reproducible(model_dir):
     assert two_samples(seed=1) != first
     with pytest.raises(ValueError, match="seed"):
         LLM(model_dir, seed="0")
+
+
+def test_offline_llm_runs_several_greedy_steps_at_once_unless_told(model_dir):
+    """LLM's engine runs up to OFFLINE_SCHEDULER_STEPS greedy decode steps per engine step unless
+    num_scheduler_steps is given or it speculates (the engine's own default, and the server's, is
+    1); both give the same tokens and text, a stop string and the length limit landing inside a
+    burst included."""
+    default = LLM(model_dir, max_model_len=MAX_MODEL_LEN)
+    single = LLM(model_dir, max_model_len=MAX_MODEL_LEN, num_scheduler_steps=1)
+    assert default.engine.config.num_scheduler_steps == OFFLINE_SCHEDULER_STEPS > 1
+    assert single.engine.config.num_scheduler_steps == 1
+    assert EngineConfig(model=str(model_dir)).num_scheduler_steps == 1
+    speculating = LLM(model_dir, max_model_len=MAX_MODEL_LEN,
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert speculating.engine.config.num_scheduler_steps == 1
+    probe = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    text = generate_one(single, PROMPT, probe).text
+    stop = text[len(text) // 2 :][:2]  # a stop string met part-way through the greedy text
+    for params in (probe, SamplingParams(temperature=0.0, max_tokens=13, stop=[stop]),
+                   SamplingParams(temperature=0.0, max_tokens=11)):
+        got, expected = generate_one(default, PROMPT, params), generate_one(single, PROMPT, params)
+        assert (got.token_ids, got.text, got.finish_reason) == (
+            expected.token_ids, expected.text, expected.finish_reason)
 
 
 def test_greedy_is_deterministic_and_batch_invariant(llm):
@@ -566,7 +590,8 @@ def test_vllm_engine_arguments_that_mean_what_slipstream_does_are_accepted(model
         download_dir=None, max_num_seqs=None, max_num_batched_tokens=None, block_size=None,
         enable_prefix_caching=None, kv_cache_memory_bytes=kv_bytes,
     )
-    expected = EngineConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory=kv_bytes)
+    expected = EngineConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN, kv_cache_memory=kv_bytes,
+                            num_scheduler_steps=OFFLINE_SCHEDULER_STEPS)
     assert llm.engine.config == expected
     assert llm.engine.limits.num_blocks == 64
     assert len(generate_one(llm, PROMPT, greedy(max_tokens=3)).token_ids) == 3

@@ -69,6 +69,14 @@ _FIXED_VLLM_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
     "download_dir": ((None,), _LOCAL_ONLY),
 }
 
+OFFLINE_SCHEDULER_STEPS = 8
+"""`LLM`'s num_scheduler_steps unless given (EngineConfig's and the server's default is 1): the
+offline API returns whole outputs, so that running up to 8 plain-greedy decode steps per engine
+step costs it nothing a stream would show, and saves a return to Python per token (docs/engine.md,
+"Several decode steps at once"), as vLLM's defaults for its `LLM` class differ from its server's.
+Not with a speculative_config, which proposes guesses once per engine step: bursts of plain steps
+in between would skip its chances."""
+
 # vLLM engine arguments whose None means "choose for me": slipstream's EngineConfig default.
 _NONE_MEANS_DEFAULT = frozenset({"max_num_seqs", "max_num_batched_tokens", "block_size",
                                  "enable_prefix_caching", "kv_cache_memory_bytes"})
@@ -82,10 +90,11 @@ class LLM:
 
     Keyword arguments are `EngineConfig` fields (dtype, max_num_seqs, max_num_batched_tokens,
     kv_cache_memory, enable_prefix_caching, max_model_len, block_size, device, seed, enforce_eager,
-    ...), vLLM's engine arguments as docs/serving.md lists them (`kv_cache_memory_bytes` is
-    kv_cache_memory; `gpu_memory_utilization` sizes the KV cache as vLLM does; the likes of
-    tensor_parallel_size and trust_remote_code are taken at the values that mean what slipstream
-    does, and any other value is a ValueError), and, as in vLLM,
+    num_scheduler_steps, here OFFLINE_SCHEDULER_STEPS unless given or speculating, ...), vLLM's
+    engine arguments as docs/serving.md lists them (`kv_cache_memory_bytes` is kv_cache_memory;
+    `gpu_memory_utilization` sizes the KV cache as vLLM does; the likes of tensor_parallel_size
+    and trust_remote_code are taken at the values that mean what slipstream does, and any other
+    value is a ValueError), and, as in vLLM,
     `generation_config`: where the defaults for `sampling_params=None` come from: "auto" (the
     model's generation_config.json), "vllm" (SamplingParams()) or another model directory.
     An unknown keyword is a TypeError, as in vLLM.
@@ -266,6 +275,8 @@ def _engine_config(model: str, args: dict[str, Any]) -> EngineConfig:
                              "setting; pass one")
         args["kv_cache_memory"] = args.pop("kv_cache_memory_bytes")
     utilization = args.pop("gpu_memory_utilization", None)
+    if args.get("speculative_config") is None:
+        args.setdefault("num_scheduler_steps", OFFLINE_SCHEDULER_STEPS)
     config = EngineConfig(model=model, **args)
     return config if utilization is None else with_memory_utilization(config, utilization)
 
