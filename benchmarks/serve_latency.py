@@ -2,8 +2,9 @@
 
 One request (a random prompt of --input-len tokens, --output-len greedy tokens, ignore_eos) runs
 through slipstream's engine step by step; the median decode step (per token it produced) is the
-per-token latency: with the default engine, one token per step, and again with
---num-scheduler-steps greedy steps per engine step (multi-step decoding, opt-in), the two in turns
+per-token latency: with one token per engine step (num_scheduler_steps=1, the engine's and the
+server's default), and again with --num-scheduler-steps greedy steps per engine step (multi-step
+decoding; 8 is the offline `LLM`'s default), the two in turns
 on the same engine, so that both read the same weights from the same memory (two engines of
 the same configuration in one process differed by up to 20% on the development VM, each keeping
 its speed from repeat to repeat: where its buffers landed). The
@@ -155,8 +156,8 @@ def main() -> None:
         startup_s, llm = startup_to_first_token_s(model_dir, dtype, prompt)
         contexts = range(args.input_len + 1, args.input_len + args.output_len)
         bytes_per_step = sum(decode_bytes_per_step(config, dtype, 1, c) for c in contexts) / len(contexts)
-        one_step, multi_step = llm.engine.config, dataclasses.replace(
-            llm.engine.config, num_scheduler_steps=args.num_scheduler_steps)
+        one_step, multi_step = (dataclasses.replace(llm.engine.config, num_scheduler_steps=steps)
+                                for steps in (1, args.num_scheduler_steps))
         repeats, multi_steps = [], []  # alternating, so that both meet the same minutes of the machine
         for _ in range(args.repeats):
             llm.engine.config = one_step
