@@ -1427,8 +1427,7 @@ static void prefill_task(const void *q, int64_t q_stride, const void *k_cache, c
 int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                             void *out, const int64_t *chunk_rows, const int64_t *chunk_lens,
                             const int64_t *seq_lens, const int64_t *block_tables, int64_t num_chunks,
-                            int64_t max_blocks,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                             int64_t block_size, int64_t window, float scale, int dtype, int num_threads) {
 #if defined(__AVX512F__) || defined(SLIPSTREAM_AVX2)
     if (!has_prefill_attention(head_dim) || num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;

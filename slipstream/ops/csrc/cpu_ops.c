@@ -909,20 +909,25 @@ static __attribute__((noinline)) WIDE_VECTORS void add_row(void *residual, const
     }
 }
 
+/* residual += x (unless x is NULL) as add_row rounds it, then out = rms_norm of the new residual
+ * row while it is in L1: one row of add_rms_norm. */
+static inline void add_rms_norm_row(void *residual, const void *x, const void *weight, void *out, int64_t dim,
+                                    float eps, int dtype) {
+    if (x != NULL) add_row(residual, x, dim, dtype);
+    rms_norm_row(residual, weight, out, dim, eps, dtype);
+}
+
 /*
- * A residual sum and the RMSNorm that reads it, row by row in one pass (vLLM's fused_add_rms_norm):
- * residual += x as add_row rounds it, then out = rms_norm of the new residual row while it is in
- * L1. Each result equals the two separate steps'. residual, x, out: (num_rows, dim).
+ * A residual sum and the RMSNorm that reads it, row by row in one pass (vLLM's fused_add_rms_norm).
+ * Each result equals the two separate steps'. residual, x, out: (num_rows, dim).
  */
 void add_rms_norm(void *residual, const void *x, const void *weight, void *out, int64_t num_rows, int64_t dim,
                   float eps, int dtype, int num_threads) {
     const int64_t row_bytes = dim * (dtype == DTYPE_F32 ? 4 : 2);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= MIN_PARALLEL_ROWS)
-    for (int64_t r = 0; r < num_rows; r++) {
-        char *row = (char *)residual + r * row_bytes;
-        add_row(row, (const char *)x + r * row_bytes, dim, dtype);
-        rms_norm_row(row, weight, (char *)out + r * row_bytes, dim, eps, dtype);
-    }
+    for (int64_t r = 0; r < num_rows; r++)
+        add_rms_norm_row((char *)residual + r * row_bytes, (const char *)x + r * row_bytes, weight,
+                         (char *)out + r * row_bytes, dim, eps, dtype);
 }
 
 /*
@@ -1191,17 +1196,15 @@ static void decode_linear_add_norm(task_team *team, const void *rows, const void
                                    void *normed, int64_t M, int64_t N, int64_t K, float eps, int dtype) {
     const int64_t row_bytes = N * (dtype == DTYPE_F32 ? 4 : 2);
     const int sum_in_norm = !takes_gemv(panels, M, dtype);
-    if (sum_in_norm) {
-        panel_tasks(team, x, panels, bias, product, M, N, K, dtype);
-#pragma omp barrier
-    } else {
+    if (sum_in_norm)
+        decode_linear(team, rows, panels, bias, x, product, M, N, K, dtype);
+    else
         gemv_rows(team, rows, x, bias, residual, residual, M, N, K, dtype);
-    }
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++) {
-        char *row = (char *)residual + m * row_bytes;
-        if (sum_in_norm) add_row(row, (const char *)product + m * row_bytes, N, dtype);
-        rms_norm_row(row, norm, (char *)normed + m * row_bytes, N, eps, dtype);
+        const char *sum = sum_in_norm ? (const char *)product + m * row_bytes : NULL;
+        add_rms_norm_row((char *)residual + m * row_bytes, sum, norm, (char *)normed + m * row_bytes, N, eps,
+                         dtype);
     }
 }
 
