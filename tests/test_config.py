@@ -107,3 +107,28 @@ def test_json_written_is_plain(tmp_path):
     ModelConfig(**BASE).save_pretrained(tmp_path)
     d = json.loads((tmp_path / "config.json").read_text())
     assert d["architectures"] == ["LlamaForCausalLM"] and d["rope_theta"] == 10000.0
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("left_out", [("num_key_value_heads",), ("head_dim",), ("max_position_embeddings",),
+                                      ("sliding_window",), ("sliding_window", "max_position_embeddings"),
+                                      ("num_key_value_heads", "head_dim")])
+def test_keys_left_out_mean_what_transformers_assumes(model_type, left_out):
+    """A key config.json leaves out takes the default of the family's config class in transformers
+    (Mistral's 4,096-token window and 8 kv heads, Qwen3's head_dim of 128, ...), as vLLM, which
+    reads configs through transformers, runs it; a key given as null keeps null's meaning."""
+    transformers = pytest.importorskip("transformers")
+    full = {"model_type": model_type, "vocab_size": 100, "hidden_size": 256, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 16,
+            "max_position_embeddings": 512, "sliding_window": 64 if model_type == "mistral" else None}
+    d = {k: v for k, v in full.items() if k not in left_out}
+    hf = transformers.AutoConfig.for_model(**d)
+    ours = ModelConfig.from_hf_dict(d)
+    assert ours.num_key_value_heads == hf.num_key_value_heads
+    assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+    assert ours.max_position_embeddings == hf.max_position_embeddings
+    window = hf.sliding_window if model_type == "mistral" else None
+    # A window as long as the context is plain causal attention, which ours holds as None.
+    assert ours.sliding_window == (window if window and window < hf.max_position_embeddings else None)
+    if model_type == "mistral":
+        assert ModelConfig.from_hf_dict(full | {"sliding_window": None}).sliding_window is None

@@ -189,6 +189,7 @@ class ModelConfig:
         unknown = sorted(k for k in d if k not in known and k not in _IGNORED_KEYS)
         if unknown:
             logger.warning("ignoring config.json keys that slipstream does not use: %s", unknown)
+        d = _FAMILY_DEFAULTS[model_type] | d
         rope_theta, rope_scaling = _read_rope(d)
         kwargs: dict[str, Any] = {k: d[k] for k in known if k in d and d[k] is not None}
         kwargs.pop("rope_scaling", None)
@@ -258,6 +259,18 @@ class ModelConfig:
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(self.to_hf_dict(), indent=2) + "\n")
 
+
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
+}
+"""What the family's config class in transformers assumes for a key that config.json leaves out,
+where that differs from ModelConfig's default (a key present with null keeps null's meaning: a
+Mistral without a window, heads or head_dim derived as for Llama). vLLM reads configs through
+transformers, so these are its defaults too. Not the special tokens (transformers' Llama assumes
+ids 1 and 2): the tokenizer and generation_config.json name those."""
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
