@@ -3,6 +3,7 @@ and the server keeps serving after all of them."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from server_process import API_KEY, MAX_MODEL_LEN, MODEL_NAME
 
 from slipstream.serve.engine import Engine, EngineConfig
+from slipstream.serve.protocol import MAX_STOP_STRINGS
 from slipstream.serve.server import OpenAIServer, ServerConfig
 
 pytest_plugins = ["serve_fixtures", "server_process"]
@@ -73,6 +75,12 @@ CASES = [
     ("logit_bias token out of the vocabulary", COMPLETIONS, completion(logit_bias={"10000000": 10}), 400,
      "logit_bias"),
     ("logit_bias value not a number", CHAT, chat(logit_bias={"5": "x"}), 400, "logit_bias"),
+    ("logit_bias key of 5,000 digits, past int()'s limit", COMPLETIONS,
+     completion(logit_bias={"9" * 5000: 1}), 400, "logit_bias"),
+    ("more stop strings than a request may give", COMPLETIONS,
+     completion(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]), 400, "stop"),
+    ("more bad words than a request may give", COMPLETIONS,
+     completion(bad_words=[f"w{i}" for i in range(MAX_STOP_STRINGS + 1)]), 400, "bad_words"),
     ("stream_options without stream", COMPLETIONS, completion(stream_options={"include_usage": True}), 400,
      "stream_options"),
     ("max_tokens 0 without echo", COMPLETIONS, completion(max_tokens=0), 400, "max_tokens"),
@@ -92,6 +100,18 @@ CASES = [
     ("tool_choice naming no tool", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
                                               tool_choice={"type": "function", "function": {"name": "g"}}),
      400, "tool_choice"),
+    ("two tools of one name, one called by name", CHAT,
+     chat(tools=[{"type": "function", "function": {"name": "f"}}] * 2,
+          tool_choice={"type": "function", "function": {"name": "f"}}), 400, "tools"),
+    ("a chat template in chat_template_kwargs of a server that takes none", CHAT,
+     chat(chat_template_kwargs={"chat_template": "{{ messages[0].content }}"}), 400, "chat_template_kwargs"),
+    ("a chat template in /tokenize's chat_template_kwargs", "/tokenize",
+     {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"chat_template": "x"}}, 400,
+     "chat_template_kwargs"),
+    ("structured_outputs json of an empty type list", COMPLETIONS,
+     completion(structured_outputs={"json": {"type": []}}), 400, "structured_outputs"),
+    ("structured_outputs json that is only a reference to itself", COMPLETIONS,
+     completion(structured_outputs={"json": {"$ref": "#"}}), 400, "structured_outputs"),
     ("tool_choice with guided_json", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
                                                 tool_choice="required", guided_json={}), 400, "guided_json"),
     ("tool_choice unknown", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
@@ -211,6 +231,47 @@ def test_a_bug_gets_a_500_that_closes_the_connection(model_dir, monkeypatch):
         raise RuntimeError("an injected bug")
 
     monkeypatch.setattr(api.engine, "add", broken)
+    with in_process(api) as url, httpx.Client(base_url=url, timeout=30) as client:
+        for _ in range(2):
+            response = client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2})
+            assert response.status_code == 500
+            assert response.headers["connection"] == "close"
+            assert response.json()["error"]["code"] == "internal_error"
+            assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("path, body", [("/tokenize", {"prompt": "hello"}),
+                                        ("/detokenize", {"tokens": [5, 6]})])
+def test_tokenize_routes_leave_the_event_loop_free(model_dir, monkeypatch, path, body):
+    """/tokenize and /detokenize, open without an API key, work off the event loop: while one is
+    held inside the tokenizer (as by a megabytes-long text), /health still answers."""
+    api = OpenAIServer(Engine(EngineConfig(model=str(model_dir), max_model_len=64)), ServerConfig(port=0))
+    entered, release = threading.Event(), threading.Event()
+    name = "encode" if path == "/tokenize" else "decode"
+    work = getattr(api.tokenizer, name)
+
+    def held(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return work(*args, **kwargs)
+
+    monkeypatch.setattr(api.tokenizer, name, held)
+    with in_process(api) as url, httpx.Client(base_url=url, timeout=30) as client:
+        result = {}
+        call = threading.Thread(target=lambda: result.update(response=client.post(path, json=body)))
+        call.start()
+        try:
+            assert entered.wait(30)
+            assert client.get("/health", timeout=5).status_code == 200
+        finally:
+            release.set()
+            call.join(30)
+        assert result["response"].status_code == 200, result["response"].text
+
+
+@contextlib.contextmanager
+def in_process(api: OpenAIServer):
+    """The server's app under uvicorn on a thread of this process; yields its URL."""
     server = uvicorn.Server(uvicorn.Config(api.app, host="127.0.0.1", port=0, log_level="critical"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -218,15 +279,8 @@ def test_a_bug_gets_a_500_that_closes_the_connection(model_dir, monkeypatch):
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            for _ in range(2):
-                response = client.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2})
-                assert response.status_code == 500
-                assert response.headers["connection"] == "close"
-                assert response.json()["error"]["code"] == "internal_error"
-                assert client.get("/health").status_code == 200
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join(timeout=30)

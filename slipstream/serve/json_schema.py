@@ -195,6 +195,8 @@ class _Writer:
         if kind is None:
             return _open_value(MAX_OPEN_DEPTH)
         if isinstance(kind, list):
+            if not kind:
+                raise ValueError(f"{where}: type is an empty list, which no value matches")
             return "(?:" + "|".join(self.regex({**schema, "type": k}, where, refs_left) for k in kind) + ")"
         if kind == "object":
             return self._object(schema, where, refs_left)

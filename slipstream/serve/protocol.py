@@ -29,6 +29,10 @@ from slipstream.serve.structured import StructuredOutputsParams
 MAX_N = 128
 """Most completions per prompt; more would only let one request fill the whole queue."""
 
+MAX_STOP_STRINGS = 256
+"""Most stop strings (and bad words) a request may give: each is looked for at every token, on the
+engine's thread, so that a request with thousands would slow every other one."""
+
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
@@ -104,7 +108,7 @@ class GenerationBody(_Body):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -123,7 +127,7 @@ class GenerationBody(_Body):
     prompt_logprobs: int | None = Field(default=None, ge=0)
     """Log-probabilities of every prompt token with this many alternatives (as in vLLM)."""
     allowed_token_ids: TokenIds | None = None
-    bad_words: list[str] | None = None
+    bad_words: Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     """Keep only the prompt's last k tokens (-1: the context length), as vLLM."""
     return_tokens_as_token_ids: bool | None = None
@@ -186,6 +190,8 @@ class GenerationBody(_Body):
         for key, value in self.logit_bias.items():
             if not key.isascii() or not key.isdigit():
                 raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            if len(key.lstrip("0")) > 18:  # beyond every vocabulary, and int() refuses 4,300 digits
+                raise bad_request(f"logit_bias key {key[:24]}... is outside the vocabulary", "logit_bias")
             bias[int(key)] = min(max(value, -100.0), 100.0)
         return bias
 
@@ -208,19 +214,29 @@ class GenerationBody(_Body):
         """The JSON schema a forced tool call's output must follow (chat only)."""
         return None
 
+    def _structured_fields(self) -> dict[str, Any]:
+        """The fields that ask for a structured output, by name, with what each asks for."""
+        tool_schema = self.tool_schema()
+        return {name: value for name, value in (("tool_choice", None if tool_schema is None
+                                                 else {"json": tool_schema}),
+                                                ("structured_outputs", self.structured_outputs),
+                                                ("guided_choice", self.guided_choice),
+                                                ("guided_regex", self.guided_regex),
+                                                ("guided_json", self.guided_json),
+                                                ("guided_grammar", self.guided_grammar),
+                                                ("response_format", self._response_format()))
+                if value is not None}
+
+    @property
+    def params_named(self) -> dict[str, str]:
+        """The request fields that the engine's parameters came from, where the names differ."""
+        fields = list(self._structured_fields())
+        return {"structured_outputs": fields[0]} if fields else {}
+
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """structured_outputs (or the older guided_choice / guided_regex / guided_json, or OpenAI's
         response_format) as the engine's; a 400 naming the field for what it cannot take."""
-        tool_schema = self.tool_schema()
-        given = {name: value for name, value in (("tool_choice", None if tool_schema is None
-                                                  else {"json": tool_schema}),
-                                                 ("structured_outputs", self.structured_outputs),
-                                                  ("guided_choice", self.guided_choice),
-                                                  ("guided_regex", self.guided_regex),
-                                                  ("guided_json", self.guided_json),
-                                                  ("guided_grammar", self.guided_grammar),
-                                                  ("response_format", self._response_format()))
-                 if value is not None}
+        given = self._structured_fields()
         if len(given) > 1:
             raise bad_request(f"give one of {' and '.join(given)}", list(given)[-1])
         if not given:
@@ -442,6 +458,10 @@ class ChatCompletionRequest(GenerationBody):
         if not self.tools:
             raise bad_request("tool_choice needs tools", "tool_choice")
         names = {tool.function.name for tool in self.tools}
+        if len(names) < len(self.tools):
+            seen = [tool.function.name for tool in self.tools]
+            twice = next(name for name in seen if seen.count(name) > 1)
+            raise bad_request(f"tools name the function {twice!r} more than once", "tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise bad_request(f"tool_choice names {choice.function.name!r}, which is not among the tools",
                               "tool_choice")

@@ -227,7 +227,8 @@ class OpenAIServer:
                 chunks = responses.CompletionStream(meta, [o.request_id for o in outputs], **options)
                 return _event_stream(_final_events(outputs, chunks, body.include_usage))
             return JSONResponse(responses.completion_response(meta, outputs, **options))
-        stream = await self._submit(meta.id, prompts, params, arrival_time_s, {"prompt": "prompt"})
+        stream = await self._submit(meta.id, prompts, params, arrival_time_s,
+                                    {"prompt": "prompt"} | body.params_named)
         echo = self._echo(body, stream.request_ids, texts, prompts) if body.echo else None
         options = dict(n=params.n, logprobs=body.logprobs, echo=echo, as_token_ids=self._as_token_ids(body))
         if body.stream:
@@ -271,7 +272,7 @@ class OpenAIServer:
                 return _event_stream(_final_events([output], chunks, body.include_usage))
             return JSONResponse(responses.chat_response(meta, output, **options))
         stream = await self._submit(meta.id, [token_ids], params, arrival_time_s,
-                                    {"prompt": "messages", "logprobs": "top_logprobs"})
+                                    {"prompt": "messages", "logprobs": "top_logprobs"} | body.params_named)
         if body.stream:
             chunks = responses.ChatStream(meta, n=params.n, **options)
             return _event_stream(self._events(stream, chunks, body.include_usage))
@@ -330,17 +331,23 @@ class OpenAIServer:
         As in vLLM, it and /detokenize are outside /v1 and need no API key."""
         raw = await self._read_body(request)
         body = self._validated(protocol.TokenizeRequest, raw)
-        if body.prompt is not None:
-            token_ids = self.tokenizer.encode(body.prompt,
-                                              add_special_tokens=body.add_special_tokens is not False)
-        else:
+        chat = None
+        if body.prompt is None:
             chat = self._validated(ChatCompletionRequest, raw)
             self._check_request_template(chat)
-            if body.add_special_tokens:
-                text = await asyncio.to_thread(self._render_chat, chat, tokenize=False)
-                token_ids = self.tokenizer.encode(text, add_special_tokens=True)
-            else:
-                token_ids = await asyncio.to_thread(self._render_chat, chat)
+        # Off the event loop, as the generation routes tokenize: a long text must not stall them.
+        return await asyncio.to_thread(self._tokenize_body, body, chat)
+
+    def _tokenize_body(self, body: protocol.TokenizeRequest,
+                       chat: ChatCompletionRequest | None) -> dict[str, Any]:
+        if chat is None:
+            token_ids = self.tokenizer.encode(body.prompt,
+                                              add_special_tokens=body.add_special_tokens is not False)
+        elif body.add_special_tokens:
+            text = self._render_chat(chat, tokenize=False)
+            token_ids = self.tokenizer.encode(text, add_special_tokens=True)
+        else:
+            token_ids = self._render_chat(chat)
         strings = self.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
         return {"count": len(token_ids), "max_model_len": self.max_model_len, "tokens": token_ids,
                 "token_strs": strings}
@@ -348,6 +355,9 @@ class OpenAIServer:
     async def detokenize_route(self, request: Request) -> dict[str, Any]:
         """vLLM's POST /detokenize: the text of token ids, special tokens kept."""
         body = self._validated(protocol.DetokenizeRequest, await self._read_body(request))
+        return await asyncio.to_thread(self._detokenize_body, body)
+
+    def _detokenize_body(self, body: protocol.DetokenizeRequest) -> dict[str, Any]:
         out_of_range = [token for token in body.tokens if token >= len(self.tokenizer)]
         if out_of_range:
             raise protocol.bad_request(f"token ids {out_of_range[:5]} are not in the tokenizer's vocabulary "
@@ -373,9 +383,15 @@ class OpenAIServer:
         return body
 
     def _check_request_template(self, body: ChatCompletionRequest) -> None:
-        if body.chat_template is not None and not self.config.trust_request_chat_template:
-            raise protocol.bad_request("this server does not take chat templates from requests (start it "
-                                       "with --trust-request-chat-template)", "chat_template")
+        """A template from the request, whether as chat_template or in chat_template_kwargs, only
+        where the server trusts them."""
+        if self.config.trust_request_chat_template:
+            return
+        for param, arguments in (("chat_template", {"chat_template": body.chat_template}),
+                                 ("chat_template_kwargs", body.chat_template_kwargs or {})):
+            if arguments.get("chat_template") is not None:
+                raise protocol.bad_request("this server does not take chat templates from requests (start "
+                                           "it with --trust-request-chat-template)", param)
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, or a 413 past `max_body_bytes`. An oversized body is read to its end but not
@@ -566,7 +582,7 @@ def _param_named_in(message: str, params_named: dict[str, str]) -> str | None:
     """The request field an engine error names: "logprobs=30 exceeds ..." -> logprobs."""
     word = re.match(r"\w+", message)
     if word is None or word.group() not in ("prompt", "n", "logprobs", "prompt_logprobs", "stop_token_ids",
-                                            "logit_bias", "allowed_token_ids"):
+                                            "logit_bias", "allowed_token_ids", "structured_outputs"):
         return None
     return params_named.get(word.group(), word.group())
 

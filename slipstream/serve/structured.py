@@ -251,6 +251,13 @@ class GrammarGuide:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_token_ids = array.array("q", sorted(set(eos_token_ids)))
+        # Some grammars validate but leave the parser nothing to start from (a schema that is only
+        # a reference to itself): a ValueError now, not an empty output that looks finished.
+        probe = self.start
+        probe.compute_bitmask()
+        if probe.is_error():
+            raise ValueError(f"structured_outputs: llguidance finds no output that could start this "
+                             f"schema or grammar ({probe.get_error().splitlines()[0]})")
 
     @property
     def start(self) -> Any:
@@ -268,7 +275,8 @@ class GrammarGuide:
         if matcher is None:
             return self._eos_token_ids
         if matcher.is_error():  # a parser limit reached: end the output where it is
-            logger.warning("structured_outputs.grammar: %s; ending the output", matcher.get_error())
+            logger.warning("structured_outputs: llguidance stopped (%s); ending the output",
+                           matcher.get_error().splitlines()[0])
             return self._eos_token_ids
         bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
         return bits[: self._vocab_size].view(np.bool_)
