@@ -887,6 +887,19 @@ def test_logit_bias_and_allowed_token_ids_beyond_the_engine_are_value_errors(llm
         llm.generate(PROMPT, greedy(**params), use_tqdm=False)
 
 
+def test_an_allowed_set_that_bad_words_mask_whole_is_a_value_error(llm, tokenizer):
+    """Allowed tokens that are all one-token bad words leave nothing to sample: refused up front
+    (the sampler would otherwise draw from all -inf logits); repeated ids are kept once."""
+    token_id = next(t for t in range(3, len(tokenizer)) if tokenizer.decode([t]).strip()
+                    and tokenizer.encode(tokenizer.decode([t]), add_special_tokens=False) == [t])
+    word = tokenizer.decode([token_id])
+    with pytest.raises(ValueError, match=r"allowed_token_ids .* are all masked \(bad_words\)"):
+        llm.generate(PROMPT, greedy(allowed_token_ids=[token_id] * 3, bad_words=[word]), use_tqdm=False)
+    assert SamplingParams(allowed_token_ids=[5, 3, 5, 3, 9]).allowed_token_ids == (5, 3, 9)
+    [output] = llm.generate(PROMPT, greedy(max_tokens=3, allowed_token_ids=[token_id] * 1000), use_tqdm=False)
+    assert output.outputs[0].token_ids == [token_id] * 3
+
+
 def test_bad_words_match_a_dense_reference(llm, tokenizer, dense_model):
     """A bad word made of two tokens the plain greedy output contains, and a one-token word, change
     the output to dense greedy decoding with vLLM's rule: each word as it begins a text and after a

@@ -240,16 +240,16 @@ class Engine:
             self.tokenize(prompt, params.truncate_prompt_tokens), vocab_size=self.limits.vocab_size,
             max_model_len=self.limits.max_model_len,
         )
-        self._validate_params(params, len(token_ids))
+        bad_words = bad_words_token_ids(
+            params.bad_words, functools.partial(self.tokenizer.encode, add_special_tokens=False),
+            self.limits.vocab_size,
+        )
+        self._validate_params(params, len(token_ids), bad_words)
         arrival = time.monotonic() if arrival_time_s is None else arrival_time_s
         entry = PromptOutput(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
                              sequences=[], metrics=RequestMetrics(arrival_time_s=arrival),
                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                              stream=stream)
-        bad_words = bad_words_token_ids(
-            params.bad_words, functools.partial(self.tokenizer.encode, add_special_tokens=False),
-            self.limits.vocab_size,
-        )
         guide = None if params.structured_outputs is None else self._guide(params.structured_outputs)
         requests = [self._completion_request(entry, params, index, priority, bad_words, guide)
                     for index in range(params.n)]
@@ -368,10 +368,13 @@ class Engine:
             arrival_time_s=entry.metrics.arrival_time_s, priority=priority,
         )
 
-    def _validate_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+    def _validate_params(self, params: SamplingParams, num_prompt_tokens: int,
+                         bad_words: tuple[tuple[int, ...], ...]) -> None:
         """As vLLM: with max_tokens left to the context, min_tokens must fit in what the context
         leaves (or it would silently go unmet); with an explicit max_tokens, generation simply
-        runs until the context is full ("length")."""
+        runs until the context is full ("length"). Beyond vLLM, allowed_token_ids must leave a token
+        to sample at the first step, once one-token bad words (and, under min_tokens, stop tokens)
+        are masked."""
         room = self.limits.max_model_len - num_prompt_tokens
         if params.max_tokens is None and params.min_tokens > room:
             raise ValueError(f"min_tokens ({params.min_tokens}) exceeds the {room} tokens the context "
@@ -388,11 +391,17 @@ class Engine:
             bad = sorted({t for t in token_ids if t >= self.limits.vocab_size})
             if bad:
                 raise ValueError(f"{name} {bad} are outside the vocabulary (size {self.limits.vocab_size})")
-        if params.allowed_token_ids is not None and params.min_tokens > 0 and set(
-                params.allowed_token_ids) <= set(params.stop_token_ids) | set(
-                () if params.ignore_eos else self.limits.eos_token_ids):
-            raise ValueError(f"allowed_token_ids {list(params.allowed_token_ids)} are all stop tokens, "
-                             f"which min_tokens={params.min_tokens} masks: nothing is left to sample")
+        if params.allowed_token_ids is None:
+            return
+        masked = {word[0]: "bad_words" for word in bad_words if len(word) == 1}
+        if params.min_tokens > 0:
+            stops = set(params.stop_token_ids) | set(() if params.ignore_eos else self.limits.eos_token_ids)
+            reason = f"stop tokens, which min_tokens={params.min_tokens} masks"
+            masked |= {token_id: reason for token_id in stops}
+        if set(params.allowed_token_ids) <= masked.keys():
+            reasons = sorted({masked[token_id] for token_id in params.allowed_token_ids})
+            raise ValueError(f"allowed_token_ids {list(params.allowed_token_ids)[:16]} are all masked "
+                             f"({' or '.join(reasons)}): nothing is left to sample")
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Stop requests now and free their KV blocks; returns their final outputs (finish

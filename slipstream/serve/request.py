@@ -107,9 +107,11 @@ class SamplingParams:
             if isinstance(self.allowed_token_ids, (str, bytes)) or not self.allowed_token_ids:
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, "
                                  f"got {self.allowed_token_ids!r}")
-            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
-            for token_id in self.allowed_token_ids:
+            allowed = tuple(self.allowed_token_ids)
+            for token_id in allowed:
                 _check_int("allowed_token_ids", token_id, minimum=0)
+            # Each distinct id once: the sampler turns them into a mask at every step.
+            object.__setattr__(self, "allowed_token_ids", tuple(dict.fromkeys(allowed)))
         if isinstance(self.seed, int) and self.seed == -1:
             object.__setattr__(self, "seed", None)
         _check_int("n", self.n, minimum=1)
