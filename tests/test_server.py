@@ -653,24 +653,29 @@ def constrained(max_tokens: int, schema: dict) -> SamplingParams:
 def test_named_tool_choice_calls_the_function_with_constrained_arguments(client, llm):
     """vLLM's named tool_choice: the reply is a call of that function, its arguments the offline
     engine's output under the function's parameter schema (so valid under it), content null,
-    finish reason "stop"; streamed, the first chunk names the call and the arguments follow."""
+    finish reason "stop"; streamed, the first chunk names the call and the arguments follow. Cut
+    short by max_tokens, the call holds the arguments so far in both forms (as vLLM)."""
     jsonschema = pytest.importorskip("jsonschema")
     parameters = WEATHER["function"]["parameters"]
-    [expected] = llm.chat(MESSAGES, constrained(40, parameters), tools=[WEATHER, PICK], use_tqdm=False)
-    args = dict(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, PICK], max_completion_tokens=40,
-                temperature=0, tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    choice = client.chat.completions.create(**args).choices[0]
-    [call] = choice.message.tool_calls
-    assert (call.function.name, call.type, choice.message.content) == ("get_weather", "function", None)
-    assert call.function.arguments == expected.outputs[0].text and call.id.startswith("chatcmpl-tool-")
-    assert choice.finish_reason == expected.outputs[0].finish_reason
-    if choice.finish_reason == "stop":
-        jsonschema.validate(json.loads(call.function.arguments), parameters)
-    deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **args) if c.choices]
-    calls = [d.tool_calls[0] for d in deltas if d.tool_calls]
-    assert (calls[0].function.name, calls[0].id is not None) == ("get_weather", True)
-    assert all(c.id is None and c.function.name is None for c in calls[1:])
-    assert "".join(c.function.arguments for c in calls) == call.function.arguments
+    for max_tokens, finish_reason in ((40, "stop"), (4, "length")):
+        [expected] = llm.chat(MESSAGES, constrained(max_tokens, parameters), tools=[WEATHER, PICK],
+                              use_tqdm=False)
+        args = dict(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, PICK], temperature=0,
+                    max_completion_tokens=max_tokens,
+                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        choice = client.chat.completions.create(**args).choices[0]
+        [call] = choice.message.tool_calls
+        assert (call.function.name, call.type, choice.message.content) == ("get_weather", "function", None)
+        assert call.function.arguments == expected.outputs[0].text and call.id.startswith("chatcmpl-tool-")
+        assert choice.finish_reason == expected.outputs[0].finish_reason == finish_reason
+        if choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(call.function.arguments), parameters)
+        chunks = client.chat.completions.create(stream=True, **args)
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        calls = [d.tool_calls[0] for d in deltas if d.tool_calls]
+        assert (calls[0].function.name, calls[0].id is not None) == ("get_weather", True)
+        assert all(c.id is None and c.function.name is None for c in calls[1:])
+        assert "".join(c.function.arguments for c in calls) == call.function.arguments
 
 
 def test_required_tool_choice_returns_the_calls_of_the_constrained_list(client, llm):

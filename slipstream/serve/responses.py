@@ -114,8 +114,10 @@ class Echo:
 class ToolCalls:
     """A reply that is, or may be, a tool call. "named" and "required" (vLLM's forced
     tool_choice): the engine constrained the text to JSON, a named function's arguments or a list
-    of {"name", "parameters"} calls; the reply becomes OpenAI's `tool_calls`, its content null, and
-    a text cut short by max_tokens, which is no complete call, stays the content. "auto": the
+    of {"name", "parameters"} calls; the reply becomes OpenAI's `tool_calls`, its content null.
+    A named call's arguments are its text even where max_tokens cut it short (as vLLM, and as the
+    stream sends them); a "required" text cut short, which holds no complete list, stays the
+    content. "auto": the
     model's own call format, read by the server's `--tool-call-parser` (tool_parsers.py)."""
 
     mode: str
@@ -133,12 +135,12 @@ class ToolCalls:
         """The calls of a reply's text; None where it is no complete call."""
         if self.mode == "auto":
             return TOOL_CALL_PARSERS[self.parser]().parse(text).tool_calls or None
+        if self.mode == "named":
+            return [tool_call(self.function, text)]
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
             return None
-        if self.mode == "named":
-            return [tool_call(self.function, text)]
         return [tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in value]
 
     def message(self, completion: CompletionOutput) -> dict[str, Any]:
