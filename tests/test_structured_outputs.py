@@ -334,3 +334,24 @@ def test_a_schema_the_automaton_cannot_hold_goes_to_llguidance(llm):
         jsonschema.validate(value, BEYOND_THE_AUTOMATON)
     assert finished
 
+
+
+def test_a_pattern_matches_the_whole_string_whichever_enforces_it(llm):
+    """The byte automaton reads a string `pattern` as a match of the whole value (vLLM's backends'
+    reading) and llguidance as a search (JSON Schema's); the fallback anchors patterns so that a
+    schema means one thing either way: every finished output's string matches whole."""
+    pytest.importorskip("llguidance")
+    pattern = "[a-c]{2}x"
+    for extra in ({}, {"multipleOf": 5}):
+        schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern},
+                                                   "n": {"type": "integer", "minimum": 0, "maximum": 99,
+                                                         **extra}},
+                  "required": ["s", "n"], "additionalProperties": False}
+        structured = StructuredOutputsParams(json=schema)
+        assert structured.guide_key[0] == ("llguidance" if extra else "regex")
+        params = SamplingParams(temperature=1.0, seed=7, n=8, max_tokens=60, structured_outputs=structured)
+        [output] = llm.generate(["{"], params, use_tqdm=False)
+        finished = [json.loads(c.text) for c in output.outputs if c.finish_reason == "stop"]
+        assert finished
+        for value in finished:
+            assert re.fullmatch(pattern, value["s"]), value

@@ -218,13 +218,42 @@ def json_schema_grammar(schema: Any, regex_error: ValueError) -> str:
         raise ValueError(f"structured_outputs.json: {regex_error} (the optional llguidance package "
                          "enforces more of JSON Schema)") from None
     try:
-        definition = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_LAYOUT)
+        definition = llguidance.LLMatcher.grammar_from_json_schema(_whole_patterns(schema),
+                                                                   defaults=_JSON_LAYOUT)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(definition)
     except (ValueError, TypeError) as error:  # not a schema at all
         is_error, messages = True, [str(error)]
     if is_error:
         raise ValueError(f"structured_outputs.json: {regex_error}; nor can llguidance: {messages[0]}")
     return definition
+
+
+_SUBSCHEMA = ("additionalProperties", "items", "additionalItems", "contains", "not", "if", "then", "else",
+              "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("prefixItems", "items", "anyOf", "oneOf", "allOf")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _whole_patterns(schema: Any) -> Any:
+    """The schema with each string `pattern` anchored at both ends: llguidance reads a pattern as
+    JSON Schema does, as a search, and the byte automaton as vLLM's backends do, as a match of the
+    whole string; anchored, a schema means the same whichever enforces it. Only subschemas are
+    walked (not `const`, `enum` or a property that happens to be named "pattern")."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("pattern"), str):
+        out["pattern"] = f"^(?:{out['pattern']})$"
+    for key in _SUBSCHEMA:
+        if key in out:
+            out[key] = _whole_patterns(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_whole_patterns(sub) for sub in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _whole_patterns(sub) for name, sub in out[key].items()}
+    return out
 
 
 def grammar_tokenizer(backend: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
