@@ -74,6 +74,22 @@ def test_tied_embeddings_saved_once_and_retied(tmp_path):
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
 
 
+@pytest.mark.parametrize("load_dtype", [torch.float32, torch.bfloat16])
+def test_a_stored_lm_head_that_tying_replaces_is_named_if_it_differs(tmp_path, caplog, load_dtype):
+    """Tied, a checkpoint's own lm_head.weight is not used (as vLLM skips it); one that differs
+    from the embedding gets a warning (transformers 5 would keep it), a copy of it none."""
+    model = _model(CONFIG.replace(tie_word_embeddings=True))
+    save_model(model, tmp_path)
+    embedding = model.model.embed_tokens.weight.detach()
+    for head, warned in ((embedding.clone(), False), (embedding + 1.0, True)):
+        _resave_without(tmp_path, add={"lm_head.weight": head.contiguous()})
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="slipstream.model.weights"):
+            loaded = load_model(tmp_path, dtype=load_dtype)
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+        assert ("lm_head.weight, which differs from the embedding, is not used" in caplog.text) == warned
+
+
 def _resave_without(tmp_path, drop: str | None = None, add: dict | None = None) -> None:
     tensors = load_file(tmp_path / "model.safetensors")
     if drop:

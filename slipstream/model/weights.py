@@ -119,11 +119,15 @@ def load_model(
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     unexpected = []
+    stored_head = None  # a few rows of a stored lm_head that tying replaces, to tell if it differed
     # When the stored dtype is kept on the CPU, parameters stay views of the memory-mapped file
     # (no copy at all); otherwise each tensor is converted from its own short-lived mapping.
     keep_mapped = str(device) == "cpu" and dtype == resolve_dtype(stored.dtype)
     for name, tensor in iter_tensors(model_dir, release_each=not keep_mapped):
-        if name in tied or name.endswith(_DERIVED_SUFFIXES):
+        if name in tied:
+            stored_head = tensor[:: max(1, tensor.shape[0] // 8)].to(dtype).to(torch.float32, copy=True)
+            continue
+        if name.endswith(_DERIVED_SUFFIXES):
             continue
         param = params.pop(name, None)
         if param is None:
@@ -140,6 +144,12 @@ def load_model(
     if unexpected:
         raise ValueError(f"unexpected weights in {model_dir}: {', '.join(sorted(unexpected))}")
     model.tie_weights()
+    if stored_head is not None:
+        embedding = model.model.embed_tokens.weight
+        rows = embedding[:: max(1, embedding.shape[0] // 8)].to(device="cpu", dtype=torch.float32)
+        if rows.shape != stored_head.shape or not torch.equal(rows, stored_head):
+            logger.warning("%s ties word embeddings (config.json), so its stored lm_head.weight, which "
+                           "differs from the embedding, is not used (as in vLLM)", model_dir)
     model.init_buffers()
     return model.eval()
 
