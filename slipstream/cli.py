@@ -359,17 +359,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 _PERF_COMMANDS = [
     ("train", "train", ("model", "train", "layout"), "predict training step time, memory per device and MFU"),
-    ("serve", "serve", ("model", "serve"),
+    ("serve", "serve", ("model", "tp", "decode", "input", "output", "load"),
      "predict prefill, per-token decode, KV capacity and load behaviour"),
-    ("plan", "plan", ("model", "train", "serve", "plan"), "rank the parallel layouts that fit on N devices"),
-    ("whatif", "what_if", ("model", "train", "layout", "serve", "whatif"),
+    ("plan", "plan", ("model", "train", "input", "output", "plan"),
+     "rank the parallel layouts that fit on N devices"),
+    ("whatif", "what_if", ("model", "train", "layout", "decode", "whatif"),
      "scale FLOP/s, bandwidth, capacity or links: what bounds the workload, what reaches a target"),
-    ("roofline", "roofline_cmd", ("model", "serve", "roofline"),
+    ("roofline", "roofline_cmd", ("model", "tp", "decode", "input", "roofline"),
      "roofline table and PNG with operating points"),
     ("collectives", "collectives", ("collectives",),
      "measure torch.distributed collectives (gloo here, NCCL on GPUs) and fit alpha-beta"),
     ("validate", "validate", (), "the model against published measurements (data/published.json)"),
-    ("fit", "fit", ("model", "serve", "fit"), "fit the efficiency to this machine's metrics records"),
+    ("fit", "fit", ("model", "tp", "fit"), "fit the efficiency to this machine's metrics records"),
 ]
 
 
@@ -380,8 +381,9 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
                        "175b/530b/1t) or a config.json path")
         p.add_argument("--hardware", default="h100", help="a100, h100, h200, b200, mi300x, v5e, v5p, cpu")
         p.add_argument("--dtype", default="bf16")
-        p.add_argument("--profile", help="efficiency fitted to published runs (see perf validate)")
-        p.add_argument("--efficiency", help="efficiency JSON written by `slipstream perf fit`")
+        efficiency = p.add_mutually_exclusive_group()
+        efficiency.add_argument("--profile", help="efficiency fitted to published runs (see perf validate)")
+        efficiency.add_argument("--efficiency", help="efficiency JSON written by `slipstream perf fit`")
     if "train" in groups:
         p.add_argument("--devices", type=_int_at_least(1), default=8)
         p.add_argument("--global-batch", type=_int_at_least(1), default=256, help="sequences per step")
@@ -401,14 +403,20 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
             p.add_argument(f"--{name}", type=_int_at_least(1), default=1)
         p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="3 = FSDP")
         p.add_argument("--no-sp", action="store_true", help="no sequence parallelism with tp > 1")
-    if "serve" in groups:
-        if "layout" not in groups:
-            p.add_argument("--tp", type=_int_at_least(1), default=1)
+    # Serving options, each only on the commands that read it (an option a command ignores would
+    # be a silently dropped request).
+    if "tp" in groups:
+        p.add_argument("--tp", type=_int_at_least(1), default=1)
+    if "decode" in groups:
         p.add_argument("--batch", default="1,8,32", help="decode batch sizes")
         p.add_argument("--context", type=_int_at_least(1), default=1024, help="cached tokens per sequence")
+    if "input" in groups:
         p.add_argument("--input-len", type=_int_at_least(1), default=1024)
+    if "output" in groups:
         p.add_argument("--output-len", type=_int_at_least(1), default=256)
+    if "load" in groups:
         p.add_argument("--rate", type=_positive_float, help="requests/s for TTFT/TPOT under load")
+    if "load" in groups or "plan" in groups:
         p.add_argument("--max-num-seqs", type=_int_at_least(1), default=256)
     if "plan" in groups:
         p.add_argument("--serve", action="store_true", help="plan serving (TP x replicas) instead")
@@ -427,8 +435,9 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
         p.add_argument("--sizes", default=",".join(str(2**k) for k in range(10, 25, 2)), help="bytes")
         p.add_argument("--iterations", type=_int_at_least(1), default=10)
     if "fit" in groups:
-        p.add_argument("--engine-records", help="engine step records (JSON lines)")
-        p.add_argument("--run-dir", nargs="*", default=[], help="training run directories")
+        records = p.add_mutually_exclusive_group(required=True)
+        records.add_argument("--engine-records", help="engine step records (JSON lines)")
+        records.add_argument("--run-dir", nargs="+", help="training run directories")
         p.add_argument("--out", help="write the fitted efficiency JSON here")
 
 

@@ -10,7 +10,7 @@ import torch
 from train_fixtures import small_config
 
 from slipstream.cli import main
-from slipstream.train.goodput import BUCKETS, summarize
+from slipstream.train.goodput import BUCKETS, format_summary, summarize
 from slipstream.train.trainer import Trainer
 
 pytest_plugins = ["train_fixtures"]
@@ -109,6 +109,22 @@ def test_a_clock_stepping_back_gives_no_negative_wall_time():
     assert summary["seconds"]["other"] == pytest.approx(0.3)
     assert summary["goodput"] == pytest.approx(2.8 / 14.0)
     assert sum(summary["seconds"].values()) == pytest.approx(14.0)
+
+
+def test_durations_beyond_the_span_of_the_times_stretch_the_total():
+    """Steps whose durations add up to more than the span of the ledger's times (overlapping
+    events, a wall clock that stepped back under them) count whole: goodput stays a fraction,
+    `other` is 0 rather than negative, and `overcharged_s` says by how much."""
+    events = [{"event": "start", "t": 100.0, "process_start": 100.0},
+              {"event": "ready", "t": 101.0, "process_start": 100.0, "restore_s": 0.0, "backoff_s": 0.0},
+              *({"event": "step", "t": 102.0 + i, "step": i + 1, "step_s": 100.0, "data_s": 0.0}
+                for i in range(2)),
+              {"event": "commit", "t": 103.5, "step": 2}, {"event": "end", "t": 104.0, "finished": True}]
+    summary = summarize(events)
+    assert summary["goodput"] <= 1.0 and summary["seconds"]["other"] == 0.0
+    assert summary["total_s"] == pytest.approx(sum(summary["seconds"].values()))
+    assert 190 < summary["overcharged_s"] < summary["total_s"] - 3
+    assert "exceed the span of their times by" in format_summary(summary)
 
 
 MALFORMED_LINES = ["42", "null", '"step"', "[1]", '{"t": 1.0}', '{"event": "step", "t": "105"}',

@@ -150,9 +150,9 @@ def test_malformed_config_json_is_an_error_naming_the_file(config, expected, tmp
 
 @pytest.mark.parametrize("content, expected", [
     (None, "is a directory; expected a file"),
-    ('{"gemm_fraction": "abc"}', "gemm_fraction must be a number, got 'abc'"),
-    ('{"gemm_fraction": null}', "gemm_fraction must be a number, got None"),
-    ('{"link_latency_s": NaN}', "link_latency_s must be a number, got nan"),
+    ('{"gemm_fraction": "abc"}', "gemm_fraction must be a finite number, got 'abc'"),
+    ('{"gemm_fraction": null}', "gemm_fraction must be a finite number, got None"),
+    ('{"link_latency_s": NaN}', "link_latency_s must be a finite number, got nan"),
     ("[0.8]", "must be a JSON object"),
     ("{bad", "is not valid JSON"),
 ])
@@ -168,17 +168,87 @@ def test_bad_efficiency_file_is_an_error_naming_it(content, expected, tmp_path, 
 @pytest.mark.parametrize("record, flag", [
     ({"phase": "decode", "batch_size": 1, "context_len": -5, "step_s": 0.01}, "--records"),
     ({"phase": "decode", "batch_size": 1, "context_len": 5, "step_s": -0.01}, "--records"),
+    ({"phase": "decode", "batch_size": 1, "context_len": 5, "step_s": float("inf")}, "--records"),
+    ({"phase": "decode", "batch_size": 1.5, "context_len": 5, "step_s": 0.01}, "--records"),
+    ({"phase": "prefill", "batch_size": 1, "prompt_len": 0, "step_s": 0.01}, "--records"),
+    ({"phase": "bogus", "batch_size": 1, "prompt_len": 5, "step_s": 0.01}, "--records"),
     ({"phase": "prefill", "batch_size": 0, "prompt_len": 5, "step_s": 0.01}, "--engine-records"),
 ])
 def test_impossible_engine_records_are_errors(record, flag, tmp_path, capsys):
-    """Guards `roofline --records` and `fit --engine-records`: a negative time or length or an
-    empty batch is an error naming the file, a directory too."""
+    """Guards `roofline --records` and `fit --engine-records`: a file whose every record is
+    malformed (a negative, infinite or zero time, length or batch, a fractional batch, an unknown
+    phase) is an error naming the file, not a table without its points; a directory too."""
     path = tmp_path / "records.jsonl"
-    path.write_text(json.dumps({"kind": "engine_step", **record}) + "\n")
+    path.write_text(json.dumps({"kind": "engine_step", **record}) + "\n[1, 2]\nnull\n")
     command = "roofline" if flag == "--records" else "fit"
     err = _error(["perf", command, flag, str(path)], capsys)
-    assert f"{flag} {path}: an engine step needs step_s > 0" in err, err
+    assert f"{flag} {path}: no well-formed engine_step records" in err, err
     assert "is a directory" in _error(["perf", command, flag, str(tmp_path)], capsys)
+
+
+def test_efficiency_beyond_a_datasheet_peak_is_an_error(tmp_path, capsys):
+    """A fraction above 1 of a datasheet's peak would predict an MFU above 100% (no run beats the
+    datasheet): an error naming the field; fitted files are capped at 1 there too."""
+    path = tmp_path / "efficiency.json"
+    path.write_text(json.dumps({"gemm_fraction": 1.5}))
+    err = _error(["perf", "train", "--hardware", "h100", "--efficiency", str(path)], capsys)
+    assert f"--efficiency {path}: gemm_fraction 1.5 is more than H100" in err, err
+    records = tmp_path / "records.jsonl"
+    records.write_text("".join(json.dumps({"kind": "engine_step", "phase": "decode", "batch_size": b,
+                                           "context_len": 512, "step_s": 1e-6}) + "\n" for b in (1, 8)))
+    out = tmp_path / "fitted.json"
+    _run("fit", "--hardware", "h100", "--model", "tiny", "--engine-records", str(records),
+         "--out", str(out))
+    fitted = json.loads(out.read_text())
+    assert max(fitted[k] for k in ("gemm_fraction", "memory_fraction")) <= 1.0
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["serve", "--profile", "x", "--efficiency", "y"],
+     "argument --efficiency: not allowed with argument --profile"),
+    (["fit", "--engine-records", "x", "--run-dir", "y"], "argument --run-dir: not allowed with argument"),
+    (["fit"], "one of the arguments --engine-records --run-dir is required"),
+    (["plan", "--serve", "--batch", "4"], "unrecognized arguments: --batch 4"),
+    (["fit", "--engine-records", "x", "--batch", "4"], "unrecognized arguments: --batch 4"),
+    (["whatif", "--scale", "flops=inf"], "scale factor flops must be a finite number > 0, got inf"),
+    (["collectives", "--backend", "nccl", "--sizes", "1024"], "backend nccl"),
+])
+def test_conflicting_or_unused_options_are_errors(argv, expected, capsys):
+    """Options that a command would ignore or that contradict each other are errors, not
+    silently dropped: --profile with --efficiency, fit's two kinds of records, serving options
+    on the commands that do not read them, an infinite what-if scale, NCCL without its GPUs."""
+    if argv[0] == "collectives":
+        import torch
+        if torch.distributed.is_nccl_available() and torch.cuda.device_count() >= 2:
+            pytest.skip("this machine runs NCCL")
+    assert expected in _error(["perf", *argv], capsys)
+
+
+def test_decode_batches_the_kv_cache_cannot_hold_are_marked(capsys):
+    """`perf serve` still predicts a decode batch whose sequences the KV cache cannot hold, but
+    marks it: 512 x 4,097 tokens of llama3-8b's KV cache (128 KiB a token) are ~275 GB."""
+    from slipstream.cli import main
+
+    argv = ["perf", "serve", "--model", "llama3-8b", "--batch", "1,512", "--context", "4096", "--json"]
+    assert main(argv) == 0
+    rows = {row["batch_size"]: row["fits"] for row in json.loads(capsys.readouterr().out)["decode"]}
+    assert rows == {1: True, 512: False}
+
+
+def test_measured_points_above_the_roof_are_flagged(tmp_path, capsys):
+    """A record whose step is too short for its work lands above the roof: flagged in the table
+    and the JSON, not printed as a fraction of the roof in the billions without a word."""
+    from slipstream.cli import main
+
+    path = tmp_path / "records.jsonl"
+    path.write_text(json.dumps({"kind": "engine_step", "phase": "decode", "batch_size": 1, "context_len": 64,
+                                "step_s": 1e-12}) + "\n")
+    assert main(["perf", "roofline", "--model", "tiny", "--records", str(path)]) == 0
+    assert "ABOVE THE ROOF" in capsys.readouterr().out
+    assert main(["perf", "roofline", "--model", "tiny", "--records", str(path), "--json"]) == 0
+    points = json.loads(capsys.readouterr().out)["points"]
+    assert [p["above_roof"] for p in points if p["measured"]] == [True]
+    assert not any(p["above_roof"] for p in points if not p["measured"])
 
 
 def test_output_into_a_closed_pipe_is_not_a_traceback():

@@ -39,6 +39,17 @@ def test_train_reader_is_tolerant(tmp_path):
     assert run.median_step_s == 2.0
 
 
+def test_train_records_of_the_wrong_types_are_skipped(tmp_path):
+    """A null or string step, a string or infinite time or tokens/s: skipped (with a warning),
+    neither a TypeError nor an infinite step time."""
+    lines = [json.dumps(r) for r in [
+        {"kind": "train", "step": None, "step_s": 1.0}, {"kind": "train", "step": "abc", "step_s": 1.0},
+        {"kind": "train", "step": 4, "tokens_per_s": "fast"}, {"kind": "train", "step": 5, "step_s": 1e999},
+        {"kind": "train", "step": 6, "step_s": "1"}, {"kind": "train", "step": 7, "step_s": 3.0}]]
+    toml = "[data]\nseq_len = 256\n[training]\nglobal_batch_size = \"eight\"\n"
+    assert read_train_run(_write_run(tmp_path, lines, toml)).step_times_s == [3.0]
+
+
 def test_train_reader_config_json_and_missing_metrics(tmp_path):
     """Guards config.json as an alternative, and a clear error without metrics.jsonl."""
     (tmp_path / "config.json").write_text(json.dumps({"model": {"preset": "tiny"}, "seq_len": 64}))

@@ -75,6 +75,9 @@ class Accelerator:
     """Read bandwidth of a buffer read over and over, by its size in bytes, where measured (the
     local machine's `calibrate()`): near the last-level cache's size part of it stays cached
     between passes, as a decode step's weights do between steps. See `read_bandwidth`."""
+    calibrated: bool = False
+    """Whether the peaks were measured on this machine (`calibrate()`) rather than read from a
+    datasheet: only a measured peak can be beaten (see `efficiency.max_fraction`)."""
 
     def __post_init__(self) -> None:
         for field in ("peak_flops_per_s", "sparse_peak_flops_per_s"):
@@ -145,8 +148,8 @@ class Accelerator:
                              "known: flops, memory_bandwidth, memory_capacity, link")
         f = {k: factors.get(k, 1.0) for k in ("flops", "memory_bandwidth", "memory_capacity", "link")}
         for key, value in f.items():
-            if not value > 0:
-                raise ValueError(f"scale factor {key} must be > 0, got {value}")
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"scale factor {key} must be a finite number > 0, got {value}")
         tag = ", ".join(f"{k} x{v:g}" for k, v in f.items() if v != 1.0)
 
         def link(bandwidth: float | None) -> float | None:

@@ -57,12 +57,28 @@ def measure(
     unknown = set(collectives) - set(MEASURED)
     if unknown:
         raise ValueError(f"unknown collectives {sorted(unknown)}; known: {', '.join(MEASURED)}")
+    _check_backend(backend, world_size)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     args = (world_size, backend, _free_port(), list(sizes), list(collectives), iterations, warmup, queue)
     mp.start_processes(_worker, args=args, nprocs=world_size, join=True, start_method="spawn")
     timings, errors = queue.get()
     return [Timing(*t) for t in timings], errors
+
+
+def _check_backend(backend: str, world_size: int) -> None:
+    """ValueError, before any process starts, for a backend this PyTorch or machine cannot run."""
+    import torch
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        if not dist.is_nccl_available():
+            raise ValueError("backend nccl: this PyTorch build has no NCCL (a CPU build); use gloo")
+        if torch.cuda.device_count() < world_size:
+            raise ValueError(f"backend nccl needs a GPU per process: world_size {world_size}, "
+                             f"{torch.cuda.device_count()} GPU(s) here")
+    elif backend == "gloo" and not dist.is_gloo_available():
+        raise ValueError("backend gloo: this PyTorch build has no gloo")
 
 
 def _worker(rank: int, world_size: int, backend: str, port: int, sizes: list[int],

@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from slipstream.perf import measured, planner, roofline, serving, validation, whatif
-from slipstream.perf.efficiency import Efficiency, default_efficiency
+from slipstream.perf.efficiency import Efficiency, check_fractions, default_efficiency, max_fraction
 from slipstream.perf.fit import apply_scales
 from slipstream.perf.hardware import get_accelerator
 from slipstream.perf.model import Layout, TrainSetup, predict_training
@@ -25,16 +24,23 @@ Result = tuple[str, dict[str, Any]]
 
 
 def efficiency_for(args: argparse.Namespace, accelerator) -> tuple[Efficiency, str]:
-    """--efficiency FILE (from `perf fit`), --profile NAME (fitted to published runs), or defaults."""
+    """--efficiency FILE (from `perf fit`), --profile NAME (fitted to published runs), or defaults;
+    a file may not claim more of the accelerator's peaks than `max_fraction` allows."""
     if getattr(args, "efficiency", None):
-        return _read_efficiency(args.efficiency), f"file {args.efficiency}"
+        efficiency = _read_efficiency(args.efficiency)
+        try:
+            check_fractions(efficiency, accelerator)
+        except ValueError as e:
+            raise ValueError(f"--efficiency {args.efficiency}: {e}") from e
+        return efficiency, f"file {args.efficiency}"
     profile = getattr(args, "profile", None)
     if profile:
         data = validation.load()
         if profile not in data["profiles"]:
             raise ValueError(f"unknown profile {profile!r}; known: {', '.join(data['profiles'])}")
         scales = validation.profile_scales(profile, data)
-        return apply_scales(default_efficiency(accelerator), scales), f"profile {profile} {scales}"
+        efficiency = apply_scales(default_efficiency(accelerator), scales, max_fraction(accelerator))
+        return efficiency, f"profile {profile} {scales}"
     return default_efficiency(accelerator), "defaults (datasheet x public measurements)"
 
 
@@ -59,12 +65,11 @@ def _input_file(path: str, flag: str) -> Path:
 
 
 def _engine_steps(path: str, flag: str) -> list[EngineStep]:
-    """The engine step records in `path`; a measured step must have taken time and have a batch."""
+    """The well-formed engine step records in `path` (read_engine_steps), at least one."""
     steps = read_engine_steps(read_jsonl(_input_file(path, flag)))
-    for step in steps:
-        if not (step.step_s > 0 and math.isfinite(step.step_s)) or step.batch_size < 1 or step.length < 0:
-            raise ValueError(f"{flag} {path}: an engine step needs step_s > 0, batch_size >= 1 and a "
-                             f"length >= 0, got {step}")
+    if not steps:
+        raise ValueError(f"{flag} {path}: no well-formed engine_step records (kind \"engine_step\", phase "
+                         "prefill or decode, batch_size, prompt_len or context_len, step_s)")
     return steps
 
 
@@ -120,7 +125,8 @@ def train(args: argparse.Namespace) -> Result:
 
 
 def _serve_setup(args: argparse.Namespace) -> serving.ServeSetup:
-    return serving.ServeSetup(shape=resolve_model(args.model), tp=args.tp, dtype=args.dtype)
+    # `plan --serve` has no --tp: it tries every degree.
+    return serving.ServeSetup(shape=resolve_model(args.model), tp=getattr(args, "tp", 1), dtype=args.dtype)
 
 
 def serve(args: argparse.Namespace) -> Result:
@@ -132,12 +138,15 @@ def serve(args: argparse.Namespace) -> Result:
         f"{args.model} on {args.tp} x {acc.name} (tp {args.tp}), {args.dtype}; efficiency {source}",
         f"prefill of {args.input_len} tokens: {1e3 * prefill.total_s:.2f} ms (bound by {prefill.bound()})",
         f"{'batch':>6}{'context':>9}{'decode ms/token':>17}{'tokens/s/user':>15}{'tokens/s':>11}  bound"]
+    # A decode step's sequences each hold their context and the new token in the KV cache.
+    room = serving.kv_capacity(setup, acc, args.context + 1).max_sequences
     for batch in _ints(args.batch, "--batch"):
         work = serving.step_time(setup, acc, decode_contexts=[args.context] * batch, efficiency=eff)
         rows.append({"batch_size": batch, "context_len": args.context, "decode_s_per_token": work.total_s,
-                     "bound": work.bound(), "work": work.to_dict()})
+                     "bound": work.bound(), "fits": batch <= room, "work": work.to_dict()})
         lines.append(f"{batch:>6}{args.context:>9}{1e3 * work.total_s:>17.3f}{1 / work.total_s:>15.1f}"
-                     f"{batch / work.total_s:>11.0f}  {work.bound()}")
+                     f"{batch / work.total_s:>11.0f}  {work.bound()}"
+                     + ("" if batch <= room else f"  DOES NOT FIT: the KV cache holds {room} such sequences"))
     cap = serving.kv_capacity(setup, acc, args.input_len + args.output_len)
     lines.append(f"KV cache: {cap.max_tokens:,} tokens per device, {cap.max_sequences} sequences of "
                  f"{cap.context_len} tokens")
@@ -257,7 +266,7 @@ def roofline_cmd(args: argparse.Namespace) -> Result:
         work = measured.engine_step_work(step, setup, acc, eff)
         points.append(roofline.point(f"{step.phase} bs{step.batch_size} len{step.length}", work, step.step_s))
     d = {"hardware": acc.name, "dtype": args.dtype, "efficiency": source,
-         "points": [p.to_dict() for p in points]}
+         "points": [p.to_dict() | {"above_roof": roofline.above_roof(p, acc, args.dtype)} for p in points]}
     text = roofline.format_points(points, acc, args.dtype)
     if args.out:
         try:
@@ -288,9 +297,10 @@ def validate(args: argparse.Namespace) -> Result:
 
 
 def fit(args: argparse.Namespace) -> Result:
-    """Fit the efficiency to this machine's records and write it as JSON for --efficiency."""
+    """Fit the efficiency to this machine's records, starting from --profile's or --efficiency's
+    (the defaults without them), and write it as JSON for --efficiency."""
     acc = get_accelerator(args.hardware)
-    eff = default_efficiency(acc)
+    eff, _ = efficiency_for(args, acc)
     if args.engine_records:
         setup = _serve_setup(args)
         steps = _engine_steps(args.engine_records, "--engine-records")

@@ -140,15 +140,14 @@ class Efficiency:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name != "sources" and (isinstance(value, bool) or not isinstance(value, numbers.Real)
-                                        or math.isnan(value)):
-                raise ValueError(f"{f.name} must be a number, got {value!r}")
+                                        or not math.isfinite(value)):
+                raise ValueError(f"{f.name} must be a finite number, got {value!r}")
         if not isinstance(self.sources, Mapping):
             raise ValueError(f"sources must be a mapping of field to source, got {self.sources!r}")
-        for name in ("gemm_fraction", "attention_fraction", "training_attention_fraction",
-                     "memory_fraction", "link_fraction", "network_fraction"):
+        for name in FRACTIONS:
             value = getattr(self, name)
-            if not 0 < value <= 1.5:  # > 1 is allowed: a calibration can beat a conservative peak
-                raise ValueError(f"{name} must be in (0, 1.5], got {value}")
+            if not 0 < value <= MAX_FRACTION:  # > 1 only against a measured peak (max_fraction)
+                raise ValueError(f"{name} must be in (0, {MAX_FRACTION:g}], got {value}")
         if not 0 <= self.roofline_overlap <= 1:
             raise ValueError(f"roofline_overlap must be in [0, 1], got {self.roofline_overlap}")
         for name in ("gemm_overhead_s", "kernel_overhead_s", "step_overhead_s", "sequence_overhead_s",
@@ -253,6 +252,29 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                                              f"sustained rate ({_MSMF})",
                             "link_fraction": f"{_ASSUMED} (A100 value)"}),
 }
+
+
+MAX_FRACTION = 1.5
+"""The most of a peak an efficiency may claim: a measured peak (`Accelerator.calibrated`) is the
+best of a few GEMM shapes, which a longer or better-shaped product can beat."""
+
+FRACTIONS = ("gemm_fraction", "attention_fraction", "training_attention_fraction", "memory_fraction",
+             "link_fraction", "network_fraction")
+
+
+def max_fraction(acc: Accelerator) -> float:
+    """The most of `acc`'s peaks an efficiency may claim: `MAX_FRACTION` of a measured peak, all
+    of a datasheet's (no run beats it, so more would predict an MFU above 100%)."""
+    return MAX_FRACTION if acc.calibrated else 1.0
+
+
+def check_fractions(efficiency: Efficiency, acc: Accelerator) -> None:
+    """ValueError naming a fraction of `efficiency` beyond `max_fraction(acc)`."""
+    ceiling = max_fraction(acc)
+    for name in FRACTIONS:
+        if getattr(efficiency, name) > ceiling:
+            raise ValueError(f"{name} {getattr(efficiency, name):g} is more than {acc.name} can give: its "
+                             f"peaks are its datasheet's, which no run beats (at most {ceiling:g})")
 
 
 def default_efficiency(acc: Accelerator) -> Efficiency:

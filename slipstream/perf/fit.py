@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from slipstream.perf.efficiency import Efficiency
+from slipstream.perf.efficiency import MAX_FRACTION, Efficiency
 from slipstream.perf.work import COMPONENTS, Work
 
 PRIOR_WEIGHT = 1e-3
@@ -51,19 +51,21 @@ def fit_scales(
     return {c: float(np.clip(v, MIN_SCALE, MAX_SCALE)) for c, v in zip(used, k, strict=True)}
 
 
-def apply_scales(efficiency: Efficiency, scales: dict[str, float]) -> Efficiency:
-    """Fold component multipliers into the efficiency knobs (time x k = rate / k)."""
+def apply_scales(efficiency: Efficiency, scales: dict[str, float],
+                 ceiling: float = MAX_FRACTION) -> Efficiency:
+    """Fold component multipliers into the efficiency knobs (time x k = rate / k), no fraction
+    past `ceiling` (`efficiency.max_fraction` of the accelerator)."""
     g, m = scales.get("gemm_s", 1.0), scales.get("memory_s", 1.0)
     c, o = scales.get("comm_s", 1.0), scales.get("overhead_s", 1.0)
     note = ", ".join(f"{k.removesuffix('_s')} x{v:.3f}" for k, v in scales.items())
     sources = dict(efficiency.sources) | {"calibration": f"fitted to measurements: {note}"}
     return efficiency.replace(
-        gemm_fraction=min(efficiency.gemm_fraction / g, 1.5),
-        attention_fraction=min(efficiency.attention_fraction / g, 1.5),
-        training_attention_fraction=min(efficiency.training_attention_fraction / g, 1.5),
-        memory_fraction=min(efficiency.memory_fraction / m, 1.5),
-        link_fraction=min(efficiency.link_fraction / c, 1.5),
-        network_fraction=min(efficiency.network_fraction / c, 1.5),
+        gemm_fraction=min(efficiency.gemm_fraction / g, ceiling),
+        attention_fraction=min(efficiency.attention_fraction / g, ceiling),
+        training_attention_fraction=min(efficiency.training_attention_fraction / g, ceiling),
+        memory_fraction=min(efficiency.memory_fraction / m, ceiling),
+        link_fraction=min(efficiency.link_fraction / c, ceiling),
+        network_fraction=min(efficiency.network_fraction / c, ceiling),
         gemm_overhead_s=efficiency.gemm_overhead_s * o, kernel_overhead_s=efficiency.kernel_overhead_s * o,
         step_overhead_s=efficiency.step_overhead_s * o,
         sequence_overhead_s=efficiency.sequence_overhead_s * o,
@@ -91,15 +93,17 @@ class Calibration:
 def calibrate(
     predict: Callable[[Efficiency], Sequence[Work]], measured_s: Sequence[float],
     efficiency: Efficiency, components: Sequence[str] = COMPONENTS, rounds: int = 4,
+    ceiling: float = MAX_FRACTION,
 ) -> Calibration:
-    """Fit `efficiency` so that `predict(efficiency)` matches `measured_s`; see the module doc."""
+    """Fit `efficiency` so that `predict(efficiency)` matches `measured_s`, no fraction past
+    `ceiling` (`efficiency.max_fraction` of the accelerator); see the module doc."""
     original = efficiency
     before = [w.total_s / m - 1 for w, m in zip(predict(efficiency), measured_s, strict=True)]
     total = dict.fromkeys(components, 1.0)
     for _ in range(rounds):
         scales = fit_scales(predict(efficiency), measured_s, components)
         total = {c: min(max(total[c] * scales.get(c, 1.0), MIN_SCALE), MAX_SCALE) for c in total}
-        efficiency = apply_scales(original, total)
+        efficiency = apply_scales(original, total, ceiling)
     after = [w.total_s / m - 1 for w, m in zip(predict(efficiency), measured_s, strict=True)]
     return Calibration(efficiency, total, before, after)
 

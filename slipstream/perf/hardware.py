@@ -61,6 +61,7 @@ def local_accelerator(calibration: Calibration) -> Accelerator:
         sources={"peak_flops_per_s": measured, "memory_bandwidth_bytes_per_s": measured,
                  "memory_bytes": "/proc/meminfo MemTotal (os.sysconf fallback)",
                  "cache_read_bytes_per_s": measured},
+        calibrated=True,
     )
 
 

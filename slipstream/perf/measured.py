@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from slipstream.perf.accelerators import Accelerator
-from slipstream.perf.efficiency import Efficiency
+from slipstream.perf.efficiency import Efficiency, max_fraction
 from slipstream.perf.fit import Calibration, calibrate
 from slipstream.perf.model import Layout, TrainSetup, predict_training
 from slipstream.perf.records import EngineStep, TrainRun
@@ -83,7 +83,7 @@ def fit_engine_steps(
             if len(values) > 1:
                 notes[name] = f"chosen by fit_engine_steps from {list(values)} (smallest RMS error)"
         prior = prior.replace(sources=dict(prior.sources) | notes)
-        return calibrate(predict, measured_s, prior, components)
+        return calibrate(predict, measured_s, prior, components, ceiling=max_fraction(accelerator))
 
     return min((fit(o, a) for o in overlaps for a in attention_fractions),
                key=lambda c: sum(e * e for e in c.errors_after))
@@ -146,7 +146,8 @@ def fit_train_runs(
     def predict(e: Efficiency) -> list[Work]:
         return [_phase_work(run, phase, accelerator, e) for run, phase, _ in points]
 
-    return calibrate(predict, [t for _, _, t in points], efficiency, chosen)
+    return calibrate(predict, [t for _, _, t in points], efficiency, chosen,
+                     ceiling=max_fraction(accelerator))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,9 +165,9 @@ class Comparison:
 
 
 def format_comparisons(rows: Sequence[Comparison]) -> str:
-    lines = [f"{'step':<36}{'measured ms':>13}{'predicted ms':>14}{'error':>9}"]
+    lines = [f"{'step':<36} {'measured ms':>12} {'predicted ms':>13} {'error':>9}"]
     for r in rows:
-        lines.append(f"{r.label:<36}{1e3 * r.measured_s:>13.2f}{1e3 * r.predicted_s:>14.2f}"
+        lines.append(f"{r.label:<36} {1e3 * r.measured_s:>12.3f} {1e3 * r.predicted_s:>13.3f} "
                      f"{100 * r.error:>+8.1f}%")
     if rows:
         errors = [abs(r.error) for r in rows]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -52,7 +53,16 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
             continue
         if isinstance(value, dict):
             records.append(value)
+        else:
+            logger.warning("%s:%d: not a JSON object, skipped", path, number)
     return records
+
+
+def _positive(value: Any) -> float | None:
+    """`value` as a finite number > 0, else None (a string, a bool, null, 0, inf, NaN)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if 0 < value < math.inf else None
 
 
 def _first(record: Mapping[str, Any], keys: Sequence[str]) -> Any:
@@ -106,15 +116,22 @@ def read_train_run(run_dir: str | Path, warmup_steps: int = 2) -> TrainRun:
     run = next((r for r in records if r.get("kind") == "run"), {})
     tokens_per_step = run.get("tokens_per_step") or _tokens_per_step(config)
     times, phases = [], {name: [] for name in PHASE_KEYS}
+    skipped = 0
     for record in records:
         if record.get("kind", "train") != "train":
             continue
-        step_s = _step_time_s(record, tokens_per_step)
-        if step_s is not None and int(record.get("step", warmup_steps + 1)) > warmup_steps:
+        step_s, step = _step_time_s(record, tokens_per_step), record.get("step", warmup_steps + 1)
+        if step_s is None or isinstance(step, bool) or not isinstance(step, int):
+            skipped += 1
+            continue
+        if step > warmup_steps:
             times.append(step_s)
             for name in PHASE_KEYS:
-                if isinstance(record.get(name), (int, float)):
+                if _positive(record.get(name)) is not None:
                     phases[name].append(float(record[name]))
+    if skipped:
+        logger.warning("%s: %d train records without an integer step and a finite step time > 0, "
+                       "skipped", metrics, skipped)
     for key in ("world_size", "device", "dtype"):
         if key in run and key not in config:
             config[key] = run[key]
@@ -122,20 +139,18 @@ def read_train_run(run_dir: str | Path, warmup_steps: int = 2) -> TrainRun:
 
 
 def _step_time_s(record: Mapping[str, Any], tokens_per_step: float | None) -> float | None:
+    """The record's step time, or its tokens/s turned into one; None where neither is a finite
+    number > 0."""
     step_s = _first(record, STEP_TIME_KEYS)
-    if step_s is None and tokens_per_step:
-        tps = _first(record, TOKENS_PER_S_KEYS)
-        step_s = tokens_per_step / tps if tps else None
-    try:
-        return float(step_s) if step_s is not None and float(step_s) > 0 else None
-    except (TypeError, ValueError):
-        return None
+    if step_s is not None:
+        return _positive(step_s)
+    tps = _positive(_first(record, TOKENS_PER_S_KEYS))
+    return tokens_per_step / tps if tokens_per_step and tps else None
 
 
 def _tokens_per_step(config: Mapping[str, Any]) -> float | None:
-    if "global_batch_size" in config and "seq_len" in config:
-        return float(config["global_batch_size"]) * float(config["seq_len"])
-    return None
+    batch, seq_len = _positive(config.get("global_batch_size")), _positive(config.get("seq_len"))
+    return batch * seq_len if batch and seq_len else None
 
 
 def read_config(run_dir: Path) -> dict[str, Any]:
@@ -171,14 +186,22 @@ class EngineStep:
 
 
 def read_engine_steps(records: Iterable[Mapping[str, Any]]) -> list[EngineStep]:
-    """Engine step records (`kind: "engine_step"`); malformed ones are skipped."""
+    """Engine step records (`kind: "engine_step"`); malformed ones (a phase other than prefill or
+    decode, a batch size that is no integer >= 1, a prompt of no tokens, a step time that is no
+    finite number > 0) are logged and skipped."""
     steps = []
     for r in records:
-        if r.get("kind") != "engine_step" or r.get("phase") not in ("prefill", "decode"):
+        if r.get("kind") != "engine_step":
             continue
-        try:
-            length = r["prompt_len"] if r["phase"] == "prefill" else r["context_len"]
-            steps.append(EngineStep(r["phase"], int(r["batch_size"]), int(length), float(r["step_s"])))
-        except (KeyError, TypeError, ValueError):
+        phase, batch_size, step_s = r.get("phase"), r.get("batch_size"), _positive(r.get("step_s"))
+        length = r.get("prompt_len" if phase == "prefill" else "context_len")
+        if (phase not in ("prefill", "decode") or not _is_int(batch_size, 1) or step_s is None
+                or not _is_int(length, 1 if phase == "prefill" else 0)):
             logger.warning("malformed engine_step record skipped: %s", r)
+            continue
+        steps.append(EngineStep(phase, batch_size, length, step_s))
     return steps
+
+
+def _is_int(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum

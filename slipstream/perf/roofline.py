@@ -50,16 +50,30 @@ def roof_flops_per_s(accelerator: Accelerator, dtype: str, intensity: float) -> 
     return min(accelerator.peak_flops(dtype), intensity * accelerator.memory_bandwidth_bytes_per_s)
 
 
+def above_roof(p: OperatingPoint, accelerator: Accelerator, dtype: str) -> bool:
+    """Whether a point claims more FLOP/s than the roof allows at its intensity: for a measured
+    step, a time too short for its work (a bad record), or bytes the caches served instead of the
+    memory (`Accelerator.read_bandwidth`)."""
+    return p.achieved_flops_per_s > roof_flops_per_s(accelerator, dtype, p.intensity_flops_per_byte)
+
+
 def format_points(points: Sequence[OperatingPoint], accelerator: Accelerator, dtype: str) -> str:
     ridge = accelerator.ridge_flops_per_byte(dtype)
     lines = [f"{accelerator.name}: peak {accelerator.peak_flops(dtype) / 1e12:.3g} TFLOP/s ({dtype}), "
              f"bandwidth {accelerator.memory_bandwidth_bytes_per_s / 1e9:.4g} GB/s, ridge {ridge:.1f} FLOP/B",
-             f"{'point':<32}{'FLOP/B':>10}{'GFLOP/s':>12}{'% of roof':>11}  source"]
+             f"{'point':<32} {'FLOP/B':>10} {'GFLOP/s':>12} {'% of roof':>10}  source"]
     for p in points:
         roof = roof_flops_per_s(accelerator, dtype, p.intensity_flops_per_byte)
-        lines.append(f"{p.label:<32}{p.intensity_flops_per_byte:>10.2f}{p.achieved_flops_per_s / 1e9:>12.1f}"
-                     f"{100 * p.achieved_flops_per_s / roof:>10.1f}%  "
-                     f"{'measured' if p.measured else 'model'}")
+        source = "measured" if p.measured else "model"
+        if above_roof(p, accelerator, dtype):
+            source += ", ABOVE THE ROOF"
+        percent = 100 * p.achieved_flops_per_s / roof
+        lines.append(f"{p.label:<32} {p.intensity_flops_per_byte:>10.2f} "
+                     f"{p.achieved_flops_per_s / 1e9:>12.1f} {percent:>9.1f}%  {source}")
+    above = sum(p.measured and above_roof(p, accelerator, dtype) for p in points)
+    if above:
+        lines.append(f"{above} measured point(s) above the roof: a step time too short for its work "
+                     "(check the records), or bytes served from cache rather than memory")
     return "\n".join(lines)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.perf.accelerators import get_accelerator
-from slipstream.perf.efficiency import Efficiency, default_efficiency
+from slipstream.perf.efficiency import Efficiency, default_efficiency, max_fraction
 from slipstream.perf.fit import Calibration, calibrate
 from slipstream.perf.model import Layout, TrainSetup, layer_passes, predict_training
 from slipstream.perf.serving import ServeSetup, static_batch, step_time
@@ -94,7 +94,7 @@ def calibrate_profile(name: str, data: dict[str, Any]) -> Calibration | None:
 
     base = [_work(p, data, acc, eff) for p in points]
     measured = [_measured_time_s(p, w, v) for p, (w, v) in zip(points, base, strict=True)]
-    return calibrate(predict, measured, eff, profile["components"])
+    return calibrate(predict, measured, eff, profile["components"], ceiling=max_fraction(acc))
 
 
 def fit_profile(name: str, data: dict[str, Any]) -> Efficiency:

@@ -150,7 +150,9 @@ def summarize(events: list[Any], *, skipped_lines: int = 0) -> dict[str, Any]:
 
     The order of attempts and of a step's executions is the file's (one writer appends); times
     only measure: the total runs from the earliest start to the latest event, so a clock that
-    steps back does not make it negative."""
+    steps back does not make it negative. Where the charged durations add up to more than that
+    span (a wall clock stepped back under them, or a ledger whose events overlap), the total is
+    what was charged, `other` is 0 and `overcharged_s` says by how much the span fell short."""
     valid = [e for e in events if well_formed(e)]
     skipped_lines += len(events) - len(valid)
     start_indices = [i for i, e in enumerate(valid) if e["event"] == "start"]
@@ -166,7 +168,10 @@ def summarize(events: list[Any], *, skipped_lines: int = 0) -> dict[str, Any]:
     finished = _finished(events)
     kept, lost = _classify_steps(events, finished)
     seconds = _charge(events, origin, bool(launches), kept, lost)
-    seconds["other"] = total_s - sum(seconds.values())
+    charged = sum(seconds.values())
+    overcharged_s = max(charged - total_s, 0.0)
+    total_s += overcharged_s
+    seconds["other"] = total_s - charged
     return {
         "goodput": seconds["productive"] / total_s if total_s > 0 else 0.0,
         "total_s": total_s,
@@ -179,6 +184,7 @@ def summarize(events: list[Any], *, skipped_lines: int = 0) -> dict[str, Any]:
         "last_step": max((e["step"] for e in kept), default=0),
         "finished": finished,
         "skipped_lines": skipped_lines,
+        "overcharged_s": overcharged_s,
     }
 
 
@@ -262,4 +268,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     for bucket in order:
         share = 100 * seconds[bucket] / total if total > 0 else 0.0
         lines.append(f"  {bucket:<17} {seconds[bucket]:>10.2f}s {share:>6.1f}%")
+    overcharged = summary.get("overcharged_s", 0.0)
+    if overcharged > 0.01 * total:
+        lines.append(f"  the events' durations exceed the span of their times by {overcharged:.2f}s (a "
+                     "wall clock that stepped back, or overlapping events): the total counts the durations")
     return "\n".join(lines)
