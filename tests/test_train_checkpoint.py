@@ -111,6 +111,58 @@ def test_retention_keeps_the_last_k_and_every_mth(data_dir, train_model_dir, tmp
     assert [step for step, _ in list_checkpoints(tmp_path / "run")] == [3, 6, 7]
 
 
+def test_retention_renames_a_checkpoint_out_of_its_name_before_deleting_it(data_dir, train_model_dir,
+                                                                            tmp_path, monkeypatch):
+    """Retention deletes an old checkpoint only after renaming it to `.tmp-step-N.deleting`, so a
+    kill during the deletion leaves no `step-N` with some files gone (a committed checkpoint that
+    no longer loads); the next job's start clears what such a kill left."""
+    from slipstream.train import checkpoint
+
+    deleted = []
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda path, ignore_errors=False: deleted.append(path))
+    config = small_config(data_dir, train_model_dir, tmp_path / "run", "--training.steps=3",
+                          "--checkpoint.interval=1", "--checkpoint.keep_last=1")
+    Trainer(config).run()  # every deletion stops before its first file, as a kill would
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert [Path(p).name for p in deleted if Path(p).parent == checkpoints] == [
+        ".tmp-step-00000001.deleting", ".tmp-step-00000002.deleting"]
+    assert [step for step, _ in list_checkpoints(tmp_path / "run")] == [3]
+    monkeypatch.undo()
+    Trainer(config)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000003"]
+
+
+def test_a_model_path_rewritten_to_another_shape_is_refused_before_any_worker(data_dir, train_model_dir,
+                                                                              tmp_path):
+    """A rerun whose model.path (the same path, so the rerun check passes) now holds a model of
+    another shape is a one-line error naming the fields, before any process starts (it used to
+    fail deep inside the checkpoint load, once per restart)."""
+    from slipstream.train.supervisor import check_job
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(train_model_dir, model_dir)
+    config = small_config(data_dir, model_dir, tmp_path / "run", "--training.steps=1",
+                          "--checkpoint.save_final=true")
+    Trainer(config).run()
+    check_job(config, 1)
+    hf = json.loads((model_dir / "config.json").read_text())
+    hf["num_hidden_layers"] += 1
+    (model_dir / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=r"model.path .* holds a model of another shape than the checkpoint "
+                                         r"of step 1 in run.dir \(num_hidden_layers \d+ -> \d+\)"):
+        check_job(config, 1)
+
+
+def test_a_run_dir_that_cannot_hold_the_run_is_a_one_line_error(tmp_path):
+    """A run.dir that is a file (or on a read-only file system) is a ValueError naming it, which
+    the CLI prints as one line with status 2, not a FileExistsError traceback."""
+    from slipstream.train.supervisor import lock_run_dir
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValueError, match=r"run.dir '.*afile' cannot hold the run"):
+        lock_run_dir(tmp_path / "afile", "job.lock")
+
+
 def test_retention_counts_only_valid_checkpoints(data_dir, train_model_dir, tmp_path):
     """Corrupt checkpoints newer than a fresh commit do not count toward keep_last: a rerun with
     keep_last=1 that resumes from step 2 past truncated steps 4 and 6 keeps its step-4 commit

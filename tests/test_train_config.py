@@ -3,6 +3,8 @@ failing at start with a message that names the field."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from slipstream.train.config import TrainConfig, check_run, load_config
@@ -40,10 +42,22 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     ("--optimizer.betas=[0.9]", "optimizer.betas must be a list of 2 values"),
     ("--parallel.strategy=zero3", "parallel.strategy must be one of fsdp, ddp"),
     ("optimizer.lr", "must look like --section.key=value"),
+    ("--run.dir=", "run.dir must be a directory path"),
+    ("--training.seed=4294967296", "training.seed must be an integer in [0, 2**32)"),
+    ("--data.seed=-1", "data.seed must be an integer in [0, 2**32)"),
+    ("--supervisor.hang_timeout_s=1e300", "supervisor.hang_timeout_s must be a number of seconds in [0, "),
+    ("--model.init_std=inf", "model.init_std must be a positive number"),
+    ("--optimizer.weight_decay=inf", "optimizer.weight_decay must be a number >= 0"),
+    ("--optimizer.eps=inf", "optimizer.eps must be a positive number"),
+    ("--training.max_grad_norm=inf", "training.max_grad_norm must be a number >= 0"),
+    ("--data.prefetch=1000000000", "data.prefetch must be at most 64"),
 ])
 def test_bad_values_name_the_field(override, message):
-    """Unknown keys suggest the closest valid one; bad values name the field and what is valid."""
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("?", r"\?")):
+    """Unknown keys suggest the closest valid one; bad values name the field and what is valid:
+    also what would fail only inside a worker (a seed numpy refuses, a watchdog timer past the
+    platform's), train into a NaN (an infinite init_std or weight decay) or zero every update (an
+    infinite eps), or hold unbounded memory (prefetch)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
         load_config(None, [override])
 
 

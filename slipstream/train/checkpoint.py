@@ -10,6 +10,8 @@
             config.json                             the model's ModelConfig (for export)
             manifest.json                           written last: every file's size and CRC-32
         .tmp-step-00000200/                         a save in flight (or a dead one's leftovers)
+        .tmp-step-00000050.deleting/                an old checkpoint being deleted (renamed
+                                                    first, so that a kill leaves no half step-N)
         corrupt-step-00000300/                      a checkpoint that failed verification, set
                                                     aside for a person to inspect
 
@@ -429,7 +431,7 @@ class CheckpointManager:
                 except CorruptCheckpointError as e:
                     _set_aside(path, str(e))
             elif path != committed and not (self.keep_every and step % self.keep_every == 0):
-                shutil.rmtree(path, ignore_errors=True)
+                _delete(path)
                 logger.info("removed old checkpoint %s", path)
         self._verified = set(counted)
 
@@ -439,6 +441,15 @@ class CheckpointManager:
 
 def _rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
+
+
+def _delete(path: Path) -> None:
+    """Delete a checkpoint folder atomically as far as the loader sees: renamed first out of the
+    `step-N` names (to `.tmp-step-N.deleting`, which the next job's start clears if a kill stops
+    the deletion), so no kill leaves a `step-N` with some of its files gone."""
+    doomed = path.with_name(f".tmp-{path.name}.deleting")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _set_aside(path: Path, reason: str) -> None:

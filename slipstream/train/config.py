@@ -39,6 +39,10 @@ DEVICES = ("auto", "cpu", "cuda")
 STRATEGIES = ("fsdp", "ddp")
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
 DECAYS = ("cosine", "linear", "constant")
+MAX_PREFETCH = 64
+"""Most batches the data thread may prepare ahead (each is held in memory until its step)."""
+MAX_TIMEOUT_S = 30 * 24 * 3600.0
+"""The longest supervisor timeout or backoff: 30 days (the watchdog's timer takes no more)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,8 +57,9 @@ class ModelSource:
     init_seed: int = 0
 
     def __post_init__(self) -> None:
-        _check(self.init_std > 0, "model.init_std", self.init_std, "a positive number")
-        _check_non_negative_int("model.init_seed", self.init_seed)
+        _check(self.init_std > 0 and math.isfinite(self.init_std), "model.init_std", self.init_std,
+               "a positive number")
+        _check_seed("model.init_seed", self.init_seed)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,8 +75,9 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check_positive_int("data.seq_len", self.seq_len)
-        _check_non_negative_int("data.seed", self.seed)
+        _check_seed("data.seed", self.seed)
         _check_non_negative_int("data.prefetch", self.prefetch)
+        _check(self.prefetch <= MAX_PREFETCH, "data.prefetch", self.prefetch, f"at most {MAX_PREFETCH}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,8 +98,9 @@ class OptimizerConfig:
             len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
             "optimizer.betas", self.betas, "two numbers in [0, 1)",
         )
-        _check(self.eps > 0, "optimizer.eps", self.eps, "a positive number")
-        _check(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, "a number >= 0")
+        _check(self.eps > 0 and math.isfinite(self.eps), "optimizer.eps", self.eps, "a positive number")
+        _check(self.weight_decay >= 0 and math.isfinite(self.weight_decay), "optimizer.weight_decay",
+               self.weight_decay, "a number >= 0")
         _check_choice("optimizer.implementation", self.implementation, OPTIMIZER_IMPLEMENTATIONS)
 
 
@@ -136,12 +143,12 @@ class TrainingConfig:
         for name in ("steps", "global_batch_size", "micro_batch_size"):
             _check_positive_int(f"training.{name}", getattr(self, name))
         _check(
-            self.max_grad_norm >= 0, "training.max_grad_norm", self.max_grad_norm,
-            "a number >= 0 (0 disables clipping)",
+            self.max_grad_norm >= 0 and math.isfinite(self.max_grad_norm), "training.max_grad_norm",
+            self.max_grad_norm, "a number >= 0 (0 disables clipping)",
         )
         _check_choice("training.dtype", self.dtype, DTYPES)
         _check_choice("training.device", self.device, DEVICES)
-        _check_non_negative_int("training.seed", self.seed)
+        _check_seed("training.seed", self.seed)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -219,7 +226,8 @@ class SupervisorConfig:
     def __post_init__(self) -> None:
         for name in ("hang_timeout_s", "first_step_timeout_s", "restart_backoff_s", "max_backoff_s"):
             value = getattr(self, name)
-            _check(value >= 0 and math.isfinite(value), f"supervisor.{name}", value, "a number >= 0")
+            _check(0 <= value <= MAX_TIMEOUT_S, f"supervisor.{name}", value,
+                   f"a number of seconds in [0, {MAX_TIMEOUT_S:g}]")
         _check_non_negative_int("supervisor.max_rollbacks", self.max_rollbacks)
 
 
@@ -266,7 +274,7 @@ class LoggingConfig:
     def __post_init__(self) -> None:
         _check_positive_int("logging.interval", self.interval)
         if self.peak_flops_per_s is not None:
-            _check(self.peak_flops_per_s > 0, "logging.peak_flops_per_s", self.peak_flops_per_s,
+            _check(0 < self.peak_flops_per_s < math.inf, "logging.peak_flops_per_s", self.peak_flops_per_s,
                    "a positive number of FLOP/s")
 
 
@@ -274,6 +282,10 @@ class LoggingConfig:
 class RunConfig:
     dir: str = "runs/train"
     """Where config.toml, metrics.jsonl, checkpoints and TensorBoard events go."""
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.dir, str) and self.dir.strip() != "", "run.dir", self.dir,
+               "a directory path (an empty one would be the working directory)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -489,6 +501,12 @@ def _check(ok: bool, name: str, value: Any, expected: str) -> None:
 def _check_positive_int(name: str, value: Any) -> None:
     _check(isinstance(value, int) and not isinstance(value, bool) and value > 0,
            name, value, "a positive integer")
+
+
+def _check_seed(name: str, value: Any) -> None:
+    """An integer in [0, 2**32): what every RNG the run seeds (numpy's among them) takes."""
+    _check(isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**32,
+           name, value, "an integer in [0, 2**32)")
 
 
 def _check_non_negative_int(name: str, value: Any) -> None:

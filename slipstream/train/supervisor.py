@@ -149,16 +149,47 @@ def attempts_without_progress(run_dir: str | Path, restarts: int | None = None) 
 def check_job(config: TrainConfig, world_size: int) -> None:
     """The checks of a job that need no process group, made before any process is started, so
     that a user error is one line (ValueError, FileNotFoundError) and not a restart loop:
-    `check_run`, a readable training split, a rerun's config against the run dir's, and
-    `faults.rank` among the ranks."""
+    `check_run`, a readable training split, a rerun's config against the run dir's (and the
+    model at its model.path against its checkpoints'), and `faults.rank` among the ranks."""
     check_run(config, world_size)
     TokenDataset(config.data.path).tokens("train")
     saved = Path(config.run.dir) / "config.toml"
     if saved.is_file():
         resume_changes(load_config(saved), config)
+    _check_checkpoint_shape(config)
     if config.faults.rank >= world_size:
         raise ValueError(f"faults.rank ({config.faults.rank}) must be below the job's number of "
                          f"ranks ({world_size}, set by --nproc)")
+
+
+SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+                "attention_bias", "mlp_bias")
+
+
+def _check_checkpoint_shape(config: TrainConfig) -> None:
+    """ValueError when model.path now holds a model of another shape than the run dir's newest
+    checkpoint (the directory was rewritten since the run began: its path, which the rerun
+    check compares, is the same). A checkpoint whose config.json is unreadable is the loader's
+    to skip."""
+    from slipstream.model import ModelConfig
+    from slipstream.train.checkpoint import list_checkpoints
+
+    found = list_checkpoints(config.run.dir) if config.model.path is not None else []
+    if not found:
+        return
+    step, path = found[-1]
+    try:
+        saved = ModelConfig.from_pretrained(path)
+    except (ValueError, FileNotFoundError):
+        return
+    current = ModelConfig.from_pretrained(config.model.path)
+    differ = [f"{f} {getattr(saved, f)} -> {getattr(current, f)}" for f in SHAPE_FIELDS
+              if getattr(saved, f) != getattr(current, f)]
+    if differ:
+        raise ValueError(f"model.path {config.model.path!r} holds a model of another shape than the "
+                         f"checkpoint of step {step} in run.dir ({', '.join(differ)}): restore the model "
+                         "the run began from, or choose a new run.dir")
 
 
 def lock_run_dir(run_dir: str | Path, name: str) -> IO[str]:
@@ -166,8 +197,12 @@ def lock_run_dir(run_dir: str | Path, name: str) -> IO[str]:
     process or any process it passes the file to; the kernel releases it however they end.
     ValueError naming the run dir and the holder's pid when another job holds it."""
     path = Path(run_dir) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    file = open(path, "a+")  # noqa: SIM115 (held until the caller closes it)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        file = open(path, "a+")  # noqa: SIM115 (held until the caller closes it)
+    except OSError as e:  # a file in the way, a read-only file system, no permission
+        raise ValueError(f"run.dir {str(run_dir)!r} cannot hold the run: {e.strerror or e} "
+                         f"({e.filename or path})") from None
     try:
         fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
