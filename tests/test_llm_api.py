@@ -627,6 +627,53 @@ def test_unknown_engine_arguments_are_type_errors(model_dir):
 
 
 @pytest.mark.parametrize("args, match", [
+    (dict(max_model_len=40.0), "max_model_len must be an integer of at least 2, got 40.0"),
+    (dict(max_model_len="40"), "max_model_len must be an integer"),
+    (dict(kv_cache_memory=float("nan")), "kv_cache_memory must be a positive number of bytes, got nan"),
+    (dict(kv_cache_memory=2**70), "kv_cache_memory of .* GiB is more than the .* GiB of memory"),
+    (dict(enable_prefix_caching="false"), "enable_prefix_caching must be True or False, got 'false'"),
+    (dict(enforce_eager="no"), "enforce_eager must be True or False"),
+    (dict(fast_cpu_kernels=0), "fast_cpu_kernels must be True or False"),
+    (dict(device="garbage"), "device must be 'cpu', 'cuda' or 'cuda:N', got 'garbage'"),
+    (dict(device="meta"), "device must be 'cpu', 'cuda' or 'cuda:N'"),
+    (dict(generation_config="/no/such/dir"), "generation_config '/no/such/dir' is no directory"),
+    (dict(generation_config=None), "generation_config must be 'auto', 'vllm' or a directory"),
+    (dict(tokenizer=1), "tokenizer=1 is not supported"),
+])
+def test_bad_engine_arguments_are_value_errors_naming_them(model_dir, args, match):
+    """Engine arguments of the wrong type or out of range are a ValueError naming them, not a
+    TypeError or AssertionError from deep inside torch, a cache the machine cannot allocate, or a
+    string such as "false" read as True."""
+    with pytest.raises(ValueError, match=match):
+        LLM(model_dir, **args)
+
+
+def test_generate_and_chat_options_of_the_wrong_kind_are_value_errors(llm):
+    """A string where generate or chat takes a bool ("no" is truthy), malformed conversations,
+    a template that is no string or does not parse, and chat_template_kwargs that would override
+    the call's own arguments are ValueErrors naming them; nothing stays queued."""
+    messages = [{"role": "user", "content": "hi"}]
+    cases = [
+        (lambda: llm.generate(PROMPT, greedy(), use_tqdm="no"), "use_tqdm must be True or False"),
+        (lambda: llm.chat(messages, greedy(), add_generation_prompt="no"), "add_generation_prompt must be"),
+        (lambda: llm.chat(None, greedy()), "messages must be a non-empty list of message dicts"),
+        (lambda: llm.chat("hello", greedy()), "messages must be a non-empty list of message dicts"),
+        (lambda: llm.chat([None], greedy()), "messages must be a non-empty list of message dicts"),
+        (lambda: llm.chat([{"role": "user", "content": [{"type": "text"}]}], greedy()),
+         "only text content parts"),
+        (lambda: llm.chat(messages, greedy(), chat_template=5), "chat_template must be the template's"),
+        (lambda: llm.chat(messages, greedy(), chat_template="{{ x"), "the chat template rejected"),
+        (lambda: llm.chat(messages, greedy(), chat_template_kwargs={"tokenize": True}),
+         "chat_template_kwargs cannot set tokenize"),
+        (lambda: llm.chat(messages, greedy(), chat_template_kwargs=[1]), "chat_template_kwargs must be"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("args, match", [
     (dict(kv_cache_memory_bytes=2**24, kv_cache_memory=2**24), "same setting"),
     (dict(gpu_memory_utilization=0.5, kv_cache_memory_bytes=2**24), "both size the KV cache"),
     (dict(gpu_memory_utilization=0), r"fraction in \(0, 1\], got 0"),
@@ -694,6 +741,9 @@ BAD_PROMPTS = {
     "token id past the vocabulary": ([[5, VOCAB_SIZE]], "prompt token id"),
     "negative token id": ([[5, -1]], "prompt token id"),
     "float token id": ([5, 6.0], "integers, got 6.0"),
+    "dict with keys it would drop": ({"prompt": "hi", "multi_modal_data": {}}, "not supported"),
+    "no prompts at all": (None, "prompts must be a prompt or a list of prompts"),
+    "a set of prompts, in no order": ({"a", "b"}, "prompts must be a prompt or a list of prompts"),
 }
 
 
@@ -738,6 +788,7 @@ BAD_PARAMS = {
     "skip_special_tokens": dict(skip_special_tokens="no"),
     "stop": dict(stop={"a": 1}),  # not its keys
     "stop ": dict(stop={"a", "b"}),
+    "n  ": dict(n=4097),  # each completion is a request, built at once
 }
 
 

@@ -518,6 +518,43 @@ def test_follow_up_turn_hits_generated_blocks():
     run_to_completion(scheduler, runner)
 
 
+@pytest.mark.parametrize("where", ["finish", "update"])
+def test_an_exception_while_freeing_leaves_requests_an_abort_can_release(where, monkeypatch):
+    """An exception out of the KV cache's free (an interrupt landing there) leaves the request it
+    was releasing as it was, running and holding its blocks, and every request released before it
+    out of the running list: an abort then frees everything and later steps run (the request used
+    to be finished yet still running, breaking every later step)."""
+    config = make_config()
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    for name in ("a", "b", "c"):
+        scheduler.add(make_request(name, range(1, 6), max_tokens=1))
+    plan = scheduler.schedule()
+    sampled = runner.execute(plan)
+    free, calls = scheduler.kv_cache.free, []
+
+    def interrupted(request):
+        calls.append(request.request_id)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        free(request)
+
+    monkeypatch.setattr(scheduler.kv_cache, "free", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        if where == "finish":
+            scheduler.finish("a", "abort")
+            scheduler.finish("b", "abort")
+        else:
+            scheduler.update(plan, sampled)
+    monkeypatch.undo()
+    scheduler.check_invariants()
+    assert [r.request_id for r in scheduler._running] == ["b", "c"]
+    scheduler.abort(["a", "b", "c"])
+    scheduler.check_invariants()
+    assert scheduler.kv_cache.num_free_blocks == config.num_blocks
+    scheduler.add(make_request("d", range(1, 6), max_tokens=2))
+    run_to_completion(scheduler, runner)
+
+
 def fuzz_config(rng: random.Random) -> SchedulerConfig:
     block_size = rng.choice([1, 2, 4, 8])
     return SchedulerConfig(

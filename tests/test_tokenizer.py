@@ -307,6 +307,10 @@ def test_from_pretrained_roundtrip_and_generation_config(tokenizer, saved_dir, t
     assert Tokenizer.from_pretrained(tmp_path).eos_token_ids == (0, 2)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
     assert Tokenizer.from_pretrained(tmp_path).eos_token_ids == (0, 2)
+    for bad in ("x", [2, "3"], -1, True):
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": bad}))
+        with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id must be a token id"):
+            Tokenizer.from_pretrained(tmp_path)
 
 
 def test_save_is_byte_identical(tokenizer, saved_dir, tmp_path):

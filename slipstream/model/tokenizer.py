@@ -146,7 +146,8 @@ class Tokenizer:
             special_tokens=_read_special_tokens(config, special_tokens_map),
             chat_template=_read_chat_templates(model_dir, config),
             model_max_length=max_length,
-            extra_eos_token_ids=_as_id_list(generation_config.get("eos_token_id")),
+            extra_eos_token_ids=_as_id_list(generation_config.get("eos_token_id"),
+                                            f"{model_dir / 'generation_config.json'}: eos_token_id"),
             padding_side=config.get("padding_side", "right"),
             truncation_side=config.get("truncation_side", "right"),
         )
@@ -619,10 +620,15 @@ def _read_special_tokens(config: dict[str, Any], special_tokens_map: dict[str, A
     return tokens
 
 
-def _as_id_list(value: Any) -> list[int]:
+def _as_id_list(value: Any, what: str) -> list[int]:
+    """None, one token id or a list of them as a list; anything else a ValueError naming `what`."""
     if value is None:
         return []
-    return [value] if isinstance(value, int) else [int(token_id) for token_id in value]
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(token_id, int) and not isinstance(token_id, bool) and token_id >= 0
+               for token_id in values):
+        raise ValueError(f"{what} must be a token id or a list of them, got {value!r}")
+    return values
 
 
 def _read_chat_templates(model_dir: Path, config: dict[str, Any]) -> str | dict[str, str] | None:

@@ -131,12 +131,18 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(
-                f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}"
-            )
+        length = self.max_model_len
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 2):
+            raise ValueError(f"max_model_len must be an integer of at least 2, got {length!r}")
+        memory = self.kv_cache_memory
+        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int | float)
+                                   or not 0 < memory < float("inf")):
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {memory!r}")
+        for name in ("enable_prefix_caching", "fast_cpu_kernels", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):  # a string such as "false" is truthy
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.device is not None:
+            _check_device(self.device)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not -(2**63) <= self.seed < 2**63):
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**63), got {self.seed!r}")
@@ -677,6 +683,22 @@ def _chunk_at(chunk: ScheduledChunk, offset: int, block_ids: tuple[int, ...]) ->
     return dataclasses.replace(chunk, start=chunk.start + offset, block_ids=block_ids)
 
 
+def _check_device(device: Any) -> None:
+    """ValueError naming `device` for one this process cannot run on (torch's own errors for these
+    are an AssertionError or a message about accelerators)."""
+    try:
+        kind = torch.device(device).type if isinstance(device, str) else None
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device is {device!r}, but this PyTorch sees no CUDA device")
+    index = torch.device(device).index if kind == "cuda" else None
+    if index is not None and index >= torch.cuda.device_count():
+        raise ValueError(f"device is {device!r}, but there are {torch.cuda.device_count()} CUDA devices")
+
+
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Completion `index` of an n > 1 request samples with seed + index, wrapped into int64 as the
     seed itself must be."""
@@ -694,6 +716,11 @@ def _derive_limits(
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {max_model_len}")
         max_model_len = config.max_model_len
     bytes_per_block = config.block_size * kv_cache_bytes_per_token(model_config, dtype_name(dtype))
+    total = (torch.cuda.mem_get_info(device)[1] if device.type == "cuda"
+             else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    if config.kv_cache_memory is not None and config.kv_cache_memory > total:
+        raise ValueError(f"kv_cache_memory of {config.kv_cache_memory / 2**30:.1f} GiB is more than the "
+                         f"{total / 2**30:.1f} GiB of memory this {device.type} device has")
     budget = config.kv_cache_memory or _default_kv_cache_bytes(
         config, max_model_len, bytes_per_block, device
     )

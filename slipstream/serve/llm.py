@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import torch
 from tqdm.auto import tqdm
 
@@ -101,9 +102,15 @@ class LLM:
     """
 
     def __init__(self, model: str, *, generation_config: str = "auto", **engine_args: Any) -> None:
+        if not isinstance(generation_config, (str, os.PathLike)):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, "
+                             f"got {generation_config!r}")
+        if generation_config not in ("auto", "vllm") and not Path(generation_config).is_dir():
+            raise ValueError(f"generation_config {str(generation_config)!r} is no directory (give 'auto' for "
+                             "the model's, 'vllm' for none, or a directory holding generation_config.json)")
         self.engine = Engine(_engine_config(str(model), engine_args))
         self._default_sampling_params = _default_sampling_params(
-            str(model) if generation_config == "auto" else generation_config
+            str(model) if generation_config == "auto" else str(generation_config)
         )
         self._ids = itertools.count()
 
@@ -135,6 +142,7 @@ class LLM:
         `sampling_params` (default: `get_default_sampling_params()`) and `priority` are one value
         for every prompt or a list of one per prompt.
         """
+        _check_bool("use_tqdm", use_tqdm)
         prompts = _as_prompt_list(prompts)
         inputs = [_prompt_input(prompt) for prompt in prompts]
         if sampling_params is None:
@@ -229,14 +237,26 @@ class LLM:
         reach the template and override the arguments above. Each output's prompt is the
         rendered text.
         """
-        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        _check_bool("add_generation_prompt", add_generation_prompt)
+        _check_bool("continue_final_message", continue_final_message)
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError(f"chat_template must be the template's source (a string), got {chat_template!r}")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise ValueError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
+        reserved = {"tokenize", "return_dict", "messages", "conversation"} & set(chat_template_kwargs or {})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}")
+        conversations = _conversations(messages)
         options = {"tokenize": False, "add_generation_prompt": add_generation_prompt,
                    "continue_final_message": continue_final_message, "tools": tools,
                    "chat_template": chat_template, **(chat_template_kwargs or {})}
         tokenizer = self.engine.tokenizer
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template([_template_message(m) for m in conversation], **options)
+            try:
+                text = tokenizer.apply_chat_template([_template_message(m) for m in conversation], **options)
+            except jinja2.TemplateError as error:  # a template that does not parse, or raises
+                raise ValueError(f"the chat template rejected the messages: {error}") from error
             ids = tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
@@ -266,7 +286,8 @@ def _engine_config(model: str, args: dict[str, Any]) -> EngineConfig:
             raise ValueError(f"{name}={value!r} is not supported: {reason} (supported: "
                              f"{', '.join(map(repr, accepted))})")
     tokenizer = args.pop("tokenizer", None)
-    if tokenizer is not None and Path(tokenizer).resolve() != Path(model).resolve():
+    if tokenizer is not None and (not isinstance(tokenizer, (str, os.PathLike))
+                                  or Path(tokenizer).resolve() != Path(model).resolve()):
         raise ValueError(f"tokenizer={tokenizer!r} is not supported: slipstream reads the tokenizer "
                          f"from the model directory ({model})")
     if "kv_cache_memory_bytes" in args:
@@ -359,6 +380,9 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, Mapping)):
         return [prompts]
     _check_not_bytes(prompts)
+    if not isinstance(prompts, Sequence):  # None, a number, or a set (whose order is arbitrary)
+        raise ValueError(f"prompts must be a prompt or a list of prompts (in the order their outputs "
+                         f"come back), got {type(prompts).__name__}: {prompts!r}")
     prompts = list(prompts)
     if prompts and all(_is_number(p) for p in prompts):
         return [prompts]  # one prompt given as token ids (a float among them is refused later)
@@ -368,6 +392,10 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 def _prompt_input(prompt: Prompt) -> tuple[str | list[int], str | None]:
     """(what the engine generates from, the prompt text to report when that is token ids)."""
     if isinstance(prompt, Mapping):
+        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+        if unknown:  # multi_modal_data, lora_request, a misspelt key: not to be dropped silently
+            raise ValueError(f"a prompt dict takes 'prompt' and 'prompt_token_ids'; {sorted(unknown)} "
+                             "are not supported")
         text = prompt.get("prompt")
         if text is not None and not isinstance(text, str):
             raise TypeError(f"a prompt dict's 'prompt' must be a string, got {text!r}")
@@ -413,6 +441,27 @@ def _per_prompt(value: Any, num_prompts: int, name: str, kind: type, a_kind: str
     return values
 
 
+def _conversations(messages: Any) -> list[Sequence[Message]]:
+    """`chat`'s messages as a list of conversations: one conversation (a list of message dicts)
+    or a list of them; anything else a ValueError naming `messages`."""
+    def is_conversation(value: Any) -> bool:
+        return isinstance(value, Sequence) and not isinstance(value, str) and bool(value) and all(
+            isinstance(message, Mapping) for message in value)
+
+    if is_conversation(messages):
+        return [messages]
+    if isinstance(messages, Sequence) and not isinstance(messages, str) and messages and all(
+            is_conversation(conversation) for conversation in messages):
+        return list(messages)
+    raise ValueError(f"messages must be a non-empty list of message dicts ({{'role': ..., 'content': "
+                     f"...}}), or a list of such lists, got {messages!r}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):  # a string such as "no" is truthy
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def _template_message(message: Message) -> Message:
     """The message as the chat template sees it: text parts joined, as the HTTP server does
     (protocol.ChatMessage.template_message); content None is "" unless the message calls tools."""
@@ -420,9 +469,10 @@ def _template_message(message: Message) -> Message:
         return message  # the template's own check names it
     content = message.get("content")
     if isinstance(content, (list, tuple)):
-        if not all(isinstance(part, Mapping) and part.get("type") == "text" for part in content):
-            raise ValueError(f"only text content parts ({{'type': 'text', 'text': ...}}) are "
-                             f"supported, got {content!r}")
+        if not all(isinstance(part, Mapping) and part.get("type") == "text"
+                   and isinstance(part.get("text"), str) for part in content):
+            raise ValueError(f"only text content parts ({{'type': 'text', 'text': ...}}, the text a string) "
+                             f"are supported, got {content!r}")
         content = "".join(part["text"] for part in content)
     elif content is None and "tool_calls" not in message:
         content = ""

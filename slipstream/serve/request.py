@@ -33,6 +33,9 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
 # apart (odds of e^10 at temperature 1) end up 1e-3 apart: the draw is already uniform over the
 # kept tokens to within 0.1%, so a higher bound would add nothing but the risk.
 MAX_TEMPERATURE = 1e4
+MAX_N = 4096
+"""Most completions of one prompt: each is a request of its own, built at once (a huge n would
+spend minutes and gigabytes before the first step)."""
 
 # A float32 logit overflows to inf past ~3.4e38, and an inf logit makes softmax NaN. A bias of at most
 # 1e30, divided by the smallest sampling temperature or multiplied by the largest repetition penalty,
@@ -115,6 +118,8 @@ class SamplingParams:
         if isinstance(self.seed, int) and self.seed == -1:
             object.__setattr__(self, "seed", None)
         _check_int("n", self.n, minimum=1)
+        if self.n > MAX_N:
+            raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
         _check_float("temperature", self.temperature, minimum=0.0)
         if self.temperature > MAX_TEMPERATURE:
             raise ValueError(f"temperature must be <= {MAX_TEMPERATURE:g}, got {self.temperature}")

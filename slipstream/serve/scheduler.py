@@ -221,9 +221,10 @@ class Scheduler:
         request = self._requests.get(request_id)
         if request is None:
             return None
-        if request.status is RequestStatus.RUNNING:
-            self._running.remove(request)
+        was_running = request.status is RequestStatus.RUNNING
         self._release(request, reason)
+        if was_running:
+            self._running.remove(request)
         return request
 
     def abort(self, request_ids: str | Iterable[str]) -> list[Request]:
@@ -235,13 +236,15 @@ class Scheduler:
         return [request for request in aborted if request is not None]
 
     def _release(self, request: Request, reason: str) -> None:
-        """Mark finished and free its blocks; the caller takes it out of `_running`."""
+        """Free its blocks, then mark it finished; the caller takes it out of `_running`. Freeing
+        first: an exception there (an interrupt) leaves the request as it was, which an abort
+        then releases, rather than a finished request still among the running ones."""
+        self.kv_cache.free(request)
         was_waiting = request.status is RequestStatus.WAITING
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self._requests[request.request_id]
         del self._order_keys[request.request_id]
-        self.kv_cache.free(request)
         if was_waiting:
             self._waiting.discard(request)
 
@@ -358,22 +361,24 @@ class Scheduler:
         of its prompt ends here with no token. Returns the requests that finished in this step,
         their blocks freed (full ones kept in the prefix cache)."""
         finished = []
-        for chunk in plan.chunks:
-            request = chunk.request
-            if request.is_finished:  # finished or aborted since schedule()
-                continue
-            assert request.num_computed_tokens == chunk.start, "plans must be updated in order"
-            request.num_computed_tokens += chunk.num_tokens
-            pooled = chunk.samples and request.request_id in pooled_ids
-            if chunk.samples and not pooled:
-                request.output_token_ids.append(sampled_token_ids[request.request_id])
-            self.kv_cache.cache_full_blocks(request)
-            reason = "stop" if pooled else _stop_reason(request) if chunk.samples else None
-            if reason is not None:
-                self._release(request, reason)
-                finished.append(request)
-        if finished:
-            self._running = [request for request in self._running if not request.is_finished]
+        try:
+            for chunk in plan.chunks:
+                request = chunk.request
+                if request.is_finished:  # finished or aborted since schedule()
+                    continue
+                assert request.num_computed_tokens == chunk.start, "plans must be updated in order"
+                request.num_computed_tokens += chunk.num_tokens
+                pooled = chunk.samples and request.request_id in pooled_ids
+                if chunk.samples and not pooled:
+                    request.output_token_ids.append(sampled_token_ids[request.request_id])
+                self.kv_cache.cache_full_blocks(request)
+                reason = "stop" if pooled else _stop_reason(request) if chunk.samples else None
+                if reason is not None:
+                    self._release(request, reason)
+                    finished.append(request)
+        finally:  # those released before an exception leave the running list all the same
+            if finished:
+                self._running = [request for request in self._running if not request.is_finished]
         return finished
 
     def check_invariants(self) -> None:
