@@ -150,6 +150,53 @@ def test_streamed_completion_adds_up_to_the_whole(client):
     assert len({c.id for c in chunks}) == 1
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": PROMPT, "n": 2}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "n": 2}),
+])
+def test_streamed_usage_is_null_on_chunks_or_running_with_continuous_usage_stats(server, path, body):
+    """With include_usage every chunk but the last has `usage: null` (OpenAI's documented shape;
+    the key was missing); with vLLM's continuous_usage_stats too, each chunk carries its choice's
+    prompt tokens and the tokens generated so far, up to the choice's whole count."""
+    body = body | {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def chunks(options: dict) -> list[dict]:
+        response = httpx.post(server.url + path, json=body | {"stream_options": options}, headers=headers,
+                              timeout=60)
+        lines = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        return [json.loads(line) for line in lines[:-1]]
+
+    final = chunks({"include_usage": True})
+    assert all("usage" in c and c["usage"] is None for c in final[:-1]) and final[-1]["choices"] == []
+    running = chunks({"include_usage": True, "continuous_usage_stats": True})
+    prompt_tokens = final[-1]["usage"]["prompt_tokens"]  # one prompt, counted once
+    generated = {}
+    for chunk in running[:-1]:
+        [choice] = chunk["choices"]
+        usage = chunk["usage"]
+        assert usage["prompt_tokens"] == prompt_tokens
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert usage["completion_tokens"] >= generated.get(choice["index"], 0)
+        generated[choice["index"]] = usage["completion_tokens"]
+    assert generated == {0: 6, 1: 6}
+    # The same counts (the second request's prompt hits the prefix cache: its cached tokens differ).
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [running[-1]["usage"][k] for k in counts] == [final[-1]["usage"][k] for k in counts]
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(client):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's field): none the first time a long
+    prompt is seen, its whole blocks the second time (the last token is always computed)."""
+    prompt = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 4
+    args = dict(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
+    first, second = client.completions.create(**args), client.completions.create(**args)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens and cached % 16 == 0
+
+
 def test_streamed_chat_sends_role_then_content(client):
     """A streamed chat reply opens with the assistant role and adds up to the non-streamed one."""
     args = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=12, temperature=0)

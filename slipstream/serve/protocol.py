@@ -93,6 +93,8 @@ def _refuse_unsupported(extra: dict[str, Any] | None) -> None:
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: with include_usage, every chunk also carries its choice's usage so far."""
 
 
 class GenerationBody(_Body):
@@ -180,8 +182,14 @@ class GenerationBody(_Body):
             raise bad_request(str(error), str(error).split(" ", 1)[0]) from error
 
     @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+    def usage_mode(self) -> Literal["final", "continuous"] | None:
+        """How a stream reports usage: None (not asked for), "final" (a last chunk with the usage,
+        every other chunk's usage null, as OpenAI documents), "continuous" (each chunk also its
+        choice's usage so far: vLLM's continuous_usage_stats)."""
+        options = self.stream_options
+        if options is None or not options.include_usage:
+            return None
+        return "continuous" if options.continuous_usage_stats else "final"
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:

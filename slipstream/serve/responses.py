@@ -65,15 +65,28 @@ def sse(data: dict[str, Any] | str) -> str:
     return f"data: {payload}\n\n"
 
 
-def usage(outputs: Iterable[RequestOutput], echo: Echo | None = None) -> dict[str, int]:
-    """Prompt tokens (once per prompt) and generated tokens (over all choices; none for an echo of
-    the prompt alone)."""
+def usage(outputs: Iterable[RequestOutput], echo: Echo | None = None) -> dict[str, Any]:
+    """Prompt tokens (once per prompt), of which the prefix cache held `cached_tokens`, and
+    generated tokens (over all choices; none for an echo of the prompt alone)."""
     outputs = list(outputs)
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = 0
     if echo is None or echo.generate:
         completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
+
+
+def _chunk_usage(mode: str | None, num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, Any]:
+    """The `usage` of a streamed choice's chunk: absent unless asked for; null with include_usage
+    (the last chunk carries it, as OpenAI documents); with vLLM's continuous_usage_stats, the
+    choice's tokens so far."""
+    if mode is None:
+        return {}
+    if mode == "final":
+        return {"usage": None}
+    return {"usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+                      "total_tokens": num_prompt_tokens + num_completion_tokens}}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -331,9 +344,11 @@ class CompletionStream:
     object = "text_completion"
 
     def __init__(self, meta: ResponseMeta, request_ids: Sequence[str], *, n: int, logprobs: int | None,
-                 echo: Echo | None = None, as_token_ids: bool = False) -> None:
+                 echo: Echo | None = None, as_token_ids: bool = False, usage: str | None = None) -> None:
         self.meta = meta
         self.echo = echo
+        self.usage_mode = usage
+        """protocol.GenerationBody.usage_mode."""
         self._logprobs = logprobs
         self._as_token_ids = as_token_ids
         self._deltas = _Deltas(with_logprobs=logprobs is not None)
@@ -344,7 +359,7 @@ class CompletionStream:
     def opening(self) -> list[str]:
         return []
 
-    def usage(self, outputs: Iterable[RequestOutput]) -> dict[str, int]:
+    def usage(self, outputs: Iterable[RequestOutput]) -> dict[str, Any]:
         return usage(outputs, self.echo)
 
     def events(self, output: RequestOutput) -> list[str]:
@@ -352,6 +367,7 @@ class CompletionStream:
         first_token = self.echo.first_tokens[output.request_id] if self.echo is not None else ""
         for completion in output.outputs:
             index = self._first_index[output.request_id] + completion.index
+            generated = len(completion.token_ids) if self.echo is None or self.echo.generate else 0
             if self.echo is not None:
                 completion = self.echo.choice(output, completion)
                 if completion is None:
@@ -370,7 +386,8 @@ class CompletionStream:
                     completion, news.start, news.end, offset, first_token=first_token,
                     as_token_ids=self._as_token_ids)
             choice = {"index": index, "text": news.text, "logprobs": logprobs} | _finish(completion)
-            events.append(sse(self.meta.head(self.object) | {"choices": [choice]}))
+            usage = _chunk_usage(self.usage_mode, len(output.prompt_token_ids), generated)
+            events.append(sse(self.meta.head(self.object) | {"choices": [choice]} | usage))
         return events
 
 
@@ -381,8 +398,12 @@ class ChatStream:
     object = "chat.completion.chunk"
 
     def __init__(self, meta: ResponseMeta, *, n: int, num_logprobs: int | None,
-                 as_token_ids: bool = False, echo: str = "", tool_calls: ToolCalls | None = None) -> None:
+                 as_token_ids: bool = False, echo: str = "", tool_calls: ToolCalls | None = None,
+                 usage: str | None = None, num_prompt_tokens: int = 0) -> None:
         self.meta = meta
+        self.usage_mode = usage
+        """protocol.GenerationBody.usage_mode."""
+        self._num_prompt_tokens = num_prompt_tokens
         self._echoed_text = echo
         self._tool_calls = tool_calls
         self._call_ids: dict[int, str] = {}
@@ -401,7 +422,7 @@ class ChatStream:
             events += [self._chunk(i, {"content": self._echoed_text}, None, None) for i in range(self._n)]
         return events
 
-    def usage(self, outputs: Iterable[RequestOutput]) -> dict[str, int]:
+    def usage(self, outputs: Iterable[RequestOutput]) -> dict[str, Any]:
         return usage(outputs)
 
     def events(self, output: RequestOutput) -> list[str]:
@@ -448,7 +469,9 @@ class ChatStream:
         if completion is not None:
             finish = _finish(completion) if self._tool_calls is None else self._tool_calls.finish(completion)
         choice = {"index": index, "delta": delta, "logprobs": logprobs} | finish
-        return sse(self.meta.head(self.object) | {"choices": [choice]})
+        generated = 0 if completion is None else len(completion.token_ids)
+        usage = _chunk_usage(self.usage_mode, self._num_prompt_tokens, generated)
+        return sse(self.meta.head(self.object) | {"choices": [choice]} | usage)
 
 
 def usage_event(stream: CompletionStream | ChatStream, outputs: Iterable[RequestOutput]) -> str:

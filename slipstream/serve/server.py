@@ -224,16 +224,17 @@ class OpenAIServer:
                                               body.logprobs, params.skip_special_tokens)
             options = dict(n=params.n, logprobs=body.logprobs, as_token_ids=self._as_token_ids(body))
             if body.stream:
-                chunks = responses.CompletionStream(meta, [o.request_id for o in outputs], **options)
-                return _event_stream(_final_events(outputs, chunks, body.include_usage))
+                chunks = responses.CompletionStream(meta, [o.request_id for o in outputs],
+                                                    usage=body.usage_mode, **options)
+                return _event_stream(_final_events(outputs, chunks))
             return JSONResponse(responses.completion_response(meta, outputs, **options))
         stream = await self._submit(meta.id, prompts, params, arrival_time_s,
                                     {"prompt": "prompt"} | body.params_named)
         echo = self._echo(body, stream.request_ids, texts, prompts) if body.echo else None
         options = dict(n=params.n, logprobs=body.logprobs, echo=echo, as_token_ids=self._as_token_ids(body))
         if body.stream:
-            chunks = responses.CompletionStream(meta, stream.request_ids, **options)
-            return _event_stream(self._events(stream, chunks, body.include_usage))
+            chunks = responses.CompletionStream(meta, stream.request_ids, usage=body.usage_mode, **options)
+            return _event_stream(self._events(stream, chunks))
         outputs = await self._collect(request, stream)
         return JSONResponse(responses.completion_response(meta, outputs, **options))
 
@@ -268,14 +269,16 @@ class OpenAIServer:
             [output] = await self._beam_search(request, meta.id, [token_ids], beams, arrival_time_s,
                                                body.num_logprobs, params.skip_special_tokens)
             if body.stream:
-                chunks = responses.ChatStream(meta, n=params.n, **options)
-                return _event_stream(_final_events([output], chunks, body.include_usage))
+                chunks = responses.ChatStream(meta, n=params.n, usage=body.usage_mode,
+                                              num_prompt_tokens=len(token_ids), **options)
+                return _event_stream(_final_events([output], chunks))
             return JSONResponse(responses.chat_response(meta, output, **options))
         stream = await self._submit(meta.id, [token_ids], params, arrival_time_s,
                                     {"prompt": "messages", "logprobs": "top_logprobs"} | body.params_named)
         if body.stream:
-            chunks = responses.ChatStream(meta, n=params.n, **options)
-            return _event_stream(self._events(stream, chunks, body.include_usage))
+            chunks = responses.ChatStream(meta, n=params.n, usage=body.usage_mode,
+                                          num_prompt_tokens=len(token_ids), **options)
+            return _event_stream(self._events(stream, chunks))
         [output] = await self._collect(request, stream)
         return JSONResponse(responses.chat_response(meta, output, **options))
 
@@ -538,8 +541,8 @@ class OpenAIServer:
 
     # ---- streaming ------------------------------------------------------------------------------
 
-    async def _events(self, stream: RequestStream, chunks: responses.CompletionStream | responses.ChatStream,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _events(self, stream: RequestStream,
+                      chunks: responses.CompletionStream | responses.ChatStream) -> AsyncIterator[str]:
         """The events of a stream until [DONE]; closing the generator (the client left) aborts."""
         latest: dict[str, RequestOutput] = {}
         try:
@@ -550,7 +553,7 @@ class OpenAIServer:
                     latest[output.request_id] = output
                     for event in chunks.events(output):
                         yield event
-            if include_usage:
+            if chunks.usage_mode is not None:
                 yield responses.usage_event(chunks, latest.values())
         except EngineError as error:
             logger.error("stream %s failed: %s", chunks.meta.id, error)
@@ -561,15 +564,14 @@ class OpenAIServer:
 
 
 async def _final_events(outputs: list[RequestOutput],
-                        chunks: responses.CompletionStream | responses.ChatStream,
-                        include_usage: bool) -> AsyncIterator[str]:
+                        chunks: responses.CompletionStream | responses.ChatStream) -> AsyncIterator[str]:
     """The events of outputs that are already final (beam search's): each choice whole."""
     for event in chunks.opening():
         yield event
     for output in outputs:
         for event in chunks.events(output):
             yield event
-    if include_usage:
+    if chunks.usage_mode is not None:
         yield responses.usage_event(chunks, outputs)
     yield responses.sse("[DONE]")
 
