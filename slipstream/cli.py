@@ -41,6 +41,10 @@ def _data_prepare(args: argparse.Namespace) -> None:
     from slipstream.model.tokenizer import Tokenizer
     from slipstream.train.data import corpus_documents, prepare_dataset
 
+    for source in args.corpus:  # a dataset inside its corpus would be read as documents next time
+        if Path(source).is_dir() and Path(args.out).resolve().is_relative_to(Path(source).resolve()):
+            raise ValueError(f"--out {args.out} is inside the corpus directory {source}; write the "
+                             "dataset elsewhere")
     tokenizer = (Tokenizer.from_pretrained(args.tokenizer) if args.tokenizer
                  else stdlib_tokenizer(args.vocab_size))
     meta = prepare_dataset(args.out, tokenizer, corpus_documents(args.corpus),
@@ -120,7 +124,8 @@ def _goodput(args: argparse.Namespace) -> None:
 def _export(args: argparse.Namespace) -> None:
     from slipstream.train.export import export_run
 
-    checkpoint = export_run(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype)
+    checkpoint = export_run(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype,
+                            overwrite=args.overwrite)
     print(f"exported {checkpoint} to {args.out_dir}")
 
 
@@ -170,6 +175,10 @@ def _bench_serve(args: argparse.Namespace) -> None:
     from slipstream.serve.bench import BenchConfig, format_result, run_benchmark
 
     config = BenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)})
+    if args.save_result:  # a path that cannot be written is found now, not after the run
+        target = Path(args.save_result)
+        if target.is_dir() or not target.parent.is_dir() or not os.access(target.parent, os.W_OK):
+            raise ValueError(f"--save-result {target}: not a file path in a writable directory")
     result = run_benchmark(config)
     print(format_result(result))
     if args.save_result:
@@ -231,8 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
              "generate with it, report")
     p.add_argument("--workdir", default="runs/demo")
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--max-steps", type=int, default=600, help="training steps (default 600)")
-    p.add_argument("--max-documents", type=int,
+    p.add_argument("--max-steps", type=_int_at_least(1), default=600, help="training steps (default 600)")
+    p.add_argument("--max-documents", type=_int_at_least(2),
                    help="train on an evenly spread subset of this many corpus files (quick checks)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="auto (default): bfloat16 where the device multiplies bf16, else float32")
@@ -343,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir")
     p.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
 
     perf = _add(commands, "perf", None, "performance tools")
     perf = perf.add_subparsers(dest="perf_command", required=True)
@@ -454,14 +464,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args.handler(args)
         sys.stdout.flush()  # a closed pipe raises here, inside the try, not at exit
-    except (ValueError, FileNotFoundError) as e:
-        print(f"slipstream {args.command}: error: {e}", file=sys.stderr)
-        return 2
     except BrokenPipeError:
         # The reader went away (`slipstream perf ... | head`): as CPython's note on SIGPIPE says,
         # point stdout at devnull so the interpreter's final flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except (ValueError, OSError) as e:  # OSError: a path that is a file, read-only, missing, ...
+        print(f"slipstream {args.command}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -69,7 +69,12 @@ def run_demo(
     if dtype == "auto":
         dtype = "bfloat16" if multiplies_bf16(device_type_of("auto")) else "float32"
     workdir = Path(workdir)
-    vocab_size = get_preset(preset).config.vocab_size
+    spec = get_preset(preset)
+    if spec.config_only:  # found before the data is prepared, not after
+        raise ValueError(f"preset {preset!r} is a planning shape too large to train here")
+    if max_steps < 1 or (max_documents is not None and max_documents < 2):
+        raise ValueError(f"max_steps must be >= 1 and max_documents >= 2, got {max_steps}, {max_documents}")
+    vocab_size = spec.config.vocab_size
     documents = corpus_documents(["stdlib"])
     if max_documents is not None:
         documents = documents[:: max(len(documents) // max_documents, 1)][:max_documents]
@@ -86,7 +91,7 @@ def run_demo(
             loss=f"{r['loss']:.3f}", tok_s=f"{r['tokens_per_s']:,.0f}")))
         trainer.run()
     trained = time.perf_counter()
-    export_run(run_dir, workdir / "model")
+    export_run(run_dir, workdir / "model", overwrite=True)
     exported = time.perf_counter()
     completions = generate(workdir / "model")
     done = time.perf_counter()

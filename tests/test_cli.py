@@ -147,6 +147,45 @@ def test_bench_serve_malformed_sharegpt_file_is_an_error_naming_it(dataset, expe
     assert str(path) in err and expected in err, err
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["--goodput", "ttft:nan"], "goodput SLOs are"),
+    (["--sharegpt-output-len", "0"], "sharegpt_output_len must be >= 1, got 0"),
+    (["--save-result", "/"], "--save-result /: not a file path in a writable directory"),
+    (["--save-result", "/no/such/dir/r.json"], "not a file path in a writable directory"),
+])
+def test_bench_serve_values_it_would_misread_or_fail_on_at_the_end_are_errors(args, expected, data_dir,
+                                                                               capsys):
+    """A NaN SLO (which passed `<= 0`), a ShareGPT length of 0 (read as "not set") and a result
+    path that cannot be written (found only after the whole run) are errors before any request."""
+    err = _bench_error(capsys, "--base-url", "http://127.0.0.1:1", "--tokenizer", str(data_dir / "tokenizer"),
+                       *args)
+    assert expected in err, err
+
+
+def test_file_system_errors_and_unusable_arguments_are_one_line_errors(tmp_path, capsys):
+    """A path under a file, a non-empty export target without --overwrite, a planning-only demo
+    preset and a demo of 0 documents are one line and status 2 (were tracebacks, a silent
+    overwrite, or errors only after the data was prepared), with nothing written."""
+    from slipstream.cli import main
+
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("")
+    cases = [
+        (["init-model", str(tmp_path / "afile" / "sub")], "slipstream init-model: error: [Errno"),
+        (["export", str(tmp_path), str(tmp_path / "full")], "slipstream export: error:"),
+        (["demo", "--workdir", str(tmp_path / "demo"), "--preset", "llama3-8b"], "planning shape"),
+    ]
+    for argv, expected in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert expected in err and "Traceback" not in err, err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--workdir", str(tmp_path / "demo"), "--max-documents", "0"])
+    assert exit_info.value.code == 2 and "--max-documents: must be an integer >= 2" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists() and (tmp_path / "full" / "keep.txt").exists()
+
+
 def test_bench_serve_against_a_silent_server_fails_after_the_ready_timeout(data_dir, capsys):
     """A port that accepts connections but never answers fails the initial test request after
     `--ready-timeout` seconds with an error saying so, instead of waiting the run's 6 hours."""

@@ -79,3 +79,32 @@ def test_bad_requests_are_clear_errors(tmp_path, tiny_dir):
         capture_output=True, text=True,
     )
     assert result.returncode == 2 and "unknown preset 'huge'" in result.stderr
+
+
+def test_a_model_dir_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    """The model is written into a hidden sibling and renamed into place once complete: a failure
+    (or a kill) part way leaves OUT_DIR as it was, the old model included; --overwrite replaces it
+    whole (a stale file of the old one does not survive); an empty path or a file is refused."""
+    from slipstream.model import create
+
+    out = tmp_path / "m"
+    create_model_dir("tiny", out)
+    (out / "chat_template.jinja").write_text("{{ 'STALE' }}")
+    before = sorted(p.name for p in out.iterdir())
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(create, "_save_tokenizer", killed)  # after the weights are written
+    with pytest.raises(KeyboardInterrupt):
+        create_model_dir("tiny", out, seed=5, overwrite=True)
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no staging directory left behind
+    create_model_dir("tiny", out, seed=5, overwrite=True)
+    assert not (out / "chat_template.jinja").exists()
+    for bad, message in (("", "empty path"), (str(out / "config.json"), "is not a directory")):
+        with pytest.raises(ValueError, match=message):
+            create_model_dir("tiny", bad)
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*63\)"):
+        create_model_dir("tiny", tmp_path / "n", seed=10**23)

@@ -10,8 +10,15 @@ import pytest
 import torch
 from train_fixtures import SEQ_LEN, corpus
 
+from slipstream.cli import main
 from slipstream.model.tokenizer import Tokenizer
-from slipstream.train.data import TokenDataset, WindowLoader, heldout_documents, prepare_dataset
+from slipstream.train.data import (
+    TokenDataset,
+    WindowLoader,
+    corpus_documents,
+    heldout_documents,
+    prepare_dataset,
+)
 
 pytest_plugins = ["train_fixtures"]
 
@@ -51,6 +58,28 @@ def test_prepare_is_cached_and_redone_when_inputs_change(data_dir, tmp_path):
     fewer = prepare_dataset(tmp_path, tokenizer, corpus()[:20], heldout_fraction=0.1, progress=False)
     assert fewer["fingerprint"] != meta["fingerprint"]
     assert fewer["splits"]["train"]["num_documents"] + fewer["splits"]["val"]["num_documents"] == 20
+
+
+def test_a_split_the_corpus_leaves_empty_or_an_output_inside_the_corpus_is_refused(data_dir, tmp_path):
+    """Files skipped as not UTF-8 do not count toward the two documents a dataset needs (a corpus
+    of one text file and one binary gave an empty train split, exit 0), and a dataset written
+    inside its own corpus (read back as documents next time) is refused."""
+    tokenizer = Tokenizer.from_pretrained(data_dir / "tokenizer")
+    corpus_dir = tmp_path / "corpus"
+    corpus_dir.mkdir()
+    (corpus_dir / "a.py").write_text("def f(x):\n    return x + 1\n" * 200)
+    (corpus_dir / "b.bin").write_bytes(bytes(range(256)) * 40)
+    with pytest.raises(ValueError, match=r"at least two documents of UTF-8 text.* split got none \(1 files"):
+        prepare_dataset(tmp_path / "out", tokenizer, corpus_documents([str(corpus_dir)]), progress=False)
+    assert not (tmp_path / "out" / "meta.json").exists()
+    (corpus_dir / "c.py").write_text("print('hello')\n" * 100)
+    (corpus_dir / "data").mkdir()
+    (corpus_dir / "data" / "meta.json").write_text("{}")  # an earlier dataset, now a "document"
+    with pytest.raises(ValueError, match="is inside the corpus"):
+        prepare_dataset(corpus_dir / "data", tokenizer, corpus_documents([str(corpus_dir)]), progress=False)
+    assert main(["data", "prepare", "--corpus", str(corpus_dir), "--out", str(corpus_dir / "new")]) == 2
+    with pytest.raises(ValueError, match="empty path"):
+        corpus_documents([""])
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete", "garbage"])

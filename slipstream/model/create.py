@@ -25,7 +25,7 @@ from slipstream.model.config import ModelConfig
 from slipstream.model.presets import get_preset
 from slipstream.model.tokenizer import Tokenizer, train_tokenizer
 from slipstream.model.transformer import Transformer
-from slipstream.model.weights import save_model
+from slipstream.model.weights import new_model_dir, save_model
 
 logger = logging.getLogger(__name__)
 
@@ -50,19 +50,19 @@ def create_model_dir(
             f"preset {preset!r} ({spec.description}) is a planning shape too large to initialise "
             "here; use it with `slipstream perf`, or pick tiny, small or medium"
         )
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise ValueError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it")
-    tokenizer = stdlib_tokenizer(spec.config.vocab_size)
-    config = spec.config.replace(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
-    )
-    with torch.device("meta"):
-        model = Transformer(config)
-    model.to_empty(device="cpu")
-    model.init_weights(generator=torch.Generator().manual_seed(seed))
-    save_model(model, out_dir, dtype=dtype)
-    _save_tokenizer(tokenizer, out_dir)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    with new_model_dir(out_dir, overwrite=overwrite) as staging:
+        tokenizer = stdlib_tokenizer(spec.config.vocab_size)
+        config = spec.config.replace(
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
+        )
+        with torch.device("meta"):
+            model = Transformer(config)
+        model.to_empty(device="cpu")
+        model.init_weights(generator=torch.Generator().manual_seed(seed))
+        save_model(model, staging, dtype=dtype)
+        _save_tokenizer(tokenizer, staging)
     logger.info("wrote %s model (%s) to %s", preset, spec.description, out_dir)
     return config.replace(dtype=dtype)
 

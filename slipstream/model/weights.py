@@ -14,6 +14,8 @@ import contextlib
 import json
 import logging
 import os
+import secrets
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -158,6 +160,40 @@ def _set_parameter(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> N
     module_name, _, param_name = name.rpartition(".")
     module = model.get_submodule(module_name)
     setattr(module, param_name, torch.nn.Parameter(tensor))
+
+
+@contextlib.contextmanager
+def new_model_dir(out_dir: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
+    """A fresh directory to write a whole model directory into, put in place as `out_dir` only
+    once the block exits normally: an error or a kill leaves `out_dir` as it was (a kill, a hidden
+    `.tmp-` sibling, which the next call for `out_dir` removes). An existing non-empty `out_dir`
+    is a ValueError unless `overwrite`, which replaces it whole: no file of the old one survives
+    (a stale chat_template.jinja would still be read)."""
+    if not str(out_dir).strip():  # Path("") is "."
+        raise ValueError("the output directory is an empty path (that would be the working directory)")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise ValueError(f"{out_dir} exists and is not empty; pass --overwrite (overwrite=True) to "
+                         "replace it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in out_dir.parent.glob(f".tmp-{out_dir.name}-*"):  # a killed call's
+        shutil.rmtree(leftover, ignore_errors=True)
+    staging = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}-{secrets.token_hex(4)}")
+    staging.mkdir()
+    try:
+        yield staging
+        if out_dir.exists():
+            old = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}-replaced")
+            os.replace(out_dir, old)
+            os.replace(staging, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def save_model(

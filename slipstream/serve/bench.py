@@ -90,6 +90,8 @@ class BenchConfig:
             raise ValueError(
                 f"request_rate and burstiness must be > 0, got {self.request_rate}, {self.burstiness}"
             )
+        if self.sharegpt_output_len is not None and self.sharegpt_output_len < 1:
+            raise ValueError(f"sharegpt_output_len must be >= 1, got {self.sharegpt_output_len}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         object.__setattr__(self, "goodput", tuple(self.goodput))
@@ -117,7 +119,7 @@ def parse_goodput(specs: tuple[str, ...] | list[str]) -> dict[str, float]:
             slos[name] = float(value)
         except ValueError:
             raise ValueError(f"goodput SLOs look like ttft:MS, got {spec!r}") from None
-        if name not in SLO_METRICS or slos[name] <= 0:
+        if name not in SLO_METRICS or not 0 < slos[name] < math.inf:
             raise ValueError(f"goodput SLOs are {SLO_METRICS} with a positive value in ms, got {spec!r}")
     return slos
 

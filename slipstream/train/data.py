@@ -65,6 +65,8 @@ def corpus_documents(sources: Sequence[str] = ("stdlib",)) -> list[Document]:
             root = stdlib_root()
             documents += [Document(f"stdlib/{p.relative_to(root).as_posix()}", p) for p in stdlib_files()]
             continue
+        if not str(source).strip():
+            raise ValueError("a corpus source is an empty path (that would be the working directory)")
         path = Path(source)
         if path.is_dir():
             files = sorted(p for p in path.rglob("*") if p.is_file())
@@ -108,7 +110,13 @@ def prepare_dataset(
     """
     if not 0 < heldout_fraction < 1:
         raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
+    if not str(out_dir).strip():
+        raise ValueError("the output directory is an empty path (that would be the working directory)")
     out_dir = Path(out_dir)
+    inside = [d.name for d in documents if d.path.resolve().is_relative_to(out_dir.resolve())]
+    if inside:  # a dataset would be read as its own corpus next time, then deleted under it
+        raise ValueError(f"the output directory {out_dir} is inside the corpus (it holds {inside[0]}); "
+                         "write the dataset elsewhere")
     fingerprint = _fingerprint(tokenizer, documents, heldout_fraction)
     existing = _read_meta(out_dir)
     if existing is not None and existing.get("fingerprint") == fingerprint:
@@ -122,11 +130,19 @@ def prepare_dataset(
         raise ValueError("the corpus needs at least two documents: one to train on, one held out")
     dtype = np.uint16 if len(tokenizer) <= 2**16 else np.uint32
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / META_FILE).unlink(missing_ok=True)  # invalid until the new meta is written
+    for leftover in out_dir.glob(".tmp-*"):  # a killed run's
+        shutil.rmtree(leftover, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".tmp-"))
     try:
         counts = _tokenize_to_files(tmp, tokenizer, documents, heldout, dtype, progress)
+        empty = [split for split in SPLITS if counts[split]["num_documents"] == 0]
+        if empty:  # the held-out choice counts files that then turn out not to be text
+            skipped = sum(counts[split]["num_skipped"] for split in SPLITS)
+            raise ValueError(f"the corpus needs at least two documents of UTF-8 text, one to train on and "
+                             f"one held out: the {' and '.join(empty)} split got none ({skipped} files "
+                             "skipped as not UTF-8 text)")
         _save_tokenizer(tokenizer, tmp / TOKENIZER_DIR)
+        (out_dir / META_FILE).unlink(missing_ok=True)  # invalid until the new meta is written
         for name in [f"{split}.bin" for split in SPLITS] + [TOKENIZER_DIR]:
             target = out_dir / name
             if target.is_dir():

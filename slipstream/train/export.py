@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from slipstream.model import ModelConfig, Transformer, save_model
+from slipstream.model.weights import new_model_dir
 from slipstream.train.checkpoint import find_checkpoint, load_model_state
 
 logger = logging.getLogger(__name__)
@@ -22,10 +23,12 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_confi
 
 
 def export_run(
-    run_dir: str | Path, out_dir: str | Path, *, step: int | None = None, dtype: str = "float32"
+    run_dir: str | Path, out_dir: str | Path, *, step: int | None = None, dtype: str = "float32",
+    overwrite: bool = False,
 ) -> Path:
-    """Write the checkpoint of `step` (default: the newest) of `run_dir` to `out_dir`; returns
-    the checkpoint directory it read."""
+    """Write the checkpoint of `step` (default: the newest) of `run_dir` to `out_dir`, a new or
+    empty directory (or any, replaced whole, with `overwrite`), put in place only once complete
+    (`new_model_dir`); returns the checkpoint directory it read."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     checkpoint_dir = find_checkpoint(run_dir, step)
     tokenizer_dir = run_dir / "tokenizer"
@@ -36,9 +39,10 @@ def export_run(
         model = Transformer(config)
     model.load_state_dict(load_model_state(checkpoint_dir), strict=True, assign=True)
     model.tie_weights()
-    save_model(model, out_dir, dtype=dtype)
-    for name in _TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copy2(tokenizer_dir / name, out_dir / name)
+    with new_model_dir(out_dir, overwrite=overwrite) as staging:
+        save_model(model, staging, dtype=dtype)
+        for name in _TOKENIZER_FILES:
+            if (tokenizer_dir / name).is_file():
+                shutil.copy2(tokenizer_dir / name, staging / name)
     logger.info("exported %s to %s", checkpoint_dir, out_dir)
     return checkpoint_dir
