@@ -370,3 +370,31 @@ def test_random_requests_never_get_a_server_error(http, case):
     else:
         assert 400 <= response.status_code < 500, (body, response.text)
         assert response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(host=""), "host must not be empty"),
+    (dict(drain_timeout_s=float("nan")), "drain_timeout_s must be >= 0, got nan"),
+    (dict(api_key="clé"), "api_key must be printable ASCII"),
+])
+def test_server_settings_that_would_expose_lock_or_misread_are_refused(changes, message):
+    """An empty host (uvicorn listens on every interface), a NaN drain timeout (read as 0) and an
+    API key no HTTP client can send (every /v1 route locked) are refused at startup."""
+    with pytest.raises(ValueError, match=message):
+        ServerConfig(**changes)
+
+
+def test_a_port_in_use_is_a_one_line_error_before_the_model_loads(model_dir, capsys):
+    """The address is bound before the engine is built: a port in use is one line and status 2
+    (uvicorn loaded the model, logged four lines and exited with status 3)."""
+    import socket
+
+    from slipstream.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", str(model_dir), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"slipstream serve: error: cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err

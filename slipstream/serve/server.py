@@ -18,6 +18,7 @@ import importlib.metadata
 import logging
 import re
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -99,10 +100,15 @@ class ServerConfig:
         for name in ("max_waiting", "max_body_bytes", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.drain_timeout_s < 0:
+        if not self.drain_timeout_s >= 0:  # NaN too
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if not self.host.strip():  # uvicorn would listen on every interface
+            raise ValueError("host must not be empty (give 0.0.0.0 to listen on every interface)")
         if self.api_key == "":
             raise ValueError("api_key must not be empty (leave it unset to serve without one)")
+        if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()):
+            raise ValueError("api_key must be printable ASCII (HTTP headers carry no other text, so no "
+                             "client could send it)")
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
@@ -635,7 +641,30 @@ async def _internal_error_response(request: Request, error: Exception) -> JSONRe
 
 
 def run_server(engine_config: EngineConfig, config: ServerConfig, *, log_level: str = "info") -> None:
-    """Load the model and serve it until SIGTERM or SIGINT; then drain and return."""
+    """Load the model and serve it until SIGTERM or SIGINT; then drain and return. The address is
+    bound first: a port in use or a host that does not resolve is an OSError before the model
+    loads (uvicorn would load it, log the error and exit with status 3)."""
+    listener = _bind(config.host, config.port)
+    try:
+        _serve(engine_config, config, listener, log_level)
+    finally:
+        listener.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: rebind past TIME-WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    return sock
+
+
+def _serve(engine_config: EngineConfig, config: ServerConfig, listener: socket.socket,
+           log_level: str) -> None:
     engine = Engine(engine_config)
     server: uvicorn.Server | None = None
     api = OpenAIServer(engine, config, is_draining=lambda: server is not None and server.should_exit)
@@ -648,7 +677,7 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, *, log_level: 
     signals = (signal.SIGTERM, signal.SIGINT)
     previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in signals}
     try:
-        server.run()
+        server.run(sockets=[listener])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
