@@ -26,6 +26,11 @@ CHATML_TEMPLATE = (
 )
 
 
+RESERVED_TEMPLATE_KWARGS = frozenset({"tokenize", "return_dict", "messages", "conversation"})
+"""Arguments of apply_chat_template that chat_template_kwargs may not set: they would override
+the call's own (the messages rendered, the kind of result)."""
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a template source in the sandboxed environment transformers uses."""
     return _jinja_environment().from_string(source)

@@ -21,6 +21,7 @@ import jinja2
 import torch
 from tqdm.auto import tqdm
 
+from slipstream.model.chat_template import RESERVED_TEMPLATE_KWARGS
 from slipstream.model.config import ModelConfig
 from slipstream.model.tokenizer import Tokenizer
 from slipstream.model.weights import resolve_dtype
@@ -243,7 +244,7 @@ class LLM:
             raise ValueError(f"chat_template must be the template's source (a string), got {chat_template!r}")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
             raise ValueError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
-        reserved = {"tokenize", "return_dict", "messages", "conversation"} & set(chat_template_kwargs or {})
+        reserved = RESERVED_TEMPLATE_KWARGS & set(chat_template_kwargs or {})
         if reserved:
             raise ValueError(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}")
         conversations = _conversations(messages)

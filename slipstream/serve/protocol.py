@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from slipstream.model.chat_template import RESERVED_TEMPLATE_KWARGS
 from slipstream.serve.beam_search import BeamSearchParams
 from slipstream.serve.pooling import PoolingParams
 from slipstream.serve.request import SamplingParams
@@ -449,8 +450,7 @@ class ChatCompletionRequest(GenerationBody):
                               "(set add_generation_prompt to false)", "continue_final_message")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-        reserved = {"tokenize", "return_dict", "messages", "conversation"} & set(
-            self.chat_template_kwargs or {})
+        reserved = RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {})
         if reserved:
             raise bad_request(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}",
                               "chat_template_kwargs")
