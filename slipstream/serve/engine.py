@@ -687,15 +687,14 @@ def _check_device(device: Any) -> None:
     """ValueError naming `device` for one this process cannot run on (torch's own errors for these
     are an AssertionError or a message about accelerators)."""
     try:
-        kind = torch.device(device).type if isinstance(device, str) else None
+        parsed = torch.device(device) if isinstance(device, str) else None
     except RuntimeError:
-        kind = None
-    if kind not in ("cpu", "cuda"):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    if kind == "cuda" and not torch.cuda.is_available():
+    if parsed.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device is {device!r}, but this PyTorch sees no CUDA device")
-    index = torch.device(device).index if kind == "cuda" else None
-    if index is not None and index >= torch.cuda.device_count():
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
         raise ValueError(f"device is {device!r}, but there are {torch.cuda.device_count()} CUDA devices")
 
 
@@ -716,11 +715,12 @@ def _derive_limits(
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {max_model_len}")
         max_model_len = config.max_model_len
     bytes_per_block = config.block_size * kv_cache_bytes_per_token(model_config, dtype_name(dtype))
-    total = (torch.cuda.mem_get_info(device)[1] if device.type == "cuda"
-             else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    if config.kv_cache_memory is not None and config.kv_cache_memory > total:
-        raise ValueError(f"kv_cache_memory of {config.kv_cache_memory / 2**30:.1f} GiB is more than the "
-                         f"{total / 2**30:.1f} GiB of memory this {device.type} device has")
+    if config.kv_cache_memory is not None:
+        total = (torch.cuda.mem_get_info(device)[1] if device.type == "cuda"
+                 else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        if config.kv_cache_memory > total:
+            raise ValueError(f"kv_cache_memory of {config.kv_cache_memory / 2**30:.1f} GiB is more than "
+                             f"the {total / 2**30:.1f} GiB of memory this {device.type} device has")
     budget = config.kv_cache_memory or _default_kv_cache_bytes(
         config, max_model_len, bytes_per_block, device
     )

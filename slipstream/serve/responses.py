@@ -130,8 +130,8 @@ class ToolCalls:
     of {"name", "parameters"} calls; the reply becomes OpenAI's `tool_calls`, its content null.
     A named call's arguments are its text even where max_tokens cut it short (as vLLM, and as the
     stream sends them); a "required" text cut short, which holds no complete list, stays the
-    content. "auto": the
-    model's own call format, read by the server's `--tool-call-parser` (tool_parsers.py)."""
+    content. "auto": the model's own call format, read by the server's `--tool-call-parser`
+    (tool_parsers.py)."""
 
     mode: str
     """"named", "required" or "auto"."""
