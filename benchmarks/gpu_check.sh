@@ -8,7 +8,8 @@
 set -euo pipefail
 out="${OUT:-$PWD}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+# The GPU test imports transformers for its reference and skips (passing) without it: fail here.
+python3 -c "import torch, transformers, pytest; print('torch', torch.__version__, torch.cuda.get_device_name())"
 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py 2>&1 | tee "$out/gpu_tests.log"
 cd benchmarks
 python3 cuda_decode.py --dtype both --batch-sizes 1,8,32,64 --repeats 3 2>&1 | tee "$out/cuda_decode.log"

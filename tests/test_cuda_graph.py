@@ -168,3 +168,26 @@ def test_captured_graphs_match_transformers_and_eager(mistral_dir):
     multi_step = LLM(str(model_dir), device="cuda", dtype="float32", max_num_seqs=5, block_size=BLOCK_SIZE,
                      num_scheduler_steps=4)
     assert [o.outputs[0].token_ids for o in multi_step.generate(prompts, params, use_tqdm=False)] == got
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_sampling_features_on_cuda_match_the_cpu(mistral_dir):
+    """On a GPU: what the sampler computes besides the greedy token (top-n and prompt logprobs,
+    penalties) is the CPU engine's, and seeded sampling of n=2 repeats itself."""
+    model_dir, prompts, _ = mistral_dir
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2,
+                            repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2)
+    runs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(model_dir), device=device, dtype="float32", max_num_seqs=5, block_size=BLOCK_SIZE)
+        runs[device] = llm.generate(prompts, params, use_tqdm=False)
+    for cpu, cuda in zip(runs["cpu"], runs["cuda"], strict=True):
+        assert cuda.outputs[0].token_ids == cpu.outputs[0].token_ids
+        for got, want in zip(cuda.outputs[0].logprobs + cuda.prompt_logprobs[1:],
+                             cpu.outputs[0].logprobs + cpu.prompt_logprobs[1:], strict=True):
+            assert got.keys() == want.keys()
+            assert all(abs(got[t].logprob - want[t].logprob) < 1e-3 for t in got)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, n=2, seed=7, max_tokens=8)
+    first, second = (llm.generate(prompts[:3], seeded, use_tqdm=False) for _ in range(2))
+    assert [[c.token_ids for c in o.outputs] for o in first] == [[c.token_ids for c in o.outputs]
+                                                                  for o in second]

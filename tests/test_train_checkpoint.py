@@ -206,6 +206,33 @@ def test_async_save_stages_a_copy(data_dir, train_model_dir, tmp_path):
     assert record["async"] and record["checkpoint_s"] < record["write_s"]
 
 
+def test_staging_keeps_a_dtensor_shard_in_host_memory(tmp_path):
+    """FSDP2's shards are DTensors on a CUDA mesh: their staged copy must stay in the host buffer
+    (DTensor.from_local would move it back to the mesh's device, a second copy of the sharded
+    state on the GPU while the write runs). A one-rank CUDA mesh over PyTorch's fake process
+    group (no GPU needed: nothing runs on the mesh), a host tensor standing in for the shard."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from slipstream.train.checkpoint import _stage
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cuda", [0], _init_backend=False)
+        spec = DTensor.from_local(torch.empty(4, 3, device="meta"), mesh, [Shard(0)], run_check=False)._spec
+        shard = DTensor(torch.randn(4, 3), spec, requires_grad=False)
+        buffers: dict[str, torch.Tensor] = {}
+        staged = _stage({"w": shard}, buffers, "")["w"]
+    finally:
+        dist.destroy_process_group()
+    assert isinstance(staged, DTensor) and staged.device_mesh is mesh and staged.placements == (Shard(0),)
+    assert staged.to_local().device.type == "cpu"
+    assert staged.to_local().data_ptr() == buffers["/w"].data_ptr()
+    assert torch.equal(staged.to_local(), shard.to_local())
+
+
 @pytest.mark.parametrize("damage", ["truncate", "delete", "manifest"])
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(damage, data_dir, train_model_dir, tmp_path,
                                                              straight_run):

@@ -49,7 +49,9 @@ def _sdpa_takes_gqa(q: torch.Tensor, masked: bool) -> bool:
     """
     if q.device.type == "cpu":
         return True
-    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+    # Under autocast SDPA runs in the autocast dtype, whatever q's (rotary leaves it in fp32).
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
+    return (q.device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
             and q.shape[-1] <= 256 and not masked)
 
 

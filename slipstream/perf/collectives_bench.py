@@ -89,6 +89,8 @@ def _worker(rank: int, world_size: int, backend: str, port: int, sizes: list[int
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
     device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # else every rank's synchronize() waits on GPU 0
     timings, errors = [], {}
     try:
         for name in collectives:
@@ -133,7 +135,7 @@ def _time(run: Any, iterations: int, warmup: int, device: Any) -> float:
     import torch
     import torch.distributed as dist
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         run()
     sync()

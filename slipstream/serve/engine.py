@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import itertools
 import logging
 import os
@@ -67,6 +68,10 @@ from slipstream.serve.structured import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 4 * 2**30
+MAX_DEFAULT_CUDA_BLOCKS = 2**20
+"""The most blocks the CUDA default takes from free memory. The block manager keeps ~100 bytes of
+host memory per block, so a small model on a large GPU (90% of 80 GiB is tens of millions of
+its blocks) would spend seconds and gigabytes of RAM on a pool no workload fills."""
 MAX_CACHED_GUIDES = 64
 """Structured-output guides kept for reuse (their automata and allowed tokens), least recently
 used dropped first."""
@@ -91,7 +96,8 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None
     """Bytes for the KV cache. Default on CPU: what max_num_seqs full-length sequences need, at
-    most 4 GiB and 40% of available memory; on CUDA: 90% of the memory left after the weights."""
+    most 4 GiB and 40% of available memory; on CUDA: 90% of the memory left after the weights,
+    at most MAX_DEFAULT_CUDA_BLOCKS blocks."""
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
@@ -178,6 +184,8 @@ class Engine:
             cpu_kernels.build_in_background()  # a first use compiles them while the weights load
         if device.type == "cpu":
             keep_freed_memory()
+        if device.type == "cuda" and device.index is not None:  # streams and CUDA graphs bind
+            torch.cuda.set_device(device)  # to the current device
         dtype = resolve_dtype(model_config.dtype if config.dtype == "auto" else config.dtype)
         model = load_model(config.model, dtype=dtype, device=device)
         if config.fast_cpu_kernels:
@@ -654,7 +662,8 @@ class Engine:
         num_positions = min(logits.shape[0], num_prompt - 1 - start)
         if num_positions <= 0:
             return entry
-        next_ids = torch.tensor(entry.prompt_token_ids[start + 1 : start + 1 + num_positions])
+        next_ids = torch.tensor(entry.prompt_token_ids[start + 1 : start + 1 + num_positions],
+                                device=logits.device)
         num_top = entry.sequences[0].params.prompt_logprobs
         tensors = prompt_logprobs(logits[:num_positions], next_ids, num_top)
         for position in tensors.to_position_logprobs([num_top] * num_positions):
@@ -740,7 +749,9 @@ def _default_kv_cache_bytes(
 ) -> int:
     blocks_wanted = config.max_num_seqs * -(-max_model_len // config.block_size)
     if device.type == "cuda":
+        gc.collect()  # what an engine before this one left in PyTorch's cache counts as free
+        torch.cuda.empty_cache()
         free_bytes, _ = torch.cuda.mem_get_info(device)
-        return int(0.9 * free_bytes)
+        return int(min(0.9 * free_bytes, MAX_DEFAULT_CUDA_BLOCKS * bytes_per_block))
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return int(min(blocks_wanted * bytes_per_block, DEFAULT_CPU_KV_CACHE_BYTES, 0.4 * available))

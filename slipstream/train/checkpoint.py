@@ -312,6 +312,8 @@ class CheckpointManager:
         model_state, optimizer_state = get_state_dict(model, optimizer)
         with torch.no_grad():
             staged = _stage({"model": model_state, "optimizer": optimizer_state}, self._buffers, "")
+        if torch.cuda.is_initialized():  # the copies to pinned memory land before the write reads them
+            torch.cuda.synchronize()
         train_state = copy.deepcopy(train_state)
         stall_s = time.perf_counter() - start
         job = (step, staged, train_state, meta, model_config, stall_s)
@@ -467,16 +469,14 @@ def _stage(value: Any, buffers: dict[str, torch.Tensor], key: str) -> Any:
     stay DTensors (same mesh, placements and global shape) around a copied local shard."""
     if isinstance(value, DTensor):
         local = _stage(value.to_local(), buffers, key)
-        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False,
-                                  shape=value.shape, stride=value.stride())
+        # The constructor, not from_local: that one moves a host shard back to the mesh's device.
+        return DTensor(local, value._spec, requires_grad=False)
     if isinstance(value, torch.Tensor):
         buffer = buffers.get(key)
         if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
             buffer = buffers[key] = torch.empty(value.shape, dtype=value.dtype, device="cpu",
                                                 pin_memory=value.is_cuda)
-        buffer.copy_(value, non_blocking=value.is_cuda)
-        if value.is_cuda:
-            torch.cuda.current_stream(value.device).synchronize()
+        buffer.copy_(value, non_blocking=value.is_cuda)  # save() synchronizes once after them all
         return buffer
     if isinstance(value, dict):
         return {k: _stage(v, buffers, f"{key}/{k}") for k, v in value.items()}
