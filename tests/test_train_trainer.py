@@ -36,9 +36,12 @@ def _first_batch(data_dir, batch_size=4):
     return next(loader)
 
 
-def test_one_step_equals_hand_written_adamw(data_dir, train_model_dir, tmp_path):
+@pytest.mark.parametrize("tied", [False, True])
+def test_one_step_equals_hand_written_adamw(tied, data_dir, request, tmp_path):
     """One fp32 step without clipping gives the weights of a plain loop with torch.optim.AdamW
-    (weight decay on matrices only) on the same batch, within PARAM_ATOL."""
+    (weight decay on matrices only) on the same batch, within PARAM_ATOL; tied embeddings stay
+    one parameter, whose gradient sums both uses."""
+    train_model_dir = request.getfixturevalue("tied_model_dir" if tied else "train_model_dir")
     config = small_config(data_dir, train_model_dir, tmp_path / "run", "--training.steps=1",
                           "--training.max_grad_norm=0", "--training.fast_kernels=false",
                           "--schedule.warmup_steps=0", "--optimizer.weight_decay=0.1")
@@ -59,6 +62,7 @@ def test_one_step_equals_hand_written_adamw(data_dir, train_model_dir, tmp_path)
     F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten()).backward()
     optimizer.step()
 
+    assert (trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight) == tied
     trained = dict(trainer.model.named_parameters())
     max_diff = max((trained[n] - p).abs().max().item() for n, p in model.named_parameters())
     initial = load_model(train_model_dir).named_parameters()

@@ -46,11 +46,20 @@ def data_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def train_model_dir(tmp_path_factory, data_dir) -> Path:
     """A randomly initialised 2-layer model over the dataset's vocabulary (HF directory)."""
-    out = tmp_path_factory.mktemp("train-model")
+    return _model_dir(tmp_path_factory.mktemp("train-model"), data_dir, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tied_model_dir(tmp_path_factory, data_dir) -> Path:
+    """The same shape with the output projection tied to the embedding (as Llama-3.2-1B's)."""
+    return _model_dir(tmp_path_factory.mktemp("tied-model"), data_dir, tie_word_embeddings=True)
+
+
+def _model_dir(out: Path, data_dir: Path, *, tie_word_embeddings: bool) -> Path:
     config = ModelConfig(
         vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        eos_token_id=0, pad_token_id=0,
+        eos_token_id=0, pad_token_id=0, tie_word_embeddings=tie_word_embeddings,
     )
     model = Transformer(config)
     model.init_weights(generator=torch.Generator().manual_seed(0))

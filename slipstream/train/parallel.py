@@ -188,12 +188,19 @@ def materialize(
     """Allocate `model`'s (meta) parameters on `device` and load `full_state` into them.
 
     With `distributed`, only rank 0 needs `full_state` (others pass {}): it is broadcast and each
-    rank keeps its shard. Non-persistent buffers (RoPE tables) are rebuilt.
+    rank keeps its shard. Non-persistent buffers (RoPE tables) are rebuilt. Tied embeddings stay
+    one parameter (`to_empty` makes a new parameter per module, FSDP2's excepted).
     """
     model.to_empty(device=device)
+    _retie(model)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed, strict=True)
     set_model_state_dict(model, full_state, options=options)
     model.init_buffers()
+
+
+def _retie(model: nn.Module) -> None:
+    if model.config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+        model.tie_weights()
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -665,6 +665,7 @@ def initial_state(config: TrainConfig, model_config: ModelConfig) -> dict[str, t
     with torch.device("meta"):
         model = Transformer(model_config)
     model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty made the tied output projection a parameter of its own
     model.init_weights(std=config.model.init_std,
                        generator=torch.Generator().manual_seed(config.model.init_seed))
     return model.state_dict()
