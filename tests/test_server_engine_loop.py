@@ -5,6 +5,7 @@ serving."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import pytest
@@ -103,3 +104,29 @@ def test_failing_step_fails_requests_in_flight_and_the_loop_goes_on(engine, monk
 
     output = asyncio.run(main())
     assert output.finished and len(output.outputs[0].token_ids) == PARAMS.max_tokens
+
+
+def test_metrics_count_a_chunked_prompt_with_prompt_logprobs_once(model_dir):
+    """A prompt prefilled in several chunks with prompt logprobs gets an output per chunk before
+    its first token: its prompt tokens and time to first token are counted at the first token,
+    once (they were never counted), and the finish reasons are exported at 0 from the start."""
+    from slipstream.serve.async_engine import EngineStats
+    from slipstream.serve.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    sample = functools.partial(metrics.registry.get_sample_value, labels={"model_name": "m"})
+    assert metrics.registry.get_sample_value("slipstream:request_success_total",
+                                             {"model_name": "m", "finished_reason": "abort"}) == 0
+    engine = Engine(EngineConfig(model=str(model_dir), max_model_len=128, block_size=8,
+                                 max_num_batched_tokens=16))
+    prompt = list(range(5, 65))
+    engine.add_request("r", prompt, SamplingParams(max_tokens=3, prompt_logprobs=1, ignore_eos=True))
+    num_outputs = 0
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        num_outputs += len(outputs)
+        metrics.observe(outputs, EngineStats(time_s=time.monotonic()))
+    assert num_outputs > 3  # outputs with prompt logprobs only came before the first token
+    assert sample("slipstream:prompt_tokens_total") == len(prompt)
+    assert sample("slipstream:time_to_first_token_seconds_count") == 1
+    assert sample("slipstream:generation_tokens_total") == 3

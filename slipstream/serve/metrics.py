@@ -37,6 +37,9 @@ class _Progress:
     num_tokens: list[int]
     """Tokens seen so far, per completion."""
     last_token_time_s: float
+    first_token_seen: bool = False
+    """Whether its prompt and time to first token are counted (outputs with only prompt logprobs
+    come before the first token)."""
 
 
 class ServerMetrics:
@@ -73,6 +76,8 @@ class ServerMetrics:
                                              "model's own choice confirmed.")
         self.success = Counter(PREFIX + "request_success", "Finished completions by finish reason.",
                                ["model_name", "finished_reason"], registry=self.registry)
+        for reason in ("stop", "length", "abort"):  # exported at 0 from the start, as vLLM's
+            self.success.labels(model_name, reason)
         self._progress: dict[str, _Progress] = {}
         self._last_stats = EngineStats(time_s=0.0)
 
@@ -114,9 +119,10 @@ class ServerMetrics:
         if progress is None:
             progress = _Progress(num_tokens=[0] * len(num_tokens), last_token_time_s=now)
             self._progress[output.request_id] = progress
-            if output.metrics.first_token_time_s is not None:
-                self.prompt_tokens.inc(len(output.prompt_token_ids))
-                self.ttft.observe(output.metrics.time_to_first_token_s)
+        if not progress.first_token_seen and output.metrics.first_token_time_s is not None:
+            progress.first_token_seen = True
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
+            self.ttft.observe(output.metrics.time_to_first_token_s)
         num_new = sum(num_tokens) - sum(progress.num_tokens)
         if num_new > 0:
             if sum(progress.num_tokens) > 0:
