@@ -799,6 +799,18 @@ def test_bad_sampling_params_are_value_errors(name):
         SamplingParams(**BAD_PARAMS[name])
 
 
+def test_numpy_scalars_are_taken_as_python_numbers():
+    """NumPy scalars (what a sweep over np.linspace passes) are taken as the Python numbers they
+    hold, as vLLM takes them; NaN stays refused whatever its type."""
+    np = pytest.importorskip("numpy")
+    params = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(5), seed=np.int64(3),
+                            max_tokens=np.int32(8), top_p=np.float64(0.9))
+    assert (params.temperature, params.top_k, params.seed, params.max_tokens) == (0.5, 5, 3, 8)
+    assert type(params.temperature) is float and type(params.top_k) is int
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=np.float32("nan"))
+
+
 @pytest.mark.parametrize(
     "name, params",
     [("logprobs", dict(logprobs=21)), ("prompt_logprobs", dict(prompt_logprobs=21)),

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slipstream.serve.request import (
+    MAX_LOGIT_BIAS,
     MAX_REPETITION_PENALTY,
     MAX_TEMPERATURE,
     MIN_REPETITION_PENALTY,
@@ -45,26 +46,35 @@ def build(rows, vocab_size, token_counts=None):
 
 
 def reference_filter(row: list[float], top_k: int, top_p: float, min_p: float) -> tuple[set, set]:
-    """(must keep, may keep) token ids of one row of logits: top-k (tokens tied with the k-th kept),
-    then top-p over the top-k survivors (a token is kept when the strictly more likely survivors hold
-    less than top_p), then min-p (p >= min_p * p_max). `may` adds the tokens within BOUNDARY_TOL."""
-    vocab = range(len(row))
-    if 0 < top_k < len(row):
-        kth = sorted(row, reverse=True)[top_k - 1]
-        survivors = [i for i in vocab if row[i] >= kth]
-    else:
-        survivors = list(vocab)
+    """(must keep, may keep) token ids of one row of logits, in vLLM's v1 order: min-p (p >= min_p *
+    p_max), then top-k over its survivors (tokens tied with the k-th kept), then top-p over the
+    survivors of both (a token is kept when the strictly more likely survivors hold less than top_p).
+    `may` adds the tokens within BOUNDARY_TOL, and a token within it of the min-p bound is taken
+    both ways."""
     top = max(row)
+    log_min_p = math.log(min_p) if min_p > 0 else -math.inf
+    gaps = [value - top - log_min_p for value in row]  # >= 0: min-p keeps it
+    strict = [i for i, value in enumerate(row) if value == top or gaps[i] > BOUNDARY_TOL]
+    loose = [i for i in range(len(row)) if gaps[i] > -BOUNDARY_TOL]
+    (must, may), (must_loose, may_loose) = (_top_k_top_p(row, c, top_k, top_p) for c in (strict, loose))
+    return must & must_loose, may | may_loose
+
+
+def _top_k_top_p(row: list[float], candidates: list[int], top_k: int, top_p: float) -> tuple[set, set]:
+    if 0 < top_k < len(candidates):
+        kth = sorted((row[i] for i in candidates), reverse=True)[top_k - 1]
+        survivors = [i for i in candidates if row[i] >= kth]
+    else:
+        survivors = candidates
+    top = max(row[i] for i in survivors)
     weights = {i: math.exp(row[i] - top) for i in survivors}
     total = sum(weights.values())
-    log_min_p = math.log(min_p) if min_p > 0 else -math.inf
     must, may = set(), set()
     for i in survivors:
         before = sum(weights[j] for j in survivors if row[j] > row[i]) / total
-        gap = row[i] - top - log_min_p  # >= 0: min-p keeps it
-        if (top_p >= 1 or before < top_p - BOUNDARY_TOL) and (row[i] == top or gap > BOUNDARY_TOL):
+        if top_p >= 1 or before < top_p - BOUNDARY_TOL:
             must.add(i)
-        if (top_p >= 1 or before < top_p + BOUNDARY_TOL) and gap > -BOUNDARY_TOL:
+        if top_p >= 1 or before < top_p + BOUNDARY_TOL:
             may.add(i)
     return must, may
 
@@ -212,8 +222,9 @@ def test_token_counts_record_matches_recounting():
 
 
 def test_min_tokens_suppresses_eos_and_stop_ids():
-    """Until min_tokens are generated, eos (unless ignore_eos) and stop_token_ids are masked to -inf;
-    afterwards nothing is; stop ids outside the vocabulary are ignored."""
+    """Until min_tokens are generated, eos (under ignore_eos too, as in vLLM, whose min-tokens
+    processor masks all_stop_token_ids) and stop_token_ids are masked to -inf; afterwards nothing
+    is; stop ids outside the vocabulary are ignored."""
     vocab, eos, stop = 10, 9, 3
     logits = torch.zeros(6, vocab)
     logits[:, eos], logits[:, stop] = 10.0, 9.0  # (6, vocab): eos, then the stop id, most likely
@@ -221,20 +232,20 @@ def test_min_tokens_suppresses_eos_and_stop_ids():
     rows = [
         SamplingRow(greedy, output_token_ids=[1, 1], eos_token_ids=(eos,)),  # short: both masked
         SamplingRow(greedy.replace(temperature=1.0), eos_token_ids=(eos,)),  # sampling: both masked
-        SamplingRow(greedy.replace(ignore_eos=True), eos_token_ids=(eos,)),  # only the stop id masked
+        SamplingRow(greedy.replace(ignore_eos=True), eos_token_ids=(eos,)),  # both masked
         SamplingRow(greedy, output_token_ids=[1, 1, 1], eos_token_ids=(eos,)),  # long enough
         SamplingRow(greedy.replace(min_tokens=0), eos_token_ids=(eos,)),
         SamplingRow(greedy.replace(temperature=1.0), output_token_ids=[0, 0, 0, 0], eos_token_ids=(eos,)),
     ]
     batch = build(rows, vocab)
     penalised = penalised_logits(logits, batch)
-    assert torch.isinf(penalised[[0, 1], :][:, [eos, stop]]).all()
-    assert torch.isinf(penalised[2, stop]) and penalised[2, eos] == 10.0
+    assert torch.isinf(penalised[[0, 1, 2], :][:, [eos, stop]]).all()
     assert torch.isfinite(penalised[3:]).all()
     token_ids = torch.stack([sample(logits, batch).token_ids for _ in range(50)])  # (50, 6)
     assert (token_ids[:, 0] != eos).all() and (token_ids[:, 0] != stop).all()
     assert (token_ids[:, 1] != eos).all() and (token_ids[:, 1] != stop).all()
-    assert (token_ids[:, 2] == eos).all() and (token_ids[:, 3] == eos).all()
+    assert (token_ids[:, 2] != eos).all() and (token_ids[:, 2] != stop).all()
+    assert (token_ids[:, 3] == eos).all()
 
 
 def test_highest_temperature_keeps_masked_tokens_out():
@@ -252,6 +263,32 @@ def test_highest_temperature_keeps_masked_tokens_out():
     assert min(counts) > 60  # 100 each expected: a uniform draw over the 7 unmasked tokens
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=MAX_TEMPERATURE * 1.01)
+
+
+def test_seeds_differing_in_their_high_bits_draw_differently():
+    """torch's CPU generator keeps a seed's low 32 bits; make_generator mixes the others in, so seeds
+    2**32 apart (and the -2**63 that seed 2**63 - 1's second child wraps to) draw differently, and a
+    seed below 2**32 seeds the generator as it is."""
+    def draws(seed):
+        return torch.rand(8, generator=make_generator(seed, "cpu")).tolist()
+
+    seeds = [5, 5 + 2**32, 5 - 2**40, 0, -(2**63), 2**63 - 1]
+    assert len({tuple(draws(seed)) for seed in seeds}) == len(seeds)
+    assert draws(5) == torch.rand(8, generator=torch.Generator().manual_seed(5)).tolist()
+
+
+def test_largest_bias_penalty_and_smallest_temperature_stay_finite():
+    """A bias of MAX_LOGIT_BIAS on a seen token, raised by the smallest repetition penalty and
+    divided by the smallest sampling temperature, stays a finite logit: the token is drawn (an
+    overflow to inf made the row NaN, and token 0 was drawn); a larger bias is refused."""
+    vocab, token = 10, 7
+    params = SamplingParams(temperature=1e-5, repetition_penalty=MIN_REPETITION_PENALTY,
+                            logit_bias={token: MAX_LOGIT_BIAS}, seed=1)
+    row = SamplingRow(params, prompt_token_ids=[token], generator=make_generator(1, "cpu"))
+    logits = torch.linspace(3.0, -3.0, vocab)[None]  # (1, vocab)
+    assert [sample(logits, build([row], vocab)).token_ids.item() for _ in range(5)] == [token] * 5
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={token: MAX_LOGIT_BIAS * 10})
 
 
 # ---------------------------------------------------------------------------------------------------

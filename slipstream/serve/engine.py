@@ -409,7 +409,7 @@ class Engine:
             return
         masked = {word[0]: "bad_words" for word in bad_words if len(word) == 1}
         if params.min_tokens > 0:
-            stops = set(params.stop_token_ids) | set(() if params.ignore_eos else self.limits.eos_token_ids)
+            stops = set(params.stop_token_ids) | set(self.limits.eos_token_ids)
             reason = f"stop tokens, which min_tokens={params.min_tokens} masks"
             masked |= {token_id: reason for token_id in stops}
         if set(params.allowed_token_ids) <= masked.keys():

@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import json
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,9 +39,9 @@ MAX_N = 4096
 spend minutes and gigabytes before the first step)."""
 
 # A float32 logit overflows to inf past ~3.4e38, and an inf logit makes softmax NaN. A bias of at most
-# 1e30, divided by the smallest sampling temperature or multiplied by the largest repetition penalty,
-# stays finite. (The OpenAI layer clamps to [-100, 100], as vLLM's does.)
-MAX_LOGIT_BIAS = 1e30
+# 1e25, divided by the smallest repetition penalty (1e-6) and then by the smallest sampling
+# temperature (1e-5), stays below 1e37. (The OpenAI layer clamps to [-100, 100], as vLLM's does.)
+MAX_LOGIT_BIAS = 1e25
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -98,6 +99,12 @@ class SamplingParams:
     keeps the special tokens its tokenizer adds); -1 means the model's context length."""
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):  # NumPy (or other) scalars as Python numbers
+            value = getattr(self, field.name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, int):
+                object.__setattr__(self, field.name, int(value))
+            elif isinstance(value, numbers.Real) and not isinstance(value, (int, float)):
+                object.__setattr__(self, field.name, float(value))
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))

@@ -10,12 +10,12 @@ The engine builds one `SamplingBatch` per step from the sequences that sample in
 3. min_tokens masks end-of-sequence and stop token ids while the output is shorter;
 4. logit_bias is added;
 5. repetition penalty over prompt and output tokens, then frequency and presence over output tokens;
-6. greedy rows take the argmax; the others are divided by their temperature, filtered by top-k, top-p
-   (over the top-k survivors) and min-p, and sampled by an exponential race, argmax(probs / Exp(1)),
+6. greedy rows take the argmax; the others are divided by their temperature, filtered by min-p, then
+   top-k and top-p (over the survivors of both), and sampled by an exponential race, argmax(probs / Exp(1)),
    a seeded row drawing its noise from its own generator so its tokens do not depend on the batch.
 
 Every filter is a per-row threshold ("keep the tokens whose logit is >= t"), so tokens tied with the
-last one kept are all kept, and the three filters combine into one `masked_fill`.
+last one kept are all kept; top-k and top-p combine into one `masked_fill`.
 """
 
 from __future__ import annotations
@@ -36,10 +36,23 @@ from slipstream.serve.request import GREEDY_TEMPERATURE, Logprob, PositionLogpro
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """The generator of a request with `SamplingParams.seed`. Create it once per request and pass it
-    in every step's `SamplingRow`, so each step's draws continue where the last step's stopped."""
+    in every step's `SamplingRow`, so each step's draws continue where the last step's stopped.
+
+    The CPU generator (mt19937) keeps only a seed's low 32 bits, so seeds outside [0, 2**32) are
+    first mixed down to 32 bits: seeds 2**32 apart would otherwise draw the same tokens."""
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator.manual_seed(seed if 0 <= seed < 2**32 else _fold_to_32_bits(seed))
     return generator
+
+
+def _fold_to_32_bits(seed: int) -> int:
+    """SplitMix64's finaliser (Steele et al., OOPSLA 2014) of the seed's 64 bits, halves xored."""
+    mask = 2**64 - 1
+    z = (seed + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    z ^= z >> 31
+    return (z ^ (z >> 32)) & (2**32 - 1)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -137,17 +150,21 @@ class LogitFilters:
 
 
 def filter_logits(logits: torch.Tensor, filters: LogitFilters) -> torch.Tensor:
-    """`logits` (num_rows, vocab) with the tokens that top-k, then top-p, then min-p drop set to -inf
-    (a new tensor). Top-p keeps the smallest set of most likely tokens whose probability, renormalised
-    over the top-k survivors, sums to >= top_p; min-p drops tokens below min_p x the top probability."""
+    """`logits` (num_rows, vocab) with the tokens that min-p, then top-k and top-p drop set to -inf (a
+    new tensor), in the order of vLLM's v1 sampler. Min-p drops tokens below min_p x the top
+    probability; top-p keeps the smallest set of most likely tokens whose probability, renormalised
+    over the survivors of min-p and top-k, sums to >= top_p."""
+    if filters.log_min_p is not None:
+        # p_i >= min_p * p_max  <=>  logit_i >= max logit + log(min_p)
+        min_p = logits.amax(-1) + filters.log_min_p  # (num_rows,)
+        logits = logits.masked_fill(logits < min_p[:, None], -math.inf)
     thresholds = []  # each (num_rows,): keep logits >= threshold
     if filters.top_k is not None:
         thresholds.append(_top_k_threshold(logits, filters.top_k, filters.max_top_k))
     if filters.top_p is not None:
         thresholds.append(_top_p_threshold(logits, filters))
-    if filters.log_min_p is not None:
-        # p_i >= min_p * p_max  <=>  logit_i >= max logit + log(min_p), whatever was dropped before.
-        thresholds.append(logits.amax(-1) + filters.log_min_p)
+    if not thresholds:
+        return logits
     threshold = functools.reduce(torch.maximum, thresholds)  # (num_rows,)
     return logits.masked_fill(logits < threshold[:, None], -math.inf)
 
@@ -274,16 +291,12 @@ def _count_tokens(rows, active, slotted, any_repetition, vocab_size, device, tok
     return counts, seen
 
 
-def _stop_ids(row: SamplingRow) -> Sequence[int]:
-    eos = () if row.params.ignore_eos else tuple(row.eos_token_ids)
-    return eos + row.params.stop_token_ids
-
-
 def _build_min_tokens(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device):
-    """(row ids, token ids) to mask to -inf: stop ids of the rows still short of min_tokens."""
+    """(row ids, token ids) to mask to -inf: end-of-sequence and stop ids of the rows still short of
+    min_tokens (end-of-sequence under ignore_eos too, as vLLM masks them)."""
     pairs = [(i, token_id) for i, row in enumerate(rows)
              if len(row.output_token_ids) < row.params.min_tokens
-             for token_id in _stop_ids(row) if 0 <= token_id < vocab_size]
+             for token_id in (*row.eos_token_ids, *row.params.stop_token_ids) if 0 <= token_id < vocab_size]
     return _row_token_pairs(pairs, device)
 
 
