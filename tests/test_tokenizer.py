@@ -425,6 +425,32 @@ def test_token_bytes_rebuild_multi_byte_characters(tokenizer):
     assert b"".join(ours.token_bytes(i) for i in (1, 2, 3, 4)) == " a中".encode()
 
 
+@pytest.mark.parametrize("layout", ["llama2", "metaspace"])
+def test_token_bytes_keep_the_space_a_first_token_loses(layout):
+    """SentencePiece-style decoders drop the leading space of a text's first token ("▁the" alone
+    decodes to "the"); a token's bytes are those it stands for inside a text, so structured
+    outputs spell " the" with it and logprob bytes join to the text: Llama-2's decoder (Replace,
+    ByteFallback, Fuse, Strip) and a Metaspace one (ByteFallback, Metaspace)."""
+    pieces = ["<unk>", "▁", "▁the", "▁end", "a", "the", ",", *(f"<0x{b:02X}>" for b in range(256))]
+    model = tokenizers.models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>",
+                                  byte_fallback=True)
+    backend = tokenizers.Tokenizer(model)
+    if layout == "llama2":
+        backend.decoder = tokenizers.decoders.Sequence([
+            tokenizers.decoders.Replace("▁", " "), tokenizers.decoders.ByteFallback(),
+            tokenizers.decoders.Fuse(), tokenizers.decoders.Strip(" ", 1, 0)])
+    else:
+        backend.decoder = tokenizers.decoders.Sequence([
+            tokenizers.decoders.ByteFallback(), tokenizers.decoders.Metaspace(prepend_scheme="first")])
+    ours = Tokenizer(backend)
+    ids = {piece: i for i, piece in enumerate(pieces)}
+    assert ours.decode([ids["▁the"]]) == "the"  # alone: the space is gone
+    assert ours.token_bytes(ids["▁the"]) == b" the" and ours.token_bytes(ids["▁"]) == b" "
+    assert ours.token_bytes(ids["<0x20>"]) == b" " and ours.token_bytes(ids["the"]) == b"the"
+    text_ids = [ids["a"], ids["▁the"], ids[","], ids["▁end"], ids["<0x20>"], ids["<0xC3>"], ids["<0xA9>"]]
+    assert b"".join(ours.tokens_bytes(text_ids)) == ours.decode(text_ids).encode() == "a the, end é".encode()
+
+
 def test_template_raise_exception(llama3_dir):
     """raise_exception in a template surfaces as a jinja2 TemplateError, as in transformers."""
     ours = Tokenizer.from_pretrained(llama3_dir)

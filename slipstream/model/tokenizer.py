@@ -381,14 +381,39 @@ class Tokenizer:
         batch = [list(ids) for ids in sequences]
         return self.backend.decode_batch(batch, skip_special_tokens=skip_special_tokens)
 
-    def token_bytes(self, token_id: int, text: str | None = None) -> bytes:
-        """The bytes one token stands for (OpenAI's logprob `bytes`): the UTF-8 of its text
-        (`text`, when the caller has decoded it already), except for a token that holds part of a
-        multi-byte character, whose text is U+FFFD: then its own bytes, from its byte-level BPE
-        form or its byte-fallback piece (`<0xE2>`)."""
-        text = self.decode([token_id], skip_special_tokens=False) if text is None else text
-        if "\ufffd" not in text:  # every token that decodes to whole characters: no lookup
-            return text.encode()
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for inside a text (OpenAI's logprob `bytes`, and how structured
+        outputs spell with it): the UTF-8 of its text after another token, since decoders drop
+        the leading space of a text's first token (SentencePiece's "▁the" alone decodes to
+        "the"), except for a token that holds part of a multi-byte character, whose text is
+        U+FFFD: then its own bytes, from its byte-level BPE form or its byte-fallback piece."""
+        return self.tokens_bytes([token_id])[0]
+
+    def tokens_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """`token_bytes` of each id, in one decoding call."""
+        anchor = self._anchor
+        if anchor is None:
+            texts = self.backend.decode_batch([[i] for i in token_ids], skip_special_tokens=False)
+        else:
+            prefix = self.backend.decode([anchor], skip_special_tokens=False)
+            texts = [text[len(prefix):] for text in self.backend.decode_batch(
+                [[anchor, i] for i in token_ids], skip_special_tokens=False)]
+        return [self._piece_bytes(i, text) if "\ufffd" in text else text.encode()
+                for i, text in zip(token_ids, texts, strict=True)]
+
+    @functools.cached_property
+    def _anchor(self) -> int | None:
+        """A token that decodes to one ASCII letter whatever follows it, to decode others after
+        (None if the vocabulary has none: tokens are then decoded alone)."""
+        for letter in "aeioustnrlAEIOUSTNRL":
+            for piece in (letter, f"<0x{ord(letter):02X}>"):
+                token_id = self.backend.token_to_id(piece)
+                if token_id is not None and self.decode([token_id]) == letter:
+                    return token_id
+        return None
+
+    def _piece_bytes(self, token_id: int, text: str) -> bytes:
+        """The bytes of a token whose text has U+FFFD: those its vocabulary piece spells."""
         piece = self.id_to_token(token_id)
         if piece is None:
             return text.encode()

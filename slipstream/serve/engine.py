@@ -361,8 +361,8 @@ class Engine:
         specials = {token_id for token_id, token in self.tokenizer.backend.get_added_tokens_decoder().items()
                     if token.special}
         num_tokens = min(len(self.tokenizer), self.limits.vocab_size)
-        return Vocabulary([None if token_id in specials else self.tokenizer.token_bytes(token_id)
-                           for token_id in range(num_tokens)])
+        spelled = self.tokenizer.tokens_bytes(range(num_tokens))
+        return Vocabulary([None if token_id in specials else data for token_id, data in enumerate(spelled)])
 
     def _completion_request(
         self, entry: PromptOutput, params: SamplingParams, index: int, priority: int,
@@ -616,7 +616,7 @@ class Engine:
         if logprobs is not None:
             for token, logprob in logprobs.items():
                 logprob.decoded_token = self.tokenizer.decode([token], skip_special_tokens=False)
-                logprob.token_bytes = self.tokenizer.token_bytes(token, logprob.decoded_token)
+                logprob.token_bytes = self.tokenizer.token_bytes(token)
         if request.guide is not None:
             request.guide_state = request.guide.advance(request.guide_state, token_id)
         params = request.sampling_params
@@ -669,7 +669,7 @@ class Engine:
         for position in tensors.to_position_logprobs([num_top] * num_positions):
             for token, logprob in position.items():
                 logprob.decoded_token = self.tokenizer.decode([token], skip_special_tokens=False)
-                logprob.token_bytes = self.tokenizer.token_bytes(token, logprob.decoded_token)
+                logprob.token_bytes = self.tokenizer.token_bytes(token)
             entry.prompt_logprobs.append(position)
         return entry
 

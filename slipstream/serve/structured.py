@@ -11,7 +11,7 @@ all. The end-of-sequence tokens are allowed where the output so far matches. Eac
 allowed tokens are computed the first time an output reaches it and kept with the guide, which
 the engine shares between requests with the same constraint.
 
-Token bytes are those each token decodes to alone (`Tokenizer.token_bytes`), exact for byte-level
+Token bytes are those each token stands for inside a text (`Tokenizer.token_bytes`), exact for byte-level
 BPE and byte-fallback tokenizers, which hold a token for every byte, as the guide requires: any
 prefix the automaton allows can then be spelt, so an output never strands part-way.
 
