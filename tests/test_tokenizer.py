@@ -569,6 +569,24 @@ def test_detokenizer_cost_does_not_grow(tokenizer):
     assert max(counting.decoded_lengths) <= 16
 
 
+@pytest.mark.parametrize("repeated", ["\ufffd", "lone continuation byte"])
+def test_detokenizer_cost_stays_bounded_under_text_ending_in_u_fffd(tokenizer, repeated):
+    """Output whose text keeps ending in U+FFFD (the character itself, or bytes that are no UTF-8)
+    still streams and is decoded a bounded window at a time (it was held back whole, every push
+    decoding all of it: 8,000 such tokens took a minute); the deltas join to the decoding."""
+    if repeated == "\ufffd":
+        ids = tokenizer.encode("\ufffd" * 400)
+    else:
+        byte = next(i for i in range(len(tokenizer)) if tokenizer.token_bytes(i) == b"\x80")
+        ids = [byte] * 400
+    counting = _CountingTokenizer(tokenizer)
+    detokenizer = IncrementalDetokenizer(counting, tokenizer.encode("x"))
+    deltas = [detokenizer.push(token_id) for token_id in ids]
+    assert sum(map(bool, deltas)) > 10  # it streams
+    assert "".join(deltas) + detokenizer.flush() == tokenizer.decode(ids)
+    assert max(counting.decoded_lengths) <= 32
+
+
 def test_missing_and_corrupt_files(saved_dir, tmp_path):
     """Missing tokenizer.json is FileNotFoundError and corrupt JSON ValueError, naming the file."""
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):

@@ -51,6 +51,11 @@ MAX_COMPILED_TEMPLATES = 32
 # Tokens of already-emitted text the incremental detokenizer re-decodes as context, so decoders
 # that treat the first token of a sequence specially (SentencePiece's leading space) agree.
 _DETOKENIZE_CONTEXT_TOKENS = 5
+# Ids the incremental detokenizer holds back while their text ends in U+FFFD. A character is at
+# most 4 bytes, so past 4 ids the U+FFFD before the last ones is final (invalid bytes, or the
+# character U+FFFD itself): held longer, every push would re-decode a growing window.
+_MAX_HELD_IDS = 16
+_UTF8_MAX_BYTES = 4
 
 
 # transformers' apply_chat_template arguments this tokenizer does not implement; left in
@@ -498,9 +503,10 @@ class IncrementalDetokenizer:
     already emitted (the prefix) followed by ids not yet emitted. Each push decodes the window and
     emits whatever extends past the prefix text, unless it ends in U+FFFD, which means a
     multi-byte character is still incomplete; then the ids stay pending. After emitting, the
-    pending ids become the new prefix. Work per push is bounded by the window, which only grows
-    while output is held back, so `"".join(deltas) + flush()` equals `decode(all_ids)` at a cost
-    independent of the sequence length.
+    pending ids become the new prefix. Past `_MAX_HELD_IDS` pending ids, the text before the last
+    4 of them is emitted (its U+FFFD can no longer complete). Work per push is bounded by the
+    window, so `"".join(deltas) + flush()` equals `decode(all_ids)` at a cost independent of the
+    sequence length.
     """
 
     def __init__(
@@ -525,20 +531,30 @@ class IncrementalDetokenizer:
         """Add one generated id; return the newly completed text ("" while held back)."""
         self._window_ids.append(token_id)
         text = self._decode(self._window_ids)
-        if len(text) <= len(self._prefix_text) or text.endswith("\ufffd"):
+        if len(text) <= len(self._prefix_text):
             return ""
-        return self._emit(text)
+        if not text.endswith("\ufffd"):
+            return self._emit(text, len(self._window_ids))
+        if len(self._window_ids) - self._num_prefix_ids <= _MAX_HELD_IDS:
+            return ""
+        end = len(self._window_ids) - _UTF8_MAX_BYTES
+        head = self._decode(self._window_ids[:end])
+        if len(head) <= len(self._prefix_text) or not text.startswith(head):
+            return ""
+        return self._emit(head, end)
 
     def flush(self) -> str:
         """Return any held-back text (e.g. a trailing incomplete character, as U+FFFD)."""
         text = self._decode(self._window_ids)
-        return self._emit(text) if len(text) > len(self._prefix_text) else ""
+        return self._emit(text, len(self._window_ids)) if len(text) > len(self._prefix_text) else ""
 
-    def _emit(self, text: str) -> str:
+    def _emit(self, text: str, end: int) -> str:
+        """The delta of `text`, the decoding of the window's first `end` ids; those past the
+        prefix become the new prefix, the rest stay pending."""
         delta = text[len(self._prefix_text):]
         del self._window_ids[: self._num_prefix_ids]
-        self._num_prefix_ids = len(self._window_ids)
-        self._prefix_text = self._decode(self._window_ids)
+        self._num_prefix_ids = end - self._num_prefix_ids
+        self._prefix_text = self._decode(self._window_ids[: self._num_prefix_ids])
         return delta
 
 
