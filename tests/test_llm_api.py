@@ -522,11 +522,11 @@ def chatml(*turns: tuple[str, str], generation_prompt: bool = True) -> str:
 
 def test_chat_reports_the_rendered_prompt_and_takes_openai_messages(llm, tokenizer):
     """As vLLM's LLM.chat: output.prompt is the rendered text; content may be a list of text parts
-    (joined) and an assistant turn may have content None (as the HTTP server reads them)."""
-    expected = chatml(("user", "Hi there"))
+    (joined by newlines) and an assistant turn may have content None (as the HTTP server reads them)."""
+    expected = chatml(("user", "Hi\nthere"))
     cases = {
-        "string": [{"role": "user", "content": "Hi there"}],
-        "text parts": [{"role": "user", "content": [{"type": "text", "text": "Hi "},
+        "string": [{"role": "user", "content": "Hi\nthere"}],
+        "text parts": [{"role": "user", "content": [{"type": "text", "text": "Hi"},  # joined by "\n", as vLLM
                                                      {"type": "text", "text": "there"}]}],
     }
     for name, conversation in cases.items():

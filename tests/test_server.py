@@ -952,6 +952,11 @@ def test_tokenize_detokenize_and_version(server, model_dir):
         chat = http.post("/tokenize", json={"model": MODEL_NAME, "messages": MESSAGES}).json()
         assert chat["tokens"] == hf.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
                                                         return_dict=False)
+        parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+        chat = http.post("/tokenize", json={"model": MODEL_NAME, "messages": parts}).json()
+        joined = [{"role": "user", "content": "a\nb"}]  # as vLLM joins text parts
+        assert chat["tokens"] == hf.apply_chat_template(joined, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False)
         text = http.post("/detokenize", json={"tokens": expected}).json()
         assert text == {"prompt": hf.decode(expected)}
         assert http.get("/version").json()["version"]
@@ -966,3 +971,43 @@ def test_tokenize_detokenize_and_version(server, model_dir):
             if param is not None:
                 assert response.json()["error"]["param"] == param
         assert http.post("/detokenize", json={"model": "other", "tokens": [1]}).status_code == 404
+
+
+def test_add_special_tokens_as_vllm(model_dir, tmp_path):
+    """vLLM's add_special_tokens on a tokenizer that adds a BOS: completions add it by default and
+    not when false (a prompt that already holds it gets one, not two); chat takes the template's
+    ids by default and adds the BOS on top when true."""
+    bos_dir = tmp_path / "bos-model"
+    shutil.copytree(model_dir, bos_dir)
+    spec = json.loads((bos_dir / "tokenizer.json").read_text())
+    bos = "<|im_start|>"
+    bos_id = next(t["id"] for t in spec["added_tokens"] if t["content"] == bos)
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [
+        {"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
+    (bos_dir / "tokenizer.json").write_text(json.dumps(spec))
+    server = ServerProcess(bos_dir, tmp_path / "server.log", *ENGINE_ARGS).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            plain = http.post("/tokenize", json={"prompt": "hello", "add_special_tokens": False})
+        plain = plain.json()["tokens"]
+        assert plain[0] != bos_id
+
+        def prompt_tokens(prompt="hello", **extra):
+            return client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1,
+                                             extra_body=extra).usage.prompt_tokens
+
+        assert prompt_tokens() == len(plain) + 1
+        assert prompt_tokens(add_special_tokens=False) == len(plain)
+        assert prompt_tokens(prompt=bos + "hello", add_special_tokens=False) == len(plain) + 1
+
+        def chat_tokens(**extra):
+            return client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1,
+                                                  extra_body=extra).usage.prompt_tokens
+
+        templated = chat_tokens()
+        assert chat_tokens(add_special_tokens=True) == templated + 1
+    finally:
+        server.stop()

@@ -474,7 +474,7 @@ def _template_message(message: Message) -> Message:
                    and isinstance(part.get("text"), str) for part in content):
             raise ValueError(f"only text content parts ({{'type': 'text', 'text': ...}}, the text a string) "
                              f"are supported, got {content!r}")
-        content = "".join(part["text"] for part in content)
+        content = "\n".join(part["text"] for part in content)  # as vLLM joins them
     elif content is None and "tool_calls" not in message:
         content = ""
     return {**message, "content": content}

@@ -7,7 +7,7 @@ cannot honour (`logits_processors`, `prompt_embeds`, ...: `UNSUPPORTED_FIELDS`) 
 set rather than ignored, since ignoring them would answer a different question than the one
 asked. The vLLM extensions `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
 `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`,
-`prompt_logprobs`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`,
+`prompt_logprobs`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`, `add_special_tokens`,
 `return_tokens_as_token_ids`, `use_beam_search` with `length_penalty`, `echo`, the structured
 outputs and, for chat, `add_generation_prompt`, `continue_final_message`, `chat_template`,
 `chat_template_kwargs` and `documents` are accepted too.
@@ -306,6 +306,9 @@ class CompletionRequest(GenerationBody):
     """Each choice starts with its prompt (and, with logprobs, the prompt's logprobs)."""
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
+    add_special_tokens: bool = True
+    """vLLM's: false encodes a text prompt without the tokenizer's special tokens (BOS), for a
+    prompt that already holds them."""
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -365,11 +368,11 @@ class ChatMessage(_Body):
     """A tool message's answer to this call."""
 
     def template_message(self) -> dict[str, Any]:
-        """The message as the chat template sees it: text parts joined, and a tool call's
+        """The message as the chat template sees it: text parts joined by newlines, and a tool call's
         arguments as a dict (what transformers' tool-use templates expect, as vLLM passes them)."""
         content = self.content or ""
         if not isinstance(content, str):
-            content = "".join(part.text for part in content)
+            content = "\n".join(part.text for part in content)  # as vLLM joins them
         message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
@@ -428,6 +431,8 @@ class ChatCompletionRequest(GenerationBody):
     choose, which needs the server's --tool-call-parser to read its calls."""
     # vLLM's extensions
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    """True adds the tokenizer's special tokens (BOS) on top of those the chat template writes."""
     continue_final_message: bool = False
     """Render the final (assistant) message open, so that the reply continues it."""
     echo: bool = False

@@ -219,7 +219,8 @@ class OpenAIServer:
         params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs,
                                       defaults=self.sampling_defaults)
         texts = body.prompts()
-        prompts = await asyncio.to_thread(self._tokenize, texts, params.truncate_prompt_tokens)
+        prompts = await asyncio.to_thread(self._tokenize, texts, params.truncate_prompt_tokens,
+                                          body.add_special_tokens)
         for token_ids in prompts:
             self._check_context(len(token_ids), body.max_tokens, params.min_tokens, "prompt", "max_tokens")
         meta = ResponseMeta.new("cmpl", self.model_name)
@@ -258,7 +259,8 @@ class OpenAIServer:
                     "--enable-auto-tool-choice and --tool-call-parser; or set tool_choice to "
                     '"required", a named function or "none"', "tool_choice")
             params = params.replace(skip_special_tokens=False)  # as vLLM: keep the call tags
-        rendered = await asyncio.to_thread(self._render_chat, body)
+        # The template's ids; or its text, which tokenizing adds the special tokens to.
+        rendered = await asyncio.to_thread(self._render_chat, body, not body.add_special_tokens)
         [token_ids] = self._tokenize([rendered], params.truncate_prompt_tokens)
         self._check_context(len(token_ids), body.max_new_tokens, params.min_tokens, "messages",
                             body.max_tokens_param)
@@ -311,11 +313,7 @@ class OpenAIServer:
     def _embedding_prompts(self, body: protocol.EmbeddingRequest) -> list[list[int]]:
         """Each input's ids: a text encoded with or without the tokenizer's special tokens, then
         left-truncated to truncate_prompt_tokens, as the completions route does it."""
-        inputs = body.inputs()
-        if not body.add_special_tokens:
-            inputs = [self.tokenizer.encode(i, add_special_tokens=False) if isinstance(i, str) else i
-                      for i in inputs]
-        return self._tokenize(inputs, body.truncate_prompt_tokens)
+        return self._tokenize(body.inputs(), body.truncate_prompt_tokens, body.add_special_tokens)
 
     def _check_runner(self, *, generates: bool) -> None:
         if generates and self.pooler is not None:
@@ -420,10 +418,14 @@ class OpenAIServer:
                            f"({self.config.max_body_bytes})")
         return b"".join(chunks)
 
-    def _tokenize(self, prompts: list[str | list[int]],
-                  truncate_prompt_tokens: int | None) -> list[list[int]]:
-        """The ids of each prompt, left-truncated to `truncate_prompt_tokens` as in the engine; a
-        truncation the context cannot hold is a 400."""
+    def _tokenize(self, prompts: list[str | list[int]], truncate_prompt_tokens: int | None,
+                  add_special_tokens: bool = True) -> list[list[int]]:
+        """The ids of each prompt (a text encoded with or without the tokenizer's special tokens),
+        left-truncated to `truncate_prompt_tokens` as in the engine; a truncation the context
+        cannot hold is a 400."""
+        if not add_special_tokens:
+            prompts = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p
+                       for p in prompts]
         try:
             return [self.tokenize(prompt, truncate_prompt_tokens) for prompt in prompts]
         except ValueError as error:
