@@ -404,6 +404,12 @@ def test_continue_final_message_matches_transformers(tokenizer, hf_tokenizer, ll
         assert expected.endswith(reply.strip()) or expected.endswith(reply)
     with pytest.raises(ValueError, match="cannot both be true"):
         tokenizer.apply_chat_template(conversation, continue_final_message=True, add_generation_prompt=True)
+    # Quoting the content, as Llama 3.1 quotes tool turns: the end is found as transformers finds it.
+    quoting = "{% for m in messages %}<{{ m.role }}>{{ m.content | tojson }}{% endfor %}"
+    expected = hf_tokenizer.apply_chat_template(conversation, chat_template=quoting, tokenize=False,
+                                                continue_final_message=True)
+    assert tokenizer.apply_chat_template(conversation, chat_template=quoting, tokenize=False,
+                                         continue_final_message=True) == expected
 
 
 def test_token_bytes_rebuild_multi_byte_characters(tokenizer):

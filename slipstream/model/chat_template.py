@@ -36,9 +36,10 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return _jinja_environment().from_string(source)
 
 
-_CONTINUE_MARK = "\x00slipstream:continue\x00 "
+_CONTINUE_MARK = "SLIPSTREAM_CONTINUE_FINAL_MESSAGE "
 """Appended to the final message under `continue_final_message` to find where it ends once
-rendered; the trailing space shows whether the template trimmed it."""
+rendered; the trailing space shows whether the template trimmed it. Letters and underscores only
+(as transformers' tag), so that a template quoting the content (`| tojson`) leaves it as it is."""
 
 
 def render_chat_template(
