@@ -264,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model's tool-call format, for --enable-auto-tool-choice")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="name logprobs tokens 'token_id:ID' unless a request says otherwise (as vLLM)")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--dtype", default="auto",
+                   help="auto, float32, bfloat16, float16 (also vLLM's float and half)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -179,3 +179,14 @@ def test_loading_holds_one_copy_of_the_weights(tmp_path, dtype):
     print(f"{dtype}: weights {loaded_bytes / 1e6:.0f} MB loaded, peak RSS grew "
           f"{peak_growth_bytes / 1e6:.0f} MB (budget {budget_bytes / 1e6:.0f} MB)")
     assert peak_growth_bytes < budget_bytes
+
+
+def test_dtype_names_include_vllms():
+    """vLLM's --dtype names (auto aside) resolve as vLLM reads them; others are refused by name."""
+    from slipstream.model.weights import resolve_dtype
+
+    expected = {"float": torch.float32, "float32": torch.float32, "half": torch.float16,
+                "float16": torch.float16, "bfloat16": torch.bfloat16}
+    assert {name: resolve_dtype(name) for name in expected} == expected
+    with pytest.raises(ValueError, match="'double'"):
+        resolve_dtype("double")

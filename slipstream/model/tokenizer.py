@@ -461,8 +461,8 @@ class Tokenizer:
         """
         unsupported = sorted(_UNSUPPORTED_CHAT_TEMPLATE_ARGS & kwargs.keys())
         if unsupported:
-            raise ValueError(f"apply_chat_template does not support {', '.join(unsupported)} "
-                             "(slipstream's tokenizer neither pads, truncates nor builds tensors)")
+            raise ValueError(f"apply_chat_template does not support {', '.join(unsupported)} (it neither "
+                             "pads, truncates nor builds tensors: call the tokenizer on its text for that)")
         source = self._template_source(tools, chat_template)
         if source not in self._compiled_templates:
             if len(self._compiled_templates) >= MAX_COMPILED_TEMPLATES:  # templates may come with requests

@@ -38,12 +38,14 @@ _DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """torch.dtype from a torch.dtype or its name ("bfloat16", "bf16", "fp32", ...)."""
+    """torch.dtype from a torch.dtype or its name ("bfloat16", "bf16", "fp32", vLLM's "float" and
+    "half", ...)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}; supported: {', '.join(DTYPES)}")
         return dtype
-    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+    aliases = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+               "half": "float16"}
     name = aliases.get(dtype, dtype)
     if name not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
@@ -111,7 +113,8 @@ def load_model(
     """Load a Hugging Face model directory (config.json + safetensors) into a `Transformer`.
 
     Every parameter must be present with the right shape, and every tensor in the files must
-    belong to the model; anything else is a ValueError naming the tensors.
+    belong to the model; anything else is a ValueError naming the tensors. A tied model's stored
+    `lm_head.weight` is not used (as in vLLM), with a warning when it differs from the embedding.
     """
     stored = ModelConfig.from_pretrained(model_dir)
     dtype = resolve_dtype(dtype)

@@ -239,7 +239,7 @@ def _measure(device: str, device_name: str, quick: bool) -> Calibration:
         cache_read_bytes_per_s=cache_reads,
         quick=quick,
         elapsed_s=time.perf_counter() - start_s,
-        created_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
 
 

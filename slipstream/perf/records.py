@@ -18,11 +18,10 @@ import json
 import logging
 import math
 import statistics
+import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,10 @@ import gc
 import itertools
 import logging
 import os
+import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -753,5 +755,15 @@ def _default_kv_cache_bytes(
         torch.cuda.empty_cache()
         free_bytes, _ = torch.cuda.mem_get_info(device)
         return int(min(0.9 * free_bytes, MAX_DEFAULT_CUDA_BLOCKS * bytes_per_block))
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    _, available = host_memory()
     return int(min(blocks_wanted * bytes_per_block, DEFAULT_CPU_KV_CACHE_BYTES, 0.4 * available))
+
+
+def host_memory() -> tuple[int, int]:
+    """(total, available) bytes of this machine's RAM, /proc/meminfo's MemTotal and MemAvailable:
+    available counts the page cache the kernel can reclaim (MemFree, what is unused, shrinks
+    with every weight file read)."""
+    meminfo = Path("/proc/meminfo").read_text()
+    total, available = (int(re.search(rf"^{key}:\s+(\d+) kB", meminfo, re.MULTILINE).group(1)) * 1024
+                        for key in ("MemTotal", "MemAvailable"))
+    return total, available

@@ -12,7 +12,6 @@ import dataclasses
 import difflib
 import itertools
 import os
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from slipstream.serve.beam_search import (
     next_requests,
     step_sampling_params,
 )
-from slipstream.serve.engine import Engine, EngineConfig
+from slipstream.serve.engine import Engine, EngineConfig, host_memory
 from slipstream.serve.pooling import EmbeddingRequestOutput, PoolingParams
 from slipstream.serve.request import (
     RequestOutput,
@@ -354,9 +353,7 @@ def _device_memory(device: torch.device) -> tuple[int, int, int]:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return total, free, torch.cuda.memory_reserved(device)
-    meminfo = Path("/proc/meminfo").read_text()
-    total, free = (int(re.search(rf"^{key}:\s+(\d+) kB", meminfo, re.MULTILINE).group(1)) * 1024
-                   for key in ("MemTotal", "MemAvailable"))
+    total, free = host_memory()
     resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
     return total, free, resident_pages * os.sysconf("SC_PAGE_SIZE")
 

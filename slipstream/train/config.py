@@ -26,13 +26,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import tomllib
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")

@@ -161,7 +161,7 @@ def prepare_dataset(
         "num_source_files": len(documents),
         "heldout_fraction": heldout_fraction,
         "splits": counts,
-        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     tmp_meta = out_dir / (META_FILE + ".tmp")
     tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
