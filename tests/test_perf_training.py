@@ -55,17 +55,31 @@ def test_flash_and_no_dropout_remove_the_quadratic_term():
 
 
 def test_zero_stages_shard_optimizer_grads_weights():
-    """Guards ZeRO (Rajbhandari et al.): stage 1 /dp optimizer, 2 also grads, 3 also weights."""
+    """Guards ZeRO (Rajbhandari et al.): stage 1 /dp optimizer, 2 also grads, 3 also weights; at
+    stage 3 mixed-precision Adam holds 16 bytes a parameter over the N_d ranks (the paper's
+    16 psi / N_d; FSDP2's sharded fp32 master is the parameter, its 16-bit copy transient)."""
     setup = _setup(global_batch_size=64, recompute="selective")
     mems = [training_memory(setup, Layout(dp=8, tp=8, pp=8, zero_stage=z)) for z in range(4)]
     assert mems[1].optimizer_bytes == pytest.approx(mems[0].optimizer_bytes / 8)
     assert mems[2].gradients_bytes == pytest.approx(mems[1].gradients_bytes / 8)
-    assert mems[3].weights_bytes == pytest.approx(mems[2].weights_bytes / 8)
     weight_bytes, grad_bytes, optimizer_bytes = setup.state_bytes_per_param()
     per_param = weight_bytes + grad_bytes + optimizer_bytes
     params = mems[0].weights_bytes / weight_bytes
     assert mems[0].weights_bytes + mems[0].gradients_bytes + mems[0].optimizer_bytes == pytest.approx(
         per_param * params)
+    assert mems[3].weights_bytes + mems[3].gradients_bytes + mems[3].optimizer_bytes == pytest.approx(
+        16 * params / 8)
+
+
+def test_fsdp_under_autocast_keeps_whole_16_bit_weight_copies():
+    """Under autocast (slipstream's trainer) FSDP shards the fp32 weights, but the 16-bit copies
+    autocast makes of the gathered weights are saved whole for the backward on every rank:
+    4 / N + 2 bytes a parameter (measured on two gloo ranks: 1.06 x 2 bytes of every linear's
+    weights per rank, the model counting 2 / N before)."""
+    setup = TrainSetup(shape=resolve_model("llama3-8b"), global_batch_size=8, seq_len=4096, dtype="bf16")
+    one, eight = (training_memory(setup, Layout(dp=n, zero_stage=3)) for n in (1, 8))
+    params = one.weights_bytes / 6
+    assert eight.weights_bytes == pytest.approx(params * (4 / 8 + 2))
 
 
 def test_pipeline_bubble_follows_narayanan():

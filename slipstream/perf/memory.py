@@ -26,6 +26,9 @@ AdamW moments, plus autocast's 16-bit weight copies in bf16/fp16; activations ar
 autocast and 4 in fp32, and the residual stream (the norm inputs) stays fp32 under autocast
 (`TrainSetup.state_bytes_per_param`, `activation_bytes`, `residual_bytes`). 16-bit parameters
 (`mixed_precision="parameters"`, Megatron) keep it in 16 bits, as Korthikanti et al. count it.
+Under FSDP (ZeRO-3) autocast's 16-bit copies are of the gathered weights, so every rank holds
+them whole (4 / N + 2 bytes a parameter), and 16-bit parameters are FSDP2's mixed precision
+(torchtitan): the sharded fp32 master is the parameter, 16 / N bytes in all.
 """
 
 from __future__ import annotations
@@ -160,7 +163,13 @@ def _stage_memory(setup: TrainSetup, layout: Layout, stage: int, layers: int, pa
                   ) -> MemoryBreakdown:
     weight_bytes, grad_bytes, optimizer_bytes = setup.state_bytes_per_param()
     zero, dp_shards = layout.zero_stage, layout.dp * layout.cp  # FSDP shards over DP x CP
-    weights = params * weight_bytes / (dp_shards if zero >= 3 else 1)
+    whole = 0.0  # bytes per parameter every rank holds whole, sharded or not
+    if zero >= 3 and setup.weight_bytes is None:
+        if setup.autocast:  # autocast casts the gathered weights; autograd keeps the 16-bit
+            whole = 2.0     # copies, whole, from the forward to the backward
+        elif setup.activation_bytes == 2:  # 16-bit parameters under FSDP2 (torchtitan): the
+            weight_bytes = 0.0  # sharded fp32 master, counted with the optimizer, is the parameter
+    weights = params * ((weight_bytes - whole) / (dp_shards if zero >= 3 else 1) + whole)
     grads = params * grad_bytes / (dp_shards if zero >= 2 else 1)
     optimizer = params * optimizer_bytes / (dp_shards if zero >= 1 else 1)
     tokens = setup.micro_batch_size * setup.seq_len / layout.cp
