@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from slipstream.perf.accelerators import get_accelerator
 from slipstream.perf.efficiency import Efficiency
-from slipstream.perf.model import TrainSetup
+from slipstream.perf.model import Layout, TrainSetup, predict_training
 from slipstream.perf.planner import candidate_layouts, explain, plan_serving, plan_training
 from slipstream.perf.serving import ServeSetup, step_time
 from slipstream.perf.shapes import resolve_model
@@ -35,6 +37,27 @@ def test_candidates_respect_node_and_shape():
     layouts = candidate_layouts(setup, 64, H100)
     assert layouts and all(lay.num_devices == 64 for lay in layouts)
     assert all(lay.tp <= 8 and 64 % lay.tp == 0 for lay in layouts)
+
+
+def test_tensor_parallelism_splits_kv_heads_as_megatron_and_vllm_do():
+    """Guards TP against K/V heads: training needs tp to divide them (Megatron's query groups);
+    serving also takes a tp that is a multiple of them, replicating them (vLLM). A Qwen2.5-1.5B
+    shape (2 K/V heads) trains at tp 1 or 2 only; 4 K/V heads serve at tp 8 but do not train at it;
+    a tp of 6 over 4 K/V heads is refused; Qwen2.5-7B's 18,944 MLP columns take no
+    tp of 7 (vLLM refuses it)."""
+    base = resolve_model("llama3-8b")
+    qwen_1_5b = dataclasses.replace(base, num_heads=12, num_kv_heads=2, hidden_size=1536,
+                                    ffn_hidden_size=8960, num_layers=28)
+    setup = TrainSetup(shape=qwen_1_5b, global_batch_size=64, seq_len=4096)
+    assert {lay.tp for lay in candidate_layouts(setup, 8, H100)} == {1, 2}
+    four_kv = dataclasses.replace(base, num_kv_heads=4)
+    ServeSetup(shape=four_kv, tp=8)  # each rank holds a copy of one K/V head
+    with pytest.raises(ValueError, match="K/V heads"):
+        predict_training(TrainSetup(shape=four_kv, global_batch_size=8, seq_len=4096), Layout(tp=8), H100)
+    with pytest.raises(ValueError, match="K/V heads"):
+        ServeSetup(shape=dataclasses.replace(four_kv, num_heads=24, ffn_hidden_size=24576), tp=6)
+    qwen_7b = dataclasses.replace(base, num_heads=28, num_kv_heads=4, hidden_size=3584, ffn_hidden_size=18944)
+    assert all(plan.tp != 7 for plan in plan_serving(ServeSetup(shape=qwen_7b), 7, H100, 1024, 256))
 
 
 def test_too_small_a_cluster_has_no_plan():

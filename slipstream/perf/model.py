@@ -415,9 +415,8 @@ def _check_layout(setup: TrainSetup, layout: Layout) -> None:
         raise ValueError(f"{shape.num_layers} layers (+ embedding and output chunks) cannot fill "
                          f"pp={layout.pp} x "
                          f"virtual_stages={layout.virtual_stages} chunks")
-    if shape.num_heads % layout.tp or shape.ffn_hidden_size % layout.tp:
-        raise ValueError(f"tp={layout.tp} does not divide {shape.num_heads} heads and "
-                         f"{shape.ffn_hidden_size} MLP columns")
+    if error := shape.tensor_parallel_error(layout.tp):
+        raise ValueError(error)
     if setup.seq_len % layout.cp:
         raise ValueError(f"cp={layout.cp} does not divide seq_len={setup.seq_len}")
     setup.num_microbatches(layout)

@@ -32,7 +32,7 @@ def candidate_layouts(setup: TrainSetup, num_devices: int, accelerator: Accelera
     shape = setup.shape
     layouts = []
     tps = [t for t in _divisors(min(accelerator.devices_per_node, num_devices))
-           if shape.num_heads % t == 0 and shape.ffn_hidden_size % t == 0]
+           if shape.tensor_parallel_error(t) is None]
     for tp, cp in itertools.product(tps, (1, 2, 4, 8)):
         if num_devices % (tp * cp) or setup.seq_len % (2 * cp) and cp > 1:
             continue
@@ -133,7 +133,7 @@ def plan_serving(
     """Each TP degree that fits, with N / tp replicas, ranked by total throughput."""
     plans = []
     for tp in _divisors(min(num_devices, accelerator.devices_per_node)):
-        if setup.shape.num_heads % tp or num_devices % tp:
+        if setup.shape.tensor_parallel_error(tp, serving=True) or num_devices % tp:
             continue
         candidate = dataclasses.replace(setup, tp=tp)
         capacity = kv_capacity(candidate, accelerator, input_len + output_len)

@@ -61,8 +61,8 @@ class ServeSetup:
             dtype_key(self.kv_dtype)
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"tp must be a positive integer, got {self.tp!r}")
-        if self.shape.num_heads % self.tp:
-            raise ValueError(f"tp={self.tp} does not divide {self.shape.num_heads} heads")
+        if error := self.shape.tensor_parallel_error(self.tp, serving=True):
+            raise ValueError(error)
         if not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if (isinstance(self.decode_graph_max_batch, bool) or not isinstance(self.decode_graph_max_batch, int)

@@ -92,6 +92,18 @@ class TransformerShape:
     def mlp_matrices(self) -> int:
         return 3 if self.mlp == "swiglu" else 2
 
+    def tensor_parallel_error(self, tp: int, *, serving: bool = False) -> str | None:
+        """Why `tp`-way tensor parallelism cannot split this shape, None when it can. Heads and MLP
+        columns must divide; so must the K/V heads in training (Megatron's query groups), while
+        serving may also replicate them when tp is a multiple of them (vLLM's rule)."""
+        if self.num_heads % tp or self.ffn_hidden_size % tp:
+            return f"tp={tp} does not divide {self.num_heads} heads and {self.ffn_hidden_size} MLP columns"
+        if self.num_kv_heads % tp and not (serving and tp % self.num_kv_heads == 0):
+            rule = ("divide them or be a multiple of them (vLLM replicates K/V heads)" if serving
+                    else "divide them (Megatron's query groups)")
+            return f"tp={tp} does not suit the {self.num_kv_heads} K/V heads: it must {rule}"
+        return None
+
     def layer_matmul_params(self) -> int:
         """Weights of one layer's linear layers: q, k, v, o and the MLP matrices."""
         h = self.hidden_size
