@@ -71,6 +71,22 @@ def test_zero_stages_shard_optimizer_grads_weights():
         16 * params / 8)
 
 
+def test_sliding_window_shortens_flash_attention_in_training():
+    """A flash kernel skips the pairs beyond a sliding window as it skips the future: with a
+    4,096-token window (Mistral 7B's) at 32,768 tokens, attention covers w (w + 1) / 2 + (T - w) w
+    of the T (T + 1) / 2 causal pairs, and the step is shorter than without the window (it was
+    the same)."""
+    shape = dataclasses.replace(resolve_model("llama3-8b"), sliding_window=4096)
+    windowed = TrainSetup(shape=shape, global_batch_size=8, seq_len=32768, dtype="bf16")
+    full = dataclasses.replace(windowed, shape=dataclasses.replace(shape, sliding_window=None))
+    w, t = 4096, 32768
+    assert shape.causal_pairs(t) == w * (w + 1) / 2 + (t - w) * w
+    assert full.shape.causal_pairs(t) == t * (t + 1) / 2
+    layout = Layout(dp=8, zero_stage=3)
+    times = [predict_training(setup, layout, H100).step_time_s for setup in (windowed, full)]
+    assert times[0] < times[1]
+
+
 def test_fsdp_under_autocast_keeps_whole_16_bit_weight_copies():
     """Under autocast (slipstream's trainer) FSDP shards the fp32 weights, but the 16-bit copies
     autocast makes of the gathered weights are saved whole for the backward on every rank:

@@ -306,7 +306,10 @@ def _device(setup: TrainSetup, accelerator: Accelerator, efficiency: Efficiency 
 
 def _layer_spec(setup: TrainSetup, layout: Layout) -> LayerSpec:
     tokens = setup.micro_batch_size * setup.seq_len
-    keys = setup.seq_len if setup.attention == "unfused" else (setup.seq_len + 1) / 2  # causal skip
+    # Unfused attention computes every pair before masking; flash skips the masked blocks (the
+    # future, and the past beyond a sliding window).
+    keys = (setup.seq_len if setup.attention == "unfused"
+            else setup.shape.causal_pairs(setup.seq_len) / setup.seq_len)
     return LayerSpec(shape=setup.shape, num_tokens=tokens // layout.cp, tp=layout.tp,
                      sequence_parallel=layout.sequence_parallel, attention=setup.attention,
                      pointwise=setup.pointwise, dropout=setup.dropout,

@@ -136,7 +136,7 @@ def _step_work(
     tokens = sum(prefill_lens) + len(decode_contexts)
     if tokens == 0:
         return Work()
-    causal_pairs = sum(_causal_pairs(n, window) for n in prefill_lens)
+    causal_pairs = sum(shape.causal_pairs(n) for n in prefill_lens)
     kv_read = sum(min(c + 1, window or c + 1) for c in decode_contexts)
     layer = Work()
     if prefill_lens:
@@ -167,13 +167,6 @@ def _decode_layer(spec: LayerSpec, device: Device, kv_device: Device) -> Work:
     for m, k, n in layer_gemms(spec.shape, spec.num_tokens, spec.tp):
         work = work + device.gemm(m, k, n)
     return work
-
-
-def _causal_pairs(n: int, window: int | None) -> float:
-    """Query-key pairs of a causal prefill of n tokens (each query sees itself and its past)."""
-    if window is None or window >= n:
-        return n * (n + 1) / 2
-    return window * (window + 1) / 2 + (n - window) * window
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,6 +92,14 @@ class TransformerShape:
     def mlp_matrices(self) -> int:
         return 3 if self.mlp == "swiglu" else 2
 
+    def causal_pairs(self, num_tokens: int) -> float:
+        """Query-key pairs of causal attention over `num_tokens` (each query sees itself and its
+        past, at most the sliding window of them)."""
+        window = self.sliding_window
+        if window is None or window >= num_tokens:
+            return num_tokens * (num_tokens + 1) / 2
+        return window * (window + 1) / 2 + (num_tokens - window) * window
+
     def tensor_parallel_error(self, tp: int, *, serving: bool = False) -> str | None:
         """Why `tp`-way tensor parallelism cannot split this shape, None when it can. Heads and MLP
         columns must divide; so must the K/V heads in training (Megatron's query groups), while
