@@ -259,21 +259,23 @@ def _trainer_saved_activation_bytes(config, dtype: str, batch: int, seq_len: int
     return sum(saved.values())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
 def test_activation_memory_equals_what_the_trainers_model_saves(family):
     """Guards the activation bytes against what autograd saves for slipstream's model under the
     trainer's recipe, fp32 and bf16 autocast (whose fp32 residual stream makes the norm inputs
-    4 bytes), with and without Qwen3's q/k norms: within 1%, the per-row norm statistics the
-    model leaves out."""
+    4 bytes), with and without Qwen3's q/k norms, and with a sliding window shorter than the
+    sequence (one T x T attention mask for all layers; it was one per layer, uncounted): within
+    1%, the per-row norm statistics the model leaves out."""
     from slipstream.model.config import ModelConfig
     from slipstream.perf.shapes import TransformerShape
 
     # Token count and widths differ, so no activation shares a shape with a weight.
+    window = {"sliding_window": 32} if family == "mistral" else {}
     config = ModelConfig(model_type=family, vocab_size=1024, hidden_size=256, intermediate_size=640,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256)
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, **window)
     shape = TransformerShape.from_model_config(config)
-    batch, seq_len = 3, 80
+    batch, seq_len = (1, 240) if window else (3, 80)  # a mask of a size that shows
     for dtype in ("fp32", "bf16"):
         measured = _trainer_saved_activation_bytes(config, dtype, batch, seq_len)
         setup = TrainSetup(shape=shape, global_batch_size=batch, micro_batch_size=batch,

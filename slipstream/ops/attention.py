@@ -10,6 +10,9 @@ Layout legend: B batch, T tokens, H query heads, K key/value heads, D head dim.
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -33,9 +36,26 @@ def dense_causal_attention(
     if not masked:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     else:
-        mask = causal_mask(num_tokens, num_tokens, sliding_window=sliding_window, device=q.device)
+        mask = _additive_causal_mask(num_tokens, sliding_window, q.device, _sdpa_dtype(q))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return out.transpose(1, 2)
+
+
+@functools.lru_cache(maxsize=4)
+def _additive_causal_mask(num_tokens: int, sliding_window: int, device: torch.device,
+                          dtype: torch.dtype) -> torch.Tensor:  # (T, T): 0 may attend, -inf not
+    """`causal_mask` as SDPA's additive mask in the dtype it computes in, one tensor for every
+    layer of a forward. SDPA saves such a mask for the backward as it is, where it turns a bool
+    mask (or one of another dtype) into a new tensor in each layer: L copies of T x T kept until
+    the backward."""
+    allowed = causal_mask(num_tokens, num_tokens, sliding_window=sliding_window, device=device)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, -math.inf)
+
+
+def _sdpa_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype SDPA runs in: autocast's where it is on (rotary leaves q in fp32), else q's."""
+    device_type = q.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else q.dtype
 
 
 def _sdpa_takes_gqa(q: torch.Tensor, masked: bool) -> bool:
@@ -49,9 +69,7 @@ def _sdpa_takes_gqa(q: torch.Tensor, masked: bool) -> bool:
     """
     if q.device.type == "cpu":
         return True
-    # Under autocast SDPA runs in the autocast dtype, whatever q's (rotary leaves it in fp32).
-    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
-    return (q.device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    return (q.device.type == "cuda" and _sdpa_dtype(q) in (torch.float16, torch.bfloat16)
             and q.shape[-1] <= 256 and not masked)
 
 

@@ -179,6 +179,10 @@ def _stage_memory(setup: TrainSetup, layout: Layout, stage: int, layers: int, pa
     if setup.recompute == "full":  # the layer being recomputed materialises its activations
         full = dataclasses.replace(setup, recompute="none")
         activations += activation_bytes_per_layer(full, layout.tp, layout.sequence_parallel, tokens)
+    window = setup.shape.sliding_window
+    if window is not None and setup.seq_len > window:  # SDPA's additive T x T mask, one tensor
+        # every layer of the trainer's forward shares (`ops.attention`), kept for the backward
+        activations += setup.activation_bytes * setup.seq_len / layout.cp * setup.seq_len
     if not setup.shape.learned_positions:  # the rotary cos and sin rows of every token, which
         # every layer's q and k multiply by (the trainer builds them once per micro-batch)
         activations += 2.0 * setup.residual_bytes * tokens * setup.shape.head_dim
