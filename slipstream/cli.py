@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 _PERF_COMMANDS = [
     ("train", "train", ("model", "train", "layout"), "predict training step time, memory per device and MFU"),
-    ("serve", "serve", ("model", "tp", "decode", "input", "output", "load"),
+    ("serve", "serve", ("model", "tp", "decode", "input", "output", "load", "kvcache"),
      "predict prefill, per-token decode, KV capacity and load behaviour"),
     ("plan", "plan", ("model", "train", "input", "output", "plan"),
      "rank the parallel layouts that fit on N devices"),
@@ -425,6 +425,12 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
         p.add_argument("--input-len", type=_int_at_least(1), default=1024)
     if "output" in groups:
         p.add_argument("--output-len", type=_int_at_least(1), default=256)
+    if "kvcache" in groups:
+        p.add_argument("--kv-cache-memory", type=_positive_float, metavar="BYTES",
+                       help="the KV cache's bytes per device (vLLM's kv_cache_memory_bytes); default: "
+                            "90%% of memory less the weights, or on --hardware cpu the serving "
+                            "engine's CPU default (at most 4 GiB and 40%% of memory)")
+        p.add_argument("--block-size", type=_int_at_least(1), default=16, help="tokens per KV block")
     if "load" in groups:
         p.add_argument("--rate", type=_positive_float, help="requests/s for TTFT/TPOT under load")
     if "load" in groups or "plan" in groups:

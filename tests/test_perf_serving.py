@@ -19,6 +19,8 @@ from slipstream.perf.serving import (
 )
 from slipstream.perf.shapes import resolve_model
 
+pytest_plugins = ["serve_fixtures"]
+
 H100 = get_accelerator("h100")
 LLAMA8B = resolve_model("llama3-8b")
 # Ideal hardware: no overheads, full peak and bandwidth, so rooflines show as closed forms.
@@ -102,15 +104,35 @@ def test_tensor_parallel_decode_is_faster_and_pays_all_reduces():
 
 
 def test_kv_capacity_closed_form():
-    """Guards KV capacity: (memory x utilization - weights - reserve) / (2 L kv_heads d bytes)."""
+    """Guards KV capacity: (memory x utilization - weights - reserve) / (2 L kv_heads d bytes), in
+    whole blocks of 16 tokens, a sequence taking ceil(context / 16) of them (a 17-token context
+    takes two); or a given budget (vLLM's kv_cache_memory_bytes)."""
     setup = ServeSetup(shape=LLAMA8B, memory_utilization=0.9)
     cap = kv_capacity(setup, H100, context_len=8192, activation_reserve_bytes=0)
     per_token = 2 * 32 * 8 * 128 * 2  # 128 KiB (perf-tools: Llama-3-8B 128 KiB/token)
     budget = 0.9 * 81_559 * 2**20 - LLAMA8B.num_params() * 2  # NVML's H100 80GB total
     assert cap.kv_bytes_per_token_per_device == per_token
-    assert cap.max_tokens == int(budget // per_token) and cap.max_sequences == cap.max_tokens // 8192
+    blocks = int(budget // (16 * per_token))
+    assert cap.max_tokens == 16 * blocks and cap.max_sequences == blocks // (8192 // 16)
+    given = kv_capacity(ServeSetup(shape=LLAMA8B, kv_cache_bytes=100 * 16 * per_token), H100, context_len=17)
+    assert (given.max_tokens, given.max_sequences) == (1600, 50)
     tp16 = kv_capacity(ServeSetup(shape=LLAMA8B, tp=16), H100, 8192)  # 8 KV heads: replicated
     assert tp16.kv_bytes_per_token_per_device == per_token / 8
+
+
+def test_kv_capacity_of_a_given_budget_is_the_serving_engines(model_dir):
+    """With the engine's KV budget, the model's capacity is the engine's own pool: its blocks of
+    16 tokens, and the full-length sequences they hold."""
+    from slipstream.perf.shapes import TransformerShape
+    from slipstream.serve.engine import Engine, EngineConfig
+
+    budget = 3 * 2**20
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_memory=budget,
+                                 max_model_len=200))
+    shape = TransformerShape.from_model_config(engine.model_config)
+    cap = kv_capacity(ServeSetup(shape=shape, dtype="fp32", kv_cache_bytes=budget), H100, context_len=200)
+    assert cap.max_tokens == engine.limits.num_blocks * engine.limits.block_size
+    assert cap.max_sequences == engine.limits.num_blocks // -(-200 // 16)
 
 
 def test_static_batch_throughput_definition():

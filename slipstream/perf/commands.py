@@ -129,10 +129,18 @@ def _serve_setup(args: argparse.Namespace) -> serving.ServeSetup:
     return serving.ServeSetup(shape=resolve_model(args.model), tp=getattr(args, "tp", 1), dtype=args.dtype)
 
 
+CPU_KV_CACHE_BYTES, CPU_KV_CACHE_FRACTION = 4 * 2**30, 0.4
+"""The serving engine's default KV budget on a CPU (`EngineConfig.kv_cache_memory`): at most 4 GiB
+and 40% of memory, not a fraction of all of it as on a GPU."""
+
+
 def serve(args: argparse.Namespace) -> Result:
     acc = get_accelerator(args.hardware)
     eff, source = efficiency_for(args, acc)
-    setup = _serve_setup(args)
+    kv_bytes = args.kv_cache_memory
+    if kv_bytes is None and args.hardware == "cpu":
+        kv_bytes = min(CPU_KV_CACHE_BYTES, CPU_KV_CACHE_FRACTION * acc.memory_bytes)
+    setup = dataclasses.replace(_serve_setup(args), kv_cache_bytes=kv_bytes, block_size=args.block_size)
     prefill = serving.step_time(setup, acc, prefill_lens=[args.input_len], efficiency=eff)
     rows, lines = [], [
         f"{args.model} on {args.tp} x {acc.name} (tp {args.tp}), {args.dtype}; efficiency {source}",

@@ -19,6 +19,7 @@ sustainable rate; so is a model whose weights do not fit a device (`check_weight
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +52,11 @@ class ServeSetup:
     """Default: `dtype`."""
     memory_utilization: float = 0.9
     """Fraction of device memory the engine may use (vLLM's gpu_memory_utilization)."""
+    kv_cache_bytes: float | None = None
+    """The KV cache's bytes per device, given (vLLM's kv_cache_memory_bytes, slipstream's
+    kv_cache_memory) instead of what memory_utilization leaves beside the weights."""
+    block_size: int = 16
+    """Tokens per KV block: a sequence holds whole blocks (vLLM's and slipstream's default 16)."""
     decode_graph_max_batch: int = 0
     """Decode-only steps of up to this many sequences replay a captured graph (vLLM's CUDA graphs,
     slipstream's CPU decode graph): their layers pay no per-kernel or per-GEMM launch overhead."""
@@ -65,6 +71,10 @@ class ServeSetup:
             raise ValueError(error)
         if not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.kv_cache_bytes is not None and not 0 < self.kv_cache_bytes < math.inf:
+            raise ValueError(f"kv_cache_bytes must be a positive number of bytes, got {self.kv_cache_bytes}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
         if (isinstance(self.decode_graph_max_batch, bool) or not isinstance(self.decode_graph_max_batch, int)
                 or self.decode_graph_max_batch < 0):
             raise ValueError(f"decode_graph_max_batch must be a non-negative integer, "
@@ -186,7 +196,8 @@ class KVCapacity:
 
 def kv_capacity(setup: ServeSetup, accelerator: Accelerator, context_len: int,
                 activation_reserve_bytes: float = 1 * 2**30) -> KVCapacity:
-    """Tokens (and sequences of `context_len`) that fit beside the weights on each device.
+    """Tokens (and sequences of `context_len`) that fit beside the weights on each device, in
+    whole blocks: a sequence takes ceil(context_len / block_size) of them.
 
     KV heads split over tensor parallelism, at least one per device (replicated when the TP
     degree exceeds the KV heads, as in llm-analysis `get_memory_kv_cache_per_layer`).
@@ -196,9 +207,13 @@ def kv_capacity(setup: ServeSetup, accelerator: Accelerator, context_len: int,
     weights = shape.num_params() * setup.element_bytes / setup.tp
     kv_heads = max(shape.num_kv_heads / setup.tp, 1)
     per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * setup.kv_element_bytes
-    budget = accelerator.memory_bytes * setup.memory_utilization - weights - activation_reserve_bytes
-    tokens = max(int(budget // per_token), 0)
-    return KVCapacity(weights, per_token, budget, tokens, tokens // max(context_len, 1), context_len)
+    budget = setup.kv_cache_bytes
+    if budget is None:
+        budget = accelerator.memory_bytes * setup.memory_utilization - weights - activation_reserve_bytes
+    blocks = max(int(budget // (per_token * setup.block_size)), 0)
+    blocks_per_sequence = -(-context_len // setup.block_size)
+    return KVCapacity(weights, per_token, budget, blocks * setup.block_size, blocks // blocks_per_sequence,
+                      context_len)
 
 
 @dataclasses.dataclass(frozen=True)
