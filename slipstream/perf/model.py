@@ -422,4 +422,7 @@ def _check_layout(setup: TrainSetup, layout: Layout) -> None:
         raise ValueError(error)
     if setup.seq_len % layout.cp:
         raise ValueError(f"cp={layout.cp} does not divide seq_len={setup.seq_len}")
-    setup.num_microbatches(layout)
+    microbatches = setup.num_microbatches(layout)
+    if layout.virtual_stages > 1 and microbatches % layout.pp:  # Megatron's interleaved schedule
+        raise ValueError(f"the interleaved schedule (virtual_stages={layout.virtual_stages}) needs the "
+                         f"{microbatches} micro-batches per step to be a multiple of pp={layout.pp}")
