@@ -73,14 +73,19 @@ def _engine_steps(path: str, flag: str) -> list[EngineStep]:
     return steps
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    """A comma-separated list of at least one positive integer."""
+MAX_DECODE_BATCH = 2**20
+"""The largest decode batch `--batch` takes (each sequence is modelled one by one)."""
+
+
+def _ints(text: str, flag: str, maximum: int | None = None) -> list[int]:
+    """A comma-separated list of at least one integer >= 1 (and <= `maximum`)."""
     try:
         values = [int(v) for v in str(text).split(",") if v.strip()]
     except ValueError as e:
         raise ValueError(f"{flag} expects comma-separated integers, got {text!r}") from e
-    if not values or min(values) < 1:
-        raise ValueError(f"{flag} expects comma-separated integers >= 1, got {text!r}")
+    if not values or min(values) < 1 or (maximum is not None and max(values) > maximum):
+        bound = "" if maximum is None else f" and <= {maximum:,}"
+        raise ValueError(f"{flag} expects comma-separated integers >= 1{bound}, got {text!r}")
     return values
 
 
@@ -148,7 +153,7 @@ def serve(args: argparse.Namespace) -> Result:
         f"{'batch':>6}{'context':>9}{'decode ms/token':>17}{'tokens/s/user':>15}{'tokens/s':>11}  bound"]
     # A decode step's sequences each hold their context and the new token in the KV cache.
     room = serving.kv_capacity(setup, acc, args.context + 1).max_sequences
-    for batch in _ints(args.batch, "--batch"):
+    for batch in _ints(args.batch, "--batch", MAX_DECODE_BATCH):
         work = serving.step_time(setup, acc, decode_contexts=[args.context] * batch, efficiency=eff)
         rows.append({"batch_size": batch, "context_len": args.context, "decode_s_per_token": work.total_s,
                      "bound": work.bound(), "fits": batch <= room, "work": work.to_dict()})
@@ -222,7 +227,7 @@ def what_if(args: argparse.Namespace) -> Result:
     eff, source = efficiency_for(args, acc)
     if args.serve:
         setup = _serve_setup(args)
-        batch = _ints(args.batch, "--batch")[0]
+        batch = _ints(args.batch, "--batch", MAX_DECODE_BATCH)[0]
 
         def workload(a):
             return serving.step_time(setup, a, decode_contexts=[args.context] * batch, efficiency=eff)
@@ -267,7 +272,7 @@ def roofline_cmd(args: argparse.Namespace) -> Result:
     setup = _serve_setup(args)
     points = [roofline.point(f"prefill {args.input_len}",
                              serving.step_time(setup, acc, prefill_lens=[args.input_len], efficiency=eff))]
-    for batch in _ints(args.batch, "--batch"):
+    for batch in _ints(args.batch, "--batch", MAX_DECODE_BATCH):
         work = serving.step_time(setup, acc, decode_contexts=[args.context] * batch, efficiency=eff)
         points.append(roofline.point(f"decode bs{batch}", work))
     for step in _engine_steps(args.records, "--records") if args.records else []:

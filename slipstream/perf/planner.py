@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Any
 
 from slipstream.perf.accelerators import Accelerator
@@ -24,7 +25,8 @@ RECOMPUTE_ORDER = ("none", "selective", "full")
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def candidate_layouts(setup: TrainSetup, num_devices: int, accelerator: Accelerator) -> list[Layout]:
