@@ -72,6 +72,10 @@ def test_hierarchical_composition():
         "all_gather", size, 8, intra)
     flat_slow = collective_time_s("all_reduce", size, 32, inter)
     assert hierarchical_time_s("all_reduce", size, 32, 8, intra, inter) < flat_slow
+    # 12 ranks on nodes of 8 (one full, one half): a ring over all 12 at the slower link's pace
+    # (it was an error, and `perf train --devices 12` failed with it).
+    assert hierarchical_time_s("all_reduce", size, 12, 8, intra, inter) == collective_time_s(
+        "all_reduce", size, 12, inter)
 
 
 def test_fit_recovers_alpha_and_beta():

@@ -115,11 +115,13 @@ def hierarchical_time_s(
 ) -> float:
     """Two-level time: `ranks_per_node` ranks share the fast `intra` link, nodes use `inter`.
 
-    Falls back to a flat collective when the group fits in one node (or spans one rank per node).
+    Falls back to a flat collective when the group fits in one node (or spans one rank per node),
+    and to a flat one over the slower `inter` link when the ranks fill their nodes unevenly (12
+    ranks on nodes of 8): a ring through all of them waits on its slowest link at every step.
     """
     g = min(ranks_per_node, num_ranks)
     if num_ranks % g:
-        raise ValueError(f"{num_ranks} ranks do not split into nodes of {g}")
+        return collective_time_s(collective, size_bytes, num_ranks, inter, algorithm)
     nodes = num_ranks // g
     if nodes == 1:
         return collective_time_s(collective, size_bytes, g, intra, algorithm)
