@@ -82,6 +82,49 @@ def test_a_split_the_corpus_leaves_empty_or_an_output_inside_the_corpus_is_refus
         corpus_documents([""])
 
 
+def test_one_large_file_is_never_the_held_out_split(data_dir, tmp_path):
+    """The held-out split passes over a document that would take it past twice the fraction: a
+    corpus of one large file and small ones (a file name that is no UTF-8 among them) holds out
+    small ones, about the fraction, where it used to hold out the large one (99.99% of the
+    corpus) or refuse the corpus; when every document is too large, the smallest is held out."""
+    tokenizer = Tokenizer.from_pretrained(data_dir / "tokenizer")
+    corpus_dir = tmp_path / "corpus"
+    corpus_dir.mkdir()
+    (corpus_dir / "big.py").write_text("def f(x):\n    return x + 1\n" * 4000)
+    for i in range(6):
+        (corpus_dir / f"small{i}.py").write_text(f"print({i})\n" * 60)
+    (corpus_dir / os.fsdecode(b"caf\xe9.py")).write_text("print('latin-1 name')\n" * 30)
+    documents = corpus_documents([str(corpus_dir)])
+    sizes = {d.name: d.path.stat().st_size for d in documents}
+    for fraction in (0.01, 0.05, 0.2):
+        held = heldout_documents(documents, fraction)
+        assert "corpus/big.py" not in held and held
+        assert sum(sizes[n] for n in held) <= 2 * fraction * sum(sizes.values()) or len(held) == 1
+    meta = prepare_dataset(tmp_path / "out", tokenizer, documents, heldout_fraction=0.05, progress=False)
+    assert meta["splits"]["train"]["num_tokens"] > 10 * meta["splits"]["val"]["num_tokens"]
+    two = [d for d in documents if d.name in ("corpus/big.py", "corpus/small0.py")]
+    assert heldout_documents(two, 0.001) == {"corpus/small0.py"}
+
+
+def test_a_sparse_vocabulary_sizes_the_token_files_by_its_largest_id(tmp_path):
+    """Token ids past len(tokenizer) (a sparse WordLevel vocabulary) take uint32 and count in the
+    vocabulary size (uint16 from len() overflowed, a traceback)."""
+    import tokenizers
+
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<eos>": 0, "<unk>": 1, "a": 2, "b": 70000},
+                                                               unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tokenizer = Tokenizer(backend, special_tokens={"eos_token": "<eos>", "unk_token": "<unk>"})
+    corpus_dir = tmp_path / "corpus"
+    corpus_dir.mkdir()
+    for i in range(4):
+        (corpus_dir / f"d{i}.txt").write_text("a b a b\n")
+    meta = prepare_dataset(tmp_path / "out", tokenizer, corpus_documents([str(corpus_dir)]),
+                           heldout_fraction=0.3, progress=False)
+    assert meta["vocab_size"] == 70001 and meta["dtype"] == "uint32"
+    assert 70000 in np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint32)
+
+
 @pytest.mark.parametrize("damage", ["truncate", "delete", "garbage"])
 def test_a_damaged_token_file_is_named_and_prepared_again(data_dir, tmp_path, damage):
     """A split file cut short or deleted is refused when loaded, naming the file; garbage of the

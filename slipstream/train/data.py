@@ -82,17 +82,22 @@ def corpus_documents(sources: Sequence[str] = ("stdlib",)) -> list[Document]:
 
 def heldout_documents(documents: Sequence[Document], fraction: float) -> set[str]:
     """Names of the held-out documents: in the order of a hash of their names, the first ones
-    until they hold `fraction` of the corpus's bytes (at least one document)."""
-    by_hash = sorted(documents, key=lambda d: hashlib.sha256(d.name.encode()).digest())
-    target_bytes = fraction * sum(d.path.stat().st_size for d in documents)
+    until they hold `fraction` of the corpus's bytes, passing over any that would take the
+    held-out bytes past twice that (one large file must not become the whole held-out split);
+    the smallest document if every one would."""
+    by_hash = sorted(documents, key=lambda d: hashlib.sha256(os.fsencode(d.name)).digest())
+    sizes = {d.name: d.path.stat().st_size for d in documents}
+    target_bytes = fraction * sum(sizes.values())
     names: set[str] = set()
     num_bytes = 0
     for document in by_hash:
         if names and num_bytes >= target_bytes:
             break
+        if num_bytes + sizes[document.name] > 2 * target_bytes:
+            continue
         names.add(document.name)
-        num_bytes += document.path.stat().st_size
-    return names
+        num_bytes += sizes[document.name]
+    return names or {min(by_hash, key=lambda d: sizes[d.name]).name}
 
 
 def prepare_dataset(
@@ -128,7 +133,9 @@ def prepare_dataset(
     heldout = heldout_documents(documents, heldout_fraction)
     if len(heldout) == len(documents):
         raise ValueError("the corpus needs at least two documents: one to train on, one held out")
-    dtype = np.uint16 if len(tokenizer) <= 2**16 else np.uint32
+    # Ids run to the largest one, which a sparse vocabulary puts past len(tokenizer).
+    vocab_size = max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+    dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
     out_dir.mkdir(parents=True, exist_ok=True)
     for leftover in out_dir.glob(".tmp-*"):  # a killed run's
         shutil.rmtree(leftover, ignore_errors=True)
@@ -154,7 +161,7 @@ def prepare_dataset(
         "format_version": FORMAT_VERSION,
         "fingerprint": fingerprint,
         "dtype": np.dtype(dtype).name,
-        "vocab_size": len(tokenizer),
+        "vocab_size": vocab_size,
         "eos_token_id": tokenizer.eos_token_id,
         "tokenizer_sha256": _tokenizer_sha256(tokenizer),
         "sources_sha256": _sources_sha256(documents),
