@@ -206,6 +206,61 @@ def test_async_save_stages_a_copy(data_dir, train_model_dir, tmp_path):
     assert record["async"] and record["checkpoint_s"] < record["write_s"]
 
 
+def test_an_unreadable_checkpoint_is_skipped_as_corrupt(straight_run, tmp_path):
+    """A shard the process cannot read (a permission, or a disk's EIO) makes its checkpoint
+    unusable, as a corrupt one: the loader falls back to the one before (the OSError used to stop
+    the run, and retention's check of an old checkpoint killed a healthy one). Root reads any
+    file, so as root the check runs without the capability that lets it (setpriv)."""
+    run = tmp_path / "run"
+    shutil.copytree(straight_run, run)
+    (newest, older) = [path for _, path in reversed(list_checkpoints(run))][:2]
+    (newest / "__0_0.distcp").chmod(0)
+    check = ("import sys; from slipstream.train.checkpoint import newest_checkpoint; "
+             "path, skipped = newest_checkpoint(sys.argv[1]); print(path.name, '|', *skipped)")
+    command = [sys.executable, "-c", check, str(run)]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("as root, needs setpriv to give up reading every file")
+        command = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(older.name) and "cannot read __0_0.distcp" in result.stdout
+
+
+def test_a_dangling_link_in_a_checkpoints_name_is_set_aside(data_dir, train_model_dir, tmp_path):
+    """A dangling symlink named step-N (a checkpoint moved to a disk now gone) is no checkpoint, and
+    the save of step N sets it aside (the rename into its name failed at every save of N)."""
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step-00000002").symlink_to(tmp_path / "gone")
+    trainer = Trainer(small_config(data_dir, train_model_dir, tmp_path / "run", "--training.steps=2",
+                                   "--checkpoint.interval=2"))
+    trainer.run()
+    assert [step for step, _ in list_checkpoints(tmp_path / "run")] == [2]
+    assert (tmp_path / "run" / "checkpoints" / "corrupt-step-00000002").is_symlink()
+
+
+def test_a_full_disk_is_one_error_naming_the_checkpoint(data_dir, train_model_dir, tmp_path, monkeypatch):
+    """DCP reports a rank's failed write as its own exception (a BaseException) around the OSError:
+    the run ends with an OSError naming the step, the folder and the cause (it was a 31-frame
+    traceback ending in "unexpected pos 704 vs 598", and `slipstream train` exited 1)."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def full_disk(*args, **kwargs):
+        cause = OSError(errno.ENOSPC, "No space left on device")
+        raise CheckpointException("save failed", {0: (cause, None)})
+
+    monkeypatch.setattr(dcp, "save", full_disk)
+    trainer = Trainer(small_config(data_dir, train_model_dir, tmp_path / "run", "--training.steps=2",
+                                   "--checkpoint.interval=2"))
+    expected = r"checkpoint of step 2 could not be written to .*: No space left"
+    with pytest.raises(OSError, match=expected) as error:
+        trainer.run()
+    assert error.value.errno == errno.ENOSPC
+
+
 def test_staging_keeps_a_dtensor_shard_in_host_memory(tmp_path):
     """FSDP2's shards are DTensors on a CUDA mesh: their staged copy must stay in the host buffer
     (DTensor.from_local would move it back to the mesh's device, a second copy of the sharded

@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -127,13 +128,16 @@ def verify_checkpoint(path: str | Path, *, checksums: bool = True) -> dict[str, 
         file = path / name
         if not file.is_file():
             raise CorruptCheckpointError(f"{path}: {name} is missing")
-        size = file.stat().st_size
-        if size != entry["size"]:
-            raise CorruptCheckpointError(
-                f"{path}: {name} has {size} bytes, the manifest says {entry['size']}"
-            )
-        if checksums and _crc32(file) != entry["crc32"]:
-            raise CorruptCheckpointError(f"{path}: {name} does not match its CRC-32")
+        try:
+            size = file.stat().st_size
+            if size != entry["size"]:
+                raise CorruptCheckpointError(
+                    f"{path}: {name} has {size} bytes, the manifest says {entry['size']}"
+                )
+            if checksums and _crc32(file) != entry["crc32"]:
+                raise CorruptCheckpointError(f"{path}: {name} does not match its CRC-32")
+        except OSError as error:  # a permission or disk error: as unusable as a corrupt file
+            raise CorruptCheckpointError(f"{path}: cannot read {name} ({error.strerror or error})") from error
     _check_listed(path, files, _saved_files(path))
     return manifest
 
@@ -381,13 +385,16 @@ class CheckpointManager:
     ) -> SaveResult:
         start = time.perf_counter()
         tmp = self.root / f".tmp-step-{step:08d}"
-        tmp.mkdir(parents=True, exist_ok=True)
-        _save_synced(train_state, tmp / _rank_file(self.rank))
-        if self.rank != 0 and self.on_files_written is not None:  # mid-write: shards to come
-            self.on_files_written(step, tmp)
-        writer = dcp.FileSystemWriter(tmp, sync_files=True)
-        dcp.save(staged, storage_writer=writer, process_group=self.process_group,
-                 no_dist=self.world_size == 1)
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            _save_synced(train_state, tmp / _rank_file(self.rank))
+            if self.rank != 0 and self.on_files_written is not None:  # mid-write: shards to come
+                self.on_files_written(step, tmp)
+            writer = dcp.FileSystemWriter(tmp, sync_files=True)
+            dcp.save(staged, storage_writer=writer, process_group=self.process_group,
+                     no_dist=self.world_size == 1)
+        except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+            raise _write_error(step, tmp, error) from error
         final = checkpoint_dir(self.root.parent, step)
         num_bytes = _num_bytes(staged)  # not from the folder: rank 0 may be renaming it already
         if self.rank == 0:  # every rank's files are in: DCP's save ends with a gather to rank 0
@@ -410,7 +417,7 @@ class CheckpointManager:
         manifest = {"format": FORMAT, "step": step, "created": time.time(), "files": files}
         _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1))
         _fsync_path(tmp)
-        if final.exists():  # a corrupt checkpoint of this step that the loader skipped
+        if os.path.lexists(final):  # a corrupt checkpoint of this step that the loader skipped
             _set_aside(final, f"a new checkpoint of step {step} takes its place")
         os.replace(tmp, final)
         _fsync_path(self.root)
@@ -439,6 +446,38 @@ class CheckpointManager:
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+
+
+def _write_error(step: int, tmp: Path, error: BaseException) -> OSError:
+    """A failed write as one line: the OSError behind it where there is one (DCP wraps each
+    rank's error in its own exception), and a full disk named (torch.save's writer reports one
+    as "unexpected pos 704 vs 598")."""
+    cause = _os_error_in(error)
+    detail = cause.strerror if cause is not None and cause.strerror else str(error).splitlines()[0]
+    try:
+        full = shutil.disk_usage(tmp.parent).free == 0
+    except OSError:
+        full = False
+    if full and cause is None:
+        detail += " (no space left on device)"
+    return OSError(getattr(cause, "errno", None), f"the checkpoint of step {step} could not be written to "
+                                                  f"{tmp}: {detail}")
+
+
+def _os_error_in(error: BaseException) -> OSError | None:
+    """The first OSError among an exception, its causes and, for DCP's exception, each rank's."""
+    pending, seen = [error], set()
+    while pending:
+        error = pending.pop(0)
+        if error is None or id(error) in seen:
+            continue
+        if isinstance(error, OSError):
+            return error
+        seen.add(id(error))
+        pending += [error.__cause__, error.__context__]
+        if isinstance(error, CheckpointException):
+            pending += [failure[0] for failure in error.failures.values()]
+    return None
 
 
 def _rank_file(rank: int) -> str:

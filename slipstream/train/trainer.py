@@ -486,8 +486,8 @@ class Trainer:
             self.checkpoints.close()
             self._log_saves()
         except Exception as e:  # a failed save: report it unless the run already failed
-            if outcome == "failed":
-                logger.exception("the checkpoint in flight failed")
+            if outcome == "failed":  # the run's own error follows; one line for this one
+                logger.error("the checkpoint in flight failed too: %s", e)
             else:
                 error = e
         self.ledger.record("end", reason="failed" if error else outcome, step=self.step)
