@@ -4,13 +4,16 @@ restart, and `slipstream goodput`."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from train_fixtures import small_config
 
 from slipstream.cli import main
-from slipstream.train.goodput import BUCKETS, format_summary, summarize
+from slipstream.train.goodput import BUCKETS, format_summary, read_events, summarize
 from slipstream.train.trainer import Trainer
 
 pytest_plugins = ["train_fixtures"]
@@ -163,3 +166,15 @@ def test_a_ledger_of_only_malformed_lines_reports_no_attempt(tmp_path, capsys):
     (tmp_path / "goodput.jsonl").write_text("\n".join(MALFORMED_LINES) + "\n")
     assert main(["goodput", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"attempts": 0, "launches": 0, "finished": False}
+
+
+def test_the_launch_counts_from_the_launchers_own_start(tmp_path):
+    """The launcher's `launch` event is dated at its process's start, so that its own start-up
+    (importing torch, checking the job: 1.5 s of a 6.8 s run) is charged; it was dated when
+    recorded, after that start-up."""
+    code = ("import sys, time; time.sleep(1.0); from slipstream.train.goodput import record_launch; "
+            "record_launch(sys.argv[1])")
+    before = time.time()
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=60)
+    [launch] = read_events(tmp_path)
+    assert launch["event"] == "launch" and before - 0.1 <= launch["t"] < before + 0.9

@@ -192,13 +192,19 @@ def test_resumed_trainer_takes_its_own_optimizer_settings(data_dir, train_model_
 
 
 def test_a_run_dir_whose_checkpoints_all_fail_to_verify_is_refused(data_dir, train_model_dir, tmp_path):
-    """When no checkpoint verifies, a rerun stops with the reasons rather than starting over."""
+    """When no checkpoint verifies, a rerun stops with the reasons rather than starting over; a
+    launcher (`--nproc`, `--max-restarts`) stops before starting any worker, where each restart
+    failed the same way."""
+    from slipstream.train.supervisor import check_job
+
     extra = ("--training.steps=2", "--checkpoint.interval=1")
     Trainer(small_config(data_dir, train_model_dir, tmp_path / "run", *extra)).run()
     checkpoints = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))
     assert len(checkpoints) == 2
     for checkpoint in checkpoints:
         (checkpoint / "meta.json").write_text("{}")
+    with pytest.raises(ValueError, match="holds 2 checkpoints and none verifies"):
+        check_job(small_config(data_dir, train_model_dir, tmp_path / "run", *extra), 1)
     with pytest.raises(ValueError, match="holds 2 checkpoints and none verifies"):
         Trainer(small_config(data_dir, train_model_dir, tmp_path / "run", *extra))
 

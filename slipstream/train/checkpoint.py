@@ -195,6 +195,14 @@ def newest_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:
     return None, skipped
 
 
+def none_verifies(run_dir: str | Path, skipped: list[str]) -> ValueError:
+    """The error of a run dir whose checkpoints all fail to verify: starting over would discard
+    the run without a word."""
+    return ValueError(f"run.dir {str(run_dir)!r} holds {len(skipped)} checkpoints and none verifies "
+                      f"({'; '.join(skipped)}); move them out of {Path(run_dir) / CHECKPOINTS_DIR} to "
+                      "start the run over")
+
+
 def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
     """The verified checkpoint of `step`, or the newest valid one; FileNotFoundError naming
     what exists, CorruptCheckpointError if the asked-for step does not verify."""

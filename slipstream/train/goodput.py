@@ -70,10 +70,11 @@ class GoodputLedger:
 
 
 def record_launch(run_dir: str | Path) -> None:
-    """The launcher's start (`slipstream train --nproc/--max-restarts`), so the time torchrun
-    takes to start the workers is charged too."""
+    """The launcher's start (`slipstream train --nproc/--max-restarts`), as its process started,
+    so that its own start-up (importing torch, checking the job) and the time torchrun takes to
+    start the workers are charged too."""
     ledger = GoodputLedger(run_dir, enabled=True)
-    ledger.record("launch", pid=os.getpid())
+    ledger.record("launch", t=process_start_time(), pid=os.getpid())
     ledger.close()
 
 

@@ -150,13 +150,15 @@ def check_job(config: TrainConfig, world_size: int) -> None:
     """The checks of a job that need no process group, made before any process is started, so
     that a user error is one line (ValueError, FileNotFoundError) and not a restart loop:
     `check_run`, a readable training split, a rerun's config against the run dir's (and the
-    model at its model.path against its checkpoints'), and `faults.rank` among the ranks."""
+    model at its model.path against its checkpoints'), a checkpoint to resume from when there
+    are any, and `faults.rank` among the ranks."""
     check_run(config, world_size)
     TokenDataset(config.data.path).tokens("train")
     saved = Path(config.run.dir) / "config.toml"
     if saved.is_file():
         resume_changes(load_config(saved), config)
     _check_checkpoint_shape(config)
+    _check_some_checkpoint_loads(config)
     if config.faults.rank >= world_size:
         raise ValueError(f"faults.rank ({config.faults.rank}) must be below the job's number of "
                          f"ranks ({world_size}, set by --nproc)")
@@ -190,6 +192,27 @@ def _check_checkpoint_shape(config: TrainConfig) -> None:
         raise ValueError(f"model.path {config.model.path!r} holds a model of another shape than the "
                          f"checkpoint of step {step} in run.dir ({', '.join(differ)}): restore the model "
                          "the run began from, or choose a new run.dir")
+
+
+def _check_some_checkpoint_loads(config: TrainConfig) -> None:
+    """ValueError when run.dir holds checkpoints and none has its manifest and files at their
+    sizes (the checksums are the workers' to compare): every restart would fail on it."""
+    from slipstream.train.checkpoint import (
+        CorruptCheckpointError,
+        list_checkpoints,
+        none_verifies,
+        verify_checkpoint,
+    )
+
+    skipped = []
+    for _, path in reversed(list_checkpoints(config.run.dir)):
+        try:
+            verify_checkpoint(path, checksums=False)
+            return
+        except CorruptCheckpointError as error:
+            skipped.append(str(error))
+    if skipped:
+        raise none_verifies(config.run.dir, skipped)
 
 
 def lock_run_dir(run_dir: str | Path, name: str) -> IO[str]:

@@ -254,12 +254,8 @@ class Trainer:
             self.metrics.log({"kind": "config_change", "step": 0, "change": change})
             logger.warning("resuming with a changed config: %s", change)
         path, skipped = self.checkpoints.newest()
-        if path is None and skipped:  # starting over would discard the run without a word
-            raise ValueError(
-                f"run.dir {str(self.run_dir)!r} holds {len(skipped)} checkpoints and none verifies "
-                f"({'; '.join(skipped)}); move them out of {self.run_dir / ckpt.CHECKPOINTS_DIR} to "
-                "start the run over"
-            )
+        if path is None and skipped:
+            raise ckpt.none_verifies(self.run_dir, skipped)
         if path is None:
             return 0.0
         state = self.load_checkpoint(path)
