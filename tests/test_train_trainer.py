@@ -209,6 +209,27 @@ def test_a_run_dir_whose_checkpoints_all_fail_to_verify_is_refused(data_dir, tra
         Trainer(small_config(data_dir, train_model_dir, tmp_path / "run", *extra))
 
 
+def test_evaluation_reads_whole_global_batches_or_is_off(data_dir, train_model_dir, tmp_path):
+    """A held-out split with fewer windows than one global batch turns evaluation off whatever the
+    micro-batch (with two micro-batches a step it used to read some windows twice, and the loss
+    depended on the layout); with enough windows, every layout scores the same ones."""
+    val_windows = (TokenDataset(data_dir).tokens("val").shape[0] - 1) // SEQ_LEN
+    too_many, enough = val_windows + 2 - val_windows % 2, val_windows // 2 - val_windows // 2 % 2
+    records = {}
+    for global_batch in (too_many, enough):
+        for micro in (global_batch // 2, global_batch):
+            run = tmp_path / f"g{global_batch}-m{micro}"
+            config = small_config(data_dir, train_model_dir, run, "--training.steps=1", "--eval.interval=1",
+                                  f"--training.global_batch_size={global_batch}",
+                                  f"--training.micro_batch_size={micro}", "--training.fast_kernels=false")
+            Trainer(config).run()
+            records[global_batch, micro] = read_metrics(run, "eval")
+    assert records[too_many, too_many // 2] == records[too_many, too_many] == []
+    (halves,), (whole,) = records[enough, enough // 2], records[enough, enough]
+    assert halves["eval_tokens"] == whole["eval_tokens"] > 0
+    assert halves["eval_loss"] == pytest.approx(whole["eval_loss"], abs=1e-5)
+
+
 def test_metrics_records(data_dir, train_model_dir, tmp_path):
     """metrics.jsonl holds a run record, one flat train record per step with the time split,
     MFU from perf.flops and the configured peak, eval and checkpoint records."""

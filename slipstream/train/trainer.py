@@ -280,7 +280,7 @@ class Trainer:
         if self.config.eval.interval == 0:
             return None
         try:
-            return WindowLoader(
+            loader = WindowLoader(
                 self.dataset.tokens("val"), seq_len=self.config.data.seq_len,
                 batch_size=self.config.training.micro_batch_size, rank=self.dist.rank,
                 world_size=self.dist.world_size, shuffle=False, prefetch=0,
@@ -289,6 +289,13 @@ class Trainer:
         except ValueError as e:
             logger.warning("evaluation disabled: the held-out split is too small (%s)", e)
             return None
+        # Evaluation reads whole global batches, so that every layout scores the same windows.
+        if loader.num_windows < self.config.training.global_batch_size:
+            logger.warning("evaluation disabled: the held-out split has %d windows of %d tokens, fewer "
+                           "than one global batch (%d)", loader.num_windows, self.config.data.seq_len,
+                           self.config.training.global_batch_size)
+            return None
+        return loader
 
     def _resolve_peak(self) -> tuple[float, str]:
         # Rank 0 measures (or reads the cache) first, so ranks do not calibrate against each other.
@@ -455,7 +462,7 @@ class Trainer:
         # The same windows at every world size: num_batches global batches, each rank its share.
         global_batches = min(self.config.eval.num_batches,
                              self.val_loader.num_windows // self.config.training.global_batch_size)
-        num_micro_batches = max(global_batches, 1) * self.accumulation_steps
+        num_micro_batches = global_batches * self.accumulation_steps
         loss_sum = torch.zeros((), device=self.device)
         for batch in itertools.islice(self.val_loader, num_micro_batches):
             loss_sum += self.loss(batch.inputs.to(self.device), batch.targets.to(self.device))
