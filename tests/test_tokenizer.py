@@ -649,3 +649,53 @@ def test_train_rejects_tiny_vocab():
     """A vocabulary smaller than the 256 bytes plus specials is a user error."""
     with pytest.raises(ValueError, match="vocab_size"):
         train_tokenizer(stdlib_files()[:2], 100)
+
+
+@pytest.fixture(scope="module")
+def llama2_layout_json(tmp_path_factory) -> Path:
+    """A SentencePiece-style BPE written as Llama 2's and Mistral v0.1's tokenizer.json are: byte
+    fallback pieces, a normalizer that prepends "▁" and replaces spaces, Llama's decoder, a BOS
+    post-processor."""
+    text = [p.read_text(encoding="utf-8", errors="ignore") for p in stdlib_files()[:15]]
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=600, limit_alphabet=90, show_progress=False)
+    learned = tokenizers.Tokenizer(tokenizers.models.BPE())
+    learned.normalizer = tokenizers.normalizers.Replace(" ", "▁")
+    learned.pre_tokenizer = tokenizers.pre_tokenizers.Split("▁", behavior="merged_with_next")
+    learned.train_from_iterator(text, trainer)
+    model = json.loads(learned.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in sorted(model["vocab"], key=model["vocab"].get):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True,
+                                                         fuse_unk=True))
+    backend.normalizer = tokenizers.normalizers.Sequence([tokenizers.normalizers.Prepend("▁"),
+                                                         tokenizers.normalizers.Replace(" ", "▁")])
+    backend.decoder = tokenizers.decoders.Sequence([
+        tokenizers.decoders.Replace("▁", " "), tokenizers.decoders.ByteFallback(), tokenizers.decoders.Fuse(),
+        tokenizers.decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens(["<unk>", "<s>", "</s>", "[INST]", "[/INST]"])
+    backend.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A",
+                                                                      special_tokens=[("<s>", 1)])
+    path = tmp_path_factory.mktemp("llama2") / "tokenizer.json"
+    backend.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("config", [{}, {"legacy": True}, {"legacy": False}, {"add_prefix_space": False}])
+def test_llama_tokenizer_class_encodes_as_transformers(config, llama2_layout_json, tmp_path):
+    """transformers 5 builds a LlamaTokenizer's pipeline itself (Metaspace, prepending "▁" as
+    legacy and add_prefix_space say) over a tokenizer.json that is not byte-level; read as it is,
+    Llama 2's file prepends "▁" to every text (" Hello" got two): the ids, decoded texts and the
+    default padding side (left) are transformers'."""
+    shutil.copy(llama2_layout_json, tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        **config}))
+    ours, hf = Tokenizer.from_pretrained(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
+    texts = [" Hello", "Hello world", "  two spaces", "[INST] Hi [/INST]", "x</s> y", "héllo 中文 😀",
+             "\n\nnew", "a  b   c", "", "def f(x):\n    return x  # done"]
+    for text in texts:
+        assert ours.encode(text) == hf.encode(text), text
+        assert ours.decode(ours.encode(text)) == hf.decode(hf.encode(text)), text
+    assert ours.padding_side == hf.padding_side == "left"

@@ -137,10 +137,14 @@ class Tokenizer:
         if not tokenizer_path.is_file():
             raise FileNotFoundError(f"{tokenizer_path} not found; a model directory needs one")
         try:
-            hf_tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+            spec = tokenizer_path.read_text(encoding="utf-8")
+            hf_tokenizer = tokenizers.Tokenizer.from_str(spec)
         except Exception as error:  # tokenizers raises a bare Exception on bad JSON
             raise ValueError(f"{tokenizer_path} is not a valid tokenizer.json: {error}") from error
         config = _read_json(model_dir / "tokenizer_config.json")
+        llama = str(config.get("tokenizer_class") or "").removesuffix("Fast") == "LlamaTokenizer"
+        if llama and '"ByteLevel"' not in spec:  # transformers' test for a byte-level tokenizer.json
+            _use_llama_pipeline(hf_tokenizer, config)
         special_tokens_map = _read_json(model_dir / "special_tokens_map.json")
         generation_config = _read_json(model_dir / "generation_config.json")
         max_length = config.get("model_max_length")
@@ -153,7 +157,7 @@ class Tokenizer:
             model_max_length=max_length,
             extra_eos_token_ids=_as_id_list(generation_config.get("eos_token_id"),
                                             f"{model_dir / 'generation_config.json'}: eos_token_id"),
-            padding_side=config.get("padding_side", "right"),
+            padding_side=config.get("padding_side", "left" if llama else "right"),
             truncation_side=config.get("truncation_side", "right"),
         )
 
@@ -494,6 +498,23 @@ class Tokenizer:
                 raise ValueError(f"no 'default' chat template among {sorted(source)}")
             source = source[name]
         return source
+
+
+def _use_llama_pipeline(backend: tokenizers.Tokenizer, config: Mapping[str, Any]) -> None:
+    """The pipeline transformers 5's `LlamaTokenizer` builds, whatever a (not byte-level)
+    tokenizer.json holds: no normalizer, a Metaspace pre-tokenizer that prepends "▁" to the first
+    word (`add_prefix_space`, default true; to every word where `legacy` is true) and Llama's
+    decoder. Llama 2's and Mistral v0.1's files, read as they are, prepend "▁" to every text (a
+    text starting with a space got two), so their ids would differ from transformers'."""
+    add_prefix_space = config.get("add_prefix_space")
+    add_prefix_space = True if add_prefix_space is None else bool(add_prefix_space)
+    scheme = ("always" if config.get("legacy", False) else "first") if add_prefix_space else "never"
+    backend.normalizer = None
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix_space:
+        steps.append(decoders.Strip(content=" ", left=1))
+    backend.decoder = decoders.Sequence(steps)
 
 
 class IncrementalDetokenizer:
