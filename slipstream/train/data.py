@@ -421,9 +421,10 @@ class WindowLoader:
             row = int(windows.max(dim=1).values.argmax())
             raise ValueError(f"window {ids[row]} holds token id {int(windows.max())}, outside the "
                              f"vocabulary of {self.vocab_size}: the token file is damaged; prepare it again")
-        if self.pin_memory:
-            windows = windows.pin_memory()
-        return Batch(windows[:, :-1], windows[:, 1:], ids, epoch, position)  # (B, T) each
+        inputs, targets = windows[:, :-1], windows[:, 1:]  # (B, T) each
+        if self.pin_memory:  # contiguous, so that the copy to the GPU can be asynchronous
+            inputs, targets = inputs.contiguous().pin_memory(), targets.contiguous().pin_memory()
+        return Batch(inputs, targets, ids, epoch, position)
 
     # ---- iteration --------------------------------------------------------------------------
 
