@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
 import json
 import random
 import signal
+import threading
 import time
 
 import httpx
@@ -240,3 +242,71 @@ def test_bench_serve_sharegpt(server, model_dir, tmp_path):
     assert result["completed"] == 3 and result["num_prompts"] == 3
     assert result["total_input_tokens"] == sum(result["input_lens"]) > 3 * 4
 
+
+
+class _FlakyServer(http.server.BaseHTTPRequestHandler):
+    """Streams two text chunks, except every third request: a 400; or, with `streams` off, one plain
+    JSON completion as a server that ignores "stream" answers."""
+
+    streams = True
+    count = 0
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        type(self).count += 1
+        if self.count % 3 == 0:
+            self.send_response(400)
+            self.end_headers()
+            return
+        choice = {"index": 0, "text": "hello", "finish_reason": None}
+        chunks = [{"choices": [choice]}, {"choices": [choice | {"finish_reason": "length"}]},
+                  {"choices": [], "usage": {"completion_tokens": 2}}]
+        body = ("".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n" if self.streams
+                else json.dumps({"choices": [choice | {"finish_reason": "length"}]}))
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream" if self.streams else "application/json")
+        self.send_header("content-length", str(len(body.encode())))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("streams", [True, False])
+def test_bench_serve_counts_what_the_server_streamed(streams, model_dir, tmp_path):
+    """As vLLM's: a 200 with no streamed chunk is a failure (it counted as a success with TTFT 0,
+    so a server ignoring "stream" scored any goodput), and the result file has one entry per
+    request in every per-request list (failed ones 0 or ""), so that they line up."""
+    handler = type("Handler", (_FlakyServer,), {"streams": streams, "count": 0})
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as fake:
+        thread = threading.Thread(target=fake.serve_forever, daemon=True)
+        thread.start()
+        path = tmp_path / "result.json"
+        code = cli_main(["bench", "serve", "--base-url", f"http://127.0.0.1:{fake.server_address[1]}",
+                         "--model", MODEL_NAME, "--tokenizer", str(model_dir), "--num-prompts", "6",
+                         "--random-input-len", "8", "--random-output-len", "2", "--save-result", str(path),
+                         "--disable-tqdm"])
+        fake.shutdown()
+    if not streams:  # the test request before the run fails: nothing is measured
+        assert code != 0 and not path.exists()
+        return
+    assert code == 0
+    result = json.loads(path.read_text())
+    assert (result["completed"], result["failed"]) == (4, 2)
+    for name in ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors"):
+        assert len(result[name]) == 6, name
+    failed = [i for i, error in enumerate(result["errors"]) if error]
+    assert len(failed) == 2 and all(result["output_lens"][i] == 0 for i in failed)
+
+
+def test_bench_arrival_times_are_finite_or_refused():
+    """A burstiness of inf is refused by name; one so small that every gamma gap is 0 sends all at
+    once (both gave NaN send times, read as "now")."""
+    from slipstream.serve.bench import BenchConfig, arrival_times
+
+    with pytest.raises(ValueError, match="burstiness"):
+        BenchConfig(base_url="http://127.0.0.1:1", model="m", num_prompts=3, burstiness=float("inf"))
+    tiny = BenchConfig(base_url="http://127.0.0.1:1", model="m", num_prompts=3, request_rate=5,
+                       burstiness=1e-300)
+    assert all(t == t and t >= 0 for t in arrival_times(tiny))

@@ -86,10 +86,9 @@ class BenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.random_range_ratio < 1:
             raise ValueError(f"random_range_ratio must be in [0, 1), got {self.random_range_ratio}")
-        if not self.request_rate > 0 or not self.burstiness > 0:
-            raise ValueError(
-                f"request_rate and burstiness must be > 0, got {self.request_rate}, {self.burstiness}"
-            )
+        if not self.request_rate > 0 or not 0 < self.burstiness < math.inf:
+            raise ValueError(f"request_rate must be > 0 and burstiness a finite number > 0, got "
+                             f"{self.request_rate}, {self.burstiness}")
         if self.sharegpt_output_len is not None and self.sharegpt_output_len < 1:
             raise ValueError(f"sharegpt_output_len must be >= 1, got {self.sharegpt_output_len}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -222,6 +221,8 @@ def arrival_times(config: BenchConfig) -> list[float]:
     rng = np.random.default_rng(config.seed)
     theta = 1.0 / (config.request_rate * config.burstiness)
     times = np.cumsum(rng.gamma(shape=config.burstiness, scale=theta, size=config.num_prompts))
+    if not times[-1] > 0:  # every gap drawn as 0 (a tiny burstiness): all at once, as vLLM
+        return [0.0] * config.num_prompts
     return (times * (config.num_prompts / config.request_rate / times[-1])).tolist()
 
 
@@ -251,6 +252,7 @@ async def send_request(client: httpx.AsyncClient, config: BenchConfig, request: 
     result.start_s = start - run_start
     last_chunk = most_recent = start
     num_chunks = 0
+    streamed = False  # a chunk with choices came
     try:
         timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else httpx.Timeout(timeout_s)
         async with client.stream("POST", config.base_url.rstrip("/") + config.endpoint,
@@ -274,6 +276,7 @@ async def send_request(client: httpx.AsyncClient, config: BenchConfig, request: 
                     continue
                 now = time.perf_counter()
                 last_chunk = now
+                streamed = True
                 text = _chunk_text(chunk["choices"][0])
                 if text:
                     if num_chunks == 0:
@@ -288,6 +291,9 @@ async def send_request(client: httpx.AsyncClient, config: BenchConfig, request: 
         return result
     except (httpx.HTTPError, json.JSONDecodeError) as error:
         result.error = f"{type(error).__name__}: {error}"
+        return result
+    if not streamed:  # as vLLM: no chunk to time the first token by
+        result.error = "no streamed chunk with choices came (does the server stream?)"
         return result
     result.latency_s = last_chunk - start
     if num_chunks == 0:  # e.g. end-of-sequence first: no text, so the first token is the last
@@ -371,10 +377,13 @@ def compute_metrics(requests: list[SampleRequest], results: list[RequestResult],
         "total_token_throughput": (total_input + total_output) / duration_s,
         "max_output_tokens_per_s": _peak_output_per_s([r for _, r in done]),
         "max_concurrent_requests": _peak_concurrency([r for _, r in done]),
-        "input_lens": [q.prompt_len for q, _ in done], "output_lens": [r.output_tokens for _, r in done],
-        "ttfts": ttfts, "itls": [r.itl_s for _, r in done],
-        "generated_texts": [r.generated_text for _, r in done],
-        "errors": [r.error for r in results if not r.success],
+        # One entry per request, as vLLM's result file (0, [] and "" where a request failed).
+        "input_lens": [q.prompt_len for q in requests],
+        "output_lens": [r.output_tokens if r.success else 0 for r in results],
+        "ttfts": [r.ttft_s if r.success else 0.0 for r in results],
+        "itls": [r.itl_s if r.success else [] for r in results],
+        "generated_texts": [r.generated_text if r.success else "" for r in results],
+        "errors": [r.error or "" for r in results],
     }
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
         ms = np.array(values or [0.0]) * 1000
