@@ -15,7 +15,9 @@ from slipstream.model import ModelConfig
 from slipstream.model.create import create_model_dir
 from slipstream.perf.hardware import device_name_of
 
-DEFAULT_MODEL_DIR = Path("runs/bench/small")
+BENCH_MODELS_DIR = Path(__file__).resolve().parent.parent / "runs" / "bench"
+"""Where the presets under test are created once: the repository's runs/bench/PRESET, wherever
+the script runs from."""
 
 
 def model_parser(description: str, *, output_len: int = 128) -> argparse.ArgumentParser:
@@ -42,12 +44,14 @@ def serving_parser(description: str) -> argparse.ArgumentParser:
 
 
 def ensure_model(model_dir: str | None, preset: str = "small") -> Path:
-    """The given model directory, or the `small` preset (~125M) created once under runs/bench."""
+    """The given model directory, or `preset` (default `small`, ~125M) created once under
+    runs/bench/PRESET."""
     if model_dir is not None:
         return Path(model_dir)
-    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
-        create_model_dir(preset, DEFAULT_MODEL_DIR)
-    return DEFAULT_MODEL_DIR
+    path = BENCH_MODELS_DIR / preset
+    if not (path / "config.json").is_file():
+        create_model_dir(preset, path)
+    return path
 
 
 def random_prompts(

@@ -254,3 +254,15 @@ def test_the_embeddings_route_equals_the_offline_engine(model_dir, tmp_path):
         assert metrics["slipstream:prompt_tokens_total"] == texts.usage.prompt_tokens + len(ids)
     finally:
         server.stop()
+
+
+def test_vllms_removed_normalize_field_is_refused_not_ignored():
+    """`normalize` (older vLLM's name of use_activation) is a 400 naming it, as vLLM 0.32 answers;
+    it was dropped silently and the vectors came back normalised whatever it said."""
+    from slipstream.serve import protocol
+
+    body = protocol.parse_body(protocol.EmbeddingRequest, b'{"input": "hi", "normalize": false}')
+    with pytest.raises(protocol.APIError) as error:
+        body.check_supported()
+    assert (error.value.status_code, error.value.param) == (400, "normalize")
+    assert "use_activation" in error.value.message

@@ -34,6 +34,7 @@ _IGNORED_KEYS = frozenset(
         "tie_encoder_decoder", "is_encoder_decoder", "is_decoder", "torch_dtype",
         "rope_parameters", "hidden_act", "id2label", "label2id", "problem_type",
         "chunk_size_feed_forward",
+        "is_matryoshka", "matryoshka_dimensions",  # read by the pooling runner (serve/pooling.py)
     }
 )
 

@@ -596,10 +596,14 @@ class EmbeddingRequest(_Body):
     add_special_tokens: bool = True
     use_activation: bool | None = None
     """L2-normalise the embeddings (None: the model's default)."""
+    normalize: bool | None = None
+    """Older vLLM's name of use_activation: refused as vLLM 0.32 refuses it, not ignored."""
 
     def check_supported(self) -> None:
         if isinstance(self.input, list) and not self.input:
             raise bad_request("input must not be empty", "input")
+        if self.normalize is not None:
+            raise bad_request("normalize was removed (as in vLLM); use use_activation instead", "normalize")
 
     def inputs(self) -> list[str | list[int]]:
         """One prompt per embedding."""
