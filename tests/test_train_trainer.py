@@ -131,12 +131,20 @@ def test_fast_kernels_and_accumulation_and_checkpointing_keep_the_losses(data_di
     assert reference[-1] < reference[0]
 
 
-def test_compile_keeps_the_losses(data_dir, train_model_dir, tmp_path):
-    """torch.compile of every decoder layer (with the oneDNN custom op inside) trains to the
-    eager losses within LOSS_ATOL (about 15 s, most of it compiling)."""
-    eager = _train_losses(small_config(data_dir, train_model_dir, tmp_path / "eager"))
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compile_keeps_the_losses(checkpointing, data_dir, train_model_dir, tmp_path):
+    """torch.compile of every decoder layer (with the oneDNN custom op inside) compiles them, with
+    activation checkpointing too (under it nothing was compiled), and trains to the eager losses
+    within LOSS_ATOL (about 15 s, most of it compiling)."""
+    from torch._dynamo.utils import counters
+
+    extra = (f"--parallel.activation_checkpointing={str(checkpointing).lower()}",)
+    eager = _train_losses(small_config(data_dir, train_model_dir, tmp_path / "eager", *extra))
+    torch._dynamo.reset()
+    counters.clear()
     compiled = _train_losses(small_config(data_dir, train_model_dir, tmp_path / "compiled",
-                                          "--parallel.compile=true"))
+                                          "--parallel.compile=true", *extra))
+    assert counters["stats"]["unique_graphs"] >= 1
     diff = max(abs(a - b) for a, b in zip(eager, compiled, strict=True))
     print(f"max |compiled - eager| loss over {len(eager)} steps: {diff:.1e}")
     assert diff <= LOSS_ATOL

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -156,7 +157,18 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each decoder layer's activations in the backward pass (non-reentrant), by
     wrapping the layer's forward; the layer stays where it was, so names do not change."""
     for layer in model.model.layers:
-        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+        layer.forward = _checkpointed(layer.forward)
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """`forward` under non-reentrant checkpointing, as a plain function: torch.compile traces into
+    it and takes the checkpoint as one region (a functools.partial over `checkpoint` starts in a
+    frame Dynamo skips, and the layer ran uncompiled)."""
+
+    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return checkpointed_forward
 
 
 def apply_compile(model: nn.Module) -> None:
