@@ -86,6 +86,7 @@ def dfa_walk(dfa: ByteDFA, data: bytes):
     (r"\q", "unknown escape"),
     (r"[^\x00-\U0010ffff]", "matches no text"),
     (r"(a{1,200}){1,400}", "regex too large"),
+    ("(" * 5000 + "a" + ")" * 5000, "groups nest deeper than 100 levels"),  # a RecursionError, a 500
 ])
 def test_what_the_automaton_cannot_express_is_a_value_error(pattern, message):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -5,6 +5,7 @@ hypothesis), and the usual instances, written as a model would, are matched."""
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import re
 from decimal import Decimal
@@ -70,6 +71,12 @@ SCHEMAS = {
         "value": {"type": "integer"}, "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
         "required": ["value"]}}},
     "pydantic": Person.model_json_schema(),
+    # keywords beside enum and prefixItems (an enum's values of another type, or a prefix longer
+    # than maxItems, came out although the schema rejects them)
+    "beside": {"type": "object", "properties": {
+        "typed": {"type": "string", "enum": ["a", 1, "b"]}, "capped": {
+            "type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}], "maxItems": 1}},
+        "required": ["typed", "capped"]},
 }
 
 
@@ -166,6 +173,17 @@ def test_json_object_matches_json_objects_only():
     ({"type": "number", "minimum": 2, "maximum": 1}, "no number lies within the bounds"),
     ({"type": "number", "minimum": 1, "exclusiveMaximum": 1}, "no number lies within the bounds"),
     ({"type": "number", "minimum": 1e-70}, "more than 64 digits"),
+    # keywords the regex used to drop: outputs the schema rejects
+    ({"type": "object", "required": ["a"]}, "required properties without properties"),
+    ({"type": "object", "properties": {"a": {}}, "anyOf": [{"required": ["a"]}]},
+     "anyOf beside properties, type"),
+    ({"enum": ["ab", "c"], "minLength": 2}, "enum beside minLength"),
+    ({"type": "integer", "enum": ["a"]}, "no value of the enum or const is of type"),
+    ({"type": "array", "prefixItems": [{}, {}], "minItems": 3, "items": False}, r"minItems \(3\) exceeds"),
+    # a small schema whose regex would grow exponentially (five levels of ten optional members)
+    (functools.reduce(lambda inner, _: {"type": "object", "properties": {
+        **{f"p{j}": {"type": "integer"} for j in range(9)}, "child": inner}}, range(5), {"type": "integer"}),
+     "would pass 1,000,000 characters"),
 ])
 def test_what_a_regex_cannot_enforce_is_a_value_error(schema, message):
     with pytest.raises(ValueError, match=message):

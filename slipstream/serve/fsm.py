@@ -85,12 +85,18 @@ def _complement(ranges) -> tuple[tuple[int, int], ...]:
     return tuple(result)
 
 
+MAX_GROUP_DEPTH = 100
+"""Deepest nesting of groups a pattern may have: the parser and the walks over its tree recurse
+once per level (5,000 nested groups overflowed Python's stack, a server error)."""
+
+
 class _Parser:
     """A recursive-descent parser of the supported syntax."""
 
     def __init__(self, pattern: str) -> None:
         self.pattern = pattern
         self.pos = 0
+        self.depth = 0
 
     def error(self, what: str) -> ValueError:
         return ValueError(f"regex {self.pattern!r} at position {self.pos}: {what}")
@@ -190,7 +196,11 @@ class _Parser:
                 self.pos = end + 1
             elif kind != ":":
                 raise self.error(f"'(?{kind}' (lookaround, flags, backreferences) is not supported")
+        self.depth += 1
+        if self.depth > MAX_GROUP_DEPTH:
+            raise self.error(f"groups nest deeper than {MAX_GROUP_DEPTH} levels")
         tree = self.alternation()
+        self.depth -= 1
         if self.peek() != ")":
             raise self.error("missing ')'")
         self.pos += 1

@@ -75,6 +75,11 @@ _KEYWORD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
 _HANDLED = frozenset({"const", *_KEYWORD_TYPES, *_COUNTS, *_BOUNDS})
 MAX_BOUND_DIGITS = 64
 """Most digits a numeric bound may have, written without an exponent."""
+MAX_REGEX_CHARS = 1_000_000
+"""Longest regular expression a schema may write. Nested arrays and objects with optional members
+copy their parts' text at each level, so a small schema can grow it exponentially (five levels of
+ten optional properties took a minute and gigabytes): past this it is a ValueError, written no
+further, and structured outputs hand the schema to llguidance where installed."""
 
 
 def json_object_regex() -> str:
@@ -115,6 +120,14 @@ def _literal(value: Any) -> str:
     return re.escape(json.dumps(value, ensure_ascii=False))
 
 
+def _checked(text: str, where: str, size: int | None = None) -> str:
+    """`text`, unless it (or `size`, a whole being assembled) passes MAX_REGEX_CHARS."""
+    if (len(text) if size is None else size) > MAX_REGEX_CHARS:
+        raise ValueError(f"{where}: the schema's regular expression would pass {MAX_REGEX_CHARS:,} "
+                         "characters")
+    return text
+
+
 def _sequence(item: str, low: int, high: int | None) -> str:
     """`low` to `high` (None: any number of) `item`s, comma-separated."""
     separator = f"{WHITESPACE},{WHITESPACE}"
@@ -149,6 +162,9 @@ class _Writer:
 
     def regex(self, schema: Any, where: str, refs_left: int) -> str:
         """The regex of `schema` (at `where`, for errors), following at most `refs_left` more $refs."""
+        return _checked(self._regex(schema, where, refs_left), where)
+
+    def _regex(self, schema: Any, where: str, refs_left: int) -> str:
         if schema is True or schema == {}:
             return _open_value(MAX_OPEN_DEPTH)
         if schema is False:
@@ -163,17 +179,16 @@ class _Writer:
             if refs_left == 0:
                 raise _TooDeep(where)
             return self.regex(self._resolve(schema["$ref"], where), schema["$ref"], refs_left - 1)
-        if "const" in schema:
-            return _literal(schema["const"])
-        if "enum" in schema:
-            if not schema["enum"]:
-                raise ValueError(f"{where}: enum must be a non-empty list")
-            return "(?:" + "|".join(_literal(value) for value in schema["enum"]) + ")"
+        if "const" in schema or "enum" in schema:
+            return _values(schema, where)
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 options = schema[key]
                 if not options:
                     raise ValueError(f"{where}: {key} must be a non-empty list")
+                beside = sorted(set(schema) - {key} - _ANNOTATIONS)
+                if beside:  # each option would have to meet them too
+                    raise ValueError(f"{where}: {key} beside {', '.join(beside)} is not supported")
                 regexes = []
                 for i, option in enumerate(options):
                     try:
@@ -223,6 +238,8 @@ class _Writer:
 
     def _object(self, schema: Mapping, where: str, refs_left: int) -> str:
         properties = schema.get("properties")
+        if not properties and schema.get("required"):
+            raise ValueError(f"{where}: required properties without properties are not supported")
         if not properties:
             extra = schema.get("additionalProperties", True)
             if extra is False:
@@ -248,11 +265,12 @@ class _Writer:
         # The first member present is some k up to the first required one; after it, each member
         # is there (required) or may be (optional), after a comma.
         first_required = next((i for i, (_, needed) in enumerate(members) if needed), len(members) - 1)
-        options = []
+        options, size = [], 0
         for k in range(first_required + 1):
             rest = "".join(f"{separator}{member}" if needed else f"(?:{separator}{member})?"
                            for member, needed in members[k + 1:])
-            options.append(members[k][0] + rest)
+            size += len(rest)
+            options.append(_checked(members[k][0] + rest, where, size))
         body = "(?:" + "|".join(options) + ")"
         if not required:
             body += "?"
@@ -263,8 +281,12 @@ class _Writer:
         if "prefixItems" in schema:
             if "items" in schema and schema["items"] is not False:
                 raise ValueError(f"{where}: prefixItems is supported with items false or absent only")
+            prefix = schema["prefixItems"]
+            count = len(prefix) if high is None else min(len(prefix), high)  # no more may follow
+            if low > count:
+                raise ValueError(f"{where}: minItems ({low}) exceeds the {count} items prefixItems allows")
             items = [self.regex(sub, f"{where}/prefixItems/{i}", refs_left)
-                     for i, sub in enumerate(schema["prefixItems"])]
+                     for i, sub in enumerate(prefix[:count])]
             return rf"\[{WHITESPACE}" + f"{WHITESPACE},{WHITESPACE}".join(items) + rf"{WHITESPACE}\]"
         item = schema.get("items", True)
         try:
@@ -288,6 +310,41 @@ class _Writer:
         if low == 0 and high is None:
             return STRING
         return f'"{_STRING_CHAR}{{{low},{"" if high is None else high}}}"'
+
+
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,), "null": (type(None),),
+    "object": (Mapping,), "array": (list,),
+}
+
+
+def _values(schema: Mapping, where: str) -> str:
+    """A `const` or `enum`: its values, those of a `type` beside it only (other keywords beside
+    them are refused: a value would have to meet them too)."""
+    beside = sorted(set(schema) - {"const", "enum", "type"} - _ANNOTATIONS)
+    if beside:
+        raise ValueError(f"{where}: {'const' if 'const' in schema else 'enum'} beside {', '.join(beside)} "
+                         "is not supported")
+    values = [schema["const"]] if "const" in schema else schema["enum"]
+    if not values:
+        raise ValueError(f"{where}: enum must be a non-empty list")
+    if "type" in schema:
+        kinds = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        unknown = [k for k in kinds if k not in _JSON_TYPES]
+        if unknown:
+            raise ValueError(f"{where}: unknown type {unknown[0]!r}")
+        values = [v for v in values if any(_is_of_type(v, k) for k in kinds)]
+        if not values:
+            raise ValueError(f"{where}: no value of the enum or const is of type {schema['type']!r}")
+    return "(?:" + "|".join(_literal(value) for value in values) + ")"
+
+
+def _is_of_type(value: Any, kind: str) -> bool:
+    if isinstance(value, bool):
+        return kind == "boolean"
+    if kind == "integer" and isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, _JSON_TYPES[kind])
 
 
 def _check_keyword_types(schema: Mapping, where: str) -> None:

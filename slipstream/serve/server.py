@@ -216,8 +216,9 @@ class OpenAIServer:
         arrival_time_s = time.monotonic()
         body = await self._parse(request, CompletionRequest)
         self._check_runner(generates=True)
-        params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs,
-                                      defaults=self.sampling_defaults)
+        # Off the event loop: a structured output's schema or pattern is compiled here.
+        params = await asyncio.to_thread(body.sampling_params, max_tokens=body.max_tokens,
+                                         logprobs=body.logprobs, defaults=self.sampling_defaults)
         texts = body.prompts()
         prompts = await asyncio.to_thread(self._tokenize, texts, params.truncate_prompt_tokens,
                                           body.add_special_tokens)
@@ -250,8 +251,8 @@ class OpenAIServer:
         body = await self._parse(request, ChatCompletionRequest)
         self._check_runner(generates=True)
         self._check_request_template(body)
-        params = body.sampling_params(max_tokens=body.max_new_tokens, logprobs=body.num_logprobs,
-                                      defaults=self.sampling_defaults)
+        params = await asyncio.to_thread(body.sampling_params, max_tokens=body.max_new_tokens,
+                                         logprobs=body.num_logprobs, defaults=self.sampling_defaults)
         if body.tool_mode == "auto":
             if not self.config.enable_auto_tool_choice:
                 raise protocol.bad_request(
