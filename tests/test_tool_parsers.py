@@ -26,6 +26,8 @@ REPLIES = {
         "an unclosed last call": (f"<tool_call>\n{WEATHER}\n", None, [PARIS]),
         "a call that is no JSON": (NO_JSON, NO_JSON, []),
         "a call without a name": (NO_NAME, NO_NAME, []),
+        "a call, then one that is no JSON": (f"<tool_call>{WEATHER}</tool_call>{NO_JSON}",
+                                            f"<tool_call>{WEATHER}</tool_call>{NO_JSON}", []),
         "text ending like a tag": ("The answer is <tool", "The answer is <tool", []),
     },
     "llama3_json": {
@@ -68,15 +70,12 @@ def test_whole_replies_parse_into_content_and_calls(parser, name):
     assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in parsed.tool_calls)
 
 
-HERMES_DROPS = [("hermes", "a call that is no JSON"), ("hermes", "a call without a name")]
-
-
-@pytest.mark.parametrize("parser, name", [case for case in CASES if case not in HERMES_DROPS])
+@pytest.mark.parametrize("parser, name", CASES)
 def test_streamed_deltas_add_up_to_the_whole_parse(parser, name):
     """Content arrives until calls may begin (a tail that may start a marker is held back), the
-    calls whole, with consecutive indices: hermes' each once its closing tag or the reply's end
-    arrives, the others' at the reply's end. (Hermes drops a tag that holds no call, where the
-    whole parse makes the reply content.)"""
+    calls whole at the reply's end, with consecutive indices: the stream says what the whole parse
+    says, also of a reply with a call that does not parse (hermes sent the good calls as their
+    tags closed and dropped the rest, where the whole parse makes the reply content)."""
     text, content, calls = REPLIES[parser][name]
     stream = TOOL_CALL_PARSERS[parser]().stream()
     deltas = [stream.feed(text[:end], finished=end == len(text)) for end in range(1, len(text) + 1)]

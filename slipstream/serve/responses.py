@@ -21,7 +21,7 @@ import numpy as np
 
 from slipstream.serve.pooling import EmbeddingRequestOutput
 from slipstream.serve.request import CompletionOutput, Logprob, RequestOutput
-from slipstream.serve.tool_parsers import TOOL_CALL_PARSERS, HermesStream, WholeCallsStream, tool_call
+from slipstream.serve.tool_parsers import TOOL_CALL_PARSERS, WholeCallsStream, tool_call
 
 MIN_LOGPROB = -9999.0
 """-inf is not JSON; like vLLM, report impossible tokens with this floor."""
@@ -140,7 +140,7 @@ class ToolCalls:
     parser: str = "hermes"
     """"auto"'s: a name in tool_parsers.TOOL_CALL_PARSERS."""
 
-    def stream(self) -> HermesStream | WholeCallsStream:
+    def stream(self) -> WholeCallsStream:
         """A reader of one "auto" reply as it grows."""
         return TOOL_CALL_PARSERS[self.parser]().stream()
 
@@ -408,7 +408,7 @@ class ChatStream:
         self._tool_calls = tool_calls
         self._call_ids: dict[int, str] = {}
         """Per choice, the id of its named call, once its first chunk is out."""
-        self._parsers: dict[int, HermesStream | WholeCallsStream] = {}
+        self._parsers: dict[int, WholeCallsStream] = {}
         """Per choice, the reader of its "auto" reply."""
         self._n = n
         self._num_logprobs = num_logprobs

@@ -66,8 +66,15 @@ class ParsedReply:
 class HermesToolParser:
     """The "hermes" format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
 
-    def stream(self) -> HermesStream:
-        return HermesStream()
+    def stream(self) -> WholeCallsStream:
+        return WholeCallsStream(self)
+
+    def calls_start(self, text: str) -> int | None:
+        start = text.find(START)
+        return None if start < 0 else start
+
+    def held_tail(self, text: str) -> int:
+        return _partial_tag_length(text)
 
     def parse(self, text: str) -> ParsedReply:
         if START not in text:
@@ -91,39 +98,6 @@ class _SentContent:
             return {}
         piece, self.end = text[self.end:end], end
         return {"content": piece}
-
-
-class HermesStream:
-    """One choice's reply read as it grows: `feed(text_so_far, finished)` returns the delta to
-    send (content and/or whole tool calls), as OpenAI streams them."""
-
-    def __init__(self) -> None:
-        self._content = _SentContent()
-        self._calls_sent = 0
-        """Call bodies read (a body that is no call is read and dropped)."""
-        self.num_calls = 0
-        """Calls sent."""
-
-    def feed(self, text: str, finished: bool) -> dict[str, Any]:
-        start = text.find(START)
-        if start < 0:
-            # Hold back a tail that may begin a tag, unless the reply is over.
-            end = len(text) if finished else len(text) - _partial_tag_length(text)
-            return self._content.upto(text, end)
-        delta = self._content.upto(text, start)
-        bodies = [match.group(1) for match in _CALL.finditer(text[start:])]
-        closed = text[start:].count(END)
-        ready = bodies if finished else bodies[:closed]
-        calls = []
-        for body in ready[self._calls_sent:]:
-            call = _call_of(body.strip())
-            if call is not None:
-                calls.append({"index": self.num_calls, **call})
-                self.num_calls += 1
-        self._calls_sent = max(self._calls_sent, len(ready))
-        if calls:
-            delta["tool_calls"] = calls
-        return delta
 
 
 def _partial_tag_length(text: str, tag: str = START) -> int:
@@ -214,7 +188,7 @@ class WholeCallsStream:
     out until the calls begin (a tail that may begin them held back); the rest waits for the end,
     then goes out as calls, or as content where it holds none."""
 
-    def __init__(self, parser: Llama3JsonToolParser | MistralToolParser) -> None:
+    def __init__(self, parser: HermesToolParser | Llama3JsonToolParser | MistralToolParser) -> None:
         self._parser = parser
         self._content = _SentContent()
         self.num_calls = 0
