@@ -210,6 +210,24 @@ def test_kernel_library_builds_once_when_asked_from_two_threads(tmp_path):
     assert len(list((tmp_path / "slipstream" / "kernels").glob("*.so"))) == 1
 
 
+@pytest.mark.parametrize("cc, builds", [("env gcc", True), ("/nonexistent/gcc", False),
+                                        ("gcc -x", False)])
+def test_cc_may_hold_arguments_and_a_bad_one_falls_back_to_pytorch(cc, builds, tmp_path):
+    """CC is split as make splits it ("ccache gcc" works), and a compiler that does not exist or
+    fails leaves the kernels to PyTorch with a warning (a CC of more than a path raised
+    FileNotFoundError in every engine, fast_cpu_kernels=False too: the sampler's argmax loads
+    the library)."""
+    if builds and subprocess.run(["gcc", "--version"], capture_output=True).returncode != 0:
+        pytest.skip("no gcc")
+    script = "from slipstream.ops import cpu_kernels as k; print(k.library() is not None)"
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), CC=cc)
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == str(builds)
+    assert builds or "building the CPU kernels failed" in result.stderr
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_kernel_matches_dense_over_random_chunks(dtype):
     """Chunks of random lengths after random cached context (so query blocks start anywhere in a

@@ -25,6 +25,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -72,18 +73,20 @@ def build_in_background() -> None:
 
 
 def _load() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
+    # CC may hold arguments ("ccache gcc"), as make reads it.
+    found = shutil.which("gcc") or shutil.which("cc")
+    compiler = shlex.split(os.environ.get("CC", "")) or ([found] if found else [])
+    if not compiler:
         logger.warning("no C compiler found: using PyTorch for attention, norms and rotary")
         return None
-    path = _cache_dir() / f"cpu_ops-{_build_key(compiler)}.so"
-    if not path.is_file():
-        try:
+    try:
+        path = _cache_dir() / f"cpu_ops-{_build_key(compiler)}.so"
+        if not path.is_file():
             _compile(compiler, path)
-        except (OSError, subprocess.CalledProcessError) as e:
-            logger.warning("building the CPU kernels failed (%s): using PyTorch", e)
-            return None
-    lib = ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as e:  # no such compiler, a failed build or load
+        logger.warning("building the CPU kernels failed (%s): using PyTorch", e)
+        return None
     lib.paged_decode_attention.restype = ctypes.c_int
     lib.paged_decode_attention.argtypes = (
         [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -445,7 +448,7 @@ def supports(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in DTYPE_CODES and library() is not None
 
 
-def _build_key(compiler: str) -> str:
+def _build_key(compiler: list[str]) -> str:
     cpu_flags = ""
     try:
         cpu_flags = next(
@@ -453,25 +456,25 @@ def _build_key(compiler: str) -> str:
         )
     except OSError:
         pass
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True).stdout
     sources = [path.read_text() for path in (*SOURCES, *HEADERS)]
     material = "\n".join([*sources, " ".join(CFLAGS + LDFLAGS), cpu_flags, version])
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 
 
-def _compile(compiler: str, path: Path) -> None:
+def _compile(compiler: list[str], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         tmp_path = Path(tmp) / path.name
         objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
-        builds = [subprocess.Popen([compiler, *CFLAGS, "-c", "-o", str(obj), str(source)],
+        builds = [subprocess.Popen([*compiler, *CFLAGS, "-c", "-o", str(obj), str(source)],
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                   for source, obj in zip(SOURCES, objects, strict=True)]
         outputs = [build.communicate()[0] for build in builds]
         for build, output in zip(builds, outputs, strict=True):
             if build.returncode != 0:
                 raise subprocess.CalledProcessError(build.returncode, build.args, output)
-        subprocess.run([compiler, *LDFLAGS, "-o", str(tmp_path), *map(str, objects), "-lm"],
+        subprocess.run([*compiler, *LDFLAGS, "-o", str(tmp_path), *map(str, objects), "-lm"],
                        check=True, capture_output=True, text=True)
         os.replace(tmp_path, path)  # atomic: concurrent builders race harmlessly
     logger.info("built %s", path)
