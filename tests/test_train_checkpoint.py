@@ -227,6 +227,22 @@ def test_an_unreadable_checkpoint_is_skipped_as_corrupt(straight_run, tmp_path):
     assert result.stdout.startswith(older.name) and "cannot read __0_0.distcp" in result.stdout
 
 
+def test_a_same_size_garbled_meta_is_a_corrupt_checkpoint_for_the_launcher_too(straight_run, tmp_path):
+    """A meta.json garbled in place (its size kept) passes the size check; reading it is then part
+    of verifying, so the checkpoint is corrupt, skipped for the one before, by the workers and by
+    the launcher's check alike (the launcher raised a JSONDecodeError and refused the run)."""
+    from slipstream.train.config import load_config
+    from slipstream.train.supervisor import check_job
+
+    run = tmp_path / "run"
+    shutil.copytree(straight_run, run)
+    newest, older = [path for _, path in reversed(list_checkpoints(run))][:2]
+    meta = newest / "meta.json"
+    meta.write_bytes(b"x" * meta.stat().st_size)
+    assert newest_checkpoint(run)[0] == older
+    check_job(load_config(str(run / "config.toml"), []), 1)
+
+
 def test_a_dangling_link_in_a_checkpoints_name_is_set_aside(data_dir, train_model_dir, tmp_path):
     """A dangling symlink named step-N (a checkpoint moved to a disk now gone) is no checkpoint, and
     the save of step N sets it aside (the rename into its name failed at every save of N)."""

@@ -43,9 +43,11 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import dataclasses
+import errno
 import json
 import logging
 import os
+import pickle
 import re
 import reprlib
 import shutil
@@ -138,7 +140,11 @@ def verify_checkpoint(path: str | Path, *, checksums: bool = True) -> dict[str, 
                 raise CorruptCheckpointError(f"{path}: {name} does not match its CRC-32")
         except OSError as error:  # a permission or disk error: as unusable as a corrupt file
             raise CorruptCheckpointError(f"{path}: cannot read {name} ({error.strerror or error})") from error
-    _check_listed(path, files, _saved_files(path))
+    try:  # meta.json and DCP's .metadata name the files the save wrote
+        saved = _saved_files(path)
+    except (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError) as error:
+        raise CorruptCheckpointError(f"{path}: cannot read what the save wrote ({error})") from error
+    _check_listed(path, files, saved)
     return manifest
 
 
@@ -461,15 +467,16 @@ def _write_error(step: int, tmp: Path, error: BaseException) -> OSError:
     rank's error in its own exception), and a full disk named (torch.save's writer reports one
     as "unexpected pos 704 vs 598")."""
     cause = _os_error_in(error)
-    detail = cause.strerror if cause is not None and cause.strerror else str(error).splitlines()[0]
+    detail = (cause.strerror if cause is not None and cause.strerror
+              else (str(error).splitlines() or [type(error).__name__])[0])
+    code = getattr(cause, "errno", None)
     try:
-        full = shutil.disk_usage(tmp.parent).free == 0
+        if cause is None and shutil.disk_usage(tmp.parent).free == 0:
+            code, detail = errno.ENOSPC, f"{detail} (no space left on device)"
     except OSError:
-        full = False
-    if full and cause is None:
-        detail += " (no space left on device)"
-    return OSError(getattr(cause, "errno", None), f"the checkpoint of step {step} could not be written to "
-                                                  f"{tmp}: {detail}")
+        pass
+    message = f"the checkpoint of step {step} could not be written to {tmp}: {detail}"
+    return OSError(code, message) if code is not None else OSError(message)
 
 
 def _os_error_in(error: BaseException) -> OSError | None:
