@@ -158,3 +158,15 @@ def test_swiglu_saves_gate_and_up_only():
     saved = _saved_storages(lambda: mlp(x))
     numels = sorted(t.untyped_storage().nbytes() // 4 for t in saved.values())
     assert numels == [2 * 9 * 32] + [2 * 9 * 40] * 3 + [32 * 40] * 3  # then the three weights
+
+
+def test_a_sliding_window_mask_made_for_inference_serves_training():
+    """The sliding-window mask every layer shares is kept for the next forward; one first made
+    under inference mode is still an ordinary tensor, so a training forward can save it for its
+    backward (an inference tensor there is a RuntimeError)."""
+    q, k, v = (torch.randn(1, 10, 2, 8) for _ in range(3))
+    with torch.inference_mode():
+        dense_causal_attention(q, k, v, sliding_window=3)
+    q = q.clone().requires_grad_()
+    dense_causal_attention(q, k, v, sliding_window=3).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()

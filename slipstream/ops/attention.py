@@ -41,15 +41,17 @@ def dense_causal_attention(
     return out.transpose(1, 2)
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=1)
 def _additive_causal_mask(num_tokens: int, sliding_window: int, device: torch.device,
                           dtype: torch.dtype) -> torch.Tensor:  # (T, T): 0 may attend, -inf not
     """`causal_mask` as SDPA's additive mask in the dtype it computes in, one tensor for every
-    layer of a forward. SDPA saves such a mask for the backward as it is, where it turns a bool
-    mask (or one of another dtype) into a new tensor in each layer: L copies of T x T kept until
-    the backward."""
-    allowed = causal_mask(num_tokens, num_tokens, sliding_window=sliding_window, device=device)
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, -math.inf)
+    layer of a forward (the last one kept for the next). SDPA saves such a mask for the backward
+    as it is, where it turns a bool mask (or one of another dtype) into a new tensor in each
+    layer: L copies of T x T kept until the backward. Made outside inference mode, so that a
+    mask first made for inference still serves a training forward."""
+    with torch.inference_mode(False):
+        allowed = causal_mask(num_tokens, num_tokens, sliding_window=sliding_window, device=device)
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, -math.inf)
 
 
 def _sdpa_dtype(q: torch.Tensor) -> torch.dtype:
