@@ -682,12 +682,17 @@ def llama2_layout_json(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("config", [{}, {"legacy": True}, {"legacy": False}, {"add_prefix_space": False}])
-def test_llama_tokenizer_class_encodes_as_transformers(config, llama2_layout_json, tmp_path):
+@pytest.mark.parametrize("config, model_type", [
+    ({}, None), ({"legacy": True}, "llama"), ({"legacy": False}, None), ({"add_prefix_space": False}, None),
+    ({}, "mistral")])
+def test_llama_tokenizer_class_encodes_as_transformers(config, model_type, llama2_layout_json, tmp_path):
     """transformers 5 builds a LlamaTokenizer's pipeline itself (Metaspace, prepending "▁" as
-    legacy and add_prefix_space say) over a tokenizer.json that is not byte-level; read as it is,
+    legacy and add_prefix_space say) over a tokenizer.json that is not byte-level, unless the
+    model type registers its own tokenizer (Mistral's reads the file as it is); read as it is,
     Llama 2's file prepends "▁" to every text (" Hello" got two): the ids, decoded texts and the
-    default padding side (left) are transformers'."""
+    default padding side are transformers'."""
+    if model_type is not None:
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
     shutil.copy(llama2_layout_json, tmp_path / "tokenizer.json")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
@@ -698,4 +703,4 @@ def test_llama_tokenizer_class_encodes_as_transformers(config, llama2_layout_jso
     for text in texts:
         assert ours.encode(text) == hf.encode(text), text
         assert ours.decode(ours.encode(text)) == hf.decode(hf.encode(text)), text
-    assert ours.padding_side == hf.padding_side == "left"
+    assert ours.padding_side == hf.padding_side == ("right" if model_type == "mistral" else "left")

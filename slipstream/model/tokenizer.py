@@ -142,8 +142,13 @@ class Tokenizer:
         except Exception as error:  # tokenizers raises a bare Exception on bad JSON
             raise ValueError(f"{tokenizer_path} is not a valid tokenizer.json: {error}") from error
         config = _read_json(model_dir / "tokenizer_config.json")
-        llama = str(config.get("tokenizer_class") or "").removesuffix("Fast") == "LlamaTokenizer"
-        if llama and '"ByteLevel"' not in spec:  # transformers' test for a byte-level tokenizer.json
+        # As transformers 5: its own LlamaTokenizer for that class over a tokenizer.json that is
+        # not byte-level, unless the model type registers another tokenizer (Mistral's reads the
+        # file as it is).
+        model_type = _read_json(model_dir / "config.json").get("model_type")
+        llama = (str(config.get("tokenizer_class") or "").removesuffix("Fast") == "LlamaTokenizer"
+                 and model_type in (None, "llama") and '"ByteLevel"' not in spec)
+        if llama:
             _use_llama_pipeline(hf_tokenizer, config)
         special_tokens_map = _read_json(model_dir / "special_tokens_map.json")
         generation_config = _read_json(model_dir / "generation_config.json")
@@ -399,27 +404,40 @@ class Tokenizer:
         return self.tokens_bytes([token_id])[0]
 
     def tokens_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """`token_bytes` of each id, in one decoding call."""
-        anchor = self._anchor
-        if anchor is None:
-            texts = self.backend.decode_batch([[i] for i in token_ids], skip_special_tokens=False)
-        else:
-            prefix = self.backend.decode([anchor], skip_special_tokens=False)
-            texts = [text[len(prefix):] for text in self.backend.decode_batch(
-                [[anchor, i] for i in token_ids], skip_special_tokens=False)]
-        return [self._piece_bytes(i, text) if "\ufffd" in text else text.encode()
-                for i, text in zip(token_ids, texts, strict=True)]
+        """`token_bytes` of each id, in one decoding call (each id's bytes kept for the next)."""
+        cache = self._token_bytes
+        missing = [i for i in dict.fromkeys(token_ids) if i not in cache]
+        if missing:
+            anchor = self._anchor
+            texts = self.backend.decode_batch([[i] if anchor is None else [anchor, i] for i in missing],
+                                              skip_special_tokens=False)
+            for token_id, text in zip(missing, texts, strict=True):
+                if anchor is not None:  # a decoder that merged the anchor with it: the token alone
+                    text = (text[len(self._anchor_text):] if text.startswith(self._anchor_text)
+                            else self.decode([token_id]))
+                cache[token_id] = self._piece_bytes(token_id, text) if "\ufffd" in text else text.encode()
+        return [cache[i] for i in token_ids]
+
+    @functools.cached_property
+    def _token_bytes(self) -> dict[int, bytes]:
+        return {}
 
     @functools.cached_property
     def _anchor(self) -> int | None:
         """A token that decodes to one ASCII letter whatever follows it, to decode others after
-        (None if the vocabulary has none: tokens are then decoded alone)."""
+        (None if the vocabulary has none, or no decoder joins tokens: they are decoded alone)."""
+        if self.backend.decoder is None:
+            return None
         for letter in "aeioustnrlAEIOUSTNRL":
             for piece in (letter, f"<0x{ord(letter):02X}>"):
                 token_id = self.backend.token_to_id(piece)
                 if token_id is not None and self.decode([token_id]) == letter:
                     return token_id
         return None
+
+    @functools.cached_property
+    def _anchor_text(self) -> str:
+        return "" if self._anchor is None else self.decode([self._anchor])
 
     def _piece_bytes(self, token_id: int, text: str) -> bytes:
         """The bytes of a token whose text has U+FFFD: those its vocabulary piece spells."""
