@@ -86,7 +86,8 @@ def test_one_large_file_is_never_the_held_out_split(data_dir, tmp_path):
     """The held-out split passes over a document that would take it past twice the fraction: a
     corpus of one large file and small ones (a file name that is no UTF-8 among them) holds out
     small ones, about the fraction, where it used to hold out the large one (99.99% of the
-    corpus) or refuse the corpus; when every document is too large, the smallest is held out."""
+    corpus) or refuse the corpus; short of half the fraction, the passed-over document nearest it
+    joins."""
     tokenizer = Tokenizer.from_pretrained(data_dir / "tokenizer")
     corpus_dir = tmp_path / "corpus"
     corpus_dir.mkdir()
@@ -103,7 +104,16 @@ def test_one_large_file_is_never_the_held_out_split(data_dir, tmp_path):
     meta = prepare_dataset(tmp_path / "out", tokenizer, documents, heldout_fraction=0.05, progress=False)
     assert meta["splits"]["train"]["num_tokens"] > 10 * meta["splits"]["val"]["num_tokens"]
     two = [d for d in documents if d.name in ("corpus/big.py", "corpus/small0.py")]
-    assert heldout_documents(two, 0.001) == {"corpus/small0.py"}
+    assert heldout_documents(two, 0.001) == {"corpus/small0.py"}  # one is left to train on
+    # Large files and one tiny one: the tiny one alone would be far short of the fraction, so the
+    # large file nearest it joins (the tiny one alone was the split: no evaluation).
+    (tmp_path / "few").mkdir()
+    for i in range(4):
+        (tmp_path / "few" / f"big{i}.txt").write_text("word " * 4000)
+    (tmp_path / "few" / "README").write_text("hi")
+    few = corpus_documents([str(tmp_path / "few")])
+    held = heldout_documents(few, 0.01)
+    assert len(held) == 2 and sum(d.path.stat().st_size for d in few if d.name in held) > 0.01 * 4 * 20000
 
 
 def test_a_sparse_vocabulary_sizes_the_token_files_by_its_largest_id(tmp_path):

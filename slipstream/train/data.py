@@ -43,6 +43,9 @@ from slipstream.model.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+HELDOUT_RULE = 2
+"""Which `heldout_documents` rule chose the split (part of a dataset's fingerprint, so a dataset
+split by an older rule is prepared again; its files stay readable)."""
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
 TOKENIZER_DIR = "tokenizer"
@@ -83,21 +86,28 @@ def corpus_documents(sources: Sequence[str] = ("stdlib",)) -> list[Document]:
 def heldout_documents(documents: Sequence[Document], fraction: float) -> set[str]:
     """Names of the held-out documents: in the order of a hash of their names, the first ones
     until they hold `fraction` of the corpus's bytes, passing over any that would take the
-    held-out bytes past twice that (one large file must not become the whole held-out split);
-    the smallest document if every one would."""
+    held-out bytes past twice that (one large file must not become the whole held-out split).
+    Short of half the fraction after that, the passed-over document that brings them nearest it
+    is added, while one document is left to train on."""
+    if not documents:
+        raise ValueError("the corpus holds no documents")
     by_hash = sorted(documents, key=lambda d: hashlib.sha256(os.fsencode(d.name)).digest())
     sizes = {d.name: d.path.stat().st_size for d in documents}
     target_bytes = fraction * sum(sizes.values())
     names: set[str] = set()
+    passed_over = []
     num_bytes = 0
     for document in by_hash:
         if names and num_bytes >= target_bytes:
             break
         if num_bytes + sizes[document.name] > 2 * target_bytes:
+            passed_over.append(document.name)
             continue
         names.add(document.name)
         num_bytes += sizes[document.name]
-    return names or {min(by_hash, key=lambda d: sizes[d.name]).name}
+    if num_bytes < target_bytes / 2 and passed_over and len(names) + 1 < len(documents):
+        names.add(min(passed_over, key=lambda name: abs(num_bytes + sizes[name] - target_bytes)))
+    return names
 
 
 def prepare_dataset(
@@ -231,7 +241,8 @@ def _sources_sha256(documents: Sequence[Document]) -> str:
 
 
 def _fingerprint(tokenizer: Tokenizer, documents: Sequence[Document], heldout_fraction: float) -> str:
-    parts = [FORMAT_VERSION, _tokenizer_sha256(tokenizer), _sources_sha256(documents), heldout_fraction]
+    parts = [FORMAT_VERSION, HELDOUT_RULE, _tokenizer_sha256(tokenizer), _sources_sha256(documents),
+             heldout_fraction]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
