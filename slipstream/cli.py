@@ -428,8 +428,8 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
     if "kvcache" in groups:
         p.add_argument("--kv-cache-memory", type=_positive_float, metavar="BYTES",
                        help="the KV cache's bytes per device (vLLM's kv_cache_memory_bytes); default: "
-                            "90%% of memory less the weights, or on --hardware cpu the serving "
-                            "engine's CPU default (at most 4 GiB and 40%% of memory)")
+                            "90%% of memory less the weights and 1 GiB, or on --hardware cpu the "
+                            "serving engine's CPU default (at most 4 GiB and 40%% of memory)")
         p.add_argument("--block-size", type=_int_at_least(1), default=16, help="tokens per KV block")
     if "load" in groups:
         p.add_argument("--rate", type=_positive_float, help="requests/s for TTFT/TPOT under load")

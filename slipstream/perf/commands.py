@@ -15,7 +15,7 @@ from typing import Any
 from slipstream.perf import measured, planner, roofline, serving, validation, whatif
 from slipstream.perf.efficiency import Efficiency, check_fractions, default_efficiency, max_fraction
 from slipstream.perf.fit import apply_scales
-from slipstream.perf.hardware import get_accelerator
+from slipstream.perf.hardware import get_accelerator, is_local
 from slipstream.perf.model import Layout, TrainSetup, predict_training
 from slipstream.perf.records import EngineStep, read_engine_steps, read_jsonl, read_train_run
 from slipstream.perf.shapes import resolve_model
@@ -143,7 +143,7 @@ def serve(args: argparse.Namespace) -> Result:
     acc = get_accelerator(args.hardware)
     eff, source = efficiency_for(args, acc)
     kv_bytes = args.kv_cache_memory
-    if kv_bytes is None and args.hardware == "cpu":
+    if kv_bytes is None and is_local(args.hardware):
         kv_bytes = min(CPU_KV_CACHE_BYTES, CPU_KV_CACHE_FRACTION * acc.memory_bytes)
     setup = dataclasses.replace(_serve_setup(args), kv_cache_bytes=kv_bytes, block_size=args.block_size)
     prefill = serving.step_time(setup, acc, prefill_lens=[args.input_len], efficiency=eff)

@@ -36,6 +36,11 @@ logger = logging.getLogger(__name__)
 _LOCAL_NAMES = ("cpu", "local")
 
 
+def is_local(name: str) -> bool:
+    """Whether `name` means the machine at hand ("cpu" or "local", any case)."""
+    return name.strip().lower() in _LOCAL_NAMES
+
+
 def get_accelerator(name: str) -> Accelerator:
     """The table entry for `name` (see `slipstream.perf.accelerators`), or this machine.
 
@@ -43,7 +48,7 @@ def get_accelerator(name: str) -> Accelerator:
     first call): measured matmul peaks and read bandwidth, its RAM as capacity, no links.
     Any other unknown name is a ValueError listing the known ones.
     """
-    if name.strip().lower() in _LOCAL_NAMES:
+    if is_local(name):
         return local_accelerator(calibrate(device="cpu"))
     return _table_accelerator(name)
 
