@@ -455,7 +455,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
-        """Mean loss over the first `eval.num_batches` micro-batches of the held-out split."""
+        """Mean loss over the first `eval.num_batches` global batches of the held-out split (as
+        many as it holds, at least one: the loader is off below that)."""
         assert self.val_loader is not None
         start = time.perf_counter()
         self.val_loader.load_state_dict({**self.val_loader.state_dict(), "epoch": 0, "position": 0})
