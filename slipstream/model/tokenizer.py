@@ -120,6 +120,8 @@ class Tokenizer:
         eos_ids = [self.eos_token_id] if self.eos_token_id is not None else []
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos_ids, *extra_eos_token_ids]))
         self._compiled_templates: dict[str, jinja2.Template] = {}
+        self._token_bytes: dict[int, bytes] = {}
+        """`token_bytes` of the ids asked for so far."""
 
     def _require_id(self, token: str) -> int:
         token_id = self.backend.token_to_id(token)
@@ -417,10 +419,6 @@ class Tokenizer:
                             else self.decode([token_id]))
                 cache[token_id] = self._piece_bytes(token_id, text) if "\ufffd" in text else text.encode()
         return [cache[i] for i in token_ids]
-
-    @functools.cached_property
-    def _token_bytes(self) -> dict[int, bytes]:
-        return {}
 
     @functools.cached_property
     def _anchor(self) -> int | None:

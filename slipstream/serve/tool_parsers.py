@@ -63,18 +63,31 @@ class ParsedReply:
     tool_calls: list[dict[str, Any]]
 
 
-class HermesToolParser:
-    """The "hermes" format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
+class _MarkedCalls:
+    """A format whose calls begin at a marker (`MARKER`): where they start, and how much of a
+    growing reply's tail may be the marker's beginning."""
+
+    MARKER: str
 
     def stream(self) -> WholeCallsStream:
         return WholeCallsStream(self)
 
     def calls_start(self, text: str) -> int | None:
-        start = text.find(START)
+        start = text.find(self.MARKER)
         return None if start < 0 else start
 
     def held_tail(self, text: str) -> int:
-        return _partial_tag_length(text)
+        """The length of the longest tail of `text` that begins the marker."""
+        for length in range(min(len(self.MARKER) - 1, len(text)), 0, -1):
+            if self.MARKER.startswith(text[-length:]):
+                return length
+        return 0
+
+
+class HermesToolParser(_MarkedCalls):
+    """The "hermes" format: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
+
+    MARKER = START
 
     def parse(self, text: str) -> ParsedReply:
         if START not in text:
@@ -98,14 +111,6 @@ class _SentContent:
             return {}
         piece, self.end = text[self.end:end], end
         return {"content": piece}
-
-
-def _partial_tag_length(text: str, tag: str = START) -> int:
-    """The length of the longest tail of `text` that begins `tag`."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0
 
 
 class Llama3JsonToolParser:
@@ -142,19 +147,11 @@ class Llama3JsonToolParser:
         return ParsedReply(None, calls)
 
 
-class MistralToolParser:
+class MistralToolParser(_MarkedCalls):
     """The "mistral" format: content, then `[TOOL_CALLS]` and a JSON list of calls, or
     `[TOOL_CALLS]name[ARGS]{...}` once per call (`[CALL_ID]id` may follow the name)."""
 
-    def stream(self) -> WholeCallsStream:
-        return WholeCallsStream(self)
-
-    def calls_start(self, text: str) -> int | None:
-        start = text.find(TOOL_CALLS)
-        return None if start < 0 else start
-
-    def held_tail(self, text: str) -> int:
-        return _partial_tag_length(text, TOOL_CALLS)
+    MARKER = TOOL_CALLS
 
     def parse(self, text: str) -> ParsedReply:
         start = self.calls_start(text)
@@ -188,7 +185,7 @@ class WholeCallsStream:
     out until the calls begin (a tail that may begin them held back); the rest waits for the end,
     then goes out as calls, or as content where it holds none."""
 
-    def __init__(self, parser: HermesToolParser | Llama3JsonToolParser | MistralToolParser) -> None:
+    def __init__(self, parser: _MarkedCalls | Llama3JsonToolParser) -> None:
         self._parser = parser
         self._content = _SentContent()
         self.num_calls = 0
