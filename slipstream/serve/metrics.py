@@ -37,9 +37,6 @@ class _Progress:
     num_tokens: list[int]
     """Tokens seen so far, per completion."""
     last_token_time_s: float
-    first_token_seen: bool = False
-    """Whether its prompt and time to first token are counted (outputs with only prompt logprobs
-    come before the first token)."""
 
 
 class ServerMetrics:
@@ -116,14 +113,14 @@ class ServerMetrics:
     def _observe_output(self, output: RequestOutput, now: float) -> None:
         progress = self._progress.get(output.request_id)
         num_tokens = [len(c.token_ids) for c in output.outputs]
-        if progress is None:
+        # A request is followed from its first token: outputs before it (prompt logprobs of a
+        # chunked prefill) have no tokens to count.
+        if progress is None and output.metrics.first_token_time_s is not None:
             progress = _Progress(num_tokens=[0] * len(num_tokens), last_token_time_s=now)
             self._progress[output.request_id] = progress
-        if not progress.first_token_seen and output.metrics.first_token_time_s is not None:
-            progress.first_token_seen = True
             self.prompt_tokens.inc(len(output.prompt_token_ids))
             self.ttft.observe(output.metrics.time_to_first_token_s)
-        num_new = sum(num_tokens) - sum(progress.num_tokens)
+        num_new = 0 if progress is None else sum(num_tokens) - sum(progress.num_tokens)
         if num_new > 0:
             if sum(progress.num_tokens) > 0:
                 self.itl.observe(now - progress.last_token_time_s)
@@ -132,7 +129,7 @@ class ServerMetrics:
             progress.last_token_time_s = now
         if output.finished:
             self._observe_finished(output)
-            del self._progress[output.request_id]
+            self._progress.pop(output.request_id, None)
 
     def _observe_embedding(self, output: EmbeddingRequestOutput) -> None:
         """An embedding (always final): its prompt, its request and its times, as vLLM counts a
