@@ -120,12 +120,11 @@ def _literal(value: Any) -> str:
     return re.escape(json.dumps(value, ensure_ascii=False))
 
 
-def _checked(text: str, where: str, size: int | None = None) -> str:
-    """`text`, unless it (or `size`, a whole being assembled) passes MAX_REGEX_CHARS."""
-    if (len(text) if size is None else size) > MAX_REGEX_CHARS:
+def _checked(size: int, where: str) -> None:
+    """A ValueError once a regular expression (or a whole being assembled) passes MAX_REGEX_CHARS."""
+    if size > MAX_REGEX_CHARS:
         raise ValueError(f"{where}: the schema's regular expression would pass {MAX_REGEX_CHARS:,} "
                          "characters")
-    return text
 
 
 def _sequence(item: str, low: int, high: int | None) -> str:
@@ -162,7 +161,9 @@ class _Writer:
 
     def regex(self, schema: Any, where: str, refs_left: int) -> str:
         """The regex of `schema` (at `where`, for errors), following at most `refs_left` more $refs."""
-        return _checked(self._regex(schema, where, refs_left), where)
+        regex = self._regex(schema, where, refs_left)
+        _checked(len(regex), where)
+        return regex
 
     def _regex(self, schema: Any, where: str, refs_left: int) -> str:
         if schema is True or schema == {}:
@@ -269,8 +270,9 @@ class _Writer:
         for k in range(first_required + 1):
             rest = "".join(f"{separator}{member}" if needed else f"(?:{separator}{member})?"
                            for member, needed in members[k + 1:])
-            size += len(rest)
-            options.append(_checked(members[k][0] + rest, where, size))
+            options.append(members[k][0] + rest)
+            size += len(options[-1])
+            _checked(size, where)
         body = "(?:" + "|".join(options) + ")"
         if not required:
             body += "?"
