@@ -96,40 +96,44 @@ def _worker(rank: int, world_size: int, backend: str, port: int, sizes: list[int
         for name in collectives:
             for size in sizes:
                 try:
-                    run, num_bytes = _operation(name, size, world_size, device)
+                    run = _operation(name, size, world_size, device)
                     elapsed = _time(run, iterations, warmup, device)
                 except (RuntimeError, ValueError, NotImplementedError) as e:
                     errors[name] = str(e).splitlines()[0][:200]
                     break
-                timings.append((name, num_bytes, world_size, elapsed))
+                timings.append((name, 4 * _count(size, world_size), world_size, elapsed))
     finally:
         if rank == 0:
             queue.put((timings, errors))
         dist.destroy_process_group()
 
 
-def _operation(name: str, size_bytes: int, n: int, device: Any) -> tuple[Any, int]:
-    """A zero-argument callable running collective `name` on an fp32 array of about `size_bytes`
-    (a multiple of n elements, at least n), and that array's actual bytes."""
+def _count(size_bytes: int, n: int) -> int:
+    """The fp32 elements a collective of about `size_bytes` over n ranks moves: a multiple of n,
+    at least n (its bytes are what the timings report)."""
+    return max(size_bytes // 4 // n * n, n)
+
+
+def _operation(name: str, size_bytes: int, n: int, device: Any) -> Any:
+    """A zero-argument callable running collective `name` on `_count(size_bytes, n)` fp32s."""
     import torch
     import torch.distributed as dist
 
-    count = max(size_bytes // 4 // n * n, n)  # float32 elements, divisible by n
+    count = _count(size_bytes, n)
     full = torch.ones(count, device=device)
     shard = torch.ones(count // n, device=device)
-    num_bytes = count * 4
     if name == "all_reduce":
-        return (lambda: dist.all_reduce(full)), num_bytes
+        return lambda: dist.all_reduce(full)
     if name == "all_gather":  # the *_single names replace *_into_tensor / *_tensor in torch 2.13
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return (lambda: gather(full, shard)), num_bytes
+        return lambda: gather(full, shard)
     if name == "reduce_scatter":
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return (lambda: scatter(shard, full)), num_bytes
+        return lambda: scatter(shard, full)
     if name == "all_to_all":
         out = torch.empty_like(full)
-        return (lambda: dist.all_to_all_single(out, full)), num_bytes
-    return (lambda: dist.broadcast(full, src=0)), num_bytes
+        return lambda: dist.all_to_all_single(out, full)
+    return lambda: dist.broadcast(full, src=0)
 
 
 def _time(run: Any, iterations: int, warmup: int, device: Any) -> float:

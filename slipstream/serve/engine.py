@@ -21,7 +21,6 @@ import functools
 import gc
 import itertools
 import logging
-import os
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -727,8 +726,7 @@ def _derive_limits(
         max_model_len = config.max_model_len
     bytes_per_block = config.block_size * kv_cache_bytes_per_token(model_config, dtype_name(dtype))
     if config.kv_cache_memory is not None:
-        total = (torch.cuda.mem_get_info(device)[1] if device.type == "cuda"
-                 else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else host_memory()[0]
         if config.kv_cache_memory > total:
             raise ValueError(f"kv_cache_memory of {config.kv_cache_memory / 2**30:.1f} GiB is more than "
                              f"the {total / 2**30:.1f} GiB of memory this {device.type} device has")

@@ -188,12 +188,13 @@ def _check_listed(path: Path, files: dict[str, Any], names: Iterable[str]) -> No
             raise CorruptCheckpointError(f"{path}: {MANIFEST} does not list {name}")
 
 
-def newest_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint that verifies (or None), and why each newer one was skipped."""
+def newest_checkpoint(run_dir: str | Path, *, checksums: bool = True) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that verifies (or None), and why each newer one was skipped
+    (`checksums`: as `verify_checkpoint`)."""
     skipped = []
     for _, path in reversed(list_checkpoints(run_dir)):
         try:
-            verify_checkpoint(path)
+            verify_checkpoint(path, checksums=checksums)
             return path, skipped
         except CorruptCheckpointError as e:
             logger.warning("skipping checkpoint: %s", e)

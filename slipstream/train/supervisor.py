@@ -197,21 +197,10 @@ def _check_checkpoint_shape(config: TrainConfig) -> None:
 def _check_some_checkpoint_loads(config: TrainConfig) -> None:
     """ValueError when run.dir holds checkpoints and none has its manifest and files at their
     sizes (the checksums are the workers' to compare): every restart would fail on it."""
-    from slipstream.train.checkpoint import (
-        CorruptCheckpointError,
-        list_checkpoints,
-        none_verifies,
-        verify_checkpoint,
-    )
+    from slipstream.train.checkpoint import newest_checkpoint, none_verifies
 
-    skipped = []
-    for _, path in reversed(list_checkpoints(config.run.dir)):
-        try:
-            verify_checkpoint(path, checksums=False)
-            return
-        except CorruptCheckpointError as error:
-            skipped.append(str(error))
-    if skipped:
+    path, skipped = newest_checkpoint(config.run.dir, checksums=False)
+    if path is None and skipped:
         raise none_verifies(config.run.dir, skipped)
 
 
