@@ -403,7 +403,8 @@ class Tokenizer:
         the leading space of a text's first token (SentencePiece's "▁the" alone decodes to
         "the"), except for a token that holds part of a multi-byte character, whose text is
         U+FFFD: then its own bytes, from its byte-level BPE form or its byte-fallback piece."""
-        return self.tokens_bytes([token_id])[0]
+        cached = self._token_bytes.get(token_id)  # per logprob of every token: the common case
+        return cached if cached is not None else self.tokens_bytes([token_id])[0]
 
     def tokens_bytes(self, token_ids: Sequence[int]) -> list[bytes]:
         """`token_bytes` of each id, in one decoding call (each id's bytes kept for the next)."""
