@@ -78,9 +78,59 @@ def test_closing_a_stream_aborts_and_frees_blocks(engine):
     assert not engine.has_unfinished_requests()
 
 
+async def collect(stream) -> list:
+    return [output async for outputs in stream for output in outputs]
+
+
+def test_abort_ends_the_stream_with_finish_reason_abort(engine):
+    """AsyncEngine.abort, as vLLM's: whoever reads the request's stream gets a final output of
+    finish reason "abort" rather than waiting forever."""
+    async def main():
+        loop_engine = AsyncEngine(engine, max_waiting=16)
+        loop_engine.start()
+        stream = await loop_engine.add({"a": [5, 6, 7]}, PARAMS, arrival_time_s=time.monotonic())
+        [first] = await stream.get()
+        loop_engine.abort(["a"])
+        outputs = await asyncio.wait_for(collect(stream), timeout=10)
+        await loop_engine.stop()
+        return first, outputs[-1]
+
+    first, last = asyncio.run(main())
+    assert not first.finished
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    assert 0 < len(last.outputs[0].token_ids) < PARAMS.max_tokens
+
+
+def test_cancelling_the_task_that_iterates_a_stream_aborts_the_request(engine):
+    """`async for` over a stream aborts its request when the reading task is cancelled, as vLLM's
+    AsyncLLM.generate does: the blocks come back without anyone calling close()."""
+    async def main():
+        loop_engine = AsyncEngine(engine, max_waiting=16)
+        loop_engine.start()
+        stream = await loop_engine.add({"a": [5, 6, 7]}, PARAMS, arrival_time_s=time.monotonic())
+        first_output = asyncio.Event()
+
+        async def read():
+            async for _ in stream:
+                first_output.set()
+
+        reader = asyncio.create_task(read())
+        await first_output.wait()
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        stats = lambda: loop_engine.stats  # noqa: E731
+        await wait_until(lambda: stats().num_running == 0 and stats().num_used_blocks == 0)
+        await loop_engine.stop()
+
+    asyncio.run(main())
+    assert not engine.has_unfinished_requests()
+
+
 def test_failing_step_fails_requests_in_flight_and_the_loop_goes_on(engine, monkeypatch):
     """An exception inside Engine.step() is logged, the requests in flight get EngineError and lose
-    their blocks, and the next request is served normally."""
+    their blocks (their final outputs, for the metrics, end as "error", vLLM's finish reason for
+    a request an engine error ended), and the next request is served normally."""
     real_step = engine.step
     calls = []
 
@@ -92,8 +142,10 @@ def test_failing_step_fails_requests_in_flight_and_the_loop_goes_on(engine, monk
 
     monkeypatch.setattr(engine, "step", step_failing_once)
 
+    seen = []
+
     async def main():
-        loop_engine = AsyncEngine(engine, max_waiting=16)
+        loop_engine = AsyncEngine(engine, max_waiting=16, on_step=lambda outputs, _: seen.extend(outputs))
         loop_engine.start()
         with pytest.raises(EngineError):
             await run_to_end(loop_engine, "doomed", [8, 9, 10])
@@ -104,6 +156,8 @@ def test_failing_step_fails_requests_in_flight_and_the_loop_goes_on(engine, monk
 
     output = asyncio.run(main())
     assert output.finished and len(output.outputs[0].token_ids) == PARAMS.max_tokens
+    [doomed] = [o for o in seen if o.request_id == "doomed" and o.finished]
+    assert doomed.outputs[0].finish_reason == "error"
 
 
 def test_metrics_count_a_chunked_prompt_with_prompt_logprobs_once(model_dir):

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from slipstream.serve.engine import Engine
 from slipstream.serve.pooling import EmbeddingRequestOutput, PoolingParams
@@ -124,10 +124,21 @@ class RequestStream:
         self._unfinished.difference_update(o.request_id for o in newest.values() if o.finished)
         return list(newest.values())
 
+    async def __aiter__(self) -> AsyncIterator[list[Output]]:
+        """Each `get` until every prompt has finished. Leaving early (a break, an exception, a
+        cancelled task) closes the stream, so its unfinished prompts are aborted, as vLLM's
+        `AsyncLLM.generate` aborts its request; a caller of `get` must call `close` itself."""
+        try:
+            while not self.finished:
+                yield await self.get()
+        finally:
+            self.close()
+
     def close(self) -> None:
-        """Abort the prompts that are not finished (the client went away or the server stops)."""
+        """Abort the prompts that are not finished, whose outputs no one will read any more (the
+        client went away or the server stops)."""
         if self._unfinished:
-            self._engine.abort(sorted(self._unfinished))
+            self._engine.abort(sorted(self._unfinished), notify=False)
             self._unfinished.clear()
 
 
@@ -209,10 +220,13 @@ class AsyncEngine:
             raise
         return stream
 
-    def abort(self, request_ids: list[str]) -> None:
-        """Abort requests (their KV blocks are freed before the next step); unknown ids are ignored."""
-        for request_id in request_ids:
-            self._streams.pop(request_id, None)
+    def abort(self, request_ids: list[str], *, notify: bool = True) -> None:
+        """Abort requests (their KV blocks are freed before the next step); unknown ids are ignored.
+        Their streams end with an output of finish reason "abort", or, with notify=False, hear
+        nothing more."""
+        if not notify:
+            for request_id in request_ids:
+                self._streams.pop(request_id, None)
         self._commands.put(_Abort(request_ids))
 
     def abort_all(self) -> None:
@@ -308,22 +322,22 @@ class AsyncEngine:
         self._active.update(added)
         command.accepted.set_result(None)
 
-    def _abort(self, request_ids: list[str] | None) -> list[Output]:
+    def _abort(self, request_ids: list[str] | None, reason: str = "abort") -> list[Output]:
         request_ids = sorted(self._active) if request_ids is None else request_ids
-        outputs = self.engine.abort_request(request_ids)
+        outputs = self.engine.abort_request(request_ids, reason)
         self._active.difference_update(request_ids)
         return outputs
 
     def _step(self) -> tuple[list[Output], list[str]]:
-        """One engine step; when it raises, the requests in flight fail (their abort outputs still
-        go out, for the metrics) and the loop goes on."""
+        """One engine step; when it raises, the requests in flight fail (their final outputs, of
+        finish reason "error", still go out, for the metrics) and the loop goes on."""
         try:
             return self.engine.step(), []
         except Exception:
             logger.exception("engine step failed; failing the %d requests in flight", len(self._active))
             failed = sorted(self._active)
             try:
-                return self._abort(failed), failed
+                return self._abort(failed, reason="error"), failed
             except Exception:
                 logger.exception("aborting the failed requests failed too")
                 self._active.clear()

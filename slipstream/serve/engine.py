@@ -418,23 +418,25 @@ class Engine:
             raise ValueError(f"allowed_token_ids {list(params.allowed_token_ids)[:16]} are all masked "
                              f"({' or '.join(reasons)}): nothing is left to sample")
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput | EmbeddingRequestOutput]:
+    def abort_request(self, request_ids: str | Iterable[str],
+                      reason: str = "abort") -> list[RequestOutput | EmbeddingRequestOutput]:
         """Stop requests now and free their KV blocks; returns their final outputs (finish
-        reason "abort" for completions still running, and for embeddings). Unknown or finished
-        ids are ignored."""
+        reason `reason` for completions still running, and for embeddings: "abort", or "error"
+        for requests failed by an engine error, as vLLM's FinishReason). Unknown or finished ids
+        are ignored."""
         outputs = []
         now = time.monotonic()
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             job = self._pooling.pop(request_id, None)
             if job is not None:
                 self.scheduler.abort(request_id)
-                outputs.append(job.aborted(now))
+                outputs.append(job.aborted(now, reason))
             entry = self._prompts.pop(request_id, None)
             if entry is None:
                 continue
             self.scheduler.abort(entry.internal_ids)
             for internal_id, sequence in zip(entry.internal_ids, entry.sequences, strict=True):
-                sequence.finish("abort")
+                sequence.finish(reason)
                 self._sequences.pop(internal_id, None)
             entry.metrics.finished_time_s = now
             outputs.append(entry.to_request_output())

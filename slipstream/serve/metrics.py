@@ -73,7 +73,7 @@ class ServerMetrics:
                                              "model's own choice confirmed.")
         self.success = Counter(PREFIX + "request_success", "Finished completions by finish reason.",
                                ["model_name", "finished_reason"], registry=self.registry)
-        for reason in ("stop", "length", "abort"):  # exported at 0 from the start, as vLLM's
+        for reason in ("stop", "length", "abort", "error"):  # exported at 0 from the start, as vLLM's
             self.success.labels(model_name, reason)
         self._progress: dict[str, _Progress] = {}
         self._last_stats = EngineStats(time_s=0.0)
@@ -134,7 +134,7 @@ class ServerMetrics:
     def _observe_embedding(self, output: EmbeddingRequestOutput) -> None:
         """An embedding (always final): its prompt, its request and its times, as vLLM counts a
         pooling request's."""
-        if output.finish_reason != "abort":
+        if output.finish_reason not in ("abort", "error"):
             self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.success.labels(self._model_name, output.finish_reason).inc()
         if output.metrics.e2e_latency_s is not None:

@@ -160,7 +160,8 @@ class EmbeddingRequestOutput:
     metrics: RequestMetrics
     finished: bool = True
     finish_reason: str = "stop"
-    """"abort" for a request aborted before its embedding (which is then empty)."""
+    """"abort" for a request aborted before its embedding (which is then empty), "error" where a
+    server's engine failed while running it."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -179,10 +180,11 @@ class PoolingJob:
         self.metrics.first_token_time_s = self.metrics.finished_time_s = now
         return self._output(pooler.embedding(self.pool.result(), self.params), "stop")
 
-    def aborted(self, now: float) -> EmbeddingRequestOutput:
-        """The output of the request aborted before its embedding: empty, finish reason "abort"."""
+    def aborted(self, now: float, reason: str = "abort") -> EmbeddingRequestOutput:
+        """The output of the request stopped before its embedding: empty, with the reason given
+        ("abort", or "error" where the engine failed)."""
         self.metrics.finished_time_s = now
-        return self._output([], "abort")
+        return self._output([], reason)
 
     def _output(self, embedding: list[float], finish_reason: str) -> EmbeddingRequestOutput:
         return EmbeddingRequestOutput(request_id=self.request_id, outputs=EmbeddingOutput(embedding),

@@ -365,7 +365,8 @@ class CompletionOutput:
     token_ids: list[int]
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None
-    """"stop" (end-of-sequence, stop token or stop string), "length" or "abort"."""
+    """"stop" (end-of-sequence, stop token or stop string), "length", "abort", or "error" where a
+    server's engine failed while running it."""
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended it, if any."""
     cumulative_logprob: float | None = None

@@ -532,8 +532,8 @@ class OpenAIServer:
         """The final outputs of the stream's prompts, in order. A disconnect aborts them."""
         async def final_outputs() -> list[RequestOutput]:
             latest: dict[str, RequestOutput] = {}
-            while not stream.finished:
-                for output in await stream.get():
+            async for outputs in stream:
+                for output in outputs:
                     latest[output.request_id] = output
             return [latest[request_id] for request_id in stream.request_ids]
 
@@ -557,8 +557,8 @@ class OpenAIServer:
         try:
             for event in chunks.opening():
                 yield event
-            while not stream.finished:
-                for output in await stream.get():
+            async for outputs in stream:
+                for output in outputs:
                     latest[output.request_id] = output
                     for event in chunks.events(output):
                         yield event
