@@ -222,6 +222,37 @@ def test_server_still_serves_after_bad_requests(http):
         assert response.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_null_fields_take_their_defaults(http):
+    """OpenAI's optional fields are nullable and vLLM reads a null as the default: `stream`, `n`,
+    `echo`, chat's `logprobs` and `stream_options`' flags are 200s, and completions'
+    `"max_tokens": null` is the default 16 tokens, not the rest of the context."""
+    nulls = dict.fromkeys(("stream", "n", "echo", "ignore_eos", "min_tokens", "skip_special_tokens"))
+    response = http.post(COMPLETIONS, json=completion(max_tokens=None, temperature=0, **nulls))
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] <= 16
+    response = http.post(CHAT, json=chat(max_tokens=2, stream=None, n=None, logprobs=None,
+                                         add_generation_prompt=None))
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 1
+    response = http.post(CHAT, json=chat(max_tokens=None, stream=True,
+                                         stream_options={"include_usage": None}))
+    assert response.status_code == 200, response.text
+    response = http.post(COMPLETIONS, json=completion(prompt=None))
+    assert_openai_error(response, 400, "prompt")
+
+
+def test_context_overflow_is_worded_as_openai_and_vllm(http):
+    """Clients detect an overflow by OpenAI's code or by the phrase "maximum context length is N
+    tokens" (vLLM's and OpenAI's wording), and read N from it."""
+    for body, param in ((completion(prompt=[7] * (MAX_MODEL_LEN + 10)), "prompt"),
+                        (completion(prompt=[7] * 10, max_tokens=MAX_MODEL_LEN), "max_tokens"),
+                        (chat(max_tokens=None, max_completion_tokens=10**5), "max_completion_tokens")):
+        response = http.post(COMPLETIONS if "prompt" in body else CHAT, json=body)
+        error = assert_openai_error(response, 400, param)
+        assert error["code"] == "context_length_exceeded"
+        assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"]
+
+
 def test_a_bug_gets_a_500_that_closes_the_connection(model_dir, monkeypatch):
     """An unexpected exception (a bug) is an OpenAI-shaped 500 that tells the client to close the
     connection, which uvicorn drops after it; the client's next request goes out on a new one."""

@@ -19,7 +19,7 @@ import json
 import os
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from slipstream.model.chat_template import RESERVED_TEMPLATE_KWARGS
 from slipstream.serve.beam_search import BeamSearchParams
@@ -80,6 +80,18 @@ nothing; any other value (None, an empty list or dict aside) is a 400."""
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """An explicit null asks for the default, as OpenAI's spec marks optional fields nullable
+        and vLLM reads them (`"stream": null`, `"n": null`; completions' `"max_tokens": null` is
+        16). Fields whose default is None keep their null."""
+        if not isinstance(data, dict):
+            return data
+        return {name: value for name, value in data.items()
+                if value is not None or name not in cls.model_fields
+                or cls.model_fields[name].is_required() or cls.model_fields[name].default is None}
 
     def check_supported(self) -> None:
         """A 400 for what the body asks that the server cannot honour (nothing, unless it says)."""

@@ -463,17 +463,23 @@ class OpenAIServer:
                        prompt_param: str, max_tokens_param: str) -> None:
         """As vLLM: the prompt plus the max_tokens a request asks for must fit the context (the
         engine would silently cap it), and so must min_tokens when it asks for none (a default
-        from the generation config is capped at the context, as in vLLM)."""
+        from the generation config is capped at the context, as in vLLM). The 400 is worded as
+        OpenAI's and vLLM's ("This model's maximum context length is N tokens"), with OpenAI's
+        code, which clients match to detect an overflow."""
         if num_prompt_tokens >= self.max_model_len:
-            raise protocol.bad_request(
-                f"the prompt has {num_prompt_tokens} tokens, but the model's context length is "
-                f"{self.max_model_len} (prompt and output together)", prompt_param)
+            raise APIError(
+                400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt contains {num_prompt_tokens} input tokens, which leaves no room for "
+                "output tokens. Please reduce the length of the input prompt.",
+                param=prompt_param, code="context_length_exceeded")
         wanted, param = ((max_tokens, max_tokens_param) if max_tokens is not None
                          else (min_tokens, "min_tokens"))
         if num_prompt_tokens + wanted > self.max_model_len:
-            raise protocol.bad_request(
-                f"the model's context length is {self.max_model_len} tokens, but the prompt has "
-                f"{num_prompt_tokens} and {param} asks for {wanted} more", param)
+            raise APIError(
+                400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {num_prompt_tokens + wanted} tokens ({num_prompt_tokens} in the prompt, "
+                f"{wanted} for the completion: '{param}' is too large). Please reduce the length of "
+                f"the prompt or '{param}'.", param=param, code="context_length_exceeded")
 
     async def _submit(self, response_id: str, prompts: list[list[int]], params: SamplingParams,
                       arrival_time_s: float, params_named: dict[str, str]) -> RequestStream:
