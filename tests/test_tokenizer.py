@@ -552,6 +552,24 @@ def test_detokenizer_after_prompt(tokenizer):
     assert "".join(deltas) == "assistant\n😀 是 emoji。"
 
 
+@pytest.mark.parametrize("text", ["😀😀 hello", "日本語 hello world", "…こんにちは, x", "é😀中 a😀"])
+def test_detokenizer_after_a_prompt_ending_in_byte_tokens(llama2_layout_json, text):
+    """Byte-fallback tokens (Llama 2's, Mistral's): a prompt whose last characters are spelled in
+    byte tokens, cut at every point, streams exactly the text the generated ids add, never a
+    U+FFFD that belongs to a character the detokenizer's window starts inside."""
+    ours = Tokenizer(tokenizers.Tokenizer.from_file(str(llama2_layout_json)))
+    ids = ours.encode(text, add_special_tokens=False)
+    assert any(ours.id_to_token(i).startswith("<0x") for i in ids)
+    for cut in range(1, len(ids)):
+        prompt_ids, generated_ids = ids[:cut], ids[cut:]
+        deltas = _stream(ours, generated_ids, prompt_ids)
+        # The prompt's text is its finished characters (a token-id prompt may end inside one).
+        full = b"".join(ours.tokens_bytes(ids)).decode()
+        prompt = b"".join(ours.tokens_bytes(prompt_ids)).decode(errors="ignore")
+        assert "".join(deltas) == full[len(prompt):], cut
+        assert not any("\ufffd" in delta for delta in deltas), cut
+
+
 class _CountingTokenizer:
     """Wraps a Tokenizer and records how many ids each decode call received."""
 
@@ -562,6 +580,9 @@ class _CountingTokenizer:
     def decode(self, ids, skip_special_tokens=False):
         self.decoded_lengths.append(len(ids))
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id):
+        return self.tokenizer.token_bytes(token_id)
 
 
 def test_detokenizer_cost_does_not_grow(tokenizer):

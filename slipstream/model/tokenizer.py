@@ -534,6 +534,18 @@ def _use_llama_pipeline(backend: tokenizers.Tokenizer, config: Mapping[str, Any]
     backend.decoder = decoders.Sequence(steps)
 
 
+def _starts_inside_a_character(data: bytes) -> bool:
+    """Whether `data` starts with a UTF-8 continuation byte."""
+    return bool(data) and 0x80 <= data[0] < 0xC0
+
+
+def _is_unfinished_character(data: bytes) -> bool:
+    """Whether `data` is the start of one multi-byte UTF-8 character, without its last bytes."""
+    lead = data[0] if data else 0
+    needed = 4 if lead >= 0xF0 else 3 if lead >= 0xE0 else 2 if lead >= 0xC0 else 0
+    return len(data) < needed and all(0x80 <= byte < 0xC0 for byte in data[1:])
+
+
 class IncrementalDetokenizer:
     """Turns ids pushed one at a time into text deltas that are always valid UTF-8.
 
@@ -556,11 +568,24 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._window_ids = list(prompt_ids[-_DETOKENIZE_CONTEXT_TOKENS:])
-        self._num_prefix_ids = len(self._window_ids)
-        # A prompt that ends inside a character decodes to a trailing U+FFFD; dropping it lets the
-        # completed character appear in the first delta instead of being swallowed.
-        self._prefix_text = self._decode(self._window_ids).rstrip("\ufffd")
+        # The window of prompt ids starts and ends at characters, as far as tokens allow: one that
+        # starts inside a character's byte tokens would decode to U+FFFDs, taken for output (a
+        # byte-fallback decoder makes them of the whole byte run), and a character the prompt
+        # leaves unfinished stays pending, so that the ids completing it complete its text.
+        start = max(0, len(prompt_ids) - _DETOKENIZE_CONTEXT_TOKENS)
+        for _ in range(_UTF8_MAX_BYTES - 1):
+            if start == 0 or not _starts_inside_a_character(tokenizer.token_bytes(prompt_ids[start])):
+                break
+            start -= 1
+        window = self._window_ids = list(prompt_ids[start:])
+        self._num_prefix_ids = len(window)
+        for num_pending in range(1, min(_UTF8_MAX_BYTES, len(window) + 1)):
+            if _is_unfinished_character(b"".join(map(tokenizer.token_bytes, window[-num_pending:]))):
+                self._num_prefix_ids -= num_pending
+                break
+        # A token that ends inside a character after a whole one (byte-level BPE) decodes to a
+        # trailing U+FFFD; dropping it lets the finished character appear in the first delta.
+        self._prefix_text = self._decode(self._window_ids[: self._num_prefix_ids]).rstrip("\ufffd")
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
