@@ -309,7 +309,11 @@ def test_eos_stops_and_ignore_eos_continues(llm):
     prompt = [[11, 12, EOS_TRIGGER_ID]]  # the model answers <|im_end|> after EOS_TRIGGER_ID
     stopped = generate_one(llm, prompt, greedy(ignore_eos=False))
     assert stopped.token_ids == [2]
-    assert (stopped.finish_reason, stopped.stop_reason, stopped.text) == ("stop", None, "")
+    # <|im_end|> is an end-of-sequence id of generation_config.json, not the tokenizer's own (0):
+    # vLLM adds those to stop_token_ids, so it is the stop_reason; the tokenizer's EOS is none.
+    assert (stopped.finish_reason, stopped.stop_reason, stopped.text) == ("stop", 2, "")
+    own_eos = generate_one(llm, prompt, greedy(ignore_eos=False, logit_bias={0: 100.0}))
+    assert (own_eos.token_ids, own_eos.finish_reason, own_eos.stop_reason) == ([0], "stop", None)
     ignored = generate_one(llm, prompt, greedy(ignore_eos=True, max_tokens=6))
     assert ignored.token_ids[0] == 2
     assert len(ignored.token_ids) == 6

@@ -618,8 +618,8 @@ class Engine:
             entry.metrics.first_token_time_s = now
         if logprobs is not None:
             for token, logprob in logprobs.items():
-                logprob.decoded_token = self.tokenizer.decode([token], skip_special_tokens=False)
                 logprob.token_bytes = self.tokenizer.token_bytes(token)
+                logprob.decoded_token = logprob.token_bytes.decode(errors="replace")
         if request.guide is not None:
             request.guide_state = request.guide.advance(request.guide_state, token_id)
         params = request.sampling_params
@@ -632,7 +632,12 @@ class Engine:
                 self.scheduler.finish(request.request_id, "stop")
             sequence.finish("stop", stop)
         elif request.is_finished:
-            stop_token = token_id if ended_by_token and token_id in params.stop_token_ids else None
+            # As vLLM, which adds generation_config.json's end-of-sequence ids to stop_token_ids:
+            # the tokenizer's own EOS is no stop_reason, any other that ended it is (Llama 3.1's
+            # <|eom_id|> tells a pending tool call from <|eot_id|>).
+            stop_token = (token_id if ended_by_token and (token_id in params.stop_token_ids
+                                                          or token_id != self.tokenizer.eos_token_id)
+                          else None)
             sequence.finish(request.finish_reason, stop_token)
         if sequence.finish_reason is not None:
             self._sequences.pop(request.request_id, None)
@@ -671,8 +676,8 @@ class Engine:
         tensors = prompt_logprobs(logits[:num_positions], next_ids, num_top)
         for position in tensors.to_position_logprobs([num_top] * num_positions):
             for token, logprob in position.items():
-                logprob.decoded_token = self.tokenizer.decode([token], skip_special_tokens=False)
                 logprob.token_bytes = self.tokenizer.token_bytes(token)
+                logprob.decoded_token = logprob.token_bytes.decode(errors="replace")
             entry.prompt_logprobs.append(position)
         return entry
 
