@@ -21,7 +21,7 @@ from serve_fixtures import dense_logprobs
 from server_process import API_KEY, ENGINE_ARGS, MAX_MODEL_LEN, MODEL_NAME, ServerProcess, metric_values
 
 from slipstream import LLM, BeamSearchParams, SamplingParams
-from slipstream.serve import protocol, responses
+from slipstream.serve import json_schema, protocol, responses
 from slipstream.serve.request import CompletionOutput, RequestMetrics, RequestOutput
 from slipstream.serve.server import ServerConfig
 from slipstream.serve.structured import StructuredOutputsParams
@@ -729,9 +729,10 @@ def test_required_tool_choice_returns_the_calls_of_the_constrained_list(client, 
     """vLLM's "required": the output is a JSON list of {"name", "parameters"} calls, each of one of
     the tools (the offline engine under vLLM's schema gives the same text), returned as tool_calls
     with JSON arguments and finish reason "tool_calls"; a list cut short by max_tokens is content."""
-    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
-        {"properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
-                        "parameters": tool["function"]["parameters"]}, "required": ["name", "parameters"]}
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"type": "object", "required": ["name", "parameters"],
+         "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
+                        "parameters": tool["function"]["parameters"]}}
         for tool in (WEATHER, PICK)]}}
     for max_tokens in (60, 4):
         [expected] = llm.chat(MESSAGES, constrained(max_tokens, schema), tools=[WEATHER, PICK],
@@ -782,6 +783,57 @@ def test_tool_calls_and_results_in_the_history_reach_the_chat_template(client, l
     prompt = hf.apply_chat_template(as_template_sees, tools=[WEATHER, PICK], add_generation_prompt=True,
                                     tokenize=True, return_dict=False)
     assert response.usage.prompt_tokens == len(prompt)
+
+
+CITY_MODEL = {"type": "object", "properties": {"name": {"enum": ["Oslo", "Rome"]}}, "required": ["name"]}
+BOOK = {"type": "function", "function": {"name": "book", "parameters": {  # as pydantic writes a model
+    "$defs": {"City": CITY_MODEL}, "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}},
+    "required": ["city"]}}}
+
+
+def required_schema(**body) -> dict:
+    request = protocol.ChatCompletionRequest(messages=MESSAGES, tool_choice="required", **body)
+    request.check_supported()
+    return request.tool_schema()
+
+
+def test_required_tool_choice_schema_compiles_without_llguidance():
+    """The "required" list's schema is one the built-in automaton holds (no llguidance needed):
+    each item one tool's call; a tool's `$defs` (pydantic's, openai.pydantic_function_tool's)
+    move to the root, where its references point, as vLLM moves them; parallel_tool_calls false
+    allows one call; two tools defining one name differently are a 400."""
+    pattern = re.compile(json_schema.schema_regex(required_schema(tools=[WEATHER, PICK, BOOK])))
+    calls = [{"name": "book", "parameters": {"city": {"name": "Rome"}}},
+             {"name": "pick", "parameters": {"x": 2}}]
+    assert pattern.fullmatch(json.dumps(calls))
+    assert not pattern.fullmatch(json.dumps([{"name": "book", "parameters": {"city": {"name": "Paris"}}}]))
+    one_call = required_schema(tools=[PICK, BOOK], parallel_tool_calls=False)
+    single = re.compile(json_schema.schema_regex(one_call))
+    assert single.fullmatch(json.dumps(calls[:1])) and not single.fullmatch(json.dumps(calls))
+    other_city = json.loads(json.dumps(BOOK))
+    other_city["function"] |= {"name": "book2"}
+    other_city["function"]["parameters"]["$defs"]["City"]["required"] = []
+    with pytest.raises(protocol.APIError, match="define \\$defs/City differently"):
+        required_schema(tools=[BOOK, other_city])
+
+
+def test_parallel_tool_calls_false_keeps_the_first_auto_call():
+    """As vLLM: with parallel_tool_calls false an "auto" reply's calls are cut to the first, in
+    the response and in the stream's deltas."""
+    text = ('<tool_call>{"name": "pick", "arguments": {"x": 1}}</tool_call>'
+            '<tool_call>{"name": "pick", "arguments": {"x": 2}}</tool_call>')
+    done = CompletionOutput(index=0, text=text, token_ids=[1], finish_reason="stop")
+    assert len(responses.ToolCalls("auto").message(done)["tool_calls"]) == 2
+    one = responses.ToolCalls("auto", parallel=False)
+    [call] = one.message(done)["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"x": 1}
+    assert one.finish(done)["finish_reason"] == "tool_calls"
+    stream = responses.ChatStream(responses.ResponseMeta.new("chatcmpl", "m"), n=1, num_logprobs=None,
+                                  tool_calls=one)
+    output = RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1], finished=True,
+                           metrics=RequestMetrics(arrival_time_s=0.0), outputs=[done])
+    streamed = [json.loads(event[6:])["choices"][0]["delta"] for event in stream.events(output)]
+    assert {c["index"] for d in streamed for c in d.get("tool_calls", [])} == {0}
 
 
 def test_a_complete_required_list_becomes_tool_calls_whole_or_streamed():

@@ -441,6 +441,9 @@ class ChatCompletionRequest(GenerationBody):
     """As vLLM: a named function or "required" makes the reply a call (its arguments, or the list of
     calls, constrained to the tools' JSON schemas); "auto", the default with tools, lets the model
     choose, which needs the server's --tool-call-parser to read its calls."""
+    parallel_tool_calls: bool = True
+    """False: at most one call, as vLLM (a "required" list holds one; an "auto" reply keeps its
+    first)."""
     # vLLM's extensions
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
@@ -523,10 +526,24 @@ class ChatCompletionRequest(GenerationBody):
             [tool] = [t for t in self.tools if t.function.name == self.forced_function]
             return parameters(tool)
         if self.tool_mode == "required":
-            calls = [{"properties": {"name": {"type": "string", "enum": [tool.function.name]},
-                                     "parameters": parameters(tool)}, "required": ["name", "parameters"]}
-                     for tool in self.tools]
-            return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+            # Each tool's definitions move to the root, where its "#/$defs/..." references point
+            # (as vLLM does; pydantic's schemas use them); two tools may share one only if equal.
+            definitions: dict[str, dict[str, Any]] = {}
+            calls = []
+            for tool in self.tools:
+                tool_parameters = dict(parameters(tool))
+                for key in ("$defs", "definitions"):
+                    if not isinstance(tool_parameters.get(key), dict):
+                        continue
+                    for name, definition in tool_parameters.pop(key).items():
+                        if definitions.setdefault(key, {}).setdefault(name, definition) != definition:
+                            raise bad_request(f"two tools define {key}/{name} differently; a required "
+                                              "tool_choice puts all tools' definitions in one schema",
+                                              "tools")
+                calls.append({"type": "object", "required": ["name", "parameters"], "properties": {
+                    "name": {"type": "string", "enum": [tool.function.name]}, "parameters": tool_parameters}})
+            at_most_one = {} if self.parallel_tool_calls else {"maxItems": 1}
+            return {"type": "array", "minItems": 1, **at_most_one, "items": {"anyOf": calls}, **definitions}
         return None
 
     def template_arguments(self) -> dict[str, Any]:

@@ -139,6 +139,8 @@ class ToolCalls:
     """The named function."""
     parser: str = "hermes"
     """"auto"'s: a name in tool_parsers.TOOL_CALL_PARSERS."""
+    parallel: bool = True
+    """False: an "auto" reply keeps only its first call (the request's parallel_tool_calls)."""
 
     def stream(self) -> WholeCallsStream:
         """A reader of one "auto" reply as it grows."""
@@ -147,7 +149,7 @@ class ToolCalls:
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """The calls of a reply's text; None where it is no complete call."""
         if self.mode == "auto":
-            return TOOL_CALL_PARSERS[self.parser]().parse(text).tool_calls or None
+            return self._kept(TOOL_CALL_PARSERS[self.parser]().parse(text).tool_calls) or None
         if self.mode == "named":
             return [tool_call(self.function, text)]
         try:
@@ -160,11 +162,22 @@ class ToolCalls:
         if self.mode == "auto":
             parsed = TOOL_CALL_PARSERS[self.parser]().parse(completion.text)
             message = {"role": "assistant", "content": parsed.content}
-            return message | ({"tool_calls": parsed.tool_calls} if parsed.tool_calls else {})
+            return message | ({"tool_calls": self._kept(parsed.tool_calls)} if parsed.tool_calls else {})
         calls = self.calls(completion.text)
         if calls is None:
             return {"role": "assistant", "content": completion.text}
         return {"role": "assistant", "content": None, "tool_calls": calls}
+
+    def kept_delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        """A streamed "auto" delta without the calls past the first, unless parallel (as vLLM)."""
+        if self.parallel or "tool_calls" not in delta:
+            return delta
+        kept = {key: value for key, value in delta.items() if key != "tool_calls"}
+        calls = [call for call in delta["tool_calls"] if call["index"] == 0]
+        return kept | ({"tool_calls": calls} if calls else {})
+
+    def _kept(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return calls if self.parallel else calls[:1]
 
     def finish(self, completion: CompletionOutput) -> dict[str, Any]:
         """As vLLM: "tool_calls" where a "required" reply ended as a complete list of calls, or an
@@ -447,7 +460,7 @@ class ChatStream:
         tool_calls = self._tool_calls
         if tool_calls.mode == "auto":
             parser = self._parsers.setdefault(completion.index, tool_calls.stream())
-            return parser.feed(completion.text, completion.finish_reason is not None)
+            return tool_calls.kept_delta(parser.feed(completion.text, completion.finish_reason is not None))
         if tool_calls.mode == "named":
             if not news.text:
                 return {}

@@ -269,7 +269,8 @@ class OpenAIServer:
         tool_calls = None
         if body.tool_mode is not None:
             tool_calls = responses.ToolCalls(body.tool_mode, body.forced_function,
-                                             self.config.tool_call_parser or "hermes")
+                                             self.config.tool_call_parser or "hermes",
+                                             parallel=body.parallel_tool_calls)
         options = dict(num_logprobs=body.num_logprobs, as_token_ids=self._as_token_ids(body),
                        echo=body.echoed_text, tool_calls=tool_calls)
         if body.use_beam_search:
