@@ -47,11 +47,14 @@ def greedy(max_tokens: int = 16, **overrides) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **overrides)
 
 
-def test_models_lists_the_served_model(client):
-    """/v1/models names the served model and its context length."""
+def test_models_lists_the_served_model(client, model_dir):
+    """/v1/models names the served model and its context length, with vLLM's `root` (the model's
+    path: vLLM's bench client reads it), `parent` and `permission`."""
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL_NAME]
     assert models[0].max_model_len == MAX_MODEL_LEN
+    assert (models[0].root, models[0].parent) == (str(model_dir), None)
+    assert models[0].permission[0]["allow_sampling"] is True
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
     with pytest.raises(openai.NotFoundError, match="model_not_found|does not exist"):
         client.models.retrieve("no-such-model")

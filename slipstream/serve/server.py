@@ -209,8 +209,16 @@ class OpenAIServer:
                         param="model", code="model_not_found")
 
     def _model_card(self) -> dict[str, Any]:
+        """OpenAI's model object with vLLM's fields: `root` (the model's path, which vLLM's own bench
+        client reads), `parent`, `max_model_len` and `permission`."""
+        permission = {"id": f"modelperm-{self.created}", "object": "model_permission",
+                      "created": self.created, "allow_create_engine": False, "allow_sampling": True,
+                      "allow_logprobs": True,
+                      "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                      "organization": "*", "group": None, "is_blocking": False}
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "slipstream",
-                "max_model_len": self.max_model_len}
+                "root": self.engine.engine.config.model, "parent": None, "max_model_len": self.max_model_len,
+                "permission": [permission]}
 
     async def completions(self, request: Request) -> Response:
         arrival_time_s = time.monotonic()
