@@ -184,3 +184,32 @@ def test_metrics_count_a_chunked_prompt_with_prompt_logprobs_once(model_dir):
     assert sample("slipstream:prompt_tokens_total") == len(prompt)
     assert sample("slipstream:time_to_first_token_seconds_count") == 1
     assert sample("slipstream:generation_tokens_total") == 3
+
+
+def test_metrics_count_each_of_n_completions_as_vllm_counts_its_child_requests(model_dir):
+    """vLLM runs a request's n completions as n requests: prompt tokens, TTFT, end-to-end latency,
+    the per-request token histograms and successes are counted once per completion, so that
+    successes equal the end-to-end count and throughput panels read as on vLLM."""
+    from slipstream.serve.async_engine import EngineStats
+    from slipstream.serve.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m", max_model_len=128)
+    sample = functools.partial(metrics.registry.get_sample_value, labels={"model_name": "m"})
+    engine = Engine(EngineConfig(model=str(model_dir), max_model_len=128, block_size=8))
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    engine.add_request("r", prompt, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=7,
+                                                   ignore_eos=True))
+    engine.add_request("s", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        metrics.observe(engine.step(), EngineStats(time_s=time.monotonic()))
+    assert sample("slipstream:prompt_tokens_total") == 4 * len(prompt)
+    for name in ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count",
+                 "request_prompt_tokens_count", "request_generation_tokens_count",
+                 "request_inference_time_seconds_count", "request_decode_time_seconds_count"):
+        assert sample(f"slipstream:{name}") == 4, name
+    generated = 3 * 7 + 3
+    assert sample("slipstream:generation_tokens_total") == generated
+    assert sample("slipstream:request_generation_tokens_sum") == generated
+    assert sample("slipstream:inter_token_latency_seconds_count") == 3 * 6 + 2
+    assert metrics.registry.get_sample_value("slipstream:request_success_total",
+                                             {"model_name": "m", "finished_reason": "length"}) == 4

@@ -4,9 +4,10 @@ Intervals come from the engine's per-request timestamps (../../docs/serving.md):
 arrival -> first scheduled, prefill = first scheduled -> first token, decode = first token ->
 finished, TTFT = arrival -> first token, end-to-end = arrival -> finished. The arrival time is
 taken when the HTTP handler starts, before tokenization, as vLLM's frontend does. Inter-token
-latency is observed per request and engine step that gave it new tokens: the time since the step
-that gave it its previous ones. Every metric carries a `model_name` label. Everything here runs on
-the event loop, off the engine thread.
+latency is observed per completion and engine step that gave it new tokens: the time since the
+step that gave it its previous ones. A request's `n` completions count as `n` requests, as vLLM
+runs them (its prompt, TTFT, latencies and lengths once per completion). Every metric carries a
+`model_name` label. Everything here runs on the event loop, off the engine thread.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from slipstream.serve.async_engine import EngineStats
 from slipstream.serve.pooling import EmbeddingRequestOutput
-from slipstream.serve.request import RequestOutput
+from slipstream.serve.request import CompletionOutput, RequestOutput
 
 PREFIX = "slipstream:"
 
@@ -30,19 +31,33 @@ REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+
+
+def token_buckets(max_tokens: int) -> tuple[int, ...]:
+    """vLLM's buckets of token counts: 1, 2, 5, 10, 20, 50, ... up to `max_tokens`."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_tokens:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
 @dataclasses.dataclass(slots=True)
 class _Progress:
-    """What metrics have already counted of one request."""
+    """What metrics have already counted of one request, per completion."""
 
     num_tokens: list[int]
-    """Tokens seen so far, per completion."""
-    last_token_time_s: float
+    """Tokens seen so far."""
+    last_token_time_s: list[float]
+    finished: list[bool]
 
 
 class ServerMetrics:
     """The server's metrics, in a registry of their own (`render()` is the /metrics body)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 2**20) -> None:
         self.registry = CollectorRegistry()
         self._model_name = model_name
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
@@ -55,6 +70,12 @@ class ServerMetrics:
                                      REQUEST_BUCKETS)
         self.prefill = self._histogram("request_prefill_time_seconds", "First scheduled to first token.",
                                        REQUEST_BUCKETS)
+        self.inference = self._histogram("request_inference_time_seconds", "First scheduled to finish.",
+                                         REQUEST_BUCKETS)
+        self.request_prompt_tokens = self._histogram("request_prompt_tokens", "Prompt tokens per request.",
+                                                     token_buckets(max_model_len))
+        self.request_generation_tokens = self._histogram("request_generation_tokens", "Generated tokens "
+                                                         "per request.", token_buckets(max_model_len))
         self.decode = self._histogram("request_decode_time_seconds", "First token to finish.",
                                       REQUEST_BUCKETS)
         self.running = self._gauge("num_requests_running", "Sequences in the running batch.")
@@ -112,23 +133,32 @@ class ServerMetrics:
 
     def _observe_output(self, output: RequestOutput, now: float) -> None:
         progress = self._progress.get(output.request_id)
-        num_tokens = [len(c.token_ids) for c in output.outputs]
+        num = len(output.outputs)
         # A request is followed from its first token: outputs before it (prompt logprobs of a
         # chunked prefill) have no tokens to count.
         if progress is None and output.metrics.first_token_time_s is not None:
-            progress = _Progress(num_tokens=[0] * len(num_tokens), last_token_time_s=now)
+            progress = _Progress(num_tokens=[0] * num, last_token_time_s=[now] * num, finished=[False] * num)
             self._progress[output.request_id] = progress
-            self.prompt_tokens.inc(len(output.prompt_token_ids))
-            self.ttft.observe(output.metrics.time_to_first_token_s)
-        num_new = 0 if progress is None else sum(num_tokens) - sum(progress.num_tokens)
-        if num_new > 0:
-            if sum(progress.num_tokens) > 0:
-                self.itl.observe(now - progress.last_token_time_s)
-            self.generation_tokens.inc(num_new)
-            progress.num_tokens = num_tokens
-            progress.last_token_time_s = now
+            self.prompt_tokens.inc(len(output.prompt_token_ids) * num)
+            for _ in range(num):
+                self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+                self.ttft.observe(output.metrics.time_to_first_token_s)
+        for i, completion in enumerate(output.outputs):
+            if progress is not None:
+                num_new = len(completion.token_ids) - progress.num_tokens[i]
+                if num_new > 0:
+                    if progress.num_tokens[i] > 0:
+                        self.itl.observe(now - progress.last_token_time_s[i])
+                    self.generation_tokens.inc(num_new)
+                    progress.num_tokens[i] = len(completion.token_ids)
+                    progress.last_token_time_s[i] = now
+                if completion.finish_reason is None or progress.finished[i]:
+                    continue
+                progress.finished[i] = True
+            elif not output.finished:
+                continue
+            self._observe_finished(output, completion, now)
         if output.finished:
-            self._observe_finished(output)
             self._progress.pop(output.request_id, None)
 
     def _observe_embedding(self, output: EmbeddingRequestOutput) -> None:
@@ -142,20 +172,22 @@ class ServerMetrics:
         if output.metrics.queue_time_s is not None:
             self.queue.observe(output.metrics.queue_time_s)
 
-    def _observe_finished(self, output: RequestOutput) -> None:
+    def _observe_finished(self, output: RequestOutput, completion: CompletionOutput, now: float) -> None:
+        """One completion that finished (at the end of the iteration at `now`)."""
         metrics = output.metrics
-        for completion in output.outputs:
-            self.success.labels(self._model_name, completion.finish_reason).inc()
-        if metrics.e2e_latency_s is not None:
-            self.e2e.observe(metrics.e2e_latency_s)
+        finished_s = metrics.finished_time_s if output.finished else None
+        finished_s = now if finished_s is None else finished_s
+        self.success.labels(self._model_name, completion.finish_reason).inc()
+        self.e2e.observe(finished_s - metrics.arrival_time_s)
         if metrics.queue_time_s is not None:
             self.queue.observe(metrics.queue_time_s)
-        if metrics.first_token_time_s is None or metrics.finished_time_s is None:
+        if metrics.first_token_time_s is None:
             return
+        self.request_generation_tokens.observe(len(completion.token_ids))
         if metrics.first_scheduled_time_s is not None:
             self.prefill.observe(metrics.first_token_time_s - metrics.first_scheduled_time_s)
-        decode_s = metrics.finished_time_s - metrics.first_token_time_s
+            self.inference.observe(finished_s - metrics.first_scheduled_time_s)
+        decode_s = finished_s - metrics.first_token_time_s
         self.decode.observe(decode_s)
-        num_tokens = max(len(c.token_ids) for c in output.outputs)
-        if num_tokens > 1:
-            self.tpot.observe(decode_s / (num_tokens - 1))
+        if len(completion.token_ids) > 1:
+            self.tpot.observe(decode_s / (len(completion.token_ids) - 1))

@@ -133,7 +133,7 @@ class OpenAIServer:
         """How the engine embeds, when it is a pooling one (None: it generates)."""
         self.sampling_defaults = generation_config_defaults(engine.config.model)
         """What requests leave unset is sampled as the model's generation_config.json says."""
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, self.max_model_len)
         self.engine = AsyncEngine(engine, max_waiting=config.max_waiting, on_step=self.metrics.observe)
         self.is_draining = is_draining
         self._loop: asyncio.AbstractEventLoop | None = None
