@@ -60,6 +60,28 @@ def test_buckets_sum_to_wall_time_and_charge_lost_work():
     assert summary["finished"]
 
 
+def test_a_finished_run_started_again_leaves_the_time_between_the_jobs_out():
+    """A finished run launched again (to train further) an hour later: the hour is no attempt's
+    time, neither restart downtime nor part of the total; the new launch's start-up is start-up."""
+    first = _crash_and_restart_events()
+    again = [
+        {"event": "launch", "t": 3714.5},
+        {"event": "start", "t": 3717.0, "process_start": 3715.5},
+        {"event": "ready", "t": 3717.0, "process_start": 3715.5, "restore_s": 1.0, "backoff_s": 0.0},
+        {"event": "step", "t": 3718.0, "step": 4, "step_s": 1.0, "data_s": 0.0},
+        {"event": "end", "t": 3718.5, "reason": "finished", "step": 4},
+    ]
+    alone, summary = summarize(first), summarize(first + again)
+    assert summary["between_jobs_s"] == pytest.approx(3600.0)
+    assert summary["total_s"] == pytest.approx(alone["total_s"] + 4.0)
+    assert summary["seconds"]["restart"] == pytest.approx(alone["seconds"]["restart"])
+    assert summary["seconds"]["startup"] == pytest.approx(alone["seconds"]["startup"] + 1.0 + 0.5)
+    assert summary["seconds"]["productive"] == pytest.approx(alone["seconds"]["productive"] + 1.0)
+    assert (summary["attempts"], summary["restarts"]) == (3, 1)
+    assert sum(summary["seconds"].values()) == pytest.approx(summary["total_s"])
+    assert "3600.0s between jobs" in format_summary(summary)
+
+
 def test_unfinished_run_counts_steps_after_the_last_commit_as_lost():
     """While a run is not finished, steps after its newest committed checkpoint are at risk:
     they count as lost work until a checkpoint covers them."""

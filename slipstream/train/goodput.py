@@ -20,14 +20,17 @@ An attempt preempted while it was starting (a `start`, then an `end`, no `ready`
 from its process's start to its end.
 
 goodput = productive / total, total = from the first start to the latest event of an attempt
-(a launch after the last attempt's start is not one); a ledger line that is cut short or not a
-well-formed event is skipped and counted. This is the
+(a launch after the last attempt's start is not one), less the time between jobs: from an
+attempt that finished to the next launch (a finished run started again to train further), which
+is no attempt's time, so neither a restart nor part of the total. A ledger line that is cut
+short or not a well-formed event is skipped and counted. This is the
 Google ML Goodput and Meta ETTR definition: productive, preserved step time over the job's
 wall time across all attempts (docs/training.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -165,10 +168,11 @@ def summarize(events: list[Any], *, skipped_lines: int = 0) -> dict[str, Any]:
     starts = [e for e in events if e["event"] == "start"]
     launches = [e["t"] for e in events if e["event"] == "launch"]
     origin = min([*launches, *(e["process_start"] for e in starts)])
-    total_s = max(max(e["t"] for e in events if e["event"] != "launch") - origin, 0.0)
+    gaps = _gaps(events)
+    total_s = max(max(e["t"] for e in events if e["event"] != "launch") - origin - gaps.between_jobs, 0.0)
     finished = _finished(events)
     kept, lost = _classify_steps(events, finished)
-    seconds = _charge(events, origin, bool(launches), kept, lost)
+    seconds = _charge(events, origin, bool(launches), kept, lost, gaps)
     charged = sum(seconds.values())
     overcharged_s = max(charged - total_s, 0.0)
     total_s += overcharged_s
@@ -178,7 +182,8 @@ def summarize(events: list[Any], *, skipped_lines: int = 0) -> dict[str, Any]:
         "total_s": total_s,
         "seconds": seconds,
         "attempts": len(starts),
-        "restarts": len(starts) - 1,
+        "restarts": gaps.restarts,
+        "between_jobs_s": gaps.between_jobs,
         "rollbacks": sum(e["event"] == "rollback" for e in events),
         "steps_kept": len(kept),
         "steps_lost": len(lost),
@@ -190,12 +195,12 @@ def summarize(events: list[Any], *, skipped_lines: int = 0) -> dict[str, Any]:
 
 
 def _charge(events: list[dict[str, Any]], origin: float, launched: bool, kept: list[dict],
-            lost: list[dict]) -> dict[str, float]:
+            lost: list[dict], gaps: _Gaps) -> dict[str, float]:
     """Seconds per bucket, `other` (the remainder of the total) left at 0."""
     seconds = dict.fromkeys(BUCKETS, 0.0)
-    seconds["restart"] = _restart_downtime(events)
+    seconds["restart"] = gaps.restart
     first_start = next(e for e in events if e["event"] == "start")
-    seconds["startup"] = (first_start["process_start"] - origin) if launched else 0.0
+    seconds["startup"] = (first_start["process_start"] - origin if launched else 0.0) + gaps.relaunch_startup
     starting = None  # the start of an attempt that is not ready yet
     for e in events:
         kind = e["event"]
@@ -228,15 +233,40 @@ def _finished(events: list[dict[str, Any]]) -> bool:
     return bool(ends) and ends[-1]["reason"] == "finished"
 
 
-def _restart_downtime(events: list[dict[str, Any]]) -> float:
-    """From each attempt's last event to the next attempt's process start."""
-    downtime, last_t = 0.0, None
+@dataclasses.dataclass
+class _Gaps:
+    """The time between attempts."""
+
+    restart: float = 0.0
+    """From an attempt's last event to the next attempt's process start (it had not finished)."""
+    restarts: int = 0
+    between_jobs: float = 0.0
+    """From an attempt that finished to the next launch (or process start, without one)."""
+    relaunch_startup: float = 0.0
+    """From such a launch to its attempt's process start."""
+
+
+def _gaps(events: list[dict[str, Any]]) -> _Gaps:
+    gaps = _Gaps()
+    last_t, finished_t, launch_t = None, None, None
     for e in events:
-        if e["event"] == "start" and last_t is not None:
-            downtime += max(e["process_start"] - last_t, 0.0)
-        if e["event"] != "launch":
-            last_t = e["t"]
-    return downtime
+        kind = e["event"]
+        if kind == "launch":
+            launch_t = e["t"]
+            continue
+        if kind == "start" and finished_t is not None:
+            resumed = launch_t if launch_t is not None and launch_t >= finished_t else e["process_start"]
+            gaps.between_jobs += max(resumed - finished_t, 0.0)
+            gaps.relaunch_startup += max(e["process_start"] - resumed, 0.0)
+        elif kind == "start" and last_t is not None:
+            gaps.restart += max(e["process_start"] - last_t, 0.0)
+            gaps.restarts += 1
+        if kind == "start":
+            finished_t = None
+        elif kind == "end":
+            finished_t = e["t"] if e["reason"] == "finished" else None
+        last_t = e["t"]
+    return gaps
 
 
 def _classify_steps(events: list[dict[str, Any]], finished: bool) -> tuple[list[dict], list[dict]]:
@@ -262,6 +292,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{summary['rollbacks']} rollback(s)); {summary['steps_kept']} steps kept, "
         f"{summary['steps_lost']} lost and recomputed"
         + ("" if summary["finished"] else "; the run has not finished")
+        + (f"; {summary['between_jobs_s']:.1f}s between jobs (after a finished one) left out"
+           if summary.get("between_jobs_s") else "")
         + (f"; {skipped} malformed ledger line(s) skipped" if skipped else ""),
     ]
     seconds = summary["seconds"]
