@@ -248,6 +248,36 @@ def test_num_cached_tokens_reports_prefix_hits(model_dir):
     assert second["second"].num_cached_tokens == 40
 
 
+
+def test_cache_salt_shares_cached_blocks_only_within_a_salt(model_dir, reference_engine):
+    """vLLM's cache_salt: the same prompt under two salts shares no cached block, under one salt it
+    shares as usual, and without a salt as before; the tokens never depend on the salt."""
+    engine = make_engine(model_dir)
+    prompt = shared_prefix_prompts()["first"]  # 51 tokens: 6 full blocks of 8 can hit
+    expected = generate(reference_engine, {"r": prompt}, greedy())["r"]
+    for request_id, salt, num_cached in (("a", "tenant-1", 0), ("b", "tenant-2", 0), ("c", None, 0),
+                                         ("d", "tenant-1", 48), ("e", "tenant-2", 48), ("f", None, 48)):
+        engine.add_request(request_id, prompt, greedy(), cache_salt=salt)
+        finals, _ = run(engine)
+        assert (finals[request_id].num_cached_tokens, finals[request_id].outputs[0].token_ids) == (
+            num_cached, expected), request_id
+    with pytest.raises(ValueError, match="cache_salt must be a string or None, got 3"):
+        engine.add_request("bad", prompt, greedy(), cache_salt=3)
+    assert not engine.has_unfinished_requests()
+
+
+def test_prompt_logprobs_requests_are_not_prefix_cache_queries(model_dir):
+    """A request that wants prompt logprobs skips the prefix cache, so (as in vLLM) its tokens are
+    not counted as queries, which would lower the hit rate the metrics report."""
+    engine = make_engine(model_dir)
+    kv_cache = engine.scheduler.kv_cache
+    prompt = shared_prefix_prompts()["first"]
+    generate(engine, {"warm": prompt}, greedy(max_tokens=2))
+    generate(engine, {"logprobs": prompt}, greedy(max_tokens=2, prompt_logprobs=1))
+    assert (kv_cache.prefix_cache_queries, kv_cache.prefix_cache_hits) == (len(prompt), 0)
+    generate(engine, {"again": prompt}, greedy(max_tokens=2))
+    assert (kv_cache.prefix_cache_queries, kv_cache.prefix_cache_hits) == (2 * len(prompt), 48)
+
 # ---- request ids ---------------------------------------------------------------------------------
 
 

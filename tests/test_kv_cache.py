@@ -17,11 +17,13 @@ def make_request(request_id: str, token_ids: list[int]) -> Request:
     return Request(request_id, list(token_ids), SamplingParams(max_tokens=8))
 
 
-def compute(kv: KVCacheManager, request: Request, num_tokens: int) -> tuple[int, ...]:
+def compute(
+    kv: KVCacheManager, request: Request, num_tokens: int, cache_salt: str | None = None
+) -> tuple[int, ...]:
     """What the scheduler and runner do for one chunk: allocate, compute, register full blocks."""
     if not kv.block_ids(request.request_id):
-        cached = kv.lookup(request)
-        block_ids = kv.allocate(request, num_tokens, cached)
+        cached = kv.lookup(request, cache_salt)
+        block_ids = kv.allocate(request, num_tokens, cached, cache_salt)
         request.num_computed_tokens = len(cached) * kv.block_size
     else:
         block_ids = kv.allocate(request, num_tokens)
@@ -170,6 +172,63 @@ def test_twin_blocks_from_the_same_step_stay_consistent():
     kv.free(second)
     kv.check_invariants()
     assert kv.num_used_blocks == 0
+
+
+def test_a_request_that_skips_the_lookup_is_not_counted():
+    """A request that wants prompt logprobs skips the lookup (every prompt position must be
+    computed), and, as in vLLM, counts as neither a query nor a hit."""
+    kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
+    compute(kv, make_request("a", range(9)), 9)
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (9, 0)
+    wants_logprobs = Request("b", list(range(9)), SamplingParams(max_tokens=8, prompt_logprobs=1))
+    assert kv.lookup(wants_logprobs) == []
+    compute(kv, wants_logprobs, 9)
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (9, 0)
+    compute(kv, make_request("c", range(9)), 1)
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (18, 8)
+
+
+def test_cache_salt_keys_the_first_block():
+    """A salted request's blocks are hit only under the same salt, and unsalted blocks never under
+    a salt: the salt takes the place of the first block's parent, so the whole chain differs."""
+    kv = KVCacheManager(num_blocks=20, block_size=BLOCK_SIZE)
+    prompt = list(range(13))  # 3 full blocks can hit
+    compute(kv, make_request("plain", prompt), 13)
+    compute(kv, make_request("salted", prompt), 13, cache_salt="tenant-1")
+    assert kv.num_cached_blocks == 6  # equal token ids, two chains
+    for salt, expected in ((None, "plain"), ("tenant-1", "salted"), ("tenant-2", None)):
+        hits = kv.lookup(make_request("probe", prompt), salt)
+        assert hits == (list(kv.block_ids(expected)[:3]) if expected else []), salt
+    follow_up = make_request("follow-up", prompt + [7, 7, 7])
+    compute(kv, follow_up, 4, cache_salt="tenant-1")  # the whole chain continues under the salt
+    assert kv.block_ids("follow-up")[:3] == kv.block_ids("salted")[:3]
+
+
+def test_num_to_free_counts_only_blocks_that_would_become_writable():
+    """How many holders must free their blocks before an allocation fits: a block counts once
+    every holder of it is freed, and not when the request takes it as a cache hit."""
+    kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
+    a = make_request("a", range(12))
+    compute(kv, a, 12)  # 3 blocks, all cached
+    b = make_request("b", [*range(8), 50, 51, 52])
+    compute(kv, b, 3)  # a's first 2 blocks + 1 of its own
+    assert kv.num_free_blocks == 6
+    hitting = make_request("hitting", [*range(8), *range(100, 132)])  # 40 tokens: 8 new blocks
+    hits = kv.lookup(hitting)
+    assert hits == list(kv.block_ids("a")[:2])
+    assert kv.max_new_tokens(hitting, hits) == (2 + 6) * BLOCK_SIZE - 8
+    assert kv.num_to_free(hitting, 24, hits, [b]) == 0  # fits already
+    assert kv.num_to_free(hitting, 32, hits, [b]) is None  # b frees only its own block
+    assert kv.num_to_free(hitting, 32, hits, [b, a]) == 2  # a's third block; the hits stay taken
+    assert kv.num_to_free(hitting, 32, hits, [a, b]) == 2
+    assert kv.num_to_free(hitting, 33, hits, [b, a]) is None
+    other = make_request("other", range(200, 240))  # 10 new blocks, no hits
+    assert kv.num_to_free(other, 40, [], [b, a]) == 2  # 1 + 3, the shared two once both are freed
+    assert kv.num_to_free(other, 40, [], [b]) is None
+    kv.free(b)
+    kv.free(a)
+    assert kv.allocate(other, 40) is not None
+    kv.check_invariants()
 
 
 def test_prefix_caching_disabled_never_hits():

@@ -137,6 +137,10 @@ def scheduled_ids(plan: StepPlan) -> list[str]:
     return [chunk.request.request_id for chunk in plan.chunks]
 
 
+def chunk_sizes(plan: StepPlan) -> list[tuple[str, int]]:
+    return [(chunk.request.request_id, chunk.num_tokens) for chunk in plan.chunks]
+
+
 def test_import_does_not_load_torch():
     """scheduler.py stays plain Python: importing it must not import torch."""
     code = "import sys, slipstream.serve.scheduler; assert 'torch' not in sys.modules, 'torch imported'"
@@ -415,6 +419,71 @@ def test_priority_arrival_preempts_a_lower_priority_runner(policy):
     run_to_completion(scheduler, runner)
 
 
+def test_priority_arrival_preempts_no_one_when_the_victims_cannot_make_room():
+    """A waiting request that even every lower-priority runner's blocks could not hold preempts
+    none of them. The blocks counted are those a victim would free: here "low" shares its first
+    two blocks with "top" through the prefix cache, so preempting it frees 1 block, not 3."""
+    config = make_config(block_size=4, num_blocks=8, max_num_batched_tokens=64, policy="priority")
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    shared = list(range(1, 9))
+    scheduler.add(make_request("top", shared + list(range(20, 29)), max_tokens=8, priority=0))
+    step(scheduler, runner)  # top's 17 tokens: 5 blocks, its 4 full ones cached
+    scheduler.add(make_request("low", [*shared, 40], max_tokens=8, priority=5, arrival=1.0))
+    plan, _ = step(scheduler, runner)
+    assert scheduled_ids(plan) == ["top", "low"] and scheduler.kv_cache.num_free_blocks == 2
+    scheduler.add(make_request("high", range(60, 80), max_tokens=2, priority=1, arrival=2.0))  # 5 blocks
+    plan, _ = step(scheduler, runner)
+    assert plan.preempted_request_ids == () and scheduled_ids(plan) == ["top", "low"]
+    assert scheduler.num_preemptions == 0
+    run_to_completion(scheduler, runner)
+
+
+def test_priority_arrival_preempts_only_the_victims_its_chunk_needs():
+    """The victims make room for the chunk the budget left the newcomer; the budget a planned
+    victim gives back lets the chunk grow only into blocks already free, never by preempting
+    another request. Here preempting "mid" (mid-prefill, its first block shared with "old")
+    frees 2 blocks, enough for the newcomer's 6-token chunk; "old" keeps running."""
+    config = make_config(block_size=4, num_blocks=7, max_num_batched_tokens=12, policy="priority")
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    shared = [1, 2, 3, 4]
+    scheduler.add(make_request("old", [*shared, 9], max_tokens=8, priority=5))
+    step(scheduler, runner)  # old's 5 tokens: 2 blocks, the first cached
+    scheduler.add(make_request("top", range(20, 30), max_tokens=3, priority=0, arrival=1.0))
+    scheduler.add(make_request("mid", [*shared, 40, 41, 42, 43, 44], max_tokens=8, priority=5, arrival=2.0))
+    plan, _ = step(scheduler, runner)  # old 1, top 10, mid 1 after its 4-token hit
+    assert chunk_sizes(plan) == [("old", 1), ("top", 10), ("mid", 1)]
+    scheduler.add(make_request("high", range(60, 80), max_tokens=2, priority=1, arrival=3.0))
+    plan, _ = step(scheduler, runner)
+    assert plan.preempted_request_ids == ("mid",)
+    # 12 - 1 - 1 - 4 (mid's planned chunk) left 6 tokens; mid's 4 back would make 10 (3 blocks),
+    # but the 2 free blocks hold 8.
+    assert chunk_sizes(plan) == [("top", 1), ("old", 1), ("high", 8)]
+    run_to_completion(scheduler, runner)
+
+
+def test_cache_salt_keeps_prefix_blocks_to_requests_with_the_same_salt():
+    """As vLLM's cache_salt: the same prompt under another salt (or none) hits nothing, under the
+    same salt it hits as usual, and requests without one share as before."""
+    config = make_config(block_size=4)
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    prompt = list(range(1, 14))  # 3 full blocks can hit
+    cached = {}
+    for request_id, salt in (("a", "tenant-1"), ("b", "tenant-2"), ("c", None), ("d", "tenant-1"),
+                             ("e", "tenant-2"), ("f", None), ("g", "")):
+        request = make_request(request_id, prompt)
+        scheduler.add(request, cache_salt=salt)
+        run_to_completion(scheduler, runner)
+        cached[request_id] = request.num_cached_prompt_tokens
+    assert cached == {"a": 0, "b": 0, "c": 0, "d": 12, "e": 12, "f": 12, "g": 12}  # "" is no salt
+
+
+def test_cache_salt_must_be_a_string():
+    scheduler = Scheduler(make_config())
+    with pytest.raises(ValueError, match="cache_salt must be a string or None, got 7"):
+        scheduler.add(make_request("a", [1, 2, 3]), cache_salt=7)
+    assert not scheduler.has_unfinished()
+
+
 def test_reserve_lookahead_covers_the_steps_ahead_or_takes_nothing():
     """Blocks for several decode steps at once: the table covers them, a pool too small for them
     changes nothing, and a prompt chunk (several tokens) is refused."""
@@ -585,10 +654,10 @@ def fuzz_request(rng: random.Random, index: int, prefixes: list[list[int]]) -> R
 @pytest.mark.parametrize("steps_at_once", [1, 4])
 @pytest.mark.parametrize("seed", range(12))
 def test_fuzz_random_adds_aborts_and_finishes(seed, steps_at_once):
-    """Random workloads on small pools (forcing preemption): invariants hold after every step,
-    every request finishes (no livelock or starvation) with a consistent finish reason, finished
-    requests hold no blocks, and at the end every block is free; also when decode plans run
-    several steps at once on blocks taken ahead."""
+    """Random workloads on small pools (forcing preemption), some under cache salts: invariants
+    hold after every step, every request finishes (no livelock or starvation) with a consistent
+    finish reason, finished requests hold no blocks, and at the end every block is free; also
+    when decode plans run several steps at once on blocks taken ahead."""
     rng = random.Random(seed)
     config = fuzz_config(rng)
     scheduler, runner = Scheduler(config), FakeRunner(config, rng=rng, eos_prob=0.1)
@@ -602,11 +671,12 @@ def test_fuzz_random_adds_aborts_and_finishes(seed, steps_at_once):
                 with pytest.raises(ValueError, match="KV cache holds"):
                     scheduler.add(request)
                 continue
+            cache_salt = rng.choice([None, None, "x", "y"])
             for _ in range(rng.choice([1, 1, 1, 3])):  # sometimes n > 1 siblings
                 sibling = dataclasses.replace(  # fresh output list: siblings share only the prompt
                     request, request_id=f"r{len(requests)}", output_token_ids=[], arrival_time_s=step_index
                 )
-                scheduler.add(sibling)
+                scheduler.add(sibling, cache_salt=cache_salt)
                 requests.append(sibling)
         if requests and rng.random() < 0.05:
             for request in scheduler.abort([rng.choice(requests).request_id]):

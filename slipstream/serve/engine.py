@@ -237,13 +237,15 @@ class Engine:
         arrival_time_s: float | None = None,
         stream: bool = True,
         prompt_text: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a prompt (text or token ids); invalid input is a ValueError naming the problem.
 
         With `stream`, `step()` returns this prompt's output every step it changes (what a
         streaming server needs); without, only once it has finished (what `LLM.generate` needs).
         `prompt_text` is the text that token-id prompts came from (a rendered chat), reported as
-        `RequestOutput.prompt`.
+        `RequestOutput.prompt`. As vLLM's `cache_salt`, a salt keeps the prompt's prefix-cache
+        blocks to requests with the same salt (an empty one is none).
         """
         if self.pooler is not None:
             raise ValueError("this engine embeds (runner='pooling'): it takes add_embedding_request")
@@ -275,7 +277,7 @@ class Engine:
         ]
         try:
             for request in requests:
-                self.scheduler.add(request)
+                self.scheduler.add(request, cache_salt=cache_salt)
         except ValueError:
             self.scheduler.abort([r.request_id for r in requests])
             raise

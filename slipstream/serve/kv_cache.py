@@ -7,7 +7,11 @@ the parent's key id (0 for a sequence's first block) and the tuple of its `block
 Key ids are handed out once per registered block and never reused, so equal keys mean equal token
 ids over the whole prefix. The dict compares keys by value, so a hash collision costs a probe,
 never wrong KV. (vLLM and nano-vllm chain hashes of (parent hash, tokens) and compare one block's
-tokens on a hit; comparing keys by value makes the whole chain exact at the same cost.)
+tokens on a hit; comparing keys by value makes the whole chain exact at the same cost.) A request
+with a cache salt (vLLM's `cache_salt`) puts the salt, a string, in its first block's key in place
+of the parent's 0, as vLLM mixes it into the first block's hash only: through the chain every block
+of the request differs from those of requests with another salt or none, so they share nothing,
+while requests with the same salt share their prefixes as usual.
 
 Free blocks wait in one LRU queue (an OrderedDict: O(1) at both ends and in the middle). A freed
 block that holds a key joins the tail and stays hittable until allocation takes it from the head,
@@ -37,8 +41,9 @@ from collections.abc import Sequence
 
 from slipstream.serve.request import Request
 
-BlockKey = tuple[int, tuple[int, ...]]
-"""(key id of the parent block or 0, token ids of the block)."""
+BlockKey = tuple[int | str, tuple[int, ...]]
+"""(key id of the parent block, or for a first block 0 or the request's cache salt; token ids of the
+block)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -52,6 +57,8 @@ class _Allocation:
     """Key id of each leading full, computed block (the request's own or an equal cached one)."""
     reserved_end: int = 0
     """The blocks after the last one, up to this id (exclusive), are softly reserved for it."""
+    root: int | str = 0
+    """What the first block's key holds in place of a parent's key id: 0, or the cache salt."""
 
 
 MAX_RUN_BLOCKS = 64
@@ -69,7 +76,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_queries = 0
-        """Tokens of requests looked up in the prefix cache (first admissions only, as in vLLM)."""
+        """Tokens of requests looked up in the prefix cache (first admissions only, as in vLLM; a
+        request that skips the lookup, one that wants prompt logprobs, is not counted either)."""
         self.prefix_cache_hits = 0
         """Of those, tokens found in the cache."""
         self._ref_counts = [0] * num_blocks
@@ -112,17 +120,18 @@ class KVCacheManager:
 
     # ----- the scheduler's calls -----
 
-    def lookup(self, request: Request) -> list[int]:
-        """Cached blocks holding the longest prefix of the request's tokens. Takes no references.
+    def lookup(self, request: Request, cache_salt: str | None = None) -> list[int]:
+        """Cached blocks holding the longest prefix of the request's tokens, among those cached
+        under the same cache salt (or none). Takes no references.
 
         Never all of its tokens: the last one must be computed to have logits to sample from, so
         a request whose tokens fill whole blocks backs off by one block (as vLLM does). A request
         that wants prompt logprobs gets no hits: every prompt position must be computed.
         """
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self._looks_up(request):
             return []
         block_ids: list[int] = []
-        parent_key_id = 0
+        parent_key_id = _root(cache_salt)
         for i in range((request.num_tokens - 1) // self.block_size):
             block = self._cache.get((parent_key_id, self._block_token_ids(request, i)))
             if block is None:
@@ -132,32 +141,57 @@ class KVCacheManager:
         return block_ids
 
     def allocate(
-        self, request: Request, num_new_tokens: int, cached_block_ids: Sequence[int] = ()
+        self, request: Request, num_new_tokens: int, cached_block_ids: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> tuple[int, ...] | None:
         """Grow the request's block table to hold `num_new_tokens` more tokens; None if the pool
         is short of blocks, in which case nothing changed.
 
         A request holding no blocks starts from `cached_block_ids` (the result of `lookup`, taken
-        with a reference each); its computed tokens are then those blocks' tokens. A request that
-        holds blocks has `request.num_computed_tokens` computed.
+        with a reference each); its computed tokens are then those blocks' tokens, and its full
+        blocks are cached under `cache_salt` (the one given to `lookup`). A request that holds
+        blocks has `request.num_computed_tokens` computed.
         """
+        num_needed = self._num_blocks_needed(request, num_new_tokens, cached_block_ids)
+        if num_needed > self._num_available_blocks(cached_block_ids):
+            return None
         allocation = self._allocations.get(request.request_id)
         if allocation is None:
-            num_computed_tokens = len(cached_block_ids) * self.block_size
-            num_held_blocks = len(cached_block_ids)
-        else:
-            assert not cached_block_ids, "cached blocks are only taken by a request's first allocation"
-            num_computed_tokens = request.num_computed_tokens
-            num_held_blocks = len(allocation.block_ids)
-        num_needed = -(-(num_computed_tokens + num_new_tokens) // self.block_size) - num_held_blocks
-        num_evictable_hits = sum(1 for block in cached_block_ids if self._ref_counts[block] == 0)
-        if num_needed > len(self._free) - num_evictable_hits:
-            return None
-        if allocation is None:
-            allocation = self._start_allocation(request, cached_block_ids)
+            allocation = self._start_allocation(request, cached_block_ids, cache_salt)
         for _ in range(num_needed):
             allocation.block_ids.append(self._take_block_for(allocation))
         return tuple(allocation.block_ids)
+
+    def max_new_tokens(self, request: Request, cached_block_ids: Sequence[int] = ()) -> int:
+        """Most new tokens `allocate(request, ..., cached_block_ids)` would find blocks for now."""
+        num_computed_tokens, num_held_blocks = self._progress(request, cached_block_ids)
+        num_blocks = num_held_blocks + self._num_available_blocks(cached_block_ids)
+        return num_blocks * self.block_size - num_computed_tokens
+
+    def num_to_free(
+        self, request: Request, num_new_tokens: int, cached_block_ids: Sequence[int],
+        holders: Sequence[Request],
+    ) -> int | None:
+        """How many of `holders`, taken in order, must free all their blocks (as `free` does)
+        before `allocate(request, num_new_tokens, cached_block_ids)` finds room: 0 if it does
+        already, None if not even all of them would make enough. A block makes room only when
+        every reference to it is among those dropped, and not when it is one of the cached blocks
+        the request takes (it is then a hit rather than a block to write)."""
+        num_short = (self._num_blocks_needed(request, num_new_tokens, cached_block_ids)
+                     - self._num_available_blocks(cached_block_ids))
+        if num_short <= 0:
+            return 0
+        taken = set(cached_block_ids)
+        num_dropped: collections.Counter[int] = collections.Counter()
+        for count, holder in enumerate(holders, start=1):
+            allocation = self._allocations.get(holder.request_id)
+            for block in allocation.block_ids if allocation else ():
+                num_dropped[block] += 1
+                if num_dropped[block] == self._ref_counts[block] and block not in taken:
+                    num_short -= 1
+            if num_short <= 0:
+                return count
+        return None
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's full, computed blocks in the prefix cache (prompt or output).
@@ -170,7 +204,7 @@ class KVCacheManager:
             return
         key_ids = allocation.key_ids
         for i in range(len(key_ids), request.num_computed_tokens // self.block_size):
-            key = (key_ids[-1] if key_ids else 0, self._block_token_ids(request, i))
+            key = (key_ids[-1] if key_ids else allocation.root, self._block_token_ids(request, i))
             twin = self._cache.get(key)
             if twin is not None:
                 key_ids.append(self._block_key_ids[twin])
@@ -220,17 +254,45 @@ class KVCacheManager:
         start = index * self.block_size
         return tuple(request.token_ids_range(start, start + self.block_size))
 
-    def _start_allocation(self, request: Request, cached_block_ids: Sequence[int]) -> _Allocation:
+    def _looks_up(self, request: Request) -> bool:
+        """Whether `lookup` searches the cache for the request (as vLLM, a request that wants
+        prompt logprobs skips it: every prompt position must be computed)."""
+        return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
+
+    def _progress(self, request: Request, cached_block_ids: Sequence[int]) -> tuple[int, int]:
+        """(computed tokens, blocks held) of the request, once it holds `cached_block_ids` if it
+        holds no blocks yet."""
+        allocation = self._allocations.get(request.request_id)
+        if allocation is None:
+            return len(cached_block_ids) * self.block_size, len(cached_block_ids)
+        assert not cached_block_ids, "cached blocks are only taken by a request's first allocation"
+        return request.num_computed_tokens, len(allocation.block_ids)
+
+    def _num_available_blocks(self, cached_block_ids: Sequence[int]) -> int:
+        """Free blocks left to write once the free ones among `cached_block_ids` are taken as hits."""
+        return len(self._free) - sum(1 for block in cached_block_ids if self._ref_counts[block] == 0)
+
+    def _num_blocks_needed(
+        self, request: Request, num_new_tokens: int, cached_block_ids: Sequence[int]
+    ) -> int:
+        """Blocks to add to the request's table for `num_new_tokens` more tokens."""
+        num_computed_tokens, num_held_blocks = self._progress(request, cached_block_ids)
+        return -(-(num_computed_tokens + num_new_tokens) // self.block_size) - num_held_blocks
+
+    def _start_allocation(
+        self, request: Request, cached_block_ids: Sequence[int], cache_salt: str | None
+    ) -> _Allocation:
         for block in cached_block_ids:
             assert self._block_keys[block] is not None, "a cached block was evicted before it was taken"
             if self._ref_counts[block] == 0:
                 del self._free[block]
             self._ref_counts[block] += 1
         allocation = _Allocation(
-            request, list(cached_block_ids), [self._block_key_ids[block] for block in cached_block_ids]
+            request, list(cached_block_ids), [self._block_key_ids[block] for block in cached_block_ids],
+            root=_root(cache_salt),
         )
         self._allocations[request.request_id] = allocation
-        if self.enable_prefix_caching and request.num_preemptions == 0:
+        if self._looks_up(request) and request.num_preemptions == 0:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += len(cached_block_ids) * self.block_size
         return allocation
@@ -355,12 +417,18 @@ class KVCacheManager:
             key = self._block_keys[block]
             if key is None:  # an uncached twin of a block computed in the same step
                 continue
-            parent_key_id = allocation.key_ids[i - 1] if i else 0
+            parent_key_id = allocation.key_ids[i - 1] if i else allocation.root
             _expect(
                 key == (parent_key_id, self._block_token_ids(request, i)),
                 f"{request_id}'s block {i} holds other token ids than the request",
             )
             _expect(self._block_key_ids[block] == key_id, f"{request_id}'s key id {i} is stale")
+
+
+def _root(cache_salt: str | None) -> int | str:
+    """What a first block's key holds in place of a parent's key id: the salt, or 0 for none (as in
+    vLLM, an empty salt is none). Key ids are integers, so a salted key never equals an unsalted one."""
+    return cache_salt or 0
 
 
 def _expect(condition: bool, message: str) -> None:

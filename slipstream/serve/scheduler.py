@@ -12,7 +12,9 @@ order (so it is re-admitted before later arrivals), to be recomputed with help f
 cache. Then waiting requests are admitted in that order while the budget, `max_num_seqs` and the
 pool allow; the first that does not fit stops admission (no overtaking), and a step that had to
 preempt admits nobody. Under the priority policy a waiting request short of blocks may preempt
-running requests of strictly lower priority.
+running requests of strictly lower priority: the fewest, from the tail, whose blocks make room for
+its chunk, and none at all when not even all of them would (vLLM v1 never preempts for a waiting
+request).
 
 The engine calls `schedule()`, runs the returned `StepPlan`, then calls `update()` with the sampled
 tokens; `update()` advances the requests, applies stop conditions and frees finished requests. To run
@@ -25,6 +27,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
+import itertools
 import logging
 from collections.abc import Collection, Iterable, Sequence
 
@@ -162,6 +165,8 @@ class Scheduler:
         """Preemptions so far (vLLM's num_preemptions_total)."""
         self._requests: dict[str, Request] = {}
         self._order_keys: dict[str, tuple] = {}
+        self._cache_salts: dict[str, str] = {}
+        """Cache salts of the requests that have one (vLLM's cache_salt)."""
         self._waiting = _WaitingQueue()
         self._running: list[Request] = []
         """Sorted by order key, so the last is the one to preempt."""
@@ -180,8 +185,12 @@ class Scheduler:
 
     # ----- requests in and out -----
 
-    def add(self, request: Request) -> None:
-        """Queue a new request; ValueError if it is malformed or could never fit in the KV pool."""
+    def add(self, request: Request, *, cache_salt: str | None = None) -> None:
+        """Queue a new request; ValueError if it is malformed or could never fit in the KV pool.
+        With a `cache_salt` it shares prefix-cache blocks only with requests of the same salt
+        (vLLM's cache_salt; as in vLLM, an empty salt is none)."""
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already queued")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
@@ -198,6 +207,8 @@ class Scheduler:
         self._order_keys[request.request_id] = (*order, self._num_added)
         self._num_added += 1
         self._requests[request.request_id] = request
+        if cache_salt:
+            self._cache_salts[request.request_id] = cache_salt
         self._waiting.push(self._order_keys[request.request_id], request)
 
     def _check_fits(self, request: Request) -> None:
@@ -245,6 +256,7 @@ class Scheduler:
         request.finish_reason = reason
         del self._requests[request.request_id]
         del self._order_keys[request.request_id]
+        self._cache_salts.pop(request.request_id, None)
         if was_waiting:
             self._waiting.discard(request)
 
@@ -289,16 +301,21 @@ class Scheduler:
 
     def _admit(self, request: Request, step: _StepBuilder) -> bool:
         """Start a waiting request from its longest cached prefix; False if blocks are short."""
-        cached_block_ids = self.kv_cache.lookup(request)
+        cache_salt = self._cache_salts.get(request.request_id)
+        cached_block_ids = self.kv_cache.lookup(request, cache_salt)
         num_cached_tokens = len(cached_block_ids) * self.config.block_size
-        while True:  # a victim scheduled this step gives its budget back, so size the chunk again
-            num_new = self._num_new_tokens(request, num_cached_tokens, step.budget)
-            block_ids = self.kv_cache.allocate(request, num_new, cached_block_ids)
-            if block_ids is not None:
-                break
-            if not self._may_preempt_for(request):
+        num_new = self._num_new_tokens(request, num_cached_tokens, step.budget)
+        block_ids = self.kv_cache.allocate(request, num_new, cached_block_ids, cache_salt)
+        if block_ids is None:
+            if not self._make_room(request, num_new, cached_block_ids, step):
                 return False
-            self._preempt(self._running[-1], step)
+            # Victims planned in this step gave their tokens back: the chunk grows into them as
+            # far as the blocks now free allow, never by preempting more (a larger chunk is no
+            # reason to take another request's KV).
+            num_new = min(self._num_new_tokens(request, num_cached_tokens, step.budget),
+                          self.kv_cache.max_new_tokens(request, cached_block_ids))
+            block_ids = self.kv_cache.allocate(request, num_new, cached_block_ids, cache_salt)
+            assert block_ids is not None, "the victims' blocks make room for the chunk"
         popped = self._waiting.pop()
         assert popped is request, "victims queue behind the request they make room for"
         request.status = RequestStatus.RUNNING
@@ -308,13 +325,24 @@ class Scheduler:
         step.add(request, num_new, block_ids)
         return True
 
-    def _may_preempt_for(self, request: Request) -> bool:
-        """Under the priority policy a waiting request short of blocks may preempt a running one
-        of strictly lower priority (never one admitted this step: admission goes in priority
-        order). A full house of max_num_seqs is not a reason to preempt."""
-        if self.config.policy != "priority" or not self._running:
+    def _make_room(
+        self, request: Request, num_new_tokens: int, cached_block_ids: list[int], step: _StepBuilder
+    ) -> bool:
+        """Under the priority policy, preempt for a waiting request short of blocks the fewest
+        running requests of strictly lower priority, taken from the tail, whose blocks make room
+        for its chunk; when not even all of them would (the blocks they share with others stay
+        held), preempt none and return False. Never one admitted this step: admission goes in
+        priority order. A full house of max_num_seqs is not a reason to preempt."""
+        if self.config.policy != "priority":
             return False
-        return self._running[-1].priority > request.priority
+        candidates = list(itertools.takewhile(
+            lambda running: running.priority > request.priority, reversed(self._running)))
+        num_victims = self.kv_cache.num_to_free(request, num_new_tokens, cached_block_ids, candidates)
+        if not num_victims:
+            return False
+        for victim in candidates[:num_victims]:
+            self._preempt(victim, step)
+        return True
 
     def _preempt(self, request: Request, step: _StepBuilder) -> None:
         """Free all of a running request's blocks and queue it to be recomputed (output kept)."""
@@ -399,6 +427,7 @@ class Scheduler:
                 _expect(request.num_computed_tokens < request.num_tokens, f"{request_id}: nothing to compute")
         _expect(num_waiting == len(self._waiting), "the waiting count is off")
         _expect(num_waiting + len(self._running) == len(self._requests), "requests lost or duplicated")
+        _expect(self._cache_salts.keys() <= self._requests.keys(), "a finished request's cache salt is kept")
 
 
 def _stop_reason(request: Request) -> str | None:
