@@ -421,6 +421,10 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
     if "decode" in groups:
         p.add_argument("--batch", default="1,8,32", help="decode batch sizes")
         p.add_argument("--context", type=_int_at_least(1), default=1024, help="cached tokens per sequence")
+    if "decode" in groups or "plan" in groups or "fit" in groups:
+        p.add_argument("--enforce-eager", action="store_true",
+                       help="decode steps run eagerly (default: as the engine, replayed from CUDA graphs "
+                            "up to --max-num-seqs, or on --hardware cpu the CPU decode graph)")
     if "input" in groups:
         p.add_argument("--input-len", type=_int_at_least(1), default=1024)
     if "output" in groups:
@@ -431,6 +435,9 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
                             "90%% of memory less the weights and 1 GiB, or on --hardware cpu the "
                             "serving engine's CPU default (at most 4 GiB and 40%% of memory)")
         p.add_argument("--block-size", type=_int_at_least(1), default=16, help="tokens per KV block")
+        p.add_argument("--kv-cache-dtype", default="auto",
+                       help="the KV cache's dtype (vLLM's flag): auto (the model's 16-bit dtype, also under "
+                            "--dtype fp8), fp8, fp8_e4m3, fp8_e5m2, bfloat16, float16")
     if "load" in groups:
         p.add_argument("--rate", type=_positive_float, help="requests/s for TTFT/TPOT under load")
     if "load" in groups or "plan" in groups:

@@ -46,7 +46,7 @@ def test_plan_and_whatif_tables():
     assert plan.returncode == 0, plan.stderr
     assert "#1 " in plan.stdout and "bound by" in plan.stdout
     whatif = _run("whatif", "--model", "llama3-70b", "--hardware", "h100", "--serve", "--tp", "8",
-                  "--batch", "1", "--scale", "memory_bandwidth=2", "--target-tokens-per-s-per-user", "100",
+                  "--batch", "1", "--scale", "memory_bandwidth=2", "--target-tokens-per-s-per-user", "150",
                   "--json")
     assert whatif.returncode == 0, whatif.stderr
     record = json.loads(whatif.stdout)

@@ -123,6 +123,24 @@ def test_local_cpu_from_calibration(tmp_path, monkeypatch):
     assert acc.cache_read_bytes_per_s == calibration.cache_read_bytes_per_s
 
 
+@pytest.mark.parametrize("l3_mib", [480, 32])
+def test_repeated_reads_probe_small_buffers_whatever_the_reported_cache(monkeypatch, l3_mib):
+    """The repeated-read curve starts at 8 MiB and is dense (at most 2x apart) up to the memory
+    buffer, whatever sysfs says the last-level cache is: an Intel Xeon VM reports 480 MiB of L3,
+    and a curve of its multiples began at 240 MiB, so the `tiny` preset's 52 MB decode steps read
+    at the 240 MiB rate (about 15 GB/s) where a 52 MiB buffer reads at 29 GB/s."""
+    from slipstream.perf import hardware
+
+    monkeypatch.setattr(hardware, "_l3_cache_bytes", lambda: l3_mib * 2**20)
+    curve = hardware._measure_cache_reads(quick=True)
+    sizes = list(curve)
+    print({size >> 20: round(rate / 1e9, 1) for size, rate in curve.items()})
+    assert sizes[0] <= 8 * 2**20 and sizes == sorted(sizes) and all(rate > 0 for rate in curve.values())
+    ends = [*sizes, hardware._memory_buffer_bytes()]
+    assert max(b / a for a, b in zip(ends, ends[1:], strict=False)) <= 2
+    assert any(32 * 2**20 <= size <= 64 * 2**20 for size in sizes)  # around tiny's 52 MB
+
+
 def test_80gb_parts_have_what_nvml_reports():
     """Guards the GB/GiB confusion: the datasheets' "80GB" A100 and H100 expose 81,920 MiB and
     81,559 MiB (nvidia-smi / NVML totals tabulated by Modal,

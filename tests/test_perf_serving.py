@@ -148,27 +148,61 @@ def test_under_load_latency_grows_with_the_rate():
     setup = ServeSetup(shape=LLAMA8B)
     low = under_load(setup, H100, 0.5, 512, 128)
     high = under_load(setup, H100, 20.0, 512, 128)
-    assert low.ttft_s < high.ttft_s and low.tpot_s <= high.tpot_s and not low.saturated
+    assert low.ttft_s < high.ttft_s and low.tpot_s <= high.tpot_s
     assert high.output_tokens_per_s > low.output_tokens_per_s
 
 
+def _e2e_at_cap(prefill: float, decode: float, rate: float, output_len: int) -> float:
+    """The module docstring's end-to-end latency with the running sequences at the cap (decode
+    step `decode`): TTFT (M/D/1 wait, prefill, a decode step) and output_len - 1 decode steps
+    slowed by the prefills' share of time."""
+    rho = rate * prefill
+    return prefill + decode + rho * prefill / (2 * (1 - rho)) + (output_len - 1) * decode / (1 - rho)
+
+
 def test_over_capacity_rate_is_an_error_naming_the_sustainable_rate():
-    """Guards saturation: at or above the rate the engine can serve (each request's prefill plus
-    its share of output_len - 1 decode steps of max_num_seqs sequences, closed form below) there is
-    no steady state: a ValueError naming that rate, not TTFTs of 1e17 ms; just below it, numbers."""
+    """Guards saturation: at or above the rate at which Little's law needs more running sequences
+    than the cap (rate x e2e(rate) = cap with the decode step of cap sequences, solved here by
+    bisection) there is no steady state: a ValueError naming that rate, not TTFTs of 1e17 ms;
+    just below it, numbers."""
     setup = ServeSetup(shape=LLAMA8B)
     cap, context = 64, 512 + 128 // 2
     prefill = step_time(setup, H100, prefill_lens=[512]).total_s
     decode = step_time(setup, H100, decode_contexts=[context] * cap).total_s
-    closed_form = 1 / (prefill + 127 * decode / cap)
-    assert max_request_rate(setup, H100, 512, 128, max_num_seqs=cap) == pytest.approx(closed_form)
-    below = under_load(setup, H100, 0.95 * closed_form, 512, 128, max_num_seqs=cap)
-    print(f"max {closed_form:.2f} req/s; at 95%: TTFT {1e3 * below.ttft_s:.1f} ms, "
+    low, high = 0.0, 1 / prefill
+    for _ in range(200):
+        mid = (low + high) / 2
+        low, high = (mid, high) if mid * _e2e_at_cap(prefill, decode, mid, 128) < cap else (low, mid)
+    assert max_request_rate(setup, H100, 512, 128, max_num_seqs=cap) == pytest.approx(low, rel=1e-9)
+    below = under_load(setup, H100, 0.95 * low, 512, 128, max_num_seqs=cap)
+    print(f"max {low:.2f} req/s; at 95%: TTFT {1e3 * below.ttft_s:.1f} ms, "
           f"TPOT {1e3 * below.tpot_s:.2f} ms")
-    assert below.max_request_rate == pytest.approx(closed_form) and below.e2e_s < 3600
-    for rate in (1.01 * closed_form, 1e5):
-        with pytest.raises(ValueError, match=f"over capacity: at most {closed_form:.3g} req/s"):
+    assert below.max_request_rate == pytest.approx(low) and below.e2e_s < 3600
+    assert below.limit == "max_num_seqs"
+    for rate in (low * (1 + 1e-9), 1.01 * low, 1e5):
+        with pytest.raises(ValueError, match=f"over capacity: at most {low:.3g} req/s"):
             under_load(setup, H100, rate, 512, 128, max_num_seqs=cap)
+
+
+def test_just_below_the_max_rate_the_load_is_sustained():
+    """The audit's case (llama3-8b on an H100, 8192 in / 64 out, 8 running sequences at most):
+    the old max_request_rate (1 / (prefill + 63 decode(8) / 8)) sat above the rate at which the
+    load model's own Little's law needs more than 8 running sequences, so rates between them
+    printed bounded latencies while serving fewer tokens than offered. Now, up to the limit the
+    fixed point stays under the cap and serves what is offered; at the limit it is full."""
+    setup = ServeSetup(shape=LLAMA8B)
+    limit = max_request_rate(setup, H100, 8192, 64, max_num_seqs=8)
+    prefill = step_time(setup, H100, prefill_lens=[8192]).total_s
+    decode = step_time(setup, H100, decode_contexts=[8192 + 32] * 8).total_s
+    assert limit * _e2e_at_cap(prefill, decode, limit, 64) == pytest.approx(8, rel=1e-9)
+    for fraction in (0.5, 0.9, 0.97, 0.995, 0.99999):
+        load = under_load(setup, H100, fraction * limit, 8192, 64, max_num_seqs=8)
+        print(f"{fraction} of {limit:.3f} req/s: {load.concurrency:.2f} running, e2e {load.e2e_s:.3f} s")
+        assert load.output_tokens_per_s == pytest.approx(fraction * limit * 64)
+        assert load.concurrency == pytest.approx(fraction * limit * load.e2e_s)
+        assert load.concurrency <= 8 * (1 + 1e-6)  # completions keep up: cap / e2e >= the rate
+    with pytest.raises(ValueError, match="over capacity.*8 running sequences at most, the max_num_seqs"):
+        under_load(setup, H100, limit, 8192, 64, max_num_seqs=8)
 
 
 def test_weights_that_do_not_fit_are_an_error():
@@ -231,3 +265,70 @@ def test_decode_graph_removes_launch_overhead_only_for_graphed_steps():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="decode_graph_max_batch"):
             ServeSetup(shape=LLAMA8B, decode_graph_max_batch=bad)
+
+
+def test_a_kv_budget_beyond_the_device_is_an_error():
+    """A given KV budget (vLLM's kv_cache_memory_bytes bypasses gpu_memory_utilization) must fit
+    beside one device's weights in its memory: 80 GB of KV and Llama-3 8B's 16.06 GB of bf16
+    weights (HF's 8,030,261,248 parameters) are more than an H100's 85.52 GB; 69 GB fits."""
+    weights = 8_030_261_248 * 2
+    room = H100.memory_bytes - weights
+    for budget in (80e9, 1e30, room + 1):
+        setup = ServeSetup(shape=LLAMA8B, kv_cache_bytes=budget)
+        for call in (lambda s: step_time(s, H100, decode_contexts=[1024]),
+                     lambda s: kv_capacity(s, H100, 1024), lambda s: under_load(s, H100, 1.0, 1024, 256)):
+            with pytest.raises(ValueError, match=r"KV cache of .* does not fit beside llama3-8b's 16.1 GB"):
+                call(setup)
+    setup = ServeSetup(shape=LLAMA8B, kv_cache_bytes=room)
+    assert kv_capacity(setup, H100, 1024).kv_budget_bytes_per_device == room
+    assert step_time(setup, H100, decode_contexts=[1024]).total_s > 0
+
+
+def test_fp8_weights_keep_16_bit_kv_cache_embedding_lm_head_and_all_reduces():
+    """vLLM's fp8 quantizes the layers' linear weights only: kv_cache_dtype "auto" is the model's
+    16-bit dtype, the embedding and lm_head stay 16-bit, activations and TP all-reduces are 16-bit.
+    Llama-3 8B (HF's counts): 32 x 218,103,808 linear weights at 1 byte plus the other
+    1,050,939,392 parameters at 2 bytes = 9.08 GB; 128 KiB of KV per token; decode at batch 1 is
+    those weights less the gathered embedding rows, plus the KV, over the bandwidth."""
+    linears, rest = 32 * 218_103_808, 8_030_261_248 - 32 * 218_103_808
+    fp8 = ServeSetup(shape=LLAMA8B, dtype="fp8")
+    cap = kv_capacity(fp8, H100, 4096)
+    assert cap.weights_bytes_per_device == linears + 2 * rest == 9_081_200_640
+    assert cap.kv_bytes_per_token_per_device == 2 * 32 * 8 * 128 * 2
+    work = step_time(fp8, H100, decode_contexts=[4095], efficiency=IDEAL)
+    streamed = linears + 2 * (rest - LLAMA8B.embedding_params()) + 4096 * 2 * 32 * 8 * 128 * 2
+    assert work.total_s == pytest.approx(streamed / H100.memory_bandwidth_bytes_per_s, rel=0.01)
+    for dtype, kv_dtype, per_token in (("fp8", "auto", 131072), ("fp8", "fp8_e4m3", 65536),
+                                       ("fp8", "fp8_e5m2", 65536), ("fp8", "bfloat16", 131072),
+                                       ("bf16", "fp8", 65536)):
+        setup = ServeSetup(shape=LLAMA8B, dtype=dtype, kv_dtype=kv_dtype)
+        assert kv_capacity(setup, H100, 4096).kv_bytes_per_token_per_device == per_token
+    b200 = get_accelerator("b200")
+    tp2 = {d: step_time(ServeSetup(shape=LLAMA8B, dtype=d, tp=2), b200, decode_contexts=[1024] * 8)
+           for d in ("bf16", "fp8")}
+    assert tp2["fp8"].comm_bytes == tp2["bf16"].comm_bytes > 0  # 16-bit all-reduce payloads
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'int3'; known: auto, fp8_e4m3"):
+        ServeSetup(shape=LLAMA8B, kv_dtype="int3")
+
+
+def test_lengths_beyond_the_models_positions_are_errors():
+    """The engine's max_model_len is at most the config's max_position_embeddings (131,072 for
+    Llama-3.1 8B, whose config the llama3-8b preset follows; 2,048 learned positions for GPT-3):
+    a prompt and its output, a prefill or a decode step's context and new token beyond it are
+    ValueErrors naming the parameter; exactly at it they run."""
+    setup = ServeSetup(shape=LLAMA8B)
+    assert LLAMA8B.max_position_embeddings == 131072
+    assert resolve_model("gpt3-175b").max_position_embeddings == 2048
+    step_time(setup, H100, decode_contexts=[131071])
+    step_time(setup, H100, prefill_lens=[131072])
+    for name, call in (
+        ("decode_contexts", lambda: step_time(setup, H100, decode_contexts=[131072])),
+        ("prefill_lens", lambda: step_time(setup, H100, prefill_lens=[131073])),
+        ("context_len", lambda: kv_capacity(setup, H100, 200_000)),
+        ("input_len \\+ output_len", lambda: under_load(setup, H100, 0.01, 131_000, 100)),
+        ("input_len \\+ output_len", lambda: max_request_rate(setup, H100, 200_000, 1000)),
+        ("input_len \\+ output_len", lambda: static_batch(setup, H100, 1, 131_072, 1)),
+    ):
+        with pytest.raises(ValueError, match=f"{name}.* needs .* positions, more than llama3-8b's "
+                                             "max_position_embeddings \\(131,072\\)"):
+            call()

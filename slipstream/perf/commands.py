@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.perf import measured, planner, roofline, serving, validation, whatif
+from slipstream.perf.accelerators import dtype_key
 from slipstream.perf.efficiency import Efficiency, check_fractions, default_efficiency, max_fraction
 from slipstream.perf.fit import apply_scales
 from slipstream.perf.hardware import get_accelerator, is_local
@@ -129,9 +130,45 @@ def train(args: argparse.Namespace) -> Result:
     return text, d
 
 
+MAX_NUM_SEQS = 256
+"""The --max-num-seqs default (vLLM's), for the commands that take no --max-num-seqs."""
+
+CPU_DECODE_GRAPH_MAX_BATCH = 256
+"""Decode batches the serving engine's CPU decode graph takes (`ops.linear.MAX_PANEL_ROWS` rows
+of its panel GEMMs); it runs fp32 and bf16 models, where slipstream's C kernels do."""
+
+
+def decode_graph_max_batch(args: argparse.Namespace) -> int:
+    """Up to which batch decode-only steps replay a graph, as the serving engine runs them on
+    --hardware unless --enforce-eager: CUDA graphs for up to --max-num-seqs sequences on an
+    accelerator (slipstream's runner; vLLM's default captures at least as many), the CPU decode
+    graph for up to 256 fp32 or bf16 sequences on this machine."""
+    if getattr(args, "enforce_eager", False):
+        return 0
+    if is_local(args.hardware):
+        return CPU_DECODE_GRAPH_MAX_BATCH if dtype_key(args.dtype) in ("fp32", "bf16") else 0
+    return getattr(args, "max_num_seqs", MAX_NUM_SEQS)
+
+
 def _serve_setup(args: argparse.Namespace) -> serving.ServeSetup:
+    """The served model as the flags describe it; ValueError naming the flag for a length beyond
+    the model's max_position_embeddings."""
     # `plan --serve` has no --tp: it tries every degree.
-    return serving.ServeSetup(shape=resolve_model(args.model), tp=getattr(args, "tp", 1), dtype=args.dtype)
+    shape = resolve_model(args.model)
+    if hasattr(args, "context"):  # a decode step holds its context and the new token
+        serving.check_positions(shape, f"--context {args.context} (and the new token)", args.context + 1)
+    if hasattr(args, "output_len"):
+        serving.check_positions(shape, "--input-len + --output-len", args.input_len + args.output_len)
+    elif hasattr(args, "input_len"):
+        serving.check_positions(shape, "--input-len", args.input_len)
+    kv_dtype = getattr(args, "kv_cache_dtype", None)
+    if kv_dtype is not None:
+        try:
+            serving.kv_cache_dtype(kv_dtype)
+        except ValueError as e:
+            raise ValueError(f"--kv-cache-dtype: {e}") from None
+    return serving.ServeSetup(shape=shape, tp=getattr(args, "tp", 1), dtype=args.dtype, kv_dtype=kv_dtype,
+                              decode_graph_max_batch=decode_graph_max_batch(args))
 
 
 CPU_KV_CACHE_BYTES, CPU_KV_CACHE_FRACTION = 4 * 2**30, 0.4
@@ -146,6 +183,12 @@ def serve(args: argparse.Namespace) -> Result:
     if kv_bytes is None and is_local(args.hardware):
         kv_bytes = min(CPU_KV_CACHE_BYTES, CPU_KV_CACHE_FRACTION * acc.memory_bytes)
     setup = dataclasses.replace(_serve_setup(args), kv_cache_bytes=kv_bytes, block_size=args.block_size)
+    serving.check_weights_fit(setup, acc)
+    try:
+        serving.check_kv_budget_fits(setup, acc)
+    except ValueError as e:
+        flag = "--kv-cache-memory" if args.kv_cache_memory is not None else "the CPU default KV budget"
+        raise ValueError(f"{flag} {kv_bytes:g}: {e}") from None
     prefill = serving.step_time(setup, acc, prefill_lens=[args.input_len], efficiency=eff)
     rows, lines = [], [
         f"{args.model} on {args.tp} x {acc.name} (tp {args.tp}), {args.dtype}; efficiency {source}",
@@ -172,8 +215,7 @@ def serve(args: argparse.Namespace) -> Result:
         d["load"] = load.to_dict()
         lines.append(f"at {args.rate:g} req/s: TTFT {1e3 * load.ttft_s:.1f} ms, "
                      f"TPOT {1e3 * load.tpot_s:.2f} ms, {load.output_tokens_per_s:,.0f} output tokens/s, "
-                     f"{load.concurrency:.1f} running"
-                     + (" (SATURATED)" if load.saturated else ""))
+                     f"{load.concurrency:.1f} running (sustainable up to {load.max_request_rate:.3g} req/s)")
     return "\n".join(lines), d
 
 

@@ -84,8 +84,9 @@ def _physical_memory_bytes() -> int:
 # Calibration: measure this machine.
 
 # Bumped when what calibrate() measures changes (2: memory bandwidth read from huge pages; 3: reads
-# of buffers around the last-level cache's size; 4: bf16 products widened to fp32).
-CACHE_VERSION = 4
+# of buffers around the last-level cache's size; 4: bf16 products widened to fp32; 5: repeated reads
+# over a fixed grid of sizes, not multiples of the reported last-level cache).
+CACHE_VERSION = 5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -231,7 +232,7 @@ def _measure(device: str, device_name: str, quick: bool) -> Calibration:
     logger.info("calibrating %s (%s)%s", device_name, device, ", quick" if quick else "")
     flops, errors = _measure_matmuls(device, quick)
     read_bps, copy_bps = measure_memory_bandwidth(device, quick)
-    cache_reads = _measure_cache_reads() | {_memory_buffer_bytes(): read_bps} if device == "cpu" else {}
+    cache_reads = _measure_cache_reads(quick) | {_memory_buffer_bytes(): read_bps} if device == "cpu" else {}
     return Calibration(
         device=device,
         device_name=device_name,
@@ -402,25 +403,29 @@ def _memory_buffer_bytes() -> int:
     return min(max(8 * _l3_cache_bytes(), 256 * 2**20), 2**30)
 
 
-CACHE_READ_SIZES = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
-"""Buffers `calibrate()` reads repeatedly on a CPU, in last-level cache sizes."""
+CACHE_READ_SIZES = (8, 11, 16, 23, 32, 45, 64, 91, 128, 181, 256, 362, 512, 724)
+"""Buffers `calibrate()` reads repeatedly on a CPU, in MiB: a fixed grid, sqrt(2) apart, from well
+inside any last-level cache to the 1 GiB memory buffer. Not multiples of the sysfs cache size: an
+Intel Xeon VM reports 480 MiB of L3 (the host's), of which a process keeps about 64 MiB between
+passes, so a curve starting at half the reported size never saw the buffers a small model's decode
+reads (52 MiB read at 29 GB/s there, the curve's first point, 240 MiB, at 16)."""
 
 
-def _measure_cache_reads() -> dict[int, float]:
-    """Read bandwidth over buffers of CACHE_READ_SIZES last-level caches, each read in a loop
-    (on huge pages, as `measure_memory_bandwidth`): the share of a buffer that stays cached from
-    one pass to the next depends on the cache's replacement policy, so it is measured, not
-    assumed (LRU would keep nothing of a buffer past the cache's size; the AMD development
-    machine's 32 MiB L3 kept about 40% of a 64 MiB one, which read at 1.4x the memory's rate).
-    Only sizes below the memory buffer's: its rate ends the curve (an Intel Xeon VM reported 480
-    MiB of L3, whose larger multiples are past the 1 GiB buffer)."""
+def _measure_cache_reads(quick: bool = False) -> dict[int, float]:
+    """Read bandwidth over buffers of CACHE_READ_SIZES MiB (every other one when `quick`), each
+    read in a loop (on huge pages, as `measure_memory_bandwidth`): the share of a buffer that
+    stays cached from one pass to the next depends on the cache's replacement policy and on what
+    the machine grants this process, so it is measured, not assumed (LRU would keep nothing of a
+    buffer past the cache's size; the AMD development machine's 32 MiB L3 kept about 40% of a 64
+    MiB one, which read at 1.4x the memory's rate). Only sizes below the memory buffer's: its rate
+    ends the curve."""
     import torch
 
     from slipstream.ops.allocator import huge_page_empty
 
     rates = {}
-    for fraction in CACHE_READ_SIZES:
-        nbytes = int(fraction * _l3_cache_bytes()) // 4 * 4
+    for mib in CACHE_READ_SIZES[::2] if quick else CACHE_READ_SIZES:
+        nbytes = mib * 2**20
         if nbytes >= _memory_buffer_bytes():
             break
         src = huge_page_empty(nbytes // 4, torch.float32)

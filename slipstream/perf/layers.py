@@ -42,11 +42,16 @@ class Device:
     efficiency: Efficiency
     dtype: str = "bf16"
     element_bytes: int = 2
+    weight_bytes: int | None = None
+    """Bytes per element of a GEMM's (k, n) operand, the weight; None: `element_bytes`. Serving fp8
+    weights keeps 16-bit activations (vLLM's fp8 linears take and return the model's dtype)."""
 
     def gemm(self, m: float, k: float, n: float, count: float = 1) -> Work:
         """`count` GEMMs; a memory-bound one (left of the ridge) is charged as memory time."""
         flops = 2.0 * m * k * n
         traffic = self.element_bytes * (m * k + k * n + m * n)
+        if self.weight_bytes is not None:
+            traffic = self.element_bytes * (m * k + m * n) + self.weight_bytes * k * n
         return self.roofline(count * flops, count * traffic, self.efficiency.gemm_fraction,
                               count * self.efficiency.gemm_overhead_s)
 

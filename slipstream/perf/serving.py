@@ -12,8 +12,15 @@ served by continuous batching: per second the engine spends `rate * prefill_time
 and the rest on decode steps of the `concurrency` running sequences, where concurrency follows
 Little's law (`rate * end-to-end latency`), solved by fixed-point iteration. TTFT adds an M/D/1
 queueing wait for the prefill server (Kleinrock, Queueing Systems vol. 1, Pollaczek-Khinchine).
-A rate at or above `max_request_rate` has no steady state and is a ValueError that names the
-sustainable rate; so is a model whose weights do not fit a device (`check_weights_fit`).
+The running sequences are capped (max_num_seqs, or what the KV cache holds); `max_request_rate`
+is the rate at which these same equations need the cap, so a rate at or above it has no steady
+state and is a ValueError that names the sustainable rate. So are a model whose weights, or
+weights and given KV budget, do not fit a device (`check_weights_fit`, `check_kv_budget_fits`)
+and lengths beyond the model's positions (`check_positions`).
+
+fp8 weights are vLLM's fp8 linears: 1-byte weights in the layers' GEMMs (at the fp8 peak) on
+16-bit activations, while the embedding, the lm_head, norms, attention, the all-reduces and, by
+default, the KV cache stay in 16 bits (vLLM's kv_cache_dtype "auto" is the model's dtype).
 """
 
 from __future__ import annotations
@@ -23,13 +30,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from slipstream.perf.accelerators import Accelerator, dtype_key
+from slipstream.perf.accelerators import DTYPE_KEYS, Accelerator, dtype_key
 from slipstream.perf.efficiency import Efficiency, default_efficiency
 from slipstream.perf.layers import (
     Device,
     LayerSpec,
     attention_core_forward,
-    layer_forward,
     layer_gemms,
     pointwise_forward,
     tp_collectives,
@@ -40,6 +46,13 @@ from slipstream.perf.work import Work
 STEP_KERNELS = 6
 """Kernels outside the layers per step: embedding gather, final norm, lm_head, sampling."""
 
+_DTYPE_BYTES = {"fp32": 4, "tf32": 4, "fp8": 1}
+"""Bytes per element of a dtype key; the others (bf16, fp16) are 2."""
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+"""vLLM's kv_cache_dtype names ServeSetup takes besides the dtype keys and torch names: "auto" (the
+model's dtype, 16 bits under fp8 weights) and the two fp8 formats (1 byte each)."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ServeSetup:
@@ -48,8 +61,10 @@ class ServeSetup:
     shape: TransformerShape
     tp: int = 1
     dtype: str = "bf16"
+    """The weights' dtype; "fp8" is 1-byte linear weights on 16-bit (bf16) everything else."""
     kv_dtype: str | None = None
-    """Default: `dtype`."""
+    """The KV cache's dtype (vLLM's kv_cache_dtype); None or "auto": the model's activation dtype,
+    `dtype` or bf16 under fp8 weights, as vLLM's "auto". "fp8_e4m3" and "fp8_e5m2" are "fp8"."""
     memory_utilization: float = 0.9
     """Fraction of device memory the engine may use (vLLM's gpu_memory_utilization)."""
     kv_cache_bytes: float | None = None
@@ -64,7 +79,7 @@ class ServeSetup:
     def __post_init__(self) -> None:
         dtype_key(self.dtype)
         if self.kv_dtype is not None:
-            dtype_key(self.kv_dtype)
+            object.__setattr__(self, "kv_dtype", kv_cache_dtype(self.kv_dtype))
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"tp must be a positive integer, got {self.tp!r}")
         if error := self.shape.tensor_parallel_error(self.tp, serving=True):
@@ -82,11 +97,46 @@ class ServeSetup:
 
     @property
     def element_bytes(self) -> int:
-        return {"fp32": 4, "tf32": 4, "fp8": 1}.get(dtype_key(self.dtype), 2)
+        """Bytes per weight of the layers' linears."""
+        return _DTYPE_BYTES.get(dtype_key(self.dtype), 2)
+
+    @property
+    def activation_dtype(self) -> str:
+        """The dtype of everything but the layers' linear weights: `dtype`, bf16 under fp8."""
+        key = dtype_key(self.dtype)
+        return "bf16" if key == "fp8" else key
+
+    @property
+    def activation_bytes(self) -> int:
+        return _DTYPE_BYTES.get(self.activation_dtype, 2)
 
     @property
     def kv_element_bytes(self) -> int:
-        return {"fp32": 4, "tf32": 4, "fp8": 1}.get(dtype_key(self.kv_dtype or self.dtype), 2)
+        return _DTYPE_BYTES.get(self.kv_dtype or self.activation_dtype, 2)
+
+    def weights_bytes_per_device(self) -> float:
+        """One device's share of the weights: the layers' linears at `element_bytes`, the rest
+        (embedding, lm_head, norms, biases) at `activation_bytes`."""
+        shape = self.shape
+        if self.element_bytes == self.activation_bytes:
+            return shape.num_params() * self.element_bytes / self.tp
+        linears = shape.num_layers * shape.layer_matmul_params()
+        rest = shape.num_params() - linears
+        return (linears * self.element_bytes + rest * self.activation_bytes) / self.tp
+
+
+def kv_cache_dtype(name: Any) -> str | None:
+    """The dtype key of a KV cache dtype name (`KV_CACHE_DTYPES` or a dtype), None for "auto"."""
+    kv = str(name).lower()
+    if kv == "auto":
+        return None
+    if kv in KV_CACHE_DTYPES:
+        return "fp8"
+    try:
+        return dtype_key(kv)
+    except ValueError:
+        raise ValueError(f"unknown KV cache dtype {name!r}; known: {', '.join(KV_CACHE_DTYPES)}, "
+                         f"{', '.join(DTYPE_KEYS)} and their torch names") from None
 
 
 def _check_positive(name: str, value: Any) -> None:
@@ -97,7 +147,7 @@ def _check_positive(name: str, value: Any) -> None:
 def check_weights_fit(setup: ServeSetup, accelerator: Accelerator) -> None:
     """ValueError when one device's share of the weights exceeds the memory the engine may use
     (`memory_utilization` of the device, as vLLM's gpu_memory_utilization): no step can run."""
-    weights = setup.shape.num_params() * setup.element_bytes / setup.tp
+    weights = setup.weights_bytes_per_device()
     usable = accelerator.memory_bytes * setup.memory_utilization
     if weights > usable:
         raise ValueError(
@@ -107,9 +157,40 @@ def check_weights_fit(setup: ServeSetup, accelerator: Accelerator) -> None:
         )
 
 
-def _device(setup: ServeSetup, accelerator: Accelerator, efficiency: Efficiency | None) -> Device:
-    return Device(accelerator=accelerator, efficiency=efficiency or default_efficiency(accelerator),
-                  dtype=dtype_key(setup.dtype), element_bytes=setup.element_bytes)
+def check_kv_budget_fits(setup: ServeSetup, accelerator: Accelerator) -> None:
+    """ValueError when a given KV budget (`kv_cache_bytes`, which bypasses memory_utilization as
+    vLLM's kv_cache_memory_bytes does) and one device's share of the weights exceed the device's
+    memory: the engine refuses a budget beyond what the device has."""
+    weights, kv = setup.weights_bytes_per_device(), setup.kv_cache_bytes
+    memory = accelerator.memory_bytes
+    if kv is not None and weights + kv > memory:
+        raise ValueError(
+            f"a KV cache of {kv / 1e9:.4g} GB per device does not fit beside {setup.shape.name}'s "
+            f"{weights / 1e9:.1f} GB of weights at tp {setup.tp} in {accelerator.name}'s "
+            f"{memory / 1e9:.1f} GB (at most {(memory - weights) / 1e9:.4g} GB)"
+        )
+
+
+def check_positions(shape: TransformerShape, name: str, positions: int) -> None:
+    """ValueError naming `name` when `positions` tokens (a prompt and its output, or a decode
+    step's cache and new token) are more than the model's `max_position_embeddings` (the serving
+    engine's max_model_len cannot exceed it)."""
+    limit = shape.max_position_embeddings
+    if limit is not None and positions > limit:
+        raise ValueError(f"{name} needs {positions:,} positions, more than {shape.name}'s "
+                         f"max_position_embeddings ({limit:,})")
+
+
+def _devices(
+    setup: ServeSetup, accelerator: Accelerator, efficiency: Efficiency | None,
+) -> tuple[Device, Device]:
+    """(the layers' linear GEMMs, everything else): one device unless the weights are fp8, whose
+    GEMMs run at the fp8 peak on 1-byte weights and 16-bit activations."""
+    device = Device(accelerator=accelerator, efficiency=efficiency or default_efficiency(accelerator),
+                    dtype=setup.activation_dtype, element_bytes=setup.activation_bytes)
+    if setup.element_bytes == setup.activation_bytes:
+        return device, device
+    return dataclasses.replace(device, dtype=dtype_key(setup.dtype), weight_bytes=setup.element_bytes), device
 
 
 def step_time(
@@ -122,12 +203,20 @@ def step_time(
     Steps follow one another over the same weights (and mostly the same KV cache), so the memory
     bandwidth is that of re-reading the bytes a step moves (`Accelerator.read_bandwidth`): above
     the memory's where they nearly fit in the last-level cache (a small model's decode on a CPU).
-    ValueError for lengths below 1 or weights that do not fit (`check_weights_fit`).
+    ValueError for lengths below 1 or beyond the model's positions (a decode step needs its
+    context and one more) and for memory that does not fit (`check_weights_fit`,
+    `check_kv_budget_fits`).
     """
     for name, values in (("prefill_lens", prefill_lens), ("decode_contexts", decode_contexts)):
         for value in values:
             _check_positive(f"each of {name}", value)
+    if prefill_lens:
+        check_positions(setup.shape, f"prefill_lens {max(prefill_lens)}", max(prefill_lens))
+    if decode_contexts:  # a decode step's sequence holds its context and the new token
+        context = max(decode_contexts)
+        check_positions(setup.shape, f"decode_contexts {context} (and the new token)", context + 1)
     check_weights_fit(setup, accelerator)
+    check_kv_budget_fits(setup, accelerator)
     work = _step_work(setup, accelerator, prefill_lens, decode_contexts, efficiency)
     bandwidth = accelerator.read_bandwidth(work.memory_bytes)
     if bandwidth == accelerator.memory_bandwidth_bytes_per_s:
@@ -140,7 +229,7 @@ def _step_work(
     setup: ServeSetup, accelerator: Accelerator, prefill_lens: Sequence[int],
     decode_contexts: Sequence[int], efficiency: Efficiency | None,
 ) -> Work:
-    device = _device(setup, accelerator, efficiency)
+    linears, device = _devices(setup, accelerator, efficiency)
     shape = setup.shape
     window = shape.sliding_window
     tokens = sum(prefill_lens) + len(decode_contexts)
@@ -152,30 +241,32 @@ def _step_work(
     if prefill_lens:
         spec = LayerSpec(shape=shape, num_tokens=sum(prefill_lens), tp=setup.tp, attention="flash",
                          attention_pairs=causal_pairs)
-        layer = layer + layer_forward(spec, device)
+        layer = layer + _layer(spec, linears, device, device)
     if decode_contexts:
         spec = LayerSpec(shape=shape, num_tokens=len(decode_contexts), tp=setup.tp,
                          attention="flash", attention_pairs=kv_read, kv_read_tokens=kv_read)
-        layer_device = device
+        layer_linears, layer_device = linears, device
         if not prefill_lens and len(decode_contexts) <= setup.decode_graph_max_batch:
             replay = dataclasses.replace(device.efficiency, gemm_overhead_s=0.0, kernel_overhead_s=0.0)
+            layer_linears = dataclasses.replace(linears, efficiency=replay)
             layer_device = dataclasses.replace(device, efficiency=replay)
         kv_device = dataclasses.replace(layer_device, element_bytes=setup.kv_element_bytes)
-        layer = layer + _decode_layer(spec, layer_device, kv_device)
+        layer = layer + _layer(spec, layer_linears, layer_device, kv_device)
     comm = tp_collectives(LayerSpec(shape=shape, num_tokens=tokens, tp=setup.tp), device,
                           accelerator.devices_per_node)
     sampled = len(prefill_lens) + len(decode_contexts)
     head = device.gemm(sampled, shape.hidden_size, shape.vocab_size / setup.tp)
-    extra = device.stream(2.0 * tokens * shape.hidden_size * setup.element_bytes, STEP_KERNELS)
+    extra = device.stream(2.0 * tokens * shape.hidden_size * setup.activation_bytes, STEP_KERNELS)
     host = device.efficiency.step_overhead_s + sampled * device.efficiency.sequence_overhead_s
     return (layer + comm) * shape.num_layers + head + extra + Work(overhead_s=host)
 
 
-def _decode_layer(spec: LayerSpec, device: Device, kv_device: Device) -> Work:
-    """Decode tokens of one layer: the dense part at the weights' dtype, the cache at the KV's."""
-    work = attention_core_forward(spec, kv_device) + pointwise_forward(spec, device)
+def _layer(spec: LayerSpec, linears: Device, device: Device, attention: Device) -> Work:
+    """One layer's tokens: the linears on `linears`, norms and activations on `device`, the
+    attention core on `attention` (decode: at the KV cache's bytes)."""
+    work = attention_core_forward(spec, attention) + pointwise_forward(spec, device)
     for m, k, n in layer_gemms(spec.shape, spec.num_tokens, spec.tp):
-        work = work + device.gemm(m, k, n)
+        work = work + linears.gemm(m, k, n)
     return work
 
 
@@ -203,8 +294,10 @@ def kv_capacity(setup: ServeSetup, accelerator: Accelerator, context_len: int,
     degree exceeds the KV heads, as in llm-analysis `get_memory_kv_cache_per_layer`).
     """
     _check_positive("context_len", context_len)
+    check_positions(setup.shape, "context_len", context_len)
+    check_kv_budget_fits(setup, accelerator)
     shape = setup.shape
-    weights = shape.num_params() * setup.element_bytes / setup.tp
+    weights = setup.weights_bytes_per_device()
     kv_heads = max(shape.num_kv_heads / setup.tp, 1)
     per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * setup.kv_element_bytes
     budget = setup.kv_cache_bytes
@@ -245,6 +338,7 @@ def static_batch(
     """
     for name, value in (("batch_size", batch_size), ("input_len", input_len), ("output_len", output_len)):
         _check_positive(name, value)
+    check_positions(setup.shape, "input_len + output_len", input_len + output_len)
     prefill = step_time(setup, accelerator, prefill_lens=[input_len] * batch_size, efficiency=efficiency)
     steps = output_len - 1
     decode = Work()
@@ -262,7 +356,7 @@ def static_batch(
 
 @dataclasses.dataclass(frozen=True)
 class LoadPrediction:
-    """Steady state of continuous batching at a request rate."""
+    """Steady state of continuous batching at a request rate below `max_request_rate`."""
 
     request_rate: float
     concurrency: float
@@ -270,11 +364,11 @@ class LoadPrediction:
     tpot_s: float
     e2e_s: float
     output_tokens_per_s: float
+    """The offered output tokens: in a steady state every request is served."""
     utilization: float
-    """Fraction of time the prefills take (below 1: over capacity is a ValueError)."""
-    saturated: bool
+    """Fraction of time the prefills take."""
     limit: str
-    """What capped concurrency, if anything: "" , "max_num_seqs" or "kv_cache"."""
+    """What caps the running sequences, and so `max_request_rate`: "max_num_seqs" or "kv_cache"."""
     max_request_rate: float
     """The most requests/s the engine sustains (`max_request_rate`); `request_rate` is below it."""
 
@@ -282,23 +376,53 @@ class LoadPrediction:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Load:
+    """What `under_load` and `max_request_rate` share."""
+
+    prefill_s: float
+    cap: int
+    """The most sequences that may run: max_num_seqs, or what the KV cache holds."""
+    limit: str
+    context: int
+    """The mean context of a decode step: the prompt and half the output."""
+    max_rate: float
+
+
+def _load(setup: ServeSetup, accelerator: Accelerator, input_len: int, output_len: int,
+          max_num_seqs: int, efficiency: Efficiency | None) -> _Load:
+    """The prefill, the cap and `max_request_rate` (its docstring derives the limit)."""
+    for name, value in (("input_len", input_len), ("output_len", output_len),
+                        ("max_num_seqs", max_num_seqs)):
+        _check_positive(name, value)
+    check_positions(setup.shape, "input_len + output_len", input_len + output_len)
+    p = step_time(setup, accelerator, prefill_lens=[input_len], efficiency=efficiency).total_s
+    room = kv_capacity(setup, accelerator, input_len + output_len).max_sequences
+    cap, context = min(max_num_seqs, room), input_len + output_len // 2
+    limit = "max_num_seqs" if max_num_seqs <= room else "kv_cache"
+    if cap < 1:
+        return _Load(p, cap, limit, context, 0.0)
+    d = step_time(setup, accelerator, decode_contexts=[context] * cap, efficiency=efficiency).total_s
+    a, b, c = p / 2 + d, p * (1 + cap) + output_len * d, p * cap
+    x = 2 * c / (b + math.sqrt(b * b - 4 * a * c))  # the smaller root, without cancellation
+    return _Load(p, cap, limit, context, x / p)
+
+
 def max_request_rate(
     setup: ServeSetup, accelerator: Accelerator, input_len: int, output_len: int,
     max_num_seqs: int = 256, efficiency: Efficiency | None = None,
 ) -> float:
-    """Requests/s above which the queue grows without bound: each request costs its prefill plus
-    its share of `output_len - 1` decode steps of the most sequences that can run at once,
-    1 / (prefill_s + (output_len - 1) x decode_s(cap) / cap); 0 when no sequence fits the cache."""
-    for name, value in (("input_len", input_len), ("output_len", output_len),
-                        ("max_num_seqs", max_num_seqs)):
-        _check_positive(name, value)
-    prefill_s = step_time(setup, accelerator, prefill_lens=[input_len], efficiency=efficiency).total_s
-    cap = min(max_num_seqs, kv_capacity(setup, accelerator, input_len + output_len).max_sequences)
-    if cap < 1:
-        return 0.0
-    decode_s = step_time(setup, accelerator, decode_contexts=[input_len + output_len // 2] * cap,
-                         efficiency=efficiency).total_s
-    return 1.0 / (prefill_s + (output_len - 1) * decode_s / cap)
+    """Requests/s from which `under_load`'s equations need more running sequences than `cap`
+    (max_num_seqs, or what the KV cache holds) allows; 0 when no sequence fits the cache.
+
+    With prefill time P, the decode step of `cap` sequences d and n = `output_len`, a request's
+    end-to-end latency at rate r is e2e(r) = P + d + r P^2 / (2 (1 - r P)) + (n - 1) d / (1 - r P)
+    (TTFT with its M/D/1 wait, then n - 1 decode steps slowed by the prefills' share of time), and
+    Little's law needs r e2e(r) <= cap. r e2e(r) grows from 0 to infinity on (0, 1 / P), so the
+    limit is its one root there: with x = r P, (P / 2 + d) x^2 - (P (1 + cap) + n d) x + P cap = 0,
+    whose smaller root lies in (0, 1). Below it the fixed point stays under the cap.
+    """
+    return _load(setup, accelerator, input_len, output_len, max_num_seqs, efficiency).max_rate
 
 
 def under_load(
@@ -307,41 +431,39 @@ def under_load(
 ) -> LoadPrediction:
     """TTFT, TPOT and throughput with `request_rate` requests/s (see the module docstring).
 
-    ValueError when the rate is at or over capacity (`max_request_rate`): there is no steady
-    state to report, the latencies grow without bound.
+    ValueError when the rate is at or over capacity (`max_request_rate`): the running sequences
+    would need more than the cap, requests queue without bound and there is no steady state to
+    report.
     """
     if isinstance(request_rate, bool) or not (isinstance(request_rate, int | float)
                                               and 0 < request_rate < float("inf")):
         raise ValueError(f"request_rate must be a finite number > 0, got {request_rate!r}")
-    limit_rate = max_request_rate(setup, accelerator, input_len, output_len, max_num_seqs, efficiency)
+    load = _load(setup, accelerator, input_len, output_len, max_num_seqs, efficiency)
+    limit_rate = load.max_rate
     if limit_rate == 0:
         raise ValueError(f"the KV cache holds no sequence of {input_len + output_len} tokens "
                          f"(input_len + output_len) beside the weights")
     if request_rate >= limit_rate:
         raise ValueError(f"request_rate {request_rate:g} req/s is over capacity: at most "
-                         f"{limit_rate:.3g} req/s sustainable with {input_len} in / {output_len} out")
-    prefill_s = step_time(setup, accelerator, prefill_lens=[input_len], efficiency=efficiency).total_s
-    capacity = kv_capacity(setup, accelerator, input_len + output_len)
-    cap, limit = min(max_num_seqs, capacity.max_sequences), ""
+                         f"{limit_rate:.3g} req/s sustainable with {input_len} in / {output_len} out "
+                         f"({load.cap} running sequences at most, the {load.limit} limit)")
+    prefill_s = load.prefill_s
     rho = request_rate * prefill_s  # < 1 below capacity
-    context = input_len + output_len // 2
-    concurrency, tpot_s = 1.0, 0.0
+    concurrency = 1.0
     for _ in range(50):
+        # No clipping: below max_request_rate, request_rate x e2e stays under the cap for every
+        # batch up to it (a larger batch only lengthens the decode step).
         batch = max(int(round(concurrency)), 1)
-        decode_s = step_time(setup, accelerator, decode_contexts=[context] * batch,
+        decode_s = step_time(setup, accelerator, decode_contexts=[load.context] * batch,
                              efficiency=efficiency).total_s
         tpot_s = decode_s / (1.0 - rho)
         wait_s = rho * prefill_s / (2 * (1.0 - rho))
         ttft_s = wait_s + prefill_s + decode_s
         e2e_s = ttft_s + (output_len - 1) * tpot_s
         new = request_rate * e2e_s
-        if new > cap:
-            new, limit = float(cap), ("max_num_seqs" if cap == max_num_seqs else "kv_cache")
-        if abs(new - concurrency) < 0.01 * max(concurrency, 1):
-            concurrency = new
+        converged = abs(new - concurrency) < 0.01 * max(concurrency, 1)
+        concurrency = new if converged else 0.5 * (concurrency + new)
+        if converged:
             break
-        concurrency = 0.5 * (concurrency + new)
-    throughput = min(request_rate, concurrency / e2e_s) * output_len
-    saturated = limit != "" and request_rate * e2e_s > cap
-    return LoadPrediction(request_rate, concurrency, ttft_s, tpot_s, e2e_s, throughput, rho, saturated,
-                          limit, limit_rate)
+    return LoadPrediction(request_rate, concurrency, ttft_s, tpot_s, e2e_s, request_rate * output_len, rho,
+                          load.limit, limit_rate)

@@ -48,6 +48,9 @@ class TransformerShape:
     sliding_window: int | None = None
     qk_norm: bool = False
     """An RMSNorm on every head's query and key before the rotary embedding (Qwen3)."""
+    max_position_embeddings: int | None = None
+    """The most positions a sequence may take (a config's max_position_embeddings, a GPT's
+    learned position table); None: not known, not checked."""
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -62,6 +65,10 @@ class TransformerShape:
             raise ValueError(f"{self.name}: mlp must be one of {MLP_KINDS}, got {self.mlp!r}")
         if self.norm not in NORM_KINDS:
             raise ValueError(f"{self.name}: norm must be one of {NORM_KINDS}, got {self.norm!r}")
+        limit = self.max_position_embeddings
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"{self.name}: max_position_embeddings must be a positive integer or None, "
+                             f"got {limit!r}")
 
     @classmethod
     def from_model_config(cls, config: Any, name: str = "model") -> TransformerShape:
@@ -77,7 +84,7 @@ class TransformerShape:
             head_dim=config.head_dim, ffn_hidden_size=config.intermediate_size,
             vocab_size=config.vocab_size, tied_embeddings=config.tie_word_embeddings,
             extra_params_per_layer=extra, sliding_window=config.sliding_window,
-            qk_norm=config.qk_norm,
+            qk_norm=config.qk_norm, max_position_embeddings=config.max_position_embeddings,
         )
 
     @property
@@ -164,6 +171,7 @@ def _gpt(
         name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=heads,
         head_dim=hidden // heads, ffn_hidden_size=4 * hidden, vocab_size=vocab, mlp="gelu",
         norm="layernorm", tied_embeddings=True, learned_positions=positions, linear_bias=True,
+        max_position_embeddings=positions,
     )
 
 

@@ -1,0 +1,122 @@
+"""`slipstream perf serve` (and the other serving commands) as the engine would run the request:
+its KV budget, the model's positions, fp8's KV cache and the decode graph."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from slipstream.perf import commands
+from slipstream.perf.accelerators import get_accelerator
+from slipstream.perf.serving import ServeSetup, step_time
+from slipstream.perf.shapes import resolve_model
+
+pytest_plugins = ["serve_fixtures"]
+
+H100 = get_accelerator("h100")
+LLAMA8B = resolve_model("llama3-8b")
+
+
+def _args(*argv: str, **extra):
+    """`perf ARGV` as the CLI parses it, with `extra` attributes set."""
+    from slipstream.cli import build_parser
+
+    args = build_parser().parse_args(["perf", *argv])
+    for name, value in extra.items():
+        setattr(args, name, value)
+    return args
+
+
+def _error(argv: list[str], capsys) -> str:
+    """The one-line error `slipstream perf` prints for `argv`, after checking it exits 2."""
+    from slipstream.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main(["perf", *argv]))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("budget", ["80e9", "1e30"])
+def test_kv_cache_memory_beyond_the_device_names_the_flag(budget, capsys):
+    """`--kv-cache-memory 80e9` beside Llama-3 8B's 16.1 GB of weights is more than an H100's
+    85.5 GB: refused in one line naming the flag (the engine refuses a budget beyond the device),
+    not a KV cache of 7.6e27 tokens."""
+    err = _error(["serve", "--model", "llama3-8b", "--hardware", "h100", "--kv-cache-memory", budget], capsys)
+    assert f"--kv-cache-memory {float(budget):g}: a KV cache of" in err
+    assert "does not fit beside llama3-8b's 16.1 GB of weights" in err and "H100 SXM's 85.5 GB" in err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["serve", "--context", "200000", "--input-len", "200000", "--output-len", "1000"],
+     "--context 200000 (and the new token) needs 200,001 positions"),
+    (["serve", "--context", "131072"], "--context 131072 (and the new token) needs 131,073 positions"),
+    (["serve", "--input-len", "131000", "--output-len", "256"], "--input-len + --output-len needs 131,256"),
+    (["roofline", "--input-len", "131073"], "--input-len needs 131,073 positions"),
+    (["whatif", "--serve", "--context", "140000"], "--context 140000 (and the new token) needs"),
+    (["plan", "--serve", "--devices", "8", "--input-len", "131072", "--output-len", "1"],
+     "--input-len + --output-len needs 131,073"),
+])
+def test_lengths_beyond_max_position_embeddings_name_the_flag(argv, expected, capsys):
+    """Llama-3.1 8B has 131,072 positions (its config's max_position_embeddings, the engine's
+    max_model_len at most): a longer context or prompt and output is refused naming the flag."""
+    err = _error([*argv, "--model", "llama3-8b", "--hardware", "h200"], capsys)
+    assert expected in err and "llama3-8b's max_position_embeddings (131,072)" in err, err
+
+
+def test_fp8_serving_keeps_a_16_bit_kv_cache_unless_asked():
+    """`--dtype fp8`: the KV cache stays bf16 (vLLM's kv_cache_dtype "auto"), 128 KiB per token
+    of Llama-3 8B, and `--kv-cache-dtype fp8_e4m3` (vLLM's flag) halves it; the weights are 1-byte
+    linears beside a 16-bit embedding and lm_head (9.08 GB)."""
+    _, auto = commands.serve(_args("serve", "--dtype", "fp8", "--batch", "1"))
+    assert auto["kv_capacity"]["kv_bytes_per_token_per_device"] == 131072
+    assert auto["kv_capacity"]["weights_bytes_per_device"] == 9_081_200_640
+    _, fp8 = commands.serve(_args("serve", "--dtype", "fp8", "--batch", "1", kv_cache_dtype="fp8_e4m3"))
+    assert fp8["kv_capacity"]["kv_bytes_per_token_per_device"] == 65536
+    assert fp8["decode_s_per_token"] < auto["decode_s_per_token"]
+    with pytest.raises(ValueError, match="--kv-cache-dtype: unknown KV cache dtype 'int3'"):
+        commands.serve(_args("serve", kv_cache_dtype="int3"))
+
+
+def test_decode_is_modelled_as_the_engine_replays_it():
+    """The engines replay decode steps from a graph unless enforce_eager (CUDA graphs for up to
+    max_num_seqs sequences; on a CPU the C decode graph, up to 256 fp32 or bf16 sequences), so
+    `perf serve` prices decode batches up to that without the layers' launch costs by default,
+    and as before (eager) with --enforce-eager."""
+    argv = ("serve", "--batch", "1,8,300", "--max-num-seqs", "256")
+    _, graphed = commands.serve(_args(*argv))
+    _, eager = commands.serve(_args(*argv, enforce_eager=True))
+    for setup_batch, record in ((256, graphed), (0, eager)):
+        setup = ServeSetup(shape=LLAMA8B, decode_graph_max_batch=setup_batch)
+        for row in record["decode"]:
+            expected = step_time(setup, H100, decode_contexts=[1024] * row["batch_size"]).total_s
+            assert row["decode_s_per_token"] == pytest.approx(expected, rel=1e-12)
+    rows = [(g["decode_s_per_token"], e["decode_s_per_token"])
+            for g, e in zip(graphed["decode"], eager["decode"], strict=True)]
+    assert rows[0][0] < rows[0][1] and rows[1][0] < rows[1][1] and rows[2][0] == rows[2][1]
+    assert commands.decode_graph_max_batch(_args("serve", "--max-num-seqs", "64")) == 64
+    assert commands.decode_graph_max_batch(_args("roofline")) == commands.MAX_NUM_SEQS == 256
+    for dtype, expected in (("fp32", 256), ("bf16", 256), ("fp16", 0)):
+        args = _args("roofline", "--hardware", "cpu", "--dtype", dtype)
+        assert commands.decode_graph_max_batch(args) == expected
+        args.enforce_eager = True
+        assert commands.decode_graph_max_batch(args) == 0
+
+
+def test_cpu_decode_graph_default_is_the_engines(model_dir):
+    """The CPU default is what the serving engine builds: its decode graph takes MAX_PANEL_ROWS
+    sequences (fp32, fast CPU kernels), and none with enforce_eager."""
+    from slipstream.ops.linear import MAX_PANEL_ROWS
+    from slipstream.serve.engine import Engine, EngineConfig
+
+    assert commands.CPU_DECODE_GRAPH_MAX_BATCH == MAX_PANEL_ROWS
+    config = EngineConfig(model=str(model_dir), dtype="float32", kv_cache_memory=2**22, max_model_len=128)
+    engine = Engine(config)
+    if engine.runner.decode_graph is None:
+        pytest.skip("the C kernels are not available here")
+    assert engine.runner.decode_graph.max_seqs == commands.CPU_DECODE_GRAPH_MAX_BATCH
+    eager = Engine(dataclasses.replace(config, enforce_eager=True))
+    assert eager.runner.decode_graph is None
