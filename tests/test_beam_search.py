@@ -50,7 +50,7 @@ def test_beam_search_equals_transformers_num_beams(llm, model_dir, length_penalt
         assert {beam.finish_reason for beam in output.sequences} == {"length"}
         assert {len(beam.logprobs) for beam in output.sequences} == {steps}
         assert [beam.text for beam in output.sequences] == [
-            llm.get_tokenizer().decode(beam.tokens) for beam in output.sequences]
+            llm.get_tokenizer().decode(beam.tokens, skip_special_tokens=True) for beam in output.sequences]
 
 
 def dense_beam_search(model, prompt: list[int], width: int, steps: int, eos_ids: set[int],
@@ -119,7 +119,9 @@ def test_text_prompts_are_tokenized_as_generate_does(llm):
 @pytest.mark.parametrize("changes, message", [
     (dict(beam_width=0), "beam_width must be a positive integer"),
     (dict(max_tokens=1.5), "max_tokens must be a positive integer"),
-    (dict(temperature=0.7), "temperature must be 0 for beam search"),
+    (dict(temperature=-0.5), r"temperature must be a number in \[0, 10000\], got -0.5"),
+    (dict(temperature=math.nan), "temperature must be a number"),
+    (dict(skip_special_tokens="no"), "skip_special_tokens must be True or False"),
     (dict(length_penalty=math.inf), "length_penalty must be a finite number"),
     (dict(ignore_eos="no"), "ignore_eos must be True or False"),
 ])
@@ -179,3 +181,33 @@ def test_an_extreme_length_penalty_ranks_without_overflow(length_penalty, best_l
     search.step([position(t4=-0.1, t5=-0.2), position(t4=-0.1, t5=-3.0)])
     assert len(search.best()[0].tokens) - 1 == best_length
 
+
+
+def test_beam_text_skips_special_tokens_by_default_and_temperature_changes_no_beam(llm):
+    """As vLLM's beam_search: a beam's text is its tokens decoded with special tokens skipped
+    (BeamSearchParams.skip_special_tokens, default True), and temperature, which in vLLM only
+    changes the token each step samples (unused by the search), leaves the beams as they are."""
+    prompt = [[11, 12, EOS_TRIGGER_ID]]  # the model answers <|im_end|>; ignore_eos searches past it
+    tokenizer = llm.get_tokenizer()
+    base = dict(beam_width=2, max_tokens=4, ignore_eos=True)
+    [skipped] = llm.beam_search(prompt, BeamSearchParams(**base))
+    [kept] = llm.beam_search(prompt, BeamSearchParams(**base, skip_special_tokens=False))
+    [warm] = llm.beam_search(prompt, BeamSearchParams(**base, temperature=0.8))
+    assert any(2 in beam.tokens for beam in skipped.sequences)  # <|im_end|> among the tokens
+    assert [b.tokens for b in skipped.sequences] == [b.tokens for b in kept.sequences] == [
+        b.tokens for b in warm.sequences]
+    assert [b.text for b in skipped.sequences] == [
+        tokenizer.decode(b.tokens, skip_special_tokens=True) for b in skipped.sequences]
+    assert [b.text for b in kept.sequences] == [tokenizer.decode(b.tokens) for b in kept.sequences]
+    assert any("<|im_end|>" in b.text for b in kept.sequences)
+    assert not any("<|im_end|>" in b.text for b in skipped.sequences)
+
+
+def test_beam_search_takes_vllms_lora_request_none_and_use_tqdm_positionally(llm):
+    """vLLM's order, beam_search(prompts, params, lora_request, use_tqdm): None is taken, a LoRA
+    request is refused (slipstream serves none)."""
+    params = BeamSearchParams(beam_width=2, max_tokens=2)
+    [output] = llm.beam_search(["x"], params, None, False)
+    assert len(output.sequences) == 2
+    with pytest.raises(ValueError, match="lora_request=.* is not supported"):
+        llm.beam_search(["x"], params, lora_request=object())

@@ -544,12 +544,16 @@ def test_chat_reports_the_rendered_prompt_and_takes_openai_messages(llm, tokeniz
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], use_tqdm=False)
 
 
-def test_chat_template_kwargs_override_and_template_and_tools_reach_the_template(llm):
-    """chat_template_kwargs override the named arguments (vLLM merges them over), a chat_template
-    source replaces the tokenizer's, and tools reach it."""
+def test_named_arguments_win_over_chat_template_kwargs_and_template_and_tools_reach_the_template(llm):
+    """The named arguments win over chat_template_kwargs (vLLM's LLM.chat merges them over the
+    kwargs; tools only when not None), a chat_template source replaces the tokenizer's, and tools
+    reach it."""
     conversation = [{"role": "user", "content": "Hi"}]
     [output] = llm.chat(conversation, greedy(max_tokens=2), use_tqdm=False,
                         chat_template_kwargs={"add_generation_prompt": False})
+    assert output.prompt == chatml(("user", "Hi"))
+    [output] = llm.chat(conversation, greedy(max_tokens=2), use_tqdm=False, add_generation_prompt=False,
+                        chat_template_kwargs={"add_generation_prompt": True})
     assert output.prompt == chatml(("user", "Hi"), generation_prompt=False)
     template = ("{% for t in tools or [] %}[{{ t['name'] }}]{% endfor %}"
                 "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{{ greeting }}")
@@ -658,7 +662,7 @@ def test_generate_and_chat_options_of_the_wrong_kind_are_value_errors(llm):
     the call's own arguments are ValueErrors naming them; nothing stays queued."""
     messages = [{"role": "user", "content": "hi"}]
     cases = [
-        (lambda: llm.generate(PROMPT, greedy(), use_tqdm="no"), "use_tqdm must be True or False"),
+        (lambda: llm.generate(PROMPT, greedy(), use_tqdm="no"), "use_tqdm must be True, False or a callable"),
         (lambda: llm.chat(messages, greedy(), add_generation_prompt="no"), "add_generation_prompt must be"),
         (lambda: llm.chat(None, greedy()), "messages must be a non-empty list of message dicts"),
         (lambda: llm.chat("hello", greedy()), "messages must be a non-empty list of message dicts"),

@@ -26,14 +26,84 @@ CHATML_TEMPLATE = (
 )
 
 
-RESERVED_TEMPLATE_KWARGS = frozenset({"tokenize", "return_dict", "messages", "conversation"})
+RESERVED_TEMPLATE_KWARGS = frozenset({"tokenize", "return_dict", "messages", "conversation", "content_parts"})
 """Arguments of apply_chat_template that chat_template_kwargs may not set: they would override
-the call's own (the messages rendered, the kind of result)."""
+the call's own (the messages rendered, the kind of result, the form of their content)."""
 
 
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a template source in the sandboxed environment transformers uses."""
     return _jinja_environment().from_string(source)
+
+
+def template_content_format(source: str) -> str:
+    """"openai" where the template loops over a message's content (it expects a list of
+    {"type": ..., ...} parts, as multimodal templates do), else "string": what vLLM's
+    chat_template_content_format="auto" detects. Like vLLM's, it follows `messages` through
+    assignments (`{% set loop_messages = messages[1:] %}`), filters and slices to the loops over
+    them, and counts a loop over `<message>.content`, over a variable named `content` (outside a
+    macro) or, in a macro, over a parameter that a call passes a message's content. A template
+    that does not parse is "string" (rendering then reports the error)."""
+    try:
+        tree = _jinja_environment().parse(source)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    lists = _names_bound_to(tree, "messages")
+    items = {loop.target.name for loop in tree.find_all(jinja2.nodes.For)
+             if isinstance(loop.target, jinja2.nodes.Name) and any(_reads(loop.iter, name) for name in lists)}
+
+    def is_content(node: jinja2.nodes.Node) -> bool:
+        return any(_reads(node, name, "content") for name in items)
+
+    in_macros: set[int] = set()
+    for macro in tree.find_all(jinja2.nodes.Macro):  # a macro whose parameter gets a message's content
+        params = [arg.name for arg in macro.args]
+        content_params = set()
+        for call in tree.find_all(jinja2.nodes.Call):
+            if isinstance(call.node, jinja2.nodes.Name) and call.node.name == macro.name:
+                passed = [*zip(params, call.args, strict=False), *((kw.key, kw.value) for kw in call.kwargs)]
+                content_params.update(name for name, arg in passed if name in params and is_content(arg))
+        for loop in macro.find_all(jinja2.nodes.For):
+            in_macros.add(id(loop))
+            if isinstance(loop.iter, jinja2.nodes.Name) and loop.iter.name in content_params:
+                return "openai"
+    for loop in tree.find_all(jinja2.nodes.For):
+        if is_content(loop.iter) or (id(loop) not in in_macros and _reads(loop.iter, "content")):
+            return "openai"
+    return "string"
+
+
+def _names_bound_to(tree: jinja2.nodes.Template, name: str) -> set[str]:
+    """`name` and every variable a `{% set %}` binds to it (or to a slice or filter of it), transitively."""
+    names, pending = {name}, [name]
+    while pending:
+        source = pending.pop()
+        for assign in tree.find_all(jinja2.nodes.Assign):
+            target = assign.target
+            if (isinstance(target, jinja2.nodes.Name) and target.name not in names
+                    and _reads(assign.node, source)):
+                names.add(target.name)
+                pending.append(target.name)
+    return names
+
+
+def _reads(node: jinja2.nodes.Node, name: str, key: str | None = None) -> bool:
+    """Whether `node` is the variable `name` (its `key` item or attribute, when given), possibly
+    sliced, filtered or tested."""
+    while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) or (
+            isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice)):
+        if node.node is None:
+            return False
+        node = node.node
+    if key is not None:
+        if isinstance(node, jinja2.nodes.Getattr) and node.attr == key:
+            node = node.node
+        elif (isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const)
+              and node.arg.value == key):
+            node = node.node
+        else:
+            return False
+    return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name == name
 
 
 _CONTINUE_MARK = "SLIPSTREAM_CONTINUE_FINAL_MESSAGE "
@@ -50,9 +120,12 @@ def render_chat_template(
     add_generation_prompt: bool = False,
     continue_final_message: bool = False,
     special_tokens: Mapping[str, str] | None = None,
+    content_parts: bool = False,
     **kwargs: Any,
 ) -> str:
-    """Render `messages` (validated: each a dict with a string role and content) to text.
+    """Render `messages` (validated: each a dict with a string role and content; with
+    `content_parts`, content may also be a list of OpenAI content parts, for templates that loop
+    over it: what `LLM.chat` passes for chat_template_content_format "openai") to text.
 
     The template sees `messages`, `tools`, `documents` (None unless passed),
     `add_generation_prompt`, the named special tokens (`bos_token`, ...) and `kwargs`. With
@@ -61,7 +134,7 @@ def render_chat_template(
     that message, as transformers does; a template that trims the content trims it here too.
     """
     variables = {"documents": None, **(special_tokens or {}), **_plain(kwargs, "kwargs")}
-    messages = _validated_messages(messages)
+    messages = _validated_messages(messages, content_parts)
     if continue_final_message:
         if add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
@@ -118,7 +191,7 @@ def _jinja_environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-def _validated_messages(messages: Any) -> list[dict[str, Any]]:
+def _validated_messages(messages: Any, content_parts: bool) -> list[dict[str, Any]]:
     """Messages as plain dicts without None values (as transformers passes them to templates)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"messages must be a non-empty list of dicts, got {messages!r}")
@@ -127,7 +200,8 @@ def _validated_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(message, Mapping):
             raise ValueError(f"messages[{index}] must be a dict, got {message!r}")
         message = {key: value for key, value in message.items() if value is not None}
-        has_content = isinstance(message.get("content"), str) or (
+        content = message.get("content")
+        has_content = isinstance(content, str) or (content_parts and _is_parts(content)) or (
             "content" not in message and "tool_calls" in message
         )
         if not isinstance(message.get("role"), str) or not has_content:
@@ -137,6 +211,13 @@ def _validated_messages(messages: Any) -> list[dict[str, Any]]:
             )
         validated.append(_plain(_alias_reasoning(message), f"messages[{index}]"))
     return validated
+
+
+def _is_parts(content: Any) -> bool:
+    """Whether `content` is a list of OpenAI content parts (dicts with a string "type"), which
+    templates that loop over a message's content read."""
+    return isinstance(content, (list, tuple)) and all(
+        isinstance(part, Mapping) and isinstance(part.get("type"), str) for part in content)
 
 
 # Names a message's reasoning text goes by; templates read "reasoning_content" (Qwen) or

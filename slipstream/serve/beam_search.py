@@ -20,7 +20,7 @@ import dataclasses
 import math
 from collections.abc import Collection, Sequence
 
-from slipstream.serve.request import PositionLogprobs, RequestOutput, SamplingParams
+from slipstream.serve.request import MAX_TEMPERATURE, PositionLogprobs, RequestOutput, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,24 +34,30 @@ class BeamSearchParams:
     ignore_eos: bool = False
     """An end-of-sequence token is a token like any other: no beam completes early."""
     temperature: float = 0.0
-    """Must be 0: beams are ranked by the model's own log-probabilities (in vLLM too, whose step
-    logprobs are those of the raw logits)."""
+    """Changes no beam: beams are ranked by the model's own log-probabilities. In vLLM it is the
+    temperature of the token each step samples, which the search does not use (its logprobs are
+    those of the raw logits); that token joins the candidates only when it is not among the step's
+    2 x beam_width most likely, where it never outranks them (save as an end-of-sequence token
+    completing a beam), so at temperature 0 the two searches are the same."""
     length_penalty: float = 1.0
     """Exponent of the generated length the score divides by: above 0 favours longer beams."""
     include_stop_str_in_output: bool = False
     """Accepted for vLLM's sake; beam search takes no stop strings, so there is none to include."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the results' `text` (vLLM's default)."""
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.temperature != 0:
-            raise ValueError(f"temperature must be 0 for beam search, which ranks beams by the model's "
-                             f"log-probabilities, got {self.temperature!r}")
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
+                or not 0 <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], "
+                             f"got {self.temperature!r}")
         if (isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float))
                 or not math.isfinite(self.length_penalty)):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
@@ -73,9 +79,11 @@ class BeamSearchSequence:
     """Per generated token, its log-probability and those of the other candidates of that step."""
     cum_logprob: float = 0.0
     text: str | None = None
-    """Set on the results: the decoded tokens, prompt included (as in vLLM)."""
+    """Set on the results: the decoded tokens, prompt included (as in vLLM), special tokens
+    skipped unless `BeamSearchParams.skip_special_tokens` is False."""
     finish_reason: str | None = None
-    """"stop" (it ended with an end-of-sequence token) or "length"."""
+    """"stop" (it ended with an end-of-sequence token) or "length", as vLLM's server gives its
+    beams' (its offline `beam_search` leaves the field None)."""
     stop_reason: int | None = None
     """The end-of-sequence id that completed it."""
 

@@ -12,7 +12,7 @@ import dataclasses
 import difflib
 import itertools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ import jinja2
 import torch
 from tqdm.auto import tqdm
 
-from slipstream.model.chat_template import RESERVED_TEMPLATE_KWARGS
+from slipstream.model.chat_template import RESERVED_TEMPLATE_KWARGS, template_content_format
 from slipstream.model.config import ModelConfig
 from slipstream.model.tokenizer import Tokenizer
 from slipstream.model.weights import resolve_dtype
@@ -36,6 +36,8 @@ from slipstream.serve.beam_search import (
 from slipstream.serve.engine import Engine, EngineConfig, host_memory
 from slipstream.serve.pooling import EmbeddingRequestOutput, PoolingParams
 from slipstream.serve.request import (
+    Logprob,
+    PositionLogprobs,
     RequestOutput,
     SamplingParams,
     generation_config_defaults,
@@ -44,6 +46,14 @@ from slipstream.serve.request import (
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 Message = Mapping[str, Any]
+UseTqdm = bool | Callable[..., Any]
+"""A progress bar or not, or (as in vLLM) the callable that makes one: `functools.partial(tqdm,
+leave=False)`, called with total, desc and unit."""
+
+CONTENT_FORMATS = ("auto", "string", "openai")
+"""vLLM's chat_template_content_format: a message's content as the template sees it: "string"
+(text parts joined by newlines), "openai" (a list of {"type": "text", "text": ...} parts) or "auto",
+which picks "openai" for a template that loops over a message's content, as vLLM detects it."""
 
 _ONE_DEVICE = "slipstream serves a model on one device"
 _LOCAL_ONLY = "slipstream loads a local model directory and downloads nothing"
@@ -120,8 +130,9 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What `sampling_params=None` means: SamplingParams() with the sampling values of the
         generation config (temperature, top_p, top_k, min_p, the penalties, max_new_tokens as
-        max_tokens), as vLLM's `LLM.get_default_sampling_params`."""
-        return self._default_sampling_params
+        max_tokens), as vLLM's `LLM.get_default_sampling_params`; a new object on every call, so
+        that changing it changes no later default."""
+        return self._default_sampling_params.clone()
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (as vLLM's `LLM.reset_prefix_cache`)."""
@@ -132,7 +143,8 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
+        lora_request: Any = None,
         priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in the order given.
@@ -140,36 +152,42 @@ class LLM:
         A prompt is a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}
         (with both, the ids are generated from and the text is reported as the output's prompt).
         `sampling_params` (default: `get_default_sampling_params()`) and `priority` are one value
-        for every prompt or a list of one per prompt.
+        for every prompt or a list of one per prompt. The engine gets a checked copy of each
+        params object (`SamplingParams.clone`), as in vLLM. `lora_request` must be None (or a list
+        of Nones): slipstream serves no LoRA adapters.
         """
-        _check_bool("use_tqdm", use_tqdm)
+        _check_use_tqdm(use_tqdm)
+        _check_no_lora(lora_request)
         prompts = _as_prompt_list(prompts)
         inputs = [_prompt_input(prompt) for prompt in prompts]
         if sampling_params is None:
             sampling_params = self._default_sampling_params
-        params = _per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams,
-                             "a SamplingParams")
+        params = _own_copies(_per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams,
+                                         "a SamplingParams"))
         priorities = _per_prompt(0 if priority is None else priority, len(prompts), "priority", int, "an int")
         ids = [str(next(self._ids)) for _ in prompts]
         try:
             for request_id, (prompt, text), p, prio in zip(ids, inputs, params, priorities, strict=True):
                 self.engine.add_request(request_id, prompt, p, priority=prio, stream=False, prompt_text=text)
-            return self._run(ids, use_tqdm)
+            outputs = self._run(ids, use_tqdm)
         except BaseException:
             self.engine.abort_request(ids)
             raise
+        return [output if p.detokenize else _without_text(output)
+                for output, p in zip(outputs, params, strict=True)]
 
     def embed(
         self,
         prompts: Prompt | Sequence[Prompt],
         *,
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
         truncate_prompt_tokens: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in the order given, as vLLM's `LLM.embed` (an LLM built with
         runner="pooling"; pooling.py). Prompts are as `generate` takes them; `pooling_params` is
         one for every prompt or a list of one per prompt."""
+        _check_use_tqdm(use_tqdm)
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(pooling_params or PoolingParams(), len(prompts), "pooling_params", PoolingParams,
                              "a PoolingParams")
@@ -184,14 +202,18 @@ class LLM:
             raise
 
     def beam_search(
-        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *, use_tqdm: bool = False,
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, lora_request: Any = None,
+        use_tqdm: UseTqdm = False,
     ) -> list[BeamSearchOutput]:
         """The best `params.beam_width` beams of each prompt, best first, as vLLM's
         `LLM.beam_search` (the search: slipstream/serve/beam_search.py). Each step is one
         `generate` call for the running beams of every prompt at once, with prefix caching (when
-        enabled) keeping the beams' shared tokens computed."""
+        enabled) keeping the beams' shared tokens computed. A beam's text is all its tokens
+        decoded, special tokens skipped unless `params.skip_special_tokens` is False (as vLLM's)."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        _check_use_tqdm(use_tqdm)
+        _check_no_lora(lora_request)
         if params.num_logprobs > self.engine.config.max_logprobs:
             raise ValueError(f"beam_width={params.beam_width} asks for {params.num_logprobs} logprobs per "
                              f"step, more than the engine's max_logprobs ({self.engine.config.max_logprobs})")
@@ -203,15 +225,19 @@ class LLM:
                 max_model_len=limits.max_model_len)
             searches.append(BeamSearch(token_ids, params, limits.eos_token_ids, limits.max_model_len))
         step = step_sampling_params(params)
-        with tqdm(total=params.max_tokens, desc="beam search", unit="tok", disable=not use_tqdm) as bar:
+        bar = _progress_bar(use_tqdm, total=params.max_tokens, desc="beam search", unit="tok")
+        try:
             while beams := next_requests(searches):
                 advance(searches, self.generate(beams, step, use_tqdm=False))
                 bar.update(1)
+        finally:
+            bar.close()
         results = []
         for search in searches:
             best = search.best()
             for beam in best:
-                beam.text = self.engine.tokenizer.decode(beam.tokens)
+                beam.text = self.engine.tokenizer.decode(
+                    beam.tokens, skip_special_tokens=params.skip_special_tokens)
             results.append(BeamSearchOutput(best))
         return results
 
@@ -219,57 +245,78 @@ class LLM:
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        use_tqdm: bool = True,
+        use_tqdm: UseTqdm = True,
+        lora_request: Any = None,
         priority: int | Sequence[int] | None = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through the chat template (the
-        tokenizer's, or the template source `chat_template`), as vLLM's `LLM.chat`.
+        tokenizer's, or the template source `chat_template`), as vLLM's `LLM.chat`, whose
+        positional order the arguments keep (`llm.chat(messages, params, False)`).
 
-        A message's content is a string or a list of OpenAI text parts (joined); None reads as ""
-        (as in the HTTP server). With `continue_final_message` (and add_generation_prompt=False) the
+        A message's content is a string or a list of OpenAI text parts; None reads as "" (as in
+        vLLM and the HTTP server). `chat_template_content_format` (CONTENT_FORMATS) says how the
+        template sees it. With `continue_final_message` (and add_generation_prompt=False) the
         reply continues the final message instead of starting a new one. `chat_template_kwargs`
-        reach the template and override the arguments above. Each output's prompt is the
-        rendered text.
+        reach the template; the named arguments win over them where both are set (as in vLLM;
+        tools and chat_template only when not None). Each output's prompt is the rendered text;
+        no conversations give no outputs.
         """
         _check_bool("add_generation_prompt", add_generation_prompt)
         _check_bool("continue_final_message", continue_final_message)
+        _check_use_tqdm(use_tqdm)
+        _check_no_lora(lora_request)
         if chat_template is not None and not isinstance(chat_template, str):
             raise ValueError(f"chat_template must be the template's source (a string), got {chat_template!r}")
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
+                             f"got {chat_template_content_format!r}")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
             raise ValueError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
         reserved = RESERVED_TEMPLATE_KWARGS & set(chat_template_kwargs or {})
         if reserved:
             raise ValueError(f"chat_template_kwargs cannot set {', '.join(sorted(reserved))}")
+        if isinstance(messages, Sequence) and not isinstance(messages, str) and len(messages) == 0:
+            return []  # as vLLM: no conversations, no outputs
         conversations = _conversations(messages)
-        options = {"tokenize": False, "add_generation_prompt": add_generation_prompt,
-                   "continue_final_message": continue_final_message, "tools": tools,
-                   "chat_template": chat_template, **(chat_template_kwargs or {})}
+        named = {"add_generation_prompt": add_generation_prompt, "tools": tools,
+                 "continue_final_message": continue_final_message, "chat_template": chat_template}
+        options = {**(chat_template_kwargs or {}), **{k: v for k, v in named.items() if v is not None},
+                   "tokenize": False}
         tokenizer = self.engine.tokenizer
+        content_format = chat_template_content_format
+        if content_format == "auto":
+            content_format = template_content_format(
+                tokenizer._template_source(options.get("tools"), options.get("chat_template")))
         prompts = []
         for conversation in conversations:
             try:
-                text = tokenizer.apply_chat_template([_template_message(m) for m in conversation], **options)
+                text = tokenizer.apply_chat_template(
+                    [_template_message(m, content_format) for m in conversation],
+                    content_parts=content_format == "openai", **options)
             except jinja2.TemplateError as error:  # a template that does not parse, or raises
                 raise ValueError(f"the chat template rejected the messages: {error}") from error
             ids = tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
-    def _run(self, ids: list[str], use_tqdm: bool, desc: str = "generating") -> list[Any]:
+    def _run(self, ids: list[str], use_tqdm: UseTqdm, desc: str = "generating") -> list[Any]:
         """Step the engine until the requests `ids` are done; their final outputs, in order."""
         finished: dict[str, Any] = {}
-        with tqdm(total=len(ids), desc=desc, unit="req", disable=not use_tqdm) as bar:
+        bar = _progress_bar(use_tqdm, total=len(ids), desc=desc, unit="req")
+        try:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
+        finally:
+            bar.close()
         return [finished[i] for i in ids]
 
 
@@ -460,18 +507,76 @@ def _check_bool(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
-def _template_message(message: Message) -> Message:
-    """The message as the chat template sees it: text parts joined, as the HTTP server does
-    (protocol.ChatMessage.template_message); content None is "" unless the message calls tools."""
+def _check_use_tqdm(value: Any) -> None:
+    if not isinstance(value, bool) and not callable(value):
+        raise ValueError(f"use_tqdm must be True, False or a callable that makes a progress bar (such as "
+                         f"functools.partial(tqdm, leave=False)), got {value!r}")
+
+
+def _progress_bar(use_tqdm: UseTqdm, *, total: int, desc: str, unit: str) -> Any:
+    """The progress bar `use_tqdm` asks for (a disabled one for False), to `update` and `close`."""
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc=desc, unit=unit)
+    return tqdm(total=total, desc=desc, unit=unit, disable=not use_tqdm)
+
+
+def _check_no_lora(lora_request: Any) -> None:
+    """None, or one None per prompt, as vLLM takes it; anything else asks for a LoRA adapter."""
+    if lora_request is None or (isinstance(lora_request, (list, tuple))
+                                and all(item is None for item in lora_request)):
+        return
+    raise ValueError(f"lora_request={lora_request!r} is not supported: slipstream serves no LoRA adapters")
+
+
+def _own_copies(params: list[SamplingParams]) -> list[SamplingParams]:
+    """A checked copy (`SamplingParams.clone`) of each params object, one per distinct object: the
+    engine's own, which the caller's later changes do not reach."""
+    copies: dict[int, SamplingParams] = {}
+    for p in params:
+        if id(p) not in copies:
+            copies[id(p)] = p.clone()
+    return [copies[id(p)] for p in params]
+
+
+def _without_text(output: RequestOutput) -> RequestOutput:
+    """`output` as vLLM gives it for detokenize=False: no text, and no decoded tokens in the
+    logprobs."""
+    def bare(positions: list[PositionLogprobs | None] | None) -> Any:
+        if positions is None:
+            return None
+        return [None if position is None else
+                {token_id: _bare_logprob(logprob) for token_id, logprob in position.items()}
+                for position in positions]
+
+    outputs = [dataclasses.replace(c, text="", logprobs=bare(c.logprobs)) for c in output.outputs]
+    return dataclasses.replace(output, outputs=outputs, prompt_logprobs=bare(output.prompt_logprobs))
+
+
+def _bare_logprob(logprob: Logprob) -> Logprob:
+    return dataclasses.replace(logprob, decoded_token=None)
+
+
+def _template_message(message: Message, content_format: str) -> Message:
+    """The message as the chat template sees it, as vLLM renders it: for content_format "string",
+    content text parts joined by newlines (as the HTTP server does,
+    protocol.ChatMessage.template_message); for "openai", a list of {"type": "text", "text": ...}
+    parts (a tool message's all-text parts still joined, as vLLM does). Content None is no parts:
+    "" or []."""
     if not isinstance(message, Mapping):
         return message  # the template's own check names it
     content = message.get("content")
-    if isinstance(content, (list, tuple)):
+    if content is None:
+        parts = []
+    elif isinstance(content, str):
+        parts = [content]
+    elif isinstance(content, (list, tuple)):
         if not all(isinstance(part, Mapping) and part.get("type") == "text"
                    and isinstance(part.get("text"), str) for part in content):
             raise ValueError(f"only text content parts ({{'type': 'text', 'text': ...}}, the text a string) "
                              f"are supported, got {content!r}")
-        content = "\n".join(part["text"] for part in content)  # as vLLM joins them
-    elif content is None and "tool_calls" not in message:
-        content = ""
-    return {**message, "content": content}
+        parts = [part["text"] for part in content]
+    else:
+        return message  # the template's own check names it
+    if content_format == "openai" and message.get("role") != "tool":
+        return {**message, "content": [{"type": "text", "text": text} for text in parts]}
+    return {**message, "content": "\n".join(parts)}  # as vLLM joins them

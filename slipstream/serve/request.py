@@ -1,13 +1,15 @@
 """Requests, sampling parameters and outputs of the serving engine. Plain Python, no torch.
 
-`SamplingParams` mirrors vLLM's (same names, same meanings) and is validated when built, so a bad
-value is a `ValueError` naming the parameter before anything is queued. `Request` is the engine's
-mutable record of one sequence being generated; `RequestOutput` / `CompletionOutput` are what
+`SamplingParams` mirrors vLLM's (same names, same meanings, mutable as vLLM's) and is validated
+when built and again by `clone()`, the copy `LLM` hands the engine, so a bad value is a
+`ValueError` naming the parameter before anything is queued. `Request` is the engine's mutable
+record of one sequence being generated; `RequestOutput` / `CompletionOutput` are what
 `LLM.generate` returns, shaped like vLLM's.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import json
@@ -44,9 +46,23 @@ spend minutes and gigabytes before the first step)."""
 MAX_LOGIT_BIAS = 1e25
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RequestOutputKind(enum.Enum):
+    """vLLM's `SamplingParams.output_kind`: which outputs a streamed request yields. `LLM` returns
+    each request's final output whatever the kind (vLLM's `LLM` sets FINAL_ONLY); the engine streams
+    as its `add_request(stream=...)` says."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
 class SamplingParams:
-    """How to sample one prompt's completions. Defaults follow vLLM."""
+    """How to sample one prompt's completions. Defaults follow vLLM.
+
+    Mutable, as vLLM's (`sp = llm.get_default_sampling_params(); sp.max_tokens = 8`): a value set
+    after construction is checked by `clone()`, which `LLM` calls on every params object it hands
+    the engine, so the engine neither runs an unchecked value nor sees a later change."""
 
     n: int = 1
     """Number of completions to generate for the prompt."""
@@ -79,10 +95,22 @@ class SamplingParams:
     """Keep generating past end-of-sequence tokens (for benchmarks)."""
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
-    """Return the log-probabilities of the sampled token and of the `logprobs` most likely."""
+    """Return the log-probabilities of the sampled token and of the `logprobs` most likely; True
+    means 1 (as in vLLM)."""
     prompt_logprobs: int | None = None
-    """Return log-probabilities for every prompt token, with the `prompt_logprobs` most likely."""
+    """Return log-probabilities for every prompt token, with the `prompt_logprobs` most likely;
+    True means 1 (as in vLLM)."""
+    detokenize: bool = True
+    """False: outputs carry token ids without text (`text` "", no logprob's `decoded_token`), as in
+    vLLM, which then takes no stop strings. `LLM` honours it; the engine itself still decodes, so
+    its own outputs (to the HTTP server or a direct caller) keep their text."""
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    """vLLM's switch for decoders that put a space before a special token following another one
+    (WordPiece's). The decoders of the families slipstream serves (byte-level BPE, SentencePiece's
+    Metaspace) never do, so both values give the same text, as they do in vLLM for these models."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """See `RequestOutputKind`."""
     logit_bias: dict[int, float] | None = None
     """Added to the logits of these token ids before penalties and sampling (as in vLLM)."""
     allowed_token_ids: tuple[int, ...] | None = None
@@ -97,6 +125,9 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     """Generate from only the last k prompt tokens (left truncation, as in vLLM; a text prompt
     keeps the special tokens its tokenizer adds); -1 means the model's context length."""
+    extra_args: dict[str, Any] | None = None
+    """Arbitrary values for custom sampling code, carried along and not used by slipstream (as by
+    no sampler in vLLM's tree)."""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):  # NumPy (or other) scalars as Python numbers
@@ -124,6 +155,11 @@ class SamplingParams:
             object.__setattr__(self, "allowed_token_ids", tuple(dict.fromkeys(allowed)))
         if isinstance(self.seed, int) and self.seed == -1:
             object.__setattr__(self, "seed", None)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:  # vLLM's shorthand for one
+                object.__setattr__(self, name, 1)
+            elif getattr(self, name) is False:  # vLLM would read 0: the sampled token's logprob
+                raise ValueError(f"{name} must be an integer or None (None for no logprobs), got False")
         _check_int("n", self.n, minimum=1)
         if self.n > MAX_N:
             raise ValueError(f"n must be <= {MAX_N}, got {self.n}")
@@ -178,9 +214,17 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=0)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):  # a string such as "false" is truthy
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError(f"detokenize=False cannot be used with stop={list(self.stop)!r}: stop strings "
+                             "are matched in the text")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}")
 
     @property
     def greedy(self) -> bool:
@@ -189,6 +233,13 @@ class SamplingParams:
 
     def replace(self, **changes: Any) -> SamplingParams:
         return dataclasses.replace(self, **changes)
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, checked again (as on construction): vLLM's `clone`, and what the engine
+        gets, so that changing this object later changes no request already made with it."""
+        params = copy.deepcopy(self)
+        params.__post_init__()
+        return params
 
 
 GENERATION_CONFIG_SAMPLING_KEYS = {
@@ -371,8 +422,9 @@ class CompletionOutput:
     """The stop token id or stop string that ended it, if any."""
     cumulative_logprob: float | None = None
 
-    @property
     def finished(self) -> bool:
+        """Whether it is complete: a method, as vLLM's `CompletionOutput.finished()` (where
+        `RequestOutput.finished` is an attribute, as there)."""
         return self.finish_reason is not None
 
 
