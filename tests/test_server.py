@@ -576,7 +576,9 @@ def test_return_tokens_as_token_ids_flag_sets_the_servers_default(model_dir, llm
 def test_beam_search_equals_offline(client, llm):
     """vLLM's use_beam_search: the n choices are the offline `LLM.beam_search`'s best n beams, best
     first, their generated text (no end-of-sequence token) and tokens' logprobs; streamed, the
-    same choices arrive whole; in chat too. Fields beam search cannot honour are a 400."""
+    same choices arrive whole; in chat too. A temperature is taken and changes no beam, as in
+    vLLM, where it only sets the unused sampling of each step; fields beam search cannot honour
+    are a 400."""
     tokenizer = llm.get_tokenizer()
     prompt = tokenizer.encode(PROMPT)
     [expected] = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5))
@@ -606,7 +608,9 @@ def test_beam_search_equals_offline(client, llm):
     assert [c.message.content for c in chat.choices] == [
         tokenizer.decode(b.tokens[-5:], skip_special_tokens=True) for b in expected.sequences]
 
-    refused = {"temperature": 0.7, "top_p": 0.5, "stop": ["x"], "n": 11, "echo": True}
+    with_temperature = client.completions.create(**args | {"temperature": 0.7})  # as vLLM: no beam changes
+    assert [c.text for c in with_temperature.choices] == texts
+    refused = {"top_p": 0.5, "stop": ["x"], "n": 11, "echo": True}
     for name, value in refused.items():
         with pytest.raises(openai.BadRequestError) as error:
             client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2,

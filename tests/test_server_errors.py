@@ -119,8 +119,6 @@ CASES = [
     ("chat longer than the context", CHAT, chat(messages=[{"role": "user", "content": "tok " * 2000}]), 400,
      "messages"),
     ("empty stop string alone", COMPLETIONS, completion(stop=""), 400, "stop"),
-    ("beam search with a temperature", COMPLETIONS, completion(use_beam_search=True, temperature=1.0), 400,
-     "temperature"),
     ("beam search with min_tokens", CHAT, chat(use_beam_search=True, min_tokens=2), 400, "min_tokens"),
     ("beam search with more beams than max_logprobs / 2", COMPLETIONS,
      completion(use_beam_search=True, n=11), 400, "n"),
