@@ -23,12 +23,13 @@ optional dependency), whose Earley parser computes each step's allowed tokens as
 from __future__ import annotations
 
 import array
+import contextlib
 import copy
 import dataclasses
 import functools
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -195,13 +196,27 @@ def compile_grammar(grammar: str) -> str:
         raise ValueError("structured_outputs.grammar needs the llguidance package: "
                          "pip install 'slipstream[grammar]'") from None
     try:
-        definition = llguidance.grammar_from("grammar", grammar)
+        with _panics_as_value_errors():
+            definition = llguidance.grammar_from("grammar", grammar)
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(definition)
     except ValueError as error:  # GBNF that does not convert to Lark
         raise ValueError(f"structured_outputs.grammar: {error}") from None
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(definition)
     if is_error:
         raise ValueError(f"structured_outputs.grammar: {messages[0]}")
     return definition
+
+
+@contextlib.contextmanager
+def _panics_as_value_errors() -> Iterator[None]:
+    """A panic inside llguidance's Rust code (pyo3's PanicException, a BaseException: one formats
+    its error message by cutting a schema's text inside a UTF-8 character) as a ValueError, so
+    that the input it failed on is a 400 rather than a 500."""
+    try:
+        yield
+    except BaseException as error:
+        if type(error).__name__ != "PanicException":
+            raise
+        raise ValueError(f"llguidance failed on it ({str(error).splitlines()[0][:200]})") from None
 
 
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -218,9 +233,10 @@ def json_schema_grammar(schema: Any, regex_error: ValueError) -> str:
         raise ValueError(f"structured_outputs.json: {regex_error} (the optional llguidance package "
                          "enforces more of JSON Schema)") from None
     try:
-        definition = llguidance.LLMatcher.grammar_from_json_schema(_whole_patterns(schema),
-                                                                   defaults=_JSON_LAYOUT)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(definition)
+        with _panics_as_value_errors():
+            definition = llguidance.LLMatcher.grammar_from_json_schema(_whole_patterns(schema),
+                                                                       defaults=_JSON_LAYOUT)
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(definition)
     except (ValueError, TypeError) as error:  # not a schema at all
         is_error, messages = True, [str(error)]
     if is_error:
