@@ -156,6 +156,7 @@ def _serve(args: argparse.Namespace) -> None:
         enable_prefix_caching=not args.no_enable_prefix_caching, max_logprobs=args.max_logprobs,
         enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
         speculative_config=args.speculative_config, runner=args.runner,
+        scheduling_policy=args.scheduling_policy,
     )
     if args.gpu_memory_utilization is not None:
         from slipstream.serve.llm import with_memory_utilization
@@ -287,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(n-gram speculative decoding of greedy requests)")
     p.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
                    help="as vLLM: pooling serves /v1/embeddings instead of generating")
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="as vLLM: priority serves requests by their `priority` field (lower first), "
+                        "preempting lower ones for blocks")
 
     bench = _add(commands, "bench", None, "benchmarks")
     bench = bench.add_subparsers(dest="bench_command", required=True)

@@ -989,3 +989,20 @@ def test_bad_words_match_a_dense_reference(llm, tokenizer, dense_model):
     got = [o.outputs[0].token_ids for o in outputs]
     assert got == [dense_greedy(dense_model, p, 12, bad_words=sequences) for p in prompts]
     assert got[0] != plain[0] and got[1] != plain[1]
+
+
+def test_prompt_dicts_take_vllms_cache_salt(llm):
+    """vLLM's TokensPrompt/TextPrompt `cache_salt`: a salted prompt hits only the prefix-cache
+    blocks its own salt cached, and the tokens are those of an unsalted run."""
+    ids = random_prompts(1, seed=11, min_len=40, max_len=40)[0]
+
+    def run(**salt) -> tuple[int, list[int]]:
+        [output] = llm.generate({"prompt_token_ids": ids, **salt}, greedy(max_tokens=4), use_tqdm=False)
+        return output.num_cached_tokens, output.outputs[0].token_ids
+
+    plain = run()
+    first, again, other = run(cache_salt="a"), run(cache_salt="a"), run(cache_salt="b")
+    assert first[0] == other[0] == 0 and again[0] == 32  # two whole blocks of 16
+    assert plain[1] == first[1] == again[1] == other[1]
+    with pytest.raises(ValueError, match="'multi_modal_data'"):
+        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {}}, use_tqdm=False)

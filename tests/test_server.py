@@ -200,6 +200,44 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(client):
     assert 0 < cached < second.usage.prompt_tokens and cached % 16 == 0
 
 
+def test_cache_salt_keeps_cached_prompt_blocks_to_requests_of_the_same_salt(client):
+    """vLLM's cache_salt: a salted prompt finds none of the blocks an unsalted or differently
+    salted request cached, and all of those its own salt's did; a salt vLLM refuses is a 400, and
+    so is a priority on a server that schedules first come, first served."""
+    prompt = "class Tree:\n    def __init__(self, left, right):\n        self.left = left\n" * 4
+    args = dict(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
+
+    def cached(**extra) -> int:
+        return client.completions.create(**args, extra_body=extra).usage.prompt_tokens_details.cached_tokens
+
+    assert cached() == 0
+    assert cached(cache_salt="tenant-a") == 0 and cached(cache_salt="tenant-b") == 0
+    assert cached(cache_salt="tenant-a") == cached(cache_salt="tenant-b") == cached() > 0
+    for salt in ("", "a/b", "x" * 129):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(**args, extra_body={"cache_salt": salt})
+        assert error.value.body["param"] == "cache_salt"
+    with pytest.raises(openai.BadRequestError, match="--scheduling-policy priority") as error:
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2,
+                                       extra_body={"priority": 1})
+    assert error.value.body["param"] == "priority"
+
+
+def test_priority_server_takes_the_priority_field(model_dir, tmp_path):
+    """`--scheduling-policy priority` takes vLLM's per-request `priority` (the order it gives is
+    tested on the engine loop: test_server_engine_loop.py)."""
+    server = ServerProcess(model_dir, tmp_path / "server.log", "--scheduling-policy", "priority",
+                           *ENGINE_ARGS).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for priority in (-3, 0, 7):
+            response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2,
+                                                 extra_body={"priority": priority})
+            assert response.usage.completion_tokens == 2
+    finally:
+        server.stop()
+
+
 def test_streamed_chat_sends_role_then_content(client):
     """A streamed chat reply opens with the assistant role and adds up to the non-streamed one."""
     args = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=12, temperature=0)

@@ -213,3 +213,35 @@ def test_metrics_count_each_of_n_completions_as_vllm_counts_its_child_requests(m
     assert sample("slipstream:inter_token_latency_seconds_count") == 3 * 6 + 2
     assert metrics.registry.get_sample_value("slipstream:request_success_total",
                                              {"model_name": "m", "finished_reason": "length"}) == 4
+
+
+def test_priorities_order_the_waiting_requests(model_dir):
+    """With room for one sequence under the priority policy, of two requests queued behind a long
+    one, the one of lower priority value runs first though it came later (as vLLM's priority)."""
+    engine = Engine(EngineConfig(model=str(model_dir), max_model_len=128, block_size=8, max_num_seqs=1,
+                                 scheduling_policy="priority"))
+    finished = []
+
+    async def run(loop_engine: AsyncEngine, name: str, priority: int, max_tokens: int, started=None):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        stream = await loop_engine.add({name: [5, 6, 7]}, params, arrival_time_s=time.monotonic(),
+                                       priority=priority)
+        async for _ in stream:
+            if started is not None:
+                started.set()
+        finished.append(name)
+
+    async def main():
+        loop_engine = AsyncEngine(engine, max_waiting=16)
+        loop_engine.start()
+        started = asyncio.Event()
+        long = asyncio.create_task(run(loop_engine, "long", 0, 100, started))
+        await started.wait()
+        later = asyncio.create_task(run(loop_engine, "later", 5, 2))
+        await wait_until(lambda: loop_engine.stats.num_waiting == 1)
+        urgent = asyncio.create_task(run(loop_engine, "urgent", -1, 2))
+        await asyncio.gather(long, later, urgent)
+        await loop_engine.stop()
+
+    asyncio.run(main())
+    assert finished == ["long", "urgent", "later"]

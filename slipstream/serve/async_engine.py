@@ -66,6 +66,8 @@ class _Add:
     """PoolingParams: prompts to embed (a pooling engine's)."""
     arrival_time_s: float
     accepted: concurrent.futures.Future
+    priority: int = 0
+    cache_salt: str | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -188,10 +190,12 @@ class AsyncEngine:
         return self.stats.num_waiting + self._num_in_transit
 
     async def add(
-        self, prompts: dict[str, list[int]], params: SamplingParams | PoolingParams, *, arrival_time_s: float
+        self, prompts: dict[str, list[int]], params: SamplingParams | PoolingParams, *, arrival_time_s: float,
+        priority: int = 0, cache_salt: str | None = None,
     ) -> RequestStream:
         """Queue the prompts of one API call (request id -> prompt token ids) under one stream: to
-        generate from, or with PoolingParams to embed.
+        generate from (with `Engine.add_request`'s priority and cache salt), or with PoolingParams
+        to embed.
 
         Raises `Overloaded` when they would take the waiting queue past `max_waiting`, ValueError
         when they could never fit in it, and the engine's ValueError for input it rejects (then
@@ -199,7 +203,7 @@ class AsyncEngine:
         if self._stopping:
             raise Overloaded("the engine is stopping")
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        command = _Add(prompts, params, arrival_time_s, accepted)
+        command = _Add(prompts, params, arrival_time_s, accepted, priority, cache_salt)
         num_sequences = command.num_sequences
         if num_sequences > self.max_waiting:
             per_prompt = num_sequences // len(prompts)
@@ -311,7 +315,8 @@ class AsyncEngine:
                                                       arrival_time_s=command.arrival_time_s)
                 else:
                     self.engine.add_request(request_id, token_ids, command.params,
-                                            arrival_time_s=command.arrival_time_s)
+                                            arrival_time_s=command.arrival_time_s, priority=command.priority,
+                                            cache_salt=command.cache_salt)
                 added.append(request_id)
         except Exception as error:
             if not isinstance(error, ValueError):

@@ -167,8 +167,10 @@ class LLM:
         priorities = _per_prompt(0 if priority is None else priority, len(prompts), "priority", int, "an int")
         ids = [str(next(self._ids)) for _ in prompts]
         try:
-            for request_id, (prompt, text), p, prio in zip(ids, inputs, params, priorities, strict=True):
-                self.engine.add_request(request_id, prompt, p, priority=prio, stream=False, prompt_text=text)
+            for request_id, (prompt, text, salt), p, rank in zip(ids, inputs, params, priorities,
+                                                                  strict=True):
+                self.engine.add_request(request_id, prompt, p, priority=rank, stream=False, prompt_text=text,
+                                        cache_salt=salt)
             outputs = self._run(ids, use_tqdm)
         except BaseException:
             self.engine.abort_request(ids)
@@ -434,24 +436,25 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return prompts
 
 
-def _prompt_input(prompt: Prompt) -> tuple[str | list[int], str | None]:
-    """(what the engine generates from, the prompt text to report when that is token ids)."""
+def _prompt_input(prompt: Prompt) -> tuple[str | list[int], str | None, str | None]:
+    """(what the engine generates from, the prompt text to report when that is token ids, the
+    prompt dict's cache_salt, as vLLM's TextPrompt and TokensPrompt take it)."""
     if isinstance(prompt, Mapping):
-        unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
         if unknown:  # multi_modal_data, lora_request, a misspelt key: not to be dropped silently
-            raise ValueError(f"a prompt dict takes 'prompt' and 'prompt_token_ids'; {sorted(unknown)} "
-                             "are not supported")
-        text = prompt.get("prompt")
+            raise ValueError(f"a prompt dict takes 'prompt', 'prompt_token_ids' and 'cache_salt'; "
+                             f"{sorted(unknown)} are not supported")
+        text, salt = prompt.get("prompt"), prompt.get("cache_salt")
         if text is not None and not isinstance(text, str):
             raise TypeError(f"a prompt dict's 'prompt' must be a string, got {text!r}")
         if "prompt_token_ids" in prompt:
-            return _token_ids(prompt["prompt_token_ids"], "a prompt dict's 'prompt_token_ids'"), text
+            return _token_ids(prompt["prompt_token_ids"], "a prompt dict's 'prompt_token_ids'"), text, salt
         if text is not None:
-            return text, None
+            return text, None, salt
         raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
     if isinstance(prompt, str):
-        return prompt, None
-    return _token_ids(prompt, "a prompt that is not a string or a dict"), None
+        return prompt, None, None
+    return _token_ids(prompt, "a prompt that is not a string or a dict"), None, None
 
 
 def _token_ids(value: Any, what: str) -> list[int]:

@@ -145,6 +145,12 @@ class GenerationBody(_Body):
     bad_words: Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     """Keep only the prompt's last k tokens (-1: the context length), as vLLM."""
+    priority: int = Field(default=0, ge=-(2**63), lt=2**63)
+    """vLLM's: lower is served earlier, under `--scheduling-policy priority` (another value is a
+    400 without it, as vLLM documents)."""
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[^@/\\\x00]*$")
+    """vLLM's: prompts share prefix-cache blocks only with requests of the same salt (at most 128
+    characters, none of '@', '/', '\\' and NUL, as vLLM's check)."""
     return_tokens_as_token_ids: bool | None = None
     """Name logprobs tokens "token_id:{id}" (None: the server's default), as vLLM."""
     structured_outputs: dict[str, Any] | None = None

@@ -129,6 +129,7 @@ class OpenAIServer:
         self.max_model_len = engine.limits.max_model_len
         self.eos_token_ids = engine.limits.eos_token_ids
         self.max_logprobs = engine.config.max_logprobs
+        self.scheduling_policy = engine.config.scheduling_policy
         self.pooler = engine.pooler
         """How the engine embeds, when it is a pooling one (None: it generates)."""
         self.sampling_defaults = generation_config_defaults(engine.config.model)
@@ -237,7 +238,7 @@ class OpenAIServer:
             beams = body.beam_search_params(max_tokens=body.max_tokens or self.max_model_len,
                                             max_logprobs=self.max_logprobs)
             outputs = await self._beam_search(request, meta.id, prompts, beams, arrival_time_s,
-                                              body.logprobs, params.skip_special_tokens)
+                                              body.logprobs, params.skip_special_tokens, body)
             options = dict(n=params.n, logprobs=body.logprobs, as_token_ids=self._as_token_ids(body))
             if body.stream:
                 chunks = responses.CompletionStream(meta, [o.request_id for o in outputs],
@@ -245,7 +246,7 @@ class OpenAIServer:
                 return _event_stream(_final_events(outputs, chunks))
             return JSONResponse(responses.completion_response(meta, outputs, **options))
         stream = await self._submit(meta.id, prompts, params, arrival_time_s,
-                                    {"prompt": "prompt"} | body.params_named)
+                                    {"prompt": "prompt"} | body.params_named, body)
         echo = self._echo(body, stream.request_ids, texts, prompts) if body.echo else None
         options = dict(n=params.n, logprobs=body.logprobs, echo=echo, as_token_ids=self._as_token_ids(body))
         if body.stream:
@@ -285,14 +286,14 @@ class OpenAIServer:
             beams = body.beam_search_params(max_tokens=body.max_new_tokens or self.max_model_len,
                                             max_logprobs=self.max_logprobs)
             [output] = await self._beam_search(request, meta.id, [token_ids], beams, arrival_time_s,
-                                               body.num_logprobs, params.skip_special_tokens)
+                                               body.num_logprobs, params.skip_special_tokens, body)
             if body.stream:
                 chunks = responses.ChatStream(meta, n=params.n, usage=body.usage_mode,
                                               num_prompt_tokens=len(token_ids), **options)
                 return _event_stream(_final_events([output], chunks))
             return JSONResponse(responses.chat_response(meta, output, **options))
-        stream = await self._submit(meta.id, [token_ids], params, arrival_time_s,
-                                    {"prompt": "messages", "logprobs": "top_logprobs"} | body.params_named)
+        named = {"prompt": "messages", "logprobs": "top_logprobs"} | body.params_named
+        stream = await self._submit(meta.id, [token_ids], params, arrival_time_s, named, body)
         if body.stream:
             chunks = responses.ChatStream(meta, n=params.n, usage=body.usage_mode,
                                           num_prompt_tokens=len(token_ids), **options)
@@ -491,15 +492,21 @@ class OpenAIServer:
                 f"the prompt or '{param}'.", param=param, code="context_length_exceeded")
 
     async def _submit(self, response_id: str, prompts: list[list[int]], params: SamplingParams,
-                      arrival_time_s: float, params_named: dict[str, str]) -> RequestStream:
-        """Queue the prompts: 503 past the waiting bound or while draining, 400 for what the
-        engine rejects (its errors name engine parameters; `params_named` maps those whose request
-        field has another name)."""
+                      arrival_time_s: float, params_named: dict[str, str],
+                      body: protocol.GenerationBody | None = None) -> RequestStream:
+        """Queue the prompts (with the body's vLLM `priority` and `cache_salt`): 503 past the
+        waiting bound or while draining, 400 for what the engine rejects (its errors name engine
+        parameters; `params_named` maps those whose request field has another name)."""
         if self.is_draining():
             raise APIError(503, "the server is shutting down", type="server_error", code="unavailable")
+        priority, cache_salt = (0, None) if body is None else (body.priority, body.cache_salt)
+        if priority and self.scheduling_policy != "priority":
+            raise protocol.bad_request(f"priority {priority} needs a server started with --scheduling-policy "
+                                       f"priority (it schedules {self.scheduling_policy})", "priority")
         ids = {f"{response_id}-{i}": token_ids for i, token_ids in enumerate(prompts)}
         try:
-            return await self.engine.add(ids, params, arrival_time_s=arrival_time_s)
+            return await self.engine.add(ids, params, arrival_time_s=arrival_time_s, priority=priority,
+                                         cache_salt=cache_salt)
         except Overloaded as error:
             retry_after = {"Retry-After": str(self.config.retry_after_s)}
             raise APIError(503, f"the server is overloaded ({error}); retry later", type="server_error",
@@ -509,14 +516,14 @@ class OpenAIServer:
 
     async def _beam_search(self, request: Request, response_id: str, prompts: list[list[int]],
                            params: BeamSearchParams, arrival_time_s: float, num_logprobs: int | None,
-                           skip_special_tokens: bool) -> list[RequestOutput]:
+                           skip_special_tokens: bool, body: protocol.GenerationBody) -> list[RequestOutput]:
         """vLLM's use_beam_search: the search of beam_search.py with each step's beams queued on
         the engine as one-token requests, among everyone else's; one output per prompt, its
         `n` choices the best beams, best first."""
         searches = [BeamSearch(ids, params, self.eos_token_ids, self.max_model_len) for ids in prompts]
         step, number = step_sampling_params(params), 0
         while beams := next_requests(searches):
-            stream = await self._submit(f"{response_id}-step{number}", beams, step, arrival_time_s, {})
+            stream = await self._submit(f"{response_id}-step{number}", beams, step, arrival_time_s, {}, body)
             advance(searches, await self._collect(request, stream))
             number += 1
         metrics = RequestMetrics(arrival_time_s=arrival_time_s, finished_time_s=time.monotonic())
