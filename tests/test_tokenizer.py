@@ -144,13 +144,18 @@ def test_encode_matches_transformers(tokenizer, hf_tokenizer):
 def test_decode_matches_transformers(tokenizer, hf_tokenizer):
     """decode equals AutoTokenizer.decode with and without skipping special tokens, and keeps them
     by default as transformers does (vLLM scripts decode with llm.get_tokenizer())."""
-    for text in TEXTS:
+    for text in [*TEXTS, "spaces before punctuation , which clean-up would strip . It is n't"]:
         ids = hf_tokenizer.encode(text)
         skipped = hf_tokenizer.decode(ids, skip_special_tokens=True)
         assert tokenizer.decode(ids, skip_special_tokens=True) == skipped
         assert tokenizer.decode(ids) == hf_tokenizer.decode(ids)
         assert tokenizer.decode(ids, skip_special_tokens=False) == hf_tokenizer.decode(ids)
         assert tokenizer.decode(ids) == text
+        for clean_up in (True, False):  # transformers 5 applies no clean-up to a BPE tokenizer
+            assert tokenizer.decode(ids, clean_up_tokenization_spaces=clean_up) \
+                == hf_tokenizer.decode(ids, clean_up_tokenization_spaces=clean_up)
+            assert tokenizer.batch_decode([ids], clean_up_tokenization_spaces=clean_up) \
+                == hf_tokenizer.batch_decode([ids], clean_up_tokenization_spaces=clean_up)
     assert tokenizer.decode(2) == hf_tokenizer.decode(2) == "<|im_end|>"  # one id, as an int
 
 

@@ -383,17 +383,22 @@ class Tokenizer:
                 masks.append([1] * len(ids) + [0] * pads)
         return padded, masks
 
-    def decode(self, ids: int | Sequence[int], skip_special_tokens: bool = False) -> str:
+    def decode(self, ids: int | Sequence[int], skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool | None = None) -> str:
         """Text of `ids` (or of one id); bytes that do not form valid UTF-8 become U+FFFD. Special
         tokens are kept unless `skip_special_tokens`, as transformers' default (generated text
-        skips them by default: SamplingParams.skip_special_tokens)."""
+        skips them by default: SamplingParams.skip_special_tokens). `clean_up_tokenization_spaces`
+        is taken and, as transformers 5 does for these (BPE) tokenizers, not applied."""
+        _no_clean_up(clean_up_tokenization_spaces)
         ids = [ids] if isinstance(ids, int) else list(ids)
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def batch_decode(
-        self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False
+        self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False,
+        clean_up_tokenization_spaces: bool | None = None,
     ) -> list[str]:
         """`decode` for each id sequence, as transformers' `batch_decode`."""
+        _no_clean_up(clean_up_tokenization_spaces)
         batch = [list(ids) for ids in sequences]
         return self.backend.decode_batch(batch, skip_special_tokens=skip_special_tokens)
 
@@ -515,6 +520,14 @@ class Tokenizer:
                 raise ValueError(f"no 'default' chat template among {sorted(source)}")
             source = source[name]
         return source
+
+
+def _no_clean_up(clean_up_tokenization_spaces: bool | None) -> None:
+    """transformers 5 ignores clean_up_tokenization_spaces=True for BPE tokenizers, with a warning
+    (the WordPiece-era clean-up strips the spaces before punctuation); so do we."""
+    if clean_up_tokenization_spaces:
+        logger.warning("ignoring clean_up_tokenization_spaces=True, as transformers 5 does for a BPE "
+                       "tokenizer: it would strip the spaces before punctuation")
 
 
 def _use_llama_pipeline(backend: tokenizers.Tokenizer, config: Mapping[str, Any]) -> None:
