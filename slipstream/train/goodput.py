@@ -13,7 +13,7 @@ survives a kill at any point. `summarize(read_events(run_dir))` charges the time
 | `checkpoint_stall` | the part of each save the step waited for (the previous save, staging) |
 | `eval` | held-out evaluations |
 | `lost_work` | steps lost to a crash, hang or rollback and redone; if unfinished, after the last commit |
-| `restart` | from an attempt's last event to the next process's start, and the backoff |
+| `restart` | from the last event of an unfinished attempt to the next process's start, and the backoff |
 | `other` | the rest inside attempts: logging, hooks, shutdown |
 
 An attempt preempted while it was starting (a `start`, then an `end`, no `ready`) is start-up
@@ -153,7 +153,8 @@ def summarize(events: list[Any], *, skipped_lines: int = 0) -> dict[str, Any]:
     `skipped_lines` (lines `read_ledger` skipped) in `skipped_lines`.
 
     The order of attempts and of a step's executions is the file's (one writer appends); times
-    only measure: the total runs from the earliest start to the latest event, so a clock that
+    only measure: the total runs from the earliest start to the latest event, less the time
+    between jobs (`between_jobs_s`: from a finished attempt to the next launch), so a clock that
     steps back does not make it negative. Where the charged durations add up to more than that
     span (a wall clock stepped back under them, or a ledger whose events overlap), the total is
     what was charged, `other` is 0 and `overcharged_s` says by how much the span fell short."""
