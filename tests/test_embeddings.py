@@ -166,8 +166,10 @@ def test_prompts_as_token_ids_and_dicts(model_dir, reference):
     outputs = llm.embed([ids, {"prompt_token_ids": ids}, {"prompt": TEXTS[0]}], use_tqdm=False)
     assert_close(outputs, [pooled(reference(TEXTS[0]), "LAST")] * 3)
     assert [o.prompt_token_ids for o in outputs] == [ids] * 3
-    [truncated] = llm.embed(TEXTS[1], truncate_prompt_tokens=5, use_tqdm=False)
-    assert truncated.prompt_token_ids == llm.get_tokenizer().encode(TEXTS[1])[-5:]
+    # vLLM's pooling runner truncates on the right: a prompt keeps its first k tokens
+    [truncated, truncated_ids] = llm.embed([TEXTS[1], ids], truncate_prompt_tokens=5, use_tqdm=False)
+    assert truncated.prompt_token_ids == llm.get_tokenizer().encode(TEXTS[1])[:5]
+    assert truncated_ids.prompt_token_ids == ids[:5]
 
 
 def test_bad_input_and_the_wrong_runner(model_dir, tmp_path):
@@ -241,8 +243,22 @@ def test_the_embeddings_route_equals_the_offline_engine(model_dir, tmp_path):
         assert [item.index for item in texts.data] == [0, 1]
         assert texts.usage.prompt_tokens == texts.usage.total_tokens == sum(
             len(e.prompt_token_ids) for e in expected[:2])
+        first, last = (client.embeddings.create(model=MODEL_NAME, input=ids, encoding_format="float",
+                                                extra_body={"truncate_prompt_tokens": 4, **side})
+                       for side in ({}, {"truncation_side": "left"}))
+        [head, tail] = llm.embed([ids[:4], ids[-4:]], use_tqdm=False)
+        for response, output in ((first, head), (last, tail)):
+            assert max(abs(a - b) for a, b in zip(response.data[0].embedding, output.outputs.embedding,
+                                                  strict=True)) < 1e-5
         too_long = [1] * (MAX_POSITIONS + 1)
         calls = ((lambda: client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2), None),
+                 (lambda: client.embeddings.create(model=MODEL_NAME, input="x",
+                                                   extra_body={"truncation_side": "middle"}),
+                  "truncation_side"),
+                 (lambda: client.embeddings.create(model=MODEL_NAME, input="x", encoding_format="base64",
+                                                   extra_body={"embed_dtype": "float16"}), "embed_dtype"),
+                 (lambda: client.embeddings.create(model=MODEL_NAME, input="x",
+                                                   extra_body={"endianness": "big"}), "endianness"),
                  (lambda: client.embeddings.create(model=MODEL_NAME, input=[]), "input"),
                  (lambda: client.embeddings.create(model=MODEL_NAME, input=too_long), "input"),
                  (lambda: client.embeddings.create(model=MODEL_NAME, input="x", dimensions=8), "dimensions"))
@@ -251,7 +267,7 @@ def test_the_embeddings_route_equals_the_offline_engine(model_dir, tmp_path):
                 call()
             assert error.value.body["param"] == param
         metrics = metric_values(server)
-        assert metrics["slipstream:prompt_tokens_total"] == texts.usage.prompt_tokens + len(ids)
+        assert metrics["slipstream:prompt_tokens_total"] == texts.usage.prompt_tokens + len(ids) + 2 * 4
     finally:
         server.stop()
 

@@ -285,11 +285,13 @@ class Tokenizer:
     def encode(
         self, text: str, add_special_tokens: bool = True, *,
         truncation: bool | str | None = None, max_length: int | None = None,
+        truncation_side: str | None = None,
     ) -> list[int]:
         """Token ids of `text`; special-token strings in `text` become their ids. `truncation` and
         `max_length` cut it to at most `max_length` ids, special tokens included, as transformers
-        does (`truncation_side` says which end goes)."""
-        return self._encode([text], add_special_tokens, self._truncation_length(truncation, max_length))[0]
+        does (`truncation_side`, default `self.truncation_side`, says which end goes)."""
+        return self._encode([text], add_special_tokens, self._truncation_length(truncation, max_length),
+                            truncation_side)[0]
 
     def encode_batch(
         self, texts: Sequence[str], add_special_tokens: bool = True
@@ -337,9 +339,13 @@ class Tokenizer:
             return None
         return max_length if max_length is not None else self.model_max_length
 
-    def _encode(self, texts: list[str], add_special_tokens: bool, max_length: int | None) -> list[list[int]]:
-        """Ids of each text, cut to `max_length` at `truncation_side` (None: not cut) before the
-        special tokens are added, so that they stay (transformers' truncation)."""
+    def _encode(self, texts: list[str], add_special_tokens: bool, max_length: int | None,
+                side: str | None = None) -> list[list[int]]:
+        """Ids of each text, cut to `max_length` at `side` (default `truncation_side`; None: not
+        cut) before the special tokens are added, so that they stay (transformers' truncation)."""
+        side = side or self.truncation_side
+        if side not in ("left", "right"):
+            raise ValueError(f"truncation_side must be 'left' or 'right', got {side!r}")
         if max_length is None:
             encodings = self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
             return [encoding.ids for encoding in encodings]
@@ -349,7 +355,7 @@ class Tokenizer:
                              "tokens this tokenizer adds")
         encodings = self.backend.encode_batch(texts, add_special_tokens=False)
         for encoding in encodings:
-            encoding.truncate(max_length - specials, direction=self.truncation_side)
+            encoding.truncate(max_length - specials, direction=side)
         return [self.backend.post_process(encoding, add_special_tokens=add_special_tokens).ids
                 for encoding in encodings]
 

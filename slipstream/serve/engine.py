@@ -179,7 +179,8 @@ class Engine:
         self.config = config
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = Tokenizer.from_pretrained(config.model)
-        self.tokenizer.truncation_side = "left"  # as vLLM's: truncate_prompt_tokens keeps a prompt's end
+        # As vLLM's: truncate_prompt_tokens keeps a generated prompt's end, an embedded one's start.
+        self.tokenizer.truncation_side = "right" if config.runner == "pooling" else "left"
         model_config = ModelConfig.from_pretrained(config.model)
         if device.type == "cpu" and config.fast_cpu_kernels:
             cpu_kernels.build_in_background()  # a first use compiles them while the weights load
@@ -314,11 +315,17 @@ class Engine:
             request_id=request_id, prompt_token_ids=token_ids, params=params,
             pool=Pool(self.pooler.pooling_type), metrics=RequestMetrics(arrival_time_s=arrival))
 
-    def tokenize(self, prompt: str | Sequence[int], truncate_prompt_tokens: int | None = None) -> list[int]:
+    def tokenize(self, prompt: str | Sequence[int], truncate_prompt_tokens: int | None = None,
+                 truncation_side: str | None = None) -> list[int]:
         """The ids generated from: a text prompt's encoding (special tokens added), or the ids
-        given. With `truncate_prompt_tokens` k (-1: the context length), only the last k, as in
-        vLLM: ids are sliced, a text is cut before the tokenizer adds its special tokens (so a BOS
-        stays). A k past the context length is a ValueError."""
+        given. With `truncate_prompt_tokens` k (-1: the context length), only k of them, as in
+        vLLM: the last k (`truncation_side` "left", the default of a generating engine) or the
+        first k ("right", a pooling engine's default); ids are sliced, a text is cut before the
+        tokenizer adds its special tokens (so a BOS stays). A k past the context length is a
+        ValueError."""
+        side = truncation_side or self.tokenizer.truncation_side
+        if side not in ("left", "right"):
+            raise ValueError(f"truncation_side must be 'left' or 'right', got {side!r}")
         max_length = truncate_prompt_tokens
         if max_length == -1:
             max_length = self.limits.max_model_len
@@ -327,11 +334,14 @@ class Engine:
                              f"context length ({self.limits.max_model_len})")
         if isinstance(prompt, str):
             try:
-                return self.tokenizer.encode(prompt, truncation=max_length is not None, max_length=max_length)
+                return self.tokenizer.encode(prompt, truncation=max_length is not None, max_length=max_length,
+                                             truncation_side=side)
             except ValueError as error:  # a k too small for the special tokens
                 raise ValueError(f"truncate_prompt_tokens: {error}") from error
         token_ids = list(prompt)
-        return token_ids if max_length is None else token_ids[-max_length:]
+        if max_length is None:
+            return token_ids
+        return token_ids[-max_length:] if side == "left" else token_ids[:max_length]
 
     def _guide(self, structured: StructuredOutputsParams) -> Guide | GrammarGuide:
         """The guide of a structured output, shared by the requests that use it (a pattern's

@@ -628,15 +628,26 @@ class EmbeddingRequest(_Body):
     user: str | None = None
     # vLLM's extensions
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    """Which end truncate_prompt_tokens cuts (vLLM's; default "right", keeping the first tokens, as
+    vLLM's pooling runner)."""
     add_special_tokens: bool = True
     use_activation: bool | None = None
     """L2-normalise the embeddings (None: the model's default)."""
     normalize: bool | None = None
     """Older vLLM's name of use_activation: refused as vLLM 0.32 refuses it, not ignored."""
+    embed_dtype: str | None = None
+    endianness: str | None = None
+    """vLLM's base64 layouts: only its defaults (float32, native = little-endian here) are
+    served; another is a 400 rather than vectors a client would misread."""
 
     def check_supported(self) -> None:
         if isinstance(self.input, list) and not self.input:
             raise bad_request("input must not be empty", "input")
+        for name, served in (("embed_dtype", ("float32",)), ("endianness", ("native", "little"))):
+            value = getattr(self, name)
+            if value not in (None, *served):
+                raise bad_request(f"{name} {value!r} is not supported (only {', '.join(served)})", name)
         if self.normalize is not None:
             raise bad_request("normalize was removed (as in vLLM); use use_activation instead", "normalize")
 

@@ -323,8 +323,10 @@ class OpenAIServer:
 
     def _embedding_prompts(self, body: protocol.EmbeddingRequest) -> list[list[int]]:
         """Each input's ids: a text encoded with or without the tokenizer's special tokens, then
-        left-truncated to truncate_prompt_tokens, as the completions route does it."""
-        return self._tokenize(body.inputs(), body.truncate_prompt_tokens, body.add_special_tokens)
+        truncated to truncate_prompt_tokens at `truncation_side` (the pooling engine's default
+        keeps the first tokens, as vLLM's)."""
+        return self._tokenize(body.inputs(), body.truncate_prompt_tokens, body.add_special_tokens,
+                              body.truncation_side)
 
     def _check_runner(self, *, generates: bool) -> None:
         if generates and self.pooler is not None:
@@ -430,15 +432,15 @@ class OpenAIServer:
         return b"".join(chunks)
 
     def _tokenize(self, prompts: list[str | list[int]], truncate_prompt_tokens: int | None,
-                  add_special_tokens: bool = True) -> list[list[int]]:
+                  add_special_tokens: bool = True, truncation_side: str | None = None) -> list[list[int]]:
         """The ids of each prompt (a text encoded with or without the tokenizer's special tokens),
-        left-truncated to `truncate_prompt_tokens` as in the engine; a truncation the context
-        cannot hold is a 400."""
+        truncated to `truncate_prompt_tokens` as in the engine; a truncation the context cannot
+        hold is a 400."""
         if not add_special_tokens:
             prompts = [self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p
                        for p in prompts]
         try:
-            return [self.tokenize(prompt, truncate_prompt_tokens) for prompt in prompts]
+            return [self.tokenize(prompt, truncate_prompt_tokens, truncation_side) for prompt in prompts]
         except ValueError as error:
             raise protocol.bad_request(str(error), "truncate_prompt_tokens") from error
 
