@@ -168,6 +168,8 @@ def test_prompts_as_token_ids_and_dicts(model_dir, reference):
     assert [o.prompt_token_ids for o in outputs] == [ids] * 3
     # vLLM's pooling runner truncates on the right: a prompt keeps its first k tokens
     [truncated, truncated_ids] = llm.embed([TEXTS[1], ids], truncate_prompt_tokens=5, use_tqdm=False)
+    with pytest.raises(ValueError, match="cache_salt is not supported for embeddings"):
+        llm.embed({"prompt_token_ids": ids, "cache_salt": "a"}, use_tqdm=False)
     assert truncated.prompt_token_ids == llm.get_tokenizer().encode(TEXTS[1])[:5]
     assert truncated_ids.prompt_token_ids == ids[:5]
 
@@ -259,6 +261,10 @@ def test_the_embeddings_route_equals_the_offline_engine(model_dir, tmp_path):
                                                    extra_body={"embed_dtype": "float16"}), "embed_dtype"),
                  (lambda: client.embeddings.create(model=MODEL_NAME, input="x",
                                                    extra_body={"endianness": "big"}), "endianness"),
+                 (lambda: client.embeddings.create(model=MODEL_NAME, input="x",
+                                                   extra_body={"cache_salt": "a"}), "cache_salt"),
+                 (lambda: client.embeddings.create(model=MODEL_NAME, input="x",
+                                                   extra_body={"priority": 2}), "priority"),
                  (lambda: client.embeddings.create(model=MODEL_NAME, input=[]), "input"),
                  (lambda: client.embeddings.create(model=MODEL_NAME, input=too_long), "input"),
                  (lambda: client.embeddings.create(model=MODEL_NAME, input="x", dimensions=8), "dimensions"))

@@ -314,6 +314,9 @@ def test_eos_stops_and_ignore_eos_continues(llm):
     assert (stopped.finish_reason, stopped.stop_reason, stopped.text) == ("stop", 2, "")
     own_eos = generate_one(llm, prompt, greedy(ignore_eos=False, logit_bias={0: 100.0}))
     assert (own_eos.token_ids, own_eos.finish_reason, own_eos.stop_reason) == ([0], "stop", None)
+    # vLLM tests the tokenizer's EOS before stop_token_ids: listed there too, it is no stop_reason
+    listed = generate_one(llm, prompt, greedy(ignore_eos=False, logit_bias={0: 100.0}, stop_token_ids=[0]))
+    assert (listed.token_ids, listed.stop_reason) == ([0], None)
     ignored = generate_one(llm, prompt, greedy(ignore_eos=True, max_tokens=6))
     assert ignored.token_ids[0] == 2
     assert len(ignored.token_ids) == 6

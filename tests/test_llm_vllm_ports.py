@@ -58,27 +58,24 @@ def test_default_params_are_mutable_and_a_new_object_each_time(llm):
     assert llm.get_default_sampling_params() is not llm.get_default_sampling_params()
 
 
-def test_the_engine_gets_a_checked_copy_of_each_params_object(llm, monkeypatch):
-    """As vLLM clones: the engine's params are a copy (one per distinct object), so a caller's
-    later change reaches no request; a value set after construction is checked when generating."""
-    seen = []
-    add_request = llm.engine.add_request
-
-    def spy(request_id, prompt, params, **kwargs):
-        seen.append(params)
-        return add_request(request_id, prompt, params, **kwargs)
-
-    monkeypatch.setattr(llm.engine, "add_request", spy)
-    params = greedy(extra_args={"nested": [1]})
-    llm.generate(["a", "b"], params, use_tqdm=False)
-    assert seen[0] is seen[1] and seen[0] is not params and seen[0] == params
-    assert seen[0].extra_args["nested"] is not params.extra_args["nested"]
-    params.max_tokens = 9
-    assert seen[0].max_tokens == 4
+def test_the_engine_takes_a_checked_copy_of_each_params_object(llm):
+    """As vLLM's engine clones: a request keeps the params it was added with, whatever the caller
+    changes later (directly on the engine too), and a value set after construction is checked
+    when the request is added."""
+    engine = llm.engine
+    params = greedy(max_tokens=6, extra_args={"nested": [1]})
+    engine.add_request("copy", [5, 6, 7], params, stream=False)
+    params.max_tokens, params.stop = 2, "e"  # a bare string stop would match its characters
+    params.extra_args["nested"].append(2)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    [output] = outputs
+    assert len(output.outputs[0].token_ids) == 6 and output.outputs[0].finish_reason == "length"
     params.max_tokens = 0
     with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
         llm.generate("a", params, use_tqdm=False)
-    assert not llm.engine.has_unfinished_requests()
+    assert not engine.has_unfinished_requests()
 
 
 def test_clone_is_a_deep_checked_copy():

@@ -250,7 +250,9 @@ class Engine:
         """
         if self.pooler is not None:
             raise ValueError("this engine embeds (runner='pooling'): it takes add_embedding_request")
-        params = params or SamplingParams()
+        # A checked copy, as vLLM's engine clones: a value set after construction is checked, and a
+        # later change to the caller's object reaches no request.
+        params = SamplingParams() if params is None else params.clone()
         if request_id in self._prompts:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else prompt_text
@@ -644,12 +646,10 @@ class Engine:
                 self.scheduler.finish(request.request_id, "stop")
             sequence.finish("stop", stop)
         elif request.is_finished:
-            # As vLLM, which adds generation_config.json's end-of-sequence ids to stop_token_ids:
-            # the tokenizer's own EOS is no stop_reason, any other that ended it is (Llama 3.1's
-            # <|eom_id|> tells a pending tool call from <|eot_id|>).
-            stop_token = (token_id if ended_by_token and (token_id in params.stop_token_ids
-                                                          or token_id != self.tokenizer.eos_token_id)
-                          else None)
+            # As vLLM, which adds generation_config.json's end-of-sequence ids to stop_token_ids and
+            # tests the tokenizer's own EOS first: that one is no stop_reason, any other id that
+            # ended it is (Llama 3.1's <|eom_id|> tells a pending tool call from <|eot_id|>).
+            stop_token = token_id if ended_by_token and token_id != self.tokenizer.eos_token_id else None
             sequence.finish(request.finish_reason, stop_token)
         if sequence.finish_reason is not None:
             self._sequences.pop(request.request_id, None)

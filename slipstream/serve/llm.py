@@ -152,7 +152,7 @@ class LLM:
         A prompt is a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}
         (with both, the ids are generated from and the text is reported as the output's prompt).
         `sampling_params` (default: `get_default_sampling_params()`) and `priority` are one value
-        for every prompt or a list of one per prompt. The engine gets a checked copy of each
+        for every prompt or a list of one per prompt. The engine takes a checked copy of each
         params object (`SamplingParams.clone`), as in vLLM. `lora_request` must be None (or a list
         of Nones): slipstream serves no LoRA adapters.
         """
@@ -162,8 +162,8 @@ class LLM:
         inputs = [_prompt_input(prompt) for prompt in prompts]
         if sampling_params is None:
             sampling_params = self._default_sampling_params
-        params = _own_copies(_per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams,
-                                         "a SamplingParams"))
+        params = _per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams,
+                             "a SamplingParams")
         priorities = _per_prompt(0 if priority is None else priority, len(prompts), "priority", int, "an int")
         ids = [str(next(self._ids)) for _ in prompts]
         try:
@@ -196,7 +196,7 @@ class LLM:
         ids = [str(next(self._ids)) for _ in prompts]
         try:
             for request_id, prompt, p in zip(ids, prompts, params, strict=True):
-                self.engine.add_embedding_request(request_id, _prompt_input(prompt)[0], p,
+                self.engine.add_embedding_request(request_id, _embedding_input(prompt), p,
                                                   truncate_prompt_tokens=truncate_prompt_tokens)
             return self._run(ids, use_tqdm, desc="embedding")
         except BaseException:
@@ -436,6 +436,15 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return prompts
 
 
+def _embedding_input(prompt: Prompt) -> str | list[int]:
+    """What the pooling engine embeds; a prompt dict's cache_salt, which it does not take, is a
+    ValueError rather than dropped."""
+    ids_or_text, _, salt = _prompt_input(prompt)
+    if salt is not None:
+        raise ValueError("cache_salt is not supported for embeddings")
+    return ids_or_text
+
+
 def _prompt_input(prompt: Prompt) -> tuple[str | list[int], str | None, str | None]:
     """(what the engine generates from, the prompt text to report when that is token ids, the
     prompt dict's cache_salt, as vLLM's TextPrompt and TokensPrompt take it)."""
@@ -529,16 +538,6 @@ def _check_no_lora(lora_request: Any) -> None:
                                 and all(item is None for item in lora_request)):
         return
     raise ValueError(f"lora_request={lora_request!r} is not supported: slipstream serves no LoRA adapters")
-
-
-def _own_copies(params: list[SamplingParams]) -> list[SamplingParams]:
-    """A checked copy (`SamplingParams.clone`) of each params object, one per distinct object: the
-    engine's own, which the caller's later changes do not reach."""
-    copies: dict[int, SamplingParams] = {}
-    for p in params:
-        if id(p) not in copies:
-            copies[id(p)] = p.clone()
-    return [copies[id(p)] for p in params]
 
 
 def _without_text(output: RequestOutput) -> RequestOutput:

@@ -19,7 +19,7 @@ import json
 import os
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from slipstream.model.chat_template import RESERVED_TEMPLATE_KWARGS
 from slipstream.serve.beam_search import BeamSearchParams
@@ -148,9 +148,17 @@ class GenerationBody(_Body):
     priority: int = Field(default=0, ge=-(2**63), lt=2**63)
     """vLLM's: lower is served earlier, under `--scheduling-policy priority` (another value is a
     400 without it, as vLLM documents)."""
-    cache_salt: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[^@/\\\x00]*$")
-    """vLLM's: prompts share prefix-cache blocks only with requests of the same salt (at most 128
-    characters, none of '@', '/', '\\' and NUL, as vLLM's check)."""
+    cache_salt: str | None = None
+    """vLLM's: prompts share prefix-cache blocks only with requests of the same salt (non-empty, at
+    most 128 characters, none of '@', '/', '\\' and NUL, as vLLM's check)."""
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _check_cache_salt(cls, salt: str | None) -> str | None:
+        if salt is not None and (not salt or len(salt) > 128 or any(c in salt for c in "@/\\\x00")):
+            raise ValueError("cache_salt must be a non-empty string of at most 128 characters without "
+                             "'@', '/', '\\' or NUL")
+        return salt
     return_tokens_as_token_ids: bool | None = None
     """Name logprobs tokens "token_id:{id}" (None: the server's default), as vLLM."""
     structured_outputs: dict[str, Any] | None = None
@@ -636,6 +644,10 @@ class EmbeddingRequest(_Body):
     """L2-normalise the embeddings (None: the model's default)."""
     normalize: bool | None = None
     """Older vLLM's name of use_activation: refused as vLLM 0.32 refuses it, not ignored."""
+    priority: int = 0
+    cache_salt: str | None = None
+    """vLLM's, which the pooling engine does not take: other than their defaults, a 400 rather
+    than ignored."""
     embed_dtype: str | None = None
     endianness: str | None = None
     """vLLM's base64 layouts: only its defaults (float32, native = little-endian here) are
@@ -644,10 +656,12 @@ class EmbeddingRequest(_Body):
     def check_supported(self) -> None:
         if isinstance(self.input, list) and not self.input:
             raise bad_request("input must not be empty", "input")
-        for name, served in (("embed_dtype", ("float32",)), ("endianness", ("native", "little"))):
+        for name, served in (("embed_dtype", ("float32",)), ("endianness", ("native", "little")),
+                             ("priority", (0,)), ("cache_salt", ())):
             value = getattr(self, name)
             if value not in (None, *served):
-                raise bad_request(f"{name} {value!r} is not supported (only {', '.join(served)})", name)
+                only = f"only {', '.join(map(repr, served))}" if served else "the pooling engine takes none"
+                raise bad_request(f"{name} {value!r} is not supported for embeddings ({only})", name)
         if self.normalize is not None:
             raise bad_request("normalize was removed (as in vLLM); use use_activation instead", "normalize")
 

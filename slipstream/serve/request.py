@@ -1,7 +1,7 @@
 """Requests, sampling parameters and outputs of the serving engine. Plain Python, no torch.
 
 `SamplingParams` mirrors vLLM's (same names, same meanings, mutable as vLLM's) and is validated
-when built and again by `clone()`, the copy `LLM` hands the engine, so a bad value is a
+when built and again by `clone()`, the copy the engine takes of a request's, so a bad value is a
 `ValueError` naming the parameter before anything is queued. `Request` is the engine's mutable
 record of one sequence being generated; `RequestOutput` / `CompletionOutput` are what
 `LLM.generate` returns, shaped like vLLM's.
@@ -61,8 +61,8 @@ class SamplingParams:
     """How to sample one prompt's completions. Defaults follow vLLM.
 
     Mutable, as vLLM's (`sp = llm.get_default_sampling_params(); sp.max_tokens = 8`): a value set
-    after construction is checked by `clone()`, which `LLM` calls on every params object it hands
-    the engine, so the engine neither runs an unchecked value nor sees a later change."""
+    after construction is checked by `clone()`, which `Engine.add_request` calls (as vLLM's engine
+    clones), so the engine neither runs an unchecked value nor sees a later change."""
 
     n: int = 1
     """Number of completions to generate for the prompt."""
