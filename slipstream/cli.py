@@ -428,7 +428,8 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
     if "decode" in groups or "plan" in groups or "fit" in groups:
         p.add_argument("--enforce-eager", action="store_true",
                        help="decode steps run eagerly (default: as the engine, replayed from CUDA graphs "
-                            "up to --max-num-seqs, or on --hardware cpu the CPU decode graph)")
+                            "up to --max-num-seqs, or on --hardware cpu the CPU decode graph); plan and "
+                            "whatif take it with --serve, fit with --engine-records, refusing it otherwise")
     if "input" in groups:
         p.add_argument("--input-len", type=_int_at_least(1), default=1024)
     if "output" in groups:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from slipstream.perf.accelerators import ACCELERATORS, Accelerator, get_accelerator
-from slipstream.perf.hardware import calibrate, local_accelerator
+from slipstream.perf.hardware import Calibration, calibrate, local_accelerator
 
 _ALL_FIELDS = ("peak_flops_per_s", "sparse_peak_flops_per_s", "memory_bandwidth_bytes_per_s",
                "memory_bytes", "intra_node_bytes_per_s", "devices_per_node", "inter_node_bytes_per_s")
@@ -118,27 +120,66 @@ def test_local_cpu_from_calibration(tmp_path, monkeypatch):
     assert acc.memory_bandwidth_bytes_per_s == calibration.memory_bandwidth_bytes_per_s
     assert acc.memory_bytes > 2**30 and "calibrated" in acc.name
     sizes = list(acc.cache_read_bytes_per_s)
-    assert len(sizes) > 2 and sizes == sorted(sizes)
-    assert acc.cache_read_bytes_per_s[sizes[-1]] == acc.memory_bandwidth_bytes_per_s
-    assert acc.cache_read_bytes_per_s == calibration.cache_read_bytes_per_s
+    assert len(sizes) > 2 and sizes == sorted(sizes) == list(calibration.cache_read_bytes_per_s)
+    measured = list(calibration.cache_read_bytes_per_s.values())
+    assert measured[-1] == acc.memory_bandwidth_bytes_per_s
+    assert list(acc.cache_read_bytes_per_s.values()) == [min(measured[:i + 1]) for i in range(len(sizes))]
 
 
-@pytest.mark.parametrize("l3_mib", [480, 32])
-def test_repeated_reads_probe_small_buffers_whatever_the_reported_cache(monkeypatch, l3_mib):
+@pytest.mark.parametrize("l3_mib, quick", [(480, True), (480, False), (32, True)])
+def test_repeated_reads_probe_small_buffers_whatever_the_reported_cache(monkeypatch, l3_mib, quick):
     """The repeated-read curve starts at 8 MiB and is dense (at most 2x apart) up to the memory
     buffer, whatever sysfs says the last-level cache is: an Intel Xeon VM reports 480 MiB of L3,
     and a curve of its multiples began at 240 MiB, so the `tiny` preset's 52 MB decode steps read
-    at the 240 MiB rate (about 15 GB/s) where a 52 MiB buffer reads at 29 GB/s."""
+    at the 240 MiB rate (about 15 GB/s) where a 52 MiB buffer reads at 29 GB/s. The timing is
+    replaced by a record of the buffers read: exactly the grid's below the memory buffer (every
+    other one when quick), each at its own rate."""
     from slipstream.perf import hardware
 
     monkeypatch.setattr(hardware, "_l3_cache_bytes", lambda: l3_mib * 2**20)
-    curve = hardware._measure_cache_reads(quick=True)
-    sizes = list(curve)
-    print({size >> 20: round(rate / 1e9, 1) for size, rate in curve.items()})
-    assert sizes[0] <= 8 * 2**20 and sizes == sorted(sizes) and all(rate > 0 for rate in curve.values())
-    ends = [*sizes, hardware._memory_buffer_bytes()]
-    assert max(b / a for a, b in zip(ends, ends[1:], strict=False)) <= 2
-    assert any(32 * 2**20 <= size <= 64 * 2**20 for size in sizes)  # around tiny's 52 MB
+    read = []
+
+    def timed(nbytes: int) -> float:
+        read.append(nbytes)
+        return nbytes / 1e3
+    monkeypatch.setattr(hardware, "_repeated_read_bytes_per_s", timed)
+    curve = hardware._measure_cache_reads(quick=quick)
+    memory_buffer = hardware._memory_buffer_bytes()
+    grid = [mib * 2**20 for mib in (hardware.CACHE_READ_SIZES[::2] if quick else hardware.CACHE_READ_SIZES)]
+    assert read == list(curve) == [size for size in grid if size < memory_buffer]
+    assert all(rate == size / 1e3 for size, rate in curve.items())
+    assert memory_buffer == (2**30 if l3_mib == 480 else 256 * 2**20)
+    assert read[0] == 8 * 2**20 and read[-1] >= memory_buffer / 2
+    ends = [*read, memory_buffer]
+    assert max(b / a for a, b in zip(ends, ends[1:], strict=False)) <= (2 if quick else 1.5)
+    assert any(32 * 2**20 <= size <= 64 * 2**20 for size in read)  # around tiny's 52 MB
+
+
+def test_the_repeated_read_curve_never_rises_with_the_size():
+    """The curve a calibration measured on a loaded machine (19:40 UTC, one thread), where noise
+    has larger buffers read faster than smaller ones (724 MiB at 14.7 GB/s after 256 MiB at 8.8),
+    and the 1 GiB memory read (12.8) ending it: the accelerator keeps its running minimum from
+    small to large sizes, also when loaded from a calibration file, and read_bandwidth never rises
+    with the size, past the curve's end included (the memory's 12.8 GB/s is above its minimum)."""
+    grid = {8: 28.8, 11: 29.0, 16: 29.3, 23: 29.4, 32: 29.5, 45: 29.0, 64: 20.1, 91: 16.3, 128: 10.9,
+            181: 15.7, 256: 8.8, 362: 10.3, 512: 10.1, 724: 14.7, 1024: 12.8}
+    curve = {mib * 2**20: rate * 1e9 for mib, rate in grid.items()}
+    calibration = Calibration(
+        device="cpu", device_name="test CPU", torch_version="2.13.0", num_threads=1,
+        matmul_flops_per_s={"fp32": {"default": 1e11}}, matmul_errors={}, memory_read_bytes_per_s=12.8e9,
+        memory_copy_bytes_per_s=10e9, cache_read_bytes_per_s=curve, quick=False, elapsed_s=1.0,
+        created_at="2026-12-05T19:40:00+00:00")
+    loaded = Calibration.from_dict(json.loads(json.dumps(calibration.to_dict())))
+    assert dict(loaded.cache_read_bytes_per_s) == curve  # the file keeps what was measured
+    for acc in (local_accelerator(calibration), local_accelerator(loaded)):
+        rates = list(acc.cache_read_bytes_per_s.values())
+        assert rates == [min(list(grid.values())[:i + 1]) * 1e9 for i in range(len(grid))]
+        assert acc.cache_read_bytes_per_s[128 * 2**20] == acc.cache_read_bytes_per_s[181 * 2**20] == 10.9e9
+        assert acc.cache_read_bytes_per_s[2**30] == 8.8e9
+        sizes = [2**20 * 1.05**i for i in range(180)]
+        bandwidths = [acc.read_bandwidth(size) for size in sizes]
+        assert all(b <= a for a, b in zip(bandwidths, bandwidths[1:], strict=False))
+        assert acc.read_bandwidth(4 * 2**30) == 8.8e9
 
 
 def test_80gb_parts_have_what_nvml_reports():

@@ -43,8 +43,8 @@ def _error(argv: list[str], capsys) -> str:
 @pytest.mark.parametrize("budget", ["80e9", "1e30"])
 def test_kv_cache_memory_beyond_the_device_names_the_flag(budget, capsys):
     """`--kv-cache-memory 80e9` beside Llama-3 8B's 16.1 GB of weights is more than an H100's
-    85.5 GB: refused in one line naming the flag (the engine refuses a budget beyond the device),
-    not a KV cache of 7.6e27 tokens."""
+    85.5 GB: refused in one line naming the flag (the engine would run out of memory allocating
+    it), not a KV cache of 7.6e27 tokens."""
     err = _error(["serve", "--model", "llama3-8b", "--hardware", "h100", "--kv-cache-memory", budget], capsys)
     assert f"--kv-cache-memory {float(budget):g}: a KV cache of" in err
     assert "does not fit beside llama3-8b's 16.1 GB of weights" in err and "H100 SXM's 85.5 GB" in err
@@ -104,6 +104,27 @@ def test_decode_is_modelled_as_the_engine_replays_it():
         assert commands.decode_graph_max_batch(args) == expected
         args.enforce_eager = True
         assert commands.decode_graph_max_batch(args) == 0
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["plan"], "add --serve to plan serving"),
+    (["whatif"], "add --serve for a decode step"),
+    (["fit", "--run-dir", "no-such-run"], "not --run-dir's training runs"),
+])
+def test_enforce_eager_on_a_training_path_is_refused(argv, expected, capsys):
+    """--enforce-eager prices decode steps; plan and whatif without --serve and fit of training
+    runs have none and would drop it silently: one line naming the flag and the serving path."""
+    err = _error([*argv, "--enforce-eager"], capsys)
+    assert "--enforce-eager is for decode steps" in err and expected in err
+
+
+def test_enforce_eager_on_the_serving_path_prices_eager_decode():
+    """plan --serve and whatif --serve take --enforce-eager: batch-1 decode pays its launches."""
+    _, record = commands.plan(_args("plan", "--serve", "--devices", "8", "--enforce-eager"))
+    _, graphed = commands.plan(_args("plan", "--serve", "--devices", "8"))
+    eager_ms, graphed_ms = (r["plans"][0]["decode_ms_per_token_batch1"] for r in (record, graphed))
+    assert eager_ms > graphed_ms
+    assert commands.what_if(_args("whatif", "--serve", "--enforce-eager"))[1]
 
 
 def test_cpu_decode_graph_default_is_the_engines(model_dir):

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from slipstream.perf.accelerators import get_accelerator
+from slipstream.perf.accelerators import Accelerator, get_accelerator
 from slipstream.perf.efficiency import Efficiency
 from slipstream.perf.layers import Device
 from slipstream.perf.serving import (
@@ -189,20 +189,113 @@ def test_just_below_the_max_rate_the_load_is_sustained():
     the old max_request_rate (1 / (prefill + 63 decode(8) / 8)) sat above the rate at which the
     load model's own Little's law needs more than 8 running sequences, so rates between them
     printed bounded latencies while serving fewer tokens than offered. Now, up to the limit the
-    fixed point stays under the cap and serves what is offered; at the limit it is full."""
+    reported latencies are those of the decode batch the fixed point runs (recomputed here from
+    step_time and the module docstring's equations), within the cap, so by Little's law the
+    completions (running / e2e) keep up with the arrivals; at the limit it is full."""
     setup = ServeSetup(shape=LLAMA8B)
     limit = max_request_rate(setup, H100, 8192, 64, max_num_seqs=8)
     prefill = step_time(setup, H100, prefill_lens=[8192]).total_s
     decode = step_time(setup, H100, decode_contexts=[8192 + 32] * 8).total_s
     assert limit * _e2e_at_cap(prefill, decode, limit, 64) == pytest.approx(8, rel=1e-9)
     for fraction in (0.5, 0.9, 0.97, 0.995, 0.99999):
-        load = under_load(setup, H100, fraction * limit, 8192, 64, max_num_seqs=8)
+        rate = fraction * limit
+        load = under_load(setup, H100, rate, 8192, 64, max_num_seqs=8)
         print(f"{fraction} of {limit:.3f} req/s: {load.concurrency:.2f} running, e2e {load.e2e_s:.3f} s")
-        assert load.output_tokens_per_s == pytest.approx(fraction * limit * 64)
-        assert load.concurrency == pytest.approx(fraction * limit * load.e2e_s)
-        assert load.concurrency <= 8 * (1 + 1e-6)  # completions keep up: cap / e2e >= the rate
-    with pytest.raises(ValueError, match="over capacity.*8 running sequences at most, the max_num_seqs"):
+        running = step_time(setup, H100, decode_contexts=[8192 + 32] * round(load.concurrency)).total_s
+        rho = rate * prefill
+        assert load.tpot_s == pytest.approx(running / (1 - rho), rel=0.01)
+        assert load.ttft_s == pytest.approx(prefill + running + rho * prefill / (2 * (1 - rho)), rel=0.01)
+        assert load.e2e_s == pytest.approx(_e2e_at_cap(prefill, running, rate, 64), rel=0.01)
+        assert load.concurrency <= 8 * (1 + 1e-6)
+        assert load.concurrency / load.e2e_s == pytest.approx(rate, rel=0.01)  # completions keep up
+    with pytest.raises(ValueError, match="over capacity.*reached at 8 running sequences .8 at most, "
+                                         "the max_num_seqs limit"):
         under_load(setup, H100, limit, 8192, 64, max_num_seqs=8)
+
+
+# A calibrated one-thread CPU (the Xeon VM's calibration file of 2026-12-05): its repeated-read
+# curve falls from 15 GB/s at 240 MiB to the memory's 10.7 at 1 GiB, so a small model's decode step
+# reads slower as its batch's KV cache grows and the tokens/s of a batch do not rise with it.
+CPU = Accelerator(
+    name="Intel(R) Xeon(R) Processor (1 threads, calibrated)",
+    peak_flops_per_s={"fp32": 190.8e9, "bf16": 1482.3e9, "fp16": 168.2e9},
+    memory_bandwidth_bytes_per_s=10.746e9, memory_bytes=16 * 2**30,
+    cache_read_bytes_per_s={240 * 2**20: 15.136e9, 480 * 2**20: 13.874e9, 720 * 2**20: 15.257e9,
+                            960 * 2**20: 14.439e9, 2**30: 10.746e9},
+    sources={k: "test" for k in ("peak_flops_per_s", "memory_bandwidth_bytes_per_s", "memory_bytes",
+                                 "cache_read_bytes_per_s")},
+    calibrated=True)
+
+
+def _sustainable_by_bisection(setup: ServeSetup, acc: Accelerator, input_len: int, output_len: int,
+                              cap: int) -> float:
+    """The supremum of the rates at which some number b <= cap of running sequences keeps up
+    (rate x e2e(rate) <= b with the decode step of b sequences, every b tried), by bisection on
+    the rate: what under_load's fixed-point iteration can settle at."""
+    prefill = step_time(setup, acc, prefill_lens=[input_len]).total_s
+    context = input_len + output_len // 2
+    decodes = [step_time(setup, acc, decode_contexts=[context] * b).total_s for b in range(1, cap + 1)]
+    low, high = 0.0, 1 / prefill
+    for _ in range(60):
+        mid = (low + high) / 2
+        keeps_up = any(mid * _e2e_at_cap(prefill, d, mid, output_len) <= b for b, d in enumerate(decodes, 1))
+        low, high = (mid, high) if keeps_up else (low, mid)
+    return low
+
+
+def test_max_rate_is_the_best_batch_not_the_cap_where_decode_tokens_per_s_fall():
+    """The review's case: `small` in bf16 on the calibrated CPU, 512 in / 256 out, 256 running at
+    most. A batch of 64 decodes more tokens/s than one of 256 (its bytes read faster), so the
+    equations have a steady state with fewer running at rates above the root of rate x e2e = 256
+    with the decode step of 256, which max_request_rate was, and under_load refused them. The limit
+    is now the best batch's rate: within 0.5% below the bisection over every batch (it tries every
+    batch up to 64, then 1.1x steps), above the cap's, and under_load accepts rates up to it."""
+    setup = ServeSetup(shape=resolve_model("small"), dtype="bf16", kv_cache_bytes=4 * 2**30,
+                       decode_graph_max_batch=256)
+    limit = max_request_rate(setup, CPU, 512, 256)
+    reference = _sustainable_by_bisection(setup, CPU, 512, 256, 256)
+    prefill = step_time(setup, CPU, prefill_lens=[512]).total_s
+    at_cap = step_time(setup, CPU, decode_contexts=[640] * 256).total_s
+    low, high = 0.0, 1 / prefill
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if mid * _e2e_at_cap(prefill, at_cap, mid, 256) < 256 else (low, mid)
+    print(f"max_request_rate {limit:.4f}, bisection over every batch {reference:.4f}, the cap's {low:.4f}")
+    assert reference * 0.995 <= limit <= reference * (1 + 1e-9)
+    assert limit > 1.05 * low
+    load = under_load(setup, CPU, 0.999 * limit, 512, 256)
+    assert load.concurrency < 256 and load.concurrency / load.e2e_s == pytest.approx(0.999 * limit, rel=0.01)
+    with pytest.raises(ValueError, match=r"at most .* req/s sustainable .*, reached at \d+ running "
+                                         r"sequences \(256 at most, the max_num_seqs limit\)") as error:
+        under_load(setup, CPU, limit, 512, 256)
+    assert "reached at 256 " not in str(error.value)
+
+
+@pytest.mark.parametrize("input_len, output_len, cap", [(512, 128, 64), (1024, 256, 256), (8192, 64, 8)])
+def test_max_rate_on_a_gpu_is_the_caps_and_matches_the_bisection(input_len, output_len, cap):
+    """On an H100 a larger batch decodes more tokens/s, so the best batch is the cap and the
+    limit equals the bisection over every batch."""
+    setup = ServeSetup(shape=LLAMA8B, decode_graph_max_batch=256)
+    limit = max_request_rate(setup, H100, input_len, output_len, max_num_seqs=cap)
+    reference = _sustainable_by_bisection(setup, H100, input_len, output_len, cap)
+    assert limit == pytest.approx(reference, rel=1e-6)
+    with pytest.raises(ValueError, match=f"reached at {cap} running sequences"):
+        under_load(setup, H100, limit, input_len, output_len, max_num_seqs=cap)
+
+
+def test_a_noisy_read_curve_never_makes_a_larger_decode_batch_faster():
+    """A curve measured on a loaded machine (one thread, 19:40 UTC) read 724 MiB at 14.7 GB/s after
+    512 MiB at 10.1 and 256 MiB at 8.8; interpolated as measured, `small`'s bf16 decode step at 640
+    positions took less time for 41 to 48 sequences than for one fewer. Its running minimum keeps
+    the decode step from shrinking as the batch grows, 1 to 256 sequences."""
+    grid = {8: 28.8, 11: 29.0, 16: 29.3, 23: 29.4, 32: 29.5, 45: 29.0, 64: 20.1, 91: 16.3, 128: 10.9,
+            181: 15.7, 256: 8.8, 362: 10.3, 512: 10.1, 724: 14.7, 1024: 12.8}
+    curve = {mib * 2**20: rate * 1e9 for mib, rate in grid.items()}
+    noisy = dataclasses.replace(CPU, memory_bandwidth_bytes_per_s=12.8e9, cache_read_bytes_per_s=curve)
+    setup = ServeSetup(shape=resolve_model("small"), dtype="bf16", kv_cache_bytes=4 * 2**30,
+                       decode_graph_max_batch=256)
+    steps = [step_time(setup, noisy, decode_contexts=[640] * b).total_s for b in range(1, 257)]
+    assert all(b >= a for a, b in zip(steps, steps[1:], strict=False))
 
 
 def test_weights_that_do_not_fit_are_an_error():

@@ -74,7 +74,8 @@ class Accelerator:
     cache_read_bytes_per_s: Mapping[int, float] = dataclasses.field(default_factory=dict)
     """Read bandwidth of a buffer read over and over, by its size in bytes, where measured (the
     local machine's `calibrate()`): near the last-level cache's size part of it stays cached
-    between passes, as a decode step's weights do between steps. See `read_bandwidth`."""
+    between passes, as a decode step's weights do between steps. Kept as the running minimum from
+    small to large sizes, so it never rises with the size. See `read_bandwidth`."""
     calibrated: bool = False
     """Whether the peaks were measured on this machine (`calibrate()`) rather than read from a
     datasheet: only a measured peak can be beaten (see `efficiency.max_fraction`)."""
@@ -93,7 +94,13 @@ class Accelerator:
                              f"got {dict(self.cache_read_bytes_per_s)}")
         for field in ("peak_flops_per_s", "sparse_peak_flops_per_s", "sources"):
             object.__setattr__(self, field, types.MappingProxyType(dict(getattr(self, field))))
-        curve = {int(size): float(rate) for size, rate in sorted(self.cache_read_bytes_per_s.items())}
+        # The running minimum from small to large: a larger buffer never reads faster than a smaller
+        # one (it keeps no more of itself cached), so where noise says otherwise (the last point is a
+        # separate measurement, each is the best of a few passes on a shared machine) the slower
+        # rate holds; a curve loaded from an older calibration file gets the same.
+        curve, floor = {}, math.inf
+        for size, rate in sorted(self.cache_read_bytes_per_s.items()):
+            curve[int(size)] = floor = min(floor, float(rate))
         object.__setattr__(self, "cache_read_bytes_per_s", types.MappingProxyType(curve))
 
     def _is_set(self, field: str) -> bool:
@@ -114,12 +121,15 @@ class Accelerator:
     def read_bandwidth(self, working_set_bytes: float) -> float:
         """Bandwidth of reading `working_set_bytes` once per pass, pass after pass (a decode step's
         weights and KV cache, step after step): `cache_read_bytes_per_s` interpolated linearly in
-        log size, its smallest size's rate below it, and `memory_bandwidth_bytes_per_s` from its
-        largest size on (or everywhere, when nothing was measured)."""
+        log size, its smallest size's rate below it, and from its largest size on
+        `memory_bandwidth_bytes_per_s` or, where noise left the curve's last point below it, that
+        point (or the memory's everywhere, when nothing was measured): never rising with the size."""
         curve = self.cache_read_bytes_per_s
         sizes = list(curve)
-        if not sizes or working_set_bytes >= sizes[-1]:
+        if not sizes:
             return self.memory_bandwidth_bytes_per_s
+        if working_set_bytes >= sizes[-1]:
+            return min(self.memory_bandwidth_bytes_per_s, curve[sizes[-1]])
         if working_set_bytes <= sizes[0]:
             return curve[sizes[0]]
         above = bisect.bisect_right(sizes, working_set_bytes)  # sizes[above - 1] <= ws < sizes[above]

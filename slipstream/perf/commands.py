@@ -141,8 +141,9 @@ of its panel GEMMs); it runs fp32 and bf16 models, where slipstream's C kernels 
 def decode_graph_max_batch(args: argparse.Namespace) -> int:
     """Up to which batch decode-only steps replay a graph, as the serving engine runs them on
     --hardware unless --enforce-eager: CUDA graphs for up to --max-num-seqs sequences on an
-    accelerator (slipstream's runner; vLLM's default captures at least as many), the CPU decode
-    graph for up to 256 fp32 or bf16 sequences on this machine."""
+    accelerator (slipstream's runner; vLLM's default captures decode batches up to min(2 x
+    max_num_seqs, 512) tokens, 1024 on Blackwell, so as many only up to 256 sequences, 512 there),
+    the CPU decode graph for up to 256 fp32 or bf16 sequences on this machine."""
     if getattr(args, "enforce_eager", False):
         return 0
     if is_local(args.hardware):
@@ -219,7 +220,15 @@ def serve(args: argparse.Namespace) -> Result:
     return "\n".join(lines), d
 
 
+def _refuse_eager_for_training(args: argparse.Namespace, serving: bool, how: str) -> None:
+    """ValueError for --enforce-eager where the command takes its training path, which has no
+    decode step to run eagerly and would ignore it; `how` says how to take the serving path."""
+    if args.enforce_eager and not serving:
+        raise ValueError(f"--enforce-eager is for decode steps, which a training step has none of; {how}")
+
+
 def plan(args: argparse.Namespace) -> Result:
+    _refuse_eager_for_training(args, args.serve, "add --serve to plan serving")
     acc = get_accelerator(args.hardware)
     eff, source = efficiency_for(args, acc)
     if args.devices < 1 or args.top < 1:
@@ -265,6 +274,7 @@ def _parse_scale(text: str | None) -> dict[str, float]:
 
 
 def what_if(args: argparse.Namespace) -> Result:
+    _refuse_eager_for_training(args, args.serve, "add --serve for a decode step")
     acc = get_accelerator(args.hardware)
     eff, source = efficiency_for(args, acc)
     if args.serve:
@@ -354,6 +364,8 @@ def validate(args: argparse.Namespace) -> Result:
 def fit(args: argparse.Namespace) -> Result:
     """Fit the efficiency to this machine's records, starting from --profile's or --efficiency's
     (the defaults without them), and write it as JSON for --efficiency."""
+    _refuse_eager_for_training(args, bool(args.engine_records),
+                               "it prices --engine-records' decode steps, not --run-dir's training runs")
     acc = get_accelerator(args.hardware)
     eff, _ = efficiency_for(args, acc)
     if args.engine_records:

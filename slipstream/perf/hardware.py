@@ -109,8 +109,9 @@ class Calibration:
     """`dst.copy_(src)`, counting bytes read plus bytes written (STREAM convention)."""
     cache_read_bytes_per_s: Mapping[int, float]
     """Buffer bytes -> read bandwidth of a reduction over a buffer of that size, repeated: from
-    half the last-level cache to the `memory_read_bytes_per_s` buffer, whose rate is the last
-    (on a CPU; empty on CUDA). What decode gets when its weights nearly fit in the cache."""
+    8 MiB (`CACHE_READ_SIZES`) to the `memory_read_bytes_per_s` buffer, whose rate is the last
+    (on a CPU; empty on CUDA). What decode gets when its weights nearly fit in the cache. As
+    measured, noise and all: `Accelerator` takes its running minimum."""
     quick: bool
     elapsed_s: float
     created_at: str
@@ -205,7 +206,8 @@ def calibrate(
     `device` is "cpu" or "cuda" (default: "cuda" when available). The result is cached as JSON
     under `$XDG_CACHE_HOME/slipstream/` (default `~/.cache/slipstream/`), keyed by device name,
     torch version, thread count and `quick`; `force=True` measures again and overwrites it.
-    `quick=True` uses small sizes (about a second; for tests, not for MFU).
+    `quick=True` uses small sizes and every other repeated-read buffer (6 to 8 s on a 2-core
+    Xeon VM, 1 or 2 threads; for tests, not for MFU).
     """
     import torch
 
@@ -419,19 +421,24 @@ def _measure_cache_reads(quick: bool = False) -> dict[int, float]:
     buffer past the cache's size; the AMD development machine's 32 MiB L3 kept about 40% of a 64
     MiB one, which read at 1.4x the memory's rate). Only sizes below the memory buffer's: its rate
     ends the curve."""
-    import torch
-
-    from slipstream.ops.allocator import huge_page_empty
-
     rates = {}
     for mib in CACHE_READ_SIZES[::2] if quick else CACHE_READ_SIZES:
         nbytes = mib * 2**20
         if nbytes >= _memory_buffer_bytes():
             break
-        src = huge_page_empty(nbytes // 4, torch.float32)
-        torch.arange(nbytes // 4, dtype=torch.float32, out=src)
-        rates[nbytes] = nbytes / _best_time_s(src.sum, "cpu")
+        rates[nbytes] = _repeated_read_bytes_per_s(nbytes)
     return rates
+
+
+def _repeated_read_bytes_per_s(nbytes: int) -> float:
+    """Read bandwidth of a reduction over one `nbytes` buffer of huge pages, the best of repeats."""
+    import torch
+
+    from slipstream.ops.allocator import huge_page_empty
+
+    src = huge_page_empty(nbytes // 4, torch.float32)
+    torch.arange(nbytes // 4, dtype=torch.float32, out=src)
+    return nbytes / _best_time_s(src.sum, "cpu")
 
 
 def _l3_cache_bytes() -> int:

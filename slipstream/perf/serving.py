@@ -13,8 +13,10 @@ and the rest on decode steps of the `concurrency` running sequences, where concu
 Little's law (`rate * end-to-end latency`), solved by fixed-point iteration. TTFT adds an M/D/1
 queueing wait for the prefill server (Kleinrock, Queueing Systems vol. 1, Pollaczek-Khinchine).
 The running sequences are capped (max_num_seqs, or what the KV cache holds); `max_request_rate`
-is the rate at which these same equations need the cap, so a rate at or above it has no steady
-state and is a ValueError that names the sustainable rate. So are a model whose weights, or
+is the highest rate at which these same equations have a steady state within the cap (not always
+at the cap: on a CPU a decode step's cost per sequence can rise with the batch once its bytes
+spill out of the cache), so a rate at or above it is a ValueError that names the sustainable rate
+and the batch it is reached at. So are a model whose weights, or
 weights and given KV budget, do not fit a device (`check_weights_fit`, `check_kv_budget_fits`)
 and lengths beyond the model's positions (`check_positions`).
 
@@ -160,7 +162,9 @@ def check_weights_fit(setup: ServeSetup, accelerator: Accelerator) -> None:
 def check_kv_budget_fits(setup: ServeSetup, accelerator: Accelerator) -> None:
     """ValueError when a given KV budget (`kv_cache_bytes`, which bypasses memory_utilization as
     vLLM's kv_cache_memory_bytes does) and one device's share of the weights exceed the device's
-    memory: the engine refuses a budget beyond what the device has."""
+    memory: the engine would run out of memory allocating it (slipstream's engine refuses only a
+    kv_cache_memory above the device's total memory, vLLM checks nothing), so there is nothing to
+    predict."""
     weights, kv = setup.weights_bytes_per_device(), setup.kv_cache_bytes
     memory = accelerator.memory_bytes
     if kv is not None and weights + kv > memory:
@@ -368,7 +372,8 @@ class LoadPrediction:
     utilization: float
     """Fraction of time the prefills take."""
     limit: str
-    """What caps the running sequences, and so `max_request_rate`: "max_num_seqs" or "kv_cache"."""
+    """What caps the running sequences: "max_num_seqs" or "kv_cache" (`max_request_rate` is reached
+    at that cap or, where a larger batch decodes fewer tokens/s, below it)."""
     max_request_rate: float
     """The most requests/s the engine sustains (`max_request_rate`); `request_rate` is below it."""
 
@@ -387,6 +392,30 @@ class _Load:
     context: int
     """The mean context of a decode step: the prompt and half the output."""
     max_rate: float
+    batch: int
+    """The running sequences at which `max_rate` is reached (at most `cap`; 0 when it is 0)."""
+
+
+_EVERY_BATCH_UP_TO = 64
+_BATCH_STEP = 1.1
+
+
+def _batch_grid(cap: int) -> list[int]:
+    """The running-sequence counts `max_request_rate` tries: every one up to 64, then about 1.1x
+    apart, and `cap` (a few dozen decode steps to price, not `cap` of them)."""
+    grid = list(range(1, min(cap, _EVERY_BATCH_UP_TO) + 1))
+    batch = _EVERY_BATCH_UP_TO
+    while (batch := max(batch + 1, int(batch * _BATCH_STEP))) < cap:
+        grid.append(batch)
+    return grid + [cap] if cap > _EVERY_BATCH_UP_TO else grid
+
+
+def _rate_at(prefill_s: float, decode_s: float, batch: int, output_len: int) -> float:
+    """The rate r at which r e2e(r) = `batch` with decode step `decode_s` (`max_request_rate`):
+    the smaller root x = r P of (P / 2 + d) x^2 - (P (1 + batch) + n d) x + P batch, in (0, 1)."""
+    qa, qb, qc = prefill_s / 2 + decode_s, prefill_s * (1 + batch) + output_len * decode_s, prefill_s * batch
+    x = 2 * qc / (qb + math.sqrt(qb * qb - 4 * qa * qc))  # without cancellation
+    return x / prefill_s
 
 
 def _load(setup: ServeSetup, accelerator: Accelerator, input_len: int, output_len: int,
@@ -401,26 +430,31 @@ def _load(setup: ServeSetup, accelerator: Accelerator, input_len: int, output_le
     cap, context = min(max_num_seqs, room), input_len + output_len // 2
     limit = "max_num_seqs" if max_num_seqs <= room else "kv_cache"
     if cap < 1:
-        return _Load(p, cap, limit, context, 0.0)
-    d = step_time(setup, accelerator, decode_contexts=[context] * cap, efficiency=efficiency).total_s
-    a, b, c = p / 2 + d, p * (1 + cap) + output_len * d, p * cap
-    x = 2 * c / (b + math.sqrt(b * b - 4 * a * c))  # the smaller root, without cancellation
-    return _Load(p, cap, limit, context, x / p)
+        return _Load(p, cap, limit, context, 0.0, 0)
+    rate, batch = max(
+        (_rate_at(p, step_time(setup, accelerator, decode_contexts=[context] * b,
+                               efficiency=efficiency).total_s, b, output_len), b)
+        for b in _batch_grid(cap))
+    return _Load(p, cap, limit, context, rate, batch)
 
 
 def max_request_rate(
     setup: ServeSetup, accelerator: Accelerator, input_len: int, output_len: int,
     max_num_seqs: int = 256, efficiency: Efficiency | None = None,
 ) -> float:
-    """Requests/s from which `under_load`'s equations need more running sequences than `cap`
-    (max_num_seqs, or what the KV cache holds) allows; 0 when no sequence fits the cache.
+    """Requests/s from which `under_load`'s equations have no steady state within `cap`
+    (max_num_seqs, or what the KV cache holds) running sequences; 0 when no sequence fits the cache.
 
-    With prefill time P, the decode step of `cap` sequences d and n = `output_len`, a request's
-    end-to-end latency at rate r is e2e(r) = P + d + r P^2 / (2 (1 - r P)) + (n - 1) d / (1 - r P)
-    (TTFT with its M/D/1 wait, then n - 1 decode steps slowed by the prefills' share of time), and
-    Little's law needs r e2e(r) <= cap. r e2e(r) grows from 0 to infinity on (0, 1 / P), so the
-    limit is its one root there: with x = r P, (P / 2 + d) x^2 - (P (1 + cap) + n d) x + P cap = 0,
-    whose smaller root lies in (0, 1). Below it the fixed point stays under the cap.
+    With prefill time P, the decode step of b sequences d(b) and n = `output_len`, a request's
+    end-to-end latency at rate r is e2e(r, b) = P + d(b) + r P^2 / (2 (1 - r P)) + (n - 1) d(b) /
+    (1 - r P) (TTFT with its M/D/1 wait, then n - 1 decode steps slowed by the prefills' share of
+    time), and a steady state with b running needs Little's law, r e2e(r, b) = b. r e2e(r, b) grows
+    from 0 to infinity on (0, 1 / P), so for each b there is one rate r(b) that sustains b: with
+    x = r P, the smaller root of (P / 2 + d(b)) x^2 - (P (1 + b) + n d(b)) x + P b = 0, in (0, 1).
+    The limit is the most of r(b) over b <= cap, which is r(cap) when the decode cost per sequence
+    d(b) / b falls with b (a GPU's), but can be a smaller batch's when it rises (a CPU's, once a
+    step's weights and KV cache spill out of the last-level cache). b is tried every one up to 64,
+    then about 1.1x apart, and at cap; below the limit the fixed point stays under it.
     """
     return _load(setup, accelerator, input_len, output_len, max_num_seqs, efficiency).max_rate
 
@@ -431,8 +465,8 @@ def under_load(
 ) -> LoadPrediction:
     """TTFT, TPOT and throughput with `request_rate` requests/s (see the module docstring).
 
-    ValueError when the rate is at or over capacity (`max_request_rate`): the running sequences
-    would need more than the cap, requests queue without bound and there is no steady state to
+    ValueError when the rate is at or over capacity (`max_request_rate`): no number of running
+    sequences up to the cap keeps up, requests queue without bound and there is no steady state to
     report.
     """
     if isinstance(request_rate, bool) or not (isinstance(request_rate, int | float)
@@ -445,14 +479,15 @@ def under_load(
                          f"(input_len + output_len) beside the weights")
     if request_rate >= limit_rate:
         raise ValueError(f"request_rate {request_rate:g} req/s is over capacity: at most "
-                         f"{limit_rate:.3g} req/s sustainable with {input_len} in / {output_len} out "
-                         f"({load.cap} running sequences at most, the {load.limit} limit)")
+                         f"{limit_rate:.3g} req/s sustainable with {input_len} in / {output_len} out, "
+                         f"reached at {load.batch} running sequences ({load.cap} at most, the "
+                         f"{load.limit} limit)")
     prefill_s = load.prefill_s
     rho = request_rate * prefill_s  # < 1 below capacity
     concurrency = 1.0
     for _ in range(50):
-        # No clipping: below max_request_rate, request_rate x e2e stays under the cap for every
-        # batch up to it (a larger batch only lengthens the decode step).
+        # No clipping: below max_request_rate, request_rate x e2e falls below the batch at or
+        # before the one that rate is reached at, which the iteration meets rising from 1.
         batch = max(int(round(concurrency)), 1)
         decode_s = step_time(setup, accelerator, decode_contexts=[load.context] * batch,
                              efficiency=efficiency).total_s
