@@ -69,7 +69,7 @@ def start_server(command: list[str], url: str, log_path: Path, env: dict | None 
 def workload(url: str, model_dir: Path, args: argparse.Namespace, seed: int, **changes) -> BenchConfig:
     return BenchConfig(base_url=url, model=MODEL_NAME, tokenizer=str(model_dir), num_prompts=args.num_prompts,
                        random_input_len=args.input_len, random_output_len=args.output_len, ignore_eos=True,
-                       seed=seed, disable_tqdm=True, **changes)
+                       temperature=0.0, seed=seed, disable_tqdm=True, **changes)
 
 
 def measure(url: str, model_dir: Path, args: argparse.Namespace, offline: Offline | None) -> dict:

@@ -173,18 +173,33 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _bench_serve(args: argparse.Namespace) -> None:
-    from slipstream.serve.bench import BenchConfig, format_result, run_benchmark
+    from slipstream.serve.bench import BenchConfig, format_result, result_filename, run_benchmark
 
-    config = BenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)})
+    try:
+        percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
+    except ValueError:
+        raise ValueError(f"--metric-percentiles takes comma-separated numbers, got "
+                         f"{args.metric_percentiles!r}") from None
+    config = BenchConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(BenchConfig)}
+                         | {"percentile_metrics": tuple(args.percentile_metrics.split(",")),
+                            "metric_percentiles": percentiles})
+    # vLLM's --save-result is a switch naming no file; the older `--save-result FILE` still works.
+    filename = args.save_result if isinstance(args.save_result, str) else args.result_filename
+    if isinstance(args.save_result, str) and args.result_filename:
+        raise ValueError("give the result file as --save-result --result-filename FILE, not both ways")
+    directory = Path(args.result_dir or ".")
     if args.save_result:  # a path that cannot be written is found now, not after the run
-        target = Path(args.save_result)
-        if target.is_dir() or not target.parent.is_dir() or not os.access(target.parent, os.W_OK):
-            raise ValueError(f"--save-result {target}: not a file path in a writable directory")
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / filename if filename else directory
+        writable = os.access(target.parent if filename else target, os.W_OK)
+        if (filename and (target.is_dir() or not target.parent.is_dir())) or not writable:
+            raise ValueError(f"result file {target}: not a file path in a writable directory")
     result = run_benchmark(config)
     print(format_result(result))
     if args.save_result:
-        Path(args.save_result).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.save_result}")
+        target = directory / (filename or result_filename(config, result["date"]))
+        target.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {target}")
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -315,8 +330,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2el:MS")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--temperature", type=float, help="sent with each request; default: none sent, as vLLM")
+    p.add_argument("--percentile-metrics", default="ttft,tpot,itl",
+                   help="comma-separated latencies to report statistics of: ttft, tpot, itl, e2el")
+    p.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 50,90,99")
     p.add_argument("--api-key", help="sent as a bearer token")
-    p.add_argument("--save-result", help="write the result JSON here")
+    p.add_argument("--save-result", nargs="?", const=True, default=False, metavar="FILE",
+                   help="write the result JSON, named by --result-dir and --result-filename (default: "
+                   "vLLM's BACKEND-RATEqps-MODEL-DATE.json); `--save-result FILE` is the older form")
+    p.add_argument("--result-dir", help="directory of the result file (made if missing; default: .)")
+    p.add_argument("--result-filename", help="name of the result file")
     p.add_argument("--disable-tqdm", action="store_true")
     p.add_argument("--ready-timeout", dest="ready_timeout_s", type=_positive_float, default=60.0,
                    help="seconds the initial test request may wait to connect and for each piece "

@@ -150,8 +150,9 @@ def test_bench_serve_malformed_sharegpt_file_is_an_error_naming_it(dataset, expe
 @pytest.mark.parametrize("args, expected", [
     (["--goodput", "ttft:nan"], "goodput SLOs are"),
     (["--sharegpt-output-len", "0"], "sharegpt_output_len must be >= 1, got 0"),
-    (["--save-result", "/"], "--save-result /: not a file path in a writable directory"),
+    (["--save-result", "/"], "result file /: not a file path in a writable directory"),
     (["--save-result", "/no/such/dir/r.json"], "not a file path in a writable directory"),
+    (["--save-result", "--result-filename", "/no/such/dir/r.json"], "not a file path in a writable"),
 ])
 def test_bench_serve_values_it_would_misread_or_fail_on_at_the_end_are_errors(args, expected, data_dir,
                                                                                capsys):

@@ -2,18 +2,20 @@
 definitions of vLLM's `vllm bench serve` (../../docs/serving.md), so that its numbers compare with
 vLLM's and it can measure vLLM itself.
 
-Every request streams. Its clock starts just before the POST; TTFT is the time of the first chunk
-carrying non-empty text (vLLM's chat client also counts the role-only first chunk; we do not); ITL
-is the gap between successive non-empty chunks, pooled over requests; E2EL runs to the last chunk;
-TPOT = (E2EL - TTFT) / (output tokens - 1) per request with more than one output token. Output
-tokens come from the server's `usage` (requested with `stream_options.include_usage`), else from
-the number of non-empty chunks. Throughputs divide by the wall time of the whole run. Arrivals
-follow a gamma process (shape `burstiness`, 1 = Poisson) rescaled, as in vLLM, so that N requests
-span exactly N / rate seconds; rate inf sends them all at once.
+Every request streams. Its clock starts just before the POST; as in vLLM, every chunk with
+`choices` counts as a token event, even with empty text (the chat role chunk, a special token, the
+finish chunk): TTFT is the time of the first, ITL the gaps between successive ones, pooled over
+requests; E2EL runs to the last; TPOT = (E2EL - TTFT) / (output tokens - 1) per request with more
+than one output token. Input and output tokens come from the server's `usage` (requested with
+`stream_options.include_usage`), else from the dataset and the tokenized output text. Throughputs
+divide by the wall time of the whole run. Arrivals follow a gamma process (shape `burstiness`,
+1 = Poisson) drawn, as vLLM's, from numpy's legacy generator seeded with `seed` and rescaled so
+that N requests span exactly N / rate seconds (the same send times as vLLM's for the same seed);
+rate inf sends them all at once.
 
 Datasets: `random` draws prompt token ids uniformly from the tokenizer's non-special ids and sends
-them as token ids to /v1/completions (lengths exact), or decoded to text for chat (then the
-server's tokenization may change lengths; the reported input length is the re-encoded text's).
+them as token ids to /v1/completions (lengths exact), or decoded to text for chat, adjusted as
+vLLM's (re-encode, trim or extend, up to 10 times) so that the text re-encodes to the length asked.
 `sharegpt` takes the first human turn of each conversation as the prompt and the reply's token
 count as the output length, with vLLM's filters.
 """
@@ -37,7 +39,7 @@ from tqdm.auto import tqdm
 from slipstream.model.tokenizer import Tokenizer
 
 SLO_METRICS = ("ttft", "tpot", "e2el")
-PERCENTILES = (90, 99)
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,6 +65,11 @@ class BenchConfig:
     """SLOs as "ttft:MS", "tpot:MS", "e2el:MS"."""
     seed: int = 0
     ignore_eos: bool = False
+    temperature: float | None = None
+    """Sent only when set, as vLLM 0.32 (which no longer sends 0): else the server's default."""
+    percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl")
+    """The latencies whose mean, median, std and percentiles are reported (vLLM's default)."""
+    metric_percentiles: tuple[float, ...] = (99.0,)
     api_key: str | None = None
     disable_tqdm: bool = False
     ready_timeout_s: float = 60.0
@@ -93,8 +100,18 @@ class BenchConfig:
             raise ValueError(f"sharegpt_output_len must be >= 1, got {self.sharegpt_output_len}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.temperature is not None and not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature}")
         object.__setattr__(self, "goodput", tuple(self.goodput))
         parse_goodput(self.goodput)
+        object.__setattr__(self, "percentile_metrics", tuple(self.percentile_metrics))
+        object.__setattr__(self, "metric_percentiles", tuple(self.metric_percentiles))
+        unknown = [m for m in self.percentile_metrics if m not in LATENCY_METRICS]
+        if unknown or not self.percentile_metrics:
+            raise ValueError(f"percentile_metrics must be some of {LATENCY_METRICS}, "
+                             f"got {self.percentile_metrics}")
+        if not self.metric_percentiles or not all(0 <= p <= 100 for p in self.metric_percentiles):
+            raise ValueError(f"metric_percentiles must be numbers in [0, 100], got {self.metric_percentiles}")
 
 
 def _check_base_url(base_url: str) -> None:
@@ -138,11 +155,15 @@ class RequestResult:
     error: str = ""
     generated_text: str = ""
     output_tokens: int = 0
+    prompt_tokens: int | None = None
+    """The server's `usage.prompt_tokens` (its chat template included), when it reports it."""
     ttft_s: float = 0.0
     itl_s: list[float] = dataclasses.field(default_factory=list)
     latency_s: float = 0.0
     start_s: float = 0.0
     """When it was sent, on the run's clock."""
+    queue_s: float = 0.0
+    """How long it waited for a `max_concurrency` slot after its arrival time."""
 
 
 # ---- datasets -------------------------------------------------------------------------------
@@ -159,12 +180,31 @@ def random_requests(config: BenchConfig, tokenizer: Tokenizer, *, as_text: bool)
     for input_len, output_len in zip(input_lens, output_lens, strict=True):
         token_ids = rng.choice(allowed, size=input_len).tolist()
         if as_text:
-            text = tokenizer.decode(token_ids)
-            num_tokens = len(tokenizer.encode(text, add_special_tokens=False))
+            text, num_tokens = _text_of_length(tokenizer, token_ids, input_len, rng, allowed)
             requests.append(SampleRequest(text, num_tokens, output_len))
         else:
             requests.append(SampleRequest(token_ids, input_len, output_len))
     return requests
+
+
+def _text_of_length(tokenizer: Tokenizer, token_ids: list[int], length: int, rng: np.random.Generator,
+                    allowed: np.ndarray, tries: int = 10) -> tuple[str, int]:
+    """Text that re-encodes to `length` tokens where `tries` rounds get there, and its token count.
+
+    Decoding and re-encoding can merge or split tokens, so as vLLM's random dataset the ids are
+    trimmed, or extended with random ones, and the text decoded again, until the lengths agree.
+    """
+    for _ in range(tries + 1):
+        text = tokenizer.decode(token_ids)
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        num_tokens = len(token_ids)
+        if num_tokens == length:
+            break
+        if num_tokens > length:
+            token_ids = token_ids[:length]
+        else:
+            token_ids += rng.choice(allowed, size=length - num_tokens).tolist()
+    return text, num_tokens
 
 
 def _lengths(rng: np.random.Generator, mean: int, range_ratio: float, num: int) -> list[int]:
@@ -215,10 +255,11 @@ def _sharegpt_pairs(path: str) -> list[tuple[dict, dict]]:
 
 
 def arrival_times(config: BenchConfig) -> list[float]:
-    """Send times from the run's start: gamma gaps rescaled to span num_prompts / rate (vLLM's)."""
+    """Send times from the run's start: gamma gaps rescaled to span num_prompts / rate, vLLM's for
+    the same seed (it seeds numpy's global legacy generator and draws the gaps from it first)."""
     if math.isinf(config.request_rate):
         return [0.0] * config.num_prompts
-    rng = np.random.default_rng(config.seed)
+    rng = np.random.RandomState(config.seed)
     theta = 1.0 / (config.request_rate * config.burstiness)
     times = np.cumsum(rng.gamma(shape=config.burstiness, scale=theta, size=config.num_prompts))
     if not times[-1] > 0:  # every gap drawn as 0 (a tiny burstiness): all at once, as vLLM
@@ -230,8 +271,9 @@ def arrival_times(config: BenchConfig) -> list[float]:
 
 
 def _payload(config: BenchConfig, request: SampleRequest) -> dict:
-    payload = {"model": config.model, "temperature": 0.0, "stream": True,
-               "stream_options": {"include_usage": True}}
+    payload = {"model": config.model, "stream": True, "stream_options": {"include_usage": True}}
+    if config.temperature is not None:
+        payload["temperature"] = config.temperature
     if config.endpoint == "/v1/completions":
         payload |= {"prompt": request.prompt, "max_tokens": request.output_len}
     else:
@@ -250,8 +292,7 @@ async def send_request(client: httpx.AsyncClient, config: BenchConfig, request: 
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     start = time.perf_counter()
     result.start_s = start - run_start
-    last_chunk = most_recent = start
-    num_chunks = 0
+    most_recent = start
     streamed = False  # a chunk with choices came
     try:
         timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else httpx.Timeout(timeout_s)
@@ -272,20 +313,17 @@ async def send_request(client: httpx.AsyncClient, config: BenchConfig, request: 
                     return result
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"].get("completion_tokens") or 0
+                    result.prompt_tokens = chunk["usage"].get("prompt_tokens")
                 if not chunk.get("choices"):
                     continue
                 now = time.perf_counter()
-                last_chunk = now
+                if streamed:
+                    result.itl_s.append(now - most_recent)
+                else:
+                    result.ttft_s = now - start
+                most_recent = now
                 streamed = True
-                text = _chunk_text(chunk["choices"][0])
-                if text:
-                    if num_chunks == 0:
-                        result.ttft_s = now - start
-                    else:
-                        result.itl_s.append(now - most_recent)
-                    most_recent = now
-                    num_chunks += 1
-                    result.generated_text += text
+                result.generated_text += _chunk_text(chunk["choices"][0])
     except httpx.TimeoutException as error:
         result.error = f"{type(error).__name__}: no response within {timeout_s or 'the client timeout'} s"
         return result
@@ -295,10 +333,7 @@ async def send_request(client: httpx.AsyncClient, config: BenchConfig, request: 
     if not streamed:  # as vLLM: no chunk to time the first token by
         result.error = "no streamed chunk with choices came (does the server stream?)"
         return result
-    result.latency_s = last_chunk - start
-    if num_chunks == 0:  # e.g. end-of-sequence first: no text, so the first token is the last
-        result.ttft_s = result.latency_s
-    result.output_tokens = result.output_tokens or num_chunks
+    result.latency_s = most_recent - start
     result.success = True
     return result
 
@@ -321,8 +356,10 @@ async def _run(config: BenchConfig, requests: list[SampleRequest]) -> tuple[list
         bar = tqdm(total=len(requests), desc="requests", disable=config.disable_tqdm)
 
         async def limited(request: SampleRequest) -> RequestResult:
+            arrived = time.perf_counter()
             async with semaphore:
                 result = await send_request(client, config, request, start)
+            result.queue_s = result.start_s - (arrived - start)
             bar.update(1)
             return result
 
@@ -345,29 +382,51 @@ def run_benchmark(config: BenchConfig) -> dict:
     else:
         requests = random_requests(config, tokenizer, as_text=config.endpoint == "/v1/chat/completions")
     results, duration_s = asyncio.run(_run(config, requests))
+    for r in results:  # no `usage`: count the text's tokens, as vLLM
+        if r.success and not r.output_tokens:
+            r.output_tokens = len(tokenizer.encode(r.generated_text, add_special_tokens=False))
     return {
         "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": backend_name(config), "endpoint_type": backend_name(config), "label": backend_name(config),
         "endpoint": config.endpoint, "model_id": config.model,
         "tokenizer_id": config.tokenizer or config.model,
         "dataset_name": config.dataset_name, "num_prompts": config.num_prompts,
         "request_rate": config.request_rate if math.isfinite(config.request_rate) else "inf",
         "burstiness": config.burstiness, "max_concurrency": config.max_concurrency,
-    } | compute_metrics(requests, results, duration_s, parse_goodput(config.goodput))
+    } | compute_metrics(requests, results, duration_s, parse_goodput(config.goodput),
+                        percentile_metrics=config.percentile_metrics,
+                        metric_percentiles=config.metric_percentiles)
+
+
+def backend_name(config: BenchConfig) -> str:
+    """vLLM's `--backend` that sends what this run sends: "openai" or "openai-chat"."""
+    return "openai" if config.endpoint == "/v1/completions" else "openai-chat"
+
+
+def result_filename(config: BenchConfig, date: str) -> str:
+    """vLLM's default result file name: BACKEND-RATEqps[-concurrencyN]-MODEL-DATE.json."""
+    concurrency = f"-concurrency{config.max_concurrency}" if config.max_concurrency is not None else ""
+    model = config.model.rstrip("/").split("/")[-1]
+    return f"{backend_name(config)}-{float(config.request_rate)}qps{concurrency}-{model}-{date}.json"
 
 
 # ---- metrics ---------------------------------------------------------------------------------
 
 
 def compute_metrics(requests: list[SampleRequest], results: list[RequestResult], duration_s: float,
-                    slos: dict[str, float]) -> dict:
-    """vLLM's `calculate_metrics`: totals, throughputs, goodput and latency statistics in ms."""
-    done = [(q, r) for q, r in zip(requests, results, strict=True) if r.success]
-    ttfts = [r.ttft_s for _, r in done]
-    tpots = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for _, r in done if r.output_tokens > 1]
-    itls = [gap for _, r in done for gap in r.itl_s]
-    e2els = [r.latency_s for _, r in done]
-    total_input = sum(q.prompt_len for q, _ in done)
-    total_output = sum(r.output_tokens for _, r in done)
+                    slos: dict[str, float], *, percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl"),
+                    metric_percentiles: tuple[float, ...] = (99.0,)) -> dict:
+    """vLLM's `calculate_metrics`: totals, throughputs, goodput, and for each of
+    `percentile_metrics` its mean, median, std and `metric_percentiles` in ms."""
+    input_lens = [q.prompt_len if r.prompt_tokens is None else r.prompt_tokens
+                  for q, r in zip(requests, results, strict=True)]
+    done = [r for r in results if r.success]
+    values = {"ttft": [r.ttft_s for r in done],
+              "tpot": [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in done if r.output_tokens > 1],
+              "itl": [gap for r in done for gap in r.itl_s],
+              "e2el": [r.latency_s for r in done]}
+    total_input = sum(n for n, r in zip(input_lens, results, strict=True) if r.success)
+    total_output = sum(r.output_tokens for r in done)
     metrics = {
         "duration": duration_s, "completed": len(done), "failed": len(results) - len(done),
         "total_input_tokens": total_input, "total_output_tokens": total_output,
@@ -375,55 +434,59 @@ def compute_metrics(requests: list[SampleRequest], results: list[RequestResult],
         "request_goodput": _num_good(done, slos) / duration_s if slos else None,
         "output_throughput": total_output / duration_s,
         "total_token_throughput": (total_input + total_output) / duration_s,
-        "max_output_tokens_per_s": _peak_output_per_s([r for _, r in done]),
-        "max_concurrent_requests": _peak_concurrency([r for _, r in done]),
+        **_peaks(done),
         # One entry per request, as vLLM's result file (0, [] and "" where a request failed).
-        "input_lens": [q.prompt_len for q in requests],
+        "input_lens": input_lens,
         "output_lens": [r.output_tokens if r.success else 0 for r in results],
         "ttfts": [r.ttft_s if r.success else 0.0 for r in results],
         "itls": [r.itl_s if r.success else [] for r in results],
+        "latencies": [r.latency_s if r.success else 0.0 for r in results],
+        "start_times": [r.start_s for r in results],
+        "queue_times": [r.queue_s for r in results],
         "generated_texts": [r.generated_text if r.success else "" for r in results],
         "errors": [r.error or "" for r in results],
     }
-    for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
-        ms = np.array(values or [0.0]) * 1000
+    for name in percentile_metrics:
+        ms = np.array(values[name] or [0.0]) * 1000
         metrics |= {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
                     f"std_{name}_ms": float(ms.std())}
-        metrics |= {f"p{p}_{name}_ms": float(np.percentile(ms, p)) for p in PERCENTILES}
+        metrics |= {f"p{_percentile_name(p)}_{name}_ms": float(np.percentile(ms, p))
+                    for p in metric_percentiles}
     return metrics
 
 
-def _num_good(done: list[tuple[SampleRequest, RequestResult]], slos: dict[str, float]) -> int:
+def _percentile_name(p: float) -> str:
+    """"99" for 99.0, "99.9" for 99.9: vLLM's result keys."""
+    return str(int(p)) if int(p) == p else str(p)
+
+
+def _num_good(done: list[RequestResult], slos: dict[str, float]) -> int:
     """Requests meeting every SLO; as vLLM, one with a single output token has TPOT 0."""
     def meets(r: RequestResult) -> bool:
         tpot = (r.latency_s - r.ttft_s) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0
         values_ms = {"ttft": r.ttft_s * 1000, "tpot": tpot * 1000, "e2el": r.latency_s * 1000}
         return all(values_ms[name] <= limit for name, limit in slos.items())
-    return sum(meets(r) for _, r in done)
+    return sum(meets(r) for r in done)
 
 
-def _peak_output_per_s(results: list[RequestResult]) -> float:
-    """Most non-empty chunks in any one-second bucket of the run (vLLM's peak output throughput)."""
-    buckets: dict[int, int] = {}
-    for r in results:
-        t = r.start_s + r.ttft_s
-        for gap in [0.0, *r.itl_s]:
-            t += gap
-            buckets[int(t)] = buckets.get(int(t), 0) + 1
-    return float(max(buckets.values(), default=0))
-
-
-def _peak_concurrency(results: list[RequestResult]) -> int:
-    events = sorted([(r.start_s, 1) for r in results] + [(r.start_s + r.latency_s, -1) for r in results])
-    peak = current = 0
-    for _, change in events:
-        current += change
-        peak = max(peak, current)
-    return peak
+def _peaks(done: list[RequestResult]) -> dict:
+    """vLLM's peaks over one-second buckets counted from the first request's start: the most token
+    events (chunks with choices) in a bucket, and the most requests active at any time within one."""
+    if not done:
+        return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
+    first = min(r.start_s for r in done)
+    num_buckets = math.ceil(max(r.start_s + r.latency_s for r in done) - first) + 1
+    tokens, active = np.zeros(num_buckets), np.zeros(num_buckets)
+    for r in done:
+        for t in r.start_s + r.ttft_s + np.cumsum([0.0, *r.itl_s]):
+            if 0 <= int(t - first) < num_buckets:
+                tokens[int(t - first)] += 1
+        active[int(r.start_s - first):int(r.start_s + r.latency_s - first) + 1] += 1
+    return {"max_output_tokens_per_s": float(tokens.max()), "max_concurrent_requests": int(active.max())}
 
 
 def format_result(result: dict) -> str:
-    """vLLM's "Serving Benchmark Result" table."""
+    """vLLM's "Serving Benchmark Result" table, with the latencies the result has statistics of."""
     lines = [f"{' Serving Benchmark Result ':=^50}"]
 
     def row(label: str, value) -> None:
@@ -444,10 +507,13 @@ def format_result(result: dict) -> str:
     row("Total Token throughput (tok/s):", result["total_token_throughput"])
     for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
                         ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        if f"mean_{name}_ms" not in result:
+            continue
         lines.append(f"{title:-^50}")
         row(f"Mean {name.upper()} (ms):", result[f"mean_{name}_ms"])
         row(f"Median {name.upper()} (ms):", result[f"median_{name}_ms"])
-        for p in PERCENTILES:
-            row(f"P{p} {name.upper()} (ms):", result[f"p{p}_{name}_ms"])
+        for key in result:
+            if key.startswith("p") and key.endswith(f"_{name}_ms"):
+                row(f"{key.removesuffix(f'_{name}_ms').upper()} {name.upper()} (ms):", result[key])
     lines.append("=" * 50)
     return "\n".join(lines)
