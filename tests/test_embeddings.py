@@ -259,8 +259,11 @@ def test_the_embeddings_route_equals_the_offline_engine(model_dir, tmp_path):
                   "truncation_side"),
                  (lambda: client.embeddings.create(model=MODEL_NAME, input="x", encoding_format="base64",
                                                    extra_body={"embed_dtype": "float16"}), "embed_dtype"),
-                 (lambda: client.embeddings.create(model=MODEL_NAME, input="x",
+                 (lambda: client.embeddings.create(model=MODEL_NAME, input="x", encoding_format="base64",
                                                    extra_body={"endianness": "big"}), "endianness"),
+                 (lambda: client.embeddings.create(model=MODEL_NAME, input=ids,
+                                                   extra_body={"truncate_prompt_tokens": 0}),
+                  "truncate_prompt_tokens"),
                  (lambda: client.embeddings.create(model=MODEL_NAME, input="x",
                                                    extra_body={"cache_salt": "a"}), "cache_salt"),
                  (lambda: client.embeddings.create(model=MODEL_NAME, input="x",
@@ -268,12 +271,17 @@ def test_the_embeddings_route_equals_the_offline_engine(model_dir, tmp_path):
                  (lambda: client.embeddings.create(model=MODEL_NAME, input=[]), "input"),
                  (lambda: client.embeddings.create(model=MODEL_NAME, input=too_long), "input"),
                  (lambda: client.embeddings.create(model=MODEL_NAME, input="x", dimensions=8), "dimensions"))
+        # vLLM applies the base64 layouts to base64 alone: a float response ignores them
+        floats = client.embeddings.create(model=MODEL_NAME, input=ids, encoding_format="float",
+                                          extra_body={"embed_dtype": "float16", "endianness": "big"})
+        assert max(abs(a - b) for a, b in zip(floats.data[0].embedding, as_ids.data[0].embedding,
+                                              strict=True)) < 1e-5
         for call, param in calls:
             with pytest.raises(openai.BadRequestError) as error:
                 call()
             assert error.value.body["param"] == param
         metrics = metric_values(server)
-        assert metrics["slipstream:prompt_tokens_total"] == texts.usage.prompt_tokens + len(ids) + 2 * 4
+        assert metrics["slipstream:prompt_tokens_total"] == texts.usage.prompt_tokens + 2 * len(ids) + 2 * 4
     finally:
         server.stop()
 

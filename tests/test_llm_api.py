@@ -317,6 +317,9 @@ def test_eos_stops_and_ignore_eos_continues(llm):
     # vLLM tests the tokenizer's EOS before stop_token_ids: listed there too, it is no stop_reason
     listed = generate_one(llm, prompt, greedy(ignore_eos=False, logit_bias={0: 100.0}, stop_token_ids=[0]))
     assert (listed.token_ids, listed.stop_reason) == ([0], None)
+    # under ignore_eos it is no end-of-sequence, so as a stop token id it is the stop_reason
+    ignoring = generate_one(llm, prompt, greedy(ignore_eos=True, logit_bias={0: 100.0}, stop_token_ids=[0]))
+    assert (ignoring.token_ids, ignoring.finish_reason, ignoring.stop_reason) == ([0], "stop", 0)
     ignored = generate_one(llm, prompt, greedy(ignore_eos=True, max_tokens=6))
     assert ignored.token_ids[0] == 2
     assert len(ignored.token_ids) == 6

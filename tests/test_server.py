@@ -8,6 +8,7 @@ serve_fixtures.py.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import random
@@ -111,6 +112,19 @@ def test_logit_bias_allowed_token_ids_and_bad_words_equal_offline(client, llm):
                                          extra_body={"ignore_eos": True, "bad_words": bad_words})
     assert response.choices[0].text == expected.outputs[0].text
 
+
+
+def test_truncation_side_right_keeps_the_prompts_first_tokens(client, llm):
+    """vLLM's truncation_side on the generation routes: "right" keeps the first k ids, the default
+    ("left") the last k, as the echoed prompt shows."""
+    tokenizer = llm.get_tokenizer()
+    prompt = tokenizer.encode("alpha beta gamma delta epsilon zeta eta theta")
+    assert len(prompt) > 6
+    for extra, kept in (({}, prompt[-3:]), ({"truncation_side": "right"}, prompt[:3])):
+        response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, echo=True,
+                                             extra_body={"truncate_prompt_tokens": 3, **extra})
+        assert response.usage.prompt_tokens == 3
+        assert response.choices[0].text.startswith(tokenizer.decode(kept))
 
 
 def test_truncate_prompt_tokens_equals_offline(client, llm):
@@ -1108,3 +1122,38 @@ def test_add_special_tokens_as_vllm(model_dir, tmp_path):
         assert chat_tokens(add_special_tokens=True) == templated + 1
     finally:
         server.stop()
+
+
+def test_a_streamed_chat_opens_with_the_engines_first_output():
+    """As vLLM, the role chunk of a streamed chat goes out with the engine's first output, not on
+    arrival, so that a client timing its first chunk (vLLM's bench serve, slipstream's) times the
+    prefill: nothing is sent while the prompt is still being computed."""
+    from slipstream.serve.server import OpenAIServer
+
+    first_output = asyncio.Event()
+
+    class PrefillingStream:  # a RequestStream whose first output comes when the test says
+        request_ids = ["r"]
+
+        async def __aiter__(self):
+            await first_output.wait()
+            yield [RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1], finished=True,
+                                 metrics=RequestMetrics(arrival_time_s=0.0),
+                                 outputs=[CompletionOutput(index=0, text="hi", token_ids=[5],
+                                                           finish_reason="stop")])]
+
+        def close(self) -> None:
+            pass
+
+    async def main():
+        chunks = responses.ChatStream(responses.ResponseMeta.new("chatcmpl", "m"), n=1, num_logprobs=None)
+        events = OpenAIServer._events(None, PrefillingStream(), chunks)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(pending := asyncio.ensure_future(anext(events))), 0.2)
+        first_output.set()
+        return [await pending] + [event async for event in events]
+
+    events = asyncio.run(main())
+    deltas = [json.loads(e[6:])["choices"][0]["delta"] for e in events if e.startswith("data: {")]
+    assert deltas[0] == {"role": "assistant", "content": ""} and deltas[1]["content"] == "hi"
+    assert events[-1] == "data: [DONE]\n\n"

@@ -75,7 +75,8 @@ class Accelerator:
     """Read bandwidth of a buffer read over and over, by its size in bytes, where measured (the
     local machine's `calibrate()`): near the last-level cache's size part of it stays cached
     between passes, as a decode step's weights do between steps. Kept as the running minimum from
-    small to large sizes, so it never rises with the size. See `read_bandwidth`."""
+    small to large sizes, floored at the memory's bandwidth, so it never rises with the size nor
+    falls below memory's rate. See `read_bandwidth`."""
     calibrated: bool = False
     """Whether the peaks were measured on this machine (`calibrate()`) rather than read from a
     datasheet: only a measured peak can be beaten (see `efficiency.max_fraction`)."""
@@ -94,13 +95,15 @@ class Accelerator:
                              f"got {dict(self.cache_read_bytes_per_s)}")
         for field in ("peak_flops_per_s", "sparse_peak_flops_per_s", "sources"):
             object.__setattr__(self, field, types.MappingProxyType(dict(getattr(self, field))))
-        # The running minimum from small to large: a larger buffer never reads faster than a smaller
-        # one (it keeps no more of itself cached), so where noise says otherwise (the last point is a
-        # separate measurement, each is the best of a few passes on a shared machine) the slower
-        # rate holds; a curve loaded from an older calibration file gets the same.
-        curve, floor = {}, math.inf
+        # Non-increasing from small to large, never below the memory's rate: a larger buffer reads
+        # no faster than a smaller one (it keeps no more of itself cached), and none reads slower
+        # than memory. Where noise says otherwise (each point is the best of a few passes on a
+        # shared machine; a slow outlier would otherwise hold for every larger size) the running
+        # minimum, floored at the memory's rate, holds; a curve from an older calibration file too.
+        curve, ceiling = {}, math.inf
+        memory = self.memory_bandwidth_bytes_per_s or 0.0
         for size, rate in sorted(self.cache_read_bytes_per_s.items()):
-            curve[int(size)] = floor = min(floor, float(rate))
+            curve[int(size)] = ceiling = max(min(ceiling, float(rate)), memory)
         object.__setattr__(self, "cache_read_bytes_per_s", types.MappingProxyType(curve))
 
     def _is_set(self, field: str) -> bool:
@@ -122,14 +125,12 @@ class Accelerator:
         """Bandwidth of reading `working_set_bytes` once per pass, pass after pass (a decode step's
         weights and KV cache, step after step): `cache_read_bytes_per_s` interpolated linearly in
         log size, its smallest size's rate below it, and from its largest size on
-        `memory_bandwidth_bytes_per_s` or, where noise left the curve's last point below it, that
-        point (or the memory's everywhere, when nothing was measured): never rising with the size."""
+        `memory_bandwidth_bytes_per_s` (the memory's everywhere, when nothing was measured): never
+        rising with the size, never below the memory's rate."""
         curve = self.cache_read_bytes_per_s
         sizes = list(curve)
-        if not sizes:
+        if not sizes or working_set_bytes >= sizes[-1]:
             return self.memory_bandwidth_bytes_per_s
-        if working_set_bytes >= sizes[-1]:
-            return min(self.memory_bandwidth_bytes_per_s, curve[sizes[-1]])
         if working_set_bytes <= sizes[0]:
             return curve[sizes[0]]
         above = bisect.bisect_right(sizes, working_set_bytes)  # sizes[above - 1] <= ws < sizes[above]

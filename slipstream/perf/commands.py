@@ -142,7 +142,7 @@ def decode_graph_max_batch(args: argparse.Namespace) -> int:
     """Up to which batch decode-only steps replay a graph, as the serving engine runs them on
     --hardware unless --enforce-eager: CUDA graphs for up to --max-num-seqs sequences on an
     accelerator (slipstream's runner; vLLM's default captures decode batches up to min(2 x
-    max_num_seqs, 512) tokens, 1024 on Blackwell, so as many only up to 256 sequences, 512 there),
+    max_num_seqs, 512) tokens, 1024 on Blackwell, so all of them up to 512 sequences, 1024 there),
     the CPU decode graph for up to 256 fp32 or bf16 sequences on this machine."""
     if getattr(args, "enforce_eager", False):
         return 0

@@ -111,7 +111,7 @@ class Calibration:
     """Buffer bytes -> read bandwidth of a reduction over a buffer of that size, repeated: from
     8 MiB (`CACHE_READ_SIZES`) to the `memory_read_bytes_per_s` buffer, whose rate is the last
     (on a CPU; empty on CUDA). What decode gets when its weights nearly fit in the cache. As
-    measured, noise and all: `Accelerator` takes its running minimum."""
+    measured, noise and all: `Accelerator` takes its running minimum, floored at the memory's."""
     quick: bool
     elapsed_s: float
     created_at: str

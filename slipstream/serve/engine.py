@@ -647,9 +647,11 @@ class Engine:
             sequence.finish("stop", stop)
         elif request.is_finished:
             # As vLLM, which adds generation_config.json's end-of-sequence ids to stop_token_ids and
-            # tests the tokenizer's own EOS first: that one is no stop_reason, any other id that
-            # ended it is (Llama 3.1's <|eom_id|> tells a pending tool call from <|eot_id|>).
-            stop_token = token_id if ended_by_token and token_id != self.tokenizer.eos_token_id else None
+            # tests the tokenizer's own EOS first (unless ignore_eos): that one is no stop_reason,
+            # any other id that ended it is (Llama 3.1's <|eom_id|> tells a pending tool call from
+            # <|eot_id|>).
+            is_eos = token_id == self.tokenizer.eos_token_id and not params.ignore_eos
+            stop_token = token_id if ended_by_token and not is_eos else None
             sequence.finish(request.finish_reason, stop_token)
         if sequence.finish_reason is not None:
             self._sequences.pop(request.request_id, None)

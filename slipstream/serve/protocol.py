@@ -145,6 +145,8 @@ class GenerationBody(_Body):
     bad_words: Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     """Keep only the prompt's last k tokens (-1: the context length), as vLLM."""
+    truncation_side: Literal["left", "right"] | None = None
+    """vLLM's: "right" keeps the prompt's first k tokens instead (default "left")."""
     priority: int = Field(default=0, ge=-(2**63), lt=2**63)
     """vLLM's: lower is served earlier, under `--scheduling-policy priority` (another value is a
     400 without it, as vLLM documents)."""
@@ -650,14 +652,20 @@ class EmbeddingRequest(_Body):
     than ignored."""
     embed_dtype: str | None = None
     endianness: str | None = None
-    """vLLM's base64 layouts: only its defaults (float32, native = little-endian here) are
-    served; another is a 400 rather than vectors a client would misread."""
+    """vLLM's base64 layouts (a float response ignores them, as vLLM's): only its defaults
+    (float32, native = little-endian here) are served; another is a 400 rather than vectors a
+    client would misread."""
 
     def check_supported(self) -> None:
         if isinstance(self.input, list) and not self.input:
             raise bad_request("input must not be empty", "input")
-        for name, served in (("embed_dtype", ("float32",)), ("endianness", ("native", "little")),
-                             ("priority", (0,)), ("cache_salt", ())):
+        if self.truncate_prompt_tokens == 0:
+            raise bad_request("truncate_prompt_tokens must be >= 1, or -1 for the context length",
+                              "truncate_prompt_tokens")
+        checks = [("priority", (0,)), ("cache_salt", ())]
+        if self.encoding_format == "base64":  # vLLM applies the layouts to base64 alone
+            checks += [("embed_dtype", ("float32",)), ("endianness", ("native", "little"))]
+        for name, served in checks:
             value = getattr(self, name)
             if value not in (None, *served):
                 only = f"only {', '.join(map(repr, served))}" if served else "the pooling engine takes none"

@@ -230,7 +230,7 @@ class OpenAIServer:
                                          logprobs=body.logprobs, defaults=self.sampling_defaults)
         texts = body.prompts()
         prompts = await asyncio.to_thread(self._tokenize, texts, params.truncate_prompt_tokens,
-                                          body.add_special_tokens)
+                                          body.add_special_tokens, body.truncation_side)
         for token_ids in prompts:
             self._check_context(len(token_ids), body.max_tokens, params.min_tokens, "prompt", "max_tokens")
         meta = ResponseMeta.new("cmpl", self.model_name)
@@ -271,7 +271,7 @@ class OpenAIServer:
             params = params.replace(skip_special_tokens=False)  # as vLLM: keep the call tags
         # The template's ids; or its text, which tokenizing adds the special tokens to.
         rendered = await asyncio.to_thread(self._render_chat, body, not body.add_special_tokens)
-        [token_ids] = self._tokenize([rendered], params.truncate_prompt_tokens)
+        [token_ids] = self._tokenize([rendered], params.truncate_prompt_tokens, True, body.truncation_side)
         self._check_context(len(token_ids), body.max_new_tokens, params.min_tokens, "messages",
                             body.max_tokens_param)
         meta = ResponseMeta.new("chatcmpl", self.model_name)
@@ -576,12 +576,15 @@ class OpenAIServer:
 
     async def _events(self, stream: RequestStream,
                       chunks: responses.CompletionStream | responses.ChatStream) -> AsyncIterator[str]:
-        """The events of a stream until [DONE]; closing the generator (the client left) aborts."""
+        """The events of a stream until [DONE]; closing the generator (the client left) aborts. The
+        opening events (chat's role chunks) go out with the engine's first output, as vLLM's, so
+        that a client timing its first chunk times the prefill."""
         latest: dict[str, RequestOutput] = {}
         try:
-            for event in chunks.opening():
-                yield event
             async for outputs in stream:
+                if not latest:
+                    for event in chunks.opening():
+                        yield event
                 for output in outputs:
                     latest[output.request_id] = output
                     for event in chunks.events(output):
