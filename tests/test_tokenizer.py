@@ -730,3 +730,28 @@ def test_llama_tokenizer_class_encodes_as_transformers(config, model_type, llama
         assert ours.encode(text) == hf.encode(text), text
         assert ours.decode(ours.encode(text)) == hf.decode(hf.encode(text)), text
     assert ours.padding_side == hf.padding_side == ("right" if model_type == "mistral" else "left")
+
+
+@pytest.mark.parametrize("stop, include, text, reason", [
+    ("abc", False, "", "abc"), ("b", True, "ab", "b"), ("zz", False, "abc", None)])
+def test_a_stop_string_in_text_held_back_to_the_end_still_stops(stop, include, text, reason):
+    """A byte-level token of whole characters and the start of another (b"abc\\xc3", as Qwen's
+    and Llama 3's vocabularies have) holds its text back until the character completes; cut by
+    max_tokens there, the whole characters are the output's text, and a stop string in them ends
+    it as anywhere else (the output kept it, finish reason "length")."""
+    from slipstream.serve.outputs import SequenceOutput
+    from slipstream.serve.request import SamplingParams
+
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    vocab = {piece: i for i, piece in enumerate(sorted(alphabet))}
+    vocab["abcÃ"] = len(vocab)  # "Ã" is byte 0xC3 in the byte-level alphabet
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, []))
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    ours = Tokenizer(backend)
+    assert ours.decode([vocab["abcÃ"]]) == "abc\ufffd"
+    params = SamplingParams(max_tokens=1, stop=[stop], include_stop_str_in_output=include)
+    output = SequenceOutput(0, ours, params, prompt_ids=[vocab["a"]])
+    assert output.append(vocab["abcÃ"], None) is None  # held back: nothing to look in yet
+    output.finish("length")
+    assert (output.text, output.stop_reason) == (text, reason)
+    assert output.finish_reason == ("length" if reason is None else "stop")

@@ -76,8 +76,16 @@ class SequenceOutput:
             if stop_reason is None or isinstance(stop_reason, int):
                 # Text held back for an incomplete multi-byte character (max_tokens cut it) is
                 # dropped, as vLLM does, rather than shown as U+FFFD; it never streamed, so the
-                # deltas still add up to the final text.
+                # deltas still add up to the final text. The whole characters held with it (a
+                # byte-level token such as b"abc\xc3") are text like any other: a stop string in
+                # them ends the completion there.
+                num_old_chars = len(self.text)
                 self.text += self.detokenizer.flush().rstrip("\ufffd")
+                if self.params.stop and len(self.text) > num_old_chars \
+                        and len(self.token_ids) > self.params.min_tokens:
+                    stop = self._find_stop(num_old_chars)
+                    if stop is not None:
+                        self.finish_reason, self.stop_reason = "stop", stop
 
     def streamable_text(self) -> str:
         """Text that may be shown now: all of it once finished, else all but a possible
