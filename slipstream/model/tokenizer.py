@@ -495,7 +495,7 @@ class Tokenizer:
         if unsupported:
             raise ValueError(f"apply_chat_template does not support {', '.join(unsupported)} (it neither "
                              "pads, truncates nor builds tensors: call the tokenizer on its text for that)")
-        source = self._template_source(tools, chat_template)
+        source = self.template_source(tools, chat_template)
         if source not in self._compiled_templates:
             if len(self._compiled_templates) >= MAX_COMPILED_TEMPLATES:  # templates may come with requests
                 del self._compiled_templates[next(iter(self._compiled_templates))]
@@ -510,7 +510,7 @@ class Tokenizer:
         encoding = self(text, add_special_tokens=False)
         return encoding if return_dict else encoding["input_ids"]
 
-    def _template_source(self, tools: object, chat_template: str | None) -> str:
+    def template_source(self, tools: object, chat_template: str | None) -> str:
         """`chat_template` when given (as in transformers, a name among the tokenizer's named
         templates or a template source), else the tokenizer's template for the call."""
         if chat_template is not None:

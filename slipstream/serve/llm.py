@@ -36,7 +36,6 @@ from slipstream.serve.beam_search import (
 from slipstream.serve.engine import Engine, EngineConfig, host_memory
 from slipstream.serve.pooling import EmbeddingRequestOutput, PoolingParams
 from slipstream.serve.request import (
-    Logprob,
     PositionLogprobs,
     RequestOutput,
     SamplingParams,
@@ -294,7 +293,7 @@ class LLM:
         content_format = chat_template_content_format
         if content_format == "auto":
             content_format = template_content_format(
-                tokenizer._template_source(options.get("tools"), options.get("chat_template")))
+                tokenizer.template_source(options.get("tools"), options.get("chat_template")))
         prompts = []
         for conversation in conversations:
             try:
@@ -547,15 +546,12 @@ def _without_text(output: RequestOutput) -> RequestOutput:
         if positions is None:
             return None
         return [None if position is None else
-                {token_id: _bare_logprob(logprob) for token_id, logprob in position.items()}
+                {token_id: dataclasses.replace(logprob, decoded_token=None)
+                 for token_id, logprob in position.items()}
                 for position in positions]
 
     outputs = [dataclasses.replace(c, text="", logprobs=bare(c.logprobs)) for c in output.outputs]
     return dataclasses.replace(output, outputs=outputs, prompt_logprobs=bare(output.prompt_logprobs))
-
-
-def _bare_logprob(logprob: Logprob) -> Logprob:
-    return dataclasses.replace(logprob, decoded_token=None)
 
 
 def _template_message(message: Message, content_format: str) -> Message:

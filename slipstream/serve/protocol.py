@@ -55,8 +55,8 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
 
 
 BEAM_SEARCH_CONFLICTS: dict[str, tuple[object, ...]] = {

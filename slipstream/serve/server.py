@@ -66,7 +66,12 @@ DRAIN_GRACE_S = 5.0
 it cancels what is left."""
 
 
+CONTEXT_EXCEEDED = "context_length_exceeded"
+"""OpenAI's error code for a prompt and output the context cannot hold, which clients match."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+
 class ServerConfig:
     """How to serve an engine over HTTP."""
 
@@ -123,7 +128,8 @@ class OpenAIServer:
     def __init__(self, engine: Engine, config: ServerConfig,
                  is_draining: Callable[[], bool] = lambda: False) -> None:
         self.config = config
-        self.model_name = config.served_model_name or engine.config.model
+        self.model_path = engine.config.model
+        self.model_name = config.served_model_name or self.model_path
         self.tokenizer = engine.tokenizer
         self.tokenize = engine.tokenize
         self.max_model_len = engine.limits.max_model_len
@@ -218,7 +224,7 @@ class OpenAIServer:
                       "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
                       "organization": "*", "group": None, "is_blocking": False}
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "slipstream",
-                "root": self.engine.engine.config.model, "parent": None, "max_model_len": self.max_model_len,
+                "root": self.model_path, "parent": None, "max_model_len": self.max_model_len,
                 "permission": [permission]}
 
     async def completions(self, request: Request) -> Response:
@@ -271,7 +277,8 @@ class OpenAIServer:
             params = params.replace(skip_special_tokens=False)  # as vLLM: keep the call tags
         # The template's ids; or its text, which tokenizing adds the special tokens to.
         rendered = await asyncio.to_thread(self._render_chat, body, not body.add_special_tokens)
-        [token_ids] = self._tokenize([rendered], params.truncate_prompt_tokens, True, body.truncation_side)
+        [token_ids] = self._tokenize([rendered], params.truncate_prompt_tokens,
+                                     truncation_side=body.truncation_side)
         self._check_context(len(token_ids), body.max_new_tokens, params.min_tokens, "messages",
                             body.max_tokens_param)
         meta = ResponseMeta.new("chatcmpl", self.model_name)
@@ -479,19 +486,18 @@ class OpenAIServer:
         OpenAI's and vLLM's ("This model's maximum context length is N tokens"), with OpenAI's
         code, which clients match to detect an overflow."""
         if num_prompt_tokens >= self.max_model_len:
-            raise APIError(
-                400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"your prompt contains {num_prompt_tokens} input tokens, which leaves no room for "
-                "output tokens. Please reduce the length of the input prompt.",
-                param=prompt_param, code="context_length_exceeded")
+            raise protocol.bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"prompt contains {num_prompt_tokens} input tokens, which leaves no room for output "
+                "tokens. Please reduce the length of the input prompt.", prompt_param, CONTEXT_EXCEEDED)
         wanted, param = ((max_tokens, max_tokens_param) if max_tokens is not None
                          else (min_tokens, "min_tokens"))
         if num_prompt_tokens + wanted > self.max_model_len:
-            raise APIError(
-                400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {num_prompt_tokens + wanted} tokens ({num_prompt_tokens} in the prompt, "
+            raise protocol.bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {num_prompt_tokens + wanted} tokens ({num_prompt_tokens} in the prompt, "
                 f"{wanted} for the completion: '{param}' is too large). Please reduce the length of "
-                f"the prompt or '{param}'.", param=param, code="context_length_exceeded")
+                f"the prompt or '{param}'.", param, CONTEXT_EXCEEDED)
 
     async def _submit(self, response_id: str, prompts: list[list[int]], params: SamplingParams,
                       arrival_time_s: float, params_named: dict[str, str],
