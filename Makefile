@@ -1,9 +1,11 @@
 # The two commands a fresh machine needs: `make demo` (the main job) and `make test`.
-# Both create the virtual environment on first use. torch is pinned first so that pip takes the
-# CPU build from local disk instead of downloading a CUDA build.
+# Both create the virtual environment on first use. torch is pinned and installed first, so that
+# pip takes the CPU build where one is on local disk (as on the project's machines); elsewhere set
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu, or pip may download a CUDA build.
 VENV ?= .venv
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 BIN := $(VENV)/bin
 
 .PHONY: demo test test-all venv clean
@@ -22,7 +24,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
 

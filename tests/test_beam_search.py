@@ -130,6 +130,13 @@ def test_bad_beam_search_params_are_value_errors(changes, message):
         BeamSearchParams(**(dict(beam_width=2, max_tokens=4) | changes))
 
 
+def test_beam_search_params_take_vllms_fields_by_position():
+    assert BeamSearchParams(2, 8, True, 0.0, 0.5, False) == BeamSearchParams(
+        beam_width=2, max_tokens=8, ignore_eos=True, length_penalty=0.5)
+    with pytest.raises(TypeError):
+        BeamSearchParams(2, 8, True, 0.0, 0.5, False, False)
+
+
 def test_beam_search_refuses_what_the_engine_cannot_serve(llm):
     with pytest.raises(ValueError, match=r"beam_width=11 asks for 22 logprobs per step, more than the "
                                          r"engine's max_logprobs \(20\)"):

@@ -23,9 +23,11 @@ from collections.abc import Collection, Sequence
 from slipstream.serve.request import MAX_TEMPERATURE, PositionLogprobs, RequestOutput, SamplingParams
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class BeamSearchParams:
-    """vLLM's `BeamSearchParams`, checked when built."""
+    """vLLM's `BeamSearchParams`, checked when built. The fields vLLM's has up to
+    `include_stop_str_in_output` may be given by position, in its order; the rest by keyword
+    (vLLM's `structured_outputs` comes next, which beam search here does not take)."""
 
     beam_width: int
     """Beams kept per step, and sequences returned."""
@@ -43,6 +45,7 @@ class BeamSearchParams:
     """Exponent of the generated length the score divides by: above 0 favours longer beams."""
     include_stop_str_in_output: bool = False
     """Accepted for vLLM's sake; beam search takes no stop strings, so there is none to include."""
+    _: dataclasses.KW_ONLY
     skip_special_tokens: bool = True
     """Leave special tokens out of the results' `text` (vLLM's default)."""
 
