@@ -145,3 +145,28 @@ def test_unusual_shapes_match_transformers(case, make_hf_model, tmp_path):
     expected = _reference(hf, prompts)
     for i, (e, g) in enumerate(zip(expected, got, strict=True)):
         assert g == e, f"{case}: prompt {i} (length {len(prompts[i])}) diverges from transformers"
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_linear_rope_scaling_extends_the_context_as_in_vllm(make_hf_model, tmp_path):
+    """vLLM's context for a linear RoPE scaling is `max_position_embeddings` x factor (positions
+    are divided by the factor); a prompt past the unscaled range generates transformers' tokens,
+    and the tokenizer's `model_max_length` caps the context where it is smaller."""
+    hf = make_hf_model("llama", num_hidden_layers=2, max_position_embeddings=32, initializer_range=0.1,
+                       hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
+                       vocab_size=TOKENIZER_VOCAB, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    hf.save_pretrained(tmp_path)
+    tokenizer = stdlib_tokenizer(TOKENIZER_VOCAB)
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=16)
+    assert llm.engine.limits.max_model_len == 128
+    prompt = torch.randint(3, TOKENIZER_VOCAB, (100,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    [output] = llm.generate([prompt], params, use_tqdm=False)
+    assert list(output.outputs[0].token_ids) == _reference(hf, [prompt])[0]
+
+    tokenizer.model_max_length = 48
+    tokenizer.save_pretrained(tmp_path)
+    assert LLM(str(tmp_path), dtype="float32", block_size=16).engine.limits.max_model_len == 48
+    with pytest.raises(ValueError, match="max_model_len 64 exceeds the model's 48"):
+        LLM(str(tmp_path), dtype="float32", max_model_len=64)

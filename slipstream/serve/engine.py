@@ -93,7 +93,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     """Token budget of one step (prefill chunks and decodes together)."""
     max_model_len: int | None = None
-    """Context length (prompt + output); default and upper bound: the model's."""
+    """Context length (prompt + output); default and upper bound: the model's (`_model_max_len`)."""
     block_size: int = 16
     kv_cache_memory: int | None = None
     """Bytes for the KV cache. Default on CPU: what max_num_seqs full-length sequences need, at
@@ -736,11 +736,25 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     return params.replace(n=1, seed=seed)
 
 
+def _model_max_len(model_config: ModelConfig, tokenizer: Tokenizer) -> int:
+    """The longest sequence the model takes, derived as vLLM's `_get_and_verify_max_len` does:
+    `max_position_embeddings`, times the factor of a linear RoPE scaling (whose positions are
+    divided by it; llama3 scaling keeps the original range), capped by the tokenizer's
+    `model_max_length` where it names one."""
+    max_len = model_config.max_position_embeddings
+    scaling = model_config.rope_scaling
+    if scaling is not None and scaling.rope_type == "linear":
+        max_len = int(max_len * scaling.factor)
+    if tokenizer.model_max_length is not None:
+        max_len = min(max_len, tokenizer.model_max_length)
+    return max_len
+
+
 def _derive_limits(
     config: EngineConfig, model_config: ModelConfig, tokenizer: Tokenizer, dtype: torch.dtype,
     device: torch.device,
 ) -> EngineLimits:
-    max_model_len = model_config.max_position_embeddings
+    max_model_len = _model_max_len(model_config, tokenizer)
     if config.max_model_len is not None:
         if config.max_model_len > max_model_len:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {max_model_len}")
