@@ -662,6 +662,20 @@ def test_bad_engine_arguments_are_value_errors_naming_them(model_dir, args, matc
         LLM(model_dir, **args)
 
 
+def test_a_model_that_is_no_local_directory_is_named_plainly(model_dir, tmp_path):
+    """slipstream downloads nothing: a hub id, a missing path and a file are each said to be what
+    they are, not reported as a directory lacking tokenizer.json."""
+    with pytest.raises(ValueError, match=r"'meta-llama/Llama-3.2-1B' does not exist: it looks like a "
+                                         r"Hugging Face hub id.*download it first"):
+        LLM("meta-llama/Llama-3.2-1B")
+    with pytest.raises(ValueError, match=r"model directory '.*/missing' does not exist$"):
+        LLM(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="is a file, not a model directory"):
+        LLM(str(Path(model_dir) / "config.json"))
+    with pytest.raises(TypeError, match="model must be the path of a model directory, got None"):
+        LLM(None)
+
+
 def test_generate_and_chat_options_of_the_wrong_kind_are_value_errors(llm):
     """A string where generate or chat takes a bool ("no" is truthy), malformed conversations,
     a template that is no string or does not parse, and chat_template_kwargs that would override

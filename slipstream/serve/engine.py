@@ -21,6 +21,7 @@ import functools
 import gc
 import itertools
 import logging
+import os
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -177,6 +178,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        _check_model_dir(config.model)
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         # As vLLM's: truncate_prompt_tokens keeps a generated prompt's end, an embedded one's start.
@@ -734,6 +736,23 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     seed itself must be."""
     seed = None if params.seed is None else (params.seed + index + 2**63) % 2**64 - 2**63
     return params.replace(n=1, seed=seed)
+
+
+def _check_model_dir(model: object) -> None:
+    """Say plainly what a `model` that is not a local directory is: slipstream downloads nothing,
+    and the loaders would otherwise report a missing tokenizer.json inside it."""
+    if not isinstance(model, str | os.PathLike):
+        raise TypeError(f"model must be the path of a model directory, got {model!r}")
+    path = Path(model)
+    if path.is_dir():
+        return
+    if path.exists():
+        raise ValueError(f"model {str(model)!r} is a file, not a model directory")
+    hint = ""
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", str(model)):
+        hint = (": it looks like a Hugging Face hub id, and slipstream loads local directories only; "
+                "download it first (`hf download ID --local-dir DIR`)")
+    raise ValueError(f"model directory {str(model)!r} does not exist{hint}")
 
 
 def _model_max_len(model_config: ModelConfig, tokenizer: Tokenizer) -> int:

@@ -117,9 +117,10 @@ class LLM:
         if generation_config not in ("auto", "vllm") and not Path(generation_config).is_dir():
             raise ValueError(f"generation_config {str(generation_config)!r} is no directory (give 'auto' for "
                              "the model's, 'vllm' for none, or a directory holding generation_config.json)")
-        self.engine = Engine(_engine_config(str(model), engine_args))
+        model = os.fspath(model) if isinstance(model, os.PathLike) else model  # the engine checks the rest
+        self.engine = Engine(_engine_config(model, engine_args))
         self._default_sampling_params = _default_sampling_params(
-            str(model) if generation_config == "auto" else str(generation_config)
+            model if generation_config == "auto" else str(generation_config)
         )
         self._ids = itertools.count()
 
