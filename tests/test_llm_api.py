@@ -505,6 +505,27 @@ def test_prompt_logprobs_match_a_dense_forward(llm, tokenizer, dense_model):
     print(f"prompt logprobs: max |engine - dense| = {max_diff:.2e} (tolerance {LOGPROB_TOL})")
 
 
+def test_logprobs_minus_one_is_the_whole_vocabulary_as_in_vllm(model_dir, llm, tokenizer, dense_model):
+    """vLLM's -1 asks for every token's logprob: past the default max_logprobs it is a ValueError
+    saying so; with max_logprobs=-1 (no limit) each position has the whole vocabulary, equal to a
+    dense forward's log-softmax."""
+    with pytest.raises(ValueError, match=r"logprobs=-1 \(the whole vocabulary, 8192\) exceeds the "
+                                         r"engine's max_logprobs \(20\)"):
+        llm.generate(PROMPT, greedy(max_tokens=2, logprobs=-1), use_tqdm=False)
+    prompt = random_prompts(1, seed=6, min_len=12, max_len=12)[0]
+    unlimited = LLM(model_dir, max_model_len=MAX_MODEL_LEN, max_logprobs=-1)
+    [output] = unlimited.generate([prompt], greedy(max_tokens=2, logprobs=-1, prompt_logprobs=-1),
+                                  use_tqdm=False)
+    completion = output.outputs[0]
+    reference = dense_logprobs(dense_model, prompt + completion.token_ids)
+    for p in range(1, len(prompt)):
+        check_position(output.prompt_logprobs[p], reference[p - 1], prompt[p], VOCAB_SIZE, tokenizer)
+    for i, (position, chosen) in enumerate(zip(completion.logprobs, completion.token_ids, strict=True)):
+        check_position(position, reference[len(prompt) - 1 + i], chosen, VOCAB_SIZE, tokenizer)
+    with pytest.raises(ValueError, match="max_logprobs must be a positive integer, or -1 for no limit"):
+        LLM(model_dir, max_logprobs=-2)
+
+
 # ---- chat ----------------------------------------------------------------------------------------
 
 

@@ -103,6 +103,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
+    """Most logprobs a request may ask for per token; -1 for no limit (vLLM's)."""
     seed: int | None = 0
     """As vLLM's: seeds the generator that requests without a seed of their own sample from, once
     when the engine starts, so that a process that makes the same requests in the same order
@@ -134,11 +135,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs",
-                     "num_scheduler_steps"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_scheduler_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        logprobs = self.max_logprobs
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or (logprobs < 1 and logprobs != -1):
+            raise ValueError(f"max_logprobs must be a positive integer, or -1 for no limit, got {logprobs!r}")
         length = self.max_model_len
         if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 2):
             raise ValueError(f"max_model_len must be an integer of at least 2, got {length!r}")
@@ -267,6 +270,9 @@ class Engine:
             self.limits.vocab_size,
         )
         self._validate_params(params, len(token_ids), bad_words)
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's -1: the whole vocabulary
+            if getattr(params, name) == -1:
+                params = params.replace(**{name: self.limits.vocab_size})
         arrival = time.monotonic() if arrival_time_s is None else arrival_time_s
         entry = PromptOutput(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
                              sequences=[], metrics=RequestMetrics(arrival_time_s=arrival),
@@ -410,12 +416,12 @@ class Engine:
         if params.max_tokens is None and params.min_tokens > room:
             raise ValueError(f"min_tokens ({params.min_tokens}) exceeds the {room} tokens the context "
                              f"({self.limits.max_model_len}) leaves after the prompt's {num_prompt_tokens}")
+        cap = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > self.config.max_logprobs:
-                raise ValueError(
-                    f"{name}={value} exceeds the engine's max_logprobs ({self.config.max_logprobs})"
-                )
+            if value is not None and cap != -1 and (self.limits.vocab_size if value == -1 else value) > cap:
+                whole = f" (the whole vocabulary, {self.limits.vocab_size})" if value == -1 else ""
+                raise ValueError(f"{name}={value}{whole} exceeds the engine's max_logprobs ({cap})")
         for name, token_ids in (("stop_token_ids", params.stop_token_ids),
                                 ("logit_bias", params.logit_bias or ()),
                                 ("allowed_token_ids", params.allowed_token_ids or ())):

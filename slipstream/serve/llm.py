@@ -216,7 +216,7 @@ class LLM:
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         _check_use_tqdm(use_tqdm)
         _check_no_lora(lora_request)
-        if params.num_logprobs > self.engine.config.max_logprobs:
+        if -1 != self.engine.config.max_logprobs < params.num_logprobs:
             raise ValueError(f"beam_width={params.beam_width} asks for {params.num_logprobs} logprobs per "
                              f"step, more than the engine's max_logprobs ({self.engine.config.max_logprobs})")
         limits = self.engine.limits

@@ -200,7 +200,7 @@ class GenerationBody(_Body):
     def beam_search_params(self, *, max_tokens: int, max_logprobs: int) -> BeamSearchParams:
         """vLLM's use_beam_search: `n` beams of at most `max_tokens`; a 400 naming what beam search
         cannot take (more beams than `max_logprobs` / 2). A temperature changes no beam, as in vLLM."""
-        if 2 * self.n > max_logprobs:
+        if -1 != max_logprobs < 2 * self.n:
             raise bad_request(f"use_beam_search with n={self.n} asks for {2 * self.n} logprobs per step, "
                               f"more than the server's max_logprobs ({max_logprobs})", "n")
         try:

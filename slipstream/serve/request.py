@@ -96,10 +96,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     """Return the log-probabilities of the sampled token and of the `logprobs` most likely; True
-    means 1 (as in vLLM)."""
+    means 1 and -1 the whole vocabulary (as in vLLM)."""
     prompt_logprobs: int | None = None
     """Return log-probabilities for every prompt token, with the `prompt_logprobs` most likely;
-    True means 1 (as in vLLM)."""
+    True means 1 and -1 the whole vocabulary (as in vLLM)."""
     detokenize: bool = True
     """False: outputs carry token ids without text (`text` "", no logprob's `decoded_token`), as in
     vLLM, which then takes no stop strings. `LLM` honours it; the engine itself still decodes, so
@@ -213,7 +213,7 @@ class SamplingParams:
                 raise ValueError("truncate_prompt_tokens must be >= 1, or -1 for the context length, got 0")
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), minimum=0)
+                _check_int(name, getattr(self, name), minimum=-1)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):  # a string such as "false" is truthy
