@@ -132,3 +132,126 @@ def test_keys_left_out_mean_what_transformers_assumes(model_type, left_out):
     assert ours.sliding_window == (window if window and window < hf.max_position_embeddings else None)
     if model_type == "mistral":
         assert ModelConfig.from_hf_dict(full | {"sliding_window": None}).sliding_window is None
+
+
+
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+_LINEAR = {"type": "linear", "factor": 4.0}
+_DEFAULT_1E6 = {"rope_type": "default", "rope_theta": 1e6}
+
+
+@pytest.mark.parametrize("rope", [
+    # a rope_scaling block (model cards tell users to add one) replaces rope_parameters whole
+    {"rope_parameters": _DEFAULT_1E6, "rope_scaling": _LINEAR},
+    {"rope_parameters": _DEFAULT_1E6, "rope_scaling": _LINEAR, "rope_theta": 5e5},
+    # the theta inside the block read wins over a top-level one
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_theta": 5e5},
+    {"rope_parameters": {"rope_type": "default"}, "rope_theta": 5e5},
+    {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}, "rope_theta": 5e5},
+    {"rope_theta": 500000},
+    # a null or empty rope_scaling leaves rope_parameters in force
+    {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}, "rope_scaling": None},
+    {"rope_parameters": {"rope_type": "linear", "factor": 2, "rope_theta": 1e6}, "rope_scaling": {}},
+    {"rope_parameters": None, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    # llama3 without original_max_position_embeddings: max_position_embeddings, not 8192
+    {"rope_scaling": _LLAMA3, "rope_theta": 5e5},
+    {"rope_parameters": _LLAMA3 | {"rope_theta": 5e5}, "max_position_embeddings": 65536},
+    {"rope_parameters": _LLAMA3 | {"rope_theta": 5e5, "original_max_position_embeddings": 1024}},
+])
+def test_rope_read_as_transformers_reads_it(rope):
+    """Whichever RoPE keys a config.json holds, in whatever combination, slipstream's inverse
+    frequencies are transformers 5's (whose reading vLLM inherits)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from slipstream.model.transformer import rope_inv_freq
+
+    d = BASE | {"max_position_embeddings": 16384} | rope
+    hf = transformers.LlamaConfig.from_dict(json.loads(json.dumps(d)))  # it edits the dicts it reads
+    ours = ModelConfig.from_hf_dict(json.loads(json.dumps(d)))
+    assert ours.rope_theta == hf.rope_parameters["rope_theta"]
+    rope_type = ours.rope_scaling.rope_type if ours.rope_scaling else "default"
+    assert rope_type == hf.rope_parameters["rope_type"]
+    torch.testing.assert_close(rope_inv_freq(ours), LlamaRotaryEmbedding(hf).inv_freq, rtol=1e-6, atol=0)
+
+
+def test_rope_scaling_next_to_rope_parameters_is_not_ignored():
+    """A rope_scaling block added to a transformers 5 config.json is read, as transformers reads it:
+    YaRN is refused by name instead of silently served without it."""
+    transformers = pytest.importorskip("transformers")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    d = BASE | {"rope_parameters": _DEFAULT_1E6, "rope_scaling": yarn}
+    hf = transformers.LlamaConfig.from_dict(json.loads(json.dumps(d)))
+    assert hf.rope_parameters["rope_type"] == "yarn"
+    with pytest.raises(ValueError, match="rope_scaling rope_type 'yarn'"):
+        ModelConfig.from_hf_dict(d)
+
+
+@pytest.mark.parametrize("rope, missing", [
+    ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}, "low_freq_factor"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}, "high_freq_factor"),
+    ({"type": "linear"}, "factor"),
+])
+def test_rope_keys_transformers_requires_are_required(rope, missing):
+    """A RoPE block lacking a key transformers requires is a ValueError naming it (transformers: a
+    KeyError), not a default slipstream makes up."""
+    transformers = pytest.importorskip("transformers")
+    d = BASE | {"rope_scaling": rope}
+    with pytest.raises(KeyError, match=missing):
+        transformers.LlamaConfig.from_dict(json.loads(json.dumps(d)))
+    with pytest.raises(ValueError, match=f"rope_scaling of rope_type '.*' lacks {missing}"):
+        ModelConfig.from_hf_dict(d)
+
+
+# (config.json change, the ValueError's message, whether transformers 5 refuses the config too: the
+# rest it accepts, then fails building the model)
+WRONG_TYPES = [
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'", True),
+    ({"attention_bias": "false"}, "attention_bias must be true or false, got 'false'", True),
+    ({"mlp_bias": 0}, "mlp_bias must be true or false, got 0", True),
+    ({"eos_token_id": "0"}, "eos_token_id must be .*, got '0'", True),
+    ({"eos_token_id": [1, "2"]}, r"eos_token_id must be .*, got \[1, '2'\]", True),
+    ({"eos_token_id": True}, "eos_token_id must be .*, got True", True),
+    ({"bos_token_id": 1.0}, "bos_token_id must be a token id .*, got 1.0", True),
+    ({"pad_token_id": "0"}, "pad_token_id must be a token id .*, got '0'", False),
+    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps must be a positive number, got '1e-6'", True),
+    ({"rms_norm_eps": True}, "rms_norm_eps must be a positive number, got True", True),
+    ({"vocab_size": 100.0}, "vocab_size must be a positive integer, got 100.0", True),
+    ({"rope_theta": "5e5"}, "rope_theta must be a positive number, got '5e5'", False),
+    ({"rope_theta": None}, "rope_theta must be a positive number, got None", False),
+    ({"rope_scaling": {"rope_type": "linear", "factor": None}}, "factor must be a positive number, got None",
+     False),
+    ({"rope_parameters": {"rope_type": "linear", "factor": "2"}}, "factor must be a positive number, got '2'",
+     False),
+    ({"rope_scaling": _LLAMA3 | {"low_freq_factor": "1"}}, "low_freq_factor must be a positive", False),
+    ({"rope_scaling": _LLAMA3 | {"original_max_position_embeddings": None}},
+     "original_max_position_embeddings must be a positive integer, got None", True),
+    ({"rope_scaling": ["linear", 2.0]}, r"rope_scaling must be an object or null, got \['linear', 2", True),
+    ({"model_type": "mistral", "sliding_window": "4096"}, "sliding_window must be a positive integer", True),
+    ({"model_type": "qwen2", "use_sliding_window": "false"}, "use_sliding_window must be true or", True),
+]
+
+
+@pytest.mark.parametrize("change, match, transformers_refuses", WRONG_TYPES)
+def test_wrong_json_types_are_named(change, match, transformers_refuses):
+    """A config.json value of the wrong JSON type is a ValueError naming the key and the value, not
+    read by truthiness ("false" would tie the embeddings and drop the stored lm_head) nor a bare
+    TypeError naming nothing."""
+    transformers = pytest.importorskip("transformers")
+    d = BASE | change
+    if transformers_refuses:
+        with pytest.raises(Exception):  # noqa: B017 (its error types vary by key)
+            transformers.AutoConfig.for_model(**json.loads(json.dumps(d)))
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_dict(d)
+
+
+def test_json_ints_read_where_floats_are_expected():
+    """JSON does not tell 1 from 1.0: an int is read where a float is expected (a bool is not)."""
+    linear = {"rope_type": "linear", "factor": 2}
+    as_ints = BASE | {"rms_norm_eps": 1, "rope_theta": 500000, "rope_scaling": linear}
+    as_floats = BASE | {"rms_norm_eps": 1.0, "rope_theta": 500000.0, "rope_scaling": linear | {"factor": 2.0}}
+    config = ModelConfig.from_hf_dict(as_ints)
+    assert config == ModelConfig.from_hf_dict(as_floats)
+    assert isinstance(config.rms_norm_eps, float) and isinstance(config.rope_scaling.factor, float)

@@ -190,3 +190,70 @@ def test_dtype_names_include_vllms():
     assert {name: resolve_dtype(name) for name in expected} == expected
     with pytest.raises(ValueError, match="'double'"):
         resolve_dtype("double")
+
+
+@pytest.mark.parametrize("weight_map", [["model-00001-of-00002.safetensors"], {"model.norm.weight": 5}, "x"])
+def test_malformed_index_is_named(tmp_path, weight_map):
+    """An index whose weight_map is not a map of tensor names to file names is a ValueError naming
+    the index, not an AttributeError or TypeError from deep inside the loader."""
+    save_model(_model(), tmp_path, max_shard_bytes=20_000)
+    index = {"metadata": {}, "weight_map": weight_map}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json is not a valid safetensors index"):
+        load_model(tmp_path)
+
+
+def _forget_dtype(model_dir) -> None:
+    """Remove what config.json says of the dtype, as some checkpoints' config.json leaves it out."""
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("save_dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("max_shard_bytes", [None, 20_000])
+def test_a_dtype_config_json_leaves_out_is_read_from_the_headers(tmp_path, save_dtype, max_shard_bytes):
+    """Where config.json names no dtype, the config's dtype is the one the safetensors headers
+    record (as vLLM's dtype="auto" reads it), not float32, and loading in it keeps the file's
+    tensors; without safetensors the fallback is float32 (vLLM's too)."""
+    from slipstream.model.weights import stored_dtype
+
+    save_model(_model(), tmp_path, dtype=save_dtype, max_shard_bytes=max_shard_bytes)
+    _forget_dtype(tmp_path)
+    assert stored_dtype(tmp_path) == getattr(torch, save_dtype)
+    config = ModelConfig.from_pretrained(tmp_path)
+    assert config.dtype == save_dtype
+    loaded = load_model(tmp_path, dtype=config.dtype)
+    assert {p.dtype for p in loaded.parameters()} == {getattr(torch, save_dtype)}
+    for path in tmp_path.glob("model*.safetensors*"):
+        path.unlink()
+    assert stored_dtype(tmp_path) is None and ModelConfig.from_pretrained(tmp_path).dtype == "float32"
+
+
+def test_mixed_stored_dtypes_read_as_float32(tmp_path):
+    """A checkpoint whose tensors are of several dtypes reads as float32, which each converts to
+    without loss (vLLM's rule)."""
+    from slipstream.model.weights import stored_dtype
+
+    save_model(_model(), tmp_path, dtype="bfloat16")
+    _forget_dtype(tmp_path)
+    _resave_without(tmp_path, add={"model.norm.weight": torch.ones(32)})
+    assert stored_dtype(tmp_path) == torch.float32
+    assert ModelConfig.from_pretrained(tmp_path).dtype == "float32"
+
+
+def test_auto_dtype_of_a_transformers_checkpoint_without_dtype(tmp_path):
+    """A bf16 checkpoint written by transformers, whose config.json names no dtype, is served in
+    bf16 under dtype="auto" (vLLM reads the headers), not in float32 at twice the memory."""
+    transformers = pytest.importorskip("transformers")
+    from slipstream import LLM
+    from slipstream.model.create import stdlib_tokenizer
+
+    hf_config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=1, num_attention_heads=4)
+    transformers.LlamaForCausalLM(hf_config).to(torch.bfloat16).save_pretrained(tmp_path)
+    stdlib_tokenizer(320).save_pretrained(tmp_path)
+    _forget_dtype(tmp_path)
+    assert LLM(str(tmp_path), kv_cache_memory=2**22).engine.limits.dtype == torch.bfloat16

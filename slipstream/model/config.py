@@ -5,8 +5,11 @@ sliding window), `qwen2` (q/k/v bias) and `qwen3` (per-head q/k RMSNorm). The fa
 few structural switches (`qkv_bias`, `o_bias`, `qk_norm`); everything else is a plain field.
 
 Both spellings Hugging Face has used are read: the transformers 4 keys `rope_theta` /
-`rope_scaling` / `torch_dtype` and the transformers 5 keys `rope_parameters` / `dtype`. We write
-the transformers 4 spelling (plus `dtype`), which both major versions load.
+`rope_scaling` / `torch_dtype` and the transformers 5 keys `rope_parameters` / `dtype`, with
+transformers 5's precedence where a file has both (vLLM reads configs through it). We write the
+transformers 4 spelling (plus `dtype`), which both major versions load. Values of the wrong JSON
+type (`"false"` for a flag, `"0"` for a token id) are ValueErrors naming the key, as transformers 5
+refuses them, rather than read by Python's truthiness.
 """
 
 from __future__ import annotations
@@ -41,7 +44,10 @@ _IGNORED_KEYS = frozenset(
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RopeScaling:
-    """RoPE frequency scaling as Hugging Face defines it (`rope_type` "linear" or "llama3")."""
+    """RoPE frequency scaling as Hugging Face defines it (`rope_type` "linear" or "llama3").
+
+    The defaults are Llama 3.1's, for building configs in code; a config.json must name every key
+    transformers requires (see `_read_rope`)."""
 
     rope_type: str
     factor: float
@@ -55,8 +61,10 @@ class RopeScaling:
                 f"unsupported rope_scaling rope_type {self.rope_type!r}; "
                 f"supported: {', '.join(ROPE_TYPES)}"
             )
-        if not self.factor > 0:
-            raise ValueError(f"rope_scaling factor must be > 0, got {self.factor}")
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            object.__setattr__(self, name, _positive_float(f"rope_scaling {name}", getattr(self, name)))
+        _check_positive_int("rope_scaling original_max_position_embeddings",
+                            self.original_max_position_embeddings)
         if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ValueError(
                 "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
@@ -103,7 +111,9 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
     dtype: str = "float32"
-    """The dtype the weights are stored in."""
+    """The dtype the weights are stored in: config.json's `dtype` (or `torch_dtype`); where it names
+    none, `from_pretrained` reads the safetensors headers' (as vLLM does), `from_hf_dict` assumes
+    float32."""
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -131,18 +141,22 @@ class ModelConfig:
         _check_positive_int("head_dim", self.head_dim)
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
-            raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta}")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            object.__setattr__(self, name, _positive_float(name, getattr(self, name)))
         if self.sliding_window is not None:
             _check_positive_int("sliding_window", self.sliding_window)
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
+        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+            _check_bool(name, getattr(self, name))
+        for name in ("bos_token_id", "pad_token_id", "eos_token_id"):
+            _check_token_ids(name, getattr(self, name), many=name == "eos_token_id")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if self.attention_bias and self.model_type in ("mistral", "qwen2"):
             raise ValueError(f"attention_bias=True is not supported for model_type {self.model_type!r}")
+        if self.mlp_bias and self.model_type != "llama":
+            raise ValueError(f"mlp_bias=True is not supported for model_type {self.model_type!r}")
         if self.sliding_window is not None and self.model_type != "mistral":
             raise ValueError(
                 f"sliding_window is only supported for model_type 'mistral', not {self.model_type!r}"
@@ -191,16 +205,11 @@ class ModelConfig:
         if unknown:
             logger.warning("ignoring config.json keys that slipstream does not use: %s", unknown)
         d = _FAMILY_DEFAULTS[model_type] | d
-        rope_theta, rope_scaling = _read_rope(d)
         kwargs: dict[str, Any] = {k: d[k] for k in known if k in d and d[k] is not None}
-        kwargs.pop("rope_scaling", None)
-        kwargs.update(rope_theta=rope_theta, rope_scaling=rope_scaling)
-        kwargs["dtype"] = _read_dtype(d)
+        max_positions = kwargs.get("max_position_embeddings", _field_default(cls, "max_position_embeddings"))
+        kwargs["rope_theta"], kwargs["rope_scaling"] = _read_rope(d, max_positions)
+        kwargs["dtype"] = _read_dtype(d) or "float32"
         kwargs["sliding_window"] = _read_sliding_window(model_type, d)
-        kwargs["attention_bias"] = bool(d.get("attention_bias", False))
-        kwargs["mlp_bias"] = bool(d.get("mlp_bias", False))
-        if kwargs["mlp_bias"] and model_type != "llama":
-            raise ValueError(f"mlp_bias=True is not supported for model_type {model_type!r}")
         return cls(**kwargs)
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -242,7 +251,9 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
-        """Read `model_dir/config.json`."""
+        """Read `model_dir/config.json`. Where it names no dtype, the dtype is the one the
+        directory's safetensors headers record (`weights.stored_dtype`), as vLLM's `dtype="auto"`
+        reads it, so a bf16 checkpoint is not served in float32; float32 without safetensors."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in {model_dir}")
@@ -252,7 +263,14 @@ class ModelConfig:
             raise ValueError(f"{path} is not valid JSON: {e}") from e
         if not isinstance(d, dict):
             raise ValueError(f"{path} must hold a JSON object")
-        return cls.from_hf_dict(d)
+        config = cls.from_hf_dict(d)
+        if _read_dtype(d) is None:
+            from slipstream.model.weights import dtype_name, stored_dtype  # weights imports this module
+
+            dtype = stored_dtype(model_dir)
+            if dtype is not None:
+                config = config.replace(dtype=dtype_name(dtype))
+        return config
 
     def save_pretrained(self, model_dir: str | Path) -> None:
         """Write `model_dir/config.json` (creating the directory)."""
@@ -295,8 +313,8 @@ _UNSUPPORTED_FEATURES = {
 
 
 def _check_unsupported_features(d: dict[str, Any]) -> None:
-    rope = d.get("rope_parameters")  # transformers 5 keeps partial_rotary_factor in here
-    for fields in (d, rope if isinstance(rope, dict) else {}):
+    _, rope = _rope_block(d)  # transformers 5 keeps partial_rotary_factor in here
+    for fields in (d, rope):
         for key, harmless in _UNSUPPORTED_FEATURES.items():
             if key in fields and fields[key] != harmless:
                 raise ValueError(f"unsupported config.json field {key}={fields[key]!r}")
@@ -307,26 +325,70 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _read_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """RoPE theta and scaling from either the transformers 4 or the transformers 5 spelling."""
-    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise ValueError(f"rope_scaling must be an object or null, got {params!r}")
-    theta = float(d.get("rope_theta") or params.get("rope_theta") or 10000.0)
-    rope_type = params.get("rope_type", params.get("type", "default"))
+def _positive_float(name: str, value: Any) -> float:
+    """`value` as a float, where it is a positive finite JSON number (an int such as 1 included)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def _check_token_ids(name: str, value: Any, *, many: bool = False) -> None:
+    """None, an integer token id or, where `many`, a list of them; not a string such as "0"."""
+    ids = value if many and isinstance(value, (list, tuple)) else [value]
+    if value is not None and any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        kind = "a token id or a list of them" if many else "a token id"
+        raise ValueError(f"{name} must be {kind} (integers), got {value!r}")
+
+
+def _field_default(cls: type, name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def _rope_block(d: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The key and contents of the RoPE block transformers 5 reads (`convert_rope_params_to_dict`):
+    a non-empty `rope_scaling` (the transformers 4 key, which model cards still tell users to add
+    for longer contexts) replaces `rope_parameters` whole."""
+    key = "rope_scaling" if d.get("rope_scaling") else "rope_parameters"
+    block = d.get(key) or {}
+    if not isinstance(block, dict):
+        raise ValueError(f"{key} must be an object or null, got {block!r}")
+    return key, block
+
+
+def _read_rope(d: dict[str, Any], max_position_embeddings: int) -> tuple[float, RopeScaling | None]:
+    """RoPE theta and scaling as transformers 5 (and so vLLM) reads either spelling: the block of
+    `_rope_block`, whose own `rope_theta` wins over a top-level one (10000 where neither is given),
+    its keys required as transformers requires them, except that llama3's
+    `original_max_position_embeddings` defaults to `max_position_embeddings`."""
+    key, block = _rope_block(d)
+    theta = block["rope_theta"] if "rope_theta" in block else d.get("rope_theta", 10000.0)
+    rope_type = block.get("rope_type", block.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ValueError(
-            f"unsupported rope_scaling rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+            f"unsupported {key} rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
         )
     if rope_type == "default":
         return theta, None
+    required = ("factor",) if rope_type == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
+    missing = [name for name in required if name not in block]
+    if missing:
+        raise ValueError(f"{key} of rope_type {rope_type!r} lacks {', '.join(missing)}")
     fields = {f.name for f in dataclasses.fields(RopeScaling)}
-    return theta, RopeScaling(**{k: v for k, v in params.items() if k in fields} | {"rope_type": rope_type})
+    values = {k: v for k, v in block.items() if k in fields} | {"rope_type": rope_type}
+    if rope_type == "llama3":
+        values.setdefault("original_max_position_embeddings", max_position_embeddings)
+    return theta, RopeScaling(**values)
 
 
-def _read_dtype(d: dict[str, Any]) -> str:
-    dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
-    if dtype not in DTYPES:
+def _read_dtype(d: dict[str, Any]) -> str | None:
+    """The dtype config.json names, None where it names none."""
+    dtype = d.get("dtype") or d.get("torch_dtype")
+    if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r} in config.json; supported: {', '.join(DTYPES)}")
     return dtype
 
@@ -334,9 +396,16 @@ def _read_dtype(d: dict[str, Any]) -> str:
 def _read_sliding_window(model_type: str, d: dict[str, Any]) -> int | None:
     if model_type == "mistral":
         window = d.get("sliding_window")
-        if window is not None and window >= d.get("max_position_embeddings", math.inf):
+        if window is None:
+            return None
+        _check_positive_int("sliding_window", window)
+        limit = d.get("max_position_embeddings")
+        if isinstance(limit, int) and window >= limit:
             return None  # the window covers the whole context: plain causal attention
         return window
-    if d.get("use_sliding_window", False):
+    use = d.get("use_sliding_window")
+    if use is not None:
+        _check_bool("use_sliding_window", use)
+    if use:
         raise ValueError(f"use_sliding_window=True is not supported for model_type {model_type!r}")
     return None

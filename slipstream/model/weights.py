@@ -32,6 +32,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+"""The header's names of DTYPES."""
 
 # Tensors some checkpoints carry that are derived, not learned.
 _DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -65,6 +67,11 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
             weight_map = json.loads(index_path.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index_path} is not a valid safetensors index: {e}") from e
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(name, str) and isinstance(file, str) for name, file in weight_map.items()
+        ):
+            raise ValueError(f"{index_path} is not a valid safetensors index: its weight_map must map "
+                             f"tensor names to file names, got {_abbreviated(weight_map)}")
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -73,6 +80,30 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     if (model_dir / SINGLE_FILE).is_file():
         return [model_dir / SINGLE_FILE]
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
+
+
+def _abbreviated(value: object, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def stored_dtype(model_dir: str | Path) -> torch.dtype | None:
+    """The floating dtype a checkpoint's tensors are stored in, read from the safetensors headers
+    (no tensor is loaded): vLLM's `dtype="auto"` for a config.json that names none. Tensors of
+    several of our dtypes give float32, to which each converts without loss (vLLM's rule); None
+    where the directory has no safetensors or no tensor of a dtype we load."""
+    try:
+        files = checkpoint_files(model_dir)
+    except FileNotFoundError:
+        return None
+    found = set()
+    for path in files:
+        with _open_safetensors(path) as f:
+            found.update(_SAFETENSORS_DTYPES.get(f.get_slice(name).get_dtype()) for name in f.keys())
+    found.discard(None)
+    if not found:
+        return None
+    return found.pop() if len(found) == 1 else torch.float32
 
 
 def iter_tensors(
