@@ -50,7 +50,7 @@ def test_plan_and_whatif_tables():
                   "--json")
     assert whatif.returncode == 0, whatif.stderr
     record = json.loads(whatif.stdout)
-    reqs = {r["resource"]: r for r in record["requirements"]}
+    reqs = {r["resource"]: r for r in record["decode"][0]["requirements"]}
     assert reqs["memory_bandwidth"]["factor"] and reqs["flops"]["factor"] is None
 
 
@@ -212,8 +212,8 @@ def test_efficiency_beyond_a_datasheet_peak_is_an_error(tmp_path, capsys):
     (["fit"], "one of the arguments --engine-records --run-dir is required"),
     (["plan", "--serve", "--batch", "4"], "unrecognized arguments: --batch 4"),
     (["fit", "--engine-records", "x", "--batch", "4"], "unrecognized arguments: --batch 4"),
-    (["whatif", "--scale", "flops=inf"], "scale factor flops must be a finite number > 0, got inf"),
-    (["collectives", "--backend", "nccl", "--sizes", "1024"], "backend nccl"),
+    (["whatif", "--scale", "flops=inf"], "scale factor flops must be a number from 1e-06 to 1e+06, got inf"),
+    (["collectives", "--backend", "nccl", "--sizes", "1024,4096"], "backend nccl"),
 ])
 def test_conflicting_or_unused_options_are_errors(argv, expected, capsys):
     """Options that a command would ignore or that contradict each other are errors, not
@@ -287,3 +287,47 @@ def test_train_pointwise_and_precision_flags_reach_the_model(capsys):
         assert times["eager", precision] > times["fused", precision]
     for pointwise in ("eager", "fused"):
         assert times[pointwise, "autocast"] > times[pointwise, "parameters"]
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--model", "gpt3-175b", "--devices", "1024", "--tp", "8", "--pp", "16", "--global-batch", "64",
+      "--seq-len", "4096"], "--seq-len 4096 needs 4,096 positions, more than gpt3-175b's "
+                            "max_position_embeddings (2,048)"),
+    (["train", "--seq-len", "10000000", "--global-batch", "8"], "--seq-len 10000000 needs 10,000,000"),
+    (["plan", "--model", "gpt3-175b", "--devices", "1024", "--seq-len", "2049"],
+     "--seq-len 2049 needs 2,049"),
+])
+def test_seq_len_beyond_the_models_positions_is_refused(argv, expected, capsys):
+    """GPT-3 learned 2,048 positions and Llama-3.1 8B has 131,072: a longer training sequence is
+    refused naming --seq-len, as `perf serve` refuses a longer context."""
+    assert expected in _error(["perf", *argv], capsys)
+
+
+@pytest.mark.parametrize("sizes", ["1,2,3", "1024,1024", "4096"])
+def test_collectives_need_two_distinct_message_sizes(sizes, capsys):
+    """Sizes that repeat or round to the same fp32 message (1, 2 and 3 bytes over 2 ranks are all
+    2 elements) fitted a line through one size: busbw `inf`, bare `Infinity` in --json. Refused
+    before any process starts."""
+    err = _error(["perf", "collectives", "--world-size", "2", "--sizes", sizes], capsys)
+    assert f"--sizes {sizes}: the alpha-beta fit needs at least two distinct message sizes" in err
+
+
+def test_a_failed_collective_fit_is_reported_not_infinite(monkeypatch):
+    """Noisy timings where the larger message is faster clamp beta to 0: the table says
+    "unbounded (fit failed)" with a warning and --json holds null, where it held Infinity."""
+    import argparse
+
+    from slipstream.perf import collectives_bench, commands
+    from slipstream.perf.collectives_bench import Timing
+
+    timings = [Timing("all_reduce", 65536, 2, 3.7e-3), Timing("all_reduce", 1048576, 2, 1.15e-3),
+               Timing("broadcast", 65536, 2, 1e-4), Timing("broadcast", 1048576, 2, 1e-3)]
+    monkeypatch.setattr(collectives_bench, "measure", lambda *a, **k: (timings, {"all_to_all": "no"}))
+    args = argparse.Namespace(world_size=2, backend="gloo", sizes="65536,1048576", iterations=2)
+    text, record = commands.collectives(args)
+    json.dumps(record, allow_nan=False)
+    fits = {f["collective"]: f for f in record["fits"]}
+    assert fits["all_reduce"]["busbw_bytes_per_s"] is None and fits["broadcast"]["busbw_bytes_per_s"] > 0
+    assert "all_reduce           2" in text and "unbounded (fit failed)" in text
+    assert "warning: the all_reduce fit over 2 ranks failed" in text and "inf" not in text
+    assert text.splitlines()[-1] == "not measured: all_to_all: no"

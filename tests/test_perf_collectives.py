@@ -110,3 +110,16 @@ def test_gloo_measurement_fits(tmp_path):
     print(timings, errors)
     assert {t.collective for t in timings} >= {"all_reduce", "broadcast"}
     assert all(f.alpha_s >= 0 and f.beta_s_per_byte >= 0 for f in fit(timings))
+
+
+def test_a_fit_without_bandwidth_says_so():
+    """A noisy gloo pair (the 16x larger message measured faster) clamps beta to 0: the fit's busbw
+    is None, not infinite, and it gives no link; one distinct size fixes no slope."""
+    fit = fit_alpha_beta("all_reduce", 2, [65536, 1048576], [3.7e-3, 1.15e-3])
+    assert fit.beta_s_per_byte == 0 and fit.busbw_bytes_per_s is None
+    with pytest.raises(ValueError, match="found no bandwidth term"):
+        fit.link()
+    with pytest.raises(ValueError, match="at least two distinct sizes"):
+        fit_alpha_beta("all_reduce", 2, [1024, 1024], [1e-4, 2e-4])
+    good = fit_alpha_beta("all_reduce", 2, [1024, 2048], [1e-4, 2e-4])
+    assert good.busbw_bytes_per_s == pytest.approx(1 / good.beta_s_per_byte)

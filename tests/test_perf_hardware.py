@@ -194,3 +194,13 @@ def test_80gb_parts_have_what_nvml_reports():
     assert h100.memory_bytes / 1e9 == pytest.approx(85.52, abs=0.005)
     for acc in (a100, h100):
         assert "thundergolfer.com" in acc.sources["memory_bytes"]
+
+
+@pytest.mark.parametrize("factor", [1e-320, 1e-7, 2e6, float("nan"), 0.0, -1.0])
+def test_scale_factors_are_bounded(factor):
+    """A factor near 0 (1e-320, a subnormal) made every time infinite and `perf whatif` print NaN:
+    factors outside 1e-6..1e6 are refused, naming the factor."""
+    with pytest.raises(ValueError, match="scale factor flops must be a number from 1e-06 to 1e"):
+        get_accelerator("h100").scaled(flops=factor)
+    edge = get_accelerator("h100").scaled(flops=1e-6, link=1e6)
+    assert edge.peak_flops("bf16") == pytest.approx(1e-6 * get_accelerator("h100").peak_flops("bf16"))

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from slipstream.perf.accelerators import get_accelerator
+from slipstream.perf.accelerators import Accelerator, get_accelerator
 from slipstream.perf.efficiency import Efficiency
-from slipstream.perf.model import Layout, TrainSetup, predict_training
+from slipstream.perf.model import Layout, TrainSetup, layout_error, predict_training
 from slipstream.perf.planner import candidate_layouts, explain, plan_serving, plan_training
 from slipstream.perf.serving import ServeSetup, step_time
 from slipstream.perf.shapes import resolve_model
@@ -105,3 +105,42 @@ def test_whatif_memory_bound_decode_needs_bandwidth_not_flops():
     assert reqs["flops"].factor is None and reqs["link"].factor is None
     with pytest.raises(ValueError, match="target"):
         requirements(workload, H100, 0)
+
+
+@pytest.mark.parametrize("hardware, dtype, expected", [
+    ("a100", "fp8", "A100 SXM 80GB lists no fp8 peak"),
+    ("v5e", "fp32", "TPU v5e lists no fp32 peak"),
+])
+def test_plan_names_a_dtype_the_device_cannot_run(hardware, dtype, expected):
+    """A dtype without a peak on the device is no layout's fault: the planner says so, in
+    predict_training's words (`perf train`'s), where it used to answer "no layout fits"."""
+    setup = TrainSetup(shape=resolve_model("llama3-8b"), global_batch_size=64, seq_len=4096, dtype=dtype)
+    with pytest.raises(ValueError, match=expected) as planned:
+        plan_training(setup, 8, get_accelerator(hardware))
+    with pytest.raises(ValueError) as trained:
+        predict_training(setup, Layout(dp=8), get_accelerator(hardware))
+    assert str(planned.value) == str(trained.value)
+
+
+def test_plan_names_a_device_without_links():
+    """A device that lists no link (a CPU) cannot run any multi-device layout: the planner names
+    the missing link, as `perf train` does, and still plans one device."""
+    cpu = Accelerator(name="cpu-like", peak_flops_per_s={"fp32": 1e12}, memory_bandwidth_bytes_per_s=5e10,
+                      memory_bytes=24 * 2**30,
+                      sources=dict.fromkeys(("peak_flops_per_s", "memory_bandwidth_bytes_per_s",
+                                             "memory_bytes"), "test"))
+    setup = TrainSetup(shape=resolve_model("tiny"), global_batch_size=8, seq_len=256, dtype="fp32")
+    with pytest.raises(ValueError, match="cpu-like lists no link bandwidth; collectives need one"):
+        plan_training(setup, 4, cpu)
+    with pytest.raises(ValueError, match="cpu-like lists no link bandwidth; collectives need one"):
+        predict_training(setup, Layout(dp=2), cpu)
+    assert plan_training(setup, 1, cpu)[0].prediction.fits
+
+
+def test_plan_skips_layouts_only_for_their_shape():
+    """`layout_error` is what the planner skips a layout for: an interleaved schedule whose
+    micro-batches are no multiple of pp (Megatron's rule) is skipped, a valid one is not."""
+    setup = TrainSetup(shape=resolve_model("llama3-8b"), global_batch_size=6, seq_len=4096)
+    assert "multiple of pp=4" in layout_error(setup, Layout(dp=1, pp=4, virtual_stages=2))
+    assert layout_error(dataclasses.replace(setup, global_batch_size=8),
+                        Layout(dp=1, pp=4, virtual_stages=2)) is None

@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from slipstream.perf.accelerators import get_accelerator
 from slipstream.perf.efficiency import Efficiency, default_efficiency
 from slipstream.perf.fit import apply_scales, calibrate, fit_scales
-from slipstream.perf.measured import engine_step_work, fit_engine_steps, fit_train_runs, train_run_work
-from slipstream.perf.records import EngineStep, read_engine_steps, read_jsonl, read_train_run
+from slipstream.perf.measured import (
+    engine_step_work,
+    fit_engine_steps,
+    fit_train_runs,
+    train_run_work,
+    train_setup,
+)
+from slipstream.perf.model import predict_training
+from slipstream.perf.records import (
+    EngineStep,
+    read_engine_file,
+    read_engine_steps,
+    read_jsonl,
+    read_train_run,
+)
 from slipstream.perf.serving import ServeSetup
 from slipstream.perf.shapes import resolve_model
 from slipstream.perf.work import Work
@@ -180,3 +194,63 @@ def test_one_run_with_phases_fits_two_multipliers(tmp_path):
     print(cal.scales, cal.errors_after)
     assert set(cal.scales) == {"gemm_s", "memory_s"}
     assert max(abs(e) for e in cal.errors_after) < 0.01
+
+
+def _strategy_run(tmp_path, strategy):
+    toml = ("[model]\npreset = \"llama3.2-1b\"\n[data]\nseq_len = 2048\n[training]\nglobal_batch_size = 8\n"
+            f"micro_batch_size = 1\ndtype = \"bfloat16\"\n[parallel]\nstrategy = \"{strategy}\"\n")
+    lines = [json.dumps({"kind": "run", "world_size": 8, "strategy": strategy})]
+    lines += [json.dumps({"kind": "train", "step": s, "step_s": 1.0}) for s in range(1, 8)]
+    path = tmp_path / strategy
+    path.mkdir()
+    return read_train_run(_write_run(path, lines, toml))
+
+
+def test_a_ddp_run_is_modelled_as_ddp(tmp_path):
+    """`[parallel] strategy = "ddp"` runs the trainer's `replicate`: one bucketed all-reduce of the
+    fp32 gradients per step and the whole AdamW state on every rank (ZeRO-0), where `perf fit`
+    modelled every multi-rank run as FSDP. The all-reduce moves 4 bytes x Llama-3.2 1B's
+    1,235,814,400 parameters (HF's count); the optimizer streams all of them on each rank."""
+    h100 = get_accelerator("h100")
+    ddp_setup, ddp = train_setup(_strategy_run(tmp_path, "ddp"))
+    fsdp_setup, fsdp = train_setup(_strategy_run(tmp_path, "fsdp"))
+    assert (ddp.dp, ddp.zero_stage, fsdp.dp, fsdp.zero_stage) == (8, 0, 8, 3)
+    parts = predict_training(ddp_setup, ddp, h100).parts
+    assert parts["data_parallel"].comm_bytes == 4 * 1_235_814_400
+    fsdp_parts = predict_training(fsdp_setup, fsdp, h100).parts
+    assert parts["optimizer"].memory_bytes == pytest.approx(8 * fsdp_parts["optimizer"].memory_bytes)
+
+
+@pytest.mark.parametrize("config, expected", [
+    ('seq_len = "abc"', "the run's seq_len must be an integer >= 1, got 'abc'"),
+    ("seq_len = 0", "the run's seq_len must be an integer >= 1, got 0"),
+    ("seq_len = 1000000", "the run's seq_len needs 1,000,000 positions"),
+    ('seq_len = 256\n[parallel]\nstrategy = "zero2"', "the run's parallel strategy is 'zero2'; known: fsdp"),
+])
+def test_run_config_errors_name_the_run_and_the_key(tmp_path, config, expected):
+    """A run-dir value the model cannot take was "invalid literal for int()" naming nothing."""
+    toml = f"[model]\npreset = \"tiny\"\n[training]\nglobal_batch_size = 8\n[data]\n{config}\n"
+    lines = [json.dumps({"kind": "train", "step": 5, "step_s": 1.0})]
+    run = read_train_run(_write_run(tmp_path, lines, toml))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path))}: ") as error:
+        train_setup(run)
+    assert expected in str(error.value)
+
+
+def test_out_of_range_engine_steps_are_skipped_naming_file_and_line(tmp_path, caplog):
+    """One record of 1e8 sequences or of more positions than the model has aborted the whole
+    roofline or fit (or hung it); such records are skipped, each logged with its file and line."""
+    path = tmp_path / "steps.jsonl"
+    records = [{"phase": "decode", "batch_size": 10**8, "context_len": 100},
+               {"phase": "decode", "batch_size": 1, "context_len": 131_071},
+               {"phase": "decode", "batch_size": 1, "context_len": 131_072},
+               {"phase": "prefill", "batch_size": 1, "prompt_len": 131_073},
+               {"phase": "decode", "batch_size": 2, "context_len": "x"}]
+    path.write_text("".join(json.dumps(r | {"kind": "engine_step", "step_s": 0.01}) + "\n" for r in records))
+    with caplog.at_level("WARNING"):
+        steps = read_engine_file(path, max_batch_size=2**20, max_positions=131_072)
+    assert steps == [EngineStep("decode", 1, 131_071, 0.01)]
+    assert f"{path}:1: engine_step record skipped (batch_size 100,000,000 above 1,048,576)" in caplog.text
+    assert f"{path}:3: engine_step record skipped (131,073 positions" in caplog.text
+    assert f"{path}:4: engine_step record skipped (131,073 positions" in caplog.text
+    assert f"{path}:5: engine_step record skipped (malformed)" in caplog.text

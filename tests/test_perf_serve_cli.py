@@ -4,10 +4,11 @@ its KV budget, the model's positions, fp8's KV cache and the decode graph."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
-from slipstream.perf import commands
+from slipstream.perf import commands, serving
 from slipstream.perf.accelerators import get_accelerator
 from slipstream.perf.serving import ServeSetup, step_time
 from slipstream.perf.shapes import resolve_model
@@ -141,3 +142,114 @@ def test_cpu_decode_graph_default_is_the_engines(model_dir):
     assert engine.runner.decode_graph.max_seqs == commands.CPU_DECODE_GRAPH_MAX_BATCH
     eager = Engine(dataclasses.replace(config, enforce_eager=True))
     assert eager.runner.decode_graph is None
+
+
+def test_whatif_training_reports_the_memory_fit_of_each_device():
+    """`perf whatif` used to price a training layout that cannot fit, with no word of memory, and
+    --scale memory_capacity changed nothing. Llama-3 70B at dp 8 under ZeRO-1 needs its
+    `training_memory` per device: more than an H100, less than a 10x one."""
+    from slipstream.perf.model import Layout, TrainSetup, predict_training
+
+    argv = ("whatif", "--model", "llama3-70b", "--devices", "8", "--global-batch", "64", "--seq-len", "4096")
+    setup = TrainSetup(shape=resolve_model("llama3-70b"), global_batch_size=64, seq_len=4096)
+    needed = predict_training(setup, Layout(dp=8), H100).memory.total_bytes
+    factor = needed / H100.memory_bytes
+    text, record = commands.what_if(_args(*argv, "--scale", f"memory_capacity={1.001 * factor}"))
+    assert record["memory_bytes_per_device"] == needed and record["memory_capacity_factor"] == factor
+    assert record["fits"] == {"baseline": False, "scaled": True}
+    assert "DOES NOT FIT" in text.splitlines()[1] and f"fits from memory_capacity x{factor:.2f}" in text
+    _, smaller = commands.what_if(_args(*argv, "--scale", f"memory_capacity={0.999 * factor}"))
+    assert smaller["fits"] == {"baseline": False, "scaled": False}
+
+
+def test_whatif_decode_reports_the_kv_fit_on_the_scaled_device():
+    """`perf whatif --serve` checked the weights against the unscaled device, so "would twice the
+    memory hold Llama-3 70B on one H100?" was an error; now each decode batch reports what the KV
+    cache of each device holds (sequences of the context and the new token in 16-token blocks of
+    0.9 x memory less weights and 1 GiB, 320 KiB per token), and prices the step either way."""
+    shape = resolve_model("llama3-70b")
+    setup = ServeSetup(shape=shape)
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
+    assert per_token == 320 * 1024
+    budget = 0.9 * 2 * H100.memory_bytes - setup.weights_bytes_per_device() - 2**30
+    expected = int(budget // (per_token * 16)) // -(-1025 // 16)
+    text, record = commands.what_if(_args("whatif", "--serve", "--model", "llama3-70b", "--batch", "1,64",
+                                          "--scale", "memory_capacity=2"))
+    rows = record["decode"]
+    assert [r["batch_size"] for r in rows] == [1, 64]
+    assert rows[0]["kv_max_sequences"] == {"baseline": 0, "scaled": expected} and expected == 34
+    assert rows[0]["fits"] == {"baseline": False, "scaled": True}
+    assert rows[1]["fits"] == {"baseline": False, "scaled": False}
+    assert "DOES NOT FIT -> 34: fits" in text
+    decode = step_time(ServeSetup(shape=shape, decode_graph_max_batch=256), H100.scaled(memory_capacity=2),
+                       decode_contexts=[1024])
+    assert rows[0]["scaled"]["total_s"] == pytest.approx(decode.total_s, rel=1e-12)
+
+
+def test_whatif_decode_prices_every_batch():
+    """`whatif --serve --batch 32,8,1` priced batch 32 alone (and the default 1,8,32 batch 1):
+    each batch is a case of its own, its time `step_time`'s."""
+    _, record = commands.what_if(_args("whatif", "--serve", "--batch", "32,8,1"))
+    assert [r["batch_size"] for r in record["decode"]] == [32, 8, 1]
+    setup = ServeSetup(shape=LLAMA8B, decode_graph_max_batch=256)
+    for row in record["decode"]:
+        expected = step_time(setup, H100, decode_contexts=[1024] * row["batch_size"]).total_s
+        assert row["baseline"]["total_s"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_whatif_scale_factors_are_bounded(capsys):
+    """--scale flops=1e-320 printed NaN times and emitted bare NaN in --json."""
+    err = _error(["whatif", "--scale", "flops=1e-320"], capsys)
+    assert "--scale flops=1e-320: scale factor flops must be a number from 1e-06 to 1e+06" in err
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["whatif", "--batch", "64"], "argument --batch: not allowed without --serve"),
+    (["whatif", "--context", "100000"], "argument --context: not allowed without --serve"),
+    (["whatif", "--serve", "--devices", "3"], "argument --devices: not allowed with --serve"),
+    (["whatif", "--serve", "--pp", "4"], "argument --pp: not allowed with --serve"),
+    (["whatif", "--serve", "--zero", "3"], "argument --zero: not allowed with --serve"),
+    (["whatif", "--serve", "--global-batch", "5"], "argument --global-batch: not allowed with --serve"),
+    (["plan", "--input-len", "100000"], "argument --input-len: not allowed without --serve"),
+    (["plan", "--output-len", "5"], "argument --output-len: not allowed without --serve"),
+    (["plan", "--recompute", "full"], "argument --recompute: not allowed with perf plan (it tries"),
+    (["plan", "--micro-batch", "4"], "argument --micro-batch: not allowed with perf plan (it tries"),
+    (["plan", "--serve", "--seq-len", "4096"], "argument --seq-len: not allowed with --serve"),
+])
+def test_options_of_the_other_path_are_refused(argv, expected, capsys):
+    """Options the command's path would drop are errors naming them, as --enforce-eager already
+    was (docs/perf.md: each command takes only its own)."""
+    assert expected in _error(argv, capsys)
+
+
+def test_the_refused_options_defaults_are_the_parsers():
+    """`commands._CLI_DEFAULTS` tells a given option from its default: it must be the parser's, or
+    a command would refuse its own defaults."""
+    for command in ("plan", "whatif"):
+        parsed = vars(_args(command))
+        for name, default in commands._CLI_DEFAULTS.items():
+            if name in parsed:
+                assert parsed[name] == default, (command, name)
+    assert commands.what_if(_args("whatif"))[1]["fits"]["baseline"] is not None
+    assert len(commands.plan(_args("plan", "--serve", "--top", "1"))[1]["plans"]) == 1
+
+
+def test_roofline_skips_a_record_beyond_the_model(tmp_path):
+    """One engine step longer than the model's positions aborted the whole `perf roofline
+    --records`; it is skipped with a warning and the other records are placed."""
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps({"kind": "engine_step", "phase": "decode", "batch_size": 2,
+                                        "context_len": n, "step_s": 0.01}) + "\n" for n in (10**7, 100)))
+    _, record = commands.roofline_cmd(_args("roofline", "--records", str(path)))
+    assert [p["label"] for p in record["points"]][-1] == "decode bs2 len100"
+
+
+def test_whatif_decode_on_the_cpu_takes_the_engines_cpu_kv_budget():
+    """On --hardware cpu the engine's KV cache is at most 4 GiB (and 40% of memory), as `perf serve`
+    takes it: 4 GiB of Llama-3 8B's 128 KiB tokens is 2,048 blocks of 16, 31 sequences of 1,025
+    positions (65 blocks each); none where that budget does not fit beside the weights."""
+    setup = ServeSetup(shape=LLAMA8B)
+    assert commands._kv_room(setup, H100, "cpu", 1024) == 2048 // 65 == 31
+    assert commands._kv_room(setup, H100.scaled(memory_capacity=0.2), "cpu", 1024) == 0
+    expected = serving.kv_capacity(setup, H100, 1025).max_sequences
+    assert commands._kv_room(setup, H100, "h100", 1024) == expected

@@ -45,6 +45,10 @@ def dtype_key(dtype: Any) -> str:
     return name
 
 
+MIN_SCALE, MAX_SCALE = 1e-6, 1e6
+"""The range of `Accelerator.scaled`'s factors: a million times slower or faster is past any real
+part, and a factor near 0 (1e-320) left the times infinite and their ratios NaN."""
+
 _CORE_FIELDS = ("peak_flops_per_s", "memory_bandwidth_bytes_per_s", "memory_bytes")
 _OPTIONAL_FIELDS = (
     "sparse_peak_flops_per_s", "intra_node_bytes_per_s", "devices_per_node", "inter_node_bytes_per_s",
@@ -159,8 +163,9 @@ class Accelerator:
                              "known: flops, memory_bandwidth, memory_capacity, link")
         f = {k: factors.get(k, 1.0) for k in ("flops", "memory_bandwidth", "memory_capacity", "link")}
         for key, value in f.items():
-            if not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"scale factor {key} must be a finite number > 0, got {value}")
+            if not MIN_SCALE <= value <= MAX_SCALE:  # also NaN; a subnormal factor made times infinite
+                raise ValueError(f"scale factor {key} must be a number from {MIN_SCALE:g} to "
+                                 f"{MAX_SCALE:g}, got {value}")
         tag = ", ".join(f"{k} x{v:g}" for k, v in f.items() if v != 1.0)
 
         def link(bandwidth: float | None) -> float | None:

@@ -150,7 +150,9 @@ class AlphaBetaFit:
     """Least-squares fit of measured collective times: `time = alpha_s + beta_s_per_byte * bus_bytes`.
 
     `bus_bytes = size * busbw_factor`, so `1 / beta_s_per_byte` is the asymptotic busbw and
-    `alpha_s` the whole collective's start-up latency (per step: `alpha_s / latency_steps`).
+    `alpha_s` the whole collective's start-up latency (per step: `alpha_s / latency_steps`). A fit
+    whose beta is 0 (the larger messages were measured no slower: noise, or sizes too close) has
+    no bandwidth: `busbw_bytes_per_s` is None, not infinite.
     """
 
     collective: str
@@ -160,11 +162,15 @@ class AlphaBetaFit:
     max_relative_error: float
 
     @property
-    def busbw_bytes_per_s(self) -> float:
-        return math.inf if self.beta_s_per_byte <= 0 else 1.0 / self.beta_s_per_byte
+    def busbw_bytes_per_s(self) -> float | None:
+        return None if self.beta_s_per_byte <= 0 else 1.0 / self.beta_s_per_byte
 
     def link(self, algorithm: str = "ring") -> Link:
-        """The fitted link as a `Link` (alpha spread over the algorithm's latency steps)."""
+        """The fitted link as a `Link` (alpha spread over the algorithm's latency steps);
+        ValueError for a fit without bandwidth."""
+        if self.busbw_bytes_per_s is None:
+            raise ValueError(f"the {self.collective} fit over {self.num_ranks} ranks found no bandwidth "
+                             "term (beta 0): the larger messages were not slower")
         steps = max(latency_steps(self.collective, self.num_ranks, algorithm), 1.0)
         return Link(latency_s=self.alpha_s / steps, bandwidth_bytes_per_s=self.busbw_bytes_per_s)
 
@@ -179,10 +185,12 @@ def fit_alpha_beta(
     """Fit alpha and beta to (size, time) measurements by least squares on relative error.
 
     Each point is weighted by 1 / time so small (latency-bound) messages count as much as large
-    ones; both coefficients are kept non-negative.
+    ones; both coefficients are kept non-negative. The sizes must hold two distinct values: one
+    size alone fixes no slope.
     """
-    if len(sizes_bytes) != len(times_s) or len(sizes_bytes) < 2:
-        raise ValueError("need at least two (size, time) pairs of equal length")
+    if len(sizes_bytes) != len(times_s) or len(set(sizes_bytes)) < 2:
+        raise ValueError(f"need (size, time) pairs of equal length with at least two distinct sizes, "
+                         f"got sizes {list(sizes_bytes)} and {len(times_s)} times")
     factor = busbw_factor(collective, num_ranks)
     xs = [s * factor for s in sizes_bytes]
     alpha, beta = _weighted_line(xs, list(times_s))

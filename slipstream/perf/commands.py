@@ -9,17 +9,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from slipstream.perf import measured, planner, roofline, serving, validation, whatif
-from slipstream.perf.accelerators import dtype_key
+from slipstream.perf.accelerators import Accelerator, dtype_key
 from slipstream.perf.efficiency import Efficiency, check_fractions, default_efficiency, max_fraction
 from slipstream.perf.fit import apply_scales
 from slipstream.perf.hardware import get_accelerator, is_local
 from slipstream.perf.model import Layout, TrainSetup, predict_training
-from slipstream.perf.records import EngineStep, read_engine_steps, read_jsonl, read_train_run
+from slipstream.perf.records import EngineStep, read_engine_file, read_train_run
 from slipstream.perf.shapes import resolve_model
+from slipstream.perf.work import Work
 
 Result = tuple[str, dict[str, Any]]
 
@@ -65,17 +67,20 @@ def _input_file(path: str, flag: str) -> Path:
     return Path(path)
 
 
-def _engine_steps(path: str, flag: str) -> list[EngineStep]:
-    """The well-formed engine step records in `path` (read_engine_steps), at least one."""
-    steps = read_engine_steps(read_jsonl(_input_file(path, flag)))
+MAX_DECODE_BATCH = 2**20
+"""The largest decode batch `--batch` (and an engine step record) takes: each sequence is
+modelled one by one."""
+
+
+def _engine_steps(path: str, flag: str, setup: serving.ServeSetup) -> list[EngineStep]:
+    """The well-formed engine step records in `path` that `setup`'s model can run (read_engine_file:
+    at most MAX_DECODE_BATCH sequences within its positions), at least one."""
+    steps = read_engine_file(_input_file(path, flag), MAX_DECODE_BATCH, setup.shape.max_position_embeddings)
     if not steps:
         raise ValueError(f"{flag} {path}: no well-formed engine_step records (kind \"engine_step\", phase "
-                         "prefill or decode, batch_size, prompt_len or context_len, step_s)")
+                         "prefill or decode, batch_size, prompt_len or context_len, step_s) within "
+                         f"{MAX_DECODE_BATCH:,} sequences and {setup.shape.name}'s positions")
     return steps
-
-
-MAX_DECODE_BATCH = 2**20
-"""The largest decode batch `--batch` takes (each sequence is modelled one by one)."""
 
 
 def _ints(text: str, flag: str, maximum: int | None = None) -> list[int]:
@@ -91,7 +96,11 @@ def _ints(text: str, flag: str, maximum: int | None = None) -> list[int]:
 
 
 def train_setup(args: argparse.Namespace) -> TrainSetup:
-    return TrainSetup(shape=resolve_model(args.model), global_batch_size=args.global_batch,
+    """The trained model as the flags describe it; ValueError naming --seq-len beyond the model's
+    max_position_embeddings (as `perf serve` refuses such a context)."""
+    shape = resolve_model(args.model)
+    serving.check_positions(shape, f"--seq-len {args.seq_len}", args.seq_len)
+    return TrainSetup(shape=shape, global_batch_size=args.global_batch,
                       seq_len=args.seq_len, micro_batch_size=args.micro_batch, dtype=args.dtype,
                       recompute=args.recompute, attention=args.attention, pointwise=args.pointwise,
                       mixed_precision=args.mixed_precision)
@@ -220,6 +229,29 @@ def serve(args: argparse.Namespace) -> Result:
     return "\n".join(lines), d
 
 
+_CLI_DEFAULTS: dict[str, Any] = {
+    "batch": "1,8,32", "context": 1024, "input_len": 1024, "output_len": 256, "max_num_seqs": 256,
+    "devices": 8, "global_batch": 256, "seq_len": 8192, "micro_batch": 1, "recompute": "none",
+    "attention": "flash", "pointwise": "eager", "mixed_precision": "autocast",
+    "pp": 1, "cp": 1, "vp": 1, "zero": 1, "no_sp": False,
+}
+"""The CLI's defaults of the options that only one path of `plan` or `whatif` reads: a value other
+than these was asked for (tests/test_perf_serve_cli.py holds them to the parser's)."""
+
+_TRAINING_OPTIONS = ("global_batch", "seq_len", "micro_batch", "recompute", "attention", "pointwise",
+                     "mixed_precision")
+_LAYOUT_OPTIONS = ("devices", "pp", "cp", "vp", "zero", "no_sp")
+_REQUEST_OPTIONS = ("input_len", "output_len", "max_num_seqs")
+
+
+def _refuse_unread(args: argparse.Namespace, names: tuple[str, ...], why: str) -> None:
+    """ValueError, worded as argparse's, for the first option of `names` set to other than its
+    default: the command's path would drop it; `why` says so."""
+    for name in names:
+        if getattr(args, name, _CLI_DEFAULTS[name]) != _CLI_DEFAULTS[name]:
+            raise ValueError(f"argument --{name.replace('_', '-')}: not allowed {why}")
+
+
 def _refuse_eager_for_training(args: argparse.Namespace, serving: bool, how: str) -> None:
     """ValueError for --enforce-eager where the command takes its training path, which has no
     decode step to run eagerly and would ignore it; `how` says how to take the serving path."""
@@ -234,8 +266,9 @@ def plan(args: argparse.Namespace) -> Result:
     if args.devices < 1 or args.top < 1:
         raise ValueError(f"--devices and --top must be >= 1, got {args.devices} and {args.top}")
     if args.serve:
+        _refuse_unread(args, _TRAINING_OPTIONS, "with --serve (it describes a training step)")
         plans = planner.plan_serving(_serve_setup(args), args.devices, acc, args.input_len,
-                                     args.output_len, args.max_num_seqs, eff)
+                                     args.output_len, args.max_num_seqs, eff)[:args.top]
         if not plans:
             raise ValueError(f"no tensor-parallel degree of {args.model} fits on {args.devices} x {acc.name}")
         lines = [f"{args.model} serving on {args.devices} x {acc.name}, {args.input_len} in / "
@@ -244,6 +277,10 @@ def plan(args: argparse.Namespace) -> Result:
         lines += [f"{p.tp:>4}{p.replicas:>10}{p.decode_ms_per_token_batch1:>16.2f}{p.max_batch:>11}"
                   f"{p.throughput_tokens_per_s:>12,.0f}" for p in plans]
         return "\n".join(lines), {"plans": [p.to_dict() for p in plans], "efficiency": source}
+    _refuse_unread(args, _REQUEST_OPTIONS, "without --serve (it describes served requests: add --serve)")
+    _refuse_unread(args, ("micro_batch", "recompute"), "with perf plan (it tries micro-batches "
+                   f"{', '.join(map(str, planner.MICRO_BATCH_SIZES))} and each recomputation, keeping the "
+                   "fastest that fits; perf train prices one)")
     setup = train_setup(args)
     plans = planner.plan_training(setup, args.devices, acc, eff, top=args.top)
     if not plans:
@@ -261,7 +298,8 @@ def plan(args: argparse.Namespace) -> Result:
     return "\n".join(lines), {"plans": [p.to_dict() for p in plans], "efficiency": source}
 
 
-def _parse_scale(text: str | None) -> dict[str, float]:
+def _scaled(acc: Accelerator, text: str | None) -> Accelerator:
+    """`acc` scaled as --scale NAME=FACTOR,... asks; ValueError naming --scale."""
     scales = {}
     for part in (text or "").split(","):
         if part.strip():
@@ -270,52 +308,102 @@ def _parse_scale(text: str | None) -> dict[str, float]:
                 scales[key.strip()] = float(value)
             except ValueError as e:
                 raise ValueError(f"--scale expects NAME=FACTOR pairs, got {part.strip()!r}") from e
-    return scales
+    try:
+        return acc.scaled(**scales)
+    except ValueError as e:
+        raise ValueError(f"--scale {text}: {e}") from None
 
 
 def what_if(args: argparse.Namespace) -> Result:
+    """The workload on the device and on --scale's copy of it, a sweep of each resource, what
+    reaches a target, and whether it fits in memory on each (a training step's memory per device,
+    a decode batch in the KV cache; memory_capacity changes only that)."""
     _refuse_eager_for_training(args, args.serve, "add --serve for a decode step")
     acc = get_accelerator(args.hardware)
     eff, source = efficiency_for(args, acc)
-    if args.serve:
-        setup = _serve_setup(args)
-        batch = _ints(args.batch, "--batch", MAX_DECODE_BATCH)[0]
-
-        def workload(a):
-            return serving.step_time(setup, a, decode_contexts=[args.context] * batch, efficiency=eff)
-        if args.target_step_s is not None:
-            raise ValueError("--target-step-s is for a training step; with --serve use "
-                             "--target-tokens-per-s-per-user")
-        per_user = args.target_tokens_per_s_per_user
-        if per_user is not None and not per_user > 0:
-            raise ValueError(f"--target-tokens-per-s-per-user must be > 0, got {per_user}")
-        target = 1.0 / per_user if per_user is not None else None
-        label = f"decode step (batch {batch}, context {args.context})"
-    else:
-        setup, layout = train_setup(args), layout_from(args)
-
-        def workload(a):
-            return predict_training(setup, layout, a, eff).work
+    scaled = _scaled(acc, args.scale)
+    if not args.serve:
+        _refuse_unread(args, ("batch", "context"),
+                       "without --serve (it describes a decode step: add --serve)")
         if args.target_tokens_per_s_per_user is not None:
             raise ValueError("--target-tokens-per-s-per-user is for a decode step: add --serve")
-        target, label = args.target_step_s, "training step"
-    scaled = acc.scaled(**_parse_scale(args.scale))
+        setup, layout = train_setup(args), layout_from(args)
+
+        def predict(a):
+            return predict_training(setup, layout, a, eff)
+        base, new = predict(acc), predict(scaled)
+        needed = base.memory_bytes_per_device
+        factor = whatif.capacity_factor(needed, acc)
+        fit_line = (f"  memory {needed / 2**30:.1f} GiB per device: {acc.memory_bytes / 2**30:.1f} GiB "
+                    f"{_fit_word(base.fits)} -> {scaled.memory_bytes / 2**30:.1f} GiB {_fit_word(new.fits)}"
+                    + ("" if base.fits else f" (fits from memory_capacity x{factor:.2f})"))
+        lines, d = _what_if_case(f"training step of {args.model}", lambda a: predict(a).work, acc, scaled,
+                                 args.target_step_s, fit_line)
+        d |= {"memory_bytes_per_device": needed, "fits": {"baseline": base.fits, "scaled": new.fits},
+              "memory_capacity_factor": factor}
+        return "\n".join(lines), d | {"scaled_hardware": scaled.name, "efficiency": source}
+    _refuse_unread(args, _LAYOUT_OPTIONS + _TRAINING_OPTIONS,
+                   "with --serve (it describes a training step; a decode step runs on --tp devices)")
+    if args.target_step_s is not None:
+        raise ValueError("--target-step-s is for a training step; with --serve use "
+                         "--target-tokens-per-s-per-user")
+    per_user = args.target_tokens_per_s_per_user
+    if per_user is not None and not per_user > 0:
+        raise ValueError(f"--target-tokens-per-s-per-user must be > 0, got {per_user}")
+    setup = _serve_setup(args)
+    lines, cases = [], []
+    for batch in _ints(args.batch, "--batch", MAX_DECODE_BATCH):
+        # Priced where it fits or not: the fit is reported, and a larger memory_capacity may make it.
+        def workload(a, batch=batch):
+            return serving.step_time(setup, a, decode_contexts=[args.context] * batch, efficiency=eff,
+                                     check_memory=False)
+        room = [_kv_room(setup, a, args.hardware, args.context) for a in (acc, scaled)]
+        fit_line = (f"  KV cache holds {room[0]:,} such sequences: {_fit_word(batch <= room[0])} -> "
+                    f"{room[1]:,}: {_fit_word(batch <= room[1])}")
+        label = f"decode step (batch {batch}, context {args.context}) of {args.model}"
+        case_lines, case = _what_if_case(label, workload, acc, scaled, per_user and 1.0 / per_user, fit_line)
+        lines += case_lines
+        cases.append({"batch_size": batch, "context_len": args.context} | case
+                     | {"kv_max_sequences": {"baseline": room[0], "scaled": room[1]},
+                        "fits": {"baseline": batch <= room[0], "scaled": batch <= room[1]}})
+    return "\n".join(lines), {"decode": cases, "scaled_hardware": scaled.name, "efficiency": source}
+
+
+def _kv_room(setup: serving.ServeSetup, acc: Accelerator, hardware: str, context: int) -> int:
+    """How many sequences of `context` tokens and the new one (a decode step's) the KV cache of
+    `acc` holds under the engine's default budget, as `perf serve` takes it (on --hardware cpu
+    the CPU default); 0 where the weights leave no room."""
+    if is_local(hardware):
+        budget = min(CPU_KV_CACHE_BYTES, CPU_KV_CACHE_FRACTION * acc.memory_bytes)
+        if setup.weights_bytes_per_device() + budget > acc.memory_bytes:
+            return 0
+        setup = dataclasses.replace(setup, kv_cache_bytes=budget)
+    return serving.kv_capacity(setup, acc, context + 1).max_sequences
+
+
+def _fit_word(fits: bool) -> str:
+    return "fits" if fits else "DOES NOT FIT"
+
+
+def _what_if_case(label: str, workload: Callable[[Accelerator], Work], acc: Accelerator, scaled: Accelerator,
+                  target: float | None, fit_line: str) -> tuple[list[str], dict[str, Any]]:
+    """One workload's what-if lines and record: baseline against scaled, `fit_line`, the sweep of
+    each resource, and what reaches `target` seconds when given."""
     base, new = workload(acc), workload(scaled)
-    lines = [f"{label} of {args.model}: {acc.name} {base.total_s * 1e3:.3f} ms (bound by {base.bound()})"
+    lines = [f"{label}: {acc.name} {base.total_s * 1e3:.3f} ms (bound by {base.bound()})"
              f" -> {scaled.name} {new.total_s * 1e3:.3f} ms (bound by {new.bound()}), "
-             f"x{base.total_s / new.total_s:.2f}"]
+             f"x{base.total_s / new.total_s:.2f}", fit_line]
     rows = whatif.sweep(workload, acc)
     lines += [f"  {r['resource']:<17} x{r['factor']:<4g} {1e3 * r['time_s']:>10.3f} ms  bound by {r['bound']}"
               for r in rows]
-    d = {"baseline": base.to_dict(), "scaled": new.to_dict(), "scaled_hardware": scaled.name,
-         "sweep": rows, "efficiency": source}
+    d = {"baseline": base.to_dict(), "scaled": new.to_dict(), "sweep": rows}
     if target is not None:
         reqs = whatif.requirements(workload, acc, target)
         d["target_s"], d["requirements"] = target, [r.to_dict() for r in reqs]
         lines.append(f"to reach {1e3 * target:.3f} ms:")
         lines += [f"  {r.resource:<17} " + (f"x{r.factor:.2f}" if r.factor else
                   f"cannot (x1000 still leaves {1e3 * r.floor_s:.3f} ms)") for r in reqs]
-    return "\n".join(lines), d
+    return lines, d
 
 
 def roofline_cmd(args: argparse.Namespace) -> Result:
@@ -327,7 +415,7 @@ def roofline_cmd(args: argparse.Namespace) -> Result:
     for batch in _ints(args.batch, "--batch", MAX_DECODE_BATCH):
         work = serving.step_time(setup, acc, decode_contexts=[args.context] * batch, efficiency=eff)
         points.append(roofline.point(f"decode bs{batch}", work))
-    for step in _engine_steps(args.records, "--records") if args.records else []:
+    for step in _engine_steps(args.records, "--records", setup) if args.records else []:
         work = measured.engine_step_work(step, setup, acc, eff)
         points.append(roofline.point(f"{step.phase} bs{step.batch_size} len{step.length}", work, step.step_s))
     d = {"hardware": acc.name, "dtype": args.dtype, "efficiency": source,
@@ -346,12 +434,32 @@ def roofline_cmd(args: argparse.Namespace) -> Result:
 def collectives(args: argparse.Namespace) -> Result:
     from slipstream.perf import collectives_bench
 
-    timings, errors = collectives_bench.measure(args.world_size, args.backend, _ints(args.sizes, "--sizes"),
+    if args.world_size < 2:
+        raise ValueError(f"--world-size must be >= 2, got {args.world_size}")
+    # Each size is measured as whole fp32 elements, a multiple of the ranks (`_count`): sizes that
+    # round to the same message would be timed twice and fitted as two points of one size.
+    sizes: dict[int, int] = {}
+    for size in _ints(args.sizes, "--sizes"):
+        sizes.setdefault(collectives_bench._count(size, args.world_size), size)
+    if len(sizes) < 2:
+        raise ValueError(f"--sizes {args.sizes}: the alpha-beta fit needs at least two distinct message "
+                         f"sizes; over {args.world_size} ranks these are all {4 * min(sizes)} bytes "
+                         "(whole fp32 elements, a multiple of the ranks)")
+    timings, errors = collectives_bench.measure(args.world_size, args.backend, list(sizes.values()),
                                                 iterations=args.iterations)
     fits = collectives_bench.fit(timings)
-    d = {"timings": [t.to_dict() for t in timings], "errors": errors,
+    failed = [f for f in fits if f.busbw_bytes_per_s is None]
+    warnings = [f"warning: the {f.collective} fit over {f.num_ranks} ranks failed: its larger messages "
+                "were not slower (noise, or sizes too close), so it has no bandwidth; measure more "
+                "--iterations or sizes further apart" for f in failed]
+    bounded = [f for f in fits if f not in failed]
+    lines = collectives_bench.format_report(timings, bounded, errors).splitlines()
+    at = len(lines) - len(errors)  # the fit rows end where the "not measured" lines begin
+    lines[at:at] = [f"{f.collective:<16}{f.num_ranks:>6}{1e6 * f.alpha_s:>12.1f}  unbounded (fit failed)"
+                    for f in failed] + warnings
+    d = {"timings": [t.to_dict() for t in timings], "errors": errors, "warnings": warnings,
          "fits": [dataclasses.asdict(f) | {"busbw_bytes_per_s": f.busbw_bytes_per_s} for f in fits]}
-    return collectives_bench.format_report(timings, fits, errors), d
+    return "\n".join(lines), d
 
 
 def validate(args: argparse.Namespace) -> Result:
@@ -370,7 +478,7 @@ def fit(args: argparse.Namespace) -> Result:
     eff, _ = efficiency_for(args, acc)
     if args.engine_records:
         setup = _serve_setup(args)
-        steps = _engine_steps(args.engine_records, "--engine-records")
+        steps = _engine_steps(args.engine_records, "--engine-records", setup)
         cal = measured.fit_engine_steps(steps, setup, acc, eff)
         works = [measured.engine_step_work(s, setup, acc, cal.efficiency) for s in steps]
         rows = [measured.Comparison(f"{s.phase} bs{s.batch_size} len{s.length}", s.step_s, w.total_s)

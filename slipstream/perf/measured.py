@@ -16,11 +16,17 @@ from slipstream.perf.efficiency import Efficiency, max_fraction
 from slipstream.perf.fit import Calibration, calibrate
 from slipstream.perf.model import Layout, TrainSetup, predict_training
 from slipstream.perf.records import EngineStep, TrainRun
-from slipstream.perf.serving import ServeSetup, step_time
+from slipstream.perf.serving import ServeSetup, check_positions, step_time
 from slipstream.perf.shapes import TransformerShape, resolve_model
 from slipstream.perf.work import Work
 
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+ZERO_STAGES = {"fsdp": 3, "ddp": 0, "single": 0}
+"""The ZeRO stage of each of the trainer's `parallel.strategy` values (its run record says "single"
+for one rank): FSDP2's `fully_shard` shards parameters, gradients and optimizer state (ZeRO-3);
+DDP (`replicate`) all-reduces the gradients in buckets during the backward and every rank keeps
+the whole optimizer state (ZeRO-0). A config without one ran the trainer's default, fsdp."""
 
 
 def engine_step_work(step: EngineStep, setup: ServeSetup, accelerator: Accelerator,
@@ -90,20 +96,37 @@ def fit_engine_steps(
 
 
 def train_setup(run: TrainRun, shape: TransformerShape | None = None) -> tuple[TrainSetup, Layout]:
-    """The model's description of a measured single-device (or data-parallel) training run."""
+    """The model's description of a measured single-device or data-parallel training run, FSDP or
+    DDP as its strategy says (`ZERO_STAGES`); ValueError naming the run directory and the config
+    key for a value the model cannot take."""
     c = run.config
     missing = [k for k in ("seq_len", "global_batch_size") if k not in c]
     if missing or (shape is None and "preset" not in c and "model_path" not in c):
         raise ValueError(f"{run.run_dir}: the run's config lacks {missing or ['model preset or path']}")
     shape = shape or resolve_model(str(c.get("model_path") or c["preset"]))
-    world = int(c.get("world_size", 1))
     dtype = _DTYPES.get(str(c.get("dtype", "float32")), str(c.get("dtype", "fp32")))
     recompute = "full" if c.get("activation_checkpointing") in (True, "full") else "none"
-    micro = int(c.get("micro_batch_size", c["global_batch_size"]))
-    setup = TrainSetup(shape=shape, global_batch_size=int(c["global_batch_size"]), seq_len=int(c["seq_len"]),
-                       micro_batch_size=micro, dtype=dtype, recompute=recompute,
-                       weight_bytes=4, grad_bytes=4, optimizer_bytes=8, reserved_bytes=0)
-    return setup, Layout(dp=world, zero_stage=3 if world > 1 else 0)
+    try:
+        world, batch = _config_int(c, "world_size", 1), _config_int(c, "global_batch_size")
+        strategy = c.get("strategy", "fsdp")
+        if strategy not in ZERO_STAGES:
+            raise ValueError(f"the run's parallel strategy is {strategy!r}; known: {', '.join(ZERO_STAGES)}")
+        setup = TrainSetup(shape=shape, global_batch_size=batch, seq_len=_config_int(c, "seq_len"),
+                           micro_batch_size=_config_int(c, "micro_batch_size", batch), dtype=dtype,
+                           recompute=recompute, weight_bytes=4, grad_bytes=4, optimizer_bytes=8,
+                           reserved_bytes=0)
+        check_positions(shape, "the run's seq_len", setup.seq_len)
+        return setup, Layout(dp=world, zero_stage=ZERO_STAGES[strategy] if world > 1 else 0)
+    except ValueError as e:
+        raise ValueError(f"{run.run_dir}: {e}") from None
+
+
+def _config_int(config: dict[str, Any], key: str, default: int | None = None) -> int:
+    """The run's config value `key` as an integer >= 1 (`default` when absent)."""
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"the run's {key} must be an integer >= 1, got {value!r}")
+    return value
 
 
 def train_run_work(run: TrainRun, accelerator: Accelerator, efficiency: Efficiency,

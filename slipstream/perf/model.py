@@ -411,6 +411,16 @@ def _recompute_flops(setup: TrainSetup) -> float:
     return 0.0
 
 
+def layout_error(setup: TrainSetup, layout: Layout) -> str | None:
+    """Why `layout` cannot run `setup` (its stages, tensor or context parallelism, or micro-batch
+    count), or None: what the planner skips a layout for, where every other error is the device's."""
+    try:
+        _check_layout(setup, layout)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _check_layout(setup: TrainSetup, layout: Layout) -> None:
     shape = setup.shape
     first, _, last = stage_layers(shape.num_layers, layout)

@@ -15,8 +15,8 @@ import math
 from typing import Any
 
 from slipstream.perf.accelerators import Accelerator
-from slipstream.perf.efficiency import Efficiency
-from slipstream.perf.model import Layout, TrainingPrediction, TrainSetup, predict_training
+from slipstream.perf.efficiency import Efficiency, default_efficiency
+from slipstream.perf.model import Layout, TrainingPrediction, TrainSetup, layout_error, predict_training
 from slipstream.perf.serving import ServeSetup, kv_capacity, static_batch, step_time
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -66,7 +66,15 @@ def plan_training(
     setup: TrainSetup, num_devices: int, accelerator: Accelerator, efficiency: Efficiency | None = None,
     top: int = 10,
 ) -> list[Plan]:
-    """Feasible layouts ranked by predicted tokens/s (fastest first), at most `top`."""
+    """Feasible layouts ranked by predicted tokens/s (fastest first), at most `top`.
+
+    ValueError, as `predict_training` words it, for what no layout can change: a dtype with no
+    peak on the device, or more than one device on a device that lists no link; a layout is only
+    skipped for its own shape (`layout_error`) or for not fitting in memory.
+    """
+    accelerator.peak_flops(setup.dtype)
+    if num_devices > 1:
+        (efficiency or default_efficiency(accelerator)).intra_link(accelerator)
     plans = []
     for layout in candidate_layouts(setup, num_devices, accelerator):
         best = _best_for_layout(setup, layout, accelerator, efficiency)
@@ -82,12 +90,11 @@ def _best_for_layout(setup: TrainSetup, layout: Layout, accelerator: Accelerator
     best = None
     per_rank = setup.global_batch_size // layout.dp
     for micro in (m for m in MICRO_BATCH_SIZES if per_rank % m == 0):
+        if layout_error(dataclasses.replace(setup, micro_batch_size=micro), layout):
+            continue
         for recompute in RECOMPUTE_ORDER:
             candidate = dataclasses.replace(setup, micro_batch_size=micro, recompute=recompute)
-            try:
-                prediction = predict_training(candidate, layout, accelerator, efficiency)
-            except ValueError:
-                break
+            prediction = predict_training(candidate, layout, accelerator, efficiency)
             if prediction.fits:
                 if best is None or prediction.step_time_s < best.prediction.step_time_s:
                     best = Plan(candidate, prediction)

@@ -36,11 +36,17 @@ CONFIG_KEYS = {
     "micro_batch_size": ("training.micro_batch_size", "training.local_batch_size", "micro_batch_size"),
     "dtype": ("training.dtype", "training.mixed_precision_param", "dtype"),
     "activation_checkpointing": ("parallel.activation_checkpointing", "activation_checkpoint.mode"),
+    "strategy": ("parallel.strategy", "strategy"),
 }
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Every line of `path` that is a JSON object; others are logged and skipped."""
+    return [record for _, record in _numbered_jsonl(path)]
+
+
+def _numbered_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) for every line of `path` that is a JSON object (see `read_jsonl`)."""
     records = []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
@@ -51,7 +57,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
             logger.warning("%s:%d: not JSON, skipped", path, number)
             continue
         if isinstance(value, dict):
-            records.append(value)
+            records.append((number, value))
         else:
             logger.warning("%s:%d: not a JSON object, skipped", path, number)
     return records
@@ -131,7 +137,7 @@ def read_train_run(run_dir: str | Path, warmup_steps: int = 2) -> TrainRun:
     if skipped:
         logger.warning("%s: %d train records without an integer step and a finite step time > 0, "
                        "skipped", metrics, skipped)
-    for key in ("world_size", "device", "dtype"):
+    for key in ("world_size", "device", "dtype", "strategy"):
         if key in run and key not in config:
             config[key] = run[key]
     return TrainRun(run_dir, config, times, run, {k: v for k, v in phases.items() if v})
@@ -192,14 +198,51 @@ def read_engine_steps(records: Iterable[Mapping[str, Any]]) -> list[EngineStep]:
     for r in records:
         if r.get("kind") != "engine_step":
             continue
-        phase, batch_size, step_s = r.get("phase"), r.get("batch_size"), _positive(r.get("step_s"))
-        length = r.get("prompt_len" if phase == "prefill" else "context_len")
-        if (phase not in ("prefill", "decode") or not _is_int(batch_size, 1) or step_s is None
-                or not _is_int(length, 1 if phase == "prefill" else 0)):
+        step = _engine_step(r)
+        if step is None:
             logger.warning("malformed engine_step record skipped: %s", r)
             continue
-        steps.append(EngineStep(phase, batch_size, length, step_s))
+        steps.append(step)
     return steps
+
+
+def read_engine_file(path: Path, max_batch_size: int | None = None,
+                     max_positions: int | None = None) -> list[EngineStep]:
+    """The engine steps of the JSON-lines file `path`, as `read_engine_steps` takes them, also
+    skipping those of more than `max_batch_size` sequences or `max_positions` positions (a prompt,
+    or a decode step's context and new token): each skipped record is logged with its file and
+    line, where one such record would otherwise abort the whole fit or roofline."""
+    steps = []
+    for number, r in _numbered_jsonl(path):
+        if r.get("kind") != "engine_step":
+            continue
+        step = _engine_step(r)
+        why = "malformed" if step is None else _out_of_range(step, max_batch_size, max_positions)
+        if why:
+            logger.warning("%s:%d: engine_step record skipped (%s): %s", path, number, why, r)
+            continue
+        steps.append(step)
+    return steps
+
+
+def _engine_step(r: Mapping[str, Any]) -> EngineStep | None:
+    """The record as an EngineStep, or None when it is malformed (see `read_engine_steps`)."""
+    phase, batch_size, step_s = r.get("phase"), r.get("batch_size"), _positive(r.get("step_s"))
+    length = r.get("prompt_len" if phase == "prefill" else "context_len")
+    if (phase not in ("prefill", "decode") or not _is_int(batch_size, 1) or step_s is None
+            or not _is_int(length, 1 if phase == "prefill" else 0)):
+        return None
+    return EngineStep(phase, batch_size, length, step_s)
+
+
+def _out_of_range(step: EngineStep, max_batch_size: int | None, max_positions: int | None) -> str | None:
+    """Why `step` is beyond the bounds, or None."""
+    if max_batch_size is not None and step.batch_size > max_batch_size:
+        return f"batch_size {step.batch_size:,} above {max_batch_size:,}"
+    positions = step.length + (step.phase == "decode")  # a decode step also holds its new token
+    if max_positions is not None and positions > max_positions:
+        return f"{positions:,} positions, more than the model's max_position_embeddings ({max_positions:,})"
+    return None
 
 
 def _is_int(value: Any, minimum: int) -> bool:

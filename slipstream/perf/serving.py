@@ -199,7 +199,7 @@ def _devices(
 
 def step_time(
     setup: ServeSetup, accelerator: Accelerator, *, prefill_lens: Sequence[int] = (),
-    decode_contexts: Sequence[int] = (), efficiency: Efficiency | None = None,
+    decode_contexts: Sequence[int] = (), efficiency: Efficiency | None = None, check_memory: bool = True,
 ) -> Work:
     """One engine step: prefill chunks of `prefill_lens` tokens (each from position 0) and one
     decode token for each sequence with `decode_contexts` cached positions, on one device.
@@ -208,8 +208,9 @@ def step_time(
     bandwidth is that of re-reading the bytes a step moves (`Accelerator.read_bandwidth`): above
     the memory's where they nearly fit in the last-level cache (a small model's decode on a CPU).
     ValueError for lengths below 1 or beyond the model's positions (a decode step needs its
-    context and one more) and for memory that does not fit (`check_weights_fit`,
-    `check_kv_budget_fits`).
+    context and one more) and, unless not `check_memory`, for memory that does not fit
+    (`check_weights_fit`, `check_kv_budget_fits`): a what-if device with more memory asks what
+    the step would take where it does fit, and reports the fit itself.
     """
     for name, values in (("prefill_lens", prefill_lens), ("decode_contexts", decode_contexts)):
         for value in values:
@@ -219,8 +220,9 @@ def step_time(
     if decode_contexts:  # a decode step's sequence holds its context and the new token
         context = max(decode_contexts)
         check_positions(setup.shape, f"decode_contexts {context} (and the new token)", context + 1)
-    check_weights_fit(setup, accelerator)
-    check_kv_budget_fits(setup, accelerator)
+    if check_memory:
+        check_weights_fit(setup, accelerator)
+        check_kv_budget_fits(setup, accelerator)
     work = _step_work(setup, accelerator, prefill_lens, decode_contexts, efficiency)
     bandwidth = accelerator.read_bandwidth(work.memory_bytes)
     if bandwidth == accelerator.memory_bandwidth_bytes_per_s:
