@@ -12,9 +12,15 @@ import tokenizers
 import tokenizers.processors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from train_fixtures import qwen2_style_tokenizer
 
 from slipstream.corpus import stdlib_files
-from slipstream.model.tokenizer import IncrementalDetokenizer, Tokenizer, train_tokenizer
+from slipstream.model.tokenizer import (
+    IncrementalDetokenizer,
+    Tokenizer,
+    pipeline_differences,
+    train_tokenizer,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -130,6 +136,41 @@ def llama3_dir(saved_dir, tmp_path_factory) -> Path:
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
+
+
+@pytest.fixture(scope="session")
+def qwen2_style_dir(tmp_path_factory) -> Path:
+    """A tokenizer with the pipeline of Qwen2's own files, saved as a Qwen2 model dir names it."""
+    path = tmp_path_factory.mktemp("qwen2_style")
+    qwen2_style_tokenizer(stdlib_files()[::40], VOCAB_SIZE).save_pretrained(path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "Qwen2Tokenizer"}))
+    return path
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("source", ["chatml", "qwen2_style"])
+def test_model_directories_of_each_family_encode_as_auto_tokenizer(model_type, source, saved_dir,
+                                                                   qwen2_style_dir, tmp_path):
+    """The reference is AutoTokenizer on the same directory: for a qwen2 model, transformers 5
+    builds Qwen2Tokenizer's own pipeline (NFC, Qwen2's split) whatever tokenizer_config.json names,
+    so the byte-level BPE trained here (GPT-2's split) gets other ids there than read as it is;
+    slipstream does the same (it read the file as it is). A Qwen2-style file reads the same
+    either way, so `pipeline_differences` finds nothing to report for it."""
+    path = tmp_path / "model"
+    shutil.copytree(saved_dir if source == "chatml" else qwen2_style_dir, path)
+    (path / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": ["X"]}))
+    ours, hf = Tokenizer.from_pretrained(path), transformers.AutoTokenizer.from_pretrained(path)
+    texts = [*TEXTS, "cafe\u0301 ﬁ Ⅻ ½ ｆｕｌｌ", "don't I'LL 2024-06-01 x=12345;\r\n\r\n  y"]
+    for text in texts:
+        assert ours.encode(text) == hf(text)["input_ids"], (model_type, text)
+        assert ours.decode(ours.encode(text)) == hf.decode(hf(text)["input_ids"])
+    as_is = Tokenizer.from_pretrained(saved_dir if source == "chatml" else qwen2_style_dir)
+    differences = pipeline_differences(as_is, ours)
+    assert differences == (["normalizer", "pre_tokenizer"] if (model_type, source) == ("qwen2", "chatml")
+                           else [])
+    if differences:
+        assert any(as_is.encode(text) != ours.encode(text) for text in texts)
 
 
 def test_encode_matches_transformers(tokenizer, hf_tokenizer):

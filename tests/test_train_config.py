@@ -4,6 +4,7 @@ failing at start with a message that names the field."""
 from __future__ import annotations
 
 import re
+import tomllib
 
 import pytest
 
@@ -91,3 +92,44 @@ def test_bad_configs_fail_at_trainer_start(tmp_path, data_dir):
     with pytest.raises(ValueError, match="training.global_batch_size"):
         Trainer(indivisible)
     assert not (tmp_path / "run").exists()
+
+
+STRANGE_PATHS = ["runs/a\nb", "tab\there", "cr\rlf", "bell\x07\x1f\x7f", 'quote"and\\back', "données/走る/🙂"]
+
+
+@pytest.mark.parametrize("path", STRANGE_PATHS)
+def test_strings_with_control_characters_round_trip_through_toml(path, tmp_path):
+    """Control characters (DEL included) are escaped and other characters kept, so the run dir's
+    config.toml is valid TOML (tomllib is the reference) and reads back to the same config: a
+    rerun with a path holding a newline resumes."""
+    config = load_config(None, [f"--data.path={path}", f"--run.dir={path}/run", f"--model.path={path}"])
+    text = config.to_toml()
+    assert tomllib.loads(text)["data"]["path"] == path
+    saved = tmp_path / "config.toml"
+    saved.write_text(text, encoding="utf-8")
+    assert load_config(saved) == config
+
+
+def test_a_string_toml_cannot_hold_is_a_value_error():
+    """A lone surrogate (an undecodable byte of a file name) has no TOML form."""
+    config = load_config(None, ["--data.path=bad\udcffname"])
+    with pytest.raises(ValueError, match="bad.udcffname"):
+        config.to_toml()
+
+
+def test_errors_from_a_config_file_name_the_file(tmp_path):
+    """A file that is not UTF-8, or holds an unknown section or a bad value, is reported with its
+    path: it may be the run dir's saved config.toml, which the command line does not name."""
+    path = tmp_path / "config.toml"
+    path.write_bytes(b"[data]\npath = \"caf\xe9\"\n")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))} is not UTF-8 text"):
+        load_config(path)
+    path.write_text("[trainig]\nsteps = 5\n")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: unknown config section \\[trainig\\]"):
+        load_config(path)
+    path.write_text("[training]\nsteps = 0\n")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: training.steps must be a positive"):
+        load_config(path)
+    path.write_text("[training]\nsteps = 5\n")  # an override's error names no file
+    with pytest.raises(ValueError, match="^training.steps must be a positive"):
+        load_config(path, ["--training.steps=0"])

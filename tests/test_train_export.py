@@ -4,15 +4,20 @@ transformers and slipstream's serving engine both load and agree on."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_fixtures import small_config
+from train_fixtures import VOCAB_SIZE, corpus, model_dir, qwen2_style_tokenizer, small_config
 
 from slipstream.cli import main
 from slipstream.model import load_model
+from slipstream.model.tokenizer import Tokenizer
 from slipstream.train.checkpoint import load_model_state
+from slipstream.train.data import prepare_dataset
+from slipstream.train.export import export_run
 from slipstream.train.trainer import Trainer
 
 pytest_plugins = ["train_fixtures"]
@@ -71,3 +76,66 @@ def test_export_of_an_earlier_step(trained_run, tmp_path):
     assert all(torch.equal(exported[k], saved[k]) for k in saved)
     assert json.loads((out / "config.json").read_text())["vocab_size"] == 320
     assert main(["export", str(trained_run), str(tmp_path / "x"), "--step", "7"]) == 2
+
+
+def test_export_never_writes_over_the_run(trained_run, tmp_path):
+    """An export directory that is the run, holds it, or lies in its checkpoints or tokenizer
+    (symbolic links resolved) is refused before anything is written, with --overwrite too: it
+    replaced the run's checkpoints, metrics and config (or every run beside it) with the export."""
+    runs = tmp_path / "runs"
+    run = runs / "myrun"
+    shutil.copytree(trained_run, run)
+    (runs / "notes.txt").write_text("mine")
+    (tmp_path / "link").symlink_to(run)
+    before = {p.relative_to(tmp_path).as_posix(): p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    for out in (run, tmp_path / "link", runs, tmp_path, run / "checkpoints", run / "checkpoints" / "hf",
+                run / "checkpoints" / "step-00000030", run / "tokenizer"):
+        with pytest.raises(ValueError, match=f"{re.escape(str(out))}.* would replace the training run "
+                                             f"{re.escape(repr(str(run)))}"):
+            export_run(run, out, overwrite=True)
+        assert main(["export", str(run), str(out), "--overwrite"]) == 2
+    assert {p.relative_to(tmp_path).as_posix(): p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
+    assert main(["export", str(run), str(run / "hf")]) == 0  # a new folder inside the run is fine
+
+
+TOKENIZATION_TEXTS = ["def foo(x):\n    return x\n", "It's 12345 apples; we'll SEE!!\n\n\n  ok  ",
+                      "caf\u00e9 cafe\u0301 \u4f60\u597d 🙂\r\n", "<|endoftext|>x<|endoftext|>"]
+
+
+def _train_and_export(data, model_type, tmp_path):
+    model = model_dir(tmp_path / f"{model_type}-model", data, model_type=model_type)
+    run = tmp_path / f"{model_type}-run"
+    Trainer(small_config(data, model, run, "--training.steps=2", "--checkpoint.save_final=true")).run()
+    return run
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_an_exported_model_is_tokenized_as_in_training(model_type, data_dir, tmp_path, caplog):
+    """AutoTokenizer (what transformers and vLLM use) gives an exported model of every family the
+    ids its data was tokenized with. For a qwen2 model transformers builds Qwen2Tokenizer's own
+    pipeline whatever the tokenizer files say, so data prepared with another byte-level BPE (the
+    default) cannot be exported as qwen2: the trainer warns at start and export refuses; data
+    prepared with a tokenizer of Qwen2's pipeline exports."""
+    transformers = pytest.importorskip("transformers")
+    run = _train_and_export(data_dir, model_type, tmp_path)
+    out = tmp_path / "exported"
+    if model_type == "qwen2":
+        assert "`slipstream export` will refuse this run" in caplog.text
+        with pytest.raises(ValueError, match="reads the tokenizer of a qwen2 model with its own normalizer "
+                                             "and pre_tokenizer"):
+            export_run(run, out)
+        assert not out.exists()
+        data = tmp_path / "qwen2-data"
+        prepare_dataset(data, qwen2_style_tokenizer([d.path for d in corpus()], VOCAB_SIZE), corpus(),
+                        heldout_fraction=0.1, progress=False)
+        caplog.clear()
+        run = _train_and_export(data, model_type, tmp_path / "qwen2-style")
+        assert "will refuse" not in caplog.text
+    export_run(run, out)
+    trained = Tokenizer.from_pretrained(run / "tokenizer")
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    served = Tokenizer.from_pretrained(out)
+    for text in [*TOKENIZATION_TEXTS, corpus()[0].path.read_text()]:
+        ids = trained.encode(text, add_special_tokens=False)
+        assert hf(text, add_special_tokens=False)["input_ids"] == ids
+        assert served.encode(text, add_special_tokens=False) == ids

@@ -18,7 +18,7 @@ import torch
 
 from slipstream.corpus import stdlib_files
 from slipstream.model import ModelConfig, Transformer, save_model
-from slipstream.model.tokenizer import train_tokenizer
+from slipstream.model.tokenizer import Tokenizer, train_tokenizer
 from slipstream.train.config import TrainConfig, load_config
 from slipstream.train.data import Document, prepare_dataset
 
@@ -56,9 +56,16 @@ def tied_model_dir(tmp_path_factory, data_dir) -> Path:
 
 
 def _model_dir(out: Path, data_dir: Path, *, tie_word_embeddings: bool) -> Path:
+    return model_dir(out, data_dir, tie_word_embeddings=tie_word_embeddings)
+
+
+def model_dir(out: Path, data_dir: Path, *, tie_word_embeddings: bool = False, model_type: str = "llama",
+              vocab_size: int = VOCAB_SIZE) -> Path:
+    """A randomly initialised 2-layer model of `model_type` (HF directory) with the tokenizer of
+    the dataset in `data_dir`."""
     config = ModelConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        model_type=model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         eos_token_id=0, pad_token_id=0, tie_word_embeddings=tie_word_embeddings,
     )
     model = Transformer(config)
@@ -83,3 +90,25 @@ def small_config(data_dir: Path, train_model_dir: Path, run_dir: Path, *extra: s
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def qwen2_style_tokenizer(files: list[Path], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE trained on `files` with the pipeline of Qwen2's tokenizer.json (NFC, the
+    Qwen2 split pattern taken from transformers, byte-level mapping without its own regex), which
+    transformers' Qwen2Tokenizer rebuilds as it is."""
+    import tokenizers
+    from tokenizers import decoders, normalizers, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tokenizers.Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train([str(f) for f in files], trainer)
+    return Tokenizer(backend, special_tokens={"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"})

@@ -28,7 +28,7 @@ from typing import Any
 
 import jinja2
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
 from slipstream.corpus import read_documents, select_files
 from slipstream.model.chat_template import CHATML_TEMPLATE, compile_chat_template, render_chat_template
@@ -132,8 +132,12 @@ class Tokenizer:
     # ---- loading and saving -------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
-        """Load `tokenizer.json`, `tokenizer_config.json`, chat template files and EOS ids."""
+    def from_pretrained(cls, model_dir: str | Path, *, model_type: str | None = None) -> Tokenizer:
+        """Load `tokenizer.json`, `tokenizer_config.json`, chat template files and EOS ids.
+
+        The ids are those of transformers' `AutoTokenizer`, which replaces parts of the file's
+        pipeline for some model types (config.json's `model_type`, or `model_type` when given:
+        how a model of that type would read these tokenizer files)."""
         model_dir = Path(model_dir)
         tokenizer_path = model_dir / "tokenizer.json"
         if not tokenizer_path.is_file():
@@ -146,12 +150,16 @@ class Tokenizer:
         config = _read_json(model_dir / "tokenizer_config.json")
         # As transformers 5: its own LlamaTokenizer for that class over a tokenizer.json that is
         # not byte-level, unless the model type registers another tokenizer (Mistral's reads the
-        # file as it is).
-        model_type = _read_json(model_dir / "config.json").get("model_type")
+        # file as it is); and its own Qwen2Tokenizer for every qwen2 model, whatever
+        # tokenizer_config.json names (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS).
+        if model_type is None:
+            model_type = _read_json(model_dir / "config.json").get("model_type")
         llama = (str(config.get("tokenizer_class") or "").removesuffix("Fast") == "LlamaTokenizer"
                  and model_type in (None, "llama") and '"ByteLevel"' not in spec)
         if llama:
             _use_llama_pipeline(hf_tokenizer, config)
+        elif model_type == "qwen2" and isinstance(hf_tokenizer.model, models.BPE):
+            _use_qwen2_pipeline(hf_tokenizer, config)
         special_tokens_map = _read_json(model_dir / "special_tokens_map.json")
         generation_config = _read_json(model_dir / "generation_config.json")
         max_length = config.get("model_max_length")
@@ -551,6 +559,56 @@ def _use_llama_pipeline(backend: tokenizers.Tokenizer, config: Mapping[str, Any]
     if add_prefix_space:
         steps.append(decoders.Strip(content=" ", left=1))
     backend.decoder = decoders.Sequence(steps)
+
+
+QWEN2_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+                           r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+"""Qwen2's pre-tokenizer split: letters with one leading non-letter, single digits, runs of
+punctuation, newlines and spaces."""
+
+
+def _use_qwen2_pipeline(backend: tokenizers.Tokenizer, config: Mapping[str, Any]) -> None:
+    """The pipeline transformers 5's `Qwen2Tokenizer` builds around a tokenizer.json's BPE vocab
+    and merges, whatever else the file holds: NFC normalization, the `QWEN2_PRETOKENIZE_REGEX`
+    split, byte-level mapping (`add_prefix_space`, default false), a byte-level decoder, and a
+    plain BPE (no dropout, unknown token, word affixes or byte fallback). A Qwen2 file holds that
+    pipeline already; any other tokenizer exported with a qwen2 model is tokenized this way by
+    transformers and vLLM. Model fields are set only where they change something, so that a file
+    with the pipeline keeps its own text (`pipeline_differences`)."""
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tokenizers.Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=bool(config.get("add_prefix_space")), use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
+    model = backend.model
+    for name, plain in (("dropout", None), ("unk_token", None), ("continuing_subword_prefix", None),
+                        ("end_of_word_suffix", None), ("fuse_unk", False), ("byte_fallback", False),
+                        ("ignore_merges", False)):
+        if getattr(model, name):
+            setattr(model, name, plain)
+
+
+_PIPELINE_PARTS = ("normalizer", "pre_tokenizer", "model", "decoder")
+
+
+def pipeline_differences(a: Tokenizer, b: Tokenizer) -> list[str]:
+    """The parts of the tokenization pipeline (normalizer, pre_tokenizer, model, decoder) in which
+    two tokenizers differ; settings that only move offsets (`trim_offsets`) are left out."""
+    def parts(tokenizer: Tokenizer) -> dict[str, Any]:
+        spec = json.loads(tokenizer.backend.to_str())
+        return {part: _without_key(spec.get(part), "trim_offsets") for part in _PIPELINE_PARTS}
+
+    ours, theirs = parts(a), parts(b)
+    return [part for part in _PIPELINE_PARTS if ours[part] != theirs[part]]
+
+
+def _without_key(value: Any, key: str) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_key(v, key) for k, v in value.items() if k != key}
+    if isinstance(value, list):
+        return [_without_key(v, key) for v in value]
+    return value
 
 
 def _starts_inside_a_character(data: bytes) -> bool:

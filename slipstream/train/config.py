@@ -331,17 +331,30 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     """
     values: dict[str, dict[str, Any]] = {}
     if path is not None:
-        try:
-            values = tomllib.loads(Path(path).read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"{path} is not valid TOML: {e}") from e
-        for section, table in values.items():
-            if not isinstance(table, dict):
-                raise ValueError(f"{path}: {section!r} must be a [section] table, not a value")
+        values = _read_toml(Path(path))
     for override in overrides:
         section, key, value = parse_override(override)
         values.setdefault(section, {})[key] = value
     return from_dict(values)
+
+
+def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
+    """The sections of a TOML config file, checked as a config; every error names the file (it
+    may be the run dir's saved config.toml, which the command line does not name)."""
+    try:
+        values = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (TOML files are): {e}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path} is not valid TOML: {e}") from e
+    for section, table in values.items():
+        if not isinstance(table, dict):
+            raise ValueError(f"{path}: {section!r} must be a [section] table, not a value")
+    try:
+        from_dict(values)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+    return values
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -395,6 +408,20 @@ def check_run(config: TrainConfig, world_size: int) -> None:
         )
     if config.model.path is not None and not (Path(config.model.path) / "config.json").is_file():
         raise ValueError(f"model.path {config.model.path!r} has no config.json")
+    _check_run_dir_apart(config)
+
+
+def _check_run_dir_apart(config: TrainConfig) -> None:
+    """ValueError when run.dir would write over the dataset: the trainer replaces RUN_DIR/tokenizer
+    with a copy of DATA/tokenizer, so the two must not be one folder or lie inside each other
+    (symbolic links resolved)."""
+    run_dir, data_dir = Path(config.run.dir).resolve(), Path(config.data.path).resolve()
+    data_tokenizer, run_tokenizer = data_dir / "tokenizer", run_dir / "tokenizer"
+    if (run_dir == data_dir or run_dir.is_relative_to(data_tokenizer)
+            or data_dir.is_relative_to(run_tokenizer)):
+        raise ValueError(f"run.dir {config.run.dir!r} and data.path {config.data.path!r} overlap (the run "
+                         f"would write over the dataset's tokenizer, {data_tokenizer}); choose a run.dir "
+                         "outside the dataset")
 
 
 RESUME_IDENTITY = (
@@ -488,8 +515,29 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return _toml_string(value)
     return repr(value)
+
+
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_string(value: str) -> str:
+    """`value` as a TOML basic string: quotes, backslashes and control characters (which TOML
+    does not allow raw, DEL included) escaped, other characters as they are (the file is UTF-8).
+    A lone surrogate (an undecodable byte of a file name) has no TOML form: ValueError."""
+    parts = []
+    for char in value:
+        if char in _TOML_ESCAPES:
+            parts.append(_TOML_ESCAPES[char])
+        elif char < " " or char == "\x7f":
+            parts.append(f"\\u{ord(char):04x}")
+        elif "\ud800" <= char <= "\udfff":
+            raise ValueError(f"{value!r} holds a character that is not Unicode text ({char!r}) and "
+                             "cannot be written to the run's config.toml")
+        else:
+            parts.append(char)
+    return '"' + "".join(parts) + '"'
 
 
 def _check(ok: bool, name: str, value: Any, expected: str) -> None:

@@ -49,6 +49,8 @@ split by an older rule is prepared again; its files stay readable)."""
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
 TOKENIZER_DIR = "tokenizer"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+"""What `_save_tokenizer` writes."""
 _DOCUMENTS_PER_BATCH = 64
 
 
@@ -121,7 +123,8 @@ def prepare_dataset(
     """Tokenize `documents` into `out_dir` and return its metadata; reuse what is already there.
 
     If `out_dir` already holds a dataset of the same documents (names and sizes), tokenizer and
-    held-out fraction, nothing is done.
+    held-out fraction, nothing is done, but for repairs: damaged split files are tokenized again,
+    and a tokenizer folder that is missing or no longer holds the tokenizer is written again.
     """
     if not 0 < heldout_fraction < 1:
         raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
@@ -136,8 +139,13 @@ def prepare_dataset(
     existing = _read_meta(out_dir)
     if existing is not None and existing.get("fingerprint") == fingerprint:
         damaged = _damaged_split_files(out_dir, existing)
+        tokenizer_problem = _tokenizer_problem(out_dir, existing)
         if not damaged:
-            logger.info("dataset in %s is up to date", out_dir)
+            if tokenizer_problem is not None:
+                logger.warning("writing the tokenizer of %s again: %s", out_dir, tokenizer_problem)
+                _replace_tokenizer(out_dir, tokenizer)
+            else:
+                logger.info("dataset in %s is up to date", out_dir)
             return existing
         logger.warning("preparing %s again: %s", out_dir, "; ".join(damaged))
     heldout = heldout_documents(documents, heldout_fraction)
@@ -229,6 +237,37 @@ def _save_tokenizer(tokenizer: Tokenizer, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
     generation = {"eos_token_id": list(tokenizer.eos_token_ids), "pad_token_id": tokenizer.pad_token_id}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def _tokenizer_problem(data_dir: Path, meta: dict[str, Any]) -> str | None:
+    """Why the tokenizer folder of a prepared dataset is not the tokenizer its metadata records
+    (a file missing, unreadable, another tokenizer), or None."""
+    tokenizer_dir = data_dir / TOKENIZER_DIR
+    missing = [name for name in _TOKENIZER_FILES if not (tokenizer_dir / name).is_file()]
+    if missing:
+        return f"{tokenizer_dir} has no {', '.join(missing)}"
+    try:
+        saved = Tokenizer.from_pretrained(tokenizer_dir)
+    except (OSError, ValueError) as e:
+        return f"{tokenizer_dir} is unreadable: {e}"
+    if _tokenizer_sha256(saved) != meta.get("tokenizer_sha256"):
+        return f"{tokenizer_dir} holds another tokenizer than the data was tokenized with"
+    return None
+
+
+def _replace_tokenizer(data_dir: Path, tokenizer: Tokenizer) -> None:
+    """Write the dataset's tokenizer folder again, beside it first, then swapped in."""
+    tmp = Path(tempfile.mkdtemp(dir=data_dir, prefix=".tmp-"))
+    try:
+        _save_tokenizer(tokenizer, tmp / TOKENIZER_DIR)
+        target = data_dir / TOKENIZER_DIR
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+        os.replace(tmp / TOKENIZER_DIR, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _tokenizer_sha256(tokenizer: Tokenizer) -> str:

@@ -2,7 +2,10 @@
 
 The result holds `config.json`, `model.safetensors`, the tokenizer the data was prepared with and
 `generation_config.json` (every end-of-sequence id), so `transformers.AutoModelForCausalLM`,
-`AutoTokenizer` and `slipstream.LLM` all load it.
+`AutoTokenizer` and `slipstream.LLM` all load it, and AutoTokenizer gives the ids the data was
+tokenized with: a run whose model type makes transformers build another tokenizer pipeline than
+its data's (`tokenization_mismatch`) is refused, and so is an export directory that would
+replace the run.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from pathlib import Path
 import torch
 
 from slipstream.model import ModelConfig, Transformer, save_model
+from slipstream.model.tokenizer import Tokenizer, pipeline_differences
 from slipstream.model.weights import new_model_dir
-from slipstream.train.checkpoint import find_checkpoint, load_model_state
+from slipstream.train.checkpoint import CHECKPOINTS_DIR, find_checkpoint, load_model_state
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +34,15 @@ def export_run(
     empty directory (or any, replaced whole, with `overwrite`), put in place only once complete
     (`new_model_dir`); returns the checkpoint directory it read."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
+    _check_apart(run_dir, out_dir)
     checkpoint_dir = find_checkpoint(run_dir, step)
     tokenizer_dir = run_dir / "tokenizer"
     if not (tokenizer_dir / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{tokenizer_dir} has no tokenizer.json; is {run_dir} a training run?")
     config = ModelConfig.from_pretrained(checkpoint_dir)
+    mismatch = tokenization_mismatch(tokenizer_dir, config.model_type)
+    if mismatch is not None:
+        raise ValueError(f"cannot export {run_dir}: {mismatch}")
     with torch.device("meta"):
         model = Transformer(config)
     model.load_state_dict(load_model_state(checkpoint_dir), strict=True, assign=True)
@@ -46,3 +54,33 @@ def export_run(
                 shutil.copy2(tokenizer_dir / name, staging / name)
     logger.info("exported %s to %s", checkpoint_dir, out_dir)
     return checkpoint_dir
+
+
+def tokenization_mismatch(tokenizer_dir: Path, model_type: str) -> str | None:
+    """Why a model of `model_type` exported with the tokenizer in `tokenizer_dir` would be fed
+    other ids by transformers' `AutoTokenizer` (and so vLLM, and slipstream's own `Tokenizer`,
+    which reads a model directory as it does) than the data was tokenized with, or None.
+    transformers builds its own pipeline for some model types whatever tokenizer_config.json
+    names (qwen2: Qwen2's pre-tokenizer and NFC; `Tokenizer.from_pretrained`), and a tokenizer
+    without that pipeline cannot be written so that it keeps its own."""
+    trained = Tokenizer.from_pretrained(tokenizer_dir)
+    served = Tokenizer.from_pretrained(tokenizer_dir, model_type=model_type)
+    differences = pipeline_differences(trained, served)
+    if not differences:
+        return None
+    return (f"transformers (AutoTokenizer, and so vLLM) reads the tokenizer of a {model_type} model with "
+            f"its own {' and '.join(differences)}, not those of the tokenizer the data was prepared with "
+            f"({tokenizer_dir}), so the model would be given other ids than it was trained on; prepare "
+            "the data with a tokenizer that has that model type's pipeline (`slipstream data prepare "
+            "--tokenizer MODEL_DIR` with the model's own directory) and train on it")
+
+
+def _check_apart(run_dir: Path, out_dir: Path) -> None:
+    """ValueError when writing `out_dir` would replace the run or what the export reads: the run
+    dir itself, a folder holding it, or a place inside its checkpoints or tokenizer (symbolic
+    links resolved)."""
+    run, out = run_dir.resolve(), out_dir.resolve()
+    read = (run / CHECKPOINTS_DIR, run / "tokenizer")
+    if run.is_relative_to(out) or any(out.is_relative_to(path) for path in read):
+        raise ValueError(f"the export directory {str(out_dir)!r} ({out}) would replace the training run "
+                         f"{str(run_dir)!r} ({run}) or part of it; export to a directory outside the run")

@@ -28,7 +28,9 @@ import contextlib
 import itertools
 import logging
 import math
+import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -48,6 +50,7 @@ from slipstream.train import checkpoint as ckpt
 from slipstream.train.config import TrainConfig, check_run, load_config, resume_changes
 from slipstream.train.cpu_kernels import use_onednn_linears
 from slipstream.train.data import TokenDataset, WindowLoader
+from slipstream.train.export import tokenization_mismatch
 from slipstream.train.faults import FaultInjector
 from slipstream.train.goodput import GoodputLedger
 from slipstream.train.metrics import MetricsLogger, peak_memory_bytes, perplexity, resolve_peak_flops
@@ -142,10 +145,14 @@ class Trainer:
         self.dataset = TokenDataset(config.data.path)
         self.tokenizer = Tokenizer.from_pretrained(self.dataset.tokenizer_dir)
         self.model_config = resolve_model_config(config, self.tokenizer)
+        if self.dist.is_main and (mismatch := tokenization_mismatch(self.dataset.tokenizer_dir,
+                                                                    self.model_config.model_type)):
+            logger.warning("`slipstream export` will refuse this run: %s", mismatch)
         self.mesh = build_mesh(self.dist)
         self.model = self._build_model()
         self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
         self.lr_scheduler = self._build_lr_scheduler(steps_taken=0)
+        _warn_about_warmup(config)
         # This run's settings of each parameter group (lr, betas, weight decay, ...), which a
         # loaded optimizer state would otherwise replace with the saving run's.
         self._optimizer_settings = [{k: v for k, v in group.items() if k != "params"}
@@ -153,13 +160,8 @@ class Trainer:
         self.accumulation_steps = config.training.global_batch_size // (
             self.dist.world_size * config.training.micro_batch_size
         )
-        self.train_loader = WindowLoader(
-            self.dataset.tokens("train"), seq_len=config.data.seq_len,
-            batch_size=config.training.micro_batch_size, rank=self.dist.rank,
-            world_size=self.dist.world_size, seed=config.data.seed, prefetch=config.data.prefetch,
-            pin_memory=self.device.type == "cuda", windows_per_step=config.training.global_batch_size,
-            vocab_size=self.dataset.vocab_size,
-        )
+        self.train_loader = build_train_loader(config, self.dataset, self.dist.rank, self.dist.world_size,
+                                               pin_memory=self.device.type == "cuda")
         self._held.callback(self.train_loader.close)
         self.val_loader = self._build_val_loader()
         self.flops_per_token = train_flops_per_token(self.model_config, config.data.seq_len)
@@ -192,6 +194,7 @@ class Trainer:
             logger.warning("restart %d after %d attempt(s) without a checkpoint: waiting %.1fs",
                            restart_count(), failures, self._backoff_s)
             self.preemption.wait(self._backoff_s)
+        check_backend(config.parallel.backend, device_type, int(os.environ.get("WORLD_SIZE", "1")))
         was_initialized = torch.distributed.is_initialized()
         self.dist: DistInfo = init_distributed(device_type, config.parallel.backend)
         if torch.distributed.is_initialized() and not was_initialized:
@@ -309,11 +312,9 @@ class Trainer:
 
     def _write_run_dir(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.toml").write_text(self.config.to_toml())
+        (self.run_dir / "config.toml").write_text(self.config.to_toml(), encoding="utf-8")
         self.model_config.save_pretrained(self.run_dir / "model")
-        tokenizer_dir = self.run_dir / "tokenizer"
-        shutil.rmtree(tokenizer_dir, ignore_errors=True)
-        shutil.copytree(self.dataset.tokenizer_dir, tokenizer_dir)
+        copy_tokenizer(self.dataset.tokenizer_dir, self.run_dir / RUN_TOKENIZER_DIR)
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -662,6 +663,18 @@ def resolve_model_config(config: TrainConfig, tokenizer: Tokenizer) -> ModelConf
     return model_config.replace(dtype="float32")
 
 
+def build_train_loader(config: TrainConfig, dataset: TokenDataset, rank: int, world_size: int, *,
+                       pin_memory: bool = False) -> WindowLoader:
+    """Rank `rank`'s loader of the training split (ValueError when the split is shorter than one
+    step); its prefetch thread starts with the first batch."""
+    return WindowLoader(
+        dataset.tokens("train"), seq_len=config.data.seq_len, batch_size=config.training.micro_batch_size,
+        rank=rank, world_size=world_size, seed=config.data.seed, prefetch=config.data.prefetch,
+        pin_memory=pin_memory, windows_per_step=config.training.global_batch_size,
+        vocab_size=dataset.vocab_size,
+    )
+
+
 def initial_state(config: TrainConfig, model_config: ModelConfig) -> dict[str, torch.Tensor]:
     """The full fp32 starting weights: a seeded initialisation, or the model dir's weights."""
     if config.model.path is not None:
@@ -675,6 +688,52 @@ def initial_state(config: TrainConfig, model_config: ModelConfig) -> dict[str, t
     return model.state_dict()
 
 
+RUN_TOKENIZER_DIR = "tokenizer"
+TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                             "special_tokens_map.json", "chat_template.jinja"})
+"""What a run's copy of its data's tokenizer may hold: a folder with anything else in it was not
+written by a run, and is not replaced."""
+
+
+def copy_tokenizer(source: Path, target: Path) -> None:
+    """Put a copy of the tokenizer folder `source` at `target`, replacing the copy an earlier
+    attempt of the run wrote there. The copy is made beside `target` and swapped in, and a folder
+    at `target` that holds anything but tokenizer files, or is no plain folder, is left alone
+    (ValueError): whatever happens, this deletes nothing but an earlier copy."""
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise ValueError(f"run.dir's {target} is not a tokenizer folder a run wrote (it is no plain "
+                         "folder); move it away or choose another run.dir")
+    existing = target.iterdir() if target.exists() else ()
+    others = sorted(p.name for p in existing if p.name not in TOKENIZER_FILES)
+    if others:
+        raise ValueError(f"run.dir's {target} is not a tokenizer folder a run wrote (it holds {others}); "
+                         "move it away or choose another run.dir")
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        for path in source.iterdir():
+            if path.name in TOKENIZER_FILES and path.is_file():
+                shutil.copy2(path, staging / path.name)
+        if target.exists():
+            old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-old-"))
+            os.replace(target, old / target.name)
+            os.replace(staging, target)
+            shutil.rmtree(old)
+        else:
+            os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _warn_about_warmup(config: TrainConfig) -> None:
+    """A warm-up as long as the run never reaches optimizer.lr; a longer one is also cut to the
+    run's length (`optim.WarmupDecay`, as torchtitan)."""
+    warmup, steps = config.schedule.warmup_steps, config.training.steps
+    if warmup >= steps:
+        logger.warning("schedule.warmup_steps (%d) >= training.steps (%d): the learning rate warms up "
+                       "for the whole run and never reaches optimizer.lr%s", warmup, steps,
+                       f"; the warm-up is cut to {steps} steps" if warmup > steps else "")
+
+
 def device_type_of(device: str) -> str:
     """The device type a `training.device` setting trains on ("auto": CUDA where available)."""
     if device == "auto":
@@ -682,6 +741,19 @@ def device_type_of(device: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("training.device is 'cuda' but no CUDA device is available")
     return device
+
+
+def check_backend(backend: str, device_type: str, world_size: int) -> None:
+    """ValueError when parallel.backend cannot join `world_size` ranks on `device_type`: NCCL
+    needs CUDA devices and a torch built with it (one rank joins no process group)."""
+    if world_size <= 1 or backend != "nccl":
+        return
+    if device_type != "cuda":
+        raise ValueError(f"parallel.backend is 'nccl', which needs CUDA devices, but the job trains on "
+                         f"{device_type} (training.device); use parallel.backend=gloo or auto")
+    if not torch.distributed.is_nccl_available():
+        raise ValueError("parallel.backend is 'nccl', but this torch is built without NCCL; "
+                         "use parallel.backend=gloo or auto")
 
 
 def _check_resumable(run_dir: Path, config: TrainConfig) -> list[str]:
