@@ -150,8 +150,9 @@ def test_unusual_shapes_match_transformers(case, make_hf_model, tmp_path):
 @pytest.mark.usefixtures("one_torch_thread")
 def test_linear_rope_scaling_extends_the_context_as_in_vllm(make_hf_model, tmp_path):
     """vLLM's context for a linear RoPE scaling is `max_position_embeddings` x factor (positions
-    are divided by the factor); a prompt past the unscaled range generates transformers' tokens,
-    and the tokenizer's `model_max_length` caps the context where it is smaller."""
+    are divided by the factor); a prompt past the unscaled range generates transformers' tokens.
+    A tokenizer's smaller `model_max_length` caps the unscaled length, before the factor (vLLM's
+    `_get_and_verify_max_len` gives 96 for 24 x 4, and 128 for a limit of 48 above the model's 32)."""
     hf = make_hf_model("llama", num_hidden_layers=2, max_position_embeddings=32, initializer_range=0.1,
                        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
                        vocab_size=TOKENIZER_VOCAB, rope_scaling={"rope_type": "linear", "factor": 4.0})
@@ -165,8 +166,9 @@ def test_linear_rope_scaling_extends_the_context_as_in_vllm(make_hf_model, tmp_p
     [output] = llm.generate([prompt], params, use_tqdm=False)
     assert list(output.outputs[0].token_ids) == _reference(hf, [prompt])[0]
 
-    tokenizer.model_max_length = 48
-    tokenizer.save_pretrained(tmp_path)
-    assert LLM(str(tmp_path), dtype="float32", block_size=16).engine.limits.max_model_len == 48
-    with pytest.raises(ValueError, match="max_model_len 64 exceeds the model's 48"):
-        LLM(str(tmp_path), dtype="float32", max_model_len=64)
+    for model_max_length, expected in ((24, 96), (48, 128)):
+        tokenizer.model_max_length = model_max_length
+        tokenizer.save_pretrained(tmp_path)
+        assert LLM(str(tmp_path), dtype="float32", block_size=16).engine.limits.max_model_len == expected
+    with pytest.raises(ValueError, match="max_model_len 129 exceeds the model's 128"):
+        LLM(str(tmp_path), dtype="float32", max_model_len=129)

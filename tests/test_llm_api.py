@@ -522,7 +522,7 @@ def test_logprobs_minus_one_is_the_whole_vocabulary_as_in_vllm(model_dir, llm, t
         check_position(output.prompt_logprobs[p], reference[p - 1], prompt[p], VOCAB_SIZE, tokenizer)
     for i, (position, chosen) in enumerate(zip(completion.logprobs, completion.token_ids, strict=True)):
         check_position(position, reference[len(prompt) - 1 + i], chosen, VOCAB_SIZE, tokenizer)
-    with pytest.raises(ValueError, match="max_logprobs must be a positive integer, or -1 for no limit"):
+    with pytest.raises(ValueError, match="max_logprobs must be an integer >= 0, or -1 for no limit"):
         LLM(model_dir, max_logprobs=-2)
 
 

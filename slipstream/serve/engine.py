@@ -140,8 +140,8 @@ class EngineConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         logprobs = self.max_logprobs
-        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or (logprobs < 1 and logprobs != -1):
-            raise ValueError(f"max_logprobs must be a positive integer, or -1 for no limit, got {logprobs!r}")
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {logprobs!r}")
         length = self.max_model_len
         if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 2):
             raise ValueError(f"max_model_len must be an integer of at least 2, got {length!r}")
@@ -763,15 +763,15 @@ def _check_model_dir(model: object) -> None:
 
 def _model_max_len(model_config: ModelConfig, tokenizer: Tokenizer) -> int:
     """The longest sequence the model takes, derived as vLLM's `_get_and_verify_max_len` does:
-    `max_position_embeddings`, times the factor of a linear RoPE scaling (whose positions are
-    divided by it; llama3 scaling keeps the original range), capped by the tokenizer's
-    `model_max_length` where it names one."""
+    `max_position_embeddings`, capped by the tokenizer's `model_max_length` where it names one,
+    then times the factor of a linear RoPE scaling (whose positions are divided by it; llama3
+    scaling keeps the original range)."""
     max_len = model_config.max_position_embeddings
+    if tokenizer.model_max_length is not None:
+        max_len = min(max_len, tokenizer.model_max_length)
     scaling = model_config.rope_scaling
     if scaling is not None and scaling.rope_type == "linear":
         max_len = int(max_len * scaling.factor)
-    if tokenizer.model_max_length is not None:
-        max_len = min(max_len, tokenizer.model_max_length)
     return max_len
 
 
