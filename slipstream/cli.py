@@ -390,8 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="measure again instead of using the cache")
     for name, function, groups, help in _PERF_COMMANDS:
         p = _add(perf, name, _perf, help)
-        p.set_defaults(perf_function=function)
         _perf_arguments(p, groups)
+        # A command refuses an option its path would drop, when it is set to other than this.
+        p.set_defaults(perf_function=function, default_of=p.get_default)
     return parser
 
 

@@ -114,6 +114,22 @@ def _count(size_bytes: int, n: int) -> int:
     return max(size_bytes // 4 // n * n, n)
 
 
+def distinct_sizes(sizes_bytes: Sequence[int], n: int) -> list[int]:
+    """The sizes, the first of each group that rounds to one message (`_count`): each would be
+    timed again and fitted as a second point of one size."""
+    first: dict[int, int] = {}
+    for size in sizes_bytes:
+        first.setdefault(_count(size, n), size)
+    return list(first.values())
+
+
+def fit_warnings(fits: Sequence[AlphaBetaFit]) -> list[str]:
+    """One line per fit that found no bandwidth (its larger messages were not slower)."""
+    return [f"warning: the {f.collective} fit over {f.num_ranks} ranks failed: its larger messages were "
+            "not slower (noise, or sizes too close), so it has no bandwidth; measure more --iterations "
+            "or sizes further apart" for f in fits if f.busbw_bytes_per_s is None]
+
+
 def _operation(name: str, size_bytes: int, n: int, device: Any) -> Any:
     """A zero-argument callable running collective `name` on `_count(size_bytes, n)` fp32s."""
     import torch
@@ -174,7 +190,11 @@ def format_report(timings: Sequence[Timing], fits: Sequence[AlphaBetaFit], error
                      f"{d['algbw_bytes_per_s'] / 1e9:>12.3f}{d['busbw_bytes_per_s'] / 1e9:>12.3f}")
     lines.append(f"{'fit':<16}{'ranks':>6}{'alpha us':>12}{'busbw GB/s':>12}{'max err':>10}")
     for f in fits:
-        lines.append(f"{f.collective:<16}{f.num_ranks:>6}{1e6 * f.alpha_s:>12.1f}"
-                     f"{f.busbw_bytes_per_s / 1e9:>12.3f}{100 * f.max_relative_error:>9.1f}%")
+        row = f"{f.collective:<16}{f.num_ranks:>6}{1e6 * f.alpha_s:>12.1f}"
+        if f.busbw_bytes_per_s is None:
+            lines.append(row + "  unbounded (fit failed)")
+        else:
+            lines.append(row + f"{f.busbw_bytes_per_s / 1e9:>12.3f}{100 * f.max_relative_error:>9.1f}%")
+    lines += fit_warnings(fits)
     lines += [f"not measured: {name}: {why}" for name, why in errors.items()]
     return "\n".join(lines)

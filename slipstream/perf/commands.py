@@ -229,15 +229,6 @@ def serve(args: argparse.Namespace) -> Result:
     return "\n".join(lines), d
 
 
-_CLI_DEFAULTS: dict[str, Any] = {
-    "batch": "1,8,32", "context": 1024, "input_len": 1024, "output_len": 256, "max_num_seqs": 256,
-    "devices": 8, "global_batch": 256, "seq_len": 8192, "micro_batch": 1, "recompute": "none",
-    "attention": "flash", "pointwise": "eager", "mixed_precision": "autocast",
-    "pp": 1, "cp": 1, "vp": 1, "zero": 1, "no_sp": False,
-}
-"""The CLI's defaults of the options that only one path of `plan` or `whatif` reads: a value other
-than these was asked for (tests/test_perf_serve_cli.py holds them to the parser's)."""
-
 _TRAINING_OPTIONS = ("global_batch", "seq_len", "micro_batch", "recompute", "attention", "pointwise",
                      "mixed_precision")
 _LAYOUT_OPTIONS = ("devices", "pp", "cp", "vp", "zero", "no_sp")
@@ -246,9 +237,10 @@ _REQUEST_OPTIONS = ("input_len", "output_len", "max_num_seqs")
 
 def _refuse_unread(args: argparse.Namespace, names: tuple[str, ...], why: str) -> None:
     """ValueError, worded as argparse's, for the first option of `names` set to other than its
-    default: the command's path would drop it; `why` says so."""
+    default (`args.default_of`, the parser's `get_default`): the command's path would drop it; `why`
+    says so."""
     for name in names:
-        if getattr(args, name, _CLI_DEFAULTS[name]) != _CLI_DEFAULTS[name]:
+        if hasattr(args, name) and getattr(args, name) != args.default_of(name):
             raise ValueError(f"argument --{name.replace('_', '-')}: not allowed {why}")
 
 
@@ -351,13 +343,13 @@ def what_if(args: argparse.Namespace) -> Result:
     if per_user is not None and not per_user > 0:
         raise ValueError(f"--target-tokens-per-s-per-user must be > 0, got {per_user}")
     setup = _serve_setup(args)
+    room = [_kv_room(setup, a, args.hardware, args.context) for a in (acc, scaled)]
     lines, cases = [], []
     for batch in _ints(args.batch, "--batch", MAX_DECODE_BATCH):
         # Priced where it fits or not: the fit is reported, and a larger memory_capacity may make it.
         def workload(a, batch=batch):
             return serving.step_time(setup, a, decode_contexts=[args.context] * batch, efficiency=eff,
                                      check_memory=False)
-        room = [_kv_room(setup, a, args.hardware, args.context) for a in (acc, scaled)]
         fit_line = (f"  KV cache holds {room[0]:,} such sequences: {_fit_word(batch <= room[0])} -> "
                     f"{room[1]:,}: {_fit_word(batch <= room[1])}")
         label = f"decode step (batch {batch}, context {args.context}) of {args.model}"
@@ -436,30 +428,18 @@ def collectives(args: argparse.Namespace) -> Result:
 
     if args.world_size < 2:
         raise ValueError(f"--world-size must be >= 2, got {args.world_size}")
-    # Each size is measured as whole fp32 elements, a multiple of the ranks (`_count`): sizes that
-    # round to the same message would be timed twice and fitted as two points of one size.
-    sizes: dict[int, int] = {}
-    for size in _ints(args.sizes, "--sizes"):
-        sizes.setdefault(collectives_bench._count(size, args.world_size), size)
+    sizes = collectives_bench.distinct_sizes(_ints(args.sizes, "--sizes"), args.world_size)
     if len(sizes) < 2:
         raise ValueError(f"--sizes {args.sizes}: the alpha-beta fit needs at least two distinct message "
-                         f"sizes; over {args.world_size} ranks these are all {4 * min(sizes)} bytes "
-                         "(whole fp32 elements, a multiple of the ranks)")
-    timings, errors = collectives_bench.measure(args.world_size, args.backend, list(sizes.values()),
+                         f"sizes, and over {args.world_size} ranks these are one message (whole fp32 "
+                         "elements, a multiple of the ranks)")
+    timings, errors = collectives_bench.measure(args.world_size, args.backend, sizes,
                                                 iterations=args.iterations)
     fits = collectives_bench.fit(timings)
-    failed = [f for f in fits if f.busbw_bytes_per_s is None]
-    warnings = [f"warning: the {f.collective} fit over {f.num_ranks} ranks failed: its larger messages "
-                "were not slower (noise, or sizes too close), so it has no bandwidth; measure more "
-                "--iterations or sizes further apart" for f in failed]
-    bounded = [f for f in fits if f not in failed]
-    lines = collectives_bench.format_report(timings, bounded, errors).splitlines()
-    at = len(lines) - len(errors)  # the fit rows end where the "not measured" lines begin
-    lines[at:at] = [f"{f.collective:<16}{f.num_ranks:>6}{1e6 * f.alpha_s:>12.1f}  unbounded (fit failed)"
-                    for f in failed] + warnings
-    d = {"timings": [t.to_dict() for t in timings], "errors": errors, "warnings": warnings,
+    d = {"timings": [t.to_dict() for t in timings], "errors": errors,
+         "warnings": collectives_bench.fit_warnings(fits),
          "fits": [dataclasses.asdict(f) | {"busbw_bytes_per_s": f.busbw_bytes_per_s} for f in fits]}
-    return "\n".join(lines), d
+    return collectives_bench.format_report(timings, fits, errors), d
 
 
 def validate(args: argparse.Namespace) -> Result:

@@ -194,16 +194,7 @@ def read_engine_steps(records: Iterable[Mapping[str, Any]]) -> list[EngineStep]:
     """Engine step records (`kind: "engine_step"`); malformed ones (a phase other than prefill or
     decode, a batch size that is no integer >= 1, a prompt of no tokens, a step time that is no
     finite number > 0) are logged and skipped."""
-    steps = []
-    for r in records:
-        if r.get("kind") != "engine_step":
-            continue
-        step = _engine_step(r)
-        if step is None:
-            logger.warning("malformed engine_step record skipped: %s", r)
-            continue
-        steps.append(step)
-    return steps
+    return _engine_steps((f"record {i}", r) for i, r in enumerate(records, 1))
 
 
 def read_engine_file(path: Path, max_batch_size: int | None = None,
@@ -212,14 +203,21 @@ def read_engine_file(path: Path, max_batch_size: int | None = None,
     skipping those of more than `max_batch_size` sequences or `max_positions` positions (a prompt,
     or a decode step's context and new token): each skipped record is logged with its file and
     line, where one such record would otherwise abort the whole fit or roofline."""
+    return _engine_steps(((f"{path}:{number}", r) for number, r in _numbered_jsonl(path)),
+                         max_batch_size, max_positions)
+
+
+def _engine_steps(located: Iterable[tuple[str, Mapping[str, Any]]], max_batch_size: int | None = None,
+                  max_positions: int | None = None) -> list[EngineStep]:
+    """The engine steps among (where, record) pairs, each record skipped logged with its `where`."""
     steps = []
-    for number, r in _numbered_jsonl(path):
+    for where, r in located:
         if r.get("kind") != "engine_step":
             continue
         step = _engine_step(r)
         why = "malformed" if step is None else _out_of_range(step, max_batch_size, max_positions)
         if why:
-            logger.warning("%s:%d: engine_step record skipped (%s): %s", path, number, why, r)
+            logger.warning("%s: engine_step record skipped (%s): %s", where, why, r)
             continue
         steps.append(step)
     return steps
