@@ -100,4 +100,6 @@ def _save_tokenizer(tokenizer: Tokenizer, model_dir: Path) -> None:
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "slipstream"
+    """`$XDG_CACHE_HOME/slipstream`, or `~/.cache/slipstream` where it is unset or empty (as the
+    XDG spec and the kernel and calibration caches read it)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slipstream"
