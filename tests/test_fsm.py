@@ -32,6 +32,7 @@ PATTERNS = [
     r"[\d\s-]*",
     r"(a|b|)c*?",
     r"{}x{,2}",
+    r"a{,}b{1,x}c{²}",
     r"",
 ]
 
@@ -87,10 +88,35 @@ def dfa_walk(dfa: ByteDFA, data: bytes):
     (r"[^\x00-\U0010ffff]", "matches no text"),
     (r"(a{1,200}){1,400}", "regex too large"),
     ("(" * 5000 + "a" + ")" * 5000, "groups nest deeper than 100 levels"),  # a RecursionError, a 500
+    # a quantifier after a quantifier, refused as by re ("multiple repeat") and vLLM's xgrammar; the
+    # automaton's construction nested once per quantifier (1,000 of them were a RecursionError, a 500)
+    ("a**", "at position 2: multiple repeat"),
+    ("a{1}{1}", "at position 4: multiple repeat"),
+    ("a*??", "at position 3: multiple repeat"),
+    ("a" + "*" * 1000, "at position 2: multiple repeat"),
+    ("a" + "{0,1}" * 1000, "at position 6: multiple repeat"),
 ])
 def test_what_the_automaton_cannot_express_is_a_value_error(pattern, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         ByteDFA(pattern)
+
+
+@pytest.mark.parametrize("pattern", ["a**", "a{1}{1}", "a{0,1}{0,1}", "a*??", "a+*", "a{,}*"])
+def test_a_repeated_repeat_is_refused_as_re_refuses_it(pattern):
+    """The reference: Python's re calls each of these a multiple repeat."""
+    with pytest.raises(re.error, match="multiple repeat"):
+        re.compile(pattern)
+    with pytest.raises(ValueError, match="multiple repeat"):
+        ByteDFA(pattern)
+
+
+@pytest.mark.parametrize("pattern", ["a*?", "a+?b", "a??", "a{1,2}?", "(a*)*", "(?:a{2}){3}", "a*{",
+                                     "a{1,x}*"])
+def test_a_lazy_quantifier_or_a_grouped_repeat_is_no_multiple_repeat(pattern):
+    compiled = re.compile(pattern, re.ASCII)
+    dfa = ByteDFA(pattern)
+    for text in ("", "a", "aa", "aaaaaa", "ab", "a{", "a{,}", "a{,}a{,}"):
+        assert dfa.matches(text.encode()) == bool(compiled.fullmatch(text)), (pattern, text)
 
 
 def test_utf8_sequences_cover_exactly_the_code_points_of_a_range():

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
 from slipstream.serve.fsm import ByteDFA
-from slipstream.serve.json_schema import json_object_regex, schema_regex
+from slipstream.serve.json_schema import check_self_references, json_object_regex, schema_regex
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -173,6 +173,12 @@ def test_json_object_matches_json_objects_only():
     ({"type": "number", "minimum": 2, "maximum": 1}, "no number lies within the bounds"),
     ({"type": "number", "minimum": 1, "exclusiveMaximum": 1}, "no number lies within the bounds"),
     ({"type": "number", "minimum": 1e-70}, "more than 64 digits"),
+    # bounds past float's range (math.isfinite's OverflowError, a 500) and hostile JSON text
+    ({"type": "integer", "minimum": 10**400}, "more than 64 digits"),
+    ({"type": "number", "exclusiveMaximum": -(10**400)}, "more than 64 digits"),
+    ({"type": "number", "maximum": float("inf")}, "maximum must be a finite number"),
+    ("[" * 2000 + "]" * 2000, "not valid JSON: maximum recursion depth"),  # a RecursionError, a 500
+    ('{"minimum": ' + "1" * 5000 + "}", "not valid JSON: Exceeds the limit"),
     # keywords the regex used to drop: outputs the schema rejects
     ({"type": "object", "required": ["a"]}, "required properties without properties"),
     ({"type": "object", "properties": {"a": {}}, "anyOf": [{"required": ["a"]}]},
@@ -188,6 +194,32 @@ def test_json_object_matches_json_objects_only():
 def test_what_a_regex_cannot_enforce_is_a_value_error(schema, message):
     with pytest.raises(ValueError, match=message):
         schema_regex(schema)
+
+
+@pytest.mark.parametrize("schema, cycle", [
+    ({"$ref": "#"}, "# -> #"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]},
+     "#/properties/a -> #/properties/a"),
+    ({"allOf": [{"type": "object"}, {"$ref": "#"}]}, "# -> #/allOf/1 -> #"),
+    ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}},
+     "#/$defs/a -> #/$defs/b -> #/$defs/a"),
+    ({"$defs": {"a/b~": {"$ref": "#/$defs/a~1b~0"}}, "type": "string"}, "#/$defs/a~1b~0 -> #/$defs/a~1b~0"),
+    ('{"$ref": "#"}', "# -> #"),
+])
+def test_a_schema_that_is_part_of_itself_is_a_value_error(schema, cycle):
+    """A subschema that must be valid under itself before anything else (through $refs and allOf
+    alone) has no valid value; llguidance would start an output of it and strand it part-way."""
+    with pytest.raises(ValueError, match=re.escape(f"({cycle}), so no value is valid under it")):
+        check_self_references(schema)
+
+
+@pytest.mark.parametrize("schema", [
+    SCHEMAS["recursive"], {"$ref": "#/$defs/missing"}, {"$ref": "https://example.com/s.json"}, True,
+    {"type": "object", "properties": {"a": {"$ref": "#"}}},  # each level an object: values end
+    {"allOf": [{"$ref": "#/$defs/a"}, {"$ref": "#/$defs/a"}], "$defs": {"a": {"type": "string"}}},
+])
+def test_a_recursive_schema_whose_values_end_is_no_cycle(schema):
+    check_self_references(schema)
 
 PATTERNS = [r"^[0-9]{5}$", r'[a-z"\\]+', r"^a|bc$", r".{0,6}", r"(?:x\n|\t\x01|é😀)*", r"[^a-z]{2,4}"]
 

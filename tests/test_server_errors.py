@@ -83,13 +83,15 @@ CASES = [
      completion(bad_words=[f"w{i}" for i in range(MAX_STOP_STRINGS + 1)]), 400, "bad_words"),
     ("stream_options without stream", COMPLETIONS, completion(stream_options={"include_usage": True}), 400,
      "stream_options"),
+    ("stream_options with a null flag without stream", CHAT, chat(stream_options={"include_usage": None}),
+     400, "stream_options"),
     ("max_tokens 0 without echo", COMPLETIONS, completion(max_tokens=0), 400, "max_tokens"),
     ("max_tokens 0 in chat", CHAT, chat(max_tokens=0), 400, "max_tokens"),
     ("echo not a bool", COMPLETIONS, completion(echo="yes"), 400, "echo"),
     ("unknown model", COMPLETIONS, completion(model="gpt-4"), 404, "model"),
     ("empty messages", CHAT, chat(messages=[]), 400, "messages"),
     ("messages as a string", CHAT, chat(messages="hi"), 400, "messages"),
-    ("bad role", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages"),
+    ("a role that is no string", CHAT, chat(messages=[{"role": 5, "content": "hi"}]), 400, "messages"),
     ("image content part", CHAT, chat(messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), 400, "messages"),
     ("top_logprobs too high", CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
@@ -174,6 +176,38 @@ CASES = [
      "max_completion_tokens"),
     ("10 MB body", COMPLETIONS, completion(prompt="x" * 10 * 2**20), 413, None),
     ("unknown route", "/v1/engines", {}, 404, None),
+    # a quantifier after a quantifier: "multiple repeat" (as Python's re), not a RecursionError
+    *((f"regex of 'a' and {quantifier!r} x 1000", COMPLETIONS,
+       completion(structured_outputs={"regex": "a" + quantifier * 1000}), 400, "structured_outputs")
+      for quantifier in ("*", "{1}", "{0,1}")),
+    ("schema pattern of 'a' and '*' x 1000", CHAT, chat(response_format={"type": "json_schema", "json_schema":
+        {"name": "x", "schema": {"type": "string", "pattern": "a" + "*" * 1000}}}), 400, "response_format"),
+    ("tool parameter pattern of 'a' and '*' x 1000, streamed", CHAT, chat(
+        stream=True, tools=[{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "string", "pattern": "a" + "*" * 1000}}}}}],
+        tool_choice={"type": "function", "function": {"name": "f"}}), 400, "tool_choice"),
+    # hostile JSON inside string fields, and numbers past float's range
+    ("guided_json as a string of JSON nested 2,000 deep", COMPLETIONS,
+     completion(guided_json="[" * 2000 + "]" * 2000), 400, "guided_json"),
+    ("structured_outputs json as a string of JSON nested 2,000 deep", COMPLETIONS,
+     completion(structured_outputs={"json": "[" * 2000 + "]" * 2000}), 400, "structured_outputs"),
+    *((f"tool call arguments {name}{where}", path, body | {"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]},
+       400, "messages")
+      for name, arguments in (("nested 2,000 deep", "[" * 2000 + "]" * 2000), ("of 5,000 digits", "1" * 5000))
+      for where, path, body in (("", CHAT, OK_CHAT), (" on /tokenize", "/tokenize", {}))),
+    ("schema minimum past float's range", COMPLETIONS,
+     completion(structured_outputs={"json": {"type": "integer", "minimum": 10**400}}), 400,
+     "structured_outputs"),
+    ("schema maximum past float's range", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "number", "maximum": 10**400}}}), 400, "response_format"),
+    # a schema an output can start but never finish: a property that is only a $ref to itself
+    ("structured_outputs json with a property that is itself", COMPLETIONS,
+     completion(structured_outputs={"json": {"type": "object", "required": ["a"],
+                                             "properties": {"a": {"$ref": "#/properties/a"}}}}),
+     400, "structured_outputs"),
 ]
 
 
@@ -239,6 +273,19 @@ def test_null_fields_take_their_defaults(http):
     assert_openai_error(response, 400, "prompt")
 
 
+def test_what_vllm_accepts_is_accepted(http):
+    """vLLM 0.32 takes messages of any role (its custom-role messages: Llama 3.1's "ipython"),
+    top_logprobs 0 without logprobs (it refuses only a positive one) and an empty stream_options
+    without stream (it refuses only a non-empty one)."""
+    for path, body in ((CHAT, chat(messages=[{"role": "user", "content": "hi"},
+                                             {"role": "ipython", "content": "42"}])),
+                       (CHAT, chat(top_logprobs=0)), (CHAT, chat(stream_options={})),
+                       (COMPLETIONS, completion(stream_options={})),
+                       ("/tokenize", {"messages": [{"role": "function", "content": "x"}]})):
+        response = http.post(path, json=body)
+        assert response.status_code == 200, (body, response.text)
+
+
 def test_context_overflow_is_worded_as_openai_and_vllm(http):
     """Clients detect an overflow by OpenAI's code or by the phrase "maximum context length is N
     tokens" (vLLM's and OpenAI's wording), and read N from it."""
@@ -296,6 +343,31 @@ def test_tokenize_routes_leave_the_event_loop_free(model_dir, monkeypatch, path,
             release.set()
             call.join(30)
         assert result["response"].status_code == 200, result["response"].text
+
+
+@pytest.mark.parametrize("template, error", [
+    ("{% for i in range(10**9) %}x{% endfor %}", "OverflowError"),
+    ("{{ range(2**62) | list }}", "OverflowError"),
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{% macro m() %}{{ m() }}{% endmacro %}{{ m() }}", "RecursionError"),
+    ("{{ 'x' * 10**6 }}", "rendered 1,000,000 characters"),
+])
+def test_a_failing_request_template_is_a_400_naming_it(model_dir, template, error):
+    """A trusted request's chat template that fails in Python's arithmetic (the sandbox's range
+    limit, a division by zero), recurses without end, or writes far more text than the context
+    holds is a 400 naming the template, on chat and /tokenize, and the server serves on."""
+    api = OpenAIServer(Engine(EngineConfig(model=str(model_dir), max_model_len=64)),
+                       ServerConfig(port=0, trust_request_chat_template=True))
+    messages = [{"role": "user", "content": "hi"}]
+    with in_process(api) as url, httpx.Client(base_url=url, timeout=60) as client:
+        for path, body in ((CHAT, {"messages": messages, "max_tokens": 2, "chat_template": template}),
+                           ("/tokenize", {"messages": messages, "chat_template": template}),
+                           ("/tokenize", {"messages": messages,
+                                          "chat_template_kwargs": {"chat_template": template}})):
+            param = "chat_template_kwargs" if "chat_template_kwargs" in body else "chat_template"
+            message = assert_openai_error(client.post(path, json=body), 400, param)["message"]
+            assert "request's chat template" in message and error in message
+        assert client.post(CHAT, json={"messages": messages, "max_tokens": 2}).status_code == 200
 
 
 @contextlib.contextmanager

@@ -5,7 +5,9 @@ a recursive-descent recognizer)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import re
 import sys
 
@@ -360,3 +362,33 @@ def test_a_pattern_matches_the_whole_string_whichever_enforces_it(llm):
         assert finished
         for value in finished:
             assert re.fullmatch(pattern, value["s"]), value
+
+
+def test_a_schema_nested_past_pythons_stack_is_a_value_error():
+    """The parsers and writers recurse once per level: past Python's stack that is a ValueError
+    naming the field (a RecursionError was a 500), whatever the nesting."""
+    schema = functools.reduce(lambda inner, _: {"allOf": [inner]}, range(3000), {"type": "integer"})
+    with pytest.raises(ValueError, match="structured_outputs.json nests too deeply to compile"):
+        StructuredOutputsParams(json=schema)
+
+
+def test_a_grammar_that_strands_ends_the_output_with_a_warning(model_dir, caplog):
+    """llguidance finds no token that goes on after "a" (the rule `x` never ends): computing the
+    mask leaves its matcher in error, which the guide notices after that computation too (before,
+    it handed the sampler the mask llguidance left, as if the output could go on), logs and ends
+    the output with the end-of-sequence tokens."""
+    pytest.importorskip("llguidance")
+    from slipstream.model.tokenizer import Tokenizer
+    from slipstream.serve.structured import GrammarGuide, compile_grammar, grammar_tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    eos = [tokenizer.eos_token_id]
+    guide = GrammarGuide(compile_grammar('start: "a" x\nx: x "b"'),
+                         grammar_tokenizer(tokenizer.backend, len(tokenizer), eos), len(tokenizer), eos)
+    matcher = guide.start
+    [a] = tokenizer.encode("a", add_special_tokens=False)
+    assert guide.allowed_token_ids(matcher)[a]
+    matcher = guide.advance(matcher, a)
+    with caplog.at_level(logging.WARNING, logger="slipstream.serve.structured"):
+        assert list(guide.allowed_token_ids(matcher)) == eos
+    assert "llguidance stopped" in caplog.text

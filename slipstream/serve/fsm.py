@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 MAX_NFA_STATES = 50_000
 """A bound on the automaton's size (counted repetitions such as `{1,5000}` copy their body)."""
 
 _MAX_CODE_POINT = 0x10FFFF
+_DIGITS = re.compile("[0-9]*")
+"""A count's digits: ASCII ones, as `re` reads them."""
 _SURROGATES = (0xD800, 0xDFFF)
 _DIGIT = ((0x30, 0x39),)
 _WORD = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
@@ -138,28 +141,40 @@ class _Parser:
         return items[0] if len(items) == 1 else _Concat(tuple(items))
 
     def quantified(self, item):
-        while (char := self.peek()) is not None and char in "*+?{":
-            if char == "{":
-                bounds = self.counted()
-                if bounds is None:
-                    return item
-                low, high = bounds
-            else:
-                self.pos += 1
-                low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[char]
-            if self.peek() == "?":
-                self.pos += 1  # lazy: the same texts match
-            elif self.peek() == "+":
-                raise self.error("possessive quantifiers are not supported")
-            item = _Repeat(item, low, high)
-        return item
+        """`item` under the quantifier that follows it, if any. A quantifier right after another
+        (`a**`, `a{2}{3}`) is a ValueError, "multiple repeat" as Python's `re` and vLLM's xgrammar
+        backend refuse it: each would nest the automaton's construction one level deeper, past
+        Python's stack for a long run of them."""
+        bounds = self.quantifier()
+        if bounds is None:
+            return item
+        if self.peek() == "?":
+            self.pos += 1  # lazy: the same texts match
+        elif self.peek() == "+":
+            raise self.error("possessive quantifiers are not supported")
+        position = self.pos
+        if self.quantifier() is not None:
+            self.pos = position
+            raise self.error("multiple repeat (a quantifier cannot follow another; group the first)")
+        return _Repeat(item, *bounds)
+
+    def quantifier(self) -> tuple[int, int | None] | None:
+        """The bounds of the quantifier at the position (`*`, `+`, `?` or a count), taken; None where
+        there is none."""
+        char = self.peek()
+        if char == "{":
+            return self.counted()
+        if char is None or char not in "*+?":
+            return None
+        self.pos += 1
+        return {"*": (0, None), "+": (1, None), "?": (0, 1)}[char]
 
     def counted(self) -> tuple[int, int | None] | None:
-        """{m}, {m,}, {,n} or {m,n}; None where '{' is a literal (as in Python)."""
+        """{m}, {m,}, {,n}, {m,n} or {,}; None where '{' is a literal (as in Python)."""
         end = self.pattern.find("}", self.pos)
         body = self.pattern[self.pos + 1 : end] if end > 0 else ""
         low, comma, high = body.partition(",")
-        if end < 0 or not (low.isdigit() or (comma and high.isdigit()) or (comma and low.isdigit())):
+        if end < 0 or not (_DIGITS.fullmatch(low) and _DIGITS.fullmatch(high) and (low or comma)):
             return None
         if not comma:
             high = low

@@ -87,16 +87,86 @@ def json_object_regex() -> str:
     return _open_object(MAX_OPEN_DEPTH)
 
 
-def schema_regex(schema: Any) -> str:
-    """A regular expression whose matches are JSON texts valid under `schema` (a dict, or a JSON
-    string of one); a ValueError for what it cannot write."""
+def parsed_schema(schema: Any) -> Any:
+    """`schema` (a dict or a boolean), or the one a JSON string of it holds; a ValueError where it
+    is neither, and for JSON text nested past Python's stack or with an integer past int()'s
+    4,300 digits."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"the JSON schema is not valid JSON: {error}") from error
+        except (ValueError, RecursionError) as error:
+            raise ValueError(f"the JSON schema is not valid JSON: {str(error)[:200]}") from None
     if not isinstance(schema, (Mapping, bool)):
         raise ValueError(f"a JSON schema must be an object or a boolean, got {schema!r}")
+    return schema
+
+
+def check_self_references(schema: Any) -> None:
+    """A ValueError naming a subschema that is part of itself through `$ref`s and `allOf`s alone
+    (`{"$ref": "#"}`, a property whose schema is a `$ref` to that property): a value valid under
+    it would first have to be valid under it, so none is, and a grammar of it has a rule that
+    never produces a value (llguidance starts such an output and strands it part-way: `{"a": `).
+    Only local `$ref`s are followed; one that points nowhere is left to the schema's readers."""
+    root = parsed_schema(schema)
+    links: dict[str, list[str]] = {}
+    pending: list[tuple[str, Any]] = [("", root)]
+    while pending:  # every subschema's pointer, and the pointers it must also be valid under
+        pointer, node = pending.pop()
+        if isinstance(node, Mapping):
+            targets = [f"{pointer}/allOf/{i}" for i in range(len(node["allOf"]))
+                       ] if isinstance(node.get("allOf"), list) else []
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#") and _points_somewhere(root, ref[1:]):
+                targets.append(ref[1:])
+            if targets:
+                links[pointer] = targets
+            pending.extend((f"{pointer}/{_escaped(str(key))}", value) for key, value in node.items())
+        elif isinstance(node, list):
+            pending.extend((f"{pointer}/{i}", value) for i, value in enumerate(node))
+    done: set[str] = set()
+    for start in links:  # a depth-first search for a cycle, without recursion
+        if start in done:
+            continue
+        path, on_path, stack = [start], {start}, [iter(links[start])]
+        while stack:
+            target = next(stack[-1], None)
+            if target is None:
+                finished = path.pop()
+                on_path.discard(finished)
+                done.add(finished)
+                stack.pop()
+            elif target in on_path:
+                cycle = " -> ".join(f"#{pointer}" for pointer in path[path.index(target):] + [target])
+                raise ValueError(f"#{target}: the schema is part of itself through $ref and allOf alone "
+                                 f"({cycle}), so no value is valid under it")
+            elif target not in done and target in links:
+                path.append(target)
+                on_path.add(target)
+                stack.append(iter(links[target]))
+
+
+def _escaped(key: str) -> str:
+    """A key as a JSON pointer writes it."""
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _points_somewhere(root: Any, pointer: str) -> bool:
+    node = root
+    for part in pointer.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    return True
+
+
+def schema_regex(schema: Any) -> str:
+    """A regular expression whose matches are JSON texts valid under `schema` (a dict, or a JSON
+    string of one); a ValueError for what it cannot write."""
+    schema = parsed_schema(schema)
     try:
         return _Writer(schema).regex(schema, "#", MAX_REF_DEPTH)
     except _TooDeep as error:
@@ -364,7 +434,9 @@ def _check_keyword_types(schema: Mapping, where: str) -> None:
         value = schema.get(name, 0)
         if isinstance(value, bool) and name.startswith("exclusive"):
             continue  # draft 4: it makes minimum (maximum) exclusive
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        # (an int is finite, and math.isfinite of one past float's range an OverflowError)
+        finite = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+        if isinstance(value, bool) or not finite:
             raise ValueError(f"{where}: {name} must be a finite number, got {value!r}")
 
 

@@ -19,7 +19,15 @@ import json
 import os
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from slipstream.model.chat_template import RESERVED_TEMPLATE_KWARGS
 from slipstream.serve.beam_search import BeamSearchParams
@@ -108,6 +116,20 @@ class StreamOptions(_Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
     """vLLM's: with include_usage, every chunk also carries its choice's usage so far."""
+    _given: bool = PrivateAttr(default=False)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_given(cls, data: Any, handler: Any) -> StreamOptions:
+        options = handler(data)
+        options._given = bool(data)
+        return options
+
+    @property
+    def given(self) -> bool:
+        """Whether the request's object held any key, null or unknown ones too: vLLM refuses
+        stream_options without stream only then (it tests the object's truth)."""
+        return self._given
 
 
 class GenerationBody(_Body):
@@ -187,7 +209,7 @@ class GenerationBody(_Body):
         _refuse_unsupported(self.model_extra)
         if self.prompt_logprobs is not None and self.stream:  # as vLLM
             raise bad_request("prompt_logprobs is not available when stream is true", "prompt_logprobs")
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and self.stream_options.given and not self.stream:  # as vLLM
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         if self.use_beam_search:
             for name, neutral in BEAM_SEARCH_CONFLICTS.items():
@@ -387,7 +409,9 @@ class ToolCall(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str
+    """system, developer, user, assistant, tool, or any other role the chat template knows (Llama
+    3.1's "ipython", ...), passed to it as it is, as vLLM's custom-role messages."""
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -415,11 +439,21 @@ class ChatMessage(_Body):
 
 
 def _arguments(text: str) -> Any:
-    """A call's JSON arguments, parsed; the text itself where it is no JSON."""
+    """A call's JSON arguments, parsed; the text itself where it is no JSON. JSON nested past
+    Python's stack or with an integer past int()'s 4,300 digits is a 400 (vLLM's parse of them
+    fails the request too)."""
     try:
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+    except (ValueError, RecursionError) as error:
+        raise bad_request(f"a tool call's arguments {_excerpt(text)} cannot be read as JSON: "
+                          f"{str(error)[:200]}", "messages") from None
+
+
+def _excerpt(text: str, limit: int = 60) -> str:
+    """`text` quoted, cut to about `limit` characters (a hostile one can be megabytes)."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text):,} characters)"
 
 
 class FunctionDefinition(_Body):
@@ -484,7 +518,7 @@ class ChatCompletionRequest(GenerationBody):
         if self.add_generation_prompt and self.continue_final_message:  # as vLLM
             raise bad_request("continue_final_message and add_generation_prompt cannot both be true "
                               "(set add_generation_prompt to false)", "continue_final_message")
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # as vLLM, which takes 0 without logprobs
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         reserved = RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or {})
         if reserved:

@@ -68,6 +68,11 @@ it cancels what is left."""
 
 CONTEXT_EXCEEDED = "context_length_exceeded"
 """OpenAI's error code for a prompt and output the context cannot hold, which clients match."""
+MAX_PROMPT_CHARS_PER_TOKEN = 8
+"""A request's own chat template that renders more than this many characters per token of the
+context is refused before the text is tokenized: few tokenizers pack more into a token of ordinary
+text, so it would hardly fit anyway, and the template can write a gigabyte (`{{ 'x' * 10**9 }}`)
+that the tokenizer would take minutes over."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -469,14 +474,31 @@ class OpenAIServer:
                               with_logprobs=body.logprobs is not None)
 
     def _render_chat(self, body: ChatCompletionRequest, tokenize: bool = True) -> list[int] | str:
-        """The chat's ids as its template renders them (its text, with tokenize=False)."""
+        """The chat's ids as its template renders them (its text, with tokenize=False). A template
+        that fails (a request's own too: `{{ 1/0 }}`, a macro calling itself, the sandbox's range
+        limit) is a 400 naming the template, and so is a request template's text longer than
+        MAX_PROMPT_CHARS_PER_TOKEN characters per token of the context, refused before the
+        tokenizer spends its time on it (the server's own template writes what the messages hold,
+        which the body's size bounds)."""
         messages = [m.template_message() for m in body.messages]
+        arguments = body.template_arguments()
+        param = "messages" if arguments.get("chat_template") is None else (
+            "chat_template" if body.chat_template is not None else "chat_template_kwargs")
+        template = "the chat template" if param == "messages" else "the request's chat template"
         try:
-            return self.tokenizer.apply_chat_template(messages, **body.template_arguments(),
-                                                      tokenize=tokenize, return_dict=False)
+            text = self.tokenizer.apply_chat_template(messages, **arguments, tokenize=False)
         except (ValueError, TypeError, jinja2.TemplateError) as error:
-            raise protocol.bad_request(f"the chat template rejected the messages: {error}",
-                                       "messages") from error
+            raise protocol.bad_request(f"{template} rejected the messages: {error}", param) from error
+        except (ArithmeticError, RecursionError) as error:
+            raise protocol.bad_request(f"{template} failed on the messages: {type(error).__name__}: {error}",
+                                       param) from None
+        limit = MAX_PROMPT_CHARS_PER_TOKEN * self.max_model_len
+        if param != "messages" and len(text) > limit:
+            raise protocol.bad_request(
+                f"{template} rendered {len(text):,} characters, more than a prompt of this model may have "
+                f"({limit:,}: {MAX_PROMPT_CHARS_PER_TOKEN} per token of its {self.max_model_len}-token "
+                "context)", param)
+        return self.tokenizer.encode(text, add_special_tokens=False) if tokenize else text
 
     def _check_context(self, num_prompt_tokens: int, max_tokens: int | None, min_tokens: int,
                        prompt_param: str, max_tokens_param: str) -> None:

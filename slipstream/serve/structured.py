@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from slipstream.serve.fsm import ByteDFA, compile_pattern
-from slipstream.serve.json_schema import json_object_regex, schema_regex
+from slipstream.serve.json_schema import check_self_references, json_object_regex, schema_regex
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +83,24 @@ class StructuredOutputsParams:
         """What enforces the constraint, and from what: ("regex", pattern) for the byte automaton,
         ("llguidance", definition) for a grammar, and for a JSON schema the automaton cannot hold
         where llguidance is installed (as vLLM's "auto" backend falls back from xgrammar to
-        guidance). Requests with the same key share a guide."""
+        guidance). Requests with the same key share a guide. A constraint nested past Python's
+        stack (the parsers and writers recurse once per level) is a ValueError too, not a server
+        error."""
+        try:
+            return self._guide_key()
+        except RecursionError:
+            field = next(name for name in ("choice", "regex", "json", "json_object", "grammar")
+                         if getattr(self, name) not in (None, False))
+            raise ValueError(f"structured_outputs.{field} nests too deeply to compile") from None
+
+    def _guide_key(self) -> tuple[str, str]:
         if self.grammar is not None:
             return "llguidance", compile_grammar(self.grammar)
+        if self.json is not None:
+            try:
+                check_self_references(self.json)
+            except ValueError as error:
+                raise ValueError(f"structured_outputs.json: {error}") from None
         try:
             pattern = self.pattern
             compile_pattern(pattern)
@@ -319,11 +334,14 @@ class GrammarGuide:
         of the vocabulary (a string's contents): 0.07 of 0.09 ms per row and step on a Zen 5."""
         if matcher is None:
             return self._eos_token_ids
-        if matcher.is_error():  # a parser limit reached: end the output where it is
-            logger.warning("structured_outputs: llguidance stopped (%s); ending the output",
+        mask = None if matcher.is_error() else matcher.compute_bitmask()
+        if matcher.is_error():
+            # A parser limit reached, or no token that goes on (a rule that never produces a value):
+            # the output ends where it is, as vLLM's guidance backend ends it, with a warning.
+            logger.warning("structured_outputs: llguidance stopped (%s); ending the output unfinished",
                            matcher.get_error().splitlines()[0])
             return self._eos_token_ids
-        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
         return bits[: self._vocab_size].view(np.bool_)
 
     def advance(self, matcher: Any, token_id: int) -> Any:
