@@ -316,6 +316,19 @@ def test_a_bug_gets_a_500_that_closes_the_connection(model_dir, monkeypatch):
             assert client.get("/health").status_code == 200
 
 
+def test_health_says_when_the_engine_has_stopped(model_dir, monkeypatch):
+    """/health is 503 once the engine's thread is gone, saying so (not that the server is shutting
+    down, which a dead engine does not mean)."""
+    api = OpenAIServer(Engine(EngineConfig(model=str(model_dir), max_model_len=64)), ServerConfig(port=0))
+    with in_process(api) as url, httpx.Client(base_url=url, timeout=30) as client:
+        assert client.get("/health").status_code == 200
+        monkeypatch.setattr(type(api.engine), "is_alive", property(lambda self: False))
+        response = client.get("/health")
+        assert response.status_code == 503
+        assert response.json()["error"] == {"message": "the engine has stopped", "type": "server_error",
+                                             "param": None, "code": "unavailable"}
+
+
 @pytest.mark.parametrize("path, body", [("/tokenize", {"prompt": "hello"}),
                                         ("/detokenize", {"tokens": [5, 6]})])
 def test_tokenize_routes_leave_the_event_loop_free(model_dir, monkeypatch, path, body):

@@ -198,7 +198,9 @@ class OpenAIServer:
     # ---- routes -------------------------------------------------------------------------------
 
     async def health(self) -> Response:
-        if self.is_draining() or not self.engine.is_alive:
+        if not self.engine.is_alive:
+            raise APIError(503, "the engine has stopped", type="server_error", code="unavailable")
+        if self.is_draining():
             raise APIError(503, "the server is shutting down", type="server_error", code="unavailable")
         return Response(status_code=200)
 
