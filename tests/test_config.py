@@ -65,7 +65,7 @@ def test_defaults_derived():
         ({"rope_scaling": {"rope_type": "linear", "factor": -1.0}}, "factor"),
         ({"torch_dtype": "int8"}, "dtype 'int8'"),
         ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
-        ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
+        ({"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 1}, "use_sliding_window"),
         ({"num_attention_heads": 5}, "hidden_size"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
         ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
@@ -112,7 +112,9 @@ def test_json_written_is_plain(tmp_path):
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("left_out", [("num_key_value_heads",), ("head_dim",), ("max_position_embeddings",),
                                       ("sliding_window",), ("sliding_window", "max_position_embeddings"),
-                                      ("num_key_value_heads", "head_dim")])
+                                      ("num_key_value_heads", "head_dim"), ("vocab_size",), ("hidden_size",),
+                                      ("intermediate_size",), ("num_hidden_layers",),
+                                      ("num_attention_heads",)])
 def test_keys_left_out_mean_what_transformers_assumes(model_type, left_out):
     """A key config.json leaves out takes the default of the family's config class in transformers
     (Mistral's 4,096-token window and 8 kv heads, Qwen3's head_dim of 128, ...), as vLLM, which
@@ -124,6 +126,8 @@ def test_keys_left_out_mean_what_transformers_assumes(model_type, left_out):
     d = {k: v for k, v in full.items() if k not in left_out}
     hf = transformers.AutoConfig.for_model(**d)
     ours = ModelConfig.from_hf_dict(d)
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        assert getattr(ours, key) == getattr(hf, key), key
     assert ours.num_key_value_heads == hf.num_key_value_heads
     assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
     assert ours.max_position_embeddings == hf.max_position_embeddings
@@ -132,6 +136,37 @@ def test_keys_left_out_mean_what_transformers_assumes(model_type, left_out):
     assert ours.sliding_window == (window if window and window < hf.max_position_embeddings else None)
     if model_type == "mistral":
         assert ModelConfig.from_hf_dict(full | {"sliding_window": None}).sliding_window is None
+
+
+# config.json keys whose null transformers 5 refuses for some family and accepts for another, or
+# accepts (null meaning "derived" or "none"); rope_theta's null is in WRONG_TYPES below.
+NULL_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+             "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "sliding_window",
+             "use_sliding_window", "max_window_layers", "layer_types", "rope_scaling", "rope_parameters",
+             "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype"]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("key", NULL_KEYS)
+def test_null_refused_where_transformers_refuses_it(model_type, key):
+    """A null transformers 5 refuses (rms_norm_eps, max_position_embeddings, tie_word_embeddings,
+    the sizes; Mistral's num_key_value_heads, Qwen3's head_dim, ...) is a ValueError naming the key,
+    not silently slipstream's default nor a TypeError; a null it accepts means what it means there."""
+    transformers = pytest.importorskip("transformers")
+    d = {"model_type": model_type, "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+         key: None}
+    try:
+        hf = transformers.AutoConfig.for_model(**json.loads(json.dumps(d)))
+    except Exception:  # noqa: BLE001 (its error types vary by key)
+        with pytest.raises(ValueError, match=f"null for {key}"):
+            ModelConfig.from_hf_dict(d)
+        return
+    ours = ModelConfig.from_hf_dict(d)
+    assert ours.num_key_value_heads == hf.num_key_value_heads
+    assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+
 
 
 
@@ -153,6 +188,12 @@ _DEFAULT_1E6 = {"rope_type": "default", "rope_theta": 1e6}
     {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}, "rope_scaling": None},
     {"rope_parameters": {"rope_type": "linear", "factor": 2, "rope_theta": 1e6}, "rope_scaling": {}},
     {"rope_parameters": None, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    # keys a linear block does not use are ignored, as transformers ignores them
+    {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "original_max_position_embeddings": None}},
+    {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "original_max_position_embeddings": 2048.0,
+                      "low_freq_factor": "x"}},
+    # a whole number written as a float (8192.0) is that integer
+    {"rope_scaling": _LLAMA3 | {"original_max_position_embeddings": 8192.0}},
     # llama3 without original_max_position_embeddings: max_position_embeddings, not 8192
     {"rope_scaling": _LLAMA3, "rope_theta": 5e5},
     {"rope_parameters": _LLAMA3 | {"rope_theta": 5e5}, "max_position_embeddings": 65536},
@@ -227,6 +268,8 @@ WRONG_TYPES = [
     ({"rope_scaling": _LLAMA3 | {"low_freq_factor": "1"}}, "low_freq_factor must be a positive", False),
     ({"rope_scaling": _LLAMA3 | {"original_max_position_embeddings": None}},
      "original_max_position_embeddings must be a positive integer, got None", True),
+    ({"rope_scaling": _LLAMA3 | {"original_max_position_embeddings": 8192.5}},
+     "original_max_position_embeddings must be a positive integer, got 8192.5", False),
     ({"rope_scaling": ["linear", 2.0]}, r"rope_scaling must be an object or null, got \['linear', 2", True),
     ({"model_type": "mistral", "sliding_window": "4096"}, "sliding_window must be a positive integer", True),
     ({"model_type": "qwen2", "use_sliding_window": "false"}, "use_sliding_window must be true or", True),
@@ -255,3 +298,84 @@ def test_json_ints_read_where_floats_are_expected():
     config = ModelConfig.from_hf_dict(as_ints)
     assert config == ModelConfig.from_hf_dict(as_floats)
     assert isinstance(config.rms_norm_eps, float) and isinstance(config.rope_scaling.factor, float)
+
+
+def test_whole_number_float_is_read_as_an_int():
+    """llama3's original_max_position_embeddings of 8192.0 is the int 8192 (transformers runs it)."""
+    d = BASE | {"rope_scaling": _LLAMA3 | {"original_max_position_embeddings": 8192.0}}
+    original = ModelConfig.from_hf_dict(d).rope_scaling.original_max_position_embeddings
+    assert original == 8192 and isinstance(original, int)
+
+
+@pytest.mark.parametrize("window, rope_scaling, kept", [
+    (32768, {"rope_type": "linear", "factor": 2.0}, True),
+    (40000, {"rope_type": "linear", "factor": 2.0}, True),
+    (65536, {"rope_type": "linear", "factor": 2.0}, False),
+    (32768, None, False),
+    (16384, None, True),
+    (32768, _LLAMA3 | {"original_max_position_embeddings": 8192}, False),  # llama3 keeps the range
+])
+def test_mistral_window_compared_with_the_scaled_context(window, rope_scaling, kept):
+    """A Mistral window is dropped only where it covers the whole context the engine serves,
+    max_position_embeddings times a linear RoPE factor: with linear x2 a window of
+    max_position_embeddings still limits attention, as in transformers."""
+    transformers = pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from slipstream.serve.engine import _model_max_len
+
+    d = BASE | {"model_type": "mistral", "num_key_value_heads": 4, "max_position_embeddings": 32768,
+                "sliding_window": window, "rope_scaling": rope_scaling}
+    hf = transformers.AutoConfig.for_model(**json.loads(json.dumps(d)))
+    assert hf.sliding_window == window
+    ours = ModelConfig.from_hf_dict(d)
+    context = _model_max_len(ours, SimpleNamespace(model_max_length=None))
+    assert ours.sliding_window == (window if kept else None)
+    assert kept == (window < context)
+
+
+@pytest.mark.parametrize("key", ["rope_parameters", "rope_scaling"])
+def test_rope_block_per_layer_type_is_refused(key):
+    """transformers 5's per-layer-type RoPE blocks are refused by name: transformers' Llama reads
+    such a block as default RoPE with theta 10000, dropping the thetas it holds."""
+    transformers = pytest.importorskip("transformers")
+    nested = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    d = BASE | {key: nested}
+    hf = transformers.LlamaConfig.from_dict(json.loads(json.dumps(d)))
+    assert hf.rope_parameters["rope_type"] == "default" and hf.rope_parameters["rope_theta"] == 10000.0
+    with pytest.raises(ValueError, match=rf"{key} holds a block per layer type \(full_attention, sliding"):
+        ModelConfig.from_hf_dict(d)
+
+
+def test_swish_is_silu():
+    """hidden_act "swish" is SiLU in transformers (ACT2FN), so it is read as "silu"."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers.activations import ACT2FN
+
+    x = torch.randn(64)
+    torch.testing.assert_close(ACT2FN["swish"](x), torch.nn.functional.silu(x), rtol=0, atol=0)
+    assert ModelConfig.from_hf_dict(BASE | {"hidden_act": "swish"}) == ModelConfig.from_hf_dict(BASE)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("change", [
+    {}, {"max_window_layers": 2}, {"max_window_layers": 1}, {"max_window_layers": 0},
+    {"max_window_layers": 1, "sliding_window": None},
+    {"max_window_layers": 0, "layer_types": ["full_attention", "full_attention"]},
+    {"max_window_layers": 2, "layer_types": ["full_attention", "sliding_attention"]},
+])
+def test_qwen_window_refused_only_where_a_layer_uses_it(model_type, change):
+    """Qwen's use_sliding_window windows only the layers transformers' layer_types mark (by default
+    those at or past max_window_layers, 28): with none such it is plain attention and is read; a
+    windowed layer is refused by name."""
+    transformers = pytest.importorskip("transformers")
+    d = BASE | {"model_type": model_type, "num_key_value_heads": 4, "head_dim": 16,
+                "use_sliding_window": True} | change
+    hf = transformers.AutoConfig.for_model(**json.loads(json.dumps(d)))
+    if hf.sliding_window is not None and "sliding_attention" in hf.layer_types:
+        with pytest.raises(ValueError, match="use_sliding_window=True with windowed layers"):
+            ModelConfig.from_hf_dict(d)
+    else:
+        assert ModelConfig.from_hf_dict(d).sliding_window is None

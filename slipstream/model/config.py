@@ -9,7 +9,8 @@ Both spellings Hugging Face has used are read: the transformers 4 keys `rope_the
 transformers 5's precedence where a file has both (vLLM reads configs through it). We write the
 transformers 4 spelling (plus `dtype`), which both major versions load. Values of the wrong JSON
 type (`"false"` for a flag, `"0"` for a token id) are ValueErrors naming the key, as transformers 5
-refuses them, rather than read by Python's truthiness.
+refuses them, rather than read by Python's truthiness, and so is a null where transformers 5 refuses
+one (`_NOT_NULL`); a key left out takes the default of the family's transformers config class.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ class RopeScaling:
             )
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             object.__setattr__(self, name, _positive_float(f"rope_scaling {name}", getattr(self, name)))
-        _check_positive_int("rope_scaling original_max_position_embeddings",
-                            self.original_max_position_embeddings)
+        object.__setattr__(self, "original_max_position_embeddings", _whole_positive_int(
+            "rope_scaling original_max_position_embeddings", self.original_max_position_embeddings))
         if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ValueError(
                 "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
@@ -196,8 +197,14 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}"
             )
+        null = sorted(k for k in _NOT_NULL[model_type] if k in d and d[k] is None)
+        if null:
+            raise ValueError(
+                f"config.json gives null for {', '.join(null)}, which transformers refuses too; "
+                "give a value, or leave the key out for the family's default"
+            )
         act = d.get("hidden_act", "silu")
-        if act != "silu":
+        if act not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU
             raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
         _check_unsupported_features(d)
         known = {f.name for f in dataclasses.fields(cls)}
@@ -207,9 +214,10 @@ class ModelConfig:
         d = _FAMILY_DEFAULTS[model_type] | d
         kwargs: dict[str, Any] = {k: d[k] for k in known if k in d and d[k] is not None}
         max_positions = kwargs.get("max_position_embeddings", _field_default(cls, "max_position_embeddings"))
+        _check_positive_int("max_position_embeddings", max_positions)  # llama3's RoPE default reads it
         kwargs["rope_theta"], kwargs["rope_scaling"] = _read_rope(d, max_positions)
         kwargs["dtype"] = _read_dtype(d) or "float32"
-        kwargs["sliding_window"] = _read_sliding_window(model_type, d)
+        kwargs["sliding_window"] = _read_sliding_window(model_type, d, max_positions, kwargs["rope_scaling"])
         return cls(**kwargs)
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -279,17 +287,39 @@ class ModelConfig:
         (path / "config.json").write_text(json.dumps(self.to_hf_dict(), indent=2) + "\n")
 
 
+_SHAPE = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32}
+_QWEN = _SHAPE | {"vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
+                  "max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28}
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {},
-    "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 4096 * 32, "sliding_window": 4096},
-    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
-    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
+    "llama": _SHAPE | {"vocab_size": 32000, "intermediate_size": 11008},
+    "mistral": _SHAPE | {"vocab_size": 32000, "intermediate_size": 14336, "num_key_value_heads": 8,
+                         "max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+    "qwen2": _QWEN,
+    "qwen3": _QWEN | {"head_dim": 128},
 }
 """What the family's config class in transformers assumes for a key that config.json leaves out,
-where that differs from ModelConfig's default (a key present with null keeps null's meaning: a
-Mistral without a window, heads or head_dim derived as for Llama). vLLM reads configs through
+where ModelConfig has no default or another one (Qwen's `sliding_window` and `max_window_layers`
+only matter with `use_sliding_window`). A key present with null keeps null's meaning where
+transformers accepts the null (a Mistral without a window, a Llama's kv heads or head_dim derived)
+and is refused where transformers refuses it (`_NOT_NULL`). vLLM reads configs through
 transformers, so these are its defaults too. Not the special tokens (transformers' Llama assumes
 ids 1 and 2): the tokenizer and generation_config.json name those."""
+
+_NOT_NULL_ANY = frozenset(
+    {
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "hidden_act",
+    }
+)
+_NOT_NULL = {
+    "llama": _NOT_NULL_ANY | {"attention_bias", "mlp_bias"},
+    "mistral": _NOT_NULL_ANY | {"num_key_value_heads"},
+    "qwen2": _NOT_NULL_ANY | {"use_sliding_window", "max_window_layers"},
+    "qwen3": _NOT_NULL_ANY | {"head_dim", "attention_bias", "use_sliding_window", "max_window_layers"},
+}
+"""The config.json keys for which the family's config class in transformers 5 refuses null (a field
+typed without None); for the others null means "derived" or "none" (or the key is no field of that
+class, as `mlp_bias` of Mistral), and slipstream reads it so."""
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -325,6 +355,15 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _whole_positive_int(name: str, value: Any) -> int:
+    """`value` as an int, where it is a positive integer or a float with no fractional part (JSON
+    writers such as transformers' own may spell 8192 as 8192.0)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    _check_positive_int(name, value)
+    return value
+
+
 def _positive_float(name: str, value: Any) -> float:
     """`value` as a float, where it is a positive finite JSON number (an int such as 1 included)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
@@ -357,6 +396,13 @@ def _rope_block(d: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     block = d.get(key) or {}
     if not isinstance(block, dict):
         raise ValueError(f"{key} must be an object or null, got {block!r}")
+    nested = sorted(k for k, v in block.items() if isinstance(v, dict))
+    if nested:
+        # transformers 5's per-layer-type spelling: its Llama reads it as default RoPE, dropping them
+        raise ValueError(
+            f"{key} holds a block per layer type ({', '.join(nested)}); slipstream reads one RoPE "
+            "block for all layers"
+        )
     return key, block
 
 
@@ -364,7 +410,9 @@ def _read_rope(d: dict[str, Any], max_position_embeddings: int) -> tuple[float, 
     """RoPE theta and scaling as transformers 5 (and so vLLM) reads either spelling: the block of
     `_rope_block`, whose own `rope_theta` wins over a top-level one (10000 where neither is given),
     its keys required as transformers requires them, except that llama3's
-    `original_max_position_embeddings` defaults to `max_position_embeddings`."""
+    `original_max_position_embeddings` defaults to `max_position_embeddings`. Only the keys the
+    rope type uses are read (a linear block's `original_max_position_embeddings` is ignored, as
+    transformers ignores it)."""
     key, block = _rope_block(d)
     theta = block["rope_theta"] if "rope_theta" in block else d.get("rope_theta", 10000.0)
     rope_type = block.get("rope_type", block.get("type", "default"))
@@ -378,11 +426,12 @@ def _read_rope(d: dict[str, Any], max_position_embeddings: int) -> tuple[float, 
     missing = [name for name in required if name not in block]
     if missing:
         raise ValueError(f"{key} of rope_type {rope_type!r} lacks {', '.join(missing)}")
-    fields = {f.name for f in dataclasses.fields(RopeScaling)}
-    values = {k: v for k, v in block.items() if k in fields} | {"rope_type": rope_type}
+    values = {name: block[name] for name in required}
     if rope_type == "llama3":
-        values.setdefault("original_max_position_embeddings", max_position_embeddings)
-    return theta, RopeScaling(**values)
+        values["original_max_position_embeddings"] = block.get(
+            "original_max_position_embeddings", max_position_embeddings
+        )
+    return theta, RopeScaling(rope_type=rope_type, **values)
 
 
 def _read_dtype(d: dict[str, Any]) -> str | None:
@@ -393,19 +442,44 @@ def _read_dtype(d: dict[str, Any]) -> str | None:
     return dtype
 
 
-def _read_sliding_window(model_type: str, d: dict[str, Any]) -> int | None:
+def _read_sliding_window(
+    model_type: str, d: dict[str, Any], max_positions: int, rope_scaling: RopeScaling | None
+) -> int | None:
+    """Mistral's window, None where it covers the whole context (plain causal attention): the
+    context the engine serves, `max_position_embeddings` times a linear RoPE factor. Qwen's
+    windowed layers are refused; its window is none, as in transformers, unless
+    `use_sliding_window` with a window and a layer at or past `max_window_layers` (or one that
+    `layer_types` names "sliding_attention")."""
     if model_type == "mistral":
         window = d.get("sliding_window")
         if window is None:
             return None
         _check_positive_int("sliding_window", window)
-        limit = d.get("max_position_embeddings")
-        if isinstance(limit, int) and window >= limit:
-            return None  # the window covers the whole context: plain causal attention
-        return window
-    use = d.get("use_sliding_window")
-    if use is not None:
-        _check_bool("use_sliding_window", use)
-    if use:
-        raise ValueError(f"use_sliding_window=True is not supported for model_type {model_type!r}")
+        context = max_positions
+        if rope_scaling is not None and rope_scaling.rope_type == "linear":
+            context = int(max_positions * rope_scaling.factor)  # as engine._model_max_len
+        return None if window >= context else window
+    use = d.get("use_sliding_window")  # a null one is refused for Qwen (_NOT_NULL), no field of Llama
+    if use is None:
+        return None
+    _check_bool("use_sliding_window", use)
+    if use and model_type == "llama":
+        raise ValueError("use_sliding_window=True is not supported for model_type 'llama'")
+    if not use or d["sliding_window"] is None:
+        return None
+    layer_types = d.get("layer_types")
+    if layer_types is None:
+        first, layers = d["max_window_layers"], d["num_hidden_layers"]
+        if isinstance(first, bool) or not isinstance(first, int):
+            raise ValueError(f"max_window_layers must be an integer, got {first!r}")
+        _check_positive_int("num_hidden_layers", layers)
+        windowed = first < layers
+    elif isinstance(layer_types, list):
+        windowed = "sliding_attention" in layer_types
+    else:
+        raise ValueError(f"layer_types must be a list or null, got {layer_types!r}")
+    if windowed:
+        raise ValueError(
+            f"use_sliding_window=True with windowed layers is not supported for model_type {model_type!r}"
+        )
     return None
