@@ -19,6 +19,7 @@ from slipstream.model.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
     pipeline_differences,
+    rebuilt_pipeline,
     train_tokenizer,
 )
 
@@ -149,26 +150,38 @@ def qwen2_style_dir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
-@pytest.mark.parametrize("source", ["chatml", "qwen2_style"])
+@pytest.mark.parametrize("source", ["chatml", "chatml_named_qwen2", "chatml_unnamed", "qwen2_style"])
 def test_model_directories_of_each_family_encode_as_auto_tokenizer(model_type, source, saved_dir,
                                                                    qwen2_style_dir, tmp_path):
     """The reference is AutoTokenizer on the same directory: for a qwen2 model, transformers 5
     builds Qwen2Tokenizer's own pipeline (NFC, Qwen2's split) whatever tokenizer_config.json names,
-    so the byte-level BPE trained here (GPT-2's split) gets other ids there than read as it is;
-    slipstream does the same (it read the file as it is). A Qwen2-style file reads the same
-    either way, so `pipeline_differences` finds nothing to report for it."""
+    and so it does for a tokenizer_config.json that names Qwen2Tokenizer (any model type but
+    mistral, whose registered tokenizer reads the file as it is) and for a qwen3 model whose
+    tokenizer_config.json names no class; the byte-level BPE trained here (GPT-2's split) gets
+    other ids there than read as it is, and slipstream does the same (it read the file as it
+    is). A Qwen2-style file reads the same either way, so `pipeline_differences` finds nothing to
+    report for it."""
+    if (model_type, source) == ("llama", "chatml_unnamed"):
+        pytest.skip("transformers builds LlamaTokenizer for a llama model that names no class")
     path = tmp_path / "model"
-    shutil.copytree(saved_dir if source == "chatml" else qwen2_style_dir, path)
+    shutil.copytree(qwen2_style_dir if source == "qwen2_style" else saved_dir, path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    if source == "chatml_named_qwen2":
+        config["tokenizer_class"] = "Qwen2TokenizerFast"
+    elif source == "chatml_unnamed":
+        del config["tokenizer_class"]
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
     (path / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": ["X"]}))
     ours, hf = Tokenizer.from_pretrained(path), transformers.AutoTokenizer.from_pretrained(path)
     texts = [*TEXTS, "cafe\u0301 ﬁ Ⅻ ½ ｆｕｌｌ", "don't I'LL 2024-06-01 x=12345;\r\n\r\n  y"]
     for text in texts:
         assert ours.encode(text) == hf(text)["input_ids"], (model_type, text)
         assert ours.decode(ours.encode(text)) == hf.decode(hf(text)["input_ids"])
-    as_is = Tokenizer.from_pretrained(saved_dir if source == "chatml" else qwen2_style_dir)
+    as_is = Tokenizer.from_pretrained(qwen2_style_dir if source == "qwen2_style" else saved_dir)
     differences = pipeline_differences(as_is, ours)
-    assert differences == (["normalizer", "pre_tokenizer"] if (model_type, source) == ("qwen2", "chatml")
-                           else [])
+    rebuilt = (model_type == "qwen2" or (source == "chatml_named_qwen2" and model_type != "mistral")
+               or (source == "chatml_unnamed" and model_type == "qwen3"))
+    assert differences == (["normalizer", "pre_tokenizer"] if rebuilt and source != "qwen2_style" else [])
     if differences:
         assert any(as_is.encode(text) != ours.encode(text) for text in texts)
 
@@ -796,3 +809,31 @@ def test_a_stop_string_in_text_held_back_to_the_end_still_stops(stop, include, t
     output.finish("length")
     assert (output.text, output.stop_reason) == (text, reason)
     assert output.finish_reason == ("length" if reason is None else "stop")
+
+
+def test_pipeline_differences_compare_settings_not_vocab(tokenizer, qwen2_style_dir):
+    """Two tokenizers with one pipeline and other vocabularies and merges do not differ (the old
+    comparison of whole tokenizer.json files reported their model); a model setting does."""
+    other = train_tokenizer(stdlib_files()[1::40], VOCAB_SIZE // 2)
+    assert tokenizer.backend.get_vocab() != other.backend.get_vocab()
+    assert pipeline_differences(tokenizer, other) == []
+    other.backend.model.byte_fallback = True
+    assert pipeline_differences(tokenizer, other) == ["model"]
+    assert pipeline_differences(tokenizer, Tokenizer.from_pretrained(qwen2_style_dir)) \
+        == ["normalizer", "pre_tokenizer"]
+
+
+@pytest.mark.parametrize(("named", "model_type", "expected"), [
+    ("LlamaTokenizerFast", None, "llama"), ("LlamaTokenizer", "llama", "llama"),
+    ("LlamaTokenizer", "qwen2", "qwen2"), ("PreTrainedTokenizerFast", "qwen2", "qwen2"),
+    ("Qwen2Tokenizer", None, "qwen2"), ("Qwen2TokenizerFast", "llama", "qwen2"),
+    ("Qwen2Tokenizer", "qwen3", "qwen2"), ("Qwen2Tokenizer", "mistral", None), (None, "qwen3", "qwen2"),
+    ("PreTrainedTokenizerFast", "qwen3", None), ("PreTrainedTokenizerFast", "llama", None),
+    (None, "mistral", None),
+])
+def test_rebuilt_pipeline_follows_auto_tokenizer(named, model_type, expected):
+    """transformers 5's AutoTokenizer rule (models/auto/tokenization_auto.py): a qwen2 model always
+    gets Qwen2Tokenizer, another model type the class tokenizer_config.json names unless its
+    registered tokenizer is generic (mistral), and its registered one when none is named."""
+    config = {} if named is None else {"tokenizer_class": named}
+    assert rebuilt_pipeline(config, model_type) == expected

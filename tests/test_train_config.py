@@ -133,3 +133,14 @@ def test_errors_from_a_config_file_name_the_file(tmp_path):
     path.write_text("[training]\nsteps = 5\n")  # an override's error names no file
     with pytest.raises(ValueError, match="^training.steps must be a positive"):
         load_config(path, ["--training.steps=0"])
+
+
+def test_an_override_fixes_a_bad_value_of_the_file(tmp_path):
+    """Flags override the file before the config is checked (docs/training.md): a file value that
+    a flag replaces is not an error (the file alone was checked first, and refused); a file
+    value that stays wrong is one, naming the file, also with other flags given."""
+    path = tmp_path / "config.toml"
+    path.write_text("[training]\nsteps = 0\nglobal_batch_size = 8\n")
+    assert load_config(path, ["--training.steps=10"]).training.steps == 10
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: training.steps must be a positive"):
+        load_config(path, ["--training.micro_batch_size=4"])

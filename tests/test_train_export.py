@@ -15,6 +15,7 @@ from train_fixtures import VOCAB_SIZE, corpus, model_dir, qwen2_style_tokenizer,
 from slipstream.cli import main
 from slipstream.model import load_model
 from slipstream.model.tokenizer import Tokenizer
+from slipstream.train import export
 from slipstream.train.checkpoint import load_model_state
 from slipstream.train.data import prepare_dataset
 from slipstream.train.export import export_run
@@ -139,3 +140,39 @@ def test_an_exported_model_is_tokenized_as_in_training(model_type, data_dir, tmp
         ids = trained.encode(text, add_special_tokens=False)
         assert hf(text, add_special_tokens=False)["input_ids"] == ids
         assert served.encode(text, add_special_tokens=False) == ids
+
+
+def test_an_export_sets_the_special_tokens_that_transformers_would_default(tmp_path):
+    """transformers' Qwen2Tokenizer takes "<|endoftext|>" for an unk_token and pad_token that
+    tokenizer_config.json leaves out, adding it to a vocabulary without it, so that text would
+    encode as one new id instead of the ids the data was tokenized with: export writes both as
+    null where slipstream's tokenizer has none (repro of the review: qwen/unk.py)."""
+    transformers = pytest.importorskip("transformers")
+    tokenizer = qwen2_style_tokenizer([d.path for d in corpus()], VOCAB_SIZE, eos_token="</s>",
+                                      pad_token=None)
+    assert "<|endoftext|>" not in tokenizer.get_vocab()
+    data = tmp_path / "data"
+    prepare_dataset(data, tokenizer, corpus(), heldout_fraction=0.1, progress=False)
+    run, out = _train_and_export(data, "qwen2", tmp_path), tmp_path / "exported"
+    export_run(run, out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config["unk_token"] is None and config["pad_token"] is None and config["eos_token"] == "</s>"
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    assert len(hf) == len(tokenizer)
+    for text in [*TOKENIZATION_TEXTS, "hello <|endoftext|> world"]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert hf(text, add_special_tokens=False)["input_ids"] == ids
+    assert Tokenizer.from_pretrained(out).pad_token_id is None
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3"])
+def test_tokenization_mismatch_loads_nothing_without_a_rebuilt_pipeline(model_type, data_dir, monkeypatch):
+    """The trainer asks at every start: for a model type whose tokenizer transformers reads as it
+    is (the data's tokenizer_config.json names PreTrainedTokenizerFast), no tokenizer is loaded."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("loaded a tokenizer")
+
+    monkeypatch.setattr(export.Tokenizer, "from_pretrained", refuse)
+    assert export.tokenization_mismatch(data_dir / "tokenizer", model_type) is None
+    with pytest.raises(AssertionError, match="loaded a tokenizer"):
+        export.tokenization_mismatch(data_dir / "tokenizer", "qwen2")

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import stat
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -55,9 +59,17 @@ def test_the_run_replaces_only_a_tokenizer_copy_it_wrote(data_dir, tmp_path):
     attempt's copy); a folder with other files, or a symbolic link, is left alone (ValueError)."""
     source = data_dir / "tokenizer"
     target = tmp_path / "tokenizer"
-    copy_tokenizer(source, target)
-    (target / "tokenizer.json").write_text("stale")
-    copy_tokenizer(source, target)
+    old_umask = os.umask(0o022)
+    try:
+        copy_tokenizer(source, target)
+        assert stat.S_IMODE(target.stat().st_mode) == 0o755  # as the mkdir of a copytree, not mkdtemp's 0700
+        (target / "tokenizer.json").write_text("stale")
+        (tmp_path / ".tmp-tokenizer-123-killed").mkdir()  # what a killed attempt leaves beside it
+        (tmp_path / ".tmp-tokenizer-123-killed" / "tokenizer.json").write_text("half")
+        copy_tokenizer(source, target)
+        assert stat.S_IMODE(target.stat().st_mode) == 0o755
+    finally:
+        os.umask(old_umask)
     assert _tree(target) == _tree(source)
     assert [p.name for p in tmp_path.iterdir()] == ["tokenizer"]  # no staging folder left behind
     foreign = tmp_path / "other" / "tokenizer"
@@ -80,14 +92,19 @@ def test_prepare_restores_a_missing_or_replaced_tokenizer(data_dir, tmp_path):
     dataset that is whole is left untouched."""
     tokenizer = Tokenizer.from_pretrained(data_dir / "tokenizer")
     out = tmp_path / "data"
+    current_umask = os.umask(0o022)
+    os.umask(current_umask)
     prepare_dataset(out, tokenizer, corpus(), heldout_fraction=0.1, progress=False)
     whole = _tree(out)
     other = train_tokenizer([d.path for d in corpus()[:10]], 300)
     for damage in (lambda t: shutil.rmtree(t), lambda t: (t / "generation_config.json").unlink(),
                    lambda t: other.save_pretrained(t), lambda t: (t / "tokenizer.json").write_text("{")):
         damage(out / "tokenizer")
+        (out / ".tmp-tokenizer-123-killed").mkdir()  # what a killed repair leaves beside it
         prepare_dataset(out, tokenizer, corpus(), heldout_fraction=0.1, progress=False)
         assert _tree(out) == whole
+        assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+        assert stat.S_IMODE((out / "tokenizer").stat().st_mode) == 0o777 & ~current_umask
     assert json.loads((out / "meta.json").read_text())["tokenizer_sha256"]
 
 
@@ -140,4 +157,26 @@ def test_a_warmup_longer_than_the_run_is_cut_to_it_with_a_warning(data_dir, trai
     lrs = [r["lr"] for r in read_metrics(tmp_path / "run")]
     assert lrs == pytest.approx([1e-3 * (s + 1) / 6 for s in range(5)])
     assert "schedule.warmup_steps (10) >= training.steps (5)" in caplog.text
-    assert "cut to 5 steps" in caplog.text
+    assert "cut to 5 steps, so a resume that extends training.steps warms up longer" in caplog.text
+    assert not hasattr(WarmupDecay(ScheduleConfig(warmup_steps=100), 5), "warmup_clamped")
+
+
+def test_the_warmup_warning_is_logged_once_per_job(data_dir, train_model_dir, tmp_path):
+    """Under torchrun (2 ranks, gloo) the warning comes from the main rank only, not once per rank."""
+    config = small_config(data_dir, train_model_dir, tmp_path / "run", "--schedule.warmup_steps=10",
+                          "--training.steps=2", "--training.micro_batch_size=2")
+    (tmp_path / "run.toml").write_text(config.to_toml())
+    result = subprocess.run([sys.executable, "-m", "slipstream.cli", "train", "--nproc", "2",
+                             "--config", str(tmp_path / "run.toml")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (result.stdout + result.stderr).count("schedule.warmup_steps (10) >= training.steps (2)") == 1
+
+
+def test_the_launcher_checks_that_the_config_can_be_saved(data_dir, train_model_dir, tmp_path):
+    """A run.dir with a byte that is not UTF-8 (a surrogate in Python's str) cannot be written to
+    the run's config.toml: every worker would raise that on every restart, so `check_job` does."""
+    run_dir = str(tmp_path / "run") + "\udcff"
+    config = small_config(data_dir, train_model_dir, tmp_path / "run").replace(run={"dir": run_dir})
+    with pytest.raises(ValueError, match="cannot be written to the run's config.toml"):
+        check_job(config, 1)

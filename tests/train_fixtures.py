@@ -92,10 +92,12 @@ def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
-def qwen2_style_tokenizer(files: list[Path], vocab_size: int) -> Tokenizer:
+def qwen2_style_tokenizer(files: list[Path], vocab_size: int, *, eos_token: str = "<|endoftext|>",
+                          pad_token: str | None = "<|endoftext|>") -> Tokenizer:
     """A byte-level BPE trained on `files` with the pipeline of Qwen2's tokenizer.json (NFC, the
     Qwen2 split pattern taken from transformers, byte-level mapping without its own regex), which
-    transformers' Qwen2Tokenizer rebuilds as it is."""
+    transformers' Qwen2Tokenizer rebuilds as it is; its special tokens are `eos_token`,
+    <|im_start|> and <|im_end|>."""
     import tokenizers
     from tokenizers import decoders, normalizers, pre_tokenizers, trainers
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
@@ -108,7 +110,8 @@ def qwen2_style_tokenizer(files: list[Path], vocab_size: int) -> Tokenizer:
     ])
     backend.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
-                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  special_tokens=[eos_token, "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train([str(f) for f in files], trainer)
-    return Tokenizer(backend, special_tokens={"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"})
+    special = {"eos_token": eos_token} | ({"pad_token": pad_token} if pad_token is not None else {})
+    return Tokenizer(backend, special_tokens=special)

@@ -148,17 +148,13 @@ class Tokenizer:
         except Exception as error:  # tokenizers raises a bare Exception on bad JSON
             raise ValueError(f"{tokenizer_path} is not a valid tokenizer.json: {error}") from error
         config = _read_json(model_dir / "tokenizer_config.json")
-        # As transformers 5: its own LlamaTokenizer for that class over a tokenizer.json that is
-        # not byte-level, unless the model type registers another tokenizer (Mistral's reads the
-        # file as it is); and its own Qwen2Tokenizer for every qwen2 model, whatever
-        # tokenizer_config.json names (MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS).
         if model_type is None:
             model_type = _read_json(model_dir / "config.json").get("model_type")
-        llama = (str(config.get("tokenizer_class") or "").removesuffix("Fast") == "LlamaTokenizer"
-                 and model_type in (None, "llama") and '"ByteLevel"' not in spec)
+        pipeline = rebuilt_pipeline(config, model_type)
+        llama = pipeline == "llama" and '"ByteLevel"' not in spec
         if llama:
             _use_llama_pipeline(hf_tokenizer, config)
-        elif model_type == "qwen2" and isinstance(hf_tokenizer.model, models.BPE):
+        elif pipeline == "qwen2" and isinstance(hf_tokenizer.model, models.BPE):
             _use_qwen2_pipeline(hf_tokenizer, config)
         special_tokens_map = _read_json(model_dir / "special_tokens_map.json")
         generation_config = _read_json(model_dir / "generation_config.json")
@@ -561,6 +557,29 @@ def _use_llama_pipeline(backend: tokenizers.Tokenizer, config: Mapping[str, Any]
     backend.decoder = decoders.Sequence(steps)
 
 
+def rebuilt_pipeline(config: Mapping[str, Any], model_type: str | None) -> str | None:
+    """Which tokenizer class of its own transformers 5's `AutoTokenizer` builds around the vocab
+    of a model directory's tokenizer.json, given its tokenizer_config.json (`config`) and
+    config.json's `model_type`: "llama", "qwen2", or None where it reads the file as it is.
+
+    - "llama": tokenizer_config.json names LlamaTokenizer(Fast) and the model type is llama or
+      unknown (another registers its own tokenizer; Mistral's reads the file as it is).
+      `Tokenizer.from_pretrained` rebuilds only a tokenizer.json that is not byte-level.
+    - "qwen2": every qwen2 model, whatever tokenizer_config.json names (qwen2 is in transformers'
+      MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS); a tokenizer_config.json that names
+      Qwen2Tokenizer(Fast), for any model type whose registered tokenizer is a class of its own
+      (llama, qwen3) or none (no config.json), since transformers then trusts the named class;
+      and a qwen3 model (registered: Qwen2Tokenizer) whose tokenizer_config.json names no class.
+      Mistral's registered tokenizer is generic, so a mistral model reads the file as it is."""
+    named = str(config.get("tokenizer_class") or "").removesuffix("Fast")
+    if named == "LlamaTokenizer" and model_type in (None, "llama"):
+        return "llama"
+    if (model_type == "qwen2" or (named == "Qwen2Tokenizer" and model_type != "mistral")
+            or (not named and model_type == "qwen3")):
+        return "qwen2"
+    return None
+
+
 QWEN2_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
                            r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 """Qwen2's pre-tokenizer split: letters with one leading non-letter, single digits, runs of
@@ -590,14 +609,27 @@ def _use_qwen2_pipeline(backend: tokenizers.Tokenizer, config: Mapping[str, Any]
 
 
 _PIPELINE_PARTS = ("normalizer", "pre_tokenizer", "model", "decoder")
+_MODEL_SETTINGS = ("dropout", "unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk",
+                   "byte_fallback", "ignore_merges")
+"""The settings of a tokenizer model that a rebuilt pipeline may change (`_use_qwen2_pipeline`);
+its vocab and merges it never does."""
 
 
 def pipeline_differences(a: Tokenizer, b: Tokenizer) -> list[str]:
     """The parts of the tokenization pipeline (normalizer, pre_tokenizer, model, decoder) in which
-    two tokenizers differ; settings that only move offsets (`trim_offsets`) are left out."""
+    two tokenizers differ. The model is compared by its type and settings, not its vocab and
+    merges (a rebuilt pipeline keeps those); settings that only move offsets (`trim_offsets`)
+    are left out."""
     def parts(tokenizer: Tokenizer) -> dict[str, Any]:
-        spec = json.loads(tokenizer.backend.to_str())
-        return {part: _without_key(spec.get(part), "trim_offsets") for part in _PIPELINE_PARTS}
+        backend = tokenizer.backend
+        found: dict[str, Any] = {}
+        for part in ("normalizer", "pre_tokenizer", "decoder"):
+            value = getattr(backend, part)
+            found[part] = None if value is None else _without_key(json.loads(value.__getstate__()),
+                                                                  "trim_offsets")
+        model = backend.model
+        found["model"] = (type(model).__name__, [getattr(model, name, None) for name in _MODEL_SETTINGS])
+        return found
 
     ours, theirs = parts(a), parts(b)
     return [part for part in _PIPELINE_PARTS if ours[part] != theirs[part]]

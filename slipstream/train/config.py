@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from slipstream.train.data import TOKENIZER_DIR
+
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 STRATEGIES = ("fsdp", "ddp")
@@ -327,20 +329,39 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     """The config from an optional TOML file plus `--section.key=value` overrides (later wins).
 
     Override values are TOML values (`1e-3`, `true`, `[0.9, 0.95]`, `"text"`); anything that is
-    not valid TOML is taken as a string, so `--data.path=runs/data` needs no quotes.
+    not valid TOML is taken as a string, so `--data.path=runs/data` needs no quotes. The config
+    is checked once, with the overrides applied (a flag may fix a value the file gets wrong); an
+    error that the overrides alone do not make names the file (it may be the run dir's saved
+    config.toml, which the command line does not name).
     """
     values: dict[str, dict[str, Any]] = {}
     if path is not None:
         values = _read_toml(Path(path))
+    flags: dict[str, dict[str, Any]] = {}
     for override in overrides:
         section, key, value = parse_override(override)
         values.setdefault(section, {})[key] = value
-    return from_dict(values)
+        flags.setdefault(section, {})[key] = value
+    try:
+        return from_dict(values)
+    except ValueError as e:
+        if path is None or _error_of(flags) == str(e):
+            raise
+        raise ValueError(f"{path}: {e}") from e
+
+
+def _error_of(values: Mapping[str, Mapping[str, Any]]) -> str | None:
+    """The message of the ValueError `from_dict(values)` raises, or None."""
+    try:
+        from_dict(values)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
-    """The sections of a TOML config file, checked as a config; every error names the file (it
-    may be the run dir's saved config.toml, which the command line does not name)."""
+    """The sections of a TOML config file (not yet checked as a config: `load_config` checks it
+    with the overrides); every error names the file."""
     try:
         values = tomllib.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -350,10 +371,6 @@ def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
     for section, table in values.items():
         if not isinstance(table, dict):
             raise ValueError(f"{path}: {section!r} must be a [section] table, not a value")
-    try:
-        from_dict(values)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from e
     return values
 
 
@@ -390,7 +407,8 @@ def from_dict(values: Mapping[str, Mapping[str, Any]]) -> TrainConfig:
 
 
 def check_run(config: TrainConfig, world_size: int) -> None:
-    """Checks that need the running job: batch divisibility by the ranks, and the data dir."""
+    """Checks that need the running job: batch divisibility by the ranks, the data dir, the
+    model dir's config.json, and a run.dir apart from the dataset (`_check_run_dir_apart`)."""
     per_step = world_size * config.training.micro_batch_size
     if config.training.global_batch_size % per_step:
         raise ValueError(
@@ -416,7 +434,7 @@ def _check_run_dir_apart(config: TrainConfig) -> None:
     with a copy of DATA/tokenizer, so the two must not be one folder or lie inside each other
     (symbolic links resolved)."""
     run_dir, data_dir = Path(config.run.dir).resolve(), Path(config.data.path).resolve()
-    data_tokenizer, run_tokenizer = data_dir / "tokenizer", run_dir / "tokenizer"
+    data_tokenizer, run_tokenizer = data_dir / TOKENIZER_DIR, run_dir / TOKENIZER_DIR
     if (run_dir == data_dir or run_dir.is_relative_to(data_tokenizer)
             or data_dir.is_relative_to(run_tokenizer)):
         raise ValueError(f"run.dir {config.run.dir!r} and data.path {config.data.path!r} overlap (the run "

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 
 from slipstream.corpus import read_documents, stdlib_files, stdlib_root
 from slipstream.model.tokenizer import Tokenizer
+from slipstream.model.weights import new_model_dir
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,10 @@ split by an older rule is prepared again; its files stay readable)."""
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
 TOKENIZER_DIR = "tokenizer"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
-"""What `_save_tokenizer` writes."""
+"""The tokenizer's folder, in a dataset and in a training run (the run's is a copy of its data's)."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+"""What a tokenizer folder holds (`_save_tokenizer` writes them); a run copies them, and export
+writes them beside the model."""
 _DOCUMENTS_PER_BATCH = 64
 
 
@@ -243,7 +246,7 @@ def _tokenizer_problem(data_dir: Path, meta: dict[str, Any]) -> str | None:
     """Why the tokenizer folder of a prepared dataset is not the tokenizer its metadata records
     (a file missing, unreadable, another tokenizer), or None."""
     tokenizer_dir = data_dir / TOKENIZER_DIR
-    missing = [name for name in _TOKENIZER_FILES if not (tokenizer_dir / name).is_file()]
+    missing = [name for name in TOKENIZER_FILES if not (tokenizer_dir / name).is_file()]
     if missing:
         return f"{tokenizer_dir} has no {', '.join(missing)}"
     try:
@@ -256,18 +259,12 @@ def _tokenizer_problem(data_dir: Path, meta: dict[str, Any]) -> str | None:
 
 
 def _replace_tokenizer(data_dir: Path, tokenizer: Tokenizer) -> None:
-    """Write the dataset's tokenizer folder again, beside it first, then swapped in."""
-    tmp = Path(tempfile.mkdtemp(dir=data_dir, prefix=".tmp-"))
-    try:
-        _save_tokenizer(tokenizer, tmp / TOKENIZER_DIR)
-        target = data_dir / TOKENIZER_DIR
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        elif target.exists() or target.is_symlink():
-            target.unlink()
-        os.replace(tmp / TOKENIZER_DIR, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    """Write the dataset's tokenizer folder again, beside it first, then swapped in
+    (`new_model_dir`: made with the umask's mode; what a kill leaves is a hidden `.tmp-tokenizer-`
+    folder beside it, which the next call removes, and a missing or damaged folder that the next
+    `prepare_dataset` writes again)."""
+    with new_model_dir(data_dir / TOKENIZER_DIR, overwrite=True) as staging:
+        _save_tokenizer(tokenizer, staging)
 
 
 def _tokenizer_sha256(tokenizer: Tokenizer) -> str:

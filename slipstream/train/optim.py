@@ -28,12 +28,12 @@ class WarmupDecay:
     """LR multiplier for `LambdaLR`: linear warm-up, then cosine / linear / constant decay.
 
     A warm-up longer than the run is cut to the run's `total_steps`, as torchtitan's
-    `build_lr_schedulers` does (`warmup_clamped` says so; the trainer warns): the warm-up then
-    spans the whole run, ending at total_steps / (total_steps + 1) of the peak."""
+    `build_lr_schedulers` does (the trainer warns): the warm-up then spans the whole run, ending
+    at total_steps / (total_steps + 1) of the peak, and a resume with more total_steps warms up
+    longer, so its learning rate drops below the one the run left off at."""
 
     def __init__(self, schedule: ScheduleConfig, total_steps: int) -> None:
         self.warmup_steps = min(schedule.warmup_steps, total_steps)
-        self.warmup_clamped = schedule.warmup_steps > total_steps
         self.decay = schedule.decay
         self.min_lr_ratio = schedule.min_lr_ratio
         self.total_steps = total_steps

@@ -149,11 +149,12 @@ def attempts_without_progress(run_dir: str | Path, restarts: int | None = None) 
 def check_job(config: TrainConfig, world_size: int) -> None:
     """The checks of a job that need no process group, made before any process is started, so
     that a user error is one line (ValueError, FileNotFoundError) and not a restart loop:
-    `check_run`, the device and backend, the model (a trainable preset, or model.path) against
-    the data's tokenizer and seq_len, a training split of at least one step, a rerun's config
-    against the run dir's (and the model at its model.path against its checkpoints'), a
-    checkpoint to resume from when there are any, and `faults.rank` among the ranks. The trainer
-    makes the same checks, with the same functions, when it is built."""
+    `check_run`, a config that can be written to the run dir's config.toml (a path with a byte
+    that is not UTF-8 cannot), the device and backend, the model (a trainable preset, or
+    model.path) against the data's tokenizer and seq_len, a training split of at least one step,
+    a rerun's config against the run dir's (and the model at its model.path against its
+    checkpoints'), a checkpoint to resume from when there are any, and `faults.rank` among the
+    ranks. The trainer makes the same checks, with the same functions, when it is built."""
     from slipstream.model.tokenizer import Tokenizer
     from slipstream.train.trainer import (
         build_train_loader,
@@ -163,6 +164,7 @@ def check_job(config: TrainConfig, world_size: int) -> None:
     )
 
     check_run(config, world_size)
+    config.to_toml()
     check_backend(config.parallel.backend, device_type_of(config.training.device), world_size)
     dataset = TokenDataset(config.data.path)
     resolve_model_config(config, Tokenizer.from_pretrained(dataset.tokenizer_dir))

@@ -28,9 +28,7 @@ import contextlib
 import itertools
 import logging
 import math
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -43,13 +41,13 @@ from torch import nn
 from slipstream.model import ModelConfig, Transformer
 from slipstream.model.presets import get_preset
 from slipstream.model.tokenizer import Tokenizer
-from slipstream.model.weights import load_model
+from slipstream.model.weights import load_model, new_model_dir
 from slipstream.ops.allocator import keep_freed_memory, keep_large_freed_memory
 from slipstream.perf.flops import mfu, num_params, train_flops_per_token
 from slipstream.train import checkpoint as ckpt
 from slipstream.train.config import TrainConfig, check_run, load_config, resume_changes
 from slipstream.train.cpu_kernels import use_onednn_linears
-from slipstream.train.data import TokenDataset, WindowLoader
+from slipstream.train.data import TOKENIZER_DIR, TOKENIZER_FILES, TokenDataset, WindowLoader
 from slipstream.train.export import tokenization_mismatch
 from slipstream.train.faults import FaultInjector
 from slipstream.train.goodput import GoodputLedger
@@ -76,6 +74,7 @@ from slipstream.train.supervisor import (
     SkippedWindows,
     Watchdog,
     attempts_without_progress,
+    job_world_size,
     lock_run_dir,
     restart_backoff_s,
     restart_count,
@@ -152,7 +151,8 @@ class Trainer:
         self.model = self._build_model()
         self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
         self.lr_scheduler = self._build_lr_scheduler(steps_taken=0)
-        _warn_about_warmup(config)
+        if self.dist.is_main:
+            _warn_about_warmup(config)
         # This run's settings of each parameter group (lr, betas, weight decay, ...), which a
         # loaded optimizer state would otherwise replace with the saving run's.
         self._optimizer_settings = [{k: v for k, v in group.items() if k != "params"}
@@ -194,7 +194,7 @@ class Trainer:
             logger.warning("restart %d after %d attempt(s) without a checkpoint: waiting %.1fs",
                            restart_count(), failures, self._backoff_s)
             self.preemption.wait(self._backoff_s)
-        check_backend(config.parallel.backend, device_type, int(os.environ.get("WORLD_SIZE", "1")))
+        check_backend(config.parallel.backend, device_type, job_world_size())
         was_initialized = torch.distributed.is_initialized()
         self.dist: DistInfo = init_distributed(device_type, config.parallel.backend)
         if torch.distributed.is_initialized() and not was_initialized:
@@ -314,7 +314,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.toml").write_text(self.config.to_toml(), encoding="utf-8")
         self.model_config.save_pretrained(self.run_dir / "model")
-        copy_tokenizer(self.dataset.tokenizer_dir, self.run_dir / RUN_TOKENIZER_DIR)
+        copy_tokenizer(self.dataset.tokenizer_dir, self.run_dir / TOKENIZER_DIR)
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -688,18 +688,13 @@ def initial_state(config: TrainConfig, model_config: ModelConfig) -> dict[str, t
     return model.state_dict()
 
 
-RUN_TOKENIZER_DIR = "tokenizer"
-TOKENIZER_FILES = frozenset({"tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                             "special_tokens_map.json", "chat_template.jinja"})
-"""What a run's copy of its data's tokenizer may hold: a folder with anything else in it was not
-written by a run, and is not replaced."""
-
-
 def copy_tokenizer(source: Path, target: Path) -> None:
-    """Put a copy of the tokenizer folder `source` at `target`, replacing the copy an earlier
-    attempt of the run wrote there. The copy is made beside `target` and swapped in, and a folder
-    at `target` that holds anything but tokenizer files, or is no plain folder, is left alone
-    (ValueError): whatever happens, this deletes nothing but an earlier copy."""
+    """Put a copy of the tokenizer folder `source` (its `data.TOKENIZER_FILES`) at `target`,
+    replacing the copy an earlier attempt of the run wrote there. A folder at `target` that holds
+    anything but tokenizer files, or is no plain folder, is left alone (ValueError): this deletes
+    nothing but an earlier copy. The copy is written beside `target` and swapped in
+    (`new_model_dir`: made with the umask's mode; what a kill leaves is a hidden `.tmp-tokenizer-`
+    folder beside it, which the next call removes before it copies again)."""
     if target.is_symlink() or (target.exists() and not target.is_dir()):
         raise ValueError(f"run.dir's {target} is not a tokenizer folder a run wrote (it is no plain "
                          "folder); move it away or choose another run.dir")
@@ -708,30 +703,23 @@ def copy_tokenizer(source: Path, target: Path) -> None:
     if others:
         raise ValueError(f"run.dir's {target} is not a tokenizer folder a run wrote (it holds {others}); "
                          "move it away or choose another run.dir")
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
-    try:
-        for path in source.iterdir():
-            if path.name in TOKENIZER_FILES and path.is_file():
-                shutil.copy2(path, staging / path.name)
-        if target.exists():
-            old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-old-"))
-            os.replace(target, old / target.name)
-            os.replace(staging, target)
-            shutil.rmtree(old)
-        else:
-            os.replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with new_model_dir(target, overwrite=True) as staging:
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, staging / name)
 
 
 def _warn_about_warmup(config: TrainConfig) -> None:
     """A warm-up as long as the run never reaches optimizer.lr; a longer one is also cut to the
-    run's length (`optim.WarmupDecay`, as torchtitan)."""
+    run's length (`optim.WarmupDecay`, as torchtitan), so a resume that extends training.steps
+    lengthens it again and the learning rate drops at the resume. Logged by the main rank."""
     warmup, steps = config.schedule.warmup_steps, config.training.steps
     if warmup >= steps:
+        cut = (f"; the warm-up is cut to {steps} steps, so a resume that extends training.steps warms "
+               "up longer and the learning rate drops at the resume (set schedule.warmup_steps to the "
+               "length you mean)") if warmup > steps else ""
         logger.warning("schedule.warmup_steps (%d) >= training.steps (%d): the learning rate warms up "
-                       "for the whole run and never reaches optimizer.lr%s", warmup, steps,
-                       f"; the warm-up is cut to {steps} steps" if warmup > steps else "")
+                       "for the whole run and never reaches optimizer.lr%s", warmup, steps, cut)
 
 
 def device_type_of(device: str) -> str:
