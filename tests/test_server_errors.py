@@ -176,7 +176,7 @@ CASES = [
      "max_completion_tokens"),
     ("10 MB body", COMPLETIONS, completion(prompt="x" * 10 * 2**20), 413, None),
     ("unknown route", "/v1/engines", {}, 404, None),
-    # a quantifier after a quantifier: "multiple repeat" (as Python's re), not a RecursionError
+    # a run of 1,000 quantifiers: nested too deep (a 400), not a RecursionError
     *((f"regex of 'a' and {quantifier!r} x 1000", COMPLETIONS,
        completion(structured_outputs={"regex": "a" + quantifier * 1000}), 400, "structured_outputs")
       for quantifier in ("*", "{1}", "{0,1}")),
@@ -363,14 +363,17 @@ def test_tokenize_routes_leave_the_event_loop_free(model_dir, monkeypatch, path,
     ("{{ range(2**62) | list }}", "OverflowError"),
     ("{{ 1 / 0 }}", "ZeroDivisionError"),
     ("{% macro m() %}{{ m() }}{% endmacro %}{{ m() }}", "RecursionError"),
+    ("{{ '%(a)s' % {} }}", "KeyError"),
+    ("{{ '{0}'.format() }}", "IndexError"),
     ("{{ 'x' * 10**6 }}", "rendered 1,000,000 characters"),
 ])
 def test_a_failing_request_template_is_a_400_naming_it(model_dir, template, error):
-    """A trusted request's chat template that fails in Python's arithmetic (the sandbox's range
-    limit, a division by zero), recurses without end, or writes far more text than the context
-    holds is a 400 naming the template, on chat and /tokenize, and the server serves on."""
+    """A trusted request's chat template that fails in Python (the sandbox's range limit, a
+    division by zero, a missing key or index), recurses without end, or writes more text than 4
+    characters per byte a body may hold is a 400 naming the template, on chat and /tokenize, and the
+    server serves on; a long rendering that truncate_prompt_tokens cuts to the context is served."""
     api = OpenAIServer(Engine(EngineConfig(model=str(model_dir), max_model_len=64)),
-                       ServerConfig(port=0, trust_request_chat_template=True))
+                       ServerConfig(port=0, trust_request_chat_template=True, max_body_bytes=2**16))
     messages = [{"role": "user", "content": "hi"}]
     with in_process(api) as url, httpx.Client(base_url=url, timeout=60) as client:
         for path, body in ((CHAT, {"messages": messages, "max_tokens": 2, "chat_template": template}),
@@ -381,6 +384,10 @@ def test_a_failing_request_template_is_a_400_naming_it(model_dir, template, erro
             message = assert_openai_error(client.post(path, json=body), 400, param)["message"]
             assert "request's chat template" in message and error in message
         assert client.post(CHAT, json={"messages": messages, "max_tokens": 2}).status_code == 200
+        long = [{"role": "user", "content": "word " * 1000}]
+        response = client.post(CHAT, json={"messages": long, "max_tokens": 2, "truncate_prompt_tokens": 32,
+                                           "chat_template": api.tokenizer.template_source(None, None)})
+        assert response.status_code == 200, response.text
 
 
 @contextlib.contextmanager

@@ -141,22 +141,21 @@ class _Parser:
         return items[0] if len(items) == 1 else _Concat(tuple(items))
 
     def quantified(self, item):
-        """`item` under the quantifier that follows it, if any. A quantifier right after another
-        (`a**`, `a{2}{3}`) is a ValueError, "multiple repeat" as Python's `re` and vLLM's xgrammar
-        backend refuse it: each would nest the automaton's construction one level deeper, past
-        Python's stack for a long run of them."""
-        bounds = self.quantifier()
-        if bounds is None:
-            return item
-        if self.peek() == "?":
-            self.pos += 1  # lazy: the same texts match
-        elif self.peek() == "+":
-            raise self.error("possessive quantifiers are not supported")
-        position = self.pos
-        if self.quantifier() is not None:
-            self.pos = position
-            raise self.error("multiple repeat (a quantifier cannot follow another; group the first)")
-        return _Repeat(item, *bounds)
+        """`item` under the quantifiers that follow it, if any. A quantifier may follow another
+        (`a{2}{3}`, `a**`): Python's `re` calls that a multiple repeat, but vLLM serves it (its
+        llguidance fallback takes it). Each nests the tree one level deeper, so a run of them counts
+        toward MAX_GROUP_DEPTH with the groups around it (1,000 stars were a RecursionError)."""
+        stacked = 0
+        while (bounds := self.quantifier()) is not None:
+            if self.peek() == "?":
+                self.pos += 1  # lazy: the same texts match
+            elif self.peek() == "+":
+                raise self.error("possessive quantifiers are not supported")
+            stacked += 1
+            if self.depth + stacked > MAX_GROUP_DEPTH:
+                raise self.error(f"groups and quantifiers in a row nest deeper than {MAX_GROUP_DEPTH} levels")
+            item = _Repeat(item, *bounds)
+        return item
 
     def quantifier(self) -> tuple[int, int | None] | None:
         """The bounds of the quantifier at the position (`*`, `+`, `?` or a count), taken; None where

@@ -101,28 +101,45 @@ def parsed_schema(schema: Any) -> Any:
     return schema
 
 
+_NOT_SUBSCHEMAS = frozenset({"const", "enum", "default", "examples", "$defs", "definitions"})
+"""Keywords whose values are no subschemas of the one that holds them: instances (a `$ref` in a
+`default` is data), and definitions, which count only where a `$ref` reaches them."""
+_NAMED_SUBSCHEMAS = frozenset({"properties", "patternProperties", "dependentSchemas"})
+"""Keywords whose values map names (any, "default" included) to subschemas."""
+
+
 def check_self_references(schema: Any) -> None:
-    """A ValueError naming a subschema that is part of itself through `$ref`s and `allOf`s alone
-    (`{"$ref": "#"}`, a property whose schema is a `$ref` to that property): a value valid under
-    it would first have to be valid under it, so none is, and a grammar of it has a rule that
-    never produces a value (llguidance starts such an output and strands it part-way: `{"a": `).
-    Only local `$ref`s are followed; one that points nowhere is left to the schema's readers."""
+    """A ValueError naming a subschema reachable from the root that is part of itself through
+    `$ref`s and `allOf`s alone (`{"$ref": "#"}`, a property whose schema is a `$ref` to that
+    property): a value valid under it would first have to be valid under it, so none is, and a
+    grammar of it has a rule that never produces a value (llguidance starts such an output and
+    strands it part-way: `{"a": `). Only local `$ref`s are followed; one that points nowhere is
+    left to the schema's readers."""
     root = parsed_schema(schema)
     links: dict[str, list[str]] = {}
-    pending: list[tuple[str, Any]] = [("", root)]
-    while pending:  # every subschema's pointer, and the pointers it must also be valid under
-        pointer, node = pending.pop()
-        if isinstance(node, Mapping):
+    seen: set[str] = set()
+    pending: list[tuple[str, Any, bool]] = [("", root, False)]
+    while pending:  # each reachable subschema's pointer, and the pointers it must also be valid under
+        pointer, node, names = pending.pop()
+        if pointer in seen:
+            continue
+        seen.add(pointer)
+        if isinstance(node, Mapping) and names:
+            pending.extend((f"{pointer}/{_escaped(str(key))}", value, False) for key, value in node.items())
+        elif isinstance(node, Mapping):
             targets = [f"{pointer}/allOf/{i}" for i in range(len(node["allOf"]))
                        ] if isinstance(node.get("allOf"), list) else []
             ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#") and _points_somewhere(root, ref[1:]):
+            target = _resolved(root, ref[1:]) if isinstance(ref, str) and ref.startswith("#") else None
+            if target is not None:
                 targets.append(ref[1:])
+                pending.append((ref[1:], target[0], False))
             if targets:
                 links[pointer] = targets
-            pending.extend((f"{pointer}/{_escaped(str(key))}", value) for key, value in node.items())
+            pending.extend((f"{pointer}/{_escaped(str(key))}", value, key in _NAMED_SUBSCHEMAS)
+                           for key, value in node.items() if key not in _NOT_SUBSCHEMAS)
         elif isinstance(node, list):
-            pending.extend((f"{pointer}/{i}", value) for i, value in enumerate(node))
+            pending.extend((f"{pointer}/{i}", value, False) for i, value in enumerate(node))
     done: set[str] = set()
     for start in links:  # a depth-first search for a cycle, without recursion
         if start in done:
@@ -150,7 +167,9 @@ def _escaped(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 
 
-def _points_somewhere(root: Any, pointer: str) -> bool:
+def _resolved(root: Any, pointer: str) -> tuple[Any] | None:
+    """The node a JSON pointer names in `root`, in a 1-tuple (it may be None or False); None where
+    it names none."""
     node = root
     for part in pointer.split("/")[1:]:
         part = part.replace("~1", "/").replace("~0", "~")
@@ -159,8 +178,8 @@ def _points_somewhere(root: Any, pointer: str) -> bool:
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
         else:
-            return False
-    return True
+            return None
+    return (node,)
 
 
 def schema_regex(schema: Any) -> str:

@@ -68,11 +68,12 @@ it cancels what is left."""
 
 CONTEXT_EXCEEDED = "context_length_exceeded"
 """OpenAI's error code for a prompt and output the context cannot hold, which clients match."""
-MAX_PROMPT_CHARS_PER_TOKEN = 8
-"""A request's own chat template that renders more than this many characters per token of the
-context is refused before the text is tokenized: few tokenizers pack more into a token of ordinary
-text, so it would hardly fit anyway, and the template can write a gigabyte (`{{ 'x' * 10**9 }}`)
-that the tokenizer would take minutes over."""
+RENDERED_PER_BODY_BYTE = 4
+"""A request's own chat template may render this many characters per byte the request body may
+hold (`max_body_bytes`) before the text is tokenized: the server's template writes about what the
+messages hold, but a request's can write a gigabyte (`{{ 'x' * 10**9 }}`) that the tokenizer would
+take minutes over. The bound does not depend on the context, as `truncate_prompt_tokens` may cut a
+long rendering down to it."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -477,29 +478,28 @@ class OpenAIServer:
 
     def _render_chat(self, body: ChatCompletionRequest, tokenize: bool = True) -> list[int] | str:
         """The chat's ids as its template renders them (its text, with tokenize=False). A template
-        that fails (a request's own too: `{{ 1/0 }}`, a macro calling itself, the sandbox's range
-        limit) is a 400 naming the template, and so is a request template's text longer than
-        MAX_PROMPT_CHARS_PER_TOKEN characters per token of the context, refused before the
-        tokenizer spends its time on it (the server's own template writes what the messages hold,
-        which the body's size bounds)."""
+        that fails (a request's own too: `{{ 1/0 }}`, `{{ '%(a)s' % {} }}`, a macro calling itself,
+        the sandbox's range limit) is a 400 naming the template, and so is a request template's text
+        longer than RENDERED_PER_BODY_BYTE characters per byte of the body limit, refused before
+        the tokenizer spends its time on it."""
         messages = [m.template_message() for m in body.messages]
         arguments = body.template_arguments()
+        from_kwargs = "chat_template" in (body.chat_template_kwargs or {})  # merged last: it is the one used
         param = "messages" if arguments.get("chat_template") is None else (
-            "chat_template" if body.chat_template is not None else "chat_template_kwargs")
+            "chat_template_kwargs" if from_kwargs else "chat_template")
         template = "the chat template" if param == "messages" else "the request's chat template"
         try:
             text = self.tokenizer.apply_chat_template(messages, **arguments, tokenize=False)
         except (ValueError, TypeError, jinja2.TemplateError) as error:
             raise protocol.bad_request(f"{template} rejected the messages: {error}", param) from error
-        except (ArithmeticError, RecursionError) as error:
+        except (ArithmeticError, LookupError, RecursionError) as error:
             raise protocol.bad_request(f"{template} failed on the messages: {type(error).__name__}: {error}",
                                        param) from None
-        limit = MAX_PROMPT_CHARS_PER_TOKEN * self.max_model_len
+        limit = RENDERED_PER_BODY_BYTE * self.config.max_body_bytes
         if param != "messages" and len(text) > limit:
             raise protocol.bad_request(
-                f"{template} rendered {len(text):,} characters, more than a prompt of this model may have "
-                f"({limit:,}: {MAX_PROMPT_CHARS_PER_TOKEN} per token of its {self.max_model_len}-token "
-                "context)", param)
+                f"{template} rendered {len(text):,} characters, more than a request's template may write "
+                f"({limit:,}: {RENDERED_PER_BODY_BYTE} per byte a request body may hold)", param)
         return self.tokenizer.encode(text, add_special_tokens=False) if tokenize else text
 
     def _check_context(self, num_prompt_tokens: int, max_tokens: int | None, min_tokens: int,
