@@ -161,8 +161,6 @@ def test_model_directories_of_each_family_encode_as_auto_tokenizer(model_type, s
     other ids there than read as it is, and slipstream does the same (it read the file as it
     is). A Qwen2-style file reads the same either way, so `pipeline_differences` finds nothing to
     report for it."""
-    if (model_type, source) == ("llama", "chatml_unnamed"):
-        pytest.skip("transformers builds LlamaTokenizer for a llama model that names no class")
     path = tmp_path / "model"
     shutil.copytree(qwen2_style_dir if source == "qwen2_style" else saved_dir, path)
     config = json.loads((path / "tokenizer_config.json").read_text())
