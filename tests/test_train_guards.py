@@ -54,6 +54,13 @@ def test_a_run_dir_that_overlaps_the_dataset_is_refused(data_dir, train_model_di
     assert _tree(data) == before
 
 
+def _exited_pid() -> int:
+    """The id of a process that has ended, as a killed writer's is."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
 def test_the_run_replaces_only_a_tokenizer_copy_it_wrote(data_dir, tmp_path):
     """RUN_DIR/tokenizer is replaced only when it holds nothing but tokenizer files (an earlier
     attempt's copy); a folder with other files, or a symbolic link, is left alone (ValueError)."""
@@ -64,8 +71,9 @@ def test_the_run_replaces_only_a_tokenizer_copy_it_wrote(data_dir, tmp_path):
         copy_tokenizer(source, target)
         assert stat.S_IMODE(target.stat().st_mode) == 0o755  # as the mkdir of a copytree, not mkdtemp's 0700
         (target / "tokenizer.json").write_text("stale")
-        (tmp_path / ".tmp-tokenizer-123-killed").mkdir()  # what a killed attempt leaves beside it
-        (tmp_path / ".tmp-tokenizer-123-killed" / "tokenizer.json").write_text("half")
+        killed = tmp_path / f".tmp-tokenizer-{_exited_pid()}-0123abcd"  # what a killed attempt leaves
+        killed.mkdir()
+        (killed / "tokenizer.json").write_text("half")
         copy_tokenizer(source, target)
         assert stat.S_IMODE(target.stat().st_mode) == 0o755
     finally:
@@ -100,7 +108,7 @@ def test_prepare_restores_a_missing_or_replaced_tokenizer(data_dir, tmp_path):
     for damage in (lambda t: shutil.rmtree(t), lambda t: (t / "generation_config.json").unlink(),
                    lambda t: other.save_pretrained(t), lambda t: (t / "tokenizer.json").write_text("{")):
         damage(out / "tokenizer")
-        (out / ".tmp-tokenizer-123-killed").mkdir()  # what a killed repair leaves beside it
+        (out / f".tmp-tokenizer-{_exited_pid()}-0123abcd").mkdir()  # what a killed repair leaves
         prepare_dataset(out, tokenizer, corpus(), heldout_fraction=0.1, progress=False)
         assert _tree(out) == whole
         assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []

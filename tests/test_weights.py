@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slipstream.model import ModelConfig, Transformer, load_model, save_model
+from slipstream.model.weights import new_model_dir
 
 CONFIG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2)
@@ -257,3 +259,20 @@ def test_auto_dtype_of_a_transformers_checkpoint_without_dtype(tmp_path):
     stdlib_tokenizer(320).save_pretrained(tmp_path)
     _forget_dtype(tmp_path)
     assert LLM(str(tmp_path), kv_cache_memory=2**22).engine.limits.dtype == torch.bfloat16
+
+
+def test_new_model_dir_removes_only_a_killed_calls_leftovers(tmp_path):
+    """A call removes the staging folders a killed call for the same name left, and neither the one
+    a running call is writing (two exports at once into one folder) nor another name's that begins
+    with this one (`out-b` beside `out`)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    killed = tmp_path / f".tmp-out-{child.pid}-0123abcd"
+    running = tmp_path / f".tmp-out-{os.getpid()}-89abcdef"
+    other_name = tmp_path / f".tmp-out-b-{child.pid}-0123abcd"
+    for folder in (killed, running, other_name):
+        folder.mkdir()
+    with new_model_dir(tmp_path / "out") as staging:
+        (staging / "config.json").write_text("{}")
+    assert (tmp_path / "out" / "config.json").is_file()
+    assert not killed.exists() and running.is_dir() and other_name.is_dir()

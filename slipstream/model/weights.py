@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Iterator
@@ -212,8 +213,11 @@ def new_model_dir(out_dir: str | Path, *, overwrite: bool = False) -> Iterator[P
         raise ValueError(f"{out_dir} exists and is not empty; pass --overwrite (overwrite=True) to "
                          "replace it")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for leftover in out_dir.parent.glob(f".tmp-{out_dir.name}-*"):  # a killed call's
-        shutil.rmtree(leftover, ignore_errors=True)
+    leftover = re.compile(rf"\.tmp-{re.escape(out_dir.name)}-(\d+)-(?:[0-9a-f]{{8}}|replaced)")
+    for entry in out_dir.parent.iterdir():  # a killed call's, not a running one's, nor another name's
+        match = leftover.fullmatch(entry.name)
+        if match and not _is_running(int(match[1])):
+            shutil.rmtree(entry, ignore_errors=True)
     staging = out_dir.with_name(f".tmp-{out_dir.name}-{os.getpid()}-{secrets.token_hex(4)}")
     staging.mkdir()
     try:
@@ -228,6 +232,17 @@ def new_model_dir(out_dir: str | Path, *, overwrite: bool = False) -> Iterator[P
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _is_running(pid: int) -> bool:
+    """Whether a process `pid` exists (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def save_model(
