@@ -364,8 +364,11 @@ def test_tokenize_routes_leave_the_event_loop_free(model_dir, monkeypatch, path,
     ("{{ 1 / 0 }}", "ZeroDivisionError"),
     ("{% macro m() %}{{ m() }}{% endmacro %}{{ m() }}", "RecursionError"),
     ("{{ '%(a)s' % {} }}", "KeyError"),
+    ("{{ 'abc' | truncate(-5) }}", "AssertionError"),  # any exception at all: jinja asserts too
+    ("{{ '\\udcff' }}", "can't encode character"),  # a lone surrogate is no text to tokenize
     ("{{ '{0}'.format() }}", "IndexError"),
     ("{{ 'x' * 10**6 }}", "rendered 1,000,000 characters"),
+    ("{{ 'x' * 10**10 }}", "repeating a sequence of 1 10,000,000,000 times"),  # it took the memory
 ])
 def test_a_failing_request_template_is_a_400_naming_it(model_dir, template, error):
     """A trusted request's chat template that fails in Python (the sandbox's range limit, a

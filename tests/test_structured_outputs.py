@@ -84,6 +84,13 @@ def test_a_vocabulary_without_every_byte_is_a_value_error():
     (dict(json={"pattern": [{"type": None}, {"schema": None, "json_object": None, "grammar": False,
                                               "type": "00\x1f\x1f\x1f\x1f\x80"}]}),
      "structured_outputs.json: .*nor can llguidance: llguidance failed on it"),
+    # a chain of 3,000 $refs or rules overflowed the stack of llguidance's Rust recursion: the
+    # process died (a segmentation fault), every request with it
+    (dict(json={"$ref": "#/$defs/a0", "$defs": {f"a{i}": {"$ref": f"#/$defs/a{i + 1}"} for i in range(3000)}
+                | {"a3000": {"type": "integer"}}}),
+     r"structured_outputs.json: the schema reaches 3,001 subschemas with a \$ref or an allOf, more than"),
+    (dict(grammar="start: a0\n" + "".join(f"a{i}: a{i + 1}\n" for i in range(3000)) + 'a3000: "x"\n'),
+     "structured_outputs.grammar defines 3,002 rules, more than the 1,000 a grammar may have"),
     (dict(), "needs exactly one of choice, regex, json, json_object and grammar, got none"),
     (dict(choice=["a"], regex="a"), r"needs exactly one of .*, got \['choice', 'regex'\]"),
     (dict(choice=[]), "non-empty list of non-empty strings"),
@@ -367,7 +374,8 @@ def test_a_pattern_matches_the_whole_string_whichever_enforces_it(llm):
 def test_a_schema_nested_past_pythons_stack_is_a_value_error():
     """The parsers and writers recurse once per level: past Python's stack that is a ValueError
     naming the field (a RecursionError was a 500), whatever the nesting."""
-    schema = functools.reduce(lambda inner, _: {"allOf": [inner]}, range(3000), {"type": "integer"})
+    schema = functools.reduce(lambda inner, _: {"type": "array", "items": inner}, range(3000),
+                              {"type": "integer"})
     with pytest.raises(ValueError, match="structured_outputs.json nests too deeply to compile"):
         StructuredOutputsParams(json=schema)
 

@@ -180,9 +180,36 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+MAX_REPEATED_LENGTH = 2**24
+"""The longest string or list a template may build by repeating one (`'x' * n`), and the most bits
+of a power's result (`10 ** n`): the sandbox bounds `range` (to 100,000) but not these, and a
+request's `{{ 'x' * 10**10 }}` took the server's memory."""
+
+
+class _ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with repetition and powers bounded (MAX_REPEATED_LENGTH)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for sequence, count in ((left, right), (right, left)):
+                if (isinstance(sequence, (str, list, tuple)) and isinstance(count, int)
+                        and len(sequence) * count > MAX_REPEATED_LENGTH):
+                    raise jinja2.sandbox.SecurityError(
+                        f"repeating a sequence of {len(sequence):,} {count:,} times passes the "
+                        f"{MAX_REPEATED_LENGTH:,} items a template may build")
+        elif (operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1
+              and right * abs(left).bit_length() > MAX_REPEATED_LENGTH):
+            raise jinja2.sandbox.SecurityError(f"{left} ** {right} passes the {MAX_REPEATED_LENGTH:,} bits "
+                                               "a template's number may have")
+        return super().call_binop(context, operator, left, right)
+
+
 def _jinja_environment() -> ImmutableSandboxedEnvironment:
-    """The environment transformers renders chat templates in (templates are untrusted code)."""
-    env = ImmutableSandboxedEnvironment(
+    """The environment transformers renders chat templates in (templates are untrusted code), with
+    repetition and powers bounded."""
+    env = _ChatTemplateEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson

@@ -108,8 +108,15 @@ _NAMED_SUBSCHEMAS = frozenset({"properties", "patternProperties", "dependentSche
 """Keywords whose values map names (any, "default" included) to subschemas."""
 
 
+MAX_REFERENCES = 1_000
+"""Most subschemas with a `$ref` or an `allOf` a schema may reach: llguidance's Rust code recurses
+once per link of a chain of them, compiling it and matching with it, and a chain of 2,500
+overflowed an 8 MiB thread stack (the server process died); 2,000 passed."""
+
+
 def check_self_references(schema: Any) -> None:
-    """A ValueError naming a subschema reachable from the root that is part of itself through
+    """A ValueError where the root reaches more than MAX_REFERENCES subschemas with a `$ref` or an
+    `allOf`, and one naming a subschema reachable from the root that is part of itself through
     `$ref`s and `allOf`s alone (`{"$ref": "#"}`, a property whose schema is a `$ref` to that
     property): a value valid under it would first have to be valid under it, so none is, and a
     grammar of it has a rule that never produces a value (llguidance starts such an output and
@@ -140,6 +147,9 @@ def check_self_references(schema: Any) -> None:
                            for key, value in node.items() if key not in _NOT_SUBSCHEMAS)
         elif isinstance(node, list):
             pending.extend((f"{pointer}/{i}", value, False) for i, value in enumerate(node))
+    if len(links) > MAX_REFERENCES:
+        raise ValueError(f"the schema reaches {len(links):,} subschemas with a $ref or an allOf, more than "
+                         f"the {MAX_REFERENCES:,} a constraint may hold")
     done: set[str] = set()
     for start in links:  # a depth-first search for a cycle, without recursion
         if start in done:

@@ -490,9 +490,12 @@ class OpenAIServer:
         template = "the chat template" if param == "messages" else "the request's chat template"
         try:
             text = self.tokenizer.apply_chat_template(messages, **arguments, tokenize=False)
+            text.encode()  # a lone surrogate (a tool call's "\\ud800" arguments) is no text to tokenize
         except (ValueError, TypeError, jinja2.TemplateError) as error:
             raise protocol.bad_request(f"{template} rejected the messages: {error}", param) from error
-        except (ArithmeticError, LookupError, RecursionError) as error:
+        except Exception as error:  # a request's template may fail as any Python code may
+            if param == "messages" and not isinstance(error, (ArithmeticError, LookupError, RecursionError)):
+                raise
             raise protocol.bad_request(f"{template} failed on the messages: {type(error).__name__}: {error}",
                                        param) from None
         limit = RENDERED_PER_BODY_BYTE * self.config.max_body_bytes

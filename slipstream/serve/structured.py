@@ -201,6 +201,13 @@ class Guide:
         return state
 
 
+MAX_GRAMMAR_RULES = 1_000
+"""Most rules a grammar may define: llguidance's Rust code recurses once per link of a chain of
+rules, compiling it and matching with it, and a chain of 2,500 overflowed an 8 MiB thread stack
+(the server process died); 2,000 passed."""
+_RULE = re.compile(r"^\s*[?!]?[A-Za-z_][\w.-]*\s*(?:::=|:)", re.MULTILINE)
+
+
 @functools.lru_cache(maxsize=64)
 def compile_grammar(grammar: str) -> str:
     """A GBNF or Lark grammar as llguidance's grammar definition; a ValueError naming what is wrong
@@ -210,6 +217,11 @@ def compile_grammar(grammar: str) -> str:
     except ImportError:
         raise ValueError("structured_outputs.grammar needs the llguidance package: "
                          "pip install 'slipstream[grammar]'") from None
+    rules = len(_RULE.findall(grammar))
+    if rules > MAX_GRAMMAR_RULES:
+        raise ValueError(f"structured_outputs.grammar defines {rules:,} rules, more than the "
+                         f"{MAX_GRAMMAR_RULES:,} a grammar may have")
+
     try:
         with _panics_as_value_errors():
             definition = llguidance.grammar_from("grammar", grammar)
