@@ -123,34 +123,38 @@ def check_self_references(schema: Any) -> None:
     strands it part-way: `{"a": `). Only local `$ref`s are followed; one that points nowhere is
     left to the schema's readers."""
     root = parsed_schema(schema)
-    links: dict[str, list[str]] = {}
-    seen: set[str] = set()
-    pending: list[tuple[str, Any, bool]] = [("", root, False)]
+    # Pointers are tuples of their parts: a string per node would cost its depth times its keys'
+    # length, quadratic for a deep schema with long keys.
+    links: dict[tuple[str, ...], list[tuple[str, ...]]] = {}
+    seen: set[tuple[str, ...]] = set()
+    pending: list[tuple[tuple[str, ...], Any, bool]] = [((), root, False)]
     while pending:  # each reachable subschema's pointer, and the pointers it must also be valid under
         pointer, node, names = pending.pop()
         if pointer in seen:
             continue
         seen.add(pointer)
         if isinstance(node, Mapping) and names:
-            pending.extend((f"{pointer}/{_escaped(str(key))}", value, False) for key, value in node.items())
+            pending.extend(((*pointer, str(key)), value, False) for key, value in node.items())
         elif isinstance(node, Mapping):
-            targets = [f"{pointer}/allOf/{i}" for i in range(len(node["allOf"]))
+            targets = [(*pointer, "allOf", str(i)) for i in range(len(node["allOf"]))
                        ] if isinstance(node.get("allOf"), list) else []
             ref = node.get("$ref")
-            target = _resolved(root, ref[1:]) if isinstance(ref, str) and ref.startswith("#") else None
-            if target is not None:
-                targets.append(ref[1:])
-                pending.append((ref[1:], target[0], False))
+            if isinstance(ref, str) and ref.startswith("#"):
+                parts = tuple(part.replace("~1", "/").replace("~0", "~") for part in ref[1:].split("/")[1:])
+                target = _resolved(root, parts)
+                if target is not None:
+                    targets.append(parts)
+                    pending.append((parts, target[0], False))
             if targets:
                 links[pointer] = targets
-            pending.extend((f"{pointer}/{_escaped(str(key))}", value, key in _NAMED_SUBSCHEMAS)
+            pending.extend(((*pointer, str(key)), value, key in _NAMED_SUBSCHEMAS)
                            for key, value in node.items() if key not in _NOT_SUBSCHEMAS)
         elif isinstance(node, list):
-            pending.extend((f"{pointer}/{i}", value, False) for i, value in enumerate(node))
+            pending.extend(((*pointer, str(i)), value, False) for i, value in enumerate(node))
     if len(links) > MAX_REFERENCES:
         raise ValueError(f"the schema reaches {len(links):,} subschemas with a $ref or an allOf, more than "
                          f"the {MAX_REFERENCES:,} a constraint may hold")
-    done: set[str] = set()
+    done: set[tuple[str, ...]] = set()
     for start in links:  # a depth-first search for a cycle, without recursion
         if start in done:
             continue
@@ -163,13 +167,18 @@ def check_self_references(schema: Any) -> None:
                 done.add(finished)
                 stack.pop()
             elif target in on_path:
-                cycle = " -> ".join(f"#{pointer}" for pointer in path[path.index(target):] + [target])
-                raise ValueError(f"#{target}: the schema is part of itself through $ref and allOf alone "
-                                 f"({cycle}), so no value is valid under it")
+                cycle = " -> ".join(map(_written, path[path.index(target):] + [target]))
+                raise ValueError(f"{_written(target)}: the schema is part of itself through $ref and allOf "
+                                 f"alone ({cycle}), so no value is valid under it")
             elif target not in done and target in links:
                 path.append(target)
                 on_path.add(target)
                 stack.append(iter(links[target]))
+
+
+def _written(pointer: tuple[str, ...]) -> str:
+    """A pointer's parts as a `$ref` writes them: `#/properties/a~1b`."""
+    return "#" + "".join("/" + _escaped(part) for part in pointer)
 
 
 def _escaped(key: str) -> str:
@@ -177,12 +186,11 @@ def _escaped(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 
 
-def _resolved(root: Any, pointer: str) -> tuple[Any] | None:
-    """The node a JSON pointer names in `root`, in a 1-tuple (it may be None or False); None where
-    it names none."""
+def _resolved(root: Any, parts: tuple[str, ...]) -> tuple[Any] | None:
+    """The node a JSON pointer's parts name in `root`, in a 1-tuple (it may be None or False); None
+    where they name none."""
     node = root
-    for part in pointer.split("/")[1:]:
-        part = part.replace("~1", "/").replace("~0", "~")
+    for part in parts:
         if isinstance(node, Mapping) and part in node:
             node = node[part]
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
