@@ -144,7 +144,7 @@ NULL_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
              "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
              "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "sliding_window",
              "use_sliding_window", "max_window_layers", "layer_types", "rope_scaling", "rope_parameters",
-             "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype"]
+             "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype", "attention_dropout"]
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -835,3 +836,22 @@ def test_rebuilt_pipeline_follows_auto_tokenizer(named, model_type, expected):
     registered tokenizer is generic (mistral), and its registered one when none is named."""
     config = {} if named is None else {"tokenizer_class": named}
     assert rebuilt_pipeline(config, model_type) == expected
+
+
+@pytest.mark.parametrize("value, expected", [
+    (2048, 2048), (2048.0, 2048), (100.5, 100), (int(1e30), None), (1e30, None), (None, None),
+    (0, "model_max_length must be a positive number of tokens, got 0"),
+    (-1, "got -1"), (True, "got True"), ("4096", "got '4096'"),
+])
+def test_model_max_length_is_read_as_vllm_takes_it_or_named(saved_dir, tmp_path, value, expected):
+    """A float is a whole number of tokens (vLLM's int()), transformers' 1e30 is no limit, and a
+    value that would leave no context (0, -1, a bool, a string) is a ValueError naming the file
+    (it became the engine's max_model_len)."""
+    shutil.copytree(saved_dir, tmp_path / "model")
+    path = tmp_path / "model" / "tokenizer_config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"model_max_length": value}))
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=f"tokenizer_config.json: .*{re.escape(expected)}"):
+            Tokenizer.from_pretrained(tmp_path / "model")
+    else:
+        assert Tokenizer.from_pretrained(tmp_path / "model").model_max_length == expected

@@ -313,9 +313,10 @@ _NOT_NULL_ANY = frozenset(
 )
 _NOT_NULL = {
     "llama": _NOT_NULL_ANY | {"attention_bias", "mlp_bias"},
-    "mistral": _NOT_NULL_ANY | {"num_key_value_heads"},
-    "qwen2": _NOT_NULL_ANY | {"use_sliding_window", "max_window_layers"},
-    "qwen3": _NOT_NULL_ANY | {"head_dim", "attention_bias", "use_sliding_window", "max_window_layers"},
+    "mistral": _NOT_NULL_ANY | {"num_key_value_heads", "attention_dropout"},
+    "qwen2": _NOT_NULL_ANY | {"use_sliding_window", "max_window_layers", "attention_dropout"},
+    "qwen3": _NOT_NULL_ANY | {"head_dim", "attention_bias", "use_sliding_window", "max_window_layers",
+                              "attention_dropout"},
 }
 """The config.json keys for which the family's config class in transformers 5 refuses null (a field
 typed without None); for the others null means "derived" or "none" (or the key is no field of that

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -158,9 +159,8 @@ class Tokenizer:
             _use_qwen2_pipeline(hf_tokenizer, config)
         special_tokens_map = _read_json(model_dir / "special_tokens_map.json")
         generation_config = _read_json(model_dir / "generation_config.json")
-        max_length = config.get("model_max_length")
-        if not isinstance(max_length, int) or max_length >= _NO_MAX_LENGTH:
-            max_length = None
+        max_length = _read_model_max_length(config.get("model_max_length"),
+                                            model_dir / "tokenizer_config.json")
         return cls(
             hf_tokenizer,
             special_tokens=_read_special_tokens(config, special_tokens_map),
@@ -641,6 +641,18 @@ def _without_key(value: Any, key: str) -> Any:
     if isinstance(value, list):
         return [_without_key(v, key) for v in value]
     return value
+
+
+def _read_model_max_length(value: Any, path: Path) -> int | None:
+    """tokenizer_config.json's `model_max_length` as a whole number of tokens (a float such as
+    2048.0 or transformers' 1e30 taken as vLLM's `int()` takes it); None where it names none or
+    transformers' "no limit"; a ValueError naming the file where it is no positive number (a 0
+    would leave the engine a context of no tokens)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= math.inf:
+        raise ValueError(f"{path}: model_max_length must be a positive number of tokens, got {value!r}")
+    return None if value >= _NO_MAX_LENGTH else int(value)
 
 
 def _starts_inside_a_character(data: bytes) -> bool:
