@@ -237,11 +237,11 @@ def new_model_dir(out_dir: str | Path, *, overwrite: bool = False) -> Iterator[P
 def _is_running(pid: int) -> bool:
     """Whether a process `pid` exists (one of another user's counts)."""
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # PermissionError: it exists, another user's
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 

@@ -59,6 +59,7 @@ class StructuredOutputsParams:
     """The output is a sentence of this context-free grammar, in GBNF (llama.cpp's, which vLLM's
     xgrammar backend takes) or Lark syntax (vLLM's guidance backend); needs the llguidance package
     (`pip install 'slipstream[grammar]'`)."""
+    _key: tuple[str, str] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = [name for name in ("choice", "regex", "json", "json_object", "grammar")
@@ -76,16 +77,21 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty "
                                  f"strings, got {self.choice!r}")
             object.__setattr__(self, "choice", tuple(self.choice))
-        self.guide_key  # noqa: B018 (a ValueError here names the field and what is wrong with it)
+        # Built once, here: a ValueError names the field and what is wrong with it, and the engine
+        # takes the key without compiling the constraint again.
+        object.__setattr__(self, "_key", self._checked_key())
 
     @property
     def guide_key(self) -> tuple[str, str]:
         """What enforces the constraint, and from what: ("regex", pattern) for the byte automaton,
         ("llguidance", definition) for a grammar, and for a JSON schema the automaton cannot hold
         where llguidance is installed (as vLLM's "auto" backend falls back from xgrammar to
-        guidance). Requests with the same key share a guide. A constraint nested past Python's
-        stack (the parsers and writers recurse once per level) is a ValueError too, not a server
-        error."""
+        guidance). Requests with the same key share a guide."""
+        return self._key
+
+    def _checked_key(self) -> tuple[str, str]:
+        """`_guide_key`, where a constraint nested past Python's stack (the parsers and writers
+        recurse once per level) is a ValueError too, not a server error."""
         try:
             return self._guide_key()
         except RecursionError:
