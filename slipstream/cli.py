@@ -410,6 +410,8 @@ _PERF_COMMANDS = [
      "measure torch.distributed collectives (gloo here, NCCL on GPUs) and fit alpha-beta"),
     ("validate", "validate", (), "the model against published measurements (data/published.json)"),
     ("fit", "fit", ("model", "tp", "fit"), "fit the efficiency to this machine's metrics records"),
+    ("trace", "trace_cmd", ("trace",),
+     "where a profiled run's time went, from its PyTorch profiler traces (one per rank)"),
 ]
 
 
@@ -492,6 +494,10 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
         records.add_argument("--engine-records", help="engine step records (JSON lines)")
         records.add_argument("--run-dir", nargs="+", help="training run directories")
         p.add_argument("--out", help="write the fitted efficiency JSON here")
+    if "trace" in groups:
+        p.add_argument("traces", nargs="+", metavar="TRACE",
+                       help="Kineto trace files (.json, .json.gz) or folders of them, one file per rank")
+        p.add_argument("--top", type=_int_at_least(1), default=10, help="rows in each table")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slipstream.perf import measured, planner, roofline, serving, validation, whatif
+from slipstream.perf import measured, planner, roofline, serving, trace, validation, whatif
 from slipstream.perf.accelerators import Accelerator, dtype_key
 from slipstream.perf.efficiency import Efficiency, check_fractions, default_efficiency, max_fraction
 from slipstream.perf.fit import apply_scales
@@ -473,3 +473,8 @@ def fit(args: argparse.Namespace) -> Result:
     text = measured.format_comparisons(rows) + f"\nfitted multipliers: {cal.scales}"
     text += f"\nwrote {args.out}" if args.out else ""
     return text, {"calibration": cal.to_dict(), "rows": [r.to_dict() for r in rows]}
+
+
+def trace_cmd(args: argparse.Namespace) -> Result:
+    report = trace.analyze(args.traces, args.top)
+    return trace.format_report(report), report

@@ -1,0 +1,409 @@
+"""Where a profiled run's time went, from its PyTorch profiler traces (one file per rank).
+
+Steps are the `ProfilerStep#N` annotations that `torch.profiler.profile(schedule=...)` writes at
+each `prof.step()` (slipstream's trainer and engine step the profiler once per training step and
+per engine step). For each rank the report gives:
+
+- **Host (CPU) time by op.** Each CPU op's and annotation's *self* time: its duration less that
+  of the ops nested in it on the same thread, as the profiler's `key_averages()` counts it. A
+  step's own self time is the host time between ops: Python, the scheduler, waiting.
+- **Annotations.** The `record_function` ranges (the engine's step phases, the trainer's) with
+  their inclusive time.
+- **GPU time by kernel class**, when the trace has device events, with Holistic Trace
+  Analysis's classes: communication (NCCL/RCCL kernels), memory (memcpy, memset) and compute
+  (every other kernel). Per step, TraceLens's identity splits the span from the step's first
+  kernel to its last so that the parts sum to it: compute (the union of compute kernels over
+  all streams) + exposed communication (communication not under compute) + exposed memory
+  (copies under neither) + idle (no kernel at all). HTA's communication/compute overlap is the
+  share of communication time during which a compute kernel runs. Kernels belong to the step
+  whose host code launched them (the runtime call with the same `correlation`), so a step's
+  kernels that run after its host part has ended still count to it.
+
+Sources: HTA `hta/analyzers/breakdown_analysis.py` and `docs/source/features/` (temporal and
+kernel breakdown, comm-comp overlap); TraceLens `TraceLens/TreePerf/gpu_event_analyser.py`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from slipstream.perf.kineto import Event, Trace, read_trace
+
+_STEP = re.compile(r"ProfilerStep#(\d+)$")
+TRACE_SUFFIXES = (".json", ".json.gz")
+HOST_CATEGORIES = ("cpu_op", "user_annotation")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver", "hip_runtime", "hip_driver", "xpu_runtime")
+KERNEL_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# HTA's COMMUNICATION class (hta/common/trace_symbol_table.py): collective kernels by name.
+_COMMUNICATION = re.compile(r"nccl|rccl|hccl|c10d::|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all",
+                            re.IGNORECASE)
+_MEMORY = re.compile(r"^(hip)?(memcpy|memset)|^dma", re.IGNORECASE)
+
+Intervals = list[tuple[float, float]]
+
+
+def union(spans: Iterable[tuple[float, float]]) -> Intervals:
+    """The sorted, disjoint union of half-open spans [start, end)."""
+    merged: Intervals = []
+    for start, end in sorted(s for s in spans if s[1] > s[0]):
+        if merged and start <= merged[-1][1]:
+            if end > merged[-1][1]:
+                merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def length(intervals: Intervals) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def intersect(a: Intervals, b: Intervals) -> Intervals:
+    """The intersection of two unions (each sorted and disjoint), by a merge walk."""
+    out: Intervals = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract(a: Intervals, b: Intervals) -> float:
+    """The length of `a` outside `b` (both unions)."""
+    return length(a) - length(intersect(a, b))
+
+
+def kernel_class(event: Event) -> str:
+    """HTA's kernel classes: communication, memory or compute."""
+    if _COMMUNICATION.search(event.name):
+        return "communication"
+    if event.cat in ("gpu_memcpy", "gpu_memset") or _MEMORY.search(event.name):
+        return "memory"
+    return "compute"
+
+
+@dataclasses.dataclass
+class OpTime:
+    calls: int = 0
+    total_us: float = 0.0
+    self_us: float = 0.0
+
+
+def host_op_times(events: Sequence[Event]) -> dict[tuple[str, str], OpTime]:
+    """Calls, inclusive and self time per (category, name) of CPU op or annotation, over every
+    thread, counted as the profiler's `key_averages()` counts them.
+
+    On each thread the spans nest (a child starts and ends inside its parent, up to the
+    profiler's rounding), so one pass over the spans sorted by start, longest first, with a stack
+    of open spans finds each span's parent. A child's time inside its parent leaves the parent's
+    self time. An op whose only child has its own name (a redispatch: `aten::sum` calling
+    `aten::sum`) is one call, as the profiler's event tree merges them.
+    """
+    times: dict[tuple[str, str], OpTime] = defaultdict(OpTime)
+    by_thread: dict[tuple[Any, Any], list[Event]] = defaultdict(list)
+    for e in events:
+        if e.cat in HOST_CATEGORIES:
+            by_thread[(e.pid, e.tid)].append(e)
+    for thread_events in by_thread.values():
+        thread_events.sort(key=lambda e: (e.start_us, -e.dur_us))
+        parents = _parents(thread_events)
+        num_children = defaultdict(int)
+        for parent in parents:
+            num_children[parent] += 1
+        for i, e in enumerate(thread_events):
+            op = times[(e.cat, e.name)]
+            op.self_us += e.dur_us
+            parent = parents[i]
+            if parent is not None:
+                p = thread_events[parent]
+                times[(p.cat, p.name)].self_us -= min(e.end_us, p.end_us) - e.start_us
+                if p.name == e.name and p.cat == e.cat and num_children[parent] == 1:
+                    continue
+            op.calls += 1
+            op.total_us += e.dur_us
+    return dict(times)
+
+
+def _parents(spans: Sequence[Event]) -> list[int | None]:
+    """The index of each span's innermost enclosing span (spans sorted by start, longest first)."""
+    parents: list[int | None] = []
+    stack: list[int] = []
+    for i, e in enumerate(spans):
+        while stack and spans[stack[-1]].end_us <= e.start_us:
+            stack.pop()
+        parents.append(stack[-1] if stack else None)
+        stack.append(i)
+    return parents
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    number: int
+    start_us: float
+    end_us: float
+
+    @property
+    def name(self) -> str:
+        return f"ProfilerStep#{self.number}"
+
+
+def profiler_steps(events: Sequence[Event]) -> list[Step]:
+    """The host-side `ProfilerStep#N` annotations, in order (one per step, on the host thread)."""
+    steps = {}
+    for e in events:
+        match = _STEP.match(e.name)
+        if match and e.cat == "user_annotation":
+            number = int(match.group(1))
+            if number not in steps or e.dur_us > steps[number].end_us - steps[number].start_us:
+                steps[number] = Step(number, e.start_us, e.end_us)
+    return [steps[n] for n in sorted(steps)]
+
+
+def gpu_breakdown(kernels: Sequence[Event]) -> dict[str, float]:
+    """TraceLens's split of the kernels' span (first start to last end), plus HTA's overlap."""
+    if not kernels:
+        return {}
+    by_class: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for k in kernels:
+        by_class[kernel_class(k)].append((k.start_us, k.end_us))
+    compute = union(by_class["compute"])
+    communication = union(by_class["communication"])
+    memory = union(by_class["memory"])
+    busy = union([*compute, *communication, *memory])
+    span = max(k.end_us for k in kernels) - min(k.start_us for k in kernels)
+    communication_us = length(communication)
+    return {
+        "span_us": span,
+        "compute_us": length(compute),
+        "exposed_communication_us": subtract(communication, compute),
+        "exposed_memory_us": subtract(memory, union([*compute, *communication])),
+        "idle_us": span - length(busy),
+        "communication_us": communication_us,
+        "memory_us": length(memory),
+        "overlap": length(intersect(communication, compute)) / communication_us if communication_us else None,
+    }
+
+
+def kernels_by_step(trace: Trace, steps: Sequence[Step]) -> dict[int, list[Event]]:
+    """Each device event, under the step whose host code launched it.
+
+    The launch is the runtime call with the kernel's `correlation`; a kernel without one (or
+    whose call is not in the trace) goes by its own start time. Kernels of no step are left out.
+    """
+    launch_us = {e.correlation: e.start_us for e in trace.events
+                 if e.cat in LAUNCH_CATEGORIES and e.correlation is not None}
+    out: dict[int, list[Event]] = defaultdict(list)
+    starts = [s.start_us for s in steps]
+    for k in trace.events:
+        if k.cat not in KERNEL_CATEGORIES:
+            continue
+        when = launch_us.get(k.correlation, k.start_us)
+        step = _step_at(steps, starts, when)
+        if step is not None:
+            out[step.number].append(k)
+    return out
+
+
+def _step_at(steps: Sequence[Step], starts: list[float], time_us: float) -> Step | None:
+    i = bisect.bisect_right(starts, time_us) - 1
+    return steps[i] if i >= 0 and time_us <= steps[i].end_us else None
+
+
+
+def analyze_rank(trace: Trace, top: int) -> dict[str, Any]:
+    """One rank's report: its steps (with the GPU split of each), host time by op, annotations,
+    kernels, and the GPU split over all steps."""
+    steps = profiler_steps(trace.events)
+    ops = host_op_times(trace.events)
+    device_events = [e for e in trace.events if e.cat in KERNEL_CATEGORIES]
+    per_step = kernels_by_step(trace, steps) if steps else {}
+    step_reports = [{
+        "step": s.number,
+        "duration_us": s.end_us - s.start_us,
+        "host_outside_ops_us": ops[("user_annotation", s.name)].self_us,
+        "gpu": gpu_breakdown(per_step.get(s.number, [])) or None,
+    } for s in steps]
+    gpu = (_sum_breakdowns([r["gpu"] for r in step_reports if r["gpu"]]) if steps
+           else gpu_breakdown(device_events)) or None
+    return {
+        "file": str(trace.path),
+        "rank": trace.rank,
+        "devices": trace.device_names,
+        "skipped_events": trace.skipped_events,
+        "steps": step_reports,
+        "step_time_us": _median([r["duration_us"] for r in step_reports]),
+        "host": _host_table(ops, top),
+        "annotations": _annotation_table(ops, sum(r["duration_us"] for r in step_reports), top),
+        "gpu": gpu,
+        "kernels": _kernel_table(device_events, top),
+    }
+
+
+def _median(values: Sequence[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _sum_breakdowns(breakdowns: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Steps' splits added up; the overlap is recomputed from the sums, not averaged."""
+    if not breakdowns:
+        return {}
+    total = {key: sum(b[key] for b in breakdowns) for key in breakdowns[0] if key != "overlap"}
+    overlapped = sum(b["overlap"] * b["communication_us"] for b in breakdowns if b["overlap"] is not None)
+    total["overlap"] = overlapped / total["communication_us"] if total["communication_us"] else None
+    return total
+
+
+def _host_table(ops: dict[tuple[str, str], OpTime], top: int) -> list[dict[str, Any]]:
+    """Host self time by op, largest first; the steps' own self time is one row, "between ops"."""
+    rows: dict[str, dict[str, Any]] = {}
+    for (cat, name), t in ops.items():
+        if cat == "user_annotation" and _STEP.match(name):
+            cat, name = "step", "(between ops, in profiler steps)"
+        row = rows.setdefault(name, {"name": name, "kind": cat, "calls": 0, "total_us": 0.0, "self_us": 0.0})
+        row["calls"] += t.calls
+        row["total_us"] += t.total_us
+        row["self_us"] += t.self_us
+    all_self_us = sum(r["self_us"] for r in rows.values())
+    for row in rows.values():
+        row["share"] = row["self_us"] / all_self_us if all_self_us > 0 else None
+    return sorted(rows.values(), key=lambda r: -r["self_us"])[:top]
+
+
+def _annotation_table(ops: dict[tuple[str, str], OpTime], step_us: float, top: int) -> list[dict[str, Any]]:
+    """`record_function` ranges (not the steps) by inclusive time, as a share of step time."""
+    rows = [{"name": name, "calls": t.calls, "total_us": t.total_us,
+             "share_of_steps": t.total_us / step_us if step_us > 0 else None}
+            for (cat, name), t in ops.items() if cat == "user_annotation" and not _STEP.match(name)]
+    return sorted(rows, key=lambda r: -r["total_us"])[:top]
+
+
+def _kernel_table(kernels: Sequence[Event], top: int) -> list[dict[str, Any]]:
+    rows: dict[str, dict[str, Any]] = {}
+    for k in kernels:
+        row = rows.setdefault(k.name, {"name": k.name, "class": kernel_class(k), "calls": 0, "total_us": 0.0})
+        row["calls"] += 1
+        row["total_us"] += k.dur_us
+    all_us = sum(r["total_us"] for r in rows.values())
+    for row in rows.values():
+        row["share"] = row["total_us"] / all_us if all_us > 0 else None
+    return sorted(rows.values(), key=lambda r: -r["total_us"])[:top]
+
+
+def trace_files(paths: Sequence[str]) -> list[Path]:
+    """The trace files named, a folder standing for the traces in it (one per rank, as HTA takes
+    them)."""
+    files: list[Path] = []
+    for name in paths:
+        path = Path(name)
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(TRACE_SUFFIXES))
+            if not found:
+                raise ValueError(f"{path}: no trace files ({', '.join(TRACE_SUFFIXES)}) in this folder")
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ValueError(f"{path}: no such trace file or folder")
+    return files
+
+
+def analyze(paths: Sequence[str], top: int = 10) -> dict[str, Any]:
+    """The report of every rank's trace, ordered by rank, and how far the ranks' steps spread."""
+    if top < 1:
+        raise ValueError(f"top must be >= 1, got {top}")
+    ranks = [analyze_rank(read_trace(path), top) for path in trace_files(paths)]
+    ranks.sort(key=lambda r: (r["rank"] is None, r["rank"] if r["rank"] is not None else 0, r["file"]))
+    return {"ranks": ranks, "spread": _spread(ranks)}
+
+
+def _spread(ranks: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """With several ranks: the slowest and fastest by median step time (a straggler shows here)."""
+    timed = [r for r in ranks if r["step_time_us"]]
+    if len(timed) < 2:
+        return None
+    slowest = max(timed, key=lambda r: r["step_time_us"])
+    fastest = min(timed, key=lambda r: r["step_time_us"])
+    return {"slowest": _rank_label(slowest), "fastest": _rank_label(fastest),
+            "slowest_step_us": slowest["step_time_us"], "fastest_step_us": fastest["step_time_us"],
+            "ratio": slowest["step_time_us"] / fastest["step_time_us"]}
+
+
+def _rank_label(report: dict[str, Any]) -> str:
+    return f"rank {report['rank']}" if report["rank"] is not None else Path(report["file"]).name
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines: list[str] = []
+    for rank in report["ranks"]:
+        lines += _format_rank(rank) + [""]
+    spread = report["spread"]
+    if spread:
+        lines.append(f"ranks: slowest {spread['slowest']} at {_ms(spread['slowest_step_us'])} ms a step, "
+                     f"fastest {spread['fastest']} at {_ms(spread['fastest_step_us'])} ms "
+                     f"({spread['ratio']:.2f}x)")
+    return "\n".join(lines).rstrip()
+
+
+def _ms(us: float | None) -> str:
+    return "-" if us is None else f"{us / 1e3:.3f}"
+
+
+def _share(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f}%"
+
+
+def _format_rank(r: dict[str, Any]) -> list[str]:
+    where = ", ".join(([f"rank {r['rank']}"] if r["rank"] is not None else []) + r["devices"][:1])
+    lines = [f"{r['file']}{f' ({where})' if where else ''}: {len(r['steps'])} profiler steps"
+             + (f", median {_ms(r['step_time_us'])} ms" if r["steps"] else
+                " (no ProfilerStep#N annotations: whole trace)")]
+    if r["skipped_events"]:
+        lines.append(f"  {r['skipped_events']} complete events without a time were skipped")
+    if r["steps"]:
+        has_gpu = any(s["gpu"] for s in r["steps"])
+        header = "  step      ms  host between ops ms"
+        if has_gpu:
+            header += "  | GPU compute  exp. comm  exp. memory     idle  overlap"
+        lines.append(header)
+        for s in r["steps"]:
+            line = f"  {s['step']:>4} {_ms(s['duration_us']):>7} {_ms(s['host_outside_ops_us']):>20}"
+            if has_gpu:
+                line += "  | " + _gpu_cells(s["gpu"])
+            lines.append(line)
+    lines.append("  host time by op (self time, as key_averages counts it):")
+    lines += [f"    {_share(o['share']):>6} {_ms(o['self_us']):>10} ms {o['calls']:>7} calls  {o['name']}"
+              for o in r["host"]]
+    if r["annotations"]:
+        lines.append("  annotations (inclusive time, share of step time):")
+        lines += [f"    {_share(a['share_of_steps']):>6} {_ms(a['total_us']):>10} ms {a['calls']:>7} calls  "
+                  f"{a['name']}" for a in r["annotations"]]
+    if r["gpu"]:
+        lines.append(f"  GPU, {'all steps' if r['steps'] else 'whole trace'}:  " + _gpu_cells(r["gpu"]))
+        lines.append("  kernels by time:")
+        lines += [f"    {_share(k['share']):>6} {_ms(k['total_us']):>10} ms {k['calls']:>7} calls  "
+                  f"{k['class']:<13} {k['name'][:100]}" for k in r["kernels"]]
+    return lines
+
+
+def _gpu_cells(gpu: dict[str, float] | None) -> str:
+    if not gpu:
+        return "no kernels"
+    span = gpu["span_us"]
+    cells = [gpu["compute_us"], gpu["exposed_communication_us"], gpu["exposed_memory_us"], gpu["idle_us"]]
+    shares = "  ".join(f"{_share(v / span) if span else '-':>9}" for v in cells)
+    return f"{shares}  {_share(gpu['overlap']):>7}"

@@ -1,0 +1,198 @@
+"""Profiler-trace analysis: real torch.profiler traces against the profiler's own key_averages,
+GPU splits against closed forms on hand-built traces, and hostile files."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+from slipstream.cli import main
+from slipstream.perf.kineto import read_trace
+from slipstream.perf.trace import OpTime, analyze, format_report, host_op_times
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """A real CPU trace of 3 active training steps of a small MLP, and the profiler's own
+    key_averages() of the same window: {name: (calls, self us, inclusive us)}."""
+    path = tmp_path_factory.mktemp("trace") / "rank0_trace.json"
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    x = torch.randn(16, 64)
+    averages = {}
+
+    def ready(prof):
+        prof.export_chrome_trace(str(path))
+        for e in prof.key_averages():
+            averages[e.key] = (e.count, e.self_cpu_time_total, e.cpu_time_total)
+
+    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=1, warmup=1, active=3),
+                 on_trace_ready=ready) as prof:
+        for _ in range(5):
+            with record_function("forward"):
+                y = model(x)
+            with record_function("backward"):
+                y.sum().backward()
+            prof.step()
+    return path, averages
+
+
+def test_host_self_times_match_key_averages(profiled):
+    """Each op's calls and self time are what torch.profiler's key_averages() reports (which merges
+    an op's redispatch to itself, e.g. aten::sum calling aten::sum)."""
+    path, averages = profiled
+    ops = {name: t for (cat, name), t in host_op_times(read_trace(path).events).items()}
+    steps = [t for name, t in ops.items() if name.startswith("ProfilerStep#")]
+    ops["ProfilerStep*"] = OpTime(calls=len(steps), self_us=sum(t.self_us for t in steps))  # its aggregate
+    compared = 0
+    for name, (calls, self_us, total_us) in averages.items():
+        assert ops[name].calls == calls, name
+        assert ops[name].self_us == pytest.approx(self_us, abs=0.05 + 1e-4 * total_us), name
+        compared += 1
+    assert compared >= 10
+    assert {"aten::mm", "aten::addmm", "forward", "backward", "ProfilerStep*"} <= set(averages)
+
+
+def test_steps_and_annotations(profiled):
+    """The three active steps are ProfilerStep#2..#4; annotations report inclusive time that
+    key_averages agrees with, as a share of the steps' time."""
+    path, averages = profiled
+    (rank,) = analyze([str(path)])["ranks"]
+    assert [s["step"] for s in rank["steps"]] == [2, 3, 4]
+    step_us = sum(s["duration_us"] for s in rank["steps"])
+    annotations = {a["name"]: a for a in rank["annotations"]}
+    assert set(annotations) == {"forward", "backward"}
+    for name, a in annotations.items():
+        assert a["calls"] == 3
+        assert a["total_us"] == pytest.approx(averages[name][2], rel=1e-3)
+        assert a["share_of_steps"] == pytest.approx(a["total_us"] / step_us)
+    assert sum(a["total_us"] for a in annotations.values()) < step_us
+    shares = [h["share"] for h in analyze([str(path)], top=1000)["ranks"][0]["host"]]
+    assert sum(shares) == pytest.approx(1.0)
+    assert rank["gpu"] is None and rank["kernels"] == []
+
+
+def test_gzip_and_plain_read_alike(profiled, tmp_path):
+    path, _ = profiled
+    packed = tmp_path / "rank0_trace.json.gz"
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    plain, zipped = analyze([str(path)]), analyze([str(packed)])
+    for report in (plain, zipped):
+        report["ranks"][0].pop("file")
+    assert plain == zipped
+
+
+def _kernel(name, start, dur, stream, correlation, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": stream, "ts": start, "dur": dur,
+            "args": {"stream": stream, "correlation": correlation, "device": 0}}
+
+
+def _launch(start, correlation):
+    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 100, "tid": 100,
+            "ts": start, "dur": 1, "args": {"correlation": correlation}}
+
+
+def _step(number, start, dur):
+    return {"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{number}", "pid": 100, "tid": 100,
+            "ts": start, "dur": dur}
+
+
+def _write(path, events, rank=None, **metadata):
+    document = {"schemaVersion": 1, **metadata, "traceEvents": events}
+    if rank is not None:
+        document["distributedInfo"] = {"rank": rank, "world_size": 2, "backend": "nccl"}
+    path.write_text(json.dumps(document))
+    return str(path)
+
+
+def test_gpu_split_sums_to_the_span_by_closed_form(tmp_path):
+    """Step 1: compute [0,10) and [20,30) on stream 7, an NCCL all-reduce [5,25) on stream 20, a
+    copy [28,40): compute 20, exposed communication [10,20) = 10, exposed memory [30,40) = 10,
+    idle 0, overlap (communication under compute) 10 / 20. Step 2: two kernels with a gap of 5."""
+    events = [
+        _step(1, -10, 9), _step(2, 0, 50),
+        _launch(-9, 1), _launch(-8, 2), _launch(-7, 3), _launch(-6, 4),
+        _kernel("sm90_xmma_gemm", 0, 10, 7, 1),
+        _kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 5, 20, 20, 2),
+        _kernel("sm90_xmma_gemm", 20, 10, 7, 3),
+        _kernel("Memcpy DtoH (Device -> Pinned)", 28, 12, 9, 4, cat="gpu_memcpy"),
+        _launch(1, 5), _launch(2, 6),
+        _kernel("elementwise_kernel", 100, 10, 7, 5), _kernel("elementwise_kernel", 115, 10, 7, 6),
+    ]
+    path = _write(tmp_path / "t.json", events, deviceProperties=[{"name": "NVIDIA H100"}])
+    (rank,) = analyze([path])["ranks"]
+    first, second = (s["gpu"] for s in rank["steps"])
+    assert first == {"span_us": 40, "compute_us": 20, "exposed_communication_us": 10, "exposed_memory_us": 10,
+                     "idle_us": 0, "communication_us": 20, "memory_us": 12, "overlap": 0.5}
+    assert second["span_us"] == 25 and second["compute_us"] == 20 and second["idle_us"] == 5
+    assert second["overlap"] is None
+    # Kernels launched by step 1's host code count to step 1 though they run after it ended.
+    assert rank["gpu"]["span_us"] == 65 and rank["gpu"]["overlap"] == 0.5
+    kernels = {k["name"]: k for k in rank["kernels"]}
+    assert kernels["sm90_xmma_gemm"]["class"] == "compute" and kernels["sm90_xmma_gemm"]["calls"] == 2
+    assert kernels["ncclDevKernel_AllReduce_Sum_bf16_RING_LL"]["class"] == "communication"
+    assert kernels["Memcpy DtoH (Device -> Pinned)"]["class"] == "memory"
+    assert rank["devices"] == ["NVIDIA H100"]
+    assert "overlap" in format_report(analyze([path]))
+
+
+def test_ranks_are_ordered_and_the_straggler_named(tmp_path):
+    _write(tmp_path / "b.json", [_step(1, 0, 30), _step(2, 30, 30)], rank=1)
+    _write(tmp_path / "a.json", [_step(1, 0, 10), _step(2, 10, 12)], rank=0)
+    report = analyze([str(tmp_path)])
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    assert report["spread"]["slowest"] == "rank 1" and report["spread"]["ratio"] == pytest.approx(30 / 11)
+
+
+def test_a_trace_larger_than_the_read_window(tmp_path):
+    """The streaming reader gives what json.load gives across its 1 MiB reading window, with
+    times written as strings and events without a time counted, not dropped silently."""
+    events = [_step(1, 0, 10**6)]
+    for i in range(20_000):
+        events.append({"ph": "X", "cat": "cpu_op", "name": f"aten::op_{i % 7}_" + "x" * (i % 300),
+                       "pid": 1, "tid": 1, "ts": str(10 * i + 0.125), "dur": 5, "args": {"n": [i] * 3}})
+    events.append({"ph": "X", "cat": "cpu_op", "name": "no time", "pid": 1, "tid": 1})
+    events.append({"ph": "i", "name": "instant", "ts": 3})
+    path = tmp_path / "big.json"
+    _write(path, events)
+    assert path.stat().st_size > 3 * 2**20
+    trace = read_trace(path)
+    assert trace.skipped_events == 1
+    assert len(trace.events) == 20_001
+    assert [e.name for e in trace.events] == [e["name"] for e in events[:20_001]]
+    assert trace.events[-1].start_us == 10 * 19_999 + 0.125
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "the end of the file"),
+    (b"[1, 2]", "expected '{'"),
+    (b'{"schemaVersion": 1}', "no traceEvents"),
+    (b'{"traceEvents": [{"ph": "X", "ts": 1, "dur": 2}', "the end of the file"),
+    (b'{"traceEvents": []} trailing', "text after the end"),
+    (b'{"traceEvents": [] "x": 1}', "expected '}'"),
+    (gzip.compress(b'{"traceEvents": [{"ph": "X", "ts": 1}]}')[:-9], "cannot be read"),
+    (b"\xff\xfe{", "cannot be read"),
+])
+def test_a_file_that_is_no_trace_is_named(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message) as error:
+        read_trace(path)
+    assert str(path) in str(error.value)
+
+
+def test_cli(profiled, tmp_path, capsys):
+    path, _ = profiled
+    assert main(["perf", "trace", str(path), "--top", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "3 profiler steps" in text and "aten::" in text
+    assert main(["perf", "trace", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ranks"][0]["steps"][0]["step"] == 2
+    assert main(["perf", "trace", str(tmp_path / "missing.json")]) == 2
+    assert "no such trace file" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["perf", "trace", str(tmp_path / "empty")]) == 2
+    assert "no trace files" in capsys.readouterr().err
