@@ -498,6 +498,8 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
         p.add_argument("traces", nargs="+", metavar="TRACE",
                        help="Kineto trace files (.json, .json.gz) or folders of them, one file per rank")
         p.add_argument("--top", type=_int_at_least(1), default=10, help="rows in each table")
+        p.add_argument("--baseline", nargs="+", default=(), metavar="TRACE",
+                       help="traces of an earlier run: what changed per step, op by op and kernel by kernel")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

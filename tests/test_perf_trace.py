@@ -12,7 +12,8 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 from slipstream.cli import main
 from slipstream.perf.kineto import read_trace
-from slipstream.perf.trace import OpTime, analyze, format_report, host_op_times
+from slipstream.perf.trace import OpTime, analyze, host_op_times
+from slipstream.perf.trace_report import format_report
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +146,32 @@ def test_ranks_are_ordered_and_the_straggler_named(tmp_path):
     report = analyze([str(tmp_path)])
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
     assert report["spread"]["slowest"] == "rank 1" and report["spread"]["ratio"] == pytest.approx(30 / 11)
+
+
+def _op(name, start, dur):
+    return {"ph": "X", "cat": "cpu_op", "name": name, "pid": 100, "tid": 100, "ts": start, "dur": dur}
+
+
+def test_comparison_per_step(tmp_path):
+    """Per step: aten::mm went from 20 us (two calls in the baseline's one step) to 5 (one call
+    in each of two steps), aten::gelu is new, aten::relu gone, the step twice as fast."""
+    baseline = _write(tmp_path / "old.json", [_step(1, 0, 40), _op("aten::mm", 1, 10),
+                                               _op("aten::mm", 12, 10), _op("aten::relu", 30, 4)])
+    new = _write(tmp_path / "new.json", [_step(1, 0, 20), _op("aten::mm", 1, 5), _op("aten::gelu", 7, 3),
+                                          _step(2, 20, 20), _op("aten::mm", 21, 5), _op("aten::gelu", 27, 3)])
+    report = analyze([new], baseline=[baseline])
+    c = report["comparison"]
+    assert c["baseline"] == [baseline]
+    assert c["step_time_us"] == {"baseline": 40, "new": 20, "ratio": 0.5}
+    rows = {r["name"]: r for r in c["host"]}
+    assert rows["aten::mm"] == {"name": "aten::mm", "change": "faster", "baseline_us": 20, "new_us": 5,
+                                "delta_us": -15, "baseline_calls": 2, "new_calls": 1}
+    assert rows["aten::gelu"]["change"] == "added" and rows["aten::gelu"]["new_us"] == 3
+    assert rows["aten::relu"]["change"] == "gone" and rows["aten::relu"]["delta_us"] == -4
+    between = rows["(between ops, in profiler steps)"]
+    assert (between["baseline_us"], between["new_us"]) == (40 - 24, 20 - 8)
+    assert c["host"][0]["name"] == "aten::mm"  # the largest change first
+    assert "against" in format_report(report)
 
 
 def test_a_trace_larger_than_the_read_window(tmp_path):

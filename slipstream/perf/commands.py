@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slipstream.perf import measured, planner, roofline, serving, trace, validation, whatif
+from slipstream.perf import measured, planner, roofline, serving, trace, trace_report, validation, whatif
 from slipstream.perf.accelerators import Accelerator, dtype_key
 from slipstream.perf.efficiency import Efficiency, check_fractions, default_efficiency, max_fraction
 from slipstream.perf.fit import apply_scales
@@ -476,5 +476,5 @@ def fit(args: argparse.Namespace) -> Result:
 
 
 def trace_cmd(args: argparse.Namespace) -> Result:
-    report = trace.analyze(args.traces, args.top)
-    return trace.format_report(report), report
+    report = trace.analyze(args.traces, args.top, args.baseline)
+    return trace_report.format_report(report), report

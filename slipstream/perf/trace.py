@@ -221,9 +221,9 @@ def _step_at(steps: Sequence[Step], starts: list[float], time_us: float) -> Step
 
 
 
-def analyze_rank(trace: Trace, top: int) -> dict[str, Any]:
+def analyze_rank(trace: Trace) -> dict[str, Any]:
     """One rank's report: its steps (with the GPU split of each), host time by op, annotations,
-    kernels, and the GPU split over all steps."""
+    kernels (every row, largest first), and the GPU split over all steps."""
     steps = profiler_steps(trace.events)
     ops = host_op_times(trace.events)
     device_events = [e for e in trace.events if e.cat in KERNEL_CATEGORIES]
@@ -243,10 +243,10 @@ def analyze_rank(trace: Trace, top: int) -> dict[str, Any]:
         "skipped_events": trace.skipped_events,
         "steps": step_reports,
         "step_time_us": _median([r["duration_us"] for r in step_reports]),
-        "host": _host_table(ops, top),
-        "annotations": _annotation_table(ops, sum(r["duration_us"] for r in step_reports), top),
+        "host": _host_table(ops),
+        "annotations": _annotation_table(ops, sum(r["duration_us"] for r in step_reports)),
         "gpu": gpu,
-        "kernels": _kernel_table(device_events, top),
+        "kernels": _kernel_table(device_events),
     }
 
 
@@ -268,7 +268,7 @@ def _sum_breakdowns(breakdowns: Sequence[dict[str, float]]) -> dict[str, float]:
     return total
 
 
-def _host_table(ops: dict[tuple[str, str], OpTime], top: int) -> list[dict[str, Any]]:
+def _host_table(ops: dict[tuple[str, str], OpTime]) -> list[dict[str, Any]]:
     """Host self time by op, largest first; the steps' own self time is one row, "between ops"."""
     rows: dict[str, dict[str, Any]] = {}
     for (cat, name), t in ops.items():
@@ -281,18 +281,18 @@ def _host_table(ops: dict[tuple[str, str], OpTime], top: int) -> list[dict[str, 
     all_self_us = sum(r["self_us"] for r in rows.values())
     for row in rows.values():
         row["share"] = row["self_us"] / all_self_us if all_self_us > 0 else None
-    return sorted(rows.values(), key=lambda r: -r["self_us"])[:top]
+    return sorted(rows.values(), key=lambda r: -r["self_us"])
 
 
-def _annotation_table(ops: dict[tuple[str, str], OpTime], step_us: float, top: int) -> list[dict[str, Any]]:
+def _annotation_table(ops: dict[tuple[str, str], OpTime], step_us: float) -> list[dict[str, Any]]:
     """`record_function` ranges (not the steps) by inclusive time, as a share of step time."""
     rows = [{"name": name, "calls": t.calls, "total_us": t.total_us,
              "share_of_steps": t.total_us / step_us if step_us > 0 else None}
             for (cat, name), t in ops.items() if cat == "user_annotation" and not _STEP.match(name)]
-    return sorted(rows, key=lambda r: -r["total_us"])[:top]
+    return sorted(rows, key=lambda r: -r["total_us"])
 
 
-def _kernel_table(kernels: Sequence[Event], top: int) -> list[dict[str, Any]]:
+def _kernel_table(kernels: Sequence[Event]) -> list[dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for k in kernels:
         row = rows.setdefault(k.name, {"name": k.name, "class": kernel_class(k), "calls": 0, "total_us": 0.0})
@@ -301,7 +301,7 @@ def _kernel_table(kernels: Sequence[Event], top: int) -> list[dict[str, Any]]:
     all_us = sum(r["total_us"] for r in rows.values())
     for row in rows.values():
         row["share"] = row["total_us"] / all_us if all_us > 0 else None
-    return sorted(rows.values(), key=lambda r: -r["total_us"])[:top]
+    return sorted(rows.values(), key=lambda r: -r["total_us"])
 
 
 def trace_files(paths: Sequence[str]) -> list[Path]:
@@ -322,13 +322,68 @@ def trace_files(paths: Sequence[str]) -> list[Path]:
     return files
 
 
-def analyze(paths: Sequence[str], top: int = 10) -> dict[str, Any]:
-    """The report of every rank's trace, ordered by rank, and how far the ranks' steps spread."""
+def analyze(paths: Sequence[str], top: int = 10, baseline: Sequence[str] = ()) -> dict[str, Any]:
+    """The report of every rank's trace, ordered by rank, how far the ranks' steps spread and,
+    given `baseline` traces, what changed per step against them; `top` rows in each table."""
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
-    ranks = [analyze_rank(read_trace(path), top) for path in trace_files(paths)]
+    ranks = _analyze_files(paths)
+    report = {"ranks": ranks, "spread": _spread(ranks), "comparison": None}
+    if baseline:
+        report["comparison"] = compare(ranks, _analyze_files(baseline), top)
+        report["comparison"]["baseline"] = [str(p) for p in trace_files(baseline)]
+    for rank in ranks:
+        for table in ("host", "annotations", "kernels"):
+            del rank[table][top:]
+    return report
+
+
+def _analyze_files(paths: Sequence[str]) -> list[dict[str, Any]]:
+    """Each trace's report, ordered by rank (unranked traces last, by file name)."""
+    ranks = [analyze_rank(read_trace(path)) for path in trace_files(paths)]
     ranks.sort(key=lambda r: (r["rank"] is None, r["rank"] if r["rank"] is not None else 0, r["file"]))
-    return {"ranks": ranks, "spread": _spread(ranks)}
+    return ranks
+
+
+def compare(ranks: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]], top: int) -> dict[str, Any]:
+    """What changed per step from `baseline` to `ranks` (as HTA's trace diff: ops and kernels
+    added, gone, slower, faster), each side averaged over its ranks and steps; `top` rows of
+    the largest changes."""
+    step_us = [_mean([r["step_time_us"] for r in side if r["step_time_us"]]) for side in (baseline, ranks)]
+    return {
+        "step_time_us": {"baseline": step_us[0], "new": step_us[1],
+                         "ratio": step_us[1] / step_us[0] if step_us[0] and step_us[1] else None},
+        "host": _changes(_per_step(baseline, "host", "self_us"), _per_step(ranks, "host", "self_us"), top),
+        "kernels": _changes(_per_step(baseline, "kernels", "total_us"),
+                            _per_step(ranks, "kernels", "total_us"), top),
+    }
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _per_step(ranks: Sequence[dict[str, Any]], table: str, key: str) -> dict[str, tuple[float, float]]:
+    """(time, calls) per step and rank of each row of `table` (a trace without steps is one)."""
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for rank in ranks:
+        share = 1 / (max(len(rank["steps"]), 1) * len(ranks))
+        for row in rank[table]:
+            out[row["name"]][0] += row[key] * share
+            out[row["name"]][1] += row["calls"] * share
+    return {name: (time_us, calls) for name, (time_us, calls) in out.items()}
+
+
+def _changes(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]],
+             top: int) -> list[dict[str, Any]]:
+    rows = []
+    for name in before.keys() | after.keys():
+        (old_us, old_calls), (new_us, new_calls) = before.get(name, (0.0, 0.0)), after.get(name, (0.0, 0.0))
+        change = "added" if name not in before else "gone" if name not in after else (
+            "slower" if new_us > old_us else "faster" if new_us < old_us else "same")
+        rows.append({"name": name, "change": change, "baseline_us": old_us, "new_us": new_us,
+                     "delta_us": new_us - old_us, "baseline_calls": old_calls, "new_calls": new_calls})
+    return sorted(rows, key=lambda r: (-abs(r["delta_us"]), r["name"]))[:top]
 
 
 def _spread(ranks: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
@@ -345,65 +400,3 @@ def _spread(ranks: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 
 def _rank_label(report: dict[str, Any]) -> str:
     return f"rank {report['rank']}" if report["rank"] is not None else Path(report["file"]).name
-
-
-def format_report(report: dict[str, Any]) -> str:
-    lines: list[str] = []
-    for rank in report["ranks"]:
-        lines += _format_rank(rank) + [""]
-    spread = report["spread"]
-    if spread:
-        lines.append(f"ranks: slowest {spread['slowest']} at {_ms(spread['slowest_step_us'])} ms a step, "
-                     f"fastest {spread['fastest']} at {_ms(spread['fastest_step_us'])} ms "
-                     f"({spread['ratio']:.2f}x)")
-    return "\n".join(lines).rstrip()
-
-
-def _ms(us: float | None) -> str:
-    return "-" if us is None else f"{us / 1e3:.3f}"
-
-
-def _share(fraction: float | None) -> str:
-    return "-" if fraction is None else f"{100 * fraction:.1f}%"
-
-
-def _format_rank(r: dict[str, Any]) -> list[str]:
-    where = ", ".join(([f"rank {r['rank']}"] if r["rank"] is not None else []) + r["devices"][:1])
-    lines = [f"{r['file']}{f' ({where})' if where else ''}: {len(r['steps'])} profiler steps"
-             + (f", median {_ms(r['step_time_us'])} ms" if r["steps"] else
-                " (no ProfilerStep#N annotations: whole trace)")]
-    if r["skipped_events"]:
-        lines.append(f"  {r['skipped_events']} complete events without a time were skipped")
-    if r["steps"]:
-        has_gpu = any(s["gpu"] for s in r["steps"])
-        header = "  step      ms  host between ops ms"
-        if has_gpu:
-            header += "  | GPU compute  exp. comm  exp. memory     idle  overlap"
-        lines.append(header)
-        for s in r["steps"]:
-            line = f"  {s['step']:>4} {_ms(s['duration_us']):>7} {_ms(s['host_outside_ops_us']):>20}"
-            if has_gpu:
-                line += "  | " + _gpu_cells(s["gpu"])
-            lines.append(line)
-    lines.append("  host time by op (self time, as key_averages counts it):")
-    lines += [f"    {_share(o['share']):>6} {_ms(o['self_us']):>10} ms {o['calls']:>7} calls  {o['name']}"
-              for o in r["host"]]
-    if r["annotations"]:
-        lines.append("  annotations (inclusive time, share of step time):")
-        lines += [f"    {_share(a['share_of_steps']):>6} {_ms(a['total_us']):>10} ms {a['calls']:>7} calls  "
-                  f"{a['name']}" for a in r["annotations"]]
-    if r["gpu"]:
-        lines.append(f"  GPU, {'all steps' if r['steps'] else 'whole trace'}:  " + _gpu_cells(r["gpu"]))
-        lines.append("  kernels by time:")
-        lines += [f"    {_share(k['share']):>6} {_ms(k['total_us']):>10} ms {k['calls']:>7} calls  "
-                  f"{k['class']:<13} {k['name'][:100]}" for k in r["kernels"]]
-    return lines
-
-
-def _gpu_cells(gpu: dict[str, float] | None) -> str:
-    if not gpu:
-        return "no kernels"
-    span = gpu["span_us"]
-    cells = [gpu["compute_us"], gpu["exposed_communication_us"], gpu["exposed_memory_us"], gpu["idle_us"]]
-    shares = "  ".join(f"{_share(v / span) if span else '-':>9}" for v in cells)
-    return f"{shares}  {_share(gpu['overlap']):>7}"
