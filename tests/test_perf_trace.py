@@ -112,26 +112,35 @@ def _write(path, events, rank=None, **metadata):
 def test_gpu_split_sums_to_the_span_by_closed_form(tmp_path):
     """Step 1: compute [0,10) and [20,30) on stream 7, an NCCL all-reduce [5,25) on stream 20, a
     copy [28,40): compute 20, exposed communication [10,20) = 10, exposed memory [30,40) = 10,
-    idle 0, overlap (communication under compute) 10 / 20. Step 2: two kernels with a gap of 5."""
+    idle 0, overlap (communication under compute) 10 / 20; the gap of 10 on stream 7 is a kernel
+    wait (launched early, under 30 us). Step 2, stream 7: [100,110), [115,125) (a kernel wait of
+    5), [160,170) launched at 150, after [115,125) ended (a host wait of 35), [210,220) launched
+    early (another wait of 40)."""
     events = [
-        _step(1, -10, 9), _step(2, 0, 50),
+        _step(1, -10, 9), _step(2, 0, 200),
         _launch(-9, 1), _launch(-8, 2), _launch(-7, 3), _launch(-6, 4),
         _kernel("sm90_xmma_gemm", 0, 10, 7, 1),
         _kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 5, 20, 20, 2),
         _kernel("sm90_xmma_gemm", 20, 10, 7, 3),
         _kernel("Memcpy DtoH (Device -> Pinned)", 28, 12, 9, 4, cat="gpu_memcpy"),
-        _launch(1, 5), _launch(2, 6),
+        _launch(1, 5), _launch(2, 6), _launch(150, 7), _launch(3, 8),
         _kernel("elementwise_kernel", 100, 10, 7, 5), _kernel("elementwise_kernel", 115, 10, 7, 6),
+        _kernel("elementwise_kernel", 160, 10, 7, 7), _kernel("elementwise_kernel", 210, 10, 7, 8),
     ]
     path = _write(tmp_path / "t.json", events, deviceProperties=[{"name": "NVIDIA H100"}])
     (rank,) = analyze([path])["ranks"]
     first, second = (s["gpu"] for s in rank["steps"])
     assert first == {"span_us": 40, "compute_us": 20, "exposed_communication_us": 10, "exposed_memory_us": 10,
-                     "idle_us": 0, "communication_us": 20, "memory_us": 12, "overlap": 0.5}
-    assert second["span_us"] == 25 and second["compute_us"] == 20 and second["idle_us"] == 5
+                     "idle_us": 0, "communication_us": 20, "memory_us": 12, "overlap": 0.5,
+                     "host_wait_us": 0, "kernel_wait_us": 10, "other_wait_us": 0}
+    assert (second["span_us"], second["compute_us"], second["idle_us"]) == (120, 40, 80)
     assert second["overlap"] is None
-    # Kernels launched by step 1's host code count to step 1 though they run after it ended.
-    assert rank["gpu"]["span_us"] == 65 and rank["gpu"]["overlap"] == 0.5
+    assert (second["host_wait_us"], second["kernel_wait_us"], second["other_wait_us"]) == (35, 5, 40)
+    # Over all steps, one window from the first kernel to the last: the 60 us between the steps'
+    # kernels (step 1's run after its host code ended, during step 2's) are idle too.
+    whole = rank["gpu"]
+    assert (whole["span_us"], whole["compute_us"], whole["idle_us"], whole["overlap"]) == (220, 60, 140, 0.5)
+    assert (whole["host_wait_us"], whole["kernel_wait_us"], whole["other_wait_us"]) == (35, 15, 110)
     kernels = {k["name"]: k for k in rank["kernels"]}
     assert kernels["sm90_xmma_gemm"]["class"] == "compute" and kernels["sm90_xmma_gemm"]["calls"] == 2
     assert kernels["ncclDevKernel_AllReduce_Sum_bf16_RING_LL"]["class"] == "communication"
@@ -215,7 +224,7 @@ def test_cli(profiled, tmp_path, capsys):
     path, _ = profiled
     assert main(["perf", "trace", str(path), "--top", "3"]) == 0
     text = capsys.readouterr().out
-    assert "3 profiler steps" in text and "aten::" in text
+    assert "3 profiler steps" in text and "host time by op" in text and "backward" in text
     assert main(["perf", "trace", str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ranks"][0]["steps"][0]["step"] == 2
     assert main(["perf", "trace", str(tmp_path / "missing.json")]) == 2

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
+import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -40,8 +42,10 @@ TRACE_SUFFIXES = (".json", ".json.gz")
 HOST_CATEGORIES = ("cpu_op", "user_annotation")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver", "hip_runtime", "hip_driver", "xpu_runtime")
 KERNEL_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-# HTA's COMMUNICATION class (hta/common/trace_symbol_table.py): collective kernels by name.
-_COMMUNICATION = re.compile(r"nccl|rccl|hccl|c10d::|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all",
+# HTA's classes (hta/common/types.py) by kernel name. HTA's communication class is NCCL's and HCCL's
+# kernels (and every name starting "hip", a HIP memcpy included); here it is NCCL's, RCCL's and
+# HCCL's, and collectives named as such (TensorRT-LLM's allReduceFusionKernel).
+_COMMUNICATION = re.compile(r"nccl|rccl|hccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all",
                             re.IGNORECASE)
 _MEMORY = re.compile(r"^(hip)?(memcpy|memset)|^dma", re.IGNORECASE)
 
@@ -170,8 +174,9 @@ def profiler_steps(events: Sequence[Event]) -> list[Step]:
     return [steps[n] for n in sorted(steps)]
 
 
-def gpu_breakdown(kernels: Sequence[Event]) -> dict[str, float]:
-    """TraceLens's split of the kernels' span (first start to last end), plus HTA's overlap."""
+def gpu_breakdown(kernels: Sequence[Event], launch_us: dict[int, float]) -> dict[str, float]:
+    """TraceLens's split of the kernels' span (first start to last end), HTA's overlap, and
+    HTA's idle-time breakdown (`idle_waits`)."""
     if not kernels:
         return {}
     by_class: dict[str, list[tuple[float, float]]] = defaultdict(list)
@@ -192,33 +197,66 @@ def gpu_breakdown(kernels: Sequence[Event]) -> dict[str, float]:
         "communication_us": communication_us,
         "memory_us": length(memory),
         "overlap": length(intersect(communication, compute)) / communication_us if communication_us else None,
+        **idle_waits(kernels, launch_us),
     }
 
 
-def kernels_by_step(trace: Trace, steps: Sequence[Step]) -> dict[int, list[Event]]:
-    """Each device event, under the step whose host code launched it.
+KERNEL_WAIT_US = 30.0
+"""HTA's `consecutive_kernel_delay`: a shorter gap between kernels on a stream is the kernels'
+own launch latency, not a wait on anything."""
+
+
+def idle_waits(kernels: Sequence[Event], launch_us: dict[int, float]) -> dict[str, float]:
+    """HTA's idle-time breakdown, summed over streams (so with several streams it can exceed the
+    span's idle time). Each gap between consecutive kernels on a stream is a *host wait* when the
+    next kernel's launch call started after the previous kernel ended (the GPU waited for the
+    CPU), else a *kernel wait* when shorter than KERNEL_WAIT_US, else *other* (an event, a
+    dependency on another stream)."""
+    waits = {"host_wait_us": 0.0, "kernel_wait_us": 0.0, "other_wait_us": 0.0}
+    by_stream: dict[tuple[Any, Any], list[Event]] = defaultdict(list)
+    for k in kernels:
+        by_stream[(k.pid, k.tid)].append(k)
+    for stream in by_stream.values():
+        stream.sort(key=lambda k: k.start_us)
+        for previous, k in itertools.pairwise(stream):
+            gap = k.start_us - previous.end_us
+            if gap <= 0:
+                continue
+            if launch_us.get(k.correlation, -math.inf) > previous.end_us:
+                waits["host_wait_us"] += gap
+            elif gap < KERNEL_WAIT_US:
+                waits["kernel_wait_us"] += gap
+            else:
+                waits["other_wait_us"] += gap
+    return waits
+
+
+def launch_times(events: Sequence[Event]) -> dict[int, float]:
+    """The start of each runtime call (cudaLaunchKernel, cudaMemcpyAsync, ...) by correlation id."""
+    return {e.correlation: e.start_us for e in events
+            if e.cat in LAUNCH_CATEGORIES and e.correlation is not None}
+
+
+def kernels_by_step(events: Sequence[Event], steps: Sequence[Step],
+                    launch_us: dict[int, float]) -> dict[int, list[Event]]:
+    """Each device event, under the step whose host code launched it (as HTA assigns them).
 
     The launch is the runtime call with the kernel's `correlation`; a kernel without one (or
     whose call is not in the trace) goes by its own start time. Kernels of no step are left out.
     """
-    launch_us = {e.correlation: e.start_us for e in trace.events
-                 if e.cat in LAUNCH_CATEGORIES and e.correlation is not None}
     out: dict[int, list[Event]] = defaultdict(list)
     starts = [s.start_us for s in steps]
-    for k in trace.events:
-        if k.cat not in KERNEL_CATEGORIES:
-            continue
-        when = launch_us.get(k.correlation, k.start_us)
-        step = _step_at(steps, starts, when)
-        if step is not None:
-            out[step.number].append(k)
+    for k in events:
+        if k.cat in KERNEL_CATEGORIES:
+            step = _step_at(steps, starts, launch_us.get(k.correlation, k.start_us))
+            if step is not None:
+                out[step.number].append(k)
     return out
 
 
 def _step_at(steps: Sequence[Step], starts: list[float], time_us: float) -> Step | None:
     i = bisect.bisect_right(starts, time_us) - 1
-    return steps[i] if i >= 0 and time_us <= steps[i].end_us else None
-
+    return steps[i] if i >= 0 and time_us < steps[i].end_us else None
 
 
 def analyze_rank(trace: Trace) -> dict[str, Any]:
@@ -227,15 +265,16 @@ def analyze_rank(trace: Trace) -> dict[str, Any]:
     steps = profiler_steps(trace.events)
     ops = host_op_times(trace.events)
     device_events = [e for e in trace.events if e.cat in KERNEL_CATEGORIES]
-    per_step = kernels_by_step(trace, steps) if steps else {}
+    launch_us = launch_times(trace.events)
+    per_step = kernels_by_step(device_events, steps, launch_us) if steps else {}
     step_reports = [{
         "step": s.number,
         "duration_us": s.end_us - s.start_us,
         "host_outside_ops_us": ops[("user_annotation", s.name)].self_us,
-        "gpu": gpu_breakdown(per_step.get(s.number, [])) or None,
+        "gpu": gpu_breakdown(per_step.get(s.number, []), launch_us) or None,
     } for s in steps]
-    gpu = (_sum_breakdowns([r["gpu"] for r in step_reports if r["gpu"]]) if steps
-           else gpu_breakdown(device_events)) or None
+    # Over all steps, as HTA's whole-trace numbers: the gaps between steps are idle too.
+    step_kernels = [k for kernels in per_step.values() for k in kernels] if steps else device_events
     return {
         "file": str(trace.path),
         "rank": trace.rank,
@@ -245,8 +284,8 @@ def analyze_rank(trace: Trace) -> dict[str, Any]:
         "step_time_us": _median([r["duration_us"] for r in step_reports]),
         "host": _host_table(ops),
         "annotations": _annotation_table(ops, sum(r["duration_us"] for r in step_reports)),
-        "gpu": gpu,
-        "kernels": _kernel_table(device_events),
+        "gpu": gpu_breakdown(step_kernels, launch_us) or None,
+        "kernels": _kernel_table(step_kernels),
     }
 
 
@@ -256,16 +295,6 @@ def _median(values: Sequence[float]) -> float | None:
     ordered = sorted(values)
     middle = len(ordered) // 2
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
-def _sum_breakdowns(breakdowns: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Steps' splits added up; the overlap is recomputed from the sums, not averaged."""
-    if not breakdowns:
-        return {}
-    total = {key: sum(b[key] for b in breakdowns) for key in breakdowns[0] if key != "overlap"}
-    overlapped = sum(b["overlap"] * b["communication_us"] for b in breakdowns if b["overlap"] is not None)
-    total["overlap"] = overlapped / total["communication_us"] if total["communication_us"] else None
-    return total
 
 
 def _host_table(ops: dict[tuple[str, str], OpTime]) -> list[dict[str, Any]]:
