@@ -149,6 +149,22 @@ def test_gpu_split_sums_to_the_span_by_closed_form(tmp_path):
     assert "overlap" in format_report(analyze([path]))
 
 
+def test_epoch_timestamps_keep_their_nanoseconds(tmp_path):
+    """Kineto writes epoch microseconds to the nanosecond (16 digits before the point, where a
+    double's step is 0.25 us): a 0.1 us gap between two kernels must stay 0.1 us."""
+    base = 1712195495527379
+    text = json.dumps({"traceEvents": [
+        _step(1, "STEP", 10), _launch("L1", 1), _launch("L2", 2),
+        _kernel("gemm", "K1", 0.1, 7, 1), _kernel("gemm", "K2", 0.2, 7, 2)]})
+    for marker, value in {"STEP": "0.000", "L1": "0.001", "L2": "0.002", "K1": "0.266", "K2": "0.466"}.items():
+        text = text.replace(f'"{marker}"', f"{base}{value[1:]}")
+    (tmp_path / "t.json").write_text(text)
+    (rank,) = analyze([str(tmp_path / "t.json")])["ranks"]
+    assert rank["gpu"]["idle_us"] == pytest.approx(0.1, abs=1e-9)
+    assert rank["gpu"]["span_us"] == pytest.approx(0.4, abs=1e-9)
+    assert rank["gpu"]["kernel_wait_us"] == pytest.approx(0.1, abs=1e-9)
+
+
 def test_ranks_are_ordered_and_the_straggler_named(tmp_path):
     _write(tmp_path / "b.json", [_step(1, 0, 30), _step(2, 30, 30)], rank=1)
     _write(tmp_path / "a.json", [_step(1, 0, 10), _step(2, 10, 12)], rank=0)

@@ -9,22 +9,28 @@ run out of memory there).
 
 Kept: complete events (`"ph": "X"`: CPU ops, annotations, runtime calls, kernels, memory
 copies) and the `process_name`/`thread_name` metadata. Times are microseconds, as Kineto writes
-them. Complete events without a numeric `ts` are counted in `Trace.skipped_events`, never
-dropped silently.
+them, counted from the trace's first timestamp (whole microseconds): Kineto writes epoch times to
+the nanosecond, more digits than a double holds, so they are read exactly and made relative
+before they become floats. Complete events without a numeric `ts` are counted in
+`Trace.skipped_events`, never dropped silently.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import gzip
 import json
+import math
 import re
 import sys
 from pathlib import Path
 from typing import Any, TextIO
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
-_DECODER = json.JSONDecoder()
+# Floats stay text until read: a timestamp such as 1712195495527379.266 (microseconds since the
+# epoch, to the nanosecond) has more digits than a double holds (its step there is 0.25 us).
+_DECODER = json.JSONDecoder(parse_float=str)
 _CHUNK_CHARS = 1 << 20
 
 
@@ -189,15 +195,30 @@ def _parse_events(stream: _Stream, builder: _TraceBuilder) -> None:
 
 
 def _number(value: Any) -> float | None:
+    """A JSON number (floats arrive as text, see _DECODER) or a number written as a string."""
     if isinstance(value, bool):
         return None
-    if isinstance(value, (int, float)):
+    if isinstance(value, int):
         return float(value)
-    if isinstance(value, str):  # some exporters write times as strings
+    if isinstance(value, str):
         try:
             return float(value)
         except ValueError:
             return None
+    return None
+
+
+def _exact(value: Any) -> int | decimal.Decimal | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            exact = decimal.Decimal(value)
+        except decimal.InvalidOperation:
+            return None
+        return exact if exact.is_finite() else None
     return None
 
 
@@ -209,6 +230,7 @@ class _TraceBuilder:
         self.process_names: dict[Any, str] = {}
         self.thread_names: dict[tuple[Any, Any], str] = {}
         self.skipped = 0
+        self.origin_us: int | None = None
         self.saw_events = False
 
     def add(self, raw: Any) -> None:
@@ -231,17 +253,19 @@ class _TraceBuilder:
             self.thread_names[(raw.get("pid"), raw.get("tid"))] = name
 
     def _add_complete(self, raw: dict[str, Any]) -> None:
-        start = _number(raw.get("ts"))
+        start = _exact(raw.get("ts"))
         duration = _number(raw.get("dur", 0))
-        if start is None or duration is None or duration < 0:
+        if start is None or duration is None or not 0 <= duration < math.inf:
             self.skipped += 1
             return
+        if self.origin_us is None:
+            self.origin_us = int(start)
         args = raw.get("args")
         correlation = args.get("correlation") if isinstance(args, dict) else None
         self.events.append(Event(
             name=sys.intern(str(raw.get("name", ""))),
             cat=sys.intern(str(raw.get("cat", ""))),
-            start_us=start,
+            start_us=float(start - self.origin_us),
             dur_us=duration,
             pid=raw.get("pid"),
             tid=raw.get("tid"),
