@@ -280,6 +280,42 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ProfilingConfig:
+    """torch.profiler traces of some training steps, with torchtitan's keys and schedule
+    (`train.profiling`): in every `profile_freq` steps the profiler idles, warms up for
+    `profiler_warmup` steps and records the last `profiler_active`, so traces end at steps
+    profile_freq, 2 x profile_freq, ..."""
+
+    enable_profiling: bool = False
+    save_traces_folder: str = "profile_traces"
+    """Where traces go, relative to run.dir (an absolute path is taken as it is): a folder
+    iteration_N per trace, N the step it ends at, holding rankR_trace.json from every rank R."""
+    profile_freq: int = 10
+    """A trace every this many steps."""
+    profiler_warmup: int = 3
+    """Steps the profiler runs before the active ones, their events discarded (so the profiler's
+    start-up cost stays out of the trace)."""
+    profiler_active: int = 1
+    """Steps each trace records."""
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.save_traces_folder, str) and self.save_traces_folder.strip() != "",
+               "profiling.save_traces_folder", self.save_traces_folder,
+               "a folder path (an empty one would put the traces' folders in run.dir itself)")
+        _check_positive_int("profiling.profile_freq", self.profile_freq)
+        _check_non_negative_int("profiling.profiler_warmup", self.profiler_warmup)
+        _check_positive_int("profiling.profiler_active", self.profiler_active)
+        # As torchtitan, the cycle is checked only when it is used: wait = freq - (warmup + active).
+        cycle = self.profiler_warmup + self.profiler_active
+        if self.enable_profiling and self.profile_freq < cycle:
+            raise ValueError(
+                f"profiling.profile_freq ({self.profile_freq}) must be at least profiling.profiler_warmup "
+                f"+ profiling.profiler_active ({self.profiler_warmup} + {self.profiler_active} = {cycle}): "
+                "every trace takes its warm-up and active steps out of profile_freq steps"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     dir: str = "runs/train"
     """Where config.toml, metrics.jsonl, checkpoints and TensorBoard events go."""
@@ -301,6 +337,7 @@ class TrainConfig:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    profiling: ProfilingConfig = dataclasses.field(default_factory=ProfilingConfig)
     supervisor: SupervisorConfig = dataclasses.field(default_factory=SupervisorConfig)
     faults: FaultConfig = dataclasses.field(default_factory=FaultConfig)
 

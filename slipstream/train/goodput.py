@@ -12,6 +12,7 @@ survives a kill at any point. `summarize(read_events(run_dir))` charges the time
 | `restore` | loading a checkpoint: when an attempt starts, and rolling back after a non-finite loss |
 | `checkpoint_stall` | the part of each save the step waited for (the previous save, staging) |
 | `eval` | held-out evaluations |
+| `profiling` | writing profiler traces (`[profiling]`; the profiled steps' own slowdown is in their steps) |
 | `lost_work` | steps lost to a crash, hang or rollback and redone; if unfinished, after the last commit |
 | `restart` | from the last event of an unfinished attempt to the next process's start, and the backoff |
 | `other` | the rest inside attempts: logging, hooks, shutdown |
@@ -40,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 LEDGER_FILE = "goodput.jsonl"
-BUCKETS = ("productive", "data_stall", "startup", "restore", "checkpoint_stall", "eval",
+BUCKETS = ("productive", "data_stall", "startup", "restore", "checkpoint_stall", "eval", "profiling",
            "lost_work", "restart", "other")
 
 
@@ -126,6 +127,7 @@ _DURATIONS = {
     "rollback": ("restore_s",),
     "checkpoint": ("stall_s",),
     "eval": ("eval_s",),
+    "profile": ("trace_s",),
 }
 
 
@@ -221,6 +223,8 @@ def _charge(events: list[dict[str, Any]], origin: float, launched: bool, kept: l
             seconds["checkpoint_stall"] += e["stall_s"]
         elif kind == "eval":
             seconds["eval"] += e["eval_s"]
+        elif kind == "profile":
+            seconds["profiling"] += e["trace_s"]
     seconds["productive"] = sum(max(e["step_s"] - e["data_s"], 0.0) for e in kept)
     seconds["data_stall"] = sum(min(e["data_s"], e["step_s"]) for e in kept)
     seconds["lost_work"] = sum(e["step_s"] for e in lost)

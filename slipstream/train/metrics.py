@@ -117,6 +117,9 @@ def format_record(record: dict[str, Any]) -> str:
     if kind == "checkpoint":
         return (f"saved checkpoint at step {record['step']} to {record['path']} (the step waited "
                 f"{1e3 * record['checkpoint_s']:.0f} ms, written in {record['write_s']:.1f}s)")
+    if kind == "profile":
+        return (f"profiler trace of step {record['step']} written to {record['path']} "
+                f"({record['trace_s']:.2f}s)")
     if kind == "resume":
         skipped = f"; skipped invalid: {'; '.join(record['skipped'])}" if record["skipped"] else ""
         resharded = " (resharded to this world size)" if record["resharded"] else ""

@@ -18,8 +18,8 @@ Resilience (docs/training.md, "Failures and restarts"): a non-finite loss rolls 
 newest checkpoint and skips the step's batches; SIGTERM saves and returns, or, while the
 trainer is still being built, stops it before training (`preemption.Preempted`); rank 0 holds
 the run dir's workers lock, so a second job there is refused; the hang watchdog, fault injection
-(`train.faults`, as hooks) and the goodput ledger (`train.goodput`) are wired in here and live
-in their own modules.
+(`train.faults`, as hooks), the goodput ledger (`train.goodput`) and the step profiler
+(`train.profiling`) are wired in here and live in their own modules.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ from slipstream.train.parallel import (
     set_gradient_sync,
 )
 from slipstream.train.preemption import Preempted, PreemptionHandler
+from slipstream.train.profiling import StepProfiler, WrittenTrace
 from slipstream.train.rng import rng_state, seed_everything, set_rng_state
 from slipstream.train.supervisor import (
     WORKERS_LOCK,
@@ -177,8 +178,12 @@ class Trainer:
         self._held.callback(self.metrics.close)
         restore_s = self._resume()
         self._stop_if_preempted()
-        self.time_s = {"startup": time.perf_counter() - start, "eval": 0.0, "checkpoint": 0.0}
-        """Seconds spent outside steps: building the trainer, evaluations, checkpoints."""
+        self.profiler = StepProfiler(config.profiling, self.run_dir, rank=self.dist.rank,
+                                     device_type=self.device.type)
+        self.time_s = {"startup": time.perf_counter() - start, "eval": 0.0, "checkpoint": 0.0,
+                       "profiling": 0.0}
+        """Seconds spent outside steps: building the trainer, evaluations, checkpoints, writing
+        profiler traces."""
         self._record_start()
         self.ledger.record("ready", process_start=self._started_at, restore_s=restore_s,
                            backoff_s=self._backoff_s, step=self.step)
@@ -321,17 +326,20 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Train to `training.steps`, evaluating and checkpointing on schedule; returns the last
         train record. A non-finite loss rolls back to the newest checkpoint; SIGTERM saves a
-        checkpoint and returns early (the ranks agree on it at a step boundary)."""
+        checkpoint and returns early (the ranks agree on it at a step boundary). With
+        `profiling.enable_profiling` the loop runs under the profiler (`train.profiling`)."""
         self.metrics.log(self.run_record())
         record: dict[str, Any] = {}
         outcome = "failed"
         self.watchdog.start()
         try:
+            self.profiler.start(self.step)
             while self.step < self.config.training.steps:
                 if any_rank(self.preemption.requested, self.dist):
                     self._stop_for_preemption()
                     outcome = "preempted"
                     break
+                self._record_trace(self.profiler.step(self.step))
                 self.faults.before_step(self)
                 step_record = self.train_step()
                 if math.isfinite(step_record["loss"]):
@@ -488,11 +496,14 @@ class Trainer:
         self.watchdog.stop()
         error = None
         try:
-            self.checkpoints.close()
+            try:  # the trace of steps the profiler was recording when the loop ended, if any
+                self._record_trace(self.profiler.stop())
+            finally:
+                self.checkpoints.close()
             self._log_saves()
-        except Exception as e:  # a failed save: report it unless the run already failed
+        except Exception as e:  # a failed save or trace: report it unless the run already failed
             if outcome == "failed":  # the run's own error follows; one line for this one
-                logger.error("the checkpoint in flight failed too: %s", e)
+                logger.error("the checkpoint in flight or the profiler trace failed too: %s", e)
             else:
                 error = e
         self.ledger.record("end", reason="failed" if error else outcome, step=self.step)
@@ -613,6 +624,16 @@ class Trainer:
     def _checkpoint_meta(self) -> dict[str, Any]:
         return {"config": self.config.to_dict(), "code_version": self._code_version,
                 "attempt": self.dist.attempt, "time": time.time()}
+
+    def _record_trace(self, trace: WrittenTrace | None) -> None:
+        """Charge the writing of a profiler trace as a checkpoint's stall is charged: to
+        `time_s`, the goodput ledger (a `profile` event) and a `profile` metrics record."""
+        if trace is None:
+            return
+        self.time_s["profiling"] += trace.seconds
+        self.ledger.record("profile", step=trace.step, trace_s=trace.seconds)
+        self.metrics.log({"kind": "profile", "step": trace.step, "path": str(trace.path),
+                          "trace_s": trace.seconds})
 
     def _log_saves(self) -> None:
         for result in self.checkpoints.completed():
