@@ -155,7 +155,7 @@ def _serve(args: argparse.Namespace) -> None:
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=not args.no_enable_prefix_caching, max_logprobs=args.max_logprobs,
         enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
-        speculative_config=args.speculative_config, runner=args.runner,
+        speculative_config=args.speculative_config, profiler_config=args.profiler_config, runner=args.runner,
         scheduling_policy=args.scheduling_policy,
     )
     if args.gpu_memory_utilization is not None:
@@ -301,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config",
                    help='as vLLM: JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(n-gram speculative decoding of greedy requests)")
+    p.add_argument("--profiler-config",
+                   help='as vLLM: JSON, e.g. \'{"profiler": "torch", "torch_profiler_dir": "/abs/dir"}\' '
+                        "(adds POST /start_profile and /stop_profile; docs/engine.md, Profiling)")
     p.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
                    help="as vLLM: pooling serves /v1/embeddings instead of generating")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",

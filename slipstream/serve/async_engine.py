@@ -75,6 +75,18 @@ class _Add:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class _Profile:
+    """Start (with `Engine.start_profile`'s arguments) or stop profiling, in the engine thread: torch's
+    profiler records the thread that starts it."""
+
+    start: bool
+    done: concurrent.futures.Future
+    profile_prefix: str | None = None
+    delay_iterations: int | None = None
+    max_iterations: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Abort:
     request_ids: list[str] | None
     """None: every request the engine holds."""
@@ -237,6 +249,20 @@ class AsyncEngine:
         """Abort every request; their streams end with finish reason "abort"."""
         self._commands.put(_Abort(None))
 
+    async def start_profile(self, profile_prefix: str | None = None, *, delay_iterations: int | None = None,
+                            max_iterations: int | None = None) -> None:
+        """`Engine.start_profile` in the engine thread, before its next step; raises what it raises."""
+        await self._profile(_Profile(True, concurrent.futures.Future(), profile_prefix, delay_iterations,
+                                     max_iterations))
+
+    async def stop_profile(self) -> None:
+        """`Engine.stop_profile` in the engine thread; returns once the trace is written."""
+        await self._profile(_Profile(False, concurrent.futures.Future()))
+
+    async def _profile(self, command: _Profile) -> None:
+        self._commands.put(command)
+        await asyncio.wrap_future(command.done)
+
     def _deliver(
         self, outputs: list[Output], failed: list[str], stats: EngineStats, num_taken: int
     ) -> None:
@@ -271,6 +297,8 @@ class AsyncEngine:
                 outputs, failed = self._iterate([c for c in commands if c is not _STOP], step=not stopping)
                 if stopping:
                     outputs += self._abort(None)
+                    if self.engine.is_profiling:  # as vLLM's shutdown: the session's trace is kept
+                        self.engine.stop_profile()
             except Exception:  # a bug outside step(): keep serving the other requests
                 logger.exception("engine loop iteration failed")
                 outputs, failed = [], []
@@ -292,6 +320,8 @@ class AsyncEngine:
         for command in commands:
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _Profile):
+                self._apply_profile(command)
             else:
                 outputs += self._abort(command.request_ids)
         failed: list[str] = []
@@ -326,6 +356,18 @@ class AsyncEngine:
             return
         self._active.update(added)
         command.accepted.set_result(None)
+
+    def _apply_profile(self, command: _Profile) -> None:
+        try:
+            if command.start:
+                self.engine.start_profile(command.profile_prefix, delay_iterations=command.delay_iterations,
+                                          max_iterations=command.max_iterations)
+            else:
+                self.engine.stop_profile()
+        except Exception as error:  # the caller's to report (a bad prefix, a session already open)
+            command.done.set_exception(error)
+        else:
+            command.done.set_result(None)
 
     def _abort(self, request_ids: list[str] | None, reason: str = "abort") -> list[Output]:
         request_ids = sorted(self._active) if request_ids is None else request_ids

@@ -40,6 +40,14 @@ from slipstream.perf.flops import kv_cache_bytes_per_token
 from slipstream.serve.fsm import compile_pattern
 from slipstream.serve.outputs import PromptOutput, SequenceOutput
 from slipstream.serve.pooling import EmbeddingRequestOutput, Pool, PoolerConfig, PoolingJob, PoolingParams
+from slipstream.serve.profiler import (
+    PROCESS_OUTPUTS_PHASE,
+    SAMPLE_PHASE,
+    SCHEDULE_PHASE,
+    ProfilerConfig,
+    StepProfiler,
+    phase,
+)
 from slipstream.serve.request import (
     Request,
     RequestMetrics,
@@ -131,10 +139,15 @@ class EngineConfig:
     "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}`. Steps in which
     every running request decodes greedily (as for num_scheduler_steps) check up to k guessed
     tokens per request in one forward pass; other steps run as usual."""
+    profiler_config: ProfilerConfig | Mapping[str, Any] | str | None = None
+    """As vLLM's, for its "torch" profiler (profiler.py): `{"profiler": "torch", "torch_profiler_dir":
+    "/abs/dir"}` lets `Engine.start_profile` and `stop_profile` record engine steps into a trace."""
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.profiler_config is not None:
+            object.__setattr__(self, "profiler_config", ProfilerConfig.parse(self.profiler_config))
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_scheduler_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -228,6 +241,9 @@ class Engine:
         """Guessed tokens checked so far (speculative_config; vLLM's spec_decode_num_draft_tokens)."""
         self.num_accepted_tokens = 0
         """Of them, those the model's greedy choice confirmed."""
+        profiling = config.profiler_config is not None and config.profiler_config.profiler is not None
+        self._profiler = StepProfiler(config.profiler_config, device) if profiling else None
+        """None unless profiler_config names a profiler: then every step is bracketed by it."""
         logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens",
                     config.model, device, dtype_name(dtype), self.limits.num_blocks, config.block_size)
 
@@ -479,11 +495,52 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._prompts or self._pooling)
 
+    # ---- profiling ----------------------------------------------------------------------------
+
+    def start_profile(self, profile_prefix: str | None = None, *, delay_iterations: int | None = None,
+                      max_iterations: int | None = None) -> None:
+        """As vLLM's: profile the engine steps from the next one on (after `delay_iterations`, at
+        most `max_iterations` of them; both default to profiler_config's) into a trace named
+        `[profile_prefix_]dp0_pp0_tp0_dcp0_ep0_rank0.<ns>.pt.trace.json[.gz]` in torch_profiler_dir.
+        Call it, the steps and `stop_profile` on one thread. RuntimeError without a profiler_config;
+        ProfilerAlreadyActiveError while a session is open."""
+        if self._profiler is None:
+            raise RuntimeError(
+                "Profiling is not enabled: give the engine a profiler_config, e.g. profiler_config="
+                "{'profiler': 'torch', 'torch_profiler_dir': '/abs/dir'} (slipstream serve: "
+                "--profiler-config '{\"profiler\": \"torch\", \"torch_profiler_dir\": \"/abs/dir\"}')")
+        self._profiler.start(profile_prefix, delay_iterations=delay_iterations, max_iterations=max_iterations)
+
+    @property
+    def is_profiling(self) -> bool:
+        """Whether a profiling session is open (between start_profile and stop_profile)."""
+        return self._profiler is not None and self._profiler.is_active
+
+    def stop_profile(self) -> None:
+        """End the profiling session, writing its trace unless max_iterations (or the schedule)
+        already did; nothing to stop is a warning, as in vLLM."""
+        if self._profiler is None:
+            logger.warning("stop_profile: profiling is not enabled (no profiler_config)")
+            return
+        self._profiler.stop()
+
     # ---- the step loop ------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Advance every scheduled request by one step; returns the prompts that changed."""
-        plan = self.scheduler.schedule()
+        """Advance every scheduled request by one step; returns the prompts that changed. While a
+        profiling session records, the step is one profiler step (`ProfilerStep#N`)."""
+        profiler = self._profiler
+        if profiler is None:
+            return self._step()
+        profiler.begin_step()
+        try:
+            return self._step()
+        finally:
+            profiler.end_step()
+
+    def _step(self) -> list[RequestOutput]:
+        with phase(SCHEDULE_PHASE):
+            plan = self.scheduler.schedule()
         if not plan.chunks:
             return []
         if self.pooler is not None:
@@ -492,47 +549,54 @@ class Engine:
         num_steps = self._num_greedy_steps(plan)
         drafts = self._drafts(plan) if num_steps and self.config.speculative_config else None
         if drafts and (tables := self.scheduler.reserve_tokens(plan, [1 + len(d) for d in drafts])):
-            changed = self._run_speculative(plan, tables, drafts)
-        elif num_steps and (tables := self.scheduler.reserve_lookahead(plan, num_steps)):
-            changed = self._run_greedy_steps(plan, tables, num_steps)
-        else:
-            changed = self._run_step(plan)
+            return self._run_speculative(plan, tables, drafts)
+        if num_steps and (tables := self.scheduler.reserve_lookahead(plan, num_steps)):
+            return self._run_greedy_steps(plan, tables, num_steps)
+        return self._run_step(plan)
+
+    @staticmethod
+    def _outputs(changed: set[PromptOutput]) -> list[RequestOutput]:
+        """What a step returns of the prompts it changed: the streamed ones, and the finished."""
         return [entry.to_request_output() for entry in changed if entry.stream or entry.finished]
 
-    def _run_step(self, plan: StepPlan) -> set[PromptOutput]:
+    def _run_step(self, plan: StepPlan) -> list[RequestOutput]:
         logits = self.runner.execute(plan)
         sampling = [c for c in plan.chunks if c.samples]
-        rows = [self._sampling_row(c.request) for c in sampling]
-        batch = SamplingBatch.build(rows, vocab_size=self.limits.vocab_size, device=self.limits.device,
-                                    unseeded_generator=self._unseeded_generator)
-        sampled = sample(logits.sample_logits, batch)
-        token_ids = sampled.token_ids.tolist()
-        self.scheduler.update(
-            plan, {c.request.request_id: t for c, t in zip(sampling, token_ids, strict=True)}
-        )
-        changed = self._record_prompt_logprobs(plan, logits.prompt_logits)
-        now = time.monotonic()
-        for chunk, token_id, logprobs in zip(sampling, token_ids, sampled.position_logprobs(), strict=True):
-            if chunk.request.request_id in self._sequences:
-                changed.add(self._record_token(chunk.request, token_id, logprobs, now))
-        return changed
+        with phase(SAMPLE_PHASE):
+            rows = [self._sampling_row(c.request) for c in sampling]
+            batch = SamplingBatch.build(rows, vocab_size=self.limits.vocab_size, device=self.limits.device,
+                                        unseeded_generator=self._unseeded_generator)
+            sampled = sample(logits.sample_logits, batch)
+            token_ids = sampled.token_ids.tolist()
+        with phase(PROCESS_OUTPUTS_PHASE):
+            self.scheduler.update(
+                plan, {c.request.request_id: t for c, t in zip(sampling, token_ids, strict=True)}
+            )
+            changed = self._record_prompt_logprobs(plan, logits.prompt_logits)
+            now = time.monotonic()
+            for chunk, token_id, logprobs in zip(sampling, token_ids, sampled.position_logprobs(),
+                                                 strict=True):
+                if chunk.request.request_id in self._sequences:
+                    changed.add(self._record_token(chunk.request, token_id, logprobs, now))
+            return self._outputs(changed)
 
     def _run_pooling_step(self, plan: StepPlan) -> list[EmbeddingRequestOutput]:
         """Compute the plan's prompt chunks and pool each prompt whose last token it reached."""
         hidden = self.runner.execute_hidden(plan)  # (num_batched_tokens, E)
-        pooled, row, now = [], 0, time.monotonic()
-        for chunk in plan.chunks:
-            job = self._pooling[chunk.request.request_id]
-            job.pool.add(hidden[row : row + chunk.num_tokens], chunk.start)
-            row += chunk.num_tokens
-            if job.metrics.first_scheduled_time_s is None:
-                job.metrics.first_scheduled_time_s = now
-                job.num_cached_tokens = chunk.request.num_cached_prompt_tokens
-            if chunk.samples:
-                pooled.append(self._pooling.pop(job.request_id))
-        self.scheduler.update(plan, {}, pooled_ids={job.request_id for job in pooled})
-        now = time.monotonic()
-        return [job.output(self.pooler, now) for job in pooled]
+        with phase(PROCESS_OUTPUTS_PHASE):
+            pooled, row, now = [], 0, time.monotonic()
+            for chunk in plan.chunks:
+                job = self._pooling[chunk.request.request_id]
+                job.pool.add(hidden[row : row + chunk.num_tokens], chunk.start)
+                row += chunk.num_tokens
+                if job.metrics.first_scheduled_time_s is None:
+                    job.metrics.first_scheduled_time_s = now
+                    job.num_cached_tokens = chunk.request.num_cached_prompt_tokens
+                if chunk.samples:
+                    pooled.append(self._pooling.pop(job.request_id))
+            self.scheduler.update(plan, {}, pooled_ids={job.request_id for job in pooled})
+            now = time.monotonic()
+            return [job.output(self.pooler, now) for job in pooled]
 
     def _num_greedy_steps(self, plan: StepPlan) -> int:
         """How many decode steps the plan may run at once on the runner's greedy path, which takes
@@ -554,13 +618,14 @@ class Engine:
 
     def _run_greedy_steps(
         self, plan: StepPlan, block_tables: list[tuple[int, ...]], num_steps: int
-    ) -> set[PromptOutput]:
+    ) -> list[RequestOutput]:
         """Run `num_steps` decode steps of the plan at once, then record them one step at a time as if
         each had been a step of its own: a request that stops on one (end-of-sequence, stop token,
         stop string) is finished there and the tokens computed after it are dropped."""
         steps = self.runner.execute_greedy(plan, block_tables, num_steps)
-        per_chunk = [list(tokens) for tokens in zip(*steps, strict=True)]
-        return self._record_tokens(plan, block_tables, per_chunk)
+        with phase(PROCESS_OUTPUTS_PHASE):
+            per_chunk = [list(tokens) for tokens in zip(*steps, strict=True)]
+            return self._outputs(self._record_tokens(plan, block_tables, per_chunk))
 
     def _drafts(self, plan: StepPlan) -> list[list[int]] | None:
         """Each chunk's guessed tokens (speculative_config), none past what its request may still
@@ -581,14 +646,15 @@ class Engine:
 
     def _run_speculative(
         self, plan: StepPlan, block_tables: list[tuple[int, ...]], drafts: list[list[int]]
-    ) -> set[PromptOutput]:
+    ) -> list[RequestOutput]:
         """Check every chunk's guesses in one forward pass and record, for each, the model's greedy
         tokens up to its first wrong guess (speculative.py)."""
         targets = self.runner.execute_verify(plan, block_tables, drafts)
-        accepted = [accepted_tokens(draft, target) for draft, target in zip(drafts, targets, strict=True)]
-        self.num_draft_tokens += sum(len(draft) for draft in drafts)
-        self.num_accepted_tokens += sum(len(tokens) - 1 for tokens in accepted)
-        return self._record_tokens(plan, block_tables, accepted)
+        with phase(PROCESS_OUTPUTS_PHASE):
+            accepted = [accepted_tokens(draft, target) for draft, target in zip(drafts, targets, strict=True)]
+            self.num_draft_tokens += sum(len(draft) for draft in drafts)
+            self.num_accepted_tokens += sum(len(tokens) - 1 for tokens in accepted)
+            return self._outputs(self._record_tokens(plan, block_tables, accepted))
 
     def _record_tokens(
         self, plan: StepPlan, block_tables: Sequence[tuple[int, ...]], tokens: list[list[int]]

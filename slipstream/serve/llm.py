@@ -100,8 +100,9 @@ class LLM:
 
     Keyword arguments are `EngineConfig` fields (dtype, max_num_seqs, max_num_batched_tokens,
     kv_cache_memory, enable_prefix_caching, max_model_len, block_size, device, seed, enforce_eager,
-    num_scheduler_steps, here OFFLINE_SCHEDULER_STEPS unless given or speculating, ...), vLLM's
-    engine arguments as docs/serving.md lists them (`kv_cache_memory_bytes` is kv_cache_memory;
+    num_scheduler_steps, here OFFLINE_SCHEDULER_STEPS unless given or speculating, profiler_config
+    for `start_profile`, ...), vLLM's engine arguments as docs/serving.md lists them
+    (`kv_cache_memory_bytes` is kv_cache_memory;
     `gpu_memory_utilization` sizes the KV cache as vLLM does; the likes of tensor_parallel_size
     and trust_remote_code are taken at the values that mean what slipstream does, and any other
     value is a ValueError), and, as in vLLM,
@@ -137,6 +138,19 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (as vLLM's `LLM.reset_prefix_cache`)."""
         return self.engine.reset_prefix_cache()
+
+    def start_profile(self, profile_prefix: str | None = None, *, delay_iterations: int | None = None,
+                      max_iterations: int | None = None) -> None:
+        """As vLLM's: profile the engine steps of the next calls (after `delay_iterations`, at most
+        `max_iterations`; both default to profiler_config's) into a torch trace in the
+        profiler_config's torch_profiler_dir, named `[profile_prefix_]dp0_pp0_tp0_dcp0_ep0_rank0...`
+        (`Engine.start_profile`). A RuntimeError unless `LLM(profiler_config=...)` set a profiler."""
+        self.engine.start_profile(profile_prefix, delay_iterations=delay_iterations,
+                                  max_iterations=max_iterations)
+
+    def stop_profile(self) -> None:
+        """End the profiling session and write its trace (unless max_iterations already did)."""
+        self.engine.stop_profile()
 
     def generate(
         self,

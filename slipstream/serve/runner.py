@@ -21,6 +21,7 @@ from slipstream.model.transformer import Transformer
 from slipstream.ops.decode_graph import CpuDecodeGraph
 from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
 from slipstream.serve.cuda_graph import CudaDecodeGraphs
+from slipstream.serve.profiler import FORWARD_PHASE, PREPARE_INPUTS_PHASE, phase
 from slipstream.serve.sampler import argmax
 from slipstream.serve.scheduler import ScheduledChunk, StepPlan
 
@@ -113,34 +114,38 @@ class Runner:
     def execute(self, plan: StepPlan) -> StepLogits:
         token_ids, positions, batch = self._inputs(plan)
         graph = self._graph_for(batch)
-        if isinstance(graph, CpuDecodeGraph) and all(c.samples and not _wants_prompt_logits(c)
-                                                     for c in plan.chunks):
-            # Every row samples and none is a prompt position: the lm_head runs in the graph.
-            logits = graph(token_ids, positions, batch, logits=True)
-            return StepLogits(sample_logits=logits, prompt_logits={})
-        return self._logits(plan, self._decode_or_forward(graph, token_ids, positions, batch))
+        with phase(FORWARD_PHASE):
+            if isinstance(graph, CpuDecodeGraph) and all(c.samples and not _wants_prompt_logits(c)
+                                                         for c in plan.chunks):
+                # Every row samples and none is a prompt position: the lm_head runs in the graph.
+                logits = graph(token_ids, positions, batch, logits=True)
+                return StepLogits(sample_logits=logits, prompt_logits={})
+            return self._logits(plan, self._decode_or_forward(graph, token_ids, positions, batch))
 
     @torch.inference_mode()
     def execute_hidden(self, plan: StepPlan) -> torch.Tensor:  # (num_batched_tokens, E)
         """The plan's final-norm hidden states, every chunk's rows in plan order (for pooling)."""
         token_ids, positions, batch = self._inputs(plan)
-        return self._decode_or_forward(self._graph_for(batch), token_ids, positions, batch)
+        with phase(FORWARD_PHASE):
+            return self._decode_or_forward(self._graph_for(batch), token_ids, positions, batch)
 
     def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
         """The plan's chunks as one flat batch: token ids, positions and the paged layout."""
-        token_ids, positions = [], []
-        for chunk in plan.chunks:
-            token_ids += chunk.request.token_ids_range(chunk.start, chunk.start + chunk.num_tokens)
-            positions += range(chunk.start, chunk.start + chunk.num_tokens)
-        batch = PagedBatch.build(
-            seq_lens=[c.start + c.num_tokens for c in plan.chunks],
-            query_lens=[c.num_tokens for c in plan.chunks],
-            block_tables=[c.block_ids for c in plan.chunks],
-            block_size=self.cache.block_size,
-            sliding_window=self.model.config.sliding_window,
-            device=self.device,
-        )
-        return torch.tensor(token_ids, device=self.device), torch.tensor(positions, device=self.device), batch
+        with phase(PREPARE_INPUTS_PHASE):
+            token_ids, positions = [], []
+            for chunk in plan.chunks:
+                token_ids += chunk.request.token_ids_range(chunk.start, chunk.start + chunk.num_tokens)
+                positions += range(chunk.start, chunk.start + chunk.num_tokens)
+            batch = PagedBatch.build(
+                seq_lens=[c.start + c.num_tokens for c in plan.chunks],
+                query_lens=[c.num_tokens for c in plan.chunks],
+                block_tables=[c.block_ids for c in plan.chunks],
+                block_size=self.cache.block_size,
+                sliding_window=self.model.config.sliding_window,
+                device=self.device,
+            )
+            device = self.device
+            return torch.tensor(token_ids, device=device), torch.tensor(positions, device=device), batch
 
     def _graph_for(self, batch: PagedBatch) -> CpuDecodeGraph | CudaDecodeGraphs | None:
         """The decode graph that runs `batch`: none for a step with a prefill chunk or more
@@ -172,22 +177,23 @@ class Runner:
             raise ValueError("execute_greedy takes single-token chunks and one block table per chunk")
         token_ids = [c.request.token_ids_range(c.start, c.start + 1)[0] for c in chunks]
         positions = [c.start for c in chunks]
-        graph = self.decode_graph
-        if isinstance(graph, CpuDecodeGraph) and len(chunks) <= graph.max_seqs:
-            return graph.greedy(token_ids, positions, block_tables, num_steps)
-        token_ids = torch.tensor(token_ids, device=self.device)
-        positions = torch.tensor(positions, device=self.device)
-        steps = []
-        for step in range(num_steps):
-            batch = PagedBatch.build(
-                seq_lens=[c.start + step + 1 for c in chunks], query_lens=[1] * len(chunks),
-                block_tables=block_tables, block_size=self.cache.block_size,
-                sliding_window=self.model.config.sliding_window, device=self.device,
-            )
-            hidden = self._decode_or_forward(self._graph_for(batch), token_ids, positions + step, batch)
-            token_ids = argmax(self.model.compute_logits(hidden))
-            steps.append(token_ids)
-        return torch.stack(steps).tolist()
+        with phase(FORWARD_PHASE):
+            graph = self.decode_graph
+            if isinstance(graph, CpuDecodeGraph) and len(chunks) <= graph.max_seqs:
+                return graph.greedy(token_ids, positions, block_tables, num_steps)
+            token_ids = torch.tensor(token_ids, device=self.device)
+            positions = torch.tensor(positions, device=self.device)
+            steps = []
+            for step in range(num_steps):
+                batch = PagedBatch.build(
+                    seq_lens=[c.start + step + 1 for c in chunks], query_lens=[1] * len(chunks),
+                    block_tables=block_tables, block_size=self.cache.block_size,
+                    sliding_window=self.model.config.sliding_window, device=self.device,
+                )
+                hidden = self._decode_or_forward(self._graph_for(batch), token_ids, positions + step, batch)
+                token_ids = argmax(self.model.compute_logits(hidden))
+                steps.append(token_ids)
+            return torch.stack(steps).tolist()
 
     @torch.inference_mode()
     def execute_verify(
@@ -204,23 +210,26 @@ class Runner:
         chunks = plan.chunks
         if any(chunk.num_tokens != 1 for chunk in chunks) or len(drafts) != len(chunks):
             raise ValueError("execute_verify takes single-token chunks and one draft per chunk")
-        token_ids, positions, tables = [], [], []
-        for chunk, draft, table in zip(chunks, drafts, block_tables, strict=True):
-            token_ids += [*chunk.request.token_ids_range(chunk.start, chunk.start + 1), *draft]
-            positions += range(chunk.start, chunk.start + 1 + len(draft))
-            tables += [table] * (1 + len(draft))
-        batch = PagedBatch.build(
-            seq_lens=[position + 1 for position in positions], query_lens=[1] * len(positions),
-            block_tables=tables, block_size=self.cache.block_size,
-            sliding_window=self.model.config.sliding_window, device=self.device,
-        )
-        token_ids = torch.tensor(token_ids, device=self.device)
-        positions = torch.tensor(positions, device=self.device)
-        graph = self._graph_for(batch)
-        if isinstance(graph, CpuDecodeGraph):
-            logits = graph(token_ids, positions, batch, logits=True)
-        else:
-            logits = self.model.compute_logits(self._decode_or_forward(graph, token_ids, positions, batch))
+        with phase(PREPARE_INPUTS_PHASE):
+            token_ids, positions, tables = [], [], []
+            for chunk, draft, table in zip(chunks, drafts, block_tables, strict=True):
+                token_ids += [*chunk.request.token_ids_range(chunk.start, chunk.start + 1), *draft]
+                positions += range(chunk.start, chunk.start + 1 + len(draft))
+                tables += [table] * (1 + len(draft))
+            batch = PagedBatch.build(
+                seq_lens=[position + 1 for position in positions], query_lens=[1] * len(positions),
+                block_tables=tables, block_size=self.cache.block_size,
+                sliding_window=self.model.config.sliding_window, device=self.device,
+            )
+            token_ids = torch.tensor(token_ids, device=self.device)
+            positions = torch.tensor(positions, device=self.device)
+        with phase(FORWARD_PHASE):
+            graph = self._graph_for(batch)
+            if isinstance(graph, CpuDecodeGraph):
+                logits = graph(token_ids, positions, batch, logits=True)
+            else:
+                hidden = self._decode_or_forward(graph, token_ids, positions, batch)
+                logits = self.model.compute_logits(hidden)
         choices = argmax(logits).tolist()
         ends = list(itertools.accumulate(1 + len(d) for d in drafts))
         return [choices[end - 1 - len(d):end] for end, d in zip(ends, drafts, strict=True)]

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics, over an `AsyncEngine` (../../docs/serving.md).
+/metrics, over an `AsyncEngine` (../../docs/serving.md); with a profiler_config, vLLM's
+/start_profile and /stop_profile.
 
 A handler validates the body (a 400 for anything wrong with it), tokenizes off the event loop,
 queues the prompts and either streams server-sent events or waits for the final outputs. A client
@@ -15,6 +16,7 @@ import contextlib
 import dataclasses
 import hmac
 import importlib.metadata
+import json
 import logging
 import re
 import signal
@@ -44,6 +46,7 @@ from slipstream.serve.beam_search import (
 from slipstream.serve.engine import Engine, EngineConfig
 from slipstream.serve.metrics import ServerMetrics
 from slipstream.serve.pooling import EmbeddingRequestOutput
+from slipstream.serve.profiler import ProfilerAlreadyActiveError
 from slipstream.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from slipstream.serve.request import (
     CompletionOutput,
@@ -144,6 +147,9 @@ class OpenAIServer:
         self.scheduling_policy = engine.config.scheduling_policy
         self.pooler = engine.pooler
         """How the engine embeds, when it is a pooling one (None: it generates)."""
+        profiler = engine.config.profiler_config
+        self.has_profiler = profiler is not None and profiler.profiler is not None
+        """Whether the engine profiles, and so the server has /start_profile and /stop_profile."""
         self.sampling_defaults = generation_config_defaults(engine.config.model)
         """What requests leave unset is sampled as the model's generation_config.json says."""
         self.metrics = ServerMetrics(self.model_name, self.max_model_len)
@@ -169,6 +175,11 @@ class OpenAIServer:
         app.post("/tokenize")(self.tokenize_route)
         app.post("/detokenize")(self.detokenize_route)
         app.get("/version")(self.version)
+        if self.has_profiler:  # as vLLM: the routes exist only on a server started to profile
+            logger.warning("the profiler is enabled: POST /start_profile and /stop_profile take no API key; "
+                           "serve like this for local development only")
+            app.post("/start_profile")(self.start_profile)
+            app.post("/stop_profile")(self.stop_profile)
         return app
 
     @contextlib.asynccontextmanager
@@ -404,6 +415,31 @@ class OpenAIServer:
             return {"version": importlib.metadata.version("slipstream")}
         except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
             return {"version": "unknown"}
+
+    async def start_profile(self, request: Request) -> Response:
+        """vLLM's POST /start_profile: profile the engine's next steps. An optional JSON body may give
+        profile_prefix, delay_iterations and max_iterations (other keys are ignored, as in vLLM); a bad
+        value is a 400, a session already open a 409. Outside /v1, it needs no API key (as vLLM's)."""
+        raw = await self._read_body(request)
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except (ValueError, RecursionError) as error:  # RecursionError: nested past Python's stack
+            raise protocol.bad_request(f"the request body is not valid JSON: {error}") from None
+        if not isinstance(body, dict):
+            raise protocol.bad_request("the request body must be a JSON object")
+        options = {name: body.get(name) for name in ("delay_iterations", "max_iterations")}
+        try:
+            await self.engine.start_profile(body.get("profile_prefix"), **options)
+        except ProfilerAlreadyActiveError as error:
+            raise APIError(409, str(error), type="conflict_error") from None
+        except ValueError as error:
+            raise protocol.bad_request(str(error)) from None
+        return Response(status_code=200)
+
+    async def stop_profile(self) -> Response:
+        """vLLM's POST /stop_profile: end the session; answers once the trace is written."""
+        await self.engine.stop_profile()
+        return Response(status_code=200)
 
     async def _parse(self, request: Request, model: type[T]) -> T:
         """Authorize, then read and validate the body: a 4xx for anything wrong with it."""

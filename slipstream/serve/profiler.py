@@ -1,0 +1,309 @@
+"""vLLM's torch-profiler interface for the engine: `profiler_config`, start_profile and stop_profile.
+
+A profiling session records engine steps with `torch.profiler` and writes one Chrome trace (Kineto
+JSON, gzip by default) into `torch_profiler_dir`, named as vLLM's single worker names its trace:
+`[PREFIX_]dp0_pp0_tp0_dcp0_ep0_rank0.<time_ns>.pt.trace.json.gz`. Every engine step of the session
+is one profiler step, so the trace holds one `ProfilerStep#N` annotation per engine step; inside
+it the step's phases are `record_function` ranges named by `STEP_PHASES`.
+
+The profiler starts at the first engine step after `start_profile` (and its delay), and it is
+stepped and stopped on the thread that runs the steps: torch's profiler records the thread that
+started it, so the server's engine thread applies start and stop as commands (async_engine.py). A
+session that took no step writes no trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerAction, ProfilerActivity, record_function
+
+logger = logging.getLogger(__name__)
+
+SCHEDULE_PHASE = "engine: schedule"
+"""The scheduler's plan of the step (admission, token budget, KV blocks, preemption)."""
+PREPARE_INPUTS_PHASE = "runner: prepare_inputs"
+"""The plan laid out as the flat batch tensors of the forward pass."""
+FORWARD_PHASE = "runner: forward"
+"""The model's forward pass and its logits (a replayed decode graph included; with
+num_scheduler_steps, every decode step of a burst)."""
+SAMPLE_PHASE = "engine: sample"
+"""The sampler: penalties, masks, temperature, top-k/top-p, the draw, logprobs."""
+PROCESS_OUTPUTS_PHASE = "engine: process_outputs"
+"""The scheduler's record of the new tokens, stop checks, detokenization, stop strings, outputs."""
+STEP_PHASES = (SCHEDULE_PHASE, PREPARE_INPUTS_PHASE, FORWARD_PHASE, SAMPLE_PHASE, PROCESS_OUTPUTS_PHASE)
+"""The `record_function` names inside a `ProfilerStep#N`, in the order a step runs them. A step
+has each at most once; a step without sampling (all greedy) has no sample phase."""
+
+WORKER_NAME = "dp0_pp0_tp0_dcp0_ep0_rank0"
+"""vLLM's name for the trace of its one worker (data, pipeline, tensor, context and expert
+parallel rank 0): slipstream's single process writes its trace under the same name."""
+
+_ACTIVITIES = {"CPU": ProfilerActivity.CPU, "CUDA": ProfilerActivity.CUDA}
+_UNSUPPORTED_KINDS = {
+    "cuda": "the 'cuda' profiler (cudaProfilerStart/Stop for nsys)",
+    "proton": "the 'proton' profiler (Triton's)",
+}
+_NO_PHASE = contextlib.nullcontext()
+
+
+def phase(name: str) -> contextlib.AbstractContextManager:
+    """`record_function(name)` while this thread records a torch profile, else a shared no-op: an
+    idle `record_function` still costs about 5 us of dispatch, the check about 0.1 us. A user's own
+    `torch.profiler.profile` around the engine sees the phases too."""
+    return record_function(name) if torch.autograd._profiler_enabled() else _NO_PHASE
+
+
+class ProfilerAlreadyActiveError(RuntimeError):
+    """start_profile while a session is open (vLLM's error of this name; the server's 409)."""
+
+    def __init__(self) -> None:
+        super().__init__("a profiling session is already active; call stop_profile before starting another")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ProfilerConfig:
+    """vLLM's `profiler_config`, for its "torch" profiler; field names and defaults are vLLM's."""
+
+    profiler: str | None = None
+    """"torch" to profile with torch.profiler; None: profiling is off (start_profile is an error)."""
+    torch_profiler_dir: str = ""
+    """Where traces go (created when the first trace is written): a relative path is made absolute
+    against the working directory, as vLLM makes it."""
+    torch_profiler_activities: tuple[str, ...] | None = None
+    """"CPU" and/or "CUDA"; default: CPU, and CUDA too on a CUDA engine."""
+    torch_profiler_with_stack: bool = True
+    torch_profiler_with_flops: bool = False
+    torch_profiler_use_gzip: bool = True
+    torch_profiler_record_shapes: bool = False
+    torch_profiler_with_memory: bool = False
+    delay_iterations: int = 0
+    """Engine steps after start_profile that are not recorded."""
+    max_iterations: int = 0
+    """Most engine steps recorded (after the delay, and, with a schedule, active steps only); 0: no
+    limit. The trace is written as soon as the last one ends."""
+    wait_iterations: int = 0
+    """With warmup_iterations, torch.profiler's schedule (repeat 1): steps not profiled, then
+    warmup steps profiled and discarded, then active_iterations recorded steps; the trace is
+    written after them. Both 0: every step is recorded, and active_iterations is unused."""
+    warmup_iterations: int = 0
+    active_iterations: int = 5
+
+    def __post_init__(self) -> None:
+        if self.profiler in _UNSUPPORTED_KINDS:
+            raise ValueError(f"profiler {self.profiler!r} is not supported: slipstream has no "
+                             f"{_UNSUPPORTED_KINDS[self.profiler]}; use 'torch'")
+        if self.profiler not in (None, "torch"):
+            raise ValueError(f"profiler must be 'torch' or None, got {self.profiler!r}")
+        for name in ("delay_iterations", "max_iterations", "wait_iterations", "warmup_iterations"):
+            _check_count(name, getattr(self, name), minimum=0)
+        _check_count("active_iterations", self.active_iterations, minimum=1)
+        for name in ("torch_profiler_with_stack", "torch_profiler_with_flops", "torch_profiler_use_gzip",
+                     "torch_profiler_record_shapes", "torch_profiler_with_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"profiler_config {name} must be True or False, got {getattr(self, name)!r}")
+        self._check_activities()
+        self._check_dir()
+
+    def _check_activities(self) -> None:
+        activities = self.torch_profiler_activities
+        if activities is None:
+            return
+        if isinstance(activities, str) or not isinstance(activities, list | tuple) or not activities:
+            raise ValueError(f"profiler_config torch_profiler_activities must be a non-empty list of "
+                             f"{sorted(_ACTIVITIES)}, got {activities!r}")
+        unknown = [a for a in activities if a not in _ACTIVITIES]
+        if unknown:
+            raise ValueError(f"profiler_config torch_profiler_activities {unknown} are not supported "
+                             f"(supported: {sorted(_ACTIVITIES)})")
+        if len(set(activities)) != len(activities):
+            raise ValueError(f"profiler_config torch_profiler_activities {list(activities)} holds duplicates")
+        if self.profiler != "torch":
+            raise ValueError("profiler_config torch_profiler_activities needs profiler 'torch'")
+        object.__setattr__(self, "torch_profiler_activities", tuple(activities))
+
+    def _check_dir(self) -> None:
+        directory = self.torch_profiler_dir
+        if not isinstance(directory, str | os.PathLike):
+            raise ValueError(f"profiler_config torch_profiler_dir must be a path, got {directory!r}")
+        directory = os.path.expanduser(os.fspath(directory))
+        if directory and self.profiler != "torch":
+            raise ValueError("profiler_config torch_profiler_dir needs profiler 'torch'")
+        if self.profiler == "torch" and not directory:
+            raise ValueError("profiler_config torch_profiler_dir must be set when profiler is 'torch'")
+        # vLLM's docs ask for an absolute path; its config makes a relative one absolute.
+        object.__setattr__(self, "torch_profiler_dir", os.path.abspath(directory) if directory else directory)
+
+    @property
+    def uses_schedule(self) -> bool:
+        """Whether steps follow torch.profiler's wait/warmup/active schedule (as vLLM: when
+        wait_iterations or warmup_iterations is set)."""
+        return self.wait_iterations > 0 or self.warmup_iterations > 0
+
+    @classmethod
+    def parse(cls, value: ProfilerConfig | Mapping[str, Any] | str) -> ProfilerConfig:
+        """From a ProfilerConfig, a dict or its JSON text (vLLM's --profiler-config); unknown
+        fields are a ValueError naming them."""
+        if isinstance(value, ProfilerConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"profiler_config is not valid JSON: {error}") from error
+        if not isinstance(value, Mapping):
+            raise ValueError(f"profiler_config must be a dict, got {value!r}")
+        fields = [field.name for field in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(fields))
+        if unknown:
+            raise ValueError(f"profiler_config fields {unknown} are not supported (supported: {fields})")
+        return cls(**value)
+
+
+def _check_profile_request(profile_prefix: Any, delay_iterations: Any, max_iterations: Any) -> None:
+    """ValueError naming a bad start_profile argument: a prefix of 1-128 ASCII letters, digits, '.',
+    '_' or '-' that starts with a letter or digit (it names a file), counts >= 0 (as vLLM's)."""
+    if profile_prefix is not None:
+        valid = (isinstance(profile_prefix, str) and 1 <= len(profile_prefix) <= 128
+                 and profile_prefix.isascii() and profile_prefix[0].isalnum()
+                 and all(c.isalnum() or c in "._-" for c in profile_prefix))
+        if not valid:
+            raise ValueError(f"profile_prefix must be 1-128 ASCII letters, digits, '.', '_' or '-', "
+                             f"starting with a letter or digit; got {profile_prefix!r}")
+    for name, value in (("delay_iterations", delay_iterations), ("max_iterations", max_iterations)):
+        if value is not None:
+            _check_count(name, value, minimum=0)
+
+
+def _check_count(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclasses.dataclass(slots=True)
+class _Session:
+    """One start_profile to stop_profile."""
+
+    worker_name: str
+    delay_iterations: int
+    num_steps: int | None
+    """Profiler steps to take before the trace is written (None: until stop_profile)."""
+    num_delayed: int = 0
+    num_profiled: int = 0
+    done: bool = False
+    """The trace is written; steps until stop_profile are not profiled."""
+
+
+class StepProfiler:
+    """The engine's profiler: `begin_step` and `end_step` bracket every engine step; sessions
+    open with `start` and close with `stop`, as vLLM's worker profiler (delay, limit, schedule)."""
+
+    def __init__(self, config: ProfilerConfig, device: torch.device) -> None:
+        assert config.profiler == "torch"
+        default = ("CPU", "CUDA") if device.type == "cuda" else ("CPU",)
+        activities = config.torch_profiler_activities or default
+        if "CUDA" in activities and device.type != "cuda":
+            raise ValueError(f"profiler_config torch_profiler_activities {list(activities)} name CUDA, but "
+                             f"the engine runs on {device.type}")
+        self.config = config
+        self.activities = [_ACTIVITIES[name] for name in activities]
+        self._session: _Session | None = None
+        self._profile: torch.profiler.profile | None = None
+
+    @property
+    def is_active(self) -> bool:
+        """Whether a session is open (started and not yet stopped)."""
+        return self._session is not None
+
+    def start(self, profile_prefix: str | None = None, *, delay_iterations: int | None = None,
+              max_iterations: int | None = None) -> None:
+        """Open a session; the profiler starts at the first engine step past the delay. The trace
+        directory is made now, so that one that cannot be is the caller's ValueError, not a failed
+        engine step."""
+        if self._session is not None:
+            raise ProfilerAlreadyActiveError()
+        _check_profile_request(profile_prefix, delay_iterations, max_iterations)
+        config = self.config
+        try:
+            os.makedirs(config.torch_profiler_dir, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"profiler_config torch_profiler_dir {config.torch_profiler_dir!r} cannot be "
+                             f"made: {error.strerror or error}") from error
+        delay = config.delay_iterations if delay_iterations is None else delay_iterations
+        limit = config.max_iterations if max_iterations is None else max_iterations
+        if config.uses_schedule:
+            active = min(limit, config.active_iterations) if limit else config.active_iterations
+            num_steps = config.wait_iterations + config.warmup_iterations + active
+        else:
+            num_steps = limit or None
+        name = WORKER_NAME if profile_prefix is None else f"{profile_prefix}_{WORKER_NAME}"
+        self._session = _Session(worker_name=name, delay_iterations=delay, num_steps=num_steps)
+        logger.info("profiling: the trace goes to %s", config.torch_profiler_dir)
+
+    def stop(self) -> None:
+        """Close the session, writing its trace if the profiler still runs (a no-op without one)."""
+        if self._session is None:
+            logger.warning("stop_profile without an active profiling session: nothing to stop")
+            return
+        self._session = None
+        self._finish()
+
+    def begin_step(self) -> None:
+        """Called as an engine step begins: the profiler's next step (its first starts it)."""
+        session = self._session
+        if session is None or session.done:
+            return
+        if session.num_delayed < session.delay_iterations:
+            session.num_delayed += 1
+            return
+        if self._profile is None:
+            self._profile = self._new_profile(session.worker_name)
+            self._profile.start()
+        else:
+            self._profile.step()
+        session.num_profiled += 1
+
+    def end_step(self) -> None:
+        """Called as an engine step ends: write the trace once the session's last step is taken. A
+        failure to write it is logged, as vLLM's worker does: the step's requests must not fail."""
+        session = self._session
+        if session is not None and session.num_profiled == session.num_steps and not session.done:
+            session.done = True
+            try:
+                self._finish()
+            except Exception:
+                logger.exception("profiling: writing the trace failed")
+
+    def _finish(self) -> None:
+        profile, self._profile = self._profile, None
+        if profile is not None:
+            profile.stop()  # the trace handler writes the file
+            logger.info("profiling: trace written to %s", self.config.torch_profiler_dir)
+
+    def _new_profile(self, worker_name: str) -> torch.profiler.profile:
+        config = self.config
+        if config.uses_schedule:
+            schedule = torch.profiler.schedule(wait=config.wait_iterations, warmup=config.warmup_iterations,
+                                               active=config.active_iterations, repeat=1)
+        else:
+            schedule = _record_every_step
+        return torch.profiler.profile(
+            activities=self.activities, schedule=schedule,
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(
+                config.torch_profiler_dir, worker_name=worker_name, use_gzip=config.torch_profiler_use_gzip),
+            record_shapes=config.torch_profiler_record_shapes, with_stack=config.torch_profiler_with_stack,
+            profile_memory=config.torch_profiler_with_memory, with_flops=config.torch_profiler_with_flops,
+        )
+
+
+def _record_every_step(step: int) -> ProfilerAction:
+    """A schedule that records every step: torch marks steps (`ProfilerStep#N`) only under a
+    schedule, and writes the trace when the profiler stops."""
+    return ProfilerAction.RECORD
