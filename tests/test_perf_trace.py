@@ -156,8 +156,9 @@ def test_epoch_timestamps_keep_their_nanoseconds(tmp_path):
     text = json.dumps({"traceEvents": [
         _step(1, "STEP", 10), _launch("L1", 1), _launch("L2", 2),
         _kernel("gemm", "K1", 0.1, 7, 1), _kernel("gemm", "K2", 0.2, 7, 2)]})
-    for marker, value in {"STEP": "0.000", "L1": "0.001", "L2": "0.002", "K1": "0.266", "K2": "0.466"}.items():
-        text = text.replace(f'"{marker}"', f"{base}{value[1:]}")
+    fractions = {"STEP": ".000", "L1": ".001", "L2": ".002", "K1": ".266", "K2": ".466"}
+    for marker, fraction in fractions.items():
+        text = text.replace(f'"{marker}"', f"{base}{fraction}")
     (tmp_path / "t.json").write_text(text)
     (rank,) = analyze([str(tmp_path / "t.json")])["ranks"]
     assert rank["gpu"]["idle_us"] == pytest.approx(0.1, abs=1e-9)
