@@ -76,6 +76,18 @@ def test_steps_and_annotations(profiled):
     assert rank["gpu"] is None and rank["kernels"] == []
 
 
+def test_many_steps_are_summarized_in_the_text(profiled):
+    """Past 2 x top steps the text gives their spread and the `top` slowest, in step order."""
+    path, _ = profiled
+    report = analyze([str(path)])
+    slowest = max(report["ranks"][0]["steps"], key=lambda s: s["duration_us"])["step"]
+    text = format_report(report, top=1)
+    assert "the 1 slowest steps" in text
+    rows = [line.split() for line in text.splitlines() if line.startswith("  ") and line.split()[0].isdigit()]
+    assert [int(row[0]) for row in rows] == [slowest]
+    assert "the 3 slowest" not in format_report(report, top=3) and "median" in format_report(report, top=3)
+
+
 def test_gzip_and_plain_read_alike(profiled, tmp_path):
     path, _ = profiled
     packed = tmp_path / "rank0_trace.json.gz"

@@ -477,4 +477,4 @@ def fit(args: argparse.Namespace) -> Result:
 
 def trace_cmd(args: argparse.Namespace) -> Result:
     report = trace.analyze(args.traces, args.top, args.baseline)
-    return trace_report.format_report(report), report
+    return trace_report.format_report(report, args.top), report
