@@ -7,12 +7,15 @@ the event list one element at a time and keeps only what the analysis reads, in 
 trace of gigabytes fits where its parsed dicts would not (HTA and the trace viewers are known to
 run out of memory there).
 
-Kept: complete events (`"ph": "X"`: CPU ops, annotations, runtime calls, kernels, memory
-copies) and the `process_name`/`thread_name` metadata. Times are microseconds, as Kineto writes
-them, counted from the trace's first timestamp (whole microseconds): Kineto writes epoch times to
-the nanosecond, more digits than a double holds, so they are read exactly and made relative
-before they become floats. Complete events without a numeric `ts` are counted in
-`Trace.skipped_events`, never dropped silently.
+Kept: complete events (`"ph": "X"`: CPU ops, annotations, Python frames, runtime calls,
+kernels, memory copies). Times are microseconds, as Kineto writes them, counted from the first
+complete event's timestamp in whole microseconds: Kineto writes epoch times to the nanosecond,
+more digits than a double holds, so they are read exactly and made relative before they become
+floats. Complete events without a usable time (a `ts` that is no number or beyond 10^24 us, a
+negative or infinite `dur`) or thread (a `pid`/`tid` that is no integer or string) are counted
+in `Trace.skipped_events`, never dropped silently. Every way a file can fail to be a trace
+(truncated or corrupt gzip, not UTF-8, not JSON, nested past Python's stack, no `traceEvents`)
+is a ValueError naming the file.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import gzip
 import json
 import math
 import re
-import sys
+import zlib
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -32,6 +35,10 @@ _WHITESPACE = re.compile(r"[ \t\n\r]*")
 # epoch, to the nanosecond) has more digits than a double holds (its step there is 0.25 us).
 _DECODER = json.JSONDecoder(parse_float=str)
 _CHUNK_CHARS = 1 << 20
+_MAX_TIME_DIGITS = 24
+"""A time with more digits before the point (10^24 us is 3 x 10^10 years) is no time."""
+_SAFE_NUMBER_TAIL = 64
+"""A number decoded this close to the window's end may go on in the next chunk ("1." of "1.5")."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -46,8 +53,8 @@ class Event:
     cat: str
     start_us: float
     dur_us: float
-    pid: Any
-    tid: Any
+    pid: int | str
+    tid: int | str
     correlation: int | None = None
 
     @property
@@ -60,8 +67,6 @@ class Trace:
     path: Path
     metadata: dict[str, Any]
     events: list[Event]
-    process_names: dict[Any, str]
-    thread_names: dict[tuple[Any, Any], str]
     skipped_events: int
 
     @property
@@ -76,7 +81,7 @@ class Trace:
         properties = self.metadata.get("deviceProperties")
         if not isinstance(properties, list):
             return []
-        return [str(p["name"]) for p in properties if isinstance(p, dict) and "name" in p]
+        return [_printable(str(p["name"])) for p in properties if isinstance(p, dict) and "name" in p]
 
 
 def read_trace(path: str | Path) -> Trace:
@@ -84,17 +89,20 @@ def read_trace(path: str | Path) -> Trace:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such trace file")
-    with path.open("rb") as raw:
-        compressed = raw.read(2) == b"\x1f\x8b"
-    opener = gzip.open if compressed else open
     builder = _TraceBuilder(path)
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
+        with path.open("rb") as raw:
+            compressed = raw.read(2) == b"\x1f\x8b"
+        opener = gzip.open if compressed else open
+        with opener(path, "rt", encoding="utf-8-sig") as f:
             _parse_document(_Stream(f), builder)
-    except (OSError, EOFError, UnicodeDecodeError) as e:  # a truncated or corrupt gzip, not UTF-8
-        raise ValueError(f"{path}: cannot be read as a trace: {e}") from e
     except _SyntaxError as e:
         raise ValueError(f"{path}: not a Chrome trace: {e}") from e
+    except RecursionError as e:
+        raise ValueError(f"{path}: not a Chrome trace: values nested too deeply to read") from e
+    # A truncated or corrupt gzip, bytes that are not UTF-8, a number past Python's digit limit.
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path}: cannot be read as a trace: {e}") from e
     return builder.trace
 
 
@@ -109,6 +117,7 @@ class _Stream:
         self._file = f
         self._buffer = ""
         self._pos = 0
+        self._dropped = 0  # characters of the file before the window
         self._at_end = False
 
     def _fill(self) -> bool:
@@ -120,6 +129,7 @@ class _Stream:
         if not data:
             self._at_end = True
             return False
+        self._dropped += self._pos
         self._buffer = self._buffer[self._pos :] + data
         self._pos = 0
         return True
@@ -136,43 +146,49 @@ class _Stream:
     def take(self, expected: str) -> None:
         found = self.peek()
         if found != expected:
-            raise _SyntaxError(f"expected {expected!r}, found {found or 'the end of the file'!r}")
+            where = f" at character {self._dropped + self._pos:,}" if found else ""
+            raise _SyntaxError(f"expected {expected!r}, found {found or 'the end of the file'!r}{where}")
         self._pos += 1
 
     def value(self) -> Any:
         """Decode the next JSON value, reading on while it runs past the window's end."""
-        if not self.peek():
+        first = self.peek()
+        if not first:
             raise _SyntaxError("the file ends where a value should be")
         while True:
             try:
                 value, end = _DECODER.raw_decode(self._buffer, self._pos)
             except json.JSONDecodeError as e:
-                if self._fill():
+                if self._ran_out(e) and self._fill():
                     continue
-                raise _SyntaxError(str(e)) from None
-            if end == len(self._buffer) and self._fill():
-                continue  # a number may go on in the next chunk ("12" of "125")
+                raise _SyntaxError(f"{e.msg} at character {self._dropped + e.pos:,}") from None
+            number = first in "-0123456789"
+            if number and len(self._buffer) - end < _SAFE_NUMBER_TAIL and self._fill():
+                continue
             self._pos = end
             return value
+
+    def _ran_out(self, error: json.JSONDecodeError) -> bool:
+        """Whether decoding failed for want of text (the value goes on past the window), not at a
+        syntax error: refilling then would read the rest of the file only to fail again."""
+        return error.msg.startswith("Unterminated string") or len(self._buffer) - error.pos < 8
 
 
 def _parse_document(stream: _Stream, builder: _TraceBuilder) -> None:
     stream.take("{")
-    if stream.peek() == "}":
-        stream.take("}")
-        return
-    while True:
-        key = stream.value()
-        if not isinstance(key, str):
-            raise _SyntaxError("the document is not a JSON object")
-        stream.take(":")
-        if key == "traceEvents":
-            _parse_events(stream, builder)
-        else:
-            builder.metadata[key] = stream.value()
-        if stream.peek() != ",":
-            break
-        stream.take(",")
+    if stream.peek() != "}":
+        while True:
+            key = stream.value()
+            if not isinstance(key, str):
+                raise _SyntaxError("the document is not a JSON object")
+            stream.take(":")
+            if key == "traceEvents":
+                _parse_events(stream, builder)
+            else:
+                builder.metadata[key] = stream.value()
+            if stream.peek() != ",":
+                break
+            stream.take(",")
     stream.take("}")
     if stream.peek():
         raise _SyntaxError("text after the end of the document")
@@ -181,7 +197,7 @@ def _parse_document(stream: _Stream, builder: _TraceBuilder) -> None:
 
 
 def _parse_events(stream: _Stream, builder: _TraceBuilder) -> None:
-    builder.saw_events = True
+    builder.start_events()
     stream.take("[")
     if stream.peek() == "]":
         stream.take("]")
@@ -194,31 +210,26 @@ def _parse_events(stream: _Stream, builder: _TraceBuilder) -> None:
     stream.take("]")
 
 
+_JSON_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
+
+
 def _number(value: Any) -> float | None:
-    """A JSON number (floats arrive as text, see _DECODER) or a number written as a string."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
+    """A JSON number (floats arrive as text, see _DECODER) or a number written as a string;
+    None for anything else, and for magnitudes past 10^24 (no duration of a trace)."""
+    exact = _exact(value)
+    return None if exact is None else float(exact)
 
 
 def _exact(value: Any) -> int | decimal.Decimal | None:
+    """A number, exactly (see _DECODER); None for no number or an absurd one (10^24 us is 3 x
+    10^10 years), without computing with it: "1e999999999" is valid JSON."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
-        return value
-    if isinstance(value, str):
-        try:
-            exact = decimal.Decimal(value)
-        except decimal.InvalidOperation:
-            return None
-        return exact if exact.is_finite() else None
+        return value if abs(value) < 10**_MAX_TIME_DIGITS else None
+    if isinstance(value, str) and _JSON_NUMBER.fullmatch(value):
+        exact = decimal.Decimal(value)
+        return exact if exact.is_zero() or exact.adjusted() < _MAX_TIME_DIGITS else None
     return None
 
 
@@ -227,35 +238,27 @@ class _TraceBuilder:
         self.path = path
         self.metadata: dict[str, Any] = {}
         self.events: list[Event] = []
-        self.process_names: dict[Any, str] = {}
-        self.thread_names: dict[tuple[Any, Any], str] = {}
         self.skipped = 0
         self.origin_us: int | None = None
         self.saw_events = False
+        self._names: dict[str, str] = {}
+
+    def start_events(self) -> None:
+        """A `traceEvents` list begins; a second one replaces the first, as in `json.load`."""
+        self.saw_events = True
+        self.events.clear()
+        self.skipped = 0
 
     def add(self, raw: Any) -> None:
-        if not isinstance(raw, dict):
-            return
-        phase = raw.get("ph")
-        if phase == "M":
-            self._add_metadata(raw)
-        elif phase == "X":
+        if isinstance(raw, dict) and raw.get("ph") == "X":
             self._add_complete(raw)
-
-    def _add_metadata(self, raw: dict[str, Any]) -> None:
-        args = raw.get("args")
-        name = args.get("name") if isinstance(args, dict) else None
-        if not isinstance(name, str):
-            return
-        if raw.get("name") == "process_name":
-            self.process_names[raw.get("pid")] = name
-        elif raw.get("name") == "thread_name":
-            self.thread_names[(raw.get("pid"), raw.get("tid"))] = name
 
     def _add_complete(self, raw: dict[str, Any]) -> None:
         start = _exact(raw.get("ts"))
         duration = _number(raw.get("dur", 0))
-        if start is None or duration is None or not 0 <= duration < math.inf:
+        pid, tid = raw.get("pid"), raw.get("tid")
+        if (start is None or duration is None or not 0 <= duration < math.inf
+                or not _is_id(pid) or not _is_id(tid)):
             self.skipped += 1
             return
         if self.origin_us is None:
@@ -263,16 +266,33 @@ class _TraceBuilder:
         args = raw.get("args")
         correlation = args.get("correlation") if isinstance(args, dict) else None
         self.events.append(Event(
-            name=sys.intern(str(raw.get("name", ""))),
-            cat=sys.intern(str(raw.get("cat", ""))),
+            name=self._name(raw.get("name", "")),
+            cat=self._name(raw.get("cat", "")),
             start_us=float(start - self.origin_us),
             dur_us=duration,
-            pid=raw.get("pid"),
-            tid=raw.get("tid"),
-            correlation=correlation if isinstance(correlation, int) else None,
+            pid=pid,
+            tid=tid,
+            correlation=correlation if _is_id(correlation) and isinstance(correlation, int) else None,
         ))
+
+    def _name(self, raw: Any) -> str:
+        """One shared string per distinct name, printable: a lone surrogate (valid JSON escapes
+        such as "\\ud800", no Unicode text) is replaced rather than left to fail at print."""
+        text = raw if isinstance(raw, str) else str(raw)
+        name = self._names.get(text)
+        if name is None:
+            name = self._names[text] = _printable(text)
+        return name
 
     @property
     def trace(self) -> Trace:
-        return Trace(self.path, self.metadata, self.events, self.process_names, self.thread_names,
-                     self.skipped)
+        return Trace(self.path, self.metadata, self.events, self.skipped)
+
+
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _is_id(value: Any) -> bool:
+    """A process, thread or correlation id: an integer (not a bool) or a string."""
+    return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import itertools
 import math
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,10 @@ from slipstream.perf.kineto import Event, Trace, read_trace
 
 _STEP = re.compile(r"ProfilerStep#(\d+)$")
 TRACE_SUFFIXES = (".json", ".json.gz")
-HOST_CATEGORIES = ("cpu_op", "user_annotation")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver", "hip_runtime", "hip_driver", "xpu_runtime")
+HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function", *LAUNCH_CATEGORIES)
+"""The host events torch.profiler's own tree holds (and key_averages lists): ops, annotations,
+Python frames (with_stack) and the runtime calls that launch and wait for device work."""
 KERNEL_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 # HTA's classes (hta/common/types.py) by kernel name. HTA's communication class is NCCL's and HCCL's
 # kernels (and every name starting "hip", a HIP memcpy included); here it is NCCL's, RCCL's and
@@ -90,9 +93,14 @@ def subtract(a: Intervals, b: Intervals) -> float:
 
 def kernel_class(event: Event) -> str:
     """HTA's kernel classes: communication, memory or compute."""
-    if _COMMUNICATION.search(event.name):
+    return _kernel_class(event.name, event.cat)
+
+
+@functools.lru_cache(maxsize=65536)
+def _kernel_class(name: str, cat: str) -> str:
+    if _COMMUNICATION.search(name):
         return "communication"
-    if event.cat in ("gpu_memcpy", "gpu_memset") or _MEMORY.search(event.name):
+    if cat in ("gpu_memcpy", "gpu_memset") or _MEMORY.search(name):
         return "memory"
     return "compute"
 
@@ -105,14 +113,14 @@ class OpTime:
 
 
 def host_op_times(events: Sequence[Event]) -> dict[tuple[str, str], OpTime]:
-    """Calls, inclusive and self time per (category, name) of CPU op or annotation, over every
-    thread, counted as the profiler's `key_averages()` counts them.
+    """Calls, inclusive and self time per (category, name) of host event (HOST_CATEGORIES: ops,
+    annotations, Python frames, runtime calls), over every thread, counted as the profiler's
+    `key_averages()` counts them.
 
-    On each thread the spans nest (a child starts and ends inside its parent, up to the
-    profiler's rounding), so one pass over the spans sorted by start, longest first, with a stack
-    of open spans finds each span's parent. A child's time inside its parent leaves the parent's
-    self time. An op whose only child has its own name (a redispatch: `aten::sum` calling
-    `aten::sum`) is one call, as the profiler's event tree merges them.
+    On each thread one pass over the spans sorted by start, longest first, with a stack of open
+    spans finds each span's parent (`_parents`); a child's time leaves its parent's self time.
+    An op whose only child has its own name (a redispatch: `aten::sum` calling `aten::sum`) is
+    one call, as the profiler's event tree merges them.
     """
     times: dict[tuple[str, str], OpTime] = defaultdict(OpTime)
     by_thread: dict[tuple[Any, Any], list[Event]] = defaultdict(list)
@@ -120,18 +128,16 @@ def host_op_times(events: Sequence[Event]) -> dict[tuple[str, str], OpTime]:
         if e.cat in HOST_CATEGORIES:
             by_thread[(e.pid, e.tid)].append(e)
     for thread_events in by_thread.values():
-        thread_events.sort(key=lambda e: (e.start_us, -e.dur_us))
+        thread_events.sort(key=lambda e: (e.start_us, -e.end_us))
         parents = _parents(thread_events)
-        num_children = defaultdict(int)
-        for parent in parents:
-            num_children[parent] += 1
+        num_children = Counter(p for p in parents if p is not None)
         for i, e in enumerate(thread_events):
             op = times[(e.cat, e.name)]
             op.self_us += e.dur_us
             parent = parents[i]
             if parent is not None:
                 p = thread_events[parent]
-                times[(p.cat, p.name)].self_us -= min(e.end_us, p.end_us) - e.start_us
+                times[(p.cat, p.name)].self_us -= e.dur_us
                 if p.name == e.name and p.cat == e.cat and num_children[parent] == 1:
                     continue
             op.calls += 1
@@ -140,11 +146,14 @@ def host_op_times(events: Sequence[Event]) -> dict[tuple[str, str], OpTime]:
 
 
 def _parents(spans: Sequence[Event]) -> list[int | None]:
-    """The index of each span's innermost enclosing span (spans sorted by start, longest first)."""
+    """The index of each span's parent: the innermost open span that contains it whole (spans
+    sorted by start, longest first). As torch.profiler builds its event tree: a span that
+    starts inside another but ends after it (the profiler's rounding, a record_function opened
+    inside a Python call) is not its child, and that span is closed for the spans after it."""
     parents: list[int | None] = []
     stack: list[int] = []
     for i, e in enumerate(spans):
-        while stack and spans[stack[-1]].end_us <= e.start_us:
+        while stack and (e.start_us >= spans[stack[-1]].end_us or e.end_us > spans[stack[-1]].end_us):
             stack.pop()
         parents.append(stack[-1] if stack else None)
         stack.append(i)
@@ -356,30 +365,38 @@ def analyze(paths: Sequence[str], top: int = 10, baseline: Sequence[str] = ()) -
     given `baseline` traces, what changed per step against them; `top` rows in each table."""
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
-    ranks = _analyze_files(paths)
+    ranks = _analyze_files(trace_files(paths))
     report = {"ranks": ranks, "spread": _spread(ranks), "comparison": None}
     if baseline:
-        report["comparison"] = compare(ranks, _analyze_files(baseline), top)
-        report["comparison"]["baseline"] = [str(p) for p in trace_files(baseline)]
+        baseline_files = trace_files(baseline)
+        report["comparison"] = compare(ranks, _analyze_files(baseline_files), top)
+        report["comparison"]["baseline"] = [str(p) for p in baseline_files]
     for rank in ranks:
         for table in ("host", "annotations", "kernels"):
             del rank[table][top:]
     return report
 
 
-def _analyze_files(paths: Sequence[str]) -> list[dict[str, Any]]:
+def _analyze_files(files: Sequence[Path]) -> list[dict[str, Any]]:
     """Each trace's report, ordered by rank (unranked traces last, by file name)."""
-    ranks = [analyze_rank(read_trace(path)) for path in trace_files(paths)]
+    ranks = [analyze_rank(read_trace(path)) for path in files]
     ranks.sort(key=lambda r: (r["rank"] is None, r["rank"] if r["rank"] is not None else 0, r["file"]))
     return ranks
 
 
 def compare(ranks: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]], top: int) -> dict[str, Any]:
-    """What changed per step from `baseline` to `ranks` (as HTA's trace diff: ops and kernels
-    added, gone, slower, faster), each side averaged over its ranks and steps; `top` rows of
-    the largest changes."""
-    step_us = [_mean([r["step_time_us"] for r in side if r["step_time_us"]]) for side in (baseline, ranks)]
+    """What changed from `baseline` to `ranks` (as HTA's trace diff: ops and kernels added, gone,
+    slower, faster): per step when every trace has profiler steps (each side's mean over its
+    ranks of the per-step mean), per trace when none has; `top` rows of the largest changes."""
+    stepped = {bool(r["steps"]) for r in (*ranks, *baseline)}
+    if len(stepped) > 1:
+        lacking = [r["file"] for r in (*ranks, *baseline) if not r["steps"]]
+        raise ValueError(f"cannot compare per step: {', '.join(lacking)} "
+                         f"{'has' if len(lacking) == 1 else 'have'} no ProfilerStep#N annotations")
+    step_us = [_mean([_mean([s["duration_us"] for s in r["steps"]]) for r in side if r["steps"]])
+               for side in (baseline, ranks)]
     return {
+        "per": "step" if stepped == {True} else "trace",
         "step_time_us": {"baseline": step_us[0], "new": step_us[1],
                          "ratio": step_us[1] / step_us[0] if step_us[0] and step_us[1] else None},
         "host": _changes(_per_step(baseline, "host", "self_us"), _per_step(ranks, "host", "self_us"), top),
@@ -388,7 +405,7 @@ def compare(ranks: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]],
     }
 
 
-def _mean(values: Sequence[float]) -> float | None:
+def _mean(values: Sequence[float | None]) -> float | None:
     return sum(values) / len(values) if values else None
 
 

@@ -22,11 +22,13 @@ def format_report(report: dict[str, Any], top: int = 10) -> str:
 
 def _format_comparison(c: dict[str, Any]) -> list[str]:
     step = c["step_time_us"]
-    lines = [f"against {', '.join(c['baseline'])}: step time {_ms(step['new'])} ms, baseline "
-             f"{_ms(step['baseline'])} ms" + (f" ({step['ratio']:.2f}x)" if step["ratio"] else "")]
+    lines = [f"against {', '.join(c['baseline'])}: "
+             + (f"mean step time {_ms(step['new'])} ms, baseline {_ms(step['baseline'])} ms"
+                + (f" ({step['ratio']:.2f}x)" if step["ratio"] else "") if c["per"] == "step"
+                else "no profiler steps: whole traces compared, averaged over ranks")]
     for table, title in (("host", "host self time"), ("kernels", "kernel time")):
         if c[table]:
-            lines.append(f"  {title} per step, largest changes:")
+            lines.append(f"  {title} per {c['per']}, largest changes:")
             lines += [_format_change(r) for r in c[table]]
     return lines
 
