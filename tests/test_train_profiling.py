@@ -1,19 +1,25 @@
 """Profiler traces of training runs (`[profiling]`, torchtitan's keys and layout): the right
 steps traced into the right files, valid Chrome-trace JSON, per rank under torchrun, on the same
-schedule after a resume, bad settings refused, and the training itself unchanged."""
+schedule after a resume, bad settings refused, the training itself unchanged, and a trace that
+cannot be written neither taking the run down nor left truncated."""
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from train_fixtures import read_metrics, small_config
 
-from slipstream.train.config import load_config
+from slipstream.train.config import ProfilingConfig, load_config
 from slipstream.train.goodput import read_events
+from slipstream.train.profiling import StepProfiler
 from slipstream.train.trainer import Trainer
 
 pytest_plugins = ["train_fixtures"]
@@ -83,6 +89,111 @@ def test_resumed_run_continues_the_step_schedule(data_dir, train_model_dir, tmp_
     for n, steps in ((3, [2, 3]), (6, [5, 6])):
         trace = run_dir / "profile_traces" / f"iteration_{n}" / "rank0_trace.json"
         assert _profiler_steps(trace) == [f"ProfilerStep#{k}" for k in steps]
+
+
+def test_a_window_cut_by_a_restart_is_written_in_two_parts(data_dir, train_model_dir, tmp_path):
+    """Steps 3 and 4 recorded of every 4 (step 2 warms up): the uninterrupted run writes both to
+    iteration_4; a run stopped after step 3 writes step 3 to iteration_3, and the resumed run
+    records step 4, with no warm-up before it, into iteration_4 (torchtitan does the same)."""
+    schedule = ("--profiling.enable_profiling=true", "--profiling.profile_freq=4",
+                "--profiling.profiler_warmup=1", "--profiling.profiler_active=2",
+                "--checkpoint.save_final=true")
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    Trainer(small_config(data_dir, train_model_dir, whole, "--training.steps=4", *schedule)).run()
+    for steps in (3, 4):
+        Trainer(small_config(data_dir, train_model_dir, cut, f"--training.steps={steps}", *schedule)).run()
+
+    assert _profiler_steps(whole / "profile_traces/iteration_4/rank0_trace.json") == ["ProfilerStep#3",
+                                                                                        "ProfilerStep#4"]
+    assert _trace_files(cut) == {f"iteration_{n}": ["rank0_trace.json"] for n in (3, 4)}
+    for n in (3, 4):
+        trace = cut / "profile_traces" / f"iteration_{n}" / "rank0_trace.json"
+        assert _profiler_steps(trace) == [f"ProfilerStep#{n}"]
+
+
+def _failing_export(monkeypatch, fail: Callable[[str], None], times: int = 1) -> None:
+    """Make the first `times` trace exports call `fail(path)` instead of writing; later ones write."""
+    real = torch.profiler.profile.export_chrome_trace
+    calls = []
+
+    def export(profile, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) <= times:
+            return fail(path)
+        return real(profile, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", export)
+
+
+def _disk_full(path: str) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device", path)
+
+
+@pytest.mark.parametrize("failure", ["folder_is_a_file", "disk_full"])
+def test_a_trace_that_cannot_be_written_leaves_the_run_going(data_dir, train_model_dir, tmp_path, monkeypatch,
+                                                             caplog, failure):
+    """The first trace's write fails (iteration_2 taken by a file, or the export failing with
+    ENOSPC): an error names the trace and the cause, and the run goes on. Before, the exception
+    cut torch's transition short and stopping the profiler at the run's end crashed the process
+    (SIGSEGV) before the ledger's `end`. All 6 steps train, traces 4 and 6 are written and
+    charged, the failed one is not, and the ledger ends with a finished `end`."""
+    run_dir = tmp_path / "run"
+    if failure == "folder_is_a_file":
+        (run_dir / "profile_traces").mkdir(parents=True)
+        (run_dir / "profile_traces" / "iteration_2").write_text("")
+        cause = "File exists"
+    else:
+        _failing_export(monkeypatch, _disk_full)
+        cause = "No space left on device"
+    with caplog.at_level(logging.ERROR, logger="slipstream.train.profiling"):
+        Trainer(small_config(data_dir, train_model_dir, run_dir, "--training.steps=6", *EVERY_2_STEPS)).run()
+
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4, 5, 6]
+    path = run_dir / "profile_traces" / "iteration_2" / "rank0_trace.json"
+    assert any(str(path) in m and cause in m for m in caplog.messages), caplog.messages
+    for n in (4, 6):
+        trace = run_dir / "profile_traces" / f"iteration_{n}" / "rank0_trace.json"
+        assert _profiler_steps(trace) == [f"ProfilerStep#{n}"]
+    assert [r["step"] for r in read_metrics(run_dir, "profile")] == [4, 6]
+    events = read_events(run_dir)
+    assert [e["step"] for e in events if e["event"] == "profile"] == [4, 6]
+    assert events[-1]["event"] == "end" and events[-1]["reason"] == "finished"
+
+
+def _profile_steps(profiler: StepProfiler, steps: int) -> None:
+    """Run `steps` steps of a tiny workload under `profiler`."""
+    profiler.start(0)
+    for done in range(steps):
+        profiler.step(done)
+        torch.ones(8, 8) @ torch.ones(8, 8)
+    profiler.stop()
+
+
+@pytest.mark.parametrize("raises", [True, False], ids=["export_raises", "export_fails_silently"])
+def test_a_trace_file_only_ever_appears_complete(tmp_path, monkeypatch, caplog, raises):
+    """An export that writes half a trace and then fails (raising, or only logging, as Kineto does
+    when a write fails) leaves no rank0_trace.json and no .tmp: the trace is written under a
+    temporary name and renamed into place only when whole. A killed run's leftover .tmp of a
+    later trace is overwritten, and that trace is written whole."""
+    half = b'{\n  "schemaVersion": 1,\n  "traceEvents": [\n  {"ph": "X", "name": "aten::mm"},\n  {'
+
+    def half_written(path: str) -> None:
+        Path(path).write_bytes(half)
+        if raises:
+            raise OSError(errno.EIO, "Input/output error", path)
+
+    _failing_export(monkeypatch, half_written)
+    config = ProfilingConfig(enable_profiling=True, profile_freq=2, profiler_warmup=1, profiler_active=1)
+    profiler = StepProfiler(config, tmp_path, rank=0, device_type="cpu")
+    leftover = tmp_path / "profile_traces" / "iteration_4" / "rank0_trace.json.tmp"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(half)
+    with caplog.at_level(logging.ERROR, logger="slipstream.train.profiling"):
+        _profile_steps(profiler, 4)
+
+    assert _trace_files(tmp_path) == {"iteration_2": [], "iteration_4": ["rank0_trace.json"]}
+    assert _profiler_steps(tmp_path / "profile_traces/iteration_4/rank0_trace.json") == ["ProfilerStep#4"]
+    assert [m for m in caplog.messages if "iteration_2/rank0_trace.json not written" in m], caplog.messages
 
 
 def test_steps_redone_after_a_rollback_keep_their_numbers(data_dir, train_model_dir, tmp_path):

@@ -10,8 +10,15 @@ Chrome trace (Kineto JSON) to
     RUN_DIR/<save_traces_folder>/iteration_<N>/rank<R>_trace.json
 
 N being the step the trace ends at: profile_freq, 2 x profile_freq, ... The schedule runs on the
-trainer's step numbers, so a resumed run traces the steps the uninterrupted one would have, and
-the steps redone after a rollback keep their numbers.
+trainer's step numbers, so a resumed run keeps the uninterrupted one's schedule and folders, and
+the steps redone after a rollback keep their numbers. A window the restart cuts is written in two
+parts: the part before the restart ends at the last step done (as any run that stops while the
+profiler records), the part after it, without its warm-up, at the window's own step.
+
+A trace is exported to `rank<R>_trace.json.tmp` and renamed into place once complete, so a kill
+while it is written never leaves a truncated trace (`slipstream perf trace` reads only *.json
+and *.json.gz). A trace that cannot be written (a full disk, a path taken by a file) is logged
+as an error and skipped: profiling must never take the training run down.
 
 The profiler's step marks are the trainer's steps: the `ProfilerStep#N` annotation runs from the
 moment step N begins (after the check for a preemption) until step N + 1 begins, so it holds the
@@ -21,7 +28,10 @@ marks from 0 (its `ProfilerStep#N` is its step N + 1); here #N is the step of `m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +39,8 @@ from pathlib import Path
 import torch
 
 from slipstream.train.config import ProfilingConfig
+
+logger = logging.getLogger(__name__)
 
 TRACE_FOLDER = "iteration_{step}"
 TRACE_FILE = "rank{rank}_trace.json"
@@ -119,7 +131,34 @@ class StepProfiler:
         return WrittenTrace(step=ending_step, path=self._saved, seconds=time.perf_counter() - start)
 
     def _save(self, profile: torch.profiler.profile) -> None:
+        """torch's `on_trace_ready`: write the trace to a temporary name and rename it into place
+        once complete. It must not raise: torch runs it in the middle of a profiler transition,
+        and one cut short leaves the profiler in a state where stopping it crashes the process;
+        so a write that fails is logged and the trace dropped."""
         path = trace_path(self.traces_dir, self._ending_step, self.rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        profile.export_chrome_trace(str(path))
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.unlink(missing_ok=True)  # a killed run's leftover
+            profile.export_chrome_trace(str(tmp))
+            if not _complete_trace(tmp):  # Kineto does not raise when it cannot open or write it
+                raise OSError(f"the export left no complete trace in {tmp}")
+            os.replace(tmp, path)
+        except Exception as e:
+            logger.error("profiler trace %s not written: %s", path, e)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            return
         self._saved = path
+
+
+def _complete_trace(path: Path) -> bool:
+    """Whether `path` holds a whole Kineto trace: its JSON object closes after the `traceName`
+    key Kineto writes last (a write that failed part-way leaves a file cut short)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(os.fstat(f.fileno()).st_size - 4096, 0))
+            tail = f.read()
+    except OSError:
+        return False
+    return b'"traceName"' in tail and tail.rstrip().endswith(b"}")
