@@ -4,19 +4,27 @@ and checks it holds one `ProfilerStep#N` per engine step of the session and the 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
 import gzip
 import json
+import logging
 import re
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import uvicorn
 
 from slipstream import LLM, SamplingParams
+from slipstream.serve.async_engine import AsyncEngine
 from slipstream.serve.engine import Engine, EngineConfig
 from slipstream.serve.profiler import (
     FORWARD_PHASE,
@@ -57,10 +65,15 @@ def run_steps(engine: Engine, num_steps: int | None = None) -> int:
     return taken
 
 
+def trace_files(directory: Path) -> list[Path]:
+    """The traces in `directory` (not vLLM's profiler_out.txt tables beside them)."""
+    return [p for p in directory.iterdir() if TRACE_NAME.fullmatch(p.name)]
+
+
 def load_trace(directory: Path, prefix: str | None = None, *, gzipped: bool = True) -> list[dict]:
     """The events of the one trace file in `directory` named `prefix`, after checking its name is
     vLLM's."""
-    [path] = [p for p in directory.iterdir() if TRACE_NAME.fullmatch(p.name)["prefix"] == prefix]
+    [path] = [p for p in trace_files(directory) if TRACE_NAME.fullmatch(p.name)["prefix"] == prefix]
     assert bool(TRACE_NAME.fullmatch(path.name)["gz"]) == gzipped, path.name
     with (gzip.open(path, "rt") if gzipped else path.open()) as f:
         return json.load(f)["traceEvents"]
@@ -83,7 +96,7 @@ def test_one_profiler_step_per_engine_step_with_the_phases_inside(model_dir, tmp
     engine.add_request("b", [5, 6, 7, 8, 9, 10, 11, 12, 13, 14], SAMPLED)
     engine.start_profile()
     num_steps = run_steps(engine)
-    assert not list(tmp_path.iterdir())  # the trace is written at stop_profile
+    assert not trace_files(tmp_path)  # the trace is written at stop_profile
     engine.stop_profile()
     events = load_trace(tmp_path)
     assert step_numbers(events) == list(range(num_steps)) and num_steps == SAMPLED.max_tokens
@@ -126,13 +139,13 @@ def test_delay_and_max_iterations(model_dir, tmp_path):
     with pytest.raises(ProfilerAlreadyActiveError):
         engine.start_profile()
     engine.stop_profile()
-    assert len(list((tmp_path / "config").iterdir())) == 1
+    assert len(trace_files(tmp_path / "config")) == 1
 
     engine = profiling_engine(model_dir, tmp_path / "override", delay_iterations=1, max_iterations=2)
     engine.add_request("a", "one two three", GREEDY.replace(max_tokens=20))
     engine.start_profile("second", delay_iterations=3, max_iterations=4)
     run_steps(engine, 6)
-    assert not list((tmp_path / "override").iterdir())  # three delayed, three of four recorded
+    assert not trace_files(tmp_path / "override")  # three delayed, three of four recorded
     run_steps(engine, 1)
     trace = load_trace(tmp_path / "override", prefix="second")
     assert step_numbers(trace) == [0, 1, 2, 3]
@@ -149,7 +162,7 @@ def test_wait_warmup_active_schedule(model_dir, tmp_path):
     assert step_numbers(load_trace(tmp_path)) == [2, 3]
     run_steps(engine, 2)
     engine.stop_profile()
-    assert len(list(tmp_path.iterdir())) == 1
+    assert len(trace_files(tmp_path)) == 1
 
 
 def test_no_trace_without_a_session_or_a_step(model_dir, tmp_path):
@@ -171,15 +184,20 @@ def test_no_trace_without_a_session_or_a_step(model_dir, tmp_path):
     assert not engine.is_profiling
 
 
-def test_start_profile_without_a_profiler_is_vllms_error(model_dir):
-    """An engine without a profiler_config (or with profiler None) refuses start_profile with vLLM's
-    RuntimeError; so does LLM."""
+def test_start_and_stop_profile_without_a_profiler_are_vllms_error(model_dir):
+    """An engine without a profiler_config (or with profiler None) refuses start_profile and
+    stop_profile with vLLM's RuntimeError (its worker's profile() checks before start or stop); so
+    does LLM."""
     for config in (None, {"profiler": None}):
         engine = Engine(EngineConfig(model=str(model_dir), max_model_len=64, profiler_config=config))
+        assert not engine.has_profiler
+        for call in (engine.start_profile, engine.stop_profile):
+            with pytest.raises(RuntimeError, match="Profiling is not enabled"):
+                call()
+    llm = LLM(str(model_dir), max_model_len=64)
+    for call in (llm.start_profile, llm.stop_profile):
         with pytest.raises(RuntimeError, match="Profiling is not enabled"):
-            engine.start_profile()
-    with pytest.raises(RuntimeError, match="Profiling is not enabled"):
-        LLM(str(model_dir), max_model_len=64).start_profile()
+            call()
 
 
 TORCH = {"profiler": "torch", "torch_profiler_dir": "/tmp/profiles"}
@@ -191,7 +209,10 @@ TORCH = {"profiler": "torch", "torch_profiler_dir": "/tmp/profiles"}
     ({"profiler": "nsys"}, "'nsys'"),
     ({"profiler": "torch"}, "torch_profiler_dir must be set"),
     ({"torch_profiler_dir": "/tmp/x"}, "needs profiler 'torch'"),
-    ({**TORCH, "ignore_frontend": True}, r"\['ignore_frontend'\]"),
+    ({**TORCH, "proton_context": "shadow"}, r"\['proton_context'\]"),
+    ({**TORCH, "capture_torch_profiler": True}, "capture_torch_profiler=True is not supported"),
+    ({**TORCH, "detailed_trace_annotation": True}, "detailed_trace_annotation=True is not supported"),
+    ({**TORCH, "ignore_frontend": 1}, "ignore_frontend.*1"),
     ({**TORCH, "delay_iterations": -1}, "delay_iterations.*-1"),
     ({**TORCH, "max_iterations": 2.0}, "max_iterations.*2.0"),
     ({**TORCH, "active_iterations": 0}, "active_iterations.*0"),
@@ -291,3 +312,180 @@ def test_server_without_a_profiler_has_no_profile_endpoints(model_dir):
     with served(engine) as url:
         assert httpx.post(url + "/start_profile").status_code == 404
         assert httpx.post(url + "/stop_profile").status_code == 404
+
+
+def test_a_users_own_torch_profiler_is_left_alone(model_dir, tmp_path, caplog):
+    """Two torch profilers on one thread crash torch or empty one of them: a session whose first
+    step finds a user's profiler recording (opened inside the session, or around all of it) records
+    nothing and says so, and the user's profile keeps the engine's events; one the user starts and
+    stops between two steps of a running session ends the session's recording, which then writes
+    no trace instead of crashing. The next session records again."""
+    llm = LLM(str(model_dir), max_model_len=128, block_size=8, profiler_config=profiler_config(tmp_path))
+    caplog.set_level(logging.WARNING, logger="slipstream.serve.profiler")
+    llm.start_profile("inside")
+    with torch.profiler.profile() as inside:
+        llm.generate(["hello world"], GREEDY, use_tqdm=False)
+    llm.stop_profile()
+    with torch.profiler.profile() as around:
+        llm.start_profile("around")
+        llm.generate(["hello world"], GREEDY, use_tqdm=False)
+        llm.stop_profile()
+    for user in (inside, around):
+        assert {SCHEDULE_PHASE, FORWARD_PHASE} <= {e.name for e in user.events()}
+    assert "already records a torch profile" in caplog.text
+    llm.start_profile("between")
+    llm.generate(["hello world"], GREEDY, use_tqdm=False)
+    with torch.profiler.profile() as between:
+        llm.generate(["hello world"], GREEDY, use_tqdm=False)
+    llm.generate(["hello world"], GREEDY, use_tqdm=False)
+    llm.stop_profile()
+    assert FORWARD_PHASE in {e.name for e in between.events()}
+    assert not trace_files(tmp_path) and "ended its recording" in caplog.text
+    llm.start_profile("after")
+    llm.generate(["hello world"], GREEDY, use_tqdm=False)
+    llm.stop_profile()
+    assert "ProfilerStep#0" in {e["name"] for e in annotations(load_trace(tmp_path, prefix="after"))}
+
+
+def break_directory(directory: Path) -> None:
+    """Replace the trace directory by a file, so that no trace can be written into it."""
+    shutil.rmtree(directory)
+    directory.write_text("")
+
+
+def test_a_trace_that_cannot_be_written_is_logged_not_raised(model_dir, tmp_path, caplog):
+    """As vLLM's worker ("Failed to stop profiler"): a trace that cannot be written, at stop_profile
+    or as the last of max_iterations steps ends, is a warning naming the directory and the cause,
+    never an exception; the next session writes its trace."""
+    directory = tmp_path / "traces"
+    llm = LLM(str(model_dir), max_model_len=128, block_size=8, profiler_config=profiler_config(directory))
+    caplog.set_level(logging.WARNING, logger="slipstream.serve.profiler")
+    llm.start_profile()
+    llm.generate(["hello"], GREEDY, use_tqdm=False)
+    break_directory(directory)
+    llm.stop_profile()
+    assert f"write the trace to {directory}: [Errno 17] File exists" in caplog.text
+    directory.unlink()
+    llm.start_profile(max_iterations=1)
+    break_directory(directory)
+    caplog.clear()
+    assert len(llm.generate(["hello"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == GREEDY.max_tokens
+    assert f"write the trace to {directory}" in caplog.text
+    llm.stop_profile()
+    directory.unlink()
+    llm.start_profile("next")
+    llm.generate(["hello"], GREEDY, use_tqdm=False)
+    llm.stop_profile()
+    assert step_numbers(load_trace(directory, prefix="next"))
+
+
+def test_a_failed_trace_at_shutdown_keeps_the_abort_outputs(model_dir, tmp_path):
+    """The server's engine thread, stopping with a session open whose trace cannot be written,
+    still ends the running request's stream with its abort output."""
+    directory = tmp_path / "traces"
+    engine = profiling_engine(model_dir, directory)
+
+    async def run() -> str | None:
+        async_engine = AsyncEngine(engine, max_waiting=4)
+        async_engine.start()
+        await async_engine.start_profile()
+        stream = await async_engine.add({"long": [5, 6, 7]}, GREEDY.replace(max_tokens=100),
+                                        arrival_time_s=time.monotonic())
+        await stream.get()
+        break_directory(directory)
+        await async_engine.stop()
+        outputs = []
+        while not stream.finished:
+            outputs += await asyncio.wait_for(stream.get(), timeout=10)
+        return outputs[-1].outputs[0].finish_reason
+
+    assert asyncio.run(run()) == "abort"
+
+
+def test_a_step_mark_covers_the_step_only(model_dir, tmp_path):
+    """Without a schedule each ProfilerStep#N is a host-thread user_annotation opened and closed
+    around its engine step (what slipstream perf trace and HTA look for): time between steps (a
+    server's idle time) lies outside every mark."""
+    engine = profiling_engine(model_dir, tmp_path)
+    engine.add_request("a", "one two three", GREEDY.replace(max_tokens=20))
+    engine.start_profile()
+    engine.step()
+    before_sleep = time.perf_counter_ns()
+    time.sleep(0.2)
+    after_sleep = time.perf_counter_ns()
+    engine.step()
+    engine.stop_profile()
+    events = load_trace(tmp_path)
+    steps = sorted((e for e in annotations(events) if e["name"].startswith("ProfilerStep#")),
+                   key=lambda e: e["ts"])
+    assert [e["name"] for e in steps] == ["ProfilerStep#0", "ProfilerStep#1"]
+    forward_threads = {e["tid"] for e in annotations(events) if e["name"] == FORWARD_PHASE}
+    assert {e["tid"] for e in steps} == forward_threads and len(forward_threads) == 1
+    gap_us = steps[1]["ts"] - (steps[0]["ts"] + steps[0]["dur"])
+    assert gap_us >= (after_sleep - before_sleep) / 1000 * 0.99
+    assert all(e["dur"] < 200_000 for e in steps)
+
+
+@pytest.mark.parametrize("fields", [
+    {"ignore_frontend": True, "torch_profiler_dump_cuda_time_total": False},
+    {"ignore_frontend": False, "capture_torch_profiler": False, "detailed_trace_annotation": False},
+    {"torch_profiler_record_shapes": True},
+])
+def test_vllm_fields_and_the_profiler_out_table(model_dir, tmp_path, fields):
+    """vLLM's ignore_frontend (either value: slipstream's one trace holds its front end),
+    torch_profiler_dump_cuda_time_total (it chooses the device-time table, and a CPU engine has
+    none), capture_torch_profiler and detailed_trace_annotation (False) are taken; as vLLM's CPU-only
+    worker, `<worker>.profiler_out.txt` beside the trace holds key_averages sorted by self CPU time,
+    at most 50 rows (grouped by input shape when shapes are recorded)."""
+    engine = profiling_engine(model_dir, tmp_path, **fields)
+    engine.add_request("a", "one two", GREEDY)
+    engine.start_profile("tab")
+    run_steps(engine)
+    engine.stop_profile()
+    assert step_numbers(load_trace(tmp_path, prefix="tab")) == list(range(GREEDY.max_tokens))
+    table = (tmp_path / "tab_dp0_pp0_tp0_dcp0_ep0_rank0.profiler_out.txt").read_text().splitlines()
+    columns = [match.span() for match in re.finditer(r"-+", table[0])]
+    names = [table[1][start:end].strip() for start, end in columns]
+    rows = [[line[start:end].strip() for start, end in columns] for line in table[3:table.index(table[0], 3)]]
+    assert ("Input Shapes" in names) == bool(fields.get("torch_profiler_record_shapes"))
+    self_cpu = [float(row[names.index("Self CPU %")].rstrip("%")) for row in rows]
+    assert 10 < len(rows) <= 50 and self_cpu == sorted(self_cpu, reverse=True)
+
+
+def test_an_open_session_is_written_when_the_engine_goes_or_the_program_exits(model_dir, tmp_path):
+    """As vLLM's worker shutdown stops its profiler: a session left open is written when its engine
+    is garbage-collected, and when a script exits without stop_profile."""
+    engine = profiling_engine(model_dir, tmp_path / "gc")
+    engine.add_request("a", "hi", GREEDY)
+    engine.start_profile()
+    run_steps(engine)
+    del engine
+    gc.collect()
+    assert step_numbers(load_trace(tmp_path / "gc")) == list(range(GREEDY.max_tokens))
+    script = (f"from slipstream import LLM, SamplingParams\n"
+              f"llm = LLM({str(model_dir)!r}, max_model_len=64, profiler_config={{'profiler': 'torch', "
+              f"'torch_profiler_dir': {str(tmp_path / 'exit')!r}}})\n"
+              f"llm.start_profile()\n"
+              f"llm.generate(['hi'], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)\n")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120, capture_output=True)
+    assert step_numbers(load_trace(tmp_path / "exit"))
+
+
+def test_server_stop_profile_answers_200_when_the_trace_cannot_be_written(model_dir, tmp_path, caplog):
+    """As vLLM's /stop_profile (its worker logs "Failed to stop profiler"): a 200, the cause in the
+    log, and the server goes on serving and profiling."""
+    directory = tmp_path / "traces"
+    engine = profiling_engine(model_dir, directory, torch_profiler_use_gzip=False)
+    caplog.set_level(logging.WARNING, logger="slipstream.serve.profiler")
+    body = {"prompt": "hello", "max_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+    with served(engine) as url, httpx.Client(base_url=url, timeout=30) as client:
+        assert client.post("/start_profile").status_code == 200
+        assert client.post("/v1/completions", json=body).status_code == 200
+        break_directory(directory)
+        assert client.post("/stop_profile").status_code == 200
+        assert f"write the trace to {directory}: [Errno 17]" in caplog.text
+        directory.unlink()
+        assert client.post("/start_profile", json={"profile_prefix": "again"}).status_code == 200
+        assert client.post("/v1/completions", json=body).status_code == 200
+        assert client.post("/stop_profile").status_code == 200
+    assert step_numbers(load_trace(directory, prefix="again", gzipped=False)) == [0, 1, 2]

@@ -297,11 +297,14 @@ class AsyncEngine:
                 outputs, failed = self._iterate([c for c in commands if c is not _STOP], step=not stopping)
                 if stopping:
                     outputs += self._abort(None)
-                    if self.engine.is_profiling:  # as vLLM's shutdown: the session's trace is kept
-                        self.engine.stop_profile()
             except Exception:  # a bug outside step(): keep serving the other requests
                 logger.exception("engine loop iteration failed")
                 outputs, failed = [], []
+            if stopping and self.engine.is_profiling:  # as vLLM's shutdown: the session's trace is kept
+                try:  # after the aborts, so that no failure here can cost their outputs
+                    self.engine.stop_profile()
+                except Exception:
+                    logger.exception("stopping the profiler at shutdown failed")
             self._post(outputs, failed, num_taken)
             if stopping:
                 return

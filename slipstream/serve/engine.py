@@ -44,8 +44,8 @@ from slipstream.serve.profiler import (
     PROCESS_OUTPUTS_PHASE,
     SAMPLE_PHASE,
     SCHEDULE_PHASE,
+    EngineProfiler,
     ProfilerConfig,
-    StepProfiler,
     phase,
 )
 from slipstream.serve.request import (
@@ -241,8 +241,7 @@ class Engine:
         """Guessed tokens checked so far (speculative_config; vLLM's spec_decode_num_draft_tokens)."""
         self.num_accepted_tokens = 0
         """Of them, those the model's greedy choice confirmed."""
-        profiling = config.profiler_config is not None and config.profiler_config.profiler is not None
-        self._profiler = StepProfiler(config.profiler_config, device) if profiling else None
+        self._profiler = EngineProfiler(config.profiler_config, device) if self.has_profiler else None
         """None unless profiler_config names a profiler: then every step is bracketed by it."""
         logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens",
                     config.model, device, dtype_name(dtype), self.limits.num_blocks, config.block_size)
@@ -504,12 +503,23 @@ class Engine:
         `[profile_prefix_]dp0_pp0_tp0_dcp0_ep0_rank0.<ns>.pt.trace.json[.gz]` in torch_profiler_dir.
         Call it, the steps and `stop_profile` on one thread. RuntimeError without a profiler_config;
         ProfilerAlreadyActiveError while a session is open."""
+        self._require_profiler().start(profile_prefix, delay_iterations=delay_iterations,
+                                       max_iterations=max_iterations)
+
+    @property
+    def has_profiler(self) -> bool:
+        """Whether profiler_config names a profiler, so that start_profile and stop_profile work (and
+        the server has its profile routes)."""
+        profiler_config = self.config.profiler_config
+        return profiler_config is not None and profiler_config.profiler is not None
+
+    def _require_profiler(self) -> EngineProfiler:
         if self._profiler is None:
             raise RuntimeError(
                 "Profiling is not enabled: give the engine a profiler_config, e.g. profiler_config="
                 "{'profiler': 'torch', 'torch_profiler_dir': '/abs/dir'} (slipstream serve: "
                 "--profiler-config '{\"profiler\": \"torch\", \"torch_profiler_dir\": \"/abs/dir\"}')")
-        self._profiler.start(profile_prefix, delay_iterations=delay_iterations, max_iterations=max_iterations)
+        return self._profiler
 
     @property
     def is_profiling(self) -> bool:
@@ -518,11 +528,9 @@ class Engine:
 
     def stop_profile(self) -> None:
         """End the profiling session, writing its trace unless max_iterations (or the schedule)
-        already did; nothing to stop is a warning, as in vLLM."""
-        if self._profiler is None:
-            logger.warning("stop_profile: profiling is not enabled (no profiler_config)")
-            return
-        self._profiler.stop()
+        already did; a trace that cannot be written is logged, not raised. As vLLM's: no session to
+        stop is a warning, no profiler_config the RuntimeError of start_profile."""
+        self._require_profiler().stop()
 
     # ---- the step loop ------------------------------------------------------------------
 

@@ -144,12 +144,17 @@ class LLM:
         """As vLLM's: profile the engine steps of the next calls (after `delay_iterations`, at most
         `max_iterations`; both default to profiler_config's) into a torch trace in the
         profiler_config's torch_profiler_dir, named `[profile_prefix_]dp0_pp0_tp0_dcp0_ep0_rank0...`
-        (`Engine.start_profile`). A RuntimeError unless `LLM(profiler_config=...)` set a profiler."""
+        (`Engine.start_profile`). A RuntimeError unless `LLM(profiler_config=...)` set a profiler.
+        Both counts are engine steps, as vLLM's worker iterations: with LLM's num_scheduler_steps
+        (OFFLINE_SCHEDULER_STEPS) a greedy decode step is a burst of up to that many tokens. A
+        session left open is written when the LLM is garbage-collected or the interpreter exits."""
         self.engine.start_profile(profile_prefix, delay_iterations=delay_iterations,
                                   max_iterations=max_iterations)
 
     def stop_profile(self) -> None:
-        """End the profiling session and write its trace (unless max_iterations already did)."""
+        """End the profiling session and write its trace (unless max_iterations already did); a
+        trace that cannot be written is logged, not raised. A RuntimeError without a profiler, as
+        vLLM's."""
         self.engine.stop_profile()
 
     def generate(

@@ -2,14 +2,21 @@
 
 A profiling session records engine steps with `torch.profiler` and writes one Chrome trace (Kineto
 JSON, gzip by default) into `torch_profiler_dir`, named as vLLM's single worker names its trace:
-`[PREFIX_]dp0_pp0_tp0_dcp0_ep0_rank0.<time_ns>.pt.trace.json.gz`. Every engine step of the session
-is one profiler step, so the trace holds one `ProfilerStep#N` annotation per engine step; inside
-it the step's phases are `record_function` ranges named by `STEP_PHASES`.
+`[PREFIX_]dp0_pp0_tp0_dcp0_ep0_rank0.<time_ns>.pt.trace.json.gz`, and next to it vLLM's
+`<worker>.profiler_out.txt` (the `key_averages` table). Every engine step of the session is one
+`ProfilerStep#N` annotation; inside it the step's phases are `record_function` ranges named by
+`STEP_PHASES`. Without a wait/warmup schedule the mark is a `record_function` opened and closed
+around the step, so it covers the step exactly (not the idle time until the next one, as torch's
+`prof.step()` marks do); with a schedule, torch's own marks are kept.
 
 The profiler starts at the first engine step after `start_profile` (and its delay), and it is
 stepped and stopped on the thread that runs the steps: torch's profiler records the thread that
 started it, so the server's engine thread applies start and stop as commands (async_engine.py). A
-session that took no step writes no trace.
+session that took no step writes no trace, nor does one whose thread already records a torch
+profile of its own (a user's `torch.profiler.profile`: two profilers on a thread crash torch or
+empty the outer one). A trace that cannot be written is logged, never raised, as vLLM's worker
+does; a session still open when the engine is garbage-collected or the interpreter exits is
+written then, as vLLM's worker shutdown writes it.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import dataclasses
 import json
 import logging
 import os
+import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,7 +49,10 @@ PROCESS_OUTPUTS_PHASE = "engine: process_outputs"
 """The scheduler's record of the new tokens, stop checks, detokenization, stop strings, outputs."""
 STEP_PHASES = (SCHEDULE_PHASE, PREPARE_INPUTS_PHASE, FORWARD_PHASE, SAMPLE_PHASE, PROCESS_OUTPUTS_PHASE)
 """The `record_function` names inside a `ProfilerStep#N`, in the order a step runs them. A step
-has each at most once; a step without sampling (all greedy) has no sample phase."""
+has each at most once. Every step that runs the sampler has all five, a greedy one included (the
+sampler then takes the argmax); a step that takes the argmax in the runner instead (a multi-step
+greedy burst, a speculative check) and a pooling step have no sample phase, and a step with
+nothing scheduled has only the schedule phase."""
 
 WORKER_NAME = "dp0_pp0_tp0_dcp0_ep0_rank0"
 """vLLM's name for the trace of its one worker (data, pipeline, tensor, context and expert
@@ -51,13 +63,18 @@ _UNSUPPORTED_KINDS = {
     "cuda": "the 'cuda' profiler (cudaProfilerStart/Stop for nsys)",
     "proton": "the 'proton' profiler (Triton's)",
 }
+_UNSUPPORTED_FLAGS = {
+    "capture_torch_profiler": "slipstream does not profile its CUDA-graph capture",
+    "detailed_trace_annotation": "slipstream's step annotations carry no roofline metrics",
+}
 _NO_PHASE = contextlib.nullcontext()
 
 
 def phase(name: str) -> contextlib.AbstractContextManager:
     """`record_function(name)` while this thread records a torch profile, else a shared no-op: an
     idle `record_function` still costs about 5 us of dispatch, the check about 0.1 us. A user's own
-    `torch.profiler.profile` around the engine sees the phases too."""
+    `torch.profiler.profile` around the engine (without a profiling session, which then records
+    nothing) sees the phases too."""
     return record_function(name) if torch.autograd._profiler_enabled() else _NO_PHASE
 
 
@@ -82,8 +99,19 @@ class ProfilerConfig:
     torch_profiler_with_stack: bool = True
     torch_profiler_with_flops: bool = False
     torch_profiler_use_gzip: bool = True
+    torch_profiler_dump_cuda_time_total: bool = True
+    """With CUDA activity: `<worker>.profiler_out.txt` holds the operators' table by self device
+    time (vLLM's); off, a session with CUDA activity writes no table. A CPU-only session always
+    writes its table, by self CPU time."""
     torch_profiler_record_shapes: bool = False
     torch_profiler_with_memory: bool = False
+    ignore_frontend: bool = False
+    """vLLM's switch for its front-end process's own CPU trace; slipstream has no separate front
+    end (its one trace holds the server's thread and the engine's), so either value means that."""
+    capture_torch_profiler: bool = False
+    """vLLM's profile of CUDA-graph capture; slipstream does not profile the capture, so only False."""
+    detailed_trace_annotation: bool = False
+    """vLLM's roofline-metric step annotations; slipstream's steps carry no such metrics, so only False."""
     delay_iterations: int = 0
     """Engine steps after start_profile that are not recorded."""
     max_iterations: int = 0
@@ -106,9 +134,14 @@ class ProfilerConfig:
             _check_count(name, getattr(self, name), minimum=0)
         _check_count("active_iterations", self.active_iterations, minimum=1)
         for name in ("torch_profiler_with_stack", "torch_profiler_with_flops", "torch_profiler_use_gzip",
-                     "torch_profiler_record_shapes", "torch_profiler_with_memory"):
+                     "torch_profiler_dump_cuda_time_total", "torch_profiler_record_shapes",
+                     "torch_profiler_with_memory", "ignore_frontend", "capture_torch_profiler",
+                     "detailed_trace_annotation"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"profiler_config {name} must be True or False, got {getattr(self, name)!r}")
+        for name, unsupported in _UNSUPPORTED_FLAGS.items():
+            if getattr(self, name):
+                raise ValueError(f"profiler_config {name}=True is not supported: {unsupported}")
         self._check_activities()
         self._check_dir()
 
@@ -198,12 +231,19 @@ class _Session:
     num_delayed: int = 0
     num_profiled: int = 0
     done: bool = False
-    """The trace is written; steps until stop_profile are not profiled."""
+    """The trace is written (or the session records nothing); steps until stop_profile are not profiled."""
+    profile: torch.profiler.profile | None = None
+    """The running torch profiler, from the first step past the delay until the trace is written."""
+    thread: int | None = None
+    """The thread that started `profile`, the only one that may stop it."""
+    step_mark: record_function | None = None
+    """The open `ProfilerStep#N` of the running step (without a schedule)."""
 
 
-class StepProfiler:
+class EngineProfiler:
     """The engine's profiler: `begin_step` and `end_step` bracket every engine step; sessions
-    open with `start` and close with `stop`, as vLLM's worker profiler (delay, limit, schedule)."""
+    open with `start` and close with `stop`, as vLLM's worker profiler (delay, limit, schedule). (The
+    trainer's is train.profiling.StepProfiler.)"""
 
     def __init__(self, config: ProfilerConfig, device: torch.device) -> None:
         assert config.profiler == "torch"
@@ -214,8 +254,9 @@ class StepProfiler:
                              f"the engine runs on {device.type}")
         self.config = config
         self.activities = [_ACTIVITIES[name] for name in activities]
+        self._table = _table_spec(config, activities, device)
         self._session: _Session | None = None
-        self._profile: torch.profiler.profile | None = None
+        self._finalizer: weakref.finalize | None = None
 
     @property
     def is_active(self) -> bool:
@@ -244,16 +285,23 @@ class StepProfiler:
         else:
             num_steps = limit or None
         name = WORKER_NAME if profile_prefix is None else f"{profile_prefix}_{WORKER_NAME}"
-        self._session = _Session(worker_name=name, delay_iterations=delay, num_steps=num_steps)
+        self._session = session = _Session(worker_name=name, delay_iterations=delay, num_steps=num_steps)
+        # As vLLM's worker shutdown: a session the program leaves open is written when the engine is
+        # collected or the interpreter exits (the finalizer holds the session, not the profiler).
+        self._finalizer = weakref.finalize(self, _finish, session, config, self._table)
         logger.info("profiling: the trace goes to %s", config.torch_profiler_dir)
 
     def stop(self) -> None:
-        """Close the session, writing its trace if the profiler still runs (a no-op without one)."""
-        if self._session is None:
+        """Close the session, writing its trace if the profiler still runs (a no-op without one). A
+        trace that cannot be written is logged, not raised."""
+        session = self._session
+        if session is None:
             logger.warning("stop_profile without an active profiling session: nothing to stop")
             return
         self._session = None
-        self._finish()
+        self._finalizer.detach()
+        self._finalizer = None
+        _finish(session, self.config, self._table)
 
     def begin_step(self) -> None:
         """Called as an engine step begins: the profiler's next step (its first starts it)."""
@@ -263,37 +311,47 @@ class StepProfiler:
         if session.num_delayed < session.delay_iterations:
             session.num_delayed += 1
             return
-        if self._profile is None:
-            self._profile = self._new_profile(session.worker_name)
-            self._profile.start()
-        else:
-            self._profile.step()
+        if session.profile is None:
+            if torch.autograd._profiler_enabled():
+                session.done = True
+                logger.warning("profiling: this thread already records a torch profile (a torch.profiler."
+                               "profile of the caller's own?), so this session records nothing and writes "
+                               "no trace: two profilers on one thread crash torch or empty the outer one")
+                return
+            session.profile = self._new_profile(session.worker_name)
+            session.profile.start()
+            session.thread = threading.get_ident()
+        elif _was_ended(session.profile):
+            session.done, session.profile = True, None
+            logger.warning("profiling: another torch profiler started and stopped on this thread while the "
+                           "session recorded, which ended its recording: the session writes no trace")
+            return
+        elif self.config.uses_schedule:
+            session.profile.step()
+        if not self.config.uses_schedule:
+            session.step_mark = record_function(f"ProfilerStep#{session.num_profiled}")
+            session.step_mark.__enter__()
         session.num_profiled += 1
 
     def end_step(self) -> None:
-        """Called as an engine step ends: write the trace once the session's last step is taken. A
-        failure to write it is logged, as vLLM's worker does: the step's requests must not fail."""
+        """Called as an engine step ends: close its mark, and write the trace once the session's
+        last step is taken."""
         session = self._session
-        if session is not None and session.num_profiled == session.num_steps and not session.done:
+        if session is None:
+            return
+        if session.step_mark is not None:
+            session.step_mark.__exit__(None, None, None)
+            session.step_mark = None
+        if session.num_profiled == session.num_steps and not session.done:
             session.done = True
-            try:
-                self._finish()
-            except Exception:
-                logger.exception("profiling: writing the trace failed")
-
-    def _finish(self) -> None:
-        profile, self._profile = self._profile, None
-        if profile is not None:
-            profile.stop()  # the trace handler writes the file
-            logger.info("profiling: trace written to %s", self.config.torch_profiler_dir)
+            _finish(session, self.config, self._table)
 
     def _new_profile(self, worker_name: str) -> torch.profiler.profile:
         config = self.config
+        schedule = None
         if config.uses_schedule:
             schedule = torch.profiler.schedule(wait=config.wait_iterations, warmup=config.warmup_iterations,
                                                active=config.active_iterations, repeat=1)
-        else:
-            schedule = _record_every_step
         return torch.profiler.profile(
             activities=self.activities, schedule=schedule,
             on_trace_ready=torch.profiler.tensorboard_trace_handler(
@@ -303,7 +361,63 @@ class StepProfiler:
         )
 
 
-def _record_every_step(step: int) -> ProfilerAction:
-    """A schedule that records every step: torch marks steps (`ProfilerStep#N`) only under a
-    schedule, and writes the trace when the profiler stops."""
-    return ProfilerAction.RECORD
+@dataclasses.dataclass(frozen=True, slots=True)
+class _TableSpec:
+    """How vLLM's worker writes `<worker>.profiler_out.txt` (`key_averages().table`)."""
+
+    sort_by: str
+    row_limit: int
+    group_by_input_shape: bool
+
+
+def _table_spec(config: ProfilerConfig, activities: tuple[str, ...],
+                device: torch.device) -> _TableSpec | None:
+    """As vLLM's TorchProfilerWrapper: with a device activity and torch_profiler_dump_cuda_time_total,
+    the table by self device time (torch's default 100 rows); CPU activity alone, by self CPU time
+    (50 rows); otherwise none. Grouped by input shape on a CPU engine that records shapes."""
+    group = device.type == "cpu" and config.torch_profiler_record_shapes
+    if any(a != "CPU" for a in activities) and config.torch_profiler_dump_cuda_time_total:
+        return _TableSpec("self_device_time_total", 100, group)
+    if tuple(activities) == ("CPU",):
+        return _TableSpec("self_cpu_time_total", 50, group)
+    return None
+
+
+def _finish(session: _Session, config: ProfilerConfig, table: _TableSpec | None) -> None:
+    """Stop the session's profiler (its trace handler writes the trace) and write the table; a
+    failure is logged with the directory and its cause, never raised, as vLLM's worker does: a
+    step's requests, a server's answer or its shutdown must not fail for a trace."""
+    if session.step_mark is not None:
+        session.step_mark.__exit__(None, None, None)
+        session.step_mark = None
+    profile, session.profile = session.profile, None
+    if profile is None:
+        return
+    if session.thread != threading.get_ident():
+        logger.warning("profiling: the session's trace is not written: the profiler runs on another thread, "
+                       "which alone may stop it")
+        return
+    if _was_ended(profile):
+        logger.warning("profiling: the session's trace is not written: another torch profiler started and "
+                       "stopped on this thread while the session recorded, which ended its recording")
+        return
+    directory = config.torch_profiler_dir
+    try:
+        profile.stop()  # the trace handler writes the file
+        if table is not None:
+            averages = profile.key_averages(group_by_input_shape=table.group_by_input_shape)
+            with open(os.path.join(directory, f"{session.worker_name}.profiler_out.txt"), "w") as f:
+                print(averages.table(sort_by=table.sort_by, row_limit=table.row_limit), file=f)
+    except Exception as error:
+        cause = error.__cause__ if error.__cause__ is not None else error
+        logger.warning("profiling: failed to stop the profiler and write the trace to %s: %s",
+                       directory, cause)
+    else:
+        logger.info("profiling: trace written to %s", directory)
+
+
+def _was_ended(profile: torch.profiler.profile) -> bool:
+    """Whether another torch profiler on this thread ended the recording of `profile` (a user's,
+    started and stopped between two engine steps): stopping it again would crash torch."""
+    recording = profile.current_action in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
+    return recording and not torch.autograd._profiler_enabled()

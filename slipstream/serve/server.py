@@ -147,8 +147,7 @@ class OpenAIServer:
         self.scheduling_policy = engine.config.scheduling_policy
         self.pooler = engine.pooler
         """How the engine embeds, when it is a pooling one (None: it generates)."""
-        profiler = engine.config.profiler_config
-        self.has_profiler = profiler is not None and profiler.profiler is not None
+        self.has_profiler = engine.has_profiler
         """Whether the engine profiles, and so the server has /start_profile and /stop_profile."""
         self.sampling_defaults = generation_config_defaults(engine.config.model)
         """What requests leave unset is sampled as the model's generation_config.json says."""
@@ -437,7 +436,8 @@ class OpenAIServer:
         return Response(status_code=200)
 
     async def stop_profile(self) -> Response:
-        """vLLM's POST /stop_profile: end the session; answers once the trace is written."""
+        """vLLM's POST /stop_profile: end the session; answers once the trace is written (a trace
+        that cannot be written is logged, and still a 200, as vLLM's)."""
         await self.engine.stop_profile()
         return Response(status_code=200)
 
