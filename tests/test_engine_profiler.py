@@ -165,6 +165,35 @@ def test_wait_warmup_active_schedule(model_dir, tmp_path):
     assert len(trace_files(tmp_path)) == 1
 
 
+def test_a_schedule_stopped_before_it_records_writes_nothing(model_dir, tmp_path, caplog):
+    """Stopped in the schedule's wait or warm-up steps, a session writes neither a trace nor a
+    table (there is nothing recorded to tabulate), and says so."""
+    caplog.set_level(logging.INFO, logger="slipstream.serve.profiler")
+    engine = profiling_engine(model_dir, tmp_path, wait_iterations=1, warmup_iterations=2)
+    engine.add_request("a", "one two three", GREEDY.replace(max_tokens=20))
+    for steps in (1, 2):  # in the wait step, then in the warm-up
+        engine.start_profile()
+        run_steps(engine, steps)
+        engine.stop_profile()
+    assert list(tmp_path.iterdir()) == [] and "before a step was recorded" in caplog.text
+    assert "failed" not in caplog.text
+
+
+def test_a_users_profiler_during_the_schedules_wait_is_left_alone(model_dir, tmp_path, caplog):
+    """A user's torch profiler opened while the session waits (its schedule's wait steps) keeps
+    the engine's events; the session records nothing and says so."""
+    caplog.set_level(logging.WARNING, logger="slipstream.serve.profiler")
+    engine = profiling_engine(model_dir, tmp_path, wait_iterations=2, warmup_iterations=1)
+    engine.add_request("a", "one two three", GREEDY.replace(max_tokens=20))
+    engine.start_profile()
+    run_steps(engine, 1)
+    with torch.profiler.profile() as user:
+        run_steps(engine, 4)
+    engine.stop_profile()
+    assert FORWARD_PHASE in {e.name for e in user.events()}
+    assert not trace_files(tmp_path) and "while the session waits" in caplog.text
+
+
 def test_no_trace_without_a_session_or_a_step(model_dir, tmp_path):
     """A configured profiler that no session started writes nothing, nor does a session without a
     step; stop_profile without a session is a no-op, as in vLLM. A trace directory that cannot be

@@ -222,6 +222,11 @@ def test_ranks_are_ordered_and_the_straggler_named(tmp_path):
     report = analyze([str(tmp_path)])
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
     assert report["spread"]["slowest"] == "rank 1" and report["spread"]["ratio"] == pytest.approx(30 / 11)
+    sessions = tmp_path / "sessions"  # an engine's trace folder: several sessions, no ranks
+    sessions.mkdir()
+    _write(sessions / "a.json", [_step(1, 0, 10)])
+    _write(sessions / "b.json", [_step(1, 0, 30)])
+    assert analyze([str(sessions)])["spread"] is None
 
 
 def _op(name, start, dur):
@@ -281,6 +286,7 @@ def test_a_trace_larger_than_the_read_window(tmp_path):
     (b'{"traceEvents": [{"ph": "X", "ts": 1, "dur": 2}', "the end of the file"),
     (b'{"traceEvents": []} trailing', "text after the end"),
     (b'{"traceEvents": [] "x": 1}', "expected '}'"),
+    (b'{"traceEvents": [{"ph": "X", "na', "ends inside a value.*Unterminated string starting at char.* 29"),
     (gzip.compress(b'{"traceEvents": [{"ph": "X", "ts": 1}]}')[:-9], "cannot be read"),
     (b"\xff\xfe{", "cannot be read"),
     (b'{"traceEvents": [{"ph": "X", "ts": 1, "args": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}",

@@ -37,6 +37,11 @@ _DECODER = json.JSONDecoder(parse_float=str)
 _CHUNK_CHARS = 1 << 20
 _MAX_TIME_DIGITS = 24
 """A time with more digits before the point (10^24 us is 3 x 10^10 years) is no time."""
+_LONGEST_TOKEN = 16
+"""More than the longest token the decoder may find cut at the window's end ("-Infinity", a
+"\\uXXXX" escape): a decoding error this close to the end, before any structural character, is
+a want of text."""
+_STRUCTURAL = re.compile(r'[,:{}\[\]"]')
 _SAFE_NUMBER_TAIL = 64
 """A number decoded this close to the window's end may go on in the next chunk ("1." of "1.5")."""
 
@@ -161,17 +166,28 @@ class _Stream:
             except json.JSONDecodeError as e:
                 if self._ran_out(e) and self._fill():
                     continue
-                raise _SyntaxError(f"{e.msg} at character {self._dropped + e.pos:,}") from None
+                raise self._error(e) from None
             number = first in "-0123456789"
             if number and len(self._buffer) - end < _SAFE_NUMBER_TAIL and self._fill():
                 continue
             self._pos = end
             return value
 
+    def _error(self, error: json.JSONDecodeError) -> _SyntaxError:
+        """The decoder's error, placed in the file; at the file's end, said to be a value cut short."""
+        where = f"character {self._dropped + error.pos:,}"
+        message = error.msg.removesuffix(" at")  # "Unterminated string starting at"
+        if self._ran_out(error):
+            return _SyntaxError(f"the file ends inside a value (cut short?): {message} at {where}")
+        return _SyntaxError(f"{message} at {where}")
+
     def _ran_out(self, error: json.JSONDecodeError) -> bool:
         """Whether decoding failed for want of text (the value goes on past the window), not at a
         syntax error: refilling then would read the rest of the file only to fail again."""
-        return error.msg.startswith("Unterminated string") or len(self._buffer) - error.pos < 8
+        if error.msg.startswith("Unterminated string"):
+            return True
+        rest = self._buffer[error.pos :]
+        return len(rest) < _LONGEST_TOKEN and not _STRUCTURAL.search(rest)
 
 
 def _parse_document(stream: _Stream, builder: _TraceBuilder) -> None:

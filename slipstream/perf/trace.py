@@ -433,8 +433,9 @@ def _changes(before: dict[str, tuple[float, float]], after: dict[str, tuple[floa
 
 
 def _spread(ranks: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """With several ranks: the slowest and fastest by median step time (a straggler shows here)."""
-    timed = [r for r in ranks if r["step_time_us"]]
+    """With several ranks of one job (traces that name their rank: several sessions of one
+    engine are no ranks): the slowest and fastest by median step time (a straggler shows here)."""
+    timed = [r for r in ranks if r["step_time_us"] and r["rank"] is not None]
     if len(timed) < 2:
         return None
     slowest = max(timed, key=lambda r: r["step_time_us"])

@@ -238,6 +238,8 @@ class _Session:
     """The thread that started `profile`, the only one that may stop it."""
     step_mark: record_function | None = None
     """The open `ProfilerStep#N` of the running step (without a schedule)."""
+    recorded: bool = False
+    """Whether a step was recorded (under a schedule, the wait and warm-up steps are not)."""
 
 
 class EngineProfiler:
@@ -327,11 +329,21 @@ class EngineProfiler:
                            "session recorded, which ended its recording: the session writes no trace")
             return
         elif self.config.uses_schedule:
+            if session.profile.current_action == ProfilerAction.NONE and torch.autograd._profiler_enabled():
+                # Ours waits (the schedule's wait steps) while another profiler records this thread;
+                # stopping it then ends only its own step mark.
+                profile, session.done, session.profile = session.profile, True, None
+                profile.stop()
+                logger.warning("profiling: this thread records a torch profile of its own (the caller's?) "
+                               "while the session waits, so the session records nothing and writes no trace")
+                return
             session.profile.step()
         if not self.config.uses_schedule:
             session.step_mark = record_function(f"ProfilerStep#{session.num_profiled}")
             session.step_mark.__enter__()
         session.num_profiled += 1
+        session.recorded |= session.profile.current_action in (ProfilerAction.RECORD,
+                                                               ProfilerAction.RECORD_AND_SAVE)
 
     def end_step(self) -> None:
         """Called as an engine step ends: close its mark, and write the trace once the session's
@@ -404,6 +416,9 @@ def _finish(session: _Session, config: ProfilerConfig, table: _TableSpec | None)
     directory = config.torch_profiler_dir
     try:
         profile.stop()  # the trace handler writes the file
+        if not session.recorded:  # stopped in the schedule's wait or warm-up steps
+            logger.info("profiling: the session ended before a step was recorded: no trace written")
+            return
         if table is not None:
             averages = profile.key_averages(group_by_input_shape=table.group_by_input_shape)
             with open(os.path.join(directory, f"{session.worker_name}.profiler_out.txt"), "w") as f:
