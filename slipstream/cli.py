@@ -419,7 +419,7 @@ _PERF_COMMANDS = [
 
 
 def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None:
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the record as JSON")
     if "model" in groups:
         p.add_argument("--model", default="llama3-8b", help="preset, GPT shape (gpt3-175b, megatron-22b/"
                        "175b/530b/1t) or a config.json path")
@@ -500,7 +500,9 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
     if "trace" in groups:
         p.add_argument("traces", nargs="+", metavar="TRACE",
                        help="Kineto trace files (.json, .json.gz) or folders of them, one file per rank")
-        p.add_argument("--top", type=_int_at_least(1), default=10, help="rows in each table")
+        p.add_argument("--top", type=_int_at_least(1), default=10,
+                       help="rows in each table (default 10); past 2 x TOP steps, their spread and the "
+                            "TOP slowest")
         p.add_argument("--baseline", nargs="+", default=(), metavar="TRACE",
                        help="traces of an earlier run: what changed per step, op by op and kernel by kernel")
 

@@ -481,6 +481,24 @@ def test_vllm_fields_and_the_profiler_out_table(model_dir, tmp_path, fields):
     assert 10 < len(rows) <= 50 and self_cpu == sorted(self_cpu, reverse=True)
 
 
+def test_a_table_that_fails_leaves_the_trace(model_dir, tmp_path, caplog, monkeypatch):
+    """torch's key_averages() fails now and then on profiles with Python frames: the trace is
+    written all the same, and the warning names the table, not the trace."""
+    caplog.set_level(logging.WARNING, logger="slipstream.serve.profiler")
+
+    def fails(*args, **kwargs):
+        raise UnicodeDecodeError("utf-8", b"\xb0", 0, 1, "invalid start byte")
+
+    monkeypatch.setattr(torch.profiler.profile, "key_averages", fails)
+    engine = profiling_engine(model_dir, tmp_path)
+    engine.add_request("a", "one two", GREEDY)
+    engine.start_profile()
+    run_steps(engine)
+    engine.stop_profile()
+    assert step_numbers(load_trace(tmp_path)) == list(range(GREEDY.max_tokens))
+    assert "key_averages table" in caplog.text and "failed to stop" not in caplog.text
+
+
 def test_an_open_session_is_written_when_the_engine_goes_or_the_program_exits(model_dir, tmp_path):
     """As vLLM's worker shutdown stops its profiler: a session left open is written when its engine
     is garbage-collected, and when a script exits without stop_profile."""

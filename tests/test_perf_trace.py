@@ -216,6 +216,20 @@ def test_epoch_timestamps_keep_their_nanoseconds(tmp_path):
     assert rank["gpu"]["kernel_wait_us"] == pytest.approx(0.1, abs=1e-9)
 
 
+def test_spans_that_end_together_in_the_file_nest(tmp_path):
+    """Three frames open when the profiler stopped end at one instant, 5660894918947.290; start +
+    duration in doubles puts the middle one's end a step early, which would make the inner frame
+    the outer one's child (self times of -37.8 and +37.8 ms). Ends are computed exactly."""
+    frames = [("outer", "5660894881155.189", "37792.101"), ("middle", "5660894881156.018", "37791.272"),
+              ("inner", "5660894881157.924", "37789.366")]
+    events = ", ".join(f'{{"ph": "X", "cat": "python_function", "name": "{name}", "pid": 1, "tid": 0, '
+                       f'"ts": {ts}, "dur": {dur}}}' for name, ts, dur in frames)
+    (tmp_path / "t.json").write_text(f'{{"traceEvents": [{events}]}}')
+    events = read_trace(tmp_path / "t.json").events
+    ops = {name: t.self_us for (cat, name), t in host_op_times(events).items()}
+    assert ops == pytest.approx({"outer": 0.829, "middle": 1.906, "inner": 37789.366}, abs=1e-6)
+
+
 def test_ranks_are_ordered_and_the_straggler_named(tmp_path):
     _write(tmp_path / "b.json", [_step(1, 0, 30), _step(2, 30, 30)], rank=1)
     _write(tmp_path / "a.json", [_step(1, 0, 10), _step(2, 10, 12)], rank=0)

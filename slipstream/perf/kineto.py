@@ -24,7 +24,6 @@ import dataclasses
 import decimal
 import gzip
 import json
-import math
 import re
 import zlib
 from pathlib import Path
@@ -48,7 +47,7 @@ _SAFE_NUMBER_TAIL = 64
 
 @dataclasses.dataclass(slots=True)
 class Event:
-    """One complete ("X") event: a span of `dur_us` from `start_us` on thread `tid` of `pid`.
+    """One complete ("X") event: a span from `start_us` to `end_us` on thread `tid` of `pid`.
 
     On a GPU, Kineto puts kernels on `pid` = the device and `tid` = the stream; `correlation`
     links a kernel to the runtime call (`cudaLaunchKernel`) that launched it on the CPU.
@@ -57,14 +56,16 @@ class Event:
     name: str
     cat: str
     start_us: float
-    dur_us: float
+    end_us: float
+    """Computed before rounding to a float: spans that end together in the file (the frames
+    open when the profiler stops) end together here, as their nesting needs."""
     pid: int | str
     tid: int | str
     correlation: int | None = None
 
     @property
-    def end_us(self) -> float:
-        return self.start_us + self.dur_us
+    def dur_us(self) -> float:
+        return self.end_us - self.start_us
 
 
 @dataclasses.dataclass
@@ -229,13 +230,6 @@ def _parse_events(stream: _Stream, builder: _TraceBuilder) -> None:
 _JSON_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 
 
-def _number(value: Any) -> float | None:
-    """A JSON number (floats arrive as text, see _DECODER) or a number written as a string;
-    None for anything else, and for magnitudes past 10^24 (no duration of a trace)."""
-    exact = _exact(value)
-    return None if exact is None else float(exact)
-
-
 def _exact(value: Any) -> int | decimal.Decimal | None:
     """A number, exactly (see _DECODER); None for no number or an absurd one (10^24 us is 3 x
     10^10 years), without computing with it: "1e999999999" is valid JSON."""
@@ -271,21 +265,21 @@ class _TraceBuilder:
 
     def _add_complete(self, raw: dict[str, Any]) -> None:
         start = _exact(raw.get("ts"))
-        duration = _number(raw.get("dur", 0))
+        duration = _exact(raw.get("dur", 0))
         pid, tid = raw.get("pid"), raw.get("tid")
-        if (start is None or duration is None or not 0 <= duration < math.inf
-                or not _is_id(pid) or not _is_id(tid)):
+        if start is None or duration is None or duration < 0 or not _is_id(pid) or not _is_id(tid):
             self.skipped += 1
             return
         if self.origin_us is None:
             self.origin_us = int(start)
+        start -= self.origin_us
         args = raw.get("args")
         correlation = args.get("correlation") if isinstance(args, dict) else None
         self.events.append(Event(
             name=self._name(raw.get("name", "")),
             cat=self._name(raw.get("cat", "")),
-            start_us=float(start - self.origin_us),
-            dur_us=duration,
+            start_us=float(start),
+            end_us=float(start + duration),
             pid=pid,
             tid=tid,
             correlation=correlation if _is_id(correlation) and isinstance(correlation, int) else None,

@@ -7,8 +7,8 @@ per engine step). For each rank the report gives:
 - **Host (CPU) time by op.** Each CPU op's and annotation's *self* time: its duration less that
   of the ops nested in it on the same thread, as the profiler's `key_averages()` counts it. A
   step's own self time is the host time between ops: Python, the scheduler, waiting.
-- **Annotations.** The `record_function` ranges (the engine's step phases, the trainer's) with
-  their inclusive time.
+- **Annotations.** The `record_function` ranges (the engine's step phases; torch's own, such as
+  the optimizer's step) with their inclusive time.
 - **GPU time by kernel class**, when the trace has device events, with Holistic Trace
   Analysis's classes: communication (NCCL/RCCL kernels), memory (memcpy, memset) and compute
   (every other kernel). Per step, TraceLens's identity splits the span from the step's first

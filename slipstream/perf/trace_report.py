@@ -57,7 +57,7 @@ def _format_rank(r: dict[str, Any], top: int) -> list[str]:
              + (f", median {_ms(r['step_time_us'])} ms" if r["steps"] else
                 " (no ProfilerStep#N annotations: whole trace)")]
     if r["skipped_events"]:
-        lines.append(f"  {r['skipped_events']} complete events without a time were skipped")
+        lines.append(f"  {r['skipped_events']} complete events without a usable time or thread were skipped")
     lines += _format_steps(r["steps"], top)
     lines.append("  host time by op (self time, as key_averages counts it):")
     lines += [f"    {_share(o['share']):>6} {_ms(o['self_us']):>10} ms {o['calls']:>7} calls  {o['name']}"

@@ -126,7 +126,7 @@ class ProfilerConfig:
 
     def __post_init__(self) -> None:
         if self.profiler in _UNSUPPORTED_KINDS:
-            raise ValueError(f"profiler {self.profiler!r} is not supported: slipstream has no "
+            raise ValueError(f"profiler {self.profiler!r} is not supported: slipstream does not have "
                              f"{_UNSUPPORTED_KINDS[self.profiler]}; use 'torch'")
         if self.profiler not in (None, "torch"):
             raise ValueError(f"profiler must be 'torch' or None, got {self.profiler!r}")
@@ -416,19 +416,30 @@ def _finish(session: _Session, config: ProfilerConfig, table: _TableSpec | None)
     directory = config.torch_profiler_dir
     try:
         profile.stop()  # the trace handler writes the file
-        if not session.recorded:  # stopped in the schedule's wait or warm-up steps
-            logger.info("profiling: the session ended before a step was recorded: no trace written")
-            return
-        if table is not None:
-            averages = profile.key_averages(group_by_input_shape=table.group_by_input_shape)
-            with open(os.path.join(directory, f"{session.worker_name}.profiler_out.txt"), "w") as f:
-                print(averages.table(sort_by=table.sort_by, row_limit=table.row_limit), file=f)
     except Exception as error:
         cause = error.__cause__ if error.__cause__ is not None else error
         logger.warning("profiling: failed to stop the profiler and write the trace to %s: %s",
                        directory, cause)
-    else:
-        logger.info("profiling: trace written to %s", directory)
+        return
+    if not session.recorded:  # stopped in the schedule's wait or warm-up steps
+        logger.info("profiling: the session ended before a step was recorded: no trace written")
+        return
+    logger.info("profiling: trace written to %s", directory)
+    if table is not None:
+        _write_table(profile, table, os.path.join(directory, f"{session.worker_name}.profiler_out.txt"))
+
+
+def _write_table(profile: torch.profiler.profile, table: _TableSpec, path: str) -> None:
+    """vLLM's `profiler_out.txt`. torch 2.13's key_averages() fails now and then on a profile
+    with Python frames (a UnicodeDecodeError from its own event names); the trace is written by
+    then, so the table's failure is logged on its own."""
+    try:
+        averages = profile.key_averages(group_by_input_shape=table.group_by_input_shape)
+        with open(path, "w") as f:
+            print(averages.table(sort_by=table.sort_by, row_limit=table.row_limit), file=f)
+    except Exception as error:
+        logger.warning("profiling: the trace is written, but its key_averages table %s is not: %s",
+                       path, error)
 
 
 def _was_ended(profile: torch.profiler.profile) -> bool:
