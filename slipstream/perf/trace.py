@@ -1,12 +1,12 @@
 """Where a profiled run's time went, from its PyTorch profiler traces (one file per rank).
 
 Steps are the `ProfilerStep#N` annotations that `torch.profiler.profile(schedule=...)` writes at
-each `prof.step()` (slipstream's trainer and engine step the profiler once per training step and
-per engine step). For each rank the report gives:
+each `prof.step()` (slipstream's trainer steps its profiler once per training step; its engine
+marks each engine step with an annotation of that name). For each rank the report gives:
 
-- **Host (CPU) time by op.** Each CPU op's and annotation's *self* time: its duration less that
-  of the ops nested in it on the same thread, as the profiler's `key_averages()` counts it. A
-  step's own self time is the host time between ops: Python, the scheduler, waiting.
+- **Host (CPU) time by op.** Each host event's *self* time (CPU ops, annotations, Python frames,
+  runtime calls): its duration less that of the events nested in it on the same thread, as the
+  profiler's `key_averages()` counts it. A step's own self time is the host time between them.
 - **Annotations.** The `record_function` ranges (the engine's step phases; torch's own, such as
   the optimizer's step) with their inclusive time.
 - **GPU time by kernel class**, when the trace has device events, with Holistic Trace
@@ -15,7 +15,8 @@ per engine step). For each rank the report gives:
   kernel to its last so that the parts sum to it: compute (the union of compute kernels over
   all streams) + exposed communication (communication not under compute) + exposed memory
   (copies under neither) + idle (no kernel at all). HTA's communication/compute overlap is the
-  share of communication time during which a compute kernel runs. Kernels belong to the step
+  share of communication time during which a compute kernel runs, and its idle-time breakdown
+  splits each stream's gaps into host, kernel and other waits. Kernels belong to the step
   whose host code launched them (the runtime call with the same `correlation`), so a step's
   kernels that run after its host part has ended still count to it.
 
@@ -248,10 +249,9 @@ def launch_times(events: Sequence[Event]) -> dict[int, float]:
 
 def kernels_by_step(events: Sequence[Event], steps: Sequence[Step],
                     launch_us: dict[int, float]) -> dict[int, list[Event]]:
-    """Each device event, under the step whose host code launched it (as HTA assigns them).
-
-    The launch is the runtime call with the kernel's `correlation`; a kernel without one (or
-    whose call is not in the trace) goes by its own start time. Kernels of no step are left out.
+    """Each device event, under the step whose host code launched it, as HTA assigns them: the
+    launch is the runtime call with the kernel's `correlation`. A kernel without one in the trace
+    goes by its own start time (HTA drops it); kernels of no step are left out.
     """
     out: dict[int, list[Event]] = defaultdict(list)
     starts = [s.start_us for s in steps]
