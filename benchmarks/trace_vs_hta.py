@@ -2,8 +2,10 @@
 
 HTA (facebookresearch/HolisticTraceAnalysis, on PyPI as `traceinsight`) is the reference for
 the GPU-side numbers: the temporal breakdown (idle, compute, non-compute over the span of the
-kernels), the communication/compute overlap and the idle-time breakdown (host wait, kernel wait,
-other, summed over streams). Install it in a venv of its own (it needs pandas, no torch):
+kernels), the communication/compute overlap, the idle-time breakdown (host wait, kernel wait,
+other, summed over streams) and the CUDA kernel launch statistics (launches, kernels shorter than
+their launch call, launch delays, outliers). Install it in a venv of its own (it needs pandas,
+no torch):
 
     python3 -m venv /tmp/hta-venv && /tmp/hta-venv/bin/pip install --no-deps traceinsight \\
         && /tmp/hta-venv/bin/pip install numpy pandas plotly networkx pydot pyyaml psutil ijson
@@ -51,11 +53,20 @@ for row in ta.get_comm_comp_overlap(visualize=False).to_dict(orient="records"):
 idle = ta.get_idle_time_breakdown(ranks=ranks, visualize=False)[0]
 for row in idle.to_dict(orient="records"):
     out[int(row["rank"])][waits[row["idle_category"]]] += row["idle_time"]
+stats = ta.get_cuda_kernel_launch_stats(ranks=ranks, visualize=False)
+for rank, df in stats.items():
+    out[int(rank)].update(launches=len(df),
+                          shorter_than_launch=int((df["gpu_duration"] < df["cpu_duration"]).sum()),
+                          launch_delay_us=float(df["launch_delay"].sum()),
+                          runtime_outliers=int((df["cpu_duration"] > 50).sum()),
+                          launch_delay_outliers=int((df["launch_delay"] > 100).sum()))
 print(json.dumps(out))
 """
 
+LAUNCH_METRICS = ("launches", "shorter_than_launch", "launch_delay_us", "runtime_outliers",
+                  "launch_delay_outliers")
 METRICS = ("span_us", "idle_us", "compute_us", "non_compute_us", "overlap",
-           "host_wait_us", "kernel_wait_us", "other_wait_us")
+           "host_wait_us", "kernel_wait_us", "other_wait_us", *LAUNCH_METRICS)
 
 
 def run_hta(python: str, trace_dir: Path) -> dict[int, dict[str, float]]:
@@ -71,7 +82,8 @@ def ours(trace_dir: Path) -> dict[int, dict[str, float]]:
     for rank in analyze([str(trace_dir)])["ranks"]:
         gpu = rank["gpu"] or {}
         non_compute = gpu.get("exposed_communication_us", 0.0) + gpu.get("exposed_memory_us", 0.0)
-        out[rank["rank"] or 0] = {**gpu, "non_compute_us": non_compute}
+        launches = rank["launches"] or dict.fromkeys(LAUNCH_METRICS, 0)  # none matched: HTA's empty table
+        out[rank["rank"] or 0] = {**gpu, **launches, "non_compute_us": non_compute}
     return out
 
 

@@ -191,6 +191,11 @@ def test_gpu_split_sums_to_the_span_by_closed_form(tmp_path):
     whole = rank["gpu"]
     assert (whole["span_us"], whole["compute_us"], whole["idle_us"], whole["overlap"]) == (220, 60, 140, 0.5)
     assert (whole["host_wait_us"], whole["kernel_wait_us"], whole["other_wait_us"]) == (35, 15, 110)
+    # HTA's launch statistics: each kernel's start less its 1 us launch call's end.
+    delays = [0 - -8, 5 - -7, 20 - -6, 28 - -5, 100 - 2, 115 - 3, 160 - 151, 210 - 4]
+    assert rank["launches"] == {"launches": 8, "shorter_than_launch": 0, "launch_call_us": 8,
+                                "launch_delay_us": sum(delays), "median_launch_delay_us": (26 + 33) / 2,
+                                "runtime_outliers": 0, "launch_delay_outliers": 2}
     kernels = {k["name"]: k for k in rank["kernels"]}
     assert kernels["sm90_xmma_gemm"]["class"] == "compute" and kernels["sm90_xmma_gemm"]["calls"] == 2
     assert kernels["ncclDevKernel_AllReduce_Sum_bf16_RING_LL"]["class"] == "communication"
@@ -228,6 +233,19 @@ def test_spans_that_end_together_in_the_file_nest(tmp_path):
     events = read_trace(tmp_path / "t.json").events
     ops = {name: t.self_us for (cat, name), t in host_op_times(events).items()}
     assert ops == pytest.approx({"outer": 0.829, "middle": 1.906, "inner": 37789.366}, abs=1e-6)
+
+
+def test_launch_statistics_count_what_hta_counts(tmp_path):
+    """A 60 us cudaMemcpyAsync whose 5 us copy starts 2 us after it: shorter than its launch call,
+    a runtime outlier (over 50 us), no delay outlier; a graph launch is not one of HTA's calls."""
+    events = [_step(1, 0, 200), _launch(10, 1) | {"name": "cudaMemcpyAsync", "dur": 60},
+              _kernel("Memcpy HtoD (Pageable -> Device)", 72, 5, 7, 1, cat="gpu_memcpy"),
+              _launch(100, 2) | {"name": "cudaGraphLaunch"}, _kernel("gemm", 120, 5, 7, 2)]
+    report = analyze([_write(tmp_path / "t.json", events)])
+    assert report["ranks"][0]["launches"] == {"launches": 1, "shorter_than_launch": 1, "launch_call_us": 60,
+                                "launch_delay_us": 2, "median_launch_delay_us": 2,
+                                "runtime_outliers": 1, "launch_delay_outliers": 0}
+    assert "1 (100.0%) ran shorter than their launch call" in format_report(report)
 
 
 def test_ranks_are_ordered_and_the_straggler_named(tmp_path):

@@ -16,7 +16,9 @@ marks each engine step with an annotation of that name). For each rank the repor
   all streams) + exposed communication (communication not under compute) + exposed memory
   (copies under neither) + idle (no kernel at all). HTA's communication/compute overlap is the
   share of communication time during which a compute kernel runs, and its idle-time breakdown
-  splits each stream's gaps into host, kernel and other waits. Kernels belong to the step
+  splits each stream's gaps into host, kernel and other waits; its launch statistics give each
+  kernel's launch delay and count the kernels that ran shorter than their launch call and the
+  outliers. Kernels belong to the step
   whose host code launched them (the runtime call with the same `correlation`), so a step's
   kernels that run after its host part has ended still count to it.
 
@@ -241,6 +243,36 @@ def idle_waits(kernels: Sequence[Event], launch_us: dict[int, float]) -> dict[st
     return waits
 
 
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpyAsync", "cudaMemsetAsync")
+"""The runtime calls HTA's launch statistics follow to their kernels (copies and sets included)."""
+RUNTIME_OUTLIER_US = 50.0
+"""HTA's `runtime_cutoff`: a launch call longer than this is an outlier."""
+LAUNCH_DELAY_OUTLIER_US = 100.0
+"""HTA's `launch_delay_cutoff`: a kernel starting this long after its launch call ended is one."""
+
+
+def launch_stats(kernels: Sequence[Event], events: Sequence[Event]) -> dict[str, float]:
+    """HTA's CUDA kernel launch statistics over `kernels`: each launched by one of LAUNCH_CALLS
+    (matched by correlation), its launch delay (the kernel's start less the call's end, at least
+    0), how many ran shorter than their launch call took (the GPU outpaced the CPU), and HTA's
+    outliers. {} when no kernel has its launch call in the trace."""
+    calls = {e.correlation: e for e in events
+             if e.cat in LAUNCH_CATEGORIES and e.name in LAUNCH_CALLS and e.correlation is not None}
+    pairs = [(calls[k.correlation], k) for k in kernels if k.correlation in calls]
+    if not pairs:
+        return {}
+    delays = sorted(max(k.start_us - call.end_us, 0.0) for call, k in pairs)
+    return {
+        "launches": len(pairs),
+        "shorter_than_launch": sum(k.dur_us < call.dur_us for call, k in pairs),
+        "launch_call_us": sum(call.dur_us for call, _ in pairs),
+        "launch_delay_us": sum(delays),
+        "median_launch_delay_us": _median(delays),
+        "runtime_outliers": sum(call.dur_us > RUNTIME_OUTLIER_US for call, _ in pairs),
+        "launch_delay_outliers": sum(d > LAUNCH_DELAY_OUTLIER_US for d in delays),
+    }
+
+
 def launch_times(events: Sequence[Event]) -> dict[int, float]:
     """The start of each runtime call (cudaLaunchKernel, cudaMemcpyAsync, ...) by correlation id."""
     return {e.correlation: e.start_us for e in events
@@ -294,6 +326,7 @@ def analyze_rank(trace: Trace) -> dict[str, Any]:
         "host": _host_table(ops),
         "annotations": _annotation_table(ops, sum(r["duration_us"] for r in step_reports)),
         "gpu": gpu_breakdown(step_kernels, launch_us) or None,
+        "launches": launch_stats(step_kernels, trace.events) or None,
         "kernels": _kernel_table(step_kernels),
     }
 

@@ -68,7 +68,20 @@ def _format_rank(r: dict[str, Any], top: int) -> list[str]:
                   f"{a['name']}" for a in r["annotations"]]
     if r["gpu"]:
         lines += _format_gpu(r["gpu"], r["kernels"], "all steps" if r["steps"] else "whole trace")
+    if r["launches"]:
+        lines += _format_launches(r["launches"])
     return lines
+
+
+def _format_launches(launches: dict[str, float]) -> list[str]:
+    n = launches["launches"]
+    return [
+        f"  launches: {n} kernels, copies and sets; {launches['shorter_than_launch']} "
+        f"({_share(launches['shorter_than_launch'] / n)}) ran shorter than their launch call; launch delay "
+        f"median {launches['median_launch_delay_us']:.1f} us, total {_ms(launches['launch_delay_us'])} ms",
+        f"    HTA's outliers: {launches['runtime_outliers']} launch calls over 50 us, "
+        f"{launches['launch_delay_outliers']} launch delays over 100 us",
+    ]
 
 
 def _format_steps(steps: list[dict[str, Any]], top: int) -> list[str]:
