@@ -30,82 +30,28 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import functools
-import itertools
-import math
 import re
+import statistics
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from slipstream.perf.kineto import Event, Trace, read_trace
+from slipstream.perf.trace_gpu import (
+    KERNEL_CATEGORIES,
+    LAUNCH_CATEGORIES,
+    gpu_breakdown,
+    kernel_class,
+    launch_stats,
+    launch_times,
+)
 
 _STEP = re.compile(r"ProfilerStep#(\d+)$")
 TRACE_SUFFIXES = (".json", ".json.gz")
-LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver", "hip_runtime", "hip_driver", "xpu_runtime")
 HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function", *LAUNCH_CATEGORIES)
 """The host events torch.profiler's own tree holds (and key_averages lists): ops, annotations,
 Python frames (with_stack) and the runtime calls that launch and wait for device work."""
-KERNEL_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-# HTA's classes (hta/common/types.py) by kernel name. HTA's communication class is NCCL's and HCCL's
-# kernels (and every name starting "hip", a HIP memcpy included); here it is NCCL's, RCCL's and
-# HCCL's, and collectives named as such (TensorRT-LLM's allReduceFusionKernel).
-_COMMUNICATION = re.compile(r"nccl|rccl|hccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all",
-                            re.IGNORECASE)
-_MEMORY = re.compile(r"^(hip)?(memcpy|memset)|^dma", re.IGNORECASE)
-
-Intervals = list[tuple[float, float]]
-
-
-def union(spans: Iterable[tuple[float, float]]) -> Intervals:
-    """The sorted, disjoint union of half-open spans [start, end)."""
-    merged: Intervals = []
-    for start, end in sorted(s for s in spans if s[1] > s[0]):
-        if merged and start <= merged[-1][1]:
-            if end > merged[-1][1]:
-                merged[-1] = (merged[-1][0], end)
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def length(intervals: Intervals) -> float:
-    return sum(end - start for start, end in intervals)
-
-
-def intersect(a: Intervals, b: Intervals) -> Intervals:
-    """The intersection of two unions (each sorted and disjoint), by a merge walk."""
-    out: Intervals = []
-    i = j = 0
-    while i < len(a) and j < len(b):
-        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if start < end:
-            out.append((start, end))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def subtract(a: Intervals, b: Intervals) -> float:
-    """The length of `a` outside `b` (both unions)."""
-    return length(a) - length(intersect(a, b))
-
-
-def kernel_class(event: Event) -> str:
-    """HTA's kernel classes: communication, memory or compute."""
-    return _kernel_class(event.name, event.cat)
-
-
-@functools.lru_cache(maxsize=65536)
-def _kernel_class(name: str, cat: str) -> str:
-    if _COMMUNICATION.search(name):
-        return "communication"
-    if cat in ("gpu_memcpy", "gpu_memset") or _MEMORY.search(name):
-        return "memory"
-    return "compute"
 
 
 @dataclasses.dataclass
@@ -186,99 +132,6 @@ def profiler_steps(events: Sequence[Event]) -> list[Step]:
     return [steps[n] for n in sorted(steps)]
 
 
-def gpu_breakdown(kernels: Sequence[Event], launch_us: dict[int, float]) -> dict[str, float]:
-    """TraceLens's split of the kernels' span (first start to last end), HTA's overlap, and
-    HTA's idle-time breakdown (`idle_waits`)."""
-    if not kernels:
-        return {}
-    by_class: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for k in kernels:
-        by_class[kernel_class(k)].append((k.start_us, k.end_us))
-    compute = union(by_class["compute"])
-    communication = union(by_class["communication"])
-    memory = union(by_class["memory"])
-    busy = union([*compute, *communication, *memory])
-    span = max(k.end_us for k in kernels) - min(k.start_us for k in kernels)
-    communication_us = length(communication)
-    return {
-        "span_us": span,
-        "compute_us": length(compute),
-        "exposed_communication_us": subtract(communication, compute),
-        "exposed_memory_us": subtract(memory, union([*compute, *communication])),
-        "idle_us": span - length(busy),
-        "communication_us": communication_us,
-        "memory_us": length(memory),
-        "overlap": length(intersect(communication, compute)) / communication_us if communication_us else None,
-        **idle_waits(kernels, launch_us),
-    }
-
-
-KERNEL_WAIT_US = 30.0
-"""HTA's `consecutive_kernel_delay`: a shorter gap between kernels on a stream is the kernels'
-own launch latency, not a wait on anything."""
-
-
-def idle_waits(kernels: Sequence[Event], launch_us: dict[int, float]) -> dict[str, float]:
-    """HTA's idle-time breakdown, summed over streams (so with several streams it can exceed the
-    span's idle time). Each gap between consecutive kernels on a stream is a *host wait* when the
-    next kernel's launch call started after the previous kernel ended (the GPU waited for the
-    CPU), else a *kernel wait* when shorter than KERNEL_WAIT_US, else *other* (an event, a
-    dependency on another stream)."""
-    waits = {"host_wait_us": 0.0, "kernel_wait_us": 0.0, "other_wait_us": 0.0}
-    by_stream: dict[tuple[Any, Any], list[Event]] = defaultdict(list)
-    for k in kernels:
-        by_stream[(k.pid, k.tid)].append(k)
-    for stream in by_stream.values():
-        stream.sort(key=lambda k: k.start_us)
-        for previous, k in itertools.pairwise(stream):
-            gap = k.start_us - previous.end_us
-            if gap <= 0:
-                continue
-            if launch_us.get(k.correlation, -math.inf) > previous.end_us:
-                waits["host_wait_us"] += gap
-            elif gap < KERNEL_WAIT_US:
-                waits["kernel_wait_us"] += gap
-            else:
-                waits["other_wait_us"] += gap
-    return waits
-
-
-LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpyAsync", "cudaMemsetAsync")
-"""The runtime calls HTA's launch statistics follow to their kernels (copies and sets included)."""
-RUNTIME_OUTLIER_US = 50.0
-"""HTA's `runtime_cutoff`: a launch call longer than this is an outlier."""
-LAUNCH_DELAY_OUTLIER_US = 100.0
-"""HTA's `launch_delay_cutoff`: a kernel starting this long after its launch call ended is one."""
-
-
-def launch_stats(kernels: Sequence[Event], events: Sequence[Event]) -> dict[str, float]:
-    """HTA's CUDA kernel launch statistics over `kernels`: each launched by one of LAUNCH_CALLS
-    (matched by correlation), its launch delay (the kernel's start less the call's end, at least
-    0), how many ran shorter than their launch call took (the GPU outpaced the CPU), and HTA's
-    outliers. {} when no kernel has its launch call in the trace."""
-    calls = {e.correlation: e for e in events
-             if e.cat in LAUNCH_CATEGORIES and e.name in LAUNCH_CALLS and e.correlation is not None}
-    pairs = [(calls[k.correlation], k) for k in kernels if k.correlation in calls]
-    if not pairs:
-        return {}
-    delays = sorted(max(k.start_us - call.end_us, 0.0) for call, k in pairs)
-    return {
-        "launches": len(pairs),
-        "shorter_than_launch": sum(k.dur_us < call.dur_us for call, k in pairs),
-        "launch_call_us": sum(call.dur_us for call, _ in pairs),
-        "launch_delay_us": sum(delays),
-        "median_launch_delay_us": _median(delays),
-        "runtime_outliers": sum(call.dur_us > RUNTIME_OUTLIER_US for call, _ in pairs),
-        "launch_delay_outliers": sum(d > LAUNCH_DELAY_OUTLIER_US for d in delays),
-    }
-
-
-def launch_times(events: Sequence[Event]) -> dict[int, float]:
-    """The start of each runtime call (cudaLaunchKernel, cudaMemcpyAsync, ...) by correlation id."""
-    return {e.correlation: e.start_us for e in events
-            if e.cat in LAUNCH_CATEGORIES and e.correlation is not None}
-
-
 def kernels_by_step(events: Sequence[Event], steps: Sequence[Step],
                     launch_us: dict[int, float]) -> dict[int, list[Event]]:
     """Each device event, under the step whose host code launched it, as HTA assigns them: the
@@ -322,21 +175,13 @@ def analyze_rank(trace: Trace) -> dict[str, Any]:
         "devices": trace.device_names,
         "skipped_events": trace.skipped_events,
         "steps": step_reports,
-        "step_time_us": _median([r["duration_us"] for r in step_reports]),
+        "step_time_us": statistics.median(r["duration_us"] for r in step_reports) if steps else None,
         "host": _host_table(ops),
         "annotations": _annotation_table(ops, sum(r["duration_us"] for r in step_reports)),
         "gpu": gpu_breakdown(step_kernels, launch_us) or None,
         "launches": launch_stats(step_kernels, trace.events) or None,
         "kernels": _kernel_table(step_kernels),
     }
-
-
-def _median(values: Sequence[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _host_table(ops: dict[tuple[str, str], OpTime]) -> list[dict[str, Any]]:
