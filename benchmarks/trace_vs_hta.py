@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from slipstream.perf.trace import analyze  # noqa: E402
+from slipstream.perf.trace_gpu import LAUNCH_DELAY_OUTLIER_US, RUNTIME_OUTLIER_US  # noqa: E402
 
 HTA_DRIVER = r"""
 import json, logging, sys
@@ -53,13 +54,15 @@ for row in ta.get_comm_comp_overlap(visualize=False).to_dict(orient="records"):
 idle = ta.get_idle_time_breakdown(ranks=ranks, visualize=False)[0]
 for row in idle.to_dict(orient="records"):
     out[int(row["rank"])][waits[row["idle_category"]]] += row["idle_time"]
-stats = ta.get_cuda_kernel_launch_stats(ranks=ranks, visualize=False)
+runtime_cutoff, launch_delay_cutoff = float(sys.argv[2]), float(sys.argv[3])
+stats = ta.get_cuda_kernel_launch_stats(ranks=ranks, runtime_cutoff=runtime_cutoff,
+                                        launch_delay_cutoff=launch_delay_cutoff, visualize=False)
 for rank, df in stats.items():
     out[int(rank)].update(launches=len(df),
                           shorter_than_launch=int((df["gpu_duration"] < df["cpu_duration"]).sum()),
                           launch_delay_us=float(df["launch_delay"].sum()),
-                          runtime_outliers=int((df["cpu_duration"] > 50).sum()),
-                          launch_delay_outliers=int((df["launch_delay"] > 100).sum()))
+                          runtime_outliers=int((df["cpu_duration"] > runtime_cutoff).sum()),
+                          launch_delay_outliers=int((df["launch_delay"] > launch_delay_cutoff).sum()))
 print(json.dumps(out))
 """
 
@@ -70,7 +73,9 @@ METRICS = ("span_us", "idle_us", "compute_us", "non_compute_us", "overlap",
 
 
 def run_hta(python: str, trace_dir: Path) -> dict[int, dict[str, float]]:
-    result = subprocess.run([python, "-c", HTA_DRIVER, str(trace_dir)], capture_output=True, text=True)
+    cutoffs = [str(RUNTIME_OUTLIER_US), str(LAUNCH_DELAY_OUTLIER_US)]
+    result = subprocess.run([python, "-c", HTA_DRIVER, str(trace_dir), *cutoffs],
+                            capture_output=True, text=True)
     if result.returncode:
         raise SystemExit(f"HTA failed on {trace_dir}:\n{result.stderr[-3000:]}")
     return {int(rank): values for rank, values in json.loads(result.stdout.strip().splitlines()[-1]).items()}
@@ -83,7 +88,11 @@ def ours(trace_dir: Path) -> dict[int, dict[str, float]]:
         gpu = rank["gpu"] or {}
         non_compute = gpu.get("exposed_communication_us", 0.0) + gpu.get("exposed_memory_us", 0.0)
         launches = rank["launches"] or dict.fromkeys(LAUNCH_METRICS, 0)  # none matched: HTA's empty table
-        out[rank["rank"] or 0] = {**gpu, **launches, "non_compute_us": non_compute}
+        number = rank["rank"] or 0
+        if number in out:
+            raise SystemExit(f"{trace_dir}: two traces of rank {number} (several sessions? HTA reads one "
+                             "trace per rank)")
+        out[number] = {**gpu, **launches, "non_compute_us": non_compute}
     return out
 
 

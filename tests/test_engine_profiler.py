@@ -179,19 +179,38 @@ def test_a_schedule_stopped_before_it_records_writes_nothing(model_dir, tmp_path
     assert "failed" not in caplog.text
 
 
-def test_a_users_profiler_during_the_schedules_wait_is_left_alone(model_dir, tmp_path, caplog):
-    """A user's torch profiler opened while the session waits (its schedule's wait steps) keeps
-    the engine's events; the session records nothing and says so."""
+@pytest.mark.parametrize("steps_before", [1, 2], ids=["wait", "warmup"])
+def test_a_users_profiler_during_the_schedules_wait_or_warmup_is_left_alone(model_dir, tmp_path, caplog,
+                                                                            steps_before):
+    """A user's torch profiler opened while a scheduled session waits or warms up (torch's profiler
+    not recording yet) keeps the engine's events; the session records nothing, says so, and the
+    engine's steps do not fail (torch raised from the step into the warm-up's recording)."""
     caplog.set_level(logging.WARNING, logger="slipstream.serve.profiler")
-    engine = profiling_engine(model_dir, tmp_path, wait_iterations=2, warmup_iterations=1)
+    engine = profiling_engine(model_dir, tmp_path, wait_iterations=1, warmup_iterations=2)
     engine.add_request("a", "one two three", GREEDY.replace(max_tokens=20))
     engine.start_profile()
-    run_steps(engine, 1)
+    run_steps(engine, steps_before)
     with torch.profiler.profile() as user:
         run_steps(engine, 4)
     engine.stop_profile()
     assert FORWARD_PHASE in {e.name for e in user.events()}
-    assert not trace_files(tmp_path) and "while the session waits" in caplog.text
+    assert not trace_files(tmp_path) and "already records a torch profile" in caplog.text
+
+
+def test_stop_profile_on_another_thread_is_refused_and_the_session_kept(model_dir, tmp_path):
+    """Only the stepping thread can stop torch's profiler: stop_profile elsewhere is a RuntimeError
+    and leaves the session, which the stepping thread then stops and writes."""
+    engine = profiling_engine(model_dir, tmp_path)
+    engine.add_request("a", "one two three", GREEDY)
+    engine.start_profile()
+    run_steps(engine, 2)
+    errors = []
+    worker = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, engine.stop_profile)))
+    worker.start()
+    worker.join()
+    assert "thread that steps the engine" in str(errors[0].value) and engine.is_profiling
+    engine.stop_profile()
+    assert step_numbers(load_trace(tmp_path)) == [0, 1]
 
 
 def test_no_trace_without_a_session_or_a_step(model_dir, tmp_path):

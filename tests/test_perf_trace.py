@@ -235,6 +235,16 @@ def test_spans_that_end_together_in_the_file_nest(tmp_path):
     assert ops == pytest.approx({"outer": 0.829, "middle": 1.906, "inner": 37789.366}, abs=1e-6)
 
 
+def test_kernels_launched_between_steps_count_to_the_whole_run(tmp_path):
+    """Steps [0,10) and [20,30) with a gap (the engine's marks cover its steps only): a kernel
+    launched at 15 is no step's, but the whole run's (HTA's whole-trace window)."""
+    events = [_step(1, 0, 10), _step(2, 20, 10), _launch(1, 1), _launch(15, 2), _launch(21, 3),
+              _kernel("gemm", 2, 4, 7, 1), _kernel("gemm", 16, 4, 7, 2), _kernel("gemm", 22, 4, 7, 3)]
+    (rank,) = analyze([_write(tmp_path / "t.json", events)])["ranks"]
+    assert [s["gpu"]["compute_us"] for s in rank["steps"]] == [4, 4]
+    assert (rank["gpu"]["compute_us"], rank["gpu"]["span_us"], rank["launches"]["launches"]) == (12, 24, 3)
+
+
 def test_launch_statistics_count_what_hta_counts(tmp_path):
     """A 60 us cudaMemcpyAsync whose 5 us copy starts 2 us after it: shorter than its launch call,
     a runtime outlier (over 50 us), no delay outlier; a graph launch is not one of HTA's calls."""

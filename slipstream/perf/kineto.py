@@ -11,9 +11,9 @@ Kept: complete events (`"ph": "X"`: CPU ops, annotations, Python frames, runtime
 kernels, memory copies). Times are microseconds, as Kineto writes them, counted from the first
 complete event's timestamp in whole microseconds: Kineto writes epoch times to the nanosecond,
 more digits than a double holds, so they are read exactly and made relative before they become
-floats. Complete events without a usable time (a `ts` that is no number or beyond 10^24 us, a
-negative or infinite `dur`) or thread (a `pid`/`tid` that is no integer or string) are counted
-in `Trace.skipped_events`, never dropped silently. Every way a file can fail to be a trace
+floats. Complete events without a usable time (a `ts` that is no number, nor a string holding
+one, or is beyond 10^24 us; a negative `dur`) or thread (a `pid`/`tid` that is no integer or
+string) are counted in `Trace.skipped_events`, never dropped silently. Every way a file can fail to be a trace
 (truncated or corrupt gzip, not UTF-8, not JSON, nested past Python's stack, no `traceEvents`)
 is a ValueError naming the file.
 """
@@ -72,6 +72,8 @@ class Event:
 class Trace:
     path: Path
     metadata: dict[str, Any]
+    """The document's other keys, as decoded: their floats are the text of the number (see
+    _DECODER), e.g. "1.5"."""
     events: list[Event]
     skipped_events: int
 

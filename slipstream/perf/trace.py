@@ -43,8 +43,8 @@ from slipstream.perf.trace_gpu import (
     LAUNCH_CATEGORIES,
     gpu_breakdown,
     kernel_class,
+    launch_calls,
     launch_stats,
-    launch_times,
 )
 
 _STEP = re.compile(r"ProfilerStep#(\d+)$")
@@ -148,6 +148,12 @@ def kernels_by_step(events: Sequence[Event], steps: Sequence[Step],
     return out
 
 
+def _launched_within(kernels: Sequence[Event], launch_us: dict[int, float], start_us: float,
+                     end_us: float) -> list[Event]:
+    """The kernels whose launch call (or, without one in the trace, whose start) is in [start, end)."""
+    return [k for k in kernels if start_us <= launch_us.get(k.correlation, k.start_us) < end_us]
+
+
 def _step_at(steps: Sequence[Step], starts: list[float], time_us: float) -> Step | None:
     i = bisect.bisect_right(starts, time_us) - 1
     return steps[i] if i >= 0 and time_us < steps[i].end_us else None
@@ -159,7 +165,8 @@ def analyze_rank(trace: Trace) -> dict[str, Any]:
     steps = profiler_steps(trace.events)
     ops = host_op_times(trace.events)
     device_events = [e for e in trace.events if e.cat in KERNEL_CATEGORIES]
-    launch_us = launch_times(trace.events)
+    calls = launch_calls(trace.events)
+    launch_us = {correlation: call.start_us for correlation, call in calls.items()}
     per_step = kernels_by_step(device_events, steps, launch_us) if steps else {}
     step_reports = [{
         "step": s.number,
@@ -167,8 +174,10 @@ def analyze_rank(trace: Trace) -> dict[str, Any]:
         "host_outside_ops_us": ops[("user_annotation", s.name)].self_us,
         "gpu": gpu_breakdown(per_step.get(s.number, []), launch_us) or None,
     } for s in steps]
-    # Over all steps, as HTA's whole-trace numbers: the gaps between steps are idle too.
-    step_kernels = [k for kernels in per_step.values() for k in kernels] if steps else device_events
+    # Over the steps' window, as HTA's whole-trace numbers: kernels launched between steps count,
+    # and the gaps between steps are idle too.
+    step_kernels = _launched_within(device_events, launch_us, steps[0].start_us, steps[-1].end_us) \
+        if steps else device_events
     return {
         "file": str(trace.path),
         "rank": trace.rank,
@@ -179,18 +188,19 @@ def analyze_rank(trace: Trace) -> dict[str, Any]:
         "host": _host_table(ops),
         "annotations": _annotation_table(ops, sum(r["duration_us"] for r in step_reports)),
         "gpu": gpu_breakdown(step_kernels, launch_us) or None,
-        "launches": launch_stats(step_kernels, trace.events) or None,
+        "launches": launch_stats(step_kernels, calls) or None,
         "kernels": _kernel_table(step_kernels),
     }
 
 
 def _host_table(ops: dict[tuple[str, str], OpTime]) -> list[dict[str, Any]]:
     """Host self time by op, largest first; the steps' own self time is one row, "between ops"."""
-    rows: dict[str, dict[str, Any]] = {}
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
     for (cat, name), t in ops.items():
         if cat == "user_annotation" and _STEP.match(name):
             cat, name = "step", "(between ops, in profiler steps)"
-        row = rows.setdefault(name, {"name": name, "kind": cat, "calls": 0, "total_us": 0.0, "self_us": 0.0})
+        row = rows.setdefault((cat, name), {"name": name, "kind": cat, "calls": 0, "total_us": 0.0,
+                                            "self_us": 0.0})
         row["calls"] += t.calls
         row["total_us"] += t.total_us
         row["self_us"] += t.self_us

@@ -146,14 +146,13 @@ LAUNCH_DELAY_OUTLIER_US = 100.0
 """HTA's `launch_delay_cutoff`: a kernel starting this long after its launch call ended is one."""
 
 
-def launch_stats(kernels: Sequence[Event], events: Sequence[Event]) -> dict[str, float]:
+def launch_stats(kernels: Sequence[Event], calls: dict[int, Event]) -> dict[str, float]:
     """HTA's CUDA kernel launch statistics over `kernels`: each launched by one of LAUNCH_CALLS
-    (matched by correlation), its launch delay (the kernel's start less the call's end, at least
-    0), how many ran shorter than their launch call took (the GPU outpaced the CPU), and HTA's
-    outliers. {} when no kernel has its launch call in the trace."""
-    calls = {e.correlation: e for e in events
-             if e.cat in LAUNCH_CATEGORIES and e.name in LAUNCH_CALLS and e.correlation is not None}
-    pairs = [(calls[k.correlation], k) for k in kernels if k.correlation in calls]
+    (`calls`, by correlation: `launch_calls`), its launch delay (the kernel's start less the
+    call's end, at least 0), how many ran shorter than their launch call took (the GPU outpaced
+    the CPU), and HTA's outliers. {} when no kernel has its launch call in the trace."""
+    pairs = [(calls[k.correlation], k) for k in kernels
+             if k.correlation in calls and calls[k.correlation].name in LAUNCH_CALLS]
     if not pairs:
         return {}
     delays = sorted(max(k.start_us - call.end_us, 0.0) for call, k in pairs)
@@ -168,7 +167,6 @@ def launch_stats(kernels: Sequence[Event], events: Sequence[Event]) -> dict[str,
     }
 
 
-def launch_times(events: Sequence[Event]) -> dict[int, float]:
-    """The start of each runtime call (cudaLaunchKernel, cudaMemcpyAsync, ...) by correlation id."""
-    return {e.correlation: e.start_us for e in events
-            if e.cat in LAUNCH_CATEGORIES and e.correlation is not None}
+def launch_calls(events: Sequence[Event]) -> dict[int, Event]:
+    """Each runtime call (cudaLaunchKernel, cudaMemcpyAsync, ...) by its correlation id."""
+    return {e.correlation: e for e in events if e.cat in LAUNCH_CATEGORIES and e.correlation is not None}

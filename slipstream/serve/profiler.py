@@ -295,11 +295,15 @@ class EngineProfiler:
 
     def stop(self) -> None:
         """Close the session, writing its trace if the profiler still runs (a no-op without one). A
-        trace that cannot be written is logged, not raised."""
+        trace that cannot be written is logged, not raised. RuntimeError on another thread than
+        the one that steps the engine, which alone can stop torch's profiler (the session stays)."""
         session = self._session
         if session is None:
             logger.warning("stop_profile without an active profiling session: nothing to stop")
             return
+        if session.profile is not None and session.thread != threading.get_ident():
+            raise RuntimeError("stop_profile must be called on the thread that steps the engine: torch's "
+                               "profiler records that thread and only it can stop the profiler")
         self._session = None
         self._finalizer.detach()
         self._finalizer = None
@@ -313,31 +317,20 @@ class EngineProfiler:
         if session.num_delayed < session.delay_iterations:
             session.num_delayed += 1
             return
+        interference = _interference(session)
+        if interference:
+            _abandon(session, interference)
+            return
         if session.profile is None:
-            if torch.autograd._profiler_enabled():
-                session.done = True
-                logger.warning("profiling: this thread already records a torch profile (a torch.profiler."
-                               "profile of the caller's own?), so this session records nothing and writes "
-                               "no trace: two profilers on one thread crash torch or empty the outer one")
-                return
             session.profile = self._new_profile(session.worker_name)
             session.profile.start()
             session.thread = threading.get_ident()
-        elif _was_ended(session.profile):
-            session.done, session.profile = True, None
-            logger.warning("profiling: another torch profiler started and stopped on this thread while the "
-                           "session recorded, which ended its recording: the session writes no trace")
-            return
         elif self.config.uses_schedule:
-            if session.profile.current_action == ProfilerAction.NONE and torch.autograd._profiler_enabled():
-                # Ours waits (the schedule's wait steps) while another profiler records this thread;
-                # stopping it then ends only its own step mark.
-                profile, session.done, session.profile = session.profile, True, None
-                profile.stop()
-                logger.warning("profiling: this thread records a torch profile of its own (the caller's?) "
-                               "while the session waits, so the session records nothing and writes no trace")
+            try:
+                session.profile.step()
+            except Exception as error:  # a step must not fail for its profile
+                _abandon(session, f"the profiler's step failed ({error})")
                 return
-            session.profile.step()
         if not self.config.uses_schedule:
             session.step_mark = record_function(f"ProfilerStep#{session.num_profiled}")
             session.step_mark.__enter__()
@@ -440,6 +433,28 @@ def _write_table(profile: torch.profiler.profile, table: _TableSpec, path: str) 
     except Exception as error:
         logger.warning("profiling: the trace is written, but its key_averages table %s is not: %s",
                        path, error)
+
+
+def _interference(session: _Session) -> str | None:
+    """Why the session must not go on recording this thread, if another torch profiler is on it
+    (two on one thread crash torch or empty one of them): None when it may."""
+    profile = session.profile
+    if profile is None or profile.current_action in (ProfilerAction.NONE, ProfilerAction.WARMUP):
+        if torch.autograd._profiler_enabled():  # ours has not started recording: another has
+            return ("this thread already records a torch profile (a torch.profiler.profile of the "
+                    "caller's own?)")
+        return None
+    if _was_ended(profile):
+        return ("another torch profiler started and stopped on this thread while the session "
+                "recorded, which ended its recording")
+    return None
+
+
+def _abandon(session: _Session, why: str) -> None:
+    """End the session without a trace, leaving torch's profiler to the other one on this thread.
+    Ours is dropped unstopped: stopping it would start its recording first where it waits."""
+    session.done, session.profile = True, None
+    logger.warning("profiling: %s, so this session records nothing more and writes no trace", why)
 
 
 def _was_ended(profile: torch.profiler.profile) -> bool:
