@@ -500,6 +500,25 @@ def test_vllm_fields_and_the_profiler_out_table(model_dir, tmp_path, fields):
     assert 10 < len(rows) <= 50 and self_cpu == sorted(self_cpu, reverse=True)
 
 
+def test_an_export_cut_short_leaves_no_trace(model_dir, tmp_path, caplog, monkeypatch):
+    """Kineto does not raise when it cannot write the whole file (a full disk): a trace cut short
+    is never left where `perf trace` would read it; the failure is a warning naming the cause."""
+    caplog.set_level(logging.WARNING, logger="slipstream.serve.profiler")
+    export = torch.profiler.profile.export_chrome_trace
+
+    def cut_short(self, path):
+        export(self, path)
+        Path(path).write_bytes(Path(path).read_bytes()[:1000])
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", cut_short)
+    engine = profiling_engine(model_dir, tmp_path)
+    engine.add_request("a", "one two", GREEDY)
+    engine.start_profile()
+    run_steps(engine)
+    engine.stop_profile()
+    assert list(tmp_path.iterdir()) == [] and "no complete trace" in caplog.text
+
+
 def test_a_table_that_fails_leaves_the_trace(model_dir, tmp_path, caplog, monkeypatch):
     """torch's key_averages() fails now and then on profiles with Python frames: the trace is
     written all the same, and the warning names the table, not the trace."""

@@ -11,7 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 from slipstream.cli import main
-from slipstream.perf.kineto import read_trace
+from slipstream.perf.kineto import export_trace, read_trace
 from slipstream.perf.trace import OpTime, analyze, host_op_times
 from slipstream.perf.trace_report import format_report
 
@@ -384,6 +384,31 @@ def test_odd_values_are_skipped_or_read_as_json_load_reads_them(tmp_path):
     split = tmp_path / "split.json"
     split.write_text('{"pad": "' + "p" * pad + '", "v": 1.5, "traceEvents": []}')
     assert read_trace(split).metadata["v"] == "1.5"
+
+
+class _Exporter:
+    """A stand-in for torch.profiler.profile's export: writes `text` to the path it is given."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def export_chrome_trace(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.text)
+
+
+@pytest.mark.parametrize("name", ["rank0_trace.json", "w.1.pt.trace.json.gz"])
+def test_a_trace_is_exported_whole_or_not_at_all(profiled, tmp_path, name):
+    """A whole export is renamed into place (gzipped for .gz) and reads as the original; one cut
+    short (a full disk: Kineto does not raise) is an OSError that leaves no file behind."""
+    path, _ = profiled
+    export_trace(_Exporter(path.read_text()), tmp_path / name)
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+    assert len(read_trace(tmp_path / name).events) == len(read_trace(path).events)
+    (tmp_path / name).unlink()
+    with pytest.raises(OSError, match="no complete trace"):
+        export_trace(_Exporter(path.read_text()[:5000]), tmp_path / name)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cli(profiled, tmp_path, capsys):

@@ -24,7 +24,9 @@ import dataclasses
 import decimal
 import gzip
 import json
+import os
 import re
+import shutil
 import zlib
 from pathlib import Path
 from typing import Any, TextIO
@@ -112,6 +114,42 @@ def read_trace(path: str | Path) -> Trace:
     except (OSError, EOFError, zlib.error, UnicodeDecodeError, ValueError) as e:
         raise ValueError(f"{path}: cannot be read as a trace: {e}") from e
     return builder.trace
+
+
+def export_trace(profile: Any, path: Path) -> None:
+    """Write a `torch.profiler.profile`'s Chrome trace to `path` (gzip when it ends in .gz) whole
+    or not at all. Kineto exports to a temporary name beside it, checked before it is renamed into
+    place (Kineto does not raise when it cannot open or write the file), so neither a kill nor a
+    full disk leaves a cut-short trace; the temporary names end in .tmp, which readers of *.json
+    and *.json.gz skip. OSError when the trace cannot be written."""
+    plain = path.with_name(path.name + ".tmp")
+    packed = path.with_name(path.name + ".gz.tmp")
+    try:
+        plain.unlink(missing_ok=True)  # a killed writer's leftover
+        profile.export_chrome_trace(str(plain))
+        if not _complete_trace(plain):
+            raise OSError(f"the export left no complete trace in {plain}")
+        if path.name.endswith(".gz"):
+            with open(plain, "rb") as source, gzip.open(packed, "wb") as target:
+                shutil.copyfileobj(source, target)
+            os.replace(packed, path)
+        else:
+            os.replace(plain, path)
+    finally:
+        for leftover in (plain, packed):
+            leftover.unlink(missing_ok=True)
+
+
+def _complete_trace(path: Path) -> bool:
+    """Whether `path` holds a whole Kineto trace: its JSON object closes after the `traceName`
+    key Kineto writes last (a write that failed part-way leaves a file cut short)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(os.fstat(f.fileno()).st_size - 4096, 0))
+            tail = f.read()
+    except OSError:
+        return False
+    return b'"traceName"' in tail and tail.rstrip().endswith(b"}")
 
 
 class _SyntaxError(Exception):

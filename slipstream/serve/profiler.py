@@ -23,16 +23,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, record_function
+
+from slipstream.perf.kineto import export_trace
 
 logger = logging.getLogger(__name__)
 
@@ -240,6 +245,8 @@ class _Session:
     """The open `ProfilerStep#N` of the running step (without a schedule)."""
     recorded: bool = False
     """Whether a step was recorded (under a schedule, the wait and warm-up steps are not)."""
+    trace_path: Path | None = None
+    """The trace, once written."""
 
 
 class EngineProfiler:
@@ -322,7 +329,7 @@ class EngineProfiler:
             _abandon(session, interference)
             return
         if session.profile is None:
-            session.profile = self._new_profile(session.worker_name)
+            session.profile = self._new_profile(session)
             session.profile.start()
             session.thread = threading.get_ident()
         elif self.config.uses_schedule:
@@ -351,7 +358,7 @@ class EngineProfiler:
             session.done = True
             _finish(session, self.config, self._table)
 
-    def _new_profile(self, worker_name: str) -> torch.profiler.profile:
+    def _new_profile(self, session: _Session) -> torch.profiler.profile:
         config = self.config
         schedule = None
         if config.uses_schedule:
@@ -359,8 +366,7 @@ class EngineProfiler:
                                                active=config.active_iterations, repeat=1)
         return torch.profiler.profile(
             activities=self.activities, schedule=schedule,
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(
-                config.torch_profiler_dir, worker_name=worker_name, use_gzip=config.torch_profiler_use_gzip),
+            on_trace_ready=functools.partial(_save_trace, session, config),
             record_shapes=config.torch_profiler_record_shapes, with_stack=config.torch_profiler_with_stack,
             profile_memory=config.torch_profiler_with_memory, with_flops=config.torch_profiler_with_flops,
         )
@@ -386,6 +392,22 @@ def _table_spec(config: ProfilerConfig, activities: tuple[str, ...],
     if tuple(activities) == ("CPU",):
         return _TableSpec("self_cpu_time_total", 50, group)
     return None
+
+
+def _save_trace(session: _Session, config: ProfilerConfig, profile: torch.profiler.profile) -> None:
+    """torch's `on_trace_ready`: the trace under the name torch's tensorboard_trace_handler gives it
+    (`NAME.<time_ns>.pt.trace.json[.gz]`), written whole or not at all (`export_trace`). It must
+    not raise: torch calls it in the middle of a profiler transition, and one cut short leaves
+    the profiler in a state where stopping it crashes the process; a failure is logged."""
+    suffix = ".pt.trace.json.gz" if config.torch_profiler_use_gzip else ".pt.trace.json"
+    path = Path(config.torch_profiler_dir) / f"{session.worker_name}.{time.time_ns()}{suffix}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        export_trace(profile, path)
+    except Exception as error:
+        logger.warning("profiling: failed to write the trace to %s: %s", config.torch_profiler_dir, error)
+        return
+    session.trace_path = path
 
 
 def _finish(session: _Session, config: ProfilerConfig, table: _TableSpec | None) -> None:
@@ -417,7 +439,9 @@ def _finish(session: _Session, config: ProfilerConfig, table: _TableSpec | None)
     if not session.recorded:  # stopped in the schedule's wait or warm-up steps
         logger.info("profiling: the session ended before a step was recorded: no trace written")
         return
-    logger.info("profiling: trace written to %s", directory)
+    if session.trace_path is None:  # _save_trace logged why
+        return
+    logger.info("profiling: trace written to %s", session.trace_path)
     if table is not None:
         _write_table(profile, table, os.path.join(directory, f"{session.worker_name}.profiler_out.txt"))
 

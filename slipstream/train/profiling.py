@@ -28,16 +28,15 @@ marks from 0 (its `ProfilerStep#N` is its step N + 1); here #N is the step of `m
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from slipstream.perf.kineto import export_trace
 from slipstream.train.config import ProfilingConfig
 
 logger = logging.getLogger(__name__)
@@ -131,34 +130,15 @@ class StepProfiler:
         return WrittenTrace(step=ending_step, path=self._saved, seconds=time.perf_counter() - start)
 
     def _save(self, profile: torch.profiler.profile) -> None:
-        """torch's `on_trace_ready`: write the trace to a temporary name and rename it into place
-        once complete. It must not raise: torch runs it in the middle of a profiler transition,
-        and one cut short leaves the profiler in a state where stopping it crashes the process;
-        so a write that fails is logged and the trace dropped."""
+        """torch's `on_trace_ready`: write the trace whole or not at all (`export_trace`). It must
+        not raise: torch runs it in the middle of a profiler transition, and one cut short leaves
+        the profiler in a state where stopping it crashes the process; so a write that fails is
+        logged and the trace dropped."""
         path = trace_path(self.traces_dir, self._ending_step, self.rank)
-        tmp = path.with_name(path.name + ".tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.unlink(missing_ok=True)  # a killed run's leftover
-            profile.export_chrome_trace(str(tmp))
-            if not _complete_trace(tmp):  # Kineto does not raise when it cannot open or write it
-                raise OSError(f"the export left no complete trace in {tmp}")
-            os.replace(tmp, path)
+            export_trace(profile, path)
         except Exception as e:
             logger.error("profiler trace %s not written: %s", path, e)
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
             return
         self._saved = path
-
-
-def _complete_trace(path: Path) -> bool:
-    """Whether `path` holds a whole Kineto trace: its JSON object closes after the `traceName`
-    key Kineto writes last (a write that failed part-way leaves a file cut short)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(os.fstat(f.fileno()).st_size - 4096, 0))
-            tail = f.read()
-    except OSError:
-        return False
-    return b'"traceName"' in tail and tail.rstrip().endswith(b"}")
