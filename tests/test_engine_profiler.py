@@ -34,8 +34,8 @@ from slipstream.serve.profiler import (
     SCHEDULE_PHASE,
     STEP_PHASES,
     ProfilerAlreadyActiveError,
-    ProfilerConfig,
 )
+from slipstream.serve.profiler_config import ProfilerConfig
 from slipstream.serve.server import OpenAIServer, ServerConfig
 
 pytest_plugins = ["serve_fixtures"]

@@ -45,9 +45,9 @@ from slipstream.serve.profiler import (
     SAMPLE_PHASE,
     SCHEDULE_PHASE,
     EngineProfiler,
-    ProfilerConfig,
     phase,
 )
+from slipstream.serve.profiler_config import ProfilerConfig
 from slipstream.serve.request import (
     Request,
     RequestMetrics,
@@ -140,7 +140,7 @@ class EngineConfig:
     every running request decodes greedily (as for num_scheduler_steps) check up to k guessed
     tokens per request in one forward pass; other steps run as usual."""
     profiler_config: ProfilerConfig | Mapping[str, Any] | str | None = None
-    """As vLLM's, for its "torch" profiler (profiler.py): `{"profiler": "torch", "torch_profiler_dir":
+    """As vLLM's, for its "torch" profiler (profiler_config.py): `{"profiler": "torch", "torch_profiler_dir":
     "/abs/dir"}` lets `Engine.start_profile` and `stop_profile` record engine steps into a trace."""
 
     def __post_init__(self) -> None:
