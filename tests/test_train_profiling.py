@@ -17,6 +17,7 @@ import pytest
 import torch
 from train_fixtures import read_metrics, small_config
 
+from slipstream.perf.trace import analyze
 from slipstream.train.config import ProfilingConfig, load_config
 from slipstream.train.goodput import read_events
 from slipstream.train.profiling import StepProfiler
@@ -238,7 +239,7 @@ def test_an_unused_schedule_is_not_checked():
 def test_two_ranks_write_a_trace_each(data_dir, train_model_dir, tmp_path):
     """`slipstream train --nproc 2` (torchrun, gloo) with profiling: each iteration folder holds
     rank0_trace.json and rank1_trace.json, each with the step's ProfilerStep#N and its gloo
-    collectives."""
+    collectives, which `perf trace` reads as the job's ranks."""
     run_dir = tmp_path / "run"
     config = small_config(data_dir, train_model_dir, run_dir, "--training.steps=4",
                           "--training.micro_batch_size=2", *EVERY_2_STEPS)
@@ -256,3 +257,7 @@ def test_two_ranks_write_a_trace_each(data_dir, train_model_dir, tmp_path):
         assert _profiler_steps(trace) == ["ProfilerStep#4"]
         names = {e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]}
         assert any(n.startswith("gloo:") for n in names), sorted(names)[:40]
+    # `slipstream perf trace` reads the folder as the job's two ranks, each with its step.
+    report = analyze([str(run_dir / "profile_traces" / "iteration_4")])
+    assert [(r["rank"], [s["step"] for s in r["steps"]]) for r in report["ranks"]] == [(0, [4]), (1, [4])]
+    assert report["spread"] is not None
