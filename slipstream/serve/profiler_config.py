@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from torch.profiler import ProfilerActivity
+
+from slipstream.serve.json_config import config_fields
 
 ACTIVITIES = {"CPU": ProfilerActivity.CPU, "CUDA": ProfilerActivity.CUDA}
 _UNSUPPORTED_KINDS = {
@@ -123,18 +124,7 @@ class ProfilerConfig:
         fields are a ValueError naming them."""
         if isinstance(value, ProfilerConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"profiler_config is not valid JSON: {error}") from error
-        if not isinstance(value, Mapping):
-            raise ValueError(f"profiler_config must be a dict, got {value!r}")
-        fields = [field.name for field in dataclasses.fields(cls)]
-        unknown = sorted(set(value) - set(fields))
-        if unknown:
-            raise ValueError(f"profiler_config fields {unknown} are not supported (supported: {fields})")
-        return cls(**value)
+        return cls(**config_fields(value, cls, "profiler_config"))
 
 
 def check_profile_request(profile_prefix: Any, delay_iterations: Any, max_iterations: Any) -> None:

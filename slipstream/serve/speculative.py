@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import array
 import dataclasses
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from slipstream.serve.json_config import config_fields
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,17 +58,7 @@ class SpeculativeConfig:
         """From a SpeculativeConfig, a dict or its JSON text (vLLM's --speculative-config)."""
         if isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"speculative_config is not valid JSON: {error}") from error
-        if not isinstance(value, Mapping):
-            raise ValueError(f"speculative_config must be a dict, got {value!r}")
-        fields = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - fields)
-        if unknown:
-            raise ValueError(f"speculative_config keys {unknown} are not supported (known: {sorted(fields)})")
+        value = config_fields(value, cls, "speculative_config")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs num_speculative_tokens")
         return cls(**value)
