@@ -1,4 +1,5 @@
-"""A real `slipstream serve` process for the server tests, and the session fixture that shares one.
+"""A real `slipstream serve` process for the server tests, and the session fixture that shares one;
+`in_process`, a server's app under uvicorn on a thread of the test's own process.
 
 The server runs as `python -m slipstream.cli serve` on a free port of 127.0.0.1 over the small
 model of serve_fixtures.py, with one torch thread (the model's ops take microseconds; a second
@@ -8,16 +9,20 @@ prints. PYTEST_DONT_REWRITE: this module holds no asserts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny-test"
@@ -109,3 +114,22 @@ def server(model_dir, tmp_path_factory) -> ServerProcess:
     process = ServerProcess(model_dir, log_path, "--api-key", API_KEY, *ENGINE_ARGS).wait_ready()
     yield process
     process.stop()
+
+
+@contextlib.contextmanager
+def in_process(api) -> Iterator[str]:
+    """The app of `api` (an OpenAIServer) under uvicorn on a thread of this process; yields its URL."""
+    server = uvicorn.Server(uvicorn.Config(api.app, host="127.0.0.1", port=0, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+

@@ -5,7 +5,6 @@ and checks it holds one `ProfilerStep#N` per engine step of the session and the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import gzip
 import json
@@ -21,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-import uvicorn
+from server_process import in_process
 
 from slipstream import LLM, SamplingParams
 from slipstream.serve.async_engine import AsyncEngine
@@ -54,6 +53,15 @@ def profiler_config(directory: Path, **fields) -> dict:
 def profiling_engine(model_dir: Path, directory: Path, **fields) -> Engine:
     return Engine(EngineConfig(model=str(model_dir), max_model_len=128, block_size=8,
                                profiler_config=profiler_config(directory, **fields)))
+
+
+def profile_one_request(model_dir: Path, directory: Path, prefix: str | None = None, **fields) -> None:
+    """A session over every step of one greedy request, from start_profile to stop_profile."""
+    engine = profiling_engine(model_dir, directory, **fields)
+    engine.add_request("a", "one two", GREEDY)
+    engine.start_profile(prefix)
+    run_steps(engine)
+    engine.stop_profile()
 
 
 def run_steps(engine: Engine, num_steps: int | None = None) -> int:
@@ -311,22 +319,9 @@ def test_bad_start_profile_arguments(model_dir, tmp_path):
     engine.start_profile("ok.name-1")
 
 
-@contextlib.contextmanager
 def served(engine: Engine):
     """The server of `engine` under uvicorn on 127.0.0.1, in a thread of this process; its URL."""
-    api = OpenAIServer(engine, ServerConfig(port=0))
-    server = uvicorn.Server(uvicorn.Config(api.app, host="127.0.0.1", port=0, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    return in_process(OpenAIServer(engine, ServerConfig(port=0)))
 
 
 def test_server_profile_endpoints(model_dir, tmp_path):
@@ -485,11 +480,7 @@ def test_vllm_fields_and_the_profiler_out_table(model_dir, tmp_path, fields):
     none), capture_torch_profiler and detailed_trace_annotation (False) are taken; as vLLM's CPU-only
     worker, `<worker>.profiler_out.txt` beside the trace holds key_averages sorted by self CPU time,
     at most 50 rows (grouped by input shape when shapes are recorded)."""
-    engine = profiling_engine(model_dir, tmp_path, **fields)
-    engine.add_request("a", "one two", GREEDY)
-    engine.start_profile("tab")
-    run_steps(engine)
-    engine.stop_profile()
+    profile_one_request(model_dir, tmp_path, "tab", **fields)
     assert step_numbers(load_trace(tmp_path, prefix="tab")) == list(range(GREEDY.max_tokens))
     table = (tmp_path / "tab_dp0_pp0_tp0_dcp0_ep0_rank0.profiler_out.txt").read_text().splitlines()
     columns = [match.span() for match in re.finditer(r"-+", table[0])]
@@ -511,11 +502,7 @@ def test_an_export_cut_short_leaves_no_trace(model_dir, tmp_path, caplog, monkey
         Path(path).write_bytes(Path(path).read_bytes()[:1000])
 
     monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", cut_short)
-    engine = profiling_engine(model_dir, tmp_path)
-    engine.add_request("a", "one two", GREEDY)
-    engine.start_profile()
-    run_steps(engine)
-    engine.stop_profile()
+    profile_one_request(model_dir, tmp_path)
     assert list(tmp_path.iterdir()) == [] and "no complete trace" in caplog.text
 
 
@@ -528,11 +515,7 @@ def test_a_table_that_fails_leaves_the_trace(model_dir, tmp_path, caplog, monkey
         raise UnicodeDecodeError("utf-8", b"\xb0", 0, 1, "invalid start byte")
 
     monkeypatch.setattr(torch.profiler.profile, "key_averages", fails)
-    engine = profiling_engine(model_dir, tmp_path)
-    engine.add_request("a", "one two", GREEDY)
-    engine.start_profile()
-    run_steps(engine)
-    engine.stop_profile()
+    profile_one_request(model_dir, tmp_path)
     assert step_numbers(load_trace(tmp_path)) == list(range(GREEDY.max_tokens))
     assert "key_averages table" in caplog.text and "failed to stop" not in caplog.text
 

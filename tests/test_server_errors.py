@@ -3,16 +3,13 @@ and the server keeps serving after all of them."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_process import API_KEY, MAX_MODEL_LEN, MODEL_NAME
+from server_process import API_KEY, MAX_MODEL_LEN, MODEL_NAME, in_process
 
 from slipstream.serve.engine import Engine, EngineConfig
 from slipstream.serve.protocol import MAX_STOP_STRINGS
@@ -391,23 +388,6 @@ def test_a_failing_request_template_is_a_400_naming_it(model_dir, template, erro
         response = client.post(CHAT, json={"messages": long, "max_tokens": 2, "truncate_prompt_tokens": 32,
                                            "chat_template": api.tokenizer.template_source(None, None)})
         assert response.status_code == 200, response.text
-
-
-@contextlib.contextmanager
-def in_process(api: OpenAIServer):
-    """The server's app under uvicorn on a thread of this process; yields its URL."""
-    server = uvicorn.Server(uvicorn.Config(api.app, host="127.0.0.1", port=0, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 # ---- fuzzing: random bodies over the fields the routes know ------------------------------------

@@ -3,12 +3,9 @@ and weights of one process with the same global batch."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
-from train_fixtures import read_metrics, small_config
+from train_fixtures import read_metrics, small_config, train_with_torchrun
 
 from slipstream.train.checkpoint import load_model_state
 from slipstream.train.trainer import Trainer
@@ -39,12 +36,7 @@ def test_two_ranks_match_one_process(strategy, data_dir, train_model_dir, single
     run_dir = tmp_path / strategy
     config = small_config(data_dir, train_model_dir, run_dir, *STEPS, "--training.micro_batch_size=2",
                           f"--parallel.strategy={strategy}")
-    (tmp_path / "run.toml").write_text(config.to_toml())
-    result = subprocess.run(
-        [sys.executable, "-m", "slipstream.cli", "train", "--nproc", "2",
-         "--config", str(tmp_path / "run.toml")],
-        capture_output=True, text=True, timeout=300,
-    )
+    result = train_with_torchrun(config, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = read_metrics(run_dir, "run")
     assert run["world_size"] == 2 and run["strategy"] == strategy and run["accumulation_steps"] == 2

@@ -8,14 +8,12 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from train_fixtures import read_metrics, small_config
+from train_fixtures import read_metrics, small_config, train_with_torchrun
 
 from slipstream.perf.trace import analyze
 from slipstream.train.config import ProfilingConfig, load_config
@@ -243,12 +241,7 @@ def test_two_ranks_write_a_trace_each(data_dir, train_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     config = small_config(data_dir, train_model_dir, run_dir, "--training.steps=4",
                           "--training.micro_batch_size=2", *EVERY_2_STEPS)
-    (tmp_path / "run.toml").write_text(config.to_toml())
-    result = subprocess.run(
-        [sys.executable, "-m", "slipstream.cli", "train", "--nproc", "2",
-         "--config", str(tmp_path / "run.toml")],
-        capture_output=True, text=True, timeout=300,
-    )
+    result = train_with_torchrun(config, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     expected = ["rank0_trace.json", "rank1_trace.json"]
     assert _trace_files(run_dir) == {"iteration_2": expected, "iteration_4": expected}

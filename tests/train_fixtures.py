@@ -11,6 +11,8 @@ and import its helpers; it holds no asserts (PYTEST_DONT_REWRITE).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -85,6 +87,17 @@ def small_config(data_dir: Path, train_model_dir: Path, run_dir: Path, *extra: s
         "--eval.interval=0", "--checkpoint.save_final=false", "--logging.tensorboard=false",
         "--logging.peak_flops_per_s=1e11", *extra,
     ])
+
+
+def train_with_torchrun(config: TrainConfig, work_dir: Path, nproc: int = 2) -> subprocess.CompletedProcess:
+    """`slipstream train --nproc N` (torchrun) on `config`, written to work_dir/run.toml, as a user
+    runs it; the finished process, its output captured."""
+    (work_dir / "run.toml").write_text(config.to_toml())
+    return subprocess.run(
+        [sys.executable, "-m", "slipstream.cli", "train", "--nproc", str(nproc),
+         "--config", str(work_dir / "run.toml")],
+        capture_output=True, text=True, timeout=300,
+    )
 
 
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
