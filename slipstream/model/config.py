@@ -1,8 +1,10 @@
 """ModelConfig: the Llama-family decoder shape, read from and written to Hugging Face `config.json`.
 
 One frozen dataclass covers `llama` (with Llama 3 and linear RoPE scaling), `mistral` (optional
-sliding window), `qwen2` (q/k/v bias) and `qwen3` (per-head q/k RMSNorm). The family decides the
-few structural switches (`qkv_bias`, `o_bias`, `qk_norm`); everything else is a plain field.
+sliding window), `qwen2` (q/k/v bias) and `qwen3` (per-head q/k RMSNorm), and their
+mixture-of-experts variants `mixtral`, `qwen2_moe` (with a gated shared expert) and `qwen3_moe`,
+whose attention is their dense family's. The family decides the few structural switches
+(`qkv_bias`, `o_bias`, `qk_norm`); everything else is a plain field.
 
 Both spellings Hugging Face has used are read: the transformers 4 keys `rope_theta` /
 `rope_scaling` / `torch_dtype` and the transformers 5 keys `rope_parameters` / `dtype`, with
@@ -24,7 +26,9 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
+"""Each mixture-of-experts model type and the dense family whose attention and config keys it shares."""
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -39,6 +43,7 @@ _IGNORED_KEYS = frozenset(
         "rope_parameters", "hidden_act", "id2label", "label2id", "problem_type",
         "chunk_size_feed_forward",
         "is_matryoshka", "matryoshka_dimensions",  # read by the pooling runner (serve/pooling.py)
+        "num_local_experts", "router_jitter_noise", "qkv_bias",  # checked by _read_experts and the like
     }
 )
 
@@ -111,6 +116,25 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    num_experts: int | None = None
+    """Routed experts in each mixture-of-experts layer (config.json's `num_local_experts` or
+    `num_experts`); None for a dense model, and only then."""
+    num_experts_per_tok: int = 2
+    """Experts each token is routed to (the top k of the router's softmax)."""
+    moe_intermediate_size: int | None = None
+    """Width of each routed expert's SwiGLU; Mixtral's experts are `intermediate_size` wide."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k routing weights to sum to 1 (always so in Mixtral)."""
+    decoder_sparse_step: int = 1
+    """Qwen: layer i is a mixture-of-experts layer when (i + 1) % step == 0 and i is not in
+    `mlp_only_layers`; the others have a dense MLP `intermediate_size` wide."""
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int | None = None
+    """qwen2_moe: width of the shared expert every token also passes through, scaled by
+    sigmoid(shared_expert_gate(x))."""
+    router_aux_loss_coef: float = 0.001
+    """Weight of the load-balancing loss added to the training loss when `output_router_logits`."""
+    output_router_logits: bool = False
     dtype: str = "float32"
     """The dtype the weights are stored in: config.json's `dtype` (or `torch_dtype`); where it names
     none, `from_pretrained` reads the safetensors headers' (as vLLM does), `from_hf_dict` assumes
@@ -154,19 +178,73 @@ class ModelConfig:
             _check_token_ids(name, getattr(self, name), many=name == "eos_token_id")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
-        if self.attention_bias and self.model_type in ("mistral", "qwen2"):
+        if self.attention_bias and self.family in ("mistral", "qwen2"):
             raise ValueError(f"attention_bias=True is not supported for model_type {self.model_type!r}")
         if self.mlp_bias and self.model_type != "llama":
             raise ValueError(f"mlp_bias=True is not supported for model_type {self.model_type!r}")
-        if self.sliding_window is not None and self.model_type != "mistral":
+        if self.sliding_window is not None and self.family != "mistral":
             raise ValueError(
-                f"sliding_window is only supported for model_type 'mistral', not {self.model_type!r}"
+                "sliding_window is only supported for model_type 'mistral' or 'mixtral', "
+                f"not {self.model_type!r}"
             )
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        if isinstance(self.mlp_only_layers, list):
+            object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if self.model_type not in MOE_FAMILY:
+            given = [f"{name}={getattr(self, name)!r}" for name in ("num_experts", "moe_intermediate_size",
+                                                                    "shared_expert_intermediate_size")
+                     if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} given for model_type {self.model_type!r}, which has no "
+                                 f"experts; mixture-of-experts types: {', '.join(MOE_FAMILY)}")
+            return
+        if self.num_experts is None:
+            raise ValueError(f"model_type {self.model_type!r} needs num_experts (a positive integer)")
+        for name in ("num_experts", "num_experts_per_tok", "decoder_sparse_step"):
+            _check_positive_int(name, getattr(self, name))
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
+                             f"({self.num_experts})")
+        for name in ("norm_topk_prob", "output_router_logits"):
+            _check_bool(name, getattr(self, name))
+        coef = self.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < math.inf:
+            raise ValueError(f"router_aux_loss_coef must be a non-negative number, got {coef!r}")
+        object.__setattr__(self, "router_aux_loss_coef", float(coef))
+        layers = self.mlp_only_layers
+        if not isinstance(layers, tuple) or any(isinstance(i, bool) or not isinstance(i, int)
+                                                or not 0 <= i < self.num_hidden_layers for i in layers):
+            raise ValueError(f"mlp_only_layers must list layer indices below num_hidden_layers "
+                             f"({self.num_hidden_layers}), got {layers!r}")
+        if self.model_type == "mixtral":
+            # Mixtral routes every layer, renormalises the top k and sizes experts by intermediate_size.
+            if self.moe_intermediate_size not in (None, self.intermediate_size):
+                raise ValueError(f"mixtral experts are intermediate_size ({self.intermediate_size}) wide; "
+                                 f"got moe_intermediate_size={self.moe_intermediate_size!r}")
+            if self.decoder_sparse_step != 1 or layers:
+                raise ValueError("mixtral routes every layer: decoder_sparse_step and mlp_only_layers "
+                                 "cannot change")
+            object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
+            object.__setattr__(self, "norm_topk_prob", True)
+        _check_positive_int("moe_intermediate_size", self.moe_intermediate_size)
+        if self.model_type == "qwen2_moe":
+            _check_positive_int("shared_expert_intermediate_size", self.shared_expert_intermediate_size)
+        elif self.shared_expert_intermediate_size is not None:
+            raise ValueError(f"shared_expert_intermediate_size is only supported for model_type 'qwen2_moe', "
+                             f"not {self.model_type!r}")
 
     # Structural switches decided by the family.
     @property
+    def family(self) -> str:
+        """The dense family whose attention this model has: the model type, or for a
+        mixture-of-experts type its dense counterpart (mixtral: mistral)."""
+        return MOE_FAMILY.get(self.model_type, self.model_type)
+
+    @property
     def qkv_bias(self) -> bool:
-        return self.model_type == "qwen2" or self.attention_bias
+        return self.family == "qwen2" or self.attention_bias
 
     @property
     def o_bias(self) -> bool:
@@ -174,7 +252,16 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return self.model_type == "qwen3"
+        return self.family == "qwen3"
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` routes tokens to experts (else it has a dense MLP)."""
+        return (self.is_moe and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -206,7 +293,9 @@ class ModelConfig:
         act = d.get("hidden_act", "silu")
         if act not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU
             raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
-        _check_unsupported_features(d)
+        _check_unsupported_features(d, moe=model_type in MOE_FAMILY)
+        if model_type in MOE_FAMILY:
+            d = _read_experts(model_type, d)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in d if k not in known and k not in _IGNORED_KEYS)
         if unknown:
@@ -246,15 +335,33 @@ class ModelConfig:
             "torch_dtype": self.dtype,
             "dtype": self.dtype,
         }
-        if self.model_type in ("llama", "qwen3"):
+        if self.family in ("llama", "qwen3"):
             out["attention_bias"] = self.attention_bias
         if self.model_type == "llama":
             out["mlp_bias"] = self.mlp_bias
-        if self.model_type == "mistral":
+        if self.family == "mistral":
             out["sliding_window"] = self.sliding_window
-        if self.model_type in ("qwen2", "qwen3"):
+        if self.family in ("qwen2", "qwen3"):
             out["use_sliding_window"] = False
             out["sliding_window"] = None
+        if self.is_moe:
+            out |= self._experts_to_hf()
+        return out
+
+    def _experts_to_hf(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "num_local_experts" if self.model_type == "mixtral" else "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "router_aux_loss_coef": self.router_aux_loss_coef,
+            "output_router_logits": self.output_router_logits,
+        }
+        if self.model_type == "mixtral":
+            return out | {"router_jitter_noise": 0.0}
+        out |= {"moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                "decoder_sparse_step": self.decoder_sparse_step,
+                "mlp_only_layers": list(self.mlp_only_layers)}
+        if self.model_type == "qwen2_moe":
+            out |= {"shared_expert_intermediate_size": self.shared_expert_intermediate_size, "qkv_bias": True}
         return out
 
     @classmethod
@@ -296,6 +403,16 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                          "max_position_embeddings": 4096 * 32, "sliding_window": 4096},
     "qwen2": _QWEN,
     "qwen3": _QWEN | {"head_dim": 128},
+    "mixtral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
+                "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_experts_per_tok": 2, "num_experts": 8},
+    "qwen2_moe": _QWEN | {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
+                          "num_attention_heads": 16, "num_key_value_heads": 16, "moe_intermediate_size": 1408,
+                          "shared_expert_intermediate_size": 5632, "num_experts_per_tok": 4,
+                          "num_experts": 60},
+    "qwen3_moe": _QWEN | {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
+                          "num_attention_heads": 32, "num_key_value_heads": 4, "moe_intermediate_size": 768,
+                          "num_experts_per_tok": 8, "num_experts": 128},
 }
 """What the family's config class in transformers assumes for a key that config.json leaves out,
 where ModelConfig has no default or another one (Qwen's `sliding_window` and `max_window_layers`
@@ -311,12 +428,23 @@ _NOT_NULL_ANY = frozenset(
         "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "hidden_act",
     }
 )
+_NOT_NULL_EXPERTS = frozenset({"decoder_sparse_step", "moe_intermediate_size", "num_experts_per_tok",
+                               "num_experts", "norm_topk_prob", "output_router_logits",
+                               "router_aux_loss_coef"})
 _NOT_NULL = {
     "llama": _NOT_NULL_ANY | {"attention_bias", "mlp_bias"},
     "mistral": _NOT_NULL_ANY | {"num_key_value_heads", "attention_dropout"},
     "qwen2": _NOT_NULL_ANY | {"use_sliding_window", "max_window_layers", "attention_dropout"},
     "qwen3": _NOT_NULL_ANY | {"head_dim", "attention_bias", "use_sliding_window", "max_window_layers",
                               "attention_dropout"},
+    "mixtral": _NOT_NULL_ANY | {"num_key_value_heads", "attention_dropout", "num_experts_per_tok",
+                                "num_local_experts", "output_router_logits", "router_aux_loss_coef",
+                                "router_jitter_noise"},
+    "qwen2_moe": _NOT_NULL_ANY | _NOT_NULL_EXPERTS | {
+        "use_sliding_window", "max_window_layers", "attention_dropout", "shared_expert_intermediate_size",
+        "qkv_bias"},
+    "qwen3_moe": _NOT_NULL_ANY | _NOT_NULL_EXPERTS | {
+        "num_key_value_heads", "attention_bias", "use_sliding_window", "attention_dropout"},
 }
 """The config.json keys for which the family's config class in transformers 5 refuses null (a field
 typed without None); for the others null means "derived" or "none" (or the key is no field of that
@@ -327,6 +455,9 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -334,21 +465,48 @@ _ARCHITECTURES = {
 # decoder does not implement; better a clear error than wrong logits.
 _UNSUPPORTED_FEATURES = {
     "quantization_config": None,
-    "num_experts": None,
-    "num_local_experts": None,
     "partial_rotary_factor": 1.0,
     "use_mrope": False,
     "attn_logit_softcapping": None,
     "final_logit_softcapping": None,
+    "router_jitter_noise": 0.0,
 }
+_EXPERT_KEYS = ("num_experts", "num_local_experts")
+"""The two spellings of the expert count: Mixtral's (which transformers 5 also writes for Qwen3-MoE)
+and Qwen's."""
 
 
-def _check_unsupported_features(d: dict[str, Any]) -> None:
+def _check_unsupported_features(d: dict[str, Any], *, moe: bool) -> None:
     _, rope = _rope_block(d)  # transformers 5 keeps partial_rotary_factor in here
     for fields in (d, rope):
         for key, harmless in _UNSUPPORTED_FEATURES.items():
             if key in fields and fields[key] != harmless:
                 raise ValueError(f"unsupported config.json field {key}={fields[key]!r}")
+    if not moe:
+        for key in _EXPERT_KEYS:
+            if d.get(key) is not None:
+                raise ValueError(f"unsupported config.json field {key}={d[key]!r}: model_type "
+                                 f"{d.get('model_type')!r} has no experts; use {', '.join(MOE_FAMILY)}")
+
+
+def _read_experts(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
+    """`d` with the expert count under `num_experts` whichever spelling it used, and the keys that
+    only hold one value here checked (Mixtral has no norm_topk_prob: it always renormalises)."""
+    given = {key: d[key] for key in _EXPERT_KEYS if d.get(key) is not None}
+    if len(set(given.values())) > 1:
+        raise ValueError(f"config.json gives num_experts={given['num_experts']!r} and "
+                         f"num_local_experts={given['num_local_experts']!r}; they name the same count")
+    d = {k: v for k, v in d.items() if k != "num_local_experts"}
+    if given:
+        d["num_experts"] = next(iter(given.values()))
+    if model_type == "mixtral":
+        for key in ("norm_topk_prob", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers"):
+            d.pop(key, None)  # not Mixtral config fields: transformers ignores them
+    if model_type == "qwen2_moe" and d.get("qkv_bias", True) is not True:
+        raise ValueError(f"qwen2_moe with qkv_bias={d['qkv_bias']!r} is not supported (only q/k/v with bias)")
+    if d.get("mlp_only_layers") is None:
+        d.pop("mlp_only_layers", None)
+    return d
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -451,7 +609,7 @@ def _read_sliding_window(
     windowed layers are refused; its window is none, as in transformers, unless
     `use_sliding_window` with a window and a layer at or past `max_window_layers` (or one that
     `layer_types` names "sliding_attention")."""
-    if model_type == "mistral":
+    if MOE_FAMILY.get(model_type, model_type) == "mistral":
         window = d.get("sliding_window")
         if window is None:
             return None

@@ -557,6 +557,9 @@ def _use_llama_pipeline(backend: tokenizers.Tokenizer, config: Mapping[str, Any]
     backend.decoder = decoders.Sequence(steps)
 
 
+_TOKENIZER_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen3", "qwen3_moe": "qwen3"}
+
+
 def rebuilt_pipeline(config: Mapping[str, Any], model_type: str | None) -> str | None:
     """Which tokenizer class of its own transformers 5's `AutoTokenizer` builds around the vocab
     of a model directory's tokenizer.json, given its tokenizer_config.json (`config`) and
@@ -570,7 +573,11 @@ def rebuilt_pipeline(config: Mapping[str, Any], model_type: str | None) -> str |
       Qwen2Tokenizer(Fast), for any model type whose registered tokenizer is a class of its own
       (llama, qwen3) or none (no config.json), since transformers then trusts the named class;
       and a qwen3 model (registered: Qwen2Tokenizer) whose tokenizer_config.json names no class.
-      Mistral's registered tokenizer is generic, so a mistral model reads the file as it is."""
+      Mistral's registered tokenizer is generic, so a mistral model reads the file as it is.
+
+    Mixture-of-experts types register what their dense family does: mixtral mistral's generic
+    tokenizer, qwen2_moe and qwen3_moe Qwen2Tokenizer (neither is in the incorrect-class list)."""
+    model_type = _TOKENIZER_FAMILY.get(model_type, model_type)
     named = str(config.get("tokenizer_class") or "").removesuffix("Fast")
     if named == "LlamaTokenizer" and model_type in (None, "llama"):
         return "llama"

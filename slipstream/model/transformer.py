@@ -4,7 +4,9 @@
 the batch attends causally to itself (SDPA); the serving engine instead passes an attention
 metadata object, which each layer calls as `attn(layer_idx, q, k, v)` to write the new keys and
 values into the paged cache and attend over it. Parameter names equal Hugging Face's
-(`model.layers.0.self_attn.q_proj.weight`, ...), so checkpoints load without renaming.
+(`model.layers.0.self_attn.q_proj.weight`, ...), so checkpoints load without renaming, except
+Mixtral's experts, which take Qwen-MoE's names here (`mlp.experts.0.gate_proj` for
+`block_sparse_moe.experts.0.w1`; `model.weights` renames them on the way in and out).
 
 The numerics follow Hugging Face's implementation step for step (RMSNorm in fp32, RoPE tables
 in fp32 cast to the activation dtype, `rotate_half` pairing), so fp32 logits agree to rounding.
@@ -219,11 +221,11 @@ class SiluAndMul(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), `intermediate_size` wide unless told otherwise (experts)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        E, F_ = config.hidden_size, config.intermediate_size
+        E, F_ = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_proj = nn.Linear(E, F_, bias=config.mlp_bias)
         self.up_proj = nn.Linear(E, F_, bias=config.mlp_bias)
         self.down_proj = nn.Linear(F_, E, bias=config.mlp_bias)
@@ -239,13 +241,79 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:  # (N, X) -> (N, k) fp32 weights, (N, k) expert ids
+    """Each token's `top_k` experts and their weights: the largest softmax probabilities (in
+    fp32), renormalised to sum to 1 where `renormalize`."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+class SparseMoeBlock(nn.Module):
+    """A mixture-of-experts MLP (Mixtral, Qwen-MoE): a linear router picks `num_experts_per_tok`
+    SwiGLU experts per token, whose outputs are summed weighted by the routing weights; qwen2_moe
+    adds a shared expert scaled by sigmoid(shared_expert_gate(x)).
+
+    The experts run one after another on the tokens routed to them, as Hugging Face's eager
+    implementation runs them (in increasing expert order, so fp32 sums round alike). Mixtral
+    multiplies expert outputs by the fp32 routing weights, Qwen by weights cast to the activation
+    dtype, as their reference implementations do.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        self.fp32_weights = config.model_type == "mixtral"
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            MLP(config, config.moe_intermediate_size) for _ in range(config.num_experts)
+        )
+        if config.shared_expert_intermediate_size is not None:
+            self.shared_expert = MLP(config, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., E) -> (..., E)
+        shape = x.shape
+        x = cast_once_for_autocast(x).reshape(-1, shape[-1])  # (N, E)
+        router_logits = self.gate(x)  # (N, X)
+        weights, experts = route(router_logits, self.top_k, self.renormalize)  # (N, k) each
+        if not self.fp32_weights:
+            weights = weights.to(router_logits.dtype)
+        out = self._routed(x, weights, experts)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(shape)
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        flat = experts.flatten()  # (N * k,): choice j of token t at t * k + j
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            chosen = order[start:start + count]
+            start += count
+            tokens = chosen // self.top_k
+            contribution = self.experts[expert](x[tokens]) * weights.flatten()[chosen, None]
+            out.index_add_(0, tokens, contribution.to(out.dtype))
+        return out
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoeBlock(config) if config.is_moe_layer(layer_idx) else MLP(config)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata | None

@@ -107,6 +107,34 @@ def stored_dtype(model_dir: str | Path) -> torch.dtype | None:
     return found.pop() if len(found) == 1 else torch.float32
 
 
+_MIXTRAL_EXPERT = re.compile(r"(model\.layers\.\d+\.)block_sparse_moe\.(gate|experts\.\d+\.w[123])\.weight")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_MIXTRAL_NAME = {v: k for k, v in _MIXTRAL_PROJ.items()}
+_MODEL_EXPERT = re.compile(r"(model\.layers\.\d+\.)mlp\.(gate|experts\.\d+\.(?:gate|up|down)_proj)\.weight")
+
+
+def model_name(config: ModelConfig, name: str) -> str:
+    """The `Transformer` parameter that checkpoint tensor `name` fills: the same name, except for
+    Mixtral's `block_sparse_moe` experts (w1, w3, w2: gate, up and down projections)."""
+    match = _MIXTRAL_EXPERT.fullmatch(name) if config.model_type == "mixtral" else None
+    if match is None:
+        return name
+    prefix, rest = match.groups()
+    head, _, proj = rest.rpartition(".")
+    return f"{prefix}mlp.{head}.{_MIXTRAL_PROJ[proj]}.weight" if head else f"{prefix}mlp.gate.weight"
+
+
+def checkpoint_name(config: ModelConfig, name: str) -> str:
+    """The checkpoint name of `Transformer` parameter `name`: `model_name` inverted."""
+    match = _MODEL_EXPERT.fullmatch(name) if config.model_type == "mixtral" else None
+    if match is None:
+        return name
+    prefix, rest = match.groups()
+    head, _, proj = rest.rpartition(".")
+    moe = f"{prefix}block_sparse_moe."
+    return f"{moe}{head}.{_MIXTRAL_NAME[proj]}.weight" if head else f"{moe}gate.weight"
+
+
 def iter_tensors(
     model_dir: str | Path, *, release_each: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -160,7 +188,8 @@ def load_model(
     # When the stored dtype is kept on the CPU, parameters stay views of the memory-mapped file
     # (no copy at all); otherwise each tensor is converted from its own short-lived mapping.
     keep_mapped = str(device) == "cpu" and dtype == resolve_dtype(stored.dtype)
-    for name, tensor in iter_tensors(model_dir, release_each=not keep_mapped):
+    for stored_name, tensor in iter_tensors(model_dir, release_each=not keep_mapped):
+        name = model_name(config, stored_name)
         if name in tied:
             stored_head = tensor[:: max(1, tensor.shape[0] // 8)].to(dtype).to(torch.float32, copy=True)
             continue
@@ -168,16 +197,17 @@ def load_model(
             continue
         param = params.pop(name, None)
         if param is None:
-            unexpected.append(name)
+            unexpected.append(stored_name)
             continue
         if tensor.shape != param.shape:
             raise ValueError(
-                f"weight {name} has shape {tuple(tensor.shape)} in {model_dir}, "
+                f"weight {stored_name} has shape {tuple(tensor.shape)} in {model_dir}, "
                 f"but the config implies {tuple(param.shape)}"
             )
         _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
     if params:
-        raise ValueError(f"weights missing from {model_dir}: {', '.join(sorted(params))}")
+        missing = sorted(checkpoint_name(config, name) for name in params)
+        raise ValueError(f"weights missing from {model_dir}: {', '.join(missing)}")
     if unexpected:
         raise ValueError(f"unexpected weights in {model_dir}: {', '.join(sorted(unexpected))}")
     model.tie_weights()
@@ -260,7 +290,7 @@ def save_model(
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     state = {
-        name: tensor
+        checkpoint_name(model.config, name): tensor
         for name, tensor in model.state_dict().items()
         if not (name == "lm_head.weight" and model.config.tie_word_embeddings)
     }
