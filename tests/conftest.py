@@ -34,6 +34,28 @@ FAMILIES = {
     ),
 }
 
+# One tiny shape per mixture-of-experts family: Mixtral (every layer routed, renormalised top-2),
+# Qwen3-MoE (q/k norms, dense layers between routed ones, top-3 of 6 without renormalising) and
+# Qwen2-MoE (q/k/v bias, a gated shared expert, a dense layer named in mlp_only_layers).
+MOE_FAMILIES = {
+    "mixtral": dict(
+        model_type="mixtral", vocab_size=320, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512, sliding_window=9,
+    ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", vocab_size=320, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_experts=6, num_experts_per_tok=3, moe_intermediate_size=48, decoder_sparse_step=2,
+    ),
+    "qwen2_moe": dict(
+        model_type="qwen2_moe", vocab_size=320, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_experts=5,
+        num_experts_per_tok=2, moe_intermediate_size=40, shared_expert_intermediate_size=56,
+        mlp_only_layers=[1], norm_topk_prob=True,
+    ),
+}
+
 
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request) -> str:
@@ -49,6 +71,11 @@ def family_config(family):
     return ModelConfig.from_hf_dict(transformers.AutoConfig.for_model(**FAMILIES[family]).to_dict())
 
 
+@pytest.fixture(params=sorted(MOE_FAMILIES))
+def moe_family(request) -> str:
+    return request.param
+
+
 @pytest.fixture
 def make_hf_model():
     """Factory for transformers reference models (see `build_hf_model`)."""
@@ -62,10 +89,14 @@ def build_hf_model(family: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     # A deep copy: transformers writes into nested dicts it is given (rope_scaling), which would
     # leak one test's overrides into the next build of the family.
-    config = transformers.AutoConfig.for_model(**(copy.deepcopy(FAMILIES[family]) | overrides))
+    shape = FAMILIES[family] if family in FAMILIES else MOE_FAMILIES[family]
+    config = transformers.AutoConfig.for_model(**(copy.deepcopy(shape) | overrides))
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name or "bias" in name:
                 param.add_(0.2 * torch.randn_like(param))
+            if name.endswith("mlp.gate.weight"):
+                # Routers far from uniform: top-k choices then rest on clear margins, not on rounding.
+                param.normal_(0.0, 1.0)
     return model.eval()

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from slipstream.model import ModelConfig, RopeScaling
+from slipstream.model.config import MOE_FAMILY
 
 BASE = dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128,
             num_hidden_layers=2, num_attention_heads=4)
@@ -109,12 +110,17 @@ def test_json_written_is_plain(tmp_path):
     assert d["architectures"] == ["LlamaForCausalLM"] and d["rope_theta"] == 10000.0
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+ALL_TYPES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+
+
+@pytest.mark.parametrize("model_type", ALL_TYPES)
 @pytest.mark.parametrize("left_out", [("num_key_value_heads",), ("head_dim",), ("max_position_embeddings",),
                                       ("sliding_window",), ("sliding_window", "max_position_embeddings"),
                                       ("num_key_value_heads", "head_dim"), ("vocab_size",), ("hidden_size",),
                                       ("intermediate_size",), ("num_hidden_layers",),
-                                      ("num_attention_heads",)])
+                                      ("num_attention_heads",), ("num_experts", "num_local_experts"),
+                                      ("num_experts_per_tok",), ("moe_intermediate_size",),
+                                      ("shared_expert_intermediate_size",), ("norm_topk_prob",)])
 def test_keys_left_out_mean_what_transformers_assumes(model_type, left_out):
     """A key config.json leaves out takes the default of the family's config class in transformers
     (Mistral's 4,096-token window and 8 kv heads, Qwen3's head_dim of 128, ...), as vLLM, which
@@ -122,7 +128,15 @@ def test_keys_left_out_mean_what_transformers_assumes(model_type, left_out):
     transformers = pytest.importorskip("transformers")
     full = {"model_type": model_type, "vocab_size": 100, "hidden_size": 256, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 16,
-            "max_position_embeddings": 512, "sliding_window": 64 if model_type == "mistral" else None}
+            "max_position_embeddings": 512,
+            "sliding_window": 64 if model_type in ("mistral", "mixtral") else None}
+    if model_type in MOE_FAMILY:
+        full |= {"num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                 "norm_topk_prob": True}
+        if model_type == "qwen2_moe":
+            full["shared_expert_intermediate_size"] = 80
+        if model_type == "mixtral":
+            full = {k: v for k, v in full.items() if k not in ("moe_intermediate_size", "norm_topk_prob")}
     d = {k: v for k, v in full.items() if k not in left_out}
     hf = transformers.AutoConfig.for_model(**d)
     ours = ModelConfig.from_hf_dict(d)
@@ -131,9 +145,15 @@ def test_keys_left_out_mean_what_transformers_assumes(model_type, left_out):
     assert ours.num_key_value_heads == hf.num_key_value_heads
     assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
     assert ours.max_position_embeddings == hf.max_position_embeddings
-    window = hf.sliding_window if model_type == "mistral" else None
+    window = hf.sliding_window if model_type in ("mistral", "mixtral") else None
     # A window as long as the context is plain causal attention, which ours holds as None.
     assert ours.sliding_window == (window if window and window < hf.max_position_embeddings else None)
+    assert ours.rope_theta == hf.rope_parameters["rope_theta"]
+    if model_type in MOE_FAMILY:
+        assert ours.num_experts == hf.num_experts and ours.num_experts_per_tok == hf.num_experts_per_tok
+        assert ours.moe_intermediate_size == getattr(hf, "moe_intermediate_size", hf.intermediate_size)
+        assert ours.norm_topk_prob == getattr(hf, "norm_topk_prob", True)
+        assert ours.shared_expert_intermediate_size == getattr(hf, "shared_expert_intermediate_size", None)
     if model_type == "mistral":
         assert ModelConfig.from_hf_dict(full | {"sliding_window": None}).sliding_window is None
 
@@ -144,10 +164,17 @@ NULL_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
              "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
              "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "sliding_window",
              "use_sliding_window", "max_window_layers", "layer_types", "rope_scaling", "rope_parameters",
-             "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype", "attention_dropout"]
+             "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype", "attention_dropout",
+             "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+             "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
+             "router_aux_loss_coef", "output_router_logits"]
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+NULL_THAT_BREAKS_THE_MODEL = {("mixtral", "num_experts"), ("qwen2_moe", "num_key_value_heads")}
+"""Nulls transformers' config class keeps but its model cannot be built with."""
+
+
+@pytest.mark.parametrize("model_type", ALL_TYPES)
 @pytest.mark.parametrize("key", NULL_KEYS)
 def test_null_refused_where_transformers_refuses_it(model_type, key):
     """A null transformers 5 refuses (rms_norm_eps, max_position_embeddings, tie_word_embeddings,
@@ -160,6 +187,12 @@ def test_null_refused_where_transformers_refuses_it(model_type, key):
     try:
         hf = transformers.AutoConfig.for_model(**json.loads(json.dumps(d)))
     except Exception:  # noqa: BLE001 (its error types vary by key)
+        with pytest.raises(ValueError, match=f"null for {key}"):
+            ModelConfig.from_hf_dict(d)
+        return
+    if (model_type, key) in NULL_THAT_BREAKS_THE_MODEL:
+        with pytest.raises(TypeError):
+            transformers.AutoModelForCausalLM.from_config(hf)
         with pytest.raises(ValueError, match=f"null for {key}"):
             ModelConfig.from_hf_dict(d)
         return

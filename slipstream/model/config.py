@@ -438,16 +438,17 @@ _NOT_NULL = {
     "qwen3": _NOT_NULL_ANY | {"head_dim", "attention_bias", "use_sliding_window", "max_window_layers",
                               "attention_dropout"},
     "mixtral": _NOT_NULL_ANY | {"num_key_value_heads", "attention_dropout", "num_experts_per_tok",
-                                "num_local_experts", "output_router_logits", "router_aux_loss_coef",
-                                "router_jitter_noise"},
+                                "num_local_experts", "num_experts", "output_router_logits",
+                                "router_aux_loss_coef", "router_jitter_noise"},
     "qwen2_moe": _NOT_NULL_ANY | _NOT_NULL_EXPERTS | {
         "use_sliding_window", "max_window_layers", "attention_dropout", "shared_expert_intermediate_size",
-        "qkv_bias"},
+        "qkv_bias", "num_key_value_heads"},
     "qwen3_moe": _NOT_NULL_ANY | _NOT_NULL_EXPERTS | {
         "num_key_value_heads", "attention_bias", "use_sliding_window", "attention_dropout"},
 }
 """The config.json keys for which the family's config class in transformers 5 refuses null (a field
-typed without None); for the others null means "derived" or "none" (or the key is no field of that
+typed without None), or keeps a null its model cannot be built with (Mixtral's num_experts, Qwen2-MoE's
+num_key_value_heads); for the others null means "derived" or "none" (or the key is no field of that
 class, as `mlp_bias` of Mistral), and slipstream reads it so."""
 
 _ARCHITECTURES = {

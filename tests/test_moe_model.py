@@ -1,0 +1,167 @@
+"""Mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE) against transformers: logits, gradients,
+checkpoints both ways, and the config errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import MOE_FAMILIES
+
+from slipstream.model import ModelConfig, Transformer, load_model, save_model
+from slipstream.model.transformer import SparseMoeBlock, route
+from slipstream.model.weights import checkpoint_name, model_name
+
+transformers = pytest.importorskip("transformers")
+
+
+def _inputs(vocab_size: int, batch: int, seq: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    return ids, torch.arange(seq).expand(batch, seq)
+
+
+@pytest.mark.parametrize("seq", [1, 13])
+def test_hf_checkpoint_loads_with_equal_logits(moe_family, make_hf_model, tmp_path, seq):
+    hf = make_hf_model(moe_family)
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    ids, positions = _inputs(hf.config.vocab_size, 3, seq, seed=seq)
+    with torch.no_grad():
+        diff = (hf(input_ids=ids).logits - ours(ids, positions)).abs().max().item()
+    assert diff < 1e-5, f"{moe_family}: max |logit diff| {diff:.3g}"
+
+
+def test_layers_follow_the_config(moe_family, make_hf_model, tmp_path):
+    """Routed and dense layers where transformers puts them (decoder_sparse_step, mlp_only_layers),
+    with a shared expert only in qwen2_moe."""
+    hf = make_hf_model(moe_family)
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    theirs = [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in hf.model.layers]
+    assert [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.model.layers] == theirs
+    assert any(theirs) and (moe_family == "mixtral" or not all(theirs))
+    assert all(hasattr(layer.mlp, "shared_expert") == (moe_family == "qwen2_moe")
+               for layer in ours.model.layers if isinstance(layer.mlp, SparseMoeBlock))
+
+
+def test_bf16_close_to_the_fp32_reference(moe_family, make_hf_model, tmp_path):
+    hf = make_hf_model(moe_family)
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path, dtype=torch.bfloat16)
+    ids, positions = _inputs(hf.config.vocab_size, 2, 9)
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits
+        got = ours(ids, positions).float()
+    assert (expected - got).abs().max().item() < 0.1 * expected.abs().max().item()
+
+
+def test_gradients_equal_transformers(moe_family, make_hf_model, tmp_path):
+    """The cross-entropy's gradients reach the routers and the chosen experts as in transformers."""
+    hf = make_hf_model(moe_family)
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path).train()
+    hf.train()
+    ids, positions = _inputs(hf.config.vocab_size, 2, 11, seed=3)
+    hf(input_ids=ids, labels=ids).loss.backward()
+    logits = ours(ids, positions)
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    theirs = dict(hf.named_parameters())
+    for name, param in ours.named_parameters():
+        if name.endswith("mlp.gate.weight") or "self_attn" in name or "shared_expert" in name:
+            reference = theirs[checkpoint_name(ours.config, name).replace("block_sparse_moe", "mlp")]
+            torch.testing.assert_close(param.grad, reference.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_slipstream_checkpoint_loads_in_transformers(moe_family, tmp_path):
+    config = ModelConfig.from_hf_dict(_hf_dict(moe_family))
+    torch.manual_seed(0)
+    ours = Transformer(config)
+    ours.init_weights(std=0.1)
+    save_model(ours, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(hf).__name__ == json.loads((tmp_path / "config.json").read_text())["architectures"][0]
+    ids, positions = _inputs(config.vocab_size, 2, 7)
+    with torch.no_grad():
+        diff = (hf(input_ids=ids).logits - ours.eval()(ids, positions)).abs().max().item()
+    assert diff < 1e-5
+    assert ModelConfig.from_pretrained(tmp_path) == config
+
+
+def test_mixtral_checkpoint_names():
+    config = ModelConfig.from_hf_dict(_hf_dict("mixtral"))
+    moe, ours = "model.layers.1.block_sparse_moe.", "model.layers.1.mlp."
+    pairs = {
+        f"{moe}experts.3.w1.weight": f"{ours}experts.3.gate_proj.weight",
+        f"{moe}experts.3.w3.weight": f"{ours}experts.3.up_proj.weight",
+        f"{moe}experts.3.w2.weight": f"{ours}experts.3.down_proj.weight",
+        f"{moe}gate.weight": f"{ours}gate.weight",
+        "model.layers.0.self_attn.q_proj.weight": "model.layers.0.self_attn.q_proj.weight",
+    }
+    for stored, ours in pairs.items():
+        assert model_name(config, stored) == ours and checkpoint_name(config, ours) == stored
+    qwen = config.replace(model_type="qwen3_moe", sliding_window=None)
+    assert model_name(qwen, "model.layers.0.mlp.experts.0.gate_proj.weight").endswith("gate_proj.weight")
+
+
+def test_missing_expert_is_named_as_stored(make_hf_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    make_hf_model("mixtral").save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing .*block_sparse_moe\.experts\.2\.w3\.weight"):
+        load_model(tmp_path)
+
+
+def test_route_picks_the_top_k_and_renormalises():
+    logits = torch.tensor([[2.0, 0.0, 1.0, -1.0], [0.0, 3.0, 0.0, 2.5]])
+    probs = torch.softmax(logits, dim=-1)
+    weights, experts = route(logits, 2, renormalize=False)
+    assert experts.tolist() == [[0, 2], [1, 3]]
+    torch.testing.assert_close(weights, probs.gather(1, experts))
+    weights, _ = route(logits, 2, renormalize=True)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2))
+
+
+def _hf_dict(family: str, **changes) -> dict:
+    return transformers.AutoConfig.for_model(**MOE_FAMILIES[family]).to_dict() | changes
+
+
+@pytest.mark.parametrize("family, changes, message", [
+    ("qwen3_moe", {"num_experts_per_tok": 7}, "num_experts_per_tok"),
+    ("qwen3_moe", {"num_experts": 0}, "num_experts"),
+    ("qwen3_moe", {"mlp_only_layers": [3]}, "mlp_only_layers"),
+    ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
+    ("qwen3_moe", {"router_aux_loss_coef": -1.0}, "router_aux_loss_coef"),
+    ("qwen3_moe", {"norm_topk_prob": "yes"}, "norm_topk_prob"),
+    ("qwen3_moe", {"num_experts": 6, "num_local_experts": 8}, "num_local_experts"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+    ("qwen2_moe", {"qkv_bias": False}, "qkv_bias"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": None}, "shared_expert_intermediate_size"),
+])
+def test_bad_expert_config_is_a_value_error(family, changes, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict(_hf_dict(family, **changes))
+
+
+def test_experts_on_a_dense_family_are_refused():
+    dense = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+             "num_hidden_layers": 1, "num_attention_heads": 2}
+    with pytest.raises(ValueError, match="num_local_experts"):
+        ModelConfig.from_hf_dict(dense | {"num_local_experts": 8})
+    with pytest.raises(ValueError, match="num_experts"):
+        ModelConfig(**{k: v for k, v in dense.items()}, num_experts=4)
+    with pytest.raises(ValueError, match="needs num_experts"):
+        ModelConfig(**(dense | {"model_type": "qwen3_moe"}))
+
+
+def test_config_round_trips_through_transformers(moe_family):
+    """to_hf_dict is read by transformers' config class as the same model: every MoE key it writes
+    lands where transformers looks for it."""
+    config = ModelConfig.from_hf_dict(_hf_dict(moe_family))
+    hf = transformers.AutoConfig.for_model(**config.to_hf_dict())
+    assert ModelConfig.from_hf_dict(hf.to_dict()) == config
+    assert hf.num_experts_per_tok == config.num_experts_per_tok
+    assert hf.num_experts == config.num_experts
