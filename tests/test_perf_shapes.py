@@ -78,3 +78,34 @@ def test_unknown_model_lists_names():
     """Guards the error for a model that is neither a preset, a GPT shape nor a path."""
     with pytest.raises(ValueError, match="known: .*llama3-70b.*megatron-1t"):
         resolve_model("gpt5")
+
+
+def test_moe_config_json_maps_to_a_shape_with_experts(tmp_path):
+    """Guards the mixture-of-experts mapping from a config.json (Qwen2-MoE: a dense layer named in
+    mlp_only_layers, a shared expert): the same counts as slipstream.perf.flops, total and active."""
+    from slipstream.model.config import ModelConfig
+
+    config = ModelConfig(model_type="qwen2_moe", vocab_size=96, hidden_size=48, intermediate_size=72,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_experts=5,
+                         num_experts_per_tok=2, moe_intermediate_size=20, shared_expert_intermediate_size=56,
+                         mlp_only_layers=(1,))
+    (tmp_path / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    shape = resolve_model(str(tmp_path))
+    assert (shape.num_experts, shape.experts_per_token, shape.moe_layers) == (5, 2, (0, 2))
+    assert shape.num_params() == flops.num_params(config)
+    assert shape.active_params() == flops.active_params(config) < shape.num_params()
+    assert shape.matmul_params() == flops.matmul_params(config)
+    assert shape.train_flops_per_token(512) == flops.train_flops_per_token(config, 512)
+
+
+def test_moe_config_without_routed_layers_is_dense():
+    """Guards a Qwen-MoE config whose decoder_sparse_step leaves every layer dense: a dense shape,
+    with the dense counts."""
+    from slipstream.model.config import ModelConfig
+
+    config = ModelConfig(model_type="qwen3_moe", vocab_size=96, hidden_size=48, intermediate_size=72,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=20, decoder_sparse_step=3)
+    shape = TransformerShape.from_model_config(config)
+    assert not shape.is_moe
+    assert shape.num_params() == flops.num_params(config) == flops.active_params(config)

@@ -11,6 +11,11 @@ Conventions (each function restates the one it uses):
 - Attention FLOPs follow PaLM (arXiv 2204.02311, appendix B) and torchtitan
   (`get_dense_model_nparams_and_flops`): QK^T and AV cost `4 * L * H * Q` per token per key,
   with every query charged for all `T` keys (no causal halving) unless `causal=True` is asked for.
+- Mixture-of-experts models (Mixtral, Qwen-MoE): `num_params` holds every expert, while FLOPs
+  count the weights a token uses (`matmul_params`: the router, its `num_experts_per_tok` experts
+  and qwen2_moe's shared expert and gate in each layer that `config.is_moe_layer`), so MFU is on
+  active FLOPs as Megatron and torchtitan count it. Bytes read per decode step count the experts
+  a batch is expected to touch under uniform routing (`expected_experts_touched`).
 
 Pure Python: no torch import, so planners and reports can use it without a runtime.
 """
@@ -54,18 +59,56 @@ def _attention_matmul_params(config: ModelConfig) -> int:
     return d * q_out + 2 * d * kv_out + q_out * d  # q, k, v, o projections
 
 
-def _layer_params(config: ModelConfig) -> int:
-    d, q, i = config.hidden_size, config.head_dim, config.intermediate_size
-    n = _attention_matmul_params(config) + 3 * d * i  # + gate, up, down
+def _attention_layer_params(config: ModelConfig) -> int:
+    """One layer's weights outside its MLP: q, k, v, o with their biases, q/k norms, both norms."""
+    d, q = config.hidden_size, config.head_dim
+    n = _attention_matmul_params(config)
     if config.qkv_bias:
         n += (config.num_attention_heads + 2 * config.num_key_value_heads) * q
     if config.o_bias:
         n += d
-    if config.mlp_bias:
-        n += 2 * i + d
     if config.qk_norm:
         n += 2 * q  # per-head q and k RMSNorm weights, shared across heads
     return n + 2 * d  # input_layernorm, post_attention_layernorm
+
+
+def _dense_mlp_params(config: ModelConfig) -> int:
+    d, i = config.hidden_size, config.intermediate_size
+    return 3 * d * i + (2 * i + d if config.mlp_bias else 0)  # gate, up, down (and their biases)
+
+
+def expert_params(config: ModelConfig) -> int:
+    """Weights of one routed expert: a SwiGLU `moe_intermediate_size` wide, without biases."""
+    return 3 * config.hidden_size * config.moe_intermediate_size
+
+
+def _shared_expert_params(config: ModelConfig) -> int:
+    """qwen2_moe's shared expert and its 1-wide sigmoid gate; 0 for the other types."""
+    width = config.shared_expert_intermediate_size
+    return 0 if width is None else 3 * config.hidden_size * width + config.hidden_size
+
+
+def _moe_mlp_params(config: ModelConfig, num_experts: int) -> int:
+    """A mixture-of-experts MLP with `num_experts` of its experts: the router (hidden x
+    num_experts, all of it whatever the count), the experts, and the shared expert with its gate."""
+    router = config.hidden_size * config.num_experts
+    return router + num_experts * expert_params(config) + _shared_expert_params(config)
+
+
+def num_moe_layers(config: ModelConfig) -> int:
+    """Layers that route to experts (`config.is_moe_layer`); the others have the dense MLP."""
+    return sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+
+
+def _mlp_params(config: ModelConfig, *, active: bool) -> int:
+    """Every layer's MLP weights: the dense ones, and each MoE layer's all experts (`active`:
+    the `num_experts_per_tok` a token uses)."""
+    moe_layers = num_moe_layers(config)
+    total = (config.num_hidden_layers - moe_layers) * _dense_mlp_params(config)
+    if moe_layers:
+        experts = config.num_experts_per_tok if active else config.num_experts
+        total += moe_layers * _moe_mlp_params(config, experts)
+    return total
 
 
 def num_params(config: ModelConfig, *, include_embedding: bool = True) -> int:
@@ -73,12 +116,25 @@ def num_params(config: ModelConfig, *, include_embedding: bool = True) -> int:
 
     Counts every weight of the Hugging Face model of this family: biases, qwen3's q/k norms, the
     final norm, and the lm_head once when it is not tied (a tied lm_head is the embedding matrix
-    and is counted once). `include_embedding=False` follows torchtitan's convention: the total
-    minus the input embedding table. An untied lm_head is then non-embedding; a tied one is the
-    embedding table and is excluded with it.
+    and is counted once); in a mixture-of-experts model every expert, each MoE layer's router and
+    qwen2_moe's shared expert and its gate. `include_embedding=False` follows torchtitan's
+    convention: the total minus the input embedding table. An untied lm_head is then
+    non-embedding; a tied one is the embedding table and is excluded with it.
     """
+    return _params(config, include_embedding=include_embedding, active=False)
+
+
+def active_params(config: ModelConfig, *, include_embedding: bool = True) -> int:
+    """Parameters one token uses: `num_params` with each MoE layer's experts cut to the
+    `num_experts_per_tok` the token is routed to (router and shared expert whole); the "A3B" of
+    Qwen3-30B-A3B. Equal to `num_params` for a dense model; embedding as in `num_params`."""
+    return _params(config, include_embedding=include_embedding, active=True)
+
+
+def _params(config: ModelConfig, *, include_embedding: bool, active: bool) -> int:
     embedding = embedding_params(config)
-    total = embedding + config.num_hidden_layers * _layer_params(config) + config.hidden_size
+    layers = config.num_hidden_layers * _attention_layer_params(config) + _mlp_params(config, active=active)
+    total = embedding + layers + config.hidden_size  # + the final norm
     if not config.tie_word_embeddings:
         total += embedding  # lm_head
     return total if include_embedding else total - embedding
@@ -89,11 +145,36 @@ def matmul_params(config: ModelConfig) -> int:
 
     The lm_head counts also when it is tied to the embedding (the logits matmul runs either
     way); the embedding lookup itself is a gather, not a matmul, and norms and biases are
-    elementwise, so none of those count.
+    elementwise, so none of those count. In a mixture-of-experts layer a token runs the router,
+    its `num_experts_per_tok` experts and qwen2_moe's shared expert and gate: whatever the routing,
+    every token runs exactly that many, so these are the active weights of every token.
     """
-    d, i = config.hidden_size, config.intermediate_size
-    per_layer = _attention_matmul_params(config) + 3 * d * i
-    return config.num_hidden_layers * per_layer + embedding_params(config)
+    moe_layers = num_moe_layers(config)
+    dense = 3 * config.hidden_size * config.intermediate_size
+    total = config.num_hidden_layers * _attention_matmul_params(config)
+    total += (config.num_hidden_layers - moe_layers) * dense + embedding_params(config)
+    if moe_layers:
+        total += moe_layers * _moe_mlp_params(config, config.num_experts_per_tok)
+    return total
+
+
+def expected_experts_touched(num_experts: int, experts_per_token: int, num_tokens: float) -> float:
+    """Expected distinct experts one MoE layer runs for `num_tokens` tokens: X (1 - (1 - k/X)^B).
+
+    Assumes uniform, independent routing: each token's k experts are a uniformly random k-subset
+    of the X, so a given expert escapes one token with probability 1 - k/X and all B tokens with
+    (1 - k/X)^B. One token touches exactly k, a large batch all X. Real routers are skewed, which
+    touches fewer experts than this (so it errs towards more bytes).
+    """
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive integer, got {num_experts!r}")
+    if (isinstance(experts_per_token, bool) or not isinstance(experts_per_token, int)
+            or not 1 <= experts_per_token <= num_experts):
+        raise ValueError(f"experts_per_token must be an integer from 1 to num_experts ({num_experts}), "
+                         f"got {experts_per_token!r}")
+    if isinstance(num_tokens, bool) or not num_tokens >= 0:
+        raise ValueError(f"num_tokens must be a number >= 0, got {num_tokens!r}")
+    return num_experts * (1.0 - (1.0 - experts_per_token / num_experts) ** num_tokens)
 
 
 def mean_keys_per_query(config: ModelConfig, seq_len: int) -> float:
@@ -153,7 +234,7 @@ def train_flops_per_token(config: ModelConfig, seq_len: int, *, causal: bool = F
 
 
 def weight_bytes(config: ModelConfig, dtype: Any = None) -> int:
-    """Bytes of all parameters (a tied lm_head once) in `dtype` (default: `config.dtype`)."""
+    """Bytes of all parameters (a tied lm_head once, every expert) in `dtype` (default: `config.dtype`)."""
     return num_params(config) * dtype_bytes(config.dtype if dtype is None else dtype)
 
 
@@ -170,11 +251,13 @@ def kv_cache_bytes_per_token(config: ModelConfig, dtype: Any = None) -> int:
 
 def decode_bytes_per_step(
     config: ModelConfig, dtype: Any, batch_size: int, context_len: int
-) -> int:
+) -> float:
     """Bytes read from memory by one decode step of `batch_size` sequences (a roofline bound).
 
     Every weight is read once, except the input embedding table, of which only the `batch_size`
-    gathered rows are read (a tied table is read in full anyway, by the lm_head). Each sequence
+    gathered rows are read (a tied table is read in full anyway, by the lm_head), and the routed
+    experts of a mixture-of-experts layer, of which only those the batch touches are read
+    (`expected_experts_touched` under uniform routing: k experts at batch 1). Each sequence
     reads its KV cache: `context_len` positions (the cache length including the new token),
     capped at Mistral's sliding window. Activations and the new token's KV write are not counted
     (both are O(batch * hidden), small next to the weights). Scaling Book `inference.md`.
@@ -185,6 +268,9 @@ def decode_bytes_per_step(
     weights = num_params(config)
     if not config.tie_word_embeddings:
         weights -= embedding_params(config)
+    if config.is_moe and batch_size:
+        touched = expected_experts_touched(config.num_experts, config.num_experts_per_tok, batch_size)
+        weights -= num_moe_layers(config) * (config.num_experts - touched) * expert_params(config)
     gathered_rows = batch_size * config.hidden_size
     kv_positions = min(context_len, config.sliding_window or context_len)
     kv = batch_size * kv_positions * kv_cache_bytes_per_token(config, dtype)
@@ -195,8 +281,9 @@ def generation_flops(config: ModelConfig, prompt_len: int, output_len: int) -> f
     """Model FLOPs to serve one request: prefill `prompt_len` tokens, then generate `output_len`.
 
     What an engine that computes logits only where it samples must do: every prompt token runs
-    all layers (attention causal: token i attends i + 1 keys, capped by a sliding window), the
-    lm_head runs once per generated token (the first from the last prompt position), and
+    all layers (attention causal: token i attends i + 1 keys, capped by a sliding window; a
+    mixture-of-experts layer its active weights, `matmul_params`), the lm_head runs once per
+    generated token (the first from the last prompt position), and
     generated token j attends `prompt_len + j` keys. Same per-FLOP conventions as above.
     """
     _check_non_negative("prompt_len", prompt_len)

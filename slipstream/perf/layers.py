@@ -15,6 +15,13 @@ kernel, and its backward is charged twice its forward bytes (it reads the saved 
 incoming gradient and writes a gradient). Eager PyTorch runs them op by op as slipstream's
 `slipstream/model/transformer.py` (and torchtitan's Llama) writes them (`_eager_pointwise`). GEMM
 backward is two GEMMs (input and weight gradients).
+
+A layer with experts (`LayerSpec.moe`) runs the router, then each expert its tokens have chosen as
+GEMMs of their own, as slipstream's `SparseMoeBlock` runs them: under uniform routing the layer's
+n tokens touch `experts_touched(n)` experts (`flops.expected_experts_touched`) of n k / touched
+tokens each, so the expert weights read are those experts' and the FLOPs exactly n k experts'.
+Tensor parallelism splits every expert as it does the dense MLP (vLLM's default for MoE without
+expert parallelism); the router and the shared expert's gate are replicated.
 """
 
 from __future__ import annotations
@@ -110,24 +117,58 @@ class LayerSpec:
     autocast_weights: bool = False
     """fp32 weights under `torch.autocast`: the forward casts each matmul weight to 16 bits and
     the backward casts its gradient back (6 bytes per parameter each, one kernel per matrix)."""
+    moe: bool = False
+    """A layer with experts (the shape's `moe_layers`) rather than the dense MLP."""
 
     def __post_init__(self) -> None:
+        if self.moe and not self.shape.is_moe:
+            raise ValueError(f"moe=True for {self.shape.name}, which has no experts")
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
         if self.pointwise not in POINTWISE_KERNELS:
             raise ValueError(f"pointwise must be one of {POINTWISE_KERNELS}, got {self.pointwise!r}")
 
 
-def layer_gemms(shape: TransformerShape, num_tokens: float, tp: int) -> list[tuple[float, float, float]]:
-    """(m, k, n) of one layer's linear GEMMs on one device of a tensor-parallel group."""
+def layer_kinds(shape: TransformerShape) -> list[tuple[bool, float]]:
+    """(moe, share of the layers) of each kind of layer the shape has: a dense model's layers are
+    all dense, a MoE model's are MoE or a mix (Qwen-MoE's `decoder_sparse_step`, `mlp_only_layers`).
+    A whole-model time is the mean layer, `sum(share * time(moe))`, times the layers."""
+    moe = len(shape.moe_layers) / shape.num_layers
+    return [(kind, share) for kind, share in ((False, 1.0 - moe), (True, moe)) if share]
+
+
+def layer_gemms(
+    shape: TransformerShape, num_tokens: float, tp: int, *, moe: bool = False
+) -> list[tuple[float, float, float, float]]:
+    """(m, k, n, count) of one layer's linear GEMMs on one device of a tensor-parallel group."""
     h, f = shape.hidden_size, shape.ffn_hidden_size
     up = (shape.mlp_matrices - 1) * f  # gate and up fused, or GELU's single up matrix
-    return [
-        (num_tokens, h, (shape.q_dim + 2 * shape.kv_dim) / tp),  # qkv
-        (num_tokens, shape.q_dim / tp, h),  # o
-        (num_tokens, h, up / tp),  # mlp up (and gate)
-        (num_tokens, f / tp, h),  # mlp down
+    attention = [
+        (num_tokens, h, (shape.q_dim + 2 * shape.kv_dim) / tp, 1),  # qkv
+        (num_tokens, shape.q_dim / tp, h, 1),  # o
     ]
+    if moe:
+        return attention + _moe_gemms(shape, num_tokens, tp)
+    return attention + [
+        (num_tokens, h, up / tp, 1),  # mlp up (and gate)
+        (num_tokens, f / tp, h, 1),  # mlp down
+    ]
+
+
+def _moe_gemms(
+    shape: TransformerShape, num_tokens: float, tp: int
+) -> list[tuple[float, float, float, float]]:
+    """The router, each touched expert's gate-up and down GEMMs over its share of the n k routed
+    tokens (uniform routing), and the shared expert with its gate."""
+    h, m, s = shape.hidden_size, shape.expert_ffn_hidden_size, shape.shared_expert_ffn_hidden_size
+    gemms = [(num_tokens, h, shape.num_experts, 1)]  # router, replicated
+    touched = shape.experts_touched(num_tokens)
+    if touched:
+        per_expert = num_tokens * shape.experts_per_token / touched
+        gemms += [(per_expert, h, 2 * m / tp, touched), (per_expert, m / tp, h, touched)]
+    if s:
+        gemms += [(num_tokens, h, 2 * s / tp, 1), (num_tokens, s / tp, h, 1), (num_tokens, h, 1, 1)]
+    return gemms
 
 
 def attention_core_forward(spec: LayerSpec, device: Device) -> Work:
@@ -161,11 +202,11 @@ def pointwise_backward(spec: LayerSpec, device: Device) -> Work:
     return device.stream(*_pointwise(spec, device.element_bytes, backward=True))
 
 
-def _pointwise(spec: LayerSpec, e: int, backward: bool) -> tuple[float, int]:
+def _pointwise(spec: LayerSpec, e: int, backward: bool) -> tuple[float, float]:
     """(bytes, kernels) of one layer's pointwise work on one device, forward or backward."""
     shape, n, r = spec.shape, spec.num_tokens, spec.residual_bytes or e
     replicated = n * shape.hidden_size / (spec.tp if spec.sequence_parallel else 1)
-    f_local = n * shape.ffn_hidden_size / spec.tp
+    f_local = n * shape.mlp_width(moe=spec.moe) / spec.tp
     rotary_width = 0 if shape.learned_positions else n * (shape.q_dim + shape.kv_dim) / spec.tp
     scale = 2 if backward else 1
     mask = replicated if spec.dropout else 0
@@ -177,12 +218,38 @@ def _pointwise(spec: LayerSpec, e: int, backward: bool) -> tuple[float, int]:
     }
     if shape.qk_norm:  # one per head of q and of k
         parts["qk_norm"] = (scale * 2 * rotary_width * e, scale * 2 if rotary_width else 0)
+    if spec.moe:
+        parts["routing"] = _routing(spec, e, scale)
     if spec.pointwise == "eager":
         parts |= _eager_pointwise(spec, e, r, backward, replicated, f_local, rotary_width)
     if spec.autocast_weights:
-        matrices = 4 + shape.mlp_matrices  # q, k, v, o and the MLP's
-        parts["weight_casts"] = (6.0 * shape.layer_matmul_params() / spec.tp, matrices)
+        parts["weight_casts"] = _weight_casts(spec)
     return sum(b for b, _ in parts.values()), sum(k for _, k in parts.values())
+
+
+def _routing(spec: LayerSpec, e: int, scale: int) -> tuple[float, float]:
+    """(bytes, kernels) of routing as `SparseMoeBlock` runs it: the router logits' fp32 softmax and
+    top-k (read e, write 4, read 4 per logit; a value and an index written per choice), then per
+    touched expert the gather of its tokens, the product by their routing weights and the
+    index_add into the output (each reading and writing its rows, n k rows of hidden in all), and
+    the output zeroed; the backward twice that. Rows are whole on every tensor-parallel rank: the
+    layer's input is replicated and the experts' row-parallel outputs are partial sums."""
+    shape, n, h = spec.shape, spec.num_tokens, spec.shape.hidden_size
+    logits = n * shape.num_experts * (e + 8) + n * shape.experts_per_token * 12
+    rows = n * shape.experts_per_token * h * e
+    num_bytes = logits + 3 * 2 * rows + e * n * h
+    return scale * num_bytes, scale * (3 + 3 * shape.experts_touched(n))
+
+
+def _weight_casts(spec: LayerSpec) -> tuple[float, float]:
+    """(bytes, kernels) of autocast's casts of the layer's matmul weights (each expert's only
+    where a token runs it): one kernel per matrix."""
+    shape = spec.shape
+    if not spec.moe:
+        return 6.0 * shape.layer_matmul_params() / spec.tp, 4 + shape.mlp_matrices  # q, k, v, o, MLP
+    touched = shape.experts_touched(spec.num_tokens)
+    matrices = 5 + 3 * touched + (4 if shape.shared_expert_ffn_hidden_size else 0)  # + router
+    return 6.0 * shape.layer_matmul_params(moe=True, num_experts=touched) / spec.tp, matrices
 
 
 def _eager_pointwise(spec: LayerSpec, e: int, r: int, backward: bool, replicated: float,
@@ -265,7 +332,8 @@ def tp_collectives(spec: LayerSpec, device: Device, ranks_per_node: int) -> Work
 
 def layer_forward(spec: LayerSpec, device: Device) -> Work:
     """Compute and memory time of one layer's forward pass (communication separately)."""
-    gemms = [device.gemm(m, k, n) for m, k, n in layer_gemms(spec.shape, spec.num_tokens, spec.tp)]
+    gemms = [device.gemm(m, k, n, count)
+             for m, k, n, count in layer_gemms(spec.shape, spec.num_tokens, spec.tp, moe=spec.moe)]
     work = attention_core_forward(spec, device) + pointwise_forward(spec, device)
     for g in gemms:
         work = work + g
@@ -275,8 +343,8 @@ def layer_forward(spec: LayerSpec, device: Device) -> Work:
 def layer_backward(spec: LayerSpec, device: Device) -> Work:
     """Backward of one layer: two GEMMs per forward GEMM, twice the streamed bytes."""
     work = Work()
-    for m, k, n in layer_gemms(spec.shape, spec.num_tokens, spec.tp):
-        work = work + device.gemm(m, n, k) + device.gemm(k, m, n)  # input grad, weight grad
+    for m, k, n, count in layer_gemms(spec.shape, spec.num_tokens, spec.tp, moe=spec.moe):
+        work = work + device.gemm(m, n, k, count) + device.gemm(k, m, n, count)  # input grad, weight grad
     attention = attention_core_forward(spec, device)
     factor = FLASH_BACKWARD_FACTOR if spec.attention == "flash" else 2.0
     return work + attention * factor + pointwise_backward(spec, device)

@@ -29,12 +29,19 @@ autocast and 4 in fp32, and the residual stream (the norm inputs) stays fp32 und
 Under FSDP (ZeRO-3) autocast's 16-bit copies are of the gathered weights, so every rank holds
 them whole (4 / N + 2 bytes a parameter), and 16-bit parameters are FSDP2's mixed precision
 (torchtitan): the sharded fp32 master is the parameter, 16 / N bytes in all.
+
+A mixture-of-experts model holds every expert (weights, gradients and optimizer states of all of
+them: each is trained, whichever tokens reach it); its activations are the k experts' a token
+runs plus what routing keeps (`_routing_activation_bytes`). Pipeline stages need every layer alike
+(`pipeline_error`): a stage's weights follow from its count of whole layers only then.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING
+
+from slipstream.perf.layers import layer_kinds
 
 if TYPE_CHECKING:
     from slipstream.perf.model import Layout, TrainSetup
@@ -65,7 +72,16 @@ class MemoryBreakdown:
 def activation_bytes_per_layer(
     setup: TrainSetup, tp: int, sequence_parallel: bool, micro_batch_tokens: float
 ) -> float:
-    """Activation bytes one layer keeps for the backward pass, for one micro-batch on one device.
+    """Activation bytes the mean layer keeps for the backward pass, for one micro-batch on one
+    device (dense and MoE layers weighted by their share of the layers; see `_layer_activation_bytes`)."""
+    return sum(share * _layer_activation_bytes(setup, tp, sequence_parallel, micro_batch_tokens, moe)
+               for moe, share in layer_kinds(setup.shape))
+
+
+def _layer_activation_bytes(
+    setup: TrainSetup, tp: int, sequence_parallel: bool, micro_batch_tokens: float, moe: bool
+) -> float:
+    """Activation bytes one layer (`moe`: one with experts) keeps for the backward pass.
 
     `micro_batch_tokens` is s*b on this device (after context-parallel splitting). Generalises
     Korthikanti et al. section 4.1 op by op: e-byte activations (`setup.activation_bytes`, 2 in
@@ -75,11 +91,13 @@ def activation_bytes_per_layer(
     shape, n, e, r = setup.shape, micro_batch_tokens, setup.activation_bytes, setup.residual_bytes
     if setup.recompute == "full":
         return r * n * shape.hidden_size  # the checkpointed layer input
-    h, f = shape.hidden_size, shape.ffn_hidden_size
+    h, f = shape.hidden_size, shape.mlp_width(moe=moe)
     mask = 1.0 if setup.dropout else 0.0
     # Replicated without SP: both norm inputs (2r: the residual stream, fp32 under autocast), the
-    # q/k/v and MLP inputs (2e), dropout masks.
+    # q/k/v and MLP inputs (2e), dropout masks; a MoE layer's routing.
     replicated = n * h * (2 * r + 2 * e + 2 * mask)
+    if moe:
+        replicated += _routing_activation_bytes(shape, n, e)
     # Split by TP: q, k, v and the projection input (4e sbh for MHA), the MLP intermediates (GELU
     # input and the down-projection input, 8e sbh for a 4h GELU MLP; SwiGLU keeps gate, up, product).
     attention = e * n * (2 * shape.q_dim + 2 * shape.kv_dim)
@@ -96,6 +114,27 @@ def activation_bytes_per_layer(
     if sequence_parallel:
         return (replicated + split + scores) / tp
     return replicated + (split + scores) / tp
+
+
+def _routing_activation_bytes(shape: TransformerShape, n: float, e: int) -> float:
+    """What slipstream's `SparseMoeBlock` keeps beyond the experts' SwiGLU for n tokens: the
+    router's fp32 softmax (4 bytes per expert); per choice of an expert, three int64 indices (the
+    top k's, the sort order's, the token's), its fp32 routing weight and three rows of hidden
+    (the gathered input, the expert's output for the routing weight's gradient, the weighted
+    output that index_add_ keeps); with a shared expert, its output and its gate's sigmoid."""
+    k, h = shape.experts_per_token, shape.hidden_size
+    shared = e * n * (h + 1) if shape.shared_expert_ffn_hidden_size else 0
+    return n * (4 * shape.num_experts + 28 * k) + 3 * e * n * k * h + shared
+
+
+def pipeline_error(shape: TransformerShape, pp: int) -> str | None:
+    """Why `pp` pipeline stages cannot be priced for this shape, None when they can: with both
+    dense and MoE layers a stage's weights and time depend on which layers it holds, which the
+    stage split (`stage_layers`, counts of whole layers) does not say."""
+    if pp > 1 and not shape.uniform_layers:
+        return (f"pp={pp}: {shape.name} mixes {shape.num_dense_layers} dense and {len(shape.moe_layers)} "
+                f"mixture-of-experts layers, which pipeline stages are not modeled for; use pp=1")
+    return None
 
 
 def stage_layers(num_layers: int, layout: Layout) -> tuple[int, int, int]:
@@ -119,14 +158,16 @@ def stage_params(shape: TransformerShape, layout: Layout) -> tuple[float, float,
     The first stage adds the embedding (and learned positions), the last the final norm and the
     lm_head: its own matrix when untied, with pp > 1 a copy of the tied embedding (Megatron keeps
     one there and all-reduces its gradient with the first stage's). With pp = 1 it is every
-    parameter (`num_params`)."""
+    parameter (`num_params`, every expert of a MoE model)."""
+    if layout.pp == 1:
+        return (shape.num_params() / layout.tp,) * 3
+    if error := pipeline_error(shape, layout.pp):
+        raise ValueError(error)
     first, middle, last = stage_layers(shape.num_layers, layout)
-    layer = shape.layer_params()
+    layer = shape.layer_params(moe=shape.is_moe)  # every layer alike
     embedding = shape.embedding_params() + shape.learned_positions * shape.hidden_size
     final_norm = shape.hidden_size * (2 if shape.norm == "layernorm" else 1)
-    head = final_norm + (0 if layout.pp == 1 and shape.tied_embeddings else shape.embedding_params())
-    if layout.pp == 1:
-        return ((first * layer + embedding + head) / layout.tp,) * 3
+    head = final_norm + shape.embedding_params()
     return ((first * layer + embedding) / layout.tp, middle * layer / layout.tp,
             (last * layer + head) / layout.tp)
 
@@ -177,8 +218,9 @@ def _stage_memory(setup: TrainSetup, layout: Layout, stage: int, layers: int, pa
     held = in_flight_microbatches(layout, setup.num_microbatches(layout), stage)
     activations = per_layer * layers * held
     if setup.recompute == "full":  # the layer being recomputed materialises its activations
-        full = dataclasses.replace(setup, recompute="none")
-        activations += activation_bytes_per_layer(full, layout.tp, layout.sequence_parallel, tokens)
+        full = dataclasses.replace(setup, recompute="none")  # the largest kind of layer, with experts
+        activations += max(_layer_activation_bytes(full, layout.tp, layout.sequence_parallel, tokens, moe)
+                           for moe, _ in layer_kinds(setup.shape))
     window = setup.shape.sliding_window
     if window is not None and setup.seq_len > window:  # SDPA's additive T x T mask, one tensor
         # every layer of the trainer's forward shares (`ops.attention`), kept for the backward

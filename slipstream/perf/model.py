@@ -21,6 +21,12 @@ stages, each device holding `L / pp` layers split `tp` ways over `num_tokens = b
 
 MFU is PaLM's (appendix B): model FLOPs per token `6 N + 12 L H Q T` (no causal halving, no
 recomputation) times tokens per second, over the dense peak of all devices; HFU adds recomputation.
+For a mixture-of-experts shape N is the active weights (the router, k experts, the shared expert:
+Megatron's and torchtitan's MoE MFU), while memory, gradients and the optimizer hold every expert.
+Its layers are priced by kind (`layers.layer_kinds`); pipeline stages of whole layers need every
+layer alike, so a shape that mixes dense and MoE layers takes pp = 1. Expert parallelism (experts
+whole on different devices, all-to-all dispatch) is not modeled: tensor parallelism splits every
+expert as it splits the dense MLP.
 """
 
 from __future__ import annotations
@@ -38,11 +44,13 @@ from slipstream.perf.layers import (
     attention_recompute,
     layer_backward,
     layer_forward,
+    layer_kinds,
     tp_collectives,
 )
 from slipstream.perf.memory import (
     RECOMPUTE_MODES,
     MemoryBreakdown,
+    pipeline_error,
     stage_layers,
     stage_params,
     training_memory,
@@ -261,9 +269,20 @@ def layer_passes(
     setup: TrainSetup, layout: Layout, accelerator: Accelerator, efficiency: Efficiency | None = None,
 ) -> dict[str, Work]:
     """One layer, one micro-batch: "forward" and "backward" (with recomputation), exposed comm
-    included; what Korthikanti et al. Table 4 measures for the 22B model."""
+    included; what Korthikanti et al. Table 4 measures for the 22B model. With both dense and MoE
+    layers, the mean layer."""
     device = _device(setup, accelerator, efficiency)
-    return _layer_passes(setup, layout, _layer_spec(setup, layout), device)
+    return _mean_layer_passes(setup, layout, _layer_spec(setup, layout), device)
+
+
+def _mean_layer_passes(setup: TrainSetup, layout: Layout, spec: LayerSpec, device: Device
+                       ) -> dict[str, Work]:
+    """Each pass of the mean layer: dense and MoE layers weighted by their share of the layers."""
+    mean = {"forward": Work(), "backward": Work()}
+    for moe, share in layer_kinds(setup.shape):
+        passes = _layer_passes(setup, layout, dataclasses.replace(spec, moe=moe), device)
+        mean = {name: mean[name] + passes[name] * share for name in mean}
+    return mean
 
 
 def _layer_passes(setup: TrainSetup, layout: Layout, spec: LayerSpec, device: Device) -> dict[str, Work]:
@@ -292,7 +311,7 @@ def _layer_passes(setup: TrainSetup, layout: Layout, spec: LayerSpec, device: De
 
 
 def _layer_microbatch(setup: TrainSetup, layout: Layout, spec: LayerSpec, device: Device) -> Work:
-    passes = _layer_passes(setup, layout, spec, device)
+    passes = _mean_layer_passes(setup, layout, spec, device)
     return passes["forward"] + passes["backward"]
 
 
@@ -429,6 +448,8 @@ def _check_layout(setup: TrainSetup, layout: Layout) -> None:
                          f"pp={layout.pp} x "
                          f"virtual_stages={layout.virtual_stages} chunks")
     if error := shape.tensor_parallel_error(layout.tp):
+        raise ValueError(error)
+    if error := pipeline_error(shape, layout.pp):
         raise ValueError(error)
     if setup.seq_len % layout.cp:
         raise ValueError(f"cp={layout.cp} does not divide seq_len={setup.seq_len}")

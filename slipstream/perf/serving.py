@@ -2,10 +2,13 @@
 
 A step runs every layer once over the step's tokens (`layers.py`): GEMMs with m = tokens in the
 step (weights read once per step, so decode is memory-bound until the batch passes the ridge
-point), attention over the cache (decode streams each sequence's K and V; prefill is causal
-FlashAttention math), two tensor-parallel all-reduces per layer, the lm_head only where a token
-is sampled, plus a fixed per-step cost (scheduling, sampling, launches). KV capacity is what
-memory is left after the weights (Scaling Book, `inference.md`: 2 bytes x K x H x L per token).
+point; of a mixture-of-experts layer's experts, those the step's tokens are expected to touch
+under uniform routing, k at batch 1, all of them in a large batch), attention over the cache
+(decode streams each sequence's K and V; prefill is causal FlashAttention math), two
+tensor-parallel all-reduces per layer, the lm_head only where a token is sampled, plus a fixed
+per-step cost (scheduling, sampling, launches). KV capacity is what memory is left after the
+weights, every expert of a MoE model held (Scaling Book, `inference.md`: 2 bytes x K x H x L
+per token).
 
 Under load, requests arrive at `request_rate` with fixed prompt and output lengths and are
 served by continuous batching: per second the engine spends `rate * prefill_time` on prefills
@@ -39,6 +42,7 @@ from slipstream.perf.layers import (
     LayerSpec,
     attention_core_forward,
     layer_gemms,
+    layer_kinds,
     pointwise_forward,
     tp_collectives,
 )
@@ -122,7 +126,7 @@ class ServeSetup:
         shape = self.shape
         if self.element_bytes == self.activation_bytes:
             return shape.num_params() * self.element_bytes / self.tp
-        linears = shape.num_layers * shape.layer_matmul_params()
+        linears = shape.layers_matmul_params()  # every expert's
         rest = shape.num_params() - linears
         return (linears * self.element_bytes + rest * self.activation_bytes) / self.tp
 
@@ -268,11 +272,16 @@ def _step_work(
 
 
 def _layer(spec: LayerSpec, linears: Device, device: Device, attention: Device) -> Work:
-    """One layer's tokens: the linears on `linears`, norms and activations on `device`, the
-    attention core on `attention` (decode: at the KV cache's bytes)."""
-    work = attention_core_forward(spec, attention) + pointwise_forward(spec, device)
-    for m, k, n in layer_gemms(spec.shape, spec.num_tokens, spec.tp):
-        work = work + linears.gemm(m, k, n)
+    """The mean layer's work on the step's tokens (dense and MoE layers weighted by their share):
+    the linears on `linears`, norms and activations on `device`, the attention core on
+    `attention` (decode: at the KV cache's bytes)."""
+    work = Work()
+    for moe, share in layer_kinds(spec.shape):
+        kind = dataclasses.replace(spec, moe=moe)
+        layer = attention_core_forward(kind, attention) + pointwise_forward(kind, device)
+        for m, k, n, count in layer_gemms(spec.shape, spec.num_tokens, spec.tp, moe=moe):
+            layer = layer + linears.gemm(m, k, n, count)
+        work = work + layer * share
     return work
 
 

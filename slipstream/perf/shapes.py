@@ -8,6 +8,11 @@ family slipstream serves and trains) must not pretend to describe. Both map onto
 `GPT_SHAPES` for the published GPT shapes. FLOP conventions are those of `slipstream.perf.flops`
 (a multiply-accumulate is 2 FLOPs, attention charged for the whole context unless causal).
 
+A mixture-of-experts shape (Mixtral, Qwen-MoE) names its routed layers (`moe_layers`); each holds
+a router, `num_experts` SwiGLU experts and optionally a shared expert with a 1-wide gate, while
+the other layers keep the dense MLP. Parameter counts hold every expert; `matmul_params` and the
+FLOPs count the active ones (the router, `experts_per_token` experts, the shared expert).
+
 Pure Python; importing this module does not import torch.
 """
 
@@ -17,6 +22,8 @@ import dataclasses
 import json
 from pathlib import Path
 from typing import Any
+
+from slipstream.perf.flops import expected_experts_touched
 
 MLP_KINDS = ("swiglu", "gelu")
 NORM_KINDS = ("rmsnorm", "layernorm")
@@ -51,6 +58,16 @@ class TransformerShape:
     max_position_embeddings: int | None = None
     """The most positions a sequence may take (a config's max_position_embeddings, a GPT's
     learned position table); None: not known, not checked."""
+    num_experts: int = 0
+    """Routed experts in each mixture-of-experts layer; 0 for a dense model."""
+    experts_per_token: int = 0
+    """Experts each token runs (the router's top k)."""
+    expert_ffn_hidden_size: int = 0
+    """Width of each routed expert's SwiGLU."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Width of the shared expert every token also runs, with its 1-wide gate (qwen2_moe); 0: none."""
+    moe_layers: tuple[int, ...] = ()
+    """Indices of the layers with experts; the others have the dense MLP `ffn_hidden_size` wide."""
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -69,10 +86,39 @@ class TransformerShape:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise ValueError(f"{self.name}: max_position_embeddings must be a positive integer or None, "
                              f"got {limit!r}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        fields = ("num_experts", "experts_per_token", "expert_ffn_hidden_size",
+                  "shared_expert_ffn_hidden_size")
+        for field in fields:
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{self.name}: {field} must be a non-negative integer, got {value!r}")
+        object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        if not self.num_experts:
+            given = [f"{f}={getattr(self, f)!r}" for f in fields[1:] + ("moe_layers",) if getattr(self, f)]
+            if given:
+                raise ValueError(f"{self.name}: {', '.join(given)} without experts (num_experts=0)")
+            return
+        if not 1 <= self.experts_per_token <= self.num_experts or self.expert_ffn_hidden_size < 1:
+            raise ValueError(f"{self.name}: experts need experts_per_token from 1 to num_experts "
+                             f"({self.num_experts}) and expert_ffn_hidden_size >= 1, got "
+                             f"{self.experts_per_token} and {self.expert_ffn_hidden_size}")
+        layers = self.moe_layers
+        if (not layers or len(set(layers)) != len(layers)
+                or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers
+                       for i in layers)):
+            raise ValueError(f"{self.name}: moe_layers must be distinct layer indices below num_layers "
+                             f"({self.num_layers}), at least one, got {layers!r}")
+        if self.mlp != "swiglu" or self.linear_bias:
+            raise ValueError(f"{self.name}: experts are SwiGLU without biases (mlp='swiglu', "
+                             f"linear_bias=False), got mlp={self.mlp!r}, linear_bias={self.linear_bias}")
 
     @classmethod
     def from_model_config(cls, config: Any, name: str = "model") -> TransformerShape:
-        """The shape of a slipstream `ModelConfig` (the Llama family: RMSNorm, SwiGLU, RoPE)."""
+        """The shape of a slipstream `ModelConfig` (the Llama family: RMSNorm, SwiGLU, RoPE, and
+        its mixture-of-experts types)."""
         q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
         extra = (q + 2 * kv) if config.qkv_bias else 0
         extra += config.hidden_size if config.o_bias else 0
@@ -85,7 +131,22 @@ class TransformerShape:
             vocab_size=config.vocab_size, tied_embeddings=config.tie_word_embeddings,
             extra_params_per_layer=extra, sliding_window=config.sliding_window,
             qk_norm=config.qk_norm, max_position_embeddings=config.max_position_embeddings,
+            **_experts_of(config),
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - len(self.moe_layers)
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Every layer alike: all dense or all with experts (what pipeline stages of whole
+        layers need to be priced without knowing which layers each holds)."""
+        return self.num_dense_layers in (0, self.num_layers)
 
     @property
     def q_dim(self) -> int:
@@ -109,44 +170,95 @@ class TransformerShape:
 
     def tensor_parallel_error(self, tp: int, *, serving: bool = False) -> str | None:
         """Why `tp`-way tensor parallelism cannot split this shape, None when it can. Heads and MLP
-        columns must divide; so must the K/V heads in training (Megatron's query groups), while
-        serving may also replicate them when tp is a multiple of them (vLLM's rule)."""
-        if self.num_heads % tp or self.ffn_hidden_size % tp:
-            return f"tp={tp} does not divide {self.num_heads} heads and {self.ffn_hidden_size} MLP columns"
+        columns must divide (each expert's too: tensor parallelism splits every expert as it does
+        the dense MLP, vLLM's default for MoE); so must the K/V heads in training (Megatron's query
+        groups), while serving may also replicate them when tp is a multiple of them (vLLM's rule)."""
+        widths = [self.ffn_hidden_size] if self.num_dense_layers else []
+        widths += [w for w in (self.expert_ffn_hidden_size, self.shared_expert_ffn_hidden_size) if w]
+        if self.num_heads % tp or any(w % tp for w in widths):
+            columns = " and ".join(str(w) for w in widths)
+            return f"tp={tp} does not divide {self.num_heads} heads and {columns} MLP columns"
         if self.num_kv_heads % tp and not (serving and tp % self.num_kv_heads == 0):
             rule = ("divide them or be a multiple of them (vLLM replicates K/V heads)" if serving
                     else "divide them (Megatron's query groups)")
             return f"tp={tp} does not suit the {self.num_kv_heads} K/V heads: it must {rule}"
         return None
 
-    def layer_matmul_params(self) -> int:
-        """Weights of one layer's linear layers: q, k, v, o and the MLP matrices."""
+    def mlp_width(self, *, moe: bool = False) -> int:
+        """Intermediate activations per token of a layer's MLP: the dense width, or (`moe`) the
+        `experts_per_token` experts' and the shared expert's."""
+        if not moe:
+            return self.ffn_hidden_size
+        return self.experts_per_token * self.expert_ffn_hidden_size + self.shared_expert_ffn_hidden_size
+
+    def expert_params(self) -> int:
+        """Weights of one routed expert (gate, up, down)."""
+        return 3 * self.hidden_size * self.expert_ffn_hidden_size
+
+    def experts_touched(self, num_tokens: float) -> float:
+        """Expected distinct experts a MoE layer runs for `num_tokens` tokens under uniform
+        routing (`flops.expected_experts_touched`); 0 for a dense shape."""
+        if not self.is_moe:
+            return 0.0
+        return expected_experts_touched(self.num_experts, self.experts_per_token, num_tokens)
+
+    def moe_mlp_matmul_params(self, num_experts: float | None = None) -> float:
+        """A MoE layer's MLP weights with `num_experts` of its routed experts (default all): the
+        router (hidden x num_experts), the experts, the shared expert and its 1-wide gate."""
+        h, shared = self.hidden_size, self.shared_expert_ffn_hidden_size
+        experts = self.num_experts if num_experts is None else num_experts
+        return h * self.num_experts + experts * self.expert_params() + (3 * h * shared + h if shared else 0)
+
+    def layer_matmul_params(self, *, moe: bool = False, num_experts: float | None = None) -> float:
+        """Weights of one layer's linear layers: q, k, v, o and the MLP matrices (`moe`: those of
+        a layer with experts, `num_experts` of them, default all)."""
         h = self.hidden_size
         attention = h * (self.q_dim + 2 * self.kv_dim) + self.q_dim * h
+        if moe:
+            return attention + self.moe_mlp_matmul_params(num_experts)
         return attention + self.mlp_matrices * h * self.ffn_hidden_size
 
-    def layer_params(self) -> int:
-        """All weights of one layer: linears, their biases, the two norms, extras."""
+    def layer_params(self, *, moe: bool = False) -> int:
+        """All weights of one layer: linears, their biases, the two norms, extras (`moe`: a layer
+        with experts, every expert)."""
         h, norm = self.hidden_size, 2 if self.norm == "layernorm" else 1
         bias = 0
         if self.linear_bias:
             up = self.ffn_hidden_size * (self.mlp_matrices - 1)
             bias = self.q_dim + 2 * self.kv_dim + h + up + h
-        return self.layer_matmul_params() + bias + 2 * norm * h + self.extra_params_per_layer
+        return int(self.layer_matmul_params(moe=moe)) + bias + 2 * norm * h + self.extra_params_per_layer
+
+    def layers_params(self) -> int:
+        """Every layer's weights: the dense layers' and the MoE layers' (all experts)."""
+        moe = len(self.moe_layers) * self.layer_params(moe=True) if self.is_moe else 0
+        return self.num_dense_layers * self.layer_params() + moe
+
+    def layers_matmul_params(self, num_experts: float | None = None) -> float:
+        """Every layer's linear weights, each MoE layer with `num_experts` routed experts (all by
+        default; `experts_per_token` for a token's active weights)."""
+        moe = len(self.moe_layers) * self.layer_matmul_params(moe=True, num_experts=num_experts)
+        return self.num_dense_layers * self.layer_matmul_params() + (moe if self.is_moe else 0)
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
     def num_params(self) -> int:
-        """Every weight once (a tied lm_head is the embedding matrix, counted once)."""
+        """Every weight once (a tied lm_head is the embedding matrix, counted once; every expert)."""
         final_norm = self.hidden_size * (2 if self.norm == "layernorm" else 1)
         total = self.embedding_params() + self.learned_positions * self.hidden_size
-        total += self.num_layers * self.layer_params() + final_norm
+        total += self.layers_params() + final_norm
         return total + (0 if self.tied_embeddings else self.embedding_params())
 
+    def active_params(self) -> int:
+        """The weights one token uses: `num_params` with each MoE layer's routed experts cut to
+        `experts_per_token`."""
+        idle = len(self.moe_layers) * (self.num_experts - self.experts_per_token) * self.expert_params()
+        return self.num_params() - idle
+
     def matmul_params(self) -> int:
-        """Weights used in a matmul per token: all linears and the lm_head (tied or not)."""
-        return self.num_layers * self.layer_matmul_params() + self.embedding_params()
+        """Weights used in a matmul per token: all linears (of a MoE layer the router, the
+        `experts_per_token` experts a token runs and the shared expert) and the lm_head (tied or not)."""
+        return int(self.layers_matmul_params(self.experts_per_token)) + self.embedding_params()
 
     def attention_flops_per_token(self, keys: float) -> float:
         """QK^T and AV: `4 * L * H * head_dim * keys` (PaLM appendix B)."""
@@ -191,6 +303,18 @@ GPT_SHAPES: dict[str, TransformerShape] = {
 }
 
 
+def _experts_of(config: Any) -> dict[str, Any]:
+    """The expert fields of a ModelConfig's shape; none when no layer routes (a Qwen-MoE config
+    whose decoder_sparse_step or mlp_only_layers leave every layer dense)."""
+    layers = tuple(i for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
+    if not layers:
+        return {}
+    return {"num_experts": config.num_experts, "experts_per_token": config.num_experts_per_tok,
+            "expert_ffn_hidden_size": config.moe_intermediate_size,
+            "shared_expert_ffn_hidden_size": config.shared_expert_intermediate_size or 0,
+            "moe_layers": layers}
+
+
 def model_names() -> list[str]:
     """Every name `resolve_model` accepts besides a config.json path."""
     from slipstream.model.presets import PRESETS
@@ -201,7 +325,8 @@ def model_names() -> list[str]:
 def resolve_model(name_or_path: str) -> TransformerShape:
     """A shape from a slipstream preset, a GPT shape name, or a config.json (file or its dir).
 
-    A config.json of a slipstream family (llama, mistral, qwen2, qwen3) is read through
+    A config.json of a slipstream family (llama, mistral, qwen2, qwen3 and the mixture-of-experts
+    mixtral, qwen2_moe, qwen3_moe) is read through
     `ModelConfig`; a GPT-2-style one (`n_embd`, `n_layer`, `n_head`) maps to a GPT shape.
     """
     if name_or_path in GPT_SHAPES:
