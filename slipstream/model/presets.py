@@ -1,9 +1,11 @@
 """Named model shapes: small ones we create and train here, real ones for planning.
 
 `tiny` (~16M parameters) and `small` (~125M) are the shapes the README, tests and benchmarks use
-on a CPU. The larger presets are the published shapes of real models (as their Hugging Face
-`config.json` files give them); they exist as configs for the performance model and are too big
-to initialise on a small machine.
+on a CPU; `tiny-moe` is a mixture-of-experts model (Mixtral's shape) whose two active experts of
+eight are together as wide as `tiny`'s MLP, trained with the load-balancing loss
+(`output_router_logits`, Switch Transformer's coefficient 0.01). The larger presets are the
+published shapes of real models (as their Hugging Face `config.json` files give them); they exist
+as configs for the performance model and are too big to initialise on a small machine.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ PRESETS: dict[str, Preset] = {
             config=ModelConfig(
                 vocab_size=8192, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
                 num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=2048,
+            ),
+        ),
+        Preset(
+            name="tiny-moe",
+            description="~37M Mixtral shape, 8 experts, top 2 (~16M active, as tiny), for CPU training",
+            config=ModelConfig(
+                model_type="mixtral", vocab_size=8192, hidden_size=384, intermediate_size=512,
+                num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
+                max_position_embeddings=2048, num_experts=8, num_experts_per_tok=2,
+                output_router_logits=True, router_aux_loss_coef=0.01,
             ),
         ),
         Preset(
@@ -91,6 +103,30 @@ PRESETS: dict[str, Preset] = {
                 num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
                 rms_norm_eps=1e-5, dtype="bfloat16",
                 rope_scaling=RopeScaling(rope_type="llama3", factor=8.0), **_LLAMA3_ROPE,
+            ),
+        ),
+        Preset(
+            name="mixtral-8x7b",
+            description="Mixtral 8x7B shape, 8 experts, top 2 (mistralai/Mixtral-8x7B-v0.1 config.json)",
+            config_only=True,
+            config=ModelConfig(
+                model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-5, num_experts=8,
+                num_experts_per_tok=2, router_aux_loss_coef=0.02, bos_token_id=1, eos_token_id=2,
+                dtype="bfloat16",
+            ),
+        ),
+        Preset(
+            name="qwen3-30b-a3b",
+            description="Qwen3-30B-A3B shape, 128 experts, top 8 (Qwen/Qwen3-30B-A3B config.json)",
+            config_only=True,
+            config=ModelConfig(
+                model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, num_experts=128,
+                num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                bos_token_id=151643, eos_token_id=151645, dtype="bfloat16",
             ),
         ),
     ]

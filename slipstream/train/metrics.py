@@ -8,7 +8,8 @@ records to TensorBoard when it is installed, and prints a concise line every `in
 
 MFU follows PaLM appendix B and torchtitan: model FLOPs per token are
 `perf.flops.train_flops_per_token(config, seq_len)` = 6N + 12·L·H·Q·T (no causal halving, no
-recomputation counted), divided by the per-device peak for the dtype the matmuls run in: the
+recomputation counted; N the matmul weights a token uses, so a mixture-of-experts model's active
+experts, `perf.flops.matmul_params`), divided by the per-device peak for the dtype the matmuls run in: the
 best measured GEMM path on a CPU (`perf.hardware.calibrate`), the datasheet on a GPU.
 """
 
@@ -110,6 +111,7 @@ def format_record(record: dict[str, Any]) -> str:
             f"  lr {record['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s"
             f"  mfu {100 * record['mfu']:.1f}%  step {record['step_s']:.2f}s"
             f" (data {record['data_wait_s']:.3f}s)  mem {record['peak_memory_bytes'] / 2**30:.2f}GiB"
+            + _routing_text(record)
         )
     if kind == "eval":
         return (f"eval   {record['step']:>6}  loss {record['eval_loss']:.4f}  "
@@ -143,6 +145,14 @@ def format_record(record: dict[str, Any]) -> str:
             f"({record['peak_source']})"
         )
     return ""
+
+
+def _routing_text(record: dict[str, Any]) -> str:
+    """A mixture-of-experts step's load-balancing loss and expert load, or nothing."""
+    if "load_balancing_loss" not in record:
+        return ""
+    return (f"  lb_loss {record['load_balancing_loss']:.4f}  expert load max/mean "
+            f"{record['expert_load_max_over_mean']:.2f}  idle experts {record['idle_experts']}")
 
 
 def perplexity(loss: float) -> float:

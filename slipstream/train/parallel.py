@@ -178,20 +178,27 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> None:
-    """FSDP2: each decoder layer is one all-gather unit, the root holds embeddings and head."""
+    """FSDP2: each decoder layer is one all-gather unit, the root holds embeddings and head.
+    With experts, a layer's reduce-scatter also carries zeros for the experts no token of this
+    rank chose, so that every rank reduces the same tensors when another rank used them."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if model.config.is_moe:
+        model.set_reduce_scatter_unused_params(True)
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> None:
     """DDP through the composable `replicate` (as torchtitan does): gradients are all-reduced
-    in buckets during the backward pass; rank 0's weights are broadcast on the first forward."""
+    in buckets during the backward pass; rank 0's weights are broadcast on the first forward.
+    With experts, DDP looks for the parameters a forward did not use (experts no token of this
+    rank chose) and reduces zeros for them; without, the next step fails with the reduction of
+    those gradients unfinished."""
     from torch.distributed._composable.replicate import replicate
 
-    replicate(model, device_mesh=mesh)
+    replicate(model, device_mesh=mesh, find_unused_parameters=model.config.is_moe)
 
 
 def materialize(
@@ -240,6 +247,14 @@ def all_reduce_mean(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         value /= info.world_size
+    return value
+
+
+def all_reduce_sum(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """The sum of a tensor over all ranks."""
+    if info.world_size > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
 
 

@@ -181,7 +181,11 @@ def check_job(config: TrainConfig, world_size: int) -> None:
 
 SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
-                "attention_bias", "mlp_bias")
+                "attention_bias", "mlp_bias", "num_experts", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+                "num_experts_per_tok", "norm_topk_prob")
+"""The `ModelConfig` fields a checkpoint's weights were trained for: their shapes, and which
+layers route to experts and how (the top k and its renormalisation)."""
 
 
 def _check_checkpoint_shape(config: TrainConfig) -> None:

@@ -7,6 +7,8 @@ weights from rank 0's initial state, and creates AdamW, the warm-up + decay sche
 resumable loaders. `run()` then loops: `train_step()` (micro-batches with gradient accumulation,
 clip, optimizer step, schedule step) emits one flat metrics record; evaluation and checkpoints
 happen between steps, and `hooks` are called after every step with the trainer and its record.
+A mixture-of-experts model's loss adds the load-balancing term, and its records the experts'
+load (`train.moe`).
 
 Everything a resumed run needs is reachable: `model`, `optimizer`, `lr_scheduler`,
 `train_loader` and `train_state()` (step, tokens seen, loader and schedule state, RNG states),
@@ -52,6 +54,7 @@ from slipstream.train.export import tokenization_mismatch
 from slipstream.train.faults import FaultInjector
 from slipstream.train.goodput import GoodputLedger
 from slipstream.train.metrics import MetricsLogger, peak_memory_bytes, perplexity, resolve_peak_flops
+from slipstream.train.moe import RouterLogits, Routing, StepRouting, fill_missing_grads
 from slipstream.train.optim import WarmupDecay, build_optimizer
 from slipstream.train.parallel import (
     DistInfo,
@@ -150,6 +153,8 @@ class Trainer:
             logger.warning("`slipstream export` will refuse this run: %s", mismatch)
         self.mesh = build_mesh(self.dist)
         self.model = self._build_model()
+        self.router_logits = RouterLogits(self.model) if self.model_config.is_moe else None
+        """The routers' logits of a mixture-of-experts model (load-balancing loss, expert load)."""
         self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
         self.lr_scheduler = self._build_lr_scheduler(steps_taken=0)
         if self.dist.is_main:
@@ -422,6 +427,7 @@ class Trainer:
         data_state = self._skip_windows()
         data_wait_s = forward_backward_s = 0.0
         loss_sum = torch.zeros((), device=self.device)
+        step_routing = StepRouting() if self.router_logits is not None else None
         num_tokens = 0
         for micro_step in range(self.accumulation_steps):
             t0 = time.perf_counter()
@@ -430,15 +436,19 @@ class Trainer:
             targets = batch.targets.to(self.device, non_blocking=True)  # (B, T)
             t1 = time.perf_counter()
             set_gradient_sync(self.model, micro_step == self.accumulation_steps - 1)
-            loss = self.loss(inputs, targets)
+            loss, routing = self._objective(inputs, targets)
             (loss / self.accumulation_steps).backward()
             loss_sum += loss.detach()
+            if step_routing is not None:
+                step_routing.add(routing)
             self._synchronize()
             data_wait_s += t1 - t0
             forward_backward_s += time.perf_counter() - t1
             num_tokens += batch.num_tokens * self.dist.world_size
         t2 = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
+        if step_routing is not None:
+            fill_missing_grads(self.model)
         grad_norm = clip_grad_norm_(list(self.model.parameters()), self.config.training.max_grad_norm)
         self.optimizer.step()
         self.lr_scheduler.step()
@@ -446,17 +456,35 @@ class Trainer:
         self._synchronize()
         optimizer_s = time.perf_counter() - t2
         loss_value = all_reduce_mean(loss_sum / self.accumulation_steps, self.dist).item()
+        routing_fields = step_routing.record(self.dist) if step_routing is not None else {}
         self.step += 1
         self.tokens_seen += num_tokens
         step_s = time.perf_counter() - start
         return self._train_record(loss_value, grad_norm.item(), lr, num_tokens, step_s, {
             "data_wait_s": data_wait_s, "forward_backward_s": forward_backward_s,
             "optimizer_s": optimizer_s, "data_epoch": data_state["epoch"],
-            "data_position": data_state["position"],
+            "data_position": data_state["position"], **routing_fields,
         })
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (fp32) of a (B, T) batch."""
+        """The training objective of a (B, T) batch: the mean next-token cross-entropy (fp32),
+        plus `router_aux_loss_coef` x the load-balancing loss for a mixture-of-experts model
+        with `output_router_logits` (transformers' loss for that model and batch)."""
+        return self._objective(inputs, targets)[0]
+
+    def _objective(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, Routing | None]:
+        """`loss(inputs, targets)` and, for a mixture-of-experts model, what its routers did."""
+        if self.router_logits is None:
+            return self.cross_entropy(inputs, targets), None
+        with self.router_logits.collect() as router_logits:
+            loss = self.cross_entropy(inputs, targets)
+        routing = self.router_logits.routing(router_logits)
+        if self.model_config.output_router_logits:
+            loss = loss + self.model_config.router_aux_loss_coef * routing.load_balancing_loss
+        return loss, routing
+
+    def cross_entropy(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (fp32) of a (B, T) batch (the held-out loss)."""
         positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)  # (B, T)
         with self._autocast():
             logits = self.model(inputs, positions)  # (B, T, V)
@@ -475,7 +503,7 @@ class Trainer:
         num_micro_batches = global_batches * self.accumulation_steps
         loss_sum = torch.zeros((), device=self.device)
         for batch in itertools.islice(self.val_loader, num_micro_batches):
-            loss_sum += self.loss(batch.inputs.to(self.device), batch.targets.to(self.device))
+            loss_sum += self.cross_entropy(batch.inputs.to(self.device), batch.targets.to(self.device))
         loss = all_reduce_mean(loss_sum / num_micro_batches, self.dist).item()
         eval_s = time.perf_counter() - start
         self.time_s["eval"] += eval_s

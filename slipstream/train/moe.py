@@ -1,0 +1,135 @@
+"""Training mixture-of-experts models: router logits, the load-balancing loss, expert load.
+
+The model files are math only and `Transformer.forward` returns logits alone, so the trainer
+reads each mixture-of-experts layer's router logits with forward hooks on its `gate` linear
+(`RouterLogits`), kept only while `collect()` is open: the gate's second run, when activation
+checkpointing recomputes a layer in the backward pass, falls outside it and is not kept twice.
+
+The load-balancing loss (`routing`) is Switch Transformer's auxiliary loss (Fedus et al. 2021,
+eqs. 4-6) as transformers' `load_balancing_loss_func` computes it for Mixtral and Qwen-MoE: over
+the tokens of all mixture-of-experts layers pooled, `num_experts * sum_e f_e * P_e`, where f_e is
+the share of the top-k choices that went to expert e and P_e its mean router probability.
+It is computed per forward (one micro-batch on one rank), as transformers computes it per call.
+
+An expert that no token of a step chose gets no gradient from autograd. `fill_missing_grads`
+gives it a zero one, so that every layout (one process, DDP with `find_unused_parameters`, FSDP2
+with `set_reduce_scatter_unused_params`, which reduce zeros for experts another rank used)
+ends the step with the same gradients, and AdamW decays every expert's moments alike, as the
+frameworks whose experts run as one grouped GEMM do (torchtitan, Megatron-LM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from slipstream.model.transformer import SparseMoeBlock
+from slipstream.train.parallel import DistInfo, all_reduce_mean, all_reduce_sum
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """What one forward's routers did: the load-balancing loss (differentiable) and the tokens
+    each expert received in each mixture-of-experts layer (a count per top-k choice)."""
+
+    load_balancing_loss: torch.Tensor  # () fp32
+    tokens_per_expert: torch.Tensor  # (num_moe_layers, num_experts) fp32
+
+
+class RouterLogits:
+    """Forward hooks on the router (`gate`) of every `SparseMoeBlock` of `model`, which keep the
+    router logits of the forwards run inside `collect()`. Register them once the model's modules
+    are final (after the CPU fast path swapped its linears); parallelize keeps modules in place."""
+
+    def __init__(self, model: nn.Module) -> None:
+        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        if not blocks:
+            raise ValueError("the model has no mixture-of-experts layer (SparseMoeBlock) to collect from")
+        self.num_layers = len(blocks)
+        self.num_experts = blocks[0].num_experts
+        self.top_k = blocks[0].top_k
+        self._kept: list[torch.Tensor] | None = None
+        for block in blocks:
+            block.gate.register_forward_hook(self._keep)
+
+    @contextlib.contextmanager
+    def collect(self) -> Iterator[list[torch.Tensor]]:
+        """A list that fills with each layer's (tokens, num_experts) router logits, in layer
+        order, for the forwards run inside the block."""
+        self._kept = []
+        try:
+            yield self._kept
+        finally:
+            self._kept = None
+
+    def _keep(self, module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        if self._kept is not None:
+            self._kept.append(output)
+
+    def routing(self, router_logits: Sequence[torch.Tensor]) -> Routing:
+        """The load-balancing loss and expert load of one forward's router logits."""
+        assert len(router_logits) == self.num_layers, "each router runs once per forward"
+        return routing(router_logits, self.num_experts, self.top_k)
+
+
+def routing(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int) -> Routing:
+    """`Routing` of each layer's (tokens, num_experts) router logits. The softmax runs in fp32,
+    as the model's router does, so the counted choices are the experts the tokens went to (under
+    bf16 autocast transformers' loss takes the softmax in bf16)."""
+    logits = torch.stack([layer.float() for layer in router_logits])  # (L, N, X)
+    probs = torch.softmax(logits, dim=-1)  # (L, N, X)
+    chosen = torch.topk(probs, top_k, dim=-1).indices.flatten(1)  # (L, N * k)
+    ones = torch.ones(chosen.shape, dtype=torch.float32, device=chosen.device)
+    tokens_per_expert = torch.zeros(logits.shape[0], num_experts, device=logits.device).scatter_add_(
+        1, chosen, ones)  # (L, X)
+    num_rows = logits.shape[0] * logits.shape[1]  # tokens of all layers pooled
+    choice_share = tokens_per_expert.sum(dim=0) / num_rows  # (X,): f_e, summing to top_k
+    mean_prob = probs.sum(dim=(0, 1)) / num_rows  # (X,): P_e
+    loss = num_experts * torch.sum(choice_share * mean_prob)
+    return Routing(load_balancing_loss=loss, tokens_per_expert=tokens_per_expert)
+
+
+class StepRouting:
+    """A step's routing summed over its micro-batches; `record` reduces it over the ranks into
+    the train record's fields."""
+
+    def __init__(self) -> None:
+        self._balance_loss_sum: torch.Tensor | None = None
+        self._tokens_per_expert: torch.Tensor | None = None
+        self._num_forwards = 0
+
+    def add(self, routing: Routing) -> None:
+        loss, tokens = routing.load_balancing_loss.detach(), routing.tokens_per_expert
+        first = self._num_forwards == 0
+        self._balance_loss_sum = loss if first else self._balance_loss_sum + loss
+        self._tokens_per_expert = tokens if first else self._tokens_per_expert + tokens
+        self._num_forwards += 1
+
+    def record(self, info: DistInfo) -> dict[str, float]:
+        """`load_balancing_loss` (the mean over the step's forwards on all ranks, before
+        `router_aux_loss_coef`) and `expert_load_metrics` of the step's tokens on all ranks."""
+        assert self._balance_loss_sum is not None and self._tokens_per_expert is not None
+        loss = all_reduce_mean(self._balance_loss_sum / self._num_forwards, info).item()
+        return {"load_balancing_loss": loss,
+                **expert_load_metrics(all_reduce_sum(self._tokens_per_expert, info))}
+
+
+def expert_load_metrics(tokens_per_expert: torch.Tensor) -> dict[str, float]:
+    """A step's expert load from its (layers, experts) token counts over all ranks: the busiest
+    expert's tokens over the mean (1.0 is perfect balance; num_experts / top_k means every token
+    went to the same experts), worst layer; and how many (layer, expert) pairs got no token."""
+    max_over_mean = tokens_per_expert.max(dim=1).values / tokens_per_expert.mean(dim=1)  # (L,)
+    return {"expert_load_max_over_mean": max_over_mean.max().item(),
+            "idle_experts": int((tokens_per_expert == 0).sum().item())}
+
+
+def fill_missing_grads(model: nn.Module) -> None:
+    """Give each trainable parameter without a gradient (an expert no token chose this step,
+    on any rank) a zero gradient, so the optimizer treats it alike at every layout."""
+    for param in model.parameters():
+        if param.requires_grad and param.grad is None:
+            param.grad = torch.zeros_like(param)
