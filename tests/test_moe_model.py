@@ -165,3 +165,42 @@ def test_config_round_trips_through_transformers(moe_family):
     assert ModelConfig.from_hf_dict(hf.to_dict()) == config
     assert hf.num_experts_per_tok == config.num_experts_per_tok
     assert hf.num_experts == config.num_experts
+
+
+@pytest.mark.parametrize("family, window_keys", [
+    ("qwen3_moe", {}), ("qwen2_moe", {"max_window_layers": 0}), ("qwen2_moe", {"max_window_layers": 1}),
+    ("qwen2_moe", {"max_window_layers": 3}),
+    ("qwen2_moe", {"layer_types": ["full_attention", "sliding_attention", "full_attention"]}),
+])
+def test_qwen_moe_windows_as_transformers_derives_them(family, window_keys):
+    """`use_sliding_window` windows qwen3_moe's every layer and qwen2_moe's even layers below
+    max_window_layers (or those layer_types names): a config with a windowed layer is refused,
+    one without any is plain attention, as transformers builds it."""
+    d = _hf_dict(family) | {"use_sliding_window": True, "sliding_window": 4} | window_keys
+    if "layer_types" not in window_keys:
+        d.pop("layer_types", None)  # transformers derives them from max_window_layers
+    hf = transformers.AutoConfig.for_model(**d)
+    if family == "qwen3_moe":
+        windowed = hf.sliding_window is not None
+    else:
+        windowed = "sliding_attention" in hf.layer_types
+    if windowed:
+        with pytest.raises(ValueError, match="use_sliding_window"):
+            ModelConfig.from_hf_dict(d)
+    else:
+        assert ModelConfig.from_hf_dict(d).sliding_window is None
+
+
+def test_replace_rederives_mixtral_expert_width():
+    config = ModelConfig.from_hf_dict(_hf_dict("mixtral"))
+    wider = config.replace(intermediate_size=128)
+    assert wider.moe_intermediate_size == 128
+    assert config.replace(model_type="qwen3_moe", sliding_window=None).moe_intermediate_size == 96
+
+
+@pytest.mark.parametrize("key", ["num_experts", "num_local_experts"])
+@pytest.mark.parametrize("value", [[4], {"n": 4}, "4", 2.5, True])
+def test_expert_count_of_a_wrong_type_is_a_value_error(key, value):
+    d = {k: v for k, v in _hf_dict("qwen3_moe").items() if k not in ("num_experts", "num_local_experts")}
+    with pytest.raises(ValueError, match=key):
+        ModelConfig.from_hf_dict(d | {key: value})

@@ -763,11 +763,12 @@ def llama2_layout_json(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("config, model_type", [
     ({}, None), ({"legacy": True}, "llama"), ({"legacy": False}, None), ({"add_prefix_space": False}, None),
-    ({}, "mistral")])
+    ({}, "mistral"), ({}, "mixtral"), ({}, "qwen3"), ({}, "qwen3_moe"), ({}, "qwen2_moe")])
 def test_llama_tokenizer_class_encodes_as_transformers(config, model_type, llama2_layout_json, tmp_path):
     """transformers 5 builds a LlamaTokenizer's pipeline itself (Metaspace, prepending "▁" as
     legacy and add_prefix_space say) over a tokenizer.json that is not byte-level, unless the
-    model type registers its own tokenizer (Mistral's reads the file as it is); read as it is,
+    model type's registered tokenizer is generic (Mistral's and Mixtral's read the file as it is;
+    Qwen3's and the Qwen MoE types' registered Qwen2Tokenizer yields to the named class); read as it is,
     Llama 2's file prepends "▁" to every text (" Hello" got two): the ids, decoded texts and the
     default padding side are transformers'."""
     if model_type is not None:
@@ -782,7 +783,8 @@ def test_llama_tokenizer_class_encodes_as_transformers(config, model_type, llama
     for text in texts:
         assert ours.encode(text) == hf.encode(text), text
         assert ours.decode(ours.encode(text)) == hf.decode(hf.encode(text)), text
-    assert ours.padding_side == hf.padding_side == ("right" if model_type == "mistral" else "left")
+    generic = model_type in ("mistral", "mixtral")
+    assert ours.padding_side == hf.padding_side == ("right" if generic else "left")
 
 
 @pytest.mark.parametrize("stop, include, text, reason", [
@@ -828,7 +830,8 @@ def test_pipeline_differences_compare_settings_not_vocab(tokenizer, qwen2_style_
     ("Qwen2Tokenizer", None, "qwen2"), ("Qwen2TokenizerFast", "llama", "qwen2"),
     ("Qwen2Tokenizer", "qwen3", "qwen2"), ("Qwen2Tokenizer", "mistral", None), (None, "qwen3", "qwen2"),
     ("PreTrainedTokenizerFast", "qwen3", None), ("PreTrainedTokenizerFast", "llama", None),
-    (None, "mistral", None),
+    (None, "mistral", None), ("LlamaTokenizer", "qwen3", "llama"), ("LlamaTokenizer", "qwen3_moe", "llama"),
+    ("LlamaTokenizer", "mixtral", None), (None, "qwen2_moe", "qwen2"), ("Qwen2Tokenizer", "mixtral", None),
 ])
 def test_rebuilt_pipeline_follows_auto_tokenizer(named, model_type, expected):
     """transformers 5's AutoTokenizer rule (models/auto/tokenization_auto.py): a qwen2 model always

@@ -272,7 +272,10 @@ class ModelConfig:
         return tuple(self.eos_token_id)
 
     def replace(self, **changes: Any) -> ModelConfig:
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again). Mixtral's expert width follows a
+        changed `intermediate_size`, as it is derived from it."""
+        if changes.get("model_type", self.model_type) == "mixtral" and "moe_intermediate_size" not in changes:
+            changes["moe_intermediate_size"] = None
         return dataclasses.replace(self, **changes)
 
     # Hugging Face config.json
@@ -494,6 +497,8 @@ def _read_experts(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
     """`d` with the expert count under `num_experts` whichever spelling it used, and the keys that
     only hold one value here checked (Mixtral has no norm_topk_prob: it always renormalises)."""
     given = {key: d[key] for key in _EXPERT_KEYS if d.get(key) is not None}
+    for key, count in given.items():
+        _check_positive_int(key, count)
     if len(set(given.values())) > 1:
         raise ValueError(f"config.json gives num_experts={given['num_experts']!r} and "
                          f"num_local_experts={given['num_local_experts']!r}; they name the same count")
@@ -608,8 +613,10 @@ def _read_sliding_window(
     """Mistral's window, None where it covers the whole context (plain causal attention): the
     context the engine serves, `max_position_embeddings` times a linear RoPE factor. Qwen's
     windowed layers are refused; its window is none, as in transformers, unless
-    `use_sliding_window` with a window and a layer at or past `max_window_layers` (or one that
-    `layer_types` names "sliding_attention")."""
+    `use_sliding_window` with a window and a windowed layer: one that `layer_types` names
+    "sliding_attention" or, where config.json gives no `layer_types`, as transformers derives them:
+    qwen2 and qwen3 window the layers at or past `max_window_layers`, qwen2_moe the even ones
+    below it, and qwen3_moe (no `layer_types`) every layer."""
     if MOE_FAMILY.get(model_type, model_type) == "mistral":
         window = d.get("sliding_window")
         if window is None:
@@ -628,12 +635,14 @@ def _read_sliding_window(
     if not use or d["sliding_window"] is None:
         return None
     layer_types = d.get("layer_types")
-    if layer_types is None:
+    if model_type == "qwen3_moe":
+        windowed = True
+    elif layer_types is None:
         first, layers = d["max_window_layers"], d["num_hidden_layers"]
         if isinstance(first, bool) or not isinstance(first, int):
             raise ValueError(f"max_window_layers must be an integer, got {first!r}")
         _check_positive_int("num_hidden_layers", layers)
-        windowed = first < layers
+        windowed = first > 0 if model_type == "qwen2_moe" else first < layers
     elif isinstance(layer_types, list):
         windowed = "sliding_attention" in layer_types
     else:

@@ -565,8 +565,10 @@ def rebuilt_pipeline(config: Mapping[str, Any], model_type: str | None) -> str |
     of a model directory's tokenizer.json, given its tokenizer_config.json (`config`) and
     config.json's `model_type`: "llama", "qwen2", or None where it reads the file as it is.
 
-    - "llama": tokenizer_config.json names LlamaTokenizer(Fast) and the model type is llama or
-      unknown (another registers its own tokenizer; Mistral's reads the file as it is).
+    - "llama": tokenizer_config.json names LlamaTokenizer(Fast) and the model type is llama,
+      unknown, or one whose registered tokenizer is a class of its own other than Llama's and
+      which is not in the incorrect-class list (qwen3), for which transformers trusts the named
+      class (Mistral's registered tokenizer is generic: it reads the file as it is).
       `Tokenizer.from_pretrained` rebuilds only a tokenizer.json that is not byte-level.
     - "qwen2": every qwen2 model, whatever tokenizer_config.json names (qwen2 is in transformers'
       MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS); a tokenizer_config.json that names
@@ -579,7 +581,7 @@ def rebuilt_pipeline(config: Mapping[str, Any], model_type: str | None) -> str |
     tokenizer, qwen2_moe and qwen3_moe Qwen2Tokenizer (neither is in the incorrect-class list)."""
     model_type = _TOKENIZER_FAMILY.get(model_type, model_type)
     named = str(config.get("tokenizer_class") or "").removesuffix("Fast")
-    if named == "LlamaTokenizer" and model_type in (None, "llama"):
+    if named == "LlamaTokenizer" and model_type in (None, "llama", "qwen3"):
         return "llama"
     if (model_type == "qwen2" or (named == "Qwen2Tokenizer" and model_type != "mistral")
             or (not named and model_type == "qwen3")):
