@@ -17,7 +17,7 @@ from slipstream.model.transformer import SparseMoeBlock, Transformer, route
 from slipstream.perf import flops
 from slipstream.perf.hardware import get_accelerator
 from slipstream.perf.layers import layer_gemms
-from slipstream.perf.memory import training_memory
+from slipstream.perf.memory import activation_bytes_per_layer, training_memory
 from slipstream.perf.model import Layout, TrainSetup, predict_training
 from slipstream.perf.serving import ServeSetup, step_time
 from slipstream.perf.shapes import TransformerShape
@@ -341,3 +341,33 @@ def test_perf_serve_command_prices_a_moe_config_json(tmp_path, capsys):
                                "--devices", "2", "--pp", "2", "--global-batch", "8", "--seq-len", "64"]))
     assert exit_info.value.code == 2
     assert "pp=2: mixed mixes 2 dense and 2 mixture-of-experts layers" in capsys.readouterr().err
+
+
+def test_moe_decode_is_priced_eager_as_the_engine_runs_it():
+    """Guards the decode of a MoE model against graph replay: the engine runs it eagerly (routing
+    reads expert counts on the host, which no graph holds), so a graph budget changes nothing for
+    it, while it removes a dense model's launch overheads."""
+    contexts = [512] * 8
+    eager, graphed = (step_time(ServeSetup(shape=MIXTRAL, tp=2, decode_graph_max_batch=graphs), H100,
+                                decode_contexts=contexts) for graphs in (0, 256))
+    assert graphed.total_s == eager.total_s
+    dense = dataclasses.replace(MIXTRAL, num_experts=0, experts_per_token=0, expert_ffn_hidden_size=0,
+                                moe_layers=())
+    eager, graphed = (step_time(ServeSetup(shape=dense, tp=2, decode_graph_max_batch=graphs), H100,
+                                decode_contexts=contexts) for graphs in (0, 256))
+    assert graphed.total_s < eager.total_s
+
+
+def test_sequence_parallelism_leaves_the_routing_whole():
+    """Guards the MoE activations under sequence parallelism: SP splits what is replicated across
+    tensor-parallel ranks (the norm and projection inputs), not the routing, whose rows are
+    gathered whole on every rank; so SP saves a MoE layer exactly what it saves a dense layer of
+    the same attention and hidden size."""
+    dense = dataclasses.replace(MIXTRAL, num_experts=0, experts_per_token=0, expert_ffn_hidden_size=0,
+                                moe_layers=())
+    saved = {}
+    for name, shape in (("moe", MIXTRAL), ("dense", dense)):
+        setup = TrainSetup(shape=shape, global_batch_size=8, micro_batch_size=1, seq_len=4096, dtype="bf16")
+        saved[name] = (activation_bytes_per_layer(setup, 8, False, 4096)
+                       - activation_bytes_per_layer(setup, 8, True, 4096))
+    assert saved["moe"] == pytest.approx(saved["dense"])

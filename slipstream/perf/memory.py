@@ -94,10 +94,11 @@ def _layer_activation_bytes(
     h, f = shape.hidden_size, shape.mlp_width(moe=moe)
     mask = 1.0 if setup.dropout else 0.0
     # Replicated without SP: both norm inputs (2r: the residual stream, fp32 under autocast), the
-    # q/k/v and MLP inputs (2e), dropout masks; a MoE layer's routing.
+    # q/k/v and MLP inputs (2e), dropout masks.
     replicated = n * h * (2 * r + 2 * e + 2 * mask)
-    if moe:
-        replicated += _routing_activation_bytes(shape, n, e)
+    # A MoE layer's routing runs on the whole rows of the MLP input on every TP rank (gathered
+    # under SP), so SP does not split it.
+    routing = _routing_activation_bytes(shape, n, e) if moe else 0.0
     # Split by TP: q, k, v and the projection input (4e sbh for MHA), the MLP intermediates (GELU
     # input and the down-projection input, 8e sbh for a 4h GELU MLP; SwiGLU keeps gate, up, product).
     attention = e * n * (2 * shape.q_dim + 2 * shape.kv_dim)
@@ -112,8 +113,8 @@ def _layer_activation_bytes(
     elif setup.attention == "flash":
         scores = 4.0 * n * shape.num_heads  # fp32 log-sum-exp per query and head
     if sequence_parallel:
-        return (replicated + split + scores) / tp
-    return replicated + (split + scores) / tp
+        return (replicated + split + scores) / tp + routing
+    return replicated + routing + (split + scores) / tp
 
 
 def _routing_activation_bytes(shape: TransformerShape, n: float, e: int) -> float:

@@ -80,7 +80,8 @@ class ServeSetup:
     """Tokens per KV block: a sequence holds whole blocks (vLLM's and slipstream's default 16)."""
     decode_graph_max_batch: int = 0
     """Decode-only steps of up to this many sequences replay a captured graph (vLLM's CUDA graphs,
-    slipstream's CPU decode graph): their layers pay no per-kernel or per-GEMM launch overhead."""
+    slipstream's CPU decode graph): their layers pay no per-kernel or per-GEMM launch overhead.
+    Not for a mixture-of-experts shape, whose decode the engine runs eagerly."""
 
     def __post_init__(self) -> None:
         dtype_key(self.dtype)
@@ -256,7 +257,9 @@ def _step_work(
         spec = LayerSpec(shape=shape, num_tokens=len(decode_contexts), tp=setup.tp,
                          attention="flash", attention_pairs=kv_read, kv_read_tokens=kv_read)
         layer_linears, layer_device = linears, device
-        if not prefill_lens and len(decode_contexts) <= setup.decode_graph_max_batch:
+        # The engine runs a MoE model's decode eagerly: its routing asks the host how many
+        # tokens each expert got, which neither a CUDA graph nor the CPU decode graph can hold.
+        if not prefill_lens and not shape.is_moe and len(decode_contexts) <= setup.decode_graph_max_batch:
             replay = dataclasses.replace(device.efficiency, gemm_overhead_s=0.0, kernel_overhead_s=0.0)
             layer_linears = dataclasses.replace(linears, efficiency=replay)
             layer_device = dataclasses.replace(device, efficiency=replay)
