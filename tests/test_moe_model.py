@@ -204,3 +204,29 @@ def test_expert_count_of_a_wrong_type_is_a_value_error(key, value):
     d = {k: v for k, v in _hf_dict("qwen3_moe").items() if k not in ("num_experts", "num_local_experts")}
     with pytest.raises(ValueError, match=key):
         ModelConfig.from_hf_dict(d | {key: value})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows", [1, 3, 37, 300])
+def test_block_sums_as_the_loop_over_experts(moe_family, make_hf_model, tmp_path, dtype, num_rows):
+    """On a CPU the block adds all routed rows with one index_add_; its output equals, bit for bit,
+    the loop over experts of transformers' eager implementation (each expert on its tokens, its
+    output times the routing weight, added in increasing expert order), also where some experts get
+    no token (few rows)."""
+    make_hf_model(moe_family).save_pretrained(tmp_path)
+    model = load_model(tmp_path, dtype=dtype)
+    block = next(m for m in model.modules() if isinstance(m, SparseMoeBlock))
+    x = torch.randn(num_rows, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    with torch.no_grad():
+        weights, experts = route(block.gate(x), block.top_k, block.renormalize)
+        if not block.fp32_weights:
+            weights = weights.to(dtype)
+        expected = torch.zeros_like(x)
+        for e in range(block.num_experts):
+            tokens, choice = torch.where(experts == e)
+            if len(tokens):
+                rows = block.experts[e](x[tokens]) * weights[tokens, choice, None]
+                expected.index_add_(0, tokens, rows.to(dtype))
+        if hasattr(block, "shared_expert"):
+            expected = expected + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+        assert torch.equal(block(x), expected)

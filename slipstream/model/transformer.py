@@ -259,7 +259,8 @@ class SparseMoeBlock(nn.Module):
     adds a shared expert scaled by sigmoid(shared_expert_gate(x)).
 
     The experts run one after another on the tokens routed to them, as Hugging Face's eager
-    implementation runs them (in increasing expert order, so fp32 sums round alike). Mixtral
+    implementation runs them (in increasing expert order, so fp32 sums round alike; `_routed`).
+    Mixtral
     multiplies expert outputs by the fp32 routing weights, Qwen by weights cast to the activation
     dtype, as their reference implementations do.
     """
@@ -291,19 +292,26 @@ class SparseMoeBlock(nn.Module):
         return out.reshape(shape)
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The routed experts' outputs, weighted and summed per token. The (token, choice) pairs
+        sorted by expert (stably: an expert's tokens keep their order) give one gather of the
+        routed rows, of which each expert multiplies a contiguous slice, in increasing expert
+        order; one `index_add_` per expert then adds its rows (distinct tokens) to the output, as
+        transformers' loop over experts does. One call for all experts would add a token's k rows
+        before rounding to a 16-bit dtype once, not after each expert, and on a GPU with atomics,
+        in no fixed order."""
         flat = experts.flatten()  # (N * k,): choice j of token t at t * k + j
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // self.top_k  # (N * k,)
         out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            chosen = order[start:start + count]
-            start += count
-            tokens = chosen // self.top_k
-            contribution = self.experts[expert](x[tokens]) * weights.flatten()[chosen, None]
-            out.index_add_(0, tokens, contribution.to(out.dtype))
+        if not len(tokens):
+            return out
+        chunks = x[tokens].split(counts)  # each expert's rows, experts in increasing order
+        outputs = torch.cat([self.experts[e](chunk) for e, chunk in enumerate(chunks) if counts[e]])
+        contributions = (outputs * weights.flatten()[order, None]).to(x.dtype)  # (N * k, E)
+        for expert_tokens, expert_rows in zip(tokens.split(counts), contributions.split(counts), strict=True):
+            if len(expert_tokens):
+                out.index_add_(0, expert_tokens, expert_rows)
         return out
 
 

@@ -16,8 +16,9 @@ q/k/v and gate/up projections whose row-major weights are kept for the matrix-ve
 only panel-packed ones where the panel kernel takes every size) and
 to pure decode steps of at most `cpu_kernels.MAX_GEMV_ROWS` sequences, or of up to
 `linear.MAX_PANEL_ROWS` where the panel-packed weights are kept as well; `build` returns None for
-any other model and callers keep the module-by-module path, which the tests check it against
-(equal bit for bit, through the same compiled kernels) as well as against the plain model.
+any other model (among them any with mixture-of-experts layers, whose routing the C layer stack
+does not do) and callers keep the module-by-module path, which the tests check it against (equal
+bit for bit, through the same compiled kernels) as well as against the plain model.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from slipstream.model.transformer import Transformer, rope_cos_sin
+from slipstream.model.transformer import MLP, Transformer, rope_cos_sin
 from slipstream.ops import cpu_kernels
 from slipstream.ops.linear import MAX_PANEL_ROWS, PackedLinear
 from slipstream.ops.paged_attention import PagedBatch
@@ -91,6 +92,8 @@ class CpuDecodeGraph:
             return address(linear.row_weight), address(linear.bias), address(linear.panel_weight)
 
         try:
+            if not all(isinstance(layer.mlp, MLP) for layer in model.model.layers):
+                raise _NotApplicable("mixture-of-experts layers: the C layer stack runs dense MLPs only")
             if model.lm_head.out_features != embedding.shape[0]:
                 raise _NotApplicable(f"an lm_head of {model.lm_head.out_features} rows for a vocabulary of "
                                      f"{embedding.shape[0]}")

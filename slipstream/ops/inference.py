@@ -1,10 +1,12 @@
 """The CPU inference fast path, applied to a finished model as a function.
 
 `optimize_for_cpu_inference(model)` keeps the model's math and swaps in faster pieces: the
-q/k/v and gate/up projections fused into one linear each (fewer, larger matrix products),
-oneDNN pre-packed linear layers (`ops.linear`), and the fused RMSNorm, rotary-embedding and
-silu-and-multiply C kernels of `ops.cpu_kernels` in place of their several-op PyTorch versions,
-and a decoder whose residual sums run inside those RMSNorm kernels (`KernelDecoder`).
+q/k/v and gate/up projections fused into one linear each (fewer, larger matrix products; the
+experts of a mixture-of-experts layer are MLPs too), oneDNN pre-packed linear layers
+(`ops.linear`; those of experts pad their inputs to few shapes), the fused RMSNorm,
+rotary-embedding and silu-and-multiply C kernels of `ops.cpu_kernels` in place of their several-op
+PyTorch versions, and a decoder whose residual sums run inside those RMSNorm kernels
+(`KernelDecoder`).
 The result is for inference only. Where a piece does not apply (no oneDNN, no C compiler, CUDA,
 fp16) the model's own modules stay; tests check the optimised model against the plain one.
 """
@@ -26,10 +28,11 @@ from slipstream.model.transformer import (
     RMSNorm,
     Rotary,
     SiluAndMul,
+    SparseMoeBlock,
     rope_cos_sin,
 )
 from slipstream.ops import cpu_kernels
-from slipstream.ops.linear import extra_copies_of, pack_linears
+from slipstream.ops.linear import ONEDNN_ROW_MULTIPLE, PackedLinear, extra_copies_of, pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +153,7 @@ def optimize_for_cpu_inference(model: nn.Module) -> nn.Module:
     if not extra_copies:
         logger.info("weights too large to keep extra copies: every linear goes through oneDNN")
     pack_linears(model, extra_copies=extra_copies)
+    _pad_expert_rows(model)
     param = next(model.parameters(), None)
     if param is None or not cpu_kernels.supports(param):
         return model
@@ -168,6 +172,19 @@ def optimize_for_cpu_inference(model: nn.Module) -> nn.Module:
     if KernelDecoder.applies_to(decoder):
         model.model = KernelDecoder(decoder)
     return model
+
+
+def _pad_expert_rows(model: nn.Module) -> None:
+    """Let the packed linears of every mixture-of-experts block's experts pad their oneDNN inputs
+    to a multiple of ONEDNN_ROW_MULTIPLE rows (`PackedLinear.pad_rows_to`): an expert's row count
+    changes from step to step, and oneDNN builds code for each new one."""
+    experts = [m for block in model.modules() if isinstance(block, SparseMoeBlock)
+               for m in block.experts.modules() if isinstance(m, PackedLinear)]
+    for linear in experts:
+        linear.pad_rows_to = ONEDNN_ROW_MULTIPLE
+    if experts:
+        logger.info("%d expert linears pad their oneDNN inputs to multiples of %d rows", len(experts),
+                    ONEDNN_ROW_MULTIPLE)
 
 
 def _available_memory_bytes() -> int:

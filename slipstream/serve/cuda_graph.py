@@ -14,20 +14,41 @@ and share one memory pool. Padding rows decode token 0 at position 0 with one ke
 runner's spare block (`pad_block`, never given to a request), so they write only there and
 their attention stays finite.
 
+A step is captured only where it can be (`can_capture`): a mixture-of-experts block reads how
+many tokens each expert got back to the host to run the experts one after another, a
+synchronisation that capture refuses, so models with such layers decode eagerly, as with
+`enforce_eager`.
+
 `capture=False` keeps the static buffers and the padding but runs each step eagerly: the tests
 use it to check the bucketing on a CPU against the unpadded step (equal bit for bit).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
+from slipstream.model.transformer import Transformer
 from slipstream.ops.paged_attention import PagedBatch
+
+logger = logging.getLogger(__name__)
 
 Forward = Callable[[torch.Tensor, torch.Tensor, PagedBatch], torch.Tensor]
 """(token_ids (B,), positions (B,), a pure decode batch of those B sequences) -> hidden (B, E)."""
+
+
+def can_capture(model: Transformer) -> bool:
+    """Whether `model`'s decode step can be captured in a CUDA graph: not where it has
+    mixture-of-experts layers, whose token counts per expert go to the host (`SparseMoeBlock`)."""
+    config = model.config
+    num_moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    if num_moe_layers:
+        logger.info("no CUDA graphs for this model: its %d mixture-of-experts layers read their token "
+                    "counts per expert on the host, which capture refuses; decode steps run eagerly",
+                    num_moe_layers)
+    return num_moe_layers == 0
 
 
 def batch_buckets(max_seqs: int) -> list[int]:

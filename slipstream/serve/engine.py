@@ -122,7 +122,8 @@ class EngineConfig:
     enforce_eager: bool = False
     """As vLLM's: run every step module by module. Otherwise pure decode steps replay a graph: on
     CUDA captured CUDA graphs (serve.cuda_graph); on a CPU, with fast_cpu_kernels, the layer stack
-    in one C call (ops.decode_graph, up to linear.MAX_PANEL_ROWS sequences)."""
+    in one C call (ops.decode_graph, up to linear.MAX_PANEL_ROWS sequences). Models with
+    mixture-of-experts layers take neither graph: they always run module by module."""
     num_scheduler_steps: int = 1
     """As vLLM v0's multi-step scheduling: when every running request decodes greedily with nothing
     that needs a step's logits (no penalty, logprobs or pending min_tokens), run up to this many

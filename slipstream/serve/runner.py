@@ -20,7 +20,7 @@ from slipstream.model.config import ModelConfig
 from slipstream.model.transformer import Transformer
 from slipstream.ops.decode_graph import CpuDecodeGraph
 from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
-from slipstream.serve.cuda_graph import CudaDecodeGraphs
+from slipstream.serve.cuda_graph import CudaDecodeGraphs, can_capture
 from slipstream.serve.profiler import FORWARD_PHASE, PREPARE_INPUTS_PHASE, phase
 from slipstream.serve.sampler import argmax
 from slipstream.serve.scheduler import ScheduledChunk, StepPlan
@@ -84,8 +84,9 @@ class Runner:
 
     Pure decode steps replay a graph unless `enforce_eager`: on a CPU the C decode graph (with
     `use_kernels`, where it applies to the model), on CUDA captured CUDA graphs for up to
-    `max_num_seqs` sequences; those keep one spare cache block past `num_blocks` for their
-    padding rows.
+    `max_num_seqs` sequences (where the model's step can be captured: `can_capture`); those keep
+    one spare cache block past `num_blocks` for their padding rows. A model with
+    mixture-of-experts layers takes neither graph and decodes module by module.
     """
 
     def __init__(
@@ -96,7 +97,7 @@ class Runner:
         self.model = model
         self.device = device
         self.use_kernels = use_kernels
-        cuda_graphs = device.type == "cuda" and not enforce_eager
+        cuda_graphs = device.type == "cuda" and not enforce_eager and can_capture(model)
         spare_blocks = 1 if cuda_graphs else 0
         self.cache = PagedKVCache(model.config, num_blocks=num_blocks + spare_blocks, block_size=block_size,
                                   dtype=dtype, device=device)
