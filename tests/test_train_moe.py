@@ -352,3 +352,24 @@ def test_the_tiny_moe_preset_trains(data_dir, tmp_path):
     saved = json.loads((tmp_path / "run" / "model" / "config.json").read_text())
     assert saved["model_type"] == "mixtral" and saved["num_local_experts"] == 8
     assert saved["output_router_logits"] is True
+
+
+def test_a_qwen_moe_config_with_every_layer_dense_trains_as_dense(data_dir, tmp_path):
+    """A Qwen-MoE config whose mlp_only_layers name every layer (transformers builds and trains it)
+    has no router to collect from: it trains as a dense model, with no routing fields."""
+    model_dir = tmp_path / "model"
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, mlp_only_layers=[0, 1], max_position_embeddings=256, eos_token_id=0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(data_dir / "tokenizer" / name, model_dir / name)
+    train_config = load_config(None, [
+        f"--data.path={data_dir}", f"--run.dir={tmp_path / 'run'}", f"--model.path={model_dir}",
+        "--data.seq_len=16", "--training.global_batch_size=2", "--training.micro_batch_size=2",
+        "--training.steps=1", "--schedule.warmup_steps=0", "--eval.interval=0",
+        "--checkpoint.save_final=false", "--logging.tensorboard=false", "--logging.peak_flops_per_s=1e11",
+    ])
+    record = Trainer(train_config).run()
+    assert record["step"] == 1 and "load_balancing_loss" not in record

@@ -4,6 +4,9 @@ The model files are math only and `Transformer.forward` returns logits alone, so
 reads each mixture-of-experts layer's router logits with forward hooks on its `gate` linear
 (`RouterLogits`), kept only while `collect()` is open: the gate's second run, when activation
 checkpointing recomputes a layer in the backward pass, falls outside it and is not kept twice.
+Each hook keeps its layer's logits on its own gate, so that every layer's hook does the same
+thing and `torch.compile` compiles the layers as one graph. (With activation checkpointing,
+compile leaves a routed layer uncompiled all the same: its experts' token counts go to the host.)
 
 The load-balancing loss (`routing`) is Switch Transformer's auxiliary loss (Fedus et al. 2021,
 eqs. 4-6) as transformers' `load_balancing_loss_func` computes it for Mixtral and Qwen-MoE: over
@@ -46,29 +49,33 @@ class RouterLogits:
     are final (after the CPU fast path swapped its linears); parallelize keeps modules in place."""
 
     def __init__(self, model: nn.Module) -> None:
-        blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-        if not blocks:
+        self._blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+        if not self._blocks:
             raise ValueError("the model has no mixture-of-experts layer (SparseMoeBlock) to collect from")
-        self.num_layers = len(blocks)
-        self.num_experts = blocks[0].num_experts
-        self.top_k = blocks[0].top_k
-        self._kept: list[torch.Tensor] | None = None
-        for block in blocks:
+        self.num_layers = len(self._blocks)
+        self.num_experts = self._blocks[0].num_experts
+        self.top_k = self._blocks[0].top_k
+        self._collecting = False
+        for block in self._blocks:
             block.gate.register_forward_hook(self._keep)
 
     @contextlib.contextmanager
     def collect(self) -> Iterator[list[torch.Tensor]]:
-        """A list that fills with each layer's (tokens, num_experts) router logits, in layer
-        order, for the forwards run inside the block."""
-        self._kept = []
+        """A list that, once the block exits, holds each layer's (tokens, num_experts) router
+        logits of the forward run inside it, in layer order."""
+        kept: list[torch.Tensor] = []
+        self._collecting = True
         try:
-            yield self._kept
+            yield kept
         finally:
-            self._kept = None
+            self._collecting = False
+        for block in self._blocks:
+            kept.append(block.gate.router_logits)
+            block.gate.router_logits = None
 
     def _keep(self, module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
-        if self._kept is not None:
-            self._kept.append(output)
+        if self._collecting:
+            module.router_logits = output
 
     def routing(self, router_logits: Sequence[torch.Tensor]) -> Routing:
         """The load-balancing loss and expert load of one forward's router logits."""

@@ -153,7 +153,8 @@ class Trainer:
             logger.warning("`slipstream export` will refuse this run: %s", mismatch)
         self.mesh = build_mesh(self.dist)
         self.model = self._build_model()
-        self.router_logits = RouterLogits(self.model) if self.model_config.is_moe else None
+        routed = any(map(self.model_config.is_moe_layer, range(self.model_config.num_hidden_layers)))
+        self.router_logits = RouterLogits(self.model) if routed else None
         """The routers' logits of a mixture-of-experts model (load-balancing loss, expert load)."""
         self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
         self.lr_scheduler = self._build_lr_scheduler(steps_taken=0)
