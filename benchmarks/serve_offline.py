@@ -59,7 +59,12 @@ def slipstream_runner(model_dir, dtype, prompts, output_len, engine_args) -> Cal
 def load_transformers(model_dir, dtype):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    if getattr(model.config, "output_router_logits", False):
+        # A training switch (the load-balancing loss), which generate would compute at every step
+        # and, on left-padded batches, fail in (transformers 5.25's load_balancing_loss_func).
+        model.config.output_router_logits = False
+    return model
 
 
 def _transformers_once(model, prompts, output_len, batch_size) -> float:

@@ -259,10 +259,9 @@ class SparseMoeBlock(nn.Module):
     adds a shared expert scaled by sigmoid(shared_expert_gate(x)).
 
     The experts run one after another on the tokens routed to them, as Hugging Face's eager
-    implementation runs them (in increasing expert order, so fp32 sums round alike; `_routed`).
-    Mixtral
-    multiplies expert outputs by the fp32 routing weights, Qwen by weights cast to the activation
-    dtype, as their reference implementations do.
+    implementation runs them (in increasing expert order, so sums round alike; `_routed`).
+    Mixtral multiplies expert outputs by the fp32 routing weights, Qwen by weights cast to the
+    activation dtype, as their reference implementations do.
     """
 
     def __init__(self, config: ModelConfig) -> None:
