@@ -11,7 +11,7 @@ out="${OUT:-$PWD}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # The GPU test imports transformers for its reference and skips (passing) without it: fail here.
 python3 -c "import torch, transformers, pytest; print('torch', torch.__version__, torch.cuda.get_device_name())"
-python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py 2>&1 | tee "$out/gpu_tests.log"
+python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py tests/test_moe_serving.py -k "cuda or CUDA" 2>&1 | tee "$out/gpu_tests.log"
 cd benchmarks
 python3 cuda_decode.py --dtype both --batch-sizes 1,8,32,64 --repeats 3 2>&1 | tee "$out/cuda_decode.log"
 cd ..
