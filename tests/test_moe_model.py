@@ -132,12 +132,12 @@ def _hf_dict(family: str, **changes) -> dict:
 @pytest.mark.parametrize("family, changes, message", [
     ("qwen3_moe", {"num_experts_per_tok": 7}, "num_experts_per_tok"),
     ("qwen3_moe", {"num_experts": 0}, "num_experts"),
-    ("qwen3_moe", {"mlp_only_layers": [3]}, "mlp_only_layers"),
+    ("qwen3_moe", {"mlp_only_layers": ["1"]}, "mlp_only_layers"),
     ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
     ("qwen3_moe", {"router_aux_loss_coef": -1.0}, "router_aux_loss_coef"),
     ("qwen3_moe", {"norm_topk_prob": "yes"}, "norm_topk_prob"),
     ("qwen3_moe", {"num_experts": 6, "num_local_experts": 8}, "num_local_experts"),
-    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+    ("mixtral", {"router_jitter_noise": -0.1}, "router_jitter_noise"),
     ("qwen2_moe", {"qkv_bias": False}, "qkv_bias"),
     ("qwen2_moe", {"shared_expert_intermediate_size": None}, "shared_expert_intermediate_size"),
 ])
@@ -155,6 +155,35 @@ def test_experts_on_a_dense_family_are_refused():
         ModelConfig(**{k: v for k, v in dense.items()}, num_experts=4)
     with pytest.raises(ValueError, match="needs num_experts"):
         ModelConfig(**(dense | {"model_type": "qwen3_moe"}))
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        ModelConfig(**dense, mlp_only_layers=(5, 7))
+    # In a dense family's config.json, expert settings without a count mean nothing (transformers
+    # ignores them too) and are not kept.
+    read = ModelConfig.from_hf_dict(dense | {"num_experts_per_tok": 4, "decoder_sparse_step": 2,
+                                             "output_router_logits": True})
+    assert read == ModelConfig.from_hf_dict(dense)
+
+
+def test_layers_past_the_model_in_mlp_only_layers_name_none():
+    """transformers builds a model whose mlp_only_layers name layers it does not have."""
+    d = _hf_dict("qwen3_moe", mlp_only_layers=[0, 7], decoder_sparse_step=1)
+    transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**d))
+    assert ModelConfig.from_hf_dict(d).moe_layers == (1, 2)
+
+
+def test_block_sums_in_the_input_dtype_under_autocast(moe_family, make_hf_model, tmp_path):
+    """Under bf16 autocast the experts compute in bf16 and their weighted rows are summed in the
+    block's fp32 input dtype, as transformers sums them."""
+    hf = make_hf_model(moe_family)
+    hf.save_pretrained(tmp_path)
+    block = next(m for m in load_model(tmp_path).modules() if isinstance(m, SparseMoeBlock))
+    theirs = next(layer.mlp for layer in hf.model.layers
+                  if type(layer.mlp).__name__.endswith("SparseMoeBlock"))
+    x = torch.randn(1, 5, hf.config.hidden_size)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, expected = block(x), theirs(x)
+    assert got.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
 
 
 def test_config_round_trips_through_transformers(moe_family):
@@ -230,3 +259,25 @@ def test_block_sums_as_the_loop_over_experts(moe_family, make_hf_model, tmp_path
         if hasattr(block, "shared_expert"):
             expected = expected + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
         assert torch.equal(block(x), expected)
+
+
+def test_mixtral_router_jitter_in_training_only(make_hf_model, tmp_path):
+    """Mixtral's router_jitter_noise (a config field of fine-tunes trained with it) leaves inference
+    alone and, in training, multiplies the routed input by transformers' noise: the same seed gives
+    transformers' training-mode logits."""
+    hf = make_hf_model("mixtral", router_jitter_noise=0.2)
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    assert ours.config.router_jitter_noise == 0.2
+    ids, positions = _inputs(hf.config.vocab_size, 2, 9)
+    with torch.no_grad():
+        assert (hf(input_ids=ids).logits - ours(ids, positions)).abs().max().item() < 1e-5
+        hf.train(), ours.train()
+        torch.manual_seed(7)
+        expected = hf(input_ids=ids).logits
+        torch.manual_seed(7)
+        got = ours(ids, positions)
+        torch.manual_seed(8)
+        other = ours(ids, positions)
+    assert (expected - got).abs().max().item() < 1e-5
+    assert (got - other).abs().max().item() > 1e-3

@@ -192,19 +192,28 @@ def test_fast_path_matches_plain_model(moe_model, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_rows", [31, 33, 100, 300])
-def test_packed_linear_pads_onednn_rows(dtype, num_rows):
+def test_packed_linear_pads_onednn_rows(dtype, num_rows, monkeypatch):
     """An expert's PackedLinear (without extra copies) hands products of 32 rows or more to oneDNN
     padded to a multiple of 32 rows (an expert's row count changes every step; see
-    linear.ONEDNN_ROW_MULTIPLE): the result keeps the input's leading dimensions and equals
-    nn.Linear's."""
+    linear.ONEDNN_ROW_MULTIPLE), fewer as they are, and a dense layer's never: the result keeps the
+    input's leading dimensions and equals nn.Linear's."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96).to(dtype)
     packed = PackedLinear(linear)
-    packed.pad_rows_to = ONEDNN_ROW_MULTIPLE
+    if packed.packed_weight is None:
+        pytest.skip("no oneDNN product for this dtype here")
+    rows_to_onednn = []
+    mkldnn_linear = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, *args: rows_to_onednn.append(x.numel() // 64) or mkldnn_linear(x, *args))
     x = torch.randn(1, num_rows, 64, dtype=dtype)
     with torch.inference_mode():
-        expected, got = linear(x), packed(x)
-    assert got.shape == (1, num_rows, 96)
+        expected, unpadded = linear(x), packed(x)
+        packed.pad_rows_to = ONEDNN_ROW_MULTIPLE
+        got = packed(x)
+    padded = num_rows if num_rows < 32 else -(-num_rows // 32) * 32
+    assert rows_to_onednn == [num_rows, padded]
+    assert got.shape == unpadded.shape == (1, num_rows, 96)
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
 

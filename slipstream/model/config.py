@@ -43,7 +43,7 @@ _IGNORED_KEYS = frozenset(
         "rope_parameters", "hidden_act", "id2label", "label2id", "problem_type",
         "chunk_size_feed_forward",
         "is_matryoshka", "matryoshka_dimensions",  # read by the pooling runner (serve/pooling.py)
-        "num_local_experts", "router_jitter_noise", "qkv_bias",  # checked by _read_experts and the like
+        "num_local_experts", "qkv_bias",  # checked by _read_experts and the like
     }
 )
 
@@ -118,7 +118,7 @@ class ModelConfig:
     pad_token_id: int | None = None
     num_experts: int | None = None
     """Routed experts in each mixture-of-experts layer (config.json's `num_local_experts` or
-    `num_experts`); None for a dense model, and only then."""
+    `num_experts`); None exactly for the dense model types. Which layers route: `moe_layers`."""
     num_experts_per_tok: int = 2
     """Experts each token is routed to (the top k of the router's softmax)."""
     moe_intermediate_size: int | None = None
@@ -135,6 +135,9 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.001
     """Weight of the load-balancing loss added to the training loss when `output_router_logits`."""
     output_router_logits: bool = False
+    router_jitter_noise: float = 0.0
+    """Mixtral: in training, the router's and experts' input is multiplied by noise drawn
+    uniformly from [1 - noise, 1 + noise]; inference ignores it."""
     dtype: str = "float32"
     """The dtype the weights are stored in: config.json's `dtype` (or `torch_dtype`); where it names
     none, `from_pretrained` reads the safetensors headers' (as vLLM does), `from_hf_dict` assumes
@@ -193,9 +196,8 @@ class ModelConfig:
         if isinstance(self.mlp_only_layers, list):
             object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         if self.model_type not in MOE_FAMILY:
-            given = [f"{name}={getattr(self, name)!r}" for name in ("num_experts", "moe_intermediate_size",
-                                                                    "shared_expert_intermediate_size")
-                     if getattr(self, name) is not None]
+            given = [f"{name}={getattr(self, name)!r}" for name in _EXPERT_FIELDS
+                     if getattr(self, name) != _field_default(type(self), name)]
             if given:
                 raise ValueError(f"{', '.join(given)} given for model_type {self.model_type!r}, which has no "
                                  f"experts; mixture-of-experts types: {', '.join(MOE_FAMILY)}")
@@ -209,15 +211,19 @@ class ModelConfig:
                              f"({self.num_experts})")
         for name in ("norm_topk_prob", "output_router_logits"):
             _check_bool(name, getattr(self, name))
-        coef = self.router_aux_loss_coef
-        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < math.inf:
-            raise ValueError(f"router_aux_loss_coef must be a non-negative number, got {coef!r}")
-        object.__setattr__(self, "router_aux_loss_coef", float(coef))
+        for name in ("router_aux_loss_coef", "router_jitter_noise"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.router_jitter_noise and self.model_type != "mixtral":
+            raise ValueError(f"router_jitter_noise is only supported for model_type 'mixtral', "
+                             f"not {self.model_type!r}")
         layers = self.mlp_only_layers
+        # An index past the layers names no layer, as in transformers.
         if not isinstance(layers, tuple) or any(isinstance(i, bool) or not isinstance(i, int)
-                                                or not 0 <= i < self.num_hidden_layers for i in layers):
-            raise ValueError(f"mlp_only_layers must list layer indices below num_hidden_layers "
-                             f"({self.num_hidden_layers}), got {layers!r}")
+                                                for i in layers):
+            raise ValueError(f"mlp_only_layers must list layer indices (integers), got {layers!r}")
         if self.model_type == "mixtral":
             # Mixtral routes every layer, renormalises the top k and sizes experts by intermediate_size.
             if self.moe_intermediate_size not in (None, self.intermediate_size):
@@ -264,6 +270,13 @@ class ModelConfig:
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers that route tokens to experts: none for a dense model, and none for a
+        mixture-of-experts type whose `mlp_only_layers` or `decoder_sparse_step` leave every layer
+        dense (which then runs, trains and is priced as a dense model)."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_moe_layer(i))
+
+    @property
     def eos_token_ids(self) -> tuple[int, ...]:
         if self.eos_token_id is None:
             return ()
@@ -299,6 +312,8 @@ class ModelConfig:
         _check_unsupported_features(d, moe=model_type in MOE_FAMILY)
         if model_type in MOE_FAMILY:
             d = _read_experts(model_type, d)
+        else:  # expert settings of a dense family's config.json (a count is refused above) mean nothing
+            d = {k: v for k, v in d.items() if k not in _EXPERT_FIELDS}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in d if k not in known and k not in _IGNORED_KEYS)
         if unknown:
@@ -359,7 +374,7 @@ class ModelConfig:
             "output_router_logits": self.output_router_logits,
         }
         if self.model_type == "mixtral":
-            return out | {"router_jitter_noise": 0.0}
+            return out | {"router_jitter_noise": self.router_jitter_noise}
         out |= {"moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
                 "decoder_sparse_step": self.decoder_sparse_step,
                 "mlp_only_layers": list(self.mlp_only_layers)}
@@ -473,9 +488,12 @@ _UNSUPPORTED_FEATURES = {
     "use_mrope": False,
     "attn_logit_softcapping": None,
     "final_logit_softcapping": None,
-    "router_jitter_noise": 0.0,
 }
 _EXPERT_KEYS = ("num_experts", "num_local_experts")
+_EXPERT_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                  "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
+                  "router_aux_loss_coef", "output_router_logits", "router_jitter_noise")
+"""ModelConfig's mixture-of-experts fields, which a dense model type leaves at their defaults."""
 """The two spellings of the expert count: Mixtral's (which transformers 5 also writes for Qwen3-MoE)
 and Qwen's."""
 
@@ -508,6 +526,8 @@ def _read_experts(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
     if model_type == "mixtral":
         for key in ("norm_topk_prob", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers"):
             d.pop(key, None)  # not Mixtral config fields: transformers ignores them
+    else:
+        d.pop("router_jitter_noise", None)  # Mixtral's alone
     if model_type == "qwen2_moe" and d.get("qkv_bias", True) is not True:
         raise ValueError(f"qwen2_moe with qkv_bias={d['qkv_bias']!r} is not supported (only q/k/v with bias)")
     if d.get("mlp_only_layers") is None:

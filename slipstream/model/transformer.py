@@ -270,6 +270,7 @@ class SparseMoeBlock(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.fp32_weights = config.model_type == "mixtral"
+        self.jitter_noise = config.router_jitter_noise
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = nn.ModuleList(
             MLP(config, config.moe_intermediate_size) for _ in range(config.num_experts)
@@ -279,35 +280,39 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., E) -> (..., E)
-        shape = x.shape
+        shape, dtype = x.shape, x.dtype
         x = cast_once_for_autocast(x).reshape(-1, shape[-1])  # (N, E)
+        if self.training and self.jitter_noise > 0:  # Mixtral's: router and experts see the noisy input
+            x = x * torch.empty_like(x).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
         router_logits = self.gate(x)  # (N, X)
         weights, experts = route(router_logits, self.top_k, self.renormalize)  # (N, k) each
         if not self.fp32_weights:
             weights = weights.to(router_logits.dtype)
-        out = self._routed(x, weights, experts)
+        # Summed in the input's dtype (fp32 under autocast, as in transformers), not the experts'.
+        out = self._routed(x, weights, experts, torch.zeros(x.shape, dtype=dtype, device=x.device))
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(shape)
 
-    def _routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """The routed experts' outputs, weighted and summed per token. The (token, choice) pairs
-        sorted by expert (stably: an expert's tokens keep their order) give one gather of the
-        routed rows, of which each expert multiplies a contiguous slice, in increasing expert
-        order; one `index_add_` per expert then adds its rows (distinct tokens) to the output, as
-        transformers' loop over experts does. One call for all experts would add a token's k rows
-        before rounding to a 16-bit dtype once, not after each expert, and on a GPU with atomics,
-        in no fixed order."""
+    def _routed(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts' outputs, weighted and summed per token into `out` (zeros). The
+        (token, choice) pairs sorted by expert (stably: an expert's tokens keep their order) give
+        one gather of the routed rows, of which each expert multiplies a contiguous slice, in
+        increasing expert order; one `index_add_` per expert then adds its rows (distinct tokens)
+        to `out`, as transformers' loop over experts does. One call for all experts would add a
+        token's k rows before rounding to a 16-bit dtype once, not after each expert, and on a GPU
+        with atomics, in no fixed order."""
         flat = experts.flatten()  # (N * k,): choice j of token t at t * k + j
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // self.top_k  # (N * k,)
-        out = torch.zeros_like(x)
         if not len(tokens):
             return out
         chunks = x[tokens].split(counts)  # each expert's rows, experts in increasing order
         outputs = torch.cat([self.experts[e](chunk) for e, chunk in enumerate(chunks) if counts[e]])
-        contributions = (outputs * weights.flatten()[order, None]).to(x.dtype)  # (N * k, E)
+        contributions = (outputs * weights.flatten()[order, None]).to(out.dtype)  # (N * k, E)
         for expert_tokens, expert_rows in zip(tokens.split(counts), contributions.split(counts), strict=True):
             if len(expert_tokens):
                 out.index_add_(0, expert_tokens, expert_rows)

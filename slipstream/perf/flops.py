@@ -97,7 +97,7 @@ def _moe_mlp_params(config: ModelConfig, num_experts: int) -> int:
 
 def num_moe_layers(config: ModelConfig) -> int:
     """Layers that route to experts (`config.is_moe_layer`); the others have the dense MLP."""
-    return sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    return len(config.moe_layers)
 
 
 def _mlp_params(config: ModelConfig, *, active: bool) -> int:

@@ -98,7 +98,7 @@ def _layer_activation_bytes(
     replicated = n * h * (2 * r + 2 * e + 2 * mask)
     # A MoE layer's routing runs on the whole rows of the MLP input on every TP rank (gathered
     # under SP), so SP does not split it.
-    routing = _routing_activation_bytes(shape, n, e) if moe else 0.0
+    routing = _routing_activation_bytes(shape, n, e, r) if moe else 0.0
     # Split by TP: q, k, v and the projection input (4e sbh for MHA), the MLP intermediates (GELU
     # input and the down-projection input, 8e sbh for a 4h GELU MLP; SwiGLU keeps gate, up, product).
     attention = e * n * (2 * shape.q_dim + 2 * shape.kv_dim)
@@ -117,15 +117,17 @@ def _layer_activation_bytes(
     return replicated + routing + (split + scores) / tp
 
 
-def _routing_activation_bytes(shape: TransformerShape, n: float, e: int) -> float:
+def _routing_activation_bytes(shape: TransformerShape, n: float, e: int, r: int) -> float:
     """What slipstream's `SparseMoeBlock` keeps beyond the experts' SwiGLU for n tokens: the
     router's fp32 softmax (4 bytes per expert); per choice of an expert, three int64 indices (the
     top k's, the sort order's, the token's), its fp32 routing weight and three rows of hidden
-    (the gathered input, the expert's output for the routing weight's gradient, the weighted
-    output that index_add_ keeps); with a shared expert, its output and its gate's sigmoid."""
+    (the gathered input and the expert's output, for the routing weight's gradient, in e bytes;
+    the weighted output that index_add_ keeps, in the block's input dtype, r bytes: the residual
+    stream's, as transformers sums the experts' rows); with a shared expert, its output and its
+    gate's sigmoid."""
     k, h = shape.experts_per_token, shape.hidden_size
     shared = e * n * (h + 1) if shape.shared_expert_ffn_hidden_size else 0
-    return n * (4 * shape.num_experts + 28 * k) + 3 * e * n * k * h + shared
+    return n * (4 * shape.num_experts + 28 * k) + (2 * e + r) * n * k * h + shared
 
 
 def pipeline_error(shape: TransformerShape, pp: int) -> str | None:

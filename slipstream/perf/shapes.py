@@ -306,7 +306,7 @@ GPT_SHAPES: dict[str, TransformerShape] = {
 def _experts_of(config: Any) -> dict[str, Any]:
     """The expert fields of a ModelConfig's shape; none when no layer routes (a Qwen-MoE config
     whose decoder_sparse_step or mlp_only_layers leave every layer dense)."""
-    layers = tuple(i for i in range(config.num_hidden_layers) if config.is_moe_layer(i))
+    layers = config.moe_layers
     if not layers:
         return {}
     return {"num_experts": config.num_experts, "experts_per_token": config.num_experts_per_tok,

@@ -42,8 +42,7 @@ Forward = Callable[[torch.Tensor, torch.Tensor, PagedBatch], torch.Tensor]
 def can_capture(model: Transformer) -> bool:
     """Whether `model`'s decode step can be captured in a CUDA graph: not where it has
     mixture-of-experts layers, whose token counts per expert go to the host (`SparseMoeBlock`)."""
-    config = model.config
-    num_moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    num_moe_layers = len(model.config.moe_layers)
     if num_moe_layers:
         logger.info("no CUDA graphs for this model: its %d mixture-of-experts layers read their token "
                     "counts per expert on the host, which capture refuses; decode steps run eagerly",

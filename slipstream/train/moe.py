@@ -62,19 +62,25 @@ class RouterLogits:
     @contextlib.contextmanager
     def collect(self) -> Iterator[list[torch.Tensor]]:
         """A list that, once the block exits, holds each layer's (tokens, num_experts) router
-        logits of the forward run inside it, in layer order."""
+        logits of the one forward run inside it, in layer order."""
         kept: list[torch.Tensor] = []
+        for block in self._blocks:
+            block.gate.router_logits = None
         self._collecting = True
         try:
             yield kept
         finally:
             self._collecting = False
-        for block in self._blocks:
-            kept.append(block.gate.router_logits)
-            block.gate.router_logits = None
+            kept.extend(block.gate.router_logits for block in self._blocks)
+            for block in self._blocks:
+                block.gate.router_logits = None  # the graph behind them goes with the step
+        if any(logits is None for logits in kept):
+            raise RuntimeError("a router did not run in the forward collected from")
 
     def _keep(self, module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         if self._collecting:
+            if module.router_logits is not None:
+                raise RuntimeError("a router ran twice in one forward collected from")
             module.router_logits = output
 
     def routing(self, router_logits: Sequence[torch.Tensor]) -> Routing:

@@ -186,7 +186,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> None:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    if model.config.is_moe:
+    if model.config.moe_layers:
         model.set_reduce_scatter_unused_params(True)
 
 
@@ -198,7 +198,7 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> None:
     those gradients unfinished."""
     from torch.distributed._composable.replicate import replicate
 
-    replicate(model, device_mesh=mesh, find_unused_parameters=model.config.is_moe)
+    replicate(model, device_mesh=mesh, find_unused_parameters=bool(model.config.moe_layers))
 
 
 def materialize(

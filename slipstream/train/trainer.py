@@ -153,8 +153,7 @@ class Trainer:
             logger.warning("`slipstream export` will refuse this run: %s", mismatch)
         self.mesh = build_mesh(self.dist)
         self.model = self._build_model()
-        routed = any(map(self.model_config.is_moe_layer, range(self.model_config.num_hidden_layers)))
-        self.router_logits = RouterLogits(self.model) if routed else None
+        self.router_logits = RouterLogits(self.model) if self.model_config.moe_layers else None
         """The routers' logits of a mixture-of-experts model (load-balancing loss, expert load)."""
         self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
         self.lr_scheduler = self._build_lr_scheduler(steps_taken=0)
@@ -479,6 +478,8 @@ class Trainer:
             return self.cross_entropy(inputs, targets), None
         with self.router_logits.collect() as router_logits:
             loss = self.cross_entropy(inputs, targets)
+        if not self.model_config.output_router_logits:  # only recorded: no graph kept for it
+            router_logits = [logits.detach() for logits in router_logits]
         routing = self.router_logits.routing(router_logits)
         if self.model_config.output_router_logits:
             loss = loss + self.model_config.router_aux_loss_coef * routing.load_balancing_loss
