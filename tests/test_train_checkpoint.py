@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_fixtures import read_metrics, small_config
+from train_fixtures import read_metrics, rerun_of_another_shape, small_config
 
 from slipstream.train.checkpoint import (
     FORMAT,
@@ -139,15 +139,8 @@ def test_a_model_path_rewritten_to_another_shape_is_refused_before_any_worker(da
     fail deep inside the checkpoint load, once per restart)."""
     from slipstream.train.supervisor import check_job
 
-    model_dir = tmp_path / "model"
-    shutil.copytree(train_model_dir, model_dir)
-    config = small_config(data_dir, model_dir, tmp_path / "run", "--training.steps=1",
-                          "--checkpoint.save_final=true")
-    Trainer(config).run()
-    check_job(config, 1)
-    hf = json.loads((model_dir / "config.json").read_text())
-    hf["num_hidden_layers"] += 1
-    (model_dir / "config.json").write_text(json.dumps(hf))
+    config = rerun_of_another_shape(data_dir, train_model_dir, tmp_path,
+                                    lambda hf: hf | {"num_hidden_layers": hf["num_hidden_layers"] + 1})
     with pytest.raises(ValueError, match=r"model.path .* holds a model of another shape than the checkpoint "
                                          r"of step 1 in run.dir \(num_hidden_layers \d+ -> \d+\)"):
         check_job(config, 1)

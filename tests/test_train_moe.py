@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_fixtures import VOCAB_SIZE, read_metrics, small_config, train_with_torchrun
+from train_fixtures import VOCAB_SIZE, read_metrics, rerun_of_another_shape, small_config, train_with_torchrun
 
 from slipstream.model import load_model
 from slipstream.train.checkpoint import load_model_state
@@ -320,14 +320,7 @@ def _greedy(model: torch.nn.Module, ids: torch.Tensor, num_tokens: int) -> list[
 def test_a_checkpoint_of_another_expert_shape_is_refused(key, value, field, data_dir, moe_dir, tmp_path):
     """A rerun whose model.path now holds another expert count or top k than the run dir's
     checkpoint is a one-line error naming the field, before any worker starts."""
-    model_dir = tmp_path / "model"
-    shutil.copytree(moe_dir, model_dir)
-    config = small_config(data_dir, model_dir, tmp_path / "run", "--training.steps=1",
-                          "--checkpoint.save_final=true")
-    Trainer(config).run()
-    check_job(config, 1)
-    hf_config = json.loads((model_dir / "config.json").read_text())
-    (model_dir / "config.json").write_text(json.dumps(hf_config | {key: value}))
+    config = rerun_of_another_shape(data_dir, moe_dir, tmp_path, lambda hf_config: hf_config | {key: value})
     with pytest.raises(ValueError, match=rf"holds a model of another shape than the checkpoint of step 1 "
                                          rf"in run.dir \({field} \d+ -> {value}\)"):
         check_job(config, 1)

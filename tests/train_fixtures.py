@@ -11,8 +11,10 @@ and import its helpers; it holds no asserts (PYTEST_DONT_REWRITE).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -87,6 +89,25 @@ def small_config(data_dir: Path, train_model_dir: Path, run_dir: Path, *extra: s
         "--eval.interval=0", "--checkpoint.save_final=false", "--logging.tensorboard=false",
         "--logging.peak_flops_per_s=1e11", *extra,
     ])
+
+
+def rerun_of_another_shape(data_dir: Path, source_dir: Path, tmp_path: Path,
+                           rewrite: Callable[[dict], dict]) -> TrainConfig:
+    """The config of a one-step run from a copy of the model dir `source_dir` (its final checkpoint
+    saved, the launcher's check passed), whose model.path config.json has then been rewritten by
+    `rewrite` (the same path: a rerun the launcher must check against the checkpoint's shape)."""
+    from slipstream.train.supervisor import check_job
+    from slipstream.train.trainer import Trainer
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(source_dir, model_dir)
+    config = small_config(data_dir, model_dir, tmp_path / "run", "--training.steps=1",
+                          "--checkpoint.save_final=true")
+    Trainer(config).run()
+    check_job(config, 1)
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(rewrite(hf_config)))
+    return config
 
 
 def train_with_torchrun(config: TrainConfig, work_dir: Path, nproc: int = 2) -> subprocess.CompletedProcess:
