@@ -19,7 +19,13 @@ from slipstream.perf.efficiency import Efficiency, check_fractions, default_effi
 from slipstream.perf.fit import apply_scales
 from slipstream.perf.hardware import get_accelerator, is_local
 from slipstream.perf.model import Layout, TrainSetup, predict_training
-from slipstream.perf.records import EngineStep, read_engine_file, read_train_run
+from slipstream.perf.records import (
+    METRICS_FILE,
+    EngineStep,
+    read_engine_file,
+    read_engine_headers,
+    read_train_run,
+)
 from slipstream.perf.shapes import resolve_model
 from slipstream.perf.work import Work
 
@@ -72,10 +78,23 @@ MAX_DECODE_BATCH = 2**20
 modelled one by one."""
 
 
+def _records_file(path: str, flag: str) -> Path:
+    """`path` as a file of engine records: the file itself, or the metrics.jsonl of a directory
+    (the serving engine's metrics_dir)."""
+    if Path(path).is_dir():
+        records = Path(path) / METRICS_FILE
+        if not records.is_file():
+            raise FileNotFoundError(f"{flag} {path} is a directory without {METRICS_FILE} (expected a "
+                                    "records file or the serving engine's metrics directory)")
+        return records
+    return _input_file(path, flag)
+
+
 def _engine_steps(path: str, flag: str, setup: serving.ServeSetup) -> list[EngineStep]:
-    """The well-formed engine step records in `path` that `setup`'s model can run (read_engine_file:
-    at most MAX_DECODE_BATCH sequences within its positions), at least one."""
-    steps = read_engine_file(_input_file(path, flag), MAX_DECODE_BATCH, setup.shape.max_position_embeddings)
+    """The well-formed engine step records in `path` (a file or a metrics directory) that `setup`'s
+    model can run (read_engine_file: at most MAX_DECODE_BATCH sequences within its positions), at
+    least one."""
+    steps = read_engine_file(_records_file(path, flag), MAX_DECODE_BATCH, setup.shape.max_position_embeddings)
     if not steps:
         raise ValueError(f"{flag} {path}: no well-formed engine_step records (kind \"engine_step\", phase "
                          "prefill or decode, batch_size, prompt_len or context_len, step_s) within "
@@ -454,6 +473,8 @@ def fit(args: argparse.Namespace) -> Result:
     (the defaults without them), and write it as JSON for --efficiency."""
     _refuse_eager_for_training(args, bool(args.engine_records),
                                "it prices --engine-records' decode steps, not --run-dir's training runs")
+    if args.engine_records:
+        args = _with_engine_header(args)
     acc = get_accelerator(args.hardware)
     eff, _ = efficiency_for(args, acc)
     if args.engine_records:
@@ -473,6 +494,28 @@ def fit(args: argparse.Namespace) -> Result:
     text = measured.format_comparisons(rows) + f"\nfitted multipliers: {cal.scales}"
     text += f"\nwrote {args.out}" if args.out else ""
     return text, {"calibration": cal.to_dict(), "rows": [r.to_dict() for r in rows]}
+
+
+def _with_engine_header(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with --model and --dtype, where not given, taken from the header records the serving
+    engine wrote into --engine-records (its model directory and dtype); ValueError where the
+    engines that wrote them disagree, or the model directory is gone."""
+    path = _records_file(args.engine_records, "--engine-records")
+    headers = read_engine_headers(path)
+    given = {}
+    for flag in ("model", "dtype"):
+        if getattr(args, flag) != args.default_of(flag):
+            continue
+        values = sorted({str(h[flag]) for h in headers if h.get(flag) is not None})
+        if len(values) > 1:
+            raise ValueError(f"--engine-records {args.engine_records}: written by engines of several "
+                             f"{flag}s ({', '.join(values)}); give --{flag}")
+        if values:
+            given[flag] = values[0]
+    if "model" in given and not (Path(given["model"]) / "config.json").is_file():
+        raise ValueError(f"--engine-records {args.engine_records}: the engine's model directory "
+                         f"{given['model']} has no config.json any more; give --model")
+    return argparse.Namespace(**vars(args) | given)
 
 
 def trace_cmd(args: argparse.Namespace) -> Result:

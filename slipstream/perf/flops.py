@@ -22,6 +22,7 @@ Pure Python: no torch import, so planners and reports can use it without a runti
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # only for annotations: importing slipstream.model would pull in torch
@@ -186,10 +187,50 @@ def mean_keys_per_query(config: ModelConfig, seq_len: int) -> float:
     _check_non_negative("seq_len", seq_len)
     if seq_len == 0:
         return 0.0
-    window = config.sliding_window or seq_len
-    w = min(window, seq_len)
-    total = w * (w + 1) // 2 + (seq_len - w) * w  # ramp up to w, then w keys each
-    return total / seq_len
+    return _keys_up_to(config, seq_len) / seq_len
+
+
+def _keys_up_to(config: ModelConfig, seq_len: int) -> int:
+    """Keys all queries of a causal sequence of `seq_len` tokens attend to together."""
+    w = min(config.sliding_window or seq_len, seq_len)
+    return w * (w + 1) // 2 + (seq_len - w) * w  # ramp up to w, then w keys each
+
+
+def causal_keys(config: ModelConfig, start: int, num_tokens: int) -> int:
+    """Keys the queries at positions `start` .. `start + num_tokens - 1` of one sequence attend to
+    in all: the query at position p sees min(p + 1, window) keys under the causal mask and
+    Mistral's `sliding_window`. A chunk that continues a sequence (a prompt chunk after earlier
+    ones or after a prefix-cache hit, a decode token at `start` = its cached context) is charged
+    for the keys it really attends, which `mean_keys_per_query` (from position 0) is not."""
+    _check_non_negative("start", start)
+    _check_non_negative("num_tokens", num_tokens)
+    return _keys_up_to(config, start + num_tokens) - _keys_up_to(config, start)
+
+
+def decode_keys(config: ModelConfig, contexts: Sequence[int], num_steps: int = 1) -> int:
+    """Keys `num_steps` decode steps of sequences with `contexts` cached positions attend to in all:
+    the sum of `causal_keys(config, context, num_steps)`, in closed form without a sliding window
+    (an engine's step of hundreds of sequences counts them in microseconds)."""
+    _check_non_negative("num_steps", num_steps)
+    if contexts and min(contexts) < 0:
+        raise ValueError(f"contexts must be non-negative, got {min(contexts)}")
+    if config.sliding_window is None:  # context c + 1, c + 2, ... c + num_steps keys
+        return num_steps * sum(contexts) + len(contexts) * num_steps * (num_steps + 1) // 2
+    return sum(causal_keys(config, context, num_steps) for context in contexts)
+
+
+def kv_positions_read(config: ModelConfig, start: int, num_tokens: int) -> int:
+    """KV-cache positions a chunk of queries at positions `start` .. `start + num_tokens - 1`
+    reads when its attention reads each cached position once (a fused prefill kernel): the union
+    of their windows, `min(start + num_tokens, window + num_tokens - 1)`; for one decode token at
+    context c, min(c + 1, window), as `decode_bytes_per_step` counts it."""
+    _check_non_negative("start", start)
+    _check_non_negative("num_tokens", num_tokens)
+    if num_tokens == 0:
+        return 0
+    window = config.sliding_window
+    end = start + num_tokens
+    return end if window is None else min(end, window + num_tokens - 1)
 
 
 def attention_flops_per_token(
@@ -219,6 +260,22 @@ def forward_flops_per_token(
     `causal`.
     """
     return 2 * matmul_params(config) + attention_flops_per_token(config, context_len, causal=causal)
+
+
+def forward_flops(config: ModelConfig, num_tokens: int, num_logits: int, num_keys: int) -> float:
+    """FLOPs of forward passes that run `num_tokens` tokens through every layer, the lm_head at
+    `num_logits` of them, and attention over `num_keys` keys in all (the sum of each sequence's
+    `causal_keys`): `(2N - 2VE) * num_tokens + 2VE * num_logits + 4 * L * H * Q * num_keys`, N the
+    `matmul_params`, VE the lm_head's weights.
+
+    What a serving engine computes, which runs the lm_head only where it samples: a prompt of P
+    tokens and its first token, `forward_flops(config, P, 1, causal_keys(config, 0, P))`, is
+    `generation_flops(config, P, 1)`; one decode token at context c is
+    `forward_flops_per_token(config, c + 1)`; k decode steps of one sequence cost what one chunk of
+    k tokens with k logits does. Same conventions as `generation_flops`. `ForwardCost` prices many
+    passes of one model.
+    """
+    return ForwardCost(config).flops(num_tokens, num_logits, num_keys)
 
 
 def train_flops_per_token(config: ModelConfig, seq_len: int, *, causal: bool = False) -> float:
@@ -264,17 +321,59 @@ def decode_bytes_per_step(
     """
     _check_non_negative("batch_size", batch_size)
     _check_non_negative("context_len", context_len)
-    element_bytes = dtype_bytes(config.dtype if dtype is None else dtype)
-    weights = num_params(config)
-    if not config.tie_word_embeddings:
-        weights -= embedding_params(config)
-    if config.is_moe and batch_size:
-        touched = expected_experts_touched(config.num_experts, config.num_experts_per_tok, batch_size)
-        weights -= num_moe_layers(config) * (config.num_experts - touched) * expert_params(config)
-    gathered_rows = batch_size * config.hidden_size
     kv_positions = min(context_len, config.sliding_window or context_len)
-    kv = batch_size * kv_positions * kv_cache_bytes_per_token(config, dtype)
-    return (weights + gathered_rows) * element_bytes + kv
+    return forward_bytes_read(config, dtype, batch_size, batch_size * kv_positions)
+
+
+def forward_bytes_read(
+    config: ModelConfig, dtype: Any, num_tokens: int, num_kv_positions: int, *, num_passes: int = 1
+) -> float:
+    """Bytes read from memory by `num_passes` forward passes of `num_tokens` tokens each that read
+    `num_kv_positions` KV-cache positions in all (a roofline bound, as `decode_bytes_per_step`
+    counts a decode step: each pass reads every weight once, but of the input embedding table only
+    its `num_tokens` gathered rows and of each mixture-of-experts layer only the experts its tokens
+    are expected to touch; activations and KV writes are not counted). The KV positions of a
+    prefill chunk are `kv_positions_read`; a decode token reads its `causal_keys`. `ForwardCost`
+    prices many passes of one model.
+    """
+    return ForwardCost(config, dtype).bytes_read(num_tokens, num_kv_positions, num_passes=num_passes)
+
+
+class ForwardCost:
+    """`forward_flops` and `forward_bytes_read` of one model in one dtype (default: the config's),
+    with the model's sums taken once: a running engine prices every step, where summing the
+    parameters again each time cost more than the rest of the step's record."""
+
+    def __init__(self, config: ModelConfig, dtype: Any = None) -> None:
+        self.config = config
+        lm_head = 2 * embedding_params(config)
+        self._flops_per_token = 2 * matmul_params(config) - lm_head
+        self._flops_per_logit = lm_head
+        self._flops_per_key = attention_flops_per_token(config, 1)
+        self._element_bytes = dtype_bytes(config.dtype if dtype is None else dtype)
+        self._weights = num_params(config) - (0 if config.tie_word_embeddings else embedding_params(config))
+        self._kv_bytes_per_position = kv_cache_bytes_per_token(config, dtype)
+
+    def flops(self, num_tokens: int, num_logits: int, num_keys: int) -> float:
+        """`forward_flops`."""
+        _check_non_negative("num_tokens", num_tokens)
+        _check_non_negative("num_logits", num_logits)
+        _check_non_negative("num_keys", num_keys)
+        return (self._flops_per_token * num_tokens + self._flops_per_logit * num_logits
+                + self._flops_per_key * num_keys)
+
+    def bytes_read(self, num_tokens: int, num_kv_positions: int, *, num_passes: int = 1) -> float:
+        """`forward_bytes_read`."""
+        _check_non_negative("num_tokens", num_tokens)
+        _check_non_negative("num_kv_positions", num_kv_positions)
+        _check_non_negative("num_passes", num_passes)
+        config, weights = self.config, self._weights
+        if config.is_moe and num_tokens:
+            touched = expected_experts_touched(config.num_experts, config.num_experts_per_tok, num_tokens)
+            weights -= num_moe_layers(config) * (config.num_experts - touched) * expert_params(config)
+        gathered_rows = num_tokens * config.hidden_size
+        return (num_passes * (weights + gathered_rows) * self._element_bytes
+                + num_kv_positions * self._kv_bytes_per_position)
 
 
 def generation_flops(config: ModelConfig, prompt_len: int, output_len: int) -> float:

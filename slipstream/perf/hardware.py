@@ -227,6 +227,16 @@ def calibrate(
     return result
 
 
+def cached_calibration(device: str) -> Calibration | None:
+    """What `calibrate(device=device)` would load from its cache, or None where it would have to
+    measure (minutes): for callers that report against the measured peak when there is one but
+    must not stall for it, such as the serving engine's metrics records."""
+    import torch
+
+    return _load_cached(_cache_path(device, device_name_of(device), torch.__version__,
+                                    torch.get_num_threads(), False))
+
+
 def _measure(device: str, device_name: str, quick: bool) -> Calibration:
     import torch
 

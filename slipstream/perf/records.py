@@ -6,9 +6,15 @@ and the resolved config (`config.toml` or `config.json`). The reader is tolerant
 that do not parse, accepts other spellings of the fields (`step_time_s`, `time_s`, `tps`, ...),
 derives the step time from tokens/s when only that is logged, and drops warm-up steps.
 
-Serving: engine step records (`kind: "engine_step"`, see `benchmarks/perf_local_validation.py`)
-say what one `Engine.step()` did (`phase` prefill or decode, `batch_size`, `prompt_len` or
-`context_len`) and how long it took (`step_s`).
+Serving: engine step records (`kind: "engine_step"`), which the engine writes to
+`<metrics_dir>/metrics.jsonl` (`slipstream/serve/records.py`) and
+`benchmarks/perf_local_validation.py` builds by hand, say what one `Engine.step()` did (`phase`
+prefill or decode, `batch_size`, `prompt_len` or `context_len`) and how long it took (`step_s`;
+over `num_forward_passes` decode steps run at once, where the engine ran several). Steps the
+model cannot price as one shape (phase "mixed": prompt chunks with decodes, or decodes with
+speculative guesses; prefill chunks that do not all start at position 0 with one length, which
+the engine writes with `prompt_len` null) are skipped quietly, counted in one log line. The
+engine's header record (`kind: "engine_config"`) names its model directory and dtype.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+METRICS_FILE = "metrics.jsonl"
+"""Where the trainer and the serving engine write their records, in a run or metrics directory."""
 STEP_TIME_KEYS = ("step_s", "step_time_s", "time_s", "iteration_time_s", "elapsed_s")
 PHASE_KEYS = ("forward_backward_s", "optimizer_s")
 TOKENS_PER_S_KEYS = ("tokens_per_s", "tps", "throughput_tokens_per_s", "tokens_per_second")
@@ -113,7 +121,7 @@ class TrainRun:
 def read_train_run(run_dir: str | Path, warmup_steps: int = 2) -> TrainRun:
     """Read `metrics.jsonl` and the config of a run directory (see the module docstring)."""
     run_dir = Path(run_dir)
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / METRICS_FILE
     if not metrics.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
     records = read_jsonl(metrics)
@@ -191,10 +199,17 @@ class EngineStep:
 
 
 def read_engine_steps(records: Iterable[Mapping[str, Any]]) -> list[EngineStep]:
-    """Engine step records (`kind: "engine_step"`); malformed ones (a phase other than prefill or
-    decode, a batch size that is no integer >= 1, a prompt of no tokens, a step time that is no
-    finite number > 0) are logged and skipped."""
+    """Engine step records (`kind: "engine_step"`); malformed ones (a phase other than prefill,
+    decode or mixed, a batch size that is no integer >= 1, a prompt of no tokens, a step time that
+    is no finite number > 0) are logged and skipped, and those of several shapes counted and
+    skipped (see the module docstring)."""
     return _engine_steps((f"record {i}", r) for i, r in enumerate(records, 1))
+
+
+def read_engine_headers(path: Path) -> list[dict[str, Any]]:
+    """The header records (`kind: "engine_config"`) of the JSON-lines file `path`, one per engine
+    start that wrote to it, in order."""
+    return [r for r in read_jsonl(path) if r.get("kind") == "engine_config"]
 
 
 def read_engine_file(path: Path, max_batch_size: int | None = None,
@@ -209,10 +224,14 @@ def read_engine_file(path: Path, max_batch_size: int | None = None,
 
 def _engine_steps(located: Iterable[tuple[str, Mapping[str, Any]]], max_batch_size: int | None = None,
                   max_positions: int | None = None) -> list[EngineStep]:
-    """The engine steps among (where, record) pairs, each record skipped logged with its `where`."""
-    steps = []
+    """The engine steps among (where, record) pairs, each record skipped logged with its `where`
+    but those of several shapes (`_is_unpriced`), which are only counted."""
+    steps, num_unpriced = [], 0
     for where, r in located:
         if r.get("kind") != "engine_step":
+            continue
+        if _is_unpriced(r):
+            num_unpriced += 1
             continue
         step = _engine_step(r)
         why = "malformed" if step is None else _out_of_range(step, max_batch_size, max_positions)
@@ -220,17 +239,31 @@ def _engine_steps(located: Iterable[tuple[str, Mapping[str, Any]]], max_batch_si
             logger.warning("%s: engine_step record skipped (%s): %s", where, why, r)
             continue
         steps.append(step)
+    if num_unpriced:
+        logger.info("%d engine steps of several shapes skipped (phase mixed, or prefill chunks not all "
+                    "from position 0 with one length): the model prices one shape per step", num_unpriced)
     return steps
 
 
+def _is_unpriced(r: Mapping[str, Any]) -> bool:
+    """Whether an engine step record says it was of no one shape: the engine writes such steps
+    as phase "mixed", and prefill steps of several chunk shapes with `prompt_len` null."""
+    return r.get("phase") == "mixed" or (r.get("phase") == "prefill" and "prompt_len" in r
+                                         and r["prompt_len"] is None)
+
+
 def _engine_step(r: Mapping[str, Any]) -> EngineStep | None:
-    """The record as an EngineStep, or None when it is malformed (see `read_engine_steps`)."""
+    """The record as an EngineStep, or None when it is malformed (see `read_engine_steps`). A
+    record of `num_forward_passes` decode steps run at once counts as one of them, taking its
+    share of the time (its `context_len` is the mean over them)."""
     phase, batch_size, step_s = r.get("phase"), r.get("batch_size"), _positive(r.get("step_s"))
     length = r.get("prompt_len" if phase == "prefill" else "context_len")
+    num_passes = r.get("num_forward_passes", 1)
     if (phase not in ("prefill", "decode") or not _is_int(batch_size, 1) or step_s is None
-            or not _is_int(length, 1 if phase == "prefill" else 0)):
+            or not _is_int(length, 1 if phase == "prefill" else 0) or not _is_int(num_passes, 1)
+            or (phase == "prefill" and num_passes > 1)):
         return None
-    return EngineStep(phase, batch_size, length, step_s)
+    return EngineStep(phase, batch_size, length, step_s / num_passes)
 
 
 def _out_of_range(step: EngineStep, max_batch_size: int | None, max_positions: int | None) -> str | None:
