@@ -156,7 +156,7 @@ def _serve(args: argparse.Namespace) -> None:
         enable_prefix_caching=not args.no_enable_prefix_caching, max_logprobs=args.max_logprobs,
         enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
         speculative_config=args.speculative_config, profiler_config=args.profiler_config, runner=args.runner,
-        scheduling_policy=args.scheduling_policy,
+        scheduling_policy=args.scheduling_policy, metrics_dir=args.metrics_dir,
     )
     if args.gpu_memory_utilization is not None:
         from slipstream.serve.llm import with_memory_utilization
@@ -305,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profiler-config",
                    help='as vLLM: JSON, e.g. \'{"profiler": "torch", "torch_profiler_dir": "/abs/dir"}\' '
                         "(adds POST /start_profile and /stop_profile; docs/engine.md, Profiling)")
+    p.add_argument("--metrics-dir",
+                   help="append JSON-lines metrics records (engine steps, finished requests) to "
+                        "METRICS_DIR/metrics.jsonl, which `slipstream perf fit --engine-records` reads")
     p.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
                    help="as vLLM: pooling serves /v1/embeddings instead of generating")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
@@ -495,7 +498,9 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
         p.add_argument("--iterations", type=_int_at_least(1), default=10)
     if "fit" in groups:
         records = p.add_mutually_exclusive_group(required=True)
-        records.add_argument("--engine-records", help="engine step records (JSON lines)")
+        records.add_argument("--engine-records",
+                             help="engine step records: a JSON-lines file, or the serving engine's "
+                                  "--metrics-dir (its model and dtype then default to the engine's)")
         records.add_argument("--run-dir", nargs="+", help="training run directories")
         p.add_argument("--out", help="write the fitted efficiency JSON here")
     if "trace" in groups:

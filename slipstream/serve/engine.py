@@ -48,6 +48,7 @@ from slipstream.serve.profiler import (
     phase,
 )
 from slipstream.serve.profiler_config import ProfilerConfig
+from slipstream.serve.records import EngineRecords
 from slipstream.serve.request import (
     Request,
     RequestMetrics,
@@ -143,6 +144,10 @@ class EngineConfig:
     profiler_config: ProfilerConfig | Mapping[str, Any] | str | None = None
     """As vLLM's, for its "torch" profiler (profiler_config.py): `{"profiler": "torch", "torch_profiler_dir":
     "/abs/dir"}` lets `Engine.start_profile` and `stop_profile` record engine steps into a trace."""
+    metrics_dir: str | os.PathLike | None = None
+    """A directory (made if missing) where the engine appends JSON-lines metrics records to
+    `metrics.jsonl`: a header, one record per step that ran the model and one per completion that
+    ended (records.py; docs/engine.md, "Metrics records"). None writes none."""
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
@@ -175,6 +180,8 @@ class EngineConfig:
             resolve_dtype(self.dtype)
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
+        if self.metrics_dir is not None:
+            _check_metrics_dir(self.metrics_dir)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -244,6 +251,8 @@ class Engine:
         """Of them, those the model's greedy choice confirmed."""
         self._profiler = EngineProfiler(config.profiler_config, device) if self.has_profiler else None
         """None unless profiler_config names a profiler: then every step is bracketed by it."""
+        self._records = None if config.metrics_dir is None else EngineRecords(self)
+        """None unless metrics_dir is set: then every step that runs the model is recorded."""
         logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens",
                     config.model, device, dtype_name(dtype), self.limits.num_blocks, config.block_size)
 
@@ -467,15 +476,20 @@ class Engine:
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             job = self._pooling.pop(request_id, None)
             if job is not None:
-                self.scheduler.abort(request_id)
+                preempted = sum(r.num_preemptions for r in self.scheduler.abort(request_id))
                 outputs.append(job.aborted(now, reason))
+                if self._records is not None:
+                    self._records.embedding(job, reason, preempted, now)
             entry = self._prompts.pop(request_id, None)
             if entry is None:
                 continue
-            self.scheduler.abort(entry.internal_ids)
+            requests = {r.request_id: r for r in self.scheduler.abort(entry.internal_ids)}
             for internal_id, sequence in zip(entry.internal_ids, entry.sequences, strict=True):
+                running = self._sequences.pop(internal_id, None) is not None
                 sequence.finish(reason)
-                self._sequences.pop(internal_id, None)
+                if running and self._records is not None:
+                    request = requests.get(internal_id)
+                    self._records.completion(entry, sequence, request.num_preemptions if request else 0, now)
             entry.metrics.finished_time_s = now
             outputs.append(entry.to_request_output())
         return outputs
@@ -540,28 +554,40 @@ class Engine:
         profiling session records, the step is one profiler step (`ProfilerStep#N`)."""
         profiler = self._profiler
         if profiler is None:
-            return self._step()
+            return self._recorded_step()
         profiler.begin_step()
         try:
-            return self._step()
+            return self._recorded_step()
         finally:
             profiler.end_step()
 
-    def _step(self) -> list[RequestOutput]:
+    def _recorded_step(self) -> list[RequestOutput]:
+        """A step, and its metrics record where metrics_dir asks for one (timed from before the
+        schedule to the step's outputs)."""
+        records = self._records
+        if records is None:
+            return self._step().outputs
+        start_s = time.perf_counter()
+        run = self._step()
+        if run.num_passes:
+            records.step(self, run.plan, run.num_passes, run.drafts, time.perf_counter() - start_s)
+        return run.outputs
+
+    def _step(self) -> _StepRun:
         with phase(SCHEDULE_PHASE):
             plan = self.scheduler.schedule()
         if not plan.chunks:
-            return []
+            return _StepRun([], plan, 0)
         if self.pooler is not None:
-            return self._run_pooling_step(plan)
+            return _StepRun(self._run_pooling_step(plan), plan, 1)
         self._mark_scheduled(plan)
         num_steps = self._num_greedy_steps(plan)
         drafts = self._drafts(plan) if num_steps and self.config.speculative_config else None
         if drafts and (tables := self.scheduler.reserve_tokens(plan, [1 + len(d) for d in drafts])):
-            return self._run_speculative(plan, tables, drafts)
+            return _StepRun(self._run_speculative(plan, tables, drafts), plan, 1, drafts)
         if num_steps and (tables := self.scheduler.reserve_lookahead(plan, num_steps)):
-            return self._run_greedy_steps(plan, tables, num_steps)
-        return self._run_step(plan)
+            return _StepRun(self._run_greedy_steps(plan, tables, num_steps), plan, num_steps)
+        return _StepRun(self._run_step(plan), plan, 1)
 
     @staticmethod
     def _outputs(changed: set[PromptOutput]) -> list[RequestOutput]:
@@ -602,10 +628,14 @@ class Engine:
                     job.metrics.first_scheduled_time_s = now
                     job.num_cached_tokens = chunk.request.num_cached_prompt_tokens
                 if chunk.samples:
-                    pooled.append(self._pooling.pop(job.request_id))
-            self.scheduler.update(plan, {}, pooled_ids={job.request_id for job in pooled})
+                    pooled.append((self._pooling.pop(job.request_id), chunk.request.num_preemptions))
+            self.scheduler.update(plan, {}, pooled_ids={job.request_id for job, _ in pooled})
             now = time.monotonic()
-            return [job.output(self.pooler, now) for job in pooled]
+            outputs = [job.output(self.pooler, now) for job, _ in pooled]
+            if self._records is not None:
+                for job, num_preemptions in pooled:
+                    self._records.embedding(job, "stop", num_preemptions, now)
+            return outputs
 
     def _num_greedy_steps(self, plan: StepPlan) -> int:
         """How many decode steps the plan may run at once on the runner's greedy path, which takes
@@ -741,6 +771,8 @@ class Engine:
             if entry.finished:
                 entry.metrics.finished_time_s = now
                 self._prompts.pop(entry.request_id, None)
+            if self._records is not None:
+                self._records.completion(entry, sequence, request.num_preemptions, now)
         return entry
 
     def _record_prompt_logprobs(
@@ -789,6 +821,18 @@ class Engine:
         return self.scheduler.num_waiting
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _StepRun:
+    """What a step returned and, for its metrics record, what it ran: its plan in `num_passes`
+    forward passes (0: none ran; several: greedy decode steps at once), with each chunk's
+    speculative guesses or None."""
+
+    outputs: list[RequestOutput] | list[EmbeddingRequestOutput]
+    plan: StepPlan
+    num_passes: int
+    drafts: list[list[int]] | None = None
+
+
 def _chunk_at(chunk: ScheduledChunk, offset: int, block_ids: tuple[int, ...]) -> ScheduledChunk:
     """The single-token chunk `offset` tokens past `chunk`, over `block_ids`: `chunk` itself for
     the first with its own table (a one-step decode: no copy per sequence and step)."""
@@ -817,6 +861,14 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     seed itself must be."""
     seed = None if params.seed is None else (params.seed + index + 2**63) % 2**64 - 2**63
     return params.replace(n=1, seed=seed)
+
+
+def _check_metrics_dir(metrics_dir: object) -> None:
+    """ValueError for a metrics_dir that is no path or names a file (a missing one is made)."""
+    if not isinstance(metrics_dir, str | os.PathLike) or not os.fspath(metrics_dir):
+        raise ValueError(f"metrics_dir must be a directory path or None, got {metrics_dir!r}")
+    if Path(metrics_dir).exists() and not Path(metrics_dir).is_dir():
+        raise ValueError(f"metrics_dir {os.fspath(metrics_dir)!r} is a file, not a directory")
 
 
 def _check_model_dir(model: object) -> None:

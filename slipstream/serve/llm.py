@@ -101,8 +101,8 @@ class LLM:
     Keyword arguments are `EngineConfig` fields (dtype, max_num_seqs, max_num_batched_tokens,
     kv_cache_memory, enable_prefix_caching, max_model_len, block_size, device, seed, enforce_eager,
     num_scheduler_steps, here OFFLINE_SCHEDULER_STEPS unless given or speculating, profiler_config
-    for `start_profile`, ...), vLLM's engine arguments as docs/serving.md lists them
-    (`kv_cache_memory_bytes` is kv_cache_memory;
+    for `start_profile`, metrics_dir for JSON-lines metrics records, ...), vLLM's engine arguments
+    as docs/serving.md lists them (`kv_cache_memory_bytes` is kv_cache_memory;
     `gpu_memory_utilization` sizes the KV cache as vLLM does; the likes of tensor_parallel_size
     and trust_remote_code are taken at the values that mean what slipstream does, and any other
     value is a ValueError), and, as in vLLM,

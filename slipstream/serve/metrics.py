@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from slipstream.serve.async_engine import EngineStats
 from slipstream.serve.pooling import EmbeddingRequestOutput
+from slipstream.serve.records import request_intervals
 from slipstream.serve.request import CompletionOutput, RequestOutput
 
 PREFIX = "slipstream:"
@@ -174,20 +175,17 @@ class ServerMetrics:
 
     def _observe_finished(self, output: RequestOutput, completion: CompletionOutput, now: float) -> None:
         """One completion that finished (at the end of the iteration at `now`)."""
-        metrics = output.metrics
-        finished_s = metrics.finished_time_s if output.finished else None
-        finished_s = now if finished_s is None else finished_s
+        finished_s = output.metrics.finished_time_s if output.finished else None
+        intervals = request_intervals(output.metrics, now if finished_s is None else finished_s,
+                                      len(completion.token_ids))
         self.success.labels(self._model_name, completion.finish_reason).inc()
-        self.e2e.observe(finished_s - metrics.arrival_time_s)
-        if metrics.queue_time_s is not None:
-            self.queue.observe(metrics.queue_time_s)
-        if metrics.first_token_time_s is None:
-            return
-        self.request_generation_tokens.observe(len(completion.token_ids))
-        if metrics.first_scheduled_time_s is not None:
-            self.prefill.observe(metrics.first_token_time_s - metrics.first_scheduled_time_s)
-            self.inference.observe(finished_s - metrics.first_scheduled_time_s)
-        decode_s = finished_s - metrics.first_token_time_s
-        self.decode.observe(decode_s)
-        if len(completion.token_ids) > 1:
-            self.tpot.observe(decode_s / (len(completion.token_ids) - 1))
+        self.e2e.observe(intervals["e2e_request_latency_seconds"])
+        if output.metrics.first_token_time_s is not None:
+            self.request_generation_tokens.observe(len(completion.token_ids))
+        for histogram, name in ((self.queue, "request_queue_time_seconds"),
+                                (self.prefill, "request_prefill_time_seconds"),
+                                (self.inference, "request_inference_time_seconds"),
+                                (self.decode, "request_decode_time_seconds"),
+                                (self.tpot, "request_time_per_output_token_seconds")):
+            if intervals[name] is not None:
+                histogram.observe(intervals[name])
