@@ -229,13 +229,18 @@ def test_embedding_records(model_dir, tmp_path):
 
 def test_no_calibration_means_no_mfu(model_dir, tmp_path, monkeypatch):
     """Guards the engine against calibrating (minutes) for its records: without a cached
-    calibration MFU and bandwidth use are null and the header says how to get them."""
+    calibration MFU and bandwidth use are null and the header says how to get them. Also: a
+    prompt's two completions are two request records."""
     monkeypatch.setattr(hardware, "cached_calibration", lambda device: None)
     monkeypatch.setattr(hardware, "calibrate", lambda **kwargs: pytest.fail("the engine calibrated"))
     llm = LLM(str(model_dir), metrics_dir=str(tmp_path / "new" / "dir"), max_model_len=64)
-    llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm.generate([[5, 6, 7]], params, use_tqdm=False)
     records = read_records(tmp_path / "new" / "dir")
     assert records[0]["peak_flops_per_s"] is None and "slipstream perf calibrate" in records[0]["peak_source"]
+    requests = of_kind(records, "request")  # one per completion, as vLLM counts them
+    assert sorted((r["request_id"], r["index"], r["request_generation_tokens"]) for r in requests) == [
+        ("0", 0, 3), ("0", 1, 3)]
     steps = of_kind(records, "engine_step")
     assert steps and all(s["mfu"] is None and s["mbu"] is None and s["flops"] > 0 for s in steps)
 
