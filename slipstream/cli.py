@@ -503,6 +503,8 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
                                   "--metrics-dir (its model and dtype then default to the engine's)")
         records.add_argument("--run-dir", nargs="+", help="training run directories")
         p.add_argument("--out", help="write the fitted efficiency JSON here")
+        # Unset, the engine's header names them, else the other commands' defaults (commands.fit).
+        p.set_defaults(model=None, dtype=None)
     if "trace" in groups:
         p.add_argument("traces", nargs="+", metavar="TRACE",
                        help="Kineto trace files (.json, .json.gz) or folders of them, one file per rank")

@@ -276,6 +276,21 @@ def test_serve_flag_reaches_the_engine_config(model_dir, tmp_path, monkeypatch):
     assert started[0].metrics_dir == str(tmp_path)
 
 
+def test_perf_fit_refuses_headers_that_disagree(tmp_path, capsys):
+    """Guards `perf fit`'s defaults from the engine's header: engines of two dtypes wrote the
+    file, so --dtype must be given; a model directory that is gone must be named by --model."""
+    step = {"kind": "engine_step", "phase": "decode", "batch_size": 1, "context_len": 8, "step_s": 0.01}
+    headers = [{"kind": "engine_config", "model": str(tmp_path / "gone"), "dtype": dtype}
+               for dtype in ("float32", "bfloat16")]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*headers, step]))
+    fit = ["perf", "fit", "--hardware", "h100", "--engine-records", str(tmp_path)]
+    assert cli.main([*fit, "--model", "tiny"]) == 2
+    assert "written by engines of several dtypes (bfloat16, float32); give --dtype" in capsys.readouterr().err
+    assert cli.main([*fit, "--dtype", "bf16"]) == 2  # the other commands' default, given
+    assert f"the engine's model directory {tmp_path / 'gone'} has no config.json" in capsys.readouterr().err
+    assert cli.main([*fit, "--dtype", "bf16", "--model", "tiny"]) == 0
+
+
 def test_step_cost_functions_against_brute_force():
     """Guards perf.flops' chunk counts against position-by-position sums, with a sliding window
     and without: keys attended, KV positions read (the union of the queries' windows), and bytes

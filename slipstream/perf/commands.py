@@ -496,25 +496,30 @@ def fit(args: argparse.Namespace) -> Result:
     return text, {"calibration": cal.to_dict(), "rows": [r.to_dict() for r in rows]}
 
 
+ENGINE_RECORD_DEFAULTS = {"model": "llama3-8b", "dtype": "bf16"}
+"""`perf fit --engine-records`' --model and --dtype where neither the flags nor the records' header
+name them: the other perf commands' defaults."""
+
+
 def _with_engine_header(args: argparse.Namespace) -> argparse.Namespace:
     """`args` with --model and --dtype, where not given, taken from the header records the serving
-    engine wrote into --engine-records (its model directory and dtype); ValueError where the
-    engines that wrote them disagree, or the model directory is gone."""
+    engine wrote into --engine-records (its model directory and dtype), else
+    `ENGINE_RECORD_DEFAULTS`; ValueError where the engines that wrote them disagree, or the model
+    directory is gone."""
     path = _records_file(args.engine_records, "--engine-records")
     headers = read_engine_headers(path)
     given = {}
-    for flag in ("model", "dtype"):
-        if getattr(args, flag) != args.default_of(flag):
+    for flag, default in ENGINE_RECORD_DEFAULTS.items():
+        if getattr(args, flag) is not None:
             continue
         values = sorted({str(h[flag]) for h in headers if h.get(flag) is not None})
         if len(values) > 1:
             raise ValueError(f"--engine-records {args.engine_records}: written by engines of several "
                              f"{flag}s ({', '.join(values)}); give --{flag}")
-        if values:
-            given[flag] = values[0]
-    if "model" in given and not (Path(given["model"]) / "config.json").is_file():
-        raise ValueError(f"--engine-records {args.engine_records}: the engine's model directory "
-                         f"{given['model']} has no config.json any more; give --model")
+        given[flag] = values[0] if values else default
+        if values and flag == "model" and not (Path(values[0]) / "config.json").is_file():
+            raise ValueError(f"--engine-records {args.engine_records}: the engine's model directory "
+                             f"{values[0]} has no config.json any more; give --model")
     return argparse.Namespace(**vars(args) | given)
 
 
