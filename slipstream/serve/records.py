@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import logging
 import time
 import weakref
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ import torch
 
 from slipstream.model.weights import dtype_name
 from slipstream.perf import flops, hardware
+from slipstream.perf.records import METRICS_FILE
 from slipstream.serve.request import RequestMetrics
 from slipstream.serve.scheduler import StepPlan
 
@@ -43,7 +45,8 @@ if TYPE_CHECKING:  # the engine builds its records; importing it here would be c
     from slipstream.serve.outputs import PromptOutput, SequenceOutput
     from slipstream.serve.pooling import PoolingJob
 
-METRICS_FILE = "metrics.jsonl"
+logger = logging.getLogger(__name__)
+
 _ENCODER = json.JSONEncoder(allow_nan=False)
 """Plain JSON (a NaN or infinity is a bug, not a record); one encoder, as `json.dumps` with options
 builds one per call, which doubled the cost of a step's record."""
@@ -210,6 +213,8 @@ class EngineRecords:
         self._num_steps = 0
         self._counters = self._totals(engine)
         self._write(self._header(engine))
+        logger.info("metrics records go to %s (MFU and bandwidth use against: %s)", self.path,
+                    self._peaks.source)
 
     def _header(self, engine: Engine) -> dict[str, Any]:
         config, limits, spec = engine.config, engine.limits, engine.config.speculative_config
