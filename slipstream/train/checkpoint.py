@@ -16,12 +16,13 @@
                                                     aside for a person to inspect
 
 Saving: every rank takes its model and optimizer state through `get_state_dict` (sharded
-DTensors under FSDP2, whole tensors under DDP or one process, fully-qualified names either
-way), copies it into host buffers kept from the last save ("staging", the only part the step
-waits for), and a background thread writes it with `dcp.save` into a fresh temporary folder:
-this is DCP's thread-based `async_save`, run by our own thread so that staging reuses buffers
-and the commit follows the write. Rank 0 then writes `meta.json`, checksums every file into
-`manifest.json`, fsyncs, renames the folder to `step-N` and fsyncs the parent. A `step-N`
+DTensors under FSDP2 and tensor parallelism, whole tensors under DDP or one process,
+fully-qualified names either way), copies it into host buffers kept from the last save
+("staging", the only part the step waits for), and a background thread writes it with
+`dcp.save` into a fresh temporary folder: this is DCP's thread-based `async_save`, run by our
+own thread so that staging reuses buffers and the commit follows the write. Rank 0 then writes
+`meta.json`, checksums every file into `manifest.json`, fsyncs, renames the folder to `step-N`
+and fsyncs the parent. A `step-N`
 folder without a well-formed manifest that lists every file a save writes, with matching sizes
 and checksums, is not a checkpoint: the loader skips it, says why, and takes the next older one.
 Retention keeps the newest `keep_last` valid checkpoints; a corrupt one it meets on the way is
@@ -35,7 +36,9 @@ truncation and bit rot, is not meant to resist tampering, and runs at about 6 GB
 against SHA-256's 1.9 (the ~1.5 GB of the `small` preset with AdamW state: 0.25 s vs 0.8 s).
 
 Loading reads the newest valid checkpoint into `get_state_dict`'s (possibly sharded) state and
-`set_state_dict`s it, so a checkpoint written by 2 ranks loads into 1 and vice versa.
+`set_state_dict`s it, so a checkpoint written by 2 ranks loads into 1 and vice versa, and one
+written under tensor parallelism loads under FSDP2 (DCP records every tensor's global shape and
+each shard's offsets).
 """
 
 from __future__ import annotations
@@ -297,6 +300,7 @@ class CheckpointManager:
         keep_last: int,
         keep_every: int = 0,
         async_save: bool = True,
+        tensor_parallel_degree: int = 1,
         on_files_written: Callable[[int, Path], None] | None = None,
         on_commit: Callable[[int, Path], None] | None = None,
     ) -> None:
@@ -307,6 +311,7 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_save = async_save
+        self.tensor_parallel_degree = tensor_parallel_degree
         self.on_files_written = on_files_written
         self.on_commit = on_commit
         self._buffers: dict[str, torch.Tensor] = {}
@@ -359,20 +364,22 @@ class CheckpointManager:
 
     def load(self, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Load a checkpoint into (possibly sharded) `model` and `optimizer` at this world size;
-        returns this rank's train state (`resharded` True when the world size changed, and
-        without RNG states for ranks the saving job did not have)."""
+        returns this rank's train state (`resharded` True when the world size or the
+        tensor-parallel degree changed, and without RNG states for ranks the saving job did not
+        have)."""
         self.wait()
         path = Path(path)
         model_state, optimizer_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=path, process_group=self.process_group, no_dist=self.world_size == 1)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        saved_world_size = read_meta(path)["world_size"]
+        meta = read_meta(path)
+        saved_layout = (meta["world_size"], _tensor_parallel_degree(meta))
         own = path / _rank_file(self.rank)
         train_state = torch.load(own if own.is_file() else path / _rank_file(0), weights_only=True)
         if not own.is_file():
             train_state.pop("rng", None)
-        train_state["resharded"] = saved_world_size != self.world_size
+        train_state["resharded"] = saved_layout != (self.world_size, self.tensor_parallel_degree)
         return train_state
 
     def newest(self) -> tuple[Path | None, list[str]]:
@@ -494,6 +501,11 @@ def _os_error_in(error: BaseException) -> OSError | None:
         if isinstance(error, CheckpointException):
             pending += [failure[0] for failure in error.failures.values()]
     return None
+
+
+def _tensor_parallel_degree(meta: dict[str, Any]) -> int:
+    """The saving run's tensor-parallel degree (1 for a run from before tensor parallelism)."""
+    return meta.get("config", {}).get("parallel", {}).get("tensor_parallel_degree", 1)
 
 
 def _rank_file(rank: int) -> str:

@@ -35,6 +35,9 @@ from typing import Any
 
 from slipstream.train.data import TOKENIZER_DIR
 
+if typing.TYPE_CHECKING:
+    from slipstream.model import ModelConfig
+
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 STRATEGIES = ("fsdp", "ddp")
@@ -164,10 +167,23 @@ class ParallelConfig:
     """Recompute each decoder layer's activations in the backward pass."""
     compile: bool = False
     """torch.compile each decoder layer."""
+    tensor_parallel_degree: int = 1
+    """Ranks that split each layer's matrices (torchtitan's name): the job's ranks form a 2-D
+    mesh of world / degree data-parallel replicas of `degree` tensor-parallel ranks; 1 is none."""
+    sequence_parallel: bool = True
+    """With tensor parallelism: the norms and the residual stream are split along the sequence
+    between the tensor-parallel ranks (Korthikanti et al. 2022) instead of held whole by each."""
 
     def __post_init__(self) -> None:
         _check_choice("parallel.strategy", self.strategy, STRATEGIES)
         _check_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
+        _check_positive_int("parallel.tensor_parallel_degree", self.tensor_parallel_degree)
+        if self.compile and self.tensor_parallel_degree > 1:
+            # torch 2.13 on CPU: AOTAutograd hands the backward of the tensor-parallel layers a plain
+            # gradient where DTensor's redistribution expects a DTensor (AttributeError).
+            raise ValueError(f"parallel.compile does not work with parallel.tensor_parallel_degree "
+                             f"({self.tensor_parallel_degree}) here (the compiled backward fails in "
+                             "DTensor's redistribution); set parallel.compile=false")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -444,13 +460,26 @@ def from_dict(values: Mapping[str, Mapping[str, Any]]) -> TrainConfig:
 
 
 def check_run(config: TrainConfig, world_size: int) -> None:
-    """Checks that need the running job: batch divisibility by the ranks, the data dir, the
-    model dir's config.json, and a run.dir apart from the dataset (`_check_run_dir_apart`)."""
-    per_step = world_size * config.training.micro_batch_size
+    """Checks that need the running job: the tensor-parallel degree against the ranks, batch
+    divisibility by the data-parallel replicas, the data dir, the model dir's config.json, and a
+    run.dir apart from the dataset (`_check_run_dir_apart`). The model's shape is checked
+    against the degree by `check_tensor_parallel`, once the model's config is known."""
+    tp = config.parallel.tensor_parallel_degree
+    if world_size % tp:
+        raise ValueError(f"parallel.tensor_parallel_degree ({tp}) must divide the job's number of ranks "
+                         f"({world_size})")
+    if tp > 1 and world_size > tp and config.parallel.strategy == "ddp":
+        raise ValueError("parallel.strategy 'ddp' does not compose with parallel.tensor_parallel_degree "
+                         f"({tp}) over {world_size // tp} replicas (DDP does not take tensor-parallel "
+                         "DTensor parameters); use parallel.strategy=fsdp")
+    replicas = world_size // tp
+    per_step = replicas * config.training.micro_batch_size
     if config.training.global_batch_size % per_step:
+        across = (f"world size / parallel.tensor_parallel_degree ({world_size} / {tp})" if tp > 1
+                  else "world size")
         raise ValueError(
             f"training.global_batch_size ({config.training.global_batch_size}) must be divisible "
-            f"by world size x training.micro_batch_size ({world_size} x "
+            f"by {across} x training.micro_batch_size ({replicas} x "
             f"{config.training.micro_batch_size} = {per_step})"
         )
     data_dir = Path(config.data.path) if config.data.path else None
@@ -464,6 +493,29 @@ def check_run(config: TrainConfig, world_size: int) -> None:
     if config.model.path is not None and not (Path(config.model.path) / "config.json").is_file():
         raise ValueError(f"model.path {config.model.path!r} has no config.json")
     _check_run_dir_apart(config)
+
+
+def check_tensor_parallel(config: TrainConfig, model_config: ModelConfig) -> None:
+    """ValueError naming parallel.tensor_parallel_degree when the model's shape cannot be split
+    that many ways: every rank holds heads / degree query heads and K/V heads / degree K/V heads
+    (Megatron's query groups), intermediate_size / degree MLP columns and vocab_size / degree
+    rows of the embedding and output projection; with sequence parallelism data.seq_len / degree
+    positions. Mixture-of-experts layers are refused (their experts are not split)."""
+    tp = config.parallel.tensor_parallel_degree
+    if tp == 1:
+        return
+    name = f"parallel.tensor_parallel_degree ({tp})"
+    if model_config.moe_layers:
+        raise ValueError(f"{name}: tensor parallelism does not split mixture-of-experts layers "
+                         f"(layers {list(model_config.moe_layers)} of this model route to experts); "
+                         "train it with parallel.tensor_parallel_degree=1")
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        value = getattr(model_config, field)
+        if value % tp:
+            raise ValueError(f"{name} must divide the model's {field} ({value})")
+    if config.parallel.sequence_parallel and config.data.seq_len % tp:
+        raise ValueError(f"{name} must divide data.seq_len ({config.data.seq_len}) with "
+                         "parallel.sequence_parallel, which splits each sequence between the ranks")
 
 
 def _check_run_dir_apart(config: TrainConfig) -> None:

@@ -1,10 +1,12 @@
 """Distributed set-up and the functions that make a built model trainable at scale.
 
 The model is built on the meta device with no process group (model files are math only);
-`parallelize(model, mesh, config)` then applies, in torchtitan's order, activation checkpointing,
-`torch.compile` per decoder layer, and data parallelism: FSDP2 (`fully_shard` on every decoder
-layer, then the root) or DDP (`replicate`, which wraps the model in DistributedDataParallel
-when it first runs). None of these change parameter names, so state dicts keep Hugging Face's.
+`parallelize(model, mesh, config)` then applies, in torchtitan's order, tensor parallelism
+(torch's parallel styles over the mesh's "tp" dimension: `apply_tensor_parallel`), activation
+checkpointing, `torch.compile` per decoder layer, and data parallelism over "dp": FSDP2
+(`fully_shard` on every decoder layer, then the root) or DDP (`replicate`, which wraps the model
+in DistributedDataParallel when it first runs). None of these change parameter names, so state
+dicts keep Hugging Face's.
 `materialize` finally allocates the parameters on the device and fills them from a full state
 dict held by rank 0 (broadcast to the others, sharded as each rank needs), so every world size
 starts from the same weights.
@@ -33,7 +35,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.utils.checkpoint import checkpoint
 
 from slipstream.train.config import ParallelConfig
@@ -130,27 +140,103 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def build_mesh(info: DistInfo) -> DeviceMesh | None:
-    """A 1-D data-parallel mesh over all ranks; None for a single process."""
+def build_mesh(info: DistInfo, tensor_parallel_degree: int = 1) -> DeviceMesh | None:
+    """A 1-D data-parallel mesh ("dp") over all ranks, None for a single process; with tensor
+    parallelism a 2-D ("dp", "tp") mesh of world / degree replicas of `tensor_parallel_degree`
+    ranks each (a replica's ranks are neighbours: on GPUs, one host's NVLink domain)."""
+    if tensor_parallel_degree > 1:
+        shape = (info.world_size // tensor_parallel_degree, tensor_parallel_degree)
+        return init_device_mesh(info.device.type, shape, mesh_dim_names=("dp", "tp"))
     if info.world_size == 1:
         return None
     return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp",))
 
 
+def data_parallel_rank(info: DistInfo, tensor_parallel_degree: int) -> tuple[int, int]:
+    """(replica, replicas): which data-parallel replica this rank belongs to, and how many there
+    are. The ranks of one replica read the same batches. `build_mesh` lays the ranks out row-major,
+    so replica r is ranks r x degree ... (r + 1) x degree - 1."""
+    return info.rank // tensor_parallel_degree, info.world_size // tensor_parallel_degree
+
+
 def parallelize(model: nn.Module, mesh: DeviceMesh | None, config: ParallelConfig) -> nn.Module:
-    """Apply activation checkpointing, compile and FSDP2 / DDP to `model` in place (on meta or a
-    device); returns the model. The model must have `model.model.layers` (slipstream's
-    `Transformer`)."""
+    """Apply, in torchtitan's order, tensor parallelism, activation checkpointing, compile and
+    FSDP2 / DDP to `model` in place (on meta or a device); returns the model. The model must have
+    `model.model.layers` (slipstream's `Transformer`). With tensor parallelism data parallelism
+    runs over the mesh's "dp" dimension, and not at all when that has one replica."""
+    data_mesh = mesh
+    if config.tensor_parallel_degree > 1:
+        assert mesh is not None and mesh.mesh_dim_names == ("dp", "tp"), "build_mesh makes the 2-D mesh"
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=config.sequence_parallel)
+        data_mesh = mesh["dp"] if mesh["dp"].size() > 1 else None
     if config.activation_checkpointing:
         apply_activation_checkpointing(model)
     if config.compile:
         apply_compile(model)
-    if mesh is not None:
+    if data_mesh is not None:
         if config.strategy == "fsdp":
-            apply_fsdp(model, mesh)
+            apply_fsdp(model, data_mesh)
         else:
-            apply_ddp(model, mesh)
+            apply_ddp(model, data_mesh)
     return model
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
+    """Megatron-LM's tensor parallelism with torch's parallel styles, as torchtitan plans it.
+
+    In each layer q, k, v and gate, up are split by output columns (each rank computes its
+    heads and its share of the MLP width) and o, down by input rows, whose partial sums are
+    added by one reduction per block. The embedding and the output projection are split by
+    vocabulary rows: the same placement (Shard(0) of the (V, E) table), so tied weights stay one
+    parameter. The logits come out whole on every rank (no loss parallelism). With
+    `sequence_parallel` the residual stream between blocks holds each rank's slice of the
+    sequence: the norms run on it (SequenceParallel: replicated weights, whose gradients are
+    summed over the ranks), each block all-gathers its input and reduce-scatters its output
+    instead of all-reducing. Qwen3's per-head q/k norms see each rank's heads, so they are split
+    along the head dimension the same way. Each attention module is told its local head counts,
+    which it reads when it reshapes q, k and v."""
+    tp = tp_mesh.size()
+    stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
+    root_plan: dict[str, ParallelStyle] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
+    }
+    if sequence_parallel:
+        root_plan["model.norm"] = SequenceParallel()
+    parallelize_module(model, tp_mesh, root_plan)
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, _layer_plan(layer, stream))
+        layer.self_attn.num_heads //= tp
+        layer.self_attn.num_kv_heads //= tp
+    if model.config.tie_word_embeddings:  # each style made its own parameter of the one table
+        model.tie_weights()
+
+
+def _layer_plan(layer: nn.Module, stream: Placement) -> dict[str, ParallelStyle]:
+    """One decoder layer's tensor-parallel plan with the residual stream in `stream` layout."""
+    plan: dict[str, ParallelStyle] = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=stream),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=stream),
+    }
+    if isinstance(stream, Shard):  # gather the sequence before each block (x, cos, sin, attn)
+        plan |= {
+            "input_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_layouts=(stream, None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None),
+                                            use_local_output=True),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
+                                      use_local_output=True),
+        }
+    if hasattr(layer.self_attn, "q_norm"):  # (B, T, local heads, D): the heads are dim 2
+        plan |= {"self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                 "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
+    return plan
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -231,14 +317,30 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """The global L2 norm of all gradients (over every rank's shards), and clipping to
-    `max_norm` when it is > 0. Returns the norm before clipping."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if isinstance(total_norm, DTensor):  # FSDP2: a partial norm per rank, reduced here
-        total_norm = total_norm.full_tensor()
+    `max_norm` when it is > 0. Returns the norm before clipping.
+
+    Gradients are DTensors under FSDP2 and tensor parallelism, and may be plain tensors or
+    DTensors on different meshes in one model (without sequence parallelism a norm weight is left
+    whole by tensor parallelism, and FSDP2 then shards it over "dp" only, a linear's over ("dp",
+    "tp")). Foreach kernels take one kind at a time, so the parameters are grouped by mesh: each
+    group gives one norm, which `full_tensor` reduces over its ranks (a replicated placement
+    counts once), the groups' norms combine as L2, and each group is scaled by its own kernel."""
+    groups: dict[DeviceMesh | None, list[nn.Parameter]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = [_full(torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True))
+             for group in groups.values()]
+    total_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm, foreach=True)
     return total_norm
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """A norm of DTensor gradients (partial per rank) reduced over its mesh; a tensor as it is."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def all_reduce_mean(value: torch.Tensor, info: DistInfo) -> torch.Tensor:

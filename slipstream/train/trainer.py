@@ -2,7 +2,8 @@
 
 `Trainer(config)` builds everything from a `TrainConfig`: it joins the process group torchrun
 describes, opens the prepared data, builds the model on the meta device, applies the CPU fast
-path and `parallelize` (activation checkpointing, compile, FSDP2 / DDP), materializes the
+path and `parallelize` (tensor parallelism, activation checkpointing, compile, FSDP2 / DDP over
+the data-parallel replicas, whose ranks share their batches), materializes the
 weights from rank 0's initial state, and creates AdamW, the warm-up + decay schedule and the
 resumable loaders. `run()` then loops: `train_step()` (micro-batches with gradient accumulation,
 clip, optimizer step, schedule step) emits one flat metrics record; evaluation and checkpoints
@@ -47,7 +48,7 @@ from slipstream.model.weights import load_model, new_model_dir
 from slipstream.ops.allocator import keep_freed_memory, keep_large_freed_memory
 from slipstream.perf.flops import mfu, num_params, train_flops_per_token
 from slipstream.train import checkpoint as ckpt
-from slipstream.train.config import TrainConfig, check_run, load_config, resume_changes
+from slipstream.train.config import TrainConfig, check_run, check_tensor_parallel, load_config, resume_changes
 from slipstream.train.cpu_kernels import use_onednn_linears
 from slipstream.train.data import TOKENIZER_DIR, TOKENIZER_FILES, TokenDataset, WindowLoader
 from slipstream.train.export import tokenization_mismatch
@@ -64,6 +65,7 @@ from slipstream.train.parallel import (
     build_mesh,
     checkpoint_group,
     clip_grad_norm_,
+    data_parallel_rank,
     destroy_distributed,
     init_distributed,
     materialize,
@@ -151,7 +153,11 @@ class Trainer:
         if self.dist.is_main and (mismatch := tokenization_mismatch(self.dataset.tokenizer_dir,
                                                                     self.model_config.model_type)):
             logger.warning("`slipstream export` will refuse this run: %s", mismatch)
-        self.mesh = build_mesh(self.dist)
+        tp = config.parallel.tensor_parallel_degree
+        self.mesh = build_mesh(self.dist, tp)
+        self.replica, self.num_replicas = data_parallel_rank(self.dist, tp)
+        """This rank's data-parallel replica and their number: the ranks of one replica (its
+        tensor-parallel group) read the same batches."""
         self.model = self._build_model()
         self.router_logits = RouterLogits(self.model) if self.model_config.moe_layers else None
         """The routers' logits of a mixture-of-experts model (load-balancing loss, expert load)."""
@@ -164,7 +170,7 @@ class Trainer:
         self._optimizer_settings = [{k: v for k, v in group.items() if k != "params"}
                                     for group in self.optimizer.param_groups]
         self.accumulation_steps = config.training.global_batch_size // (
-            self.dist.world_size * config.training.micro_batch_size
+            self.num_replicas * config.training.micro_batch_size
         )
         self.train_loader = build_train_loader(config, self.dataset, self.dist.rank, self.dist.world_size,
                                                pin_memory=self.device.type == "cuda")
@@ -234,6 +240,7 @@ class Trainer:
             self.run_dir, rank=info.rank, world_size=info.world_size,
             process_group=checkpoint_group(info), keep_last=config.checkpoint.keep_last,
             keep_every=config.checkpoint.keep_every, async_save=config.checkpoint.async_save,
+            tensor_parallel_degree=config.parallel.tensor_parallel_degree,
             on_files_written=self.faults.on_checkpoint_written,
             on_commit=lambda step, path: self.ledger.record("commit", step=step),
         )
@@ -282,7 +289,9 @@ class Trainer:
         """Meta-device model -> CPU fast path -> parallelize -> weights from rank 0."""
         with torch.device("meta"):
             model = Transformer(self.model_config)
-        if self.config.training.fast_kernels and self.device.type == "cpu":
+        # The oneDNN op has no DTensor sharding rule, so tensor-parallel linears stay nn.Linear.
+        if (self.config.training.fast_kernels and self.device.type == "cpu"
+                and self.config.parallel.tensor_parallel_degree == 1):
             use_onednn_linears(model)
         parallelize(model, self.mesh, self.config.parallel)
         full_state = initial_state(self.config, self.model_config) if self.dist.is_main else {}
@@ -295,8 +304,8 @@ class Trainer:
         try:
             loader = WindowLoader(
                 self.dataset.tokens("val"), seq_len=self.config.data.seq_len,
-                batch_size=self.config.training.micro_batch_size, rank=self.dist.rank,
-                world_size=self.dist.world_size, shuffle=False, prefetch=0,
+                batch_size=self.config.training.micro_batch_size, rank=self.replica,
+                world_size=self.num_replicas, shuffle=False, prefetch=0,
                 vocab_size=self.dataset.vocab_size,
             )
         except ValueError as e:
@@ -444,7 +453,7 @@ class Trainer:
             self._synchronize()
             data_wait_s += t1 - t0
             forward_backward_s += time.perf_counter() - t1
-            num_tokens += batch.num_tokens * self.dist.world_size
+            num_tokens += batch.num_tokens * self.num_replicas
         t2 = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
         if step_routing is not None:
@@ -569,6 +578,7 @@ class Trainer:
     def run_record(self) -> dict[str, Any]:
         """The "run" record: what is trained, where, and the MFU convention."""
         config = self.config
+        tp = config.parallel.tensor_parallel_degree
         return {
             "kind": "run",
             "step": self.step,
@@ -578,6 +588,8 @@ class Trainer:
             "device": str(self.device),
             "dtype": config.training.dtype,
             "strategy": config.parallel.strategy if self.dist.world_size > 1 else "single",
+            "tensor_parallel_degree": tp,
+            "sequence_parallel": config.parallel.sequence_parallel and tp > 1,
             "seq_len": config.data.seq_len,
             "global_batch_size": config.training.global_batch_size,
             "accumulation_steps": self.accumulation_steps,
@@ -687,7 +699,8 @@ class Trainer:
 
 
 def resolve_model_config(config: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
-    """The model's shape from the preset or model dir, checked against the data's tokenizer."""
+    """The model's shape from the preset or model dir, checked against the data's tokenizer and
+    the tensor-parallel degree."""
     source = config.model
     if source.path is not None:
         model_config = ModelConfig.from_pretrained(source.path)
@@ -711,16 +724,19 @@ def resolve_model_config(config: TrainConfig, tokenizer: Tokenizer) -> ModelConf
             f"data.seq_len ({config.data.seq_len}) exceeds the model's max_position_embeddings "
             f"({model_config.max_position_embeddings})"
         )
+    check_tensor_parallel(config, model_config)
     return model_config.replace(dtype="float32")
 
 
 def build_train_loader(config: TrainConfig, dataset: TokenDataset, rank: int, world_size: int, *,
                        pin_memory: bool = False) -> WindowLoader:
-    """Rank `rank`'s loader of the training split (ValueError when the split is shorter than one
-    step); its prefetch thread starts with the first batch."""
+    """Rank `rank`'s (of `world_size`) loader of the training split (ValueError when the split is
+    shorter than one step), which reads its data-parallel replica's share of each global batch;
+    its prefetch thread starts with the first batch."""
+    tp = config.parallel.tensor_parallel_degree
     return WindowLoader(
         dataset.tokens("train"), seq_len=config.data.seq_len, batch_size=config.training.micro_batch_size,
-        rank=rank, world_size=world_size, seed=config.data.seed, prefetch=config.data.prefetch,
+        rank=rank // tp, world_size=world_size // tp, seed=config.data.seed, prefetch=config.data.prefetch,
         pin_memory=pin_memory, windows_per_step=config.training.global_batch_size,
         vocab_size=dataset.vocab_size,
     )
