@@ -19,6 +19,7 @@ from slipstream.model.create import stdlib_tokenizer
 from slipstream.perf.flops import kv_cache_bytes_per_token
 
 NUM_PROMPTS, MAX_NEW_TOKENS, BLOCK_SIZE = 32, 128, 16
+SMALL_BATCH_PROMPTS = 8
 # head_dim 64: the size the CPU attention kernels (prefill and decode) are specialised for.
 CONFIG = ModelConfig(vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
@@ -83,6 +84,14 @@ def reference(model_dir):
     return prompts, *_transformers_greedy(model_dir, prompts)
 
 
+@pytest.fixture(scope="module")
+def small_reference(reference):
+    """The first SMALL_BATCH_PROMPTS prompts of `reference`: enough for tests of 3 requests at a
+    time to run every decode path through several waves of requests, in a quarter of the time."""
+    prompts, expected, gaps = reference
+    return prompts[:SMALL_BATCH_PROMPTS], expected[:SMALL_BATCH_PROMPTS], gaps[:SMALL_BATCH_PROMPTS]
+
+
 @pytest.mark.parametrize("fast_cpu_kernels", [True, False])
 def test_continuous_batching_matches_transformers(model_dir, reference, fast_cpu_kernels):
     """(a) All prompts batched together: identical tokens, with the CPU fast path (oneDNN linears,
@@ -92,10 +101,10 @@ def test_continuous_batching_matches_transformers(model_dir, reference, fast_cpu
     _assert_same_tokens(expected, gaps, got, f"continuous batching, fast_cpu_kernels={fast_cpu_kernels}")
 
 
-def test_small_batch_decode_graph_matches_transformers(model_dir, reference):
+def test_small_batch_decode_graph_matches_transformers(model_dir, small_reference):
     """At most 3 running requests: every decode step runs the layer stack in one C call (the CPU
     decode graph), and the tokens are still transformers', and those of enforce_eager=True."""
-    prompts, expected, gaps = reference
+    prompts, expected, gaps = small_reference
     got, llm = _engine_greedy(model_dir, prompts, max_num_seqs=3)
     assert llm.engine.runner.decode_graph is not None
     _assert_same_tokens(expected, gaps, got, "decode graph, max_num_seqs=3")
@@ -105,10 +114,11 @@ def test_small_batch_decode_graph_matches_transformers(model_dir, reference):
 
 
 @pytest.mark.parametrize("max_num_seqs", [3, 32])
-def test_multi_step_decoding_matches_transformers(model_dir, reference, max_num_seqs):
+def test_multi_step_decoding_matches_transformers(model_dir, reference, small_reference, max_num_seqs):
     """Eight greedy decode steps per engine step (num_scheduler_steps=8: one C call with the decode
-    graph) for up to 3 or all 32 requests at once: transformers' tokens, also module by module."""
-    prompts, expected, gaps = reference
+    graph) for up to 3 requests at once (of 8) or all 32: transformers' tokens, also module by
+    module."""
+    prompts, expected, gaps = small_reference if max_num_seqs < SMALL_BATCH_PROMPTS else reference
     got, _ = _engine_greedy(model_dir, prompts, max_num_seqs=max_num_seqs, num_scheduler_steps=8)
     _assert_same_tokens(expected, gaps, got, f"multi-step decoding, max_num_seqs={max_num_seqs}")
     eager, _ = _engine_greedy(model_dir, prompts, max_num_seqs=max_num_seqs, num_scheduler_steps=8,
@@ -118,11 +128,13 @@ def test_multi_step_decoding_matches_transformers(model_dir, reference, max_num_
 
 @pytest.mark.parametrize("engine_args", [dict(), dict(max_num_seqs=3), dict(kv_cache_memory="small")],
                          ids=["batched", "decode graph", "preempting"])
-def test_speculative_decoding_matches_transformers(model_dir, reference, engine_args):
+def test_speculative_decoding_matches_transformers(model_dir, reference, small_reference, engine_args):
     """N-gram speculative decoding (speculative_config, 4 guesses a step) keeps transformers'
-    tokens, batched, beside the decode graph and under preemption. This model rarely repeats
-    itself, so most guesses are refused (tests/test_speculative.py has one that loops)."""
-    prompts, expected, gaps = reference
+    tokens, batched, beside the decode graph (8 prompts, 3 at a time) and under preemption. This
+    model rarely repeats itself, so most guesses are refused (tests/test_speculative.py has one
+    that loops)."""
+    small = engine_args.get("max_num_seqs", NUM_PROMPTS) < SMALL_BATCH_PROMPTS
+    prompts, expected, gaps = small_reference if small else reference
     if engine_args.get("kv_cache_memory") == "small":
         engine_args = dict(max_model_len=256, kv_cache_memory=24 * BLOCK_SIZE * kv_cache_bytes_per_token(
             CONFIG, "float32"))
@@ -130,7 +142,7 @@ def test_speculative_decoding_matches_transformers(model_dir, reference, engine_
     got, llm = _engine_greedy(model_dir, prompts, speculative_config=spec, **engine_args)
     engine = llm.engine
     print(f"speculative: {engine.num_accepted_tokens} of {engine.num_draft_tokens} guesses confirmed")
-    assert engine.num_draft_tokens > 1000 and engine.num_accepted_tokens > 0
+    assert engine.num_draft_tokens > 30 * len(prompts) and engine.num_accepted_tokens > 0
     _assert_same_tokens(expected, gaps, got, f"speculative decoding {engine_args}")
 
 

@@ -169,6 +169,7 @@ def test_a_warmup_longer_than_the_run_is_cut_to_it_with_a_warning(data_dir, trai
     assert not hasattr(WarmupDecay(ScheduleConfig(warmup_steps=100), 5), "warmup_clamped")
 
 
+@pytest.mark.slow  # ~15 s of torchrun for one log line
 def test_the_warmup_warning_is_logged_once_per_job(data_dir, train_model_dir, tmp_path):
     """Under torchrun (2 ranks, gloo) the warning comes from the main rank only, not once per rank."""
     config = small_config(data_dir, train_model_dir, tmp_path / "run", "--schedule.warmup_steps=10",

@@ -234,6 +234,7 @@ def test_an_unused_schedule_is_not_checked():
     assert config.profiling.profile_freq == 2 and not config.profiling.enable_profiling
 
 
+@pytest.mark.slow  # ~15 s of torchrun; the one-process tests above check what each rank writes
 def test_two_ranks_write_a_trace_each(data_dir, train_model_dir, tmp_path):
     """`slipstream train --nproc 2` (torchrun, gloo) with profiling: each iteration folder holds
     rank0_trace.json and rank1_trace.json, each with the step's ProfilerStep#N and its gloo

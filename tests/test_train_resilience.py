@@ -405,6 +405,7 @@ def test_a_second_job_in_a_busy_run_dir_is_refused(data_dir, train_model_dir, tm
                 os.kill(worker, signal.SIGKILL)
 
 
+@pytest.mark.slow  # ~25 s; test_sigterm_to_the_launcher_of_two_ranks_saves_and_exits_0 is the fast check
 def test_sigterm_while_a_restarted_worker_is_built_exits_0(data_dir, train_model_dir, tmp_path):
     """SIGTERM to `slipstream train --max-restarts 1` while its restarted worker is still being
     built (waiting out a 60 s backoff after a crash, before the process group and the model):
@@ -438,6 +439,7 @@ def test_sigterm_while_a_restarted_worker_is_built_exits_0(data_dir, train_model
     assert sum(summary["seconds"].values()) == pytest.approx(summary["total_s"])
 
 
+@pytest.mark.slow  # ~17 s; test_sigterm_to_the_launcher_of_two_ranks_saves_and_exits_0 is the fast check
 def test_sigterm_while_the_workers_start_exits_0_and_keeps_checkpoints(data_dir, train_model_dir, tmp_path):
     """SIGTERM to `slipstream train --nproc 2` as soon as its two workers exist (while Python
     starts in them): the launcher passes it on to each worker once it handles SIGTERM, they stop

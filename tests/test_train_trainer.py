@@ -131,7 +131,8 @@ def test_fast_kernels_and_accumulation_and_checkpointing_keep_the_losses(data_di
     assert reference[-1] < reference[0]
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
+# With activation checkpointing it is slow (~13 s more of compiling; CI skips it).
+@pytest.mark.parametrize("checkpointing", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_compile_keeps_the_losses(checkpointing, data_dir, train_model_dir, tmp_path):
     """torch.compile of every decoder layer (with the oneDNN custom op inside) compiles them, with
     activation checkpointing too (under it nothing was compiled), and trains to the eager losses
