@@ -68,6 +68,15 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def warn_above_peak(achieved_flops_per_s: float, peak_flops_per_s: float, what: str) -> None:
+    """Print a warning where `what` ran faster than the calibrated peak: the calibration was made
+    while other work shared the cores (its load_average_1m says so), and MFU against it is wrong."""
+    if achieved_flops_per_s > peak_flops_per_s:
+        print(f"WARNING: {what} ran at {achieved_flops_per_s / 1e9:.0f} GFLOP/s, above the calibrated peak "
+              f"of {peak_flops_per_s / 1e9:.0f}: the calibration was disturbed; measure it again on an idle "
+              "machine with `slipstream perf calibrate --force`", flush=True)
+
+
 def machine() -> dict[str, Any]:
     return {
         "cpu": platform.processor() or platform.machine(),

@@ -22,7 +22,7 @@ import contextlib
 import time
 
 import torch
-from common import ensure_model, machine, median, model_parser, print_json, random_prompts
+from common import ensure_model, machine, median, model_parser, print_json, random_prompts, warn_above_peak
 from vllm_driver import OfflineRounds
 
 from slipstream import LLM
@@ -107,6 +107,7 @@ def main() -> None:
         record[f"{name}_mfu"] = flops / seconds / peak
         print(f"{name:13s} {num_tokens / seconds:9.0f} tokens/s  {100 * flops / seconds / peak:5.1f}% MFU "
               f"(median of {', '.join(f'{t:.2f}' for t in values)} s)")
+        warn_above_peak(flops / seconds, peak, name)
         if name != "slipstream":
             ratio = median([t / s for s, t in zip(times["slipstream"], values, strict=True)])
             difference = (ours[: len(vectors[name])] - vectors[name]).abs().max().item()

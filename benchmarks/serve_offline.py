@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from common import ensure_model, machine, median, print_json, random_prompts, serving_parser
+from common import ensure_model, machine, median, print_json, random_prompts, serving_parser, warn_above_peak
 from vllm_driver import OfflineRounds
 
 from slipstream import LLM, SamplingParams
@@ -180,6 +180,7 @@ def main() -> None:
             f"(median of {args.repeats} rounds: {_listed(times['slipstream'])} s)",
             flush=True,
         )
+        warn_above_peak(achieved, peak, f"{dtype} slipstream")
         record |= {
             f"{dtype}_output_tok_per_s": ours,
             f"{dtype}_mfu": achieved / peak,

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 
 import pytest
 import torch
 
+from slipstream.perf import hardware
 from slipstream.perf.hardware import (
     ACCELERATORS,
     DTYPE_KEYS,
@@ -189,3 +191,35 @@ def test_cpu_bf16_arithmetic_from_the_cpuinfo_flags():
     assert not cpu_multiplies_bf16(ice_lake) and not cpu_multiplies_bf16(graviton2)
     assert all(map(cpu_multiplies_bf16, (zen4, sapphire_rapids, graviton3)))
     assert not cpu_multiplies_bf16("") and not cpu_multiplies_bf16("processor\t: 0\nmodel name\t: X\n")
+
+
+@pytest.mark.parametrize(("load", "warned"), [(0.1, False), (1.7, True)])
+def test_a_calibration_on_a_busy_machine_says_so(tmp_path, monkeypatch, caplog, load, warned):
+    """Peaks measured while other processes share the cores come out low (and MFU against them
+    above 100%): calibrate() records the 1-minute load average it started at, warns from
+    BUSY_LOAD_AVERAGE on, and the table says so; the cache keeps the load."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(hardware.os, "getloadavg", lambda: (load, 0.0, 0.0))
+    monkeypatch.setattr(hardware, "_measure_matmuls", lambda device, quick: ({"fp32": {"default": 1e11}}, {}))
+    monkeypatch.setattr(hardware, "measure_memory_bandwidth", lambda device, quick: (3e10, 2e10))
+    monkeypatch.setattr(hardware, "_measure_cache_reads", lambda quick: {})
+    with caplog.at_level(logging.WARNING, logger=hardware.__name__):
+        calibration = calibrate(quick=True, device="cpu")
+    assert calibration.load_average_1m == load
+    assert ("load average is 1.70" in caplog.text) == warned
+    assert ("busy: peaks may be low" in calibration.format()) == warned
+    (path,) = cache_dir().glob("*.json")
+    assert Calibration.from_dict(json.loads(path.read_text())).load_average_1m == load
+
+
+def test_a_calibration_record_without_a_load_average_still_loads():
+    """Calibrations written before the load average was recorded (or where the OS has none) read
+    back with None, which the table leaves out."""
+    calibration = Calibration(
+        device="cpu", device_name="test CPU", torch_version="2.13.0", num_threads=1,
+        matmul_flops_per_s={"fp32": {"default": 1e11}}, matmul_errors={}, memory_read_bytes_per_s=12.8e9,
+        memory_copy_bytes_per_s=10e9, cache_read_bytes_per_s={}, quick=False, elapsed_s=1.0,
+        created_at="2026-12-05T19:40:00+00:00", load_average_1m=3.0)
+    record = {k: v for k, v in calibration.to_dict().items() if k != "load_average_1m"}
+    calibration = Calibration.from_dict(record)
+    assert calibration.load_average_1m is None and "load average" not in calibration.format()

@@ -85,8 +85,12 @@ def _physical_memory_bytes() -> int:
 
 # Bumped when what calibrate() measures changes (2: memory bandwidth read from huge pages; 3: reads
 # of buffers around the last-level cache's size; 4: bf16 products widened to fp32; 5: repeated reads
-# over a fixed grid of sizes, not multiples of the reported last-level cache).
-CACHE_VERSION = 5
+# over a fixed grid of sizes, not multiples of the reported last-level cache; 6: the load average
+# before measuring).
+CACHE_VERSION = 6
+BUSY_LOAD_AVERAGE = 0.5
+"""A 1-minute load average from which `calibrate()` warns that other work may have lowered the
+peaks it measures (the same bar `benchmarks/perf_local_validation.py` sets before it measures)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,6 +119,9 @@ class Calibration:
     quick: bool
     elapsed_s: float
     created_at: str
+    load_average_1m: float | None = None
+    """The machine's 1-minute load average just before measuring (None where the OS has none):
+    from `BUSY_LOAD_AVERAGE` on, other processes shared the cores and the peaks may be low."""
 
     @property
     def memory_bandwidth_bytes_per_s(self) -> float:
@@ -153,9 +160,10 @@ class Calibration:
     def from_dict(cls, d: Mapping[str, Any]) -> Calibration:
         """Inverse of `to_dict` (derived keys are ignored); ValueError on missing/unknown keys."""
         fields = {f.name for f in dataclasses.fields(cls)}
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
         derived = {"best_paths", "memory_bandwidth_bytes_per_s"}
         unknown = set(d) - fields - derived
-        missing = fields - set(d)
+        missing = required - set(d)
         if unknown or missing:
             raise ValueError(
                 f"bad calibration record: unknown keys {sorted(unknown)}, missing {sorted(missing)}"
@@ -193,6 +201,10 @@ class Calibration:
             lines.append(f"repeated reads   {reads} GB/s")
         lines += [f"  not measured: {k}: {v}" for k, v in sorted(self.matmul_errors.items())]
         lines.append(f"measured in {self.elapsed_s:.1f} s at {self.created_at}")
+        if self.load_average_1m is not None:
+            busy = self.load_average_1m >= BUSY_LOAD_AVERAGE
+            lines[-1] += f", load average {self.load_average_1m:.2f} before" + (
+                " (busy: peaks may be low; measure again when idle with --force)" if busy else "")
         return "\n".join(lines)
 
     __str__ = format
@@ -241,7 +253,12 @@ def _measure(device: str, device_name: str, quick: bool) -> Calibration:
     import torch
 
     start_s = time.perf_counter()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     logger.info("calibrating %s (%s)%s", device_name, device, ", quick" if quick else "")
+    if load is not None and load >= BUSY_LOAD_AVERAGE:
+        logger.warning("the 1-minute load average is %.2f: other work shares the cores and may lower "
+                       "the peaks measured now; measure again on an idle machine with "
+                       "`slipstream perf calibrate --force`", load)
     flops, errors = _measure_matmuls(device, quick)
     read_bps, copy_bps = measure_memory_bandwidth(device, quick)
     cache_reads = _measure_cache_reads(quick) | {_memory_buffer_bytes(): read_bps} if device == "cpu" else {}
@@ -258,6 +275,7 @@ def _measure(device: str, device_name: str, quick: bool) -> Calibration:
         quick=quick,
         elapsed_s=time.perf_counter() - start_s,
         created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        load_average_1m=load,
     )
 
 
