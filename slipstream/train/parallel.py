@@ -204,12 +204,21 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     if sequence_parallel:
         root_plan["model.norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, root_plan)
+    model.lm_head.register_forward_hook(_not_a_view)
     for layer in model.model.layers:
         parallelize_module(layer, tp_mesh, _layer_plan(layer, stream))
         layer.self_attn.num_heads //= tp
         layer.self_attn.num_kv_heads //= tp
     if model.config.tie_word_embeddings:  # each style made its own parameter of the one table
         model.tie_weights()
+
+
+def _not_a_view(module: nn.Module, args: Any, logits: torch.Tensor) -> torch.Tensor:
+    """The logits as a tensor of their own, not a view: `to_local` returns a view of the DTensor's
+    local tensor, and FSDP2 warns about a view returned by its root (an in-place op on it would
+    skip its backward hook). `_unsafe_view` shares the storage without marking a view, as a
+    matmul's output does; nothing writes to the DTensor's tensor afterwards."""
+    return torch.ops.aten._unsafe_view(logits, logits.shape)
 
 
 def _layer_plan(layer: nn.Module, stream: Placement) -> dict[str, ParallelStyle]:
