@@ -254,3 +254,31 @@ def test_out_of_range_engine_steps_are_skipped_naming_file_and_line(tmp_path, ca
     assert f"{path}:3: engine_step record skipped (131,073 positions" in caplog.text
     assert f"{path}:4: engine_step record skipped (131,073 positions" in caplog.text
     assert f"{path}:5: engine_step record skipped (malformed)" in caplog.text
+
+
+@pytest.mark.parametrize(("world", "tp", "sp", "expected"), [
+    (2, 2, None, (1, 2, True, 0)),  # the trainer's default: sequence parallel with TP, no FSDP on one replica
+    (4, 2, False, (2, 2, False, 3)),
+    (8, 1, None, (8, 1, False, 3)),
+])
+def test_a_tensor_parallel_run_is_modelled_with_its_layout(tmp_path, world, tp, sp, expected):
+    """A run of `parallel.tensor_parallel_degree` ranks per replica is world / degree data-parallel
+    replicas of TP (and, as the trainer defaults, sequence-parallel) groups: not `world` replicas,
+    which priced every rank as holding (and all-reducing) the whole model."""
+    toml = ("[model]\npreset = \"llama3.2-1b\"\n[data]\nseq_len = 2048\n[training]\nglobal_batch_size = 8\n"
+            f"micro_batch_size = 1\n[parallel]\nstrategy = \"fsdp\"\ntensor_parallel_degree = {tp}\n"
+            + ("" if sp is None else f"sequence_parallel = {str(sp).lower()}\n"))
+    lines = [json.dumps({"kind": "run", "world_size": world, "strategy": "fsdp"})]
+    lines += [json.dumps({"kind": "train", "step": s, "step_s": 1.0}) for s in range(1, 8)]
+    _, layout = train_setup(read_train_run(_write_run(tmp_path, lines, toml)))
+    assert (layout.dp, layout.tp, layout.sequence_parallel, layout.zero_stage) == expected
+    assert layout.num_devices == world
+
+
+def test_a_tensor_parallel_degree_that_does_not_divide_the_world_is_named(tmp_path):
+    toml = "[model]\npreset = \"tiny\"\n[data]\nseq_len = 256\n[training]\nglobal_batch_size = 8\n" \
+           "[parallel]\ntensor_parallel_degree = 3\n"
+    lines = [json.dumps({"kind": "run", "world_size": 4}),
+             json.dumps({"kind": "train", "step": 5, "step_s": 1.0})]
+    with pytest.raises(ValueError, match=r"tensor_parallel_degree \(3\) does not divide its world size"):
+        train_setup(read_train_run(_write_run(tmp_path, lines, toml)))

@@ -96,9 +96,11 @@ def fit_engine_steps(
 
 
 def train_setup(run: TrainRun, shape: TransformerShape | None = None) -> tuple[TrainSetup, Layout]:
-    """The model's description of a measured single-device or data-parallel training run, FSDP or
-    DDP as its strategy says (`ZERO_STAGES`); ValueError naming the run directory and the config
-    key for a value the model cannot take."""
+    """The model's description of a measured training run: world / tensor_parallel_degree
+    data-parallel replicas, FSDP or DDP as its strategy says (`ZERO_STAGES`; none with one
+    replica, as the trainer applies none), each over tensor_parallel_degree ranks, with sequence
+    parallelism where the run had it (the trainer's default with TP); ValueError naming the run
+    directory and the config key for a value the model cannot take."""
     c = run.config
     missing = [k for k in ("seq_len", "global_batch_size") if k not in c]
     if missing or (shape is None and "preset" not in c and "model_path" not in c):
@@ -108,6 +110,11 @@ def train_setup(run: TrainRun, shape: TransformerShape | None = None) -> tuple[T
     recompute = "full" if c.get("activation_checkpointing") in (True, "full") else "none"
     try:
         world, batch = _config_int(c, "world_size", 1), _config_int(c, "global_batch_size")
+        tp = _config_int(c, "tensor_parallel_degree", 1)
+        if world % tp:
+            raise ValueError(f"the run's tensor_parallel_degree ({tp}) does not divide its world size "
+                             f"({world})")
+        dp = world // tp
         strategy = c.get("strategy", "fsdp")
         if strategy not in ZERO_STAGES:
             raise ValueError(f"the run's parallel strategy is {strategy!r}; known: {', '.join(ZERO_STAGES)}")
@@ -116,7 +123,9 @@ def train_setup(run: TrainRun, shape: TransformerShape | None = None) -> tuple[T
                            recompute=recompute, weight_bytes=4, grad_bytes=4, optimizer_bytes=8,
                            reserved_bytes=0)
         check_positions(shape, "the run's seq_len", setup.seq_len)
-        return setup, Layout(dp=world, zero_stage=ZERO_STAGES[strategy] if world > 1 else 0)
+        sequence_parallel = tp > 1 and c.get("sequence_parallel", True) is not False
+        return setup, Layout(dp=dp, tp=tp, sequence_parallel=sequence_parallel,
+                             zero_stage=ZERO_STAGES[strategy] if dp > 1 else 0)
     except ValueError as e:
         raise ValueError(f"{run.run_dir}: {e}") from None
 

@@ -45,6 +45,9 @@ CONFIG_KEYS = {
     "dtype": ("training.dtype", "training.mixed_precision_param", "dtype"),
     "activation_checkpointing": ("parallel.activation_checkpointing", "activation_checkpoint.mode"),
     "strategy": ("parallel.strategy", "strategy"),
+    "tensor_parallel_degree": ("parallel.tensor_parallel_degree", "parallelism.tensor_parallel_degree",
+                               "tensor_parallel_degree"),
+    "sequence_parallel": ("parallel.sequence_parallel", "sequence_parallel"),
 }
 
 
@@ -145,7 +148,7 @@ def read_train_run(run_dir: str | Path, warmup_steps: int = 2) -> TrainRun:
     if skipped:
         logger.warning("%s: %d train records without an integer step and a finite step time > 0, "
                        "skipped", metrics, skipped)
-    for key in ("world_size", "device", "dtype", "strategy"):
+    for key in ("world_size", "device", "dtype", "strategy", "tensor_parallel_degree", "sequence_parallel"):
         if key in run and key not in config:
             config[key] = run[key]
     return TrainRun(run_dir, config, times, run, {k: v for k, v in phases.items() if v})
