@@ -419,6 +419,8 @@ _PERF_COMMANDS = [
     ("fit", "fit", ("model", "tp", "fit"), "fit the efficiency to this machine's metrics records"),
     ("trace", "trace_cmd", ("trace",),
      "where a profiled run's time went, from its PyTorch profiler traces (one per rank)"),
+    ("report", "report_cmd", ("report",),
+     "an HTML report of a training or serving run, measured against the performance model"),
 ]
 
 
@@ -505,6 +507,18 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
         p.add_argument("--out", help="write the fitted efficiency JSON here")
         # Unset, the engine's header names them, else the other commands' defaults (commands.fit).
         p.set_defaults(model=None, dtype=None)
+    if "report" in groups:
+        p.add_argument("run", metavar="RUN", help="a training run directory, a serving --metrics-dir, or "
+                       "its metrics.jsonl")
+        p.add_argument("--out", help="the HTML file to write (default RUN/report.html)")
+        p.add_argument("--hardware", help="a100, h100, ..., cpu (default: the run's, cpu for a CPU run)")
+        p.add_argument("--model", help="a preset or config.json in place of the run's model directory "
+                       "(where that is gone)")
+        p.add_argument("--enforce-eager", action="store_true",
+                       help="a serving run's engine ran with --enforce-eager: price its decode steps eagerly")
+        efficiency = p.add_mutually_exclusive_group()
+        efficiency.add_argument("--profile", help="efficiency fitted to published runs (see perf validate)")
+        efficiency.add_argument("--efficiency", help="efficiency JSON written by `slipstream perf fit`")
     if "trace" in groups:
         p.add_argument("traces", nargs="+", metavar="TRACE",
                        help="Kineto trace files (.json, .json.gz) or folders of them, one file per rank")

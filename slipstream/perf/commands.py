@@ -13,7 +13,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slipstream.perf import measured, planner, roofline, serving, trace, trace_report, validation, whatif
+from slipstream.perf import (
+    measured,
+    planner,
+    report,
+    report_html,
+    roofline,
+    serving,
+    trace,
+    trace_report,
+    validation,
+    whatif,
+)
 from slipstream.perf.accelerators import Accelerator, dtype_key
 from slipstream.perf.efficiency import Efficiency, check_fractions, default_efficiency, max_fraction
 from slipstream.perf.fit import apply_scales
@@ -526,3 +537,28 @@ def _with_engine_header(args: argparse.Namespace) -> argparse.Namespace:
 def trace_cmd(args: argparse.Namespace) -> Result:
     report = trace.analyze(args.traces, args.top, args.baseline)
     return trace_report.format_report(report, args.top), report
+
+
+def report_cmd(args: argparse.Namespace) -> Result:
+    """A run's HTML report (perf.report), written to --out or RUN/report.html; the text summary,
+    or with --json the summary less the per-step series the charts draw."""
+    run = report.load_run(args.run)
+    _refuse_eager_for_training(args, run.kind == "serve", "RUN is a training run")
+    hardware = args.hardware or report.run_hardware(run)
+    acc = get_accelerator(hardware)
+    eff, source = efficiency_for(args, acc)
+    if run.kind == "train":
+        summary = report.train_report(run, acc, eff, source, args.model)
+    else:
+        header = report.engine_header(run)
+        graph = decode_graph_max_batch(argparse.Namespace(
+            hardware=hardware, dtype=header.get("dtype"), enforce_eager=args.enforce_eager,
+            max_num_seqs=header.get("max_num_seqs", MAX_NUM_SEQS)))
+        summary = report.serve_report(run, report.serve_setup(run, graph, args.model), acc, eff, source)
+    out = Path(args.out) if args.out else run.directory / report.REPORT_FILE
+    page, charts = report_html.render(summary)
+    out.write_text(page)
+    summary |= {"html": str(out), "charts": charts, "charts_missing": report_html.charts_available()}
+    text = report.format_text(summary) + (f"\nno charts: {summary['charts_missing']}"
+                                          if summary["charts_missing"] else "")
+    return text + f"\nwrote {out}", {k: v for k, v in summary.items() if k != "series"}
