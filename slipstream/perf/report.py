@@ -209,10 +209,6 @@ def _train_prediction(train_run, accelerator: Accelerator, efficiency: Efficienc
     """The model's step time and MFU for the run's setup, against the measured median. Measured
     MFU takes the model's FLOPs and peak, so the two differ only by the step time."""
     setup, layout = measured.train_setup(train_run, shape)
-    tp = train_run.run_record.get("tensor_parallel_degree", 1)
-    if isinstance(tp, int) and tp > 1:  # the trainer's 2-D mesh: tp ranks within each replica
-        layout = dataclasses.replace(layout, dp=layout.dp // tp, tp=tp,
-                                     sequence_parallel=bool(train_run.run_record.get("sequence_parallel")))
     prediction = predict_training(setup, layout, accelerator, efficiency)
     measured_s = train_run.median_step_s
     peak = accelerator.peak_flops(setup.dtype) * layout.num_devices
