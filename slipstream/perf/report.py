@@ -362,6 +362,6 @@ def _serve_text(s: Mapping[str, Any]) -> str:
         lines.append(f"{g['phase']:<8}{g['batch_size']:>6}{g['count']:>7}{1e3 * g['measured_s']:>13.3f}"
                      f"{1e3 * g['predicted_s']:>14.3f}{100 * g['error']:>+8.1f}%")
     if steps["num_unpriced"]:
-        lines.append(f"{steps['num_unpriced']} steps of several shapes (mixed) or malformed, not priced")
+        lines.append(f"{steps['num_unpriced']} step(s) of several shapes (mixed) or malformed, not priced")
     lines.append(f"predicted on {s['prediction']['hardware']}; efficiency {s['prediction']['efficiency']}")
     return "\n".join(lines)
