@@ -287,6 +287,14 @@ def test_bad_runs_are_one_line_errors(lines, extra, expected, tmp_path, capsys):
     assert not (tmp_path / "report.html").exists()
 
 
+def test_a_training_file_not_named_metrics_jsonl_is_an_error(tmp_path, capsys):
+    """Guards a training run given as a renamed records file: its config and ledger are not beside
+    it under their names, so the report asks for the directory rather than reading another file."""
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (RUN, TRAIN_STEP)))
+    assert "give the directory" in error([str(path)], capsys)
+
+
 def test_an_unwritable_out_is_an_error(model_dir, tmp_path, capsys):
     """Guards --out in a directory that does not exist: exit 2 and the path, no traceback."""
     path = _serving_file(tmp_path, "m")

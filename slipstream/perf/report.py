@@ -147,6 +147,9 @@ def train_report(run: Run, accelerator: Accelerator, efficiency: Efficiency, eff
                  model: str | None = None) -> dict[str, Any]:
     """The training run's config, step statistics, goodput and predicted against measured step
     time and MFU. `model` (a preset or config.json) replaces the run's where that is gone."""
+    if run.metrics_path.name != METRICS_FILE:  # its config and ledger are found beside metrics.jsonl
+        raise ValueError(f"RUN {run.metrics_path}: a training run is read from its directory (metrics.jsonl, "
+                         "config.toml, goodput.jsonl); give the directory")
     train_run = read_train_run(run.directory, WARMUP_STEPS)
     steps = [r for r in run.of_kind("train") if isinstance(r.get("step"), int)]
     if not train_run.step_times_s:
