@@ -491,8 +491,12 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
         p.add_argument("--target-step-s", type=_positive_float)
         p.add_argument("--target-tokens-per-s-per-user", type=_positive_float)
     if "roofline" in groups:
-        p.add_argument("--records", help="engine step records (JSON lines) to place measured points")
+        p.add_argument("--records", help="engine step records (JSON lines) to place measured points, or "
+                       "the serving engine's --metrics-dir (its model, dtype and hardware then default "
+                       "to the engine's)")
         p.add_argument("--out", help="write the roofline PNG here (needs matplotlib)")
+        # Unset, the engine's header names them, else the other commands' defaults (commands.py).
+        p.set_defaults(model=None, dtype=None, hardware=None)
     if "collectives" in groups:
         p.add_argument("--world-size", type=int, default=2)
         p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
@@ -502,11 +506,12 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
         records = p.add_mutually_exclusive_group(required=True)
         records.add_argument("--engine-records",
                              help="engine step records: a JSON-lines file, or the serving engine's "
-                                  "--metrics-dir (its model and dtype then default to the engine's)")
+                                  "--metrics-dir (its model, dtype and hardware then default to the "
+                                  "engine's)")
         records.add_argument("--run-dir", nargs="+", help="training run directories")
         p.add_argument("--out", help="write the fitted efficiency JSON here")
-        # Unset, the engine's header names them, else the other commands' defaults (commands.fit).
-        p.set_defaults(model=None, dtype=None)
+        # Unset, the engine's header names them, else the other commands' defaults (commands.py).
+        p.set_defaults(model=None, dtype=None, hardware=None)
     if "report" in groups:
         p.add_argument("run", metavar="RUN", help="a training run directory, a serving --metrics-dir, or "
                        "its metrics.jsonl")

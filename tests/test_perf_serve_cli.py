@@ -99,7 +99,8 @@ def test_decode_is_modelled_as_the_engine_replays_it():
             for g, e in zip(graphed["decode"], eager["decode"], strict=True)]
     assert rows[0][0] < rows[0][1] and rows[1][0] < rows[1][1] and rows[2][0] == rows[2][1]
     assert commands.decode_graph_max_batch(_args("serve", "--max-num-seqs", "64")) == 64
-    assert commands.decode_graph_max_batch(_args("roofline")) == commands.MAX_NUM_SEQS == 256
+    roofline = _args("roofline", "--hardware", "h100")  # unset, roofline takes it from --records' header
+    assert commands.decode_graph_max_batch(roofline) == commands.MAX_NUM_SEQS == 256
     for dtype, expected in (("fp32", 256), ("bf16", 256), ("fp16", 0)):
         args = _args("roofline", "--hardware", "cpu", "--dtype", dtype)
         assert commands.decode_graph_max_batch(args) == expected

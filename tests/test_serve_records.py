@@ -5,15 +5,20 @@ facts: the RequestOutputs, token counts worked out from the prompts, closed-form
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
+import textwrap
 
 import pytest
-from serve_fixtures import VOCAB_SIZE, kv_bytes_for_blocks
+import safetensors.torch
+from serve_fixtures import HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, VOCAB_SIZE, kv_bytes_for_blocks
 
 from slipstream import cli
 from slipstream.model.config import ModelConfig
 from slipstream.perf import flops, hardware
-from slipstream.perf.records import read_engine_file
+from slipstream.perf.records import read_engine_file, read_engine_headers
 from slipstream.serve.engine import Engine, EngineConfig
 from slipstream.serve.llm import LLM
 from slipstream.serve.request import SamplingParams
@@ -211,8 +216,10 @@ def test_aborted_requests_are_recorded(model_dir, tmp_path):
 
 def test_embedding_records(model_dir, tmp_path):
     """Guards a pooling engine's records: one request record per prompt with no output tokens,
-    prefill steps computing every prompt token, and FLOPs without the lm_head, as
-    perf.flops.generation_flops counts a prompt that generates nothing."""
+    prefill steps computing every prompt token, FLOPs without the lm_head, as
+    perf.flops.generation_flops counts a prompt that generates nothing, and bytes read without it
+    too: the weights in the model's safetensors file but the embedding table (of which the tokens'
+    rows) and the lm_head, and the KV positions of the prompts."""
     llm = LLM(str(model_dir), runner="pooling", metrics_dir=str(tmp_path), max_model_len=64)
     prompts = [[5, 6, 7, 8, 9], list(range(20, 41))]
     llm.embed(prompts, use_tqdm=False)
@@ -225,15 +232,26 @@ def test_embedding_records(model_dir, tmp_path):
     assert sum(s["num_prefill_tokens"] for s in steps) == 26
     config = ModelConfig.from_pretrained(model_dir)
     assert sum(s["flops"] for s in steps) == sum(flops.generation_flops(config, len(p), 0) for p in prompts)
+    weights = safetensors.torch.load_file(model_dir / "model.safetensors")
+    layer_bytes = 4 * sum(w.numel() for name, w in weights.items()
+                          if name not in ("model.embed_tokens.weight", "lm_head.weight"))
+    row_bytes, kv_bytes = 4 * config.hidden_size, 2 * NUM_LAYERS * NUM_KV_HEADS * HEAD_DIM * 4
+    assert "lm_head.weight" in weights  # untied: counting it would be visible
+    assert sum(s["read_bytes"] for s in steps) == len(steps) * layer_bytes + 26 * (row_bytes + kv_bytes)
 
 
-def test_no_calibration_means_no_mfu(model_dir, tmp_path, monkeypatch):
+def test_no_calibration_means_no_mfu(model_dir, tmp_path, monkeypatch, caplog):
     """Guards the engine against calibrating (minutes) for its records: without a cached
-    calibration MFU and bandwidth use are null and the header says how to get them. Also: a
-    prompt's two completions are two request records."""
+    calibration MFU and bandwidth use are null and the header and a warning (seen at `slipstream
+    serve`'s default level) say how to get them. Also: a prompt's two completions are two request
+    records."""
     monkeypatch.setattr(hardware, "cached_calibration", lambda device: None)
     monkeypatch.setattr(hardware, "calibrate", lambda **kwargs: pytest.fail("the engine calibrated"))
-    llm = LLM(str(model_dir), metrics_dir=str(tmp_path / "new" / "dir"), max_model_len=64)
+    with caplog.at_level("WARNING", logger="slipstream.serve.records"):
+        llm = LLM(str(model_dir), metrics_dir=str(tmp_path / "new" / "dir"), max_model_len=64)
+    (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "without MFU and bandwidth use" in warning.message
+    assert "slipstream perf calibrate" in warning.message
     params = SamplingParams(n=2, temperature=0.0, max_tokens=3, ignore_eos=True)
     llm.generate([[5, 6, 7]], params, use_tqdm=False)
     records = read_records(tmp_path / "new" / "dir")
@@ -256,12 +274,18 @@ def test_records_are_off_by_default(model_dir, tmp_path, monkeypatch):
     (5, "metrics_dir must be a directory path or None, got 5"),
     ("", "metrics_dir must be a directory path or None, got ''"),
     ("FILE", "is a file, not a directory"),
+    ("FILE/sub", "cannot be made: .*/file is a file"),
+    ("HOLDS_DIR", "holds a directory named metrics.jsonl"),
 ])
 def test_bad_metrics_dir_is_a_value_error(model_dir, tmp_path, metrics_dir, message):
-    """Guards EngineConfig's check of metrics_dir: no path, or a path that is a file."""
-    if metrics_dir == "FILE":
-        metrics_dir = tmp_path / "file"
-        metrics_dir.write_text("")
+    """Guards EngineConfig's check of metrics_dir: no path, a path that is a file or lies under
+    one, a directory where the records file goes."""
+    if isinstance(metrics_dir, str) and metrics_dir.startswith("FILE"):
+        (tmp_path / "file").write_text("")
+        metrics_dir = tmp_path / metrics_dir.replace("FILE", "file")
+    elif metrics_dir == "HOLDS_DIR":
+        (tmp_path / "metrics.jsonl").mkdir()
+        metrics_dir = tmp_path
     with pytest.raises(ValueError, match=message):
         EngineConfig(model=str(model_dir), metrics_dir=metrics_dir)
 
@@ -278,17 +302,164 @@ def test_serve_flag_reaches_the_engine_config(model_dir, tmp_path, monkeypatch):
 
 def test_perf_fit_refuses_headers_that_disagree(tmp_path, capsys):
     """Guards `perf fit`'s defaults from the engine's header: engines of two dtypes wrote the
-    file, so --dtype must be given; a model directory that is gone must be named by --model."""
+    file, so --dtype must be given (the error names the engines by engine_id); a model directory
+    that is gone must be named by --model."""
     step = {"kind": "engine_step", "phase": "decode", "batch_size": 1, "context_len": 8, "step_s": 0.01}
-    headers = [{"kind": "engine_config", "model": str(tmp_path / "gone"), "dtype": dtype}
-               for dtype in ("float32", "bfloat16")]
+    headers = [{"kind": "engine_config", "engine_id": engine_id, "model": str(tmp_path / "gone"),
+                "dtype": dtype} for engine_id, dtype in (("e1", "float32"), ("e2", "bfloat16"),
+                                                         ("e3", "float32"))]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*headers, step]))
     fit = ["perf", "fit", "--hardware", "h100", "--engine-records", str(tmp_path)]
     assert cli.main([*fit, "--model", "tiny"]) == 2
-    assert "written by engines of several dtypes (bfloat16, float32); give --dtype" in capsys.readouterr().err
+    assert ("written by engines of several dtypes: bfloat16 (engines e2); float32 (engines e1, e3); "
+            "give --dtype") in capsys.readouterr().err
     assert cli.main([*fit, "--dtype", "bf16"]) == 2  # the other commands' default, given
     assert f"the engine's model directory {tmp_path / 'gone'} has no config.json" in capsys.readouterr().err
     assert cli.main([*fit, "--dtype", "bf16", "--model", "tiny"]) == 0
+
+
+FULL_DISK_SCRIPT = textwrap.dedent("""
+    import gc, json, logging, os, resource, signal, sys
+    import torch
+    from slipstream.serve.engine import Engine, EngineConfig
+    from slipstream.serve.request import SamplingParams
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    model_dir, metrics_dir = sys.argv[1:]
+    engine = Engine(EngineConfig(model=model_dir, metrics_dir=metrics_dir, max_model_len=64, max_num_seqs=2))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for name, prompt in (("a", [5, 6, 7]), ("b", [8, 9]), ("c", [10, 11, 12, 13])):
+        engine.add_request(name, prompt, params)
+    engine.step()  # a and b start, c waits
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG instead
+    size = os.path.getsize(os.path.join(metrics_dir, "metrics.jsonl"))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size + 10, resource.RLIM_INFINITY))  # the disk fills
+    ended = {}
+    for output in engine.step() + engine.abort_request(["b", "c"]):
+        ended[output.request_id] = output.outputs[0].finish_reason
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            ended[output.request_id] = (output.outputs[0].finish_reason, len(output.outputs[0].token_ids))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    engine.add_request("d", [14, 15], params)  # the disk has room again: the records stay off
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            ended[output.request_id] = (output.outputs[0].finish_reason, len(output.outputs[0].token_ids))
+    print(json.dumps({"ended": ended, "used_blocks": engine.scheduler.kv_cache.num_used_blocks,
+                      "running": engine.num_running, "waiting": engine.num_waiting}))
+    del engine
+    gc.collect()  # the engine has no close: collected, its records log what they dropped
+""")
+
+
+def test_a_full_disk_never_fails_serving(model_dir, tmp_path):
+    """Guards serving against its metrics file: the disk fills (RLIMIT_FSIZE, in a process of its
+    own) in the middle of a record, and every request still runs to its end or is aborted with its
+    KV blocks freed; one warning names the file and the error, the engine goes on without records
+    (also once the disk has room again) and says how many it dropped when collected. The next
+    engine to append ends the torn line before its header, which perf then reads."""
+    result = subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT, str(model_dir), str(tmp_path)],
+                            capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    state = json.loads(result.stdout)
+    assert state == {"ended": {"a": ["length", 8], "b": "abort", "c": "abort", "d": ["length", 8]},
+                     "used_blocks": 0, "running": 0, "waiting": 0}
+    path = tmp_path / "metrics.jsonl"
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 2, result.stderr
+    assert f"writing {path} failed ([Errno 27] File too large)" in warnings[0]
+    num_dropped = int(warnings[1].split()[1])
+    assert warnings[1] == f"WARNING {num_dropped} metrics records were not written to {path} " \
+                          "(the first failed write is logged above)"
+    assert num_dropped >= 4 + 8  # the four requests' records, and a's and d's decode steps at least
+    raw = path.read_bytes()
+    assert not raw.endswith(b"\n")  # the record the disk filled in is torn
+    Engine(EngineConfig(model=str(model_dir), metrics_dir=tmp_path, max_model_len=64))
+    lines = path.read_text().splitlines()
+    torn = [line for line in lines if not line.startswith("{") or not line.endswith("}")]
+    assert len(torn) == 1 and len(torn[0]) == 10
+    assert [json.loads(line)["kind"] for line in lines if line not in torn] == [
+        "engine_config", "engine_step", "engine_config"]
+    assert len(read_engine_headers(path)) == 2  # perf skips the torn line, not the header after it
+
+
+def test_an_unwritable_file_is_a_value_error_at_start(model_dir, tmp_path):
+    """Guards an engine whose metrics file cannot be written from its first record (a full device):
+    a ValueError naming metrics_dir when the engine is built, not an OSError at its first step."""
+    os.symlink("/dev/full", tmp_path / "metrics.jsonl")
+    with pytest.raises(ValueError, match=rf"metrics_dir '{tmp_path}': cannot append to .*No space left"):
+        Engine(EngineConfig(model=str(model_dir), metrics_dir=str(tmp_path), max_model_len=64))
+
+
+def test_engines_sharing_a_directory_are_told_apart(model_dir, tmp_path):
+    """Guards two engines appending to one file: every record names its engine's `engine_id` (a
+    distinct one per engine), so that each engine's steps number 1, 2, ... and its request ids,
+    which repeat across engines, are its own."""
+    first, second = (LLM(str(model_dir), metrics_dir=str(tmp_path), max_model_len=64, max_num_seqs=seqs)
+                     for seqs in (1, 4))
+    first.generate([[5, 6, 7]], greedy(3), use_tqdm=False)
+    second.generate([[5, 6, 7, 8], [9, 10]], greedy(4), use_tqdm=False)
+    first.generate([[11, 12]], greedy(2), use_tqdm=False)
+    records = read_records(tmp_path)
+    headers = of_kind(records, "engine_config")
+    ids = {h["max_num_seqs"]: h["engine_id"] for h in headers}
+    assert len(headers) == 2 and len(set(ids.values())) == 2
+    assert {r["engine_id"] for r in records} == set(ids.values())
+    for seqs, requests in ((1, [("0", 3), ("1", 2)]), (4, [("0", 4), ("1", 4)])):
+        mine = [r for r in records if r["engine_id"] == ids[seqs]]
+        steps = of_kind(mine, "engine_step")
+        assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))
+        assert sorted((r["request_id"], r["request_generation_tokens"]) for r in of_kind(mine, "request")) \
+            == requests
+
+
+def engine_file(directory, header: dict, steps: list[dict]) -> str:
+    """A metrics directory holding `header` (an engine_config record) and `steps`."""
+    records = [{"kind": "engine_config", "engine_id": "e1"} | header]
+    records += [{"kind": "engine_step"} | step for step in steps]
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(directory)
+
+
+def test_perf_takes_the_hardware_from_the_header(model_dir, tmp_path, known_peaks, monkeypatch, capsys):
+    """Guards `perf fit` and `perf roofline --records` against pricing an engine's steps on other
+    hardware than it ran on: a CPU engine's records are priced against this CPU (`perf.hardware`'s
+    calibration, not the H100 default), a GPU's against its datasheet entry, an unknown GPU is an
+    error asking for --hardware; both take model and dtype from the header too, giving what the
+    explicit flags give; and a fit whose multipliers hit their bounds says so."""
+    calibration = hardware.cached_calibration("cpu")
+    monkeypatch.setattr(hardware, "calibrate", lambda **kwargs: calibration)
+    cpu_name = hardware.local_accelerator(calibration).name
+    decode = [{"phase": "decode", "batch_size": b, "context_len": 16, "step_s": 1e-3 * (1 + b / 8)}
+              for b in (1, 2, 4, 8)]
+    cases = [("cpu", None, cpu_name), ("cuda:0", "H100 SXM", "H100 SXM"), ("cuda:1", "NVIDIA A100-SXM4-80GB",
+                                                                         "A100 SXM 80GB")]
+    for i, (device, name, expected) in enumerate(cases):
+        directory = tmp_path / str(i)
+        directory.mkdir()
+        records = engine_file(directory, {"model": str(model_dir), "dtype": "float32", "device": device,
+                                          "hardware": name}, decode)
+        assert cli.main(["perf", "fit", "--engine-records", records, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["hardware"] == expected
+        roofline = ["perf", "roofline", "--context", "16", "--input-len", "16", "--batch", "1", "--json"]
+        assert cli.main([*roofline, "--records", records]) == 0
+        implied = json.loads(capsys.readouterr().out)
+        assert cli.main([*roofline, "--records", records, "--model", str(model_dir), "--dtype", "float32",
+                         "--hardware", "cpu" if device == "cpu" else expected]) == 0
+        assert implied == json.loads(capsys.readouterr().out) and implied["hardware"] == expected
+        assert len(implied["points"]) == 2 + len(decode)
+
+    records = engine_file(tmp_path, {"model": str(model_dir), "dtype": "float32", "device": "cuda:0",
+                                     "hardware": "Some GPU (calibrated)"}, decode)
+    assert cli.main(["perf", "fit", "--engine-records", records]) == 2
+    assert "the engine ran on cuda:0 (Some GPU (calibrated)), which the accelerator table does not know; " \
+           "give --hardware" in capsys.readouterr().err
+    assert cli.main(["perf", "fit", "--engine-records", records, "--hardware", "h100", "--json"]) == 0
+    fitted = json.loads(capsys.readouterr().out)  # a 2-layer model's steps take milliseconds on no H100
+    assert fitted["calibration"]["scales"]["memory_s"] == 20.0
+    assert any("memory multiplier sits at its bound 20" in w for w in fitted["warnings"])
 
 
 def test_step_cost_functions_against_brute_force():

@@ -27,12 +27,13 @@ from slipstream.perf import (
 )
 from slipstream.perf.accelerators import Accelerator, dtype_key
 from slipstream.perf.efficiency import Efficiency, check_fractions, default_efficiency, max_fraction
-from slipstream.perf.fit import apply_scales
+from slipstream.perf.fit import MAX_SCALE, MIN_SCALE, apply_scales
 from slipstream.perf.hardware import get_accelerator, is_local
 from slipstream.perf.model import Layout, TrainSetup, predict_training
 from slipstream.perf.records import (
     METRICS_FILE,
     EngineStep,
+    engines_by,
     read_engine_file,
     read_engine_headers,
     read_train_run,
@@ -429,6 +430,7 @@ def _what_if_case(label: str, workload: Callable[[Accelerator], Work], acc: Acce
 
 
 def roofline_cmd(args: argparse.Namespace) -> Result:
+    args = _with_engine_header(args, args.records, "--records")
     acc = get_accelerator(args.hardware)
     eff, source = efficiency_for(args, acc)
     setup = _serve_setup(args)
@@ -484,8 +486,7 @@ def fit(args: argparse.Namespace) -> Result:
     (the defaults without them), and write it as JSON for --efficiency."""
     _refuse_eager_for_training(args, bool(args.engine_records),
                                "it prices --engine-records' decode steps, not --run-dir's training runs")
-    if args.engine_records:
-        args = _with_engine_header(args)
+    args = _with_engine_header(args, args.engine_records, "--engine-records")
     acc = get_accelerator(args.hardware)
     eff, _ = efficiency_for(args, acc)
     if args.engine_records:
@@ -502,36 +503,62 @@ def fit(args: argparse.Namespace) -> Result:
                                     measured.train_run_work(r, acc, cal.efficiency).total_s) for r in runs]
     if args.out:
         Path(args.out).write_text(json.dumps(cal.efficiency.to_dict(), indent=2) + "\n")
+    warnings = [f"the {name.removesuffix('_s')} multiplier sits at its bound {scale:g} (fits keep them in "
+                f"[{MIN_SCALE:g}, {MAX_SCALE:g}]): the measurements are far from what {acc.name} would "
+                "take; are --hardware and the model right?" for name, scale in cal.scales.items()
+                if scale in (MIN_SCALE, MAX_SCALE)]
     text = measured.format_comparisons(rows) + f"\nfitted multipliers: {cal.scales}"
+    text += "".join(f"\nwarning: {w}" for w in warnings)
     text += f"\nwrote {args.out}" if args.out else ""
-    return text, {"calibration": cal.to_dict(), "rows": [r.to_dict() for r in rows]}
+    return text, {"hardware": acc.name, "calibration": cal.to_dict(), "rows": [r.to_dict() for r in rows],
+                  "warnings": warnings}
 
 
-ENGINE_RECORD_DEFAULTS = {"model": "llama3-8b", "dtype": "bf16"}
-"""`perf fit --engine-records`' --model and --dtype where neither the flags nor the records' header
-name them: the other perf commands' defaults."""
+ENGINE_RECORD_DEFAULTS = {"model": "llama3-8b", "dtype": "bf16", "hardware": "h100"}
+"""--model, --dtype and --hardware of `perf fit` and `perf roofline` where neither the flags nor
+the engine records' header name them: the other perf commands' defaults."""
 
 
-def _with_engine_header(args: argparse.Namespace) -> argparse.Namespace:
-    """`args` with --model and --dtype, where not given, taken from the header records the serving
-    engine wrote into --engine-records (its model directory and dtype), else
-    `ENGINE_RECORD_DEFAULTS`; ValueError where the engines that wrote them disagree, or the model
-    directory is gone."""
-    path = _records_file(args.engine_records, "--engine-records")
-    headers = read_engine_headers(path)
+def _with_engine_header(args: argparse.Namespace, path: str | None, flag: str) -> argparse.Namespace:
+    """`args` with --model, --dtype and --hardware, where not given, taken from the header records
+    the serving engine wrote into `path` (its model directory, dtype and device: "cpu" for a CPU, a
+    GPU's datasheet name), else `ENGINE_RECORD_DEFAULTS`; ValueError where the engines that wrote
+    them disagree, the model directory is gone, or the GPU is not in the accelerator table."""
+    headers = read_engine_headers(_records_file(path, flag)) if path else []
     given = {}
-    for flag, default in ENGINE_RECORD_DEFAULTS.items():
-        if getattr(args, flag) is not None:
+    for name, default in ENGINE_RECORD_DEFAULTS.items():
+        if getattr(args, name) is not None:
             continue
-        values = sorted({str(h[flag]) for h in headers if h.get(flag) is not None})
-        if len(values) > 1:
-            raise ValueError(f"--engine-records {args.engine_records}: written by engines of several "
-                             f"{flag}s ({', '.join(values)}); give --{flag}")
-        given[flag] = values[0] if values else default
-        if values and flag == "model" and not (Path(values[0]) / "config.json").is_file():
-            raise ValueError(f"--engine-records {args.engine_records}: the engine's model directory "
-                             f"{values[0]} has no config.json any more; give --model")
+        if name == "hardware":
+            by_value = engines_by(headers, lambda h: _header_hardware(h, flag, path))
+        else:
+            by_value = engines_by(headers, lambda h, key=name: h.get(key))
+        if len(by_value) > 1:
+            seen = "; ".join(value + (f" (engines {', '.join(ids)})" if ids else "")
+                             for value, ids in by_value.items())
+            raise ValueError(f"{flag} {path}: written by engines of several {name}s: {seen}; give --{name}")
+        given[name] = next(iter(by_value), default)
+        if name == "model" and by_value and not (Path(given[name]) / "config.json").is_file():
+            raise ValueError(f"{flag} {path}: the engine's model directory {given[name]} has no config.json "
+                             "any more; give --model")
     return argparse.Namespace(**vars(args) | given)
+
+
+def _header_hardware(header: dict[str, Any], flag: str, path: str | None) -> str | None:
+    """The --hardware an engine ran on: "cpu" for a CPU, a GPU's datasheet name; None where the
+    header names no device; ValueError for a GPU the accelerator table does not know."""
+    device, name = header.get("device"), header.get("hardware")
+    if device is None:
+        return None
+    if str(device).startswith("cpu"):
+        return "cpu"
+    if name and not is_local(str(name)):
+        try:
+            return get_accelerator(str(name)).name
+        except ValueError:
+            pass
+    raise ValueError(f"{flag} {path}: the engine ran on {device} ({name or 'no datasheet'}), which the "
+                     "accelerator table does not know; give --hardware (a100, h100, ..., cpu)")
 
 
 def trace_cmd(args: argparse.Namespace) -> Result:

@@ -362,12 +362,16 @@ class ForwardCost:
         return (self._flops_per_token * num_tokens + self._flops_per_logit * num_logits
                 + self._flops_per_key * num_keys)
 
-    def bytes_read(self, num_tokens: int, num_kv_positions: int, *, num_passes: int = 1) -> float:
-        """`forward_bytes_read`."""
+    def bytes_read(self, num_tokens: int, num_kv_positions: int, *, num_passes: int = 1,
+                   reads_lm_head: bool = True) -> float:
+        """`forward_bytes_read`; without the lm_head's weights where `reads_lm_head` is False (a
+        forward that takes no logits, as a pooling model's: its embedding table only gathered)."""
         _check_non_negative("num_tokens", num_tokens)
         _check_non_negative("num_kv_positions", num_kv_positions)
         _check_non_negative("num_passes", num_passes)
         config, weights = self.config, self._weights
+        if not reads_lm_head:
+            weights -= embedding_params(config)
         if config.is_moe and num_tokens:
             touched = expected_experts_touched(config.num_experts, config.num_experts_per_tok, num_tokens)
             weights -= num_moe_layers(config) * (config.num_experts - touched) * expert_params(config)

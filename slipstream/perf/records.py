@@ -14,7 +14,8 @@ over `num_forward_passes` decode steps run at once, where the engine ran several
 model cannot price as one shape (phase "mixed": prompt chunks with decodes, or decodes with
 speculative guesses; prefill chunks that do not all start at position 0 with one length, which
 the engine writes with `prompt_len` null) are skipped quietly, counted in one log line. The
-engine's header record (`kind: "engine_config"`) names its model directory and dtype.
+engine's header record (`kind: "engine_config"`) names its model directory, dtype and device;
+several engines may append to one file, each record naming its writer's `engine_id`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import logging
 import math
 import statistics
 import tomllib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +214,21 @@ def read_engine_headers(path: Path) -> list[dict[str, Any]]:
     """The header records (`kind: "engine_config"`) of the JSON-lines file `path`, one per engine
     start that wrote to it, in order."""
     return [r for r in read_jsonl(path) if r.get("kind") == "engine_config"]
+
+
+def engines_by(headers: Iterable[Mapping[str, Any]],
+               value_of: Callable[[Mapping[str, Any]], Any]) -> dict[str, list[str]]:
+    """The engines that wrote `headers`, grouped by `value_of(header)` (as a string; None, a header
+    that does not say, is left out): {value: their `engine_id`s}, sorted by value. Several values
+    mean the engines that appended to one file differ in it."""
+    groups: dict[str, list[str]] = {}
+    for header in headers:
+        value = value_of(header)
+        if value is not None:
+            ids = groups.setdefault(str(value), [])
+            if header.get("engine_id") is not None:
+                ids.append(str(header["engine_id"]))
+    return dict(sorted(groups.items()))
 
 
 def read_engine_file(path: Path, max_batch_size: int | None = None,

@@ -37,6 +37,7 @@ from slipstream.ops import cpu_kernels
 from slipstream.ops.allocator import keep_freed_memory, keep_large_freed_memory
 from slipstream.ops.inference import optimize_for_cpu_inference
 from slipstream.perf.flops import kv_cache_bytes_per_token
+from slipstream.perf.records import METRICS_FILE
 from slipstream.serve.fsm import compile_pattern
 from slipstream.serve.outputs import PromptOutput, SequenceOutput
 from slipstream.serve.pooling import EmbeddingRequestOutput, Pool, PoolerConfig, PoolingJob, PoolingParams
@@ -471,15 +472,14 @@ class Engine:
         reason `reason` for completions still running, and for embeddings: "abort", or "error"
         for requests failed by an engine error, as vLLM's FinishReason). Unknown or finished ids
         are ignored."""
-        outputs = []
+        outputs, ended = [], []
         now = time.monotonic()
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
             job = self._pooling.pop(request_id, None)
             if job is not None:
                 preempted = sum(r.num_preemptions for r in self.scheduler.abort(request_id))
                 outputs.append(job.aborted(now, reason))
-                if self._records is not None:
-                    self._records.embedding(job, reason, preempted, now)
+                ended.append((job, None, preempted))
             entry = self._prompts.pop(request_id, None)
             if entry is None:
                 continue
@@ -487,12 +487,22 @@ class Engine:
             for internal_id, sequence in zip(entry.internal_ids, entry.sequences, strict=True):
                 running = self._sequences.pop(internal_id, None) is not None
                 sequence.finish(reason)
-                if running and self._records is not None:
+                if running:
                     request = requests.get(internal_id)
-                    self._records.completion(entry, sequence, request.num_preemptions if request else 0, now)
+                    ended.append((entry, sequence, request.num_preemptions if request else 0))
             entry.metrics.finished_time_s = now
             outputs.append(entry.to_request_output())
+        if self._records is not None:  # after every id's blocks are freed: a record cannot undo that
+            self._record_aborted(ended, reason, now)
         return outputs
+
+    def _record_aborted(self, ended: list[tuple[PoolingJob | PromptOutput, SequenceOutput | None, int]],
+                        reason: str, now: float) -> None:
+        for owner, sequence, num_preemptions in ended:
+            if sequence is None:
+                self._records.embedding(owner, reason, num_preemptions, now)
+            else:
+                self._records.completion(owner, sequence, num_preemptions, now)
 
     def num_kv_blocks_held(self, request_id: str) -> int:
         """KV cache blocks held by a request's completions (0 when it is finished or unknown)."""
@@ -864,11 +874,20 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 def _check_metrics_dir(metrics_dir: object) -> None:
-    """ValueError for a metrics_dir that is no path or names a file (a missing one is made)."""
+    """ValueError for a metrics_dir that is no path, names a file, lies under a file, or holds a
+    metrics.jsonl that is no file (a missing directory is made; what only writing can tell, as a
+    full disk, the engine's records report when it starts)."""
     if not isinstance(metrics_dir, str | os.PathLike) or not os.fspath(metrics_dir):
         raise ValueError(f"metrics_dir must be a directory path or None, got {metrics_dir!r}")
-    if Path(metrics_dir).exists() and not Path(metrics_dir).is_dir():
+    path = Path(metrics_dir)
+    if path.exists() and not path.is_dir():
         raise ValueError(f"metrics_dir {os.fspath(metrics_dir)!r} is a file, not a directory")
+    existing = next((p for p in path.absolute().parents if p.exists()), None)
+    if not path.exists() and existing is not None and not existing.is_dir():
+        raise ValueError(f"metrics_dir {os.fspath(metrics_dir)!r} cannot be made: {existing} is a file")
+    if (path / METRICS_FILE).is_dir():
+        raise ValueError(f"metrics_dir {os.fspath(metrics_dir)!r} holds a directory named {METRICS_FILE}, "
+                         "where the records go")
 
 
 def _check_model_dir(model: object) -> None:

@@ -13,9 +13,12 @@ With `EngineConfig.metrics_dir` set, the engine appends one flat JSON object per
   per-request intervals: the values the server's Prometheus histograms observe
   (`request_intervals`).
 
-Names are vLLM's metric names without the `vllm:` prefix where it has one. Each record is one
-`write` of one line, flushed at once, so a killed process leaves whole lines but perhaps the last,
-which the reader skips.
+Names are vLLM's metric names without the `vllm:` prefix where it has one; every record carries
+the `engine_id` of the engine that wrote it, as several engines may append to one file. Each
+record is one unbuffered `write` of one line, so a killed process leaves whole lines but perhaps
+the last, which the reader skips (and the next engine to open the file ends that line first).
+Records never stop the engine: the first write that fails (a full disk, an I/O error) is one
+warning, and the engine goes on without records.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ import dataclasses
 import importlib.metadata
 import json
 import logging
+import os
 import time
+import uuid
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -195,15 +200,94 @@ def _phase(work: _StepWork) -> str:
     return "decode" if work.num_decode_tokens else "prefill"
 
 
+class _RecordFile:
+    """The metrics file, appended one whole line per record. A failed write is logged once and ends
+    the records (the rest are counted as dropped and the count logged at `close`): a metrics file
+    must never fail a request."""
+
+    def __init__(self, path: Path, header: dict[str, Any], metrics_dir: str) -> None:
+        """Open `path` and write `header`; ValueError naming `metrics_dir` where either fails (a
+        directory in the file's place, no permission, a full disk)."""
+        self.path = path
+        self._failed = False
+        self.num_dropped = 0
+        try:
+            self._file = open(path, "ab", buffering=0)  # noqa: SIM115  (open for the engine's life)
+        except OSError as error:
+            raise _unwritable(metrics_dir, path, error) from error
+        try:
+            torn = _ends_mid_line(self._file)  # a writer killed mid-line: end its line first
+            self._write_line(("\n" if torn else "") + _ENCODER.encode(header))
+        except (OSError, ValueError) as error:
+            self._file.close()
+            raise _unwritable(metrics_dir, path, error) from error
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._failed:
+            self.num_dropped += 1
+            return
+        try:
+            self._write_line(_ENCODER.encode(record))
+        except (OSError, ValueError) as error:  # ValueError: a NaN (a bug) or a file closed under us
+            self._fail(error)
+
+    def _write_line(self, text: str) -> None:
+        """One `write` of one line (O_APPEND: not interleaved with other engines' lines), repeated
+        only where the system wrote part of it."""
+        view = memoryview((text + "\n").encode())
+        while view:
+            num_written = self._file.write(view)
+            if not num_written:
+                raise OSError(f"wrote none of {len(view)} bytes")
+            view = view[num_written:]
+
+    def _fail(self, error: Exception) -> None:
+        self._failed = True
+        self.num_dropped += 1
+        logger.warning("metrics records stop: writing %s failed (%s); the engine goes on without them",
+                       self.path, error)
+        self._close_file()
+
+    def close(self) -> None:
+        """Close the file; log how many records were dropped, if any."""
+        self._close_file()
+        if self.num_dropped:
+            logger.warning("%d metrics records were not written to %s (the first failed write is "
+                           "logged above)", self.num_dropped, self.path)
+
+    def _close_file(self) -> None:
+        try:
+            self._file.close()
+        except OSError as error:  # closing an unbuffered file writes nothing, but the system may say no
+            logger.warning("closing %s failed: %s", self.path, error)
+
+
+def _unwritable(metrics_dir: str, path: Path, error: Exception) -> ValueError:
+    return ValueError(f"metrics_dir {metrics_dir!r}: cannot append to {path}: {error}")
+
+
+def _ends_mid_line(file) -> bool:
+    """Whether the regular file open as `file` is not empty and does not end in a newline."""
+    if not os.path.isfile(file.name) or os.fstat(file.fileno()).st_size == 0:
+        return False
+    with open(file.name, "rb") as reader:
+        reader.seek(-1, os.SEEK_END)
+        return reader.read(1) != b"\n"
+
+
 class EngineRecords:
     """Appends one engine's records to `<metrics_dir>/metrics.jsonl`, starting with its header."""
 
     def __init__(self, engine: Engine) -> None:
-        directory = Path(engine.config.metrics_dir)
-        directory.mkdir(parents=True, exist_ok=True)
+        metrics_dir = os.fspath(engine.config.metrics_dir)
+        directory = Path(metrics_dir)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ValueError(f"metrics_dir {metrics_dir!r}: cannot make the directory: {error}") from error
         self.path = directory / METRICS_FILE
-        self._file = open(self.path, "a")  # noqa: SIM115  (open for the engine's life)
-        weakref.finalize(self, self._file.close)  # the engine has no close: collected, it closes
+        self.engine_id = uuid.uuid4().hex[:12]
+        """Tells this engine's records from others' in one file (step numbers and request ids repeat)."""
         self._model_config = engine.model_config
         self._dtype = dtype_name(engine.limits.dtype)
         self._cost = flops.ForwardCost(self._model_config, self._dtype)
@@ -212,9 +296,14 @@ class EngineRecords:
         self._wall_minus_monotonic_s = time.time() - time.monotonic()
         self._num_steps = 0
         self._counters = self._totals(engine)
-        self._write(self._header(engine))
-        logger.info("metrics records go to %s (MFU and bandwidth use against: %s)", self.path,
-                    self._peaks.source)
+        self._file = _RecordFile(self.path, self._header(engine), metrics_dir)
+        weakref.finalize(self, self._file.close)  # the engine has no close: collected, it closes
+        if self._peaks.flops_per_s is None and self._peaks.read_bytes_per_s is None:
+            logger.warning("metrics records go to %s without MFU and bandwidth use: %s", self.path,
+                           self._peaks.source)
+        else:
+            logger.info("metrics records go to %s (MFU and bandwidth use against: %s)", self.path,
+                        self._peaks.source)
 
     def _header(self, engine: Engine) -> dict[str, Any]:
         config, limits, spec = engine.config, engine.limits, engine.config.speculative_config
@@ -223,7 +312,8 @@ class EngineRecords:
         except importlib.metadata.PackageNotFoundError:
             version = None
         return {
-            "kind": "engine_config", "time": time.time(), "model": str(Path(config.model).resolve()),
+            "kind": "engine_config", "engine_id": self.engine_id, "time": time.time(),
+            "model": str(Path(config.model).resolve()),
             "model_type": self._model_config.model_type, "num_params": flops.num_params(self._model_config),
             "dtype": self._dtype, "device": str(limits.device),
             "runner": "generate" if self._takes_logits else "pooling",
@@ -254,17 +344,17 @@ class EngineRecords:
         phase = _phase(work)
         step_flops = self._cost.flops(work.num_rows, work.num_logits, work.num_keys)
         read_bytes = self._cost.bytes_read(work.num_rows // num_passes, work.num_kv_positions,
-                                           num_passes=num_passes)
+                                           num_passes=num_passes, reads_lm_head=work.num_logits > 0)
         totals = self._totals(engine)
         queries, hits, drafted, accepted = (now - before for now, before in zip(totals, self._counters,
                                                                                  strict=True))
         self._counters = totals
         self._num_steps += 1
         peaks = self._peaks
-        self._write({
-            "kind": "engine_step", "step": self._num_steps, "time": time.time(), "step_s": step_s,
-            "phase": phase, "batch_size": len(plan.chunks), "num_forward_passes": num_passes,
-            "prompt_len": work.prompt_len,
+        self._file.write({
+            "kind": "engine_step", "engine_id": self.engine_id, "step": self._num_steps, "time": time.time(),
+            "step_s": step_s, "phase": phase, "batch_size": len(plan.chunks),
+            "num_forward_passes": num_passes, "prompt_len": work.prompt_len,
             "context_len": (round(work.decode_positions / work.num_decode_tokens) if phase == "decode"
                             else None),
             "num_prefill_tokens": work.num_prefill_tokens, "num_decode_tokens": work.num_decode_tokens,
@@ -298,14 +388,11 @@ class EngineRecords:
     def _request(self, request_id: str, index: int, finished_reason: str, num_prompt_tokens: int,
                  num_output_tokens: int, num_cached_tokens: int, num_preemptions: int,
                  metrics: RequestMetrics, finished_s: float) -> None:
-        self._write({
-            "kind": "request", "time": finished_s + self._wall_minus_monotonic_s, "request_id": request_id,
-            "index": index, "finished_reason": finished_reason, "request_prompt_tokens": num_prompt_tokens,
+        self._file.write({
+            "kind": "request", "engine_id": self.engine_id, "time": finished_s + self._wall_minus_monotonic_s,
+            "request_id": request_id, "index": index, "finished_reason": finished_reason,
+            "request_prompt_tokens": num_prompt_tokens,
             "request_generation_tokens": num_output_tokens, "num_cached_tokens": num_cached_tokens,
             "num_preemptions": num_preemptions,
             "arrival_time": metrics.arrival_time_s + self._wall_minus_monotonic_s,
         } | request_intervals(metrics, finished_s, num_output_tokens))
-
-    def _write(self, record: dict[str, Any]) -> None:
-        self._file.write(_ENCODER.encode(record) + "\n")
-        self._file.flush()
