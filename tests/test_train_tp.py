@@ -282,25 +282,33 @@ def test_a_tp2_checkpoint_loads_into_fsdp(tp_run, one_process_run, data_dir, tra
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["qwen3", "no-sp", "checkpointing"])
+@pytest.mark.parametrize("variant", ["qwen3", "qwen2-no-sp", "checkpointing"])
 def test_other_plans_follow_one_process(variant, data_dir, tmp_path):
     """TP=2 of Qwen3 (per-head q/k norms split with the heads; their weights set off 1 so their
-    gradients matter), without sequence parallelism, and with activation checkpointing: one
-    process's losses and weights within LOSS_ATOL and WEIGHT_ATOL."""
-    source = model_dir(tmp_path / "model", data_dir, model_type="qwen3" if variant == "qwen3" else "llama")
+    gradients matter), of Qwen2 without sequence parallelism (its q/k/v biases split, its norms
+    replicated), and with activation checkpointing: one process's losses and weights within
+    LOSS_ATOL and WEIGHT_ATOL. The Qwen2 run also resumes one process's checkpoint of step 4."""
+    model_type = {"qwen3": "qwen3", "qwen2-no-sp": "qwen2"}.get(variant, "llama")
+    source = model_dir(tmp_path / "model", data_dir, model_type=model_type)
     if variant == "qwen3":
         _perturb_norms(source)
-    extra = {"no-sp": ("--parallel.sequence_parallel=false",),
+    extra = {"qwen2-no-sp": ("--parallel.sequence_parallel=false",),
              "checkpointing": ("--parallel.activation_checkpointing=true",)}.get(variant, ())
     one = tmp_path / "one"
     Trainer(small_config(data_dir, source, one, *RUN)).run()
-    run_dir = tmp_path / "tp"
-    _torchrun(small_config(data_dir, source, run_dir, *RUN, *TP2, *extra), tmp_path / "work")
-    losses, reference = _losses(run_dir), _losses(one)
-    diff = max(abs(losses[s] - reference[s]) for s in reference)
-    weight_diff = _max_weight_diff(checkpoint_dir(run_dir, 8), checkpoint_dir(one, 8))
-    print(f"TP=2 {variant}: max loss difference {diff:.1e}, weights {weight_diff:.1e}")
-    assert diff <= LOSS_ATOL and weight_diff <= WEIGHT_ATOL
+    run_dirs = [tmp_path / "tp"]
+    _torchrun(small_config(data_dir, source, run_dirs[0], *RUN, *TP2, *extra), tmp_path / "work")
+    if variant == "qwen2-no-sp":
+        run_dirs.append(_cut_after(one, tmp_path / "resumed", 4))
+        _torchrun(small_config(data_dir, source, run_dirs[1], *RUN, *TP2, *extra), tmp_path / "work")
+        assert read_metrics(run_dirs[1], "resume")[0]["resharded"]
+    reference = _losses(one)
+    for run_dir in run_dirs:
+        losses = _losses(run_dir)
+        diff = max(abs(losses[s] - reference[s]) for s in reference)
+        weight_diff = _max_weight_diff(checkpoint_dir(run_dir, 8), checkpoint_dir(one, 8))
+        print(f"TP=2 {variant} {run_dir.name}: max loss difference {diff:.1e}, weights {weight_diff:.1e}")
+        assert diff <= LOSS_ATOL and weight_diff <= WEIGHT_ATOL
 
 
 def _perturb_norms(path: Path) -> None:
@@ -313,3 +321,43 @@ def _perturb_norms(path: Path) -> None:
         if name.endswith(("q_norm.weight", "k_norm.weight")):
             weights[name] = torch.empty_like(tensor).uniform_(0.5, 1.5, generator=generator)
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_tp_without_sequence_parallelism_steps_the_fused_optimizer():
+    """Without sequence parallelism q/k/v biases (qwen2) become DTensors while the norms would stay
+    plain tensors, and AdamW's fused kernel refuses a group that mixes them ("got mixed
+    torch.Tensor and DTensor"): the norms are replicated DTensors too. A one-rank gloo group in
+    this process (the parallel styles make DTensors on a mesh of one); one step equals that of the
+    same model left whole, as 1-rank TP computes the same numbers."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from slipstream.model import Transformer
+    from slipstream.train.config import OptimizerConfig
+    from slipstream.train.optim import build_optimizer
+    from slipstream.train.parallel import apply_tensor_parallel
+
+    config = ModelConfig(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=64)
+    whole = Transformer(config)
+    whole.init_weights(generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        split = Transformer(config)
+        split.load_state_dict(whole.state_dict())
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+        apply_tensor_parallel(split, mesh, sequence_parallel=False)
+        assert all(isinstance(p, DTensor) for p in split.parameters())
+        for model in (whole, split):
+            optimizer = build_optimizer(model, OptimizerConfig(implementation="fused"), torch.device("cpu"))
+            model(tokens, torch.arange(8).expand_as(tokens)).float().logsumexp(-1).mean().backward()
+            optimizer.step()
+        for name, p in split.named_parameters():
+            local = p.full_tensor() if isinstance(p, DTensor) else p
+            torch.testing.assert_close(local, dict(whole.named_parameters())[name], rtol=0, atol=1e-6,
+                                       msg=name)
+    finally:
+        dist.destroy_process_group()

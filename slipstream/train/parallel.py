@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -193,16 +193,18 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     sequence: the norms run on it (SequenceParallel: replicated weights, whose gradients are
     summed over the ranks), each block all-gathers its input and reduce-scatters its output
     instead of all-reducing. Qwen3's per-head q/k norms see each rank's heads, so they are split
-    along the head dimension the same way. Each attention module is told its local head counts,
-    which it reads when it reshapes q, k and v."""
+    along the head dimension the same way. Without sequence parallelism the norms' weights are
+    made replicated DTensors all the same (`ReplicateParallel`), so that every parameter is a
+    DTensor on the mesh: AdamW's fused and foreach kernels refuse a group that mixes DTensors (a
+    split bias) with plain tensors. Each attention module is told its local head counts, which it
+    reads when it reshapes q, k and v."""
     tp = tp_mesh.size()
     stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
     root_plan: dict[str, ParallelStyle] = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
         "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
     }
-    if sequence_parallel:
-        root_plan["model.norm"] = SequenceParallel()
+    root_plan["model.norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
     parallelize_module(model, tp_mesh, root_plan)
     model.lm_head.register_forward_hook(_not_a_view)
     for layer in model.model.layers:
@@ -211,6 +213,25 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
         layer.self_attn.num_kv_heads //= tp
     if model.config.tie_word_embeddings:  # each style made its own parameter of the one table
         model.tie_weights()
+
+
+class ReplicateParallel(ParallelStyle):
+    """A module left whole on every rank of the mesh: its parameters become Replicate DTensors
+    (`distribute_module`'s default partition), and it takes and returns local tensors, which hold
+    the same values on every rank (torchtitan's NoParallel). Its gradients come out replicated, as
+    the inputs are: no reduction is needed."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=_replicated_inputs, output_fn=_local_output)
+
+
+def _replicated_inputs(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+
+def _local_output(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    return output.to_local() if isinstance(output, DTensor) else output
 
 
 def _not_a_view(module: nn.Module, args: Any, logits: torch.Tensor) -> torch.Tensor:
@@ -242,6 +263,8 @@ def _layer_plan(layer: nn.Module, stream: Placement) -> dict[str, ParallelStyle]
             "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
                                       use_local_output=True),
         }
+    else:
+        plan |= {"input_layernorm": ReplicateParallel(), "post_attention_layernorm": ReplicateParallel()}
     if hasattr(layer.self_attn, "q_norm"):  # (B, T, local heads, D): the heads are dim 2
         plan |= {"self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
                  "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
