@@ -282,3 +282,22 @@ def test_a_tensor_parallel_degree_that_does_not_divide_the_world_is_named(tmp_pa
              json.dumps({"kind": "train", "step": 5, "step_s": 1.0})]
     with pytest.raises(ValueError, match=r"tensor_parallel_degree \(3\) does not divide its world size"):
         train_setup(read_train_run(_write_run(tmp_path, lines, toml)))
+
+
+def test_a_run_resumed_at_another_layout_is_read_at_its_newest(tmp_path):
+    """A run dir whose first attempt ran 4 ranks as 2 replicas of TP=2 and whose resume ran one
+    process: config.toml is the newest attempt's, and so must be the layout and the steps read
+    (they were the first attempt's world size with the newest degree, a layout that never ran)."""
+    toml = ("[model]\npreset = \"llama3.2-1b\"\n[data]\nseq_len = 2048\n[training]\nglobal_batch_size = 8\n"
+            "micro_batch_size = 1\n[parallel]\ntensor_parallel_degree = 1\n")
+    first = {"kind": "run", "world_size": 4, "strategy": "fsdp", "tensor_parallel_degree": 2,
+             "sequence_parallel": True}
+    newest = {"kind": "run", "world_size": 1, "strategy": "single", "tensor_parallel_degree": 1,
+              "sequence_parallel": False}
+    steps = [{"kind": "train", "step": s, "step_s": 9.0} for s in range(1, 6)]
+    resumed = [{"kind": "train", "step": s, "step_s": 1.0} for s in range(4, 9)]
+    lines = [json.dumps(r) for r in (first, *steps, newest, *resumed)]
+    run = read_train_run(_write_run(tmp_path, lines, toml))
+    assert run.step_times_s == [1.0] * 5
+    _, layout = train_setup(run)
+    assert (layout.dp, layout.tp, layout.zero_stage) == (1, 1, 0)

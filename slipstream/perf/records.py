@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 """Where the trainer and the serving engine write their records, in a run or metrics directory."""
+LAYOUT_KEYS = ("world_size", "strategy", "tensor_parallel_degree", "sequence_parallel")
+"""The `run` record's fields that fix the layout: an attempt resumed with others ran another one."""
 STEP_TIME_KEYS = ("step_s", "step_time_s", "time_s", "iteration_time_s", "elapsed_s")
 PHASE_KEYS = ("forward_backward_s", "optimizer_s")
 TOKENS_PER_S_KEYS = ("tokens_per_s", "tps", "throughput_tokens_per_s", "tokens_per_second")
@@ -130,11 +132,19 @@ def read_train_run(run_dir: str | Path, warmup_steps: int = 2) -> TrainRun:
         raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
     records = read_jsonl(metrics)
     config = _normalise(read_config(run_dir))
-    run = next((r for r in records if r.get("kind") == "run"), {})
+    runs = [(i, r) for i, r in enumerate(records) if r.get("kind") == "run"]
+    run = runs[-1][1] if runs else {}
+    start = 0  # the steps since the newest attempt's layout began, which config.toml describes
+    for i, earlier in reversed(runs):
+        if _layout(earlier) != _layout(run):
+            logger.info("%s: the run was resumed at another layout (%s, then %s); only the steps since "
+                        "are read", metrics, _layout(earlier), _layout(run))
+            break
+        start = i
     tokens_per_step = run.get("tokens_per_step") or _tokens_per_step(config)
     times, phases = [], {name: [] for name in PHASE_KEYS}
     skipped = 0
-    for record in records:
+    for record in records[start:]:
         if record.get("kind", "train") != "train":
             continue
         step_s, step = _step_time_s(record, tokens_per_step), record.get("step", warmup_steps + 1)
@@ -153,6 +163,11 @@ def read_train_run(run_dir: str | Path, warmup_steps: int = 2) -> TrainRun:
         if key in run and key not in config:
             config[key] = run[key]
     return TrainRun(run_dir, config, times, run, {k: v for k, v in phases.items() if v})
+
+
+def _layout(run: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What of a `run` record decides the parallel layout the model prices."""
+    return tuple(run.get(key) for key in LAYOUT_KEYS)
 
 
 def _step_time_s(record: Mapping[str, Any], tokens_per_step: float | None) -> float | None:
