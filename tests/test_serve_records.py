@@ -480,3 +480,30 @@ def test_step_cost_functions_against_brute_force():
         one_pass = flops.forward_bytes_read(config, "float32", 3, 0)
         assert flops.forward_bytes_read(config, "float32", 3, 7, num_passes=4) == (
             4 * one_pass + 7 * flops.kv_cache_bytes_per_token(config, "float32"))
+
+
+def test_an_eager_engines_steps_are_priced_eagerly(model_dir, tmp_path, known_peaks, monkeypatch, capsys):
+    """An engine built with enforce_eager=True says so in its header, and `perf roofline --records`
+    and `perf fit` price its decode steps module by module, as --enforce-eager would, not as the
+    CPU decode graph's replays (which they did, the header being silent)."""
+    calibration = hardware.cached_calibration("cpu")
+    monkeypatch.setattr(hardware, "calibrate", lambda **kwargs: calibration)
+    llm = LLM(str(model_dir), metrics_dir=tmp_path / "real", enforce_eager=True)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert read_engine_headers(tmp_path / "real" / "metrics.jsonl")[0]["enforce_eager"] is True
+    decode = [{"phase": "decode", "batch_size": b, "context_len": 16, "step_s": 1e-3 * (1 + b / 8)}
+              for b in (1, 2, 4, 8)]
+    roofline = ["roofline", "--context", "16", "--input-len", "16", "--batch", "1", "--records"]
+    outputs = {}
+    for eager in (False, True):
+        directory = tmp_path / str(eager)
+        directory.mkdir()
+        records = engine_file(directory, {"model": str(model_dir), "dtype": "float32", "device": "cpu",
+                                          "enforce_eager": eager}, decode)
+        for command in (["fit", "--engine-records", records], [*roofline, records]):
+            assert cli.main(["perf", *command, "--json"]) == 0
+            outputs[eager, command[0]] = json.loads(capsys.readouterr().out)
+    records = engine_file(tmp_path, {"model": str(model_dir), "dtype": "float32", "device": "cpu"}, decode)
+    assert cli.main(["perf", *roofline, records, "--enforce-eager", "--json"]) == 0
+    assert outputs[True, "roofline"] == json.loads(capsys.readouterr().out) != outputs[False, "roofline"]
+    assert outputs[True, "fit"] != outputs[False, "fit"]

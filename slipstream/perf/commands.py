@@ -522,7 +522,8 @@ the engine records' header name them: the other perf commands' defaults."""
 def _with_engine_header(args: argparse.Namespace, path: str | None, flag: str) -> argparse.Namespace:
     """`args` with --model, --dtype and --hardware, where not given, taken from the header records
     the serving engine wrote into `path` (its model directory, dtype and device: "cpu" for a CPU, a
-    GPU's datasheet name), else `ENGINE_RECORD_DEFAULTS`; ValueError where the engines that wrote
+    GPU's datasheet name), else `ENGINE_RECORD_DEFAULTS`, and enforce_eager set where every engine
+    ran eagerly; ValueError where the engines that wrote
     them disagree, the model directory is gone, or the GPU is not in the accelerator table."""
     headers = read_engine_headers(_records_file(path, flag)) if path else []
     given = {}
@@ -541,6 +542,8 @@ def _with_engine_header(args: argparse.Namespace, path: str | None, flag: str) -
         if name == "model" and by_value and not (Path(given[name]) / "config.json").is_file():
             raise ValueError(f"{flag} {path}: the engine's model directory {given[name]} has no config.json "
                              "any more; give --model")
+    if headers and all(h.get("enforce_eager") for h in headers):
+        given["enforce_eager"] = True  # the engines ran every step module by module: price them so
     return argparse.Namespace(**vars(args) | given)
 
 
@@ -579,7 +582,8 @@ def report_cmd(args: argparse.Namespace) -> Result:
     else:
         header = report.engine_header(run)
         graph = decode_graph_max_batch(argparse.Namespace(
-            hardware=hardware, dtype=header.get("dtype"), enforce_eager=args.enforce_eager,
+            hardware=hardware, dtype=header.get("dtype"),
+            enforce_eager=args.enforce_eager or bool(header.get("enforce_eager")),
             max_num_seqs=header.get("max_num_seqs", MAX_NUM_SEQS)))
         summary = report.serve_report(run, report.serve_setup(run, graph, args.model), acc, eff, source)
     out = Path(args.out) if args.out else run.directory / report.REPORT_FILE

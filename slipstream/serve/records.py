@@ -321,7 +321,7 @@ class EngineRecords:
             "max_model_len": limits.max_model_len, "block_size": limits.block_size,
             "num_gpu_blocks": limits.num_blocks,
             "enable_prefix_caching": engine.scheduler.config.enable_prefix_caching,
-            "num_scheduler_steps": config.num_scheduler_steps,
+            "num_scheduler_steps": config.num_scheduler_steps, "enforce_eager": config.enforce_eager,
             "num_speculative_tokens": None if spec is None else spec.num_speculative_tokens,
             "hardware": self._peaks.hardware, "peak_flops_per_s": self._peaks.flops_per_s,
             "peak_read_bytes_per_s": self._peaks.read_bytes_per_s, "peak_source": self._peaks.source,
