@@ -48,13 +48,13 @@ from pathlib import Path
 import torch
 from common import print_json
 
+from slipstream.perf.goodput import format_summary, read_events, summarize
 from slipstream.train.checkpoint import (
     CorruptCheckpointError,
     list_checkpoints,
     load_model_state,
     verify_checkpoint,
 )
-from slipstream.train.goodput import format_summary, read_events, summarize
 
 DATA_ROOT = Path(__file__).resolve().parent.parent / "runs" / "bench"
 CONFIG_FAULTS = ("crash", "hang", "nan", "kill_during_checkpoint")

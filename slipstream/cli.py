@@ -107,7 +107,7 @@ def _launch(args: argparse.Namespace, config: TrainConfig) -> None:
 
 
 def _goodput(args: argparse.Namespace) -> None:
-    from slipstream.train.goodput import format_summary, read_ledger, summarize
+    from slipstream.perf.goodput import format_summary, read_ledger, summarize
 
     events, skipped_lines = read_ledger(args.run_dir)
     if not any(e["event"] == "start" for e in events):

@@ -13,7 +13,7 @@ import torch
 from train_fixtures import small_config
 
 from slipstream.cli import main
-from slipstream.train.goodput import BUCKETS, format_summary, read_events, summarize
+from slipstream.perf.goodput import BUCKETS, format_summary, read_events, summarize
 from slipstream.train.trainer import Trainer
 
 pytest_plugins = ["train_fixtures"]

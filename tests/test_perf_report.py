@@ -20,12 +20,12 @@ from train_fixtures import small_config
 from slipstream.cli import main
 from slipstream.perf import hardware
 from slipstream.perf.efficiency import default_efficiency
+from slipstream.perf.goodput import read_ledger, summarize
 from slipstream.perf.model import Layout, TrainSetup, predict_training
 from slipstream.perf.serving import ServeSetup, step_time
 from slipstream.perf.shapes import resolve_model
 from slipstream.serve.llm import LLM
 from slipstream.serve.request import SamplingParams
-from slipstream.train.goodput import read_ledger, summarize
 from slipstream.train.trainer import Trainer
 
 pytest_plugins = ["train_fixtures", "serve_fixtures"]

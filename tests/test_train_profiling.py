@@ -15,9 +15,9 @@ import pytest
 import torch
 from train_fixtures import read_metrics, small_config, train_with_torchrun
 
+from slipstream.perf.goodput import read_events
 from slipstream.perf.trace import analyze
 from slipstream.train.config import ProfilingConfig, load_config
-from slipstream.train.goodput import read_events
 from slipstream.train.profiling import StepProfiler
 from slipstream.train.trainer import Trainer
 

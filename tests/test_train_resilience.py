@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from train_fixtures import read_metrics, small_config
 
+from slipstream.perf.goodput import read_events, summarize
 from slipstream.train.checkpoint import list_checkpoints, load_model_state, verify_checkpoint
-from slipstream.train.goodput import read_events, summarize
 from slipstream.train.parallel import agree_on_attempt
 from slipstream.train.supervisor import STACKS_DIR, child_pids, handles_signal
 from slipstream.train.trainer import Trainer

@@ -194,9 +194,9 @@ def _train_config(train_run) -> dict[str, Any]:
 
 
 def _goodput(run_dir: Path) -> dict[str, Any]:
-    """The goodput ledger's summary (`train.goodput.summarize`: one definition of the buckets), or
+    """The goodput ledger's summary (`perf.goodput.summarize`: one definition of the buckets), or
     why there is none."""
-    from slipstream.train.goodput import LEDGER_FILE, read_ledger, summarize
+    from slipstream.perf.goodput import LEDGER_FILE, read_ledger, summarize
 
     if not (run_dir / LEDGER_FILE).is_file():
         return {"missing": f"no {LEDGER_FILE} in the run directory"}
