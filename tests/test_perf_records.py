@@ -301,3 +301,15 @@ def test_a_run_resumed_at_another_layout_is_read_at_its_newest(tmp_path):
     assert run.step_times_s == [1.0] * 5
     _, layout = train_setup(run)
     assert (layout.dp, layout.tp, layout.zero_stage) == (1, 1, 0)
+
+
+def test_a_run_record_from_before_tensor_parallelism_has_the_same_layout(tmp_path):
+    """A run started by a trainer that wrote no tensor_parallel_degree and resumed by one that
+    writes degree 1 ran one layout: every step is read (its first attempt's were dropped)."""
+    toml = "[model]\npreset = \"tiny\"\n[data]\nseq_len = 256\n[training]\nglobal_batch_size = 8\n"
+    old = {"kind": "run", "world_size": 8, "strategy": "fsdp"}
+    new = old | {"tensor_parallel_degree": 1, "sequence_parallel": False}
+    steps = [{"kind": "train", "step": s, "step_s": 1.0} for s in range(1, 6)]
+    resumed = [{"kind": "train", "step": s, "step_s": 1.0} for s in range(4, 9)]
+    lines = [json.dumps(r) for r in (old, *steps, new, *resumed)]
+    assert len(read_train_run(_write_run(tmp_path, lines, toml)).step_times_s) == 3 + 5

@@ -166,8 +166,10 @@ def read_train_run(run_dir: str | Path, warmup_steps: int = 2) -> TrainRun:
 
 
 def _layout(run: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What of a `run` record decides the parallel layout the model prices."""
-    return tuple(run.get(key) for key in LAYOUT_KEYS)
+    """What of a `run` record decides the parallel layout the model prices (records written
+    before tensor parallelism have no degree: 1, without sequence parallelism)."""
+    defaults = {"tensor_parallel_degree": 1, "sequence_parallel": False}
+    return tuple(run.get(key, defaults.get(key)) for key in LAYOUT_KEYS)
 
 
 def _step_time_s(record: Mapping[str, Any], tokens_per_step: float | None) -> float | None:
