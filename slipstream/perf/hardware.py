@@ -85,9 +85,9 @@ def _physical_memory_bytes() -> int:
 
 # Bumped when what calibrate() measures changes (2: memory bandwidth read from huge pages; 3: reads
 # of buffers around the last-level cache's size; 4: bf16 products widened to fp32; 5: repeated reads
-# over a fixed grid of sizes, not multiples of the reported last-level cache; 6: the load average
-# before measuring).
-CACHE_VERSION = 6
+# over a fixed grid of sizes, not multiples of the reported last-level cache). Fields added since
+# with a default (the load average before measuring) keep the version: older files still load.
+CACHE_VERSION = 5
 BUSY_LOAD_AVERAGE = 0.5
 """A 1-minute load average from which `calibrate()` warns that other work may have lowered the
 peaks it measures (the same bar `benchmarks/perf_local_validation.py` sets before it measures)."""
