@@ -303,3 +303,30 @@ def test_generation_flops_matches_flop_counter_on_engine_shapes():
     expected = generation_flops(config, prompt_len, output_len)
     print(f"counted {counted}, generation_flops {expected}")
     assert counted == expected
+
+
+def test_forward_flops_matches_flop_counter_for_a_prefill_and_a_decode_step():
+    """forward_flops (the engine records' FLOPs of a step) equals FlopCounterMode's matmul count for
+    a prompt of 7 tokens with logits at every position, and for one decode token after it (eager
+    attention counted by bmm; the prefill's full score matrix replaced by the causal count)."""
+    transformers = pytest.importorskip("transformers")
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from slipstream.model import ModelConfig
+    from slipstream.perf.flops import causal_keys, forward_flops
+
+    config = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**config.to_hf_dict()), attn_implementation="eager"
+    ).eval()
+    prompt_len = 7
+    ids = torch.randint(0, 97, (1, prompt_len + 1))
+    per_key = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+    with torch.no_grad(), FlopCounterMode(display=False) as prefill:
+        cache = hf(input_ids=ids[:, :prompt_len], use_cache=True).past_key_values
+    counted = prefill.get_total_flops() + per_key * (causal_keys(config, 0, prompt_len) - prompt_len ** 2)
+    assert counted == forward_flops(config, prompt_len, prompt_len, causal_keys(config, 0, prompt_len))
+    with torch.no_grad(), FlopCounterMode(display=False) as decode:
+        hf(input_ids=ids[:, prompt_len:], past_key_values=cache, use_cache=True)
+    assert decode.get_total_flops() == forward_flops(config, 1, 1, causal_keys(config, prompt_len, 1))
