@@ -238,9 +238,12 @@ def main() -> None:
     if args.train_worker:
         preset, batch, steps = args.train_worker
         return train_worker(preset, int(batch), int(steps))
+    from slipstream.perf.hardware import BUSY_LOAD_AVERAGE
+
     load = float(Path("/proc/loadavg").read_text().split()[0])
-    if load >= 0.5 and not args.force:
-        raise SystemExit(f"load average {load} >= 0.5: run this on an idle machine (or --force)")
+    if load >= BUSY_LOAD_AVERAGE and not args.force:
+        raise SystemExit(f"load average {load} >= {BUSY_LOAD_AVERAGE}: run this on an idle machine "
+                         "(or --force)")
     from common import print_json
 
     from slipstream.perf.efficiency import default_efficiency

@@ -31,10 +31,10 @@ from slipstream.perf.flops import num_params
 from slipstream.perf.goodput import read_events
 from slipstream.perf.goodput import summarize as summarize_goodput
 from slipstream.perf.hardware import multiplies_bf16
+from slipstream.perf.records import METRICS_FILE
 from slipstream.train.config import load_config
 from slipstream.train.data import corpus_documents, prepare_dataset
 from slipstream.train.export import export_run
-from slipstream.train.metrics import METRICS_FILE
 from slipstream.train.trainer import Trainer, device_type_of
 
 logger = logging.getLogger(__name__)

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+from slipstream.perf.records import METRICS_FILE
 
-METRICS_FILE = "metrics.jsonl"
+logger = logging.getLogger(__name__)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

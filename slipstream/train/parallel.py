@@ -349,30 +349,16 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """The global L2 norm of all gradients (over every rank's shards), and clipping to
-    `max_norm` when it is > 0. Returns the norm before clipping.
-
-    Gradients are DTensors under FSDP2 and tensor parallelism, and may be plain tensors or
-    DTensors on different meshes in one model (without sequence parallelism a norm weight is left
-    whole by tensor parallelism, and FSDP2 then shards it over "dp" only, a linear's over ("dp",
-    "tp")). Foreach kernels take one kind at a time, so the parameters are grouped by mesh: each
-    group gives one norm, which `full_tensor` reduces over its ranks (a replicated placement
-    counts once), the groups' norms combine as L2, and each group is scaled by its own kernel."""
-    groups: dict[DeviceMesh | None, list[nn.Parameter]] = {}
-    for p in parameters:
-        if p.grad is not None:
-            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    norms = [_full(torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True))
-             for group in groups.values()]
-    total_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    `max_norm` when it is > 0. Returns the norm before clipping. Under FSDP2 and tensor
+    parallelism every gradient is a DTensor on the one mesh (`apply_tensor_parallel` leaves no
+    parameter plain), and their norm is partial per rank until `full_tensor` reduces it."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(total_norm, DTensor):
+        total_norm = total_norm.full_tensor()
     if max_norm > 0:
-        for group in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm, foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
     return total_norm
-
-
-def _full(norm: torch.Tensor) -> torch.Tensor:
-    """A norm of DTensor gradients (partial per rank) reduced over its mesh; a tensor as it is."""
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def all_reduce_mean(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
