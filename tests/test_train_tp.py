@@ -170,7 +170,7 @@ def test_tp2_follows_one_process(tp_run, one_process_run):
     WEIGHT_ATOL; it counts the tokens of one replica, and MFU per device over both ranks."""
     (run,) = read_metrics(tp_run, "run")
     assert run["world_size"] == 2 and run["tensor_parallel_degree"] == 2 and run["sequence_parallel"]
-    assert run["accumulation_steps"] == 2
+    assert run["accumulation_steps"] == 2 and run["strategy"] == "single"  # one replica: no FSDP
     for kind, key in (("train", "loss"), ("train", "grad_norm"), ("eval", "eval_loss")):
         expected = [r[key] for r in read_metrics(one_process_run, kind)]
         got = [r[key] for r in read_metrics(tp_run, kind)]

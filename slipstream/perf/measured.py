@@ -24,9 +24,10 @@ _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 ZERO_STAGES = {"fsdp": 3, "ddp": 0, "single": 0}
 """The ZeRO stage of each of the trainer's `parallel.strategy` values (its run record says "single"
-for one rank): FSDP2's `fully_shard` shards parameters, gradients and optimizer state (ZeRO-3);
-DDP (`replicate`) all-reduces the gradients in buckets during the backward and every rank keeps
-the whole optimizer state (ZeRO-0). A config without one ran the trainer's default, fsdp."""
+for one data-parallel replica: one rank, or one tensor-parallel group): FSDP2's `fully_shard`
+shards parameters, gradients and optimizer state (ZeRO-3); DDP (`replicate`) all-reduces the
+gradients in buckets during the backward and every rank keeps the whole optimizer state (ZeRO-0).
+A config without one ran the trainer's default, fsdp."""
 
 
 def engine_step_work(step: EngineStep, setup: ServeSetup, accelerator: Accelerator,

@@ -124,7 +124,7 @@ def format_record(record: dict[str, Any]) -> str:
                 f"({record['trace_s']:.2f}s)")
     if kind == "resume":
         skipped = f"; skipped invalid: {'; '.join(record['skipped'])}" if record["skipped"] else ""
-        resharded = " (resharded to this world size)" if record["resharded"] else ""
+        resharded = " (resharded to this layout)" if record["resharded"] else ""
         return (f"resumed from {record['path']} at step {record['step']}{resharded} in "
                 f"{record['restore_s']:.1f}s{skipped}")
     if kind == "config_change":

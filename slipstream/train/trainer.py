@@ -587,7 +587,7 @@ class Trainer:
             "world_size": self.dist.world_size,
             "device": str(self.device),
             "dtype": config.training.dtype,
-            "strategy": config.parallel.strategy if self.dist.world_size > 1 else "single",
+            "strategy": config.parallel.strategy if self.num_replicas > 1 else "single",  # no DP applied
             "tensor_parallel_degree": tp,
             "sequence_parallel": config.parallel.sequence_parallel and tp > 1,
             "seq_len": config.data.seq_len,
