@@ -131,8 +131,9 @@ def test_llm_records_agree_with_its_outputs(model_dir, tmp_path, known_peaks, ca
 
 def test_step_shapes_flops_and_bytes_in_closed_form(model_dir, tmp_path, known_peaks):
     """Guards one prefill step and two decode bursts of equal prompts: their shape fields, FLOPs
-    equal to perf.flops' per-request and per-token closed forms, bytes read to
-    decode_bytes_per_step's, each pass of a burst one decode step."""
+    equal to perf.flops' per-request and per-token closed forms, the prefill's bytes read to the
+    safetensors file's weights (of the embedding table only the prompts' rows) and the prompts' KV
+    positions, each pass of a burst one decode step."""
     engine = Engine(EngineConfig(model=str(model_dir), metrics_dir=tmp_path, num_scheduler_steps=3,
                                  enable_prefix_caching=False, max_model_len=64))
     rng = random.Random(1)
@@ -147,8 +148,11 @@ def test_step_shapes_flops_and_bytes_in_closed_form(model_dir, tmp_path, known_p
     assert (prefill["phase"], prefill["batch_size"], prefill["prompt_len"], prefill["num_forward_passes"]) \
         == ("prefill", batch, prompt_len, 1)
     assert prefill["flops"] == batch * flops.generation_flops(config, prompt_len, 1)
-    assert prefill["read_bytes"] == (flops.decode_bytes_per_step(config, "float32", batch * prompt_len, 0)
-                                     + batch * prompt_len * flops.kv_cache_bytes_per_token(config, "float32"))
+    weights = safetensors.torch.load_file(model_dir / "model.safetensors")
+    assert "lm_head.weight" in weights  # untied: the table is read only at the prompt's rows
+    weight_bytes = 4 * sum(w.numel() for name, w in weights.items() if name != "model.embed_tokens.weight")
+    row_bytes, kv_bytes = 4 * config.hidden_size, 2 * NUM_LAYERS * NUM_KV_HEADS * HEAD_DIM * 4
+    assert prefill["read_bytes"] == weight_bytes + batch * prompt_len * (row_bytes + kv_bytes)
     # Tokens 2-4 in one burst of 3 passes, at contexts 10, 11 and 12; then tokens 5 and 6.
     for record, first_context, passes in ((burst, prompt_len, 3), (tail, prompt_len + 3, 2)):
         contexts = [first_context + j for j in range(passes)]
