@@ -307,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(adds POST /start_profile and /stop_profile; docs/engine.md, Profiling)")
     p.add_argument("--metrics-dir",
                    help="append JSON-lines metrics records (engine steps, finished requests) to "
-                        "METRICS_DIR/metrics.jsonl, which `slipstream perf fit --engine-records` reads")
+                        "METRICS_DIR/metrics.jsonl, which `slipstream perf report`, "
+                        "`perf fit --engine-records` and `perf roofline --records` read")
     p.add_argument("--runner", choices=["auto", "generate", "pooling"], default="auto",
                    help="as vLLM: pooling serves /v1/embeddings instead of generating")
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
