@@ -521,7 +521,8 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
         p.add_argument("--model", help="a preset or config.json in place of the run's model directory "
                        "(where that is gone)")
         p.add_argument("--enforce-eager", action="store_true",
-                       help="a serving run's engine ran with --enforce-eager: price its decode steps eagerly")
+                       help="a serving run's engine ran with --enforce-eager: price its decode steps eagerly "
+                            "(for records whose header has no enforce_eager field)")
         efficiency = p.add_mutually_exclusive_group()
         efficiency.add_argument("--profile", help="efficiency fitted to published runs (see perf validate)")
         efficiency.add_argument("--efficiency", help="efficiency JSON written by `slipstream perf fit`")

@@ -270,9 +270,9 @@ HEADER = {"kind": "engine_config", "model": "/gone", "dtype": "float32", "device
     ([RUN, *(TRAIN_STEP | {"step": s} for s in (1, 2, 3))], [], "the run's config lacks"),
     ([RUN, *(TRAIN_STEP | {"step": s} for s in (1, 2, 3))], ["--model", "nope"], "unknown model 'nope'"),
     ([{"kind": "run", "device": "cuda:0"}, TRAIN_STEP], [], "give --hardware"),
-    ([HEADER, {"kind": "request"}], ["--hardware", "a800"], "unknown accelerator"),
+    ([HEADER, {"kind": "request"}], ["--hardware", "a800", "--model", "llama3-8b"], "unknown accelerator"),
     ([HEADER, {"kind": "request"}], [], "model directory /gone has no config.json"),
-    ([HEADER, HEADER | {"dtype": "bfloat16"}], [], "engines of several dtypes"),
+    ([HEADER, HEADER | {"dtype": "bfloat16"}], ["--model", "llama3-8b"], "engines of several dtypes"),
     ([{"kind": "request"}], [], "no engine_config record"),
     ([TRAIN_STEP], ["--enforce-eager"], "--enforce-eager is for decode steps"),
 ])
@@ -300,3 +300,71 @@ def test_an_unwritable_out_is_an_error(model_dir, tmp_path, capsys):
     path = _serving_file(tmp_path, "m")
     assert str(tmp_path / "no" / "r.html") in error([path, "--model", str(model_dir), "--out",
                                                       str(tmp_path / "no" / "r.html")], capsys)
+
+
+def test_a_run_resumed_at_another_layout_reports_its_newest_attempt(tmp_path, capsys):
+    """Guards the training report of a run dir whose first attempt ran 4 ranks (FSDP, TP=2) and
+    whose resume ran one process: every statistic and series comes from the newest attempt's
+    records, which config.toml and the prediction's layout describe, checked by numpy on those
+    records alone (the first attempt's 9 s steps were mixed in)."""
+    (tmp_path / "config.toml").write_text(
+        "[model]\npreset = \"llama3.2-1b\"\n[data]\nseq_len = 64\n[training]\nglobal_batch_size = 2\n"
+        "micro_batch_size = 1\n[parallel]\ntensor_parallel_degree = 1\n")
+    first = [{"kind": "run", "device": "cpu", "world_size": 4, "strategy": "fsdp",
+              "tensor_parallel_degree": 2, "sequence_parallel": True}]
+    first += [{"kind": "train", "step": s, "step_s": 9.0, "tokens_per_s": 14.0, "mfu": 0.9, "loss": 9.0 - s}
+              for s in range(1, 7)]
+    newest = [{"kind": "run", "device": "cpu", "world_size": 1, "strategy": "single",
+               "tensor_parallel_degree": 1, "sequence_parallel": False}]
+    times = (1.0, 1.3, 1.1, 1.6, 1.2, 1.4)
+    newest += [{"kind": "train", "step": s, "step_s": t, "tokens_per_s": 128 / t, "mfu": 0.01 * t,
+                "loss": 5.0 - 0.1 * s} for s, t in zip(range(4, 10), times, strict=True)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first + newest))
+    summary = report_json([str(tmp_path)], capsys)
+
+    trains = newest[1:]
+    steps = summary["steps"]
+    assert (steps["num_records"], steps["num_measured"], steps["num_earlier_layout"]) == (6, 6, 6)
+    for key, name in (("step_s", "step_s"), ("tokens_per_s", "tokens_per_s"), ("mfu", "mfu_logged")):
+        for q in (10, 50, 90):
+            assert steps[name][f"p{q}"] == pytest.approx(np.percentile([r[key] for r in trains], q))
+    assert (steps["loss_first"], steps["loss_last"]) == (trains[0]["loss"], trains[-1]["loss"])
+    assert summary["prediction"]["step_s"]["measured"] == pytest.approx(median(r["step_s"] for r in trains))
+    assert summary["config"]["world_size"] == 1
+    text = (tmp_path / "report.html").read_text()
+    assert "6 records of earlier attempts at another layout" in "".join(Page(text).text)
+
+
+def test_an_out_of_range_engine_step_is_skipped(model_dir, tmp_path, capsys, caplog):
+    """Guards the serving report against a step no model can run: a context of 10^7 tokens (past
+    the model's max_position_embeddings) and a batch of 10^9 sequences are each skipped with one
+    warning, as `perf fit` skips them, and the rest is reported."""
+    path = _serving_file(tmp_path, "m")
+    step = {"kind": "engine_step", "time": 1.02, "step_s": 0.002, "phase": "decode", "batch_size": 2,
+            "num_forward_passes": 1, "prompt_len": None, "context_len": 10}
+    with open(path, "a") as f:
+        for bad in ({"context_len": 10**7}, {"batch_size": 10**9}):
+            f.write(json.dumps(step | bad) + "\n")
+    with caplog.at_level("WARNING", logger="slipstream.perf.records"):
+        summary = report_json([path, "--model", str(model_dir)], capsys)
+    skipped = [r.getMessage() for r in caplog.records if "engine_step record skipped" in r.getMessage()]
+    assert len(skipped) == 2 and "max_position_embeddings" in skipped[0] and "batch_size" in skipped[1]
+    groups = summary["steps"]["groups"]
+    assert [(g["phase"], g["batch_size"], g["count"]) for g in groups] == [("decode", 2, 2)]
+    assert (summary["steps"]["num_records"], summary["steps"]["num_unpriced"]) == (4, 2)
+
+
+def test_an_unknown_gpu_is_the_same_error_for_report_and_fit(model_dir, tmp_path, capsys):
+    """Guards one reading of the engine's header: a GPU the accelerator table lacks is the same
+    error for `perf report` as for `perf fit --engine-records`, past the flag naming the file."""
+    path = _serving_file(tmp_path, str(model_dir))
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    header = json.loads(lines[0]) | {"device": "cuda:0", "hardware": "NVIDIA L4 (8 threads, calibrated)"}
+    (tmp_path / "metrics.jsonl").write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    by_report = error([path], capsys)
+    assert main(["perf", "fit", "--engine-records", path]) == 2
+    by_fit = capsys.readouterr().err
+    assert by_report.startswith(f"slipstream perf: error: RUN {path}: ")
+    assert by_fit.startswith(f"slipstream perf: error: --engine-records {path}: ")
+    assert by_report.split(f"{path}: ", 1)[1] == by_fit.split(f"{path}: ", 1)[1]
+    assert "accelerator table does not know" in by_report

@@ -36,6 +36,7 @@ from slipstream.perf.records import (
     engines_by,
     read_engine_file,
     read_engine_headers,
+    read_engine_steps,
     read_train_run,
 )
 from slipstream.perf.shapes import resolve_model
@@ -520,34 +521,41 @@ the engine records' header name them: the other perf commands' defaults."""
 
 
 def _with_engine_header(args: argparse.Namespace, path: str | None, flag: str) -> argparse.Namespace:
-    """`args` with --model, --dtype and --hardware, where not given, taken from the header records
-    the serving engine wrote into `path` (its model directory, dtype and device: "cpu" for a CPU, a
-    GPU's datasheet name), else `ENGINE_RECORD_DEFAULTS`, and enforce_eager set where every engine
-    ran eagerly; ValueError where the engines that wrote
-    them disagree, the model directory is gone, or the GPU is not in the accelerator table."""
+    """`args` with the defaults `_with_engine_headers` takes from the header records the serving
+    engine wrote into `path` (a records file or its metrics directory)."""
     headers = read_engine_headers(_records_file(path, flag)) if path else []
+    return _with_engine_headers(args, headers, f"{flag} {path}")
+
+
+def _with_engine_headers(args: argparse.Namespace, headers: list[dict[str, Any]],
+                         where: str) -> argparse.Namespace:
+    """`args` with --model, --dtype and --hardware, where not given, taken from the serving engine's
+    header records `headers` (its model directory, dtype and device: "cpu" for a CPU, a GPU's
+    datasheet name), else `ENGINE_RECORD_DEFAULTS`, and enforce_eager set where every engine ran
+    eagerly; ValueError, its message starting with `where`, where the engines that wrote them
+    disagree, the model directory is gone, or the GPU is not in the accelerator table."""
     given = {}
     for name, default in ENGINE_RECORD_DEFAULTS.items():
         if getattr(args, name) is not None:
             continue
         if name == "hardware":
-            by_value = engines_by(headers, lambda h: _header_hardware(h, flag, path))
+            by_value = engines_by(headers, lambda h: _header_hardware(h, where))
         else:
             by_value = engines_by(headers, lambda h, key=name: h.get(key))
         if len(by_value) > 1:
             seen = "; ".join(value + (f" (engines {', '.join(ids)})" if ids else "")
                              for value, ids in by_value.items())
-            raise ValueError(f"{flag} {path}: written by engines of several {name}s: {seen}; give --{name}")
+            raise ValueError(f"{where}: written by engines of several {name}s: {seen}; give --{name}")
         given[name] = next(iter(by_value), default)
         if name == "model" and by_value and not (Path(given[name]) / "config.json").is_file():
-            raise ValueError(f"{flag} {path}: the engine's model directory {given[name]} has no config.json "
+            raise ValueError(f"{where}: the engine's model directory {given[name]} has no config.json "
                              "any more; give --model")
     if headers and all(h.get("enforce_eager") for h in headers):
         given["enforce_eager"] = True  # the engines ran every step module by module: price them so
     return argparse.Namespace(**vars(args) | given)
 
 
-def _header_hardware(header: dict[str, Any], flag: str, path: str | None) -> str | None:
+def _header_hardware(header: dict[str, Any], where: str) -> str | None:
     """The --hardware an engine ran on: "cpu" for a CPU, a GPU's datasheet name; None where the
     header names no device; ValueError for a GPU the accelerator table does not know."""
     device, name = header.get("device"), header.get("hardware")
@@ -560,7 +568,7 @@ def _header_hardware(header: dict[str, Any], flag: str, path: str | None) -> str
             return get_accelerator(str(name)).name
         except ValueError:
             pass
-    raise ValueError(f"{flag} {path}: the engine ran on {device} ({name or 'no datasheet'}), which the "
+    raise ValueError(f"{where}: the engine ran on {device} ({name or 'no datasheet'}), which the "
                      "accelerator table does not know; give --hardware (a100, h100, ..., cpu)")
 
 
@@ -574,22 +582,25 @@ def report_cmd(args: argparse.Namespace) -> Result:
     or with --json the summary less the per-step series the charts draw."""
     run = report.load_run(args.run)
     _refuse_eager_for_training(args, run.kind == "serve", "RUN is a training run")
-    hardware = args.hardware or report.run_hardware(run)
-    acc = get_accelerator(hardware)
-    eff, source = efficiency_for(args, acc)
     if run.kind == "train":
+        acc = get_accelerator(args.hardware or report.run_hardware(run))
+        eff, source = efficiency_for(args, acc)
         summary = report.train_report(run, acc, eff, source, args.model)
     else:
+        # The header's model, dtype and hardware as `perf fit` and `roofline` read them: one reading.
         header = report.engine_header(run)
-        graph = decode_graph_max_batch(argparse.Namespace(
-            hardware=hardware, dtype=header.get("dtype"),
-            enforce_eager=args.enforce_eager or bool(header.get("enforce_eager")),
-            max_num_seqs=header.get("max_num_seqs", MAX_NUM_SEQS)))
-        summary = report.serve_report(run, report.serve_setup(run, graph, args.model), acc, eff, source)
+        args = _with_engine_headers(argparse.Namespace(**vars(args) | {"dtype": None}),
+                                    run.of_kind("engine_config"), f"RUN {args.run}")
+        acc = get_accelerator(args.hardware)
+        eff, source = efficiency_for(args, acc)
+        args.max_num_seqs = header.get("max_num_seqs") or MAX_NUM_SEQS
+        setup = _serve_setup(args)
+        steps = read_engine_steps(run.records, MAX_DECODE_BATCH, setup.shape.max_position_embeddings)
+        summary = report.serve_report(run, setup, steps, acc, eff, source)
     out = Path(args.out) if args.out else run.directory / report.REPORT_FILE
     page, charts = report_html.render(summary)
     out.write_text(page)
-    summary |= {"html": str(out), "charts": charts, "charts_missing": report_html.charts_available()}
+    summary |= {"html": str(out), "charts": charts, "charts_missing": report_html.charts_missing()}
     text = report.format_text(summary) + (f"\nno charts: {summary['charts_missing']}"
                                           if summary["charts_missing"] else "")
     return text + f"\nwrote {out}", {k: v for k, v in summary.items() if k != "series"}

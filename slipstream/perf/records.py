@@ -112,6 +112,9 @@ class TrainRun:
     run_record: dict[str, Any]
     phase_times_s: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     """Per-step times of the phases the trainer logs (`forward_backward_s`, `optimizer_s`)."""
+    records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """The records read: those since the newest attempt's layout began (`read_train_run`), so that
+    a report's statistics cover the steps the times above come from."""
 
     @property
     def median_step_s(self) -> float:
@@ -162,7 +165,7 @@ def read_train_run(run_dir: str | Path, warmup_steps: int = 2) -> TrainRun:
     for key in ("world_size", "device", "dtype", "strategy", "tensor_parallel_degree", "sequence_parallel"):
         if key in run and key not in config:
             config[key] = run[key]
-    return TrainRun(run_dir, config, times, run, {k: v for k, v in phases.items() if v})
+    return TrainRun(run_dir, config, times, run, {k: v for k, v in phases.items() if v}, records[start:])
 
 
 def _layout(run: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -219,12 +222,14 @@ class EngineStep:
     step_s: float
 
 
-def read_engine_steps(records: Iterable[Mapping[str, Any]]) -> list[EngineStep]:
+def read_engine_steps(records: Iterable[Mapping[str, Any]], max_batch_size: int | None = None,
+                      max_positions: int | None = None) -> list[EngineStep]:
     """Engine step records (`kind: "engine_step"`); malformed ones (a phase other than prefill,
     decode or mixed, a batch size that is no integer >= 1, a prompt of no tokens, a step time that
-    is no finite number > 0) are logged and skipped, and those of several shapes counted and
-    skipped (see the module docstring)."""
-    return _engine_steps((f"record {i}", r) for i, r in enumerate(records, 1))
+    is no finite number > 0) and those beyond the bounds (as `read_engine_file`'s) are logged and
+    skipped, and those of several shapes counted and skipped (see the module docstring)."""
+    return _engine_steps(((f"record {i}", r) for i, r in enumerate(records, 1)), max_batch_size,
+                         max_positions)
 
 
 def read_engine_headers(path: Path) -> list[dict[str, Any]]:

@@ -7,9 +7,10 @@ on the given accelerator; `report_html.render` draws it as one self-contained HT
 `format_text` as a few lines for the terminal.
 
 Percentiles interpolate linearly between the two nearest ranks (numpy's default), so p50 is the
-median. Training statistics leave out the warm-up steps that `records.read_train_run` drops (the
-first two: compilation, allocator growth), which the prediction is compared against too.
-"""
+median. Training statistics cover the records `records.read_train_run` reads (those of the newest
+attempt's layout, in a run resumed at another one) less the warm-up steps it drops (the first two:
+compilation, allocator growth), which the prediction is compared against too. A serving run's
+header is read as `perf fit` reads it (`commands._with_engine_headers`)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.perf import measured
-from slipstream.perf.accelerators import Accelerator, dtype_key
+from slipstream.perf.accelerators import Accelerator
 from slipstream.perf.efficiency import Efficiency
 from slipstream.perf.model import predict_training
-from slipstream.perf.records import METRICS_FILE, EngineStep, read_engine_steps, read_jsonl, read_train_run
+from slipstream.perf.records import METRICS_FILE, EngineStep, read_jsonl, read_train_run
 from slipstream.perf.serving import ServeSetup
 from slipstream.perf.shapes import resolve_model
 
@@ -78,38 +79,23 @@ def load_run(path: str | Path) -> Run:
 
 
 def run_hardware(run: Run) -> str:
-    """The --hardware a run ran on, from its records: "cpu" (the calibrated CPU) for a CPU run, a
-    serving engine's datasheet name on a GPU; ValueError where the records do not say."""
-    source = (run.of_kind("run") or [{}])[-1] if run.kind == "train" else engine_header(run)
-    device = str(source.get("device", ""))
+    """The --hardware a training run ran on, from its newest `run` record: "cpu" (the calibrated
+    CPU) for a CPU run; ValueError where it ran elsewhere, whose datasheet the records do not name.
+    (A serving run's is its engine header's, read as `perf fit` reads it.)"""
+    device = str((run.of_kind("run") or [{}])[-1].get("device", ""))
     if device.startswith("cpu"):
         return "cpu"
-    if run.kind == "serve" and source.get("hardware"):
-        return str(source["hardware"])
     raise ValueError(f"RUN {run.metrics_path}: the records do not name the hardware the run ran on "
                      f"(device {device or 'unknown'}); give --hardware (a100, h100, h200, b200, ..., cpu)")
 
 
 def engine_header(run: Run) -> dict[str, Any]:
-    """The serving engine's header record (the last, where several engines appended); ValueError
-    where there is none, or the engines that wrote the file served different models or dtypes."""
+    """The serving engine's newest header record; ValueError where there is none."""
     headers = run.of_kind("engine_config")
     if not headers:
         raise ValueError(f"RUN {run.metrics_path}: no engine_config record (the engine writes one first), "
                          "so the served model and dtype are unknown")
-    for key in ("model", "dtype"):
-        values = sorted({str(h.get(key)) for h in headers})
-        if len(values) > 1:
-            raise ValueError(f"RUN {run.metrics_path}: written by engines of several {key}s "
-                             f"({', '.join(values)}); a report covers one")
     return headers[-1]
-
-
-def _check_model_dir(run: Run, path: Any, whose: str) -> None:
-    """ValueError where the records name a model directory that has no config.json (any more)."""
-    if path is not None and not (Path(str(path)) / "config.json").is_file():
-        raise ValueError(f"RUN {run.metrics_path}: {whose} model directory {path} has no config.json (any "
-                         "more); give --model (a preset or a config.json)")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -151,18 +137,22 @@ def train_report(run: Run, accelerator: Accelerator, efficiency: Efficiency, eff
         raise ValueError(f"RUN {run.metrics_path}: a training run is read from its directory (metrics.jsonl, "
                          "config.toml, goodput.jsonl); give the directory")
     train_run = read_train_run(run.directory, WARMUP_STEPS)
-    steps = [r for r in run.of_kind("train") if isinstance(r.get("step"), int)]
+    # The newest attempt's layout's records only: those the prediction's layout and times describe.
+    steps = _train_steps(train_run.records)
     if not train_run.step_times_s:
         raise ValueError(f"RUN {run.metrics_path}: no training step past the {WARMUP_STEPS} warm-up steps "
                          f"with a step time ({len(steps)} train records); the report needs at least one")
     later = [r for r in steps if r["step"] > WARMUP_STEPS]
     losses = [(r["step"], v) for r in steps if (v := _number(r.get("loss"))) is not None]
-    if model is None:
-        _check_model_dir(run, train_run.config.get("model_path"), "the run's")
+    model_dir = train_run.config.get("model_path")
+    if model is None and model_dir is not None and not (Path(str(model_dir)) / "config.json").is_file():
+        raise ValueError(f"RUN {run.metrics_path}: the run's model directory {model_dir} has no config.json "
+                         "(any more); give --model (a preset or a config.json)")
     shape = resolve_model(model) if model else None
     return {
         "kind": "train", "run": str(run.directory), "config": _train_config(train_run),
         "steps": {"num_records": len(steps), "num_measured": len(train_run.step_times_s),
+                  "num_earlier_layout": len(_train_steps(run.records)) - len(steps),
                   "warmup_steps": WARMUP_STEPS, "step_s": spread(train_run.step_times_s),
                   "tokens_per_s": spread(_values(later, "tokens_per_s")),
                   "mfu_logged": spread(_values(later, "mfu")),
@@ -174,6 +164,10 @@ def train_report(run: Run, accelerator: Accelerator, efficiency: Efficiency, eff
                    "step_s": [_number(r.get("step_s")) for r in steps],
                    "tokens_per_s": [_number(r.get("tokens_per_s")) for r in steps]},
     }
+
+
+def _train_steps(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [r for r in records if r.get("kind") == "train" and isinstance(r.get("step"), int)]
 
 
 def _values(records: Sequence[Mapping[str, Any]], key: str) -> list[float]:
@@ -228,28 +222,18 @@ def _train_prediction(train_run, accelerator: Accelerator, efficiency: Efficienc
 # ---- serving ----------------------------------------------------------------------------------
 
 
-def serve_setup(run: Run, decode_graph_max_batch: int, model: str | None = None) -> ServeSetup:
-    """The served model as the performance model takes it: the header's model directory (or
-    `model`) and dtype, on one device."""
-    header = engine_header(run)
-    if model is None:
-        _check_model_dir(run, header.get("model"), "the engine's")
-    shape = resolve_model(model or str(header.get("model")))
-    return ServeSetup(shape=shape, dtype=dtype_key(header.get("dtype")),
-                      decode_graph_max_batch=decode_graph_max_batch)
-
-
-def serve_report(run: Run, setup: ServeSetup, accelerator: Accelerator, efficiency: Efficiency,
-                 efficiency_source: str) -> dict[str, Any]:
-    """The engine's config, its steps by phase and batch size against the model, the requests'
-    latencies and outcomes, and the series the charts draw."""
+def serve_report(run: Run, setup: ServeSetup, steps: Sequence[EngineStep], accelerator: Accelerator,
+                 efficiency: Efficiency, efficiency_source: str) -> dict[str, Any]:
+    """The engine's config, its priced `steps` (read once, as `perf fit` reads them) by phase and
+    batch size against the model, the requests' latencies and outcomes, and the series the charts
+    draw."""
     header = engine_header(run)
     step_records = run.of_kind("engine_step")
     requests = run.of_kind("request")
     if not step_records and not requests:
         raise ValueError(f"RUN {run.metrics_path}: an engine_config record but no engine_step or request "
                          "records: the engine ran no step")
-    groups = step_groups(read_engine_steps(step_records), setup, accelerator, efficiency)
+    groups = step_groups(steps, setup, accelerator, efficiency)
     queries = sum(_values(step_records, "prefix_cache_queries"))
     kv_usage = [(t, u) for r in step_records if (t := _number(r.get("time"))) is not None
                 and (u := _number(r.get("kv_cache_usage_perc"))) is not None]
@@ -276,7 +260,7 @@ def serve_report(run: Run, setup: ServeSetup, accelerator: Accelerator, efficien
         "series": {"ttft_s": _values(requests, LATENCIES["ttft"]),
                    "tpot_s": _values(requests, LATENCIES["tpot"]),
                    "kv_time_s": [t - start for t, _ in kv_usage], "kv_usage": [u for _, u in kv_usage],
-                   "steps": [[s.phase, s.batch_size, s.step_s] for s in read_engine_steps(step_records)]},
+                   "steps": [[s.phase, s.batch_size, s.step_s] for s in steps]},
     }
 
 
@@ -329,7 +313,9 @@ def _train_text(s: Mapping[str, Any]) -> str:
              f"batch {c['global_batch_size']} x {c['seq_len']} tokens",
              f"{steps['num_records']} steps ({steps['num_measured']} past warm-up): "
              f"step {_ms(step_s['p50'])} median (p10 {_ms(step_s['p10'])}, p90 {_ms(step_s['p90'])})"
-             + (f", {tps['p50']:,.0f} tokens/s" if tps else "")]
+             + (f", {tps['p50']:,.0f} tokens/s" if tps else "")
+             + (f"; {steps['num_earlier_layout']} records of earlier attempts at another layout left out"
+                if steps["num_earlier_layout"] else "")]
     if steps["loss_first"] is not None:
         lines.append(f"loss {steps['loss_first']:.4g} -> {steps['loss_last']:.4g}")
     g = s["goodput"]
@@ -365,6 +351,7 @@ def _serve_text(s: Mapping[str, Any]) -> str:
         lines.append(f"{g['phase']:<8}{g['batch_size']:>6}{g['count']:>7}{1e3 * g['measured_s']:>13.3f}"
                      f"{1e3 * g['predicted_s']:>14.3f}{100 * g['error']:>+8.1f}%")
     if steps["num_unpriced"]:
-        lines.append(f"{steps['num_unpriced']} step(s) of several shapes (mixed) or malformed, not priced")
+        lines.append(f"{steps['num_unpriced']} step(s) of several shapes (mixed), malformed or out of range, "
+                     "not priced")
     lines.append(f"predicted on {s['prediction']['hardware']}; efficiency {s['prediction']['efficiency']}")
     return "\n".join(lines)

@@ -19,7 +19,7 @@ text-align:right}th{background:#f0f0f0}td:first-child,th:first-child{text-align:
 .note{color:#666}img{max-width:100%;display:block;margin:.5em 0}"""
 
 
-def charts_available() -> str | None:
+def charts_missing() -> str | None:
     """None where matplotlib imports, else why the charts are missing."""
     try:
         import matplotlib  # noqa: F401
@@ -33,7 +33,7 @@ def render(summary: Mapping[str, Any]) -> tuple[str, list[str]]:
     train = summary["kind"] == "train"
     sections = _train_sections(summary) if train else _serve_sections(summary)
     charts = _train_charts(summary) if train else _serve_charts(summary)
-    missing = charts_available()
+    missing = charts_missing()
     body = [f"<h1>{_e('Training' if train else 'Serving')} run report</h1>",
             f"<p>{_e(summary['run'])}</p>", *sections, "<h2>Charts</h2>"]
     drawn = []
@@ -90,7 +90,10 @@ def _train_sections(s: Mapping[str, Any]) -> list[str]:
     keys = ("p10", "p50", "p90")
     sections = ["<h2>Run config</h2>", _table(("key", "value"), s["config"].items()),
                 f"<h2>Steps</h2><p>{steps['num_records']} train records; the statistics leave out the first "
-                f"{steps['warmup_steps']} (warm-up), {steps['num_measured']} measured.</p>",
+                f"{steps['warmup_steps']} (warm-up), {steps['num_measured']} measured."
+                + (f" {steps['num_earlier_layout']} records of earlier attempts at another layout (world "
+                   "size, strategy, tensor parallelism) are left out: the run was resumed at this one."
+                   if steps["num_earlier_layout"] else "") + "</p>",
                 _table(("quantity", *keys), [
                     _spread_row("step time (ms)", steps["step_s"], keys, _ms),
                     _spread_row("tokens/s", steps["tokens_per_s"], keys, lambda v: f"{v:,.0f}"),
@@ -152,7 +155,7 @@ def _serve_sections(s: Mapping[str, Any]) -> list[str]:
         f"<h2>Steps measured against the model</h2><p>{_e(p['model'])} on {_e(p['hardware'])}, "
         f"{_e(p['dtype'])}; efficiency {_e(p['efficiency'])}. Per forward pass; the prediction at each "
         f"group's median length. {steps['num_unpriced']} of {steps['num_records']} steps not priced "
-        "(mixed or malformed).</p>",
+        "(mixed, malformed or out of range).</p>",
         _table(("phase", "batch", "steps", "median length", "measured ms", "predicted ms", "error", "bound"),
                [(g["phase"], g["batch_size"], g["count"], g["length"], _ms(g["measured_s"]),
                  _ms(g["predicted_s"]), f"{100 * g['error']:+.1f}%", g["bound"]) for g in steps["groups"]]),
