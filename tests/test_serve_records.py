@@ -371,7 +371,9 @@ def test_a_full_disk_never_fails_serving(model_dir, tmp_path):
     assert state == {"ended": {"a": ["length", 8], "b": "abort", "c": "abort", "d": ["length", 8]},
                      "used_blocks": 0, "running": 0, "waiting": 0}
     path = tmp_path / "metrics.jsonl"
-    warnings = [line for line in result.stderr.splitlines() if line.startswith("WARNING")]
+    # a machine without a cached calibration also warns that the records will have no MFU
+    warnings = [line for line in result.stderr.splitlines()
+                if line.startswith("WARNING") and "without MFU" not in line]
     assert len(warnings) == 2, result.stderr
     assert f"writing {path} failed ([Errno 27] File too large)" in warnings[0]
     num_dropped = int(warnings[1].split()[1])
