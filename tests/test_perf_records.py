@@ -298,18 +298,36 @@ def test_a_run_resumed_at_another_layout_is_read_at_its_newest(tmp_path):
     resumed = [{"kind": "train", "step": s, "step_s": 1.0} for s in range(4, 9)]
     lines = [json.dumps(r) for r in (first, *steps, newest, *resumed)]
     run = read_train_run(_write_run(tmp_path, lines, toml))
-    assert run.step_times_s == [1.0] * 5
+    assert run.step_times_s == [1.0] * 3  # steps 6-8: 4 and 5 are the resumed process's warm-up
     _, layout = train_setup(run)
     assert (layout.dp, layout.tp, layout.zero_stage) == (1, 1, 0)
 
 
 def test_a_run_record_from_before_tensor_parallelism_has_the_same_layout(tmp_path):
     """A run started by a trainer that wrote no tensor_parallel_degree and resumed by one that
-    writes degree 1 ran one layout: every step is read (its first attempt's were dropped)."""
+    writes degree 1 ran one layout: both attempts' steps are read, less each one's two warm-up
+    steps (the first attempt's were all dropped)."""
     toml = "[model]\npreset = \"tiny\"\n[data]\nseq_len = 256\n[training]\nglobal_batch_size = 8\n"
     old = {"kind": "run", "world_size": 8, "strategy": "fsdp"}
     new = old | {"tensor_parallel_degree": 1, "sequence_parallel": False}
     steps = [{"kind": "train", "step": s, "step_s": 1.0} for s in range(1, 6)]
     resumed = [{"kind": "train", "step": s, "step_s": 1.0} for s in range(4, 9)]
     lines = [json.dumps(r) for r in (old, *steps, new, *resumed)]
-    assert len(read_train_run(_write_run(tmp_path, lines, toml)).step_times_s) == 3 + 5
+    assert len(read_train_run(_write_run(tmp_path, lines, toml)).step_times_s) == 3 + 3
+
+
+def test_each_attempts_first_steps_are_warm_up(tmp_path):
+    """A resumed process is as cold as a new one (allocator, oneDNN's kernels, compile): the first
+    two steps of every attempt are warm-up and not measured, whatever their step numbers, and the
+    report's statistics (`measured`) are the records whose times are read."""
+    toml = "[model]\npreset = \"tiny\"\n[data]\nseq_len = 256\n[training]\nglobal_batch_size = 8\n"
+    run = {"kind": "run", "world_size": 1, "strategy": "single", "tensor_parallel_degree": 1,
+           "sequence_parallel": False}
+    cold = [{"kind": "train", "step": s, "step_s": 5.0} for s in (1, 2)]
+    warm = [{"kind": "train", "step": s, "step_s": 1.0} for s in (3, 4, 5)]
+    cold_again = [{"kind": "train", "step": s, "step_s": 5.0} for s in (4, 5)]
+    warm_again = [{"kind": "train", "step": s, "step_s": 1.0} for s in (6, 7)]
+    lines = [json.dumps(r) for r in (run, *cold, *warm, run, *cold_again, *warm_again)]
+    train_run = read_train_run(_write_run(tmp_path, lines, toml))
+    assert train_run.step_times_s == [1.0] * 5
+    assert [r["step"] for r in train_run.measured] == [3, 4, 5, 6, 7]

@@ -4,7 +4,8 @@ Training: a run directory holds `metrics.jsonl` (one JSON object per line; the t
 `kind: "train"` records with torchtitan-like names: `step`, `loss`, `tokens_per_s`, `step_s`)
 and the resolved config (`config.toml` or `config.json`). The reader is tolerant: it skips lines
 that do not parse, accepts other spellings of the fields (`step_time_s`, `time_s`, `tps`, ...),
-derives the step time from tokens/s when only that is logged, and drops warm-up steps.
+derives the step time from tokens/s when only that is logged, and drops warm-up steps (the first
+two of each attempt).
 
 Serving: engine step records (`kind: "engine_step"`), which the engine writes to
 `<metrics_dir>/metrics.jsonl` (`slipstream/serve/records.py`) and
@@ -115,6 +116,8 @@ class TrainRun:
     records: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """The records read: those since the newest attempt's layout began (`read_train_run`), so that
     a report's statistics cover the steps the times above come from."""
+    measured: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Of them, the train records past warm-up whose times are `step_times_s`."""
 
     @property
     def median_step_s(self) -> float:
@@ -128,7 +131,10 @@ class TrainRun:
 
 
 def read_train_run(run_dir: str | Path, warmup_steps: int = 2) -> TrainRun:
-    """Read `metrics.jsonl` and the config of a run directory (see the module docstring)."""
+    """Read `metrics.jsonl` and the config of a run directory (see the module docstring). The
+    first `warmup_steps` steps of every attempt (each `run` record starts one; a file without
+    them: steps 1 .. warmup_steps) are warm-up, not measured: a resumed process is as cold as a
+    new one (its allocator, oneDNN's kernels, compile)."""
     run_dir = Path(run_dir)
     metrics = run_dir / METRICS_FILE
     if not metrics.is_file():
@@ -145,17 +151,22 @@ def read_train_run(run_dir: str | Path, warmup_steps: int = 2) -> TrainRun:
             break
         start = i
     tokens_per_step = run.get("tokens_per_step") or _tokens_per_step(config)
-    times, phases = [], {name: [] for name in PHASE_KEYS}
+    times, measured, phases = [], [], {name: [] for name in PHASE_KEYS}
     skipped = 0
+    first_step: int | None = 1  # the attempt's first step; None after a `run` record, until one
     for record in records[start:]:
+        if record.get("kind") == "run":
+            first_step = None
         if record.get("kind", "train") != "train":
             continue
         step_s, step = _step_time_s(record, tokens_per_step), record.get("step", warmup_steps + 1)
         if step_s is None or isinstance(step, bool) or not isinstance(step, int):
             skipped += 1
             continue
-        if step > warmup_steps:
+        first_step = step if first_step is None else first_step
+        if step >= first_step + warmup_steps:
             times.append(step_s)
+            measured.append(record)
             for name in PHASE_KEYS:
                 if _positive(record.get(name)) is not None:
                     phases[name].append(float(record[name]))
@@ -165,7 +176,8 @@ def read_train_run(run_dir: str | Path, warmup_steps: int = 2) -> TrainRun:
     for key in ("world_size", "device", "dtype", "strategy", "tensor_parallel_degree", "sequence_parallel"):
         if key in run and key not in config:
             config[key] = run[key]
-    return TrainRun(run_dir, config, times, run, {k: v for k, v in phases.items() if v}, records[start:])
+    return TrainRun(run_dir, config, times, run, {k: v for k, v in phases.items() if v}, records[start:],
+                    measured)
 
 
 def _layout(run: Mapping[str, Any]) -> tuple[Any, ...]:

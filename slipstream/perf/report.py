@@ -8,8 +8,8 @@ on the given accelerator; `report_html.render` draws it as one self-contained HT
 
 Percentiles interpolate linearly between the two nearest ranks (numpy's default), so p50 is the
 median. Training statistics cover the records `records.read_train_run` reads (those of the newest
-attempt's layout, in a run resumed at another one) less the warm-up steps it drops (the first two:
-compilation, allocator growth), which the prediction is compared against too. A serving run's
+attempt's layout, in a run resumed at another one) less the warm-up steps it drops (the first two
+of each attempt: compilation, allocator growth), which the prediction is compared against too. A serving run's
 header is read as `perf fit` reads it (`commands._with_engine_headers`)."""
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def train_report(run: Run, accelerator: Accelerator, efficiency: Efficiency, eff
     if not train_run.step_times_s:
         raise ValueError(f"RUN {run.metrics_path}: no training step past the {WARMUP_STEPS} warm-up steps "
                          f"with a step time ({len(steps)} train records); the report needs at least one")
-    later = [r for r in steps if r["step"] > WARMUP_STEPS]
+    later = train_run.measured
     losses = [(r["step"], v) for r in steps if (v := _number(r.get("loss"))) is not None]
     model_dir = train_run.config.get("model_path")
     if model is None and model_dir is not None and not (Path(str(model_dir)) / "config.json").is_file():
