@@ -513,3 +513,32 @@ def test_an_eager_engines_steps_are_priced_eagerly(model_dir, tmp_path, known_pe
     assert cli.main(["perf", *roofline, records, "--enforce-eager", "--json"]) == 0
     assert outputs[True, "roofline"] == json.loads(capsys.readouterr().out) != outputs[False, "roofline"]
     assert outputs[True, "fit"] != outputs[False, "fit"]
+
+
+def test_a_cpu_engines_records_are_priced_at_its_thread_count(model_dir, tmp_path, known_peaks,
+                                                              monkeypatch, capsys):
+    """The CPU's peaks depend on the threads it runs (a calibration per thread count): a CPU engine's
+    header names the count it ran with, and `perf fit` prices its records against the calibration
+    at that count, not at the perf process's, which it leaves as it was."""
+    import torch
+
+    LLM(str(model_dir), metrics_dir=tmp_path / "real").generate([[5, 6, 7]], greedy(1), use_tqdm=False)
+    header = read_engine_headers(tmp_path / "real" / "metrics.jsonl")[0]
+    assert header["num_threads"] == torch.get_num_threads()
+    calibration = hardware.cached_calibration("cpu")
+    seen = []
+
+    def calibrate(**kwargs):
+        seen.append(torch.get_num_threads())
+        return calibration
+
+    monkeypatch.setattr(hardware, "calibrate", calibrate)
+    decode = [{"phase": "decode", "batch_size": b, "context_len": 16, "step_s": 1e-3 * (1 + b / 8)}
+              for b in (1, 2, 4, 8)]
+    threads = torch.get_num_threads()
+    other = 1 if threads > 1 else 2
+    records = engine_file(tmp_path, {"model": str(model_dir), "dtype": "float32", "device": "cpu",
+                                     "num_threads": other}, decode)
+    assert cli.main(["perf", "fit", "--engine-records", records, "--json"]) == 0
+    capsys.readouterr()
+    assert seen == [other] and torch.get_num_threads() == threads

@@ -432,7 +432,7 @@ def _what_if_case(label: str, workload: Callable[[Accelerator], Work], acc: Acce
 
 def roofline_cmd(args: argparse.Namespace) -> Result:
     args = _with_engine_header(args, args.records, "--records")
-    acc = get_accelerator(args.hardware)
+    acc = _engine_accelerator(args)
     eff, source = efficiency_for(args, acc)
     setup = _serve_setup(args)
     points = [roofline.point(f"prefill {args.input_len}",
@@ -488,7 +488,7 @@ def fit(args: argparse.Namespace) -> Result:
     _refuse_eager_for_training(args, bool(args.engine_records),
                                "it prices --engine-records' decode steps, not --run-dir's training runs")
     args = _with_engine_header(args, args.engine_records, "--engine-records")
-    acc = get_accelerator(args.hardware)
+    acc = _engine_accelerator(args)
     eff, _ = efficiency_for(args, acc)
     if args.engine_records:
         setup = _serve_setup(args)
@@ -552,7 +552,29 @@ def _with_engine_headers(args: argparse.Namespace, headers: list[dict[str, Any]]
                              "any more; give --model")
     if headers and all(h.get("enforce_eager") for h in headers):
         given["enforce_eager"] = True  # the engines ran every step module by module: price them so
+    threads = {h.get("num_threads") for h in headers}
+    if is_local(given.get("hardware", args.hardware) or "") and len(threads) == 1 and None not in threads:
+        given["engine_threads"] = threads.pop()  # the CPU's peaks at the engine's thread count
     return argparse.Namespace(**vars(args) | given)
+
+
+def _engine_accelerator(args: argparse.Namespace) -> Accelerator:
+    """`get_accelerator(args.hardware)`; for a CPU engine's records, this CPU calibrated at the
+    thread count the engine ran with (`engine_threads`, from its header), whose peaks its MFU and
+    bandwidth use were against, not at this process's."""
+    threads = getattr(args, "engine_threads", None)
+    if threads is None:
+        return get_accelerator(args.hardware)
+    import torch  # only here: the other perf commands run without it
+
+    previous = torch.get_num_threads()
+    if threads == previous:
+        return get_accelerator(args.hardware)
+    torch.set_num_threads(threads)
+    try:
+        return get_accelerator(args.hardware)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _header_hardware(header: dict[str, Any], where: str) -> str | None:
@@ -591,7 +613,7 @@ def report_cmd(args: argparse.Namespace) -> Result:
         header = report.engine_header(run)
         args = _with_engine_headers(argparse.Namespace(**vars(args) | {"dtype": None}),
                                     run.of_kind("engine_config"), f"RUN {args.run}")
-        acc = get_accelerator(args.hardware)
+        acc = _engine_accelerator(args)
         eff, source = efficiency_for(args, acc)
         args.max_num_seqs = header.get("max_num_seqs") or MAX_NUM_SEQS
         setup = _serve_setup(args)

@@ -315,7 +315,7 @@ class EngineRecords:
             "kind": "engine_config", "engine_id": self.engine_id, "time": time.time(),
             "model": str(Path(config.model).resolve()),
             "model_type": self._model_config.model_type, "num_params": flops.num_params(self._model_config),
-            "dtype": self._dtype, "device": str(limits.device),
+            "dtype": self._dtype, "device": str(limits.device), "num_threads": torch.get_num_threads(),
             "runner": "generate" if self._takes_logits else "pooling",
             "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
             "max_model_len": limits.max_model_len, "block_size": limits.block_size,
