@@ -6,10 +6,10 @@ records to a JSON-ready summary, measured against `model.predict_training` or `s
 on the given accelerator; `report_html.render` draws it as one self-contained HTML file and
 `format_text` as a few lines for the terminal.
 
-Percentiles interpolate linearly between the two nearest ranks (numpy's default), so p50 is the
-median. Training statistics cover the records `records.read_train_run` reads (those of the newest
-attempt's layout, in a run resumed at another one) less the warm-up steps it drops (the first two
-of each attempt: compilation, allocator growth), which the prediction is compared against too. A serving run's
+Percentiles are numpy's (linear between the two nearest ranks), so p50 is the median. Training
+statistics cover the records `records.read_train_run` reads (those of the newest attempt's
+layout, in a run resumed at another one) less the warm-up steps it drops (the first two of each
+attempt: compilation, allocator growth), which the prediction is compared against too. A serving run's
 header is read as `perf fit` reads it (`commands._with_engine_headers`)."""
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from slipstream.perf import measured
 from slipstream.perf.accelerators import Accelerator
@@ -98,20 +100,13 @@ def engine_header(run: Run) -> dict[str, Any]:
     return headers[-1]
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100) of `values`, interpolated linearly between ranks."""
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
 def spread(values: Sequence[float], qs: Sequence[int] = (10, 50, 90)) -> dict[str, float] | None:
-    """{"p10": .., "p50": .., ...} of `values`, with their count; None for no values."""
+    """{"p10": .., "p50": .., ...} of `values` (numpy's percentiles, linear between ranks, as
+    `slipstream bench serve` takes them), with their count; None for no values."""
     if not values:
         return None
-    return {f"p{q}": percentile(values, q) for q in qs} | {"count": len(values)}
+    points = np.percentile(values, qs)
+    return {f"p{q}": float(p) for q, p in zip(qs, points, strict=True)} | {"count": len(values)}
 
 
 def _number(value: Any) -> float | None:
