@@ -53,6 +53,18 @@ def build_model_dir(out_dir: Path, *, seed: int = 0) -> Path:
     return out_dir
 
 
+def known_calibration(peak_flops: float, peak_read: float):
+    """A CPU calibration with the given fp32 peak and read bandwidth, for tests that must not depend
+    on (or wait minutes for) this machine's own."""
+    from slipstream.perf import hardware
+
+    return hardware.Calibration(
+        device="cpu", device_name="test cpu", torch_version="x", num_threads=1,
+        matmul_flops_per_s={"fp32": {"onednn": peak_flops}}, matmul_errors={},
+        memory_read_bytes_per_s=peak_read, memory_copy_bytes_per_s=peak_read, cache_read_bytes_per_s={},
+        quick=False, elapsed_s=1.0, created_at="2026-12-06T00:00:00")
+
+
 def kv_bytes_for_blocks(num_blocks: int, block_size: int) -> int:
     """`kv_cache_memory` that gives the engine exactly `num_blocks` fp32 blocks of this model."""
     return num_blocks * block_size * 2 * NUM_LAYERS * NUM_KV_HEADS * HEAD_DIM * 4

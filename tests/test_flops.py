@@ -270,21 +270,29 @@ def test_flops_and_hardware_import_without_torch():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
 
 
-@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
-def test_generation_flops_matches_flop_counter_on_engine_shapes():
-    """generation_flops equals FlopCounterMode's matmul count for a dense prefill that computes
-    logits only at the last position, plus decode steps (eager attention counted by bmm)."""
+def _eager_transformers_model():
+    """A small GQA config and transformers' model of it with eager attention (whose matmuls
+    FlopCounterMode counts, attention included), for the FLOP formulas' independent check."""
     transformers = pytest.importorskip("transformers")
-    from torch.utils.flop_counter import FlopCounterMode
-
     from slipstream.model import ModelConfig
-    from slipstream.perf.flops import generation_flops
 
     config = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)
     hf = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(**config.to_hf_dict()), attn_implementation="eager"
     ).eval()
+    return config, hf
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated")
+def test_generation_flops_matches_flop_counter_on_engine_shapes():
+    """generation_flops equals FlopCounterMode's matmul count for a dense prefill that computes
+    logits only at the last position, plus decode steps (eager attention counted by bmm)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from slipstream.perf.flops import generation_flops
+
+    config, hf = _eager_transformers_model()
     prompt_len, output_len = 7, 4
     ids = torch.randint(0, 97, (1, prompt_len + output_len))
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
@@ -309,17 +317,11 @@ def test_forward_flops_matches_flop_counter_for_a_prefill_and_a_decode_step():
     """forward_flops (the engine records' FLOPs of a step) equals FlopCounterMode's matmul count for
     a prompt of 7 tokens with logits at every position, and for one decode token after it (eager
     attention counted by bmm; the prefill's full score matrix replaced by the causal count)."""
-    transformers = pytest.importorskip("transformers")
     from torch.utils.flop_counter import FlopCounterMode
 
-    from slipstream.model import ModelConfig
     from slipstream.perf.flops import causal_keys, forward_flops
 
-    config = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
-    hf = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(**config.to_hf_dict()), attn_implementation="eager"
-    ).eval()
+    config, hf = _eager_transformers_model()
     prompt_len = 7
     ids = torch.randint(0, 97, (1, prompt_len + 1))
     per_key = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim

@@ -14,7 +14,7 @@ from statistics import median
 
 import numpy as np
 import pytest
-from serve_fixtures import VOCAB_SIZE
+from serve_fixtures import VOCAB_SIZE, known_calibration
 from train_fixtures import small_config
 
 from slipstream.cli import main
@@ -38,11 +38,7 @@ PEAK_FLOPS, PEAK_READ = 1e11, 2e10
 def known_cpu(monkeypatch):
     """The CPU as a calibration with known peaks, for the engine's records and `--hardware cpu`
     alike, whatever this machine's cache holds (a new calibration takes minutes)."""
-    calibration = hardware.Calibration(
-        device="cpu", device_name="test cpu", torch_version="x", num_threads=1,
-        matmul_flops_per_s={"fp32": {"onednn": PEAK_FLOPS}}, matmul_errors={},
-        memory_read_bytes_per_s=PEAK_READ, memory_copy_bytes_per_s=PEAK_READ, cache_read_bytes_per_s={},
-        quick=False, elapsed_s=1.0, created_at="2026-12-06T00:00:00")
+    calibration = known_calibration(PEAK_FLOPS, PEAK_READ)
     monkeypatch.setattr(hardware, "cached_calibration", lambda device: calibration)
     monkeypatch.setattr(hardware, "calibrate", lambda **kwargs: calibration)
 

@@ -13,7 +13,14 @@ import textwrap
 
 import pytest
 import safetensors.torch
-from serve_fixtures import HEAD_DIM, NUM_KV_HEADS, NUM_LAYERS, VOCAB_SIZE, kv_bytes_for_blocks
+from serve_fixtures import (
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
+    VOCAB_SIZE,
+    known_calibration,
+    kv_bytes_for_blocks,
+)
 
 from slipstream import cli
 from slipstream.model.config import ModelConfig
@@ -33,11 +40,7 @@ PEAK_FLOPS, PEAK_READ = 1e11, 2e10
 @pytest.fixture
 def known_peaks(monkeypatch):
     """A cached CPU calibration with known peaks, whatever this machine's cache holds."""
-    calibration = hardware.Calibration(
-        device="cpu", device_name="test cpu", torch_version="x", num_threads=1,
-        matmul_flops_per_s={"fp32": {"onednn": PEAK_FLOPS}}, matmul_errors={},
-        memory_read_bytes_per_s=PEAK_READ, memory_copy_bytes_per_s=PEAK_READ, cache_read_bytes_per_s={},
-        quick=False, elapsed_s=1.0, created_at="2026-12-06T00:00:00")
+    calibration = known_calibration(PEAK_FLOPS, PEAK_READ)
     monkeypatch.setattr(hardware, "cached_calibration", lambda device: calibration)
 
 

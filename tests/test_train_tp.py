@@ -52,6 +52,17 @@ def _max_weight_diff(a: Path, b: Path) -> float:
     return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
 
+def _assert_records_follow(run_dir: Path, reference: Path, label: str) -> None:
+    """`run_dir`'s train losses, gradient norms and eval losses, record for record, within LOSS_ATOL
+    of `reference`'s."""
+    for kind, key in (("train", "loss"), ("train", "grad_norm"), ("eval", "eval_loss")):
+        expected = [r[key] for r in read_metrics(reference, kind)]
+        got = [r[key] for r in read_metrics(run_dir, kind)]
+        diff = max(abs(a - b) for a, b in zip(expected, got, strict=True))
+        print(f"{label} {key}: max difference from 1 process {diff:.1e} over {len(got)} records")
+        assert len(got) == len(expected) and diff <= LOSS_ATOL
+
+
 def _cut_after(run_dir: Path, copy: Path, step: int) -> Path:
     """A copy of `run_dir` whose checkpoints after `step` are gone, as if it had died then."""
     shutil.copytree(run_dir, copy)
@@ -171,12 +182,7 @@ def test_tp2_follows_one_process(tp_run, one_process_run):
     (run,) = read_metrics(tp_run, "run")
     assert run["world_size"] == 2 and run["tensor_parallel_degree"] == 2 and run["sequence_parallel"]
     assert run["accumulation_steps"] == 2 and run["strategy"] == "single"  # one replica: no FSDP
-    for kind, key in (("train", "loss"), ("train", "grad_norm"), ("eval", "eval_loss")):
-        expected = [r[key] for r in read_metrics(one_process_run, kind)]
-        got = [r[key] for r in read_metrics(tp_run, kind)]
-        diff = max(abs(a - b) for a, b in zip(expected, got, strict=True))
-        print(f"TP=2 {key}: max |TP=2 - 1 process| = {diff:.1e} over {len(got)} records")
-        assert len(got) == len(expected) and diff <= LOSS_ATOL
+    _assert_records_follow(tp_run, one_process_run, "TP=2")
     for record in read_metrics(tp_run):
         assert record["tokens"] == 4 * 32  # the global batch once, not once per rank
         assert record["tokens_per_s_per_device"] == pytest.approx(record["tokens_per_s"] / 2)
@@ -254,12 +260,7 @@ def test_fsdp_over_two_replicas_of_tp2(data_dir, tied_model_dir, tmp_path):
     _torchrun(small_config(data_dir, tied_model_dir, run_dir, *RUN, *TP2), tmp_path, nproc=4)
     (run,) = read_metrics(run_dir, "run")
     assert run["world_size"] == 4 and run["accumulation_steps"] == 1 and run["strategy"] == "fsdp"
-    for kind, key in (("train", "loss"), ("train", "grad_norm"), ("eval", "eval_loss")):
-        expected = [r[key] for r in read_metrics(one, kind)]
-        got = [r[key] for r in read_metrics(run_dir, kind)]
-        diff = max(abs(a - b) for a, b in zip(expected, got, strict=True))
-        print(f"FSDP 2 x TP 2 {key}: max difference from 1 process {diff:.1e}")
-        assert len(got) == len(expected) and diff <= LOSS_ATOL
+    _assert_records_follow(run_dir, one, "FSDP 2 x TP 2")
     assert all(r["tokens"] == 4 * 32 for r in read_metrics(run_dir))
     diff = _max_weight_diff(checkpoint_dir(run_dir, 8), checkpoint_dir(one, 8))
     print(f"FSDP 2 x TP 2: max final weight difference {diff:.1e}")
