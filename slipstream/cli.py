@@ -157,6 +157,7 @@ def _serve(args: argparse.Namespace) -> None:
         enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
         speculative_config=args.speculative_config, profiler_config=args.profiler_config, runner=args.runner,
         scheduling_policy=args.scheduling_policy, metrics_dir=args.metrics_dir,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.gpu_memory_utilization is not None:
         from slipstream.serve.llm import with_memory_utilization
@@ -296,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step module by module (no CPU decode graph)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many processes (this one and workers it starts; "
+                        "on a CPU each gets its share of the threads, on CUDA one GPU each)")
     p.add_argument("--num-scheduler-steps", type=int, default=1,
                    help="greedy decode steps run at once when every running request allows it "
                         "(tokens then stream in bursts)")

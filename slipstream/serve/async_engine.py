@@ -194,7 +194,8 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """Whether the loop runs and the engine can step (a dead tensor-parallel worker stops it)."""
+        return self._thread is not None and self._thread.is_alive() and self.engine.is_healthy
 
     @property
     def num_waiting(self) -> int:

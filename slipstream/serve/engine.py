@@ -76,6 +76,7 @@ from slipstream.serve.structured import (
     Vocabulary,
     grammar_tokenizer,
 )
+from slipstream.serve.tensor_parallel import Start, Workers, check_tensor_parallel, shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,11 @@ class EngineConfig:
     profiler_config: ProfilerConfig | Mapping[str, Any] | str | None = None
     """As vLLM's, for its "torch" profiler (profiler_config.py): `{"profiler": "torch", "torch_profiler_dir":
     "/abs/dir"}` lets `Engine.start_profile` and `stop_profile` record engine steps into a trace."""
+    tensor_parallel_size: int = 1
+    """As vLLM's: split the model over this many processes (Megatron-LM's layout, tensor_parallel.py):
+    this one and size - 1 workers it starts, on a CPU each with its share of this process's
+    threads, on CUDA one device each (cuda:0 ..). Steps run module by module (no decode graphs).
+    kv_cache_memory is per rank, as in vLLM."""
     metrics_dir: str | os.PathLike | None = None
     """A directory (made if missing) where the engine appends JSON-lines metrics records to
     `metrics.jsonl`: a header, one record per step that ran the model and one per completion that
@@ -155,7 +161,8 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.profiler_config is not None:
             object.__setattr__(self, "profiler_config", ProfilerConfig.parse(self.profiler_config))
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_scheduler_steps"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_scheduler_steps",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -203,6 +210,8 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.workers: Workers | None = None
+        """The tensor-parallel workers (ranks 1 ..) when tensor_parallel_size > 1."""
         _check_model_dir(config.model)
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = Tokenizer.from_pretrained(config.model)
@@ -216,15 +225,14 @@ class Engine:
         if device.type == "cuda" and device.index is not None:  # streams and CUDA graphs bind
             torch.cuda.set_device(device)  # to the current device
         dtype = resolve_dtype(model_config.dtype if config.dtype == "auto" else config.dtype)
-        model = load_model(config.model, dtype=dtype, device=device)
-        if config.fast_cpu_kernels:
-            model = optimize_for_cpu_inference(model)
-        self.limits = _derive_limits(config, model_config, self.tokenizer, dtype, device)
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(model_config, config.tensor_parallel_size, device)
         self.model_config = model_config
-        self.runner = Runner(model, num_blocks=self.limits.num_blocks, block_size=config.block_size,
-                             dtype=dtype, device=device, max_num_seqs=config.max_num_seqs,
-                             max_model_len=self.limits.max_model_len, use_kernels=config.fast_cpu_kernels,
-                             enforce_eager=config.enforce_eager)
+        try:
+            self.limits, self.runner = self._load(dtype, device)
+        except BaseException:
+            self.shutdown()  # workers started for a failed engine
+            raise
         self.pooler = PoolerConfig.from_model_dir(config.model) if config.runner == "pooling" else None
         """How embeddings are made, for a pooling engine (None: a generating one)."""
         self.scheduler = Scheduler(SchedulerConfig(
@@ -256,6 +264,39 @@ class Engine:
         """None unless metrics_dir is set: then every step that runs the model is recorded."""
         logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens",
                     config.model, device, dtype_name(dtype), self.limits.num_blocks, config.block_size)
+
+    def _load(self, dtype: torch.dtype, device: torch.device) -> tuple[EngineLimits, Runner]:
+        """The weights on the device (this rank's shard of them under tensor parallelism, with the
+        workers started for the others), the limits they leave and the runner over them."""
+        config = self.config
+        if config.tensor_parallel_size > 1:  # first, so that the workers load while this process does
+            self.workers = Workers(model=config.model, dtype=dtype, device=device,
+                                   size=config.tensor_parallel_size, fast_cpu_kernels=config.fast_cpu_kernels)
+        model = load_model(config.model, dtype=dtype, device=device)
+        if self.workers is not None:
+            model = shard_model(model, self.workers.connect())
+        if config.fast_cpu_kernels:
+            model = optimize_for_cpu_inference(model)
+        limits = _derive_limits(config, self.model_config, self.tokenizer, dtype, device)
+        if self.workers is not None:
+            self.workers.start(Start(num_blocks=limits.num_blocks, block_size=config.block_size,
+                                     max_num_seqs=config.max_num_seqs, max_model_len=limits.max_model_len))
+        runner = Runner(model, num_blocks=limits.num_blocks, block_size=config.block_size, dtype=dtype,
+                        device=device, max_num_seqs=config.max_num_seqs, max_model_len=limits.max_model_len,
+                        use_kernels=config.fast_cpu_kernels,
+                        enforce_eager=config.enforce_eager or self.workers is not None, workers=self.workers)
+        return limits, runner
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once a tensor-parallel worker has exited: the engine can run no more steps."""
+        return self.workers is None or self.workers.alive
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the engine is garbage-collected
+        and when the process exits); the engine runs no step after this."""
+        if self.workers is not None:
+            self.workers.close()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -930,7 +971,9 @@ def _derive_limits(
         if config.max_model_len > max_model_len:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {max_model_len}")
         max_model_len = config.max_model_len
-    bytes_per_block = config.block_size * kv_cache_bytes_per_token(model_config, dtype_name(dtype))
+    # Each tensor-parallel rank keeps its share of every block's heads.
+    tp = config.tensor_parallel_size
+    bytes_per_block = config.block_size * kv_cache_bytes_per_token(model_config, dtype_name(dtype)) // tp
     if config.kv_cache_memory is not None:
         total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else host_memory()[0]
         if config.kv_cache_memory > total:
@@ -959,8 +1002,9 @@ def _default_kv_cache_bytes(
         torch.cuda.empty_cache()
         free_bytes, _ = torch.cuda.mem_get_info(device)
         return int(min(0.9 * free_bytes, MAX_DEFAULT_CUDA_BLOCKS * bytes_per_block))
-    _, available = host_memory()
-    return int(min(blocks_wanted * bytes_per_block, DEFAULT_CPU_KV_CACHE_BYTES, 0.4 * available))
+    _, available = host_memory()  # shared by the tensor-parallel ranks of a CPU
+    share = 0.4 * available / config.tensor_parallel_size
+    return int(min(blocks_wanted * bytes_per_block, DEFAULT_CPU_KV_CACHE_BYTES, share))
 
 
 def host_memory() -> tuple[int, int]:

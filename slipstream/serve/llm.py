@@ -54,15 +54,14 @@ CONTENT_FORMATS = ("auto", "string", "openai")
 (text parts joined by newlines), "openai" (a list of {"type": "text", "text": ...} parts) or "auto",
 which picks "openai" for a template that loops over a message's content, as vLLM detects it."""
 
-_ONE_DEVICE = "slipstream serves a model on one device"
+_ONE_REPLICA = "slipstream splits a model only by tensor parallelism (tensor_parallel_size)"
 _LOCAL_ONLY = "slipstream loads a local model directory and downloads nothing"
 
 # vLLM engine arguments that slipstream takes only with values that mean what it does anyway
 # (vLLM's default first). Any other value would change what runs, so it is refused, not ignored.
 _FIXED_VLLM_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tensor_parallel_size": ((1,), _ONE_DEVICE),
-    "pipeline_parallel_size": ((1,), _ONE_DEVICE),
-    "data_parallel_size": ((1,), _ONE_DEVICE),
+    "pipeline_parallel_size": ((1,), _ONE_REPLICA),
+    "data_parallel_size": ((1,), _ONE_REPLICA),
     "quantization": ((None,), "slipstream runs unquantized weights in `dtype`"),
     "kv_cache_dtype": (("auto",), "the KV cache is kept in the model's dtype"),
     "cpu_offload_gb": ((0,), "the weights stay on the device"),
@@ -100,10 +99,10 @@ class LLM:
 
     Keyword arguments are `EngineConfig` fields (dtype, max_num_seqs, max_num_batched_tokens,
     kv_cache_memory, enable_prefix_caching, max_model_len, block_size, device, seed, enforce_eager,
-    num_scheduler_steps, here OFFLINE_SCHEDULER_STEPS unless given or speculating, profiler_config
-    for `start_profile`, metrics_dir for JSON-lines metrics records, ...), vLLM's engine arguments
-    as docs/serving.md lists them (`kv_cache_memory_bytes` is kv_cache_memory;
-    `gpu_memory_utilization` sizes the KV cache as vLLM does; the likes of tensor_parallel_size
+    tensor_parallel_size, num_scheduler_steps, here OFFLINE_SCHEDULER_STEPS unless given or
+    speculating, profiler_config for `start_profile`, metrics_dir for JSON-lines metrics records,
+    ...), vLLM's engine arguments as docs/serving.md lists them (`kv_cache_memory_bytes` is kv_cache_memory;
+    `gpu_memory_utilization` sizes the KV cache as vLLM does; the likes of pipeline_parallel_size
     and trust_remote_code are taken at the values that mean what slipstream does, and any other
     value is a ValueError), and, as in vLLM,
     `generation_config`: where the defaults for `sampling_params=None` come from: "auto" (the

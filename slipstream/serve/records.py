@@ -293,6 +293,9 @@ class EngineRecords:
         self._cost = flops.ForwardCost(self._model_config, self._dtype)
         self._takes_logits = engine.pooler is None
         self._peaks = hardware_peaks(engine.limits.device, engine.limits.dtype)
+        self._devices = engine.config.tensor_parallel_size
+        """Devices the step runs on: MFU and bandwidth use are over all of their peaks (on a CPU
+        each rank's peak is that of its share of the threads)."""
         self._wall_minus_monotonic_s = time.time() - time.monotonic()
         self._num_steps = 0
         self._counters = self._totals(engine)
@@ -321,7 +324,9 @@ class EngineRecords:
             "max_model_len": limits.max_model_len, "block_size": limits.block_size,
             "num_gpu_blocks": limits.num_blocks,
             "enable_prefix_caching": engine.scheduler.config.enable_prefix_caching,
-            "num_scheduler_steps": config.num_scheduler_steps, "enforce_eager": config.enforce_eager,
+            "num_scheduler_steps": config.num_scheduler_steps,
+            "enforce_eager": config.enforce_eager or self._devices > 1,  # tensor parallelism runs eagerly
+            "tensor_parallel_size": self._devices,
             "num_speculative_tokens": None if spec is None else spec.num_speculative_tokens,
             "hardware": self._peaks.hardware, "peak_flops_per_s": self._peaks.flops_per_s,
             "peak_read_bytes_per_s": self._peaks.read_bytes_per_s, "peak_source": self._peaks.source,
@@ -365,10 +370,11 @@ class EngineRecords:
             "prefix_cache_queries": queries, "prefix_cache_hits": hits,
             "flops": step_flops, "flops_per_s": step_flops / step_s,
             "mfu": (None if peaks.flops_per_s is None
-                    else flops.mfu(work.num_rows / step_s, step_flops / work.num_rows, peaks.flops_per_s)),
+                    else flops.mfu(work.num_rows / step_s, step_flops / work.num_rows,
+                                   peaks.flops_per_s * self._devices)),
             "read_bytes": read_bytes, "read_bytes_per_s": read_bytes / step_s,
             "mbu": (None if peaks.read_bytes_per_s is None
-                    else flops.mbu(1 / step_s, read_bytes, peaks.read_bytes_per_s)),
+                    else flops.mbu(1 / step_s, read_bytes, peaks.read_bytes_per_s * self._devices)),
         })
 
     def completion(self, entry: PromptOutput, sequence: SequenceOutput, num_preemptions: int,

@@ -24,6 +24,7 @@ from slipstream.serve.cuda_graph import CudaDecodeGraphs, can_capture
 from slipstream.serve.profiler import FORWARD_PHASE, PREPARE_INPUTS_PHASE, phase
 from slipstream.serve.sampler import argmax
 from slipstream.serve.scheduler import ScheduledChunk, StepPlan
+from slipstream.serve.tensor_parallel import Workers
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +42,11 @@ class PagedKVCache:
 
     def __init__(
         self, config: ModelConfig, *, num_blocks: int, block_size: int, dtype: torch.dtype,
-        device: torch.device,
+        device: torch.device, num_kv_heads: int | None = None,
     ) -> None:
-        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        """`num_kv_heads`: the KV heads this process computes, if not all of the model's (a
+        tensor-parallel rank's share)."""
+        shape = (num_blocks, block_size, num_kv_heads or config.num_key_value_heads, config.head_dim)
         num_layers = config.num_hidden_layers
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -87,20 +90,25 @@ class Runner:
     `max_num_seqs` sequences (where the model's step can be captured: `can_capture`); those keep
     one spare cache block past `num_blocks` for their padding rows. A model with
     mixture-of-experts layers takes neither graph and decodes module by module.
+
+    The runner of a tensor-parallel driver (`workers`, see tensor_parallel.py) has its workers
+    make every forward pass and every lm_head product with it, each over its own shard and cache.
     """
 
     def __init__(
         self, model: Transformer, *, num_blocks: int, block_size: int, dtype: torch.dtype,
         device: torch.device, max_num_seqs: int, max_model_len: int, use_kernels: bool = True,
-        enforce_eager: bool = False,
+        enforce_eager: bool = False, workers: Workers | None = None,
     ) -> None:
         self.model = model
         self.device = device
         self.use_kernels = use_kernels
+        self.workers = workers
         cuda_graphs = device.type == "cuda" and not enforce_eager and can_capture(model)
         spare_blocks = 1 if cuda_graphs else 0
         self.cache = PagedKVCache(model.config, num_blocks=num_blocks + spare_blocks, block_size=block_size,
-                                  dtype=dtype, device=device)
+                                  dtype=dtype, device=device,
+                                  num_kv_heads=model.model.layers[0].self_attn.num_kv_heads)
         self.decode_graph: CpuDecodeGraph | CudaDecodeGraphs | None = None
         if cuda_graphs:
             self.decode_graph = CudaDecodeGraphs(
@@ -192,7 +200,7 @@ class Runner:
                     sliding_window=self.model.config.sliding_window, device=self.device,
                 )
                 hidden = self._decode_or_forward(self._graph_for(batch), token_ids, positions + step, batch)
-                token_ids = argmax(self.model.compute_logits(hidden))
+                token_ids = argmax(self._compute_logits(hidden))
                 steps.append(token_ids)
             return torch.stack(steps).tolist()
 
@@ -230,7 +238,7 @@ class Runner:
                 logits = graph(token_ids, positions, batch, logits=True)
             else:
                 hidden = self._decode_or_forward(graph, token_ids, positions, batch)
-                logits = self.model.compute_logits(hidden)
+                logits = self._compute_logits(hidden)
         choices = argmax(logits).tolist()
         ends = list(itertools.accumulate(1 + len(d) for d in drafts))
         return [choices[end - 1 - len(d):end] for end, d in zip(ends, drafts, strict=True)]
@@ -240,18 +248,25 @@ class Runner:
     ) -> torch.Tensor:
         """(N,) token ids and positions laid out by `batch` -> (N, E) final-norm hidden states,
         module by module."""
+        if self.workers is not None:
+            self.workers.forward(token_ids, positions, batch)
         attn = PagedAttention(self.cache, batch, self.use_kernels)
         return self.model.hidden_states(token_ids[None], positions[None], attn)[0]
+
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, E) -> (N, V)
+        if self.workers is not None:
+            self.workers.logits(hidden)
+        return self.model.compute_logits(hidden)
 
     def _logits(self, plan: StepPlan, hidden: torch.Tensor) -> StepLogits:
         ends = list(itertools.accumulate(c.num_tokens for c in plan.chunks))  # past each chunk's rows
         sample_rows = [end - 1 for end, c in zip(ends, plan.chunks, strict=True) if c.samples]
-        sample_logits = self.model.compute_logits(hidden[sample_rows])
+        sample_logits = self._compute_logits(hidden[sample_rows])
         prompt_logits = {}
         for end, chunk in zip(ends, plan.chunks, strict=True):
             if _wants_prompt_logits(chunk):
                 rows = hidden[end - chunk.num_tokens : end]
-                prompt_logits[chunk.request.request_id] = self.model.compute_logits(rows).float()
+                prompt_logits[chunk.request.request_id] = self._compute_logits(rows).float()
         return StepLogits(sample_logits=sample_logits, prompt_logits=prompt_logits)
 
 

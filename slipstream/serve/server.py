@@ -575,6 +575,8 @@ class OpenAIServer:
             raise protocol.bad_request(f"priority {priority} needs a server started with --scheduling-policy "
                                        f"priority (it schedules {self.scheduling_policy})", "priority")
         ids = {f"{response_id}-{i}": token_ids for i, token_ids in enumerate(prompts)}
+        if not self.engine.is_alive:
+            raise APIError(503, "the engine has stopped", type="server_error", code="unavailable")
         try:
             return await self.engine.add(ids, params, arrival_time_s=arrival_time_s, priority=priority,
                                          cache_salt=cache_salt)
@@ -780,6 +782,7 @@ def _serve(engine_config: EngineConfig, config: ServerConfig, listener: socket.s
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        engine.shutdown()
 
 
 class _Server(uvicorn.Server):

@@ -1,0 +1,358 @@
+"""Tensor parallelism for the serving engine: one model split over `tensor_parallel_size` processes.
+
+The split is Megatron-LM's (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter
+Language Models Using Model Parallelism", section 3), as vLLM serves with it:
+
+- q/k/v and gate/up are split by output rows: each rank computes whole heads (num_heads / size
+  query heads and num_key_value_heads / size KV heads, so its paged KV cache holds only its heads)
+  and its slice of the MLP's intermediate features;
+- o_proj and down_proj are split by input columns, so each rank's product is a partial sum of the
+  output; one all-reduce per attention and one per MLP sums them (a mixture-of-experts block
+  splits every expert's intermediate features, keeps the router whole on every rank, so that all
+  ranks route alike, and sums the block's output once);
+- the lm_head is split by vocabulary rows (padded to a multiple of the size) and the driver
+  gathers the logits; the embedding and the norms are whole on every rank.
+
+The engine's own process is rank 0, the driver: it schedules, samples and computes its shard.
+Ranks 1.. are worker processes (`python -m slipstream.serve.tensor_parallel_worker`), each with its
+shard and its part of every KV block. The driver sends each worker what to compute over its stdin
+(a pickled `Forward` or `Logits` per forward pass), and the ranks exchange tensors through a
+process group of their own (gloo on CPU, NCCL on CUDA; not torch.distributed's default group, so
+a process that has one keeps it). A worker exits when its stdin closes, so it never outlives the
+driver; the driver raises once a worker has died.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import time
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from slipstream.model.config import ModelConfig
+from slipstream.model.transformer import MLP, SparseMoeBlock, Transformer
+from slipstream.ops.paged_attention import PagedBatch
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+"""How long a rank waits in a collective for the others (a hung rank, not a dead one: a rank that
+exits closes its connections and the others fail at once)."""
+START_TIMEOUT_S = 120.0
+"""How long the driver waits for a worker to start its interpreter and reach the rendezvous."""
+
+
+def check_tensor_parallel(config: ModelConfig, size: int, device: torch.device) -> None:
+    """ValueError naming tensor_parallel_size when the model's shape cannot be split `size` ways
+    or the device has too few parts for it."""
+    name = f"tensor_parallel_size ({size})"
+    split = {"num_attention_heads": config.num_attention_heads,
+             "num_key_value_heads": config.num_key_value_heads}
+    layers = range(config.num_hidden_layers)
+    if not all(config.is_moe_layer(i) for i in layers):
+        split["intermediate_size"] = config.intermediate_size
+    if any(config.is_moe_layer(i) for i in layers):
+        split["moe_intermediate_size"] = config.moe_intermediate_size
+        if config.shared_expert_intermediate_size is not None:
+            split["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    for field, value in split.items():
+        if value % size:
+            raise ValueError(f"{name} must divide the model's {field} ({value})")
+    if device.type == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(f"{name} is more than the {torch.cuda.device_count()} CUDA devices here")
+    if device.type == "cuda" and device.index not in (None, 0):
+        raise ValueError(f"{name} > 1 runs on cuda:0 .. cuda:{size - 1}; give device 'cuda', not {device}")
+
+
+class Collectives:
+    """The tensor-parallel ranks' process group: sums partial outputs, gathers logits at rank 0."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device) -> None:
+        self.rank, self.size = rank, size
+        store = dist.PrefixStore("tensor_parallel", store)
+        if device.type == "cuda":
+            self.group = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
+        else:
+            self.group = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place."""
+        self.group.allreduce([x]).wait()
+        return x
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `x` at rank 0, in rank order (None on the others)."""
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else []
+        self.group.gather([parts] if parts else [], [x.contiguous()], options).wait()
+        return parts or None
+
+
+class SummedOverRanks(nn.Module):
+    """A module whose output each rank computes only part of (a row-split o_proj, an MLP with a
+    column- then row-split pair): the sum over the ranks, by one all-reduce."""
+
+    def __init__(self, inner: nn.Module, collectives: Collectives) -> None:
+        super().__init__()
+        self.inner = inner
+        self.collectives = collectives
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        return self.collectives.all_reduce_(self.inner(*args))
+
+
+class VocabParallelHead(nn.Module):
+    """The lm_head split by vocabulary rows: each rank multiplies its rows, the driver (rank 0)
+    joins the parts and drops the padding rows. Other ranks return their own part, unused."""
+
+    def __init__(self, head: nn.Linear, collectives: Collectives) -> None:
+        super().__init__()
+        vocab_size, hidden_size = head.weight.shape
+        rows = -(-vocab_size // collectives.size)
+        start = collectives.rank * rows
+        weight = head.weight.new_zeros(rows, hidden_size)
+        mine = head.weight[start : start + rows]
+        weight[: len(mine)] = mine
+        self.linear = nn.Linear(hidden_size, rows, bias=False, device="meta")
+        self.linear.weight = nn.Parameter(weight, requires_grad=False)
+        self.vocab_size = vocab_size
+        self.collectives = collectives
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, E) -> (N, V)
+        part = self.linear(hidden)
+        parts = self.collectives.gather(part)
+        return part if parts is None else torch.cat(parts, dim=-1)[..., : self.vocab_size]
+
+
+@torch.no_grad()
+def shard_model(model: Transformer, collectives: Collectives) -> Transformer:
+    """Keep this rank's shard of every split weight of `model` (a loaded, unoptimised model), in
+    place, and sum the partial outputs across ranks; returns the model."""
+    rank, size = collectives.rank, collectives.size
+    for layer in model.model.layers:
+        attention = layer.self_attn
+        for linear in (attention.q_proj, attention.k_proj, attention.v_proj):
+            _keep_rows(linear, rank, size)
+        attention.num_heads //= size
+        attention.num_kv_heads //= size
+        _keep_columns(attention.o_proj, rank, size)
+        attention.o_proj = SummedOverRanks(attention.o_proj, collectives)
+        mlp = layer.mlp
+        for dense in [mlp] if isinstance(mlp, MLP) else _experts(mlp):
+            _keep_rows(dense.gate_proj, rank, size)
+            _keep_rows(dense.up_proj, rank, size)
+            _keep_columns(dense.down_proj, rank, size)
+        layer.mlp = SummedOverRanks(mlp, collectives)
+    model.lm_head = VocabParallelHead(model.lm_head, collectives)
+    return model
+
+
+def _experts(block: SparseMoeBlock) -> list[MLP]:
+    return [*block.experts, *([block.shared_expert] if hasattr(block, "shared_expert") else [])]
+
+
+def _keep_rows(linear: nn.Linear, rank: int, size: int) -> None:
+    """A column-parallel linear: this rank's slice of the output features (and of the bias)."""
+    rows = linear.out_features // size
+    linear.weight = nn.Parameter(linear.weight[rank * rows : (rank + 1) * rows].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias[rank * rows : (rank + 1) * rows].clone(), requires_grad=False)
+    linear.out_features = rows
+
+
+def _keep_columns(linear: nn.Linear, rank: int, size: int) -> None:
+    """A row-parallel linear: this rank's slice of the input features. The bias is added once,
+    on rank 0, so that the sum over ranks has it once."""
+    columns = linear.in_features // size
+    linear.weight = nn.Parameter(linear.weight[:, rank * columns : (rank + 1) * columns].contiguous(),
+                                 requires_grad=False)
+    if linear.bias is not None and rank != 0:
+        linear.bias = None
+    linear.in_features = columns
+
+
+# ---- messages from the driver to its workers ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to load its shard (its first message)."""
+
+    model: str
+    dtype: torch.dtype
+    device: str
+    rank: int
+    size: int
+    port: int
+    threads: int
+    cpus: tuple[int, ...] | None
+    """CPUs the worker is pinned to (None: not pinned)."""
+    fast_cpu_kernels: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """Build the KV cache and the runner (the driver knows the cache's size once its shard is in)."""
+
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Forward:
+    """Run the layer stack over this flat batch (`Runner.hidden_states`)."""
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    batch: PagedBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class Logits:
+    """Multiply these final hidden states by this rank's lm_head rows (`Transformer.compute_logits`)."""
+
+    hidden: torch.Tensor
+
+
+def ready_key(rank: int) -> str:
+    return f"ready/{rank}"
+
+
+def joined_key(rank: int) -> str:
+    return f"joined/{rank}"
+
+
+class Workers:
+    """The driver's handle on ranks 1 .. size-1: starts them, tells them each step's work, stops them.
+
+    Making one starts the processes, so that they load their shards while the driver loads its
+    own; `connect` joins their process group; `start` sizes their KV caches and waits until each
+    is ready."""
+
+    def __init__(self, *, model: str, dtype: torch.dtype, device: torch.device, size: int,
+                 fast_cpu_kernels: bool) -> None:
+        self.size = size
+        self.device = device
+        self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+        threads, cpus = _threads_and_cpus(size, device)
+        self._threads_before = torch.get_num_threads()
+        if device.type == "cpu":
+            torch.set_num_threads(threads)
+        logger.info("tensor parallel over %d ranks, %d thread(s) each", size, threads)
+        self.processes: list[subprocess.Popen] = []
+        for rank in range(1, size):
+            spec = WorkerSpec(model=model, dtype=dtype, device=str(_rank_device(device, rank)), rank=rank,
+                              size=size, port=self.store.port, threads=threads,
+                              cpus=cpus[rank] if cpus else None, fast_cpu_kernels=fast_cpu_kernels)
+            process = subprocess.Popen(
+                [sys.executable, "-m", "slipstream.serve.tensor_parallel_worker"], stdin=subprocess.PIPE,
+                start_new_session=True,  # a Ctrl-C reaches the driver, which stops its workers
+            )
+            self.processes.append(process)
+            pickle.dump(spec, process.stdin)
+            process.stdin.flush()
+        self._finalizer = weakref.finalize(self, _stop, self.processes)
+
+    def connect(self) -> Collectives:
+        """Wait until every worker has reached the rendezvous, then join their process group."""
+        self._wait_for(joined_key, deadline=time.monotonic() + START_TIMEOUT_S)
+        return Collectives(self.store, 0, self.size, self.device)
+
+    @property
+    def alive(self) -> bool:
+        return all(process.poll() is None for process in self.processes)
+
+    def start(self, message: Start) -> None:
+        self.send(message)
+        self._wait_for(ready_key, deadline=None)
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> None:
+        self.send(Forward(token_ids, positions, batch))
+
+    def logits(self, hidden: torch.Tensor) -> None:
+        self.send(Logits(hidden.clone()))  # a view would pickle all of the tensor it views
+
+    def send(self, message: Start | Forward | Logits) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, process in enumerate(self.processes, start=1):
+            try:
+                process.stdin.write(data)
+                process.stdin.flush()
+            except (BrokenPipeError, ValueError):
+                raise self._dead(rank) from None
+
+    def close(self) -> None:
+        """Stop the workers (closing their stdin ends their loop), wait for them to exit, and give
+        this process back the threads it had."""
+        if self._finalizer.alive:
+            self._finalizer()
+            torch.set_num_threads(self._threads_before)
+
+    def _dead(self, rank: int) -> RuntimeError:
+        code = self.processes[rank - 1].poll()
+        how = "is gone" if code is None else f"exited with status {code}"
+        return RuntimeError(f"tensor-parallel worker {rank} {how}; this engine cannot run any more steps")
+
+    def _wait_for(self, key, *, deadline: float | None) -> None:
+        """Wait until every worker has set `key(rank)` in the store ("ok", or its error)."""
+        pending = set(range(1, self.size))
+        while pending:
+            for rank in sorted(pending):
+                if self.store.check([key(rank)]):
+                    value = self.store.get(key(rank)).decode()
+                    if value != "ok":
+                        raise RuntimeError(f"tensor-parallel worker {rank} failed to start: {value}")
+                    pending.discard(rank)
+                elif self.processes[rank - 1].poll() is not None:
+                    raise self._dead(rank)
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel workers {sorted(pending)} did not start within "
+                                   f"{START_TIMEOUT_S:.0f} s")
+            if pending:
+                time.sleep(0.02)
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        if process.stdin and not process.stdin.closed:
+            try:
+                process.stdin.close()
+            except BrokenPipeError:
+                pass
+    for process in processes:
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _rank_device(device: torch.device, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def _threads_and_cpus(size: int, device: torch.device) -> tuple[int, list[tuple[int, ...]] | None]:
+    """Threads per rank and, on a CPU, the CPUs each rank is pinned to: the driver's threads
+    shared out, so that the ranks do not run on one another's cores (vLLM's CPU backend binds
+    its ranks to disjoint cores too). Pinned only where every rank gets a CPU of its own."""
+    if device.type != "cpu":
+        return torch.get_num_threads(), None
+    threads = max(1, torch.get_num_threads() // size)
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < size * threads:
+        return threads, None
+    return threads, [tuple(cpus[rank * threads : (rank + 1) * threads]) for rank in range(size)]

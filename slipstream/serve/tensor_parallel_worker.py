@@ -1,0 +1,94 @@
+"""A tensor-parallel worker: rank 1 .. size-1 of a serving engine (see `serve.tensor_parallel`).
+
+Started by the driver's `Workers`, never by hand: reads a `WorkerSpec` from stdin, joins the
+ranks' process group, loads and shards the model as the driver does, then computes what each
+message from the driver says until stdin closes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import pickle
+import signal
+import sys
+from typing import BinaryIO
+
+import torch
+import torch.distributed as dist
+
+from slipstream.model.weights import load_model
+from slipstream.ops.inference import optimize_for_cpu_inference
+from slipstream.ops.paged_attention import PagedBatch
+from slipstream.serve.runner import Runner
+from slipstream.serve.tensor_parallel import (
+    START_TIMEOUT_S,
+    Collectives,
+    Forward,
+    Logits,
+    Start,
+    WorkerSpec,
+    joined_key,
+    ready_key,
+    shard_model,
+)
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
+    stdin = sys.stdin.buffer
+    spec: WorkerSpec = pickle.load(stdin)
+    if spec.cpus is not None:
+        os.sched_setaffinity(0, spec.cpus)
+    torch.set_num_threads(spec.threads)
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", spec.port, spec.size, is_master=False,
+                          timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+    try:
+        store.set(joined_key(spec.rank), "ok")
+        collectives = Collectives(store, spec.rank, spec.size, device)
+        model = shard_model(load_model(spec.model, dtype=spec.dtype, device=device), collectives)
+        if spec.fast_cpu_kernels:
+            model = optimize_for_cpu_inference(model)
+        start: Start = pickle.load(stdin)
+        runner = Runner(model, num_blocks=start.num_blocks, block_size=start.block_size, dtype=spec.dtype,
+                        device=device, max_num_seqs=start.max_num_seqs, max_model_len=start.max_model_len,
+                        use_kernels=spec.fast_cpu_kernels, enforce_eager=True)
+    except Exception as error:
+        store.set(ready_key(spec.rank), f"{type(error).__name__}: {error}")
+        raise
+    store.set(ready_key(spec.rank), "ok")
+    serve(runner, stdin, device)
+
+
+@torch.inference_mode()
+def serve(runner: Runner, stdin: BinaryIO, device: torch.device) -> None:
+    """Compute each message's part until the driver closes the pipe."""
+    while True:
+        try:
+            message = pickle.load(stdin)
+        except EOFError:
+            return
+        if isinstance(message, Forward):
+            runner.hidden_states(message.token_ids.to(device), message.positions.to(device),
+                                 _on(message.batch, device))
+        elif isinstance(message, Logits):
+            runner.model.compute_logits(message.hidden.to(device))
+        else:
+            raise TypeError(f"unexpected message {type(message).__name__}")
+
+
+def _on(batch: PagedBatch, device: torch.device) -> PagedBatch:
+    """`batch` with its tensors on this rank's device (the driver's are on its own)."""
+    if device.type == "cpu":
+        return batch
+    return dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device)
+                                         for f in dataclasses.fields(batch)
+                                         if isinstance(getattr(batch, f.name), torch.Tensor)})
+
+
+if __name__ == "__main__":
+    main()

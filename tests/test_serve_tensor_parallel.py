@@ -1,0 +1,248 @@
+"""Tensor-parallel serving (`tensor_parallel_size=2`): a driver and one worker process over gloo.
+
+Greedy tokens are checked against transformers (fp32, a full uncached forward per token) for every
+family, with the pieces the split has to get right: biases of the row-split projections (added
+once), vocabularies that do not divide by the size (padded lm_head rows), tied embeddings, q/k
+norms, sliding windows, mixture-of-experts blocks with and without a shared expert, chunked
+prefills, preemption and prefix caching, the plain PyTorch path and the fast CPU path. Logprobs and
+embeddings are checked against the same model on one process; the processes against kills.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from slipstream import LLM, SamplingParams
+from slipstream.model import ModelConfig
+from slipstream.model.create import stdlib_tokenizer
+from slipstream.perf.flops import kv_cache_bytes_per_token
+
+pytest_plugins = ["serve_fixtures"]
+
+MAX_NEW_TOKENS = 12
+TOKENIZER_VOCAB = 320
+
+# (family, model overrides, engine arguments)
+CASES = {
+    "llama-biases-odd-vocab-chunked": (
+        "llama", dict(vocab_size=997, attention_bias=True, mlp_bias=True),
+        dict(block_size=5, max_num_batched_tokens=7),
+    ),
+    "qwen2-tied-odd-vocab-plain-pytorch": (
+        "qwen2", dict(vocab_size=321), dict(fast_cpu_kernels=False, block_size=3),
+    ),
+    "qwen3-qk-norm-preempt": ("qwen3", {}, dict(block_size=4, max_num_seqs=8, kv_one_sequence=True)),
+    "mixtral-window": ("mixtral", {}, dict(block_size=4)),
+    "qwen2_moe-shared-expert-ngram": (
+        "qwen2_moe", {},
+        dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}),
+    ),
+}
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    """Lengths 1 to 40 (the first three outgrow a pool of 52 tokens), with a shared prefix
+    (prefix-cache hits) and a repeated phrase (n-gram hits)."""
+    g = torch.Generator().manual_seed(11)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, vocab_size, (n,), generator=g).tolist()
+
+    prefix = ids(21)
+    return [ids(9), ids(1), prefix + ids(5), ids(40), prefix + ids(13), ids(6) * 4]
+
+
+@torch.no_grad()
+def _reference(hf, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy tokens, each from a full uncached forward over the sequence so far."""
+    expected = []
+    for prompt in prompts:
+        seq = list(prompt)
+        for _ in range(MAX_NEW_TOKENS):
+            seq.append(int(hf(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+        expected.append(seq[len(prompt):])
+    return expected
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tensor_parallel_greedy_matches_transformers(case, make_hf_model, tmp_path):
+    """At tensor_parallel_size=2 each rank holds half the heads, half of every MLP (or expert) and
+    half the vocabulary rows, and the engine's greedy tokens still equal transformers', also when
+    run again over the cached prefixes; every KV block is freed; shutdown stops the worker."""
+    family, overrides, engine_args = CASES[case]
+    overrides, engine_args = copy.deepcopy(overrides), dict(engine_args)
+    hf = make_hf_model(family, max_position_embeddings=512, initializer_range=0.1, **overrides)
+    hf.save_pretrained(tmp_path)
+    stdlib_tokenizer(TOKENIZER_VOCAB).save_pretrained(tmp_path)
+    config = ModelConfig.from_pretrained(tmp_path)
+    prompts = _prompts(config.vocab_size)
+    max_model_len = max(map(len, prompts)) + MAX_NEW_TOKENS
+    preempts = engine_args.pop("kv_one_sequence", False)
+    if preempts:  # one full-length sequence's KV per rank (each rank holds half of every block)
+        block_size = engine_args["block_size"]
+        per_token = kv_cache_bytes_per_token(config, "float32") // 2
+        engine_args["kv_cache_memory"] = -(-max_model_len // block_size) * block_size * per_token
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=max_model_len, tensor_parallel_size=2,
+              **engine_args)
+    engine = llm.engine
+    try:
+        attention = engine.runner.model.model.layers[0].self_attn
+        assert (attention.num_heads, attention.num_kv_heads) == (config.num_attention_heads // 2,
+                                                                 config.num_key_value_heads // 2)
+        assert engine.runner.cache.keys[0].shape[2] == config.num_key_value_heads // 2
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        again = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert again == got  # the second time over cached prefixes
+        assert engine.scheduler.kv_cache.num_used_blocks == 0
+        if config.sliding_window is None:  # (a window's blocks are not cached)
+            assert engine.scheduler.kv_cache.prefix_cache_hits > 0
+        if preempts:
+            assert engine.scheduler.num_preemptions > 0
+        if "speculative_config" in engine_args:
+            assert engine.num_accepted_tokens > 0
+    finally:
+        engine.shutdown()
+    assert engine.workers.processes[0].poll() == 0
+    assert not engine.is_healthy
+    for i, (e, g) in enumerate(zip(_reference(hf, prompts), got, strict=True)):
+        assert g == e, f"{case}: prompt {i} (length {len(prompts[i])}) diverges from transformers"
+
+
+@pytest.fixture(scope="module")
+def engines(model_dir):
+    """The serving tests' model on one process and split over two (with one thread each)."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    single = LLM(str(model_dir), tensor_parallel_size=1)
+    split = LLM(str(model_dir), tensor_parallel_size=2)
+    assert torch.get_num_threads() == 1  # the driver's share of the two threads
+    yield single, split
+    split.engine.shutdown()
+    assert torch.get_num_threads() == 2  # given back at shutdown
+    torch.set_num_threads(num_threads)
+
+
+def test_tensor_parallel_logprobs_match_one_process(engines):
+    """Sampled tokens' logprobs, top logprobs and prompt logprobs at size 2 equal those of one
+    process (the same weights; only the order of the sums differs), as do seeded samples."""
+    single, split = engines
+    prompts = [[5, 17, 99, 1000] * 6, [7, 8] * 20, [4321]]
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=16, logprobs=4, prompt_logprobs=2,
+                            ignore_eos=True)
+    one = single.generate(prompts, params, use_tqdm=False)
+    two = split.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(one, two, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert step_a.keys() == step_b.keys()
+            for token, logprob in step_a.items():
+                assert step_b[token].logprob == pytest.approx(logprob.logprob, abs=1e-4)
+        for position_a, position_b in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
+            for token, logprob in position_a.items():
+                assert position_b[token].logprob == pytest.approx(logprob.logprob, abs=1e-4)
+
+
+def test_tensor_parallel_records_price_both_ranks(model_dir, tmp_path):
+    """A metrics header names the size and eager steps; MFU is over both ranks' peaks."""
+    import json
+
+    llm = LLM(str(model_dir), tensor_parallel_size=2, metrics_dir=tmp_path)
+    try:
+        llm.generate([[5, 6, 7] * 5], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    header, *steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert header["tensor_parallel_size"] == 2 and header["enforce_eager"] is True
+    step = next(s for s in steps if s["kind"] == "engine_step")
+    if header["peak_flops_per_s"] is not None:
+        assert step["mfu"] == pytest.approx(step["flops_per_s"] / (2 * header["peak_flops_per_s"]))
+
+
+def test_tensor_parallel_embeddings_match_one_process(model_dir):
+    """A pooling engine split over two processes embeds as one process does."""
+    single = LLM(str(model_dir), runner="pooling")
+    split = LLM(str(model_dir), runner="pooling", tensor_parallel_size=2)
+    try:
+        prompts = [[5, 6, 7, 8] * 9, [11]]
+        one, two = single.embed(prompts, use_tqdm=False), split.embed(prompts, use_tqdm=False)
+        for a, b in zip(one, two, strict=True):
+            torch.testing.assert_close(torch.tensor(b.outputs.embedding), torch.tensor(a.outputs.embedding),
+                                       atol=1e-5, rtol=1e-5)
+    finally:
+        split.engine.shutdown()
+
+
+@pytest.mark.parametrize(("size", "message"), [
+    (3, r"tensor_parallel_size \(3\) must divide the model's num_attention_heads \(4\)"),
+    (4, r"tensor_parallel_size \(4\) must divide the model's num_key_value_heads \(2\)"),
+    (0, "tensor_parallel_size must be a positive integer, got 0"),
+    (True, "tensor_parallel_size must be a positive integer, got True"),
+    ("2", "tensor_parallel_size must be a positive integer, got '2'"),
+])
+def test_bad_tensor_parallel_size_is_a_value_error(model_dir, size, message):
+    """Sizes the model cannot be split by are refused before any worker starts."""
+    with pytest.raises(ValueError, match=message):
+        LLM(str(model_dir), tensor_parallel_size=size)
+
+
+def test_killed_worker_fails_steps_instead_of_hanging(model_dir):
+    """SIGKILL a worker: the step in flight fails at once (its collective loses its peer), and
+    every later generate raises an error naming the worker and how it ended."""
+    llm = LLM(str(model_dir), tensor_parallel_size=2)
+    worker = llm.engine.workers.processes[0]
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+    llm.engine.add_request("long", [5, 6, 7], params)
+    llm.engine.step()
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait(timeout=10)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        for _ in range(100):
+            llm.engine.step()
+    assert time.monotonic() - start < 30
+    assert not llm.engine.is_healthy
+    with pytest.raises(RuntimeError, match="tensor-parallel worker 1 exited with status -9"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.engine.shutdown()
+
+
+def test_killed_driver_takes_its_worker_down(model_dir, tmp_path):
+    """SIGKILL the driver's process: the worker sees its pipe close and exits by itself."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from slipstream import LLM
+        llm = LLM({str(model_dir)!r}, tensor_parallel_size=2)
+        print(llm.engine.workers.processes[0].pid, flush=True)
+        time.sleep(600)
+    """)
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        worker_pid = int(driver.stdout.readline())
+        driver.kill()
+        driver.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and _running(worker_pid):
+            time.sleep(0.1)
+        assert not _running(worker_pid), "the worker outlived its driver"
+    finally:
+        driver.kill()
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (not a zombie: the worker's parent is gone, init reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
