@@ -277,21 +277,30 @@ def check_fractions(efficiency: Efficiency, acc: Accelerator) -> None:
                              f"peaks are its datasheet's, which no run beats (at most {ceiling:g})")
 
 
-def default_efficiency(acc: Accelerator) -> Efficiency:
+def default_efficiency(acc: Accelerator, link_latency_s: float | None = None) -> Efficiency:
     """Public-measurement defaults for `acc` (see `sources`); a calibrated CPU gets 1.0 of its
-    measured peaks, which already are achieved rates."""
+    measured peaks and link bandwidth, which already are achieved rates, and `link_latency_s`, the
+    per-step latency of its measured link (`hardware.calibrate_link`), where it has one."""
     if "calibrated" in acc.name:
         measured = "calibrate() measured the achieved rates: fraction 1.0 of them"
+        link, link_sources = {}, {}
+        if link_latency_s is not None:
+            link = {"link_fraction": 1.0, "link_latency_s": link_latency_s}
+            link_sources = dict.fromkeys(link, f"measured: {acc.sources.get('intra_node_bytes_per_s')}")
         return Efficiency(gemm_fraction=1.0, memory_fraction=1.0, attention_fraction=0.5,
                           training_attention_fraction=70 / 971, roofline_overlap=0.5,
                           gemm_overhead_s=_EAGER_OP_S, kernel_overhead_s=_EAGER_OP_S,
-                          step_overhead_s=0.2e-3, sequence_overhead_s=20e-6,
+                          step_overhead_s=0.2e-3, sequence_overhead_s=20e-6, **link,
                           sources={"gemm_fraction": measured, "memory_fraction": measured,
                                    "attention_fraction": _ASSUMED,
                                    "training_attention_fraction": _CPU_SDPA_TRAINING,
                                    "roofline_overlap": _CPU_OVERLAP,
                                    "gemm_overhead_s": _EAGER_OP, "kernel_overhead_s": _EAGER_OP,
-                                   "step_overhead_s": _ENGINE_HOST, "sequence_overhead_s": _ENGINE_HOST})
+                                   "step_overhead_s": _ENGINE_HOST, "sequence_overhead_s": _ENGINE_HOST}
+                          | link_sources)
+    if link_latency_s is not None:
+        raise ValueError(f"link_latency_s is a calibrated CPU's measured link latency; {acc.name} has "
+                         "its link from the table")
     base = {"gemm_fraction": f"{_ASSUMED} (H100's sustained value)", "memory_fraction": _GPT_FAST_BW,
             "attention_fraction": _ASSUMED, "training_attention_fraction": _ASSUMED,
             "gemm_overhead_s": _ASSUMED, "kernel_overhead_s": _ASSUMED, "step_overhead_s": _ASSUMED,

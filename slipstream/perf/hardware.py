@@ -7,6 +7,10 @@ it comes from) lives in `slipstream.perf.accelerators` and is re-exported here;
 `calibrate()` measures the machine at hand: matmul FLOP/s per dtype through each GEMM path
 PyTorch offers here, and memory read and copy bandwidth. MFU computed against a calibrated
 peak uses the best path, so a model that runs on a slower path shows the gap.
+
+`calibrate_link(n)` measures the link between n ranks of this host (gloo over loopback, as the
+trainer's ranks talk under torchrun on a CPU): only where a multi-rank run is priced, apart from
+`calibrate()`, so that nobody else waits for it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from slipstream.perf.accelerators import (  # noqa: F401  (re-exported: the tabl
     dtype_key,
 )
 from slipstream.perf.accelerators import get_accelerator as _table_accelerator
+from slipstream.perf.collectives import AlphaBetaFit, Link, fit_alpha_beta
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +50,8 @@ def get_accelerator(name: str) -> Accelerator:
     """The table entry for `name` (see `slipstream.perf.accelerators`), or this machine.
 
     "cpu" (or "local") is the machine at hand as `calibrate()` measures it (cached after the
-    first call): measured matmul peaks and read bandwidth, its RAM as capacity, no links.
+    first call): measured matmul peaks and read bandwidth, its RAM as capacity, no links (see
+    `local_accelerator` for one with the link `calibrate_link` measures).
     Any other unknown name is a ValueError listing the known ones.
     """
     if is_local(name):
@@ -53,20 +59,35 @@ def get_accelerator(name: str) -> Accelerator:
     return _table_accelerator(name)
 
 
-def local_accelerator(calibration: Calibration) -> Accelerator:
-    """An `Accelerator` for a calibrated device: best measured GEMM rate per dtype as the peak."""
+def local_accelerator(calibration: Calibration, link: LinkCalibration | None = None) -> Accelerator:
+    """An `Accelerator` for a calibrated device: best measured GEMM rate per dtype as the peak.
+
+    With `link` (`calibrate_link`), its ranks are one node joined by the measured link: the fitted
+    all-reduce bus bandwidth as the intra-node bandwidth (its latency is the efficiency's
+    `link_latency_s`, see `efficiency.default_efficiency`).
+    """
     measured = f"measured by slipstream.perf.hardware.calibrate() at {calibration.created_at}"
     peaks = {d: max(p.values()) for d, p in calibration.matmul_flops_per_s.items() if p}
+    name = f"{calibration.device_name} ({calibration.num_threads} threads, calibrated)"
+    links: dict[str, Any] = {}
+    sources = {"peak_flops_per_s": measured, "memory_bandwidth_bytes_per_s": measured,
+               "memory_bytes": "/proc/meminfo MemTotal (os.sysconf fallback)",
+               "cache_read_bytes_per_s": measured}
+    if link is not None:
+        name += f" x {link.num_ranks} ranks over {link.backend}"
+        links = {"intra_node_bytes_per_s": link.link.bandwidth_bytes_per_s,
+                 "devices_per_node": link.num_ranks}
+        sources |= {"intra_node_bytes_per_s": link.describe(),
+                    "devices_per_node": f"the {link.num_ranks} ranks the link was measured among: one host"}
     return Accelerator(
-        name=f"{calibration.device_name} ({calibration.num_threads} threads, calibrated)",
+        name=name,
         peak_flops_per_s=peaks,
         memory_bandwidth_bytes_per_s=calibration.memory_bandwidth_bytes_per_s,
         memory_bytes=_physical_memory_bytes(),
         cache_read_bytes_per_s=calibration.cache_read_bytes_per_s,
-        sources={"peak_flops_per_s": measured, "memory_bandwidth_bytes_per_s": measured,
-                 "memory_bytes": "/proc/meminfo MemTotal (os.sysconf fallback)",
-                 "cache_read_bytes_per_s": measured},
+        sources=sources,
         calibrated=True,
+        **links,
     )
 
 
@@ -235,7 +256,7 @@ def calibrate(
             return cached
     result = _measure(device, device_name, quick)
     if cache:
-        _save(path, result)
+        _save(path, result.to_dict())
     return result
 
 
@@ -560,9 +581,145 @@ def _load_cached(path: Path) -> Calibration | None:
         return None
 
 
-def _save(path: Path, result: Calibration) -> None:
+def _save(path: Path, record: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, path)  # atomic: a reader never sees half a file
-    logger.info("calibration cached at %s", path)
+    logger.info("cached at %s", path)
+
+
+# ---------------------------------------------------------------------------------------------
+# The link between ranks of this host.
+
+LINK_CACHE_VERSION = 1
+"""Of the link cache files (`calibrate_link`), apart from `CACHE_VERSION`: bumped when what is
+measured changes."""
+LINK_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)
+"""All-reduce sizes `calibrate_link` times, 4 KiB to 16 MiB: the small ones pin the latency, the
+large ones the bandwidth (a small model's gradients, 0.5 MB for the tests' 0.1M parameters, lie
+between; a real model's buckets at the top)."""
+LINK_ITERATIONS, LINK_WARMUP = 20, 3
+"""Timed and untimed all-reduces per size: on a 2-core VM a loopback all-reduce takes 0.2-8 ms from
+one call to the next (waking the other process), so the median of 20 is what holds still (the
+fit's alpha moved by about 15% between measurements, its bandwidth by 10%)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinkCalibration:
+    """All-reduce times among `num_ranks` processes of this host, as `calibrate_link()` measures
+    them, and the link they fit (`fit`, `link`: derived, never stored)."""
+
+    device_name: str
+    torch_version: str
+    backend: str
+    num_ranks: int
+    sizes_bytes: tuple[int, ...]
+    """The messages timed: nccl-tests' size, the whole buffer each rank all-reduces."""
+    times_s: tuple[float, ...]
+    """Per size, the median over iterations of the slowest rank's time (`collectives_bench`)."""
+    elapsed_s: float
+    created_at: str
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int) or self.num_ranks < 2:
+            raise ValueError(f"num_ranks must be an integer >= 2, got {self.num_ranks!r}")
+        if (len(self.sizes_bytes) != len(self.times_s) or len(set(self.sizes_bytes)) < 2
+                or not all(t > 0 for t in self.times_s)):
+            raise ValueError(f"need a time > 0 for each of at least two distinct sizes, got sizes "
+                             f"{list(self.sizes_bytes)} and times {list(self.times_s)}")
+
+    @property
+    def fit(self) -> AlphaBetaFit:
+        """Alpha and beta fitted to the timings (`collectives.fit_alpha_beta`)."""
+        return fit_alpha_beta("all_reduce", self.num_ranks, self.sizes_bytes, self.times_s)
+
+    @property
+    def link(self) -> Link:
+        """The fitted link: per-step latency of a ring all-reduce and its bus bandwidth, so that
+        `collectives.collective_time_s("all_reduce", ...)` gives back the fitted times."""
+        return self.fit.link("ring")
+
+    def describe(self) -> str:
+        """Where the link's numbers come from, for an `Accelerator`'s sources."""
+        fit = self.fit
+        bandwidth = f"{fit.busbw_bytes_per_s / 1e9:.2f} GB/s" if fit.busbw_bytes_per_s else "no bandwidth"
+        return (f"{self.backend} all-reduce among {self.num_ranks} ranks of this host, sizes "
+                f"{self.sizes_bytes[0]:,}-{self.sizes_bytes[-1]:,} bytes, alpha-beta fit (Thakur et al. "
+                f"2005, collectives.py): busbw {bandwidth}, alpha {1e6 * fit.alpha_s:.0f} us per all-reduce "
+                f"(max error {100 * fit.max_relative_error:.0f}%), measured by "
+                f"slipstream.perf.hardware.calibrate_link() at {self.created_at}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict; the fitted link too (`latency_s`, `bandwidth_bytes_per_s`; None where the
+        fit found no bandwidth), for people."""
+        fitted = self.fit.busbw_bytes_per_s is not None
+        return dataclasses.asdict(self) | {
+            "sizes_bytes": list(self.sizes_bytes), "times_s": list(self.times_s),
+            "latency_s": self.link.latency_s if fitted else None,
+            "bandwidth_bytes_per_s": self.link.bandwidth_bytes_per_s if fitted else None}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LinkCalibration:
+        """Inverse of `to_dict` (the derived keys are ignored); ValueError on missing or unknown
+        keys."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown, missing = set(d) - fields - {"latency_s", "bandwidth_bytes_per_s"}, fields - set(d)
+        if unknown or missing:
+            raise ValueError(f"bad link calibration record: unknown keys {sorted(unknown)}, "
+                             f"missing {sorted(missing)}")
+        values = {k: v for k, v in d.items() if k in fields}
+        return cls(**values | {"sizes_bytes": tuple(d["sizes_bytes"]), "times_s": tuple(d["times_s"])})
+
+
+def calibrate_link(num_ranks: int, *, cache: bool = True, force: bool = False) -> LinkCalibration:
+    """Measure (or load from cache) the link between `num_ranks` processes of this host.
+
+    Spawns `num_ranks` processes that join a gloo group on 127.0.0.1, as the trainer's ranks do
+    under torchrun on a CPU, and times all-reduces of `LINK_SIZES` (`collectives_bench.measure`);
+    about 3 s for 2 ranks on a 2-core VM. Cached as JSON beside `calibrate()`'s, keyed by CPU,
+    torch version (gloo comes with it) and `num_ranks` (ranks that share the cores wait on each
+    other), not by torch threads (gloo reduces in its own loop). A measurement whose fit finds no
+    bandwidth is not cached. Like `collectives_bench.measure`, the calling script needs the
+    `if __name__ == "__main__":` guard of a spawning program.
+    """
+    import torch
+
+    from slipstream.perf import collectives_bench
+
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 2:
+        raise ValueError(f"num_ranks must be an integer >= 2, got {num_ranks!r}")
+    device_name = device_name_of("cpu")
+    key = f"gloo-{device_name}-torch{torch.__version__}-{num_ranks}ranks"
+    path = cache_dir() / f"link-v{LINK_CACHE_VERSION}-{re.sub(r'[^A-Za-z0-9.]+', '-', key)}.json"
+    if cache and not force:
+        cached = _load_cached_link(path)
+        if cached is not None:
+            logger.info("link calibration loaded from %s", path)
+            return cached
+    logger.info("measuring the gloo link among %d ranks of this host (a few seconds)", num_ranks)
+    start_s = time.perf_counter()
+    timings, errors = collectives_bench.measure(num_ranks, "gloo", LINK_SIZES, ("all_reduce",),
+                                                LINK_ITERATIONS, LINK_WARMUP)
+    if errors:
+        raise RuntimeError(f"gloo could not all-reduce among {num_ranks} ranks: {errors}")
+    result = LinkCalibration(
+        device_name=device_name, torch_version=torch.__version__, backend="gloo", num_ranks=num_ranks,
+        sizes_bytes=tuple(t.size_bytes for t in timings), times_s=tuple(t.time_s for t in timings),
+        elapsed_s=time.perf_counter() - start_s,
+        created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    )
+    logger.info("link: %s", result.describe())
+    if cache and result.fit.busbw_bytes_per_s:
+        _save(path, result.to_dict())
+    return result
+
+
+def _load_cached_link(path: Path) -> LinkCalibration | None:
+    if not path.is_file():
+        return None
+    try:
+        return LinkCalibration.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        logger.warning("ignoring unreadable link calibration cache %s: %s", path, e)
+        return None
