@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.perf import (
+    hardware,
     measured,
     planner,
     report,
@@ -38,6 +39,7 @@ from slipstream.perf.records import (
     read_engine_headers,
     read_engine_steps,
     read_train_run,
+    threads_per_rank,
 )
 from slipstream.perf.shapes import resolve_model
 from slipstream.perf.work import Work
@@ -45,25 +47,39 @@ from slipstream.perf.work import Work
 Result = tuple[str, dict[str, Any]]
 
 
-def efficiency_for(args: argparse.Namespace, accelerator) -> tuple[Efficiency, str]:
-    """--efficiency FILE (from `perf fit`), --profile NAME (fitted to published runs), or defaults;
-    a file may not claim more of the accelerator's peaks than `max_fraction` allows."""
+def efficiency_for(args: argparse.Namespace, accelerator,
+                   link_latency_s: float | None = None) -> tuple[Efficiency, str]:
+    """--efficiency FILE (from `perf fit`), --profile NAME (fitted to published runs), or defaults
+    (with `link_latency_s`, a calibrated CPU's measured link: `default_efficiency`); a file may not
+    claim more of the accelerator's peaks than `max_fraction` allows.
+
+    A file whose sources name no `link_latency_s` was fitted where no link was known (a calibrated
+    CPU's one-process run): its link knobs are the dataclass's placeholders, which the measured
+    link's replace, so that compute fitted to one process prices a multi-rank run with the link
+    measured for it.
+    """
     if getattr(args, "efficiency", None):
         efficiency = _read_efficiency(args.efficiency)
         try:
             check_fractions(efficiency, accelerator)
         except ValueError as e:
             raise ValueError(f"--efficiency {args.efficiency}: {e}") from e
-        return efficiency, f"file {args.efficiency}"
+        if link_latency_s is None or "link_latency_s" in efficiency.sources:
+            return efficiency, f"file {args.efficiency}"
+        measured = default_efficiency(accelerator, link_latency_s)
+        link = {k: getattr(measured, k) for k in ("link_fraction", "link_latency_s")}
+        sources = dict(efficiency.sources) | {k: measured.sources[k] for k in link}
+        return efficiency.replace(**link, sources=sources), f"file {args.efficiency}, link measured"
     profile = getattr(args, "profile", None)
     if profile:
         data = validation.load()
         if profile not in data["profiles"]:
             raise ValueError(f"unknown profile {profile!r}; known: {', '.join(data['profiles'])}")
         scales = validation.profile_scales(profile, data)
-        efficiency = apply_scales(default_efficiency(accelerator), scales, max_fraction(accelerator))
+        efficiency = apply_scales(default_efficiency(accelerator, link_latency_s), scales,
+                                  max_fraction(accelerator))
         return efficiency, f"profile {profile} {scales}"
-    return default_efficiency(accelerator), "defaults (datasheet x public measurements)"
+    return default_efficiency(accelerator, link_latency_s), "defaults (datasheet x public measurements)"
 
 
 def _read_efficiency(path: str) -> Efficiency:
@@ -488,9 +504,9 @@ def fit(args: argparse.Namespace) -> Result:
     _refuse_eager_for_training(args, bool(args.engine_records),
                                "it prices --engine-records' decode steps, not --run-dir's training runs")
     args = _with_engine_header(args, args.engine_records, "--engine-records")
-    acc = _engine_accelerator(args)
-    eff, _ = efficiency_for(args, acc)
     if args.engine_records:
+        acc = _engine_accelerator(args)
+        eff, _ = efficiency_for(args, acc)
         setup = _serve_setup(args)
         steps = _engine_steps(args.engine_records, "--engine-records", setup)
         cal = measured.fit_engine_steps(steps, setup, acc, eff)
@@ -499,6 +515,8 @@ def fit(args: argparse.Namespace) -> Result:
                 for s, w in zip(steps, works, strict=True)]
     else:
         runs = [read_train_run(d) for d in args.run_dir]
+        acc, latency_s = train_accelerator(args.hardware, [(str(r.run_dir), r.run_record) for r in runs])
+        eff, _ = efficiency_for(args, acc, latency_s)
         cal = measured.fit_train_runs(runs, acc, eff)
         rows = [measured.Comparison(str(r.run_dir), r.median_step_s,
                                     measured.train_run_work(r, acc, cal.efficiency).total_s) for r in runs]
@@ -565,16 +583,45 @@ def _engine_accelerator(args: argparse.Namespace) -> Accelerator:
     threads = getattr(args, "engine_threads", None)
     if threads is None:
         return get_accelerator(args.hardware)
+    return hardware.local_accelerator(_cpu_calibration(threads))
+
+
+def _cpu_calibration(threads: int | None) -> hardware.Calibration:
+    """This CPU's calibration at `threads` torch threads (this process's count where None)."""
     import torch  # only here: the other perf commands run without it
 
     previous = torch.get_num_threads()
-    if threads == previous:
-        return get_accelerator(args.hardware)
+    if threads is None or threads == previous:
+        return hardware.calibrate(device="cpu")
     torch.set_num_threads(threads)
     try:
-        return get_accelerator(args.hardware)
+        return hardware.calibrate(device="cpu")
     finally:
         torch.set_num_threads(previous)
+
+
+def train_accelerator(hardware_name: str, runs: list[tuple[str, dict[str, Any]]]
+                      ) -> tuple[Accelerator, float | None]:
+    """(accelerator, measured link latency or None) to price training runs on, given as (where,
+    `run` record) pairs: `hardware_name` as the table has it, or for this CPU ("cpu") its
+    calibration at the threads each rank computed with (`records.threads_per_rank`) and, for runs
+    of several ranks, the gloo link among that many ranks (`hardware.calibrate_link`: measured
+    the first time, a few seconds, then cached); ValueError for runs of several thread counts or
+    world sizes, which one accelerator cannot price."""
+    if not is_local(hardware_name):
+        return get_accelerator(hardware_name), None
+    threads = {where: threads_per_rank(run) for where, run in runs}
+    worlds = {where: world for where, run in runs
+              if isinstance(world := run.get("world_size", 1), int) and world > 1}
+    for name, values in (("thread counts", threads), ("world sizes", worlds)):
+        if len(set(values.values())) > 1:
+            raise ValueError(f"--hardware cpu prices runs of one {name[:-1]} at a time; these ran at "
+                             f"several {name}: " + ", ".join(f"{w}: {v}" for w, v in values.items()))
+    calibration = _cpu_calibration(next(iter(threads.values()), None))
+    if not worlds:
+        return hardware.local_accelerator(calibration), None
+    link = hardware.calibrate_link(next(iter(worlds.values())))
+    return hardware.local_accelerator(calibration, link), link.link.latency_s
 
 
 def _header_hardware(header: dict[str, Any], where: str) -> str | None:
@@ -605,8 +652,9 @@ def report_cmd(args: argparse.Namespace) -> Result:
     run = report.load_run(args.run)
     _refuse_eager_for_training(args, run.kind == "serve", "RUN is a training run")
     if run.kind == "train":
-        acc = get_accelerator(args.hardware or report.run_hardware(run))
-        eff, source = efficiency_for(args, acc)
+        acc, latency_s = train_accelerator(args.hardware or report.run_hardware(run),
+                                           [(f"RUN {args.run}", (run.of_kind("run") or [{}])[-1])])
+        eff, source = efficiency_for(args, acc, latency_s)
         summary = report.train_report(run, acc, eff, source, args.model)
     else:
         # The header's model, dtype and hardware as `perf fit` and `roofline` read them: one reading.

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import statistics
 import tomllib
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -178,6 +179,22 @@ def read_train_run(run_dir: str | Path, warmup_steps: int = 2) -> TrainRun:
             config[key] = run[key]
     return TrainRun(run_dir, config, times, run, {k: v for k, v in phases.items() if v}, records[start:],
                     measured)
+
+
+def threads_per_rank(run: Mapping[str, Any]) -> int | None:
+    """The torch threads each rank of a run computed with, from its `run` record: the count the
+    trainer's calibrated MFU peak names (its `peak_source`, "calibrated CPU, N threads, ..."), else
+    1 for several ranks (`slipstream train --nproc` starts them with torchrun, which sets
+    OMP_NUM_THREADS=1 where it is unset), else None: one process ran torch's default for this
+    machine."""
+    found = _THREADS.search(str(run.get("peak_source", "")))
+    if found:
+        return int(found.group(1))
+    world = run.get("world_size", 1)
+    return 1 if isinstance(world, int) and not isinstance(world, bool) and world > 1 else None
+
+
+_THREADS = re.compile(r"^calibrated .*, (\d+) threads, ")
 
 
 def _layout(run: Mapping[str, Any]) -> tuple[Any, ...]:
