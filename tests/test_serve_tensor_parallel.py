@@ -11,6 +11,8 @@ embeddings are checked against the same model on one process; the processes agai
 from __future__ import annotations
 
 import copy
+import gc
+import json
 import os
 import signal
 import subprocess
@@ -155,8 +157,6 @@ def test_tensor_parallel_logprobs_match_one_process(engines):
 
 def test_tensor_parallel_records_price_both_ranks(model_dir, tmp_path):
     """A metrics header names the size and eager steps; MFU is over both ranks' peaks."""
-    import json
-
     llm = LLM(str(model_dir), tensor_parallel_size=2, metrics_dir=tmp_path)
     try:
         llm.generate([[5, 6, 7] * 5], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -246,3 +246,16 @@ def _running(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_dropped_engine_stops_its_worker_and_gives_back_the_threads(model_dir):
+    """An engine collected without `shutdown` still stops its worker and restores the thread count
+    it found (a split engine gives this process its share of the threads)."""
+    threads = torch.get_num_threads()
+    llm = LLM(str(model_dir), tensor_parallel_size=2)
+    worker = llm.engine.workers.processes[0]
+    assert torch.get_num_threads() == max(1, threads // 2)
+    del llm
+    gc.collect()
+    assert worker.wait(timeout=10) == 0
+    assert torch.get_num_threads() == threads

@@ -249,8 +249,8 @@ class Workers:
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
         threads, cpus = _threads_and_cpus(size, device)
-        self._threads_before = torch.get_num_threads()
-        if device.type == "cpu":
+        threads_before = torch.get_num_threads()
+        if device.type == "cpu":  # process-wide: another engine in this process gets this share too
             torch.set_num_threads(threads)
         logger.info("tensor parallel over %d ranks, %d thread(s) each", size, threads)
         self.processes: list[subprocess.Popen] = []
@@ -265,7 +265,7 @@ class Workers:
             self.processes.append(process)
             pickle.dump(spec, process.stdin)
             process.stdin.flush()
-        self._finalizer = weakref.finalize(self, _stop, self.processes)
+        self._finalizer = weakref.finalize(self, _stop, self.processes, threads_before)
 
     def connect(self) -> Collectives:
         """Wait until every worker has reached the rendezvous, then join their process group."""
@@ -298,9 +298,7 @@ class Workers:
     def close(self) -> None:
         """Stop the workers (closing their stdin ends their loop), wait for them to exit, and give
         this process back the threads it had."""
-        if self._finalizer.alive:
-            self._finalizer()
-            torch.set_num_threads(self._threads_before)
+        self._finalizer()
 
     def _dead(self, rank: int) -> RuntimeError:
         code = self.processes[rank - 1].poll()
@@ -326,7 +324,9 @@ class Workers:
                 time.sleep(0.02)
 
 
-def _stop(processes: list[subprocess.Popen]) -> None:
+def _stop(processes: list[subprocess.Popen], threads: int) -> None:
+    """Close the workers' pipes, wait for them to exit (kill one that does not), and give this
+    process back its `threads`."""
     for process in processes:
         if process.stdin and not process.stdin.closed:
             try:
@@ -339,6 +339,7 @@ def _stop(processes: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+    torch.set_num_threads(threads)
 
 
 def _rank_device(device: torch.device, rank: int) -> torch.device:
