@@ -20,8 +20,11 @@ import sys
 import textwrap
 import time
 
+import httpx
+import openai
 import pytest
 import torch
+from server_process import API_KEY, ENGINE_ARGS, MODEL_NAME, ServerProcess
 
 from slipstream import LLM, SamplingParams
 from slipstream.model import ModelConfig
@@ -259,3 +262,30 @@ def test_dropped_engine_stops_its_worker_and_gives_back_the_threads(model_dir):
     gc.collect()
     assert worker.wait(timeout=10) == 0
     assert torch.get_num_threads() == threads
+
+
+def test_server_with_two_ranks_answers_openai_then_503_once_a_worker_dies(model_dir, tmp_path):
+    """`slipstream serve -tp 2` answers the official client with the tokens one process generates;
+    with its worker killed, /health and new requests get 503 instead of hanging or a 500."""
+    prompt = [5, 17, 99, 1000] * 4
+    expected = LLM(str(model_dir), max_model_len=256, block_size=8).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    server = ServerProcess(model_dir, tmp_path / "server.log", "--api-key", API_KEY, "-tp", "2",
+                           *ENGINE_ARGS).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+        completion = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0.0,
+                                                extra_body={"ignore_eos": True})
+        assert completion.choices[0].text == expected[0].outputs[0].text
+        pid = server.process.pid
+        [worker_pid] = map(int, open(f"/proc/{pid}/task/{pid}/children").read().split())
+        os.kill(worker_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _running(worker_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(server.url + "/health").status_code == 503
+        with pytest.raises(openai.APIStatusError) as error:
+            client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8)
+        assert error.value.status_code == 503
+    finally:
+        server.stop()
