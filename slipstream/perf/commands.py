@@ -167,9 +167,11 @@ def layout_from(args: argparse.Namespace) -> Layout:
 
 
 def train(args: argparse.Namespace) -> Result:
-    acc = get_accelerator(args.hardware)
-    eff, source = efficiency_for(args, acc)
-    p = predict_training(train_setup(args), layout_from(args), acc, eff)
+    layout = layout_from(args)
+    # On this CPU, --devices ranks as `slipstream train --nproc` starts them (`train_accelerator`).
+    acc, latency_s = train_accelerator(args.hardware, [("--devices", {"world_size": args.devices})])
+    eff, source = efficiency_for(args, acc, latency_s)
+    p = predict_training(train_setup(args), layout, acc, eff)
     d = p.to_dict() | {"hardware": acc.name, "model": args.model, "efficiency": source}
     m = p.memory
     text = "\n".join([
