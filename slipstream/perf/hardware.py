@@ -600,9 +600,9 @@ LINK_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)
 large ones the bandwidth (a small model's gradients, 0.5 MB for the tests' 0.1M parameters, lie
 between; a real model's buckets at the top)."""
 LINK_ITERATIONS, LINK_WARMUP = 20, 3
-"""Timed and untimed all-reduces per size: on a 2-core VM a loopback all-reduce takes 0.2-8 ms from
-one call to the next (waking the other process), so the median of 20 is what holds still (the
-fit's alpha moved by about 15% between measurements, its bandwidth by 10%)."""
+"""Timed and untimed all-reduces per size: on a 2-core VM a loopback all-reduce takes 0.14-8 ms from
+one call to the next (waking the other process), so the median of 20 is what holds still (over
+six measurements there the fit's alpha ranged 0.31-0.44 ms and its bandwidth 1.1-2.0 GB/s)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
