@@ -181,6 +181,7 @@ def test_tp2_follows_one_process(tp_run, one_process_run):
     WEIGHT_ATOL; it counts the tokens of one replica, and MFU per device over both ranks."""
     (run,) = read_metrics(tp_run, "run")
     assert run["world_size"] == 2 and run["tensor_parallel_degree"] == 2 and run["sequence_parallel"]
+    assert run["loss_parallel"]
     assert run["accumulation_steps"] == 2 and run["strategy"] == "single"  # one replica: no FSDP
     _assert_records_follow(tp_run, one_process_run, "TP=2")
     for record in read_metrics(tp_run):
@@ -359,6 +360,48 @@ def test_tp_without_sequence_parallelism_steps_the_fused_optimizer():
         for name, p in split.named_parameters():
             local = p.full_tensor() if isinstance(p, DTensor) else p
             torch.testing.assert_close(local, dict(whole.named_parameters())[name], rtol=0, atol=1e-6,
+                                       msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_loss_parallel_keeps_the_logits_split_and_the_loss_and_gradients_whole():
+    """With loss_parallel the lm_head's output is a DTensor split by vocabulary (never gathered),
+    and torch's loss_parallel cross-entropy over it, with its backward, equals the plain loss and
+    gradients of the same model left whole (a one-rank gloo group in this process; the 2-rank run
+    of test_tp2_follows_one_process checks the split numbers against one process)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from slipstream.model import Transformer
+    from slipstream.train.parallel import apply_tensor_parallel
+
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    whole = Transformer(config)
+    whole.init_weights(generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(8).expand_as(tokens)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        split = Transformer(config)
+        split.load_state_dict(whole.state_dict())
+        apply_tensor_parallel(split, init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)),
+                              sequence_parallel=True, loss_parallel=True)
+        logits = split(tokens, positions)
+        assert isinstance(logits, DTensor) and logits.placements == (Shard(2),)
+        with loss_parallel():
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            loss.backward()
+        expected = F.cross_entropy(whole(tokens, positions).flatten(0, 1), targets.flatten())
+        expected.backward()
+        torch.testing.assert_close(loss.full_tensor(), expected)
+        for name, p in split.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), dict(whole.named_parameters())[name].grad,
                                        msg=name)
     finally:
         dist.destroy_process_group()

@@ -173,6 +173,10 @@ class ParallelConfig:
     sequence_parallel: bool = True
     """With tensor parallelism: the norms and the residual stream are split along the sequence
     between the tensor-parallel ranks (Korthikanti et al. 2022) instead of held whole by each."""
+    loss_parallel: bool = True
+    """With tensor parallelism: the logits stay split by vocabulary between the tensor-parallel
+    ranks and the cross-entropy is computed on the shards (torch's `loss_parallel`, on by default
+    as torchtitan has it), so no rank holds the whole (batch, seq, vocab) logits."""
 
     def __post_init__(self) -> None:
         _check_choice("parallel.strategy", self.strategy, STRATEGIES)

@@ -167,7 +167,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, config: ParallelConfi
     data_mesh = mesh
     if config.tensor_parallel_degree > 1:
         assert mesh is not None and mesh.mesh_dim_names == ("dp", "tp"), "build_mesh makes the 2-D mesh"
-        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=config.sequence_parallel)
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=config.sequence_parallel,
+                              loss_parallel=config.loss_parallel)
         data_mesh = mesh["dp"] if mesh["dp"].size() > 1 else None
     if config.activation_checkpointing:
         apply_activation_checkpointing(model)
@@ -181,14 +182,16 @@ def parallelize(model: nn.Module, mesh: DeviceMesh | None, config: ParallelConfi
     return model
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool,
+                          loss_parallel: bool = False) -> None:
     """Megatron-LM's tensor parallelism with torch's parallel styles, as torchtitan plans it.
 
     In each layer q, k, v and gate, up are split by output columns (each rank computes its
     heads and its share of the MLP width) and o, down by input rows, whose partial sums are
     added by one reduction per block. The embedding and the output projection are split by
     vocabulary rows: the same placement (Shard(0) of the (V, E) table), so tied weights stay one
-    parameter. The logits come out whole on every rank (no loss parallelism). With
+    parameter. The logits come out whole on every rank, or with `loss_parallel` as a DTensor
+    split by vocabulary (Shard(-1)), for a cross-entropy under torch's `loss_parallel()`. With
     `sequence_parallel` the residual stream between blocks holds each rank's slice of the
     sequence: the norms run on it (SequenceParallel: replicated weights, whose gradients are
     summed over the ranks), each block all-gathers its input and reduce-scatters its output
@@ -202,11 +205,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
     root_plan: dict[str, ParallelStyle] = {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-        "lm_head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
+        "lm_head": (ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
+                    if loss_parallel else ColwiseParallel(input_layouts=stream, output_layouts=Replicate())),
     }
     root_plan["model.norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
     parallelize_module(model, tp_mesh, root_plan)
-    model.lm_head.register_forward_hook(_not_a_view)
+    if not loss_parallel:
+        model.lm_head.register_forward_hook(_not_a_view)
     for layer in model.model.layers:
         parallelize_module(layer, tp_mesh, _layer_plan(layer, stream))
         layer.self_attn.num_heads //= tp

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from slipstream.model import ModelConfig, Transformer
 from slipstream.model.presets import get_preset
@@ -446,7 +448,8 @@ class Trainer:
             t1 = time.perf_counter()
             set_gradient_sync(self.model, micro_step == self.accumulation_steps - 1)
             loss, routing = self._objective(inputs, targets)
-            (loss / self.accumulation_steps).backward()
+            with self._loss_parallel():  # its backward needs the context as its forward did
+                (loss / self.accumulation_steps).backward()
             loss_sum += loss.detach()
             if step_routing is not None:
                 step_routing.add(routing)
@@ -498,8 +501,10 @@ class Trainer:
         """Mean next-token cross-entropy (fp32) of a (B, T) batch (the held-out loss)."""
         positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)  # (B, T)
         with self._autocast():
-            logits = self.model(inputs, positions)  # (B, T, V)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            logits = self.model(inputs, positions)  # (B, T, V), split by vocabulary under loss parallelism
+        with self._loss_parallel():
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
@@ -590,6 +595,7 @@ class Trainer:
             "strategy": config.parallel.strategy if self.num_replicas > 1 else "single",  # no DP applied
             "tensor_parallel_degree": tp,
             "sequence_parallel": config.parallel.sequence_parallel and tp > 1,
+            "loss_parallel": config.parallel.loss_parallel and tp > 1,
             "seq_len": config.data.seq_len,
             "global_batch_size": config.training.global_batch_size,
             "accumulation_steps": self.accumulation_steps,
@@ -688,6 +694,12 @@ class Trainer:
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.config.training.dtype == "bfloat16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _loss_parallel(self) -> contextlib.AbstractContextManager:
+        parallel = self.config.parallel
+        if parallel.tensor_parallel_degree > 1 and parallel.loss_parallel:
+            return loss_parallel()
         return contextlib.nullcontext()
 
     def _synchronize(self) -> None:
