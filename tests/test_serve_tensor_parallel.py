@@ -14,6 +14,7 @@ import copy
 import gc
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -289,3 +290,43 @@ def test_server_with_two_ranks_answers_openai_then_503_once_a_worker_dies(model_
         assert error.value.status_code == 503
     finally:
         server.stop()
+
+
+def test_tensor_parallel_follows_one_process_under_random_traffic(model_dir):
+    """Random arrivals (prompts of 1-120 tokens, n of 1 or 2, 1-40 tokens) and aborts over 200
+    steps of a pool small enough to preempt, given in lockstep to an engine on one process and one
+    split over two: every output is the same, both hold the same blocks after every step, and
+    once everything is aborted neither holds any."""
+    rng = random.Random(0)
+    args = dict(max_num_batched_tokens=48, max_num_seqs=6, max_model_len=256)
+    per_token = 2 * 2 * 2 * 32 * 4  # K and V, 2 layers, 2 KV heads of 32 fp32 values
+    one = LLM(str(model_dir), kv_cache_memory=20 * 16 * per_token, **args).engine
+    two = LLM(str(model_dir), kv_cache_memory=20 * 16 * per_token // 2, tensor_parallel_size=2, **args).engine
+    try:
+        assert one.limits.num_blocks == two.limits.num_blocks == 20
+        outputs: list[dict[str, list[list[int]]]] = [{}, {}]
+        live = []
+        for step in range(200):
+            if rng.random() < 0.15:
+                prompt = [rng.randrange(3, 8000) for _ in range(rng.randrange(1, 120))]
+                params = SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 40),
+                                        n=rng.choice([1, 2]), ignore_eos=rng.random() < 0.5)
+                for engine in (one, two):
+                    engine.add_request(f"r{step}", prompt, params)
+                live.append(f"r{step}")
+            elif rng.random() < 0.05 and live:
+                aborted = live.pop(rng.randrange(len(live)))
+                for engine in (one, two):
+                    engine.abort_request([aborted])
+            for engine, seen in zip((one, two), outputs, strict=True):
+                for output in engine.step():
+                    seen[output.request_id] = [list(c.token_ids) for c in output.outputs]
+            assert one.scheduler.kv_cache.num_used_blocks == two.scheduler.kv_cache.num_used_blocks
+        assert outputs[0] == outputs[1] and len(outputs[0]) > 20
+        assert one.scheduler.num_preemptions == two.scheduler.num_preemptions > 0
+        for engine in (one, two):
+            engine.abort_request(list(live))
+            engine.step()
+            assert engine.scheduler.kv_cache.num_used_blocks == 0
+    finally:
+        two.shutdown()
