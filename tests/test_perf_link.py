@@ -23,11 +23,13 @@ pytest_plugins = ["train_fixtures"]
 
 PEAK_FLOPS, PEAK_READ = 1e11, 2e10
 STEPS = ("--training.steps=12", "--training.micro_batch_size=2")
-FACTOR = 2.5
+FACTOR = 4.0
 """How far (either way) the predicted step of the 2-rank DDP run may be from the measured one, with
-the efficiency fitted to one process doing one rank's share: 0.71-0.82 of it on the 2-core
-development VM, idle or busy (two ranks on its two cores run slower than one process alone, which
-the model does not know; docs/perf.md), bounded with room for a noisy CI machine."""
+the efficiency fitted to one process doing one rank's share: 0.68-0.82 of it on the 2-core
+development VM at load averages 0.5-4.5 (two ranks on its two cores run slower than one process
+alone, which the model does not know; docs/perf.md), 0.36 while another session's tests kept both
+cores busy (a rank descheduled stalls the other at every collective), so the bound leaves room for
+a noisy CI machine and still catches a link or compute priced orders of magnitude off."""
 
 
 @pytest.fixture(scope="module")
