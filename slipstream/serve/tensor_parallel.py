@@ -35,6 +35,7 @@ import time
 import weakref
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -213,11 +214,31 @@ class Start:
 
 @dataclasses.dataclass(frozen=True)
 class Forward:
-    """Run the layer stack over this flat batch (`Runner.hidden_states`)."""
+    """Run the layer stack over this flat batch (`Runner.hidden_states`). Its tensors travel as
+    numpy arrays, which pickle about 30x faster than torch tensors (a batch-64 decode step's
+    message: 20 us against 0.7 ms to pickle, and as much again to load)."""
 
-    token_ids: torch.Tensor
-    positions: torch.Tensor
-    batch: PagedBatch
+    token_ids: np.ndarray
+    positions: np.ndarray
+    batch: dict[str, Any]
+    """`PagedBatch`'s fields, its tensors as arrays."""
+
+    @classmethod
+    def of(cls, token_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> Forward:
+        fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+        return cls(_array(token_ids), _array(positions),
+                   {name: _array(v) if isinstance(v, torch.Tensor) else v for name, v in fields.items()})
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
+        """The token ids, positions and batch as tensors on `device`."""
+        fields = {name: torch.from_numpy(v).to(device) if isinstance(v, np.ndarray) else v
+                  for name, v in self.batch.items()}
+        return (torch.from_numpy(self.token_ids).to(device), torch.from_numpy(self.positions).to(device),
+                PagedBatch(**fields))
+
+
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.cpu().numpy()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +302,7 @@ class Workers:
         self._wait_for(ready_key, deadline=None)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> None:
-        self.send(Forward(token_ids, positions, batch))
+        self.send(Forward.of(token_ids, positions, batch))
 
     def logits(self, hidden: torch.Tensor) -> None:
         self.send(Logits(hidden.clone()))  # a view would pickle all of the tensor it views

@@ -7,7 +7,6 @@ message from the driver says until stdin closes.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import pickle
@@ -20,7 +19,6 @@ import torch.distributed as dist
 
 from slipstream.model.weights import load_model
 from slipstream.ops.inference import optimize_for_cpu_inference
-from slipstream.ops.paged_attention import PagedBatch
 from slipstream.serve.runner import Runner
 from slipstream.serve.tensor_parallel import (
     START_TIMEOUT_S,
@@ -73,21 +71,11 @@ def serve(runner: Runner, stdin: BinaryIO, device: torch.device) -> None:
         except EOFError:
             return
         if isinstance(message, Forward):
-            runner.hidden_states(message.token_ids.to(device), message.positions.to(device),
-                                 _on(message.batch, device))
+            runner.hidden_states(*message.on(device))
         elif isinstance(message, Logits):
             runner.model.compute_logits(message.hidden.to(device))
         else:
             raise TypeError(f"unexpected message {type(message).__name__}")
-
-
-def _on(batch: PagedBatch, device: torch.device) -> PagedBatch:
-    """`batch` with its tensors on this rank's device (the driver's are on its own)."""
-    if device.type == "cpu":
-        return batch
-    return dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device)
-                                         for f in dataclasses.fields(batch)
-                                         if isinstance(getattr(batch, f.name), torch.Tensor)})
 
 
 if __name__ == "__main__":
