@@ -217,11 +217,11 @@ def test_runs_are_priced_at_the_threads_their_ranks_ran(link, cache_home, known_
         train_accelerator("cpu", [("a", {"world_size": 2}), ("b", {"world_size": 4})])
 
 
-def test_perf_train_prices_ranks_of_this_cpu(link, cache_home, known_cpu, monkeypatch, capsys):
-    """Guards `perf train --hardware cpu --devices 2` (it raised "lists no link bandwidth"): two
-    ranks as `slipstream train --nproc 2` starts them, one thread each, joined by the link measured
-    among 2 ranks, whose collectives a tensor-parallel layout exposes; one device stays this
-    process's calibration without a link."""
+def test_perf_train_plan_and_whatif_price_ranks_of_this_cpu(link, cache_home, known_cpu, monkeypatch, capsys):
+    """Guards `perf train`, `perf plan` and `perf whatif` on `--hardware cpu --devices 2` (they
+    raised "lists no link bandwidth"): two ranks as `slipstream train --nproc 2` starts them, one
+    thread each, joined by the link measured among 2 ranks, whose collectives a tensor-parallel
+    layout exposes; one device stays this process's calibration without a link."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
     monkeypatch.setattr(collectives_bench, "measure", _no_measurement)
     argv = ["perf", "train", "--hardware", "cpu", "--model", "tiny", "--dtype", "fp32", "--global-batch", "8",
@@ -231,8 +231,11 @@ def test_perf_train_prices_ranks_of_this_cpu(link, cache_home, known_cpu, monkey
         torch.set_num_threads(2)
         tp = _json(argv + ["--devices", "2", "--tp", "2"], capsys)
         one = _json(argv + ["--devices", "1"], capsys)
+        plans = _json(["perf", "plan", *argv[2:], "--devices", "2"], capsys)["plans"]
+        whatif = _json(["perf", "whatif", *argv[2:], "--devices", "2", "--scale", "link=2"], capsys)
     finally:
         torch.set_num_threads(threads)
-    assert known_cpu == [1, 2]
+    assert known_cpu == [1, 2, 1, 1]
+    assert plans and whatif["scaled_hardware"].endswith("x 2 ranks over gloo (link x2)")
     assert tp["hardware"].endswith("x 2 ranks over gloo") and tp["breakdown_s"]["exposed_comm_s"] > 0
     assert "ranks" not in one["hardware"] and one["breakdown_s"]["exposed_comm_s"] == 0

@@ -166,11 +166,16 @@ def layout_from(args: argparse.Namespace) -> Layout:
                   virtual_stages=args.vp)
 
 
+def _training_hardware(args: argparse.Namespace) -> tuple[Accelerator, Efficiency, str]:
+    """--hardware and the efficiency for a training step on --devices ranks: on this CPU, ranks as
+    `slipstream train --nproc` starts them (`train_accelerator`)."""
+    acc, latency_s = train_accelerator(args.hardware, [("--devices", {"world_size": args.devices})])
+    return acc, *efficiency_for(args, acc, latency_s)
+
+
 def train(args: argparse.Namespace) -> Result:
     layout = layout_from(args)
-    # On this CPU, --devices ranks as `slipstream train --nproc` starts them (`train_accelerator`).
-    acc, latency_s = train_accelerator(args.hardware, [("--devices", {"world_size": args.devices})])
-    eff, source = efficiency_for(args, acc, latency_s)
+    acc, eff, source = _training_hardware(args)
     p = predict_training(train_setup(args), layout, acc, eff)
     d = p.to_dict() | {"hardware": acc.name, "model": args.model, "efficiency": source}
     m = p.memory
@@ -303,11 +308,11 @@ def _refuse_eager_for_training(args: argparse.Namespace, serving: bool, how: str
 
 def plan(args: argparse.Namespace) -> Result:
     _refuse_eager_for_training(args, args.serve, "add --serve to plan serving")
-    acc = get_accelerator(args.hardware)
-    eff, source = efficiency_for(args, acc)
     if args.devices < 1 or args.top < 1:
         raise ValueError(f"--devices and --top must be >= 1, got {args.devices} and {args.top}")
     if args.serve:
+        acc = get_accelerator(args.hardware)
+        eff, source = efficiency_for(args, acc)
         _refuse_unread(args, _TRAINING_OPTIONS, "with --serve (it describes a training step)")
         plans = planner.plan_serving(_serve_setup(args), args.devices, acc, args.input_len,
                                      args.output_len, args.max_num_seqs, eff)[:args.top]
@@ -324,6 +329,7 @@ def plan(args: argparse.Namespace) -> Result:
                    f"{', '.join(map(str, planner.MICRO_BATCH_SIZES))} and each recomputation, keeping the "
                    "fastest that fits; perf train prices one)")
     setup = train_setup(args)
+    acc, eff, source = _training_hardware(args)
     plans = planner.plan_training(setup, args.devices, acc, eff, top=args.top)
     if not plans:
         raise ValueError(f"no layout of {args.model} fits on {args.devices} x {acc.name}")
@@ -361,15 +367,14 @@ def what_if(args: argparse.Namespace) -> Result:
     reaches a target, and whether it fits in memory on each (a training step's memory per device,
     a decode batch in the KV cache; memory_capacity changes only that)."""
     _refuse_eager_for_training(args, args.serve, "add --serve for a decode step")
-    acc = get_accelerator(args.hardware)
-    eff, source = efficiency_for(args, acc)
-    scaled = _scaled(acc, args.scale)
     if not args.serve:
         _refuse_unread(args, ("batch", "context"),
                        "without --serve (it describes a decode step: add --serve)")
         if args.target_tokens_per_s_per_user is not None:
             raise ValueError("--target-tokens-per-s-per-user is for a decode step: add --serve")
         setup, layout = train_setup(args), layout_from(args)
+        acc, eff, source = _training_hardware(args)
+        scaled = _scaled(acc, args.scale)
 
         def predict(a):
             return predict_training(setup, layout, a, eff)
@@ -386,6 +391,9 @@ def what_if(args: argparse.Namespace) -> Result:
         return "\n".join(lines), d | {"scaled_hardware": scaled.name, "efficiency": source}
     _refuse_unread(args, _LAYOUT_OPTIONS + _TRAINING_OPTIONS,
                    "with --serve (it describes a training step; a decode step runs on --tp devices)")
+    acc = get_accelerator(args.hardware)
+    eff, source = efficiency_for(args, acc)
+    scaled = _scaled(acc, args.scale)
     if args.target_step_s is not None:
         raise ValueError("--target-step-s is for a training step; with --serve use "
                          "--target-tokens-per-s-per-user")
