@@ -77,6 +77,25 @@ def test_the_fitted_link_reproduces_a_weighted_least_squares_line(link):
         assert collective_time_s("all_reduce", size, 2, link.link) == pytest.approx(priced, rel=1e-12)
 
 
+@pytest.mark.slow
+def test_three_ranks_price_their_measured_all_reduces(tmp_path, monkeypatch):
+    """Guards an odd world (3 ranks on 2 cores): sizes rounded to whole fp32 elements per rank, bus
+    factor 4/3 and 4 ring steps; the model's all-reduce over the measured link gives the fit's line
+    alpha + beta * 4/3 * size back at every measured size."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    link = hardware.calibrate_link(3)
+    fit = link.fit
+    assert all(size % 12 == 0 for size in link.sizes_bytes)  # 3 ranks x 4 bytes
+    acc = hardware.local_accelerator(known_calibration(PEAK_FLOPS, PEAK_READ), link)
+    device = Device(accelerator=acc, efficiency=default_efficiency(acc, link.link.latency_s), dtype="fp32",
+                    element_bytes=4)
+    print(f"3 ranks: alpha {1e6 * fit.alpha_s:.0f} us, busbw {fit.busbw_bytes_per_s / 1e9:.2f} GB/s")
+    assert link.link.latency_s == pytest.approx(fit.alpha_s / 4)
+    for size in link.sizes_bytes:
+        priced = device.collective("all_reduce", size, 3, acc.devices_per_node).comm_s
+        assert priced == pytest.approx(fit.alpha_s + fit.beta_s_per_byte * size * 4 / 3, rel=1e-9)
+
+
 def test_the_link_is_cached_and_read_back(link, cache_home, monkeypatch, tmp_path):
     """Guards the cache: the measurement's file reads back equal without measuring again; a
     measurement is built from the timings `collectives_bench.measure` returns; `force` measures
