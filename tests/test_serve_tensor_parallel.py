@@ -330,3 +330,65 @@ def test_tensor_parallel_follows_one_process_under_random_traffic(model_dir):
             assert engine.scheduler.kv_cache.num_used_blocks == 0
     finally:
         two.shutdown()
+
+
+SHARED_EXCHANGE_RANK = textwrap.dedent("""
+    import datetime, sys, torch
+    import torch.distributed as dist
+    from slipstream.serve.shm_collectives import SharedExchange
+    rank, port, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+    group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=60))
+    shared = SharedExchange(path, rank, 2, 4096, alive=lambda: True, timeout_s=60)
+    store.set(f"mapped{rank}", "1")
+    shapes, values = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1 + rank)
+    ops = []  # (kind, input, result): all through the buffer first, back to back, then checked
+    for i in range(600):
+        rows = int(torch.randint(1, 17, (1,), generator=shapes))
+        x = torch.randn(rows, 64, generator=values).to((torch.float32, torch.bfloat16)[i % 2])
+        if i % 5 in (3, 4):  # two gathers in a row
+            ops.append(("gather", x, shared.gather(x)))
+        else:
+            ops.append(("all_reduce", x, shared.all_reduce_(x.clone())))
+    options = dist.GatherOptions()
+    options.rootRank = 0
+    for kind, x, result in ops:
+        if kind == "gather":
+            expected = [torch.empty_like(x) for _ in range(2)] if rank == 0 else []
+            group.gather([expected] if rank == 0 else [], [x], options).wait()
+            assert (result is None) == (rank != 0)
+            assert rank != 0 or all(torch.equal(p, e) for p, e in zip(result, expected))
+        else:
+            reference = x.clone()
+            group.allreduce([reference]).wait()
+            torch.testing.assert_close(result, reference, rtol=0, atol=0)
+            both = [torch.empty_like(result) for _ in range(2)]
+            group.allgather([both], [result]).wait()
+            assert torch.equal(both[0], both[1])  # the same bits on both ranks
+    print("ok", flush=True)
+""")
+
+
+def test_shared_memory_collectives_equal_gloo_and_agree_bitwise(tmp_path):
+    """600 collectives of random sizes and dtypes between two processes through the shared buffer,
+    back to back (gathers two in a row): each all-reduce equals gloo's and holds the same bits on
+    both ranks, and each gather equals gloo's."""
+    import torch.distributed as dist
+
+    from slipstream.serve.shm_collectives import SharedExchange
+
+    if not SharedExchange.supported(torch.device("cpu")):
+        pytest.skip("the shared exchange needs x86 and /dev/shm")
+    path = SharedExchange.create(2, 4096)
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    script = tmp_path / "rank.py"
+    script.write_text(SHARED_EXCHANGE_RANK)
+    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(store.port), path],
+                              stdout=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        store.wait(["mapped0", "mapped1"])
+        os.unlink(path)
+        assert [rank.communicate(timeout=120)[0].strip() for rank in ranks] == ["ok", "ok"]
+    finally:
+        for rank in ranks:
+            rank.kill()

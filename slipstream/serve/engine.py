@@ -76,7 +76,13 @@ from slipstream.serve.structured import (
     Vocabulary,
     grammar_tokenizer,
 )
-from slipstream.serve.tensor_parallel import Start, Workers, check_tensor_parallel, shard_model
+from slipstream.serve.tensor_parallel import (
+    Start,
+    Workers,
+    check_tensor_parallel,
+    exchange_bytes,
+    shard_model,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -270,8 +276,11 @@ class Engine:
         workers started for the others), the limits they leave and the runner over them."""
         config = self.config
         if config.tensor_parallel_size > 1:  # first, so that the workers load while this process does
-            self.workers = Workers(model=config.model, dtype=dtype, device=device,
-                                   size=config.tensor_parallel_size, fast_cpu_kernels=config.fast_cpu_kernels)
+            size = config.tensor_parallel_size
+            slot_bytes = exchange_bytes(self.model_config, size, dtype, max_num_seqs=config.max_num_seqs,
+                                        max_num_batched_tokens=config.max_num_batched_tokens)
+            self.workers = Workers(model=config.model, dtype=dtype, device=device, size=size,
+                                   fast_cpu_kernels=config.fast_cpu_kernels, slot_bytes=slot_bytes)
         model = load_model(config.model, dtype=dtype, device=device)
         if self.workers is not None:
             model = shard_model(model, self.workers.connect())

@@ -43,6 +43,7 @@ from torch import nn
 from slipstream.model.config import ModelConfig
 from slipstream.model.transformer import MLP, SparseMoeBlock, Transformer
 from slipstream.ops.paged_attention import PagedBatch
+from slipstream.serve.shm_collectives import SharedExchange
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +77,14 @@ def check_tensor_parallel(config: ModelConfig, size: int, device: torch.device) 
 
 
 class Collectives:
-    """The tensor-parallel ranks' process group: sums partial outputs, gathers logits at rank 0."""
+    """The tensor-parallel ranks' process group: sums partial outputs, gathers logits at rank 0.
+    On a CPU, tensors that fit its slots go through the ranks' shared buffer (`shared`), about 20x
+    faster than gloo's loopback TCP for a decode step's rows; the rest through the group."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device) -> None:
+    def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device,
+                 shared: SharedExchange | None = None) -> None:
         self.rank, self.size = rank, size
+        self.shared = shared
         store = dist.PrefixStore("tensor_parallel", store)
         if device.type == "cuda":
             self.group = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
@@ -88,11 +93,15 @@ class Collectives:
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place."""
+        if self.shared is not None and self.shared.fits(x):
+            return self.shared.all_reduce_(x)
         self.group.allreduce([x]).wait()
         return x
 
     def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `x` at rank 0, in rank order (None on the others)."""
+        if self.shared is not None and self.shared.fits(x):
+            return self.shared.gather(x)
         options = dist.GatherOptions()
         options.rootRank = 0
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else []
@@ -200,6 +209,9 @@ class WorkerSpec:
     cpus: tuple[int, ...] | None
     """CPUs the worker is pinned to (None: not pinned)."""
     fast_cpu_kernels: bool
+    shared_path: str | None
+    """The shared buffer's file (`shm_collectives`), None where the ranks use their group only."""
+    slot_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,9 +276,12 @@ class Workers:
     is ready."""
 
     def __init__(self, *, model: str, dtype: torch.dtype, device: torch.device, size: int,
-                 fast_cpu_kernels: bool) -> None:
+                 fast_cpu_kernels: bool, slot_bytes: int) -> None:
         self.size = size
         self.device = device
+        self.slot_bytes = slot_bytes
+        self.shared_path = (SharedExchange.create(size, slot_bytes) if SharedExchange.supported(device)
+                            else None)
         self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
         threads, cpus = _threads_and_cpus(size, device)
@@ -278,7 +293,8 @@ class Workers:
         for rank in range(1, size):
             spec = WorkerSpec(model=model, dtype=dtype, device=str(_rank_device(device, rank)), rank=rank,
                               size=size, port=self.store.port, threads=threads,
-                              cpus=cpus[rank] if cpus else None, fast_cpu_kernels=fast_cpu_kernels)
+                              cpus=cpus[rank] if cpus else None, fast_cpu_kernels=fast_cpu_kernels,
+                              shared_path=self.shared_path, slot_bytes=slot_bytes)
             process = subprocess.Popen(
                 [sys.executable, "-m", "slipstream.serve.tensor_parallel_worker"], stdin=subprocess.PIPE,
                 start_new_session=True,  # a Ctrl-C reaches the driver, which stops its workers
@@ -286,12 +302,19 @@ class Workers:
             self.processes.append(process)
             pickle.dump(spec, process.stdin)
             process.stdin.flush()
-        self._finalizer = weakref.finalize(self, _stop, self.processes, threads_before)
+        self._finalizer = weakref.finalize(self, _stop, self.processes, threads_before, self.shared_path)
 
     def connect(self) -> Collectives:
-        """Wait until every worker has reached the rendezvous, then join their process group."""
+        """Wait until every worker has reached the rendezvous (having mapped the shared buffer,
+        whose file then goes: the mappings keep it), then join their process group."""
         self._wait_for(joined_key, deadline=time.monotonic() + START_TIMEOUT_S)
-        return Collectives(self.store, 0, self.size, self.device)
+        shared = None
+        if self.shared_path is not None:
+            shared = SharedExchange(self.shared_path, 0, self.size, self.slot_bytes,
+                                    alive=lambda: self.alive, timeout_s=COLLECTIVE_TIMEOUT.total_seconds())
+            os.unlink(self.shared_path)
+            self.shared_path = None
+        return Collectives(self.store, 0, self.size, self.device, shared)
 
     @property
     def alive(self) -> bool:
@@ -345,9 +368,11 @@ class Workers:
                 time.sleep(0.02)
 
 
-def _stop(processes: list[subprocess.Popen], threads: int) -> None:
-    """Close the workers' pipes, wait for them to exit (kill one that does not), and give this
-    process back its `threads`."""
+def _stop(processes: list[subprocess.Popen], threads: int, shared_path: str | None) -> None:
+    """Close the workers' pipes, wait for them to exit (kill one that does not), give this
+    process back its `threads`, and remove the shared buffer's file if no `connect` did."""
+    if shared_path is not None and os.path.exists(shared_path):
+        os.unlink(shared_path)
     for process in processes:
         if process.stdin and not process.stdin.closed:
             try:
@@ -361,6 +386,16 @@ def _stop(processes: list[subprocess.Popen], threads: int) -> None:
             process.kill()
             process.wait()
     torch.set_num_threads(threads)
+
+
+def exchange_bytes(config: ModelConfig, size: int, dtype: torch.dtype, *, max_num_batched_tokens: int,
+                   max_num_seqs: int) -> int:
+    """Bytes of a shared-buffer slot: the largest all-reduce of a step (its tokens' hidden states)
+    or a gather of its sampled rows' logits, whichever is larger, in 64-byte lines. Larger ones
+    (prompt logprobs over a long chunk) go through the process group."""
+    elements = max(max_num_batched_tokens * config.hidden_size,
+                   max_num_seqs * -(-config.vocab_size // size))
+    return -(-elements * dtype.itemsize // 64) * 64
 
 
 def _rank_device(device: torch.device, rank: int) -> torch.device:

@@ -20,7 +20,9 @@ import torch.distributed as dist
 from slipstream.model.weights import load_model
 from slipstream.ops.inference import optimize_for_cpu_inference
 from slipstream.serve.runner import Runner
+from slipstream.serve.shm_collectives import SharedExchange
 from slipstream.serve.tensor_parallel import (
+    COLLECTIVE_TIMEOUT,
     START_TIMEOUT_S,
     Collectives,
     Forward,
@@ -46,8 +48,14 @@ def main() -> None:
     store = dist.TCPStore("127.0.0.1", spec.port, spec.size, is_master=False,
                           timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
     try:
+        shared = None
+        if spec.shared_path is not None:  # mapped before joining: the driver then removes its file
+            driver = os.getppid()
+            shared = SharedExchange(spec.shared_path, spec.rank, spec.size, spec.slot_bytes,
+                                    alive=lambda: os.getppid() == driver,
+                                    timeout_s=COLLECTIVE_TIMEOUT.total_seconds())
         store.set(joined_key(spec.rank), "ok")
-        collectives = Collectives(store, spec.rank, spec.size, device)
+        collectives = Collectives(store, spec.rank, spec.size, device, shared)
         model = shard_model(load_model(spec.model, dtype=spec.dtype, device=device), collectives)
         if spec.fast_cpu_kernels:
             model = optimize_for_cpu_inference(model)
