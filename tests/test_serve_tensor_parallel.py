@@ -159,18 +159,28 @@ def test_tensor_parallel_logprobs_match_one_process(engines):
                 assert position_b[token].logprob == pytest.approx(logprob.logprob, abs=1e-4)
 
 
-def test_tensor_parallel_records_price_both_ranks(model_dir, tmp_path):
-    """A metrics header names the size and eager steps; MFU is over both ranks' peaks."""
-    llm = LLM(str(model_dir), tensor_parallel_size=2, metrics_dir=tmp_path)
+def test_tensor_parallel_records_price_both_ranks(model_dir, tmp_path, monkeypatch):
+    """A metrics header names the size and eager steps; on a CPU with a core per rank MFU is over
+    both ranks' FLOPs and bandwidth use over one memory system's bandwidth."""
+    from slipstream.serve import records
+
+    peaks = records.Peaks("test cpu", 1e11, 2e10, "a test's")
+    monkeypatch.setattr(records, "hardware_peaks", lambda device, dtype: peaks)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
     try:
+        llm = LLM(str(model_dir), tensor_parallel_size=2, metrics_dir=tmp_path)
         llm.generate([[5, 6, 7] * 5], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    finally:
         llm.engine.shutdown()
+    finally:
+        torch.set_num_threads(threads)
     header, *steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert header["tensor_parallel_size"] == 2 and header["enforce_eager"] is True
+    assert header["num_threads"] == 1
     step = next(s for s in steps if s["kind"] == "engine_step")
-    if header["peak_flops_per_s"] is not None:
-        assert step["mfu"] == pytest.approx(step["flops_per_s"] / (2 * header["peak_flops_per_s"]))
+    assert step["mfu"] == pytest.approx(step["flops_per_s"] / 2e11)
+    assert step["mbu"] == pytest.approx(step["read_bytes_per_s"] / 2e10)
 
 
 def test_tensor_parallel_embeddings_match_one_process(model_dir):
@@ -392,3 +402,86 @@ def test_shared_memory_collectives_equal_gloo_and_agree_bitwise(tmp_path):
     finally:
         for rank in ranks:
             rank.kill()
+
+
+def test_a_step_that_fails_on_the_driver_stops_the_workers(model_dir):
+    """An exception in the driver's part of a forward pass leaves its worker inside the step: the
+    engine stops it and refuses every later step (rather than letting the ranks pair different
+    collectives), and says so through is_healthy."""
+    llm = LLM(str(model_dir), tensor_parallel_size=2)
+    engine = llm.engine
+    attention = engine.runner.model.model.layers[1].self_attn
+    original = attention.forward
+
+    def broken(*args):
+        attention.forward = original
+        raise MemoryError("injected")
+
+    attention.forward = broken
+    with pytest.raises(MemoryError, match="injected"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not engine.is_healthy
+    assert engine.workers.processes[0].poll() is not None
+    with pytest.raises(RuntimeError, match=r"stopped after a step failed \(MemoryError: injected\)"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+    engine.shutdown()
+
+
+def _listening_addresses(pid: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp writes them) of the TCP sockets `pid` listens on."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        target = os.readlink(f"/proc/{pid}/fd/{fd}") if os.path.islink(f"/proc/{pid}/fd/{fd}") else ""
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    addresses = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                addresses.add(fields[1].rsplit(":", 1)[0])
+    return addresses
+
+
+def test_the_ranks_listen_on_loopback_only(model_dir):
+    """Neither the driver nor its worker accepts connections from another host: the rendezvous is
+    a file store and gloo binds 127.0.0.1 (a TCP store listens on every interface)."""
+    llm = LLM(str(model_dir), tensor_parallel_size=2)
+    try:
+        for pid in (os.getpid(), llm.engine.workers.processes[0].pid):
+            assert _listening_addresses(pid) <= {"0100007F"}, pid  # 127.0.0.1
+    finally:
+        llm.engine.shutdown()
+
+
+def test_kv_cache_memory_for_every_rank_must_fit_in_ram(model_dir):
+    """On a CPU the ranks' caches share the RAM: kv_cache_memory (per rank) times the size must fit,
+    which is checked before any worker starts."""
+    from slipstream.serve.engine import host_memory
+
+    def children() -> str:
+        return open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read()
+
+    before = children()
+    with pytest.raises(ValueError, match=r"per rank times tensor_parallel_size 2 is more than"):
+        LLM(str(model_dir), tensor_parallel_size=2, kv_cache_memory=host_memory()[0] * 6 // 10)
+    assert children() == before  # no worker was started
+
+
+def test_workers_run_the_drivers_code_not_the_working_directorys(model_dir, tmp_path):
+    """Started from a directory holding another (broken) `slipstream`, the worker still imports the
+    driver's: it is started with -P and the driver's module path."""
+    broken = tmp_path / "cwd" / "slipstream"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('the wrong slipstream')\n")
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(f"""
+        from slipstream import LLM, SamplingParams
+        llm = LLM({str(model_dir)!r}, tensor_parallel_size=2)
+        [output] = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)
+        print(len(output.outputs[0].token_ids))
+        llm.engine.shutdown()
+    """))
+    result = subprocess.run([sys.executable, str(script)], cwd=broken.parent, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "3", result.stderr[-2000:]

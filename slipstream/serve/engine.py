@@ -81,7 +81,7 @@ from slipstream.serve.tensor_parallel import (
     Workers,
     check_tensor_parallel,
     exchange_bytes,
-    shard_model,
+    load_shard,
 )
 
 logger = logging.getLogger(__name__)
@@ -235,10 +235,15 @@ class Engine:
             check_tensor_parallel(model_config, config.tensor_parallel_size, device)
         self.model_config = model_config
         try:
-            self.limits, self.runner = self._load(dtype, device)
+            self._start(dtype, device)
         except BaseException:
-            self.shutdown()  # workers started for a failed engine
+            self.shutdown()  # workers started for an engine that failed to start
             raise
+
+    def _start(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Load the weights and build the runner, the scheduler and the engine's bookkeeping."""
+        config = self.config
+        self.limits, self.runner = self._load(dtype, device)
         self.pooler = PoolerConfig.from_model_dir(config.model) if config.runner == "pooling" else None
         """How embeddings are made, for a pooling engine (None: a generating one)."""
         self.scheduler = Scheduler(SchedulerConfig(
@@ -275,18 +280,22 @@ class Engine:
         """The weights on the device (this rank's shard of them under tensor parallelism, with the
         workers started for the others), the limits they leave and the runner over them."""
         config = self.config
+        # A CPU's limits do not depend on the weights: a bad one is refused before any worker starts.
+        limits = _derive_limits(config, self.model_config, self.tokenizer, dtype, device) \
+            if device.type == "cpu" else None
         if config.tensor_parallel_size > 1:  # first, so that the workers load while this process does
             size = config.tensor_parallel_size
             slot_bytes = exchange_bytes(self.model_config, size, dtype, max_num_seqs=config.max_num_seqs,
                                         max_num_batched_tokens=config.max_num_batched_tokens)
             self.workers = Workers(model=config.model, dtype=dtype, device=device, size=size,
                                    fast_cpu_kernels=config.fast_cpu_kernels, slot_bytes=slot_bytes)
-        model = load_model(config.model, dtype=dtype, device=device)
-        if self.workers is not None:
-            model = shard_model(model, self.workers.connect())
+            model = load_shard(config.model, dtype, device, self.workers.connect())
+        else:
+            model = load_model(config.model, dtype=dtype, device=device)
         if config.fast_cpu_kernels:
             model = optimize_for_cpu_inference(model)
-        limits = _derive_limits(config, self.model_config, self.tokenizer, dtype, device)
+        if limits is None:
+            limits = _derive_limits(config, self.model_config, self.tokenizer, dtype, device)
         if self.workers is not None:
             self.workers.start(Start(num_blocks=limits.num_blocks, block_size=config.block_size,
                                      max_num_seqs=config.max_num_seqs, max_model_len=limits.max_model_len))
@@ -988,6 +997,10 @@ def _derive_limits(
         if config.kv_cache_memory > total:
             raise ValueError(f"kv_cache_memory of {config.kv_cache_memory / 2**30:.1f} GiB is more than "
                              f"the {total / 2**30:.1f} GiB of memory this {device.type} device has")
+        if device.type == "cpu" and tp * config.kv_cache_memory > total:  # the ranks share the RAM
+            raise ValueError(f"kv_cache_memory of {config.kv_cache_memory / 2**30:.1f} GiB per rank times "
+                             f"tensor_parallel_size {tp} is more than the {total / 2**30:.1f} GiB of RAM "
+                             "here")
     budget = config.kv_cache_memory or _default_kv_cache_bytes(
         config, max_model_len, bytes_per_block, device
     )

@@ -394,14 +394,17 @@ def _kv_cache_bytes_for(utilization: Any, config: EngineConfig) -> int:
     a CPU, of RAM, as vLLM's CPU backend reads it) is this instance's, for its weights and KV
     cache, so the KV cache gets the fraction less the weights and what the process already holds.
     vLLM also fits the activations it profiles into the fraction; slipstream does not profile, so
-    they come out of the rest."""
+    they come out of the rest. Under tensor parallelism the result is per rank (kv_cache_memory
+    is): on CUDA each rank's device holds its share of the weights, a CPU's ranks share its RAM.
+    The embedding, whole on every rank, is counted once."""
     if (isinstance(utilization, bool) or not isinstance(utilization, (int, float))
             or not 0 < utilization <= 1):
         raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {utilization!r}")
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model_config = ModelConfig.from_pretrained(config.model)
     dtype = resolve_dtype(model_config.dtype if config.dtype == "auto" else config.dtype)
-    weights = weight_bytes(model_config, dtype)
+    tp = config.tensor_parallel_size
+    weights = weight_bytes(model_config, dtype) // (tp if device.type == "cuda" else 1)
     total, free, held = _device_memory(device)
     share = int(utilization * total)
     asked = f"gpu_memory_utilization={utilization} gives {_gib(share)} of the {device.type}'s {_gib(total)}"
@@ -411,7 +414,7 @@ def _kv_cache_bytes_for(utilization: Any, config: EngineConfig) -> int:
     if share - held > free:
         raise ValueError(f"{asked}: {_gib(share - held)} beyond the {_gib(held)} the process holds, "
                          f"but only {_gib(free)} are free; lower it or free memory")
-    return share - held - weights
+    return (share - held - weights) // (1 if device.type == "cuda" else tp)
 
 
 def _device_memory(device: torch.device) -> tuple[int, int, int]:

@@ -96,6 +96,17 @@ class Peaks:
     source: str
 
 
+def _peak_multiples(tensor_parallel_size: int, device: torch.device) -> tuple[int, int]:
+    """How many times one rank's peak FLOPs and read bandwidth a tensor-parallel step has: on GPUs
+    each rank is a device of its own; a CPU's ranks, each at its share of the threads (the
+    calibration's thread count), add up their cores' FLOPs (as many as the cores hold) but share
+    one memory system, whose read bandwidth (at one rank's threads) stands for it."""
+    if device.type != "cpu":
+        return tensor_parallel_size, tensor_parallel_size
+    cores = len(os.sched_getaffinity(0)) // torch.get_num_threads()
+    return max(1, min(tensor_parallel_size, cores)), 1
+
+
 def hardware_peaks(device: torch.device, dtype: torch.dtype) -> Peaks:
     """The peaks of `device` for `dtype`: a GPU's datasheet where the accelerator table has it,
     else the device's cached calibration (`perf.hardware.cached_calibration`). Never a new
@@ -294,8 +305,7 @@ class EngineRecords:
         self._takes_logits = engine.pooler is None
         self._peaks = hardware_peaks(engine.limits.device, engine.limits.dtype)
         self._devices = engine.config.tensor_parallel_size
-        """Devices the step runs on: MFU and bandwidth use are over all of their peaks (on a CPU
-        each rank's peak is that of its share of the threads)."""
+        self._compute_devices, self._memory_devices = _peak_multiples(self._devices, engine.limits.device)
         self._wall_minus_monotonic_s = time.time() - time.monotonic()
         self._num_steps = 0
         self._counters = self._totals(engine)
@@ -371,10 +381,10 @@ class EngineRecords:
             "flops": step_flops, "flops_per_s": step_flops / step_s,
             "mfu": (None if peaks.flops_per_s is None
                     else flops.mfu(work.num_rows / step_s, step_flops / work.num_rows,
-                                   peaks.flops_per_s * self._devices)),
+                                   peaks.flops_per_s * self._compute_devices)),
             "read_bytes": read_bytes, "read_bytes_per_s": read_bytes / step_s,
             "mbu": (None if peaks.read_bytes_per_s is None
-                    else flops.mbu(1 / step_s, read_bytes, peaks.read_bytes_per_s * self._devices)),
+                    else flops.mbu(1 / step_s, read_bytes, peaks.read_bytes_per_s * self._memory_devices)),
         })
 
     def completion(self, entry: PromptOutput, sequence: SequenceOutput, num_preemptions: int,

@@ -9,10 +9,11 @@ logprobs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -248,15 +249,29 @@ class Runner:
     ) -> torch.Tensor:
         """(N,) token ids and positions laid out by `batch` -> (N, E) final-norm hidden states,
         module by module."""
-        if self.workers is not None:
-            self.workers.forward(token_ids, positions, batch)
         attn = PagedAttention(self.cache, batch, self.use_kernels)
-        return self.model.hidden_states(token_ids[None], positions[None], attn)[0]
+        if self.workers is None:
+            return self.model.hidden_states(token_ids[None], positions[None], attn)[0]
+        self.workers.forward(token_ids, positions, batch)
+        with self._with_workers():
+            return self.model.hidden_states(token_ids[None], positions[None], attn)[0]
 
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, E) -> (N, V)
-        if self.workers is not None:
-            self.workers.logits(hidden)
-        return self.model.compute_logits(hidden)
+        if self.workers is None:
+            return self.model.compute_logits(hidden)
+        self.workers.logits(hidden)
+        with self._with_workers():
+            return self.model.compute_logits(hidden)
+
+    @contextlib.contextmanager
+    def _with_workers(self) -> Iterator[None]:
+        """This rank's part of what the workers were just told to compute: should it fail (an
+        exception, a Ctrl-C) the ranks are no longer in step, so the workers are stopped."""
+        try:
+            yield
+        except BaseException as error:
+            self.workers.fail(error)
+            raise
 
     def _logits(self, plan: StepPlan, hidden: torch.Tensor) -> StepLogits:
         ends = list(itertools.accumulate(c.num_tokens for c in plan.chunks))  # past each chunk's rows

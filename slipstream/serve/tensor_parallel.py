@@ -17,9 +17,11 @@ The engine's own process is rank 0, the driver: it schedules, samples and comput
 Ranks 1.. are worker processes (`python -m slipstream.serve.tensor_parallel_worker`), each with its
 shard and its part of every KV block. The driver sends each worker what to compute over its stdin
 (a pickled `Forward` or `Logits` per forward pass), and the ranks exchange tensors through a
-process group of their own (gloo on CPU, NCCL on CUDA; not torch.distributed's default group, so
-a process that has one keeps it). A worker exits when its stdin closes, so it never outlives the
-driver; the driver raises once a worker has died.
+process group of their own (gloo over loopback on CPU, NCCL on CUDA; not torch.distributed's
+default group, so a process that has one keeps it), from a file store in a private directory, and
+on an x86 CPU through shared memory (`shm_collectives`). A worker exits when its stdin closes,
+so it never outlives the driver; the driver raises once a worker has died, and stops its
+workers when a step fails on its side (`Workers.fail`).
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ import datetime
 import logging
 import os
 import pickle
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,6 +47,7 @@ from torch import nn
 
 from slipstream.model.config import ModelConfig
 from slipstream.model.transformer import MLP, SparseMoeBlock, Transformer
+from slipstream.model.weights import load_model
 from slipstream.ops.paged_attention import PagedBatch
 from slipstream.serve.shm_collectives import SharedExchange
 
@@ -52,6 +58,9 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 exits closes its connections and the others fail at once)."""
 START_TIMEOUT_S = 120.0
 """How long the driver waits for a worker to start its interpreter and reach the rendezvous."""
+STOP_TIMEOUT_S = 2.0
+"""How long a stopped worker has to exit before it is killed (a serving worker exits at once;
+one still loading its shard does not read its stdin)."""
 
 
 def check_tensor_parallel(config: ModelConfig, size: int, device: torch.device) -> None:
@@ -89,7 +98,11 @@ class Collectives:
         if device.type == "cuda":
             self.group = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
         else:
-            self.group = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = COLLECTIVE_TIMEOUT
+            # Loopback, not whatever the host name resolves to: the ranks are all on this host.
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            self.group = dist.ProcessGroupGloo(store, rank, size, options)
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place."""
@@ -168,6 +181,13 @@ def shard_model(model: Transformer, collectives: Collectives) -> Transformer:
     return model
 
 
+def load_shard(model_dir: str, dtype: torch.dtype, device: torch.device,
+               collectives: Collectives) -> Transformer:
+    """This rank's shard of the model in `model_dir` on `device`: loaded on the host (memory-mapped
+    where the dtype is kept), split there, and only the shard moved to the device."""
+    return shard_model(load_model(model_dir, dtype=dtype, device="cpu"), collectives).to(device)
+
+
 def _experts(block: SparseMoeBlock) -> list[MLP]:
     return [*block.experts, *([block.shared_expert] if hasattr(block, "shared_expert") else [])]
 
@@ -204,10 +224,8 @@ class WorkerSpec:
     device: str
     rank: int
     size: int
-    port: int
+    store_path: str
     threads: int
-    cpus: tuple[int, ...] | None
-    """CPUs the worker is pinned to (None: not pinned)."""
     fast_cpu_kernels: bool
     shared_path: str | None
     """The shared buffer's file (`shm_collectives`), None where the ranks use their group only."""
@@ -268,41 +286,57 @@ def joined_key(rank: int) -> str:
     return f"joined/{rank}"
 
 
+def open_store(path: str, size: int) -> dist.FileStore:
+    """The ranks' rendezvous: a file in a directory only this user can read (a TCP store would
+    listen on every interface)."""
+    store = dist.FileStore(path, size)
+    store.set_timeout(datetime.timedelta(seconds=START_TIMEOUT_S))
+    return store
+
+
 class Workers:
     """The driver's handle on ranks 1 .. size-1: starts them, tells them each step's work, stops them.
 
     Making one starts the processes, so that they load their shards while the driver loads its
     own; `connect` joins their process group; `start` sizes their KV caches and waits until each
-    is ready."""
+    is ready. A step that fails on the driver after its workers began it (an exception, a
+    Ctrl-C) leaves the ranks at different points of it: `fail` stops the workers, and every later
+    step is an error, rather than ranks pairing different collectives."""
 
     def __init__(self, *, model: str, dtype: torch.dtype, device: torch.device, size: int,
                  fast_cpu_kernels: bool, slot_bytes: int) -> None:
         self.size = size
         self.device = device
         self.slot_bytes = slot_bytes
+        self.failure: str | None = None
+        """Why the workers were stopped after a failed step (None while they serve)."""
+        self._directory = tempfile.mkdtemp(prefix="slipstream-tp-")  # mode 0700
+        self.store = open_store(os.path.join(self._directory, "store"), size)
         self.shared_path = (SharedExchange.create(size, slot_bytes) if SharedExchange.supported(device)
                             else None)
-        self.store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
-        threads, cpus = _threads_and_cpus(size, device)
+        threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else torch.get_num_threads()
         threads_before = torch.get_num_threads()
         if device.type == "cpu":  # process-wide: another engine in this process gets this share too
             torch.set_num_threads(threads)
         logger.info("tensor parallel over %d ranks, %d thread(s) each", size, threads)
+        # The driver's module path, not the working directory's (-P): the workers run the same code.
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.processes: list[subprocess.Popen] = []
         for rank in range(1, size):
             spec = WorkerSpec(model=model, dtype=dtype, device=str(_rank_device(device, rank)), rank=rank,
-                              size=size, port=self.store.port, threads=threads,
-                              cpus=cpus[rank] if cpus else None, fast_cpu_kernels=fast_cpu_kernels,
-                              shared_path=self.shared_path, slot_bytes=slot_bytes)
+                              size=size, store_path=os.path.join(self._directory, "store"), threads=threads,
+                              fast_cpu_kernels=fast_cpu_kernels, shared_path=self.shared_path,
+                              slot_bytes=slot_bytes)
             process = subprocess.Popen(
-                [sys.executable, "-m", "slipstream.serve.tensor_parallel_worker"], stdin=subprocess.PIPE,
+                [sys.executable, "-P", "-m", "slipstream.serve.tensor_parallel_worker"],
+                stdin=subprocess.PIPE, env=env,
                 start_new_session=True,  # a Ctrl-C reaches the driver, which stops its workers
             )
             self.processes.append(process)
             pickle.dump(spec, process.stdin)
             process.stdin.flush()
-        self._finalizer = weakref.finalize(self, _stop, self.processes, threads_before, self.shared_path)
+        self._finalizer = weakref.finalize(self, _stop, self.processes, self._directory, self.shared_path,
+                                           threads_before, threads)
 
     def connect(self) -> Collectives:
         """Wait until every worker has reached the rendezvous (having mapped the shared buffer,
@@ -318,7 +352,7 @@ class Workers:
 
     @property
     def alive(self) -> bool:
-        return all(process.poll() is None for process in self.processes)
+        return self.failure is None and all(process.poll() is None for process in self.processes)
 
     def start(self, message: Start) -> None:
         self.send(message)
@@ -328,9 +362,14 @@ class Workers:
         self.send(Forward.of(token_ids, positions, batch))
 
     def logits(self, hidden: torch.Tensor) -> None:
-        self.send(Logits(hidden.clone()))  # a view would pickle all of the tensor it views
+        # A copy on the host: a view would pickle all of the tensor it views, a CUDA tensor would
+        # come back on the driver's device.
+        self.send(Logits(hidden.to("cpu", copy=True)))
 
     def send(self, message: Start | Forward | Logits) -> None:
+        if self.failure is not None:
+            raise RuntimeError(f"this engine's tensor-parallel workers were stopped after a step failed "
+                               f"({self.failure}); it cannot run any more steps")
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         for rank, process in enumerate(self.processes, start=1):
             try:
@@ -338,6 +377,12 @@ class Workers:
                 process.stdin.flush()
             except (BrokenPipeError, ValueError):
                 raise self._dead(rank) from None
+
+    def fail(self, error: BaseException) -> None:
+        """A step the workers began failed on the driver: stop them (see the class)."""
+        self.failure = f"{type(error).__name__}: {error}"
+        logger.error("stopping the tensor-parallel workers: a step failed on the driver (%s)", self.failure)
+        self.close()
 
     def close(self) -> None:
         """Stop the workers (closing their stdin ends their loop), wait for them to exit, and give
@@ -349,7 +394,7 @@ class Workers:
         how = "is gone" if code is None else f"exited with status {code}"
         return RuntimeError(f"tensor-parallel worker {rank} {how}; this engine cannot run any more steps")
 
-    def _wait_for(self, key, *, deadline: float | None) -> None:
+    def _wait_for(self, key: Callable[[int], str], *, deadline: float | None) -> None:
         """Wait until every worker has set `key(rank)` in the store ("ok", or its error)."""
         pending = set(range(1, self.size))
         while pending:
@@ -359,8 +404,9 @@ class Workers:
                     if value != "ok":
                         raise RuntimeError(f"tensor-parallel worker {rank} failed to start: {value}")
                     pending.discard(rank)
-                elif self.processes[rank - 1].poll() is not None:
-                    raise self._dead(rank)
+                elif (code := self.processes[rank - 1].poll()) is not None:
+                    raise RuntimeError(f"tensor-parallel worker {rank} exited with status {code} while "
+                                       "starting (its error is above)")
             if deadline is not None and time.monotonic() > deadline:
                 raise RuntimeError(f"tensor-parallel workers {sorted(pending)} did not start within "
                                    f"{START_TIMEOUT_S:.0f} s")
@@ -368,11 +414,11 @@ class Workers:
                 time.sleep(0.02)
 
 
-def _stop(processes: list[subprocess.Popen], threads: int, shared_path: str | None) -> None:
-    """Close the workers' pipes, wait for them to exit (kill one that does not), give this
-    process back its `threads`, and remove the shared buffer's file if no `connect` did."""
-    if shared_path is not None and os.path.exists(shared_path):
-        os.unlink(shared_path)
+def _stop(processes: list[subprocess.Popen], directory: str, shared_path: str | None, threads_before: int,
+          threads: int) -> None:
+    """Close the workers' pipes, wait for them to exit (kill one still loading after a moment),
+    remove the store's directory and the shared buffer's file if no `connect` did, and give this
+    process back its threads, unless something has set another count since."""
     for process in processes:
         if process.stdin and not process.stdin.closed:
             try:
@@ -381,11 +427,15 @@ def _stop(processes: list[subprocess.Popen], threads: int, shared_path: str | No
                 pass
     for process in processes:
         try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
+            process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # busy loading or joining, not reading its stdin
             process.kill()
             process.wait()
-    torch.set_num_threads(threads)
+    shutil.rmtree(directory, ignore_errors=True)
+    if shared_path is not None and os.path.exists(shared_path):
+        os.unlink(shared_path)
+    if torch.get_num_threads() == threads:
+        torch.set_num_threads(threads_before)
 
 
 def exchange_bytes(config: ModelConfig, size: int, dtype: torch.dtype, *, max_num_batched_tokens: int,
@@ -400,16 +450,3 @@ def exchange_bytes(config: ModelConfig, size: int, dtype: torch.dtype, *, max_nu
 
 def _rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
-
-
-def _threads_and_cpus(size: int, device: torch.device) -> tuple[int, list[tuple[int, ...]] | None]:
-    """Threads per rank and, on a CPU, the CPUs each rank is pinned to: the driver's threads
-    shared out, so that the ranks do not run on one another's cores (vLLM's CPU backend binds
-    its ranks to disjoint cores too). Pinned only where every rank gets a CPU of its own."""
-    if device.type != "cpu":
-        return torch.get_num_threads(), None
-    threads = max(1, torch.get_num_threads() // size)
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < size * threads:
-        return threads, None
-    return threads, [tuple(cpus[rank * threads : (rank + 1) * threads]) for rank in range(size)]

@@ -7,7 +7,6 @@ message from the driver says until stdin closes.
 
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
 import signal
@@ -15,23 +14,21 @@ import sys
 from typing import BinaryIO
 
 import torch
-import torch.distributed as dist
 
-from slipstream.model.weights import load_model
 from slipstream.ops.inference import optimize_for_cpu_inference
 from slipstream.serve.runner import Runner
 from slipstream.serve.shm_collectives import SharedExchange
 from slipstream.serve.tensor_parallel import (
     COLLECTIVE_TIMEOUT,
-    START_TIMEOUT_S,
     Collectives,
     Forward,
     Logits,
     Start,
     WorkerSpec,
     joined_key,
+    load_shard,
+    open_store,
     ready_key,
-    shard_model,
 )
 
 
@@ -39,14 +36,11 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
     stdin = sys.stdin.buffer
     spec: WorkerSpec = pickle.load(stdin)
-    if spec.cpus is not None:
-        os.sched_setaffinity(0, spec.cpus)
     torch.set_num_threads(spec.threads)
     device = torch.device(spec.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", spec.port, spec.size, is_master=False,
-                          timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+    store = open_store(spec.store_path, spec.size)
     try:
         shared = None
         if spec.shared_path is not None:  # mapped before joining: the driver then removes its file
@@ -56,10 +50,13 @@ def main() -> None:
                                     timeout_s=COLLECTIVE_TIMEOUT.total_seconds())
         store.set(joined_key(spec.rank), "ok")
         collectives = Collectives(store, spec.rank, spec.size, device, shared)
-        model = shard_model(load_model(spec.model, dtype=spec.dtype, device=device), collectives)
+        model = load_shard(spec.model, spec.dtype, device, collectives)
         if spec.fast_cpu_kernels:
             model = optimize_for_cpu_inference(model)
-        start: Start = pickle.load(stdin)
+        try:
+            start: Start = pickle.load(stdin)
+        except EOFError:  # the driver stopped before its engine started (its error is its own)
+            return
         runner = Runner(model, num_blocks=start.num_blocks, block_size=start.block_size, dtype=spec.dtype,
                         device=device, max_num_seqs=start.max_num_seqs, max_model_len=start.max_model_len,
                         use_kernels=spec.fast_cpu_kernels, enforce_eager=True)
