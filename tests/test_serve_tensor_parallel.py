@@ -485,3 +485,14 @@ def test_workers_run_the_drivers_code_not_the_working_directorys(model_dir, tmp_
     result = subprocess.run([sys.executable, str(script)], cwd=broken.parent, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "3", result.stderr[-2000:]
+
+
+def test_gpu_memory_utilization_splits_a_cpus_kv_share_among_the_ranks(model_dir):
+    """On a CPU the ranks share the RAM that gpu_memory_utilization gives the instance: each rank's
+    KV cache (kv_cache_memory is per rank) gets half of what one process would."""
+    from slipstream.serve.engine import EngineConfig
+    from slipstream.serve.llm import with_memory_utilization
+
+    configs = [EngineConfig(model=str(model_dir), device="cpu", tensor_parallel_size=size) for size in (1, 2)]
+    one, two = (with_memory_utilization(config, 0.5).kv_cache_memory for config in configs)
+    assert two == pytest.approx(one / 2, rel=0.01)
