@@ -365,3 +365,34 @@ def test_an_unknown_gpu_is_the_same_error_for_report_and_fit(model_dir, tmp_path
     assert by_fit.startswith(f"slipstream perf: error: --engine-records {path}: ")
     assert by_report.split(f"{path}: ", 1)[1] == by_fit.split(f"{path}: ", 1)[1]
     assert "accelerator table does not know" in by_report
+
+
+def _with_header(path: str, **fields) -> str:
+    """The serving file at `path` with `fields` set in its header."""
+    with open(path) as file:
+        lines = file.read().splitlines()
+    with open(path, "w") as file:
+        file.write("\n".join([json.dumps(json.loads(lines[0]) | fields), *lines[1:]]) + "\n")
+    return path
+
+
+def test_tensor_parallel_records_are_priced_at_their_layout_on_gpus_and_refused_on_a_cpu(model_dir, tmp_path,
+                                                                                         capsys):
+    """Records of an engine split over 2 GPUs are priced at tp 2 (the model's own step time for that
+    layout), by report as by fit; a CPU's split engine, whose ranks share its memory and exchange
+    through shared memory, is refused rather than priced as one device."""
+    path = _with_header(_serving_file(tmp_path, str(model_dir)), device="cuda:0", hardware="h100",
+                        tensor_parallel_size=2, enforce_eager=True)
+    [group] = report_json([path], capsys)["steps"]["groups"]
+    acc = hardware.get_accelerator("h100")
+    setup = ServeSetup(shape=resolve_model(str(model_dir)), dtype="fp32", tp=2)  # eager: no graph
+    expected = step_time(setup, acc, decode_contexts=[10, 10], efficiency=default_efficiency(acc)).total_s
+    assert group["predicted_s"] == pytest.approx(expected)
+    single = ServeSetup(shape=resolve_model(str(model_dir)), dtype="fp32")
+    assert expected != pytest.approx(
+        step_time(single, acc, decode_contexts=[10, 10], efficiency=default_efficiency(acc)).total_s)
+    assert main(["perf", "fit", "--engine-records", path, "--tp", "4"]) == 2
+    assert "tensor_parallel_size 2, not --tp 4" in capsys.readouterr().err
+
+    _with_header(path, device="cpu", hardware="test cpu")
+    assert "written by an engine split over 2 CPU processes" in error([path], capsys)

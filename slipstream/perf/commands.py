@@ -580,6 +580,7 @@ def _with_engine_headers(args: argparse.Namespace, headers: list[dict[str, Any]]
                              "any more; give --model")
     if headers and all(h.get("enforce_eager") for h in headers):
         given["enforce_eager"] = True  # the engines ran every step module by module: price them so
+    given |= _header_tensor_parallel(args, headers, given.get("hardware", args.hardware) or "", where)
     threads = {h.get("num_threads") for h in headers}
     if is_local(given.get("hardware", args.hardware) or "") and len(threads) == 1 and None not in threads:
         given["engine_threads"] = threads.pop()  # the CPU's peaks at the engine's thread count
@@ -632,6 +633,28 @@ def train_accelerator(hardware_name: str, runs: list[tuple[str, dict[str, Any]]]
         return hardware.local_accelerator(calibration), None
     link = hardware.calibrate_link(next(iter(worlds.values())))
     return hardware.local_accelerator(calibration, link), link.link.latency_s
+
+
+def _header_tensor_parallel(args: argparse.Namespace, headers: list[dict[str, Any]], hardware: str,
+                            where: str) -> dict[str, int]:
+    """{"tp": size} for records of engines split over `tensor_parallel_size` > 1 GPUs (priced at
+    that layout); ValueError where the engines disagree, --tp says otherwise, or the ranks were a
+    CPU's: they share its memory and exchange through shared memory (serve/shm_collectives.py),
+    which the model has no link for."""
+    sizes = {h.get("tensor_parallel_size") or 1 for h in headers}
+    if len(sizes) > 1:
+        raise ValueError(f"{where}: written by engines of several tensor_parallel_sizes "
+                         f"({', '.join(map(str, sorted(sizes)))})")
+    size = sizes.pop() if sizes else 1
+    if size == 1:
+        return {}
+    if is_local(hardware):
+        raise ValueError(f"{where}: written by an engine split over {size} CPU processes "
+                         f"(tensor_parallel_size {size}); perf prices tensor-parallel serving on GPUs, "
+                         "not a CPU's ranks, which share its memory and exchange through shared memory")
+    if getattr(args, "tp", 1) not in (1, size):
+        raise ValueError(f"{where}: written by an engine of tensor_parallel_size {size}, not --tp {args.tp}")
+    return {"tp": size}
 
 
 def _header_hardware(header: dict[str, Any], where: str) -> str | None:
