@@ -8,7 +8,9 @@ process's threads) and, as the baseline in the same run, on one process with all
 calibrated peak at its full thread count (slipstream.perf.flops.generation_flops). Latency: one
 request of --input-len tokens decoding step by step, the median step per token against the
 memory-bandwidth roofline (decode bytes per step over the read bandwidth measured around each
-repeat), as serve_latency.py measures it.
+repeat at the full thread count), as serve_latency.py measures it, and also for one process
+running module by module (enforce_eager), as the split engine's steps run: the two ratios tell
+what splitting costs from what eager steps cost.
 
 On a CPU the ranks share one memory system, so splitting a model buys no bandwidth; what it
 costs (eager steps, the all-reduces over gloo, the step's inputs pickled to each worker) is what
@@ -26,13 +28,30 @@ from collections.abc import Callable
 
 import torch
 from common import ensure_model, machine, median, print_json, random_prompts, serving_parser
-from serve_latency import measure, summary
+from serve_latency import STEADY_BANDWIDTH, decode_step_times_s, summary
 from serve_offline import run_rounds, slipstream_runner
 
 from slipstream import LLM
 from slipstream.model import ModelConfig
 from slipstream.perf.flops import decode_bytes_per_step, generation_flops
-from slipstream.perf.hardware import calibrate
+from slipstream.perf.hardware import calibrate, measure_memory_bandwidth
+
+
+def latency_repeat(llm, threads, full_threads, label, prompt, output_len, bytes_per_step):
+    """serve_latency.py's repeat, with the read bandwidth around it measured at the machine's full
+    thread count (the roofline of every engine alike: a split engine's ranks read together) and
+    the decode steps at the engine's own count."""
+    torch.set_num_threads(full_threads)
+    before = measure_memory_bandwidth()[0]
+    torch.set_num_threads(threads)
+    prefill_s, decode_s = decode_step_times_s(llm, prompt, output_len)
+    torch.set_num_threads(full_threads)
+    after = measure_memory_bandwidth()[0]
+    bandwidth, steady = max(before, after), min(before, after) >= STEADY_BANDWIDTH * max(before, after)
+    step_s = median(decode_s)
+    print(f"{label} repeat: {1e3 * step_s:6.2f} ms/token, {100 * bytes_per_step / bandwidth / step_s:4.1f}% "
+          f"of {bandwidth / 1e9:.1f} GB/s{'' if steady else ' (unsteady)'}", flush=True)
+    return prefill_s, step_s, bandwidth, steady
 
 
 def with_threads(run: Callable[[], float]) -> Callable[[], float]:
@@ -62,6 +81,7 @@ def main() -> None:
     num_output_tokens = args.num_prompts * args.output_len
     total_flops = sum(generation_flops(config, len(p), args.output_len) for p in prompts)
     calibration = calibrate()  # the whole machine's, before a split engine shares out the threads
+    full_threads = torch.get_num_threads()
     tp = args.tensor_parallel_size
     split, single = f"tp{tp}", "tp1"
     record = {"benchmark": "serve_tensor_parallel", "model": str(model_dir), "tensor_parallel_size": tp,
@@ -89,28 +109,32 @@ def main() -> None:
         prompt = random_prompts(config, 1, args.input_len, args.input_len, seed=1)[0]
         contexts = range(args.input_len + 1, args.input_len + args.output_len)
         bytes_per_step = sum(decode_bytes_per_step(config, dtype, 1, c) for c in contexts) / len(contexts)
-        engines = {}  # name -> (LLM, the threads it was made with)
-        for name, size in ((single, 1), (split, tp)):
-            llm = LLM(str(model_dir), dtype=dtype, tensor_parallel_size=size)
+        eager = f"{single}-eager"
+        engines = {}  # name -> (LLM, the threads its steps run with)
+        for name, size in ((single, 1), (eager, 1), (split, tp)):
+            torch.set_num_threads(full_threads)
+            llm = LLM(str(model_dir), dtype=dtype, tensor_parallel_size=size, enforce_eager=name == eager)
             engines[name] = (llm, torch.get_num_threads())
         repeats = {name: [] for name in engines}
-        for _ in range(args.repeats):  # in turns, so that both meet the same minutes of the machine
+        for _ in range(args.repeats):  # in turns, so that all meet the same minutes of the machine
             for name, (llm, threads) in engines.items():
-                torch.set_num_threads(threads)
-                label = f"{dtype:>8} {name}"
-                repeats[name].append(measure(llm, label, prompt, args.output_len, bytes_per_step))
+                repeats[name].append(latency_repeat(llm, threads, full_threads, f"{dtype:>8} {name}", prompt,
+                                                    args.output_len, bytes_per_step))
         engines[split][0].engine.shutdown()
         del engines
         gc.collect()
-        for name in (single, split):
+        torch.set_num_threads(full_threads)
+        for name in repeats:
             record |= summary(f"{dtype}_{name}", repeats[name], bytes_per_step)
         latency_ratio = record[f"{dtype}_{split}_ms_per_token"] / record[f"{dtype}_{single}_ms_per_token"]
-        for name in (single, split):
+        eager_ratio = record[f"{dtype}_{split}_ms_per_token"] / record[f"{dtype}_{eager}_ms_per_token"]
+        for name in repeats:
             print(f"{dtype:>8} {name}: {record[f'{dtype}_{name}_ms_per_token']:6.2f} ms/token, "
                   f"{100 * record[f'{dtype}_{name}_bandwidth_fraction']:4.1f}% of the bandwidth roofline",
                   flush=True)
+        print(f"{dtype:>8} batch-1 ms/token {split} / {eager}: {eager_ratio:.2f}x", flush=True)
         print(f"{dtype:>8} batch-1 ms/token {split} / {single}: {latency_ratio:.2f}x", flush=True)
-        record[f"{dtype}_latency_ratio"] = latency_ratio
+        record |= {f"{dtype}_latency_ratio": latency_ratio, f"{dtype}_latency_ratio_to_eager": eager_ratio}
     print_json(record)
 
 
