@@ -307,7 +307,8 @@ class Engine:
 
     @property
     def is_healthy(self) -> bool:
-        """False once a tensor-parallel worker has exited: the engine can run no more steps."""
+        """False once a tensor-parallel worker has exited, or was stopped after a step failed on
+        this process: the engine can run no more steps."""
         return self.workers is None or self.workers.alive
 
     def shutdown(self) -> None:
