@@ -48,6 +48,7 @@ CASES = {
     ),
     "qwen3-qk-norm-preempt": ("qwen3", {}, dict(block_size=4, max_num_seqs=8, kv_one_sequence=True)),
     "mixtral-window": ("mixtral", {}, dict(block_size=4)),
+    "llama-four-ranks-two-kv-heads": ("llama", {}, dict(tensor_parallel_size=4)),
     "qwen2_moe-shared-expert-ngram": (
         "qwen2_moe", {},
         dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}),
@@ -82,9 +83,10 @@ def _reference(hf, prompts: list[list[int]]) -> list[list[int]]:
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_tensor_parallel_greedy_matches_transformers(case, make_hf_model, tmp_path):
-    """At tensor_parallel_size=2 each rank holds half the heads, half of every MLP (or expert) and
-    half the vocabulary rows, and the engine's greedy tokens still equal transformers', also when
-    run again over the cached prefixes; every KV block is freed; shutdown stops the worker."""
+    """At tensor_parallel_size=2 (4 for a model of 2 KV heads: each held by 2 ranks) each rank holds
+    its share of the heads, of every MLP (or expert) and of the vocabulary rows, and the engine's
+    greedy tokens still equal transformers', also when run again over the cached prefixes; every
+    KV block is freed; shutdown stops the workers."""
     family, overrides, engine_args = CASES[case]
     overrides, engine_args = copy.deepcopy(overrides), dict(engine_args)
     hf = make_hf_model(family, max_position_embeddings=512, initializer_range=0.1, **overrides)
@@ -94,18 +96,18 @@ def test_tensor_parallel_greedy_matches_transformers(case, make_hf_model, tmp_pa
     prompts = _prompts(config.vocab_size)
     max_model_len = max(map(len, prompts)) + MAX_NEW_TOKENS
     preempts = engine_args.pop("kv_one_sequence", False)
-    if preempts:  # one full-length sequence's KV per rank (each rank holds half of every block)
+    size = engine_args.setdefault("tensor_parallel_size", 2)
+    kv_heads = max(1, config.num_key_value_heads // size)  # one each, with more ranks than KV heads
+    if preempts:  # one full-length sequence's KV per rank (each rank holds its heads of every block)
         block_size = engine_args["block_size"]
-        per_token = kv_cache_bytes_per_token(config, "float32") // 2
+        per_token = kv_cache_bytes_per_token(config, "float32") * kv_heads // config.num_key_value_heads
         engine_args["kv_cache_memory"] = -(-max_model_len // block_size) * block_size * per_token
-    llm = LLM(str(tmp_path), dtype="float32", max_model_len=max_model_len, tensor_parallel_size=2,
-              **engine_args)
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=max_model_len, **engine_args)
     engine = llm.engine
     try:
         attention = engine.runner.model.model.layers[0].self_attn
-        assert (attention.num_heads, attention.num_kv_heads) == (config.num_attention_heads // 2,
-                                                                 config.num_key_value_heads // 2)
-        assert engine.runner.cache.keys[0].shape[2] == config.num_key_value_heads // 2
+        assert (attention.num_heads, attention.num_kv_heads) == (config.num_attention_heads // size, kv_heads)
+        assert engine.runner.cache.keys[0].shape[2] == kv_heads
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
         got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         again = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -119,7 +121,7 @@ def test_tensor_parallel_greedy_matches_transformers(case, make_hf_model, tmp_pa
             assert engine.num_accepted_tokens > 0
     finally:
         engine.shutdown()
-    assert engine.workers.processes[0].poll() == 0
+    assert all(process.poll() == 0 for process in engine.workers.processes)
     assert not engine.is_healthy
     for i, (e, g) in enumerate(zip(_reference(hf, prompts), got, strict=True)):
         assert g == e, f"{case}: prompt {i} (length {len(prompts[i])}) diverges from transformers"
@@ -199,7 +201,7 @@ def test_tensor_parallel_embeddings_match_one_process(model_dir):
 
 @pytest.mark.parametrize(("size", "message"), [
     (3, r"tensor_parallel_size \(3\) must divide the model's num_attention_heads \(4\)"),
-    (4, r"tensor_parallel_size \(4\) must divide the model's num_key_value_heads \(2\)"),
+    (8, r"tensor_parallel_size \(8\) must divide the model's num_attention_heads \(4\)"),
     (0, "tensor_parallel_size must be a positive integer, got 0"),
     (True, "tensor_parallel_size must be a positive integer, got True"),
     ("2", "tensor_parallel_size must be a positive integer, got '2'"),
@@ -496,3 +498,17 @@ def test_gpu_memory_utilization_splits_a_cpus_kv_share_among_the_ranks(model_dir
     configs = [EngineConfig(model=str(model_dir), device="cpu", tensor_parallel_size=size) for size in (1, 2)]
     one, two = (with_memory_utilization(config, 0.5).kv_cache_memory for config in configs)
     assert two == pytest.approx(one / 2, rel=0.01)
+
+
+def test_ranks_must_divide_the_kv_heads_or_be_a_multiple_of_them():
+    """Sizes that neither divide the KV heads nor are a multiple of them are refused (3 KV heads
+    cannot be shared out over 2 ranks, nor held whole by each)."""
+    from slipstream.serve.tensor_parallel import check_tensor_parallel
+
+    config = ModelConfig(vocab_size=64, hidden_size=96, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) must divide the model's "
+                                         r"num_key_value_heads \(3\) or be a multiple of it"):
+        check_tensor_parallel(config, 2, torch.device("cpu"))
+    check_tensor_parallel(config, 3, torch.device("cpu"))
+    check_tensor_parallel(config.replace(num_key_value_heads=1), 2, torch.device("cpu"))

@@ -990,9 +990,10 @@ def _derive_limits(
         if config.max_model_len > max_model_len:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {max_model_len}")
         max_model_len = config.max_model_len
-    # Each tensor-parallel rank keeps its share of every block's heads.
+    # Each tensor-parallel rank keeps its share of every block's heads (one, with more ranks than heads).
     tp = config.tensor_parallel_size
-    bytes_per_block = config.block_size * kv_cache_bytes_per_token(model_config, dtype_name(dtype)) // tp
+    bytes_per_block = (config.block_size * kv_cache_bytes_per_token(model_config, dtype_name(dtype))
+                       // min(tp, model_config.num_key_value_heads))
     if config.kv_cache_memory is not None:
         total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else host_memory()[0]
         if config.kv_cache_memory > total:

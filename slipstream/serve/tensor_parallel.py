@@ -4,8 +4,9 @@ The split is Megatron-LM's (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Bi
 Language Models Using Model Parallelism", section 3), as vLLM serves with it:
 
 - q/k/v and gate/up are split by output rows: each rank computes whole heads (num_heads / size
-  query heads and num_key_value_heads / size KV heads, so its paged KV cache holds only its heads)
-  and its slice of the MLP's intermediate features;
+  query heads and num_key_value_heads / size KV heads, so its paged KV cache holds only its heads;
+  with more ranks than KV heads, as vLLM does, each rank keeps the one KV head its query heads
+  read, held by size / num_key_value_heads ranks) and its slice of the MLP's intermediate features;
 - o_proj and down_proj are split by input columns, so each rank's product is a partial sum of the
   output; one all-reduce per attention and one per MLP sums them (a mixture-of-experts block
   splits every expert's intermediate features, keeps the router whole on every rank, so that all
@@ -67,8 +68,13 @@ def check_tensor_parallel(config: ModelConfig, size: int, device: torch.device) 
     """ValueError naming tensor_parallel_size when the model's shape cannot be split `size` ways
     or the device has too few parts for it."""
     name = f"tensor_parallel_size ({size})"
-    split = {"num_attention_heads": config.num_attention_heads,
-             "num_key_value_heads": config.num_key_value_heads}
+    if config.num_attention_heads % size:
+        raise ValueError(f"{name} must divide the model's num_attention_heads ({config.num_attention_heads})")
+    kv_heads = config.num_key_value_heads
+    if kv_heads % size and size % kv_heads:
+        raise ValueError(f"{name} must divide the model's num_key_value_heads ({kv_heads}) or be a "
+                         "multiple of it (each KV head then held by size / num_key_value_heads ranks)")
+    split = {}
     layers = range(config.num_hidden_layers)
     if not all(config.is_moe_layer(i) for i in layers):
         split["intermediate_size"] = config.intermediate_size
@@ -165,10 +171,14 @@ def shard_model(model: Transformer, collectives: Collectives) -> Transformer:
     rank, size = collectives.rank, collectives.size
     for layer in model.model.layers:
         attention = layer.self_attn
-        for linear in (attention.q_proj, attention.k_proj, attention.v_proj):
-            _keep_rows(linear, rank, size)
+        _keep_rows(attention.q_proj, rank, size)
+        kv_heads = attention.num_kv_heads
+        # More ranks than KV heads: size / kv_heads ranks hold each, the one their query heads read.
+        kv_rank, kv_size = (rank, size) if kv_heads % size == 0 else (rank * kv_heads // size, kv_heads)
+        for linear in (attention.k_proj, attention.v_proj):
+            _keep_rows(linear, kv_rank, kv_size)
         attention.num_heads //= size
-        attention.num_kv_heads //= size
+        attention.num_kv_heads //= kv_size
         _keep_columns(attention.o_proj, rank, size)
         attention.o_proj = SummedOverRanks(attention.o_proj, collectives)
         mlp = layer.mlp
