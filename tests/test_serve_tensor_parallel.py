@@ -84,7 +84,8 @@ def _reference(hf, prompts: list[list[int]]) -> list[list[int]]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_tensor_parallel_greedy_matches_transformers(case, make_hf_model, tmp_path):
     """At tensor_parallel_size=2 (4 for a model of 2 KV heads: each held by 2 ranks) each rank holds
-    its share of the heads, of every MLP (or expert) and of the vocabulary rows, and the engine's
+    its share of the heads, of every MLP (or expert) and of the embedding's and the lm_head's
+    vocabulary rows, and the engine's
     greedy tokens still equal transformers', also when run again over the cached prefixes; every
     KV block is freed; shutdown stops the workers."""
     family, overrides, engine_args = CASES[case]
@@ -108,6 +109,7 @@ def test_tensor_parallel_greedy_matches_transformers(case, make_hf_model, tmp_pa
         attention = engine.runner.model.model.layers[0].self_attn
         assert (attention.num_heads, attention.num_kv_heads) == (config.num_attention_heads // size, kv_heads)
         assert engine.runner.cache.keys[0].shape[2] == kv_heads
+        assert engine.runner.model.model.embed_tokens.weight.shape[0] == -(-config.vocab_size // size)
         params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
         got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         again = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]

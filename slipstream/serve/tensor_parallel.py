@@ -11,8 +11,9 @@ Language Models Using Model Parallelism", section 3), as vLLM serves with it:
   output; one all-reduce per attention and one per MLP sums them (a mixture-of-experts block
   splits every expert's intermediate features, keeps the router whole on every rank, so that all
   ranks route alike, and sums the block's output once);
-- the lm_head is split by vocabulary rows (padded to a multiple of the size) and the driver
-  gathers the logits; the embedding and the norms are whole on every rank.
+- the embedding and the lm_head are split by vocabulary rows (padded to a multiple of the size;
+  tied, they stay one tensor): each rank looks up the ids among its rows and an all-reduce sums
+  the lookups, and the driver gathers the logits; the norms are whole on every rank.
 
 The engine's own process is rank 0, the driver: it schedules, samples and computes its shard.
 Ranks 1.. are worker processes (`python -m slipstream.serve.tensor_parallel_worker`), each with its
@@ -45,6 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 
 from slipstream.model.config import ModelConfig
 from slipstream.model.transformer import MLP, SparseMoeBlock, Transformer
@@ -141,20 +143,44 @@ class SummedOverRanks(nn.Module):
         return self.collectives.all_reduce_(self.inner(*args))
 
 
+def vocab_rows(table: torch.Tensor, collectives: Collectives) -> torch.Tensor:
+    """This rank's rows of a (vocab, hidden) table: the rank-th of `size` equal parts of the
+    vocabulary padded with zero rows to a multiple of `size`."""
+    rows = -(-table.shape[0] // collectives.size)
+    mine = table[collectives.rank * rows : (collectives.rank + 1) * rows]
+    part = table.new_zeros(rows, table.shape[1])
+    part[: len(mine)] = mine
+    return part
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding split by vocabulary rows: each rank looks up the ids among its rows (zeros
+    for the others) and one all-reduce sums the lookups, in which exactly one rank's row is not
+    zero, so the result is the table's row, bit for bit."""
+
+    def __init__(self, embedding: nn.Embedding, collectives: Collectives) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(vocab_rows(embedding.weight, collectives), requires_grad=False)
+        self.start = collectives.rank * self.weight.shape[0]
+        self.collectives = collectives
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, E)
+        local = token_ids - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(torch.where(mine, local, 0), self.weight)
+        return self.collectives.all_reduce_(rows * mine[..., None])
+
+
 class VocabParallelHead(nn.Module):
     """The lm_head split by vocabulary rows: each rank multiplies its rows, the driver (rank 0)
     joins the parts and drops the padding rows. Other ranks return their own part, unused."""
 
-    def __init__(self, head: nn.Linear, collectives: Collectives) -> None:
+    def __init__(self, weight: nn.Parameter, vocab_size: int, collectives: Collectives) -> None:
+        """`weight`: this rank's rows (`vocab_rows`), the embedding's own where they are tied."""
         super().__init__()
-        vocab_size, hidden_size = head.weight.shape
-        rows = -(-vocab_size // collectives.size)
-        start = collectives.rank * rows
-        weight = head.weight.new_zeros(rows, hidden_size)
-        mine = head.weight[start : start + rows]
-        weight[: len(mine)] = mine
+        rows, hidden_size = weight.shape
         self.linear = nn.Linear(hidden_size, rows, bias=False, device="meta")
-        self.linear.weight = nn.Parameter(weight, requires_grad=False)
+        self.linear.weight = weight
         self.vocab_size = vocab_size
         self.collectives = collectives
 
@@ -187,7 +213,13 @@ def shard_model(model: Transformer, collectives: Collectives) -> Transformer:
             _keep_rows(dense.up_proj, rank, size)
             _keep_columns(dense.down_proj, rank, size)
         layer.mlp = SummedOverRanks(mlp, collectives)
-    model.lm_head = VocabParallelHead(model.lm_head, collectives)
+    embedding = VocabParallelEmbedding(model.model.embed_tokens, collectives)
+    if model.config.tie_word_embeddings:
+        head_rows = embedding.weight
+    else:
+        head_rows = nn.Parameter(vocab_rows(model.lm_head.weight, collectives), requires_grad=False)
+    model.model.embed_tokens = embedding
+    model.lm_head = VocabParallelHead(head_rows, model.config.vocab_size, collectives)
     return model
 
 
