@@ -395,8 +395,8 @@ def _kv_cache_bytes_for(utilization: Any, config: EngineConfig) -> int:
     cache, so the KV cache gets the fraction less the weights and what the process already holds.
     vLLM also fits the activations it profiles into the fraction; slipstream does not profile, so
     they come out of the rest. Under tensor parallelism the result is per rank (kv_cache_memory
-    is): on CUDA each rank's device holds its share of the weights, a CPU's ranks share its RAM.
-    The embedding, whole on every rank, is counted once."""
+    is): on CUDA each rank's device holds its share of the weights (the norms, whole on every
+    rank, are too small to count), a CPU's ranks share its RAM."""
     if (isinstance(utilization, bool) or not isinstance(utilization, (int, float))
             or not 0 < utilization <= 1):
         raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {utilization!r}")
