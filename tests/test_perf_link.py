@@ -210,10 +210,10 @@ def test_a_two_rank_gloo_run_is_priced_with_the_measured_link(runs, link, cache_
 
 
 def test_runs_are_priced_at_the_threads_their_ranks_ran(link, cache_home, known_cpu, monkeypatch):
-    """Guards the calibration's thread count: a run's record that names its calibrated peak's
-    threads is priced at that count, a multi-rank run's that names none at torchrun's one per rank,
-    a one-process run's that names none at this process's; runs of several counts or world sizes
-    at once are a ValueError naming each."""
+    """Guards the calibration's thread count: a run's record's `num_threads` wins; a record without
+    it that names its calibrated peak's threads is priced at that count, a multi-rank run's that
+    names none at torchrun's one per rank, a one-process run's that names none at this process's;
+    runs of several counts or world sizes at once are a ValueError naming each."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
     monkeypatch.setattr(collectives_bench, "measure", _no_measurement)
     named = {"kind": "run", "world_size": 1, "peak_source": "calibrated AMD EPYC (family 25, model 17), "
@@ -222,14 +222,15 @@ def test_runs_are_priced_at_the_threads_their_ranks_ran(link, cache_home, known_
     try:
         torch.set_num_threads(2)
         cases = [([("named", named)], None), ([("ddp", {"world_size": 2})], "over gloo"),
-                 ([("single", {"world_size": 1})], None)]
+                 ([("single", {"world_size": 1})], None),
+                 ([("recorded", named | {"world_size": 2, "num_threads": 4})], "over gloo")]
         for records, link_in_name in cases:
             acc, latency_s = train_accelerator("cpu", records)
             assert (latency_s == link.link.latency_s) if link_in_name else latency_s is None
             assert (link_in_name or "calibrated)") in acc.name
     finally:
         torch.set_num_threads(threads)
-    assert known_cpu == [3, 1, 2]
+    assert known_cpu == [3, 1, 2, 4]
     with pytest.raises(ValueError, match="several thread counts: named: 3, ddp: 1"):
         train_accelerator("cpu", [("named", named), ("ddp", {"world_size": 2})])
     with pytest.raises(ValueError, match="several world sizes: a: 2, b: 4"):

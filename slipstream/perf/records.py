@@ -182,11 +182,14 @@ def read_train_run(run_dir: str | Path, warmup_steps: int = 2) -> TrainRun:
 
 
 def threads_per_rank(run: Mapping[str, Any]) -> int | None:
-    """The torch threads each rank of a run computed with, from its `run` record: the count the
-    trainer's calibrated MFU peak names (its `peak_source`, "calibrated CPU, N threads, ..."), else
-    1 for several ranks (`slipstream train --nproc` starts them with torchrun, which sets
-    OMP_NUM_THREADS=1 where it is unset), else None: one process ran torch's default for this
-    machine."""
+    """The torch threads each rank of a run computed with, from its `run` record: its `num_threads`
+    where it has one, else (records before it) the count the trainer's calibrated MFU peak names
+    (its `peak_source`, "calibrated CPU, N threads, ..."), else 1 for several ranks (`slipstream
+    train --nproc` starts them with torchrun, which sets OMP_NUM_THREADS=1 where it is unset),
+    else None: one process ran torch's default for this machine."""
+    threads = run.get("num_threads")
+    if isinstance(threads, int) and not isinstance(threads, bool) and threads > 0:
+        return threads
     found = _THREADS.search(str(run.get("peak_source", "")))
     if found:
         return int(found.group(1))

@@ -591,6 +591,7 @@ class Trainer:
             "model": config.model.path or config.model.preset,
             "world_size": self.dist.world_size,
             "device": str(self.device),
+            "num_threads": torch.get_num_threads(),
             "dtype": config.training.dtype,
             "strategy": config.parallel.strategy if self.num_replicas > 1 else "single",  # no DP applied
             "tensor_parallel_degree": tp,
