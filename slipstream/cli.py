@@ -30,8 +30,12 @@ def _init_model(args: argparse.Namespace) -> None:
 
 
 def _perf_calibrate(args: argparse.Namespace) -> None:
-    from slipstream.perf.hardware import calibrate
+    from slipstream.perf.hardware import calibrate, calibrate_link
 
+    if args.link is not None:
+        link = calibrate_link(args.link, force=args.force)
+        print(json.dumps(link.to_dict(), indent=2) if args.json else link.describe())
+        return
     calibration = calibrate(force=args.force)
     print(json.dumps(calibration.to_dict(), indent=2) if args.json else calibration.format())
 
@@ -400,6 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
              "measure this machine's matmul peak per dtype and GEMM path, and its memory bandwidth")
     p.add_argument("--json", action="store_true")
     p.add_argument("--force", action="store_true", help="measure again instead of using the cache")
+    p.add_argument("--link", type=_int_at_least(2), metavar="RANKS",
+                   help="instead, the gloo link among RANKS processes of this host (what perf prices "
+                        "multi-rank CPU training runs with; measured the first time one is priced)")
     for name, function, groups, help in _PERF_COMMANDS:
         p = _add(perf, name, _perf, help)
         _perf_arguments(p, groups)

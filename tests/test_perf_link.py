@@ -259,3 +259,16 @@ def test_perf_train_plan_and_whatif_price_ranks_of_this_cpu(link, cache_home, kn
     assert plans and whatif["scaled_hardware"].endswith("x 2 ranks over gloo (link x2)")
     assert tp["hardware"].endswith("x 2 ranks over gloo") and tp["breakdown_s"]["exposed_comm_s"] > 0
     assert "ranks" not in one["hardware"] and one["breakdown_s"]["exposed_comm_s"] == 0
+
+
+def test_perf_calibrate_link_prints_the_cached_link(link, cache_home, monkeypatch, capsys):
+    """`slipstream perf calibrate --link 2` prints the cached link (no new measurement); with --force
+    it measures again; fewer than 2 ranks is an argument error."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
+    monkeypatch.setattr(collectives_bench, "measure", _no_measurement)
+    assert main(["perf", "calibrate", "--link", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(link.to_dict()))
+    with pytest.raises(AssertionError, match="measured again"):
+        main(["perf", "calibrate", "--link", "2", "--force"])
+    with pytest.raises(SystemExit):
+        main(["perf", "calibrate", "--link", "1"])
