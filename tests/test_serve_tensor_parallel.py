@@ -350,18 +350,18 @@ SHARED_EXCHANGE_RANK = textwrap.dedent("""
     import datetime, sys, torch
     import torch.distributed as dist
     from slipstream.serve.shm_collectives import SharedExchange
-    rank, port, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    rank, port, fd = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
     group = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=60))
-    shared = SharedExchange(path, rank, 2, 4096, alive=lambda: True, timeout_s=60)
-    store.set(f"mapped{rank}", "1")
+    shared = SharedExchange(fd, rank, 2, 4096, alive=lambda: True, timeout_s=60)
     shapes, values = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1 + rank)
     ops = []  # (kind, input, result): all through the buffer first, back to back, then checked
     for i in range(600):
         rows = int(torch.randint(1, 17, (1,), generator=shapes))
         x = torch.randn(rows, 64, generator=values).to((torch.float32, torch.bfloat16)[i % 2])
-        if i % 5 in (3, 4):  # two gathers in a row
-            ops.append(("gather", x, shared.gather(x)))
+        if i % 5 in (3, 4):  # two gathers in a row; their views hold until the collective after next
+            parts = shared.gather(x)
+            ops.append(("gather", x, None if parts is None else [part.clone() for part in parts]))
         else:
             ops.append(("all_reduce", x, shared.all_reduce_(x.clone())))
     options = dist.GatherOptions()
@@ -392,16 +392,15 @@ def test_shared_memory_collectives_equal_gloo_and_agree_bitwise(tmp_path):
     from slipstream.serve.shm_collectives import SharedExchange
 
     if not SharedExchange.supported(torch.device("cpu")):
-        pytest.skip("the shared exchange needs x86 and /dev/shm")
-    path = SharedExchange.create(2, 4096)
+        pytest.skip("the shared exchange needs x86 and memfd_create")
+    fd = SharedExchange.create(2, 4096)
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
     script = tmp_path / "rank.py"
     script.write_text(SHARED_EXCHANGE_RANK)
-    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(store.port), path],
-                              stdout=subprocess.PIPE, text=True) for rank in (0, 1)]
+    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(store.port), str(fd)],
+                              stdout=subprocess.PIPE, text=True, pass_fds=(fd,)) for rank in (0, 1)]
     try:
-        store.wait(["mapped0", "mapped1"])
-        os.unlink(path)
+        os.close(fd)
         assert [rank.communicate(timeout=120)[0].strip() for rank in ranks] == ["ok", "ok"]
     finally:
         for rank in ranks:
@@ -514,3 +513,74 @@ def test_ranks_must_divide_the_kv_heads_or_be_a_multiple_of_them():
         check_tensor_parallel(config, 2, torch.device("cpu"))
     check_tensor_parallel(config, 3, torch.device("cpu"))
     check_tensor_parallel(config.replace(num_key_value_heads=1), 2, torch.device("cpu"))
+
+
+def test_a_failure_while_telling_the_workers_stops_them(model_dir, monkeypatch):
+    """An interrupt while the driver writes a step's message (some workers may have it, others not)
+    stops the workers and turns every later step into an error naming it, instead of ranks
+    running different steps; a worker found dead when the driver writes does the same."""
+    llm = LLM(str(model_dir), tensor_parallel_size=2)
+    engine = llm.engine
+    pipe = engine.workers.processes[0].stdin
+    write = pipe.write
+
+    def interrupted(data):
+        monkeypatch.setattr(pipe, "write", write)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipe, "write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not engine.is_healthy and engine.workers.processes[0].poll() is not None
+    with pytest.raises(RuntimeError, match=r"stopped after a step failed \(KeyboardInterrupt"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+    engine.shutdown()
+
+    llm = LLM(str(model_dir), tensor_parallel_size=2)
+    worker = llm.engine.workers.processes[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait(timeout=10)
+    with pytest.raises(RuntimeError, match="tensor-parallel worker 1 exited with status -9"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert llm.engine.workers.failure is not None
+    llm.engine.shutdown()
+
+
+def test_without_memory_for_the_shared_buffer_the_ranks_use_gloo(model_dir, monkeypatch):
+    """Where the shared buffer's memory cannot be reserved (a full machine), the engine says so
+    and the ranks exchange through gloo, with the same tokens as one process."""
+    def no_memory(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_memory)
+    prompts = [[5, 17, 99, 1000] * 6, [7, 8] * 20]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(str(model_dir)).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(model_dir), tensor_parallel_size=2)
+    try:
+        assert llm.engine.runner.model.model.layers[0].mlp.collectives.shared is None
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_failure_while_starting_the_workers_leaves_nothing_behind(model_dir, tmp_path, monkeypatch):
+    """A worker that cannot be started (here: the second of three ranks) stops the one already
+    started and removes the rendezvous's directory."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    started = []
+    popen = subprocess.Popen
+
+    def second_fails(*args, **kwargs):
+        if started:
+            raise OSError("no more processes")
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", second_fails)
+    with pytest.raises(OSError, match="no more processes"):
+        LLM(str(model_dir), tensor_parallel_size=4)
+    assert started and started[0].poll() is not None
+    assert not list(tmp_path.glob("slipstream-tp-*"))

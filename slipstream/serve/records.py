@@ -103,8 +103,10 @@ def _peak_multiples(tensor_parallel_size: int, device: torch.device) -> tuple[in
     one memory system, whose read bandwidth (at one rank's threads) stands for it."""
     if device.type != "cpu":
         return tensor_parallel_size, tensor_parallel_size
-    cores = len(os.sched_getaffinity(0)) // torch.get_num_threads()
-    return max(1, min(tensor_parallel_size, cores)), 1
+    if tensor_parallel_size == 1:
+        return 1, 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(tensor_parallel_size, cpus // torch.get_num_threads())), 1
 
 
 def hardware_peaks(device: torch.device, dtype: torch.dtype) -> Peaks:

@@ -252,21 +252,22 @@ class Runner:
         attn = PagedAttention(self.cache, batch, self.use_kernels)
         if self.workers is None:
             return self.model.hidden_states(token_ids[None], positions[None], attn)[0]
-        self.workers.forward(token_ids, positions, batch)
         with self._with_workers():
+            self.workers.forward(token_ids, positions, batch)
             return self.model.hidden_states(token_ids[None], positions[None], attn)[0]
 
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, E) -> (N, V)
         if self.workers is None:
             return self.model.compute_logits(hidden)
-        self.workers.logits(hidden)
         with self._with_workers():
+            self.workers.logits(hidden)
             return self.model.compute_logits(hidden)
 
     @contextlib.contextmanager
     def _with_workers(self) -> Iterator[None]:
-        """This rank's part of what the workers were just told to compute: should it fail (an
-        exception, a Ctrl-C) the ranks are no longer in step, so the workers are stopped."""
+        """Telling the workers what to compute and this rank's part of it: should either fail
+        (an exception, a Ctrl-C, a worker found dead) the ranks are no longer in step, so the
+        workers are stopped."""
         try:
             yield
         except BaseException as error:

@@ -6,9 +6,11 @@ shared buffer takes about 20 us (and 53 against 449 us at 64 rows; measured in o
 benchmarks/serve_tensor_parallel.py for the engine-level effect). vLLM's CPU backend sums its
 tensor-parallel partials through shared memory too.
 
-The buffer is one file in /dev/shm, mapped by every rank and unlinked by the driver as soon as
-all have mapped it (so no rank's death leaves it behind). It holds one flag per rank (each on its
-own cache line) and two sets of one slot per rank. A collective of generation g writes this
+The buffer is an anonymous memory file (`memfd_create`: no name anywhere, so no rank's death
+leaves it behind, and not bounded by a small /dev/shm such as a container's), its pages reserved
+when it is made (so that a machine short of memory refuses it then, not with a SIGBUS mid-step),
+passed to the workers as an inherited descriptor and mapped by every rank. It holds one flag per
+rank (each on its own cache line) and two sets of one slot per rank. A collective of generation g writes this
 rank's tensor into its slot of set g % 2, then publishes g in its flag, then waits until every
 flag reaches g: a barrier, after which every slot of the set holds that collective's tensors.
 A rank writes set g % 2 again only at g + 2, after the barrier of g + 1, which no rank passes
@@ -23,7 +25,6 @@ from __future__ import annotations
 import mmap
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -32,7 +33,6 @@ import torch
 
 FLAG_STRIDE = 8
 """int64s between two ranks' flags: one 64-byte cache line each, so that they do not share one."""
-HEADER_BYTES = 4096
 SPINS_BEFORE_YIELD = 2000
 """Spins on a flag (about 0.1 us each) before a waiting rank starts yielding its core, in case a
 rank that it waits for shares it."""
@@ -43,30 +43,34 @@ class SharedExchange:
     """One rank's view of the shared buffer: `all_reduce_` and `gather` of tensors of up to
     `slot_bytes`. `alive()` is asked while a rank waits long: False (a peer died) is an error."""
 
-    def __init__(self, path: str, rank: int, size: int, slot_bytes: int, alive: Callable[[], bool],
+    def __init__(self, fd: int, rank: int, size: int, slot_bytes: int, alive: Callable[[], bool],
                  timeout_s: float) -> None:
+        """Map the buffer `fd` refers to (the caller may close `fd` afterwards)."""
         self.rank, self.size, self.slot_bytes = rank, size, slot_bytes
         self.alive, self.timeout_s = alive, timeout_s
-        with open(path, "r+b") as file:
-            self._map = mmap.mmap(file.fileno(), buffer_bytes(size, slot_bytes))
+        self._header_bytes = header_bytes(size)
+        self._map = mmap.mmap(fd, buffer_bytes(size, slot_bytes))
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._flags = np.frombuffer(self._map, dtype=np.int64, count=size * FLAG_STRIDE)
-        self._generation = int(self._flags[rank * FLAG_STRIDE])
+        self._generation = 0
 
     @staticmethod
     def supported(device: torch.device) -> bool:
-        return device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64") and \
-            os.path.isdir("/dev/shm")
+        return (device.type == "cpu" and platform.machine().lower() in ("x86_64", "amd64")
+                and hasattr(os, "memfd_create"))
 
     @staticmethod
-    def create(size: int, slot_bytes: int) -> str:
-        """A zeroed buffer file for `size` ranks; returns its path (the caller unlinks it)."""
-        fd, path = tempfile.mkstemp(prefix="slipstream-tp-", dir="/dev/shm")
+    def create(size: int, slot_bytes: int) -> int:
+        """A zeroed buffer for `size` ranks, its memory reserved; returns its descriptor (the caller
+        closes it). OSError where the memory cannot be had."""
+        fd = os.memfd_create("slipstream-tensor-parallel")
         try:
             os.ftruncate(fd, buffer_bytes(size, slot_bytes))
-        finally:
+            os.posix_fallocate(fd, 0, buffer_bytes(size, slot_bytes))
+        except OSError:
             os.close(fd)
-        return path
+            raise
+        return fd
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.numel() * x.element_size() <= self.slot_bytes
@@ -80,9 +84,10 @@ class SharedExchange:
         return x
 
     def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every rank's `x` at rank 0, in rank order (copies); None on the others."""
+        """Every rank's `x` at rank 0, in rank order, as views of the buffer that hold until the
+        collective after next (copy them before then); None on the others."""
         parts = self._exchange(x)
-        return [part.clone() for part in parts] if self.rank == 0 else None
+        return parts if self.rank == 0 else None
 
     def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Publish `x`, wait for every rank's, and return views of all of them (valid until the
@@ -99,7 +104,7 @@ class SharedExchange:
                 for rank in range(self.size)]
 
     def _slot(self, generation: int, rank: int, num_bytes: int) -> torch.Tensor:
-        start = HEADER_BYTES + ((generation % 2) * self.size + rank) * self.slot_bytes
+        start = self._header_bytes + ((generation % 2) * self.size + rank) * self.slot_bytes
         return self._bytes[start : start + num_bytes]
 
     def _wait(self, rank: int, generation: int) -> None:
@@ -121,5 +126,10 @@ class SharedExchange:
                                        f"in {self.timeout_s:.0f} s")
 
 
+def header_bytes(size: int) -> int:
+    """The flags' bytes, in whole 4 KiB pages (so that the slots start page-aligned)."""
+    return -(-size * FLAG_STRIDE * 8 // 4096) * 4096
+
+
 def buffer_bytes(size: int, slot_bytes: int) -> int:
-    return HEADER_BYTES + 2 * size * slot_bytes
+    return header_bytes(size) + 2 * size * slot_bytes

@@ -43,11 +43,12 @@ def main() -> None:
     store = open_store(spec.store_path, spec.size)
     try:
         shared = None
-        if spec.shared_path is not None:  # mapped before joining: the driver then removes its file
+        if spec.shared_fd is not None:  # mapped before joining: the driver then closes its descriptor
             driver = os.getppid()
-            shared = SharedExchange(spec.shared_path, spec.rank, spec.size, spec.slot_bytes,
+            shared = SharedExchange(spec.shared_fd, spec.rank, spec.size, spec.slot_bytes,
                                     alive=lambda: os.getppid() == driver,
                                     timeout_s=COLLECTIVE_TIMEOUT.total_seconds())
+            os.close(spec.shared_fd)
         store.set(joined_key(spec.rank), "ok")
         collectives = Collectives(store, spec.rank, spec.size, device, shared)
         model = load_shard(spec.model, spec.dtype, device, collectives)
@@ -78,7 +79,7 @@ def serve(runner: Runner, stdin: BinaryIO, device: torch.device) -> None:
         if isinstance(message, Forward):
             runner.hidden_states(*message.on(device))
         elif isinstance(message, Logits):
-            runner.model.compute_logits(message.hidden.to(device))
+            runner.model.compute_logits(message.on(device))
         else:
             raise TypeError(f"unexpected message {type(message).__name__}")
 
