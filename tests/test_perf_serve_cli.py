@@ -249,3 +249,15 @@ def test_whatif_decode_on_the_cpu_takes_the_engines_cpu_kv_budget():
     assert commands._kv_room(setup, H100.scaled(memory_capacity=0.2), "cpu", 1024) == 0
     expected = serving.kv_capacity(setup, H100, 1025).max_sequences
     assert commands._kv_room(setup, H100, "h100", 1024) == expected
+
+
+@pytest.mark.parametrize("command", [["serve"], ["roofline"], ["whatif", "--serve"]])
+def test_tensor_parallel_serving_on_the_cpu_is_refused_by_name(command, capsys):
+    """--tp 2 on --hardware cpu is refused in one line saying why (a CPU's ranks share its memory
+    and exchange through shared memory, which the model has no link for), not "lists no link
+    bandwidth"; on a GPU the same flags price the split."""
+    err = _error([*command, "--model", "tiny", "--hardware", "cpu", "--dtype", "fp32", "--tp", "2"], capsys)
+    assert "--tp 2 on --hardware cpu: perf prices tensor-parallel serving on GPUs, not a CPU's ranks" in err
+    from slipstream.cli import main
+
+    assert main(["perf", *command, "--model", "tiny", "--hardware", "h100", "--tp", "2"]) == 0

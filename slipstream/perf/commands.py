@@ -232,6 +232,7 @@ def _serve_setup(args: argparse.Namespace) -> serving.ServeSetup:
             serving.kv_cache_dtype(kv_dtype)
         except ValueError as e:
             raise ValueError(f"--kv-cache-dtype: {e}") from None
+    _refuse_tensor_parallel_on_a_cpu(args)
     return serving.ServeSetup(shape=shape, tp=getattr(args, "tp", 1), dtype=args.dtype, kv_dtype=kv_dtype,
                               decode_graph_max_batch=decode_graph_max_batch(args))
 
@@ -242,6 +243,7 @@ and 40% of memory, not a fraction of all of it as on a GPU."""
 
 
 def serve(args: argparse.Namespace) -> Result:
+    _refuse_tensor_parallel_on_a_cpu(args)
     acc = get_accelerator(args.hardware)
     eff, source = efficiency_for(args, acc)
     kv_bytes = args.kv_cache_memory
@@ -391,6 +393,7 @@ def what_if(args: argparse.Namespace) -> Result:
         return "\n".join(lines), d | {"scaled_hardware": scaled.name, "efficiency": source}
     _refuse_unread(args, _LAYOUT_OPTIONS + _TRAINING_OPTIONS,
                    "with --serve (it describes a training step; a decode step runs on --tp devices)")
+    _refuse_tensor_parallel_on_a_cpu(args)
     acc = get_accelerator(args.hardware)
     eff, source = efficiency_for(args, acc)
     scaled = _scaled(acc, args.scale)
@@ -458,6 +461,7 @@ def _what_if_case(label: str, workload: Callable[[Accelerator], Work], acc: Acce
 
 def roofline_cmd(args: argparse.Namespace) -> Result:
     args = _with_engine_header(args, args.records, "--records")
+    _refuse_tensor_parallel_on_a_cpu(args)
     acc = _engine_accelerator(args)
     eff, source = efficiency_for(args, acc)
     setup = _serve_setup(args)
@@ -635,6 +639,18 @@ def train_accelerator(hardware_name: str, runs: list[tuple[str, dict[str, Any]]]
     return hardware.local_accelerator(calibration, link), link.link.latency_s
 
 
+def _refuse_tensor_parallel_on_a_cpu(args: argparse.Namespace) -> None:
+    """ValueError for serving at --tp > 1 on --hardware cpu (see _CPU_TENSOR_PARALLEL); the serving
+    commands ask first, before the CPU's calibration is looked up."""
+    if getattr(args, "tp", 1) > 1 and is_local(getattr(args, "hardware", None) or ""):
+        raise ValueError(f"--tp {args.tp} on --hardware {args.hardware}: " + _CPU_TENSOR_PARALLEL)
+
+
+_CPU_TENSOR_PARALLEL = ("perf prices tensor-parallel serving on GPUs, not a CPU's ranks, which share its "
+                        "memory and exchange through shared memory (serve/shm_collectives.py), for which "
+                        "the model has no link")
+
+
 def _header_tensor_parallel(args: argparse.Namespace, headers: list[dict[str, Any]], hardware: str,
                             where: str) -> dict[str, int]:
     """{"tp": size} for records of engines split over `tensor_parallel_size` > 1 GPUs (priced at
@@ -650,8 +666,7 @@ def _header_tensor_parallel(args: argparse.Namespace, headers: list[dict[str, An
         return {}
     if is_local(hardware):
         raise ValueError(f"{where}: written by an engine split over {size} CPU processes "
-                         f"(tensor_parallel_size {size}); perf prices tensor-parallel serving on GPUs, "
-                         "not a CPU's ranks, which share its memory and exchange through shared memory")
+                         f"(tensor_parallel_size {size}); " + _CPU_TENSOR_PARALLEL)
     if getattr(args, "tp", 1) not in (1, size):
         raise ValueError(f"{where}: written by an engine of tensor_parallel_size {size}, not --tp {args.tp}")
     return {"tp": size}
