@@ -571,13 +571,15 @@ def _cache_path(
     return cache_dir() / f"calibration-v{CACHE_VERSION}-{re.sub(r'[^A-Za-z0-9.]+', '-', key)}.json"
 
 
-def _load_cached(path: Path) -> Calibration | None:
+def _load_cached(path: Path, kind: type = Calibration) -> Any:
+    """The `kind` (Calibration or LinkCalibration) cached in `path`; None where there is none or it
+    cannot be read (a warning)."""
     if not path.is_file():
         return None
     try:
-        return Calibration.from_dict(json.loads(path.read_text()))
+        return kind.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, TypeError) as e:
-        logger.warning("ignoring unreadable calibration cache %s: %s", path, e)
+        logger.warning("ignoring unreadable %s cache %s: %s", kind.__name__, path, e)
         return None
 
 
@@ -693,7 +695,7 @@ def calibrate_link(num_ranks: int, *, cache: bool = True, force: bool = False) -
     key = f"gloo-{device_name}-torch{torch.__version__}-{num_ranks}ranks"
     path = cache_dir() / f"link-v{LINK_CACHE_VERSION}-{re.sub(r'[^A-Za-z0-9.]+', '-', key)}.json"
     if cache and not force:
-        cached = _load_cached_link(path)
+        cached = _load_cached(path, LinkCalibration)
         if cached is not None:
             logger.info("link calibration loaded from %s", path)
             return cached
@@ -714,12 +716,3 @@ def calibrate_link(num_ranks: int, *, cache: bool = True, force: bool = False) -
         _save(path, result.to_dict())
     return result
 
-
-def _load_cached_link(path: Path) -> LinkCalibration | None:
-    if not path.is_file():
-        return None
-    try:
-        return LinkCalibration.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError) as e:
-        logger.warning("ignoring unreadable link calibration cache %s: %s", path, e)
-        return None
