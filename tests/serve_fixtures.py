@@ -112,3 +112,16 @@ def dense_logprobs(model: Transformer, token_ids: list[int]) -> torch.Tensor:
     ids = torch.tensor([token_ids])  # (1, T)
     logits = model(ids, torch.arange(len(token_ids))[None])[0]  # (T, V)
     return logits.float().log_softmax(-1)
+
+
+@torch.no_grad()
+def uncached_greedy(hf, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt, each from a full uncached forward over the
+    sequence so far (transformers' cached `generate` is itself wrong for a sliding window of 1)."""
+    expected = []
+    for prompt in prompts:
+        seq = list(prompt)
+        for _ in range(max_new_tokens):
+            seq.append(int(hf(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+        expected.append(seq[len(prompt):])
+    return expected

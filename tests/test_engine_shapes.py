@@ -22,6 +22,7 @@ import copy
 
 import pytest
 import torch
+from serve_fixtures import uncached_greedy
 
 from slipstream import LLM, SamplingParams
 from slipstream.model import ModelConfig
@@ -98,19 +99,6 @@ def _prompts(vocab_size: int, block_size: int) -> list[list[int]]:
     return prompts + [list(prompts[3])]
 
 
-@torch.no_grad()
-def _reference(hf, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy tokens, each from a full uncached forward over the sequence so far."""
-    expected = []
-    for prompt in prompts:
-        seq = list(prompt)
-        for _ in range(MAX_NEW_TOKENS):
-            logits = hf(torch.tensor([seq]), use_cache=False).logits[0, -1]
-            seq.append(int(logits.argmax()))
-        expected.append(seq[len(prompt):])
-    return expected
-
-
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_unusual_shapes_match_transformers(case, make_hf_model, tmp_path):
@@ -142,7 +130,7 @@ def test_unusual_shapes_match_transformers(case, make_hf_model, tmp_path):
         assert engine.scheduler.num_preemptions > 0
     assert engine.scheduler.kv_cache.prefix_cache_hits > 0
 
-    expected = _reference(hf, prompts)
+    expected = uncached_greedy(hf, prompts, MAX_NEW_TOKENS)
     for i, (e, g) in enumerate(zip(expected, got, strict=True)):
         assert g == e, f"{case}: prompt {i} (length {len(prompts[i])}) diverges from transformers"
 
@@ -164,7 +152,7 @@ def test_linear_rope_scaling_extends_the_context_as_in_vllm(make_hf_model, tmp_p
     prompt = torch.randint(3, TOKENIZER_VOCAB, (100,), generator=torch.Generator().manual_seed(3)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     [output] = llm.generate([prompt], params, use_tqdm=False)
-    assert list(output.outputs[0].token_ids) == _reference(hf, [prompt])[0]
+    assert list(output.outputs[0].token_ids) == uncached_greedy(hf, [prompt], MAX_NEW_TOKENS)[0]
 
     for model_max_length, expected in ((24, 96), (48, 128)):
         tokenizer.model_max_length = model_max_length

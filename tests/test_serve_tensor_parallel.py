@@ -25,6 +25,7 @@ import httpx
 import openai
 import pytest
 import torch
+from serve_fixtures import uncached_greedy
 from server_process import API_KEY, ENGINE_ARGS, MODEL_NAME, ServerProcess
 
 from slipstream import LLM, SamplingParams
@@ -66,18 +67,6 @@ def _prompts(vocab_size: int) -> list[list[int]]:
 
     prefix = ids(21)
     return [ids(9), ids(1), prefix + ids(5), ids(40), prefix + ids(13), ids(6) * 4]
-
-
-@torch.no_grad()
-def _reference(hf, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy tokens, each from a full uncached forward over the sequence so far."""
-    expected = []
-    for prompt in prompts:
-        seq = list(prompt)
-        for _ in range(MAX_NEW_TOKENS):
-            seq.append(int(hf(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
-        expected.append(seq[len(prompt):])
-    return expected
 
 
 @pytest.mark.usefixtures("one_torch_thread")
@@ -125,7 +114,7 @@ def test_tensor_parallel_greedy_matches_transformers(case, make_hf_model, tmp_pa
         engine.shutdown()
     assert all(process.poll() == 0 for process in engine.workers.processes)
     assert not engine.is_healthy
-    for i, (e, g) in enumerate(zip(_reference(hf, prompts), got, strict=True)):
+    for i, (e, g) in enumerate(zip(uncached_greedy(hf, prompts, MAX_NEW_TOKENS), got, strict=True)):
         assert g == e, f"{case}: prompt {i} (length {len(prompts[i])}) diverges from transformers"
 
 
