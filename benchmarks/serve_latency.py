@@ -72,11 +72,17 @@ STEADY_BANDWIDTH = 0.85
 share of the higher."""
 
 
-def measure(llm, label, prompt, output_len, bytes_per_step):
+def measure(llm, label, prompt, output_len, bytes_per_step, decode_threads=None):
     """One repeat: (prefill s, median decode s per token, read bandwidth around the repeat,
-    whether that bandwidth held steady)."""
+    whether that bandwidth held steady). With `decode_threads` the steps run at that thread count
+    and the bandwidth at this process's (serve_tensor_parallel.py: a split engine's share)."""
+    threads = torch.get_num_threads()
     before = measure_memory_bandwidth()[0]
-    prefill_s, decode_s = decode_step_times_s(llm, prompt, output_len)
+    torch.set_num_threads(decode_threads or threads)
+    try:
+        prefill_s, decode_s = decode_step_times_s(llm, prompt, output_len)
+    finally:
+        torch.set_num_threads(threads)
     after = measure_memory_bandwidth()[0]
     bandwidth, steady = max(before, after), min(before, after) >= STEADY_BANDWIDTH * max(before, after)
     step_s = median(decode_s)

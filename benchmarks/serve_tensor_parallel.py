@@ -28,30 +28,13 @@ from collections.abc import Callable
 
 import torch
 from common import ensure_model, machine, median, print_json, random_prompts, serving_parser
-from serve_latency import STEADY_BANDWIDTH, decode_step_times_s, summary
+from serve_latency import measure, summary
 from serve_offline import run_rounds, slipstream_runner
 
 from slipstream import LLM
 from slipstream.model import ModelConfig
 from slipstream.perf.flops import decode_bytes_per_step, generation_flops
-from slipstream.perf.hardware import calibrate, measure_memory_bandwidth
-
-
-def latency_repeat(llm, threads, full_threads, label, prompt, output_len, bytes_per_step):
-    """serve_latency.py's repeat, with the read bandwidth around it measured at the machine's full
-    thread count (the roofline of every engine alike: a split engine's ranks read together) and
-    the decode steps at the engine's own count."""
-    torch.set_num_threads(full_threads)
-    before = measure_memory_bandwidth()[0]
-    torch.set_num_threads(threads)
-    prefill_s, decode_s = decode_step_times_s(llm, prompt, output_len)
-    torch.set_num_threads(full_threads)
-    after = measure_memory_bandwidth()[0]
-    bandwidth, steady = max(before, after), min(before, after) >= STEADY_BANDWIDTH * max(before, after)
-    step_s = median(decode_s)
-    print(f"{label} repeat: {1e3 * step_s:6.2f} ms/token, {100 * bytes_per_step / bandwidth / step_s:4.1f}% "
-          f"of {bandwidth / 1e9:.1f} GB/s{'' if steady else ' (unsteady)'}", flush=True)
-    return prefill_s, step_s, bandwidth, steady
+from slipstream.perf.hardware import calibrate
 
 
 def with_threads(run: Callable[[], float]) -> Callable[[], float]:
@@ -118,8 +101,10 @@ def main() -> None:
         repeats = {name: [] for name in engines}
         for _ in range(args.repeats):  # in turns, so that all meet the same minutes of the machine
             for name, (llm, threads) in engines.items():
-                repeats[name].append(latency_repeat(llm, threads, full_threads, f"{dtype:>8} {name}", prompt,
-                                                    args.output_len, bytes_per_step))
+                torch.set_num_threads(full_threads)  # the roofline of every engine alike: all threads
+                label = f"{dtype:>8} {name}"
+                repeats[name].append(measure(llm, label, prompt, args.output_len, bytes_per_step,
+                                             decode_threads=threads))
         engines[split][0].engine.shutdown()
         del engines
         gc.collect()
