@@ -6,9 +6,10 @@ decoder_sparse_step, top-2 of 6 not renormalised) and Qwen2-MoE (q/k/v bias, a g
 expert, a dense layer named in mlp_only_layers). The reference is transformers' batched greedy
 `generate` (left padding) on the same checkpoint; the engine must match it under continuous
 batching, chunked prefill, preemption, prefix caching, multi-step and speculative decoding, with
-the CPU fast path and without. The fast path's piece for these models (oneDNN products of the
-experts on padded rows) equals its reference, and the C decode graph and CUDA graphs decline the
-models, which decode module by module.
+the CPU fast path and without; the fast path runs each block's routed experts in one C call
+(`KernelMoeExperts`; its bit-for-bit tests are in test_moe_kernel.py). The fast path's other piece
+for these models (oneDNN products of the experts on padded rows) equals its reference, and the C
+decode graph and CUDA graphs decline the models, which decode module by module.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from slipstream.model.create import stdlib_tokenizer
 from slipstream.model.transformer import SparseMoeBlock
 from slipstream.ops import cpu_kernels
 from slipstream.ops.decode_graph import CpuDecodeGraph
-from slipstream.ops.inference import KernelDecoder, optimize_for_cpu_inference
+from slipstream.ops.inference import KernelDecoder, KernelMoeExperts, optimize_for_cpu_inference
 from slipstream.ops.linear import ONEDNN_ROW_MULTIPLE, PackedLinear
 from slipstream.perf.flops import kv_cache_bytes_per_token
 from slipstream.serve.cuda_graph import can_capture
@@ -103,6 +104,16 @@ def _engine_greedy(model_dir, prompts, **engine_args):
     return [o.outputs[0].token_ids for o in outputs], llm
 
 
+def _fused_expert_calls(llm) -> int | None:
+    """How many block calls ran their routed experts in one C call; None where the blocks have none."""
+    blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoeBlock)]
+    fused = [block.fused_experts for block in blocks]
+    if not any(fused):
+        return None
+    assert all(isinstance(f, KernelMoeExperts) for f in fused)
+    return sum(f.num_calls for f in fused)
+
+
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def moe_model(request, tmp_path_factory):
     """(family, model directory, prompts, transformers' tokens, their top-2 logit gaps)."""
@@ -140,6 +151,10 @@ def test_greedy_tokens_match_transformers(moe_model, case):
     if "kv_cache_memory" in engine_args:
         engine_args["kv_cache_memory"] = _kv_bytes(model_dir, engine_args["kv_cache_memory"])
     got, llm = _engine_greedy(model_dir, prompts, **engine_args)
+    if case == "plain modules":
+        assert _fused_expert_calls(llm) is None
+    elif cpu_kernels.supports_panel_gemm(torch.empty(0)):
+        assert _fused_expert_calls(llm) > 0
     if case == "preempting":
         print(f"preemptions: {llm.engine.scheduler.num_preemptions}")
         assert llm.engine.scheduler.num_preemptions > 0
@@ -180,6 +195,8 @@ def test_fast_path_matches_plain_model(moe_model, dtype):
     assert all(m.pad_rows_to == (ONEDNN_ROW_MULTIPLE if id(m) in in_experts else 1) for m in packed)
     if cpu_kernels.supports(next(fast.parameters())):
         assert isinstance(fast.model, KernelDecoder)
+    if cpu_kernels.supports_panel_gemm(next(fast.parameters())):
+        assert all(isinstance(block.fused_experts, KernelMoeExperts) for block in blocks)
     ids = torch.randint(3, VOCAB_SIZE, (2, 37))
     positions = torch.arange(37).expand(2, 37)
     with torch.inference_mode():

@@ -278,6 +278,9 @@ class SparseMoeBlock(nn.Module):
         if config.shared_expert_intermediate_size is not None:
             self.shared_expert = MLP(config, config.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        # `_routed` in one call, set by the inference fast path (ops.inference.KernelMoeExperts);
+        # it returns False, leaving `out` as it was, for a call it does not take.
+        self.fused_experts: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., E) -> (..., E)
         shape, dtype = x.shape, x.dtype
@@ -289,7 +292,9 @@ class SparseMoeBlock(nn.Module):
         if not self.fp32_weights:
             weights = weights.to(router_logits.dtype)
         # Summed in the input's dtype (fp32 under autocast, as in transformers), not the experts'.
-        out = self._routed(x, weights, experts, torch.zeros(x.shape, dtype=dtype, device=x.device))
+        out = torch.zeros(x.shape, dtype=dtype, device=x.device)
+        if self.fused_experts is None or not self.fused_experts(x, weights, experts, out):
+            out = self._routed(x, weights, experts, out)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(shape)

@@ -132,6 +132,11 @@ def _load() -> ctypes.CDLL | None:
     lib.silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
     lib.argmax_rows.restype = None
     lib.argmax_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
+    lib.moe_experts.restype = ctypes.c_int
+    lib.moe_experts.argtypes = (
+        [ctypes.POINTER(MoeExpert), ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p]
+        + [ctypes.c_int64] * 5 + [ctypes.c_int] * 2
+    )
     lib.decode_workspace_bytes.restype = ctypes.c_int64
     lib.decode_workspace_bytes.argtypes = [ctypes.POINTER(DecodeShape), ctypes.c_int64]
     lib.decode_layers.restype = ctypes.c_int
@@ -145,6 +150,14 @@ def _load() -> ctypes.CDLL | None:
         + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_int]
     )
     return lib
+
+
+class MoeExpert(ctypes.Structure):
+    """One expert's weights for `moe_experts` (cpu_ops.c's `moe_expert`)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "gate_up_rows", "gate_up_panels", "gate_up_bias", "down_rows", "down_panels", "down_bias",
+    )]
 
 
 class DecodeLayer(ctypes.Structure):
@@ -340,6 +353,99 @@ def panel_gemm(
     if status != 0:
         raise RuntimeError(f"panel_gemm kernel failed with status {status}")
     return out
+
+
+class ExpertWeights:
+    """The experts of a mixture-of-experts block as `moe_experts_` reads them: for each expert its
+    fused gate/up linear (2F, E) and its down linear (E, F), each as (row-major weight or None,
+    panel-packed weight, bias or None), in the dtype. Holds the tensors, so that the pointers of
+    its table stay valid. The row-major weights are needed where an expert can get fewer than
+    `min_panel_rows(dtype)` rows."""
+
+    def __init__(
+        self,
+        gate_up: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]],
+        down: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]],
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+    ) -> None:
+        if dtype not in DTYPE_CODES:
+            raise ValueError(f"dtype must be one of {list(DTYPE_CODES)}, got {dtype}")
+        if not gate_up or len(gate_up) != len(down):
+            raise ValueError(f"gate_up and down must list the same experts, got {len(gate_up)} and "
+                             f"{len(down)}")
+        E, F = hidden_size, intermediate_size
+        for name, copies, shape in (("gate_up", gate_up, (2 * F, E)), ("down", down, (E, F))):
+            for e, (rows, panels, bias) in enumerate(copies):
+                _check_copies(f"{name}[{e}]", rows, panels, bias, *shape, dtype)
+        self.hidden_size, self.intermediate_size, self.dtype = E, F, dtype
+        self._tensors = [t for copies in (gate_up, down) for expert in copies for t in expert]
+        self.table = (MoeExpert * len(gate_up))(*(
+            MoeExpert(*map(_pointer, (*up, *dn))) for up, dn in zip(gate_up, down, strict=True)))
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.table)
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check_copies(name: str, rows: torch.Tensor | None, panels: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int, in_features: int, dtype: torch.dtype) -> None:
+    numel = panel_numel(out_features, in_features, dtype)
+    if panels.dtype != dtype or not panels.is_contiguous() or panels.numel() < numel:
+        raise ValueError(f"{name}'s panels must be a contiguous {dtype} tensor of {numel} elements "
+                         f"(pack_panels), got {panels.dtype} {tuple(panels.shape)}")
+    if rows is not None and (rows.dtype != dtype or not rows.is_contiguous()
+                             or rows.shape != (out_features, in_features)):
+        raise ValueError(f"{name}'s row-major weight must be a contiguous {dtype} tensor of shape "
+                         f"{(out_features, in_features)}, got {rows.dtype} {tuple(rows.shape)}")
+    if bias is not None and (bias.dtype != dtype or not bias.is_contiguous()
+                             or bias.shape != (out_features,)):
+        raise ValueError(f"{name}'s bias must be a contiguous {dtype} tensor of shape ({out_features},), "
+                         f"got {bias.dtype} {tuple(bias.shape)}")
+
+
+def moe_experts_(
+    out: torch.Tensor,  # (N, E), added into
+    x: torch.Tensor,  # (N, E)
+    expert_ids: torch.Tensor,  # (N, k) int64
+    weights: torch.Tensor,  # (N, k), fp32 or x's dtype
+    experts: ExpertWeights,
+    max_panel_rows: int | None = None,
+) -> bool:
+    """out += each token's routed experts' outputs (SwiGLU) times its routing weights, in one call
+    (cpu_ops.c's moe_experts), rounded as `SparseMoeBlock._routed` rounds them. False, with out
+    untouched, where an expert would get more than `max_panel_rows` rows (None: no limit), which
+    the panel kernel should not take."""
+    lib = library()
+    assert lib is not None
+    E, dtype = experts.hidden_size, experts.dtype
+    if x.dtype != dtype or out.dtype != dtype or x.dim() != 2 or x.shape[1] != E or out.shape != x.shape:
+        raise ValueError(f"x and out must both be (N, {E}) {dtype} tensors, got x {x.dtype} "
+                         f"{tuple(x.shape)} and out {out.dtype} {tuple(out.shape)}")
+    if not out.is_contiguous() or not x.device.type == out.device.type == "cpu":
+        raise ValueError("out must be a contiguous CPU tensor, and x on the CPU")
+    if expert_ids.dtype != torch.int64 or expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"expert_ids must be an int64 tensor of shape ({x.shape[0]}, top_k), got "
+                         f"{expert_ids.dtype} {tuple(expert_ids.shape)}")
+    if weights.shape != expert_ids.shape or weights.dtype not in (torch.float32, dtype):
+        raise ValueError(f"weights must be a float32 or {dtype} tensor of shape {tuple(expert_ids.shape)}, "
+                         f"got {weights.dtype} {tuple(weights.shape)}")
+    x, expert_ids, weights = x.contiguous(), expert_ids.contiguous(), weights.contiguous()
+    status = lib.moe_experts(experts.table, experts.num_experts, x.data_ptr(), expert_ids.data_ptr(),
+                             weights.data_ptr(), DTYPE_CODES[weights.dtype], out.data_ptr(), x.shape[0],
+                             expert_ids.shape[1], E, experts.intermediate_size, max_panel_rows or 0,
+                             DTYPE_CODES[dtype], torch.get_num_threads())
+    if status == 3:
+        raise ValueError(f"expert_ids must lie in [0, {experts.num_experts}), got "
+                         f"[{expert_ids.min().item()}, {expert_ids.max().item()}]")
+    if status != 0 and status != 6:
+        raise RuntimeError(f"moe_experts kernel failed with status {status}")
+    return status == 0
 
 
 def write_kv(

@@ -5,8 +5,9 @@ q/k/v and gate/up projections fused into one linear each (fewer, larger matrix p
 experts of a mixture-of-experts layer are MLPs too), oneDNN pre-packed linear layers
 (`ops.linear`; those of experts pad their inputs to few shapes), the fused RMSNorm,
 rotary-embedding and silu-and-multiply C kernels of `ops.cpu_kernels` in place of their several-op
-PyTorch versions, and a decoder whose residual sums run inside those RMSNorm kernels
-(`KernelDecoder`).
+PyTorch versions, a decoder whose residual sums run inside those RMSNorm kernels
+(`KernelDecoder`), and the routed experts of each mixture-of-experts block in one C call
+(`KernelMoeExperts`).
 The result is for inference only. Where a piece does not apply (no oneDNN, no C compiler, CUDA,
 fp16) the model's own modules stay; tests check the optimised model against the plain one.
 """
@@ -32,7 +33,13 @@ from slipstream.model.transformer import (
     rope_cos_sin,
 )
 from slipstream.ops import cpu_kernels
-from slipstream.ops.linear import ONEDNN_ROW_MULTIPLE, PackedLinear, extra_copies_of, pack_linears
+from slipstream.ops.linear import (
+    MAX_PANEL_ROWS,
+    ONEDNN_ROW_MULTIPLE,
+    PackedLinear,
+    extra_copies_of,
+    pack_linears,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +111,54 @@ class KernelSiluAndMul(nn.Module):
         return cpu_kernels.silu_and_mul(x)
 
 
+class KernelMoeExperts(nn.Module):
+    """A mixture-of-experts block's routed experts (`SparseMoeBlock._routed`) in one C call
+    (`cpu_kernels.moe_experts_`): the same kernels per expert as their PackedLinears pick, the
+    same sums, in place of ~45 eager ops per layer and step. It takes a call where the panel kernel
+    takes every expert's rows (fp32 with AVX-512: all; else up to MAX_PANEL_ROWS per expert) and
+    declines the others, which the block's own path runs. `num_calls` counts the calls taken."""
+
+    def __init__(self, block: SparseMoeBlock) -> None:
+        super().__init__()
+        linears = [(expert.gate_up_proj, expert.down_proj) for expert in block.experts]
+        self.dtype = linears[0][0].panel_weight.dtype
+        self.experts = cpu_kernels.ExpertWeights(
+            [(up.row_weight, up.panel_weight, up.bias) for up, _ in linears],
+            [(down.row_weight, down.panel_weight, down.bias) for _, down in linears],
+            hidden_size=linears[0][1].out_features, intermediate_size=linears[0][1].in_features,
+            dtype=self.dtype)
+        # A PackedLinear with panels and no oneDNN copy gives the panel kernel every size.
+        all_rows = all(linear.packed_weight is None for pair in linears for linear in pair)
+        self.max_panel_rows = None if all_rows else MAX_PANEL_ROWS
+        self.num_calls = 0
+
+    @staticmethod
+    def applies_to(block: nn.Module) -> bool:
+        """Whether every expert of `block` (a SparseMoeBlock) is an MLP with a fused gate/up
+        PackedLinear and a down PackedLinear, all holding panel copies of one dtype, and the
+        row-major copies wherever an expert's few rows take the matrix-vector kernel."""
+        if not isinstance(block, SparseMoeBlock):
+            return False
+        linears = [linear for expert in block.experts
+                   for linear in (getattr(expert, "gate_up_proj", None), getattr(expert, "down_proj", None))]
+        if not all(isinstance(m, PackedLinear) and m.panel_weight is not None for m in linears):
+            return False
+        dtype = linears[0].panel_weight.dtype
+        needs_rows = cpu_kernels.min_panel_rows(dtype) > 1
+        return all(linear.panel_weight.dtype == dtype and (linear.row_weight is not None or not needs_rows)
+                   for linear in linears)
+
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, out: torch.Tensor
+    ) -> bool:
+        """out += the routed experts' weighted outputs; False (out untouched) where not taken."""
+        if x.dtype != self.dtype or out.dtype != self.dtype:
+            return False
+        taken = cpu_kernels.moe_experts_(out, x, experts, weights, self.experts, self.max_panel_rows)
+        self.num_calls += taken
+        return taken
+
+
 @torch.no_grad()
 def fuse_projections(model: nn.Module) -> nn.Module:
     """Give every attention one q/k/v linear and every MLP one gate/up linear, in place.
@@ -168,6 +223,7 @@ def optimize_for_cpu_inference(model: nn.Module) -> nn.Module:
             setattr(model.get_submodule(parent_name), child_name, fast)
             swaps += 1
     logger.info("swapped %d RMSNorm/rotary/SiluAndMul modules for fused C kernels", swaps)
+    _fuse_experts(model)
     decoder = getattr(model, "model", None)
     if KernelDecoder.applies_to(decoder):
         model.model = KernelDecoder(decoder)
@@ -185,6 +241,15 @@ def _pad_expert_rows(model: nn.Module) -> None:
     if experts:
         logger.info("%d expert linears pad their oneDNN inputs to multiples of %d rows", len(experts),
                     ONEDNN_ROW_MULTIPLE)
+
+
+def _fuse_experts(model: nn.Module) -> None:
+    """Give every mixture-of-experts block whose experts allow it a `KernelMoeExperts`."""
+    blocks = [m for m in model.modules() if KernelMoeExperts.applies_to(m)]
+    for block in blocks:
+        block.fused_experts = KernelMoeExperts(block)
+    if blocks:
+        logger.info("%d mixture-of-experts blocks run their routed experts in one C call", len(blocks))
 
 
 def _available_memory_bytes() -> int:

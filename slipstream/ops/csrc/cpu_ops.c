@@ -1348,3 +1348,168 @@ int decode_greedy(const decode_layer *layers, const decode_shape *shape, const d
     free(state);
     return status;
 }
+
+/*
+ * The routed experts of a mixture-of-experts block in one call: SparseMoeBlock._routed
+ * (slipstream/model/transformer.py) on the optimised model, whose ~45 eager ops per layer and step
+ * cost as much host time as the experts' products at a decode batch of 64. As vLLM's CPU
+ * cpu_fused_moe and SGLang's CPU fused_experts do it, the (token, choice) pairs are sorted by
+ * expert, every pair's input row gathered once, and the gate/up products, the activation and the
+ * down products run for all experts in turn inside one parallel region, with a barrier only
+ * between the stages (an expert's product starts while the threads finish the previous one's,
+ * through the task team's stealing); a final pass sums each token's weighted rows.
+ *
+ * The result equals _routed's bit for bit: each expert's products go through the kernel that its
+ * PackedLinear picks for that many rows (the matrix-vector kernel below min_panel_rows, else the
+ * panel kernel, whose rows' sums do not depend on the other rows), the activation through
+ * silu_and_mul_row, and each pair's row is multiplied by its weight in fp32 and rounded to the
+ * dtype, then added to its token's row of out, rounded, in increasing expert order, as
+ * `(outputs * w).to(out.dtype)` and one `index_add_` per expert round them.
+ *
+ * x (num_tokens, E); expert_ids (num_tokens, top_k), each in [0, num_experts); weights
+ * (num_tokens, top_k), fp32 or the dtype (weight_dtype); out (num_tokens, E), added into. Each
+ * expert's gate_up (2F, E) and down (E, F) weights: the panel-packed copy, the row-major one
+ * (needed where an expert may get fewer than min_panel_rows rows) and the bias, or NULL.
+ * max_panel_rows: the most rows an expert's products may take on the panel kernel, 0 for no limit.
+ * Returns 0; 1 if the workspace could not be allocated; 2 for a bad shape or a missing copy; 3 for
+ * an expert id out of range; 6 where an expert has more than max_panel_rows rows (the caller's
+ * other path takes those). All are checked before out is touched.
+ */
+typedef struct {
+    const void *gate_up_rows, *gate_up_panels, *gate_up_bias;
+    const void *down_rows, *down_panels, *down_bias;
+} moe_expert;
+
+/* y = x W^T + b for one expert's M rows, shared among the threads of the enclosing parallel
+ * region: the matrix-vector kernel (which ends at a barrier) or this thread's part of the panel
+ * product (no barrier: the threads go on to the next expert's product as they finish). */
+static void expert_linear(task_team *team, const void *rows, const void *panels, const void *bias,
+                          const void *x, void *y, int64_t M, int64_t N, int64_t K, int dtype) {
+    if (takes_gemv(panels, M, dtype))
+        gemv_rows(team, rows, x, bias, NULL, y, M, N, K, dtype);
+    else
+        panel_tasks(team, x, panels, bias, y, M, N, K, dtype);
+}
+
+/* y = dtype(float(y) * w) in place, as `(outputs * w).to(out.dtype)` rounds an expert's row. Out of
+ * line from add_row, so that no multiply-add joins the product and the sum into one rounding. */
+static __attribute__((noinline)) WIDE_VECTORS void scale_row(void *y, float w, int64_t dim, int dtype) {
+    if (dtype == DTYPE_F32) {
+        float *row = y;
+        for (int64_t d = 0; d < dim; d++) row[d] *= w;
+    } else {
+        uint16_t *row = y;
+        for (int64_t d = 0; d < dim; d++) row[d] = f32_to_bf16(bf16_to_f32(row[d]) * w);
+    }
+}
+
+/* The pairs sorted by expert, stably (a counting sort: an expert's pairs keep their order):
+ * order[p] is the flat index t * top_k + j of sorted pair p, position[t * top_k + j] its p, and
+ * first[e] expert e's first p, first[num_experts] the number of pairs; cursor: num_experts
+ * scratch values. Returns 3 for an expert id out of range. */
+static int sort_pairs(const int64_t *expert_ids, int64_t num_pairs, int64_t num_experts, int64_t *order,
+                      int64_t *position, int64_t *first, int64_t *cursor) {
+    for (int64_t e = 0; e <= num_experts; e++) first[e] = 0;
+    for (int64_t i = 0; i < num_pairs; i++) {
+        if (expert_ids[i] < 0 || expert_ids[i] >= num_experts) return 3;
+        first[expert_ids[i] + 1]++;
+    }
+    for (int64_t e = 0; e < num_experts; e++) {
+        first[e + 1] += first[e];
+        cursor[e] = first[e];
+    }
+    for (int64_t i = 0; i < num_pairs; i++) {
+        const int64_t p = cursor[expert_ids[i]]++;
+        order[p] = i;
+        position[i] = p;
+    }
+    return 0;
+}
+
+/* Whether every expert's copies take its rows: 0, or moe_experts' status 2 or 6. */
+static int check_experts(const moe_expert *experts, const int64_t *first, int64_t num_experts,
+                         int64_t max_panel_rows, int dtype) {
+    for (int64_t e = 0; e < num_experts; e++) {
+        const int64_t rows = first[e + 1] - first[e];
+        if (rows == 0) continue;
+        const moe_expert *expert = &experts[e];
+        if (expert->gate_up_panels == NULL || expert->down_panels == NULL) return 2;
+        if (takes_gemv(expert->gate_up_panels, rows, dtype) &&
+            (expert->gate_up_rows == NULL || expert->down_rows == NULL))
+            return 2;
+        if (max_panel_rows > 0 && rows > max_panel_rows) return 6;
+    }
+    return 0;
+}
+
+int moe_experts(const moe_expert *experts, int64_t num_experts, const void *x, const int64_t *expert_ids,
+                const void *weights, int weight_dtype, void *out, int64_t num_tokens, int64_t top_k,
+                int64_t hidden_size, int64_t intermediate_size, int64_t max_panel_rows, int dtype,
+                int num_threads) {
+    const int64_t E = hidden_size, F = intermediate_size, P = num_tokens * top_k;
+    if (num_experts < 1 || num_tokens < 0 || top_k < 1 || top_k > num_experts || E < 1 || F < 1 ||
+        !has_panel_gemm(dtype))
+        return 2;
+    if (P == 0) return 0;
+    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
+    /* The index arrays, then per pair its gathered input (E), gate/up product (2F), activation (F)
+     * and down product (E), each stage's rows in sorted order. */
+    const int64_t index_bytes = (2 * P + 2 * num_experts + 1) * (int64_t)sizeof(int64_t);
+    char *workspace = malloc(index_bytes + P * (2 * E + 3 * F) * elem);
+    if (workspace == NULL) return 1;
+    int64_t *order = (int64_t *)workspace, *position = order + P, *first = position + P;
+    int64_t *cursor = first + num_experts + 1;
+    char *gathered = workspace + index_bytes, *gate_up = gathered + P * E * elem;
+    char *act = gate_up + P * 2 * F * elem, *down = act + P * F * elem;
+    int status = sort_pairs(expert_ids, P, num_experts, order, position, first, cursor);
+    if (status == 0) status = check_experts(experts, first, num_experts, max_panel_rows, dtype);
+    if (status != 0) {
+        free(workspace);
+        return status;
+    }
+    task_share shares[num_threads];
+    clear_shares(shares, num_threads);
+#pragma omp parallel num_threads(num_threads)
+    {
+        task_team team = team_of(shares);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < P; p++)
+            memcpy(gathered + p * E * elem, (const char *)x + order[p] / top_k * E * elem, E * elem);
+        for (int64_t e = 0; e < num_experts; e++)
+            if (first[e + 1] > first[e])
+                expert_linear(&team, experts[e].gate_up_rows, experts[e].gate_up_panels, experts[e].gate_up_bias,
+                              gathered + first[e] * E * elem, gate_up + first[e] * 2 * F * elem,
+                              first[e + 1] - first[e], 2 * F, E, dtype);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < P; p++)
+            silu_and_mul_row(gate_up + p * 2 * F * elem, act + p * F * elem, F, dtype);
+        for (int64_t e = 0; e < num_experts; e++)
+            if (first[e + 1] > first[e])
+                expert_linear(&team, experts[e].down_rows, experts[e].down_panels, experts[e].down_bias,
+                              act + first[e] * F * elem, down + first[e] * E * elem, first[e + 1] - first[e],
+                              E, F, dtype);
+#pragma omp barrier
+        /* Each token's pairs in sorted order, which is increasing expert order (a token's
+         * choices are distinct experts; were they not, the order of index_add_'s calls still). */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_tokens; t++) {
+            int64_t done = -1;
+            for (int64_t n = 0; n < top_k; n++) {
+                int64_t next = -1;
+                for (int64_t j = 0; j < top_k; j++) {
+                    const int64_t p = position[t * top_k + j];
+                    if (p > done && (next < 0 || p < next)) next = p;
+                }
+                const int64_t i = order[next];
+                const float w = weight_dtype == DTYPE_F32 ? ((const float *)weights)[i]
+                                                          : bf16_to_f32(((const uint16_t *)weights)[i]);
+                scale_row(down + next * E * elem, w, E, dtype);
+                add_row((char *)out + t * E * elem, down + next * E * elem, E, dtype);
+                done = next;
+            }
+        }
+    }
+    free(workspace);
+    return 0;
+}
