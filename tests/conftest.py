@@ -23,6 +23,12 @@ FAMILIES = {
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
         sliding_window=7, max_position_embeddings=512,
     ),
+    "phi3": dict(
+        model_type="phi3", vocab_size=320, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        sliding_window=11, max_position_embeddings=256, rope_theta=20000.0,
+        bos_token_id=1, eos_token_id=2, pad_token_id=None,  # its defaults (32000) lie beyond this vocab
+    ),
     "qwen2": dict(
         model_type="qwen2", vocab_size=320, hidden_size=64, intermediate_size=96,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -110,7 +110,8 @@ def test_json_written_is_plain(tmp_path):
     assert d["architectures"] == ["LlamaForCausalLM"] and d["rope_theta"] == 10000.0
 
 
-ALL_TYPES = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+ALL_TYPES = ["llama", "mistral", "phi3", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+WINDOWED = ("mistral", "mixtral", "phi3")
 
 
 @pytest.mark.parametrize("model_type", ALL_TYPES)
@@ -129,7 +130,7 @@ def test_keys_left_out_mean_what_transformers_assumes(model_type, left_out):
     full = {"model_type": model_type, "vocab_size": 100, "hidden_size": 256, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 16,
             "max_position_embeddings": 512,
-            "sliding_window": 64 if model_type in ("mistral", "mixtral") else None}
+            "sliding_window": 64 if model_type in WINDOWED else None}
     if model_type in MOE_FAMILY:
         full |= {"num_experts": 16, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                  "norm_topk_prob": True}
@@ -145,7 +146,7 @@ def test_keys_left_out_mean_what_transformers_assumes(model_type, left_out):
     assert ours.num_key_value_heads == hf.num_key_value_heads
     assert ours.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
     assert ours.max_position_embeddings == hf.max_position_embeddings
-    window = hf.sliding_window if model_type in ("mistral", "mixtral") else None
+    window = hf.sliding_window if model_type in WINDOWED else None
     # A window as long as the context is plain causal attention, which ours holds as None.
     assert ours.sliding_window == (window if window and window < hf.max_position_embeddings else None)
     assert ours.rope_theta == hf.rope_parameters["rope_theta"]
@@ -154,7 +155,7 @@ def test_keys_left_out_mean_what_transformers_assumes(model_type, left_out):
         assert ours.moe_intermediate_size == getattr(hf, "moe_intermediate_size", hf.intermediate_size)
         assert ours.norm_topk_prob == getattr(hf, "norm_topk_prob", True)
         assert ours.shared_expert_intermediate_size == getattr(hf, "shared_expert_intermediate_size", None)
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):
         assert ModelConfig.from_hf_dict(full | {"sliding_window": None}).sliding_window is None
 
 
@@ -167,7 +168,8 @@ NULL_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
              "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype", "attention_dropout",
              "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
              "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
-             "router_aux_loss_coef", "output_router_logits"]
+             "router_aux_loss_coef", "output_router_logits", "resid_pdrop", "embd_pdrop",
+             "original_max_position_embeddings"]
 
 
 NULL_THAT_BREAKS_THE_MODEL = {("mixtral", "num_experts"), ("qwen2_moe", "num_key_value_heads")}
@@ -412,3 +414,48 @@ def test_qwen_window_refused_only_where_a_layer_uses_it(model_type, change):
             ModelConfig.from_hf_dict(d)
     else:
         assert ModelConfig.from_hf_dict(d).sliding_window is None
+
+
+PHI3_MINI_4K = {
+    "architectures": ["Phi3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 1, "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 3072,
+    "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 4096,
+    "model_type": "phi3", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+    "original_max_position_embeddings": 4096, "pad_token_id": 32000, "resid_pdrop": 0.0,
+    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0, "sliding_window": 2047,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.40.2",
+    "use_cache": True, "vocab_size": 32064,
+}
+"""microsoft/Phi-3-mini-4k-instruct's config.json (https://huggingface.co/microsoft/Phi-3-mini-4k-instruct),
+less its `auto_map` of remote code."""
+
+
+def test_phi3_mini_config_reads_as_transformers_reads_it(caplog):
+    """Phi-3-mini's config.json: every field as transformers' Phi3Config holds it, its 2,047-token
+    window kept (shorter than the 4,096 positions), and no key logged as ignored."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoConfig.for_model(**PHI3_MINI_4K)
+    with caplog.at_level("WARNING"):
+        ours = ModelConfig.from_hf_dict(PHI3_MINI_4K)
+    assert not caplog.records
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "sliding_window",
+                "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(ours, key) == getattr(hf, key), key
+    assert (ours.head_dim, ours.rope_theta, ours.rope_scaling) == (96, hf.rope_parameters["rope_theta"], None)
+    assert ours.dtype == "bfloat16" and ours.to_hf_dict()["architectures"] == ["Phi3ForCausalLM"]
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}},
+     "rope_type 'longrope' for model_type 'phi3'; supported: default"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type 'linear' for model_type 'phi3'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
+     "partial_rotary_factor=0.75"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+])
+def test_phi3_rope_it_cannot_run_is_refused(change, match):
+    """Phi-3's longrope (128k models, Phi-3.5), RoPE types transformers' Phi-3 refuses, and rotary
+    embeddings over part of each head (Phi-4-mini) are ValueErrors, not default RoPE's logits."""
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_dict(PHI3_MINI_4K | change)

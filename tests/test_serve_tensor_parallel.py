@@ -49,6 +49,7 @@ CASES = {
     ),
     "qwen3-qk-norm-preempt": ("qwen3", {}, dict(block_size=4, max_num_seqs=8, kv_one_sequence=True)),
     "mixtral-window": ("mixtral", {}, dict(block_size=4)),
+    "phi3-fused-checkpoint-window": ("phi3", {}, dict(block_size=4)),
     "llama-four-ranks-two-kv-heads": ("llama", {}, dict(tensor_parallel_size=4)),
     "qwen2_moe-shared-expert-ngram": (
         "qwen2_moe", {},

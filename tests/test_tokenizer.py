@@ -150,14 +150,14 @@ def qwen2_style_dir(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "phi3", "qwen2", "qwen3"])
 @pytest.mark.parametrize("source", ["chatml", "chatml_named_qwen2", "chatml_unnamed", "qwen2_style"])
 def test_model_directories_of_each_family_encode_as_auto_tokenizer(model_type, source, saved_dir,
                                                                    qwen2_style_dir, tmp_path):
     """The reference is AutoTokenizer on the same directory: for a qwen2 model, transformers 5
     builds Qwen2Tokenizer's own pipeline (NFC, Qwen2's split) whatever tokenizer_config.json names,
     and so it does for a tokenizer_config.json that names Qwen2Tokenizer (any model type but
-    mistral, whose registered tokenizer reads the file as it is) and for a qwen3 model whose
+    mistral and phi3, whose registered tokenizers read the file as it is) and for a qwen3 model whose
     tokenizer_config.json names no class; the byte-level BPE trained here (GPT-2's split) gets
     other ids there than read as it is, and slipstream does the same (it read the file as it
     is). A Qwen2-style file reads the same either way, so `pipeline_differences` finds nothing to
@@ -178,7 +178,8 @@ def test_model_directories_of_each_family_encode_as_auto_tokenizer(model_type, s
         assert ours.decode(ours.encode(text)) == hf.decode(hf(text)["input_ids"])
     as_is = Tokenizer.from_pretrained(qwen2_style_dir if source == "qwen2_style" else saved_dir)
     differences = pipeline_differences(as_is, ours)
-    rebuilt = (model_type == "qwen2" or (source == "chatml_named_qwen2" and model_type != "mistral")
+    generic = model_type in ("mistral", "phi3")
+    rebuilt = (model_type == "qwen2" or (source == "chatml_named_qwen2" and not generic)
                or (source == "chatml_unnamed" and model_type == "qwen3"))
     assert differences == (["normalizer", "pre_tokenizer"] if rebuilt and source != "qwen2_style" else [])
     if differences:
@@ -763,11 +764,11 @@ def llama2_layout_json(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("config, model_type", [
     ({}, None), ({"legacy": True}, "llama"), ({"legacy": False}, None), ({"add_prefix_space": False}, None),
-    ({}, "mistral"), ({}, "mixtral"), ({}, "qwen3"), ({}, "qwen3_moe"), ({}, "qwen2_moe")])
+    ({}, "mistral"), ({}, "mixtral"), ({}, "phi3"), ({}, "qwen3"), ({}, "qwen3_moe"), ({}, "qwen2_moe")])
 def test_llama_tokenizer_class_encodes_as_transformers(config, model_type, llama2_layout_json, tmp_path):
     """transformers 5 builds a LlamaTokenizer's pipeline itself (Metaspace, prepending "▁" as
     legacy and add_prefix_space say) over a tokenizer.json that is not byte-level, unless the
-    model type's registered tokenizer is generic (Mistral's and Mixtral's read the file as it is;
+    model type's registered tokenizer is generic (Mistral's, Mixtral's and Phi-3's read the file as it is;
     Qwen3's and the Qwen MoE types' registered Qwen2Tokenizer yields to the named class); read as it is,
     Llama 2's file prepends "▁" to every text (" Hello" got two): the ids, decoded texts and the
     default padding side are transformers'."""
@@ -783,7 +784,7 @@ def test_llama_tokenizer_class_encodes_as_transformers(config, model_type, llama
     for text in texts:
         assert ours.encode(text) == hf.encode(text), text
         assert ours.decode(ours.encode(text)) == hf.decode(hf.encode(text)), text
-    generic = model_type in ("mistral", "mixtral")
+    generic = model_type in ("mistral", "mixtral", "phi3")
     assert ours.padding_side == hf.padding_side == ("right" if generic else "left")
 
 
@@ -832,11 +833,13 @@ def test_pipeline_differences_compare_settings_not_vocab(tokenizer, qwen2_style_
     ("PreTrainedTokenizerFast", "qwen3", None), ("PreTrainedTokenizerFast", "llama", None),
     (None, "mistral", None), ("LlamaTokenizer", "qwen3", "llama"), ("LlamaTokenizer", "qwen3_moe", "llama"),
     ("LlamaTokenizer", "mixtral", None), (None, "qwen2_moe", "qwen2"), ("Qwen2Tokenizer", "mixtral", None),
+    ("LlamaTokenizer", "phi3", None), ("Qwen2Tokenizer", "phi3", None), (None, "phi3", None),
 ])
 def test_rebuilt_pipeline_follows_auto_tokenizer(named, model_type, expected):
     """transformers 5's AutoTokenizer rule (models/auto/tokenization_auto.py): a qwen2 model always
     gets Qwen2Tokenizer, another model type the class tokenizer_config.json names unless its
-    registered tokenizer is generic (mistral), and its registered one when none is named."""
+    registered tokenizer is generic (mistral; phi3, in the incorrect-class list), and its registered
+    one when none is named."""
     config = {} if named is None else {"tokenizer_class": named}
     assert rebuilt_pipeline(config, model_type) == expected
 

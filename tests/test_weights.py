@@ -276,3 +276,40 @@ def test_new_model_dir_removes_only_a_killed_calls_leftovers(tmp_path):
         (staging / "config.json").write_text("{}")
     assert (tmp_path / "out" / "config.json").is_file()
     assert not killed.exists() and running.is_dir() and other_name.is_dir()
+
+
+PHI3 = CONFIG.replace(model_type="phi3", sliding_window=9)
+
+
+def test_phi3_fused_tensors_round_trip_and_split_as_transformers_splits_them(tmp_path):
+    """A Phi-3 checkpoint stores each layer's q/k/v and gate/up as one tensor (rows stacked in that
+    order: transformers' Phi3Attention slices q, k, v from qkv_proj's output and Phi3MLP chunks
+    gate_up_proj's into gate, up); saving fuses them so, loading splits them back, sharded too."""
+    model = _model(PHI3)
+    save_model(model, tmp_path, max_shard_bytes=20_000)
+    stored = {}
+    for path in tmp_path.glob("*.safetensors"):
+        stored |= load_file(path)
+    assert not any(".q_proj." in n or ".gate_proj." in n for n in stored)
+    kv = PHI3.num_key_value_heads * PHI3.head_dim
+    for i, layer in enumerate(model.model.layers):
+        q, k, v = stored[f"model.layers.{i}.self_attn.qkv_proj.weight"].split([PHI3.hidden_size, kv, kv])
+        gate, up = stored[f"model.layers.{i}.mlp.gate_up_proj.weight"].chunk(2)
+        attention, mlp = layer.self_attn, layer.mlp
+        for got, param in ((q, attention.q_proj), (k, attention.k_proj), (v, attention.v_proj),
+                           (gate, mlp.gate_proj), (up, mlp.up_proj)):
+            assert torch.equal(got, param.weight)
+    _assert_same_weights(model, load_model(tmp_path))
+
+
+def test_phi3_fused_tensor_of_the_wrong_shape_or_missing_is_named(tmp_path):
+    """A fused tensor whose rows do not add up to the config's q/k/v (or gate/up) is a ValueError
+    naming it and both shapes; a missing one is named by its stored (fused) name, once."""
+    save_model(_model(PHI3), tmp_path)
+    name = "model.layers.1.self_attn.qkv_proj.weight"
+    _resave_without(tmp_path, add={name: torch.ones(63, 32)})
+    with pytest.raises(ValueError, match=r"qkv_proj\.weight has shape \(63, 32\).*\(64, 32\)"):
+        load_model(tmp_path)
+    _resave_without(tmp_path, drop=name)
+    with pytest.raises(ValueError, match=r"missing from .*: model\.layers\.1\.self_attn\.qkv_proj\.weight$"):
+        load_model(tmp_path)

@@ -1,7 +1,8 @@
 """ModelConfig: the Llama-family decoder shape, read from and written to Hugging Face `config.json`.
 
 One frozen dataclass covers `llama` (with Llama 3 and linear RoPE scaling), `mistral` (optional
-sliding window), `qwen2` (q/k/v bias) and `qwen3` (per-head q/k RMSNorm), and their
+sliding window), `phi3` (Mistral's attention; its checkpoints store q/k/v and gate/up fused, which
+`weights` splits), `qwen2` (q/k/v bias) and `qwen3` (per-head q/k RMSNorm), and their
 mixture-of-experts variants `mixtral`, `qwen2_moe` (with a gated shared expert) and `qwen3_moe`,
 whose attention is their dense family's. The family decides the few structural switches
 (`qkv_bias`, `o_bias`, `qk_norm`); everything else is a plain field.
@@ -26,9 +27,11 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 """Each mixture-of-experts model type and the dense family whose attention and config keys it shares."""
+_WINDOWED = ("mistral", "phi3")
+"""The families whose config.json `sliding_window` windows every layer (no `use_sliding_window`)."""
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -44,6 +47,8 @@ _IGNORED_KEYS = frozenset(
         "chunk_size_feed_forward",
         "is_matryoshka", "matryoshka_dimensions",  # read by the pooling runner (serve/pooling.py)
         "num_local_experts", "qkv_bias",  # checked by _read_experts and the like
+        "resid_pdrop", "embd_pdrop",  # Phi-3's training-time dropouts
+        "original_max_position_embeddings",  # Phi-3's: read only by its longrope, which is refused
     }
 )
 
@@ -112,7 +117,7 @@ class ModelConfig:
     """Bias on q, k, v and o projections (llama, qwen3). qwen2 always has q/k/v bias and no o bias."""
     mlp_bias: bool = False
     sliding_window: int | None = None
-    """Mistral: each token attends to at most this many previous positions (itself included)."""
+    """Mistral, Phi-3: each token attends to at most this many previous positions (itself included)."""
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -181,13 +186,13 @@ class ModelConfig:
             _check_token_ids(name, getattr(self, name), many=name == "eos_token_id")
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
-        if self.attention_bias and self.family in ("mistral", "qwen2"):
+        if self.attention_bias and self.family in ("mistral", "phi3", "qwen2"):
             raise ValueError(f"attention_bias=True is not supported for model_type {self.model_type!r}")
         if self.mlp_bias and self.model_type != "llama":
             raise ValueError(f"mlp_bias=True is not supported for model_type {self.model_type!r}")
-        if self.sliding_window is not None and self.family != "mistral":
+        if self.sliding_window is not None and self.family not in _WINDOWED:
             raise ValueError(
-                "sliding_window is only supported for model_type 'mistral' or 'mixtral', "
+                "sliding_window is only supported for model_type 'mistral', 'mixtral' or 'phi3', "
                 f"not {self.model_type!r}"
             )
         self._check_experts()
@@ -322,7 +327,7 @@ class ModelConfig:
         kwargs: dict[str, Any] = {k: d[k] for k in known if k in d and d[k] is not None}
         max_positions = kwargs.get("max_position_embeddings", _field_default(cls, "max_position_embeddings"))
         _check_positive_int("max_position_embeddings", max_positions)  # llama3's RoPE default reads it
-        kwargs["rope_theta"], kwargs["rope_scaling"] = _read_rope(d, max_positions)
+        kwargs["rope_theta"], kwargs["rope_scaling"] = _read_rope(model_type, d, max_positions)
         kwargs["dtype"] = _read_dtype(d) or "float32"
         kwargs["sliding_window"] = _read_sliding_window(model_type, d, max_positions, kwargs["rope_scaling"])
         return cls(**kwargs)
@@ -357,7 +362,7 @@ class ModelConfig:
             out["attention_bias"] = self.attention_bias
         if self.model_type == "llama":
             out["mlp_bias"] = self.mlp_bias
-        if self.family == "mistral":
+        if self.family in _WINDOWED:
             out["sliding_window"] = self.sliding_window
         if self.family in ("qwen2", "qwen3"):
             out["use_sliding_window"] = False
@@ -419,6 +424,8 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": _SHAPE | {"vocab_size": 32000, "intermediate_size": 11008},
     "mistral": _SHAPE | {"vocab_size": 32000, "intermediate_size": 14336, "num_key_value_heads": 8,
                          "max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+    "phi3": _SHAPE | {"vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
+             "max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
     "qwen2": _QWEN,
     "qwen3": _QWEN | {"head_dim": 128},
     "mixtral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -452,6 +459,8 @@ _NOT_NULL_EXPERTS = frozenset({"decoder_sparse_step", "moe_intermediate_size", "
 _NOT_NULL = {
     "llama": _NOT_NULL_ANY | {"attention_bias", "mlp_bias"},
     "mistral": _NOT_NULL_ANY | {"num_key_value_heads", "attention_dropout"},
+    "phi3": _NOT_NULL_ANY | {"attention_dropout", "resid_pdrop", "embd_pdrop",
+                             "original_max_position_embeddings"},
     "qwen2": _NOT_NULL_ANY | {"use_sliding_window", "max_window_layers", "attention_dropout"},
     "qwen3": _NOT_NULL_ANY | {"head_dim", "attention_bias", "use_sliding_window", "max_window_layers",
                               "attention_dropout"},
@@ -472,6 +481,7 @@ class, as `mlp_bias` of Mistral), and slipstream reads it so."""
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
@@ -591,19 +601,24 @@ def _rope_block(d: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return key, block
 
 
-def _read_rope(d: dict[str, Any], max_position_embeddings: int) -> tuple[float, RopeScaling | None]:
+def _read_rope(
+    model_type: str, d: dict[str, Any], max_position_embeddings: int
+) -> tuple[float, RopeScaling | None]:
     """RoPE theta and scaling as transformers 5 (and so vLLM) reads either spelling: the block of
     `_rope_block`, whose own `rope_theta` wins over a top-level one (10000 where neither is given),
     its keys required as transformers requires them, except that llama3's
     `original_max_position_embeddings` defaults to `max_position_embeddings`. Only the keys the
     rope type uses are read (a linear block's `original_max_position_embeddings` is ignored, as
-    transformers ignores it)."""
+    transformers ignores it). Phi-3 takes default RoPE only: transformers' Phi-3 knows no other
+    type than its longrope, which slipstream does not implement."""
     key, block = _rope_block(d)
     theta = block["rope_theta"] if "rope_theta" in block else d.get("rope_theta", 10000.0)
     rope_type = block.get("rope_type", block.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
+    supported = ("default",) if model_type == "phi3" else ROPE_TYPES
+    if rope_type not in supported:
         raise ValueError(
-            f"unsupported {key} rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+            f"unsupported {key} rope_type {rope_type!r} for model_type {model_type!r}; "
+            f"supported: {', '.join(supported)}"
         )
     if rope_type == "default":
         return theta, None
@@ -637,7 +652,7 @@ def _read_sliding_window(
     "sliding_attention" or, where config.json gives no `layer_types`, as transformers derives them:
     qwen2 and qwen3 window the layers at or past `max_window_layers`, qwen2_moe the even ones
     below it, and qwen3_moe (no `layer_types`) every layer."""
-    if MOE_FAMILY.get(model_type, model_type) == "mistral":
+    if MOE_FAMILY.get(model_type, model_type) in _WINDOWED:
         window = d.get("sliding_window")
         if window is None:
             return None

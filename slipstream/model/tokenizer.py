@@ -575,7 +575,8 @@ def rebuilt_pipeline(config: Mapping[str, Any], model_type: str | None) -> str |
       Qwen2Tokenizer(Fast), for any model type whose registered tokenizer is a class of its own
       (llama, qwen3) or none (no config.json), since transformers then trusts the named class;
       and a qwen3 model (registered: Qwen2Tokenizer) whose tokenizer_config.json names no class.
-      Mistral's registered tokenizer is generic, so a mistral model reads the file as it is.
+      Mistral's registered tokenizer is generic, and so is phi3's (it is in the incorrect-class
+      list, which registers the generic backend for it), so their models read the file as it is.
 
     Mixture-of-experts types register what their dense family does: mixtral mistral's generic
     tokenizer, qwen2_moe and qwen3_moe Qwen2Tokenizer (neither is in the incorrect-class list)."""
@@ -583,7 +584,7 @@ def rebuilt_pipeline(config: Mapping[str, Any], model_type: str | None) -> str |
     named = str(config.get("tokenizer_class") or "").removesuffix("Fast")
     if named == "LlamaTokenizer" and model_type in (None, "llama", "qwen3"):
         return "llama"
-    if (model_type == "qwen2" or (named == "Qwen2Tokenizer" and model_type != "mistral")
+    if (model_type == "qwen2" or (named == "Qwen2Tokenizer" and model_type not in ("mistral", "phi3"))
             or (not named and model_type == "qwen3")):
         return "qwen2"
     return None

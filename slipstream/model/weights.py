@@ -124,8 +124,37 @@ def model_name(config: ModelConfig, name: str) -> str:
     return f"{prefix}mlp.{head}.{_MIXTRAL_PROJ[proj]}.weight" if head else f"{prefix}mlp.gate.weight"
 
 
+_PHI3_FUSED = re.compile(r"(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight")
+_PHI3_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+_PHI3_FUSED_OF = {part: fused for fused, parts in _PHI3_PARTS.items() for part in parts}
+_PHI3_PART = re.compile(r"(model\.layers\.\d+\.)(self_attn\.[qkv]_proj|mlp\.(?:gate|up)_proj)\.weight")
+
+
+def model_tensors(config: ModelConfig, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The `Transformer` parameters that checkpoint tensor `name` fills, with their values: itself
+    under `model_name`, except that Phi-3 stores q/k/v and gate/up fused (rows stacked in that
+    order, as transformers' Phi-3 splits them), which become views of the stored tensor's rows."""
+    match = _PHI3_FUSED.fullmatch(name) if config.model_type == "phi3" else None
+    if match is None:
+        return [(model_name(config, name), tensor)]
+    prefix, fused = match.groups()
+    kv = config.num_key_value_heads * config.head_dim
+    rows = ((config.num_attention_heads * config.head_dim, kv, kv) if fused == "self_attn.qkv_proj"
+            else (config.intermediate_size,) * 2)
+    if tensor.shape != (sum(rows), config.hidden_size):
+        raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, but the config implies "
+                         f"{(sum(rows), config.hidden_size)}")
+    parts = [f"{prefix}{part}.weight" for part in _PHI3_PARTS[fused]]
+    return list(zip(parts, tensor.split(rows), strict=True))
+
+
 def checkpoint_name(config: ModelConfig, name: str) -> str:
-    """The checkpoint name of `Transformer` parameter `name`: `model_name` inverted."""
+    """The checkpoint name of `Transformer` parameter `name`: `model_name` inverted, and Phi-3's
+    q/k/v and gate/up projections named by the fused tensor that holds them."""
+    if config.model_type == "phi3" and (part := _PHI3_PART.fullmatch(name)):
+        prefix, proj = part.groups()
+        return f"{prefix}{_PHI3_FUSED_OF[proj]}.weight"
     match = _MODEL_EXPERT.fullmatch(name) if config.model_type == "mixtral" else None
     if match is None:
         return name
@@ -188,28 +217,28 @@ def load_model(
     # When the stored dtype is kept on the CPU, parameters stay views of the memory-mapped file
     # (no copy at all); otherwise each tensor is converted from its own short-lived mapping.
     keep_mapped = str(device) == "cpu" and dtype == resolve_dtype(stored.dtype)
-    for stored_name, tensor in iter_tensors(model_dir, release_each=not keep_mapped):
-        name = model_name(config, stored_name)
-        if name in tied:
-            stored_head = tensor[:: max(1, tensor.shape[0] // 8)].to(dtype).to(torch.float32, copy=True)
-            continue
-        if name.endswith(_DERIVED_SUFFIXES):
-            continue
-        param = params.pop(name, None)
-        if param is None:
-            unexpected.append(stored_name)
-            continue
-        if tensor.shape != param.shape:
-            raise ValueError(
-                f"weight {stored_name} has shape {tuple(tensor.shape)} in {model_dir}, "
-                f"but the config implies {tuple(param.shape)}"
-            )
-        _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
+    for stored_name, stored in iter_tensors(model_dir, release_each=not keep_mapped):
+        for name, tensor in model_tensors(config, stored_name, stored):
+            if name in tied:
+                stored_head = tensor[:: max(1, tensor.shape[0] // 8)].to(dtype).to(torch.float32, copy=True)
+                continue
+            if name.endswith(_DERIVED_SUFFIXES):
+                continue
+            param = params.pop(name, None)
+            if param is None:
+                unexpected.append(stored_name)
+                continue
+            if tensor.shape != param.shape:
+                raise ValueError(
+                    f"weight {stored_name} has shape {tuple(tensor.shape)} in {model_dir}, "
+                    f"but the config implies {tuple(param.shape)}"
+                )
+            _set_parameter(model, name, tensor.to(device=device, dtype=dtype))
     if params:
-        missing = sorted(checkpoint_name(config, name) for name in params)
+        missing = sorted({checkpoint_name(config, name) for name in params})
         raise ValueError(f"weights missing from {model_dir}: {', '.join(missing)}")
     if unexpected:
-        raise ValueError(f"unexpected weights in {model_dir}: {', '.join(sorted(unexpected))}")
+        raise ValueError(f"unexpected weights in {model_dir}: {', '.join(sorted(set(unexpected)))}")
     model.tie_weights()
     if stored_head is not None:
         embedding = model.model.embed_tokens.weight
@@ -289,11 +318,12 @@ def save_model(
     """
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
-    state = {
-        checkpoint_name(model.config, name): tensor
-        for name, tensor in model.state_dict().items()
-        if not (name == "lm_head.weight" and model.config.tie_word_embeddings)
-    }
+    groups: dict[str, list[torch.Tensor]] = {}
+    for name, tensor in model.state_dict().items():
+        if not (name == "lm_head.weight" and model.config.tie_word_embeddings):
+            groups.setdefault(checkpoint_name(model.config, name), []).append(tensor)
+    # One tensor per name, but Phi-3's fused ones, whose parts come in the order they stack in.
+    state = {name: parts[0] if len(parts) == 1 else torch.cat(parts) for name, parts in groups.items()}
     out_dtype = resolve_dtype(dtype) if dtype is not None else next(iter(state.values())).dtype
     shards = _split_into_shards(state, out_dtype, max_shard_bytes)
     _remove_old_weights(model_dir)
