@@ -3,33 +3,42 @@ price multi-rank CPU training runs, each rank at the threads it ran with."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 import numpy as np
 import pytest
 import torch
 from serve_fixtures import known_calibration
-from train_fixtures import small_config, train_with_torchrun
+from train_fixtures import read_metrics, small_config, train_with_torchrun
 
 from slipstream.cli import main
-from slipstream.perf import collectives_bench, hardware
+from slipstream.perf import collectives_bench, hardware, measured
 from slipstream.perf.collectives import busbw_factor, collective_time_s
 from slipstream.perf.commands import train_accelerator
 from slipstream.perf.efficiency import default_efficiency
 from slipstream.perf.layers import Device
+from slipstream.perf.model import predict_training
+from slipstream.perf.records import read_train_run
 from slipstream.train.trainer import Trainer
 
 pytest_plugins = ["train_fixtures"]
 
 PEAK_FLOPS, PEAK_READ = 1e11, 2e10
 STEPS = ("--training.steps=12", "--training.micro_batch_size=2")
-FACTOR = 4.0
-"""How far (either way) the predicted step of the 2-rank DDP run may be from the measured one, with
-the efficiency fitted to one process doing one rank's share: 0.68-0.82 of it on the 2-core
-development VM at load averages 0.5-4.5 (two ranks on its two cores run slower than one process
-alone, which the model does not know; docs/perf.md), 0.36 while another session's tests kept both
-cores busy (a rank descheduled stalls the other at every collective), so the bound leaves room for
-a noisy CI machine and still catches a link or compute priced orders of magnitude off."""
+PROFILE_LAST_STEP = ("--profiling.enable_profiling=true", "--profiling.profile_freq=12",
+                     "--profiling.profiler_warmup=0")
+"""A trace of the FSDP2 run's last step (one of the 12: its median step barely moves)."""
+FACTOR = {"ddp": 3.0, "fsdp": 4.0}
+"""How far (either way) the predicted step of each 2-rank run may be from its fastest measured step
+(the one the scheduler disturbed least: the model prices ranks left alone), with the efficiency
+fitted to one process doing one rank's share. On the 2-core development VM at load averages
+1.7-2.9: DDP 0.63-1.04x, FSDP2 0.40-0.65x (the model before: 0.29-0.50x); what the model still
+misses is in docs/perf.md (gloo waiting on a rank the scheduler set aside, FSDP2's host work per
+unit, gloo's all-gather latency). The bounds leave room for a noisy CI machine and still catch a
+link or compute priced orders of magnitude off; `test_fsdp_collectives_are_the_ones_the_trainer_runs`
+checks FSDP2's collectives one by one, load or not."""
 
 
 @pytest.fixture(scope="module")
@@ -137,14 +146,16 @@ def test_bad_num_ranks_is_a_value_error(num_ranks):
 
 @pytest.fixture(scope="module")
 def runs(data_dir, train_model_dir, tmp_path_factory):
-    """(one process at one thread doing one rank's share, the 2-rank DDP run of twice its batch
-    under torchrun over gloo, one thread per rank as torchrun sets it)."""
+    """(one process at one thread doing one rank's share, {"ddp": ..., "fsdp": ...}: 2-rank runs of
+    twice its batch under torchrun over gloo, one thread per rank as torchrun sets it)."""
     base = tmp_path_factory.mktemp("link-runs")
-    ddp = base / "ddp"
-    config = small_config(data_dir, train_model_dir, ddp, *STEPS, "--training.global_batch_size=8",
-                          "--parallel.strategy=ddp")
-    result = train_with_torchrun(config, base)
-    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = {strategy: base / strategy for strategy in ("ddp", "fsdp")}
+    for strategy, run_dir in ranks.items():
+        profiled = PROFILE_LAST_STEP if strategy == "fsdp" else ()
+        config = small_config(data_dir, train_model_dir, run_dir, *STEPS, "--training.global_batch_size=8",
+                              f"--parallel.strategy={strategy}", *profiled)
+        result = train_with_torchrun(config, base)
+        assert result.returncode == 0, result.stderr[-3000:]
     single = base / "single"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -153,7 +164,7 @@ def runs(data_dir, train_model_dir, tmp_path_factory):
                              "--training.global_batch_size=4")).run()
     finally:
         torch.set_num_threads(threads)
-    return single, ddp
+    return single, ranks
 
 
 @pytest.fixture
@@ -175,14 +186,15 @@ def _json(argv: list[str], capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_a_two_rank_gloo_run_is_priced_with_the_measured_link(runs, link, cache_home, known_cpu, monkeypatch,
-                                                               tmp_path, capsys):
-    """Guards `perf fit --hardware cpu --run-dir` and `perf report` on a real 2-rank gloo run (both
+def test_two_rank_gloo_runs_are_priced_with_the_measured_link(runs, link, cache_home, known_cpu, monkeypatch,
+                                                              tmp_path, capsys):
+    """Guards `perf fit --hardware cpu --run-dir` and `perf report` on real 2-rank gloo runs (both
     raised "lists no link bandwidth"): this CPU at the one thread each rank ran, whatever this
     process's count, with the link the fixture measured among 2 ranks (read from its cache); and,
-    with the efficiency fitted to one process doing one rank's share, a predicted step within
-    FACTOR of the measured one."""
-    single, ddp = runs
+    with the efficiency fitted to one process doing one rank's share, the DDP and FSDP2 steps
+    predicted within FACTOR of the measured ones: FSDP2's per-unit collectives and the trainer's
+    scalar all-reduces, all exposed on a host link (the model before priced FSDP2 at 0.16-0.36x)."""
+    single, ranks = runs
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
     monkeypatch.setattr(collectives_bench, "measure", _no_measurement)
     threads = torch.get_num_threads()
@@ -191,22 +203,69 @@ def test_a_two_rank_gloo_run_is_priced_with_the_measured_link(runs, link, cache_
         fitted = _json(["perf", "fit", "--hardware", "cpu", "--run-dir", str(single), "--out",
                         str(tmp_path / "eff.json")], capsys)
         torch.set_num_threads(2)
-        fit = _json(["perf", "fit", "--hardware", "cpu", "--run-dir", str(ddp)], capsys)
-        summary = _json(["perf", "report", str(ddp), "--efficiency", str(tmp_path / "eff.json"),
-                         "--out", str(tmp_path / "report.html")], capsys)
+        fit = _json(["perf", "fit", "--hardware", "cpu", "--run-dir", str(ranks["ddp"])], capsys)
+        efficiency = ["--efficiency", str(tmp_path / "eff.json")]
+        summaries = {strategy: _json(["perf", "report", str(run_dir), *efficiency,
+                                      "--out", str(tmp_path / f"{strategy}.html")], capsys)
+                     for strategy, run_dir in ranks.items()}
     finally:
         torch.set_num_threads(threads)
-    assert known_cpu == [1, 1, 1]
+    assert known_cpu == [1, 1, 1, 1]
     assert "ranks" not in fitted["hardware"] and fit["hardware"].endswith("x 2 ranks over gloo")
     assert fit["calibration"]["efficiency"]["link_latency_s"] == link.link.latency_s
-    prediction = summary["prediction"]
-    assert prediction["hardware"] == fit["hardware"] and prediction["efficiency"].endswith("link measured")
-    step = prediction["step_s"]
-    ratio = step["predicted"] / step["measured"]
-    print(f"2-rank DDP step: measured {1e3 * step['measured']:.1f} ms, predicted "
-          f"{1e3 * step['predicted']:.1f} ms ({ratio:.2f}x), efficiency fitted to one process "
-          f"(error {fitted['rows'][0]['error']:+.1%})")
-    assert 1 / FACTOR <= ratio <= FACTOR
+    ratios = {}
+    for strategy, summary in summaries.items():
+        prediction = summary["prediction"]
+        assert prediction["hardware"] == fit["hardware"]
+        assert prediction["efficiency"].endswith("link measured")
+        step = prediction["step_s"]
+        fastest = min(r["step_s"] for r in read_metrics(ranks[strategy])[2:])  # past the warm-up
+        ratios[strategy] = step["predicted"] / fastest
+        print(f"2-rank {strategy} step: measured {1e3 * step['measured']:.1f} ms (median), "
+              f"{1e3 * fastest:.1f} ms (fastest), predicted {1e3 * step['predicted']:.1f} ms "
+              f"({ratios[strategy]:.2f}x the fastest; link "
+              f"{1e3 * prediction['breakdown_s']['exposed_comm_s']:.1f} ms), efficiency fitted to one "
+              f"process (error {fitted['rows'][0]['error']:+.1%})")
+    assert summaries["fsdp"]["prediction"]["breakdown_s"]["data_parallel_s"] > 0  # exposed on gloo
+    for strategy, ratio in ratios.items():
+        assert 1 / FACTOR[strategy] <= ratio <= FACTOR[strategy], (strategy, ratio)
+
+
+def _gloo_collectives(trace_path) -> list[tuple[str, int]]:
+    """(collective, elements of its input) of each gloo collective rank 0 ran in the traced step."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    (step,) = [e for e in events if e.get("ph") == "X" and e["name"].startswith("ProfilerStep")]
+    inside = sorted((e for e in events if e.get("ph") == "X" and e["name"].startswith("gloo:")
+                     and step["ts"] <= e["ts"] <= step["ts"] + step["dur"]), key=lambda e: e["ts"])
+    return [(e["name"].removeprefix("gloo:"), math.prod(e["args"]["Input Dims"][0])) for e in inside]
+
+
+def test_fsdp_collectives_are_the_ones_the_trainer_runs(runs, link):
+    """Guards the model's FSDP2 collectives against the profiler's trace of the trainer's real step
+    (2 ranks, 2 micro-batches of fp32): the all-gathered and reduced bytes of the data-parallel
+    part equal the gloo all-gathers' (each rank's shard, times 2 ranks) and the gradient
+    reductions' (gloo runs a reduce-scatter as an all-reduce of the unit's buffer), and its latency
+    steps their ring count (2 ranks: an all-gather 1 step, an all-reduce 2); the two scalar
+    all-reduces that end the step (the gradient norm's, then the logged loss's) are the optimizer's
+    and `loss_sync`'s. Independent of the load: it counts, it does not time."""
+    _, ranks = runs
+    (trace,) = (ranks["fsdp"] / "profile_traces").glob("iteration_*/rank0_trace.json")
+    collectives = _gloo_collectives(trace)
+    print("gloo collectives of one FSDP2 step:", collectives)
+    *gradients, norm, loss = [n for op, n in collectives if op == "all_reduce"]
+    gathers = [n for op, n in collectives if op == "all_gather"]
+    assert len(collectives) == len(gathers) + len(gradients) + 2 and loss == 1
+
+    setup, layout = measured.train_setup(read_train_run(ranks["fsdp"]))
+    assert (layout.dp, layout.zero_stage, setup.num_microbatches(layout)) == (2, 3, 2)
+    # 1 s a latency step and a link no byte waits on: comm_s counts latency steps
+    acc = hardware.local_accelerator(known_calibration(PEAK_FLOPS, PEAK_READ), link)
+    acc = dataclasses.replace(acc, intra_node_bytes_per_s=1e30)
+    parts = predict_training(setup, layout, acc, default_efficiency(acc, 1.0)).parts
+    assert parts["data_parallel"].comm_bytes == pytest.approx(4 * (2 * sum(gathers) + sum(gradients)))
+    assert parts["data_parallel"].comm_s == pytest.approx(len(gathers) + 2 * len(gradients))
+    assert parts["optimizer"].comm_s == pytest.approx(2) and parts["loss_sync"].comm_s == pytest.approx(2)
+    assert norm > 1  # the per-parameter norms, reduced in one go
 
 
 def test_runs_are_priced_at_the_threads_their_ranks_ran(link, cache_home, known_cpu, monkeypatch):

@@ -116,6 +116,14 @@ class Accelerator:
             return value != 1
         return value is not None and value != {}
 
+    @property
+    def host_link(self) -> bool:
+        """Whether its collectives run on the cores that compute: true of a calibrated machine with a
+        link, which only `hardware.calibrate_link` gives it (gloo among processes of this host, whose
+        copies, reductions and loopback transfers take a compute core each), false of every table
+        entry (a GPU's collectives run as kernels of their own on a few of its SMs, beside the compute)."""
+        return self.calibrated and self.intra_node_bytes_per_s is not None
+
     def peak_flops(self, dtype: Any) -> float:
         """Dense peak FLOP/s for `dtype`; ValueError if this accelerator has no such path."""
         key = dtype_key(dtype)

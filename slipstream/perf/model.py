@@ -14,8 +14,13 @@ stages, each device holding `L / pp` layers split `tp` ways over `num_tokens = b
   Narayanan et al. 2021, arXiv 2104.04473, section 2.2; interleaved with v chunks per device:
   section 2.2.2), plus point-to-point sends of each micro-batch's activations;
 - data parallel: gradient all-reduce (ZeRO-1/2: reduce-scatter + all-gather, same bytes) once per
-  step, hidden under the last micro-batch's backward when `dp_overlap`; ZeRO-3/FSDP all-gathers
-  weights twice and reduce-scatters gradients per micro-batch, prefetched under compute;
+  step, hidden under the last micro-batch's backward when `dp_overlap`; ZeRO-3/FSDP unit by unit
+  as FSDP2 runs it (each layer and the root: all-gathers forward and backward per micro-batch,
+  reduce-scatters on the last), prefetched under compute;
+- on a host link (`Accelerator.host_link`: gloo among processes of one CPU) no collective overlaps
+  compute: `dp_overlap` and `tp_overlap` change nothing there;
+- the trainer's scalar all-reduces: the logged loss after every step, the gradient norm where
+  the gradients are split (FSDP, tensor parallelism);
 - context parallel: ring attention passes K and V around the group, overlapped with attention;
 - the optimizer step streams each local parameter's weights, gradient and Adam moments.
 
@@ -216,7 +221,8 @@ class TrainingPrediction:
     model_flops_per_step: float
     parts: dict[str, Work] = dataclasses.field(default_factory=dict)
     """The step's Work by phase: "pipeline" (forward, backward), "bubble", "data_parallel",
-    "optimizer"; they sum to `work`."""
+    "optimizer" (with the gradient norm's all-reduce), "loss_sync" (the logged loss's all-reduce,
+    after the optimizer); they sum to `work`."""
 
     @property
     def memory_bytes_per_device(self) -> float:
@@ -248,7 +254,8 @@ def predict_training(
     bubble = average * ((layout.pp - 1) / layout.virtual_stages)
     pipeline = slowest * m + bubble
     dp, optimizer = _data_parallel(setup, layout, device, layer, m), _optimizer_step(setup, layout, device)
-    work = pipeline + dp + optimizer
+    loss_sync = _loss_all_reduce(layout, device)
+    work = pipeline + dp + optimizer + loss_sync
     flops = setup.tokens_per_step * setup.shape.train_flops_per_token(setup.seq_len)
     peak = accelerator.peak_flops(setup.dtype) * layout.num_devices
     hardware_flops = flops + _recompute_flops(setup) * setup.tokens_per_step
@@ -259,9 +266,10 @@ def predict_training(
         memory=memory, fits=memory.total_bytes <= accelerator.memory_bytes, work=work,
         breakdown_s={"pipeline_s": (slowest * m).total_s, "bubble_s": bubble.total_s,
                      "data_parallel_s": dp.total_s, "optimizer_s": optimizer.total_s,
-                     "exposed_comm_s": work.comm_s},
+                     "loss_sync_s": loss_sync.total_s, "exposed_comm_s": work.comm_s},
         model_flops_per_step=flops,
-        parts={"pipeline": slowest * m, "bubble": bubble, "data_parallel": dp, "optimizer": optimizer},
+        parts={"pipeline": slowest * m, "bubble": bubble, "data_parallel": dp, "optimizer": optimizer,
+               "loss_sync": loss_sync},
     )
 
 
@@ -294,9 +302,10 @@ def _layer_passes(setup: TrainSetup, layout: Layout, spec: LayerSpec, device: De
         recompute = forward + comm
     elif setup.recompute == "selective":
         recompute = attention_recompute(spec, device)
-    if setup.tp_overlap == "full":
+    overlap = "none" if device.accelerator.host_link else setup.tp_overlap
+    if overlap == "full":
         exposed_forward, exposed_backward = Work(), Work()
-    elif setup.tp_overlap == "backward":  # hidden under the weight-gradient GEMMs (half the GEMMs)
+    elif overlap == "backward":  # hidden under the weight-gradient GEMMs (half the GEMMs)
         exposed_forward = comm
         exposed_backward = comm + Work(comm_s=-min(comm.comm_s, 0.5 * backward.gemm_s))
     else:
@@ -391,33 +400,89 @@ def _loss_bytes_per_logit(setup: TrainSetup) -> tuple[float, int]:
 
 
 def _data_parallel(setup: TrainSetup, layout: Layout, device: Device, layer: Work, m: int) -> Work:
-    """Gradient (and FSDP weight) collectives over the data-parallel x context-parallel group."""
+    """Gradient (and FSDP weight) collectives over the data-parallel x context-parallel group.
+
+    Hidden under compute (DDP's all-reduce under 2/3 of the last micro-batch's backward GEMMs, its
+    buckets filling as the backward runs; FSDP's under 90% of the step's compute, each unit's
+    all-gather prefetched during the previous unit's compute) where the collectives have a
+    device's link to themselves; on a host link (`Accelerator.host_link`) they take the cores that
+    compute and every second of them is exposed."""
     group = layout.dp * layout.cp
     if group == 1:
         return Work()
-    shape = setup.shape
-    params = max(stage_params(shape, layout))  # each stage's group at once: the largest sets the pace
-    per_node = max(device.accelerator.devices_per_node // (layout.tp * layout.cp * layout.pp), 1)
-    grads = params * setup.state_bytes_per_param()[1]
-    if layout.zero_stage >= 3:  # FSDP gathers the compute copy of the weights (bf16 in mixed precision)
-        weights = params * device.element_bytes
-        comm = (device.collective("all_gather", weights, group, per_node) * 2
-                + device.collective("reduce_scatter", grads, group, per_node)) * m
-        compute = (layer * (shape.num_layers / layout.pp) * m)
-        hidden = min(comm.comm_s, 0.9 * (compute.gemm_s + compute.memory_s))
+    overlaps = not device.accelerator.host_link
+    if layout.zero_stage >= 3:
+        comm = _fsdp_collectives(setup, layout, device, m)
+        compute = layer * (setup.shape.num_layers / layout.pp) * m
+        hidden = min(comm.comm_s, 0.9 * (compute.gemm_s + compute.memory_s)) if overlaps else 0.0
         return comm + Work(comm_s=-hidden)
-    comm = device.collective("all_reduce", grads, group, per_node)
-    if setup.dp_overlap:  # bucketed under the last micro-batch's backward
-        window = (layer * (shape.num_layers / layout.pp)).gemm_s * (2 / 3)
+    params = max(stage_params(setup.shape, layout))  # each stage's group at once: the largest sets the pace
+    grads = params * setup.state_bytes_per_param()[1]
+    comm = device.collective("all_reduce", grads, group, _dp_ranks_per_node(layout, device))
+    if setup.dp_overlap and overlaps:
+        window = (layer * (setup.shape.num_layers / layout.pp)).gemm_s * (2 / 3)
         return comm + Work(comm_s=-min(comm.comm_s, window))
     return comm
 
 
+def _dp_ranks_per_node(layout: Layout, device: Device) -> int:
+    return max(device.accelerator.devices_per_node // (layout.tp * layout.cp * layout.pp), 1)
+
+
+def _fsdp_units(setup: TrainSetup, layout: Layout) -> tuple[int, float, float]:
+    """(layers, parameters per device of one layer, of the root) on the largest pipeline stage, as
+    slipstream's trainer wraps them for FSDP (`train.parallel.apply_fsdp`, as torchtitan's
+    `apply_fsdp`): each decoder layer one unit, the root one more holding the rest (the embedding,
+    the final norm, the lm_head)."""
+    shape = setup.shape
+    layers = max(stage_layers(shape.num_layers, layout))
+    layer_params = shape.layers_params() / shape.num_layers / layout.tp
+    return layers, layer_params, max(stage_params(shape, layout)) - layers * layer_params
+
+
+def _fsdp_collectives(setup: TrainSetup, layout: Layout, device: Device, m: int) -> Work:
+    """FSDP2's collectives in one step, unit by unit, each paying its latency.
+
+    PyTorch's `fully_shard` (torch/distributed/fsdp/_fully_shard/_fully_shard.py, its docstring
+    and `FSDPState._lazy_init`): a unit's parameters are all-gathered before its forward and,
+    resharded after it, again before its backward; its gradients are reduce-scattered after its
+    backward; `reshard_after_forward` left unset is True for every unit but the root, whose
+    parameters the backward needs at once. So per micro-batch one all-gather per unit forward and
+    one per layer backward; per step one reduce-scatter per unit, on the last micro-batch only, as
+    the trainer turns gradient sync off for the others (`set_requires_gradient_sync`, FSDP1's
+    `no_sync`: gradients accumulate unsharded). All-gathers move the compute copy of the weights,
+    reduce-scatters the gradients. gloo (a host link) runs a reduce-scatter as an all-reduce of the
+    whole buffer (a profile of the trainer's 2-rank FSDP2 step: one gloo all-reduce per
+    reduce-scatter), and is priced so there.
+    """
+    group, per_node = layout.dp * layout.cp, _dp_ranks_per_node(layout, device)
+    layers, layer_params, root_params = _fsdp_units(setup, layout)
+    weight, grad = device.element_bytes, setup.state_bytes_per_param()[1]
+    scatter = "all_reduce" if device.accelerator.host_link else "reduce_scatter"
+    gathers = device.collective("all_gather", layer_params * weight, group, per_node) * (2 * layers)
+    scatters = device.collective(scatter, layer_params * grad, group, per_node) * layers
+    if root_params > 0:
+        gathers = gathers + device.collective("all_gather", root_params * weight, group, per_node)
+        scatters = scatters + device.collective(scatter, root_params * grad, group, per_node)
+    return gathers * m + scatters
+
+
 def _optimizer_step(setup: TrainSetup, layout: Layout, device: Device) -> Work:
+    """AdamW's update of each local parameter, after the gradient norm (`clip_grad_norm_`): under
+    FSDP or tensor parallelism each rank holds a part of the gradients (DTensors), and their norm
+    takes an all-reduce of one scalar over the ranks that split them."""
     params = max(stage_params(setup.shape, layout))
     if layout.zero_stage >= 1:
         params /= layout.dp * layout.cp
-    return device.stream(OPTIMIZER_BYTES_PER_PARAM * params, 8)
+    split = (layout.dp * layout.cp if layout.zero_stage >= 3 else 1) * layout.tp
+    norm = device.collective("all_reduce", 4.0, split, device.accelerator.devices_per_node)
+    return device.stream(OPTIMIZER_BYTES_PER_PARAM * params, 8) + norm
+
+
+def _loss_all_reduce(layout: Layout, device: Device) -> Work:
+    """The mean loss over every rank, all-reduced once per step for the step's record (one fp32
+    scalar; `Trainer.train_step`), after the optimizer: nothing left to hide it under."""
+    return device.collective("all_reduce", 4.0, layout.num_devices, device.accelerator.devices_per_node)
 
 
 def _recompute_flops(setup: TrainSetup) -> float:

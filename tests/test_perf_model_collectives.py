@@ -1,0 +1,129 @@
+"""Training model's collectives, counted by hand: FSDP2's per-unit all-gathers and reduce-scatters,
+the trainer's per-step scalar all-reduces, and overlap only where the link is the device's own."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from slipstream.perf.accelerators import Accelerator, get_accelerator
+from slipstream.perf.efficiency import default_efficiency
+from slipstream.perf.model import Layout, TrainSetup, predict_training
+from slipstream.perf.shapes import resolve_model
+
+H100 = get_accelerator("h100")
+ALPHA_S, LINK_BYTES_PER_S = 150e-6, 1e9
+"""A host link as `calibrate_link` gives one: per-step latency and all-reduce bus bandwidth."""
+MEASURED = "given by the test"
+# The tiny preset (6 layers, hidden 384, 6 query and 2 KV heads of 64, SwiGLU 1024, vocabulary
+# 8192, untied), counted from its widths: q and o 384 x 384, k and v 384 x 128, three MLP
+# matrices 384 x 1024, two RMSNorm weights; the root holds the embedding, the lm_head, the norm.
+LAYERS = 6
+LAYER_PARAMS = 2 * 384 * 384 + 2 * 384 * 128 + 3 * 384 * 1024 + 2 * 384
+ROOT_PARAMS = 2 * 8192 * 384 + 384
+
+
+def _cpu_ranks() -> Accelerator:
+    """Two ranks of a calibrated CPU joined by a measured (gloo) link."""
+    return Accelerator(name="test cpu (1 threads, calibrated) x 2 ranks over gloo",
+                       peak_flops_per_s={"fp32": 1e11}, memory_bandwidth_bytes_per_s=2e10,
+                       memory_bytes=2**34, intra_node_bytes_per_s=LINK_BYTES_PER_S, devices_per_node=2,
+                       calibrated=True,
+                       sources=dict.fromkeys(("peak_flops_per_s", "memory_bandwidth_bytes_per_s",
+                                              "memory_bytes", "intra_node_bytes_per_s", "devices_per_node"),
+                                             MEASURED))
+
+
+def _predict(setup: TrainSetup, layout: Layout, acc: Accelerator):
+    latency = ALPHA_S if acc.host_link else None
+    return predict_training(setup, layout, acc, default_efficiency(acc, latency))
+
+
+def _tiny(**kw) -> TrainSetup:
+    return TrainSetup(shape=resolve_model("tiny"), seq_len=256, dtype="fp32",
+                      **({"global_batch_size": 8, "micro_batch_size": 2} | kw))
+
+
+def test_fsdp_on_a_host_link_pays_every_units_collectives_exposed():
+    """Guards FSDP2's per-unit collectives against a hand count over 2 gloo ranks (fp32, 2
+    micro-batches): per micro-batch one all-gather per unit forward (6 layers + the root) and one
+    per layer backward (the root stays gathered); per step one reduce-scatter per unit, priced as
+    gloo runs it, an all-reduce of the unit's gradients; each with its alpha-beta time (2 ranks:
+    all-gather alpha + S / 2B, all-reduce 2 alpha + S / B), none hidden under compute."""
+    p = _predict(_tiny(), Layout(dp=2, zero_stage=3), _cpu_ranks())
+    m = 8 // (2 * 2)
+
+    def gather(num_params: float) -> float:
+        return ALPHA_S + 4 * num_params / 2 / LINK_BYTES_PER_S
+
+    def all_reduce(num_params: float) -> float:
+        return 2 * ALPHA_S + 4 * num_params / LINK_BYTES_PER_S
+
+    per_microbatch = 2 * LAYERS * gather(LAYER_PARAMS) + gather(ROOT_PARAMS)
+    per_step = LAYERS * all_reduce(LAYER_PARAMS) + all_reduce(ROOT_PARAMS)
+    latencies = m * (2 * LAYERS + 1) + 2 * (LAYERS + 1)
+    print(f"FSDP: {latencies} alphas, {1e3 * p.parts['data_parallel'].comm_s:.3f} ms")
+    assert p.parts["data_parallel"].comm_s == pytest.approx(m * per_microbatch + per_step, rel=1e-9)
+    assert p.parts["data_parallel"].comm_bytes == pytest.approx(
+        4 * (m * (2 * LAYERS * LAYER_PARAMS + ROOT_PARAMS) + LAYERS * LAYER_PARAMS + ROOT_PARAMS))
+    assert LAYER_PARAMS * LAYERS + ROOT_PARAMS == resolve_model("tiny").num_params()
+
+
+def test_fsdp_on_a_gpu_reduce_scatters_and_moves_the_same_bytes():
+    """Guards the per-unit count on an H100 pair: the same all-gathered and reduce-scattered bytes
+    as the hand count (reduce-scatters now, NCCL has them), hidden under the step's compute as
+    before (the tiny model's collectives on NVLink take microseconds)."""
+    p = _predict(_tiny(), Layout(dp=2, zero_stage=3), H100)
+    m = 2
+    assert p.parts["data_parallel"].comm_bytes == pytest.approx(
+        4 * (m * (2 * LAYERS * LAYER_PARAMS + ROOT_PARAMS) + LAYERS * LAYER_PARAMS + ROOT_PARAMS))
+    assert p.parts["data_parallel"].comm_s == 0.0
+
+
+def test_ddp_gradients_hide_on_a_gpu_and_not_on_a_host_link():
+    """Guards DDP's all-reduce against the alpha-beta formula by hand: on 8 H100s (NVLink at 400 of
+    its 450 GB/s per direction, 0.936 us a ring step: ASTRA-sim's validated figures) Llama-3 8B's
+    fp32 gradients (4 x 8,030,261,248 bytes) cost 14 alpha + 2 x 7/8 x S / B = 0.14054 s unhidden,
+    and nothing once hidden under the backward, unchanged by this model's host-link rule; over a
+    gloo link `dp_overlap` changes nothing: 2 alpha + S / B, exposed either way."""
+    gpu = TrainSetup(shape=resolve_model("llama3-8b"), global_batch_size=64, seq_len=4096, dp_overlap=False)
+    exposed = _predict(gpu, Layout(dp=8, zero_stage=0), H100).parts["data_parallel"].comm_s
+    grads = 4 * 8_030_261_248
+    assert exposed == pytest.approx(14 * 0.936e-6 + 2 * 7 / 8 * grads / 400e9, rel=1e-9)
+    assert exposed == pytest.approx(0.14054, abs=1e-5)
+    hidden = _predict(dataclasses.replace(gpu, dp_overlap=True), Layout(dp=8, zero_stage=0), H100)
+    assert hidden.parts["data_parallel"].comm_s == 0.0
+
+    cpu = {overlap: _predict(_tiny(dp_overlap=overlap), Layout(dp=2, zero_stage=0), _cpu_ranks())
+           for overlap in (True, False)}
+    expected = 2 * ALPHA_S + 4 * resolve_model("tiny").num_params() / LINK_BYTES_PER_S
+    for p in cpu.values():
+        assert p.parts["data_parallel"].comm_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_trainers_scalar_all_reduces_are_priced_where_they_run():
+    """Guards the trainer's per-step scalars over 2 gloo ranks: the logged loss's all-reduce (2 alpha
+    + 4 bytes / B) after every step; the gradient norm's inside the optimizer phase where the
+    gradients are split (FSDP, tensor parallelism), not under DDP, whose gradients are whole."""
+    scalar = 2 * ALPHA_S + 4 / LINK_BYTES_PER_S
+    layouts = {"ddp": Layout(dp=2, zero_stage=0), "fsdp": Layout(dp=2, zero_stage=3),
+               "tp": Layout(tp=2, sequence_parallel=True)}
+    for name, layout in layouts.items():
+        setup = _tiny(global_batch_size=4) if name == "tp" else _tiny()
+        p = _predict(setup, layout, _cpu_ranks())
+        assert p.parts["loss_sync"].comm_s == pytest.approx(scalar, rel=1e-12)
+        assert p.parts["optimizer"].comm_s == (0.0 if name == "ddp" else pytest.approx(scalar, rel=1e-12))
+    single = _predict(_tiny(global_batch_size=4), Layout(), _cpu_ranks())
+    assert single.parts["loss_sync"].comm_s == 0.0 and single.parts["optimizer"].comm_s == 0.0
+
+
+def test_tensor_parallel_collectives_overlap_only_on_a_devices_link():
+    """Guards `tp_overlap` on each kind of link: over gloo ("backward", Megatron's overlap with the
+    weight-gradient GEMMs) prices exactly what "none" does, since the collectives take the cores
+    that compute; on H100s "backward" hides part of them."""
+    layout = Layout(tp=2, sequence_parallel=True)
+    for acc, same in ((_cpu_ranks(), True), (H100, False)):
+        comm = {o: _predict(_tiny(global_batch_size=4, tp_overlap=o), layout, acc).work.comm_s
+                for o in ("backward", "none")}
+        assert (comm["backward"] == comm["none"]) is same, (acc.name, comm)
