@@ -34,7 +34,7 @@ FACTOR = {"ddp": 3.0, "fsdp": 4.0}
 """How far (either way) the predicted step of each 2-rank run may be from its fastest measured step
 (the one the scheduler disturbed least: the model prices ranks left alone), with the efficiency
 fitted to one process doing one rank's share. On the 2-core development VM at load averages
-1.7-2.9: DDP 0.63-1.04x, FSDP2 0.40-0.65x (the model before: 0.29-0.50x); what the model still
+0.5-2.9: DDP 0.63-1.04x, FSDP2 0.40-0.65x (the model before: 0.29-0.50x); what the model still
 misses is in docs/perf.md (gloo waiting on a rank the scheduler set aside, FSDP2's host work per
 unit, gloo's all-gather latency). The bounds leave room for a noisy CI machine and still catch a
 link or compute priced orders of magnitude off; `test_fsdp_collectives_are_the_ones_the_trainer_runs`
