@@ -41,8 +41,8 @@ def _predict(setup: TrainSetup, layout: Layout, acc: Accelerator):
 
 
 def _tiny(**kw) -> TrainSetup:
-    return TrainSetup(shape=resolve_model("tiny"), seq_len=256, dtype="fp32",
-                      **({"global_batch_size": 8, "micro_batch_size": 2} | kw))
+    return TrainSetup(shape=resolve_model("tiny"), seq_len=256,
+                      **({"dtype": "fp32", "global_batch_size": 8, "micro_batch_size": 2} | kw))
 
 
 def test_fsdp_on_a_host_link_pays_every_units_collectives_exposed():
@@ -127,3 +127,16 @@ def test_tensor_parallel_collectives_overlap_only_on_a_devices_link():
         comm = {o: _predict(_tiny(global_batch_size=4, tp_overlap=o), layout, acc).work.comm_s
                 for o in ("backward", "none")}
         assert (comm["backward"] == comm["none"]) is same, (acc.name, comm)
+
+
+@pytest.mark.parametrize(("mixed_precision", "gathered_bytes"), [("autocast", 4), ("parameters", 2)])
+def test_fsdp_gathers_weights_in_the_dtype_it_holds_them(mixed_precision, gathered_bytes):
+    """Guards the all-gathered bytes of bf16 FSDP2: slipstream's trainer shards fp32 parameters
+    with no MixedPrecisionPolicy (train/parallel.py), so under autocast each unit gathers 4 bytes a
+    parameter and autocast casts them after; with 16-bit parameters (torchtitan's param_dtype) 2.
+    Gradients are reduce-scattered in fp32 either way (4 bytes)."""
+    p = _predict(_tiny(dtype="bf16", mixed_precision=mixed_precision), Layout(dp=2, zero_stage=3), H100)
+    m = 2
+    gathered = m * (2 * LAYERS * LAYER_PARAMS + ROOT_PARAMS)
+    assert p.parts["data_parallel"].comm_bytes == pytest.approx(
+        gathered_bytes * gathered + 4 * (LAYERS * LAYER_PARAMS + ROOT_PARAMS))

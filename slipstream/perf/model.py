@@ -450,14 +450,18 @@ def _fsdp_collectives(setup: TrainSetup, layout: Layout, device: Device, m: int)
     parameters the backward needs at once. So per micro-batch one all-gather per unit forward and
     one per layer backward; per step one reduce-scatter per unit, on the last micro-batch only, as
     the trainer turns gradient sync off for the others (`set_requires_gradient_sync`, FSDP1's
-    `no_sync`: gradients accumulate unsharded). All-gathers move the compute copy of the weights,
-    reduce-scatters the gradients. gloo (a host link) runs a reduce-scatter as an all-reduce of the
+    `no_sync`: gradients accumulate unsharded). All-gathers move the weights in the dtype FSDP
+    holds them: fp32 under autocast (slipstream's trainer gives `fully_shard` no
+    `MixedPrecisionPolicy`, so autocast casts the gathered fp32 weights per op), 16 bits with
+    16-bit `parameters` (torchtitan's `param_dtype`, cast before the all-gather); reduce-scatters
+    move the gradients. gloo (a host link) runs a reduce-scatter as an all-reduce of the
     whole buffer (a profile of the trainer's 2-rank FSDP2 step: one gloo all-reduce per
     reduce-scatter), and is priced so there.
     """
     group, per_node = layout.dp * layout.cp, _dp_ranks_per_node(layout, device)
     layers, layer_params, root_params = _fsdp_units(setup, layout)
-    weight, grad = device.element_bytes, setup.state_bytes_per_param()[1]
+    weight = 4.0 if setup.autocast else device.element_bytes
+    grad = setup.state_bytes_per_param()[1]
     scatter = "all_reduce" if device.accelerator.host_link else "reduce_scatter"
     gathers = device.collective("all_gather", layer_params * weight, group, per_node) * (2 * layers)
     scatters = device.collective(scatter, layer_params * grad, group, per_node) * layers
