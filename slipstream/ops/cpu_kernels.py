@@ -5,7 +5,8 @@ dense tensors first triples the memory traffic of a decode step (read, write the
 again); `csrc/attention.c` reads the cache in place, for decodes and for prefill chunks.
 `csrc/cpu_ops.c` fuses RMSNorm, the rotary embedding and SwiGLU's silu-and-multiply, each several
 PyTorch ops (and several passes over memory) in eager mode, and has the matrix-vector product of
-batch-1 decode, the panel GEMM of decode batches and the decode graph's layer loop. The files need
+batch-1 decode, the panel GEMM of decode batches, a mixture-of-experts block's routed experts in
+one call and the decode graph's layer loop. The files need
 no PyTorch headers, so they build with the system C compiler into one library (about 1.1 s at
 -O3, the two files in parallel) and it is cached under
 `~/.cache/slipstream/kernels/`, keyed by the sources, the compiler flags and this CPU's features;
