@@ -8,6 +8,7 @@ import pytest
 
 from slipstream.perf.collectives import (
     Link,
+    MeasuredCost,
     algbw,
     busbw,
     busbw_factor,
@@ -123,3 +124,30 @@ def test_a_fit_without_bandwidth_says_so():
         fit_alpha_beta("all_reduce", 2, [1024, 1024], [1e-4, 2e-4])
     good = fit_alpha_beta("all_reduce", 2, [1024, 2048], [1e-4, 2e-4])
     assert good.busbw_bytes_per_s == pytest.approx(1 / good.beta_s_per_byte)
+
+
+def test_a_measured_cost_prices_its_fit_over_the_link():
+    """Guards `MeasuredCost` against hand formulas: an all-gather fitted at 290 us + bus bytes / 0.8
+    GB/s among 4 ranks, over a link of 50 us a step and 1 GB/s, is 5.8 steps and 0.8 of the link's
+    bandwidth, and priced 290 us + 3/4 S / 0.8 GB/s (the ring: 3 x 50 us + 3/4 S / 1 GB/s); twice
+    the link's bandwidth halves the bandwidth term; one rank costs nothing; a link without latency
+    keeps the ring's steps; a fit without bandwidth or a negative or infinite cost is a ValueError."""
+    link = Link(latency_s=50e-6, bandwidth_bytes_per_s=1 * GB)
+    sizes = [4096, 2**20, 2**24]
+    fit = fit_alpha_beta("all_gather", 4, sizes, [290e-6 + 0.75 * s / (0.8 * GB) for s in sizes])
+    cost = fit.cost(link)
+    assert (cost.latency_steps, cost.bandwidth_share) == (pytest.approx(5.8), pytest.approx(0.8))
+    size = 3e6
+    assert collective_time_s("all_gather", size, 4, link, measured=cost) == pytest.approx(
+        290e-6 + 0.75 * size / (0.8 * GB))
+    assert collective_time_s("all_gather", size, 4, link) == pytest.approx(3 * 50e-6 + 0.75 * size / GB)
+    fast = Link(latency_s=50e-6, bandwidth_bytes_per_s=2 * GB)
+    assert collective_time_s("all_gather", size, 4, fast, measured=cost) == pytest.approx(
+        290e-6 + 0.75 * size / (1.6 * GB))
+    assert collective_time_s("all_gather", size, 1, link, measured=cost) == 0.0
+    assert fit.cost(Link(latency_s=0, bandwidth_bytes_per_s=GB)).latency_steps == 3
+    with pytest.raises(ValueError, match="found no bandwidth term"):
+        fit_alpha_beta("all_gather", 2, [65536, 1048576], [3.7e-3, 1.15e-3]).cost(link)
+    for steps, share in ((-1.0, 1.0), (1.0, 0.0), (math.inf, 1.0), (1.0, math.nan)):
+        with pytest.raises(ValueError, match="need latency_steps >= 0 and bandwidth_share > 0"):
+            MeasuredCost(steps, share)

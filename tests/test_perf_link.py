@@ -15,6 +15,7 @@ from train_fixtures import read_metrics, small_config, train_with_torchrun
 
 from slipstream.cli import main
 from slipstream.perf import collectives_bench, hardware, measured
+from slipstream.perf.accelerators import get_accelerator
 from slipstream.perf.collectives import busbw_factor, collective_time_s
 from slipstream.perf.commands import train_accelerator
 from slipstream.perf.efficiency import default_efficiency
@@ -49,7 +50,7 @@ def cache_home(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def link(cache_home) -> hardware.LinkCalibration:
-    """The link among 2 ranks of this host, measured (about 3 s) into `cache_home`."""
+    """The link among 2 ranks of this host, measured (about 5 s: three collectives) into `cache_home`."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(cache_home))
         return hardware.calibrate_link(2)
@@ -59,31 +60,89 @@ def _no_measurement(*args, **kwargs):
     raise AssertionError("the link was measured again instead of read from the cache")
 
 
-def test_the_fitted_link_reproduces_a_weighted_least_squares_line(link):
-    """Guards the link's fit against numpy's weighted polyfit of the same timings (relative error,
-    weights 1 / time) and the model's pricing of an all-reduce through the calibrated accelerator
-    against the fitted line alpha + beta * bus bytes at every measured size."""
-    sizes, times = np.array(link.sizes_bytes, dtype=float), np.array(link.times_s)
-    print("all-reduce among 2 ranks:",
+def _reference_line(xs: np.ndarray, times: np.ndarray) -> tuple[float, float]:
+    """(alpha, beta) minimising the relative error with both >= 0, by numpy: the weighted polyfit
+    (weights 1 / time), or where it has a negative coefficient the best line with that one at 0
+    (a weighted mean; a weighted line through the origin)."""
+    beta, alpha = np.polyfit(xs, times, 1, w=1 / times)
+    if beta < 0:
+        return float(np.average(times, weights=times**-2.0)), 0.0
+    if alpha < 0:
+        (slope,), *_ = np.linalg.lstsq((xs / times)[:, None], np.ones_like(times), rcond=None)
+        return 0.0, float(slope)
+    return float(alpha), float(beta)
+
+
+@pytest.mark.parametrize("collective", hardware.LINK_COLLECTIVES)
+def test_each_fitted_collective_reproduces_a_weighted_least_squares_line(link, collective):
+    """Guards each collective's fit, measured in the one run, against numpy's weighted polyfit of
+    its timings (relative error, weights 1 / time), and the model's pricing of that collective
+    through the calibrated accelerator against its own fitted line alpha + beta * bus bytes at every
+    measured size (before, every collective was priced from the all-reduce's fit as a ring: an
+    all-gather of 2 ranks at half its alpha)."""
+    sizes, times = np.array(link.sizes_bytes, dtype=float), np.array(link.times_s[collective])
+    print(f"{collective} among 2 ranks:",
           ", ".join(f"{s:,.0f} B {1e6 * t:.0f} us" for s, t in zip(sizes, times, strict=True)))
     assert times[-1] > times[0]  # 4,096 times the bytes take longer, noise or not
-    bus_bytes = sizes * busbw_factor("all_reduce", 2)
-    beta, alpha = np.polyfit(bus_bytes, times, 1, w=1 / times)
-    assert alpha > 0 and beta > 0  # else the fit clamps one to 0 and numpy's line is not its answer
-    fit = link.fit
+    bus_bytes = sizes * busbw_factor(collective, 2)
+    alpha, beta = _reference_line(bus_bytes, times)
+    fit = link.fits[collective]
     print(f"alpha {1e6 * fit.alpha_s:.0f} us, busbw {fit.busbw_bytes_per_s / 1e9:.2f} GB/s, max error "
           f"{100 * fit.max_relative_error:.0f}%")
-    assert fit.alpha_s == pytest.approx(alpha, rel=1e-6)
+    assert fit.alpha_s == pytest.approx(alpha, rel=1e-6, abs=1e-12)
     assert fit.beta_s_per_byte == pytest.approx(beta, rel=1e-6)
 
     acc = hardware.local_accelerator(known_calibration(PEAK_FLOPS, PEAK_READ), link)
     device = Device(accelerator=acc, efficiency=default_efficiency(acc, link.link.latency_s), dtype="fp32",
                     element_bytes=4)
-    assert acc.devices_per_node == 2 and acc.intra_node_bytes_per_s == pytest.approx(1 / beta, rel=1e-6)
+    assert acc.devices_per_node == 2
+    assert acc.intra_node_bytes_per_s == pytest.approx(1 / link.fits["all_reduce"].beta_s_per_byte, rel=1e-9)
     for size, x in zip(sizes, bus_bytes, strict=True):
-        priced = device.collective("all_reduce", size, 2, acc.devices_per_node).comm_s
+        priced = device.collective(collective, size, 2, acc.devices_per_node).comm_s
         assert priced == pytest.approx(alpha + beta * x, rel=1e-6)
-        assert collective_time_s("all_reduce", size, 2, link.link) == pytest.approx(priced, rel=1e-12)
+    if collective == "all_reduce":  # the link itself is the all-reduce's ring
+        assert collective_time_s("all_reduce", sizes[0], 2, link.link) == pytest.approx(
+            alpha + beta * bus_bytes[0], rel=1e-6)
+
+
+def _synthetic_link(times: dict[str, tuple[float, float]], num_ranks: int = 2) -> hardware.LinkCalibration:
+    """A link whose timings lie on the lines given as collective -> (alpha s, busbw B/s)."""
+    sizes = (4096, 2**20, 2**24)
+    return hardware.LinkCalibration(
+        device_name="test cpu", torch_version="test", backend="gloo", num_ranks=num_ranks, sizes_bytes=sizes,
+        times_s={c: tuple(alpha + s * busbw_factor(c, num_ranks) / bw for s in sizes)
+                 for c, (alpha, bw) in times.items()},
+        elapsed_s=1.0, created_at="test")
+
+
+def test_a_host_link_prices_each_collective_at_its_own_fit_and_a_gpu_as_before():
+    """Guards `Device.collective` against hand formulas: on 2 ranks of a host whose gloo link was
+    measured with an all-reduce of 300 us + S / 1 GB/s, an all-gather of 290 us + (S / 2) / 0.8 GB/s
+    and a reduce-scatter of 390 us + (S / 2) / 0.5 GB/s, each is priced on its own line (the ring
+    model priced the all-gather at one step, 150 us, and the link's 1 GB/s); a what-if link x2
+    halves every bandwidth term and keeps the latencies; a collective over another number of ranks
+    is priced as a ring over the link; an H100's all-gather stays 7 x 0.936 us + 7/8 S / 400 GB/s."""
+    link = _synthetic_link({"all_reduce": (300e-6, 1e9), "all_gather": (290e-6, 0.8e9),
+                            "reduce_scatter": (390e-6, 0.5e9)})
+    acc = hardware.local_accelerator(known_calibration(PEAK_FLOPS, PEAK_READ), link)
+    eff = default_efficiency(acc, link.link.latency_s)
+    size = 3e6
+    lines = {"all_reduce": 300e-6 + size / 1e9, "all_gather": 290e-6 + size / 2 / 0.8e9,
+             "reduce_scatter": 390e-6 + size / 2 / 0.5e9}
+    scaled_lines = {"all_reduce": 300e-6 + size / 2e9, "all_gather": 290e-6 + size / 2 / 1.6e9,
+                    "reduce_scatter": 390e-6 + size / 2 / 1e9}
+    for accelerator, expected in ((acc, lines), (acc.scaled(link=2), scaled_lines)):
+        device = Device(accelerator=accelerator, efficiency=eff, dtype="fp32", element_bytes=4)
+        for collective, time_s in expected.items():
+            priced = device.collective(collective, size, 2, 2).comm_s
+            assert priced == pytest.approx(time_s, rel=1e-9), collective
+    three = Device(accelerator=acc, efficiency=eff, dtype="fp32", element_bytes=4)
+    assert three.collective("all_gather", size, 3, 3).comm_s == pytest.approx(2 * 150e-6 + 2 / 3 * size / 1e9)
+
+    h100 = get_accelerator("h100")
+    gpu = Device(accelerator=h100, efficiency=default_efficiency(h100))
+    assert gpu.collective("all_gather", size, 8, 8).comm_s == pytest.approx(
+        7 * 0.936e-6 + 7 / 8 * size / 400e9, rel=1e-9)
 
 
 @pytest.mark.slow
@@ -116,25 +175,61 @@ def test_the_link_is_cached_and_read_back(link, cache_home, monkeypatch, tmp_pat
     assert hardware.LinkCalibration.from_dict(json.loads(path.read_text())) == link
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    # 100 us and 1 GB/s: an all-reduce among 2 ranks moves its whole size once each way (busbw factor 1)
-    timings = [collectives_bench.Timing("all_reduce", size, 2, 1e-4 + size / 1e9) for size in (4096, 2**20)]
+    timings = _timings()
     monkeypatch.setattr(collectives_bench, "measure", lambda *args: (timings, {}))
     measured = hardware.calibrate_link(2)
-    assert measured.sizes_bytes == (4096, 2**20) and measured.times_s == tuple(t.time_s for t in timings)
+    assert measured.sizes_bytes == (4096, 2**20)
+    assert measured.times_s == {"all_reduce": tuple(t.time_s for t in timings[:2]),
+                                "all_gather": tuple(t.time_s for t in timings[2:])}
     assert measured.link.bandwidth_bytes_per_s == pytest.approx(1e9)
     assert measured.link.latency_s == pytest.approx(1e-4 / 2)  # a ring all-reduce of 2 ranks: 2 steps
+    # the all-gather's 90 us is 1.8 of the link's 50 us steps; its 0.5 GB/s busbw half the link's
+    gather = measured.costs["all_gather"]
+    assert (gather.latency_steps, gather.bandwidth_share) == (pytest.approx(1.8), pytest.approx(0.5))
     (path,) = (tmp_path / "slipstream").glob("link-v*-2ranks.json")
 
-    flat = [collectives_bench.Timing("all_reduce", size, 2, 1e-3) for size in (4096, 2**20)]
-    monkeypatch.setattr(collectives_bench, "measure", lambda *args: (flat, {}))
-    assert hardware.calibrate_link(2) == measured  # from the cache
-    assert hardware.calibrate_link(2, force=True).fit.busbw_bytes_per_s is None
-    assert hardware.calibrate_link(2) == measured  # the flat fit was not cached over it
+    flat = [collectives_bench.Timing(c, size, 2, 1e-3) for c in ("all_reduce", "all_gather")
+            for size in (4096, 2**20)]
+    flat_gather = timings[:2] + flat[2:]
+    for noisy in (flat, flat_gather):
+        monkeypatch.setattr(collectives_bench, "measure", lambda *args, noisy=noisy: (noisy, {}))
+        assert hardware.calibrate_link(2) == measured  # from the cache
+        assert hardware.calibrate_link(2, force=True).fits["all_gather"].busbw_bytes_per_s is None
+        assert hardware.calibrate_link(2) == measured  # the fit without bandwidth was not cached over it
+    assert set(hardware.calibrate_link(2, force=True, cache=False).costs) == {"all_reduce"}
 
     path.write_text("{\"num_ranks\": 2}")
     monkeypatch.setattr(collectives_bench, "measure", lambda *args: (timings, {}))
     assert hardware.calibrate_link(2).times_s == measured.times_s
     assert hardware.LinkCalibration.from_dict(json.loads(path.read_text())).times_s == measured.times_s
+
+
+def _timings() -> list[collectives_bench.Timing]:
+    """An all-reduce of 100 us + S / 1 GB/s among 2 ranks (bus factor 1: its whole size each way) and
+    an all-gather of 90 us + (S / 2) / 0.5 GB/s (bus factor 1/2), as `collectives_bench.measure`
+    returns them."""
+    sizes = (4096, 2**20)
+    return ([collectives_bench.Timing("all_reduce", size, 2, 1e-4 + size / 1e9) for size in sizes]
+            + [collectives_bench.Timing("all_gather", size, 2, 9e-5 + size / 2 / 5e8) for size in sizes])
+
+
+def test_a_link_cached_by_an_older_version_is_measured_again(monkeypatch, tmp_path):
+    """Guards the cache's version: a version 1 file (all-reduce times only, as a list) is not read,
+    neither under its own name nor under this version's, where it would have priced every
+    collective from the all-reduce alone: the link is measured again and cached in this format."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(collectives_bench, "measure", lambda *args: calls.append(args) or (_timings(), {}))
+    current = hardware.calibrate_link(2)
+    (path,) = (tmp_path / "slipstream").glob("link-v*-2ranks.json")
+    path.unlink()
+    old = current.to_dict() | {"times_s": [3e-4, 5e-3], "latency_s": 1.5e-4, "bandwidth_bytes_per_s": 2e8}
+    del old["fits"]
+    for name in (path.name.replace(f"-v{hardware.LINK_CACHE_VERSION}-", "-v1-"), path.name):
+        (path.parent / name).write_text(json.dumps(old))
+        assert hardware.calibrate_link(2).times_s == current.times_s
+    assert len(calls) == 3  # the first measurement, then once for each old file
+    assert hardware.LinkCalibration.from_dict(json.loads(path.read_text())).times_s == current.times_s
 
 
 @pytest.mark.parametrize("num_ranks", [1, 0, True, "2", 2.0])
@@ -258,12 +353,15 @@ def test_fsdp_collectives_are_the_ones_the_trainer_runs(runs, link):
 
     setup, layout = measured.train_setup(read_train_run(ranks["fsdp"]))
     assert (layout.dp, layout.zero_stage, setup.num_microbatches(layout)) == (2, 3, 2)
-    # 1 s a latency step and a link no byte waits on: comm_s counts latency steps
+    # 1 s a latency step and a link no byte waits on: comm_s counts each collective's measured steps
     acc = hardware.local_accelerator(known_calibration(PEAK_FLOPS, PEAK_READ), link)
     acc = dataclasses.replace(acc, intra_node_bytes_per_s=1e30)
     parts = predict_training(setup, layout, acc, default_efficiency(acc, 1.0)).parts
+    gather_steps, reduce_steps = (link.costs[c].latency_steps for c in ("all_gather", "all_reduce"))
+    assert reduce_steps == pytest.approx(2)  # the link is the all-reduce's, per ring step
     assert parts["data_parallel"].comm_bytes == pytest.approx(4 * (2 * sum(gathers) + sum(gradients)))
-    assert parts["data_parallel"].comm_s == pytest.approx(len(gathers) + 2 * len(gradients))
+    assert parts["data_parallel"].comm_s == pytest.approx(len(gathers) * gather_steps
+                                                          + len(gradients) * reduce_steps)
     assert parts["optimizer"].comm_s == pytest.approx(2) and parts["loss_sync"].comm_s == pytest.approx(2)
     assert norm > 1  # the per-parameter norms, reduced in one go
 
@@ -321,12 +419,17 @@ def test_perf_train_plan_and_whatif_price_ranks_of_this_cpu(link, cache_home, kn
 
 
 def test_perf_calibrate_link_prints_the_cached_link(link, cache_home, monkeypatch, capsys):
-    """`slipstream perf calibrate --link 2` prints the cached link (no new measurement); with --force
-    it measures again; fewer than 2 ranks is an argument error."""
+    """`slipstream perf calibrate --link 2` prints the cached link (no new measurement), as JSON or
+    each collective's fit; with --force it measures again; fewer than 2 ranks is an argument error."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
     monkeypatch.setattr(collectives_bench, "measure", _no_measurement)
     assert main(["perf", "calibrate", "--link", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(link.to_dict()))
+    assert main(["perf", "calibrate", "--link", "2"]) == 0
+    out = capsys.readouterr().out
+    for collective, fit in link.fits.items():
+        alpha, busbw = 1e6 * fit.alpha_s, fit.busbw_bytes_per_s / 1e9
+        assert f"{collective} alpha {alpha:.0f} us per call, busbw {busbw:.2f} GB/s" in out
     with pytest.raises(AssertionError, match="measured again"):
         main(["perf", "calibrate", "--link", "2", "--force"])
     with pytest.raises(SystemExit):

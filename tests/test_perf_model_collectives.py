@@ -8,7 +8,9 @@ import dataclasses
 import pytest
 
 from slipstream.perf.accelerators import Accelerator, get_accelerator
+from slipstream.perf.collectives import MeasuredCost
 from slipstream.perf.efficiency import default_efficiency
+from slipstream.perf.hardware import HostAccelerator
 from slipstream.perf.model import Layout, TrainSetup, predict_training
 from slipstream.perf.shapes import resolve_model
 
@@ -68,6 +70,31 @@ def test_fsdp_on_a_host_link_pays_every_units_collectives_exposed():
     assert p.parts["data_parallel"].comm_bytes == pytest.approx(
         4 * (m * (2 * LAYERS * LAYER_PARAMS + ROOT_PARAMS) + LAYERS * LAYER_PARAMS + ROOT_PARAMS))
     assert LAYER_PARAMS * LAYERS + ROOT_PARAMS == resolve_model("tiny").num_params()
+
+
+def test_fsdp_on_a_host_link_measured_per_collective_pays_each_calls_own_cost():
+    """Guards FSDP2's collectives on a host whose link was measured collective by collective
+    (`hardware.HostAccelerator`): the same hand count as above, each all-gather now at the
+    all-gather's own fitted line, 290 us + (S / 2) / 0.8 GB/s (the ring priced one step, 150 us, at
+    the link's 1 GB/s), each gradient all-reduce at the all-reduce's, the link itself."""
+    gather_alpha, gather_busbw = 290e-6, 0.8e9
+    costs = {"all_reduce": MeasuredCost(2.0, 1.0),
+             "all_gather": MeasuredCost(gather_alpha / ALPHA_S, gather_busbw / LINK_BYTES_PER_S)}
+    acc = HostAccelerator(**{f.name: getattr(_cpu_ranks(), f.name) for f in dataclasses.fields(Accelerator)},
+                          collective_costs=costs)
+    p = _predict(_tiny(), Layout(dp=2, zero_stage=3), acc)
+    m = 8 // (2 * 2)
+
+    def gather(num_params: float) -> float:
+        return gather_alpha + 4 * num_params / 2 / gather_busbw
+
+    def all_reduce(num_params: float) -> float:
+        return 2 * ALPHA_S + 4 * num_params / LINK_BYTES_PER_S
+
+    per_microbatch = 2 * LAYERS * gather(LAYER_PARAMS) + gather(ROOT_PARAMS)
+    per_step = LAYERS * all_reduce(LAYER_PARAMS) + all_reduce(ROOT_PARAMS)
+    assert p.parts["data_parallel"].comm_s == pytest.approx(m * per_microbatch + per_step, rel=1e-9)
+    assert p.parts["loss_sync"].comm_s == pytest.approx(all_reduce(1), rel=1e-9)
 
 
 def test_fsdp_on_a_gpu_reduce_scatters_and_moves_the_same_bytes():

@@ -24,6 +24,17 @@ reduce-scatter inside the node + all-reduce of S/g across nodes + all-gather ins
 all-gather / reduce-scatter = the inter-node step on S/g plus the intra-node step on S;
 all-to-all = the intra-node share of the bytes over the node link plus the rest over the network.
 Reduction arithmetic (the gamma term) is ignored: on GPUs it hides under the transfer.
+
+Measured per-call costs (`MeasuredCost`): gloo among processes of one host pays its latency per
+call, not per ring step. Each call is queued to the process group's worker thread and crosses
+loopback TCP (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp); on 2 ranks a small all-gather
+(gloo's ring `allgather`) takes nearly what an all-reduce does, where the ring model charges it one
+step, half the all-reduce's two; and a reduce-scatter is a clone of the input, an all-reduce of all
+of it and a copy of the rank's chunk (`reduce_scatter_tensor_coalesced`): more than an all-reduce
+of its input, where the ring model charges half of one. So
+a link calibrated collective by collective (`hardware.calibrate_link`) prices each with its own
+fit, `alpha_c + beta_c * bus bytes`, kept in units of the link (`latency_steps` link latencies,
+`bandwidth_share` of its bandwidth) so that efficiency knobs and what-if scales still apply.
 """
 
 from __future__ import annotations
@@ -71,6 +82,21 @@ class Link:
             raise ValueError(f"need latency_s >= 0 and bandwidth > 0, got {self}")
 
 
+@dataclasses.dataclass(frozen=True)
+class MeasuredCost:
+    """One collective's measured cost per call, in units of the link it was measured on: it pays
+    `latency_steps` of the link's latencies (in place of the algorithm's count) and moves its bus
+    bytes at `bandwidth_share` of the link's bandwidth (see the module docstring)."""
+
+    latency_steps: float
+    bandwidth_share: float
+
+    def __post_init__(self) -> None:
+        if not (self.latency_steps >= 0 and math.isfinite(self.latency_steps)) or not (
+                self.bandwidth_share > 0 and math.isfinite(self.bandwidth_share)):
+            raise ValueError(f"need latency_steps >= 0 and bandwidth_share > 0 (finite), got {self}")
+
+
 def latency_steps(collective: str, num_ranks: int, algorithm: str = "ring") -> float:
     """How many alpha terms one collective pays (see the module docstring)."""
     _check(collective, num_ranks, algorithm)
@@ -98,15 +124,19 @@ def bandwidth_bytes(collective: str, size_bytes: float, num_ranks: int, algorith
 
 
 def collective_time_s(
-    collective: str, size_bytes: float, num_ranks: int, link: Link, algorithm: str = "ring"
+    collective: str, size_bytes: float, num_ranks: int, link: Link, algorithm: str = "ring",
+    measured: MeasuredCost | None = None,
 ) -> float:
-    """Alpha-beta time of one flat collective over `num_ranks` ranks joined by `link`."""
+    """Alpha-beta time of one flat collective over `num_ranks` ranks joined by `link`; with
+    `measured`, at that measured cost per call (`alpha_c + beta_c * bus bytes` on the link it was
+    measured on) rather than the algorithm's latency steps and the link's full bandwidth."""
     if size_bytes < 0:
         raise ValueError(f"size_bytes must be >= 0, got {size_bytes}")
     steps = latency_steps(collective, num_ranks, algorithm)
-    return steps * link.latency_s + bandwidth_bytes(collective, size_bytes, num_ranks, algorithm) / (
-        link.bandwidth_bytes_per_s
-    )
+    bandwidth = link.bandwidth_bytes_per_s
+    if measured is not None and num_ranks > 1:
+        steps, bandwidth = measured.latency_steps, bandwidth * measured.bandwidth_share
+    return steps * link.latency_s + bandwidth_bytes(collective, size_bytes, num_ranks, algorithm) / bandwidth
 
 
 def hierarchical_time_s(
@@ -173,6 +203,18 @@ class AlphaBetaFit:
                              "term (beta 0): the larger messages were not slower")
         steps = max(latency_steps(self.collective, self.num_ranks, algorithm), 1.0)
         return Link(latency_s=self.alpha_s / steps, bandwidth_bytes_per_s=self.busbw_bytes_per_s)
+
+    def cost(self, link: Link) -> MeasuredCost:
+        """This fit in units of `link` (`MeasuredCost`): over it, `collective_time_s(...,
+        measured=fit.cost(link))` gives the fitted line back. A link without latency (an all-reduce
+        fit clamped to alpha 0) has no unit to count this fit's alpha in: it keeps the ring's steps,
+        paying no latency as the link does. ValueError for a fit without bandwidth."""
+        if self.busbw_bytes_per_s is None:
+            raise ValueError(f"the {self.collective} fit over {self.num_ranks} ranks found no bandwidth "
+                             "term (beta 0): the larger messages were not slower")
+        steps = (self.alpha_s / link.latency_s if link.latency_s > 0
+                 else latency_steps(self.collective, self.num_ranks))
+        return MeasuredCost(steps, self.busbw_bytes_per_s / link.bandwidth_bytes_per_s)
 
     def predict_s(self, size_bytes: float) -> float:
         factor = busbw_factor(self.collective, self.num_ranks)

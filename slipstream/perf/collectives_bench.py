@@ -1,8 +1,9 @@
 """Measure torch.distributed collectives over message sizes and fit alpha and beta.
 
 `measure` spawns `world_size` processes that join a process group on 127.0.0.1 (gloo on a CPU,
-NCCL on GPUs, one GPU per process), times each collective at each size (after warm-up, the
-slowest rank's time, median over iterations, as nccl-tests takes the slowest rank), and reports
+NCCL on GPUs, one GPU per process), times each collective at each size (size by size, the
+collectives in turn; after warm-up, the slowest rank's time, median over iterations, as nccl-tests
+takes the slowest rank), and reports
 nccl-tests' algbw and busbw. `fit` turns the timings into `collectives.AlphaBetaFit`s. Sizes
 follow nccl-tests (`collectives.py`): the full array.
 """
@@ -93,15 +94,18 @@ def _worker(rank: int, world_size: int, backend: str, port: int, sizes: list[int
         torch.cuda.set_device(device)  # else every rank's synchronize() waits on GPU 0
     timings, errors = [], {}
     try:
-        for name in collectives:
-            for size in sizes:
+        # Size by size, each collective in turn: a burst of other work on the host falls on every
+        # collective alike rather than on one (their fits are compared: `hardware.calibrate_link`).
+        for size in sizes:
+            for name in (n for n in collectives if n not in errors):
                 try:
                     run = _operation(name, size, world_size, device)
                     elapsed = _time(run, iterations, warmup, device)
                 except (RuntimeError, ValueError, NotImplementedError) as e:
                     errors[name] = str(e).splitlines()[0][:200]
-                    break
+                    continue
                 timings.append((name, 4 * _count(size, world_size), world_size, elapsed))
+        timings = [t for name in collectives for t in timings if t[0] == name]
     finally:
         if rank == 0:
             queue.put((timings, errors))

@@ -6,7 +6,9 @@ Kernel times are rooflines with size-dependent efficiency, not one constant:
     gemm_time   = max(compute, memory) + (1 - roofline_overlap) * min(compute, memory)
                   + gemm_overhead_s
     stream_time = bytes / (bandwidth * memory_fraction) + kernel_overhead_s
-    link        = per-direction bandwidth * link_fraction, latency per algorithm step
+    link        = per-direction bandwidth * link_fraction, latency per algorithm step (on a
+                  host link measured collective by collective, each collective's measured
+                  steps and share of that bandwidth: `collectives.MeasuredCost`)
 
 The fixed per-call overhead makes the achieved fraction of peak rise with the GEMM's size and
 saturate at `gemm_fraction` (`gemm_efficiency` reports it), the curve Calculon tabulates per

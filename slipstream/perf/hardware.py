@@ -9,8 +9,9 @@ PyTorch offers here, and memory read and copy bandwidth. MFU computed against a 
 peak uses the best path, so a model that runs on a slower path shows the gap.
 
 `calibrate_link(n)` measures the link between n ranks of this host (gloo over loopback, as the
-trainer's ranks talk under torchrun on a CPU): only where a multi-rank run is priced, apart from
-`calibrate()`, so that nobody else waits for it.
+trainer's ranks talk under torchrun on a CPU), each collective the training model prices there
+with its own fit: only where a multi-rank run is priced, apart from `calibrate()`, so that nobody
+else waits for it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import platform
 import re
 import time
+import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ from slipstream.perf.accelerators import (  # noqa: F401  (re-exported: the tabl
     dtype_key,
 )
 from slipstream.perf.accelerators import get_accelerator as _table_accelerator
-from slipstream.perf.collectives import AlphaBetaFit, Link, fit_alpha_beta
+from slipstream.perf.collectives import AlphaBetaFit, Link, MeasuredCost, fit_alpha_beta
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +61,37 @@ def get_accelerator(name: str) -> Accelerator:
     return _table_accelerator(name)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HostAccelerator(Accelerator):
+    """Ranks of this host joined by the gloo link `calibrate_link` measured among them, with each
+    measured collective's cost per call (`collectives.MeasuredCost`, in units of the link: the
+    all-reduce's bandwidth and per-step latency). A subclass rather than a field of the table's
+    `Accelerator`: only a measured host link has costs of its own per collective."""
+
+    collective_costs: Mapping[str, MeasuredCost] = dataclasses.field(default_factory=dict)
+    """Collective -> its measured cost, over exactly `devices_per_node` ranks (the ones measured)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "collective_costs", types.MappingProxyType(dict(self.collective_costs)))
+
+    def measured_cost(self, collective: str, num_ranks: int) -> MeasuredCost | None:
+        """The measured cost of `collective` over `num_ranks` ranks; None where it was not measured
+        (another collective, or a group of another size: priced from the link as a ring)."""
+        return self.collective_costs.get(collective) if num_ranks == self.devices_per_node else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return super().to_dict() | {"collective_costs": {c: dataclasses.asdict(cost)
+                                                         for c, cost in self.collective_costs.items()}}
+
+
 def local_accelerator(calibration: Calibration, link: LinkCalibration | None = None) -> Accelerator:
     """An `Accelerator` for a calibrated device: best measured GEMM rate per dtype as the peak.
 
-    With `link` (`calibrate_link`), its ranks are one node joined by the measured link: the fitted
-    all-reduce bus bandwidth as the intra-node bandwidth (its latency is the efficiency's
-    `link_latency_s`, see `efficiency.default_efficiency`).
+    With `link` (`calibrate_link`), a `HostAccelerator`: its ranks are one node joined by the
+    measured link, the fitted all-reduce bus bandwidth as the intra-node bandwidth (its per-step
+    latency is the efficiency's `link_latency_s`, see `efficiency.default_efficiency`), and each
+    collective whose fit found a bandwidth at its own cost (`LinkCalibration.costs`).
     """
     measured = f"measured by slipstream.perf.hardware.calibrate() at {calibration.created_at}"
     peaks = {d: max(p.values()) for d, p in calibration.matmul_flops_per_s.items() if p}
@@ -79,7 +106,7 @@ def local_accelerator(calibration: Calibration, link: LinkCalibration | None = N
                  "devices_per_node": link.num_ranks}
         sources |= {"intra_node_bytes_per_s": link.describe(),
                     "devices_per_node": f"the {link.num_ranks} ranks the link was measured among: one host"}
-    return Accelerator(
+    fields = dict(
         name=name,
         peak_flops_per_s=peaks,
         memory_bandwidth_bytes_per_s=calibration.memory_bandwidth_bytes_per_s,
@@ -89,6 +116,9 @@ def local_accelerator(calibration: Calibration, link: LinkCalibration | None = N
         calibrated=True,
         **links,
     )
+    if link is None:
+        return Accelerator(**fields)
+    return HostAccelerator(**fields, collective_costs=link.costs)
 
 
 def _physical_memory_bytes() -> int:
@@ -594,47 +624,69 @@ def _save(path: Path, record: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------
 # The link between ranks of this host.
 
-LINK_CACHE_VERSION = 1
+LINK_CACHE_VERSION = 2
 """Of the link cache files (`calibrate_link`), apart from `CACHE_VERSION`: bumped when what is
-measured changes."""
+measured changes (2: all-gathers and reduce-scatters timed too, `times_s` by collective), so that a
+file of an older version, under another name, is measured again rather than read."""
+LINK_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+"""What `calibrate_link` times, each fitted on its own: what the training model prices on a host
+link (DDP's gradients, FSDP's gradients as gloo runs them, tensor parallelism without sequence
+parallelism and the trainer's scalars are all-reduces; FSDP's weights all-gathers; sequence and
+context parallelism all-gather and reduce-scatter). Broadcasts and all-to-alls are priced nowhere
+on a CPU; pipeline sends keep the ring's one step of the link."""
 LINK_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)
-"""All-reduce sizes `calibrate_link` times, 4 KiB to 16 MiB: the small ones pin the latency, the
-large ones the bandwidth (a small model's gradients, 0.5 MB for the tests' 0.1M parameters, lie
-between; a real model's buckets at the top)."""
+"""Sizes `calibrate_link` times, 4 KiB to 16 MiB: the small ones pin the latency, the large ones
+the bandwidth (a small model's gradients, 0.5 MB for the tests' 0.1M parameters, lie between; a
+real model's buckets at the top)."""
 LINK_ITERATIONS, LINK_WARMUP = 20, 3
-"""Timed and untimed all-reduces per size: on a 2-core VM a loopback all-reduce takes 0.14-8 ms from
-one call to the next (waking the other process), so the median of 20 is what holds still (over
-six measurements there the fit's alpha ranged 0.31-0.44 ms and its bandwidth 1.1-2.0 GB/s)."""
+"""Timed and untimed calls per collective and size: on a 2-core VM a loopback all-reduce takes
+0.14-8 ms from one call to the next (waking the other process), so the median of 20 is what holds
+still (over six measurements there the all-reduce fit's alpha ranged 0.31-0.44 ms and its
+bandwidth 1.1-2.0 GB/s)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LinkCalibration:
-    """All-reduce times among `num_ranks` processes of this host, as `calibrate_link()` measures
-    them, and the link they fit (`fit`, `link`: derived, never stored)."""
+    """Collective times among `num_ranks` processes of this host, as `calibrate_link()` measures
+    them, and what they fit (`fits`, `fit`, `link`, `costs`: derived, never stored)."""
 
     device_name: str
     torch_version: str
     backend: str
     num_ranks: int
     sizes_bytes: tuple[int, ...]
-    """The messages timed: nccl-tests' size, the whole buffer each rank all-reduces."""
-    times_s: tuple[float, ...]
-    """Per size, the median over iterations of the slowest rank's time (`collectives_bench`)."""
+    """The messages timed: nccl-tests' size, the whole buffer each rank all-reduces, the gathered
+    output of an all-gather, the input of a reduce-scatter."""
+    times_s: Mapping[str, tuple[float, ...]]
+    """Collective -> per size, the median over iterations of the slowest rank's time
+    (`collectives_bench`); the all-reduce's always."""
     elapsed_s: float
     created_at: str
 
     def __post_init__(self) -> None:
         if isinstance(self.num_ranks, bool) or not isinstance(self.num_ranks, int) or self.num_ranks < 2:
             raise ValueError(f"num_ranks must be an integer >= 2, got {self.num_ranks!r}")
-        if (len(self.sizes_bytes) != len(self.times_s) or len(set(self.sizes_bytes)) < 2
-                or not all(t > 0 for t in self.times_s)):
-            raise ValueError(f"need a time > 0 for each of at least two distinct sizes, got sizes "
-                             f"{list(self.sizes_bytes)} and times {list(self.times_s)}")
+        if not isinstance(self.times_s, Mapping) or "all_reduce" not in self.times_s or (
+                set(self.times_s) - set(LINK_COLLECTIVES)):
+            raise ValueError(f"times_s must map collectives ({', '.join(LINK_COLLECTIVES)}, all_reduce at "
+                             f"least) to their times, got {self.times_s!r}")
+        for collective, times in self.times_s.items():
+            if (len(self.sizes_bytes) != len(times) or len(set(self.sizes_bytes)) < 2
+                    or not all(t > 0 for t in times)):
+                raise ValueError(f"need a time > 0 for each of at least two distinct sizes, got sizes "
+                                 f"{list(self.sizes_bytes)} and {collective} times {list(times)}")
+        object.__setattr__(self, "times_s", {c: tuple(times) for c, times in self.times_s.items()})
+
+    @property
+    def fits(self) -> dict[str, AlphaBetaFit]:
+        """Collective -> alpha and beta fitted to its timings (`collectives.fit_alpha_beta`)."""
+        return {c: fit_alpha_beta(c, self.num_ranks, self.sizes_bytes, times)
+                for c, times in self.times_s.items()}
 
     @property
     def fit(self) -> AlphaBetaFit:
-        """Alpha and beta fitted to the timings (`collectives.fit_alpha_beta`)."""
-        return fit_alpha_beta("all_reduce", self.num_ranks, self.sizes_bytes, self.times_s)
+        """The all-reduce's fit, which sets the link."""
+        return self.fits["all_reduce"]
 
     @property
     def link(self) -> Link:
@@ -642,48 +694,62 @@ class LinkCalibration:
         `collectives.collective_time_s("all_reduce", ...)` gives back the fitted times."""
         return self.fit.link("ring")
 
+    @property
+    def costs(self) -> dict[str, MeasuredCost]:
+        """Collective -> its fit in units of `link` (`AlphaBetaFit.cost`), for each fit that found a
+        bandwidth: `collective_time_s(c, ..., link, measured=costs[c])` gives back c's fitted line.
+        A collective whose fit found none is left out (priced as a ring over the link)."""
+        link = self.link
+        return {c: fit.cost(link) for c, fit in self.fits.items() if fit.busbw_bytes_per_s is not None}
+
     def describe(self) -> str:
-        """Where the link's numbers come from, for an `Accelerator`'s sources."""
-        fit = self.fit
-        bandwidth = f"{fit.busbw_bytes_per_s / 1e9:.2f} GB/s" if fit.busbw_bytes_per_s else "no bandwidth"
-        return (f"{self.backend} all-reduce among {self.num_ranks} ranks of this host, sizes "
-                f"{self.sizes_bytes[0]:,}-{self.sizes_bytes[-1]:,} bytes, alpha-beta fit (Thakur et al. "
-                f"2005, collectives.py): busbw {bandwidth}, alpha {1e6 * fit.alpha_s:.0f} us per all-reduce "
-                f"(max error {100 * fit.max_relative_error:.0f}%), measured by "
+        """Where the link's numbers come from, each collective's fit, for an `Accelerator`'s sources
+        and `slipstream perf calibrate --link`."""
+        fits = []
+        for collective, fit in self.fits.items():
+            bandwidth = f"{fit.busbw_bytes_per_s / 1e9:.2f} GB/s" if fit.busbw_bytes_per_s else "no bandwidth"
+            fits.append(f"{collective} alpha {1e6 * fit.alpha_s:.0f} us per call, busbw {bandwidth} "
+                        f"(max error {100 * fit.max_relative_error:.0f}%)")
+        return (f"{self.backend} collectives among {self.num_ranks} ranks of this host, sizes "
+                f"{self.sizes_bytes[0]:,}-{self.sizes_bytes[-1]:,} bytes, alpha-beta fits (Thakur et al. "
+                f"2005, collectives.py): {'; '.join(fits)}; measured by "
                 f"slipstream.perf.hardware.calibrate_link() at {self.created_at}")
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict; the fitted link too (`latency_s`, `bandwidth_bytes_per_s`; None where the
-        fit found no bandwidth), for people."""
+        """JSON-ready dict; for people, the fitted link (`latency_s`, `bandwidth_bytes_per_s`: None
+        where the all-reduce fit found no bandwidth) and each collective's fit (`fits`)."""
         fitted = self.fit.busbw_bytes_per_s is not None
         return dataclasses.asdict(self) | {
-            "sizes_bytes": list(self.sizes_bytes), "times_s": list(self.times_s),
+            "sizes_bytes": list(self.sizes_bytes),
+            "times_s": {c: list(times) for c, times in self.times_s.items()},
             "latency_s": self.link.latency_s if fitted else None,
-            "bandwidth_bytes_per_s": self.link.bandwidth_bytes_per_s if fitted else None}
+            "bandwidth_bytes_per_s": self.link.bandwidth_bytes_per_s if fitted else None,
+            "fits": {c: {"alpha_s": f.alpha_s, "busbw_bytes_per_s": f.busbw_bytes_per_s,
+                         "max_relative_error": f.max_relative_error} for c, f in self.fits.items()}}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LinkCalibration:
         """Inverse of `to_dict` (the derived keys are ignored); ValueError on missing or unknown
-        keys."""
+        keys, or on times not given by collective (a version 1 file's list: `__post_init__`)."""
         fields = {f.name for f in dataclasses.fields(cls)}
-        unknown, missing = set(d) - fields - {"latency_s", "bandwidth_bytes_per_s"}, fields - set(d)
+        unknown, missing = set(d) - fields - {"latency_s", "bandwidth_bytes_per_s", "fits"}, fields - set(d)
         if unknown or missing:
             raise ValueError(f"bad link calibration record: unknown keys {sorted(unknown)}, "
                              f"missing {sorted(missing)}")
         values = {k: v for k, v in d.items() if k in fields}
-        return cls(**values | {"sizes_bytes": tuple(d["sizes_bytes"]), "times_s": tuple(d["times_s"])})
+        return cls(**values | {"sizes_bytes": tuple(d["sizes_bytes"])})
 
 
 def calibrate_link(num_ranks: int, *, cache: bool = True, force: bool = False) -> LinkCalibration:
     """Measure (or load from cache) the link between `num_ranks` processes of this host.
 
     Spawns `num_ranks` processes that join a gloo group on 127.0.0.1, as the trainer's ranks do
-    under torchrun on a CPU, and times all-reduces of `LINK_SIZES` (`collectives_bench.measure`);
-    about 3 s for 2 ranks on a 2-core VM. Cached as JSON beside `calibrate()`'s, keyed by CPU,
-    torch version (gloo comes with it) and `num_ranks` (ranks that share the cores wait on each
-    other), not by torch threads (gloo reduces in its own loop). A measurement whose fit finds no
-    bandwidth is not cached. Like `collectives_bench.measure`, the calling script needs the
-    `if __name__ == "__main__":` guard of a spawning program.
+    under torchrun on a CPU, and times each of `LINK_COLLECTIVES` at `LINK_SIZES` in one run
+    (`collectives_bench.measure`); about 5 s for 2 ranks on a 2-core VM. Cached as JSON beside
+    `calibrate()`'s, keyed by CPU, torch version (gloo comes with it) and `num_ranks` (ranks that
+    share the cores wait on each other), not by torch threads (gloo reduces in its own loop). A
+    measurement with a fit that finds no bandwidth is not cached. Like `collectives_bench.measure`,
+    the calling script needs the `if __name__ == "__main__":` guard of a spawning program.
     """
     import torch
 
@@ -701,18 +767,22 @@ def calibrate_link(num_ranks: int, *, cache: bool = True, force: bool = False) -
             return cached
     logger.info("measuring the gloo link among %d ranks of this host (a few seconds)", num_ranks)
     start_s = time.perf_counter()
-    timings, errors = collectives_bench.measure(num_ranks, "gloo", LINK_SIZES, ("all_reduce",),
+    timings, errors = collectives_bench.measure(num_ranks, "gloo", LINK_SIZES, LINK_COLLECTIVES,
                                                 LINK_ITERATIONS, LINK_WARMUP)
     if errors:
-        raise RuntimeError(f"gloo could not all-reduce among {num_ranks} ranks: {errors}")
+        raise RuntimeError(f"gloo could not run collectives among {num_ranks} ranks: {errors}")
+    times: dict[str, list[float]] = {}
+    for t in timings:
+        times.setdefault(t.collective, []).append(t.time_s)
     result = LinkCalibration(
         device_name=device_name, torch_version=torch.__version__, backend="gloo", num_ranks=num_ranks,
-        sizes_bytes=tuple(t.size_bytes for t in timings), times_s=tuple(t.time_s for t in timings),
+        sizes_bytes=tuple(dict.fromkeys(t.size_bytes for t in timings)),
+        times_s={c: tuple(ts) for c, ts in times.items()},
         elapsed_s=time.perf_counter() - start_s,
         created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     )
     logger.info("link: %s", result.describe())
-    if cache and result.fit.busbw_bytes_per_s:
+    if cache and all(f.busbw_bytes_per_s for f in result.fits.values()):
         _save(path, result.to_dict())
     return result
 

@@ -31,6 +31,7 @@ import dataclasses
 from slipstream.perf.accelerators import Accelerator
 from slipstream.perf.collectives import collective_time_s, hierarchical_time_s
 from slipstream.perf.efficiency import Efficiency
+from slipstream.perf.hardware import HostAccelerator
 from slipstream.perf.shapes import TransformerShape
 from slipstream.perf.work import Work
 
@@ -77,12 +78,18 @@ class Device:
                     memory_bytes=num_bytes)
 
     def collective(self, op: str, size_bytes: float, num_ranks: int, ranks_per_node: int) -> Work:
-        """One collective over `num_ranks` ranks, two-level when it spans nodes."""
+        """One collective over `num_ranks` ranks, two-level when it spans nodes; on ranks of a host
+        whose link was measured collective by collective (`hardware.HostAccelerator`), a collective
+        measured among as many ranks at its own measured cost per call over that link."""
         if num_ranks <= 1:
             return Work()
         acc, eff = self.accelerator, self.efficiency
-        time_s = hierarchical_time_s(op, size_bytes, num_ranks, min(ranks_per_node, num_ranks),
-                                     eff.intra_link(acc), eff.inter_link(acc))
+        measured = acc.measured_cost(op, num_ranks) if isinstance(acc, HostAccelerator) else None
+        if measured is not None:
+            time_s = collective_time_s(op, size_bytes, num_ranks, eff.intra_link(acc), measured=measured)
+        else:
+            time_s = hierarchical_time_s(op, size_bytes, num_ranks, min(ranks_per_node, num_ranks),
+                                         eff.intra_link(acc), eff.inter_link(acc))
         return Work(comm_s=time_s, comm_bytes=size_bytes)
 
     def p2p(self, size_bytes: float, crosses_node: bool) -> Work:
