@@ -148,7 +148,8 @@ def test_biases_and_rounded_weights_through_the_wrapper(dtype):
 
 
 def test_bad_inputs_are_value_errors():
-    """Wrong dtypes, shapes or expert ids raise ValueError naming the argument, before any work."""
+    """Wrong dtypes, shapes, devices, top_k or expert ids raise ValueError naming the argument,
+    before any work (a tensor off the CPU once reached the C code and crashed the process)."""
     experts, _ = _expert_weights(torch.float32, bias=False)
     x, out = torch.randn(5, HIDDEN), torch.zeros(5, HIDDEN)
     ids, weights = torch.zeros(5, 2, dtype=torch.long), torch.rand(5, 2)
@@ -162,6 +163,10 @@ def test_bad_inputs_are_value_errors():
         "weights": (out, x, ids, weights.half()),
         "weights ": (out, x, ids, weights[:, :1]),
         "expert_ids must lie": (out, x, ids + 3, weights),
+        "on the CPU": (out, x, ids.to("meta"), weights),
+        "on the CPU ": (out, x, ids, weights.to("meta")),
+        "top_k": (out, x, torch.zeros(5, 0, dtype=torch.long), torch.rand(5, 0)),
+        "top_k ": (out, x, torch.zeros(5, 9, dtype=torch.long), torch.rand(5, 9)),
     }
     for message, args in bad_calls.items():
         with pytest.raises(ValueError, match=message.strip()):
@@ -172,3 +177,24 @@ def test_bad_inputs_are_value_errors():
                                   EXPERT_WIDTH, torch.float32)
     with pytest.raises(ValueError, match="dtype"):
         cpu_kernels.ExpertWeights([], [], HIDDEN, EXPERT_WIDTH, torch.float16)
+    up, down = torch.zeros(2 * EXPERT_WIDTH, HIDDEN), torch.zeros(HIDDEN, EXPERT_WIDTH)
+    with pytest.raises(ValueError, match="CPU tensors"):
+        cpu_kernels.ExpertWeights([(None, cpu_kernels.pack_panels(up).to("meta"), None)],
+                                  [(None, cpu_kernels.pack_panels(down), None)], HIDDEN, EXPERT_WIDTH,
+                                  torch.float32)
+
+
+def test_a_call_whose_workspace_would_pass_the_limit_is_declined(monkeypatch):
+    """A call whose routed rows' intermediates would pass MOE_WORKSPACE_LIMIT_BYTES is declined
+    with out untouched (the block then runs its own path, one expert at a time)."""
+    experts, _ = _expert_weights(torch.float32, bias=False)
+    x, out = torch.randn(5, HIDDEN), torch.zeros(5, HIDDEN)
+    ids, weights = torch.zeros(5, 2, dtype=torch.long), torch.rand(5, 2)
+    ids[:, 1] = 1
+    workspace = ids.numel() * (2 * HIDDEN + 3 * EXPERT_WIDTH) * 4
+    monkeypatch.setattr(cpu_kernels, "MOE_WORKSPACE_LIMIT_BYTES", workspace - 1)
+    assert not cpu_kernels.moe_experts_(out, x, ids, weights, experts)
+    assert not out.any()
+    monkeypatch.setattr(cpu_kernels, "MOE_WORKSPACE_LIMIT_BYTES", workspace)
+    assert cpu_kernels.moe_experts_(out, x, ids, weights, experts)
+    assert out.any()

@@ -356,6 +356,11 @@ def panel_gemm(
     return out
 
 
+MOE_WORKSPACE_LIMIT_BYTES = 256 * 2**20
+"""`moe_experts_` declines a call whose workspace would pass this (a 2,048-token prefill chunk of
+Mixtral 8x7B in fp32 would take 0.8 GiB in each layer's call)."""
+
+
 class ExpertWeights:
     """The experts of a mixture-of-experts block as `moe_experts_` reads them: for each expert its
     fused gate/up linear (2F, E) and its down linear (E, F), each as (row-major weight or None,
@@ -377,6 +382,9 @@ class ExpertWeights:
             raise ValueError(f"gate_up and down must list the same experts, got {len(gate_up)} and "
                              f"{len(down)}")
         E, F = hidden_size, intermediate_size
+        for t in (t for copies in (gate_up, down) for expert in copies for t in expert if t is not None):
+            if t.device.type != "cpu":
+                raise ValueError(f"expert weights must be CPU tensors, got one on {t.device}")
         for name, copies, shape in (("gate_up", gate_up, (2 * F, E)), ("down", down, (E, F))):
             for e, (rows, panels, bias) in enumerate(copies):
                 _check_copies(f"{name}[{e}]", rows, panels, bias, *shape, dtype)
@@ -421,21 +429,29 @@ def moe_experts_(
     """out += each token's routed experts' outputs (SwiGLU) times its routing weights, in one call
     (cpu_ops.c's moe_experts), rounded as `SparseMoeBlock._routed` rounds them. False, with out
     untouched, where an expert would get more than `max_panel_rows` rows (None: no limit), which
-    the panel kernel should not take."""
+    the panel kernel should not take, or where the call's workspace (every routed row's
+    intermediates at once) would pass MOE_WORKSPACE_LIMIT_BYTES or cannot be allocated: the
+    block's own path, one expert at a time, needs less."""
     lib = library()
     assert lib is not None
     E, dtype = experts.hidden_size, experts.dtype
     if x.dtype != dtype or out.dtype != dtype or x.dim() != 2 or x.shape[1] != E or out.shape != x.shape:
         raise ValueError(f"x and out must both be (N, {E}) {dtype} tensors, got x {x.dtype} "
                          f"{tuple(x.shape)} and out {out.dtype} {tuple(out.shape)}")
-    if not out.is_contiguous() or not x.device.type == out.device.type == "cpu":
-        raise ValueError("out must be a contiguous CPU tensor, and x on the CPU")
+    if not out.is_contiguous() or any(t.device.type != "cpu" for t in (x, out, expert_ids, weights)):
+        raise ValueError("out must be a contiguous CPU tensor, and x, expert_ids and weights on the CPU")
     if expert_ids.dtype != torch.int64 or expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]:
         raise ValueError(f"expert_ids must be an int64 tensor of shape ({x.shape[0]}, top_k), got "
                          f"{expert_ids.dtype} {tuple(expert_ids.shape)}")
     if weights.shape != expert_ids.shape or weights.dtype not in (torch.float32, dtype):
         raise ValueError(f"weights must be a float32 or {dtype} tensor of shape {tuple(expert_ids.shape)}, "
                          f"got {weights.dtype} {tuple(weights.shape)}")
+    if not 1 <= expert_ids.shape[1] <= experts.num_experts:
+        raise ValueError(f"top_k (expert_ids' columns) must lie in [1, {experts.num_experts}], got "
+                         f"{expert_ids.shape[1]}")
+    pairs, F = expert_ids.numel(), experts.intermediate_size
+    if pairs * (2 * E + 3 * F) * dtype.itemsize > MOE_WORKSPACE_LIMIT_BYTES:
+        return False
     x, expert_ids, weights = x.contiguous(), expert_ids.contiguous(), weights.contiguous()
     status = lib.moe_experts(experts.table, experts.num_experts, x.data_ptr(), expert_ids.data_ptr(),
                              weights.data_ptr(), DTYPE_CODES[weights.dtype], out.data_ptr(), x.shape[0],
@@ -444,7 +460,7 @@ def moe_experts_(
     if status == 3:
         raise ValueError(f"expert_ids must lie in [0, {experts.num_experts}), got "
                          f"[{expert_ids.min().item()}, {expert_ids.max().item()}]")
-    if status != 0 and status != 6:
+    if status not in (0, 1, 6):  # 1: no memory for the workspace, 6: an expert over max_panel_rows
         raise RuntimeError(f"moe_experts kernel failed with status {status}")
     return status == 0
 
