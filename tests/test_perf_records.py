@@ -157,15 +157,23 @@ def test_engine_fit_recovers_the_attention_fraction():
         fit_engine_steps(steps, setup, A100, base, attention_fractions=(0.0,))
 
 
-def test_calibrate_from_a_training_run(tmp_path):
-    """Guards fitting to a trainer run directory (metrics.jsonl + config.toml)."""
+@pytest.mark.parametrize("world_size", [1, 8])
+def test_calibrate_from_a_training_run(tmp_path, world_size):
+    """Guards fitting to a trainer run directory (metrics.jsonl + config.toml): the fitted GEMM
+    multiplier gives the measured step back, every part of the step counted (8 DDP ranks: the
+    logged loss's all-reduce too, which a fit of the other parts once left out)."""
     toml = ("[model]\npreset = \"tiny\"\n[data]\nseq_len = 256\n[training]\nglobal_batch_size = 8\n"
-            "micro_batch_size = 8\ndtype = \"float32\"\n")
-    lines = [json.dumps({"kind": "train", "step": s, "step_s": 0.05, "loss": 1.0}) for s in range(1, 8)]
+            "micro_batch_size = 1\ndtype = \"float32\"\n")
+    lines = [json.dumps({"kind": "run", "world_size": world_size})]
+    step_s = 0.05 / world_size  # each rank runs 8 / world_size micro-batches
+    lines += [json.dumps({"kind": "train", "step": s, "step_s": step_s, "loss": 1.0}) for s in range(1, 8)]
     run = read_train_run(_write_run(tmp_path, lines, toml))
     acc = get_accelerator("a100")
     cal = fit_train_runs([run], acc, default_efficiency(acc))
-    assert train_run_work(run, acc, cal.efficiency).total_s == pytest.approx(0.05, rel=0.01)
+    setup, layout = train_setup(run)
+    assert layout.dp == world_size
+    assert predict_training(setup, layout, acc, cal.efficiency).step_time_s == pytest.approx(step_s, rel=1e-4)
+    assert train_run_work(run, acc, cal.efficiency).total_s == pytest.approx(step_s, rel=1e-4)
     assert set(cal.scales) == {"gemm_s"}
 
 

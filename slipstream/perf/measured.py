@@ -156,13 +156,17 @@ def _measurements(run: TrainRun) -> list[tuple[str, float]]:
 
 
 def _phase_work(run: TrainRun, phase: str, accelerator: Accelerator, efficiency: Efficiency) -> Work:
+    """The predicted work of one measured phase: the trainer's `optimizer_s` (with the gradient
+    norm), its `forward_backward_s`, or the whole step (every part, the logged loss's all-reduce
+    too)."""
     setup, layout = train_setup(run)
-    parts = predict_training(setup, layout, accelerator, efficiency).parts
+    prediction = predict_training(setup, layout, accelerator, efficiency)
+    parts = prediction.parts
     if phase == "optimizer":
         return parts["optimizer"]
     if phase == "forward_backward":
         return parts["pipeline"] + parts["bubble"] + parts["data_parallel"]
-    return parts["pipeline"] + parts["bubble"] + parts["data_parallel"] + parts["optimizer"]
+    return prediction.work
 
 
 def fit_train_runs(
