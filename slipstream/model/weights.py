@@ -217,8 +217,12 @@ def load_model(
     # When the stored dtype is kept on the CPU, parameters stay views of the memory-mapped file
     # (no copy at all); otherwise each tensor is converted from its own short-lived mapping.
     keep_mapped = str(device) == "cpu" and dtype == resolve_dtype(stored.dtype)
-    for stored_name, stored in iter_tensors(model_dir, release_each=not keep_mapped):
-        for name, tensor in model_tensors(config, stored_name, stored):
+    for stored_name, stored_tensor in iter_tensors(model_dir, release_each=not keep_mapped):
+        try:
+            parts = model_tensors(config, stored_name, stored_tensor)
+        except ValueError as e:
+            raise ValueError(f"{e} (in {model_dir})") from None
+        for name, tensor in parts:
             if name in tied:
                 stored_head = tensor[:: max(1, tensor.shape[0] // 8)].to(dtype).to(torch.float32, copy=True)
                 continue
