@@ -35,9 +35,10 @@ FACTOR = {"ddp": 3.0, "fsdp": 4.0}
 """How far (either way) the predicted step of each 2-rank run may be from its fastest measured step
 (the one the scheduler disturbed least: the model prices ranks left alone), with the efficiency
 fitted to one process doing one rank's share. On the 2-core development VM at load averages
-0.5-2.9: DDP 0.63-1.04x, FSDP2 0.40-0.65x (the model before: 0.29-0.50x); what the model still
-misses is in docs/perf.md (gloo waiting on a rank the scheduler set aside, FSDP2's host work per
-unit, gloo's all-gather latency). The bounds leave room for a noisy CI machine and still catch a
+0.5-2.9: DDP 0.63-1.04x, FSDP2 0.40-0.65x; with each collective's own fit (four sets at load
+1.1-2.5) DDP 0.95-0.99x, FSDP2 0.51-0.65x (0.49-0.60x from the all-reduce's alone); what the model
+still misses is in docs/perf.md (gloo waiting on a rank the scheduler set aside, FSDP2's host work
+per unit, the link's noise). The bounds leave room for a noisy CI machine and still catch a
 link or compute priced orders of magnitude off; `test_fsdp_collectives_are_the_ones_the_trainer_runs`
 checks FSDP2's collectives one by one, load or not."""
 
