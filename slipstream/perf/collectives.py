@@ -26,15 +26,14 @@ all-to-all = the intra-node share of the bytes over the node link plus the rest 
 Reduction arithmetic (the gamma term) is ignored: on GPUs it hides under the transfer.
 
 Measured per-call costs (`MeasuredCost`): gloo among processes of one host pays its latency per
-call, not per ring step. Each call is queued to the process group's worker thread and crosses
-loopback TCP (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp); on 2 ranks a small all-gather
-(gloo's ring `allgather`) takes nearly what an all-reduce does, where the ring model charges it one
-step, half the all-reduce's two; and a reduce-scatter is a clone of the input, an all-reduce of all
-of it and a copy of the rank's chunk (`reduce_scatter_tensor_coalesced`): more than an all-reduce
-of its input, where the ring model charges half of one. So
-a link calibrated collective by collective (`hardware.calibrate_link`) prices each with its own
-fit, `alpha_c + beta_c * bus bytes`, kept in units of the link (`latency_steps` link latencies,
-`bandwidth_share` of its bandwidth) so that efficiency knobs and what-if scales still apply.
+call more than per ring step. Each call is queued to the process group's worker thread and crosses
+loopback TCP (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp); a reduce-scatter is a clone of the
+input, an all-reduce of all of it and a copy of the rank's chunk (`reduce_scatter_tensor_coalesced`).
+On 2 ranks of a 2-core VM a small all-gather measured 1.0-1.6 of an all-reduce's ring steps and a
+reduce-scatter 1.0-3.7, where the ring model charges each one (docs/perf.md). So a link calibrated
+collective by collective (`hardware.calibrate_link`) prices each with its own fit, `alpha_c +
+beta_c * bus bytes`, kept in units of the link (`latency_steps` link latencies, `bandwidth_share`
+of its bandwidth) so that efficiency knobs and what-if scales still apply.
 """
 
 from __future__ import annotations

@@ -3,9 +3,8 @@
 `measure` spawns `world_size` processes that join a process group on 127.0.0.1 (gloo on a CPU,
 NCCL on GPUs, one GPU per process), times each collective at each size (size by size, the
 collectives in turn; after warm-up, the slowest rank's time, median over iterations, as nccl-tests
-takes the slowest rank), and reports
-nccl-tests' algbw and busbw. `fit` turns the timings into `collectives.AlphaBetaFit`s. Sizes
-follow nccl-tests (`collectives.py`): the full array.
+takes the slowest rank), and reports nccl-tests' algbw and busbw. `fit` turns the timings into
+`collectives.AlphaBetaFit`s. Sizes follow nccl-tests (`collectives.py`): the full array.
 """
 
 from __future__ import annotations
