@@ -50,8 +50,9 @@ def _tiny(**kw) -> TrainSetup:
 def test_fsdp_on_a_host_link_pays_every_units_collectives_exposed():
     """Guards FSDP2's per-unit collectives against a hand count over 2 gloo ranks (fp32, 2
     micro-batches): per micro-batch one all-gather per unit forward (6 layers + the root) and one
-    per layer backward (the root stays gathered); per step one reduce-scatter per unit, priced as
-    gloo runs it, an all-reduce of the unit's gradients; each with its alpha-beta time (2 ranks:
+    per layer backward (the root stays gathered) and one reduce-scatter per unit (the trainer keeps
+    FSDP2's gradient sync on, as torchtitan does), priced as gloo runs it, an all-reduce of the
+    unit's gradients; each with its alpha-beta time (2 ranks:
     all-gather alpha + S / 2B, all-reduce 2 alpha + S / B), none hidden under compute."""
     p = _predict(_tiny(), Layout(dp=2, zero_stage=3), _cpu_ranks())
     m = 8 // (2 * 2)
@@ -63,12 +64,12 @@ def test_fsdp_on_a_host_link_pays_every_units_collectives_exposed():
         return 2 * ALPHA_S + 4 * num_params / LINK_BYTES_PER_S
 
     per_microbatch = 2 * LAYERS * gather(LAYER_PARAMS) + gather(ROOT_PARAMS)
-    per_step = LAYERS * all_reduce(LAYER_PARAMS) + all_reduce(ROOT_PARAMS)
-    latencies = m * (2 * LAYERS + 1) + 2 * (LAYERS + 1)
+    per_microbatch += LAYERS * all_reduce(LAYER_PARAMS) + all_reduce(ROOT_PARAMS)
+    latencies = m * (2 * LAYERS + 1 + 2 * (LAYERS + 1))
     print(f"FSDP: {latencies} alphas, {1e3 * p.parts['data_parallel'].comm_s:.3f} ms")
-    assert p.parts["data_parallel"].comm_s == pytest.approx(m * per_microbatch + per_step, rel=1e-9)
+    assert p.parts["data_parallel"].comm_s == pytest.approx(m * per_microbatch, rel=1e-9)
     assert p.parts["data_parallel"].comm_bytes == pytest.approx(
-        4 * (m * (2 * LAYERS * LAYER_PARAMS + ROOT_PARAMS) + LAYERS * LAYER_PARAMS + ROOT_PARAMS))
+        4 * m * (2 * LAYERS * LAYER_PARAMS + ROOT_PARAMS + LAYERS * LAYER_PARAMS + ROOT_PARAMS))
     assert LAYER_PARAMS * LAYERS + ROOT_PARAMS == resolve_model("tiny").num_params()
 
 
@@ -92,8 +93,8 @@ def test_fsdp_on_a_host_link_measured_per_collective_pays_each_calls_own_cost():
         return 2 * ALPHA_S + 4 * num_params / LINK_BYTES_PER_S
 
     per_microbatch = 2 * LAYERS * gather(LAYER_PARAMS) + gather(ROOT_PARAMS)
-    per_step = LAYERS * all_reduce(LAYER_PARAMS) + all_reduce(ROOT_PARAMS)
-    assert p.parts["data_parallel"].comm_s == pytest.approx(m * per_microbatch + per_step, rel=1e-9)
+    per_microbatch += LAYERS * all_reduce(LAYER_PARAMS) + all_reduce(ROOT_PARAMS)
+    assert p.parts["data_parallel"].comm_s == pytest.approx(m * per_microbatch, rel=1e-9)
     assert p.parts["loss_sync"].comm_s == pytest.approx(all_reduce(1), rel=1e-9)
 
 
@@ -104,7 +105,7 @@ def test_fsdp_on_a_gpu_reduce_scatters_and_moves_the_same_bytes():
     p = _predict(_tiny(), Layout(dp=2, zero_stage=3), H100)
     m = 2
     assert p.parts["data_parallel"].comm_bytes == pytest.approx(
-        4 * (m * (2 * LAYERS * LAYER_PARAMS + ROOT_PARAMS) + LAYERS * LAYER_PARAMS + ROOT_PARAMS))
+        4 * m * (2 * LAYERS * LAYER_PARAMS + ROOT_PARAMS + LAYERS * LAYER_PARAMS + ROOT_PARAMS))
     assert p.parts["data_parallel"].comm_s == 0.0
 
 
@@ -166,4 +167,4 @@ def test_fsdp_gathers_weights_in_the_dtype_it_holds_them(mixed_precision, gather
     m = 2
     gathered = m * (2 * LAYERS * LAYER_PARAMS + ROOT_PARAMS)
     assert p.parts["data_parallel"].comm_bytes == pytest.approx(
-        gathered_bytes * gathered + 4 * (LAYERS * LAYER_PARAMS + ROOT_PARAMS))
+        gathered_bytes * gathered + 4 * m * (LAYERS * LAYER_PARAMS + ROOT_PARAMS))

@@ -15,8 +15,8 @@ stages, each device holding `L / pp` layers split `tp` ways over `num_tokens = b
   section 2.2.2), plus point-to-point sends of each micro-batch's activations;
 - data parallel: gradient all-reduce (ZeRO-1/2: reduce-scatter + all-gather, same bytes) once per
   step, hidden under the last micro-batch's backward when `dp_overlap`; ZeRO-3/FSDP unit by unit
-  as FSDP2 runs it (each layer and the root: all-gathers forward and backward per micro-batch,
-  reduce-scatters on the last), prefetched under compute;
+  as FSDP2 runs it (each layer and the root: all-gathers forward and backward and reduce-scatters,
+  every micro-batch, as torchtitan runs it), prefetched under compute;
 - on a host link (`Accelerator.host_link`: gloo among processes of one CPU) no collective overlaps
   compute: `dp_overlap` and `tp_overlap` change nothing there;
 - the trainer's scalar all-reduces: the logged loss after every step, the gradient norm where
@@ -447,10 +447,10 @@ def _fsdp_collectives(setup: TrainSetup, layout: Layout, device: Device, m: int)
     and `FSDPState._lazy_init`): a unit's parameters are all-gathered before its forward and,
     resharded after it, again before its backward; its gradients are reduce-scattered after its
     backward; `reshard_after_forward` left unset is True for every unit but the root, whose
-    parameters the backward needs at once. So per micro-batch one all-gather per unit forward and
-    one per layer backward; per step one reduce-scatter per unit, on the last micro-batch only, as
-    the trainer turns gradient sync off for the others (`set_requires_gradient_sync`, FSDP1's
-    `no_sync`: gradients accumulate unsharded). All-gathers move the weights in the dtype FSDP
+    parameters the backward needs at once. So per micro-batch one all-gather per unit forward, one
+    per layer backward and one reduce-scatter per unit: the trainer leaves FSDP2's gradient sync
+    on, as torchtitan does, so gradients accumulate sharded (`train.parallel.set_gradient_sync`).
+    All-gathers move the weights in the dtype FSDP
     holds them: fp32 under autocast (slipstream's trainer gives `fully_shard` no
     `MixedPrecisionPolicy`, so autocast casts the gathered fp32 weights per op), 16 bits with
     16-bit `parameters` (torchtitan's `param_dtype`, cast before the all-gather); reduce-scatters
@@ -468,7 +468,7 @@ def _fsdp_collectives(setup: TrainSetup, layout: Layout, device: Device, m: int)
     if root_params > 0:
         gathers = gathers + device.collective("all_gather", root_params * weight, group, per_node)
         scatters = scatters + device.collective(scatter, root_params * grad, group, per_node)
-    return gathers * m + scatters
+    return (gathers + scatters) * m
 
 
 def _optimizer_step(setup: TrainSetup, layout: Layout, device: Device) -> Work:

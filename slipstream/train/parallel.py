@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -346,9 +347,13 @@ def _retie(model: nn.Module) -> None:
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Turn the gradient reduction of FSDP2 / DDP on or off (off for all but the last
-    micro-batch of an accumulated step); a no-op for an unwrapped model."""
-    if hasattr(model, "set_requires_gradient_sync"):
+    """Turn DDP's gradient all-reduce on or off (off for all but the last micro-batch of an
+    accumulated step); a no-op for an unwrapped model and under FSDP2, which reduce-scatters every
+    micro-batch's gradients, as torchtitan does: with the reduction off it would hold every
+    gradient unsharded until the last micro-batch (FSDP2's two flavours of accumulation,
+    pytorch/pytorch#126166; torchtitan's choice, pytorch/torchtitan#292 and #1710), as much
+    memory as DDP's gradients, for fewer collectives."""
+    if hasattr(model, "set_requires_gradient_sync") and not isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
 
 
