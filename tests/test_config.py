@@ -447,15 +447,20 @@ def test_phi3_mini_config_reads_as_transformers_reads_it(caplog):
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}},
-     "rope_type 'longrope' for model_type 'phi3'; supported: default"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type 'linear' for model_type 'phi3'"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 47, "long_factor": [2.0] * 48}},
+     "short_factor must have head_dim / 2 = 48 factors, got 47"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48}}, "lacks long_factor"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [0.0] * 48}},
+     "long_factor must be a positive number, got 0.0"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+     "rope_type 'linear' for model_type 'phi3'; supported: default, longrope"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
      "partial_rotary_factor=0.75"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
 ])
 def test_phi3_rope_it_cannot_run_is_refused(change, match):
-    """Phi-3's longrope (128k models, Phi-3.5), RoPE types transformers' Phi-3 refuses, and rotary
-    embeddings over part of each head (Phi-4-mini) are ValueErrors, not default RoPE's logits."""
+    """A longrope block with too few, missing or non-positive factors, RoPE types transformers'
+    Phi-3 refuses, and rotary embeddings over part of each head (Phi-4-mini) are ValueErrors, not
+    default RoPE's logits."""
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf_dict(PHI3_MINI_4K | change)

@@ -72,7 +72,7 @@ def test_kernel_decoder_matches_its_layers(dtype):
     with torch.inference_mode():
         got = fast.hidden_states(ids, positions)
         x = decoder.embed_tokens(ids)
-        cos, sin = rope_cos_sin(decoder.inv_freq, positions, x.dtype)
+        cos, sin = rope_cos_sin(decoder.rope.inv_freq, positions, x.dtype)
         for layer in decoder.layers:
             x = layer(x, cos, sin, None)
         expected = decoder.norm(x)

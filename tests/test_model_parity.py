@@ -139,7 +139,7 @@ def test_loading_a_model_imports_no_compiler(tmp_path):
         from slipstream.model.transformer import rope_inv_freq
         model = load_model({str(tmp_path)!r})
         assert "torch._dynamo" not in sys.modules, "loading imported torch._dynamo"
-        assert torch.equal(model.model.inv_freq, rope_inv_freq(model.config))
+        assert torch.equal(model.model.rope.inv_freq, rope_inv_freq(model.config))
     """)
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.model import ModelConfig, Transformer, load_model
-from slipstream.model.transformer import RMSNorm, rope_cos_sin
+from slipstream.model.transformer import RMSNorm
 from slipstream.model.weights import model_tensors
 from slipstream.ops.attention import dense_causal_attention
 
@@ -149,7 +149,7 @@ def test_autocast_projections_share_one_saved_input():
 
     def forward():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            cos_sin = rope_cos_sin(model.model.inv_freq, positions, torch.float32)
+            cos_sin = model.model.rope(positions, torch.float32)
             model.model.layers[0](model.model.embed_tokens(ids), *cos_sin, None)
 
     saved = _saved_storages(forward)

@@ -48,14 +48,16 @@ _IGNORED_KEYS = frozenset(
         "is_matryoshka", "matryoshka_dimensions",  # read by the pooling runner (serve/pooling.py)
         "num_local_experts", "qkv_bias",  # checked by _read_experts and the like
         "resid_pdrop", "embd_pdrop",  # Phi-3's training-time dropouts
-        "original_max_position_embeddings",  # Phi-3's: read only by its longrope, which is refused
+        "original_max_position_embeddings",  # Phi-3's: read for its longrope (_read_longrope)
     }
 )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RopeScaling:
-    """RoPE frequency scaling as Hugging Face defines it (`rope_type` "linear" or "llama3").
+    """RoPE frequency scaling as Hugging Face defines it (`rope_type` "linear", "llama3", or Phi-3's
+    "longrope": each frequency divided by its own `short_factor`, or `long_factor` where the context
+    passes `original_max_position_embeddings`, and cos and sin times `attention_factor`).
 
     The defaults are Llama 3.1's, for building configs in code; a config.json must name every key
     transformers requires (see `_read_rope`)."""
@@ -65,15 +67,24 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("linear", "llama3"):
+        if self.rope_type not in ("linear", "llama3", "longrope"):
             raise ValueError(
                 f"unsupported rope_scaling rope_type {self.rope_type!r}; "
-                f"supported: {', '.join(ROPE_TYPES)}"
+                f"supported: {', '.join((*ROPE_TYPES, 'longrope'))}"
             )
-        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+        for name in ("factor", "low_freq_factor", "high_freq_factor", "attention_factor"):
             object.__setattr__(self, name, _positive_float(f"rope_scaling {name}", getattr(self, name)))
+        for name in ("short_factor", "long_factor"):
+            factors = getattr(self, name)
+            if not isinstance(factors, (list, tuple)) or (self.rope_type == "longrope") != bool(factors):
+                raise ValueError(f"rope_scaling {name} must list a factor per frequency for longrope (only), "
+                                 f"got {factors!r}")
+            object.__setattr__(self, name, tuple(_positive_float(f"rope_scaling {name}", f) for f in factors))
         object.__setattr__(self, "original_max_position_embeddings", _whole_positive_int(
             "rope_scaling original_max_position_embeddings", self.original_max_position_embeddings))
         if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
@@ -85,6 +96,10 @@ class RopeScaling:
     def to_hf(self) -> dict[str, Any]:
         if self.rope_type == "linear":
             return {"rope_type": "linear", "factor": self.factor}
+        if self.rope_type == "longrope":
+            return {"rope_type": "longrope", "factor": self.factor, "attention_factor": self.attention_factor,
+                    "short_factor": list(self.short_factor), "long_factor": list(self.long_factor),
+                    "original_max_position_embeddings": self.original_max_position_embeddings}
         return {
             "rope_type": "llama3",
             "factor": self.factor,
@@ -174,6 +189,15 @@ class ModelConfig:
         _check_positive_int("head_dim", self.head_dim)
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type == "longrope":
+            if self.model_type != "phi3":
+                raise ValueError(f"rope_type 'longrope' is only supported for model_type 'phi3', "
+                                 f"not {self.model_type!r}")
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(scaling, name)) != self.head_dim // 2:
+                    raise ValueError(f"rope_scaling {name} must have head_dim / 2 = {self.head_dim // 2} "
+                                     f"factors, got {len(getattr(scaling, name))}")
         for name in ("rope_theta", "rms_norm_eps"):
             object.__setattr__(self, name, _positive_float(name, getattr(self, name)))
         if self.sliding_window is not None:
@@ -364,6 +388,10 @@ class ModelConfig:
             out["mlp_bias"] = self.mlp_bias
         if self.family in _WINDOWED:
             out["sliding_window"] = self.sliding_window
+        if self.model_type == "phi3":  # transformers' Phi-3 puts its own over the RoPE block's
+            scaling = self.rope_scaling
+            out["original_max_position_embeddings"] = (
+                self.max_position_embeddings if scaling is None else scaling.original_max_position_embeddings)
         if self.family in ("qwen2", "qwen3"):
             out["use_sliding_window"] = False
             out["sliding_window"] = None
@@ -609,12 +637,17 @@ def _read_rope(
     its keys required as transformers requires them, except that llama3's
     `original_max_position_embeddings` defaults to `max_position_embeddings`. Only the keys the
     rope type uses are read (a linear block's `original_max_position_embeddings` is ignored, as
-    transformers ignores it). Phi-3 takes default RoPE only: transformers' Phi-3 knows no other
-    type than its longrope, which slipstream does not implement."""
+    transformers ignores it). Phi-3 takes default RoPE or its longrope ("su" and "yarn" read as
+    longrope, as transformers' Phi-3 reads them), whose `original_max_position_embeddings` is
+    config.json's top-level one where it has one (transformers' precedence; Phi-3's default 4096),
+    whose `factor` defaults to max_position_embeddings / original_max_position_embeddings and whose
+    `attention_factor` to sqrt(1 + ln(factor) / ln(original)) (1 for a factor <= 1)."""
     key, block = _rope_block(d)
     theta = block["rope_theta"] if "rope_theta" in block else d.get("rope_theta", 10000.0)
     rope_type = block.get("rope_type", block.get("type", "default"))
-    supported = ("default",) if model_type == "phi3" else ROPE_TYPES
+    if model_type == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"
+    supported = ("default", "longrope") if model_type == "phi3" else ROPE_TYPES
     if rope_type not in supported:
         raise ValueError(
             f"unsupported {key} rope_type {rope_type!r} for model_type {model_type!r}; "
@@ -622,6 +655,8 @@ def _read_rope(
         )
     if rope_type == "default":
         return theta, None
+    if rope_type == "longrope":
+        return theta, _read_longrope(key, block, d, max_position_embeddings)
     required = ("factor",) if rope_type == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
     missing = [name for name in required if name not in block]
     if missing:
@@ -632,6 +667,26 @@ def _read_rope(
             "original_max_position_embeddings", max_position_embeddings
         )
     return theta, RopeScaling(rope_type=rope_type, **values)
+
+
+def _read_longrope(
+    key: str, block: dict[str, Any], d: dict[str, Any], max_position_embeddings: int
+) -> RopeScaling:
+    missing = [name for name in ("short_factor", "long_factor") if name not in block]
+    if missing:
+        raise ValueError(f"{key} of rope_type 'longrope' lacks {', '.join(missing)}")
+    original = d.get("original_max_position_embeddings", block.get("original_max_position_embeddings", 4096))
+    original = _whole_positive_int("original_max_position_embeddings", original)
+    factor = block.get("factor")
+    if factor is None:
+        factor = max_position_embeddings / original
+    factor = _positive_float(f"{key} factor", factor)
+    attention_factor = block.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return RopeScaling(rope_type="longrope", factor=factor, original_max_position_embeddings=original,
+                       short_factor=block["short_factor"], long_factor=block["long_factor"],
+                       attention_factor=attention_factor)
 
 
 def _read_dtype(d: dict[str, Any]) -> str | None:

@@ -80,13 +80,18 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
-    """Inverse frequencies (D/2,) in fp32, with linear or Llama 3 scaling applied."""
+def rope_inv_freq(
+    config: ModelConfig, device: torch.device | str | None = None, long: bool = False
+) -> torch.Tensor:
+    """Inverse frequencies (D/2,) in fp32, with linear or Llama 3 scaling applied, or longrope's
+    short factors (its long ones where `long`), as transformers computes them."""
     dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)
-    )
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     scaling = config.rope_scaling
+    if scaling is not None and scaling.rope_type == "longrope":
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, device=device)
+        return 1.0 / (factors * config.rope_theta ** exponents)
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
     if scaling is None:
         return inv_freq
     if scaling.rope_type == "linear":
@@ -105,12 +110,64 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None)
 
 
 def rope_cos_sin(
-    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables (*positions.shape, D), computed in fp32 and cast to `dtype`."""
+    """cos and sin tables (*positions.shape, D), computed in fp32 (times `scale`, longrope's
+    attention factor) and cast to `dtype`."""
     freqs = positions.unsqueeze(-1).float() * inv_freq  # (..., D/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (..., D)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
+
+
+class RopeTables(nn.Module):
+    """The rotary embedding's cos and sin at given positions (`rope_cos_sin`).
+
+    Phi-3's longrope has two sets of frequencies: the short factors' for a context within
+    `original_max_position_embeddings`, the long factors' beyond. Called as is, each call picks
+    them by its largest position, as transformers does for each forward. Serving fixes one choice
+    for every position (`fix_context`), as vLLM does: the long factors wherever the engine's
+    context passes the original one, so that a sequence that grows past it keeps the cached keys'
+    rotations."""
+
+    def __init__(self, config: ModelConfig, on_meta: bool) -> None:
+        super().__init__()
+        self.config = config
+        scaling = config.rope_scaling
+        longrope = scaling is not None and scaling.rope_type == "longrope"
+        self.scale = scaling.attention_factor if longrope else 1.0
+        self.original = scaling.original_max_position_embeddings if longrope else None
+        inv_freq = torch.empty(config.head_dim // 2) if on_meta else rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        long_inv_freq = None
+        if longrope:
+            long_inv_freq = torch.empty(config.head_dim // 2) if on_meta else rope_inv_freq(config, long=True)
+        self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
+        """longrope's long frequencies until `fix_context` chooses; None otherwise."""
+
+    def init(self, device: torch.device) -> None:
+        """Compute the frequencies on `device` (from the meta device, or again)."""
+        self.inv_freq = rope_inv_freq(self.config, device=device)
+        if self.original is not None:
+            self.long_inv_freq = rope_inv_freq(self.config, device=device, long=True)
+
+    def fix_context(self, max_len: int) -> None:
+        """Use one set of frequencies for every position from now on: longrope's long ones where
+        `max_len` passes `original_max_position_embeddings`, else its short ones (nothing to do
+        for other RoPE)."""
+        if self.long_inv_freq is None:
+            return
+        if max_len > self.original:
+            self.inv_freq.copy_(self.long_inv_freq)
+        self.long_inv_freq = None
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.inv_freq
+        if self.long_inv_freq is not None and positions.numel() and int(positions.max()) >= self.original:
+            inv_freq = self.long_inv_freq
+        return rope_cos_sin(inv_freq, positions, dtype, self.scale)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -353,14 +410,13 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        inv_freq = torch.empty(config.head_dim // 2) if on_meta else rope_inv_freq(config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope = RopeTables(config, on_meta)
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata | None
     ) -> torch.Tensor:  # (B, T, E)
         x = self.embed_tokens(token_ids)  # (B, T, E)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # (B, T, D) each
+        cos, sin = self.rope(positions, x.dtype)  # (B, T, D) each
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
         return self.norm(x)
@@ -429,5 +485,4 @@ class Transformer(nn.Module):
 
     def init_buffers(self) -> None:
         """Recompute non-persistent buffers (the RoPE frequencies) on the model's device."""
-        device = self.model.embed_tokens.weight.device
-        self.model.inv_freq = rope_inv_freq(self.config, device=device)
+        self.model.rope.init(self.model.embed_tokens.weight.device)

@@ -239,13 +239,16 @@ class CpuDecodeGraph:
 
     def _cover_positions(self, num_positions: int) -> None:
         """Rotary cos and sin tables for at least `num_positions` positions, computed as the model
-        computes them (`rope_cos_sin`), so a row equals what the model gets for its position.
+        computes them (`rope_cos_sin`), so a row equals what the model gets for its position (a
+        longrope model's choice of frequencies fixed first, `RopeTables.fix_context`, as the
+        runner does before any step).
         Grown by doubling as sequences get longer, never sized for the whole context up front (for
         a 128K-token context of head size 128: 64 MiB in bf16)."""
         if self._rope is not None and self._rope[0].shape[0] >= num_positions:
             return
         size = max(1024, 1 << (num_positions - 1).bit_length())
-        self._rope = rope_cos_sin(self.model.model.inv_freq, torch.arange(size), self._dtype)
+        rope = self.model.model.rope
+        self._rope = rope_cos_sin(rope.inv_freq, torch.arange(size), self._dtype, rope.scale)
         self._tensors.rope_cos, self._tensors.rope_sin = (table.data_ptr() for table in self._rope)
         self._tensors.rope_positions = size
 

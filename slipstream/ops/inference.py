@@ -30,7 +30,6 @@ from slipstream.model.transformer import (
     Rotary,
     SiluAndMul,
     SparseMoeBlock,
-    rope_cos_sin,
 )
 from slipstream.ops import cpu_kernels
 from slipstream.ops.linear import (
@@ -67,7 +66,7 @@ class KernelDecoder(nn.Module):
         self.embed_tokens = decoder.embed_tokens
         self.layers = decoder.layers
         self.norm = decoder.norm
-        self.register_buffer("inv_freq", decoder.inv_freq, persistent=False)
+        self.rope = decoder.rope
 
     @staticmethod
     def applies_to(decoder: nn.Module) -> bool:
@@ -81,7 +80,7 @@ class KernelDecoder(nn.Module):
         self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata | None
     ) -> torch.Tensor:  # (B, T, E)
         residual = self.embed_tokens(token_ids)  # a new tensor: the stream that the sums update
-        cos, sin = rope_cos_sin(self.inv_freq, positions, residual.dtype)
+        cos, sin = self.rope(positions, residual.dtype)
         hidden = self.layers[0].input_layernorm(residual)
         for i, layer in enumerate(self.layers):
             attended = layer.self_attn(hidden, cos, sin, attn)

@@ -102,6 +102,10 @@ class Runner:
         enforce_eager: bool = False, workers: Workers | None = None,
     ) -> None:
         self.model = model
+        # One set of RoPE frequencies for every position of every sequence (Phi-3's longrope: the
+        # long ones where max_model_len passes the original context, as vLLM chooses), so that a
+        # sequence growing past it keeps its cached keys' rotations.
+        model.model.rope.fix_context(max_model_len)
         self.device = device
         self.use_kernels = use_kernels
         self.workers = workers
