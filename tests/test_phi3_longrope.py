@@ -11,7 +11,7 @@ import torch
 from serve_fixtures import uncached_greedy
 
 from slipstream import LLM, SamplingParams
-from slipstream.model import ModelConfig, load_model
+from slipstream.model import ModelConfig, RopeScaling, load_model
 from slipstream.model.create import stdlib_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -23,12 +23,12 @@ LONG = [1.5 + 0.9 * i for i in range(HEAD_DIM // 2)]
 MAX_NEW_TOKENS = 8
 
 
-def _hf_model(tmp_path, **rope):
+def _hf_model(tmp_path, short=SHORT, **rope):
     config = transformers.Phi3Config(
         vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS,
         original_max_position_embeddings=ORIGINAL,
-        rope_scaling={"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG} | rope,
+        rope_scaling={"rope_type": "longrope", "short_factor": short, "long_factor": LONG} | rope,
         bos_token_id=1, eos_token_id=2, pad_token_id=None, initializer_range=0.1)
     torch.manual_seed(0)
     hf = transformers.Phi3ForCausalLM(config).eval()
@@ -36,8 +36,9 @@ def _hf_model(tmp_path, **rope):
         for name, param in hf.named_parameters():
             if "norm" in name:
                 param.add_(0.2 * torch.randn_like(param))
-    hf.save_pretrained(tmp_path)
-    stdlib_tokenizer(320).save_pretrained(tmp_path)
+    if tmp_path is not None:
+        hf.save_pretrained(tmp_path)
+        stdlib_tokenizer(320).save_pretrained(tmp_path)
     return hf
 
 
@@ -104,3 +105,40 @@ def test_the_engine_fixes_one_set_of_frequencies_per_context(tmp_path, max_model
         assert rope.long_inv_freq is None  # fixed
         got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == expected, f"fast_cpu_kernels={fast}"
+
+
+def test_sequences_crossing_the_original_context_keep_the_long_frequencies(tmp_path):
+    """Past the original context the engine's sequences keep the long frequencies from their first
+    token (their cached keys were rotated so): the tokens of prompts that grow across it equal
+    transformers' uncached greedy tokens from the same weights with the long factors as its short
+    ones too (so that transformers also uses them at every length)."""
+    _hf_model(tmp_path)
+    always_long = _hf_model(None, short=LONG)  # the same seed: the same weights
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (8, 14, 20, 23)]
+    expected = uncached_greedy(always_long, prompts, 16)
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=MAX_POSITIONS, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    assert [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+
+
+def test_the_original_context_is_config_jsons_top_level_one(caplog):
+    """transformers' Phi3Config replaces the RoPE block's original_max_position_embeddings with its
+    own top-level one (4096 when config.json has none), so a block-only value is not used (with a
+    warning), and neither are Phi-3.5-MoE's short_mscale / long_mscale; a RopeScaling built in code
+    derives its attention factor as one read from config.json does."""
+    d = {"model_type": "phi3", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 131072,
+         "rope_scaling": {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG,
+                          "original_max_position_embeddings": 8192, "short_mscale": 1.1}}
+    with caplog.at_level("WARNING"):
+        ours = ModelConfig.from_hf_dict(d).rope_scaling
+    assert "8192 is not used" in caplog.text and "short_mscale" in caplog.text
+    hf = transformers.AutoConfig.for_model(**d)
+    original = hf.rope_parameters["original_max_position_embeddings"]
+    assert ours.original_max_position_embeddings == original == 4096
+    _, attention_factor = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu")
+    assert ours.attention_factor == pytest.approx(attention_factor, rel=1e-12)
+    in_code = RopeScaling(rope_type="longrope", factor=131072 / 4096, original_max_position_embeddings=4096,
+                          short_factor=tuple(SHORT), long_factor=tuple(LONG))
+    assert in_code.attention_factor == pytest.approx(attention_factor, rel=1e-12)

@@ -69,7 +69,9 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
-    attention_factor: float = 1.0
+    attention_factor: float | None = None
+    """longrope's scale of cos and sin; None: sqrt(1 + ln(factor) / ln(original)) for a factor > 1,
+    else 1 (transformers' default). 1 for the other types."""
 
     def __post_init__(self) -> None:
         if self.rope_type not in ("linear", "llama3", "longrope"):
@@ -77,16 +79,23 @@ class RopeScaling:
                 f"unsupported rope_scaling rope_type {self.rope_type!r}; "
                 f"supported: {', '.join((*ROPE_TYPES, 'longrope'))}"
             )
-        for name in ("factor", "low_freq_factor", "high_freq_factor", "attention_factor"):
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
             object.__setattr__(self, name, _positive_float(f"rope_scaling {name}", getattr(self, name)))
+        object.__setattr__(self, "original_max_position_embeddings", _whole_positive_int(
+            "rope_scaling original_max_position_embeddings", self.original_max_position_embeddings))
+        attention_factor = self.attention_factor
+        if attention_factor is None:
+            original = self.original_max_position_embeddings
+            longrope = self.rope_type == "longrope" and self.factor > 1
+            attention_factor = math.sqrt(1 + math.log(self.factor) / math.log(original)) if longrope else 1.0
+        object.__setattr__(self, "attention_factor",
+                           _positive_float("rope_scaling attention_factor", attention_factor))
         for name in ("short_factor", "long_factor"):
             factors = getattr(self, name)
             if not isinstance(factors, (list, tuple)) or (self.rope_type == "longrope") != bool(factors):
                 raise ValueError(f"rope_scaling {name} must list a factor per frequency for longrope (only), "
                                  f"got {factors!r}")
             object.__setattr__(self, name, tuple(_positive_float(f"rope_scaling {name}", f) for f in factors))
-        object.__setattr__(self, "original_max_position_embeddings", _whole_positive_int(
-            "rope_scaling original_max_position_embeddings", self.original_max_position_embeddings))
         if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ValueError(
                 "rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
@@ -639,9 +648,9 @@ def _read_rope(
     rope type uses are read (a linear block's `original_max_position_embeddings` is ignored, as
     transformers ignores it). Phi-3 takes default RoPE or its longrope ("su" and "yarn" read as
     longrope, as transformers' Phi-3 reads them), whose `original_max_position_embeddings` is
-    config.json's top-level one where it has one (transformers' precedence; Phi-3's default 4096),
-    whose `factor` defaults to max_position_embeddings / original_max_position_embeddings and whose
-    `attention_factor` to sqrt(1 + ln(factor) / ln(original)) (1 for a factor <= 1)."""
+    config.json's top-level one (Phi-3's default 4096 where it has none; a block's own is replaced,
+    as transformers replaces it), whose `factor` defaults to max_position_embeddings / original and
+    whose `attention_factor` to sqrt(1 + ln(factor) / ln(original)) (1 for a factor <= 1)."""
     key, block = _rope_block(d)
     theta = block["rope_theta"] if "rope_theta" in block else d.get("rope_theta", 10000.0)
     rope_type = block.get("rope_type", block.get("type", "default"))
@@ -675,18 +684,23 @@ def _read_longrope(
     missing = [name for name in ("short_factor", "long_factor") if name not in block]
     if missing:
         raise ValueError(f"{key} of rope_type 'longrope' lacks {', '.join(missing)}")
-    original = d.get("original_max_position_embeddings", block.get("original_max_position_embeddings", 4096))
-    original = _whole_positive_int("original_max_position_embeddings", original)
+    # transformers' Phi3Config always has a top-level value (4096 by default), and it replaces the
+    # block's (`standardize_rope_params`); vLLM reads configs through transformers.
+    original = _whole_positive_int("original_max_position_embeddings",
+                                   d.get("original_max_position_embeddings", 4096))
+    if block.get("original_max_position_embeddings", original) != original:
+        logger.warning("%s original_max_position_embeddings %r is not used: config.json's top-level %d is "
+                       "(as transformers reads it)", key, block["original_max_position_embeddings"], original)
+    ignored = sorted(k for k in ("short_mscale", "long_mscale") if k in block)
+    if ignored:
+        logger.warning("ignoring %s keys %s, as transformers does (cos and sin are scaled by "
+                       "attention_factor)", key, ignored)
     factor = block.get("factor")
     if factor is None:
         factor = max_position_embeddings / original
-    factor = _positive_float(f"{key} factor", factor)
-    attention_factor = block.get("attention_factor")
-    if attention_factor is None:
-        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
     return RopeScaling(rope_type="longrope", factor=factor, original_max_position_embeddings=original,
                        short_factor=block["short_factor"], long_factor=block["long_factor"],
-                       attention_factor=attention_factor)
+                       attention_factor=block.get("attention_factor"))
 
 
 def _read_dtype(d: dict[str, Any]) -> str | None:

@@ -89,7 +89,8 @@ def rope_inv_freq(
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     scaling = config.rope_scaling
     if scaling is not None and scaling.rope_type == "longrope":
-        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, device=device)
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32,
+                               device=device)
         return 1.0 / (factors * config.rope_theta ** exponents)
     inv_freq = 1.0 / (config.rope_theta ** exponents)
     if scaling is None:
@@ -146,27 +147,33 @@ class RopeTables(nn.Module):
             long_inv_freq = torch.empty(config.head_dim // 2) if on_meta else rope_inv_freq(config, long=True)
         self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
         """longrope's long frequencies until `fix_context` chooses; None otherwise."""
+        self.fixed_context: int | None = None
+        """The context `fix_context` chose for, which `init` chooses for again."""
 
     def init(self, device: torch.device) -> None:
-        """Compute the frequencies on `device` (from the meta device, or again)."""
+        """Compute the frequencies on `device` (from the meta device, or again), keeping a fixed
+        choice."""
         self.inv_freq = rope_inv_freq(self.config, device=device)
         if self.original is not None:
             self.long_inv_freq = rope_inv_freq(self.config, device=device, long=True)
+            if self.fixed_context is not None:
+                self.fix_context(self.fixed_context)
 
     def fix_context(self, max_len: int) -> None:
-        """Use one set of frequencies for every position from now on: longrope's long ones where
-        `max_len` passes `original_max_position_embeddings`, else its short ones (nothing to do
-        for other RoPE)."""
-        if self.long_inv_freq is None:
+        """Use one set of frequencies for every position from now on, in place: longrope's long
+        ones where `max_len` passes `original_max_position_embeddings`, else its short ones
+        (nothing to do for other RoPE)."""
+        if self.original is None:
             return
-        if max_len > self.original:
+        if self.long_inv_freq is not None and max_len > self.original:
             self.inv_freq.copy_(self.long_inv_freq)
         self.long_inv_freq = None
+        self.fixed_context = max_len
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self.inv_freq
-        if self.long_inv_freq is not None and positions.numel() and int(positions.max()) >= self.original:
-            inv_freq = self.long_inv_freq
+        if self.long_inv_freq is not None and positions.numel():  # no host read: it traces
+            inv_freq = torch.where(positions.max() >= self.original, self.long_inv_freq, self.inv_freq)
         return rope_cos_sin(inv_freq, positions, dtype, self.scale)
 
 
