@@ -47,6 +47,22 @@ def _tiny(**kw) -> TrainSetup:
                       **({"dtype": "fp32", "global_batch_size": 8, "micro_batch_size": 2} | kw))
 
 
+def _all_reduce_s(num_params: float) -> float:
+    """An fp32 all-reduce among 2 ranks over the test link: 2 alpha + S / B."""
+    return 2 * ALPHA_S + 4 * num_params / LINK_BYTES_PER_S
+
+
+def _fsdp_microbatch_s(gather_alpha_s: float, gather_busbw: float) -> float:
+    """One micro-batch's FSDP2 collectives of the tiny preset over 2 ranks, by hand: an all-gather
+    per unit forward (6 layers + the root) and per layer backward, each alpha + (S / 2) / busbw,
+    and a gradient all-reduce per unit (gloo's reduce-scatter)."""
+    def gather(num_params: float) -> float:
+        return gather_alpha_s + 4 * num_params / 2 / gather_busbw
+
+    return (2 * LAYERS * gather(LAYER_PARAMS) + gather(ROOT_PARAMS)
+            + LAYERS * _all_reduce_s(LAYER_PARAMS) + _all_reduce_s(ROOT_PARAMS))
+
+
 def test_fsdp_on_a_host_link_pays_every_units_collectives_exposed():
     """Guards FSDP2's per-unit collectives against a hand count over 2 gloo ranks (fp32, 2
     micro-batches): per micro-batch one all-gather per unit forward (6 layers + the root) and one
@@ -56,15 +72,7 @@ def test_fsdp_on_a_host_link_pays_every_units_collectives_exposed():
     all-gather alpha + S / 2B, all-reduce 2 alpha + S / B), none hidden under compute."""
     p = _predict(_tiny(), Layout(dp=2, zero_stage=3), _cpu_ranks())
     m = 8 // (2 * 2)
-
-    def gather(num_params: float) -> float:
-        return ALPHA_S + 4 * num_params / 2 / LINK_BYTES_PER_S
-
-    def all_reduce(num_params: float) -> float:
-        return 2 * ALPHA_S + 4 * num_params / LINK_BYTES_PER_S
-
-    per_microbatch = 2 * LAYERS * gather(LAYER_PARAMS) + gather(ROOT_PARAMS)
-    per_microbatch += LAYERS * all_reduce(LAYER_PARAMS) + all_reduce(ROOT_PARAMS)
+    per_microbatch = _fsdp_microbatch_s(ALPHA_S, LINK_BYTES_PER_S)
     latencies = m * (2 * LAYERS + 1 + 2 * (LAYERS + 1))
     print(f"FSDP: {latencies} alphas, {1e3 * p.parts['data_parallel'].comm_s:.3f} ms")
     assert p.parts["data_parallel"].comm_s == pytest.approx(m * per_microbatch, rel=1e-9)
@@ -85,17 +93,9 @@ def test_fsdp_on_a_host_link_measured_per_collective_pays_each_calls_own_cost():
                           collective_costs=costs)
     p = _predict(_tiny(), Layout(dp=2, zero_stage=3), acc)
     m = 8 // (2 * 2)
-
-    def gather(num_params: float) -> float:
-        return gather_alpha + 4 * num_params / 2 / gather_busbw
-
-    def all_reduce(num_params: float) -> float:
-        return 2 * ALPHA_S + 4 * num_params / LINK_BYTES_PER_S
-
-    per_microbatch = 2 * LAYERS * gather(LAYER_PARAMS) + gather(ROOT_PARAMS)
-    per_microbatch += LAYERS * all_reduce(LAYER_PARAMS) + all_reduce(ROOT_PARAMS)
+    per_microbatch = _fsdp_microbatch_s(gather_alpha, gather_busbw)
     assert p.parts["data_parallel"].comm_s == pytest.approx(m * per_microbatch, rel=1e-9)
-    assert p.parts["loss_sync"].comm_s == pytest.approx(all_reduce(1), rel=1e-9)
+    assert p.parts["loss_sync"].comm_s == pytest.approx(_all_reduce_s(1), rel=1e-9)
 
 
 def test_fsdp_on_a_gpu_reduce_scatters_and_moves_the_same_bytes():
