@@ -17,7 +17,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -124,11 +124,18 @@ def model_name(config: ModelConfig, name: str) -> str:
     return f"{prefix}mlp.{head}.{_MIXTRAL_PROJ[proj]}.weight" if head else f"{prefix}mlp.gate.weight"
 
 
-_PHI3_FUSED = re.compile(r"(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight")
 _PHI3_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+"""Phi-3's fused checkpoint tensors and the parameters they stack, in their row order."""
 _PHI3_FUSED_OF = {part: fused for fused, parts in _PHI3_PARTS.items() for part in parts}
-_PHI3_PART = re.compile(r"(model\.layers\.\d+\.)(self_attn\.[qkv]_proj|mlp\.(?:gate|up)_proj)\.weight")
+
+
+def _layer_weight(modules: Iterable[str]) -> re.Pattern[str]:
+    """`model.layers.<i>.<module>.weight` for one of `modules`: groups (prefix, module)."""
+    return re.compile(rf"(model\.layers\.\d+\.)({'|'.join(map(re.escape, modules))})\.weight")
+
+
+_PHI3_FUSED, _PHI3_PART = _layer_weight(_PHI3_PARTS), _layer_weight(_PHI3_FUSED_OF)
 
 
 def model_tensors(config: ModelConfig, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
