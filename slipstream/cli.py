@@ -545,6 +545,8 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
                             "TOP slowest")
         p.add_argument("--baseline", nargs="+", default=(), metavar="TRACE",
                        help="traces of an earlier run: what changed per step, op by op and kernel by kernel")
+        p.add_argument("--hardware", help="the roofline the ops are priced on: a100, h100, ..., cpu "
+                       "(default: a GPU trace's own GPU from the table, this CPU calibrated for a CPU trace)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

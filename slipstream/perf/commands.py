@@ -690,7 +690,7 @@ def _header_hardware(header: dict[str, Any], where: str) -> str | None:
 
 
 def trace_cmd(args: argparse.Namespace) -> Result:
-    report = trace.analyze(args.traces, args.top, args.baseline)
+    report = trace.analyze(args.traces, args.top, args.baseline, args.hardware)
     return trace_report.format_report(report, args.top), report
 
 

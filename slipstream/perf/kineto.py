@@ -8,12 +8,15 @@ trace of gigabytes fits where its parsed dicts would not (HTA and the trace view
 run out of memory there).
 
 Kept: complete events (`"ph": "X"`: CPU ops, annotations, Python frames, runtime calls,
-kernels, memory copies). Times are microseconds, as Kineto writes them, counted from the first
-complete event's timestamp in whole microseconds: Kineto writes epoch times to the nanosecond,
+kernels, memory copies), with an op's input shapes and types (`record_shapes=True`) and FLOPs
+(`with_flops=True`) where given, and the `[memory]` instant events of `profile_memory=True`.
+Times are microseconds, as Kineto writes them, counted from the first kept event's timestamp in
+whole microseconds: Kineto writes epoch times to the nanosecond,
 more digits than a double holds, so they are read exactly and made relative before they become
 floats. Complete events without a usable time (a `ts` that is no number, nor a string holding
 one, or is beyond 10^24 us; a negative `dur`) or thread (a `pid`/`tid` that is no integer or
-string) are counted in `Trace.skipped_events`, never dropped silently. Every way a file can fail to be a trace
+string) are counted in `Trace.skipped_events`, memory events without a usable time, thread or
+byte count in `Trace.skipped_memory_events`: never dropped silently. Every way a file can fail to be a trace
 (truncated or corrupt gzip, not UTF-8, not JSON, nested past Python's stack, no `traceEvents`)
 is a ValueError naming the file.
 """
@@ -64,10 +67,40 @@ class Event:
     pid: int | str
     tid: int | str
     correlation: int | None = None
+    inputs: OpInputs | None = None
+    """An op's inputs, where the trace recorded them (`record_shapes=True`)."""
 
     @property
     def dur_us(self) -> float:
         return self.end_us - self.start_us
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OpInputs:
+    """An op's "Input Dims" and "Input type" args, one entry per argument: the sizes of a tensor
+    argument (None for one the profiler gave no sizes of, or odd ones), and the profiler's type
+    name ("float", "c10::BFloat16", "Scalar", "" for None). `flops` is the profiler's own count
+    (`with_flops=True`, for the ops it has a formula for)."""
+
+    dims: tuple[tuple[int, ...] | None, ...]
+    types: tuple[str, ...]
+    flops: int | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class MemoryEvent:
+    """One `[memory]` instant event: `bytes` allocated (negative: freed) on `device` ("cpu",
+    "cuda:0", ...) by thread `tid` of `pid`; the allocator's totals after it where the trace
+    gives them (its "Total Allocated" and "Total Reserved")."""
+
+    time_us: float
+    pid: int | str
+    tid: int | str
+    device: str
+    bytes: int
+    total_allocated: int | None
+    total_reserved: int | None
+    addr: int | None
 
 
 @dataclasses.dataclass
@@ -78,6 +111,8 @@ class Trace:
     _DECODER), e.g. "1.5"."""
     events: list[Event]
     skipped_events: int
+    memory_events: list[MemoryEvent] = dataclasses.field(default_factory=list)
+    skipped_memory_events: int = 0
 
     @property
     def rank(self) -> int | None:
@@ -288,20 +323,31 @@ class _TraceBuilder:
         self.path = path
         self.metadata: dict[str, Any] = {}
         self.events: list[Event] = []
+        self.memory_events: list[MemoryEvent] = []
         self.skipped = 0
+        self.skipped_memory = 0
         self.origin_us: int | None = None
         self.saw_events = False
         self._names: dict[str, str] = {}
+        self._inputs: dict[OpInputs, OpInputs] = {}
 
     def start_events(self) -> None:
         """A `traceEvents` list begins; a second one replaces the first, as in `json.load`."""
         self.saw_events = True
         self.events.clear()
-        self.skipped = 0
+        self.memory_events.clear()
+        self.skipped = self.skipped_memory = 0
 
     def add(self, raw: Any) -> None:
         if isinstance(raw, dict) and raw.get("ph") == "X":
             self._add_complete(raw)
+        elif isinstance(raw, dict) and raw.get("ph") == "i" and raw.get("name") == "[memory]":
+            self._add_memory(raw)
+
+    def _relative(self, start: int | decimal.Decimal) -> int | decimal.Decimal:
+        if self.origin_us is None:
+            self.origin_us = int(start)
+        return start - self.origin_us
 
     def _add_complete(self, raw: dict[str, Any]) -> None:
         start = _exact(raw.get("ts"))
@@ -310,11 +356,11 @@ class _TraceBuilder:
         if start is None or duration is None or duration < 0 or not _is_id(pid) or not _is_id(tid):
             self.skipped += 1
             return
-        if self.origin_us is None:
-            self.origin_us = int(start)
-        start -= self.origin_us
+        start = self._relative(start)
         args = raw.get("args")
-        correlation = args.get("correlation") if isinstance(args, dict) else None
+        if not isinstance(args, dict):
+            args = {}
+        correlation = args.get("correlation")
         self.events.append(Event(
             name=self._name(raw.get("name", "")),
             cat=self._name(raw.get("cat", "")),
@@ -323,6 +369,39 @@ class _TraceBuilder:
             pid=pid,
             tid=tid,
             correlation=correlation if _is_id(correlation) and isinstance(correlation, int) else None,
+            inputs=self._op_inputs(args),
+        ))
+
+    def _op_inputs(self, args: dict[str, Any]) -> OpInputs | None:
+        """The op's recorded inputs, one shared object per distinct set (a model's ops repeat a few
+        shapes millions of times); None without "Input Dims"."""
+        dims = args.get("Input Dims")
+        if not isinstance(dims, list):
+            return None
+        types = args.get("Input type")
+        types = types if isinstance(types, list) and len(types) == len(dims) else [""] * len(dims)
+        flops = args.get("flops")
+        inputs = OpInputs(tuple(_sizes(d) for d in dims), tuple(self._name(t) for t in types),
+                          flops if _is_count(flops) else None)
+        return self._inputs.setdefault(inputs, inputs)
+
+    def _add_memory(self, raw: dict[str, Any]) -> None:
+        """A `[memory]` event; one without a time, thread or byte count is counted, not kept."""
+        start = _exact(raw.get("ts"))
+        pid, tid = raw.get("pid"), raw.get("tid")
+        args = raw.get("args")
+        args = args if isinstance(args, dict) else {}
+        nbytes = args.get("Bytes")
+        if start is None or not _is_id(pid) or not _is_id(tid) or not _is_integer(nbytes):
+            self.skipped_memory += 1
+            return
+        allocated, reserved, addr = (args.get(k) for k in ("Total Allocated", "Total Reserved", "Addr"))
+        self.memory_events.append(MemoryEvent(
+            time_us=float(self._relative(start)), pid=pid, tid=tid,
+            device=_device(args.get("Device Type"), args.get("Device Id")), bytes=nbytes,
+            total_allocated=allocated if _is_count(allocated) else None,
+            total_reserved=reserved if _is_count(reserved) else None,
+            addr=addr if _is_integer(addr) else None,
         ))
 
     def _name(self, raw: Any) -> str:
@@ -336,11 +415,43 @@ class _TraceBuilder:
 
     @property
     def trace(self) -> Trace:
-        return Trace(self.path, self.metadata, self.events, self.skipped)
+        return Trace(self.path, self.metadata, self.events, self.skipped, self.memory_events,
+                     self.skipped_memory)
 
 
 def _printable(text: str) -> str:
     return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_count(value: Any) -> bool:
+    return _is_integer(value) and value >= 0
+
+
+def _sizes(value: Any) -> tuple[int, ...] | None:
+    """A tensor argument's sizes; None for anything else (a scalar's [], a tensor list's nested
+    lists, odd values): such an argument's size is unknown, not zero."""
+    if isinstance(value, list) and value and all(_is_count(v) for v in value):
+        return tuple(value)
+    return () if value == [] else None
+
+
+# c10::DeviceType's values, as the profiler writes them in "Device Type"; oneDNN's (MKLDNN, IDEEP)
+# allocations are the host's memory, as key_averages counts them.
+_DEVICE_TYPES = {0: "cpu", 1: "cuda", 2: "cpu", 5: "cpu", 6: "hip", 12: "xpu", 13: "mps", 20: "privateuse1"}
+
+
+def _device(device_type: Any, device_id: Any) -> str:
+    """"cpu", "cuda:0", ...; a type this table lacks by its number ("type 9:0")."""
+    if not _is_integer(device_type):
+        return "unknown"
+    name = _DEVICE_TYPES.get(device_type, f"type {device_type}")
+    if name == "cpu" or not _is_integer(device_id) or device_id < 0:
+        return name
+    return f"{name}:{device_id}"
 
 
 def _is_id(value: Any) -> bool:

@@ -28,15 +28,14 @@ kernel breakdown, comm-comp overlap); TraceLens `TraceLens/TreePerf/gpu_event_an
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import re
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from slipstream.perf.hardware import get_accelerator, is_local
 from slipstream.perf.kineto import Event, Trace, read_trace
 from slipstream.perf.trace_gpu import (
     KERNEL_CATEGORIES,
@@ -46,8 +45,11 @@ from slipstream.perf.trace_gpu import (
     launch_calls,
     launch_stats,
 )
+from slipstream.perf.trace_memory import memory_timeline
+from slipstream.perf.trace_roofline import against, op_roofline
+from slipstream.perf.trace_tree import STEP_NAME as _STEP
+from slipstream.perf.trace_tree import Step, by_thread, parents, profiler_steps, step_at
 
-_STEP = re.compile(r"ProfilerStep#(\d+)$")
 TRACE_SUFFIXES = (".json", ".json.gz")
 HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function", *LAUNCH_CATEGORIES)
 """The host events torch.profiler's own tree holds (and key_averages lists): ops, annotations,
@@ -67,23 +69,18 @@ def host_op_times(events: Sequence[Event]) -> dict[tuple[str, str], OpTime]:
     `key_averages()` counts them.
 
     On each thread one pass over the spans sorted by start, longest first, with a stack of open
-    spans finds each span's parent (`_parents`); a child's time leaves its parent's self time.
+    spans finds each span's parent (`trace_tree.parents`); a child's time leaves its parent's self time.
     An op whose only child has its own name (a redispatch: `aten::sum` calling `aten::sum`) is
     one call, as the profiler's event tree merges them.
     """
     times: dict[tuple[str, str], OpTime] = defaultdict(OpTime)
-    by_thread: dict[tuple[Any, Any], list[Event]] = defaultdict(list)
-    for e in events:
-        if e.cat in HOST_CATEGORIES:
-            by_thread[(e.pid, e.tid)].append(e)
-    for thread_events in by_thread.values():
-        thread_events.sort(key=lambda e: (e.start_us, -e.end_us))
-        parents = _parents(thread_events)
-        num_children = Counter(p for p in parents if p is not None)
+    for thread_events in by_thread(events, HOST_CATEGORIES).values():
+        parent_of = parents(thread_events)
+        num_children = Counter(p for p in parent_of if p is not None)
         for i, e in enumerate(thread_events):
             op = times[(e.cat, e.name)]
             op.self_us += e.dur_us
-            parent = parents[i]
+            parent = parent_of[i]
             if parent is not None:
                 p = thread_events[parent]
                 times[(p.cat, p.name)].self_us -= e.dur_us
@@ -92,44 +89,6 @@ def host_op_times(events: Sequence[Event]) -> dict[tuple[str, str], OpTime]:
             op.calls += 1
             op.total_us += e.dur_us
     return dict(times)
-
-
-def _parents(spans: Sequence[Event]) -> list[int | None]:
-    """The index of each span's parent: the innermost open span that contains it whole (spans
-    sorted by start, longest first). As torch.profiler builds its event tree: a span that
-    starts inside another but ends after it (the profiler's rounding, a record_function opened
-    inside a Python call) is not its child, and that span is closed for the spans after it."""
-    parents: list[int | None] = []
-    stack: list[int] = []
-    for i, e in enumerate(spans):
-        while stack and (e.start_us >= spans[stack[-1]].end_us or e.end_us > spans[stack[-1]].end_us):
-            stack.pop()
-        parents.append(stack[-1] if stack else None)
-        stack.append(i)
-    return parents
-
-
-@dataclasses.dataclass(frozen=True)
-class Step:
-    number: int
-    start_us: float
-    end_us: float
-
-    @property
-    def name(self) -> str:
-        return f"ProfilerStep#{self.number}"
-
-
-def profiler_steps(events: Sequence[Event]) -> list[Step]:
-    """The host-side `ProfilerStep#N` annotations, in order (one per step, on the host thread)."""
-    steps = {}
-    for e in events:
-        match = _STEP.match(e.name)
-        if match and e.cat == "user_annotation":
-            number = int(match.group(1))
-            if number not in steps or e.dur_us > steps[number].end_us - steps[number].start_us:
-                steps[number] = Step(number, e.start_us, e.end_us)
-    return [steps[n] for n in sorted(steps)]
 
 
 def kernels_by_step(events: Sequence[Event], steps: Sequence[Step],
@@ -142,7 +101,7 @@ def kernels_by_step(events: Sequence[Event], steps: Sequence[Step],
     starts = [s.start_us for s in steps]
     for k in events:
         if k.cat in KERNEL_CATEGORIES:
-            step = _step_at(steps, starts, launch_us.get(k.correlation, k.start_us))
+            step = step_at(steps, starts, launch_us.get(k.correlation, k.start_us))
             if step is not None:
                 out[step.number].append(k)
     return out
@@ -152,11 +111,6 @@ def _launched_within(kernels: Sequence[Event], launch_us: dict[int, float], star
                      end_us: float) -> list[Event]:
     """The kernels whose launch call (or, without one in the trace, whose start) is in [start, end)."""
     return [k for k in kernels if start_us <= launch_us.get(k.correlation, k.start_us) < end_us]
-
-
-def _step_at(steps: Sequence[Step], starts: list[float], time_us: float) -> Step | None:
-    i = bisect.bisect_right(starts, time_us) - 1
-    return steps[i] if i >= 0 and time_us < steps[i].end_us else None
 
 
 def analyze_rank(trace: Trace) -> dict[str, Any]:
@@ -190,6 +144,9 @@ def analyze_rank(trace: Trace) -> dict[str, Any]:
         "gpu": gpu_breakdown(step_kernels, launch_us) or None,
         "launches": launch_stats(step_kernels, calls) or None,
         "kernels": _kernel_table(step_kernels),
+        "memory": memory_timeline(trace.memory_events, by_thread(trace.events, HOST_CATEGORIES), steps),
+        "skipped_memory_events": trace.skipped_memory_events,
+        "roofline": op_roofline(trace.events),
     }
 
 
@@ -248,12 +205,20 @@ def trace_files(paths: Sequence[str]) -> list[Path]:
     return files
 
 
-def analyze(paths: Sequence[str], top: int = 10, baseline: Sequence[str] = ()) -> dict[str, Any]:
+def analyze(paths: Sequence[str], top: int = 10, baseline: Sequence[str] = (),
+            hardware: str | None = None) -> dict[str, Any]:
     """The report of every rank's trace, ordered by rank, how far the ranks' steps spread and,
-    given `baseline` traces, what changed per step against them; `top` rows in each table."""
+    given `baseline` traces, what changed per step against them; `top` rows in each table. The
+    ops' roofline is on `hardware` (`_roofline_hardware` says which without it)."""
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
+    if hardware is not None and not is_local(hardware):
+        get_accelerator(hardware)  # an unknown name is an error before any trace is read
     ranks = _analyze_files(trace_files(paths))
+    accelerators: dict[str, Any] = {}
+    for rank in ranks:
+        if rank["roofline"]:
+            against(rank["roofline"], _roofline_hardware(hardware, rank, accelerators))
     report = {"ranks": ranks, "spread": _spread(ranks), "comparison": None}
     if baseline:
         baseline_files = trace_files(baseline)
@@ -262,7 +227,29 @@ def analyze(paths: Sequence[str], top: int = 10, baseline: Sequence[str] = ()) -
     for rank in ranks:
         for table in ("host", "annotations", "kernels"):
             del rank[table][top:]
+        for device in rank["memory"]:
+            del device["ops"][top:]
+        if rank["roofline"]:
+            del rank["roofline"]["ops"][top:]
+            del rank["roofline"]["unpriced"][top:]
     return report
+
+
+def _roofline_hardware(hardware: str | None, rank: dict[str, Any], cache: dict[str, Any]) -> Any:
+    """The accelerator a rank's ops are priced on: `hardware`; without it, for a trace of a GPU
+    the table's entry for its name (None, said in the report, where the table lacks it), for a
+    CPU trace this CPU as `slipstream perf calibrate` measures it (as the other perf commands)."""
+    name = hardware or (rank["devices"][0] if rank["devices"] else "cpu")
+    if name not in cache:
+        try:
+            cache[name] = get_accelerator(name)
+        except ValueError:
+            if hardware is not None:
+                raise
+            cache[name] = None
+    if cache[name] is None:
+        rank["roofline"]["hardware_note"] = f"{name} is not in the accelerator table: give --hardware"
+    return cache[name]
 
 
 def _analyze_files(files: Sequence[Path]) -> list[dict[str, Any]]:

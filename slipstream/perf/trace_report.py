@@ -70,7 +70,77 @@ def _format_rank(r: dict[str, Any], top: int) -> list[str]:
         lines += _format_gpu(r["gpu"], r["kernels"], "all steps" if r["steps"] else "whole trace")
     if r["launches"]:
         lines += _format_launches(r["launches"])
+    if r["skipped_memory_events"]:
+        lines.append(f"  {r['skipped_memory_events']} memory events without a usable time, thread or size "
+                     "were skipped")
+    for device in r["memory"]:
+        lines += _format_memory(device, top)
+    if r["roofline"]:
+        lines += _format_roofline(r["roofline"])
     return lines
+
+
+def _mib(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.3f}"
+
+
+def _format_memory(m: dict[str, Any], top: int) -> list[str]:
+    where = f"step {m['peak_step']} +{_ms(m['peak_us_into_step'])} ms" if m["peak_step"] is not None \
+        else "outside the profiler steps"
+    ran = m["peak_op"] or "no op"
+    if m["peak_annotation"]:
+        ran += f" (in {m['peak_annotation']})"
+    totals = "the allocator's totals" if m["totals"] == "allocator" else "totals summed from them, from 0"
+    reserved = f"; peak reserved {_mib(m['peak_reserved_bytes'])} MiB" if m["peak_reserved_bytes"] else ""
+    lines = [f"  memory on {m['device']} ({m['events']} events, {totals}): peak "
+             f"{_mib(m['peak_allocated_bytes'])} MiB allocated at {where}, in {ran}{reserved}",
+             f"    allocated at the first event {_mib(m['allocated_at_start_bytes'])} MiB, at the last "
+             f"{_mib(m['final_allocated_bytes'])} MiB; {m['frees_of_earlier_blocks']} frees of blocks "
+             f"allocated before the trace ({_mib(m['freed_earlier_bytes'])} MiB); {m['unfreed_blocks']} "
+             f"blocks allocated in it and not freed ({_mib(m['unfreed_bytes'])} MiB)"]
+    if m["before_first_step"]:
+        b = m["before_first_step"]
+        lines.append(f"    before the first step: {b['events']} events, net {_mib(b['net_bytes'])} MiB")
+    lines += _format_memory_steps(m["steps"], m["grows_every_step"], top)
+    lines.append("    ops by bytes allocated in their own time (net: key_averages' self memory usage):")
+    lines.append("      allocated MiB  allocations   freed MiB     net MiB  op")
+    lines += [f"      {_mib(o['allocated_bytes']):>13} {o['allocations']:>12} {_mib(o['freed_bytes']):>11} "
+              f"{_mib(o['self_net_bytes']):>11}  {o['name'][:90]}" for o in m["ops"]]
+    return lines
+
+
+def _format_memory_steps(steps: list[dict[str, Any]], grows: bool, top: int) -> list[str]:
+    """Each step's allocated total, or past 2 x `top` steps the `top` with the highest peaks."""
+    if not steps:
+        return []
+    shown = steps if len(steps) <= 2 * top else sorted(
+        sorted(steps, key=lambda s: -s["peak_bytes"])[:top], key=lambda s: s["step"])
+    lines = [f"    per step{'' if shown is steps else f', the {top} with the highest peaks'}"
+             + (": it grew in every step (a leak?)" if grows else ":"),
+             "      step   start MiB    peak MiB     end MiB  growth MiB"]
+    lines += [f"      {s['step']:>4} {_mib(s['start_bytes']):>11} {_mib(s['peak_bytes']):>11} "
+              f"{_mib(s['end_bytes']):>11} {_mib(s['growth_bytes']):>11}" for s in shown]
+    return lines
+
+
+def _format_roofline(roofline: dict[str, Any]) -> list[str]:
+    timed = ("the kernels each op launched" if roofline["time_source"] == "kernels"
+             else "each op's host time, inclusive")
+    hardware = roofline["hardware"] or roofline.get("hardware_note") or "no hardware"
+    lines = [f"  ops against the roofline of {hardware} (timed by {timed}; bytes: inputs and outputs once):",
+             "          ms   calls   GFLOP/s      GB/s   FLOP/B  bound    of roof  op [shapes] type"]
+    for g in roofline["ops"]:
+        intensity = "-" if g["flops_per_byte"] is None else f"{g['flops_per_byte']:.1f}"
+        lines.append(f"    {_ms(g['time_us']):>8} {g['calls']:>7} {_rate(g['gflops_per_s']):>9} "
+                     f"{_rate(g['gbytes_per_s']):>9} {intensity:>8}  {g['bound'] or '-':<7} "
+                     f"{_share(g['roofline_fraction']):>7}  {g['name']} [{g['shapes']}] {g['dtype']}")
+    lines += [f"    not priced: {u['name']}, {u['calls']} calls, {_ms(u['time_us'])} ms: {u['reason']}"
+              for u in roofline["unpriced"]]
+    return lines
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _format_launches(launches: dict[str, float]) -> list[str]:
