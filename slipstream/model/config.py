@@ -136,6 +136,10 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    partial_rotary_factor: float = 1.0
+    """The fraction of each head the rotary embedding turns: the first `rotary_dim` =
+    int(head_dim * factor) dimensions, the rest pass through (Phi-4-mini's 0.75; phi3 only, as
+    only transformers' Phi-3 honours it)."""
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     """Bias on q, k, v and o projections (llama, qwen3). qwen2 always has q/k/v bias and no o bias."""
@@ -198,14 +202,17 @@ class ModelConfig:
         _check_positive_int("head_dim", self.head_dim)
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        self._check_partial_rotary()
         scaling = self.rope_scaling
         if scaling is not None and scaling.rope_type == "longrope":
             if self.model_type != "phi3":
                 raise ValueError(f"rope_type 'longrope' is only supported for model_type 'phi3', "
                                  f"not {self.model_type!r}")
+            half = "head_dim / 2" if self.partial_rotary_factor == 1 else (
+                "int(head_dim * partial_rotary_factor) / 2")
             for name in ("short_factor", "long_factor"):
-                if len(getattr(scaling, name)) != self.head_dim // 2:
-                    raise ValueError(f"rope_scaling {name} must have head_dim / 2 = {self.head_dim // 2} "
+                if len(getattr(scaling, name)) != self.rotary_dim // 2:
+                    raise ValueError(f"rope_scaling {name} must have {half} = {self.rotary_dim // 2} "
                                      f"factors, got {len(getattr(scaling, name))}")
         for name in ("rope_theta", "rms_norm_eps"):
             object.__setattr__(self, name, _positive_float(name, getattr(self, name)))
@@ -229,6 +236,19 @@ class ModelConfig:
                 f"not {self.model_type!r}"
             )
         self._check_experts()
+
+    def _check_partial_rotary(self) -> None:
+        factor = self.partial_rotary_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+            raise ValueError(f"partial_rotary_factor must be a number in (0, 1], got {factor!r}")
+        object.__setattr__(self, "partial_rotary_factor", float(factor))
+        if factor != 1 and self.model_type != "phi3":  # the others' transformers code turns whole heads
+            raise ValueError(f"partial_rotary_factor={factor!r} is only supported for model_type 'phi3', "
+                             f"not {self.model_type!r}")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:  # rotate_half pairs dimension i with i + R/2
+            raise ValueError(f"partial_rotary_factor={factor!r} turns int({self.head_dim} * {factor!r}) = "
+                             f"{self.rotary_dim} dimensions of each head; they must be an even number, "
+                             "at least 2")
 
     def _check_experts(self) -> None:
         if isinstance(self.mlp_only_layers, list):
@@ -285,6 +305,12 @@ class ModelConfig:
         """The dense family whose attention this model has: the model type, or for a
         mixture-of-experts type its dense counterpart (mixtral: mistral)."""
         return MOE_FAMILY.get(self.model_type, self.model_type)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dimensions of each query and key head that the rotary embedding turns, as
+        transformers computes them (int, not round: 100 * 0.29 turns 28)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def qkv_bias(self) -> bool:
@@ -361,6 +387,7 @@ class ModelConfig:
         max_positions = kwargs.get("max_position_embeddings", _field_default(cls, "max_position_embeddings"))
         _check_positive_int("max_position_embeddings", max_positions)  # llama3's RoPE default reads it
         kwargs["rope_theta"], kwargs["rope_scaling"] = _read_rope(model_type, d, max_positions)
+        kwargs["partial_rotary_factor"] = _read_partial_rotary_factor(d)
         kwargs["dtype"] = _read_dtype(d) or "float32"
         kwargs["sliding_window"] = _read_sliding_window(model_type, d, max_positions, kwargs["rope_scaling"])
         return cls(**kwargs)
@@ -401,6 +428,7 @@ class ModelConfig:
             scaling = self.rope_scaling
             out["original_max_position_embeddings"] = (
                 self.max_position_embeddings if scaling is None else scaling.original_max_position_embeddings)
+            out["partial_rotary_factor"] = self.partial_rotary_factor  # both versions read the top-level key
         if self.family in ("qwen2", "qwen3"):
             out["use_sliding_window"] = False
             out["sliding_window"] = None
@@ -531,7 +559,6 @@ _ARCHITECTURES = {
 # decoder does not implement; better a clear error than wrong logits.
 _UNSUPPORTED_FEATURES = {
     "quantization_config": None,
-    "partial_rotary_factor": 1.0,
     "use_mrope": False,
     "attn_logit_softcapping": None,
     "final_logit_softcapping": None,
@@ -546,7 +573,7 @@ and Qwen's."""
 
 
 def _check_unsupported_features(d: dict[str, Any], *, moe: bool) -> None:
-    _, rope = _rope_block(d)  # transformers 5 keeps partial_rotary_factor in here
+    _, rope = _rope_block(d)  # transformers 5 keeps use_mrope and the like in here
     for fields in (d, rope):
         for key, harmless in _UNSUPPORTED_FEATURES.items():
             if key in fields and fields[key] != harmless:
@@ -676,6 +703,13 @@ def _read_rope(
             "original_max_position_embeddings", max_position_embeddings
         )
     return theta, RopeScaling(rope_type=rope_type, **values)
+
+
+def _read_partial_rotary_factor(d: dict[str, Any]) -> Any:
+    """The RoPE block's `partial_rotary_factor` (transformers 5 writes it there and at the top
+    level), else the top-level one (transformers 4's place), else 1; checked by ModelConfig."""
+    _, block = _rope_block(d)
+    return block.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
 
 
 def _read_longrope(

@@ -12,7 +12,7 @@ The numerics follow Hugging Face's implementation step for step (RMSNorm in fp32
 in fp32 cast to the activation dtype, `rotate_half` pairing), so fp32 logits agree to rounding.
 
 Layout legend: B batch, T tokens, E hidden size, H query heads, K key/value heads, D head dim,
-V vocabulary.
+R rotary dims (D, or fewer with a partial rotary factor), V vocabulary.
 """
 
 from __future__ import annotations
@@ -83,9 +83,10 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(
     config: ModelConfig, device: torch.device | str | None = None, long: bool = False
 ) -> torch.Tensor:
-    """Inverse frequencies (D/2,) in fp32, with linear or Llama 3 scaling applied, or longrope's
-    short factors (its long ones where `long`), as transformers computes them."""
-    dim = config.head_dim
+    """Inverse frequencies (R/2,) in fp32 for the R = `config.rotary_dim` dimensions the rotary
+    embedding turns, with linear or Llama 3 scaling applied, or longrope's short factors (its long
+    ones where `long`), as transformers computes them."""
+    dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     scaling = config.rope_scaling
     if scaling is not None and scaling.rope_type == "longrope":
@@ -113,10 +114,10 @@ def rope_inv_freq(
 def rope_cos_sin(
     inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables (*positions.shape, D), computed in fp32 (times `scale`, longrope's
-    attention factor) and cast to `dtype`."""
-    freqs = positions.unsqueeze(-1).float() * inv_freq  # (..., D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (..., D)
+    """cos and sin tables (*positions.shape, R), R twice the frequencies, computed in fp32 (times
+    `scale`, longrope's attention factor) and cast to `dtype`."""
+    freqs = positions.unsqueeze(-1).float() * inv_freq  # (..., R/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (..., R)
     cos, sin = emb.cos(), emb.sin()
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
@@ -140,11 +141,12 @@ class RopeTables(nn.Module):
         longrope = scaling is not None and scaling.rope_type == "longrope"
         self.scale = scaling.attention_factor if longrope else 1.0
         self.original = scaling.original_max_position_embeddings if longrope else None
-        inv_freq = torch.empty(config.head_dim // 2) if on_meta else rope_inv_freq(config)
+        inv_freq = torch.empty(config.rotary_dim // 2) if on_meta else rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         long_inv_freq = None
         if longrope:
-            long_inv_freq = torch.empty(config.head_dim // 2) if on_meta else rope_inv_freq(config, long=True)
+            long_inv_freq = (torch.empty(config.rotary_dim // 2) if on_meta
+                             else rope_inv_freq(config, long=True))
         self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
         """longrope's long frequencies until `fix_context` chooses; None otherwise."""
         self.fixed_context: int | None = None
@@ -178,8 +180,18 @@ class RopeTables(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, T, heads, D) by per-token angles; pairs dimension i with i + D/2."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (B, T, 1, D)
+    """Rotate the first R dimensions of (B, T, heads, D) by per-token angles, R = cos.shape[-1],
+    pairing dimension i with i + R/2; the other D - R pass through (a partial rotary factor)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (B, T, 1, R)
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return _rotate(x, cos, sin)
+    # Under autocast the turned part is fp32 (the tables are) and the rest not: cat promotes it all
+    # to fp32, as in transformers.
+    return torch.cat((_rotate(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -231,8 +243,8 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # (B, T, E)
-        cos: torch.Tensor,  # (B, T, D)
-        sin: torch.Tensor,  # (B, T, D)
+        cos: torch.Tensor,  # (B, T, R)
+        sin: torch.Tensor,  # (B, T, R)
         attn: AttentionMetadata | None,
     ) -> torch.Tensor:  # (B, T, E)
         B, T, _ = x.shape
@@ -423,7 +435,7 @@ class Decoder(nn.Module):
         self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata | None
     ) -> torch.Tensor:  # (B, T, E)
         x = self.embed_tokens(token_ids)  # (B, T, E)
-        cos, sin = self.rope(positions, x.dtype)  # (B, T, D) each
+        cos, sin = self.rope(positions, x.dtype)  # (B, T, R) each
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
         return self.norm(x)

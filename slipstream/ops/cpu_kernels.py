@@ -128,7 +128,7 @@ def _load() -> ctypes.CDLL | None:
         [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     )
     lib.rotary_embedding.restype = None
-    lib.rotary_embedding.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2
+    lib.rotary_embedding.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_int] * 2
     lib.silu_and_mul.restype = None
     lib.silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
     lib.argmax_rows.restype = None
@@ -176,7 +176,7 @@ class DecodeShape(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_int64) for name in (
         "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-        "block_size", "window", "vocab_size",
+        "block_size", "window", "vocab_size", "rotary_dim",
     )] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("dtype", ctypes.c_int)]
 
 
@@ -525,19 +525,20 @@ def add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 
 def rotary_embedding_(
     x: torch.Tensor,  # (..., T, heads, D), rotated in place
-    cos: torch.Tensor,  # (..., T, D)
-    sin: torch.Tensor,  # (..., T, D)
+    cos: torch.Tensor,  # (..., T, R)
+    sin: torch.Tensor,  # (..., T, R)
 ) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin; returns the rotated tensor: x itself, rotated in place,
-    wherever its rows are one stride apart with contiguous heads (contiguous tensors, and the
-    fused q/k/v product's queries and keys), else a rotated copy."""
+    """x * cos + rotate_half(x) * sin over the first R dimensions of each head (the rest pass
+    through); returns the rotated tensor: x itself, rotated in place, wherever its rows are one
+    stride apart with contiguous heads (contiguous tensors, and the fused q/k/v product's queries
+    and keys), else a rotated copy."""
     lib = library()
-    assert lib is not None and supports(x) and cos.dtype == x.dtype
+    assert lib is not None and supports(x) and cos.dtype == x.dtype and cos.shape[-1] <= x.shape[-1]
     rows = _rows_of_heads(x)
     cos, sin = cos.contiguous(), sin.contiguous()
     num_heads, head_dim = x.shape[-2], x.shape[-1]
     lib.rotary_embedding(rows.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                         rows.shape[0], num_heads, head_dim, rows.stride(0),
+                         rows.shape[0], num_heads, head_dim, cos.shape[-1], rows.stride(0),
                          DTYPE_CODES[x.dtype], torch.get_num_threads())
     return x if rows.data_ptr() == x.data_ptr() else rows.view(x.shape)
 

@@ -130,7 +130,7 @@ class CpuDecodeGraph:
             num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim, intermediate_size=config.intermediate_size,
             block_size=keys[0].shape[1], window=config.sliding_window or 0, vocab_size=embedding.shape[0],
-            eps=config.rms_norm_eps,
+            rotary_dim=config.rotary_dim, eps=config.rms_norm_eps,
             scale=config.head_dim**-0.5, dtype=cpu_kernels.DTYPE_CODES[dtype],
         )
         panels = tensors.lm_head_panels and all(
@@ -238,10 +238,10 @@ class CpuDecodeGraph:
             raise RuntimeError(f"{function} failed with status {status}")
 
     def _cover_positions(self, num_positions: int) -> None:
-        """Rotary cos and sin tables for at least `num_positions` positions, computed as the model
-        computes them (`rope_cos_sin`), so a row equals what the model gets for its position (a
-        longrope model's choice of frequencies fixed first, `RopeTables.fix_context`, as the
-        runner does before any step).
+        """Rotary cos and sin tables (positions, rotary_dim) for at least `num_positions` positions,
+        computed as the model computes them (`rope_cos_sin`), so a row equals what the model gets
+        for its position (a longrope model's choice of frequencies fixed first,
+        `RopeTables.fix_context`, as the runner does before any step).
         Grown by doubling as sequences get longer, never sized for the whole context up front (for
         a 128K-token context of head size 128: 64 MiB in bf16)."""
         if self._rope is not None and self._rope[0].shape[0] >= num_positions:

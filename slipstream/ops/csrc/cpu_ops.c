@@ -931,17 +931,19 @@ void add_rms_norm(void *residual, const void *x, const void *weight, void *out, 
 }
 
 /*
- * Rotary embedding in place, Hugging Face's "rotate_half" pairing (dimension i with i + D/2):
- * x' = x * cos + rotate_half(x) * sin, with the cos/sin tables the model computed (already in
- * the activation dtype). In bf16 each product and the sum round to bf16, as the separate
- * PyTorch ops of the reference do. x: num_tokens rows of num_heads x head_dim values, row_stride
- * elements apart (a token's queries or keys where the fused q/k/v product left them); cos, sin:
- * (num_tokens, head_dim), whose two halves are equal.
+ * Rotary embedding in place, Hugging Face's "rotate_half" pairing over the first rotary_dim
+ * dimensions of each head (dimension i with i + rotary_dim / 2; the rest of the head, under a
+ * partial rotary factor, is left as it is): x' = x * cos + rotate_half(x) * sin, with the cos/sin
+ * tables the model computed (already in the activation dtype). In bf16 each product and the sum
+ * round to bf16, as the separate PyTorch ops of the reference do. x: num_tokens rows of
+ * num_heads x head_dim values, row_stride elements apart (a token's queries or keys where the
+ * fused q/k/v product left them); cos, sin: (num_tokens, rotary_dim), whose two halves are equal.
  */
 static __attribute__((noinline)) WIDE_VECTORS void rotary_token(void *x, const void *cos_row,
                                                                 const void *sin_row, int64_t num_heads,
-                                                                int64_t head_dim, int dtype) {
-    const int64_t half = head_dim / 2;
+                                                                int64_t head_dim, int64_t rotary_dim,
+                                                                int dtype) {
+    const int64_t half = rotary_dim / 2;
     for (int64_t h = 0; h < num_heads; h++) {
         if (dtype == DTYPE_F32) {
             float *v = (float *)x + h * head_dim;
@@ -968,13 +970,14 @@ static __attribute__((noinline)) WIDE_VECTORS void rotary_token(void *x, const v
 }
 
 void rotary_embedding(void *x, const void *cos_table, const void *sin_table, int64_t num_tokens,
-                      int64_t num_heads, int64_t head_dim, int64_t row_stride, int dtype, int num_threads) {
+                      int64_t num_heads, int64_t head_dim, int64_t rotary_dim, int64_t row_stride, int dtype,
+                      int num_threads) {
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens >= MIN_PARALLEL_ROWS)
     for (int64_t t = 0; t < num_tokens; t++)
         rotary_token((char *)x + t * row_stride * elem,
-                     (const char *)cos_table + t * head_dim * elem,
-                     (const char *)sin_table + t * head_dim * elem, num_heads, head_dim, dtype);
+                     (const char *)cos_table + t * rotary_dim * elem,
+                     (const char *)sin_table + t * rotary_dim * elem, num_heads, head_dim, rotary_dim, dtype);
 }
 
 /*
@@ -1147,6 +1150,7 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size;
     int64_t block_size, window, vocab_size;
+    int64_t rotary_dim;  /* the leading dimensions of each head the rotary embedding turns */
     float eps, scale;
     int dtype;
 } decode_shape;
@@ -1156,7 +1160,7 @@ typedef struct {
     const void *final_norm;                         /* (hidden_size,) */
     const void *lm_head_weight, *lm_head_bias;      /* (vocab_size, hidden_size) row-major, bias or NULL */
     const void *lm_head_panels;                     /* pack_panels() copy, or NULL */
-    const void *rope_cos, *rope_sin;                /* (rope_positions, head_dim), in the dtype */
+    const void *rope_cos, *rope_sin;                /* (rope_positions, rotary_dim), in the dtype */
     int64_t rope_positions;
 } decode_model;
 
@@ -1214,8 +1218,9 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
                   void *hidden, void *out, void *logits, void *workspace, int num_threads) {
     const int64_t E = shape->hidden_size, H = shape->num_heads, KV = shape->num_kv_heads;
     const int64_t D = shape->head_dim, F = shape->intermediate_size, V = shape->vocab_size, M = num_seqs;
+    const int64_t R = shape->rotary_dim;
     const int dtype = shape->dtype;
-    if (KV <= 0 || H % KV != 0 || M < 1) return 2;
+    if (KV <= 0 || H % KV != 0 || M < 1 || R < 2 || R > D || R % 2 != 0) return 2;
     for (int64_t m = 0; m < M; m++)
         if (token_ids[m] < 0 || token_ids[m] >= V) return 3;
     for (int64_t m = 0; m < M; m++)
@@ -1265,16 +1270,16 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
             for (int64_t m = 0; m < M; m++) {
                 char *q_row = qkv + m * qkv_size * elem, *k_row = q_row + q_size * elem;
                 const char *v_row = k_row + kv_size * elem;
-                const char *cos_row = (const char *)model->rope_cos + positions[m] * D * elem;
-                const char *sin_row = (const char *)model->rope_sin + positions[m] * D * elem;
+                const char *cos_row = (const char *)model->rope_cos + positions[m] * R * elem;
+                const char *sin_row = (const char *)model->rope_sin + positions[m] * R * elem;
                 for (int64_t h = 0; layer->q_norm != NULL && h < H; h++)
                     rms_norm_row(q_row + h * D * elem, layer->q_norm, q_row + h * D * elem, D, shape->eps,
                                  dtype);
                 for (int64_t h = 0; layer->k_norm != NULL && h < KV; h++)
                     rms_norm_row(k_row + h * D * elem, layer->k_norm, k_row + h * D * elem, D, shape->eps,
                                  dtype);
-                rotary_token(q_row, cos_row, sin_row, H, D, dtype);
-                rotary_token(k_row, cos_row, sin_row, KV, D, dtype);
+                rotary_token(q_row, cos_row, sin_row, H, D, R, dtype);
+                rotary_token(k_row, cos_row, sin_row, KV, D, R, dtype);
                 memcpy(q + m * q_size * elem, q_row, q_size * elem);
                 memcpy((char *)layer->k_cache + slots[m] * kv_size * elem, k_row, kv_size * elem);
                 memcpy((char *)layer->v_cache + slots[m] * kv_size * elem, v_row, kv_size * elem);
