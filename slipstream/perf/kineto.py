@@ -329,7 +329,7 @@ class _TraceBuilder:
         self.origin_us: int | None = None
         self.saw_events = False
         self._names: dict[str, str] = {}
-        self._inputs: dict[OpInputs, OpInputs] = {}
+        self._inputs: dict[tuple[str, str, str], OpInputs] = {}
 
     def start_events(self) -> None:
         """A `traceEvents` list begins; a second one replaces the first, as in `json.load`."""
@@ -374,16 +374,20 @@ class _TraceBuilder:
 
     def _op_inputs(self, args: dict[str, Any]) -> OpInputs | None:
         """The op's recorded inputs, one shared object per distinct set (a model's ops repeat a few
-        shapes millions of times); None without "Input Dims"."""
+        shapes millions of times, so the set is looked up by its text before it is built); None
+        without "Input Dims"."""
         dims = args.get("Input Dims")
         if not isinstance(dims, list):
             return None
-        types = args.get("Input type")
-        types = types if isinstance(types, list) and len(types) == len(dims) else [""] * len(dims)
-        flops = args.get("flops")
-        inputs = OpInputs(tuple(_sizes(d) for d in dims), tuple(self._name(t) for t in types),
-                          flops if _is_count(flops) else None)
-        return self._inputs.setdefault(inputs, inputs)
+        types, flops = args.get("Input type"), args.get("flops")
+        key = (repr(dims), repr(types), repr(flops))
+        inputs = self._inputs.get(key)
+        if inputs is None:
+            types = types if isinstance(types, list) and len(types) == len(dims) else [""] * len(dims)
+            inputs = self._inputs[key] = OpInputs(tuple(_sizes(d) for d in dims),
+                                                  tuple(self._name(t) for t in types),
+                                                  flops if _is_count(flops) else None)
+        return inputs
 
     def _add_memory(self, raw: dict[str, Any]) -> None:
         """A `[memory]` event; one without a time, thread or byte count is counted, not kept."""

@@ -248,19 +248,21 @@ def op_roofline(events: Sequence[Event]) -> dict[str, Any] | None:
     launches = by_thread(events, LAUNCH_CATEGORIES)
     groups: dict[tuple[str, str, str], dict[str, Any]] = {}
     unpriced: dict[tuple[str, str], dict[str, Any]] = {}
+    # The trace shares one OpInputs per distinct set of inputs: each op name and set is priced once.
+    prices: dict[tuple[str, int], _Priced] = {}
     for thread, spans in by_thread(events, ("cpu_op",)).items():
         counted = _counted(spans)
         device_us = _device_time(counted, launches.get(thread, []), kernel_us)
         for op, gpu_us in zip(counted, device_us, strict=True):
-            try:
-                flops, nbytes = price(op.name, op.inputs)
-            except Unpriced as e:
-                row = unpriced.setdefault((op.name, str(e)), {"name": op.name, "reason": str(e), "calls": 0,
-                                                               "time_us": 0.0})
-                row["calls"] += 1
-                row["time_us"] += op.dur_us
-                continue
-            _add_call(groups, op, flops, nbytes, gpu_us)
+            key = (op.name, id(op.inputs))
+            if key not in prices:
+                prices[key] = _priced(op, groups, unpriced)
+            found = prices[key]
+            if isinstance(found, dict):
+                found["calls"] += 1
+                found["time_us"] += op.dur_us
+            else:
+                _add_call(*found, op, gpu_us)
     return {"ops": sorted(groups.values(), key=lambda g: -g["time_us"]),
             "unpriced": sorted(unpriced.values(), key=lambda r: -r["time_us"]),
             "time_source": "kernels" if kernel_us else "host"}
@@ -293,23 +295,37 @@ def _device_time(ops: Sequence[Event], launches: Sequence[Event],
     return out
 
 
-def _add_call(groups: dict[tuple[str, str, str], dict[str, Any]], op: Event, flops: float, nbytes: float,
-              gpu_us: float | None) -> None:
-    assert op.inputs is not None  # priced ops have inputs
+_Priced = tuple[dict[str, Any], float, float] | dict[str, Any]
+"""A group with one call's FLOPs and bytes, or a row of unpriced ops."""
+
+
+def _priced(op: Event, groups: dict[tuple[str, str, str], dict[str, Any]],
+            unpriced: dict[tuple[str, str], dict[str, Any]]) -> _Priced:
+    """The group a call of `op`'s name and inputs adds to, with its FLOPs and bytes; or, where its
+    inputs do not give them, its row of unpriced ops."""
+    try:
+        flops, nbytes = price(op.name, op.inputs)
+    except Unpriced as e:
+        return unpriced.setdefault((op.name, str(e)), {"name": op.name, "reason": str(e), "calls": 0,
+                                                        "time_us": 0.0})
+    assert op.inputs is not None  # price needs inputs
     cells = ["x".join(map(str, d)) if d else "-" for d in op.inputs.dims if d is not None]
     while cells and cells[-1] == "-":  # trailing scalars and Nones (sdpa's dropout, scale, ...)
         cells.pop()
-    shapes = ", ".join(cells)
-    dtype = _Call(op.name, op.inputs).dtype()
+    shapes, dtype = ", ".join(cells), _Call(op.name, op.inputs).dtype()
     group = groups.setdefault((op.name, shapes, dtype), {
         "name": op.name, "shapes": shapes, "dtype": dtype, "calls": 0, "time_us": 0.0, "host_us": 0.0,
         "flops": 0.0, "bytes": 0.0, "profiler_flops": None})
+    return group, flops, nbytes
+
+
+def _add_call(group: dict[str, Any], flops: float, nbytes: float, op: Event, gpu_us: float | None) -> None:
     group["calls"] += 1
     group["host_us"] += op.dur_us
     group["time_us"] += op.dur_us if gpu_us is None else gpu_us
     group["flops"] += flops
     group["bytes"] += nbytes
-    if op.inputs.flops is not None:
+    if op.inputs is not None and op.inputs.flops is not None:
         group["profiler_flops"] = (group["profiler_flops"] or 0) + op.inputs.flops
 
 
