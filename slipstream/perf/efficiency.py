@@ -91,6 +91,15 @@ _ENGINE_HOST = (
     "AMD EPYC, tiny and small presets, decode batches 1-32: 0.15-0.25 ms per step plus 13-21 us "
     "per sequence (engine.step less runner.execute)"
 )
+_MODULE_CALL_S = 11.5e-6
+_MODULE_CALL = (
+    "measured (benchmarks/moe_decode_prediction.py --shapes skeleton-2,skeleton-12): a Mixtral-"
+    "shaped model with every width tiny (hidden 64, 8 experts of 64), so its decode step is all fixed "
+    "cost, on a 2-core AMD EPYC, batch 1: the fastest step rises by 184 us per layer from 2 to 12 "
+    "layers in fp32 (198 in bf16), 11.5 (11.6) us for each of the 16 (17) kernel and GEMM calls the "
+    "serving model counts in such a layer; an isolated C kernel call from Python (add_rms_norm_, "
+    "rotary_embedding_, gemv on one row) takes 7-8 us there, the module code around it the rest"
+)
 _CPU_SDPA_TRAINING = (
     "measured (docs/training.md, Performance): in a bf16 training step of the tiny preset on a "
     "2-core AMD EPYC, PyTorch's CPU flash-attention kernel (SDPA, forward and backward, head_dim "
@@ -124,6 +133,10 @@ class Efficiency:
     1 is the roofline's `max` (a pipelined GPU kernel), 0 adds the two (see `overlapped_s`)."""
     kernel_overhead_s: float = 3e-6
     """Fixed time per non-GEMM kernel."""
+    module_call_overhead_s: float | None = None
+    """Fixed time per kernel or GEMM call where slipstream's CPU engine runs a mixture-of-experts
+    layer module by module (no decode graph holds its routing): the call from Python through its
+    module, its checks and ctypes. None is `kernel_overhead_s`."""
     step_overhead_s: float = 0.0
     """Fixed host time per serving step (scheduling, launching the step)."""
     sequence_overhead_s: float = 0.0
@@ -139,6 +152,8 @@ class Efficiency:
     def __post_init__(self) -> None:
         if self.training_attention_fraction is None:
             object.__setattr__(self, "training_attention_fraction", self.attention_fraction)
+        if self.module_call_overhead_s is None:
+            object.__setattr__(self, "module_call_overhead_s", self.kernel_overhead_s)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name != "sources" and (isinstance(value, bool) or not isinstance(value, numbers.Real)
@@ -152,8 +167,8 @@ class Efficiency:
                 raise ValueError(f"{name} must be in (0, {MAX_FRACTION:g}], got {value}")
         if not 0 <= self.roofline_overlap <= 1:
             raise ValueError(f"roofline_overlap must be in [0, 1], got {self.roofline_overlap}")
-        for name in ("gemm_overhead_s", "kernel_overhead_s", "step_overhead_s", "sequence_overhead_s",
-                     "link_latency_s", "network_latency_s"):
+        for name in ("gemm_overhead_s", "kernel_overhead_s", "module_call_overhead_s", "step_overhead_s",
+                     "sequence_overhead_s", "link_latency_s", "network_latency_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         object.__setattr__(self, "sources", types.MappingProxyType(dict(self.sources)))
@@ -292,12 +307,14 @@ def default_efficiency(acc: Accelerator, link_latency_s: float | None = None) ->
         return Efficiency(gemm_fraction=1.0, memory_fraction=1.0, attention_fraction=0.5,
                           training_attention_fraction=70 / 971, roofline_overlap=0.5,
                           gemm_overhead_s=_EAGER_OP_S, kernel_overhead_s=_EAGER_OP_S,
+                          module_call_overhead_s=_MODULE_CALL_S,
                           step_overhead_s=0.2e-3, sequence_overhead_s=20e-6, **link,
                           sources={"gemm_fraction": measured, "memory_fraction": measured,
                                    "attention_fraction": _ASSUMED,
                                    "training_attention_fraction": _CPU_SDPA_TRAINING,
                                    "roofline_overlap": _CPU_OVERLAP,
                                    "gemm_overhead_s": _EAGER_OP, "kernel_overhead_s": _EAGER_OP,
+                                   "module_call_overhead_s": _MODULE_CALL,
                                    "step_overhead_s": _ENGINE_HOST, "sequence_overhead_s": _ENGINE_HOST}
                           | link_sources)
     if link_latency_s is not None:
@@ -305,7 +322,9 @@ def default_efficiency(acc: Accelerator, link_latency_s: float | None = None) ->
                          "its link from the table")
     base = {"gemm_fraction": f"{_ASSUMED} (H100's sustained value)", "memory_fraction": _GPT_FAST_BW,
             "attention_fraction": _ASSUMED, "training_attention_fraction": _ASSUMED,
-            "gemm_overhead_s": _ASSUMED, "kernel_overhead_s": _ASSUMED, "step_overhead_s": _ASSUMED,
+            "gemm_overhead_s": _ASSUMED, "kernel_overhead_s": _ASSUMED,
+            "module_call_overhead_s": "the kernel overhead (no CPU engine runs there)",
+            "step_overhead_s": _ASSUMED,
             "sequence_overhead_s": _ASSUMED,
             "link_fraction": _ASSUMED, "link_latency_s": _ASSUMED,
             "network_fraction": _IB_NCCL, "network_latency_s": _ASSUMED}

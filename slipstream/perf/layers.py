@@ -21,7 +21,9 @@ GEMMs of their own, as slipstream's `SparseMoeBlock` runs them: under uniform ro
 n tokens touch `experts_touched(n)` experts (`flops.expected_experts_touched`) of n k / touched
 tokens each, so the expert weights read are those experts' and the FLOPs exactly n k experts'.
 Tensor parallelism splits every expert as it does the dense MLP (vLLM's default for MoE without
-expert parallelism); the router and the shared expert's gate are replicated.
+expert parallelism); the router and the shared expert's gate are replicated. Slipstream's CPU
+engine runs the block otherwise (`cpu_moe_block`): the routed experts in one C call where it takes
+them (`FusedExperts`), the router, routing and shared expert as eager ops.
 """
 
 from __future__ import annotations
@@ -126,6 +128,9 @@ class LayerSpec:
     the backward casts its gradient back (6 bytes per parameter each, one kernel per matrix)."""
     moe: bool = False
     """A layer with experts (the shape's `moe_layers`) rather than the dense MLP."""
+    cpu_moe: bool = False
+    """The experts as slipstream's CPU engine runs them: `cpu_moe_block` prices the whole block,
+    its routing and activations included, which the layer's pointwise work then leaves out."""
 
     def __post_init__(self) -> None:
         if self.moe and not self.shape.is_moe:
@@ -150,15 +155,23 @@ def layer_gemms(
     """(m, k, n, count) of one layer's linear GEMMs on one device of a tensor-parallel group."""
     h, f = shape.hidden_size, shape.ffn_hidden_size
     up = (shape.mlp_matrices - 1) * f  # gate and up fused, or GELU's single up matrix
-    attention = [
-        (num_tokens, h, (shape.q_dim + 2 * shape.kv_dim) / tp, 1),  # qkv
-        (num_tokens, shape.q_dim / tp, h, 1),  # o
-    ]
+    attention = attention_gemms(shape, num_tokens, tp)
     if moe:
         return attention + _moe_gemms(shape, num_tokens, tp)
     return attention + [
         (num_tokens, h, up / tp, 1),  # mlp up (and gate)
         (num_tokens, f / tp, h, 1),  # mlp down
+    ]
+
+
+def attention_gemms(
+    shape: TransformerShape, num_tokens: float, tp: int
+) -> list[tuple[float, float, float, float]]:
+    """(m, k, n, count) of one layer's attention projections on one device: qkv and o."""
+    h = shape.hidden_size
+    return [
+        (num_tokens, h, (shape.q_dim + 2 * shape.kv_dim) / tp, 1),  # qkv
+        (num_tokens, shape.q_dim / tp, h, 1),  # o
     ]
 
 
@@ -225,7 +238,9 @@ def _pointwise(spec: LayerSpec, e: int, backward: bool) -> tuple[float, float]:
     }
     if shape.qk_norm:  # one per head of q and of k
         parts["qk_norm"] = (scale * 2 * rotary_width * e, scale * 2 if rotary_width else 0)
-    if spec.moe:
+    if spec.moe and spec.cpu_moe:  # `cpu_moe_block` prices them as the engine runs them
+        del parts["activation"]
+    elif spec.moe:
         parts["routing"] = _routing(spec, e, scale)
     if spec.pointwise == "eager":
         parts |= _eager_pointwise(spec, e, r, backward, replicated, f_local, rotary_width)
@@ -246,6 +261,80 @@ def _routing(spec: LayerSpec, e: int, scale: int) -> tuple[float, float]:
     rows = n * shape.experts_per_token * h * e
     num_bytes = logits + 3 * 2 * rows + e * n * h
     return scale * num_bytes, scale * (3 + 3 * shape.experts_touched(n))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FusedExperts:
+    """When slipstream's CPU engine runs a MoE block's routed experts in one C call
+    (`ops.inference.KernelMoeExperts`, cpu_ops.c's moe_experts): it declines a call where an
+    expert would get more than `max_rows_per_expert` rows (None: any number) or whose workspace,
+    every routed row's intermediates at once, would pass `workspace_limit_bytes`; the block's own
+    path, expert by expert, runs those."""
+
+    max_rows_per_expert: int | None
+    workspace_limit_bytes: float
+
+    def takes(self, shape: TransformerShape, num_tokens: float, element_bytes: int) -> bool:
+        """Whether the call takes a layer's `num_tokens` tokens: under uniform routing each touched
+        expert gets n k / touched rows (the mean; the engine looks at the most any expert got)."""
+        pairs = num_tokens * shape.experts_per_token
+        workspace = pairs * (2 * shape.hidden_size + 3 * shape.expert_ffn_hidden_size) * element_bytes
+        if workspace > self.workspace_limit_bytes:
+            return False
+        limit = self.max_rows_per_expert
+        return limit is None or pairs / shape.experts_touched(num_tokens) <= limit
+
+
+def cpu_moe_block(spec: LayerSpec, linears: Device, device: Device, fused: FusedExperts | None) -> Work:
+    """A MoE block's forward as slipstream's CPU engine runs it (`SparseMoeBlock.forward`), each
+    eager op or C call one kernel at the kernel overhead, each linear one GEMM: the router; the
+    routing (a cast of 16-bit logits to fp32, softmax, top-k, the renormalising sum and division,
+    counted for every model, and the zeroed output); the routed experts in one call where `fused`
+    takes them (the touched experts' weights read once, their rows' intermediates written and read
+    back, one call's overhead), else expert by expert (`_declined_experts`); the shared expert and
+    its gate (two GEMMs, the activation kernel, sigmoid, product and sum)."""
+    shape, n, tp, e = spec.shape, spec.num_tokens, spec.tp, device.element_bytes
+    h, m, s = shape.hidden_size, shape.expert_ffn_hidden_size / tp, shape.shared_expert_ffn_hidden_size / tp
+    logits, choices = n * shape.num_experts, n * shape.experts_per_token
+    cast = 0 if e == 4 else 1
+    probabilities = logits * (cast * (e + 4) + 12)  # the cast, softmax's read and write, top-k's read
+    chosen = choices * 32  # top-k's values and indices, the sum's read, the division's read and write
+    work = linears.gemm(n, h, shape.num_experts) + device.stream(probabilities + chosen + e * n * h, cast + 5)
+    touched = shape.experts_touched(n)
+    if fused is not None and fused.takes(shape, n, e):
+        weight_bytes = linears.weight_bytes or linears.element_bytes
+        # Per routed row: its input gathered, the gate-up output, the activation and the down
+        # output each written and read back; the input read and the output updated once per token.
+        traffic = touched * 3 * h * m * weight_bytes + choices * (3 * h + 6 * m) * e + 3 * n * h * e
+        work = work + linears.roofline(6.0 * choices * h * m, traffic, linears.efficiency.gemm_fraction,
+                                       linears.efficiency.gemm_overhead_s)
+    elif touched:
+        work = work + _declined_experts(spec, linears, device)
+    if s:
+        work = work + linears.gemm(n, h, 2 * s) + linears.gemm(n, s, h) + linears.gemm(n, h, 1)
+        work = work + device.stream(3 * n * s * e + n * (4 * e + 6 * h * e), 4)
+    return work
+
+
+def _declined_experts(spec: LayerSpec, linears: Device, device: Device) -> Work:
+    """`SparseMoeBlock._routed`: argsort and bincount of the choices, the tokens' indices, the
+    gather of the routed rows, per touched expert its gate-up GEMM, activation and down GEMM, the
+    concatenation, the routing weights gathered and multiplied in, a cast to the output's dtype
+    where the product is fp32 and the output not (fp32 weights, 16-bit activations), and per
+    touched expert an index_add into the output."""
+    shape, n, tp, e = spec.shape, spec.num_tokens, spec.tp, device.element_bytes
+    h, m = shape.hidden_size, shape.expert_ffn_hidden_size / tp
+    touched, choices = shape.experts_touched(n), n * shape.experts_per_token
+    per_expert = choices / touched
+    rows = choices * h * e
+    cast = 0 if e == 4 else 1
+    indices = choices * 8 * 6  # argsort, bincount, the division and the weights' gather, int64
+    # The gather and the concatenation read and write the rows, the product and the index_add
+    # read two operands and write one, the cast reads 4 bytes and writes e; the activation.
+    num_bytes = indices + (2 + 2 + 3 + 3 + 3 * cast) * rows + 3 * choices * m * e
+    kernels = 7 + cast + 2 * touched
+    return (linears.gemm(per_expert, h, 2 * m, touched) + linears.gemm(per_expert, m, h, touched)
+            + device.stream(num_bytes, kernels))
 
 
 def _weight_casts(spec: LayerSpec) -> tuple[float, float]:

@@ -6,7 +6,10 @@ point; of a mixture-of-experts layer's experts, those the step's tokens are expe
 under uniform routing, k at batch 1, all of them in a large batch), attention over the cache
 (decode streams each sequence's K and V; prefill is causal FlashAttention math), two
 tensor-parallel all-reduces per layer, the lm_head only where a token is sampled, plus a fixed
-per-step cost (scheduling, sampling, launches). KV capacity is what memory is left after the
+per-step cost (scheduling, sampling, launches). On this machine's CPU (a calibrated accelerator) a
+MoE model runs as slipstream's CPU engine runs it: module by module, each call from Python at
+`Efficiency.module_call_overhead_s`, its blocks' routed experts in one C call where the engine
+takes them (`layers.cpu_moe_block`). KV capacity is what memory is left after the
 weights, every expert of a MoE model held (Scaling Book, `inference.md`: 2 bytes x K x H x L
 per token).
 
@@ -31,6 +34,7 @@ default, the KV cache stay in 16 bits (vLLM's kv_cache_dtype "auto" is the model
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -39,8 +43,11 @@ from slipstream.perf.accelerators import DTYPE_KEYS, Accelerator, dtype_key
 from slipstream.perf.efficiency import Efficiency, default_efficiency
 from slipstream.perf.layers import (
     Device,
+    FusedExperts,
     LayerSpec,
     attention_core_forward,
+    attention_gemms,
+    cpu_moe_block,
     layer_gemms,
     layer_kinds,
     pointwise_forward,
@@ -212,6 +219,8 @@ def step_time(
     Steps follow one another over the same weights (and mostly the same KV cache), so the memory
     bandwidth is that of re-reading the bytes a step moves (`Accelerator.read_bandwidth`): above
     the memory's where they nearly fit in the last-level cache (a small model's decode on a CPU).
+    A MoE step reads only the experts its tokens touch, but the next steps touch others: what
+    cycles through the cache is every expert's weights (`_idle_expert_bytes`).
     ValueError for lengths below 1 or beyond the model's positions (a decode step needs its
     context and one more) and, unless not `check_memory`, for memory that does not fit
     (`check_weights_fit`, `check_kv_budget_fits`): a what-if device with more memory asks what
@@ -229,11 +238,48 @@ def step_time(
         check_weights_fit(setup, accelerator)
         check_kv_budget_fits(setup, accelerator)
     work = _step_work(setup, accelerator, prefill_lens, decode_contexts, efficiency)
-    bandwidth = accelerator.read_bandwidth(work.memory_bytes)
+    tokens = sum(prefill_lens) + len(decode_contexts)
+    bandwidth = accelerator.read_bandwidth(work.memory_bytes + _idle_expert_bytes(setup, tokens))
     if bandwidth == accelerator.memory_bandwidth_bytes_per_s:
         return work
     cached = dataclasses.replace(accelerator, memory_bandwidth_bytes_per_s=bandwidth)
     return _step_work(setup, cached, prefill_lens, decode_contexts, efficiency)
+
+
+def _idle_expert_bytes(setup: ServeSetup, num_tokens: int) -> float:
+    """The weights of the experts a step of `num_tokens` tokens leaves untouched (uniform routing),
+    on one device."""
+    shape = setup.shape
+    idle = shape.num_experts - shape.experts_touched(num_tokens)
+    return len(shape.moe_layers) * idle * shape.expert_params() * setup.element_bytes / setup.tp
+
+
+@functools.cache
+def cpu_fused_experts(dtype: str) -> FusedExperts | None:
+    """Whether and up to where slipstream's CPU engine on this machine runs a MoE block's routed
+    experts of `dtype` (a dtype key) in one C call, as `ops.inference` decides it: where the C
+    kernels and their panel-packed weights exist for the dtype (fp32, bf16); any number of rows per
+    expert where no linear keeps a oneDNN copy (the panel kernel takes every size: fp32 with
+    AVX-512), else up to `MAX_PANEL_ROWS`. None: the block's own path, expert by expert."""
+    import torch  # the engine's own tests, only where a MoE step is priced on this machine
+
+    from slipstream.ops import cpu_kernels
+    from slipstream.ops.linear import MAX_PANEL_ROWS, keeps_panels, onednn_multiplies
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype)
+    if torch_dtype is None or not keeps_panels(torch.empty(0, dtype=torch_dtype), extra_copies=True):
+        return None
+    every_size = not onednn_multiplies(torch_dtype) or cpu_kernels.panel_gemm_takes_all_rows(torch_dtype)
+    return FusedExperts(max_rows_per_expert=None if every_size else MAX_PANEL_ROWS,
+                        workspace_limit_bytes=cpu_kernels.MOE_WORKSPACE_LIMIT_BYTES)
+
+
+def _cpu_moe(setup: ServeSetup, accelerator: Accelerator) -> tuple[bool, FusedExperts | None]:
+    """(whether slipstream's CPU engine runs the MoE blocks, its fused experts): on a calibrated
+    accelerator, this machine's CPU (as `efficiency.default_efficiency` reads it)."""
+    if not (setup.shape.is_moe and accelerator.calibrated):
+        return False, None
+    return True, cpu_fused_experts(setup.activation_dtype)
 
 
 def _step_work(
@@ -242,6 +288,7 @@ def _step_work(
 ) -> Work:
     linears, device = _devices(setup, accelerator, efficiency)
     shape = setup.shape
+    cpu_moe = _cpu_moe(setup, accelerator)
     window = shape.sliding_window
     tokens = sum(prefill_lens) + len(decode_contexts)
     if tokens == 0:
@@ -252,7 +299,7 @@ def _step_work(
     if prefill_lens:
         spec = LayerSpec(shape=shape, num_tokens=sum(prefill_lens), tp=setup.tp, attention="flash",
                          attention_pairs=causal_pairs)
-        layer = layer + _layer(spec, linears, device, device)
+        layer = layer + _layer(spec, linears, device, device, cpu_moe)
     if decode_contexts:
         spec = LayerSpec(shape=shape, num_tokens=len(decode_contexts), tp=setup.tp,
                          attention="flash", attention_pairs=kv_read, kv_read_tokens=kv_read)
@@ -264,7 +311,7 @@ def _step_work(
             layer_linears = dataclasses.replace(linears, efficiency=replay)
             layer_device = dataclasses.replace(device, efficiency=replay)
         kv_device = dataclasses.replace(layer_device, element_bytes=setup.kv_element_bytes)
-        layer = layer + _layer(spec, layer_linears, layer_device, kv_device)
+        layer = layer + _layer(spec, layer_linears, layer_device, kv_device, cpu_moe)
     comm = tp_collectives(LayerSpec(shape=shape, num_tokens=tokens, tp=setup.tp), device,
                           accelerator.devices_per_node)
     sampled = len(prefill_lens) + len(decode_contexts)
@@ -274,18 +321,37 @@ def _step_work(
     return (layer + comm) * shape.num_layers + head + extra + Work(overhead_s=host)
 
 
-def _layer(spec: LayerSpec, linears: Device, device: Device, attention: Device) -> Work:
+def _layer(spec: LayerSpec, linears: Device, device: Device, attention: Device,
+           cpu_moe: tuple[bool, FusedExperts | None]) -> Work:
     """The mean layer's work on the step's tokens (dense and MoE layers weighted by their share):
     the linears on `linears`, norms and activations on `device`, the attention core on
-    `attention` (decode: at the KV cache's bytes)."""
+    `attention` (decode: at the KV cache's bytes); where `cpu_moe` (`_cpu_moe`) says the CPU
+    engine runs the model, its MoE blocks as the engine runs them and every layer module by module
+    through Python (no decode graph takes a MoE model), each call at the module call's cost."""
     work = Work()
+    on_cpu, fused = cpu_moe
+    if on_cpu:
+        linears, device, attention = (_module_by_module(d) for d in (linears, device, attention))
     for moe, share in layer_kinds(spec.shape):
-        kind = dataclasses.replace(spec, moe=moe)
+        kind = dataclasses.replace(spec, moe=moe, cpu_moe=moe and on_cpu)
         layer = attention_core_forward(kind, attention) + pointwise_forward(kind, device)
-        for m, k, n, count in layer_gemms(spec.shape, spec.num_tokens, spec.tp, moe=moe):
+        if kind.cpu_moe:
+            gemms = attention_gemms(spec.shape, spec.num_tokens, spec.tp)
+            layer = layer + cpu_moe_block(kind, linears, device, fused)
+        else:
+            gemms = layer_gemms(spec.shape, spec.num_tokens, spec.tp, moe=moe)
+        for m, k, n, count in gemms:
             layer = layer + linears.gemm(m, k, n, count)
         work = work + layer * share
     return work
+
+
+def _module_by_module(device: Device) -> Device:
+    """`device` with every kernel and GEMM call at `Efficiency.module_call_overhead_s`."""
+    efficiency = device.efficiency
+    call = efficiency.module_call_overhead_s
+    return dataclasses.replace(device, efficiency=dataclasses.replace(
+        efficiency, gemm_overhead_s=call, kernel_overhead_s=call))
 
 
 @dataclasses.dataclass(frozen=True)
