@@ -43,8 +43,9 @@ _TYPE_NAMES = {
     "c10::Float8_e4m3fn": "float8_e4m3fn", "c10::Float8_e5m2": "float8_e5m2",
     "signed char": "int8", "unsigned char": "uint8",
 }
-_INTEGER_BYTES = {"long int": 8, "int": 4, "short int": 2, "bool": 1}
-"""Element sizes of the integer types `flops.dtype_bytes` does not list (index and mask tensors)."""
+_INTEGER_BYTES = {"long int": 8, "long": 8, "int": 4, "short int": 2, "short": 2, "bool": 1}
+"""Element sizes of the integer types `flops.dtype_bytes` does not list (index and mask tensors),
+as GCC's builds name them ("long int") and Clang's ("long")."""
 _NOT_TENSORS = frozenset({"", "Scalar", "ScalarList", "GenericList", "Device", "Layout", "ScalarType",
                           "MemoryFormat", "bool?", "int[]"})
 """Argument types that are no tensor: scalars, lists of them, None ("")."""
@@ -238,7 +239,7 @@ def price(name: str, inputs: OpInputs | None) -> tuple[float, float]:
 def op_roofline(events: Sequence[Event]) -> dict[str, Any] | None:
     """The priced ops' groups by name, shapes and element type (time, FLOPs and bytes summed over
     calls), and the ops of priced names that could not be priced; None when the trace recorded no
-    shapes. Hardware fractions are added by `against`."""
+    shapes or has no op of a priced name. Hardware fractions are added by `against`."""
     if not any(e.inputs is not None for e in events if e.cat == "cpu_op"):
         return None
     kernel_us: dict[int, float] = defaultdict(float)
@@ -263,6 +264,8 @@ def op_roofline(events: Sequence[Event]) -> dict[str, Any] | None:
                 found["time_us"] += op.dur_us
             else:
                 _add_call(*found, op, gpu_us)
+    if not prices:
+        return None
     return {"ops": sorted(groups.values(), key=lambda g: -g["time_us"]),
             "unpriced": sorted(unpriced.values(), key=lambda r: -r["time_us"]),
             "time_source": "kernels" if kernel_us else "host"}
