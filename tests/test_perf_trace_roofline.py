@@ -166,6 +166,8 @@ def test_ops_without_usable_shapes_are_unpriced_not_dropped(tmp_path, capsys):
     assert "not priced: aten::mm, 1 calls" in format_report(report)
     plain = _write(tmp_path / "plain.json", [_op("aten::mm", 0, 5)])
     assert analyze([plain])["ranks"][0]["roofline"] is None
+    views = _write(tmp_path / "views.json", [_op("aten::view", 0, 5, [[4, 4], []], ["float", "ScalarList"])])
+    assert analyze([views])["ranks"][0]["roofline"] is None
     assert main(["perf", "trace", plain]) == 0
     assert "roofline" not in capsys.readouterr().out
     assert main(["perf", "trace", path, "--hardware", "h100", "--json"]) == 0
