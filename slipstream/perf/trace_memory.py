@@ -18,8 +18,10 @@ allocator reports no free of a block allocated before profiling at all (it warns
 total counts only the blocks allocated while a profiler recorded memory. A trace whose events
 carry no totals has them summed from its own events, from 0 (`totals`: "summed").
 
-PyTorch's `torch.profiler._memory_profiler` (`MemoryProfileTimeline`) and HTA's memory timeline
-draw the same events over time by category; this report is the tables a person reads first.
+PyTorch's `torch.profiler._memory_profiler` (`profile.export_memory_timeline`) sorts each
+allocation into a category (parameter, gradient, activation, optimizer state, ...) from the live
+profile's tensor graph, which a trace file does not hold, and HTA plots that export over time;
+this report is what the trace file alone gives, as tables.
 """
 
 from __future__ import annotations
