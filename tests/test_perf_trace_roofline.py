@@ -18,11 +18,12 @@ from slipstream.perf.trace import analyze
 from slipstream.perf.trace_report import format_report
 
 Q, KV = (1, 4, 8, 16), (1, 2, 8, 16)  # grouped-query attention: 4 query heads on 2 key/value heads
+CAUSAL_Q, CAUSAL_KV = (2, 2, 6, 8), (2, 2, 10, 8)  # causal, 6 queries on 10 keys
 
 
 def _work():
     """Products through every path a model takes them (a 2-D and a 3-D linear, mm, a batched matmul,
-    baddbmm), attention, a broadcast add and a bf16 layer norm."""
+    baddbmm), attention (and causal attention), a broadcast add and a bf16 layer norm."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48)
     linear(torch.randn(16, 64))
@@ -32,6 +33,8 @@ def _work():
     torch.baddbmm(torch.randn(3, 5, 4), torch.randn(3, 5, 7), torch.randn(3, 7, 4))
     torch.nn.functional.scaled_dot_product_attention(torch.randn(Q), torch.randn(KV), torch.randn(KV),
                                                      enable_gqa=True)
+    torch.nn.functional.scaled_dot_product_attention(torch.randn(CAUSAL_Q), torch.randn(CAUSAL_KV),
+                                                     torch.randn(CAUSAL_KV), is_causal=True)
     torch.randn(64, 1) + torch.randn(1, 32)
     torch.nn.functional.layer_norm(torch.randn(4, 32, dtype=torch.bfloat16), (32,))
 
@@ -73,10 +76,26 @@ def test_product_flops_match_flop_counter_and_the_profiler(profiled):
     for name, flops in counted.items():
         assert ours[name] == flops == profiler[name], name
     assert "aten::linear" not in ours and "aten::matmul" not in ours
-    attention = ours.pop("aten::_scaled_dot_product_flash_attention_for_cpu")
-    assert attention == sdpa_flop_count(Q, KV, KV)
+    attention = next(g for g in roofline["ops"] if g["name"].endswith("attention_for_cpu")
+                     and not g["shapes"].endswith("causal"))
+    assert attention["flops"] == sdpa_flop_count(Q, KV, KV)
+    del ours["aten::_scaled_dot_product_flash_attention_for_cpu"]
     assert sum(ours.values()) == sum(counted.values())
     assert roofline["unpriced"] == [] and roofline["time_source"] == "host"
+
+
+def test_causal_attention_counts_the_pairs_its_mask_keeps(profiled):
+    """Causal attention of 6 queries on 10 keys is charged for the (query, key) pairs PyTorch's
+    is_causal mask keeps (counted from the mask itself), not for all 60."""
+    roofline, _, _ = profiled
+    (causal,) = [g for g in roofline["ops"] if g["shapes"].endswith("causal")]
+    b, heads, length, e = CAUSAL_Q
+    keys = CAUSAL_KV[2]
+    pairs = int(torch.ones(length, keys, dtype=torch.bool).tril().sum())
+    assert pairs == 21
+    assert causal["flops"] == 2 * b * heads * pairs * (e + e)
+    full = sdpa_flop_count(CAUSAL_Q, CAUSAL_KV, CAUSAL_KV)
+    assert causal["flops"] == full * pairs / (length * keys)
 
 
 def test_bytes_are_the_inputs_and_outputs_once(profiled):

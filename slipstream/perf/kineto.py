@@ -77,14 +77,16 @@ class Event:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OpInputs:
-    """An op's "Input Dims" and "Input type" args, one entry per argument: the sizes of a tensor
-    argument (None for one the profiler gave no sizes of, or odd ones), and the profiler's type
-    name ("float", "c10::BFloat16", "Scalar", "" for None). `flops` is the profiler's own count
-    (`with_flops=True`, for the ops it has a formula for)."""
+    """An op's "Input Dims", "Input type" and "Concrete Inputs" args, one entry per argument: the
+    sizes of a tensor argument (None for one the profiler gave no sizes of, or odd ones), the
+    profiler's type name ("float", "c10::BFloat16", "Scalar", "" for None), and a scalar
+    argument's value as text ("True", "0.5"; "" where not given). `flops` is the profiler's own
+    count (`with_flops=True`, for the ops it has a formula for)."""
 
     dims: tuple[tuple[int, ...] | None, ...]
     types: tuple[str, ...]
     flops: int | None = None
+    concrete: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(slots=True)
@@ -329,7 +331,7 @@ class _TraceBuilder:
         self.origin_us: int | None = None
         self.saw_events = False
         self._names: dict[str, str] = {}
-        self._inputs: dict[tuple[str, str, str], OpInputs] = {}
+        self._inputs: dict[tuple[str, str, str, str], OpInputs] = {}
 
     def start_events(self) -> None:
         """A `traceEvents` list begins; a second one replaces the first, as in `json.load`."""
@@ -379,14 +381,13 @@ class _TraceBuilder:
         dims = args.get("Input Dims")
         if not isinstance(dims, list):
             return None
-        types, flops = args.get("Input type"), args.get("flops")
-        key = (repr(dims), repr(types), repr(flops))
+        types, flops, concrete = args.get("Input type"), args.get("flops"), args.get("Concrete Inputs")
+        key = (repr(dims), repr(types), repr(flops), repr(concrete))
         inputs = self._inputs.get(key)
         if inputs is None:
-            types = types if isinstance(types, list) and len(types) == len(dims) else [""] * len(dims)
-            inputs = self._inputs[key] = OpInputs(tuple(_sizes(d) for d in dims),
-                                                  tuple(self._name(t) for t in types),
-                                                  flops if _is_count(flops) else None)
+            inputs = self._inputs[key] = OpInputs(
+                tuple(_sizes(d) for d in dims), tuple(self._name(t) for t in _per_input(types, dims)),
+                flops if _is_count(flops) else None, tuple(self._name(c) for c in _per_input(concrete, dims)))
         return inputs
 
     def _add_memory(self, raw: dict[str, Any]) -> None:
@@ -433,6 +434,13 @@ def _is_integer(value: Any) -> bool:
 
 def _is_count(value: Any) -> bool:
     return _is_integer(value) and value >= 0
+
+
+def _per_input(values: Any, dims: list[Any]) -> list[Any]:
+    """An arg listing one entry per input, as "Input Dims" does; "" for each where it does not."""
+    if isinstance(values, list) and len(values) == len(dims):
+        return [v if isinstance(v, str) else "" for v in values]
+    return [""] * len(dims)
 
 
 def _sizes(value: Any) -> tuple[int, ...] | None:

@@ -7,9 +7,10 @@ closed form from its input shapes, priced in FLOPs and bytes moved, against the 
   inside them is priced (an op decomposed into `addmm` is counted there, once).
 - **Attention.** The `scaled_dot_product_attention` ops (the public one where no variant inside it
   is priced; flash, efficient, cuDNN and the CPU's flash, and their backwards): QK^T and AV,
-  2 x B x H x L x S x (E + Ev), every query against every key (no causal halving, as
-  flop_counter); a backward recomputes QK^T and takes four more products, 2 x B x H x L x S x
-  (3E + 2Ev).
+  2 x B x H x P x (E + Ev) for P (query, key) pairs, as flop_counter counts them; a backward
+  recomputes QK^T and takes four more products, 2 x B x H x P x (3E + 2Ev). P is L x S, or
+  under `is_causal` (from the trace's "Concrete Inputs") the pairs PyTorch's top-left mask keeps,
+  about half (flop_counter charges every pair; TraceLens halves L x S).
 - **Element-wise ops and normalisations** by the bytes alone (no FLOPs: memory-bound by design).
 
 Bytes moved are the tensor inputs and outputs at their element sizes, each once: a lower bound
@@ -62,6 +63,7 @@ class _Call:
         self.name = name
         self.dims = inputs.dims
         self.types = inputs.types
+        self.concrete = inputs.concrete
 
     def is_tensor(self, i: int) -> bool:
         if i >= len(self.types):
@@ -141,20 +143,54 @@ def _same_inner(k: int, k2: int) -> None:
         raise Unpriced(f"inner sizes {k} and {k2} differ")
 
 
-def _attention(c: _Call, q: int = 0) -> tuple[float, float]:
-    """Forward attention: query, key, value at inputs q, q + 1, q + 2, (batch, heads, length, dim)."""
-    (b, heads, length, e), (_, kv_heads, keys, e2), (_, _, _, ev) = (c.shape(q + i, 4) for i in range(3))
-    if e != e2 or kv_heads == 0 or heads % kv_heads:
-        raise Unpriced(f"query {list(c.shape(q))} and key {list(c.shape(q + 1))} do not match")
-    out = b * heads * length * ev * c.element_bytes(q)
-    return 2 * b * heads * length * keys * (e + ev), c.tensor_bytes() + out
+def _attention(c: _Call) -> tuple[float, float]:
+    """Forward attention of query, key, value (inputs 0, 1, 2: batch, heads, length, dim)."""
+    b, heads, e, ev, pairs = _attention_sizes(c, 0)
+    out = b * heads * (pairs.length * ev) * c.element_bytes(0)
+    return 2 * b * heads * pairs.count * (e + ev), c.tensor_bytes() + out
 
 
 def _attention_backward(c: _Call) -> tuple[float, float]:
     """(grad_out, query, key, value, ...): the gradients of query, key and value are written."""
-    (b, heads, length, e), (_, _, keys, _), (_, _, _, ev) = (c.shape(i, 4) for i in (1, 2, 3))
+    b, heads, e, ev, pairs = _attention_sizes(c, 1)
     grads = c.nbytes(1) + c.nbytes(2) + c.nbytes(3)
-    return 2 * b * heads * length * keys * (3 * e + 2 * ev), c.tensor_bytes() + grads
+    return 2 * b * heads * pairs.count * (3 * e + 2 * ev), c.tensor_bytes() + grads
+
+
+class _Pairs:
+    """The (query, key) pairs attention computes: every one, or under `is_causal` (PyTorch's mask
+    is aligned top left) the query at row i with keys 0 .. i."""
+
+    def __init__(self, length: int, keys: int, causal: bool):
+        self.length = length
+        if causal:
+            ramp = min(length, keys)
+            self.count = ramp * (ramp + 1) // 2 + (length - ramp) * keys
+        else:
+            self.count = length * keys
+
+
+def _attention_sizes(c: _Call, q: int) -> tuple[int, int, int, int, _Pairs]:
+    (b, heads, length, e), (_, kv_heads, keys, e2), (_, _, _, ev) = (c.shape(q + i, 4) for i in range(3))
+    if e != e2 or kv_heads == 0 or heads % kv_heads:
+        raise Unpriced(f"query {list(c.shape(q))} and key {list(c.shape(q + 1))} do not match")
+    return b, heads, e, ev, _Pairs(length, keys, _is_causal(c))
+
+
+def _is_causal(c: _Call) -> bool:
+    where = _IS_CAUSAL.get(c.name)
+    return where is not None and where < len(c.concrete) and c.concrete[where] == "True"
+
+
+_IS_CAUSAL = {f"aten::{name}": where for name, where in (
+    ("scaled_dot_product_attention", 5), ("_scaled_dot_product_flash_attention", 4),
+    ("_scaled_dot_product_flash_attention_for_cpu", 4), ("_scaled_dot_product_efficient_attention", 6),
+    ("_scaled_dot_product_cudnn_attention", 6), ("_scaled_dot_product_flash_attention_backward", 11),
+    ("_scaled_dot_product_flash_attention_for_cpu_backward", 7),
+    ("_scaled_dot_product_efficient_attention_backward", 11),
+    ("_scaled_dot_product_cudnn_attention_backward", 14))}
+"""Where each attention op takes `is_causal` (its schema's position), read from "Concrete Inputs"
+(a trace without them prices every pair)."""
 
 
 def _elementwise(c: _Call) -> tuple[float, float]:
@@ -198,14 +234,7 @@ _PRICES: dict[str, Callable[[_Call], tuple[float, float]]] = {
     "aten::baddbmm": lambda c: _bmm(c, 1, 2, reads=(0,)),
     "aten::linear": _linear,
     "aten::matmul": _matmul,
-    **{f"aten::{name}": _attention for name in (
-        "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention")},
-    **{f"aten::{name}": _attention_backward for name in (
-        "_scaled_dot_product_flash_attention_backward",
-        "_scaled_dot_product_flash_attention_for_cpu_backward",
-        "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention_backward")},
+    **{name: _attention_backward if name.endswith("_backward") else _attention for name in _IS_CAUSAL},
     **{f"aten::{name}{suffix}": _elementwise for name in _POINTWISE for suffix in ("", "_")},
     "aten::copy_": _elementwise, "aten::fill_": _elementwise, "aten::zero_": _elementwise,
     **{f"aten::{name}": _normalization for name in (
@@ -281,7 +310,8 @@ def _counted(spans: Sequence[Event]) -> list[Event]:
             while at is not None:
                 inner[at].add(e.name)
                 at = parent_of[at]
-    return [e for i, e in enumerate(spans) if e.name in _PRICES and not inner[i] & _COUNTED_INSIDE[e.name]]
+    return [e for i, e in enumerate(spans)
+            if e.name in _PRICES and not _COUNTED_INSIDE[e.name].intersection(inner.get(i, ()))]
 
 
 def _device_time(ops: Sequence[Event], launches: Sequence[Event],
@@ -315,7 +345,10 @@ def _priced(op: Event, groups: dict[tuple[str, str, str], dict[str, Any]],
     cells = ["x".join(map(str, d)) if d else "-" for d in op.inputs.dims if d is not None]
     while cells and cells[-1] == "-":  # trailing scalars and Nones (sdpa's dropout, scale, ...)
         cells.pop()
-    shapes, dtype = ", ".join(cells), _Call(op.name, op.inputs).dtype()
+    call = _Call(op.name, op.inputs)
+    if _is_causal(call):
+        cells.append("causal")
+    shapes, dtype = ", ".join(cells), call.dtype()
     group = groups.setdefault((op.name, shapes, dtype), {
         "name": op.name, "shapes": shapes, "dtype": dtype, "calls": 0, "time_us": 0.0, "host_us": 0.0,
         "flops": 0.0, "bytes": 0.0, "profiler_flops": None})
