@@ -47,9 +47,9 @@ _TYPE_NAMES = {
 _INTEGER_BYTES = {"long int": 8, "long": 8, "int": 4, "short int": 2, "short": 2, "bool": 1}
 """Element sizes of the integer types `flops.dtype_bytes` does not list (index and mask tensors),
 as GCC's builds name them ("long int") and Clang's ("long")."""
-_NOT_TENSORS = frozenset({"", "Scalar", "ScalarList", "GenericList", "Device", "Layout", "ScalarType",
-                          "MemoryFormat", "bool?", "int[]"})
-"""Argument types that are no tensor: scalars, lists of them, None ("")."""
+_NOT_TENSORS = frozenset({"", "Scalar", "ScalarList", "GenericList"})
+"""The profiler's types of arguments that are no tensor: scalars, lists of them, anything else
+("": None, a string, a device)."""
 
 
 class Unpriced(Exception):
