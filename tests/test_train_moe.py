@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from train_fixtures import VOCAB_SIZE, read_metrics, rerun_of_another_shape, small_config, train_with_torchrun
 
 from slipstream.model import load_model
@@ -212,6 +213,42 @@ def test_two_ranks_with_idle_experts_match_one_process(strategy, data_dir, many_
     diff = max((weights[k] - expected[k]).abs().max().item() for k in expected)
     print(f"{strategy}: max final weight difference {diff:.1e}")
     assert weights.keys() == expected.keys() and diff <= WEIGHT_ATOL
+
+
+# Each takes ~15 s (torchrun); Mixtral, and Qwen3-MoE without sequence parallelism, are slow.
+@pytest.mark.parametrize("model_type, extra", [
+    ("qwen2_moe", ()), pytest.param("mixtral", (), marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", ("--parallel.sequence_parallel=false",), marks=pytest.mark.slow)])
+def test_tensor_parallel_splits_the_experts_and_follows_one_process(model_type, extra, data_dir, tmp_path):
+    """Tensor parallelism of degree 2 (2 ranks, one replica; with sequence parallelism unless
+    `extra` turns it off) splits each expert, and qwen2_moe's shared expert, by columns and rows
+    (a dense first layer as dense layers are split, the router and shared gate whole): the
+    losses, load-balancing losses and final weights follow one process within the tolerances of
+    the data-parallel test, and the checkpoint holds each expert's gate_proj in two halves."""
+    model_dir = moe_model_dir(tmp_path / "model", data_dir, model_type=model_type)
+    run = (*MANY_EXPERTS, "--data.seq_len=16")  # the sequence splits in two
+    one = tmp_path / "one"
+    Trainer(small_config(data_dir, model_dir, one, *run)).run()
+    config = small_config(data_dir, model_dir, tmp_path / "tp", *run, "--parallel.tensor_parallel_degree=2",
+                          *extra)
+    result = train_with_torchrun(config, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reference, records = read_metrics(one), read_metrics(tmp_path / "tp")
+    for key in ("loss", "load_balancing_loss"):
+        diff = max(abs(a[key] - b[key]) for a, b in zip(reference, records, strict=True))
+        print(f"TP=2 {model_type} {key}: max |2 ranks - 1 process| = {diff:.1e}")
+        assert diff <= LOSS_ATOL
+    step = tmp_path / "tp" / "checkpoints" / "step-00000006"
+    weights, expected = load_model_state(step), load_model_state(one / "checkpoints" / "step-00000006")
+    diff = max((weights[k] - expected[k]).abs().max().item() for k in expected)
+    print(f"TP=2 {model_type}: max final weight difference {diff:.1e}")
+    assert weights.keys() == expected.keys() and diff <= WEIGHT_ATOL
+    layer = len(load_model(model_dir).model.layers) - 1
+    metadata = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
+    width = EXPERT_WIDTH[model_type]
+    chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in metadata[
+        f"model.model.layers.{layer}.mlp.experts.3.gate_proj.weight"].chunks)
+    assert chunks == [((0, 0), (width // 2, 64)), ((width // 2, 0), (width // 2, 64))]
 
 
 class _Crash(RuntimeError):

@@ -151,14 +151,27 @@ def test_the_model_must_split_into_the_degree(shape, extra, message):
         check_tensor_parallel(config.replace(parallel={"sequence_parallel": False}), model)
 
 
-def test_mixture_of_experts_is_refused():
-    """A model with routed layers is refused with a tensor-parallel degree (its experts are not
-    split), and trains as before at degree 1."""
+def test_mixture_of_experts_layouts_that_cannot_split_are_refused():
+    """A mixture-of-experts model needs the degree to divide each expert's width (and the shared
+    expert's), and refuses Mixtral's router jitter, which each rank would draw on its own; the
+    tiny-moe preset splits in two."""
+    tp2 = load_config(None, ["--parallel.tensor_parallel_degree=2"])
     model = get_preset("tiny-moe").config
-    with pytest.raises(ValueError, match=r"parallel.tensor_parallel_degree \(2\): tensor parallelism does "
-                                         "not split mixture-of-experts layers"):
-        check_tensor_parallel(load_config(None, ["--parallel.tensor_parallel_degree=2"]), model)
-    check_tensor_parallel(load_config(None, []), model)
+    check_tensor_parallel(tp2, model)
+    with pytest.raises(ValueError, match=r"parallel.tensor_parallel_degree \(2\) does not work with "
+                                         r"router_jitter_noise \(0.01\)"):
+        check_tensor_parallel(tp2, model.replace(router_jitter_noise=0.01))
+    qwen = dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                shared_expert_intermediate_size=80)
+    check_tensor_parallel(tp2, model.replace(**qwen))
+    for field, value in (("moe_intermediate_size", 49), ("shared_expert_intermediate_size", 81)):
+        with pytest.raises(ValueError, match=rf"parallel.tensor_parallel_degree \(2\) must divide the "
+                                             rf"model's {field} \({value}\)"):
+            check_tensor_parallel(tp2, model.replace(**qwen | {field: value}))
+    # Every layer routes: the dense width is used nowhere and need not split.
+    check_tensor_parallel(tp2, model.replace(**qwen, intermediate_size=97))
+    with pytest.raises(ValueError, match=r"must divide the model's intermediate_size \(97\)"):
+        check_tensor_parallel(tp2, model.replace(**qwen, intermediate_size=97, mlp_only_layers=(0,)))
 
 
 def test_the_launcher_checks_the_layout_before_any_worker(data_dir, train_model_dir, tmp_path):

@@ -504,16 +504,25 @@ def check_tensor_parallel(config: TrainConfig, model_config: ModelConfig) -> Non
     that many ways: every rank holds heads / degree query heads and K/V heads / degree K/V heads
     (Megatron's query groups), intermediate_size / degree MLP columns and vocab_size / degree
     rows of the embedding and output projection; with sequence parallelism data.seq_len / degree
-    positions. Mixture-of-experts layers are refused (their experts are not split)."""
+    positions. Mixture-of-experts layers split each expert's (and a shared expert's) width the
+    same way; Mixtral's router jitter is refused, since each rank would draw its own noise and
+    route otherwise."""
     tp = config.parallel.tensor_parallel_degree
     if tp == 1:
         return
     name = f"parallel.tensor_parallel_degree ({tp})"
+    fields = ["num_attention_heads", "num_key_value_heads", "vocab_size"]
+    if len(model_config.moe_layers) < model_config.num_hidden_layers:
+        fields.append("intermediate_size")
     if model_config.moe_layers:
-        raise ValueError(f"{name}: tensor parallelism does not split mixture-of-experts layers "
-                         f"(layers {list(model_config.moe_layers)} of this model route to experts); "
-                         "train it with parallel.tensor_parallel_degree=1")
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        fields.append("moe_intermediate_size")
+        if model_config.shared_expert_intermediate_size is not None:
+            fields.append("shared_expert_intermediate_size")
+        if model_config.router_jitter_noise:
+            raise ValueError(f"{name} does not work with router_jitter_noise "
+                             f"({model_config.router_jitter_noise}): each rank would draw its own noise "
+                             "and route its tokens otherwise")
+    for field in fields:
         value = getattr(model_config, field)
         if value % tp:
             raise ValueError(f"{name} must divide the model's {field} ({value})")

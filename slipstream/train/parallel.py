@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -249,25 +250,41 @@ def _not_a_view(module: nn.Module, args: Any, logits: torch.Tensor) -> torch.Ten
 
 
 def _layer_plan(layer: nn.Module, stream: Placement) -> dict[str, ParallelStyle]:
-    """One decoder layer's tensor-parallel plan with the residual stream in `stream` layout."""
+    """One decoder layer's tensor-parallel plan with the residual stream in `stream` layout.
+
+    A mixture-of-experts block splits each expert (and qwen2_moe's shared expert) as the dense MLP
+    is split, vLLM's layout without expert parallelism; its router and the shared expert's gate
+    stay whole on every rank. Each expert sees only the tokens routed to it, not the sequence, so
+    its row-parallel product ends in an all-reduce (one per expert that got tokens; every rank
+    routes alike, its input and router being replicated) and the block's output, whole on every
+    rank, is cut to the stream's layout."""
+    moe = hasattr(layer.mlp, "experts")
     plan: dict[str, ParallelStyle] = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(),
         "self_attn.o_proj": RowwiseParallel(output_layouts=stream),
-        "mlp.gate_proj": ColwiseParallel(),
-        "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=stream),
     }
+    mlps = ["mlp"]
+    if moe:
+        mlps = ["mlp.experts.*"] + (["mlp.shared_expert"] if hasattr(layer.mlp, "shared_expert") else [])
+        plan |= {"mlp.gate": ReplicateParallel()}
+        if hasattr(layer.mlp, "shared_expert_gate"):
+            plan |= {"mlp.shared_expert_gate": ReplicateParallel()}
+    for mlp in mlps:
+        plan |= {f"{mlp}.gate_proj": ColwiseParallel(), f"{mlp}.up_proj": ColwiseParallel(),
+                 f"{mlp}.down_proj": RowwiseParallel(output_layouts=Replicate() if moe else stream)}
     if isinstance(stream, Shard):  # gather the sequence before each block (x, cos, sin, attn)
+        gather = dict(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
         plan |= {
             "input_layernorm": SequenceParallel(),
             "self_attn": PrepareModuleInput(input_layouts=(stream, None, None, None),
                                             desired_input_layouts=(Replicate(), None, None, None),
                                             use_local_output=True),
             "post_attention_layernorm": SequenceParallel(),
-            "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
-                                      use_local_output=True),
+            "mlp": PrepareModuleInputOutput(**gather, use_local_input=True, output_layouts=(Replicate(),),
+                                            desired_output_layouts=(stream,))
+            if moe else PrepareModuleInput(**gather, use_local_output=True),
         }
     else:
         plan |= {"input_layernorm": ReplicateParallel(), "post_attention_layernorm": ReplicateParallel()}
