@@ -317,6 +317,9 @@ class ProfilingConfig:
     start-up cost stays out of the trace)."""
     profiler_active: int = 1
     """Steps each trace records."""
+    profile_memory: bool = False
+    """Record the allocator's events too (`torch.profiler.profile(profile_memory=True)`), for
+    `slipstream perf trace`'s memory timeline; it slows the recorded steps further."""
 
     def __post_init__(self) -> None:
         _check(isinstance(self.save_traces_folder, str) and self.save_traces_folder.strip() != "",

@@ -87,6 +87,7 @@ class StepProfiler:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._profile = torch.profiler.profile(
             activities=activities, schedule=self._schedule(), on_trace_ready=self._save, record_shapes=True,
+            profile_memory=self.config.profile_memory,
         )
         # The profile starts idle at the last step done (marked, empty); `step` moves it to the next.
         self._profile.step_num = steps_done
