@@ -12,7 +12,8 @@ time). The shapes: the tiny-moe preset
 64, vocabulary 512): its step is almost all fixed cost, the per-call and per-step overheads.
 
 --ops prints the aten ops of one engine decode step by name (torch profiler), as the tests count
-them against the model's priced ops.
+them against the model's priced ops. --module-by-module switches the runner's decode graph off
+where it has one (a line says "decode graph" where a step could replay it).
 
     python benchmarks/moe_decode_prediction.py --batch 1,16,64 --dtype both
 
@@ -107,6 +108,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ops", action="store_true", help="print one decode step's aten ops")
+    parser.add_argument("--module-by-module", action="store_true",
+                        help="switch the runner's decode graph off: every step module by module")
     args = parser.parse_args()
     accelerator = get_accelerator("cpu")
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
@@ -118,6 +121,9 @@ def main() -> None:
         shape = TransformerShape.from_model_config(ModelConfig.from_pretrained(model_dir))
         for dtype in dtypes:
             llm = LLM(str(model_dir), dtype=dtype, num_scheduler_steps=1)
+            if args.module_by_module:
+                llm.engine.runner.decode_graph = None
+            graph = llm.engine.runner.decode_graph is not None
             setup = serving.ServeSetup(shape=shape, dtype=dtype)
             for batch in batches:
                 prompts = [torch.randint(0, shape.vocab_size, (args.input_len,), generator=generator).tolist()
@@ -129,11 +135,13 @@ def main() -> None:
                 measured = median([median(r) for r in repeats])
                 steps = sorted(s for r in repeats for s in r)
                 fastest, quartile = steps[0], steps[len(steps) // 4]
-                print(f"{name} {dtype} batch {batch:3d}: measured {1e3 * measured:7.3f} ms/step (repeats "
+                label = f"{name} {dtype} batch {batch:3d}{' (decode graph)' if graph else ''}"
+                print(f"{label}: measured {1e3 * measured:7.3f} ms/step (repeats "
                       f"{', '.join(f'{1e3 * median(r):.3f}' for r in repeats)}; fastest {1e3 * fastest:.3f}, "
                       f"first quartile {1e3 * quartile:.3f}), predicted {1e3 * predicted:7.3f}, ratio "
                       f"{measured / predicted:.2f}", flush=True)
-                rows.append({"shape": name, "dtype": dtype, "batch": batch, "measured_ms": 1e3 * measured,
+                rows.append({"shape": name, "dtype": dtype, "batch": batch, "decode_graph": graph,
+                             "measured_ms": 1e3 * measured,
                              "repeat_ms": [1e3 * median(r) for r in repeats], "fastest_ms": 1e3 * fastest,
                              "first_quartile_ms": 1e3 * quartile, "predicted_ms": 1e3 * predicted})
                 if args.ops:
