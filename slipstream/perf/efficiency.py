@@ -91,14 +91,15 @@ _ENGINE_HOST = (
     "AMD EPYC, tiny and small presets, decode batches 1-32: 0.15-0.25 ms per step plus 13-21 us "
     "per sequence (engine.step less runner.execute)"
 )
-_MODULE_CALL_S = 11.5e-6
+_MODULE_CALL_S = 12e-6
 _MODULE_CALL = (
-    "measured (benchmarks/moe_decode_prediction.py --shapes skeleton-2,skeleton-12): a Mixtral-"
-    "shaped model with every width tiny (hidden 64, 8 experts of 64), so its decode step is all fixed "
-    "cost, on a 2-core AMD EPYC, batch 1: the fastest step rises by 184 us per layer from 2 to 12 "
-    "layers in fp32 (198 in bf16), 11.5 (11.6) us for each of the 16 (17) kernel and GEMM calls the "
-    "serving model counts in such a layer; an isolated C kernel call from Python (add_rms_norm_, "
-    "rotary_embedding_, gemv on one row) takes 7-8 us there, the module code around it the rest"
+    "measured (benchmarks/moe_decode_prediction.py --module-by-module --shapes skeleton-2,skeleton-12): "
+    "a Mixtral-shaped model with every width tiny (hidden 64, 8 experts of 64), so its decode step "
+    "is all fixed cost, on a 2-core AMD EPYC, batch 1, two runs on a shared machine: the fastest "
+    "step rises by 184-191 us per layer from 2 to 12 layers in fp32 and 198-209 in bf16, 11.5-12.3 "
+    "us for each of the 16 (bf16: 17) kernel and GEMM calls the serving model counts in such a "
+    "layer; an isolated C kernel call from Python (add_rms_norm_, rotary_embedding_, gemv on one "
+    "row) takes 7-8 us there, the module code around it the rest"
 )
 _CPU_SDPA_TRAINING = (
     "measured (docs/training.md, Performance): in a bf16 training step of the tiny preset on a "
