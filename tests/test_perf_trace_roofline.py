@@ -193,3 +193,72 @@ def test_ops_without_usable_shapes_are_unpriced_not_dropped(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["ranks"][0]["roofline"]["ops"][0]["bound"] == "memory"
     assert main(["perf", "trace", path, "--hardware", "z80"]) == 2
     assert "unknown accelerator 'z80'" in capsys.readouterr().err
+
+
+def test_slipstreams_onednn_products_are_priced(tmp_path):
+    """slipstream's CPU linears reach oneDNN (`mkldnn::_linear_pointwise`; the trainer's three
+    products of a layer through its `slipstream::onednn_mm_nt` around it): a training layer's
+    forward and backward and an engine layer's forward are priced, each product once, to the
+    FLOPs FlopCounterMode counts for the same products of a plain nn.Linear."""
+    from slipstream.ops.linear import PackedLinear
+    from slipstream.train.cpu_kernels import OneDNNLinear
+
+    torch.manual_seed(0)
+    plain, x = torch.nn.Linear(64, 96), torch.randn(2, 150, 64)
+    trained, served = OneDNNLinear(torch.nn.Linear(64, 96)), PackedLinear(torch.nn.Linear(64, 96))
+    with FlopCounterMode(display=False) as counter:
+        plain(x.requires_grad_()).sum().backward()
+        plain(x)
+    path = tmp_path / "onednn.json"
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        trained(x.detach().requires_grad_()).sum().backward()
+        served(x.detach())
+    prof.export_chrome_trace(str(path))
+    roofline = analyze([str(path)], hardware="h100")["ranks"][0]["roofline"]
+    names = {g["name"] for g in roofline["ops"] if g["flops"]}
+    assert names == {"mkldnn::_linear_pointwise"} and not roofline["unpriced"]
+    assert sum(_by_name(roofline, "flops").values()) == counter.get_total_flops() == 4 * 2 * 300 * 64 * 96
+
+
+def test_out_variants_and_where_write_their_output_once_in_its_type(tmp_path):
+    """`torch.add(a, b, out=c)` reads a and b and writes c (its last input); `sigmoid(out=)` and
+    `div(rounding_mode=, out=)` likewise; a `div` with a rounding mode and no `out` writes a new
+    tensor; `where(mask, a, b)` reads a 1-byte mask and writes a's fp32 type."""
+    n = 1024
+    a, b, c, mask = torch.randn(n), torch.randn(n), torch.empty(n), torch.rand(n) > 0.5
+    path = tmp_path / "out.json"
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        torch.add(a, b, out=c)
+        torch.sigmoid(a, out=c)
+        torch.div(a, b, rounding_mode="floor", out=c)
+        torch.div(a, b, rounding_mode="floor")
+        torch.where(mask, a, b)
+    prof.export_chrome_trace(str(path))
+    groups = analyze([str(path)], hardware="h100")["ranks"][0]["roofline"]["ops"]
+    bytes_of = {(g["name"], g["shapes"]): g["bytes"] / g["calls"] for g in groups}
+    f32 = 4 * n
+    assert bytes_of[("aten::add", "1024, 1024, -, 1024")] == 3 * f32
+    assert bytes_of[("aten::sigmoid", "1024, 1024")] == 2 * f32
+    assert bytes_of[("aten::div", "1024, 1024, -, 1024")] == 3 * f32
+    assert bytes_of[("aten::div", "1024, 1024")] == 3 * f32
+    where = next(g for g in groups if g["name"] == "aten::where")
+    assert (where["bytes"], where["dtype"]) == (n + 3 * f32, "float")
+
+
+def test_sizes_past_what_a_float_holds_are_unpriced(tmp_path):
+    """Sizes the profiler cannot have written (past int64) are no sizes; sizes whose work passes
+    a float's range are unpriced with the reason; a memory event of such a byte count is
+    skipped and counted. No OverflowError reaches the user."""
+    big = 2**62
+    events = [_op("aten::mm", 0, 5, [[10**200, 4], [4, 4]]),
+              _op("aten::add", 10, 5, [[big] * 17, [big] * 17, []], ["float", "float", "Scalar"]),
+              {"ph": "i", "name": "[memory]", "pid": 100, "tid": 100, "ts": 20, "s": "t",
+               "args": {"Device Type": 0, "Device Id": -1, "Bytes": 10**400, "Total Allocated": 0}}]
+    path = _write(tmp_path / "huge.json", events)
+    report = analyze([path], hardware="h100")
+    rank = report["ranks"][0]
+    reasons = sorted(u["reason"] for u in rank["roofline"]["unpriced"])
+    assert reasons[0] == "input 0 has no sizes"
+    assert reasons[1].endswith("give more work than a float holds")
+    assert rank["memory"] == [] and rank["skipped_memory_events"] == 1
+    format_report(report)

@@ -259,16 +259,17 @@ def test_two_ranks_write_a_trace_each(data_dir, train_model_dir, tmp_path):
 
 def test_profile_memory_records_the_allocator_for_the_memory_timeline(data_dir, train_model_dir, tmp_path):
     """`profiling.profile_memory` puts the allocator's events in the trace, so `perf trace` reports
-    the step's memory: a peak at least the fp32 weights and their gradients, which the recorded
-    step holds at once (the optimizer's moments are allocated at step 1, before the trace)."""
+    the step's memory: its peak is the largest total the allocator reported, at least the fp32
+    gradients, which the recorded step allocates and holds at once before the optimizer step."""
     config = small_config(data_dir, train_model_dir, tmp_path / "run", "--training.steps=2", *EVERY_2_STEPS,
                           "--profiling.profile_memory=true")
     trainer = Trainer(config)
     trainer.run()
     trace = tmp_path / "run" / "profile_traces" / "iteration_2" / "rank0_trace.json"
-    assert any(e.get("name") == "[memory]" for e in json.loads(trace.read_text())["traceEvents"])
-    (rank,) = analyze([str(trace)])["ranks"]
+    totals = [e["args"]["Total Allocated"] for e in json.loads(trace.read_text())["traceEvents"]
+              if e.get("name") == "[memory]"]
+    (rank,) = analyze([str(trace)], hardware="h100")["ranks"]
     (device,) = rank["memory"]
-    weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
-    print(f"peak {device['peak_allocated_bytes']} B, weights {weights} B")
-    assert device["peak_allocated_bytes"] >= 2 * weights
+    gradients = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    print(f"peak {device['peak_allocated_bytes']} B, gradients {gradients} B")
+    assert device["peak_allocated_bytes"] == max(totals) >= gradients

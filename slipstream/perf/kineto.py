@@ -429,7 +429,9 @@ def _printable(text: str) -> str:
 
 
 def _is_integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer the profiler can have written: it writes int64 (a larger one is no count of
+    bytes or elements, and would overflow the floats it is summed in)."""
+    return isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63
 
 
 def _is_count(value: Any) -> bool:

@@ -124,8 +124,11 @@ def _format_memory_steps(steps: list[dict[str, Any]], grows: bool, top: int) -> 
 
 
 def _format_roofline(roofline: dict[str, Any]) -> list[str]:
-    timed = ("the kernels each op launched" if roofline["time_source"] == "kernels"
-             else "each op's host time, inclusive")
+    timed = "each op's host time, inclusive"
+    if roofline["time_source"] == "kernels":
+        by_host = sum(g["host_timed_calls"] for g in roofline["ops"])
+        timed = "the kernels each op launched" + (
+            f"; {by_host} calls that launched none by their host time" if by_host else "")
     hardware = roofline["hardware"] or roofline.get("hardware_note") or "no hardware"
     lines = [f"  ops against the roofline of {hardware} (timed by {timed}; bytes: inputs and outputs once):",
              "          ms   calls   GFLOP/s      GB/s   FLOP/B  bound    of roof  op [shapes] type"]

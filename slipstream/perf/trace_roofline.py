@@ -11,6 +11,10 @@ closed form from its input shapes, priced in FLOPs and bytes moved, against the 
   recomputes QK^T and takes four more products, 2 x B x H x P x (3E + 2Ev). P is L x S, or
   under `is_causal` (from the trace's "Concrete Inputs") the pairs PyTorch's top-left mask keeps,
   about half (flop_counter charges every pair; TraceLens halves L x S).
+- **oneDNN's linear** (`mkldnn::_linear_pointwise`, and `slipstream::onednn_mm_nt`, the trainer's
+  custom op around it) as `aten::linear`: slipstream's CPU linears run there. Its C kernels
+  (matrix-vector and panel products, the CPU decode graph), called through ctypes, are no
+  profiler ops and are not in the trace at all.
 - **Element-wise ops and normalisations** by the bytes alone (no FLOPs: memory-bound by design).
 
 Bytes moved are the tensor inputs and outputs at their element sizes, each once: a lower bound
@@ -97,8 +101,10 @@ class _Call:
         return sum(self.nbytes(i) for i in range(len(self.dims)) if self.is_tensor(i))
 
     def dtype(self) -> str:
-        """The first tensor argument's element type: the one the op computes in."""
-        return next((self.types[i] for i in range(len(self.dims)) if self.is_tensor(i)), "")
+        """The element type the op computes in: its first tensor argument's that is no mask
+        (where's condition), else its first's."""
+        kinds = [self.types[i] for i in range(len(self.dims)) if self.is_tensor(i)]
+        return next((kind for kind in kinds if kind != "bool"), kinds[0] if kinds else "")
 
 
 def _mm(c: _Call, a: int, b: int, reads: Sequence[int] = ()) -> tuple[float, float]:
@@ -194,8 +200,10 @@ _IS_CAUSAL = {f"aten::{name}": where for name, where in (
 
 
 def _elementwise(c: _Call) -> tuple[float, float]:
-    """Out of place: the inputs read, the broadcast output written in the first input's type; in
-    place (a trailing _): the first input written too; a copy or fill writes its first input only."""
+    """Out of place: the inputs read, the broadcast output written in the type of the first input
+    that is not a mask; with `out=` (a last tensor past the op's own arguments), that tensor is
+    the output, counted once; in place (a trailing _): the first input written too; a copy or
+    fill writes its first input only."""
     tensors = [i for i in range(len(c.dims)) if c.is_tensor(i)]
     if not tensors:
         raise Unpriced("no tensor input")
@@ -204,7 +212,10 @@ def _elementwise(c: _Call) -> tuple[float, float]:
         return 0.0, c.tensor_bytes()
     if base.endswith("_"):
         return 0.0, c.tensor_bytes() + c.nbytes(tensors[0])
-    out = math.prod(_broadcast([c.shape(i) for i in tensors])) * c.element_bytes(tensors[0])
+    if len(c.dims) - 1 in _ARGUMENTS[base] and tensors[-1] == len(c.dims) - 1:
+        return 0.0, c.tensor_bytes()
+    values = next(i for i in tensors if c.types[i] == c.dtype())
+    out = math.prod(_broadcast([c.shape(i) for i in tensors])) * c.element_bytes(values)
     return 0.0, c.tensor_bytes() + out
 
 
@@ -224,9 +235,16 @@ def _broadcast(shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
     return tuple(out)
 
 
-_POINTWISE = ("add", "sub", "mul", "div", "neg", "exp", "log", "sqrt", "rsqrt", "pow", "abs", "relu",
-              "gelu", "silu", "sigmoid", "tanh", "clamp", "where", "masked_fill", "gelu_backward",
-              "silu_backward", "sigmoid_backward", "tanh_backward", "threshold_backward")
+_ARGUMENTS = {
+    **dict.fromkeys(("neg", "exp", "log", "sqrt", "rsqrt", "abs", "relu", "silu", "sigmoid", "tanh"), {1}),
+    **dict.fromkeys(("mul", "pow", "gelu", "silu_backward", "sigmoid_backward", "tanh_backward"), {2}),
+    **dict.fromkeys(("add", "sub", "clamp", "where", "masked_fill", "gelu_backward", "threshold_backward"),
+                    {3}),
+    "div": {2, 3},
+}
+"""How many arguments each element-wise op's out-of-place overloads record (add's alpha, gelu's
+`approximate`, div's `rounding_mode` included): its `out=` overloads record one tensor more."""
+_POINTWISE = tuple(_ARGUMENTS)
 _PRICES: dict[str, Callable[[_Call], tuple[float, float]]] = {
     "aten::mm": lambda c: _mm(c, 0, 1),
     "aten::addmm": lambda c: _mm(c, 1, 2, reads=(0,)),
@@ -234,6 +252,10 @@ _PRICES: dict[str, Callable[[_Call], tuple[float, float]]] = {
     "aten::baddbmm": lambda c: _bmm(c, 1, 2, reads=(0,)),
     "aten::linear": _linear,
     "aten::matmul": _matmul,
+    # oneDNN's linear (x, weight (N, K), bias), which slipstream's CPU linears call (the engine's
+    # packed weights, and the trainer's three products through its custom op): torch's own ops.
+    "mkldnn::_linear_pointwise": _linear,
+    "slipstream::onednn_mm_nt": _linear,
     **{name: _attention_backward if name.endswith("_backward") else _attention for name in _IS_CAUSAL},
     **{f"aten::{name}{suffix}": _elementwise for name in _POINTWISE for suffix in ("", "_")},
     "aten::copy_": _elementwise, "aten::fill_": _elementwise, "aten::zero_": _elementwise,
@@ -241,7 +263,8 @@ _PRICES: dict[str, Callable[[_Call], tuple[float, float]]] = {
         "layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm", "native_group_norm",
         "softmax", "_softmax", "log_softmax", "_log_softmax")},
 }
-_PRODUCTS = frozenset(f"aten::{name}" for name in ("mm", "addmm", "bmm", "baddbmm", "linear", "matmul"))
+_PRODUCTS = frozenset({*(f"aten::{name}" for name in ("mm", "addmm", "bmm", "baddbmm", "linear", "matmul")),
+                       "mkldnn::_linear_pointwise", "slipstream::onednn_mm_nt"})
 _ATTENTION = frozenset(n for n, f in _PRICES.items() if f in (_attention, _attention_backward))
 _POINTWISE_OPS = frozenset(n for n, f in _PRICES.items() if f is _elementwise)
 _NORMS = frozenset(n for n, f in _PRICES.items() if f is _normalization)
@@ -262,7 +285,12 @@ def price(name: str, inputs: OpInputs | None) -> tuple[float, float]:
     formula = _PRICES[name]
     if inputs is None:
         raise Unpriced("no input shapes (record_shapes=False)")
-    return formula(_Call(name, inputs))
+    flops, nbytes = formula(_Call(name, inputs))
+    try:
+        return float(flops), float(nbytes)
+    except OverflowError:
+        raise Unpriced(f"sizes {[list(d) for d in inputs.dims if d is not None]} give more work than a "
+                       "float holds") from None
 
 
 def op_roofline(events: Sequence[Event]) -> dict[str, Any] | None:
@@ -351,7 +379,7 @@ def _priced(op: Event, groups: dict[tuple[str, str, str], dict[str, Any]],
     shapes, dtype = ", ".join(cells), call.dtype()
     group = groups.setdefault((op.name, shapes, dtype), {
         "name": op.name, "shapes": shapes, "dtype": dtype, "calls": 0, "time_us": 0.0, "host_us": 0.0,
-        "flops": 0.0, "bytes": 0.0, "profiler_flops": None})
+        "flops": 0.0, "bytes": 0.0, "host_timed_calls": 0})
     return group, flops, nbytes
 
 
@@ -359,10 +387,9 @@ def _add_call(group: dict[str, Any], flops: float, nbytes: float, op: Event, gpu
     group["calls"] += 1
     group["host_us"] += op.dur_us
     group["time_us"] += op.dur_us if gpu_us is None else gpu_us
+    group["host_timed_calls"] += gpu_us is None
     group["flops"] += flops
     group["bytes"] += nbytes
-    if op.inputs is not None and op.inputs.flops is not None:
-        group["profiler_flops"] = (group["profiler_flops"] or 0) + op.inputs.flops
 
 
 def against(roofline: dict[str, Any], accelerator: Accelerator | None) -> dict[str, Any]:
