@@ -454,14 +454,13 @@ def test_phi3_mini_config_reads_as_transformers_reads_it(caplog):
      "long_factor must be a positive number, got 0.0"),
     ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
      "rope_type 'linear' for model_type 'phi3'; supported: default, longrope"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.03125}},
-     "partial_rotary_factor=0.03125 turns int\\(96 \\* 0.03125\\) = 3 dimensions"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.01}},
+     "partial_rotary_factor=0.01 turns int\\(96 \\* 0.01\\) = 0 dimensions"),
     ({"partial_rotary_factor": 0.0}, "partial_rotary_factor must be a number in"),
 ])
 def test_phi3_rope_it_cannot_run_is_refused(change, match):
     """A longrope block with too few, missing or non-positive factors, RoPE types transformers'
-    Phi-3 refuses, and a partial rotary factor that turns an odd number of each head's dimensions
-    or none (tests/test_partial_rotary.py has the ones it can run) are ValueErrors, not wrong
-    logits."""
+    Phi-3 refuses, and a partial rotary factor that turns none of each head's dimensions
+    (tests/test_partial_rotary.py has the ones it can run) are ValueErrors, not wrong logits."""
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf_dict(PHI3_MINI_4K | change)

@@ -28,8 +28,10 @@ ORIGINAL, MAX_POSITIONS = 24, 192
 VOCAB = 320
 
 
-def _longrope(rotary_dim: int) -> dict:
-    half = rotary_dim // 2
+def _longrope(base_dim: int) -> dict:
+    """Longrope factors for frequencies over `base_dim` = int(head_dim * factor): one per pair,
+    rounded up (transformers' arange(0, base_dim, 2))."""
+    half = (base_dim + 1) // 2
     return {"rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(half)],
             "long_factor": [1.5 + 0.9 * i for i in range(half)]}
 
@@ -93,34 +95,35 @@ def test_config_reads_and_writes_the_factor_as_transformers(tmp_path, spelling):
     ({"partial_rotary_factor": -0.5}, "partial_rotary_factor must be a number in"),
     ({"partial_rotary_factor": "0.5"}, "partial_rotary_factor must be a number in"),
     ({"partial_rotary_factor": None}, "partial_rotary_factor must be a number in"),
-    ({"partial_rotary_factor": 0.28125}, "partial_rotary_factor=0.28125 turns int\\(32 \\* 0.28125\\) = 9"),
     ({"partial_rotary_factor": 0.01}, "partial_rotary_factor=0.01 turns .* = 0 dimensions"),
     ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 2}}, "got 2"),
     ({"partial_rotary_factor": 0.75, "rope_scaling": _longrope(32)},
-     "short_factor must have int\\(head_dim \\* partial_rotary_factor\\) / 2 = 12 factors, got 16"),
+     "short_factor must have int\\(head_dim \\* partial_rotary_factor\\) / 2, rounded up, = 12 factors, "
+     "got 16"),
     ({"model_type": "llama", "partial_rotary_factor": 0.5},
      "partial_rotary_factor=0.5 is only supported for model_type 'phi3', not 'llama'"),
     ({"model_type": "qwen3", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
      "partial_rotary_factor=0.5 is only supported for model_type 'phi3', not 'qwen3'"),
 ])
 def test_a_bad_factor_is_a_value_error_naming_it(change, match):
-    """A factor outside (0, 1], one that turns an odd number of dimensions (rotate_half has no pair
-    for the last) or none, longrope factors for another number of dimensions, and a factor below 1
-    for a family whose transformers code turns the whole head: ValueErrors naming the factor."""
+    """A factor outside (0, 1], one that turns no dimension, longrope factors for another number of
+    dimensions, and a factor below 1 for a family whose transformers code turns the whole head:
+    ValueErrors naming the factor."""
     d = {"model_type": "phi3", "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": 96,
          "num_hidden_layers": 1, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS} | change
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf_dict(d)
 
 
-@pytest.mark.parametrize("factor, longrope", [(0.75, False), (0.5, True), (0.75, True)])
+@pytest.mark.parametrize("factor, longrope", [(0.75, False), (0.5, True), (0.75, True), (0.28125, False)])
 def test_logits_and_gradients_equal_transformers(tmp_path, factor, longrope):
     """fp32 logits over a sequence past longrope's original context (its long factors) and the
     gradients of every weight under a cross-entropy loss agree with transformers' to fp32
-    rounding; a model that turned the whole head would be far off."""
+    rounding; a model that turned the whole head would be far off. 0.28125 of 32 dimensions is 9,
+    odd: transformers turns 10, with frequencies over 9."""
     hf = _hf_model(tmp_path, factor, longrope)
     ours = load_model(tmp_path)
-    assert ours.config.rotary_dim == int(HEAD_DIM * factor)
+    assert ours.config.rotary_dim == _hf_rotary_dims(hf.config)
     ids = torch.randint(3, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(40).expand(2, 40)
     expected = hf(ids).logits

@@ -209,7 +209,7 @@ class ModelConfig:
                 raise ValueError(f"rope_type 'longrope' is only supported for model_type 'phi3', "
                                  f"not {self.model_type!r}")
             half = "head_dim / 2" if self.partial_rotary_factor == 1 else (
-                "int(head_dim * partial_rotary_factor) / 2")
+                "int(head_dim * partial_rotary_factor) / 2, rounded up,")
             for name in ("short_factor", "long_factor"):
                 if len(getattr(scaling, name)) != self.rotary_dim // 2:
                     raise ValueError(f"rope_scaling {name} must have {half} = {self.rotary_dim // 2} "
@@ -245,10 +245,9 @@ class ModelConfig:
         if factor != 1 and self.model_type != "phi3":  # the others' transformers code turns whole heads
             raise ValueError(f"partial_rotary_factor={factor!r} is only supported for model_type 'phi3', "
                              f"not {self.model_type!r}")
-        if self.rotary_dim < 2 or self.rotary_dim % 2:  # rotate_half pairs dimension i with i + R/2
-            raise ValueError(f"partial_rotary_factor={factor!r} turns int({self.head_dim} * {factor!r}) = "
-                             f"{self.rotary_dim} dimensions of each head; they must be an even number, "
-                             "at least 2")
+        if self.rotary_base_dim < 1:
+            raise ValueError(f"partial_rotary_factor={factor!r} turns int({self.head_dim} * {factor!r}) = 0 "
+                             "dimensions of each head")
 
     def _check_experts(self) -> None:
         if isinstance(self.mlp_only_layers, list):
@@ -307,10 +306,17 @@ class ModelConfig:
         return MOE_FAMILY.get(self.model_type, self.model_type)
 
     @property
-    def rotary_dim(self) -> int:
-        """The leading dimensions of each query and key head that the rotary embedding turns, as
-        transformers computes them (int, not round: 100 * 0.29 turns 28)."""
+    def rotary_base_dim(self) -> int:
+        """int(head_dim * partial_rotary_factor) (int, not round: 100 * 0.29 gives 28): the
+        dimension transformers' frequencies are computed over, 1 / theta^(2i / this)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dimensions of each query and key head that the rotary embedding turns: one
+        frequency per pair of `rotary_base_dim`, rounded up, so one more where that is odd (as in
+        transformers, whose cos and sin tables set the width turned)."""
+        return self.rotary_base_dim + self.rotary_base_dim % 2
 
     @property
     def qkv_bias(self) -> bool:

@@ -86,7 +86,7 @@ def rope_inv_freq(
     """Inverse frequencies (R/2,) in fp32 for the R = `config.rotary_dim` dimensions the rotary
     embedding turns, with linear or Llama 3 scaling applied, or longrope's short factors (its long
     ones where `long`), as transformers computes them."""
-    dim = config.rotary_dim
+    dim = config.rotary_base_dim  # R, or R - 1 where it is odd: transformers' exponents are over it
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     scaling = config.rope_scaling
     if scaling is not None and scaling.rope_type == "longrope":
