@@ -168,3 +168,24 @@ def test_fsdp_gathers_weights_in_the_dtype_it_holds_them(mixed_precision, gather
     gathered = m * (2 * LAYERS * LAYER_PARAMS + ROOT_PARAMS)
     assert p.parts["data_parallel"].comm_bytes == pytest.approx(
         gathered_bytes * gathered + 4 * m * (LAYERS * LAYER_PARAMS + ROOT_PARAMS))
+
+
+def test_tensor_parallel_experts_all_reduce_each_their_rows():
+    """Guards a mixture-of-experts layer's tensor-parallel collectives against a hand count of what
+    the trainer runs (train/parallel.py splits each expert; no sequence parallelism here): per
+    layer and micro-batch, attention's all-reduce of the N x E stream, then each of the experts
+    the N tokens touch (all 8 of tiny-moe's at N = 512) all-reduces its N k / 8 output rows in the
+    forward and the input gradients of its gate and up products in the backward; attention's
+    all-reduce again in the backward. Each all-reduce among 2 ranks: 2 alpha + S / B."""
+    shape = resolve_model("tiny-moe")
+    assert (shape.num_layers, shape.hidden_size, shape.num_experts, shape.experts_per_token) == (6, 384, 8, 2)
+    setup = TrainSetup(shape=shape, seq_len=256, dtype="fp32", global_batch_size=4, micro_batch_size=2)
+    p = _predict(setup, Layout(tp=2), _cpu_ranks())
+    n, row = 2 * 256, 384 * 4
+
+    def all_reduce_s(nbytes: float) -> float:
+        return 2 * ALPHA_S + nbytes / LINK_BYTES_PER_S
+
+    attention, experts = all_reduce_s(n * row), 8 * all_reduce_s(n * 2 / 8 * row)
+    per_layer = (attention + experts) + (attention + 2 * experts)
+    assert p.parts["pipeline"].comm_s == pytest.approx(6 * 2 * per_layer, rel=1e-9)

@@ -41,6 +41,7 @@ from typing import Any
 
 from slipstream.perf.accelerators import Accelerator, dtype_key
 from slipstream.perf.efficiency import Efficiency, default_efficiency
+from slipstream.perf.flops import expected_experts_touched
 from slipstream.perf.layers import (
     ATTENTION_KERNELS,
     POINTWISE_KERNELS,
@@ -296,7 +297,10 @@ def _mean_layer_passes(setup: TrainSetup, layout: Layout, spec: LayerSpec, devic
 def _layer_passes(setup: TrainSetup, layout: Layout, spec: LayerSpec, device: Device) -> dict[str, Work]:
     per_node = device.accelerator.devices_per_node
     forward, backward = layer_forward(spec, device), layer_backward(spec, device)
-    comm = tp_collectives(spec, device, per_node)
+    comm, backward_comm = tp_collectives(spec, device, per_node), None
+    if spec.moe and spec.tp > 1:
+        comm, backward_comm = _moe_tp_collectives(spec, device, per_node)
+    backward_comm = backward_comm or comm
     recompute = Work()
     if setup.recompute == "full":
         recompute = forward + comm
@@ -307,9 +311,9 @@ def _layer_passes(setup: TrainSetup, layout: Layout, spec: LayerSpec, device: De
         exposed_forward, exposed_backward = Work(), Work()
     elif overlap == "backward":  # hidden under the weight-gradient GEMMs (half the GEMMs)
         exposed_forward = comm
-        exposed_backward = comm + Work(comm_s=-min(comm.comm_s, 0.5 * backward.gemm_s))
+        exposed_backward = backward_comm + Work(comm_s=-min(backward_comm.comm_s, 0.5 * backward.gemm_s))
     else:
-        exposed_forward, exposed_backward = comm, comm
+        exposed_forward, exposed_backward = comm, backward_comm
     if layout.sequence_parallel:  # the extra all-gather of each block's sharded input (sec. 4.2.2);
         # overlapped in Megatron, yet Table 4 shows SP's backward no faster: charged as exposed
         size = spec.num_tokens * setup.shape.hidden_size * device.element_bytes
@@ -317,6 +321,26 @@ def _layer_passes(setup: TrainSetup, layout: Layout, spec: LayerSpec, device: De
     cp = _context_parallel(setup, layout, spec, device)
     return {"forward": forward + exposed_forward + cp * (1 / 3),
             "backward": backward + recompute + exposed_backward + cp * (2 / 3)}
+
+
+def _moe_tp_collectives(spec: LayerSpec, device: Device, per_node: int) -> tuple[Work, Work]:
+    """Forward and backward tensor-parallel communication of a layer with experts as the trainer
+    splits it (train/parallel.py `_layer_plan`): its attention's as a dense layer's; each expert
+    that gets tokens (`expected_experts_touched`) all-reduces its output rows in the forward and
+    its gate and up products' input gradients in the backward, as does a shared expert over every
+    token; with sequence parallelism the block all-gathers its input in the forward and its
+    output's gradient in the backward (it cuts the whole output to the rank's slice, and the
+    input's gradient arrives whole)."""
+    shape, n, tp = spec.shape, spec.num_tokens, spec.tp
+    row = shape.hidden_size * device.element_bytes
+    attention = tp_collectives(spec, device, per_node) * 0.5  # one of the dense layer's two blocks
+    touched = expected_experts_touched(shape.num_experts, shape.experts_per_token, n)
+    rows = n * shape.experts_per_token / touched  # each touched expert's share of the n k choices
+    experts = device.collective("all_reduce", rows * row, tp, per_node) * touched
+    if shape.shared_expert_ffn_hidden_size:
+        experts = experts + device.collective("all_reduce", n * row, tp, per_node)
+    gather = device.collective("all_gather", n * row, tp, per_node) if spec.sequence_parallel else Work()
+    return attention + gather + experts, attention + gather + experts * 2
 
 
 def _layer_microbatch(setup: TrainSetup, layout: Layout, spec: LayerSpec, device: Device) -> Work:
