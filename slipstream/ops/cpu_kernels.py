@@ -148,7 +148,7 @@ def _load() -> ctypes.CDLL | None:
     lib.decode_greedy.restype = ctypes.c_int
     lib.decode_greedy.argtypes = (
         [ctypes.POINTER(DecodeLayer), ctypes.POINTER(DecodeShape), ctypes.POINTER(DecodeModel)]
-        + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_int]
+        + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 6 + [ctypes.c_int]
     )
     return lib
 
@@ -161,6 +161,18 @@ class MoeExpert(ctypes.Structure):
     )]
 
 
+class DecodeMoe(ctypes.Structure):
+    """A mixture-of-experts layer's block for `decode_layers` (cpu_ops.c's `decode_moe`)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "router_weight", "router_bias", "router_panels", "experts",
+        "shared_gate_up_weight", "shared_gate_up_bias", "shared_gate_up_panels",
+        "shared_down_weight", "shared_down_bias", "shared_down_panels",
+        "shared_gate_weight", "shared_gate_bias", "shared_gate_panels",
+    )] + [("max_panel_rows", ctypes.c_int64), ("renormalize", ctypes.c_int32),
+          ("round_weights", ctypes.c_int32)]
+
+
 class DecodeLayer(ctypes.Structure):
     """One decoder layer's weights and cache for `decode_layers` (cpu_ops.c's `decode_layer`)."""
 
@@ -168,7 +180,7 @@ class DecodeLayer(ctypes.Structure):
         "input_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "o_bias",
         "post_norm", "gate_up_weight", "gate_up_bias", "down_weight", "down_bias", "k_cache", "v_cache",
         "qkv_panels", "o_panels", "gate_up_panels", "down_panels",
-    )]
+    )] + [("moe", ctypes.POINTER(DecodeMoe))]
 
 
 class DecodeShape(ctypes.Structure):
@@ -177,6 +189,7 @@ class DecodeShape(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
         "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
         "block_size", "window", "vocab_size", "rotary_dim",
+        "num_experts", "top_k", "moe_intermediate_size", "shared_intermediate_size",
     )] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("dtype", ctypes.c_int)]
 
 

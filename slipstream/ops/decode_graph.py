@@ -16,23 +16,46 @@ q/k/v and gate/up projections whose row-major weights are kept for the matrix-ve
 only panel-packed ones where the panel kernel takes every size) and
 to pure decode steps of at most `cpu_kernels.MAX_GEMV_ROWS` sequences, or of up to
 `linear.MAX_PANEL_ROWS` where the panel-packed weights are kept as well; `build` returns None for
-any other model (among them any with mixture-of-experts layers, whose routing the C layer stack
-does not do) and callers keep the module-by-module path, which the tests check it against (equal
-bit for bit, through the same compiled kernels) as well as against the plain model.
+any other model and callers keep the module-by-module path, which the tests check it against
+(equal bit for bit, through the same compiled kernels) as well as against the plain model.
+
+Mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE, mixed with dense ones) run in the call
+too, in place of ~45 eager ops per layer and step: the router's product, the routing as
+`SparseMoeBlock` computes it (softmax in fp32, top-k, renormalisation, the cast of Qwen's
+weights), the routed experts through the table and C function of the block's own
+`KernelMoeExperts`, and Qwen2-MoE's shared expert with its sigmoid gate. To equal the module path
+bit for bit the C routing reproduces PyTorch's AVX-512 CPU kernels (Sleef's exp, the order of
+their sums) and torch.topk's choice among equal probabilities (libstdc++'s nth_element and sort,
+whose order of visits decides it: in bf16, whose router logits have 8 significant bits, most
+batch-64 steps have such a tie). A PyTorch running other kernels gets no graph for such a model,
+nor do routings the C code does not replay: renormalised weights of 5 to 7 experts
+(`RENORMALIZED_TOP_K`), and top_k over 17 or at most a 64th of the experts (torch.topk's
+partial_sort). Where a token's routing is not replayed (a NaN probability, or introselect's rare
+fallback to a heap select) the C call stops before writing that layer (status 7) and the step
+runs module by module through the caller's `fallback`, rewriting the same keys and values the
+call wrote, so the graph never routes differently.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from slipstream.model.transformer import MLP, Transformer, rope_cos_sin
+from slipstream.model.transformer import MLP, SparseMoeBlock, Transformer, rope_cos_sin
 from slipstream.ops import cpu_kernels
 from slipstream.ops.linear import MAX_PANEL_ROWS, PackedLinear
 from slipstream.ops.paged_attention import PagedBatch
+
+Fallback = Callable[[torch.Tensor, torch.Tensor, PagedBatch], torch.Tensor]
+"""The module-by-module step: (B,) token ids and positions laid out by a batch -> (B, E)
+final-norm hidden states (the runner's `hidden_states`)."""
+
+RENORMALIZED_TOP_K = (1, 2, 3, 4, 8)
+"""The numbers of routed experts whose weights' sum the C routing adds in torch's order (one after
+another, as torch's CPU reduction adds 1 to 4 or 8 values of a row; 5 to 7 it adds otherwise)."""
 
 logger = logging.getLogger(__name__)
 
@@ -42,14 +65,15 @@ class CpuDecodeGraph:
 
     def __init__(
         self, model: Transformer, layers: ctypes.Array, shape: cpu_kernels.DecodeShape,
-        tensors: cpu_kernels.DecodeModel, bound: list[torch.Tensor], max_seqs: int,
+        tensors: cpu_kernels.DecodeModel, bound: list[object], max_seqs: int, fallback: Fallback | None,
     ) -> None:
         self.model = model
         self.max_seqs = max_seqs
         self._layers = layers
         self._tensors = tensors  # addresses of the embedding, final norm, lm_head and rotary tables
         self._shape = shape
-        self._bound = bound  # every tensor whose address `layers` or `tensors` holds, kept alive with them
+        self._bound = bound  # every tensor and struct whose address `layers` or `tensors` holds
+        self._fallback = fallback
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._greedy_outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._dtype = model.model.embed_tokens.weight.dtype
@@ -59,10 +83,13 @@ class CpuDecodeGraph:
 
     @classmethod
     def build(
-        cls, model: Transformer, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
+        cls, model: Transformer, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+        fallback: Fallback | None = None,
     ) -> CpuDecodeGraph | None:
         """Bind `model`'s weights and the paged cache (per-layer keys and values, each (blocks,
-        block_size, kv_heads, head_dim)); None where this path does not apply to the model."""
+        block_size, kv_heads, head_dim)); None where this path does not apply to the model.
+        `fallback` runs a step module by module where the C code declines a mixture-of-experts
+        layer's routing (a model with such layers gets no graph without it)."""
         config = model.config
         embedding = model.model.embed_tokens.weight
         if not cpu_kernels.supports(embedding):
@@ -70,75 +97,49 @@ class CpuDecodeGraph:
         cache_shape = (config.num_key_value_heads, config.head_dim)
         if any(tuple(cache.shape[2:]) != cache_shape for cache in [*keys, *values]):
             raise ValueError(f"cache blocks must be (blocks, block_size, {cache_shape[0]}, {cache_shape[1]})")
-        dtype = embedding.dtype
-        bound: list[torch.Tensor] = []
-
-        def address(tensor: torch.Tensor | None) -> int | None:
-            if tensor is None:
-                return None
-            if tensor.dtype != dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
-                raise _NotApplicable(f"a {tensor.dtype} {tuple(tensor.shape)} tensor")
-            bound.append(tensor)
-            return tensor.data_ptr()
-
-        def weights(linear: torch.nn.Module | None) -> tuple[int | None, int | None, int | None]:
-            """Addresses of the row-major weight, the bias and the panels (None if not kept): the
-            row-major weight is needed unless the panels take every number of rows."""
-            if not isinstance(linear, PackedLinear):
-                raise _NotApplicable(f"{type(linear).__name__} is not a PackedLinear")
-            panels_only = linear.panel_weight is not None and cpu_kernels.min_panel_rows(dtype) == 1
-            if linear.row_weight is None and not panels_only:
-                raise _NotApplicable("a PackedLinear without its row-major copy")
-            return address(linear.row_weight), address(linear.bias), address(linear.panel_weight)
-
+        binder = _Binder(embedding.dtype)
         try:
-            if not all(isinstance(layer.mlp, MLP) for layer in model.model.layers):
-                raise _NotApplicable("mixture-of-experts layers: the C layer stack runs dense MLPs only")
             if model.lm_head.out_features != embedding.shape[0]:
                 raise _NotApplicable(f"an lm_head of {model.lm_head.out_features} rows for a vocabulary of "
                                      f"{embedding.shape[0]}")
-            lm_head_weight, lm_head_bias, lm_head_panels = weights(model.lm_head)
+            blocks = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+            if blocks and fallback is None:
+                raise _NotApplicable("mixture-of-experts layers and no module-by-module fallback for a "
+                                     "routing the C code declines")
+            lm_head_weight, lm_head_bias, lm_head_panels = binder.weights(model.lm_head)
             tensors = cpu_kernels.DecodeModel(
-                embedding=address(embedding), final_norm=address(model.model.norm.weight),
+                embedding=binder.address(embedding), final_norm=binder.address(model.model.norm.weight),
                 lm_head_weight=lm_head_weight, lm_head_bias=lm_head_bias, lm_head_panels=lm_head_panels,
             )
-            layers = []
-            for layer, k_cache, v_cache in zip(model.model.layers, keys, values, strict=True):
-                attention, mlp = layer.self_attn, layer.mlp
-                qkv_weight, qkv_bias, qkv_panels = weights(attention.qkv_proj)
-                o_weight, o_bias, o_panels = weights(attention.o_proj)
-                gate_up_weight, gate_up_bias, gate_up_panels = weights(mlp.gate_up_proj)
-                down_weight, down_bias, down_panels = weights(mlp.down_proj)
-                layers.append(cpu_kernels.DecodeLayer(
-                    input_norm=address(layer.input_layernorm.weight),
-                    qkv_weight=qkv_weight, qkv_bias=qkv_bias,
-                    q_norm=address(attention.q_norm.weight) if hasattr(attention, "q_norm") else None,
-                    k_norm=address(attention.k_norm.weight) if hasattr(attention, "k_norm") else None,
-                    o_weight=o_weight, o_bias=o_bias,
-                    post_norm=address(layer.post_attention_layernorm.weight),
-                    gate_up_weight=gate_up_weight, gate_up_bias=gate_up_bias,
-                    down_weight=down_weight, down_bias=down_bias,
-                    k_cache=address(k_cache), v_cache=address(v_cache),
-                    qkv_panels=qkv_panels, o_panels=o_panels, gate_up_panels=gate_up_panels,
-                    down_panels=down_panels,
-                ))
+            layers = [binder.layer(layer, k_cache, v_cache)
+                      for layer, k_cache, v_cache in zip(model.model.layers, keys, values, strict=True)]
         except _NotApplicable as e:
             logger.info("no CPU decode graph for this model (%s): decode runs module by module", e)
             return None
+        experts = blocks[0].fused_experts.experts if blocks else None
         shape = cpu_kernels.DecodeShape(
             num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
             num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim, intermediate_size=config.intermediate_size,
             block_size=keys[0].shape[1], window=config.sliding_window or 0, vocab_size=embedding.shape[0],
-            rotary_dim=config.rotary_dim, eps=config.rms_norm_eps,
-            scale=config.head_dim**-0.5, dtype=cpu_kernels.DTYPE_CODES[dtype],
+            rotary_dim=config.rotary_dim, num_experts=config.num_experts if blocks else 0,
+            top_k=config.num_experts_per_tok if blocks else 0,
+            moe_intermediate_size=experts.intermediate_size if experts else 0,
+            shared_intermediate_size=(config.shared_expert_intermediate_size or 0) if blocks else 0,
+            eps=config.rms_norm_eps, scale=config.head_dim**-0.5,
+            dtype=cpu_kernels.DTYPE_CODES[embedding.dtype],
         )
-        panels = tensors.lm_head_panels and all(
-            layer.qkv_panels and layer.o_panels and layer.gate_up_panels and layer.down_panels
-            for layer in layers
-        )
+        panels = tensors.lm_head_panels and binder.all_panels
         max_seqs = MAX_PANEL_ROWS if panels else cpu_kernels.MAX_GEMV_ROWS
-        return cls(model, (cpu_kernels.DecodeLayer * len(layers))(*layers), shape, tensors, bound, max_seqs)
+        if experts is not None:
+            # moe_experts_' workspace limit, past which the blocks' own path runs the experts
+            pair_bytes = (2 * experts.hidden_size + 3 * experts.intermediate_size) * embedding.dtype.itemsize
+            max_seqs = min(max_seqs, cpu_kernels.MOE_WORKSPACE_LIMIT_BYTES // (pair_bytes * shape.top_k))
+            if max_seqs < 1:
+                logger.info("no CPU decode graph: one token's experts pass moe_experts_' workspace limit")
+                return None
+        layer_array = (cpu_kernels.DecodeLayer * len(layers))(*layers)
+        return cls(model, layer_array, shape, tensors, binder.bound, max_seqs, fallback)
 
     def __call__(
         self,
@@ -169,6 +170,9 @@ class CpuDecodeGraph:
         if status == 4:
             raise ValueError(f"each position must be its sequence's length - 1 (lengths "
                              f"{batch.decode_seq_lens.tolist()}); got {positions.tolist()}")
+        if status == 7:  # a routing the C code declined
+            hidden = self._fallback(token_ids, positions, batch)
+            return self.model.compute_logits(hidden) if logits else hidden
         self._check(status, token_ids, "decode_layers")
         return out if scores is None else scores
 
@@ -203,15 +207,36 @@ class CpuDecodeGraph:
             tables[row * width : row * width + len(table)] = table
         self._cover_positions(max(positions) + num_steps)
         hidden, out, scores = self._greedy_buffers(num_seqs)
-        sampled = (ctypes.c_int64 * (num_steps * num_seqs))()
+        sampled, steps_done = (ctypes.c_int64 * (num_steps * num_seqs))(), ctypes.c_int64()
         status = self._lib.decode_greedy(
             self._layers, ctypes.byref(self._shape), ctypes.byref(self._tensors),
             (ctypes.c_int64 * num_seqs)(*token_ids), (ctypes.c_int64 * num_seqs)(*positions), tables,
             num_seqs, width, num_steps, hidden.data_ptr(), out.data_ptr(), scores.data_ptr(), sampled,
-            self._workspace.data_ptr(), torch.get_num_threads(),
+            ctypes.byref(steps_done), self._workspace.data_ptr(), torch.get_num_threads(),
         )
+        steps = [sampled[step * num_seqs : (step + 1) * num_seqs] for step in range(steps_done.value)]
+        if status == 7:  # a routing declined in step len(steps): that step module by module, then on
+            return steps + self._greedy_after_decline(steps[-1] if steps else token_ids,
+                                                  [p + len(steps) for p in positions], block_tables,
+                                                  num_steps - len(steps))
         self._check(status, token_ids, "decode_greedy")
-        return [sampled[step * num_seqs : (step + 1) * num_seqs] for step in range(num_steps)]
+        return steps
+
+    def _greedy_after_decline(
+        self, token_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
+        num_steps: int,
+    ) -> list[list[int]]:
+        """`greedy`'s steps from one whose routing the C code declined: that step through
+        `__call__` (which runs it module by module), the rest through `greedy` again."""
+        batch = PagedBatch.build(
+            seq_lens=[p + 1 for p in positions], query_lens=[1] * len(positions), block_tables=block_tables,
+            block_size=self._shape.block_size, sliding_window=self.model.config.sliding_window,
+        )
+        logits = self(torch.tensor(token_ids), torch.tensor(positions), batch, logits=True)
+        step = cpu_kernels.argmax(logits).tolist()
+        if num_steps == 1:
+            return [step]
+        return [step, *self.greedy(step, [p + 1 for p in positions], block_tables, num_steps - 1)]
 
     def _greedy_buffers(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`greedy`'s outputs for at least `num_seqs` rows, which it only reads back through the
@@ -251,6 +276,96 @@ class CpuDecodeGraph:
         self._rope = rope_cos_sin(rope.inv_freq, torch.arange(size), self._dtype, rope.scale)
         self._tensors.rope_cos, self._tensors.rope_sin = (table.data_ptr() for table in self._rope)
         self._tensors.rope_positions = size
+
+
+class _Binder:
+    """Collects the addresses of a model's tensors for the C structs, keeping each tensor (and
+    struct) it hands out in `bound`; raises _NotApplicable for a part the decode graph does not
+    handle. `all_panels`: whether every linear bound so far has its panel-packed copy."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.bound: list[object] = []
+        self.all_panels = True
+
+    def address(self, tensor: torch.Tensor | None) -> int | None:
+        if tensor is None:
+            return None
+        if tensor.dtype != self.dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise _NotApplicable(f"a {tensor.dtype} {tuple(tensor.shape)} tensor")
+        self.bound.append(tensor)
+        return tensor.data_ptr()
+
+    def weights(self, linear: torch.nn.Module | None) -> tuple[int | None, int | None, int | None]:
+        """Addresses of the row-major weight, the bias and the panels (None if not kept): the
+        row-major weight is needed unless the panels take every number of rows."""
+        if not isinstance(linear, PackedLinear):
+            raise _NotApplicable(f"{type(linear).__name__} is not a PackedLinear")
+        panels_only = linear.panel_weight is not None and cpu_kernels.min_panel_rows(self.dtype) == 1
+        if linear.row_weight is None and not panels_only:
+            raise _NotApplicable("a PackedLinear without its row-major copy")
+        self.all_panels = self.all_panels and linear.panel_weight is not None
+        return self.address(linear.row_weight), self.address(linear.bias), self.address(linear.panel_weight)
+
+    def layer(
+        self, layer: torch.nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> cpu_kernels.DecodeLayer:
+        attention, mlp = layer.self_attn, layer.mlp
+        qkv_weight, qkv_bias, qkv_panels = self.weights(attention.qkv_proj)
+        o_weight, o_bias, o_panels = self.weights(attention.o_proj)
+        if isinstance(mlp, SparseMoeBlock):
+            gate_up = down = (None, None, None)
+            moe = ctypes.pointer(self.moe(mlp))
+        elif isinstance(mlp, MLP):
+            gate_up, down, moe = self.weights(mlp.gate_up_proj), self.weights(mlp.down_proj), None
+        else:
+            raise _NotApplicable(f"a {type(mlp).__name__} MLP")
+        return cpu_kernels.DecodeLayer(
+            input_norm=self.address(layer.input_layernorm.weight),
+            qkv_weight=qkv_weight, qkv_bias=qkv_bias,
+            q_norm=self.address(attention.q_norm.weight) if hasattr(attention, "q_norm") else None,
+            k_norm=self.address(attention.k_norm.weight) if hasattr(attention, "k_norm") else None,
+            o_weight=o_weight, o_bias=o_bias,
+            post_norm=self.address(layer.post_attention_layernorm.weight),
+            gate_up_weight=gate_up[0], gate_up_bias=gate_up[1], down_weight=down[0], down_bias=down[1],
+            k_cache=self.address(k_cache), v_cache=self.address(v_cache),
+            qkv_panels=qkv_panels, o_panels=o_panels, gate_up_panels=gate_up[2], down_panels=down[2], moe=moe,
+        )
+
+    def moe(self, block: SparseMoeBlock) -> cpu_kernels.DecodeMoe:
+        """The block as the C layer stack runs it: its router, routing and shared expert as
+        SparseMoeBlock computes them, its routed experts through the block's own KernelMoeExperts
+        table (the same C call as the module path's)."""
+        capability = torch.backends.cpu.get_cpu_capability()
+        if capability != "AVX512":
+            raise _NotApplicable(f"mixture-of-experts routing reproduces PyTorch's AVX512 CPU kernels; "
+                                 f"this PyTorch runs its {capability} ones")
+        fused = block.fused_experts
+        if fused is None or fused.dtype != self.dtype:
+            raise _NotApplicable("a mixture-of-experts block whose experts do not run in one C call")
+        if block.top_k > 17 or block.top_k * 64 <= block.num_experts:
+            raise _NotApplicable(f"top_k={block.top_k} of {block.num_experts} experts, which torch.topk "
+                                 f"selects in a way the C routing does not replay")
+        if block.renormalize and block.top_k not in RENORMALIZED_TOP_K:
+            raise _NotApplicable(f"renormalised routing weights of top_k={block.top_k}, whose sum torch "
+                                 f"adds in an order the C routing does not reproduce")
+        router_weight, router_bias, router_panels = self.weights(block.gate)
+        shared: dict[str, int | None] = {}
+        if hasattr(block, "shared_expert"):
+            for name, linear in (("shared_gate_up", block.shared_expert.gate_up_proj),
+                                 ("shared_down", block.shared_expert.down_proj),
+                                 ("shared_gate", block.shared_expert_gate)):
+                weight, bias, panels = self.weights(linear)
+                shared |= {f"{name}_weight": weight, f"{name}_bias": bias, f"{name}_panels": panels}
+        self.bound.append(fused)
+        moe = cpu_kernels.DecodeMoe(
+            router_weight=router_weight, router_bias=router_bias, router_panels=router_panels,
+            experts=ctypes.addressof(fused.experts.table), **shared,
+            max_panel_rows=fused.max_panel_rows or 0, renormalize=block.renormalize,
+            round_weights=not block.fp32_weights and self.dtype != torch.float32,
+        )
+        self.bound.append(moe)
+        return moe
 
 
 class _NotApplicable(Exception):

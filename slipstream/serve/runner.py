@@ -90,7 +90,8 @@ class Runner:
     `use_kernels`, where it applies to the model), on CUDA captured CUDA graphs for up to
     `max_num_seqs` sequences (where the model's step can be captured: `can_capture`); those keep
     one spare cache block past `num_blocks` for their padding rows. A model with
-    mixture-of-experts layers takes neither graph and decodes module by module.
+    mixture-of-experts layers takes no CUDA graph; the C decode graph runs its steps module by
+    module where it declines a token's routing (a NaN; `hidden_states` is its fallback).
 
     The runner of a tensor-parallel driver (`workers`, see tensor_parallel.py) has its workers
     make every forward pass and every lm_head product with it, each over its own shard and cache.
@@ -122,7 +123,8 @@ class Runner:
                 device=device,
             )
         elif device.type == "cpu" and use_kernels and not enforce_eager:
-            self.decode_graph = CpuDecodeGraph.build(model, self.cache.keys, self.cache.values)
+            self.decode_graph = CpuDecodeGraph.build(model, self.cache.keys, self.cache.values,
+                                                     fallback=self.hidden_states)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepLogits:
