@@ -6,7 +6,9 @@ the median decode step is set beside `slipstream.perf.serving.step_time` on the 
 (`perf serve --hardware cpu`) at the mean context of those steps. Each repeat is a fresh batch on
 the same engine; the report gives every repeat's median and the median of them, and the fastest
 step seen and the first quartile of the steps (a shared machine's other work only ever adds
-time). The shapes: the tiny-moe preset
+time). The read bandwidth is measured before and after each batch's repeats (the better of the
+two), and the step predicted again at it: a shared machine's bandwidth drifts from minute to
+minute, well below the calibration's at times. The shapes: the tiny-moe preset
 (Mixtral: hidden 384, 6 layers, 8 experts of 512, top 2), a larger Mixtral (hidden 768, 8 layers,
 8 experts of 1024), and with --skeleton one whose every width is small (hidden 64, 8 experts of
 64, vocabulary 512): its step is almost all fixed cost, the per-call and per-step overheads.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import time
 from pathlib import Path
 
@@ -37,7 +40,8 @@ from slipstream.model.presets import get_preset
 from slipstream.model.transformer import Transformer
 from slipstream.model.weights import new_model_dir, save_model
 from slipstream.perf import serving
-from slipstream.perf.hardware import get_accelerator
+from slipstream.perf.accelerators import Accelerator
+from slipstream.perf.hardware import get_accelerator, measure_memory_bandwidth
 from slipstream.perf.shapes import TransformerShape
 
 SHAPES = {
@@ -68,6 +72,13 @@ def ensure_moe_model(name: str) -> Path:
         save_model(model, staging, dtype="float32")
         tokenizer.save_pretrained(staging)
     return out
+
+
+def _at_bandwidth(accelerator: Accelerator, bandwidth: float) -> Accelerator:
+    """`accelerator` with its memory read at `bandwidth` and its cache curve scaled alike."""
+    scale = bandwidth / accelerator.memory_bandwidth_bytes_per_s
+    return dataclasses.replace(accelerator, memory_bandwidth_bytes_per_s=bandwidth, cache_read_bytes_per_s={
+        size: rate * scale for size, rate in accelerator.cache_read_bytes_per_s.items()})
 
 
 def decode_steps_s(llm: LLM, prompts: list[list[int]], output_len: int) -> list[float]:
@@ -129,9 +140,13 @@ def main() -> None:
                 prompts = [torch.randint(0, shape.vocab_size, (args.input_len,), generator=generator).tolist()
                            for _ in range(batch)]
                 decode_steps_s(llm, prompts, 4)  # warm-up: the shapes' first calls
+                before = measure_memory_bandwidth()[0]
                 repeats = [decode_steps_s(llm, prompts, args.output_len) for _ in range(args.repeats)]
+                bandwidth = max(before, measure_memory_bandwidth()[0])
                 context = args.input_len + args.output_len // 2
                 predicted = serving.step_time(setup, accelerator, decode_contexts=[context] * batch).total_s
+                at_bandwidth = serving.step_time(setup, _at_bandwidth(accelerator, bandwidth),
+                                                 decode_contexts=[context] * batch).total_s
                 measured = median([median(r) for r in repeats])
                 steps = sorted(s for r in repeats for s in r)
                 fastest, quartile = steps[0], steps[len(steps) // 4]
@@ -139,11 +154,13 @@ def main() -> None:
                 print(f"{label}: measured {1e3 * measured:7.3f} ms/step (repeats "
                       f"{', '.join(f'{1e3 * median(r):.3f}' for r in repeats)}; fastest {1e3 * fastest:.3f}, "
                       f"first quartile {1e3 * quartile:.3f}), predicted {1e3 * predicted:7.3f}, ratio "
-                      f"{measured / predicted:.2f}", flush=True)
+                      f"{measured / predicted:.2f}; at the {bandwidth / 1e9:.1f} GB/s read around it "
+                      f"{1e3 * at_bandwidth:7.3f}, ratio {measured / at_bandwidth:.2f}", flush=True)
                 rows.append({"shape": name, "dtype": dtype, "batch": batch, "decode_graph": graph,
                              "measured_ms": 1e3 * measured,
                              "repeat_ms": [1e3 * median(r) for r in repeats], "fastest_ms": 1e3 * fastest,
-                             "first_quartile_ms": 1e3 * quartile, "predicted_ms": 1e3 * predicted})
+                             "first_quartile_ms": 1e3 * quartile, "predicted_ms": 1e3 * predicted,
+                             "read_gb_per_s": bandwidth / 1e9, "predicted_at_read_ms": 1e3 * at_bandwidth})
                 if args.ops:
                     for op, count in sorted(step_ops(llm, prompts).items()):
                         print(f"    {count:5d} {op}")
