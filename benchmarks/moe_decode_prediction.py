@@ -135,7 +135,8 @@ def main() -> None:
             if args.module_by_module:
                 llm.engine.runner.decode_graph = None
             graph = llm.engine.runner.decode_graph is not None
-            setup = serving.ServeSetup(shape=shape, dtype=dtype)
+            graph_seqs = llm.engine.runner.decode_graph.max_seqs if graph else 0
+            setup = serving.ServeSetup(shape=shape, dtype=dtype, decode_graph_max_batch=graph_seqs)
             for batch in batches:
                 prompts = [torch.randint(0, shape.vocab_size, (args.input_len,), generator=generator).tolist()
                            for _ in range(batch)]

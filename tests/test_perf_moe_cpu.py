@@ -66,6 +66,9 @@ C_CALLS = ("gemv", "panel_gemm", "moe_experts_", "silu_and_mul")
 """The C kernels a MoE block reaches (its linears, the fused experts, the experts' activation)."""
 
 
+_MODELS: list[Transformer] = []  # the optimised models whose blocks `_block` gave
+
+
 @functools.cache
 def _block(family: str, dtype: str) -> SparseMoeBlock:
     """The MoE block of a one-layer model after optimize_for_cpu_inference (the engine's fast
@@ -74,7 +77,8 @@ def _block(family: str, dtype: str) -> SparseMoeBlock:
     model = Transformer(CONFIGS[family])
     model.init_weights(std=0.1)
     torch.nn.init.normal_(model.model.layers[0].mlp.gate.weight, 0.0, 1.0)
-    return optimize_for_cpu_inference(model.to(DTYPES[dtype]).eval()).model.layers[0].mlp
+    _MODELS.append(optimize_for_cpu_inference(model.to(DTYPES[dtype]).eval()))
+    return _MODELS[-1].model.layers[0].mlp
 
 
 def _engine_calls(block: SparseMoeBlock, x: torch.Tensor, monkeypatch) -> int:
@@ -250,3 +254,34 @@ def test_moe_layers_pay_the_module_call_cost_on_a_cpu_only():
             assert dear.overhead_s > cheap.overhead_s
         else:
             assert dear.total_s == cheap.total_s
+
+
+def test_moe_decode_replays_the_cpu_decode_graph_where_the_engines_graph_holds_it():
+    """A MoE decode step within the graph budget pays no per-call cost in its layers where the
+    engine's CPU decode graph holds MoE layers (`CpuDecodeGraph.build` takes the optimised model,
+    as the runner builds it), module calls otherwise and always in a prefill; on an H100 a MoE
+    decode stays eager whatever the budget (no CUDA graph holds its routing)."""
+    from slipstream.ops.decode_graph import CpuDecodeGraph
+    from slipstream.serve.runner import PagedKVCache
+
+    config = CONFIGS["mixtral"]
+    block = _block("mixtral", "fp32")
+    model = next(m for m in _MODELS if m.model.layers[0].mlp is block)
+    cache = PagedKVCache(config, num_blocks=4, block_size=16, dtype=torch.float32,
+                         device=torch.device("cpu"))
+    graph = CpuDecodeGraph.build(model, cache.keys, cache.values, fallback=lambda *args: None)
+    shape = TransformerShape.from_model_config(config)
+    fused = cpu_fused_experts("fp32")
+    assert fused.in_decode_graph(shape, 4, 4) == (graph is not None)
+    base = Efficiency(gemm_overhead_s=5e-6, kernel_overhead_s=5e-6, module_call_overhead_s=5e-6)
+    dear = base.replace(module_call_overhead_s=15e-6)
+    for accelerator, graphed in ((CPU, graph is not None), (get_accelerator("h100"), False)):
+        setup = ServeSetup(shape=shape, dtype="fp32", decode_graph_max_batch=256)
+        steps = [step_time(setup, accelerator, decode_contexts=[10] * 4, efficiency=e) for e in (base, dear)]
+        assert (steps[0].total_s == steps[1].total_s) == (graphed or accelerator is not CPU)
+        eager = step_time(dataclasses.replace(setup, decode_graph_max_batch=0), accelerator,
+                          decode_contexts=[10] * 4, efficiency=base)
+        assert (eager.overhead_s > steps[0].overhead_s) == graphed
+    prefills = [step_time(ServeSetup(shape=shape, dtype="fp32"), CPU, prefill_lens=[8], efficiency=e)
+                for e in (base, dear)]
+    assert prefills[1].overhead_s > prefills[0].overhead_s

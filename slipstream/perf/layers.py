@@ -273,6 +273,18 @@ class FusedExperts:
 
     max_rows_per_expert: int | None
     workspace_limit_bytes: float
+    decode_graph: bool = False
+    """Whether the engine's CPU decode graph holds a MoE layer here (`ops.decode_graph`: it
+    replays PyTorch's AVX-512 routing kernels) where its top-k is one it replays
+    (`in_decode_graph`)."""
+
+    def in_decode_graph(self, shape: TransformerShape, num_tokens: float, element_bytes: int) -> bool:
+        """Whether a decode step of `num_tokens` sequences replays the CPU decode graph, MoE layers
+        and all: top-k up to 17 and more than a 64th of the experts (torch.topk's paths the graph
+        replays), and the fused call taking the step."""
+        k = shape.experts_per_token
+        return (self.decode_graph and k <= 17 and k * 64 > shape.num_experts
+                and self.takes(shape, num_tokens, element_bytes))
 
     def takes(self, shape: TransformerShape, num_tokens: float, element_bytes: int) -> bool:
         """Whether the call takes a layer's `num_tokens` tokens: under uniform routing each touched

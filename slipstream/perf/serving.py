@@ -7,11 +7,11 @@ under uniform routing, k at batch 1, all of them in a large batch), attention ov
 (decode streams each sequence's K and V; prefill is causal FlashAttention math), two
 tensor-parallel all-reduces per layer, the lm_head only where a token is sampled, plus a fixed
 per-step cost (scheduling, sampling, launches). On this machine's CPU (a calibrated accelerator) a
-MoE model runs as slipstream's CPU engine runs it: module by module, each call from Python at
-`Efficiency.module_call_overhead_s`, its blocks' routed experts in one C call where the engine
-takes them (`layers.cpu_moe_block`). KV capacity is what memory is left after the
-weights, every expert of a MoE model held (Scaling Book, `inference.md`: 2 bytes x K x H x L
-per token).
+MoE model runs as slipstream's CPU engine runs it: its blocks' routed experts in one C call where
+the engine takes them (`layers.cpu_moe_block`), its decode steps in the CPU decode graph where that
+holds them, else module by module, each call from Python at `Efficiency.module_call_overhead_s`.
+KV capacity is what memory is left after the weights, every expert of a MoE model held (Scaling
+Book, `inference.md`: 2 bytes x K x H x L per token).
 
 Under load, requests arrive at `request_rate` with fixed prompt and output lengths and are
 served by continuous batching: per second the engine spends `rate * prefill_time` on prefills
@@ -260,7 +260,8 @@ def cpu_fused_experts(dtype: str) -> FusedExperts | None:
     experts of `dtype` (a dtype key) in one C call, as `ops.inference` decides it: where the C
     kernels and their panel-packed weights exist for the dtype (fp32, bf16); any number of rows per
     expert where no linear keeps a oneDNN copy (the panel kernel takes every size: fp32 with
-    AVX-512), else up to `MAX_PANEL_ROWS`. None: the block's own path, expert by expert."""
+    AVX-512), else up to `MAX_PANEL_ROWS`; the CPU decode graph holds MoE layers where PyTorch runs
+    its AVX-512 kernels. None: the block's own path, expert by expert, and no graph."""
     import torch  # the engine's own tests, only where a MoE step is priced on this machine
 
     from slipstream.ops import cpu_kernels
@@ -271,7 +272,8 @@ def cpu_fused_experts(dtype: str) -> FusedExperts | None:
         return None
     every_size = not onednn_multiplies(torch_dtype) or cpu_kernels.panel_gemm_takes_all_rows(torch_dtype)
     return FusedExperts(max_rows_per_expert=None if every_size else MAX_PANEL_ROWS,
-                        workspace_limit_bytes=cpu_kernels.MOE_WORKSPACE_LIMIT_BYTES)
+                        workspace_limit_bytes=cpu_kernels.MOE_WORKSPACE_LIMIT_BYTES,
+                        decode_graph=torch.backends.cpu.get_cpu_capability() == "AVX512")
 
 
 def _cpu_moe(setup: ServeSetup, accelerator: Accelerator) -> tuple[bool, FusedExperts | None]:
@@ -296,17 +298,23 @@ def _step_work(
     causal_pairs = sum(shape.causal_pairs(n) for n in prefill_lens)
     kv_read = sum(min(c + 1, window or c + 1) for c in decode_contexts)
     layer = Work()
+    on_cpu, fused = cpu_moe
+    # Outside a graph the CPU engine runs a MoE model module by module, each call through Python.
+    eager_linears, eager_device = (_module_by_module(linears), _module_by_module(device)) if on_cpu else (
+        linears, device)
     if prefill_lens:
         spec = LayerSpec(shape=shape, num_tokens=sum(prefill_lens), tp=setup.tp, attention="flash",
                          attention_pairs=causal_pairs)
-        layer = layer + _layer(spec, linears, device, device, cpu_moe)
+        layer = layer + _layer(spec, eager_linears, eager_device, eager_device, cpu_moe)
     if decode_contexts:
         spec = LayerSpec(shape=shape, num_tokens=len(decode_contexts), tp=setup.tp,
                          attention="flash", attention_pairs=kv_read, kv_read_tokens=kv_read)
-        layer_linears, layer_device = linears, device
-        # The engine runs a MoE model's decode eagerly: its routing asks the host how many
-        # tokens each expert got, which neither a CUDA graph nor the CPU decode graph can hold.
-        if not prefill_lens and not shape.is_moe and len(decode_contexts) <= setup.decode_graph_max_batch:
+        layer_linears, layer_device = eager_linears, eager_device
+        # A MoE model's routing asks the host how many tokens each expert got, which no CUDA
+        # graph holds; the CPU decode graph routes in C where `FusedExperts.in_decode_graph`.
+        graph_holds = not shape.is_moe or (fused is not None and fused.in_decode_graph(
+            shape, len(decode_contexts), setup.activation_bytes))
+        if not prefill_lens and graph_holds and len(decode_contexts) <= setup.decode_graph_max_batch:
             replay = dataclasses.replace(device.efficiency, gemm_overhead_s=0.0, kernel_overhead_s=0.0)
             layer_linears = dataclasses.replace(linears, efficiency=replay)
             layer_device = dataclasses.replace(device, efficiency=replay)
@@ -326,12 +334,9 @@ def _layer(spec: LayerSpec, linears: Device, device: Device, attention: Device,
     """The mean layer's work on the step's tokens (dense and MoE layers weighted by their share):
     the linears on `linears`, norms and activations on `device`, the attention core on
     `attention` (decode: at the KV cache's bytes); where `cpu_moe` (`_cpu_moe`) says the CPU
-    engine runs the model, its MoE blocks as the engine runs them and every layer module by module
-    through Python (no decode graph takes a MoE model), each call at the module call's cost."""
+    engine runs the model, its MoE blocks as the engine runs them."""
     work = Work()
     on_cpu, fused = cpu_moe
-    if on_cpu:
-        linears, device, attention = (_module_by_module(d) for d in (linears, device, attention))
     for moe, share in layer_kinds(spec.shape):
         kind = dataclasses.replace(spec, moe=moe, cpu_moe=moe and on_cpu)
         layer = attention_core_forward(kind, attention) + pointwise_forward(kind, device)
