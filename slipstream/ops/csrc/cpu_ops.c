@@ -1257,8 +1257,8 @@ static void moe_expert_tasks(task_team *team, const moe_expert *experts, int64_t
     for (int64_t e = 0; e < num_experts; e++)
         if (first[e + 1] > first[e])
             expert_linear(team, experts[e].down_rows, experts[e].down_panels, experts[e].down_bias,
-                          s->act + first[e] * F * elem, s->down + first[e] * E * elem, first[e + 1] - first[e],
-                          E, F, dtype);
+                          s->act + first[e] * F * elem, s->down + first[e] * E * elem,
+                          first[e + 1] - first[e], E, F, dtype);
 #pragma omp barrier
     /* Each token's pairs in sorted order, which is increasing expert order (a token's choices are
      * distinct experts; were they not, the order of index_add_'s calls still). */
@@ -1321,7 +1321,7 @@ int moe_experts(const moe_expert *experts, int64_t num_experts, const void *x, c
 
 /* Sleef's expf_u10, the exp of PyTorch's vectorised CPU kernels (Vectorized<float>::exp), for one
  * value: the same reduction by ln 2, polynomial and scaling, so the same bits for every float
- * (checked against Sleef_expf16_u10 and Sleef_expf8_u10avx2 of libtorch on all 2^32 inputs). */
+ * (checked against Sleef_expf16_u10 and Sleef_expf8_u10avx2 of libtorch on every float but NaNs). */
 static __attribute__((optimize("no-fast-math"))) float vec_expf(float d) {
     const float q = rintf(d * 1.442695040888963407359924681001892137426645954152985934135449406931f);
     const int32_t n = (int32_t)q;
@@ -1684,7 +1684,8 @@ static void moe_block_tasks(task_team *team, const decode_moe *moe, const decode
     const int dtype = shape->dtype;
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
     const moe_scratch *s = &b->scratch;
-    decode_linear(team, moe->router_weight, moe->router_panels, moe->router_bias, x, b->logits, M, X, E, dtype);
+    decode_linear(team, moe->router_weight, moe->router_panels, moe->router_bias, x, b->logits, M, X, E,
+                  dtype);
 #pragma omp single
     {
         int status = 0;
@@ -1700,15 +1701,15 @@ static void moe_block_tasks(task_team *team, const decode_moe *moe, const decode
     moe_expert_tasks(team, moe->experts, X, x, b->weights, DTYPE_F32, out, M, k, E,
                      shape->moe_intermediate_size, dtype, s);
     if (Fs == 0) return;
-    decode_linear(team, moe->shared_gate_weight, moe->shared_gate_panels, moe->shared_gate_bias, x, b->gate, M,
-                  1, E, dtype);
+    decode_linear(team, moe->shared_gate_weight, moe->shared_gate_panels, moe->shared_gate_bias, x, b->gate,
+                  M, 1, E, dtype);
     decode_linear(team, moe->shared_gate_up_weight, moe->shared_gate_up_panels, moe->shared_gate_up_bias, x,
                   b->shared_gate_up, M, 2 * Fs, E, dtype);
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++)
         silu_and_mul_row(b->shared_gate_up + m * 2 * Fs * elem, b->shared_act + m * Fs * elem, Fs, dtype);
-    decode_linear(team, moe->shared_down_weight, moe->shared_down_panels, moe->shared_down_bias, b->shared_act,
-                  b->shared_out, M, E, Fs, dtype);
+    decode_linear(team, moe->shared_down_weight, moe->shared_down_panels, moe->shared_down_bias,
+                  b->shared_act, b->shared_out, M, E, Fs, dtype);
 #pragma omp single
     torch_sigmoid(b->gate, M, dtype);
 #pragma omp for schedule(static)
