@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import copy
+import gc
+import inspect
 import logging
+import sys
+import weakref
 
 import pytest
 import torch
@@ -209,3 +213,57 @@ def test_decode_graph_declines_renormalised_top_k_it_cannot_sum(caplog):
     with caplog.at_level(logging.INFO, logger="slipstream.ops.decode_graph"):
         assert CpuDecodeGraph.build(fast, cache.keys, cache.values, fallback=lambda *args: None) is None
     assert "top_k=5" in caplog.text
+
+
+def _nan_routers(weight: torch.Tensor, index: int) -> None:
+    """Every router logit of every layer NaN: every token's routing is declined in every step."""
+    weight[:, 0] = float("nan")
+
+
+def test_greedy_steps_all_declined_run_in_a_loop_not_a_recursion():
+    """Greedy decoding in which every step's routing is declined runs each step module by module
+    one after another: the depth of the Python stack does not grow with the steps (it did, two
+    frames a step, past the recursion limit for a few hundred steps of `num_scheduler_steps`)."""
+    config = _config("mixtral")
+    fast = _with_routers(config, torch.float32, _nan_routers)
+    steps = 40
+    cache, last_step, token_ids, _ = _decode_batch(config, [3 + steps - 1], torch.float32)
+    graph, calls = _graph(fast, cache)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + steps)  # room for the calls, not for 2 frames a step
+    try:
+        with torch.inference_mode():
+            got = graph.greedy(token_ids.tolist(), [2], last_step.decode_block_tables.tolist(), steps)
+    finally:
+        sys.setrecursionlimit(limit)
+    assert len(got) == steps and [c[0] for c in calls] == list(range(2, 2 + steps))
+
+
+def test_a_methods_fallback_does_not_keep_its_owner_alive():
+    """The runner hands its own method as the fallback and keeps the graph: the graph holds the
+    method weakly, so dropping the runner frees it (and its cache) at once, with no cycle for the
+    garbage collector to find; while the owner lives, the method still runs."""
+    config = _config("mixtral")
+    fast = _with_routers(config, torch.float32, _infinite_last_router)
+    cache, batch, token_ids, positions = _decode_batch(config, [5, 17, 2, 9], torch.float32)
+
+    class Owner:
+        def __init__(self):
+            self.calls = 0
+            self.graph = CpuDecodeGraph.build(fast, cache.keys, cache.values, fallback=self.step)
+
+        def step(self, token_ids, positions, batch):
+            self.calls += 1
+            return _module_path(fast, cache, batch, token_ids, positions, use_kernel=True)
+
+    owner = Owner()
+    with torch.inference_mode():
+        owner.graph(token_ids, positions, batch)
+    assert owner.calls == 1
+    gone = weakref.ref(owner)
+    gc.disable()
+    try:
+        del owner
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -39,7 +39,10 @@ call wrote, so the graph never routes differently.
 from __future__ import annotations
 
 import ctypes
+import inspect
 import logging
+import sys
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -73,7 +76,11 @@ class CpuDecodeGraph:
         self._tensors = tensors  # addresses of the embedding, final norm, lm_head and rotary tables
         self._shape = shape
         self._bound = bound  # every tensor and struct whose address `layers` or `tensors` holds
-        self._fallback = fallback
+        # A method is held weakly: the runner that owns this graph passes its own, and a strong
+        # reference would keep the runner, the model and the cache in a cycle once it is dropped.
+        self._fallback: Callable[[], Fallback | None] | None = None
+        if fallback is not None:
+            self._fallback = weakref.WeakMethod(fallback) if inspect.ismethod(fallback) else lambda: fallback
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._greedy_outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._dtype = model.model.embed_tokens.weight.dtype
@@ -139,7 +146,7 @@ class CpuDecodeGraph:
                 logger.info("no CPU decode graph: one token's experts pass moe_experts_' workspace limit")
                 return None
         layer_array = (cpu_kernels.DecodeLayer * len(layers))(*layers)
-        return cls(model, layer_array, shape, tensors, binder.bound, max_seqs, fallback)
+        return cls(model, layer_array, shape, tensors, binder.bound, max_seqs, fallback if blocks else None)
 
     def __call__(
         self,
@@ -171,7 +178,7 @@ class CpuDecodeGraph:
             raise ValueError(f"each position must be its sequence's length - 1 (lengths "
                              f"{batch.decode_seq_lens.tolist()}); got {positions.tolist()}")
         if status == 7:  # a routing the C code declined
-            hidden = self._fallback(token_ids, positions, batch)
+            hidden = self._run_fallback(token_ids, positions, batch)
             return self.model.compute_logits(hidden) if logits else hidden
         self._check(status, token_ids, "decode_layers")
         return out if scores is None else scores
@@ -183,9 +190,11 @@ class CpuDecodeGraph:
         block_tables: Sequence[Sequence[int]],  # each sequence's, covering positions + num_steps - 1
         num_steps: int,
     ) -> list[list[int]]:  # num_steps lists of B: each step's greedy token per sequence
-        """`num_steps` pure decode steps in one C call, each feeding every sequence the argmax of
-        its previous step's logits (as `sampler.sample` takes it for a plain greedy row), writing
-        their keys and values into the cache at the slots `block_tables` gives their positions.
+        """`num_steps` pure decode steps in one C call (more where the C code declines a step's
+        mixture-of-experts routing: that step runs module by module), each feeding every sequence
+        the argmax of its previous step's logits (as `sampler.sample` takes it for a plain greedy
+        row), writing their keys and values into the cache at the slots `block_tables` gives their
+        positions.
 
         Takes and returns plain lists: a batch-1 step lasts a few milliseconds, and building,
         converting and reading back small tensors around the call cost a few percent of that (the
@@ -207,36 +216,43 @@ class CpuDecodeGraph:
             tables[row * width : row * width + len(table)] = table
         self._cover_positions(max(positions) + num_steps)
         hidden, out, scores = self._greedy_buffers(num_seqs)
-        sampled, steps_done = (ctypes.c_int64 * (num_steps * num_seqs))(), ctypes.c_int64()
-        status = self._lib.decode_greedy(
-            self._layers, ctypes.byref(self._shape), ctypes.byref(self._tensors),
-            (ctypes.c_int64 * num_seqs)(*token_ids), (ctypes.c_int64 * num_seqs)(*positions), tables,
-            num_seqs, width, num_steps, hidden.data_ptr(), out.data_ptr(), scores.data_ptr(), sampled,
-            ctypes.byref(steps_done), self._workspace.data_ptr(), torch.get_num_threads(),
-        )
-        steps = [sampled[step * num_seqs : (step + 1) * num_seqs] for step in range(steps_done.value)]
-        if status == 7:  # a routing declined in step len(steps): that step module by module, then on
-            return steps + self._greedy_after_decline(steps[-1] if steps else token_ids,
-                                                  [p + len(steps) for p in positions], block_tables,
-                                                  num_steps - len(steps))
-        self._check(status, token_ids, "decode_greedy")
+        steps: list[list[int]] = []
+        while len(steps) < num_steps:
+            done = len(steps)
+            feed = steps[-1] if steps else list(token_ids)
+            at = [p + done for p in positions]
+            sampled, steps_done = (ctypes.c_int64 * ((num_steps - done) * num_seqs))(), ctypes.c_int64()
+            status = self._lib.decode_greedy(
+                self._layers, ctypes.byref(self._shape), ctypes.byref(self._tensors),
+                (ctypes.c_int64 * num_seqs)(*feed), (ctypes.c_int64 * num_seqs)(*at), tables,
+                num_seqs, width, num_steps - done, hidden.data_ptr(), out.data_ptr(), scores.data_ptr(),
+                sampled, ctypes.byref(steps_done), self._workspace.data_ptr(), torch.get_num_threads(),
+            )
+            steps += [sampled[step * num_seqs : (step + 1) * num_seqs] for step in range(steps_done.value)]
+            if status == 7:  # a routing declined in the next step: that one module by module, then on
+                steps.append(self._declined_greedy_step(steps[-1] if steps else list(token_ids),
+                                                        [p + len(steps) for p in positions], block_tables))
+                continue
+            self._check(status, feed, "decode_greedy")
         return steps
 
-    def _greedy_after_decline(
-        self, token_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]],
-        num_steps: int,
-    ) -> list[list[int]]:
-        """`greedy`'s steps from one whose routing the C code declined: that step through
-        `__call__` (which runs it module by module), the rest through `greedy` again."""
+    def _declined_greedy_step(
+        self, token_ids: Sequence[int], positions: Sequence[int], block_tables: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """The greedy tokens of a step whose routing the C code declined, run module by module."""
         batch = PagedBatch.build(
             seq_lens=[p + 1 for p in positions], query_lens=[1] * len(positions), block_tables=block_tables,
             block_size=self._shape.block_size, sliding_window=self.model.config.sliding_window,
         )
-        logits = self(torch.tensor(token_ids), torch.tensor(positions), batch, logits=True)
-        step = cpu_kernels.argmax(logits).tolist()
-        if num_steps == 1:
-            return [step]
-        return [step, *self.greedy(step, [p + 1 for p in positions], block_tables, num_steps - 1)]
+        hidden = self._run_fallback(torch.tensor(token_ids), torch.tensor(positions), batch)
+        return cpu_kernels.argmax(self.model.compute_logits(hidden)).tolist()
+
+    def _run_fallback(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                      batch: PagedBatch) -> torch.Tensor:
+        fallback = self._fallback() if self._fallback is not None else None
+        if fallback is None:
+            raise RuntimeError("the decode graph declined a routing and its module-by-module step is gone")
+        return fallback(token_ids, positions, batch)
 
     def _greedy_buffers(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`greedy`'s outputs for at least `num_seqs` rows, which it only reads back through the
@@ -337,6 +353,9 @@ class _Binder:
         SparseMoeBlock computes them, its routed experts through the block's own KernelMoeExperts
         table (the same C call as the module path's)."""
         capability = torch.backends.cpu.get_cpu_capability()
+        if sys.platform != "linux":  # torch.topk's tie order is libstdc++'s, which Linux builds use
+            raise _NotApplicable(f"mixture-of-experts routing replays torch.topk's order among ties as "
+                                 f"libstdc++ gives it; this is {sys.platform}")
         if capability != "AVX512":
             raise _NotApplicable(f"mixture-of-experts routing reproduces PyTorch's AVX512 CPU kernels; "
                                  f"this PyTorch runs its {capability} ones")
