@@ -63,6 +63,23 @@ another, as torch's CPU reduction adds 1 to 4 or 8 values of a row; 5 to 7 it ad
 logger = logging.getLogger(__name__)
 
 
+def replays_top_k(top_k: int, num_experts: int) -> bool:
+    """Whether the C routing replays torch.topk's choice of `top_k` of `num_experts`: up to 17
+    of more than 64 times as many (torch takes another path, partial_sort, beyond those)."""
+    return top_k <= 17 and top_k * 64 > num_experts
+
+
+def routing_not_replayed() -> str | None:
+    """Why this machine's PyTorch routes otherwise than the C routing replays (None: it does not):
+    the C code reproduces PyTorch's AVX512 CPU kernels and libstdc++'s order among tied values."""
+    if sys.platform != "linux":
+        return f"torch.topk's order among ties is libstdc++'s, which Linux builds use; this is {sys.platform}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX512":
+        return f"the C routing reproduces PyTorch's AVX512 CPU kernels; this PyTorch runs its {capability}"
+    return None
+
+
 class CpuDecodeGraph:
     """Runs a pure decode step of at most `max_seqs` sequences through the layer stack in C."""
 
@@ -352,17 +369,13 @@ class _Binder:
         """The block as the C layer stack runs it: its router, routing and shared expert as
         SparseMoeBlock computes them, its routed experts through the block's own KernelMoeExperts
         table (the same C call as the module path's)."""
-        capability = torch.backends.cpu.get_cpu_capability()
-        if sys.platform != "linux":  # torch.topk's tie order is libstdc++'s, which Linux builds use
-            raise _NotApplicable(f"mixture-of-experts routing replays torch.topk's order among ties as "
-                                 f"libstdc++ gives it; this is {sys.platform}")
-        if capability != "AVX512":
-            raise _NotApplicable(f"mixture-of-experts routing reproduces PyTorch's AVX512 CPU kernels; "
-                                 f"this PyTorch runs its {capability} ones")
+        reason = routing_not_replayed()
+        if reason is not None:
+            raise _NotApplicable(f"mixture-of-experts routing: {reason}")
         fused = block.fused_experts
         if fused is None or fused.dtype != self.dtype:
             raise _NotApplicable("a mixture-of-experts block whose experts do not run in one C call")
-        if block.top_k > 17 or block.top_k * 64 <= block.num_experts:
+        if not replays_top_k(block.top_k, block.num_experts):
             raise _NotApplicable(f"top_k={block.top_k} of {block.num_experts} experts, which torch.topk "
                                  f"selects in a way the C routing does not replay")
         if block.renormalize and block.top_k not in RENORMALIZED_TOP_K:

@@ -29,6 +29,7 @@ them (`FusedExperts`), the router, routing and shared expert as eager ops.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from slipstream.perf.accelerators import Accelerator
 from slipstream.perf.collectives import collective_time_s, hierarchical_time_s
@@ -273,17 +274,16 @@ class FusedExperts:
 
     max_rows_per_expert: int | None
     workspace_limit_bytes: float
-    decode_graph: bool = False
-    """Whether the engine's CPU decode graph holds a MoE layer here (`ops.decode_graph`: it
-    replays PyTorch's AVX-512 routing kernels) where its top-k is one it replays
-    (`in_decode_graph`)."""
+    graph_replays_top_k: Callable[[int, int], bool] | None = None
+    """Where the engine's CPU decode graph holds MoE layers here (`ops.decode_graph`: it replays
+    PyTorch's AVX-512 routing kernels), which (top_k, num_experts) it replays
+    (`decode_graph.replays_top_k`); None: no graph for MoE models."""
 
     def in_decode_graph(self, shape: TransformerShape, num_tokens: float, element_bytes: int) -> bool:
         """Whether a decode step of `num_tokens` sequences replays the CPU decode graph, MoE layers
-        and all: top-k up to 17 and more than a 64th of the experts (torch.topk's paths the graph
-        replays), and the fused call taking the step."""
-        k = shape.experts_per_token
-        return (self.decode_graph and k <= 17 and k * 64 > shape.num_experts
+        and all: a top-k the graph replays, and the fused call taking the step."""
+        replays = self.graph_replays_top_k
+        return (replays is not None and replays(shape.experts_per_token, shape.num_experts)
                 and self.takes(shape, num_tokens, element_bytes))
 
     def takes(self, shape: TransformerShape, num_tokens: float, element_bytes: int) -> bool:

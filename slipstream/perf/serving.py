@@ -260,11 +260,13 @@ def cpu_fused_experts(dtype: str) -> FusedExperts | None:
     experts of `dtype` (a dtype key) in one C call, as `ops.inference` decides it: where the C
     kernels and their panel-packed weights exist for the dtype (fp32, bf16); any number of rows per
     expert where no linear keeps a oneDNN copy (the panel kernel takes every size: fp32 with
-    AVX-512), else up to `MAX_PANEL_ROWS`; the CPU decode graph holds MoE layers where PyTorch runs
-    its AVX-512 kernels. None: the block's own path, expert by expert, and no graph."""
+    AVX-512), else up to `MAX_PANEL_ROWS`; the CPU decode graph holds MoE layers where its routing
+    replays this PyTorch's (`decode_graph.routing_not_replayed`). None: the block's own path, expert
+    by expert, and no graph."""
     import torch  # the engine's own tests, only where a MoE step is priced on this machine
 
     from slipstream.ops import cpu_kernels
+    from slipstream.ops.decode_graph import replays_top_k, routing_not_replayed
     from slipstream.ops.linear import MAX_PANEL_ROWS, keeps_panels, onednn_multiplies
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype)
@@ -273,7 +275,7 @@ def cpu_fused_experts(dtype: str) -> FusedExperts | None:
     every_size = not onednn_multiplies(torch_dtype) or cpu_kernels.panel_gemm_takes_all_rows(torch_dtype)
     return FusedExperts(max_rows_per_expert=None if every_size else MAX_PANEL_ROWS,
                         workspace_limit_bytes=cpu_kernels.MOE_WORKSPACE_LIMIT_BYTES,
-                        decode_graph=torch.backends.cpu.get_cpu_capability() == "AVX512")
+                        graph_replays_top_k=replays_top_k if routing_not_replayed() is None else None)
 
 
 def _cpu_moe(setup: ServeSetup, accelerator: Accelerator) -> tuple[bool, FusedExperts | None]:
