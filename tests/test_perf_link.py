@@ -282,6 +282,9 @@ def _json(argv: list[str], capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+# The two tests of real 2-rank runs (~25 s with their fixture) are slow: the model's collectives
+# are counted by hand in test_perf_model_collectives, and the link's pricing is checked above.
+@pytest.mark.slow
 def test_two_rank_gloo_runs_are_priced_with_the_measured_link(runs, link, cache_home, known_cpu, monkeypatch,
                                                               tmp_path, capsys):
     """Guards `perf fit --hardware cpu --run-dir` and `perf report` on real 2-rank gloo runs (both
@@ -336,6 +339,7 @@ def _gloo_collectives(trace_path) -> list[tuple[str, int]]:
     return [(e["name"].removeprefix("gloo:"), math.prod(e["args"]["Input Dims"][0])) for e in inside]
 
 
+@pytest.mark.slow
 def test_fsdp_collectives_are_the_ones_the_trainer_runs(runs, link):
     """Guards the model's FSDP2 collectives against the profiler's trace of the trainer's real step
     (2 ranks, 2 micro-batches of fp32): the all-gathered and reduced bytes of the data-parallel

@@ -114,7 +114,9 @@ def two_rank_run(data_dir, train_model_dir, tmp_path_factory):
     return tmp / "run"
 
 
-@pytest.mark.parametrize("saved_by, resumed_by", [(2, 1), (1, 2)])
+# 1 -> 2 (~15 s) is slow (run it with -m slow): 2 -> 1 is the fast check of resharding, the same
+# DCP load planned for another layout.
+@pytest.mark.parametrize("saved_by, resumed_by", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
 def test_resharding_resume(saved_by, resumed_by, data_dir, train_model_dir, tmp_path, one_process_run,
                            two_rank_run):
     """A run on `saved_by` ranks (FSDP2 when 2) that crashes after step 5, rerun on `resumed_by`
@@ -307,6 +309,7 @@ def test_attempts_that_failed_while_starting_count_as_without_progress(tmp_path)
     assert attempts_without_progress(tmp_path, restarts=2) == 2
 
 
+@pytest.mark.slow  # ~14 s; test_attempts_that_failed_while_starting_count_as_without_progress: fast
 def test_a_failure_while_starting_backs_off_and_goodput_says_so(data_dir, train_model_dir, tmp_path):
     """A worker that fails before its trainer is built (a model dir without weights: the
     launcher's checks pass) is restarted with the backoff of a crash loop, and `slipstream
@@ -494,6 +497,7 @@ def test_sigterm_before_torch_is_imported_stops_cleanly(data_dir, train_model_di
     assert list_checkpoints(run_dir) == [] and not (run_dir / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow  # ~16 s; test_a_second_job_in_a_busy_run_dir_is_refused is the fast check of the lock
 def test_a_trainer_built_in_python_holds_the_run_dir(data_dir, train_model_dir, tmp_path):
     """A Trainer built from Python locks its run dir from its construction until close(): a
     second one in another process is refused with an error naming the run dir and the holder's
