@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 from serve_fixtures import uncached_greedy
+from test_phi3_longrope import random_phi3
 
 from slipstream import LLM, SamplingParams
 from slipstream.model import ModelConfig, load_model
@@ -46,12 +47,7 @@ def _hf_model(tmp_path, factor: float, longrope: bool, dtype: torch.dtype = torc
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=MAX_POSITIONS,
         partial_rotary_factor=factor, bos_token_id=1, eos_token_id=2, pad_token_id=None,
         initializer_range=0.1, **rope)
-    torch.manual_seed(0)
-    hf = transformers.Phi3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "norm" in name:
-                param.add_(0.2 * torch.randn_like(param))
+    hf = random_phi3(config)
     hf.to(dtype).save_pretrained(tmp_path)
     stdlib_tokenizer(VOCAB).save_pretrained(tmp_path)
     return hf

@@ -23,6 +23,18 @@ LONG = [1.5 + 0.9 * i for i in range(HEAD_DIM // 2)]
 MAX_NEW_TOKENS = 8
 
 
+def random_phi3(config) -> torch.nn.Module:
+    """transformers' Phi-3 of `config`, seeded, in eval mode, with its norm weights moved off 1 so
+    that they matter."""
+    torch.manual_seed(0)
+    hf = transformers.Phi3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.add_(0.2 * torch.randn_like(param))
+    return hf
+
+
 def _hf_model(tmp_path, short=SHORT, **rope):
     config = transformers.Phi3Config(
         vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -30,12 +42,7 @@ def _hf_model(tmp_path, short=SHORT, **rope):
         original_max_position_embeddings=ORIGINAL,
         rope_scaling={"rope_type": "longrope", "short_factor": short, "long_factor": LONG} | rope,
         bos_token_id=1, eos_token_id=2, pad_token_id=None, initializer_range=0.1)
-    torch.manual_seed(0)
-    hf = transformers.Phi3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "norm" in name:
-                param.add_(0.2 * torch.randn_like(param))
+    hf = random_phi3(config)
     if tmp_path is not None:
         hf.save_pretrained(tmp_path)
         stdlib_tokenizer(320).save_pretrained(tmp_path)
