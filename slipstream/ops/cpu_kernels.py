@@ -374,6 +374,15 @@ MOE_WORKSPACE_LIMIT_BYTES = 256 * 2**20
 Mixtral 8x7B in fp32 would take 0.8 GiB in each layer's call)."""
 
 
+def moe_workspace_bytes(
+    num_pairs: float, hidden_size: int, intermediate_size: int, element_bytes: int
+) -> float:
+    """The rows `moe_experts` holds at once for `num_pairs` (token, expert) pairs: each pair's
+    gathered input and output row and its gate/up and activation rows (cpu_ops.c's
+    moe_workspace_bytes, less its index arrays), which MOE_WORKSPACE_LIMIT_BYTES bounds."""
+    return num_pairs * (2 * hidden_size + 3 * intermediate_size) * element_bytes
+
+
 class ExpertWeights:
     """The experts of a mixture-of-experts block as `moe_experts_` reads them: for each expert its
     fused gate/up linear (2F, E) and its down linear (E, F), each as (row-major weight or None,
@@ -462,8 +471,8 @@ def moe_experts_(
     if not 1 <= expert_ids.shape[1] <= experts.num_experts:
         raise ValueError(f"top_k (expert_ids' columns) must lie in [1, {experts.num_experts}], got "
                          f"{expert_ids.shape[1]}")
-    pairs, F = expert_ids.numel(), experts.intermediate_size
-    if pairs * (2 * E + 3 * F) * dtype.itemsize > MOE_WORKSPACE_LIMIT_BYTES:
+    if moe_workspace_bytes(expert_ids.numel(), E, experts.intermediate_size, dtype.itemsize) > \
+            MOE_WORKSPACE_LIMIT_BYTES:
         return False
     x, expert_ids, weights = x.contiguous(), expert_ids.contiguous(), weights.contiguous()
     status = lib.moe_experts(experts.table, experts.num_experts, x.data_ptr(), expert_ids.data_ptr(),

@@ -157,8 +157,9 @@ class CpuDecodeGraph:
         max_seqs = MAX_PANEL_ROWS if panels else cpu_kernels.MAX_GEMV_ROWS
         if experts is not None:
             # moe_experts_' workspace limit, past which the blocks' own path runs the experts
-            pair_bytes = (2 * experts.hidden_size + 3 * experts.intermediate_size) * embedding.dtype.itemsize
-            max_seqs = min(max_seqs, cpu_kernels.MOE_WORKSPACE_LIMIT_BYTES // (pair_bytes * shape.top_k))
+            token_bytes = cpu_kernels.moe_workspace_bytes(shape.top_k, experts.hidden_size,
+                                                          experts.intermediate_size, embedding.dtype.itemsize)
+            max_seqs = min(max_seqs, int(cpu_kernels.MOE_WORKSPACE_LIMIT_BYTES // token_bytes))
             if max_seqs < 1:
                 logger.info("no CPU decode graph: one token's experts pass moe_experts_' workspace limit")
                 return None

@@ -274,6 +274,9 @@ class FusedExperts:
 
     max_rows_per_expert: int | None
     workspace_limit_bytes: float
+    workspace_bytes: Callable[[float, int, int, int], float]
+    """The call's workspace for (pairs, hidden size, expert width, element bytes):
+    `cpu_kernels.moe_workspace_bytes`."""
     graph_replays_top_k: Callable[[int, int], bool] | None = None
     """Where the engine's CPU decode graph holds MoE layers here (`ops.decode_graph`: it replays
     PyTorch's AVX-512 routing kernels), which (top_k, num_experts) it replays
@@ -290,7 +293,8 @@ class FusedExperts:
         """Whether the call takes a layer's `num_tokens` tokens: under uniform routing each touched
         expert gets n k / touched rows (the mean; the engine looks at the most any expert got)."""
         pairs = num_tokens * shape.experts_per_token
-        workspace = pairs * (2 * shape.hidden_size + 3 * shape.expert_ffn_hidden_size) * element_bytes
+        workspace = self.workspace_bytes(pairs, shape.hidden_size, shape.expert_ffn_hidden_size,
+                                         element_bytes)
         if workspace > self.workspace_limit_bytes:
             return False
         limit = self.max_rows_per_expert

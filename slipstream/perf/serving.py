@@ -275,6 +275,7 @@ def cpu_fused_experts(dtype: str) -> FusedExperts | None:
     every_size = not onednn_multiplies(torch_dtype) or cpu_kernels.panel_gemm_takes_all_rows(torch_dtype)
     return FusedExperts(max_rows_per_expert=None if every_size else MAX_PANEL_ROWS,
                         workspace_limit_bytes=cpu_kernels.MOE_WORKSPACE_LIMIT_BYTES,
+                        workspace_bytes=cpu_kernels.moe_workspace_bytes,
                         graph_replays_top_k=replays_top_k if routing_not_replayed() is None else None)
 
 
