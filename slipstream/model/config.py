@@ -4,8 +4,12 @@ One frozen dataclass covers `llama` (with Llama 3 and linear RoPE scaling), `mis
 sliding window), `phi3` (Mistral's attention; its checkpoints store q/k/v and gate/up fused, which
 `weights` splits), `qwen2` (q/k/v bias) and `qwen3` (per-head q/k RMSNorm), and their
 mixture-of-experts variants `mixtral`, `qwen2_moe` (with a gated shared expert) and `qwen3_moe`,
-whose attention is their dense family's. The family decides the few structural switches
-(`qkv_bias`, `o_bias`, `qk_norm`); everything else is a plain field.
+whose attention is their dense family's, and `gemma` and `gemma2`: Gemma's RMSNorm multiplies by
+(1 + weight), its embeddings are scaled by sqrt(hidden_size) and its MLP is GeGLU (tanh-approximated
+GELU); Gemma 2 adds a norm after attention and after the MLP, a query scale of its own
+(`query_pre_attn_scalar`), tanh soft-capping of attention scores and of the final logits, and a
+sliding window on every other layer (`layer_types`). The family decides the structural switches
+(`qkv_bias`, `o_bias`, `qk_norm`, `gemma_norms`, `sandwich_norms`); everything else is a plain field.
 
 Both spellings Hugging Face has used are read: the transformers 4 keys `rope_theta` /
 `rope_scaling` / `torch_dtype` and the transformers 5 keys `rope_parameters` / `dtype`, with
@@ -27,11 +31,14 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "qwen2_moe",
+               "qwen3_moe")
 MOE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 """Each mixture-of-experts model type and the dense family whose attention and config keys it shares."""
 _WINDOWED = ("mistral", "phi3")
 """The families whose config.json `sliding_window` windows every layer (no `use_sliding_window`)."""
+_GEMMA = ("gemma", "gemma2")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -49,6 +56,7 @@ _IGNORED_KEYS = frozenset(
         "num_local_experts", "qkv_bias",  # checked by _read_experts and the like
         "resid_pdrop", "embd_pdrop",  # Phi-3's training-time dropouts
         "original_max_position_embeddings",  # Phi-3's: read for its longrope (_read_longrope)
+        "hidden_activation", "use_bidirectional_attention",  # Gemma's: checked by _read_gemma
     }
 )
 
@@ -145,7 +153,18 @@ class ModelConfig:
     """Bias on q, k, v and o projections (llama, qwen3). qwen2 always has q/k/v bias and no o bias."""
     mlp_bias: bool = False
     sliding_window: int | None = None
-    """Mistral, Phi-3: each token attends to at most this many previous positions (itself included)."""
+    """Mistral, Phi-3: each token attends to at most this many previous positions (itself included);
+    Gemma 2: so do the tokens of the layers `layer_types` names "sliding_attention"."""
+    layer_types: tuple[str, ...] = ()
+    """Gemma 2: "sliding_attention" or "full_attention" for each layer (transformers' default
+    alternates, windowing the even layers); empty for the other families, whose window (if any)
+    covers every layer. Read it through `layer_sliding_window`."""
+    query_pre_attn_scalar: int | None = None
+    """Gemma 2: attention scores are scaled by query_pre_attn_scalar**-0.5, not head_dim**-0.5."""
+    attn_logit_softcapping: float | None = None
+    """Gemma 2: attention scores (after scaling) become cap * tanh(score / cap) before the softmax."""
+    final_logit_softcapping: float | None = None
+    """Gemma 2: the output logits become cap * tanh(logit / cap)."""
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -230,12 +249,36 @@ class ModelConfig:
             raise ValueError(f"attention_bias=True is not supported for model_type {self.model_type!r}")
         if self.mlp_bias and self.model_type != "llama":
             raise ValueError(f"mlp_bias=True is not supported for model_type {self.model_type!r}")
-        if self.sliding_window is not None and self.family not in _WINDOWED:
+        if self.sliding_window is not None and self.family not in (*_WINDOWED, "gemma2"):
             raise ValueError(
-                "sliding_window is only supported for model_type 'mistral', 'mixtral' or 'phi3', "
+                "sliding_window is only supported for model_type 'mistral', 'mixtral', 'phi3' or 'gemma2', "
                 f"not {self.model_type!r}"
             )
+        self._check_gemma2()
         self._check_experts()
+
+    def _check_gemma2(self) -> None:
+        gemma2 = {name: getattr(self, name) for name in _GEMMA2_FIELDS}
+        if self.model_type != "gemma2":
+            given = [f"{name}={value!r}" for name, value in gemma2.items() if value not in (None, ())]
+            if given:
+                raise ValueError(f"{', '.join(given)} given for model_type {self.model_type!r}; only "
+                                 "gemma2 has them")
+            return
+        if self.query_pre_attn_scalar is not None:
+            object.__setattr__(self, "query_pre_attn_scalar",
+                               _whole_positive_int("query_pre_attn_scalar", self.query_pre_attn_scalar))
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if gemma2[name] is not None:
+                object.__setattr__(self, name, _positive_float(name, gemma2[name]))
+        layer_types = self.layer_types
+        if not isinstance(layer_types, (list, tuple)) or any(t not in LAYER_TYPES for t in layer_types):
+            raise ValueError(f"layer_types must list one of {', '.join(LAYER_TYPES)} per layer, "
+                             f"got {layer_types!r}")
+        if len(layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types names {len(layer_types)} layers; the model has "
+                             f"num_hidden_layers={self.num_hidden_layers}")
+        object.__setattr__(self, "layer_types", tuple(layer_types))
 
     def _check_partial_rotary(self) -> None:
         factor = self.partial_rotary_factor
@@ -331,6 +374,29 @@ class ModelConfig:
         return self.family == "qwen3"
 
     @property
+    def gemma_norms(self) -> bool:
+        """Gemma's RMSNorm (times 1 + weight, in fp32), sqrt(hidden_size)-scaled embeddings and
+        tanh-approximated GELU in the MLP."""
+        return self.family in _GEMMA
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """Gemma 2's layer: norms before and after both attention and the MLP."""
+        return self.family == "gemma2"
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention multiplies q . k by."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer `layer_idx`: `sliding_window`, except on Gemma 2's
+        "full_attention" layers."""
+        if self.layer_types and self.layer_types[layer_idx] == "full_attention":
+            return None
+        return self.sliding_window
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
 
@@ -376,10 +442,13 @@ class ModelConfig:
                 f"config.json gives null for {', '.join(null)}, which transformers refuses too; "
                 "give a value, or leave the key out for the family's default"
             )
-        act = d.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU
-            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
-        _check_unsupported_features(d, moe=model_type in MOE_FAMILY)
+        if model_type in _GEMMA:
+            d = _read_gemma(model_type, d)
+        else:
+            act = d.get("hidden_act", "silu")
+            if act not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU
+                raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
+        _check_unsupported_features(d, moe=model_type in MOE_FAMILY, softcapping=model_type == "gemma2")
         if model_type in MOE_FAMILY:
             d = _read_experts(model_type, d)
         else:  # expert settings of a dense family's config.json (a count is refused above) mean nothing
@@ -390,6 +459,8 @@ class ModelConfig:
             logger.warning("ignoring config.json keys that slipstream does not use: %s", unknown)
         d = _FAMILY_DEFAULTS[model_type] | d
         kwargs: dict[str, Any] = {k: d[k] for k in known if k in d and d[k] is not None}
+        if model_type != "gemma2":
+            kwargs.pop("layer_types", None)  # Qwen's: read by _read_sliding_window
         max_positions = kwargs.get("max_position_embeddings", _field_default(cls, "max_position_embeddings"))
         _check_positive_int("max_position_embeddings", max_positions)  # llama3's RoPE default reads it
         kwargs["rope_theta"], kwargs["rope_scaling"] = _read_rope(model_type, d, max_positions)
@@ -410,7 +481,7 @@ class ModelConfig:
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": "gelu_pytorch_tanh" if self.gemma_norms else "silu",
             "max_position_embeddings": self.max_position_embeddings,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
@@ -424,7 +495,7 @@ class ModelConfig:
             "torch_dtype": self.dtype,
             "dtype": self.dtype,
         }
-        if self.family in ("llama", "qwen3"):
+        if self.family in ("llama", "qwen3", *_GEMMA):
             out["attention_bias"] = self.attention_bias
         if self.model_type == "llama":
             out["mlp_bias"] = self.mlp_bias
@@ -438,6 +509,10 @@ class ModelConfig:
         if self.family in ("qwen2", "qwen3"):
             out["use_sliding_window"] = False
             out["sliding_window"] = None
+        if self.model_type == "gemma2":
+            out |= {name: getattr(self, name) for name in _GEMMA2_FIELDS} | {
+                "layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
+                "hidden_activation": "gelu_pytorch_tanh"}
         if self.is_moe:
             out |= self._experts_to_hf()
         return out
@@ -489,6 +564,8 @@ class ModelConfig:
 
 
 _SHAPE = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32}
+_GEMMA_SHAPE = {"vocab_size": 256000, "head_dim": 256, "max_position_embeddings": 8192,
+                "tie_word_embeddings": True}
 _QWEN = _SHAPE | {"vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
                   "max_position_embeddings": 32768, "sliding_window": 4096, "max_window_layers": 28}
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -499,6 +576,12 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
              "max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
     "qwen2": _QWEN,
     "qwen3": _QWEN | {"head_dim": 128},
+    "gemma": _GEMMA_SHAPE | {"hidden_size": 3072, "intermediate_size": 24576, "num_hidden_layers": 28,
+                             "num_attention_heads": 16, "num_key_value_heads": 16},
+    "gemma2": _GEMMA_SHAPE | {"hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                              "num_attention_heads": 8, "num_key_value_heads": 4,
+                              "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                              "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
     "mixtral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
                 "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_experts_per_tok": 2, "num_experts": 8},
@@ -535,6 +618,9 @@ _NOT_NULL = {
     "qwen2": _NOT_NULL_ANY | {"use_sliding_window", "max_window_layers", "attention_dropout"},
     "qwen3": _NOT_NULL_ANY | {"head_dim", "attention_bias", "use_sliding_window", "max_window_layers",
                               "attention_dropout"},
+    "gemma": _NOT_NULL_ANY | {"head_dim", "attention_bias", "attention_dropout"},
+    "gemma2": (_NOT_NULL_ANY - {"hidden_act"}) | {"head_dim", "attention_bias", "hidden_activation",
+                                                  "query_pre_attn_scalar"},
     "mixtral": _NOT_NULL_ANY | {"num_key_value_heads", "attention_dropout", "num_experts_per_tok",
                                 "num_local_experts", "num_experts", "output_router_logits",
                                 "router_aux_loss_coef", "router_jitter_noise"},
@@ -555,6 +641,8 @@ _ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -569,6 +657,8 @@ _UNSUPPORTED_FEATURES = {
     "attn_logit_softcapping": None,
     "final_logit_softcapping": None,
 }
+_GEMMA2_FIELDS = ("layer_types", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
+"""ModelConfig's Gemma 2 fields, which the other model types leave unset."""
 _EXPERT_KEYS = ("num_experts", "num_local_experts")
 _EXPERT_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                   "decoder_sparse_step", "mlp_only_layers", "shared_expert_intermediate_size",
@@ -578,10 +668,14 @@ _EXPERT_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
 and Qwen's."""
 
 
-def _check_unsupported_features(d: dict[str, Any], *, moe: bool) -> None:
+def _check_unsupported_features(d: dict[str, Any], *, moe: bool, softcapping: bool) -> None:
+    """Refuse the keys of `_UNSUPPORTED_FEATURES` (but soft-capping where the family has it) and an
+    expert count for a dense family."""
     _, rope = _rope_block(d)  # transformers 5 keeps use_mrope and the like in here
     for fields in (d, rope):
         for key, harmless in _UNSUPPORTED_FEATURES.items():
+            if softcapping and key in _GEMMA2_FIELDS:
+                continue
             if key in fields and fields[key] != harmless:
                 raise ValueError(f"unsupported config.json field {key}={fields[key]!r}")
     if not moe:
@@ -612,6 +706,29 @@ def _read_experts(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"qwen2_moe with qkv_bias={d['qkv_bias']!r} is not supported (only q/k/v with bias)")
     if d.get("mlp_only_layers") is None:
         d.pop("mlp_only_layers", None)
+    return d
+
+
+def _read_gemma(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
+    """`d` with Gemma's activation checked and Gemma 2's `layer_types` filled in. Gemma reads
+    `hidden_act`, in which transformers reads the "gelu" of the original releases as the tanh
+    approximation they were trained with; Gemma 2 reads `hidden_activation`. Gemma 2's layers
+    without `layer_types` alternate, from a windowed layer 0, as in transformers."""
+    key = "hidden_activation" if model_type == "gemma2" else "hidden_act"
+    act = d.get(key, "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu") or (act == "gelu" and model_type == "gemma2"):
+        raise ValueError(f"unsupported {key} {act!r} for model_type {model_type!r}; only "
+                         "'gelu_pytorch_tanh' (GeGLU with tanh-approximated GELU) is supported")
+    if d.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=True is not supported (a causal decoder only)")
+    if model_type == "gemma":
+        return d
+    layers = d.get("num_hidden_layers", _FAMILY_DEFAULTS["gemma2"]["num_hidden_layers"])
+    _check_positive_int("num_hidden_layers", layers)
+    if d.get("layer_types") is None:
+        d = d | {"layer_types": [LAYER_TYPES[i % 2 == 0] for i in range(layers)]}
+    elif not isinstance(d["layer_types"], list):
+        raise ValueError(f"layer_types must be a list or null, got {d['layer_types']!r}")
     return d
 
 
@@ -754,14 +871,14 @@ def _read_dtype(d: dict[str, Any]) -> str | None:
 def _read_sliding_window(
     model_type: str, d: dict[str, Any], max_positions: int, rope_scaling: RopeScaling | None
 ) -> int | None:
-    """Mistral's window, None where it covers the whole context (plain causal attention): the
+    """Mistral's (and Gemma 2's) window, None where it covers the whole context (plain causal attention): the
     context the engine serves, `max_position_embeddings` times a linear RoPE factor. Qwen's
     windowed layers are refused; its window is none, as in transformers, unless
     `use_sliding_window` with a window and a windowed layer: one that `layer_types` names
     "sliding_attention" or, where config.json gives no `layer_types`, as transformers derives them:
     qwen2 and qwen3 window the layers at or past `max_window_layers`, qwen2_moe the even ones
     below it, and qwen3_moe (no `layer_types`) every layer."""
-    if MOE_FAMILY.get(model_type, model_type) in _WINDOWED:
+    if MOE_FAMILY.get(model_type, model_type) in (*_WINDOWED, "gemma2"):
         window = d.get("sliding_window")
         if window is None:
             return None

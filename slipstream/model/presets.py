@@ -1,11 +1,12 @@
 """Named model shapes: small ones we create and train here, real ones for planning.
 
 `tiny` (~16M parameters) and `small` (~125M) are the shapes the README, tests and benchmarks use
-on a CPU; `tiny-moe` is a mixture-of-experts model (Mixtral's shape) whose two active experts of
-eight are together as wide as `tiny`'s MLP, trained with the load-balancing loss
-(`output_router_logits`, Switch Transformer's coefficient 0.01). The larger presets are the
-published shapes of real models (as their Hugging Face `config.json` files give them); they exist
-as configs for the performance model and are too big to initialise on a small machine.
+on a CPU; `tiny-gemma2` is `tiny` as Gemma 2 builds it; `tiny-moe` is a mixture-of-experts model
+(Mixtral's shape) whose two active experts of eight are together as wide as `tiny`'s MLP, trained
+with the load-balancing loss (`output_router_logits`, Switch Transformer's coefficient 0.01). The
+larger presets are the published shapes of real models (as their Hugging Face `config.json` files
+give them); they exist as configs for the performance model and are too big to initialise on a
+small machine.
 """
 
 from __future__ import annotations
@@ -45,6 +46,17 @@ PRESETS: dict[str, Preset] = {
                 num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
                 max_position_embeddings=2048, num_experts=8, num_experts_per_tok=2,
                 output_router_logits=True, router_aux_loss_coef=0.01,
+            ),
+        ),
+        Preset(
+            name="tiny-gemma2",
+            description="~16M Gemma 2 shape (every other layer windowed, soft-capped scores and logits)",
+            config=ModelConfig(
+                model_type="gemma2", vocab_size=8192, hidden_size=384, intermediate_size=1024,
+                num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2, head_dim=64,
+                max_position_embeddings=2048, sliding_window=512, tie_word_embeddings=True,
+                layer_types=("sliding_attention", "full_attention") * 3, query_pre_attn_scalar=64,
+                attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
             ),
         ),
         Preset(
@@ -103,6 +115,19 @@ PRESETS: dict[str, Preset] = {
                 num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
                 rms_norm_eps=1e-5, dtype="bfloat16",
                 rope_scaling=RopeScaling(rope_type="llama3", factor=8.0), **_LLAMA3_ROPE,
+            ),
+        ),
+        Preset(
+            name="gemma2-2b",
+            description="Gemma 2 2B shape (google/gemma-2-2b config.json)",
+            config_only=True,
+            config=ModelConfig(
+                model_type="gemma2", vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                max_position_embeddings=8192, sliding_window=4096, tie_word_embeddings=True,
+                layer_types=("sliding_attention", "full_attention") * 13, query_pre_attn_scalar=256,
+                attn_logit_softcapping=50.0, final_logit_softcapping=30.0, bos_token_id=2,
+                eos_token_id=1, pad_token_id=0, dtype="float32",
             ),
         ),
         Preset(

@@ -10,6 +10,9 @@ Mixtral's experts, which take Qwen-MoE's names here (`mlp.experts.0.gate_proj` f
 
 The numerics follow Hugging Face's implementation step for step (RMSNorm in fp32, RoPE tables
 in fp32 cast to the activation dtype, `rotate_half` pairing), so fp32 logits agree to rounding.
+Gemma and Gemma 2 take their own norm (`GemmaRMSNorm`), activation (`GeluTanhAndMul`) and, for
+Gemma 2, layer (`SandwichDecoderLayer`), as separate classes, so that code which replaces the
+Llama ones (the CPU fast path) leaves them alone.
 
 Layout legend: B batch, T tokens, E hidden size, H query heads, K key/value heads, D head dim,
 R rotary dims (D, or fewer with a partial rotary factor), V vocabulary.
@@ -29,10 +32,12 @@ from slipstream.ops.attention import dense_causal_attention
 
 
 class AttentionMetadata(Protocol):
-    """What the serving engine passes as `attn`: a callable that owns the KV cache."""
+    """What the serving engine passes as `attn`: a callable that owns the KV cache. Each layer
+    passes its own score scale, soft cap and sliding window (Gemma 2's differ between layers)."""
 
     def __call__(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+        softcap: float | None, sliding_window: int | None,
     ) -> torch.Tensor: ...
 
 
@@ -78,6 +83,30 @@ class RMSNorm(nn.Module):
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: norm(x) * (1 + weight), both in fp32, rounded to x's dtype once at the
+    end (Llama's rounds norm(x) before the multiply). The weight starts at zero."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+
+def make_norm(config: ModelConfig, dim: int) -> RMSNorm | GemmaRMSNorm:
+    """The family's RMSNorm over `dim` features."""
+    norm = GemmaRMSNorm if config.gemma_norms else RMSNorm
+    return norm(dim, config.rms_norm_eps)
 
 
 def rope_inv_freq(
@@ -226,15 +255,17 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.sliding_window = config.sliding_window
+        self.sliding_window = config.layer_sliding_window(layer_idx)
+        self.scale = config.attention_scale
+        self.softcap = config.attn_logit_softcapping
         E, D = config.hidden_size, config.head_dim
         self.q_proj = nn.Linear(E, self.num_heads * D, bias=config.qkv_bias)
         self.k_proj = nn.Linear(E, self.num_kv_heads * D, bias=config.qkv_bias)
         self.v_proj = nn.Linear(E, self.num_kv_heads * D, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * D, E, bias=config.o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(D, config.rms_norm_eps)
-            self.k_norm = RMSNorm(D, config.rms_norm_eps)
+            self.q_norm = make_norm(config, D)
+            self.k_norm = make_norm(config, D)
         self.rotary = Rotary()
         # One linear computing q, k and v together, set by the inference fast path
         # (ops.inference.fuse_projections) in place of the three above.
@@ -261,9 +292,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, cos, sin)
         if attn is None:
-            out = dense_causal_attention(q, k, v, sliding_window=self.sliding_window)
+            out = dense_causal_attention(q, k, v, sliding_window=self.sliding_window, scale=self.scale,
+                                         softcap=self.softcap)
         else:
-            out = attn(self.layer_idx, q, k, v)
+            out = attn(self.layer_idx, q, k, v, scale=self.scale, softcap=self.softcap,
+                       sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -296,8 +329,18 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+class GeluTanhAndMul(nn.Module):
+    """gelu(gate) * up (GELU's tanh approximation; Gemma's GeGLU) for x = [gate, up] along the
+    last dimension."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., 2F) -> (..., F)
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), `intermediate_size` wide unless told otherwise (experts)."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), `intermediate_size` wide unless told otherwise (experts);
+    Gemma's GeGLU in place of silu."""
 
     def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
@@ -308,12 +351,15 @@ class MLP(nn.Module):
         # One linear computing [gate, up], set by the inference fast path in place of the two
         # above, and the activation that consumes it.
         self.gate_up_proj: nn.Module | None = None
-        self.act = SiluAndMul()
+        self.act = GeluTanhAndMul() if config.gemma_norms else SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             x = cast_once_for_autocast(x)
-            return self.down_proj(_SiluAndMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
+            gate, up = self.gate_proj(x), self.up_proj(x)
+            if isinstance(self.act, GeluTanhAndMul):
+                return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+            return self.down_proj(_SiluAndMulFunction.apply(gate, up))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
@@ -403,9 +449,9 @@ class SparseMoeBlock(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = make_norm(config, config.hidden_size)
         self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
         self.mlp = SparseMoeBlock(config) if config.is_moe_layer(layer_idx) else MLP(config)
 
     def forward(
@@ -413,6 +459,28 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class SandwichDecoderLayer(nn.Module):
+    """Gemma 2's layer: attention and the MLP each between two norms,
+    h = x + post_attention_layernorm(attn(input_layernorm(x))), then
+    h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h))). (Its post_attention_layernorm
+    normalises the attention's output, not the MLP's input as in `DecoderLayer`.)"""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.pre_feedforward_layernorm = make_norm(config, config.hidden_size)
+        self.mlp = MLP(config)
+        self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata | None
+    ) -> torch.Tensor:
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, attn))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
 class Decoder(nn.Module):
@@ -427,14 +495,19 @@ class Decoder(nn.Module):
         on_meta = torch.get_default_device().type == "meta"
         weight = torch.empty(config.vocab_size, config.hidden_size) if on_meta else None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        layer = SandwichDecoderLayer if config.sandwich_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = make_norm(config, config.hidden_size)
         self.rope = RopeTables(config, on_meta)
+        self.embed_scale = config.hidden_size**0.5 if config.gemma_norms else None
+        """Gemma multiplies the embeddings by sqrt(hidden_size), rounded to their dtype."""
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata | None
     ) -> torch.Tensor:  # (B, T, E)
         x = self.embed_tokens(token_ids)  # (B, T, E)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         cos, sin = self.rope(positions, x.dtype)  # (B, T, R) each
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
@@ -474,7 +547,11 @@ class Transformer(nn.Module):
         return self.model(token_ids, positions, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (..., E) -> (..., V)
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma 2
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def tie_weights(self) -> None:
         """Share the embedding table with the output projection when the config says so."""
@@ -485,9 +562,9 @@ class Transformer(nn.Module):
     def init_weights(self, *, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         """Random initialisation for training from scratch, on whatever device the model is on.
 
-        Normal(0, std) for embeddings and projections as Hugging Face's Llama does, with the
-        projections that write into the residual stream (o_proj, down_proj) scaled down by
-        sqrt(2 * layers) as in GPT-2, zero biases, unit norms. Also rebuilds the RoPE buffer,
+        Normal(0, std) for embeddings and projections as Hugging Face's Llama does, with the projections
+        that write into the residual stream (o_proj, down_proj) scaled down by sqrt(2 * layers) as
+        in GPT-2, zero biases, unit norms (Gemma's: zero weights). Also rebuilds the RoPE buffer,
         so a model built on the meta device and moved with `to_empty` is usable afterwards.
         """
         residual_std = std / math.sqrt(2 * self.config.num_hidden_layers)
@@ -497,7 +574,7 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=scale, generator=generator)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, RMSNorm):
+            elif isinstance(module, (RMSNorm, GemmaRMSNorm)):
                 module.reset_parameters()
         self.tie_weights()
         self.init_buffers()

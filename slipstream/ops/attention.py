@@ -23,32 +23,55 @@ def dense_causal_attention(
     v: torch.Tensor,  # (B, T, K, D)
     *,
     sliding_window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # (B, T, H, D)
-    """Causal self-attention over whole sequences with SDPA."""
+    """Causal self-attention over whole sequences with SDPA: softmax(q . k * scale) v, scale
+    head_dim**-0.5 where None. A `softcap` (Gemma 2) turns each scaled score s into
+    softcap * tanh(s / softcap) before the mask, which SDPA cannot, so those go through explicit
+    matrix products, as transformers' eager attention computes them."""
     num_tokens, num_heads, num_kv_heads = q.shape[1], q.shape[2], k.shape[2]
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, heads, T, D)
     masked = sliding_window is not None and num_tokens > sliding_window
     grouped = num_kv_heads != num_heads
-    gqa = grouped and _sdpa_takes_gqa(q, masked)
+    gqa = grouped and softcap is None and _sdpa_takes_gqa(q, masked)
     if grouped and not gqa:
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
-    if not masked:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if softcap is not None:
+        out = _softcapped_attention(q, k, v, sliding_window, scale, softcap)
+    elif not masked:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     else:
         mask = _additive_causal_mask(num_tokens, sliding_window, q.device, _sdpa_dtype(q))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
     return out.transpose(1, 2)
 
 
-@functools.lru_cache(maxsize=1)
-def _additive_causal_mask(num_tokens: int, sliding_window: int, device: torch.device,
+def _softcapped_attention(
+    q: torch.Tensor,  # (B, H, T, D)
+    k: torch.Tensor,  # (B, H, T, D)
+    v: torch.Tensor,  # (B, H, T, D)
+    sliding_window: int | None,
+    scale: float | None,
+    softcap: float,
+) -> torch.Tensor:  # (B, H, T, D)
+    num_tokens = q.shape[2]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.tanh(scores / softcap) * softcap  # (B, H, T, T)
+    mask = _additive_causal_mask(num_tokens, sliding_window, q.device, scores.dtype)
+    probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+@functools.lru_cache(maxsize=2)
+def _additive_causal_mask(num_tokens: int, sliding_window: int | None, device: torch.device,
                           dtype: torch.dtype) -> torch.Tensor:  # (T, T): 0 may attend, -inf not
-    """`causal_mask` as SDPA's additive mask in the dtype it computes in, one tensor for every
-    layer of a forward (the last one kept for the next). SDPA saves such a mask for the backward
-    as it is, where it turns a bool mask (or one of another dtype) into a new tensor in each
-    layer: L copies of T x T kept until the backward. Made outside inference mode, so that a
-    mask first made for inference still serves a training forward."""
+    """`causal_mask` as SDPA's additive mask in the dtype it computes in, one tensor for every layer of a
+    forward (the last two kept for the next: Gemma 2's layers alternate windows). SDPA saves such
+    a mask for the backward as it is, where it turns a bool mask (or one of another dtype) into a
+    new tensor in each layer: L copies of T x T kept until the backward. Made outside inference
+    mode, so that a mask first made for inference still serves a training forward."""
     with torch.inference_mode(False):
         allowed = causal_mask(num_tokens, num_tokens, sliding_window=sliding_window, device=device)
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, -math.inf)

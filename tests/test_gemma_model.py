@@ -1,0 +1,140 @@
+"""Gemma and Gemma 2 against transformers: config reading, logits, gradients and bad configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from slipstream.model.config import ModelConfig
+from slipstream.model.transformer import GemmaRMSNorm, Transformer
+from slipstream.model.weights import load_model
+
+SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=24, max_position_embeddings=256, initializer_range=0.1,
+             attn_implementation="eager")
+GEMMA2 = dict(sliding_window=5, query_pre_attn_scalar=20, attn_logit_softcapping=3.0,
+              final_logit_softcapping=4.0)
+"""A window shorter than the prompts, a query scale other than head_dim's, and caps that the
+scores and logits reach."""
+
+
+def random_gemma(gemma2: bool, **overrides) -> torch.nn.Module:
+    """transformers' Gemma (2), seeded, in eval mode, with its norm weights moved off 0."""
+    config_class = transformers.Gemma2Config if gemma2 else transformers.GemmaConfig
+    model_class = transformers.Gemma2ForCausalLM if gemma2 else transformers.GemmaForCausalLM
+    torch.manual_seed(0)
+    hf = model_class(config_class(**SHAPE | (GEMMA2 if gemma2 else {}) | overrides)).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    return hf
+
+
+@pytest.fixture(scope="module", params=["gemma", "gemma2"])
+def saved(request, tmp_path_factory):
+    hf = random_gemma(request.param == "gemma2")
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return hf, path
+
+
+def _positions(token_ids: torch.Tensor) -> torch.Tensor:
+    return torch.arange(token_ids.shape[1]).expand_as(token_ids)
+
+
+def test_logits_match_transformers(saved):
+    hf, path = saved
+    model = load_model(path)
+    token_ids = torch.randint(0, 320, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(token_ids).logits
+        got = model(token_ids, _positions(token_ids))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
+
+
+def test_bf16_logits_match_transformers_in_bf16(saved):
+    hf, path = saved
+    model = load_model(path, dtype=torch.bfloat16)
+    hf16 = random_gemma(hf.config.model_type == "gemma2").to(torch.bfloat16)
+    token_ids = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = hf16(token_ids).logits.float()
+        got = model(token_ids, _positions(token_ids)).float()
+    # One bf16 rounding step of the largest logits (~4): SDPA and eager attention round differently.
+    torch.testing.assert_close(got, expected, rtol=0, atol=0.07)
+
+
+def test_gradients_match_transformers(saved):
+    hf, path = saved
+    model = load_model(path)
+    hf.train()
+    # Not the pad token 0, whose embedding row transformers' nn.Embedding(padding_idx=0) never
+    # updates (a choice of the training recipe, as for Llama; ours learns it).
+    token_ids = torch.randint(1, 320, (2, 13), generator=torch.Generator().manual_seed(3))
+    hf(token_ids, labels=token_ids).loss.backward()
+    logits = model(token_ids, _positions(token_ids))
+    torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), token_ids[:, 1:].flatten()).backward()
+    hf.eval()
+    expected = dict(hf.named_parameters())
+    checked = 0
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+        checked += 1
+    assert checked == len(expected)
+    hf.zero_grad()
+
+
+def test_gemma2_config_reads_as_transformers_reads_it():
+    hf_config = transformers.Gemma2Config(num_hidden_layers=5, query_pre_attn_scalar=144)
+    config = ModelConfig.from_hf_dict(hf_config.to_dict())
+    assert config.layer_types == tuple(hf_config.layer_types)
+    windows = [config.layer_sliding_window(i) for i in range(5)]
+    assert windows == [4096 if t == "sliding_attention" else None for t in hf_config.layer_types]
+    assert config.attention_scale == 144**-0.5
+    assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (50.0, 30.0)
+    back = transformers.Gemma2Config(**config.to_hf_dict())
+    for key in ("layer_types", "sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping",
+                "final_logit_softcapping", "hidden_activation", "head_dim", "tie_word_embeddings"):
+        assert getattr(back, key) == getattr(hf_config, key), key
+    assert ModelConfig.from_hf_dict(config.to_hf_dict()) == config
+
+
+def test_gemma_reads_the_legacy_gelu_as_transformers_does():
+    """The original Gemma releases say hidden_act "gelu" and mean the tanh approximation."""
+    d = transformers.GemmaConfig(num_hidden_layers=2).to_dict() | {"hidden_act": "gelu"}
+    assert ModelConfig.from_hf_dict(d).gemma_norms
+    assert transformers.GemmaConfig(**d).hidden_act == "gelu_pytorch_tanh"
+
+
+@pytest.mark.parametrize("model_type, change, message", [
+    ("gemma2", {"layer_types": ["full_attention"]}, "layer_types names 1 layers"),
+    ("gemma2", {"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types must list"),
+    ("gemma2", {"hidden_activation": "relu"}, "unsupported hidden_activation 'relu'"),
+    ("gemma2", {"attn_logit_softcapping": -1.0}, "attn_logit_softcapping must be a positive number"),
+    ("gemma2", {"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a positive integer"),
+    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gemma", {"hidden_act": "silu"}, "unsupported hidden_act 'silu'"),
+    ("gemma", {"attn_logit_softcapping": 50.0}, "unsupported config.json field attn_logit_softcapping"),
+    ("gemma", {"query_pre_attn_scalar": 256}, "only gemma2 has them"),
+    ("llama", {"final_logit_softcapping": 30.0}, "unsupported config.json field final_logit_softcapping"),
+])
+def test_bad_configs_name_the_key(model_type, change, message):
+    base = {"model_type": model_type, "num_hidden_layers": 2, "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16}
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict(base | change)
+
+
+def test_init_weights_gives_gemma_norms_zero_weights():
+    config = ModelConfig(model_type="gemma2", vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, head_dim=16,
+                         layer_types=("sliding_attention", "full_attention"), sliding_window=4)
+    model = Transformer(config)
+    norms = [m for m in model.modules() if isinstance(m, GemmaRMSNorm)]
+    assert len(norms) == 2 * 4 + 1  # four per Gemma 2 layer and the final one
+    for norm in norms:
+        norm.weight.data.fill_(1.0)
+    model.init_weights()
+    assert all(torch.equal(norm.weight, torch.zeros_like(norm.weight)) for norm in norms)
