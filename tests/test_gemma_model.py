@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import tokenizers
 import torch
 import transformers
 
 from slipstream.model.config import ModelConfig
+from slipstream.model.tokenizer import Tokenizer
 from slipstream.model.transformer import GemmaRMSNorm, Transformer
 from slipstream.model.weights import load_model
 
@@ -138,3 +142,35 @@ def test_init_weights_gives_gemma_norms_zero_weights():
         norm.weight.data.fill_(1.0)
     model.init_weights()
     assert all(torch.equal(norm.weight, torch.zeros_like(norm.weight)) for norm in norms)
+
+
+@pytest.mark.parametrize("tokenizer_class", ["GemmaTokenizer", None])
+def test_gemma_tokenizer_layout_reads_as_autotokenizer_reads_it(tmp_path, tokenizer_class):
+    """Gemma's tokenizer.json layout (spaces to "▁" by the normalizer, byte fallback, a <bos>
+    template, add_bos_token): the same ids and text as transformers' AutoTokenizer, which builds
+    its own GemmaTokenizer pipeline from the file's vocabulary."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
+    pieces = [*specials, "▁", "▁the", "▁end", "a", "b", "the", ",", "(", ")", "\n",
+              *(f"<0x{b:02X}>" for b in range(256))]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True,
+                                                         fuse_unk=True))
+    backend.add_special_tokens(specials)
+    backend.normalizer = tokenizers.normalizers.Replace(" ", "▁")
+    decoders = tokenizers.decoders
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+    backend.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", 2)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    config = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+              "add_bos_token": True} | ({"tokenizer_class": tokenizer_class} if tokenizer_class else {})
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
+    expected = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    ours = Tokenizer.from_pretrained(tmp_path)
+    for text in ["a the end, b", " the  end\n(a)", "é日本", "thethe a"]:
+        ids = expected(text)["input_ids"]
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids, skip_special_tokens=True) == text
+        assert expected.decode(ids, skip_special_tokens=True) == text
