@@ -50,7 +50,7 @@ PRESETS: dict[str, Preset] = {
         ),
         Preset(
             name="tiny-gemma2",
-            description="~16M Gemma 2 shape (every other layer windowed, soft-capped scores and logits)",
+            description="~13M Gemma 2 shape (every other layer windowed, soft-capped scores and logits)",
             config=ModelConfig(
                 model_type="gemma2", vocab_size=8192, hidden_size=384, intermediate_size=1024,
                 num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2, head_dim=64,
