@@ -65,13 +65,13 @@ def test_padded_step_equals_unpadded_step(family_config, seq_lens):
     for tensor in [*cache.keys, *cache.values]:
         tensor.copy_(torch.randn(tensor.shape))
     batch = PagedBatch.build(seq_lens=seq_lens, query_lens=[1] * len(seq_lens), block_tables=tables,
-                             block_size=BLOCK_SIZE, sliding_window=family_config.sliding_window)
+                             block_size=BLOCK_SIZE)
     token_ids = torch.randint(0, family_config.vocab_size, (len(seq_lens),))
     positions = torch.tensor([n - 1 for n in seq_lens])
     graph_cache = copy.deepcopy(cache)
     graphs = CudaDecodeGraphs(_forward(model, graph_cache), max_seqs=32, max_blocks=MAX_BLOCKS,
-                              block_size=BLOCK_SIZE, sliding_window=family_config.sliding_window,
-                              pad_block=NUM_BLOCKS, device=torch.device("cpu"), capture=False)
+                              block_size=BLOCK_SIZE, pad_block=NUM_BLOCKS, device=torch.device("cpu"),
+                              capture=False)
     with torch.inference_mode():
         expected = _forward(model, cache)(token_ids, positions, batch)
         got = graphs(token_ids, positions, batch)
@@ -91,8 +91,7 @@ def test_rejects_steps_it_cannot_run(family_config):
     cache = PagedKVCache(family_config, num_blocks=5, block_size=BLOCK_SIZE, dtype=torch.float32,
                          device=torch.device("cpu"))
     graphs = CudaDecodeGraphs(_forward(model, cache), max_seqs=2, max_blocks=MAX_BLOCKS,
-                              block_size=BLOCK_SIZE, sliding_window=None, pad_block=4,
-                              device=torch.device("cpu"), capture=False)
+                              block_size=BLOCK_SIZE, pad_block=4, device=torch.device("cpu"), capture=False)
     three = PagedBatch.build(seq_lens=[2, 3, 4], query_lens=[1, 1, 1], block_tables=[[0], [1], [2]],
                              block_size=BLOCK_SIZE)
     with pytest.raises(ValueError, match="1 to 2 decoding sequences"):
@@ -103,7 +102,7 @@ def test_rejects_steps_it_cannot_run(family_config):
     if not CUDA:
         with pytest.raises(ValueError, match="CUDA device"):
             CudaDecodeGraphs(_forward(model, cache), max_seqs=2, max_blocks=MAX_BLOCKS, block_size=BLOCK_SIZE,
-                             sliding_window=None, pad_block=4, device=torch.device("cpu"))
+                             pad_block=4, device=torch.device("cpu"))
 
 
 def _greedy_reference(hf, prompts, max_new_tokens):
@@ -142,8 +141,7 @@ def test_engine_through_padded_steps_matches_transformers(mistral_dir, num_sched
                                 block_size=BLOCK_SIZE, dtype=torch.float32, device=torch.device("cpu"))
     runner.decode_graph = CudaDecodeGraphs(
         runner.hidden_states, max_seqs=5, max_blocks=-(-engine.limits.max_model_len // BLOCK_SIZE),
-        block_size=BLOCK_SIZE, sliding_window=engine.model_config.sliding_window,
-        pad_block=engine.limits.num_blocks, device=torch.device("cpu"), capture=False)
+        block_size=BLOCK_SIZE, pad_block=engine.limits.num_blocks, device=torch.device("cpu"), capture=False)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected

@@ -34,7 +34,7 @@ def _decode_batch(config, seq_lens, dtype, num_blocks=NUM_BLOCKS):
     for tensor in [*cache.keys, *cache.values]:
         tensor.copy_(torch.randn(tensor.shape))
     batch = PagedBatch.build(seq_lens=seq_lens, query_lens=[1] * len(seq_lens), block_tables=tables,
-                             block_size=BLOCK_SIZE, sliding_window=config.sliding_window)
+                             block_size=BLOCK_SIZE)
     token_ids = torch.randint(0, config.vocab_size, (len(seq_lens),))
     positions = torch.tensor([n - 1 for n in seq_lens])
     return cache, batch, token_ids, positions
@@ -146,8 +146,7 @@ def test_decode_graph_grows_its_rotary_tables(family_config):
     cache, long_step, token_ids, positions = _decode_batch(family_config, seq_lens, torch.float32, num_blocks)
     tables = long_step.decode_block_tables.tolist()
     short_step = PagedBatch.build(seq_lens=[5, 3], query_lens=[1, 1],
-                                  block_tables=[tables[0][:2], tables[1][:1]], block_size=BLOCK_SIZE,
-                                  sliding_window=family_config.sliding_window)
+                                  block_tables=[tables[0][:2], tables[1][:1]], block_size=BLOCK_SIZE)
     graph_cache = copy.deepcopy(cache)
     graph = CpuDecodeGraph.build(fast, graph_cache.keys, graph_cache.values)
     for batch, step_positions in ((short_step, torch.tensor([4, 2])), (long_step, positions)):
@@ -194,8 +193,7 @@ def test_greedy_steps_equal_one_step_at_a_time(family_config, dtype, seq_lens):
     expected, tokens = [], token_ids
     for step in range(NUM_GREEDY_STEPS):
         batch = PagedBatch.build(seq_lens=[n + step for n in seq_lens], query_lens=[1] * len(seq_lens),
-                                 block_tables=tables.tolist(), block_size=BLOCK_SIZE,
-                                 sliding_window=family_config.sliding_window)
+                                 block_tables=tables.tolist(), block_size=BLOCK_SIZE)
         hidden = _module_path(fast, cache, batch, tokens, positions + step, use_kernel=True)
         with torch.inference_mode():
             tokens = argmax(fast.compute_logits(hidden))

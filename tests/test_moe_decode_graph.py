@@ -189,8 +189,7 @@ def test_greedy_steps_with_declined_routings_equal_one_step_at_a_time():
     expected, tokens = [], token_ids
     for step in range(NUM_GREEDY_STEPS):
         batch = PagedBatch.build(seq_lens=[n + step for n in seq_lens], query_lens=[1] * len(seq_lens),
-                                 block_tables=tables, block_size=BLOCK_SIZE,
-                                 sliding_window=config.sliding_window)
+                                 block_tables=tables, block_size=BLOCK_SIZE)
         hidden = _module_path(fast, cache, batch, tokens, positions + step, use_kernel=True)
         with torch.inference_mode():
             tokens = argmax(fast.compute_logits(hidden))

@@ -15,15 +15,19 @@ from slipstream.ops import cpu_kernels
 from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
 
 
-def _dense_reference(q, keys, values, sliding_window):
+def _dense_reference(q, keys, values, sliding_window, *, scale=None, softcap=None):
     """softmax(q k^T / sqrt(d)) v for the last len(q) of len(keys) positions, each over the keys it
-    sees (causal, within the window), in float64."""
+    sees (causal, within the window), in float64; with `scale` the scores are q k^T * scale, and
+    with `softcap` they become softcap * tanh(score / softcap) before the mask and softmax."""
     num_queries, num_heads, head_dim = q.shape
     num_keys, num_kv_heads, _ = keys.shape
     group = num_heads // num_kv_heads
     k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, L, D)
     v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) / head_dim**0.5  # (H, Q, L)
+    scores = q.double().transpose(0, 1) @ k.transpose(1, 2)  # (H, Q, L)
+    scores = scores / head_dim**0.5 if scale is None else scores * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     positions = torch.arange(num_keys - num_queries, num_keys)[:, None]
     keys_at = torch.arange(num_keys)[None, :]
     visible = keys_at <= positions
@@ -90,12 +94,12 @@ def test_mixed_prefill_and_decode_batch_matches_dense(
         seq_lens.append(seq_len), query_lens.append(new), tables.append(table)
         dense_keys.append(keys), dense_values.append(values)
     batch = PagedBatch.build(seq_lens=seq_lens, query_lens=query_lens, block_tables=tables,
-                             block_size=block_size, sliding_window=sliding_window)
+                             block_size=block_size)
     new_keys = torch.cat([k[-n:] for k, n in zip(dense_keys, query_lens, strict=False)])
     new_values = torch.cat([v[-n:] for v, n in zip(dense_values, query_lens, strict=False)])
     write_kv(k_cache, v_cache, new_keys, new_values, batch.slot_mapping, use_kernel=use_kernel)
     q = torch.randn(sum(query_lens), num_heads, head_dim, dtype=dtype)
-    got = paged_attention(q, k_cache, v_cache, batch, use_kernel=use_kernel)
+    got = paged_attention(q, k_cache, v_cache, batch, sliding_window=sliding_window, use_kernel=use_kernel)
     expected = torch.cat([
         _dense_reference(q_i, k, v, sliding_window)
         for q_i, k, v in zip(q.split(query_lens), dense_keys, dense_values, strict=False)
@@ -256,11 +260,72 @@ def test_prefill_kernel_matches_dense_over_random_chunks(dtype):
                                  block_tables=tables, block_size=block_size)
         write_kv(k_cache, v_cache, torch.cat(keys), torch.cat(values), whole.slot_mapping)
         batch = PagedBatch.build(seq_lens=[c + n for c, n in shapes], query_lens=[n for _, n in shapes],
-                                 block_tables=tables, block_size=block_size, sliding_window=window)
+                                 block_tables=tables, block_size=block_size)
         q = torch.randn(sum(n for _, n in shapes), num_kv_heads * group, head_dim, dtype=dtype)
-        got = paged_attention(q, k_cache, v_cache, batch)
+        got = paged_attention(q, k_cache, v_cache, batch, sliding_window=window)
         expected = torch.cat([_dense_reference(q_i, k, v, window) for q_i, k, v in
                               zip(q.split([n for _, n in shapes]), keys, values, strict=True)])
         diff = (got.float() - expected.float()).abs().max().item()
         assert diff < (1e-5 if dtype == torch.float32 else 2e-2), (case, shapes, num_kv_heads, group,
                                                                    head_dim, window, diff)
+
+
+@pytest.mark.parametrize("head_dim, block_size", [(8, 4), (64, 16), (128, 8), (256, 16)])
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["c-kernel", "pytorch"])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_soft_capped_attention_matches_dense(head_dim, block_size, use_kernel, window, dtype):
+    """Gemma 2's attention: scores times a scale of its own, then softcap * tanh(score / softcap),
+    then the mask and the softmax, over a batch of fresh prefills (two of several key tiles),
+    chunks after cached context, short decodes and two long ones (split into chunks by the
+    decode kernel and merged), against the dense float64 reference; through the C kernels (head
+    sizes 64 and 128 for prefills; 8 and 256 take the portable decode loop and PyTorch's
+    prefill) and through the PyTorch path, which cannot use SDPA for a capped call. The cap is
+    tight enough that ignoring it, or the scale, fails by far more than the tolerance."""
+    if use_kernel:
+        assert cpu_kernels.library() is not None, "the C kernel must build on the CI machine"
+    scale, softcap = 0.5 * head_dim**-0.5, 2.0
+    rng = random.Random(1)
+    torch.manual_seed(1)
+    shapes = [(0, 9), (0, 1), (13, 1), (6, 5), (70, 45), (0, 130), (40, 1), (600, 1), (1100, 1)]
+    num_kv_heads, num_heads = 2, 4
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in shapes) + 4
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    free_blocks = list(range(num_blocks))
+    rng.shuffle(free_blocks)
+    tables = [[free_blocks.pop() for _ in range(-(-(c + n) // block_size))] for c, n in shapes]
+    # Keys of a few times unit size, so that the scaled scores reach well past the cap.
+    keys = [3 * torch.randn(c + n, num_kv_heads, head_dim).to(dtype) for c, n in shapes]
+    values = [torch.randn(c + n, num_kv_heads, head_dim).to(dtype) for c, n in shapes]
+    lens = [c + n for c, n in shapes]
+    whole = PagedBatch.build(seq_lens=lens, query_lens=lens, block_tables=tables, block_size=block_size)
+    write_kv(k_cache, v_cache, torch.cat(keys), torch.cat(values), whole.slot_mapping, use_kernel=use_kernel)
+    query_lens = [n for _, n in shapes]
+    batch = PagedBatch.build(seq_lens=lens, query_lens=query_lens, block_tables=tables, block_size=block_size)
+    q = torch.randn(sum(query_lens), num_heads, head_dim).to(dtype)
+    got = paged_attention(q, k_cache, v_cache, batch, scale=scale, softcap=softcap, sliding_window=window,
+                          use_kernel=use_kernel)
+
+    def reference(**scoring):
+        return torch.cat([_dense_reference(q_i, k, v, window, **scoring).float()
+                          for q_i, k, v in zip(q.split(query_lens), keys, values, strict=True)])
+
+    expected = reference(scale=scale, softcap=softcap)
+    diff = (got.float() - expected).abs().max().item()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    uncapped = (reference(scale=scale) - expected).abs().max().item()
+    unscaled = (reference(softcap=softcap) - expected).abs().max().item()
+    print(f"{dtype} D={head_dim} window {window}: max diff {diff:.3g} (uncapped {uncapped:.3g}, "
+          f"head_dim**-0.5 {unscaled:.3g})")
+    assert diff < tolerance
+    assert min(uncapped, unscaled) > 10 * tolerance
+
+
+@pytest.mark.parametrize("bad", [{"softcap": 0.0}, {"softcap": -1.0}, {"sliding_window": 0}])
+def test_paged_attention_refuses_a_bad_soft_cap_or_window(bad):
+    """A soft cap that is not positive or a window under one key is a ValueError naming it."""
+    batch = PagedBatch.build(seq_lens=[3], query_lens=[1], block_tables=[[0]], block_size=4)
+    cache = torch.zeros(1, 4, 1, 8)
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        paged_attention(torch.zeros(1, 1, 8), cache, cache, batch, **bad)

@@ -90,7 +90,7 @@ def _load() -> ctypes.CDLL | None:
         return None
     lib.paged_decode_attention.restype = ctypes.c_int
     lib.paged_decode_attention.argtypes = (
-        [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_int] * 2
     )
     lib.arithmetic_dtype.restype = ctypes.c_int
     lib.arithmetic_dtype.argtypes = [ctypes.c_int]
@@ -101,7 +101,7 @@ def _load() -> ctypes.CDLL | None:
     lib.paged_prefill_attention.restype = ctypes.c_int
     lib.paged_prefill_attention.argtypes = (
         [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
-        + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        + [ctypes.c_float] * 2 + [ctypes.c_int] * 2
     )
     lib.gemv.restype = None
     lib.gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
@@ -208,8 +208,12 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # (B, max_blocks) int64
     seq_lens: torch.Tensor,  # (B,) int64
     sliding_window: int | None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # (B, H, D)
-    """One decode query per sequence against its paged keys and values (see the C source)."""
+    """One decode query per sequence against its paged keys and values (see the C source): scores
+    times `scale` (None: head_dim**-0.5), soft-capped at `softcap` where given."""
     lib = library()
     assert lib is not None and q.dtype in DTYPE_CODES and q.device.type == "cpu"
     q, block_tables, seq_lens = q.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
@@ -219,7 +223,8 @@ def paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         block_tables.data_ptr(), seq_lens.data_ptr(),
         num_seqs, block_tables.shape[1], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
-        sliding_window or 0, head_dim**-0.5, DTYPE_CODES[q.dtype], torch.get_num_threads(),
+        sliding_window or 0, head_dim**-0.5 if scale is None else scale, softcap or 0.0, DTYPE_CODES[q.dtype],
+        torch.get_num_threads(),
     )
     if status != 0:
         raise RuntimeError(f"paged_decode_attention kernel failed with status {status}")
@@ -253,9 +258,13 @@ def paged_prefill_attention_(
     seq_lens: torch.Tensor,  # (C,) int64: all tokens of its sequence
     block_tables: torch.Tensor,  # (C, max_blocks) int64
     sliding_window: int | None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of prefill chunks over their paged keys and values (see the C source). q
-    may be a view whose rows are strided (the fused q/k/v product's queries): it is read in place."""
+    """Causal attention of prefill chunks over their paged keys and values (see the C source),
+    `scale` and `softcap` as in `paged_decode_attention`. q may be a view whose rows are strided
+    (the fused q/k/v product's queries): it is read in place."""
     lib = library()
     assert lib is not None and supports_prefill_attention(q) and out.is_contiguous()
     q = _rows_of_heads(q)
@@ -264,7 +273,8 @@ def paged_prefill_attention_(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         chunk_rows.data_ptr(), chunk_lens.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
         len(chunk_rows), block_tables.shape[1], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
-        sliding_window or 0, head_dim**-0.5, DTYPE_CODES[q.dtype], torch.get_num_threads(),
+        sliding_window or 0, head_dim**-0.5 if scale is None else scale, softcap or 0.0, DTYPE_CODES[q.dtype],
+        torch.get_num_threads(),
     )
     if status != 0:
         raise RuntimeError(f"paged_prefill_attention kernel failed with status {status}")

@@ -260,7 +260,7 @@ class CpuDecodeGraph:
         """The greedy tokens of a step whose routing the C code declined, run module by module."""
         batch = PagedBatch.build(
             seq_lens=[p + 1 for p in positions], query_lens=[1] * len(positions), block_tables=block_tables,
-            block_size=self._shape.block_size, sliding_window=self.model.config.sliding_window,
+            block_size=self._shape.block_size,
         )
         hidden = self._run_fallback(torch.tensor(token_ids), torch.tensor(positions), batch)
         return cpu_kernels.argmax(self.model.compute_logits(hidden)).tolist()

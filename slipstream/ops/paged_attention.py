@@ -6,7 +6,11 @@ are in the blocks of its block table, token t at slot
 `block_table[t // block_size] * block_size + t % block_size` of the cache.
 
 `write_kv` stores the new tokens' keys and values. `paged_attention` attends every new token to
-its sequence's keys up to its own position (causal, optionally within a sliding window): one
+its sequence's keys up to its own position (causal, optionally within a sliding window), its
+scores times a scale (head_dim**-0.5 unless told, Gemma 2's is its own) and optionally soft-capped
+(Gemma 2: cap * tanh(score / cap) before the softmax). The window, scale and cap are the calling
+layer's own (Gemma 2 windows only some layers), so they are arguments of each call, not part of the
+step's `PagedBatch`, which every layer shares. One
 batched computation for all single-token (decode) sequences, and for the multi-token (prefill)
 chunks either one call of the C kernel (`cpu_kernels.paged_prefill_attention_`, reading the cache
 in place) or one SDPA call per chunk over its gathered keys. The tests check both against dense
@@ -42,7 +46,6 @@ class PagedBatch:
 
     slot_mapping: torch.Tensor  # (N,) int64: cache slot of each new token
     block_size: int
-    sliding_window: int | None
     prefills: list[PrefillChunk]
     prefill_rows: torch.Tensor  # (C,) int64: first flat-batch row of each prefill chunk
     prefill_query_lens: torch.Tensor  # (C,) int64
@@ -61,7 +64,6 @@ class PagedBatch:
         query_lens: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         block_size: int,
-        sliding_window: int | None = None,
         device: torch.device | str = "cpu",
     ) -> PagedBatch:
         """Layout for sequences given in batch order (their new tokens are consecutive)."""
@@ -91,7 +93,6 @@ class PagedBatch:
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             block_size=block_size,
-            sliding_window=sliding_window,
             prefills=prefills,
             prefill_rows=int64([c.token_start for c in prefills]),
             prefill_query_lens=int64([c.num_tokens for c in prefills]),
@@ -127,20 +128,31 @@ def paged_attention(
     v_cache: torch.Tensor,  # (P, S, K, D)
     batch: PagedBatch,
     *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
     use_kernel: bool = True,
 ) -> torch.Tensor:  # (N, H, D)
-    """Attention of each new token over its sequence's cached keys (see the module docstring).
+    """Attention of each new token over its sequence's cached keys (see the module docstring):
+    scores times `scale` (None: head_dim**-0.5), then `softcap * tanh(score / softcap)` where
+    `softcap` is given, each token seeing at most its `sliding_window` most recent keys.
 
     Decodes and prefills go through the C kernels of `cpu_kernels` where they apply and
     `use_kernel` is set, else through the PyTorch versions below.
     """
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1 or None, got {sliding_window}")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
     if not batch.prefills:  # a pure decode step: every row is a decode, in order
-        return _decode(q, k_cache, v_cache, batch, use_kernel)
+        return _decode(q, k_cache, v_cache, batch, scale, softcap, sliding_window, use_kernel)
     out = torch.empty_like(q)
     if use_kernel and cpu_kernels.supports_prefill_attention(q):
         cpu_kernels.paged_prefill_attention_(
             out, q, k_cache, v_cache, batch.prefill_rows, batch.prefill_query_lens,
-            batch.prefill_seq_lens, batch.prefill_block_tables, batch.sliding_window,
+            batch.prefill_seq_lens, batch.prefill_block_tables, sliding_window, scale=scale, softcap=softcap,
         )
     else:
         for chunk, padded_table in zip(batch.prefills, batch.prefill_block_tables, strict=True):
@@ -148,10 +160,10 @@ def paged_attention(
             table = padded_table[: -(-chunk.seq_len // batch.block_size)]
             keys = _gather(k_cache, table, chunk.seq_len)  # (L, K, D)
             values = _gather(v_cache, table, chunk.seq_len)
-            out[rows] = _attend(q[rows], keys, values, batch.sliding_window)
+            out[rows] = _attend(q[rows], keys, values, sliding_window, scale=scale, softcap=softcap)
     if len(batch.decode_token_rows):
         rows = batch.decode_token_rows
-        out[rows] = _decode(q[rows], k_cache, v_cache, batch, use_kernel)
+        out[rows] = _decode(q[rows], k_cache, v_cache, batch, scale, softcap, sliding_window, use_kernel)
     return out
 
 
@@ -160,13 +172,18 @@ def _decode(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     batch: PagedBatch,
+    scale: float,
+    softcap: float | None,
+    sliding_window: int | None,
     use_kernel: bool,
 ) -> torch.Tensor:  # (B, H, D)
     if use_kernel and cpu_kernels.supports(q):
         return cpu_kernels.paged_decode_attention(
-            q, k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens, batch.sliding_window
+            q, k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens, sliding_window,
+            scale=scale, softcap=softcap,
         )
-    return _batched_decode(q, k_cache, v_cache, batch)
+    return _batched_decode(q, k_cache, v_cache, batch, scale=scale, softcap=softcap,
+                           sliding_window=sliding_window)
 
 
 def _batched_decode(
@@ -174,6 +191,10 @@ def _batched_decode(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     batch: PagedBatch,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # (B, H, D)
     """All decode queries at once: gather their blocks, mask positions past each length."""
     num_seqs, num_heads, head_dim = q.shape
@@ -183,14 +204,17 @@ def _batched_decode(
     values = v_cache[batch.decode_block_tables].flatten(1, 2)[:, :max_len]
     positions = torch.arange(max_len, device=q.device)
     valid = positions[None, :] < batch.decode_seq_lens[:, None]  # (B, L)
-    if batch.sliding_window is not None:
-        valid &= positions[None, :] >= batch.decode_seq_lens[:, None] - batch.sliding_window
+    if sliding_window is not None:
+        valid &= positions[None, :] >= batch.decode_seq_lens[:, None] - sliding_window
     # Slots past a sequence's end were never written (the cache is not zeroed) and may hold any
     # bits; a zero weight times a NaN there would still be NaN, so clear them in the copy.
     values.masked_fill_(~valid[:, :, None, None], 0.0)
     group = num_heads // num_kv_heads
     q = q.view(num_seqs, num_kv_heads, group, head_dim)  # (B, K, G, D)
-    scores = torch.einsum("bkgd,blkd->bkgl", q, keys) * head_dim**-0.5  # (B, K, G, L)
+    scale = head_dim**-0.5 if scale is None else scale
+    scores = torch.einsum("bkgd,blkd->bkgl", q, keys) * scale  # (B, K, G, L)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores.float() / softcap)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     out = torch.einsum("bkgl,blkd->bkgd", probs, values)  # (B, K, G, D)
@@ -215,8 +239,12 @@ def _matmul_attention(
     keys: torch.Tensor,  # (1, H, L, D)
     values: torch.Tensor,  # (1, H, L, D)
     mask: torch.Tensor,  # (T, L) bool, True = may attend
+    scale: float,
+    softcap: float | None,
 ) -> torch.Tensor:  # (1, H, T, D)
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * q.shape[-1] ** -0.5  # (1, H, T, L)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # (1, H, T, L)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1).to(q.dtype)
     return torch.matmul(probs, values)
 
@@ -226,8 +254,15 @@ def _attend(
     keys: torch.Tensor,  # (L, K, D)
     values: torch.Tensor,  # (L, K, D)
     sliding_window: int | None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # (T, H, D)
+    """Causal attention of a chunk's queries over its sequence's keys: SDPA's fused kernel, or two
+    matmuls and an fp32 softmax where that is faster (short bf16 sequences) or where the scores
+    are soft-capped, which SDPA cannot do."""
     num_queries, num_heads = q.shape[0], q.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     num_keys, num_kv_heads = keys.shape[0], keys.shape[1]
     # 4-D (1, heads, len, D): SDPA's fused CPU kernels take only 4-D inputs (3-D falls back to
     # the unfused math path, about 40x slower here).
@@ -236,13 +271,18 @@ def _attend(
         keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)
         values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
     causal_only = num_queries == num_keys and (sliding_window is None or num_keys <= sliding_window)
-    if (q.device.type == "cpu" and q.dtype == torch.bfloat16 and num_keys <= _BF16_MATMUL_ATTENTION_MAX_KEYS
-            and onednn_multiplies(torch.bfloat16)):
+    cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    short_or_capped = num_keys <= _BF16_MATMUL_ATTENTION_MAX_KEYS or softcap is not None
+    if cpu_bf16 and short_or_capped and onednn_multiplies(torch.bfloat16):
         mask = causal_mask(num_queries, num_keys, sliding_window=sliding_window, device=q.device)
-        out = _matmul_attention(q, keys, values, mask)
+        out = _matmul_attention(q, keys, values, mask, scale, softcap)
+    elif softcap is not None:  # in fp32 where a bf16 matmul would take PyTorch's reference GEMM
+        mask = causal_mask(num_queries, num_keys, sliding_window=sliding_window, device=q.device)
+        wide = (x.float() for x in (q, keys, values)) if cpu_bf16 else (q, keys, values)
+        out = _matmul_attention(*wide, mask, scale, softcap).to(q.dtype)
     elif causal_only:
-        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
     else:
         mask = causal_mask(num_queries, num_keys, sliding_window=sliding_window, device=q.device)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     return out[0].transpose(0, 1)

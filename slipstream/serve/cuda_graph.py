@@ -71,15 +71,14 @@ class CudaDecodeGraphs:
     """Runs pure decode steps of 1 to `max_seqs` sequences from captured graphs."""
 
     def __init__(
-        self, forward: Forward, *, max_seqs: int, max_blocks: int, block_size: int,
-        sliding_window: int | None, pad_block: int, device: torch.device, capture: bool = True,
+        self, forward: Forward, *, max_seqs: int, max_blocks: int, block_size: int, pad_block: int,
+        device: torch.device, capture: bool = True,
     ) -> None:
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.max_seqs = max_seqs
         self.max_blocks = max_blocks
         self.block_size = block_size
-        self.sliding_window = sliding_window
         self.pad_block = pad_block
         self.capture = capture
         self._forward = forward
@@ -133,9 +132,8 @@ class CudaDecodeGraphs:
 
     def _static_batch(self, size: int, width: int) -> PagedBatch:
         return PagedBatch(
-            slot_mapping=self._slots[:size], block_size=self.block_size,
-            sliding_window=self.sliding_window, prefills=[], prefill_rows=self._empty,
-            prefill_query_lens=self._empty, prefill_seq_lens=self._empty,
+            slot_mapping=self._slots[:size], block_size=self.block_size, prefills=[],
+            prefill_rows=self._empty, prefill_query_lens=self._empty, prefill_seq_lens=self._empty,
             prefill_block_tables=self._empty.view(0, 0), decode_token_rows=self._rows[:size],
             decode_block_tables=self._block_tables[:size, :width], decode_seq_lens=self._seq_lens[:size],
             decode_max_len=width * self.block_size,

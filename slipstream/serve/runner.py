@@ -57,7 +57,8 @@ class PagedKVCache:
 
 @dataclasses.dataclass(frozen=True)
 class PagedAttention:
-    """The model's `attn` argument for one step: write new K/V into the cache, then attend."""
+    """The model's `attn` argument for one step: write new K/V into the cache, then attend with the
+    calling layer's scale, soft cap and window (Gemma 2's differ from layer to layer)."""
 
     cache: PagedKVCache
     batch: PagedBatch
@@ -69,10 +70,15 @@ class PagedAttention:
         q: torch.Tensor,  # (1, N, H, D)
         k: torch.Tensor,  # (1, N, K, D)
         v: torch.Tensor,  # (1, N, K, D)
+        *,
+        scale: float,
+        softcap: float | None,
+        sliding_window: int | None,
     ) -> torch.Tensor:  # (1, N, H, D)
         k_cache, v_cache = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         write_kv(k_cache, v_cache, k[0], v[0], self.batch.slot_mapping, use_kernel=self.use_kernel)
-        return paged_attention(q[0], k_cache, v_cache, self.batch, use_kernel=self.use_kernel)[None]
+        return paged_attention(q[0], k_cache, v_cache, self.batch, scale=scale, softcap=softcap,
+                               sliding_window=sliding_window, use_kernel=self.use_kernel)[None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +125,7 @@ class Runner:
         if cuda_graphs:
             self.decode_graph = CudaDecodeGraphs(
                 self.hidden_states, max_seqs=max_num_seqs, max_blocks=-(-max_model_len // block_size),
-                block_size=block_size, sliding_window=model.config.sliding_window, pad_block=num_blocks,
-                device=device,
+                block_size=block_size, pad_block=num_blocks, device=device,
             )
         elif device.type == "cpu" and use_kernels and not enforce_eager:
             self.decode_graph = CpuDecodeGraph.build(model, self.cache.keys, self.cache.values,
@@ -157,7 +162,6 @@ class Runner:
                 query_lens=[c.num_tokens for c in plan.chunks],
                 block_tables=[c.block_ids for c in plan.chunks],
                 block_size=self.cache.block_size,
-                sliding_window=self.model.config.sliding_window,
                 device=self.device,
             )
             device = self.device
@@ -203,8 +207,7 @@ class Runner:
             for step in range(num_steps):
                 batch = PagedBatch.build(
                     seq_lens=[c.start + step + 1 for c in chunks], query_lens=[1] * len(chunks),
-                    block_tables=block_tables, block_size=self.cache.block_size,
-                    sliding_window=self.model.config.sliding_window, device=self.device,
+                    block_tables=block_tables, block_size=self.cache.block_size, device=self.device,
                 )
                 hidden = self._decode_or_forward(self._graph_for(batch), token_ids, positions + step, batch)
                 token_ids = argmax(self._compute_logits(hidden))
@@ -234,8 +237,7 @@ class Runner:
                 tables += [table] * (1 + len(draft))
             batch = PagedBatch.build(
                 seq_lens=[position + 1 for position in positions], query_lens=[1] * len(positions),
-                block_tables=tables, block_size=self.cache.block_size,
-                sliding_window=self.model.config.sliding_window, device=self.device,
+                block_tables=tables, block_size=self.cache.block_size, device=self.device,
             )
             token_ids = torch.tensor(token_ids, device=self.device)
             positions = torch.tensor(positions, device=self.device)

@@ -15,7 +15,9 @@
  * Layouts (row-major): q and out (num_seqs, num_heads, head_dim); k_cache and v_cache
  * (num_blocks, block_size, num_kv_heads, head_dim); block_tables (num_seqs, max_blocks) int64;
  * seq_lens (num_seqs,) int64. Query head h uses kv head h / (num_heads / num_kv_heads).
- * window > 0 limits each query to its `window` most recent keys (itself included).
+ * window > 0 limits each query to its `window` most recent keys (itself included). softcap > 0
+ * (Gemma 2) turns each scaled score s into softcap * tanh(s / softcap) before the softmax; that pass
+ * runs only then, over the stored scores, so the kernels without it do what they did before.
  *
  * Built with -ffast-math for vectorised expf and reductions, but linked without it, so the
  * library does not switch the process to flush-to-zero when it is loaded. head_dim 64 and 128
@@ -24,6 +26,12 @@
  * Prefill attention (many new query tokens per sequence, paged_prefill_attention) follows below.
  */
 #include "common.h"
+
+/* scores[0:n] = cap * tanh(scores / cap): Gemma 2's soft cap, on scores already scaled. */
+static void soft_cap(float *scores, int64_t n, float cap) {
+    const float inverse = 1.0f / cap;
+    for (int64_t t = 0; t < n; t++) scores[t] = cap * tanhf(scores[t] * inverse);
+}
 
 /* Fixed-size fp32 copy of a head_dim row: the cache row itself (fp32) or a widened copy. */
 static inline const float *row_f32(const void *base, int64_t index, int64_t head_dim, int dtype,
@@ -174,7 +182,7 @@ static inline __attribute__((always_inline)) void attend_one(
         const void *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
         int64_t first, int64_t end, int64_t seq, int64_t kv_first, int64_t kv_count,
         int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim, int64_t block_size,
-        float scale, int dtype, float *scratch, next_sequence *next, float *partial) {
+        float scale, float softcap, int dtype, float *scratch, next_sequence *next, float *partial) {
     (void)next;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t num_keys = end - first;
@@ -201,6 +209,10 @@ static inline __attribute__((always_inline)) void attend_one(
                 scores[t] = dot;
                 max_score = dot > max_score ? dot : max_score;
             })
+            if (softcap > 0.0f) {  /* monotonic: the largest score stays the largest */
+                soft_cap(scores, num_keys, softcap);
+                soft_cap(&max_score, 1, softcap);
+            }
             float sum = 0.0f;
             for (int64_t i = 0; i < num_keys; i++) {
                 scores[i] = expf(scores[i] - max_score);
@@ -371,7 +383,7 @@ static inline __attribute__((always_inline)) void attend_avx512(
         const void *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
         int64_t first, int64_t end, int64_t seq, int64_t kv_first, int64_t kv_count,
         int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim, int64_t block_size,
-        float scale, int dtype, float *scratch, next_sequence *next, float *partial) {
+        float scale, float softcap, int dtype, float *scratch, next_sequence *next, float *partial) {
     const int64_t group = num_heads / num_kv_heads, heads = kv_count * group;
     const int64_t num_keys = end - first;
     const int64_t stride = (num_keys + TILE - 1) / TILE * TILE;
@@ -405,6 +417,8 @@ static inline __attribute__((always_inline)) void attend_avx512(
             _mm512_storeu_ps(scores + h * stride + t0, tile_scores);
         }
     }
+    if (softcap > 0.0f)
+        for (int64_t h = 0; h < heads; h++) soft_cap(scores + h * stride, num_keys, softcap);
     float max_scores[heads], sums[heads];
     exponentiate_rows(scores, heads, stride, num_keys, max_scores, sums);
     for (int64_t i = 0; i < heads * head_dim; i++) acc[i] = 0.0f;
@@ -485,7 +499,7 @@ static inline __attribute__((always_inline)) void attend_avx2(
         const void *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
         int64_t first, int64_t end, int64_t seq, int64_t kv_first, int64_t kv_count,
         int64_t num_heads, int64_t num_kv_heads, const int64_t head_dim, int64_t block_size,
-        float scale, int dtype, float *scratch, next_sequence *next, float *partial) {
+        float scale, float softcap, int dtype, float *scratch, next_sequence *next, float *partial) {
     const int64_t group = num_heads / num_kv_heads, heads = kv_count * group;
     const int64_t num_keys = end - first;
     const int64_t stride = (num_keys + TILE - 1) / TILE * TILE;
@@ -528,6 +542,8 @@ static inline __attribute__((always_inline)) void attend_avx2(
             }
         }
     }
+    if (softcap > 0.0f)
+        for (int64_t h = 0; h < heads; h++) soft_cap(scores + h * stride, num_keys, softcap);
     float max_scores[heads], sums[heads];
     exponentiate_rows(scores, heads, stride, num_keys, max_scores, sums);
     for (int64_t i = 0; i < heads * head_dim; i++) acc[i] = 0.0f;
@@ -564,17 +580,17 @@ static inline __attribute__((always_inline)) void attend_avx2(
  * attention_tasks to normalise, or to merge with the sequence's other chunks. */
 typedef void (*attend_fn)(const void *, const void *, const void *, const int64_t *, int64_t,
                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                          float, int, float *, next_sequence *, float *);
+                          float, float, int, float *, next_sequence *, float *);
 
 #define DEFINE_ATTEND(NAME, IMPL, HEAD_DIM, DTYPE)                                             \
     static void NAME(const void *q, const void *k, const void *v, const int64_t *table,       \
                      int64_t first, int64_t end, int64_t seq, int64_t kv_first,                \
                      int64_t kv_count, int64_t num_heads, int64_t num_kv_heads,                \
-                     int64_t head_dim, int64_t block_size, float scale, int dtype,             \
-                     float *scratch, next_sequence *next, float *partial) {                    \
+                     int64_t head_dim, int64_t block_size, float scale, float softcap,         \
+                     int dtype, float *scratch, next_sequence *next, float *partial) {         \
         (void)dtype; (void)head_dim;                                                           \
         IMPL(q, k, v, table, first, end, seq, kv_first, kv_count, num_heads, num_kv_heads,    \
-             HEAD_DIM, block_size, scale, DTYPE, scratch, next, partial);                      \
+             HEAD_DIM, block_size, scale, softcap, DTYPE, scratch, next, partial);             \
     }
 /* Constant head sizes and dtypes let the compiler unroll and drop branches in the hot loops. */
 DEFINE_ATTEND(attend_any, attend_one, head_dim, dtype)  /* variable-length arrays, any head size */
@@ -711,8 +727,8 @@ static void chunk_keys(const decode_split *split, const int64_t *seq_lens, int64
 void attention_tasks(task_team *team, const void *q, const void *k_cache, const void *v_cache, void *out,
                      const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
                      int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                     int64_t block_size, int64_t window, float scale, int dtype, int num_threads,
-                     float *scratch, const decode_split *split) {
+                     int64_t block_size, int64_t window, float scale, float softcap, int dtype,
+                     int num_threads, float *scratch, const decode_split *split) {
     /* Whole chunks (all kv heads) per task when there are enough of them to keep every thread
      * busy; then each thread's share is a run of consecutive chunks, so that it knows its next
      * chunk and can request it early. Against the round-robin static loop before, 12 layers'
@@ -771,7 +787,7 @@ void attention_tasks(task_team *team, const void *q, const void *k_cache, const 
         float *partial = is_split ? partials + (chunk * num_heads + h0) * partial_floats : scratch;
         if (scratch != NULL && end > first) {
             attend(q, k_cache, v_cache, block_tables + seq * max_blocks, first, end, seq, kv_first,
-                   kv_per_task, num_heads, num_kv_heads, head_dim, block_size, scale, dtype,
+                   kv_per_task, num_heads, num_kv_heads, head_dim, block_size, scale, softcap, dtype,
                    scratch + num_heads * partial_floats, &next, partial);
             if (!is_split)
                 write_heads(partial, 1, 0, out, seq, h0, kv_per_task * group, num_heads, head_dim, dtype);
@@ -794,7 +810,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
                            const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
                            int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t block_size, int64_t window, float scale,
-                           int dtype, int num_threads) {
+                           float softcap, int dtype, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
     const int64_t scratch_floats =
         attention_scratch_floats(max_seq_len(seq_lens, num_seqs), num_heads, head_dim);
@@ -809,7 +825,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
         float *scratch = thread_scratch(scratch_floats, &failed);
         task_team team = team_of(shares);
         attention_tasks(&team, q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, max_blocks,
-                        num_heads, num_kv_heads, head_dim, block_size, window, scale, dtype,
+                        num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, dtype,
                         num_threads, scratch, &split);
         free(scratch);
     }
@@ -832,7 +848,8 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
  * when packed and the arithmetic is fp32. The queries of chunk c are the last chunk_lens[c] of
  * its seq_lens[c] positions (their keys already written to the cache), at rows chunk_rows[c] of q
  * and out: out (rows, num_heads, head_dim), q rows of num_heads x head_dim values q_stride
- * elements apart (the queries where the fused q/k/v product left them). head_dim 64 or 128.
+ * elements apart (the queries where the fused q/k/v product left them). head_dim 64 or 128. A soft
+ * cap (softcap > 0) applies to each row's visible scores of a tile before its max is taken.
  */
 /* Query blocks of 64 ran 5-15% faster than blocks of 32 (each key tile packed for more rows) and
  * than blocks of 128 below 2048 tokens (benchmarks/prefill_attention.py, bf16). */
@@ -1281,11 +1298,11 @@ static inline __mmask16 key_mask(int64_t lo, int64_t hi) {
 }
 #endif
 
-/* The causal and window masks and the online softmax over one tile's scores (keys [j0, j0 + n)):
- * each row's scores become its probabilities against the running max, which, with the running
- * sum and the row's accumulator, is brought up to date. */
+/* The soft cap (where softcap > 0), the causal and window masks and the online softmax over one
+ * tile's scores (keys [j0, j0 + n)): each row's scores become its probabilities against the
+ * running max, which, with the running sum and the row's accumulator, is brought up to date. */
 static WIDE_VECTORS void softmax_tile(prefill_scratch w, int64_t rows, int64_t group, int64_t p0, int64_t j0,
-                                      int64_t n, int64_t window, int64_t D) {
+                                      int64_t n, int64_t window, float softcap, int64_t D) {
     for (int64_t r = 0; r < rows; r++) {
         const int64_t position = p0 + r / group;
         const int64_t begin = window > 0 && position - window + 1 > j0 ? position - window + 1 - j0 : 0;
@@ -1295,6 +1312,7 @@ static WIDE_VECTORS void softmax_tile(prefill_scratch w, int64_t rows, int64_t g
             memset(s, 0, PREFILL_KEYS * sizeof(float));
             continue;
         }
+        if (softcap > 0.0f) soft_cap(s + begin, end - begin, softcap);
         float sum = 0.0f, new_max;
 #if defined(__AVX512F__)
         /* Only the 16-key chunks that hold keys [begin, end): the scores past them were not
@@ -1340,7 +1358,7 @@ static void prefill_task(const void *q, int64_t q_stride, const void *k_cache, c
                          void *out, const int64_t *block_table, int64_t row0, int64_t first_position,
                          int64_t p0, int64_t count, int64_t g, int64_t group, int64_t num_heads,
                          int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t window,
-                         float scale, int dtype, prefill_scratch w) {
+                         float scale, float softcap, int dtype, prefill_scratch w) {
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2, rows = count * group;
 #if defined(__AVX512BF16__)
     const int bf16 = dtype == DTYPE_BF16;
@@ -1373,7 +1391,7 @@ static void prefill_task(const void *q, int64_t q_stride, const void *k_cache, c
 #if defined(SLIPSTREAM_AMX)
             if (amx) {
                 amx_scores((const uint16_t *)w.q, (const uint32_t *)w.kt, w.s, rows, D, scale, &configured);
-                softmax_tile(w, rows, group, p0, j0, n, window, D);
+                softmax_tile(w, rows, group, p0, j0, n, window, softcap, D);
                 pair_probabilities(w.s, w.p, rows);
                 amx_values(w.p, (const uint32_t *)w.v, w.o, rows, D, &configured);
                 continue;
@@ -1389,7 +1407,7 @@ static void prefill_task(const void *q, int64_t q_stride, const void *k_cache, c
                     (const uint32_t *)w.q + r * D / 2, (const uint32_t *)w.kt, w.s + r * PREFILL_KEYS, D / 2,
                     scale);
             }
-            softmax_tile(w, rows, group, p0, j0, n, window, D);
+            softmax_tile(w, rows, group, p0, j0, n, window, softcap, D);
             pair_probabilities(w.s, w.p, rows);
             const int64_t step = D == 64 ? 6 : 2;
             for (int64_t r = 0; r < rows; r += step) {
@@ -1403,7 +1421,7 @@ static void prefill_task(const void *q, int64_t q_stride, const void *k_cache, c
 #endif
         pack_tile_f32(k_cache, v_cache, block_table, j0, n, g, num_kv_heads, D, block_size, dtype, w);
         score_products(w.q, w.kt, w.s, rows, D);
-        softmax_tile(w, rows, group, p0, j0, n, window, D);
+        softmax_tile(w, rows, group, p0, j0, n, window, softcap, D);
         value_products(w.s, w.v, w.o, rows, n, D);
     }
 #if defined(SLIPSTREAM_AMX)
@@ -1428,7 +1446,8 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
                             void *out, const int64_t *chunk_rows, const int64_t *chunk_lens,
                             const int64_t *seq_lens, const int64_t *block_tables, int64_t num_chunks,
                             int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, int64_t window, float scale, int dtype, int num_threads) {
+                            int64_t block_size, int64_t window, float scale, float softcap, int dtype,
+                            int num_threads) {
 #if defined(__AVX512F__) || defined(SLIPSTREAM_AVX2)
     if (!has_prefill_attention(head_dim) || num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
     for (int64_t c = 0; c < num_chunks; c++)
@@ -1460,7 +1479,7 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
             if (base != NULL)
                 prefill_task(q, q_stride, k_cache, v_cache, out, block_tables + c * max_blocks,
                              chunk_rows[c], first_position, p0, count, g, group, num_heads, num_kv_heads,
-                             head_dim, block_size, window, scale, dtype, w);
+                             head_dim, block_size, window, scale, softcap, dtype, w);
         }
         free(base);
     }
@@ -1469,7 +1488,7 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
     (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)out, (void)chunk_rows, (void)chunk_lens;
     (void)seq_lens;
     (void)block_tables, (void)num_chunks, (void)max_blocks, (void)num_heads, (void)num_kv_heads;
-    (void)head_dim, (void)block_size, (void)window, (void)scale, (void)dtype, (void)num_threads;
+    (void)head_dim, (void)block_size, (void)window, (void)scale, (void)softcap, (void)dtype, (void)num_threads;
     return 2;
 #endif
 }

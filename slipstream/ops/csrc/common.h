@@ -284,7 +284,7 @@ void free_decode_split(decode_split *split);
 void attention_tasks(task_team *team, const void *q, const void *k_cache, const void *v_cache, void *out,
                      const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
                      int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                     int64_t block_size, int64_t window, float scale, int dtype, int num_threads,
-                     float *scratch, const decode_split *split);
+                     int64_t block_size, int64_t window, float scale, float softcap, int dtype,
+                     int num_threads, float *scratch, const decode_split *split);
 
 #endif

@@ -1799,7 +1799,8 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
                 memcpy((char *)layer->v_cache + slots[m] * kv_size * elem, v_row, kv_size * elem);
             }
             attention_tasks(&team, q, layer->k_cache, layer->v_cache, attn, block_tables, seq_lens, M,
-                            max_blocks, H, KV, D, shape->block_size, shape->window, shape->scale, dtype,
+                            max_blocks, H, KV, D, shape->block_size, shape->window, shape->scale,
+                            0.0f /* no soft cap: decode_graph declines such models */, dtype,
                             num_threads, scratch, &split);
             decode_linear_add_norm(&team, layer->o_weight, layer->o_panels, layer->o_bias, attn, x, product,
                                    layer->post_norm, normed, M, E, q_size, shape->eps, dtype);
