@@ -249,6 +249,14 @@ def _not_a_view(module: nn.Module, args: Any, logits: torch.Tensor) -> torch.Ten
     return torch.ops.aten._unsafe_view(logits, logits.shape)
 
 
+_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm")
+"""The norms a decoder layer may hold: `DecoderLayer` the first two, Gemma 2's
+`SandwichDecoderLayer` all four."""
+_SANDWICH_POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
+"""A `SandwichDecoderLayer`'s norms of the attention's and the MLP's outputs."""
+
+
 def _layer_plan(layer: nn.Module, stream: Placement) -> dict[str, ParallelStyle]:
     """One decoder layer's tensor-parallel plan with the residual stream in `stream` layout.
 
@@ -274,20 +282,24 @@ def _layer_plan(layer: nn.Module, stream: Placement) -> dict[str, ParallelStyle]
     for mlp in mlps:
         plan |= {f"{mlp}.gate_proj": ColwiseParallel(), f"{mlp}.up_proj": ColwiseParallel(),
                  f"{mlp}.down_proj": RowwiseParallel(output_layouts=Replicate() if moe else stream)}
+    # Every norm takes and returns the stream's layout: Llama's two norm the blocks' inputs, Gemma
+    # 2's post-attention and post-feedforward norms the row-parallel outputs (reduce-scattered to
+    # the stream's layout), whose results the residual adds take as plain tensors, its
+    # pre-feedforward norm the MLP's input.
+    norms = [name for name in _LAYER_NORMS if hasattr(layer, name)]
+    to_residual = _SANDWICH_POST_NORMS if hasattr(layer, "post_feedforward_layernorm") else ()
     if isinstance(stream, Shard):  # gather the sequence before each block (x, cos, sin, attn)
         gather = dict(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
-        plan |= {
-            "input_layernorm": SequenceParallel(),
+        plan |= {name: SequenceParallel(use_local_output=name in to_residual) for name in norms} | {
             "self_attn": PrepareModuleInput(input_layouts=(stream, None, None, None),
                                             desired_input_layouts=(Replicate(), None, None, None),
                                             use_local_output=True),
-            "post_attention_layernorm": SequenceParallel(),
             "mlp": PrepareModuleInputOutput(**gather, use_local_input=True, output_layouts=(Replicate(),),
                                             desired_output_layouts=(stream,))
             if moe else PrepareModuleInput(**gather, use_local_output=True),
         }
     else:
-        plan |= {"input_layernorm": ReplicateParallel(), "post_attention_layernorm": ReplicateParallel()}
+        plan |= {name: ReplicateParallel() for name in norms}
     if hasattr(layer.self_attn, "q_norm"):  # (B, T, local heads, D): the heads are dim 2
         plan |= {"self_attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
                  "self_attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)}
