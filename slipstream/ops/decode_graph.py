@@ -17,7 +17,10 @@ only panel-packed ones where the panel kernel takes every size) and
 to pure decode steps of at most `cpu_kernels.MAX_GEMV_ROWS` sequences, or of up to
 `linear.MAX_PANEL_ROWS` where the panel-packed weights are kept as well; `build` returns None for
 any other model and callers keep the module-by-module path, which the tests check it against
-(equal bit for bit, through the same compiled kernels) as well as against the plain model.
+(equal bit for bit, through the same compiled kernels) as well as against the plain model. The C
+layer stack is Llama's (`_layer_attention` lists what it checks): Gemma (its norm, scaled
+embeddings, GeGLU) and Gemma 2 (norms around attention and the MLP, soft caps, a window on some
+layers only, its own score scale) get no graph.
 
 Mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE, mixed with dense ones) run in the call
 too, in place of ~45 eager ops per layer and step: the router's product, the routing as
@@ -47,8 +50,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from slipstream.model.transformer import MLP, SparseMoeBlock, Transformer, rope_cos_sin
+from slipstream.model.transformer import (
+    MLP,
+    DecoderLayer,
+    RMSNorm,
+    SiluAndMul,
+    SparseMoeBlock,
+    Transformer,
+    rope_cos_sin,
+)
 from slipstream.ops import cpu_kernels
+from slipstream.ops.inference import KernelRMSNorm, KernelSiluAndMul
 from slipstream.ops.linear import MAX_PANEL_ROWS, PackedLinear
 from slipstream.ops.paged_attention import PagedBatch
 
@@ -123,6 +135,7 @@ class CpuDecodeGraph:
             raise ValueError(f"cache blocks must be (blocks, block_size, {cache_shape[0]}, {cache_shape[1]})")
         binder = _Binder(embedding.dtype)
         try:
+            scale, window = _layer_attention(model)
             if model.lm_head.out_features != embedding.shape[0]:
                 raise _NotApplicable(f"an lm_head of {model.lm_head.out_features} rows for a vocabulary of "
                                      f"{embedding.shape[0]}")
@@ -145,12 +158,12 @@ class CpuDecodeGraph:
             num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
             num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim, intermediate_size=config.intermediate_size,
-            block_size=keys[0].shape[1], window=config.sliding_window or 0, vocab_size=embedding.shape[0],
+            block_size=keys[0].shape[1], window=window or 0, vocab_size=embedding.shape[0],
             rotary_dim=config.rotary_dim, num_experts=config.num_experts if blocks else 0,
             top_k=config.num_experts_per_tok if blocks else 0,
             moe_intermediate_size=experts.intermediate_size if experts else 0,
             shared_intermediate_size=(config.shared_expert_intermediate_size or 0) if blocks else 0,
-            eps=config.rms_norm_eps, scale=config.head_dim**-0.5,
+            eps=config.rms_norm_eps, scale=scale,
             dtype=cpu_kernels.DTYPE_CODES[embedding.dtype],
         )
         panels = tensors.lm_head_panels and binder.all_panels
@@ -310,6 +323,38 @@ class CpuDecodeGraph:
         self._rope = rope_cos_sin(rope.inv_freq, torch.arange(size), self._dtype, rope.scale)
         self._tensors.rope_cos, self._tensors.rope_sin = (table.data_ptr() for table in self._rope)
         self._tensors.rope_positions = size
+
+
+def _layer_attention(model: Transformer) -> tuple[float, int | None]:
+    """The score scale and sliding window that every layer's attention shares; raises
+    _NotApplicable for a model whose math the C layer stack does not implement: the Llama layer
+    (RMSNorm before attention and before the MLP, SwiGLU), unscaled embeddings, one scale and one
+    window for all layers, and neither attention scores nor logits soft-capped. Gemma and Gemma 2
+    differ in each of these, and their modules would otherwise bind as if they did not (a
+    GemmaRMSNorm has a weight too; a GeGLU MLP has the same gate/up linear)."""
+    decoder, config = model.model, model.config
+    if getattr(decoder, "embed_scale", None) is not None:
+        raise _NotApplicable("embeddings scaled by sqrt(hidden_size)")
+    if config.final_logit_softcapping is not None:
+        raise _NotApplicable("soft-capped logits")
+    if not isinstance(decoder.norm, (RMSNorm, KernelRMSNorm)):
+        raise _NotApplicable(f"a final {type(decoder.norm).__name__}")
+    attentions = [layer.self_attn for layer in decoder.layers]
+    for layer in decoder.layers:
+        if type(layer) is not DecoderLayer:
+            raise _NotApplicable(f"a {type(layer).__name__} (norms where the Llama layer has none)")
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if not isinstance(norm, (RMSNorm, KernelRMSNorm)):
+                raise _NotApplicable(f"a {type(norm).__name__}")
+        if isinstance(layer.mlp, MLP) and not isinstance(layer.mlp.act, (SiluAndMul, KernelSiluAndMul)):
+            raise _NotApplicable(f"an MLP with {type(layer.mlp.act).__name__}, not SwiGLU")
+    if any(attention.softcap is not None for attention in attentions):
+        raise _NotApplicable("soft-capped attention scores")
+    scales, windows = {a.scale for a in attentions}, {a.sliding_window for a in attentions}
+    if len(scales) > 1 or len(windows) > 1:
+        raise _NotApplicable(f"layers of different attention scales {sorted(scales)} or windows "
+                             f"{sorted(windows, key=str)}")
+    return scales.pop(), windows.pop()
 
 
 class _Binder:
