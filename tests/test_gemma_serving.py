@@ -14,6 +14,7 @@ model given any one of their parts), and the engine decodes them module by modul
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import pytest
@@ -29,7 +30,12 @@ from slipstream.model.create import stdlib_tokenizer
 from slipstream.model.transformer import GeluTanhAndMul, GemmaRMSNorm
 from slipstream.ops import cpu_kernels
 from slipstream.ops.decode_graph import CpuDecodeGraph
-from slipstream.ops.inference import optimize_for_cpu_inference
+from slipstream.ops.inference import (
+    KernelDecoder,
+    KernelGeluTanhAndMul,
+    KernelGemmaRMSNorm,
+    optimize_for_cpu_inference,
+)
 from slipstream.perf.flops import kv_cache_bytes_per_token
 from slipstream.serve.runner import PagedKVCache
 
@@ -196,3 +202,60 @@ def test_bf16_runs_and_mostly_agrees(gemma_dir, reference):
     print(f"{family} bf16: {agree} of {MAX_NEW_TOKENS} tokens agree per prompt")
     assert all(e[0] == g[0] for e, g in zip(expected, got, strict=True))
     assert sum(agree) >= 0.5 * NUM_PROMPTS * MAX_NEW_TOKENS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_kernels_match_modules(dtype):
+    """The C kernels of Gemma's norm (alone and after a residual sum) and of its GeGLU equal the
+    PyTorch modules to rounding: fp32 within a few ulps (another summation order; GELU through
+    exp rather than tanh), bf16 within one bf16 step and mostly bit for bit; the residual sum
+    itself is PyTorch's exactly."""
+    torch.manual_seed(0)
+    norm = GemmaRMSNorm(192, 1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(0.0, 0.5)
+    norm = norm.to(dtype)
+    x, residual = (3 * torch.randn(2, 37, 192)).to(dtype), torch.randn(2, 37, 192).to(dtype)
+    gate_up = (3 * torch.randn(37, 2 * 160)).to(dtype)
+    summed = residual.clone()
+    with torch.no_grad():
+        pairs = {
+            "norm": (cpu_kernels.rms_norm(x, norm.weight, norm.eps, one_plus_weight=True), norm(x)),
+            "add + norm": (cpu_kernels.add_rms_norm_(summed, x, norm.weight, norm.eps, one_plus_weight=True),
+                           norm(residual + x)),
+            "gelu-tanh-and-mul": (cpu_kernels.gelu_tanh_and_mul(gate_up), GeluTanhAndMul()(gate_up)),
+        }
+    assert torch.equal(summed, residual + x)
+    step = 1e-5 if dtype == torch.float32 else 2**-7  # relative: a few fp32 ulps, one bf16 step
+    for name, (got, expected) in pairs.items():
+        diff = (got.float() - expected.float()).abs().max().item()
+        scale = expected.float().abs().max().item()
+        equal = (got == expected).float().mean().item()
+        print(f"{dtype} {name}: max diff {diff:.3g} (scale {scale:.3g}), {equal:.1%} bit for bit")
+        assert diff <= step * scale
+        assert dtype == torch.float32 or equal > 0.8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_fast_path_matches_plain_model(family, dtype):
+    """optimize_for_cpu_inference on Gemma and Gemma 2 swaps in the Gemma norm and GeGLU kernels and
+    the fused-residual decoder (Gemma 2's four norms a layer, the scaled embeddings) and gives the
+    plain model's logits to rounding."""
+    config = ModelConfig(**SHAPE, **CONFIGS[family])
+    plain = random_model(config, dtype)
+    fast = optimize_for_cpu_inference(copy.deepcopy(plain))
+    modules = list(fast.modules())
+    assert not any(isinstance(m, (GemmaRMSNorm, GeluTanhAndMul)) for m in modules)
+    num_norms = sum(isinstance(m, GemmaRMSNorm) for m in plain.modules())
+    assert sum(isinstance(m, KernelGemmaRMSNorm) for m in modules) == num_norms
+    assert sum(isinstance(m, KernelGeluTanhAndMul) for m in modules) == config.num_hidden_layers
+    assert isinstance(fast.model, KernelDecoder)
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 23), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(23).expand(2, 23)
+    with torch.inference_mode():
+        expected, got = plain(ids, positions).float(), fast(ids, positions).float()
+    diff = (expected - got).abs().max().item()
+    scale = expected.abs().max().item()
+    print(f"{family} {dtype}: max |logit diff| {diff:.3g} (logit scale {scale:.3g})")
+    assert diff < (5e-2 * scale if dtype == torch.bfloat16 else 1e-4 * scale)

@@ -121,16 +121,16 @@ def _load() -> ctypes.CDLL | None:
     lib.write_kv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = (
-        [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float] + [ctypes.c_int] * 3
     )
     lib.add_rms_norm.restype = None
     lib.add_rms_norm.argtypes = (
-        [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float] + [ctypes.c_int] * 3
     )
     lib.rotary_embedding.restype = None
     lib.rotary_embedding.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_int] * 2
-    lib.silu_and_mul.restype = None
-    lib.silu_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
+    lib.act_and_mul.restype = None
+    lib.act_and_mul.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 3
     lib.argmax_rows.restype = None
     lib.argmax_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
     lib.moe_experts.restype = ctypes.c_int
@@ -529,21 +529,27 @@ def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension, rounding as Hugging Face's implementation does."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, one_plus_weight: bool = False
+) -> torch.Tensor:
+    """RMSNorm over the last dimension, rounding as Hugging Face's implementation does; with
+    `one_plus_weight` Gemma's: times (1 + weight), all in fp32, rounded once at the end."""
     lib = library()
     assert lib is not None and supports(x) and weight.dtype == x.dtype
     x = x.contiguous()
     out = torch.empty_like(x)
     dim = x.shape[-1]
-    lib.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
+    lib.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps, one_plus_weight,
                  DTYPE_CODES[x.dtype], torch.get_num_threads())
     return out
 
 
-def add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rms_norm_(
+    residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+    one_plus_weight: bool = False,
+) -> torch.Tensor:
     """residual += x in place (rounded as PyTorch's `residual + x`), then `rms_norm` of the new
-    residual, in one pass over the rows; returns the normed rows."""
+    residual (Gemma's with `one_plus_weight`), in one pass over the rows; returns the normed rows."""
     lib = library()
     assert lib is not None and supports(x) and residual.is_contiguous() and residual.shape == x.shape
     assert residual.dtype == x.dtype == weight.dtype
@@ -551,7 +557,8 @@ def add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
     out = torch.empty_like(residual)
     dim = residual.shape[-1]
     lib.add_rms_norm(residual.data_ptr(), x.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                     residual.numel() // dim, dim, eps, DTYPE_CODES[x.dtype], torch.get_num_threads())
+                     residual.numel() // dim, dim, eps, one_plus_weight, DTYPE_CODES[x.dtype],
+                     torch.get_num_threads())
     return out
 
 
@@ -577,13 +584,23 @@ def rotary_embedding_(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # (..., 2F) -> (..., F)
     """silu(gate) * up for x = [gate, up] along the last dimension, in one pass."""
+    return _act_and_mul(x, gelu=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:  # (..., 2F) -> (..., F)
+    """gelu(gate) * up (GELU's tanh approximation, Gemma's GeGLU) for x = [gate, up] along the last
+    dimension, in one pass; in bf16 the activation rounds before the product, as in PyTorch."""
+    return _act_and_mul(x, gelu=True)
+
+
+def _act_and_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     lib = library()
     assert lib is not None and supports(x) and x.shape[-1] % 2 == 0
     x = x.contiguous()
     width = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], width, dtype=x.dtype)
-    lib.silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], width, DTYPE_CODES[x.dtype],
-                     torch.get_num_threads())
+    lib.act_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], width, gelu, DTYPE_CODES[x.dtype],
+                    torch.get_num_threads())
     return out
 
 

@@ -3,11 +3,11 @@
 `optimize_for_cpu_inference(model)` keeps the model's math and swaps in faster pieces: the
 q/k/v and gate/up projections fused into one linear each (fewer, larger matrix products; the
 experts of a mixture-of-experts layer are MLPs too), oneDNN pre-packed linear layers
-(`ops.linear`; those of experts pad their inputs to few shapes), the fused RMSNorm,
-rotary-embedding and silu-and-multiply C kernels of `ops.cpu_kernels` in place of their several-op
-PyTorch versions, a decoder whose residual sums run inside those RMSNorm kernels
-(`KernelDecoder`), and the routed experts of each mixture-of-experts block in one C call
-(`KernelMoeExperts`).
+(`ops.linear`; those of experts pad their inputs to few shapes), the fused RMSNorm (Llama's and
+Gemma's), rotary-embedding and silu- or gelu-and-multiply C kernels of `ops.cpu_kernels` in
+place of their several-op PyTorch versions, a decoder whose residual sums run inside those
+RMSNorm kernels (`KernelDecoder`, Gemma 2's sandwich layers included), and the routed experts of
+each mixture-of-experts block in one C call (`KernelMoeExperts`).
 The result is for inference only. Where a piece does not apply (no oneDNN, no C compiler, CUDA,
 fp16) the model's own modules stay; tests check the optimised model against the plain one.
 """
@@ -26,8 +26,11 @@ from slipstream.model.transformer import (
     AttentionMetadata,
     Decoder,
     DecoderLayer,
+    GeluTanhAndMul,
+    GemmaRMSNorm,
     RMSNorm,
     Rotary,
+    SandwichDecoderLayer,
     SiluAndMul,
     SparseMoeBlock,
 )
@@ -55,6 +58,19 @@ class KernelRMSNorm(nn.Module):
         return cpu_kernels.rms_norm(x, self.weight, self.eps)
 
 
+class KernelGemmaRMSNorm(nn.Module):
+    """`GemmaRMSNorm` (times 1 + weight, in fp32, rounded once) through the same C kernel. Not a
+    KernelRMSNorm: code that takes one for Llama's norm (the decode graph) must not take this."""
+
+    def __init__(self, norm: GemmaRMSNorm) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = norm.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.rms_norm(x, self.weight, self.eps, one_plus_weight=True)
+
+
 class KernelDecoder(nn.Module):
     """`Decoder` whose residual sums each run in the C kernel of the RMSNorm that reads them
     (`cpu_kernels.add_rms_norm_`), as vLLM's layers pass the residual to their next norm: the layer
@@ -67,31 +83,49 @@ class KernelDecoder(nn.Module):
         self.layers = decoder.layers
         self.norm = decoder.norm
         self.rope = decoder.rope
+        self.embed_scale = decoder.embed_scale
 
     @staticmethod
     def applies_to(decoder: nn.Module) -> bool:
-        """Whether every norm of `decoder` (a `Decoder` of `DecoderLayer`s) has the C kernel."""
-        if type(decoder) is not Decoder or not isinstance(decoder.norm, KernelRMSNorm) or not decoder.layers:
+        """Whether every norm of `decoder` (a `Decoder` of `DecoderLayer`s or Gemma 2's
+        `SandwichDecoderLayer`s) has the C kernel, and the decoder holds no module beyond those
+        this one runs (another rotary table, say)."""
+        kernel_norms = (KernelRMSNorm, KernelGemmaRMSNorm)
+        if type(decoder) is not Decoder or not isinstance(decoder.norm, kernel_norms) or not decoder.layers:
             return False
-        return all(type(layer) is DecoderLayer and isinstance(layer.input_layernorm, KernelRMSNorm)
-                   and isinstance(layer.post_attention_layernorm, KernelRMSNorm) for layer in decoder.layers)
+        if {name for name, _ in decoder.named_children()} - {"embed_tokens", "layers", "norm", "rope"}:
+            return False
+        return all(type(layer) in (DecoderLayer, SandwichDecoderLayer)
+                   and all(isinstance(m, kernel_norms) for n, m in layer.named_children() if "norm" in n)
+                   for layer in decoder.layers)
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata | None
     ) -> torch.Tensor:  # (B, T, E)
         residual = self.embed_tokens(token_ids)  # a new tensor: the stream that the sums update
+        if self.embed_scale is not None:  # as Decoder scales it: by the scale rounded to the dtype
+            residual = residual * torch.tensor(self.embed_scale, dtype=residual.dtype)
         cos, sin = self.rope(positions, residual.dtype)
         hidden = self.layers[0].input_layernorm(residual)
         for i, layer in enumerate(self.layers):
             attended = layer.self_attn(hidden, cos, sin, attn)
-            hidden = _add_and_norm(residual, attended, layer.post_attention_layernorm)
             following = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            hidden = _add_and_norm(residual, layer.mlp(hidden), following)
+            if isinstance(layer, SandwichDecoderLayer):  # each block's output normed before its sum
+                hidden = _add_and_norm(residual, layer.post_attention_layernorm(attended),
+                                       layer.pre_feedforward_layernorm)
+                mlp_out = layer.post_feedforward_layernorm(layer.mlp(hidden))
+                hidden = _add_and_norm(residual, mlp_out, following)
+            else:
+                hidden = _add_and_norm(residual, attended, layer.post_attention_layernorm)
+                hidden = _add_and_norm(residual, layer.mlp(hidden), following)
         return hidden
 
 
-def _add_and_norm(residual: torch.Tensor, x: torch.Tensor, norm: KernelRMSNorm) -> torch.Tensor:
-    return cpu_kernels.add_rms_norm_(residual, x, norm.weight, norm.eps)
+def _add_and_norm(
+    residual: torch.Tensor, x: torch.Tensor, norm: KernelRMSNorm | KernelGemmaRMSNorm
+) -> torch.Tensor:
+    return cpu_kernels.add_rms_norm_(residual, x, norm.weight, norm.eps,
+                                     one_plus_weight=isinstance(norm, KernelGemmaRMSNorm))
 
 
 class KernelRotary(nn.Module):
@@ -108,6 +142,15 @@ class KernelSiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.silu_and_mul(x)
+
+
+class KernelGeluTanhAndMul(nn.Module):
+    """GeluTanhAndMul (Gemma's GeGLU) through one C kernel: GELU's tanh approximation computed as
+    g / (1 + exp(-2y)), within a few fp32 ulps of PyTorch's (more accurate where its
+    0.5 g (1 + tanh(y)) cancels, for g below about -5)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.gelu_tanh_and_mul(x)
 
 
 class KernelMoeExperts(nn.Module):
@@ -213,20 +256,32 @@ def optimize_for_cpu_inference(model: nn.Module) -> nn.Module:
         return model
     swaps = 0
     for name, module in list(model.named_modules()):
-        if isinstance(module, (RMSNorm, Rotary, SiluAndMul)):
+        fast = _kernel_module(module)
+        if fast is not None:
             parent_name, _, child_name = name.rpartition(".")
-            fast = (
-                KernelRMSNorm(module) if isinstance(module, RMSNorm)
-                else KernelRotary() if isinstance(module, Rotary) else KernelSiluAndMul()
-            )
             setattr(model.get_submodule(parent_name), child_name, fast)
             swaps += 1
-    logger.info("swapped %d RMSNorm/rotary/SiluAndMul modules for fused C kernels", swaps)
+    logger.info("swapped %d norm/rotary/activation modules for fused C kernels", swaps)
     _fuse_experts(model)
     decoder = getattr(model, "model", None)
     if KernelDecoder.applies_to(decoder):
         model.model = KernelDecoder(decoder)
     return model
+
+
+def _kernel_module(module: nn.Module) -> nn.Module | None:
+    """The C kernel module that replaces `module`, or None where it has none."""
+    if isinstance(module, RMSNorm):
+        return KernelRMSNorm(module)
+    if isinstance(module, GemmaRMSNorm):
+        return KernelGemmaRMSNorm(module)
+    if isinstance(module, Rotary):
+        return KernelRotary()
+    if isinstance(module, SiluAndMul):
+        return KernelSiluAndMul()
+    if isinstance(module, GeluTanhAndMul):
+        return KernelGeluTanhAndMul()
+    return None
 
 
 def _pad_expert_rows(model: nn.Module) -> None:

@@ -887,12 +887,38 @@ static __attribute__((noinline)) WIDE_VECTORS void rms_norm_row(const void *x, c
     }
 }
 
+/* Gemma's RMSNorm (GemmaRMSNorm): x * rsqrt(mean(x^2) + eps) * (1 + weight), all in fp32 (the
+ * weight widened), rounded to the activation dtype once at the end. out may alias x. */
+static __attribute__((noinline)) WIDE_VECTORS void gemma_rms_norm_row(const void *x, const void *weight,
+                                                                      void *out, int64_t dim, float eps,
+                                                                      int dtype) {
+    float sum_sq = 0.0f;
+    if (dtype == DTYPE_F32) {
+        const float *row = x, *w = weight;
+        float *dst = out;
+        for (int64_t d = 0; d < dim; d++) sum_sq += row[d] * row[d];
+        const float inv = 1.0f / sqrtf(sum_sq / (float)dim + eps);
+        for (int64_t d = 0; d < dim; d++) dst[d] = (row[d] * inv) * (1.0f + w[d]);
+    } else {
+        const uint16_t *row = x, *w = weight;
+        uint16_t *dst = out;
+        for (int64_t d = 0; d < dim; d++) sum_sq += bf16_to_f32(row[d]) * bf16_to_f32(row[d]);
+        const float inv = 1.0f / sqrtf(sum_sq / (float)dim + eps);
+        for (int64_t d = 0; d < dim; d++)
+            dst[d] = f32_to_bf16((bf16_to_f32(row[d]) * inv) * (1.0f + bf16_to_f32(w[d])));
+    }
+}
+
+typedef void (*norm_row_fn)(const void *, const void *, void *, int64_t, float, int);
+
+/* one_plus_weight: Gemma's norm (gemma_rms_norm_row), else Llama's (rms_norm_row). */
 void rms_norm(const void *x, const void *weight, void *out, int64_t num_rows, int64_t dim,
-              float eps, int dtype, int num_threads) {
+              float eps, int one_plus_weight, int dtype, int num_threads) {
     const int64_t row_bytes = dim * (dtype == DTYPE_F32 ? 4 : 2);
+    const norm_row_fn norm = one_plus_weight ? gemma_rms_norm_row : rms_norm_row;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= MIN_PARALLEL_ROWS)
     for (int64_t r = 0; r < num_rows; r++)
-        rms_norm_row((const char *)x + r * row_bytes, weight, (char *)out + r * row_bytes, dim, eps, dtype);
+        norm((const char *)x + r * row_bytes, weight, (char *)out + r * row_bytes, dim, eps, dtype);
 }
 
 /* residual += x, each sum rounded to the dtype as PyTorch's `residual + x` rounds it. */
@@ -919,11 +945,21 @@ static inline void add_rms_norm_row(void *residual, const void *x, const void *w
 
 /*
  * A residual sum and the RMSNorm that reads it, row by row in one pass (vLLM's fused_add_rms_norm).
- * Each result equals the two separate steps'. residual, x, out: (num_rows, dim).
+ * Each result equals the two separate steps'. residual, x, out: (num_rows, dim). one_plus_weight:
+ * Gemma's norm, as in rms_norm.
  */
 void add_rms_norm(void *residual, const void *x, const void *weight, void *out, int64_t num_rows, int64_t dim,
-                  float eps, int dtype, int num_threads) {
+                  float eps, int one_plus_weight, int dtype, int num_threads) {
     const int64_t row_bytes = dim * (dtype == DTYPE_F32 ? 4 : 2);
+    if (one_plus_weight) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= MIN_PARALLEL_ROWS)
+        for (int64_t r = 0; r < num_rows; r++) {
+            add_row((char *)residual + r * row_bytes, (const char *)x + r * row_bytes, dim, dtype);
+            gemma_rms_norm_row((char *)residual + r * row_bytes, weight, (char *)out + r * row_bytes, dim, eps,
+                               dtype);
+        }
+        return;
+    }
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= MIN_PARALLEL_ROWS)
     for (int64_t r = 0; r < num_rows; r++)
         add_rms_norm_row((char *)residual + r * row_bytes, (const char *)x + r * row_bytes, weight,
@@ -1002,42 +1038,78 @@ static inline __m512 silu16(__m512 g) {
 }
 #endif
 
-static __attribute__((noinline)) WIDE_VECTORS void silu_and_mul_row(const void *x, void *out, int64_t width,
-                                                                    int dtype) {
+/* Gemma's GeGLU activation, GELU's tanh approximation 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g +
+ * 0.044715 g^3), written as g / (1 + exp(-2y)) (the same value: 1 + tanh(y) = 2 / (1 + exp(-2y))),
+ * which stays accurate where tanh(y) nears -1 and shares silu's form and its overflow guard. */
+static const float GELU_2BETA = 1.5957691216057308f, GELU_KAPPA = 0.044715f;  /* 2 sqrt(2 / pi) */
+
+static inline float gelu_tanh(float g) {
+    const float y2 = GELU_2BETA * (g + GELU_KAPPA * g * g * g);
+    return y2 < -88.7228f ? 0.0f : g / (1.0f + expf(-y2));
+}
+
+#if defined(__AVX512F__)
+static inline __m512 gelu_tanh16(__m512 g) {
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+    const __m512 y2 = _mm512_mul_ps(_mm512_set1_ps(GELU_2BETA), _mm512_fmadd_ps(_mm512_set1_ps(GELU_KAPPA), cube, g));
+    const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), y2)));
+    const __mmask16 live = _mm512_cmp_ps_mask(y2, _mm512_set1_ps(-88.7228f), _CMP_GE_OQ);
+    return _mm512_maskz_div_ps(live, g, denominator);
+}
+#endif
+
+/* act(gate) * up of one row, act silu or (gelu) gelu_tanh: a constant at each call site, so each
+ * caller's copy has only its activation. */
+static inline __attribute__((always_inline)) void act_and_mul_row(const void *x, void *out, int64_t width,
+                                                                  int dtype, const int gelu) {
     int64_t i = 0;
     if (dtype == DTYPE_F32) {
         const float *gate = x, *up = gate + width;
         float *dst = out;
 #if defined(__AVX512F__)
-        for (; i + 16 <= width; i += 16)
-            _mm512_storeu_ps(dst + i,
-                             _mm512_mul_ps(silu16(_mm512_loadu_ps(gate + i)), _mm512_loadu_ps(up + i)));
+        for (; i + 16 <= width; i += 16) {
+            const __m512 g = _mm512_loadu_ps(gate + i);
+            _mm512_storeu_ps(dst + i, _mm512_mul_ps(gelu ? gelu_tanh16(g) : silu16(g), _mm512_loadu_ps(up + i)));
+        }
 #endif
-        for (; i < width; i++) dst[i] = silu(gate[i]) * up[i];
+        for (; i < width; i++) dst[i] = (gelu ? gelu_tanh(gate[i]) : silu(gate[i])) * up[i];
     } else {
         const uint16_t *gate = x, *up = gate + width;
         uint16_t *dst = out;
 #if defined(__AVX512F__)
         for (; i + 16 <= width; i += 16) {
-            const __m512 activated = widen_bf16_16(round_to_bf16(silu16(load16(gate, i, DTYPE_BF16))));
+            const __m512 g = load16(gate, i, DTYPE_BF16);
+            const __m512 activated = widen_bf16_16(round_to_bf16(gelu ? gelu_tanh16(g) : silu16(g)));
             _mm256_storeu_si256((__m256i *)(dst + i),
                                 round_to_bf16(_mm512_mul_ps(activated, load16(up, i, DTYPE_BF16))));
         }
 #endif
         for (; i < width; i++) {
-            const float activated = bf16_to_f32(f32_to_bf16(silu(bf16_to_f32(gate[i]))));
+            const float g = bf16_to_f32(gate[i]);
+            const float activated = bf16_to_f32(f32_to_bf16(gelu ? gelu_tanh(g) : silu(g)));
             dst[i] = f32_to_bf16(activated * bf16_to_f32(up[i]));
         }
     }
 }
 
-void silu_and_mul(const void *x, void *out, int64_t num_rows, int64_t width, int dtype,
-                  int num_threads) {
+static __attribute__((noinline)) WIDE_VECTORS void silu_and_mul_row(const void *x, void *out, int64_t width,
+                                                                    int dtype) {
+    act_and_mul_row(x, out, width, dtype, 0);
+}
+
+static __attribute__((noinline)) WIDE_VECTORS void gelu_tanh_and_mul_row(const void *x, void *out,
+                                                                         int64_t width, int dtype) {
+    act_and_mul_row(x, out, width, dtype, 1);
+}
+
+/* gelu: Gemma's GeGLU (gelu_tanh_and_mul_row), else SwiGLU's silu_and_mul_row. */
+void act_and_mul(const void *x, void *out, int64_t num_rows, int64_t width, int gelu, int dtype,
+                 int num_threads) {
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
+    void (*row)(const void *, void *, int64_t, int) = gelu ? gelu_tanh_and_mul_row : silu_and_mul_row;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_rows >= MIN_PARALLEL_ROWS)
     for (int64_t r = 0; r < num_rows; r++)
-        silu_and_mul_row((const char *)x + r * 2 * width * elem, (char *)out + r * width * elem, width,
-                         dtype);
+        row((const char *)x + r * 2 * width * elem, (char *)out + r * width * elem, width, dtype);
 }
 
 /*
