@@ -259,18 +259,24 @@ def _trainer_saved_activation_bytes(config, dtype: str, batch: int, seq_len: int
     return sum(saved.values())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+_GEMMA2 = {"sliding_window": 32, "layer_types": ("sliding_attention", "full_attention") * 2,
+           "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gemma", "gemma2"])
 def test_activation_memory_equals_what_the_trainers_model_saves(family):
     """Guards the activation bytes against what autograd saves for slipstream's model under the
     trainer's recipe, fp32 and bf16 autocast (whose fp32 residual stream makes the norm inputs
     4 bytes), with and without Qwen3's q/k norms, and with a sliding window shorter than the
-    sequence (one T x T attention mask for all layers; it was one per layer, uncounted): within
-    1%, the per-row norm statistics the model leaves out."""
+    sequence (one T x T attention mask for all layers; it was one per layer, uncounted); Gemma's
+    fp32 norms and GeGLU, and Gemma 2's four norms, soft-capped logits and explicit soft-capped
+    attention (T x T scores per head, K and V repeated per query head): within 1%, the per-row
+    norm statistics the model leaves out."""
     from slipstream.model.config import ModelConfig
     from slipstream.perf.shapes import TransformerShape
 
     # Token count and widths differ, so no activation shares a shape with a weight.
-    window = {"sliding_window": 32} if family == "mistral" else {}
+    window = {"mistral": {"sliding_window": 32}, "gemma2": _GEMMA2}.get(family, {})
     config = ModelConfig(model_type=family, vocab_size=1024, hidden_size=256, intermediate_size=640,
                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256, **window)
@@ -352,7 +358,7 @@ def _eager_pointwise_bytes(config, dtype, num_tokens: int, autocast: bool = Fals
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    from slipstream.model.transformer import DecoderLayer, rope_cos_sin, rope_inv_freq
+    from slipstream.model.transformer import DecoderLayer, SandwichDecoderLayer, rope_cos_sin, rope_inv_freq
 
     class Counter(TorchDispatchMode):
         def __init__(self):
@@ -370,7 +376,7 @@ def _eager_pointwise_bytes(config, dtype, num_tokens: int, autocast: bool = Fals
                 self.kernels += 1
             return out
 
-    layer = DecoderLayer(config, 0).to(dtype)
+    layer = (SandwichDecoderLayer if config.sandwich_norms else DecoderLayer)(config, 0).to(dtype)
     x = torch.randn(1, num_tokens, config.hidden_size, dtype=dtype, requires_grad=True)  # (B, T, E)
     cos, sin = rope_cos_sin(rope_inv_freq(config), torch.arange(num_tokens)[None], dtype)
     forward, backward = Counter(), Counter()
@@ -382,22 +388,25 @@ def _eager_pointwise_bytes(config, dtype, num_tokens: int, autocast: bool = Fals
     return forward.bytes, backward.bytes, forward.kernels, backward.kernels
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma", "gemma2"])
 def test_eager_pointwise_bytes_match_torch(family):
     """Guards the eager pointwise count against what torch's dispatcher sees slipstream's layer
     read and write outside its matmuls and attention, forward and backward, in bf16 parameters,
     fp32, and fp32 under bf16 autocast (the trainer: fp32 residual stream and rotary tables, weight
-    casts), with and without Qwen3's q/k norms: within 2% (the per-row norm statistics the model
-    leaves out), kernels exactly."""
+    casts), with and without Qwen3's q/k norms, with Gemma's fp32 norms and GeGLU and Gemma 2's
+    four norms (two of them on the blocks' outputs; its soft cap off, so that the scores stay in
+    SDPA as in the other families): within 2% (the per-row norm statistics the model leaves
+    out), kernels exactly."""
     torch = pytest.importorskip("torch")
     from slipstream.model.config import ModelConfig
     from slipstream.perf.efficiency import Efficiency
     from slipstream.perf.layers import Device, LayerSpec, pointwise_backward, pointwise_forward
     from slipstream.perf.shapes import TransformerShape
 
+    gemma2 = {"layer_types": ("full_attention",)} if family == "gemma2" else {}
     config = ModelConfig(model_type=family, vocab_size=512, hidden_size=512, intermediate_size=1536,
                          num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2,
-                         max_position_embeddings=1024)
+                         max_position_embeddings=1024, **gemma2)
     shape = TransformerShape.from_model_config(config)
     cases = ((torch.bfloat16, 2, False), (torch.float32, 4, False), (torch.float32, 2, True))
     for dtype, element_bytes, autocast in cases:

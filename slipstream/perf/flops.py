@@ -11,6 +11,9 @@ Conventions (each function restates the one it uses):
 - Attention FLOPs follow PaLM (arXiv 2204.02311, appendix B) and torchtitan
   (`get_dense_model_nparams_and_flops`): QK^T and AV cost `4 * L * H * Q` per token per key,
   with every query charged for all `T` keys (no causal halving) unless `causal=True` is asked for.
+- Sliding windows are per layer (Gemma 2 windows only its "sliding_attention" layers): a count of
+  keys or of KV positions read is the mean layer's, `sum over layers / L`, which is a fraction
+  where the layers differ, so the functions that take such counts take floats.
 - Mixture-of-experts models (Mixtral, Qwen-MoE): `num_params` holds every expert, while FLOPs
   count the weights a token uses (`matmul_params`: the router, its `num_experts_per_tok` experts
   and qwen2_moe's shared expert and gate in each layer that `config.is_moe_layer`), so MFU is on
@@ -22,7 +25,7 @@ Pure Python: no torch import, so planners and reports can use it without a runti
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # only for annotations: importing slipstream.model would pull in torch
@@ -70,6 +73,8 @@ def _attention_layer_params(config: ModelConfig) -> int:
         n += d
     if config.qk_norm:
         n += 2 * q  # per-head q and k RMSNorm weights, shared across heads
+    if config.sandwich_norms:  # Gemma 2: pre_feedforward_layernorm, post_feedforward_layernorm
+        n += 2 * d
     return n + 2 * d  # input_layernorm, post_attention_layernorm
 
 
@@ -115,12 +120,13 @@ def _mlp_params(config: ModelConfig, *, active: bool) -> int:
 def num_params(config: ModelConfig, *, include_embedding: bool = True) -> int:
     """Exact parameter count, equal to `sum(p.numel() for p in model.parameters())`.
 
-    Counts every weight of the Hugging Face model of this family: biases, qwen3's q/k norms, the
-    final norm, and the lm_head once when it is not tied (a tied lm_head is the embedding matrix
-    and is counted once); in a mixture-of-experts model every expert, each MoE layer's router and
-    qwen2_moe's shared expert and its gate. `include_embedding=False` follows torchtitan's
-    convention: the total minus the input embedding table. An untied lm_head is then
-    non-embedding; a tied one is the embedding table and is excluded with it.
+    Counts every weight of the Hugging Face model of this family: biases, qwen3's q/k norms, Gemma
+    2's four norms per layer, the final norm, and the lm_head once when it is not tied (a tied
+    lm_head is the embedding matrix and is counted once); in a mixture-of-experts model every
+    expert, each MoE layer's router and qwen2_moe's shared expert and its gate.
+    `include_embedding=False` follows torchtitan's convention: the total minus the input embedding
+    table. An untied lm_head is then non-embedding; a tied one is the embedding table and is
+    excluded with it.
     """
     return _params(config, include_embedding=include_embedding, active=False)
 
@@ -178,11 +184,30 @@ def expected_experts_touched(num_experts: int, experts_per_token: int, num_token
     return num_experts * (1.0 - (1.0 - experts_per_token / num_experts) ** num_tokens)
 
 
+def layer_windows(config: ModelConfig) -> dict[int | None, int]:
+    """Each sliding window (None: none) the layers have and how many layers have it: one entry
+    but for Gemma 2, whose "full_attention" layers have none."""
+    counts: dict[int | None, int] = {}
+    for i in range(config.num_hidden_layers):
+        window = config.layer_sliding_window(i)
+        counts[window] = counts.get(window, 0) + 1
+    return counts
+
+
+def _mean_over_layers(config: ModelConfig, count: Callable[[int | None], int]) -> float:
+    """The mean layer's `count(window)`: the count itself where every layer has one window (an
+    int, as it always was), else the layers' weighted mean."""
+    windows = layer_windows(config)
+    if len(windows) == 1:
+        return count(next(iter(windows)))
+    return sum(layers * count(window) for window, layers in windows.items()) / config.num_hidden_layers
+
+
 def mean_keys_per_query(config: ModelConfig, seq_len: int) -> float:
     """Mean number of keys a query attends to over a causal sequence of `seq_len` tokens.
 
-    Query i (1-based) sees min(i, window) keys, where window is Mistral's `sliding_window`
-    (unbounded otherwise): (T + 1) / 2 without a window.
+    Query i (1-based) sees min(i, window) keys, where window is the layer's sliding window
+    (unbounded otherwise): (T + 1) / 2 without a window; the mean over the layers.
     """
     _check_non_negative("seq_len", seq_len)
     if seq_len == 0:
@@ -190,47 +215,58 @@ def mean_keys_per_query(config: ModelConfig, seq_len: int) -> float:
     return _keys_up_to(config, seq_len) / seq_len
 
 
-def _keys_up_to(config: ModelConfig, seq_len: int) -> int:
-    """Keys all queries of a causal sequence of `seq_len` tokens attend to together."""
-    w = min(config.sliding_window or seq_len, seq_len)
+def _keys_up_to(config: ModelConfig, seq_len: int) -> float:
+    """Keys all queries of a causal sequence of `seq_len` tokens attend to together, in the mean layer."""
+    return _mean_over_layers(config, lambda window: _window_keys_up_to(window, seq_len))
+
+
+def _window_keys_up_to(window: int | None, seq_len: int) -> int:
+    w = min(window or seq_len, seq_len)
     return w * (w + 1) // 2 + (seq_len - w) * w  # ramp up to w, then w keys each
 
 
-def causal_keys(config: ModelConfig, start: int, num_tokens: int) -> int:
+def causal_keys(config: ModelConfig, start: int, num_tokens: int) -> float:
     """Keys the queries at positions `start` .. `start + num_tokens - 1` of one sequence attend to
-    in all: the query at position p sees min(p + 1, window) keys under the causal mask and
-    Mistral's `sliding_window`. A chunk that continues a sequence (a prompt chunk after earlier
-    ones or after a prefix-cache hit, a decode token at `start` = its cached context) is charged
-    for the keys it really attends, which `mean_keys_per_query` (from position 0) is not."""
+    in all, in the mean layer: the query at position p sees min(p + 1, window) keys under the
+    causal mask and the layer's sliding window. A chunk that continues a sequence (a prompt chunk
+    after earlier ones or after a prefix-cache hit, a decode token at `start` = its cached
+    context) is charged for the keys it really attends, which `mean_keys_per_query` (from
+    position 0) is not."""
     _check_non_negative("start", start)
     _check_non_negative("num_tokens", num_tokens)
-    return _keys_up_to(config, start + num_tokens) - _keys_up_to(config, start)
+    return _mean_over_layers(config, lambda window: _window_keys_up_to(window, start + num_tokens)
+                             - _window_keys_up_to(window, start))
 
 
-def decode_keys(config: ModelConfig, contexts: Sequence[int], num_steps: int = 1) -> int:
-    """Keys `num_steps` decode steps of sequences with `contexts` cached positions attend to in all:
-    the sum of `causal_keys(config, context, num_steps)`, in closed form without a sliding window
-    (an engine's step of hundreds of sequences counts them in microseconds)."""
+def decode_keys(config: ModelConfig, contexts: Sequence[int], num_steps: int = 1) -> float:
+    """Keys `num_steps` decode steps of sequences with `contexts` cached positions attend to in all
+    (the mean layer's): the sum of `causal_keys(config, context, num_steps)`, in closed form for
+    the layers without a sliding window (an engine's step of hundreds of sequences counts them in
+    microseconds)."""
     _check_non_negative("num_steps", num_steps)
     if contexts and min(contexts) < 0:
         raise ValueError(f"contexts must be non-negative, got {min(contexts)}")
-    if config.sliding_window is None:  # context c + 1, c + 2, ... c + num_steps keys
-        return num_steps * sum(contexts) + len(contexts) * num_steps * (num_steps + 1) // 2
-    return sum(causal_keys(config, context, num_steps) for context in contexts)
+
+    def keys(window: int | None) -> int:
+        if window is None:  # context c + 1, c + 2, ... c + num_steps keys
+            return num_steps * sum(contexts) + len(contexts) * num_steps * (num_steps + 1) // 2
+        return sum(_window_keys_up_to(window, c + num_steps) - _window_keys_up_to(window, c)
+                   for c in contexts)
+
+    return _mean_over_layers(config, keys)
 
 
-def kv_positions_read(config: ModelConfig, start: int, num_tokens: int) -> int:
+def kv_positions_read(config: ModelConfig, start: int, num_tokens: int) -> float:
     """KV-cache positions a chunk of queries at positions `start` .. `start + num_tokens - 1`
-    reads when its attention reads each cached position once (a fused prefill kernel): the union
-    of their windows, `min(start + num_tokens, window + num_tokens - 1)`; for one decode token at
-    context c, min(c + 1, window), as `decode_bytes_per_step` counts it."""
+    reads when its attention reads each cached position once (a fused prefill kernel), in the
+    mean layer: the union of their windows, `min(start + num_tokens, window + num_tokens - 1)`;
+    for one decode token at context c, min(c + 1, window), as `decode_bytes_per_step` counts it."""
     _check_non_negative("start", start)
     _check_non_negative("num_tokens", num_tokens)
     if num_tokens == 0:
         return 0
-    window = config.sliding_window
     end = start + num_tokens
-    return end if window is None else min(end, window + num_tokens - 1)
+    return _mean_over_layers(config, lambda window: min(end, window + num_tokens - 1) if window else end)
 
 
 def attention_flops_per_token(
@@ -240,10 +276,12 @@ def attention_flops_per_token(
 
     `causal=False` (PaLM / torchtitan convention): keys = `context_len`, every query is charged
     for the whole context and masks are ignored. It is also the exact cost of one decode token
-    that attends `context_len` cached positions (with a sliding window, pass
-    `min(context_len, sliding_window)`). `causal=True`: keys = the mean over a sequence
+    that attends `context_len` cached positions (with a sliding window, pass the mean layer's
+    `causal_keys(config, context_len - 1, 1)`). `causal=True`: keys = the mean over a sequence
     of `context_len` tokens of the keys each query really attends to under the causal mask and
-    the sliding window, `mean_keys_per_query` (about half).
+    the layers' sliding windows, `mean_keys_per_query` (about half). Gemma 2's soft-capped
+    attention computes every query against every key in training (`causal=False`'s count,
+    which is what `torch.utils.flop_counter` counts for its explicit matmuls, and for SDPA too).
     """
     _check_non_negative("context_len", context_len)
     keys = mean_keys_per_query(config, context_len) if causal else context_len
@@ -262,7 +300,7 @@ def forward_flops_per_token(
     return 2 * matmul_params(config) + attention_flops_per_token(config, context_len, causal=causal)
 
 
-def forward_flops(config: ModelConfig, num_tokens: int, num_logits: int, num_keys: int) -> float:
+def forward_flops(config: ModelConfig, num_tokens: int, num_logits: int, num_keys: float) -> float:
     """FLOPs of forward passes that run `num_tokens` tokens through every layer, the lm_head at
     `num_logits` of them, and attention over `num_keys` keys in all (the sum of each sequence's
     `causal_keys`): `(2N - 2VE) * num_tokens + 2VE * num_logits + 4 * L * H * Q * num_keys`, N the
@@ -316,17 +354,18 @@ def decode_bytes_per_step(
     experts of a mixture-of-experts layer, of which only those the batch touches are read
     (`expected_experts_touched` under uniform routing: k experts at batch 1). Each sequence
     reads its KV cache: `context_len` positions (the cache length including the new token),
-    capped at Mistral's sliding window. Activations and the new token's KV write are not counted
-    (both are O(batch * hidden), small next to the weights). Scaling Book `inference.md`.
+    capped at the layer's sliding window (the mean layer's). Activations and the new token's KV
+    write are not counted (both are O(batch * hidden), small next to the weights). Scaling Book
+    `inference.md`.
     """
     _check_non_negative("batch_size", batch_size)
     _check_non_negative("context_len", context_len)
-    kv_positions = min(context_len, config.sliding_window or context_len)
+    kv_positions = _mean_over_layers(config, lambda window: min(context_len, window or context_len))
     return forward_bytes_read(config, dtype, batch_size, batch_size * kv_positions)
 
 
 def forward_bytes_read(
-    config: ModelConfig, dtype: Any, num_tokens: int, num_kv_positions: int, *, num_passes: int = 1
+    config: ModelConfig, dtype: Any, num_tokens: int, num_kv_positions: float, *, num_passes: int = 1
 ) -> float:
     """Bytes read from memory by `num_passes` forward passes of `num_tokens` tokens each that read
     `num_kv_positions` KV-cache positions in all (a roofline bound, as `decode_bytes_per_step`
@@ -354,20 +393,20 @@ class ForwardCost:
         self._weights = num_params(config) - (0 if config.tie_word_embeddings else embedding_params(config))
         self._kv_bytes_per_position = kv_cache_bytes_per_token(config, dtype)
 
-    def flops(self, num_tokens: int, num_logits: int, num_keys: int) -> float:
+    def flops(self, num_tokens: int, num_logits: int, num_keys: float) -> float:
         """`forward_flops`."""
         _check_non_negative("num_tokens", num_tokens)
         _check_non_negative("num_logits", num_logits)
-        _check_non_negative("num_keys", num_keys)
+        _check_non_negative_count("num_keys", num_keys)
         return (self._flops_per_token * num_tokens + self._flops_per_logit * num_logits
                 + self._flops_per_key * num_keys)
 
-    def bytes_read(self, num_tokens: int, num_kv_positions: int, *, num_passes: int = 1,
+    def bytes_read(self, num_tokens: int, num_kv_positions: float, *, num_passes: int = 1,
                    reads_lm_head: bool = True) -> float:
         """`forward_bytes_read`; without the lm_head's weights where `reads_lm_head` is False (a
         forward that takes no logits, as a pooling model's: its embedding table only gathered)."""
         _check_non_negative("num_tokens", num_tokens)
-        _check_non_negative("num_kv_positions", num_kv_positions)
+        _check_non_negative_count("num_kv_positions", num_kv_positions)
         _check_non_negative("num_passes", num_passes)
         config, weights = self.config, self._weights
         if not reads_lm_head:
@@ -387,16 +426,15 @@ def generation_flops(config: ModelConfig, prompt_len: int, output_len: int) -> f
     all layers (attention causal: token i attends i + 1 keys, capped by a sliding window; a
     mixture-of-experts layer its active weights, `matmul_params`), the lm_head runs once per
     generated token (the first from the last prompt position), and
-    generated token j attends `prompt_len + j` keys. Same per-FLOP conventions as above.
+    generated token j attends `prompt_len + j` keys (each layer capped by its own window). Same
+    per-FLOP conventions as above.
     """
     _check_non_negative("prompt_len", prompt_len)
     _check_non_negative("output_len", output_len)
     lm_head = 2 * embedding_params(config)
     layers = 2 * matmul_params(config) - lm_head
     attention_per_key = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
-    window = config.sliding_window
-    keys = sum(min(i + 1, window or i + 1) for i in range(prompt_len))
-    keys += sum(min(prompt_len + j, window or prompt_len + j) for j in range(1, output_len))
+    keys = causal_keys(config, 0, prompt_len) + causal_keys(config, prompt_len, max(output_len - 1, 0))
     num_layer_tokens = prompt_len + max(output_len - 1, 0)
     return layers * num_layer_tokens + lm_head * output_len + attention_per_key * keys
 
@@ -418,3 +456,9 @@ def mbu(steps_per_s: float, bytes_per_step: float, peak_bytes_per_s: float) -> f
 def _check_non_negative(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+
+
+def _check_non_negative_count(name: str, value: float) -> None:
+    """A count of keys or KV positions: the mean layer's, a fraction where the layers' windows differ."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name} must be a non-negative number, got {value!r}")

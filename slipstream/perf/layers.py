@@ -207,10 +207,21 @@ def attention_core_forward(spec: LayerSpec, device: Device) -> Work:
                                 device.efficiency.kernel_overhead_s)
     scores = heads * spec.attention_pairs  # elements of the score matrix
     bmm_bytes = qkv_bytes + 2 * scores * e  # QK^T writes the scores, AV reads the probabilities
-    softmax_bytes = 2 * scores * e + (3 * scores * e + scores if spec.dropout else 0)
     bmm = device.roofline(flops, bmm_bytes, device.efficiency.gemm_fraction,
                            2 * device.efficiency.gemm_overhead_s)
+    if shape.attention_softcap:
+        return bmm + device.stream(*_softcapped_scores(scores, e))
+    softmax_bytes = 2 * scores * e + (3 * scores * e + scores if spec.dropout else 0)
     return bmm + device.stream(softmax_bytes, 2 if spec.dropout else 1)
+
+
+def _softcapped_scores(scores: float, e: int) -> tuple[float, int]:
+    """(bytes, kernels) of Gemma 2's soft-capped scores between its two matmuls, op by op as
+    `ops.attention` computes them: the scale, the division by the cap, tanh, the product by the
+    cap and the mask's addition (each reading and writing the e-byte scores), the softmax into
+    fp32 and its cast back for the AV matmul (free in fp32)."""
+    cast = 0 if e == 4 else 4 + e
+    return scores * (5 * 2 * e + (e + 4) + cast), 6 + (1 if cast else 0)
 
 
 def pointwise_forward(spec: LayerSpec, device: Device) -> Work:
@@ -231,10 +242,11 @@ def _pointwise(spec: LayerSpec, e: int, backward: bool) -> tuple[float, float]:
     rotary_width = 0 if shape.learned_positions else n * (shape.q_dim + shape.kv_dim) / spec.tp
     scale = 2 if backward else 1
     mask = replicated if spec.dropout else 0
+    norms = shape.norms_per_layer
     parts = {  # fused: one kernel per operation, forward; the backward twice the bytes
-        "norm": (scale * 2 * replicated * (r + e), scale * 2),  # read x, write y, twice per layer
+        "norm": (scale * norms * replicated * (r + e), scale * norms),  # read x, write y, per norm
         "residual": (scale * 2 * (replicated * (2 * r + e) + mask), scale * 2),  # x + f(x)
-        "activation": (scale * (3 if shape.mlp == "swiglu" else 2) * f_local * e, scale),
+        "activation": (scale * (2 if shape.mlp == "gelu" else 3) * f_local * e, scale),
         "rotary": (scale * 2 * rotary_width * e, scale if rotary_width else 0),
     }
     if shape.qk_norm:  # one per head of q and of k
@@ -380,6 +392,13 @@ def _eager_pointwise(spec: LayerSpec, e: int, r: int, backward: bool, replicated
     if shape.norm == "rmsnorm":  # two per layer, each output cast once for its matmuls
         num_bytes, kernels = _rms_norm(r, r, r, backward)
         parts["norm"] = (2 * replicated * (num_bytes + down), 2 * (kernels + downs))
+    elif shape.norm == "gemma_rmsnorm":  # the norms of the blocks' inputs, each output cast once
+        # for its matmuls; Gemma 2's norms of the blocks' e-byte outputs, before the residual add
+        num_bytes, kernels = _gemma_rms_norm(r, r, backward)
+        parts["norm"] = (2 * replicated * (num_bytes + down), 2 * (kernels + downs))
+        if shape.norms_per_layer == 4:
+            num_bytes, kernels = _gemma_rms_norm(e, r, backward)
+            parts["post_norm"] = (2 * replicated * num_bytes, 2 * kernels)
     # The rotary embedding's input: q and k as the projections wrote them, or as their norms
     # did (the norm's weight has the residual stream's dtype, which the product takes).
     rotary_in = e
@@ -389,6 +408,8 @@ def _eager_pointwise(spec: LayerSpec, e: int, r: int, backward: bool, replicated
         parts["qk_norm"] = (num_bytes * rotary_width, 2 * kernels)
     if shape.mlp == "swiglu":  # silu(gate) * up; backward: silu(gate) again, two muls, silu_backward
         parts["activation"] = ((11 if backward else 5) * e * f_local, 4 if backward else 2)
+    elif shape.mlp == "geglu":  # gelu(gate) * up; backward: two muls (gelu(gate) kept), gelu_backward
+        parts["activation"] = ((9 if backward else 5) * e * f_local, 3 if backward else 2)
     if rotary_width:  # x * cos + cat(-x2, x1) * sin for queries and keys, each multiply reading
         # an r-byte cos or sin row per token; backward: grad * cos and * sin, two slice_backwards,
         # neg, two adds; under autocast the fp32 results are cast for attention, and back
@@ -428,6 +449,23 @@ def _rms_norm(x: int, out: int, weight: int, backward: bool) -> tuple[float, int
         num_bytes = 68 + 2 * out + 4 * cast(x) + 2 * cast(out)
         return num_bytes, 9 + 4 * casts(x) + 2 * casts(out) + casts(weight)
     return 20 + 2 * cast(x) + x + out, 6 + 2 * casts(x)
+
+
+def _gemma_rms_norm(x: int, weight: int, backward: bool) -> tuple[float, int]:
+    """(bytes per element, kernels) of Gemma's RMSNorm on x-byte input with a weight-byte weight,
+    autograd's ops throughout.
+
+    Forward: x.float(), pow, mean, + eps, rsqrt, x * rstd, 1 + weight, * (1 + weight) (fp32) and
+    .to(x.dtype). Backward: the gradient to fp32, the two products' gradients (with the sums over
+    rows of the weight's and rstd's), rsqrt's and mean's per-row work, pow's backward (three
+    ops), the two input gradients added and cast to x's dtype. A cast reads and writes (x + 4)
+    bytes and is free when x is 4; the weight's (to fp32, 1 + weight, its gradient cast back) are
+    per feature: kernels without bytes."""
+    cast, casts = (0, 0) if x == 4 else (x + 4, 1)
+    weight_casts = 0 if weight == 4 else 1
+    if backward:
+        return 96 + 2 * cast, 14 + 2 * casts + weight_casts
+    return 28 + 2 * cast, 7 + 2 * casts + weight_casts
 
 
 def tp_collectives(spec: LayerSpec, device: Device, ranks_per_node: int) -> Work:

@@ -93,28 +93,42 @@ def _layer_activation_bytes(
         return r * n * shape.hidden_size  # the checkpointed layer input
     h, f = shape.hidden_size, shape.mlp_width(moe=moe)
     mask = 1.0 if setup.dropout else 0.0
-    # Replicated without SP: both norm inputs (2r: the residual stream, fp32 under autocast), the
-    # q/k/v and MLP inputs (2e), dropout masks.
-    replicated = n * h * (2 * r + 2 * e + 2 * mask)
+    # Replicated without SP: the norms' inputs (r: the residual stream, fp32 under autocast; a
+    # Gemma norm keeps its input and its normalised output in fp32), the q/k/v and MLP inputs
+    # (2e), dropout masks.
+    replicated = n * h * (shape.norms_per_layer * _norm_bytes(shape, r) + 2 * e + 2 * mask)
     # A MoE layer's routing runs on the whole rows of the MLP input on every TP rank (gathered
     # under SP), so SP does not split it.
     routing = _routing_activation_bytes(shape, n, e, r) if moe else 0.0
     # Split by TP: q, k, v and the projection input (4e sbh for MHA), the MLP intermediates (GELU
     # input and the down-projection input, 8e sbh for a 4h GELU MLP; SwiGLU keeps gate, up, product).
-    attention = e * n * (2 * shape.q_dim + 2 * shape.kv_dim)
+    # Soft-capped attention's explicit matmuls keep K and V repeated to every query head.
+    kv_dim = shape.q_dim if shape.attention_softcap else shape.kv_dim
+    attention = e * n * (2 * shape.q_dim + 2 * kv_dim)
     if shape.qk_norm:  # the q and k norms keep their inputs too
         attention += e * n * (shape.q_dim + shape.kv_dim)
-    mlp = e * n * f * (3 if shape.mlp == "swiglu" else 2)
+    # SwiGLU keeps gate, up and the product (its backward recomputes silu); GeGLU also gelu(gate).
+    mlp = e * n * f * {"swiglu": 3, "geglu": 4, "gelu": 2}[shape.mlp]
     split = attention + mlp
     scores = 0.0
-    if setup.attention == "unfused" and setup.recompute != "selective":
+    if setup.attention_kernel == "unfused" and setup.recompute != "selective":
         pairs = n * setup.seq_len  # every query against the whole sequence
-        scores = shape.num_heads * pairs * (e + (1 + e) * mask)  # softmax out (+ dropout mask, out)
-    elif setup.attention == "flash":
+        per_score = e + (1 + e) * mask  # softmax out (+ dropout mask, out)
+        if shape.attention_softcap:  # tanh's output, the fp32 softmax and its cast for the matmul
+            per_score = e + 4 + (e if e != 4 else 0)
+        scores = shape.num_heads * pairs * per_score
+    elif setup.attention_kernel == "flash":
         scores = 4.0 * n * shape.num_heads  # fp32 log-sum-exp per query and head
     if sequence_parallel:
         return (replicated + split + scores) / tp + routing
     return replicated + routing + (split + scores) / tp
+
+
+def _norm_bytes(shape: TransformerShape, r: int) -> int:
+    """Bytes per element one norm keeps for the backward: its r-byte input (slipstream's RMSNorm,
+    a LayerNorm), or Gemma's fp32 input and fp32 normalised output (4 + 4, whatever the input's
+    dtype: it computes in fp32 and multiplies by 1 + weight there)."""
+    return 8 if shape.norm == "gemma_rmsnorm" else r
 
 
 def _routing_activation_bytes(shape: TransformerShape, n: float, e: int, r: int) -> float:
@@ -225,8 +239,9 @@ def _stage_memory(setup: TrainSetup, layout: Layout, stage: int, layers: int, pa
         activations += max(_layer_activation_bytes(full, layout.tp, layout.sequence_parallel, tokens, moe)
                            for moe, _ in layer_kinds(setup.shape))
     window = setup.shape.sliding_window
-    if window is not None and setup.seq_len > window:  # SDPA's additive T x T mask, one tensor
-        # every layer of the trainer's forward shares (`ops.attention`), kept for the backward
+    if window is not None and setup.seq_len > window and not setup.shape.attention_softcap:
+        # SDPA's additive T x T mask, one tensor every layer of the trainer's forward shares
+        # (`ops.attention`), kept for the backward; soft-capped attention adds it, keeping nothing
         activations += setup.activation_bytes * setup.seq_len / layout.cp * setup.seq_len
     if not setup.shape.learned_positions:  # the rotary cos and sin rows of every token, which
         # every layer's q and k multiply by (the trainer builds them once per micro-batch)
@@ -235,5 +250,7 @@ def _stage_memory(setup: TrainSetup, layout: Layout, stage: int, layers: int, pa
         # the fp32 logits of the loss (section 4.3)
         split = layout.tp if layout.sequence_parallel else 1
         h, e, r = setup.shape.hidden_size, setup.activation_bytes, setup.residual_bytes
-        activations += (r + e) * tokens * h / split + 4.0 * tokens * setup.shape.vocab_size / layout.tp
+        logits = 4.0 + (e if setup.shape.logit_softcap else 0)  # (+ the soft cap's tanh output)
+        activations += ((_norm_bytes(setup.shape, r) + e) * tokens * h / split
+                        + logits * tokens * setup.shape.vocab_size / layout.tp)
     return MemoryBreakdown(weights, grads, optimizer, activations, setup.reserved_bytes)

@@ -124,6 +124,7 @@ class TrainSetup:
     dtype: str = "bf16"
     recompute: str = "none"
     attention: str = "flash"
+    """The attention kernel of a shape that leaves the choice open (see `attention_kernel`)."""
     pointwise: str = "eager"
     """"eager": norms, activation and rotary embeddings op by op, as slipstream's trainer and
     torchtitan without torch.compile run them; "fused": one kernel each (Megatron, torch.compile)."""
@@ -160,6 +161,12 @@ class TrainSetup:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not value >= 0):
                 raise ValueError(f"{name} must be None or >= 0 bytes per parameter, got {value!r}")
+
+    @property
+    def attention_kernel(self) -> str:
+        """The kernel the trainer runs: `attention`, but "unfused" for soft-capped scores (Gemma 2),
+        which slipstream computes with explicit matmuls whatever a fused kernel could do."""
+        return "unfused" if self.shape.attention_softcap else self.attention
 
     @property
     def activation_bytes(self) -> int:
@@ -360,10 +367,10 @@ def _layer_spec(setup: TrainSetup, layout: Layout) -> LayerSpec:
     tokens = setup.micro_batch_size * setup.seq_len
     # Unfused attention computes every pair before masking; flash skips the masked blocks (the
     # future, and the past beyond a sliding window).
-    keys = (setup.seq_len if setup.attention == "unfused"
+    keys = (setup.seq_len if setup.attention_kernel == "unfused"
             else setup.shape.causal_pairs(setup.seq_len) / setup.seq_len)
     return LayerSpec(shape=setup.shape, num_tokens=tokens // layout.cp, tp=layout.tp,
-                     sequence_parallel=layout.sequence_parallel, attention=setup.attention,
+                     sequence_parallel=layout.sequence_parallel, attention=setup.attention_kernel,
                      pointwise=setup.pointwise, dropout=setup.dropout,
                      attention_pairs=tokens * keys / layout.cp, residual_bytes=setup.residual_bytes,
                      autocast_weights=setup.autocast)
@@ -518,7 +525,7 @@ def _recompute_flops(setup: TrainSetup) -> float:
     shape = setup.shape
     if setup.recompute == "full":
         return setup.shape.train_flops_per_token(setup.seq_len) / 3
-    if setup.recompute == "selective" and setup.attention == "unfused":
+    if setup.recompute == "selective" and setup.attention_kernel == "unfused":
         return shape.attention_flops_per_token(setup.seq_len)
     return 0.0
 

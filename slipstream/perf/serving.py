@@ -10,6 +10,8 @@ per-step cost (scheduling, sampling, launches). On this machine's CPU (a calibra
 MoE model runs as slipstream's CPU engine runs it: its blocks' routed experts in one C call where
 the engine takes them (`layers.cpu_moe_block`), its decode steps in the CPU decode graph where that
 holds them, else module by module, each call from Python at `Efficiency.module_call_overhead_s`.
+Gemma and Gemma 2 decode outside the CPU decode graph (`cpu_decode_graph_declines`), as a dense
+model does beyond the graph's batch.
 KV capacity is what memory is left after the weights, every expert of a MoE model held (Scaling
 Book, `inference.md`: 2 bytes x K x H x L per token).
 
@@ -287,6 +289,21 @@ def _cpu_moe(setup: ServeSetup, accelerator: Accelerator) -> tuple[bool, FusedEx
     return True, cpu_fused_experts(setup.activation_dtype)
 
 
+def cpu_decode_graph_declines(shape: TransformerShape) -> str | None:
+    """Why slipstream's CPU decode graph does not hold this model's decode steps, or None where it
+    may: its C layers compute the Llama layer only, so it refuses Gemma's norm (with its scaled
+    embeddings), GeGLU, Gemma 2's sandwich layers, soft caps and layers of different windows, and
+    the engine decodes those models outside it (`ops.decode_graph`, which decides this on the
+    built model; this is the same rule read off the shape)."""
+    reasons = [reason for reason, applies in (
+        ("Gemma's RMSNorm", shape.norm == "gemma_rmsnorm"), ("a GeGLU MLP", shape.mlp == "geglu"),
+        ("four norms per layer", shape.norms_per_layer != 2),
+        ("soft-capped attention scores", shape.attention_softcap),
+        ("soft-capped logits", shape.logit_softcap),
+        ("layers of different windows", bool(shape.full_attention_layers))) if applies]
+    return ", ".join(reasons) or None
+
+
 def _step_work(
     setup: ServeSetup, accelerator: Accelerator, prefill_lens: Sequence[int],
     decode_contexts: Sequence[int], efficiency: Efficiency | None,
@@ -294,12 +311,11 @@ def _step_work(
     linears, device = _devices(setup, accelerator, efficiency)
     shape = setup.shape
     cpu_moe = _cpu_moe(setup, accelerator)
-    window = shape.sliding_window
     tokens = sum(prefill_lens) + len(decode_contexts)
     if tokens == 0:
         return Work()
     causal_pairs = sum(shape.causal_pairs(n) for n in prefill_lens)
-    kv_read = sum(min(c + 1, window or c + 1) for c in decode_contexts)
+    kv_read = sum(shape.decode_kv_positions(c) for c in decode_contexts)
     layer = Work()
     on_cpu, fused = cpu_moe
     # Outside a graph the CPU engine runs a MoE model module by module, each call through Python.
@@ -314,9 +330,11 @@ def _step_work(
                          attention="flash", attention_pairs=kv_read, kv_read_tokens=kv_read)
         layer_linears, layer_device = eager_linears, eager_device
         # A MoE model's routing asks the host how many tokens each expert got, which no CUDA
-        # graph holds; the CPU decode graph routes in C where `FusedExperts.in_decode_graph`.
-        graph_holds = not shape.is_moe or (fused is not None and fused.in_decode_graph(
-            shape, len(decode_contexts), setup.activation_bytes))
+        # graph holds; the CPU decode graph routes in C where `FusedExperts.in_decode_graph`, and
+        # does not hold Gemma's layers at all.
+        declined = accelerator.calibrated and cpu_decode_graph_declines(shape) is not None
+        graph_holds = not declined and (not shape.is_moe or (fused is not None and fused.in_decode_graph(
+            shape, len(decode_contexts), setup.activation_bytes)))
         if not prefill_lens and graph_holds and len(decode_contexts) <= setup.decode_graph_max_batch:
             replay = dataclasses.replace(device.efficiency, gemm_overhead_s=0.0, kernel_overhead_s=0.0)
             layer_linears = dataclasses.replace(linears, efficiency=replay)

@@ -8,6 +8,13 @@ family slipstream serves and trains) must not pretend to describe. Both map onto
 `GPT_SHAPES` for the published GPT shapes. FLOP conventions are those of `slipstream.perf.flops`
 (a multiply-accumulate is 2 FLOPs, attention charged for the whole context unless causal).
 
+Gemma and Gemma 2 map onto it too: a GeGLU MLP (`mlp="geglu"`: three matrices, tanh-approximated
+GELU), Gemma 2's four norms per layer (`norms_per_layer`), its sliding window on only some layers
+(the others in `full_attention_layers`, so that key counts are the mean layer's), and its
+soft-capped attention scores (`attention_softcap`: slipstream then computes them with explicit
+matrix products, every query against every key, where SDPA would run a fused kernel) and logits
+(`logit_softcap`).
+
 A mixture-of-experts shape (Mixtral, Qwen-MoE) names its routed layers (`moe_layers`); each holds
 a router, `num_experts` SwiGLU experts and optionally a shared expert with a 1-wide gate, while
 the other layers keep the dense MLP. Parameter counts hold every expert; `matmul_params` and the
@@ -25,8 +32,8 @@ from typing import Any
 
 from slipstream.perf.flops import expected_experts_touched
 
-MLP_KINDS = ("swiglu", "gelu")
-NORM_KINDS = ("rmsnorm", "layernorm")
+MLP_KINDS = ("swiglu", "geglu", "gelu")
+NORM_KINDS = ("rmsnorm", "gemma_rmsnorm", "layernorm")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,9 +49,13 @@ class TransformerShape:
     ffn_hidden_size: int
     vocab_size: int
     mlp: str = "swiglu"
-    """"swiglu" (gate, up and down matrices) or "gelu" (two matrices)."""
+    """"swiglu" or "geglu" (gate, up and down matrices; silu or tanh-approximated gelu of the gate)
+    or "gelu" (two matrices)."""
     norm: str = "rmsnorm"
-    """"rmsnorm" (a weight) or "layernorm" (a weight and a bias)."""
+    """"rmsnorm" (a weight), "gemma_rmsnorm" (Gemma's: a weight, all in fp32, times 1 + weight) or
+    "layernorm" (a weight and a bias)."""
+    norms_per_layer: int = 2
+    """Norms over the hidden size in each layer: 2, or 4 in Gemma 2's sandwich layer."""
     tied_embeddings: bool = False
     learned_positions: int = 0
     """Rows of a learned position-embedding table (GPT); 0 for rotary models."""
@@ -53,6 +64,13 @@ class TransformerShape:
     extra_params_per_layer: int = 0
     """Small per-layer weights outside this description (Qwen q/k/v biases, q/k norms)."""
     sliding_window: int | None = None
+    full_attention_layers: tuple[int, ...] = ()
+    """Layers the sliding window leaves out (Gemma 2's "full_attention" ones); empty: it covers all."""
+    attention_softcap: bool = False
+    """Scores soft-capped before the softmax (Gemma 2), which slipstream computes with explicit
+    matmuls: the whole T x T score matrix, kept for the backward."""
+    logit_softcap: bool = False
+    """Logits soft-capped (Gemma 2's tanh over the vocabulary)."""
     qk_norm: bool = False
     """An RMSNorm on every head's query and key before the rotary embedding (Qwen3)."""
     max_position_embeddings: int | None = None
@@ -86,6 +104,14 @@ class TransformerShape:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise ValueError(f"{self.name}: max_position_embeddings must be a positive integer or None, "
                              f"got {limit!r}")
+        if isinstance(self.norms_per_layer, bool) or self.norms_per_layer not in (2, 4):
+            raise ValueError(f"{self.name}: norms_per_layer must be 2 or 4, got {self.norms_per_layer!r}")
+        full = tuple(self.full_attention_layers)
+        if full and (self.sliding_window is None or len(set(full)) != len(full) or any(
+                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers for i in full)):
+            raise ValueError(f"{self.name}: full_attention_layers must be distinct layer indices below "
+                             f"num_layers ({self.num_layers}) of a shape with a sliding_window, got {full!r}")
+        object.__setattr__(self, "full_attention_layers", full)
         self._check_experts()
 
     def _check_experts(self) -> None:
@@ -117,13 +143,15 @@ class TransformerShape:
 
     @classmethod
     def from_model_config(cls, config: Any, name: str = "model") -> TransformerShape:
-        """The shape of a slipstream `ModelConfig` (the Llama family: RMSNorm, SwiGLU, RoPE, and
-        its mixture-of-experts types)."""
+        """The shape of a slipstream `ModelConfig` (the Llama family: RMSNorm, SwiGLU, RoPE, its
+        mixture-of-experts types, Gemma's GeGLU and Gemma 2's sandwich norms and per-layer windows)."""
         q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
         extra = (q + 2 * kv) if config.qkv_bias else 0
         extra += config.hidden_size if config.o_bias else 0
         extra += (2 * config.intermediate_size + config.hidden_size) if config.mlp_bias else 0
         extra += 2 * config.head_dim if config.qk_norm else 0
+        windows = [config.layer_sliding_window(i) for i in range(config.num_hidden_layers)]
+        full = tuple(i for i, w in enumerate(windows) if w is None) if config.sliding_window else ()
         return cls(
             name=name, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
             num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
@@ -131,7 +159,11 @@ class TransformerShape:
             vocab_size=config.vocab_size, tied_embeddings=config.tie_word_embeddings,
             extra_params_per_layer=extra, sliding_window=config.sliding_window,
             qk_norm=config.qk_norm, max_position_embeddings=config.max_position_embeddings,
-            **_experts_of(config),
+            mlp="geglu" if config.gemma_norms else "swiglu",
+            norm="gemma_rmsnorm" if config.gemma_norms else "rmsnorm",
+            norms_per_layer=4 if config.sandwich_norms else 2,
+            full_attention_layers=full, attention_softcap=config.attn_logit_softcapping is not None,
+            logit_softcap=config.final_logit_softcapping is not None, **_experts_of(config),
         )
 
     @property
@@ -158,15 +190,32 @@ class TransformerShape:
 
     @property
     def mlp_matrices(self) -> int:
-        return 3 if self.mlp == "swiglu" else 2
+        return 2 if self.mlp == "gelu" else 3
+
+    @property
+    def windowed_layer_share(self) -> float:
+        """The share of the layers the sliding window covers (0 without one)."""
+        if self.sliding_window is None:
+            return 0.0
+        return 1.0 - len(self.full_attention_layers) / self.num_layers
 
     def causal_pairs(self, num_tokens: int) -> float:
-        """Query-key pairs of causal attention over `num_tokens` (each query sees itself and its
-        past, at most the sliding window of them)."""
-        window = self.sliding_window
+        """Query-key pairs of causal attention over `num_tokens` in the mean layer (each query
+        sees itself and its past, at most the sliding window of them where the layer has one)."""
+        full = num_tokens * (num_tokens + 1) / 2
+        window, share = self.sliding_window, self.windowed_layer_share
         if window is None or window >= num_tokens:
-            return num_tokens * (num_tokens + 1) / 2
-        return window * (window + 1) / 2 + (num_tokens - window) * window
+            return full
+        windowed = window * (window + 1) / 2 + (num_tokens - window) * window
+        return share * windowed + (1.0 - share) * full
+
+    def decode_kv_positions(self, context: int) -> float:
+        """KV positions a decode token with `context` cached positions reads in the mean layer:
+        c + 1, at most the sliding window where the layer has one."""
+        share, window = self.windowed_layer_share, self.sliding_window
+        if window is None or window >= context + 1:
+            return context + 1
+        return share * window + (1.0 - share) * (context + 1)
 
     def tensor_parallel_error(self, tp: int, *, serving: bool = False) -> str | None:
         """Why `tp`-way tensor parallelism cannot split this shape, None when it can. Heads and MLP
@@ -219,14 +268,15 @@ class TransformerShape:
         return attention + self.mlp_matrices * h * self.ffn_hidden_size
 
     def layer_params(self, *, moe: bool = False) -> int:
-        """All weights of one layer: linears, their biases, the two norms, extras (`moe`: a layer
+        """All weights of one layer: linears, their biases, the norms, extras (`moe`: a layer
         with experts, every expert)."""
         h, norm = self.hidden_size, 2 if self.norm == "layernorm" else 1
         bias = 0
         if self.linear_bias:
             up = self.ffn_hidden_size * (self.mlp_matrices - 1)
             bias = self.q_dim + 2 * self.kv_dim + h + up + h
-        return int(self.layer_matmul_params(moe=moe)) + bias + 2 * norm * h + self.extra_params_per_layer
+        norms = self.norms_per_layer * norm * h
+        return int(self.layer_matmul_params(moe=moe)) + bias + norms + self.extra_params_per_layer
 
     def layers_params(self) -> int:
         """Every layer's weights: the dense layers' and the MoE layers' (all experts)."""
@@ -325,8 +375,8 @@ def model_names() -> list[str]:
 def resolve_model(name_or_path: str) -> TransformerShape:
     """A shape from a slipstream preset, a GPT shape name, or a config.json (file or its dir).
 
-    A config.json of a slipstream family (llama, mistral, qwen2, qwen3 and the mixture-of-experts
-    mixtral, qwen2_moe, qwen3_moe) is read through
+    A config.json of a slipstream family (llama, mistral, phi3, qwen2, qwen3, gemma, gemma2 and the
+    mixture-of-experts mixtral, qwen2_moe, qwen3_moe) is read through
     `ModelConfig`; a GPT-2-style one (`n_embd`, `n_layer`, `n_head`) maps to a GPT shape.
     """
     if name_or_path in GPT_SHAPES:
