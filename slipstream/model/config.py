@@ -8,7 +8,9 @@ whose attention is their dense family's, and `gemma` and `gemma2`: Gemma's RMSNo
 (1 + weight), its embeddings are scaled by sqrt(hidden_size) and its MLP is GeGLU (tanh-approximated
 GELU); Gemma 2 adds a norm after attention and after the MLP, a query scale of its own
 (`query_pre_attn_scalar`), tanh soft-capping of attention scores and of the final logits, and a
-sliding window on every other layer (`layer_types`). The family decides the structural switches
+sliding window on every other layer (`layer_types`); Gemma 3's text model (`gemma3_text`) is
+Gemma 2 with per-head q/k norms, five windowed layers to a global one, no soft caps by default, and
+a RoPE base of its own on the windowed layers (`rope_local_theta`). The family decides the structural switches
 (`qkv_bias`, `o_bias`, `qk_norm`, `gemma_norms`, `sandwich_norms`); everything else is a plain field.
 
 Both spellings Hugging Face has used are read: the transformers 4 keys `rope_theta` /
@@ -31,13 +33,15 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "qwen2_moe",
-               "qwen3_moe")
+MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral",
+               "qwen2_moe", "qwen3_moe")
 MOE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 """Each mixture-of-experts model type and the dense family whose attention and config keys it shares."""
 _WINDOWED = ("mistral", "phi3")
 """The families whose config.json `sliding_window` windows every layer (no `use_sliding_window`)."""
-_GEMMA = ("gemma", "gemma2")
+_GEMMA = ("gemma", "gemma2", "gemma3_text")
+_SANDWICH = ("gemma2", "gemma3_text")
+"""The families with Gemma 2's layer and fields (`_GEMMA2_FIELDS`)."""
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -57,6 +61,7 @@ _IGNORED_KEYS = frozenset(
         "resid_pdrop", "embd_pdrop",  # Phi-3's training-time dropouts
         "original_max_position_embeddings",  # Phi-3's: read for its longrope (_read_longrope)
         "hidden_activation", "use_bidirectional_attention",  # Gemma's: checked by _read_gemma
+        "sliding_window_pattern", "_sliding_window_pattern", "rope_local_base_freq",  # Gemma 3's
     }
 )
 
@@ -165,6 +170,9 @@ class ModelConfig:
     """Gemma 2: attention scores (after scaling) become cap * tanh(score / cap) before the softmax."""
     final_logit_softcapping: float | None = None
     """Gemma 2: the output logits become cap * tanh(logit / cap)."""
+    rope_local_theta: float | None = None
+    """Gemma 3: the RoPE base of the "sliding_attention" layers, which take default RoPE;
+    `rope_theta` and `rope_scaling` are the "full_attention" layers'. None for the other families."""
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -249,22 +257,33 @@ class ModelConfig:
             raise ValueError(f"attention_bias=True is not supported for model_type {self.model_type!r}")
         if self.mlp_bias and self.model_type != "llama":
             raise ValueError(f"mlp_bias=True is not supported for model_type {self.model_type!r}")
-        if self.sliding_window is not None and self.family not in (*_WINDOWED, "gemma2"):
+        if self.sliding_window is not None and self.family not in (*_WINDOWED, *_SANDWICH):
             raise ValueError(
-                "sliding_window is only supported for model_type 'mistral', 'mixtral', 'phi3' or 'gemma2', "
-                f"not {self.model_type!r}"
+                "sliding_window is only supported for model_type 'mistral', 'mixtral', 'phi3', 'gemma2' or "
+                f"'gemma3_text', not {self.model_type!r}"
             )
         self._check_gemma2()
         self._check_experts()
 
     def _check_gemma2(self) -> None:
         gemma2 = {name: getattr(self, name) for name in _GEMMA2_FIELDS}
-        if self.model_type != "gemma2":
+        if self.model_type != "gemma3_text" and self.rope_local_theta is not None:
+            raise ValueError(f"rope_local_theta={self.rope_local_theta!r} given for model_type "
+                             f"{self.model_type!r}; only gemma3_text has it")
+        if self.model_type not in _SANDWICH:
             given = [f"{name}={value!r}" for name, value in gemma2.items() if value not in (None, ())]
             if given:
                 raise ValueError(f"{', '.join(given)} given for model_type {self.model_type!r}; only "
-                                 "gemma2 has them")
+                                 "gemma2 and gemma3_text have them")
             return
+        if self.model_type == "gemma3_text":
+            if self.attn_logit_softcapping is not None:
+                raise ValueError(f"attn_logit_softcapping={self.attn_logit_softcapping!r} given for "
+                                 "model_type 'gemma3_text', whose attention transformers never soft-caps")
+            if self.rope_local_theta is None:
+                raise ValueError("model_type 'gemma3_text' needs rope_local_theta (a positive number)")
+            object.__setattr__(self, "rope_local_theta", _positive_float("rope_local_theta",
+                                                                         self.rope_local_theta))
         if self.query_pre_attn_scalar is not None:
             object.__setattr__(self, "query_pre_attn_scalar",
                                _whole_positive_int("query_pre_attn_scalar", self.query_pre_attn_scalar))
@@ -371,7 +390,7 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return self.family == "qwen3"
+        return self.family in ("qwen3", "gemma3_text")
 
     @property
     def gemma_norms(self) -> bool:
@@ -381,8 +400,8 @@ class ModelConfig:
 
     @property
     def sandwich_norms(self) -> bool:
-        """Gemma 2's layer: norms before and after both attention and the MLP."""
-        return self.family == "gemma2"
+        """Gemma 2's (and 3's) layer: norms before and after both attention and the MLP."""
+        return self.family in _SANDWICH
 
     @property
     def attention_scale(self) -> float:
@@ -448,7 +467,7 @@ class ModelConfig:
             act = d.get("hidden_act", "silu")
             if act not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU
                 raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
-        _check_unsupported_features(d, moe=model_type in MOE_FAMILY, softcapping=model_type == "gemma2")
+        _check_unsupported_features(d, moe=model_type in MOE_FAMILY, softcapping=model_type in _SANDWICH)
         if model_type in MOE_FAMILY:
             d = _read_experts(model_type, d)
         else:  # expert settings of a dense family's config.json (a count is refused above) mean nothing
@@ -459,12 +478,17 @@ class ModelConfig:
             logger.warning("ignoring config.json keys that slipstream does not use: %s", unknown)
         d = _FAMILY_DEFAULTS[model_type] | d
         kwargs: dict[str, Any] = {k: d[k] for k in known if k in d and d[k] is not None}
-        if model_type != "gemma2":
+        if model_type not in _SANDWICH:
             kwargs.pop("layer_types", None)  # Qwen's: read by _read_sliding_window
         max_positions = kwargs.get("max_position_embeddings", _field_default(cls, "max_position_embeddings"))
         _check_positive_int("max_position_embeddings", max_positions)  # llama3's RoPE default reads it
-        kwargs["rope_theta"], kwargs["rope_scaling"] = _read_rope(model_type, d, max_positions)
-        kwargs["partial_rotary_factor"] = _read_partial_rotary_factor(d)
+        if model_type == "gemma3_text":
+            kwargs["rope_theta"], kwargs["rope_scaling"], kwargs["rope_local_theta"] = _read_gemma3_rope(
+                d, max_positions)
+        else:
+            kwargs["rope_theta"], kwargs["rope_scaling"] = _read_rope(model_type, d, max_positions)
+        if model_type != "gemma3_text":
+            kwargs["partial_rotary_factor"] = _read_partial_rotary_factor(d)
         kwargs["dtype"] = _read_dtype(d) or "float32"
         kwargs["sliding_window"] = _read_sliding_window(model_type, d, max_positions, kwargs["rope_scaling"])
         return cls(**kwargs)
@@ -509,10 +533,12 @@ class ModelConfig:
         if self.family in ("qwen2", "qwen3"):
             out["use_sliding_window"] = False
             out["sliding_window"] = None
-        if self.model_type == "gemma2":
+        if self.model_type in _SANDWICH:
             out |= {name: getattr(self, name) for name in _GEMMA2_FIELDS} | {
                 "layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
                 "hidden_activation": "gelu_pytorch_tanh"}
+        if self.model_type == "gemma3_text":  # transformers 4's keys, which transformers 5 reads too
+            out["rope_local_base_freq"] = self.rope_local_theta
         if self.is_moe:
             out |= self._experts_to_hf()
         return out
@@ -582,6 +608,11 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                               "num_attention_heads": 8, "num_key_value_heads": 4,
                               "query_pre_attn_scalar": 256, "sliding_window": 4096,
                               "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    "gemma3_text": _GEMMA_SHAPE | {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                                   "num_hidden_layers": 26, "num_attention_heads": 8,
+                                   "num_key_value_heads": 4, "max_position_embeddings": 131072,
+                                   "query_pre_attn_scalar": 256,
+                                   "sliding_window": 4096},
     "mixtral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
                 "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_experts_per_tok": 2, "num_experts": 8},
@@ -621,6 +652,8 @@ _NOT_NULL = {
     "gemma": _NOT_NULL_ANY | {"head_dim", "attention_bias", "attention_dropout"},
     "gemma2": (_NOT_NULL_ANY - {"hidden_act"}) | {"head_dim", "attention_bias", "hidden_activation",
                                                   "query_pre_attn_scalar"},
+    "gemma3_text": (_NOT_NULL_ANY - {"hidden_act"}) | {"head_dim", "attention_bias", "hidden_activation",
+                                                       "query_pre_attn_scalar"},
     "mixtral": _NOT_NULL_ANY | {"num_key_value_heads", "attention_dropout", "num_experts_per_tok",
                                 "num_local_experts", "num_experts", "output_router_logits",
                                 "router_aux_loss_coef", "router_jitter_noise"},
@@ -643,6 +676,7 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -671,7 +705,9 @@ and Qwen's."""
 def _check_unsupported_features(d: dict[str, Any], *, moe: bool, softcapping: bool) -> None:
     """Refuse the keys of `_UNSUPPORTED_FEATURES` (but soft-capping where the family has it) and an
     expert count for a dense family."""
-    _, rope = _rope_block(d)  # transformers 5 keeps use_mrope and the like in here
+    # transformers 5 keeps use_mrope and the like in the RoPE block (Gemma 3's blocks per layer type
+    # are read by _read_gemma3_rope)
+    rope = {} if d.get("model_type") == "gemma3_text" else _rope_block(d)[1]
     for fields in (d, rope):
         for key, harmless in _UNSUPPORTED_FEATURES.items():
             if softcapping and key in _GEMMA2_FIELDS:
@@ -710,26 +746,60 @@ def _read_experts(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _read_gemma(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
-    """`d` with Gemma's activation checked and Gemma 2's `layer_types` filled in. Gemma reads
-    `hidden_act`, in which transformers reads the "gelu" of the original releases as the tanh
-    approximation they were trained with; Gemma 2 reads `hidden_activation`. Gemma 2's layers
-    without `layer_types` alternate, from a windowed layer 0, as in transformers."""
-    key = "hidden_activation" if model_type == "gemma2" else "hidden_act"
+    """`d` with Gemma's activation checked and Gemma 2's and 3's `layer_types` filled in. Gemma
+    reads `hidden_act`, in which transformers reads the "gelu" of the original releases as the tanh
+    approximation they were trained with; Gemma 2 and 3 read `hidden_activation`. Without
+    `layer_types`, as in transformers, Gemma 2's layers alternate from a windowed layer 0, and
+    Gemma 3's window all but every `sliding_window_pattern`-th (6th by default)."""
+    key = "hidden_activation" if model_type in _SANDWICH else "hidden_act"
     act = d.get(key, "gelu_pytorch_tanh")
-    if act not in ("gelu_pytorch_tanh", "gelu") or (act == "gelu" and model_type == "gemma2"):
+    if act not in ("gelu_pytorch_tanh", "gelu") or (act == "gelu" and model_type in _SANDWICH):
         raise ValueError(f"unsupported {key} {act!r} for model_type {model_type!r}; only "
                          "'gelu_pytorch_tanh' (GeGLU with tanh-approximated GELU) is supported")
     if d.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention=True is not supported (a causal decoder only)")
     if model_type == "gemma":
         return d
-    layers = d.get("num_hidden_layers", _FAMILY_DEFAULTS["gemma2"]["num_hidden_layers"])
+    if model_type == "gemma3_text" and d.get("attn_logit_softcapping") is not None:
+        logger.warning("ignoring attn_logit_softcapping=%r: transformers' Gemma 3 does not apply it",
+                       d["attn_logit_softcapping"])
+        d = d | {"attn_logit_softcapping": None}
+    layers = d.get("num_hidden_layers", _FAMILY_DEFAULTS[model_type]["num_hidden_layers"])
     _check_positive_int("num_hidden_layers", layers)
+    pattern = d.get("sliding_window_pattern", 6) if model_type == "gemma3_text" else 2
+    _check_positive_int("sliding_window_pattern", pattern)
     if d.get("layer_types") is None:
-        d = d | {"layer_types": [LAYER_TYPES[i % 2 == 0] for i in range(layers)]}
+        d = d | {"layer_types": [LAYER_TYPES[(i + 1) % pattern != 0] for i in range(layers)]}
     elif not isinstance(d["layer_types"], list):
         raise ValueError(f"layer_types must be a list or null, got {d['layer_types']!r}")
     return d
+
+
+def _read_gemma3_rope(d: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling | None, float]:
+    """Gemma 3's RoPE as transformers 5 reads it (`Gemma3TextConfig.convert_rope_params_to_dict`):
+    `rope_parameters` holds a block per layer type (default RoPE for both where absent); a
+    `rope_scaling` (transformers 4's key) updates the "full_attention" block, whose theta defaults
+    to config.json's `rope_theta` (else 1e6), the "sliding_attention" block's to
+    `rope_local_base_freq` (else 1e4). Returns the full-attention layers' theta and scaling and the
+    sliding ones' theta; those must take default RoPE."""
+    blocks = d.get("rope_parameters") or {}
+    if (not isinstance(blocks, dict) or any(k not in LAYER_TYPES for k in blocks)
+            or any(not isinstance(blocks.get(t) or {}, dict) for t in LAYER_TYPES)):
+        raise ValueError("gemma3_text rope_parameters must hold a block per layer type "
+                         f"({', '.join(LAYER_TYPES)}), got {blocks!r}")
+    full = dict(blocks.get("full_attention") or {"rope_type": "default"})
+    scaling = d.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ValueError(f"rope_scaling must be an object or null, got {scaling!r}")
+    full.update(scaling or {})
+    full.setdefault("rope_theta", d.get("rope_theta", 1e6))
+    sliding = dict(blocks.get("sliding_attention") or {"rope_type": "default"})
+    sliding.setdefault("rope_theta", d.get("rope_local_base_freq", 1e4))
+    if sliding.get("rope_type", sliding.get("type", "default")) != "default":
+        raise ValueError(f"unsupported sliding_attention rope_type {sliding.get('rope_type')!r} for "
+                         "model_type 'gemma3_text'; supported: default")
+    theta, rope_scaling = _read_rope("gemma3_text", {"rope_parameters": full}, max_positions)
+    return theta, rope_scaling, _positive_float("rope_local_base_freq", sliding["rope_theta"])
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -868,6 +938,16 @@ def _read_dtype(d: dict[str, Any]) -> str | None:
     return dtype
 
 
+def rope_scaled_context(model_type: str, max_positions: int, rope_scaling: RopeScaling | None) -> int:
+    """The longest context the model's positions cover, as vLLM's `_get_and_verify_max_len` derives
+    it: `max_positions` times the factor of a linear RoPE scaling (whose positions are divided by
+    it; llama3 scaling and longrope keep the original range), except for Gemma 3, whose
+    `max_position_embeddings` counts the scaled positions already."""
+    if rope_scaling is not None and rope_scaling.rope_type == "linear" and model_type != "gemma3_text":
+        return int(max_positions * rope_scaling.factor)
+    return max_positions
+
+
 def _read_sliding_window(
     model_type: str, d: dict[str, Any], max_positions: int, rope_scaling: RopeScaling | None
 ) -> int | None:
@@ -878,14 +958,12 @@ def _read_sliding_window(
     "sliding_attention" or, where config.json gives no `layer_types`, as transformers derives them:
     qwen2 and qwen3 window the layers at or past `max_window_layers`, qwen2_moe the even ones
     below it, and qwen3_moe (no `layer_types`) every layer."""
-    if MOE_FAMILY.get(model_type, model_type) in (*_WINDOWED, "gemma2"):
+    if MOE_FAMILY.get(model_type, model_type) in (*_WINDOWED, *_SANDWICH):
         window = d.get("sliding_window")
         if window is None:
             return None
         _check_positive_int("sliding_window", window)
-        context = max_positions
-        if rope_scaling is not None and rope_scaling.rope_type == "linear":
-            context = int(max_positions * rope_scaling.factor)  # as engine._model_max_len
+        context = rope_scaled_context(model_type, max_positions, rope_scaling)
         return None if window >= context else window
     use = d.get("use_sliding_window")  # a null one is refused for Qwen (_NOT_NULL), no field of Llama
     if use is None:

@@ -499,6 +499,15 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = make_norm(config, config.hidden_size)
         self.rope = RopeTables(config, on_meta)
+        self.local_rope: RopeTables | None = None
+        """Gemma 3's tables for its "sliding_attention" layers (`local_rope_layers`): default RoPE
+        of base `rope_local_theta`; `rope` serves the other layers."""
+        self.local_rope_layers: frozenset[int] = frozenset()
+        if config.rope_local_theta is not None:
+            local = config.replace(rope_theta=config.rope_local_theta, rope_scaling=None)
+            self.local_rope = RopeTables(local, on_meta)
+            self.local_rope_layers = frozenset(i for i, kind in enumerate(config.layer_types)
+                                               if kind == "sliding_attention")
         self.embed_scale = config.hidden_size**0.5 if config.gemma_norms else None
         """Gemma multiplies the embeddings by sqrt(hidden_size), rounded to their dtype."""
 
@@ -508,9 +517,10 @@ class Decoder(nn.Module):
         x = self.embed_tokens(token_ids)  # (B, T, E)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        cos, sin = self.rope(positions, x.dtype)  # (B, T, R) each
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn)
+        tables = self.rope(positions, x.dtype)  # cos and sin, (B, T, R) each
+        local = tables if self.local_rope is None else self.local_rope(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, *(local if i in self.local_rope_layers else tables), attn)
         return self.norm(x)
 
 
@@ -581,4 +591,6 @@ class Transformer(nn.Module):
 
     def init_buffers(self) -> None:
         """Recompute non-persistent buffers (the RoPE frequencies) on the model's device."""
-        self.model.rope.init(self.model.embed_tokens.weight.device)
+        for rope in (self.model.rope, self.model.local_rope):
+            if rope is not None:
+                rope.init(self.model.embed_tokens.weight.device)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from slipstream.model.config import ModelConfig
+from slipstream.model.config import ModelConfig, rope_scaled_context
 from slipstream.model.tokenizer import Tokenizer
 from slipstream.model.weights import dtype_name, load_model, resolve_dtype
 from slipstream.ops import cpu_kernels
@@ -970,15 +970,11 @@ def _check_model_dir(model: object) -> None:
 def _model_max_len(model_config: ModelConfig, tokenizer: Tokenizer) -> int:
     """The longest sequence the model takes, derived as vLLM's `_get_and_verify_max_len` does:
     `max_position_embeddings`, capped by the tokenizer's `model_max_length` where it names one,
-    then times the factor of a linear RoPE scaling (whose positions are divided by it; llama3
-    scaling keeps the original range)."""
+    then scaled as `rope_scaled_context` says."""
     max_len = model_config.max_position_embeddings
     if tokenizer.model_max_length is not None:
         max_len = min(max_len, tokenizer.model_max_length)
-    scaling = model_config.rope_scaling
-    if scaling is not None and scaling.rope_type == "linear":
-        max_len = int(max_len * scaling.factor)
-    return max_len
+    return rope_scaled_context(model_config.model_type, max_len, model_config.rope_scaling)
 
 
 def _derive_limits(
