@@ -429,8 +429,9 @@ def test_eager_pointwise_bytes_match_torch(family):
 def test_eager_loss_bytes_match_torch():
     """Guards the eager loss count (bytes per logit, kernels) against what torch's dispatcher sees
     `Trainer.loss`'s cross-entropy read and write, forward and backward, from bf16 logits (as
-    autocast's lm_head writes them) and from fp32. The NLL ops read one logit per row, so only
-    their outputs are counted (the backward's is the dense gradient)."""
+    autocast's lm_head writes them) and from fp32, with and without Gemma 2's soft cap. The NLL ops
+    read one logit per row, so only their outputs are counted (the backward's is the dense
+    gradient)."""
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -457,14 +458,17 @@ def test_eager_loss_bytes_match_torch():
             return out
 
     num_tokens, vocab = 96, 4096
-    for dtype in ("bf16", "fp32"):
+    gemma2 = dataclasses.replace(GPT175, logit_softcap=True)
+    for dtype, shape in (("bf16", GPT175), ("fp32", GPT175), ("bf16", gemma2), ("fp32", gemma2)):
         torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
         logits = torch.randn(num_tokens, vocab, dtype=torch_dtype, requires_grad=True)  # (N, V)
         targets = torch.randint(0, vocab, (num_tokens,))
         counter = Counter()
         with counter:
-            F.cross_entropy(logits.float(), targets).backward()
-        setup = TrainSetup(shape=GPT175, global_batch_size=1, seq_len=num_tokens, dtype=dtype)
+            # Gemma 2's soft cap as `Transformer.compute_logits` applies it
+            capped = torch.tanh(logits / 30.0) * 30.0 if shape.logit_softcap else logits
+            F.cross_entropy(capped.float(), targets).backward()
+        setup = TrainSetup(shape=shape, global_batch_size=1, seq_len=num_tokens, dtype=dtype)
         per_logit, kernels = _loss_bytes_per_logit(setup)
         print(dtype, "torch", counter.bytes / (num_tokens * vocab), counter.kernels, "model", per_logit,
               kernels)

@@ -422,12 +422,16 @@ def _loss_bytes_per_logit(setup: TrainSetup) -> tuple[float, int]:
     """(bytes per logit, kernels) of the fp32 cross-entropy, forward and backward. Fused (Megatron's
     vocab-parallel kernel): read the logits, write and read back their gradient. Eager, as
     `Trainer.loss` runs it: 16-bit logits cast to fp32 (read e, write 4), log_softmax (8), the
-    NLL's scalar, its backward's dense gradient (4), log_softmax's backward (12), the cast back."""
+    NLL's scalar, its backward's dense gradient (4), log_softmax's backward (12), the cast back.
+    Eager soft-capped logits (Gemma 2) add the cap before it: the division, tanh and product
+    forward (each reading and writing e), and backward the product's and division's gradients and
+    tanh's backward (which also reads tanh's output)."""
     if setup.pointwise == "fused":
         return 12.0, 3
     e = setup.activation_bytes
     cast = 0.0 if e == 4 else e + 4.0
-    return 24.0 + 2 * cast, 4 + (2 if cast else 0)
+    softcap = (13.0 * e, 6) if setup.shape.logit_softcap else (0.0, 0)
+    return 24.0 + 2 * cast + softcap[0], 4 + (2 if cast else 0) + softcap[1]
 
 
 def _data_parallel(setup: TrainSetup, layout: Layout, device: Device, layer: Work, m: int) -> Work:
