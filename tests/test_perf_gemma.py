@@ -80,7 +80,7 @@ def test_flops_equal_torchs_flop_counter(family):
     every query against every key on every layer (the windowed ones compute the whole T x T before
     masking), counts exactly `forward_flops_per_token(T)` (PaLM's, no causal halving) per token
     forward and 3x that forward and backward (`train_flops_per_token`); Llama through SDPA counts
-    that less the attention (`attention_flops_per_token`)."""
+    that less the attention (`attention_flops_per_token`) on torch 2.13."""
     config = _config(family)
     batch, seq_len = 2, 24
     sdpa = family == "llama"
@@ -90,7 +90,8 @@ def test_flops_equal_torchs_flop_counter(family):
         attention = factor * batch * seq_len * flops.attention_flops_per_token(config, seq_len)
         print(family, "backward" if backward else "forward", "FlopCounterMode", counted, "model", model,
               "of which attention", attention)
-        assert counted == (model - attention if sdpa else model)
+        # (a torch whose FlopCounterMode knew the CPU SDPA kernel would count its attention too)
+        assert counted in ((model - attention, model) if sdpa else (model,))
     assert flops.train_flops_per_token(config, seq_len) * batch * seq_len == model
 
 

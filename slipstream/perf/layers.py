@@ -13,8 +13,9 @@ dropout masks), op by op as in Korthikanti et al. section 4.1. With fused pointw
 (Megatron's, or a compiler's) each norm, activation, rotary embedding and residual add is one
 kernel, and its backward is charged twice its forward bytes (it reads the saved input and the
 incoming gradient and writes a gradient). Eager PyTorch runs them op by op as slipstream's
-`slipstream/model/transformer.py` (and torchtitan's Llama) writes them (`_eager_pointwise`). GEMM
-backward is two GEMMs (input and weight gradients).
+`slipstream/model/transformer.py` (and torchtitan's Llama) writes them (`_eager_pointwise`), Gemma's
+norm and GeGLU through autograd's own ops. GEMM backward is two GEMMs (input and weight gradients).
+Gemma 2's soft-capped scores run unfused, their elementwise passes counted (`_softcapped_scores`).
 
 A layer with experts (`LayerSpec.moe`) runs the router, then each expert its tokens have chosen as
 GEMMs of their own, as slipstream's `SparseMoeBlock` runs them: under uniform routing the layer's

@@ -30,6 +30,11 @@ Under FSDP (ZeRO-3) autocast's 16-bit copies are of the gathered weights, so eve
 them whole (4 / N + 2 bytes a parameter), and 16-bit parameters are FSDP2's mixed precision
 (torchtitan): the sharded fp32 master is the parameter, 16 / N bytes in all.
 
+Gemma's norms keep their input and output in fp32 and GeGLU keeps gelu(gate) too; Gemma 2's
+soft-capped attention runs as explicit matmuls (`TrainSetup.attention_kernel`), which keep the
+T x T scores of every head (tanh's output, the fp32 softmax and its cast) and K and V repeated
+to every query head.
+
 A mixture-of-experts model holds every expert (weights, gradients and optimizer states of all of
 them: each is trained, whichever tokens reach it); its activations are the k experts' a token
 runs plus what routing keeps (`_routing_activation_bytes`). Pipeline stages need every layer alike
