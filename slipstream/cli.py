@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
              "write a randomly initialised Hugging Face model directory from a preset")
     p.add_argument("out_dir")
     p.add_argument("--preset", default="tiny",
-                   help="tiny, tiny-moe, small, medium (see slipstream.model.presets)")
+                   help="tiny, tiny-moe, tiny-gemma2, small, medium (see slipstream.model.presets)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")

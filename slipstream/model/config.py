@@ -62,6 +62,7 @@ _IGNORED_KEYS = frozenset(
         "original_max_position_embeddings",  # Phi-3's: read for its longrope (_read_longrope)
         "hidden_activation", "use_bidirectional_attention",  # Gemma's: checked by _read_gemma
         "sliding_window_pattern", "_sliding_window_pattern", "rope_local_base_freq",  # Gemma 3's
+        "cache_implementation", "sliding_window_size",  # Gemma 2's generation settings, a duplicate
     }
 )
 
@@ -161,11 +162,14 @@ class ModelConfig:
     """Mistral, Phi-3: each token attends to at most this many previous positions (itself included);
     Gemma 2: so do the tokens of the layers `layer_types` names "sliding_attention"."""
     layer_types: tuple[str, ...] = ()
-    """Gemma 2: "sliding_attention" or "full_attention" for each layer (transformers' default
-    alternates, windowing the even layers); empty for the other families, whose window (if any)
-    covers every layer. Read it through `layer_sliding_window`."""
+    """Gemma 2 and 3: "sliding_attention" or "full_attention" for each layer (where not given,
+    transformers' default: Gemma 2 windows the even layers, Gemma 3 all but every sixth); empty for
+    the other families, whose window (if any) covers every layer. Read it through
+    `layer_sliding_window`."""
     query_pre_attn_scalar: int | None = None
-    """Gemma 2: attention scores are scaled by query_pre_attn_scalar**-0.5, not head_dim**-0.5."""
+    """Gemma 2 and 3: attention scores are scaled by query_pre_attn_scalar**-0.5 (head_dim where
+    not given), not head_dim**-0.5. The soft caps below are None (no cap) unless given, in a config
+    built in code; config.json's defaults are transformers' (Gemma 2's 50 and 30)."""
     attn_logit_softcapping: float | None = None
     """Gemma 2: attention scores (after scaling) become cap * tanh(score / cap) before the softmax."""
     final_logit_softcapping: float | None = None
@@ -270,7 +274,14 @@ class ModelConfig:
         if self.model_type != "gemma3_text" and self.rope_local_theta is not None:
             raise ValueError(f"rope_local_theta={self.rope_local_theta!r} given for model_type "
                              f"{self.model_type!r}; only gemma3_text has it")
-        if self.model_type not in _SANDWICH:
+        if self.model_type in _SANDWICH:
+            if not self.layer_types:  # transformers' default pattern
+                pattern = 6 if self.model_type == "gemma3_text" else 2
+                object.__setattr__(self, "layer_types", tuple(
+                    LAYER_TYPES[(i + 1) % pattern != 0] for i in range(self.num_hidden_layers)))
+            if self.query_pre_attn_scalar is None:  # head_dim**-0.5, as for the other families
+                object.__setattr__(self, "query_pre_attn_scalar", self.head_dim)
+        else:
             given = [f"{name}={value!r}" for name, value in gemma2.items() if value not in (None, ())]
             if given:
                 raise ValueError(f"{', '.join(given)} given for model_type {self.model_type!r}; only "
@@ -452,8 +463,10 @@ class ModelConfig:
         """Build from a parsed Hugging Face `config.json`; unsupported values raise ValueError."""
         model_type = d.get("model_type")
         if model_type not in MODEL_TYPES:
+            hint = ("; Gemma 3's multimodal checkpoints are not read (its text model, model_type "
+                    "'gemma3_text', is)" if model_type == "gemma3" else "")
             raise ValueError(
-                f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}"
+                f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}{hint}"
             )
         null = sorted(k for k in _NOT_NULL[model_type] if k in d and d[k] is None)
         if null:
@@ -534,8 +547,12 @@ class ModelConfig:
             out["use_sliding_window"] = False
             out["sliding_window"] = None
         if self.model_type in _SANDWICH:
+            # transformers needs a window size even where no layer is windowed; one that covers the
+            # context reads back as no window
+            window = self.sliding_window or rope_scaled_context(self.model_type, self.max_position_embeddings,
+                                                                self.rope_scaling)
             out |= {name: getattr(self, name) for name in _GEMMA2_FIELDS} | {
-                "layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
+                "layer_types": list(self.layer_types), "sliding_window": window,
                 "hidden_activation": "gelu_pytorch_tanh"}
         if self.model_type == "gemma3_text":  # transformers 4's keys, which transformers 5 reads too
             out["rope_local_base_freq"] = self.rope_local_theta
@@ -641,6 +658,9 @@ _NOT_NULL_ANY = frozenset(
 _NOT_NULL_EXPERTS = frozenset({"decoder_sparse_step", "moe_intermediate_size", "num_experts_per_tok",
                                "num_experts", "norm_topk_prob", "output_router_logits",
                                "router_aux_loss_coef"})
+_NOT_NULL_GEMMA2 = (_NOT_NULL_ANY - {"hidden_act"}) | {
+    "head_dim", "attention_bias", "attention_dropout", "num_key_value_heads", "hidden_activation",
+    "query_pre_attn_scalar", "sliding_window"}  # a null window fails in transformers' forward
 _NOT_NULL = {
     "llama": _NOT_NULL_ANY | {"attention_bias", "mlp_bias"},
     "mistral": _NOT_NULL_ANY | {"num_key_value_heads", "attention_dropout"},
@@ -649,11 +669,9 @@ _NOT_NULL = {
     "qwen2": _NOT_NULL_ANY | {"use_sliding_window", "max_window_layers", "attention_dropout"},
     "qwen3": _NOT_NULL_ANY | {"head_dim", "attention_bias", "use_sliding_window", "max_window_layers",
                               "attention_dropout"},
-    "gemma": _NOT_NULL_ANY | {"head_dim", "attention_bias", "attention_dropout"},
-    "gemma2": (_NOT_NULL_ANY - {"hidden_act"}) | {"head_dim", "attention_bias", "hidden_activation",
-                                                  "query_pre_attn_scalar"},
-    "gemma3_text": (_NOT_NULL_ANY - {"hidden_act"}) | {"head_dim", "attention_bias", "hidden_activation",
-                                                       "query_pre_attn_scalar"},
+    "gemma": _NOT_NULL_ANY | {"head_dim", "attention_bias", "attention_dropout", "num_key_value_heads"},
+    "gemma2": _NOT_NULL_GEMMA2,
+    "gemma3_text": _NOT_NULL_GEMMA2,
     "mixtral": _NOT_NULL_ANY | {"num_key_value_heads", "attention_dropout", "num_experts_per_tok",
                                 "num_local_experts", "num_experts", "output_router_logits",
                                 "router_aux_loss_coef", "router_jitter_noise"},
@@ -753,6 +771,11 @@ def _read_gemma(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
     Gemma 3's window all but every `sliding_window_pattern`-th (6th by default)."""
     key = "hidden_activation" if model_type in _SANDWICH else "hidden_act"
     act = d.get(key, "gelu_pytorch_tanh")
+    other = d.get("hidden_activation")
+    if model_type == "gemma" and other not in (None, "gelu_pytorch_tanh"):
+        # transformers' Gemma reads hidden_act only; vLLM's prefers this key (exact GELU for "gelu")
+        raise ValueError(f"unsupported hidden_activation {other!r} for model_type 'gemma' (transformers "
+                         "ignores it, vLLM does not); leave it out or give 'gelu_pytorch_tanh'")
     if act not in ("gelu_pytorch_tanh", "gelu") or (act == "gelu" and model_type in _SANDWICH):
         raise ValueError(f"unsupported {key} {act!r} for model_type {model_type!r}; only "
                          "'gelu_pytorch_tanh' (GeGLU with tanh-approximated GELU) is supported")

@@ -48,7 +48,7 @@ def create_model_dir(
     if spec.config_only:
         raise ValueError(
             f"preset {preset!r} ({spec.description}) is a planning shape too large to initialise "
-            "here; use it with `slipstream perf`, or pick tiny, tiny-moe, small or medium"
+            "here; use it with `slipstream perf`, or pick tiny, tiny-moe, tiny-gemma2, small or medium"
         )
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
