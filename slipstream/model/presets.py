@@ -131,6 +131,18 @@ PRESETS: dict[str, Preset] = {
             ),
         ),
         Preset(
+            name="gemma3-1b",
+            description="Gemma 3 1B shape (google/gemma-3-1b-pt config.json)",
+            config_only=True,
+            config=ModelConfig(
+                model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                max_position_embeddings=32768, sliding_window=512, tie_word_embeddings=True,
+                query_pre_attn_scalar=256, rope_theta=1e6, rope_local_theta=1e4, bos_token_id=2,
+                eos_token_id=1, pad_token_id=0, dtype="bfloat16",
+            ),
+        ),
+        Preset(
             name="mixtral-8x7b",
             description="Mixtral 8x7B shape, 8 experts, top 2 (mistralai/Mixtral-8x7B-v0.1 config.json)",
             config_only=True,
