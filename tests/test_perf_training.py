@@ -263,7 +263,11 @@ _GEMMA2 = {"sliding_window": 32, "layer_types": ("sliding_attention", "full_atte
            "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gemma", "gemma2"])
+_GEMMA3 = {"sliding_window": 32, "layer_types": ("sliding_attention", "full_attention") * 2,
+           "rope_local_theta": 100.0}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text"])
 def test_activation_memory_equals_what_the_trainers_model_saves(family):
     """Guards the activation bytes against what autograd saves for slipstream's model under the
     trainer's recipe, fp32 and bf16 autocast (whose fp32 residual stream makes the norm inputs
@@ -276,7 +280,7 @@ def test_activation_memory_equals_what_the_trainers_model_saves(family):
     from slipstream.perf.shapes import TransformerShape
 
     # Token count and widths differ, so no activation shares a shape with a weight.
-    window = {"mistral": {"sliding_window": 32}, "gemma2": _GEMMA2}.get(family, {})
+    window = {"mistral": {"sliding_window": 32}, "gemma2": _GEMMA2, "gemma3_text": _GEMMA3}.get(family, {})
     config = ModelConfig(model_type=family, vocab_size=1024, hidden_size=256, intermediate_size=640,
                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256, **window)
@@ -388,7 +392,7 @@ def _eager_pointwise_bytes(config, dtype, num_tokens: int, autocast: bool = Fals
     return forward.bytes, backward.bytes, forward.kernels, backward.kernels
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma", "gemma2", "gemma3_text"])
 def test_eager_pointwise_bytes_match_torch(family):
     """Guards the eager pointwise count against what torch's dispatcher sees slipstream's layer
     read and write outside its matmuls and attention, forward and backward, in bf16 parameters,
@@ -403,7 +407,9 @@ def test_eager_pointwise_bytes_match_torch(family):
     from slipstream.perf.layers import Device, LayerSpec, pointwise_backward, pointwise_forward
     from slipstream.perf.shapes import TransformerShape
 
-    gemma2 = {"layer_types": ("full_attention",)} if family == "gemma2" else {}
+    gemma2 = {"layer_types": ("full_attention",)} if family in ("gemma2", "gemma3_text") else {}
+    if family == "gemma3_text":
+        gemma2["rope_local_theta"] = 100.0
     config = ModelConfig(model_type=family, vocab_size=512, hidden_size=512, intermediate_size=1536,
                          num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2,
                          max_position_embeddings=1024, **gemma2)

@@ -403,7 +403,10 @@ def _eager_pointwise(spec: LayerSpec, e: int, r: int, backward: bool, replicated
     # The rotary embedding's input: q and k as the projections wrote them, or as their norms
     # did (the norm's weight has the residual stream's dtype, which the product takes).
     rotary_in = e
-    if shape.qk_norm and rotary_width:
+    if shape.qk_norm and rotary_width and shape.norm == "gemma_rmsnorm":  # its output in its input's dtype
+        num_bytes, kernels = _gemma_rms_norm(e, r, backward)
+        parts["qk_norm"] = (num_bytes * rotary_width, 2 * kernels)
+    elif shape.qk_norm and rotary_width:
         rotary_in = r
         num_bytes, kernels = _rms_norm(e, rotary_in, r, backward)
         parts["qk_norm"] = (num_bytes * rotary_width, 2 * kernels)

@@ -110,8 +110,8 @@ def _layer_activation_bytes(
     # Soft-capped attention's explicit matmuls keep K and V repeated to every query head.
     kv_dim = shape.q_dim if shape.attention_softcap else shape.kv_dim
     attention = e * n * (2 * shape.q_dim + 2 * kv_dim)
-    if shape.qk_norm:  # the q and k norms keep their inputs too
-        attention += e * n * (shape.q_dim + shape.kv_dim)
+    if shape.qk_norm:  # the q and k norms keep their inputs too (Gemma's, fp32 copies)
+        attention += _norm_bytes(shape, e) * n * (shape.q_dim + shape.kv_dim)
     # SwiGLU keeps gate, up and the product (its backward recomputes silu); GeGLU also gelu(gate).
     mlp = e * n * f * {"swiglu": 3, "geglu": 4, "gelu": 2}[shape.mlp]
     split = attention + mlp
