@@ -54,7 +54,8 @@ class ModelSource:
     """Which model to train: a preset initialised from a seed, or a Hugging Face model dir."""
 
     preset: str = "tiny"
-    """A name from `slipstream.model.presets` (tiny, tiny-moe, tiny-gemma2, small, medium); ignored when `path` is set."""
+    """A name from `slipstream.model.presets` (tiny, tiny-moe, tiny-gemma2, small, medium); ignored
+    when `path` is set."""
     path: str | None = None
     """Start from this Hugging Face model directory's config and weights instead."""
     init_std: float = 0.02
