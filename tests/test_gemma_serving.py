@@ -4,12 +4,14 @@ A tiny random Gemma and Gemma 2 (test_gemma_model's `random_gemma`: norms moved 
 with a window of 5 on its even layers, shorter than every prompt, a query scale other than
 head_dim's and soft caps the scores reach) give transformers' greedy tokens (eager attention,
 fp32, batched `generate` with left padding) through the engine under continuous batching, with
-the CPU fast path and without, chunked prefill, preemption and prefix caching; in bf16 they run
-and mostly agree. Head size 64: the one the C attention kernels are specialised for, so the soft
-cap goes through their vector paths.
+the CPU fast path and without, chunked prefill, preemption, prefix caching and tensor
+parallelism; in bf16 they run and mostly agree. Head size 64: the one the C attention kernels are
+specialised for, so the soft cap goes through their vector paths.
 
 The CPU decode graph implements Llama's layer only, so it declines these models (and a Llama
-model given any one of their parts), and the engine decodes them module by module.
+model given any one of their parts), and the engine decodes them module by module. The CPU fast
+path's Gemma pieces (the norm and GeGLU kernels, the fused-residual decoder) equal the PyTorch
+modules to rounding.
 """
 
 from __future__ import annotations
@@ -176,6 +178,22 @@ def test_greedy_tokens_match_transformers(gemma_dir, reference, case):
         print(f"preemptions: {llm.engine.scheduler.num_preemptions}")
         assert llm.engine.scheduler.num_preemptions > 0
     _assert_same_tokens(expected, gaps, got, f"{family}, {case}")
+
+
+def test_tensor_parallel_matches_transformers(gemma_dir, reference):
+    """(e) Split over a driver and a worker process (tensor_parallel_size=2): each rank's heads
+    keep the model's scale, cap and windows, Gemma 2's norms after attention and the MLP read the
+    summed outputs, and the embeddings are scaled after the vocabulary-split lookup: transformers'
+    tokens."""
+    family, model_dir = gemma_dir
+    prompts, expected, gaps = reference
+    llm = LLM(str(model_dir), tensor_parallel_size=2)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.engine.shutdown()
+    _assert_same_tokens(expected, gaps, got, f"{family}, tensor parallel")
 
 
 def test_prefix_caching_matches_transformers(gemma_dir):
