@@ -1,8 +1,9 @@
 """Gemma and Gemma 2 in the serving engine.
 
-A tiny random Gemma and Gemma 2 (test_gemma_model's `random_gemma`: norms moved off 0; Gemma 2
-with a window of 5 on its even layers, shorter than every prompt, a query scale other than
-head_dim's and soft caps the scores reach) give transformers' greedy tokens (eager attention,
+A tiny random Gemma, Gemma 2 and Gemma 3 (test_gemma_model's `random_family`: norms moved off 0;
+Gemma 2 with a window of 5 on its even layers, shorter than every prompt, a query scale other than
+head_dim's and soft caps the scores reach; Gemma 3 with two windowed layers to a global one, each
+kind with its own RoPE base, and q/k norms) give transformers' greedy tokens (eager attention,
 fp32, batched `generate` with left padding) through the engine under continuous batching, with
 the CPU fast path and without, chunked prefill, preemption, prefix caching and tensor
 parallelism; in bf16 they run and mostly agree. Head size 64: the one the C attention kernels are
@@ -24,7 +25,7 @@ import torch
 import transformers
 from serve_fixtures import random_model
 from test_engine_parity import _assert_same_tokens
-from test_gemma_model import random_gemma
+from test_gemma_model import random_family
 
 from slipstream import LLM, SamplingParams
 from slipstream.model import ModelConfig
@@ -108,11 +109,11 @@ def test_decode_graph_declines_each_part_it_does_not_implement(change):
 NUM_PROMPTS, MAX_NEW_TOKENS = 4, 16
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=["gemma", "gemma2", "gemma3_text"])
 def gemma_dir(request, tmp_path_factory):
-    """(family, the model's directory) for transformers' random Gemma or Gemma 2."""
+    """(family, the model's directory) for transformers' random Gemma, Gemma 2 or Gemma 3."""
     path = tmp_path_factory.mktemp(request.param)
-    random_gemma(request.param == "gemma2", head_dim=64).save_pretrained(path)
+    random_family(request.param, head_dim=64).save_pretrained(path)
     stdlib_tokenizer(320).save_pretrained(path)
     return request.param, path
 
@@ -209,16 +210,24 @@ def test_prefix_caching_matches_transformers(gemma_dir):
     _assert_same_tokens(expected, gaps, got, f"{family}, prefix caching")
 
 
+BF16_DECIDED_GAP = 0.05
+"""A top-2 logit gap (logits of a few units) that bf16's rounding (steps of 2**-6 there) does not
+close: Gemma 3's fourth prompt opens with a gap of 0.01, which transformers' own bf16 model also
+decides the other way."""
+
+
 def test_bf16_runs_and_mostly_agrees(gemma_dir, reference):
     """In bf16 (C kernels' bf16 paths, bf16 soft caps) the engine runs and its greedy tokens mostly
-    follow fp32 transformers': each prompt's first token, and most tokens overall (bf16 rounding
-    flips a close choice now and then, and the sequence goes its own way after it)."""
+    follow fp32 transformers': each prompt's first token where the reference's choice is clear,
+    and most tokens overall (bf16 rounding flips a close choice now and then, and the sequence
+    goes its own way after it)."""
     family, model_dir = gemma_dir
-    prompts, expected, _ = reference
+    prompts, expected, gaps = reference
     got, _ = _engine_greedy(model_dir, prompts, dtype="bfloat16")
     agree = [sum(a == b for a, b in zip(e, g, strict=True)) for e, g in zip(expected, got, strict=True)]
     print(f"{family} bf16: {agree} of {MAX_NEW_TOKENS} tokens agree per prompt")
-    assert all(e[0] == g[0] for e, g in zip(expected, got, strict=True))
+    decided = [i for i in range(NUM_PROMPTS) if gaps[i, 0] > BF16_DECIDED_GAP]
+    assert all(got[i][0] == expected[i][0] for i in decided)
     assert sum(agree) >= 0.5 * NUM_PROMPTS * MAX_NEW_TOKENS
 
 
