@@ -263,13 +263,18 @@ def test_gemma_kernels_match_modules(dtype):
         assert dtype == torch.float32 or equal > 0.8
 
 
+GEMMA3 = dict(model_type="gemma3_text", sliding_window=8, query_pre_attn_scalar=48, rope_local_theta=100.0,
+              layer_types=("sliding_attention", "full_attention"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("family", [*sorted(CONFIGS), "gemma3_text"])
 def test_fast_path_matches_plain_model(family, dtype):
-    """optimize_for_cpu_inference on Gemma and Gemma 2 swaps in the Gemma norm and GeGLU kernels and
-    the fused-residual decoder (Gemma 2's four norms a layer, the scaled embeddings) and gives the
-    plain model's logits to rounding."""
-    config = ModelConfig(**SHAPE, **CONFIGS[family])
+    """optimize_for_cpu_inference on Gemma, Gemma 2 and Gemma 3 swaps in the Gemma norm and GeGLU
+    kernels and the fused-residual decoder (Gemma 2's four norms a layer, the scaled embeddings,
+    Gemma 3's q/k norms and its windowed layers' own rotary tables) and gives the plain model's
+    logits to rounding."""
+    config = ModelConfig(**SHAPE, **CONFIGS.get(family, GEMMA3))
     plain = random_model(config, dtype)
     fast = optimize_for_cpu_inference(copy.deepcopy(plain))
     modules = list(fast.modules())

@@ -83,17 +83,20 @@ class KernelDecoder(nn.Module):
         self.layers = decoder.layers
         self.norm = decoder.norm
         self.rope = decoder.rope
+        self.local_rope = decoder.local_rope
+        self.local_rope_layers = decoder.local_rope_layers
         self.embed_scale = decoder.embed_scale
 
     @staticmethod
     def applies_to(decoder: nn.Module) -> bool:
         """Whether every norm of `decoder` (a `Decoder` of `DecoderLayer`s or Gemma 2's
         `SandwichDecoderLayer`s) has the C kernel, and the decoder holds no module beyond those
-        this one runs (another rotary table, say)."""
+        this one runs."""
         kernel_norms = (KernelRMSNorm, KernelGemmaRMSNorm)
         if type(decoder) is not Decoder or not isinstance(decoder.norm, kernel_norms) or not decoder.layers:
             return False
-        if {name for name, _ in decoder.named_children()} - {"embed_tokens", "layers", "norm", "rope"}:
+        runs = {"embed_tokens", "layers", "norm", "rope", "local_rope"}
+        if {name for name, _ in decoder.named_children()} - runs:
             return False
         return all(type(layer) in (DecoderLayer, SandwichDecoderLayer)
                    and all(isinstance(m, kernel_norms) for n, m in layer.named_children() if "norm" in n)
@@ -105,10 +108,11 @@ class KernelDecoder(nn.Module):
         residual = self.embed_tokens(token_ids)  # a new tensor: the stream that the sums update
         if self.embed_scale is not None:  # as Decoder scales it: by the scale rounded to the dtype
             residual = residual * torch.tensor(self.embed_scale, dtype=residual.dtype)
-        cos, sin = self.rope(positions, residual.dtype)
+        tables = self.rope(positions, residual.dtype)  # cos and sin
+        local = tables if self.local_rope is None else self.local_rope(positions, residual.dtype)
         hidden = self.layers[0].input_layernorm(residual)
         for i, layer in enumerate(self.layers):
-            attended = layer.self_attn(hidden, cos, sin, attn)
+            attended = layer.self_attn(hidden, *(local if i in self.local_rope_layers else tables), attn)
             following = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             if isinstance(layer, SandwichDecoderLayer):  # each block's output normed before its sum
                 hidden = _add_and_norm(residual, layer.post_attention_layernorm(attended),
