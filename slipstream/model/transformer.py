@@ -1,12 +1,13 @@
-"""The Llama-family decoder: one definition of the math for training and serving.
+"""The Llama-family decoder (and Gemma's): one definition of the math for training and serving.
 
-`Transformer(config)(token_ids, positions)` returns logits. With `attn=None` every sequence in
-the batch attends causally to itself (SDPA); the serving engine instead passes an attention
-metadata object, which each layer calls as `attn(layer_idx, q, k, v)` to write the new keys and
-values into the paged cache and attend over it. Parameter names equal Hugging Face's
-(`model.layers.0.self_attn.q_proj.weight`, ...), so checkpoints load without renaming, except
-Mixtral's experts, which take Qwen-MoE's names here (`mlp.experts.0.gate_proj` for
-`block_sparse_moe.experts.0.w1`; `model.weights` renames them on the way in and out).
+`Transformer(config)(token_ids, positions)` returns logits. With `attn=None` every sequence in the
+batch attends causally to itself (SDPA); the serving engine instead passes an attention metadata
+object, which each layer calls as `attn(layer_idx, q, k, v, scale=..., softcap=...,
+sliding_window=...)` to write the new keys and values into the paged cache and attend over it.
+Parameter names equal Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...), so
+checkpoints load without renaming, except Mixtral's experts, which take Qwen-MoE's names here
+(`mlp.experts.0.gate_proj` for `block_sparse_moe.experts.0.w1`; `model.weights` renames them on
+the way in and out).
 
 The numerics follow Hugging Face's implementation step for step (RMSNorm in fp32, RoPE tables
 in fp32 cast to the activation dtype, `rotate_half` pairing), so fp32 logits agree to rounding.
