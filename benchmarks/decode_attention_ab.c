@@ -4,8 +4,8 @@
  *
  * benchmarks/decode_attention.py times the kernel against PyTorch; this compares two versions of
  * the kernel itself (before and after a change), which on a shared machine only alternating in
- * one process can do. The caches of 12 layers (shuffled blocks of 16 tokens, the bench model's
- * 12 query / 4 kv heads of 64) are called layer after layer; with --cold a 96 MiB buffer is read
+ * one process can do. The caches of 12 layers (shuffled blocks of 16 tokens, by default the bench
+ * model's 12 query / 4 kv heads of 64) are called layer after layer; with --cold a 96 MiB buffer is read
  * on both threads before each call (not timed), so that even one short sequence's rows, whose 12
  * layers fit in the last-level cache, come from memory, and the kernel's OpenMP threads are
  * awake when the call starts (a read through PyTorch would leave them asleep: its OpenMP runtime
@@ -15,11 +15,15 @@
  *     gcc -O3 -march=native -ffast-math -fopenmp -fPIC -std=c11 -shared \
  *         -o old.so old/attention.c old/cpu_ops.c -lm          (and new.so from the new sources)
  *     gcc -O2 -fopenmp -o decode_attention_ab benchmarks/decode_attention_ab.c -ldl
- *     ./decode_attention_ab old.so new.so SEQS KEYS [bf16] [--cold] [--uneven]
+ *     ./decode_attention_ab old.so new.so SEQS KEYS [bf16] [--cold] [--uneven] [--heads H/K/D]
+ *                           [--softcap CAP] [--threads N]
  *
  * KEYS per sequence, or with --uneven lengths drawn from [KEYS / 4, KEYS). fp32 unless bf16.
- * No soft cap (0.0f). A build from before the soft cap was added takes the same call: its scale
- * and the cap travel in vector registers, the integers where they always did, so it ignores it.
+ * --heads sets the layout (H query heads, K kv heads of D; Gemma's: 8/4/256 or 8/1/256). No soft
+ * cap (0.0f) unless --softcap. A build from before the soft cap was added takes the same call: its
+ * scale and the cap travel in vector registers, the integers where they always did, so it ignores
+ * it (compare such a build only without --softcap). Two threads unless --threads (one where another
+ * process keeps a core busy: a team waiting on a descheduled thread measures the scheduler).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -33,7 +37,7 @@ typedef int (*attention_fn)(const void *, const void *, const void *, void *, co
                             const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                             int64_t, float, float, int, int);
 
-enum { LAYERS = 12, HEADS = 12, KV_HEADS = 4, HEAD_DIM = 64, BLOCK = 16, ROUNDS = 31, THREADS = 2 };
+enum { LAYERS = 12, BLOCK = 16, ROUNDS = 31 };
 static const int64_t EVICT_BYTES = 96 << 20;
 
 static int compare(const void *a, const void *b) {
@@ -63,20 +67,35 @@ static void fill(void *buffer, int64_t bytes) {
 
 int main(int argc, char **argv) {
     if (argc < 5) {
-        fprintf(stderr, "usage: %s OLD.so NEW.so SEQS KEYS [bf16] [--cold] [--uneven]\n", argv[0]);
+        fprintf(stderr, "usage: %s OLD.so NEW.so SEQS KEYS [bf16] [--cold] [--uneven] [--heads H/K/D] "
+                "[--softcap CAP] [--threads N]\n", argv[0]);
         return 2;
     }
     int bf16 = 0, cold = 0, uneven = 0;
+    long heads = 12, kv_heads = 4, head_dim = 64;  /* the bench model's */
+    float softcap = 0.0f;
+    int threads = 2;
     for (int i = 5; i < argc; i++) {
         bf16 |= strcmp(argv[i], "bf16") == 0;
         cold |= strcmp(argv[i], "--cold") == 0;
         uneven |= strcmp(argv[i], "--uneven") == 0;
+        if (strcmp(argv[i], "--heads") == 0 && i + 1 < argc &&
+            (sscanf(argv[++i], "%ld/%ld/%ld", &heads, &kv_heads, &head_dim) != 3 || kv_heads <= 0 ||
+             heads % kv_heads != 0 || head_dim <= 0)) {
+            fprintf(stderr, "--heads %s: want H/K/D with K dividing H\n", argv[i]);
+            return 2;
+        }
+        if (strcmp(argv[i], "--softcap") == 0 && i + 1 < argc) softcap = (float)atof(argv[++i]);
+        if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc && (threads = atoi(argv[++i])) < 1) {
+            fprintf(stderr, "--threads %s: want at least 1\n", argv[i]);
+            return 2;
+        }
     }
     const attention_fn builds[2] = {load(argv[1]), load(argv[2])};
     const int64_t seqs = atoll(argv[3]), keys = atoll(argv[4]), elem = bf16 ? 2 : 4;
     const int64_t blocks_per_seq = (keys + BLOCK - 1) / BLOCK, blocks = seqs * blocks_per_seq;
-    const int64_t cache_bytes = blocks * BLOCK * KV_HEADS * HEAD_DIM * elem;
-    const int64_t q_bytes = seqs * HEADS * HEAD_DIM * elem;
+    const int64_t cache_bytes = blocks * BLOCK * kv_heads * head_dim * elem;
+    const int64_t q_bytes = seqs * heads * head_dim * elem;
     srand(5);
     char *k[LAYERS], *v[LAYERS];
     for (int l = 0; l < LAYERS; l++) {
@@ -90,7 +109,7 @@ int main(int argc, char **argv) {
     double kv_bytes = 0;
     for (int64_t s = 0; s < seqs; s++) {
         lens[s] = uneven ? keys / 4 + rand() % (keys - keys / 4) : keys;
-        kv_bytes += 2.0 * lens[s] * KV_HEADS * HEAD_DIM * elem;
+        kv_bytes += 2.0 * lens[s] * kv_heads * head_dim * elem;
     }
     char *evict = malloc(EVICT_BYTES);
     memset(evict, 1, EVICT_BYTES);
@@ -102,13 +121,13 @@ int main(int argc, char **argv) {
             for (int l = 0; l < LAYERS; l++) {
                 if (cold) {
                     long sum = 0;
-#pragma omp parallel for num_threads(THREADS) reduction(+ : sum)
+#pragma omp parallel for num_threads(threads) reduction(+ : sum)
                     for (int64_t i = 0; i < EVICT_BYTES; i += 64) sum += evict[i];
                     sink += sum;
                 }
                 const double start = omp_get_wtime();
                 const int status = builds[b](q, k[l], v[l], out[b], tables, lens, seqs, blocks_per_seq,
-                                             HEADS, KV_HEADS, HEAD_DIM, BLOCK, 0, 0.125f, 0.0f, bf16, THREADS);
+                                             heads, kv_heads, head_dim, BLOCK, 0, 0.125f, softcap, bf16, threads);
                 seconds += omp_get_wtime() - start;
                 if (status != 0) {
                     fprintf(stderr, "build %d failed with status %d\n", b, status);
@@ -122,14 +141,16 @@ int main(int argc, char **argv) {
     const double old_ms = median(ms[0], ROUNDS), new_ms = median(ms[1], ROUNDS);
     const double ratio_median = median(ratio, ROUNDS);  /* sorts ratio */
     const double quartile_lo = ratio[ROUNDS / 4], quartile_hi = ratio[3 * ROUNDS / 4];
+    printf("%ld/%ld heads of %ld, cap %g, %d threads: ", heads, kv_heads, head_dim, softcap, threads);
     printf("%ld x %s%ld %s keys%s: old %.3f ms, new %.3f ms per call (%.1f / %.1f GB/s of keys and "
            "values); old/new per round %.3f [%.3f, %.3f]\n",
            (long)seqs, uneven ? "up to " : "", (long)keys, bf16 ? "bf16" : "fp32", cold ? ", cold" : "",
            old_ms, new_ms, kv_bytes / old_ms / 1e6, kv_bytes / new_ms / 1e6, ratio_median, quartile_lo,
            quartile_hi);
-    printf("{\"benchmark\": \"decode_attention_ab\", \"seqs\": %ld, \"keys\": %ld, \"dtype\": \"%s\", "
+    printf("{\"benchmark\": \"decode_attention_ab\", \"heads\": %ld, \"kv_heads\": %ld, \"head_dim\": %ld, "
+           "\"softcap\": %g, \"seqs\": %ld, \"keys\": %ld, \"dtype\": \"%s\", "
            "\"cold\": %s, \"uneven\": %s, \"old_ms\": %.4f, \"new_ms\": %.4f, \"old_over_new\": %.4f}\n",
-           (long)seqs, (long)keys, bf16 ? "bfloat16" : "float32", cold ? "true" : "false",
-           uneven ? "true" : "false", old_ms, new_ms, ratio_median);
+           heads, kv_heads, head_dim, softcap, (long)seqs, (long)keys, bf16 ? "bfloat16" : "float32",
+           cold ? "true" : "false", uneven ? "true" : "false", old_ms, new_ms, ratio_median);
     return 0;
 }

@@ -113,14 +113,17 @@ def test_mixed_prefill_and_decode_batch_matches_dense(
 @pytest.mark.parametrize("num_threads", [1, 2, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[40], [320], [600], [1300], [600, 40, 320]])
-def test_decode_kernel_matches_dense_however_it_splits_the_work(num_threads, dtype, lens):
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(12, 4, 64), (8, 1, 256)])
+def test_decode_kernel_matches_dense_however_it_splits_the_work(num_threads, dtype, lens, num_heads,
+                                                                 num_kv_heads, head_dim):
     """The decode kernel cuts a batch's keys by the number of threads: a small batch into chunks
     of a few tens of keys (all kv heads per task), a larger one into chunks of 512, or, where
     there are too few keys for either to give every thread work, into (chunk, kv head) tasks.
-    These lengths and thread counts reach each way, and each equals dense attention."""
+    These lengths and thread counts reach each way, and each equals dense attention, for the
+    bench model's heads and for Gemma's (head size 256, one kv head: its own kernel copies)."""
     if cpu_kernels.library() is None:
         pytest.skip("no C kernel library here")
-    num_heads, num_kv_heads, head_dim, block_size = 12, 4, 64, 16
+    block_size = 16
     torch.manual_seed(0)
     num_blocks = sum(-(-n // block_size) for n in lens)
     order = torch.randperm(num_blocks).tolist()

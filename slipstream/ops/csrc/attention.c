@@ -605,13 +605,16 @@ DEFINE_ATTEND(attend_f32_d64, ATTEND_SPECIALISED, 64, DTYPE_F32)
 DEFINE_ATTEND(attend_f32_d128, ATTEND_SPECIALISED, 128, DTYPE_F32)
 DEFINE_ATTEND(attend_bf16_d64, ATTEND_SPECIALISED, 64, DTYPE_BF16)
 DEFINE_ATTEND(attend_bf16_d128, ATTEND_SPECIALISED, 128, DTYPE_BF16)
+DEFINE_ATTEND(attend_f32_d256, ATTEND_SPECIALISED, 256, DTYPE_F32)
+DEFINE_ATTEND(attend_bf16_d256, ATTEND_SPECIALISED, 256, DTYPE_BF16)
 #undef ATTEND_SPECIALISED
 
-/* Other head sizes take the portable loop: the families served (Llama, Mistral, Qwen2/3) use 64
- * or 128, and two more AVX-512 copies for the rest added 0.5 s (a quarter) to every first build. */
+/* Other head sizes take the portable loop: the families served use 64 or 128 (Llama, Mistral,
+ * Qwen2/3) or 256 (every Gemma), and each further pair of copies adds to every first build. */
 static attend_fn choose_kernel(int64_t head_dim, int dtype) {
     if (head_dim == 64) return dtype == DTYPE_F32 ? attend_f32_d64 : attend_bf16_d64;
     if (head_dim == 128) return dtype == DTYPE_F32 ? attend_f32_d128 : attend_bf16_d128;
+    if (head_dim == 256) return dtype == DTYPE_F32 ? attend_f32_d256 : attend_bf16_d256;
     return attend_any;
 }
 
