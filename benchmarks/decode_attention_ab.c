@@ -126,8 +126,8 @@ int main(int argc, char **argv) {
                     sink += sum;
                 }
                 const double start = omp_get_wtime();
-                const int status = builds[b](q, k[l], v[l], out[b], tables, lens, seqs, blocks_per_seq,
-                                             heads, kv_heads, head_dim, BLOCK, 0, 0.125f, softcap, bf16, threads);
+                const int status = builds[b](q, k[l], v[l], out[b], tables, lens, seqs, blocks_per_seq, heads,
+                                             kv_heads, head_dim, BLOCK, 0, 0.125f, softcap, bf16, threads);
                 seconds += omp_get_wtime() - start;
                 if (status != 0) {
                     fprintf(stderr, "build %d failed with status %d\n", b, status);

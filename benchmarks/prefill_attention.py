@@ -13,7 +13,7 @@ peak of the kernel's arithmetic dtype (bf16 inputs compute in bf16 where the CPU
 AVX512-BF16, else in fp32). Last line JSON.
 
     python benchmarks/prefill_attention.py [--dtype float32|bfloat16|both] [--lengths 128 ... 2048]
-                                           [--no-prompt-batch]
+                                           [--no-prompt-batch] [--heads 8/4/256 8/1/256]
 """
 
 from __future__ import annotations
@@ -85,14 +85,15 @@ def prompt_batch(seed: int = 0, budget: int = 2048) -> list[int]:
     return lengths
 
 
-def measure(dtype: torch.dtype, lengths: list[int], repeats: int, batch: bool) -> list[dict]:
+def measure(dtype: torch.dtype, heads: list[tuple[int, int, int]], lengths: list[int], repeats: int,
+            batch: bool) -> list[dict]:
     arithmetic = str(cpu_kernels.arithmetic_dtype(dtype)).removeprefix("torch.")
     peak = calibrate().peak_flops(arithmetic)
     name = str(dtype).removeprefix("torch.")
     torch.manual_seed(0)
     shapes = [[length] for length in lengths] + ([prompt_batch()] if batch else [])
     results = []
-    for num_heads, num_kv_heads, head_dim in HEADS:
+    for num_heads, num_kv_heads, head_dim in heads:
         for prompts in shapes:
             seconds = time_calls(dtype, num_heads, num_kv_heads, head_dim, prompts, repeats)
             gflops = {impl: flops_of(num_heads, head_dim, prompts) / s / 1e9 for impl, s in seconds.items()}
@@ -115,6 +116,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048])
+    parser.add_argument("--heads", nargs="+", default=[f"{h}/{k}/{d}" for h, k, d in HEADS],
+                        help="head layouts: query heads / kv heads / head size (Gemma's: 8/4/256, 8/1/256)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
     parser.add_argument("--no-prompt-batch", dest="prompt_batch", action="store_false",
@@ -122,8 +125,12 @@ def main() -> None:
     args = parser.parse_args()
     if not cpu_kernels.supports_prefill_attention(torch.empty(1, 1, 64)):
         raise SystemExit("no prefill attention kernel on this CPU (it needs AVX-512, or AVX2 and FMA)")
+    heads = [tuple(int(n) for n in layout.split("/")) for layout in args.heads]
+    if any(len(h) != 3 or h[1] <= 0 or h[0] % h[1] != 0 for h in heads):
+        raise SystemExit(f"--heads {' '.join(args.heads)}: want H/K/D, K dividing H")
     dtypes = [torch.float32, torch.bfloat16] if args.dtype == "both" else [getattr(torch, args.dtype)]
-    results = [r for dtype in dtypes for r in measure(dtype, args.lengths, args.repeats, args.prompt_batch)]
+    results = [r for dtype in dtypes
+               for r in measure(dtype, heads, args.lengths, args.repeats, args.prompt_batch)]
     speedups = [r["speedup"] for r in results]
     print(f"kernel / torch: {min(speedups):.2f}-{max(speedups):.2f}x over {len(results)} shapes")
     print_json({"benchmark": "prefill_attention", "machine": machine(), "results": results,

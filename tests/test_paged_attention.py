@@ -246,7 +246,7 @@ def test_prefill_kernel_matches_dense_over_random_chunks(dtype):
     torch.manual_seed(1)
     for case in range(24):
         num_kv_heads, group = rng.choice([1, 2, 4]), rng.choice([1, 2, 3, 4])
-        head_dim, block_size = rng.choice([64, 128]), rng.choice([8, 16, 32])
+        head_dim, block_size = rng.choice([64, 128, 256]), rng.choice([8, 16, 32])
         window = rng.choice([None, None, rng.randint(1, 100)])
         shapes = [(rng.randint(0, 200), rng.randint(2, 200)) for _ in range(rng.randint(1, 3))]
         num_blocks = sum(-(-(cached + new) // block_size) for cached, new in shapes) + 4
@@ -282,8 +282,9 @@ def test_scaled_soft_capped_attention_matches_dense(head_dim, block_size, use_ke
     then the mask and the softmax, over a batch of fresh prefills (two of several key tiles),
     chunks after cached context, short decodes and two long ones (split into chunks by the
     decode kernel and merged), against the dense float64 reference; through the C kernels (head
-    sizes 64 and 128 for prefills; 8 and 256 take the portable decode loop and PyTorch's
-    prefill) and through the PyTorch path, which cannot use SDPA for a capped call. The cap is
+    sizes 64, 128 and Gemma's 256 have their own decode copies and the prefill kernel; 8 takes
+    the portable decode loop and PyTorch's prefill) and through the PyTorch path, which cannot
+    use SDPA for a capped call. The cap is
     tight enough that ignoring it, or the scale, fails by far more than the tolerance."""
     if use_kernel:
         assert cpu_kernels.library() is not None, "the C kernel must build on the CI machine"

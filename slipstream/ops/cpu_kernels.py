@@ -232,8 +232,8 @@ def paged_decode_attention(
 
 
 def supports_prefill_attention(q: torch.Tensor) -> bool:
-    """Whether `paged_prefill_attention_` takes queries like `q` (N, H, D): AVX-512 or AVX2, D 64 or
-    128."""
+    """Whether `paged_prefill_attention_` takes queries like `q` (N, H, D): AVX-512 or AVX2, D 64,
+    128 or 256."""
     return supports(q) and bool(library().has_prefill_attention(q.shape[-1]))
 
 

@@ -851,7 +851,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
  * when packed and the arithmetic is fp32. The queries of chunk c are the last chunk_lens[c] of
  * its seq_lens[c] positions (their keys already written to the cache), at rows chunk_rows[c] of q
  * and out: out (rows, num_heads, head_dim), q rows of num_heads x head_dim values q_stride
- * elements apart (the queries where the fused q/k/v product left them). head_dim 64 or 128. A soft
+ * elements apart (the queries where the fused q/k/v product left them). head_dim 64, 128 or 256. A soft
  * cap (softcap > 0) applies to each row's visible scores of a tile before its max is taken.
  */
 /* Query blocks of 64 ran 5-15% faster than blocks of 32 (each key tile packed for more rows) and
@@ -860,7 +860,7 @@ enum { PREFILL_QUERIES = 64, PREFILL_KEYS = 64 };
 
 int has_prefill_attention(int64_t head_dim) {
 #if defined(__AVX512F__) || defined(SLIPSTREAM_AVX2)
-    return head_dim == 64 || head_dim == 128;
+    return head_dim == 64 || head_dim == 128 || head_dim == 256;
 #else
     (void)head_dim;
     return 0;
@@ -896,27 +896,28 @@ static const score_kernel_fn score_kernels[6] = {
     NULL, score_kernel_1, score_kernel_2, score_kernel_3, score_kernel_4, score_kernel_5};
 
 /* o[r][0:16 VECS] += p[r][0:n] . v[0:n][0:16 VECS] for ROWS rows (p rows 64 apart, o and v
- * rows 16 VECS apart). */
+ * rows D apart: 16 VECS columns of them). */
 #define VALUE_KERNEL(ROWS, VECS)                                                                \
-    static void value_kernel_##ROWS##_##VECS(const float *p, const float *v, float *o, int64_t n) { \
+    static void value_kernel_##ROWS##_##VECS(const float *p, const float *v, float *o, int64_t n, \
+                                             int64_t D) {                                       \
         __m512 acc[ROWS][VECS];                                                                 \
         for (int r = 0; r < ROWS; r++)                                                          \
-            for (int j = 0; j < VECS; j++) acc[r][j] = _mm512_loadu_ps(o + r * 16 * VECS + 16 * j); \
+            for (int j = 0; j < VECS; j++) acc[r][j] = _mm512_loadu_ps(o + r * D + 16 * j);    \
         for (int64_t t = 0; t < n; t++) {                                                       \
             __m512 vv[VECS];                                                                    \
-            for (int j = 0; j < VECS; j++) vv[j] = _mm512_loadu_ps(v + t * 16 * VECS + 16 * j);  \
+            for (int j = 0; j < VECS; j++) vv[j] = _mm512_loadu_ps(v + t * D + 16 * j);         \
             for (int r = 0; r < ROWS; r++) {                                                    \
                 const __m512 b = _mm512_set1_ps(p[r * PREFILL_KEYS + t]);                       \
                 for (int j = 0; j < VECS; j++) acc[r][j] = _mm512_fmadd_ps(b, vv[j], acc[r][j]); \
             }                                                                                   \
         }                                                                                       \
         for (int r = 0; r < ROWS; r++)                                                          \
-            for (int j = 0; j < VECS; j++) _mm512_storeu_ps(o + r * 16 * VECS + 16 * j, acc[r][j]); \
+            for (int j = 0; j < VECS; j++) _mm512_storeu_ps(o + r * D + 16 * j, acc[r][j]);     \
     }
 VALUE_KERNEL(1, 4) VALUE_KERNEL(2, 4) VALUE_KERNEL(3, 4) VALUE_KERNEL(4, 4) VALUE_KERNEL(5, 4)
 VALUE_KERNEL(6, 4) VALUE_KERNEL(1, 8) VALUE_KERNEL(2, 8) VALUE_KERNEL(3, 8)
 #undef VALUE_KERNEL
-typedef void (*value_kernel_fn)(const float *, const float *, float *, int64_t);
+typedef void (*value_kernel_fn)(const float *, const float *, float *, int64_t, int64_t);
 static const value_kernel_fn value_kernels_4[7] = {
     NULL, value_kernel_1_4, value_kernel_2_4, value_kernel_3_4, value_kernel_4_4, value_kernel_5_4,
     value_kernel_6_4};
@@ -933,11 +934,13 @@ static void score_products(const float *q, const float *kt, float *s, int64_t ro
 }
 
 static void value_products(const float *s, const float *v, float *o, int64_t rows, int64_t n, int64_t D) {
-    const int64_t step = D == 64 ? 6 : 3;
-    for (int64_t r = 0; r < rows; r += step) {
-        const int64_t m = rows - r < step ? rows - r : step;
-        (D == 64 ? value_kernels_4 : value_kernels_8)[m](s + r * PREFILL_KEYS, v, o + r * D, n);
-    }
+    const int64_t step = D == 64 ? 6 : 3, columns = D == 64 ? 64 : 128;  /* D = 256: two halves */
+    for (int64_t c = 0; c < D; c += columns)
+        for (int64_t r = 0; r < rows; r += step) {
+            const int64_t m = rows - r < step ? rows - r : step;
+            (D == 64 ? value_kernels_4 : value_kernels_8)[m](s + r * PREFILL_KEYS, v + c, o + r * D + c, n,
+                                                             D);
+        }
 }
 
 #if defined(__AVX512BF16__)
@@ -980,31 +983,31 @@ static const score_kernel_bf16_fn score_kernels_bf16[7][4] = {
 
 /* Values: o[r][0:16 VECS] += sum over key pairs i of the pair (p[r][2i], p[r][2i+1]) . the pair
  * (v_2i, v_2i+1) of each column: p rows PREFILL_KEYS / 2 words apart, v[i][d] one word per
- * column (16 VECS a row), o rows 16 VECS floats apart. */
+ * column, v and o rows D apart (16 VECS columns of them). */
 #define VALUE_KERNEL_BF16(ROWS, VECS)                                                           \
     static void value_kernel_bf16_##ROWS##_##VECS(const uint32_t *p, const uint32_t *v, float *o, \
-                                                  int64_t pairs) {                              \
+                                                  int64_t pairs, int64_t D) {                   \
         __m512 acc[ROWS][VECS];                                                                 \
         for (int r = 0; r < ROWS; r++)                                                          \
-            for (int j = 0; j < VECS; j++) acc[r][j] = _mm512_loadu_ps(o + r * 16 * VECS + 16 * j); \
+            for (int j = 0; j < VECS; j++) acc[r][j] = _mm512_loadu_ps(o + r * D + 16 * j);    \
         for (int64_t i = 0; i < pairs; i++) {                                                   \
             __m512bh values[VECS];                                                              \
             for (int j = 0; j < VECS; j++)                                                      \
-                values[j] = (__m512bh)_mm512_loadu_si512(v + i * 16 * VECS + 16 * j);           \
+                values[j] = (__m512bh)_mm512_loadu_si512(v + i * D + 16 * j);                   \
             for (int r = 0; r < ROWS; r++) {                                                    \
                 const __m512bh b = (__m512bh)_mm512_set1_epi32((int)p[r * PREFILL_KEYS / 2 + i]); \
                 for (int j = 0; j < VECS; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], b, values[j]); \
             }                                                                                   \
         }                                                                                       \
         for (int r = 0; r < ROWS; r++)                                                          \
-            for (int j = 0; j < VECS; j++) _mm512_storeu_ps(o + r * 16 * VECS + 16 * j, acc[r][j]); \
+            for (int j = 0; j < VECS; j++) _mm512_storeu_ps(o + r * D + 16 * j, acc[r][j]);     \
     }
 /* Two rows for D = 128: three rows' 24 accumulators, 8 value vectors and the broadcast are one
  * register more than AVX-512 has (the spill cost 10-12% at 2,048 keys). */
 VALUE_KERNEL_BF16(1, 4) VALUE_KERNEL_BF16(2, 4) VALUE_KERNEL_BF16(3, 4) VALUE_KERNEL_BF16(4, 4)
 VALUE_KERNEL_BF16(5, 4) VALUE_KERNEL_BF16(6, 4) VALUE_KERNEL_BF16(1, 8) VALUE_KERNEL_BF16(2, 8)
 #undef VALUE_KERNEL_BF16
-typedef void (*value_kernel_bf16_fn)(const uint32_t *, const uint32_t *, float *, int64_t);
+typedef void (*value_kernel_bf16_fn)(const uint32_t *, const uint32_t *, float *, int64_t, int64_t);
 static const value_kernel_bf16_fn value_kernels_bf16_4[7] = {
     NULL, value_kernel_bf16_1_4, value_kernel_bf16_2_4, value_kernel_bf16_3_4, value_kernel_bf16_4_4,
     value_kernel_bf16_5_4, value_kernel_bf16_6_4};
@@ -1412,13 +1415,14 @@ static void prefill_task(const void *q, int64_t q_stride, const void *k_cache, c
             }
             softmax_tile(w, rows, group, p0, j0, n, window, softcap, D);
             pair_probabilities(w.s, w.p, rows);
-            const int64_t step = D == 64 ? 6 : 2;
-            for (int64_t r = 0; r < rows; r += step) {
-                const int64_t m = rows - r < step ? rows - r : step;
-                const int64_t pairs = (reach_of(p0, r + m - 1, group, j0, n) + 1) / 2;
-                (D == 64 ? value_kernels_bf16_4 : value_kernels_bf16_8)[m](
-                    w.p + r * PREFILL_KEYS / 2, (const uint32_t *)w.v, w.o + r * D, pairs);
-            }
+            const int64_t step = D == 64 ? 6 : 2, columns = D == 64 ? 64 : 128;  /* D = 256: two halves */
+            for (int64_t c = 0; c < D; c += columns)
+                for (int64_t r = 0; r < rows; r += step) {
+                    const int64_t m = rows - r < step ? rows - r : step;
+                    const int64_t pairs = (reach_of(p0, r + m - 1, group, j0, n) + 1) / 2;
+                    (D == 64 ? value_kernels_bf16_4 : value_kernels_bf16_8)[m](
+                        w.p + r * PREFILL_KEYS / 2, (const uint32_t *)w.v + c, w.o + r * D + c, pairs, D);
+                }
             continue;
         }
 #endif
