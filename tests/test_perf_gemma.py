@@ -23,10 +23,12 @@ from slipstream.ops import cpu_kernels
 from slipstream.ops.attention import causal_mask
 from slipstream.ops.decode_graph import CpuDecodeGraph
 from slipstream.ops.inference import optimize_for_cpu_inference
-from slipstream.perf import flops
+from slipstream.perf import flops, hardware
 from slipstream.perf.accelerators import get_accelerator
+from slipstream.perf.efficiency import Efficiency
+from slipstream.perf.layers import Device, LayerSpec, attention_core_forward, layer_gemms, pointwise_forward
 from slipstream.perf.model import Layout, TrainSetup, predict_training
-from slipstream.perf.serving import cpu_decode_graph_declines
+from slipstream.perf.serving import ServeSetup, cpu_decode_graph_declines, step_time
 from slipstream.perf.shapes import TransformerShape, resolve_model
 from slipstream.serve.runner import PagedKVCache
 
@@ -165,6 +167,29 @@ def test_the_decode_graph_rule_matches_the_graph(family):
     reason = cpu_decode_graph_declines(TransformerShape.from_model_config(config))
     print(family, "graph" if graph else "no graph", reason)
     assert (graph is None) == (reason is not None)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "gemma2"])
+def test_cpu_decode_outside_the_graph_pays_module_calls(family):
+    """A CPU decode step the decode graph declines (Gemma, Gemma 2) runs module by module in the
+    engine: every layer call costs `module_call_overhead_s`, so the step rises by exactly (calls
+    per layer x layers) x the added cost, the calls counted in closed form from `layer_gemms` and
+    the kernels the layer prices; Llama's graph-replayed step does not move."""
+    shape = TransformerShape.from_model_config(_config(family))
+    setup = ServeSetup(shape=shape, dtype="fp32", decode_graph_max_batch=256)
+    cpu = hardware.get_accelerator("cpu")
+    base = Efficiency(gemm_overhead_s=5e-6, kernel_overhead_s=5e-6, module_call_overhead_s=5e-6,
+                      roofline_overlap=0.5)
+    cheap, dear = (step_time(setup, cpu, decode_contexts=[40],
+                             efficiency=base.replace(module_call_overhead_s=call)) for call in (5e-6, 15e-6))
+    spec = LayerSpec(shape=shape, num_tokens=1, attention_pairs=41, kv_read_tokens=41)
+    unit = Device(accelerator=cpu, efficiency=Efficiency(gemm_overhead_s=1.0, kernel_overhead_s=1.0),
+                  dtype="fp32", element_bytes=4)
+    kernels = (attention_core_forward(spec, unit) + pointwise_forward(spec, unit)).overhead_s
+    calls = (kernels + sum(count for *_, count in layer_gemms(shape, 1, 1))) * shape.num_layers
+    print(family, "calls", calls, "step", cheap.total_s, dear.total_s)
+    expected = 0.0 if family == "llama" else calls * 10e-6
+    assert dear.overhead_s - cheap.overhead_s == pytest.approx(expected, rel=1e-9, abs=1e-15)
 
 
 def test_perf_commands_run_on_gemma2(tmp_path, capsys):

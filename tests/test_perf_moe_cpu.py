@@ -200,20 +200,23 @@ def test_fused_call_switch_at_the_engines_limits(dtype):
 
 
 def _old_formula(
-    setup: ServeSetup, accelerator: Accelerator, contexts: list[int]
+    setup: ServeSetup, accelerator: Accelerator, contexts: list[int], layer_call_s: float = 5e-6
 ) -> tuple[float, Efficiency]:
     """A dense decode step as the serving model priced it before MoE steps were priced as the CPU
-    engine runs them (eager: no graph): the layer's GEMMs, attention core and pointwise kernels, the
-    lm_head, the step's own kernels and host time, at the bandwidth of the step's bytes."""
+    engine runs them: the layer's GEMMs, attention core and pointwise kernels (each call at
+    `layer_call_s`), the lm_head and the step's own kernels (at 5 us), host time, at the bandwidth
+    of the step's bytes."""
     def once(acc: Accelerator):
         device = Device(accelerator=acc, efficiency=efficiency, dtype=setup.activation_dtype,
                         element_bytes=setup.activation_bytes)
+        layer_device = dataclasses.replace(device, efficiency=efficiency.replace(
+            gemm_overhead_s=layer_call_s, kernel_overhead_s=layer_call_s))
         n, shape = len(contexts), setup.shape
         spec = LayerSpec(shape=shape, num_tokens=n, attention_pairs=sum(c + 1 for c in contexts),
                          kv_read_tokens=sum(c + 1 for c in contexts))
-        layer = attention_core_forward(spec, device) + pointwise_forward(spec, device)
+        layer = attention_core_forward(spec, layer_device) + pointwise_forward(spec, layer_device)
         for m, k, width, count in layer_gemms(shape, n, 1):
-            layer = layer + device.gemm(m, k, width, count)
+            layer = layer + layer_device.gemm(m, k, width, count)
         head = device.gemm(n, shape.hidden_size, shape.vocab_size)
         extra = device.stream(2.0 * n * shape.hidden_size * setup.activation_bytes, STEP_KERNELS)
         host = efficiency.step_overhead_s + n * efficiency.sequence_overhead_s
@@ -231,15 +234,22 @@ def _old_formula(
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("batch", [1, 16])
-def test_dense_decode_keeps_its_formula_and_pays_no_module_calls(preset, dtype, batch):
-    """A dense model's eager decode step on a calibrated CPU is the formula it was (recomputed
-    from its parts), whatever the module-by-module call costs: only MoE layers pay them."""
-    setup = ServeSetup(shape=resolve_model(preset), dtype=dtype)
-    expected, efficiency = _old_formula(setup, CPU, [100] * batch)
+def test_dense_decode_in_the_graph_keeps_its_formula_and_eager_decode_pays_module_calls(preset, dtype, batch):
+    """A dense decode step the CPU decode graph replays is the formula it was (recomputed from its
+    parts, no per-call cost in the layers), whatever the module-by-module call cost; the same step
+    outside the graph (enforce_eager: a graph budget of 0) pays that cost on every layer call, as
+    the engine runs it module by module."""
+    graphed = ServeSetup(shape=resolve_model(preset), dtype=dtype, decode_graph_max_batch=256)
+    expected, efficiency = _old_formula(graphed, CPU, [100] * batch, layer_call_s=0.0)
     for call in (None, 1e-3):
-        got = step_time(setup, CPU, decode_contexts=[100] * batch,
+        got = step_time(graphed, CPU, decode_contexts=[100] * batch,
                         efficiency=efficiency.replace(module_call_overhead_s=call)).total_s
         assert got == pytest.approx(expected, rel=1e-12)
+        eager = dataclasses.replace(graphed, decode_graph_max_batch=0)
+        got = step_time(eager, CPU, decode_contexts=[100] * batch,
+                        efficiency=efficiency.replace(module_call_overhead_s=call)).total_s
+        assert got == pytest.approx(_old_formula(eager, CPU, [100] * batch, layer_call_s=call or 5e-6)[0],
+                                    rel=1e-12)
 
 
 def test_moe_layers_pay_the_module_call_cost_on_a_cpu_only():

@@ -135,9 +135,9 @@ class Efficiency:
     kernel_overhead_s: float = 3e-6
     """Fixed time per non-GEMM kernel."""
     module_call_overhead_s: float | None = None
-    """Fixed time per kernel or GEMM call where slipstream's CPU engine runs a mixture-of-experts
-    model's layers module by module (no decode graph holds its routing): the call from Python
-    through its module, its checks and ctypes. None is `kernel_overhead_s`."""
+    """Fixed time per kernel or GEMM call where slipstream's CPU engine runs a model's layers module
+    by module (prefills, decode steps no decode graph holds): the call from Python through its
+    module, its checks and ctypes. None is `kernel_overhead_s`."""
     step_overhead_s: float = 0.0
     """Fixed host time per serving step (scheduling, launching the step)."""
     sequence_overhead_s: float = 0.0

@@ -8,10 +8,11 @@ under uniform routing, k at batch 1, all of them in a large batch), attention ov
 tensor-parallel all-reduces per layer, the lm_head only where a token is sampled, plus a fixed
 per-step cost (scheduling, sampling, launches). On this machine's CPU (a calibrated accelerator) a
 MoE model runs as slipstream's CPU engine runs it: its blocks' routed experts in one C call where
-the engine takes them (`layers.cpu_moe_block`), its decode steps in the CPU decode graph where that
-holds them, else module by module, each call from Python at `Efficiency.module_call_overhead_s`.
-Gemma and Gemma 2 decode outside the CPU decode graph (`cpu_decode_graph_declines`), as a dense
-model does beyond the graph's batch.
+the engine takes them (`layers.cpu_moe_block`). Every model's decode steps there replay the CPU
+decode graph where that holds them; its prefills and the other decode steps run module by module,
+each call from Python at `Efficiency.module_call_overhead_s`. Gemma, Gemma 2 and Gemma 3
+(gemma3_text) decode outside the CPU decode graph (`cpu_decode_graph_declines`), as a dense model
+does beyond the graph's batch or under enforce_eager.
 KV capacity is what memory is left after the weights, every expert of a MoE model held (Scaling
 Book, `inference.md`: 2 bytes x K x H x L per token).
 
@@ -317,10 +318,12 @@ def _step_work(
     causal_pairs = sum(shape.causal_pairs(n) for n in prefill_lens)
     kv_read = sum(shape.decode_kv_positions(c) for c in decode_contexts)
     layer = Work()
-    on_cpu, fused = cpu_moe
-    # Outside a graph the CPU engine runs a MoE model module by module, each call through Python.
-    eager_linears, eager_device = (_module_by_module(linears), _module_by_module(device)) if on_cpu else (
-        linears, device)
+    fused = cpu_moe[1]
+    # Outside its decode graph slipstream's CPU engine runs every model module by module, each call
+    # through Python: prefills, and decode steps the graph declines or does not hold.
+    eager_linears, eager_device = (
+        (_module_by_module(linears), _module_by_module(device)) if accelerator.calibrated
+        else (linears, device))
     if prefill_lens:
         spec = LayerSpec(shape=shape, num_tokens=sum(prefill_lens), tp=setup.tp, attention="flash",
                          attention_pairs=causal_pairs)
