@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
+import torch
 
+from slipstream.ops.attention import dense_causal_attention
 from slipstream.perf.accelerators import Accelerator, get_accelerator
+from slipstream.perf.layers import layer_gemms
 from slipstream.perf.memory import (
     activation_bytes_per_layer,
     in_flight_microbatches,
     stage_params,
     training_memory,
 )
-from slipstream.perf.model import Layout, TrainSetup, predict_training, stage_layers
-from slipstream.perf.shapes import GPT_SHAPES, resolve_model
+from slipstream.perf.model import Layout, TrainSetup, layer_passes, predict_training, stage_layers
+from slipstream.perf.shapes import GPT_SHAPES, TransformerShape, resolve_model
 
 A100, H100 = get_accelerator("a100"), get_accelerator("h100")
 GPT175 = GPT_SHAPES["megatron-175b"]
@@ -71,20 +75,43 @@ def test_zero_stages_shard_optimizer_grads_weights():
         16 * params / 8)
 
 
-def test_sliding_window_shortens_flash_attention_in_training():
-    """A flash kernel skips the pairs beyond a sliding window as it skips the future: with a
-    4,096-token window (Mistral 7B's) at 32,768 tokens, attention covers w (w + 1) / 2 + (T - w) w
-    of the T (T + 1) / 2 causal pairs, and the step is shorter than without the window (it was
-    the same)."""
+def test_windowed_training_attention_computes_every_pair_as_sdpa_with_a_mask_does():
+    """A layer whose window is shorter than the sequence hands SDPA an additive T x T mask
+    (`ops.attention.dense_causal_attention`), which makes the kernel compute every block: the
+    layer's forward attention FLOPs exceed the causal layer's by 4 H d B T (T - (T + 1) / 2) (closed
+    form; windowless shapes and windows past the sequence keep the causal count), and the ratio
+    of the priced windowed and causal attention cores is within 2x of the ratio torch's SDPA takes
+    on this CPU, forward and backward (1.5x measured at T = 2,048, where skipping past the window
+    was priced 0.12x)."""
     shape = dataclasses.replace(resolve_model("llama3-8b"), sliding_window=4096)
-    windowed = TrainSetup(shape=shape, global_batch_size=8, seq_len=32768, dtype="bf16")
+    windowed = TrainSetup(shape=shape, global_batch_size=8, seq_len=32768, micro_batch_size=1, dtype="bf16")
     full = dataclasses.replace(windowed, shape=dataclasses.replace(shape, sliding_window=None))
-    w, t = 4096, 32768
-    assert shape.causal_pairs(t) == w * (w + 1) / 2 + (t - w) * w
-    assert full.shape.causal_pairs(t) == t * (t + 1) / 2
-    layout = Layout(dp=8, zero_stage=3)
-    times = [predict_training(setup, layout, H100).step_time_s for setup in (windowed, full)]
-    assert times[0] < times[1]
+    long_window = dataclasses.replace(windowed, shape=dataclasses.replace(shape, sliding_window=32768))
+    t, layout = 32768, Layout(dp=8)
+    flops = [layer_passes(setup, layout, H100)["forward"].flops for setup in (windowed, full, long_window)]
+    assert flops[0] - flops[1] == pytest.approx(4 * shape.num_heads * shape.head_dim * t * (t - (t + 1) / 2),
+                                                rel=1e-9)
+    assert flops[2] == flops[1]
+
+    t, window, heads, head_dim = 1024, 64, 4, 64
+
+    def attention_s(sliding_window):
+        q, k, v = (torch.randn(1, t, heads, head_dim, requires_grad=True) for _ in range(3))
+        start = time.perf_counter()
+        dense_causal_attention(q, k, v, sliding_window=sliding_window).sum().backward()
+        return time.perf_counter() - start
+
+    measured = [min(attention_s(w) for _ in range(3)) for w in (window, None)]
+    small = TransformerShape(name="windowed", num_layers=1, hidden_size=heads * head_dim, num_heads=heads,
+                             num_kv_heads=heads, head_dim=head_dim, ffn_hidden_size=64, vocab_size=64,
+                             sliding_window=window)
+    gemm_flops = sum(2 * m * k * n * count for m, k, n, count in layer_gemms(small, t, 1))
+    priced = [layer_passes(TrainSetup(shape=dataclasses.replace(small, sliding_window=w), global_batch_size=1,
+                                      seq_len=t, micro_batch_size=1, dtype="fp32"), Layout(), H100
+                           )["forward"].flops - gemm_flops for w in (window, None)]
+    ratio = (priced[0] / priced[1]) / (measured[0] / measured[1])
+    print("measured windowed / causal", measured[0] / measured[1], "priced", priced[0] / priced[1])
+    assert 0.5 < ratio < 2.0
 
 
 def test_fsdp_under_autocast_keeps_whole_16_bit_weight_copies():

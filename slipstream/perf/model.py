@@ -365,15 +365,28 @@ def _device(setup: TrainSetup, accelerator: Accelerator, efficiency: Efficiency 
 
 def _layer_spec(setup: TrainSetup, layout: Layout) -> LayerSpec:
     tokens = setup.micro_batch_size * setup.seq_len
-    # Unfused attention computes every pair before masking; flash skips the masked blocks (the
-    # future, and the past beyond a sliding window).
-    keys = (setup.seq_len if setup.attention_kernel == "unfused"
-            else setup.shape.causal_pairs(setup.seq_len) / setup.seq_len)
+    keys = _keys_computed(setup)
     return LayerSpec(shape=setup.shape, num_tokens=tokens // layout.cp, tp=layout.tp,
                      sequence_parallel=layout.sequence_parallel, attention=setup.attention_kernel,
                      pointwise=setup.pointwise, dropout=setup.dropout,
                      attention_pairs=tokens * keys / layout.cp, residual_bytes=setup.residual_bytes,
                      autocast_weights=setup.autocast)
+
+
+def _keys_computed(setup: TrainSetup) -> float:
+    """Keys the mean layer's attention computes per query, as the trainer runs it: every key with
+    explicit matmuls (unfused; soft caps); a fused kernel's causal mask skips the future's blocks,
+    but a layer whose sliding window is shorter than the sequence hands SDPA an additive T x T mask
+    (`ops.attention.dense_causal_attention`), with which it computes every block, the future's and
+    those past the window included (MFU's model FLOPs count T keys per query either way)."""
+    seq_len, shape = setup.seq_len, setup.shape
+    if setup.attention_kernel == "unfused":
+        return float(seq_len)
+    causal = (seq_len + 1) / 2
+    if shape.sliding_window is None or shape.sliding_window >= seq_len:
+        return causal
+    share = shape.windowed_layer_share
+    return share * seq_len + (1.0 - share) * causal
 
 
 def _context_parallel(setup: TrainSetup, layout: Layout, spec: LayerSpec, device: Device) -> Work:
