@@ -12,6 +12,8 @@ import json
 import pytest
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from slipstream.cli import main
@@ -20,13 +22,20 @@ from slipstream.model.presets import get_preset
 from slipstream.model.transformer import Transformer
 from slipstream.model.weights import save_model
 from slipstream.ops import cpu_kernels
-from slipstream.ops.attention import causal_mask
+from slipstream.ops.attention import causal_mask, dense_causal_attention
 from slipstream.ops.decode_graph import CpuDecodeGraph
 from slipstream.ops.inference import optimize_for_cpu_inference
 from slipstream.perf import flops, hardware
 from slipstream.perf.accelerators import get_accelerator
 from slipstream.perf.efficiency import Efficiency
-from slipstream.perf.layers import Device, LayerSpec, attention_core_forward, layer_gemms, pointwise_forward
+from slipstream.perf.layers import (
+    Device,
+    LayerSpec,
+    attention_core_backward,
+    attention_core_forward,
+    layer_gemms,
+    pointwise_forward,
+)
 from slipstream.perf.model import Layout, TrainSetup, predict_training
 from slipstream.perf.serving import ServeSetup, cpu_decode_graph_declines, step_time
 from slipstream.perf.shapes import TransformerShape, resolve_model
@@ -153,6 +162,69 @@ def test_training_prices_gemma2s_explicit_attention():
           flash.memory.activations_bytes / 2**30)
     assert extra > 8 * scores
     assert capped.step_time_s > flash.step_time_s
+
+
+class _ScorePasses(TorchDispatchMode):
+    """Bytes and kernels of the ops torch's dispatcher runs on score-sized tensors (at least
+    `scores` elements), matmuls and views (outputs sharing an input's storage) left out."""
+
+    def __init__(self, scores: int):
+        super().__init__()
+        self.scores, self.bytes, self.kernels = scores, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        storages = {t.untyped_storage().data_ptr() for t in inputs}
+        view = any(t.untyped_storage().data_ptr() in storages for t in outputs)
+        if (not func.__name__.startswith(("mm", "bmm")) and not view
+                and any(t.numel() >= self.scores for t in inputs + outputs)):
+            self.bytes += sum(t.numel() * t.element_size() for t in inputs + outputs)
+            self.kernels += 1
+        return out
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "autocast", "bf16"])
+def test_softcapped_score_passes_match_the_dispatcher(recipe):
+    """Guards the soft-capped attention's score passes (Gemma 2's, between its two matmuls) against
+    what torch's dispatcher sees `ops.attention` run on score-sized tensors, forward and backward
+    (each pass once: the backward is autograd's gradients of the forward's ops, not the forward
+    twice), in fp32, in fp32 under bf16 autocast (the trainer) and in bf16 parameters: the bytes
+    `attention_core_forward` and `attention_core_backward` stream besides their matmuls' traffic
+    (q, k, v and the scores written and read: twice in the backward) within 2% (the broadcast
+    mask's read), the kernels exactly."""
+    batch, tokens, heads, head_dim = 2, 256, 8, 32
+    dtype = torch.bfloat16 if recipe == "bf16" else torch.float32
+    q, k, v = (torch.randn(batch, tokens, heads, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe == "autocast"):
+        dense_causal_attention(q, k, v, scale=0.1, softcap=5.0)  # the cached mask, made outside the count
+        scores = batch * heads * tokens * tokens
+        forward, backward = _ScorePasses(scores), _ScorePasses(scores)
+        with forward:
+            out = dense_causal_attention(q, k, v, scale=0.1, softcap=5.0)
+    with backward:
+        out.backward(torch.randn_like(out))
+
+    shape = TransformerShape(name="capped", num_layers=1, hidden_size=heads * head_dim, num_heads=heads,
+                             num_kv_heads=heads, head_dim=head_dim, ffn_hidden_size=64, vocab_size=64,
+                             attention_softcap=5.0)
+    e = 4 if recipe == "fp32" else 2
+    device = Device(accelerator=get_accelerator("h100"), efficiency=Efficiency(), dtype="bf16",
+                    element_bytes=e)
+    spec = LayerSpec(shape=shape, num_tokens=batch * tokens, attention="unfused",
+                     attention_pairs=batch * tokens * tokens)
+    matmuls = e * batch * tokens * 4 * heads * head_dim + 2 * scores * e
+    priced = [(attention_core_forward(spec, device), matmuls),
+              (attention_core_backward(spec, device), 2 * matmuls)]
+    for (work, matmul_bytes), seen in zip(priced, (forward, backward), strict=True):
+        passes = work.memory_bytes - matmul_bytes
+        print(recipe, "priced", passes / scores, "B/score, dispatcher", seen.bytes / scores, seen.kernels)
+        assert passes == pytest.approx(seen.bytes, rel=0.02)
+    assert (priced[0][0].overhead_s - 2 * Efficiency().gemm_overhead_s) / Efficiency().kernel_overhead_s == (
+        pytest.approx(forward.kernels))
+    assert (priced[1][0].overhead_s - 4 * Efficiency().gemm_overhead_s) / Efficiency().kernel_overhead_s == (
+        pytest.approx(backward.kernels))
 
 
 @pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler")

@@ -207,22 +207,51 @@ def attention_core_forward(spec: LayerSpec, device: Device) -> Work:
         return device.roofline(flops, qkv_bytes, device.efficiency.attention_fraction,
                                 device.efficiency.kernel_overhead_s)
     scores = heads * spec.attention_pairs  # elements of the score matrix
-    bmm_bytes = qkv_bytes + 2 * scores * e  # QK^T writes the scores, AV reads the probabilities
-    bmm = device.roofline(flops, bmm_bytes, device.efficiency.gemm_fraction,
-                           2 * device.efficiency.gemm_overhead_s)
+    bmm = _unfused_matmuls(spec, device)
     if shape.attention_softcap:
-        return bmm + device.stream(*_softcapped_scores(scores, e))
+        return bmm + device.stream(*_softcapped_scores(scores, e, backward=False))
     softmax_bytes = 2 * scores * e + (3 * scores * e + scores if spec.dropout else 0)
     return bmm + device.stream(softmax_bytes, 2 if spec.dropout else 1)
 
 
-def _softcapped_scores(scores: float, e: int) -> tuple[float, int]:
+def _unfused_matmuls(spec: LayerSpec, device: Device) -> Work:
+    """QK^T and AV as two matmuls: QK^T writes the e-byte scores, AV reads the probabilities."""
+    shape, e = spec.shape, device.element_bytes
+    scores = shape.num_heads / spec.tp * spec.attention_pairs
+    qkv_bytes = e * spec.num_tokens * (shape.q_dim * 2 + 2 * shape.kv_dim) / spec.tp
+    return device.roofline(4.0 * shape.head_dim * scores, qkv_bytes + 2 * scores * e,
+                           device.efficiency.gemm_fraction, 2 * device.efficiency.gemm_overhead_s)
+
+
+def attention_core_backward(spec: LayerSpec, device: Device) -> Work:
+    """The attention core's backward: FlashAttention's at `FLASH_BACKWARD_FACTOR` times its
+    forward; unfused, two matmuls per forward matmul and the score passes' gradients, autograd's
+    ops for Gemma 2's soft-capped scores (`_softcapped_scores`), twice the softmax's otherwise."""
+    forward = attention_core_forward(spec, device)
+    if spec.attention == "flash":
+        return forward * FLASH_BACKWARD_FACTOR
+    if not spec.shape.attention_softcap:
+        return forward * 2.0
+    scores = spec.shape.num_heads / spec.tp * spec.attention_pairs
+    return (_unfused_matmuls(spec, device) * 2.0
+            + device.stream(*_softcapped_scores(scores, device.element_bytes, backward=True)))
+
+
+def _softcapped_scores(scores: float, e: int, *, backward: bool) -> tuple[float, int]:
     """(bytes, kernels) of Gemma 2's soft-capped scores between its two matmuls, op by op as
-    `ops.attention` computes them: the scale, the division by the cap, tanh, the product by the
-    cap and the mask's addition (each reading and writing the e-byte scores), the softmax into
-    fp32 and its cast back for the AV matmul (free in fp32)."""
-    cast = 0 if e == 4 else 4 + e
-    return scores * (5 * 2 * e + (e + 4) + cast), 6 + (1 if cast else 0)
+    `ops.attention` computes them and torch's dispatcher sees them, on e-byte scores.
+
+    Forward: the scale, the division by the cap, tanh, the product by the cap and the mask's
+    addition (each reading and writing the scores), the softmax in fp32 (its input cast to fp32
+    first where e is 2) and its cast back to e bytes for the AV matmul. Backward: that cast's
+    gradient to fp32, softmax's backward (reading the gradient and the output, writing 4 bytes
+    each), its input's gradient cast to e bytes, then the product's, tanh's (reading the gradient
+    and tanh's output), the division's and the scale's gradients; the mask's addition passes its
+    gradient through. A cast reads and writes (e + 4) bytes and is free when e is 4."""
+    cast, casts = (0, 0) if e == 4 else (e + 4, 1)
+    if backward:
+        return scores * (2 * cast + 12 + 2 * e + 3 * e + 2 * e + 2 * e), 5 + 2 * casts
+    return scores * (5 * 2 * e + 2 * cast + 8), 6 + 2 * casts
 
 
 def pointwise_forward(spec: LayerSpec, device: Device) -> Work:
@@ -499,9 +528,7 @@ def layer_backward(spec: LayerSpec, device: Device) -> Work:
     work = Work()
     for m, k, n, count in layer_gemms(spec.shape, spec.num_tokens, spec.tp, moe=spec.moe):
         work = work + device.gemm(m, n, k, count) + device.gemm(k, m, n, count)  # input grad, weight grad
-    attention = attention_core_forward(spec, device)
-    factor = FLASH_BACKWARD_FACTOR if spec.attention == "flash" else 2.0
-    return work + attention * factor + pointwise_backward(spec, device)
+    return work + attention_core_backward(spec, device) + pointwise_backward(spec, device)
 
 
 def attention_recompute(spec: LayerSpec, device: Device) -> Work:
