@@ -20,8 +20,8 @@
  * runs only then, over the stored scores, so the kernels without it do what they did before.
  *
  * Built with -ffast-math for vectorised expf and reductions, but linked without it, so the
- * library does not switch the process to flush-to-zero when it is loaded. head_dim 64 and 128
- * get specialised copies (fully unrolled inner loops).
+ * library does not switch the process to flush-to-zero when it is loaded. head_dim 64, 128 and
+ * 256 get specialised copies (fully unrolled inner loops).
  *
  * Prefill attention (many new query tokens per sequence, paged_prefill_attention) follows below.
  */
