@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -252,14 +253,19 @@ def test_state_bytes_follow_the_trainers_mixed_precision():
     assert mems["fp32"].weights_bytes == pytest.approx(mems["bf16"].weights_bytes * 4 / 6)
 
 
-def _trainer_saved_activation_bytes(config, dtype: str, batch: int, seq_len: int) -> int:
+def _trainer_saved_activation_bytes(config, dtype: str, batch: int, seq_len: int, *,
+                                    cuda_gqa: bool = False) -> int:
     """Bytes autograd keeps for the backward of one micro-batch of slipstream's model as
-    `Trainer.loss` runs it (bf16: autocast around the forward; fp32 cross-entropy), each storage
-    counted once; parameters and autocast's weight copies (the model's weight bytes) left out."""
+    `Trainer.loss` runs it (bf16: autocast around the forward; fp32 cross-entropy), and the
+    attention masks it holds (`_additive_causal_mask`'s, cached across layers and steps), each
+    storage counted once; parameters and autocast's weight copies (the model's weight bytes) left
+    out. `cuda_gqa`: `ops.attention` decides whether SDPA takes grouped K/V heads by its CUDA rule
+    (16-bit, head_dim up to 256, no mask), so that what a GPU run saves is counted on the CPU."""
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
 
     from slipstream.model.transformer import Transformer
+    from slipstream.ops import attention
 
     torch.manual_seed(0)
     model = Transformer(config)
@@ -278,10 +284,23 @@ def _trainer_saved_activation_bytes(config, dtype: str, batch: int, seq_len: int
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     positions = torch.arange(seq_len).expand_as(inputs)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with autocast:
-            logits = model(inputs, positions)  # (B, T, V)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    make_mask = attention._additive_causal_mask
+
+    def held_mask(*args):
+        mask = make_mask(*args)
+        saved[mask.untyped_storage().data_ptr()] = mask.untyped_storage().nbytes()
+        return mask
+
+    def cuda_rule(q, masked):
+        sixteen_bits = attention._sdpa_dtype(q) in (torch.float16, torch.bfloat16)
+        return sixteen_bits and q.shape[-1] <= 256 and not masked
+
+    with mock.patch.object(attention, "_additive_causal_mask", held_mask), mock.patch.object(
+            attention, "_sdpa_takes_gqa", cuda_rule if cuda_gqa else attention._sdpa_takes_gqa):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with autocast:
+                logits = model(inputs, positions)  # (B, T, V)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
     loss.backward()
     return sum(saved.values())
 
@@ -320,6 +339,120 @@ def test_activation_memory_equals_what_the_trainers_model_saves(family):
         model = training_memory(setup, Layout()).activations_bytes
         print(family, dtype, "autograd saves", measured, "model", model)
         assert model == pytest.approx(measured, rel=0.01)
+
+
+_WINDOWED = {"mistral": {"sliding_window": 32}, "gemma3_text": _GEMMA3,
+             "gemma3_text_full": {"sliding_window": 32, "layer_types": ("full_attention",) * 4,
+                             "rope_local_theta": 100.0}}
+
+
+def _windowed_config(family: str):
+    from slipstream.model.config import ModelConfig
+
+    return ModelConfig(model_type=family.removesuffix("_full"), vocab_size=1024, hidden_size=256,
+                       intermediate_size=640, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=256, **_WINDOWED[family])
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3_text", "gemma3_text_full"])
+def test_activation_memory_on_a_gpu_keeps_the_k_and_v_sdpa_expands(family):
+    """Guards the GPU's activation bytes (`training_memory` with an H100) against what autograd
+    saves when `ops.attention` applies its CUDA rule for grouped K/V heads (only flash attention
+    takes them: 16-bit, no mask), on the CPU: every layer's SDPA keeps K and V repeated to each
+    query head in fp32, in bf16 the windowed layers handed a mask (the sequence past the window)
+    only; a window no layer has (Gemma 3 all full) neither expands K/V nor holds a mask. Within 1%."""
+    from slipstream.perf.shapes import TransformerShape
+
+    config = _windowed_config(family) if family != "llama" else _windowed_config("mistral").replace(
+        model_type="llama", sliding_window=None)
+    shape = TransformerShape.from_model_config(config)
+    for dtype in ("fp32", "bf16"):
+        measured = _trainer_saved_activation_bytes(config, dtype, 1, 240, cuda_gqa=True)
+        setup = TrainSetup(shape=shape, global_batch_size=1, micro_batch_size=1, seq_len=240, dtype=dtype)
+        model = training_memory(setup, Layout(), H100).activations_bytes
+        print(family, dtype, "autograd saves", measured, "model", model)
+        assert model == pytest.approx(measured, rel=0.01)
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3_text", "gemma3_text_full"])
+def test_attention_masks_held_equal_what_ops_attention_makes(family):
+    """Guards the T x T attention masks counted (`memory._attention_masks`, in the compute dtype)
+    against the distinct masks `ops.attention` makes in a training forward of slipstream's model,
+    their bytes counted from torch: one for SDPA's windowed layers past the window (Mistral, Gemma
+    3), none where no layer has the window (it was counted from the window alone), two for Gemma
+    2's soft-capped attention (its windowed and full layers', both cached; none were counted)."""
+    torch = pytest.importorskip("torch")
+    from slipstream.model.transformer import Transformer
+    from slipstream.ops import attention
+    from slipstream.perf.memory import _attention_masks
+    from slipstream.perf.shapes import TransformerShape
+
+    config = (_windowed_config(family) if family != "gemma2" else _windowed_config("mistral").replace(
+        model_type="gemma2", **_GEMMA2))
+    shape = TransformerShape.from_model_config(config)
+    make_mask, masks = attention._additive_causal_mask, {}
+
+    def held_mask(*args):
+        mask = make_mask(*args)
+        masks[mask.untyped_storage().data_ptr()] = mask.untyped_storage().nbytes()
+        return mask
+
+    for dtype in ("fp32", "bf16"):
+        masks.clear()
+        with mock.patch.object(attention, "_additive_causal_mask", held_mask), torch.autocast(
+                "cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            Transformer(config)(torch.randint(0, config.vocab_size, (1, 240)), torch.arange(240)[None])
+        setup = TrainSetup(shape=shape, global_batch_size=1, micro_batch_size=1, seq_len=240, dtype=dtype)
+        counted = _attention_masks(setup) * setup.activation_bytes * 240 * 240
+        print(family, dtype, "masks made", sum(masks.values()), "counted", counted)
+        assert counted == sum(masks.values())
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text"])
+def test_rotary_table_memory_equals_the_tables_autograd_saves(family):
+    """Guards the rotary tables' bytes against the cos and sin tensors of slipstream's model that
+    autograd saves: two sets with Gemma 3's own base for its windowed layers (one before), one
+    otherwise; the model's share is its activation bytes less those of the shape without rotary
+    positions (a learned position table in their place), the tables' bytes counted from torch."""
+    from slipstream.perf.shapes import TransformerShape
+
+    config = _windowed_config(family)
+    shape = TransformerShape.from_model_config(config)
+    for dtype in ("fp32", "bf16"):
+        saved = _saved_rotary_bytes(config, dtype, 240)
+        setups = [TrainSetup(shape=s, global_batch_size=1, micro_batch_size=1, seq_len=240, dtype=dtype)
+                  for s in (shape, dataclasses.replace(shape, learned_positions=256))]
+        rotary = training_memory(setups[0], Layout()).activations_bytes - training_memory(
+            setups[1], Layout()).activations_bytes
+        print(family, dtype, "tables saved", saved, "model", rotary)
+        assert rotary == pytest.approx(saved, rel=1e-9)
+
+
+def _saved_rotary_bytes(config, dtype: str, seq_len: int) -> int:
+    """Bytes of the rotary cos and sin tables (`RopeTables` outputs) autograd saves in a training
+    forward of slipstream's model (bf16: under autocast), each storage once."""
+    torch = pytest.importorskip("torch")
+    from slipstream.model.transformer import RopeTables, Transformer
+
+    tables, saved = set(), {}
+    forward = RopeTables.forward
+
+    def record(self, positions, table_dtype):
+        out = forward(self, positions, table_dtype)
+        tables.update(t.untyped_storage().data_ptr() for t in out)
+        return out
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() in tables:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    model = Transformer(config)
+    with mock.patch.object(RopeTables, "forward", record), torch.autograd.graph.saved_tensors_hooks(
+            pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        tokens = torch.randint(0, config.vocab_size, (1, seq_len))  # (B, T)
+        model(tokens, torch.arange(seq_len)[None]).float().sum().backward()
+    return sum(saved.values())
 
 
 def _hf_num_params(**config) -> int:

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 from slipstream.perf.layers import layer_kinds
 
 if TYPE_CHECKING:
+    from slipstream.perf.accelerators import Accelerator
     from slipstream.perf.model import Layout, TrainSetup
     from slipstream.perf.shapes import TransformerShape
 
@@ -75,16 +76,38 @@ class MemoryBreakdown:
 
 
 def activation_bytes_per_layer(
-    setup: TrainSetup, tp: int, sequence_parallel: bool, micro_batch_tokens: float
+    setup: TrainSetup, tp: int, sequence_parallel: bool, micro_batch_tokens: float, *, on_cuda: bool = False
 ) -> float:
     """Activation bytes the mean layer keeps for the backward pass, for one micro-batch on one
-    device (dense and MoE layers weighted by their share of the layers; see `_layer_activation_bytes`)."""
-    return sum(share * _layer_activation_bytes(setup, tp, sequence_parallel, micro_batch_tokens, moe)
+    device (dense and MoE layers weighted by their share of the layers; see `_layer_activation_bytes`);
+    `on_cuda`: trained on a GPU, where SDPA takes grouped K/V heads in fewer cases than on a CPU."""
+    return sum(share * _layer_activation_bytes(setup, tp, sequence_parallel, micro_batch_tokens, moe, on_cuda)
                for moe, share in layer_kinds(setup.shape))
 
 
+def _expanded_kv_share(setup: TrainSetup, on_cuda: bool) -> float:
+    """The share of the layers whose SDPA keeps K and V repeated to every query head, as
+    `ops.attention._sdpa_takes_gqa` decides: none on a CPU (its flash kernel takes grouped heads,
+    masked or not); on CUDA every layer in fp32 or past head_dim 256, else those handed a mask,
+    the windowed layers once the sequence passes the window (only flash attention takes grouped
+    heads there, and it takes no mask)."""
+    shape = setup.shape
+    if not on_cuda or shape.num_kv_heads == shape.num_heads:
+        return 0.0
+    if setup.activation_bytes == 4 or shape.head_dim > 256:
+        return 1.0
+    return shape.windowed_layer_share if _masked(setup) else 0.0
+
+
+def _masked(setup: TrainSetup) -> bool:
+    """Whether the windowed layers hand SDPA an additive mask: the window shorter than the sequence."""
+    window = setup.shape.sliding_window
+    return window is not None and setup.seq_len > window and setup.shape.windowed_layer_share > 0
+
+
 def _layer_activation_bytes(
-    setup: TrainSetup, tp: int, sequence_parallel: bool, micro_batch_tokens: float, moe: bool
+    setup: TrainSetup, tp: int, sequence_parallel: bool, micro_batch_tokens: float, moe: bool,
+    on_cuda: bool = False,
 ) -> float:
     """Activation bytes one layer (`moe`: one with experts) keeps for the backward pass.
 
@@ -107,8 +130,10 @@ def _layer_activation_bytes(
     routing = _routing_activation_bytes(shape, n, e, r) if moe else 0.0
     # Split by TP: q, k, v and the projection input (4e sbh for MHA), the MLP intermediates (GELU
     # input and the down-projection input, 8e sbh for a 4h GELU MLP; SwiGLU keeps gate, up, product).
-    # Soft-capped attention's explicit matmuls keep K and V repeated to every query head.
-    kv_dim = shape.q_dim if shape.attention_softcap else shape.kv_dim
+    # Soft-capped attention's explicit matmuls keep K and V repeated to every query head, as SDPA
+    # does where it does not take grouped heads (`_expanded_kv_share`).
+    kv_dim = shape.kv_dim + (shape.q_dim - shape.kv_dim) * (
+        1.0 if shape.attention_softcap else _expanded_kv_share(setup, on_cuda))
     attention = e * n * (2 * shape.q_dim + 2 * kv_dim)
     if shape.qk_norm:  # the q and k norms keep their inputs too (Gemma's, fp32 copies)
         attention += _norm_bytes(shape, e) * n * (shape.q_dim + shape.kv_dim)
@@ -127,6 +152,24 @@ def _layer_activation_bytes(
     if sequence_parallel:
         return (replicated + split + scores) / tp + routing
     return replicated + routing + (split + scores) / tp
+
+
+def _attention_masks(setup: TrainSetup) -> int:
+    """Additive T x T masks (in the compute dtype) the trainer's attention holds, each shared by
+    every layer of its window (`ops.attention._additive_causal_mask` caches the last two made):
+    soft-capped attention adds one to every layer's scores, one per window the layers have (Gemma
+    2: its windowed and its full layers'); SDPA gets one only on windowed layers shorter than the
+    sequence (the others run `is_causal`), and keeps it for the backward."""
+    shape = setup.shape
+    if shape.attention_softcap:
+        return 2 if 0.0 < shape.windowed_layer_share < 1.0 else 1
+    return 1 if _masked(setup) else 0
+
+
+def _rotary_tables(shape: TransformerShape) -> int:
+    """Sets of rotary cos and sin rows the layers multiply by: two where the windowed layers take
+    their own (Gemma 3's `rope_local_theta`) and the full layers the global ones, else one."""
+    return 2 if shape.local_rotary and 0.0 < shape.windowed_layer_share < 1.0 else 1
 
 
 def _norm_bytes(shape: TransformerShape, r: int) -> int:
@@ -210,20 +253,24 @@ def in_flight_microbatches(layout: Layout, num_microbatches: int, stage: int = 0
     return min(num_microbatches, p) * chunks / (p * v)
 
 
-def training_memory(setup: TrainSetup, layout: Layout) -> MemoryBreakdown:
+def training_memory(setup: TrainSetup, layout: Layout, accelerator: Accelerator | None = None
+                    ) -> MemoryBreakdown:
     """Memory of the most loaded pipeline stage: the first (embedding, most micro-batches in
-    flight), the second (whole middle layers) or the last (lm_head, fp32 logits)."""
+    flight), the second (whole middle layers) or the last (lm_head, fp32 logits). `accelerator`:
+    what trains; a GPU (any but a calibrated CPU) changes which layers' SDPA keeps grouped K/V
+    heads expanded (`_expanded_kv_share`); None is a CPU."""
+    on_cuda = accelerator is not None and not accelerator.calibrated
     first, middle, last = stage_layers(setup.shape.num_layers, layout)
     params = stage_params(setup.shape, layout)
-    stages = [_stage_memory(setup, layout, 0, first, params[0])]
+    stages = [_stage_memory(setup, layout, 0, first, params[0], on_cuda)]
     if layout.pp > 1:
-        stages += [_stage_memory(setup, layout, 1, middle, params[1]) if layout.pp > 2 else None,
-                   _stage_memory(setup, layout, layout.pp - 1, last, params[2])]
+        stages += [_stage_memory(setup, layout, 1, middle, params[1], on_cuda) if layout.pp > 2 else None,
+                   _stage_memory(setup, layout, layout.pp - 1, last, params[2], on_cuda)]
     return max((s for s in stages if s is not None), key=lambda s: s.total_bytes)
 
 
-def _stage_memory(setup: TrainSetup, layout: Layout, stage: int, layers: int, params: float
-                  ) -> MemoryBreakdown:
+def _stage_memory(setup: TrainSetup, layout: Layout, stage: int, layers: int, params: float,
+                  on_cuda: bool) -> MemoryBreakdown:
     weight_bytes, grad_bytes, optimizer_bytes = setup.state_bytes_per_param()
     zero, dp_shards = layout.zero_stage, layout.dp * layout.cp  # FSDP shards over DP x CP
     whole = 0.0  # bytes per parameter every rank holds whole, sharded or not
@@ -236,21 +283,20 @@ def _stage_memory(setup: TrainSetup, layout: Layout, stage: int, layers: int, pa
     grads = params * grad_bytes / (dp_shards if zero >= 2 else 1)
     optimizer = params * optimizer_bytes / (dp_shards if zero >= 1 else 1)
     tokens = setup.micro_batch_size * setup.seq_len / layout.cp
-    per_layer = activation_bytes_per_layer(setup, layout.tp, layout.sequence_parallel, tokens)
+    per_layer = activation_bytes_per_layer(setup, layout.tp, layout.sequence_parallel, tokens,
+                                           on_cuda=on_cuda)
     held = in_flight_microbatches(layout, setup.num_microbatches(layout), stage)
     activations = per_layer * layers * held
     if setup.recompute == "full":  # the layer being recomputed materialises its activations
         full = dataclasses.replace(setup, recompute="none")  # the largest kind of layer, with experts
-        activations += max(_layer_activation_bytes(full, layout.tp, layout.sequence_parallel, tokens, moe)
-                           for moe, _ in layer_kinds(setup.shape))
-    window = setup.shape.sliding_window
-    if window is not None and setup.seq_len > window and not setup.shape.attention_softcap:
-        # SDPA's additive T x T mask, one tensor every layer of the trainer's forward shares
-        # (`ops.attention`), kept for the backward; soft-capped attention adds it, keeping nothing
-        activations += setup.activation_bytes * setup.seq_len / layout.cp * setup.seq_len
+        activations += max(_layer_activation_bytes(full, layout.tp, layout.sequence_parallel, tokens, moe,
+                                                   on_cuda) for moe, _ in layer_kinds(setup.shape))
+    mask = setup.activation_bytes * setup.seq_len / layout.cp * setup.seq_len
+    activations += _attention_masks(setup) * mask
     if not setup.shape.learned_positions:  # the rotary cos and sin rows of every token, which
         # every layer's q and k multiply by (the trainer builds them once per micro-batch)
-        activations += 2.0 * setup.residual_bytes * tokens * setup.shape.head_dim
+        rows = 2.0 * setup.residual_bytes * tokens * setup.shape.head_dim
+        activations += rows * _rotary_tables(setup.shape)
     if stage == layout.pp - 1:  # on the last stage: the final norm's and lm_head's inputs and
         # the fp32 logits of the loss (section 4.3)
         split = layout.tp if layout.sequence_parallel else 1

@@ -267,7 +267,7 @@ def predict_training(
     flops = setup.tokens_per_step * setup.shape.train_flops_per_token(setup.seq_len)
     peak = accelerator.peak_flops(setup.dtype) * layout.num_devices
     hardware_flops = flops + _recompute_flops(setup) * setup.tokens_per_step
-    memory = training_memory(setup, layout)
+    memory = training_memory(setup, layout, accelerator)
     return TrainingPrediction(
         layout=layout, step_time_s=work.total_s, mfu=flops / work.total_s / peak,
         hfu=hardware_flops / work.total_s / peak, tokens_per_s=setup.tokens_per_step / work.total_s,

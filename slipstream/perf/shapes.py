@@ -73,6 +73,8 @@ class TransformerShape:
     """Logits soft-capped (Gemma 2's tanh over the vocabulary)."""
     qk_norm: bool = False
     """An RMSNorm on every head's query and key before the rotary embedding (Qwen3)."""
+    local_rotary: bool = False
+    """The windowed layers take rotary tables of their own base (Gemma 3's rope_local_theta)."""
     max_position_embeddings: int | None = None
     """The most positions a sequence may take (a config's max_position_embeddings, a GPT's
     learned position table); None: not known, not checked."""
@@ -159,6 +161,7 @@ class TransformerShape:
             vocab_size=config.vocab_size, tied_embeddings=config.tie_word_embeddings,
             extra_params_per_layer=extra, sliding_window=config.sliding_window,
             qk_norm=config.qk_norm, max_position_embeddings=config.max_position_embeddings,
+            local_rotary=config.rope_local_theta is not None,
             mlp="geglu" if config.gemma_norms else "swiglu",
             norm="gemma_rmsnorm" if config.gemma_norms else "rmsnorm",
             norms_per_layer=4 if config.sandwich_norms else 2,
