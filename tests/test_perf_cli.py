@@ -134,6 +134,8 @@ def test_out_of_range_flags_are_errors_naming_the_flag(argv, expected, capsys):
     ("{bad", "is not valid JSON"),
     ('{"model_type": "llama"}', "lacks vocab_size, hidden_size, intermediate_size"),
     ('{"n_embd": 768, "n_layer": 2, "vocab_size": 100}', "lacks n_head"),
+    ('{"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", "vocab_size": 8}}',
+     "Gemma 3's multimodal checkpoints are not read (its text model, model_type 'gemma3_text', is)"),
     ('{"n_embd": 768, "n_layer": 2, "n_head": 7, "vocab_size": 100}',
      "n_embd (768) must be a multiple of n_head (7)"),
     ('{"n_embd": 768, "n_layer": "2", "n_head": 12, "vocab_size": 100}',
@@ -142,8 +144,10 @@ def test_out_of_range_flags_are_errors_naming_the_flag(argv, expected, capsys):
      '"num_hidden_layers": 1, "num_attention_heads": 1}', "hidden_size must be a positive integer"),
 ])
 def test_malformed_config_json_is_an_error_naming_the_file(config, expected, tmp_path, capsys):
-    """Guards `--model CONFIG.json`: a JSON list, missing keys, a GPT-2 width that n_head does
-    not divide, or a bad value is an error naming the file and the key."""
+    """Guards `--model CONFIG.json`: a JSON list, missing keys, a model_type ModelConfig does not
+    read (its own message: Gemma 3's multimodal config points to its text model, where "lacks
+    vocab_size" was said), a GPT-2 width that n_head does not divide, or a bad value is an error
+    naming the file and the key."""
     path = tmp_path / "config.json"
     path.write_text(config)
     err = _error(["perf", "train", "--model", str(path)], capsys)

@@ -8,12 +8,13 @@ family slipstream serves and trains) must not pretend to describe. Both map onto
 `GPT_SHAPES` for the published GPT shapes. FLOP conventions are those of `slipstream.perf.flops`
 (a multiply-accumulate is 2 FLOPs, attention charged for the whole context unless causal).
 
-Gemma and Gemma 2 map onto it too: a GeGLU MLP (`mlp="geglu"`: three matrices, tanh-approximated
+Gemma, Gemma 2 and Gemma 3 (gemma3_text) map onto it too: a GeGLU MLP (`mlp="geglu"`: three matrices, tanh-approximated
 GELU), Gemma 2's four norms per layer (`norms_per_layer`), its sliding window on only some layers
 (the others in `full_attention_layers`, so that key counts are the mean layer's), and its
 soft-capped attention scores (`attention_softcap`: slipstream then computes them with explicit
 matrix products, every query against every key, where SDPA would run a fused kernel) and logits
-(`logit_softcap`).
+(`logit_softcap`), and Gemma 3's rotary tables of their own base on the windowed layers
+(`local_rotary`).
 
 A mixture-of-experts shape (Mixtral, Qwen-MoE) names its routed layers (`moe_layers`); each holds
 a router, `num_experts` SwiGLU experts and optionally a shared expert with a 1-wide gate, while
@@ -378,9 +379,10 @@ def model_names() -> list[str]:
 def resolve_model(name_or_path: str) -> TransformerShape:
     """A shape from a slipstream preset, a GPT shape name, or a config.json (file or its dir).
 
-    A config.json of a slipstream family (llama, mistral, phi3, qwen2, qwen3, gemma, gemma2 and the
-    mixture-of-experts mixtral, qwen2_moe, qwen3_moe) is read through
-    `ModelConfig`; a GPT-2-style one (`n_embd`, `n_layer`, `n_head`) maps to a GPT shape.
+    A config.json of a slipstream family (llama, mistral, phi3, qwen2, qwen3, gemma, gemma2,
+    gemma3_text and the mixture-of-experts mixtral, qwen2_moe, qwen3_moe) is read through
+    `ModelConfig`, which names the families it reads for any other model_type (Gemma 3's multimodal
+    "gemma3" among them); a GPT-2-style one (`n_embd`, `n_layer`, `n_head`) maps to a GPT shape.
     """
     if name_or_path in GPT_SHAPES:
         return GPT_SHAPES[name_or_path]
@@ -416,6 +418,13 @@ _HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers
 
 
 def _shape_from_config_json(d: dict[str, Any], name: str, path: Path) -> TransformerShape:
+    from slipstream.model.config import MODEL_TYPES, ModelConfig
+
+    if "n_embd" not in d and "model_type" in d and d["model_type"] not in MODEL_TYPES:
+        try:  # ModelConfig's own message names the families it reads, with its hints (Gemma 3)
+            ModelConfig.from_hf_dict(d)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
     required = _GPT2_KEYS if "n_embd" in d else _HF_KEYS
     missing = [k for k in required if k not in d]
     if missing:
@@ -430,8 +439,6 @@ def _shape_from_config_json(d: dict[str, Any], name: str, path: Path) -> Transfo
             ffn_hidden_size=_config_int(d, "n_inner", path, 4 * hidden),
             tied_embeddings=bool(d.get("tie_word_embeddings", True)),
         )
-    from slipstream.model.config import ModelConfig
-
     try:
         config = ModelConfig.from_hf_dict(d)
     except ValueError as e:
