@@ -28,6 +28,7 @@ from slipstream.ops.inference import optimize_for_cpu_inference
 from slipstream.perf import flops, hardware
 from slipstream.perf.accelerators import get_accelerator
 from slipstream.perf.efficiency import Efficiency
+from slipstream.perf.fit import apply_scales
 from slipstream.perf.layers import (
     Device,
     LayerSpec,
@@ -162,6 +163,22 @@ def test_training_prices_gemma2s_explicit_attention():
           flash.memory.activations_bytes / 2**30)
     assert extra > 8 * scores
     assert capped.step_time_s > flash.step_time_s
+
+
+def test_a_fitted_overhead_scales_the_module_calls_too():
+    """`perf fit` folds an overhead multiplier into the per-call costs: a Gemma 2 CPU decode step
+    (module by module) priced at the folded efficiency has exactly k times the overhead seconds
+    (every overhead is a call count times a cost, or a host cost), its other components unchanged;
+    the module calls were left unscaled, so an engine fit did not reproduce itself."""
+    setup = ServeSetup(shape=TransformerShape.from_model_config(_config("gemma2")), dtype="fp32",
+                       decode_graph_max_batch=256)
+    cpu = hardware.get_accelerator("cpu")
+    base = Efficiency(gemm_overhead_s=5e-6, kernel_overhead_s=5e-6, module_call_overhead_s=12e-6,
+                      step_overhead_s=2e-4, sequence_overhead_s=2e-5)
+    before, after = (step_time(setup, cpu, decode_contexts=[40], efficiency=e)
+                     for e in (base, apply_scales(base, {"overhead_s": 1.5})))
+    assert after.overhead_s == pytest.approx(1.5 * before.overhead_s, rel=1e-12)
+    assert (after.gemm_s, after.memory_s) == (before.gemm_s, before.memory_s)
 
 
 class _ScorePasses(TorchDispatchMode):

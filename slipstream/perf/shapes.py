@@ -8,12 +8,12 @@ family slipstream serves and trains) must not pretend to describe. Both map onto
 `GPT_SHAPES` for the published GPT shapes. FLOP conventions are those of `slipstream.perf.flops`
 (a multiply-accumulate is 2 FLOPs, attention charged for the whole context unless causal).
 
-Gemma, Gemma 2 and Gemma 3 (gemma3_text) map onto it too: a GeGLU MLP (`mlp="geglu"`: three matrices, tanh-approximated
-GELU), Gemma 2's four norms per layer (`norms_per_layer`), its sliding window on only some layers
-(the others in `full_attention_layers`, so that key counts are the mean layer's), and its
-soft-capped attention scores (`attention_softcap`: slipstream then computes them with explicit
-matrix products, every query against every key, where SDPA would run a fused kernel) and logits
-(`logit_softcap`), and Gemma 3's rotary tables of their own base on the windowed layers
+Gemma, Gemma 2 and Gemma 3 (gemma3_text) map onto it too: a GeGLU MLP (`mlp="geglu"`: three
+matrices, tanh-approximated GELU), Gemma 2's four norms per layer (`norms_per_layer`), its sliding
+window on only some layers (the others in `full_attention_layers`, so that key counts are the mean
+layer's), and its soft-capped attention scores (`attention_softcap`: slipstream then computes them
+with explicit matrix products, every query against every key, where SDPA would run a fused kernel)
+and logits (`logit_softcap`), and Gemma 3's rotary tables of their own base on the windowed layers
 (`local_rotary`).
 
 A mixture-of-experts shape (Mixtral, Qwen-MoE) names its routed layers (`moe_layers`); each holds
