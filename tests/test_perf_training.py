@@ -376,7 +376,7 @@ def test_activation_memory_on_a_gpu_keeps_the_k_and_v_sdpa_expands(family):
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3_text", "gemma3_text_full"])
 def test_attention_masks_held_equal_what_ops_attention_makes(family):
-    """Guards the T x T attention masks counted (`memory._attention_masks`, in the compute dtype)
+    """Guards the T x T attention masks counted (`memory.attention_masks`, in the compute dtype)
     against the distinct masks `ops.attention` makes in a training forward of slipstream's model,
     their bytes counted from torch: one for SDPA's windowed layers past the window (Mistral, Gemma
     3), none where no layer has the window (it was counted from the window alone), two for Gemma
@@ -384,7 +384,7 @@ def test_attention_masks_held_equal_what_ops_attention_makes(family):
     torch = pytest.importorskip("torch")
     from slipstream.model.transformer import Transformer
     from slipstream.ops import attention
-    from slipstream.perf.memory import _attention_masks
+    from slipstream.perf.memory import attention_masks
     from slipstream.perf.shapes import TransformerShape
 
     config = (_windowed_config(family) if family != "gemma2" else _windowed_config("mistral").replace(
@@ -403,7 +403,7 @@ def test_attention_masks_held_equal_what_ops_attention_makes(family):
                 "cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
             Transformer(config)(torch.randint(0, config.vocab_size, (1, 240)), torch.arange(240)[None])
         setup = TrainSetup(shape=shape, global_batch_size=1, micro_batch_size=1, seq_len=240, dtype=dtype)
-        counted = _attention_masks(setup) * setup.activation_bytes * 240 * 240
+        counted = attention_masks(setup) * setup.activation_bytes * 240 * 240
         print(family, dtype, "masks made", sum(masks.values()), "counted", counted)
         assert counted == sum(masks.values())
 

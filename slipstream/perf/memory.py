@@ -154,7 +154,7 @@ def _layer_activation_bytes(
     return replicated + routing + (split + scores) / tp
 
 
-def _attention_masks(setup: TrainSetup) -> int:
+def attention_masks(setup: TrainSetup) -> int:
     """Additive T x T masks (in the compute dtype) the trainer's attention holds, each shared by
     every layer of its window (`ops.attention._additive_causal_mask` caches the last two made):
     soft-capped attention adds one to every layer's scores, one per window the layers have (Gemma
@@ -292,7 +292,7 @@ def _stage_memory(setup: TrainSetup, layout: Layout, stage: int, layers: int, pa
         activations += max(_layer_activation_bytes(full, layout.tp, layout.sequence_parallel, tokens, moe,
                                                    on_cuda) for moe, _ in layer_kinds(setup.shape))
     mask = setup.activation_bytes * setup.seq_len / layout.cp * setup.seq_len
-    activations += _attention_masks(setup) * mask
+    activations += attention_masks(setup) * mask
     if not setup.shape.learned_positions:  # the rotary cos and sin rows of every token, which
         # every layer's q and k multiply by (the trainer builds them once per micro-batch)
         rows = 2.0 * setup.residual_bytes * tokens * setup.shape.head_dim
