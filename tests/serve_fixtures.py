@@ -115,6 +115,33 @@ def dense_logprobs(model: Transformer, token_ids: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
+def transformers_greedy(
+    hf, prompts: list[list[int]], max_new_tokens: int
+) -> tuple[list[list[int]], torch.Tensor]:
+    """transformers' batched greedy `generate` (prompts left-padded with id 0, no end of sequence):
+    each prompt's new tokens, and the top-1/top-2 logit gap at every generated position (B, T)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf.eval().generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, output_scores=True,
+                             return_dict_in_generate=True)
+    top2 = torch.stack(out.scores, 1).float().topk(2, dim=-1).values  # (B, T, 2)
+    return out.sequences[:, width:].tolist(), top2[..., 0] - top2[..., 1]
+
+
+def assert_same_tokens(expected, gaps, got, label: str) -> None:
+    """Fail naming the first prompt and token where `got` leaves `expected`, with the reference's
+    top-2 logit gap there (a near tie is rounding, a wide gap a bug)."""
+    print(f"{label}: smallest top-2 logit gap in the reference = {gaps.min().item():.3g}")
+    for i, (e, g) in enumerate(zip(expected, got, strict=True)):
+        if e != g:
+            at = next(t for t, (a, b) in enumerate(zip(e, g, strict=True)) if a != b)
+            pytest.fail(f"{label}: prompt {i} diverges at token {at} ({e[at]} vs {g[at]}); "
+                        f"reference top-2 gap there {gaps[i, at].item():.3g}")
+
+
+@torch.no_grad()
 def uncached_greedy(hf, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy tokens for each prompt, each from a full uncached forward over the
     sequence so far (transformers' cached `generate` is itself wrong for a sliding window of 1)."""

@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from serve_fixtures import assert_same_tokens, transformers_greedy
 
 from slipstream import LLM, SamplingParams
 from slipstream.model import ModelConfig, Transformer, save_model
@@ -49,16 +50,9 @@ def _prompts(seed: int, shared_prefix_len: int = 0) -> list[list[int]]:
 
 
 def _transformers_greedy(model_dir, prompts):
-    """Reference tokens and the top-1/top-2 logit gap at every generated position."""
     transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = hf.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                      eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-    top2 = torch.stack(out.scores, 1).topk(2, dim=-1).values  # (B, T, 2)
-    return out.sequences[:, width:].tolist(), (top2[..., 0] - top2[..., 1])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    return transformers_greedy(hf, prompts, MAX_NEW_TOKENS)
 
 
 def _engine_greedy(model_dir, prompts, **engine_args):
@@ -67,15 +61,6 @@ def _engine_greedy(model_dir, prompts, **engine_args):
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.scheduler.kv_cache.num_used_blocks == 0
     return [o.outputs[0].token_ids for o in outputs], llm
-
-
-def _assert_same_tokens(expected, gaps, got, label):
-    print(f"{label}: smallest top-2 logit gap in the reference = {gaps.min().item():.3g}")
-    for i, (e, g) in enumerate(zip(expected, got, strict=True)):
-        if e != g:
-            at = next(t for t, (a, b) in enumerate(zip(e, g, strict=True)) if a != b)
-            pytest.fail(f"{label}: prompt {i} diverges at token {at} ({e[at]} vs {g[at]}); "
-                        f"reference top-2 gap there {gaps[i, at].item():.3g}")
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +83,7 @@ def test_continuous_batching_matches_transformers(model_dir, reference, fast_cpu
     C kernels) and with the model's plain PyTorch modules."""
     prompts, expected, gaps = reference
     got, _ = _engine_greedy(model_dir, prompts, fast_cpu_kernels=fast_cpu_kernels)
-    _assert_same_tokens(expected, gaps, got, f"continuous batching, fast_cpu_kernels={fast_cpu_kernels}")
+    assert_same_tokens(expected, gaps, got, f"continuous batching, fast_cpu_kernels={fast_cpu_kernels}")
 
 
 def test_small_batch_decode_graph_matches_transformers(model_dir, small_reference):
@@ -107,7 +92,7 @@ def test_small_batch_decode_graph_matches_transformers(model_dir, small_referenc
     prompts, expected, gaps = small_reference
     got, llm = _engine_greedy(model_dir, prompts, max_num_seqs=3)
     assert llm.engine.runner.decode_graph is not None
-    _assert_same_tokens(expected, gaps, got, "decode graph, max_num_seqs=3")
+    assert_same_tokens(expected, gaps, got, "decode graph, max_num_seqs=3")
     eager, llm = _engine_greedy(model_dir, prompts, max_num_seqs=3, enforce_eager=True)
     assert llm.engine.runner.decode_graph is None
     assert eager == got
@@ -120,7 +105,7 @@ def test_multi_step_decoding_matches_transformers(model_dir, reference, small_re
     module."""
     prompts, expected, gaps = small_reference if max_num_seqs < SMALL_BATCH_PROMPTS else reference
     got, _ = _engine_greedy(model_dir, prompts, max_num_seqs=max_num_seqs, num_scheduler_steps=8)
-    _assert_same_tokens(expected, gaps, got, f"multi-step decoding, max_num_seqs={max_num_seqs}")
+    assert_same_tokens(expected, gaps, got, f"multi-step decoding, max_num_seqs={max_num_seqs}")
     eager, _ = _engine_greedy(model_dir, prompts, max_num_seqs=max_num_seqs, num_scheduler_steps=8,
                               enforce_eager=True)
     assert eager == got
@@ -143,14 +128,14 @@ def test_speculative_decoding_matches_transformers(model_dir, reference, small_r
     engine = llm.engine
     print(f"speculative: {engine.num_accepted_tokens} of {engine.num_draft_tokens} guesses confirmed")
     assert engine.num_draft_tokens > 30 * len(prompts) and engine.num_accepted_tokens > 0
-    _assert_same_tokens(expected, gaps, got, f"speculative decoding {engine_args}")
+    assert_same_tokens(expected, gaps, got, f"speculative decoding {engine_args}")
 
 
 def test_chunked_prefill_matches_transformers(model_dir, reference):
     """(b) A 16-token budget chunks every prompt (all are longer) and mixes chunks with decodes."""
     prompts, expected, gaps = reference
     got, _ = _engine_greedy(model_dir, prompts, max_num_batched_tokens=16)
-    _assert_same_tokens(expected, gaps, got, "chunked prefill")
+    assert_same_tokens(expected, gaps, got, "chunked prefill")
 
 
 def test_preemption_matches_transformers(model_dir, reference):
@@ -160,7 +145,7 @@ def test_preemption_matches_transformers(model_dir, reference):
     got, llm = _engine_greedy(model_dir, prompts, max_model_len=256, kv_cache_memory=24 * bytes_per_block)
     print(f"preemptions: {llm.engine.scheduler.num_preemptions}")
     assert llm.engine.scheduler.num_preemptions > 0
-    _assert_same_tokens(expected, gaps, got, "preemption")
+    assert_same_tokens(expected, gaps, got, "preemption")
 
 
 def test_prefix_caching_matches_transformers(model_dir):
@@ -176,7 +161,7 @@ def test_prefix_caching_matches_transformers(model_dir):
     assert kv.prefix_cache_hits >= (NUM_PROMPTS - 8) * 64
     uncached, _ = _engine_greedy(model_dir, prompts, enable_prefix_caching=False)
     assert cached == uncached
-    _assert_same_tokens(expected, gaps, cached, "prefix caching")
+    assert_same_tokens(expected, gaps, cached, "prefix caching")
 
 
 @pytest.mark.parametrize(("max_num_batched_tokens", "num_scheduler_steps"), [(2048, 1), (48, 1), (2048, 6)])
@@ -195,15 +180,10 @@ def test_families_at_the_kernels_head_size_match_transformers(family, make_hf_mo
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist()
                for n in torch.randint(70, 150, (6,), generator=g).tolist()]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = hf.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None,
-                      pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-    top2 = torch.stack(out.scores, 1).topk(2, dim=-1).values
+    expected, gaps = transformers_greedy(hf, prompts, 24)
     llm = LLM(str(tmp_path), max_num_batched_tokens=max_num_batched_tokens,
               num_scheduler_steps=num_scheduler_steps)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    _assert_same_tokens(out.sequences[:, width:].tolist(), top2[..., 0] - top2[..., 1], got,
-                        f"{family}, budget {max_num_batched_tokens}, {num_scheduler_steps} steps at once")
+    assert_same_tokens(expected, gaps, got,
+                       f"{family}, budget {max_num_batched_tokens}, {num_scheduler_steps} steps at once")

@@ -23,8 +23,7 @@ import logging
 import pytest
 import torch
 import transformers
-from serve_fixtures import random_model
-from test_engine_parity import _assert_same_tokens
+from serve_fixtures import assert_same_tokens, random_model, transformers_greedy
 from test_gemma_model import random_family
 
 from slipstream import LLM, SamplingParams
@@ -126,15 +125,8 @@ def _prompts(seed: int, shared_prefix_len: int = 0) -> list[list[int]]:
 
 
 def _transformers_greedy(model_dir, prompts):
-    """transformers' tokens and the top-1/top-2 logit gap at every generated position."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = hf.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                      eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-    top2 = torch.stack(out.scores, 1).float().topk(2, dim=-1).values  # (B, T, 2)
-    return out.sequences[:, width:].tolist(), top2[..., 0] - top2[..., 1]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    return transformers_greedy(hf, prompts, MAX_NEW_TOKENS)
 
 
 def _engine_greedy(model_dir, prompts, **engine_args):
@@ -178,7 +170,7 @@ def test_greedy_tokens_match_transformers(gemma_dir, reference, case):
     if case == "preempting":
         print(f"preemptions: {llm.engine.scheduler.num_preemptions}")
         assert llm.engine.scheduler.num_preemptions > 0
-    _assert_same_tokens(expected, gaps, got, f"{family}, {case}")
+    assert_same_tokens(expected, gaps, got, f"{family}, {case}")
 
 
 # Two processes each: ~10 s a family on the 2-core CI machine; Gemma 2 has every part the split
@@ -200,7 +192,7 @@ def test_tensor_parallel_matches_transformers(family, tmp_path):
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         llm.engine.shutdown()
-    _assert_same_tokens(expected, gaps, got, f"{family}, tensor parallel")
+    assert_same_tokens(expected, gaps, got, f"{family}, tensor parallel")
 
 
 def test_prefix_caching_matches_transformers(gemma_dir):
@@ -213,7 +205,7 @@ def test_prefix_caching_matches_transformers(gemma_dir):
     kv = llm.engine.scheduler.kv_cache
     print(f"prefix cache: {kv.prefix_cache_hits} of {kv.prefix_cache_queries} prompt tokens hit")
     assert kv.prefix_cache_hits >= (NUM_PROMPTS - 2) * 32
-    _assert_same_tokens(expected, gaps, got, f"{family}, prefix caching")
+    assert_same_tokens(expected, gaps, got, f"{family}, prefix caching")
 
 
 BF16_DECIDED_GAP = 0.05

@@ -22,8 +22,7 @@ import sys
 
 import pytest
 import torch
-from serve_fixtures import random_model
-from test_engine_parity import _assert_same_tokens
+from serve_fixtures import assert_same_tokens, random_model, transformers_greedy
 
 from slipstream import LLM, SamplingParams
 from slipstream.model import ModelConfig, load_model
@@ -84,17 +83,9 @@ def _prompts(seed: int, shared_prefix_len: int = 0) -> list[list[int]]:
 
 
 def _transformers_greedy(model_dir, prompts):
-    """Reference tokens and the top-1/top-2 logit gap at every generated position."""
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out = hf.eval().generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, output_scores=True,
-                             return_dict_in_generate=True)
-    top2 = torch.stack(out.scores, 1).float().topk(2, dim=-1).values  # (B, T, 2)
-    return out.sequences[:, width:].tolist(), top2[..., 0] - top2[..., 1]
+    return transformers_greedy(hf, prompts, MAX_NEW_TOKENS)
 
 
 def _engine_greedy(model_dir, prompts, **engine_args):
@@ -166,7 +157,7 @@ def test_greedy_tokens_match_transformers(moe_model, case):
         assert llm.engine.scheduler.num_preemptions > 0
     if case == "speculative":
         assert llm.engine.num_draft_tokens > 0
-    _assert_same_tokens(expected, gaps, got, f"{family}, {case}")
+    assert_same_tokens(expected, gaps, got, f"{family}, {case}")
 
 
 def test_prefix_caching_matches_transformers(moe_model):
@@ -181,7 +172,7 @@ def test_prefix_caching_matches_transformers(moe_model):
     assert kv.prefix_cache_hits >= (NUM_PROMPTS - 3) * 48
     uncached, _ = _engine_greedy(model_dir, prompts, max_num_seqs=3, enable_prefix_caching=False)
     assert cached == uncached
-    _assert_same_tokens(expected, gaps, cached, f"{family}, prefix caching")
+    assert_same_tokens(expected, gaps, cached, f"{family}, prefix caching")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -297,4 +288,4 @@ def test_cuda_decodes_moe_models_eagerly(moe_model):
     family, model_dir, prompts, expected, gaps = moe_model
     got, llm = _engine_greedy(model_dir, prompts, device="cuda")
     assert llm.engine.runner.decode_graph is None
-    _assert_same_tokens(expected, gaps, got, f"{family} on CUDA")
+    assert_same_tokens(expected, gaps, got, f"{family} on CUDA")
