@@ -865,21 +865,31 @@ void write_kv(const void *k, const void *v, void *k_cache, void *v_cache, const 
  * activation dtype (for bf16 that is a second rounding, which we reproduce).
  * x, out: (num_rows, dim); weight: (dim,). out may alias x.
  */
+/* 1 / sqrt(mean(x^2) + eps) of one row, summed in fp32 in index order. */
+static inline __attribute__((always_inline)) float inverse_rms(const void *x, int64_t dim, float eps,
+                                                               int dtype) {
+    float sum_sq = 0.0f;
+    if (dtype == DTYPE_F32) {
+        const float *row = x;
+        for (int64_t d = 0; d < dim; d++) sum_sq += row[d] * row[d];
+    } else {
+        const uint16_t *row = x;
+        for (int64_t d = 0; d < dim; d++) sum_sq += bf16_to_f32(row[d]) * bf16_to_f32(row[d]);
+    }
+    return 1.0f / sqrtf(sum_sq / (float)dim + eps);
+}
+
 static __attribute__((noinline)) WIDE_VECTORS void rms_norm_row(const void *x, const void *weight,
                                                                 void *out, int64_t dim, float eps,
                                                                 int dtype) {
-    float sum_sq = 0.0f;
+    const float inv = inverse_rms(x, dim, eps, dtype);
     if (dtype == DTYPE_F32) {
         const float *row = x, *w = weight;
         float *dst = out;
-        for (int64_t d = 0; d < dim; d++) sum_sq += row[d] * row[d];
-        const float inv = 1.0f / sqrtf(sum_sq / (float)dim + eps);
         for (int64_t d = 0; d < dim; d++) dst[d] = w[d] * (row[d] * inv);
     } else {
         const uint16_t *row = x, *w = weight;
         uint16_t *dst = out;
-        for (int64_t d = 0; d < dim; d++) sum_sq += bf16_to_f32(row[d]) * bf16_to_f32(row[d]);
-        const float inv = 1.0f / sqrtf(sum_sq / (float)dim + eps);
         for (int64_t d = 0; d < dim; d++) {
             const float normed = bf16_to_f32(f32_to_bf16(bf16_to_f32(row[d]) * inv));
             dst[d] = f32_to_bf16(bf16_to_f32(w[d]) * normed);
@@ -892,18 +902,14 @@ static __attribute__((noinline)) WIDE_VECTORS void rms_norm_row(const void *x, c
 static __attribute__((noinline)) WIDE_VECTORS void gemma_rms_norm_row(const void *x, const void *weight,
                                                                       void *out, int64_t dim, float eps,
                                                                       int dtype) {
-    float sum_sq = 0.0f;
+    const float inv = inverse_rms(x, dim, eps, dtype);
     if (dtype == DTYPE_F32) {
         const float *row = x, *w = weight;
         float *dst = out;
-        for (int64_t d = 0; d < dim; d++) sum_sq += row[d] * row[d];
-        const float inv = 1.0f / sqrtf(sum_sq / (float)dim + eps);
         for (int64_t d = 0; d < dim; d++) dst[d] = (row[d] * inv) * (1.0f + w[d]);
     } else {
         const uint16_t *row = x, *w = weight;
         uint16_t *dst = out;
-        for (int64_t d = 0; d < dim; d++) sum_sq += bf16_to_f32(row[d]) * bf16_to_f32(row[d]);
-        const float inv = 1.0f / sqrtf(sum_sq / (float)dim + eps);
         for (int64_t d = 0; d < dim; d++)
             dst[d] = f32_to_bf16((bf16_to_f32(row[d]) * inv) * (1.0f + bf16_to_f32(w[d])));
     }
