@@ -276,9 +276,8 @@ class ModelConfig:
                              f"{self.model_type!r}; only gemma3_text has it")
         if self.model_type in _SANDWICH:
             if not self.layer_types:  # transformers' default pattern
-                pattern = 6 if self.model_type == "gemma3_text" else 2
-                object.__setattr__(self, "layer_types", tuple(
-                    LAYER_TYPES[(i + 1) % pattern != 0] for i in range(self.num_hidden_layers)))
+                object.__setattr__(self, "layer_types", _patterned_layer_types(
+                    self.num_hidden_layers, 6 if self.model_type == "gemma3_text" else 2))
             if self.query_pre_attn_scalar is None:  # head_dim**-0.5, as for the other families
                 object.__setattr__(self, "query_pre_attn_scalar", self.head_dim)
         else:
@@ -792,10 +791,16 @@ def _read_gemma(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
     pattern = d.get("sliding_window_pattern", 6) if model_type == "gemma3_text" else 2
     _check_positive_int("sliding_window_pattern", pattern)
     if d.get("layer_types") is None:
-        d = d | {"layer_types": [LAYER_TYPES[(i + 1) % pattern != 0] for i in range(layers)]}
+        d = d | {"layer_types": list(_patterned_layer_types(layers, pattern))}
     elif not isinstance(d["layer_types"], list):
         raise ValueError(f"layer_types must be a list or null, got {d['layer_types']!r}")
     return d
+
+
+def _patterned_layer_types(num_layers: int, pattern: int) -> tuple[str, ...]:
+    """Every `pattern`-th layer "full_attention", the others "sliding_attention" (transformers'
+    default: Gemma 2's pattern is 2, Gemma 3's `sliding_window_pattern`, 6)."""
+    return tuple(LAYER_TYPES[(i + 1) % pattern != 0] for i in range(num_layers))
 
 
 def _read_gemma3_rope(d: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling | None, float]:
