@@ -42,6 +42,7 @@ from slipstream.ops.linear import (
     extra_copies_of,
     pack_linears,
 )
+from slipstream.ops.quant import quantize_linears
 
 logger = logging.getLogger(__name__)
 
@@ -243,10 +244,13 @@ MAX_EXTRA_COPIES_MEMORY_FRACTION = 0.25
 
 
 @torch.no_grad()
-def optimize_for_cpu_inference(model: nn.Module) -> nn.Module:
-    """Fuse projections, pack linears for oneDNN and swap in the C kernels, in place; returns
-    the model."""
+def optimize_for_cpu_inference(model: nn.Module, *, quantization: str | None = None) -> nn.Module:
+    """Fuse projections, quantize the decoder layers' linears (`quantization`, one of
+    `ops.quant.QUANTIZATION_METHODS`, or None to keep the weights), pack the other linears for
+    oneDNN and swap in the C kernels, in place; returns the model."""
     fuse_projections(model)
+    if quantization is not None:
+        quantize_linears(model, quantization)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     param = next(model.parameters(), None)
     copies = sum(extra_copies_of(param)) if param is not None else 0
