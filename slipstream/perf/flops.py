@@ -19,6 +19,10 @@ Conventions (each function restates the one it uses):
   and qwen2_moe's shared expert and gate in each layer that `config.is_moe_layer`), so MFU is on
   active FLOPs as Megatron and torchtitan count it. Bytes read per decode step count the experts
   a batch is expected to touch under uniform routing (`expected_experts_touched`).
+- Weight-only quantization (`quantization="int8"`, `ops.quant`) changes bytes, not FLOPs: every
+  linear layer inside the decoder layers (experts included) holds 1 byte per weight and one fp32
+  scale (4 bytes) per output channel; the embeddings, the LM head, a mixture-of-experts router,
+  qwen2_moe's shared-expert gate, norms and biases stay in the model's dtype.
 
 Pure Python: no torch import, so planners and reports can use it without a runtime.
 """
@@ -39,6 +43,14 @@ _BYTES_PER_ELEMENT = {
     "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1,
     "int8": 1, "uint8": 1,
 }
+
+
+QUANTIZATION_METHODS = ("int8",)
+"""The weight-only quantizations whose bytes these functions count (ops.quant's, which this module
+cannot import: it would pull in torch)."""
+INT8_BYTES_PER_WEIGHT = 1
+INT8_BYTES_PER_CHANNEL = 4
+"""One fp32 scale per output channel of an int8 linear layer."""
 
 
 def dtype_bytes(dtype: Any) -> int:
@@ -76,6 +88,12 @@ def _attention_layer_params(config: ModelConfig) -> int:
     if config.sandwich_norms:  # Gemma 2: pre_feedforward_layernorm, post_feedforward_layernorm
         n += 2 * d
     return n + 2 * d  # input_layernorm, post_attention_layernorm
+
+
+def _attention_output_channels(config: ModelConfig) -> int:
+    """Output features of q, k, v and o together."""
+    q_out = config.num_attention_heads * config.head_dim
+    return q_out + 2 * config.num_key_value_heads * config.head_dim + config.hidden_size
 
 
 def _dense_mlp_params(config: ModelConfig) -> int:
@@ -328,9 +346,46 @@ def train_flops_per_token(config: ModelConfig, seq_len: int, *, causal: bool = F
     return 3 * forward_flops_per_token(config, seq_len, causal=causal)
 
 
-def weight_bytes(config: ModelConfig, dtype: Any = None) -> int:
-    """Bytes of all parameters (a tied lm_head once, every expert) in `dtype` (default: `config.dtype`)."""
-    return num_params(config) * dtype_bytes(config.dtype if dtype is None else dtype)
+def weight_bytes(config: ModelConfig, dtype: Any = None, quantization: str | None = None) -> int:
+    """Bytes of all parameters (a tied lm_head once, every expert) in `dtype` (default:
+    `config.dtype`), the decoder layers' linears in `quantization` where one is given (see the
+    module docstring)."""
+    element_bytes = dtype_bytes(config.dtype if dtype is None else dtype)
+    return num_params(config) * element_bytes - _quantization_savings(config, element_bytes, quantization)
+
+
+def _check_quantization(quantization: Any) -> None:
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {quantization!r}")
+
+
+def _quantized_expert_bytes(config: ModelConfig) -> int:
+    """Bytes of one routed expert's three int8 linears: the weights and a scale per output channel."""
+    channels = 2 * config.moe_intermediate_size + config.hidden_size
+    return expert_params(config) * INT8_BYTES_PER_WEIGHT + channels * INT8_BYTES_PER_CHANNEL
+
+
+def _quantization_savings(config: ModelConfig, element_bytes: int, quantization: str | None) -> int:
+    """Bytes that quantizing every linear of the decoder layers saves over keeping them in a dtype of
+    `element_bytes` (0 for `quantization` None; negative where int8 is larger, which only a
+    one-byte dtype would make it)."""
+    _check_quantization(quantization)
+    if quantization is None:
+        return 0
+    weights = config.num_hidden_layers * _attention_matmul_params(config)
+    channels = config.num_hidden_layers * _attention_output_channels(config)
+    num_moe = num_moe_layers(config)
+    weights += (config.num_hidden_layers - num_moe) * 3 * config.hidden_size * config.intermediate_size
+    channels += (config.num_hidden_layers - num_moe) * (2 * config.intermediate_size + config.hidden_size)
+    width = config.shared_expert_intermediate_size
+    if num_moe and width is not None:  # qwen2_moe's shared expert, a SwiGLU `width` wide
+        weights += num_moe * 3 * config.hidden_size * width
+        channels += num_moe * (2 * width + config.hidden_size)
+    saved = weights * element_bytes - weights * INT8_BYTES_PER_WEIGHT - channels * INT8_BYTES_PER_CHANNEL
+    if num_moe:
+        saved += num_moe * config.num_experts * (expert_params(config) * element_bytes
+                                                 - _quantized_expert_bytes(config))
+    return saved
 
 
 def kv_cache_bytes_per_token(config: ModelConfig, dtype: Any = None) -> int:
@@ -345,7 +400,7 @@ def kv_cache_bytes_per_token(config: ModelConfig, dtype: Any = None) -> int:
 
 
 def decode_bytes_per_step(
-    config: ModelConfig, dtype: Any, batch_size: int, context_len: int
+    config: ModelConfig, dtype: Any, batch_size: int, context_len: int, *, quantization: str | None = None
 ) -> float:
     """Bytes read from memory by one decode step of `batch_size` sequences (a roofline bound).
 
@@ -356,41 +411,52 @@ def decode_bytes_per_step(
     reads its KV cache: `context_len` positions (the cache length including the new token),
     capped at the layer's sliding window (the mean layer's). Activations and the new token's KV
     write are not counted (both are O(batch * hidden), small next to the weights). Scaling Book
-    `inference.md`.
+    `inference.md`. `quantization`: the decoder layers' linears in it (`weight_bytes`).
     """
     _check_non_negative("batch_size", batch_size)
     _check_non_negative("context_len", context_len)
     kv_positions = _mean_over_layers(config, lambda window: min(context_len, window or context_len))
-    return forward_bytes_read(config, dtype, batch_size, batch_size * kv_positions)
+    return forward_bytes_read(config, dtype, batch_size, batch_size * kv_positions, quantization=quantization)
 
 
 def forward_bytes_read(
-    config: ModelConfig, dtype: Any, num_tokens: int, num_kv_positions: float, *, num_passes: int = 1
+    config: ModelConfig, dtype: Any, num_tokens: int, num_kv_positions: float, *, num_passes: int = 1,
+    quantization: str | None = None,
 ) -> float:
     """Bytes read from memory by `num_passes` forward passes of `num_tokens` tokens each that read
     `num_kv_positions` KV-cache positions in all (a roofline bound, as `decode_bytes_per_step`
     counts a decode step: each pass reads every weight once, but of the input embedding table only
     its `num_tokens` gathered rows and of each mixture-of-experts layer only the experts its tokens
     are expected to touch; activations and KV writes are not counted). The KV positions of a
-    prefill chunk are `kv_positions_read`; a decode token reads its `causal_keys`. `ForwardCost`
-    prices many passes of one model.
+    prefill chunk are `kv_positions_read`; a decode token reads its `causal_keys`. `quantization`:
+    the decoder layers' linears in it (`weight_bytes`). `ForwardCost` prices many passes of one
+    model.
     """
-    return ForwardCost(config, dtype).bytes_read(num_tokens, num_kv_positions, num_passes=num_passes)
+    return ForwardCost(config, dtype, quantization).bytes_read(num_tokens, num_kv_positions,
+                                                               num_passes=num_passes)
 
 
 class ForwardCost:
     """`forward_flops` and `forward_bytes_read` of one model in one dtype (default: the config's),
+    its decoder layers' linears in `quantization` where one is given (bytes change, FLOPs do not),
     with the model's sums taken once: a running engine prices every step, where summing the
     parameters again each time cost more than the rest of the step's record."""
 
-    def __init__(self, config: ModelConfig, dtype: Any = None) -> None:
+    def __init__(self, config: ModelConfig, dtype: Any = None, quantization: str | None = None) -> None:
         self.config = config
         lm_head = 2 * embedding_params(config)
         self._flops_per_token = 2 * matmul_params(config) - lm_head
         self._flops_per_logit = lm_head
         self._flops_per_key = attention_flops_per_token(config, 1)
-        self._element_bytes = dtype_bytes(config.dtype if dtype is None else dtype)
-        self._weights = num_params(config) - (0 if config.tie_word_embeddings else embedding_params(config))
+        self._element_bytes = element_bytes = dtype_bytes(config.dtype if dtype is None else dtype)
+        untied_embedding = 0 if config.tie_word_embeddings else embedding_params(config)
+        # Every weight read once per pass but the input embedding table, of which rows are gathered.
+        self._weight_bytes = (weight_bytes(config, dtype, quantization)
+                              - untied_embedding * element_bytes)
+        self._expert_bytes = 0
+        if config.is_moe:
+            self._expert_bytes = (expert_params(config) * element_bytes if quantization is None
+                                  else _quantized_expert_bytes(config))
         self._kv_bytes_per_position = kv_cache_bytes_per_token(config, dtype)
 
     def flops(self, num_tokens: int, num_logits: int, num_keys: float) -> float:
@@ -408,15 +474,14 @@ class ForwardCost:
         _check_non_negative("num_tokens", num_tokens)
         _check_non_negative_count("num_kv_positions", num_kv_positions)
         _check_non_negative("num_passes", num_passes)
-        config, weights = self.config, self._weights
+        config, weights = self.config, self._weight_bytes
         if not reads_lm_head:
-            weights -= embedding_params(config)
+            weights -= embedding_params(config) * self._element_bytes
         if config.is_moe and num_tokens:
             touched = expected_experts_touched(config.num_experts, config.num_experts_per_tok, num_tokens)
-            weights -= num_moe_layers(config) * (config.num_experts - touched) * expert_params(config)
-        gathered_rows = num_tokens * config.hidden_size
-        return (num_passes * (weights + gathered_rows) * self._element_bytes
-                + num_kv_positions * self._kv_bytes_per_position)
+            weights -= num_moe_layers(config) * (config.num_experts - touched) * self._expert_bytes
+        gathered_rows = num_tokens * config.hidden_size * self._element_bytes
+        return num_passes * (weights + gathered_rows) + num_kv_positions * self._kv_bytes_per_position
 
 
 def generation_flops(config: ModelConfig, prompt_len: int, output_len: int) -> float:
