@@ -188,7 +188,6 @@ def test_gemma3_ignores_the_attention_soft_cap_as_transformers_does(caplog):
     ("gemma2", {"sliding_window": None}, "gives null for sliding_window"),
     ("gemma2", {"attention_dropout": None}, "gives null for attention_dropout"),
     ("gemma", {"num_key_value_heads": None}, "gives null for num_key_value_heads"),
-    ("gemma3", {}, "Gemma 3's multimodal checkpoints are not read"),
 ])
 def test_bad_configs_name_the_key(model_type, change, message):
     base = {"model_type": model_type, "num_hidden_layers": 2, "vocab_size": 64, "hidden_size": 32,

@@ -134,8 +134,9 @@ def test_out_of_range_flags_are_errors_naming_the_flag(argv, expected, capsys):
     ("{bad", "is not valid JSON"),
     ('{"model_type": "llama"}', "lacks vocab_size, hidden_size, intermediate_size"),
     ('{"n_embd": 768, "n_layer": 2, "vocab_size": 100}', "lacks n_head"),
-    ('{"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", "vocab_size": 8}}',
-     "Gemma 3's multimodal checkpoints are not read (its text model, model_type 'gemma3_text', is)"),
+    ('{"model_type": "gemma3", "text_config": {"model_type": "gemma2"}}',
+     "a 'gemma3' config.json's text_config has model_type 'gemma2'; expected 'gemma3_text'"),
+    ('{"model_type": "mistral3"}', "unsupported model_type 'mistral3'"),
     ('{"n_embd": 768, "n_layer": 2, "n_head": 7, "vocab_size": 100}',
      "n_embd (768) must be a multiple of n_head (7)"),
     ('{"n_embd": 768, "n_layer": "2", "n_head": 12, "vocab_size": 100}',
@@ -145,8 +146,8 @@ def test_out_of_range_flags_are_errors_naming_the_flag(argv, expected, capsys):
 ])
 def test_malformed_config_json_is_an_error_naming_the_file(config, expected, tmp_path, capsys):
     """Guards `--model CONFIG.json`: a JSON list, missing keys, a model_type ModelConfig does not
-    read (its own message: Gemma 3's multimodal config points to its text model, where "lacks
-    vocab_size" was said), a GPT-2 width that n_head does not divide, or a bad value is an error
+    read (its own message, not "lacks vocab_size"), a multimodal Gemma 3 config whose text_config is
+    another family's, a GPT-2 width that n_head does not divide, or a bad value is an error
     naming the file and the key."""
     path = tmp_path / "config.json"
     path.write_text(config)

@@ -460,13 +460,10 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from a parsed Hugging Face `config.json`; unsupported values raise ValueError."""
+        d = language_model_dict(d)
         model_type = d.get("model_type")
         if model_type not in MODEL_TYPES:
-            hint = ("; Gemma 3's multimodal checkpoints are not read (its text model, model_type "
-                    "'gemma3_text', is)" if model_type == "gemma3" else "")
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}{hint}"
-            )
+            raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
         null = sorted(k for k in _NOT_NULL[model_type] if k in d and d[k] is None)
         if null:
             raise ValueError(
@@ -590,7 +587,7 @@ class ModelConfig:
         if not isinstance(d, dict):
             raise ValueError(f"{path} must hold a JSON object")
         config = cls.from_hf_dict(d)
-        if _read_dtype(d) is None:
+        if _read_dtype(language_model_dict(d)) is None:
             from slipstream.model.weights import dtype_name, stored_dtype  # weights imports this module
 
             dtype = stored_dtype(model_dir)
@@ -956,6 +953,41 @@ def _read_longrope(
     return RopeScaling(rope_type="longrope", factor=factor, original_max_position_embeddings=original,
                        short_factor=block["short_factor"], long_factor=block["long_factor"],
                        attention_factor=block.get("attention_factor"))
+
+
+MULTIMODAL_TEXT_TYPES = {"gemma3": "gemma3_text"}
+"""Multimodal model types whose language model slipstream reads (text in, text out; the vision
+tower is not loaded), with the model type of that language model."""
+
+_MULTIMODAL_TOP_LEVEL_KEYS = ("dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id")
+"""Keys a multimodal config.json may give at its top level for its language model too (Gemma 3's
+checkpoints name their dtype and end-of-turn ids there): taken where `text_config` lacks them."""
+
+
+def language_model_dict(d: dict[str, Any]) -> dict[str, Any]:
+    """The config.json keys of the language model: `d` itself, or for a multimodal checkpoint
+    (Gemma 3's Gemma3ForConditionalGeneration) its `text_config`, completed from the top level as
+    transformers reads it: the dtype and token ids, and `tie_word_embeddings` from the top level
+    only (default true), since transformers ties the multimodal model's LM head by that flag. Its
+    final logit soft cap is dropped, as the multimodal model never applies it (the released
+    checkpoints have none)."""
+    text_type = MULTIMODAL_TEXT_TYPES.get(d.get("model_type"))
+    if text_type is None:
+        return d
+    text = d.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise ValueError(f"config.json's text_config must be an object, got {text!r}")
+    if text.get("model_type", text_type) != text_type:
+        raise ValueError(f"a {d['model_type']!r} config.json's text_config has model_type "
+                         f"{text['model_type']!r}; expected {text_type!r}")
+    top = {key: d[key] for key in _MULTIMODAL_TOP_LEVEL_KEYS if key in d and key not in text}
+    logger.info("reading the language model of a multimodal %r checkpoint (images are not supported)",
+                d["model_type"])
+    if text.get("final_logit_softcapping") is not None:
+        logger.warning("ignoring text_config's final_logit_softcapping=%r: transformers' multimodal Gemma 3 "
+                       "does not soft-cap its logits", text["final_logit_softcapping"])
+    return top | text | {"model_type": text_type, "tie_word_embeddings": d.get("tie_word_embeddings", True),
+                         "final_logit_softcapping": None}
 
 
 def _read_dtype(d: dict[str, Any]) -> str | None:

@@ -138,10 +138,35 @@ def _layer_weight(modules: Iterable[str]) -> re.Pattern[str]:
 _PHI3_FUSED, _PHI3_PART = _layer_weight(_PHI3_PARTS), _layer_weight(_PHI3_FUSED_OF)
 
 
+_GEMMA3_LANGUAGE_MODEL = re.compile(r"(?:model\.language_model\.|language_model\.model\.)(.+)")
+_GEMMA3_VISION = re.compile(r"(?:model\.)?(?:vision_tower|multi_modal_projector)\..+")
+"""Names in Gemma 3's multimodal checkpoints (Gemma3ForConditionalGeneration; transformers 5's
+names and the older ones its loader renames): the language model's tensors, and the image
+encoder's, which a text model does not load."""
+
+
+def _language_model_name(config: ModelConfig, name: str) -> str | None:
+    """The name `name` has in a text-only checkpoint of the model, or None for a tensor of a
+    multimodal checkpoint's image encoder: a Gemma 3 language model's tensors are stored under
+    `model.language_model.` (or `language_model.model.`, with its head at `language_model.lm_head`)."""
+    if config.model_type != "gemma3_text":
+        return name
+    if _GEMMA3_VISION.fullmatch(name):
+        return None
+    if name == "language_model.lm_head.weight":
+        return "lm_head.weight"
+    match = _GEMMA3_LANGUAGE_MODEL.fullmatch(name)
+    return f"model.{match.group(1)}" if match else name
+
+
 def model_tensors(config: ModelConfig, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """The `Transformer` parameters that checkpoint tensor `name` fills, with their values: itself
     under `model_name`, except that Phi-3 stores q/k/v and gate/up fused (rows stacked in that
-    order, as transformers' Phi-3 splits them), which become views of the stored tensor's rows."""
+    order, as transformers' Phi-3 splits them), which become views of the stored tensor's rows, and
+    that a multimodal Gemma 3 checkpoint's image encoder fills none (`_language_model_name`)."""
+    name = _language_model_name(config, name)
+    if name is None:
+        return []
     match = _PHI3_FUSED.fullmatch(name) if config.model_type == "phi3" else None
     if match is None:
         return [(model_name(config, name), tensor)]

@@ -381,8 +381,9 @@ def resolve_model(name_or_path: str) -> TransformerShape:
 
     A config.json of a slipstream family (llama, mistral, phi3, qwen2, qwen3, gemma, gemma2,
     gemma3_text and the mixture-of-experts mixtral, qwen2_moe, qwen3_moe) is read through
-    `ModelConfig`, which names the families it reads for any other model_type (Gemma 3's multimodal
-    "gemma3" among them); a GPT-2-style one (`n_embd`, `n_layer`, `n_head`) maps to a GPT shape.
+    `ModelConfig`, which names the families it reads for any other model_type; of Gemma 3's
+    multimodal "gemma3", the language model; a GPT-2-style one (`n_embd`, `n_layer`, `n_head`)
+    maps to a GPT shape.
     """
     if name_or_path in GPT_SHAPES:
         return GPT_SHAPES[name_or_path]
@@ -418,11 +419,14 @@ _HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers
 
 
 def _shape_from_config_json(d: dict[str, Any], name: str, path: Path) -> TransformerShape:
-    from slipstream.model.config import MODEL_TYPES, ModelConfig
+    from slipstream.model.config import MODEL_TYPES, MULTIMODAL_TEXT_TYPES, ModelConfig
 
-    if "n_embd" not in d and "model_type" in d and d["model_type"] not in MODEL_TYPES:
-        try:  # ModelConfig's own message names the families it reads, with its hints (Gemma 3)
-            ModelConfig.from_hf_dict(d)
+    multimodal = "n_embd" not in d and d.get("model_type") in MULTIMODAL_TEXT_TYPES
+    if multimodal or ("n_embd" not in d and "model_type" in d and d["model_type"] not in MODEL_TYPES):
+        # ModelConfig's own message names the families it reads; a multimodal checkpoint's language
+        # model takes transformers' defaults for what its text_config leaves out (Gemma 3's do).
+        try:
+            return TransformerShape.from_model_config(ModelConfig.from_hf_dict(d), name)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from e
     required = _GPT2_KEYS if "n_embd" in d else _HF_KEYS
