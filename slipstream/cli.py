@@ -154,7 +154,8 @@ def _serve(args: argparse.Namespace) -> None:
     from slipstream.serve.server import ServerConfig, run_server
 
     engine_config = EngineConfig(
-        model=args.model_dir, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+        model=args.model_dir, dtype=args.dtype, quantization=args.quantization, device=args.device,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=not args.no_enable_prefix_caching, max_logprobs=args.max_logprobs,
@@ -288,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="name logprobs tokens 'token_id:ID' unless a request says otherwise (as vLLM)")
     p.add_argument("--dtype", default="auto",
                    help="auto, float32, bfloat16, float16 (also vLLM's float and half)")
+    p.add_argument("-q", "--quantization",
+                   help="as vLLM: int8 quantizes the decoder layers' linear weights after loading "
+                        "(weight-only, one scale per output channel); default: the weights in --dtype")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

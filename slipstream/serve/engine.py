@@ -35,7 +35,7 @@ from slipstream.model.tokenizer import Tokenizer
 from slipstream.model.weights import dtype_name, load_model, resolve_dtype
 from slipstream.ops import cpu_kernels
 from slipstream.ops.allocator import keep_freed_memory, keep_large_freed_memory
-from slipstream.ops.inference import optimize_for_cpu_inference
+from slipstream.ops.quant import QUANTIZATION_METHODS
 from slipstream.perf.flops import kv_cache_bytes_per_token
 from slipstream.perf.records import METRICS_FILE
 from slipstream.serve.fsm import compile_pattern
@@ -58,7 +58,7 @@ from slipstream.serve.request import (
     bad_words_token_ids,
     validate_prompt_token_ids,
 )
-from slipstream.serve.runner import Runner
+from slipstream.serve.runner import Runner, prepare_model
 from slipstream.serve.sampler import (
     SamplingBatch,
     SamplingRow,
@@ -104,6 +104,11 @@ class EngineConfig:
     """A Hugging Face model directory (config.json, safetensors, tokenizer.json)."""
     dtype: str = "auto"
     """"auto" keeps the checkpoint's dtype; or float32, bfloat16, float16."""
+    quantization: str | None = None
+    """As vLLM's: None serves the weights in `dtype`; "int8" quantizes the decoder layers' linear
+    weights after loading, to int8 with one fp32 scale per output channel (weight-only: the
+    activations, the KV cache, embeddings and LM head stay in `dtype`; ops/quant.py, and
+    docs/serving.md, "Quantization"). Under tensor parallelism each rank quantizes its own shard."""
     device: str | None = None
     """Default: cuda when available, else cpu."""
     max_num_seqs: int = 128
@@ -192,6 +197,9 @@ class EngineConfig:
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**63), got {self.seed!r}")
         if self.dtype != "auto":
             resolve_dtype(self.dtype)
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            choices = ", ".join(map(repr, QUANTIZATION_METHODS))
+            raise ValueError(f"quantization must be None or one of {choices}, got {self.quantization!r}")
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
         if self.metrics_dir is not None:
@@ -288,12 +296,14 @@ class Engine:
             slot_bytes = exchange_bytes(self.model_config, size, dtype, max_num_seqs=config.max_num_seqs,
                                         max_num_batched_tokens=config.max_num_batched_tokens)
             self.workers = Workers(model=config.model, dtype=dtype, device=device, size=size,
-                                   fast_cpu_kernels=config.fast_cpu_kernels, slot_bytes=slot_bytes)
+                                   fast_cpu_kernels=config.fast_cpu_kernels, quantization=config.quantization,
+                                   slot_bytes=slot_bytes)
             model = load_shard(config.model, dtype, device, self.workers.connect())
         else:
             model = load_model(config.model, dtype=dtype, device=device)
-        if config.fast_cpu_kernels:
-            model = optimize_for_cpu_inference(model)
+        # Before a CUDA device's limits: the memory quantization frees goes to the KV cache.
+        model = prepare_model(model, fast_cpu_kernels=config.fast_cpu_kernels,
+                              quantization=config.quantization)
         if limits is None:
             limits = _derive_limits(config, self.model_config, self.tokenizer, dtype, device)
         if self.workers is not None:

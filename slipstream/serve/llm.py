@@ -62,7 +62,6 @@ _LOCAL_ONLY = "slipstream loads a local model directory and downloads nothing"
 _FIXED_VLLM_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
     "pipeline_parallel_size": ((1,), _ONE_REPLICA),
     "data_parallel_size": ((1,), _ONE_REPLICA),
-    "quantization": ((None,), "slipstream runs unquantized weights in `dtype`"),
     "kv_cache_dtype": (("auto",), "the KV cache is kept in the model's dtype"),
     "cpu_offload_gb": ((0,), "the weights stay on the device"),
     "enable_chunked_prefill": ((None, True), "slipstream always prefills long prompts in chunks of "
@@ -97,7 +96,7 @@ _VLLM_ARG_NAMES = frozenset({*_FIXED_VLLM_ARGS, "tokenizer", "kv_cache_memory_by
 class LLM:
     """Generate for a batch of prompts with continuous batching over a paged KV cache.
 
-    Keyword arguments are `EngineConfig` fields (dtype, max_num_seqs, max_num_batched_tokens,
+    Keyword arguments are `EngineConfig` fields (dtype, quantization, max_num_seqs, max_num_batched_tokens,
     kv_cache_memory, enable_prefix_caching, max_model_len, block_size, device, seed, enforce_eager,
     tensor_parallel_size, num_scheduler_steps, here OFFLINE_SCHEDULER_STEPS unless given or
     speculating, profiler_config for `start_profile`, metrics_dir for JSON-lines metrics records,
@@ -392,7 +391,8 @@ def _check_argument_names(args: Mapping[str, Any]) -> None:
 def _kv_cache_bytes_for(utilization: Any, config: EngineConfig) -> int:
     """vLLM's gpu_memory_utilization as KV cache bytes: that fraction of the device's memory (on
     a CPU, of RAM, as vLLM's CPU backend reads it) is this instance's, for its weights and KV
-    cache, so the KV cache gets the fraction less the weights and what the process already holds.
+    cache, so the KV cache gets the fraction less the weights (as `quantization` stores them) and
+    what the process already holds.
     vLLM also fits the activations it profiles into the fraction; slipstream does not profile, so
     they come out of the rest. Under tensor parallelism the result is per rank (kv_cache_memory
     is): on CUDA each rank's device holds its share of the weights (the norms, whole on every
@@ -404,7 +404,7 @@ def _kv_cache_bytes_for(utilization: Any, config: EngineConfig) -> int:
     model_config = ModelConfig.from_pretrained(config.model)
     dtype = resolve_dtype(model_config.dtype if config.dtype == "auto" else config.dtype)
     tp = config.tensor_parallel_size
-    weights = weight_bytes(model_config, dtype) // (tp if device.type == "cuda" else 1)
+    weights = weight_bytes(model_config, dtype, config.quantization) // (tp if device.type == "cuda" else 1)
     total, free, held = _device_memory(device)
     share = int(utilization * total)
     asked = f"gpu_memory_utilization={utilization} gives {_gib(share)} of the {device.type}'s {_gib(total)}"

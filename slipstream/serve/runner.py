@@ -20,7 +20,9 @@ import torch
 from slipstream.model.config import ModelConfig
 from slipstream.model.transformer import Transformer
 from slipstream.ops.decode_graph import CpuDecodeGraph
+from slipstream.ops.inference import optimize_for_cpu_inference
 from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
+from slipstream.ops.quant import quantize_linears
 from slipstream.serve.cuda_graph import CudaDecodeGraphs, can_capture
 from slipstream.serve.profiler import FORWARD_PHASE, PREPARE_INPUTS_PHASE, phase
 from slipstream.serve.sampler import argmax
@@ -28,6 +30,18 @@ from slipstream.serve.scheduler import ScheduledChunk, StepPlan
 from slipstream.serve.tensor_parallel import Workers
 
 logger = logging.getLogger(__name__)
+
+
+def prepare_model(model: Transformer, *, fast_cpu_kernels: bool, quantization: str | None) -> Transformer:
+    """A loaded model (a tensor-parallel rank's shard) made ready to serve, in place: with
+    `fast_cpu_kernels`, fused, quantized and packed by `optimize_for_cpu_inference`; without, the
+    plain modules, the decoder layers' linears quantized by `quantize_linears` where `quantization`
+    names a method (the reference the fast path is tested against)."""
+    if fast_cpu_kernels:
+        return optimize_for_cpu_inference(model, quantization=quantization)
+    if quantization is not None:
+        quantize_linears(model, quantization)
+    return model
 
 
 class PagedKVCache:

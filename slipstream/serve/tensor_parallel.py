@@ -270,6 +270,8 @@ class WorkerSpec:
     store_path: str
     threads: int
     fast_cpu_kernels: bool
+    quantization: str | None
+    """EngineConfig.quantization: the worker quantizes its own shard, as the driver does."""
     shared_fd: int | None
     """The shared buffer (`shm_collectives`), a descriptor the worker inherits; None where the
     ranks use their group only."""
@@ -361,7 +363,7 @@ class Workers:
     step is an error, rather than ranks pairing different collectives."""
 
     def __init__(self, *, model: str, dtype: torch.dtype, device: torch.device, size: int,
-                 fast_cpu_kernels: bool, slot_bytes: int) -> None:
+                 fast_cpu_kernels: bool, quantization: str | None, slot_bytes: int) -> None:
         self.size = size
         self.device = device
         self.slot_bytes = slot_bytes
@@ -386,19 +388,21 @@ class Workers:
             if device.type == "cpu":  # process-wide: another engine in this process gets this share too
                 torch.set_num_threads(threads)
             logger.info("tensor parallel over %d ranks, %d thread(s) each", size, threads)
-            self._start_workers(model, dtype, fast_cpu_kernels, threads)
+            self._start_workers(model, dtype, fast_cpu_kernels, quantization, threads)
         except BaseException:
             self.close()
             raise
 
-    def _start_workers(self, model: str, dtype: torch.dtype, fast_cpu_kernels: bool, threads: int) -> None:
+    def _start_workers(self, model: str, dtype: torch.dtype, fast_cpu_kernels: bool, quantization: str | None,
+                       threads: int) -> None:
         # The driver's module path, not the working directory's (-P): the workers run the same code.
         env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         shared_fd = self._shared_fds[0] if self._shared_fds else None
         for rank in range(1, self.size):
             spec = WorkerSpec(model=model, dtype=dtype, device=str(_rank_device(self.device, rank)),
                               rank=rank, size=self.size, store_path=os.path.join(self._directory, "store"),
-                              threads=threads, fast_cpu_kernels=fast_cpu_kernels, shared_fd=shared_fd,
+                              threads=threads, fast_cpu_kernels=fast_cpu_kernels, quantization=quantization,
+                              shared_fd=shared_fd,
                               slot_bytes=self.slot_bytes)
             process = subprocess.Popen(
                 [sys.executable, "-P", "-m", "slipstream.serve.tensor_parallel_worker"],

@@ -15,8 +15,7 @@ from typing import BinaryIO
 
 import torch
 
-from slipstream.ops.inference import optimize_for_cpu_inference
-from slipstream.serve.runner import Runner
+from slipstream.serve.runner import Runner, prepare_model
 from slipstream.serve.shm_collectives import SharedExchange
 from slipstream.serve.tensor_parallel import (
     COLLECTIVE_TIMEOUT,
@@ -51,9 +50,8 @@ def main() -> None:
             os.close(spec.shared_fd)
         store.set(joined_key(spec.rank), "ok")
         collectives = Collectives(store, spec.rank, spec.size, device, shared)
-        model = load_shard(spec.model, spec.dtype, device, collectives)
-        if spec.fast_cpu_kernels:
-            model = optimize_for_cpu_inference(model)
+        model = prepare_model(load_shard(spec.model, spec.dtype, device, collectives),
+                              fast_cpu_kernels=spec.fast_cpu_kernels, quantization=spec.quantization)
         try:
             start: Start = pickle.load(stdin)
         except EOFError:  # the driver stopped before its engine started (its error is its own)
