@@ -117,6 +117,14 @@ def _load() -> ctypes.CDLL | None:
     lib.pack_panels.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int] * 2
     lib.panel_gemm.restype = ctypes.c_int
     lib.panel_gemm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+    lib.has_int8_gemm.restype = ctypes.c_int
+    lib.has_int8_gemm.argtypes = []
+    lib.int8_panel_numel.restype = ctypes.c_int64
+    lib.int8_panel_numel.argtypes = [ctypes.c_int64] * 2
+    lib.pack_int8_panels.restype = None
+    lib.pack_int8_panels.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    lib.int8_panel_gemm.restype = ctypes.c_int
+    lib.int8_panel_gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
     lib.write_kv.restype = None
     lib.write_kv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2
     lib.rms_norm.restype = None
@@ -180,7 +188,9 @@ class DecodeLayer(ctypes.Structure):
         "input_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "o_bias",
         "post_norm", "gate_up_weight", "gate_up_bias", "down_weight", "down_bias", "k_cache", "v_cache",
         "qkv_panels", "o_panels", "gate_up_panels", "down_panels",
-    )] + [("moe", ctypes.POINTER(DecodeMoe))]
+    )] + [("moe", ctypes.POINTER(DecodeMoe))] + [(name, ctypes.c_void_p) for name in (
+        "qkv_scale", "o_scale", "gate_up_scale", "down_scale",
+    )]
 
 
 class DecodeShape(ctypes.Structure):
@@ -376,6 +386,60 @@ def panel_gemm(
                             DTYPE_CODES[x.dtype], torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"panel_gemm kernel failed with status {status}")
+    return out
+
+
+def supports_int8(x: torch.Tensor) -> bool:
+    """Whether the weight-only int8 kernel (`int8_panel_gemm`) takes activations like `x` here: fp32
+    or bf16 on the CPU, with AVX-512 or AVX2 and FMA."""
+    return supports(x) and bool(library().has_int8_gemm())
+
+
+def pack_int8_panels(qweight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """An int8 weight (N, K) in the panel layout of `int8_panel_gemm` (see cpu_ops.c), flat: into
+    `out` where given (contiguous int8, `int8_panel_numel` elements), else a new tensor."""
+    lib = library()
+    assert lib is not None and lib.has_int8_gemm() and qweight.dtype == torch.int8 and qweight.dim() == 2
+    qweight = qweight.contiguous()
+    numel = int8_panel_numel(*qweight.shape)
+    if out is None:
+        out = torch.empty(numel, dtype=torch.int8)
+    elif out.numel() != numel or out.dtype != torch.int8 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous int8 tensor of {numel} elements, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    lib.pack_int8_panels(qweight.data_ptr(), out.data_ptr(), *qweight.shape, torch.get_num_threads())
+    return out
+
+
+def int8_panel_numel(out_features: int, in_features: int) -> int:
+    lib = library()
+    assert lib is not None
+    return lib.int8_panel_numel(out_features, in_features)
+
+
+def int8_panel_gemm(
+    x: torch.Tensor,  # (..., K) fp32 or bf16
+    panels: torch.Tensor,  # pack_int8_panels(q) of an (N, K) int8 weight
+    scale: torch.Tensor,  # (N,) fp32
+    bias: torch.Tensor | None,  # (N,), x's dtype
+    out_features: int,
+) -> torch.Tensor:  # (..., N)
+    """scale * (x q^T) + bias through the int8 panels, for any number of rows (batch-1 decode
+    included: see cpu_ops.c)."""
+    lib = library()
+    assert lib is not None and supports_int8(x) and panels.dtype == torch.int8
+    assert scale.dtype == torch.float32 and scale.is_contiguous()
+    assert bias is None or (bias.dtype == x.dtype and bias.is_contiguous())
+    x = x.contiguous()
+    in_features = x.shape[-1]
+    assert panels.numel() >= int8_panel_numel(out_features, in_features)
+    out = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+    status = lib.int8_panel_gemm(x.data_ptr(), panels.data_ptr(), scale.data_ptr(),
+                                 None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                 x.numel() // in_features, out_features, in_features, DTYPE_CODES[x.dtype],
+                                 torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"int8_panel_gemm kernel failed with status {status}")
     return out
 
 

@@ -13,7 +13,9 @@ computed as the model computes them.
 
 It applies to the optimised CPU inference model (`ops.inference.optimize_for_cpu_inference`: fused
 q/k/v and gate/up projections whose row-major weights are kept for the matrix-vector kernel, or
-only panel-packed ones where the panel kernel takes every size) and
+only panel-packed ones where the panel kernel takes every size, or weight-only int8 projections,
+`ops.quant.PackedInt8Linear`, whose int8 panels and scales the C int8 kernel reads at every
+size) and
 to pure decode steps of at most `cpu_kernels.MAX_GEMV_ROWS` sequences, or of up to
 `linear.MAX_PANEL_ROWS` where the panel-packed weights are kept as well; `build` returns None for
 any other model and callers keep the module-by-module path, which the tests check it against
@@ -36,7 +38,8 @@ nor do routings the C code does not replay: renormalised weights of 5 to 7 exper
 partial_sort). Where a token's routing is not replayed (a NaN probability, or introselect's rare
 fallback to a heap select) the C call stops before writing that layer (status 7) and the step
 runs module by module through the caller's `fallback`, rewriting the same keys and values the
-call wrote, so the graph never routes differently.
+call wrote, so the graph never routes differently. Int8 experts have no such call
+(`KernelMoeExperts` holds weights of the model's dtype), so a model with them gets no graph.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from slipstream.ops import cpu_kernels
 from slipstream.ops.inference import KernelRMSNorm, KernelSiluAndMul
 from slipstream.ops.linear import MAX_PANEL_ROWS, PackedLinear
 from slipstream.ops.paged_attention import PagedBatch
+from slipstream.ops.quant import PackedInt8Linear
 
 Fallback = Callable[[torch.Tensor, torch.Tensor, PagedBatch], torch.Tensor]
 """The module-by-module step: (B,) token ids and positions laid out by a batch -> (B, E)
@@ -367,10 +371,12 @@ class _Binder:
         self.bound: list[object] = []
         self.all_panels = True
 
-    def address(self, tensor: torch.Tensor | None) -> int | None:
+    def address(self, tensor: torch.Tensor | None, dtype: torch.dtype | None = None) -> int | None:
+        """`tensor`'s address, checking that it is a contiguous CPU tensor of `dtype` (None: the
+        model's)."""
         if tensor is None:
             return None
-        if tensor.dtype != self.dtype or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        if tensor.dtype != (dtype or self.dtype) or tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise _NotApplicable(f"a {tensor.dtype} {tuple(tensor.shape)} tensor")
         self.bound.append(tensor)
         return tensor.data_ptr()
@@ -386,17 +392,25 @@ class _Binder:
         self.all_panels = self.all_panels and linear.panel_weight is not None
         return self.address(linear.row_weight), self.address(linear.bias), self.address(linear.panel_weight)
 
+    def layer_weights(self, linear: torch.nn.Module) -> tuple[int | None, int | None, int | None, int | None]:
+        """`weights` and the scales of a decoder layer's projection, which may also be weight-only
+        int8 (`PackedInt8Linear`: int8 panels for every number of rows, no row-major copy)."""
+        if not isinstance(linear, PackedInt8Linear):
+            return (*self.weights(linear), None)
+        return (None, self.address(linear.bias), self.address(linear.panels, torch.int8),
+                self.address(linear.scale, torch.float32))
+
     def layer(
         self, layer: torch.nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> cpu_kernels.DecodeLayer:
         attention, mlp = layer.self_attn, layer.mlp
-        qkv_weight, qkv_bias, qkv_panels = self.weights(attention.qkv_proj)
-        o_weight, o_bias, o_panels = self.weights(attention.o_proj)
+        qkv_weight, qkv_bias, qkv_panels, qkv_scale = self.layer_weights(attention.qkv_proj)
+        o_weight, o_bias, o_panels, o_scale = self.layer_weights(attention.o_proj)
         if isinstance(mlp, SparseMoeBlock):
-            gate_up = down = (None, None, None)
+            gate_up = down = (None, None, None, None)
             moe = ctypes.pointer(self.moe(mlp))
         elif isinstance(mlp, MLP):
-            gate_up, down, moe = self.weights(mlp.gate_up_proj), self.weights(mlp.down_proj), None
+            gate_up, down, moe = self.layer_weights(mlp.gate_up_proj), self.layer_weights(mlp.down_proj), None
         else:
             raise _NotApplicable(f"a {type(mlp).__name__} MLP")
         return cpu_kernels.DecodeLayer(
@@ -409,6 +423,7 @@ class _Binder:
             gate_up_weight=gate_up[0], gate_up_bias=gate_up[1], down_weight=down[0], down_bias=down[1],
             k_cache=self.address(k_cache), v_cache=self.address(v_cache),
             qkv_panels=qkv_panels, o_panels=o_panels, gate_up_panels=gate_up[2], down_panels=down[2], moe=moe,
+            qkv_scale=qkv_scale, o_scale=o_scale, gate_up_scale=gate_up[3], down_scale=down[3],
         )
 
     def moe(self, block: SparseMoeBlock) -> cpu_kernels.DecodeMoe:

@@ -3,11 +3,12 @@
 `optimize_for_cpu_inference(model)` keeps the model's math and swaps in faster pieces: the
 q/k/v and gate/up projections fused into one linear each (fewer, larger matrix products; the
 experts of a mixture-of-experts layer are MLPs too), oneDNN pre-packed linear layers
-(`ops.linear`; those of experts pad their inputs to few shapes), the fused RMSNorm (Llama's and
-Gemma's), rotary-embedding and silu- or gelu-and-multiply C kernels of `ops.cpu_kernels` in
-place of their several-op PyTorch versions, a decoder whose residual sums run inside those
-RMSNorm kernels (`KernelDecoder`, Gemma 2's sandwich layers included), and the routed experts of
-each mixture-of-experts block in one C call (`KernelMoeExperts`).
+(`ops.linear`; those of experts pad their inputs to few shapes), weight-only int8 linears on
+the C int8 kernel where quantization is asked for (`ops.quant.PackedInt8Linear`), the fused
+RMSNorm (Llama's and Gemma's), rotary-embedding and silu- or gelu-and-multiply C kernels of
+`ops.cpu_kernels` in place of their several-op PyTorch versions, a decoder whose residual sums
+run inside those RMSNorm kernels (`KernelDecoder`, Gemma 2's sandwich layers included), and the
+routed experts of each mixture-of-experts block in one C call (`KernelMoeExperts`).
 The result is for inference only. Where a piece does not apply (no oneDNN, no C compiler, CUDA,
 fp16) the model's own modules stay; tests check the optimised model against the plain one.
 """
@@ -42,7 +43,7 @@ from slipstream.ops.linear import (
     extra_copies_of,
     pack_linears,
 )
-from slipstream.ops.quant import quantize_linears
+from slipstream.ops.quant import pack_int8_linears, quantize_linears
 
 logger = logging.getLogger(__name__)
 
@@ -246,8 +247,9 @@ MAX_EXTRA_COPIES_MEMORY_FRACTION = 0.25
 @torch.no_grad()
 def optimize_for_cpu_inference(model: nn.Module, *, quantization: str | None = None) -> nn.Module:
     """Fuse projections, quantize the decoder layers' linears (`quantization`, one of
-    `ops.quant.QUANTIZATION_METHODS`, or None to keep the weights), pack the other linears for
-    oneDNN and swap in the C kernels, in place; returns the model."""
+    `ops.quant.QUANTIZATION_METHODS`, or None to keep the weights) and pack them for the C int8
+    kernel, pack the other linears for oneDNN and swap in the C kernels, in place; returns the
+    model."""
     fuse_projections(model)
     if quantization is not None:
         quantize_linears(model, quantization)
@@ -258,6 +260,7 @@ def optimize_for_cpu_inference(model: nn.Module, *, quantization: str | None = N
     if not extra_copies:
         logger.info("weights too large to keep extra copies: every linear goes through oneDNN")
     pack_linears(model, extra_copies=extra_copies)
+    pack_int8_linears(model)
     _pad_expert_rows(model)
     param = next(model.parameters(), None)
     if param is None or not cpu_kernels.supports(param):

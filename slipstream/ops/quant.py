@@ -12,6 +12,11 @@ so the fast kernels differ from this plain path only in the order of the sum. De
 quarter of an fp32 weight's bytes and half of a bf16 one's, which is what batch-1 decode, bound
 by memory bandwidth, gains.
 
+On the CPU, `ops.inference.optimize_for_cpu_inference` then packs each `Int8Linear` into a
+`PackedInt8Linear`, whose product is the C kernel of cpu_ops.c (int8 widened to fp32 in
+registers, one copy of the weight in panels, every row count); `Int8Linear` stays the path
+wherever that kernel does not apply (CUDA, fp16, no compiler, neither AVX-512 nor AVX2).
+
 What is quantized follows vLLM's and llm-compressor's default: the linear layers of the decoder
 layers (attention and MLP projections, experts included); the embeddings, the LM head, and a
 mixture-of-experts router (`gate`) and shared-expert gate stay in the model's dtype.
@@ -23,6 +28,9 @@ import logging
 
 import torch
 from torch import nn
+
+from slipstream.ops import cpu_kernels
+from slipstream.ops.allocator import huge_page_empty
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +88,54 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, int8 weights, per-channel scales")
+
+
+class PackedInt8Linear(nn.Module):
+    """`Int8Linear` through the C int8 kernel (`cpu_kernels.int8_panel_gemm`, see cpu_ops.c): the
+    same int8 values, scales and bias, the weight held once in the kernel's panel layout, and the
+    same math up to the order of the sums, for every number of rows (batch-1 decode included).
+    `pack_int8_linears` makes it; the optimised CPU model holds it and the decode graph reads its
+    panels and scales."""
+
+    def __init__(self, layer: Int8Linear, panel_buffer: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.in_features = layer.in_features
+        self.out_features = layer.out_features
+        self.dtype = layer.dtype
+        self.register_buffer("panels", cpu_kernels.pack_int8_panels(layer.qweight, out=panel_buffer))
+        self.register_buffer("scale", layer.scale)  # (out_features,) fp32
+        self.bias = layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        if not cpu_kernels.supports_int8(x):
+            raise ValueError(f"PackedInt8Linear takes fp32 or bf16 CPU inputs, got {x.dtype} on {x.device}")
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return cpu_kernels.int8_panel_gemm(x, self.panels, self.scale, bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, int8 panels, per-channel scales")
+
+
+@torch.no_grad()
+def pack_int8_linears(model: nn.Module) -> int:
+    """Replace every `Int8Linear` of `model` by a `PackedInt8Linear`, in place, where the C int8
+    kernel takes its dtype here (fp32 or bf16 on a CPU with AVX-512 or AVX2); returns how many.
+    The panels of all layers are slices of one huge-page buffer (`ops.allocator`): decode streams
+    them whole at every step, and small weights would otherwise each occupy a 2 MiB page."""
+    names = [name for name, m in model.named_modules()
+             if isinstance(m, Int8Linear) and m.qweight.device.type == "cpu"
+             and cpu_kernels.supports_int8(torch.empty(0, dtype=m.dtype))]
+    if not names:
+        return 0
+    sizes = [cpu_kernels.int8_panel_numel(*model.get_submodule(name).qweight.shape) for name in names]
+    buffers = huge_page_empty(sum(sizes), torch.int8).split(sizes)
+    for name, buffer in zip(names, buffers, strict=True):
+        parent_name, _, child_name = name.rpartition(".")
+        packed = PackedInt8Linear(model.get_submodule(name), panel_buffer=buffer)
+        setattr(model.get_submodule(parent_name), child_name, packed)
+    logger.info("packed %d int8 linear layers for the C int8 kernel", len(names))
+    return len(names)
 
 
 @torch.no_grad()

@@ -842,6 +842,209 @@ int panel_gemm(const void *x, const void *panels, const void *bias, void *y, int
 }
 
 /*
+ * Weight-only int8 products (ops/quant.py): y (M, N) = s * (x (M, K) q^T) + bias, q int8 (N, K) with
+ * one fp32 scale s[n] per output feature, x and y fp32 or bf16. The int8 values are widened to fp32
+ * in registers (exact: |q| <= 127) and multiplied in fp32, each output scaled once after its sum
+ * and rounded once to the dtype, as Int8Linear's plain forward computes it; only the order of the
+ * sums differs. The weight is kept once, in int8 panels of PANEL_COLS output features, k-major
+ * (panels[p][k][j] = q[p * PANEL_COLS + j][k], zero past N): per k, PANEL_COLS weights widened to
+ * fp32 (three vectors with AVX-512, two with AVX2) against one broadcast x value per row of a
+ * block of up to PANEL_ROWS rows, as the fp32 panel kernel does, so that the widening is shared by
+ * the block's rows. A panel (K x 48 bytes: 96 KiB at K = 2,048) stays in L2 while the blocks pass
+ * over it, so its sums stay in registers for all of K. bf16 rows of x are widened INT8_X_CHUNK
+ * values of k at a time onto the stack.
+ *
+ * One kernel for every row count, batch-1 decode included: a matrix-vector kernel over a row-major
+ * int8 copy (each thread streaming whole rows, each weight vector shared by up to 4 rows of x)
+ * measured no faster at one row (the bench model's 48 weights: 3.2-4.0 against 3.0-3.2 ms a pass)
+ * and slower at 2 and 4 (4.4-4.6 against 3.2 ms, 5.6-6.9 against 4.1-4.4), and a second copy would
+ * give back the memory the int8 weights save.
+ */
+#if defined(HAS_PANEL_KERNEL)
+#define INT8_UNROLLED _Pragma("GCC unroll 8")
+#if defined(__AVX512F__)
+typedef __m512 vec_f32;
+enum { VEC_LANES = 16 };
+static inline vec_f32 vec_zero(void) { return _mm512_setzero_ps(); }
+static inline vec_f32 vec_set1(float v) { return _mm512_set1_ps(v); }
+static inline vec_f32 vec_fma(vec_f32 a, vec_f32 b, vec_f32 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vec_f32 vec_int8(const int8_t *w) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
+}
+static inline vec_f32 vec_act(const void *x, int64_t i, int dtype) { return load16(x, i, dtype); }
+static inline void vec_store(float *p, vec_f32 v) { _mm512_storeu_ps(p, v); }
+#else
+typedef __m256 vec_f32;
+enum { VEC_LANES = 8 };
+static inline vec_f32 vec_zero(void) { return _mm256_setzero_ps(); }
+static inline vec_f32 vec_set1(float v) { return _mm256_set1_ps(v); }
+static inline vec_f32 vec_fma(vec_f32 a, vec_f32 b, vec_f32 c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vec_f32 vec_int8(const int8_t *w) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+}
+static inline vec_f32 vec_act(const void *x, int64_t i, int dtype) {
+    return dtype == DTYPE_F32 ? _mm256_loadu_ps((const float *)x + i) : widen_bf16_8((const uint16_t *)x + i);
+}
+static inline void vec_store(float *p, vec_f32 v) { _mm256_storeu_ps(p, v); }
+#endif
+enum { PANEL_VECS = PANEL_COLS / VEC_LANES, INT8_X_CHUNK = 128 };
+
+static inline float act_value(const void *x, int64_t i, int dtype) {
+    return dtype == DTYPE_F32 ? ((const float *)x)[i] : bf16_to_f32(((const uint16_t *)x)[i]);
+}
+
+/* n bf16 values of x from element `at`, widened to fp32 into dst. */
+static inline void widen_row(float *dst, const void *x, int64_t at, int64_t n) {
+    int64_t k = 0;
+    for (; k + VEC_LANES <= n; k += VEC_LANES) vec_store(dst + k, vec_act(x, at + k, DTYPE_BF16));
+    for (; k < n; k++) dst[k] = act_value(x, at + k, DTYPE_BF16);
+}
+
+/* y[i] = dtype(sum * scale + bias[n]): scaled once, after the sum, as Int8Linear's plain forward. */
+static inline void store_scaled(void *y, int64_t i, float sum, float scale, const void *bias, int64_t n,
+                                int dtype) {
+    float value = sum * scale;
+    if (bias != NULL) value += act_value(bias, n, dtype);
+    if (dtype == DTYPE_F32) ((float *)y)[i] = value;
+    else ((uint16_t *)y)[i] = f32_to_bf16(value);
+}
+
+/* y[0:ROWS, 0:cols] = s * (x[0:ROWS, 0:K] . panel) + bias, x rows ldx apart, y rows N apart;
+ * pf_lines lines of `prefetch` requested every other k. */
+#define INT8_PANEL_KERNEL(ROWS)                                                                        \
+    static void int8_panel_kernel_##ROWS(const void *x, int64_t ldx, const int8_t *panel, int64_t K,      \
+                                         void *y, int64_t N, int64_t cols, const float *scale,           \
+                                         const void *bias, int dtype, const char *prefetch,            \
+                                         int64_t pf_lines) {                                           \
+        vec_f32 acc[ROWS][PANEL_VECS];                                                                 \
+        INT8_UNROLLED for (int r = 0; r < ROWS; r++)                                                   \
+            INT8_UNROLLED for (int j = 0; j < PANEL_VECS; j++) acc[r][j] = vec_zero();                 \
+        float xs[ROWS][INT8_X_CHUNK];                                                                  \
+        for (int64_t k0 = 0; k0 < K; k0 += INT8_X_CHUNK) {                                             \
+            const int64_t kn = K - k0 < INT8_X_CHUNK ? K - k0 : INT8_X_CHUNK;                          \
+            const float *xk = (const float *)x + k0;                                                   \
+            int64_t ld = ldx;                                                                          \
+            if (dtype != DTYPE_F32) {                                                                  \
+                for (int r = 0; r < ROWS; r++) widen_row(xs[r], x, r * ldx + k0, kn);                  \
+                xk = xs[0];                                                                            \
+                ld = INT8_X_CHUNK;                                                                     \
+            }                                                                                          \
+            const int8_t *w = panel + k0 * PANEL_COLS;                                                 \
+            for (int64_t k = 0; k < kn; k++, w += PANEL_COLS) {                                        \
+                if ((k & 1) == 0)                                                                      \
+                    for (int64_t l = 0; l < pf_lines; l++, prefetch += 64) _mm_prefetch(prefetch, _MM_HINT_T1); \
+                vec_f32 wv[PANEL_VECS];                                                                \
+                INT8_UNROLLED for (int j = 0; j < PANEL_VECS; j++) wv[j] = vec_int8(w + j * VEC_LANES);  \
+                INT8_UNROLLED for (int r = 0; r < ROWS; r++) {                                         \
+                    const vec_f32 b = vec_set1(xk[r * ld + k]);                                        \
+                    INT8_UNROLLED for (int j = 0; j < PANEL_VECS; j++) acc[r][j] = vec_fma(b, wv[j], acc[r][j]); \
+                }                                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+        float sums[PANEL_COLS];                                                                        \
+        for (int r = 0; r < ROWS; r++) {                                                               \
+            INT8_UNROLLED for (int j = 0; j < PANEL_VECS; j++) vec_store(sums + j * VEC_LANES, acc[r][j]); \
+            for (int64_t c = 0; c < cols; c++)                                                         \
+                store_scaled(y, r * N + c, sums[c], scale[c], bias, c, dtype);                   \
+        }                                                                                              \
+    }
+INT8_PANEL_KERNEL(1) INT8_PANEL_KERNEL(2) INT8_PANEL_KERNEL(3) INT8_PANEL_KERNEL(4)
+INT8_PANEL_KERNEL(5) INT8_PANEL_KERNEL(6)
+#if defined(__AVX512F__)  /* PANEL_ROWS 8 */
+INT8_PANEL_KERNEL(7) INT8_PANEL_KERNEL(8)
+#endif
+#undef INT8_PANEL_KERNEL
+
+typedef void (*int8_panel_kernel_fn)(const void *, int64_t, const int8_t *, int64_t, void *, int64_t, int64_t,
+                                     const float *, const void *, int, const char *, int64_t);
+static const int8_panel_kernel_fn int8_panel_kernels[PANEL_ROWS + 1] = {
+    NULL, int8_panel_kernel_1, int8_panel_kernel_2, int8_panel_kernel_3, int8_panel_kernel_4,
+    int8_panel_kernel_5, int8_panel_kernel_6,
+#if defined(__AVX512F__)  /* PANEL_ROWS 8 */
+    int8_panel_kernel_7, int8_panel_kernel_8,
+#endif
+};
+
+/* This thread's part of the int8 product, inside a parallel region (no barrier at the end): the
+ * panel tasks and stealing of panel_tasks_f32, rows in bands from PANEL_BANDS_FROM_ROWS as there. */
+static void int8_panel_tasks(task_team *team, const void *x, const int8_t *panels, const float *scale,
+                             const void *bias, void *y, int64_t M, int64_t N, int64_t K, int dtype) {
+    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
+    const int64_t band = M >= PANEL_BANDS_FROM_ROWS ? PANEL_BAND_ROWS : M;
+    for (int64_t m_band = 0; m_band < M; m_band += band) {
+        const int64_t band_rows = M - m_band < band ? M - m_band : band;
+        const panel_schedule schedule = thread_panel_schedule(band_rows, N, PANEL_ROWS);
+        open_share(team, schedule.begin, schedule.end);
+        int stolen = 0;
+        int64_t task;
+        while (next_task(team, &stolen, &task)) {
+            const panel_task t = panel_task_at(&schedule, task, N);
+            const int8_t *panel = panels + t.panel * K * PANEL_COLS;
+            /* The next panel in memory is the next piece of work, unless this is the share's last task. */
+            const int64_t points = (t.block_end - t.block_begin) * ((K + 1) / 2);
+            const int64_t lines = (K * PANEL_COLS + 63) / 64;
+            const int64_t pf_lines = stolen || task == schedule.end - 1 ? 0 : (lines + points - 1) / points;
+            const char *prefetch = (const char *)(panel + K * PANEL_COLS);
+            const int64_t n0 = t.panel * PANEL_COLS;
+            for (int64_t b = t.block_begin; b < t.block_end; b++) {
+                const int64_t m0 = m_band + block_row(b, band_rows, schedule.blocks);
+                const int64_t rows = m_band + block_row(b + 1, band_rows, schedule.blocks) - m0;
+                int8_panel_kernels[rows]((const char *)x + m0 * K * elem, K, panel, K,
+                                         (char *)y + (m0 * N + n0) * elem, N, t.cols, scale + n0,
+                                         bias == NULL ? NULL : (const char *)bias + n0 * elem, dtype, prefetch,
+                                         pf_lines);
+                prefetch += (K + 1) / 2 * pf_lines * 64;
+            }
+        }
+    }
+}
+#endif
+
+/* Whether this build has the int8 kernels (AVX-512, or AVX2 with FMA, as the panel kernel). */
+int has_int8_gemm(void) {
+#if defined(HAS_PANEL_KERNEL)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Elements (bytes) of the int8 panel copy of an (N, K) int8 weight. */
+int64_t int8_panel_numel(int64_t N, int64_t K) {
+    return (N + PANEL_COLS - 1) / PANEL_COLS * PANEL_COLS * K;
+}
+
+void pack_int8_panels(const int8_t *W, int8_t *panels, int64_t N, int64_t K, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t p = 0; p < (N + PANEL_COLS - 1) / PANEL_COLS; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < PANEL_COLS; j++) {
+                const int64_t n = p * PANEL_COLS + j;
+                panels[(p * K + k) * PANEL_COLS + j] = n < N ? W[n * K + k] : 0;
+            }
+}
+
+/* y = s * (x q^T) + bias for any M over pack_int8_panels' copy. Returns 0, or 2 where this build
+ * has no int8 kernels. */
+int int8_panel_gemm(const void *x, const int8_t *panels, const float *scale, const void *bias, void *y,
+                    int64_t M, int64_t N, int64_t K, int dtype, int num_threads) {
+    if (!has_int8_gemm()) return 2;
+#if defined(HAS_PANEL_KERNEL)
+    task_share shares[num_threads];
+    clear_shares(shares, num_threads);
+#pragma omp parallel num_threads(num_threads)
+    {
+        task_team team = team_of(shares);
+        int8_panel_tasks(&team, x, panels, scale, bias, y, M, N, K, dtype);
+    }
+#else
+    (void)x; (void)panels; (void)scale; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)dtype;
+    (void)num_threads;
+#endif
+    return 0;
+}
+
+/*
  * Stores new tokens' keys and values at their cache slots: row t of k and v (num_kv_heads x
  * head_dim values, k_stride and v_stride elements after row t - 1: the keys and values can be
  * read where the fused q/k/v product left them) goes to row slots[t] of k_cache and v_cache. One
@@ -1631,7 +1834,10 @@ typedef struct {
     void *k_cache, *v_cache;  /* (num_blocks, block_size, num_kv_heads, head_dim) */
     const void *qkv_panels, *o_panels, *gate_up_panels, *down_panels;  /* pack_panels() copies */
     const decode_moe *moe;  /* a mixture-of-experts layer's block, in place of the gate/up and down */
-} decode_layer;  /* bias, q/k norm and panel pointers are NULL where the model has none */
+    /* Per-channel scales of weight-only int8 linears (ops/quant.py), whose panels are then int8
+     * (pack_int8_panels) and which have no row-major copy; NULL for the dtype's weights. */
+    const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
+} decode_layer;  /* bias, q/k norm, panel and scale pointers are NULL where the model has none */
 
 typedef struct {
     int64_t num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size;
@@ -1703,9 +1909,18 @@ int64_t decode_workspace_bytes(const decode_shape *shape, int64_t num_seqs) {
 }
 
 /* y = x W^T + b, shared among the threads of the enclosing parallel region, which all return with y
- * complete: the matrix-vector kernel (takes_gemv) or the panel kernel. */
-static void decode_linear(task_team *team, const void *rows, const void *panels, const void *bias,
-                          const void *x, void *y, int64_t M, int64_t N, int64_t K, int dtype) {
+ * complete: the matrix-vector kernel (takes_gemv) or the panel kernel; with `scale`, the int8
+ * panel kernel over int8 panels (int8_panel_tasks), for every M as PackedInt8Linear. */
+static void decode_linear(task_team *team, const void *rows, const void *panels, const float *scale,
+                          const void *bias, const void *x, void *y, int64_t M, int64_t N, int64_t K,
+                          int dtype) {
+    if (scale != NULL) {
+#if defined(HAS_PANEL_KERNEL)
+        int8_panel_tasks(team, x, panels, scale, bias, y, M, N, K, dtype);
+#endif
+#pragma omp barrier
+        return;
+    }
     if (takes_gemv(panels, M, dtype)) {
         gemv_rows(team, rows, x, bias, NULL, y, M, N, K, dtype);
         return;
@@ -1720,13 +1935,14 @@ static void decode_linear(task_team *team, const void *rows, const void *panels,
  * adds the product as it goes; the panel kernel's product (into `product`, M x N) is added in the
  * norm's pass over each row (add_rms_norm's arithmetic), one pass over the rows and one barrier
  * fewer than a sum of its own. */
-static void decode_linear_add_norm(task_team *team, const void *rows, const void *panels, const void *bias,
-                                   const void *x, void *residual, void *product, const void *norm,
-                                   void *normed, int64_t M, int64_t N, int64_t K, float eps, int dtype) {
+static void decode_linear_add_norm(task_team *team, const void *rows, const void *panels, const float *scale,
+                                   const void *bias, const void *x, void *residual, void *product,
+                                   const void *norm, void *normed, int64_t M, int64_t N, int64_t K, float eps,
+                                   int dtype) {
     const int64_t row_bytes = N * (dtype == DTYPE_F32 ? 4 : 2);
-    const int sum_in_norm = !takes_gemv(panels, M, dtype);
+    const int sum_in_norm = scale != NULL || !takes_gemv(panels, M, dtype);
     if (sum_in_norm)
-        decode_linear(team, rows, panels, bias, x, product, M, N, K, dtype);
+        decode_linear(team, rows, panels, scale, bias, x, product, M, N, K, dtype);
     else
         gemv_rows(team, rows, x, bias, residual, residual, M, N, K, dtype);
 #pragma omp for schedule(static)
@@ -1764,8 +1980,8 @@ static void moe_block_tasks(task_team *team, const decode_moe *moe, const decode
     const int dtype = shape->dtype;
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
     const moe_scratch *s = &b->scratch;
-    decode_linear(team, moe->router_weight, moe->router_panels, moe->router_bias, x, b->logits, M, X, E,
-                  dtype);
+    decode_linear(team, moe->router_weight, moe->router_panels, NULL, moe->router_bias, x, b->logits, M, X,
+                  E, dtype);
 #pragma omp single
     {
         int status = 0;
@@ -1781,14 +1997,14 @@ static void moe_block_tasks(task_team *team, const decode_moe *moe, const decode
     moe_expert_tasks(team, moe->experts, X, x, b->weights, DTYPE_F32, out, M, k, E,
                      shape->moe_intermediate_size, dtype, s);
     if (Fs == 0) return;
-    decode_linear(team, moe->shared_gate_weight, moe->shared_gate_panels, moe->shared_gate_bias, x, b->gate,
-                  M, 1, E, dtype);
-    decode_linear(team, moe->shared_gate_up_weight, moe->shared_gate_up_panels, moe->shared_gate_up_bias, x,
-                  b->shared_gate_up, M, 2 * Fs, E, dtype);
+    decode_linear(team, moe->shared_gate_weight, moe->shared_gate_panels, NULL, moe->shared_gate_bias, x,
+                  b->gate, M, 1, E, dtype);
+    decode_linear(team, moe->shared_gate_up_weight, moe->shared_gate_up_panels, NULL,
+                  moe->shared_gate_up_bias, x, b->shared_gate_up, M, 2 * Fs, E, dtype);
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; m++)
         silu_and_mul_row(b->shared_gate_up + m * 2 * Fs * elem, b->shared_act + m * Fs * elem, Fs, dtype);
-    decode_linear(team, moe->shared_down_weight, moe->shared_down_panels, moe->shared_down_bias,
+    decode_linear(team, moe->shared_down_weight, moe->shared_down_panels, NULL, moe->shared_down_bias,
                   b->shared_act, b->shared_out, M, E, Fs, dtype);
 #pragma omp single
     torch_sigmoid(b->gate, M, dtype);
@@ -1856,8 +2072,8 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
         }
         for (int64_t l = 0; l < shape->num_layers; l++) {
             const decode_layer *layer = &layers[l];
-            decode_linear(&team, layer->qkv_weight, layer->qkv_panels, layer->qkv_bias, normed, qkv, M,
-                          qkv_size, E, dtype);
+            decode_linear(&team, layer->qkv_weight, layer->qkv_panels, layer->qkv_scale, layer->qkv_bias,
+                          normed, qkv, M, qkv_size, E, dtype);
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) {
                 char *q_row = qkv + m * qkv_size * elem, *k_row = q_row + q_size * elem;
@@ -1880,8 +2096,8 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
                             max_blocks, H, KV, D, shape->block_size, shape->window, shape->scale,
                             0.0f /* no soft cap: decode_graph declines such models */, dtype,
                             num_threads, scratch, &split);
-            decode_linear_add_norm(&team, layer->o_weight, layer->o_panels, layer->o_bias, attn, x, product,
-                                   layer->post_norm, normed, M, E, q_size, shape->eps, dtype);
+            decode_linear_add_norm(&team, layer->o_weight, layer->o_panels, layer->o_scale, layer->o_bias, attn,
+                                   x, product, layer->post_norm, normed, M, E, q_size, shape->eps, dtype);
             const int last = l + 1 == shape->num_layers;
             const void *next_norm = last ? model->final_norm : layers[l + 1].input_norm;
             char *next_normed = last ? out : normed;
@@ -1894,17 +2110,18 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
                                      next_normed + m * E * elem, E, shape->eps, dtype);
                 continue;
             }
-            decode_linear(&team, layer->gate_up_weight, layer->gate_up_panels, layer->gate_up_bias, normed,
-                          gate_up, M, 2 * F, E, dtype);
+            decode_linear(&team, layer->gate_up_weight, layer->gate_up_panels, layer->gate_up_scale,
+                          layer->gate_up_bias, normed, gate_up, M, 2 * F, E, dtype);
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++)
                 silu_and_mul_row(gate_up + m * 2 * F * elem, act + m * F * elem, F, dtype);
-            decode_linear_add_norm(&team, layer->down_weight, layer->down_panels, layer->down_bias, act, x,
-                                   product, next_norm, next_normed, M, E, F, shape->eps, dtype);
+            decode_linear_add_norm(&team, layer->down_weight, layer->down_panels, layer->down_scale,
+                                   layer->down_bias, act, x, product, next_norm, next_normed, M, E, F,
+                                   shape->eps, dtype);
         }
         if (logits != NULL && !declined)
-            decode_linear(&team, model->lm_head_weight, model->lm_head_panels, model->lm_head_bias, out,
-                          logits, M, V, E, dtype);
+            decode_linear(&team, model->lm_head_weight, model->lm_head_panels, NULL, model->lm_head_bias,
+                          out, logits, M, V, E, dtype);
         free(scratch);
     }
     free_decode_split(&split);
