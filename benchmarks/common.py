@@ -43,6 +43,14 @@ def serving_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def add_quantization_argument(parser: argparse.ArgumentParser) -> None:
+    """--quantization: also run an engine with quantized weights, against the unquantized one as
+    the baseline in the same run (absent: the script runs and prints exactly what it did before)."""
+    parser.add_argument("--quantization", choices=["int8"],
+                        help="also serve with weights quantized this way (EngineConfig.quantization) "
+                             "and print its ratio to the unquantized engine")
+
+
 def ensure_model(model_dir: str | None, preset: str = "small") -> Path:
     """The given model directory, or `preset` (default `small`, ~125M) created once under
     runs/bench/PRESET."""

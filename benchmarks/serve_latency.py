@@ -21,6 +21,12 @@ a machine (or after a change to the kernels' source) compiles it, about 2 s on t
 machine, and later processes load the cached build.
 
     python benchmarks/serve_latency.py                 # ~125M preset, fp32 and bf16
+    python benchmarks/serve_latency.py --quantization int8
+
+With --quantization, an engine with quantized weights runs too, its repeats taking turns with the
+unquantized engine's (the baseline, measured in the same run), and its floor counts the bytes the
+quantized weights take (decode_bytes_per_step's `quantization`); the ratio printed is the
+unquantized engine's ms per token over the quantized one's, the median of the repeats' ratios.
 
 Last line JSON.
 """
@@ -32,7 +38,15 @@ import gc
 import time
 
 import torch
-from common import ensure_model, machine, median, print_json, random_prompts, serving_parser
+from common import (
+    add_quantization_argument,
+    ensure_model,
+    machine,
+    median,
+    print_json,
+    random_prompts,
+    serving_parser,
+)
 from vllm_driver import run_vllm_driver
 
 from slipstream import LLM, SamplingParams
@@ -42,9 +56,9 @@ from slipstream.perf.flops import decode_bytes_per_step
 from slipstream.perf.hardware import measure_memory_bandwidth
 
 
-def startup_to_first_token_s(model_dir, dtype, prompt):
+def startup_to_first_token_s(model_dir, dtype, prompt, quantization=None):
     start = time.perf_counter()
-    llm = LLM(str(model_dir), dtype=dtype)
+    llm = LLM(str(model_dir), dtype=dtype, quantization=quantization)
     llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     elapsed = time.perf_counter() - start
     return elapsed, llm
@@ -109,6 +123,47 @@ def summary(prefix, results, bytes_per_step):
     }
 
 
+def measure_in_turns(engines, args, prompt):
+    """Each engine's (one-step repeats, multi-step repeats), `engines` mapping a label to (LLM,
+    bytes per decode step): in every repeat each engine measures once per mode, in turn, so that
+    all of them meet the same minutes of the machine."""
+    results = {label: ([], []) for label in engines}
+    for _ in range(args.repeats):
+        for label, (llm, bytes_per_step) in engines.items():
+            one_step, multi_step = (dataclasses.replace(llm.engine.config, num_scheduler_steps=steps)
+                                    for steps in (1, args.num_scheduler_steps))
+            llm.engine.config = one_step
+            results[label][0].append(measure(llm, f"{label:>8}", prompt, args.output_len, bytes_per_step))
+            llm.engine.config = multi_step
+            results[label][1].append(measure(llm, f"{label:>8} {args.num_scheduler_steps} steps at once",
+                                             prompt, args.output_len, bytes_per_step))
+    return results
+
+
+def quantized_summary(dtype, quantization, results, bytes_per_step, startup_s, num_scheduler_steps):
+    """The quantized engine's JSON fields and its ratio to the unquantized one (the median over
+    repeats of unquantized ms / quantized ms, one-step and multi-step), printed."""
+    prefix = f"{dtype}_{quantization}"
+    record = summary(prefix, results[prefix][0], bytes_per_step)
+    record |= summary(f"{prefix}_multi_step", results[prefix][1], bytes_per_step)
+    record[f"{prefix}_startup_to_first_token_s"] = startup_s
+    record[f"{prefix}_prefill_ms"] = 1e3 * median([prefill for prefill, *_ in results[prefix][0]])
+    for mode, index in (("", 0), ("_multi_step", 1)):
+        pairs = zip(results[dtype][index], results[prefix][index], strict=True)
+        record[f"{prefix}{mode}_speedup_vs_unquantized"] = median([base[1] / ours[1] for base, ours in pairs])
+    print(
+        f"{dtype:>8} slipstream {quantization}: {record[f'{prefix}_ms_per_token']:6.2f} ms/token, "
+        f"{100 * record[f'{prefix}_bandwidth_fraction']:4.1f}% of bandwidth ({bytes_per_step / 1e6:.0f} "
+        f"MB/step), {record[f'{prefix}_speedup_vs_unquantized']:.2f}x the unquantized engine; "
+        f"num_scheduler_steps={num_scheduler_steps}: "
+        f"{record[f'{prefix}_multi_step_ms_per_token']:6.2f} ms/token, "
+        f"{record[f'{prefix}_multi_step_speedup_vs_unquantized']:.2f}x; prefill "
+        f"{record[f'{prefix}_prefill_ms']:.0f} ms; LLM() to first token {startup_s:.2f} s",
+        flush=True,
+    )
+    return record
+
+
 def transformers_ms_per_token(model_dir, dtype, prompt, output_len):
     import transformers
 
@@ -141,6 +196,7 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--num-scheduler-steps", type=int, default=8,
                         help="greedy steps per engine step for the multi-step measurement")
+    add_quantization_argument(parser)
     args = parser.parse_args()
 
     model_dir = ensure_model(args.model)
@@ -154,25 +210,26 @@ def main() -> None:
         "num_scheduler_steps": args.num_scheduler_steps,
         **machine(),
     }
+    if args.quantization is not None:
+        record["quantization"] = args.quantization
     start = time.perf_counter()
     cpu_kernels.library()
     record["kernel_library_load_s"] = time.perf_counter() - start
     print(f"C kernel library loaded in {record['kernel_library_load_s']:.2f} s (a build when not cached)")
     for dtype in ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]:
-        startup_s, llm = startup_to_first_token_s(model_dir, dtype, prompt)
         contexts = range(args.input_len + 1, args.input_len + args.output_len)
-        bytes_per_step = sum(decode_bytes_per_step(config, dtype, 1, c) for c in contexts) / len(contexts)
-        one_step, multi_step = (dataclasses.replace(llm.engine.config, num_scheduler_steps=steps)
-                                for steps in (1, args.num_scheduler_steps))
-        repeats, multi_steps = [], []  # alternating, so that both meet the same minutes of the machine
-        for _ in range(args.repeats):
-            llm.engine.config = one_step
-            repeats.append(measure(llm, f"{dtype:>8}", prompt, args.output_len, bytes_per_step))
-            llm.engine.config = multi_step
-            multi_steps.append(measure(llm, f"{dtype:>8} {args.num_scheduler_steps} steps at once",
-                                       prompt, args.output_len, bytes_per_step))
-        del llm
+        engines, startups, step_bytes = {}, {}, {}
+        for quantization in [None] if args.quantization is None else [None, args.quantization]:
+            label = dtype if quantization is None else f"{dtype}_{quantization}"
+            startups[label], llm = startup_to_first_token_s(model_dir, dtype, prompt, quantization)
+            step_bytes[label] = sum(decode_bytes_per_step(config, dtype, 1, c, quantization=quantization)
+                                    for c in contexts) / len(contexts)
+            engines[label] = (llm, step_bytes[label])
+        results = measure_in_turns(engines, args, prompt)
+        del llm, engines
         gc.collect()
+        repeats, multi_steps = results[dtype]
+        startup_s, bytes_per_step = startups[dtype], step_bytes[dtype]
         record |= summary(dtype, repeats, bytes_per_step)
         record |= {f"{dtype}_prefill_ms": 1e3 * median([prefill for prefill, *_ in repeats]),
                    f"{dtype}_startup_to_first_token_s": startup_s}
@@ -192,6 +249,10 @@ def main() -> None:
             f"{100 * record[f'{dtype}_multi_step_bandwidth_fraction']:4.1f}% of bandwidth",
             flush=True,
         )
+        if args.quantization is not None:
+            label = f"{dtype}_{args.quantization}"
+            record |= quantized_summary(dtype, args.quantization, results, step_bytes[label], startups[label],
+                                        args.num_scheduler_steps)
         if not args.skip_transformers:
             hf_ms = transformers_ms_per_token(model_dir, dtype, prompt, args.output_len)
             print(

@@ -12,6 +12,11 @@ of its rounds; each ratio is the median of the per-round ratios.
 
     python benchmarks/serve_offline.py                       # ~125M preset, fp32 and bf16
     python benchmarks/serve_offline.py --dtype bfloat16 --hf-batch-sizes 16,64
+    python benchmarks/serve_offline.py --quantization int8   # and int8 weights against unquantized
+
+With --quantization, a second slipstream engine with quantized weights takes its turn in every
+round too; its ratio is to the unquantized engine (the baseline of the same rounds), the median of
+the per-round ratios, and its MFU counts the same FLOPs (weight-only quantization changes bytes).
 
 Prints output tok/s, total (prompt + output) tok/s, the ratio to transformers, and MFU against
 the calibrated peak (model FLOPs from slipstream.perf.flops.generation_flops); last line JSON.
@@ -26,7 +31,16 @@ import time
 from collections.abc import Callable
 
 import torch
-from common import ensure_model, machine, median, print_json, random_prompts, serving_parser, warn_above_peak
+from common import (
+    add_quantization_argument,
+    ensure_model,
+    machine,
+    median,
+    print_json,
+    random_prompts,
+    serving_parser,
+    warn_above_peak,
+)
 from vllm_driver import OfflineRounds
 
 from slipstream import LLM, SamplingParams
@@ -109,10 +123,28 @@ def run_rounds(runners: dict[str, Callable[[], float]], repeats: int) -> dict[st
     return times
 
 
-def ratio_to(tok_per_s: dict[str, list[float]], name: str) -> float:
-    """The median over rounds of slipstream's throughput over `name`'s in the same round."""
-    pairs = zip(tok_per_s["slipstream"], tok_per_s[name], strict=True)
+def ratio_to(tok_per_s: dict[str, list[float]], name: str, ours: str = "slipstream") -> float:
+    """The median over rounds of `ours`' throughput over `name`'s in the same round."""
+    pairs = zip(tok_per_s[ours], tok_per_s[name], strict=True)
     return median([ours / theirs for ours, theirs in pairs])
+
+
+def quantized_summary(dtype, name, tok_per_s, times, peak_seconds, num_tokens, repeats) -> dict:
+    """The quantized engine's JSON fields, printed: its throughput, MFU (the same FLOPs over its
+    time; `peak_seconds` is the run's FLOPs over the peak) and its ratio to the unquantized engine."""
+    elapsed = median(times[name])
+    key = f"{dtype}_{name.removeprefix('slipstream ')}"
+    fields = {
+        f"{key}_output_tok_per_s": median(tok_per_s[name]),
+        f"{key}_total_tok_per_s": num_tokens / elapsed,
+        f"{key}_mfu": peak_seconds / elapsed,
+        f"{key}_speedup_vs_unquantized": ratio_to(tok_per_s, "slipstream", ours=name),
+    }
+    print(f"{dtype:>8} {name}: {fields[f'{key}_output_tok_per_s']:7.0f} output tok/s, "
+          f"{fields[f'{key}_total_tok_per_s']:7.0f} total tok/s, {100 * fields[f'{key}_mfu']:4.1f}% MFU, "
+          f"{fields[f'{key}_speedup_vs_unquantized']:.2f}x the unquantized engine (median of {repeats} "
+          f"rounds: {_listed(times[name])} s; ratio: median of the rounds' ratios)", flush=True)
+    return fields
 
 
 def _listed(times: list[float]) -> str:
@@ -127,6 +159,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    add_quantization_argument(parser)
     args = parser.parse_args()
 
     model_dir = ensure_model(args.model)
@@ -145,6 +178,8 @@ def main() -> None:
         "output_len": args.output_len,
         **machine(),
     }
+    if args.quantization is not None:
+        record["quantization"] = args.quantization
     print(
         f"{args.num_prompts} requests, {num_prompt_tokens} prompt tokens, {num_output_tokens} output tokens"
     )
@@ -157,6 +192,10 @@ def main() -> None:
                     if args.vllm_python else None)
             ours_run = slipstream_runner(model_dir, dtype, prompts, args.output_len, engine_args)
             runners = {"slipstream": ours_run}
+            quantized = f"slipstream {args.quantization}"
+            if args.quantization is not None:
+                runners[quantized] = slipstream_runner(model_dir, dtype, prompts, args.output_len,
+                                                       engine_args | {"quantization": args.quantization})
             hf_model = load_transformers(model_dir, dtype) if batch_sizes else None
             for batch_size in batch_sizes:
                 runners[f"transformers batch {batch_size}"] = functools.partial(
@@ -187,6 +226,9 @@ def main() -> None:
             f"{dtype}_total_tok_per_s": (num_prompt_tokens + num_output_tokens) / elapsed,
             f"{dtype}_times_s": times,
         }
+        if args.quantization is not None:
+            record |= quantized_summary(dtype, quantized, tok_per_s, times, total_flops / peak,
+                                        num_prompt_tokens + num_output_tokens, args.repeats)
 
         if batch_sizes:
             for batch_size in batch_sizes:
