@@ -11,9 +11,12 @@ fp32 and bf16.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from slipstream import cli
 from slipstream.model.config import ModelConfig
 from slipstream.model.transformer import SparseMoeBlock, Transformer
 from slipstream.ops.quant import QUANTIZATION_METHODS, Int8Linear, quantize_linears
@@ -93,3 +96,19 @@ def test_bad_quantization_is_a_value_error():
                  lambda: flops.decode_bytes_per_step(CONFIGS["llama"], "float32", 1, 0, quantization="INT8")):
         with pytest.raises(ValueError, match="quantization"):
             call()
+
+
+@pytest.mark.parametrize("command", [["roofline", "--records"],
+                                     ["fit", "--hardware", "h100", "--engine-records"]])
+def test_perf_refuses_records_of_a_quantized_engine(tmp_path, capsys, command):
+    """perf's serving model prices weights in the engine's dtype: records of an engine that served
+    int8 weights are refused by name, not priced or fitted as if unquantized."""
+    header = {"kind": "engine_config", "engine_id": "e1", "model": str(tmp_path), "dtype": "float32",
+              "quantization": "int8", "device": "cpu", "tensor_parallel_size": 1}
+    step = {"kind": "engine_step", "engine_id": "e1", "phase": "decode", "batch_size": 1, "context_len": 8,
+            "step_s": 0.01}
+    records = tmp_path / "metrics.jsonl"
+    records.write_text(json.dumps(header) + "\n" + json.dumps(step) + "\n")
+    assert cli.main(["perf", *command, str(records), "--model", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert f"{records}: written by engines serving int8 weights (EngineConfig.quantization)" in err

@@ -565,7 +565,13 @@ def _with_engine_headers(args: argparse.Namespace, headers: list[dict[str, Any]]
     header records `headers` (its model directory, dtype and device: "cpu" for a CPU, a GPU's
     datasheet name), else `ENGINE_RECORD_DEFAULTS`, and enforce_eager set where every engine ran
     eagerly; ValueError, its message starting with `where`, where the engines that wrote them
-    disagree, the model directory is gone, or the GPU is not in the accelerator table."""
+    disagree, the model directory is gone, the GPU is not in the accelerator table, or the engines
+    served quantized weights, whose GEMMs the serving model does not price."""
+    quantized = engines_by(headers, lambda h: h.get("quantization"))
+    if quantized:
+        raise ValueError(f"{where}: written by engines serving {' and '.join(quantized)} weights "
+                         "(EngineConfig.quantization), whose GEMMs perf's serving model does not price; its "
+                         "predictions and fits take unquantized engines' records")
     given = {}
     for name, default in ENGINE_RECORD_DEFAULTS.items():
         if getattr(args, name) is not None:
