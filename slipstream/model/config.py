@@ -10,8 +10,11 @@ GELU); Gemma 2 adds a norm after attention and after the MLP, a query scale of i
 (`query_pre_attn_scalar`), tanh soft-capping of attention scores and of the final logits, and a
 sliding window on every other layer (`layer_types`); Gemma 3's text model (`gemma3_text`) is
 Gemma 2 with per-head q/k norms, five windowed layers to a global one, no soft caps by default, and
-a RoPE base of its own on the windowed layers (`rope_local_theta`). The family decides the structural switches
-(`qkv_bias`, `o_bias`, `qk_norm`, `gemma_norms`, `sandwich_norms`); everything else is a plain field.
+a RoPE base of its own on the windowed layers (`rope_local_theta`). OLMo 2 (`olmo2`) norms the
+outputs of attention and the MLP instead of their inputs, norms q and k over all heads at once, and
+multiplies its norm weights in fp32. The family decides the structural switches (`qkv_bias`,
+`o_bias`, `qk_norm`, `qk_norm_across_heads`, `gemma_norms`, `sandwich_norms`, `post_norms`);
+everything else is a plain field.
 
 Both spellings Hugging Face has used are read: the transformers 4 keys `rope_theta` /
 `rope_scaling` / `torch_dtype` and the transformers 5 keys `rope_parameters` / `dtype`, with
@@ -33,8 +36,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral",
-               "qwen2_moe", "qwen3_moe")
+MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2",
+               "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 """Each mixture-of-experts model type and the dense family whose attention and config keys it shares."""
 _WINDOWED = ("mistral", "phi3")
@@ -400,7 +403,19 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return self.family in ("qwen3", "gemma3_text")
+        return self.family in ("qwen3", "gemma3_text", "olmo2")
+
+    @property
+    def qk_norm_across_heads(self) -> bool:
+        """OLMo 2's q and k norms: one RMSNorm over all heads' features (num_heads * head_dim, and
+        num_key_value_heads * head_dim), not one per head (Qwen 3's, Gemma 3's)."""
+        return self.family == "olmo2"
+
+    @property
+    def post_norms(self) -> bool:
+        """OLMo 2's layer: a norm after attention and after the MLP (on their outputs, before the
+        residual sums) and none before them; its norms multiply by the weight in fp32, rounding once."""
+        return self.family == "olmo2"
 
     @property
     def gemma_norms(self) -> bool:
@@ -626,6 +641,8 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                    "num_key_value_heads": 4, "max_position_embeddings": 131072,
                                    "query_pre_attn_scalar": 256,
                                    "sliding_window": 4096},
+    "olmo2": _SHAPE | {"vocab_size": 50304, "intermediate_size": 11008, "max_position_embeddings": 2048,
+              "rms_norm_eps": 1e-5},
     "mixtral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
                 "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_experts_per_tok": 2, "num_experts": 8},
@@ -668,6 +685,7 @@ _NOT_NULL = {
     "gemma": _NOT_NULL_ANY | {"head_dim", "attention_bias", "attention_dropout", "num_key_value_heads"},
     "gemma2": _NOT_NULL_GEMMA2,
     "gemma3_text": _NOT_NULL_GEMMA2,
+    "olmo2": _NOT_NULL_ANY | {"attention_bias", "attention_dropout"},
     "mixtral": _NOT_NULL_ANY | {"num_key_value_heads", "attention_dropout", "num_experts_per_tok",
                                 "num_local_experts", "num_experts", "output_router_logits",
                                 "router_aux_loss_coef", "router_jitter_noise"},
@@ -691,6 +709,7 @@ _ARCHITECTURES = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",

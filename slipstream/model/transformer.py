@@ -104,10 +104,31 @@ class GemmaRMSNorm(nn.Module):
         nn.init.zeros_(self.weight)
 
 
-def make_norm(config: ModelConfig, dim: int) -> RMSNorm | GemmaRMSNorm:
+class FP32WeightRMSNorm(nn.Module):
+    """OLMo 2's RMSNorm: weight * norm(x) in fp32, rounded to x's dtype once at the end (Llama's
+    rounds norm(x) before the multiply). The weight starts at one."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * normed).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def make_norm(config: ModelConfig, dim: int) -> RMSNorm | GemmaRMSNorm | FP32WeightRMSNorm:
     """The family's RMSNorm over `dim` features."""
-    norm = GemmaRMSNorm if config.gemma_norms else RMSNorm
-    return norm(dim, config.rms_norm_eps)
+    if config.gemma_norms:
+        return GemmaRMSNorm(dim, config.rms_norm_eps)
+    if config.post_norms:
+        return FP32WeightRMSNorm(dim, config.rms_norm_eps)
+    return RMSNorm(dim, config.rms_norm_eps)
 
 
 def rope_inv_freq(
@@ -249,6 +270,18 @@ class Rotary(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
+class FP32Rotary(nn.Module):
+    """OLMo 2's rotary embedding: from fp32 cos and sin tables, in fp32, rounded to the inputs'
+    dtype once (`Decoder` computes its tables in fp32 where `ModelConfig.post_norms`). Another
+    class than `Rotary`, so that the fast path's kernel, which rotates in the inputs' dtype, does
+    not replace it."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rope(q, cos, sin).to(q.dtype), apply_rope(k, cos, sin).to(k.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -264,10 +297,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(E, self.num_kv_heads * D, bias=config.qkv_bias)
         self.v_proj = nn.Linear(E, self.num_kv_heads * D, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * D, E, bias=config.o_bias)
-        if config.qk_norm:
-            self.q_norm = make_norm(config, D)
-            self.k_norm = make_norm(config, D)
-        self.rotary = Rotary()
+        self.qk_norm_across_heads = config.qk_norm_across_heads
+        if config.qk_norm:  # per head, or (OLMo 2) over all heads' features at once
+            self.q_norm = make_norm(config, D * (self.num_heads if self.qk_norm_across_heads else 1))
+            self.k_norm = make_norm(config, D * (self.num_kv_heads if self.qk_norm_across_heads else 1))
+        self.rotary = FP32Rotary() if config.post_norms else Rotary()
         # One linear computing q, k and v together, set by the inference fast path
         # (ops.inference.fuse_projections) in place of the three above.
         self.qkv_proj: nn.Module | None = None
@@ -286,10 +320,12 @@ class Attention(nn.Module):
         else:
             kv_size = self.num_kv_heads * self.head_dim
             q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv_size, kv_size], dim=-1)
+        if self.qk_norm_across_heads:
+            q, k = self.q_norm(q), self.k_norm(k)  # (B, T, H * D), (B, T, KV * D)
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if hasattr(self, "q_norm") and not self.qk_norm_across_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, cos, sin)
         if attn is None:
@@ -484,6 +520,24 @@ class SandwichDecoderLayer(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
+class PostNormDecoderLayer(nn.Module):
+    """OLMo 2's layer: h = x + post_attention_layernorm(attn(x)), then
+    h + post_feedforward_layernorm(mlp(h)); the inputs of attention and the MLP are not normed."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.mlp = MLP(config)
+        self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata | None
+    ) -> torch.Tensor:
+        h = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, attn))
+        return h + self.post_feedforward_layernorm(self.mlp(h))
+
+
 class Decoder(nn.Module):
     """Embedding, the layer stack and the final norm: token ids to hidden states."""
 
@@ -496,7 +550,8 @@ class Decoder(nn.Module):
         on_meta = torch.get_default_device().type == "meta"
         weight = torch.empty(config.vocab_size, config.hidden_size) if on_meta else None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
-        layer = SandwichDecoderLayer if config.sandwich_norms else DecoderLayer
+        layer = (SandwichDecoderLayer if config.sandwich_norms
+                 else PostNormDecoderLayer if config.post_norms else DecoderLayer)
         self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = make_norm(config, config.hidden_size)
         self.rope = RopeTables(config, on_meta)
@@ -511,6 +566,9 @@ class Decoder(nn.Module):
                                                if kind == "sliding_attention")
         self.embed_scale = config.hidden_size**0.5 if config.gemma_norms else None
         """Gemma multiplies the embeddings by sqrt(hidden_size), rounded to their dtype."""
+        self.rope_dtype = torch.float32 if config.post_norms else None
+        """The dtype of the cos and sin tables: OLMo 2 rotates in fp32 (`FP32Rotary`); None: the
+        activations'."""
 
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata | None
@@ -518,7 +576,7 @@ class Decoder(nn.Module):
         x = self.embed_tokens(token_ids)  # (B, T, E)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        tables = self.rope(positions, x.dtype)  # cos and sin, (B, T, R) each
+        tables = self.rope(positions, self.rope_dtype or x.dtype)  # cos and sin, (B, T, R) each
         local = tables if self.local_rope is None else self.local_rope(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, *(local if i in self.local_rope_layers else tables), attn)
@@ -585,7 +643,7 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=scale, generator=generator)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, (RMSNorm, GemmaRMSNorm)):
+            elif isinstance(module, (RMSNorm, GemmaRMSNorm, FP32WeightRMSNorm)):
                 module.reset_parameters()
         self.tie_weights()
         self.init_buffers()

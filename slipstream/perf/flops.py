@@ -83,7 +83,9 @@ def _attention_layer_params(config: ModelConfig) -> int:
         n += (config.num_attention_heads + 2 * config.num_key_value_heads) * q
     if config.o_bias:
         n += d
-    if config.qk_norm:
+    if config.qk_norm_across_heads:  # OLMo 2: one q and one k RMSNorm over all heads' features
+        n += (config.num_attention_heads + config.num_key_value_heads) * q
+    elif config.qk_norm:
         n += 2 * q  # per-head q and k RMSNorm weights, shared across heads
     if config.sandwich_norms:  # Gemma 2: pre_feedforward_layernorm, post_feedforward_layernorm
         n += 2 * d

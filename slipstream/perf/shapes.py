@@ -147,12 +147,14 @@ class TransformerShape:
     @classmethod
     def from_model_config(cls, config: Any, name: str = "model") -> TransformerShape:
         """The shape of a slipstream `ModelConfig` (the Llama family: RMSNorm, SwiGLU, RoPE, its
-        mixture-of-experts types, Gemma's GeGLU and Gemma 2's sandwich norms and per-layer windows)."""
+        mixture-of-experts types, Gemma's GeGLU and Gemma 2's sandwich norms and per-layer windows,
+        OLMo 2's q/k norms over all heads)."""
         q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
         extra = (q + 2 * kv) if config.qkv_bias else 0
         extra += config.hidden_size if config.o_bias else 0
         extra += (2 * config.intermediate_size + config.hidden_size) if config.mlp_bias else 0
-        extra += 2 * config.head_dim if config.qk_norm else 0
+        if config.qk_norm:  # per head (Qwen 3, Gemma 3) or over all heads' features (OLMo 2)
+            extra += q + kv if config.qk_norm_across_heads else 2 * config.head_dim
         windows = [config.layer_sliding_window(i) for i in range(config.num_hidden_layers)]
         full = tuple(i for i, w in enumerate(windows) if w is None) if config.sliding_window else ()
         return cls(
@@ -380,7 +382,7 @@ def resolve_model(name_or_path: str) -> TransformerShape:
     """A shape from a slipstream preset, a GPT shape name, or a config.json (file or its dir).
 
     A config.json of a slipstream family (llama, mistral, phi3, qwen2, qwen3, gemma, gemma2,
-    gemma3_text and the mixture-of-experts mixtral, qwen2_moe, qwen3_moe) is read through
+    gemma3_text, olmo2 and the mixture-of-experts mixtral, qwen2_moe, qwen3_moe) is read through
     `ModelConfig`, which names the families it reads for any other model_type; of Gemma 3's
     multimodal "gemma3", the language model; a GPT-2-style one (`n_embd`, `n_layer`, `n_head`)
     maps to a GPT shape.

@@ -70,6 +70,9 @@ def check_tensor_parallel(config: ModelConfig, size: int, device: torch.device) 
     """ValueError naming tensor_parallel_size when the model's shape cannot be split `size` ways
     or the device has too few parts for it."""
     name = f"tensor_parallel_size ({size})"
+    if size > 1 and config.qk_norm_across_heads:
+        raise ValueError(f"{name} > 1 is not supported for model_type {config.model_type!r}, whose q and k "
+                         "norms span all heads")
     if config.num_attention_heads % size:
         raise ValueError(f"{name} must divide the model's num_attention_heads ({config.num_attention_heads})")
     kv_heads = config.num_key_value_heads

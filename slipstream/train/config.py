@@ -510,11 +510,15 @@ def check_tensor_parallel(config: TrainConfig, model_config: ModelConfig) -> Non
     rows of the embedding and output projection; with sequence parallelism data.seq_len / degree
     positions. Mixture-of-experts layers split each expert's (and a shared expert's) width the
     same way; Mixtral's router jitter is refused, since each rank would draw its own noise and
-    route otherwise."""
+    route otherwise. OLMo 2 is refused: its q and k norms take statistics over all heads, which
+    the ranks would each hold a part of."""
     tp = config.parallel.tensor_parallel_degree
     if tp == 1:
         return
     name = f"parallel.tensor_parallel_degree ({tp})"
+    if model_config.qk_norm_across_heads:
+        raise ValueError(f"{name} is not supported for model_type {model_config.model_type!r}, whose q and k "
+                         "norms span all heads; train it with data parallelism (FSDP or DDP)")
     fields = ["num_attention_heads", "num_key_value_heads", "vocab_size"]
     if len(model_config.moe_layers) < model_config.num_hidden_layers:
         fields.append("intermediate_size")
