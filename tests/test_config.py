@@ -62,7 +62,7 @@ def test_defaults_derived():
         ({"hidden_size": 0}, "hidden_size"),
         ({"vocab_size": -5}, "vocab_size"),
         ({"head_dim": 15}, "head_dim"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type 'dynamic'"),
         ({"rope_scaling": {"rope_type": "linear", "factor": -1.0}}, "factor"),
         ({"torch_dtype": "int8"}, "dtype 'int8'"),
         ({"quantization_config": {"quant_method": "awq"}}, "quantization_config"),
@@ -254,14 +254,15 @@ def test_rope_read_as_transformers_reads_it(rope):
 
 def test_rope_scaling_next_to_rope_parameters_is_not_ignored():
     """A rope_scaling block added to a transformers 5 config.json is read, as transformers reads it:
-    YaRN is refused by name instead of silently served without it."""
+    the YaRN block is served, not silently dropped for rope_parameters' default RoPE."""
     transformers = pytest.importorskip("transformers")
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
     d = BASE | {"rope_parameters": _DEFAULT_1E6, "rope_scaling": yarn}
     hf = transformers.LlamaConfig.from_dict(json.loads(json.dumps(d)))
     assert hf.rope_parameters["rope_type"] == "yarn"
-    with pytest.raises(ValueError, match="rope_scaling rope_type 'yarn'"):
-        ModelConfig.from_hf_dict(d)
+    ours = ModelConfig.from_hf_dict(d)
+    assert ours.rope_scaling.rope_type == "yarn" and ours.rope_scaling.factor == 4.0
+    assert ours.rope_scaling.original_max_position_embeddings == 64
 
 
 @pytest.mark.parametrize("rope, missing", [

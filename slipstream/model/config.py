@@ -47,7 +47,7 @@ _SANDWICH = ("gemma2", "gemma3_text")
 """The families with Gemma 2's layer and fields (`_GEMMA2_FIELDS`)."""
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = ("float32", "bfloat16", "float16")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # config.json keys that are not ModelConfig fields but are understood: bookkeeping, training-time
 # settings, or other spellings read by the helpers below. Other unknown keys are logged.
@@ -72,9 +72,15 @@ _IGNORED_KEYS = frozenset(
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RopeScaling:
-    """RoPE frequency scaling as Hugging Face defines it (`rope_type` "linear", "llama3", or Phi-3's
-    "longrope": each frequency divided by its own `short_factor`, or `long_factor` where the context
-    passes `original_max_position_embeddings`, and cos and sin times `attention_factor`).
+    """RoPE frequency scaling as Hugging Face defines it (`rope_type` "linear", "llama3", "yarn", or
+    Phi-3's "longrope": each frequency divided by its own `short_factor`, or `long_factor` where the
+    context passes `original_max_position_embeddings`, and cos and sin times `attention_factor`).
+
+    YaRN (Peng et al. 2023, arXiv:2309.00071) keeps the fast-turning frequencies (more than
+    `beta_fast` turns over `original_max_position_embeddings` positions), divides the slow ones
+    (fewer than `beta_slow` turns) by `factor`, blends linearly in between, and scales cos and sin
+    by `attention_factor`: by default 0.1 ln(factor) + 1, or DeepSeek's ratio of that formula with
+    `mscale` to it with `mscale_all_dim` where both are given.
 
     The defaults are Llama 3.1's, for building configs in code; a config.json must name every key
     transformers requires (see `_read_rope`)."""
@@ -87,11 +93,18 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float | None = None
-    """longrope's scale of cos and sin; None: sqrt(1 + ln(factor) / ln(original)) for a factor > 1,
-    else 1 (transformers' default). 1 for the other types."""
+    """longrope's and yarn's scale of cos and sin; None: transformers' default (longrope:
+    sqrt(1 + ln(factor) / ln(original)) for a factor > 1, else 1; yarn: above). 1 for the others."""
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    """yarn: round the ends of the blended range of frequencies out to whole dimensions (False:
+    gpt-oss's exact range)."""
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("linear", "llama3", "longrope"):
+        if self.rope_type not in ("linear", "llama3", "yarn", "longrope"):
             raise ValueError(
                 f"unsupported rope_scaling rope_type {self.rope_type!r}; "
                 f"supported: {', '.join((*ROPE_TYPES, 'longrope'))}"
@@ -100,11 +113,18 @@ class RopeScaling:
             object.__setattr__(self, name, _positive_float(f"rope_scaling {name}", getattr(self, name)))
         object.__setattr__(self, "original_max_position_embeddings", _whole_positive_int(
             "rope_scaling original_max_position_embeddings", self.original_max_position_embeddings))
+        for name in ("beta_fast", "beta_slow"):
+            object.__setattr__(self, name, _positive_float(f"rope_scaling {name}", getattr(self, name)))
+        for name in ("mscale", "mscale_all_dim"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _positive_float(f"rope_scaling {name}", getattr(self, name)))
+        _check_bool("rope_scaling truncate", self.truncate)
+        if self.rope_type == "yarn" and self.beta_fast < self.beta_slow:
+            raise ValueError(f"rope_scaling needs beta_fast >= beta_slow, got {self.beta_fast} and "
+                             f"{self.beta_slow}")
         attention_factor = self.attention_factor
         if attention_factor is None:
-            original = self.original_max_position_embeddings
-            longrope = self.rope_type == "longrope" and self.factor > 1
-            attention_factor = math.sqrt(1 + math.log(self.factor) / math.log(original)) if longrope else 1.0
+            attention_factor = self._default_attention_factor()
         object.__setattr__(self, "attention_factor",
                            _positive_float("rope_scaling attention_factor", attention_factor))
         for name in ("short_factor", "long_factor"):
@@ -119,9 +139,24 @@ class RopeScaling:
                 f"{self.low_freq_factor} and {self.high_freq_factor}"
             )
 
+    def _default_attention_factor(self) -> float:
+        """transformers' scale of cos and sin where config.json gives none."""
+        if self.rope_type == "longrope" and self.factor > 1:
+            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.mscale and self.mscale_all_dim:
+            return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(self.factor, self.mscale_all_dim)
+        return _yarn_mscale(self.factor)
+
     def to_hf(self) -> dict[str, Any]:
         if self.rope_type == "linear":
             return {"rope_type": "linear", "factor": self.factor}
+        if self.rope_type == "yarn":
+            out = {"rope_type": "yarn", "factor": self.factor, "attention_factor": self.attention_factor,
+                   "beta_fast": self.beta_fast, "beta_slow": self.beta_slow, "truncate": self.truncate,
+                   "original_max_position_embeddings": self.original_max_position_embeddings}
+            return out | {k: getattr(self, k) for k in ("mscale", "mscale_all_dim") if getattr(self, k)}
         if self.rope_type == "longrope":
             return {"rope_type": "longrope", "factor": self.factor, "attention_factor": self.attention_factor,
                     "short_factor": list(self.short_factor), "long_factor": list(self.long_factor),
@@ -930,16 +965,23 @@ def _read_rope(
         return theta, None
     if rope_type == "longrope":
         return theta, _read_longrope(key, block, d, max_position_embeddings)
-    required = ("factor",) if rope_type == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
+    required = (("factor",) if rope_type in ("linear", "yarn")
+                else ("factor", "low_freq_factor", "high_freq_factor"))
     missing = [name for name in required if name not in block]
     if missing:
         raise ValueError(f"{key} of rope_type {rope_type!r} lacks {', '.join(missing)}")
     values = {name: block[name] for name in required}
-    if rope_type == "llama3":
+    if rope_type in ("llama3", "yarn"):
         values["original_max_position_embeddings"] = block.get(
             "original_max_position_embeddings", max_position_embeddings
         )
+    if rope_type == "yarn":  # transformers reads a null beta as its default (`or 32`, `or 1`)
+        values |= {name: block[name] for name in _YARN_OPTIONAL if block.get(name) is not None}
     return theta, RopeScaling(rope_type=rope_type, **values)
+
+
+_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
+"""The keys of a yarn block that transformers reads where given."""
 
 
 def _read_partial_rotary_factor(d: dict[str, Any]) -> Any:
@@ -1007,6 +1049,12 @@ def language_model_dict(d: dict[str, Any]) -> dict[str, Any]:
                        "does not soft-cap its logits", text["final_logit_softcapping"])
     return top | text | {"model_type": text_type, "tie_word_embeddings": d.get("tie_word_embeddings", True),
                          "final_logit_softcapping": None}
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a context `factor` times longer (Eq. 21 of arXiv:2309.00071:
+    0.1 * mscale * ln(factor) + 1, and 1 for a factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _read_dtype(d: dict[str, Any]) -> str | None:

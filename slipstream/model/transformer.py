@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slipstream.model.config import ModelConfig
+from slipstream.model.config import ModelConfig, RopeScaling
 from slipstream.ops.attention import dense_causal_attention
 
 
@@ -149,6 +149,8 @@ def rope_inv_freq(
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(config.rope_theta ** exponents, scaling, dim, config.rope_theta)
     # Llama 3: leave high frequencies alone, divide low ones by `factor`, interpolate between.
     low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -162,11 +164,33 @@ def rope_inv_freq(
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(theta_powers: torch.Tensor, scaling: RopeScaling, dim: int, theta: float) -> torch.Tensor:
+    """YaRN's frequencies (`RopeScaling`) from theta^(2i / dim): frequency i keeps its value where
+    it turns more than beta_fast times over the original context, is divided by `factor` where it
+    turns fewer than beta_slow times, and is blended linearly in between (by dimension index, and
+    with transformers' roundings)."""
+
+    def dimension_of(num_turns: float) -> float:  # the index whose frequency turns this many times
+        return dim * math.log(scaling.original_max_position_embeddings / (num_turns * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low, high = dimension_of(scaling.beta_fast), dimension_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of one step, not a division by zero
+    steps = torch.arange(dim // 2, dtype=torch.float32, device=theta_powers.device)
+    ramp = ((steps - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # 1: the original frequency, 0: divided by factor
+    return 1.0 / (scaling.factor * theta_powers) * (1 - kept) + 1.0 / theta_powers * kept
+
+
 def rope_cos_sin(
     inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables (*positions.shape, R), R twice the frequencies, computed in fp32 (times
-    `scale`, longrope's attention factor) and cast to `dtype`."""
+    `scale`, longrope's or yarn's attention factor) and cast to `dtype`."""
     freqs = positions.unsqueeze(-1).float() * inv_freq  # (..., R/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (..., R)
     cos, sin = emb.cos(), emb.sin()
@@ -190,7 +214,7 @@ class RopeTables(nn.Module):
         self.config = config
         scaling = config.rope_scaling
         longrope = scaling is not None and scaling.rope_type == "longrope"
-        self.scale = scaling.attention_factor if longrope else 1.0
+        self.scale = scaling.attention_factor if scaling is not None else 1.0  # longrope's, yarn's
         self.original = scaling.original_max_position_embeddings if longrope else None
         inv_freq = torch.empty(config.rotary_dim // 2) if on_meta else rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)

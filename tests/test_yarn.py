@@ -1,0 +1,112 @@
+"""YaRN RoPE scaling (Qwen 2.5 and 3's long-context configs, gpt-oss's, DeepSeek's mscale pair):
+frequencies and attention factor equal transformers', logits equal on both sides of the original
+context, config.json round trips, and the engine's fast paths take the scaled tables."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from serve_fixtures import assert_same_tokens, transformers_greedy
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from slipstream import LLM, SamplingParams
+from slipstream.model import ModelConfig, RopeScaling, load_model
+from slipstream.model.config import rope_scaled_context
+from slipstream.model.create import stdlib_tokenizer
+
+ORIGINAL, MAX_POSITIONS = 16, 64
+SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=MAX_POSITIONS, initializer_range=0.1,
+             rope_theta=1000.0, bos_token_id=1, eos_token_id=2, attn_implementation="eager")
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL}
+ROPES = {
+    "qwen2.5": YARN,
+    "legacy-type-key": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL},
+    "no-original": {"rope_type": "yarn", "factor": 2.0},  # original: max_position_embeddings
+    "gpt-oss": YARN | {"beta_fast": 16.0, "beta_slow": 2.0, "truncate": False},
+    "mscale-pair": YARN | {"mscale": 1.0, "mscale_all_dim": 0.5},
+    "attention-factor": YARN | {"attention_factor": 1.3},
+}
+
+
+def _hf_model(family: str, rope: dict, tmp_path=None) -> torch.nn.Module:
+    config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                                 "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
+    torch.manual_seed(0)
+    hf = model_class(config_class(**SHAPE, rope_scaling=dict(rope))).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.add_(0.2 * torch.randn_like(param))
+    if tmp_path is not None:
+        hf.save_pretrained(tmp_path)
+        stdlib_tokenizer(320).save_pretrained(tmp_path)
+    return hf
+
+
+@pytest.mark.parametrize("name", ROPES)
+def test_frequencies_and_attention_factor_equal_transformers(name, tmp_path):
+    """Guards the formula and the keys read: inv_freq bit for bit and the scale of cos and sin
+    equal transformers' yarn initialisation; our config.json reads back in transformers alike."""
+    hf = _hf_model("llama", ROPES[name], tmp_path)
+    expected_inv_freq, expected_factor = ROPE_INIT_FUNCTIONS["yarn"](hf.config)
+    model = load_model(tmp_path)
+    assert torch.equal(model.model.rope.inv_freq, expected_inv_freq)
+    assert model.model.rope.scale == pytest.approx(expected_factor, rel=1e-12)
+    (tmp_path / "ours").mkdir()
+    model.config.save_pretrained(tmp_path / "ours")
+    again = transformers.AutoConfig.from_pretrained(tmp_path / "ours")
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](again)
+    assert torch.equal(inv_freq, expected_inv_freq) and factor == pytest.approx(expected_factor, rel=1e-12)
+
+
+@pytest.mark.parametrize("family, name", [("llama", "qwen2.5"), ("qwen3", "gpt-oss"),
+                                          ("qwen3", "mscale-pair")])
+def test_logits_equal_transformers_past_the_original_context(family, name, tmp_path):
+    """Guards the model: fp32 logits over 50 positions (past the original 16) equal transformers'."""
+    hf = _hf_model(family, ROPES[name], tmp_path)
+    model = load_model(tmp_path)
+    token_ids = torch.randint(0, 320, (2, 50), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(token_ids).logits
+        got = model(token_ids, torch.arange(50).expand(2, 50))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
+
+
+def test_the_engine_generates_as_transformers_with_yarn(tmp_path):
+    """Guards serving: the fast path (fused decoder, C decode graph) and chunked prefill take the
+    yarn tables and their scale; greedy tokens past the original context equal transformers'."""
+    hf = _hf_model("llama", ROPES["qwen2.5"], tmp_path)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 320, (n,), generator=generator).tolist() for n in (5, 14, 23)]
+    expected, gaps = transformers_greedy(hf, prompts, 20)
+    llm = LLM(str(tmp_path), dtype="float32", max_num_batched_tokens=16, max_num_seqs=4)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert_same_tokens(expected, gaps, [list(o.outputs[0].token_ids) for o in outputs], "yarn")
+
+
+def test_the_context_is_max_position_embeddings():
+    """Guards the served context: yarn's max_position_embeddings is the scaled one already, so it
+    is not multiplied by the factor (vLLM 0.32's _get_and_verify_max_len; a linear factor is)."""
+    yarn = RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768)
+    assert rope_scaled_context("qwen3", 131072, yarn) == 131072
+    assert rope_scaled_context("llama", 4096, RopeScaling(rope_type="linear", factor=2.0)) == 8192
+
+
+@pytest.mark.parametrize("rope, match", [
+    ({"rope_type": "yarn"}, "lacks factor"),
+    (YARN | {"beta_fast": 1.0, "beta_slow": 4.0}, "beta_fast >= beta_slow"),
+    (YARN | {"truncate": "no"}, "truncate"),
+    (YARN | {"mscale": -1.0}, "mscale"),
+    (YARN | {"attention_factor": 0.0}, "attention_factor"),
+])
+def test_bad_yarn_blocks_are_errors_naming_the_key(rope, match):
+    """Guards the errors: a yarn block without its factor or with an impossible value names it."""
+    d = {"model_type": "llama", **{k: v for k, v in SHAPE.items() if k != "attn_implementation"},
+         "rope_scaling": rope}
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_dict(json.loads(json.dumps(d)))
