@@ -143,12 +143,13 @@ def _family_config(family: str) -> ModelConfig:
 @needs_int8_kernel
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("seq_lens", [[9], [9, 3], [5, 17, 2, 9, 1, 30]], ids=lambda s: f"{len(s)}seqs")
+@pytest.mark.parametrize("seq_lens", [[9], [9, 3], [5, 17, 2, 9, 1, 30], [3, 7, 11, 2, 5, 9, 1, 6, 4]],
+                         ids=lambda s: f"{len(s)}seqs")
 def test_decode_graph_runs_int8_linears_as_the_modules_do(family, dtype, seq_lens):
     """The C decode graph binds int8 projections (panels and scales) and its hidden states, logits
     and cache writes equal the module-by-module optimised model bit for bit (the same kernel),
-    at one and two sequences and at six (beyond MAX_GEMV_ROWS, where the dense lm_head takes the
-    panel kernel)."""
+    at one and two sequences, at six (beyond MAX_GEMV_ROWS, where the dense lm_head takes the
+    panel kernel) and at nine (bf16 with AVX512-BF16: the int8 panels widened to bf16 pairs)."""
     config = _family_config(family)
     _, fast, _ = _quantized_pair(config, dtype)
     cache, batch, token_ids, positions = _decode_batch(config, seq_lens, dtype)
