@@ -1033,6 +1033,12 @@ static int int8_pair_tasks(task_team *team, const uint16_t *x, const int8_t *pan
 }
 #endif
 
+/* Below this many rows the int8 panels stream faster on the hardware prefetcher alone: the bench
+ * model's 48 weights without the requests, alternating with them in one process (Zen 4, bf16 and
+ * fp32), 1.01-1.1x at one and two rows, mixed at 3 (0.93-1.15x), 0.92-0.98x at 4 and 0.72-0.99x
+ * from 8 to 64. */
+enum { INT8_PREFETCH_FROM_ROWS = 3 };
+
 /* This thread's part of the int8 product, inside a parallel region (no barrier at the end): the
  * panel tasks and stealing of panel_tasks_f32, rows in bands from PANEL_BANDS_FROM_ROWS as there. */
 static void int8_panel_tasks(task_team *team, const void *x, const int8_t *panels, const float *scale,
@@ -1054,10 +1060,12 @@ static void int8_panel_tasks(task_team *team, const void *x, const int8_t *panel
         while (next_task(team, &stolen, &task)) {
             const panel_task t = panel_task_at(&schedule, task, N);
             const int8_t *panel = panels + t.panel * K * PANEL_COLS;
-            /* The next panel in memory is the next piece of work, unless this is the share's last task. */
+            /* The next panel in memory is the next piece of work, unless this is the share's last task;
+             * its lines are requested from INT8_PREFETCH_FROM_ROWS rows. */
             const int64_t points = (t.block_end - t.block_begin) * ((K + 1) / 2);
             const int64_t lines = (K * PANEL_COLS + 63) / 64;
-            const int64_t pf_lines = stolen || task == schedule.end - 1 ? 0 : (lines + points - 1) / points;
+            const int64_t pf_lines = stolen || task == schedule.end - 1 || band_rows < INT8_PREFETCH_FROM_ROWS
+                                         ? 0 : (lines + points - 1) / points;
             const char *prefetch = (const char *)(panel + K * PANEL_COLS);
             const int64_t n0 = t.panel * PANEL_COLS;
             for (int64_t b = t.block_begin; b < t.block_end; b++) {
