@@ -179,7 +179,7 @@ def test_gemma3_ignores_the_attention_soft_cap_as_transformers_does(caplog):
     ("gemma", {"attn_logit_softcapping": 50.0}, "unsupported config.json field attn_logit_softcapping"),
     ("gemma", {"query_pre_attn_scalar": 256}, "only gemma2 and gemma3_text have them"),
     ("llama", {"final_logit_softcapping": 30.0}, "unsupported config.json field final_logit_softcapping"),
-    ("gemma2", {"rope_local_base_freq": 1e4, "rope_local_theta": 1e4}, "only gemma3_text has it"),
+    ("gemma2", {"rope_local_base_freq": 1e4, "rope_local_theta": 1e4}, "only gemma3_text and olmo3 have it"),
     ("gemma3_text", {"rope_parameters": {"rope_type": "default"}}, "must hold a block per layer type"),
     ("gemma3_text", {"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
      "unsupported sliding_attention rope_type 'linear'"),

@@ -12,9 +12,10 @@ sliding window on every other layer (`layer_types`); Gemma 3's text model (`gemm
 Gemma 2 with per-head q/k norms, five windowed layers to a global one, no soft caps by default, and
 a RoPE base of its own on the windowed layers (`rope_local_theta`). OLMo 2 (`olmo2`) norms the
 outputs of attention and the MLP instead of their inputs, norms q and k over all heads at once, and
-multiplies its norm weights in fp32. The family decides the structural switches (`qkv_bias`,
-`o_bias`, `qk_norm`, `qk_norm_across_heads`, `gemma_norms`, `sandwich_norms`, `post_norms`);
-everything else is a plain field.
+multiplies its norm weights in fp32; OLMo 3 (`olmo3`) adds a window on three layers of four, with
+default RoPE there (`rope_local_theta`) and the scaled RoPE on the others. The family decides the
+structural switches (`qkv_bias`, `o_bias`, `qk_norm`, `qk_norm_across_heads`, `gemma_norms`,
+`sandwich_norms`, `post_norms`); everything else is a plain field.
 
 Both spellings Hugging Face has used are read: the transformers 4 keys `rope_theta` /
 `rope_scaling` / `torch_dtype` and the transformers 5 keys `rope_parameters` / `dtype`, with
@@ -37,7 +38,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2",
-               "mixtral", "qwen2_moe", "qwen3_moe")
+               "olmo3", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 """Each mixture-of-experts model type and the dense family whose attention and config keys it shares."""
 _WINDOWED = ("mistral", "phi3")
@@ -45,6 +46,13 @@ _WINDOWED = ("mistral", "phi3")
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
 _SANDWICH = ("gemma2", "gemma3_text")
 """The families with Gemma 2's layer and fields (`_GEMMA2_FIELDS`)."""
+_OLMO = ("olmo2", "olmo3")
+"""The families with OLMo 2's layer (`post_norms`, `qk_norm_across_heads`)."""
+_LAYER_TYPED = (*_SANDWICH, "olmo3")
+"""The families whose `layer_types` window some layers and not others; `rope_local_theta` is the
+windowed layers' RoPE base in Gemma 3 and OLMo 3."""
+_LAYER_PATTERN = {"gemma2": 2, "gemma3_text": 6, "olmo3": 4}
+"""transformers' default `layer_types`: every n-th layer "full_attention", the others windowed."""
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -299,27 +307,52 @@ class ModelConfig:
             raise ValueError(f"attention_bias=True is not supported for model_type {self.model_type!r}")
         if self.mlp_bias and self.model_type != "llama":
             raise ValueError(f"mlp_bias=True is not supported for model_type {self.model_type!r}")
-        if self.sliding_window is not None and self.family not in (*_WINDOWED, *_SANDWICH):
+        if self.sliding_window is not None and self.family not in (*_WINDOWED, *_LAYER_TYPED):
             raise ValueError(
-                "sliding_window is only supported for model_type 'mistral', 'mixtral', 'phi3', 'gemma2' or "
-                f"'gemma3_text', not {self.model_type!r}"
+                "sliding_window is only supported for model_type 'mistral', 'mixtral', 'phi3', 'gemma2', "
+                f"'gemma3_text' or 'olmo3', not {self.model_type!r}"
             )
+        self._check_layer_types()
         self._check_gemma2()
         self._check_experts()
 
+    def _check_layer_types(self) -> None:
+        """`layer_types` and `rope_local_theta` of the families that have them (transformers'
+        default pattern where none is given; an OLMo 3 built in code takes `rope_theta` for its
+        windowed layers), refused for the others."""
+        if self.model_type not in ("gemma3_text", "olmo3") and self.rope_local_theta is not None:
+            raise ValueError(f"rope_local_theta={self.rope_local_theta!r} given for model_type "
+                             f"{self.model_type!r}; only gemma3_text and olmo3 have it")
+        if self.model_type not in _LAYER_TYPED:
+            if self.layer_types:
+                raise ValueError(f"layer_types={self.layer_types!r} given for model_type "
+                                 f"{self.model_type!r}; only {', '.join(_LAYER_TYPED)} have them")
+            return
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", _patterned_layer_types(
+                self.num_hidden_layers, _LAYER_PATTERN[self.model_type]))
+        if self.model_type == "olmo3" and self.rope_local_theta is None:
+            object.__setattr__(self, "rope_local_theta", self.rope_theta)
+        layer_types = self.layer_types
+        if not isinstance(layer_types, (list, tuple)) or any(t not in LAYER_TYPES for t in layer_types):
+            raise ValueError(f"layer_types must list one of {', '.join(LAYER_TYPES)} per layer, "
+                             f"got {layer_types!r}")
+        if len(layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types names {len(layer_types)} layers; the model has "
+                             f"num_hidden_layers={self.num_hidden_layers}")
+        object.__setattr__(self, "layer_types", tuple(layer_types))
+        if self.rope_local_theta is not None:
+            object.__setattr__(self, "rope_local_theta", _positive_float("rope_local_theta",
+                                                                         self.rope_local_theta))
+
     def _check_gemma2(self) -> None:
         gemma2 = {name: getattr(self, name) for name in _GEMMA2_FIELDS}
-        if self.model_type != "gemma3_text" and self.rope_local_theta is not None:
-            raise ValueError(f"rope_local_theta={self.rope_local_theta!r} given for model_type "
-                             f"{self.model_type!r}; only gemma3_text has it")
         if self.model_type in _SANDWICH:
-            if not self.layer_types:  # transformers' default pattern
-                object.__setattr__(self, "layer_types", _patterned_layer_types(
-                    self.num_hidden_layers, 6 if self.model_type == "gemma3_text" else 2))
             if self.query_pre_attn_scalar is None:  # head_dim**-0.5, as for the other families
                 object.__setattr__(self, "query_pre_attn_scalar", self.head_dim)
         else:
-            given = [f"{name}={value!r}" for name, value in gemma2.items() if value not in (None, ())]
+            given = [f"{name}={value!r}" for name, value in gemma2.items()
+                     if value not in (None, ()) and name != "layer_types"]  # _check_layer_types
             if given:
                 raise ValueError(f"{', '.join(given)} given for model_type {self.model_type!r}; only "
                                  "gemma2 and gemma3_text have them")
@@ -330,22 +363,12 @@ class ModelConfig:
                                  "model_type 'gemma3_text', whose attention transformers never soft-caps")
             if self.rope_local_theta is None:
                 raise ValueError("model_type 'gemma3_text' needs rope_local_theta (a positive number)")
-            object.__setattr__(self, "rope_local_theta", _positive_float("rope_local_theta",
-                                                                         self.rope_local_theta))
         if self.query_pre_attn_scalar is not None:
             object.__setattr__(self, "query_pre_attn_scalar",
                                _whole_positive_int("query_pre_attn_scalar", self.query_pre_attn_scalar))
         for name in ("attn_logit_softcapping", "final_logit_softcapping"):
             if gemma2[name] is not None:
                 object.__setattr__(self, name, _positive_float(name, gemma2[name]))
-        layer_types = self.layer_types
-        if not isinstance(layer_types, (list, tuple)) or any(t not in LAYER_TYPES for t in layer_types):
-            raise ValueError(f"layer_types must list one of {', '.join(LAYER_TYPES)} per layer, "
-                             f"got {layer_types!r}")
-        if len(layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types names {len(layer_types)} layers; the model has "
-                             f"num_hidden_layers={self.num_hidden_layers}")
-        object.__setattr__(self, "layer_types", tuple(layer_types))
 
     def _check_partial_rotary(self) -> None:
         factor = self.partial_rotary_factor
@@ -438,19 +461,19 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return self.family in ("qwen3", "gemma3_text", "olmo2")
+        return self.family in ("qwen3", "gemma3_text", *_OLMO)
 
     @property
     def qk_norm_across_heads(self) -> bool:
         """OLMo 2's q and k norms: one RMSNorm over all heads' features (num_heads * head_dim, and
         num_key_value_heads * head_dim), not one per head (Qwen 3's, Gemma 3's)."""
-        return self.family == "olmo2"
+        return self.family in _OLMO
 
     @property
     def post_norms(self) -> bool:
         """OLMo 2's layer: a norm after attention and after the MLP (on their outputs, before the
         residual sums) and none before them; its norms multiply by the weight in fp32, rounding once."""
-        return self.family == "olmo2"
+        return self.family in _OLMO
 
     @property
     def gemma_norms(self) -> bool:
@@ -537,16 +560,16 @@ class ModelConfig:
             logger.warning("ignoring config.json keys that slipstream does not use: %s", unknown)
         d = _FAMILY_DEFAULTS[model_type] | d
         kwargs: dict[str, Any] = {k: d[k] for k in known if k in d and d[k] is not None}
-        if model_type not in _SANDWICH:
+        if model_type not in _LAYER_TYPED:
             kwargs.pop("layer_types", None)  # Qwen's: read by _read_sliding_window
         max_positions = kwargs.get("max_position_embeddings", _field_default(cls, "max_position_embeddings"))
         _check_positive_int("max_position_embeddings", max_positions)  # llama3's RoPE default reads it
-        if model_type == "gemma3_text":
-            kwargs["rope_theta"], kwargs["rope_scaling"], kwargs["rope_local_theta"] = _read_gemma3_rope(
-                d, max_positions)
+        if model_type in ("gemma3_text", "olmo3"):
+            kwargs["rope_theta"], kwargs["rope_scaling"], kwargs["rope_local_theta"] = _read_layer_type_rope(
+                model_type, d, max_positions)
         else:
             kwargs["rope_theta"], kwargs["rope_scaling"] = _read_rope(model_type, d, max_positions)
-        if model_type != "gemma3_text":
+        if model_type not in ("gemma3_text", "olmo3"):
             kwargs["partial_rotary_factor"] = _read_partial_rotary_factor(d)
         kwargs["dtype"] = _read_dtype(d) or "float32"
         kwargs["sliding_window"] = _read_sliding_window(model_type, d, max_positions, kwargs["rope_scaling"])
@@ -578,7 +601,7 @@ class ModelConfig:
             "torch_dtype": self.dtype,
             "dtype": self.dtype,
         }
-        if self.family in ("llama", "qwen3", *_GEMMA):
+        if self.family in ("llama", "qwen3", *_GEMMA, *_OLMO):
             out["attention_bias"] = self.attention_bias
         if self.model_type == "llama":
             out["mlp_bias"] = self.mlp_bias
@@ -602,6 +625,15 @@ class ModelConfig:
                 "hidden_activation": "gelu_pytorch_tanh"}
         if self.model_type == "gemma3_text":  # transformers 4's keys, which transformers 5 reads too
             out["rope_local_base_freq"] = self.rope_local_theta
+        if self.model_type == "olmo3":  # only transformers 5 has OLMo 3: its per-layer-type RoPE blocks
+            window = self.sliding_window or rope_scaled_context(self.model_type, self.max_position_embeddings,
+                                                                self.rope_scaling)
+            full = {"rope_type": "default", "rope_theta": self.rope_theta} | (
+                self.rope_scaling.to_hf() if self.rope_scaling else {})
+            del out["rope_theta"], out["rope_scaling"]
+            out |= {"layer_types": list(self.layer_types), "sliding_window": window, "rope_parameters": {
+                "full_attention": full,
+                "sliding_attention": {"rope_type": "default", "rope_theta": self.rope_local_theta}}}
         if self.is_moe:
             out |= self._experts_to_hf()
         return out
@@ -678,6 +710,8 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                                    "sliding_window": 4096},
     "olmo2": _SHAPE | {"vocab_size": 50304, "intermediate_size": 11008, "max_position_embeddings": 2048,
               "rms_norm_eps": 1e-5},
+    "olmo3": _SHAPE | {"vocab_size": 50304, "intermediate_size": 11008, "max_position_embeddings": 2048,
+              "rms_norm_eps": 1e-5, "sliding_window": 4096},
     "mixtral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
                 "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_experts_per_tok": 2, "num_experts": 8},
@@ -721,6 +755,7 @@ _NOT_NULL = {
     "gemma2": _NOT_NULL_GEMMA2,
     "gemma3_text": _NOT_NULL_GEMMA2,
     "olmo2": _NOT_NULL_ANY | {"attention_bias", "attention_dropout"},
+    "olmo3": _NOT_NULL_ANY | {"attention_bias", "attention_dropout"},
     "mixtral": _NOT_NULL_ANY | {"num_key_value_heads", "attention_dropout", "num_experts_per_tok",
                                 "num_local_experts", "num_experts", "output_router_logits",
                                 "router_aux_loss_coef", "router_jitter_noise"},
@@ -745,6 +780,7 @@ _ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -773,9 +809,9 @@ and Qwen's."""
 def _check_unsupported_features(d: dict[str, Any], *, moe: bool, softcapping: bool) -> None:
     """Refuse the keys of `_UNSUPPORTED_FEATURES` (but soft-capping where the family has it) and an
     expert count for a dense family."""
-    # transformers 5 keeps use_mrope and the like in the RoPE block (Gemma 3's blocks per layer type
-    # are read by _read_gemma3_rope)
-    rope = {} if d.get("model_type") == "gemma3_text" else _rope_block(d)[1]
+    # transformers 5 keeps use_mrope and the like in the RoPE block (Gemma 3's and OLMo 3's blocks
+    # per layer type are read by _read_layer_type_rope)
+    rope = {} if d.get("model_type") in ("gemma3_text", "olmo3") else _rope_block(d)[1]
     for fields in (d, rope):
         for key, harmless in _UNSUPPORTED_FEATURES.items():
             if softcapping and key in _GEMMA2_FIELDS:
@@ -850,35 +886,41 @@ def _read_gemma(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
 
 def _patterned_layer_types(num_layers: int, pattern: int) -> tuple[str, ...]:
     """Every `pattern`-th layer "full_attention", the others "sliding_attention" (transformers'
-    default: Gemma 2's pattern is 2, Gemma 3's `sliding_window_pattern`, 6)."""
+    default: Gemma 2's pattern is 2, Gemma 3's `sliding_window_pattern`, 6, OLMo 3's 4)."""
     return tuple(LAYER_TYPES[(i + 1) % pattern != 0] for i in range(num_layers))
 
 
-def _read_gemma3_rope(d: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling | None, float]:
-    """Gemma 3's RoPE as transformers 5 reads it (`Gemma3TextConfig.convert_rope_params_to_dict`):
-    `rope_parameters` holds a block per layer type (default RoPE for both where absent); a
-    `rope_scaling` (transformers 4's key) updates the "full_attention" block, whose theta defaults
-    to config.json's `rope_theta` (else 1e6), the "sliding_attention" block's to
-    `rope_local_base_freq` (else 1e4). Returns the full-attention layers' theta and scaling and the
-    sliding ones' theta; those must take default RoPE."""
+def _read_layer_type_rope(
+    model_type: str, d: dict[str, Any], max_positions: int
+) -> tuple[float, RopeScaling | None, float]:
+    """Gemma 3's and OLMo 3's RoPE as transformers 5 reads it (their configs'
+    `convert_rope_params_to_dict`): `rope_parameters` holds a block per layer type (default RoPE for
+    both where absent); a `rope_scaling` (transformers 4's key) updates the "full_attention" block.
+    Gemma 3: the full block's theta defaults to config.json's `rope_theta` (else 1e6), the
+    "sliding_attention" block's to `rope_local_base_freq` (else 1e4). OLMo 3: the full block's to
+    `rope_theta` (else 5e5), and the sliding block's to 5e5 even where `rope_theta` is given
+    (transformers takes the key for the full block only). Returns the full-attention layers' theta
+    and scaling and the sliding ones' theta; those must take default RoPE."""
     blocks = d.get("rope_parameters") or {}
     if (not isinstance(blocks, dict) or any(k not in LAYER_TYPES for k in blocks)
             or any(not isinstance(blocks.get(t) or {}, dict) for t in LAYER_TYPES)):
-        raise ValueError("gemma3_text rope_parameters must hold a block per layer type "
+        raise ValueError(f"{model_type} rope_parameters must hold a block per layer type "
                          f"({', '.join(LAYER_TYPES)}), got {blocks!r}")
     full = dict(blocks.get("full_attention") or {"rope_type": "default"})
     scaling = d.get("rope_scaling")
     if scaling is not None and not isinstance(scaling, dict):
         raise ValueError(f"rope_scaling must be an object or null, got {scaling!r}")
     full.update(scaling or {})
-    full.setdefault("rope_theta", d.get("rope_theta", 1e6))
+    gemma = model_type == "gemma3_text"
+    full.setdefault("rope_theta", d.get("rope_theta", 1e6 if gemma else 5e5))
     sliding = dict(blocks.get("sliding_attention") or {"rope_type": "default"})
-    sliding.setdefault("rope_theta", d.get("rope_local_base_freq", 1e4))
+    sliding.setdefault("rope_theta", d.get("rope_local_base_freq", 1e4) if gemma else 5e5)
     if sliding.get("rope_type", sliding.get("type", "default")) != "default":
         raise ValueError(f"unsupported sliding_attention rope_type {sliding.get('rope_type')!r} for "
-                         "model_type 'gemma3_text'; supported: default")
-    theta, rope_scaling = _read_rope("gemma3_text", {"rope_parameters": full}, max_positions)
-    return theta, rope_scaling, _positive_float("rope_local_base_freq", sliding["rope_theta"])
+                         f"model_type {model_type!r}; supported: default")
+    theta, rope_scaling = _read_rope(model_type, {"rope_parameters": full}, max_positions)
+    name = "rope_local_base_freq" if gemma else "sliding_attention rope_theta"
+    return theta, rope_scaling, _positive_float(name, sliding["rope_theta"])
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -1085,7 +1127,7 @@ def _read_sliding_window(
     "sliding_attention" or, where config.json gives no `layer_types`, as transformers derives them:
     qwen2 and qwen3 window the layers at or past `max_window_layers`, qwen2_moe the even ones
     below it, and qwen3_moe (no `layer_types`) every layer."""
-    if MOE_FAMILY.get(model_type, model_type) in (*_WINDOWED, *_SANDWICH):
+    if MOE_FAMILY.get(model_type, model_type) in (*_WINDOWED, *_LAYER_TYPED):
         window = d.get("sliding_window")
         if window is None:
             return None

@@ -580,8 +580,8 @@ class Decoder(nn.Module):
         self.norm = make_norm(config, config.hidden_size)
         self.rope = RopeTables(config, on_meta)
         self.local_rope: RopeTables | None = None
-        """Gemma 3's tables for its "sliding_attention" layers (`local_rope_layers`): default RoPE
-        of base `rope_local_theta`; `rope` serves the other layers."""
+        """Gemma 3's and OLMo 3's tables for their "sliding_attention" layers (`local_rope_layers`):
+        default RoPE of base `rope_local_theta`; `rope` serves the other layers."""
         self.local_rope_layers: frozenset[int] = frozenset()
         if config.rope_local_theta is not None:
             local = config.replace(rope_theta=config.rope_local_theta, rope_scaling=None)
@@ -601,7 +601,7 @@ class Decoder(nn.Module):
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         tables = self.rope(positions, self.rope_dtype or x.dtype)  # cos and sin, (B, T, R) each
-        local = tables if self.local_rope is None else self.local_rope(positions, x.dtype)
+        local = tables if self.local_rope is None else self.local_rope(positions, self.rope_dtype or x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, *(local if i in self.local_rope_layers else tables), attn)
         return self.norm(x)

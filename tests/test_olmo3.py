@@ -1,0 +1,118 @@
+"""OLMo 3 (`olmo3`) against transformers' Olmo3ForCausalLM: OLMo 2's layer with a window on three
+layers of four, default RoPE there and YaRN on the others; config reading in both spellings,
+logits in fp32 and bf16, config.json round trips, and served greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from serve_fixtures import assert_same_tokens, uncached_greedy
+
+from slipstream import LLM, SamplingParams
+from slipstream.model import ModelConfig, load_model, save_model
+from slipstream.model.create import stdlib_tokenizer
+
+SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1, sliding_window=5,
+             eos_token_id=1, attn_implementation="eager")
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+SPELLINGS = {
+    # transformers 4's keys: rope_theta and rope_scaling go to the full-attention layers only
+    "legacy": dict(rope_theta=1000.0, rope_scaling=dict(YARN)),
+    "per-layer-type": dict(rope_parameters={
+        "full_attention": {"rope_theta": 1000.0, **YARN},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}}),
+}
+
+
+def random_olmo3(**overrides) -> torch.nn.Module:
+    """transformers' OLMo 3, seeded, in eval mode, with its norm weights moved off 1."""
+    torch.manual_seed(0)
+    hf = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(**SHAPE | overrides)).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    return hf
+
+
+def _save(hf: torch.nn.Module, path: Path) -> Path:
+    hf.save_pretrained(path)
+    stdlib_tokenizer(320).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=list(SPELLINGS))
+def saved(request, tmp_path_factory):
+    hf = random_olmo3(**SPELLINGS[request.param])
+    return hf, _save(hf, tmp_path_factory.mktemp("olmo3"))
+
+
+def test_the_config_reads_as_transformers_reads_it(saved):
+    """Guards reading: layer types, window and each layer type's RoPE as transformers has them
+    (the legacy rope_theta reaches the full-attention layers only; the windowed ones take 5e5)."""
+    hf, path = saved
+    config = ModelConfig.from_pretrained(path)
+    rope = hf.config.rope_parameters
+    assert list(config.layer_types) == hf.config.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
+    assert config.sliding_window == 5
+    assert [config.layer_sliding_window(i) for i in range(4)] == [5, 5, 5, None]
+    assert config.rope_theta == rope["full_attention"]["rope_theta"] == 1000.0
+    assert config.rope_local_theta == rope["sliding_attention"]["rope_theta"]
+    assert config.rope_scaling.rope_type == "yarn" and config.rope_scaling.factor == 4.0
+
+
+def test_logits_match_transformers(saved):
+    """Guards the math: past the window (5) and the original context (16), fp32 logits equal."""
+    hf, path = saved
+    model = load_model(path)
+    token_ids = torch.randint(0, 320, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(token_ids).logits
+        got = model(token_ids, torch.arange(30).expand(2, 30))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
+
+
+def test_bf16_logits_equal_transformers_bf16(tmp_path):
+    """Guards the rounding in bf16 (fp32 norm weights and fp32 rotary for both kinds of layer):
+    logits bit for bit against transformers loaded in bf16."""
+    _save(random_olmo3(**SPELLINGS["per-layer-type"]), tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
+                                                           attn_implementation="sdpa").eval()
+    model = load_model(tmp_path, dtype=torch.bfloat16)
+    token_ids = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = hf(token_ids).logits
+        got = model(token_ids, torch.arange(20).expand(2, 20))
+    assert torch.equal(got, expected), (got.float() - expected.float()).abs().max()
+
+
+def test_a_saved_model_loads_in_transformers_as_the_same_function(saved, tmp_path):
+    """Guards writing: our config.json (per-layer-type RoPE blocks, layer types, window) and
+    weights load in transformers into the same logits, and read back to an equal config."""
+    _, path = saved
+    model = load_model(path)
+    save_model(model, tmp_path)
+    assert ModelConfig.from_pretrained(tmp_path) == model.config
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    token_ids = torch.randint(0, 320, (1, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(token_ids, torch.arange(24)[None]), hf(token_ids).logits,
+                                   rtol=1e-5, atol=2e-5)
+
+
+def test_the_engine_generates_as_transformers(saved):
+    """Guards serving: the per-layer windows and the two rotary tables under batching and chunked
+    prefill give transformers' greedy tokens (each from a full uncached forward)."""
+    hf, path = saved
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, 320, (n,), generator=generator).tolist() for n in (3, 9, 17)]
+    expected = uncached_greedy(hf, prompts, 10)
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=8, max_num_seqs=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outputs]
+    assert_same_tokens(expected, torch.full((3, 10), float("nan")), got, "olmo3")
