@@ -5,8 +5,9 @@ every linear weight of its decoder layers replaced by its int8 round trip, compu
 definition (s = max |row| / 127, q = round(W / s) clamped to [-127, 127], W' = s * q), not by
 slipstream's code. The engine must give those tokens, with the CPU fast path and with the plain
 PyTorch modules, batched, under chunked prefill and with prefix-cache hits, for Llama (the
-serving fixtures' model) and Gemma 2 (sliding windows, soft caps, four norms a layer), and for
-Llama split over two tensor-parallel processes (about 2 s), where each rank quantizes its shard. The
+serving fixtures' model) and Gemma 2 (sliding windows, soft caps, four norms a layer), for
+Qwen2-MoE (experts, a shared expert; router and shared-expert gate kept), and for Llama split
+over two tensor-parallel processes (about 2 s), where each rank quantizes its shard. The
 unquantized model's tokens differ from the reference's (checked), so an engine that ignored the
 argument would fail. Bad values are ValueErrors naming `quantization`, from `LLM`, `EngineConfig`
 and `slipstream serve`; the KV cache sized by gpu_memory_utilization gets the bytes int8 frees, and
@@ -22,6 +23,7 @@ import torch
 import transformers
 from serve_fixtures import assert_same_tokens, transformers_greedy
 from test_gemma_model import random_family
+from test_moe_serving import _write_model as write_moe_model
 
 from slipstream import LLM, SamplingParams
 from slipstream.cli import main
@@ -131,6 +133,33 @@ def test_prefix_caching_matches_transformers(family_dir, reference, fast_cpu_ker
     print(f"prefix cache: {kv.prefix_cache_hits} of {kv.prefix_cache_queries} prompt tokens hit")
     assert kv.prefix_cache_hits >= (NUM_PROMPTS - 2) * 32
     assert_same_tokens(expected, gaps, got, f"{family} int8, prefix caching, fast={fast_cpu_kernels}")
+
+
+@pytest.mark.parametrize("fast_cpu_kernels", [True, False])
+def test_mixture_of_experts_matches_transformers(tmp_path, fast_cpu_kernels):
+    """Qwen2-MoE (routed experts, a shared expert and its gate, a dense layer): every expert's
+    linears and the shared expert's are quantized, the router and the shared expert's gate are
+    not; transformers' experts are one (experts, out, in) tensor each, round-tripped expert by
+    expert."""
+    if fast_cpu_kernels and cpu_kernels.library() is None:
+        pytest.skip("no C compiler: the fast path is the plain one")
+    write_moe_model("qwen2_moe", tmp_path)
+    prompts = _prompts(8192, seed=1, shared_prefix_len=0)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    plain, _ = transformers_greedy(hf, prompts, MAX_NEW_TOKENS)
+    kept = [name for name, _ in hf.model.layers.named_parameters() if name.endswith(("mlp.gate.weight",
+                                                                                    "shared_expert_gate.weight"))]
+    assert len(kept) == 4  # the two routed layers' router and shared-expert gate
+    with torch.no_grad():
+        for name, weight in hf.model.layers.named_parameters():
+            if name in kept or "norm" in name or "bias" in name:
+                continue
+            weight.copy_(torch.stack([int8_round_trip(w) for w in weight]) if weight.dim() == 3
+                         else int8_round_trip(weight))
+    expected, gaps = transformers_greedy(hf, prompts, MAX_NEW_TOKENS)
+    assert plain != expected, "quantizing changes no greedy token: the test could not fail"
+    got, _ = _engine_greedy(tmp_path, prompts, fast_cpu_kernels=fast_cpu_kernels)
+    assert_same_tokens(expected, gaps, got, f"qwen2_moe int8, fast={fast_cpu_kernels}")
 
 
 def test_tensor_parallel_matches_transformers(model_dir):
