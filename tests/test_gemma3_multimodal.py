@@ -9,13 +9,13 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from serve_fixtures import assert_same_tokens, transformers_greedy
 
 from slipstream import LLM, SamplingParams
 from slipstream.model.config import ModelConfig
 from slipstream.model.create import stdlib_tokenizer
 from slipstream.model.weights import load_model
 from slipstream.perf.shapes import resolve_model
-from tests.serve_fixtures import assert_same_tokens, transformers_greedy
 from tests.test_gemma_model import GEMMA3, SHAPE
 
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from serve_fixtures import assert_same_tokens, transformers_greedy
 
 from slipstream import LLM, SamplingParams
 from slipstream.model.config import ModelConfig
@@ -16,7 +17,8 @@ from slipstream.model.weights import load_model, save_model
 from slipstream.perf.flops import num_params
 from slipstream.perf.shapes import TransformerShape
 from slipstream.train.config import check_tensor_parallel, from_dict
-from tests.serve_fixtures import assert_same_tokens, transformers_greedy
+
+pytest_plugins = ["serve_fixtures"]
 
 SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, rope_theta=500.0,
@@ -148,13 +150,27 @@ def test_the_engine_generates_as_transformers(unbiased, fast):
     assert_same_tokens(expected, gaps, [list(o.outputs[0].token_ids) for o in outputs], "olmo2")
 
 
-def test_tensor_parallelism_is_refused(unbiased):
-    """Guards the refusals: the q/k norms span all heads, so tensor parallelism, in training and in
-    serving, is a ValueError naming the size and the model type (data parallelism stays available),
-    found before any worker starts."""
+def test_tensor_parallel_training_is_refused(unbiased):
+    """Guards the refusal: the q/k norms span all heads, which tensor-parallel training would split
+    (its plan has no collective for them), so it is a ValueError naming the degree and the model
+    type (data parallelism stays available)."""
     _, path = unbiased
     config = from_dict({"model": {"path": str(path)}, "parallel": {"tensor_parallel_degree": 2}})
     with pytest.raises(ValueError, match=r"degree \(2\) is not supported for model_type 'olmo2'"):
         check_tensor_parallel(config, ModelConfig.from_pretrained(path))
-    with pytest.raises(ValueError, match=r"size \(2\) > 1 is not supported for model_type 'olmo2'"):
-        LLM(str(path), tensor_parallel_size=2)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["kv-heads-split", "kv-head-on-both-ranks"])
+def test_tensor_parallel_serving_generates_as_transformers(num_kv_heads, tmp_path):
+    """Guards serving on two ranks: the q and k norms take their statistics over all heads by an
+    all-reduce of the ranks' sums of squares (a K/V head that both ranks hold counted once), so
+    greedy tokens equal transformers'."""
+    hf, path = _save(random_olmo2(num_key_value_heads=num_kv_heads), tmp_path)
+    generator = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(2, 320, (n,), generator=generator).tolist() for n in (5, 12, 21)]
+    expected, gaps = transformers_greedy(hf, prompts, 10)
+    llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=16)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert_same_tokens(expected, gaps, [list(o.outputs[0].token_ids) for o in outputs], "olmo2 tp=2")

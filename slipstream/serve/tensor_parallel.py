@@ -70,9 +70,6 @@ def check_tensor_parallel(config: ModelConfig, size: int, device: torch.device) 
     """ValueError naming tensor_parallel_size when the model's shape cannot be split `size` ways
     or the device has too few parts for it."""
     name = f"tensor_parallel_size ({size})"
-    if size > 1 and config.qk_norm_across_heads:
-        raise ValueError(f"{name} > 1 is not supported for model_type {config.model_type!r}, whose q and k "
-                         "norms span all heads")
     if config.num_attention_heads % size:
         raise ValueError(f"{name} must divide the model's num_attention_heads ({config.num_attention_heads})")
     kv_heads = config.num_key_value_heads
@@ -147,6 +144,30 @@ class SummedOverRanks(nn.Module):
         return self.collectives.all_reduce_(self.inner(*args))
 
 
+class SplitFeaturesRMSNorm(nn.Module):
+    """OLMo's q or k norm over all heads' features (`FP32WeightRMSNorm`) when each rank holds
+    some heads: the ranks' sums of squares are summed by one all-reduce (per token, in fp32), and
+    each rank scales its own features by its slice of the weight. Where more ranks than K/V heads
+    share a head, `num_copies` ranks hold each feature and the sum counts it that many times."""
+
+    def __init__(
+        self, norm: nn.Module, rank: int, size: int, num_copies: int, collectives: Collectives
+    ) -> None:
+        super().__init__()
+        width = norm.weight.shape[0] // size
+        self.weight = nn.Parameter(norm.weight[rank * width : (rank + 1) * width].clone(),
+                                   requires_grad=False)
+        self.eps = norm.eps
+        self.full_width = norm.weight.shape[0] * num_copies
+        self.collectives = collectives
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., width / size)
+        x32 = x.float()
+        sum_of_squares = self.collectives.all_reduce_(x32.pow(2).sum(-1, keepdim=True))  # (..., 1)
+        normed = x32 * torch.rsqrt(sum_of_squares / self.full_width + self.eps)
+        return (self.weight * normed).to(x.dtype)
+
+
 def vocab_rows(table: torch.Tensor, collectives: Collectives) -> torch.Tensor:
     """This rank's rows of a (vocab, hidden) table: the rank-th of `size` equal parts of the
     vocabulary padded with zero rows to a multiple of `size`."""
@@ -209,6 +230,10 @@ def shard_model(model: Transformer, collectives: Collectives) -> Transformer:
             _keep_rows(linear, kv_rank, kv_size)
         attention.num_heads //= size
         attention.num_kv_heads //= kv_size
+        if attention.qk_norm_across_heads:
+            attention.q_norm = SplitFeaturesRMSNorm(attention.q_norm, rank, size, 1, collectives)
+            attention.k_norm = SplitFeaturesRMSNorm(attention.k_norm, kv_rank, kv_size, size // kv_size,
+                                                    collectives)
         _keep_columns(attention.o_proj, rank, size)
         attention.o_proj = SummedOverRanks(attention.o_proj, collectives)
         mlp = layer.mlp
