@@ -4,6 +4,7 @@ their language model, checked against transformers' multimodal model on text-onl
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,13 +40,20 @@ def random_multimodal(**overrides) -> torch.nn.Module:
     return hf
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
-def saved(request, tmp_path_factory):
-    hf = random_multimodal(tie_word_embeddings=request.param)
-    path = tmp_path_factory.mktemp("gemma3")
+def _save(hf: torch.nn.Module, path: Path) -> tuple[torch.nn.Module, Path]:
     hf.save_pretrained(path)
     stdlib_tokenizer(320).save_pretrained(path)
     return hf, path
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def saved(request, tmp_path_factory):
+    return _save(random_multimodal(tie_word_embeddings=request.param), tmp_path_factory.mktemp("gemma3"))
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    return _save(random_multimodal(), tmp_path_factory.mktemp("gemma3"))
 
 
 def _logits(model, token_ids: torch.Tensor) -> torch.Tensor:
@@ -134,10 +142,10 @@ def test_a_text_config_of_another_type_is_refused():
         ModelConfig.from_hf_dict({"model_type": "gemma3", "text_config": {"model_type": "llama"}})
 
 
-def test_the_engine_serves_the_language_model_as_transformers_generates(saved):
+def test_the_engine_serves_the_language_model_as_transformers_generates(tied):
     """Guards serving: LLM on the multimodal directory gives transformers' greedy tokens for
     text-only prompts, under batching and chunked prefill."""
-    hf, path = saved
+    hf, path = tied
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 320, (n,), generator=generator).tolist() for n in (3, 9, 14, 21)]
     expected, gaps = transformers_greedy(hf, prompts, 12)

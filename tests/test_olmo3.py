@@ -104,10 +104,11 @@ def test_a_saved_model_loads_in_transformers_as_the_same_function(saved, tmp_pat
                                    rtol=1e-5, atol=2e-5)
 
 
-def test_the_engine_generates_as_transformers(saved):
+def test_the_engine_generates_as_transformers(tmp_path):
     """Guards serving: the per-layer windows and the two rotary tables under batching and chunked
     prefill give transformers' greedy tokens (each from a full uncached forward)."""
-    hf, path = saved
+    hf = random_olmo3(**SPELLINGS["per-layer-type"])
+    path = _save(hf, tmp_path)
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(2, 320, (n,), generator=generator).tolist() for n in (3, 9, 17)]
     expected = uncached_greedy(hf, prompts, 10)
