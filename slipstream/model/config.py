@@ -13,7 +13,9 @@ Gemma 2 with per-head q/k norms, five windowed layers to a global one, no soft c
 a RoPE base of its own on the windowed layers (`rope_local_theta`). OLMo 2 (`olmo2`) norms the
 outputs of attention and the MLP instead of their inputs, norms q and k over all heads at once, and
 multiplies its norm weights in fp32; OLMo 3 (`olmo3`) adds a window on three layers of four, with
-default RoPE there (`rope_local_theta`) and the scaled RoPE on the others. The family decides the
+default RoPE there (`rope_local_theta`) and the scaled RoPE on the others. Granite (`granite`) is
+Llama with four multipliers: of the embeddings, of each block's output before its residual sum, of
+the attention scores (in place of head_dim**-0.5) and, dividing, of the logits. The family decides the
 structural switches (`qkv_bias`, `o_bias`, `qk_norm`, `qk_norm_across_heads`, `gemma_norms`,
 `sandwich_norms`, `post_norms`); everything else is a plain field.
 
@@ -38,7 +40,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2",
-               "olmo3", "mixtral", "qwen2_moe", "qwen3_moe")
+               "olmo3", "granite", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 """Each mixture-of-experts model type and the dense family whose attention and config keys it shares."""
 _WINDOWED = ("mistral", "phi3")
@@ -223,6 +225,14 @@ class ModelConfig:
     rope_local_theta: float | None = None
     """Gemma 3: the RoPE base of the "sliding_attention" layers, which take default RoPE;
     `rope_theta` and `rope_scaling` are the "full_attention" layers'. None for the other families."""
+    embedding_multiplier: float = 1.0
+    """Granite: the embeddings are multiplied by it (1 for the other families)."""
+    residual_multiplier: float = 1.0
+    """Granite: attention's and the MLP's outputs are multiplied by it before their residual sums."""
+    attention_multiplier: float | None = None
+    """Granite: what attention multiplies q . k by (transformers' default 1); None elsewhere."""
+    logits_scaling: float = 1.0
+    """Granite: the logits are divided by it."""
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -305,7 +315,7 @@ class ModelConfig:
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if self.attention_bias and self.family in ("mistral", "phi3", "qwen2"):
             raise ValueError(f"attention_bias=True is not supported for model_type {self.model_type!r}")
-        if self.mlp_bias and self.model_type != "llama":
+        if self.mlp_bias and self.model_type not in ("llama", "granite"):
             raise ValueError(f"mlp_bias=True is not supported for model_type {self.model_type!r}")
         if self.sliding_window is not None and self.family not in (*_WINDOWED, *_LAYER_TYPED):
             raise ValueError(
@@ -314,6 +324,7 @@ class ModelConfig:
             )
         self._check_layer_types()
         self._check_gemma2()
+        self._check_granite()
         self._check_experts()
 
     def _check_layer_types(self) -> None:
@@ -344,6 +355,21 @@ class ModelConfig:
         if self.rope_local_theta is not None:
             object.__setattr__(self, "rope_local_theta", _positive_float("rope_local_theta",
                                                                          self.rope_local_theta))
+
+    def _check_granite(self) -> None:
+        """Granite's multipliers: positive numbers (the attention's 1 where not given, as in
+        transformers); refused with other values for the other families."""
+        if self.model_type != "granite":
+            given = [f"{name}={getattr(self, name)!r}" for name in _GRANITE_FIELDS
+                     if getattr(self, name) != _field_default(type(self), name)]
+            if given:
+                raise ValueError(f"{', '.join(given)} given for model_type {self.model_type!r}; only granite "
+                                 "has them")
+            return
+        if self.attention_multiplier is None:
+            object.__setattr__(self, "attention_multiplier", 1.0)
+        for name in _GRANITE_FIELDS:
+            object.__setattr__(self, name, _positive_float(name, getattr(self, name)))
 
     def _check_gemma2(self) -> None:
         gemma2 = {name: getattr(self, name) for name in _GEMMA2_FIELDS}
@@ -489,6 +515,8 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         """What attention multiplies q . k by."""
+        if self.attention_multiplier is not None:  # Granite
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
@@ -601,10 +629,12 @@ class ModelConfig:
             "torch_dtype": self.dtype,
             "dtype": self.dtype,
         }
-        if self.family in ("llama", "qwen3", *_GEMMA, *_OLMO):
+        if self.family in ("llama", "qwen3", *_GEMMA, *_OLMO, "granite"):
             out["attention_bias"] = self.attention_bias
-        if self.model_type == "llama":
+        if self.model_type in ("llama", "granite"):
             out["mlp_bias"] = self.mlp_bias
+        if self.model_type == "granite":
+            out |= {name: getattr(self, name) for name in _GRANITE_FIELDS}
         if self.family in _WINDOWED:
             out["sliding_window"] = self.sliding_window
         if self.model_type == "phi3":  # transformers' Phi-3 puts its own over the RoPE block's
@@ -712,6 +742,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
               "rms_norm_eps": 1e-5},
     "olmo3": _SHAPE | {"vocab_size": 50304, "intermediate_size": 11008, "max_position_embeddings": 2048,
               "rms_norm_eps": 1e-5, "sliding_window": 4096},
+    "granite": _SHAPE | {"vocab_size": 32000, "intermediate_size": 11008, "attention_multiplier": 1.0},
     "mixtral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
                 "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_experts_per_tok": 2, "num_experts": 8},
@@ -756,6 +787,8 @@ _NOT_NULL = {
     "gemma3_text": _NOT_NULL_GEMMA2,
     "olmo2": _NOT_NULL_ANY | {"attention_bias", "attention_dropout"},
     "olmo3": _NOT_NULL_ANY | {"attention_bias", "attention_dropout"},
+    "granite": _NOT_NULL_ANY | {"attention_bias", "attention_dropout", "mlp_bias", "embedding_multiplier",
+                                "logits_scaling", "residual_multiplier", "attention_multiplier"},
     "mixtral": _NOT_NULL_ANY | {"num_key_value_heads", "attention_dropout", "num_experts_per_tok",
                                 "num_local_experts", "num_experts", "output_router_logits",
                                 "router_aux_loss_coef", "router_jitter_noise"},
@@ -781,6 +814,7 @@ _ARCHITECTURES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
+    "granite": "GraniteForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -795,6 +829,8 @@ _UNSUPPORTED_FEATURES = {
     "attn_logit_softcapping": None,
     "final_logit_softcapping": None,
 }
+_GRANITE_FIELDS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+"""ModelConfig's Granite fields, which the other model types leave at their defaults."""
 _GEMMA2_FIELDS = ("layer_types", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
 """ModelConfig's Gemma 2 fields, which the other model types leave unset."""
 _EXPERT_KEYS = ("num_experts", "num_local_experts")

@@ -544,6 +544,22 @@ class SandwichDecoderLayer(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
+class ScaledResidualDecoderLayer(DecoderLayer):
+    """Granite's layer: Llama's, with attention's and the MLP's outputs multiplied by
+    `residual_multiplier` before their residual sums. (Its own class: the fast path's fused decoder
+    takes only the layers whose sums it computes.)"""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.residual_multiplier = config.residual_multiplier
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata | None
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn) * self.residual_multiplier
+        return h + self.mlp(self.post_attention_layernorm(h)) * self.residual_multiplier
+
+
 class PostNormDecoderLayer(nn.Module):
     """OLMo 2's layer: h = x + post_attention_layernorm(attn(x)), then
     h + post_feedforward_layernorm(mlp(h)); the inputs of attention and the MLP are not normed."""
@@ -575,7 +591,8 @@ class Decoder(nn.Module):
         weight = torch.empty(config.vocab_size, config.hidden_size) if on_meta else None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         layer = (SandwichDecoderLayer if config.sandwich_norms
-                 else PostNormDecoderLayer if config.post_norms else DecoderLayer)
+                 else PostNormDecoderLayer if config.post_norms
+                 else ScaledResidualDecoderLayer if config.model_type == "granite" else DecoderLayer)
         self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = make_norm(config, config.hidden_size)
         self.rope = RopeTables(config, on_meta)
@@ -590,6 +607,8 @@ class Decoder(nn.Module):
                                                if kind == "sliding_attention")
         self.embed_scale = config.hidden_size**0.5 if config.gemma_norms else None
         """Gemma multiplies the embeddings by sqrt(hidden_size), rounded to their dtype."""
+        self.embedding_multiplier = config.embedding_multiplier if config.model_type == "granite" else None
+        """Granite multiplies the embeddings by this Python float (not rounded to their dtype first)."""
         self.rope_dtype = torch.float32 if config.post_norms else None
         """The dtype of the cos and sin tables: OLMo 2 rotates in fp32 (`FP32Rotary`); None: the
         activations'."""
@@ -600,6 +619,8 @@ class Decoder(nn.Module):
         x = self.embed_tokens(token_ids)  # (B, T, E)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        if self.embedding_multiplier is not None:
+            x = x * self.embedding_multiplier
         tables = self.rope(positions, self.rope_dtype or x.dtype)  # cos and sin, (B, T, R) each
         local = tables if self.local_rope is None else self.local_rope(positions, self.rope_dtype or x.dtype)
         for i, layer in enumerate(self.layers):
@@ -644,6 +665,8 @@ class Transformer(nn.Module):
         cap = self.config.final_logit_softcapping
         if cap is not None:  # Gemma 2
             logits = torch.tanh(logits / cap) * cap
+        if self.config.logits_scaling != 1.0:  # Granite
+            logits = logits / self.config.logits_scaling
         return logits
 
     def tie_weights(self) -> None:
