@@ -15,7 +15,8 @@ outputs of attention and the MLP instead of their inputs, norms q and k over all
 multiplies its norm weights in fp32; OLMo 3 (`olmo3`) adds a window on three layers of four, with
 default RoPE there (`rope_local_theta`) and the scaled RoPE on the others. Granite (`granite`) is
 Llama with four multipliers: of the embeddings, of each block's output before its residual sum, of
-the attention scores (in place of head_dim**-0.5) and, dividing, of the logits. The family decides the
+the attention scores (in place of head_dim**-0.5) and, dividing, of the logits. SmolLM3 (`smollm3`)
+is Llama with no rotary embedding on every fourth layer (`no_rope_layers`). The family decides the
 structural switches (`qkv_bias`, `o_bias`, `qk_norm`, `qk_norm_across_heads`, `gemma_norms`,
 `sandwich_norms`, `post_norms`); everything else is a plain field.
 
@@ -40,7 +41,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2",
-               "olmo3", "granite", "mixtral", "qwen2_moe", "qwen3_moe")
+               "olmo3", "granite", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 """Each mixture-of-experts model type and the dense family whose attention and config keys it shares."""
 _WINDOWED = ("mistral", "phi3")
@@ -75,6 +76,7 @@ _IGNORED_KEYS = frozenset(
         "original_max_position_embeddings",  # Phi-3's: read for its longrope (_read_longrope)
         "hidden_activation", "use_bidirectional_attention",  # Gemma's: checked by _read_gemma
         "sliding_window_pattern", "_sliding_window_pattern", "rope_local_base_freq",  # Gemma 3's
+        "no_rope_layer_interval",  # SmolLM3's: read by _default_no_rope_layers
         "cache_implementation", "sliding_window_size",  # Gemma 2's generation settings, a duplicate
     }
 )
@@ -233,6 +235,10 @@ class ModelConfig:
     """Granite: what attention multiplies q . k by (transformers' default 1); None elsewhere."""
     logits_scaling: float = 1.0
     """Granite: the logits are divided by it."""
+    no_rope_layers: tuple[int, ...] = ()
+    """SmolLM3: for each layer 1 where it rotates q and k, 0 where it takes no position (NoPE);
+    transformers' default (where not given) leaves out every fourth. Empty for the other families,
+    whose layers all rotate. Read it through `layer_rotates`."""
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
@@ -315,7 +321,7 @@ class ModelConfig:
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
         if self.attention_bias and self.family in ("mistral", "phi3", "qwen2"):
             raise ValueError(f"attention_bias=True is not supported for model_type {self.model_type!r}")
-        if self.mlp_bias and self.model_type not in ("llama", "granite"):
+        if self.mlp_bias and self.model_type not in ("llama", "granite", "smollm3"):
             raise ValueError(f"mlp_bias=True is not supported for model_type {self.model_type!r}")
         if self.sliding_window is not None and self.family not in (*_WINDOWED, *_LAYER_TYPED):
             raise ValueError(
@@ -325,6 +331,7 @@ class ModelConfig:
         self._check_layer_types()
         self._check_gemma2()
         self._check_granite()
+        self._check_no_rope_layers()
         self._check_experts()
 
     def _check_layer_types(self) -> None:
@@ -355,6 +362,21 @@ class ModelConfig:
         if self.rope_local_theta is not None:
             object.__setattr__(self, "rope_local_theta", _positive_float("rope_local_theta",
                                                                          self.rope_local_theta))
+
+    def _check_no_rope_layers(self) -> None:
+        """SmolLM3's `no_rope_layers`: a 0 or 1 per layer (transformers' default pattern where not
+        given); refused for the other families."""
+        if self.model_type != "smollm3":
+            if self.no_rope_layers:
+                raise ValueError(f"no_rope_layers={self.no_rope_layers!r} given for model_type "
+                                 f"{self.model_type!r}; only smollm3 has them")
+            return
+        layers = self.no_rope_layers or tuple(int((i + 1) % 4 != 0) for i in range(self.num_hidden_layers))
+        if (not isinstance(layers, (list, tuple)) or len(layers) != self.num_hidden_layers
+                or any(isinstance(v, bool) or v not in (0, 1) for v in layers)):
+            raise ValueError(f"no_rope_layers must list a 0 or 1 for each of the {self.num_hidden_layers} "
+                             f"layers, got {self.no_rope_layers!r}")
+        object.__setattr__(self, "no_rope_layers", tuple(layers))
 
     def _check_granite(self) -> None:
         """Granite's multipliers: positive numbers (the attention's 1 where not given, as in
@@ -519,6 +541,11 @@ class ModelConfig:
             return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    def layer_rotates(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` applies the rotary embedding to q and k (all do but SmolLM3's
+        NoPE layers)."""
+        return not self.no_rope_layers or bool(self.no_rope_layers[layer_idx])
+
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The sliding window of layer `layer_idx`: `sliding_window`, except on Gemma 2's
         "full_attention" layers."""
@@ -589,7 +616,9 @@ class ModelConfig:
         d = _FAMILY_DEFAULTS[model_type] | d
         kwargs: dict[str, Any] = {k: d[k] for k in known if k in d and d[k] is not None}
         if model_type not in _LAYER_TYPED:
-            kwargs.pop("layer_types", None)  # Qwen's: read by _read_sliding_window
+            kwargs.pop("layer_types", None)  # Qwen's and SmolLM3's: read by _read_sliding_window
+        if model_type == "smollm3" and d.get("no_rope_layers") is None:
+            kwargs["no_rope_layers"] = _default_no_rope_layers(d)
         max_positions = kwargs.get("max_position_embeddings", _field_default(cls, "max_position_embeddings"))
         _check_positive_int("max_position_embeddings", max_positions)  # llama3's RoPE default reads it
         if model_type in ("gemma3_text", "olmo3"):
@@ -629,10 +658,12 @@ class ModelConfig:
             "torch_dtype": self.dtype,
             "dtype": self.dtype,
         }
-        if self.family in ("llama", "qwen3", *_GEMMA, *_OLMO, "granite"):
+        if self.family in ("llama", "qwen3", *_GEMMA, *_OLMO, "granite", "smollm3"):
             out["attention_bias"] = self.attention_bias
-        if self.model_type in ("llama", "granite"):
+        if self.model_type in ("llama", "granite", "smollm3"):
             out["mlp_bias"] = self.mlp_bias
+        if self.model_type == "smollm3":
+            out |= {"no_rope_layers": list(self.no_rope_layers), "use_sliding_window": False}
         if self.model_type == "granite":
             out |= {name: getattr(self, name) for name in _GRANITE_FIELDS}
         if self.family in _WINDOWED:
@@ -743,6 +774,9 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "olmo3": _SHAPE | {"vocab_size": 50304, "intermediate_size": 11008, "max_position_embeddings": 2048,
               "rms_norm_eps": 1e-5, "sliding_window": 4096},
     "granite": _SHAPE | {"vocab_size": 32000, "intermediate_size": 11008, "attention_multiplier": 1.0},
+    "smollm3": {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 11008,
+                "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4,
+                "max_position_embeddings": 32768, "tie_word_embeddings": True, "rope_theta": 2e6},
     "mixtral": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 4096 * 32,
                 "rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_experts_per_tok": 2, "num_experts": 8},
@@ -787,6 +821,8 @@ _NOT_NULL = {
     "gemma3_text": _NOT_NULL_GEMMA2,
     "olmo2": _NOT_NULL_ANY | {"attention_bias", "attention_dropout"},
     "olmo3": _NOT_NULL_ANY | {"attention_bias", "attention_dropout"},
+    "smollm3": _NOT_NULL_ANY | {"attention_bias", "attention_dropout", "mlp_bias", "use_sliding_window",
+                                "no_rope_layer_interval"},
     "granite": _NOT_NULL_ANY | {"attention_bias", "attention_dropout", "mlp_bias", "embedding_multiplier",
                                 "logits_scaling", "residual_multiplier", "attention_multiplier"},
     "mixtral": _NOT_NULL_ANY | {"num_key_value_heads", "attention_dropout", "num_experts_per_tok",
@@ -815,6 +851,7 @@ _ARCHITECTURES = {
     "olmo2": "Olmo2ForCausalLM",
     "olmo3": "Olmo3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -918,6 +955,16 @@ def _read_gemma(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
     elif not isinstance(d["layer_types"], list):
         raise ValueError(f"layer_types must be a list or null, got {d['layer_types']!r}")
     return d
+
+
+def _default_no_rope_layers(d: dict[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's `no_rope_layers` where config.json gives none, as transformers derives them: a
+    NoPE layer (0) every `no_rope_layer_interval` (default 4) layers."""
+    interval = d.get("no_rope_layer_interval", 4)
+    _check_positive_int("no_rope_layer_interval", interval)
+    layers = d["num_hidden_layers"]
+    _check_positive_int("num_hidden_layers", layers)
+    return tuple(int((i + 1) % interval != 0) for i in range(layers))
 
 
 def _patterned_layer_types(num_layers: int, pattern: int) -> tuple[str, ...]:
@@ -1174,8 +1221,8 @@ def _read_sliding_window(
     if use is None:
         return None
     _check_bool("use_sliding_window", use)
-    if use and model_type == "llama":
-        raise ValueError("use_sliding_window=True is not supported for model_type 'llama'")
+    if use and model_type in ("llama", "smollm3"):
+        raise ValueError(f"use_sliding_window=True is not supported for model_type {model_type!r}")
     if not use or d["sliding_window"] is None:
         return None
     layer_types = d.get("layer_types")

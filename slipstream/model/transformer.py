@@ -326,6 +326,8 @@ class Attention(nn.Module):
             self.q_norm = make_norm(config, D * (self.num_heads if self.qk_norm_across_heads else 1))
             self.k_norm = make_norm(config, D * (self.num_kv_heads if self.qk_norm_across_heads else 1))
         self.rotary = FP32Rotary() if config.post_norms else Rotary()
+        self.rotates = config.layer_rotates(layer_idx)
+        """False for SmolLM3's NoPE layers, whose q and k take no position."""
         # One linear computing q, k and v together, set by the inference fast path
         # (ops.inference.fuse_projections) in place of the three above.
         self.qkv_proj: nn.Module | None = None
@@ -351,7 +353,8 @@ class Attention(nn.Module):
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm") and not self.qk_norm_across_heads:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, k, cos, sin)
+        if self.rotates:
+            q, k = self.rotary(q, k, cos, sin)
         if attn is None:
             out = dense_causal_attention(q, k, v, sliding_window=self.sliding_window, scale=self.scale,
                                          softcap=self.softcap)

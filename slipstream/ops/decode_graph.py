@@ -354,6 +354,8 @@ def _layer_attention(model: Transformer) -> tuple[float, int | None]:
             raise _NotApplicable(f"an MLP with {type(layer.mlp.act).__name__}, not SwiGLU")
     if any(attention.softcap is not None for attention in attentions):
         raise _NotApplicable("soft-capped attention scores")
+    if not all(attention.rotates for attention in attentions):
+        raise _NotApplicable("layers without the rotary embedding (NoPE)")
     scales, windows = {a.scale for a in attentions}, {a.sliding_window for a in attentions}
     if len(scales) > 1 or len(windows) > 1:
         raise _NotApplicable(f"layers of different attention scales {sorted(scales)} or windows "
