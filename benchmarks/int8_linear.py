@@ -14,7 +14,8 @@ last-level cache) at several row counts, interleaving three implementations in e
   format: int8 rows and one scale per output channel), only up to `--torch-max-rows` rows: it
   is far slower (5 ms for one row of 2048x768 on the development VM).
 
-It prints the median time per pass over the 48 weights, GFLOP/s, the int8/dense speed ratio, the
+It prints the median time per pass over the 48 weights, GFLOP/s, the int8/dense speed ratio (the
+median of the repeats' ratios: the two run back to back in each repeat, under the same load), the
 rate at which each implementation reads its weights and that rate's fraction of the read
 bandwidth measured right before each row count (`perf.hardware.measure_memory_bandwidth`, as
 serve_latency.py gets it), and a last line of JSON.
@@ -85,7 +86,7 @@ def measure(dtype: torch.dtype, rows_list: list[int], repeats: int, torch_max_ro
         seconds = {impl: median(t) for impl, t in times.items()}
         read = {impl: weight_bytes[impl] / s for impl, s in seconds.items()}
         gflops = {impl: 2 * rows * weights / s / 1e9 for impl, s in seconds.items()}
-        ratio = seconds["dense"] / seconds["int8"]
+        ratio = _speedup(times, "dense")
         timings = ", ".join(f"{impl} {1e3 * s:7.2f} ms ({gflops[impl]:6.1f} GFLOP/s, "
                             f"{read[impl] / 1e9:5.1f} GB/s)" for impl, s in seconds.items())
         print(f"{name} M={rows:5d}: {timings}; int8/dense {ratio:.2f}x; int8 reads at "
@@ -95,9 +96,15 @@ def measure(dtype: torch.dtype, rows_list: list[int], repeats: int, torch_max_ro
             "gflops": gflops, "read_gb_per_s": {impl: r / 1e9 for impl, r in read.items()},
             "bandwidth_fraction": {impl: r / bandwidth for impl, r in read.items()},
             "measured_read_gb_per_s": bandwidth / 1e9, "int8_speedup_over_dense": ratio,
-            "int8_speedup_over_torch": seconds["torch"] / seconds["int8"] if "torch" in seconds else None,
+            "int8_speedup_over_torch": _speedup(times, "torch") if "torch" in times else None,
         })
     return results
+
+
+def _speedup(times: dict[str, list[float]], baseline: str) -> float:
+    """The median over the repeats of baseline time / int8 time: the two run back to back in each
+    repeat, so on a shared machine both sides of a ratio see about the same load."""
+    return median([b / i for b, i in zip(times[baseline], times["int8"], strict=True)])
 
 
 def main() -> None:
