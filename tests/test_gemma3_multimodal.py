@@ -11,13 +11,13 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 from serve_fixtures import assert_same_tokens, transformers_greedy
+from test_gemma_model import GEMMA3, SHAPE
 
 from slipstream import LLM, SamplingParams
 from slipstream.model.config import ModelConfig
 from slipstream.model.create import stdlib_tokenizer
 from slipstream.model.weights import load_model
 from slipstream.perf.shapes import resolve_model
-from tests.test_gemma_model import GEMMA3, SHAPE
 
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
               image_size=28, patch_size=14)
@@ -136,10 +136,28 @@ def test_the_performance_model_prices_the_language_model(tmp_path):
     assert resolve_model(str(tmp_path)).num_params() == expected
 
 
+def test_the_top_level_keys_for_the_whole_model_win():
+    """Guards the top level: its end-of-turn ids win over the text_config's defaults that
+    transformers 5 writes (transformers' generation config takes them), and a quantization there
+    is refused as in a text model's config.json."""
+    written_by_transformers_5 = HUB_4B | {"text_config": HUB_4B["text_config"] | {"eos_token_id": 1}}
+    assert ModelConfig.from_hf_dict(written_by_transformers_5).eos_token_ids == (1, 106)
+    with pytest.raises(ValueError, match="unsupported config.json field quantization_config"):
+        ModelConfig.from_hf_dict(HUB_4B | {"quantization_config": {"quant_method": "fp8"}})
+
+
 def test_a_text_config_of_another_type_is_refused():
     """Guards the error: a gemma3 config.json whose text_config is not Gemma 3's text model."""
     with pytest.raises(ValueError, match="text_config has model_type 'llama'"):
         ModelConfig.from_hf_dict({"model_type": "gemma3", "text_config": {"model_type": "llama"}})
+
+
+def test_the_pooling_runner_reads_the_language_model(tied):
+    """Guards the pooling runner on a multimodal directory: embeddings of the language model's
+    width, as its last hidden state (not a KeyError on the top level's missing hidden_size)."""
+    _, path = tied
+    (embedding,) = LLM(str(path), dtype="float32", runner="pooling").embed([{"prompt_token_ids": [3, 4, 5]}])
+    assert len(embedding.outputs.embedding) == SHAPE["hidden_size"]
 
 
 def test_the_engine_serves_the_language_model_as_transformers_generates(tied):

@@ -29,6 +29,8 @@ ROPES = {
     "gpt-oss": YARN | {"beta_fast": 16.0, "beta_slow": 2.0, "truncate": False},
     "mscale-pair": YARN | {"mscale": 1.0, "mscale_all_dim": 0.5},
     "attention-factor": YARN | {"attention_factor": 1.3},
+    "null-factor": YARN | {"factor": None},  # max_position_embeddings / original
+    "zero-betas-and-mscale": YARN | {"beta_fast": 0, "mscale": 0, "mscale_all_dim": 1.0},  # the defaults
 }
 
 
@@ -110,3 +112,14 @@ def test_bad_yarn_blocks_are_errors_naming_the_key(rope, match):
          "rope_scaling": rope}
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf_dict(json.loads(json.dumps(d)))
+
+
+def test_a_linear_scaling_built_in_code_takes_no_attention_factor():
+    """Guards the code-built config: only longrope and yarn scale cos and sin, so another type's
+    attention_factor is refused (config.json's is ignored, as transformers ignores it) rather
+    than applied and then lost on saving."""
+    with pytest.raises(ValueError, match="only longrope and yarn scale cos and sin"):
+        RopeScaling(rope_type="linear", factor=2.0, attention_factor=1.5)
+    d = {"model_type": "llama", **{k: v for k, v in SHAPE.items() if k != "attn_implementation"},
+         "rope_scaling": {"rope_type": "linear", "factor": 2.0, "attention_factor": 1.5}}
+    assert ModelConfig.from_hf_dict(d).rope_scaling.attention_factor == 1.0

@@ -137,6 +137,9 @@ class RopeScaling:
         attention_factor = self.attention_factor
         if attention_factor is None:
             attention_factor = self._default_attention_factor()
+        elif self.rope_type not in ("longrope", "yarn") and attention_factor != 1:
+            raise ValueError(f"rope_scaling attention_factor={attention_factor!r} given for rope_type "
+                             f"{self.rope_type!r}; only longrope and yarn scale cos and sin")
         object.__setattr__(self, "attention_factor",
                            _positive_float("rope_scaling attention_factor", attention_factor))
         for name in ("short_factor", "long_factor"):
@@ -729,8 +732,9 @@ class ModelConfig:
             raise ValueError(f"{path} is not valid JSON: {e}") from e
         if not isinstance(d, dict):
             raise ValueError(f"{path} must hold a JSON object")
+        d = language_model_dict(d)
         config = cls.from_hf_dict(d)
-        if _read_dtype(language_model_dict(d)) is None:
+        if _read_dtype(d) is None:
             from slipstream.model.weights import dtype_name, stored_dtype  # weights imports this module
 
             dtype = stored_dtype(model_dir)
@@ -862,6 +866,7 @@ _ARCHITECTURES = {
 # decoder does not implement; better a clear error than wrong logits.
 _UNSUPPORTED_FEATURES = {
     "quantization_config": None,
+    "compression_config": None,  # compressed-tensors' older name for it
     "use_mrope": False,
     "attn_logit_softcapping": None,
     "final_logit_softcapping": None,
@@ -1100,13 +1105,24 @@ def _read_rope(
         values["original_max_position_embeddings"] = block.get(
             "original_max_position_embeddings", max_position_embeddings
         )
-    if rope_type == "yarn":  # transformers reads a null beta as its default (`or 32`, `or 1`)
-        values |= {name: block[name] for name in _YARN_OPTIONAL if block.get(name) is not None}
+    if rope_type == "yarn":
+        values |= _read_yarn_options(block, values, max_position_embeddings)
     return theta, RopeScaling(rope_type=rope_type, **values)
 
 
-_YARN_OPTIONAL = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
-"""The keys of a yarn block that transformers reads where given."""
+def _read_yarn_options(block: dict[str, Any], values: dict[str, Any], max_positions: int) -> dict[str, Any]:
+    """A yarn block's keys beyond `factor`, as transformers' `_compute_yarn_parameters` reads them:
+    a null factor is max_position_embeddings / original; a null or zero beta or mscale takes the
+    default (its `or 32`, `or 1` and truthiness tests); `attention_factor` and `truncate` where given."""
+    options: dict[str, Any] = {}
+    if values["factor"] is None:
+        original = _whole_positive_int("rope_scaling original_max_position_embeddings",
+                                       values["original_max_position_embeddings"])
+        options["factor"] = max_positions / original
+    options |= {name: block[name] for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+                if block.get(name)}
+    given = ("attention_factor", "truncate")
+    return options | {name: block[name] for name in given if block.get(name) is not None}
 
 
 def _read_partial_rotary_factor(d: dict[str, Any]) -> Any:
@@ -1145,16 +1161,19 @@ MULTIMODAL_TEXT_TYPES = {"gemma3": "gemma3_text"}
 """Multimodal model types whose language model slipstream reads (text in, text out; the vision
 tower is not loaded), with the model type of that language model."""
 
-_MULTIMODAL_TOP_LEVEL_KEYS = ("dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id")
-"""Keys a multimodal config.json may give at its top level for its language model too (Gemma 3's
-checkpoints name their dtype and end-of-turn ids there): taken where `text_config` lacks them."""
+_MULTIMODAL_TOP_LEVEL_KEYS = ("dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id",
+                              "quantization_config", "compression_config")
+"""Keys a multimodal config.json gives at its top level for the whole model, its language model
+included: they win over `text_config`'s (Gemma 3's checkpoints name their end-of-turn ids there,
+which transformers' generation config takes, while transformers 5 writes `text_config`'s defaults
+beside them), and a quantization there is refused as it is in a text model's config.json."""
 
 
 def language_model_dict(d: dict[str, Any]) -> dict[str, Any]:
     """The config.json keys of the language model: `d` itself, or for a multimodal checkpoint
-    (Gemma 3's Gemma3ForConditionalGeneration) its `text_config`, completed from the top level as
-    transformers reads it: the dtype and token ids, and `tie_word_embeddings` from the top level
-    only (default true), since transformers ties the multimodal model's LM head by that flag. Its
+    (Gemma 3's Gemma3ForConditionalGeneration) its `text_config`, with the top level's keys for
+    the whole model (`_MULTIMODAL_TOP_LEVEL_KEYS`) over it, and `tie_word_embeddings` from the top
+    level only (default true), since transformers ties the multimodal model's LM head by that flag. Its
     final logit soft cap is dropped, as the multimodal model never applies it (the released
     checkpoints have none)."""
     text_type = MULTIMODAL_TEXT_TYPES.get(d.get("model_type"))
@@ -1166,13 +1185,13 @@ def language_model_dict(d: dict[str, Any]) -> dict[str, Any]:
     if text.get("model_type", text_type) != text_type:
         raise ValueError(f"a {d['model_type']!r} config.json's text_config has model_type "
                          f"{text['model_type']!r}; expected {text_type!r}")
-    top = {key: d[key] for key in _MULTIMODAL_TOP_LEVEL_KEYS if key in d and key not in text}
+    top = {key: d[key] for key in _MULTIMODAL_TOP_LEVEL_KEYS if key in d}
     logger.info("reading the language model of a multimodal %r checkpoint (images are not supported)",
                 d["model_type"])
     if text.get("final_logit_softcapping") is not None:
         logger.warning("ignoring text_config's final_logit_softcapping=%r: transformers' multimodal Gemma 3 "
                        "does not soft-cap its logits", text["final_logit_softcapping"])
-    return top | text | {"model_type": text_type, "tie_word_embeddings": d.get("tie_word_embeddings", True),
+    return text | top | {"model_type": text_type, "tie_word_embeddings": d.get("tie_word_embeddings", True),
                          "final_logit_softcapping": None}
 
 

@@ -214,7 +214,7 @@ class RopeTables(nn.Module):
         self.config = config
         scaling = config.rope_scaling
         longrope = scaling is not None and scaling.rope_type == "longrope"
-        self.scale = scaling.attention_factor if scaling is not None else 1.0  # longrope's, yarn's
+        self.scale = scaling.attention_factor if scaling is not None else 1.0  # 1 but for longrope, yarn
         self.original = scaling.original_max_position_embeddings if longrope else None
         inv_freq = torch.empty(config.rotary_dim // 2) if on_meta else rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)

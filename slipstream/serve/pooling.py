@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from slipstream.model.config import ModelConfig
 from slipstream.serve.request import RequestMetrics
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -63,11 +64,12 @@ class PoolerConfig:
         (another pooling mode, a Dense projection after the pooling)."""
         model_dir = Path(model_dir)
         config = json.loads((model_dir / "config.json").read_text())
+        hidden_size = ModelConfig.from_pretrained(model_dir).hidden_size  # a multimodal model's: its text's
         matryoshka = config.get("matryoshka_dimensions")
         dimensions = tuple(matryoshka) if matryoshka else () if config.get("is_matryoshka") else None
         modules_file = model_dir / "modules.json"
         if not modules_file.exists():
-            return cls(hidden_size=config["hidden_size"], matryoshka_dimensions=dimensions)
+            return cls(hidden_size=hidden_size, matryoshka_dimensions=dimensions)
         listed = json.loads(modules_file.read_text())
         modules = {module["type"].removeprefix(_ST): module for module in listed}
         unsupported = sorted(set(modules) - {"Transformer", "Pooling", "Normalize"})
@@ -85,7 +87,7 @@ class PoolerConfig:
                                  f"pools one of {', '.join(_POOLING_MODES)}")
             pooling_type = chosen[0]
         return cls(pooling_type=pooling_type, normalize="Normalize" in modules,
-                   hidden_size=config["hidden_size"], matryoshka_dimensions=dimensions)
+                   hidden_size=hidden_size, matryoshka_dimensions=dimensions)
 
     def check(self, params: PoolingParams) -> None:
         """A ValueError for params this model cannot honour."""
