@@ -120,6 +120,39 @@ def test_greedy_tokens_match_transformers_on_round_tripped_weights(family_dir, r
     assert_same_tokens(expected, gaps, got, f"{family} int8, {case}")
 
 
+@torch.no_grad()
+def _token_logprobs(hf, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """log p(token | what precedes it) of each of `tokens` after `prompt`, by one forward."""
+    logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()  # (T, V)
+    return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def test_logprobs_follow_the_round_trip_not_the_unquantized_model(model_dir):
+    """Guards the numbers, not only the greedy choices (which int8 rarely flips): the engine's
+    log-probabilities of its tokens (fast path) are the round-tripped transformers model's within
+    1e-4 (measured: 1e-6), while the unquantized model's are further away than that (2e-3: an
+    engine that quantized part of the model, or none, would fail)."""
+    prompts = _prompts(8192, PROMPT_SEEDS["llama"])[:2]
+    llm = LLM(str(model_dir), quantization="int8", dtype="float32", enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=1)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    unquantized = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    round_trip = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    with torch.no_grad():
+        for linear in round_trip.model.layers.modules():
+            if isinstance(linear, torch.nn.Linear):
+                linear.weight.copy_(int8_round_trip(linear.weight))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        tokens = list(output.outputs[0].token_ids)
+        got = torch.tensor([position[t].logprob for position, t in zip(output.outputs[0].logprobs, tokens,
+                                                                         strict=True)])
+        expected = _token_logprobs(round_trip, prompt, tokens)
+        away = (_token_logprobs(unquantized, prompt, tokens) - expected).abs().max().item()
+        error = (got - expected).abs().max().item()
+        print(f"engine vs round trip {error:.2e}, unquantized vs round trip {away:.2e}")
+        assert error < 1e-4 < away
+
+
 @pytest.mark.parametrize("fast_cpu_kernels", [True, False])
 def test_prefix_caching_matches_transformers(family_dir, reference, fast_cpu_kernels):
     """Two at a time, the prompts after the first two hit the prefix cache for their shared
