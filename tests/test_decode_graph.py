@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C comp
 BLOCK_SIZE, NUM_BLOCKS = 4, 48
 
 
-def _decode_batch(config, seq_lens, dtype, num_blocks=NUM_BLOCKS):
+def decode_batch(config, seq_lens, dtype, num_blocks=NUM_BLOCKS):
     """A cache filled with random keys and values for every earlier position of each sequence
     (over shuffled blocks), and the layout of one decode step that adds the last token."""
     rng = random.Random(0)
@@ -40,7 +40,7 @@ def _decode_batch(config, seq_lens, dtype, num_blocks=NUM_BLOCKS):
     return cache, batch, token_ids, positions
 
 
-def _module_path(model, cache, batch, token_ids, positions, use_kernel):
+def module_path(model, cache, batch, token_ids, positions, use_kernel):
     attention = PagedAttention(cache, batch, use_kernel)
     with torch.inference_mode():
         return model.hidden_states(token_ids[None], positions[None], attention)[0]
@@ -65,7 +65,7 @@ def test_decode_graph_equals_module_path(family_config, dtype, seq_lens):
     plain = random_model(family_config, dtype)
     fast = optimize_for_cpu_inference(copy.deepcopy(plain))
     num_blocks = max(NUM_BLOCKS, sum(-(-n // BLOCK_SIZE) for n in seq_lens))
-    cache, batch, token_ids, positions = _decode_batch(family_config, seq_lens, dtype, num_blocks)
+    cache, batch, token_ids, positions = decode_batch(family_config, seq_lens, dtype, num_blocks)
     graph_cache, plain_cache = copy.deepcopy(cache), copy.deepcopy(cache)
     graph = CpuDecodeGraph.build(fast, graph_cache.keys, graph_cache.values)
     assert graph is not None
@@ -76,12 +76,12 @@ def test_decode_graph_equals_module_path(family_config, dtype, seq_lens):
 
     logits_cache = copy.deepcopy(cache)
     logits_graph = CpuDecodeGraph.build(fast, logits_cache.keys, logits_cache.values)
-    expected = _module_path(fast, cache, batch, token_ids, positions, use_kernel=True)
+    expected = module_path(fast, cache, batch, token_ids, positions, use_kernel=True)
     with torch.inference_mode():
         got = graph(token_ids, positions, batch)
         got_logits = logits_graph(token_ids, positions, batch, logits=True)
         expected_logits = fast.compute_logits(expected)
-    reference = _module_path(plain, plain_cache, batch, token_ids, positions, use_kernel=False)
+    reference = module_path(plain, plain_cache, batch, token_ids, positions, use_kernel=False)
 
     assert got.shape == expected.shape == (len(seq_lens), family_config.hidden_size)
     assert torch.equal(got, expected)
@@ -111,7 +111,7 @@ def test_decode_graph_rejects_batches_it_cannot_run(family_config):
     cache = PagedKVCache(family_config, num_blocks=4, block_size=BLOCK_SIZE, dtype=torch.float32,
                          device=torch.device("cpu"))
     too_many = CpuDecodeGraph.build(fast, cache.keys, cache.values).max_seqs + 1
-    cache, batch, token_ids, positions = _decode_batch(family_config, [3] * too_many, torch.float32,
+    cache, batch, token_ids, positions = decode_batch(family_config, [3] * too_many, torch.float32,
                                                        num_blocks=too_many)
     graph = CpuDecodeGraph.build(fast, cache.keys, cache.values)
     with pytest.raises(ValueError, match="decoding sequences"):
@@ -126,7 +126,7 @@ def test_decode_graph_rejects_token_ids_outside_the_vocabulary(family_config, ba
     """The embedding lookup is in C: an id outside [0, vocab) is a ValueError naming it, as
     nn.Embedding refuses it, never a read past the table; nothing is written to the cache."""
     fast = optimize_for_cpu_inference(random_model(family_config, torch.float32))
-    cache, batch, token_ids, positions = _decode_batch(family_config, [5, 9], torch.float32)
+    cache, batch, token_ids, positions = decode_batch(family_config, [5, 9], torch.float32)
     graph = CpuDecodeGraph.build(fast, cache.keys, cache.values)
     bad_id = family_config.vocab_size if bad == "vocab" else bad
     token_ids[1] = bad_id
@@ -143,14 +143,14 @@ def test_decode_graph_grows_its_rotary_tables(family_config):
     fast = optimize_for_cpu_inference(random_model(family_config, torch.float32))
     seq_lens = [2100, 3]
     num_blocks = sum(-(-n // BLOCK_SIZE) for n in seq_lens)
-    cache, long_step, token_ids, positions = _decode_batch(family_config, seq_lens, torch.float32, num_blocks)
+    cache, long_step, token_ids, positions = decode_batch(family_config, seq_lens, torch.float32, num_blocks)
     tables = long_step.decode_block_tables.tolist()
     short_step = PagedBatch.build(seq_lens=[5, 3], query_lens=[1, 1],
                                   block_tables=[tables[0][:2], tables[1][:1]], block_size=BLOCK_SIZE)
     graph_cache = copy.deepcopy(cache)
     graph = CpuDecodeGraph.build(fast, graph_cache.keys, graph_cache.values)
     for batch, step_positions in ((short_step, torch.tensor([4, 2])), (long_step, positions)):
-        expected = _module_path(fast, cache, batch, token_ids, step_positions, use_kernel=True)
+        expected = module_path(fast, cache, batch, token_ids, step_positions, use_kernel=True)
         with torch.inference_mode():
             assert torch.equal(graph(token_ids, step_positions, batch), expected)
 
@@ -159,7 +159,7 @@ def test_decode_graph_rejects_positions_that_are_not_the_last_token(family_confi
     """A position past the sequence (beyond the rotary tables the graph keeps for its lengths) is a
     ValueError naming it, checked in C before any work: nothing is written to the cache."""
     fast = optimize_for_cpu_inference(random_model(family_config, torch.float32))
-    cache, batch, token_ids, positions = _decode_batch(family_config, [5, 9], torch.float32)
+    cache, batch, token_ids, positions = decode_batch(family_config, [5, 9], torch.float32)
     graph = CpuDecodeGraph.build(fast, cache.keys, cache.values)
     before = [t.clone() for t in cache.keys]
     for bad in (-1, 1 << 20):
@@ -181,7 +181,7 @@ def test_greedy_steps_equal_one_step_at_a_time(family_config, dtype, seq_lens):
     fast = optimize_for_cpu_inference(random_model(family_config, dtype))
     lengths = [n + NUM_GREEDY_STEPS - 1 for n in seq_lens]  # the last step's sequence lengths
     num_blocks = max(NUM_BLOCKS, sum(-(-n // BLOCK_SIZE) for n in lengths))
-    cache, last_step, token_ids, _ = _decode_batch(family_config, lengths, dtype, num_blocks)
+    cache, last_step, token_ids, _ = decode_batch(family_config, lengths, dtype, num_blocks)
     tables = last_step.decode_block_tables
     graph_cache = copy.deepcopy(cache)
     graph = CpuDecodeGraph.build(fast, graph_cache.keys, graph_cache.values)
@@ -194,7 +194,7 @@ def test_greedy_steps_equal_one_step_at_a_time(family_config, dtype, seq_lens):
     for step in range(NUM_GREEDY_STEPS):
         batch = PagedBatch.build(seq_lens=[n + step for n in seq_lens], query_lens=[1] * len(seq_lens),
                                  block_tables=tables.tolist(), block_size=BLOCK_SIZE)
-        hidden = _module_path(fast, cache, batch, tokens, positions + step, use_kernel=True)
+        hidden = module_path(fast, cache, batch, tokens, positions + step, use_kernel=True)
         with torch.inference_mode():
             tokens = argmax(fast.compute_logits(hidden))
         expected.append(tokens)
@@ -208,7 +208,7 @@ def test_greedy_steps_need_block_tables_that_cover_them(family_config):
     """A block table too short for the last step's position, a negative position, or token ids
     outside the vocabulary: a ValueError before any work, nothing written to the cache."""
     fast = optimize_for_cpu_inference(random_model(family_config, torch.float32))
-    cache, batch, token_ids, positions = _decode_batch(family_config, [5, 8], torch.float32)
+    cache, batch, token_ids, positions = decode_batch(family_config, [5, 8], torch.float32)
     graph = CpuDecodeGraph.build(fast, cache.keys, cache.values)
     token_ids, positions = token_ids.tolist(), positions.tolist()
     tables = batch.decode_block_tables.tolist()  # 2 blocks of 4 each: positions up to 7

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import MOE_FAMILIES
 from serve_fixtures import random_model
-from test_decode_graph import BLOCK_SIZE, NUM_BLOCKS, _decode_batch, _module_path
+from test_decode_graph import BLOCK_SIZE, NUM_BLOCKS, decode_batch, module_path
 
 from slipstream.model import ModelConfig
 from slipstream.model.transformer import SparseMoeBlock
@@ -51,7 +51,7 @@ def _graph(fast, cache):
 
     def fallback(token_ids, positions, batch):
         calls.append(positions.tolist())
-        return _module_path(fast, cache, batch, token_ids, positions, use_kernel=True)
+        return module_path(fast, cache, batch, token_ids, positions, use_kernel=True)
 
     return CpuDecodeGraph.build(fast, cache.keys, cache.values, fallback=fallback), calls
 
@@ -75,12 +75,12 @@ def test_moe_decode_graph_equals_module_path(shape, dtype):
     fast = optimize_for_cpu_inference(copy.deepcopy(plain))
     for seq_lens in BATCHES:
         num_blocks = max(NUM_BLOCKS, sum(-(-n // BLOCK_SIZE) for n in seq_lens))
-        cache, batch, token_ids, positions = _decode_batch(config, seq_lens, dtype, num_blocks)
+        cache, batch, token_ids, positions = decode_batch(config, seq_lens, dtype, num_blocks)
         graph_cache, logits_cache, plain_cache = (copy.deepcopy(cache) for _ in range(3))
         graph, calls = _graph(fast, graph_cache)
         logits_graph, logits_calls = _graph(fast, logits_cache)
         assert graph is not None and len(seq_lens) <= graph.max_seqs
-        expected = _module_path(fast, cache, batch, token_ids, positions, use_kernel=True)
+        expected = module_path(fast, cache, batch, token_ids, positions, use_kernel=True)
         with torch.inference_mode():
             got = graph(token_ids, positions, batch)
             got_logits = logits_graph(token_ids, positions, batch, logits=True)
@@ -93,7 +93,7 @@ def test_moe_decode_graph_equals_module_path(shape, dtype):
                 assert torch.equal(written.values[layer], cache.values[layer])
         assert calls == logits_calls == []
         if dtype == torch.float32:
-            reference = _module_path(plain, plain_cache, batch, token_ids, positions, use_kernel=False)
+            reference = module_path(plain, plain_cache, batch, token_ids, positions, use_kernel=False)
             diff = (got - reference).abs().max().item()
             scale = reference.abs().max().item()
             print(f"  max |diff| vs plain model {diff:.3g} (scale {scale:.3g})")
@@ -130,10 +130,10 @@ def test_tied_routing_chooses_as_torch_topk(shape, dtype):
     fast = _with_routers(config, dtype, _triplicate_rows)
     for seq_lens in ([5, 17, 2, 9, 1, 30], list(range(1, 65))):
         num_blocks = max(NUM_BLOCKS, sum(-(-n // BLOCK_SIZE) for n in seq_lens))
-        cache, batch, token_ids, positions = _decode_batch(config, seq_lens, dtype, num_blocks)
+        cache, batch, token_ids, positions = decode_batch(config, seq_lens, dtype, num_blocks)
         graph_cache = copy.deepcopy(cache)
         graph, calls = _graph(fast, graph_cache)
-        expected = _module_path(fast, cache, batch, token_ids, positions, use_kernel=True)
+        expected = module_path(fast, cache, batch, token_ids, positions, use_kernel=True)
         with torch.inference_mode():
             got = graph(token_ids, positions, batch)
         assert calls == []
@@ -155,10 +155,10 @@ def test_declined_routing_falls_back_to_the_module_path():
     the graph runs the step module by module through its fallback, equal to the module path."""
     config = _config("mixtral")
     fast = _with_routers(config, torch.float32, _infinite_last_router)
-    cache, batch, token_ids, positions = _decode_batch(config, [5, 17, 2, 9], torch.float32)
+    cache, batch, token_ids, positions = decode_batch(config, [5, 17, 2, 9], torch.float32)
     graph_cache = copy.deepcopy(cache)
     graph, calls = _graph(fast, graph_cache)
-    expected = _module_path(fast, cache, batch, token_ids, positions, use_kernel=True)
+    expected = module_path(fast, cache, batch, token_ids, positions, use_kernel=True)
     with torch.inference_mode():
         got = graph(token_ids, positions, batch)
     assert calls == [positions.tolist()]
@@ -179,7 +179,7 @@ def test_greedy_steps_with_declined_routings_equal_one_step_at_a_time():
     fast = _with_routers(config, torch.float32, _infinite_last_router)
     seq_lens = [3]
     lengths = [n + NUM_GREEDY_STEPS - 1 for n in seq_lens]
-    cache, last_step, token_ids, _ = _decode_batch(config, lengths, torch.float32)
+    cache, last_step, token_ids, _ = decode_batch(config, lengths, torch.float32)
     tables = last_step.decode_block_tables.tolist()
     graph_cache = copy.deepcopy(cache)
     graph, calls = _graph(fast, graph_cache)
@@ -190,7 +190,7 @@ def test_greedy_steps_with_declined_routings_equal_one_step_at_a_time():
     for step in range(NUM_GREEDY_STEPS):
         batch = PagedBatch.build(seq_lens=[n + step for n in seq_lens], query_lens=[1] * len(seq_lens),
                                  block_tables=tables, block_size=BLOCK_SIZE)
-        hidden = _module_path(fast, cache, batch, tokens, positions + step, use_kernel=True)
+        hidden = module_path(fast, cache, batch, tokens, positions + step, use_kernel=True)
         with torch.inference_mode():
             tokens = argmax(fast.compute_logits(hidden))
         expected.append(tokens)
@@ -208,7 +208,7 @@ def test_decode_graph_declines_renormalised_top_k_it_cannot_sum(caplog):
     the graph declines such a model (with a log line) rather than differ."""
     config = _config("qwen3_moe", num_experts=8, num_experts_per_tok=5, norm_topk_prob=True)
     fast = optimize_for_cpu_inference(random_model(config, torch.float32))
-    cache, *_ = _decode_batch(config, [3], torch.float32)
+    cache, *_ = decode_batch(config, [3], torch.float32)
     with caplog.at_level(logging.INFO, logger="slipstream.ops.decode_graph"):
         assert CpuDecodeGraph.build(fast, cache.keys, cache.values, fallback=lambda *args: None) is None
     assert "top_k=5" in caplog.text
@@ -226,7 +226,7 @@ def test_greedy_steps_all_declined_run_in_a_loop_not_a_recursion():
     config = _config("mixtral")
     fast = _with_routers(config, torch.float32, _nan_routers)
     steps = 40
-    cache, last_step, token_ids, _ = _decode_batch(config, [3 + steps - 1], torch.float32)
+    cache, last_step, token_ids, _ = decode_batch(config, [3 + steps - 1], torch.float32)
     graph, calls = _graph(fast, cache)
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(len(inspect.stack()) + steps)  # room for the calls, not for 2 frames a step
@@ -244,7 +244,7 @@ def test_a_methods_fallback_does_not_keep_its_owner_alive():
     garbage collector to find; while the owner lives, the method still runs."""
     config = _config("mixtral")
     fast = _with_routers(config, torch.float32, _infinite_last_router)
-    cache, batch, token_ids, positions = _decode_batch(config, [5, 17, 2, 9], torch.float32)
+    cache, batch, token_ids, positions = decode_batch(config, [5, 17, 2, 9], torch.float32)
 
     class Owner:
         def __init__(self):
@@ -253,7 +253,7 @@ def test_a_methods_fallback_does_not_keep_its_owner_alive():
 
         def step(self, token_ids, positions, batch):
             self.calls += 1
-            return _module_path(fast, cache, batch, token_ids, positions, use_kernel=True)
+            return module_path(fast, cache, batch, token_ids, positions, use_kernel=True)
 
     owner = Owner()
     with torch.inference_mode():

@@ -53,7 +53,7 @@ SHAPES = {
 }
 
 
-def _write_model(family: str, out_dir) -> None:
+def write_moe_model(family: str, out_dir) -> None:
     """A random transformers model of `family` with the stdlib tokenizer. Matrices (routers
     included) are drawn with std 0.1, so that logits and router scores spread widely enough that
     fp32 rounding differences between GEMM paths flip neither a greedy choice nor an expert
@@ -115,7 +115,7 @@ def _fused_expert_calls(llm) -> int | None:
 def moe_model(request, tmp_path_factory):
     """(family, model directory, prompts, transformers' tokens, their top-2 logit gaps)."""
     model_dir = tmp_path_factory.mktemp(request.param)
-    _write_model(request.param, model_dir)
+    write_moe_model(request.param, model_dir)
     prompts = _prompts(seed=1)
     return request.param, model_dir, prompts, *_transformers_greedy(model_dir, prompts)
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from slipstream.model.config import ModelConfig
 from slipstream.model.transformer import Transformer
+from slipstream.ops.inference import optimize_for_cpu_inference
 from slipstream.ops.quant import Int8Linear, quantize_int8, quantize_linears
 
 
@@ -66,3 +67,25 @@ def test_quantize_linears_takes_decoder_layers_and_leaves_embeddings_head_and_ro
                      "model.layers.1.mlp.gate", "model.layers.1.mlp.shared_expert_gate"}
     with pytest.raises(ValueError, match="'int4'"):
         quantize_linears(model, "int4")
+
+
+def test_a_row_of_tiny_weights_gets_a_normal_scale():
+    """Guards the scale's floor: a row below 127 times the smallest normal fp32 gets that normal
+    as its scale, not a subnormal one or a zero (amax / 127 underflows), and is recovered within
+    half of it."""
+    weight = torch.tensor([[1e-44, -3e-45, 0.0], [1e-37, 2e-38, 5e-38], [1.0, -0.5, 0.25]])
+    q, s = quantize_int8(weight)
+    tiny = torch.finfo(torch.float32).tiny
+    assert s[0] == s[1] == tiny and s[2] == 1.0 / 127
+    assert ((q.float() * s[:, None] - weight).abs() <= s[:, None] / 2).all()
+
+
+def test_a_bad_quantization_leaves_the_model_unchanged():
+    """Guards the order of the checks: optimize_for_cpu_inference refuses an unknown method before
+    it fuses any projection."""
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = Transformer(config)
+    with pytest.raises(ValueError, match="'int4'"):
+        optimize_for_cpu_inference(model, quantization="int4")
+    assert model.model.layers[0].self_attn.qkv_proj is None

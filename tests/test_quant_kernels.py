@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import FAMILIES, MOE_FAMILIES
 from serve_fixtures import random_model
-from test_decode_graph import _decode_batch, _module_path
+from test_decode_graph import decode_batch, module_path
 from torch import nn
 
 from slipstream.model import ModelConfig
@@ -83,10 +83,14 @@ def test_int8_kernel_takes_a_long_prefill_chunk(dtype):
 
 @needs_int8_kernel
 def test_packed_int8_linear_refuses_inputs_the_kernel_does_not_take():
-    """An fp16 input is a ValueError naming its dtype, not a wrong answer or a crash."""
+    """An fp16 input is a ValueError naming its dtype, and an input of the wrong width one naming
+    its shape, not a wrong answer or a crash (the kernel reads in_features values a row)."""
     _, packed = _layers(37, 91, torch.float32, bias=False)
     with pytest.raises(ValueError, match="float16"):
         packed(torch.randn(2, 91, dtype=torch.float16))
+    for width in (71, 7_000):
+        with pytest.raises(ValueError, match=f"inputs of 91 features, got shape \\(2, {width}\\)"):
+            packed(torch.randn(2, width))
 
 
 def test_fp16_models_keep_the_plain_int8_path():
@@ -152,14 +156,14 @@ def test_decode_graph_runs_int8_linears_as_the_modules_do(family, dtype, seq_len
     panel kernel) and at nine (bf16 with AVX512-BF16: the int8 panels widened to bf16 pairs)."""
     config = _family_config(family)
     _, fast, _ = _quantized_pair(config, dtype)
-    cache, batch, token_ids, positions = _decode_batch(config, seq_lens, dtype)
+    cache, batch, token_ids, positions = decode_batch(config, seq_lens, dtype)
     graph_cache = copy.deepcopy(cache)
     graph = CpuDecodeGraph.build(fast, graph_cache.keys, graph_cache.values)
     assert graph is not None
     if len(seq_lens) > graph.max_seqs:
         pytest.skip(f"the graph takes up to {graph.max_seqs} sequences here")
     assert graph.max_seqs in (MAX_PANEL_ROWS, cpu_kernels.MAX_GEMV_ROWS)
-    expected = _module_path(fast, cache, batch, token_ids, positions, use_kernel=True)
+    expected = module_path(fast, cache, batch, token_ids, positions, use_kernel=True)
     with torch.inference_mode():
         got = graph(token_ids, positions, batch)
         expected_logits = fast.compute_logits(expected)
@@ -182,7 +186,7 @@ def test_int8_experts_keep_the_blocks_own_path_and_the_graph_declines(caplog):
     plain, fast, _ = _quantized_pair(config, torch.float32)
     blocks = [m for m in fast.modules() if isinstance(m, SparseMoeBlock)]
     assert blocks and all(not KernelMoeExperts.applies_to(b) and b.fused_experts is None for b in blocks)
-    cache, batch, token_ids, positions = _decode_batch(config, [5, 9], torch.float32)
+    cache, batch, token_ids, positions = decode_batch(config, [5, 9], torch.float32)
     with caplog.at_level(logging.INFO, logger="slipstream.ops.decode_graph"):
         graph = CpuDecodeGraph.build(fast, cache.keys, cache.values,
                                      fallback=lambda *args: pytest.fail("not a graph"))

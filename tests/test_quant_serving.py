@@ -23,7 +23,7 @@ import torch
 import transformers
 from serve_fixtures import assert_same_tokens, transformers_greedy
 from test_gemma_model import random_family
-from test_moe_serving import _write_model as write_moe_model
+from test_moe_serving import write_moe_model
 
 from slipstream import LLM, SamplingParams
 from slipstream.cli import main

@@ -43,7 +43,7 @@ from slipstream.ops.linear import (
     extra_copies_of,
     pack_linears,
 )
-from slipstream.ops.quant import pack_int8_linears, quantize_linears
+from slipstream.ops.quant import check_quantization, pack_int8_linears, quantize_linears
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +250,7 @@ def optimize_for_cpu_inference(model: nn.Module, *, quantization: str | None = N
     `ops.quant.QUANTIZATION_METHODS`, or None to keep the weights) and pack them for the C int8
     kernel, pack the other linears for oneDNN and swap in the C kernels, in place; returns the
     model."""
+    check_quantization(quantization)  # before the model changes
     fuse_projections(model)
     if quantization is not None:
         quantize_linears(model, quantization)

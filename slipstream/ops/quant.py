@@ -54,7 +54,10 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not torch.isfinite(w).all():
         raise ValueError("quantize_int8: the weight holds inf or NaN, which int8 cannot represent")
     amax = w.abs().amax(dim=1)  # (out_features,)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    # A row below 127 times the smallest normal fp32 (~1.5e-36) takes that normal as its scale,
+    # not a subnormal or zero one that would lose or zero the row.
+    smallest = torch.finfo(torch.float32).tiny
+    scale = torch.where(amax > 0, (amax / 127.0).clamp(min=smallest), torch.ones_like(amax))
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
 
@@ -107,6 +110,9 @@ class PackedInt8Linear(nn.Module):
         self.bias = layer.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"PackedInt8Linear takes inputs of {self.in_features} features, got shape "
+                             f"{tuple(x.shape)}")
         if not cpu_kernels.supports_int8(x):
             raise ValueError(f"PackedInt8Linear takes fp32 or bf16 CPU inputs, got {x.dtype} on {x.device}")
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -138,12 +144,17 @@ def pack_int8_linears(model: nn.Module) -> int:
     return len(names)
 
 
+def check_quantization(method: str | None) -> None:
+    """ValueError unless `method` is None or one of QUANTIZATION_METHODS."""
+    if method is not None and method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}")
+
+
 @torch.no_grad()
 def quantize_linears(model: nn.Module, method: str) -> int:
     """Replace the linear layers inside the model's decoder layers by quantized ones, in place
     (`method` from QUANTIZATION_METHODS); returns how many were replaced."""
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}")
+    check_quantization(method)
     layers = _decoder_layers(model)
     count = 0
     for layer in layers:
