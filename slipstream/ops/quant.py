@@ -155,6 +155,8 @@ def quantize_linears(model: nn.Module, method: str) -> int:
     """Replace the linear layers inside the model's decoder layers by quantized ones, in place
     (`method` from QUANTIZATION_METHODS); returns how many were replaced."""
     check_quantization(method)
+    if method is None:
+        raise ValueError(f"quantize_linears needs a method, one of {QUANTIZATION_METHODS}, got None")
     layers = _decoder_layers(model)
     count = 0
     for layer in layers:
