@@ -92,7 +92,7 @@ def test_every_match_is_valid_under_the_schema(name, data):
 
 
 @pytest.mark.parametrize("name", sorted(OPEN))
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_every_match_of_an_open_schema_is_valid(name, data):
     check_a_match(name, data)

@@ -81,9 +81,12 @@ def test_the_tiny_gemma2_preset_trains_and_resumes_bit_for_bit(data_dir, tmp_pat
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# ~12 s each (two launches): slow. The default set keeps Gemma 2's sandwich layers under tensor
+# parallelism in serving (test_gemma_serving.py) and the TP training plan on Llama (test_train_tp.py).
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [
-    (), pytest.param(("--parallel.sequence_parallel=false", "--parallel.activation_checkpointing=true"),
-                     marks=pytest.mark.slow)], ids=["sequence-parallel", "replicated-norms-checkpointing"])
+    (), ("--parallel.sequence_parallel=false", "--parallel.activation_checkpointing=true"),
+], ids=["sequence-parallel", "replicated-norms-checkpointing"])
 def test_tensor_parallel_gemma2_follows_one_process(extra, data_dir, tmp_path):
     """TP=2 over 2 ranks of Gemma 2 (its four norms per layer on sequence shards, or replicated
     without sequence parallelism; soft-capped attention on each rank's heads; a windowed layer):
