@@ -290,8 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto",
                    help="auto, float32, bfloat16, float16 (also vLLM's float and half)")
     p.add_argument("-q", "--quantization",
-                   help="as vLLM: int8 quantizes the decoder layers' linear weights after loading "
-                        "(weight-only, one scale per output channel); default: the weights in --dtype")
+                   help="vLLM's flag, with slipstream's value int8: quantize the decoder layers' linear "
+                        "weights after loading (weight-only, one scale per output channel); default: the "
+                        "weights in --dtype")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

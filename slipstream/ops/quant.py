@@ -147,7 +147,8 @@ def pack_int8_linears(model: nn.Module) -> int:
 def check_quantization(method: str | None) -> None:
     """ValueError unless `method` is None or one of QUANTIZATION_METHODS."""
     if method is not None and method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or None, got {method!r}")
+        choices = ", ".join(map(repr, QUANTIZATION_METHODS))
+        raise ValueError(f"quantization must be None or one of {choices}, got {method!r}")
 
 
 @torch.no_grad()

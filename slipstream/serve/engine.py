@@ -35,7 +35,7 @@ from slipstream.model.tokenizer import Tokenizer
 from slipstream.model.weights import dtype_name, load_model, resolve_dtype
 from slipstream.ops import cpu_kernels
 from slipstream.ops.allocator import keep_freed_memory, keep_large_freed_memory
-from slipstream.ops.quant import QUANTIZATION_METHODS
+from slipstream.ops.quant import check_quantization
 from slipstream.perf.flops import kv_cache_bytes_per_token
 from slipstream.perf.records import METRICS_FILE
 from slipstream.serve.fsm import compile_pattern
@@ -197,9 +197,7 @@ class EngineConfig:
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**63), got {self.seed!r}")
         if self.dtype != "auto":
             resolve_dtype(self.dtype)
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            choices = ", ".join(map(repr, QUANTIZATION_METHODS))
-            raise ValueError(f"quantization must be None or one of {choices}, got {self.quantization!r}")
+        check_quantization(self.quantization)
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
         if self.metrics_dir is not None:
