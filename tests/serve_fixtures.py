@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from slipstream import LLM, SamplingParams
 from slipstream.model.config import ModelConfig
 from slipstream.model.create import stdlib_tokenizer
 from slipstream.model.transformer import Transformer
@@ -105,6 +106,53 @@ def random_model(config: ModelConfig, dtype: torch.dtype = torch.float32) -> Tra
             if "norm" in name or "bias" in name:
                 param.add_(0.2 * torch.randn_like(param))
     return model.to(dtype).eval()
+
+@torch.no_grad()
+def random_hf(
+    model_class, config, *, offset: float = 0.3, names: tuple[str, ...] = ("norm",)
+) -> torch.nn.Module:
+    """transformers' `model_class` of `config`, seeded, in eval mode, with the parameters whose
+    names hold one of `names` moved by `offset` times a normal draw (norm weights off 1 and biases
+    off 0, which would hide a missing one)."""
+    torch.manual_seed(0)
+    hf = model_class(config).eval()
+    for name, param in hf.named_parameters():
+        if any(part in name for part in names):
+            param.add_(offset * torch.randn_like(param))
+    return hf
+
+
+def save_with_tokenizer(hf, path: Path, vocab_size: int = 320) -> Path:
+    """A model directory: `hf`'s config and weights and a stdlib tokenizer of `vocab_size`."""
+    hf.save_pretrained(path)
+    stdlib_tokenizer(vocab_size).save_pretrained(path)
+    return path
+
+
+def engine_greedy(
+    model_dir: Path, prompts: list[list[int]], max_tokens: int, **engine_args
+) -> list[list[int]]:
+    """The engine's greedy tokens (fp32, ignoring end of sequence) for token-id prompts."""
+    llm = LLM(str(model_dir), **{"dtype": "float32"} | engine_args)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                           use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@torch.no_grad()
+def positioned_logits(model: Transformer, token_ids: torch.Tensor) -> torch.Tensor:
+    """Our model's logits (B, T, V) for token ids (B, T) at positions 0 .. T - 1."""
+    return model(token_ids, torch.arange(token_ids.shape[1]).expand_as(token_ids))
+
+
+def assert_logits_match(model: Transformer, hf, token_ids: torch.Tensor) -> None:
+    """Our model's fp32 logits for token ids (B, T) equal transformers' model's within rtol 1e-5
+    and atol 2e-5 (the sums' order differs)."""
+    with torch.no_grad():
+        expected = hf(token_ids).logits
+    torch.testing.assert_close(positioned_logits(model, token_ids), expected, rtol=1e-5, atol=2e-5)
+
 
 @torch.no_grad()
 def dense_logprobs(model: Transformer, token_ids: list[int]) -> torch.Tensor:

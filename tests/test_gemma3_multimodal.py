@@ -10,12 +10,19 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from serve_fixtures import assert_same_tokens, transformers_greedy
+from serve_fixtures import (
+    assert_logits_match,
+    assert_same_tokens,
+    engine_greedy,
+    positioned_logits,
+    random_hf,
+    save_with_tokenizer,
+    transformers_greedy,
+)
 from test_gemma_model import GEMMA3, SHAPE
 
-from slipstream import LLM, SamplingParams
+from slipstream import LLM
 from slipstream.model.config import ModelConfig
-from slipstream.model.create import stdlib_tokenizer
 from slipstream.model.weights import load_model
 from slipstream.perf.shapes import resolve_model
 
@@ -31,19 +38,11 @@ def random_multimodal(**overrides) -> torch.nn.Module:
     config = transformers.Gemma3Config(text_config=text, vision_config=VISION, mm_tokens_per_image=4,
                                        **overrides)
     config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "norm" in name:
-                param.add_(0.3 * torch.randn_like(param))
-    return hf
+    return random_hf(transformers.Gemma3ForConditionalGeneration, config)
 
 
 def _save(hf: torch.nn.Module, path: Path) -> tuple[torch.nn.Module, Path]:
-    hf.save_pretrained(path)
-    stdlib_tokenizer(320).save_pretrained(path)
-    return hf, path
+    return hf, save_with_tokenizer(hf, path)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
@@ -56,11 +55,6 @@ def tied(tmp_path_factory):
     return _save(random_multimodal(), tmp_path_factory.mktemp("gemma3"))
 
 
-def _logits(model, token_ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(token_ids, torch.arange(token_ids.shape[1]).expand_as(token_ids))
-
-
 def test_the_language_model_matches_transformers_multimodal_model(saved):
     """Guards the reading of the language model: config from text_config (tying from the top level,
     as transformers ties), weights from `model.language_model.*`, the image encoder skipped; the
@@ -69,9 +63,7 @@ def test_the_language_model_matches_transformers_multimodal_model(saved):
     model = load_model(path)
     assert model.config.tie_word_embeddings == hf.config.tie_word_embeddings
     token_ids = torch.randint(0, 320, (2, 17), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = hf(input_ids=token_ids).logits
-    torch.testing.assert_close(_logits(model, token_ids), expected, rtol=1e-5, atol=2e-5)
+    assert_logits_match(model, hf, token_ids)
 
 
 def test_checkpoints_with_transformers_4_names_load_alike(saved, tmp_path):
@@ -92,8 +84,8 @@ def test_checkpoints_with_transformers_4_names_load_alike(saved, tmp_path):
     save_file(renamed, tmp_path / "model.safetensors", metadata={"format": "pt"})
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     token_ids = torch.randint(0, 320, (1, 11), generator=torch.Generator().manual_seed(2))
-    torch.testing.assert_close(_logits(load_model(tmp_path), token_ids), _logits(load_model(path), token_ids),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(positioned_logits(load_model(tmp_path), token_ids),
+                               positioned_logits(load_model(path), token_ids), rtol=0, atol=0)
 
 
 HUB_4B = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
@@ -167,8 +159,6 @@ def test_the_engine_serves_the_language_model_as_transformers_generates(tied):
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 320, (n,), generator=generator).tolist() for n in (3, 9, 14, 21)]
     expected, gaps = transformers_greedy(hf, prompts, 12)
-    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=16, max_num_seqs=4)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    assert_same_tokens(expected, gaps, [list(o.outputs[0].token_ids) for o in outputs], "gemma3 multimodal")
+    got = engine_greedy(path, prompts, 12, max_num_batched_tokens=16, max_num_seqs=4)
+    assert_same_tokens(expected, gaps, got, "gemma3 multimodal")
     json.loads((path / "config.json").read_text())["vision_config"]  # the directory was left as it was

@@ -9,6 +9,7 @@ import pytest
 import tokenizers
 import torch
 import transformers
+from serve_fixtures import random_hf
 
 from slipstream.model.config import ModelConfig, rope_scaled_context
 from slipstream.model.tokenizer import Tokenizer
@@ -29,28 +30,18 @@ GEMMA3 = dict(sliding_window=5, query_pre_attn_scalar=20, rope_theta=5000.0, rop
 before the global one, and no attention soft cap (Gemma 3 has none)."""
 
 
-def _random(config_class, model_class, **kwargs) -> torch.nn.Module:
-    torch.manual_seed(0)
-    hf = model_class(config_class(**kwargs)).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "norm" in name:
-                param.add_(0.3 * torch.randn_like(param))
-    return hf
-
-
 def random_gemma(gemma2: bool, **overrides) -> torch.nn.Module:
     """transformers' Gemma (2), seeded, in eval mode, with its norm weights moved off 0."""
     if gemma2:
-        return _random(transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
-                       **SHAPE | GEMMA2 | overrides)
-    return _random(transformers.GemmaConfig, transformers.GemmaForCausalLM, **SHAPE | overrides)
+        return random_hf(transformers.Gemma2ForCausalLM,
+                         transformers.Gemma2Config(**SHAPE | GEMMA2 | overrides))
+    return random_hf(transformers.GemmaForCausalLM, transformers.GemmaConfig(**SHAPE | overrides))
 
 
 def random_gemma3(**overrides) -> torch.nn.Module:
     """transformers' Gemma 3 text model, seeded, in eval mode, with its norm weights moved off 0."""
-    return _random(transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
-                   **SHAPE | GEMMA3 | overrides)
+    return random_hf(transformers.Gemma3ForCausalLM,
+                     transformers.Gemma3TextConfig(**SHAPE | GEMMA3 | overrides))
 
 
 def random_family(family: str, **overrides) -> torch.nn.Module:

@@ -9,11 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from serve_fixtures import assert_same_tokens, transformers_greedy
+from serve_fixtures import (
+    assert_logits_match,
+    assert_same_tokens,
+    engine_greedy,
+    positioned_logits,
+    random_hf,
+    save_with_tokenizer,
+    transformers_greedy,
+)
 
-from slipstream import LLM, SamplingParams
 from slipstream.model import ModelConfig, load_model, save_model
-from slipstream.model.create import stdlib_tokenizer
 from slipstream.perf.flops import num_params
 
 SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -26,27 +32,14 @@ MULTIPLIERS = dict(embedding_multiplier=12.3, residual_multiplier=0.22, attentio
 
 def random_granite(**overrides) -> torch.nn.Module:
     """transformers' Granite, seeded, in eval mode, with norm weights and biases moved off 1 and 0."""
-    torch.manual_seed(0)
-    hf = transformers.GraniteForCausalLM(transformers.GraniteConfig(**SHAPE | MULTIPLIERS | overrides)).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "norm" in name or "bias" in name:
-                param.add_(0.3 * torch.randn_like(param))
-    return hf
+    return random_hf(transformers.GraniteForCausalLM,
+                     transformers.GraniteConfig(**SHAPE | MULTIPLIERS | overrides), names=("norm", "bias"))
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[torch.nn.Module, Path]:
     hf = random_granite(attention_bias=True, mlp_bias=True)
-    path = tmp_path_factory.mktemp("granite")
-    hf.save_pretrained(path)
-    stdlib_tokenizer(320).save_pretrained(path)
-    return hf, path
-
-
-def _logits(model: torch.nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(token_ids, torch.arange(token_ids.shape[1]).expand_as(token_ids))
+    return hf, save_with_tokenizer(hf, tmp_path_factory.mktemp("granite"))
 
 
 def test_logits_and_gradients_match_transformers(saved):
@@ -54,7 +47,7 @@ def test_logits_and_gradients_match_transformers(saved):
     hf, path = saved
     model = load_model(path)
     token_ids = torch.randint(1, 320, (2, 15), generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(_logits(model, token_ids), hf(token_ids).logits.detach(), rtol=1e-5, atol=2e-5)
+    assert_logits_match(model, hf, token_ids)
     model.train()
     hf.train()
     logits = model(token_ids, torch.arange(15).expand(2, 15))
@@ -75,7 +68,7 @@ def test_bf16_logits_equal_transformers_bf16(saved):
                                                            attn_implementation="sdpa").eval()
     token_ids = torch.randint(1, 320, (2, 11), generator=torch.Generator().manual_seed(2))
     expected = hf(token_ids).logits.detach()
-    got = _logits(load_model(path, dtype=torch.bfloat16), token_ids)
+    got = positioned_logits(load_model(path, dtype=torch.bfloat16), token_ids)
     assert torch.equal(got, expected), (got.float() - expected.float()).abs().max()
 
 
@@ -89,7 +82,7 @@ def test_a_saved_model_loads_in_transformers_as_the_same_function(saved, tmp_pat
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert sum(p.numel() for p in hf.parameters()) == num_params(model.config)
     token_ids = torch.randint(1, 320, (1, 9), generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(_logits(model, token_ids), hf(token_ids).logits.detach(), rtol=1e-5, atol=2e-5)
+    assert_logits_match(model, hf, token_ids)
 
 
 def test_the_engine_generates_as_transformers(saved):
@@ -99,10 +92,8 @@ def test_the_engine_generates_as_transformers(saved):
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 320, (n,), generator=generator).tolist() for n in (4, 10, 19)]
     expected, gaps = transformers_greedy(hf, prompts, 12)
-    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=8, max_num_seqs=3)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    assert_same_tokens(expected, gaps, [list(o.outputs[0].token_ids) for o in outputs], "granite")
+    got = engine_greedy(path, prompts, 12, max_num_batched_tokens=8, max_num_seqs=3)
+    assert_same_tokens(expected, gaps, got, "granite")
 
 
 @pytest.mark.parametrize("field", list(MULTIPLIERS))

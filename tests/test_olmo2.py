@@ -8,11 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from serve_fixtures import assert_same_tokens, transformers_greedy
+from serve_fixtures import (
+    assert_logits_match,
+    assert_same_tokens,
+    engine_greedy,
+    positioned_logits,
+    random_hf,
+    random_model,
+    save_with_tokenizer,
+    transformers_greedy,
+)
 
-from slipstream import LLM, SamplingParams
 from slipstream.model.config import ModelConfig
-from slipstream.model.create import stdlib_tokenizer
 from slipstream.model.weights import load_model, save_model
 from slipstream.perf.flops import num_params
 from slipstream.perf.shapes import TransformerShape
@@ -28,19 +35,12 @@ SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_la
 def random_olmo2(**overrides) -> torch.nn.Module:
     """transformers' OLMo 2, seeded, in eval mode, with its norm weights (q/k norms included) and
     biases moved off 1 and 0."""
-    torch.manual_seed(0)
-    hf = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**SHAPE | overrides)).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "norm" in name or "bias" in name:
-                param.add_(0.3 * torch.randn_like(param))
-    return hf
+    return random_hf(transformers.Olmo2ForCausalLM, transformers.Olmo2Config(**SHAPE | overrides),
+                     names=("norm", "bias"))
 
 
 def _save(hf: torch.nn.Module, path: Path) -> tuple[torch.nn.Module, Path]:
-    hf.save_pretrained(path)
-    stdlib_tokenizer(320).save_pretrained(path)
-    return hf, path
+    return hf, save_with_tokenizer(hf, path)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["no-bias", "attention-bias"])
@@ -53,20 +53,13 @@ def unbiased(tmp_path_factory):
     return _save(random_olmo2(), tmp_path_factory.mktemp("olmo2"))
 
 
-def _positions(token_ids: torch.Tensor) -> torch.Tensor:
-    return torch.arange(token_ids.shape[1]).expand_as(token_ids)
-
-
 def test_logits_match_transformers(saved):
     """Guards the math: norms of the block outputs, q/k norms over all heads, fp32 norm weights."""
     hf, path = saved
     model = load_model(path)
     assert model.config.model_type == "olmo2" and model.config.qkv_bias == hf.config.attention_bias
     token_ids = torch.randint(0, 320, (2, 17), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = hf(token_ids).logits
-        got = model(token_ids, _positions(token_ids))
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
+    assert_logits_match(model, hf, token_ids)
 
 
 def test_bf16_logits_equal_transformers_bf16(tmp_path):
@@ -80,7 +73,7 @@ def test_bf16_logits_equal_transformers_bf16(tmp_path):
     token_ids = torch.randint(0, 320, (2, 13), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = hf(token_ids).logits
-        got = model(token_ids, _positions(token_ids))
+    got = positioned_logits(model, token_ids)
     assert torch.equal(got, expected), (got.float() - expected.float()).abs().max()
 
 
@@ -90,8 +83,8 @@ def test_gradients_match_transformers(saved):
     model = load_model(path).train()
     hf = hf.train()
     token_ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(3))
-    ours = torch.nn.functional.cross_entropy(model(token_ids, _positions(token_ids))[:, :-1].flatten(0, 1),
-                                             token_ids[:, 1:].flatten())
+    logits = model(token_ids, torch.arange(12).expand(2, 12))
+    ours = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), token_ids[:, 1:].flatten())
     theirs = hf(token_ids, labels=token_ids).loss
     ours.backward()
     theirs.backward()
@@ -110,8 +103,7 @@ def test_a_config_built_in_code_saves_what_transformers_runs(tmp_path):
     config = ModelConfig(model_type="olmo2", vocab_size=96, hidden_size=32, intermediate_size=48,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rope_theta=300.0,
                          rms_norm_eps=1e-5)
-    torch.manual_seed(4)
-    model = _random_model(config)
+    model = random_model(config)
     save_model(model, tmp_path)
     assert ModelConfig.from_pretrained(tmp_path) == config
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
@@ -119,21 +111,7 @@ def test_a_config_built_in_code_saves_what_transformers_runs(tmp_path):
     count = sum(p.numel() for p in hf.parameters())
     assert num_params(config) == TransformerShape.from_model_config(config).num_params() == count
     token_ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        torch.testing.assert_close(model(token_ids, _positions(token_ids)), hf(token_ids).logits,
-                                   rtol=1e-5, atol=2e-5)
-
-
-def _random_model(config: ModelConfig) -> torch.nn.Module:
-    from slipstream.model.transformer import Transformer
-
-    model = Transformer(config)
-    model.init_weights(std=0.1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(0.2 * torch.randn_like(param))
-    return model.eval()
+    assert_logits_match(model, hf, token_ids)
 
 
 def test_the_engine_generates_as_transformers(unbiased):
@@ -143,10 +121,8 @@ def test_the_engine_generates_as_transformers(unbiased):
     generator = torch.Generator().manual_seed(6)
     prompts = [torch.randint(2, 320, (n,), generator=generator).tolist() for n in (4, 11, 19, 26)]
     expected, gaps = transformers_greedy(hf, prompts, 12)
-    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=16, max_num_seqs=4)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    assert_same_tokens(expected, gaps, [list(o.outputs[0].token_ids) for o in outputs], "olmo2")
+    got = engine_greedy(path, prompts, 12, max_num_batched_tokens=16, max_num_seqs=4)
+    assert_same_tokens(expected, gaps, got, "olmo2")
 
 
 def test_tensor_parallel_training_is_refused(unbiased):
@@ -172,7 +148,5 @@ def test_tensor_parallel_serving_generates_as_transformers(num_kv_heads, tmp_pat
     generator = torch.Generator().manual_seed(7)
     prompts = [torch.randint(2, 320, (n,), generator=generator).tolist() for n in (5, 12, 21)]
     expected, gaps = transformers_greedy(hf, prompts, 10)
-    llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=16)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-    assert_same_tokens(expected, gaps, [list(o.outputs[0].token_ids) for o in outputs], "olmo2 tp=2")
+    got = engine_greedy(path, prompts, 10, tensor_parallel_size=2, max_num_batched_tokens=16)
+    assert_same_tokens(expected, gaps, got, "olmo2 tp=2")

@@ -4,16 +4,20 @@ logits in fp32 and bf16, config.json round trips, and served greedy tokens."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import transformers
-from serve_fixtures import assert_same_tokens, uncached_greedy
+from serve_fixtures import (
+    assert_logits_match,
+    assert_same_tokens,
+    engine_greedy,
+    positioned_logits,
+    random_hf,
+    save_with_tokenizer,
+    uncached_greedy,
+)
 
-from slipstream import LLM, SamplingParams
 from slipstream.model import ModelConfig, load_model, save_model
-from slipstream.model.create import stdlib_tokenizer
 
 SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1, sliding_window=5,
@@ -30,25 +34,13 @@ SPELLINGS = {
 
 def random_olmo3(**overrides) -> torch.nn.Module:
     """transformers' OLMo 3, seeded, in eval mode, with its norm weights moved off 1."""
-    torch.manual_seed(0)
-    hf = transformers.Olmo3ForCausalLM(transformers.Olmo3Config(**SHAPE | overrides)).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "norm" in name:
-                param.add_(0.3 * torch.randn_like(param))
-    return hf
-
-
-def _save(hf: torch.nn.Module, path: Path) -> Path:
-    hf.save_pretrained(path)
-    stdlib_tokenizer(320).save_pretrained(path)
-    return path
+    return random_hf(transformers.Olmo3ForCausalLM, transformers.Olmo3Config(**SHAPE | overrides))
 
 
 @pytest.fixture(scope="module", params=list(SPELLINGS))
 def saved(request, tmp_path_factory):
     hf = random_olmo3(**SPELLINGS[request.param])
-    return hf, _save(hf, tmp_path_factory.mktemp("olmo3"))
+    return hf, save_with_tokenizer(hf, tmp_path_factory.mktemp("olmo3"))
 
 
 def test_the_config_reads_as_transformers_reads_it(saved):
@@ -70,23 +62,20 @@ def test_logits_match_transformers(saved):
     hf, path = saved
     model = load_model(path)
     token_ids = torch.randint(0, 320, (2, 30), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = hf(token_ids).logits
-        got = model(token_ids, torch.arange(30).expand(2, 30))
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
+    assert_logits_match(model, hf, token_ids)
 
 
 def test_bf16_logits_equal_transformers_bf16(tmp_path):
     """Guards the rounding in bf16 (fp32 norm weights and fp32 rotary for both kinds of layer):
     logits bit for bit against transformers loaded in bf16."""
-    _save(random_olmo3(**SPELLINGS["per-layer-type"]), tmp_path)
+    save_with_tokenizer(random_olmo3(**SPELLINGS["per-layer-type"]), tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
                                                            attn_implementation="sdpa").eval()
     model = load_model(tmp_path, dtype=torch.bfloat16)
     token_ids = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         expected = hf(token_ids).logits
-        got = model(token_ids, torch.arange(20).expand(2, 20))
+    got = positioned_logits(model, token_ids)
     assert torch.equal(got, expected), (got.float() - expected.float()).abs().max()
 
 
@@ -99,21 +88,16 @@ def test_a_saved_model_loads_in_transformers_as_the_same_function(saved, tmp_pat
     assert ModelConfig.from_pretrained(tmp_path) == model.config
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     token_ids = torch.randint(0, 320, (1, 24), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        torch.testing.assert_close(model(token_ids, torch.arange(24)[None]), hf(token_ids).logits,
-                                   rtol=1e-5, atol=2e-5)
+    assert_logits_match(model, hf, token_ids)
 
 
 def test_the_engine_generates_as_transformers(tmp_path):
     """Guards serving: the per-layer windows and the two rotary tables under batching and chunked
     prefill give transformers' greedy tokens (each from a full uncached forward)."""
     hf = random_olmo3(**SPELLINGS["per-layer-type"])
-    path = _save(hf, tmp_path)
+    path = save_with_tokenizer(hf, tmp_path)
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(2, 320, (n,), generator=generator).tolist() for n in (3, 9, 17)]
     expected = uncached_greedy(hf, prompts, 10)
-    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=8, max_num_seqs=3)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-    got = [list(o.outputs[0].token_ids) for o in outputs]
+    got = engine_greedy(path, prompts, 10, max_num_batched_tokens=8, max_num_seqs=3)
     assert_same_tokens(expected, torch.full((3, 10), float("nan")), got, "olmo3")

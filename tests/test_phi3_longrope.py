@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from serve_fixtures import uncached_greedy
+from serve_fixtures import random_hf, uncached_greedy
 
 from slipstream import LLM, SamplingParams
 from slipstream.model import ModelConfig, RopeScaling, load_model
@@ -26,13 +26,7 @@ MAX_NEW_TOKENS = 8
 def random_phi3(config) -> torch.nn.Module:
     """transformers' Phi-3 of `config`, seeded, in eval mode, with its norm weights moved off 1 so
     that they matter."""
-    torch.manual_seed(0)
-    hf = transformers.Phi3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "norm" in name:
-                param.add_(0.2 * torch.randn_like(param))
-    return hf
+    return random_hf(transformers.Phi3ForCausalLM, config, offset=0.2)
 
 
 def _hf_model(tmp_path, short=SHORT, **rope):

@@ -9,11 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from serve_fixtures import assert_same_tokens, transformers_greedy
+from serve_fixtures import (
+    assert_logits_match,
+    assert_same_tokens,
+    engine_greedy,
+    positioned_logits,
+    random_hf,
+    save_with_tokenizer,
+    transformers_greedy,
+)
 
-from slipstream import LLM, SamplingParams
 from slipstream.model import ModelConfig, load_model, save_model
-from slipstream.model.create import stdlib_tokenizer
 
 SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1, rope_theta=5000.0,
@@ -22,30 +28,13 @@ SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_la
 
 def random_smollm3(**overrides) -> torch.nn.Module:
     """transformers' SmolLM3, seeded, in eval mode, with its norm weights moved off 1."""
-    torch.manual_seed(0)
-    hf = transformers.SmolLM3ForCausalLM(transformers.SmolLM3Config(**SHAPE | overrides)).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "norm" in name:
-                param.add_(0.3 * torch.randn_like(param))
-    return hf
-
-
-def _save(hf: torch.nn.Module, path: Path) -> Path:
-    hf.save_pretrained(path)
-    stdlib_tokenizer(320).save_pretrained(path)
-    return path
+    return random_hf(transformers.SmolLM3ForCausalLM, transformers.SmolLM3Config(**SHAPE | overrides))
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[torch.nn.Module, Path]:
     hf = random_smollm3()
-    return hf, _save(hf, tmp_path_factory.mktemp("smollm3"))
-
-
-def _logits(model: torch.nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(token_ids, torch.arange(token_ids.shape[1]).expand_as(token_ids))
+    return hf, save_with_tokenizer(hf, tmp_path_factory.mktemp("smollm3"))
 
 
 @pytest.mark.parametrize("rope", [{}, {"no_rope_layers": [0, 1, 0, 1]}, {"no_rope_layer_interval": 2}],
@@ -53,10 +42,10 @@ def _logits(model: torch.nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
 def test_logits_match_transformers(rope, tmp_path):
     """Guards the math and the reading of which layers rotate: fp32 logits equal transformers'."""
     hf = random_smollm3(**rope)
-    model = load_model(_save(hf, tmp_path))
+    model = load_model(save_with_tokenizer(hf, tmp_path))
     assert [model.config.layer_rotates(i) for i in range(4)] == [bool(v) for v in hf.config.no_rope_layers]
     token_ids = torch.randint(1, 320, (2, 14), generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(_logits(model, token_ids), hf(token_ids).logits.detach(), rtol=1e-5, atol=2e-5)
+    assert_logits_match(model, hf, token_ids)
 
 
 def test_bf16_logits_equal_transformers_bf16(saved):
@@ -65,7 +54,7 @@ def test_bf16_logits_equal_transformers_bf16(saved):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
                                                            attn_implementation="sdpa").eval()
     token_ids = torch.randint(1, 320, (2, 11), generator=torch.Generator().manual_seed(2))
-    got = _logits(load_model(path, dtype=torch.bfloat16), token_ids)
+    got = positioned_logits(load_model(path, dtype=torch.bfloat16), token_ids)
     expected = hf(token_ids).logits.detach()
     assert torch.equal(got, expected), (got.float() - expected.float()).abs().max()
 
@@ -79,7 +68,7 @@ def test_a_saved_model_loads_in_transformers_as_the_same_function(saved, tmp_pat
     assert ModelConfig.from_pretrained(tmp_path) == model.config
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     token_ids = torch.randint(1, 320, (1, 9), generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(_logits(model, token_ids), hf(token_ids).logits.detach(), rtol=1e-5, atol=2e-5)
+    assert_logits_match(model, hf, token_ids)
 
 
 def test_the_engine_generates_as_transformers(saved):
@@ -89,10 +78,8 @@ def test_the_engine_generates_as_transformers(saved):
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 320, (n,), generator=generator).tolist() for n in (4, 10, 19)]
     expected, gaps = transformers_greedy(hf, prompts, 12)
-    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=8, max_num_seqs=3)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    assert_same_tokens(expected, gaps, [list(o.outputs[0].token_ids) for o in outputs], "smollm3")
+    got = engine_greedy(path, prompts, 12, max_num_batched_tokens=8, max_num_seqs=3)
+    assert_same_tokens(expected, gaps, got, "smollm3")
 
 
 @pytest.mark.parametrize("change, match", [

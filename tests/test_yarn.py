@@ -9,13 +9,18 @@ import json
 import pytest
 import torch
 import transformers
-from serve_fixtures import assert_same_tokens, transformers_greedy
+from serve_fixtures import (
+    assert_logits_match,
+    assert_same_tokens,
+    engine_greedy,
+    random_hf,
+    save_with_tokenizer,
+    transformers_greedy,
+)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from slipstream import LLM, SamplingParams
 from slipstream.model import ModelConfig, RopeScaling, load_model
 from slipstream.model.config import rope_scaled_context
-from slipstream.model.create import stdlib_tokenizer
 
 ORIGINAL, MAX_POSITIONS = 16, 64
 SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -37,15 +42,9 @@ ROPES = {
 def _hf_model(family: str, rope: dict, tmp_path=None) -> torch.nn.Module:
     config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                                  "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
-    torch.manual_seed(0)
-    hf = model_class(config_class(**SHAPE, rope_scaling=dict(rope))).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "norm" in name:
-                param.add_(0.2 * torch.randn_like(param))
+    hf = random_hf(model_class, config_class(**SHAPE, rope_scaling=dict(rope)), offset=0.2)
     if tmp_path is not None:
-        hf.save_pretrained(tmp_path)
-        stdlib_tokenizer(320).save_pretrained(tmp_path)
+        save_with_tokenizer(hf, tmp_path)
     return hf
 
 
@@ -72,10 +71,7 @@ def test_logits_equal_transformers_past_the_original_context(family, name, tmp_p
     hf = _hf_model(family, ROPES[name], tmp_path)
     model = load_model(tmp_path)
     token_ids = torch.randint(0, 320, (2, 50), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = hf(token_ids).logits
-        got = model(token_ids, torch.arange(50).expand(2, 50))
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-5)
+    assert_logits_match(model, hf, token_ids)
 
 
 def test_the_engine_generates_as_transformers_with_yarn(tmp_path):
@@ -85,10 +81,8 @@ def test_the_engine_generates_as_transformers_with_yarn(tmp_path):
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 320, (n,), generator=generator).tolist() for n in (5, 14, 23)]
     expected, gaps = transformers_greedy(hf, prompts, 20)
-    llm = LLM(str(tmp_path), dtype="float32", max_num_batched_tokens=16, max_num_seqs=4)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                           SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
-    assert_same_tokens(expected, gaps, [list(o.outputs[0].token_ids) for o in outputs], "yarn")
+    got = engine_greedy(tmp_path, prompts, 20, max_num_batched_tokens=16, max_num_seqs=4)
+    assert_same_tokens(expected, gaps, got, "yarn")
 
 
 def test_the_context_is_max_position_embeddings():
