@@ -6,6 +6,8 @@ import argparse
 import json
 import platform
 import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,22 @@ def random_prompts(
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def time_in_turns(
+    implementations: dict[str, Callable[..., Any]], calls: list[tuple], repeats: int
+) -> dict[str, list[float]]:
+    """Seconds each implementation takes to run all of `calls` (each the arguments of one call),
+    `repeats` times, the implementations taking turns so that a slow minute of the machine falls
+    on all of them."""
+    times: dict[str, list[float]] = {impl: [] for impl in implementations}
+    for _ in range(repeats):
+        for impl, run in implementations.items():
+            start = time.perf_counter()
+            for args in calls:
+                run(*args)
+            times[impl].append(time.perf_counter() - start)
+    return times
 
 
 def warn_above_peak(achieved_flops_per_s: float, peak_flops_per_s: float, what: str) -> None:

@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 
 import torch
-from common import machine, median, print_json
+from common import machine, median, print_json, time_in_turns
 from torch import nn
 
 from slipstream.ops import cpu_kernels
@@ -76,13 +75,8 @@ def measure(dtype: torch.dtype, rows_list: list[int], repeats: int, torch_max_ro
         run_now = {impl: run for impl, run in implementations.items()
                    if impl != "torch" or rows <= torch_max_rows}
         bandwidth = measure_memory_bandwidth()[0]
-        times = {impl: [] for impl in run_now}
-        for _ in range(repeats):
-            for impl, run in run_now.items():
-                start = time.perf_counter()
-                for i, layer in enumerate(int8):
-                    run(inputs[layer.in_features], i)
-                times[impl].append(time.perf_counter() - start)
+        times = time_in_turns(run_now, [(inputs[layer.in_features], i) for i, layer in enumerate(int8)],
+                              repeats)
         seconds = {impl: median(t) for impl, t in times.items()}
         read = {impl: weight_bytes[impl] / s for impl, s in seconds.items()}
         gflops = {impl: 2 * rows * weights / s / 1e9 for impl, s in seconds.items()}

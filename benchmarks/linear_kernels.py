@@ -17,10 +17,9 @@ right before those rows. Last line JSON.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
-from common import machine, median, print_json
+from common import machine, median, print_json, time_in_turns
 
 from slipstream.ops import cpu_kernels
 from slipstream.ops.linear import onednn_multiplies
@@ -56,13 +55,7 @@ def measure(dtype: torch.dtype, rows_list: list[int], repeats: int) -> list[dict
         if rows <= cpu_kernels.MAX_GEMV_ROWS:
             run_now["gemv"] = lambda x, i: cpu_kernels.gemv(x, weights[i], None)
             bandwidth = measure_memory_bandwidth()[0]
-        times = {impl: [] for impl in run_now}
-        for _ in range(repeats):
-            for impl, run in run_now.items():
-                start = time.perf_counter()
-                for i, w in enumerate(weights):
-                    run(inputs[w.shape[1]], i)
-                times[impl].append(time.perf_counter() - start)
+        times = time_in_turns(run_now, [(inputs[w.shape[1]], i) for i, w in enumerate(weights)], repeats)
         gflops = {impl: flops / median(t) / 1e9 for impl, t in times.items()}
         ratio = gflops["panel"] / gflops[baseline]
         print(f"{name} M={rows:5d}: " + ", ".join(f"{impl} {g:6.1f}" for impl, g in gflops.items())
