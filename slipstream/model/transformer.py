@@ -86,6 +86,13 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+def rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dimension, in fp32 (the norms that multiply by
+    their weight before rounding: Gemma's, OLMo's)."""
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: norm(x) * (1 + weight), both in fp32, rounded to x's dtype once at the
     end (Llama's rounds norm(x) before the multiply). The weight starts at zero."""
@@ -96,9 +103,7 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return (rms_normalized(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.zeros_(self.weight)
@@ -114,9 +119,7 @@ class FP32WeightRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * normed).to(x.dtype)
+        return (self.weight * rms_normalized(x, self.eps)).to(x.dtype)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
