@@ -37,7 +37,8 @@ def prepare_model(model: Transformer, *, fast_cpu_kernels: bool, quantization: s
     `fast_cpu_kernels`, fused, quantized and packed by `optimize_for_cpu_inference`; without, the
     plain modules, the decoder layers' linears quantized by `quantize_linears` where `quantization`
     names a method (the reference the fast path is tested against)."""
-    if quantization is not None and model.config.moe_layers and model.lm_head.weight.device.type == "cpu":
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if quantization is not None and model.config.moe_layers and on_cpu:
         logger.warning("int8 experts run module by module on the CPU (no fused experts call, no C decode "
                        "graph): expect slower decode than unquantized (docs/serving.md, Quantization)")
     if fast_cpu_kernels:
