@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from slipstream import LLM, SamplingParams
 from slipstream.model.config import ModelConfig
@@ -152,6 +153,19 @@ def assert_logits_match(model: Transformer, hf, token_ids: torch.Tensor) -> None
     with torch.no_grad():
         expected = hf(token_ids).logits
     torch.testing.assert_close(positioned_logits(model, token_ids), expected, rtol=1e-5, atol=2e-5)
+
+
+def assert_bf16_logits_equal_transformers(model_dir: Path, token_ids: torch.Tensor) -> None:
+    """Our model loaded in bf16 gives transformers' logits bit for bit, transformers' model loaded
+    in bf16 with SDPA attention."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+                                                           attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        expected = hf(token_ids).logits
+    got = positioned_logits(load_model(model_dir, dtype=torch.bfloat16), token_ids)
+    if not torch.equal(got, expected):
+        raise AssertionError(f"bf16 logits differ from transformers' by up to "
+                             f"{(got.float() - expected.float()).abs().max().item()}")
 
 
 @torch.no_grad()

@@ -9,10 +9,10 @@ import pytest
 import torch
 import transformers
 from serve_fixtures import (
+    assert_bf16_logits_equal_transformers,
     assert_logits_match,
     assert_same_tokens,
     engine_greedy,
-    positioned_logits,
     random_hf,
     random_model,
     save_with_tokenizer,
@@ -67,14 +67,8 @@ def test_bf16_logits_equal_transformers_bf16(tmp_path):
     transformers' Olmo2RMSNorm does (Llama's rounds before the multiply), and the rotary embedding
     runs in fp32 from fp32 tables, as transformers' OLMo 2 rotates; logits bit for bit."""
     random_olmo2().save_pretrained(tmp_path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
-                                                           attn_implementation="sdpa").eval()
-    model = load_model(tmp_path, dtype=torch.bfloat16)
     token_ids = torch.randint(0, 320, (2, 13), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        expected = hf(token_ids).logits
-    got = positioned_logits(model, token_ids)
-    assert torch.equal(got, expected), (got.float() - expected.float()).abs().max()
+    assert_bf16_logits_equal_transformers(tmp_path, token_ids)
 
 
 def test_gradients_match_transformers(saved):

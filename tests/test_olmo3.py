@@ -8,10 +8,10 @@ import pytest
 import torch
 import transformers
 from serve_fixtures import (
+    assert_bf16_logits_equal_transformers,
     assert_logits_match,
     assert_same_tokens,
     engine_greedy,
-    positioned_logits,
     random_hf,
     save_with_tokenizer,
     uncached_greedy,
@@ -69,14 +69,8 @@ def test_bf16_logits_equal_transformers_bf16(tmp_path):
     """Guards the rounding in bf16 (fp32 norm weights and fp32 rotary for both kinds of layer):
     logits bit for bit against transformers loaded in bf16."""
     save_with_tokenizer(random_olmo3(**SPELLINGS["per-layer-type"]), tmp_path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
-                                                           attn_implementation="sdpa").eval()
-    model = load_model(tmp_path, dtype=torch.bfloat16)
     token_ids = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        expected = hf(token_ids).logits
-    got = positioned_logits(model, token_ids)
-    assert torch.equal(got, expected), (got.float() - expected.float()).abs().max()
+    assert_bf16_logits_equal_transformers(tmp_path, token_ids)
 
 
 def test_a_saved_model_loads_in_transformers_as_the_same_function(saved, tmp_path):

@@ -10,10 +10,10 @@ import pytest
 import torch
 import transformers
 from serve_fixtures import (
+    assert_bf16_logits_equal_transformers,
     assert_logits_match,
     assert_same_tokens,
     engine_greedy,
-    positioned_logits,
     random_hf,
     save_with_tokenizer,
     transformers_greedy,
@@ -51,12 +51,8 @@ def test_logits_match_transformers(rope, tmp_path):
 def test_bf16_logits_equal_transformers_bf16(saved):
     """Guards bf16: logits bit for bit against transformers loaded in bf16."""
     _, path = saved
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
-                                                           attn_implementation="sdpa").eval()
     token_ids = torch.randint(1, 320, (2, 11), generator=torch.Generator().manual_seed(2))
-    got = positioned_logits(load_model(path, dtype=torch.bfloat16), token_ids)
-    expected = hf(token_ids).logits.detach()
-    assert torch.equal(got, expected), (got.float() - expected.float()).abs().max()
+    assert_bf16_logits_equal_transformers(path, token_ids)
 
 
 def test_a_saved_model_loads_in_transformers_as_the_same_function(saved, tmp_path):
