@@ -41,22 +41,25 @@ class FakeRunner:
 
     def __init__(self, config: SchedulerConfig, *, rng: random.Random | None = None, eos_prob=0.0):
         self.block_size = config.block_size
-        self.slots: list[int | None] = [None] * (config.num_blocks * config.block_size)
+        self.slots: list[tuple[int, int] | None] = [None] * (config.num_blocks * config.block_size)
         self.rng = rng
         self.eos_prob = eos_prob
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
+        """Writes each token's KV as (LoRA adapter, token): a block computed under one adapter
+        holds other keys and values than under another, so reading it under another is wrong KV."""
         for chunk in plan.chunks:
             token_ids = chunk.request.token_ids_range(chunk.start, chunk.start + chunk.num_tokens)
             for position, token_id in enumerate(token_ids, start=chunk.start):
-                self.slots[self._slot(chunk.block_ids, position)] = token_id
+                self.slots[self._slot(chunk.block_ids, position)] = (chunk.request.lora_id, token_id)
         sampled = {}
         for chunk in plan.chunks:
             if chunk.samples:
                 end = chunk.start + chunk.num_tokens
                 context = [self.slots[self._slot(chunk.block_ids, p)] for p in range(end)]
-                assert context == chunk.request.all_token_ids, f"{chunk.request.request_id} read wrong KV"
-                sampled[chunk.request.request_id] = self._sample(context)
+                expected = [(chunk.request.lora_id, token_id) for token_id in chunk.request.all_token_ids]
+                assert context == expected, f"{chunk.request.request_id} read wrong KV"
+                sampled[chunk.request.request_id] = self._sample([token_id for _, token_id in context])
         return sampled
 
     def _slot(self, block_ids: tuple[int, ...], position: int) -> int:
@@ -634,13 +637,14 @@ def fuzz_config(rng: random.Random) -> SchedulerConfig:
         enable_prefix_caching=rng.random() < 0.8,
         policy=rng.choice(["fcfs", "priority"]),
         long_prefill_token_threshold=rng.choice([0, 0, rng.randint(1, 16)]),
+        max_loras=rng.randint(1, 3),
     )
 
 
 def fuzz_request(rng: random.Random, index: int, prefixes: list[list[int]]) -> Request:
     tail = [rng.randrange(1, 50) for _ in range(rng.randint(1, 12))]
     prompt = rng.choice(prefixes)[: rng.randint(0, 24)] + tail
-    return make_request(
+    request = make_request(
         f"r{index}",
         prompt,
         max_tokens=rng.randint(1, 16),
@@ -649,12 +653,15 @@ def fuzz_request(rng: random.Random, index: int, prefixes: list[list[int]]) -> R
         ignore_eos=rng.random() < 0.5,
         min_tokens=rng.choice([0, 0, 1]),
     )
+    request.lora_id = rng.choice([0, 0, 1, 2, 3])
+    return request
 
 
 @pytest.mark.parametrize("steps_at_once", [1, 4])
 @pytest.mark.parametrize("seed", range(12))
 def test_fuzz_random_adds_aborts_and_finishes(seed, steps_at_once):
-    """Random workloads on small pools (forcing preemption), some under cache salts: invariants
+    """Random workloads on small pools (forcing preemption), some under cache salts and LoRA
+    adapters (never more running than max_loras, never reading another adapter's KV): invariants
     hold after every step, every request finishes (no livelock or starvation) with a consistent
     finish reason, finished requests hold no blocks, and at the end every block is free; also
     when decode plans run several steps at once on blocks taken ahead."""

@@ -11,7 +11,9 @@ tokens on a hit; comparing keys by value makes the whole chain exact at the same
 with a cache salt (vLLM's `cache_salt`) puts the salt, a string, in its first block's key in place
 of the parent's 0, as vLLM mixes it into the first block's hash only: through the chain every block
 of the request differs from those of requests with another salt or none, so they share nothing,
-while requests with the same salt share their prefixes as usual.
+while requests with the same salt share their prefixes as usual. A request under a LoRA adapter
+(`Request.lora_id`) puts the pair (adapter id, salt) there: its keys and values are the adapter's,
+shared only with requests under the same adapter and salt.
 
 Free blocks wait in one LRU queue (an OrderedDict: O(1) at both ends and in the middle). A freed
 block that holds a key joins the tail and stays hittable until allocation takes it from the head,
@@ -41,9 +43,10 @@ from collections.abc import Sequence
 
 from slipstream.serve.request import Request
 
-BlockKey = tuple[int | str, tuple[int, ...]]
-"""(key id of the parent block, or for a first block 0 or the request's cache salt; token ids of the
-block)."""
+Root = int | str | tuple[int, str]
+"""What a first block's key holds in place of a parent's key id (`_root`)."""
+BlockKey = tuple[int | Root, tuple[int, ...]]
+"""(key id of the parent block, or for a first block its root; token ids of the block)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -57,8 +60,8 @@ class _Allocation:
     """Key id of each leading full, computed block (the request's own or an equal cached one)."""
     reserved_end: int = 0
     """The blocks after the last one, up to this id (exclusive), are softly reserved for it."""
-    root: int | str = 0
-    """What the first block's key holds in place of a parent's key id: 0, or the cache salt."""
+    root: Root = 0
+    """What the first block's key holds in place of a parent's key id (`_root`)."""
 
 
 MAX_RUN_BLOCKS = 64
@@ -131,7 +134,7 @@ class KVCacheManager:
         if not self._looks_up(request):
             return []
         block_ids: list[int] = []
-        parent_key_id = _root(cache_salt)
+        parent_key_id = _root(cache_salt, request.lora_id)
         for i in range((request.num_tokens - 1) // self.block_size):
             block = self._cache.get((parent_key_id, self._block_token_ids(request, i)))
             if block is None:
@@ -289,7 +292,7 @@ class KVCacheManager:
             self._ref_counts[block] += 1
         allocation = _Allocation(
             request, list(cached_block_ids), [self._block_key_ids[block] for block in cached_block_ids],
-            root=_root(cache_salt),
+            root=_root(cache_salt, request.lora_id),
         )
         self._allocations[request.request_id] = allocation
         if self._looks_up(request) and request.num_preemptions == 0:
@@ -425,9 +428,12 @@ class KVCacheManager:
             _expect(self._block_key_ids[block] == key_id, f"{request_id}'s key id {i} is stale")
 
 
-def _root(cache_salt: str | None) -> int | str:
+def _root(cache_salt: str | None, lora_id: int) -> Root:
     """What a first block's key holds in place of a parent's key id: the salt, or 0 for none (as in
-    vLLM, an empty salt is none). Key ids are integers, so a salted key never equals an unsalted one."""
+    vLLM, an empty salt is none); under a LoRA adapter, (its id, the salt or ""). Key ids are
+    integers, so a salted key never equals an unsalted one, nor a pair either."""
+    if lora_id:
+        return lora_id, cache_salt or ""
     return cache_salt or 0
 
 

@@ -349,6 +349,10 @@ class Request:
     arrival_time_s: float = 0.0
     priority: int = 0
     """Lower values are served first under the priority policy, and preempted last."""
+    lora_id: int = 0
+    """The LoRA adapter it runs under, as the engine loaded it (0: none, the base model). The
+    engine never gives one id to two adapters, so an id also names the adapter's prefix-cache
+    blocks."""
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0

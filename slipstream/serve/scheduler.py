@@ -11,10 +11,12 @@ last is preempted by recompute: its blocks are freed and it waits again, keeping
 order (so it is re-admitted before later arrivals), to be recomputed with help from the prefix
 cache. Then waiting requests are admitted in that order while the budget, `max_num_seqs` and the
 pool allow; the first that does not fit stops admission (no overtaking), and a step that had to
-preempt admits nobody. Under the priority policy a waiting request short of blocks may preempt
-running requests of strictly lower priority: the fewest, from the tail, whose blocks make room for
-its chunk, and none at all when not even all of them would (vLLM v1 never preempts for a waiting
-request).
+preempt admits nobody. The one exception, as in vLLM: a request under a LoRA adapter
+(`Request.lora_id`) that would make more distinct adapters run than `max_loras` is passed over,
+keeping its place, and later ones may be admitted past it. Under the priority policy a waiting
+request short of blocks may preempt running requests of strictly lower priority: the fewest, from
+the tail, whose blocks make room for its chunk, and none at all when not even all of them would
+(vLLM v1 never preempts for a waiting request).
 
 The engine calls `schedule()`, runs the returned `StepPlan`, then calls `update()` with the sampled
 tokens; `update()` advances the requests, applies stop conditions and frees finished requests. To run
@@ -56,9 +58,11 @@ class SchedulerConfig:
     """"fcfs": arrival order; "priority": lower `Request.priority` first, then arrival."""
     long_prefill_token_threshold: int = 0
     """Most tokens one request may compute in a step; 0 means no cap beyond the budget."""
+    max_loras: int = 1
+    """Most distinct LoRA adapters among the running requests (vLLM's max_loras: per batch)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_loras"):
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
         if not isinstance(self.enable_prefix_caching, bool):
@@ -183,6 +187,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def lora_ids_in_use(self) -> set[int]:
+        """The LoRA adapters (`Request.lora_id`) of the requests not finished, waiting or running."""
+        return {request.lora_id for request in self._requests.values() if request.lora_id}
+
     # ----- requests in and out -----
 
     def add(self, request: Request, *, cache_salt: str | None = None) -> None:
@@ -293,11 +301,26 @@ class Scheduler:
             step.add(request, num_new, block_ids)
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
-        """Admit waiting requests in order until the budget, max_num_seqs or the pool runs out."""
-        while step.budget > 0 and len(self._running) < self.config.max_num_seqs:
-            request = self._waiting.peek()
-            if request is None or request.request_id in step.preempted_ids or not self._admit(request, step):
-                return
+        """Admit waiting requests in order until the budget, max_num_seqs or the pool runs out,
+        passing over those whose adapter would exceed max_loras."""
+        passed_over = []
+        running_loras = {r.lora_id for r in self._running if r.lora_id}
+        try:
+            while step.budget > 0 and len(self._running) < self.config.max_num_seqs:
+                request = self._waiting.peek()
+                if request is None or request.request_id in step.preempted_ids:
+                    return
+                lora = request.lora_id
+                if lora and lora not in running_loras and len(running_loras) >= self.config.max_loras:
+                    passed_over.append(self._waiting.pop())
+                    continue
+                if not self._admit(request, step):
+                    return
+                if lora:
+                    running_loras.add(lora)
+        finally:
+            for request in passed_over:
+                self._waiting.push(self._order_keys[request.request_id], request)
 
     def _admit(self, request: Request, step: _StepBuilder) -> bool:
         """Start a waiting request from its longest cached prefix; False if blocks are short."""
@@ -415,6 +438,8 @@ class Scheduler:
         keys = [self._order_keys[request.request_id] for request in self._running]
         _expect(keys == sorted(keys), "running requests are out of order")
         _expect(len(self._running) <= self.config.max_num_seqs, "more running requests than max_num_seqs")
+        running_loras = {request.lora_id for request in self._running if request.lora_id}
+        _expect(len(running_loras) <= self.config.max_loras, "more running LoRA adapters than max_loras")
         num_waiting = 0
         for request_id, request in self._requests.items():
             _expect(not request.is_finished, f"finished request {request_id} is still tracked")
