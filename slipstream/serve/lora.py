@@ -7,7 +7,7 @@ arXiv:2106.09685) adds to a linear layer y = x W^T + b a low-rank update
 
 with scaling = lora_alpha / r (rsLoRA, Kalajdzievski 2023, arXiv:2312.03732: lora_alpha / sqrt(r)).
 Adapters are read in PEFT's format, the one vLLM serves: a directory with `adapter_config.json`
-and `adapter_model.safetensors`, whose tensors are named
+and `adapter_model.safetensors` (or PEFT's older `adapter_model.bin`), whose tensors are named
 `base_model.model.<module>.lora_A.weight` and `...lora_B.weight`.
 
 The base weights are never changed: every targeted linear is wrapped by a `LoRALinear` that runs
@@ -25,9 +25,10 @@ mixture-of-experts experts are refused, as are PEFT's variants that change the u
 a LoRA bias, modules_to_save, ...): `LoRAAdapter.load` lists them.
 
 Each wrapper multiplies the rows of one adapter once by that adapter's A matrices of all the slices
-it targets, concatenated (the "shrink"), then each slice's part of the result by its B, the
-scaling folded in (the "expand"), and adds that to the slice's columns of those rows only: in place
-where the rows are contiguous, else by `index_add_`. A step whose rows all run the base model does
+it targets, concatenated (the "shrink"), then the result by the slices' B matrices, the scaling
+folded in (the "expand": one product for slices side by side, their Bs in one block-diagonal
+matrix, else one per slice), and adds that to those columns of those rows only: in place where the
+rows are contiguous, else by `index_add_`. A step whose rows all run the base model does
 nothing beyond the base layer.
 """
 
@@ -408,7 +409,10 @@ class LoRALinear(nn.Module):
     @torch.no_grad()
     def load(self, int_id: int, parts: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
         """Hold adapter `int_id`'s update of the slices named in `parts` ((A, B, scaling) each; shapes
-        checked by the caller): its A matrices stacked once, each scaling folded into its B."""
+        checked by the caller): its A matrices stacked once (an A that slices share, once), each
+        scaling folded into its B, and the B of slices that lie side by side in one block-diagonal
+        matrix: one expand product (and one add) instead of one per slice, the zero blocks' extra
+        work being small next to the per-op cost of the few rows a decode step gives each adapter."""
         a_blocks: list[torch.Tensor] = []
         columns: dict[int, tuple[int, int]] = {}  # id(A) -> its columns in the shrunk rows
         expands: list[_Expand] = []
@@ -421,13 +425,14 @@ class LoRALinear(nn.Module):
                 columns[id(a)] = (width, width + a.shape[0])
                 a_blocks.append(a)
             lo, hi = columns[id(a)]
-            b_t = (b * scaling).t()  # (r, end - start)
-            last = expands[-1] if expands else None
-            if last is not None and (last.lo, last.hi, last.end) == (lo, hi, start):  # one A: one product
-                expands[-1] = _Expand(last.start, end, lo, hi, torch.cat([last.b_t, b_t], dim=1))
-            else:
-                expands.append(_Expand(start, end, lo, hi, b_t.contiguous()))
+            expands.append(_Expand(start, end, lo, hi, (b * scaling).t().contiguous()))  # (r, end - start)
         a = a_blocks[0] if len(a_blocks) == 1 else torch.cat(a_blocks)
+        if len(expands) > 1 and all(e.start == before.end for before, e in itertools.pairwise(expands)):
+            first = expands[0].start
+            block = a.new_zeros(a.shape[0], expands[-1].end - first)  # (R, width)
+            for e in expands:
+                block[e.lo:e.hi, e.start - first:e.end - first] = e.b_t
+            expands = [_Expand(first, expands[-1].end, 0, a.shape[0], block)]
         self._updates[int_id] = _Update(a, tuple(expands))
 
     def unload(self, int_id: int) -> None:
