@@ -30,7 +30,10 @@ the first prompt's vector in the record. offline: all prompts in one `generate`,
 greedy, ignore_eos, median over repeats, prefix cache reset before each repeat; with
 `--rounds-from-stdin`, one such run per `run` line read from stdin instead of --repeats of them,
 each answered with a JSON line, so that a benchmark can keep vLLM up and alternate it with other
-engines round by round (`OfflineRounds`, below). latency: batch 1,
+engines round by round (`OfflineRounds`, below). offline with `--lora-paths` (a JSON list of PEFT
+adapter directories): vLLM with enable_lora, --max-loras and --max-lora-rank, warmed up under each
+adapter too, and a `run lora` line on stdin times one run with prompt i under adapter i mod their
+number (benchmarks/serve_lora.py); `run` still runs every prompt on the base model. latency: batch 1,
 the first prompt; ms per output token = (median time for N tokens - median time for 1 token)/(N-1),
 the prefix cache reset before every generate so each one prefills. Last stdout line: JSON.
 """
@@ -164,9 +167,10 @@ class OfflineRounds:
                                       stderr=self._stderr, text=True)
         self._read_record()  # returns once vLLM is up and warm
 
-    def run(self) -> float:
-        """Seconds of one offline run of every prompt."""
-        self._proc.stdin.write("run\n")
+    def run(self, lora: bool = False) -> float:
+        """Seconds of one offline run of every prompt; with `lora` (a driver given --lora-paths),
+        prompt i under adapter i mod their number."""
+        self._proc.stdin.write("run lora\n" if lora else "run\n")
         self._proc.stdin.flush()
         return self._read_record()["time_s"]
 
@@ -198,17 +202,20 @@ class OfflineRounds:
                            f"{self._stderr.read()[-6000:]}")
 
 
-def _runs_from_stdin(timed_run) -> list[float]:
-    """One `timed_run()` per 'run' line on stdin until EOF, each time answered on stdout."""
-    times = []
+def _runs_from_stdin(timed_run, timed_lora_run=None) -> tuple[list[float], list[float]]:
+    """One `timed_run()` per 'run' line on stdin until EOF, and one `timed_lora_run()` per 'run lora'
+    line where it is given, each time answered on stdout; (run times, lora run times)."""
+    runs = {"run": (timed_run, []), "run lora": (timed_lora_run, [])}
     for line in sys.stdin:
-        if line.strip() != "run":
-            raise SystemExit(f"expected 'run' on stdin, got {line.strip()!r}")
-        times.append(timed_run())
+        run, times = runs.get(line.strip(), (None, None))
+        if run is None:
+            expected = "'run' or 'run lora'" if timed_lora_run is not None else "'run'"
+            raise SystemExit(f"expected {expected} on stdin, got {line.strip()!r}")
+        times.append(run())
         print(json.dumps({"time_s": times[-1]}), flush=True)
-    if not times:
+    if not runs["run"][1]:
         raise SystemExit("no 'run' line on stdin: nothing measured")
-    return times
+    return runs["run"][1], runs["run lora"][1]
 
 
 def main() -> None:
@@ -239,12 +246,19 @@ def main() -> None:
     )
     parser.add_argument("--rounds-from-stdin", action="store_true",
                         help="offline: one timed run per 'run' line on stdin (until EOF), not --repeats")
+    parser.add_argument("--lora-paths", type=json.loads, default=None,
+                        help="offline: JSON list of PEFT LoRA adapter directories; enables LoRA")
+    parser.add_argument("--max-loras", type=int, default=None, help="with --lora-paths; default: vLLM's")
+    parser.add_argument("--max-lora-rank", type=int, default=None, help="with --lora-paths; default: vLLM's")
     args = parser.parse_args()
     if args.rounds_from_stdin and args.mode == "latency":
         parser.error("--rounds-from-stdin is for --mode offline or embed")
+    if args.lora_paths is not None and args.mode != "offline":
+        parser.error("--lora-paths is for --mode offline")
 
     from vllm import LLM, SamplingParams  # only here: the benchmarks import this file from slipstream's venv
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(Path(args.prompts_json).read_text())]
     engine_args = {
@@ -258,6 +272,8 @@ def main() -> None:
         engine_args["max_num_seqs"] = args.max_num_seqs
     if args.compilation_mode is not None:
         engine_args["compilation_config"] = {"mode": args.compilation_mode}
+    if args.lora_paths is not None:
+        engine_args |= {"enable_lora": True, "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
     engine_args = {k: v for k, v in engine_args.items() if v is not None}
 
     import torch
@@ -276,15 +292,22 @@ def main() -> None:
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
         startup_s = time.perf_counter() - start
         llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+    adapters = [LoRARequest(f"adapter-{i}", i + 1, str(Path(path).resolve()))
+                for i, path in enumerate(args.lora_paths or [])]
+    for adapter in adapters:  # loaded before anything is timed
+        llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False,
+                     lora_request=adapter)
+    round_robin = [adapters[i % len(adapters)] for i in range(len(prompts))] if adapters else None
 
-    def timed_generate(batch, max_tokens):
+    def timed_generate(batch, max_tokens, lora_request=None):
         llm.reset_prefix_cache()  # every run computes every prompt: same prompts, cold cache
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         t0 = time.perf_counter()
-        outputs = llm.generate(batch, params, use_tqdm=False)
+        outputs = llm.generate(batch, params, use_tqdm=False, lora_request=lora_request)
         elapsed = time.perf_counter() - t0
         assert all(len(o.outputs[0].token_ids) == max_tokens for o in outputs), "vLLM stopped early"
-        sample.append(list(outputs[0].outputs[0].token_ids))
+        if lora_request is None:  # the base model's, which slipstream's can be checked against
+            sample.append(list(outputs[0].outputs[0].token_ids))
         return elapsed
 
     def timed_embed(batch):
@@ -314,7 +337,7 @@ def main() -> None:
     if pooling:
         if args.rounds_from_stdin:
             print(json.dumps(record, sort_keys=True), flush=True)  # up and warm
-            times = _runs_from_stdin(lambda: timed_embed(prompts))
+            times = _runs_from_stdin(lambda: timed_embed(prompts))[0]
         else:
             times = [timed_embed(prompts) for _ in range(args.repeats)]
         elapsed = statistics.median(times)
@@ -326,7 +349,11 @@ def main() -> None:
     if args.mode == "offline":
         if args.rounds_from_stdin:
             print(json.dumps(record, sort_keys=True), flush=True)  # up and warm
-            times = _runs_from_stdin(lambda: timed_generate(prompts, args.output_len))
+            lora_run = (None if round_robin is None
+                        else lambda: timed_generate(prompts, args.output_len, round_robin))
+            times, lora_times = _runs_from_stdin(lambda: timed_generate(prompts, args.output_len), lora_run)
+            if lora_times:
+                record["lora_times_s"] = lora_times
         else:
             times = [timed_generate(prompts, args.output_len) for _ in range(args.repeats)]
         elapsed = statistics.median(times)
