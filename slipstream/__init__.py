@@ -1,18 +1,19 @@
 """slipstream: serve, train and measure large language models on PyTorch.
 
-`LLM`, `SamplingParams`, `BeamSearchParams`, `StructuredOutputsParams`, `PoolingParams` and
-`RequestOutput` are importable from here; they load on first use, so that torch-free parts (the
-scheduler, the performance model) stay importable without torch.
+`LLM`, `SamplingParams`, `BeamSearchParams`, `StructuredOutputsParams`, `PoolingParams`,
+`LoRARequest` and `RequestOutput` are importable from here; they load on first use, so that
+torch-free parts (the scheduler, the performance model) stay importable without torch.
 """
 
 import importlib
 
-__all__ = ["LLM", "BeamSearchParams", "PoolingParams", "RequestOutput", "SamplingParams",
+__all__ = ["LLM", "BeamSearchParams", "LoRARequest", "PoolingParams", "RequestOutput", "SamplingParams",
            "StructuredOutputsParams"]
 
 _EXPORTS = {
     "LLM": "slipstream.serve.llm",
     "BeamSearchParams": "slipstream.serve.beam_search",
+    "LoRARequest": "slipstream.serve.lora",
     "PoolingParams": "slipstream.serve.pooling",
     "RequestOutput": "slipstream.serve.request",
     "SamplingParams": "slipstream.serve.request",

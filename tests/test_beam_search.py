@@ -211,10 +211,10 @@ def test_beam_text_skips_special_tokens_by_default_and_temperature_changes_no_be
 
 
 def test_beam_search_takes_vllms_lora_request_none_and_use_tqdm_positionally(llm):
-    """vLLM's order, beam_search(prompts, params, lora_request, use_tqdm): None is taken, a LoRA
-    request is refused (slipstream serves none)."""
+    """vLLM's order, beam_search(prompts, params, lora_request, use_tqdm): None is taken, anything
+    but a LoRARequest is refused."""
     params = BeamSearchParams(beam_width=2, max_tokens=2)
     [output] = llm.beam_search(["x"], params, None, False)
     assert len(output.sequences) == 2
-    with pytest.raises(ValueError, match="lora_request=.* is not supported"):
+    with pytest.raises(TypeError, match="lora_request must be a LoRARequest or None"):
         llm.beam_search(["x"], params, lora_request=object())

@@ -15,7 +15,7 @@ import io
 import pytest
 from tqdm import tqdm
 
-from slipstream import LLM, SamplingParams
+from slipstream import LLM, LoRARequest, SamplingParams
 from slipstream.model.chat_template import template_content_format
 from slipstream.serve.request import RequestOutputKind
 
@@ -152,13 +152,16 @@ def test_completion_finished_is_a_method_as_in_vllm(llm):
 # ---- generate and chat signatures -----------------------------------------------------------------
 
 
-def test_lora_request_none_is_taken_and_a_lora_request_refused(llm):
+def test_lora_request_none_is_taken_and_an_adapter_needs_enable_lora(llm):
     assert len(llm.generate("x", greedy(max_tokens=2), use_tqdm=False, lora_request=None)) == 1
     assert len(llm.generate(["x", "y"], greedy(max_tokens=2), use_tqdm=False, lora_request=[None, None])) == 2
-    for call in (lambda: llm.generate("x", greedy(), lora_request=object()),
-                 lambda: llm.chat(MESSAGES, greedy(), lora_request=object())):
-        with pytest.raises(ValueError, match="lora_request=.* is not supported: slipstream serves no LoRA"):
+    adapter = LoRARequest("a", 1, "/nonexistent")
+    for call in (lambda: llm.generate("x", greedy(), lora_request=adapter),
+                 lambda: llm.chat(MESSAGES, greedy(), lora_request=adapter)):
+        with pytest.raises(ValueError, match="LoRA is not enabled: start the engine with enable_lora=True"):
             call()
+    with pytest.raises(TypeError, match="lora_request must be a LoRARequest or None"):
+        llm.generate("x", greedy(), lora_request=object())
     assert not llm.engine.has_unfinished_requests()
 
 

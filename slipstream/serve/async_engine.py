@@ -16,13 +16,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from slipstream.serve.engine import Engine
+from slipstream.serve.lora import LoRARequest
 from slipstream.serve.pooling import EmbeddingRequestOutput, PoolingParams
 from slipstream.serve.request import RequestOutput, SamplingParams
 
@@ -68,6 +71,7 @@ class _Add:
     accepted: concurrent.futures.Future
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -84,6 +88,14 @@ class _Profile:
     profile_prefix: str | None = None
     delay_iterations: int | None = None
     max_iterations: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Call:
+    """Run `function` in the engine thread, between steps; its result or exception goes to `done`."""
+
+    function: Callable[[], Any]
+    done: concurrent.futures.Future
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -204,11 +216,11 @@ class AsyncEngine:
 
     async def add(
         self, prompts: dict[str, list[int]], params: SamplingParams | PoolingParams, *, arrival_time_s: float,
-        priority: int = 0, cache_salt: str | None = None,
+        priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue the prompts of one API call (request id -> prompt token ids) under one stream: to
-        generate from (with `Engine.add_request`'s priority and cache salt), or with PoolingParams
-        to embed.
+        generate from (with `Engine.add_request`'s priority, cache salt and LoRA adapter), or with
+        PoolingParams to embed.
 
         Raises `Overloaded` when they would take the waiting queue past `max_waiting`, ValueError
         when they could never fit in it, and the engine's ValueError for input it rejects (then
@@ -216,7 +228,7 @@ class AsyncEngine:
         if self._stopping:
             raise Overloaded("the engine is stopping")
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        command = _Add(prompts, params, arrival_time_s, accepted, priority, cache_salt)
+        command = _Add(prompts, params, arrival_time_s, accepted, priority, cache_salt, lora_request)
         num_sequences = command.num_sequences
         if num_sequences > self.max_waiting:
             per_prompt = num_sequences // len(prompts)
@@ -263,6 +275,22 @@ class AsyncEngine:
     async def _profile(self, command: _Profile) -> None:
         self._commands.put(command)
         await asyncio.wrap_future(command.done)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """`Engine.add_lora` in the engine thread: the adapter loaded (False: it was already), or
+        the engine's ValueError."""
+        return await self._call(functools.partial(self.engine.add_lora, lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """`Engine.remove_lora` in the engine thread."""
+        return await self._call(functools.partial(self.engine.remove_lora, lora_int_id))
+
+    async def _call(self, function: Callable[[], Any]) -> Any:
+        if self._stopping:
+            raise Overloaded("the engine is stopping")
+        command = _Call(function, concurrent.futures.Future())
+        self._commands.put(command)
+        return await asyncio.wrap_future(command.done)
 
     def _deliver(
         self, outputs: list[Output], failed: list[str], stats: EngineStats, num_taken: int
@@ -326,6 +354,8 @@ class AsyncEngine:
                 self._add(command)
             elif isinstance(command, _Profile):
                 self._apply_profile(command)
+            elif isinstance(command, _Call):
+                _run_call(command)
             else:
                 outputs += self._abort(command.request_ids)
         failed: list[str] = []
@@ -350,7 +380,7 @@ class AsyncEngine:
                 else:
                     self.engine.add_request(request_id, token_ids, command.params,
                                             arrival_time_s=command.arrival_time_s, priority=command.priority,
-                                            cache_salt=command.cache_salt)
+                                            cache_salt=command.cache_salt, lora_request=command.lora_request)
                 added.append(request_id)
         except Exception as error:
             if not isinstance(error, ValueError):
@@ -408,3 +438,16 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._deliver, outputs, failed, stats, num_taken)
         except RuntimeError:  # the event loop is closed: nobody is left to deliver to
             pass
+
+
+def _run_call(command: _Call) -> None:
+    if not command.done.set_running_or_notify_cancel():
+        return  # the caller left
+    try:
+        result = command.function()
+    except Exception as error:  # the caller's to report (a bad adapter)
+        if not isinstance(error, ValueError):
+            logger.exception("an engine call failed")
+        command.done.set_exception(error)
+    else:
+        command.done.set_result(result)

@@ -38,7 +38,9 @@ from slipstream.ops.allocator import keep_freed_memory, keep_large_freed_memory
 from slipstream.ops.quant import check_quantization
 from slipstream.perf.flops import kv_cache_bytes_per_token
 from slipstream.perf.records import METRICS_FILE
+from slipstream.serve.adapters import LoRARegistry
 from slipstream.serve.fsm import compile_pattern
+from slipstream.serve.lora import LoRARequest
 from slipstream.serve.outputs import PromptOutput, SequenceOutput
 from slipstream.serve.pooling import EmbeddingRequestOutput, Pool, PoolerConfig, PoolingJob, PoolingParams
 from slipstream.serve.profiler import (
@@ -166,6 +168,16 @@ class EngineConfig:
     """A directory (made if missing) where the engine appends JSON-lines metrics records to
     `metrics.jsonl`: a header, one record per step that ran the model and one per completion that
     ended (records.py; docs/engine.md, "Metrics records"). None writes none."""
+    enable_lora: bool = False
+    """As vLLM's: requests may run under LoRA adapters (`add_request`'s lora_request; lora.py),
+    several adapters and the base model in one step. Steps with an adapter run module by module."""
+    max_loras: int = 1
+    """As vLLM's: most distinct adapters among the running requests (a request whose adapter would
+    exceed it waits, and later ones may pass it)."""
+    max_lora_rank: int = 16
+    """As vLLM's: the largest adapter rank accepted."""
+    max_cpu_loras: int | None = None
+    """As vLLM's: adapters kept loaded while no request uses them (default: max_loras)."""
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
@@ -173,7 +185,7 @@ class EngineConfig:
         if self.profiler_config is not None:
             object.__setattr__(self, "profiler_config", ProfilerConfig.parse(self.profiler_config))
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_scheduler_steps",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -187,7 +199,18 @@ class EngineConfig:
         if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int | float)
                                    or not 0 < memory < float("inf")):
             raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {memory!r}")
-        for name in ("enable_prefix_caching", "fast_cpu_kernels", "enforce_eager"):
+        cpu_loras = self.max_cpu_loras
+        if cpu_loras is not None and (isinstance(cpu_loras, bool) or not isinstance(cpu_loras, int)
+                                      or cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), "
+                             f"got {cpu_loras!r}")
+        if self.enable_lora is True and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported: LoRA adapters are "
+                             "served by one process (docs/serving.md, LoRA adapters)")
+        if self.enable_lora is True and self.runner == "pooling":
+            raise ValueError("enable_lora is for generating engines; runner='pooling' embeds with the "
+                             "base model")
+        for name in ("enable_prefix_caching", "fast_cpu_kernels", "enforce_eager", "enable_lora"):
             if not isinstance(getattr(self, name), bool):  # a string such as "false" is truthy
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.device is not None:
@@ -261,7 +284,13 @@ class Engine:
             enable_prefix_caching=config.enable_prefix_caching and (
                 self.pooler is None or self.pooler.pooling_type == "LAST"),
             policy=config.scheduling_policy,
+            max_loras=config.max_loras,
         ))
+        self.lora = None if self.runner.lora is None else LoRARegistry(
+            self.runner.lora, self.model_config, max_rank=config.max_lora_rank,
+            max_cpu_loras=config.max_cpu_loras or config.max_loras, dtype=self.limits.dtype,
+            device=self.limits.device, in_use=self.scheduler.lora_ids_in_use)
+        """The LoRA adapters loaded (enable_lora); None without."""
         if device.type == "cpu":  # the weights and the KV cache keep their own mappings
             keep_large_freed_memory()
         self._ids = itertools.count()
@@ -310,7 +339,8 @@ class Engine:
         runner = Runner(model, num_blocks=limits.num_blocks, block_size=config.block_size, dtype=dtype,
                         device=device, max_num_seqs=config.max_num_seqs, max_model_len=limits.max_model_len,
                         use_kernels=config.fast_cpu_kernels,
-                        enforce_eager=config.enforce_eager or self.workers is not None, workers=self.workers)
+                        enforce_eager=config.enforce_eager or self.workers is not None, workers=self.workers,
+                        enable_lora=config.enable_lora)
         return limits, runner
 
     @property
@@ -338,6 +368,7 @@ class Engine:
         stream: bool = True,
         prompt_text: str | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a prompt (text or token ids); invalid input is a ValueError naming the problem.
 
@@ -345,7 +376,8 @@ class Engine:
         streaming server needs); without, only once it has finished (what `LLM.generate` needs).
         `prompt_text` is the text that token-id prompts came from (a rendered chat), reported as
         `RequestOutput.prompt`. As vLLM's `cache_salt`, a salt keeps the prompt's prefix-cache
-        blocks to requests with the same salt (an empty one is none).
+        blocks to requests with the same salt (an empty one is none). With a `lora_request` (an
+        engine with enable_lora) the prompt runs under that adapter, loaded first if it is not.
         """
         if self.pooler is not None:
             raise ValueError("this engine embeds (runner='pooling'): it takes add_embedding_request")
@@ -373,7 +405,8 @@ class Engine:
                              prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
                              stream=stream)
         guide = None if params.structured_outputs is None else self._guide(params.structured_outputs)
-        requests = [self._completion_request(entry, params, index, priority, bad_words, guide)
+        lora_id = self._lora_id(lora_request)
+        requests = [self._completion_request(entry, params, index, priority, bad_words, guide, lora_id)
                     for index in range(params.n)]
         generators = [
             None if r.sampling_params.seed is None
@@ -483,7 +516,7 @@ class Engine:
 
     def _completion_request(
         self, entry: PromptOutput, params: SamplingParams, index: int, priority: int,
-        bad_words: tuple[tuple[int, ...], ...], guide: Guide | GrammarGuide | None,
+        bad_words: tuple[tuple[int, ...], ...], guide: Guide | GrammarGuide | None, lora_id: int,
     ) -> Request:
         """The scheduler's request for completion `index` of a prompt, under an engine-unique id
         (so no user-chosen id can collide with it)."""
@@ -496,8 +529,33 @@ class Engine:
             eos_token_ids=self.limits.eos_token_ids, bad_words_token_ids=bad_words,
             guide=guide, guide_state=None if guide is None else guide.start,
             max_total_tokens=self.limits.max_model_len,
-            arrival_time_s=entry.metrics.arrival_time_s, priority=priority,
+            arrival_time_s=entry.metrics.arrival_time_s, priority=priority, lora_id=lora_id,
         )
+
+    def _lora_id(self, lora_request: LoRARequest | None) -> int:
+        """The engine id of the adapter a request runs under (0: none), loading it if need be."""
+        if lora_request is None:
+            return 0
+        if self.lora is None:
+            raise ValueError(f"lora_request={lora_request!r}, but LoRA is not enabled: start the engine "
+                             "with enable_lora=True")
+        return self.lora.engine_id(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now (vLLM's `add_lora`), so that a bad one is found before a request
+        names it; False if it was loaded already. ValueError as `add_request`'s lora_request."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled: start the engine with enable_lora=True")
+        return self.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget the adapter of `lora_int_id` (vLLM's `remove_lora`): requests already running
+        under it finish under it; False if none is loaded with that id."""
+        return self.lora is not None and self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The `lora_int_id`s of the adapters loaded (vLLM's `list_loras`)."""
+        return set() if self.lora is None else self.lora.user_ids()
 
     def _validate_params(self, params: SamplingParams, num_prompt_tokens: int,
                          bad_words: tuple[tuple[int, ...], ...]) -> None:
@@ -641,14 +699,15 @@ class Engine:
 
     def _recorded_step(self) -> list[RequestOutput]:
         """A step, and its metrics record where metrics_dir asks for one (timed from before the
-        schedule to the step's outputs)."""
+        schedule to the step's outputs); then an adapter `remove_lora` forgot is unloaded once no
+        request uses it."""
         records = self._records
-        if records is None:
-            return self._step().outputs
         start_s = time.perf_counter()
         run = self._step()
-        if run.num_passes:
+        if records is not None and run.num_passes:
             records.step(self, run.plan, run.num_passes, run.drafts, time.perf_counter() - start_s)
+        if self.lora is not None and self.lora.has_removed_in_use:  # once its last request has ended
+            self.lora.evict()
         return run.outputs
 
     def _step(self) -> _StepRun:

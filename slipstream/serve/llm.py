@@ -34,6 +34,7 @@ from slipstream.serve.beam_search import (
     step_sampling_params,
 )
 from slipstream.serve.engine import Engine, EngineConfig, host_memory
+from slipstream.serve.lora import LoRARequest
 from slipstream.serve.pooling import EmbeddingRequestOutput, PoolingParams
 from slipstream.serve.request import (
     PositionLogprobs,
@@ -161,7 +162,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: UseTqdm = True,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in the order given.
@@ -170,11 +171,11 @@ class LLM:
         (with both, the ids are generated from and the text is reported as the output's prompt).
         `sampling_params` (default: `get_default_sampling_params()`) and `priority` are one value
         for every prompt or a list of one per prompt. The engine takes a checked copy of each
-        params object (`SamplingParams.clone`), as in vLLM. `lora_request` must be None (or a list
-        of Nones): slipstream serves no LoRA adapters.
+        params object (`SamplingParams.clone`), as in vLLM. `lora_request` (an LLM with
+        enable_lora) is one adapter for every prompt or a list of one (or None: the base model)
+        per prompt.
         """
         _check_use_tqdm(use_tqdm)
-        _check_no_lora(lora_request)
         prompts = _as_prompt_list(prompts)
         inputs = [_prompt_input(prompt) for prompt in prompts]
         if sampling_params is None:
@@ -182,12 +183,14 @@ class LLM:
         params = _per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams,
                              "a SamplingParams")
         priorities = _per_prompt(0 if priority is None else priority, len(prompts), "priority", int, "an int")
+        adapters = _per_prompt(lora_request, len(prompts), "lora_request", (LoRARequest, type(None)),
+                               "a LoRARequest or None")
         ids = [str(next(self._ids)) for _ in prompts]
         try:
-            for request_id, (prompt, text, salt), p, rank in zip(ids, inputs, params, priorities,
-                                                                  strict=True):
+            for request_id, (prompt, text, salt), p, rank, adapter in zip(ids, inputs, params, priorities,
+                                                                           adapters, strict=True):
                 self.engine.add_request(request_id, prompt, p, priority=rank, stream=False, prompt_text=text,
-                                        cache_salt=salt)
+                                        cache_salt=salt, lora_request=adapter)
             outputs = self._run(ids, use_tqdm)
         except BaseException:
             self.engine.abort_request(ids)
@@ -221,24 +224,27 @@ class LLM:
             raise
 
     def beam_search(
-        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, lora_request: Any = None,
-        use_tqdm: UseTqdm = False,
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, use_tqdm: UseTqdm = False,
     ) -> list[BeamSearchOutput]:
         """The best `params.beam_width` beams of each prompt, best first, as vLLM's
         `LLM.beam_search` (the search: slipstream/serve/beam_search.py). Each step is one
         `generate` call for the running beams of every prompt at once, with prefix caching (when
         enabled) keeping the beams' shared tokens computed. A beam's text is all its tokens
-        decoded, special tokens skipped unless `params.skip_special_tokens` is False (as vLLM's)."""
+        decoded, special tokens skipped unless `params.skip_special_tokens` is False (as vLLM's).
+        `lora_request` is as `generate`'s: one for every prompt or one per prompt."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         _check_use_tqdm(use_tqdm)
-        _check_no_lora(lora_request)
         if -1 != self.engine.config.max_logprobs < params.num_logprobs:
             raise ValueError(f"beam_width={params.beam_width} asks for {params.num_logprobs} logprobs per "
                              f"step, more than the engine's max_logprobs ({self.engine.config.max_logprobs})")
         limits = self.engine.limits
+        prompts = _as_prompt_list(prompts)
+        adapters = _per_prompt(lora_request, len(prompts), "lora_request", (LoRARequest, type(None)),
+                               "a LoRARequest or None")
         searches = []
-        for prompt in _as_prompt_list(prompts):
+        for prompt in prompts:
             token_ids = validate_prompt_token_ids(
                 self.engine.tokenize(_prompt_input(prompt)[0]), vocab_size=limits.vocab_size,
                 max_model_len=limits.max_model_len)
@@ -247,7 +253,9 @@ class LLM:
         bar = _progress_bar(use_tqdm, total=params.max_tokens, desc="beam search", unit="tok")
         try:
             while beams := next_requests(searches):
-                advance(searches, self.generate(beams, step, use_tqdm=False))
+                beam_adapters = [adapter for search, adapter in zip(searches, adapters, strict=True)
+                                 if not search.done for _ in search.running]
+                advance(searches, self.generate(beams, step, use_tqdm=False, lora_request=beam_adapters))
                 bar.update(1)
         finally:
             bar.close()
@@ -265,7 +273,7 @@ class LLM:
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: UseTqdm = True,
-        lora_request: Any = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: int | Sequence[int] | None = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
@@ -289,7 +297,6 @@ class LLM:
         _check_bool("add_generation_prompt", add_generation_prompt)
         _check_bool("continue_final_message", continue_final_message)
         _check_use_tqdm(use_tqdm)
-        _check_no_lora(lora_request)
         if chat_template is not None and not isinstance(chat_template, str):
             raise ValueError(f"chat_template must be the template's source (a string), got {chat_template!r}")
         if chat_template_content_format not in CONTENT_FORMATS:
@@ -322,7 +329,8 @@ class LLM:
                 raise ValueError(f"the chat template rejected the messages: {error}") from error
             ids = tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority,
+                             lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: UseTqdm, desc: str = "generating") -> list[Any]:
         """Step the engine until the requests `ids` are done; their final outputs, in order."""
@@ -551,14 +559,6 @@ def _progress_bar(use_tqdm: UseTqdm, *, total: int, desc: str, unit: str) -> Any
     if callable(use_tqdm):
         return use_tqdm(total=total, desc=desc, unit=unit)
     return tqdm(total=total, desc=desc, unit=unit, disable=not use_tqdm)
-
-
-def _check_no_lora(lora_request: Any) -> None:
-    """None, or one None per prompt, as vLLM takes it; anything else asks for a LoRA adapter."""
-    if lora_request is None or (isinstance(lora_request, (list, tuple))
-                                and all(item is None for item in lora_request)):
-        return
-    raise ValueError(f"lora_request={lora_request!r} is not supported: slipstream serves no LoRA adapters")
 
 
 def _without_text(output: RequestOutput) -> RequestOutput:

@@ -24,6 +24,7 @@ from slipstream.ops.inference import optimize_for_cpu_inference
 from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
 from slipstream.ops.quant import quantize_linears
 from slipstream.serve.cuda_graph import CudaDecodeGraphs, can_capture
+from slipstream.serve.lora import LoRALayers
 from slipstream.serve.profiler import FORWARD_PHASE, PREPARE_INPUTS_PHASE, phase
 from slipstream.serve.sampler import argmax
 from slipstream.serve.scheduler import ScheduledChunk, StepPlan
@@ -119,12 +120,17 @@ class Runner:
 
     The runner of a tensor-parallel driver (`workers`, see tensor_parallel.py) has its workers
     make every forward pass and every lm_head product with it, each over its own shard and cache.
+
+    With `enable_lora` the decoder layers' projections are wrapped for LoRA adapters (`lora`:
+    lora.py), after the decode graphs are made, which keep the base weights. A step in which
+    some request runs under an adapter (`Request.lora_id`) runs module by module, each row under
+    its request's adapter; steps without one take the graphs as before.
     """
 
     def __init__(
         self, model: Transformer, *, num_blocks: int, block_size: int, dtype: torch.dtype,
         device: torch.device, max_num_seqs: int, max_model_len: int, use_kernels: bool = True,
-        enforce_eager: bool = False, workers: Workers | None = None,
+        enforce_eager: bool = False, workers: Workers | None = None, enable_lora: bool = False,
     ) -> None:
         self.model = model
         # One set of RoPE frequencies for every position of every sequence (Phi-3's longrope: the
@@ -148,12 +154,14 @@ class Runner:
         elif device.type == "cpu" and use_kernels and not enforce_eager:
             self.decode_graph = CpuDecodeGraph.build(model, self.cache.keys, self.cache.values,
                                                      fallback=self.hidden_states)
+        self.lora = LoRALayers.attach(model) if enable_lora else None
+        """The adapters' wrappers; None without enable_lora."""
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepLogits:
         token_ids, positions, batch = self._inputs(plan)
-        graph = self._graph_for(batch)
-        with phase(FORWARD_PHASE):
+        graph = self._graph_for(batch, plan.chunks)
+        with phase(FORWARD_PHASE), self._adapters(plan.chunks, [c.num_tokens for c in plan.chunks]):
             if isinstance(graph, CpuDecodeGraph) and all(c.samples and not _wants_prompt_logits(c)
                                                          for c in plan.chunks):
                 # Every row samples and none is a prompt position: the lm_head runs in the graph.
@@ -165,8 +173,8 @@ class Runner:
     def execute_hidden(self, plan: StepPlan) -> torch.Tensor:  # (num_batched_tokens, E)
         """The plan's final-norm hidden states, every chunk's rows in plan order (for pooling)."""
         token_ids, positions, batch = self._inputs(plan)
-        with phase(FORWARD_PHASE):
-            return self._decode_or_forward(self._graph_for(batch), token_ids, positions, batch)
+        with phase(FORWARD_PHASE), self._adapters(plan.chunks, [c.num_tokens for c in plan.chunks]):
+            return self._decode_or_forward(self._graph_for(batch, plan.chunks), token_ids, positions, batch)
 
     def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
         """The plan's chunks as one flat batch: token ids, positions and the paged layout."""
@@ -185,12 +193,23 @@ class Runner:
             device = self.device
             return torch.tensor(token_ids, device=device), torch.tensor(positions, device=device), batch
 
-    def _graph_for(self, batch: PagedBatch) -> CpuDecodeGraph | CudaDecodeGraphs | None:
-        """The decode graph that runs `batch`: none for a step with a prefill chunk or more
-        sequences than the graph takes."""
+    def _graph_for(
+        self, batch: PagedBatch, chunks: Sequence[ScheduledChunk]
+    ) -> CpuDecodeGraph | CudaDecodeGraphs | None:
+        """The decode graph that runs `batch` (laid out from `chunks`): none for a step with a
+        prefill chunk, more sequences than the graph takes, or a request under a LoRA adapter."""
         graph = self.decode_graph
         fits = graph is not None and not batch.prefills and len(batch.decode_seq_lens) <= graph.max_seqs
-        return graph if fits else None
+        return graph if fits and not _has_adapter(chunks) else None
+
+    def _adapters(
+        self, chunks: Sequence[ScheduledChunk], num_rows: Sequence[int]
+    ) -> contextlib.AbstractContextManager:
+        """Within it, the `num_rows[i]` rows of chunk i run under its request's adapter."""
+        if self.lora is None or not _has_adapter(chunks):
+            return contextlib.nullcontext()
+        ids = [c.request.lora_id for c, rows in zip(chunks, num_rows, strict=True) for _ in range(rows)]
+        return self.lora.rows(ids, self.device)
 
     def _decode_or_forward(
         self, graph: CpuDecodeGraph | CudaDecodeGraphs | None, token_ids: torch.Tensor,
@@ -215,8 +234,8 @@ class Runner:
             raise ValueError("execute_greedy takes single-token chunks and one block table per chunk")
         token_ids = [c.request.token_ids_range(c.start, c.start + 1)[0] for c in chunks]
         positions = [c.start for c in chunks]
-        with phase(FORWARD_PHASE):
-            graph = self.decode_graph
+        with phase(FORWARD_PHASE), self._adapters(chunks, [1] * len(chunks)):
+            graph = None if _has_adapter(chunks) else self.decode_graph
             if isinstance(graph, CpuDecodeGraph) and len(chunks) <= graph.max_seqs:
                 return graph.greedy(token_ids, positions, block_tables, num_steps)
             token_ids = torch.tensor(token_ids, device=self.device)
@@ -227,7 +246,8 @@ class Runner:
                     seq_lens=[c.start + step + 1 for c in chunks], query_lens=[1] * len(chunks),
                     block_tables=block_tables, block_size=self.cache.block_size, device=self.device,
                 )
-                hidden = self._decode_or_forward(self._graph_for(batch), token_ids, positions + step, batch)
+                hidden = self._decode_or_forward(self._graph_for(batch, chunks), token_ids, positions + step,
+                                                 batch)
                 token_ids = argmax(self._compute_logits(hidden))
                 steps.append(token_ids)
             return torch.stack(steps).tolist()
@@ -259,8 +279,8 @@ class Runner:
             )
             token_ids = torch.tensor(token_ids, device=self.device)
             positions = torch.tensor(positions, device=self.device)
-        with phase(FORWARD_PHASE):
-            graph = self._graph_for(batch)
+        with phase(FORWARD_PHASE), self._adapters(chunks, [1 + len(d) for d in drafts]):
+            graph = self._graph_for(batch, chunks)
             if isinstance(graph, CpuDecodeGraph):
                 logits = graph(token_ids, positions, batch, logits=True)
             else:
@@ -310,6 +330,10 @@ class Runner:
                 rows = hidden[end - chunk.num_tokens : end]
                 prompt_logits[chunk.request.request_id] = self._compute_logits(rows).float()
         return StepLogits(sample_logits=sample_logits, prompt_logits=prompt_logits)
+
+
+def _has_adapter(chunks: Sequence[ScheduledChunk]) -> bool:
+    return any(chunk.request.lora_id for chunk in chunks)
 
 
 def _wants_prompt_logits(chunk: ScheduledChunk) -> bool:
