@@ -13,6 +13,7 @@ import torch
 import transformers
 
 from slipstream import LLM, LoRARequest, SamplingParams
+from slipstream.serve.request import RequestStatus
 from tests.lora_fixtures import merge_adapter, save_random_adapter
 from tests.serve_fixtures import assert_same_tokens, random_hf, save_with_tokenizer, transformers_greedy
 
@@ -164,3 +165,22 @@ def test_an_adapter_removed_while_in_use_serves_its_requests_to_the_end(setup):
     assert list(outputs[-1].outputs[0].token_ids) == references["a"][0][0]
     assert engine.lora.layers.loaded_ids == frozenset()
     assert generate(llm, prompts[:1], [requests["a"]]) == [references["a"][0][0]]
+
+
+def test_lora_names_of_running_and_waiting_requests(setup):
+    """What vLLM's lora_requests_info reports: with max_loras=1, a request under b waits while
+    those under a run, and runs once they are done."""
+    model_dir, prompts, _, requests = setup
+    engine = LLM(str(model_dir), dtype="float32", enable_lora=True, max_loras=1).engine
+    for i, name in enumerate(["a", "b", "a", None]):
+        engine.add_request(str(i), prompts[i], greedy(), lora_request=requests[name])
+    def names():
+        return engine.lora_names(RequestStatus.RUNNING), engine.lora_names(RequestStatus.WAITING)
+
+    engine.step()
+    assert names() == (["a"], ["b"]) and engine.num_running == 3
+    while names()[0] == ["a"]:
+        engine.step()
+    assert names() == ([], ["b"])
+    engine.step()
+    assert names() == (["b"], [])

@@ -38,6 +38,8 @@ class LoRARegistry:
         self.in_use = in_use
         self._named: collections.OrderedDict[int, tuple[LoRARequest, int]] = collections.OrderedDict()
         """User id -> (its request, engine id), least recently named first."""
+        self._loaded: dict[int, LoRARequest] = {}
+        """Engine id -> the request it was loaded for, removed ones still in use included."""
         self._engine_ids = itertools.count(1)
 
     def engine_id(self, request: LoRARequest) -> int:
@@ -59,6 +61,7 @@ class LoRARegistry:
                                    device=self.device)
         engine_id = next(self._engine_ids)
         self.layers.add(dataclasses.replace(adapter, int_id=engine_id))
+        self._loaded[engine_id] = request
         self._named[request.lora_int_id] = (request, engine_id)
         self.evict(keep=engine_id)
         return engine_id
@@ -87,12 +90,20 @@ class LoRARegistry:
         in_use = self.in_use()
         named = {engine_id for _, engine_id in self._named.values()}
         for engine_id in self.layers.loaded_ids - named - in_use:
-            self.layers.remove(engine_id)
+            self._unload(engine_id)
         idle = [(user_id, engine_id) for user_id, (_, engine_id) in self._named.items()
                 if engine_id not in in_use and engine_id != keep]
         for user_id, engine_id in idle[:max(0, len(self._named) - self.max_cpu_loras)]:
             del self._named[user_id]
-            self.layers.remove(engine_id)
+            self._unload(engine_id)
+
+    def _unload(self, engine_id: int) -> None:
+        self.layers.remove(engine_id)
+        del self._loaded[engine_id]
+
+    def names(self, engine_ids: Set[int]) -> list[str]:
+        """The `lora_name`s of loaded adapters, by engine id, sorted."""
+        return sorted(self._loaded[engine_id].lora_name for engine_id in engine_ids)
 
     @property
     def has_removed_in_use(self) -> bool:

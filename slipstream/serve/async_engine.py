@@ -27,7 +27,7 @@ from typing import Any
 from slipstream.serve.engine import Engine
 from slipstream.serve.lora import LoRARequest
 from slipstream.serve.pooling import EmbeddingRequestOutput, PoolingParams
-from slipstream.serve.request import RequestOutput, SamplingParams
+from slipstream.serve.request import RequestOutput, RequestStatus, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,9 @@ class EngineStats:
     num_draft_tokens: int = 0
     """Speculative guesses checked so far, and of them the confirmed ones."""
     num_accepted_tokens: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    """Names of the LoRA adapters running requests use, and waiting ones (sorted)."""
+    waiting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
@@ -433,6 +436,8 @@ class AsyncEngine:
             num_preemptions=self.engine.scheduler.num_preemptions,
             num_draft_tokens=self.engine.num_draft_tokens,
             num_accepted_tokens=self.engine.num_accepted_tokens,
+            running_lora_adapters=tuple(self.engine.lora_names(RequestStatus.RUNNING)),
+            waiting_lora_adapters=tuple(self.engine.lora_names(RequestStatus.WAITING)),
         )
         try:
             self._loop.call_soon_threadsafe(self._deliver, outputs, failed, stats, num_taken)

@@ -56,6 +56,7 @@ from slipstream.serve.request import (
     Request,
     RequestMetrics,
     RequestOutput,
+    RequestStatus,
     SamplingParams,
     bad_words_token_ids,
     validate_prompt_token_ids,
@@ -556,6 +557,11 @@ class Engine:
     def list_loras(self) -> set[int]:
         """The `lora_int_id`s of the adapters loaded (vLLM's `list_loras`)."""
         return set() if self.lora is None else self.lora.user_ids()
+
+    def lora_names(self, status: RequestStatus) -> list[str]:
+        """The names of the adapters that requests of `status` (running or waiting) run under,
+        sorted (vLLM's lora_requests_info metric)."""
+        return [] if self.lora is None else self.lora.names(self.scheduler.lora_ids_in_use(status))
 
     def _validate_params(self, params: SamplingParams, num_prompt_tokens: int,
                          bad_words: tuple[tuple[int, ...], ...]) -> None:

@@ -187,9 +187,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
-    def lora_ids_in_use(self) -> set[int]:
-        """The LoRA adapters (`Request.lora_id`) of the requests not finished, waiting or running."""
-        return {request.lora_id for request in self._requests.values() if request.lora_id}
+    def lora_ids_in_use(self, status: RequestStatus | None = None) -> set[int]:
+        """The LoRA adapters (`Request.lora_id`) of the requests not finished, or of those with
+        `status` (waiting or running)."""
+        return {request.lora_id for request in self._requests.values()
+                if request.lora_id and status in (None, request.status)}
 
     # ----- requests in and out -----
 
