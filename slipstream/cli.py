@@ -151,6 +151,7 @@ def _demo(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from slipstream.serve.engine import EngineConfig
+    from slipstream.serve.served_models import runtime_lora_updating
     from slipstream.serve.server import ServerConfig, run_server
 
     engine_config = EngineConfig(
@@ -162,7 +163,8 @@ def _serve(args: argparse.Namespace) -> None:
         enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
         speculative_config=args.speculative_config, profiler_config=args.profiler_config, runner=args.runner,
         scheduling_policy=args.scheduling_policy, metrics_dir=args.metrics_dir,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, enable_lora=args.enable_lora,
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
     )
     if args.gpu_memory_utilization is not None:
         from slipstream.serve.llm import with_memory_utilization
@@ -173,7 +175,8 @@ def _serve(args: argparse.Namespace) -> None:
         max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        trust_request_chat_template=args.trust_request_chat_template,
+        trust_request_chat_template=args.trust_request_chat_template, lora_modules=tuple(args.lora_modules),
+        allow_runtime_lora_updating=runtime_lora_updating(os.environ),
     )
     run_server(engine_config, server_config, log_level="debug" if args.verbose else "info")
 
@@ -221,6 +224,16 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return count
+
+
+def _lora_module(text: str):
+    """An argparse type: a --lora-modules entry (argparse names the flag in its error)."""
+    from slipstream.serve.served_models import parse_lora_module
+
+    try:
+        return parse_lora_module(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _positive_float(text: str) -> float:
@@ -327,6 +340,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                    help="as vLLM: priority serves requests by their `priority` field (lower first), "
                         "preempting lower ones for blocks")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="as vLLM: serve LoRA adapters (requests name one as their `model`)")
+    p.add_argument("--lora-modules", nargs="+", action="extend", type=_lora_module, default=[],
+                   metavar="MODULE",
+                   help='as vLLM: adapters to serve, each NAME=PATH or JSON \'{"name": ..., "path": ..., '
+                        '"base_model_name": ...}\' (needs --enable-lora)')
+    p.add_argument("--max-loras", type=_int_at_least(1), default=1,
+                   help="as vLLM: most distinct adapters in one batch")
+    p.add_argument("--max-lora-rank", type=_int_at_least(1), default=16,
+                   help="as vLLM: the largest adapter rank accepted")
+    p.add_argument("--max-cpu-loras", type=_int_at_least(1),
+                   help="as vLLM: adapters kept loaded while no request uses them (default: --max-loras)")
 
     bench = _add(commands, "bench", None, "benchmarks")
     bench = bench.add_subparsers(dest="bench_command", required=True)

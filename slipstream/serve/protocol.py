@@ -717,6 +717,31 @@ class EmbeddingRequest(_Body):
         return PoolingParams(dimensions=self.dimensions, use_activation=self.use_activation)
 
 
+class LoadLoRAAdapterRequest(_Body):
+    """POST /v1/load_lora_adapter (vLLM's; served with VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
+    """vLLM's reload under a name already taken: refused, not ignored (unload, then load)."""
+
+    def check_supported(self) -> None:
+        if self.load_inplace:
+            raise bad_request("load_inplace is not supported: unload the adapter, then load it again",
+                              "load_inplace")
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """POST /v1/unload_lora_adapter (vLLM's): the adapter by name, or by the id the server gave it."""
+
+    lora_name: str | None = None
+    lora_int_id: int | None = None
+
+    def check_supported(self) -> None:
+        if self.lora_name is None and self.lora_int_id is None:
+            raise bad_request("give the adapter's lora_name (or its lora_int_id)", "lora_name")
+
+
 def parse_body(model: type[_Body], body: bytes) -> Any:
     """The body as `model`, or a 400 saying what is wrong with it."""
     try:

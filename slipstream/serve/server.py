@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health,
 /metrics, over an `AsyncEngine` (../../docs/serving.md); with a profiler_config, vLLM's
-/start_profile and /stop_profile.
+/start_profile and /stop_profile; with allow_runtime_lora_updating, vLLM's /v1/load_lora_adapter
+and /v1/unload_lora_adapter. A request's `model` names the served model or one of the LoRA
+adapters served under it (served_models.py).
 
 A handler validates the body (a 400 for anything wrong with it), tokenizes off the event loop,
 queues the prompts and either streams server-sent events or waits for the final outputs. A client
@@ -44,6 +46,7 @@ from slipstream.serve.beam_search import (
     step_sampling_params,
 )
 from slipstream.serve.engine import Engine, EngineConfig
+from slipstream.serve.lora import LoRARequest
 from slipstream.serve.metrics import ServerMetrics
 from slipstream.serve.pooling import EmbeddingRequestOutput
 from slipstream.serve.profiler import ProfilerAlreadyActiveError
@@ -56,6 +59,7 @@ from slipstream.serve.request import (
     generation_config_defaults,
 )
 from slipstream.serve.responses import ResponseMeta
+from slipstream.serve.served_models import LoRAModulePath, ServedModels
 from slipstream.serve.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -107,6 +111,12 @@ class ServerConfig:
     the default with tools), whose calls `tool_call_parser` reads (vLLM's flags of these names)."""
     tool_call_parser: str | None = None
     """The model's call format: "hermes", "llama3_json" or "mistral" (tool_parsers.py)."""
+    lora_modules: tuple[LoRAModulePath, ...] = ()
+    """LoRA adapters to serve from the start (vLLM's --lora-modules), each loaded, and so checked,
+    before the server listens; they need an engine with enable_lora."""
+    allow_runtime_lora_updating: bool = False
+    """Add vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (the CLI sets it from vLLM's
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 2**16:
@@ -129,6 +139,11 @@ class ServerConfig:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (as vLLM's "
                              "--enable-auto-tool-choice needs --tool-call-parser)")
+        if not all(isinstance(module, LoRAModulePath) for module in self.lora_modules):
+            raise ValueError(f"lora_modules must be LoRAModulePaths, got {self.lora_modules!r}")
+        names = [module.name for module in self.lora_modules]
+        if len(set(names)) < len(names):
+            raise ValueError(f"lora_modules name an adapter twice: {names}")
 
 
 class OpenAIServer:
@@ -152,11 +167,28 @@ class OpenAIServer:
         self.sampling_defaults = generation_config_defaults(engine.config.model)
         """What requests leave unset is sampled as the model's generation_config.json says."""
         self.metrics = ServerMetrics(self.model_name, self.max_model_len)
+        self.created = int(time.time())
+        self.served = ServedModels(self.model_name, self.model_path, self.max_model_len, self.created)
+        """The names requests may give as `model`: the served model's and its adapters'."""
+        check_lora_config(engine.config, config)
+        self._load_lora_modules(engine)
+        self._lora_updates = asyncio.Lock()
+        """Held while an adapter is loaded or unloaded, so that two updates never race for a name."""
         self.engine = AsyncEngine(engine, max_waiting=config.max_waiting, on_step=self.metrics.observe)
         self.is_draining = is_draining
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.created = int(time.time())
         self.app = self._build_app()
+
+    def _load_lora_modules(self, engine: Engine) -> None:
+        """Load the start-up adapters in the order given (ids 1, 2, ...), before the engine thread
+        starts: a bad one is a ValueError naming it now, not a 400 at its first request."""
+        for module in self.config.lora_modules:
+            try:
+                adapter = self.served.new_adapter(module.name, module.path, module.base_model_name)
+                engine.add_lora(adapter)
+            except ValueError as error:
+                raise ValueError(f"LoRA module {module.name!r} ({module.path}): {error}") from None
+            self.served.add(adapter)
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="slipstream", lifespan=self._lifespan, docs_url=None, redoc_url=None,
@@ -179,6 +211,11 @@ class OpenAIServer:
                            "serve like this for local development only")
             app.post("/start_profile")(self.start_profile)
             app.post("/stop_profile")(self.stop_profile)
+        if self.config.allow_runtime_lora_updating:  # as vLLM: otherwise the routes do not exist
+            logger.warning("LoRA adapters may be loaded and unloaded over HTTP (%s); serve like this for "
+                           "local development only", "POST /v1/load_lora_adapter, /v1/unload_lora_adapter")
+            app.post("/v1/load_lora_adapter")(self.load_lora_adapter)
+            app.post("/v1/unload_lora_adapter")(self.unload_lora_adapter)
         return app
 
     @contextlib.asynccontextmanager
@@ -219,36 +256,63 @@ class OpenAIServer:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> dict[str, Any]:
+        """The served model's card and one per LoRA adapter (vLLM's /v1/models)."""
         self._authorize(request)
-        return {"object": "list", "data": [self._model_card()]}
+        return {"object": "list", "data": self.served.cards()}
 
     async def model(self, request: Request, model_id: str) -> dict[str, Any]:
-        """One model, as OpenAI's `GET /v1/models/{model}` (the client's `models.retrieve`)."""
+        """One model or adapter, as OpenAI's `GET /v1/models/{model}` (the client's `models.retrieve`)."""
         self._authorize(request)
-        if model_id != self.model_name:
-            raise self._unknown_model(model_id)
-        return self._model_card()
+        return self.served.card(model_id)
 
-    def _unknown_model(self, name: str) -> APIError:
-        return APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                        param="model", code="model_not_found")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"}: load the adapter now and serve
+        it under its name, with the next id. A 400 for a name taken or an adapter that cannot be
+        loaded (missing, not PEFT LoRA, not fitting the model); vLLM's plain-text answer on success."""
+        body = await self._parse_lora_update(request, protocol.LoadLoRAAdapterRequest)
+        async with self._lora_updates:
+            try:
+                adapter = self.served.new_adapter(body.lora_name, body.lora_path)
+            except ValueError as error:
+                raise protocol.bad_request(str(error), "lora_name") from None
+            try:
+                await self.engine.add_lora(adapter)
+            except ValueError as error:
+                raise protocol.bad_request(str(error), "lora_path") from None
+            self.served.add(adapter)
+        logger.info("loaded LoRA adapter %r (id %d) from %s", adapter.lora_name, adapter.lora_int_id,
+                    adapter.lora_path)
+        return Response(f"Success: LoRA adapter '{adapter.lora_name}' added successfully.",
+                        media_type="text/plain")
 
-    def _model_card(self) -> dict[str, Any]:
-        """OpenAI's model object with vLLM's fields: `root` (the model's path, which vLLM's own bench
-        client reads), `parent`, `max_model_len` and `permission`."""
-        permission = {"id": f"modelperm-{self.created}", "object": "model_permission",
-                      "created": self.created, "allow_create_engine": False, "allow_sampling": True,
-                      "allow_logprobs": True,
-                      "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                      "organization": "*", "group": None, "is_blocking": False}
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "slipstream",
-                "root": self.model_path, "parent": None, "max_model_len": self.max_model_len,
-                "permission": [permission]}
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's POST /v1/unload_lora_adapter {"lora_name"} (or {"lora_int_id"}): new requests naming
+        the adapter get a 404 at once; those already running under it finish under it (the engine
+        unloads it after their last step). A 404 for an adapter not served."""
+        body = await self._parse_lora_update(request, protocol.UnloadLoRAAdapterRequest)
+        async with self._lora_updates:
+            adapter = self.served.remove(body.lora_name, body.lora_int_id)
+            # False: the engine had already evicted it from its cache (max_cpu_loras); nothing to do.
+            await self.engine.remove_lora(adapter.lora_int_id)
+        logger.info("unloaded LoRA adapter %r (id %d)", adapter.lora_name, adapter.lora_int_id)
+        return Response(f"Success: LoRA adapter '{adapter.lora_name}' removed successfully.",
+                        media_type="text/plain")
+
+    async def _parse_lora_update(self, request: Request, model: type[T]) -> T:
+        self._authorize(request)
+        body = protocol.parse_body(model, await self._read_body(request))
+        body.check_supported()
+        if not self.engine.is_alive:
+            raise APIError(503, "the engine has stopped", type="server_error", code="unavailable")
+        if self.is_draining():
+            raise APIError(503, "the server is shutting down", type="server_error", code="unavailable")
+        return body
 
     async def completions(self, request: Request) -> Response:
         arrival_time_s = time.monotonic()
         body = await self._parse(request, CompletionRequest)
         self._check_runner(generates=True)
+        lora = self.served.lora_request(body.model)
         # Off the event loop: a structured output's schema or pattern is compiled here.
         params = await asyncio.to_thread(body.sampling_params, max_tokens=body.max_tokens,
                                          logprobs=body.logprobs, defaults=self.sampling_defaults)
@@ -257,12 +321,12 @@ class OpenAIServer:
                                           body.add_special_tokens, body.truncation_side)
         for token_ids in prompts:
             self._check_context(len(token_ids), body.max_tokens, params.min_tokens, "prompt", "max_tokens")
-        meta = ResponseMeta.new("cmpl", self.model_name)
+        meta = ResponseMeta.new("cmpl", self._served_name(lora))
         if body.use_beam_search:
             beams = body.beam_search_params(max_tokens=body.max_tokens or self.max_model_len,
                                             max_logprobs=self.max_logprobs)
             outputs = await self._beam_search(request, meta.id, prompts, beams, arrival_time_s,
-                                              body.logprobs, params.skip_special_tokens, body)
+                                              body.logprobs, params.skip_special_tokens, body, lora)
             options = dict(n=params.n, logprobs=body.logprobs, as_token_ids=self._as_token_ids(body))
             if body.stream:
                 chunks = responses.CompletionStream(meta, [o.request_id for o in outputs],
@@ -270,7 +334,7 @@ class OpenAIServer:
                 return _event_stream(_final_events(outputs, chunks))
             return JSONResponse(responses.completion_response(meta, outputs, **options))
         stream = await self._submit(meta.id, prompts, params, arrival_time_s,
-                                    {"prompt": "prompt"} | body.params_named, body)
+                                    {"prompt": "prompt"} | body.params_named, body, lora)
         echo = self._echo(body, stream.request_ids, texts, prompts) if body.echo else None
         options = dict(n=params.n, logprobs=body.logprobs, echo=echo, as_token_ids=self._as_token_ids(body))
         if body.stream:
@@ -284,6 +348,7 @@ class OpenAIServer:
         body = await self._parse(request, ChatCompletionRequest)
         self._check_runner(generates=True)
         self._check_request_template(body)
+        lora = self.served.lora_request(body.model)
         params = await asyncio.to_thread(body.sampling_params, max_tokens=body.max_new_tokens,
                                          logprobs=body.num_logprobs, defaults=self.sampling_defaults)
         if body.tool_mode == "auto":
@@ -299,7 +364,7 @@ class OpenAIServer:
                                      truncation_side=body.truncation_side)
         self._check_context(len(token_ids), body.max_new_tokens, params.min_tokens, "messages",
                             body.max_tokens_param)
-        meta = ResponseMeta.new("chatcmpl", self.model_name)
+        meta = ResponseMeta.new("chatcmpl", self._served_name(lora))
         tool_calls = None
         if body.tool_mode is not None:
             tool_calls = responses.ToolCalls(body.tool_mode, body.forced_function,
@@ -311,14 +376,14 @@ class OpenAIServer:
             beams = body.beam_search_params(max_tokens=body.max_new_tokens or self.max_model_len,
                                             max_logprobs=self.max_logprobs)
             [output] = await self._beam_search(request, meta.id, [token_ids], beams, arrival_time_s,
-                                               body.num_logprobs, params.skip_special_tokens, body)
+                                               body.num_logprobs, params.skip_special_tokens, body, lora)
             if body.stream:
                 chunks = responses.ChatStream(meta, n=params.n, usage=body.usage_mode,
                                               num_prompt_tokens=len(token_ids), **options)
                 return _event_stream(_final_events([output], chunks))
             return JSONResponse(responses.chat_response(meta, output, **options))
         named = {"prompt": "messages", "logprobs": "top_logprobs"} | body.params_named
-        stream = await self._submit(meta.id, [token_ids], params, arrival_time_s, named, body)
+        stream = await self._submit(meta.id, [token_ids], params, arrival_time_s, named, body, lora)
         if body.stream:
             chunks = responses.ChatStream(meta, n=params.n, usage=body.usage_mode,
                                           num_prompt_tokens=len(token_ids), **options)
@@ -352,6 +417,10 @@ class OpenAIServer:
         keeps the first tokens, as vLLM's)."""
         return self._tokenize(body.inputs(), body.truncate_prompt_tokens, body.add_special_tokens,
                               body.truncation_side)
+
+    def _served_name(self, lora: LoRARequest | None) -> str:
+        """The `model` a response names: the adapter's, or the served model's (as vLLM's)."""
+        return self.model_name if lora is None else lora.lora_name
 
     def _check_runner(self, *, generates: bool) -> None:
         if generates and self.pooler is not None:
@@ -448,8 +517,7 @@ class OpenAIServer:
 
     def _validated(self, model: type[T], raw: bytes) -> T:
         body = protocol.parse_body(model, raw)
-        if body.model is not None and body.model != self.model_name:
-            raise self._unknown_model(body.model)
+        self.served.lora_request(body.model)  # a 404 for a name not served
         body.check_supported()
         return body
 
@@ -564,10 +632,12 @@ class OpenAIServer:
 
     async def _submit(self, response_id: str, prompts: list[list[int]], params: SamplingParams,
                       arrival_time_s: float, params_named: dict[str, str],
-                      body: protocol.GenerationBody | None = None) -> RequestStream:
-        """Queue the prompts (with the body's vLLM `priority` and `cache_salt`): 503 past the
-        waiting bound or while draining, 400 for what the engine rejects (its errors name engine
-        parameters; `params_named` maps those whose request field has another name)."""
+                      body: protocol.GenerationBody | None = None,
+                      lora: LoRARequest | None = None) -> RequestStream:
+        """Queue the prompts (with the body's vLLM `priority` and `cache_salt`, under the LoRA
+        adapter `lora` if one is given): 503 past the waiting bound or while draining, 400 for what
+        the engine rejects (its errors name engine parameters; `params_named` maps those whose
+        request field has another name)."""
         if self.is_draining():
             raise APIError(503, "the server is shutting down", type="server_error", code="unavailable")
         priority, cache_salt = (0, None) if body is None else (body.priority, body.cache_salt)
@@ -579,7 +649,7 @@ class OpenAIServer:
             raise APIError(503, "the engine has stopped", type="server_error", code="unavailable")
         try:
             return await self.engine.add(ids, params, arrival_time_s=arrival_time_s, priority=priority,
-                                         cache_salt=cache_salt)
+                                         cache_salt=cache_salt, lora_request=lora)
         except Overloaded as error:
             retry_after = {"Retry-After": str(self.config.retry_after_s)}
             raise APIError(503, f"the server is overloaded ({error}); retry later", type="server_error",
@@ -589,14 +659,16 @@ class OpenAIServer:
 
     async def _beam_search(self, request: Request, response_id: str, prompts: list[list[int]],
                            params: BeamSearchParams, arrival_time_s: float, num_logprobs: int | None,
-                           skip_special_tokens: bool, body: protocol.GenerationBody) -> list[RequestOutput]:
+                           skip_special_tokens: bool, body: protocol.GenerationBody,
+                           lora: LoRARequest | None) -> list[RequestOutput]:
         """vLLM's use_beam_search: the search of beam_search.py with each step's beams queued on
         the engine as one-token requests, among everyone else's; one output per prompt, its
         `n` choices the best beams, best first."""
         searches = [BeamSearch(ids, params, self.eos_token_ids, self.max_model_len) for ids in prompts]
         step, number = step_sampling_params(params), 0
         while beams := next_requests(searches):
-            stream = await self._submit(f"{response_id}-step{number}", beams, step, arrival_time_s, {}, body)
+            stream = await self._submit(f"{response_id}-step{number}", beams, step, arrival_time_s, {}, body,
+                                        lora)
             advance(searches, await self._collect(request, stream))
             number += 1
         metrics = RequestMetrics(arrival_time_s=arrival_time_s, finished_time_s=time.monotonic())
@@ -745,11 +817,23 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, *, log_level: 
     """Load the model and serve it until SIGTERM or SIGINT; then drain and return. The address is
     bound first: a port in use or a host that does not resolve is an OSError before the model
     loads (uvicorn would load it, log the error and exit with status 3)."""
+    check_lora_config(engine_config, config)
     listener = _bind(config.host, config.port)
     try:
         _serve(engine_config, config, listener, log_level)
     finally:
         listener.close()
+
+
+def check_lora_config(engine_config: EngineConfig, config: ServerConfig) -> None:
+    """ValueError, before any model loads, for LoRA modules an engine without enable_lora could not
+    serve (vLLM fails at start too) or named as the served model."""
+    if config.lora_modules and not engine_config.enable_lora:
+        raise ValueError("lora_modules (--lora-modules) need an engine with enable_lora (--enable-lora)")
+    served_name = config.served_model_name or engine_config.model
+    for module in config.lora_modules:
+        if module.name == served_name:
+            raise ValueError(f"the LoRA module name {module.name!r} is the served model's name")
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -767,21 +851,23 @@ def _bind(host: str, port: int) -> socket.socket:
 def _serve(engine_config: EngineConfig, config: ServerConfig, listener: socket.socket,
            log_level: str) -> None:
     engine = Engine(engine_config)
-    server: uvicorn.Server | None = None
-    api = OpenAIServer(engine, config, is_draining=lambda: server is not None and server.should_exit)
-    server = _Server(api, uvicorn.Config(
-        api.app, host=config.host, port=config.port, log_level=log_level, access_log=log_level == "debug",
-        timeout_graceful_shutdown=config.drain_timeout_s + DRAIN_GRACE_S,
-    ))
-    # uvicorn re-raises the signal that stopped it once it has drained, under the handler that was
-    # there before it started; make that one a no-op so that a drained server exits with status 0.
-    signals = (signal.SIGTERM, signal.SIGINT)
-    previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in signals}
-    try:
-        server.run(sockets=[listener])
+    try:  # the engine's workers stop also when the server cannot be built (a bad LoRA module)
+        server: uvicorn.Server | None = None
+        api = OpenAIServer(engine, config, is_draining=lambda: server is not None and server.should_exit)
+        server = _Server(api, uvicorn.Config(
+            api.app, host=config.host, port=config.port, log_level=log_level,
+            access_log=log_level == "debug", timeout_graceful_shutdown=config.drain_timeout_s + DRAIN_GRACE_S,
+        ))
+        # uvicorn re-raises the signal that stopped it once it has drained, under the handler that
+        # was there before it started; make that one a no-op so that a drained server exits with 0.
+        signals = (signal.SIGTERM, signal.SIGINT)
+        previous = {sig: signal.signal(sig, lambda signum, frame: None) for sig in signals}
+        try:
+            server.run(sockets=[listener])
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         engine.shutdown()
 
 
