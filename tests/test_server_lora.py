@@ -211,6 +211,10 @@ def test_runtime_load_and_unload(lora_server, client, http, adapters, references
     unload = http.post("/v1/unload_lora_adapter", json={"lora_int_id": 3})
     assert unload.status_code == 200 and "'C'" in unload.text
     assert metric_values(lora_server)["slipstream:num_requests_running"] == 1  # the stream, unfinished
+    [info] = [line for line in http.get("/metrics").text.splitlines()
+              if line.startswith("slipstream:lora_requests_info{")]
+    assert 'running_lora_adapters="C"' in info and 'waiting_lora_adapters=""' in info  # vLLM's gauge
+    assert 'max_lora="2"' in info
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="C", prompt=PROMPT_IDS, max_tokens=1)
     streamed += "".join(chunk.choices[0].text for chunk in stream if chunk.choices)

@@ -58,7 +58,9 @@ class _Progress:
 class ServerMetrics:
     """The server's metrics, in a registry of their own (`render()` is the /metrics body)."""
 
-    def __init__(self, model_name: str, max_model_len: int = 2**20) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 2**20, max_loras: int | None = None) -> None:
+        """`max_loras`: the engine's, where it serves LoRA adapters (then `lora_requests_info`
+        is exported)."""
         self.registry = CollectorRegistry()
         self._model_name = model_name
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
@@ -97,6 +99,12 @@ class ServerMetrics:
                                ["model_name", "finished_reason"], registry=self.registry)
         for reason in ("stop", "length", "abort", "error"):  # exported at 0 from the start, as vLLM's
             self.success.labels(model_name, reason)
+        self.lora_info = None if max_loras is None else Gauge(
+            PREFIX + "lora_requests_info", "The LoRA adapters of the running and the waiting requests (as "
+            "comma-separated labels; the value is when they were taken, in seconds since the epoch).",
+            ["model_name", "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=self.registry)
+        self._max_loras = max_loras
         self._progress: dict[str, _Progress] = {}
         self._last_stats = EngineStats(time_s=0.0)
 
@@ -130,6 +138,13 @@ class ServerMetrics:
         self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
         self.draft_tokens.inc(max(0, stats.num_draft_tokens - last.num_draft_tokens))
         self.accepted_tokens.inc(max(0, stats.num_accepted_tokens - last.num_accepted_tokens))
+        if self.lora_info is not None:
+            # vLLM's gauge: one series, labelled with the adapters, set to the time. Only the current
+            # one is kept (vLLM keeps every past combination, each at its last time).
+            self.lora_info.clear()
+            waiting, running = ",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters)
+            labels = self.lora_info.labels(self._model_name, str(self._max_loras), waiting, running)
+            labels.set_to_current_time()
         self._last_stats = stats
 
     def _observe_output(self, output: RequestOutput, now: float) -> None:

@@ -166,7 +166,8 @@ class OpenAIServer:
         """Whether the engine profiles, and so the server has /start_profile and /stop_profile."""
         self.sampling_defaults = generation_config_defaults(engine.config.model)
         """What requests leave unset is sampled as the model's generation_config.json says."""
-        self.metrics = ServerMetrics(self.model_name, self.max_model_len)
+        self.metrics = ServerMetrics(self.model_name, self.max_model_len,
+                                     engine.config.max_loras if engine.config.enable_lora else None)
         self.created = int(time.time())
         self.served = ServedModels(self.model_name, self.model_path, self.max_model_len, self.created)
         """The names requests may give as `model`: the served model's and its adapters'."""
