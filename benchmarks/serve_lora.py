@@ -144,11 +144,16 @@ def offline_runners(llm: LLM, prompts, output_len, assignments: dict[str, list],
 
 
 def warmed_llm(model_dir, dtype, prompts, engine_args, adapters) -> LLM:
-    """An LLM, warmed up on the base model and under each adapter (loading them all)."""
+    """An LLM, warmed up on the base model and, with `adapters`, on steps that mix the base model
+    with every adapter (loading them all): a first step whose adapters' rows interleave took
+    seconds more than later ones on the development VM."""
     llm = LLM(str(model_dir), dtype=dtype, **engine_args)
     warm_up = SamplingParams(temperature=0.0, max_tokens=4)
-    for adapter in [None, *adapters]:
-        llm.generate(prompts[:2], warm_up, use_tqdm=False, lora_request=adapter)
+    llm.generate(prompts[:2], warm_up, use_tqdm=False)
+    if adapters:
+        mixed = [None, *adapters, None, *adapters]  # each adapter's rows apart, as round-robin's are
+        llm.generate([prompts[i % len(prompts)] for i in range(len(mixed))], warm_up, use_tqdm=False,
+                     lora_request=mixed)
     return llm
 
 
