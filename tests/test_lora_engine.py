@@ -79,6 +79,7 @@ ENGINES = {
     "multi-step": {"num_scheduler_steps": 4},
     "ngram speculation": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
     "one adapter at a time": {"max_loras": 1},
+    "tensor parallel": {"tensor_parallel_size": 2},
 }
 
 
@@ -113,11 +114,14 @@ def test_prefix_cache_is_shared_within_an_adapter_only(setup):
     assert hits == [0, 0, 0, 2 * 16 * len(shared)]
 
 
-def test_one_llm_switches_between_adapters_and_the_base_model(setup):
+@pytest.mark.parametrize("tensor_parallel_size", [1, pytest.param(4, marks=pytest.mark.slow)])
+def test_one_llm_switches_between_adapters_and_the_base_model(setup, tensor_parallel_size):
     """Calls under each adapter in turn, on one engine, with max_cpu_loras=1: an adapter unloaded
-    to make room is loaded again when named, and gives its tokens again."""
+    to make room is loaded again when named, and gives its tokens again; also over four ranks,
+    which hold two K/V heads two ranks each (the workers load and unload their parts)."""
     model_dir, prompts, _, requests = setup
-    llm = LLM(str(model_dir), dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1)
+    llm = LLM(str(model_dir), dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1,
+              tensor_parallel_size=tensor_parallel_size)
     for name in ("a", "b", None, "a"):
         names = [name] * len(prompts)
         check(setup, generate(llm, prompts, [requests[name]] * len(prompts)), names, str(name))
@@ -142,8 +146,6 @@ def test_add_remove_and_list_loras(setup):
     with pytest.raises(ValueError, match="max_lora_rank"):
         small.generate("x", greedy(), lora_request=requests["a"])
     assert not small.engine.has_unfinished_requests()
-    with pytest.raises(ValueError, match="enable_lora with tensor_parallel_size > 1 is not supported"):
-        LLM(str(model_dir), enable_lora=True, tensor_parallel_size=2)
     for name, value in (("max_loras", 0), ("max_lora_rank", -1), ("max_cpu_loras", 1)):
         with pytest.raises(ValueError, match=name):
             LLM(str(model_dir), **{"enable_lora": True, "max_loras": 2, name: value})

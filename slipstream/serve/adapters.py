@@ -6,6 +6,10 @@ An adapter is loaded the first time a request or `add` names its `lora_int_id`, 
 requests use it. Adapters no live request uses are kept up to `max_cpu_loras`, the least recently
 named unloaded first (vLLM's CPU LoRA cache). `remove` forgets the user's id at once; its
 adapter is unloaded once its last request ends, and a later request with that id loads it anew.
+
+Under tensor parallelism each rank holds its part of every adapter, split as the model's
+projections are (`shard_adapter`): the driver reads and checks an adapter once, keeps rank 0's
+part and sends the whole to the workers, which keep theirs (`ShardedLoRALayers`).
 """
 
 from __future__ import annotations
@@ -19,14 +23,64 @@ import torch
 
 from slipstream.model.config import ModelConfig
 from slipstream.serve.lora import LoRAAdapter, LoRALayers, LoRARequest
+from slipstream.serve.tensor_parallel import LoadLoRA, UnloadLoRA, Workers, kv_share
+
+_ROWS_SPLIT = ("q_proj", "gate_proj", "up_proj")
+"""Projections split by output rows (column-parallel): their B is split the same way; k_proj and
+v_proj too, by K/V heads (`kv_share`)."""
+_COLUMNS_SPLIT = ("o_proj", "down_proj")
+"""Projections split by input columns (row-parallel): their A is split the same way."""
+
+
+def shard_adapter(adapter: LoRAAdapter, config: ModelConfig, rank: int, size: int) -> LoRAAdapter:
+    """Tensor-parallel rank `rank`'s part of `adapter`, split as `tensor_parallel.shard_model`
+    splits the model: B's rows where the projection's rows are split (q, k, v, gate, up), A's
+    columns where its columns are (o, down). Each rank adds its update to its own rows, or, for o
+    and down, a partial sum that the ranks' all-reduce completes with the base layer's."""
+    weights = {}
+    for name, (a, b, scaling) in adapter.weights.items():
+        projection = name.rsplit(".", 1)[-1]
+        if projection in _ROWS_SPLIT:
+            b = b.chunk(size)[rank]
+        elif projection in ("k_proj", "v_proj"):
+            part, parts = kv_share(config.num_key_value_heads, rank, size)
+            b = b.chunk(parts)[part]
+        elif projection in _COLUMNS_SPLIT:
+            a = a.chunk(size, dim=1)[rank]
+        else:
+            raise ValueError(f"LoRA adapter {adapter.path}: no tensor-parallel split for module {name}")
+        weights[name] = (a.contiguous(), b.contiguous(), scaling)
+    return dataclasses.replace(adapter, weights=weights)
+
+
+class ShardedLoRALayers:
+    """The driver's `LoRALayers` under tensor parallelism, as `LoRARegistry` uses them: an
+    adapter added is split, rank 0's part loaded here and the whole sent to the workers."""
+
+    def __init__(self, layers: LoRALayers, workers: Workers, config: ModelConfig) -> None:
+        self.layers = layers
+        self.workers = workers
+        self.config = config
+
+    def add(self, adapter: LoRAAdapter) -> None:
+        self.layers.add(shard_adapter(adapter, self.config, 0, self.workers.size))
+        self.workers.send(LoadLoRA(adapter))
+
+    def remove(self, int_id: int) -> None:
+        self.layers.remove(int_id)
+        self.workers.send(UnloadLoRA(int_id))
+
+    @property
+    def loaded_ids(self) -> frozenset[int]:
+        return self.layers.loaded_ids
 
 
 class LoRARegistry:
     """The adapters loaded into one model's `LoRALayers`."""
 
     def __init__(
-        self, layers: LoRALayers, config: ModelConfig, *, max_rank: int, max_cpu_loras: int,
-        dtype: torch.dtype, device: torch.device, in_use: Callable[[], Set[int]],
+        self, layers: LoRALayers | ShardedLoRALayers, config: ModelConfig, *, max_rank: int,
+        max_cpu_loras: int, dtype: torch.dtype, device: torch.device, in_use: Callable[[], Set[int]],
     ) -> None:
         """`in_use`: the engine ids that live requests run under."""
         self.layers = layers

@@ -38,7 +38,7 @@ from slipstream.ops.allocator import keep_freed_memory, keep_large_freed_memory
 from slipstream.ops.quant import check_quantization
 from slipstream.perf.flops import kv_cache_bytes_per_token
 from slipstream.perf.records import METRICS_FILE
-from slipstream.serve.adapters import LoRARegistry
+from slipstream.serve.adapters import LoRARegistry, ShardedLoRALayers
 from slipstream.serve.fsm import compile_pattern
 from slipstream.serve.lora import LoRARequest
 from slipstream.serve.outputs import PromptOutput, SequenceOutput
@@ -205,9 +205,6 @@ class EngineConfig:
                                       or cpu_loras < self.max_loras):
             raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), "
                              f"got {cpu_loras!r}")
-        if self.enable_lora is True and self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported: LoRA adapters are "
-                             "served by one process (docs/serving.md, LoRA adapters)")
         if self.enable_lora is True and self.runner == "pooling":
             raise ValueError("enable_lora is for generating engines; runner='pooling' embeds with the "
                              "base model")
@@ -287,8 +284,11 @@ class Engine:
             policy=config.scheduling_policy,
             max_loras=config.max_loras,
         ))
-        self.lora = None if self.runner.lora is None else LoRARegistry(
-            self.runner.lora, self.model_config, max_rank=config.max_lora_rank,
+        layers = self.runner.lora
+        if layers is not None and self.workers is not None:
+            layers = ShardedLoRALayers(layers, self.workers, self.model_config)
+        self.lora = None if layers is None else LoRARegistry(
+            layers, self.model_config, max_rank=config.max_lora_rank,
             max_cpu_loras=config.max_cpu_loras or config.max_loras, dtype=self.limits.dtype,
             device=self.limits.device, in_use=self.scheduler.lora_ids_in_use)
         """The LoRA adapters loaded (enable_lora); None without."""
@@ -336,7 +336,8 @@ class Engine:
             limits = _derive_limits(config, self.model_config, self.tokenizer, dtype, device)
         if self.workers is not None:
             self.workers.start(Start(num_blocks=limits.num_blocks, block_size=config.block_size,
-                                     max_num_seqs=config.max_num_seqs, max_model_len=limits.max_model_len))
+                                     max_num_seqs=config.max_num_seqs, max_model_len=limits.max_model_len,
+                                     enable_lora=config.enable_lora))
         runner = Runner(model, num_blocks=limits.num_blocks, block_size=config.block_size, dtype=dtype,
                         device=device, max_num_seqs=config.max_num_seqs, max_model_len=limits.max_model_len,
                         use_kernels=config.fast_cpu_kernels,

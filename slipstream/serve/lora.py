@@ -48,6 +48,7 @@ from torch import nn
 
 from slipstream.model.config import ModelConfig
 from slipstream.model.transformer import SparseMoeBlock
+from slipstream.serve.tensor_parallel import SummedOverRanks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -488,14 +489,18 @@ class LoRALayers:
     @classmethod
     def attach(cls, model: nn.Module) -> LoRALayers:
         """Wrap every attention and MLP projection of `model`'s decoder layers (plain or fused by
-        the CPU fast path), in place. Linears of mixture-of-experts experts stay unwrapped."""
+        the CPU fast path, or a tensor-parallel rank's shard), in place. Linears of
+        mixture-of-experts experts stay unwrapped. A shard's o_proj and MLP sit inside the
+        `SummedOverRanks` that sums the ranks' outputs: the wrapper goes inside too, so that each
+        rank's part of an update is summed with the rest."""
         layers = getattr(getattr(model, "model", None), "layers", None)
         if not isinstance(layers, nn.ModuleList):
             raise ValueError(f"LoRALayers.attach expects a slipstream Transformer, got "
                              f"{type(model).__name__}")
         plan = []  # (parent module, attribute, slices, name prefix): checked whole before any change
         for i, layer in enumerate(layers):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
+            mlp = layer.mlp.inner if isinstance(layer.mlp, SummedOverRanks) else layer.mlp
             prefix = f"model.layers.{i}."
             if attn.qkv_proj is not None:
                 q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
@@ -503,7 +508,11 @@ class LoRALayers:
                                                  ("v_proj", q + kv, q + 2 * kv)], prefix + "self_attn."))
             else:
                 plan += [(attn, name, None, prefix + "self_attn.") for name in ("q_proj", "k_proj", "v_proj")]
-            plan.append((attn, "o_proj", None, prefix + "self_attn."))
+            if isinstance(attn.o_proj, SummedOverRanks):
+                o_proj = [("o_proj", 0, attn.o_proj.inner.out_features)]
+                plan.append((attn.o_proj, "inner", o_proj, prefix + "self_attn."))
+            else:
+                plan.append((attn, "o_proj", None, prefix + "self_attn."))
             if isinstance(mlp, SparseMoeBlock):
                 continue
             if mlp.gate_up_proj is not None:

@@ -156,6 +156,8 @@ class Runner:
                                                      fallback=self.hidden_states)
         self.lora = LoRALayers.attach(model) if enable_lora else None
         """The adapters' wrappers; None without enable_lora."""
+        self._lora_ids: list[int] | None = None
+        """Each row's adapter in the forward pass under way, where some row runs under one."""
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepLogits:
@@ -202,14 +204,20 @@ class Runner:
         fits = graph is not None and not batch.prefills and len(batch.decode_seq_lens) <= graph.max_seqs
         return graph if fits and not _has_adapter(chunks) else None
 
-    def _adapters(
-        self, chunks: Sequence[ScheduledChunk], num_rows: Sequence[int]
-    ) -> contextlib.AbstractContextManager:
-        """Within it, the `num_rows[i]` rows of chunk i run under its request's adapter."""
+    @contextlib.contextmanager
+    def _adapters(self, chunks: Sequence[ScheduledChunk], num_rows: Sequence[int]) -> Iterator[None]:
+        """Within it, the `num_rows[i]` rows of chunk i run under its request's adapter (and the
+        workers' rows too: `hidden_states` sends them the ids)."""
         if self.lora is None or not _has_adapter(chunks):
-            return contextlib.nullcontext()
+            yield
+            return
         ids = [c.request.lora_id for c, rows in zip(chunks, num_rows, strict=True) for _ in range(rows)]
-        return self.lora.rows(ids, self.device)
+        with self.lora.rows(ids, self.device):
+            self._lora_ids = ids
+            try:
+                yield
+            finally:
+                self._lora_ids = None
 
     def _decode_or_forward(
         self, graph: CpuDecodeGraph | CudaDecodeGraphs | None, token_ids: torch.Tensor,
@@ -299,7 +307,7 @@ class Runner:
         if self.workers is None:
             return self.model.hidden_states(token_ids[None], positions[None], attn)[0]
         with self._with_workers():
-            self.workers.forward(token_ids, positions, batch)
+            self.workers.forward(token_ids, positions, batch, self._lora_ids)
             return self.model.hidden_states(token_ids[None], positions[None], attn)[0]
 
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, E) -> (N, V)

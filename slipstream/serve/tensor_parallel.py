@@ -40,7 +40,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -53,6 +53,9 @@ from slipstream.model.transformer import MLP, SparseMoeBlock, Transformer
 from slipstream.model.weights import load_model
 from slipstream.ops.paged_attention import PagedBatch
 from slipstream.serve.shm_collectives import SharedExchange
+
+if TYPE_CHECKING:  # lora.py imports this module
+    from slipstream.serve.lora import LoRAAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -223,9 +226,7 @@ def shard_model(model: Transformer, collectives: Collectives) -> Transformer:
     for layer in model.model.layers:
         attention = layer.self_attn
         _keep_rows(attention.q_proj, rank, size)
-        kv_heads = attention.num_kv_heads
-        # More ranks than KV heads: size / kv_heads ranks hold each, the one their query heads read.
-        kv_rank, kv_size = (rank, size) if kv_heads % size == 0 else (rank * kv_heads // size, kv_heads)
+        kv_rank, kv_size = kv_share(attention.num_kv_heads, rank, size)
         for linear in (attention.k_proj, attention.v_proj):
             _keep_rows(linear, kv_rank, kv_size)
         attention.num_heads //= size
@@ -257,6 +258,12 @@ def load_shard(model_dir: str, dtype: torch.dtype, device: torch.device,
     """This rank's shard of the model in `model_dir` on `device`: loaded on the host (memory-mapped
     where the dtype is kept), split there, and only the shard moved to the device."""
     return shard_model(load_model(model_dir, dtype=dtype, device="cpu"), collectives).to(device)
+
+
+def kv_share(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """(part, parts): which of how many equal parts of the K/V heads `rank` holds. With more ranks
+    than K/V heads, size / num_kv_heads ranks hold each head, the one their query heads read."""
+    return (rank, size) if num_kv_heads % size == 0 else (rank * num_kv_heads // size, num_kv_heads)
 
 
 def _experts(block: SparseMoeBlock) -> list[MLP]:
@@ -314,6 +321,21 @@ class Start:
     block_size: int
     max_num_seqs: int
     max_model_len: int
+    enable_lora: bool = False
+    """Wrap the projections for LoRA adapters (`LoadLoRA` then loads them)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadLoRA:
+    """Load this adapter (whole, as the driver read and checked it) under its `int_id`: each worker
+    keeps its rank's part (`adapters.shard_adapter`)."""
+
+    adapter: LoRAAdapter
+
+
+@dataclasses.dataclass(frozen=True)
+class UnloadLoRA:
+    int_id: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,12 +348,16 @@ class Forward:
     positions: np.ndarray
     batch: dict[str, Any]
     """`PagedBatch`'s fields, its tensors as arrays."""
+    lora_ids: list[int] | None = None
+    """Each row's LoRA adapter (`LoRALayers.rows`), where a row runs under one."""
 
     @classmethod
-    def of(cls, token_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> Forward:
+    def of(cls, token_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch,
+           lora_ids: list[int] | None = None) -> Forward:
         fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
         return cls(_array(token_ids), _array(positions),
-                   {name: _array(v) if isinstance(v, torch.Tensor) else v for name, v in fields.items()})
+                   {name: _array(v) if isinstance(v, torch.Tensor) else v for name, v in fields.items()},
+                   lora_ids)
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
         """The token ids, positions and batch as tensors on `device`."""
@@ -463,13 +489,14 @@ class Workers:
         self._wait_for(ready_key, deadline=None)
         shutil.rmtree(self._directory, ignore_errors=True)
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> None:
-        self.send(Forward.of(token_ids, positions, batch))
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch,
+                lora_ids: list[int] | None = None) -> None:
+        self.send(Forward.of(token_ids, positions, batch, lora_ids))
 
     def logits(self, hidden: torch.Tensor) -> None:
         self.send(Logits.of(hidden))
 
-    def send(self, message: Start | Forward | Logits) -> None:
+    def send(self, message: Start | Forward | Logits | LoadLoRA | UnloadLoRA) -> None:
         """Write `message` to every worker; a worker found dead is a RuntimeError naming it (the
         runner then stops the others, which may have been sent the message already)."""
         if self.failure is not None:

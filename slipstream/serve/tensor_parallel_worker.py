@@ -7,6 +7,7 @@ message from the driver says until stdin closes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -15,14 +16,17 @@ from typing import BinaryIO
 
 import torch
 
+from slipstream.serve.adapters import shard_adapter
 from slipstream.serve.runner import Runner, prepare_model
 from slipstream.serve.shm_collectives import SharedExchange
 from slipstream.serve.tensor_parallel import (
     COLLECTIVE_TIMEOUT,
     Collectives,
     Forward,
+    LoadLoRA,
     Logits,
     Start,
+    UnloadLoRA,
     WorkerSpec,
     joined_key,
     load_shard,
@@ -58,16 +62,16 @@ def main() -> None:
             return
         runner = Runner(model, num_blocks=start.num_blocks, block_size=start.block_size, dtype=spec.dtype,
                         device=device, max_num_seqs=start.max_num_seqs, max_model_len=start.max_model_len,
-                        use_kernels=spec.fast_cpu_kernels, enforce_eager=True)
+                        use_kernels=spec.fast_cpu_kernels, enforce_eager=True, enable_lora=start.enable_lora)
     except Exception as error:
         store.set(ready_key(spec.rank), f"{type(error).__name__}: {error}")
         raise
     store.set(ready_key(spec.rank), "ok")
-    serve(runner, stdin, device)
+    serve(runner, stdin, device, spec)
 
 
 @torch.inference_mode()
-def serve(runner: Runner, stdin: BinaryIO, device: torch.device) -> None:
+def serve(runner: Runner, stdin: BinaryIO, device: torch.device, spec: WorkerSpec) -> None:
     """Compute each message's part until the driver closes the pipe."""
     while True:
         try:
@@ -75,7 +79,13 @@ def serve(runner: Runner, stdin: BinaryIO, device: torch.device) -> None:
         except EOFError:
             return
         if isinstance(message, Forward):
-            runner.hidden_states(*message.on(device))
+            ids = message.lora_ids
+            with contextlib.nullcontext() if ids is None else runner.lora.rows(ids, device):
+                runner.hidden_states(*message.on(device))
+        elif isinstance(message, LoadLoRA):
+            runner.lora.add(shard_adapter(message.adapter, runner.model.config, spec.rank, spec.size))
+        elif isinstance(message, UnloadLoRA):
+            runner.lora.remove(message.int_id)
         elif isinstance(message, Logits):
             runner.model.compute_logits(message.on(device))
         else:
