@@ -103,6 +103,14 @@ def test_request_refuses_bad_fields(kwargs, field):
     assert LoRARequest("a", 1, "/a", base_model_name="m").lora_int_id == 1  # vLLM's positional order
 
 
+def test_request_equals_by_name_and_has_vllms_aliases():
+    """As vLLM's LoRARequest: equal and hashed by name; adapter_id, name and path properties."""
+    request = LoRARequest("a", 1, "/a")
+    assert request == LoRARequest("a", 2, "/b") and len({request, LoRARequest("a", 3, "/c")}) == 1
+    assert request != LoRARequest("b", 1, "/a")
+    assert (request.adapter_id, request.name, request.path) == (1, "a", "/a")
+
+
 # ---------------------------------------------------------------------------------------------
 # LoRAAdapter.load
 
@@ -145,6 +153,8 @@ REFUSALS = {
     "r": (edited_config(r=0), "r must be"),
     "alpha": (edited_config(lora_alpha="16"), "lora_alpha"),
     "rank_pattern": (edited_config(rank_pattern={"q_proj": 5}), "q_proj.*rank_pattern"),
+    "pattern regex": (edited_config(alpha_pattern={"q_proj(": 4}), "alpha_pattern key 'q_proj\\('"),
+    "alpha too large": (edited_config(lora_alpha=1e40), "not finite in torch.float32"),
     "embedding": (_set("base_model.model.model.embed_tokens.lora_embedding_A", torch.zeros(8, 320)),
                   "embed_tokens.lora_embedding_A"),
     "lm_head": (edited_tensors(lambda t: t.update({f"{HEAD}.lora_A.weight": torch.zeros(8, 64),

@@ -186,3 +186,41 @@ def test_lora_names_of_running_and_waiting_requests(setup):
     assert names() == ([], ["b"])
     engine.step()
     assert names() == (["b"], [])
+
+
+def test_idle_adapters_beyond_max_cpu_loras_are_unloaded_when_their_requests_end(setup):
+    """Three adapters named in one call, max_cpu_loras=1: all load (their requests wait or run),
+    and once the requests have ended only the most recently named stays; loading another unloads
+    that one, and the new one, removed while its request waits, is unloaded when the request is
+    aborted."""
+    model_dir, prompts, references, requests = setup
+    llm = LLM(str(model_dir), dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1)
+    third = LoRARequest("a again", 3, requests["a"].lora_path)
+    tokens = generate(llm, prompts[:3], [requests["a"], requests["b"], third])
+    assert tokens == [references["a"][0][0], references["b"][0][1], references["a"][0][2]]
+    assert llm.engine.list_loras() == {3} and len(llm.engine.lora.layers.loaded_ids) == 1
+    engine = llm.engine
+    engine.add_request("r", prompts[0], greedy(), lora_request=requests["b"])  # b in, idle 3 out
+    assert engine.remove_lora(2) is True and engine.lora.layers.loaded_ids  # r waits under it
+    engine.abort_request("r")
+    assert engine.list_loras() == set() and engine.lora.layers.loaded_ids == frozenset()
+
+
+def test_an_adapter_is_known_by_its_directory_however_the_path_is_spelt(setup, tmp_path):
+    """The same id and name with the directory spelt with a trailing slash or through a symbolic
+    link is the adapter already loaded; another directory under that id is refused; a
+    lora_int_id that is not an integer is a ValueError."""
+    model_dir, _, _, requests = setup
+    engine = LLM(str(model_dir), dtype="float32", enable_lora=True).engine
+    path = requests["a"].lora_path
+    (tmp_path / "link").symlink_to(path)
+    assert engine.add_lora(requests["a"]) is True
+    assert engine.add_lora(LoRARequest("a", 1, path + "/")) is False
+    assert engine.add_lora(LoRARequest("a", 1, str(tmp_path / "link"))) is False
+    with pytest.raises(ValueError, match="lora_int_id 1 is loaded as 'a'"):
+        engine.add_lora(LoRARequest("a", 1, requests["b"].lora_path))
+    for bad in ("1", 1.0, None):
+        with pytest.raises(ValueError, match="lora_int_id must be an integer"):
+            engine.remove_lora(bad)
+    with pytest.raises(ValueError, match="lora_request must be a LoRARequest, got None"):
+        engine.add_lora(None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import os
 from collections.abc import Callable, Set
 
 import torch
@@ -100,11 +101,12 @@ class LoRARegistry:
         """The engine id of `request`'s adapter, loaded now if it is not (ValueError if it cannot be
         read or does not fit the model, or if its id names another loaded adapter)."""
         if not isinstance(request, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest or None, got {type(request).__name__}")
+            raise ValueError(f"lora_request must be a LoRARequest, got {request!r}")
         named = self._named.get(request.lora_int_id)
         if named is not None:
             loaded, engine_id = named
-            if (loaded.lora_name, loaded.lora_path) != (request.lora_name, request.lora_path):
+            if (loaded.lora_name, os.path.realpath(loaded.lora_path)) != (
+                    request.lora_name, os.path.realpath(request.lora_path)):
                 raise ValueError(
                     f"lora_int_id {request.lora_int_id} is loaded as {loaded.lora_name!r} from "
                     f"{loaded.lora_path!r}, not {request.lora_name!r} from {request.lora_path!r}: "
@@ -129,6 +131,8 @@ class LoRARegistry:
     def remove(self, lora_int_id: int) -> bool:
         """Forget the adapter of `lora_int_id` (vLLM's `remove_lora`): unloaded now if no live
         request uses it, else when the last one ends. False if no adapter has that id."""
+        if isinstance(lora_int_id, bool) or not isinstance(lora_int_id, int):
+            raise ValueError(f"lora_int_id must be an integer, got {lora_int_id!r}")
         if self._named.pop(lora_int_id, None) is None:
             return False
         self.evict()
@@ -157,9 +161,11 @@ class LoRARegistry:
 
     def names(self, engine_ids: Set[int]) -> list[str]:
         """The `lora_name`s of loaded adapters, by engine id, sorted."""
-        return sorted(self._loaded[engine_id].lora_name for engine_id in engine_ids)
+        return sorted({self._loaded[engine_id].lora_name for engine_id in engine_ids})
 
     @property
-    def has_removed_in_use(self) -> bool:
-        """Whether an adapter `remove` forgot is still loaded for the requests that use it."""
-        return bool(self.layers.loaded_ids - {engine_id for _, engine_id in self._named.values()})
+    def may_evict(self) -> bool:
+        """Whether `evict` may have work: more adapters loaded than max_cpu_loras, or one that
+        `remove` forgot still loaded (for the requests that used it)."""
+        loaded = self.layers.loaded_ids
+        return len(loaded) > self.max_cpu_loras or bool(loaded - {e for _, e in self._named.values()})

@@ -178,7 +178,9 @@ class EngineConfig:
     max_lora_rank: int = 16
     """As vLLM's: the largest adapter rank accepted."""
     max_cpu_loras: int | None = None
-    """As vLLM's: adapters kept loaded while no request uses them (default: max_loras)."""
+    """As vLLM's: adapters kept loaded while no request uses them (default: max_loras). Unlike
+    vLLM, which keeps them in host memory and moves an adapter to the GPU when a request is
+    scheduled, every adapter loaded is on the serving device: those of waiting requests too."""
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
@@ -627,6 +629,7 @@ class Engine:
             outputs.append(entry.to_request_output())
         if self._records is not None:  # after every id's blocks are freed: a record cannot undo that
             self._record_aborted(ended, reason, now)
+        self._evict_adapters()
         return outputs
 
     def _record_aborted(self, ended: list[tuple[PoolingJob | PromptOutput, SequenceOutput | None, int]],
@@ -706,16 +709,20 @@ class Engine:
 
     def _recorded_step(self) -> list[RequestOutput]:
         """A step, and its metrics record where metrics_dir asks for one (timed from before the
-        schedule to the step's outputs); then an adapter `remove_lora` forgot is unloaded once no
-        request uses it."""
+        schedule to the step's outputs); then adapters are unloaded as `_evict_adapters` says."""
         records = self._records
         start_s = time.perf_counter()
         run = self._step()
         if records is not None and run.num_passes:
             records.step(self, run.plan, run.num_passes, run.drafts, time.perf_counter() - start_s)
-        if self.lora is not None and self.lora.has_removed_in_use:  # once its last request has ended
-            self.lora.evict()
+        self._evict_adapters()
         return run.outputs
+
+    def _evict_adapters(self) -> None:
+        """Unload the adapters no request uses beyond max_cpu_loras, and removed ones whose last
+        request has ended."""
+        if self.lora is not None and self.lora.may_evict:
+            self.lora.evict()
 
     def _step(self) -> _StepRun:
         with phase(SCHEDULE_PHASE):

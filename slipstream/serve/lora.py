@@ -51,11 +51,11 @@ from slipstream.model.transformer import SparseMoeBlock
 from slipstream.serve.tensor_parallel import SummedOverRanks
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class LoRARequest:
     """Which adapter a request runs under (vLLM's `vllm.lora.request.LoRARequest`): a name, an id
     (a positive integer, unique per adapter: the engine keys adapters by it) and the adapter's
-    directory."""
+    directory. As vLLM's, requests are equal, and hash, by name."""
 
     lora_name: str
     lora_int_id: int
@@ -76,6 +76,24 @@ class LoRARequest:
                              f"{self.lora_path!r}")
         if self.base_model_name is not None and not isinstance(self.base_model_name, str):
             raise ValueError(f"base_model_name must be a string or None, got {self.base_model_name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LoRARequest) and self.lora_name == other.lora_name
+
+    def __hash__(self) -> int:
+        return hash(self.lora_name)
+
+    @property
+    def adapter_id(self) -> int:  # vLLM's aliases
+        return self.lora_int_id
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
 
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -153,10 +171,17 @@ class LoRAAdapter:
             if r > max_rank:
                 raise ValueError(f"{where}: rank {r} is greater than max_lora_rank {max_rank}")
             scaling = alpha / (math.sqrt(r) if settings.use_rslora else r)
+            converted_a = None  # one tensor for Phi-3's parts, which share their A: stacked once
             for name, part_b in _model_modules(config, module, b, where):
                 _check_shape(config, name, a, part_b, where)
-                weights[name] = (_converted(a, dtype, device, f"{where}: lora_A"),
-                                 _converted(part_b, dtype, device, f"{where}: lora_B"), scaling)
+                converted_a = converted_a if converted_a is not None else _converted(
+                    a, dtype, device, f"{where}: lora_A")
+                converted_b = _converted(part_b, dtype, device, f"{where}: lora_B")
+                # What the wrappers multiply by: an alpha too large for the dtype would make it inf.
+                if not torch.isfinite(converted_b * scaling).all():
+                    raise ValueError(f"{where}: lora_B times the scaling {scaling:g} (lora_alpha {alpha:g}) "
+                                     f"is not finite in {dtype}")
+                weights[name] = (converted_a, converted_b, scaling)
         if not weights:
             raise ValueError(f"LoRA adapter {directory}: holds no lora_A/lora_B tensors")
         return cls(name=request.lora_name, int_id=request.lora_int_id, path=str(directory),
@@ -211,6 +236,11 @@ class _Settings:
                 raise ValueError(f"{bad}: {key} must be an object, got {pattern!r}")
             for name, value in pattern.items():
                 check(value, f"{bad}: {key}[{name!r}]")
+                try:
+                    re.compile(name)
+                except re.error as error:
+                    raise ValueError(f"{bad}: {key} key {name!r} is not a regular expression: "
+                                     f"{error}") from None
             patterns[key] = pattern
         return cls(r=r, lora_alpha=alpha, use_rslora=use_rslora, **patterns)
 

@@ -175,7 +175,7 @@ class Runner:
     def execute_hidden(self, plan: StepPlan) -> torch.Tensor:  # (num_batched_tokens, E)
         """The plan's final-norm hidden states, every chunk's rows in plan order (for pooling)."""
         token_ids, positions, batch = self._inputs(plan)
-        with phase(FORWARD_PHASE), self._adapters(plan.chunks, [c.num_tokens for c in plan.chunks]):
+        with phase(FORWARD_PHASE):  # a pooling engine's: it serves no adapters
             return self._decode_or_forward(self._graph_for(batch, plan.chunks), token_ids, positions, batch)
 
     def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
