@@ -161,6 +161,13 @@ class Runner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepLogits:
+        grouped, restore = _grouped_by_adapter(plan) if self.lora is not None else (plan, None)
+        if restore is None:
+            return self._execute(plan)
+        logits = self._execute(grouped)
+        return dataclasses.replace(logits, sample_logits=logits.sample_logits[restore])
+
+    def _execute(self, plan: StepPlan) -> StepLogits:
         token_ids, positions, batch = self._inputs(plan)
         graph = self._graph_for(batch, plan.chunks)
         with phase(FORWARD_PHASE), self._adapters(plan.chunks, [c.num_tokens for c in plan.chunks]):
@@ -338,6 +345,19 @@ class Runner:
                 rows = hidden[end - chunk.num_tokens : end]
                 prompt_logits[chunk.request.request_id] = self._compute_logits(rows).float()
         return StepLogits(sample_logits=sample_logits, prompt_logits=prompt_logits)
+
+
+def _grouped_by_adapter(plan: StepPlan) -> tuple[StepPlan, list[int] | None]:
+    """`plan` with its chunks in order of their requests' adapters (stable), so that each
+    adapter's rows are one run, which the LoRA wrappers update in place rather than gather and
+    scatter; and, for each chunk of `plan` that samples, the row of its logits in the grouped
+    plan's (None, and `plan` itself, where the chunks are grouped already)."""
+    chunks = plan.chunks
+    grouped = sorted(chunks, key=lambda chunk: chunk.request.lora_id)
+    if all(a is b for a, b in zip(grouped, chunks, strict=True)):
+        return plan, None
+    sampled = {id(chunk): row for row, chunk in enumerate(c for c in grouped if c.samples)}
+    return dataclasses.replace(plan, chunks=tuple(grouped)), [sampled[id(c)] for c in chunks if c.samples]
 
 
 def _has_adapter(chunks: Sequence[ScheduledChunk]) -> bool:
