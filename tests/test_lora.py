@@ -277,13 +277,15 @@ def random_adapter(int_id: int, modules: dict[str, tuple[int, int]], rank: int, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("row_ids", [[1, 0, 2, 1, 2, 0, 1, 1], [2, 2, 2, 1, 1, 0, 0, 0]],
-                         ids=["interleaved", "contiguous"])
+@pytest.mark.parametrize("row_ids", [[1, 0, 2, 1, 2, 0, 1, 1], [2, 2, 2, 1, 1, 0, 0, 0],
+                                     [1, 2] * 10 + [0, 0], [1] * 10 + [2] * 9 + [0] * 3],
+                         ids=["interleaved", "contiguous", "interleaved-long", "contiguous-long"])
 def test_fused_linear_matches_float64(dtype, row_ids):
     """Guards the wrapped linear's math: a fused q/k/v linear with adapter 1 on q and v (apart),
     adapter 2 on k and v (side by side: one block-diagonal expand), and base rows, interleaved or in
     runs, equals x @ (W + s B A)^T + b per row in float64 (fp32 to 1e-5; bf16 to its rounding), for
-    (N, in) and (B, T, in) inputs."""
+    (N, in) and (B, T, in) inputs; in bf16 both for adapters of few rows (their update in fp32) and
+    of more than SMALL_GROUP_ROWS."""
     config = tiny_config(model_type="qwen2")  # q/k/v biases
     torch.manual_seed(0)
     model = Transformer(config)
