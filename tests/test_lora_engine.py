@@ -224,3 +224,19 @@ def test_an_adapter_is_known_by_its_directory_however_the_path_is_spelt(setup, t
             engine.remove_lora(bad)
     with pytest.raises(ValueError, match="lora_request must be a LoRARequest, got None"):
         engine.add_lora(None)
+
+
+def test_a_pinned_adapter_stays_loaded_while_idle(setup):
+    """vLLM's pin_lora: with max_cpu_loras=1, a pinned adapter stays loaded while another is used
+    (which is then the one unloaded), until it is removed; pinning an id not loaded is refused."""
+    model_dir, prompts, references, requests = setup
+    llm = LLM(str(model_dir), dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=1)
+    engine = llm.engine
+    engine.add_lora(requests["a"])
+    assert engine.pin_lora(1) is True
+    assert generate(llm, prompts[:1], [requests["b"]]) == [references["b"][0][0]]
+    assert engine.list_loras() == {1}
+    assert generate(llm, prompts[:1], [requests["a"]]) == [references["a"][0][0]]
+    assert engine.remove_lora(1) is True and engine.list_loras() == set()
+    with pytest.raises(ValueError, match="no LoRA adapter with lora_int_id 1 is loaded"):
+        engine.pin_lora(1)

@@ -4,7 +4,8 @@ it, can never serve one adapter's keys and values to another, even after an id i
 
 An adapter is loaded the first time a request or `add` names its `lora_int_id`, and stays while
 requests use it. Adapters no live request uses are kept up to `max_cpu_loras`, the least recently
-named unloaded first (vLLM's CPU LoRA cache). `remove` forgets the user's id at once; its
+named unloaded first (vLLM's CPU LoRA cache), except those `pin` keeps. `remove` forgets the
+user's id at once (and its pin); its
 adapter is unloaded once its last request ends, and a later request with that id loads it anew.
 
 Under tensor parallelism each rank holds its part of every adapter, split as the model's
@@ -96,6 +97,8 @@ class LoRARegistry:
         self._loaded: dict[int, LoRARequest] = {}
         """Engine id -> the request it was loaded for, removed ones still in use included."""
         self._engine_ids = itertools.count(1)
+        self._pinned: set[int] = set()
+        """User ids `pin` keeps loaded while they are idle."""
 
     def engine_id(self, request: LoRARequest) -> int:
         """The engine id of `request`'s adapter, loaded now if it is not (ValueError if it cannot be
@@ -135,7 +138,19 @@ class LoRARegistry:
             raise ValueError(f"lora_int_id must be an integer, got {lora_int_id!r}")
         if self._named.pop(lora_int_id, None) is None:
             return False
+        self._pinned.discard(lora_int_id)
         self.evict()
+        return True
+
+    def pin(self, lora_int_id: int) -> bool:
+        """Keep the adapter of `lora_int_id` loaded while no request uses it, beyond max_cpu_loras
+        (vLLM's `pin_lora`); ValueError if no adapter with that id is loaded."""
+        if isinstance(lora_int_id, bool) or not isinstance(lora_int_id, int):
+            raise ValueError(f"lora_int_id must be an integer, got {lora_int_id!r}")
+        if lora_int_id not in self._named:
+            raise ValueError(f"no LoRA adapter with lora_int_id {lora_int_id} is loaded (loaded: "
+                             f"{sorted(self._named)}); add it first")
+        self._pinned.add(lora_int_id)
         return True
 
     def user_ids(self) -> set[int]:
@@ -144,13 +159,13 @@ class LoRARegistry:
 
     def evict(self, keep: int = 0) -> None:
         """Unload the adapters no live request uses and no user id names, and the least recently
-        named of those no live request uses beyond max_cpu_loras (never `keep`)."""
+        named of those no live request uses beyond max_cpu_loras (never `keep` nor a pinned one)."""
         in_use = self.in_use()
         named = {engine_id for _, engine_id in self._named.values()}
         for engine_id in self.layers.loaded_ids - named - in_use:
             self._unload(engine_id)
         idle = [(user_id, engine_id) for user_id, (_, engine_id) in self._named.items()
-                if engine_id not in in_use and engine_id != keep]
+                if engine_id not in in_use and engine_id != keep and user_id not in self._pinned]
         for user_id, engine_id in idle[:max(0, len(self._named) - self.max_cpu_loras)]:
             del self._named[user_id]
             self._unload(engine_id)

@@ -557,6 +557,13 @@ class Engine:
         under it finish under it; False if none is loaded with that id."""
         return self.lora is not None and self.lora.remove(lora_int_id)
 
+    def pin_lora(self, lora_int_id: int) -> bool:
+        """Keep the adapter of `lora_int_id` loaded while idle, whatever max_cpu_loras says (vLLM's
+        `pin_lora`); ValueError if it is not loaded."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled: start the engine with enable_lora=True")
+        return self.lora.pin(lora_int_id)
+
     def list_loras(self) -> set[int]:
         """The `lora_int_id`s of the adapters loaded (vLLM's `list_loras`)."""
         return set() if self.lora is None else self.lora.user_ids()
