@@ -127,7 +127,7 @@ class LoRARegistry:
 
     def add(self, request: LoRARequest) -> bool:
         """Load `request`'s adapter (vLLM's `add_lora`); False if it was loaded already."""
-        loaded = request.lora_int_id in self._named if isinstance(request, LoRARequest) else False
+        loaded = isinstance(request, LoRARequest) and request.lora_int_id in self._named
         self.engine_id(request)
         return not loaded
 

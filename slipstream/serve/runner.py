@@ -161,7 +161,7 @@ class Runner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepLogits:
-        grouped, restore = _grouped_by_adapter(plan) if self.lora is not None else (plan, None)
+        grouped, restore = _grouped_by_adapter(plan) if self._runs_adapters(plan.chunks) else (plan, None)
         if restore is None:
             return self._execute(plan)
         logits = self._execute(grouped)
@@ -209,13 +209,17 @@ class Runner:
         prefill chunk, more sequences than the graph takes, or a request under a LoRA adapter."""
         graph = self.decode_graph
         fits = graph is not None and not batch.prefills and len(batch.decode_seq_lens) <= graph.max_seqs
-        return graph if fits and not _has_adapter(chunks) else None
+        return graph if fits and not self._runs_adapters(chunks) else None
+
+    def _runs_adapters(self, chunks: Sequence[ScheduledChunk]) -> bool:
+        """Whether some chunk's request runs under a LoRA adapter (never without enable_lora)."""
+        return self.lora is not None and any(chunk.request.lora_id for chunk in chunks)
 
     @contextlib.contextmanager
     def _adapters(self, chunks: Sequence[ScheduledChunk], num_rows: Sequence[int]) -> Iterator[None]:
         """Within it, the `num_rows[i]` rows of chunk i run under its request's adapter (and the
         workers' rows too: `hidden_states` sends them the ids)."""
-        if self.lora is None or not _has_adapter(chunks):
+        if not self._runs_adapters(chunks):
             yield
             return
         ids = [c.request.lora_id for c, rows in zip(chunks, num_rows, strict=True) for _ in range(rows)]
@@ -250,7 +254,7 @@ class Runner:
         token_ids = [c.request.token_ids_range(c.start, c.start + 1)[0] for c in chunks]
         positions = [c.start for c in chunks]
         with phase(FORWARD_PHASE), self._adapters(chunks, [1] * len(chunks)):
-            graph = None if _has_adapter(chunks) else self.decode_graph
+            graph = None if self._runs_adapters(chunks) else self.decode_graph
             if isinstance(graph, CpuDecodeGraph) and len(chunks) <= graph.max_seqs:
                 return graph.greedy(token_ids, positions, block_tables, num_steps)
             token_ids = torch.tensor(token_ids, device=self.device)
@@ -358,10 +362,6 @@ def _grouped_by_adapter(plan: StepPlan) -> tuple[StepPlan, list[int] | None]:
         return plan, None
     sampled = {id(chunk): row for row, chunk in enumerate(c for c in grouped if c.samples)}
     return dataclasses.replace(plan, chunks=tuple(grouped)), [sampled[id(c)] for c in chunks if c.samples]
-
-
-def _has_adapter(chunks: Sequence[ScheduledChunk]) -> bool:
-    return any(chunk.request.lora_id for chunk in chunks)
 
 
 def _wants_prompt_logits(chunk: ScheduledChunk) -> bool:
