@@ -16,9 +16,14 @@ multiplies its norm weights in fp32; OLMo 3 (`olmo3`) adds a window on three lay
 default RoPE there (`rope_local_theta`) and the scaled RoPE on the others. Granite (`granite`) is
 Llama with four multipliers: of the embeddings, of each block's output before its residual sum, of
 the attention scores (in place of head_dim**-0.5) and, dividing, of the logits. SmolLM3 (`smollm3`)
-is Llama with no rotary embedding on every fourth layer (`no_rope_layers`). The family decides the
-structural switches (`qkv_bias`, `o_bias`, `qk_norm`, `qk_norm_across_heads`, `gemma_norms`,
-`sandwich_norms`, `post_norms`); everything else is a plain field.
+is Llama with no rotary embedding on every fourth layer (`no_rope_layers`). OpenAI's gpt-oss
+(`gpt_oss`) routes every layer to experts with biases and a clamped SwiGLU (`swiglu_limit`,
+`swiglu_alpha`), picks them by the top k of a biased router's logits (a softmax over those k), has
+q/k/v/o biases, a learned attention sink per query head, a window on every other layer
+(`layer_types`), YaRN RoPE, and OLMo 2's fp32-weight norms before attention and the MLP. The family
+decides the structural switches (`qkv_bias`, `o_bias`, `qk_norm`, `qk_norm_across_heads`,
+`gemma_norms`, `sandwich_norms`, `post_norms`, `fp32_weight_norms`, `attention_sinks`); everything
+else is a plain field.
 
 Both spellings Hugging Face has used are read: the transformers 4 keys `rope_theta` /
 `rope_scaling` / `torch_dtype` and the transformers 5 keys `rope_parameters` / `dtype`, with
@@ -41,9 +46,10 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo2",
-               "olmo3", "granite", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe")
-MOE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
-"""Each mixture-of-experts model type and the dense family whose attention and config keys it shares."""
+               "olmo3", "granite", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+MOE_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "gpt_oss": "gpt_oss"}
+"""Each mixture-of-experts model type and the dense family whose attention and config keys it shares
+(gpt-oss has no dense sibling: its attention is its own)."""
 _WINDOWED = ("mistral", "phi3")
 """The families whose config.json `sliding_window` windows every layer (no `use_sliding_window`)."""
 _GEMMA = ("gemma", "gemma2", "gemma3_text")
@@ -51,10 +57,10 @@ _SANDWICH = ("gemma2", "gemma3_text")
 """The families with Gemma 2's layer and fields (`_GEMMA2_FIELDS`)."""
 _OLMO = ("olmo2", "olmo3")
 """The families with OLMo 2's layer (`post_norms`, `qk_norm_across_heads`)."""
-_LAYER_TYPED = (*_SANDWICH, "olmo3")
+_LAYER_TYPED = (*_SANDWICH, "olmo3", "gpt_oss")
 """The families whose `layer_types` window some layers and not others; `rope_local_theta` is the
 windowed layers' RoPE base in Gemma 3 and OLMo 3."""
-_LAYER_PATTERN = {"gemma2": 2, "gemma3_text": 6, "olmo3": 4}
+_LAYER_PATTERN = {"gemma2": 2, "gemma3_text": 6, "olmo3": 4, "gpt_oss": 2}
 """transformers' default `layer_types`: every n-th layer "full_attention", the others windowed."""
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -78,6 +84,7 @@ _IGNORED_KEYS = frozenset(
         "sliding_window_pattern", "_sliding_window_pattern", "rope_local_base_freq",  # Gemma 3's
         "no_rope_layer_interval",  # SmolLM3's: read by _default_no_rope_layers
         "cache_implementation", "sliding_window_size",  # Gemma 2's generation settings, a duplicate
+        "experts_per_token", "initial_context_length",  # gpt-oss's duplicates of other keys
     }
 )
 
@@ -267,6 +274,10 @@ class ModelConfig:
     router_jitter_noise: float = 0.0
     """Mixtral: in training, the router's and experts' input is multiplied by noise drawn
     uniformly from [1 - noise, 1 + noise]; inference ignores it."""
+    swiglu_limit: float = 7.0
+    """gpt-oss: its experts clamp the gate to at most this and the up projection to within +-this."""
+    swiglu_alpha: float = 1.702
+    """gpt-oss: its experts' activation is (up + 1) * gate * sigmoid(swiglu_alpha * gate)."""
     dtype: str = "float32"
     """The dtype the weights are stored in: config.json's `dtype` (or `torch_dtype`); where it names
     none, `from_pretrained` reads the safetensors headers' (as vLLM does), `from_hf_dict` assumes
@@ -336,6 +347,19 @@ class ModelConfig:
         self._check_granite()
         self._check_no_rope_layers()
         self._check_experts()
+        self._check_swiglu()
+
+    def _check_swiglu(self) -> None:
+        """gpt-oss's clamped SwiGLU: a positive limit and gain; the other families leave them alone."""
+        if self.model_type != "gpt_oss":
+            given = [f"{name}={getattr(self, name)!r}" for name in _SWIGLU_FIELDS
+                     if getattr(self, name) != _field_default(type(self), name)]
+            if given:
+                raise ValueError(f"{', '.join(given)} given for model_type {self.model_type!r}; only gpt_oss "
+                                 "has them")
+            return
+        for name in _SWIGLU_FIELDS:
+            object.__setattr__(self, name, _positive_float(name, getattr(self, name)))
 
     def _check_layer_types(self) -> None:
         """`layer_types` and `rope_local_theta` of the families that have them (transformers'
@@ -465,14 +489,15 @@ class ModelConfig:
         if not isinstance(layers, tuple) or any(isinstance(i, bool) or not isinstance(i, int)
                                                 for i in layers):
             raise ValueError(f"mlp_only_layers must list layer indices (integers), got {layers!r}")
-        if self.model_type == "mixtral":
-            # Mixtral routes every layer, renormalises the top k and sizes experts by intermediate_size.
+        if self.model_type in ("mixtral", "gpt_oss"):
+            # Both route every layer, their weights sum to 1 and their experts are intermediate_size wide.
             if self.moe_intermediate_size not in (None, self.intermediate_size):
-                raise ValueError(f"mixtral experts are intermediate_size ({self.intermediate_size}) wide; "
-                                 f"got moe_intermediate_size={self.moe_intermediate_size!r}")
+                raise ValueError(f"{self.model_type} experts are intermediate_size "
+                                 f"({self.intermediate_size}) wide; got "
+                                 f"moe_intermediate_size={self.moe_intermediate_size!r}")
             if self.decoder_sparse_step != 1 or layers:
-                raise ValueError("mixtral routes every layer: decoder_sparse_step and mlp_only_layers "
-                                 "cannot change")
+                raise ValueError(f"{self.model_type} routes every layer: decoder_sparse_step and "
+                                 "mlp_only_layers cannot change")
             object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
             object.__setattr__(self, "norm_topk_prob", True)
         _check_positive_int("moe_intermediate_size", self.moe_intermediate_size)
@@ -525,6 +550,17 @@ class ModelConfig:
         """OLMo 2's layer: a norm after attention and after the MLP (on their outputs, before the
         residual sums) and none before them; its norms multiply by the weight in fp32, rounding once."""
         return self.family in _OLMO
+
+    @property
+    def fp32_weight_norms(self) -> bool:
+        """Norms that multiply by their weight in fp32 and round once (OLMo 2's and gpt-oss's)."""
+        return self.family in (*_OLMO, "gpt_oss")
+
+    @property
+    def attention_sinks(self) -> bool:
+        """gpt-oss: each query head has a learned logit (`self_attn.sinks`) that joins the softmax's
+        denominator over every row of scores and takes no value: attention may go nowhere."""
+        return self.family == "gpt_oss"
 
     @property
     def gemma_norms(self) -> bool:
@@ -581,9 +617,10 @@ class ModelConfig:
         return tuple(self.eos_token_id)
 
     def replace(self, **changes: Any) -> ModelConfig:
-        """A copy with some fields changed (validated again). Mixtral's expert width follows a
+        """A copy with some fields changed (validated again). Mixtral's and gpt-oss's expert width follows a
         changed `intermediate_size`, as it is derived from it."""
-        if changes.get("model_type", self.model_type) == "mixtral" and "moe_intermediate_size" not in changes:
+        if (changes.get("model_type", self.model_type) in ("mixtral", "gpt_oss")
+                and "moe_intermediate_size" not in changes):
             changes["moe_intermediate_size"] = None
         return dataclasses.replace(self, **changes)
 
@@ -607,6 +644,8 @@ class ModelConfig:
             act = d.get("hidden_act", "silu")
             if act not in ("silu", "swish"):  # transformers' ACT2FN maps both to SiLU
                 raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
+        if model_type == "gpt_oss":
+            d = _read_gpt_oss(d)
         _check_unsupported_features(d, moe=model_type in MOE_FAMILY, softcapping=model_type in _SANDWICH)
         if model_type in MOE_FAMILY:
             d = _read_experts(model_type, d)
@@ -698,19 +737,27 @@ class ModelConfig:
             out |= {"layer_types": list(self.layer_types), "sliding_window": window, "rope_parameters": {
                 "full_attention": full,
                 "sliding_attention": {"rope_type": "default", "rope_theta": self.rope_local_theta}}}
+        if self.model_type == "gpt_oss":
+            window = self.sliding_window or self.max_position_embeddings
+            out |= {"layer_types": list(self.layer_types), "sliding_window": window,
+                    "attention_bias": self.attention_bias}
+            out |= {name: getattr(self, name) for name in _SWIGLU_FIELDS}
         if self.is_moe:
             out |= self._experts_to_hf()
         return out
 
     def _experts_to_hf(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "num_local_experts" if self.model_type == "mixtral" else "num_experts": self.num_experts,
+            ("num_local_experts" if self.model_type in ("mixtral", "gpt_oss") else "num_experts"):
+                self.num_experts,
             "num_experts_per_tok": self.num_experts_per_tok,
             "router_aux_loss_coef": self.router_aux_loss_coef,
             "output_router_logits": self.output_router_logits,
         }
         if self.model_type == "mixtral":
             return out | {"router_jitter_noise": self.router_jitter_noise}
+        if self.model_type == "gpt_oss":
+            return out
         out |= {"moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
                 "decoder_sparse_step": self.decoder_sparse_step,
                 "mlp_only_layers": list(self.mlp_only_layers)}
@@ -791,6 +838,10 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": _QWEN | {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24,
                           "num_attention_heads": 32, "num_key_value_heads": 4, "moe_intermediate_size": 768,
                           "num_experts_per_tok": 8, "num_experts": 128},
+    "gpt_oss": {"vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880, "num_hidden_layers": 36,
+                "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+                "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 150000.0,
+                "sliding_window": 128, "attention_bias": True, "num_experts": 128, "num_experts_per_tok": 4},
 }
 """What the family's config class in transformers assumes for a key that config.json leaves out,
 where ModelConfig has no default or another one (Qwen's `sliding_window` and `max_window_layers`
@@ -837,6 +888,9 @@ _NOT_NULL = {
         "qkv_bias", "num_key_value_heads"},
     "qwen3_moe": _NOT_NULL_ANY | _NOT_NULL_EXPERTS | {
         "num_key_value_heads", "attention_bias", "use_sliding_window", "attention_dropout"},
+    "gpt_oss": _NOT_NULL_ANY | {"num_local_experts", "num_experts", "head_dim", "num_key_value_heads",
+                                "attention_dropout", "num_experts_per_tok", "swiglu_alpha", "swiglu_limit",
+                                "router_aux_loss_coef", "output_router_logits", "attention_bias"},
 }
 """The config.json keys for which the family's config class in transformers 5 refuses null (a field
 typed without None), or keeps a null its model cannot be built with (Mixtral's num_experts, Qwen2-MoE's
@@ -859,6 +913,7 @@ _ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -873,6 +928,8 @@ _UNSUPPORTED_FEATURES = {
 }
 _GRANITE_FIELDS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 """ModelConfig's Granite fields, which the other model types leave at their defaults."""
+_SWIGLU_FIELDS = ("swiglu_limit", "swiglu_alpha")
+"""ModelConfig's gpt-oss expert activation fields, which the other model types leave at their defaults."""
 _GEMMA2_FIELDS = ("layer_types", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
 """ModelConfig's Gemma 2 fields, which the other model types leave unset."""
 _EXPERT_KEYS = ("num_experts", "num_local_experts")
@@ -915,15 +972,34 @@ def _read_experts(model_type: str, d: dict[str, Any]) -> dict[str, Any]:
     d = {k: v for k, v in d.items() if k != "num_local_experts"}
     if given:
         d["num_experts"] = next(iter(given.values()))
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "gpt_oss"):
         for key in ("norm_topk_prob", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers"):
-            d.pop(key, None)  # not Mixtral config fields: transformers ignores them
-    else:
+            d.pop(key, None)  # not Mixtral or gpt-oss config fields: transformers ignores them
+    if model_type != "mixtral":
         d.pop("router_jitter_noise", None)  # Mixtral's alone
     if model_type == "qwen2_moe" and d.get("qkv_bias", True) is not True:
         raise ValueError(f"qwen2_moe with qkv_bias={d['qkv_bias']!r} is not supported (only q/k/v with bias)")
     if d.get("mlp_only_layers") is None:
         d.pop("mlp_only_layers", None)
+    return d
+
+
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+"""transformers' RoPE block for a gpt-oss config.json that gives none."""
+
+
+def _read_gpt_oss(d: dict[str, Any]) -> dict[str, Any]:
+    """`d` with transformers' default RoPE block where it gives none, and its MXFP4 quantization
+    taken (`weights` dequantizes the experts to the load dtype; any other is refused as for the
+    other families), and `layer_types` checked as a list where given."""
+    if not d.get("rope_scaling") and not d.get("rope_parameters"):
+        d = d | {"rope_parameters": dict(_GPT_OSS_ROPE)}
+    quantization = d.get("quantization_config")
+    if isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4":
+        d = {k: v for k, v in d.items() if k != "quantization_config"}
+    if d.get("layer_types") is not None and not isinstance(d["layer_types"], list):
+        raise ValueError(f"layer_types must be a list or null, got {d['layer_types']!r}")
     return d
 
 

@@ -3,11 +3,12 @@
 `Transformer(config)(token_ids, positions)` returns logits. With `attn=None` every sequence in the
 batch attends causally to itself (SDPA); the serving engine instead passes an attention metadata
 object, which each layer calls as `attn(layer_idx, q, k, v, scale=..., softcap=...,
-sliding_window=...)` to write the new keys and values into the paged cache and attend over it.
+sliding_window=..., sinks=...)` to write the new keys and values into the paged cache and attend
+over it.
 Parameter names equal Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...), so
 checkpoints load without renaming, except Mixtral's experts, which take Qwen-MoE's names here
 (`mlp.experts.0.gate_proj` for `block_sparse_moe.experts.0.w1`; `model.weights` renames them on
-the way in and out).
+the way in and out). gpt-oss's experts keep its stacked layout (`GptOssExperts`).
 
 The numerics follow Hugging Face's implementation step for step (RMSNorm in fp32, RoPE tables
 in fp32 cast to the activation dtype, `rotate_half` pairing), so fp32 logits agree to rounding.
@@ -34,11 +35,12 @@ from slipstream.ops.attention import dense_causal_attention
 
 class AttentionMetadata(Protocol):
     """What the serving engine passes as `attn`: a callable that owns the KV cache. Each layer
-    passes its own score scale, soft cap and sliding window (Gemma 2's differ between layers)."""
+    passes its own score scale, soft cap, sliding window (Gemma 2's differ between layers) and
+    attention sinks (gpt-oss's, one logit per query head; None elsewhere)."""
 
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-        softcap: float | None, sliding_window: int | None,
+        softcap: float | None, sliding_window: int | None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -110,8 +112,8 @@ class GemmaRMSNorm(nn.Module):
 
 
 class FP32WeightRMSNorm(nn.Module):
-    """OLMo 2's RMSNorm: weight * norm(x) in fp32, rounded to x's dtype once at the end (Llama's
-    rounds norm(x) before the multiply). The weight starts at one."""
+    """OLMo 2's (and gpt-oss's) RMSNorm: weight * norm(x) in fp32, rounded to x's dtype once at
+    the end (Llama's rounds norm(x) before the multiply). The weight starts at one."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -129,7 +131,7 @@ def make_norm(config: ModelConfig, dim: int) -> RMSNorm | GemmaRMSNorm | FP32Wei
     """The family's RMSNorm over `dim` features."""
     if config.gemma_norms:
         return GemmaRMSNorm(dim, config.rms_norm_eps)
-    if config.post_norms:
+    if config.fp32_weight_norms:
         return FP32WeightRMSNorm(dim, config.rms_norm_eps)
     return RMSNorm(dim, config.rms_norm_eps)
 
@@ -328,6 +330,8 @@ class Attention(nn.Module):
         if config.qk_norm:  # per head, or (OLMo 2) over all heads' features at once
             self.q_norm = make_norm(config, D * (self.num_heads if self.qk_norm_across_heads else 1))
             self.k_norm = make_norm(config, D * (self.num_kv_heads if self.qk_norm_across_heads else 1))
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.attention_sinks else None
+        """gpt-oss: a logit per query head that joins each softmax's denominator (`ops.attention`)."""
         self.rotary = FP32Rotary() if config.post_norms else Rotary()
         self.rotates = config.layer_rotates(layer_idx)
         """False for SmolLM3's NoPE layers, whose q and k take no position."""
@@ -360,10 +364,10 @@ class Attention(nn.Module):
             q, k = self.rotary(q, k, cos, sin)
         if attn is None:
             out = dense_causal_attention(q, k, v, sliding_window=self.sliding_window, scale=self.scale,
-                                         softcap=self.softcap)
+                                         softcap=self.softcap, sinks=self.sinks)
         else:
             out = attn(self.layer_idx, q, k, v, scale=self.scale, softcap=self.softcap,
-                       sliding_window=self.sliding_window)
+                       sliding_window=self.sliding_window, sinks=self.sinks)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -513,13 +517,77 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
+class GptOssExperts(nn.Module):
+    """gpt-oss's experts, stacked as its checkpoints store them (transposed: x @ weight): each
+    computes gate_up = x @ gate_up_proj[e] + bias, whose even columns are the gate and odd ones the
+    up projection, then (up + 1) * gate * sigmoid(alpha * gate) with the gate clamped to at most
+    `limit` and up to within +-limit, then that @ down_proj[e] + bias."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        X, E, F_ = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(X, E, 2 * F_))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(X, 2 * F_))
+        self.down_proj = nn.Parameter(torch.empty(X, F_, E))
+        self.down_proj_bias = nn.Parameter(torch.empty(X, E))
+        self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:  # (n, E) -> (n, E)
+        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # (n, 2F)
+        gate = gate_up[..., ::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(-self.limit, self.limit)
+        glu = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))  # (n, F)
+        return glu @ self.down_proj[e] + self.down_proj_bias[e]
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float, residual_std: float, generator: torch.Generator | None) -> None:
+        nn.init.normal_(self.gate_up_proj, std=std, generator=generator)
+        nn.init.normal_(self.down_proj, std=residual_std, generator=generator)
+        nn.init.zeros_(self.gate_up_proj_bias)
+        nn.init.zeros_(self.down_proj_bias)
+
+
+class GptOssMoeBlock(nn.Module):
+    """gpt-oss's mixture-of-experts MLP: a router with a bias picks each token's top k experts by
+    their raw logits and weighs them by a softmax over those k logits (in the logits' dtype); the
+    experts' weighted outputs are summed in increasing expert order, as transformers' loop adds
+    them. No shared expert. Another class than `SparseMoeBlock`, so that the fused CPU experts
+    kernel and the C decode graph, which implement SwiGLU experts without biases, leave it alone."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=True)
+        self.experts = GptOssExperts(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., E) -> (..., E)
+        shape, dtype = x.shape, x.dtype
+        x = cast_once_for_autocast(x).reshape(-1, shape[-1])  # (N, E)
+        logits, experts = torch.topk(self.router(x), self.top_k, dim=-1)  # (N, k) each
+        weights = torch.softmax(logits, dim=-1, dtype=logits.dtype)
+        flat = experts.flatten()  # (N * k,): choice j of token t at t * k + j
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // self.top_k  # (N * k,), grouped by expert
+        rows = weights.flatten()[order, None]  # (N * k, 1)
+        out = torch.zeros(x.shape, dtype=dtype, device=x.device)
+        for e, (expert_tokens, expert_weights) in enumerate(zip(tokens.split(counts), rows.split(counts),
+                                                                strict=True)):
+            if len(expert_tokens):
+                out.index_add_(0, expert_tokens, (self.experts.expert(e, x[expert_tokens]) * expert_weights)
+                               .to(dtype))
+        return out.reshape(shape)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = make_norm(config, config.hidden_size)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)
-        self.mlp = SparseMoeBlock(config) if config.is_moe_layer(layer_idx) else MLP(config)
+        moe = GptOssMoeBlock if config.model_type == "gpt_oss" else SparseMoeBlock
+        self.mlp = moe(config) if config.is_moe_layer(layer_idx) else MLP(config)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata | None
@@ -686,7 +754,8 @@ class Transformer(nn.Module):
 
         Normal(0, std) for embeddings and projections as Hugging Face's Llama does, with the projections
         that write into the residual stream (o_proj, down_proj) scaled down by sqrt(2 * layers) as
-        in GPT-2, zero biases, unit norms (Gemma's: zero weights). Also rebuilds the RoPE buffer,
+        in GPT-2, zero biases, unit norms (Gemma's: zero weights), gpt-oss's stacked experts alike
+        and its attention sinks zero. Also rebuilds the RoPE buffer,
         so a model built on the meta device and moved with `to_empty` is usable afterwards.
         """
         residual_std = std / math.sqrt(2 * self.config.num_hidden_layers)
@@ -698,6 +767,10 @@ class Transformer(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, (RMSNorm, GemmaRMSNorm, FP32WeightRMSNorm)):
                 module.reset_parameters()
+            elif isinstance(module, GptOssExperts):
+                module.reset_parameters(std, residual_std, generator)
+            elif isinstance(module, Attention) and module.sinks is not None:
+                nn.init.zeros_(module.sinks)
         self.tie_weights()
         self.init_buffers()
 

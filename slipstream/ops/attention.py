@@ -1,7 +1,8 @@
 """Attention backends behind one call.
 
 `dense_causal_attention` is what training and the reference forward use: every query attends to
-the keys at or before its own position in the same sequence (optionally within a sliding window).
+the keys at or before its own position in the same sequence (optionally within a sliding window,
+with soft-capped scores, or with attention sinks: `softmax_with_sinks`).
 The serving engine's paged attention lives beside it and is reached through the attention
 metadata object the engine passes to the model.
 
@@ -25,21 +26,24 @@ def dense_causal_attention(
     sliding_window: int | None = None,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # (H,)
 ) -> torch.Tensor:  # (B, T, H, D)
     """Causal self-attention over whole sequences with SDPA: softmax(q . k * scale) v, scale
     head_dim**-0.5 where None. A `softcap` (Gemma 2) turns each scaled score s into
-    softcap * tanh(s / softcap) before the mask, which SDPA cannot, so those go through explicit
-    matrix products, as transformers' eager attention computes them."""
+    softcap * tanh(s / softcap) before the mask, and `sinks` (gpt-oss) join each row's softmax
+    (`softmax_with_sinks`), neither of which SDPA can, so those go through explicit matrix
+    products, as transformers' eager attention computes them."""
     num_tokens, num_heads, num_kv_heads = q.shape[1], q.shape[2], k.shape[2]
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, heads, T, D)
     masked = sliding_window is not None and num_tokens > sliding_window
     grouped = num_kv_heads != num_heads
-    gqa = grouped and softcap is None and _sdpa_takes_gqa(q, masked)
+    explicit = softcap is not None or sinks is not None
+    gqa = grouped and not explicit and _sdpa_takes_gqa(q, masked)
     if grouped and not gqa:
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
-    if softcap is not None:
-        out = _softcapped_attention(q, k, v, sliding_window, scale, softcap)
+    if explicit:
+        out = _explicit_attention(q, k, v, sliding_window, scale, softcap, sinks)
     elif not masked:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     else:
@@ -48,20 +52,36 @@ def dense_causal_attention(
     return out.transpose(1, 2)
 
 
-def _softcapped_attention(
+def _explicit_attention(
     q: torch.Tensor,  # (B, H, T, D)
     k: torch.Tensor,  # (B, H, T, D)
     v: torch.Tensor,  # (B, H, T, D)
     sliding_window: int | None,
     scale: float | None,
-    softcap: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,  # (H,)
 ) -> torch.Tensor:  # (B, H, T, D)
     num_tokens = q.shape[2]
     scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    scores = torch.tanh(scores / softcap) * softcap  # (B, H, T, T)
-    mask = _additive_causal_mask(num_tokens, sliding_window, q.device, scores.dtype)
-    probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap  # (B, H, T, T)
+    scores = scores + _additive_causal_mask(num_tokens, sliding_window, q.device, scores.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        probs = softmax_with_sinks(scores.float(), sinks[:, None, None])
+    return torch.matmul(probs.to(q.dtype), v)
+
+
+def softmax_with_sinks(
+    scores: torch.Tensor,  # (..., L) fp32, -inf where masked
+    sinks: torch.Tensor,  # broadcastable to (..., 1): a logit per row (per head)
+) -> torch.Tensor:  # (..., L)
+    """The softmax of each row of `scores` with its sink logit as one more entry, that entry then
+    dropped (gpt-oss's attention sinks): the probabilities sum to less than one, the rest going to
+    no value. A row all masked keeps all its weight on the sink (zeros, not NaN)."""
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
 
 
 @functools.lru_cache(maxsize=2)

@@ -8,12 +8,14 @@ are in the blocks of its block table, token t at slot
 `write_kv` stores the new tokens' keys and values. `paged_attention` attends every new token to
 its sequence's keys up to its own position (causal, optionally within a sliding window), its
 scores times a scale (head_dim**-0.5 unless told, Gemma 2's is its own) and optionally soft-capped
-(Gemma 2: cap * tanh(score / cap) before the softmax). The window, scale and cap are the calling
-layer's own (Gemma 2 windows only some layers), so they are arguments of each call, not part of the
-step's `PagedBatch`, which every layer shares. One
-batched computation for all single-token (decode) sequences, and for the multi-token (prefill)
-chunks either one call of the C kernel (`cpu_kernels.paged_prefill_attention_`, reading the cache
-in place) or one SDPA call per chunk over its gathered keys. The tests check both against dense
+(Gemma 2: cap * tanh(score / cap) before the softmax), and optionally with attention sinks
+(gpt-oss: a logit per query head in each softmax's denominator, `attention.softmax_with_sinks`;
+those take the PyTorch paths below, the C kernels having no sinks). The window, scale, cap and
+sinks are the calling layer's own (Gemma 2 windows only some layers), so they are arguments of
+each call, not part of the step's `PagedBatch`, which every layer shares. One batched
+computation for all single-token (decode) sequences, and for the multi-token (prefill) chunks
+either one call of the C kernel (`cpu_kernels.paged_prefill_attention_`, reading the cache in place)
+or one SDPA call per chunk over its gathered keys. The tests check both against dense
 attention over unpaged keys.
 
 Layout legend: N new tokens in the batch, H query heads, K kv heads, D head dim, P blocks,
@@ -29,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.ops import cpu_kernels
-from slipstream.ops.attention import causal_mask
+from slipstream.ops.attention import causal_mask, softmax_with_sinks
 from slipstream.ops.linear import onednn_multiplies
 
 
@@ -131,14 +133,16 @@ def paged_attention(
     scale: float | None = None,
     softcap: float | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # (H,)
     use_kernel: bool = True,
 ) -> torch.Tensor:  # (N, H, D)
     """Attention of each new token over its sequence's cached keys (see the module docstring):
     scores times `scale` (None: head_dim**-0.5), then `softcap * tanh(score / softcap)` where
-    `softcap` is given, each token seeing at most its `sliding_window` most recent keys.
+    `softcap` is given, each token seeing at most its `sliding_window` most recent keys, each
+    head's `sinks` logit joining its softmax where given.
 
     Decodes and prefills go through the C kernels of `cpu_kernels` where they apply and
-    `use_kernel` is set, else through the PyTorch versions below.
+    `use_kernel` is set (not with sinks), else through the PyTorch versions below.
     """
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive or None, got {softcap}")
@@ -146,8 +150,9 @@ def paged_attention(
         raise ValueError(f"sliding_window must be at least 1 or None, got {sliding_window}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    use_kernel = use_kernel and sinks is None
     if not batch.prefills:  # a pure decode step: every row is a decode, in order
-        return _decode(q, k_cache, v_cache, batch, scale, softcap, sliding_window, use_kernel)
+        return _decode(q, k_cache, v_cache, batch, scale, softcap, sliding_window, use_kernel, sinks)
     out = torch.empty_like(q)
     if use_kernel and cpu_kernels.supports_prefill_attention(q):
         cpu_kernels.paged_prefill_attention_(
@@ -160,10 +165,12 @@ def paged_attention(
             table = padded_table[: -(-chunk.seq_len // batch.block_size)]
             keys = _gather(k_cache, table, chunk.seq_len)  # (L, K, D)
             values = _gather(v_cache, table, chunk.seq_len)
-            out[rows] = _attend(q[rows], keys, values, sliding_window, scale=scale, softcap=softcap)
+            out[rows] = _attend(q[rows], keys, values, sliding_window, scale=scale, softcap=softcap,
+                                sinks=sinks)
     if len(batch.decode_token_rows):
         rows = batch.decode_token_rows
-        out[rows] = _decode(q[rows], k_cache, v_cache, batch, scale, softcap, sliding_window, use_kernel)
+        out[rows] = _decode(q[rows], k_cache, v_cache, batch, scale, softcap, sliding_window, use_kernel,
+                            sinks)
     return out
 
 
@@ -176,6 +183,7 @@ def _decode(
     softcap: float | None,
     sliding_window: int | None,
     use_kernel: bool,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:  # (B, H, D)
     if use_kernel and cpu_kernels.supports(q):
         return cpu_kernels.paged_decode_attention(
@@ -183,7 +191,7 @@ def _decode(
             scale=scale, softcap=softcap,
         )
     return _batched_decode(q, k_cache, v_cache, batch, scale=scale, softcap=softcap,
-                           sliding_window=sliding_window)
+                           sliding_window=sliding_window, sinks=sinks)
 
 
 def _batched_decode(
@@ -195,6 +203,7 @@ def _batched_decode(
     scale: float | None = None,
     softcap: float | None = None,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # (H,)
 ) -> torch.Tensor:  # (B, H, D)
     """All decode queries at once: gather their blocks, mask positions past each length."""
     num_seqs, num_heads, head_dim = q.shape
@@ -215,8 +224,11 @@ def _batched_decode(
     scores = torch.einsum("bkgd,blkd->bkgl", q, keys) * scale  # (B, K, G, L)
     if softcap is not None:
         scores = softcap * torch.tanh(scores.float() / softcap)
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf")).float()
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    else:
+        probs = softmax_with_sinks(scores, sinks.view(num_kv_heads, group, 1)).to(q.dtype)
     out = torch.einsum("bkgl,blkd->bkgd", probs, values)  # (B, K, G, D)
     return out.reshape(num_seqs, num_heads, head_dim)
 
@@ -241,12 +253,15 @@ def _matmul_attention(
     mask: torch.Tensor,  # (T, L) bool, True = may attend
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,  # (H,)
 ) -> torch.Tensor:  # (1, H, T, D)
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # (1, H, T, L)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1).to(q.dtype)
-    return torch.matmul(probs, values)
+    scores = scores.masked_fill_(~mask, float("-inf"))
+    probs = (torch.softmax(scores, dim=-1) if sinks is None
+             else softmax_with_sinks(scores, sinks[:, None, None]))
+    return torch.matmul(probs.to(q.dtype), values)
 
 
 def _attend(
@@ -257,10 +272,11 @@ def _attend(
     *,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # (H,)
 ) -> torch.Tensor:  # (T, H, D)
     """Causal attention of a chunk's queries over its sequence's keys: SDPA's fused kernel, or two
     matmuls and an fp32 softmax where that is faster (short bf16 sequences) or where the scores
-    are soft-capped, which SDPA cannot do."""
+    are soft-capped or meet sinks, which SDPA cannot do."""
     num_queries, num_heads = q.shape[0], q.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     num_keys, num_kv_heads = keys.shape[0], keys.shape[1]
@@ -272,14 +288,15 @@ def _attend(
         values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
     causal_only = num_queries == num_keys and (sliding_window is None or num_keys <= sliding_window)
     cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
-    short_or_capped = num_keys <= _BF16_MATMUL_ATTENTION_MAX_KEYS or softcap is not None
-    if cpu_bf16 and short_or_capped and onednn_multiplies(torch.bfloat16):
+    explicit = softcap is not None or sinks is not None
+    short_or_explicit = num_keys <= _BF16_MATMUL_ATTENTION_MAX_KEYS or explicit
+    if cpu_bf16 and short_or_explicit and onednn_multiplies(torch.bfloat16):
         mask = causal_mask(num_queries, num_keys, sliding_window=sliding_window, device=q.device)
-        out = _matmul_attention(q, keys, values, mask, scale, softcap)
-    elif softcap is not None:  # in fp32 where a bf16 matmul would take PyTorch's reference GEMM
+        out = _matmul_attention(q, keys, values, mask, scale, softcap, sinks)
+    elif explicit:  # in fp32 where a bf16 matmul would take PyTorch's reference GEMM
         mask = causal_mask(num_queries, num_keys, sliding_window=sliding_window, device=q.device)
         wide = (x.float() for x in (q, keys, values)) if cpu_bf16 else (q, keys, values)
-        out = _matmul_attention(*wide, mask, scale, softcap).to(q.dtype)
+        out = _matmul_attention(*wide, mask, scale, softcap, sinks).to(q.dtype)
     elif causal_only:
         out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
     else:

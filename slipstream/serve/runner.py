@@ -77,7 +77,7 @@ class PagedKVCache:
 @dataclasses.dataclass(frozen=True)
 class PagedAttention:
     """The model's `attn` argument for one step: write new K/V into the cache, then attend with the
-    calling layer's scale, soft cap and window (Gemma 2's differ from layer to layer)."""
+    calling layer's scale, soft cap, window (Gemma 2's differ from layer to layer) and sinks (gpt-oss)."""
 
     cache: PagedKVCache
     batch: PagedBatch
@@ -93,11 +93,12 @@ class PagedAttention:
         scale: float,
         softcap: float | None,
         sliding_window: int | None,
+        sinks: torch.Tensor | None = None,  # (H,)
     ) -> torch.Tensor:  # (1, N, H, D)
         k_cache, v_cache = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         write_kv(k_cache, v_cache, k[0], v[0], self.batch.slot_mapping, use_kernel=self.use_kernel)
         return paged_attention(q[0], k_cache, v_cache, self.batch, scale=scale, softcap=softcap,
-                               sliding_window=sliding_window, use_kernel=self.use_kernel)[None]
+                               sliding_window=sliding_window, sinks=sinks, use_kernel=self.use_kernel)[None]
 
 
 @dataclasses.dataclass(frozen=True)
