@@ -6,6 +6,9 @@ copies of the weights. Only safetensors is read: no pickle, ever.
 
 Layouts: a single `model.safetensors`, or shards listed in `model.safetensors.index.json`
 (`{"metadata": {"total_size": ...}, "weight_map": {name: file}}`).
+
+gpt-oss's released checkpoints store the experts' matrices in MXFP4 (`*_blocks` and `*_scales`,
+`dequantize_mxfp4`), which load dequantized to the load dtype; saving writes them unquantized.
 """
 
 from __future__ import annotations
@@ -196,6 +199,48 @@ def checkpoint_name(config: ModelConfig, name: str) -> str:
     return f"{moe}{head}.{_MIXTRAL_NAME[proj]}.weight" if head else f"{moe}gate.weight"
 
 
+_MXFP4_PART = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.(?:gate_up|down)_proj)_(blocks|scales)")
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The 16 values of a 4-bit e2m1 code (sign, two exponent bits, one mantissa bit)."""
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """gpt-oss's MXFP4 expert matrix as the (X, in, out) tensor its model multiplies by, from
+    `blocks` (X, out, G, 16) uint8, two e2m1 codes a byte (the low nibble first), and `scales`
+    (X, out, G) uint8, one e8m0 power of two (biased by 127) for each 32 codes along `in` = 32 G,
+    as transformers' `convert_moe_packed_tensors` lays them out. Every value is exact in fp32."""
+    if (blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[-1:] != (16,)
+            or blocks.shape[:-1] != scales.shape):
+        raise ValueError(f"MXFP4 blocks (uint8, (..., groups, 16)) and scales (uint8, (..., groups)) do "
+                         f"not match: {blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} "
+                         f"{tuple(scales.shape)}")
+    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # (X, out, G, 32)
+    values = torch.ldexp(lut[codes], scales.to(torch.int32)[..., None] - 127)  # (X, out, G, 32)
+    return values.flatten(-2).transpose(-1, -2).to(dtype).contiguous()  # (X, in, out)
+
+
+def _dequantized(
+    tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`tensors` with each pair of MXFP4 blocks and scales replaced by the dequantized matrix they
+    store (`dequantize_mxfp4`, under the name without the suffix) once both have come."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        match = _MXFP4_PART.fullmatch(name)
+        if match is None:
+            yield name, tensor
+            continue
+        pair = halves.setdefault(match[1], {})
+        pair[match[2]] = tensor
+        if len(pair) == 2:
+            del halves[match[1]]
+            yield match[1], dequantize_mxfp4(pair["blocks"], pair["scales"], dtype)
+    if halves:
+        alone = [f"{name}_{next(iter(pair))}" for name, pair in sorted(halves.items())]
+        raise ValueError(f"MXFP4 blocks without their scales, or scales without blocks: {', '.join(alone)}")
+
+
 def iter_tensors(
     model_dir: str | Path, *, release_each: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -249,7 +294,10 @@ def load_model(
     # When the stored dtype is kept on the CPU, parameters stay views of the memory-mapped file
     # (no copy at all); otherwise each tensor is converted from its own short-lived mapping.
     keep_mapped = str(device) == "cpu" and dtype == resolve_dtype(stored.dtype)
-    for stored_name, stored_tensor in iter_tensors(model_dir, release_each=not keep_mapped):
+    tensors = iter_tensors(model_dir, release_each=not keep_mapped)
+    if config.model_type == "gpt_oss":
+        tensors = _dequantized(tensors, dtype)
+    for stored_name, stored_tensor in tensors:
         try:
             parts = model_tensors(config, stored_name, stored_tensor)
         except ValueError as e:
