@@ -333,9 +333,10 @@ def _layer_attention(model: Transformer) -> tuple[float, int | None]:
     """The score scale and sliding window that every layer's attention shares; raises
     _NotApplicable for a model whose math the C layer stack does not implement: the Llama layer
     (RMSNorm before attention and before the MLP, SwiGLU), unscaled embeddings, one scale and one
-    window for all layers, and neither attention scores nor logits soft-capped. Gemma and Gemma 2
-    differ in each of these, and their modules would otherwise bind as if they did not (a
-    GemmaRMSNorm has a weight too; a GeGLU MLP has the same gate/up linear)."""
+    window for all layers, neither attention scores nor logits soft-capped, and no attention
+    sinks. Gemma, Gemma 2 and gpt-oss differ in some of these, and their modules would otherwise
+    bind as if they did not (a GemmaRMSNorm has a weight too; a GeGLU MLP has the same gate/up
+    linear)."""
     decoder, config = model.model, model.config
     if getattr(decoder, "embed_scale", None) is not None:
         raise _NotApplicable("embeddings scaled by sqrt(hidden_size)")
@@ -354,6 +355,8 @@ def _layer_attention(model: Transformer) -> tuple[float, int | None]:
             raise _NotApplicable(f"an MLP with {type(layer.mlp.act).__name__}, not SwiGLU")
     if any(attention.softcap is not None for attention in attentions):
         raise _NotApplicable("soft-capped attention scores")
+    if any(attention.sinks is not None for attention in attentions):
+        raise _NotApplicable("attention sinks")
     if not all(attention.rotates for attention in attentions):
         raise _NotApplicable("layers without the rotary embedding (NoPE)")
     scales, windows = {a.scale for a in attentions}, {a.sliding_window for a in attentions}

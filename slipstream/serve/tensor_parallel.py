@@ -73,6 +73,10 @@ def check_tensor_parallel(config: ModelConfig, size: int, device: torch.device) 
     """ValueError naming tensor_parallel_size when the model's shape cannot be split `size` ways
     or the device has too few parts for it."""
     name = f"tensor_parallel_size ({size})"
+    if config.model_type == "gpt_oss" and size > 1:
+        # Its sinks, expert biases and stacked experts have no split here yet: one process serves it.
+        raise ValueError(f"{name} > 1 is not supported for model_type 'gpt_oss'; serve it with "
+                         "tensor_parallel_size=1")
     if config.num_attention_heads % size:
         raise ValueError(f"{name} must divide the model's num_attention_heads ({config.num_attention_heads})")
     kv_heads = config.num_key_value_heads

@@ -203,6 +203,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     DTensor on the mesh: AdamW's fused and foreach kernels refuse a group that mixes DTensors (a
     split bias) with plain tensors. Each attention module is told its local head counts, which it
     reads when it reshapes q, k and v."""
+    if model.config.model_type == "gpt_oss":
+        # Its sinks, expert biases and stacked experts have no plan here: FSDP and DDP train it.
+        raise ValueError("tensor_parallel_degree > 1 is not supported for model_type 'gpt_oss'; use "
+                         "data parallelism (FSDP or DDP)")
     tp = tp_mesh.size()
     stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
     root_plan: dict[str, ParallelStyle] = {

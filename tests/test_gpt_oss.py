@@ -1,0 +1,274 @@
+"""gpt-oss (`gpt_oss`) against transformers' GptOssForCausalLM.
+
+One tiny random checkpoint saved by transformers (fp32, eager attention and experts): 4 layers
+alternating a window of 4 tokens with full attention, 4 query heads on 2 KV heads, 4 experts of
+which each token takes 2, gpt-oss's YaRN RoPE block, random non-zero attention sinks and biases,
+and gate/up weights large enough that the SwiGLU clamp bites. Our logits, greedy tokens (engine:
+continuous batching, chunked prefill, prefix caching, with and without the CPU fast path), saved
+weights and training gradients are compared with transformers'; MXFP4 dequantization with
+transformers' own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from serve_fixtures import assert_same_tokens, engine_greedy, positioned_logits, transformers_greedy
+
+from slipstream.model import ModelConfig, load_model
+from slipstream.model.create import stdlib_tokenizer
+from slipstream.model.weights import dequantize_mxfp4, save_model
+from slipstream.serve.tensor_parallel import check_tensor_parallel
+from slipstream.train.parallel import apply_tensor_parallel
+
+transformers = pytest.importorskip("transformers")
+pytest_plugins = ["serve_fixtures"]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB_SIZE, MAX_NEW_TOKENS, WINDOW = 512, 12, 4
+SHAPE = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+             num_experts_per_tok=2, sliding_window=WINDOW, max_position_embeddings=512,
+             eos_token_id=0, pad_token_id=0,
+             rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "truncate": False, "original_max_position_embeddings": 4096,
+                              "rope_theta": 150000.0})
+
+
+def _hf(model_dir, dtype=torch.float32):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation="eager", experts_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny checkpoint: matrices N(0, 0.1) but gate/up N(0, 0.4) (so |gate_up| passes the
+    limit of 7 for some units), norms 1 + N(0, 0.2), biases N(0, 0.2), sinks N(0, 1)."""
+    out = tmp_path_factory.mktemp("gpt_oss")
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(**SHAPE)
+    hf = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.2 * torch.randn_like(param))
+            elif name.endswith("sinks"):
+                param.normal_(0.0, 1.0)
+            elif "bias" in name:
+                param.normal_(0.0, 0.2)
+            else:
+                param.normal_(0.0, 0.4 if name.endswith("gate_up_proj") else 0.1)
+    hf.save_pretrained(out)
+    stdlib_tokenizer(VOCAB_SIZE).save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [0]}))
+    return out
+
+
+def _token_ids(seed: int, shape=(2, 19)) -> torch.Tensor:
+    return torch.randint(3, VOCAB_SIZE, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _max_diff(model, hf, ids) -> float:
+    with torch.no_grad():
+        return (positioned_logits(model, ids).float() - hf(ids).logits.float()).abs().max().item()
+
+
+def test_config_reads_transformers_defaults(model_dir):
+    """config.json as transformers writes it: every layer routed, windows on the even layers,
+    gpt-oss's YaRN (attention factor 0.1 ln 32 + 1, untruncated), biases, sinks, fp32-weight norms;
+    and what we write back transformers reads the same."""
+    config = ModelConfig.from_pretrained(model_dir)
+    assert config.layer_types == ("sliding_attention", "full_attention") * 2
+    assert [config.layer_sliding_window(i) for i in range(4)] == [WINDOW, None, WINDOW, None]
+    assert config.moe_layers == (0, 1, 2, 3) and config.moe_intermediate_size == 32
+    assert config.qkv_bias and config.o_bias and config.attention_sinks and config.fp32_weight_norms
+    assert config.rope_scaling.rope_type == "yarn" and config.rope_scaling.truncate is False
+    assert config.rope_scaling.attention_factor == pytest.approx(0.1 * math.log(32) + 1)
+    back = transformers.GptOssConfig(**config.to_hf_dict())
+    hf = transformers.AutoConfig.from_pretrained(model_dir)
+    for key in ("layer_types", "sliding_window", "num_local_experts", "num_experts_per_tok", "swiglu_limit",
+                "swiglu_alpha", "attention_bias", "head_dim", "rms_norm_eps"):
+        assert getattr(back, key) == getattr(hf, key), key
+    assert ModelConfig.from_hf_dict(back.to_dict()) == config
+
+
+def test_fp32_logits_match_transformers(model_dir):
+    """Prompts of 19 tokens (windows of 4 matter): transformers' fp32 logits to 2e-5."""
+    hf, ours, ids = _hf(model_dir), load_model(model_dir), _token_ids(0)
+    diff = _max_diff(ours, hf, ids)
+    print(f"fp32 max |logit difference| {diff:.3g}")
+    assert diff < 2e-5
+
+
+def test_bf16_logits_close_to_transformers(model_dir):
+    """In bf16 (transformers' softmax over scores and sinks in bf16, ours in fp32): within 0.2 of
+    logits of a few units (0.086 measured), and the same argmax almost everywhere."""
+    hf, ours, ids = _hf(model_dir, torch.bfloat16), load_model(model_dir, dtype=torch.bfloat16), _token_ids(0)
+    with torch.no_grad():
+        expected, got = hf(ids).logits.float(), positioned_logits(ours, ids).float()
+    diff = (got - expected).abs().max().item()
+    print(f"bf16 max |logit difference| {diff:.3g} (logits up to {expected.abs().max().item():.3g})")
+    assert diff < 0.2
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+
+def test_sinks_and_clamp_matter(model_dir):
+    """The checkpoint exercises both gpt-oss particulars, so the parity tests would catch either
+    missing: with the sinks at -inf (no sink) or the clamp lifted our logits leave transformers'."""
+    hf, ids = _hf(model_dir), _token_ids(0)
+    no_sinks = load_model(model_dir)
+    with torch.no_grad():
+        for layer in no_sinks.model.layers:
+            layer.self_attn.sinks.fill_(-torch.inf)
+    unclamped = load_model(model_dir)
+    for layer in unclamped.model.layers:
+        layer.mlp.experts.limit = 1e9
+    for label, model in (("no sinks", no_sinks), ("no clamp", unclamped)):
+        diff = _max_diff(model, hf, ids)
+        print(f"{label}: max |logit difference| {diff:.3g}")
+        assert diff > 1e-2, label
+
+
+ENGINE_CASES = {
+    "batched": dict(),
+    "plain modules": dict(fast_cpu_kernels=False),
+    "chunked prefill": dict(max_num_batched_tokens=8, max_num_seqs=3),
+    "prefix caching": dict(max_num_seqs=2, block_size=4),
+}
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(model_dir):
+    """Five prompts of 3 to 30 tokens sharing an 8-token prefix, and transformers' batched greedy
+    tokens for them."""
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(3, VOCAB_SIZE, (8,), generator=g).tolist()
+    prompts = [prefix[:n] if n <= 8 else prefix + torch.randint(3, VOCAB_SIZE, (n - 8,), generator=g).tolist()
+               for n in (3, 9, 17, 24, 30)]
+    return prompts, *transformers_greedy(_hf(model_dir), prompts, MAX_NEW_TOKENS)
+
+
+@pytest.mark.parametrize("case", sorted(ENGINE_CASES))
+def test_engine_greedy_tokens_match_transformers(model_dir, greedy_reference, case):
+    """The engine's greedy tokens (paged attention with sinks, through the PyTorch paths; decode
+    steps module by module) equal transformers' generate, in each scheduling case."""
+    prompts, expected, gaps = greedy_reference
+    got = engine_greedy(model_dir, prompts, MAX_NEW_TOKENS, **ENGINE_CASES[case])
+    assert_same_tokens(expected, gaps, got, f"gpt-oss, {case}")
+
+
+def test_engine_declines_decode_graph(model_dir):
+    """Neither the C decode graph nor the fused experts kernel takes gpt-oss (sinks, biased experts)."""
+    from slipstream import LLM
+
+    llm = LLM(str(model_dir), dtype="float32")
+    assert llm.engine.runner.decode_graph is None
+
+
+def test_saved_weights_load_in_transformers(model_dir, tmp_path):
+    """Ours saved (stacked experts, sinks, router biases in HF's names) loads in transformers with
+    the logits it had."""
+    ours = load_model(model_dir)
+    save_model(ours, tmp_path / "saved")
+    ids = _token_ids(2)
+    diff = _max_diff(ours, _hf(tmp_path / "saved"), ids)
+    assert diff < 2e-5, diff
+
+
+def test_training_step_matches_transformers(model_dir):
+    """One training forward and backward (fp32, train mode): transformers' loss and every
+    parameter's gradient (the sinks', router's and stacked experts' included), same names."""
+    hf = _hf(model_dir).train()
+    ours = load_model(model_dir).train()
+    ids = _token_ids(3, (2, 13))
+    positions = torch.arange(13).expand(2, 13)
+    logits = ours(ids, positions)
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    expected = hf(ids, labels=ids).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    hf_grads = {name: p.grad for name, p in hf.named_parameters()}
+    for name, param in ours.named_parameters():
+        torch.testing.assert_close(param.grad, hf_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert ours.model.layers[0].self_attn.sinks.grad.abs().max() > 0
+
+
+def test_mxfp4_dequantization_matches_transformers():
+    """Random blocks and scales dequantize as transformers' convert_moe_packed_tensors does."""
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 2, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(100, 150, (3, 8, 2), dtype=torch.uint8, generator=g)
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = mxfp4.convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=dtype)
+        assert torch.equal(dequantize_mxfp4(blocks, scales, dtype), expected)
+
+
+def test_mxfp4_checkpoint_loads(model_dir, tmp_path):
+    """A checkpoint whose experts are MXFP4 (as the released ones, with quantization_config) loads,
+    its experts dequantized as transformers dequantizes them, the rest as stored."""
+    from safetensors.torch import load_file, save_file
+
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    out = tmp_path / "mxfp4"
+    out.mkdir()
+    state = load_file(model_dir / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    expected = {}
+    for name in [n for n in state if n.endswith(("gate_up_proj", "down_proj"))]:
+        num_experts, num_in, num_out = state.pop(name).shape
+        groups = (num_experts, num_out, num_in // 32)
+        blocks = torch.randint(0, 256, (*groups, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(120, 130, groups, dtype=torch.uint8, generator=g)
+        state[f"{name}_blocks"], state[f"{name}_scales"] = blocks, scales
+        expected[name] = mxfp4.convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=torch.float32)
+    save_file(state, out / "model.safetensors")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config))
+    model = load_model(out)
+    params = dict(model.named_parameters())
+    for name, value in expected.items():
+        assert torch.equal(params[name], value), name
+    assert torch.equal(params["model.layers.0.self_attn.sinks"], state["model.layers.0.self_attn.sinks"])
+
+
+def test_tensor_parallel_refused(model_dir):
+    """Tensor parallelism (serving and training) refuses gpt-oss with a ValueError naming it."""
+    config = ModelConfig.from_pretrained(model_dir)
+    with pytest.raises(ValueError, match="tensor_parallel_size.*gpt_oss"):
+        check_tensor_parallel(config, 2, torch.device("cpu"))
+    check_tensor_parallel(config, 1, torch.device("cpu"))
+    with pytest.raises(ValueError, match="tensor_parallel_degree.*gpt_oss"):
+        apply_tensor_parallel(load_model(model_dir), None, sequence_parallel=False)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"swiglu_limit": 0}, "swiglu_limit must be a positive number, got 0"),
+    ({"swiglu_alpha": -1.0}, "swiglu_alpha must be a positive number"),
+    ({"layer_types": ["sliding_attention", "global", "full_attention", "full_attention"]}, "layer_types"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types names 1 layers"),
+    ({"layer_types": "sliding_attention"}, "layer_types must be a list"),
+    ({"swiglu_limit": None}, "null for swiglu_limit"),
+    ({"moe_intermediate_size": 64, "model_type": "gpt_oss"}, None),  # not a gpt-oss key: ignored
+    ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config"),
+])
+def test_bad_config_values(model_dir, change, match):
+    """Bad gpt-oss config.json values are ValueErrors naming the key."""
+    d = json.loads((model_dir / "config.json").read_text()) | change
+    if match is None:
+        assert ModelConfig.from_hf_dict(d).moe_intermediate_size == 32
+        return
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_dict(d)
+
+
+def test_swiglu_fields_refused_for_other_families():
+    """The SwiGLU limit is gpt-oss's alone."""
+    with pytest.raises(ValueError, match="swiglu_limit=5.0 given for model_type 'llama'"):
+        ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                    num_attention_heads=2, swiglu_limit=5.0)
