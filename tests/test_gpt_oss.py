@@ -20,7 +20,12 @@ from serve_fixtures import assert_same_tokens, engine_greedy, positioned_logits,
 
 from slipstream.model import ModelConfig, load_model
 from slipstream.model.create import stdlib_tokenizer
+from slipstream.model.presets import PRESETS
+from slipstream.model.transformer import Transformer
 from slipstream.model.weights import dequantize_mxfp4, save_model
+from slipstream.perf import flops
+from slipstream.perf.serving import cpu_decode_graph_declines
+from slipstream.perf.shapes import TransformerShape, resolve_model
 from slipstream.serve.tensor_parallel import check_tensor_parallel
 from slipstream.train.parallel import apply_tensor_parallel
 
@@ -272,3 +277,59 @@ def test_swiglu_fields_refused_for_other_families():
     with pytest.raises(ValueError, match="swiglu_limit=5.0 given for model_type 'llama'"):
         ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                     num_attention_heads=2, swiglu_limit=5.0)
+
+
+def _tiny_config() -> ModelConfig:
+    return ModelConfig.from_hf_dict(transformers.GptOssConfig(**SHAPE).to_dict())
+
+
+def test_parameter_counts_equal_the_models():
+    """Total parameters (sinks, router bias, expert biases included) equal our model's and
+    transformers'; active parameters equal our model's less the stacked experts' idle rows
+    (X - k experts of each layer, their weights and biases)."""
+    config = _tiny_config()
+    with torch.device("meta"):
+        ours = Transformer(config)
+        hf = transformers.GptOssForCausalLM(transformers.GptOssConfig(**SHAPE))
+    total = sum(p.numel() for p in ours.parameters())
+    assert total == sum(p.numel() for p in hf.parameters())
+    idle = sum(p[0].numel() * (config.num_experts - config.num_experts_per_tok)
+               for layer in ours.model.layers for p in layer.mlp.experts.parameters())
+    shape = TransformerShape.from_model_config(config)
+    assert flops.num_params(config) == shape.num_params() == total
+    assert flops.active_params(config) == shape.active_params() == total - idle
+    assert shape.matmul_params() == flops.matmul_params(config)
+
+
+def test_published_parameter_counts():
+    """The presets' totals are OpenAI's 20.9B and 116.8B; active per token without the input
+    embedding (OpenAI's count) 3.6B and 5.1B."""
+    for name, total, active in (("gpt-oss-20b", 20.9e9, 3.6e9), ("gpt-oss-120b", 116.8e9, 5.1e9)):
+        config = PRESETS[name].config
+        print(name, flops.num_params(config), flops.active_params(config, include_embedding=False))
+        assert abs(flops.num_params(config) - total) < 0.05e9
+        assert abs(flops.active_params(config, include_embedding=False) - active) < 0.05e9
+
+
+def test_forward_flops_equal_flop_counter(model_dir):
+    """Forward FLOPs of the real model (router, k experts a token, attention's explicit matmuls
+    over every key) equal FlopCounterMode's count of its matmuls."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model, ids = load_model(model_dir), _token_ids(4, (2, 9))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        positioned_logits(model, ids)
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    counted = sum(n for op, n in counts.items() if op in ("aten.mm", "aten.addmm", "aten.bmm"))
+    assert counted == flops.forward_flops_per_token(model.config, 9) * ids.numel()
+
+
+@pytest.mark.parametrize(("name", "tp"), [("gpt-oss-20b", "1"), ("gpt-oss-120b", "4")])
+def test_perf_predicts_the_presets(name, tp, capsys):
+    """`slipstream perf serve` prices the real shapes on H100s (120B's 234 GB of bf16 weights on
+    four), decoded outside the C decode graph."""
+    from slipstream.cli import main
+
+    assert main(["perf", "serve", "--model", name, "--hardware", "h100", "--tp", tp]) == 0
+    assert "decode ms/token" in capsys.readouterr().out
+    assert cpu_decode_graph_declines(resolve_model(name)) == "attention sinks, layers of different windows"

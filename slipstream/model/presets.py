@@ -166,6 +166,22 @@ PRESETS: dict[str, Preset] = {
                 bos_token_id=151643, eos_token_id=151645, dtype="bfloat16",
             ),
         ),
+        *(Preset(
+            name=f"gpt-oss-{size}",
+            description=f"gpt-oss-{size} shape, {experts} experts, top 4, a 128-token window on every "
+                        f"other layer (openai/gpt-oss-{size} config.json; experts dequantized from MXFP4)",
+            config_only=True,
+            config=ModelConfig(
+                model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                num_hidden_layers=layers, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                max_position_embeddings=131072, rope_theta=150000.0, rms_norm_eps=1e-5,
+                rope_scaling=RopeScaling(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                         truncate=False, original_max_position_embeddings=4096),
+                sliding_window=128, attention_bias=True, num_experts=experts, num_experts_per_tok=4,
+                router_aux_loss_coef=0.9, swiglu_limit=7.0, eos_token_id=200002, pad_token_id=199999,
+                dtype="bfloat16",
+            ),
+        ) for size, layers, experts in (("20b", 24, 32), ("120b", 36, 128))),
     ]
 }
 

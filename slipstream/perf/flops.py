@@ -18,7 +18,9 @@ Conventions (each function restates the one it uses):
   count the weights a token uses (`matmul_params`: the router, its `num_experts_per_tok` experts
   and qwen2_moe's shared expert and gate in each layer that `config.is_moe_layer`), so MFU is on
   active FLOPs as Megatron and torchtitan count it. Bytes read per decode step count the experts
-  a batch is expected to touch under uniform routing (`expected_experts_touched`).
+  a batch is expected to touch under uniform routing (`expected_experts_touched`). gpt-oss's
+  experts, router and attention carry biases and its attention a sink per head: parameters, not
+  matmul weights.
 - Weight-only quantization (`quantization="int8"`, `ops.quant`) changes bytes, not FLOPs: every
   linear layer inside the decoder layers (experts included) holds 1 byte per weight and one fp32
   scale (4 bytes) per output channel; the embeddings, the LM head, a mixture-of-experts router,
@@ -83,6 +85,8 @@ def _attention_layer_params(config: ModelConfig) -> int:
         n += (config.num_attention_heads + 2 * config.num_key_value_heads) * q
     if config.o_bias:
         n += d
+    if config.attention_sinks:  # gpt-oss: a logit per query head
+        n += config.num_attention_heads
     if config.qk_norm_across_heads:  # OLMo 2: one q and one k RMSNorm over all heads' features
         n += (config.num_attention_heads + config.num_key_value_heads) * q
     elif config.qk_norm:
@@ -108,6 +112,12 @@ def expert_params(config: ModelConfig) -> int:
     return 3 * config.hidden_size * config.moe_intermediate_size
 
 
+def expert_bias_params(config: ModelConfig) -> int:
+    """Biases of one routed expert: gpt-oss's gate/up (2 x moe_intermediate_size) and down
+    (hidden_size) biases; 0 for the other types."""
+    return 2 * config.moe_intermediate_size + config.hidden_size if config.model_type == "gpt_oss" else 0
+
+
 def _shared_expert_params(config: ModelConfig) -> int:
     """qwen2_moe's shared expert and its 1-wide sigmoid gate; 0 for the other types."""
     width = config.shared_expert_intermediate_size
@@ -128,12 +138,14 @@ def num_moe_layers(config: ModelConfig) -> int:
 
 def _mlp_params(config: ModelConfig, *, active: bool) -> int:
     """Every layer's MLP weights: the dense ones, and each MoE layer's all experts (`active`:
-    the `num_experts_per_tok` a token uses)."""
+    the `num_experts_per_tok` a token uses), with gpt-oss's expert and router biases."""
     moe_layers = num_moe_layers(config)
     total = (config.num_hidden_layers - moe_layers) * _dense_mlp_params(config)
     if moe_layers:
         experts = config.num_experts_per_tok if active else config.num_experts
-        total += moe_layers * _moe_mlp_params(config, experts)
+        biases = experts * expert_bias_params(config) + (config.num_experts if config.model_type == "gpt_oss"
+                                                         else 0)
+        total += moe_layers * (_moe_mlp_params(config, experts) + biases)
     return total
 
 

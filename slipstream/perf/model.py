@@ -164,9 +164,10 @@ class TrainSetup:
 
     @property
     def attention_kernel(self) -> str:
-        """The kernel the trainer runs: `attention`, but "unfused" for soft-capped scores (Gemma 2),
-        which slipstream computes with explicit matmuls whatever a fused kernel could do."""
-        return "unfused" if self.shape.attention_softcap else self.attention
+        """The kernel the trainer runs: `attention`, but "unfused" for soft-capped scores (Gemma 2)
+        and attention sinks (gpt-oss), which slipstream computes with explicit matmuls whatever a
+        fused kernel could do."""
+        return "unfused" if self.shape.attention_softcap or self.shape.attention_sinks else self.attention
 
     @property
     def activation_bytes(self) -> int:

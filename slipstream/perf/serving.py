@@ -293,14 +293,14 @@ def _cpu_moe(setup: ServeSetup, accelerator: Accelerator) -> tuple[bool, FusedEx
 def cpu_decode_graph_declines(shape: TransformerShape) -> str | None:
     """Why slipstream's CPU decode graph does not hold this model's decode steps, or None where it
     may: its C layers compute the Llama layer only, so it refuses Gemma's norm (with its scaled
-    embeddings), GeGLU, Gemma 2's sandwich layers, soft caps and layers of different windows, and
-    the engine decodes those models outside it (`ops.decode_graph`, which decides this on the
-    built model; this is the same rule read off the shape)."""
+    embeddings), GeGLU, Gemma 2's sandwich layers, soft caps, attention sinks and layers of
+    different windows, and the engine decodes those models outside it (`ops.decode_graph`, which
+    decides this on the built model; this is the same rule read off the shape)."""
     reasons = [reason for reason, applies in (
         ("Gemma's RMSNorm", shape.norm == "gemma_rmsnorm"), ("a GeGLU MLP", shape.mlp == "geglu"),
         ("four norms per layer", shape.norms_per_layer != 2),
         ("soft-capped attention scores", shape.attention_softcap),
-        ("soft-capped logits", shape.logit_softcap),
+        ("soft-capped logits", shape.logit_softcap), ("attention sinks", shape.attention_sinks),
         ("layers of different windows", bool(shape.full_attention_layers))) if applies]
     return ", ".join(reasons) or None
 

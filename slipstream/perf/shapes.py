@@ -19,7 +19,9 @@ and logits (`logit_softcap`), and Gemma 3's rotary tables of their own base on t
 A mixture-of-experts shape (Mixtral, Qwen-MoE) names its routed layers (`moe_layers`); each holds
 a router, `num_experts` SwiGLU experts and optionally a shared expert with a 1-wide gate, while
 the other layers keep the dense MLP. Parameter counts hold every expert; `matmul_params` and the
-FLOPs count the active ones (the router, `experts_per_token` experts, the shared expert).
+FLOPs count the active ones (the router, `experts_per_token` experts, the shared expert). gpt-oss's
+experts have biases (`expert_bias_params`), its router's bias and attention sinks are
+`extra_params_per_layer`.
 
 Pure Python; importing this module does not import torch.
 """
@@ -31,7 +33,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from slipstream.perf.flops import expected_experts_touched
+from slipstream.perf.flops import expected_experts_touched, expert_bias_params
 
 MLP_KINDS = ("swiglu", "geglu", "gelu")
 NORM_KINDS = ("rmsnorm", "gemma_rmsnorm", "layernorm")
@@ -72,6 +74,9 @@ class TransformerShape:
     matmuls: the whole T x T score matrix, kept for the backward."""
     logit_softcap: bool = False
     """Logits soft-capped (Gemma 2's tanh over the vocabulary)."""
+    attention_sinks: bool = False
+    """A learned logit per head in each softmax's denominator (gpt-oss), which slipstream computes
+    with explicit matmuls too (no fused kernel takes it)."""
     qk_norm: bool = False
     """An RMSNorm on every head's query and key before the rotary embedding (Qwen3)."""
     local_rotary: bool = False
@@ -89,6 +94,8 @@ class TransformerShape:
     """Width of the shared expert every token also runs, with its 1-wide gate (qwen2_moe); 0: none."""
     moe_layers: tuple[int, ...] = ()
     """Indices of the layers with experts; the others have the dense MLP `ffn_hidden_size` wide."""
+    expert_bias_params: int = 0
+    """Biases of each routed expert (gpt-oss's gate/up and down biases); 0: none."""
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -119,7 +126,7 @@ class TransformerShape:
 
     def _check_experts(self) -> None:
         fields = ("num_experts", "experts_per_token", "expert_ffn_hidden_size",
-                  "shared_expert_ffn_hidden_size")
+                  "shared_expert_ffn_hidden_size", "expert_bias_params")
         for field in fields:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -153,6 +160,8 @@ class TransformerShape:
         extra = (q + 2 * kv) if config.qkv_bias else 0
         extra += config.hidden_size if config.o_bias else 0
         extra += (2 * config.intermediate_size + config.hidden_size) if config.mlp_bias else 0
+        if config.attention_sinks:  # gpt-oss: a sink per query head, and its router's bias
+            extra += config.num_attention_heads + config.num_experts
         if config.qk_norm:  # per head (Qwen 3, Gemma 3) or over all heads' features (OLMo 2)
             extra += q + kv if config.qk_norm_across_heads else 2 * config.head_dim
         windows = [config.layer_sliding_window(i) for i in range(config.num_hidden_layers)]
@@ -169,7 +178,8 @@ class TransformerShape:
             norm="gemma_rmsnorm" if config.gemma_norms else "rmsnorm",
             norms_per_layer=4 if config.sandwich_norms else 2,
             full_attention_layers=full, attention_softcap=config.attn_logit_softcapping is not None,
-            logit_softcap=config.final_logit_softcapping is not None, **_experts_of(config),
+            logit_softcap=config.final_logit_softcapping is not None,
+            attention_sinks=config.attention_sinks, **_experts_of(config),
         )
 
     @property
@@ -282,6 +292,8 @@ class TransformerShape:
             up = self.ffn_hidden_size * (self.mlp_matrices - 1)
             bias = self.q_dim + 2 * self.kv_dim + h + up + h
         norms = self.norms_per_layer * norm * h
+        if moe:
+            bias += self.num_experts * self.expert_bias_params
         return int(self.layer_matmul_params(moe=moe)) + bias + norms + self.extra_params_per_layer
 
     def layers_params(self) -> int:
@@ -308,7 +320,8 @@ class TransformerShape:
     def active_params(self) -> int:
         """The weights one token uses: `num_params` with each MoE layer's routed experts cut to
         `experts_per_token`."""
-        idle = len(self.moe_layers) * (self.num_experts - self.experts_per_token) * self.expert_params()
+        idle = len(self.moe_layers) * (self.num_experts - self.experts_per_token) * (
+            self.expert_params() + self.expert_bias_params)
         return self.num_params() - idle
 
     def matmul_params(self) -> int:
@@ -368,7 +381,7 @@ def _experts_of(config: Any) -> dict[str, Any]:
     return {"num_experts": config.num_experts, "experts_per_token": config.num_experts_per_tok,
             "expert_ffn_hidden_size": config.moe_intermediate_size,
             "shared_expert_ffn_hidden_size": config.shared_expert_intermediate_size or 0,
-            "moe_layers": layers}
+            "moe_layers": layers, "expert_bias_params": expert_bias_params(config)}
 
 
 def model_names() -> list[str]:
