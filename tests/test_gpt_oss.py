@@ -333,3 +333,56 @@ def test_perf_predicts_the_presets(name, tp, capsys):
     assert main(["perf", "serve", "--model", name, "--hardware", "h100", "--tp", tp]) == 0
     assert "decode ms/token" in capsys.readouterr().out
     assert cpu_decode_graph_declines(resolve_model(name)) == "attention sinks, layers of different windows"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 3])
+def test_paged_attention_with_sinks_equals_dense(dtype, window):
+    """Paged attention with sinks (a prefill chunk of 5 after 6 cached tokens and a decode, in one
+    batch; 4 query heads on 2 KV heads) equals dense causal attention with the same sinks over the
+    whole sequences, computed in fp32."""
+    from slipstream.ops.attention import dense_causal_attention
+    from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim, block_size = 4, 2, 16, 4
+    sinks = 2 * torch.randn(heads, generator=g)
+    lengths, new = (11, 7), (5, 1)
+    qs = [torch.randn(n, heads, head_dim, generator=g) for n in lengths]
+    ks = [torch.randn(n, kv_heads, head_dim, generator=g) for n in lengths]
+    vs = [torch.randn(n, kv_heads, head_dim, generator=g) for n in lengths]
+    k_cache = torch.zeros(8, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    tables = [[5, 1, 7], [2, 0]]
+    for k, v, table in zip(ks, vs, tables, strict=True):  # every token but the new ones, cached before
+        slots = torch.tensor([table[t // block_size] * block_size + t % block_size for t in range(len(k))])
+        write_kv(k_cache, v_cache, k.to(dtype), v.to(dtype), slots)
+    batch = PagedBatch.build(seq_lens=lengths, query_lens=new, block_tables=tables, block_size=block_size)
+    q = torch.cat([q[-n:] for q, n in zip(qs, new, strict=True)]).to(dtype)
+    got = paged_attention(q, k_cache, v_cache, batch, sliding_window=window, sinks=sinks.to(dtype))
+    def rounded(x: torch.Tensor) -> torch.Tensor:  # what the cache and the queries hold, in fp32
+        return x.to(dtype).float()[None]
+
+    expected = torch.cat([
+        dense_causal_attention(rounded(q), rounded(k), rounded(v), sliding_window=window,
+                               sinks=sinks.to(dtype).float())[0, -n:]
+        for q, k, v, n in zip(qs, ks, vs, new, strict=True)])
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
+    plain = paged_attention(q, k_cache, v_cache, batch, sliding_window=window)
+    assert (plain.float() - expected).abs().max() > 0.05  # the sinks matter here
+
+
+def test_softmax_with_sinks_by_hand():
+    """Each row's probabilities are exp(s_i) / (sum_j exp(s_j) + exp(sink)); a fully masked row
+    gives zeros, not NaN; the sink gets a gradient."""
+    from slipstream.ops.attention import softmax_with_sinks
+
+    scores = torch.tensor([[0.5, -1.0, 2.0], [-torch.inf, -torch.inf, -torch.inf]])
+    sinks = torch.tensor([[1.0], [0.3]], requires_grad=True)
+    probs = softmax_with_sinks(scores, sinks)
+    row = scores[0].exp() / (scores[0].exp().sum() + math.exp(1.0))
+    torch.testing.assert_close(probs[0], row)
+    assert torch.equal(probs[1], torch.zeros(3))
+    probs[0].sum().backward()
+    assert sinks.grad[0] < 0
