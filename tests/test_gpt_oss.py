@@ -386,3 +386,29 @@ def test_softmax_with_sinks_by_hand():
     assert torch.equal(probs[1], torch.zeros(3))
     probs[0].sum().backward()
     assert sinks.grad[0] < 0
+
+
+def test_published_config_json_reads_as_the_preset(caplog):
+    """openai/gpt-oss-20b's config.json (MXFP4 quantization_config, transformers 4 RoPE keys,
+    its duplicate keys) reads as the `gpt-oss-20b` preset, with no key left unread."""
+    published = {
+        "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+        "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+        "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+        "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+        "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32,
+        "output_router_logits": False, "pad_token_id": 199999,
+        "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                         "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True,
+        "vocab_size": 201088,
+    }
+    with caplog.at_level("WARNING"):
+        config = ModelConfig.from_hf_dict(published)
+    assert "ignoring" not in caplog.text
+    assert config.replace(dtype="bfloat16") == PRESETS["gpt-oss-20b"].config
