@@ -242,14 +242,23 @@ def test_mxfp4_checkpoint_loads(model_dir, tmp_path):
     assert torch.equal(params["model.layers.0.self_attn.sinks"], state["model.layers.0.self_attn.sinks"])
 
 
-def test_tensor_parallel_refused(model_dir):
-    """Tensor parallelism (serving and training) refuses gpt-oss with a ValueError naming it."""
-    config = ModelConfig.from_pretrained(model_dir)
-    with pytest.raises(ValueError, match="tensor_parallel_size.*gpt_oss"):
-        check_tensor_parallel(config, 2, torch.device("cpu"))
-    check_tensor_parallel(config, 1, torch.device("cpu"))
+def test_tensor_parallel_serving_matches_transformers(model_dir, greedy_reference):
+    """Two ranks (sinks split with their heads, every expert's units split, down biases once, the
+    router whole), with chunked prefill: transformers' greedy tokens (2 s: a worker process)."""
+    prompts, expected, gaps = greedy_reference
+    got = engine_greedy(model_dir, prompts, MAX_NEW_TOKENS, tensor_parallel_size=2, max_num_batched_tokens=8)
+    assert_same_tokens(expected, gaps, got, "gpt-oss, two ranks")
+
+
+def test_tensor_parallel_training_refused(model_dir):
+    """Tensor-parallel training refuses gpt-oss with a ValueError naming it; serving checks only
+    that the split divides (intermediate_size 32 does not split 3 ways)."""
     with pytest.raises(ValueError, match="tensor_parallel_degree.*gpt_oss"):
         apply_tensor_parallel(load_model(model_dir), None, sequence_parallel=False)
+    config = ModelConfig.from_pretrained(model_dir).replace(num_attention_heads=6, num_key_value_heads=3,
+                                                            intermediate_size=32)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        check_tensor_parallel(config, 3, torch.device("cpu"))
 
 
 @pytest.mark.parametrize(("change", "match"), [

@@ -10,7 +10,8 @@ Language Models Using Model Parallelism", section 3), as vLLM serves with it:
 - o_proj and down_proj are split by input columns, so each rank's product is a partial sum of the
   output; one all-reduce per attention and one per MLP sums them (a mixture-of-experts block
   splits every expert's intermediate features, keeps the router whole on every rank, so that all
-  ranks route alike, and sums the block's output once);
+  ranks route alike, and sums the block's output once; gpt-oss's stacked experts are split the
+  same way, its down biases kept on rank 0, its attention sinks split with their heads);
 - the embedding and the lm_head are split by vocabulary rows (padded to a multiple of the size;
   tied, they stay one tensor): each rank looks up the ids among its rows and an all-reduce sums
   the lookups, and the driver gathers the logits; the norms are whole on every rank.
@@ -49,7 +50,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from slipstream.model.config import ModelConfig
-from slipstream.model.transformer import MLP, SparseMoeBlock, Transformer
+from slipstream.model.transformer import MLP, GptOssMoeBlock, SparseMoeBlock, Transformer
 from slipstream.model.weights import load_model
 from slipstream.ops.paged_attention import PagedBatch
 from slipstream.serve.shm_collectives import SharedExchange
@@ -73,10 +74,6 @@ def check_tensor_parallel(config: ModelConfig, size: int, device: torch.device) 
     """ValueError naming tensor_parallel_size when the model's shape cannot be split `size` ways
     or the device has too few parts for it."""
     name = f"tensor_parallel_size ({size})"
-    if config.model_type == "gpt_oss" and size > 1:
-        # Its sinks, expert biases and stacked experts have no split here yet: one process serves it.
-        raise ValueError(f"{name} > 1 is not supported for model_type 'gpt_oss'; serve it with "
-                         "tensor_parallel_size=1")
     if config.num_attention_heads % size:
         raise ValueError(f"{name} must divide the model's num_attention_heads ({config.num_attention_heads})")
     kv_heads = config.num_key_value_heads
@@ -239,13 +236,20 @@ def shard_model(model: Transformer, collectives: Collectives) -> Transformer:
             attention.q_norm = SplitFeaturesRMSNorm(attention.q_norm, rank, size, 1, collectives)
             attention.k_norm = SplitFeaturesRMSNorm(attention.k_norm, kv_rank, kv_size, size // kv_size,
                                                     collectives)
+        if attention.sinks is not None:  # gpt-oss: each query head's sink goes with its head
+            heads = attention.num_heads
+            attention.sinks = nn.Parameter(attention.sinks[rank * heads : (rank + 1) * heads].clone(),
+                                           requires_grad=False)
         _keep_columns(attention.o_proj, rank, size)
         attention.o_proj = SummedOverRanks(attention.o_proj, collectives)
         mlp = layer.mlp
-        for dense in [mlp] if isinstance(mlp, MLP) else _experts(mlp):
-            _keep_rows(dense.gate_proj, rank, size)
-            _keep_rows(dense.up_proj, rank, size)
-            _keep_columns(dense.down_proj, rank, size)
+        if isinstance(mlp, GptOssMoeBlock):
+            _keep_gpt_oss_experts(mlp, rank, size)
+        else:
+            for dense in [mlp] if isinstance(mlp, MLP) else _experts(mlp):
+                _keep_rows(dense.gate_proj, rank, size)
+                _keep_rows(dense.up_proj, rank, size)
+                _keep_columns(dense.down_proj, rank, size)
         layer.mlp = SummedOverRanks(mlp, collectives)
     embedding = VocabParallelEmbedding(model.model.embed_tokens, collectives)
     if model.config.tie_word_embeddings:
@@ -272,6 +276,27 @@ def kv_share(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
 
 def _experts(block: SparseMoeBlock) -> list[MLP]:
     return [*block.experts, *([block.shared_expert] if hasattr(block, "shared_expert") else [])]
+
+
+def _keep_gpt_oss_experts(block: GptOssMoeBlock, rank: int, size: int) -> None:
+    """gpt-oss's stacked experts split as the dense MLP is: each rank keeps a slice of every
+    expert's intermediate units (gate and up interleave in gate_up's columns, so a unit's pair of
+    columns is a contiguous slice) and the matching rows of down; the down bias stays on rank 0
+    only, so that the sum over ranks of each expert's weighted output has it once. The router
+    stays whole: every rank routes alike."""
+    experts = block.experts
+    width = experts.down_proj.shape[1] // size
+    units = slice(rank * width, (rank + 1) * width)
+    columns = slice(2 * units.start, 2 * units.stop)
+
+    def kept(tensor: torch.Tensor) -> nn.Parameter:
+        return nn.Parameter(tensor.contiguous(), requires_grad=False)
+
+    experts.gate_up_proj = kept(experts.gate_up_proj[:, :, columns])  # (X, E, 2F / size)
+    experts.gate_up_proj_bias = kept(experts.gate_up_proj_bias[:, columns])
+    experts.down_proj = kept(experts.down_proj[:, units])  # (X, F / size, E)
+    if rank != 0:
+        experts.down_proj_bias = kept(torch.zeros_like(experts.down_proj_bias))
 
 
 def _keep_rows(linear: nn.Linear, rank: int, size: int) -> None:
