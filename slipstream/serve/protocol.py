@@ -15,8 +15,10 @@ outputs and, for chat, `add_generation_prompt`, `continue_final_message`, `chat_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -768,3 +770,287 @@ def validation_error(error: ValidationError) -> APIError:
     where = ".".join(str(part) for part in first["loc"])
     return bad_request(f"{where}: {first['msg']}", param)
 
+
+
+# ---- the Responses API: POST /v1/responses ----------------------------------------------------
+
+RESPONSE_INCLUDABLE = frozenset({
+    "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+    "message.input_image.image_url", "computer_call_output.output.image_url", "code_interpreter_call.outputs",
+    "reasoning.encrypted_content", "message.output_text.logprobs",
+})
+"""OpenAI's `include` values. Only the output text's logprobs ask this server for something (the
+others name outputs of built-in tools and reasoning items it never produces)."""
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+"""OpenAI's limits on a response's metadata."""
+RESPONSES_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+                    "max_tokens": "max_output_tokens", "response_format": "text", "prompt": "input",
+                    "logprobs": "top_logprobs", "structured_outputs": "text"}
+"""Chat request fields (and engine parameters) -> the Responses field they were built from, for the
+errors of the chat request a Responses request becomes."""
+
+
+class ResponsesRequest(_Body):
+    """POST /v1/responses (OpenAI's Responses API) for text models, with vLLM's extensions. Its input
+    items become a chat (`chat_request`), so that the chat route's template, sampling, tool calls and
+    structured outputs answer it. As vLLM by default, nothing is stored: `store` is ignored (echoed
+    false), a `previous_response_id` is never found, and `background` (which needs the store) is a 400."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    """A user message's text, or items: messages (roles user, system, developer, assistant; content
+    a string or input_text / output_text parts), function_call and function_call_output."""
+    instructions: str | None = None
+    """A system message before the input."""
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    """At most this many tokens, and at most what the context leaves after the input (as vLLM)."""
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    """Alternatives per output token, with `include` ["message.output_text.logprobs"] (as vLLM)."""
+    include: list[str] | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    """Function tools, in the Responses' flat shape: {"type": "function", "name", "parameters", ...}."""
+    tool_choice: str | dict[str, Any] | None = None
+    """"none", "auto" (the default with tools), "required" or {"type": "function", "name": ...}."""
+    text: dict[str, Any] | None = None
+    """{"format": {"type": "text"}}, {"format": {"type": "json_object"}} or {"format": {"type":
+    "json_schema", "name": ..., "schema": {...}}}: a structured output."""
+    parallel_tool_calls: bool = True
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool = True
+    previous_response_id: str | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"
+    """"auto" keeps the input's last tokens that leave room for the output; "disabled" makes a
+    too-long input a 400."""
+    reasoning: dict[str, Any] | None = None
+    """{"effort": ...}: the effort reaches the chat template as `reasoning_effort` (as vLLM)."""
+    background: bool = False
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] = "auto"
+    max_tool_calls: int | None = Field(default=None, ge=1)
+    """OpenAI's bound on calls of built-in tools, of which this server has none."""
+    prompt: dict[str, Any] | None = None
+    """OpenAI's stored prompt templates: refused, as vLLM."""
+    prompt_cache_key: str | None = None
+    """Ignored, as vLLM."""
+    # vLLM's extensions
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    top_k: int | None = Field(default=None, ge=-1)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    priority: int = Field(default=0, ge=-(2**63), lt=2**63)
+    cache_salt: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        """vLLM's refusals (a stored prompt, background, an unknown previous response) and the checks
+        the chat request cannot make in the Responses' terms."""
+        if self.prompt is not None:
+            raise bad_request("prompt templates are not supported", "prompt")
+        if self.background:
+            raise bad_request("background needs store, which this server does not offer (as vLLM without "
+                              "VLLM_ENABLE_RESPONSES_API_STORE)", "background")
+        if self.previous_response_id is not None:
+            raise response_not_found(self.previous_response_id, "previous_response_id")
+        if not self.input:  # "" or []
+            raise bad_request("input must not be empty", "input")
+        for value in self.include or ():
+            if value not in RESPONSE_INCLUDABLE:
+                raise bad_request(f"include {_excerpt(value)} is not one of "
+                                  f"{', '.join(sorted(RESPONSE_INCLUDABLE))}", "include")
+        self._check_metadata()
+
+    def _check_metadata(self) -> None:
+        metadata = self.metadata or {}
+        if len(metadata) > MAX_METADATA_PAIRS:
+            raise bad_request(f"metadata has {len(metadata)} pairs, more than {MAX_METADATA_PAIRS}",
+                              "metadata")
+        for key, value in metadata.items():
+            if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+                raise bad_request(f"metadata key {_excerpt(key)} or its value is too long (keys hold at most "
+                                  f"{MAX_METADATA_KEY_CHARS} characters, values {MAX_METADATA_VALUE_CHARS})",
+                                  "metadata")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return OUTPUT_LOGPROBS in (self.include or ())
+
+    def chat_request(self, max_model_len: int) -> ChatCompletionRequest:
+        """The chat completion request that answers this one (its errors name the Responses'
+        fields). With truncation "auto" the prompt keeps its last tokens that leave room for
+        max_output_tokens (or one token)."""
+        chat: dict[str, Any] = {
+            "model": self.model, "messages": self._messages(),
+            "max_completion_tokens": self.max_output_tokens, "logprobs": self.wants_logprobs,
+            "top_logprobs": self.top_logprobs if self.wants_logprobs else None,
+            "response_format": self._response_format(), "parallel_tool_calls": self.parallel_tool_calls,
+            "chat_template_kwargs": self._template_kwargs(),
+        }
+        for name in ("temperature", "top_p", "seed", "user", "top_k", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "stop", "ignore_eos", "skip_special_tokens",
+                     "include_stop_str_in_output", "logit_bias", "priority", "cache_salt",
+                     "structured_outputs"):
+            chat[name] = getattr(self, name)
+        if self.tools:
+            chat["tools"] = [_chat_tool(index, tool) for index, tool in enumerate(self.tools)]
+        chat["tool_choice"] = self._chat_tool_choice()
+        if self.truncation == "auto":
+            chat["truncate_prompt_tokens"] = max(1, max_model_len - (self.max_output_tokens or 1))
+        with responses_params():
+            request = parse_body(ChatCompletionRequest, json.dumps(chat).encode())
+            request.check_supported()
+        return request
+
+    def _messages(self) -> list[dict[str, Any]]:
+        messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+        if isinstance(self.input, str):
+            return [*messages, {"role": "user", "content": self.input}]
+        for index, item in enumerate(self.input):
+            kind = item.get("type", "message" if "role" in item else None)
+            if kind == "message":
+                messages.append(_message(index, item))
+            elif kind == "function_call":
+                function = {"name": _item_text(index, item, "name"),
+                            "arguments": _item_text(index, item, "arguments")}
+                call = {"id": _item_text(index, item, "call_id"), "type": "function", "function": function}
+                previous = messages[-1] if messages else {}
+                if previous.get("role") == "assistant" and "tool_calls" in previous:  # one turn's calls
+                    previous["tool_calls"].append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                output = item.get("output")
+                content = (_parts(index, output) if isinstance(output, list)
+                           else _item_text(index, item, "output"))
+                messages.append({"role": "tool", "tool_call_id": _item_text(index, item, "call_id"),
+                                 "content": content})
+            else:
+                raise bad_request(f"input[{index}] has type {_excerpt(str(kind))}; this server takes "
+                                  "message, function_call and function_call_output items", "input")
+        return messages
+
+    def _response_format(self) -> dict[str, Any] | None:
+        """text.format as chat's response_format (None for text)."""
+        spec = (self.text or {}).get("format")
+        if spec is None:
+            return None
+        kind = spec.get("type") if isinstance(spec, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"type": "json_object"}
+        if kind != "json_schema":
+            raise bad_request("text.format type must be text, json_object or json_schema, got "
+                              f"{_excerpt(str(kind))}", "text")
+        name, schema = spec.get("name"), spec.get("schema")
+        if not isinstance(name, str) or not name or not isinstance(schema, dict):
+            raise bad_request("text.format json_schema needs a name (a non-empty string) and a schema "
+                              "(an object)", "text")
+        return {"type": "json_schema", "json_schema": {"name": spec["name"], "schema": spec["schema"]}}
+
+    def _chat_tool_choice(self) -> str | dict[str, Any] | None:
+        choice = self.tool_choice
+        if choice is None or (choice == "auto" and not self.tools):  # as vLLM: "auto" without tools is "none"
+            return None
+        if isinstance(choice, str):
+            return choice
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise bad_request('tool_choice must be none, auto, required or {"type": "function", "name": ...} '
+                              "(this server serves function tools)", "tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}
+
+    def _template_kwargs(self) -> dict[str, Any] | None:
+        effort = (self.reasoning or {}).get("effort")
+        if effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": effort} | (self.chat_template_kwargs or {})
+
+    def settings(self, params: SamplingParams) -> dict[str, Any]:
+        """The request's settings as a Response echoes them; temperature and top_p as sampled."""
+        spec = (self.text or {}).get("format") or {"type": "text"}
+        reasoning = None if self.reasoning is None else {"effort": self.reasoning.get("effort"),
+                                                          "summary": self.reasoning.get("summary")}
+        return {
+            "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+            "max_tool_calls": self.max_tool_calls, "metadata": self.metadata or {},
+            "parallel_tool_calls": self.parallel_tool_calls, "previous_response_id": None,
+            "reasoning": reasoning, "service_tier": self.service_tier, "store": False, "background": False,
+            "temperature": params.temperature, "top_p": params.top_p, "top_logprobs": self.top_logprobs or 0,
+            "text": {"format": spec}, "tools": self.tools or [],
+            "tool_choice": self.tool_choice if self.tools and self.tool_choice is not None
+            else ("auto" if self.tools else "none"),
+            "truncation": self.truncation, "user": self.user,
+        }
+
+
+def _message(index: int, item: dict[str, Any]) -> dict[str, Any]:
+    role, content = item.get("role"), item.get("content")
+    if role not in MESSAGE_ROLES:
+        raise bad_request(f"input[{index}] has role {_excerpt(str(role))}; a message's role is one of "
+                          f"{', '.join(MESSAGE_ROLES)}", "input")
+    if isinstance(content, list):
+        return {"role": role, "content": _parts(index, content)}
+    if not isinstance(content, str):
+        raise bad_request(f"input[{index}].content must be a string or a list of input_text parts", "input")
+    return {"role": role, "content": content}
+
+
+def _parts(index: int, parts: list[Any]) -> list[dict[str, str]]:
+    """input_text / output_text parts as chat's text parts."""
+    texts = []
+    for part in parts:
+        is_text = isinstance(part, dict) and part.get("type") in ("input_text", "output_text")
+        if not is_text or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad_request(f"input[{index}] has a content part of type {_excerpt(str(kind))}; this server "
+                              "takes input_text and output_text parts with a text", "input")
+        texts.append({"type": "text", "text": part["text"]})
+    return texts
+
+
+def _item_text(index: int, item: dict[str, Any], key: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise bad_request(f"input[{index}] ({item.get('type')}) needs {key} as a string", "input")
+    return value
+
+
+def _chat_tool(index: int, tool: dict[str, Any]) -> dict[str, Any]:
+    """A Responses function tool (flat) as chat's ({"type": "function", "function": {...}})."""
+    if tool.get("type") != "function":
+        raise bad_request(f"tools[{index}] has type {_excerpt(str(tool.get('type')))}; this server serves "
+                          "function tools", "tools")
+    function = {key: tool[key] for key in ("name", "description", "parameters", "strict")
+                if tool.get(key) is not None}
+    return {"type": "function", "function": function}
+
+
+def response_not_found(response_id: str, param: str = "response_id") -> APIError:
+    """vLLM's answer for a response id while it stores none: a 400 for an id that is no response's
+    (not "resp_..."), else a 404."""
+    if not response_id.startswith("resp_"):
+        return bad_request(f"Invalid '{param}': {_excerpt(response_id)}. Expected an ID that begins with "
+                           "'resp'.", param)
+    return APIError(404, f"Response with id {_excerpt(response_id)} not found.", param=param)
+
+
+@contextlib.contextmanager
+def responses_params() -> Iterator[None]:
+    """Re-raise a 400 of the chat request built from a Responses request under the Responses field
+    it came from."""
+    try:
+        yield
+    except APIError as error:
+        error.param = RESPONSES_PARAMS.get(error.param, error.param)
+        raise

@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from slipstream.serve import protocol, responses
+from slipstream.serve import protocol, responses, responses_api
 from slipstream.serve.async_engine import AsyncEngine, EngineError, Overloaded, RequestStream
 from slipstream.serve.beam_search import (
     BeamSearch,
@@ -203,6 +203,9 @@ class OpenAIServer:
         app.get("/v1/models/{model_id:path}")(self.model)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/v1/responses")(self.create_response)
+        app.get("/v1/responses/{response_id}")(self.retrieve_response)
+        app.post("/v1/responses/{response_id}/cancel")(self.cancel_response)
         app.post("/v1/embeddings")(self.embeddings)
         app.post("/tokenize")(self.tokenize_route)
         app.post("/detokenize")(self.detokenize_route)
@@ -352,13 +355,7 @@ class OpenAIServer:
         lora = self.served.lora_request(body.model)
         params = await asyncio.to_thread(body.sampling_params, max_tokens=body.max_new_tokens,
                                          logprobs=body.num_logprobs, defaults=self.sampling_defaults)
-        if body.tool_mode == "auto":
-            if not self.config.enable_auto_tool_choice:
-                raise protocol.bad_request(
-                    '"auto" tool choice (the default when tools are given) needs the server\'s '
-                    "--enable-auto-tool-choice and --tool-call-parser; or set tool_choice to "
-                    '"required", a named function or "none"', "tool_choice")
-            params = params.replace(skip_special_tokens=False)  # as vLLM: keep the call tags
+        params, tool_calls = self._tool_calls(body, params)
         # The template's ids; or its text, which tokenizing adds the special tokens to.
         rendered = await asyncio.to_thread(self._render_chat, body, not body.add_special_tokens)
         [token_ids] = self._tokenize([rendered], params.truncate_prompt_tokens,
@@ -366,11 +363,6 @@ class OpenAIServer:
         self._check_context(len(token_ids), body.max_new_tokens, params.min_tokens, "messages",
                             body.max_tokens_param)
         meta = ResponseMeta.new("chatcmpl", self._served_name(lora))
-        tool_calls = None
-        if body.tool_mode is not None:
-            tool_calls = responses.ToolCalls(body.tool_mode, body.forced_function,
-                                             self.config.tool_call_parser or "hermes",
-                                             parallel=body.parallel_tool_calls)
         options = dict(num_logprobs=body.num_logprobs, as_token_ids=self._as_token_ids(body),
                        echo=body.echoed_text, tool_calls=tool_calls)
         if body.use_beam_search:
@@ -391,6 +383,63 @@ class OpenAIServer:
             return _event_stream(self._events(stream, chunks))
         [output] = await self._collect(request, stream)
         return JSONResponse(responses.chat_response(meta, output, **options))
+
+    def _tool_calls(self, body: ChatCompletionRequest,
+                    params: SamplingParams) -> tuple[SamplingParams, responses.ToolCalls | None]:
+        """How the reply may be a tool call (None: text), and the params that keep an "auto" call's
+        tags; "auto" needs the server's parser."""
+        if body.tool_mode is None:
+            return params, None
+        if body.tool_mode == "auto":
+            if not self.config.enable_auto_tool_choice:
+                raise protocol.bad_request(
+                    '"auto" tool choice (the default when tools are given) needs the server\'s '
+                    "--enable-auto-tool-choice and --tool-call-parser; or set tool_choice to "
+                    '"required", a named function or "none"', "tool_choice")
+            params = params.replace(skip_special_tokens=False)  # as vLLM: keep the call tags
+        return params, responses.ToolCalls(body.tool_mode, body.forced_function,
+                                           self.config.tool_call_parser or "hermes",
+                                           parallel=body.parallel_tool_calls)
+
+    async def create_response(self, request: Request) -> Response:
+        """OpenAI's POST /v1/responses: the input as a chat (protocol.ResponsesRequest.chat_request),
+        answered as a chat completion is, then as a Response or its stream (responses_api.py). As
+        vLLM, the output is capped at what the context leaves after the input."""
+        arrival_time_s = time.monotonic()
+        body = await self._parse(request, protocol.ResponsesRequest)
+        self._check_runner(generates=True)
+        chat = body.chat_request(self.max_model_len)
+        lora = self.served.lora_request(body.model)
+        with protocol.responses_params():
+            self._check_request_template(chat)
+            params = await asyncio.to_thread(chat.sampling_params, max_tokens=chat.max_new_tokens,
+                                             logprobs=chat.num_logprobs, defaults=self.sampling_defaults)
+            params, tool_calls = self._tool_calls(chat, params)
+            token_ids = await asyncio.to_thread(self._render_chat, chat)
+            [token_ids] = self._tokenize([token_ids], params.truncate_prompt_tokens)
+            self._check_context(len(token_ids), None, params.min_tokens, "input", "max_output_tokens")
+        room = self.max_model_len - len(token_ids)
+        if params.max_tokens is None or params.max_tokens > room:
+            params = params.replace(max_tokens=room)
+        builder = responses_api.ResponseBuilder(self._served_name(lora), body.settings(params),
+                                                num_logprobs=chat.num_logprobs, tool_calls=tool_calls,
+                                                as_token_ids=self._as_token_ids(chat))
+        named = {"prompt": "input", "logprobs": "top_logprobs", "structured_outputs": "text"}
+        stream = await self._submit(builder.id, [token_ids], params, arrival_time_s, named, chat, lora)
+        if body.stream:
+            return _event_stream(_response_events(stream, builder))
+        [output] = await self._collect(request, stream)
+        return JSONResponse(builder.response(output))
+
+    async def retrieve_response(self, request: Request, response_id: str) -> Response:
+        """GET /v1/responses/{id}: as vLLM, which stores no response by default, none is found."""
+        self._authorize(request)
+        raise protocol.response_not_found(response_id)
+
+    async def cancel_response(self, request: Request, response_id: str) -> Response:
+        """POST /v1/responses/{id}/cancel: as vLLM by default, no (background) response is found."""
+        self._authorize(request)
+        raise protocol.response_not_found(response_id)
 
     async def embeddings(self, request: Request) -> Response:
         """OpenAI's POST /v1/embeddings, for a server started with --runner pooling."""
@@ -741,6 +790,27 @@ class OpenAIServer:
         finally:
             stream.close()
         yield responses.sse("[DONE]")
+
+
+async def _response_events(stream: RequestStream,
+                           builder: responses_api.ResponseBuilder) -> AsyncIterator[str]:
+    """A Response's events until response.completed; closing the generator (the client left)
+    aborts the request."""
+    try:
+        for event in builder.opening():
+            yield event
+        latest = None
+        async for outputs in stream:
+            for latest in outputs:
+                for event in builder.update(latest):
+                    yield event
+        for event in builder.closing(latest):
+            yield event
+    except EngineError as error:
+        logger.error("response stream %s failed: %s", builder.id, error)
+        yield builder.error(str(error))
+    finally:
+        stream.close()
 
 
 async def _final_events(outputs: list[RequestOutput],

@@ -1,0 +1,197 @@
+"""OpenAI's Responses API, response side: a `Response` object and its stream of server-sent events.
+
+A Response's `output` holds a message item (one output_text part) and/or function_call items. A
+reply that ran out of tokens is "incomplete" with reason "max_output_tokens", as vLLM reports a
+length finish. A stream sends, in OpenAI's order, each event named by its type and numbered by
+`sequence_number`: response.created and response.in_progress at once; for a text reply the
+message's output_item.added and content_part.added with the engine's first output, one
+output_text.delta per engine update that added text (or, with logprobs, tokens), and at the end
+output_text.done, content_part.done and output_item.done; then response.completed with the whole
+Response (incomplete ones too, as vLLM, so that the `openai` client's stream helpers finish). A
+reply that may be a tool call can be read only once whole: its items' events all come at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from slipstream.serve.request import CompletionOutput, RequestOutput
+from slipstream.serve.responses import ToolCalls, chat_logprobs
+
+
+def new_id(prefix: str) -> str:
+    """An OpenAI-style object id: "resp_...", "msg_...", "fc_...", "call_..."."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseBuilder:
+    """The Response of one request, whole (`response`) or as a stream's events (`opening`, `update`,
+    `closing`); `settings` are the request's, as the Response echoes them."""
+
+    def __init__(self, model: str, settings: dict[str, Any], *, num_logprobs: int | None,
+                 as_token_ids: bool = False, tool_calls: ToolCalls | None = None) -> None:
+        self.id = new_id("resp")
+        self._head = {"id": self.id, "object": "response", "created_at": int(time.time()), "model": model}
+        self._settings = settings
+        self._num_logprobs = num_logprobs
+        self._as_token_ids = as_token_ids
+        self._tool_calls = tool_calls
+        self._message_id = new_id("msg")
+        self._sequence_number = 0
+        self._num_chars_sent = 0
+        self._num_tokens_sent = 0
+        self._message_open = False
+
+    # ---- whole responses ----------------------------------------------------------------------
+
+    def response(self, output: RequestOutput) -> dict[str, Any]:
+        """The Response of a finished reply."""
+        [completion] = output.outputs
+        return self._body(completion, self._items(completion), output)
+
+    def _body(self, completion: CompletionOutput | None, items: list[dict[str, Any]],
+              output: RequestOutput | None) -> dict[str, Any]:
+        status, incomplete, error = "in_progress", None, None
+        if completion is not None:
+            status = _status(completion)
+            if completion.finish_reason == "length":
+                incomplete = {"reason": "max_output_tokens"}
+            elif completion.finish_reason == "abort":
+                error = {"code": "server_error", "message": "the server stopped before the response finished"}
+        usage = None if output is None else _usage(output)
+        return self._head | {"status": status, "error": error, "incomplete_details": incomplete,
+                             "output": items, "usage": usage} | self._settings
+
+    def _items(self, completion: CompletionOutput) -> list[dict[str, Any]]:
+        """The message (its text, with logprobs where asked) and/or the function calls of a reply."""
+        status = _item_status(completion)
+        if self._tool_calls is None:
+            logprobs = None
+            if self._num_logprobs is not None:
+                logprobs = self._logprobs(completion, 0, len(completion.token_ids))
+            return [self._message(completion.text, status, logprobs)]
+        message = self._tool_calls.message(completion)
+        items = [self._message(message["content"], status, None)] if message["content"] else []
+        for call in message.get("tool_calls", []):
+            items.append({"type": "function_call", "id": new_id("fc"), "call_id": new_id("call"),
+                          "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                          "status": status})
+        return items
+
+    def _message(self, text: str, status: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
+        return {"type": "message", "id": self._message_id, "role": "assistant", "status": status,
+                "content": [_text_part(text, logprobs)]}
+
+    def _logprobs(self, completion: CompletionOutput, start: int, end: int) -> list[dict[str, Any]]:
+        """OpenAI's logprobs of tokens [start, end): each token's and its top alternatives'."""
+        logprobs = chat_logprobs(completion, start, end, self._num_logprobs, as_token_ids=self._as_token_ids)
+        return logprobs["content"]
+
+    # ---- streams ------------------------------------------------------------------------------
+
+    def opening(self) -> list[str]:
+        """response.created and response.in_progress, before the engine's first output."""
+        response = self._body(None, [], None)
+        return [self._event("response.created", response=response),
+                self._event("response.in_progress", response=response)]
+
+    def update(self, output: RequestOutput) -> list[str]:
+        """The events of a text reply's news since the last update (none for a tool call reply, read
+        only once whole)."""
+        [completion] = output.outputs
+        if self._tool_calls is not None:
+            return []
+        events = [] if self._message_open else self._open_message(0)
+        self._message_open = True
+        start, end = self._num_tokens_sent, len(completion.token_ids)
+        text = completion.text[self._num_chars_sent:]
+        if text or (self._num_logprobs is not None and end > start):
+            logprobs = [] if self._num_logprobs is None else self._logprobs(completion, start, end)
+            events.append(self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
+                                      content_index=0, delta=text, logprobs=logprobs))
+            self._num_chars_sent += len(text)
+            self._num_tokens_sent = end
+        return events
+
+    def closing(self, output: RequestOutput) -> list[str]:
+        """The done events of every item, then response.completed (or, for a reply the server
+        aborted, response.failed) with the whole Response."""
+        [completion] = output.outputs
+        events = self.update(output)
+        items = self._items(completion)
+        for index, item in enumerate(items):
+            if item["type"] == "message":
+                events += self._message_events(index, item)
+            else:
+                events += self._call_events(index, item)
+        final = "response.failed" if completion.finish_reason == "abort" else "response.completed"
+        return [*events, self._event(final, response=self._body(completion, items, output))]
+
+    def error(self, message: str) -> str:
+        """An error event: the stream failed (the engine stopped)."""
+        return self._event("error", code="server_error", message=message, param=None)
+
+    def _open_message(self, index: int) -> list[str]:
+        item = {"type": "message", "id": self._message_id, "role": "assistant", "status": "in_progress",
+                "content": []}
+        part = _text_part("", [] if self._num_logprobs is not None else None)
+        return [self._event("response.output_item.added", output_index=index, item=item),
+                self._event("response.content_part.added", item_id=self._message_id, output_index=index,
+                            content_index=0, part=part)]
+
+    def _message_events(self, index: int, item: dict[str, Any]) -> list[str]:
+        """A message's remaining events: its text whole where no update sent it (a tool call reply's
+        content), then the done events."""
+        [part] = item["content"]
+        events = []
+        if not self._message_open:
+            events += self._open_message(index)
+            events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=index,
+                                      content_index=0, delta=part["text"], logprobs=[]))
+        common = dict(item_id=item["id"], output_index=index, content_index=0)
+        return [*events,
+                self._event("response.output_text.done", **common, text=part["text"],
+                            logprobs=part.get("logprobs") or []),
+                self._event("response.content_part.done", **common, part=part),
+                self._event("response.output_item.done", output_index=index, item=item)]
+
+    def _call_events(self, index: int, item: dict[str, Any]) -> list[str]:
+        added = item | {"arguments": "", "status": "in_progress"}
+        common = dict(item_id=item["id"], output_index=index)
+        return [self._event("response.output_item.added", output_index=index, item=added),
+                self._event("response.function_call_arguments.delta", **common, delta=item["arguments"]),
+                self._event("response.function_call_arguments.done", **common, name=item["name"],
+                            arguments=item["arguments"]),
+                self._event("response.output_item.done", output_index=index, item=item)]
+
+    def _event(self, type: str, **fields: Any) -> str:
+        """One server-sent event, named by its type, as OpenAI sends them."""
+        data = {"type": type, "sequence_number": self._sequence_number, **fields}
+        self._sequence_number += 1
+        return f"event: {type}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": []}
+    return part if logprobs is None else part | {"logprobs": logprobs}
+
+
+def _status(completion: CompletionOutput) -> str:
+    return {"length": "incomplete", "abort": "failed"}.get(completion.finish_reason, "completed")
+
+
+def _item_status(completion: CompletionOutput) -> str:
+    return "completed" if completion.finish_reason not in ("length", "abort") else "incomplete"
+
+
+def _usage(output: RequestOutput) -> dict[str, Any]:
+    """Tokens in and out, of which the prefix cache held `cached_tokens` (no reasoning tokens: the
+    server does not tell reasoning apart)."""
+    [completion] = output.outputs
+    num_input, num_output = len(output.prompt_token_ids), len(completion.token_ids)
+    return {"input_tokens": num_input, "input_tokens_details": {"cached_tokens": output.num_cached_tokens},
+            "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": num_input + num_output}

@@ -1,0 +1,281 @@
+"""OpenAI's Responses API (POST /v1/responses) as the official `openai` client drives it: greedy
+text equal to the chat route's for the same messages, the prompt and usage as transformers' chat
+template and tokenizer count them, streamed events in OpenAI's order, incomplete replies, JSON
+schema outputs, a function call round trip, vLLM's answers while no response is stored, and
+OpenAI-shaped 400s for bad bodies.
+
+One real server process (tests/server_process.py, shared with test_server.py) serves them all.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+import transformers
+from server_process import API_KEY, MODEL_NAME, metric_values
+
+pytest_plugins = ["serve_fixtures", "server_process"]
+
+QUESTION = "Write a haiku about caches."
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "required": ["city", "unit"], "properties": {
+               "city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}}}}
+CHAT_WEATHER = {"type": "function", "function": {key: WEATHER[key] for key in ("name", "description",
+                                                                              "parameters")}}
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    """transformers' own tokenizer and chat template of the served model: the independent count."""
+    return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+def chat_text(client, messages, max_tokens: int, **body) -> str:
+    response = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0,
+                                              max_completion_tokens=max_tokens,
+                                              extra_body={"ignore_eos": True} | body)
+    return response.choices[0].message.content
+
+
+def prompt_len(tokenizer, messages, **template_args) -> int:
+    return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False, **template_args))
+
+
+def test_text_input_equals_the_chat_reply_and_counts_as_transformers(client, tokenizer):
+    """A string input is a user message: greedy output_text equals the chat route's reply to it;
+    input_tokens are the chat template's tokens as transformers renders and counts them; a reply
+    cut at max_output_tokens is "incomplete" with reason max_output_tokens; settings are echoed."""
+    messages = [{"role": "user", "content": QUESTION}]
+    response = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=8, **GREEDY)
+    assert response.output_text == chat_text(client, messages, 8)
+    assert response.id.startswith("resp_") and response.object == "response"
+    [message] = response.output
+    assert (message.type, message.role, message.id[:4], message.status) == ("message", "assistant", "msg_",
+                                                                           "incomplete")
+    assert (message.content[0].type, message.content[0].annotations) == ("output_text", [])
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    usage = response.usage
+    assert usage.input_tokens == prompt_len(tokenizer, messages)
+    assert (usage.output_tokens, usage.total_tokens) == (8, usage.input_tokens + 8)
+    assert usage.output_tokens_details.reasoning_tokens == 0
+    assert usage.input_tokens_details.cached_tokens >= 0
+    assert (response.model, response.temperature, response.max_output_tokens) == (MODEL_NAME, 0.0, 8)
+    assert (response.tools, response.tool_choice, response.text.format.type) == ([], "none", "text")
+
+
+def test_instructions_and_message_items_render_as_the_chat(client, tokenizer):
+    """instructions become a system message before the input; messages of every role with string
+    content or input_text / output_text parts (joined by newlines, as the chat route joins text
+    parts) give the chat route's reply and transformers' prompt length."""
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Name a cache."},
+                                          {"type": "input_text", "text": "One word."}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "LRU"}]},
+             {"type": "message", "role": "user", "content": QUESTION}]
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Name a cache.\nOne word."},
+                {"role": "assistant", "content": "LRU"}, {"role": "user", "content": QUESTION}]
+    response = client.responses.create(model=MODEL_NAME, input=items, instructions="Be brief.",
+                                       max_output_tokens=10, **GREEDY)
+    assert response.output_text == chat_text(client, messages, 10)
+    assert response.usage.input_tokens == prompt_len(tokenizer, messages)
+    assert response.instructions == "Be brief."
+
+
+def test_stream_sends_openais_events_in_order(client):
+    """stream=True: created, in_progress, the message's added events, one delta per engine update,
+    the done events and completed, numbered 0, 1, 2, ...; the deltas make the final text, and the
+    completed response equals the non-streamed one (but for ids and times). The client's
+    `responses.stream` helper reads it to the same final response."""
+    args = dict(model=MODEL_NAME, input=QUESTION, max_output_tokens=12, **GREEDY)
+    expected = client.responses.create(**args)
+    events = list(client.responses.create(stream=True, **args))
+    types = [event.type for event in events]
+    num_deltas = types.count("response.output_text.delta")
+    assert types == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * num_deltas,
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.completed"]
+    assert 1 <= num_deltas <= 12  # one per engine update that the client had not read yet
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    final = events[-1].response
+    assert deltas == events[-4].text == final.output_text == expected.output_text
+    assert final.id == events[0].response.id and events[0].response.status == "in_progress"
+    assert final.output[0].id == events[2].item.id == events[-2].item.id
+    assert (final.status, final.usage.output_tokens) == (expected.status, expected.usage.output_tokens)
+    with client.responses.stream(**args) as stream:
+        assert stream.get_final_response().output_text == expected.output_text
+
+
+def test_json_schema_format_gives_valid_json(client):
+    """text.format json_schema constrains the reply through the structured outputs: it parses and
+    is valid under the schema (jsonschema's check), and the reply completes; json_object gives the
+    chat route's reply under response_format json_object."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "required": ["name", "ok"], "additionalProperties": False,
+              "properties": {"name": {"type": "string", "maxLength": 5}, "ok": {"type": "boolean"}}}
+    text = {"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}}
+    response = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=60, temperature=0,
+                                       text=text)
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), schema)
+    assert response.text.format.type == "json_schema" and response.text.format.name == "answer"
+    response = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=20, temperature=0,
+                                       text={"format": {"type": "json_object"}})
+    messages = [{"role": "user", "content": QUESTION}]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=20,
+                                          temperature=0, response_format={"type": "json_object"})
+    assert response.output_text == chat.choices[0].message.content
+
+
+def test_function_call_round_trip(client, tokenizer):
+    """A named tool_choice gives a function_call item whose arguments are the chat route's call
+    for the same tool (streamed: the arguments events hold them too); sent back with its output,
+    the call and result render as the chat route renders them (same greedy reply, transformers'
+    prompt length)."""
+    question = [{"role": "user", "content": "Weather in Oslo?"}]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=question, tools=[CHAT_WEATHER],
+                                          temperature=0, max_completion_tokens=40,
+                                          tool_choice={"type": "function",
+                                                       "function": {"name": "get_weather"}})
+    args = dict(model=MODEL_NAME, input=question, tools=[WEATHER], temperature=0, max_output_tokens=40,
+                tool_choice={"type": "function", "name": "get_weather"})
+    response = client.responses.create(**args)
+    [call] = response.output
+    assert (call.type, call.name, call.status) == ("function_call", "get_weather", "completed")
+    assert call.arguments == chat.choices[0].message.tool_calls[0].function.arguments
+    assert call.call_id.startswith("call_") and response.tool_choice.name == "get_weather"
+    events = list(client.responses.create(stream=True, **args))
+    done = [event for event in events if event.type == "response.function_call_arguments.done"]
+    assert [event.arguments for event in done] == [call.arguments]
+    assert events[-1].response.output[0].arguments == call.arguments
+    history = [*question, {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                           "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    answer = client.responses.create(model=MODEL_NAME, input=history, tools=[WEATHER], tool_choice="none",
+                                     max_output_tokens=6, **GREEDY)
+    messages = [*question, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function",
+         "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]
+    assert answer.output_text == chat_text(client, messages, 6, tools=[CHAT_WEATHER], tool_choice="none")
+    as_template_sees = [*messages[:1], {**messages[1], "content": "", "tool_calls": [
+        {**messages[1]["tool_calls"][0],
+         "function": {"name": call.name, "arguments": json.loads(call.arguments)}}]},
+        messages[2]]
+    assert answer.usage.input_tokens == prompt_len(tokenizer, as_template_sees, tools=[CHAT_WEATHER])
+
+
+def test_logprobs_when_included(client):
+    """include ["message.output_text.logprobs"] with top_logprobs: each output token's logprob and
+    its alternatives, as the chat route reports them for the same reply."""
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": QUESTION}],
+                                          max_completion_tokens=5, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    response = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=5, temperature=0,
+                                       top_logprobs=2, include=["message.output_text.logprobs"])
+    logprobs = response.output[0].content[0].logprobs
+    assert [(p.token, p.logprob, [t.token for t in p.top_logprobs]) for p in logprobs] == [
+        (p.token, p.logprob, [t.token for t in p.top_logprobs]) for p in chat.choices[0].logprobs.content]
+
+
+def test_nothing_is_stored_as_vllm_by_default(client, server):
+    """As vLLM without VLLM_ENABLE_RESPONSES_API_STORE: `store` is ignored (echoed false), an id
+    that is a response's is never found (404) and one that is not (no "resp_") is a 400, for
+    previous_response_id, GET /v1/responses/{id} and its cancel; background, which needs the
+    store, is a 400."""
+    response = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=2, store=True)
+    assert response.store is False
+    with pytest.raises(openai.NotFoundError) as error:
+        client.responses.create(model=MODEL_NAME, input=QUESTION, previous_response_id=response.id)
+    assert error.value.body["param"] == "previous_response_id"
+    for call in (client.responses.retrieve, client.responses.cancel):
+        with pytest.raises(openai.NotFoundError):
+            call(response.id)
+        with pytest.raises(openai.BadRequestError):
+            call("msg_1")
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.create(model=MODEL_NAME, input=QUESTION, background=True)
+    assert error.value.body["param"] == "background"
+
+
+BAD_BODIES = [
+    ({"input": ""}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
+    ({"input": [{"role": "user", "content": 5}]}, "input"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "input"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "temperature": 3}, "temperature"),
+    ({"input": "x", "top_p": 0}, "top_p"),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": "x", "tools": [{"type": "function", "name": ""}]}, "tools"),
+    ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "no"}}, "tool_choice"),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+    ({"input": "x", "tools": [WEATHER]}, "tool_choice"),  # "auto" needs the server's parser
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "text"),
+    ({"input": "x", "text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a"}},
+     "text"),
+    ({"input": "x", "include": ["everything"]}, "include"),
+    ({"input": "x", "metadata": {"k": "v" * 600}}, "metadata"),
+    ({"input": "x", "truncation": "sometimes"}, "truncation"),
+    ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"input": "x", "previous_response_id": "abc"}, "previous_response_id"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD_BODIES, ids=[str(i) for i in range(len(BAD_BODIES))])
+def test_bad_requests_are_400s_naming_the_parameter(client, body, param):
+    """Each bad value is a 400 through the client, naming the Responses parameter at fault."""
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.create(model=MODEL_NAME, extra_body=body)
+    assert error.value.body["param"] == param, error.value.body
+
+
+def test_malformed_bodies_are_400s_and_unknown_models_404s(server):
+    """Raw bodies no client would send: not JSON, wrong JSON types, garbage nested deep, numbers
+    past any bound: each a 400 (never a 500 or a hang); an unknown model is a 404 as on the chat
+    route; the server still answers afterwards."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    url = server.url + "/v1/responses"
+    bodies = [b"{", b"[]", b'{"model": "tiny-test"}', b'{"input": 5}', b'{"input": [5]}',
+              b'{"input": [{"role": "user", "content": [[[{}]]]}]}', b'{"input": "x", "stream": "yes"}',
+              b'{"input": "x", "max_output_tokens": 1e400}',
+              b'{"input": "x", "seed": 1' + b"0" * 5000 + b"}",
+              b'{"input": "x", "temperature": "hot"}', b'{"input": "x", "metadata": {"k": 1}}',
+              b'{"input": ' + b"[" * 5000 + b"]" * 5000 + b"}", b'{"input": "x", "tools": [5]}',
+              b'{"input": "x", "text": {"format": 7}}', b'{"input": "x", "reasoning": "high"}']
+    for body in bodies:
+        response = httpx.post(url, content=body, headers=headers, timeout=30)
+        assert response.status_code == 400, (body[:60], response.text)
+        assert response.json()["error"]["type"] == "invalid_request_error"
+    response = httpx.post(url, json={"model": "no-such-model", "input": "x"}, headers=headers, timeout=30)
+    assert response.status_code == 404
+    assert httpx.post(url, json={"input": "x"}, timeout=30).status_code == 401
+    response = httpx.post(url, json={"model": MODEL_NAME, "input": "x", "max_output_tokens": 2},
+                          headers=headers, timeout=30)
+    assert response.status_code == 200 and response.json()["status"] == "incomplete"
+
+
+def test_metrics_count_response_requests(client, server):
+    """/metrics counts a Responses request as the other routes' (one finished request, its tokens)."""
+    before = metric_values(server)
+    client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=3, **GREEDY)
+    after = metric_values(server)
+    finished = "slipstream:request_success_total:length"
+    assert after[finished] - before[finished] == 1
+    assert after["slipstream:generation_tokens_total"] - before["slipstream:generation_tokens_total"] == 3
