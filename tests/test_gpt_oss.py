@@ -421,3 +421,26 @@ def test_published_config_json_reads_as_the_preset(caplog):
         config = ModelConfig.from_hf_dict(published)
     assert "ignoring" not in caplog.text
     assert config.replace(dtype="bfloat16") == PRESETS["gpt-oss-20b"].config
+
+
+def test_int8_bytes_are_the_quantized_models_bytes():
+    """Under int8 (ops.quant) the attention's linears and the router are quantized and the stacked
+    experts stay in the dtype: perf's weight bytes are the quantized model's, and a batch-1 decode
+    reads them but the idle experts' slices (weights and biases) and the untied input table."""
+    from slipstream.ops.quant import Int8Linear, quantize_linears
+
+    config = _tiny_config().replace(dtype="bfloat16")
+    model = Transformer(config).to(torch.bfloat16)
+    quantize_linears(model, "int8")
+    assert all(isinstance(layer.mlp.router, Int8Linear) for layer in model.model.layers)
+    tensors = {id(p): p for p in model.parameters()}
+    for linear in model.modules():
+        if isinstance(linear, Int8Linear):
+            tensors |= {id(linear.qweight): linear.qweight, id(linear.scale): linear.scale}
+    held = sum(t.nbytes for t in tensors.values())
+    assert flops.weight_bytes(config, "bfloat16", "int8") == held
+    idle = sum(p[0].nbytes * (config.num_experts - config.num_experts_per_tok)
+               for layer in model.model.layers for p in layer.mlp.experts.parameters())
+    expected = held - model.model.embed_tokens.weight.nbytes + config.hidden_size * 2 - idle
+    got = flops.decode_bytes_per_step(config, "bfloat16", 1, 0, quantization="int8")
+    assert got == pytest.approx(expected, rel=1e-12)

@@ -382,7 +382,8 @@ def _quantized_expert_bytes(config: ModelConfig) -> int:
 def _quantization_savings(config: ModelConfig, element_bytes: int, quantization: str | None) -> int:
     """Bytes that quantizing every linear of the decoder layers saves over keeping them in a dtype of
     `element_bytes` (0 for `quantization` None; negative where int8 is larger, which only a
-    one-byte dtype would make it)."""
+    one-byte dtype would make it). gpt-oss's stacked experts are no linears and stay in the dtype;
+    its router (named `router`, not `gate`) is quantized with the attention."""
     _check_quantization(quantization)
     if quantization is None:
         return 0
@@ -395,8 +396,11 @@ def _quantization_savings(config: ModelConfig, element_bytes: int, quantization:
     if num_moe and width is not None:  # qwen2_moe's shared expert, a SwiGLU `width` wide
         weights += num_moe * 3 * config.hidden_size * width
         channels += num_moe * (2 * width + config.hidden_size)
+    if num_moe and config.model_type == "gpt_oss":  # a plain linear router; stacked experts are not
+        weights += num_moe * config.hidden_size * config.num_experts
+        channels += num_moe * config.num_experts
     saved = weights * element_bytes - weights * INT8_BYTES_PER_WEIGHT - channels * INT8_BYTES_PER_CHANNEL
-    if num_moe:
+    if num_moe and config.model_type != "gpt_oss":
         saved += num_moe * config.num_experts * (expert_params(config) * element_bytes
                                                  - _quantized_expert_bytes(config))
     return saved
@@ -468,9 +472,11 @@ class ForwardCost:
         self._weight_bytes = (weight_bytes(config, dtype, quantization)
                               - untied_embedding * element_bytes)
         self._expert_bytes = 0
-        if config.is_moe:
+        if config.is_moe:  # gpt-oss's stacked experts (biases too) stay in the dtype under int8
             self._expert_bytes = (expert_params(config) * element_bytes if quantization is None
                                   else _quantized_expert_bytes(config))
+            if config.model_type == "gpt_oss":
+                self._expert_bytes = (expert_params(config) + expert_bias_params(config)) * element_bytes
         self._kv_bytes_per_position = kv_cache_bytes_per_token(config, dtype)
 
     def flops(self, num_tokens: int, num_logits: int, num_keys: float) -> float:
