@@ -541,6 +541,8 @@ class GptOssExperts(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, std: float, residual_std: float, generator: torch.Generator | None) -> None:
+        """As `Transformer.init_weights` initialises linears: down, writing to the residual stream,
+        at `residual_std`; zero biases."""
         nn.init.normal_(self.gate_up_proj, std=std, generator=generator)
         nn.init.normal_(self.down_proj, std=residual_std, generator=generator)
         nn.init.zeros_(self.gate_up_proj_bias)
@@ -572,11 +574,11 @@ class GptOssMoeBlock(nn.Module):
         tokens = order // self.top_k  # (N * k,), grouped by expert
         rows = weights.flatten()[order, None]  # (N * k, 1)
         out = torch.zeros(x.shape, dtype=dtype, device=x.device)
-        for e, (expert_tokens, expert_weights) in enumerate(zip(tokens.split(counts), rows.split(counts),
-                                                                strict=True)):
+        for e, (expert_tokens, expert_weights) in enumerate(
+                zip(tokens.split(counts), rows.split(counts), strict=True)):
             if len(expert_tokens):
-                out.index_add_(0, expert_tokens, (self.experts.expert(e, x[expert_tokens]) * expert_weights)
-                               .to(dtype))
+                expert_out = self.experts.expert(e, x[expert_tokens])  # (n, E)
+                out.index_add_(0, expert_tokens, (expert_out * expert_weights).to(dtype))
         return out.reshape(shape)
 
 
