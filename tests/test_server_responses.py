@@ -10,12 +10,13 @@ One real server process (tests/server_process.py, shared with test_server.py) se
 from __future__ import annotations
 
 import json
+import socket
 
 import httpx
 import openai
 import pytest
 import transformers
-from server_process import API_KEY, MODEL_NAME, metric_values
+from server_process import API_KEY, MAX_MODEL_LEN, MODEL_NAME, metric_values, wait_for_idle
 
 pytest_plugins = ["serve_fixtures", "server_process"]
 
@@ -159,6 +160,8 @@ def test_function_call_round_trip(client, tokenizer):
     done = [event for event in events if event.type == "response.function_call_arguments.done"]
     assert [event.arguments for event in done] == [call.arguments]
     assert events[-1].response.output[0].arguments == call.arguments
+    with client.responses.stream(**args) as stream:
+        assert stream.get_final_response().output[0].arguments == call.arguments
     history = [*question, {"type": "function_call", "call_id": call.call_id, "name": call.name,
                            "arguments": call.arguments},
                {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
@@ -174,6 +177,49 @@ def test_function_call_round_trip(client, tokenizer):
          "function": {"name": call.name, "arguments": json.loads(call.arguments)}}]},
         messages[2]]
     assert answer.usage.input_tokens == prompt_len(tokenizer, as_template_sees, tools=[CHAT_WEATHER])
+
+
+def test_long_input_is_a_400_or_truncated_with_truncation_auto(client, tokenizer):
+    """An input the context cannot hold is a 400 naming input with OpenAI's context code;
+    truncation "auto" keeps its last tokens, leaving max_output_tokens of room (as vLLM); an
+    output that asks for more than the context leaves is capped there (as vLLM), not refused."""
+    long = "cache " * MAX_MODEL_LEN
+    assert prompt_len(tokenizer, [{"role": "user", "content": long}]) > MAX_MODEL_LEN
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.create(model=MODEL_NAME, input=long, max_output_tokens=4)
+    assert (error.value.body["param"], error.value.body["code"]) == ("input", "context_length_exceeded")
+    response = client.responses.create(model=MODEL_NAME, input=long, max_output_tokens=4, truncation="auto",
+                                       **GREEDY)
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (MAX_MODEL_LEN - 4, 4)
+    short = [{"role": "user", "content": "hi"}]
+    response = client.responses.create(model=MODEL_NAME, input=short, max_output_tokens=10 * MAX_MODEL_LEN,
+                                       **GREEDY)
+    assert response.usage.total_tokens == MAX_MODEL_LEN
+    assert response.incomplete_details.reason == "max_output_tokens"
+
+
+def test_hangups_abort_the_request(server):
+    """A client that hangs up after sending its request (streamed or not), or after the first bytes
+    of its stream, aborts it: nothing is left running, waiting or holding KV blocks."""
+    body = json.dumps({"model": MODEL_NAME, "input": "hang up", "ignore_eos": True}).encode()
+    before = metric_values(server)
+    sockets = []
+    for stream, read_first in ((False, False), (True, False), (True, True)):
+        data = body[:-1] + (b', "stream": true}' if stream else b"}")
+        head = (f"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nAuthorization: Bearer "
+                f"{API_KEY}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(head.encode() + data)
+        if read_first:
+            assert sock.recv(1)
+        sockets.append(sock)
+    for sock in sockets:
+        sock.close()
+    values = wait_for_idle(server)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_used_blocks"):
+        assert values[f"slipstream:{name}"] == 0, name
+    aborted = "slipstream:request_success_total:abort"
+    assert values[aborted] > before.get(aborted, 0)
 
 
 def test_logprobs_when_included(client):
@@ -279,3 +325,67 @@ def test_metrics_count_response_requests(client, server):
     finished = "slipstream:request_success_total:length"
     assert after[finished] - before[finished] == 1
     assert after["slipstream:generation_tokens_total"] - before["slipstream:generation_tokens_total"] == 3
+
+
+def test_auto_tool_call_reply_as_items_and_events_openai_validates():
+    """An "auto" reply read by the hermes parser (the server's --tool-call-parser): its text before
+    the call is a message item, the call a function_call item with the call's JSON arguments; the
+    Response and every stream event validate as the `openai` package's own types, in order."""
+    from pydantic import TypeAdapter
+
+    from slipstream.serve.request import CompletionOutput, RequestMetrics, RequestOutput
+    from slipstream.serve.responses import ToolCalls
+    from slipstream.serve.responses_api import ResponseBuilder
+
+    call_text = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}'
+    text = f"Let me see.<tool_call>{call_text}</tool_call>"
+    settings = {"tools": [WEATHER], "tool_choice": "auto", "parallel_tool_calls": True, "temperature": 1.0}
+    builder = ResponseBuilder(MODEL_NAME, settings, num_logprobs=None, tool_calls=ToolCalls("auto"))
+    partial, final = (
+        RequestOutput(request_id="r-0", prompt=None, prompt_token_ids=[1, 2, 3], finished=done,
+                      outputs=[CompletionOutput(index=0, text=text[:cut], token_ids=[5] * (cut // 4),
+                                                finish_reason="stop" if done else None)],
+                      metrics=RequestMetrics(arrival_time_s=0.0))
+        for cut, done in ((20, False), (len(text), True)))
+    response = openai.types.responses.Response.model_validate(builder.response(final))
+    message, call = response.output
+    assert (message.type, message.content[0].text) == ("message", "Let me see.")
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather",
+                                                                   {"city": "Oslo", "unit": "C"})
+    assert response.status == "completed" and response.usage.input_tokens == 3
+    lines = [*builder.opening(), *builder.update(partial), *builder.closing(final)]
+    adapter = TypeAdapter(openai.types.responses.ResponseStreamEvent)
+    events = []
+    for line in lines:
+        name, data = line.strip().split("\n")
+        events.append(adapter.validate_python(json.loads(data.removeprefix("data: "))))
+        assert name == f"event: {events[-1].type}"
+    assert [event.type for event in events] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert events[-1].response.output[1].arguments == events[-3].arguments
+
+
+def test_raw_response_and_events_validate_as_openais_types(server):
+    """What the server sends, read raw (the client parses leniently): the Response and every event
+    of its stream, logprobs included, validate as the `openai` package's own types."""
+    from pydantic import TypeAdapter
+
+    body = {"model": MODEL_NAME, "input": QUESTION, "max_output_tokens": 6, "top_logprobs": 2,
+            "include": ["message.output_text.logprobs"], "metadata": {"run": "1"},
+            "reasoning": {"effort": "low"}, "user": "u"}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    raw = httpx.post(server.url + "/v1/responses", json=body, headers=headers, timeout=30).json()
+    response = openai.types.responses.Response.model_validate(raw)
+    assert len(response.output[0].content[0].logprobs) == 6 and response.metadata == {"run": "1"}
+    adapter = TypeAdapter(openai.types.responses.ResponseStreamEvent)
+    with httpx.stream("POST", server.url + "/v1/responses", json=body | {"stream": True}, headers=headers,
+                      timeout=30) as stream:
+        lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    events = [adapter.validate_python(json.loads(line.removeprefix("data: "))) for line in lines]
+    assert events[-1].type == "response.completed"
+    assert sum(len(e.logprobs) for e in events if e.type == "response.output_text.delta") == 6

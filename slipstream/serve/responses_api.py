@@ -188,10 +188,12 @@ def _item_status(completion: CompletionOutput) -> str:
 
 
 def _usage(output: RequestOutput) -> dict[str, Any]:
-    """Tokens in and out, of which the prefix cache held `cached_tokens` (no reasoning tokens: the
-    server does not tell reasoning apart)."""
+    """Tokens in and out, of which the prefix cache held `cached_tokens`. No `cache_write_tokens`
+    (OpenAI's count of tokens it wrote to a cache kept for a paid retention, which this server has
+    not) and no reasoning tokens (the server does not tell reasoning apart)."""
     [completion] = output.outputs
     num_input, num_output = len(output.prompt_token_ids), len(completion.token_ids)
-    return {"input_tokens": num_input, "input_tokens_details": {"cached_tokens": output.num_cached_tokens},
+    details = {"cached_tokens": output.num_cached_tokens, "cache_write_tokens": 0}
+    return {"input_tokens": num_input, "input_tokens_details": details,
             "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": num_input + num_output}
