@@ -444,3 +444,12 @@ def test_int8_bytes_are_the_quantized_models_bytes():
     expected = held - model.model.embed_tokens.weight.nbytes + config.hidden_size * 2 - idle
     got = flops.decode_bytes_per_step(config, "bfloat16", 1, 0, quantization="int8")
     assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_perf_prices_no_tensor_parallel_training():
+    """The performance model refuses tensor-parallel training of gpt-oss as the trainer does, and
+    prices tensor-parallel serving, which the engine runs."""
+    shape = resolve_model("gpt-oss-20b")
+    assert "attention sinks" in shape.tensor_parallel_error(2)
+    assert shape.tensor_parallel_error(2, serving=True) is None
+    assert shape.tensor_parallel_error(1) is None

@@ -237,7 +237,11 @@ class TransformerShape:
         """Why `tp`-way tensor parallelism cannot split this shape, None when it can. Heads and MLP
         columns must divide (each expert's too: tensor parallelism splits every expert as it does
         the dense MLP, vLLM's default for MoE); so must the K/V heads in training (Megatron's query
-        groups), while serving may also replicate them when tp is a multiple of them (vLLM's rule)."""
+        groups), while serving may also replicate them when tp is a multiple of them (vLLM's rule).
+        slipstream's tensor-parallel training has no plan for attention sinks (gpt-oss's, with its
+        stacked experts): it refuses them, and so does this for training."""
+        if self.attention_sinks and tp > 1 and not serving:
+            return f"tp={tp}: slipstream's tensor-parallel training does not split attention sinks (gpt-oss)"
         widths = [self.ffn_hidden_size] if self.num_dense_layers else []
         widths += [w for w in (self.expert_ffn_hidden_size, self.shared_expert_ffn_hidden_size) if w]
         if self.num_heads % tp or any(w % tp for w in widths):
