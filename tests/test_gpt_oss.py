@@ -142,6 +142,9 @@ ENGINE_CASES = {
     "plain modules": dict(fast_cpu_kernels=False),
     "chunked prefill": dict(max_num_batched_tokens=8, max_num_seqs=3),
     "prefix caching": dict(max_num_seqs=2, block_size=4),
+    "multi-step": dict(max_num_seqs=3, num_scheduler_steps=4),
+    "speculative": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                            "prompt_lookup_max": 2}),
 }
 
 
@@ -159,7 +162,8 @@ def greedy_reference(model_dir):
 @pytest.mark.parametrize("case", sorted(ENGINE_CASES))
 def test_engine_greedy_tokens_match_transformers(model_dir, greedy_reference, case):
     """The engine's greedy tokens (paged attention with sinks, through the PyTorch paths; decode
-    steps module by module) equal transformers' generate, in each scheduling case."""
+    steps module by module) equal transformers' generate, in each scheduling case (several decode
+    steps an engine step, n-gram speculation's verify passes included)."""
     prompts, expected, gaps = greedy_reference
     got = engine_greedy(model_dir, prompts, MAX_NEW_TOKENS, **ENGINE_CASES[case])
     assert_same_tokens(expected, gaps, got, f"gpt-oss, {case}")
