@@ -389,3 +389,37 @@ def test_raw_response_and_events_validate_as_openais_types(server):
     events = [adapter.validate_python(json.loads(line.removeprefix("data: "))) for line in lines]
     assert events[-1].type == "response.completed"
     assert sum(len(e.logprobs) for e in events if e.type == "response.output_text.delta") == 6
+
+
+def test_a_lora_adapter_answers_under_its_name(model_dir, tmp_path):
+    """`model` may name a LoRA adapter, resolved as on the chat route: the greedy Response equals
+    the chat route's reply under that adapter (which differs from the base model's) and names it;
+    a name not served is a 404."""
+    from lora_fixtures import save_random_adapter
+    from server_process import in_process
+
+    from slipstream.serve.engine import Engine, EngineConfig
+    from slipstream.serve.served_models import LoRAModulePath
+    from slipstream.serve.server import OpenAIServer, ServerConfig
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    adapter = save_random_adapter(tmp_path / "A", hf, rank=8, seed=1, scale=0.5)
+    engine = Engine(EngineConfig(model=str(model_dir), max_model_len=64, enable_lora=True))
+    try:
+        config = ServerConfig(port=0, served_model_name=MODEL_NAME,
+                              lora_modules=(LoRAModulePath(name="A", path=str(adapter)),))
+        with in_process(OpenAIServer(engine, config)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+            replies = {}
+            for model in (MODEL_NAME, "A"):
+                response = client.responses.create(model=model, input=QUESTION, max_output_tokens=8, **GREEDY)
+                messages = [{"role": "user", "content": QUESTION}]
+                chat = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=8,
+                                                      **GREEDY)
+                assert response.output_text == chat.choices[0].message.content and response.model == model
+                replies[model] = response.output_text
+            assert replies["A"] != replies[MODEL_NAME]
+            with pytest.raises(openai.NotFoundError):
+                client.responses.create(model="B", input=QUESTION)
+    finally:
+        engine.shutdown()
