@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health,
-/metrics, over an `AsyncEngine` (../../docs/serving.md); with a profiler_config, vLLM's
+"""The OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/responses,
+/v1/models, /health, /metrics, over an `AsyncEngine` (../../docs/serving.md); with a profiler_config, vLLM's
 /start_profile and /stop_profile; with allow_runtime_lora_updating, vLLM's /v1/load_lora_adapter
 and /v1/unload_lora_adapter. A request's `model` names the served model or one of the LoRA
 adapters served under it (served_models.py).
