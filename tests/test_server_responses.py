@@ -141,7 +141,8 @@ def test_json_schema_format_gives_valid_json(client):
 
 def test_function_call_round_trip(client, tokenizer):
     """A named tool_choice gives a function_call item whose arguments are the chat route's call
-    for the same tool (streamed: the arguments events hold them too); sent back with its output,
+    for the same tool (streamed: the item with its name first, then the arguments as they are
+    generated, one call_id throughout); sent back with its output,
     the call and result render as the chat route renders them (same greedy reply, transformers'
     prompt length)."""
     question = [{"role": "user", "content": "Weather in Oslo?"}]
@@ -157,9 +158,16 @@ def test_function_call_round_trip(client, tokenizer):
     assert call.arguments == chat.choices[0].message.tool_calls[0].function.arguments
     assert call.call_id.startswith("call_") and response.tool_choice.name == "get_weather"
     events = list(client.responses.create(stream=True, **args))
-    done = [event for event in events if event.type == "response.function_call_arguments.done"]
-    assert [event.arguments for event in done] == [call.arguments]
-    assert events[-1].response.output[0].arguments == call.arguments
+    types = [event.type for event in events]
+    num_deltas = types.count("response.function_call_arguments.delta")
+    assert types == ["response.created", "response.in_progress", "response.output_item.added",
+                     *["response.function_call_arguments.delta"] * num_deltas,
+                     "response.function_call_arguments.done", "response.output_item.done",
+                     "response.completed"]
+    assert (events[2].item.name, events[2].item.arguments) == ("get_weather", "")
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == events[-3].arguments == events[-1].response.output[0].arguments == call.arguments
+    assert events[2].item.call_id == events[-2].item.call_id == events[-1].response.output[0].call_id
     with client.responses.stream(**args) as stream:
         assert stream.get_final_response().output[0].arguments == call.arguments
     history = [*question, {"type": "function_call", "call_id": call.call_id, "name": call.name,

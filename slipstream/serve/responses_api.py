@@ -8,7 +8,9 @@ message's output_item.added and content_part.added with the engine's first outpu
 output_text.delta per engine update that added text (or, with logprobs, tokens), and at the end
 output_text.done, content_part.done and output_item.done; then response.completed with the whole
 Response (incomplete ones too, as vLLM, so that the `openai` client's stream helpers finish). A
-reply that may be a tool call can be read only once whole: its items' events all come at the end.
+named tool call streams the same way, its arguments in function_call_arguments.delta events; a
+reply that may be calls or text ("required", "auto") can be read only once whole: its items'
+events all come at the end.
 """
 
 from __future__ import annotations
@@ -40,10 +42,15 @@ class ResponseBuilder:
         self._as_token_ids = as_token_ids
         self._tool_calls = tool_calls
         self._message_id = new_id("msg")
+        self._call_ids: list[tuple[str, str]] = []
+        """Per function call of the reply, in order, its item id and call_id (made once, so that a
+        stream's events and its final Response name each call alike)."""
         self._sequence_number = 0
         self._num_chars_sent = 0
         self._num_tokens_sent = 0
-        self._message_open = False
+        self._item_open = False
+        """Whether a stream opened the reply's first item as it grew (a text reply's message, a
+        named call)."""
 
     # ---- whole responses ----------------------------------------------------------------------
 
@@ -75,11 +82,17 @@ class ResponseBuilder:
             return [self._message(completion.text, status, logprobs)]
         message = self._tool_calls.message(completion)
         items = [self._message(message["content"], status, None)] if message["content"] else []
-        for call in message.get("tool_calls", []):
-            items.append({"type": "function_call", "id": new_id("fc"), "call_id": new_id("call"),
-                          "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                          "status": status})
+        for index, call in enumerate(message.get("tool_calls", [])):
+            items.append(self._call(index, call["function"]["name"], call["function"]["arguments"], status))
         return items
+
+    def _call(self, index: int, name: str, arguments: str, status: str) -> dict[str, Any]:
+        """The reply's `index`-th function call as an item."""
+        while len(self._call_ids) <= index:
+            self._call_ids.append((new_id("fc"), new_id("call")))
+        item_id, call_id = self._call_ids[index]
+        return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
+                "arguments": arguments, "status": status}
 
     def _message(self, text: str, status: str, logprobs: list[dict[str, Any]] | None) -> dict[str, Any]:
         return {"type": "message", "id": self._message_id, "role": "assistant", "status": status,
@@ -99,13 +112,13 @@ class ResponseBuilder:
                 self._event("response.in_progress", response=response)]
 
     def update(self, output: RequestOutput) -> list[str]:
-        """The events of a text reply's news since the last update (none for a tool call reply, read
-        only once whole)."""
+        """The events of the reply's news since the last update: a text reply's text, a named call's
+        arguments (none for a reply that may be calls or text, read only once whole)."""
         [completion] = output.outputs
         if self._tool_calls is not None:
-            return []
-        events = [] if self._message_open else self._open_message(0)
-        self._message_open = True
+            return self._named_call_update(completion) if self._tool_calls.mode == "named" else []
+        events = [] if self._item_open else self._open_message(0)
+        self._item_open = True
         start, end = self._num_tokens_sent, len(completion.token_ids)
         text = completion.text[self._num_chars_sent:]
         if text or (self._num_logprobs is not None and end > start):
@@ -114,6 +127,20 @@ class ResponseBuilder:
                                       content_index=0, delta=text, logprobs=logprobs))
             self._num_chars_sent += len(text)
             self._num_tokens_sent = end
+        return events
+
+    def _named_call_update(self, completion: CompletionOutput) -> list[str]:
+        """A named call's news: the item with its name first, then the arguments as they grow."""
+        item = self._call(0, self._tool_calls.function, "", "in_progress")
+        events = []
+        if not self._item_open:
+            events.append(self._event("response.output_item.added", output_index=0, item=item))
+        self._item_open = True
+        arguments = completion.text[self._num_chars_sent:]
+        if arguments:
+            events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=0, delta=arguments))
+            self._num_chars_sent += len(arguments)
         return events
 
     def closing(self, output: RequestOutput) -> list[str]:
@@ -147,7 +174,7 @@ class ResponseBuilder:
         content), then the done events."""
         [part] = item["content"]
         events = []
-        if not self._message_open:
+        if not (index == 0 and self._item_open):
             events += self._open_message(index)
             events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=index,
                                       content_index=0, delta=part["text"], logprobs=[]))
@@ -159,10 +186,16 @@ class ResponseBuilder:
                 self._event("response.output_item.done", output_index=index, item=item)]
 
     def _call_events(self, index: int, item: dict[str, Any]) -> list[str]:
-        added = item | {"arguments": "", "status": "in_progress"}
+        """A call's remaining events: its item and arguments whole where no update sent them (a
+        reply read only once whole), then the done events."""
         common = dict(item_id=item["id"], output_index=index)
-        return [self._event("response.output_item.added", output_index=index, item=added),
-                self._event("response.function_call_arguments.delta", **common, delta=item["arguments"]),
+        events = []
+        if not (index == 0 and self._item_open):
+            added = item | {"arguments": "", "status": "in_progress"}
+            events = [self._event("response.output_item.added", output_index=index, item=added),
+                      self._event("response.function_call_arguments.delta", **common,
+                                  delta=item["arguments"])]
+        return [*events,
                 self._event("response.function_call_arguments.done", **common, name=item["name"],
                             arguments=item["arguments"]),
                 self._event("response.output_item.done", output_index=index, item=item)]
