@@ -14,6 +14,7 @@ import socket
 
 import httpx
 import openai
+import pydantic
 import pytest
 import transformers
 from server_process import API_KEY, MAX_MODEL_LEN, MODEL_NAME, metric_values, wait_for_idle
@@ -120,8 +121,9 @@ def test_stream_sends_openais_events_in_order(client):
 
 def test_json_schema_format_gives_valid_json(client):
     """text.format json_schema constrains the reply through the structured outputs: it parses and
-    is valid under the schema (jsonschema's check), and the reply completes; json_object gives the
-    chat route's reply under response_format json_object."""
+    is valid under the schema (jsonschema's check), and the reply completes, also for the client's
+    `responses.parse` with a pydantic model; json_object gives the chat route's reply under
+    response_format json_object."""
     jsonschema = pytest.importorskip("jsonschema")
     schema = {"type": "object", "required": ["name", "ok"], "additionalProperties": False,
               "properties": {"name": {"type": "string", "maxLength": 5}, "ok": {"type": "boolean"}}}
@@ -131,6 +133,14 @@ def test_json_schema_format_gives_valid_json(client):
     assert response.status == "completed"
     jsonschema.validate(json.loads(response.output_text), schema)
     assert response.text.format.type == "json_schema" and response.text.format.name == "answer"
+
+    class Answer(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=5)
+        ok: bool
+
+    parsed = client.responses.parse(model=MODEL_NAME, input=QUESTION, max_output_tokens=60, temperature=0,
+                                    text_format=Answer)  # the client's own schema of a pydantic model
+    assert isinstance(parsed.output_parsed, Answer) and parsed.status == "completed"
     response = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=20, temperature=0,
                                        text={"format": {"type": "json_object"}})
     messages = [{"role": "user", "content": QUESTION}]
