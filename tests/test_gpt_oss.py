@@ -348,31 +348,35 @@ def test_perf_predicts_the_presets(name, tp, capsys):
     assert cpu_decode_graph_declines(resolve_model(name)) == "attention sinks, layers of different windows"
 
 
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 3])
-def test_paged_attention_with_sinks_equals_dense(dtype, window):
-    """Paged attention with sinks (a prefill chunk of 5 after 6 cached tokens and a decode, in one
-    batch; 4 query heads on 2 KV heads) equals dense causal attention with the same sinks over the
-    whole sequences, computed in fp32."""
+def test_paged_attention_with_sinks_equals_dense(dtype, window, head_dim, use_kernel):
+    """Paged attention with sinks (a prefill chunk of 5 after 6 cached tokens, a decode of 7 keys
+    and one of 203, which the C decode kernel splits into chunks it merges; 4 query heads on 2 KV
+    heads) equals dense causal attention with the same sinks over the whole sequences, computed
+    in fp32: through the C kernels (head_dim 64 takes the prefill kernel too) and PyTorch."""
     from slipstream.ops.attention import dense_causal_attention
     from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
 
     g = torch.Generator().manual_seed(0)
-    heads, kv_heads, head_dim, block_size = 4, 2, 16, 4
+    heads, kv_heads, block_size = 4, 2, 4
     sinks = 2 * torch.randn(heads, generator=g)
-    lengths, new = (11, 7), (5, 1)
+    lengths, new = (11, 7, 203), (5, 1, 1)
     qs = [torch.randn(n, heads, head_dim, generator=g) for n in lengths]
     ks = [torch.randn(n, kv_heads, head_dim, generator=g) for n in lengths]
     vs = [torch.randn(n, kv_heads, head_dim, generator=g) for n in lengths]
-    k_cache = torch.zeros(8, block_size, kv_heads, head_dim, dtype=dtype)
+    k_cache = torch.zeros(60, block_size, kv_heads, head_dim, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
-    tables = [[5, 1, 7], [2, 0]]
+    tables = [[5, 1, 7], [2, 0], list(range(59, 8, -1))]
     for k, v, table in zip(ks, vs, tables, strict=True):  # every token but the new ones, cached before
         slots = torch.tensor([table[t // block_size] * block_size + t % block_size for t in range(len(k))])
         write_kv(k_cache, v_cache, k.to(dtype), v.to(dtype), slots)
     batch = PagedBatch.build(seq_lens=lengths, query_lens=new, block_tables=tables, block_size=block_size)
     q = torch.cat([q[-n:] for q, n in zip(qs, new, strict=True)]).to(dtype)
-    got = paged_attention(q, k_cache, v_cache, batch, sliding_window=window, sinks=sinks.to(dtype))
+    got = paged_attention(q, k_cache, v_cache, batch, sliding_window=window, sinks=sinks.to(dtype),
+                          use_kernel=use_kernel)
     def rounded(x: torch.Tensor) -> torch.Tensor:  # what the cache and the queries hold, in fp32
         return x.to(dtype).float()[None]
 
@@ -382,7 +386,7 @@ def test_paged_attention_with_sinks_equals_dense(dtype, window):
         for q, k, v, n in zip(qs, ks, vs, new, strict=True)])
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
-    plain = paged_attention(q, k_cache, v_cache, batch, sliding_window=window)
+    plain = paged_attention(q, k_cache, v_cache, batch, sliding_window=window, use_kernel=use_kernel)
     assert (plain.float() - expected).abs().max() > 0.05  # the sinks matter here
 
 

@@ -88,9 +88,10 @@ def _load() -> ctypes.CDLL | None:
     except (OSError, subprocess.CalledProcessError) as e:  # no such compiler, a failed build or load
         logger.warning("building the CPU kernels failed (%s): using PyTorch", e)
         return None
-    lib.paged_decode_attention.restype = ctypes.c_int
-    lib.paged_decode_attention.argtypes = (
+    lib.paged_decode_attention_sinks.restype = ctypes.c_int
+    lib.paged_decode_attention_sinks.argtypes = (
         [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_int] * 2
+        + [ctypes.c_void_p]
     )
     lib.arithmetic_dtype.restype = ctypes.c_int
     lib.arithmetic_dtype.argtypes = [ctypes.c_int]
@@ -98,10 +99,10 @@ def _load() -> ctypes.CDLL | None:
     lib.min_panel_rows.argtypes = [ctypes.c_int]
     lib.has_prefill_attention.restype = ctypes.c_int
     lib.has_prefill_attention.argtypes = [ctypes.c_int64]
-    lib.paged_prefill_attention.restype = ctypes.c_int
-    lib.paged_prefill_attention.argtypes = (
+    lib.paged_prefill_attention_sinks.restype = ctypes.c_int
+    lib.paged_prefill_attention_sinks.argtypes = (
         [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
-        + [ctypes.c_float] * 2 + [ctypes.c_int] * 2
+        + [ctypes.c_float] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p]
     )
     lib.gemv.restype = None
     lib.gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
@@ -221,24 +222,35 @@ def paged_decode_attention(
     *,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # (H,)
 ) -> torch.Tensor:  # (B, H, D)
     """One decode query per sequence against its paged keys and values (see the C source): scores
-    times `scale` (None: head_dim**-0.5), soft-capped at `softcap` where given."""
+    times `scale` (None: head_dim**-0.5), soft-capped at `softcap` where given, each head's `sinks`
+    logit in its softmax's denominator where given."""
     lib = library()
     assert lib is not None and q.dtype in DTYPE_CODES and q.device.type == "cpu"
     q, block_tables, seq_lens = q.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
-    status = lib.paged_decode_attention(
+    sinks = _fp32_sinks(sinks, num_heads)
+    status = lib.paged_decode_attention_sinks(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         block_tables.data_ptr(), seq_lens.data_ptr(),
         num_seqs, block_tables.shape[1], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
         sliding_window or 0, head_dim**-0.5 if scale is None else scale, softcap or 0.0, DTYPE_CODES[q.dtype],
-        torch.get_num_threads(),
+        torch.get_num_threads(), None if sinks is None else sinks.data_ptr(),
     )
     if status != 0:
         raise RuntimeError(f"paged_decode_attention kernel failed with status {status}")
     return out
+
+
+def _fp32_sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """The kernels' sinks: `num_heads` contiguous fp32 logits (None stays None)."""
+    if sinks is None:
+        return None
+    assert sinks.shape == (num_heads,), f"one sink per query head ({num_heads}), got {tuple(sinks.shape)}"
+    return sinks.detach().to(torch.float32).contiguous()
 
 
 def supports_prefill_attention(q: torch.Tensor) -> bool:
@@ -271,20 +283,22 @@ def paged_prefill_attention_(
     *,
     scale: float | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # (H,)
 ) -> torch.Tensor:
     """Causal attention of prefill chunks over their paged keys and values (see the C source),
-    `scale` and `softcap` as in `paged_decode_attention`. q may be a view whose rows are strided
-    (the fused q/k/v product's queries): it is read in place."""
+    `scale`, `softcap` and `sinks` as in `paged_decode_attention`. q may be a view whose rows are
+    strided (the fused q/k/v product's queries): it is read in place."""
     lib = library()
     assert lib is not None and supports_prefill_attention(q) and out.is_contiguous()
     q = _rows_of_heads(q)
     num_heads, head_dim = q.shape[1], q.shape[2]
-    status = lib.paged_prefill_attention(
+    sinks = _fp32_sinks(sinks, num_heads)
+    status = lib.paged_prefill_attention_sinks(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         chunk_rows.data_ptr(), chunk_lens.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
         len(chunk_rows), block_tables.shape[1], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
         sliding_window or 0, head_dim**-0.5 if scale is None else scale, softcap or 0.0, DTYPE_CODES[q.dtype],
-        torch.get_num_threads(),
+        torch.get_num_threads(), None if sinks is None else sinks.data_ptr(),
     )
     if status != 0:
         raise RuntimeError(f"paged_prefill_attention kernel failed with status {status}")

@@ -9,8 +9,8 @@ are in the blocks of its block table, token t at slot
 its sequence's keys up to its own position (causal, optionally within a sliding window), its
 scores times a scale (head_dim**-0.5 unless told, Gemma 2's is its own) and optionally soft-capped
 (Gemma 2: cap * tanh(score / cap) before the softmax), and optionally with attention sinks
-(gpt-oss: a logit per query head in each softmax's denominator, `attention.softmax_with_sinks`;
-those take the PyTorch paths below, the C kernels having no sinks). The window, scale, cap and
+(gpt-oss: a logit per query head in each softmax's denominator, `attention.softmax_with_sinks`,
+which the C kernels add when they normalise). The window, scale, cap and
 sinks are the calling layer's own (Gemma 2 windows only some layers), so they are arguments of
 each call, not part of the step's `PagedBatch`, which every layer shares. One batched
 computation for all single-token (decode) sequences, and for the multi-token (prefill) chunks
@@ -142,7 +142,7 @@ def paged_attention(
     head's `sinks` logit joining its softmax where given.
 
     Decodes and prefills go through the C kernels of `cpu_kernels` where they apply and
-    `use_kernel` is set (not with sinks), else through the PyTorch versions below.
+    `use_kernel` is set, else through the PyTorch versions below.
     """
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive or None, got {softcap}")
@@ -150,7 +150,6 @@ def paged_attention(
         raise ValueError(f"sliding_window must be at least 1 or None, got {sliding_window}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    use_kernel = use_kernel and sinks is None
     if not batch.prefills:  # a pure decode step: every row is a decode, in order
         return _decode(q, k_cache, v_cache, batch, scale, softcap, sliding_window, use_kernel, sinks)
     out = torch.empty_like(q)
@@ -158,6 +157,7 @@ def paged_attention(
         cpu_kernels.paged_prefill_attention_(
             out, q, k_cache, v_cache, batch.prefill_rows, batch.prefill_query_lens,
             batch.prefill_seq_lens, batch.prefill_block_tables, sliding_window, scale=scale, softcap=softcap,
+            sinks=sinks,
         )
     else:
         for chunk, padded_table in zip(batch.prefills, batch.prefill_block_tables, strict=True):
@@ -188,7 +188,7 @@ def _decode(
     if use_kernel and cpu_kernels.supports(q):
         return cpu_kernels.paged_decode_attention(
             q, k_cache, v_cache, batch.decode_block_tables, batch.decode_seq_lens, sliding_window,
-            scale=scale, softcap=softcap,
+            scale=scale, softcap=softcap, sinks=sinks,
         )
     return _batched_decode(q, k_cache, v_cache, batch, scale=scale, softcap=softcap,
                            sliding_window=sliding_window, sinks=sinks)

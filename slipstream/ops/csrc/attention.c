@@ -18,6 +18,9 @@
  * window > 0 limits each query to its `window` most recent keys (itself included). softcap > 0
  * (Gemma 2) turns each scaled score s into softcap * tanh(s / softcap) before the softmax; that pass
  * runs only then, over the stored scores, so the kernels without it do what they did before.
+ * sinks (gpt-oss; NULL for the others): one logit per query head that joins each softmax's
+ * denominator (exp(sink - max) added to the sum) and takes no value; it too applies only where
+ * given, when the softmax is normalised (write_heads, and the prefill task's last pass).
  *
  * Built with -ffast-math for vectorised expf and reductions, but linked without it, so the
  * library does not switch the process to flush-to-zero when it is loaded. head_dim 64, 128 and
@@ -682,12 +685,15 @@ void free_decode_split(decode_split *split) {
  * split sequence (Dao et al. 2023, "Flash-Decoding for long-context inference"); with one chunk,
  * its weighted values over its sum. */
 static void write_heads(const float *partial, int64_t chunks, int64_t chunk_stride, void *out, int64_t seq,
-                        int64_t h0, int64_t num_heads_out, int64_t num_heads, int64_t head_dim, int dtype) {
+                        int64_t h0, int64_t num_heads_out, int64_t num_heads, int64_t head_dim, int dtype,
+                        const float *sinks) {
     for (int64_t h = 0; h < num_heads_out; h++) {
         const float *head = partial + h * (head_dim + 2);
         float max_score = -3.0e38f, sum = 0.0f, acc[head_dim];
         for (int64_t c = 0; c < chunks; c++)
             max_score = head[c * chunk_stride] > max_score ? head[c * chunk_stride] : max_score;
+        const float sink = sinks != NULL ? sinks[h0 + h] : 0.0f;
+        if (sinks != NULL && sink > max_score) max_score = sink;
         for (int64_t d = 0; d < head_dim; d++) acc[d] = 0.0f;
         for (int64_t c = 0; c < chunks; c++) {
             const float *p = head + c * chunk_stride;
@@ -695,6 +701,7 @@ static void write_heads(const float *partial, int64_t chunks, int64_t chunk_stri
             sum += w * p[1];
             for (int64_t d = 0; d < head_dim; d++) acc[d] += w * p[2 + d];
         }
+        if (sinks != NULL) sum += expf(sink - max_score);
         const float inv_sum = 1.0f / sum;
         const int64_t index = (seq * num_heads + h0 + h) * head_dim;
         for (int64_t d = 0; d < head_dim; d++) {
@@ -727,11 +734,12 @@ static void chunk_keys(const decode_split *split, const int64_t *seq_lens, int64
  * from plan_decode_split(), for the same batch and number of threads. scratch:
  * attention_scratch_floats() for this thread, or NULL when its allocation failed (the thread's
  * tasks are then skipped; the caller reports it). */
-void attention_tasks(task_team *team, const void *q, const void *k_cache, const void *v_cache, void *out,
-                     const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
-                     int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                     int64_t block_size, int64_t window, float scale, float softcap, int dtype,
-                     int num_threads, float *scratch, const decode_split *split) {
+static void attention_tasks_sinks(
+        task_team *team, const void *q, const void *k_cache, const void *v_cache, void *out,
+        const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs, int64_t max_blocks,
+        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
+        float scale, float softcap, int dtype, int num_threads, float *scratch, const decode_split *split,
+        const float *sinks) {
     /* Whole chunks (all kv heads) per task when there are enough of them to keep every thread
      * busy; then each thread's share is a run of consecutive chunks, so that it knows its next
      * chunk and can request it early. Against the round-robin static loop before, 12 layers'
@@ -793,7 +801,8 @@ void attention_tasks(task_team *team, const void *q, const void *k_cache, const 
                    kv_per_task, num_heads, num_kv_heads, head_dim, block_size, scale, softcap, dtype,
                    scratch + num_heads * partial_floats, &next, partial);
             if (!is_split)
-                write_heads(partial, 1, 0, out, seq, h0, kv_per_task * group, num_heads, head_dim, dtype);
+                write_heads(partial, 1, 0, out, seq, h0, kv_per_task * group, num_heads, head_dim, dtype,
+                            sinks);
         }
     }
 #pragma omp barrier
@@ -804,16 +813,27 @@ void attention_tasks(task_team *team, const void *q, const void *k_cache, const 
         const int64_t chunks = chunk_start[seq + 1] - chunk_start[seq];
         if (chunks > 1)
             write_heads(partials + (chunk_start[seq] * num_heads + h) * partial_floats, chunks,
-                        num_heads * partial_floats, out, seq, h, 1, num_heads, head_dim, dtype);
+                        num_heads * partial_floats, out, seq, h, 1, num_heads, head_dim, dtype, sinks);
     }
 }
 
-/* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad argument. */
-int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
-                           const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
-                           int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, int64_t window, float scale,
-                           float softcap, int dtype, int num_threads) {
+void attention_tasks(task_team *team, const void *q, const void *k_cache, const void *v_cache, void *out,
+                     const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
+                     int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                     int64_t block_size, int64_t window, float scale, float softcap, int dtype,
+                     int num_threads, float *scratch, const decode_split *split) {
+    attention_tasks_sinks(team, q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, max_blocks,
+                          num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, dtype,
+                          num_threads, scratch, split, NULL);
+}
+
+/* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad argument. sinks:
+ * num_heads fp32 logits, or NULL. */
+int paged_decode_attention_sinks(const void *q, const void *k_cache, const void *v_cache, void *out,
+                                 const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
+                                 int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
+                                 int64_t head_dim, int64_t block_size, int64_t window, float scale,
+                                 float softcap, int dtype, int num_threads, const float *sinks) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
     const int64_t scratch_floats =
         attention_scratch_floats(max_seq_len(seq_lens, num_seqs), num_heads, head_dim);
@@ -827,13 +847,24 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     {
         float *scratch = thread_scratch(scratch_floats, &failed);
         task_team team = team_of(shares);
-        attention_tasks(&team, q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, max_blocks,
-                        num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, dtype,
-                        num_threads, scratch, &split);
+        attention_tasks_sinks(&team, q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, max_blocks,
+                              num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap, dtype,
+                              num_threads, scratch, &split, sinks);
         free(scratch);
     }
     free_decode_split(&split);
     return failed;
+}
+
+/* paged_decode_attention_sinks without sinks (the entry point of the families without them). */
+int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                           const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
+                           int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, int64_t window, float scale,
+                           float softcap, int dtype, int num_threads) {
+    return paged_decode_attention_sinks(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, max_blocks,
+                                        num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap,
+                                        dtype, num_threads, NULL);
 }
 
 /*
@@ -1364,7 +1395,7 @@ static void prefill_task(const void *q, int64_t q_stride, const void *k_cache, c
                          void *out, const int64_t *block_table, int64_t row0, int64_t first_position,
                          int64_t p0, int64_t count, int64_t g, int64_t group, int64_t num_heads,
                          int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t window,
-                         float scale, float softcap, int dtype, prefill_scratch w) {
+                         float scale, float softcap, int dtype, const float *sinks, prefill_scratch w) {
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2, rows = count * group;
 #if defined(__AVX512BF16__)
     const int bf16 = dtype == DTYPE_BF16;
@@ -1438,7 +1469,12 @@ static void prefill_task(const void *q, int64_t q_stride, const void *k_cache, c
         for (int64_t h = 0; h < group; h++) {
             const int64_t r = i * group + h;
             char *dst = (char *)out + head_offset(first_row + i, g * group + h, num_heads * D, D) * elem;
-            const float inv = 1.0f / w.sum[r];
+            float inv = 1.0f / w.sum[r];
+            if (sinks != NULL) {  /* the sink's exp(sink - max) in the sum, rescaled where it is the max */
+                const float sink = sinks[g * group + h], max_score = w.max[r];
+                const float shrink = sink > max_score ? expf(max_score - sink) : 1.0f;
+                inv = shrink / (w.sum[r] * shrink + (sink > max_score ? 1.0f : expf(sink - max_score)));
+            }
             for (int64_t d = 0; d < D; d++) {
                 const float value = w.o[r * D + d] * inv;
                 if (dtype == DTYPE_F32) ((float *)dst)[d] = value;
@@ -1448,13 +1484,14 @@ static void prefill_task(const void *q, int64_t q_stride, const void *k_cache, c
 }
 #endif
 
-/* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad argument. */
-int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                            void *out, const int64_t *chunk_rows, const int64_t *chunk_lens,
-                            const int64_t *seq_lens, const int64_t *block_tables, int64_t num_chunks,
-                            int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, int64_t window, float scale, float softcap, int dtype,
-                            int num_threads) {
+/* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad argument. sinks:
+ * num_heads fp32 logits, or NULL. */
+int paged_prefill_attention_sinks(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                                  void *out, const int64_t *chunk_rows, const int64_t *chunk_lens,
+                                  const int64_t *seq_lens, const int64_t *block_tables, int64_t num_chunks,
+                                  int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                  int64_t block_size, int64_t window, float scale, float softcap, int dtype,
+                                  int num_threads, const float *sinks) {
 #if defined(__AVX512F__) || defined(SLIPSTREAM_AVX2)
     if (!has_prefill_attention(head_dim) || num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
     for (int64_t c = 0; c < num_chunks; c++)
@@ -1486,7 +1523,7 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
             if (base != NULL)
                 prefill_task(q, q_stride, k_cache, v_cache, out, block_tables + c * max_blocks,
                              chunk_rows[c], first_position, p0, count, g, group, num_heads, num_kv_heads,
-                             head_dim, block_size, window, scale, softcap, dtype, w);
+                             head_dim, block_size, window, scale, softcap, dtype, sinks, w);
         }
         free(base);
     }
@@ -1496,6 +1533,19 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
     (void)seq_lens;
     (void)block_tables, (void)num_chunks, (void)max_blocks, (void)num_heads, (void)num_kv_heads;
     (void)head_dim, (void)block_size, (void)window, (void)scale, (void)softcap, (void)dtype, (void)num_threads;
+    (void)sinks;
     return 2;
 #endif
+}
+
+/* paged_prefill_attention_sinks without sinks (the entry point of the families without them). */
+int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                            void *out, const int64_t *chunk_rows, const int64_t *chunk_lens,
+                            const int64_t *seq_lens, const int64_t *block_tables, int64_t num_chunks,
+                            int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t window, float scale, float softcap, int dtype,
+                            int num_threads) {
+    return paged_prefill_attention_sinks(q, q_stride, k_cache, v_cache, out, chunk_rows, chunk_lens, seq_lens,
+                                         block_tables, num_chunks, max_blocks, num_heads, num_kv_heads, head_dim,
+                                         block_size, window, scale, softcap, dtype, num_threads, NULL);
 }
