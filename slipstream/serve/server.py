@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/responses,
-/v1/models, /health, /metrics, over an `AsyncEngine` (../../docs/serving.md); with a profiler_config, vLLM's
-/start_profile and /stop_profile; with allow_runtime_lora_updating, vLLM's /v1/load_lora_adapter
-and /v1/unload_lora_adapter. A request's `model` names the served model or one of the LoRA
-adapters served under it (served_models.py).
+/v1/models, /health, /metrics, over an `AsyncEngine` (../../docs/serving.md); with a
+profiler_config, vLLM's /start_profile and /stop_profile; with allow_runtime_lora_updating, vLLM's
+/v1/load_lora_adapter and /v1/unload_lora_adapter. A request's `model` names the served model or
+one of the LoRA adapters served under it (served_models.py).
 
 A handler validates the body (a 400 for anything wrong with it), tokenizes off the event loop,
 queues the prompts and either streams server-sent events or waits for the final outputs. A client
