@@ -298,6 +298,7 @@ BAD_BODIES = [
     ({"input": "x", "metadata": {"k": "v" * 600}}, "metadata"),
     ({"input": "x", "truncation": "sometimes"}, "truncation"),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"input": "x", "reasoning": {"effort": "enormous"}}, "reasoning"),
     ({"input": "x", "previous_response_id": "abc"}, "previous_response_id"),
 ]
 

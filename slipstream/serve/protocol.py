@@ -786,10 +786,17 @@ MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 """OpenAI's limits on a response's metadata."""
 RESPONSES_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-                    "max_tokens": "max_output_tokens", "response_format": "text", "prompt": "input",
-                    "logprobs": "top_logprobs", "structured_outputs": "text"}
+                    "max_tokens": "max_output_tokens", "response_format": "text", "logprobs": "top_logprobs",
+                    "structured_outputs": "text"}
 """Chat request fields (and engine parameters) -> the Responses field they were built from, for the
 errors of the chat request a Responses request becomes."""
+
+
+class Reasoning(_Body):
+    """OpenAI's reasoning options; other keys are ignored."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class ResponsesRequest(_Body):
@@ -827,7 +834,7 @@ class ResponsesRequest(_Body):
     truncation: Literal["auto", "disabled"] = "disabled"
     """"auto" keeps the input's last tokens that leave room for the output; "disabled" makes a
     too-long input a 400."""
-    reasoning: dict[str, Any] | None = None
+    reasoning: Reasoning | None = None
     """{"effort": ...}: the effort reaches the chat template as `reasoning_effort` (as vLLM)."""
     background: bool = False
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] = "auto"
@@ -971,16 +978,14 @@ class ResponsesRequest(_Body):
         return {"type": "function", "function": {"name": choice["name"]}}
 
     def _template_kwargs(self) -> dict[str, Any] | None:
-        effort = (self.reasoning or {}).get("effort")
-        if effort is None:
+        if self.reasoning is None or self.reasoning.effort is None:
             return self.chat_template_kwargs
-        return {"reasoning_effort": effort} | (self.chat_template_kwargs or {})
+        return {"reasoning_effort": self.reasoning.effort} | (self.chat_template_kwargs or {})
 
     def settings(self, params: SamplingParams) -> dict[str, Any]:
         """The request's settings as a Response echoes them; temperature and top_p as sampled."""
         spec = (self.text or {}).get("format") or {"type": "text"}
-        reasoning = None if self.reasoning is None else {"effort": self.reasoning.get("effort"),
-                                                          "summary": self.reasoning.get("summary")}
+        reasoning = None if self.reasoning is None else self.reasoning.model_dump()
         return {
             "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
             "max_tool_calls": self.max_tool_calls, "metadata": self.metadata or {},
