@@ -399,7 +399,7 @@ def resolve_model(name_or_path: str) -> TransformerShape:
     """A shape from a slipstream preset, a GPT shape name, or a config.json (file or its dir).
 
     A config.json of a slipstream family (llama, mistral, phi3, qwen2, qwen3, gemma, gemma2,
-    gemma3_text, olmo2 and the mixture-of-experts mixtral, qwen2_moe, qwen3_moe) is read through
+    gemma3_text, olmo2 and the mixture-of-experts mixtral, qwen2_moe, qwen3_moe, gpt_oss) is read through
     `ModelConfig`, which names the families it reads for any other model_type; of Gemma 3's
     multimodal "gemma3", the language model; a GPT-2-style one (`n_embd`, `n_layer`, `n_head`)
     maps to a GPT shape.
