@@ -17,7 +17,16 @@ import openai
 import pydantic
 import pytest
 import transformers
-from server_process import API_KEY, MAX_MODEL_LEN, MODEL_NAME, metric_values, wait_for_idle
+from lora_fixtures import save_random_adapter
+from pydantic import TypeAdapter
+from server_process import API_KEY, MAX_MODEL_LEN, MODEL_NAME, in_process, metric_values, wait_for_idle
+
+from slipstream.serve.engine import Engine, EngineConfig
+from slipstream.serve.request import CompletionOutput, RequestMetrics, RequestOutput
+from slipstream.serve.responses import ToolCalls
+from slipstream.serve.responses_api import ResponseBuilder
+from slipstream.serve.served_models import LoRAModulePath
+from slipstream.serve.server import OpenAIServer, ServerConfig
 
 pytest_plugins = ["serve_fixtures", "server_process"]
 
@@ -350,12 +359,6 @@ def test_auto_tool_call_reply_as_items_and_events_openai_validates():
     """An "auto" reply read by the hermes parser (the server's --tool-call-parser): its text before
     the call is a message item, the call a function_call item with the call's JSON arguments; the
     Response and every stream event validate as the `openai` package's own types, in order."""
-    from pydantic import TypeAdapter
-
-    from slipstream.serve.request import CompletionOutput, RequestMetrics, RequestOutput
-    from slipstream.serve.responses import ToolCalls
-    from slipstream.serve.responses_api import ResponseBuilder
-
     call_text = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}'
     text = f"Let me see.<tool_call>{call_text}</tool_call>"
     settings = {"tools": [WEATHER], "tool_choice": "auto", "parallel_tool_calls": True, "temperature": 1.0}
@@ -392,8 +395,6 @@ def test_auto_tool_call_reply_as_items_and_events_openai_validates():
 def test_raw_response_and_events_validate_as_openais_types(server):
     """What the server sends, read raw (the client parses leniently): the Response and every event
     of its stream, logprobs included, validate as the `openai` package's own types."""
-    from pydantic import TypeAdapter
-
     body = {"model": MODEL_NAME, "input": QUESTION, "max_output_tokens": 6, "top_logprobs": 2,
             "include": ["message.output_text.logprobs"], "metadata": {"run": "1"},
             "reasoning": {"effort": "low"}, "user": "u"}
@@ -414,13 +415,6 @@ def test_a_lora_adapter_answers_under_its_name(model_dir, tmp_path):
     """`model` may name a LoRA adapter, resolved as on the chat route: the greedy Response equals
     the chat route's reply under that adapter (which differs from the base model's) and names it;
     a name not served is a 404."""
-    from lora_fixtures import save_random_adapter
-    from server_process import in_process
-
-    from slipstream.serve.engine import Engine, EngineConfig
-    from slipstream.serve.served_models import LoRAModulePath
-    from slipstream.serve.server import OpenAIServer, ServerConfig
-
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
     adapter = save_random_adapter(tmp_path / "A", hf, rank=8, seed=1, scale=0.5)
     engine = Engine(EngineConfig(model=str(model_dir), max_model_len=64, enable_lora=True))
