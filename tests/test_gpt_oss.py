@@ -461,3 +461,24 @@ def test_perf_prices_no_tensor_parallel_training():
     assert "attention sinks" in shape.tensor_parallel_error(2)
     assert shape.tensor_parallel_error(2, serving=True) is None
     assert shape.tensor_parallel_error(1) is None
+
+
+def test_init_weights_from_the_meta_device():
+    """A model built on the meta device and materialized initialises every parameter (stacked
+    experts normal, down at the residual std; biases and sinks zero), as training from scratch
+    does, and runs a finite forward and backward."""
+    config = _tiny_config()
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.to_empty(device="cpu")
+    model.init_weights(std=0.02, generator=torch.Generator().manual_seed(0))
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.std().item() == pytest.approx(0.02, rel=0.05)
+    assert experts.down_proj.std().item() == pytest.approx(0.02 / math.sqrt(2 * 4), rel=0.05)
+    for tensor in (experts.gate_up_proj_bias, experts.down_proj_bias, model.model.layers[0].self_attn.sinks,
+                   model.model.layers[0].mlp.router.bias):
+        assert torch.equal(tensor, torch.zeros_like(tensor))
+    ids = _token_ids(5, (2, 9))
+    logits = model(ids, torch.arange(9).expand(2, 9))
+    logits.float().square().mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
