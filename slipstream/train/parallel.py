@@ -204,9 +204,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
     split bias) with plain tensors. Each attention module is told its local head counts, which it
     reads when it reshapes q, k and v."""
     if model.config.model_type == "gpt_oss":
-        # Its sinks, expert biases and stacked experts have no plan here: FSDP and DDP train it.
-        raise ValueError("tensor_parallel_degree > 1 is not supported for model_type 'gpt_oss'; use "
-                         "data parallelism (FSDP or DDP)")
+        # Its sinks, expert biases and stacked experts have no plan here (FSDP and DDP wrap any model).
+        raise ValueError("tensor_parallel_degree > 1 is not supported for model_type 'gpt_oss' (its "
+                         "attention sinks and stacked experts have no tensor-parallel plan)")
     tp = tp_mesh.size()
     stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
     root_plan: dict[str, ParallelStyle] = {
