@@ -432,7 +432,7 @@ def test_published_config_json_reads_as_the_preset(caplog):
 
 
 def test_int8_bytes_are_the_quantized_models_bytes():
-    """Under int8 (ops.quant) the attention's linears and the router are quantized and the stacked
+    """Under int8 (ops.quant) the attention's linears are quantized, and the router and the stacked
     experts stay in the dtype: perf's weight bytes are the quantized model's, and a batch-1 decode
     reads them but the idle experts' slices (weights and biases) and the untied input table."""
     from slipstream.ops.quant import Int8Linear, quantize_linears
@@ -440,7 +440,7 @@ def test_int8_bytes_are_the_quantized_models_bytes():
     config = _tiny_config().replace(dtype="bfloat16")
     model = Transformer(config).to(torch.bfloat16)
     quantize_linears(model, "int8")
-    assert all(isinstance(layer.mlp.router, Int8Linear) for layer in model.model.layers)
+    assert not any(isinstance(layer.mlp.router, Int8Linear) for layer in model.model.layers)
     tensors = {id(p): p for p in model.parameters()}
     for linear in model.modules():
         if isinstance(linear, Int8Linear):

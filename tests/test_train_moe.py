@@ -37,7 +37,7 @@ up to ~1% of a step (1e-5 measured); an expert treated otherwise (no update, or 
 moment decay) is off by up to a whole step, 1e-3."""
 GRAD_RTOL = 1e-4
 """Gradient differences relative to the largest gradient of the tensor (fp32 rounding)."""
-EXPERT_WIDTH = {"mixtral": 96, "qwen3_moe": 48, "qwen2_moe": 48}
+EXPERT_WIDTH = {"mixtral": 96, "qwen3_moe": 48, "qwen2_moe": 48, "gpt_oss": 96}
 AUX_COEF = 0.05
 """Larger than Mixtral's 0.001 so that the load-balancing term moves losses and gradients well
 above the tolerances: a trainer without it fails the parity test."""
@@ -45,10 +45,10 @@ above the tolerances: a trainer without it fails the parity test."""
 
 def moe_model_dir(out: Path, data_dir: Path, *, model_type: str = "mixtral", num_experts: int = 4,
                   top_k: int = 2) -> Path:
-    """A Mixtral (2 layers, both with experts) or Qwen-MoE (3 layers, the first dense; experts
-    EXPERT_WIDTH wide, no renormalisation; qwen2_moe with its shared expert) of transformers'
-    own making (saved by save_pretrained), with weights drawn wider than the default init so
-    that routing depends on the token, and the dataset's tokenizer."""
+    """A Mixtral or gpt-oss (2 layers, both with experts; gpt-oss's first windowed) or Qwen-MoE
+    (3 layers, the first dense; experts EXPERT_WIDTH wide, no renormalisation; qwen2_moe with its
+    shared expert) of transformers' own making (saved by save_pretrained), with weights drawn wider
+    than the default init so that routing depends on the token, and the dataset's tokenizer."""
     common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_attention_heads=4,
                   num_key_value_heads=2, num_experts_per_tok=top_k, max_position_embeddings=256,
                   output_router_logits=True, router_aux_loss_coef=AUX_COEF, eos_token_id=0, pad_token_id=0,
@@ -57,6 +57,9 @@ def moe_model_dir(out: Path, data_dir: Path, *, model_type: str = "mixtral", num
                 mlp_only_layers=[0], norm_topk_prob=False)
     if model_type == "mixtral":
         config = transformers.MixtralConfig(**common, num_hidden_layers=2, num_local_experts=num_experts)
+    elif model_type == "gpt_oss":
+        config = transformers.GptOssConfig(**common, num_hidden_layers=2, num_local_experts=num_experts,
+                                           head_dim=16, sliding_window=8)
     elif model_type == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(**common, **qwen, head_dim=16)
     else:
@@ -80,7 +83,10 @@ def moe_dir(data_dir, tmp_path_factory) -> Path:
 
 def _hf_grads(model: torch.nn.Module, layer: int, expert: int, intermediate: int) -> dict[str, torch.Tensor]:
     """transformers' gradients under slipstream's names, for one expert of one layer and the rest
-    that both name alike (transformers 5 fuses the experts: gate_up_proj holds gate, then up)."""
+    that both name alike (transformers 5 fuses the experts: gate_up_proj holds gate, then up;
+    gpt-oss's stacked experts are named alike too)."""
+    if model.config.model_type == "gpt_oss":
+        return {name: p.grad for name, p in model.named_parameters()}
     grads = {name: p.grad for name, p in model.named_parameters() if ".experts." not in name}
     prefix = f"model.layers.{layer}.mlp.experts"
     gate_up = model.get_parameter(f"{prefix}.gate_up_proj").grad[expert]  # (2F, E)
@@ -92,11 +98,11 @@ def _hf_grads(model: torch.nn.Module, layer: int, expert: int, intermediate: int
 
 @pytest.mark.parametrize("model_type, extra", [
     ("mixtral", ()), ("mixtral", ("--parallel.activation_checkpointing=true",)), ("qwen3_moe", ()),
-    ("qwen2_moe", ())], ids=["mixtral", "mixtral-ac", "qwen3_moe", "qwen2_moe"])
+    ("qwen2_moe", ()), ("gpt_oss", ())], ids=["mixtral", "mixtral-ac", "qwen3_moe", "qwen2_moe", "gpt_oss"])
 def test_loss_and_gradients_equal_transformers(model_type, extra, data_dir, moe_dir, tmp_path):
     """For a batch of the training data, the trainer's loss (cross-entropy + router_aux_loss_coef x
     load-balancing loss) and its gradients equal transformers' (Mixtral, Qwen3-MoE, Qwen2-MoE)
-    with output_router_logits on the same weights and next-token targets; the step record's
+    and gpt-oss with output_router_logits on the same weights and next-token targets; the step record's
     `loss` and `load_balancing_loss` are transformers' `loss` and `aux_loss`. Also with
     activation checkpointing, whose recomputation runs the routers again in the backward pass."""
     if model_type != "mixtral":

@@ -38,9 +38,10 @@ QUANTIZATION_METHODS = ("int8",)
 """Values of EngineConfig.quantization besides None: "int8", weight-only int8, one scale per
 output channel."""
 
-_KEPT_IN_DTYPE = frozenset({"gate", "shared_expert_gate"})
+_KEPT_IN_DTYPE = frozenset({"gate", "router", "shared_expert_gate"})
 """Names of linear layers inside decoder layers that stay unquantized: the router of a
-mixture-of-experts block, whose scores pick experts, and the shared expert's scalar gate."""
+mixture-of-experts block (`gate`, gpt-oss's `router`), whose scores pick experts, and the shared
+expert's scalar gate."""
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,8 @@ Conventions (each function restates the one it uses):
 - Weight-only quantization (`quantization="int8"`, `ops.quant`) changes bytes, not FLOPs: every
   linear layer inside the decoder layers (experts included) holds 1 byte per weight and one fp32
   scale (4 bytes) per output channel; the embeddings, the LM head, a mixture-of-experts router,
-  qwen2_moe's shared-expert gate, norms and biases stay in the model's dtype.
+  qwen2_moe's shared-expert gate, gpt-oss's stacked experts (no linears), norms and biases stay in
+  the model's dtype.
 
 Pure Python: no torch import, so planners and reports can use it without a runtime.
 """
@@ -382,8 +383,8 @@ def _quantized_expert_bytes(config: ModelConfig) -> int:
 def _quantization_savings(config: ModelConfig, element_bytes: int, quantization: str | None) -> int:
     """Bytes that quantizing every linear of the decoder layers saves over keeping them in a dtype of
     `element_bytes` (0 for `quantization` None; negative where int8 is larger, which only a
-    one-byte dtype would make it). gpt-oss's stacked experts are no linears and stay in the dtype;
-    its router (named `router`, not `gate`) is quantized with the attention."""
+    one-byte dtype would make it). gpt-oss's stacked experts are no linears and stay in the dtype,
+    as its router does (as every router)."""
     _check_quantization(quantization)
     if quantization is None:
         return 0
@@ -396,9 +397,6 @@ def _quantization_savings(config: ModelConfig, element_bytes: int, quantization:
     if num_moe and width is not None:  # qwen2_moe's shared expert, a SwiGLU `width` wide
         weights += num_moe * 3 * config.hidden_size * width
         channels += num_moe * (2 * width + config.hidden_size)
-    if num_moe and config.model_type == "gpt_oss":  # a plain linear router; stacked experts are not
-        weights += num_moe * config.hidden_size * config.num_experts
-        channels += num_moe * config.num_experts
     saved = weights * element_bytes - weights * INT8_BYTES_PER_WEIGHT - channels * INT8_BYTES_PER_CHANNEL
     if num_moe and config.model_type != "gpt_oss":
         saved += num_moe * config.num_experts * (expert_params(config) * element_bytes

@@ -1,17 +1,21 @@
 """Training mixture-of-experts models: router logits, the load-balancing loss, expert load.
 
 The model files are math only and `Transformer.forward` returns logits alone, so the trainer
-reads each mixture-of-experts layer's router logits with forward hooks on its `gate` linear
-(`RouterLogits`), kept only while `collect()` is open: the gate's second run, when activation
-checkpointing recomputes a layer in the backward pass, falls outside it and is not kept twice.
-Each hook keeps its layer's logits on its own gate, so that every layer's hook does the same
+reads each mixture-of-experts layer's router logits with forward hooks on its router linear
+(`RouterLogits`; Mixtral's and Qwen's `gate`, gpt-oss's `router`), kept only while `collect()` is
+open: the router's second run, when activation checkpointing recomputes a layer in the backward
+pass, falls outside it and is not kept twice. Each hook keeps its layer's logits on its own
+router, so that every layer's hook does the same
 thing and `torch.compile` compiles the layers as one graph. (With activation checkpointing,
 compile leaves a routed layer uncompiled all the same: its experts' token counts go to the host.)
 
 The load-balancing loss (`routing`) is Switch Transformer's auxiliary loss (Fedus et al. 2021,
 eqs. 4-6) as transformers' `load_balancing_loss_func` computes it for Mixtral and Qwen-MoE: over
 the tokens of all mixture-of-experts layers pooled, `num_experts * sum_e f_e * P_e`, where f_e is
-the share of the top-k choices that went to expert e and P_e its mean router probability.
+the share of the top-k choices that went to expert e and P_e its mean router probability. gpt-oss
+picks its experts by the raw logits and weighs them by a softmax over the chosen ones only, but its
+loss is transformers' same function of the full logits (and the top k of the probabilities are the
+top k of the logits).
 It is computed per forward (one micro-batch on one rank), as transformers computes it per call.
 
 An expert that no token of a step chose gets no gradient from autograd. `fill_missing_grads`
@@ -30,7 +34,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from slipstream.model.transformer import SparseMoeBlock
+from slipstream.model.transformer import GptOssMoeBlock, SparseMoeBlock
 from slipstream.train.parallel import DistInfo, all_reduce_mean, all_reduce_sum
 
 
@@ -44,36 +48,40 @@ class Routing:
 
 
 class RouterLogits:
-    """Forward hooks on the router (`gate`) of every `SparseMoeBlock` of `model`, which keep the
-    router logits of the forwards run inside `collect()`. Register them once the model's modules
-    are final (after the CPU fast path swapped its linears); parallelize keeps modules in place."""
+    """Forward hooks on the router linear of every mixture-of-experts block of `model`
+    (`SparseMoeBlock.gate`, `GptOssMoeBlock.router`), which keep the router logits of the forwards
+    run inside `collect()`. Register them once the model's modules are final (after the CPU fast
+    path swapped its linears); parallelize keeps modules in place."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-        if not self._blocks:
-            raise ValueError("the model has no mixture-of-experts layer (SparseMoeBlock) to collect from")
-        self.num_layers = len(self._blocks)
-        self.num_experts = self._blocks[0].num_experts
-        self.top_k = self._blocks[0].top_k
+        blocks = [m for m in model.modules() if isinstance(m, (SparseMoeBlock, GptOssMoeBlock))]
+        if not blocks:
+            raise ValueError("the model has no mixture-of-experts layer (SparseMoeBlock, GptOssMoeBlock) "
+                             "to collect from")
+        self._routers = [block.router if isinstance(block, GptOssMoeBlock) else block.gate
+                         for block in blocks]
+        self.num_layers = len(blocks)
+        self.num_experts = blocks[0].num_experts
+        self.top_k = blocks[0].top_k
         self._collecting = False
-        for block in self._blocks:
-            block.gate.register_forward_hook(self._keep)
+        for router in self._routers:
+            router.register_forward_hook(self._keep)
 
     @contextlib.contextmanager
     def collect(self) -> Iterator[list[torch.Tensor]]:
         """A list that, once the block exits, holds each layer's (tokens, num_experts) router
         logits of the one forward run inside it, in layer order."""
         kept: list[torch.Tensor] = []
-        for block in self._blocks:
-            block.gate.router_logits = None
+        for router in self._routers:
+            router.router_logits = None
         self._collecting = True
         try:
             yield kept
         finally:
             self._collecting = False
-            kept.extend(block.gate.router_logits for block in self._blocks)
-            for block in self._blocks:
-                block.gate.router_logits = None  # the graph behind them goes with the step
+            kept.extend(router.router_logits for router in self._routers)
+            for router in self._routers:
+                router.router_logits = None  # the graph behind them goes with the step
         if any(logits is None for logits in kept):
             raise RuntimeError("a router did not run in the forward collected from")
 
