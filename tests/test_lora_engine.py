@@ -240,3 +240,30 @@ def test_a_pinned_adapter_stays_loaded_while_idle(setup):
     assert engine.remove_lora(1) is True and engine.list_loras() == set()
     with pytest.raises(ValueError, match="no LoRA adapter with lora_int_id 1 is loaded"):
         engine.pin_lora(1)
+
+
+def test_gpt_oss_takes_attention_adapters(tmp_path):
+    """gpt-oss (every MLP a mixture of experts, biased q/k/v/o, attention sinks): an adapter on its
+    attention projections gives transformers' greedy tokens with the adapter merged, beside
+    prompts on the base model in the same call, with and without the CPU fast path."""
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        max_position_embeddings=256, tie_word_embeddings=False)
+    hf = random_hf(transformers.GptOssForCausalLM, config, names=("norm", "bias", "sinks"))
+    model_dir = save_with_tokenizer(hf, tmp_path / "model", VOCAB)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager")
+    adapter = save_random_adapter(tmp_path / "attention", hf, scale=0.2,
+                                  target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (1, 9, 30)]
+    merged = transformers_greedy(merge_adapter(copy.deepcopy(hf), adapter), prompts, MAX_TOKENS)
+    base = transformers_greedy(hf, prompts, MAX_TOKENS)
+    assert merged[0] != base[0]  # the adapter changes what the model says
+    request = LoRARequest("attention", 1, str(adapter))
+    expected = [merged[0][0], base[0][1], merged[0][2]]
+    gaps = torch.stack([merged[1][0], base[1][1], merged[1][2]])
+    for engine_args in ({}, {"fast_cpu_kernels": False}):
+        llm = LLM(str(model_dir), dtype="float32", enable_lora=True, **engine_args)
+        assert_same_tokens(expected, gaps, generate(llm, prompts, [request, None, request]), str(engine_args))

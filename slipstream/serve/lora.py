@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from slipstream.model.config import ModelConfig
-from slipstream.model.transformer import SparseMoeBlock
+from slipstream.model.transformer import MLP
 from slipstream.serve.tensor_parallel import SummedOverRanks
 
 
@@ -566,7 +566,7 @@ class LoRALayers:
                 plan.append((attn.o_proj, "inner", o_proj, prefix + "self_attn."))
             else:
                 plan.append((attn, "o_proj", None, prefix + "self_attn."))
-            if isinstance(mlp, SparseMoeBlock):
+            if not isinstance(mlp, MLP):  # a mixture of experts (SparseMoeBlock, GptOssMoeBlock)
                 continue
             if mlp.gate_up_proj is not None:
                 width = mlp.gate_up_proj.out_features // 2
