@@ -349,14 +349,18 @@ class ModelConfig:
         self._check_experts()
         self._check_swiglu()
 
+    def _refuse_fields(self, names: tuple[str, ...], family: str) -> None:
+        """A ValueError naming each of another `family`'s fields given a value other than its default."""
+        given = [f"{name}={getattr(self, name)!r}" for name in names
+                 if getattr(self, name) != _field_default(type(self), name)]
+        if given:
+            raise ValueError(f"{', '.join(given)} given for model_type {self.model_type!r}; only {family} "
+                             "has them")
+
     def _check_swiglu(self) -> None:
         """gpt-oss's clamped SwiGLU: a positive limit and gain; the other families leave them alone."""
         if self.model_type != "gpt_oss":
-            given = [f"{name}={getattr(self, name)!r}" for name in _SWIGLU_FIELDS
-                     if getattr(self, name) != _field_default(type(self), name)]
-            if given:
-                raise ValueError(f"{', '.join(given)} given for model_type {self.model_type!r}; only gpt_oss "
-                                 "has them")
+            self._refuse_fields(_SWIGLU_FIELDS, "gpt_oss")
             return
         for name in _SWIGLU_FIELDS:
             object.__setattr__(self, name, _positive_float(name, getattr(self, name)))
@@ -409,11 +413,7 @@ class ModelConfig:
         """Granite's multipliers: positive numbers (the attention's 1 where not given, as in
         transformers); refused with other values for the other families."""
         if self.model_type != "granite":
-            given = [f"{name}={getattr(self, name)!r}" for name in _GRANITE_FIELDS
-                     if getattr(self, name) != _field_default(type(self), name)]
-            if given:
-                raise ValueError(f"{', '.join(given)} given for model_type {self.model_type!r}; only granite "
-                                 "has them")
+            self._refuse_fields(_GRANITE_FIELDS, "granite")
             return
         if self.attention_multiplier is None:
             object.__setattr__(self, "attention_multiplier", 1.0)
