@@ -17,8 +17,10 @@ import math
 import pytest
 import torch
 from serve_fixtures import assert_same_tokens, engine_greedy, positioned_logits, transformers_greedy
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-from slipstream.model import ModelConfig, load_model
+from slipstream.model import ModelConfig, load_model, weights
 from slipstream.model.create import stdlib_tokenizer
 from slipstream.model.presets import PRESETS
 from slipstream.model.transformer import Transformer
@@ -206,15 +208,55 @@ def test_training_step_matches_transformers(model_dir):
     assert ours.model.layers[0].self_attn.sinks.grad.abs().max() > 0
 
 
-def test_mxfp4_dequantization_matches_transformers():
-    """Random blocks and scales dequantize as transformers' convert_moe_packed_tensors does."""
+@pytest.mark.parametrize("values_per_step", [64, 1 << 22])
+def test_mxfp4_dequantization_matches_transformers(monkeypatch, values_per_step):
+    """Random blocks and scales (the whole e8m0 range: overflow to inf in fp16 included)
+    dequantize as transformers' convert_moe_packed_tensors does, bit for bit, whether an expert's
+    rows are decoded in one step or in steps of 1 row and of 2 rows of 32 codes per group."""
     mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
     g = torch.Generator().manual_seed(0)
-    blocks = torch.randint(0, 256, (3, 8, 2, 16), dtype=torch.uint8, generator=g)
-    scales = torch.randint(100, 150, (3, 8, 2), dtype=torch.uint8, generator=g)
-    for dtype in (torch.float32, torch.bfloat16):
-        expected = mxfp4.convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=dtype)
-        assert torch.equal(dequantize_mxfp4(blocks, scales, dtype), expected)
+    for groups in (2, 1):
+        monkeypatch.setattr(weights, "_MXFP4_VALUES_PER_STEP", values_per_step)
+        blocks = torch.randint(0, 256, (3, 9, groups, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(0, 256, (3, 9, groups), dtype=torch.uint8, generator=g)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            expected = mxfp4.convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=dtype)
+            got = dequantize_mxfp4(blocks, scales, dtype)
+            bits = {4: torch.int32, 2: torch.int16}[got.element_size()]  # NaNs (0 x 2^128) too
+            assert got.dtype == dtype and torch.equal(got.view(bits), expected.view(bits)), (groups, dtype)
+
+
+class _LargestOutput(TorchDispatchMode):
+    """The bytes of the largest tensor any op makes: `torch.empty`'s (a result allocated once) and
+    views and in-place results (outputs sharing an input's storage) left out."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        if func.overloadpacket is not torch.ops.aten.empty:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                    self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+def test_mxfp4_dequantization_decodes_an_expert_at_a_time():
+    """Guards the dequantization's transient memory: beside its bf16 result, no op makes a tensor
+    larger than one expert's fp32 values (4 bytes x in x out); the whole tensor's int64 codes and
+    fp32 values (8 times the bf16 result: 32 times that bound for 4 experts) were made at once."""
+    num_experts, rows, groups = 4, 64, 4
+    blocks = torch.randint(0, 256, (num_experts, rows, groups, 16), dtype=torch.uint8)
+    scales = torch.randint(120, 130, (num_experts, rows, groups), dtype=torch.uint8)
+    with _LargestOutput() as seen:
+        dequantize_mxfp4(blocks, scales, torch.bfloat16)
+    one_expert_fp32 = 4 * rows * 32 * groups
+    print("largest transient", seen.largest, "bytes; one expert in fp32", one_expert_fp32)
+    assert seen.largest <= one_expert_fp32
 
 
 def test_mxfp4_checkpoint_loads(model_dir, tmp_path):
@@ -244,6 +286,11 @@ def test_mxfp4_checkpoint_loads(model_dir, tmp_path):
     for name, value in expected.items():
         assert torch.equal(params[name], value), name
     assert torch.equal(params["model.layers.0.self_attn.sinks"], state["model.layers.0.self_attn.sinks"])
+    # One matrix stored both plain and quantized: a ValueError naming it, neither silently kept.
+    name = "model.layers.1.mlp.experts.down_proj"
+    save_file(state | {name: expected[name].contiguous()}, out / "model.safetensors")
+    with pytest.raises(ValueError, match=f"{name} is stored twice"):
+        load_model(out)
 
 
 def test_tensor_parallel_serving_matches_transformers(model_dir, greedy_reference):
@@ -388,6 +435,23 @@ def test_paged_attention_with_sinks_equals_dense(dtype, window, head_dim, use_ke
     torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
     plain = paged_attention(q, k_cache, v_cache, batch, sliding_window=window, use_kernel=use_kernel)
     assert (plain.float() - expected).abs().max() > 0.05  # the sinks matter here
+
+
+def test_sinks_of_the_wrong_shape_are_value_errors():
+    """Sinks that are not one logit per query head are a ValueError naming them, through paged
+    attention (either path) and the C kernels' own entry (they read H floats whatever they get)."""
+    from slipstream.ops import cpu_kernels
+    from slipstream.ops.paged_attention import PagedBatch, paged_attention
+
+    q, cache = torch.randn(1, 4, 64), torch.zeros(2, 4, 2, 64)
+    batch = PagedBatch.build(seq_lens=(3,), query_lens=(1,), block_tables=[[1]], block_size=4)
+    for use_kernel in (True, False):
+        with pytest.raises(ValueError, match=r"sinks must hold one logit per query head, shape \(4,\)"):
+            paged_attention(q, cache, cache, batch, sinks=torch.zeros(2), use_kernel=use_kernel)
+    if cpu_kernels.library() is not None:
+        with pytest.raises(ValueError, match="sinks must hold one logit per query head"):
+            cpu_kernels.paged_decode_attention(q, cache, cache, batch.decode_block_tables,
+                                               batch.decode_seq_lens, None, sinks=torch.zeros(4, 1))
 
 
 def test_softmax_with_sinks_by_hand():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -199,43 +200,70 @@ def checkpoint_name(config: ModelConfig, name: str) -> str:
     return f"{moe}{head}.{_MIXTRAL_NAME[proj]}.weight" if head else f"{moe}gate.weight"
 
 
-_MXFP4_PART = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.(?:gate_up|down)_proj)_(blocks|scales)")
+_MXFP4_MATRIX = r"model\.layers\.\d+\.mlp\.experts\.(?:gate_up|down)_proj"
+_MXFP4_PART = re.compile(rf"({_MXFP4_MATRIX})_(blocks|scales)")
 _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 """The 16 values of a 4-bit e2m1 code (sign, two exponent bits, one mantissa bit)."""
+_MXFP4_VALUES_PER_STEP = 1 << 22
+"""Values `dequantize_mxfp4` decodes at once (whole rows): 16 MiB of int32 codes, then as many of fp32."""
+
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """gpt-oss's MXFP4 expert matrix as the (X, in, out) tensor its model multiplies by, from
     `blocks` (X, out, G, 16) uint8, two e2m1 codes a byte (the low nibble first), and `scales`
     (X, out, G) uint8, one e8m0 power of two (biased by 127) for each 32 codes along `in` = 32 G,
-    as transformers' `convert_moe_packed_tensors` lays them out. Every value is exact in fp32."""
+    as transformers' `convert_moe_packed_tensors` lays them out. Every value is exact in fp32.
+
+    A block of rows of one expert at a time into the result: the int64 codes and fp32 values of
+    the whole tensor at once were 8 times the size of a bf16 result (gpt-oss-120b's experts are
+    2 GB a layer in bf16)."""
     if (blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[-1:] != (16,)
-            or blocks.shape[:-1] != scales.shape):
-        raise ValueError(f"MXFP4 blocks (uint8, (..., groups, 16)) and scales (uint8, (..., groups)) do "
-                         f"not match: {blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} "
-                         f"{tuple(scales.shape)}")
+            or blocks.shape[:-1] != scales.shape or blocks.dim() < 3):
+        raise ValueError(f"MXFP4 blocks (uint8, (..., out, groups, 16)) and scales (uint8, "
+                         f"(..., out, groups)) do not match: {blocks.dtype} {tuple(blocks.shape)} and "
+                         f"{scales.dtype} {tuple(scales.shape)}")
+    *lead, rows, groups = scales.shape
     lut = torch.tensor(_FP4_VALUES, dtype=torch.float32)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # (X, out, G, 32)
-    values = torch.ldexp(lut[codes], scales.to(torch.int32)[..., None] - 127)  # (X, out, G, 32)
-    return values.flatten(-2).transpose(-1, -2).to(dtype).contiguous()  # (X, in, out)
+    out = torch.empty((math.prod(lead), 32 * groups, rows), dtype=dtype)  # (X, in, out)
+    step = max(1, _MXFP4_VALUES_PER_STEP // (32 * groups))
+    for expert, (packed, exponents) in enumerate(zip(blocks.reshape(-1, rows, groups, 16),
+                                                     scales.reshape(-1, rows, groups), strict=True)):
+        for start in range(0, rows, step):
+            part = packed[start:start + step]  # (r, G, 16)
+            codes = torch.stack((part & 0x0F, part >> 4), dim=-1).flatten(-2).int()  # (r, G, 32)
+            values = lut.index_select(0, codes.view(-1)).view(codes.shape)
+            del codes
+            torch.ldexp(values, exponents[start:start + step, :, None].to(torch.int32) - 127, out=values)
+            out[expert, :, start:start + step].copy_(values.view(-1, 32 * groups).t())
+    return out.view(*lead, 32 * groups, rows)
 
 
 def _dequantized(
     tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`tensors` with each pair of MXFP4 blocks and scales replaced by the dequantized matrix they
-    store (`dequantize_mxfp4`, under the name without the suffix) once both have come."""
+    store (`dequantize_mxfp4`, under the name without the suffix) once both have come. An expert
+    matrix stored both plain and as blocks and scales is a ValueError: neither may silently win."""
     halves: dict[str, dict[str, torch.Tensor]] = {}
+    matrices: set[str] = set()  # expert matrices yielded so far, plain or dequantized
+
+    def claim(name: str) -> str:
+        if name in matrices:
+            raise ValueError(f"{name} is stored twice: as a tensor and as MXFP4 {name}_blocks and _scales")
+        matrices.add(name)
+        return name
+
     for name, tensor in tensors:
         match = _MXFP4_PART.fullmatch(name)
         if match is None:
-            yield name, tensor
+            yield (claim(name) if re.fullmatch(_MXFP4_MATRIX, name) else name), tensor
             continue
         pair = halves.setdefault(match[1], {})
         pair[match[2]] = tensor
         if len(pair) == 2:
             del halves[match[1]]
-            yield match[1], dequantize_mxfp4(pair["blocks"], pair["scales"], dtype)
+            yield claim(match[1]), dequantize_mxfp4(pair["blocks"], pair["scales"], dtype)
     if halves:
         alone = [f"{name}_{next(iter(pair))}" for name, pair in sorted(halves.items())]
         raise ValueError(f"MXFP4 blocks without their scales, or scales without blocks: {', '.join(alone)}")

@@ -246,10 +246,13 @@ def paged_decode_attention(
 
 
 def _fp32_sinks(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
-    """The kernels' sinks: `num_heads` contiguous fp32 logits (None stays None)."""
+    """The kernels' sinks: `num_heads` contiguous fp32 logits (None stays None). A ValueError
+    otherwise: the kernels read `num_heads` floats whatever the tensor holds."""
     if sinks is None:
         return None
-    assert sinks.shape == (num_heads,), f"one sink per query head ({num_heads}), got {tuple(sinks.shape)}"
+    if tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks must hold one logit per query head, shape ({num_heads},), got "
+                         f"{tuple(sinks.shape)}")
     return sinks.detach().to(torch.float32).contiguous()
 
 

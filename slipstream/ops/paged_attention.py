@@ -148,6 +148,9 @@ def paged_attention(
         raise ValueError(f"softcap must be positive or None, got {softcap}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be at least 1 or None, got {sliding_window}")
+    if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"sinks must hold one logit per query head, shape ({q.shape[1]},), got "
+                         f"{tuple(sinks.shape)}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if not batch.prefills:  # a pure decode step: every row is a decode, in order
