@@ -437,6 +437,60 @@ def test_paged_attention_with_sinks_equals_dense(dtype, window, head_dim, use_ke
     assert (plain.float() - expected).abs().max() > 0.05  # the sinks matter here
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_fallback_attends_in_pieces_of_bounded_scores(monkeypatch, dtype):
+    """Guards the PyTorch prefill path's memory with sinks (the only one on CUDA): a chunk of 24
+    queries over 64 keys (4 heads on 2) whose fp32 scores are 4.8 times the piece budget attends
+    in pieces whose scores fit it, no tensor made above the budget (the whole (H, T, L + 1)
+    scores, and copies beside them, were), and equals dense causal attention with the same sinks
+    (and the same chunk attended whole, one piece), with a window and without, soft-capped or not."""
+    from slipstream.ops import paged_attention
+    from slipstream.ops.attention import dense_causal_attention
+
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, head_dim, seq_len, new = 4, 2, 4, 64, 24
+    q = torch.randn(seq_len, heads, head_dim, generator=g)
+    k, v = (torch.randn(seq_len, kv_heads, head_dim, generator=g) for _ in range(2))
+    sinks = 2 * torch.randn(heads, generator=g)
+    budget = 4 * heads * seq_len * 5  # 5 query rows of fp32 scores a piece
+    monkeypatch.setattr(paged_attention, "onednn_multiplies", lambda dtype: True)  # bf16 as well
+
+    def attend(piece_bytes, window, softcap):
+        monkeypatch.setattr(paged_attention, "_SCORE_PIECE_BYTES", piece_bytes)
+        with _LargestOutput() as seen:
+            out = paged_attention._attend(q[-new:].to(dtype), k.to(dtype), v.to(dtype), window,
+                                          softcap=softcap, sinks=sinks)
+        return out.float(), seen.largest
+
+    for window, softcap in ((None, None), (9, None), (None, 3.0)):
+        pieces, largest = attend(budget, window, softcap)
+        whole, _ = attend(1 << 30, window, softcap)
+        expected = dense_causal_attention(*(x.to(dtype).float()[None] for x in (q, k, v)),
+                                          sliding_window=window, softcap=softcap, sinks=sinks)[0, -new:]
+        print(dtype, window, softcap, "largest tensor", largest, "budget", budget)
+        assert largest <= budget
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(pieces, expected, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(pieces, whole, rtol=1e-6, atol=1e-6)
+
+
+def test_softmax_with_sinks_in_place_equals_the_copy():
+    """The in-place sink softmax equals `softmax_with_sinks` (rows partly masked, one all masked:
+    zeros, sinks above and below the scores) and writes into the scores it was given."""
+    from slipstream.ops.attention import softmax_with_sinks, softmax_with_sinks_
+
+    g = torch.Generator().manual_seed(2)
+    scores = 3 * torch.randn(2, 3, 7, generator=g)
+    scores[0, 1, 4:] = -torch.inf
+    scores[1, 2] = -torch.inf
+    sinks = torch.tensor([-9.0, 0.5, 9.0])[:, None]
+    expected = softmax_with_sinks(scores, sinks)
+    got = softmax_with_sinks_(scores, sinks)
+    assert got.data_ptr() == scores.data_ptr()
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    assert torch.equal(got[1, 2], torch.zeros(7))
+
+
 def test_sinks_of_the_wrong_shape_are_value_errors():
     """Sinks that are not one logit per query head are a ValueError naming them, through paged
     attention (either path) and the C kernels' own entry (they read H floats whatever they get)."""

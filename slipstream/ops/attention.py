@@ -84,6 +84,19 @@ def softmax_with_sinks(
     return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
 
 
+def softmax_with_sinks_(
+    scores: torch.Tensor,  # (..., L) fp32, -inf where masked; overwritten
+    sinks: torch.Tensor,  # broadcastable to (..., 1)
+) -> torch.Tensor:  # scores, now the probabilities
+    """`softmax_with_sinks` in place, for inference (no autograd): exp(s - m) / (sum exp(s - m)
+    + exp(sink - m)) with m the larger of the row's maximum and its sink, so no (..., L + 1) copy
+    of the scores is made (the serving fallback's scores can be the largest tensor of a step)."""
+    sinks = sinks.to(scores.dtype)
+    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sinks)  # finite: sinks are
+    total = scores.sub_(top).exp_().sum(dim=-1, keepdim=True).add_(torch.exp(sinks - top))
+    return scores.div_(total)
+
+
 @functools.lru_cache(maxsize=2)
 def _additive_causal_mask(num_tokens: int, sliding_window: int | None, device: torch.device,
                           dtype: torch.dtype) -> torch.Tensor:  # (T, T): 0 may attend, -inf not

@@ -15,8 +15,9 @@ sinks are the calling layer's own (Gemma 2 windows only some layers), so they ar
 each call, not part of the step's `PagedBatch`, which every layer shares. One batched
 computation for all single-token (decode) sequences, and for the multi-token (prefill) chunks
 either one call of the C kernel (`cpu_kernels.paged_prefill_attention_`, reading the cache in place)
-or one SDPA call per chunk over its gathered keys. The tests check both against dense
-attention over unpaged keys.
+or one SDPA call per chunk over its gathered keys (two matmuls and an fp32 softmax where SDPA
+cannot, over pieces of the chunk's queries so that their scores stay under `_SCORE_PIECE_BYTES`).
+The tests check both against dense attention over unpaged keys.
 
 Layout legend: N new tokens in the batch, H query heads, K kv heads, D head dim, P blocks,
 S block size, B decoding sequences, L keys.
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from slipstream.ops import cpu_kernels
-from slipstream.ops.attention import causal_mask, softmax_with_sinks
+from slipstream.ops.attention import causal_mask, softmax_with_sinks_
 from slipstream.ops.linear import onednn_multiplies
 
 
@@ -231,7 +232,7 @@ def _batched_decode(
     if sinks is None:
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
     else:
-        probs = softmax_with_sinks(scores, sinks.view(num_kv_heads, group, 1)).to(q.dtype)
+        probs = softmax_with_sinks_(scores, sinks.view(num_kv_heads, group, 1)).to(q.dtype)
     out = torch.einsum("bkgl,blkd->bkgd", probs, values)  # (B, K, G, D)
     return out.reshape(num_seqs, num_heads, head_dim)
 
@@ -249,6 +250,12 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tor
 _BF16_MATMUL_ATTENTION_MAX_KEYS = 384
 
 
+_SCORE_PIECE_BYTES = 64 << 20
+"""The most fp32 scores `_matmul_attention` holds at once: a chunk's queries go in pieces of rows
+under it (a 512-token chunk over 8k keys on 16 heads is 256 MiB of scores; whole, with the scaled
+and the softmax copies beside it, it held three times that)."""
+
+
 def _matmul_attention(
     q: torch.Tensor,  # (1, H, T, D)
     keys: torch.Tensor,  # (1, H, L, D)
@@ -258,13 +265,21 @@ def _matmul_attention(
     softcap: float | None,
     sinks: torch.Tensor | None = None,  # (H,)
 ) -> torch.Tensor:  # (1, H, T, D)
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # (1, H, T, L)
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill_(~mask, float("-inf"))
-    probs = (torch.softmax(scores, dim=-1) if sinks is None
-             else softmax_with_sinks(scores, sinks[:, None, None]))
-    return torch.matmul(probs.to(q.dtype), values)
+    """Two matmuls and an fp32 softmax, over pieces of the query rows whose scores each fit in
+    `_SCORE_PIECE_BYTES`, each pass on the scores in place."""
+    num_heads, num_queries, num_keys = q.shape[1], q.shape[2], keys.shape[2]
+    rows = max(1, _SCORE_PIECE_BYTES // (4 * num_heads * num_keys))
+    out = q.new_empty(*q.shape[:-1], values.shape[-1])
+    for start in range(0, num_queries, rows):
+        piece = slice(start, start + rows)
+        scores = torch.matmul(q[:, :, piece], keys.transpose(-1, -2)).float().mul_(scale)  # (1, H, t, L)
+        if softcap is not None:
+            scores.div_(softcap).tanh_().mul_(softcap)
+        scores.masked_fill_(~mask[piece], float("-inf"))
+        probs = (torch.softmax(scores, dim=-1) if sinks is None
+                 else softmax_with_sinks_(scores, sinks[:, None, None]))
+        out[:, :, piece] = torch.matmul(probs.to(q.dtype), values)
+    return out
 
 
 def _attend(
