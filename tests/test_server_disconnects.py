@@ -31,15 +31,17 @@ def raw_post(server, path: str, body: dict) -> tuple[bytes, bytes]:
 
 
 def test_hangups_at_every_point_free_everything_and_log_no_traceback(server):
-    """Clients that hang up mid-body, right after the request (streamed or not, completions or chat
-    with n=3, to the end of the context) or after the first bytes of a stream: their requests are
-    aborted, nothing runs, waits or holds KV blocks, the log has no traceback (a hang-up is no
-    bug: a body cut short used to log "Exception in ASGI application" with one), and the server
-    serves on."""
+    """Clients that hang up mid-body, right after the request (streamed or not: completions, chat
+    with n=3 and responses, to the end of the context) or after the first bytes of a stream: their
+    requests are aborted, nothing runs, waits or holds KV blocks, the log has no traceback (a
+    hang-up is no bug: a body cut short used to log "Exception in ASGI application" with one), and
+    the server serves on."""
     long = {"model": MODEL_NAME, "prompt": "hang up", "max_tokens": None, "ignore_eos": True}
     chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "n": 3, "ignore_eos": True}
-    requests = [("/v1/completions", long | {"stream": stream}) for stream in (False, True)]
-    requests += [("/v1/chat/completions", chat | {"stream": stream}) for stream in (False, True)]
+    response = {"model": MODEL_NAME, "input": "hang up", "ignore_eos": True}
+    requests = [(path, body | {"stream": stream}) for path, body in (
+        ("/v1/completions", long), ("/v1/chat/completions", chat), ("/v1/responses", response))
+        for stream in (False, True)]
     log_before = server.log()
     before = metric_values(server)
     sockets = []

@@ -10,7 +10,7 @@ One real server process (tests/server_process.py, shared with test_server.py) se
 from __future__ import annotations
 
 import json
-import socket
+from typing import Any
 
 import httpx
 import openai
@@ -19,8 +19,9 @@ import pytest
 import transformers
 from lora_fixtures import save_random_adapter
 from pydantic import TypeAdapter
-from server_process import API_KEY, MAX_MODEL_LEN, MODEL_NAME, in_process, metric_values, wait_for_idle
+from server_process import API_KEY, MAX_MODEL_LEN, MODEL_NAME, in_process, metric_values
 
+from slipstream.serve import protocol
 from slipstream.serve.engine import Engine, EngineConfig
 from slipstream.serve.request import CompletionOutput, RequestMetrics, RequestOutput
 from slipstream.serve.responses import ToolCalls
@@ -65,7 +66,8 @@ def prompt_len(tokenizer, messages, **template_args) -> int:
 def test_text_input_equals_the_chat_reply_and_counts_as_transformers(client, tokenizer):
     """A string input is a user message: greedy output_text equals the chat route's reply to it;
     input_tokens are the chat template's tokens as transformers renders and counts them; a reply
-    cut at max_output_tokens is "incomplete" with reason max_output_tokens; settings are echoed."""
+    cut at max_output_tokens is "incomplete" with reason max_output_tokens; settings are echoed
+    (tool_choice "auto" when not sent, as OpenAI and vLLM echo it)."""
     messages = [{"role": "user", "content": QUESTION}]
     response = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=8, **GREEDY)
     assert response.output_text == chat_text(client, messages, 8)
@@ -81,7 +83,7 @@ def test_text_input_equals_the_chat_reply_and_counts_as_transformers(client, tok
     assert usage.output_tokens_details.reasoning_tokens == 0
     assert usage.input_tokens_details.cached_tokens >= 0
     assert (response.model, response.temperature, response.max_output_tokens) == (MODEL_NAME, 0.0, 8)
-    assert (response.tools, response.tool_choice, response.text.format.type) == ([], "none", "text")
+    assert (response.tools, response.tool_choice, response.text.format.type) == ([], "auto", "text")
 
 
 def test_instructions_and_message_items_render_as_the_chat(client, tokenizer):
@@ -206,18 +208,16 @@ def test_function_call_round_trip(client, tokenizer):
     assert answer.usage.input_tokens == prompt_len(tokenizer, as_template_sees, tools=[CHAT_WEATHER])
 
 
-def test_long_input_is_a_400_or_truncated_with_truncation_auto(client, tokenizer):
-    """An input the context cannot hold is a 400 naming input with OpenAI's context code;
-    truncation "auto" keeps its last tokens, leaving max_output_tokens of room (as vLLM); an
-    output that asks for more than the context leaves is capped there (as vLLM), not refused."""
+def test_long_input_is_a_400_and_long_output_is_capped(client, tokenizer):
+    """An input the context cannot hold is a 400 naming input with OpenAI's context code, also
+    with truncation "auto" when it is one item (only whole items are dropped); an output that asks
+    for more than the context leaves is capped there (as vLLM), not refused."""
     long = "cache " * MAX_MODEL_LEN
     assert prompt_len(tokenizer, [{"role": "user", "content": long}]) > MAX_MODEL_LEN
-    with pytest.raises(openai.BadRequestError) as error:
-        client.responses.create(model=MODEL_NAME, input=long, max_output_tokens=4)
-    assert (error.value.body["param"], error.value.body["code"]) == ("input", "context_length_exceeded")
-    response = client.responses.create(model=MODEL_NAME, input=long, max_output_tokens=4, truncation="auto",
-                                       **GREEDY)
-    assert (response.usage.input_tokens, response.usage.output_tokens) == (MAX_MODEL_LEN - 4, 4)
+    for truncation in ("disabled", "auto"):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.responses.create(model=MODEL_NAME, input=long, max_output_tokens=4, truncation=truncation)
+        assert (error.value.body["param"], error.value.body["code"]) == ("input", "context_length_exceeded")
     short = [{"role": "user", "content": "hi"}]
     response = client.responses.create(model=MODEL_NAME, input=short, max_output_tokens=10 * MAX_MODEL_LEN,
                                        **GREEDY)
@@ -225,28 +225,102 @@ def test_long_input_is_a_400_or_truncated_with_truncation_auto(client, tokenizer
     assert response.incomplete_details.reason == "max_output_tokens"
 
 
-def test_hangups_abort_the_request(server):
-    """A client that hangs up after sending its request (streamed or not), or after the first bytes
-    of its stream, aborts it: nothing is left running, waiting or holding KV blocks."""
-    body = json.dumps({"model": MODEL_NAME, "input": "hang up", "ignore_eos": True}).encode()
-    before = metric_values(server)
-    sockets = []
-    for stream, read_first in ((False, False), (True, False), (True, True)):
-        data = body[:-1] + (b', "stream": true}' if stream else b"}")
-        head = (f"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\nAuthorization: Bearer "
-                f"{API_KEY}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
-        sock = socket.create_connection(("127.0.0.1", server.port))
-        sock.sendall(head.encode() + data)
-        if read_first:
-            assert sock.recv(1)
-        sockets.append(sock)
-    for sock in sockets:
-        sock.close()
-    values = wait_for_idle(server)
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_used_blocks"):
-        assert values[f"slipstream:{name}"] == 0, name
-    aborted = "slipstream:request_success_total:abort"
-    assert values[aborted] > before.get(aborted, 0)
+def test_truncation_auto_drops_the_first_items_and_keeps_the_instructions(client, tokenizer):
+    """truncation "auto" drops the fewest leading items (whole turns, from a user message on) that
+    leave the output its reserve, min(max_output_tokens or 4096, half the context), and keeps the
+    instructions: input_tokens are those of transformers' rendering of the expected kept chat,
+    and the greedy reply is the chat route's to it. Nothing to drop (one long item) is served as
+    "disabled" serves it, its output capped at what the context leaves."""
+    instructions = {"role": "system", "content": "Be brief."}
+    items = [{"role": "user", "content": "cache " * 90}, {"role": "assistant", "content": "Noted."},
+             {"role": "user", "content": "store " * 90}, {"role": "assistant", "content": "Noted."},
+             {"role": "user", "content": QUESTION}]
+    kept_counts = set()
+    for max_output_tokens in (4, 40, None, 10 * MAX_MODEL_LEN):
+        reserve = min(max_output_tokens or 4096, MAX_MODEL_LEN // 2)
+        kept = next(items[cut:] for cut in (0, 2, 4)
+                    if prompt_len(tokenizer, [instructions, *items[cut:]]) + reserve <= MAX_MODEL_LEN)
+        kept_counts.add(len(kept))
+        response = client.responses.create(model=MODEL_NAME, input=items, instructions="Be brief.",
+                                           max_output_tokens=max_output_tokens, truncation="auto", **GREEDY)
+        assert response.usage.input_tokens == prompt_len(tokenizer, [instructions, *kept])
+        expected_output = min(max_output_tokens or MAX_MODEL_LEN, MAX_MODEL_LEN - response.usage.input_tokens)
+        assert response.usage.output_tokens == expected_output >= min(reserve, max_output_tokens or reserve)
+        if max_output_tokens == 40:
+            assert response.output_text == chat_text(client, [instructions, *kept], 40)
+    assert kept_counts == {5, 3, 1}  # each rule above decided one request
+    one_item = [{"role": "user", "content": "cache " * 200}]
+    num_input = prompt_len(tokenizer, one_item)
+    assert num_input + 100 > MAX_MODEL_LEN > num_input
+    response = client.responses.create(model=MODEL_NAME, input=one_item, max_output_tokens=100,
+                                       truncation="auto", **GREEDY)
+    assert (response.usage.input_tokens, response.usage.total_tokens) == (num_input, MAX_MODEL_LEN)
+
+
+def test_truncation_never_orphans_a_tool_result():
+    """truncated_messages keeps every system and developer message, starts the kept turns at a user
+    message, never keeps a tool result without the call it answers (whatever `fits` is asked
+    about), and returns the shortest such chat where none fits."""
+    def message(role: str, call: str | None = None) -> protocol.ChatMessage:
+        calls = None if call is None or role != "assistant" else [
+            protocol.ToolCall(id=call, function=protocol.FunctionCall(name="f", arguments="{}"))]
+        return protocol.ChatMessage(role=role, content=role, tool_calls=calls,
+                                    tool_call_id=call if role == "tool" else None)
+
+    chat = [message("system"), message("user"), message("developer"), message("assistant", "c1"),
+            message("tool", "c1"), message("user"), message("assistant", "c2"), message("user"),
+            message("tool", "c2"), message("user")]
+    asked = []
+
+    def at_most(limit: int):
+        def fits(messages: list[protocol.ChatMessage]) -> bool:
+            asked.append(messages)
+            return len(messages) <= limit
+        return fits
+
+    def indices(messages: list[protocol.ChatMessage]) -> list[int]:
+        return [next(i for i, m in enumerate(chat) if m is kept) for kept in messages]
+
+    expected = {10: list(range(10)), 7: [0, 2, 5, 6, 7, 8, 9], 6: [0, 2, 9], 2: [0, 2, 9]}
+    for limit, kept in expected.items():
+        assert indices(protocol.truncated_messages(chat, at_most(limit))) == kept, limit
+    for messages in asked:
+        calls = {call.id for m in messages for call in m.tool_calls or ()}
+        assert all(m.tool_call_id in calls for m in messages if m.role == "tool")
+
+
+def test_a_reply_of_text_and_a_call_sent_back_is_one_assistant_turn(client, tokenizer):
+    """`input += response.output` of a reply with text and a function call (the client's own
+    output types, ids and statuses included), then the call's output: the message and the call are
+    one assistant turn, as the chat route renders it (transformers' count, the chat route's greedy
+    reply), not two."""
+    question = {"role": "user", "content": "Weather in Oslo?"}
+    arguments = '{"city": "Oslo", "unit": "C"}'
+    said = openai.types.responses.ResponseOutputMessage(
+        id="msg_1", type="message", role="assistant", status="completed",
+        content=[openai.types.responses.ResponseOutputText(type="output_text", text="Let me see.",
+                                                           annotations=[])])
+    called = openai.types.responses.ResponseFunctionToolCall(
+        id="fc_1", type="function_call", call_id="call_1", name="get_weather", arguments=arguments,
+        status="completed")
+    items = [question, said, called, {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    response = client.responses.create(model=MODEL_NAME, input=items, tools=[WEATHER], tool_choice="none",
+                                       max_output_tokens=6, **GREEDY)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    messages = [question, {"role": "assistant", "content": "Let me see.", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    assert response.output_text == chat_text(client, messages, 6, tools=[CHAT_WEATHER], tool_choice="none")
+    as_template_sees = [question, {**messages[1], "tool_calls": [
+        {**call, "function": {"name": "get_weather", "arguments": json.loads(arguments)}}]}, messages[2]]
+    assert response.usage.input_tokens == prompt_len(tokenizer, as_template_sees, tools=[CHAT_WEATHER])
+
+
+def test_settings_are_echoed_as_sent(client):
+    """tool_choice is echoed as sent (also "none" without tools), text with its verbosity."""
+    text = {"format": {"type": "text"}, "verbosity": "low"}
+    response = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=1,
+                                       tool_choice="none", text=text)
+    assert (response.tool_choice, response.text.verbosity) == ("none", "low")
 
 
 def test_logprobs_when_included(client):
@@ -320,6 +394,46 @@ def test_bad_requests_are_400s_naming_the_parameter(client, body, param):
     assert error.value.body["param"] == param, error.value.body
 
 
+BAD_TOOL = {"type": "function", "name": "f", "parameters": {"type": "nonsense"}}
+SCHEMA_FORMAT = {"type": "json_schema", "name": "answer", "schema": {"type": "object"}}
+WORDED_ERRORS = [  # the body, the param, words the message must hold
+    ({"structured_outputs": {"regex": "("}}, "structured_outputs", ["structured_outputs.regex"]),
+    ({"text": {"format": SCHEMA_FORMAT | {"schema": {"type": "nonsense"}}}}, "text", ["text.format.schema"]),
+    ({"text": {"format": {"type": "json_object"}}, "structured_outputs": {"regex": "a"}}, "text",
+     ["structured_outputs and text.format"]),
+    ({"text": {"format": SCHEMA_FORMAT}, "tools": [WEATHER], "tool_choice": "required"}, "text",
+     ["text.format cannot"]),
+    ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools", ["tools[0].name", "null"]),
+    ({"tools": [WEATHER, WEATHER | {"parameters": [1]}]}, "tools", ["tools[1].parameters", "[1]"]),
+    ({"tools": [WEATHER | {"strict": "yes"}]}, "tools", ["tools[0].strict", '"yes"']),
+    ({"tools": [BAD_TOOL], "tool_choice": "required"}, "tools", ["the tools' parameters", "nonsense"]),
+    ({"tools": [BAD_TOOL], "tool_choice": {"type": "function", "name": "f"}}, "tools",
+     ["the tools' parameters"]),
+    ({"text": {"format": "json"}}, "text", ["text.format", '"json"']),
+    ({"text": {"format": {"type": "xml"}}}, "text", ["text.format.type", '"xml"']),
+    ({"text": {"format": SCHEMA_FORMAT | {"strict": "yes"}}}, "text", ["text.format.strict", '"yes"']),
+    ({"text": {"format": SCHEMA_FORMAT | {"name": "an answer"}}}, "text",
+     ["text.format.name", '"an answer"']),
+    ({"text": {"format": SCHEMA_FORMAT | {"name": "a" * 65}}}, "text", ["text.format.name"]),
+    ({"text": {"verbosity": "loud"}}, "text", ["text.verbosity", '"loud"']),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "words"), WORDED_ERRORS,
+                         ids=[str(i) for i in range(len(WORDED_ERRORS))])
+def test_400s_name_the_responses_field_and_value(client, body, param, words):
+    """A 400 of a field the Responses request shares with the chat request it becomes, or of
+    text / tools, names the Responses field, in the Responses' words (never the chat's
+    response_format, nor structured_outputs for what the client sent as text or tools), with the
+    value sent."""
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.create(model=MODEL_NAME, input="x", max_output_tokens=2, extra_body=body)
+    message = error.value.body["message"]
+    assert error.value.body["param"] == param, error.value.body
+    assert all(word in message for word in words) and "response_format" not in message, message
+    assert param == "structured_outputs" or "structured_outputs." not in message, message
+
+
 def test_malformed_bodies_are_400s_and_unknown_models_404s(server):
     """Raw bodies no client would send: not JSON, wrong JSON types, garbage nested deep, numbers
     past any bound: each a 400 (never a 500 or a hang); an unknown model is a 404 as on the chat
@@ -355,6 +469,27 @@ def test_metrics_count_response_requests(client, server):
     assert after["slipstream:generation_tokens_total"] - before["slipstream:generation_tokens_total"] == 3
 
 
+def engine_output(text: str, finish_reason: str | None) -> RequestOutput:
+    """The engine's output of a reply of `text`, about four characters a token, from 3 prompt tokens."""
+    completion = CompletionOutput(index=0, text=text, token_ids=[5] * max(1, len(text) // 4),
+                                  finish_reason=finish_reason)
+    return RequestOutput(request_id="r-0", prompt=None, prompt_token_ids=[1, 2, 3], outputs=[completion],
+                         finished=finish_reason is not None, metrics=RequestMetrics(arrival_time_s=0.0))
+
+
+def stream_events(lines: list[str]) -> list[Any]:
+    """A stream's server-sent events as the `openai` package's types (validating each), each named
+    by its type, numbered 0, 1, 2, ..."""
+    adapter = TypeAdapter(openai.types.responses.ResponseStreamEvent)
+    events = []
+    for line in lines:
+        name, data = line.strip().split("\n")
+        events.append(adapter.validate_python(json.loads(data.removeprefix("data: "))))
+        assert name == f"event: {events[-1].type}"
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    return events
+
+
 def test_auto_tool_call_reply_as_items_and_events_openai_validates():
     """An "auto" reply read by the hermes parser (the server's --tool-call-parser): its text before
     the call is a message item, the call a function_call item with the call's JSON arguments; the
@@ -363,33 +498,44 @@ def test_auto_tool_call_reply_as_items_and_events_openai_validates():
     text = f"Let me see.<tool_call>{call_text}</tool_call>"
     settings = {"tools": [WEATHER], "tool_choice": "auto", "parallel_tool_calls": True, "temperature": 1.0}
     builder = ResponseBuilder(MODEL_NAME, settings, num_logprobs=None, tool_calls=ToolCalls("auto"))
-    partial, final = (
-        RequestOutput(request_id="r-0", prompt=None, prompt_token_ids=[1, 2, 3], finished=done,
-                      outputs=[CompletionOutput(index=0, text=text[:cut], token_ids=[5] * (cut // 4),
-                                                finish_reason="stop" if done else None)],
-                      metrics=RequestMetrics(arrival_time_s=0.0))
-        for cut, done in ((20, False), (len(text), True)))
+    partial, final = engine_output(text[:20], None), engine_output(text, "stop")
     response = openai.types.responses.Response.model_validate(builder.response(final))
     message, call = response.output
     assert (message.type, message.content[0].text) == ("message", "Let me see.")
     assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather",
                                                                    {"city": "Oslo", "unit": "C"})
     assert response.status == "completed" and response.usage.input_tokens == 3
-    lines = [*builder.opening(), *builder.update(partial), *builder.closing(final)]
-    adapter = TypeAdapter(openai.types.responses.ResponseStreamEvent)
-    events = []
-    for line in lines:
-        name, data = line.strip().split("\n")
-        events.append(adapter.validate_python(json.loads(data.removeprefix("data: "))))
-        assert name == f"event: {events[-1].type}"
+    events = stream_events([*builder.opening(), *builder.update(partial), *builder.closing(final)])
     assert [event.type for event in events] == [
         "response.created", "response.in_progress",
         "response.output_item.added", "response.content_part.added", "response.output_text.delta",
         "response.output_text.done", "response.content_part.done", "response.output_item.done",
         "response.output_item.added", "response.function_call_arguments.delta",
         "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
-    assert [event.sequence_number for event in events] == list(range(len(events)))
     assert events[-1].response.output[1].arguments == events[-3].arguments
+
+
+def test_an_empty_reply_that_may_be_calls_is_an_empty_message():
+    """A "required" or "auto" reply with neither text nor a call (EOS at once) is the empty message
+    a plain text reply is, not `output: []`: the Response and its events (validated as the
+    `openai` package's types) are those of a request without tools, ids aside."""
+    final = engine_output("", "stop")
+
+    def answer(tool_calls: ToolCalls | None) -> tuple[Any, list[Any]]:
+        settings = {"tools": [WEATHER], "tool_choice": "auto", "parallel_tool_calls": True}
+        builder = ResponseBuilder(MODEL_NAME, settings, num_logprobs=None, tool_calls=tool_calls)
+        response = openai.types.responses.Response.model_validate(builder.response(final))
+        return response, stream_events([*builder.opening(), *builder.update(final), *builder.closing(final)])
+
+    def shape(response) -> list[tuple[str, str, str]]:
+        return [(item.type, item.status, item.content[0].text) for item in response.output]
+
+    plain, plain_events = answer(None)
+    assert shape(plain) == [("message", "completed", "")]
+    for mode in ("auto", "required"):
+        response, events = answer(ToolCalls(mode))
+        assert shape(response) == shape(events[-1].response) == shape(plain), mode
+        assert [event.type for event in events] == [event.type for event in plain_events], mode
 
 
 def test_raw_response_and_events_validate_as_openais_types(server):

@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -771,7 +772,6 @@ def validation_error(error: ValidationError) -> APIError:
     return bad_request(f"{where}: {first['msg']}", param)
 
 
-
 # ---- the Responses API: POST /v1/responses ----------------------------------------------------
 
 RESPONSE_INCLUDABLE = frozenset({
@@ -783,13 +783,20 @@ RESPONSE_INCLUDABLE = frozenset({
 others name outputs of built-in tools and reasoning items it never produces)."""
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+INSTRUCTION_ROLES = ("system", "developer")
+"""Roles of the messages that truncation "auto" always keeps."""
 MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 """OpenAI's limits on a response's metadata."""
+FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""OpenAI's rule for the name of a json_schema text format."""
+VERBOSITIES = ("low", "medium", "high")
+TRUNCATION_OUTPUT_TOKENS = 4096
+"""With truncation "auto" and no max_output_tokens, the room the kept input leaves for the output
+(at most half the context)."""
 RESPONSES_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-                    "max_tokens": "max_output_tokens", "response_format": "text", "logprobs": "top_logprobs",
-                    "structured_outputs": "text"}
-"""Chat request fields (and engine parameters) -> the Responses field they were built from, for the
-errors of the chat request a Responses request becomes."""
+                    "max_tokens": "max_output_tokens", "response_format": "text", "logprobs": "top_logprobs"}
+"""Chat request fields -> the Responses field they were built from, for the errors of the chat
+request a Responses request becomes (`ResponsesRequest.errors_named`)."""
 
 
 class Reasoning(_Body):
@@ -825,15 +832,16 @@ class ResponsesRequest(_Body):
     """"none", "auto" (the default with tools), "required" or {"type": "function", "name": ...}."""
     text: dict[str, Any] | None = None
     """{"format": {"type": "text"}}, {"format": {"type": "json_object"}} or {"format": {"type":
-    "json_schema", "name": ..., "schema": {...}}}: a structured output."""
+    "json_schema", "name": ..., "schema": {...}, "strict": ...}}: a structured output; and
+    "verbosity" (low, medium, high), only echoed."""
     parallel_tool_calls: bool = True
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool = True
     previous_response_id: str | None = None
     truncation: Literal["auto", "disabled"] = "disabled"
-    """"auto" keeps the input's last tokens that leave room for the output; "disabled" makes a
-    too-long input a 400."""
+    """"auto" drops the input's first items until the rest leaves room for the output
+    (`truncated_messages`); "disabled" makes a too-long input a 400."""
     reasoning: Reasoning | None = None
     """{"effort": ...}: the effort reaches the chat template as `reasoning_effort` (as vLLM)."""
     background: bool = False
@@ -877,6 +885,7 @@ class ResponsesRequest(_Body):
                 raise bad_request(f"include {_excerpt(value)} is not one of "
                                   f"{', '.join(sorted(RESPONSE_INCLUDABLE))}", "include")
         self._check_metadata()
+        self._check_text()
 
     def _check_metadata(self) -> None:
         metadata = self.metadata or {}
@@ -889,14 +898,51 @@ class ResponsesRequest(_Body):
                                   f"{MAX_METADATA_KEY_CHARS} characters, values {MAX_METADATA_VALUE_CHARS})",
                                   "metadata")
 
+    def _check_text(self) -> None:
+        """OpenAI's rules for text: a known verbosity, and a format of a known type; a json_schema
+        one with a name of OpenAI's pattern, an object schema and a boolean strict."""
+        text = self.text or {}
+        verbosity = text.get("verbosity")
+        if verbosity is not None and verbosity not in VERBOSITIES:
+            raise bad_request(f"text.verbosity must be one of {', '.join(VERBOSITIES)}, got "
+                              f"{_shown(verbosity)}", "text")
+        spec = text.get("format")
+        if spec is None:
+            return
+        if not isinstance(spec, dict):
+            raise bad_request(f'text.format must be an object such as {{"type": "json_object"}}, got '
+                              f"{_shown(spec)}", "text")
+        kind = spec.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise bad_request("text.format.type must be text, json_object or json_schema, got "
+                              f"{_shown(kind)}", "text")
+        if kind != "json_schema":
+            return
+        name, schema, strict = spec.get("name"), spec.get("schema"), spec.get("strict")
+        if not isinstance(name, str) or not FORMAT_NAME.fullmatch(name):
+            raise bad_request("text.format.name must be 1 to 64 letters, digits, underscores or dashes, got "
+                              f"{_shown(name)}", "text")
+        if not isinstance(schema, dict):
+            raise bad_request(f"text.format.schema must be an object (a JSON schema), got {_shown(schema)}",
+                              "text")
+        if strict is not None and not isinstance(strict, bool):
+            raise bad_request(f"text.format.strict must be true or false, got {_shown(strict)}", "text")
+
     @property
     def wants_logprobs(self) -> bool:
         return OUTPUT_LOGPROBS in (self.include or ())
 
-    def chat_request(self, max_model_len: int) -> ChatCompletionRequest:
-        """The chat completion request that answers this one (its errors name the Responses'
-        fields). With truncation "auto" the prompt keeps its last tokens that leave room for
-        max_output_tokens (or one token)."""
+    def output_reserve(self, max_model_len: int) -> int:
+        """The tokens truncation "auto" leaves the output: max_output_tokens (or
+        TRUNCATION_OUTPUT_TOKENS), but at most half the context, so that a large max_output_tokens
+        never cuts the input to nothing."""
+        return min(self.max_output_tokens or TRUNCATION_OUTPUT_TOKENS, max_model_len // 2)
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The chat completion request that answers this one, whole (truncation "auto" is the
+        server's: it needs the rendered length). Its 400s name the chat's fields; `errors_named`
+        renames them. Built from Python values (no JSON round trip), off the event loop: an input
+        may hold thousands of items."""
         chat: dict[str, Any] = {
             "model": self.model, "messages": self._messages(),
             "max_completion_tokens": self.max_output_tokens, "logprobs": self.wants_logprobs,
@@ -912,12 +958,30 @@ class ResponsesRequest(_Body):
         if self.tools:
             chat["tools"] = [_chat_tool(index, tool) for index, tool in enumerate(self.tools)]
         chat["tool_choice"] = self._chat_tool_choice()
-        if self.truncation == "auto":
-            chat["truncate_prompt_tokens"] = max(1, max_model_len - (self.max_output_tokens or 1))
-        with responses_params():
-            request = parse_body(ChatCompletionRequest, json.dumps(chat).encode())
-            request.check_supported()
+        try:
+            request = ChatCompletionRequest.model_validate(chat)
+        except ValidationError as error:
+            raise validation_error(error) from None
+        request.check_supported()
         return request
+
+    @contextlib.contextmanager
+    def errors_named(self) -> Iterator[None]:
+        """Re-raise a 400 of the chat request built from this one under the Responses field it came
+        from and in its words: text.format for response_format, tools for a tool's parameters
+        schema (the chat route names its tool_choice), structured_outputs for itself."""
+        try:
+            yield
+        except APIError as error:
+            param = error.param
+            if param == "tool_choice" and error.message.startswith("structured_outputs"):
+                param = "tools"
+            where = {"response_format": "text.format.schema", "tools": "the tools' parameters"}.get(param)
+            if where is not None:
+                error.message = error.message.replace("structured_outputs.json", where)
+            error.message = error.message.replace("response_format", "text.format")
+            error.param = RESPONSES_PARAMS.get(param, param)
+            raise
 
     def _messages(self) -> list[dict[str, Any]]:
         messages = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
@@ -932,8 +996,8 @@ class ResponsesRequest(_Body):
                             "arguments": _item_text(index, item, "arguments")}
                 call = {"id": _item_text(index, item, "call_id"), "type": "function", "function": function}
                 previous = messages[-1] if messages else {}
-                if previous.get("role") == "assistant" and "tool_calls" in previous:  # one turn's calls
-                    previous["tool_calls"].append(call)
+                if previous.get("role") == "assistant":  # one turn: its text and calls, as OpenAI's output
+                    previous.setdefault("tool_calls", []).append(call)
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif kind == "function_call_output":
@@ -948,22 +1012,12 @@ class ResponsesRequest(_Body):
         return messages
 
     def _response_format(self) -> dict[str, Any] | None:
-        """text.format as chat's response_format (None for text)."""
-        spec = (self.text or {}).get("format")
-        if spec is None:
+        """text.format (checked by `_check_text`) as chat's response_format (None for text)."""
+        spec = (self.text or {}).get("format") or {"type": "text"}
+        if spec["type"] == "text":
             return None
-        kind = spec.get("type") if isinstance(spec, dict) else None
-        if kind == "text":
-            return None
-        if kind == "json_object":
+        if spec["type"] == "json_object":
             return {"type": "json_object"}
-        if kind != "json_schema":
-            raise bad_request("text.format type must be text, json_object or json_schema, got "
-                              f"{_excerpt(str(kind))}", "text")
-        name, schema = spec.get("name"), spec.get("schema")
-        if not isinstance(name, str) or not name or not isinstance(schema, dict):
-            raise bad_request("text.format json_schema needs a name (a non-empty string) and a schema "
-                              "(an object)", "text")
         return {"type": "json_schema", "json_schema": {"name": spec["name"], "schema": spec["schema"]}}
 
     def _chat_tool_choice(self) -> str | dict[str, Any] | None:
@@ -984,7 +1038,9 @@ class ResponsesRequest(_Body):
 
     def settings(self, params: SamplingParams) -> dict[str, Any]:
         """The request's settings as a Response echoes them; temperature and top_p as sampled."""
-        spec = (self.text or {}).get("format") or {"type": "text"}
+        text = {"format": (self.text or {}).get("format") or {"type": "text"}}
+        if (self.text or {}).get("verbosity") is not None:
+            text["verbosity"] = self.text["verbosity"]
         reasoning = None if self.reasoning is None else self.reasoning.model_dump()
         return {
             "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
@@ -992,9 +1048,8 @@ class ResponsesRequest(_Body):
             "parallel_tool_calls": self.parallel_tool_calls, "previous_response_id": None,
             "reasoning": reasoning, "service_tier": self.service_tier, "store": False, "background": False,
             "temperature": params.temperature, "top_p": params.top_p, "top_logprobs": self.top_logprobs or 0,
-            "text": {"format": spec}, "tools": self.tools or [],
-            "tool_choice": self.tool_choice if self.tools and self.tool_choice is not None
-            else ("auto" if self.tools else "none"),
+            "text": text, "tools": self.tools or [],
+            "tool_choice": "auto" if self.tool_choice is None else self.tool_choice,  # as sent, as vLLM
             "truncation": self.truncation, "user": self.user,
         }
 
@@ -1032,10 +1087,18 @@ def _item_text(index: int, item: dict[str, Any], key: str) -> str:
 
 
 def _chat_tool(index: int, tool: dict[str, Any]) -> dict[str, Any]:
-    """A Responses function tool (flat) as chat's ({"type": "function", "function": {...}})."""
+    """A Responses function tool (flat) as chat's ({"type": "function", "function": {...}}),
+    checked here so that its 400s name the Responses' shape (tools[0].name)."""
     if tool.get("type") != "function":
         raise bad_request(f"tools[{index}] has type {_excerpt(str(tool.get('type')))}; this server serves "
                           "function tools", "tools")
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_request(f"tools[{index}].name must be a non-empty string, got {_shown(name)}", "tools")
+    for key, kind, what in (("description", str, "a string"), ("strict", bool, "true or false"),
+                            ("parameters", dict, "an object (a JSON schema)")):
+        if tool.get(key) is not None and not isinstance(tool[key], kind):
+            raise bad_request(f"tools[{index}].{key} must be {what}, got {_shown(tool[key])}", "tools")
     function = {key: tool[key] for key in ("name", "description", "parameters", "strict")
                 if tool.get(key) is not None}
     return {"type": "function", "function": function}
@@ -1050,12 +1113,55 @@ def response_not_found(response_id: str, param: str = "response_id") -> APIError
     return APIError(404, f"Response with id {_excerpt(response_id)} not found.", param=param)
 
 
-@contextlib.contextmanager
-def responses_params() -> Iterator[None]:
-    """Re-raise a 400 of the chat request built from a Responses request under the Responses field
-    it came from."""
-    try:
-        yield
-    except APIError as error:
-        error.param = RESPONSES_PARAMS.get(error.param, error.param)
-        raise
+def _shown(value: Any, limit: int = 60) -> str:
+    """A JSON value as the request wrote it, cut to about `limit` characters."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def truncated_messages(messages: list[ChatMessage],
+                       fits: Callable[[list[ChatMessage]], bool]) -> list[ChatMessage]:
+    """truncation "auto", as OpenAI documents it and vLLM does: the chat less the fewest leading
+    messages that make it `fits`, keeping every system and developer message (the instructions).
+    The kept chat starts, after those, with a user message (a template may insist on it) and keeps
+    the call of every tool result it keeps. Where even the shortest such chat does not fit, that
+    one (the context check then judges it). The rendered length falls as messages are dropped, so
+    the cut is found by bisection: a few renders, not one per message."""
+    if fits(messages):
+        return messages
+    cuts = _cuts(messages)
+    if not cuts:
+        return messages
+
+    def kept(cut: int) -> list[ChatMessage]:
+        return [m for index, m in enumerate(messages) if index >= cut or m.role in INSTRUCTION_ROLES]
+
+    low, high = -1, len(cuts) - 1  # kept(cuts[high]) fits; kept(cuts[low]) (the whole at -1) does not
+    if not fits(kept(cuts[high])):
+        return kept(cuts[high])
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(kept(cuts[middle])):
+            high = middle
+        else:
+            low = middle
+    return kept(cuts[high])
+
+
+def _cuts(messages: list[ChatMessage]) -> list[int]:
+    """The indices where truncation may cut (dropping the non-instruction messages before them, of
+    which there is one at least): at a user message, past which no tool result answers a call
+    before it."""
+    call_index = {call.id: index for index, message in enumerate(messages)
+                  for call in message.tool_calls or ()}
+    last_answer: dict[int, int] = {}  # a call's message -> the last tool result answering it
+    for index, message in enumerate(messages):
+        if message.role == "tool" and message.tool_call_id in call_index:
+            last_answer[call_index[message.tool_call_id]] = index
+    cuts, reach, drops = [], -1, False  # reach: the last answer to a call before the cut
+    for cut in range(1, len(messages)):
+        reach = max(reach, last_answer.get(cut - 1, -1))
+        drops = drops or messages[cut - 1].role not in INSTRUCTION_ROLES
+        if drops and reach < cut and messages[cut].role == "user":
+            cuts.append(cut)
+    return cuts

@@ -73,7 +73,9 @@ class ResponseBuilder:
                              "output": items, "usage": usage} | self._settings
 
     def _items(self, completion: CompletionOutput) -> list[dict[str, Any]]:
-        """The message (its text, with logprobs where asked) and/or the function calls of a reply."""
+        """The message (its text, with logprobs where asked) and/or the function calls of a reply:
+        a reply without calls is a message, if empty (as a text reply is); one with calls has a
+        message only for text before them."""
         status = _item_status(completion)
         if self._tool_calls is None:
             logprobs = None
@@ -81,8 +83,10 @@ class ResponseBuilder:
                 logprobs = self._logprobs(completion, 0, len(completion.token_ids))
             return [self._message(completion.text, status, logprobs)]
         message = self._tool_calls.message(completion)
-        items = [self._message(message["content"], status, None)] if message["content"] else []
-        for index, call in enumerate(message.get("tool_calls", [])):
+        calls = message.get("tool_calls", [])
+        text = message["content"] or ""
+        items = [self._message(text, status, None)] if text or not calls else []
+        for index, call in enumerate(calls):
             items.append(self._call(index, call["function"]["name"], call["function"]["arguments"], status))
         return items
 
@@ -171,13 +175,15 @@ class ResponseBuilder:
 
     def _message_events(self, index: int, item: dict[str, Any]) -> list[str]:
         """A message's remaining events: its text whole where no update sent it (a tool call reply's
-        content), then the done events."""
+        content; no delta for an empty one, as for a text reply), then the done events."""
         [part] = item["content"]
         events = []
         if not (index == 0 and self._item_open):
             events += self._open_message(index)
-            events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=index,
-                                      content_index=0, delta=part["text"], logprobs=[]))
+            if part["text"]:
+                events.append(self._event("response.output_text.delta", item_id=item["id"],
+                                          output_index=index, content_index=0, delta=part["text"],
+                                          logprobs=[]))
         common = dict(item_id=item["id"], output_index=index, content_index=0)
         return [*events,
                 self._event("response.output_text.done", **common, text=part["text"],
@@ -221,9 +227,9 @@ def _item_status(completion: CompletionOutput) -> str:
 
 
 def _usage(output: RequestOutput) -> dict[str, Any]:
-    """Tokens in and out, of which the prefix cache held `cached_tokens`. No `cache_write_tokens`
+    """Tokens in and out, of which the prefix cache held `cached_tokens`. `cache_write_tokens` is 0
     (OpenAI's count of tokens it wrote to a cache kept for a paid retention, which this server has
-    not) and no reasoning tokens (the server does not tell reasoning apart)."""
+    not), and so is `reasoning_tokens` (the server does not tell reasoning apart)."""
     [completion] = output.outputs
     num_input, num_output = len(output.prompt_token_ids), len(completion.token_ids)
     details = {"cached_tokens": output.num_cached_tokens, "cache_write_tokens": 0}

@@ -375,7 +375,7 @@ class OpenAIServer:
                                               num_prompt_tokens=len(token_ids), **options)
                 return _event_stream(_final_events([output], chunks))
             return JSONResponse(responses.chat_response(meta, output, **options))
-        named = {"prompt": "messages", "logprobs": "top_logprobs"} | body.params_named
+        named = _chat_params_named(body)
         stream = await self._submit(meta.id, [token_ids], params, arrival_time_s, named, body, lora)
         if body.stream:
             chunks = responses.ChatStream(meta, n=params.n, usage=body.usage_mode,
@@ -408,28 +408,42 @@ class OpenAIServer:
         arrival_time_s = time.monotonic()
         body = await self._parse(request, protocol.ResponsesRequest)
         self._check_runner(generates=True)
-        chat = body.chat_request(self.max_model_len)
         lora = self.served.lora_request(body.model)
-        with protocol.responses_params():
+        with body.errors_named():
+            chat = await asyncio.to_thread(body.chat_request)
             self._check_request_template(chat)
             params = await asyncio.to_thread(chat.sampling_params, max_tokens=chat.max_new_tokens,
                                              logprobs=chat.num_logprobs, defaults=self.sampling_defaults)
             params, tool_calls = self._tool_calls(chat, params)
-            token_ids = await asyncio.to_thread(self._render_chat, chat)
-            [token_ids] = self._tokenize([token_ids], params.truncate_prompt_tokens)
+            token_ids = await asyncio.to_thread(self._response_prompt, body, chat)
             self._check_context(len(token_ids), None, params.min_tokens, "input", "max_output_tokens")
-        room = self.max_model_len - len(token_ids)
-        if params.max_tokens is None or params.max_tokens > room:
-            params = params.replace(max_tokens=room)
-        builder = responses_api.ResponseBuilder(self._served_name(lora), body.settings(params),
-                                                num_logprobs=chat.num_logprobs, tool_calls=tool_calls,
-                                                as_token_ids=self._as_token_ids(chat))
-        named = {"prompt": "input", "logprobs": "top_logprobs", "structured_outputs": "text"}
-        stream = await self._submit(builder.id, [token_ids], params, arrival_time_s, named, chat, lora)
+            room = self.max_model_len - len(token_ids)
+            if params.max_tokens is None or params.max_tokens > room:
+                params = params.replace(max_tokens=room)
+            builder = responses_api.ResponseBuilder(self._served_name(lora), body.settings(params),
+                                                    num_logprobs=chat.num_logprobs, tool_calls=tool_calls,
+                                                    as_token_ids=self._as_token_ids(chat))
+            stream = await self._submit(builder.id, [token_ids], params, arrival_time_s,
+                                        _chat_params_named(chat), chat, lora)
         if body.stream:
             return _event_stream(_response_events(stream, builder))
         [output] = await self._collect(request, stream)
         return JSONResponse(builder.response(output))
+
+    def _response_prompt(self, body: protocol.ResponsesRequest, chat: ChatCompletionRequest) -> list[int]:
+        """The input's ids as the chat template renders them; with truncation "auto", those of the
+        chat less the fewest leading items that leave the output its reserve
+        (protocol.truncated_messages; each candidate is rendered once)."""
+        if body.truncation == "disabled":
+            return self._render_chat(chat)
+        budget = self.max_model_len - body.output_reserve(self.max_model_len)
+        rendered: dict[int, list[int]] = {}  # by number of messages: each candidate has its own
+
+        def fits(messages: list[protocol.ChatMessage]) -> bool:
+            rendered[len(messages)] = self._render_chat(chat.model_copy(update={"messages": messages}))
+            return len(rendered[len(messages)]) <= budget
+
+        return rendered[len(protocol.truncated_messages(chat.messages, fits))]
 
     async def retrieve_response(self, request: Request, response_id: str) -> Response:
         """GET /v1/responses/{id}: as vLLM, which stores no response by default, none is found."""
@@ -828,6 +842,11 @@ async def _final_events(outputs: list[RequestOutput],
 
 def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _chat_params_named(body: ChatCompletionRequest) -> dict[str, str]:
+    """The chat request fields that the engine's parameters came from, where the names differ."""
+    return {"prompt": "messages", "logprobs": "top_logprobs"} | body.params_named
 
 
 def _param_named_in(message: str, params_named: dict[str, str]) -> str | None:
