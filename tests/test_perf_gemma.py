@@ -202,30 +202,34 @@ class _ScorePasses(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("explicit", ["softcap", "sinks"])
 @pytest.mark.parametrize("recipe", ["fp32", "autocast", "bf16"])
-def test_softcapped_score_passes_match_the_dispatcher(recipe):
-    """Guards the soft-capped attention's score passes (Gemma 2's, between its two matmuls) against
-    what torch's dispatcher sees `ops.attention` run on score-sized tensors, forward and backward
-    (each pass once: the backward is autograd's gradients of the forward's ops, not the forward
-    twice), in fp32, in fp32 under bf16 autocast (the trainer) and in bf16 parameters: the bytes
-    `attention_core_forward` and `attention_core_backward` stream besides their matmuls' traffic
-    (q, k, v and the scores written and read: twice in the backward) within 2% (the broadcast
-    mask's read), the kernels exactly."""
+def test_explicit_score_passes_match_the_dispatcher(recipe, explicit):
+    """Guards the score passes of the attention `ops.attention` computes explicitly (between its
+    two matmuls: Gemma 2's soft-capped scores, gpt-oss's sinks) against what torch's dispatcher
+    sees it run on score-sized tensors, forward and backward (each pass once: the backward is
+    autograd's gradients of the forward's ops, not the forward twice), in fp32, in fp32 under
+    bf16 autocast (the trainer) and in bf16 parameters: the bytes `attention_core_forward` and
+    `attention_core_backward` stream besides their matmuls' traffic (q, k, v and the scores
+    written and read: twice in the backward) within 2% (the broadcast mask's read, the sinks'
+    column), the kernels exactly. Sinks were priced as a plain e-byte softmax."""
     batch, tokens, heads, head_dim = 2, 256, 8, 32
     dtype = torch.bfloat16 if recipe == "bf16" else torch.float32
     q, k, v = (torch.randn(batch, tokens, heads, head_dim, dtype=dtype, requires_grad=True) for _ in range(3))
+    kwargs = ({"softcap": 5.0} if explicit == "softcap"
+              else {"sinks": torch.randn(heads, dtype=dtype, requires_grad=True)})
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe == "autocast"):
-        dense_causal_attention(q, k, v, scale=0.1, softcap=5.0)  # the cached mask, made outside the count
+        dense_causal_attention(q, k, v, scale=0.1, **kwargs)  # the cached mask, made outside the count
         scores = batch * heads * tokens * tokens
         forward, backward = _ScorePasses(scores), _ScorePasses(scores)
         with forward:
-            out = dense_causal_attention(q, k, v, scale=0.1, softcap=5.0)
+            out = dense_causal_attention(q, k, v, scale=0.1, **kwargs)
     with backward:
         out.backward(torch.randn_like(out))
 
-    shape = TransformerShape(name="capped", num_layers=1, hidden_size=heads * head_dim, num_heads=heads,
+    shape = TransformerShape(name=explicit, num_layers=1, hidden_size=heads * head_dim, num_heads=heads,
                              num_kv_heads=heads, head_dim=head_dim, ffn_hidden_size=64, vocab_size=64,
-                             attention_softcap=5.0)
+                             attention_softcap=explicit == "softcap", attention_sinks=explicit == "sinks")
     e = 4 if recipe == "fp32" else 2
     device = Device(accelerator=get_accelerator("h100"), efficiency=Efficiency(), dtype="bf16",
                     element_bytes=e)
@@ -236,7 +240,8 @@ def test_softcapped_score_passes_match_the_dispatcher(recipe):
               (attention_core_backward(spec, device), 2 * matmuls)]
     for (work, matmul_bytes), seen in zip(priced, (forward, backward), strict=True):
         passes = work.memory_bytes - matmul_bytes
-        print(recipe, "priced", passes / scores, "B/score, dispatcher", seen.bytes / scores, seen.kernels)
+        print(recipe, explicit, "priced", passes / scores, "B/score, dispatcher", seen.bytes / scores,
+              seen.kernels)
         assert passes == pytest.approx(seen.bytes, rel=0.02)
     assert (priced[0][0].overhead_s - 2 * Efficiency().gemm_overhead_s) / Efficiency().kernel_overhead_s == (
         pytest.approx(forward.kernels))

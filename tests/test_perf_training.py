@@ -341,6 +341,45 @@ def test_activation_memory_equals_what_the_trainers_model_saves(family):
         assert model == pytest.approx(measured, rel=0.01)
 
 
+def _gpt_oss_config(window: int | None):
+    from slipstream.model.config import ModelConfig
+
+    layers = {}
+    if window:
+        layers = {"sliding_window": window, "layer_types": ("sliding_attention", "full_attention") * 2}
+    return ModelConfig(model_type="gpt_oss", vocab_size=1024, hidden_size=256, intermediate_size=640,
+                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                       num_experts=4, num_experts_per_tok=2, max_position_embeddings=256, **layers)
+
+
+@pytest.mark.parametrize("window", [None, 32])
+def test_attention_sinks_activation_memory_equals_what_autograd_saves(window):
+    """Guards the activation bytes of gpt-oss's attention with sinks (explicit matmuls: the fp32
+    softmax over L + 1 columns and its cast for the AV matmul kept, K and V repeated to every query
+    head, an additive mask per window of the layers) against autograd: what slipstream's gpt-oss
+    keeps beyond the same model whose attention is handed no sinks (SDPA), against the priced
+    difference of the shape with and without `attention_sinks`, exactly, fp32 and bf16 autocast,
+    with and without windowed layers. They were priced as SDPA's softmax in e bytes."""
+    from slipstream.model import transformer
+
+    config = _gpt_oss_config(window)
+    shape = TransformerShape.from_model_config(config)
+    real = transformer.dense_causal_attention
+
+    def sinkless(*args, sinks=None, **kwargs):
+        return real(*args, **kwargs)
+
+    for dtype in ("fp32", "bf16"):
+        with_sinks = _trainer_saved_activation_bytes(config, dtype, 1, 240)
+        with mock.patch.object(transformer, "dense_causal_attention", sinkless):
+            without = _trainer_saved_activation_bytes(config, dtype, 1, 240)
+        priced = [training_memory(TrainSetup(shape=s, global_batch_size=1, micro_batch_size=1, seq_len=240,
+                                             dtype=dtype), Layout()).activations_bytes
+                  for s in (shape, dataclasses.replace(shape, attention_sinks=False))]
+        print(window, dtype, "autograd keeps", with_sinks - without, "more; priced", priced[0] - priced[1])
+        assert priced[0] - priced[1] == pytest.approx(with_sinks - without, rel=1e-9)
+
+
 _WINDOWED = {"mistral": {"sliding_window": 32}, "gemma3_text": _GEMMA3,
              "gemma3_text_full": {"sliding_window": 32, "layer_types": ("full_attention",) * 4,
                              "rope_local_theta": 100.0}}
@@ -374,21 +413,27 @@ def test_activation_memory_on_a_gpu_keeps_the_k_and_v_sdpa_expands(family):
         assert model == pytest.approx(measured, rel=0.01)
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3_text", "gemma3_text_full"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3_text", "gemma3_text_full", "gpt_oss",
+                                    "gpt_oss_full"])
 def test_attention_masks_held_equal_what_ops_attention_makes(family):
     """Guards the T x T attention masks counted (`memory.attention_masks`, in the compute dtype)
     against the distinct masks `ops.attention` makes in a training forward of slipstream's model,
     their bytes counted from torch: one for SDPA's windowed layers past the window (Mistral, Gemma
     3), none where no layer has the window (it was counted from the window alone), two for Gemma
-    2's soft-capped attention (its windowed and full layers', both cached; none were counted)."""
+    2's soft-capped attention (its windowed and full layers', both cached; none were counted), and
+    as many for gpt-oss's attention with sinks (one with no windowed layers: none were counted)."""
     torch = pytest.importorskip("torch")
     from slipstream.model.transformer import Transformer
     from slipstream.ops import attention
     from slipstream.perf.memory import attention_masks
     from slipstream.perf.shapes import TransformerShape
 
-    config = (_windowed_config(family) if family != "gemma2" else _windowed_config("mistral").replace(
-        model_type="gemma2", **_GEMMA2))
+    if family.startswith("gpt_oss"):
+        config = _gpt_oss_config(None if family.endswith("_full") else 32)
+    elif family == "gemma2":
+        config = _windowed_config("mistral").replace(model_type="gemma2", **_GEMMA2)
+    else:
+        config = _windowed_config(family)
     shape = TransformerShape.from_model_config(config)
     make_mask, masks = attention._additive_causal_mask, {}
 

@@ -15,7 +15,8 @@ kernel, and its backward is charged twice its forward bytes (it reads the saved 
 incoming gradient and writes a gradient). Eager PyTorch runs them op by op as slipstream's
 `slipstream/model/transformer.py` (and torchtitan's Llama) writes them (`_eager_pointwise`), Gemma's
 norm and GeGLU through autograd's own ops. GEMM backward is two GEMMs (input and weight gradients).
-Gemma 2's soft-capped scores run unfused, their elementwise passes counted (`_softcapped_scores`).
+Gemma 2's soft-capped scores and gpt-oss's scores meeting their sinks run unfused, their
+elementwise passes counted (`_softcapped_scores`, `_sink_scores`).
 
 A layer with experts (`LayerSpec.moe`) runs the router, then each expert its tokens have chosen as
 GEMMs of their own, as slipstream's `SparseMoeBlock` runs them: under uniform routing the layer's
@@ -208,8 +209,8 @@ def attention_core_forward(spec: LayerSpec, device: Device) -> Work:
                                 device.efficiency.kernel_overhead_s)
     scores = heads * spec.attention_pairs  # elements of the score matrix
     bmm = _unfused_matmuls(spec, device)
-    if shape.attention_softcap:
-        return bmm + device.stream(*_softcapped_scores(scores, e, backward=False))
+    if shape.attention_softcap or shape.attention_sinks:
+        return bmm + device.stream(*_explicit_scores(shape, scores, e, backward=False))
     softmax_bytes = 2 * scores * e + (3 * scores * e + scores if spec.dropout else 0)
     return bmm + device.stream(softmax_bytes, 2 if spec.dropout else 1)
 
@@ -226,15 +227,24 @@ def _unfused_matmuls(spec: LayerSpec, device: Device) -> Work:
 def attention_core_backward(spec: LayerSpec, device: Device) -> Work:
     """The attention core's backward: FlashAttention's at `FLASH_BACKWARD_FACTOR` times its
     forward; unfused, two matmuls per forward matmul and the score passes' gradients, autograd's
-    ops for Gemma 2's soft-capped scores (`_softcapped_scores`), twice the softmax's otherwise."""
+    ops for Gemma 2's soft-capped scores and gpt-oss's sinks (`_explicit_scores`), twice the
+    softmax's otherwise."""
     forward = attention_core_forward(spec, device)
     if spec.attention == "flash":
         return forward * FLASH_BACKWARD_FACTOR
-    if not spec.shape.attention_softcap:
+    if not (spec.shape.attention_softcap or spec.shape.attention_sinks):
         return forward * 2.0
     scores = spec.shape.num_heads / spec.tp * spec.attention_pairs
     return (_unfused_matmuls(spec, device) * 2.0
-            + device.stream(*_softcapped_scores(scores, device.element_bytes, backward=True)))
+            + device.stream(*_explicit_scores(spec.shape, scores, device.element_bytes, backward=True)))
+
+
+def _explicit_scores(shape: TransformerShape, scores: float, e: int, *, backward: bool) -> tuple[float, int]:
+    """(bytes, kernels) between the two matmuls of the attention `ops.attention` computes
+    explicitly: Gemma 2's soft-capped scores, else gpt-oss's scores meeting their sinks."""
+    if shape.attention_softcap:
+        return _softcapped_scores(scores, e, backward=backward)
+    return _sink_scores(scores, e, backward=backward)
 
 
 def _softcapped_scores(scores: float, e: int, *, backward: bool) -> tuple[float, int]:
@@ -252,6 +262,23 @@ def _softcapped_scores(scores: float, e: int, *, backward: bool) -> tuple[float,
     if backward:
         return scores * (2 * cast + 12 + 2 * e + 3 * e + 2 * e + 2 * e), 5 + 2 * casts
     return scores * (5 * 2 * e + 2 * cast + 8), 6 + 2 * casts
+
+
+def _sink_scores(scores: float, e: int, *, backward: bool) -> tuple[float, int]:
+    """(bytes, kernels) of gpt-oss's scores meeting their sinks between its two matmuls, op by op
+    as `ops.attention` computes them (`softmax_with_sinks`), on e-byte scores.
+
+    Forward: the scale and the mask's addition (each reading and writing the scores), the cast
+    to fp32 where e is 2, the concatenation of each row's sink (reading and writing 4 bytes), the
+    fp32 softmax over it and the cast back to e bytes for the AV matmul. Backward: that cast's
+    gradient to fp32, the slice's (the sink column dropped: writing the gradient into a row one
+    longer), softmax's backward (reading the gradient and the output, writing 4 bytes each), the
+    cast of its gradient to e bytes and the scale's gradient; the concatenation's gradient is a
+    view. The sink's own column (1/L of the scores) is left out."""
+    cast, casts = (0, 0) if e == 4 else (e + 4, 1)
+    if backward:
+        return scores * (2 * cast + 8 + 12 + 2 * e), 3 + 2 * casts
+    return scores * (2 * 2 * e + 2 * cast + 8 + 8), 4 + 2 * casts
 
 
 def pointwise_forward(spec: LayerSpec, device: Device) -> Work:

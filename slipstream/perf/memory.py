@@ -130,10 +130,11 @@ def _layer_activation_bytes(
     routing = _routing_activation_bytes(shape, n, e, r) if moe else 0.0
     # Split by TP: q, k, v and the projection input (4e sbh for MHA), the MLP intermediates (GELU
     # input and the down-projection input, 8e sbh for a 4h GELU MLP; SwiGLU keeps gate, up, product).
-    # Soft-capped attention's explicit matmuls keep K and V repeated to every query head, as SDPA
-    # does where it does not take grouped heads (`_expanded_kv_share`).
+    # Soft-capped attention's and attention with sinks' explicit matmuls keep K and V repeated to
+    # every query head, as SDPA does where it does not take grouped heads (`_expanded_kv_share`).
+    explicit = shape.attention_softcap or shape.attention_sinks
     kv_dim = shape.kv_dim + (shape.q_dim - shape.kv_dim) * (
-        1.0 if shape.attention_softcap else _expanded_kv_share(setup, on_cuda))
+        1.0 if explicit else _expanded_kv_share(setup, on_cuda))
     attention = e * n * (2 * shape.q_dim + 2 * kv_dim)
     if shape.qk_norm:  # the q and k norms keep their inputs too (Gemma's, fp32 copies)
         attention += _norm_bytes(shape, e) * n * (shape.q_dim + shape.kv_dim)
@@ -146,7 +147,11 @@ def _layer_activation_bytes(
         per_score = e + (1 + e) * mask  # softmax out (+ dropout mask, out)
         if shape.attention_softcap:  # tanh's output, the fp32 softmax and its cast for the matmul
             per_score = e + 4 + (e if e != 4 else 0)
+        elif shape.attention_sinks:  # the fp32 softmax and its cast for the matmul, no tanh output
+            per_score = 4 + (e if e != 4 else 0)
         scores = shape.num_heads * pairs * per_score
+        if shape.attention_sinks:  # the softmax's column for each query's sink (`softmax_with_sinks`)
+            scores += 4 * shape.num_heads * n
     elif setup.attention_kernel == "flash":
         scores = 4.0 * n * shape.num_heads  # fp32 log-sum-exp per query and head
     if sequence_parallel:
@@ -157,11 +162,12 @@ def _layer_activation_bytes(
 def attention_masks(setup: TrainSetup) -> int:
     """Additive T x T masks (in the compute dtype) the trainer's attention holds, each shared by
     every layer of its window (`ops.attention._additive_causal_mask` caches the last two made):
-    soft-capped attention adds one to every layer's scores, one per window the layers have (Gemma
-    2: its windowed and its full layers'); SDPA gets one only on windowed layers shorter than the
+    soft-capped attention and attention with sinks (explicit matmuls) add one to every layer's
+    scores, one per window the layers have (Gemma 2's and gpt-oss's windowed and full layers');
+    SDPA gets one only on windowed layers shorter than the
     sequence (the others run `is_causal`), and keeps it for the backward."""
     shape = setup.shape
-    if shape.attention_softcap:
+    if shape.attention_softcap or shape.attention_sinks:
         return 2 if 0.0 < shape.windowed_layer_share < 1.0 else 1
     return 1 if _masked(setup) else 0
 
