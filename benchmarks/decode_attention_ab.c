@@ -22,8 +22,10 @@
  * --heads sets the layout (H query heads, K kv heads of D; Gemma's: 8/4/256 or 8/1/256). No soft
  * cap (0.0f) unless --softcap. A build from before the soft cap was added takes the same call: its
  * scale and the cap travel in vector registers, the integers where they always did, so it ignores
- * it (compare such a build only without --softcap). Two threads unless --threads (one where another
- * process keeps a core busy: a team waiting on a descheduled thread measures the scheduler).
+ * it (compare such a build only without --softcap). No sinks: the last argument is NULL, which a
+ * build from before sinks were added takes too (the pointer comes after its last argument on the
+ * stack, which it never reads). Two threads unless --threads (one where another process keeps a
+ * core busy: a team waiting on a descheduled thread measures the scheduler).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -35,7 +37,7 @@
 
 typedef int (*attention_fn)(const void *, const void *, const void *, void *, const int64_t *,
                             const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                            int64_t, float, float, int, int);
+                            int64_t, float, float, int, int, const float *);
 
 enum { LAYERS = 12, BLOCK = 16, ROUNDS = 31 };
 static const int64_t EVICT_BYTES = 96 << 20;
@@ -127,7 +129,8 @@ int main(int argc, char **argv) {
                 }
                 const double start = omp_get_wtime();
                 const int status = builds[b](q, k[l], v[l], out[b], tables, lens, seqs, blocks_per_seq, heads,
-                                             kv_heads, head_dim, BLOCK, 0, 0.125f, softcap, bf16, threads);
+                                             kv_heads, head_dim, BLOCK, 0, 0.125f, softcap, bf16, threads,
+                                             NULL);
                 seconds += omp_get_wtime() - start;
                 if (status != 0) {
                     fprintf(stderr, "build %d failed with status %d\n", b, status);

@@ -88,8 +88,8 @@ def _load() -> ctypes.CDLL | None:
     except (OSError, subprocess.CalledProcessError) as e:  # no such compiler, a failed build or load
         logger.warning("building the CPU kernels failed (%s): using PyTorch", e)
         return None
-    lib.paged_decode_attention_sinks.restype = ctypes.c_int
-    lib.paged_decode_attention_sinks.argtypes = (
+    lib.paged_decode_attention.restype = ctypes.c_int
+    lib.paged_decode_attention.argtypes = (
         [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 7 + [ctypes.c_float] * 2 + [ctypes.c_int] * 2
         + [ctypes.c_void_p]
     )
@@ -99,8 +99,8 @@ def _load() -> ctypes.CDLL | None:
     lib.min_panel_rows.argtypes = [ctypes.c_int]
     lib.has_prefill_attention.restype = ctypes.c_int
     lib.has_prefill_attention.argtypes = [ctypes.c_int64]
-    lib.paged_prefill_attention_sinks.restype = ctypes.c_int
-    lib.paged_prefill_attention_sinks.argtypes = (
+    lib.paged_prefill_attention.restype = ctypes.c_int
+    lib.paged_prefill_attention.argtypes = (
         [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
         + [ctypes.c_float] * 2 + [ctypes.c_int] * 2 + [ctypes.c_void_p]
     )
@@ -233,7 +233,7 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
     sinks = _fp32_sinks(sinks, num_heads)
-    status = lib.paged_decode_attention_sinks(
+    status = lib.paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         block_tables.data_ptr(), seq_lens.data_ptr(),
         num_seqs, block_tables.shape[1], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
@@ -296,7 +296,7 @@ def paged_prefill_attention_(
     q = _rows_of_heads(q)
     num_heads, head_dim = q.shape[1], q.shape[2]
     sinks = _fp32_sinks(sinks, num_heads)
-    status = lib.paged_prefill_attention_sinks(
+    status = lib.paged_prefill_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         chunk_rows.data_ptr(), chunk_lens.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
         len(chunk_rows), block_tables.shape[1], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],

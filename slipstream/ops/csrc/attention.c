@@ -828,12 +828,12 @@ void attention_tasks(task_team *team, const void *q, const void *k_cache, const 
 }
 
 /* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad argument. sinks:
- * num_heads fp32 logits, or NULL. */
-int paged_decode_attention_sinks(const void *q, const void *k_cache, const void *v_cache, void *out,
-                                 const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
-                                 int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
-                                 int64_t head_dim, int64_t block_size, int64_t window, float scale,
-                                 float softcap, int dtype, int num_threads, const float *sinks) {
+ * num_heads fp32 logits (gpt-oss's), or NULL (the other families: the arithmetic without sinks). */
+int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
+                           const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
+                           int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, int64_t window, float scale,
+                           float softcap, int dtype, int num_threads, const float *sinks) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
     const int64_t scratch_floats =
         attention_scratch_floats(max_seq_len(seq_lens, num_seqs), num_heads, head_dim);
@@ -854,17 +854,6 @@ int paged_decode_attention_sinks(const void *q, const void *k_cache, const void 
     }
     free_decode_split(&split);
     return failed;
-}
-
-/* paged_decode_attention_sinks without sinks (the entry point of the families without them). */
-int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, void *out,
-                           const int64_t *block_tables, const int64_t *seq_lens, int64_t num_seqs,
-                           int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size, int64_t window, float scale,
-                           float softcap, int dtype, int num_threads) {
-    return paged_decode_attention_sinks(q, k_cache, v_cache, out, block_tables, seq_lens, num_seqs, max_blocks,
-                                        num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap,
-                                        dtype, num_threads, NULL);
 }
 
 /*
@@ -1485,13 +1474,13 @@ static void prefill_task(const void *q, int64_t q_stride, const void *k_cache, c
 #endif
 
 /* Returns 0 on success, 1 if scratch memory could not be allocated, 2 for a bad argument. sinks:
- * num_heads fp32 logits, or NULL. */
-int paged_prefill_attention_sinks(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                                  void *out, const int64_t *chunk_rows, const int64_t *chunk_lens,
-                                  const int64_t *seq_lens, const int64_t *block_tables, int64_t num_chunks,
-                                  int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                  int64_t block_size, int64_t window, float scale, float softcap, int dtype,
-                                  int num_threads, const float *sinks) {
+ * num_heads fp32 logits (gpt-oss's), or NULL (the other families: the arithmetic without sinks). */
+int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                            void *out, const int64_t *chunk_rows, const int64_t *chunk_lens,
+                            const int64_t *seq_lens, const int64_t *block_tables, int64_t num_chunks,
+                            int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                            int64_t block_size, int64_t window, float scale, float softcap, int dtype,
+                            int num_threads, const float *sinks) {
 #if defined(__AVX512F__) || defined(SLIPSTREAM_AVX2)
     if (!has_prefill_attention(head_dim) || num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
     for (int64_t c = 0; c < num_chunks; c++)
@@ -1536,16 +1525,4 @@ int paged_prefill_attention_sinks(const void *q, int64_t q_stride, const void *k
     (void)sinks;
     return 2;
 #endif
-}
-
-/* paged_prefill_attention_sinks without sinks (the entry point of the families without them). */
-int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                            void *out, const int64_t *chunk_rows, const int64_t *chunk_lens,
-                            const int64_t *seq_lens, const int64_t *block_tables, int64_t num_chunks,
-                            int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                            int64_t block_size, int64_t window, float scale, float softcap, int dtype,
-                            int num_threads) {
-    return paged_prefill_attention_sinks(q, q_stride, k_cache, v_cache, out, chunk_rows, chunk_lens, seq_lens,
-                                         block_tables, num_chunks, max_blocks, num_heads, num_kv_heads, head_dim,
-                                         block_size, window, scale, softcap, dtype, num_threads, NULL);
 }
