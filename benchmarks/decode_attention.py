@@ -7,12 +7,13 @@ reads its keys and values from memory, not from the cache of the call before. Th
 `paged_attention` runs without the kernel: gather every sequence's blocks, mask past each length,
 two einsums and a softmax (`_batched_decode`), interleaved with the kernel. Prints the median time
 per call, the bytes of keys and values read per second and their fraction of the read bandwidth
-measured in the same run (the roofline of a decode step's attention), and the ratio. Last line
-JSON.
+measured in the same run (the roofline of a decode step's attention), and the ratio. `--sinks`
+gives both a random attention-sink logit per query head (gpt-oss's). Last line JSON.
 
     python benchmarks/decode_attention.py [--dtype float32|bfloat16|both]
     python benchmarks/decode_attention.py --shapes 64x224 16x1024 4x4096    # sequences x keys
     python benchmarks/decode_attention.py --heads 8/1/256 --shapes 1x4096 16x1024
+    python benchmarks/decode_attention.py --heads 64/8/64 --shapes 16x1024 --sinks    # gpt-oss
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ BLOCK_SIZE, NUM_LAYERS = 16, 12
 
 
 def time_calls(dtype: torch.dtype, heads: tuple[int, int, int], num_seqs: int, num_keys: int,
-               repeats: int) -> dict[str, float]:
+               repeats: int, sinks: bool) -> dict[str, float]:
     """Median seconds per call of each implementation, over NUM_LAYERS caches in turn; heads is
-    (query heads, kv heads, head size)."""
+    (query heads, kv heads, head size); `sinks`: with a random sink logit per query head."""
     num_heads, num_kv_heads, head_dim = heads
     blocks_per_seq = -(-num_keys // BLOCK_SIZE)
     num_blocks = num_seqs * blocks_per_seq
@@ -43,13 +44,14 @@ def time_calls(dtype: torch.dtype, heads: tuple[int, int, int], num_seqs: int, n
     batch = PagedBatch.build(seq_lens=[num_keys] * num_seqs, query_lens=[1] * num_seqs,
                              block_tables=tables.tolist(), block_size=BLOCK_SIZE)
     q = torch.randn(num_seqs, num_heads, head_dim).to(dtype)
+    sink_logits = torch.randn(num_heads).to(dtype) if sinks else None
 
     def kernel(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         cpu_kernels.paged_decode_attention(q, k_cache, v_cache, batch.decode_block_tables,
-                                           batch.decode_seq_lens, None)
+                                           batch.decode_seq_lens, None, sinks=sink_logits)
 
     def pytorch(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        _batched_decode(q, k_cache, v_cache, batch)
+        _batched_decode(q, k_cache, v_cache, batch, sinks=sink_logits)
 
     implementations = {"kernel": kernel, "torch": pytorch}
     times = {impl: [] for impl in implementations}
@@ -73,6 +75,7 @@ def main() -> None:
     parser.add_argument("--heads", default="12/4/64", help="query heads / kv heads / head size")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default="both", choices=["float32", "bfloat16", "both"])
+    parser.add_argument("--sinks", action="store_true", help="a random attention sink per query head")
     args = parser.parse_args()
     if cpu_kernels.library() is None:
         raise SystemExit("the C kernels could not be built here (no C compiler?)")
@@ -84,13 +87,13 @@ def main() -> None:
     dtypes = [torch.float32, torch.bfloat16] if args.dtype == "both" else [getattr(torch, args.dtype)]
     bandwidth = max(measure_memory_bandwidth("cpu")[0] for _ in range(2))
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (measured now); {num_heads} query / {num_kv_heads} kv "
-          f"heads of {head_dim}, blocks of {BLOCK_SIZE}")
+          f"heads of {head_dim}, blocks of {BLOCK_SIZE}{', with sinks' if args.sinks else ''}")
     print(f"{'dtype':<10}{'seqs':>6}{'keys':>7}{'kernel ms':>11}{'GB/s':>7}{'of bw':>7}{'torch ms':>10}"
           f"{'ratio':>8}")
     results = []
     for dtype in dtypes:
         for num_seqs, num_keys in shapes:
-            seconds = time_calls(dtype, heads, num_seqs, num_keys, args.repeats)
+            seconds = time_calls(dtype, heads, num_seqs, num_keys, args.repeats, args.sinks)
             element_bytes = torch.empty((), dtype=dtype).element_size()
             kv_bytes = 2 * num_seqs * num_keys * num_kv_heads * head_dim * element_bytes
             row = {"dtype": str(dtype).removeprefix("torch."), "num_seqs": num_seqs, "num_keys": num_keys,
@@ -103,7 +106,8 @@ def main() -> None:
                   f"{row['kernel_kv_gb_per_s']:>7.1f}{100 * row['fraction_of_bandwidth']:>6.0f}%"
                   f"{row['torch_ms']:>10.3f}{row['speedup']:>7.2f}x")
     print_json({"benchmark": "decode_attention", "machine": machine(), "bandwidth_bytes_per_s": bandwidth,
-                "heads": num_heads, "kv_heads": num_kv_heads, "head_dim": head_dim, "results": results})
+                "heads": num_heads, "kv_heads": num_kv_heads, "head_dim": head_dim, "sinks": args.sinks,
+                "results": results})
 
 
 if __name__ == "__main__":
