@@ -151,7 +151,7 @@ def _demo(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from slipstream.serve.engine import EngineConfig
-    from slipstream.serve.served_models import runtime_lora_updating
+    from slipstream.serve.served_models import responses_api_store, runtime_lora_updating
     from slipstream.serve.server import ServerConfig, run_server
 
     engine_config = EngineConfig(
@@ -177,6 +177,8 @@ def _serve(args: argparse.Namespace) -> None:
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         trust_request_chat_template=args.trust_request_chat_template, lora_modules=tuple(args.lora_modules),
         allow_runtime_lora_updating=runtime_lora_updating(os.environ),
+        responses_store=responses_api_store(os.environ),
+        **({} if args.responses_store_size is None else {"responses_store_size": args.responses_store_size}),
     )
     run_server(engine_config, server_config, log_level="debug" if args.verbose else "info")
 
@@ -300,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model's tool-call format, for --enable-auto-tool-choice")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="name logprobs tokens 'token_id:ID' unless a request says otherwise (as vLLM)")
+    p.add_argument("--responses-store-size", type=_int_at_least(1),
+                   help="with VLLM_ENABLE_RESPONSES_API_STORE, the most Responses kept (default 1024; the "
+                        "least recently used go first, where vLLM keeps every one)")
     p.add_argument("--dtype", default="auto",
                    help="auto, float32, bfloat16, float16 (also vLLM's float and half)")
     p.add_argument("-q", "--quantization",

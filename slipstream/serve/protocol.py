@@ -810,7 +810,8 @@ class ResponsesRequest(_Body):
     """POST /v1/responses (OpenAI's Responses API) for text models, with vLLM's extensions. Its input
     items become a chat (`chat_request`), so that the chat route's template, sampling, tool calls and
     structured outputs answer it. As vLLM by default, nothing is stored: `store` is ignored (echoed
-    false), a `previous_response_id` is never found, and `background` (which needs the store) is a 400."""
+    false), a `previous_response_id` is never found, and `background` (which needs the store) is a 400;
+    a server started with VLLM_ENABLE_RESPONSES_API_STORE stores them (`check_store`)."""
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -869,15 +870,10 @@ class ResponsesRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
-        """vLLM's refusals (a stored prompt, background, an unknown previous response) and the checks
-        the chat request cannot make in the Responses' terms."""
+        """vLLM's refusal of a stored prompt and the checks the chat request cannot make in the
+        Responses' terms (those of the store's fields are `check_store`'s)."""
         if self.prompt is not None:
             raise bad_request("prompt templates are not supported", "prompt")
-        if self.background:
-            raise bad_request("background needs store, which this server does not offer (as vLLM without "
-                              "VLLM_ENABLE_RESPONSES_API_STORE)", "background")
-        if self.previous_response_id is not None:
-            raise response_not_found(self.previous_response_id, "previous_response_id")
         if not self.input:  # "" or []
             raise bad_request("input must not be empty", "input")
         for value in self.include or ():
@@ -927,6 +923,39 @@ class ResponsesRequest(_Body):
                               "text")
         if strict is not None and not isinstance(strict, bool):
             raise bad_request(f"text.format.strict must be true or false, got {_shown(strict)}", "text")
+
+    def check_store(self, enabled: bool) -> None:
+        """Without the server's store (`enabled` False), vLLM's answers: background is a 400 and a
+        previous response is never found. With it, background needs `store` (as OpenAI) and, here,
+        no `stream` (a background response is read by polling GET /v1/responses/{id})."""
+        if not enabled:
+            if self.background:
+                raise bad_request("background needs store, which this server does not offer (as vLLM "
+                                  "without VLLM_ENABLE_RESPONSES_API_STORE)", "background")
+            if self.previous_response_id is not None:
+                raise response_not_found(self.previous_response_id, "previous_response_id")
+            return
+        if self.background and not self.store:
+            raise bad_request("background needs store true (a background response is read back from the "
+                              "store)", "background")
+        if self.background and self.stream:
+            raise bad_request("background responses are not streamed by this server; poll GET "
+                              "/v1/responses/{id} instead", "stream")
+        if self.previous_response_id is not None and not self.previous_response_id.startswith("resp_"):
+            raise response_not_found(self.previous_response_id, "previous_response_id")
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The input as items (a string is one user message), without the instructions: what a later
+        request naming this one's response as its previous_response_id continues from."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": self.input}]
+        return self.input
+
+    def continuing(self, history: list[dict[str, Any]]) -> ResponsesRequest:
+        """This request with the `history` of a previous response (its conversation, then its
+        output items) before its input. The previous instructions are not carried over (as OpenAI
+        documents): this request's own, if any, lead the chat."""
+        return self.model_copy(update={"input": [*history, *self.conversation()]})
 
     @property
     def wants_logprobs(self) -> bool:
@@ -1036,8 +1065,9 @@ class ResponsesRequest(_Body):
             return self.chat_template_kwargs
         return {"reasoning_effort": self.reasoning.effort} | (self.chat_template_kwargs or {})
 
-    def settings(self, params: SamplingParams) -> dict[str, Any]:
-        """The request's settings as a Response echoes them; temperature and top_p as sampled."""
+    def settings(self, params: SamplingParams, *, store_enabled: bool = False) -> dict[str, Any]:
+        """The request's settings as a Response echoes them; temperature and top_p as sampled, and
+        `store` and previous_response_id as they are honoured (`store_enabled`: the server's store)."""
         text = {"format": (self.text or {}).get("format") or {"type": "text"}}
         if (self.text or {}).get("verbosity") is not None:
             text["verbosity"] = self.text["verbosity"]
@@ -1045,8 +1075,10 @@ class ResponsesRequest(_Body):
         return {
             "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
             "max_tool_calls": self.max_tool_calls, "metadata": self.metadata or {},
-            "parallel_tool_calls": self.parallel_tool_calls, "previous_response_id": None,
-            "reasoning": reasoning, "service_tier": self.service_tier, "store": False, "background": False,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "previous_response_id": self.previous_response_id if store_enabled else None,
+            "reasoning": reasoning, "service_tier": self.service_tier, "store": self.store and store_enabled,
+            "background": self.background,
             "temperature": params.temperature, "top_p": params.top_p, "top_logprobs": self.top_logprobs or 0,
             "text": text, "tools": self.tools or [],
             "tool_choice": "auto" if self.tool_choice is None else self.tool_choice,  # as sent, as vLLM

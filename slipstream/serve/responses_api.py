@@ -11,10 +11,16 @@ Response (incomplete ones too, as vLLM, so that the `openai` client's stream hel
 named tool call streams the same way, its arguments in function_call_arguments.delta events; a
 reply that may be calls or text ("required", "auto") can be read only once whole: its items'
 events all come at the end.
+
+With VLLM_ENABLE_RESPONSES_API_STORE, `ResponseStore` keeps the Responses (and the conversations
+that produced them) that GET /v1/responses/{id}, previous_response_id and cancel read.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import dataclasses
 import json
 import time
 import uuid
@@ -106,6 +112,11 @@ class ResponseBuilder:
         """OpenAI's logprobs of tokens [start, end): each token's and its top alternatives'."""
         logprobs = chat_logprobs(completion, start, end, self._num_logprobs, as_token_ids=self._as_token_ids)
         return logprobs["content"]
+
+    def pending(self, status: str) -> dict[str, Any]:
+        """The Response of a background request not finished yet ("queued", "in_progress"): no
+        output, no usage."""
+        return self._body(None, [], None) | {"status": status}
 
     # ---- streams ------------------------------------------------------------------------------
 
@@ -236,3 +247,60 @@ def _usage(output: RequestOutput) -> dict[str, Any]:
     return {"input_tokens": num_input, "input_tokens_details": details,
             "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": num_input + num_output}
+
+
+RESPONSES_STORE_SIZE = 1024
+"""How many Responses the store keeps by default (`serve --responses-store-size`). vLLM's store is
+unbounded, and so grows with every request for as long as the server runs; this one forgets the
+least recently used Response (created, read or continued) beyond its size."""
+UNFINISHED = ("queued", "in_progress")
+
+
+@dataclasses.dataclass
+class StoredResponse:
+    response: dict[str, Any]
+    """The Response as GET /v1/responses/{id} returns it (a background one's changes as it runs)."""
+    conversation: list[dict[str, Any]]
+    """The input items that produced it, without the instructions (`ResponsesRequest.conversation`)."""
+    task: asyncio.Task | None = None
+    """A background response's run, which cancelling it cancels."""
+
+    @property
+    def unfinished(self) -> bool:
+        return self.response["status"] in UNFINISHED
+
+    def history(self) -> list[dict[str, Any]]:
+        """What a request continuing from this response (its previous_response_id) puts before its
+        input: the conversation, then the output items (messages and function calls are input
+        items too)."""
+        return [*self.conversation, *self.response["output"]]
+
+
+class ResponseStore:
+    """The stored Responses by id, at most `size`, least recently used first out. Used from the
+    server's event loop only, so it needs no lock."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"responses_store_size must be positive, got {size}")
+        self.size = size
+        self._entries: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries.move_to_end(response_id)
+        return entry
+
+    def put(self, response_id: str, entry: StoredResponse) -> None:
+        """Store `entry`, forgetting the least recently used beyond the size. A forgotten background
+        response still running is cancelled: nobody could read its result any more."""
+        self._entries[response_id] = entry
+        self._entries.move_to_end(response_id)
+        while len(self._entries) > self.size:
+            _, evicted = self._entries.popitem(last=False)
+            if evicted.task is not None and evicted.unfinished:
+                evicted.task.cancel()

@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 RUNTIME_LORA_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 """vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter, under its own name so that
 vLLM deployments port unchanged."""
+RESPONSES_API_STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"
+"""vLLM's switch for the Responses API's store, likewise."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,13 +74,22 @@ def parse_lora_module(text: str) -> LoRAModulePath:
 
 
 def runtime_lora_updating(environ: Mapping[str, str]) -> bool:
-    """Whether VLLM_ALLOW_RUNTIME_LORA_UPDATING allows loading and unloading adapters over HTTP:
-    "1" or "true" as vLLM reads it (any case); unset, "", "0" or "false" do not; any other value is a
-    ValueError rather than a guess."""
-    value = environ.get(RUNTIME_LORA_UPDATING_ENV, "").strip().lower()
+    """Whether VLLM_ALLOW_RUNTIME_LORA_UPDATING allows loading and unloading adapters over HTTP."""
+    return env_switch(environ, RUNTIME_LORA_UPDATING_ENV)
+
+
+def responses_api_store(environ: Mapping[str, str]) -> bool:
+    """Whether VLLM_ENABLE_RESPONSES_API_STORE makes the Responses API store responses (`store`,
+    previous_response_id, GET, background and cancel)."""
+    return env_switch(environ, RESPONSES_API_STORE_ENV)
+
+
+def env_switch(environ: Mapping[str, str], name: str) -> bool:
+    """One of vLLM's on/off environment variables: "1" or "true" as vLLM reads them (any case);
+    unset, "", "0" or "false" are off; any other value is a ValueError rather than a guess."""
+    value = environ.get(name, "").strip().lower()
     if value not in ("", "0", "false", "1", "true"):
-        raise ValueError(f"{RUNTIME_LORA_UPDATING_ENV} must be 1, true, 0 or false, got "
-                         f"{environ[RUNTIME_LORA_UPDATING_ENV]!r}")
+        raise ValueError(f"{name} must be 1, true, 0 or false, got {environ[name]!r}")
     return value in ("1", "true")
 
 

@@ -117,11 +117,16 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = False
     """Add vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (the CLI sets it from vLLM's
     VLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+    responses_store: bool = False
+    """Store Responses, for `store`, previous_response_id, GET /v1/responses/{id}, background and
+    cancel (the CLI sets it from vLLM's VLLM_ENABLE_RESPONSES_API_STORE)."""
+    responses_store_size: int = responses_api.RESPONSES_STORE_SIZE
+    """The most Responses the store keeps (the least recently used go first)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 2**16:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_waiting", "max_body_bytes", "retry_after_s"):
+        for name in ("max_waiting", "max_body_bytes", "retry_after_s", "responses_store_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.drain_timeout_s >= 0:  # NaN too
@@ -177,6 +182,13 @@ class OpenAIServer:
         """Held while an adapter is loaded or unloaded, so that two updates never race for a name."""
         self.engine = AsyncEngine(engine, max_waiting=config.max_waiting, on_step=self.metrics.observe)
         self.is_draining = is_draining
+        self.response_store = None
+        """The stored Responses (None: the server stores none, as vLLM by default)."""
+        if config.responses_store:
+            logger.warning("the Responses API store is enabled (VLLM_ENABLE_RESPONSES_API_STORE): up to "
+                           "%d responses and their conversations are kept in memory",
+                           config.responses_store_size)
+            self.response_store = responses_api.ResponseStore(config.responses_store_size)
         self._loop: asyncio.AbstractEventLoop | None = None
         self.app = self._build_app()
 
@@ -404,11 +416,23 @@ class OpenAIServer:
     async def create_response(self, request: Request) -> Response:
         """OpenAI's POST /v1/responses: the input as a chat (protocol.ResponsesRequest.chat_request),
         answered as a chat completion is, then as a Response or its stream (responses_api.py). As
-        vLLM, the output is capped at what the context leaves after the input."""
+        vLLM, the output is capped at what the context leaves after the input. With the store
+        (VLLM_ENABLE_RESPONSES_API_STORE), a previous response's history leads the input, a Response
+        with `store` is kept once finished, and a background one is answered at once, "queued", and
+        runs on in the engine, whoever disconnects, until it finishes or is cancelled."""
         arrival_time_s = time.monotonic()
         body = await self._parse(request, protocol.ResponsesRequest)
+        store = self.response_store
+        body.check_store(store is not None)
         self._check_runner(generates=True)
         lora = self.served.lora_request(body.model)
+        if body.previous_response_id is not None:
+            previous = self._stored(body.previous_response_id, "previous_response_id")
+            if previous.unfinished:
+                raise protocol.bad_request(f"previous response {body.previous_response_id} is still "
+                                           f"{previous.response['status']}; continue from it once it has "
+                                           "finished", "previous_response_id")
+            body = body.continuing(previous.history())
         with body.errors_named():
             chat = await asyncio.to_thread(body.chat_request)
             self._check_request_template(chat)
@@ -420,15 +444,48 @@ class OpenAIServer:
             room = self.max_model_len - len(token_ids)
             if params.max_tokens is None or params.max_tokens > room:
                 params = params.replace(max_tokens=room)
-            builder = responses_api.ResponseBuilder(self._served_name(lora), body.settings(params),
+            settings = body.settings(params, store_enabled=store is not None)
+            builder = responses_api.ResponseBuilder(self._served_name(lora), settings,
                                                     num_logprobs=chat.num_logprobs, tool_calls=tool_calls,
                                                     as_token_ids=self._as_token_ids(chat))
             stream = await self._submit(builder.id, [token_ids], params, arrival_time_s,
                                         _chat_params_named(chat), chat, lora)
+        entry = None
+        if store is not None and body.store:
+            entry = responses_api.StoredResponse(builder.pending("queued"), body.conversation())
+        if body.background:  # check_store: only with an entry
+            entry.task = asyncio.create_task(self._run_in_background(stream, builder, entry))
+            store.put(builder.id, entry)
+            return JSONResponse(entry.response)
+
+        def keep(response: dict[str, Any]) -> None:
+            if entry is not None:
+                entry.response = response
+                store.put(builder.id, entry)
+
         if body.stream:
-            return _event_stream(_response_events(stream, builder))
+            return _event_stream(_response_events(stream, builder, keep))
         [output] = await self._collect(request, stream)
-        return JSONResponse(builder.response(output))
+        response = builder.response(output)
+        keep(response)
+        return JSONResponse(response)
+
+    async def _run_in_background(self, stream: RequestStream, builder: responses_api.ResponseBuilder,
+                                 entry: responses_api.StoredResponse) -> None:
+        """A background response's run: "in_progress" from the engine's first output, then the
+        finished Response. Cancelling the task (cancel_response) leaves the stream, which aborts the
+        request; the engine failing makes it "failed"."""
+        output = None
+        try:
+            async for outputs in stream:
+                [output] = outputs
+                entry.response["status"] = "in_progress"
+        except EngineError as error:
+            logger.error("background response %s failed: %s", builder.id, error)
+            entry.response = entry.response | {
+                "status": "failed", "error": {"code": "server_error", "message": str(error)}}
+            return
+        entry.response = builder.response(output)
 
     def _response_prompt(self, body: protocol.ResponsesRequest, chat: ChatCompletionRequest) -> list[int]:
         """The input's ids as the chat template renders them; with truncation "auto", those of the
@@ -446,14 +503,35 @@ class OpenAIServer:
         return rendered[len(protocol.truncated_messages(chat.messages, fits))]
 
     async def retrieve_response(self, request: Request, response_id: str) -> Response:
-        """GET /v1/responses/{id}: as vLLM, which stores no response by default, none is found."""
+        """GET /v1/responses/{id}: the stored Response (a background one as it stands). As vLLM by
+        default, a server without the store finds none. Its `stream` replay of a background
+        response's events is not served (background responses are not streamed here)."""
         self._authorize(request)
-        raise protocol.response_not_found(response_id)
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            raise protocol.bad_request("this server does not stream stored responses; GET without stream",
+                                       "stream")
+        return JSONResponse(self._stored(response_id).response)
 
     async def cancel_response(self, request: Request, response_id: str) -> Response:
-        """POST /v1/responses/{id}/cancel: as vLLM by default, no (background) response is found."""
+        """POST /v1/responses/{id}/cancel: a queued or in-progress background response stops (its
+        request is aborted, its KV blocks freed) and is "cancelled"; any other is a 400, as vLLM
+        answers."""
         self._authorize(request)
-        raise protocol.response_not_found(response_id)
+        entry = self._stored(response_id)
+        if not entry.unfinished:
+            raise protocol.bad_request(f"Response {response_id} is {entry.response['status']}: only a "
+                                       "queued or in_progress background response can be cancelled")
+        entry.response = entry.response | {"status": "cancelled"}
+        entry.task.cancel()
+        return JSONResponse(entry.response)
+
+    def _stored(self, response_id: str, param: str = "response_id") -> responses_api.StoredResponse:
+        """The stored response of this id: a 404 (a 400 for an id that is no response's) where
+        there is none, or no store."""
+        entry = None if self.response_store is None else self.response_store.get(response_id)
+        if entry is None:
+            raise protocol.response_not_found(response_id, param)
+        return entry
 
     async def embeddings(self, request: Request) -> Response:
         """OpenAI's POST /v1/embeddings, for a server started with --runner pooling."""
@@ -806,10 +884,11 @@ class OpenAIServer:
         yield responses.sse("[DONE]")
 
 
-async def _response_events(stream: RequestStream,
-                           builder: responses_api.ResponseBuilder) -> AsyncIterator[str]:
-    """A Response's events until response.completed; closing the generator (the client left)
-    aborts the request."""
+async def _response_events(stream: RequestStream, builder: responses_api.ResponseBuilder,
+                           keep: Callable[[dict[str, Any]], None]) -> AsyncIterator[str]:
+    """A Response's events until response.completed, the finished Response handed to `keep` (the
+    store) before they go out; closing the generator (the client left) aborts the request, and
+    nothing is kept."""
     try:
         for event in builder.opening():
             yield event
@@ -818,7 +897,9 @@ async def _response_events(stream: RequestStream,
             for latest in outputs:
                 for event in builder.update(latest):
                     yield event
-        for event in builder.closing(latest):
+        events = builder.closing(latest)
+        keep(builder.response(latest))
+        for event in events:
             yield event
     except EngineError as error:
         logger.error("response stream %s failed: %s", builder.id, error)

@@ -1,0 +1,157 @@
+"""The Responses API's store (a server with VLLM_ENABLE_RESPONSES_API_STORE) as the official `openai`
+client drives it: previous_response_id continues a conversation exactly as resending it whole does
+(and as the chat route and transformers' template count it), GET returns what create returned,
+`store` false keeps nothing, background responses run to the foreground's reply or are cancelled
+with their KV blocks freed, and the store forgets the least recently used response beyond its size.
+
+One in-process server with a store of STORE_SIZE responses serves them all; the store-less server's
+answers are tests/test_server_responses.py's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+import transformers
+from server_process import MODEL_NAME, in_process
+
+from slipstream.serve.engine import Engine, EngineConfig
+from slipstream.serve.served_models import responses_api_store
+from slipstream.serve.server import OpenAIServer, ServerConfig
+
+pytest_plugins = ["serve_fixtures"]
+
+STORE_SIZE = 4
+MAX_MODEL_LEN = 512
+QUESTION = "Write a haiku about caches."
+FOLLOW_UP = "Now one about queues."
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN, block_size=8))
+
+
+@pytest.fixture(scope="module")
+def client(engine) -> openai.OpenAI:
+    config = ServerConfig(port=0, served_model_name=MODEL_NAME, responses_store=True,
+                          responses_store_size=STORE_SIZE)
+    with in_process(OpenAIServer(engine, config)) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def poll(client, response_id: str, until: tuple[str, ...], timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while (response := client.responses.retrieve(response_id)).status not in until:
+        assert time.monotonic() < deadline, f"{response_id} stayed {response.status}"
+        time.sleep(0.02)
+    return response
+
+
+def test_previous_response_id_equals_resending_the_conversation(client, model_dir):
+    """A second turn by previous_response_id gives the greedy reply and input_tokens of the same
+    conversation sent whole as input items, and of the chat route; its input_tokens are the chat
+    template's count by transformers for the user, assistant, user messages: the first turn's
+    instructions are not carried over (as OpenAI documents)."""
+    first = client.responses.create(model=MODEL_NAME, input=QUESTION, instructions="Answer briefly.",
+                                    max_output_tokens=8, **GREEDY)
+    second = client.responses.create(model=MODEL_NAME, input=FOLLOW_UP, previous_response_id=first.id,
+                                     max_output_tokens=8, **GREEDY)
+    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": FOLLOW_UP}]
+    whole = client.responses.create(model=MODEL_NAME, input=messages, max_output_tokens=8, store=False,
+                                    **GREEDY)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_completion_tokens=8,
+                                          **GREEDY)
+    assert second.output_text == whole.output_text == chat.choices[0].message.content
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    expected = len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False))
+    assert second.usage.input_tokens == whole.usage.input_tokens == chat.usage.prompt_tokens == expected
+    assert (second.previous_response_id, second.store, second.instructions) == (first.id, True, None)
+    assert whole.store is False
+
+
+def test_get_returns_the_created_response_and_store_false_keeps_nothing(client):
+    """GET /v1/responses/{id} returns the Response create returned (and a stream's response.completed
+    one); with store false nothing is kept: GET and previous_response_id are 404s."""
+    created = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=4, **GREEDY)
+    assert client.responses.retrieve(created.id).model_dump() == created.model_dump()
+    events = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=4, stream=True,
+                                     **GREEDY)
+    [streamed] = [event.response for event in events if event.type == "response.completed"]
+    assert client.responses.retrieve(streamed.id).model_dump() == streamed.model_dump()
+    unstored = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=4, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    with pytest.raises(openai.NotFoundError) as error:
+        client.responses.create(model=MODEL_NAME, input=QUESTION, previous_response_id=unstored.id)
+    assert error.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.cancel(created.id)  # a finished response, as vLLM answers
+
+
+def test_background_runs_to_the_foreground_reply(client):
+    """background true answers at once, queued or in_progress with no output; polling GET reaches
+    "completed" with the foreground (unstored) reply's text and usage."""
+    foreground = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=16, store=False,
+                                         **GREEDY)
+    started = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=16, background=True,
+                                      **GREEDY)
+    assert started.status in ("queued", "in_progress") and started.output == [] and started.background
+    done = poll(client, started.id, until=("completed", "incomplete", "failed"))
+    assert done.status == "incomplete" and done.incomplete_details.reason == "max_output_tokens"
+    assert done.output_text == foreground.output_text
+    assert done.usage.model_dump() == foreground.usage.model_dump()
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.cancel(done.id)
+    for body, param in (({"store": False}, "background"), ({"stream": True}, "stream")):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.responses.create(model=MODEL_NAME, input=QUESTION, background=True, extra_body=body)
+        assert error.value.body["param"] == param
+
+
+def test_cancel_stops_a_background_response_and_frees_its_blocks(client, engine):
+    """Cancelling a running background response makes it "cancelled" (GET says so too) and aborts
+    its request: within a second the engine holds no request and no KV block, where the ~490 tokens
+    its output has room for take several seconds here."""
+    started = client.responses.create(model=MODEL_NAME, input=QUESTION, background=True, **GREEDY)
+    poll(client, started.id, until=("in_progress",))
+    cancelled = client.responses.cancel(started.id)
+    assert cancelled.status == "cancelled"
+    deadline = time.monotonic() + 1
+    while engine.has_unfinished_requests() or engine.scheduler.kv_cache.num_used_blocks:
+        assert time.monotonic() < deadline, "the cancelled request still runs"
+        time.sleep(0.02)
+    assert client.responses.retrieve(started.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(started.id)
+
+
+def test_the_store_forgets_the_least_recently_used_response(client):
+    """Beyond STORE_SIZE responses the least recently used one is gone (404): the oldest, unless a
+    GET used it since, which leaves the next oldest to go."""
+    ids = [client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=1).id
+           for _ in range(STORE_SIZE)]
+    client.responses.retrieve(ids[0])
+    newest = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=1).id
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(ids[1])
+    for response_id in (ids[0], *ids[2:], newest):
+        assert client.responses.retrieve(response_id).id == response_id
+
+
+def test_the_store_switch_reads_as_vllm_and_the_size_is_checked(engine):
+    """VLLM_ENABLE_RESPONSES_API_STORE is on for 1 and true (any case), off unset, empty, 0 or false,
+    and any other value is a ValueError; a store size below 1 is a ValueError naming it."""
+    values = ["1", "true", "TRUE", "", "0", "false"]
+    assert [responses_api_store({"VLLM_ENABLE_RESPONSES_API_STORE": v}) for v in values] == [
+        True, True, True, False, False, False]
+    assert responses_api_store({}) is False
+    with pytest.raises(ValueError, match="VLLM_ENABLE_RESPONSES_API_STORE"):
+        responses_api_store({"VLLM_ENABLE_RESPONSES_API_STORE": "yes"})
+    with pytest.raises(ValueError, match="responses_store_size"):
+        ServerConfig(responses_store=True, responses_store_size=0)
