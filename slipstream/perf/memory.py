@@ -37,7 +37,8 @@ to every query head.
 
 A mixture-of-experts model holds every expert (weights, gradients and optimizer states of all of
 them: each is trained, whichever tokens reach it); its activations are the k experts' a token
-runs plus what routing keeps (`_routing_activation_bytes`). Pipeline stages need every layer alike
+runs plus what routing keeps (`_routing_activation_bytes`); gpt-oss's biased experts keep their
+clamped SwiGLU's intermediates in fp32 under autocast (`_clamped_expert_bytes`). Pipeline stages need every layer alike
 (`pipeline_error`): a stage's weights follow from its count of whole layers only then.
 """
 
@@ -140,6 +141,8 @@ def _layer_activation_bytes(
         attention += _norm_bytes(shape, e) * n * (shape.q_dim + shape.kv_dim)
     # SwiGLU keeps gate, up and the product (its backward recomputes silu); GeGLU also gelu(gate).
     mlp = e * n * f * {"swiglu": 3, "geglu": 4, "gelu": 2}[shape.mlp]
+    if moe and _clamped_experts(shape):
+        mlp = _clamped_expert_bytes(n * f, e, r)
     split = attention + mlp
     scores = 0.0
     if setup.attention_kernel == "unfused" and setup.recompute != "selective":
@@ -185,6 +188,21 @@ def _norm_bytes(shape: TransformerShape, r: int) -> int:
     return 8 if shape.norm == "gemma_rmsnorm" else r
 
 
+def _clamped_experts(shape: TransformerShape) -> bool:
+    """Whether the experts are gpt-oss's (`GptOssMoeBlock`): biased, with a clamped SwiGLU. No
+    other family's experts have biases."""
+    return shape.expert_bias_params > 0
+
+
+def _clamped_expert_bytes(width: float, e: int, r: int) -> float:
+    """What gpt-oss's experts keep over `width` = n k F intermediate columns: the whole gate-up
+    output (two columns per one, kept by the clamps of its strided gate and up views), the clamped
+    gate, its sigmoid, their product and up + 1 (the two products' operands), all in the r-byte
+    bias's dtype (the e-byte matmul's output plus the fp32 bias is fp32 under autocast), and the
+    down projection's input cast to e bytes."""
+    return width * (6 * r + e)
+
+
 def _routing_activation_bytes(shape: TransformerShape, n: float, e: int, r: int) -> float:
     """What slipstream's `SparseMoeBlock` keeps beyond the experts' SwiGLU for n tokens: the
     router's fp32 softmax (4 bytes per expert); per choice of an expert, three int64 indices (the
@@ -192,8 +210,12 @@ def _routing_activation_bytes(shape: TransformerShape, n: float, e: int, r: int)
     (the gathered input and the expert's output, for the routing weight's gradient, in e bytes;
     the weighted output that index_add_ keeps, in the block's input dtype, r bytes: the residual
     stream's, as transformers sums the experts' rows); with a shared expert, its output and its
-    gate's sigmoid."""
+    gate's sigmoid. gpt-oss's block (`_clamped_experts`) keeps no router softmax: its top k of the
+    raw logits keeps only the indices and its softmax over the k its e-byte output, once as
+    returned and once gathered into expert order; the expert's output, biased, is r bytes."""
     k, h = shape.experts_per_token, shape.hidden_size
+    if _clamped_experts(shape):
+        return n * k * (24 + 2 * e) + (e + 2 * r) * n * k * h
     shared = e * n * (h + 1) if shape.shared_expert_ffn_hidden_size else 0
     return n * (4 * shape.num_experts + 28 * k) + (2 * e + r) * n * k * h + shared
 
