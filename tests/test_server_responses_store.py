@@ -115,11 +115,18 @@ def test_background_runs_to_the_foreground_reply(client):
 
 
 def test_cancel_stops_a_background_response_and_frees_its_blocks(client, engine):
-    """Cancelling a running background response makes it "cancelled" (GET says so too) and aborts
+    """A running background response cannot be continued yet, nor its events streamed (400s).
+    Cancelling it makes it "cancelled" (GET says so too) and aborts
     its request: within a second the engine holds no request and no KV block, where the ~490 tokens
     its output has room for take several seconds here."""
     started = client.responses.create(model=MODEL_NAME, input=QUESTION, background=True, **GREEDY)
     poll(client, started.id, until=("in_progress",))
+    with pytest.raises(openai.BadRequestError) as error:  # its output is not there to continue from
+        client.responses.create(model=MODEL_NAME, input=FOLLOW_UP, previous_response_id=started.id)
+    assert error.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as error:  # vLLM's replay of its events
+        client.responses.retrieve(started.id, stream=True)
+    assert error.value.body["param"] == "stream"
     cancelled = client.responses.cancel(started.id)
     assert cancelled.status == "cancelled"
     deadline = time.monotonic() + 1

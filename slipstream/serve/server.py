@@ -455,6 +455,8 @@ class OpenAIServer:
             entry = responses_api.StoredResponse(builder.pending("queued"), body.conversation())
         if body.background:  # check_store: only with an entry
             entry.task = asyncio.create_task(self._run_in_background(stream, builder, entry))
+            # A task cancelled before its first step never runs its body: abort the request here.
+            entry.task.add_done_callback(lambda _: stream.close())
             store.put(builder.id, entry)
             return JSONResponse(entry.response)
 
