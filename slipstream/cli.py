@@ -158,7 +158,7 @@ def _serve(args: argparse.Namespace) -> None:
         model=args.model_dir, dtype=args.dtype, quantization=args.quantization, device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_enable_prefix_caching, max_logprobs=args.max_logprobs,
         enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
         speculative_config=args.speculative_config, profiler_config=args.profiler_config, runner=args.runner,
@@ -317,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=int, help="bytes for the KV cache")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="as in vLLM: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2 or bfloat16")
     p.add_argument("--gpu-memory-utilization", type=float,
                    help="as in vLLM: the fraction of the device's memory (RAM on a CPU) for the "
                         "weights and the KV cache, which gets what the weights leave")

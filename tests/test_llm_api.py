@@ -634,7 +634,7 @@ def test_vllm_engine_arguments_that_mean_what_slipstream_does_are_accepted(model
 
 UNSUPPORTED_VLLM_ARGS = {
     "pipeline_parallel_size": 2, "data_parallel_size": 2,
-    "kv_cache_dtype": "fp8", "cpu_offload_gb": 4,
+    "kv_cache_dtype": "fp8_inc", "cpu_offload_gb": 4,
     "enable_chunked_prefill": False, "disable_log_stats": False, "skip_tokenizer_init": True,
     "tokenizer_mode": "mistral", "trust_remote_code": "yes", "revision": "main",
     "tokenizer_revision": "v2", "download_dir": "/tmp/models", "tokenizer": "/elsewhere/tokenizer",
@@ -643,7 +643,7 @@ UNSUPPORTED_VLLM_ARGS = {
 
 @pytest.mark.parametrize("name", sorted(UNSUPPORTED_VLLM_ARGS))
 def test_vllm_engine_arguments_slipstream_cannot_honour_are_value_errors(model_dir, name):
-    """A vLLM argument asking for what slipstream does not do (pipeline stages, an fp8 KV cache,
+    """A vLLM argument asking for what slipstream does not do (pipeline stages, Intel's fp8 KV cache,
     unchunked prefill, a hub revision, another tokenizer, ...) is a ValueError naming it and its
     value, never silently ignored (a quantization slipstream lacks: test_quant_serving.py)."""
     value = UNSUPPORTED_VLLM_ARGS[name]

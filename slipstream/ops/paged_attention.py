@@ -19,6 +19,12 @@ or one SDPA call per chunk over its gathered keys (two matmuls and an fp32 softm
 cannot, over pieces of the chunk's queries so that their scores stay under `_SCORE_PIECE_BYTES`).
 The tests check both against dense attention over unpaged keys.
 
+The cache may hold keys and values in a narrower dtype than the model's (`kv_cache_dtype`, vLLM's
+values): "fp8" (= "fp8_e4m3"), "fp8_e5m2" or "bfloat16". `write_kv` then saturates each value to the
+format's finite range and casts (per-tensor scale 1.0, vLLM's default without calibrated scales), and
+attention runs the PyTorch paths, which widen what they gather back to the queries' dtype; the C
+kernels read only caches of the queries' dtype.
+
 Layout legend: N new tokens in the batch, H query heads, K kv heads, D head dim, P blocks,
 S block size, B decoding sequences, L keys.
 """
@@ -34,6 +40,29 @@ import torch.nn.functional as F
 from slipstream.ops import cpu_kernels
 from slipstream.ops.attention import causal_mask, softmax_with_sinks_
 from slipstream.ops.linear import onednn_multiplies
+
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2, "bfloat16": torch.bfloat16}
+"""vLLM's kv_cache_dtype values besides "auto" (the model's dtype), and the cache dtype of each."""
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache dtype `name` (vLLM's kv_cache_dtype) means for a model served in `model_dtype`."""
+    if name == "auto":
+        return model_dtype
+    if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={name!r} is not supported: 'auto' or one of "
+                         f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
+    return KV_CACHE_DTYPES[name]
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` in the cache's `dtype`: an 8-bit float saturates at its largest finite value first, as
+    vLLM's conversion does (e4m3fn has no infinity and e5m2 would round to one)."""
+    if dtype.itemsize == 1 and dtype.is_floating_point:
+        limit = torch.finfo(dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -117,12 +146,15 @@ def write_kv(
     *,
     use_kernel: bool = True,
 ) -> None:
-    """Store the new tokens' keys and values at their slots."""
-    if use_kernel and cpu_kernels.supports(k):
+    """Store the new tokens' keys and values at their slots, in the cache's dtype."""
+    if use_kernel and k_cache.dtype == k.dtype and cpu_kernels.supports(k):
         cpu_kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
         return
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        new = to_cache_dtype(new, cache.dtype)
+        if cache.dtype.itemsize == 1:  # index_copy_ has no 8-bit float kernels: copy the bytes
+            cache, new = cache.view(torch.uint8), new.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, new)
 
 
 def paged_attention(
@@ -142,8 +174,8 @@ def paged_attention(
     `softcap` is given, each token seeing at most its `sliding_window` most recent keys, each
     head's `sinks` logit joining its softmax where given.
 
-    Decodes and prefills go through the C kernels of `cpu_kernels` where they apply and
-    `use_kernel` is set, else through the PyTorch versions below.
+    Decodes and prefills go through the C kernels of `cpu_kernels` where they apply (a cache of
+    the queries' dtype) and `use_kernel` is set, else through the PyTorch versions below.
     """
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive or None, got {softcap}")
@@ -154,6 +186,7 @@ def paged_attention(
                          f"{tuple(sinks.shape)}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    use_kernel = use_kernel and k_cache.dtype == q.dtype
     if not batch.prefills:  # a pure decode step: every row is a decode, in order
         return _decode(q, k_cache, v_cache, batch, scale, softcap, sliding_window, use_kernel, sinks)
     out = torch.empty_like(q)
@@ -167,8 +200,8 @@ def paged_attention(
         for chunk, padded_table in zip(batch.prefills, batch.prefill_block_tables, strict=True):
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             table = padded_table[: -(-chunk.seq_len // batch.block_size)]
-            keys = _gather(k_cache, table, chunk.seq_len)  # (L, K, D)
-            values = _gather(v_cache, table, chunk.seq_len)
+            keys = _gather(k_cache, table, chunk.seq_len, q.dtype)  # (L, K, D)
+            values = _gather(v_cache, table, chunk.seq_len, q.dtype)
             out[rows] = _attend(q[rows], keys, values, sliding_window, scale=scale, softcap=softcap,
                                 sinks=sinks)
     if len(batch.decode_token_rows):
@@ -213,8 +246,8 @@ def _batched_decode(
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     max_len = batch.decode_max_len
-    keys = k_cache[batch.decode_block_tables].flatten(1, 2)[:, :max_len]  # (B, L, K, D)
-    values = v_cache[batch.decode_block_tables].flatten(1, 2)[:, :max_len]
+    keys = k_cache[batch.decode_block_tables].flatten(1, 2)[:, :max_len].to(q.dtype)  # (B, L, K, D)
+    values = v_cache[batch.decode_block_tables].flatten(1, 2)[:, :max_len].to(q.dtype)
     positions = torch.arange(max_len, device=q.device)
     valid = positions[None, :] < batch.decode_seq_lens[:, None]  # (B, L)
     if sliding_window is not None:
@@ -237,9 +270,9 @@ def _batched_decode(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """(seq_len, K, D): one sequence's keys or values in position order."""
-    return cache[block_table].flatten(0, 1)[:seq_len]
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """(seq_len, K, D): one sequence's keys or values in position order, in `dtype`."""
+    return cache[block_table].flatten(0, 1)[:seq_len].to(dtype)
 
 
 # In bf16, SDPA's fused CPU kernel is slower than two bf16 matmuls and an fp32 softmax for short

@@ -43,7 +43,7 @@ _BYTES_PER_ELEMENT = {
     "float32": 4, "fp32": 4, "tf32": 4,
     "bfloat16": 2, "bf16": 2,
     "float16": 2, "fp16": 2, "half": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
     "int8": 1, "uint8": 1,
 }
 

@@ -35,6 +35,7 @@ from slipstream.model.tokenizer import Tokenizer
 from slipstream.model.weights import dtype_name, load_model, resolve_dtype
 from slipstream.ops import cpu_kernels
 from slipstream.ops.allocator import keep_freed_memory, keep_large_freed_memory
+from slipstream.ops.paged_attention import resolve_kv_cache_dtype
 from slipstream.ops.quant import check_quantization
 from slipstream.perf.flops import kv_cache_bytes_per_token
 from slipstream.perf.records import METRICS_FILE
@@ -125,6 +126,16 @@ class EngineConfig:
     """Bytes for the KV cache. Default on CPU: what max_num_seqs full-length sequences need, at
     most 4 GiB and 40% of available memory; on CUDA: 90% of the memory left after the weights,
     at most MAX_DEFAULT_CUDA_BLOCKS blocks."""
+    kv_cache_dtype: str = "auto"
+    """As vLLM's: the KV cache's dtype. "auto" is the model's; "fp8" (= "fp8_e4m3") and "fp8_e5m2"
+    store one byte per value (twice the tokens of a bf16 cache in the same kv_cache_memory, four
+    times an fp32 one's), saturated to the format's range with scales of 1.0 (vLLM's default
+    without calibrated scales); "bfloat16" two. A cache of another dtype than the model's runs
+    attention through the PyTorch paths, without the C attention kernels and the C decode graph
+    (ops/paged_attention.py; docs/engine.md, "fp8 KV cache")."""
+    calculate_kv_scales: bool = False
+    """vLLM's: per-tensor K/V scales computed from the first batch. Not supported (True is refused):
+    the scales are always 1.0."""
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
@@ -220,6 +231,10 @@ class EngineConfig:
             raise ValueError(f"seed must be None or an integer in [-2**63, 2**63), got {self.seed!r}")
         if self.dtype != "auto":
             resolve_dtype(self.dtype)
+        resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)
+        if self.calculate_kv_scales is not False:
+            raise ValueError(f"calculate_kv_scales={self.calculate_kv_scales!r} is not supported: the KV "
+                             "cache's scales are always 1.0")
         check_quantization(self.quantization)
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
@@ -232,6 +247,8 @@ class EngineLimits:
     """Values derived once when the engine starts (never written back into the config)."""
 
     dtype: torch.dtype
+    kv_dtype: torch.dtype
+    """The KV cache's (kv_cache_dtype resolved against `dtype`)."""
     device: torch.device
     max_model_len: int
     num_blocks: int
@@ -339,12 +356,12 @@ class Engine:
         if self.workers is not None:
             self.workers.start(Start(num_blocks=limits.num_blocks, block_size=config.block_size,
                                      max_num_seqs=config.max_num_seqs, max_model_len=limits.max_model_len,
-                                     enable_lora=config.enable_lora))
+                                     enable_lora=config.enable_lora, kv_dtype=limits.kv_dtype))
         runner = Runner(model, num_blocks=limits.num_blocks, block_size=config.block_size, dtype=dtype,
                         device=device, max_num_seqs=config.max_num_seqs, max_model_len=limits.max_model_len,
                         use_kernels=config.fast_cpu_kernels,
                         enforce_eager=config.enforce_eager or self.workers is not None, workers=self.workers,
-                        enable_lora=config.enable_lora)
+                        enable_lora=config.enable_lora, kv_dtype=limits.kv_dtype)
         return limits, runner
 
     @property
@@ -1076,7 +1093,8 @@ def _derive_limits(
         max_model_len = config.max_model_len
     # Each tensor-parallel rank keeps its share of every block's heads (one, with more ranks than heads).
     tp = config.tensor_parallel_size
-    bytes_per_block = (config.block_size * kv_cache_bytes_per_token(model_config, dtype_name(dtype))
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+    bytes_per_block = (config.block_size * kv_cache_bytes_per_token(model_config, kv_dtype)
                        // min(tp, model_config.num_key_value_heads))
     if config.kv_cache_memory is not None:
         total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else host_memory()[0]
@@ -1097,8 +1115,9 @@ def _derive_limits(
             f"tokens, fewer than one full-length sequence ({max_model_len}); raise it or lower max_model_len"
         )
     eos = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *model_config.eos_token_ids]))
-    return EngineLimits(dtype=dtype, device=device, max_model_len=max_model_len, num_blocks=num_blocks,
-                        block_size=config.block_size, vocab_size=model_config.vocab_size, eos_token_ids=eos)
+    return EngineLimits(dtype=dtype, kv_dtype=kv_dtype, device=device, max_model_len=max_model_len,
+                        num_blocks=num_blocks, block_size=config.block_size,
+                        vocab_size=model_config.vocab_size, eos_token_ids=eos)
 
 
 def _default_kv_cache_bytes(

@@ -63,7 +63,6 @@ _LOCAL_ONLY = "slipstream loads a local model directory and downloads nothing"
 _FIXED_VLLM_ARGS: dict[str, tuple[tuple[Any, ...], str]] = {
     "pipeline_parallel_size": ((1,), _ONE_REPLICA),
     "data_parallel_size": ((1,), _ONE_REPLICA),
-    "kv_cache_dtype": (("auto",), "the KV cache is kept in the model's dtype"),
     "cpu_offload_gb": ((0,), "the weights stay on the device"),
     "enable_chunked_prefill": ((None, True), "slipstream always prefills long prompts in chunks of "
                                              "max_num_batched_tokens"),
@@ -98,8 +97,8 @@ class LLM:
     """Generate for a batch of prompts with continuous batching over a paged KV cache.
 
     Keyword arguments are `EngineConfig` fields (dtype, quantization, max_num_seqs, max_num_batched_tokens,
-    kv_cache_memory, enable_prefix_caching, max_model_len, block_size, device, seed, enforce_eager,
-    tensor_parallel_size, num_scheduler_steps, here OFFLINE_SCHEDULER_STEPS unless given or
+    kv_cache_memory, kv_cache_dtype, enable_prefix_caching, max_model_len, block_size, device, seed,
+    enforce_eager, tensor_parallel_size, num_scheduler_steps, here OFFLINE_SCHEDULER_STEPS unless given or
     speculating, profiler_config for `start_profile`, metrics_dir for JSON-lines metrics records,
     ...), vLLM's engine arguments as docs/serving.md lists them (`kv_cache_memory_bytes` is kv_cache_memory;
     `gpu_memory_utilization` sizes the KV cache as vLLM does; the likes of pipeline_parallel_size

@@ -115,7 +115,9 @@ class Runner:
     Pure decode steps replay a graph unless `enforce_eager`: on a CPU the C decode graph (with
     `use_kernels`, where it applies to the model), on CUDA captured CUDA graphs for up to
     `max_num_seqs` sequences (where the model's step can be captured: `can_capture`); those keep
-    one spare cache block past `num_blocks` for their padding rows. A model with
+    one spare cache block past `num_blocks` for their padding rows. The cache holds keys and values
+    in `kv_dtype` (None: `dtype`); one of another dtype than the model's gets no C decode graph,
+    which reads only the model's (its steps run module by module). A model with
     mixture-of-experts layers takes no CUDA graph; the C decode graph runs its steps module by
     module where it declines a token's routing (a NaN; `hidden_states` is its fallback).
 
@@ -132,6 +134,7 @@ class Runner:
         self, model: Transformer, *, num_blocks: int, block_size: int, dtype: torch.dtype,
         device: torch.device, max_num_seqs: int, max_model_len: int, use_kernels: bool = True,
         enforce_eager: bool = False, workers: Workers | None = None, enable_lora: bool = False,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         # One set of RoPE frequencies for every position of every sequence (Phi-3's longrope: the
@@ -144,7 +147,7 @@ class Runner:
         cuda_graphs = device.type == "cuda" and not enforce_eager and can_capture(model)
         spare_blocks = 1 if cuda_graphs else 0
         self.cache = PagedKVCache(model.config, num_blocks=num_blocks + spare_blocks, block_size=block_size,
-                                  dtype=dtype, device=device,
+                                  dtype=kv_dtype or dtype, device=device,
                                   num_kv_heads=model.model.layers[0].self_attn.num_kv_heads)
         self.decode_graph: CpuDecodeGraph | CudaDecodeGraphs | None = None
         if cuda_graphs:

@@ -352,6 +352,8 @@ class Start:
     max_model_len: int
     enable_lora: bool = False
     """Wrap the projections for LoRA adapters (`LoadLoRA` then loads them)."""
+    kv_dtype: torch.dtype | None = None
+    """The cache's dtype (the engine's kv_cache_dtype); None: the model's."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,252 @@
+"""The KV cache in another dtype than the model's (`kv_cache_dtype`, vLLM's values): paged attention
+over an fp8 cache against dense attention over keys and values rounded through the same format by
+torch's own casts, and the engine's greedy tokens against transformers' with its attention seeing
+keys and values rounded the same way."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from serve_fixtures import assert_same_tokens, transformers_greedy
+
+from slipstream import LLM, SamplingParams
+from slipstream.cli import main
+from slipstream.model import ModelConfig, Transformer, save_model
+from slipstream.model.create import stdlib_tokenizer
+from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
+from slipstream.perf.flops import kv_cache_bytes_per_token
+from slipstream.serve.engine import EngineConfig
+
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` through `dtype` and back, saturated to its finite range first (the reference)."""
+    limit = torch.finfo(dtype).max
+    return torch.clamp(x, -limit, limit).to(dtype).to(x.dtype)
+
+
+def _dense(q, keys, values, window, sinks):
+    """float64 causal attention of the last len(q) positions over all keys (GQA, window, sinks)."""
+    num_queries, num_heads, head_dim = q.shape
+    num_keys, num_kv_heads, _ = keys.shape
+    group = num_heads // num_kv_heads
+    k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) / head_dim**0.5  # (H, Q, L)
+    positions = torch.arange(num_keys - num_queries, num_keys)[:, None]
+    keys_at = torch.arange(num_keys)[None, :]
+    visible = keys_at <= positions
+    if window is not None:
+        visible &= keys_at > positions - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.double()[:, None, None].expand(num_heads, num_queries, 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        weights = torch.softmax(scores, dim=-1)
+    return (weights @ v).transpose(0, 1)
+
+
+@pytest.mark.parametrize("kv_name", sorted(FP8))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernels-asked", "pytorch"])
+@pytest.mark.parametrize("num_heads, num_kv_heads, window, with_sinks",
+                         [(4, 4, None, False), (6, 2, 5, False), (4, 2, None, True)])
+def test_paged_attention_over_fp8_cache_equals_dense_over_rounded_keys(
+    kv_name, dtype, use_kernel, num_heads, num_kv_heads, window, with_sinks
+):
+    """A batch of a fresh prefill, a chunk after cached context and two decodes, over shuffled
+    blocks of an fp8 cache, equals dense attention over the keys and values rounded by torch's
+    casts; values past the format's range saturate (no inf or NaN)."""
+    torch.manual_seed(0)
+    kv_dtype, head_dim, block_size = FP8[kv_name], 64, 4
+    seqs = [(9, 9), (13, 6), (7, 1), (11, 1)]  # (seq_len, new tokens)
+    num_blocks = sum(-(-n // block_size) for n, _ in seqs) + 2
+    order = torch.randperm(num_blocks).tolist()
+    tables, used = [], 0
+    for n, _ in seqs:
+        count = -(-n // block_size)
+        tables.append(order[used:used + count])
+        used += count
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = torch.empty(shape, dtype=kv_dtype), torch.empty(shape, dtype=kv_dtype)
+    all_keys = [torch.randn(n, num_kv_heads, head_dim, dtype=dtype) for n, _ in seqs]
+    all_values = [torch.randn(n, num_kv_heads, head_dim, dtype=dtype) for n, _ in seqs]
+    big = 2 * torch.finfo(kv_dtype).max  # beyond the range: must saturate
+    all_values[0][0, 0, :3] = torch.tensor([big, -big, 1e30])
+    all_keys[1][2, 0, 0] = big / 100 if kv_dtype == torch.float8_e4m3fn else -big  # large scores
+    for keys, values, (n, new), table in zip(all_keys, all_values, seqs, tables, strict=True):
+        if n > new:  # the earlier context, written by an earlier step
+            earlier = PagedBatch.build(seq_lens=[n - new], query_lens=[n - new], block_tables=[table],
+                                       block_size=block_size)
+            write_kv(k_cache, v_cache, keys[:n - new], values[:n - new], earlier.slot_mapping,
+                     use_kernel=use_kernel)
+    batch = PagedBatch.build(seq_lens=[n for n, _ in seqs], query_lens=[q for _, q in seqs],
+                             block_tables=tables, block_size=block_size)
+    new_keys = torch.cat([k[n - q:] for k, (n, q) in zip(all_keys, seqs, strict=True)])
+    new_values = torch.cat([v[n - q:] for v, (n, q) in zip(all_values, seqs, strict=True)])
+    write_kv(k_cache, v_cache, new_keys, new_values, batch.slot_mapping, use_kernel=use_kernel)
+    q = torch.randn(sum(q for _, q in seqs), num_heads, head_dim, dtype=dtype)
+    sinks = torch.randn(num_heads) if with_sinks else None
+    out = paged_attention(q, k_cache, v_cache, batch, sliding_window=window, sinks=sinks,
+                          use_kernel=use_kernel)
+    assert torch.isfinite(out).all()
+    row = 0
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    for keys, values, (_, new) in zip(all_keys, all_values, seqs, strict=True):
+        keys, values = _rounded(keys, kv_dtype), _rounded(values, kv_dtype)
+        expected = _dense(q[row:row + new], keys, values, window, sinks)
+        torch.testing.assert_close(out[row:row + new].double(), expected, atol=tolerance, rtol=tolerance)
+        row += new
+
+
+def test_bfloat16_cache_under_an_fp32_model_equals_dense_over_bf16_keys():
+    """kv_cache_dtype "bfloat16" under an fp32 model: the cache rounds to bf16, attention in fp32."""
+    torch.manual_seed(1)
+    k_cache = torch.empty(4, 4, 2, 64, dtype=torch.bfloat16)
+    v_cache = torch.empty_like(k_cache)
+    keys, values, q = torch.randn(10, 2, 64), torch.randn(10, 2, 64), torch.randn(10, 4, 64)
+    batch = PagedBatch.build(seq_lens=[10], query_lens=[10], block_tables=[[2, 0, 3]], block_size=4)
+    write_kv(k_cache, v_cache, keys, values, batch.slot_mapping)
+    out = paged_attention(q, k_cache, v_cache, batch)
+    expected = _dense(q, keys.bfloat16().float(), values.bfloat16().float(), None, None)
+    torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+NUM_PROMPTS, MAX_NEW_TOKENS, BLOCK_SIZE = 6, 16, 16
+CONFIG = ModelConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                     eos_token_id=0, pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kv-dtype-model")
+    torch.manual_seed(0)
+    model = Transformer(CONFIG)
+    model.init_weights(std=0.1)
+    save_model(model, out)
+    stdlib_tokenizer(CONFIG.vocab_size).save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [0]}))
+    return out
+
+
+def _prompts() -> list[list[int]]:
+    """Prompts of 20 to 60 tokens after a shared 32-token prefix (two blocks: prefix-cache hits)."""
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(3, CONFIG.vocab_size, (32,), generator=g).tolist()
+    lengths = torch.randint(20, 60, (NUM_PROMPTS,), generator=g).tolist()
+    return [prefix + torch.randint(3, CONFIG.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def _transformers_greedy(model_dir, prompts, kv_dtype):
+    """transformers' greedy tokens, its eager attention seeing keys and values (after RoPE, as
+    cached) rounded through `kv_dtype` by torch's casts; None: unrounded."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.models.llama import modeling_llama
+
+    def rounded_eager(module, query, key, value, *args, **kwargs):
+        if kv_dtype is not None:
+            key, value = _rounded(key, kv_dtype), _rounded(value, kv_dtype)
+        return modeling_llama.eager_attention_forward(module, query, key, value, *args, **kwargs)
+
+    transformers.AttentionInterface.register("kv_rounded_eager", rounded_eager)
+    AttentionMaskInterface.register("kv_rounded_eager", eager_mask)  # the additive mask eager adds
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="kv_rounded_eager")
+    return transformers_greedy(hf, prompts, MAX_NEW_TOKENS)
+
+
+def _engine(model_dir, prompts, **engine_args):
+    llm = LLM(str(model_dir), block_size=BLOCK_SIZE, max_num_seqs=4, **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=1)
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    top1 = [[max(step.values(), key=lambda lp: lp.logprob).logprob for step in o.logprobs] for o in outputs]
+    return [list(o.token_ids) for o in outputs], torch.tensor(top1), llm.engine
+
+
+@pytest.fixture(scope="module")
+def plain(model_dir):
+    """The prompts, and the engine's tokens and top-1 logprobs over a cache in the model's dtype."""
+    prompts = _prompts()
+    return prompts, *_engine(model_dir, prompts)[:2]
+
+
+@pytest.fixture(scope="module", params=sorted(FP8))
+def rounded_reference(request, model_dir, plain):
+    """(format name, transformers' greedy tokens and top-2 gaps over keys rounded through it)."""
+    return request.param, *_transformers_greedy(model_dir, plain[0], FP8[request.param])
+
+
+@pytest.mark.parametrize("fast", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["fast-path", "pytorch-modules"])
+def test_engine_over_fp8_cache_matches_transformers_over_rounded_keys(
+    model_dir, plain, rounded_reference, fast
+):
+    """Greedy tokens through the fast path (C decode graph declined) and the plain PyTorch modules,
+    with chunked prefill and prefix-cache hits, equal transformers' over keys and values rounded
+    through the format; they differ from the unquantized cache's somewhere, top-1 logprobs staying
+    close."""
+    prompts, plain_tokens, plain_top1 = plain
+    kv_name, expected, gaps = rounded_reference
+    got, top1, engine = _engine(model_dir, prompts, kv_cache_dtype=kv_name, fast_cpu_kernels=fast,
+                                max_num_batched_tokens=24)
+    assert engine.runner.cache.keys[0].dtype == FP8[kv_name]
+    assert engine.runner.decode_graph is None
+    assert engine.scheduler.kv_cache.prefix_cache_hits > 0
+    assert_same_tokens(expected, gaps, got, f"{kv_name} fast_cpu_kernels={fast}")
+    assert got != plain_tokens
+    # Over the first tokens where both runs chose the same: e5m2 keeps 2 mantissa bits (values off by
+    # up to 1/8), this random model's logits are wide (init std 0.1), so "close" is within 0.5 nats.
+    same = [i for i, (a, b) in enumerate(zip(got, plain_tokens, strict=True)) if a[:4] == b[:4]]
+    assert same
+    torch.testing.assert_close(top1[same, :4], plain_top1[same, :4], atol=0.5, rtol=0)
+
+
+def test_fp8_cache_holds_twice_bf16s_and_four_times_fp32s_tokens(model_dir):
+    """The same kv_cache_memory: num_blocks in the ratio of the element sizes, each block's bytes
+    the closed form 2 * layers * kv_heads * head_dim * bytes * block_size (the perf model's too)."""
+    per_token_fp32 = 2 * CONFIG.num_hidden_layers * CONFIG.num_key_value_heads * CONFIG.head_dim * 4
+    memory = 40 * BLOCK_SIZE * per_token_fp32
+    blocks = {}
+    for kv, size in (("auto", 4), ("bfloat16", 2), ("fp8", 1), ("fp8_e5m2", 1)):
+        llm = LLM(str(model_dir), block_size=BLOCK_SIZE, kv_cache_memory=memory, kv_cache_dtype=kv,
+                  max_model_len=256)
+        blocks[kv] = llm.engine.limits.num_blocks
+        assert llm.engine.runner.cache.keys[0].element_size() == size
+        perf_dtype = "float32" if kv == "auto" else kv
+        assert kv_cache_bytes_per_token(CONFIG, perf_dtype) == per_token_fp32 // 4 * size
+    assert blocks == {"auto": 40, "bfloat16": 80, "fp8": 160, "fp8_e5m2": 160}
+
+
+@pytest.mark.parametrize("bad", ["fp8_inc", "fp8_ds_mla", "int8", "float16x", None])
+def test_bad_kv_cache_dtype_is_a_value_error(bad):
+    with pytest.raises(ValueError, match=f"kv_cache_dtype={bad!r}"):
+        EngineConfig(model="m", kv_cache_dtype=bad)
+
+
+def test_calculate_kv_scales_is_refused():
+    with pytest.raises(ValueError, match="calculate_kv_scales=True is not supported"):
+        EngineConfig(model="m", calculate_kv_scales=True)
+
+
+def test_server_refuses_a_bad_kv_cache_dtype_at_start_up(model_dir, capsys):
+    assert main(["serve", str(model_dir), "--kv-cache-dtype", "fp8_inc"]) == 2
+    assert "kv_cache_dtype='fp8_inc'" in capsys.readouterr().err
+
+
+def test_tensor_parallel_fp8_cache_equals_one_process(model_dir):
+    """tensor_parallel_size=2 over an fp8 cache: each rank's cache is fp8, tokens as one process's."""
+    prompts = _prompts()[:3]
+    one = _engine(model_dir, prompts, kv_cache_dtype="fp8")[0]
+    llm = LLM(str(model_dir), block_size=BLOCK_SIZE, kv_cache_dtype="fp8", tensor_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+        two = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.runner.cache.keys[0].dtype == torch.float8_e4m3fn
+    finally:
+        llm.engine.shutdown()
+    assert two == one
