@@ -75,6 +75,26 @@ def test_previous_response_id_equals_resending_the_conversation(client, model_di
     assert whole.store is False
 
 
+def test_previous_response_id_continues_after_a_function_call(client):
+    """A function call answered by previous_response_id and a function_call_output gives the reply
+    and input_tokens of the user message, the call item and its output sent whole."""
+    weather = {"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "required": ["city"], "properties": {"city": {"enum": ["Paris", "Oslo"]}}}}
+    first = client.responses.create(model=MODEL_NAME, input="Weather in Paris?", tools=[weather],
+                                    tool_choice={"type": "function", "name": "get_weather"},
+                                    max_output_tokens=32, temperature=0)
+    [call] = first.output
+    assert call.type == "function_call" and first.status == "completed"
+    answer = {"type": "function_call_output", "call_id": call.call_id, "output": "20 C"}
+    options = dict(tools=[weather], tool_choice="none", max_output_tokens=8, **GREEDY)
+    second = client.responses.create(model=MODEL_NAME, input=[answer], previous_response_id=first.id,
+                                     **options)
+    whole = client.responses.create(model=MODEL_NAME, store=False, **options, input=[
+        {"role": "user", "content": "Weather in Paris?"}, call.model_dump(exclude_none=True), answer])
+    assert second.output_text == whole.output_text
+    assert second.usage.input_tokens == whole.usage.input_tokens
+
+
 def test_get_returns_the_created_response_and_store_false_keeps_nothing(client):
     """GET /v1/responses/{id} returns the Response create returned (and a stream's response.completed
     one); with store false nothing is kept: GET and previous_response_id are 404s."""
