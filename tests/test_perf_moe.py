@@ -11,13 +11,16 @@ from unittest import mock
 import pytest
 import torch
 from test_perf_training import _gpt_oss_config, _trainer_saved_activation_bytes
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from slipstream.model.config import ModelConfig
-from slipstream.model.transformer import GptOssExperts, SparseMoeBlock, Transformer, route
+from slipstream.model.transformer import MLP, GptOssExperts, SparseMoeBlock, Transformer, route
 from slipstream.perf import flops
+from slipstream.perf.efficiency import Efficiency
 from slipstream.perf.hardware import get_accelerator
-from slipstream.perf.layers import layer_gemms
+from slipstream.perf.layers import Device, LayerSpec, layer_gemms, pointwise_backward, pointwise_forward
 from slipstream.perf.memory import activation_bytes_per_layer, training_memory
 from slipstream.perf.model import Layout, TrainSetup, predict_training
 from slipstream.perf.serving import ServeSetup, step_time
@@ -325,6 +328,79 @@ def test_gpt_oss_activation_memory_equals_what_its_moe_model_saves(top_k):
         print(f"top {top_k} {dtype}: autograd saves {measured}, model {model}, ratio {model / measured:.4f}, "
               f"{len(calls)} expert calls")
         assert model == pytest.approx(measured, rel=0.01)
+
+
+class _Passes(TorchDispatchMode):
+    """Bytes read plus written, and kernels, of the ops torch runs outside matmuls (views and
+    aliases free)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes, self.kernels = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        storages = {t.untyped_storage().data_ptr() for t in inputs}
+        matmul = func.__name__.startswith(("mm", "addmm", "bmm"))
+        if not matmul and not any(t.untyped_storage().data_ptr() in storages for t in outputs):
+            self.bytes += sum(t.numel() * t.element_size() for t in inputs + outputs)
+            self.kernels += 1
+        return out
+
+
+def _expert_passes(experts, x, dtype, autocast: bool) -> tuple[_Passes, _Passes]:
+    """What torch's dispatcher sees each expert of `experts` do on its half of x's rows, forward
+    and backward."""
+    forward, backward = _Passes(), _Passes()
+    with forward, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        outs = [expert(half) for expert, half in zip(experts, x.chunk(2), strict=True)]
+    grads = [torch.randn_like(out) for out in outs]
+    with backward:
+        torch.autograd.backward(outs, grads)
+    return forward, backward
+
+
+@pytest.mark.parametrize("recipe", ["fp32", "autocast", "bf16"])
+def test_gpt_oss_expert_passes_match_the_dispatcher(recipe):
+    """Guards the eager pointwise work of gpt-oss's experts (bias adds, clamps, sigmoid, (up + 1)
+    product, their gradients, autocast's casts, the stacked weights' select_backward writing a
+    gradient of all X experts per expert called and their sum) against torch's dispatcher: what
+    two `GptOssExperts` experts do on 256 rows each beyond what two SwiGLU experts (`MLP`) do, as
+    the model prices a MoE layer of 2 experts, top 1 and 512 tokens beyond the same shape without
+    gpt-oss's experts, forward and backward, in fp32, bf16 autocast on fp32 weights (the trainer)
+    and bf16 parameters: bytes within 2% (per-column bias reads), kernels exactly. They were
+    priced as SwiGLU's (about a quarter of the forward bytes)."""
+    config = ModelConfig(model_type="gpt_oss", vocab_size=64, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         num_experts=2, num_experts_per_tok=1, max_position_embeddings=64)
+    dtype = torch.bfloat16 if recipe == "bf16" else torch.float32
+    torch.manual_seed(0)
+    stacked = GptOssExperts(config).to(dtype)
+    stacked.reset_parameters(0.02, 0.02, None)
+    gpt_oss = [lambda x, e=e: stacked.expert(e, x) for e in range(2)]
+    swiglu = [MLP(config, config.moe_intermediate_size).to(dtype) for _ in range(2)]
+    x = torch.randn(512, 256, dtype=torch.bfloat16 if recipe == "autocast" else dtype,  # the block's
+                    requires_grad=True)  # input, cast once under autocast
+    seen = [(a.bytes - b.bytes, a.kernels - b.kernels) for a, b in zip(
+        _expert_passes(gpt_oss, x, dtype, recipe == "autocast"),
+        _expert_passes(swiglu, x, dtype, recipe == "autocast"), strict=True)]
+
+    shape = TransformerShape.from_model_config(config)
+    e = 4 if recipe == "fp32" else 2
+    device = Device(accelerator=H100, efficiency=Efficiency(), element_bytes=e)
+    weights = dict(residual_bytes=4, autocast_weights=True) if recipe == "autocast" else {}
+    specs = [LayerSpec(shape=s, num_tokens=512, moe=True, pointwise="eager", **weights)
+             for s in (shape, dataclasses.replace(shape, expert_bias_params=0))]
+    assert shape.experts_touched(512) == 2
+    for passes, (num_bytes, kernels) in zip((pointwise_forward, pointwise_backward), seen, strict=True):
+        priced = [passes(spec, device) for spec in specs]
+        more_bytes = priced[0].memory_bytes - priced[1].memory_bytes
+        more_kernels = (priced[0].overhead_s - priced[1].overhead_s) / device.efficiency.kernel_overhead_s
+        print(recipe, passes.__name__, "dispatcher", num_bytes, kernels, "priced", more_bytes, more_kernels)
+        assert more_bytes == pytest.approx(num_bytes, rel=0.02)
+        assert more_kernels == pytest.approx(kernels)
 
 
 def test_pipeline_stages_of_mixed_layers_are_refused():

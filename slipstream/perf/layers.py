@@ -25,7 +25,8 @@ tokens each, so the expert weights read are those experts' and the FLOPs exactly
 Tensor parallelism splits every expert as it does the dense MLP (vLLM's default for MoE without
 expert parallelism); the router and the shared expert's gate are replicated. Slipstream's CPU
 engine runs the block otherwise (`cpu_moe_block`): the routed experts in one C call where it takes
-them (`FusedExperts`), the router, routing and shared expert as eager ops.
+them (`FusedExperts`), the router, routing and shared expert as eager ops. gpt-oss's experts (biased,
+with a clamped SwiGLU, on stacked weights) have their own eager ops (`_clamped_experts`).
 """
 
 from __future__ import annotations
@@ -314,6 +315,8 @@ def _pointwise(spec: LayerSpec, e: int, backward: bool) -> tuple[float, float]:
         parts["routing"] = _routing(spec, e, scale)
     if spec.pointwise == "eager":
         parts |= _eager_pointwise(spec, e, r, backward, replicated, f_local, rotary_width)
+        if spec.moe and not spec.cpu_moe and shape.expert_bias_params:
+            parts["activation"] = _clamped_experts(spec, e, r, backward)
     if spec.autocast_weights:
         parts["weight_casts"] = _weight_casts(spec)
     return sum(b for b, _ in parts.values()), sum(k for _, k in parts.values())
@@ -331,6 +334,33 @@ def _routing(spec: LayerSpec, e: int, scale: int) -> tuple[float, float]:
     rows = n * shape.experts_per_token * h * e
     num_bytes = logits + 3 * 2 * rows + e * n * h
     return scale * num_bytes, scale * (3 + 3 * shape.experts_touched(n))
+
+
+def _clamped_experts(spec: LayerSpec, e: int, r: int, backward: bool) -> tuple[float, float]:
+    """(bytes, kernels) of gpt-oss's experts outside their matmuls, op by op as `GptOssExperts`
+    runs each touched expert eagerly, on e-byte matmul outputs and r-byte biases (the sum takes
+    the bias's dtype: fp32 under autocast).
+
+    Forward, per intermediate element: the gate-up bias add (two columns, read e, write r), the
+    two clamps of its strided views, the scale by alpha, sigmoid, the two products, up + 1, and
+    the cast to e bytes for the down matmul; per hidden element of a routed row the down bias add.
+    Backward: the products', sigmoid's and scale's gradients and the sum of the gate's two, each
+    clamp's comparison masks and where, the two views' slice_backwards into the gate-up width and
+    their sum, the bias gradients' row sums, autocast's casts of the gradients; and per expert
+    called the four stacked parameters' select_backward, which reads the expert's gradient and
+    writes a zeroed gradient of all X experts, then autograd's sum of those full-size gradients
+    over the experts called."""
+    shape, n, tp = spec.shape, spec.num_tokens, spec.tp
+    h, m = shape.hidden_size, shape.expert_ffn_hidden_size / tp
+    touched, rows = shape.experts_touched(n), n * shape.experts_per_token
+    cast, casts = (0, 0) if r == e else (r + e, 1)
+    if not backward:
+        return rows * (m * (2 * e + 18 * r + cast) + h * (e + r)), touched * (9 + casts)
+    expert = r * (shape.expert_params() / tp + shape.expert_bias_params)
+    full = shape.num_experts * expert  # one stacked parameter set's gradient
+    stacked = touched * (expert + full) + max(touched - 1, 0) * 3 * full
+    elementwise = rows * (m * (41 * r + 5 + 3 * cast) + h * (r + cast))
+    return elementwise + stacked, touched * (23 + 3 * casts) + max(touched - 1, 0) * 4
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -429,7 +459,8 @@ def _weight_casts(spec: LayerSpec) -> tuple[float, float]:
     if not spec.moe:
         return 6.0 * shape.layer_matmul_params() / spec.tp, 4 + shape.mlp_matrices  # q, k, v, o, MLP
     touched = shape.experts_touched(spec.num_tokens)
-    matrices = 5 + 3 * touched + (4 if shape.shared_expert_ffn_hidden_size else 0)  # + router
+    per_expert = 2 if shape.expert_bias_params else 3  # gpt-oss's stacked gate-up and down, or three
+    matrices = 5 + per_expert * touched + (4 if shape.shared_expert_ffn_hidden_size else 0)  # + router
     return 6.0 * shape.layer_matmul_params(moe=True, num_experts=touched) / spec.tp, matrices
 
 
@@ -466,10 +497,12 @@ def _eager_pointwise(spec: LayerSpec, e: int, r: int, backward: bool, replicated
         rotary_in = r
         num_bytes, kernels = _rms_norm(e, rotary_in, r, backward)
         parts["qk_norm"] = (num_bytes * rotary_width, 2 * kernels)
+    # One activation per MLP run: a MoE layer's each touched expert and its shared expert.
+    calls = shape.experts_touched(n) + (1 if shape.shared_expert_ffn_hidden_size else 0) if spec.moe else 1
     if shape.mlp == "swiglu":  # silu(gate) * up; backward: silu(gate) again, two muls, silu_backward
-        parts["activation"] = ((11 if backward else 5) * e * f_local, 4 if backward else 2)
+        parts["activation"] = ((11 if backward else 5) * e * f_local, calls * (4 if backward else 2))
     elif shape.mlp == "geglu":  # gelu(gate) * up; backward: two muls (gelu(gate) kept), gelu_backward
-        parts["activation"] = ((9 if backward else 5) * e * f_local, 3 if backward else 2)
+        parts["activation"] = ((9 if backward else 5) * e * f_local, calls * (3 if backward else 2))
     if rotary_width:  # x * cos + cat(-x2, x1) * sin for queries and keys, each multiply reading
         # an r-byte cos or sin row per token; backward: grad * cos and * sin, two slice_backwards,
         # neg, two adds; under autocast the fp32 results are cast for attention, and back
@@ -482,11 +515,19 @@ def _eager_pointwise(spec: LayerSpec, e: int, r: int, backward: bool, replicated
             parts["rotary"] = ((5 * i + 5 * r + down) * rotary_width + tables, 10 + 2 * downs)
     if backward:  # a residual add passes its gradient through (cast to the branch's dtype under
         # autocast); autograd adds gradients where branches meet (read two, write one): each
-        # residual, and the input q, k and v share (two adds) and gate and up share (one);
-        # dropout's backward multiplies by its 1-byte mask
+        # residual, and the input q, k and v share (two adds) and gate and up share (one per
+        # MLP run: each touched expert on its rows, the shared expert on every token; gpt-oss's
+        # experts read theirs with one stacked matmul); dropout's backward multiplies by its mask
         dropout = 2 * (2 * e + 1) * replicated if spec.dropout else 0
         parts["residual"] = (dropout + 2 * down * replicated, (2 if spec.dropout else 0) + 2 * downs)
-        parts["gradient_adds"] = (6 * r * replicated + 9 * e * n * shape.hidden_size, 5)
+        gate_up_rows, gate_up_adds = n, 1
+        if spec.moe:
+            shared = 1 if shape.shared_expert_ffn_hidden_size else 0
+            routed = 0 if shape.expert_bias_params else 1
+            gate_up_rows = n * (routed * shape.experts_per_token + shared)
+            gate_up_adds = routed * shape.experts_touched(n) + shared
+        parts["gradient_adds"] = (6 * r * replicated + 3 * e * shape.hidden_size * (2 * n + gate_up_rows),
+                                  4 + gate_up_adds)
     return parts
 
 

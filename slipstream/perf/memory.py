@@ -38,8 +38,9 @@ to every query head.
 A mixture-of-experts model holds every expert (weights, gradients and optimizer states of all of
 them: each is trained, whichever tokens reach it); its activations are the k experts' a token
 runs plus what routing keeps (`_routing_activation_bytes`); gpt-oss's biased experts keep their
-clamped SwiGLU's intermediates in fp32 under autocast (`_clamped_expert_bytes`). Pipeline stages need every layer alike
-(`pipeline_error`): a stage's weights follow from its count of whole layers only then.
+clamped SwiGLU's intermediates in fp32 under autocast (`_clamped_expert_bytes`). Pipeline stages
+need every layer alike (`pipeline_error`): a stage's weights follow from its count of whole layers
+only then.
 """
 
 from __future__ import annotations
