@@ -10,8 +10,8 @@ per call, the bytes of keys and values read per second and their fraction of the
 measured in the same run (the roofline of a decode step's attention), and the ratio. `--sinks`
 gives both a random attention-sink logit per query head (gpt-oss's). `--kv-cache-dtype` (the
 engine's values: fp8, fp8_e4m3, fp8_e5m2, bfloat16) also times what `paged_attention` runs over a
-cache in that dtype, the PyTorch path widening what it gathers (the C kernels read only caches of
-the model's dtype), with its KV bytes per second counted in the cache's dtype. Last line JSON.
+cache in that dtype (fp8: the C kernel, widening as it reads; a bf16 cache under fp32: the PyTorch
+path), with its KV bytes per second counted in the cache's dtype. Last line JSON.
 
     python benchmarks/decode_attention.py [--dtype float32|bfloat16|both]
     python benchmarks/decode_attention.py --shapes 64x224 16x1024 4x4096    # sequences x keys
@@ -29,7 +29,13 @@ import torch
 from common import machine, median, print_json
 
 from slipstream.ops import cpu_kernels
-from slipstream.ops.paged_attention import KV_CACHE_DTYPES, PagedBatch, _batched_decode, to_cache_dtype
+from slipstream.ops.paged_attention import (
+    KV_CACHE_DTYPES,
+    PagedBatch,
+    _batched_decode,
+    paged_attention,
+    to_cache_dtype,
+)
 from slipstream.perf.hardware import measure_memory_bandwidth
 
 BLOCK_SIZE, NUM_LAYERS = 16, 12
@@ -39,7 +45,7 @@ def time_calls(dtype: torch.dtype, heads: tuple[int, int, int], num_seqs: int, n
                repeats: int, sinks: bool, kv_dtype: torch.dtype | None) -> dict[str, float]:
     """Median seconds per call of each implementation, over NUM_LAYERS caches in turn; heads is
     (query heads, kv heads, head size); `sinks`: with a random sink logit per query head;
-    `kv_dtype`: also "kv", the PyTorch path over the caches in that dtype."""
+    `kv_dtype`: also "kv", `paged_attention` over the caches in that dtype."""
     num_heads, num_kv_heads, head_dim = heads
     blocks_per_seq = -(-num_keys // BLOCK_SIZE)
     num_blocks = num_seqs * blocks_per_seq
@@ -63,7 +69,7 @@ def time_calls(dtype: torch.dtype, heads: tuple[int, int, int], num_seqs: int, n
         narrow = {id(k): (to_cache_dtype(k, kv_dtype), to_cache_dtype(v, kv_dtype)) for k, v in caches}
 
         def narrow_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-            _batched_decode(q, *narrow[id(k_cache)], batch, sinks=sink_logits)
+            paged_attention(q, *narrow[id(k_cache)], batch, sinks=sink_logits)
 
         implementations["kv"] = narrow_cache
     times = {impl: [] for impl in implementations}

@@ -15,6 +15,7 @@ from slipstream import LLM, SamplingParams
 from slipstream.cli import main
 from slipstream.model import ModelConfig, Transformer, save_model
 from slipstream.model.create import stdlib_tokenizer
+from slipstream.ops import cpu_kernels
 from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
 from slipstream.perf.flops import kv_cache_bytes_per_token
 from slipstream.serve.engine import EngineConfig
@@ -101,6 +102,42 @@ def test_paged_attention_over_fp8_cache_equals_dense_over_rounded_keys(
         expected = _dense(q[row:row + new], keys, values, window, sinks)
         torch.testing.assert_close(out[row:row + new].double(), expected, atol=tolerance, rtol=tolerance)
         row += new
+
+
+@pytest.mark.parametrize("kv_name", sorted(FP8))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_c_decode_kernel_reads_fp8_exactly(kv_name, dtype, head_dim):
+    """The C decode kernel over an fp8 cache (every byte pattern but NaN among the keys: zero,
+    subnormals, the largest; sequences long enough to be split into chunks; GQA and a window)
+    equals dense attention over the keys and values torch's casts widen from the same bytes; head
+    size 32 takes the portable loop, 64 and 128 the vector path."""
+    assert cpu_kernels.library() is not None, "the C kernel must build on the CI machine"
+    torch.manual_seed(2)
+    kv_dtype, block_size, num_heads, num_kv_heads = FP8[kv_name], 16, 8, 2
+    lens = [700, 33, 1]
+    tables, num_blocks = [], sum(-(-n // block_size) for n in lens)
+    order = torch.randperm(num_blocks).tolist()
+    for n in lens:
+        tables.append(order[:-(-n // block_size)])
+        order = order[-(-n // block_size):]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    patterns = torch.arange(256, dtype=torch.uint8).view(kv_dtype)
+    finite = patterns[torch.isfinite(patterns.float())]
+    k_cache = finite[torch.randint(len(finite), shape)]
+    v_cache = (torch.randn(shape) * 0.05).to(kv_dtype)  # many subnormals
+    q = (torch.randn(len(lens), num_heads, head_dim) * 0.01).to(dtype)  # scores of a sane size
+    batch = PagedBatch.build(seq_lens=lens, query_lens=[1] * len(lens), block_tables=tables,
+                             block_size=block_size)
+    for window in (None, 100):
+        out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, batch.decode_block_tables,
+                                                 batch.decode_seq_lens, window)
+        for i, (n, table) in enumerate(zip(lens, tables, strict=True)):
+            keys = k_cache[table].flatten(0, 1)[:n].float()
+            values = v_cache[table].flatten(0, 1)[:n].float()
+            expected = _dense(q[i:i + 1].float(), keys, values, window, None)
+            tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(out[i:i + 1].double(), expected, atol=tolerance, rtol=tolerance)
 
 
 def test_bfloat16_cache_under_an_fp32_model_equals_dense_over_bf16_keys():

@@ -47,6 +47,10 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"
 LDFLAGS = ["-shared", "-fopenmp"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
+FP8_CACHE_CODES = {torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+"""The fp8 KV caches `paged_decode_attention` reads (attention.c's KV_DTYPE_*), under queries of a
+DTYPE_CODES dtype."""
+
 
 _LOCK = threading.Lock()
 _NOT_LOADED = object()
@@ -226,9 +230,12 @@ def paged_decode_attention(
 ) -> torch.Tensor:  # (B, H, D)
     """One decode query per sequence against its paged keys and values (see the C source): scores
     times `scale` (None: head_dim**-0.5), soft-capped at `softcap` where given, each head's `sinks`
-    logit in its softmax's denominator where given."""
+    logit in its softmax's denominator where given. The cache is of q's dtype or an fp8 one
+    (`FP8_CACHE_CODES`)."""
     lib = library()
     assert lib is not None and q.dtype in DTYPE_CODES and q.device.type == "cpu"
+    assert k_cache.dtype == v_cache.dtype and (k_cache.dtype == q.dtype or k_cache.dtype in FP8_CACHE_CODES)
+    dtype = DTYPE_CODES[q.dtype] | FP8_CACHE_CODES.get(k_cache.dtype, 0) << 4
     q, block_tables, seq_lens = q.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
@@ -237,7 +244,7 @@ def paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         block_tables.data_ptr(), seq_lens.data_ptr(),
         num_seqs, block_tables.shape[1], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
-        sliding_window or 0, head_dim**-0.5 if scale is None else scale, softcap or 0.0, DTYPE_CODES[q.dtype],
+        sliding_window or 0, head_dim**-0.5 if scale is None else scale, softcap or 0.0, dtype,
         torch.get_num_threads(), None if sinks is None else sinks.data_ptr(),
     )
     if status != 0:

@@ -10,7 +10,11 @@
  * time, every query head of the task is served from each tile's rows, and the rows of the chunk a
  * thread runs next are requested while it computes the current one; elsewhere a portable loop
  * (attend_one) does the same work head by head. fp32 and bf16 caches; bf16 is widened to fp32
- * for the arithmetic.
+ * for the arithmetic. An fp8 cache (kv_cache_dtype, e4m3fn or e5m2) under fp32 or bf16 queries
+ * is named in bits 4-7 of the dtype argument (0 there: the queries' dtype) and widened exactly as
+ * it is read: e5m2 is the high byte of an fp16, e4m3fn's magnitude shifted into an fp16 is its
+ * value times 2^-8 (subnormals included); only its NaN code reads as 480 (the cache holds none:
+ * write_kv saturates).
  *
  * Layouts (row-major): q and out (num_seqs, num_heads, head_dim); k_cache and v_cache
  * (num_blocks, block_size, num_kv_heads, head_dim); block_tables (num_seqs, max_blocks) int64;
@@ -29,6 +33,32 @@
  * Prefill attention (many new query tokens per sequence, paged_prefill_attention) follows below.
  */
 #include "common.h"
+
+enum { KV_DTYPE_E4M3 = 2, KV_DTYPE_E5M2 = 3 };
+
+/* The queries' (and out's) dtype, and the cache's, of a decode dtype argument. */
+static inline int q_dtype_of(int dtype) { return dtype & 0xF; }
+static inline int kv_dtype_of(int dtype) { return dtype >> 4 ? dtype >> 4 : dtype & 0xF; }
+static inline int64_t kv_elem_size(int dtype) {
+    const int kv = kv_dtype_of(dtype);
+    return kv == DTYPE_F32 ? 4 : kv == DTYPE_BF16 ? 2 : 1;
+}
+
+/* Element `index` of a cache of dtype `kv` (kv_dtype_of's) as fp32. */
+static inline float cache_value(const void *base, int64_t index, int kv) {
+    if (kv == DTYPE_F32) return ((const float *)base)[index];
+    if (kv == DTYPE_BF16) return bf16_to_f32(((const uint16_t *)base)[index]);
+    const uint32_t b = ((const uint8_t *)base)[index], sign = (b & 0x80u) << 24;
+    const int mantissa_bits = kv == KV_DTYPE_E5M2 ? 2 : 3, bias = kv == KV_DTYPE_E5M2 ? 15 : 7;
+    const uint32_t exponent = (b & 0x7Fu) >> mantissa_bits, mantissa = b & ((1u << mantissa_bits) - 1u);
+    union { uint32_t u; float f; } bits = {.u = sign};
+    if (exponent == 0) {  /* zero or subnormal: mantissa * 2^(1 - bias - mantissa_bits) */
+        const float magnitude = ldexpf((float)mantissa, 1 - bias - mantissa_bits);
+        return sign ? -magnitude : magnitude;
+    }
+    bits.u |= (exponent - bias + 127u) << 23 | mantissa << (23 - mantissa_bits);
+    return bits.f;
+}
 
 /* scores[0:n] = cap * tanh(scores / cap): Gemma 2's soft cap, on scores already scaled. */
 static void soft_cap(float *scores, int64_t n, float cap) {
@@ -190,7 +220,8 @@ static inline __attribute__((always_inline)) void attend_one(
     const int64_t group = num_heads / num_kv_heads;
     const int64_t num_keys = end - first;
     const int64_t row_stride = num_kv_heads * head_dim;
-    const int64_t elem_size = dtype == DTYPE_F32 ? 4 : 2;
+    const int64_t elem_size = kv_elem_size(dtype);
+    const int kv_dtype = kv_dtype_of(dtype);
     float *buffer = scratch;                 /* head_dim */
     float *scores = scratch + head_dim;      /* num_keys */
     float query[head_dim], acc[head_dim];
@@ -198,7 +229,7 @@ static inline __attribute__((always_inline)) void attend_one(
     for (int64_t kv = kv_first; kv < kv_first + kv_count; kv++) {
         for (int64_t g = 0; g < group; g++) {
             const int64_t head_index = (seq * num_heads + kv * group + g) * head_dim;
-            const float *qrow = row_f32(q, head_index, head_dim, dtype, buffer);
+            const float *qrow = row_f32(q, head_index, head_dim, q_dtype_of(dtype), buffer);
             for (int64_t d = 0; d < head_dim; d++) query[d] = qrow[d] * scale;
             float max_score = -3.0e38f;  /* finite: built with finite math */
             FOR_EACH_KEY(k_cache, {
@@ -206,8 +237,10 @@ static inline __attribute__((always_inline)) void attend_one(
                 if (dtype == DTYPE_F32) {
                     const float *k = (const float *)k_cache + index;
                     for (int64_t d = 0; d < head_dim; d++) dot += query[d] * k[d];
-                } else {
+                } else if (dtype == DTYPE_BF16) {
                     dot = dot_bf16(q, head_index, k_cache, index, head_dim, scale, query);
+                } else {
+                    for (int64_t d = 0; d < head_dim; d++) dot += query[d] * cache_value(k_cache, index + d, kv_dtype);
                 }
                 scores[t] = dot;
                 max_score = dot > max_score ? dot : max_score;
@@ -228,8 +261,7 @@ static inline __attribute__((always_inline)) void attend_one(
                     const float *v = (const float *)v_cache + index;
                     for (int64_t d = 0; d < head_dim; d++) acc[d] += w * v[d];
                 } else {
-                    const uint16_t *v = (const uint16_t *)v_cache + index;
-                    for (int64_t d = 0; d < head_dim; d++) acc[d] += w * bf16_to_f32(v[d]);
+                    for (int64_t d = 0; d < head_dim; d++) acc[d] += w * cache_value(v_cache, index + d, kv_dtype);
                 }
             })
             float *dst = partial + ((kv - kv_first) * group + g) * (head_dim + 2);
@@ -340,6 +372,17 @@ static inline __m512 sum_lanes_16(const __m512 v[16]) {
                          _mm512_shuffle_f32x4(octs[0], octs[1], 0xDD));
 }
 
+/* 16 consecutive elements of a cache (dtype: a decode dtype argument) as fp32, exactly. */
+static inline __m512 load_cache16(const void *base, int64_t index, int dtype) {
+    const int kv = kv_dtype_of(dtype);
+    if (kv == DTYPE_F32 || kv == DTYPE_BF16) return load16(base, index, kv);
+    const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + index)));
+    if (kv == KV_DTYPE_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(wide, 8));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8);
+    const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7F)), 7);
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, magnitude)), _mm512_set1_ps(256.0f));
+}
+
 /* q . k as 16 partial sums. bf16 with AVX512-BF16: vdpbf16ps on the unscaled bf16 query (the
  * caller scales the sums); otherwise FMAs with the scaled fp32 query. */
 static inline __m512 partial_dot(const __m512 *query, const uint16_t *q_bf16, const void *k_cache,
@@ -355,7 +398,7 @@ static inline __m512 partial_dot(const __m512 *query, const uint16_t *q_bf16, co
 #endif
     (void)q_bf16;
     for (int64_t c = 0; c < head_dim / 16; c++)
-        acc = _mm512_fmadd_ps(query[c], load16(k_cache, index + 16 * c, dtype), acc);
+        acc = _mm512_fmadd_ps(query[c], load_cache16(k_cache, index + 16 * c, dtype), acc);
     return acc;
 }
 
@@ -373,7 +416,7 @@ static inline __attribute__((always_inline)) void accumulate_tile(
     for (int64_t t = 0; t < tile; t++) {
         const int64_t index = offsets[t] + kv_offset;
         for (int64_t c = 0; c < vectors; c++) {
-            const __m512 value = load16(v_cache, index + 16 * c, dtype);
+            const __m512 value = load_cache16(v_cache, index + 16 * c, dtype);
             for (int g = 0; g < count; g++)
                 sums[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g * probs_stride + t]), value, sums[g][c]);
         }
@@ -390,7 +433,7 @@ static inline __attribute__((always_inline)) void attend_avx512(
     const int64_t group = num_heads / num_kv_heads, heads = kv_count * group;
     const int64_t num_keys = end - first;
     const int64_t stride = (num_keys + TILE - 1) / TILE * TILE;
-    const int64_t vectors = head_dim / 16, elem_size = dtype == DTYPE_F32 ? 4 : 2;
+    const int64_t vectors = head_dim / 16, elem_size = kv_elem_size(dtype);
     const int64_t slice_bytes = kv_count * head_dim * elem_size;  /* the task's part of a row */
     const int heads_per_pass = vectors >= 4 ? (int)(16 / vectors) : 4;  /* <= 16 accumulators */
     const int64_t head0 = seq * num_heads + kv_first * group;  /* the task's first query head */
@@ -405,7 +448,7 @@ static inline __attribute__((always_inline)) void attend_avx512(
             const int64_t q_index = (head0 + h) * head_dim;
             __m512 query[16], partial[TILE];
             for (int64_t c = 0; c < vectors; c++)
-                query[c] = _mm512_mul_ps(load16(q, q_index + 16 * c, dtype), _mm512_set1_ps(scale));
+                query[c] = _mm512_mul_ps(load16(q, q_index + 16 * c, q_dtype_of(dtype)), _mm512_set1_ps(scale));
             for (int64_t j = 0; j < TILE; j++) {
                 if (h == 0 && t0 + 2 * TILE + j < num_keys)
                     prefetch_bytes(k_cache, offsets[t0 + 2 * TILE + j], slice_bytes, elem_size);
@@ -611,10 +654,38 @@ DEFINE_ATTEND(attend_bf16_d128, ATTEND_SPECIALISED, 128, DTYPE_BF16)
 DEFINE_ATTEND(attend_f32_d256, ATTEND_SPECIALISED, 256, DTYPE_F32)
 DEFINE_ATTEND(attend_bf16_d256, ATTEND_SPECIALISED, 256, DTYPE_BF16)
 #undef ATTEND_SPECIALISED
+#if defined(__AVX512F__)
+/* fp8 caches: the AVX-512 path at the common head sizes, the portable loop elsewhere. */
+DEFINE_ATTEND(attend_f32_e4m3_d64, attend_avx512, 64, DTYPE_F32 | KV_DTYPE_E4M3 << 4)
+DEFINE_ATTEND(attend_f32_e5m2_d64, attend_avx512, 64, DTYPE_F32 | KV_DTYPE_E5M2 << 4)
+DEFINE_ATTEND(attend_bf16_e4m3_d64, attend_avx512, 64, DTYPE_BF16 | KV_DTYPE_E4M3 << 4)
+DEFINE_ATTEND(attend_bf16_e5m2_d64, attend_avx512, 64, DTYPE_BF16 | KV_DTYPE_E5M2 << 4)
+DEFINE_ATTEND(attend_f32_e4m3_d128, attend_avx512, 128, DTYPE_F32 | KV_DTYPE_E4M3 << 4)
+DEFINE_ATTEND(attend_f32_e5m2_d128, attend_avx512, 128, DTYPE_F32 | KV_DTYPE_E5M2 << 4)
+DEFINE_ATTEND(attend_bf16_e4m3_d128, attend_avx512, 128, DTYPE_BF16 | KV_DTYPE_E4M3 << 4)
+DEFINE_ATTEND(attend_bf16_e5m2_d128, attend_avx512, 128, DTYPE_BF16 | KV_DTYPE_E5M2 << 4)
+
+static attend_fn choose_fp8_kernel(int64_t head_dim, int dtype) {
+    const attend_fn d64[2][2] = {{attend_f32_e4m3_d64, attend_f32_e5m2_d64},
+                                 {attend_bf16_e4m3_d64, attend_bf16_e5m2_d64}};
+    const attend_fn d128[2][2] = {{attend_f32_e4m3_d128, attend_f32_e5m2_d128},
+                                  {attend_bf16_e4m3_d128, attend_bf16_e5m2_d128}};
+    const int q = q_dtype_of(dtype), kv = kv_dtype_of(dtype) - KV_DTYPE_E4M3;
+    if (head_dim == 64) return d64[q][kv];
+    if (head_dim == 128) return d128[q][kv];
+    return attend_any;
+}
+#else
+static attend_fn choose_fp8_kernel(int64_t head_dim, int dtype) {
+    (void)head_dim; (void)dtype;
+    return attend_any;
+}
+#endif
 
 /* Other head sizes take the portable loop: the families served use 64 or 128 (Llama, Mistral,
  * Qwen2/3) or 256 (every Gemma), and each further pair of copies adds to every first build. */
 static attend_fn choose_kernel(int64_t head_dim, int dtype) {
+    if (dtype >> 4) return choose_fp8_kernel(head_dim, dtype);
     if (head_dim == 64) return dtype == DTYPE_F32 ? attend_f32_d64 : attend_bf16_d64;
     if (head_dim == 128) return dtype == DTYPE_F32 ? attend_f32_d128 : attend_bf16_d128;
     if (head_dim == 256) return dtype == DTYPE_F32 ? attend_f32_d256 : attend_bf16_d256;
@@ -751,7 +822,7 @@ static void attention_tasks_sinks(
     const int64_t num_chunks = chunk_start[num_seqs];
     const int64_t kv_per_task = num_chunks >= SMALL_BATCH_TASKS * num_threads ? num_kv_heads : 1;
     const int64_t tasks_per_chunk = num_kv_heads / kv_per_task, group = num_heads / num_kv_heads;
-    const int64_t row_bytes = num_kv_heads * head_dim * (dtype == DTYPE_F32 ? 4 : 2);
+    const int64_t row_bytes = num_kv_heads * head_dim * kv_elem_size(dtype);
     const int64_t partial_floats = head_dim + 2;
     const attend_fn attend = choose_kernel(head_dim, dtype);
     const int64_t tasks = num_chunks * tasks_per_chunk;
@@ -801,8 +872,8 @@ static void attention_tasks_sinks(
                    kv_per_task, num_heads, num_kv_heads, head_dim, block_size, scale, softcap, dtype,
                    scratch + num_heads * partial_floats, &next, partial);
             if (!is_split)
-                write_heads(partial, 1, 0, out, seq, h0, kv_per_task * group, num_heads, head_dim, dtype,
-                            sinks);
+                write_heads(partial, 1, 0, out, seq, h0, kv_per_task * group, num_heads, head_dim,
+                            q_dtype_of(dtype), sinks);
         }
     }
 #pragma omp barrier
@@ -813,7 +884,8 @@ static void attention_tasks_sinks(
         const int64_t chunks = chunk_start[seq + 1] - chunk_start[seq];
         if (chunks > 1)
             write_heads(partials + (chunk_start[seq] * num_heads + h) * partial_floats, chunks,
-                        num_heads * partial_floats, out, seq, h, 1, num_heads, head_dim, dtype, sinks);
+                        num_heads * partial_floats, out, seq, h, 1, num_heads, head_dim, q_dtype_of(dtype),
+                        sinks);
     }
 }
 
