@@ -23,6 +23,7 @@ R rotary dims (D, or fewer with a partial rotary factor), V vocabulary.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -532,12 +533,25 @@ class GptOssExperts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.empty(X, E))
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:  # (n, E) -> (n, E)
-        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # (n, 2F)
+    def expert_weights(self) -> Callable[[int], tuple[torch.Tensor, ...]]:
+        """Expert e's (gate_up, gate_up bias, down, down bias), for one forward. Where autograd
+        records, the stacked parameters are taken apart once: indexing them per expert would make
+        the backward write a zeroed gradient of all X experts per expert called (select_backward)
+        and sum those, where unbind's backward stacks the experts' gradients once. Without
+        autograd, indexing only the experts called costs fewer views than unbinding all X."""
+        stacked = (self.gate_up_proj, self.gate_up_proj_bias, self.down_proj, self.down_proj_bias)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in stacked):
+            return list(zip(*(p.unbind(0) for p in stacked), strict=True)).__getitem__
+        return lambda e: tuple(p[e] for p in stacked)
+
+    def expert(self, weights: tuple[torch.Tensor, ...], x: torch.Tensor) -> torch.Tensor:  # (n, E) -> (n, E)
+        """One expert on its rows, with its `expert_weights`."""
+        gate_up_proj, gate_up_bias, down_proj, down_bias = weights
+        gate_up = x @ gate_up_proj + gate_up_bias  # (n, 2F)
         gate = gate_up[..., ::2].clamp(max=self.limit)
         up = gate_up[..., 1::2].clamp(-self.limit, self.limit)
         glu = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))  # (n, F)
-        return glu @ self.down_proj[e] + self.down_proj_bias[e]
+        return glu @ down_proj + down_bias
 
     @torch.no_grad()
     def reset_parameters(self, std: float, residual_std: float, generator: torch.Generator | None) -> None:
@@ -574,10 +588,11 @@ class GptOssMoeBlock(nn.Module):
         tokens = order // self.top_k  # (N * k,), grouped by expert
         rows = weights.flatten()[order, None]  # (N * k, 1)
         out = torch.zeros(x.shape, dtype=dtype, device=x.device)
+        weights_of = self.experts.expert_weights()
         for e, (expert_tokens, expert_weights) in enumerate(
                 zip(tokens.split(counts), rows.split(counts), strict=True)):
             if len(expert_tokens):
-                expert_out = self.experts.expert(e, x[expert_tokens])  # (n, E)
+                expert_out = self.experts.expert(weights_of(e), x[expert_tokens])  # (n, E)
                 out.index_add_(0, expert_tokens, (expert_out * expert_weights).to(dtype))
         return out.reshape(shape)
 

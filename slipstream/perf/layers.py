@@ -346,10 +346,10 @@ def _clamped_experts(spec: LayerSpec, e: int, r: int, backward: bool) -> tuple[f
     the cast to e bytes for the down matmul; per hidden element of a routed row the down bias add.
     Backward: the products', sigmoid's and scale's gradients and the sum of the gate's two, each
     clamp's comparison masks and where, the two views' slice_backwards into the gate-up width and
-    their sum, the bias gradients' row sums, autocast's casts of the gradients; and per expert
-    called the four stacked parameters' select_backward, which reads the expert's gradient and
-    writes a zeroed gradient of all X experts, then autograd's sum of those full-size gradients
-    over the experts called."""
+    their sum, the bias gradients' row sums, autocast's casts of the gradients; and per stacked
+    parameter the backward of the forward's one unbind: a stack reading the called experts'
+    gradients and writing all X experts' (an uncalled expert's a zero, filled by a one-element
+    kernel and read through an expanded view: no traffic priced)."""
     shape, n, tp = spec.shape, spec.num_tokens, spec.tp
     h, m = shape.hidden_size, shape.expert_ffn_hidden_size / tp
     touched, rows = shape.experts_touched(n), n * shape.experts_per_token
@@ -357,10 +357,9 @@ def _clamped_experts(spec: LayerSpec, e: int, r: int, backward: bool) -> tuple[f
     if not backward:
         return rows * (m * (2 * e + 18 * r + cast) + h * (e + r)), touched * (9 + casts)
     expert = r * (shape.expert_params() / tp + shape.expert_bias_params)
-    full = shape.num_experts * expert  # one stacked parameter set's gradient
-    stacked = touched * (expert + full) + max(touched - 1, 0) * 3 * full
+    stacked = (touched + shape.num_experts) * expert
     elementwise = rows * (m * (41 * r + 5 + 3 * cast) + h * (r + cast))
-    return elementwise + stacked, touched * (23 + 3 * casts) + max(touched - 1, 0) * 4
+    return elementwise + stacked, touched * (19 + 3 * casts) + 4 * (1 + shape.num_experts - touched)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -30,7 +30,8 @@ Under FSDP (ZeRO-3) autocast's 16-bit copies are of the gathered weights, so eve
 them whole (4 / N + 2 bytes a parameter), and 16-bit parameters are FSDP2's mixed precision
 (torchtitan): the sharded fp32 master is the parameter, 16 / N bytes in all.
 
-Gemma's norms keep their input and output in fp32 and GeGLU keeps gelu(gate) too; Gemma 2's
+Gemma's norms keep their input and output in fp32, OLMo 2's and gpt-oss's fp32-weight norms their
+input and their fp32 normalised input, and GeGLU keeps gelu(gate) too; Gemma 2's
 soft-capped attention runs as explicit matmuls (`TrainSetup.attention_kernel`), which keep the
 T x T scores of every head (tanh's output, the fp32 softmax and its cast) and K and V repeated
 to every query head.
@@ -184,9 +185,12 @@ def _rotary_tables(shape: TransformerShape) -> int:
 
 def _norm_bytes(shape: TransformerShape, r: int) -> int:
     """Bytes per element one norm keeps for the backward: its r-byte input (slipstream's RMSNorm,
-    a LayerNorm), or Gemma's fp32 input and fp32 normalised output (4 + 4, whatever the input's
-    dtype: it computes in fp32 and multiplies by 1 + weight there)."""
-    return 8 if shape.norm == "gemma_rmsnorm" else r
+    a LayerNorm), that and the fp32 normalised input the weight multiplies (`fp32_weight_norms`:
+    r + 4), or Gemma's fp32 input and fp32 normalised output (4 + 4, whatever the input's dtype: it
+    computes in fp32 and multiplies by 1 + weight there)."""
+    if shape.norm == "gemma_rmsnorm":
+        return 8
+    return r + 4 if shape.fp32_weight_norms else r
 
 
 def _clamped_experts(shape: TransformerShape) -> bool:

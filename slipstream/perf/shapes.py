@@ -59,6 +59,9 @@ class TransformerShape:
     "layernorm" (a weight and a bias)."""
     norms_per_layer: int = 2
     """Norms over the hidden size in each layer: 2, or 4 in Gemma 2's sandwich layer."""
+    fp32_weight_norms: bool = False
+    """The RMSNorms multiply by their weight in fp32 and round once (OLMo 2's, gpt-oss's), so each
+    keeps its fp32 normalised input for the weight's gradient as well as its input."""
     tied_embeddings: bool = False
     learned_positions: int = 0
     """Rows of a learned position-embedding table (GPT); 0 for rotary models."""
@@ -110,6 +113,9 @@ class TransformerShape:
             raise ValueError(f"{self.name}: mlp must be one of {MLP_KINDS}, got {self.mlp!r}")
         if self.norm not in NORM_KINDS:
             raise ValueError(f"{self.name}: norm must be one of {NORM_KINDS}, got {self.norm!r}")
+        if self.fp32_weight_norms and self.norm != "rmsnorm":
+            raise ValueError(f"{self.name}: fp32_weight_norms=True is an RMSNorm's (norm='rmsnorm'), "
+                             f"got norm={self.norm!r}")
         limit = self.max_position_embeddings
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise ValueError(f"{self.name}: max_position_embeddings must be a positive integer or None, "
@@ -176,7 +182,7 @@ class TransformerShape:
             local_rotary=config.rope_local_theta is not None,
             mlp="geglu" if config.gemma_norms else "swiglu",
             norm="gemma_rmsnorm" if config.gemma_norms else "rmsnorm",
-            norms_per_layer=4 if config.sandwich_norms else 2,
+            norms_per_layer=4 if config.sandwich_norms else 2, fp32_weight_norms=config.fp32_weight_norms,
             full_attention_layers=full, attention_softcap=config.attn_logit_softcapping is not None,
             logit_softcap=config.final_logit_softcapping is not None,
             attention_sinks=config.attention_sinks, **_experts_of(config),
