@@ -151,7 +151,11 @@ def _demo(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from slipstream.serve.engine import EngineConfig
-    from slipstream.serve.served_models import responses_api_store, runtime_lora_updating
+    from slipstream.serve.served_models import (
+        http_timeout_keep_alive,
+        responses_api_store,
+        runtime_lora_updating,
+    )
     from slipstream.serve.server import ServerConfig, run_server
 
     engine_config = EngineConfig(
@@ -178,6 +182,7 @@ def _serve(args: argparse.Namespace) -> None:
         trust_request_chat_template=args.trust_request_chat_template, lora_modules=tuple(args.lora_modules),
         allow_runtime_lora_updating=runtime_lora_updating(os.environ),
         responses_store=responses_api_store(os.environ),
+        timeout_keep_alive_s=http_timeout_keep_alive(os.environ),
         **({} if args.responses_store_size is None else {"responses_store_size": args.responses_store_size}),
     )
     run_server(engine_config, server_config, log_level="debug" if args.verbose else "info")

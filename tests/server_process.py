@@ -29,6 +29,7 @@ MODEL_NAME = "tiny-test"
 MAX_MODEL_LEN = 256
 ENGINE_ARGS = ("--max-model-len", str(MAX_MODEL_LEN), "--block-size", "8")
 START_TIMEOUT_S = 90.0
+KEEP_ALIVE_S = 60
 
 
 def free_port() -> int:
@@ -46,7 +47,9 @@ class ServerProcess:
         self.log_path = log_path
         command = [sys.executable, "-m", "slipstream.cli", "serve", str(model_dir), "--port", str(self.port),
                    "--served-model-name", MODEL_NAME, *args]
-        env = os.environ | {"OMP_NUM_THREADS": "1"}
+        # Idle connections outlive the clients' (httpx keeps them 5 s, as the server would by
+        # default), so a client never reuses one that the server is closing at that moment.
+        env = os.environ | {"OMP_NUM_THREADS": "1", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(KEEP_ALIVE_S)}
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
@@ -119,7 +122,8 @@ def server(model_dir, tmp_path_factory) -> ServerProcess:
 @contextlib.contextmanager
 def in_process(api) -> Iterator[str]:
     """The app of `api` (an OpenAIServer) under uvicorn on a thread of this process; yields its URL."""
-    server = uvicorn.Server(uvicorn.Config(api.app, host="127.0.0.1", port=0, log_level="critical"))
+    server = uvicorn.Server(uvicorn.Config(api.app, host="127.0.0.1", port=0, log_level="critical",
+                                           timeout_keep_alive=KEEP_ALIVE_S))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

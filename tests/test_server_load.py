@@ -18,6 +18,7 @@ import pytest
 from server_process import API_KEY, ENGINE_ARGS, MODEL_NAME, ServerProcess, metric_values, wait_for_idle
 
 from slipstream.cli import main as cli_main
+from slipstream.serve.served_models import http_timeout_keep_alive
 
 pytest_plugins = ["serve_fixtures", "server_process"]
 
@@ -314,3 +315,19 @@ def test_bench_arrival_times_are_finite_or_refused():
     tiny = BenchConfig(base_url="http://127.0.0.1:1", model="m", num_prompts=3, request_rate=5,
                        burstiness=1e-300)
     assert all(t == t and t >= 0 for t in arrival_times(tiny))
+
+
+def test_keep_alive_timeout_is_read_as_vllm_reads_it():
+    """VLLM_HTTP_TIMEOUT_KEEP_ALIVE: whole seconds, default 5 (vLLM's and uvicorn's)."""
+    assert http_timeout_keep_alive({}) == 5
+    assert http_timeout_keep_alive({"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": " 30 "}) == 30
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "1.5", "five"])
+def test_a_bad_keep_alive_timeout_stops_serve_naming_it(value, model_dir, monkeypatch, capsys):
+    """A VLLM_HTTP_TIMEOUT_KEEP_ALIVE that is no positive whole number stops `serve` with status 2
+    and an error naming the variable and the value, before any model is loaded."""
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", value)
+    assert cli_main(["serve", str(model_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "VLLM_HTTP_TIMEOUT_KEEP_ALIVE" in err and repr(value) in err

@@ -27,6 +27,10 @@ RUNTIME_LORA_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 vLLM deployments port unchanged."""
 RESPONSES_API_STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"
 """vLLM's switch for the Responses API's store, likewise."""
+HTTP_TIMEOUT_KEEP_ALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"
+"""vLLM's setting of how many seconds the server keeps an idle HTTP connection open, likewise."""
+HTTP_TIMEOUT_KEEP_ALIVE_S = 5
+"""Its default, vLLM's (and uvicorn's)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,6 +86,20 @@ def responses_api_store(environ: Mapping[str, str]) -> bool:
     """Whether VLLM_ENABLE_RESPONSES_API_STORE makes the Responses API store responses (`store`,
     previous_response_id, GET, background and cancel)."""
     return env_switch(environ, RESPONSES_API_STORE_ENV)
+
+
+def http_timeout_keep_alive(environ: Mapping[str, str]) -> int:
+    """VLLM_HTTP_TIMEOUT_KEEP_ALIVE: the seconds an idle connection stays open, a positive whole
+    number (default 5). A client that keeps idle connections as long as the server (httpx's
+    default is 5 s too) may send a request just as the server closes the connection; a longer
+    timeout here makes the client the one that closes them."""
+    value = environ.get(HTTP_TIMEOUT_KEEP_ALIVE_ENV, "").strip()
+    if not value:
+        return HTTP_TIMEOUT_KEEP_ALIVE_S
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{HTTP_TIMEOUT_KEEP_ALIVE_ENV} must be a whole number of seconds >= 1, "
+                         f"got {environ[HTTP_TIMEOUT_KEEP_ALIVE_ENV]!r}")
+    return int(value)
 
 
 def env_switch(environ: Mapping[str, str], name: str) -> bool:

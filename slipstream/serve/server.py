@@ -59,7 +59,7 @@ from slipstream.serve.request import (
     generation_config_defaults,
 )
 from slipstream.serve.responses import ResponseMeta
-from slipstream.serve.served_models import LoRAModulePath, ServedModels
+from slipstream.serve.served_models import HTTP_TIMEOUT_KEEP_ALIVE_S, LoRAModulePath, ServedModels
 from slipstream.serve.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
@@ -122,6 +122,9 @@ class ServerConfig:
     cancel (the CLI sets it from vLLM's VLLM_ENABLE_RESPONSES_API_STORE)."""
     responses_store_size: int = responses_api.RESPONSES_STORE_SIZE
     """The most Responses the store keeps (the least recently used go first)."""
+    timeout_keep_alive_s: int = HTTP_TIMEOUT_KEEP_ALIVE_S
+    """How long an idle HTTP connection stays open (the CLI sets it from vLLM's
+    VLLM_HTTP_TIMEOUT_KEEP_ALIVE)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 2**16:
@@ -1030,6 +1033,7 @@ def _serve(engine_config: EngineConfig, config: ServerConfig, listener: socket.s
         server = _Server(api, uvicorn.Config(
             api.app, host=config.host, port=config.port, log_level=log_level,
             access_log=log_level == "debug", timeout_graceful_shutdown=config.drain_timeout_s + DRAIN_GRACE_S,
+            timeout_keep_alive=config.timeout_keep_alive_s,
         ))
         # uvicorn re-raises the signal that stopped it once it has drained, under the handler that
         # was there before it started; make that one a no-op so that a drained server exits with 0.
