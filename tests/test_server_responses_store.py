@@ -36,10 +36,15 @@ def engine(model_dir) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def client(engine) -> openai.OpenAI:
+def api(engine) -> OpenAIServer:
     config = ServerConfig(port=0, served_model_name=MODEL_NAME, responses_store=True,
                           responses_store_size=STORE_SIZE)
-    with in_process(OpenAIServer(engine, config)) as url:
+    return OpenAIServer(engine, config)
+
+
+@pytest.fixture(scope="module")
+def client(api) -> openai.OpenAI:
+    with in_process(api) as url:
         yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
@@ -49,6 +54,36 @@ def poll(client, response_id: str, until: tuple[str, ...], timeout_s: float = 30
         assert time.monotonic() < deadline, f"{response_id} stayed {response.status}"
         time.sleep(0.02)
     return response
+
+
+def aborted(api) -> float:
+    """How many requests the server has counted as aborted (finish reason "abort")."""
+    return api.metrics.registry.get_sample_value("slipstream:request_success_total",
+                                                 {"model_name": api.model_name, "finished_reason": "abort"})
+
+
+@pytest.fixture
+def slow_steps(engine, monkeypatch) -> None:
+    """Engine steps of 10 ms at least, so that a background reply of the ~490 tokens its context
+    leaves runs for seconds: long enough to be aborted, which the tests check, before it finishes."""
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+
+
+def wait_aborted(api, engine, before: float) -> None:
+    """Within 5 s the engine holds no request and no KV block, and one more request was aborted
+    than `before`: the background one, which left alone would run to its end (finish reason
+    "length"; `slow_steps` keeps it running that long)."""
+    deadline = time.monotonic() + 5
+    while engine.has_unfinished_requests() or engine.scheduler.kv_cache.num_used_blocks:
+        assert time.monotonic() < deadline, "the request still runs"
+        time.sleep(0.02)
+    assert aborted(api) == before + 1
 
 
 def test_previous_response_id_equals_resending_the_conversation(client, model_dir):
@@ -134,11 +169,10 @@ def test_background_runs_to_the_foreground_reply(client):
         assert error.value.body["param"] == param
 
 
-def test_cancel_stops_a_background_response_and_frees_its_blocks(client, engine):
+def test_cancel_stops_a_background_response_and_frees_its_blocks(client, api, engine, slow_steps):
     """A running background response cannot be continued yet, nor its events streamed (400s).
-    Cancelling it makes it "cancelled" (GET says so too) and aborts
-    its request: within a second the engine holds no request and no KV block, where the ~490 tokens
-    its output has room for take several seconds here."""
+    Cancelling it makes it "cancelled" (GET says so too) and aborts its request (`wait_aborted`)."""
+    before = aborted(api)
     started = client.responses.create(model=MODEL_NAME, input=QUESTION, background=True, **GREEDY)
     poll(client, started.id, until=("in_progress",))
     with pytest.raises(openai.BadRequestError) as error:  # its output is not there to continue from
@@ -149,13 +183,63 @@ def test_cancel_stops_a_background_response_and_frees_its_blocks(client, engine)
     assert error.value.body["param"] == "stream"
     cancelled = client.responses.cancel(started.id)
     assert cancelled.status == "cancelled"
-    deadline = time.monotonic() + 1
-    while engine.has_unfinished_requests() or engine.scheduler.kv_cache.num_used_blocks:
-        assert time.monotonic() < deadline, "the cancelled request still runs"
-        time.sleep(0.02)
+    wait_aborted(api, engine, before)
     assert client.responses.retrieve(started.id).status == "cancelled"
     with pytest.raises(openai.BadRequestError):
         client.responses.cancel(started.id)
+
+
+def test_a_truncated_chain_stores_only_the_history_it_rendered(client, api):
+    """A chain of 40 turns by previous_response_id with truncation "auto", each turn ~60 tokens in a
+    512-token context, stores for its newest turn only the items that turn rendered: the developer
+    item the first turn began with and the last few turns, not the chain's ~80 items (which grow
+    without bound). That history sent whole, untruncated, gives the turn's greedy reply and
+    input_tokens."""
+    developer = {"type": "message", "role": "developer", "content": "Count the turns."}
+    options = dict(model=MODEL_NAME, truncation="auto", max_output_tokens=4, **GREEDY)
+    previous = None
+    for turn in range(40):
+        prompt = f"Turn {turn}: " + "cache line " * 25
+        items = [developer, {"role": "user", "content": prompt}] if previous is None else prompt
+        previous = client.responses.create(input=items, previous_response_id=previous and previous.id,
+                                           **options)
+    kept = api.response_store.get(previous.id).conversation
+    assert kept[0] == developer and kept[1]["role"] == "user" and len(kept) < 20
+    assert kept[-1]["content"] == prompt
+    whole = client.responses.create(input=kept, store=False, **options | {"truncation": "disabled"})
+    assert whole.output_text == previous.output_text
+    assert whole.usage.input_tokens == previous.usage.input_tokens
+
+
+def test_evicting_a_running_background_response_aborts_its_request(client, api, engine, slow_steps):
+    """A background response still running when STORE_SIZE newer ones (background, so that each
+    is stored at once) push it out of the store is gone (404) and its request aborted: nobody could
+    read its result any more."""
+    before = aborted(api)
+    started = client.responses.create(model=MODEL_NAME, input=QUESTION, background=True, **GREEDY)
+    poll(client, started.id, until=("in_progress",))
+    for _ in range(STORE_SIZE):
+        client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=1, background=True)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(started.id)
+    wait_aborted(api, engine, before)
+
+
+def test_a_background_response_cancelled_before_its_first_step_aborts_its_request(
+        client, api, engine, slow_steps, monkeypatch):
+    """A background response's task cancelled as soon as it is stored, before it ever runs, still
+    aborts the request it submitted (its body, which would leave the stream, never runs)."""
+    store = api.response_store
+    put = store.put
+
+    def put_and_cancel(response_id, entry):
+        put(response_id, entry)
+        entry.task.cancel()  # the event loop has not yielded since the task was created
+
+    before = aborted(api)
+    monkeypatch.setattr(store, "put", put_and_cancel)
+    client.responses.create(model=MODEL_NAME, input=QUESTION, background=True, **GREEDY)
+    wait_aborted(api, engine, before)
 
 
 def test_the_store_forgets_the_least_recently_used_response(client):

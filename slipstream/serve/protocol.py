@@ -944,12 +944,20 @@ class ResponsesRequest(_Body):
         if self.previous_response_id is not None and not self.previous_response_id.startswith("resp_"):
             raise response_not_found(self.previous_response_id, "previous_response_id")
 
-    def conversation(self) -> list[dict[str, Any]]:
+    def conversation(self, dropped_users: int = 0) -> list[dict[str, Any]]:
         """The input as items (a string is one user message), without the instructions: what a later
-        request naming this one's response as its previous_response_id continues from."""
-        if isinstance(self.input, str):
-            return [{"type": "message", "role": "user", "content": self.input}]
-        return self.input
+        request naming this one's response as its previous_response_id continues from. Where truncation
+        "auto" dropped the chat's first `dropped_users` user messages (and what followed each up to the
+        next), only the items rendered: the system and developer ones, and those from the first user
+        message kept (a user message is one item), so that a chain's stored history stays within the
+        context however long the chain."""
+        items = ([{"type": "message", "role": "user", "content": self.input}] if isinstance(self.input, str)
+                 else self.input)
+        if dropped_users == 0:
+            return items
+        users = [index for index, item in enumerate(items) if _message_role(item) == "user"]
+        return [item for index, item in enumerate(items)
+                if index >= users[dropped_users] or _message_role(item) in INSTRUCTION_ROLES]
 
     def continuing(self, history: list[dict[str, Any]]) -> ResponsesRequest:
         """This request with the `history` of a previous response (its conversation, then its
@@ -1149,6 +1157,11 @@ def _shown(value: Any, limit: int = 60) -> str:
     """A JSON value as the request wrote it, cut to about `limit` characters."""
     text = json.dumps(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
+def _message_role(item: dict[str, Any]) -> str | None:
+    """The role of an input item that is a message (as `ResponsesRequest._messages` reads it), else None."""
+    return item.get("role") if item.get("type", "message" if "role" in item else None) == "message" else None
 
 
 def truncated_messages(messages: list[ChatMessage],

@@ -261,7 +261,8 @@ class StoredResponse:
     response: dict[str, Any]
     """The Response as GET /v1/responses/{id} returns it (a background one's changes as it runs)."""
     conversation: list[dict[str, Any]]
-    """The input items that produced it, without the instructions (`ResponsesRequest.conversation`)."""
+    """The input items that produced it as rendered, without the instructions: those truncation "auto"
+    dropped are not kept (`ResponsesRequest.conversation`)."""
     task: asyncio.Task | None = None
     """A background response's run, which cancelling it cancels."""
 

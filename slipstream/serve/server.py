@@ -442,7 +442,7 @@ class OpenAIServer:
             params = await asyncio.to_thread(chat.sampling_params, max_tokens=chat.max_new_tokens,
                                              logprobs=chat.num_logprobs, defaults=self.sampling_defaults)
             params, tool_calls = self._tool_calls(chat, params)
-            token_ids = await asyncio.to_thread(self._response_prompt, body, chat)
+            token_ids, dropped_users = await asyncio.to_thread(self._response_prompt, body, chat)
             self._check_context(len(token_ids), None, params.min_tokens, "input", "max_output_tokens")
             room = self.max_model_len - len(token_ids)
             if params.max_tokens is None or params.max_tokens > room:
@@ -455,7 +455,7 @@ class OpenAIServer:
                                         _chat_params_named(chat), chat, lora)
         entry = None
         if store is not None and body.store:
-            entry = responses_api.StoredResponse(builder.pending("queued"), body.conversation())
+            entry = responses_api.StoredResponse(builder.pending("queued"), body.conversation(dropped_users))
         if body.background:  # check_store: only with an entry
             entry.task = asyncio.create_task(self._run_in_background(stream, builder, entry))
             # A task cancelled before its first step never runs its body: abort the request here.
@@ -492,12 +492,13 @@ class OpenAIServer:
             return
         entry.response = builder.response(output)
 
-    def _response_prompt(self, body: protocol.ResponsesRequest, chat: ChatCompletionRequest) -> list[int]:
-        """The input's ids as the chat template renders them; with truncation "auto", those of the
-        chat less the fewest leading items that leave the output its reserve
-        (protocol.truncated_messages; each candidate is rendered once)."""
+    def _response_prompt(self, body: protocol.ResponsesRequest,
+                         chat: ChatCompletionRequest) -> tuple[list[int], int]:
+        """The input's ids as the chat template renders them, and how many of the chat's user messages
+        were dropped; with truncation "auto", those of the chat less the fewest leading items that
+        leave the output its reserve (protocol.truncated_messages; each candidate is rendered once)."""
         if body.truncation == "disabled":
-            return self._render_chat(chat)
+            return self._render_chat(chat), 0
         budget = self.max_model_len - body.output_reserve(self.max_model_len)
         rendered: dict[int, list[int]] = {}  # by number of messages: each candidate has its own
 
@@ -505,7 +506,9 @@ class OpenAIServer:
             rendered[len(messages)] = self._render_chat(chat.model_copy(update={"messages": messages}))
             return len(rendered[len(messages)]) <= budget
 
-        return rendered[len(protocol.truncated_messages(chat.messages, fits))]
+        kept = protocol.truncated_messages(chat.messages, fits)
+        users = sum(message.role == "user" for message in chat.messages)
+        return rendered[len(kept)], users - sum(message.role == "user" for message in kept)
 
     async def retrieve_response(self, request: Request, response_id: str) -> Response:
         """GET /v1/responses/{id}: the stored Response (a background one as it stands). As vLLM by
