@@ -174,6 +174,11 @@ def _serve(args: argparse.Namespace) -> None:
         from slipstream.serve.llm import with_memory_utilization
 
         engine_config = with_memory_utilization(engine_config, args.gpu_memory_utilization)
+    responses_store = responses_api_store(os.environ)
+    if args.responses_store_size is not None and not responses_store:
+        logging.getLogger(__name__).warning(
+            "--responses-store-size has no effect: without VLLM_ENABLE_RESPONSES_API_STORE=1 the server "
+            "stores no Responses")
     server_config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
         max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
@@ -181,7 +186,7 @@ def _serve(args: argparse.Namespace) -> None:
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         trust_request_chat_template=args.trust_request_chat_template, lora_modules=tuple(args.lora_modules),
         allow_runtime_lora_updating=runtime_lora_updating(os.environ),
-        responses_store=responses_api_store(os.environ),
+        responses_store=responses_store,
         timeout_keep_alive_s=http_timeout_keep_alive(os.environ),
         **({} if args.responses_store_size is None else {"responses_store_size": args.responses_store_size}),
     )

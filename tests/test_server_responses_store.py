@@ -266,3 +266,23 @@ def test_the_store_switch_reads_as_vllm_and_the_size_is_checked(engine):
         responses_api_store({"VLLM_ENABLE_RESPONSES_API_STORE": "yes"})
     with pytest.raises(ValueError, match="responses_store_size"):
         ServerConfig(responses_store=True, responses_store_size=0)
+
+
+@pytest.mark.parametrize("switch", [None, "1"])
+def test_a_store_size_without_the_store_is_warned_of(switch, model_dir, monkeypatch, caplog):
+    """`serve --responses-store-size` without VLLM_ENABLE_RESPONSES_API_STORE logs at start-up that
+    it has no effect; with the store it sizes it, unwarned."""
+    from slipstream import cli
+    from slipstream.serve import server
+
+    started = []
+    monkeypatch.setattr(server, "run_server", lambda engine_config, server_config, **_: started.append(
+        server_config))
+    monkeypatch.delenv("VLLM_ENABLE_RESPONSES_API_STORE", raising=False)
+    if switch is not None:
+        monkeypatch.setenv("VLLM_ENABLE_RESPONSES_API_STORE", switch)
+    assert cli.main(["serve", str(model_dir), "--responses-store-size", "8"]) == 0
+    [config] = started
+    assert (config.responses_store, config.responses_store_size) == (switch is not None, 8)
+    warned = "--responses-store-size has no effect" in caplog.text
+    assert warned == (switch is None)
