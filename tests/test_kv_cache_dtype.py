@@ -140,6 +140,48 @@ def test_c_decode_kernel_reads_fp8_exactly(kv_name, dtype, head_dim):
             torch.testing.assert_close(out[i:i + 1].double(), expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("kv_name", sorted(FP8))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_c_decode_kernel_reads_every_fp8_byte_as_torch_does(kv_name, dtype, head_dim):
+    """All 256 byte patterns, NaN and inf included, as value elements: with a zero query the two
+    keys weigh 1/2 each and the second's values are zero, so each output is half of what torch's
+    cast reads from that byte (NaN where torch reads NaN, inf where inf); head size 32 takes the
+    portable loop, 64 and 128 the vector path where the CPU has AVX-512."""
+    kv_dtype, block_size = FP8[kv_name], 16
+    patterns = torch.arange(256, dtype=torch.uint8)
+    num_seqs = 256 // head_dim  # sequence i holds patterns [i * head_dim, (i + 1) * head_dim) in key 0
+    v_cache = torch.zeros(num_seqs, block_size, 1, head_dim, dtype=torch.uint8)
+    v_cache[:, 0, 0] = patterns.view(num_seqs, head_dim)
+    k_cache = torch.zeros_like(v_cache).view(kv_dtype)
+    batch = PagedBatch.build(seq_lens=[2] * num_seqs, query_lens=[1] * num_seqs,
+                             block_tables=[[i] for i in range(num_seqs)], block_size=block_size)
+    q = torch.zeros(num_seqs, 1, head_dim, dtype=dtype)
+    out = cpu_kernels.paged_decode_attention(q, k_cache, v_cache.view(kv_dtype), batch.decode_block_tables,
+                                             batch.decode_seq_lens, None)
+    expected = (patterns.view(kv_dtype).float() / 2).to(dtype)
+    torch.testing.assert_close(out.flatten(), expected, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("code", [0x02, 0x0F, 0x10, 0x11, 0x41, 0x42, 0xF0, 0x120, -1])
+def test_c_decode_entry_point_refuses_a_dtype_code_it_does_not_read(code, head_dim):
+    """Query codes other than fp32/bf16 (0, 1) and cache codes other than the queries' own (0) or
+    fp8 (2, 3) return status 2 (a bad argument) instead of reading past the kernel tables or
+    misreading the cache."""
+    lib = cpu_kernels.library()
+    q = torch.randn(1, 4, head_dim)
+    k_cache = torch.randn(2, 16, 2, head_dim)
+    v_cache, out = k_cache.clone(), torch.zeros_like(q)
+    batch = PagedBatch.build(seq_lens=[20], query_lens=[1], block_tables=[[1, 0]], block_size=16)
+    tables, lens = batch.decode_block_tables, batch.decode_seq_lens
+    status = lib.paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
+        lens.data_ptr(), 1, tables.shape[1], 4, 2, head_dim, 16, 0, head_dim**-0.5, 0.0, code, 1, None)
+    assert status == 2
+    assert not out.any()
+
+
 def test_bfloat16_cache_under_an_fp32_model_equals_dense_over_bf16_keys():
     """kv_cache_dtype "bfloat16" under an fp32 model: the cache rounds to bf16, attention in fp32."""
     torch.manual_seed(1)

@@ -13,8 +13,8 @@
  * for the arithmetic. An fp8 cache (kv_cache_dtype, e4m3fn or e5m2) under fp32 or bf16 queries
  * is named in bits 4-7 of the dtype argument (0 there: the queries' dtype) and widened exactly as
  * it is read: e5m2 is the high byte of an fp16, e4m3fn's magnitude shifted into an fp16 is its
- * value times 2^-8 (subnormals included); only its NaN code reads as 480 (the cache holds none:
- * write_kv saturates).
+ * value times 2^-8 (subnormals included); their NaN and inf codes read as NaN and inf, as torch
+ * reads them (the cache holds none: write_kv saturates). Any other dtype argument is refused.
  *
  * Layouts (row-major): q and out (num_seqs, num_heads, head_dim); k_cache and v_cache
  * (num_blocks, block_size, num_kv_heads, head_dim); block_tables (num_seqs, max_blocks) int64;
@@ -44,6 +44,13 @@ static inline int64_t kv_elem_size(int dtype) {
     return kv == DTYPE_F32 ? 4 : kv == DTYPE_BF16 ? 2 : 1;
 }
 
+/* Whether a decode dtype argument is one the kernels read: fp32 or bf16 queries (bits 0-3) over a
+ * cache of theirs (bits 4-7 zero) or an fp8 one, nothing above. */
+static inline int valid_decode_dtype(int dtype) {
+    const int q = dtype & 0xF, kv = dtype >> 4;
+    return (q == DTYPE_F32 || q == DTYPE_BF16) && (kv == 0 || kv == KV_DTYPE_E4M3 || kv == KV_DTYPE_E5M2);
+}
+
 /* Element `index` of a cache of dtype `kv` (kv_dtype_of's) as fp32. */
 static inline float cache_value(const void *base, int64_t index, int kv) {
     if (kv == DTYPE_F32) return ((const float *)base)[index];
@@ -52,12 +59,31 @@ static inline float cache_value(const void *base, int64_t index, int kv) {
     const int mantissa_bits = kv == KV_DTYPE_E5M2 ? 2 : 3, bias = kv == KV_DTYPE_E5M2 ? 15 : 7;
     const uint32_t exponent = (b & 0x7Fu) >> mantissa_bits, mantissa = b & ((1u << mantissa_bits) - 1u);
     union { uint32_t u; float f; } bits = {.u = sign};
+    if (kv == KV_DTYPE_E5M2 && exponent == 31) {  /* inf (mantissa 0) or NaN, as in fp16 */
+        bits.u |= 0x7F800000u | mantissa << 21;
+        return bits.f;
+    }
+    if (kv == KV_DTYPE_E4M3 && exponent == 15 && mantissa == 7) {  /* e4m3fn's only NaN; no inf */
+        bits.u |= 0x7FC00000u;
+        return bits.f;
+    }
     if (exponent == 0) {  /* zero or subnormal: mantissa * 2^(1 - bias - mantissa_bits) */
         const float magnitude = ldexpf((float)mantissa, 1 - bias - mantissa_bits);
         return sign ? -magnitude : magnitude;
     }
     bits.u |= (exponent - bias + 127u) << 23 | mantissa << (23 - mantissa_bits);
     return bits.f;
+}
+
+/* The fp8 cache row at `index` (kv: KV_DTYPE_*) widened into buffer: the dtype picked once per
+ * row, not per element, so that the element loop stays a straight one. */
+static inline const float *fp8_row_f32(const void *base, int64_t index, int64_t head_dim, int kv,
+                                       float *buffer) {
+    if (kv == KV_DTYPE_E5M2)
+        for (int64_t d = 0; d < head_dim; d++) buffer[d] = cache_value(base, index + d, KV_DTYPE_E5M2);
+    else
+        for (int64_t d = 0; d < head_dim; d++) buffer[d] = cache_value(base, index + d, KV_DTYPE_E4M3);
+    return buffer;
 }
 
 /* scores[0:n] = cap * tanh(scores / cap): Gemma 2's soft cap, on scores already scaled. */
@@ -240,7 +266,8 @@ static inline __attribute__((always_inline)) void attend_one(
                 } else if (dtype == DTYPE_BF16) {
                     dot = dot_bf16(q, head_index, k_cache, index, head_dim, scale, query);
                 } else {
-                    for (int64_t d = 0; d < head_dim; d++) dot += query[d] * cache_value(k_cache, index + d, kv_dtype);
+                    const float *k = fp8_row_f32(k_cache, index, head_dim, kv_dtype, buffer);
+                    for (int64_t d = 0; d < head_dim; d++) dot += query[d] * k[d];
                 }
                 scores[t] = dot;
                 max_score = dot > max_score ? dot : max_score;
@@ -260,8 +287,12 @@ static inline __attribute__((always_inline)) void attend_one(
                 if (dtype == DTYPE_F32) {
                     const float *v = (const float *)v_cache + index;
                     for (int64_t d = 0; d < head_dim; d++) acc[d] += w * v[d];
+                } else if (dtype == DTYPE_BF16) {
+                    const uint16_t *v = (const uint16_t *)v_cache + index;
+                    for (int64_t d = 0; d < head_dim; d++) acc[d] += w * bf16_to_f32(v[d]);
                 } else {
-                    for (int64_t d = 0; d < head_dim; d++) acc[d] += w * cache_value(v_cache, index + d, kv_dtype);
+                    const float *v = fp8_row_f32(v_cache, index, head_dim, kv_dtype, buffer);
+                    for (int64_t d = 0; d < head_dim; d++) acc[d] += w * v[d];
                 }
             })
             float *dst = partial + ((kv - kv_first) * group + g) * (head_dim + 2);
@@ -379,7 +410,10 @@ static inline __m512 load_cache16(const void *base, int64_t index, int dtype) {
     const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + index)));
     if (kv == KV_DTYPE_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(wide, 8));
     const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8);
-    const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x7F)), 7);
+    const __m256i low = _mm256_and_si256(wide, _mm256_set1_epi16(0x7F));
+    /* e4m3fn's NaN (0x7F) would read as 480: an fp16 NaN in its place. */
+    const __m256i magnitude = _mm256_blendv_epi8(_mm256_slli_epi16(low, 7), _mm256_set1_epi16(0x7E00),
+                                                 _mm256_cmpeq_epi16(low, _mm256_set1_epi16(0x7F)));
     return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, magnitude)), _mm512_set1_ps(256.0f));
 }
 
@@ -638,8 +672,13 @@ typedef void (*attend_fn)(const void *, const void *, const void *, const int64_
         IMPL(q, k, v, table, first, end, seq, kv_first, kv_count, num_heads, num_kv_heads,    \
              HEAD_DIM, block_size, scale, softcap, DTYPE, scratch, next, partial);             \
     }
-/* Constant head sizes and dtypes let the compiler unroll and drop branches in the hot loops. */
-DEFINE_ATTEND(attend_any, attend_one, head_dim, dtype)  /* variable-length arrays, any head size */
+/* Constant head sizes and dtypes let the compiler unroll and drop branches in the hot loops. The
+ * portable loop at any head size (variable-length arrays) gets a copy per 16- or 32-bit dtype, so
+ * that the fp8 branches cost an fp32 or bf16 cache nothing (one copy for all three ran 2-5%
+ * slower at head size 80 or 32), and one for the fp8 caches. */
+DEFINE_ATTEND(attend_any_f32, attend_one, head_dim, DTYPE_F32)
+DEFINE_ATTEND(attend_any_bf16, attend_one, head_dim, DTYPE_BF16)
+DEFINE_ATTEND(attend_any_fp8, attend_one, head_dim, dtype)
 #if defined(__AVX512F__)
 #define ATTEND_SPECIALISED attend_avx512
 #elif defined(SLIPSTREAM_AVX2)
@@ -671,14 +710,15 @@ static attend_fn choose_fp8_kernel(int64_t head_dim, int dtype) {
     const attend_fn d128[2][2] = {{attend_f32_e4m3_d128, attend_f32_e5m2_d128},
                                   {attend_bf16_e4m3_d128, attend_bf16_e5m2_d128}};
     const int q = q_dtype_of(dtype), kv = kv_dtype_of(dtype) - KV_DTYPE_E4M3;
+    if (!valid_decode_dtype(dtype) || !(dtype >> 4)) return attend_any_fp8;  /* never past the tables */
     if (head_dim == 64) return d64[q][kv];
     if (head_dim == 128) return d128[q][kv];
-    return attend_any;
+    return attend_any_fp8;
 }
 #else
 static attend_fn choose_fp8_kernel(int64_t head_dim, int dtype) {
     (void)head_dim; (void)dtype;
-    return attend_any;
+    return attend_any_fp8;
 }
 #endif
 
@@ -689,7 +729,7 @@ static attend_fn choose_kernel(int64_t head_dim, int dtype) {
     if (head_dim == 64) return dtype == DTYPE_F32 ? attend_f32_d64 : attend_bf16_d64;
     if (head_dim == 128) return dtype == DTYPE_F32 ? attend_f32_d128 : attend_bf16_d128;
     if (head_dim == 256) return dtype == DTYPE_F32 ? attend_f32_d256 : attend_bf16_d256;
-    return attend_any;
+    return dtype == DTYPE_F32 ? attend_any_f32 : attend_any_bf16;
 }
 
 int64_t max_seq_len(const int64_t *seq_lens, int64_t num_seqs) {
@@ -906,7 +946,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
                            int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t block_size, int64_t window, float scale,
                            float softcap, int dtype, int num_threads, const float *sinks) {
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || !valid_decode_dtype(dtype)) return 2;
     const int64_t scratch_floats =
         attention_scratch_floats(max_seq_len(seq_lens, num_seqs), num_heads, head_dim);
     decode_split split;
