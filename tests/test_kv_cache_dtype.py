@@ -310,6 +310,64 @@ def test_bad_kv_cache_dtype_is_a_value_error(bad):
 def test_calculate_kv_scales_is_refused():
     with pytest.raises(ValueError, match="calculate_kv_scales=True is not supported"):
         EngineConfig(model="m", calculate_kv_scales=True)
+    for bad in (0, None, "false", 1):
+        with pytest.raises(ValueError, match=f"calculate_kv_scales must be a bool, got {bad!r}"):
+            EngineConfig(model="m", calculate_kv_scales=bad)
+    EngineConfig(model="m", calculate_kv_scales=False)
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2", "bfloat16"])
+def test_metrics_records_price_kv_positions_in_the_cache_dtype(model_dir, tmp_path, kv):
+    """Each decode step's read_bytes against an auto cache's, for one sequence of P prompt tokens:
+    decode step i reads P + i positions, each 2 x layers x kv_heads x head_dim elements of the
+    cache dtype's size instead of fp32's, so the difference is that closed form; the header names
+    the cache dtype."""
+    prompt, steps = list(range(3, 203)), 4
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    read, headers = {}, {}
+    for name in ("auto", kv):
+        directory = tmp_path / name
+        llm = LLM(str(model_dir), block_size=BLOCK_SIZE, kv_cache_dtype=name, metrics_dir=str(directory),
+                  num_scheduler_steps=1)
+        llm.generate([prompt], params, use_tqdm=False)
+        records = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+        headers[name] = records[0]
+        read[name] = [r["read_bytes"] for r in records if r["kind"] == "engine_step"]
+    element = {"fp8": 1, "fp8_e5m2": 1, "bfloat16": 2}[kv]
+    assert headers["auto"]["kv_cache_dtype"] == "float32"
+    assert headers[kv]["kv_cache_dtype"] == {"fp8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
+                                             "bfloat16": "bfloat16"}[kv]
+    per_position = 2 * CONFIG.num_hidden_layers * CONFIG.num_key_value_heads * CONFIG.head_dim
+    assert len(read[kv]) == len(read["auto"]) == steps
+    for i in range(1, steps):
+        assert read["auto"][i] - read[kv][i] == (len(prompt) + i) * per_position * (4 - element)
+
+
+def test_a_checkpoint_with_calibrated_kv_scales_is_refused_naming_them(model_dir, tmp_path):
+    """vLLM's k_scale/v_scale tensors (and compressed-tensors' k/v output scales) name the cause."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "scaled"
+    out.mkdir()
+    for path in model_dir.iterdir():
+        (out / path.name).write_bytes(path.read_bytes())
+    (weights,) = out.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor(0.5)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    names = "model.layers.0.self_attn.k_scale, model.layers.0.self_attn.v_scale"
+    with pytest.raises(ValueError, match=f"calibrated KV-cache scales are not supported.*{names}"):
+        LLM(str(out), kv_cache_dtype="fp8")
+
+
+def test_logs_name_the_kv_cache_dtype(model_dir, caplog):
+    """The engine-ready line names the cache dtype, and the decode graph's decline names it as the cause."""
+    with caplog.at_level("INFO"):
+        LLM(str(model_dir), block_size=BLOCK_SIZE, kv_cache_dtype="fp8_e5m2")
+    text = caplog.text
+    assert "no CPU decode graph for this model (a float8_e5m2 KV cache (kv_cache_dtype) under float32" in text
+    assert "KV blocks of 16 tokens in float8_e5m2" in text
 
 
 def test_server_refuses_a_bad_kv_cache_dtype_at_start_up(model_dir, capsys):

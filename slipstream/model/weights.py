@@ -299,6 +299,12 @@ def _open_safetensors(path: Path):
         raise ValueError(f"cannot read {path}: corrupt or truncated safetensors file ({e})") from e
 
 
+_KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale", ".q_scale", ".prob_scale",
+                      "k_proj.output_scale", "v_proj.output_scale")
+"""Tensors of calibrated fp8 KV-cache (and attention) scales: vLLM's names and compressed-tensors'
+kv_cache_scheme's (its k/v projections' output scales)."""
+
+
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype | str = torch.float32,
@@ -349,6 +355,9 @@ def load_model(
     if params:
         missing = sorted({checkpoint_name(config, name) for name in params})
         raise ValueError(f"weights missing from {model_dir}: {', '.join(missing)}")
+    if scales := sorted({name for name in unexpected if name.endswith(_KV_SCALE_SUFFIXES)}):
+        raise ValueError(f"calibrated KV-cache scales are not supported (the KV cache's scales are always "
+                         f"1.0; kv_cache_dtype, docs/engine.md): {model_dir} holds {', '.join(scales)}")
     if unexpected:
         raise ValueError(f"unexpected weights in {model_dir}: {', '.join(sorted(set(unexpected)))}")
     model.tie_weights()

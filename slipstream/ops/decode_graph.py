@@ -409,6 +409,10 @@ class _Binder:
         self, layer: torch.nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> cpu_kernels.DecodeLayer:
         attention, mlp = layer.self_attn, layer.mlp
+        if k_cache.dtype != self.dtype:
+            raise _NotApplicable(f"a {str(k_cache.dtype).removeprefix('torch.')} KV cache (kv_cache_dtype) "
+                                 f"under {str(self.dtype).removeprefix('torch.')} weights: the graph's "
+                                 "attention reads only a cache of the model's dtype")
         qkv_weight, qkv_bias, qkv_panels, qkv_scale = self.layer_weights(attention.qkv_proj)
         o_weight, o_bias, o_panels, o_scale = self.layer_weights(attention.o_proj)
         if isinstance(mlp, SparseMoeBlock):

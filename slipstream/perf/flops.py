@@ -455,10 +455,12 @@ def forward_bytes_read(
 class ForwardCost:
     """`forward_flops` and `forward_bytes_read` of one model in one dtype (default: the config's),
     its decoder layers' linears in `quantization` where one is given (bytes change, FLOPs do not),
-    with the model's sums taken once: a running engine prices every step, where summing the
-    parameters again each time cost more than the rest of the step's record."""
+    its KV cache's positions read in `kv_dtype` (None: the model's dtype; an fp8 cache's are a
+    byte an element), with the model's sums taken once: a running engine prices every step, where
+    summing the parameters again each time cost more than the rest of the step's record."""
 
-    def __init__(self, config: ModelConfig, dtype: Any = None, quantization: str | None = None) -> None:
+    def __init__(self, config: ModelConfig, dtype: Any = None, quantization: str | None = None,
+                 kv_dtype: Any = None) -> None:
         self.config = config
         lm_head = 2 * embedding_params(config)
         self._flops_per_token = 2 * matmul_params(config) - lm_head
@@ -475,7 +477,7 @@ class ForwardCost:
                                   else _quantized_expert_bytes(config))
             if config.model_type == "gpt_oss":
                 self._expert_bytes = (expert_params(config) + expert_bias_params(config)) * element_bytes
-        self._kv_bytes_per_position = kv_cache_bytes_per_token(config, dtype)
+        self._kv_bytes_per_position = kv_cache_bytes_per_token(config, kv_dtype or dtype)
 
     def flops(self, num_tokens: int, num_logits: int, num_keys: float) -> float:
         """`forward_flops`."""

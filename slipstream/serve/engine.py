@@ -130,12 +130,14 @@ class EngineConfig:
     """As vLLM's: the KV cache's dtype. "auto" is the model's; "fp8" (= "fp8_e4m3") and "fp8_e5m2"
     store one byte per value (twice the tokens of a bf16 cache in the same kv_cache_memory, four
     times an fp32 one's), saturated to the format's range with scales of 1.0 (vLLM's default
-    without calibrated scales); "bfloat16" two. A cache of another dtype than the model's runs
-    attention through the PyTorch paths, without the C attention kernels and the C decode graph
-    (ops/paged_attention.py; docs/engine.md, "fp8 KV cache")."""
+    without calibrated scales; a checkpoint with calibrated ones is refused); "bfloat16" two. On
+    the CPU, decode attention over an fp8 cache runs the C kernel (widening fp8 as it reads it);
+    prefill attention, a bfloat16 cache under another model dtype and CUDA run the PyTorch paths,
+    and a cache of another dtype than the model's gets no C decode graph (ops/paged_attention.py;
+    docs/engine.md, "fp8 KV cache")."""
     calculate_kv_scales: bool = False
-    """vLLM's: per-tensor K/V scales computed from the first batch. Not supported (True is refused):
-    the scales are always 1.0."""
+    """vLLM's: per-tensor K/V scales computed from the first batch. Not supported: True is refused
+    (the scales are always 1.0), and anything but a bool is a ValueError."""
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
@@ -232,9 +234,11 @@ class EngineConfig:
         if self.dtype != "auto":
             resolve_dtype(self.dtype)
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)
-        if self.calculate_kv_scales is not False:
-            raise ValueError(f"calculate_kv_scales={self.calculate_kv_scales!r} is not supported: the KV "
-                             "cache's scales are always 1.0")
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ValueError(f"calculate_kv_scales must be a bool, got {self.calculate_kv_scales!r}")
+        if self.calculate_kv_scales:
+            raise ValueError("calculate_kv_scales=True is not supported: the KV cache's scales are "
+                             "always 1.0")
         check_quantization(self.quantization)
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
@@ -328,8 +332,9 @@ class Engine:
         """None unless profiler_config names a profiler: then every step is bracketed by it."""
         self._records = None if config.metrics_dir is None else EngineRecords(self)
         """None unless metrics_dir is set: then every step that runs the model is recorded."""
-        logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens",
-                    config.model, device, dtype_name(dtype), self.limits.num_blocks, config.block_size)
+        logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens in %s",
+                    config.model, device, dtype_name(dtype), self.limits.num_blocks, config.block_size,
+                    str(self.limits.kv_dtype).removeprefix("torch."))
 
     def _load(self, dtype: torch.dtype, device: torch.device) -> tuple[EngineLimits, Runner]:
         """The weights on the device (this rank's shard of them under tensor parallelism, with the

@@ -303,7 +303,9 @@ class EngineRecords:
         """Tells this engine's records from others' in one file (step numbers and request ids repeat)."""
         self._model_config = engine.model_config
         self._dtype = dtype_name(engine.limits.dtype)
-        self._cost = flops.ForwardCost(self._model_config, self._dtype, engine.config.quantization)
+        self._kv_dtype = str(engine.limits.kv_dtype).removeprefix("torch.")
+        self._cost = flops.ForwardCost(self._model_config, self._dtype, engine.config.quantization,
+                                       kv_dtype=self._kv_dtype)
         self._takes_logits = engine.pooler is None
         self._peaks = hardware_peaks(engine.limits.device, engine.limits.dtype)
         self._devices = engine.config.tensor_parallel_size
@@ -330,7 +332,8 @@ class EngineRecords:
             "kind": "engine_config", "engine_id": self.engine_id, "time": time.time(),
             "model": str(Path(config.model).resolve()),
             "model_type": self._model_config.model_type, "num_params": flops.num_params(self._model_config),
-            "dtype": self._dtype, "quantization": config.quantization, "device": str(limits.device),
+            "dtype": self._dtype, "kv_cache_dtype": self._kv_dtype, "quantization": config.quantization,
+            "device": str(limits.device),
             "num_threads": torch.get_num_threads(),
             "runner": "generate" if self._takes_logits else "pooling",
             "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
