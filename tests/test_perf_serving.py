@@ -400,8 +400,31 @@ def test_fp8_weights_keep_16_bit_kv_cache_embedding_lm_head_and_all_reduces():
     tp2 = {d: step_time(ServeSetup(shape=LLAMA8B, dtype=d, tp=2), b200, decode_contexts=[1024] * 8)
            for d in ("bf16", "fp8")}
     assert tp2["fp8"].comm_bytes == tp2["bf16"].comm_bytes > 0  # 16-bit all-reduce payloads
-    with pytest.raises(ValueError, match="unknown KV cache dtype 'int3'; known: auto, fp8_e4m3"):
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'int3'; known: auto, fp8, fp8_e4m3"):
         ServeSetup(shape=LLAMA8B, kv_dtype="int3")
+
+
+@pytest.mark.parametrize("name", ["FP8", "Auto", "float16", "tf32", "bf16", "float32", "fp8_inc", 8])
+def test_perf_refuses_the_kv_cache_dtypes_the_engine_refuses(name):
+    """One table of kv_cache_dtype names: what the engine refuses (case, torch names, dtype keys)
+    the performance model refuses too, and every name the engine takes prices the KV at the
+    element size of the torch dtype the engine's cache holds."""
+    torch = pytest.importorskip("torch")
+    from slipstream.ops.paged_attention import KV_CACHE_DTYPES
+    from slipstream.serve.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(model="m", kv_cache_dtype=name)
+    with pytest.raises(ValueError, match=f"unknown KV cache dtype {name!r}"):
+        ServeSetup(shape=LLAMA8B, kv_dtype=name)
+    per_element = 2 * 32 * 8 * 128  # Llama-3 8B: K and V, 32 layers, 8 kv heads of 128
+    for engine_name, cache_dtype in KV_CACHE_DTYPES.items():
+        EngineConfig(model="m", kv_cache_dtype=engine_name)
+        setup = ServeSetup(shape=LLAMA8B, dtype="fp32", kv_dtype=engine_name)
+        per_token = kv_capacity(setup, H100, 4096).kv_bytes_per_token_per_device
+        assert per_token == per_element * cache_dtype.itemsize
+    auto = ServeSetup(shape=LLAMA8B, dtype="fp32", kv_dtype="auto")
+    assert kv_capacity(auto, H100, 4096).kv_bytes_per_token_per_device == per_element * torch.float32.itemsize
 
 
 def test_lengths_beyond_the_models_positions_are_errors():

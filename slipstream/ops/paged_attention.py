@@ -40,10 +40,10 @@ import torch.nn.functional as F
 
 from slipstream.ops import cpu_kernels
 from slipstream.ops.attention import causal_mask, softmax_with_sinks_
+from slipstream.ops.kv_cache_dtypes import KV_CACHE_DTYPE_NAMES
 from slipstream.ops.linear import onednn_multiplies
 
-KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-                   "fp8_e5m2": torch.float8_e5m2, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = {name: getattr(torch, dtype) for name, dtype in KV_CACHE_DTYPE_NAMES.items()}
 """vLLM's kv_cache_dtype values besides "auto" (the model's dtype), and the cache dtype of each."""
 
 

@@ -42,7 +42,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from slipstream.perf.accelerators import DTYPE_KEYS, Accelerator, dtype_key
+from slipstream.ops.kv_cache_dtypes import KV_CACHE_DTYPE_NAMES
+from slipstream.perf.accelerators import Accelerator, dtype_key
 from slipstream.perf.efficiency import Efficiency, default_efficiency
 from slipstream.perf.layers import (
     Device,
@@ -65,9 +66,9 @@ STEP_KERNELS = 6
 _DTYPE_BYTES = {"fp32": 4, "tf32": 4, "fp8": 1}
 """Bytes per element of a dtype key; the others (bf16, fp16) are 2."""
 
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
-"""vLLM's kv_cache_dtype names ServeSetup takes besides the dtype keys and torch names: "auto" (the
-model's dtype, 16 bits under fp8 weights) and the two fp8 formats (1 byte each)."""
+KV_CACHE_DTYPES = ("auto", *KV_CACHE_DTYPE_NAMES)
+"""The kv_cache_dtype names ServeSetup takes: the engine's (`ops.kv_cache_dtypes`), "auto" the
+model's dtype (16 bits under fp8 weights), the fp8 formats 1 byte each."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,8 +80,8 @@ class ServeSetup:
     dtype: str = "bf16"
     """The weights' dtype; "fp8" is 1-byte linear weights on 16-bit (bf16) everything else."""
     kv_dtype: str | None = None
-    """The KV cache's dtype (vLLM's kv_cache_dtype); None or "auto": the model's activation dtype,
-    `dtype` or bf16 under fp8 weights, as vLLM's "auto". "fp8_e4m3" and "fp8_e5m2" are "fp8"."""
+    """The KV cache's dtype, one of the engine's kv_cache_dtype names (`KV_CACHE_DTYPES`); None or
+    "auto": the model's activation dtype, `dtype` or bf16 under fp8 weights, as vLLM's "auto"."""
     memory_utilization: float = 0.9
     """Fraction of device memory the engine may use (vLLM's gpu_memory_utilization)."""
     kv_cache_bytes: float | None = None
@@ -96,7 +97,7 @@ class ServeSetup:
     def __post_init__(self) -> None:
         dtype_key(self.dtype)
         if self.kv_dtype is not None:
-            object.__setattr__(self, "kv_dtype", kv_cache_dtype(self.kv_dtype))
+            kv_cache_dtype(self.kv_dtype)
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"tp must be a positive integer, got {self.tp!r}")
         if error := self.shape.tensor_parallel_error(self.tp, serving=True):
@@ -129,7 +130,8 @@ class ServeSetup:
 
     @property
     def kv_element_bytes(self) -> int:
-        return _DTYPE_BYTES.get(self.kv_dtype or self.activation_dtype, 2)
+        key = None if self.kv_dtype is None else kv_cache_dtype(self.kv_dtype)
+        return _DTYPE_BYTES.get(key or self.activation_dtype, 2)
 
     def weights_bytes_per_device(self) -> float:
         """One device's share of the weights: the layers' linears at `element_bytes`, the rest
@@ -143,17 +145,13 @@ class ServeSetup:
 
 
 def kv_cache_dtype(name: Any) -> str | None:
-    """The dtype key of a KV cache dtype name (`KV_CACHE_DTYPES` or a dtype), None for "auto"."""
-    kv = str(name).lower()
-    if kv == "auto":
+    """The dtype key of a kv_cache_dtype name (`KV_CACHE_DTYPES`, exactly as the engine takes
+    them), None for "auto"."""
+    if name == "auto":
         return None
-    if kv in KV_CACHE_DTYPES:
-        return "fp8"
-    try:
-        return dtype_key(kv)
-    except ValueError:
-        raise ValueError(f"unknown KV cache dtype {name!r}; known: {', '.join(KV_CACHE_DTYPES)}, "
-                         f"{', '.join(DTYPE_KEYS)} and their torch names") from None
+    if not isinstance(name, str) or name not in KV_CACHE_DTYPE_NAMES:
+        raise ValueError(f"unknown KV cache dtype {name!r}; known: {', '.join(KV_CACHE_DTYPES)}")
+    return dtype_key(KV_CACHE_DTYPE_NAMES[name])
 
 
 def _check_positive(name: str, value: Any) -> None:
