@@ -536,7 +536,7 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
         p.add_argument("--block-size", type=_int_at_least(1), default=16, help="tokens per KV block")
         p.add_argument("--kv-cache-dtype", default="auto",
                        help="the KV cache's dtype (vLLM's flag): auto (the model's 16-bit dtype, also under "
-                            "--dtype fp8), fp8, fp8_e4m3, fp8_e5m2, bfloat16, float16")
+                            "--dtype fp8), fp8, fp8_e4m3, fp8_e5m2, bfloat16")
     if "load" in groups:
         p.add_argument("--rate", type=_positive_float, help="requests/s for TTFT/TPOT under load")
     if "load" in groups or "plan" in groups:
