@@ -11,9 +11,8 @@ from unittest import mock
 
 import pytest
 import torch
+from dispatch_passes import NonMatmulPasses
 from test_perf_training import _gpt_oss_config, _trainer_saved_activation_bytes
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from slipstream.model.config import ModelConfig
@@ -330,31 +329,10 @@ def test_gpt_oss_activation_memory_equals_what_its_moe_model_saves(top_k):
         assert model == pytest.approx(measured, rel=0.01)
 
 
-class _Passes(TorchDispatchMode):
-    """Bytes read plus written, and kernels, of the ops torch runs outside matmuls (views and
-    aliases free)."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes, self.kernels = 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        storages = {t.untyped_storage().data_ptr() for t in inputs}
-        matmul = func.__name__.startswith(("mm", "addmm", "bmm"))
-        if not matmul and not any(t.untyped_storage().data_ptr() in storages for t in outputs):
-            self.bytes += sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
-                              for t in inputs + outputs)  # an expanded tensor: its storage
-            self.kernels += 1
-        return out
-
-
-def _expert_passes(experts, x, dtype, autocast: bool) -> tuple[_Passes, _Passes]:
+def _expert_passes(experts, x, dtype, autocast: bool) -> tuple[NonMatmulPasses, NonMatmulPasses]:
     """What torch's dispatcher sees each expert of `experts()` (one forward's) do on its half of
     x's rows, forward and backward."""
-    forward, backward = _Passes(), _Passes()
+    forward, backward = NonMatmulPasses(expanded_as_storage=True), NonMatmulPasses(expanded_as_storage=True)
     with forward, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         outs = [expert(half) for expert, half in zip(experts(), x.chunk(2), strict=True)]
     grads = [torch.randn_like(out) for out in outs]

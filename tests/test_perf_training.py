@@ -564,26 +564,9 @@ def _eager_pointwise_bytes(config, dtype, num_tokens: int, autocast: bool = Fals
     `autocast`, an fp32 layer on an fp32 residual stream under bf16 autocast, as the trainer runs
     it (the weight casts and their gradients' casts included)."""
     torch = pytest.importorskip("torch")
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
+    from dispatch_passes import NonMatmulPasses as Counter
 
     from slipstream.model.transformer import DecoderLayer, SandwichDecoderLayer, rope_cos_sin, rope_inv_freq
-
-    class Counter(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.bytes, self.kernels = 0, 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            storages = {t.untyped_storage().data_ptr() for t in inputs}
-            matmul = func.__name__.startswith(("mm", "addmm", "bmm", "_scaled_dot_product"))
-            if not matmul and not any(t.untyped_storage().data_ptr() in storages for t in outputs):
-                self.bytes += sum(t.numel() * t.element_size() for t in inputs + outputs)
-                self.kernels += 1
-            return out
 
     layer = (SandwichDecoderLayer if config.sandwich_norms else DecoderLayer)(config, 0).to(dtype)
     x = torch.randn(1, num_tokens, config.hidden_size, dtype=dtype, requires_grad=True)  # (B, T, E)
@@ -645,28 +628,21 @@ def test_eager_loss_bytes_match_torch():
     gradient)."""
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
+    from dispatch_passes import NonMatmulPasses
 
     from slipstream.perf.model import _loss_bytes_per_logit
 
-    class Counter(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.bytes, self.kernels = 0, 0
+    class Counter(NonMatmulPasses):
+        """Every op, matmuls included, but the seed gradient; the NLL ops' outputs only."""
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            storages = {t.untyped_storage().data_ptr() for t in inputs}
-            alias = any(t.untyped_storage().data_ptr() in storages for t in outputs)
-            if func.__name__.startswith("nll_loss"):
-                inputs = []
-            if not alias and func.__name__ != "ones_like.default":  # (the seed gradient)
-                self.bytes += sum(t.numel() * t.element_size() for t in inputs + outputs)
-                self.kernels += 1
-            return out
+        def __init__(self):
+            super().__init__(skip=())
+
+        def counts(self, func) -> bool:
+            return func.__name__ != "ones_like.default"
+
+        def read(self, func, inputs):
+            return [] if func.__name__.startswith("nll_loss") else inputs
 
     num_tokens, vocab = 96, 4096
     gemma2 = dataclasses.replace(GPT175, logit_softcap=True)
