@@ -258,9 +258,11 @@ def _trainer_saved_activation_bytes(config, dtype: str, batch: int, seq_len: int
     """Bytes autograd keeps for the backward of one micro-batch of slipstream's model as
     `Trainer.loss` runs it (bf16: autocast around the forward; fp32 cross-entropy), and the
     attention masks it holds (`_additive_causal_mask`'s, cached across layers and steps), each
-    storage counted once; parameters and autocast's weight copies (the model's weight bytes) left
-    out. `cuda_gqa`: `ops.attention` decides whether SDPA takes grouped K/V heads by its CUDA rule
-    (16-bit, head_dim up to 256, no mask), so that what a GPU run saves is counted on the CPU."""
+    storage counted once; parameters and autocast's weight copies (the model's weight bytes; of a
+    stacked parameter, each expert's slice called) left out, so that which experts a batch routes
+    to does not change the count. `cuda_gqa`: `ops.attention` decides whether SDPA takes grouped
+    K/V heads by its CUDA rule (16-bit, head_dim up to 256, no mask), so that what a GPU run saves
+    is counted on the CPU."""
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
 
@@ -270,7 +272,9 @@ def _trainer_saved_activation_bytes(config, dtype: str, batch: int, seq_len: int
     torch.manual_seed(0)
     model = Transformer(config)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    weight_shapes = {s for p in model.parameters() if p.dim() == 2 for s in (p.shape, p.shape[::-1])}
+    # A weight's 16-bit copy has its shape; a stacked one's (gpt-oss's experts), an expert's slice's.
+    weight_shapes = {s for p in model.parameters() if p.dim() >= 2
+                     for s in (p.shape[-2:], p.shape[-2:][::-1])}
     saved: dict[int, int] = {}
 
     def pack(t):
