@@ -447,6 +447,19 @@ def route(
     return weights, experts
 
 
+def group_by_expert(
+    experts: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:  # (N, k) expert ids -> (N * k,), (N * k,), X ints
+    """The (token, choice) pairs of `experts` grouped by expert, as transformers' loop over
+    experts visits them: `order` indexes the flattened (N * k) choices sorted by expert, stably
+    (an expert's tokens keep their order), `tokens` is each sorted choice's token and `counts`
+    each expert's number of choices, in increasing expert order, to split both by."""
+    flat = experts.flatten()  # (N * k,): choice j of token t at t * k + j
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order, order // experts.shape[-1], counts
+
+
 class SparseMoeBlock(nn.Module):
     """A mixture-of-experts MLP (Mixtral, Qwen-MoE): a linear router picks `num_experts_per_tok`
     SwiGLU experts per token, whose outputs are summed weighted by the routing weights; qwen2_moe
@@ -497,16 +510,13 @@ class SparseMoeBlock(nn.Module):
         self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, out: torch.Tensor
     ) -> torch.Tensor:
         """The routed experts' outputs, weighted and summed per token into `out` (zeros). The
-        (token, choice) pairs sorted by expert (stably: an expert's tokens keep their order) give
-        one gather of the routed rows, of which each expert multiplies a contiguous slice, in
-        increasing expert order; one `index_add_` per expert then adds its rows (distinct tokens)
-        to `out`, as transformers' loop over experts does. One call for all experts would add a
-        token's k rows before rounding to a 16-bit dtype once, not after each expert, and on a GPU
-        with atomics, in no fixed order."""
-        flat = experts.flatten()  # (N * k,): choice j of token t at t * k + j
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens = order // self.top_k  # (N * k,)
+        (token, choice) pairs grouped by expert (`group_by_expert`) give one gather of the routed
+        rows, of which each expert multiplies a contiguous slice, in increasing expert order; one
+        `index_add_` per expert then adds its rows (distinct tokens) to `out`, as transformers'
+        loop over experts does. One call for all experts would add a token's k rows before
+        rounding to a 16-bit dtype once, not after each expert, and on a GPU with atomics, in no
+        fixed order."""
+        order, tokens, counts = group_by_expert(experts, self.num_experts)
         if not len(tokens):
             return out
         chunks = x[tokens].split(counts)  # each expert's rows, experts in increasing order
@@ -582,10 +592,7 @@ class GptOssMoeBlock(nn.Module):
         x = cast_once_for_autocast(x).reshape(-1, shape[-1])  # (N, E)
         logits, experts = torch.topk(self.router(x), self.top_k, dim=-1)  # (N, k) each
         weights = torch.softmax(logits, dim=-1, dtype=logits.dtype)
-        flat = experts.flatten()  # (N * k,): choice j of token t at t * k + j
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens = order // self.top_k  # (N * k,), grouped by expert
+        order, tokens, counts = group_by_expert(experts, self.num_experts)
         rows = weights.flatten()[order, None]  # (N * k, 1)
         out = torch.zeros(x.shape, dtype=dtype, device=x.device)
         weights_of = self.experts.expert_weights()
