@@ -184,6 +184,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         trust_request_chat_template=args.trust_request_chat_template, lora_modules=tuple(args.lora_modules),
         allow_runtime_lora_updating=runtime_lora_updating(os.environ),
         responses_store=responses_store,
@@ -268,7 +269,8 @@ def _add(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from slipstream.serve.tool_parsers import TOOL_CALL_PARSERS  # plain Python, quick to import
+    from slipstream.serve.reasoning_parsers import REASONING_PARSERS  # plain Python, quick to import
+    from slipstream.serve.tool_parsers import TOOL_CALL_PARSERS
 
     parser = argparse.ArgumentParser(prog="slipstream", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -310,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help='as vLLM: let the model choose whether to call a tool (tool_choice "auto")')
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS),
                    help="the model's tool-call format, for --enable-auto-tool-choice")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+                   help="as vLLM: send the model's thinking apart from its answer, in `reasoning`")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="name logprobs tokens 'token_id:ID' unless a request says otherwise (as vLLM)")
     p.add_argument("--responses-store-size", type=_int_at_least(1),

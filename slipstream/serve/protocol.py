@@ -514,6 +514,9 @@ class ChatCompletionRequest(GenerationBody):
     as vLLM's."""
     documents: list[dict[str, Any]] | None = None
     """Documents for retrieval-augmented templates (the template's `documents`)."""
+    include_reasoning: bool = True
+    """False: with the server's --reasoning-parser, the reply's reasoning is left out (its content
+    is still the answer alone), as vLLM's."""
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -868,6 +871,8 @@ class ResponsesRequest(_Body):
     cache_salt: str | None = None
     structured_outputs: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+    """False: with the server's --reasoning-parser, the Response has no reasoning item (vLLM's)."""
 
     def check_supported(self) -> None:
         """vLLM's refusal of a stored prompt and the checks the chat request cannot make in the

@@ -24,7 +24,7 @@ import re
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import jinja2
@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from slipstream.serve import protocol, responses, responses_api
+from slipstream.serve import protocol, reasoning_replies, responses, responses_api
 from slipstream.serve.async_engine import AsyncEngine, EngineError, Overloaded, RequestStream
 from slipstream.serve.beam_search import (
     BeamSearch,
@@ -51,6 +51,8 @@ from slipstream.serve.metrics import ServerMetrics
 from slipstream.serve.pooling import EmbeddingRequestOutput
 from slipstream.serve.profiler import ProfilerAlreadyActiveError
 from slipstream.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from slipstream.serve.reasoning_parsers import REASONING_PARSERS, THINK_END, THINK_START
+from slipstream.serve.reasoning_replies import Reasoning, ReasoningChatStream
 from slipstream.serve.request import (
     CompletionOutput,
     RequestMetrics,
@@ -63,6 +65,9 @@ from slipstream.serve.served_models import HTTP_TIMEOUT_KEEP_ALIVE_S, LoRAModule
 from slipstream.serve.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
+
+Chunks = responses.CompletionStream | responses.ChatStream | ReasoningChatStream
+"""What streams a completions or chat reply as chunks."""
 
 T = TypeVar("T")
 
@@ -111,6 +116,9 @@ class ServerConfig:
     the default with tools), whose calls `tool_call_parser` reads (vLLM's flags of these names)."""
     tool_call_parser: str | None = None
     """The model's call format: "hermes", "llama3_json" or "mistral" (tool_parsers.py)."""
+    reasoning_parser: str | None = None
+    """The model's thinking format, "deepseek_r1" or "qwen3" (reasoning_parsers.py): replies' reasoning
+    goes out apart from their answers (vLLM's --reasoning-parser)."""
     lora_modules: tuple[LoRAModulePath, ...] = ()
     """LoRA adapters to serve from the start (vLLM's --lora-modules), each loaded, and so checked,
     before the server listens; they need an engine with enable_lora."""
@@ -144,6 +152,9 @@ class ServerConfig:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (as vLLM's "
                              "--enable-auto-tool-choice needs --tool-call-parser)")
@@ -164,6 +175,9 @@ class OpenAIServer:
         self.model_name = config.served_model_name or self.model_path
         self.tokenizer = engine.tokenizer
         self.tokenize = engine.tokenize
+        self._think_tag_ids = frozenset(self.tokenizer.token_to_id(tag)
+                                        for tag in (THINK_START, THINK_END)) - {None}
+        """The think tags' ids where the tokenizer has them as single tokens."""
         self.max_model_len = engine.limits.max_model_len
         self.eos_token_ids = engine.limits.eos_token_ids
         self.max_logprobs = engine.config.max_logprobs
@@ -380,24 +394,35 @@ class OpenAIServer:
         meta = ResponseMeta.new("chatcmpl", self._served_name(lora))
         options = dict(num_logprobs=body.num_logprobs, as_token_ids=self._as_token_ids(body),
                        echo=body.echoed_text, tool_calls=tool_calls)
+        reasoning = self._reasoning(body.chat_template_kwargs, body.include_reasoning, params)
         if body.use_beam_search:
             beams = body.beam_search_params(max_tokens=body.max_new_tokens or self.max_model_len,
                                             max_logprobs=self.max_logprobs)
             [output] = await self._beam_search(request, meta.id, [token_ids], beams, arrival_time_s,
                                                body.num_logprobs, params.skip_special_tokens, body, lora)
             if body.stream:
-                chunks = responses.ChatStream(meta, n=params.n, usage=body.usage_mode,
-                                              num_prompt_tokens=len(token_ids), **options)
+                chunks = _chat_stream(meta, params.n, body.usage_mode, len(token_ids), reasoning, options)
                 return _event_stream(_final_events([output], chunks))
-            return JSONResponse(responses.chat_response(meta, output, **options))
+            return JSONResponse(_chat_response(meta, output, reasoning, options))
         named = _chat_params_named(body)
         stream = await self._submit(meta.id, [token_ids], params, arrival_time_s, named, body, lora)
         if body.stream:
-            chunks = responses.ChatStream(meta, n=params.n, usage=body.usage_mode,
-                                          num_prompt_tokens=len(token_ids), **options)
+            chunks = _chat_stream(meta, params.n, body.usage_mode, len(token_ids), reasoning, options)
             return _event_stream(self._events(stream, chunks))
         [output] = await self._collect(request, stream)
-        return JSONResponse(responses.chat_response(meta, output, **options))
+        return JSONResponse(_chat_response(meta, output, reasoning, options))
+
+    def _reasoning(self, chat_template_kwargs: dict[str, Any] | None, include: bool,
+                   params: SamplingParams) -> Reasoning | None:
+        """How a request's replies are split into reasoning and answer (None: they are not)."""
+        if self.config.reasoning_parser is None:
+            return None
+        parser = REASONING_PARSERS[self.config.reasoning_parser](chat_template_kwargs)
+
+        def decode(token_ids: Sequence[int]) -> str:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
+
+        return Reasoning(parser, include, decode, self._think_tag_ids)
 
     def _tool_calls(self, body: ChatCompletionRequest,
                     params: SamplingParams) -> tuple[SamplingParams, responses.ToolCalls | None]:
@@ -867,8 +892,7 @@ class OpenAIServer:
 
     # ---- streaming ------------------------------------------------------------------------------
 
-    async def _events(self, stream: RequestStream,
-                      chunks: responses.CompletionStream | responses.ChatStream) -> AsyncIterator[str]:
+    async def _events(self, stream: RequestStream, chunks: Chunks) -> AsyncIterator[str]:
         """The events of a stream until [DONE]; closing the generator (the client left) aborts. The
         opening events (chat's role chunks) go out with the engine's first output, as vLLM's, so
         that a client timing its first chunk times the prefill."""
@@ -916,8 +940,7 @@ async def _response_events(stream: RequestStream, builder: responses_api.Respons
         stream.close()
 
 
-async def _final_events(outputs: list[RequestOutput],
-                        chunks: responses.CompletionStream | responses.ChatStream) -> AsyncIterator[str]:
+async def _final_events(outputs: list[RequestOutput], chunks: Chunks) -> AsyncIterator[str]:
     """The events of outputs that are already final (beam search's): each choice whole."""
     for event in chunks.opening():
         yield event
@@ -927,6 +950,19 @@ async def _final_events(outputs: list[RequestOutput],
     if chunks.usage_mode is not None:
         yield responses.usage_event(chunks, outputs)
     yield responses.sse("[DONE]")
+
+
+def _chat_stream(meta: ResponseMeta, n: int, usage_mode: str | None, num_prompt_tokens: int,
+                 reasoning: Reasoning | None, options: dict[str, Any]) -> Chunks:
+    chunks = responses.ChatStream(meta, n=n, usage=usage_mode, num_prompt_tokens=num_prompt_tokens, **options)
+    return chunks if reasoning is None else ReasoningChatStream(chunks, reasoning, num_prompt_tokens)
+
+
+def _chat_response(meta: ResponseMeta, output: RequestOutput, reasoning: Reasoning | None,
+                   options: dict[str, Any]) -> dict[str, Any]:
+    if reasoning is None:
+        return responses.chat_response(meta, output, **options)
+    return reasoning_replies.chat_response(reasoning, meta, output, **options)
 
 
 def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
