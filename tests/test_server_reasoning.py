@@ -6,11 +6,16 @@ streamed, against the same server's raw text without the flag split by `str.part
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import openai
 import pytest
+from pydantic import TypeAdapter
 from server_process import MODEL_NAME, in_process
 
 from slipstream.cli import build_parser
+from slipstream.serve import protocol
 from slipstream.serve.engine import Engine, EngineConfig
 from slipstream.serve.reasoning_parsers import REASONING_PARSERS
 from slipstream.serve.server import OpenAIServer, ServerConfig
@@ -145,3 +150,73 @@ def test_an_unknown_reasoning_parser_is_refused_at_start_up(capsys):
     assert "--reasoning-parser" in error and "deepseek_r1" in error and "qwen3" in error
     with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3, got 'x'"):
         ServerConfig(reasoning_parser="x")
+
+
+def responses_body(regex: str, **body) -> dict:
+    return {"model": MODEL_NAME, "input": MESSAGES[0]["content"], "max_output_tokens": 60, "temperature": 0,
+            "structured_outputs": {"regex": regex}} | body
+
+
+def test_responses_reasoning_item_whole_and_streamed(urls):
+    """A Response of a reasoning reply: a `reasoning` item (summary empty, one reasoning_text part)
+    before the message, their texts the plain chat reply cut at `</think>`, reasoning tokens
+    counted as the chat route counts them; streamed, the reasoning item's events and then the
+    message's, in OpenAI's order, every event and the Responses valid as the `openai` package's
+    types; include_reasoning false leaves the item out."""
+    regex = FORCED["deepseek_r1"]
+    thinking, _, answer = chat(urls[None], regex).choices[0].message.content.partition("</think>")
+    chat_usage = chat(urls["deepseek_r1"], regex).usage
+    url = urls["deepseek_r1"] + "/v1/responses"
+    raw = httpx.post(url, json=responses_body(regex), timeout=60).json()
+    response = openai.types.responses.Response.model_validate(raw)
+    reasoning, message = response.output
+    assert (reasoning.type, reasoning.summary, [part.type for part in reasoning.content]) == (
+        "reasoning", [], ["reasoning_text"])
+    assert (reasoning.content[0].text, message.type, response.output_text) == (thinking, "message", answer)
+    num_tokens = chat_usage.completion_tokens_details.reasoning_tokens
+    assert response.usage.output_tokens_details.reasoning_tokens == num_tokens > 0
+
+    adapter = TypeAdapter(openai.types.responses.ResponseStreamEvent)
+    with httpx.stream("POST", url, json=responses_body(regex, stream=True), timeout=60) as stream:
+        events = [adapter.validate_python(json.loads(line.removeprefix("data: ")))
+                  for line in stream.iter_lines() if line.startswith("data: ")]
+    kinds = [event.type.removeprefix("response.") for event in events]
+    kinds = [kind for i, kind in enumerate(kinds) if not (kind.endswith(".delta") and kinds[i - 1] == kind)]
+    assert kinds == ["created", "in_progress",
+                     "output_item.added", "content_part.added", "reasoning_text.delta", "reasoning_text.done",
+                     "content_part.done", "output_item.done",
+                     "output_item.added", "content_part.added", "output_text.delta", "output_text.done",
+                     "content_part.done", "output_item.done", "completed"]
+    assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0, 1]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thinking
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer
+    final = events[-1].response
+    assert (final.output[0].content[0].text, final.output_text) == (thinking, answer)
+    hidden = httpx.post(url, json=responses_body(regex, include_reasoning=False), timeout=60).json()
+    assert [item["type"] for item in hidden["output"]] == ["message"]
+
+
+def test_reasoning_items_in_the_input_are_the_assistant_turns_reasoning(urls):
+    """As vLLM renders them: a reasoning item and the assistant message after it are one assistant
+    turn whose `reasoning` the chat template sees (as chat messages' reasoning, or its older name
+    reasoning_content); an encrypted one is a 400 naming input."""
+    turn = [{"role": "user", "content": "Is 7 prime?"},
+            {"type": "reasoning", "id": "rs_1", "summary": [],
+             "content": [{"type": "reasoning_text", "text": "divisors"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "yes"}]},
+            {"role": "user", "content": "And 9?"}]
+    request = protocol.ResponsesRequest.model_validate({"model": MODEL_NAME, "input": turn})
+    assert [m.template_message() for m in request.chat_request().messages] == [
+        {"role": "user", "content": "Is 7 prime?"},
+        {"role": "assistant", "content": "yes", "reasoning": "divisors"},
+        {"role": "user", "content": "And 9?"}]
+    old_name = protocol.ChatCompletionRequest.model_validate({"model": MODEL_NAME, "messages": [
+        {"role": "assistant", "content": "yes", "reasoning_content": "d"}]})
+    assert old_name.messages[0].reasoning == "d"
+    response = httpx.post(urls["deepseek_r1"] + "/v1/responses", timeout=60,
+                          json=responses_body(FORCED["deepseek_r1"], input=turn))
+    assert response.status_code == 200
+    encrypted = [{**turn[1], "encrypted_content": "gAAA"}]
+    error = httpx.post(urls["deepseek_r1"] + "/v1/responses", json=responses_body("a", input=encrypted),
+                       timeout=60)
+    assert (error.status_code, error.json()["error"]["param"]) == (400, "input")

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -421,6 +422,11 @@ class ChatMessage(_Body):
     """An assistant's earlier calls."""
     tool_call_id: str | None = None
     """A tool message's answer to this call."""
+    reasoning: str | None = Field(default=None,
+                                  validation_alias=AliasChoices("reasoning", "reasoning_content"))
+    """An assistant's earlier thinking, as a reasoning parser returned it (vLLM 0.32's field; its
+    older name `reasoning_content` is read too); templates see it under their own names
+    (chat_template.py)."""
 
     def template_message(self) -> dict[str, Any]:
         """The message as the chat template sees it: text parts joined by newlines, and a tool call's
@@ -433,6 +439,8 @@ class ChatMessage(_Body):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning is not None:
+            message["reasoning"] = self.reasoning
         if self.tool_calls:
             message["tool_calls"] = [
                 {"id": call.id, "type": call.type,
@@ -995,7 +1003,7 @@ class ResponsesRequest(_Body):
         for name in ("temperature", "top_p", "seed", "user", "top_k", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "stop", "ignore_eos", "skip_special_tokens",
                      "include_stop_str_in_output", "logit_bias", "priority", "cache_salt",
-                     "structured_outputs"):
+                     "structured_outputs", "include_reasoning"):
             chat[name] = getattr(self, name)
         if self.tools:
             chat["tools"] = [_chat_tool(index, tool) for index, tool in enumerate(self.tools)]
@@ -1032,7 +1040,14 @@ class ResponsesRequest(_Body):
         for index, item in enumerate(self.input):
             kind = item.get("type", "message" if "role" in item else None)
             if kind == "message":
-                messages.append(_message(index, item))
+                message, previous = _message(index, item), messages[-1] if messages else {}
+                if message["role"] == "assistant" and _thinking_only(previous):
+                    previous["content"] = message["content"]  # one turn: its reasoning, then its text
+                else:
+                    messages.append(message)
+            elif kind == "reasoning":
+                reasoning = _reasoning_text(index, item)
+                messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
             elif kind == "function_call":
                 function = {"name": _item_text(index, item, "name"),
                             "arguments": _item_text(index, item, "arguments")}
@@ -1050,7 +1065,7 @@ class ResponsesRequest(_Body):
                                  "content": content})
             else:
                 raise bad_request(f"input[{index}] has type {_excerpt(str(kind))}; this server takes "
-                                  "message, function_call and function_call_output items", "input")
+                                  "message, reasoning, function_call and function_call_output items", "input")
         return messages
 
     def _response_format(self) -> dict[str, Any] | None:
@@ -1109,6 +1124,30 @@ def _message(index: int, item: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(content, str):
         raise bad_request(f"input[{index}].content must be a string or a list of input_text parts", "input")
     return {"role": role, "content": content}
+
+
+def _thinking_only(message: dict[str, Any]) -> bool:
+    """Whether a message is an assistant turn with reasoning so far only (a reasoning item's)."""
+    return (message.get("role") == "assistant" and message.get("reasoning") is not None
+            and message.get("content") is None and not message.get("tool_calls"))
+
+
+def _reasoning_text(index: int, item: dict[str, Any]) -> str:
+    """A reasoning item's text: its reasoning_text content, or else its summary (as vLLM reads it);
+    an encrypted one is refused (nothing here could read it)."""
+    if item.get("encrypted_content"):
+        raise bad_request(f"input[{index}] is a reasoning item with encrypted_content, which this server "
+                          "cannot read; send its content instead", "input")
+    for key in ("content", "summary"):
+        parts = item.get(key) or []
+        texts = [part.get("text") if isinstance(part, dict) else None for part in parts] if isinstance(
+            parts, list) else [None]
+        if not all(isinstance(text, str) for text in texts):
+            raise bad_request(f"input[{index}] (reasoning) needs {key} as a list of parts with a text",
+                              "input")
+        if texts:
+            return "\n".join(texts)
+    return ""
 
 
 def _parts(index: int, parts: list[Any]) -> list[dict[str, str]]:

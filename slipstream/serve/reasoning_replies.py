@@ -36,9 +36,12 @@ class Reasoning:
                    for completion, split in zip(output.outputs, splits, strict=True)]
         return dataclasses.replace(output, outputs=answers), splits
 
+    def num_tokens(self, completion: CompletionOutput) -> int:
+        """The reply's reasoning tokens (ThinkTagParser.num_reasoning_tokens)."""
+        return self.parser.num_reasoning_tokens(completion.token_ids, self.decode, self.tag_ids)
+
     def usage(self, usage: dict[str, Any], outputs: Iterable[RequestOutput]) -> dict[str, Any]:
-        num_tokens = sum(self.parser.num_reasoning_tokens(completion.token_ids, self.decode, self.tag_ids)
-                         for output in outputs for completion in output.outputs)
+        num_tokens = sum(self.num_tokens(completion) for output in outputs for completion in output.outputs)
         return usage | {"completion_tokens_details": {"reasoning_tokens": num_tokens}}
 
 

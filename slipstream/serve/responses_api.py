@@ -12,6 +12,12 @@ named tool call streams the same way, its arguments in function_call_arguments.d
 reply that may be calls or text ("required", "auto") can be read only once whole: its items'
 events all come at the end.
 
+With a reasoning parser (reasoning_replies.py), the reply's thinking is a `reasoning` item before
+the others (`summary` empty, its text a reasoning_text part, as vLLM's), the rest of the reply
+its answer; streamed, its output_item.added, content_part.added and reasoning_text.delta events
+come as it grows, and its done events as the answer begins; the answer's items follow at output
+index 1. A reply that is reasoning alone has no message (as vLLM).
+
 With VLLM_ENABLE_RESPONSES_API_STORE, `ResponseStore` keeps the Responses (and the conversations
 that produced them) that GET /v1/responses/{id}, previous_response_id and cancel read.
 """
@@ -26,6 +32,7 @@ import time
 import uuid
 from typing import Any
 
+from slipstream.serve.reasoning_replies import Reasoning
 from slipstream.serve.request import CompletionOutput, RequestOutput
 from slipstream.serve.responses import ToolCalls, chat_logprobs
 
@@ -40,7 +47,8 @@ class ResponseBuilder:
     `closing`); `settings` are the request's, as the Response echoes them."""
 
     def __init__(self, model: str, settings: dict[str, Any], *, num_logprobs: int | None,
-                 as_token_ids: bool = False, tool_calls: ToolCalls | None = None) -> None:
+                 as_token_ids: bool = False, tool_calls: ToolCalls | None = None,
+                 reasoning: Reasoning | None = None) -> None:
         self.id = new_id("resp")
         self._head = {"id": self.id, "object": "response", "created_at": int(time.time()), "model": model}
         self._settings = settings
@@ -57,13 +65,22 @@ class ResponseBuilder:
         self._item_open = False
         """Whether a stream opened the reply's first item as it grew (a text reply's message, a
         named call)."""
+        self._reasoning = reasoning
+        self._reasoning_stream = None if reasoning is None else reasoning.parser.stream()
+        self._reasoning_id = new_id("rs")
+        self._reasoning_sent = ""
+        """The reasoning a stream has sent."""
+        self._reasoning_open = False
+        """Whether a stream's reasoning item is open (added, not yet done)."""
+        self._first_index = 0
+        """The output index of the answer's first item: 1 after a reasoning item."""
 
     # ---- whole responses ----------------------------------------------------------------------
 
     def response(self, output: RequestOutput) -> dict[str, Any]:
         """The Response of a finished reply."""
         [completion] = output.outputs
-        return self._body(completion, self._items(completion), output)
+        return self._body(completion, self._all_items(completion), output)
 
     def _body(self, completion: CompletionOutput | None, items: list[dict[str, Any]],
               output: RequestOutput | None) -> dict[str, Any]:
@@ -74,9 +91,29 @@ class ResponseBuilder:
                 incomplete = {"reason": "max_output_tokens"}
             elif completion.finish_reason == "abort":
                 error = {"code": "server_error", "message": "the server stopped before the response finished"}
-        usage = None if output is None else _usage(output)
+        usage = None
+        if output is not None:
+            usage = _usage(output, 0 if self._reasoning is None else self._reasoning.num_tokens(completion))
         return self._head | {"status": status, "error": error, "incomplete_details": incomplete,
                              "output": items, "usage": usage} | self._settings
+
+    def _all_items(self, completion: CompletionOutput) -> list[dict[str, Any]]:
+        """The reply's items: its reasoning's (where a parser splits it off and it has any), then
+        its answer's; a message without text after the reasoning is left out."""
+        if self._reasoning is None:
+            return self._items(completion)
+        split = self._reasoning.parser.split(completion.text)
+        items = self._items(dataclasses.replace(completion, text=split.content or ""))
+        if not (split.reasoning and self._reasoning.include):
+            return items
+        if items[0]["type"] == "message" and not items[0]["content"][0]["text"]:
+            items = items[1:]
+        status = "completed" if split.content is not None else _item_status(completion)
+        return [self._reasoning_item(split.reasoning, status), *items]
+
+    def _reasoning_item(self, text: str, status: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": self._reasoning_id, "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": text}]}
 
     def _items(self, completion: CompletionOutput) -> list[dict[str, Any]]:
         """The message (its text, with logprobs where asked) and/or the function calls of a reply:
@@ -127,34 +164,74 @@ class ResponseBuilder:
                 self._event("response.in_progress", response=response)]
 
     def update(self, output: RequestOutput) -> list[str]:
-        """The events of the reply's news since the last update: a text reply's text, a named call's
-        arguments (none for a reply that may be calls or text, read only once whole)."""
+        """The events of the reply's news since the last update: its reasoning, then a text reply's
+        text, a named call's arguments (none for a reply that may be calls or text, read only once
+        whole)."""
         [completion] = output.outputs
+        events = []
+        if self._reasoning is not None:
+            events, completion = self._reasoning_update(completion)
+            if completion is None:
+                return events
         if self._tool_calls is not None:
-            return self._named_call_update(completion) if self._tool_calls.mode == "named" else []
-        events = [] if self._item_open else self._open_message(0)
+            return events + (self._named_call_update(completion) if self._tool_calls.mode == "named" else [])
+        if not self._item_open:
+            events += self._open_message(self._first_index)
         self._item_open = True
         start, end = self._num_tokens_sent, len(completion.token_ids)
         text = completion.text[self._num_chars_sent:]
         if text or (self._num_logprobs is not None and end > start):
             logprobs = [] if self._num_logprobs is None else self._logprobs(completion, start, end)
-            events.append(self._event("response.output_text.delta", item_id=self._message_id, output_index=0,
-                                      content_index=0, delta=text, logprobs=logprobs))
+            events.append(self._event("response.output_text.delta", item_id=self._message_id,
+                                      output_index=self._first_index, content_index=0, delta=text,
+                                      logprobs=logprobs))
             self._num_chars_sent += len(text)
             self._num_tokens_sent = end
         return events
+
+    def _reasoning_update(self, completion: CompletionOutput) -> tuple[list[str], CompletionOutput | None]:
+        """The reasoning's news (its item opened with its first text, done once the answer begins or
+        the reply ends), and the reply cut to its answer (None while that has no text: an empty
+        answer after reasoning has no message, and closing sends what items it has)."""
+        finished = completion.finish_reason is not None
+        piece, content = self._reasoning_stream.feed(completion.text, finished)
+        events = []
+        if piece and self._reasoning.include:
+            if not self._reasoning_sent:
+                self._reasoning_open = True
+                item = self._reasoning_item("", "in_progress") | {"content": []}
+                events += [self._event("response.output_item.added", output_index=0, item=item),
+                           self._event("response.content_part.added", item_id=self._reasoning_id,
+                                       output_index=0, content_index=0,
+                                       part={"type": "reasoning_text", "text": ""})]
+                self._first_index = 1
+            events.append(self._event("response.reasoning_text.delta", item_id=self._reasoning_id,
+                                      output_index=0, content_index=0, delta=piece))
+            self._reasoning_sent += piece
+        if self._reasoning_open and (content or finished):
+            self._reasoning_open = False
+            events += self._reasoning_done("completed" if content else _item_status(completion))
+        return events, dataclasses.replace(completion, text=content) if content else None
+
+    def _reasoning_done(self, status: str) -> list[str]:
+        item = self._reasoning_item(self._reasoning_sent, status)
+        common = dict(item_id=self._reasoning_id, output_index=0, content_index=0)
+        return [self._event("response.reasoning_text.done", **common, text=self._reasoning_sent),
+                self._event("response.content_part.done", **common, part=item["content"][0]),
+                self._event("response.output_item.done", output_index=0, item=item)]
 
     def _named_call_update(self, completion: CompletionOutput) -> list[str]:
         """A named call's news: the item with its name first, then the arguments as they grow."""
         item = self._call(0, self._tool_calls.function, "", "in_progress")
         events = []
         if not self._item_open:
-            events.append(self._event("response.output_item.added", output_index=0, item=item))
+            events.append(self._event("response.output_item.added", output_index=self._first_index,
+                                      item=item))
         self._item_open = True
         arguments = completion.text[self._num_chars_sent:]
         if arguments:
             events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                      output_index=0, delta=arguments))
+                                      output_index=self._first_index, delta=arguments))
             self._num_chars_sent += len(arguments)
         return events
 
@@ -163,8 +240,10 @@ class ResponseBuilder:
         aborted, response.failed) with the whole Response."""
         [completion] = output.outputs
         events = self.update(output)
-        items = self._items(completion)
+        items = self._all_items(completion)
         for index, item in enumerate(items):
+            if item["type"] == "reasoning":
+                continue  # done in update
             if item["type"] == "message":
                 events += self._message_events(index, item)
             else:
@@ -189,7 +268,7 @@ class ResponseBuilder:
         content; no delta for an empty one, as for a text reply), then the done events."""
         [part] = item["content"]
         events = []
-        if not (index == 0 and self._item_open):
+        if not (index == self._first_index and self._item_open):
             events += self._open_message(index)
             if part["text"]:
                 events.append(self._event("response.output_text.delta", item_id=item["id"],
@@ -207,7 +286,7 @@ class ResponseBuilder:
         reply read only once whole), then the done events."""
         common = dict(item_id=item["id"], output_index=index)
         events = []
-        if not (index == 0 and self._item_open):
+        if not (index == self._first_index and self._item_open):
             added = item | {"arguments": "", "status": "in_progress"}
             events = [self._event("response.output_item.added", output_index=index, item=added),
                       self._event("response.function_call_arguments.delta", **common,
@@ -237,15 +316,15 @@ def _item_status(completion: CompletionOutput) -> str:
     return "completed" if completion.finish_reason not in ("length", "abort") else "incomplete"
 
 
-def _usage(output: RequestOutput) -> dict[str, Any]:
-    """Tokens in and out, of which the prefix cache held `cached_tokens`. `cache_write_tokens` is 0
-    (OpenAI's count of tokens it wrote to a cache kept for a paid retention, which this server has
-    not), and so is `reasoning_tokens` (the server does not tell reasoning apart)."""
+def _usage(output: RequestOutput, num_reasoning_tokens: int) -> dict[str, Any]:
+    """Tokens in and out, of which the prefix cache held `cached_tokens`, and `reasoning_tokens`
+    those of the reasoning (0 without a reasoning parser). `cache_write_tokens` is 0 (OpenAI's
+    count of tokens it wrote to a cache kept for a paid retention, which this server has not)."""
     [completion] = output.outputs
     num_input, num_output = len(output.prompt_token_ids), len(completion.token_ids)
     details = {"cached_tokens": output.num_cached_tokens, "cache_write_tokens": 0}
     return {"input_tokens": num_input, "input_tokens_details": details,
-            "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": num_reasoning_tokens},
             "total_tokens": num_input + num_output}
 
 

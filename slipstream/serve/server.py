@@ -473,9 +473,11 @@ class OpenAIServer:
             if params.max_tokens is None or params.max_tokens > room:
                 params = params.replace(max_tokens=room)
             settings = body.settings(params, store_enabled=store is not None)
+            reasoning = self._reasoning(chat.chat_template_kwargs, chat.include_reasoning, params)
             builder = responses_api.ResponseBuilder(self._served_name(lora), settings,
                                                     num_logprobs=chat.num_logprobs, tool_calls=tool_calls,
-                                                    as_token_ids=self._as_token_ids(chat))
+                                                    as_token_ids=self._as_token_ids(chat),
+                                                    reasoning=reasoning)
             stream = await self._submit(builder.id, [token_ids], params, arrival_time_s,
                                         _chat_params_named(chat), chat, lora)
         entry = None
