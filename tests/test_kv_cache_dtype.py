@@ -16,9 +16,11 @@ from slipstream.cli import main
 from slipstream.model import ModelConfig, Transformer, save_model
 from slipstream.model.create import stdlib_tokenizer
 from slipstream.ops import cpu_kernels
+from slipstream.ops import paged_attention as paged_attention_module
 from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
 from slipstream.perf.flops import kv_cache_bytes_per_token
 from slipstream.serve.engine import EngineConfig
+from slipstream.serve.runner import Runner
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -244,7 +246,23 @@ def _engine(model_dir, prompts, **engine_args):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=1)
     outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     top1 = [[max(step.values(), key=lambda lp: lp.logprob).logprob for step in o.logprobs] for o in outputs]
-    return [list(o.token_ids) for o in outputs], torch.tensor(top1), llm.engine
+    return [list(o.token_ids) for o in outputs], torch.tensor(top1), llm
+
+
+def _kernels_only(monkeypatch):
+    """Make a pure decode step run module by module, or a prefill chunk through PyTorch's attention,
+    an error: the C decode graph and the C prefill kernel must run them."""
+    module_step = Runner.hidden_states
+
+    def hidden_states(self, token_ids, positions, batch):
+        assert batch.prefills, "a pure decode step ran module by module, not through the C decode graph"
+        return module_step(self, token_ids, positions, batch)
+
+    def no_pytorch_prefill(*args, **kwargs):
+        raise AssertionError("a prefill chunk ran PyTorch's attention, not the C prefill kernel")
+
+    monkeypatch.setattr(Runner, "hidden_states", hidden_states)
+    monkeypatch.setattr(paged_attention_module, "_attend", no_pytorch_prefill)
 
 
 @pytest.fixture(scope="module")
@@ -263,20 +281,29 @@ def rounded_reference(request, model_dir, plain):
 @pytest.mark.parametrize("fast", [True, pytest.param(False, marks=pytest.mark.slow)],
                          ids=["fast-path", "pytorch-modules"])
 def test_engine_over_fp8_cache_matches_transformers_over_rounded_keys(
-    model_dir, plain, rounded_reference, fast
+    model_dir, plain, rounded_reference, fast, monkeypatch
 ):
-    """Greedy tokens through the fast path (C decode graph declined) and the plain PyTorch modules,
-    with chunked prefill and prefix-cache hits, equal transformers' over keys and values rounded
-    through the format; they differ from the unquantized cache's somewhere, top-1 logprobs staying
-    close."""
+    """Greedy tokens through the fast path (every decode step in the C decode graph, every prefill
+    chunk in the C prefill kernel; with logprobs one step a call, without them several greedy
+    steps a call) and the plain PyTorch modules, with chunked prefill and prefix-cache hits, equal
+    transformers' over keys and values rounded through the format; they differ from the
+    unquantized cache's somewhere, top-1 logprobs staying close."""
     prompts, plain_tokens, plain_top1 = plain
     kv_name, expected, gaps = rounded_reference
-    got, top1, engine = _engine(model_dir, prompts, kv_cache_dtype=kv_name, fast_cpu_kernels=fast,
-                                max_num_batched_tokens=24)
+    if fast:
+        _kernels_only(monkeypatch)
+    got, top1, llm = _engine(model_dir, prompts, kv_cache_dtype=kv_name, fast_cpu_kernels=fast,
+                             max_num_batched_tokens=24)
+    engine = llm.engine
     assert engine.runner.cache.keys[0].dtype == FP8[kv_name]
-    assert engine.runner.decode_graph is None
+    assert (engine.runner.decode_graph is not None) == fast
     assert engine.scheduler.kv_cache.prefix_cache_hits > 0
     assert_same_tokens(expected, gaps, got, f"{kv_name} fast_cpu_kernels={fast}")
+    if fast:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+        bursts = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert engine.config.num_scheduler_steps > 1
+        assert bursts == got
     assert got != plain_tokens
     # Over the first tokens where both runs chose the same: e5m2 keeps 2 mantissa bits (values off by
     # up to 1/8), this random model's logits are wide (init std 0.1), so "close" is within 0.5 nats.
@@ -362,12 +389,17 @@ def test_a_checkpoint_with_calibrated_kv_scales_is_refused_naming_them(model_dir
 
 
 def test_logs_name_the_kv_cache_dtype(model_dir, caplog):
-    """The engine-ready line names the cache dtype, and the decode graph's decline names it as the cause."""
+    """The engine-ready line names the cache dtype; the decode graph takes an fp8 cache, and its
+    decline of a bf16 cache under fp32 weights names the cache as the cause."""
     with caplog.at_level("INFO"):
         LLM(str(model_dir), block_size=BLOCK_SIZE, kv_cache_dtype="fp8_e5m2")
-    text = caplog.text
-    assert "no CPU decode graph for this model (a float8_e5m2 KV cache (kv_cache_dtype) under float32" in text
-    assert "KV blocks of 16 tokens in float8_e5m2" in text
+    assert "KV blocks of 16 tokens in float8_e5m2" in caplog.text
+    assert "no CPU decode graph" not in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        LLM(str(model_dir), block_size=BLOCK_SIZE, kv_cache_dtype="bfloat16")
+    declined = "no CPU decode graph for this model (a bfloat16 KV cache (kv_cache_dtype) under float32"
+    assert declined in caplog.text
 
 
 def test_server_refuses_a_bad_kv_cache_dtype_at_start_up(model_dir, capsys):

@@ -48,8 +48,15 @@ LDFLAGS = ["-shared", "-fopenmp"]
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 FP8_CACHE_CODES = {torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
-"""The fp8 KV caches `paged_decode_attention` reads (attention.c's KV_DTYPE_*), under queries of a
-DTYPE_CODES dtype."""
+"""The fp8 KV caches the kernels read and write (common.h's KV_DTYPE_*: the decode and prefill
+attention, `write_kv` and the decode graph), under activations of a DTYPE_CODES dtype."""
+
+
+def cache_dtype_code(dtype: torch.dtype, cache_dtype: torch.dtype) -> int:
+    """The kernels' dtype argument for activations of `dtype` over a cache of `cache_dtype`: the
+    activations' code, and an fp8 cache's in bits 4-7."""
+    assert dtype in DTYPE_CODES and (cache_dtype == dtype or cache_dtype in FP8_CACHE_CODES)
+    return DTYPE_CODES[dtype] | FP8_CACHE_CODES.get(cache_dtype, 0) << 4
 
 
 _LOCK = threading.Lock()
@@ -130,7 +137,7 @@ def _load() -> ctypes.CDLL | None:
     lib.pack_int8_panels.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     lib.int8_panel_gemm.restype = ctypes.c_int
     lib.int8_panel_gemm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
-    lib.write_kv.restype = None
+    lib.write_kv.restype = ctypes.c_int
     lib.write_kv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_int] * 2
     lib.rms_norm.restype = None
     lib.rms_norm.argtypes = (
@@ -205,7 +212,8 @@ class DecodeShape(ctypes.Structure):
         "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
         "block_size", "window", "vocab_size", "rotary_dim",
         "num_experts", "top_k", "moe_intermediate_size", "shared_intermediate_size",
-    )] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("dtype", ctypes.c_int)]
+    )] + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("dtype", ctypes.c_int),
+          ("kv_dtype", ctypes.c_int)]
 
 
 class DecodeModel(ctypes.Structure):
@@ -234,8 +242,8 @@ def paged_decode_attention(
     (`FP8_CACHE_CODES`)."""
     lib = library()
     assert lib is not None and q.dtype in DTYPE_CODES and q.device.type == "cpu"
-    assert k_cache.dtype == v_cache.dtype and (k_cache.dtype == q.dtype or k_cache.dtype in FP8_CACHE_CODES)
-    dtype = DTYPE_CODES[q.dtype] | FP8_CACHE_CODES.get(k_cache.dtype, 0) << 4
+    assert k_cache.dtype == v_cache.dtype
+    dtype = cache_dtype_code(q.dtype, k_cache.dtype)
     q, block_tables, seq_lens = q.contiguous(), block_tables.contiguous(), seq_lens.contiguous()
     out = torch.empty_like(q)
     num_seqs, num_heads, head_dim = q.shape
@@ -296,10 +304,13 @@ def paged_prefill_attention_(
     sinks: torch.Tensor | None = None,  # (H,)
 ) -> torch.Tensor:
     """Causal attention of prefill chunks over their paged keys and values (see the C source),
-    `scale`, `softcap` and `sinks` as in `paged_decode_attention`. q may be a view whose rows are
-    strided (the fused q/k/v product's queries): it is read in place."""
+    `scale`, `softcap` and `sinks` as in `paged_decode_attention`, the cache of q's dtype or an fp8
+    one. q may be a view whose rows are strided (the fused q/k/v product's queries): it is read in
+    place."""
     lib = library()
     assert lib is not None and supports_prefill_attention(q) and out.is_contiguous()
+    assert k_cache.dtype == v_cache.dtype
+    dtype = cache_dtype_code(q.dtype, k_cache.dtype)
     q = _rows_of_heads(q)
     num_heads, head_dim = q.shape[1], q.shape[2]
     sinks = _fp32_sinks(sinks, num_heads)
@@ -307,7 +318,7 @@ def paged_prefill_attention_(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         chunk_rows.data_ptr(), chunk_lens.data_ptr(), seq_lens.data_ptr(), block_tables.data_ptr(),
         len(chunk_rows), block_tables.shape[1], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1],
-        sliding_window or 0, head_dim**-0.5 if scale is None else scale, softcap or 0.0, DTYPE_CODES[q.dtype],
+        sliding_window or 0, head_dim**-0.5 if scale is None else scale, softcap or 0.0, dtype,
         torch.get_num_threads(), None if sinks is None else sinks.data_ptr(),
     )
     if status != 0:
@@ -593,13 +604,18 @@ def write_kv(
     slot_mapping: torch.Tensor,  # (N,) int64
 ) -> None:
     """Store the new tokens' keys and values at their cache slots, reading k and v in place where
-    their rows are strided (the fused q/k/v product's keys and values)."""
+    their rows are strided (the fused q/k/v product's keys and values). A cache of k's dtype takes
+    their bytes; an fp8 one (`FP8_CACHE_CODES`) each value saturated and rounded to nearest even,
+    as `paged_attention.to_cache_dtype` converts it."""
     lib = library()
-    assert lib is not None and supports(k) and k_cache.dtype == k.dtype and k_cache.is_contiguous()
+    assert lib is not None and supports(k) and k_cache.dtype == v_cache.dtype and k_cache.is_contiguous()
+    dtype = cache_dtype_code(k.dtype, k_cache.dtype)
     k, v, slot_mapping = _rows_of_heads(k), _rows_of_heads(v), slot_mapping.contiguous()
-    lib.write_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                 slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], k.stride(0), v.stride(0),
-                 DTYPE_CODES[k.dtype], torch.get_num_threads())
+    status = lib.write_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                          slot_mapping.data_ptr(), k.shape[0], k.shape[1] * k.shape[2], k.stride(0),
+                          v.stride(0), dtype, torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"write_kv kernel failed with status {status}")
 
 
 def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:

@@ -137,6 +137,9 @@ class CpuDecodeGraph:
         cache_shape = (config.num_key_value_heads, config.head_dim)
         if any(tuple(cache.shape[2:]) != cache_shape for cache in [*keys, *values]):
             raise ValueError(f"cache blocks must be (blocks, block_size, {cache_shape[0]}, {cache_shape[1]})")
+        if len({cache.dtype for cache in [*keys, *values]}) > 1:
+            raise ValueError(f"every layer's keys and values must share one dtype; got "
+                             f"{sorted({str(cache.dtype) for cache in [*keys, *values]})}")
         binder = _Binder(embedding.dtype)
         try:
             scale, window = _layer_attention(model)
@@ -169,6 +172,7 @@ class CpuDecodeGraph:
             shared_intermediate_size=(config.shared_expert_intermediate_size or 0) if blocks else 0,
             eps=config.rms_norm_eps, scale=scale,
             dtype=cpu_kernels.DTYPE_CODES[embedding.dtype],
+            kv_dtype=cpu_kernels.FP8_CACHE_CODES.get(keys[0].dtype, 0) if keys else 0,
         )
         panels = tensors.lm_head_panels and binder.all_panels
         max_seqs = MAX_PANEL_ROWS if panels else cpu_kernels.MAX_GEMV_ROWS
@@ -409,10 +413,10 @@ class _Binder:
         self, layer: torch.nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> cpu_kernels.DecodeLayer:
         attention, mlp = layer.self_attn, layer.mlp
-        if k_cache.dtype != self.dtype:
+        if k_cache.dtype != self.dtype and k_cache.dtype not in cpu_kernels.FP8_CACHE_CODES:
             raise _NotApplicable(f"a {str(k_cache.dtype).removeprefix('torch.')} KV cache (kv_cache_dtype) "
                                  f"under {str(self.dtype).removeprefix('torch.')} weights: the graph's "
-                                 "attention reads only a cache of the model's dtype")
+                                 "attention reads a cache of the model's dtype or an fp8 one")
         qkv_weight, qkv_bias, qkv_panels, qkv_scale = self.layer_weights(attention.qkv_proj)
         o_weight, o_bias, o_panels, o_scale = self.layer_weights(attention.o_proj)
         if isinstance(mlp, SparseMoeBlock):
@@ -430,7 +434,7 @@ class _Binder:
             o_weight=o_weight, o_bias=o_bias,
             post_norm=self.address(layer.post_attention_layernorm.weight),
             gate_up_weight=gate_up[0], gate_up_bias=gate_up[1], down_weight=down[0], down_bias=down[1],
-            k_cache=self.address(k_cache), v_cache=self.address(v_cache),
+            k_cache=self.address(k_cache, k_cache.dtype), v_cache=self.address(v_cache, k_cache.dtype),
             qkv_panels=qkv_panels, o_panels=o_panels, gate_up_panels=gate_up[2], down_panels=down[2], moe=moe,
             qkv_scale=qkv_scale, o_scale=o_scale, gate_up_scale=gate_up[3], down_scale=down[3],
         )

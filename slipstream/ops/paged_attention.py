@@ -22,9 +22,10 @@ The tests check both against dense attention over unpaged keys.
 The cache may hold keys and values in a narrower dtype than the model's (`kv_cache_dtype`, vLLM's
 values): "fp8" (= "fp8_e4m3"), "fp8_e5m2" or "bfloat16". `write_kv` then saturates each value to the
 format's finite range and casts (per-tensor scale 1.0, vLLM's default without calibrated scales), and
-decodes run the C kernel, which widens fp8 exactly as it reads it (`cpu_kernels.FP8_CACHE_CODES`),
-or the PyTorch path, which widens what it gathers back to the queries' dtype; prefill chunks (and a
-bf16 cache under fp32 queries) run the PyTorch paths.
+the C kernels (`write_kv`, the decode and prefill attention; `cpu_kernels.FP8_CACHE_CODES`) store
+and read fp8 as the PyTorch paths do (the same rounding, each value widened exactly), and the
+PyTorch paths widen what they gather back to the queries' dtype; a bf16 cache under fp32 queries
+runs the PyTorch paths.
 
 Layout legend: N new tokens in the batch, H query heads, K kv heads, D head dim, P blocks,
 S block size, B decoding sequences, L keys.
@@ -148,7 +149,8 @@ def write_kv(
     use_kernel: bool = True,
 ) -> None:
     """Store the new tokens' keys and values at their slots, in the cache's dtype."""
-    if use_kernel and k_cache.dtype == k.dtype and cpu_kernels.supports(k):
+    writable = k_cache.dtype == k.dtype or k_cache.dtype in cpu_kernels.FP8_CACHE_CODES
+    if use_kernel and writable and cpu_kernels.supports(k):
         cpu_kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
         return
     for cache, new in ((k_cache, k), (v_cache, v)):
@@ -175,9 +177,8 @@ def paged_attention(
     `softcap` is given, each token seeing at most its `sliding_window` most recent keys, each
     head's `sinks` logit joining its softmax where given.
 
-    Decodes and prefills go through the C kernels of `cpu_kernels` where they apply (prefills: a
-    cache of the queries' dtype; decodes: that or fp8) and `use_kernel` is set, else through the
-    PyTorch versions below.
+    Decodes and prefills go through the C kernels of `cpu_kernels` where they apply (a cache of the
+    queries' dtype or fp8) and `use_kernel` is set, else through the PyTorch versions below.
     """
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive or None, got {softcap}")
@@ -191,7 +192,8 @@ def paged_attention(
     if not batch.prefills:  # a pure decode step: every row is a decode, in order
         return _decode(q, k_cache, v_cache, batch, scale, softcap, sliding_window, use_kernel, sinks)
     out = torch.empty_like(q)
-    if use_kernel and k_cache.dtype == q.dtype and cpu_kernels.supports_prefill_attention(q):
+    readable = k_cache.dtype == q.dtype or k_cache.dtype in cpu_kernels.FP8_CACHE_CODES
+    if use_kernel and readable and cpu_kernels.supports_prefill_attention(q):
         cpu_kernels.paged_prefill_attention_(
             out, q, k_cache, v_cache, batch.prefill_rows, batch.prefill_query_lens,
             batch.prefill_seq_lens, batch.prefill_block_tables, sliding_window, scale=scale, softcap=softcap,

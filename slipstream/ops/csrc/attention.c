@@ -34,23 +34,6 @@
  */
 #include "common.h"
 
-enum { KV_DTYPE_E4M3 = 2, KV_DTYPE_E5M2 = 3 };
-
-/* The queries' (and out's) dtype, and the cache's, of a decode dtype argument. */
-static inline int q_dtype_of(int dtype) { return dtype & 0xF; }
-static inline int kv_dtype_of(int dtype) { return dtype >> 4 ? dtype >> 4 : dtype & 0xF; }
-static inline int64_t kv_elem_size(int dtype) {
-    const int kv = kv_dtype_of(dtype);
-    return kv == DTYPE_F32 ? 4 : kv == DTYPE_BF16 ? 2 : 1;
-}
-
-/* Whether a decode dtype argument is one the kernels read: fp32 or bf16 queries (bits 0-3) over a
- * cache of theirs (bits 4-7 zero) or an fp8 one, nothing above. */
-static inline int valid_decode_dtype(int dtype) {
-    const int q = dtype & 0xF, kv = dtype >> 4;
-    return (q == DTYPE_F32 || q == DTYPE_BF16) && (kv == 0 || kv == KV_DTYPE_E4M3 || kv == KV_DTYPE_E5M2);
-}
-
 /* Element `index` of a cache of dtype `kv` (kv_dtype_of's) as fp32. */
 static inline float cache_value(const void *base, int64_t index, int kv) {
     if (kv == DTYPE_F32) return ((const float *)base)[index];
@@ -710,7 +693,7 @@ static attend_fn choose_fp8_kernel(int64_t head_dim, int dtype) {
     const attend_fn d128[2][2] = {{attend_f32_e4m3_d128, attend_f32_e5m2_d128},
                                   {attend_bf16_e4m3_d128, attend_bf16_e5m2_d128}};
     const int q = q_dtype_of(dtype), kv = kv_dtype_of(dtype) - KV_DTYPE_E4M3;
-    if (!valid_decode_dtype(dtype) || !(dtype >> 4)) return attend_any_fp8;  /* never past the tables */
+    if (!valid_cache_dtype(dtype) || !(dtype >> 4)) return attend_any_fp8;  /* never past the tables */
     if (head_dim == 64) return d64[q][kv];
     if (head_dim == 128) return d128[q][kv];
     return attend_any_fp8;
@@ -946,7 +929,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
                            int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t block_size, int64_t window, float scale,
                            float softcap, int dtype, int num_threads, const float *sinks) {
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || !valid_decode_dtype(dtype)) return 2;
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || !valid_cache_dtype(dtype)) return 2;
     const int64_t scratch_floats =
         attention_scratch_floats(max_seq_len(seq_lens, num_seqs), num_heads, head_dim);
     decode_split split;
@@ -1220,14 +1203,17 @@ static inline void widen_row(const char *src, float *dst, int64_t D, int dtype, 
 }
 
 /* A task's working memory. In bf16 q, kt, v and p hold bf16 pairs (the arithmetic's inputs), in
- * fp32 q, kt and v fp32 values and p is unused; s, o, max and sum are fp32 either way. */
+ * fp32 q, kt and v fp32 values and p is unused; s, o, max and sum are fp32 either way. stage (an
+ * fp8 cache only) holds a tile's keys, then its values, widened to the arithmetic's dtype. */
 typedef struct {
     float *q, *o, *s, *kt, *v, *max, *sum;
     uint32_t *p;
+    float *stage;
 } prefill_scratch;
 
-static int64_t prefill_scratch_floats(int64_t rows, int64_t D) {
-    return 2 * rows * D + rows * PREFILL_KEYS + 2 * PREFILL_KEYS * D + 2 * rows + rows * PREFILL_KEYS / 2;
+static int64_t prefill_scratch_floats(int64_t rows, int64_t D, int fp8) {
+    return 2 * rows * D + rows * PREFILL_KEYS + 2 * PREFILL_KEYS * D + 2 * rows + rows * PREFILL_KEYS / 2
+           + (fp8 ? 2 * PREFILL_KEYS * D : 0);
 }
 
 static prefill_scratch split_prefill_scratch(float *base, int64_t rows, int64_t D) {
@@ -1239,8 +1225,43 @@ static prefill_scratch split_prefill_scratch(float *base, int64_t rows, int64_t 
     s.max = s.v + PREFILL_KEYS * D;
     s.sum = s.max + rows;
     s.p = (uint32_t *)(s.sum + rows);
+    s.stage = (float *)(s.p + rows * PREFILL_KEYS / 2);
     return s;
 }
+
+/* Rows [j0, j0 + n) of an fp8 cache (dtype: bits 0-3 the arithmetic's fp32 or bf16, bits 4-7 the
+ * cache's) for kv head g widened into w.stage, keys then values, each row D values after the last:
+ * through the decode kernel's reader (load_cache16, fp8_row_f32), and to bf16 by dropping the low
+ * half of the fp32 bits, which is exact (every e4m3 and e5m2 value has a 2-4 bit significand). The
+ * tile packers then read the stage as a cache of one head in one block (stage_table). */
+static void stage_fp8_tile(const void *k_cache, const void *v_cache, const int64_t *block_table, int64_t j0,
+                           int64_t n, int64_t g, int64_t num_kv_heads, int64_t D, int64_t block_size, int dtype,
+                           prefill_scratch w) {
+    const int bf16 = q_dtype_of(dtype) == DTYPE_BF16;
+    float row[D];
+    for (int64_t half = 0; half < 2; half++) {
+        const void *cache = half == 0 ? k_cache : v_cache;
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t slot = block_table[(j0 + t) / block_size] * block_size + (j0 + t) % block_size;
+            const int64_t index = (slot * num_kv_heads + g) * D, at = (half * PREFILL_KEYS + t) * D;
+#if defined(__AVX512F__)
+            for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(row + d, load_cache16(cache, index + d, dtype));
+#else
+            fp8_row_f32(cache, index, D, dtype >> 4, row);
+#endif
+            if (!bf16) {
+                memcpy(w.stage + at, row, D * sizeof(float));
+                continue;
+            }
+            for (int64_t d = 0; d < D; d++) {
+                union { float f; uint32_t u; } bits = {.f = row[d]};
+                ((uint16_t *)w.stage)[at + d] = (uint16_t)(bits.u >> 16);
+            }
+        }
+    }
+}
+
+static const int64_t stage_table[1] = {0};
 
 /* fp32 arithmetic: keys [j0, j0 + n) widened into w.kt transposed (kt[d][t]) and w.v (v[t][d]),
  * zeros past n. */
@@ -1496,7 +1517,8 @@ static void prefill_task(const void *q, int64_t q_stride, const void *k_cache, c
                          void *out, const int64_t *block_table, int64_t row0, int64_t first_position,
                          int64_t p0, int64_t count, int64_t g, int64_t group, int64_t num_heads,
                          int64_t num_kv_heads, int64_t D, int64_t block_size, int64_t window,
-                         float scale, float softcap, int dtype, const float *sinks, prefill_scratch w) {
+                         float scale, float softcap, int cache_dtype, const float *sinks, prefill_scratch w) {
+    const int dtype = q_dtype_of(cache_dtype);
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2, rows = count * group;
 #if defined(__AVX512BF16__)
     const int bf16 = dtype == DTYPE_BF16;
@@ -1523,9 +1545,19 @@ static void prefill_task(const void *q, int64_t q_stride, const void *k_cache, c
     const int64_t lo = window > 0 && p0 - window + 1 > 0 ? p0 - window + 1 : 0;
     for (int64_t j0 = lo; j0 <= last; j0 += PREFILL_KEYS) {
         const int64_t n = last - j0 + 1 < PREFILL_KEYS ? last - j0 + 1 : PREFILL_KEYS;
+        /* The tile as the packers read it: in the cache, or its fp8 rows widened into the stage. */
+        const void *keys = k_cache, *values = v_cache;
+        const int64_t *table = block_table;
+        int64_t first = j0, heads = num_kv_heads, head = g, tile_block = block_size;
+        if (cache_dtype >> 4) {
+            stage_fp8_tile(k_cache, v_cache, block_table, j0, n, g, num_kv_heads, D, block_size, cache_dtype, w);
+            keys = w.stage;
+            values = (const char *)w.stage + PREFILL_KEYS * D * elem;
+            table = stage_table, first = 0, heads = 1, head = 0, tile_block = PREFILL_KEYS;
+        }
 #if defined(__AVX512BF16__)
         if (bf16) {
-            pack_tile_bf16(k_cache, v_cache, block_table, j0, n, g, num_kv_heads, D, block_size, w);
+            pack_tile_bf16(keys, values, table, first, n, head, heads, D, tile_block, w);
 #if defined(SLIPSTREAM_AMX)
             if (amx) {
                 amx_scores((const uint16_t *)w.q, (const uint32_t *)w.kt, w.s, rows, D, scale, &configured);
@@ -1558,7 +1590,7 @@ static void prefill_task(const void *q, int64_t q_stride, const void *k_cache, c
             continue;
         }
 #endif
-        pack_tile_f32(k_cache, v_cache, block_table, j0, n, g, num_kv_heads, D, block_size, dtype, w);
+        pack_tile_f32(keys, values, table, first, n, head, heads, D, tile_block, dtype, w);
         score_products(w.q, w.kt, w.s, rows, D);
         softmax_tile(w, rows, group, p0, j0, n, window, softcap, D);
         value_products(w.s, w.v, w.o, rows, n, D);
@@ -1594,7 +1626,9 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
                             int64_t block_size, int64_t window, float scale, float softcap, int dtype,
                             int num_threads, const float *sinks) {
 #if defined(__AVX512F__) || defined(SLIPSTREAM_AVX2)
-    if (!has_prefill_attention(head_dim) || num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
+    if (!has_prefill_attention(head_dim) || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
+        !valid_cache_dtype(dtype))
+        return 2;
     for (int64_t c = 0; c < num_chunks; c++)
         if (chunk_lens[c] < 1 || chunk_lens[c] > seq_lens[c]) return 2;
     const int64_t group = num_heads / num_kv_heads, rows = PREFILL_QUERIES * group;
@@ -1604,7 +1638,7 @@ int paged_prefill_attention(const void *q, int64_t q_stride, const void *k_cache
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *base = thread_scratch(prefill_scratch_floats(rows, head_dim), &failed);
+        float *base = thread_scratch(prefill_scratch_floats(rows, head_dim, dtype >> 4), &failed);
         const prefill_scratch w = base == NULL ? (prefill_scratch){0}
                                                : split_prefill_scratch(base, rows, head_dim);
         /* Dynamic: a block late in a long chunk sees more keys than an early one. */

@@ -35,6 +35,49 @@ static inline uint16_t f32_to_bf16(float x) {  /* round to nearest even, as torc
     return (uint16_t)((bits.u + 0x7FFFu + ((bits.u >> 16) & 1u)) >> 16);
 }
 
+/* An fp8 KV cache (kv_cache_dtype) is named in bits 4-7 of the dtype argument of the functions
+ * that read or write a cache (0 there: a cache of the activations' dtype, bits 0-3). */
+enum { KV_DTYPE_E4M3 = 2, KV_DTYPE_E5M2 = 3 };
+
+static inline int q_dtype_of(int dtype) { return dtype & 0xF; }
+static inline int kv_dtype_of(int dtype) { return dtype >> 4 ? dtype >> 4 : dtype & 0xF; }
+static inline int64_t kv_elem_size(int dtype) {
+    const int kv = kv_dtype_of(dtype);
+    return kv == DTYPE_F32 ? 4 : kv == DTYPE_BF16 ? 2 : 1;
+}
+
+/* Whether a dtype argument is one the cache functions take: fp32 or bf16 activations (bits 0-3)
+ * over a cache of theirs (bits 4-7 zero) or an fp8 one, nothing above. */
+static inline int valid_cache_dtype(int dtype) {
+    const int q = dtype & 0xF, kv = dtype >> 4;
+    return (q == DTYPE_F32 || q == DTYPE_BF16) && (kv == 0 || kv == KV_DTYPE_E4M3 || kv == KV_DTYPE_E5M2);
+}
+
+/* The fp32 value of `bits` as an fp8 byte (kv: KV_DTYPE_*), as write_kv's PyTorch path stores it
+ * (paged_attention.py's to_cache_dtype): saturated at the format's largest finite value (inf
+ * too), then rounded to nearest even as torch's cast rounds; a NaN stays a NaN (0x7F and its
+ * sign, torch's code). Integer arithmetic only: -ffast-math may assume floats are never NaN.
+ * The tests compare it with torch on every bf16 value and on random fp32 ones. */
+static inline uint8_t f32_bits_to_fp8(uint32_t bits, int kv) {
+    const uint8_t sign = (uint8_t)((bits >> 24) & 0x80u);
+    const uint32_t magnitude = bits & 0x7FFFFFFFu, exponent = magnitude >> 23;
+    const int e5m2 = kv == KV_DTYPE_E5M2, mantissa_bits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+    if (magnitude > 0x7F800000u) return sign | 0x7F;
+    if (magnitude >= (e5m2 ? 0x47600000u /* 57344 */ : 0x43E00000u /* 448 */))
+        return sign | (e5m2 ? 0x7B : 0x7E);
+    /* Below the smallest normal the byte counts subnormal steps, 2^(1 - bias - mantissa_bits): the
+     * 24-bit significand shifted down by the exponents between, rounded to nearest even (a count
+     * of 2^mantissa_bits is the smallest normal's code). Else the fp32 mantissa rounded to
+     * mantissa_bits, a carry lifting the exponent, and the exponent rebiased. */
+    uint32_t significand = (magnitude & 0x7FFFFFu) | 0x800000u;
+    int shift = 151 - bias - mantissa_bits - (int)exponent;
+    if (exponent >= (uint32_t)(128 - bias)) significand = magnitude, shift = 23 - mantissa_bits;
+    if (exponent == 0 || shift > 25) return sign;
+    const uint32_t rounded = (significand + (1u << (shift - 1)) - 1u + ((significand >> shift) & 1u)) >> shift;
+    if (exponent < (uint32_t)(128 - bias)) return sign | (uint8_t)rounded;
+    return sign | (uint8_t)(rounded - ((uint32_t)(127 - bias) << mantissa_bits));
+}
+
 #if defined(__AVX512F__)
 /* For the element-wise loops GCC vectorises (norms, rotary, silu, softmax): 16 lanes, as the
  * hand-written kernels use, rather than the 8 GCC prefers for Intel CPUs (its expf then runs 16

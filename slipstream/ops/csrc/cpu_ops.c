@@ -1126,22 +1126,42 @@ int int8_panel_gemm(const void *x, const int8_t *panels, const float *scale, con
     return 0;
 }
 
+/* n activations (dtype: bits 0-3 of a cache dtype argument) stored as a cache row: the same bytes
+ * for a cache of their dtype, else each value converted to fp8 (f32_bits_to_fp8, as the PyTorch path). */
+static inline void store_cache_row(void *dst, const void *src, int64_t n, int dtype) {
+    const int q = q_dtype_of(dtype), kv = dtype >> 4;
+    if (kv == 0) {
+        memcpy(dst, src, n * (q == DTYPE_F32 ? 4 : 2));
+        return;
+    }
+    uint8_t *out = dst;
+    if (q == DTYPE_F32)
+        for (int64_t i = 0; i < n; i++) out[i] = f32_bits_to_fp8(((const uint32_t *)src)[i], kv);
+    else
+        for (int64_t i = 0; i < n; i++) out[i] = f32_bits_to_fp8((uint32_t)((const uint16_t *)src)[i] << 16, kv);
+}
+
 /*
  * Stores new tokens' keys and values at their cache slots: row t of k and v (num_kv_heads x
  * head_dim values, k_stride and v_stride elements after row t - 1: the keys and values can be
- * read where the fused q/k/v product left them) goes to row slots[t] of k_cache and v_cache. One
- * call for both, instead of two index_copy_ dispatches per layer; the rows land in lines not yet
- * in cache, so a batch's writes are shared among the threads.
+ * read where the fused q/k/v product left them) goes to row slots[t] of k_cache and v_cache, in
+ * the cache's dtype (dtype: fp32 or bf16 activations, an fp8 cache in bits 4-7). One call for both,
+ * instead of two index_copy_ dispatches per layer; the rows land in lines not yet in cache, so a
+ * batch's writes are shared among the threads. Returns 0, or 2 for a dtype argument it does not take.
  */
-void write_kv(const void *k, const void *v, void *k_cache, void *v_cache, const int64_t *slots,
-              int64_t num_tokens, int64_t row_elems, int64_t k_stride, int64_t v_stride, int dtype,
-              int num_threads) {
-    const int64_t elem = dtype == DTYPE_F32 ? 4 : 2, row_bytes = row_elems * elem;
+int write_kv(const void *k, const void *v, void *k_cache, void *v_cache, const int64_t *slots,
+             int64_t num_tokens, int64_t row_elems, int64_t k_stride, int64_t v_stride, int dtype,
+             int num_threads) {
+    if (!valid_cache_dtype(dtype)) return 2;
+    const int64_t elem = q_dtype_of(dtype) == DTYPE_F32 ? 4 : 2, row_bytes = row_elems * kv_elem_size(dtype);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens >= MIN_PARALLEL_ROWS)
     for (int64_t t = 0; t < num_tokens; t++) {
-        memcpy((char *)k_cache + slots[t] * row_bytes, (const char *)k + t * k_stride * elem, row_bytes);
-        memcpy((char *)v_cache + slots[t] * row_bytes, (const char *)v + t * v_stride * elem, row_bytes);
+        store_cache_row((char *)k_cache + slots[t] * row_bytes, (const char *)k + t * k_stride * elem, row_elems,
+                        dtype);
+        store_cache_row((char *)v_cache + slots[t] * row_bytes, (const char *)v + t * v_stride * elem, row_elems,
+                        dtype);
     }
+    return 0;
 }
 
 /*
@@ -1929,6 +1949,7 @@ typedef struct {
     int64_t num_experts, top_k, moe_intermediate_size, shared_intermediate_size;
     float eps, scale;
     int dtype;
+    int kv_dtype;  /* the cache's: 0 for the activations' dtype, or an fp8 KV_DTYPE_* (stored as by write_kv) */
 } decode_shape;
 
 typedef struct {
@@ -2104,8 +2125,9 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
     const int64_t E = shape->hidden_size, H = shape->num_heads, KV = shape->num_kv_heads;
     const int64_t D = shape->head_dim, F = shape->intermediate_size, V = shape->vocab_size, M = num_seqs;
     const int64_t R = shape->rotary_dim;
-    const int dtype = shape->dtype;
+    const int dtype = shape->dtype, cache_dtype = dtype | shape->kv_dtype << 4;
     if (KV <= 0 || H % KV != 0 || M < 1 || R < 2 || R > D || R % 2 != 0) return 2;
+    if (shape->kv_dtype < 0 || shape->kv_dtype > 15 || !valid_cache_dtype(cache_dtype)) return 2;
     for (int64_t l = 0; l < shape->num_layers; l++)  /* a routed layer needs experts to route to */
         if (layers[l].moe != NULL &&
             (shape->num_experts < 1 || shape->top_k < 1 || shape->top_k > shape->num_experts))
@@ -2122,6 +2144,7 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
     }
     const int64_t elem = dtype == DTYPE_F32 ? 4 : 2;
     const int64_t q_size = H * D, kv_size = KV * D, qkv_size = q_size + 2 * kv_size;
+    const int64_t kv_row_bytes = kv_size * kv_elem_size(cache_dtype);
     char *normed = workspace;                 /* (M, E) */
     char *qkv = normed + M * E * elem;        /* (M, q_size + 2 kv_size) */
     char *q = qkv + M * qkv_size * elem;      /* (M, H, D): rotated queries, as attention reads them */
@@ -2171,12 +2194,14 @@ int decode_layers(const decode_layer *layers, const decode_shape *shape, const d
                 rotary_token(q_row, cos_row, sin_row, H, D, R, dtype);
                 rotary_token(k_row, cos_row, sin_row, KV, D, R, dtype);
                 memcpy(q + m * q_size * elem, q_row, q_size * elem);
-                memcpy((char *)layer->k_cache + slots[m] * kv_size * elem, k_row, kv_size * elem);
-                memcpy((char *)layer->v_cache + slots[m] * kv_size * elem, v_row, kv_size * elem);
+                store_cache_row((char *)layer->k_cache + slots[m] * kv_row_bytes, k_row, kv_size,
+                                cache_dtype);
+                store_cache_row((char *)layer->v_cache + slots[m] * kv_row_bytes, v_row, kv_size,
+                                cache_dtype);
             }
             attention_tasks(&team, q, layer->k_cache, layer->v_cache, attn, block_tables, seq_lens, M,
                             max_blocks, H, KV, D, shape->block_size, shape->window, shape->scale,
-                            0.0f /* no soft cap: decode_graph declines such models */, dtype,
+                            0.0f /* no soft cap: decode_graph declines such models */, cache_dtype,
                             num_threads, scratch, &split);
             decode_linear_add_norm(&team, layer->o_weight, layer->o_panels, layer->o_scale, layer->o_bias, attn,
                                    x, product, layer->post_norm, normed, M, E, q_size, shape->eps, dtype);
