@@ -141,6 +141,16 @@ def test_qwen3_with_thinking_off_has_no_reasoning(urls):
     assert (getattr(off, "reasoning", None), off.content) == (None, raw)
 
 
+def test_a_reply_constrained_to_json_is_all_answer(urls):
+    """JSON output (response_format here; forced tool calls alike) holds from the first token, so
+    the reply has no thinking: its content is the plain server's, whole, not taken for reasoning."""
+    request = dict(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=12, temperature=0,
+                   response_format={"type": "json_object"})
+    raw = client_of(urls[None]).chat.completions.create(**request).choices[0].message.content
+    message = client_of(urls["deepseek_r1"]).chat.completions.create(**request).choices[0].message
+    assert (message.reasoning, message.content) == (None, raw)
+
+
 def test_an_unknown_reasoning_parser_is_refused_at_start_up(capsys):
     """`--reasoning-parser` takes vLLM's names only: the CLI and ServerConfig name the flag and list
     the valid ones."""

@@ -414,10 +414,16 @@ class OpenAIServer:
 
     def _reasoning(self, chat_template_kwargs: dict[str, Any] | None, include: bool,
                    params: SamplingParams) -> Reasoning | None:
-        """How a request's replies are split into reasoning and answer (None: they are not)."""
+        """How a request's replies are split into reasoning and answer (None: they are not). A reply
+        constrained to JSON or a choice (response_format, a forced tool call) is all answer: the
+        constraint holds from its first token, where vLLM's starts after the reasoning; a regex or
+        grammar may spell out the thinking, and is split."""
         if self.config.reasoning_parser is None:
             return None
         parser = REASONING_PARSERS[self.config.reasoning_parser](chat_template_kwargs)
+        constraint = params.structured_outputs
+        if constraint is not None and constraint.regex is None and constraint.grammar is None:
+            parser = dataclasses.replace(parser, thinking=False)
 
         def decode(token_ids: Sequence[int]) -> str:
             return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
