@@ -7,6 +7,7 @@ streamed, against the same server's raw text without the flag split by `str.part
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -80,14 +81,18 @@ def test_reasoning_tokens_are_those_before_the_answer_less_one_token_tags():
 
 @pytest.fixture(scope="module")
 def urls(model_dir, one_torch_thread):
-    """One engine served three ways: without a reasoning parser, with deepseek_r1, with qwen3."""
+    """One engine served four ways: without a reasoning parser, with deepseek_r1, with qwen3, and
+    with qwen3 and the hermes tool parser."""
     engine = Engine(EngineConfig(model=str(model_dir), max_model_len=256, block_size=8))
     with (in_process(OpenAIServer(engine, ServerConfig(port=0, served_model_name=MODEL_NAME))) as plain,
           in_process(OpenAIServer(engine, ServerConfig(port=0, served_model_name=MODEL_NAME,
                                                        reasoning_parser="deepseek_r1"))) as r1,
           in_process(OpenAIServer(engine, ServerConfig(port=0, served_model_name=MODEL_NAME,
-                                                       reasoning_parser="qwen3"))) as qwen3):
-        yield {None: plain, "deepseek_r1": r1, "qwen3": qwen3}
+                                                       reasoning_parser="qwen3"))) as qwen3,
+          in_process(OpenAIServer(engine, ServerConfig(
+              port=0, served_model_name=MODEL_NAME, reasoning_parser="qwen3", enable_auto_tool_choice=True,
+              tool_call_parser="hermes"))) as tools):
+        yield {None: plain, "deepseek_r1": r1, "qwen3": qwen3, "tools": tools}
 
 
 def client_of(url: str) -> openai.OpenAI:
@@ -139,6 +144,29 @@ def test_qwen3_with_thinking_off_has_no_reasoning(urls):
     raw = chat(urls[None], regex).choices[0].message.content
     off = chat(urls["qwen3"], regex, chat_template_kwargs={"enable_thinking": False}).choices[0].message
     assert (getattr(off, "reasoning", None), off.content) == (None, raw)
+
+
+def test_tool_calls_are_read_from_the_answer_only(urls):
+    """qwen3 with the hermes tool parser: a call after the thinking is a tool call, whole and
+    streamed, the reasoning apart and no content."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    regex = "<think>[a-z ]{4,12}</think>" + re.escape(call)
+    request = dict(model=MODEL_NAME, messages=MESSAGES, tools=[tool], max_completion_tokens=80, temperature=0,
+                   extra_body={"guided_regex": regex})
+    raw = chat(urls[None], regex).choices[0].message.content
+    thinking = raw.removeprefix("<think>").partition("</think>")[0]
+    choice = client_of(urls["tools"]).chat.completions.create(**request).choices[0]
+    [made] = choice.message.tool_calls
+    assert (choice.message.reasoning, choice.message.content, choice.finish_reason) == (thinking, None,
+                                                                                          "tool_calls")
+    assert (made.function.name, json.loads(made.function.arguments)) == ("get_weather", {"city": "Oslo"})
+    chunks = list(client_of(urls["tools"]).chat.completions.create(**request, stream=True))
+    deltas = [chunk.choices[0].delta for chunk in chunks]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == thinking
+    assert [c.function.name for d in deltas for c in d.tool_calls or []] == ["get_weather"]
+    assert not "".join(d.content or "" for d in deltas)
 
 
 def test_a_reply_constrained_to_json_is_all_answer(urls):
