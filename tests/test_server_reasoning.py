@@ -155,7 +155,8 @@ def test_tool_calls_are_read_from_the_answer_only(urls):
     regex = "<think>[a-z ]{4,12}</think>" + re.escape(call)
     request = dict(model=MODEL_NAME, messages=MESSAGES, tools=[tool], max_completion_tokens=80, temperature=0,
                    extra_body={"guided_regex": regex})
-    raw = chat(urls[None], regex).choices[0].message.content
+    plain = client_of(urls[None]).chat.completions.create(**request, tool_choice="none")  # the same prompt
+    raw = plain.choices[0].message.content
     thinking = raw.removeprefix("<think>").partition("</think>")[0]
     choice = client_of(urls["tools"]).chat.completions.create(**request).choices[0]
     [made] = choice.message.tool_calls
