@@ -35,6 +35,13 @@ SPLITS = [  # parser, chat_template_kwargs, reply, its reasoning and content as 
     ("qwen3", None, "<think>need the weather" + CALL, "need the weather", CALL),
     ("qwen3", {"enable_thinking": True}, "<think>x</think>y", "x", "y"),
     ("qwen3", {"enable_thinking": False}, "<think>x</think>y", None, "<think>x</think>y"),
+    ("openai_gptoss", None, "<|channel|>analysis<|message|>a <b> c<|end|><|start|>assistant<|channel|>final"
+     "<|message|>Yes, <|x is 7.", "a <b> c", "Yes, <|x is 7."),
+    ("openai_gptoss", None, "<|channel|>analysis<|message|>one<|end|><|start|>assistant<|channel|>analysis"
+     "<|message|> two<|end|><|start|>assistant<|channel|>final<|message|>ok<|return|>", "one two", "ok"),
+    ("openai_gptoss", None, "<|channel|>analysis<|message|>cut short", "cut short", None),
+    ("openai_gptoss", None, "<|channel|>final<|message|>just this", None, "just this"),
+    ("openai_gptoss", None, "plain text, no header", None, "plain text, no header"),
 ]
 
 
@@ -77,22 +84,29 @@ def test_reasoning_tokens_are_those_before_the_answer_less_one_token_tags():
     assert REASONING_PARSERS["deepseek_r1"](None).num_reasoning_tokens(ids, decode, {0}) == 4  # a b </th ink>
     assert REASONING_PARSERS["deepseek_r1"](None).num_reasoning_tokens(ids[:4], decode, {0}) == 3
     assert REASONING_PARSERS["qwen3"]({"enable_thinking": False}).num_reasoning_tokens(ids, decode, {0}) == 0
+    pieces[:] = ["<|channel|>", "analysis", "<|message|>", "x", "y", "<|end|>", "<|start|>", "assistant",
+                 "<|channel|>", "final", "<|message|>", "z"]
+    harmony_ids = {0, 2, 5, 6, 8, 10}  # the markers, one token each
+    ids = list(range(len(pieces)))  # up to the final header's <|message|>, less the markers
+    assert REASONING_PARSERS["openai_gptoss"](None).num_reasoning_tokens(ids, decode, harmony_ids) == 5
 
 
 @pytest.fixture(scope="module")
 def urls(model_dir, one_torch_thread):
-    """One engine served four ways: without a reasoning parser, with deepseek_r1, with qwen3, and
-    with qwen3 and the hermes tool parser."""
+    """One engine served five ways: without a reasoning parser, with each, and with qwen3 and the
+    hermes tool parser."""
     engine = Engine(EngineConfig(model=str(model_dir), max_model_len=256, block_size=8))
     with (in_process(OpenAIServer(engine, ServerConfig(port=0, served_model_name=MODEL_NAME))) as plain,
           in_process(OpenAIServer(engine, ServerConfig(port=0, served_model_name=MODEL_NAME,
                                                        reasoning_parser="deepseek_r1"))) as r1,
           in_process(OpenAIServer(engine, ServerConfig(port=0, served_model_name=MODEL_NAME,
                                                        reasoning_parser="qwen3"))) as qwen3,
+          in_process(OpenAIServer(engine, ServerConfig(port=0, served_model_name=MODEL_NAME,
+                                                       reasoning_parser="openai_gptoss"))) as gptoss,
           in_process(OpenAIServer(engine, ServerConfig(
               port=0, served_model_name=MODEL_NAME, reasoning_parser="qwen3", enable_auto_tool_choice=True,
               tool_call_parser="hermes"))) as tools):
-        yield {None: plain, "deepseek_r1": r1, "qwen3": qwen3, "tools": tools}
+        yield {None: plain, "deepseek_r1": r1, "qwen3": qwen3, "openai_gptoss": gptoss, "tools": tools}
 
 
 def client_of(url: str) -> openai.OpenAI:
@@ -103,12 +117,23 @@ MESSAGES = [{"role": "user", "content": "Is 7 prime?"}]
 FORCED = {  # parser: a regex of a reply in its model's format
     "deepseek_r1": "[a-z ]{4,12}</think>[a-z ]{4,12}",
     "qwen3": "<think>[a-z ]{4,12}</think>[a-z ]{4,12}",
+    "openai_gptoss": re.escape("<|channel|>analysis<|message|>") + "[a-z ]{4,12}" + re.escape(
+        "<|end|><|start|>assistant<|channel|>final<|message|>") + "[a-z ]{4,12}",
 }
+
+
+def split_by_hand(name: str, raw: str) -> tuple[str, str]:
+    """The reasoning and answer of a forced reply, read with str methods."""
+    if name == "openai_gptoss":
+        analysis, _, final = raw.partition("<|end|>")
+        return analysis.partition("<|message|>")[2], final.partition("<|message|>")[2]
+    thinking, _, answer = raw.removeprefix("<think>").partition("</think>")
+    return thinking, answer
 
 
 def chat(url: str, regex: str, **body):
     return client_of(url).chat.completions.create(
-        model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=60, temperature=0,
+        model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=150, temperature=0,
         extra_body={"guided_regex": regex} | body)
 
 
@@ -116,18 +141,19 @@ def chat(url: str, regex: str, **body):
 def test_chat_reasoning_whole_and_streamed(urls, name):
     """With --reasoning-parser, a reply's thinking is the message's `reasoning` and its content the
     answer alone: the plain server's content (tags kept, as vLLM without the flag) cut at
-    `</think>`; streamed, the deltas' reasoning and content join to the same, no tag text in them;
-    include_reasoning false drops the reasoning only; usage counts reasoning tokens."""
+    `</think>` (or, for harmony, read by channel); streamed, the deltas' reasoning and content join
+    to the same, no tag text in them; include_reasoning false drops the reasoning only; usage
+    counts reasoning tokens."""
     raw = chat(urls[None], FORCED[name]).choices[0].message.content
-    assert "</think>" in raw
-    thinking, _, answer = raw.removeprefix("<think>").partition("</think>")
+    assert re.fullmatch(FORCED[name], raw)
+    thinking, answer = split_by_hand(name, raw)
     response = chat(urls[name], FORCED[name])
     message = response.choices[0].message
     assert (message.reasoning, message.content) == (thinking, answer)
     details = response.usage.completion_tokens_details
     assert 0 < details.reasoning_tokens < response.usage.completion_tokens
     chunks = list(client_of(urls[name]).chat.completions.create(
-        model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=60, temperature=0, stream=True,
+        model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=150, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"guided_regex": FORCED[name]}))
     deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
     assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == thinking
@@ -187,25 +213,26 @@ def test_an_unknown_reasoning_parser_is_refused_at_start_up(capsys):
         build_parser().parse_args(["serve", "model", "--reasoning-parser", "deepseek"])
     error = capsys.readouterr().err
     assert "--reasoning-parser" in error and "deepseek_r1" in error and "qwen3" in error
-    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3, got 'x'"):
+    with pytest.raises(ValueError, match="must be one of deepseek_r1, qwen3, openai_gptoss, got 'x'"):
         ServerConfig(reasoning_parser="x")
 
 
 def responses_body(regex: str, **body) -> dict:
-    return {"model": MODEL_NAME, "input": MESSAGES[0]["content"], "max_output_tokens": 60, "temperature": 0,
+    return {"model": MODEL_NAME, "input": MESSAGES[0]["content"], "max_output_tokens": 150, "temperature": 0,
             "structured_outputs": {"regex": regex}} | body
 
 
-def test_responses_reasoning_item_whole_and_streamed(urls):
+@pytest.mark.parametrize("name", ["deepseek_r1", "openai_gptoss"])
+def test_responses_reasoning_item_whole_and_streamed(urls, name):
     """A Response of a reasoning reply: a `reasoning` item (summary empty, one reasoning_text part)
     before the message, their texts the plain chat reply cut at `</think>`, reasoning tokens
     counted as the chat route counts them; streamed, the reasoning item's events and then the
     message's, in OpenAI's order, every event and the Responses valid as the `openai` package's
     types; include_reasoning false leaves the item out."""
-    regex = FORCED["deepseek_r1"]
-    thinking, _, answer = chat(urls[None], regex).choices[0].message.content.partition("</think>")
-    chat_usage = chat(urls["deepseek_r1"], regex).usage
-    url = urls["deepseek_r1"] + "/v1/responses"
+    regex = FORCED[name]
+    thinking, answer = split_by_hand(name, chat(urls[None], regex).choices[0].message.content)
+    chat_usage = chat(urls[name], regex).usage
+    url = urls[name] + "/v1/responses"
     raw = httpx.post(url, json=responses_body(regex), timeout=60).json()
     response = openai.types.responses.Response.model_validate(raw)
     reasoning, message = response.output

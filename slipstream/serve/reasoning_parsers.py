@@ -11,6 +11,12 @@ slipstream has the think-tag ones, under vLLM's names:
 - "qwen3" (Qwen3, QwQ): the same tags; a `<tool_call>` also ends the reasoning (the call is the
   content, for the tool parser); with the request's `chat_template_kwargs` `enable_thinking`
   false the template skips the thinking and the reply is all content.
+- "openai_gptoss" (gpt-oss): OpenAI's harmony format, a reply of messages
+  `<|channel|>NAME<|message|>TEXT<|end|>`, the next after `<|start|>assistant`: the `analysis`
+  channel's text is the reasoning, the others' (`final`, `commentary`) the content. Its markers
+  are special tokens, so the server keeps special tokens in these replies' text
+  (`keeps_special_tokens`). vLLM reads the channels from the token ids with openai_harmony; here
+  the text is read, the same way as the tags.
 
 The tags are read in the text, not as token ids, so that a tag split over several tokens (a
 tokenizer without them as special tokens) is found too. A stream sends the reasoning as it grows,
@@ -43,6 +49,8 @@ class ThinkTagParser:
     ends: tuple[str, ...] = (THINK_END,)
     thinking: bool = True
     """False: the request turned thinking off (Qwen3's enable_thinking), the reply is content."""
+    keeps_special_tokens = False
+    """Whether the server must keep special tokens in the reply's text for the parser to read."""
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)
@@ -54,22 +62,135 @@ class ThinkTagParser:
 
     def num_reasoning_tokens(self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str],
                              tag_ids: set[int]) -> int:
-        """How many of a reply's tokens came before its content (all where it never ended its
-        reasoning), less the tags' own tokens (`tag_ids`: those that are one token), as vLLM
-        counts `completion_tokens_details.reasoning_tokens`. The first prefix whose text ends the
-        reasoning is found by bisection: a few decodes, not one per token."""
-        if not self.thinking:
-            return 0
-        low, high = 0, len(token_ids)  # the first `high` tokens end the reasoning, `low` do not
-        if not self.stream().ended(decode(token_ids)):
-            low = high
-        while high - low > 1:
-            middle = (low + high) // 2
-            if self.stream().ended(decode(token_ids[:middle])):
-                high = middle
+        return num_reasoning_tokens(self, token_ids, decode, tag_ids)
+
+
+HARMONY_HEADS = ("<|start|>", "<|channel|>")
+"""Harmony markers that begin a message's header, which `<|message|>` ends."""
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+HARMONY_MESSAGE = "<|message|>"
+MARKERS = (THINK_START, THINK_END, *HARMONY_HEADS, *HARMONY_ENDS, HARMONY_MESSAGE)
+"""The parsers' markers: where one is a single token, its token is not a reasoning token."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HarmonyParser:
+    """The "openai_gptoss" format: harmony messages, whose analysis channel is the reasoning."""
+
+    thinking: bool = True
+    """False: the reply is plain text (a constrained one), all content."""
+    keeps_special_tokens = True
+
+    def stream(self) -> HarmonyStream:
+        return HarmonyStream(self)
+
+    def split(self, text: str) -> SplitReply:
+        reasoning, content = self.stream().feed(text, finished=True)
+        return SplitReply(reasoning or None, content or None)
+
+    def num_reasoning_tokens(self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str],
+                             tag_ids: set[int]) -> int:
+        return num_reasoning_tokens(self, token_ids, decode, tag_ids)
+
+
+class HarmonyStream:
+    """One harmony reply read as it grows (ReasoningStream's interface). A reply that does not
+    open with a header (the prompt ends with `<|start|>assistant`) is plain text: content."""
+
+    def __init__(self, parser: HarmonyParser) -> None:
+        self._parser = parser
+        self._read = 0
+        """How much of the text is read."""
+        self._channel: str | None = None
+        """The channel of the message whose text is being read; None while reading a header."""
+        self._content = ""
+        self._began = False
+        """Whether the reply has shown whether it opens with a header."""
+
+    def ended(self, text: str) -> bool:
+        """Whether this (fresh) stream's reply has begun its content within `text` (a message not
+        of the analysis channel, or plain text, has begun)."""
+        content = self.feed(text, finished=False)[1]
+        return bool(content) or self._channel not in (None, "analysis")
+
+    def feed(self, text: str, finished: bool) -> tuple[str, str]:
+        if not self._parser.thinking:
+            return "", text
+        if not self._began:
+            if not finished and any(head.startswith(text) for head in HARMONY_HEADS):
+                return "", ""  # the reply may yet open with a header
+            self._began = True
+            if not text.startswith(HARMONY_HEADS):
+                self._channel = "final"
+        reasoning = []
+        while True:
+            if self._channel is None and not self._header(text):
+                break
+            piece, done = self._body(text, finished)
+            if self._channel == "analysis":
+                reasoning.append(piece)
             else:
-                low = middle
-        return sum(1 for token_id in token_ids[:high] if token_id not in tag_ids)
+                self._content += piece
+            if not done:
+                break
+            self._channel = None
+        return "".join(reasoning), self._content
+
+    def _header(self, text: str) -> bool:
+        """Read a whole header (`[<|start|>ROLE]<|channel|>NAME[ to=RECIPIENT]...<|message|>`) if
+        the text holds one; the channel is the name's first word."""
+        end = text.find(HARMONY_MESSAGE, self._read)
+        if end < 0:
+            return False
+        header = text[self._read:end]
+        _, _, channel = header.partition("<|channel|>")
+        self._channel = (channel.split() or ["final"])[0].partition("<|")[0]
+        self._read = end + len(HARMONY_MESSAGE)
+        return True
+
+    def _body(self, text: str, finished: bool) -> tuple[str, bool]:
+        """The message text read now, and whether the message ended (at an end marker, dropped, or
+        where a header begins)."""
+        found = [(text.find(marker, self._read), marker) for marker in (*HARMONY_ENDS, *HARMONY_HEADS)]
+        found = [(at, marker) for at, marker in found if at >= 0]
+        if found:
+            at, marker = min(found)
+            piece = text[self._read:at]
+            self._read = at + len(marker) if marker in HARMONY_ENDS else at
+            return piece, True
+        end = len(text) if finished else len(text) - _held_tail(text[self._read:], (*HARMONY_ENDS,
+                                                                                     *HARMONY_HEADS))
+        piece, self._read = text[self._read:end], end
+        return piece, False
+
+
+def num_reasoning_tokens(parser: ThinkTagParser | HarmonyParser, token_ids: Sequence[int],
+                         decode: Callable[[Sequence[int]], str], tag_ids: set[int]) -> int:
+    """How many of a reply's tokens came before its content (all where it never ended its
+    reasoning; none where it has no reasoning), less the markers' own tokens (`tag_ids`: those
+    that are one token), as vLLM
+    counts `completion_tokens_details.reasoning_tokens`. The first prefix whose text ends the
+    reasoning is found by bisection: a few decodes, not one per token."""
+    if not (parser.thinking and parser.split(decode(token_ids)).reasoning):
+        return 0
+    low, high = 0, len(token_ids)  # the first `high` tokens end the reasoning, `low` do not
+    if not parser.stream().ended(decode(token_ids)):
+        low = high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if parser.stream().ended(decode(token_ids[:middle])):
+            high = middle
+        else:
+            low = middle
+    return sum(1 for token_id in token_ids[:high] if token_id not in tag_ids)
+
+
+def _held_tail(text: str, markers: tuple[str, ...]) -> int:
+    """The length of the longest tail of `text` that begins one of `markers`."""
+    for length in range(min(max(len(marker) for marker in markers) - 1, len(text)), 0, -1):
+        if any(marker.startswith(text[-length:]) for marker in markers if len(marker) > length):
+            return length
+    return 0
 
 
 class ReasoningStream:
@@ -116,16 +237,9 @@ class ReasoningStream:
             self._content_start = at + len(end) if end == THINK_END else at
             piece, self._sent = text[self._sent:at], at
             return piece, text[self._content_start:]
-        safe_end = len(text) if finished else max(self._sent, len(text) - self._held_tail(text))
+        safe_end = len(text) if finished else len(text) - _held_tail(text[self._sent:], self._parser.ends)
         piece, self._sent = text[self._sent:safe_end], safe_end
         return piece, ""
-
-    def _held_tail(self, text: str) -> int:
-        """The length of the longest tail of `text` that begins one of the ending tags."""
-        for length in range(max(len(end) for end in self._parser.ends) - 1, 0, -1):
-            if any(end.startswith(text[-length:]) for end in self._parser.ends if len(end) > length):
-                return length
-        return 0
 
 
 def deepseek_r1(chat_template_kwargs: dict | None = None) -> ThinkTagParser:
@@ -137,6 +251,10 @@ def qwen3(chat_template_kwargs: dict | None = None) -> ThinkTagParser:
     return ThinkTagParser(ends=(THINK_END, TOOL_CALL_START), thinking=thinking)
 
 
-REASONING_PARSERS = {"deepseek_r1": deepseek_r1, "qwen3": qwen3}
+def openai_gptoss(chat_template_kwargs: dict | None = None) -> HarmonyParser:
+    return HarmonyParser()
+
+
+REASONING_PARSERS = {"deepseek_r1": deepseek_r1, "qwen3": qwen3, "openai_gptoss": openai_gptoss}
 """--reasoning-parser's choices (vLLM's names): each makes the parser of one request from its
 chat_template_kwargs."""

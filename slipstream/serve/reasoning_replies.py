@@ -14,7 +14,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from slipstream.serve import responses
-from slipstream.serve.reasoning_parsers import ReasoningStream, SplitReply, ThinkTagParser
+from slipstream.serve.reasoning_parsers import (
+    HarmonyParser,
+    HarmonyStream,
+    ReasoningStream,
+    SplitReply,
+    ThinkTagParser,
+)
 from slipstream.serve.request import CompletionOutput, RequestOutput
 
 
@@ -22,7 +28,7 @@ from slipstream.serve.request import CompletionOutput, RequestOutput
 class Reasoning:
     """How one request's replies are split."""
 
-    parser: ThinkTagParser
+    parser: ThinkTagParser | HarmonyParser
     include: bool
     """The request's include_reasoning: False leaves the reasoning out (the content stays the answer)."""
     decode: Callable[[Sequence[int]], str]
@@ -37,7 +43,7 @@ class Reasoning:
         return dataclasses.replace(output, outputs=answers), splits
 
     def num_tokens(self, completion: CompletionOutput) -> int:
-        """The reply's reasoning tokens (ThinkTagParser.num_reasoning_tokens)."""
+        """The reply's reasoning tokens (reasoning_parsers.num_reasoning_tokens)."""
         return self.parser.num_reasoning_tokens(completion.token_ids, self.decode, self.tag_ids)
 
     def usage(self, usage: dict[str, Any], outputs: Iterable[RequestOutput]) -> dict[str, Any]:
@@ -69,7 +75,7 @@ class ReasoningChatStream:
         self._chunks = chunks
         self._reasoning = reasoning
         self._num_prompt_tokens = num_prompt_tokens
-        self._streams: dict[int, ReasoningStream] = {}
+        self._streams: dict[int, ReasoningStream | HarmonyStream] = {}
         """Per choice, the reader of its reply."""
         self.meta = chunks.meta
         self.usage_mode = chunks.usage_mode

@@ -51,7 +51,7 @@ from slipstream.serve.metrics import ServerMetrics
 from slipstream.serve.pooling import EmbeddingRequestOutput
 from slipstream.serve.profiler import ProfilerAlreadyActiveError
 from slipstream.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from slipstream.serve.reasoning_parsers import REASONING_PARSERS, THINK_END, THINK_START
+from slipstream.serve.reasoning_parsers import MARKERS, REASONING_PARSERS
 from slipstream.serve.reasoning_replies import Reasoning, ReasoningChatStream
 from slipstream.serve.request import (
     CompletionOutput,
@@ -117,8 +117,8 @@ class ServerConfig:
     tool_call_parser: str | None = None
     """The model's call format: "hermes", "llama3_json" or "mistral" (tool_parsers.py)."""
     reasoning_parser: str | None = None
-    """The model's thinking format, "deepseek_r1" or "qwen3" (reasoning_parsers.py): replies' reasoning
-    goes out apart from their answers (vLLM's --reasoning-parser)."""
+    """The model's thinking format, "deepseek_r1", "qwen3" or "openai_gptoss" (reasoning_parsers.py):
+    replies' reasoning goes out apart from their answers (vLLM's --reasoning-parser)."""
     lora_modules: tuple[LoRAModulePath, ...] = ()
     """LoRA adapters to serve from the start (vLLM's --lora-modules), each loaded, and so checked,
     before the server listens; they need an engine with enable_lora."""
@@ -175,9 +175,8 @@ class OpenAIServer:
         self.model_name = config.served_model_name or self.model_path
         self.tokenizer = engine.tokenizer
         self.tokenize = engine.tokenize
-        self._think_tag_ids = frozenset(self.tokenizer.token_to_id(tag)
-                                        for tag in (THINK_START, THINK_END)) - {None}
-        """The think tags' ids where the tokenizer has them as single tokens."""
+        self._marker_ids = frozenset(self.tokenizer.token_to_id(marker) for marker in MARKERS) - {None}
+        """The reasoning markers' ids where the tokenizer has them as single tokens."""
         self.max_model_len = engine.limits.max_model_len
         self.eos_token_ids = engine.limits.eos_token_ids
         self.max_logprobs = engine.config.max_logprobs
@@ -394,7 +393,7 @@ class OpenAIServer:
         meta = ResponseMeta.new("chatcmpl", self._served_name(lora))
         options = dict(num_logprobs=body.num_logprobs, as_token_ids=self._as_token_ids(body),
                        echo=body.echoed_text, tool_calls=tool_calls)
-        reasoning = self._reasoning(body.chat_template_kwargs, body.include_reasoning, params)
+        params, reasoning = self._reasoning(body.chat_template_kwargs, body.include_reasoning, params)
         if body.use_beam_search:
             beams = body.beam_search_params(max_tokens=body.max_new_tokens or self.max_model_len,
                                             max_logprobs=self.max_logprobs)
@@ -413,22 +412,25 @@ class OpenAIServer:
         return JSONResponse(_chat_response(meta, output, reasoning, options))
 
     def _reasoning(self, chat_template_kwargs: dict[str, Any] | None, include: bool,
-                   params: SamplingParams) -> Reasoning | None:
-        """How a request's replies are split into reasoning and answer (None: they are not). A reply
-        constrained to JSON or a choice (response_format, a forced tool call) is all answer: the
-        constraint holds from its first token, where vLLM's starts after the reasoning; a regex or
-        grammar may spell out the thinking, and is split."""
+                   params: SamplingParams) -> tuple[SamplingParams, Reasoning | None]:
+        """How a request's replies are split into reasoning and answer (None: they are not), and the
+        params that keep the special tokens a parser reads (harmony's). A reply constrained to JSON
+        or a choice (response_format, a forced tool call) is all answer: the constraint holds from
+        its first token, where vLLM's starts after the reasoning; a regex or grammar may spell out
+        the thinking, and is split."""
         if self.config.reasoning_parser is None:
-            return None
+            return params, None
         parser = REASONING_PARSERS[self.config.reasoning_parser](chat_template_kwargs)
         constraint = params.structured_outputs
         if constraint is not None and constraint.regex is None and constraint.grammar is None:
             parser = dataclasses.replace(parser, thinking=False)
+        elif parser.keeps_special_tokens:
+            params = params.replace(skip_special_tokens=False)
 
         def decode(token_ids: Sequence[int]) -> str:
             return self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
 
-        return Reasoning(parser, include, decode, self._think_tag_ids)
+        return params, Reasoning(parser, include, decode, self._marker_ids)
 
     def _tool_calls(self, body: ChatCompletionRequest,
                     params: SamplingParams) -> tuple[SamplingParams, responses.ToolCalls | None]:
@@ -479,7 +481,7 @@ class OpenAIServer:
             if params.max_tokens is None or params.max_tokens > room:
                 params = params.replace(max_tokens=room)
             settings = body.settings(params, store_enabled=store is not None)
-            reasoning = self._reasoning(chat.chat_template_kwargs, chat.include_reasoning, params)
+            params, reasoning = self._reasoning(chat.chat_template_kwargs, chat.include_reasoning, params)
             builder = responses_api.ResponseBuilder(self._served_name(lora), settings,
                                                     num_logprobs=chat.num_logprobs, tool_calls=tool_calls,
                                                     as_token_ids=self._as_token_ids(chat),
