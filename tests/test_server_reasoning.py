@@ -98,7 +98,8 @@ def urls(model_dir, one_torch_thread):
     engine = Engine(EngineConfig(model=str(model_dir), max_model_len=256, block_size=8))
     with (in_process(OpenAIServer(engine, ServerConfig(port=0, served_model_name=MODEL_NAME))) as plain,
           in_process(OpenAIServer(engine, ServerConfig(port=0, served_model_name=MODEL_NAME,
-                                                       reasoning_parser="deepseek_r1"))) as r1,
+                                                       reasoning_parser="deepseek_r1",
+                                                       responses_store=True))) as r1,
           in_process(OpenAIServer(engine, ServerConfig(port=0, served_model_name=MODEL_NAME,
                                                        reasoning_parser="qwen3"))) as qwen3,
           in_process(OpenAIServer(engine, ServerConfig(port=0, served_model_name=MODEL_NAME,
@@ -265,7 +266,8 @@ def test_responses_reasoning_item_whole_and_streamed(urls, name):
 def test_reasoning_items_in_the_input_are_the_assistant_turns_reasoning(urls):
     """As vLLM renders them: a reasoning item and the assistant message after it are one assistant
     turn whose `reasoning` the chat template sees (as chat messages' reasoning, or its older name
-    reasoning_content); an encrypted one is a 400 naming input."""
+    reasoning_content); previous_response_id renders a stored reasoning Response as its output
+    items sent back as input do; an encrypted one is a 400 naming input."""
     turn = [{"role": "user", "content": "Is 7 prime?"},
             {"type": "reasoning", "id": "rs_1", "summary": [],
              "content": [{"type": "reasoning_text", "text": "divisors"}]},
@@ -279,9 +281,15 @@ def test_reasoning_items_in_the_input_are_the_assistant_turns_reasoning(urls):
     old_name = protocol.ChatCompletionRequest.model_validate({"model": MODEL_NAME, "messages": [
         {"role": "assistant", "content": "yes", "reasoning_content": "d"}]})
     assert old_name.messages[0].reasoning == "d"
-    response = httpx.post(urls["deepseek_r1"] + "/v1/responses", timeout=60,
-                          json=responses_body(FORCED["deepseek_r1"], input=turn))
-    assert response.status_code == 200
+    url = urls["deepseek_r1"] + "/v1/responses"
+    first = httpx.post(url, json=responses_body(FORCED["deepseek_r1"], input=turn[:1]), timeout=60).json()
+    assert first["output"][0]["type"] == "reasoning"
+    follow_up = {"role": "user", "content": "And 9?"}
+    continued = httpx.post(url, timeout=60, json=responses_body(
+        FORCED["deepseek_r1"], input=[follow_up], previous_response_id=first["id"])).json()
+    spelled_out = httpx.post(url, timeout=60, json=responses_body(
+        FORCED["deepseek_r1"], input=[*turn[:1], *first["output"], follow_up])).json()
+    assert continued["usage"]["input_tokens"] == spelled_out["usage"]["input_tokens"]
     encrypted = [{**turn[1], "encrypted_content": "gAAA"}]
     error = httpx.post(urls["deepseek_r1"] + "/v1/responses", json=responses_body("a", input=encrypted),
                        timeout=60)
