@@ -13,10 +13,13 @@ of its rounds; each ratio is the median of the per-round ratios.
     python benchmarks/serve_offline.py                       # ~125M preset, fp32 and bf16
     python benchmarks/serve_offline.py --dtype bfloat16 --hf-batch-sizes 16,64
     python benchmarks/serve_offline.py --quantization int8   # and int8 weights against unquantized
+    python benchmarks/serve_offline.py --kv-cache-dtype fp8  # and an fp8 KV cache against the model's dtype
 
 With --quantization, a second slipstream engine with quantized weights takes its turn in every
 round too; its ratio is to the unquantized engine (the baseline of the same rounds), the median of
 the per-round ratios, and its MFU counts the same FLOPs (weight-only quantization changes bytes).
+--kv-cache-dtype does the same for an engine whose KV cache is in that dtype (vLLM's
+kv_cache_dtype), its ratio to the engine whose cache is in the model's dtype.
 
 Prints output tok/s, total (prompt + output) tok/s, the ratio to transformers, and MFU against
 the calibrated peak (model FLOPs from slipstream.perf.flops.generation_flops); last line JSON.
@@ -45,6 +48,7 @@ from vllm_driver import OfflineRounds
 
 from slipstream import LLM, SamplingParams
 from slipstream.model import ModelConfig
+from slipstream.ops.kv_cache_dtypes import KV_CACHE_DTYPE_NAMES
 from slipstream.perf.flops import generation_flops
 from slipstream.perf.hardware import calibrate
 
@@ -160,6 +164,9 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     add_quantization_argument(parser)
+    parser.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPE_NAMES),
+                        help="also serve with the KV cache in this dtype and print its ratio to the "
+                             "engine whose cache is in the model's dtype")
     args = parser.parse_args()
 
     model_dir = ensure_model(args.model)
@@ -196,6 +203,10 @@ def main() -> None:
             if args.quantization is not None:
                 runners[quantized] = slipstream_runner(model_dir, dtype, prompts, args.output_len,
                                                        engine_args | {"quantization": args.quantization})
+            kv_engine = f"slipstream kv {args.kv_cache_dtype}"
+            if args.kv_cache_dtype is not None:
+                runners[kv_engine] = slipstream_runner(model_dir, dtype, prompts, args.output_len,
+                                                       engine_args | {"kv_cache_dtype": args.kv_cache_dtype})
             hf_model = load_transformers(model_dir, dtype) if batch_sizes else None
             for batch_size in batch_sizes:
                 runners[f"transformers batch {batch_size}"] = functools.partial(
@@ -229,6 +240,14 @@ def main() -> None:
         if args.quantization is not None:
             record |= quantized_summary(dtype, quantized, tok_per_s, times, total_flops / peak,
                                         num_prompt_tokens + num_output_tokens, args.repeats)
+
+        if args.kv_cache_dtype is not None:
+            ratio = ratio_to(tok_per_s, "slipstream", ours=kv_engine)
+            print(f"{dtype:>8} {kv_engine}: {median(tok_per_s[kv_engine]):7.0f} output tok/s (median of "
+                  f"{args.repeats} rounds: {_listed(times[kv_engine])} s), {ratio:.2f}x the model-dtype "
+                  f"cache (median of the rounds' ratios)", flush=True)
+            record |= {f"{dtype}_kv_{args.kv_cache_dtype}_output_tok_per_s": median(tok_per_s[kv_engine]),
+                       f"{dtype}_kv_{args.kv_cache_dtype}_ratio": ratio}
 
         if batch_sizes:
             for batch_size in batch_sizes:
