@@ -419,6 +419,25 @@ static inline __m512 partial_dot(const __m512 *query, const uint16_t *q_bf16, co
     return acc;
 }
 
+/* The TILE key rows at offsets[j] + kv_offset of an fp8 cache (dtype: a decode dtype argument)
+ * widened once into stage, TILE rows of head_dim values in the queries' dtype (to bf16 by dropping
+ * the low half of each fp32, exact: every e4m3 and e5m2 value is a bf16 one). The kv head's query
+ * heads then read the stage as a cache of their own dtype, so the widening is paid once per kv
+ * head rather than once per query head, and bf16 queries multiply by vdpbf16ps as over a bf16
+ * cache. */
+static inline void stage_keys(void *stage, const void *k_cache, const int64_t *offsets, int64_t kv_offset,
+                              const int64_t head_dim, int dtype) {
+    for (int64_t j = 0; j < TILE; j++)
+        for (int64_t c = 0; c < head_dim; c += 16) {
+            const __m512 x = load_cache16(k_cache, offsets[j] + kv_offset + c, dtype);
+            if (q_dtype_of(dtype) == DTYPE_F32)
+                _mm512_storeu_ps((float *)stage + j * head_dim + c, x);
+            else
+                _mm256_storeu_si256((__m256i *)((uint16_t *)stage + j * head_dim + c),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+        }
+}
+
 /* acc[g] += sum over the tile's keys of probs[g][t] * value row t, for `count` query heads of
  * one kv head (a constant at each call site, so acc stays in registers). */
 static inline __attribute__((always_inline)) void accumulate_tile(
@@ -457,6 +476,8 @@ static inline __attribute__((always_inline)) void attend_avx512(
     int64_t *offsets = (int64_t *)scratch;        /* stride: each key's slice, in elements */
     float *scores = scratch + 2 * stride;          /* heads x stride */
     float *acc = scores + heads * stride;          /* heads x head_dim */
+    const int fp8 = dtype >> 4, dot_dtype = fp8 ? q_dtype_of(dtype) : dtype;  /* what partial_dot reads */
+    float *stage = fp8 ? acc + heads * head_dim : NULL;  /* fp8: TILE x head_dim staged keys */
     key_offsets(offsets, stride, first, num_keys, block_table, block_size, num_kv_heads, kv_first, head_dim);
     for (int64_t t0 = 0; t0 < num_keys; t0 += TILE) {
         for (int64_t h = 0; h < heads; h++) {
@@ -466,15 +487,18 @@ static inline __attribute__((always_inline)) void attend_avx512(
             __m512 query[16], partial[TILE];
             for (int64_t c = 0; c < vectors; c++)
                 query[c] = _mm512_mul_ps(load16(q, q_index + 16 * c, q_dtype_of(dtype)), _mm512_set1_ps(scale));
+            if (fp8 && h % group == 0) stage_keys(stage, k_cache, offsets + t0, kv_offset, head_dim, dtype);
             for (int64_t j = 0; j < TILE; j++) {
                 if (h == 0 && t0 + 2 * TILE + j < num_keys)
                     prefetch_bytes(k_cache, offsets[t0 + 2 * TILE + j], slice_bytes, elem_size);
-                partial[j] = partial_dot(query, (const uint16_t *)q + q_index, k_cache,
-                                         offsets[t0 + j] + kv_offset, head_dim, dtype);
+                partial[j] = fp8 ? partial_dot(query, (const uint16_t *)q + q_index, stage, j * head_dim,
+                                               head_dim, dot_dtype)
+                                 : partial_dot(query, (const uint16_t *)q + q_index, k_cache,
+                                               offsets[t0 + j] + kv_offset, head_dim, dtype);
             }
             __m512 tile_scores = sum_lanes_16(partial);
 #if defined(__AVX512BF16__)
-            if (dtype == DTYPE_BF16 && head_dim % 32 == 0)
+            if (dot_dtype == DTYPE_BF16 && head_dim % 32 == 0)
                 tile_scores = _mm512_mul_ps(tile_scores, _mm512_set1_ps(scale));
 #endif
             _mm512_storeu_ps(scores + h * stride + t0, tile_scores);
@@ -725,7 +749,8 @@ int64_t max_seq_len(const int64_t *seq_lens, int64_t num_seqs) {
  * what the kernels need: attend_one a row and the scores; attend_avx512 the keys' offsets
  * (int64), every head's scores, and the value accumulators. */
 int64_t attention_scratch_floats(int64_t max_len, int64_t num_heads, int64_t head_dim) {
-    return num_heads * (head_dim + 2) + (2 + num_heads) * (max_len + 16) + (num_heads + 1) * head_dim;
+    /* the merged chunks' partials, then a task's key offsets, scores, sums and (fp8) staged keys */
+    return num_heads * (head_dim + 2) + (2 + num_heads) * (max_len + 16) + (num_heads + 1 + 16) * head_dim;
 }
 
 /* This thread's attention scratch (attention_scratch_floats() of them), or NULL with *failed set
