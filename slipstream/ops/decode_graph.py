@@ -24,6 +24,11 @@ layer stack is Llama's (`_layer_attention` lists what it checks): Gemma (its nor
 embeddings, GeGLU) and Gemma 2 (norms around attention and the MLP, soft caps, a window on some
 layers only, its own score scale) get no graph.
 
+The paged cache is of the model's dtype or fp8 (`kv_cache_dtype`; `cpu_kernels.FP8_CACHE_CODES`):
+the call stores each new key and value row through the C `write_kv`'s conversion (saturating,
+round to nearest even) and attends through the decode kernel's fp8 reader, so its cache bytes and
+hidden states equal the module path's.
+
 Mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE, mixed with dense ones) run in the call
 too, in place of ~45 eager ops per layer and step: the router's product, the routing as
 `SparseMoeBlock` computes it (softmax in fp32, top-k, renormalisation, the cast of Qwen's

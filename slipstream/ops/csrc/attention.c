@@ -14,7 +14,9 @@
  * is named in bits 4-7 of the dtype argument (0 there: the queries' dtype) and widened exactly as
  * it is read: e5m2 is the high byte of an fp16, e4m3fn's magnitude shifted into an fp16 is its
  * value times 2^-8 (subnormals included); their NaN and inf codes read as NaN and inf, as torch
- * reads them (the cache holds none: write_kv saturates). Any other dtype argument is refused.
+ * reads them (the cache holds none: write_kv saturates); with AVX-512 a tile's fp8 keys are
+ * widened once per kv head, into the queries' dtype (stage_keys). Any other dtype argument is
+ * refused.
  *
  * Layouts (row-major): q and out (num_seqs, num_heads, head_dim); k_cache and v_cache
  * (num_blocks, block_size, num_kv_heads, head_dim); block_tables (num_seqs, max_blocks) int64;
@@ -991,7 +993,9 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
  * when packed and the arithmetic is fp32. The queries of chunk c are the last chunk_lens[c] of
  * its seq_lens[c] positions (their keys already written to the cache), at rows chunk_rows[c] of q
  * and out: out (rows, num_heads, head_dim), q rows of num_heads x head_dim values q_stride
- * elements apart (the queries where the fused q/k/v product left them). head_dim 64, 128 or 256. A soft
+ * elements apart (the queries where the fused q/k/v product left them). An fp8 cache (bits 4-7 of
+ * dtype, as for the decode kernel) is widened tile by tile through the decode kernel's reader
+ * (stage_fp8_tile). head_dim 64, 128 or 256. A soft
  * cap (softcap > 0) applies to each row's visible scores of a tile before its max is taken.
  */
 /* Query blocks of 64 ran 5-15% faster than blocks of 32 (each key tile packed for more rows) and
