@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 from pydantic import TypeAdapter
+from serve_fixtures import kv_bytes_for_blocks
 from server_process import MODEL_NAME, in_process
 
 from slipstream.cli import build_parser
@@ -91,20 +92,27 @@ def test_reasoning_tokens_are_those_before_the_answer_less_one_token_tags():
     assert REASONING_PARSERS["openai_gptoss"](None).num_reasoning_tokens(ids, decode, harmony_ids) == 5
 
 
+def engine_of(model_dir, reasoning_parser=None, in_reasoning=False) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), max_model_len=256, block_size=8,
+                               kv_cache_memory=kv_bytes_for_blocks(256, 8), reasoning_parser=reasoning_parser,
+                               structured_outputs_enable_in_reasoning=in_reasoning))
+
+
 @pytest.fixture(scope="module")
 def urls(model_dir, one_torch_thread):
-    """One engine served five ways: without a reasoning parser, with each, and with qwen3 and the
-    hermes tool parser."""
-    engine = Engine(EngineConfig(model=str(model_dir), max_model_len=256, block_size=8))
-    with (in_process(OpenAIServer(engine, ServerConfig(port=0, served_model_name=MODEL_NAME))) as plain,
-          in_process(OpenAIServer(engine, ServerConfig(port=0, served_model_name=MODEL_NAME,
-                                                       reasoning_parser="deepseek_r1",
-                                                       responses_store=True))) as r1,
-          in_process(OpenAIServer(engine, ServerConfig(port=0, served_model_name=MODEL_NAME,
-                                                       reasoning_parser="qwen3"))) as qwen3,
-          in_process(OpenAIServer(engine, ServerConfig(port=0, served_model_name=MODEL_NAME,
-                                                       reasoning_parser="openai_gptoss"))) as gptoss,
-          in_process(OpenAIServer(engine, ServerConfig(
+    """Servers without a reasoning parser, with each, and with qwen3 and the hermes tool parser.
+    Their engines constrain the reasoning too (structured_outputs_enable_in_reasoning), so that a
+    regex can force a whole reply, thinking included, out of the random model."""
+    qwen3_engine = engine_of(model_dir, "qwen3", in_reasoning=True)
+    plain_server = OpenAIServer(engine_of(model_dir), ServerConfig(port=0, served_model_name=MODEL_NAME))
+    r1_server = OpenAIServer(engine_of(model_dir, "deepseek_r1", in_reasoning=True), ServerConfig(
+        port=0, served_model_name=MODEL_NAME, reasoning_parser="deepseek_r1", responses_store=True))
+    with (in_process(plain_server) as plain, in_process(r1_server) as r1,
+          in_process(OpenAIServer(qwen3_engine, ServerConfig(port=0, served_model_name=MODEL_NAME,
+                                                             reasoning_parser="qwen3"))) as qwen3,
+          in_process(OpenAIServer(engine_of(model_dir, "openai_gptoss", in_reasoning=True), ServerConfig(
+              port=0, served_model_name=MODEL_NAME, reasoning_parser="openai_gptoss"))) as gptoss,
+          in_process(OpenAIServer(qwen3_engine, ServerConfig(
               port=0, served_model_name=MODEL_NAME, reasoning_parser="qwen3", enable_auto_tool_choice=True,
               tool_call_parser="hermes"))) as tools):
         yield {None: plain, "deepseek_r1": r1, "qwen3": qwen3, "openai_gptoss": gptoss, "tools": tools}
@@ -197,14 +205,52 @@ def test_tool_calls_are_read_from_the_answer_only(urls):
     assert not "".join(d.content or "" for d in deltas)
 
 
-def test_a_reply_constrained_to_json_is_all_answer(urls):
-    """JSON output (response_format here; forced tool calls alike) holds from the first token, so
-    the reply has no thinking: its content is the plain server's, whole, not taken for reasoning."""
-    request = dict(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=12, temperature=0,
-                   response_format={"type": "json_object"})
-    raw = client_of(urls[None]).chat.completions.create(**request).choices[0].message.content
-    message = client_of(urls["deepseek_r1"]).chat.completions.create(**request).choices[0].message
-    assert (message.reasoning, message.content) == (None, raw)
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def gated_urls(model_dir, one_torch_thread):
+    """deepseek_r1 and qwen3 servers whose engines constrain the answer only (as vLLM's)."""
+    with (in_process(OpenAIServer(engine_of(model_dir, "deepseek_r1"), ServerConfig(
+              port=0, served_model_name=MODEL_NAME, reasoning_parser="deepseek_r1"))) as r1,
+          in_process(OpenAIServer(engine_of(model_dir, "qwen3"), ServerConfig(
+              port=0, served_model_name=MODEL_NAME, reasoning_parser="qwen3"))) as qwen3):
+        yield {"deepseek_r1": r1, "qwen3": qwen3}
+
+
+@pytest.mark.parametrize(("name", "seed"), [("deepseek_r1", 7), ("qwen3", 11)])
+def test_response_format_constrains_the_answer_after_the_reasoning(gated_urls, name, seed):
+    """response_format json_schema with a reasoning parser: the model thinks freely (here a logit
+    bias on the pieces of `</think>` makes it write them in random order until they happen to
+    spell the tag) and the answer after the tag is JSON valid under the schema (json.loads and
+    jsonschema): the message has both, the reasoning no JSON at all."""
+    jsonschema = pytest.importorskip("jsonschema")
+    client = client_of(gated_urls[name])
+    pieces = httpx.post(gated_urls[name] + "/tokenize", timeout=60, json={
+        "model": MODEL_NAME, "prompt": "</think>", "add_special_tokens": False}).json()
+    response = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=240, temperature=1, seed=seed,
+        logit_bias={str(token_id): 30 for token_id in pieces["tokens"]},
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}})
+    message = response.choices[0].message
+    assert response.choices[0].finish_reason == "stop"
+    assert message.reasoning and "</think>" not in message.reasoning
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(message.reasoning)
+    jsonschema.validate(json.loads(message.content), SCHEMA)
+    assert 0 < response.usage.completion_tokens_details.reasoning_tokens < response.usage.completion_tokens
+
+
+def test_a_constrained_reply_cut_short_while_thinking(gated_urls):
+    """A constrained reply that never ends its reasoning (max_tokens): finish_reason length, all
+    reasoning, content null."""
+    response = client_of(gated_urls["deepseek_r1"]).chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=8, temperature=0,
+        logit_bias={"0": -100, "2": -100}, response_format={"type": "json_object"})  # no end-of-sequence
+    choice = response.choices[0]
+    assert (choice.finish_reason, choice.message.content) == ("length", None)
+    assert choice.message.reasoning and response.usage.completion_tokens == 8
 
 
 def test_an_unknown_reasoning_parser_is_refused_at_start_up(capsys):
@@ -216,6 +262,14 @@ def test_an_unknown_reasoning_parser_is_refused_at_start_up(capsys):
     assert "--reasoning-parser" in error and "deepseek_r1" in error and "qwen3" in error
     with pytest.raises(ValueError, match="must be one of deepseek_r1, qwen3, openai_gptoss, got 'x'"):
         ServerConfig(reasoning_parser="x")
+
+
+def test_a_server_parser_needs_the_engines(model_dir):
+    """The server's reasoning parser must be its engine's, which constrains replies after their
+    reasoning: otherwise a ValueError naming both."""
+    with pytest.raises(ValueError, match=r"reasoning_parser 'qwen3' needs an engine with the same "
+                                         r"reasoning_parser \(it has None\)"):
+        OpenAIServer(engine_of(model_dir), ServerConfig(port=0, reasoning_parser="qwen3"))
 
 
 def responses_body(regex: str, **body) -> dict:

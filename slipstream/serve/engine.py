@@ -52,6 +52,7 @@ from slipstream.serve.profiler import (
     phase,
 )
 from slipstream.serve.profiler_config import ProfilerConfig
+from slipstream.serve.reasoning_parsers import REASONING_PARSERS, ReasoningGate
 from slipstream.serve.records import EngineRecords
 from slipstream.serve.request import (
     Request,
@@ -194,6 +195,15 @@ class EngineConfig:
     """As vLLM's: adapters kept loaded while no request uses them (default: max_loras). Unlike
     vLLM, which keeps them in host memory and moves an adapter to the GPU when a request is
     scheduled, every adapter loaded is on the serving device: those of waiting requests too."""
+    reasoning_parser: str | None = None
+    """As vLLM's: the model's thinking format, "deepseek_r1", "qwen3" or "openai_gptoss"
+    (reasoning_parsers.py). A request with structured outputs then generates freely until its
+    reasoning ends and its answer alone is constrained (`ReasoningGate`); a prompt that already
+    ends the reasoning (Qwen3 with enable_thinking false) is constrained from the first token.
+    None constrains every token, as does structured_outputs_enable_in_reasoning."""
+    structured_outputs_enable_in_reasoning: bool = False
+    """As vLLM's structured_outputs_config.enable_in_reasoning: constrain the reasoning too (from
+    the first token), despite reasoning_parser."""
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
@@ -223,7 +233,11 @@ class EngineConfig:
         if self.enable_lora is True and self.runner == "pooling":
             raise ValueError("enable_lora is for generating engines; runner='pooling' embeds with the "
                              "base model")
-        for name in ("enable_prefix_caching", "fast_cpu_kernels", "enforce_eager", "enable_lora"):
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
+        for name in ("enable_prefix_caching", "fast_cpu_kernels", "enforce_eager", "enable_lora",
+                     "structured_outputs_enable_in_reasoning"):
             if not isinstance(getattr(self, name), bool):  # a string such as "false" is truthy
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.device is not None:
@@ -434,6 +448,9 @@ class Engine:
         lora_id = self._lora_id(lora_request)
         requests = [self._completion_request(entry, params, index, priority, bad_words, guide, lora_id)
                     for index in range(params.n)]
+        if guide is not None and self._reasons_first(token_ids):
+            for request in requests:
+                request.reasoning_gate = ReasoningGate(REASONING_PARSERS[self.config.reasoning_parser]())
         generators = [
             None if r.sampling_params.seed is None
             else make_generator(r.sampling_params.seed, self.limits.device)
@@ -523,6 +540,16 @@ class Engine:
         if len(self._guides) > MAX_CACHED_GUIDES:
             del self._guides[next(iter(self._guides))]
         return guide
+
+    def _reasons_first(self, prompt_token_ids: Sequence[int]) -> bool:
+        """Whether a constrained reply to this prompt thinks before its (constrained) answer: a
+        reasoning parser is configured, not constraining the reasoning, and the prompt leaves the
+        reasoning to the reply (as vLLM checks the prompt's ids)."""
+        name = self.config.reasoning_parser
+        if name is None or self.config.structured_outputs_enable_in_reasoning:
+            return False
+        prompt = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
+        return not REASONING_PARSERS[name]().prompt_ends_reasoning(prompt)
 
     @functools.cached_property
     def _grammar_tokenizer(self) -> Any:
@@ -909,8 +936,8 @@ class Engine:
             params=request.sampling_params, prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids, eos_token_ids=request.eos_token_ids,
             bad_words_token_ids=request.bad_words_token_ids, generator=generator,
-            allowed_token_ids=None if request.guide is None else request.guide.allowed_token_ids(
-                request.guide_state),
+            allowed_token_ids=None if request.guide is None or request.reasoning_gate is not None
+            else request.guide.allowed_token_ids(request.guide_state),
         )
 
     def _record_token(self, request: Request, token_id: int, logprobs, now: float) -> PromptOutput:
@@ -928,7 +955,7 @@ class Engine:
                 logprob.token_bytes = self.tokenizer.token_bytes(token)
                 logprob.decoded_token = logprob.token_bytes.decode(errors="replace")
         if request.guide is not None:
-            request.guide_state = request.guide.advance(request.guide_state, token_id)
+            self._advance_guide(request, token_id)
         params = request.sampling_params
         ended_by_token = request.is_finished and request.finish_reason == "stop"
         stop = sequence.append(
@@ -954,6 +981,18 @@ class Engine:
             if self._records is not None:
                 self._records.completion(entry, sequence, request.num_preemptions, now)
         return entry
+
+    def _advance_guide(self, request: Request, token_id: int) -> None:
+        """Move the request's guide past `token_id`; while the request reasons, watch for the end
+        of its reasoning instead, and start the guide on the answer's first bytes there."""
+        gate = request.reasoning_gate
+        if gate is None:
+            request.guide_state = request.guide.advance(request.guide_state, token_id)
+            return
+        answer = gate.feed(self.tokenizer.token_bytes(token_id))
+        if answer is not None:
+            request.reasoning_gate = None
+            request.guide_state = request.guide.start_with(answer)
 
     def _record_prompt_logprobs(
         self, plan: StepPlan, prompt_logits: dict[str, torch.Tensor]

@@ -49,6 +49,8 @@ class ThinkTagParser:
     ends: tuple[str, ...] = (THINK_END,)
     thinking: bool = True
     """False: the request turned thinking off (Qwen3's enable_thinking), the reply is content."""
+    turn_starts: tuple[str, ...] = ()
+    """Markers between a prompt's turns: tags before the last one belong to earlier turns."""
     keeps_special_tokens = False
     """Whether the server must keep special tokens in the reply's text for the parser to read."""
 
@@ -63,6 +65,16 @@ class ThinkTagParser:
     def num_reasoning_tokens(self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str],
                              tag_ids: set[int]) -> int:
         return num_reasoning_tokens(self, token_ids, decode, tag_ids)
+
+    def prompt_ends_reasoning(self, prompt: str) -> bool:
+        """Whether the reply to this prompt (its text, special tokens kept) begins with the answer,
+        as vLLM reads the prompt's ids: the last tag of the prompt's last turn (after a
+        `turn_starts` marker) decides; with neither tag there, the reply thinks unless thinking is
+        off (Qwen3's enable_thinking false template ends the prompt with an empty think block)."""
+        if not self.thinking:
+            return True
+        turn = prompt[max((prompt.rfind(start) for start in self.turn_starts), default=-1) + 1:]
+        return turn.rfind(THINK_END) > turn.rfind(THINK_START)
 
 
 HARMONY_HEADS = ("<|start|>", "<|channel|>")
@@ -91,6 +103,21 @@ class HarmonyParser:
     def num_reasoning_tokens(self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str],
                              tag_ids: set[int]) -> int:
         return num_reasoning_tokens(self, token_ids, decode, tag_ids)
+
+    def prompt_ends_reasoning(self, prompt: str) -> bool:
+        """Whether the prompt (its text, special tokens kept) ends inside a message of a channel
+        other than analysis, which the reply continues: its answer. vLLM rewrites a constrained
+        gpt-oss request's grammar into a structural tag that lets analysis messages come first and
+        constrains the final message's text; a prompt ending at `<|start|>assistant` leaves the
+        reply to open its messages, so its reasoning goes first."""
+        if not self.thinking:
+            return True
+        last = max(prompt.rfind(head) for head in HARMONY_HEADS)
+        message = prompt.find(HARMONY_MESSAGE, max(last, 0))
+        if last < 0 or message < 0 or any(end in prompt[message:] for end in HARMONY_ENDS):
+            return False
+        _, _, channel = prompt[last:message].partition("<|channel|>")
+        return (channel.split() or ["final"])[0].partition("<|")[0] != "analysis"
 
 
 class HarmonyStream:
@@ -242,13 +269,37 @@ class ReasoningStream:
         return piece, ""
 
 
+class ReasoningGate:
+    """Where a constrained reply's answer begins, read as it is generated (vLLM applies a
+    request's structured output from the token after its reasoning ends, so the model thinks
+    freely first). It reads the reply as the server's parser splits it: the tokens' bytes, special
+    tokens' text included, one character per byte (the markers are ASCII), so a marker split over
+    several tokens is found as surely as a one-token one, and the guide starts exactly where the
+    reply's content does. The bytes the ending token carries past the marker (a tokenizer that
+    merges `</think>` with what follows) are the answer's first ones, which the guide is handed
+    as its start."""
+
+    def __init__(self, parser: ThinkTagParser | HarmonyParser) -> None:
+        self._stream = parser.stream()
+        self._text = ""
+
+    def feed(self, token_bytes: bytes) -> bytes | None:
+        """The next token's bytes: None while the reasoning goes on; once this token ends it, the
+        answer's bytes so far (those past the marker, often none)."""
+        self._text += token_bytes.decode("latin-1")
+        if not self._stream.ended(self._text):
+            return None
+        return self._stream.feed(self._text, finished=False)[1].encode("latin-1")
+
+
 def deepseek_r1(chat_template_kwargs: dict | None = None) -> ThinkTagParser:
     return ThinkTagParser()
 
 
 def qwen3(chat_template_kwargs: dict | None = None) -> ThinkTagParser:
     thinking = (chat_template_kwargs or {}).get("enable_thinking", True) is not False
-    return ThinkTagParser(ends=(THINK_END, TOOL_CALL_START), thinking=thinking)
+    return ThinkTagParser(ends=(THINK_END, TOOL_CALL_START), thinking=thinking,
+                          turn_starts=("<|im_start|>", "<|im_end|>"))
 
 
 def openai_gptoss(chat_template_kwargs: dict | None = None) -> HarmonyParser:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from slipstream.serve.reasoning_parsers import ReasoningGate
 from slipstream.serve.structured import GrammarGuide, Guide, StructuredOutputsParams
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -344,6 +345,9 @@ class Request:
     """`sampling_params.structured_outputs` as the engine enforces it; `guide_state` is where the
     output has reached."""
     guide_state: Any = None
+    reasoning_gate: ReasoningGate | None = None
+    """While set, the reply is still reasoning and the guide waits (`EngineConfig.reasoning_parser`):
+    the gate finds where the answer begins, from which the guide constrains it."""
     max_total_tokens: int = 2**62
     """Prompt plus output may not exceed this (the model's context length)."""
     arrival_time_s: float = 0.0

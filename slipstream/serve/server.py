@@ -118,7 +118,9 @@ class ServerConfig:
     """The model's call format: "hermes", "llama3_json" or "mistral" (tool_parsers.py)."""
     reasoning_parser: str | None = None
     """The model's thinking format, "deepseek_r1", "qwen3" or "openai_gptoss" (reasoning_parsers.py):
-    replies' reasoning goes out apart from their answers (vLLM's --reasoning-parser)."""
+    replies' reasoning goes out apart from their answers (vLLM's --reasoning-parser). The engine
+    must have the same one (`EngineConfig.reasoning_parser`, which `run_server` sets from it), so
+    that a constrained reply is constrained after its reasoning."""
     lora_modules: tuple[LoRAModulePath, ...] = ()
     """LoRA adapters to serve from the start (vLLM's --lora-modules), each loaded, and so checked,
     before the server listens; they need an engine with enable_lora."""
@@ -193,6 +195,10 @@ class OpenAIServer:
         self.served = ServedModels(self.model_name, self.model_path, self.max_model_len, self.created)
         """The names requests may give as `model`: the served model's and its adapters'."""
         check_lora_config(engine.config, config)
+        if config.reasoning_parser not in (None, engine.config.reasoning_parser):
+            raise ValueError(f"reasoning_parser {config.reasoning_parser!r} needs an engine with the same "
+                             f"reasoning_parser (it has {engine.config.reasoning_parser!r}), which starts a "
+                             "constrained reply's constraint after its reasoning")
         self._load_lora_modules(engine)
         self._lora_updates = asyncio.Lock()
         """Held while an adapter is loaded or unloaded, so that two updates never race for a name."""
@@ -414,17 +420,12 @@ class OpenAIServer:
     def _reasoning(self, chat_template_kwargs: dict[str, Any] | None, include: bool,
                    params: SamplingParams) -> tuple[SamplingParams, Reasoning | None]:
         """How a request's replies are split into reasoning and answer (None: they are not), and the
-        params that keep the special tokens a parser reads (harmony's). A reply constrained to JSON
-        or a choice (response_format, a forced tool call) is all answer: the constraint holds from
-        its first token, where vLLM's starts after the reasoning; a regex or grammar may spell out
-        the thinking, and is split."""
+        params that keep the special tokens a parser reads (harmony's). A constrained reply is split
+        too: the engine, with the same parser, constrains only its answer."""
         if self.config.reasoning_parser is None:
             return params, None
         parser = REASONING_PARSERS[self.config.reasoning_parser](chat_template_kwargs)
-        constraint = params.structured_outputs
-        if constraint is not None and constraint.regex is None and constraint.grammar is None:
-            parser = dataclasses.replace(parser, thinking=False)
-        elif parser.keeps_special_tokens:
+        if parser.keeps_special_tokens:
             params = params.replace(skip_special_tokens=False)
 
         def decode(token_ids: Sequence[int]) -> str:
@@ -1075,6 +1076,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _serve(engine_config: EngineConfig, config: ServerConfig, listener: socket.socket,
            log_level: str) -> None:
+    if engine_config.reasoning_parser is None:  # --reasoning-parser is an engine argument too, as in vLLM
+        engine_config = dataclasses.replace(engine_config, reasoning_parser=config.reasoning_parser)
     engine = Engine(engine_config)
     try:  # the engine's workers stop also when the server cannot be built (a bad LoRA module)
         server: uvicorn.Server | None = None

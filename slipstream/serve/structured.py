@@ -198,8 +198,15 @@ class Guide:
         """The state after `token_id`; None off the constraint (an end-of-sequence token)."""
         token_bytes = self._vocabulary.token_bytes
         data = token_bytes[token_id] if token_id < len(token_bytes) else None
-        if not data:
-            return None
+        return self._step(state, data) if data else None
+
+    def start_with(self, data: bytes) -> int | None:
+        """The state of an output that begins with `data` (the answer's first bytes, which the
+        token that ended the reasoning carried); None where they leave the constraint, which
+        then ends the output."""
+        return self._step(self.start, data)
+
+    def _step(self, state: int | None, data: bytes) -> int | None:
         for byte in data:
             if state is None:
                 return None
@@ -343,6 +350,14 @@ class GrammarGuide:
         import llguidance
 
         return llguidance.LLMatcher(self._tokenizer, self._definition, log_level=0)
+
+    def start_with(self, data: bytes) -> Any:
+        """A matcher that has read `data` (as `Guide.start_with`), spelt with the tokenizer's
+        tokens: the parser reads bytes, so any spelling of them leaves it in the same state."""
+        matcher = self.start
+        if data:
+            matcher.consume_tokens(self._tokenizer.tokenize_bytes(data))
+        return matcher
 
     def allowed_token_ids(self, matcher: Any) -> array.array | np.ndarray:
         """The tokens that may come next (with the end-of-sequence ids where the output is a
