@@ -175,3 +175,16 @@ def test_an_unknown_reasoning_parser_is_a_value_error():
         EngineConfig(model="m", reasoning_parser="r1")
     with pytest.raises(ValueError, match="structured_outputs_enable_in_reasoning must be True or False"):
         EngineConfig(model="m", structured_outputs_enable_in_reasoning="yes")
+
+
+def test_vllms_structured_outputs_config_sets_the_engine_fields(model_dir):
+    """LLM(structured_outputs_config={...}) as vLLM's: reasoning_parser and enable_in_reasoning set
+    the EngineConfig fields; another key, or a field given twice, is a ValueError naming it."""
+    llm = LLM(str(model_dir), max_model_len=64, structured_outputs_config={
+        "reasoning_parser": "qwen3", "enable_in_reasoning": True})
+    assert (llm.engine.config.reasoning_parser, llm.engine.config.structured_outputs_enable_in_reasoning) == (
+        "qwen3", True)
+    with pytest.raises(ValueError, match="structured_outputs_config.backend is not supported"):
+        LLM(str(model_dir), structured_outputs_config={"backend": "xgrammar"})
+    with pytest.raises(ValueError, match="structured_outputs_config.reasoning_parser and reasoning_parser"):
+        LLM(str(model_dir), reasoning_parser="qwen3", structured_outputs_config={"reasoning_parser": "qwen3"})

@@ -90,7 +90,10 @@ _NONE_MEANS_DEFAULT = frozenset({"max_num_seqs", "max_num_batched_tokens", "bloc
                                  "enable_prefix_caching", "kv_cache_memory_bytes"})
 
 _VLLM_ARG_NAMES = frozenset({*_FIXED_VLLM_ARGS, "tokenizer", "kv_cache_memory_bytes",
-                             "gpu_memory_utilization"})
+                             "gpu_memory_utilization", "structured_outputs_config"})
+_STRUCTURED_OUTPUTS_CONFIG = {"reasoning_parser": "reasoning_parser",
+                              "enable_in_reasoning": "structured_outputs_enable_in_reasoning"}
+"""vLLM's structured_outputs_config keys that slipstream takes, and the EngineConfig fields they set."""
 
 
 class LLM:
@@ -368,11 +371,29 @@ def _engine_config(model: str, args: dict[str, Any]) -> EngineConfig:
             raise ValueError("kv_cache_memory_bytes (vLLM's name) and kv_cache_memory are the same "
                              "setting; pass one")
         args["kv_cache_memory"] = args.pop("kv_cache_memory_bytes")
+    args |= _structured_outputs_fields(args.pop("structured_outputs_config", None) or {}, args)
     utilization = args.pop("gpu_memory_utilization", None)
     if args.get("speculative_config") is None:
         args.setdefault("num_scheduler_steps", OFFLINE_SCHEDULER_STEPS)
     config = EngineConfig(model=model, **args)
     return config if utilization is None else with_memory_utilization(config, utilization)
+
+
+def _structured_outputs_fields(config: Any, args: Mapping[str, Any]) -> dict[str, Any]:
+    """The EngineConfig fields that vLLM's structured_outputs_config (a dict) sets; a ValueError for
+    a key slipstream does not take or one also given as an argument of its own."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"structured_outputs_config must be a dict, got {config!r}")
+    fields = {}
+    for key, value in config.items():
+        field = _STRUCTURED_OUTPUTS_CONFIG.get(key)
+        if field is None:
+            raise ValueError(f"structured_outputs_config.{key} is not supported (supported: "
+                             f"{', '.join(_STRUCTURED_OUTPUTS_CONFIG)})")
+        if field in args:
+            raise ValueError(f"structured_outputs_config.{key} and {field} are the same setting; pass one")
+        fields[field] = value
+    return fields
 
 
 def with_memory_utilization(config: EngineConfig, utilization: Any) -> EngineConfig:
