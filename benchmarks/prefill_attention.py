@@ -54,8 +54,8 @@ def time_calls(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: 
 
     def pytorch() -> None:
         for row, length, table in zip(rows.tolist(), lengths, tables, strict=True):
-            _attend(q[row : row + length], _gather(k_cache, table, length), _gather(v_cache, table, length),
-                    None)
+            _attend(q[row : row + length], _gather(k_cache, table, length, dtype),
+                    _gather(v_cache, table, length, dtype), None)
 
     implementations = {"kernel": kernel, "torch": pytorch}
     calls = max(1, int(1e9 / flops_of(num_heads, head_dim, lengths)))  # ~3-10 ms per timed batch
