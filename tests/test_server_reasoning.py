@@ -219,6 +219,14 @@ def gated_urls(model_dir, one_torch_thread):
         yield {"deepseek_r1": r1, "qwen3": qwen3}
 
 
+def tag_bias(url: str) -> dict[str, int]:
+    """A logit bias on the pieces of `</think>`: the random model samples them in random order,
+    and under a seed below spells the tag within about 20 tokens."""
+    pieces = httpx.post(url + "/tokenize", timeout=60, json={
+        "model": MODEL_NAME, "prompt": "</think>", "add_special_tokens": False}).json()
+    return {str(token_id): 30 for token_id in pieces["tokens"]}
+
+
 @pytest.mark.parametrize(("name", "seed"), [("deepseek_r1", 7), ("qwen3", 11)])
 def test_response_format_constrains_the_answer_after_the_reasoning(gated_urls, name, seed):
     """response_format json_schema with a reasoning parser: the model thinks freely (here a logit
@@ -227,11 +235,9 @@ def test_response_format_constrains_the_answer_after_the_reasoning(gated_urls, n
     jsonschema): the message has both, the reasoning no JSON at all."""
     jsonschema = pytest.importorskip("jsonschema")
     client = client_of(gated_urls[name])
-    pieces = httpx.post(gated_urls[name] + "/tokenize", timeout=60, json={
-        "model": MODEL_NAME, "prompt": "</think>", "add_special_tokens": False}).json()
     response = client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=240, temperature=1, seed=seed,
-        logit_bias={str(token_id): 30 for token_id in pieces["tokens"]},
+        logit_bias=tag_bias(gated_urls[name]),
         response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}})
     message = response.choices[0].message
     assert response.choices[0].finish_reason == "stop"
@@ -240,6 +246,22 @@ def test_response_format_constrains_the_answer_after_the_reasoning(gated_urls, n
         json.loads(message.reasoning)
     jsonschema.validate(json.loads(message.content), SCHEMA)
     assert 0 < response.usage.completion_tokens_details.reasoning_tokens < response.usage.completion_tokens
+
+
+def test_a_named_tool_call_is_made_after_the_reasoning(gated_urls):
+    """A named tool_choice (its arguments constrained to the function's parameters) with a reasoning
+    parser: the reasoning, then the call, whose arguments are JSON valid under the parameters."""
+    jsonschema = pytest.importorskip("jsonschema")
+    url = gated_urls["deepseek_r1"]
+    tool = {"type": "function", "function": {"name": "answer", "parameters": SCHEMA}}
+    choice = client_of(url).chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=240, temperature=1, seed=7,
+        logit_bias=tag_bias(url), tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "answer"}}).choices[0]
+    [call] = choice.message.tool_calls
+    assert choice.message.reasoning and choice.message.content is None
+    assert call.function.name == "answer"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
 
 
 def test_a_constrained_reply_cut_short_while_thinking(gated_urls):
