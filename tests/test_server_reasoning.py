@@ -20,7 +20,7 @@ from slipstream.cli import build_parser
 from slipstream.serve import protocol
 from slipstream.serve.engine import Engine, EngineConfig
 from slipstream.serve.reasoning_parsers import REASONING_PARSERS
-from slipstream.serve.server import OpenAIServer, ServerConfig
+from slipstream.serve.server import OpenAIServer, ServerConfig, served_engine_config
 
 pytest_plugins = ["serve_fixtures", "server_process"]
 
@@ -287,8 +287,14 @@ def test_an_unknown_reasoning_parser_is_refused_at_start_up(capsys):
 
 
 def test_a_server_parser_needs_the_engines(model_dir):
-    """The server's reasoning parser must be its engine's, which constrains replies after their
+    """`slipstream serve --reasoning-parser` hands the parser to the engine (run_server's config),
+    and a server's reasoning parser must be its engine's, which constrains replies after their
     reasoning: otherwise a ValueError naming both."""
+    args = build_parser().parse_args(["serve", str(model_dir), "--reasoning-parser", "qwen3"])
+    engine_config = EngineConfig(model=args.model_dir)
+    served = served_engine_config(engine_config, ServerConfig(reasoning_parser=args.reasoning_parser))
+    unparsed = served_engine_config(engine_config, ServerConfig())
+    assert (served.reasoning_parser, unparsed.reasoning_parser) == ("qwen3", None)
     with pytest.raises(ValueError, match=r"reasoning_parser 'qwen3' needs an engine with the same "
                                          r"reasoning_parser \(it has None\)"):
         OpenAIServer(engine_of(model_dir), ServerConfig(port=0, reasoning_parser="qwen3"))

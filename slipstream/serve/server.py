@@ -1044,11 +1044,20 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, *, log_level: 
     bound first: a port in use or a host that does not resolve is an OSError before the model
     loads (uvicorn would load it, log the error and exit with status 3)."""
     check_lora_config(engine_config, config)
+    engine_config = served_engine_config(engine_config, config)
     listener = _bind(config.host, config.port)
     try:
         _serve(engine_config, config, listener, log_level)
     finally:
         listener.close()
+
+
+def served_engine_config(engine_config: EngineConfig, config: ServerConfig) -> EngineConfig:
+    """The engine config a server runs: --reasoning-parser is an engine argument too, as in vLLM,
+    so that the engine constrains a structured output's answer only."""
+    if engine_config.reasoning_parser is not None:
+        return engine_config
+    return dataclasses.replace(engine_config, reasoning_parser=config.reasoning_parser)
 
 
 def check_lora_config(engine_config: EngineConfig, config: ServerConfig) -> None:
@@ -1076,8 +1085,6 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _serve(engine_config: EngineConfig, config: ServerConfig, listener: socket.socket,
            log_level: str) -> None:
-    if engine_config.reasoning_parser is None:  # --reasoning-parser is an engine argument too, as in vLLM
-        engine_config = dataclasses.replace(engine_config, reasoning_parser=config.reasoning_parser)
     engine = Engine(engine_config)
     try:  # the engine's workers stop also when the server cannot be built (a bad LoRA module)
         server: uvicorn.Server | None = None
