@@ -22,6 +22,11 @@ The tags are read in the text, not as token ids, so that a tag split over severa
 tokenizer without them as special tokens) is found too. A stream sends the reasoning as it grows,
 holding back a tail that may be the start of a tag, so no piece of a tag goes out as text; its
 reasoning and content, joined, are the whole reply's.
+
+The engine reads replies with the same parsers (`EngineConfig.reasoning_parser`): a request with
+structured outputs is constrained only from where its answer begins (`ReasoningGate`), unless its
+prompt already ended the reasoning (`prompt_ends_reasoning`), as vLLM applies a grammar after the
+reasoning.
 """
 
 from __future__ import annotations
