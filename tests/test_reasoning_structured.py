@@ -188,3 +188,20 @@ def test_vllms_structured_outputs_config_sets_the_engine_fields(model_dir):
         LLM(str(model_dir), structured_outputs_config={"backend": "xgrammar"})
     with pytest.raises(ValueError, match="structured_outputs_config.reasoning_parser and reasoning_parser"):
         LLM(str(model_dir), reasoning_parser="qwen3", structured_outputs_config={"reasoning_parser": "qwen3"})
+
+
+@pytest.mark.parametrize("config", [{"num_scheduler_steps": 8},
+                                    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}],
+                         ids=["multi-step", "ngram"])
+def test_several_tokens_per_step_leave_a_thinking_request_alone(model_dir, llms, config):
+    """Beside a plain greedy request that multi-step decoding or ngram speculation would run
+    several tokens at a time, a constrained request thinking and then answering gets the tokens
+    of an engine without them, and the greedy one its own."""
+    fast = llm_of(model_dir, reasoning_parser="deepseek_r1", **config)
+    constrained = thinking_params(fast, StructuredOutputsParams(json=SCHEMA), QUICK_SEEDS[0], max_tokens=60)
+    params = [constrained, SamplingParams(temperature=0, max_tokens=30)]
+    outputs = fast.generate(["hello", "hello there"], params, use_tqdm=False)
+    reference = [llms["deepseek_r1"].generate([prompt], p, use_tqdm=False)[0]
+                 for prompt, p in zip(["hello", "hello there"], params, strict=True)]
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+    SCHEMA_CHECK(json.loads(outputs[0].outputs[0].text.partition("</think>")[2]))
