@@ -43,6 +43,10 @@ SPLITS = [  # parser, chat_template_kwargs, reply, its reasoning and content as 
     ("openai_gptoss", None, "<|channel|>analysis<|message|>cut short", "cut short", None),
     ("openai_gptoss", None, "<|channel|>final<|message|>just this", None, "just this"),
     ("openai_gptoss", None, "plain text, no header", None, "plain text, no header"),
+    ("openai_gptoss", None, "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final"
+     "<|message|>b<|end|><|start|>assistant<|channel|>analysis<|message|>c", "ac", "b"),
+    ("openai_gptoss", None, "<|channel|>final<|message|>b<|end|><|start|>assistant<|channel|>analysis"
+     "<|message|>c<|end|>", "c", "b"),
 ]
 
 
@@ -72,6 +76,17 @@ def test_think_tag_parsers_split_as_vllm_whole_and_cut_anywhere(name, kwargs, te
     assert streamed(parser, text, list(range(len(text)))) == expected
 
 
+def test_harmony_reasoning_after_the_answer_began_is_told_apart():
+    """A harmony reply back in its analysis channel after a final message: all its analysis text
+    is the reasoning (as vLLM's chat field), and the part after the answer began is told apart
+    (Responses' reasoning item after the message); the think-tag formats have none."""
+    [late_after_early, late_only] = [text for _, _, text, _, _ in SPLITS[-2:]]
+    gptoss = REASONING_PARSERS["openai_gptoss"](None)
+    assert gptoss.split(late_after_early).late_reasoning == "c"
+    assert gptoss.split(late_only).late_reasoning == "c"
+    assert REASONING_PARSERS["qwen3"](None).split("<think>a</think>b<think>c").late_reasoning == ""
+
+
 def test_reasoning_tokens_are_those_before_the_answer_less_one_token_tags():
     """usage's reasoning_tokens: the tokens up to the one that completes `</think>`, less the tags
     that are one token (vLLM's count), here with `</think>` in two pieces; all of a reply cut
@@ -85,11 +100,17 @@ def test_reasoning_tokens_are_those_before_the_answer_less_one_token_tags():
     assert REASONING_PARSERS["deepseek_r1"](None).num_reasoning_tokens(ids, decode, {0}) == 4  # a b </th ink>
     assert REASONING_PARSERS["deepseek_r1"](None).num_reasoning_tokens(ids[:4], decode, {0}) == 3
     assert REASONING_PARSERS["qwen3"]({"enable_thinking": False}).num_reasoning_tokens(ids, decode, {0}) == 0
+    pieces[:] = ["<think>", "a", "b", "<tool_call>", "{}", "</tool_call>"]  # Qwen3's tags are one token each
+    ids = list(range(len(pieces)))  # the <tool_call> that begins the content is not reasoning
+    assert REASONING_PARSERS["qwen3"](None).num_reasoning_tokens(ids, decode, {0}) == 2
     pieces[:] = ["<|channel|>", "analysis", "<|message|>", "x", "y", "<|end|>", "<|start|>", "assistant",
                  "<|channel|>", "final", "<|message|>", "z"]
     harmony_ids = {0, 2, 5, 6, 8, 10}  # the markers, one token each
     ids = list(range(len(pieces)))  # up to the final header's <|message|>, less the markers
     assert REASONING_PARSERS["openai_gptoss"](None).num_reasoning_tokens(ids, decode, harmony_ids) == 5
+    pieces[:] = ["<|channel|>", "final", "<|message|>", "z", "<|end|>", "<|start|>", "assistant",
+                 "<|channel|>", "analysis", "<|message|>", "y"]  # analysis only after the answer: none before
+    assert REASONING_PARSERS["openai_gptoss"](None).num_reasoning_tokens(ids[:11], decode, harmony_ids) == 0
 
 
 def engine_of(model_dir, reasoning_parser=None, in_reasoning=False) -> Engine:

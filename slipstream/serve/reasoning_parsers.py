@@ -32,7 +32,7 @@ reasoning.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_CALL_START = "<tool_call>"
@@ -44,10 +44,29 @@ class SplitReply:
     """The thinking (None when there is none)."""
     content: str | None
     """The answer after it (None when the reply ended while thinking, or right after)."""
+    late_reasoning: str = ""
+    """The end of `reasoning` that came after the answer began (a harmony reply may go back to its
+    analysis channel after a final message); empty for the think-tag formats."""
+
+
+class _ReplyParser:
+    """What the parsers share: a whole reply read as its stream reads it, and its token count."""
+
+    __slots__ = ()
+
+    def split(self, text: str) -> SplitReply:
+        """A whole reply's reasoning and content (as its stream would send them)."""
+        stream = self.stream()
+        reasoning, content = stream.feed(text, finished=True)
+        return SplitReply(reasoning or None, content or None, stream.late_reasoning)
+
+    def num_reasoning_tokens(self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str],
+                             marker_ids: Set[int]) -> int:
+        return num_reasoning_tokens(self, token_ids, decode, marker_ids)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ThinkTagParser:
+class ThinkTagParser(_ReplyParser):
     """A format whose reasoning opens the reply, optionally after `<think>`, and ends at the first
     of `ends` (the first of which, `</think>`, is dropped; others begin the content)."""
 
@@ -58,18 +77,11 @@ class ThinkTagParser:
     """Markers between a prompt's turns: tags before the last one belong to earlier turns."""
     keeps_special_tokens = False
     """Whether the server must keep special tokens in the reply's text for the parser to read."""
+    markers = (THINK_START, THINK_END)
+    """The tags whose tokens, where one tag is one token, are not reasoning tokens."""
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)
-
-    def split(self, text: str) -> SplitReply:
-        """A whole reply's reasoning and content (as its stream would send them)."""
-        reasoning, content = self.stream().feed(text, finished=True)
-        return SplitReply(reasoning or None, content or None)
-
-    def num_reasoning_tokens(self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str],
-                             tag_ids: set[int]) -> int:
-        return num_reasoning_tokens(self, token_ids, decode, tag_ids)
 
     def prompt_ends_reasoning(self, prompt: str) -> bool:
         """Whether the reply to this prompt (its text, special tokens kept) begins with the answer,
@@ -86,28 +98,19 @@ HARMONY_HEADS = ("<|start|>", "<|channel|>")
 """Harmony markers that begin a message's header, which `<|message|>` ends."""
 HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 HARMONY_MESSAGE = "<|message|>"
-MARKERS = (THINK_START, THINK_END, *HARMONY_HEADS, *HARMONY_ENDS, HARMONY_MESSAGE)
-"""The parsers' markers: where one is a single token, its token is not a reasoning token."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class HarmonyParser:
+class HarmonyParser(_ReplyParser):
     """The "openai_gptoss" format: harmony messages, whose analysis channel is the reasoning."""
 
     thinking: bool = True
     """False: the reply is plain text (a constrained one), all content."""
     keeps_special_tokens = True
+    markers = (*HARMONY_HEADS, *HARMONY_ENDS, HARMONY_MESSAGE)
 
     def stream(self) -> HarmonyStream:
         return HarmonyStream(self)
-
-    def split(self, text: str) -> SplitReply:
-        reasoning, content = self.stream().feed(text, finished=True)
-        return SplitReply(reasoning or None, content or None)
-
-    def num_reasoning_tokens(self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str],
-                             tag_ids: set[int]) -> int:
-        return num_reasoning_tokens(self, token_ids, decode, tag_ids)
 
     def prompt_ends_reasoning(self, prompt: str) -> bool:
         """Whether the prompt (its text, special tokens kept) ends inside a message of a channel
@@ -138,12 +141,16 @@ class HarmonyStream:
         self._content = ""
         self._began = False
         """Whether the reply has shown whether it opens with a header."""
+        self.content_start: int | None = None if parser.thinking else 0
+        """Where the content begins in the text, once a message not of the analysis channel (or
+        plain text) has begun."""
+        self.late_reasoning = ""
+        """The reasoning read after the content began (analysis messages after a final one)."""
 
     def ended(self, text: str) -> bool:
-        """Whether this (fresh) stream's reply has begun its content within `text` (a message not
-        of the analysis channel, or plain text, has begun)."""
-        content = self.feed(text, finished=False)[1]
-        return bool(content) or self._channel not in (None, "analysis")
+        """Whether this (fresh) stream's reply has begun its content within `text`."""
+        self.feed(text, finished=False)
+        return self.content_start is not None
 
     def feed(self, text: str, finished: bool) -> tuple[str, str]:
         if not self._parser.thinking:
@@ -158,11 +165,15 @@ class HarmonyStream:
         while True:
             if self._channel is None and not self._header(text):
                 break
+            if self._channel != "analysis" and self.content_start is None:
+                self.content_start = self._read
             piece, done = self._body(text, finished)
-            if self._channel == "analysis":
-                reasoning.append(piece)
-            else:
+            if self._channel != "analysis":
                 self._content += piece
+            else:
+                reasoning.append(piece)
+                if self.content_start is not None:
+                    self.late_reasoning += piece
             if not done:
                 break
             self._channel = None
@@ -197,24 +208,28 @@ class HarmonyStream:
 
 
 def num_reasoning_tokens(parser: ThinkTagParser | HarmonyParser, token_ids: Sequence[int],
-                         decode: Callable[[Sequence[int]], str], tag_ids: set[int]) -> int:
-    """How many of a reply's tokens came before its content (all where it never ended its
-    reasoning; none where it has no reasoning), less the markers' own tokens (`tag_ids`: those
-    that are one token), as vLLM
-    counts `completion_tokens_details.reasoning_tokens`. The first prefix whose text ends the
-    reasoning is found by bisection: a few decodes, not one per token."""
-    if not (parser.thinking and parser.split(decode(token_ids)).reasoning):
+                         decode: Callable[[Sequence[int]], str], marker_ids: Set[int]) -> int:
+    """How many of a reply's tokens are its reasoning: those whose text ends by where its content
+    begins (all of a reply that never ended its reasoning; none of one that has no reasoning before
+    its content), less the parser's markers that are one token each (`marker_ids`), so that a
+    `<tool_call>` that begins the content is not counted. How many tokens' text ends there is
+    found by bisection over the prefixes' decoded lengths: a few decodes, not one per token."""
+    text = decode(token_ids)
+    stream = parser.stream()
+    reasoning, _ = stream.feed(text, finished=True)
+    if len(reasoning) == len(stream.late_reasoning):
         return 0
-    low, high = 0, len(token_ids)  # the first `high` tokens end the reasoning, `low` do not
-    if not parser.stream().ended(decode(token_ids)):
+    start = stream.content_start
+    low, high = 0, len(token_ids)  # the text of the first `low` tokens ends by `start`; not so `high`
+    if start is None or len(text) <= start:
         low = high
     while high - low > 1:
         middle = (low + high) // 2
-        if parser.stream().ended(decode(token_ids[:middle])):
-            high = middle
-        else:
+        if len(decode(token_ids[:middle])) <= start:
             low = middle
-    return sum(1 for token_id in token_ids[:high] if token_id not in tag_ids)
+        else:
+            high = middle
+    return sum(1 for token_id in token_ids[:low] if token_id not in marker_ids)
 
 
 def _held_tail(text: str, markers: tuple[str, ...]) -> int:
@@ -235,19 +250,21 @@ class ReasoningStream:
         """Where the reasoning begins, once known (after a leading `<think>`)."""
         self._sent = 0
         """The end of the reasoning sent."""
-        self._content_start: int | None = None
-        """Where the content begins, once the reasoning has ended."""
+        self.content_start: int | None = None if parser.thinking else 0
+        """Where the content begins in the text, once the reasoning has ended."""
+        self.late_reasoning = ""
+        """Always empty: no reasoning comes after these formats' content (HarmonyStream's may)."""
 
     def ended(self, text: str) -> bool:
         """Whether this (fresh) stream's reply has ended its reasoning within `text`."""
         self.feed(text, finished=False)
-        return self._content_start is not None
+        return self.content_start is not None
 
     def feed(self, text: str, finished: bool) -> tuple[str, str]:
         if not self._parser.thinking:
             return "", text
-        if self._content_start is not None:
-            return "", text[self._content_start:]
+        if self.content_start is not None:
+            return "", text[self.content_start:]
         if self._body_start is None:
             stripped = text.lstrip()
             if stripped.startswith(THINK_START):
@@ -266,9 +283,9 @@ class ReasoningStream:
         found = [(at, end) for at, end in found if at >= 0]
         if found:
             at, end = min(found)
-            self._content_start = at + len(end) if end == THINK_END else at
+            self.content_start = at + len(end) if end == THINK_END else at
             piece, self._sent = text[self._sent:at], at
-            return piece, text[self._content_start:]
+            return piece, text[self.content_start:]
         safe_end = len(text) if finished else len(text) - _held_tail(text[self._sent:], self._parser.ends)
         piece, self._sent = text[self._sent:safe_end], safe_end
         return piece, ""

@@ -51,7 +51,7 @@ from slipstream.serve.metrics import ServerMetrics
 from slipstream.serve.pooling import EmbeddingRequestOutput
 from slipstream.serve.profiler import ProfilerAlreadyActiveError
 from slipstream.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from slipstream.serve.reasoning_parsers import MARKERS, REASONING_PARSERS
+from slipstream.serve.reasoning_parsers import REASONING_PARSERS
 from slipstream.serve.reasoning_replies import Reasoning, ReasoningChatStream
 from slipstream.serve.request import (
     CompletionOutput,
@@ -177,8 +177,10 @@ class OpenAIServer:
         self.model_name = config.served_model_name or self.model_path
         self.tokenizer = engine.tokenizer
         self.tokenize = engine.tokenize
-        self._marker_ids = frozenset(self.tokenizer.token_to_id(marker) for marker in MARKERS) - {None}
-        """The reasoning markers' ids where the tokenizer has them as single tokens."""
+        parser = config.reasoning_parser
+        markers = () if parser is None else REASONING_PARSERS[parser]().markers
+        self._marker_ids = frozenset(self.tokenizer.token_to_id(marker) for marker in markers) - {None}
+        """The reasoning parser's markers' ids where the tokenizer has them as single tokens."""
         self.max_model_len = engine.limits.max_model_len
         self.eos_token_ids = engine.limits.eos_token_ids
         self.max_logprobs = engine.config.max_logprobs
