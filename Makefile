@@ -6,6 +6,8 @@ VENV ?= .venv
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
+# make test runs the test files in this many processes (pytest-xdist; 0: in this one).
+PYTEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 
 .PHONY: demo test test-all venv clean
@@ -14,7 +16,7 @@ demo: $(VENV)/.installed
 	$(BIN)/slipstream demo
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 test-all: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m ""
