@@ -193,6 +193,48 @@ def test_chat_reasoning_whole_and_streamed(urls, name):
     assert (hidden.reasoning, hidden.content) == (None, answer)
 
 
+def sse_chunks(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as stream:
+        lines = [line.removeprefix("data: ") for line in stream.iter_lines() if line.startswith("data: ")]
+    return [json.loads(line) for line in lines if line != "[DONE]"]
+
+
+def test_chat_reasoning_stream_shape_logprobs_and_usage(urls):
+    """As vLLM streams a reasoning reply: each step's logprobs ride in the chunk of its reasoning
+    or content delta, and no chunk has a `content` key before the answer's text begins (a client
+    may take one as the answer begun); every token's logprobs come once, the plain server's
+    (reference: its whole reply's). With continuous_usage_stats each chunk counts the reasoning
+    tokens so far, the last as the whole reply's. include_reasoning false leaves out the logprobs,
+    whole and streamed (they would show the reasoning, so vLLM hides them), the answer kept."""
+    regex = FORCED["deepseek_r1"]
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_completion_tokens": 150, "temperature": 0,
+            "guided_regex": regex, "logprobs": True, "top_logprobs": 1}
+    plain = httpx.post(urls[None] + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    thinking, answer = split_by_hand("deepseek_r1", plain["message"]["content"])
+    whole = httpx.post(urls["deepseek_r1"] + "/v1/chat/completions", json=body, timeout=60).json()
+    chunks = sse_chunks(urls["deepseek_r1"], body | {"stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    choices = [chunk["choices"][0] for chunk in chunks[1:] if chunk["choices"]]
+    tokens = [token["token"] for choice in choices if choice["logprobs"]
+              for token in choice["logprobs"]["content"]]
+    assert tokens == [token["token"] for token in plain["logprobs"]["content"]]
+    first_text = next(i for i, choice in enumerate(choices) if choice["delta"].get("content"))
+    assert not any("content" in choice["delta"] for choice in choices[:first_text])
+    assert "".join(choice["delta"].get("reasoning") or "" for choice in choices) == thinking
+    assert "".join(choice["delta"].get("content") or "" for choice in choices) == answer
+    counts = [chunk["usage"]["completion_tokens_details"]["reasoning_tokens"] for chunk in chunks]
+    num_tokens = whole["usage"]["completion_tokens_details"]["reasoning_tokens"]
+    assert counts == sorted(counts) and counts[-1] == counts[-2] == num_tokens > 0
+    hidden = body | {"include_reasoning": False}
+    [whole] = httpx.post(urls["deepseek_r1"] + "/v1/chat/completions", json=hidden,
+                         timeout=60).json()["choices"]
+    assert (whole["message"]["content"], whole["logprobs"]) == (answer, None)
+    chunks = sse_chunks(urls["deepseek_r1"], hidden | {"stream": True})
+    choices = [chunk["choices"][0] for chunk in chunks[1:]]
+    assert all(choice["logprobs"] is None and "reasoning" not in choice["delta"] for choice in choices)
+    assert "".join(choice["delta"].get("content") or "" for choice in choices) == answer
+
+
 def test_qwen3_with_thinking_off_has_no_reasoning(urls):
     """Qwen3 with chat_template_kwargs enable_thinking false: no reasoning, the content is the
     reply whole, as the plain server's."""

@@ -15,13 +15,17 @@ import json
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from slipstream.serve.pooling import EmbeddingRequestOutput
 from slipstream.serve.request import CompletionOutput, Logprob, RequestOutput
 from slipstream.serve.tool_parsers import TOOL_CALL_PARSERS, WholeCallsStream, tool_call
+
+if TYPE_CHECKING:  # reasoning_replies builds on this module
+    from slipstream.serve.reasoning_parsers import HarmonyStream, ReasoningStream
+    from slipstream.serve.reasoning_replies import Reasoning
 
 MIN_LOGPROB = -9999.0
 """-inf is not JSON; like vLLM, report impossible tokens with this floor."""
@@ -77,16 +81,20 @@ def usage(outputs: Iterable[RequestOutput], echo: Echo | None = None) -> dict[st
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}}
 
 
-def _chunk_usage(mode: str | None, num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, Any]:
+def _chunk_usage(mode: str | None, num_prompt_tokens: int, num_completion_tokens: int,
+                 num_reasoning_tokens: int | None = None) -> dict[str, Any]:
     """The `usage` of a streamed choice's chunk: absent unless asked for; null with include_usage
     (the last chunk carries it, as OpenAI documents); with vLLM's continuous_usage_stats, the
-    choice's tokens so far."""
+    choice's tokens so far, and with a reasoning parser its reasoning tokens so far (as vLLM)."""
     if mode is None:
         return {}
     if mode == "final":
         return {"usage": None}
-    return {"usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-                      "total_tokens": num_prompt_tokens + num_completion_tokens}}
+    usage = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+             "total_tokens": num_prompt_tokens + num_completion_tokens}
+    if num_reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": num_reasoning_tokens}
+    return {"usage": usage}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -406,13 +414,18 @@ class CompletionStream:
 
 class ChatStream:
     """The chunks of a streamed chat completion: first the assistant role of every choice (and
-    the echoed text), then each choice's news."""
+    the echoed text), then each choice's news. With a reasoning parser, a choice's reasoning goes
+    out in its delta's `reasoning` and only the answer in `content`, which has no key until the
+    answer has text (as vLLM's deltas: a client may read a `content` key as the answer begun);
+    the new tokens' logprobs ride in the same chunk, and none are sent when the request leaves its
+    reasoning out (include_reasoning false: they would show it, so vLLM hides them)."""
 
     object = "chat.completion.chunk"
 
     def __init__(self, meta: ResponseMeta, *, n: int, num_logprobs: int | None,
                  as_token_ids: bool = False, echo: str = "", tool_calls: ToolCalls | None = None,
-                 usage: str | None = None, num_prompt_tokens: int = 0) -> None:
+                 usage: str | None = None, num_prompt_tokens: int = 0,
+                 reasoning: Reasoning | None = None) -> None:
         self.meta = meta
         self.usage_mode = usage
         """protocol.GenerationBody.usage_mode."""
@@ -423,7 +436,14 @@ class ChatStream:
         """Per choice, the id of its named call, once its first chunk is out."""
         self._parsers: dict[int, WholeCallsStream] = {}
         """Per choice, the reader of its "auto" reply."""
+        self._reasoning = reasoning
+        self._reasoning_streams: dict[int, ReasoningStream | HarmonyStream] = {}
+        """Per choice, the reader of its reasoning."""
+        self._num_reasoning_tokens: dict[int, int] = {}
+        """Per choice, its reasoning tokens, counted once its answer has begun (they are then fixed)."""
         self._n = n
+        if reasoning is not None and not reasoning.include:
+            num_logprobs = None
         self._num_logprobs = num_logprobs
         self._as_token_ids = as_token_ids
         self._deltas = _Deltas(with_logprobs=num_logprobs is not None)
@@ -436,22 +456,44 @@ class ChatStream:
         return events
 
     def usage(self, outputs: Iterable[RequestOutput]) -> dict[str, Any]:
-        return usage(outputs)
+        outputs = list(outputs)
+        return usage(outputs) if self._reasoning is None else self._reasoning.usage(usage(outputs), outputs)
 
     def events(self, output: RequestOutput) -> list[str]:
         events = []
         for completion in output.outputs:
+            reasoning = ""
+            if self._reasoning is not None:
+                reasoning, completion = self._split(completion)
             news = self._deltas.news(completion.index, completion)
-            if news is None:
+            if news is None and not reasoning:
                 continue
             logprobs = None
-            if self._num_logprobs is not None:
+            if news is not None and self._num_logprobs is not None:
                 logprobs = chat_logprobs(completion, news.start, news.end, self._num_logprobs,
                                          as_token_ids=self._as_token_ids)
-            delta = {"content": news.text} if self._tool_calls is None else self._call_delta(completion, news)
+            delta = {} if news is None else self._delta(completion, news)
+            if reasoning:
+                delta = {"reasoning": reasoning} | delta
             if delta or logprobs is not None or completion.finish_reason is not None:
                 events.append(self._chunk(completion.index, delta, logprobs, completion))
         return events
+
+    def _split(self, completion: CompletionOutput) -> tuple[str, CompletionOutput]:
+        """The reasoning new in a choice's reply (none where the request leaves it out), and the
+        reply cut to its answer so far."""
+        stream = self._reasoning_streams.get(completion.index)
+        if stream is None:
+            stream = self._reasoning_streams[completion.index] = self._reasoning.parser.stream()
+        piece, content = stream.feed(completion.text, completion.finish_reason is not None)
+        return piece if self._reasoning.include else "", dataclasses.replace(completion, text=content)
+
+    def _delta(self, completion: CompletionOutput, news: _News) -> dict[str, Any]:
+        if self._tool_calls is not None:
+            return self._call_delta(completion, news)
+        if self._reasoning is not None and not news.text:
+            return {}
+        return {"content": news.text}
 
     def _call_delta(self, completion: CompletionOutput, news: _News) -> dict[str, Any]:
         """A forced call's delta, as OpenAI streams calls: a named call's id and name with its first
@@ -459,7 +501,9 @@ class ChatStream:
         (their list is only known then), or the text as content if it is no complete call."""
         tool_calls = self._tool_calls
         if tool_calls.mode == "auto":
-            parser = self._parsers.setdefault(completion.index, tool_calls.stream())
+            parser = self._parsers.get(completion.index)
+            if parser is None:
+                parser = self._parsers[completion.index] = tool_calls.stream()
             return tool_calls.kept_delta(parser.feed(completion.text, completion.finish_reason is not None))
         if tool_calls.mode == "named":
             if not news.text:
@@ -483,8 +527,21 @@ class ChatStream:
             finish = _finish(completion) if self._tool_calls is None else self._tool_calls.finish(completion)
         choice = {"index": index, "delta": delta, "logprobs": logprobs} | finish
         generated = 0 if completion is None else len(completion.token_ids)
-        usage = _chunk_usage(self.usage_mode, self._num_prompt_tokens, generated)
+        num_reasoning = None
+        if self._reasoning is not None and self.usage_mode not in (None, "final"):
+            num_reasoning = 0 if completion is None else self._reasoning_tokens_so_far(completion)
+        usage = _chunk_usage(self.usage_mode, self._num_prompt_tokens, generated, num_reasoning)
         return sse(self.meta.head(self.object) | {"choices": [choice]} | usage)
+
+    def _reasoning_tokens_so_far(self, completion: CompletionOutput) -> int:
+        """A choice's reasoning tokens so far: while its answer has not begun, all its tokens but the
+        markers (no decoding); once it has, their count, made once."""
+        if completion.index in self._num_reasoning_tokens:
+            return self._num_reasoning_tokens[completion.index]
+        if self._reasoning_streams[completion.index].content_start is None:
+            return sum(1 for token_id in completion.token_ids if token_id not in self._reasoning.marker_ids)
+        count = self._num_reasoning_tokens[completion.index] = self._reasoning.num_tokens(completion)
+        return count
 
 
 def usage_event(stream: CompletionStream | ChatStream, outputs: Iterable[RequestOutput]) -> str:

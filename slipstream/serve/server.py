@@ -52,7 +52,7 @@ from slipstream.serve.pooling import EmbeddingRequestOutput
 from slipstream.serve.profiler import ProfilerAlreadyActiveError
 from slipstream.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from slipstream.serve.reasoning_parsers import REASONING_PARSERS
-from slipstream.serve.reasoning_replies import Reasoning, ReasoningChatStream
+from slipstream.serve.reasoning_replies import Reasoning
 from slipstream.serve.request import (
     CompletionOutput,
     RequestMetrics,
@@ -66,7 +66,7 @@ from slipstream.serve.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
-Chunks = responses.CompletionStream | responses.ChatStream | ReasoningChatStream
+Chunks = responses.CompletionStream | responses.ChatStream
 """What streams a completions or chat reply as chunks."""
 
 T = TypeVar("T")
@@ -967,8 +967,8 @@ async def _final_events(outputs: list[RequestOutput], chunks: Chunks) -> AsyncIt
 
 def _chat_stream(meta: ResponseMeta, n: int, usage_mode: str | None, num_prompt_tokens: int,
                  reasoning: Reasoning | None, options: dict[str, Any]) -> Chunks:
-    chunks = responses.ChatStream(meta, n=n, usage=usage_mode, num_prompt_tokens=num_prompt_tokens, **options)
-    return chunks if reasoning is None else ReasoningChatStream(chunks, reasoning, num_prompt_tokens)
+    return responses.ChatStream(meta, n=n, usage=usage_mode, num_prompt_tokens=num_prompt_tokens,
+                                reasoning=reasoning, **options)
 
 
 def _chat_response(meta: ResponseMeta, output: RequestOutput, reasoning: Reasoning | None,
