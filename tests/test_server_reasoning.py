@@ -408,6 +408,60 @@ def test_responses_reasoning_item_whole_and_streamed(urls, name):
     assert [item["type"] for item in hidden["output"]] == ["message"]
 
 
+HARMONY = {name: re.escape(text) for name, text in [("analysis", "<|channel|>analysis<|message|>"),
+                                                   ("final", "<|channel|>final<|message|>"),
+                                                   ("next", "<|end|><|start|>assistant")]}
+LATE_ANALYSIS = [  # a harmony reply back in its analysis channel after its answer began
+    HARMONY["analysis"] + "[a-z]{3}" + HARMONY["next"] + HARMONY["final"] + "[a-z]{3}" + HARMONY["next"]
+    + HARMONY["analysis"] + "[a-z]{3}",
+    HARMONY["final"] + "[a-z]{3}" + HARMONY["next"] + HARMONY["analysis"] + "[a-z]{3}",
+]
+
+
+@pytest.mark.parametrize("regex", LATE_ANALYSIS, ids=["analysis-final-analysis", "final-analysis"])
+def test_responses_reasoning_after_the_answer_is_an_item_after_it(urls, regex):
+    """A gpt-oss reply that goes back to its analysis channel after its final message: as vLLM's
+    items follow the harmony messages, the Response has the reasoning before the answer (if any),
+    the message, then a reasoning item of the later analysis (texts read from the plain server's
+    raw reply by hand); streamed, each item's events come together in output order, added before
+    done, the deltas joining to the done text, and the final Response is the whole one. With
+    include_reasoning false the message's logprobs are empty, whole and streamed."""
+    raw = chat(urls[None], regex).choices[0].message.content
+    messages = [message.partition("<|message|>") for message in raw.split("<|end|><|start|>assistant")]
+    expected = [("reasoning" if header.endswith("analysis") else "message", text)
+                for header, _, text in messages]
+    url = urls["openai_gptoss"] + "/v1/responses"
+    whole = httpx.post(url, json=responses_body(regex), timeout=60).json()
+
+    def texts(output):
+        return [(item["type"], item["content"][0]["text"]) for item in output]
+
+    assert texts(whole["output"]) == expected
+    adapter = TypeAdapter(openai.types.responses.ResponseStreamEvent)
+    with httpx.stream("POST", url, json=responses_body(regex, stream=True), timeout=60) as stream:
+        events = [json.loads(line.removeprefix("data: ")) for line in stream.iter_lines()
+                  if line.startswith("data: ")]
+    for event in events:
+        adapter.validate_python(event)
+    indexes = [event["output_index"] for event in events if "output_index" in event]
+    assert indexes == sorted(indexes) and set(indexes) == set(range(len(expected)))
+    for index, (_, text) in enumerate(expected):
+        of_item = [event for event in events if event.get("output_index") == index]
+        added, done = of_item[0]["type"], of_item[-1]["type"]
+        assert (added, done) == ("response.output_item.added", "response.output_item.done")
+        deltas = "".join(event["delta"] for event in of_item if event["type"].endswith("text.delta"))
+        [done] = [event for event in of_item if event["type"].endswith("text.done")]
+        assert deltas == done["text"] == text
+    assert texts(events[-1]["response"]["output"]) == expected
+    hidden = responses_body(regex, include_reasoning=False, include=["message.output_text.logprobs"])
+    whole = httpx.post(url, json=hidden, timeout=60).json()
+    assert [item["content"][0]["logprobs"] for item in whole["output"]] == [[]]
+    with httpx.stream("POST", url, json=hidden | {"stream": True}, timeout=60) as stream:
+        events = [json.loads(line.removeprefix("data: ")) for line in stream.iter_lines()
+                  if line.startswith("data: ")]
+    assert [event["logprobs"] for event in events if event["type"] == "response.output_text.delta"] == [[]]
+
+
 def test_reasoning_items_in_the_input_are_the_assistant_turns_reasoning(urls):
     """As vLLM renders them: a reasoning item and the assistant message after it are one assistant
     turn whose `reasoning` the chat template sees (as chat messages' reasoning, or its older name

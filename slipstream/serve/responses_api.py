@@ -16,7 +16,12 @@ With a reasoning parser (reasoning_replies.py), the reply's thinking is a `reaso
 the others (`summary` empty, its text a reasoning_text part, as vLLM's), the rest of the reply
 its answer; streamed, its output_item.added, content_part.added and reasoning_text.delta events
 come as it grows, and its done events as the answer begins; the answer's items follow at output
-index 1. A reply that is reasoning alone has no message (as vLLM).
+index 1. A reply that is reasoning alone has no message (as vLLM). A harmony reply may go back to
+its analysis channel after its answer began: that reasoning is a second reasoning item after the
+answer's items (vLLM makes an item of each harmony message, in order), which a stream sends whole
+at the end, after the answer's done events, so that every item's events stay together and in
+output order. With include_reasoning false there are no reasoning items and no logprobs (their
+tokens would show the reasoning; vLLM hides them too).
 
 With VLLM_ENABLE_RESPONSES_API_STORE, `ResponseStore` keeps the Responses (and the conversations
 that produced them) that GET /v1/responses/{id}, previous_response_id and cancel read.
@@ -53,6 +58,9 @@ class ResponseBuilder:
         self._head = {"id": self.id, "object": "response", "created_at": int(time.time()), "model": model}
         self._settings = settings
         self._num_logprobs = num_logprobs
+        self._with_logprobs = num_logprobs is not None and (reasoning is None or reasoning.include)
+        """Whether logprobs are sent: asked for, and not hiding the reasoning (its tokens would show
+        it). Hidden ones are empty lists where asked for."""
         self._as_token_ids = as_token_ids
         self._tool_calls = tool_calls
         self._message_id = new_id("msg")
@@ -68,6 +76,8 @@ class ResponseBuilder:
         self._reasoning = reasoning
         self._reasoning_stream = None if reasoning is None else reasoning.parser.stream()
         self._reasoning_id = new_id("rs")
+        self._late_reasoning_id = new_id("rs")
+        """The id of the reasoning item after the answer (harmony analysis after a final message)."""
         self._reasoning_sent = ""
         """The reasoning a stream has sent."""
         self._reasoning_open = False
@@ -99,20 +109,27 @@ class ResponseBuilder:
 
     def _all_items(self, completion: CompletionOutput) -> list[dict[str, Any]]:
         """The reply's items: its reasoning's (where a parser splits it off and it has any), then
-        its answer's; a message without text after the reasoning is left out."""
+        its answer's, then the reasoning that came after the answer began; a message without text
+        after the reasoning is left out."""
         if self._reasoning is None:
             return self._items(completion)
         split = self._reasoning.parser.split(completion.text)
         items = self._items(dataclasses.replace(completion, text=split.content or ""))
         if not (split.reasoning and self._reasoning.include):
             return items
-        if items[0]["type"] == "message" and not items[0]["content"][0]["text"]:
-            items = items[1:]
-        status = "completed" if split.content is not None else _item_status(completion)
-        return [self._reasoning_item(split.reasoning, status), *items]
+        early = split.reasoning[:len(split.reasoning) - len(split.late_reasoning)]
+        if early:
+            if items[0]["type"] == "message" and not items[0]["content"][0]["text"]:
+                items = items[1:]
+            status = "completed" if split.content is not None else _item_status(completion)
+            items = [self._reasoning_item(self._reasoning_id, early, status), *items]
+        if split.late_reasoning:
+            items.append(self._reasoning_item(self._late_reasoning_id, split.late_reasoning,
+                                              _item_status(completion)))
+        return items
 
-    def _reasoning_item(self, text: str, status: str) -> dict[str, Any]:
-        return {"type": "reasoning", "id": self._reasoning_id, "summary": [], "status": status,
+    def _reasoning_item(self, item_id: str, text: str, status: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
                 "content": [{"type": "reasoning_text", "text": text}]}
 
     def _items(self, completion: CompletionOutput) -> list[dict[str, Any]]:
@@ -146,7 +163,10 @@ class ResponseBuilder:
                 "content": [_text_part(text, logprobs)]}
 
     def _logprobs(self, completion: CompletionOutput, start: int, end: int) -> list[dict[str, Any]]:
-        """OpenAI's logprobs of tokens [start, end): each token's and its top alternatives'."""
+        """OpenAI's logprobs of tokens [start, end): each token's and its top alternatives'; none
+        where the request leaves its reasoning out."""
+        if not self._with_logprobs:
+            return []
         logprobs = chat_logprobs(completion, start, end, self._num_logprobs, as_token_ids=self._as_token_ids)
         return logprobs["content"]
 
@@ -180,7 +200,7 @@ class ResponseBuilder:
         self._item_open = True
         start, end = self._num_tokens_sent, len(completion.token_ids)
         text = completion.text[self._num_chars_sent:]
-        if text or (self._num_logprobs is not None and end > start):
+        if text or (self._with_logprobs and end > start):
             logprobs = [] if self._num_logprobs is None else self._logprobs(completion, start, end)
             events.append(self._event("response.output_text.delta", item_id=self._message_id,
                                       output_index=self._first_index, content_index=0, delta=text,
@@ -192,14 +212,18 @@ class ResponseBuilder:
     def _reasoning_update(self, completion: CompletionOutput) -> tuple[list[str], CompletionOutput | None]:
         """The reasoning's news (its item opened with its first text, done once the answer begins or
         the reply ends), and the reply cut to its answer (None while that has no text: an empty
-        answer after reasoning has no message, and closing sends what items it has)."""
+        answer after reasoning has no message, and closing sends what items it has). Reasoning
+        after the answer began waits for closing."""
         finished = completion.finish_reason is not None
-        piece, content = self._reasoning_stream.feed(completion.text, finished)
+        stream = self._reasoning_stream
+        num_late = len(stream.late_reasoning)
+        piece, content = stream.feed(completion.text, finished)
+        piece = piece[:len(piece) - (len(stream.late_reasoning) - num_late)]
         events = []
         if piece and self._reasoning.include:
             if not self._reasoning_sent:
                 self._reasoning_open = True
-                item = self._reasoning_item("", "in_progress") | {"content": []}
+                item = self._reasoning_item(self._reasoning_id, "", "in_progress") | {"content": []}
                 events += [self._event("response.output_item.added", output_index=0, item=item),
                            self._event("response.content_part.added", item_id=self._reasoning_id,
                                        output_index=0, content_index=0,
@@ -208,17 +232,33 @@ class ResponseBuilder:
             events.append(self._event("response.reasoning_text.delta", item_id=self._reasoning_id,
                                       output_index=0, content_index=0, delta=piece))
             self._reasoning_sent += piece
-        if self._reasoning_open and (content or finished):
+        if self._reasoning_open and (stream.content_start is not None or finished):
             self._reasoning_open = False
-            events += self._reasoning_done("completed" if content else _item_status(completion))
+            events += self._reasoning_done("completed" if stream.content_start is not None
+                                           else _item_status(completion))
         return events, dataclasses.replace(completion, text=content) if content else None
 
     def _reasoning_done(self, status: str) -> list[str]:
-        item = self._reasoning_item(self._reasoning_sent, status)
-        common = dict(item_id=self._reasoning_id, output_index=0, content_index=0)
-        return [self._event("response.reasoning_text.done", **common, text=self._reasoning_sent),
-                self._event("response.content_part.done", **common, part=item["content"][0]),
-                self._event("response.output_item.done", output_index=0, item=item)]
+        return self._reasoning_done_events(0, self._reasoning_item(self._reasoning_id, self._reasoning_sent,
+                                                                   status))
+
+    def _reasoning_done_events(self, index: int, item: dict[str, Any]) -> list[str]:
+        [part] = item["content"]
+        common = dict(item_id=item["id"], output_index=index, content_index=0)
+        return [self._event("response.reasoning_text.done", **common, text=part["text"]),
+                self._event("response.content_part.done", **common, part=part),
+                self._event("response.output_item.done", output_index=index, item=item)]
+
+    def _late_reasoning_events(self, index: int, item: dict[str, Any]) -> list[str]:
+        """The reasoning item after the answer, whole: its added events, its text in one delta,
+        then its done events."""
+        added = item | {"status": "in_progress", "content": []}
+        common = dict(item_id=item["id"], output_index=index, content_index=0)
+        part = {"type": "reasoning_text", "text": ""}
+        return [self._event("response.output_item.added", output_index=index, item=added),
+                self._event("response.content_part.added", **common, part=part),
+                self._event("response.reasoning_text.delta", **common, delta=item["content"][0]["text"]),
+                *self._reasoning_done_events(index, item)]
 
     def _named_call_update(self, completion: CompletionOutput) -> list[str]:
         """A named call's news: the item with its name first, then the arguments as they grow."""
@@ -243,7 +283,9 @@ class ResponseBuilder:
         items = self._all_items(completion)
         for index, item in enumerate(items):
             if item["type"] == "reasoning":
-                continue  # done in update
+                if item["id"] == self._late_reasoning_id:
+                    events += self._late_reasoning_events(index, item)
+                continue  # the one before the answer is done in update
             if item["type"] == "message":
                 events += self._message_events(index, item)
             else:
