@@ -327,6 +327,21 @@ def test_a_named_tool_call_is_made_after_the_reasoning(gated_urls):
     jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
 
 
+def test_qwen3_with_thinking_off_is_constrained_from_the_first_token(gated_urls):
+    """Qwen3 with chat_template_kwargs enable_thinking false, whose template (the test model's)
+    ignores the flag: the server reads the reply as all answer, so the engine constrains it from
+    its first token too (as vLLM reads the request's flag): the content is JSON valid under the
+    schema, no reasoning."""
+    jsonschema = pytest.importorskip("jsonschema")
+    message = client_of(gated_urls["qwen3"]).chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=40, temperature=1, seed=3,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
+    ).choices[0].message
+    assert getattr(message, "reasoning", None) is None
+    jsonschema.validate(json.loads(message.content), SCHEMA)
+
+
 def test_a_constrained_reply_cut_short_while_thinking(gated_urls):
     """A constrained reply that never ends its reasoning (max_tokens): finish_reason length, all
     reasoning, content null."""

@@ -75,6 +75,7 @@ class _Add:
     priority: int = 0
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -220,10 +221,11 @@ class AsyncEngine:
     async def add(
         self, prompts: dict[str, list[int]], params: SamplingParams | PoolingParams, *, arrival_time_s: float,
         priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Queue the prompts of one API call (request id -> prompt token ids) under one stream: to
-        generate from (with `Engine.add_request`'s priority, cache salt and LoRA adapter), or with
-        PoolingParams to embed.
+        generate from (with `Engine.add_request`'s priority, cache salt, LoRA adapter and chat
+        template variables), or with PoolingParams to embed.
 
         Raises `Overloaded` when they would take the waiting queue past `max_waiting`, ValueError
         when they could never fit in it, and the engine's ValueError for input it rejects (then
@@ -231,7 +233,8 @@ class AsyncEngine:
         if self._stopping:
             raise Overloaded("the engine is stopping")
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        command = _Add(prompts, params, arrival_time_s, accepted, priority, cache_salt, lora_request)
+        command = _Add(prompts, params, arrival_time_s, accepted, priority, cache_salt, lora_request,
+                       chat_template_kwargs)
         num_sequences = command.num_sequences
         if num_sequences > self.max_waiting:
             per_prompt = num_sequences // len(prompts)
@@ -383,7 +386,8 @@ class AsyncEngine:
                 else:
                     self.engine.add_request(request_id, token_ids, command.params,
                                             arrival_time_s=command.arrival_time_s, priority=command.priority,
-                                            cache_salt=command.cache_salt, lora_request=command.lora_request)
+                                            cache_salt=command.cache_salt, lora_request=command.lora_request,
+                                            chat_template_kwargs=command.chat_template_kwargs)
                 added.append(request_id)
         except Exception as error:
             if not isinstance(error, ValueError):

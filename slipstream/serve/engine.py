@@ -409,6 +409,7 @@ class Engine:
         prompt_text: str | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         """Queue a prompt (text or token ids); invalid input is a ValueError naming the problem.
 
@@ -418,6 +419,9 @@ class Engine:
         `RequestOutput.prompt`. As vLLM's `cache_salt`, a salt keeps the prompt's prefix-cache
         blocks to requests with the same salt (an empty one is none). With a `lora_request` (an
         engine with enable_lora) the prompt runs under that adapter, loaded first if it is not.
+        `chat_template_kwargs` are the rendered chat's template variables, which the reasoning
+        parser reads as the server's does: with Qwen3's enable_thinking false a constrained reply
+        is all answer, constrained from its first token, whatever the template made of the flag.
         """
         if self.pooler is not None:
             raise ValueError("this engine embeds (runner='pooling'): it takes add_embedding_request")
@@ -448,9 +452,10 @@ class Engine:
         lora_id = self._lora_id(lora_request)
         requests = [self._completion_request(entry, params, index, priority, bad_words, guide, lora_id)
                     for index in range(params.n)]
-        if guide is not None and self._reasons_first(token_ids):
+        if guide is not None and self._reasons_first(token_ids, chat_template_kwargs):
             for request in requests:
-                request.reasoning_gate = ReasoningGate(REASONING_PARSERS[self.config.reasoning_parser]())
+                request.reasoning_gate = ReasoningGate(
+                    REASONING_PARSERS[self.config.reasoning_parser](chat_template_kwargs))
         generators = [
             None if r.sampling_params.seed is None
             else make_generator(r.sampling_params.seed, self.limits.device)
@@ -541,15 +546,17 @@ class Engine:
             del self._guides[next(iter(self._guides))]
         return guide
 
-    def _reasons_first(self, prompt_token_ids: Sequence[int]) -> bool:
+    def _reasons_first(self, prompt_token_ids: Sequence[int],
+                       chat_template_kwargs: dict[str, Any] | None) -> bool:
         """Whether a constrained reply to this prompt thinks before its (constrained) answer: a
-        reasoning parser is configured, not constraining the reasoning, and the prompt leaves the
-        reasoning to the reply (as vLLM checks the prompt's ids)."""
+        reasoning parser is configured, not constraining the reasoning, the request did not turn
+        thinking off (vLLM reads chat_template_kwargs too) and the prompt leaves the reasoning to
+        the reply (as vLLM checks the prompt's ids)."""
         name = self.config.reasoning_parser
         if name is None or self.config.structured_outputs_enable_in_reasoning:
             return False
         prompt = self.tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
-        return not REASONING_PARSERS[name]().prompt_ends_reasoning(prompt)
+        return not REASONING_PARSERS[name](chat_template_kwargs).prompt_ends_reasoning(prompt)
 
     @functools.cached_property
     def _grammar_tokenizer(self) -> Any:

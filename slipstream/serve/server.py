@@ -412,7 +412,8 @@ class OpenAIServer:
                 return _event_stream(_final_events([output], chunks))
             return JSONResponse(_chat_response(meta, output, reasoning, options))
         named = _chat_params_named(body)
-        stream = await self._submit(meta.id, [token_ids], params, arrival_time_s, named, body, lora)
+        stream = await self._submit(meta.id, [token_ids], params, arrival_time_s, named, body, lora,
+                                    body.chat_template_kwargs)
         if body.stream:
             chunks = _chat_stream(meta, params.n, body.usage_mode, len(token_ids), reasoning, options)
             return _event_stream(self._events(stream, chunks))
@@ -490,7 +491,7 @@ class OpenAIServer:
                                                     as_token_ids=self._as_token_ids(chat),
                                                     reasoning=reasoning)
             stream = await self._submit(builder.id, [token_ids], params, arrival_time_s,
-                                        _chat_params_named(chat), chat, lora)
+                                        _chat_params_named(chat), chat, lora, chat.chat_template_kwargs)
         entry = None
         if store is not None and body.store:
             entry = responses_api.StoredResponse(builder.pending("queued"), body.conversation(dropped_users))
@@ -821,11 +822,13 @@ class OpenAIServer:
     async def _submit(self, response_id: str, prompts: list[list[int]], params: SamplingParams,
                       arrival_time_s: float, params_named: dict[str, str],
                       body: protocol.GenerationBody | None = None,
-                      lora: LoRARequest | None = None) -> RequestStream:
+                      lora: LoRARequest | None = None,
+                      chat_template_kwargs: dict[str, Any] | None = None) -> RequestStream:
         """Queue the prompts (with the body's vLLM `priority` and `cache_salt`, under the LoRA
-        adapter `lora` if one is given): 503 past the waiting bound or while draining, 400 for what
-        the engine rejects (its errors name engine parameters; `params_named` maps those whose
-        request field has another name)."""
+        adapter `lora` if one is given, with a chat's template variables, which the engine's
+        reasoning parser reads as the server's does): 503 past the waiting bound or while
+        draining, 400 for what the engine rejects (its errors name engine parameters;
+        `params_named` maps those whose request field has another name)."""
         if self.is_draining():
             raise APIError(503, "the server is shutting down", type="server_error", code="unavailable")
         priority, cache_salt = (0, None) if body is None else (body.priority, body.cache_salt)
@@ -837,7 +840,8 @@ class OpenAIServer:
             raise APIError(503, "the engine has stopped", type="server_error", code="unavailable")
         try:
             return await self.engine.add(ids, params, arrival_time_s=arrival_time_s, priority=priority,
-                                         cache_salt=cache_salt, lora_request=lora)
+                                         cache_salt=cache_salt, lora_request=lora,
+                                         chat_template_kwargs=chat_template_kwargs)
         except Overloaded as error:
             retry_after = {"Retry-After": str(self.config.retry_after_s)}
             raise APIError(503, f"the server is overloaded ({error}); retry later", type="server_error",
