@@ -128,11 +128,30 @@ class HarmonyParser(_ReplyParser):
         return (channel.split() or ["final"])[0].partition("<|")[0] != "analysis"
 
 
-class HarmonyStream:
+class _ReplyStream:
+    """What the streams share: where the reply's content begins, and the reasoning after it."""
+
+    def __init__(self, thinking: bool) -> None:
+        self.content_start: int | None = None if thinking else 0
+        """Where the content begins in the text, once known (at once where thinking is off)."""
+        self.late_reasoning = ""
+        """The reasoning read after the content began (harmony's analysis after a final message;
+        the think-tag formats have none)."""
+
+    def ended(self, text: str) -> bool:
+        """Whether this (fresh) stream's reply has begun its content within `text` (read by the
+        stream's own `feed`)."""
+        self.feed(text, finished=False)
+        return self.content_start is not None
+
+
+class HarmonyStream(_ReplyStream):
     """One harmony reply read as it grows (ReasoningStream's interface). A reply that does not
-    open with a header (the prompt ends with `<|start|>assistant`) is plain text: content."""
+    open with a header (the prompt ends with `<|start|>assistant`) is plain text: content; its
+    content begins with the first message not of the analysis channel."""
 
     def __init__(self, parser: HarmonyParser) -> None:
+        super().__init__(parser.thinking)
         self._parser = parser
         self._read = 0
         """How much of the text is read."""
@@ -141,16 +160,6 @@ class HarmonyStream:
         self._content = ""
         self._began = False
         """Whether the reply has shown whether it opens with a header."""
-        self.content_start: int | None = None if parser.thinking else 0
-        """Where the content begins in the text, once a message not of the analysis channel (or
-        plain text) has begun."""
-        self.late_reasoning = ""
-        """The reasoning read after the content began (analysis messages after a final one)."""
-
-    def ended(self, text: str) -> bool:
-        """Whether this (fresh) stream's reply has begun its content within `text`."""
-        self.feed(text, finished=False)
-        return self.content_start is not None
 
     def feed(self, text: str, finished: bool) -> tuple[str, str]:
         if not self._parser.thinking:
@@ -240,25 +249,17 @@ def _held_tail(text: str, markers: tuple[str, ...]) -> int:
     return 0
 
 
-class ReasoningStream:
+class ReasoningStream(_ReplyStream):
     """One reply read as it grows: `feed` the text so far, get the reasoning new since the last
     call and the content so far (the text after the reasoning, which a tool parser may read)."""
 
     def __init__(self, parser: ThinkTagParser) -> None:
+        super().__init__(parser.thinking)
         self._parser = parser
         self._body_start: int | None = None
         """Where the reasoning begins, once known (after a leading `<think>`)."""
         self._sent = 0
         """The end of the reasoning sent."""
-        self.content_start: int | None = None if parser.thinking else 0
-        """Where the content begins in the text, once the reasoning has ended."""
-        self.late_reasoning = ""
-        """Always empty: no reasoning comes after these formats' content (HarmonyStream's may)."""
-
-    def ended(self, text: str) -> bool:
-        """Whether this (fresh) stream's reply has ended its reasoning within `text`."""
-        self.feed(text, finished=False)
-        return self.content_start is not None
 
     def feed(self, text: str, finished: bool) -> tuple[str, str]:
         if not self._parser.thinking:
