@@ -108,6 +108,21 @@ def test_a_prompt_that_ends_the_reasoning_is_constrained_from_the_first_token(ll
     assert "</think>" in thinks.outputs[0].text
 
 
+def test_llm_chat_hands_enable_thinking_to_the_gate(llms, model_dir):
+    """`LLM.chat(..., chat_template_kwargs={"enable_thinking": False})` under qwen3 constrains the
+    reply from its first token, as the server's requests do, although the test template ignores
+    the flag: the plain engine's reply, token for token. With thinking on, the reply thinks first."""
+    llm = llm_of(model_dir, reasoning_parser="qwen3")
+    params = thinking_params(llm, StructuredOutputsParams(json=SCHEMA), QUICK_SEEDS[0], max_tokens=40)
+    messages = [{"role": "user", "content": "hello"}]
+    [off] = llm.chat(messages, params, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})
+    [plain] = llms["plain"].chat(messages, params, use_tqdm=False)
+    assert off.outputs[0].token_ids == plain.outputs[0].token_ids
+    json.loads(off.outputs[0].text)
+    [on] = llm.chat(messages, params, use_tqdm=False, chat_template_kwargs={"enable_thinking": True})
+    assert on.outputs[0].token_ids != plain.outputs[0].token_ids
+
+
 PROMPTS = [  # parser, prompt, whether the reply begins with the answer (as vLLM decides)
     ("deepseek_r1", "<｜User｜>hi<｜Assistant｜><think>\n", False),
     ("deepseek_r1", "<｜User｜>hi<｜Assistant｜>", False),

@@ -177,6 +177,19 @@ class LLM:
         enable_lora) is one adapter for every prompt or a list of one (or None: the base model)
         per prompt.
         """
+        return self._generate(prompts, sampling_params, use_tqdm, lora_request, priority, None)
+
+    def _generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: UseTqdm,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+        priority: int | Sequence[int] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> list[RequestOutput]:
+        """`generate`, for prompts rendered with `chat_template_kwargs` (from `chat`: the engine's
+        reasoning gate reads enable_thinking there, as the server's requests pass it)."""
         _check_use_tqdm(use_tqdm)
         prompts = _as_prompt_list(prompts)
         inputs = [_prompt_input(prompt) for prompt in prompts]
@@ -192,7 +205,8 @@ class LLM:
             for request_id, (prompt, text, salt), p, rank, adapter in zip(ids, inputs, params, priorities,
                                                                            adapters, strict=True):
                 self.engine.add_request(request_id, prompt, p, priority=rank, stream=False, prompt_text=text,
-                                        cache_salt=salt, lora_request=adapter)
+                                        cache_salt=salt, lora_request=adapter,
+                                        chat_template_kwargs=chat_template_kwargs)
             outputs = self._run(ids, use_tqdm)
         except BaseException:
             self.engine.abort_request(ids)
@@ -331,8 +345,8 @@ class LLM:
                 raise ValueError(f"the chat template rejected the messages: {error}") from error
             ids = tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority,
-                             lora_request=lora_request)
+        return self._generate(prompts, sampling_params, use_tqdm, lora_request, priority,
+                              None if chat_template_kwargs is None else dict(chat_template_kwargs))
 
     def _run(self, ids: list[str], use_tqdm: UseTqdm, desc: str = "generating") -> list[Any]:
         """Step the engine until the requests `ids` are done; their final outputs, in order."""
