@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from kv_reference import dense_attention, rounded
 from serve_fixtures import assert_same_tokens, transformers_greedy
 
 from slipstream import LLM, SamplingParams
@@ -23,34 +24,6 @@ from slipstream.serve.engine import EngineConfig
 from slipstream.serve.runner import Runner
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-
-
-def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`x` through `dtype` and back, saturated to its finite range first (the reference)."""
-    limit = torch.finfo(dtype).max
-    return torch.clamp(x, -limit, limit).to(dtype).to(x.dtype)
-
-
-def _dense(q, keys, values, window, sinks):
-    """float64 causal attention of the last len(q) positions over all keys (GQA, window, sinks)."""
-    num_queries, num_heads, head_dim = q.shape
-    num_keys, num_kv_heads, _ = keys.shape
-    group = num_heads // num_kv_heads
-    k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)
-    v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) / head_dim**0.5  # (H, Q, L)
-    positions = torch.arange(num_keys - num_queries, num_keys)[:, None]
-    keys_at = torch.arange(num_keys)[None, :]
-    visible = keys_at <= positions
-    if window is not None:
-        visible &= keys_at > positions - window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    if sinks is not None:
-        sink = sinks.double()[:, None, None].expand(num_heads, num_queries, 1)
-        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    else:
-        weights = torch.softmax(scores, dim=-1)
-    return (weights @ v).transpose(0, 1)
 
 
 @pytest.mark.parametrize("kv_name", sorted(FP8))
@@ -100,8 +73,8 @@ def test_paged_attention_over_fp8_cache_equals_dense_over_rounded_keys(
     row = 0
     tolerance = 2e-5 if dtype == torch.float32 else 2e-2
     for keys, values, (_, new) in zip(all_keys, all_values, seqs, strict=True):
-        keys, values = _rounded(keys, kv_dtype), _rounded(values, kv_dtype)
-        expected = _dense(q[row:row + new], keys, values, window, sinks)
+        keys, values = rounded(keys, kv_dtype), rounded(values, kv_dtype)
+        expected = dense_attention(q[row:row + new], keys, values, window, sinks)
         torch.testing.assert_close(out[row:row + new].double(), expected, atol=tolerance, rtol=tolerance)
         row += new
 
@@ -137,7 +110,7 @@ def test_c_decode_kernel_reads_fp8_exactly(kv_name, dtype, head_dim):
         for i, (n, table) in enumerate(zip(lens, tables, strict=True)):
             keys = k_cache[table].flatten(0, 1)[:n].float()
             values = v_cache[table].flatten(0, 1)[:n].float()
-            expected = _dense(q[i:i + 1].float(), keys, values, window, None)
+            expected = dense_attention(q[i:i + 1].float(), keys, values, window, None)
             tolerance = 1e-4 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(out[i:i + 1].double(), expected, atol=tolerance, rtol=tolerance)
 
@@ -193,7 +166,7 @@ def test_bfloat16_cache_under_an_fp32_model_equals_dense_over_bf16_keys():
     batch = PagedBatch.build(seq_lens=[10], query_lens=[10], block_tables=[[2, 0, 3]], block_size=4)
     write_kv(k_cache, v_cache, keys, values, batch.slot_mapping)
     out = paged_attention(q, k_cache, v_cache, batch)
-    expected = _dense(q, keys.bfloat16().float(), values.bfloat16().float(), None, None)
+    expected = dense_attention(q, keys.bfloat16().float(), values.bfloat16().float(), None, None)
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
 
 
@@ -232,7 +205,7 @@ def _transformers_greedy(model_dir, prompts, kv_dtype):
 
     def rounded_eager(module, query, key, value, *args, **kwargs):
         if kv_dtype is not None:
-            key, value = _rounded(key, kv_dtype), _rounded(value, kv_dtype)
+            key, value = rounded(key, kv_dtype), rounded(value, kv_dtype)
         return modeling_llama.eager_attention_forward(module, query, key, value, *args, **kwargs)
 
     transformers.AttentionInterface.register("kv_rounded_eager", rounded_eager)
@@ -250,8 +223,8 @@ def _engine(model_dir, prompts, **engine_args):
 
 
 def _kernels_only(monkeypatch):
-    """Make a pure decode step run module by module, or a prefill chunk through PyTorch's attention,
-    an error: the C decode graph and the C prefill kernel must run them."""
+    """Make a pure decode step run module by module, or (where this CPU has the C prefill kernel) a
+    prefill chunk through PyTorch's attention, an error: the C kernels must run them."""
     module_step = Runner.hidden_states
 
     def hidden_states(self, token_ids, positions, batch):
@@ -262,7 +235,8 @@ def _kernels_only(monkeypatch):
         raise AssertionError("a prefill chunk ran PyTorch's attention, not the C prefill kernel")
 
     monkeypatch.setattr(Runner, "hidden_states", hidden_states)
-    monkeypatch.setattr(paged_attention_module, "_attend", no_pytorch_prefill)
+    if cpu_kernels.supports_prefill_attention(torch.empty(1, CONFIG.num_attention_heads, CONFIG.head_dim)):
+        monkeypatch.setattr(paged_attention_module, "_attend", no_pytorch_prefill)
 
 
 @pytest.fixture(scope="module")

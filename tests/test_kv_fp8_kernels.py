@@ -7,18 +7,19 @@ test_kv_cache_dtype.py)."""
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 import torch
+from kv_reference import dense_attention, rounded
 from serve_fixtures import random_model
+from test_decode_graph import BLOCK_SIZE, decode_batch
 
 from slipstream.model import ModelConfig
 from slipstream.ops import cpu_kernels
 from slipstream.ops.decode_graph import CpuDecodeGraph
 from slipstream.ops.inference import optimize_for_cpu_inference
 from slipstream.ops.paged_attention import PagedBatch, to_cache_dtype
-from slipstream.serve.runner import PagedAttention, PagedKVCache
+from slipstream.serve.runner import PagedAttention
 from slipstream.serve.sampler import argmax
 
 pytestmark = pytest.mark.skipif(cpu_kernels.library() is None, reason="no C compiler")
@@ -27,7 +28,6 @@ FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 CONFIG = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
                      eos_token_id=0, pad_token_id=0)
-BLOCK_SIZE = 4
 
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:
@@ -35,12 +35,6 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     either sign (x86 makes a negative NaN of a positive one in vector registers)."""
     raw = x.view(torch.uint8)
     return torch.where(x.float().isnan(), 0x7F, raw)
-
-
-def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`x` through `dtype` and back by torch's casts, saturated to its finite range first."""
-    limit = torch.finfo(dtype).max
-    return torch.clamp(x, -limit, limit).to(dtype).to(x.dtype)
 
 
 @pytest.mark.parametrize("kv_name", sorted(FP8))
@@ -68,28 +62,6 @@ def test_write_kv_kernel_stores_what_torchs_saturating_cast_stores(kv_name, dtyp
         assert torch.equal(_bytes(cache.view(num_rows, 2, 64)[slots]), _bytes(expected))
 
 
-def _dense(q, keys, values, window, sinks):
-    """float64 causal attention of the last len(q) positions over all keys (GQA, window, sinks)."""
-    num_queries, num_heads, head_dim = q.shape
-    num_keys, num_kv_heads, _ = keys.shape
-    group = num_heads // num_kv_heads
-    k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)
-    v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) / head_dim**0.5  # (H, Q, L)
-    positions = torch.arange(num_keys - num_queries, num_keys)[:, None]
-    keys_at = torch.arange(num_keys)[None, :]
-    visible = keys_at <= positions
-    if window is not None:
-        visible &= keys_at > positions - window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    if sinks is not None:
-        sink = sinks.double()[:, None, None].expand(num_heads, num_queries, 1)
-        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    else:
-        weights = torch.softmax(scores, dim=-1)
-    return (weights @ v).transpose(0, 1)
-
-
 @pytest.mark.parametrize("kv_name", sorted(FP8))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim, num_heads, num_kv_heads, window, with_sinks",
@@ -101,7 +73,8 @@ def test_c_prefill_kernel_over_fp8_cache_equals_dense_over_rounded_keys(
     query blocks, tiles of keys past the first) and a 70-token chunk after 90 tokens of context
     already in the cache, GQA, a window, sinks, values past the format's range (saturated): equal to
     float64 attention over the keys and values rounded by torch's casts."""
-    assert cpu_kernels.supports_prefill_attention(torch.empty(1, num_heads, head_dim, dtype=dtype))
+    if not cpu_kernels.supports_prefill_attention(torch.empty(1, num_heads, head_dim, dtype=dtype)):
+        pytest.skip("no prefill kernel on this CPU")
     torch.manual_seed(1)
     kv_dtype, block_size = FP8[kv_name], 16
     seqs = [(150, 150), (160, 70)]  # (seq_len, new tokens)
@@ -130,27 +103,16 @@ def test_c_prefill_kernel_over_fp8_cache_equals_dense_over_rounded_keys(
     tolerance = 2e-5 if dtype == torch.float32 else 2e-2
     row = 0
     for keys, values, (_, new) in zip(all_keys, all_values, seqs, strict=True):
-        keys, values = _rounded(keys, kv_dtype), _rounded(values, kv_dtype)
-        expected = _dense(q[row:row + new], keys, values, window, sinks)
+        keys, values = rounded(keys, kv_dtype), rounded(values, kv_dtype)
+        expected = dense_attention(q[row:row + new], keys, values, window, sinks)
         diff = (out[row:row + new].double() - expected).abs().max().item()
         print(f"{kv_name} {dtype} D={head_dim}: max |diff| {diff:.3g}")
         torch.testing.assert_close(out[row:row + new].double(), expected, atol=tolerance, rtol=tolerance)
         row += new
 
 
-def _decode_setup(seq_lens, dtype, kv_dtype):
-    """The optimised model, an fp8 cache holding random keys and values (through torch's casts) for
-    every earlier position of each sequence over shuffled blocks, and their block tables."""
-    rng = random.Random(0)
-    num_blocks = sum(-(-n // BLOCK_SIZE) for n in seq_lens) + 4
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in seq_lens]
-    cache = PagedKVCache(CONFIG, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=kv_dtype,
-                         device=torch.device("cpu"))
-    for tensor in [*cache.keys, *cache.values]:
-        tensor.copy_(torch.randn(tensor.shape))
-    return optimize_for_cpu_inference(random_model(CONFIG, dtype)), cache, tables
+def _optimised_model(dtype):
+    return optimize_for_cpu_inference(random_model(CONFIG, dtype))
 
 
 def _module_step(model, cache, batch, token_ids, positions):
@@ -165,11 +127,9 @@ def test_decode_graph_over_fp8_cache_equals_module_path(kv_name, dtype, seq_lens
     """A decode step through the C decode graph over an fp8 cache (GQA; sequences of up to 700
     keys, split into chunks by the attention): its hidden states and the fp8 keys and values it
     writes equal the module-by-module path's (write_kv and the decode kernel) bit for bit."""
-    model, cache, tables = _decode_setup(seq_lens, dtype, FP8[kv_name])
-    batch = PagedBatch.build(seq_lens=seq_lens, query_lens=[1] * len(seq_lens), block_tables=tables,
-                             block_size=BLOCK_SIZE)
-    token_ids = torch.randint(0, CONFIG.vocab_size, (len(seq_lens),))
-    positions = torch.tensor([n - 1 for n in seq_lens])
+    model = _optimised_model(dtype)
+    num_blocks = sum(-(-n // BLOCK_SIZE) for n in seq_lens) + 4
+    cache, batch, token_ids, positions = decode_batch(CONFIG, seq_lens, FP8[kv_name], num_blocks)
     graph_cache = copy.deepcopy(cache)
     graph = CpuDecodeGraph.build(model, graph_cache.keys, graph_cache.values)
     assert graph is not None, "the decode graph must take an fp8 cache"
@@ -190,7 +150,10 @@ def test_greedy_steps_over_fp8_cache_equal_module_steps(kv_name, dtype):
     argmax."""
     seq_lens, num_steps = [5, 17, 2], 6
     lengths = [n + num_steps - 1 for n in seq_lens]
-    model, cache, tables = _decode_setup(lengths, dtype, FP8[kv_name])
+    model = _optimised_model(dtype)
+    cache, batch, _, _ = decode_batch(CONFIG, lengths, FP8[kv_name])
+    rows = batch.decode_block_tables.tolist()
+    tables = [row[:-(-n // BLOCK_SIZE)] for row, n in zip(rows, lengths, strict=True)]
     graph_cache = copy.deepcopy(cache)
     graph = CpuDecodeGraph.build(model, graph_cache.keys, graph_cache.values)
     tokens = torch.randint(0, CONFIG.vocab_size, (len(seq_lens),))
@@ -235,11 +198,10 @@ def test_write_and_prefill_kernels_refuse_a_dtype_code_they_do_not_take(code):
 def test_decode_graph_refuses_a_cache_dtype_code_it_does_not_take(kv_dtype):
     """A decode shape whose cache code is not 0 (the model's dtype) or fp8 (2, 3): decode_layers
     returns status 2 before writing the cache."""
-    model, cache, tables = _decode_setup([5], torch.float32, torch.float8_e4m3fn)
-    graph = CpuDecodeGraph.build(model, cache.keys, cache.values)
+    cache, batch, _, _ = decode_batch(CONFIG, [5], torch.float8_e4m3fn)
+    graph = CpuDecodeGraph.build(_optimised_model(torch.float32), cache.keys, cache.values)
     graph._shape.kv_dtype = kv_dtype
     before = [c.clone() for c in cache.keys]
-    batch = PagedBatch.build(seq_lens=[5], query_lens=[1], block_tables=tables, block_size=BLOCK_SIZE)
     with pytest.raises(RuntimeError, match="status 2"):
         graph(torch.tensor([3]), torch.tensor([4]), batch)
     for old, now in zip(before, cache.keys, strict=True):
