@@ -203,8 +203,8 @@ def main() -> None:
             if args.quantization is not None:
                 runners[quantized] = slipstream_runner(model_dir, dtype, prompts, args.output_len,
                                                        engine_args | {"quantization": args.quantization})
-            kv_engine = f"slipstream kv {args.kv_cache_dtype}"
             if args.kv_cache_dtype is not None:
+                kv_engine = f"slipstream kv {args.kv_cache_dtype}"
                 runners[kv_engine] = slipstream_runner(model_dir, dtype, prompts, args.output_len,
                                                        engine_args | {"kv_cache_dtype": args.kv_cache_dtype})
             hf_model = load_transformers(model_dir, dtype) if batch_sizes else None

@@ -608,7 +608,8 @@ def write_kv(
     their bytes; an fp8 one (`FP8_CACHE_CODES`) each value saturated and rounded to nearest even,
     as `paged_attention.to_cache_dtype` converts it."""
     lib = library()
-    assert lib is not None and supports(k) and k_cache.dtype == v_cache.dtype and k_cache.is_contiguous()
+    assert lib is not None and supports(k) and k_cache.dtype == v_cache.dtype
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
     dtype = cache_dtype_code(k.dtype, k_cache.dtype)
     k, v, slot_mapping = _rows_of_heads(k), _rows_of_heads(v), slot_mapping.contiguous()
     status = lib.write_kv(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
