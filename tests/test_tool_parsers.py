@@ -3,10 +3,12 @@ deltas, fed a reply one character at a time, add up to the whole parse."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
+from slipstream.serve.reasoning_parsers import REASONING_PARSERS
 from slipstream.serve.tool_parsers import TOOL_CALL_PARSERS
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
@@ -88,3 +90,72 @@ def test_streamed_deltas_add_up_to_the_whole_parse(parser, name):
     for marker in ("<tool", "<|python", "[TOOL"):
         if text.startswith(marker) or (marker in text and not calls):  # held back until the end
             assert marker not in "".join(d.get("content", "") for d in deltas[:-1])
+
+
+GPT_CALL = ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+            '{"city":"Paris","unit":"C"}')
+THOUGHT = "<|channel|>analysis<|message|>need the weather<|end|><|start|>assistant"
+HARMONY = {  # reply (raw, special tokens kept; the stop token <|call|> is not in the text), content, calls
+    "plain text": (PLAIN, PLAIN, []),
+    "a final answer after analysis": (f"{THOUGHT}<|channel|>final<|message|>It is 7.", "It is 7.", []),
+    "a call after analysis": (THOUGHT + GPT_CALL, None, [PARIS]),
+    "a preamble, then a call ended by <|call|>": (
+        "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant" + GPT_CALL + "<|call|>",
+        "Checking.", [PARIS]),
+    "the recipient before the channel": (
+        '<|start|>assistant to=functions.noop<|channel|>commentary json<|message|>{}', None, [("noop", {})]),
+    "two calls": (f"{GPT_CALL}<|call|><|start|>assistant to=functions.noop<|channel|>commentary"
+                  "<|message|>{}", None, [PARIS, ("noop", {})]),
+    "a built-in tool's call is left out": (
+        '<|channel|>analysis to=browser.search<|message|>{"q": "x"}<|call|>', None, []),
+    "a call cut short": ('<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"ci',
+                         '{"ci', []),
+    "a preamble, then arguments that are no JSON": (
+        "<|channel|>commentary<|message|>Hm.<|end|><|start|>assistant<|channel|>commentary to=functions.f"
+        "<|message|>{nope", "Hm.{nope", []),
+    "text ending like a header": ("The answer<|chan", "The answer<|chan", []),
+}
+
+
+def test_openai_is_a_tool_call_parser():
+    assert "openai" in TOOL_CALL_PARSERS
+
+
+@pytest.mark.parametrize("name", sorted(HARMONY))
+def test_harmony_replies_whole_and_streamed(name):
+    """gpt-oss's harmony (vLLM's "openai" parser, which reads the messages from token ids): a
+    message to functions.NAME is a call, final and preamble text the content, analysis and built-in
+    tools' messages left out; a call whose arguments do not parse makes the messages' text the
+    content. Streamed a character at a time, the deltas add up to the whole parse, with no marker
+    text in the content."""
+    text, content, calls = HARMONY[name]
+    parsed = TOOL_CALL_PARSERS["openai"]().parse(text)
+    assert (parsed.content, calls_of(parsed.tool_calls)) == (content, calls)
+    stream = TOOL_CALL_PARSERS["openai"]().stream()
+    deltas = [stream.feed(text[:end], finished=end == len(text)) for end in range(1, len(text) + 1)]
+    assert "".join(d.get("content", "") for d in deltas) == (content or "")
+    streamed_calls = [call for d in deltas for call in d.get("tool_calls", [])]
+    assert calls_of(streamed_calls) == calls
+    assert [c["index"] for c in streamed_calls] == list(range(len(calls)))
+    assert stream.num_calls == len(calls)
+    if calls:
+        assert "<|" not in "".join(d.get("content", "") for d in deltas)
+
+
+@pytest.mark.parametrize("name", sorted(HARMONY))
+def test_harmony_calls_read_after_the_reasoning_parser(name):
+    """With --reasoning-parser openai_gptoss the reasoning parser (told the tool parser reads
+    calls) hands on an answer in which the calls are whole: split, then parsed, a reply gives the
+    calls and content that the tool parser alone reads from the raw reply, whole and streamed."""
+    text, content, calls = HARMONY[name]
+    gptoss = dataclasses.replace(REASONING_PARSERS["openai_gptoss"](None), calls=True)
+    answer = gptoss.split(text).content or ""
+    parsed = TOOL_CALL_PARSERS["openai"]().parse(answer)
+    assert (parsed.content, calls_of(parsed.tool_calls)) == (content, calls)
+    reasoning, tools = gptoss.stream(), TOOL_CALL_PARSERS["openai"]().stream()
+    deltas = []
+    for end in range(1, len(text) + 1):
+        _, answer = reasoning.feed(text[:end], finished=end == len(text))
+        deltas.append(tools.feed(answer, finished=end == len(text)))
+    assert "".join(d.get("content", "") for d in deltas) == (content or "")
+    assert calls_of([call for d in deltas for call in d.get("tool_calls", [])]) == calls

@@ -106,6 +106,10 @@ class HarmonyParser(_ReplyParser):
 
     thinking: bool = True
     """False: the reply is plain text (a constrained one), all content."""
+    calls: bool = False
+    """True: the "openai" tool parser reads the content, so a message to a function (`to=functions.
+    NAME` in its header, whatever its channel) stays whole in it, header and end marker kept, as
+    the raw reply has it; without, its text is content (or reasoning, in the analysis channel)."""
     keeps_special_tokens = True
     markers = (*HARMONY_HEADS, *HARMONY_ENDS, HARMONY_MESSAGE)
 
@@ -160,6 +164,8 @@ class HarmonyStream(_ReplyStream):
         self._content = ""
         self._began = False
         """Whether the reply has shown whether it opens with a header."""
+        self._ended_by = ""
+        """The end marker of the last message that ended (empty where a header ended it)."""
 
     def feed(self, text: str, finished: bool) -> tuple[str, str]:
         if not self._parser.thinking:
@@ -178,7 +184,7 @@ class HarmonyStream(_ReplyStream):
                 self.content_start = self._read
             piece, done = self._body(text, finished)
             if self._channel != "analysis":
-                self._content += piece
+                self._content += piece + (self._ended_by if done and self._channel == "call" else "")
             else:
                 reasoning.append(piece)
                 if self.content_start is not None:
@@ -197,20 +203,24 @@ class HarmonyStream(_ReplyStream):
         header = text[self._read:end]
         _, _, channel = header.partition("<|channel|>")
         self._channel = (channel.split() or ["final"])[0].partition("<|")[0]
+        if self._parser.calls and " to=functions." in header.replace("<|", " <|"):
+            self._channel = "call"
+            self._content += text[self._read:end + len(HARMONY_MESSAGE)]
         self._read = end + len(HARMONY_MESSAGE)
         return True
 
     def _body(self, text: str, finished: bool) -> tuple[str, bool]:
-        """The message text read now, and whether the message ended (at an end marker, dropped, or
-        where a header begins)."""
+        """The message text read now, and whether the message ended (at an end marker, dropped and
+        kept in `_ended_by`, or where a header begins)."""
         found = [(text.find(marker, self._read), marker) for marker in (*HARMONY_ENDS, *HARMONY_HEADS)]
         found = [(at, marker) for at, marker in found if at >= 0]
         if found:
             at, marker = min(found)
             piece = text[self._read:at]
-            self._read = at + len(marker) if marker in HARMONY_ENDS else at
+            self._ended_by = marker if marker in HARMONY_ENDS else ""
+            self._read = at + len(self._ended_by)
             return piece, True
-        end = len(text) if finished else len(text) - _held_tail(text[self._read:], (*HARMONY_ENDS,
+        end = len(text) if finished else len(text) - held_tail(text[self._read:], (*HARMONY_ENDS,
                                                                                      *HARMONY_HEADS))
         piece, self._read = text[self._read:end], end
         return piece, False
@@ -241,7 +251,7 @@ def num_reasoning_tokens(parser: ThinkTagParser | HarmonyParser, token_ids: Sequ
     return sum(1 for token_id in token_ids[:low] if token_id not in marker_ids)
 
 
-def _held_tail(text: str, markers: tuple[str, ...]) -> int:
+def held_tail(text: str, markers: tuple[str, ...]) -> int:
     """The length of the longest tail of `text` that begins one of `markers`."""
     for length in range(min(max(len(marker) for marker in markers) - 1, len(text)), 0, -1):
         if any(marker.startswith(text[-length:]) for marker in markers if len(marker) > length):
@@ -287,7 +297,7 @@ class ReasoningStream(_ReplyStream):
             self.content_start = at + len(end) if end == THINK_END else at
             piece, self._sent = text[self._sent:at], at
             return piece, text[self.content_start:]
-        safe_end = len(text) if finished else len(text) - _held_tail(text[self._sent:], self._parser.ends)
+        safe_end = len(text) if finished else len(text) - held_tail(text[self._sent:], self._parser.ends)
         piece, self._sent = text[self._sent:safe_end], safe_end
         return piece, ""
 

@@ -51,7 +51,7 @@ from slipstream.serve.metrics import ServerMetrics
 from slipstream.serve.pooling import EmbeddingRequestOutput
 from slipstream.serve.profiler import ProfilerAlreadyActiveError
 from slipstream.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from slipstream.serve.reasoning_parsers import REASONING_PARSERS
+from slipstream.serve.reasoning_parsers import REASONING_PARSERS, HarmonyParser
 from slipstream.serve.reasoning_replies import Reasoning
 from slipstream.serve.request import (
     CompletionOutput,
@@ -115,7 +115,7 @@ class ServerConfig:
     """Let chat requests with tools leave the choice of a call to the model (tool_choice "auto",
     the default with tools), whose calls `tool_call_parser` reads (vLLM's flags of these names)."""
     tool_call_parser: str | None = None
-    """The model's call format: "hermes", "llama3_json" or "mistral" (tool_parsers.py)."""
+    """The model's call format: "hermes", "llama3_json", "mistral" or "openai" (tool_parsers.py)."""
     reasoning_parser: str | None = None
     """The model's thinking format, "deepseek_r1", "qwen3" or "openai_gptoss" (reasoning_parsers.py):
     replies' reasoning goes out apart from their answers (vLLM's --reasoning-parser). The engine
@@ -401,7 +401,8 @@ class OpenAIServer:
         meta = ResponseMeta.new("chatcmpl", self._served_name(lora))
         options = dict(num_logprobs=body.num_logprobs, as_token_ids=self._as_token_ids(body),
                        echo=body.echoed_text, tool_calls=tool_calls)
-        params, reasoning = self._reasoning(body.chat_template_kwargs, body.include_reasoning, params)
+        params, reasoning = self._reasoning(body.chat_template_kwargs, body.include_reasoning, params,
+                                            tool_calls)
         if body.use_beam_search:
             beams = body.beam_search_params(max_tokens=body.max_new_tokens or self.max_model_len,
                                             max_logprobs=self.max_logprobs)
@@ -420,14 +421,18 @@ class OpenAIServer:
         [output] = await self._collect(request, stream)
         return JSONResponse(_chat_response(meta, output, reasoning, options))
 
-    def _reasoning(self, chat_template_kwargs: dict[str, Any] | None, include: bool,
-                   params: SamplingParams) -> tuple[SamplingParams, Reasoning | None]:
+    def _reasoning(self, chat_template_kwargs: dict[str, Any] | None, include: bool, params: SamplingParams,
+                   tool_calls: responses.ToolCalls | None) -> tuple[SamplingParams, Reasoning | None]:
         """How a request's replies are split into reasoning and answer (None: they are not), and the
         params that keep the special tokens a parser reads (harmony's). A constrained reply is split
-        too: the engine, with the same parser, constrains only its answer."""
+        too: the engine, with the same parser, constrains only its answer. The "openai" tool parser
+        reads harmony calls from the answer, so it keeps them whole."""
         if self.config.reasoning_parser is None:
             return params, None
         parser = REASONING_PARSERS[self.config.reasoning_parser](chat_template_kwargs)
+        if (isinstance(parser, HarmonyParser) and tool_calls is not None and tool_calls.mode == "auto"
+                and tool_calls.parser == "openai"):
+            parser = dataclasses.replace(parser, calls=True)
         if parser.keeps_special_tokens:
             params = params.replace(skip_special_tokens=False)
 
@@ -485,7 +490,8 @@ class OpenAIServer:
             if params.max_tokens is None or params.max_tokens > room:
                 params = params.replace(max_tokens=room)
             settings = body.settings(params, store_enabled=store is not None)
-            params, reasoning = self._reasoning(chat.chat_template_kwargs, chat.include_reasoning, params)
+            params, reasoning = self._reasoning(chat.chat_template_kwargs, chat.include_reasoning, params,
+                                                tool_calls)
             builder = responses_api.ResponseBuilder(self._served_name(lora), settings,
                                                     num_logprobs=chat.num_logprobs, tool_calls=tool_calls,
                                                     as_token_ids=self._as_token_ids(chat),

@@ -12,12 +12,21 @@ has the ones of the families it serves:
 - "mistral": the calls follow `[TOOL_CALLS]`, as a JSON list of `{"name", "arguments"}` objects
   (Mistral 7B v0.3's tokenizer) or as `name[ARGS]{...}`, one `[TOOL_CALLS]` each (later ones,
   with an optional `[CALL_ID]id` after the name); the text before is the reply's content.
+- "openai" (gpt-oss): OpenAI's harmony messages (`<|channel|>NAME[ to=RECIPIENT]...<|message|>TEXT`,
+  ended by `<|end|>`, `<|call|>` or the next header); a message addressed to `functions.NAME` (the
+  recipient in the header, before or after the channel) is a call, its text the JSON arguments. As
+  vLLM: final messages and commentary without a recipient (a preamble) are the content, joined;
+  analysis (reasoning) and messages to other recipients (built-in tools) are left out. With
+  `--reasoning-parser openai_gptoss` the reasoning parser reads the reply first and keeps the
+  messages to functions whole in the content it hands on (`HarmonyParser.calls`).
 
 Each parser's `parse(text)` reads a whole reply, and `stream()` gives a reader of one as it grows,
 which sends content until calls may begin (holding back what may be the start of a marker). The
 hermes reader sends each call whole once its closing tag (or the reply's end) arrives; the others
 send their calls at the reply's end, when the whole of them can be read. A reply whose calls do
-not all parse (no JSON, or no string `name`) is content, whole, as vLLM's parsers leave it.
+not all parse (no JSON, or no string `name`) is content, whole, as vLLM's parsers leave it; a
+harmony reply so is its messages' text, the calls' arguments included (vLLM would send them as
+the arguments).
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ import json
 import re
 import uuid
 from typing import Any
+
+from slipstream.serve.reasoning_parsers import HARMONY_ENDS, HARMONY_HEADS, HARMONY_MESSAGE, held_tail
 
 START, END = "<tool_call>", "</tool_call>"
 _CALL = re.compile(rf"{re.escape(START)}(.*?)(?:{re.escape(END)}|$)", re.DOTALL)
@@ -207,6 +218,135 @@ class WholeCallsStream:
         return delta
 
 
+FUNCTIONS = "functions."
+"""The prefix of a harmony recipient that is one of the request's functions."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Message:
+    """A harmony message read so far: its channel, recipient and content type (from the header;
+    None where it has none), its text, and whether it ended."""
+
+    channel: str | None
+    recipient: str | None
+    content_type: str | None
+    text: str
+    ended: bool
+
+
+def harmony_header(header: str) -> tuple[str | None, str | None, str | None]:
+    """A harmony header's channel, recipient and content type: `[<|start|>ROLE][ to=RECIPIENT]
+    <|channel|>CHANNEL[ to=RECIPIENT][ <|constrain|>TYPE | TYPE]`."""
+    words = header.replace("<|constrain|>", " ").replace("<|channel|>", " <|channel|>").split()
+    if words and words[0].startswith("<|start|>"):
+        words = words[1:]
+    recipient = next((word[3:] for word in words if word.startswith("to=")), None)
+    channel = next((word[len("<|channel|>"):] for word in words if word.startswith("<|channel|>")), None)
+    rest = [word for word in words if not word.startswith(("to=", "<|channel|>"))]
+    return channel, recipient, rest[-1] if rest else None
+
+
+def _harmony_messages(text: str, finished: bool) -> list[str | _Message]:
+    """A reply's text outside messages (a plain reply, a reasoning parser's content) and its
+    messages, in order; a growing reply's last piece holds back a tail that may begin a marker."""
+    pieces: list[str | _Message] = []
+    read = 0
+    while read < len(text):
+        heads = [at for at in (text.find(head, read) for head in HARMONY_HEADS) if at >= 0]
+        head = min(heads, default=-1)
+        if head != read:
+            end = len(text) if head < 0 else head
+            if head < 0 and not finished:
+                end -= held_tail(text[read:], HARMONY_HEADS)
+            pieces.append(text[read:end])
+            if head < 0:
+                break
+        body = text.find(HARMONY_MESSAGE, head)
+        if body < 0:
+            break  # the header is not whole yet
+        channel, recipient, content_type = harmony_header(text[head:body])
+        body += len(HARMONY_MESSAGE)
+        found = [(at, marker) for at, marker in ((text.find(marker, body), marker)
+                                                 for marker in (*HARMONY_ENDS, *HARMONY_HEADS)) if at >= 0]
+        if found:
+            at, marker = min(found)
+            pieces.append(_Message(channel, recipient, content_type, text[body:at], True))
+            read = at + len(marker) if marker in HARMONY_ENDS else at
+            continue
+        end = len(text) if finished else len(text) - held_tail(text[body:], (*HARMONY_ENDS, *HARMONY_HEADS))
+        pieces.append(_Message(channel, recipient, content_type, text[body:end], finished))
+        break
+    return pieces
+
+
+def _is_call(piece: str | _Message) -> bool:
+    return isinstance(piece, _Message) and (piece.recipient or "").startswith(FUNCTIONS)
+
+
+def _content_of(piece: str | _Message) -> str:
+    """What a piece adds to the content: text outside messages, a final or a preamble's text."""
+    if isinstance(piece, str):
+        return piece
+    if piece.recipient is None and piece.channel in ("final", "commentary"):
+        return piece.text
+    return ""
+
+
+def _harmony_call(message: _Message) -> dict[str, Any] | None:
+    """A call message as an OpenAI call (arguments re-written from their JSON, as the other
+    formats'; as they are where the content type is not JSON); None where they are no JSON."""
+    arguments = message.text
+    if message.content_type is None or "json" in message.content_type:
+        try:
+            arguments = json.dumps(json.loads(arguments), ensure_ascii=False)
+        except json.JSONDecodeError:
+            return None
+    return tool_call(message.recipient[len(FUNCTIONS):], arguments)
+
+
+class OpenAIToolParser:
+    """The "openai" format (gpt-oss's harmony): a message to `functions.NAME` is a call."""
+
+    def stream(self) -> HarmonyCallsStream:
+        return HarmonyCallsStream(self)
+
+    def parse(self, text: str) -> ParsedReply:
+        pieces = _harmony_messages(text, finished=True)
+        calls = [_harmony_call(piece) for piece in pieces if _is_call(piece)]
+        if None in calls:
+            content = "".join(piece.text if _is_call(piece) else _content_of(piece) for piece in pieces)
+            return ParsedReply(content or None, [])
+        return ParsedReply("".join(map(_content_of, pieces)) or None, calls)
+
+
+class HarmonyCallsStream:
+    """A harmony reply read as it grows: the content goes out as it comes until the first call
+    begins; the rest waits for the reply's end, then goes out as the calls and the content after
+    them (or, where a call does not parse, as content)."""
+
+    def __init__(self, parser: OpenAIToolParser) -> None:
+        self._parser = parser
+        self._content = _SentContent()
+        self.num_calls = 0
+        """Calls sent."""
+
+    def feed(self, text: str, finished: bool) -> dict[str, Any]:
+        if not finished:
+            content = ""
+            for piece in _harmony_messages(text, finished=False):
+                if _is_call(piece):
+                    break
+                content += _content_of(piece)
+            return self._content.upto(content, len(content))
+        parsed = self._parser.parse(text)
+        content = parsed.content or ""
+        delta = self._content.upto(content, len(content))
+        if parsed.tool_calls:
+            delta["tool_calls"] = [{"index": index, **call} for index, call in enumerate(parsed.tool_calls)]
+            self.num_calls = len(parsed.tool_calls)
+        return delta
+
+
 TOOL_CALL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
-                     "mistral": MistralToolParser}
+                     "mistral": MistralToolParser, "openai": OpenAIToolParser}
 """--tool-call-parser's choices (vLLM's names)."""
