@@ -81,12 +81,13 @@ def test_paged_attention_over_fp8_cache_equals_dense_over_rounded_keys(
 
 @pytest.mark.parametrize("kv_name", sorted(FP8))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("head_dim", [40, 48, 64, 128, 256])
 def test_c_decode_kernel_reads_fp8_exactly(kv_name, dtype, head_dim):
     """The C decode kernel over an fp8 cache (every byte pattern but NaN among the keys: zero,
     subnormals, the largest; sequences long enough to be split into chunks; GQA and a window)
     equals dense attention over the keys and values torch's casts widen from the same bytes; head
-    size 32 takes the portable loop, 64 and 128 the vector path."""
+    size 40 takes the portable loop, 48 the AVX-512 path's copy over any multiple of 16 (the portable
+    loop on AVX2), 64, 128 and 256 the vector path on AVX-512 and AVX2."""
     assert cpu_kernels.library() is not None, "the C kernel must build on the CI machine"
     torch.manual_seed(2)
     kv_dtype, block_size, num_heads, num_kv_heads = FP8[kv_name], 16, 8, 2
@@ -117,12 +118,13 @@ def test_c_decode_kernel_reads_fp8_exactly(kv_name, dtype, head_dim):
 
 @pytest.mark.parametrize("kv_name", sorted(FP8))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("head_dim", [8, 32, 64, 128, 256])
 def test_c_decode_kernel_reads_every_fp8_byte_as_torch_does(kv_name, dtype, head_dim):
     """All 256 byte patterns, NaN and inf included, as value elements: with a zero query the two
     keys weigh 1/2 each and the second's values are zero, so each output is half of what torch's
-    cast reads from that byte (NaN where torch reads NaN, inf where inf); head size 32 takes the
-    portable loop, 64 and 128 the vector path where the CPU has AVX-512."""
+    cast reads from that byte (NaN where torch reads NaN, inf where inf); head size 8 takes the
+    portable loop, 32 the AVX-512 path's copy over any multiple of 16 (the portable loop on AVX2),
+    64, 128 and 256 the vector path on AVX-512 and AVX2."""
     kv_dtype, block_size = FP8[kv_name], 16
     patterns = torch.arange(256, dtype=torch.uint8)
     num_seqs = 256 // head_dim  # sequence i holds patterns [i * head_dim, (i + 1) * head_dim) in key 0

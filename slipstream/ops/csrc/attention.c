@@ -14,9 +14,9 @@
  * is named in bits 4-7 of the dtype argument (0 there: the queries' dtype) and widened exactly as
  * it is read: e5m2 is the high byte of an fp16, e4m3fn's magnitude shifted into an fp16 is its
  * value times 2^-8 (subnormals included); their NaN and inf codes read as NaN and inf, as torch
- * reads them (the cache holds none: write_kv saturates); with AVX-512 a tile's fp8 keys are
- * widened once per kv head, into the queries' dtype (stage_keys). Any other dtype argument is
- * refused.
+ * reads them (the cache holds none: write_kv saturates); on the vector paths a tile's fp8 keys
+ * are widened once per kv head, into the queries' dtype with AVX-512 (stage_keys), into fp32
+ * with AVX2 (stage_keys_8). Any other dtype argument is refused.
  *
  * Layouts (row-major): q and out (num_seqs, num_heads, head_dim); k_cache and v_cache
  * (num_blocks, block_size, num_kv_heads, head_dim); block_tables (num_seqs, max_blocks) int64;
@@ -545,10 +545,29 @@ static inline __attribute__((always_inline)) void attend_avx512(
  * values accumulates 32 columns of up to 3 query heads (12 accumulators).
  */
 
-/* 8 consecutive elements as fp32. */
+/* 8 consecutive elements of a cache (dtype: a decode dtype argument) as fp32, exactly; fp8 as
+ * load_cache16 widens it, through fp16 bits (F16C) rather than per element (cache_value). */
 static inline __m256 load8(const void *base, int64_t index, int dtype) {
-    if (dtype == DTYPE_F32) return _mm256_loadu_ps((const float *)base + index);
-    return widen_bf16_8((const uint16_t *)base + index);
+    const int kv = kv_dtype_of(dtype);
+    if (kv == DTYPE_F32) return _mm256_loadu_ps((const float *)base + index);
+    if (kv == DTYPE_BF16) return widen_bf16_8((const uint16_t *)base + index);
+    const __m128i wide = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)base + index)));
+    if (kv == KV_DTYPE_E5M2) return _mm256_cvtph_ps(_mm_slli_epi16(wide, 8));
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x80)), 8);
+    const __m128i low = _mm_and_si128(wide, _mm_set1_epi16(0x7F));
+    /* e4m3fn's NaN (0x7F) would read as 480: an fp16 NaN in its place. */
+    const __m128i magnitude = _mm_blendv_epi8(_mm_slli_epi16(low, 7), _mm_set1_epi16(0x7E00),
+                                              _mm_cmpeq_epi16(low, _mm_set1_epi16(0x7F)));
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, magnitude)), _mm256_set1_ps(256.0f));
+}
+
+/* The TILE key rows at offsets[j] + kv_offset of an fp8 cache widened once into stage (TILE x
+ * head_dim fp32), so that a kv head's query heads pay the widening once between them. */
+static inline void stage_keys_8(float *stage, const void *k_cache, const int64_t *offsets, int64_t kv_offset,
+                                const int64_t head_dim, int dtype) {
+    for (int64_t j = 0; j < TILE; j++)
+        for (int64_t c = 0; c < head_dim; c += 8)
+            _mm256_storeu_ps(stage + j * head_dim + c, load8(k_cache, offsets[j] + kv_offset + c, dtype));
 }
 
 /* Lane i of the result = the sum of the 8 lanes of v[i]. */
@@ -592,7 +611,7 @@ static inline __attribute__((always_inline)) void attend_avx2(
     const int64_t group = num_heads / num_kv_heads, heads = kv_count * group;
     const int64_t num_keys = end - first;
     const int64_t stride = (num_keys + TILE - 1) / TILE * TILE;
-    const int64_t vectors = head_dim / 8, elem_size = dtype == DTYPE_F32 ? 4 : 2;
+    const int64_t vectors = head_dim / 8, elem_size = kv_elem_size(dtype);
     const int64_t slice_bytes = kv_count * head_dim * elem_size;  /* the task's part of a row */
     const int64_t head0 = seq * num_heads + kv_first * group;  /* the task's first query head */
     const int64_t value_passes =  /* request_next calls per value tile */
@@ -600,6 +619,8 @@ static inline __attribute__((always_inline)) void attend_avx2(
     int64_t *offsets = (int64_t *)scratch;        /* stride: each key's slice, in elements */
     float *scores = scratch + 2 * stride;          /* heads x stride */
     float *acc = scores + heads * stride;          /* heads x head_dim */
+    const int fp8 = dtype >> 4;
+    float *stage = fp8 ? acc + heads * head_dim : NULL;  /* fp8: TILE x head_dim staged keys */
     key_offsets(offsets, stride, first, num_keys, block_table, block_size, num_kv_heads, kv_first, head_dim);
     float query[head_dim];
     for (int64_t t0 = 0; t0 < num_keys; t0 += TILE) {
@@ -607,8 +628,9 @@ static inline __attribute__((always_inline)) void attend_avx2(
             request_next(next, (next->lines_per_tile + heads - 1) / heads);
             const int64_t kv_offset = (h / group) * head_dim;
             for (int64_t c = 0; c < vectors; c++)
-                _mm256_storeu_ps(query + 8 * c, _mm256_mul_ps(load8(q, (head0 + h) * head_dim + 8 * c, dtype),
-                                                              _mm256_set1_ps(scale)));
+                _mm256_storeu_ps(query + 8 * c, _mm256_mul_ps(load8(q, (head0 + h) * head_dim + 8 * c,
+                                                                    q_dtype_of(dtype)), _mm256_set1_ps(scale)));
+            if (fp8 && h % group == 0) stage_keys_8(stage, k_cache, offsets + t0, kv_offset, head_dim, dtype);
             for (int64_t j0 = 0; j0 < TILE; j0 += 8) {
                 __m256 partial_dots[8];
                 for (int64_t j = 0; j < 8; j++) {
@@ -623,9 +645,11 @@ static inline __attribute__((always_inline)) void attend_avx2(
                 const int64_t *keys = offsets + t0 + j0;
                 for (int64_t c = 0; c < vectors; c++) {
                     const __m256 query_c = _mm256_loadu_ps(query + 8 * c);
-                    for (int64_t j = 0; j < 8; j++)
-                        partial_dots[j] = _mm256_fmadd_ps(
-                            query_c, load8(k_cache, keys[j] + kv_offset + 8 * c, dtype), partial_dots[j]);
+                    for (int64_t j = 0; j < 8; j++) {
+                        const __m256 key = fp8 ? _mm256_loadu_ps(stage + (j0 + j) * head_dim + 8 * c)
+                                               : load8(k_cache, keys[j] + kv_offset + 8 * c, dtype);
+                        partial_dots[j] = _mm256_fmadd_ps(query_c, key, partial_dots[j]);
+                    }
                 }
                 _mm256_storeu_ps(scores + h * stride + t0 + j0, sum_lanes_8x8(partial_dots));
             }
@@ -702,8 +726,11 @@ DEFINE_ATTEND(attend_bf16_d128, ATTEND_SPECIALISED, 128, DTYPE_BF16)
 DEFINE_ATTEND(attend_f32_d256, ATTEND_SPECIALISED, 256, DTYPE_F32)
 DEFINE_ATTEND(attend_bf16_d256, ATTEND_SPECIALISED, 256, DTYPE_BF16)
 #undef ATTEND_SPECIALISED
+/* fp8 caches: the vector paths, which widen a tile's keys once per kv head (and each value as
+ * they read it, 16 or 8 at a time); copies with the dtypes constant at the commonest head sizes
+ * on AVX-512, one over the dtype argument otherwise. Without AVX2, or at head sizes the vector
+ * paths do not take, the portable loop, which widens element by element per query head. */
 #if defined(__AVX512F__)
-/* fp8 caches: the AVX-512 path at the common head sizes, the portable loop elsewhere. */
 DEFINE_ATTEND(attend_f32_e4m3_d64, attend_avx512, 64, DTYPE_F32 | KV_DTYPE_E4M3 << 4)
 DEFINE_ATTEND(attend_f32_e5m2_d64, attend_avx512, 64, DTYPE_F32 | KV_DTYPE_E5M2 << 4)
 DEFINE_ATTEND(attend_bf16_e4m3_d64, attend_avx512, 64, DTYPE_BF16 | KV_DTYPE_E4M3 << 4)
@@ -712,6 +739,8 @@ DEFINE_ATTEND(attend_f32_e4m3_d128, attend_avx512, 128, DTYPE_F32 | KV_DTYPE_E4M
 DEFINE_ATTEND(attend_f32_e5m2_d128, attend_avx512, 128, DTYPE_F32 | KV_DTYPE_E5M2 << 4)
 DEFINE_ATTEND(attend_bf16_e4m3_d128, attend_avx512, 128, DTYPE_BF16 | KV_DTYPE_E4M3 << 4)
 DEFINE_ATTEND(attend_bf16_e5m2_d128, attend_avx512, 128, DTYPE_BF16 | KV_DTYPE_E5M2 << 4)
+DEFINE_ATTEND(attend_fp8_d256, attend_avx512, 256, dtype)
+DEFINE_ATTEND(attend_fp8_any16, attend_avx512, head_dim, dtype)
 
 static attend_fn choose_fp8_kernel(int64_t head_dim, int dtype) {
     const attend_fn d64[2][2] = {{attend_f32_e4m3_d64, attend_f32_e5m2_d64},
@@ -722,6 +751,20 @@ static attend_fn choose_fp8_kernel(int64_t head_dim, int dtype) {
     if (!valid_cache_dtype(dtype) || !(dtype >> 4)) return attend_any_fp8;  /* never past the tables */
     if (head_dim == 64) return d64[q][kv];
     if (head_dim == 128) return d128[q][kv];
+    if (head_dim == 256) return attend_fp8_d256;
+    if (head_dim % 16 == 0 && head_dim <= 256) return attend_fp8_any16;
+    return attend_any_fp8;
+}
+#elif defined(SLIPSTREAM_AVX2)
+DEFINE_ATTEND(attend_fp8_d64, attend_avx2, 64, dtype)
+DEFINE_ATTEND(attend_fp8_d128, attend_avx2, 128, dtype)
+DEFINE_ATTEND(attend_fp8_d256, attend_avx2, 256, dtype)
+
+static attend_fn choose_fp8_kernel(int64_t head_dim, int dtype) {
+    (void)dtype;
+    if (head_dim == 64) return attend_fp8_d64;
+    if (head_dim == 128) return attend_fp8_d128;
+    if (head_dim == 256) return attend_fp8_d256;
     return attend_any_fp8;
 }
 #else
@@ -1233,7 +1276,8 @@ static inline void widen_row(const char *src, float *dst, int64_t D, int dtype, 
 
 /* A task's working memory. In bf16 q, kt, v and p hold bf16 pairs (the arithmetic's inputs), in
  * fp32 q, kt and v fp32 values and p is unused; s, o, max and sum are fp32 either way. stage (an
- * fp8 cache only) holds a tile's keys, then its values, widened to the arithmetic's dtype. */
+ * fp8 cache only) holds a tile's keys, then its values, widened to the queries' dtype (bf16
+ * queries without AVX512-BF16: bf16 there, which pack_tile_f32 widens again as from a bf16 cache). */
 typedef struct {
     float *q, *o, *s, *kt, *v, *max, *sum;
     uint32_t *p;
@@ -1258,9 +1302,9 @@ static prefill_scratch split_prefill_scratch(float *base, int64_t rows, int64_t 
     return s;
 }
 
-/* Rows [j0, j0 + n) of an fp8 cache (dtype: bits 0-3 the arithmetic's fp32 or bf16, bits 4-7 the
+/* Rows [j0, j0 + n) of an fp8 cache (dtype: bits 0-3 the queries' fp32 or bf16, bits 4-7 the
  * cache's) for kv head g widened into w.stage, keys then values, each row D values after the last:
- * through the decode kernel's reader (load_cache16, fp8_row_f32), and to bf16 by dropping the low
+ * through the decode kernel's reader (load_cache16, load8), and to bf16 by dropping the low
  * half of the fp32 bits, which is exact (every e4m3 and e5m2 value has a 2-4 bit significand). The
  * tile packers then read the stage as a cache of one head in one block (stage_table). */
 static void stage_fp8_tile(const void *k_cache, const void *v_cache, const int64_t *block_table, int64_t j0,
@@ -1276,7 +1320,7 @@ static void stage_fp8_tile(const void *k_cache, const void *v_cache, const int64
 #if defined(__AVX512F__)
             for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(row + d, load_cache16(cache, index + d, dtype));
 #else
-            fp8_row_f32(cache, index, D, dtype >> 4, row);
+            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(row + d, load8(cache, index + d, dtype));
 #endif
             if (!bf16) {
                 memcpy(w.stage + at, row, D * sizeof(float));

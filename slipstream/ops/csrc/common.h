@@ -146,10 +146,11 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define WIDE_VECTORS
 /* AVX2 with FMA and without AVX-512 (Haswell to Alder Lake, Zen 1 to 3): the products of the
- * matrix-vector and panel kernels in 8-lane vectors, bf16 widened to fp32 as above. */
+ * matrix-vector and panel kernels in 8-lane vectors, bf16 widened to fp32 as above, fp8 through
+ * fp16 (F16C, which every CPU with AVX2 and FMA has). */
 #define SLIPSTREAM_AVX2 1
 
 static inline __m256 even_bf16_8(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
