@@ -292,6 +292,19 @@ static inline __attribute__((always_inline)) void attend_one(
 /* Keys (values) per tile of the vector paths. */
 enum { TILE = 16 };
 
+/* 16 fp8 bytes (kv: KV_DTYPE_*) as fp16 bits: e5m2 is the high byte of an fp16; e4m3fn's
+ * magnitude shifted into an fp16 is its value times 2^-8 (subnormals included), so the caller
+ * multiplies by 256 after widening; e4m3fn's NaN (0x7F, which would read as 480) an fp16 NaN. */
+static inline __m256i fp8_as_fp16(__m128i bytes, int kv) {
+    const __m256i wide = _mm256_cvtepu8_epi16(bytes);
+    if (kv == KV_DTYPE_E5M2) return _mm256_slli_epi16(wide, 8);
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8);
+    const __m256i low = _mm256_and_si256(wide, _mm256_set1_epi16(0x7F));
+    const __m256i magnitude = _mm256_blendv_epi8(_mm256_slli_epi16(low, 7), _mm256_set1_epi16(0x7E00),
+                                                 _mm256_cmpeq_epi16(low, _mm256_set1_epi16(0x7F)));
+    return _mm256_or_si256(sign, magnitude);
+}
+
 static inline void prefetch_bytes(const void *base, int64_t index, int64_t bytes, int64_t elem_size) {
     const char *start = (const char *)base + index * elem_size;
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(start + b, _MM_HINT_T0);
@@ -392,14 +405,9 @@ static inline __m512 sum_lanes_16(const __m512 v[16]) {
 static inline __m512 load_cache16(const void *base, int64_t index, int dtype) {
     const int kv = kv_dtype_of(dtype);
     if (kv == DTYPE_F32 || kv == DTYPE_BF16) return load16(base, index, kv);
-    const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + index)));
-    if (kv == KV_DTYPE_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(wide, 8));
-    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(wide, _mm256_set1_epi16(0x80)), 8);
-    const __m256i low = _mm256_and_si256(wide, _mm256_set1_epi16(0x7F));
-    /* e4m3fn's NaN (0x7F) would read as 480: an fp16 NaN in its place. */
-    const __m256i magnitude = _mm256_blendv_epi8(_mm256_slli_epi16(low, 7), _mm256_set1_epi16(0x7E00),
-                                                 _mm256_cmpeq_epi16(low, _mm256_set1_epi16(0x7F)));
-    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, magnitude)), _mm512_set1_ps(256.0f));
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)base + index));
+    const __m512 x = _mm512_cvtph_ps(fp8_as_fp16(bytes, kv));
+    return kv == KV_DTYPE_E5M2 ? x : _mm512_mul_ps(x, _mm512_set1_ps(256.0f));
 }
 
 /* q . k as 16 partial sums. bf16 with AVX512-BF16: vdpbf16ps on the unscaled bf16 query (the
@@ -545,20 +553,15 @@ static inline __attribute__((always_inline)) void attend_avx512(
  * values accumulates 32 columns of up to 3 query heads (12 accumulators).
  */
 
-/* 8 consecutive elements of a cache (dtype: a decode dtype argument) as fp32, exactly; fp8 as
- * load_cache16 widens it, through fp16 bits (F16C) rather than per element (cache_value). */
+/* 8 consecutive elements of a cache (dtype: a decode dtype argument) as fp32, exactly; fp8 through
+ * fp16 (F16C) as load_cache16 widens it, not per element (cache_value). */
 static inline __m256 load8(const void *base, int64_t index, int dtype) {
     const int kv = kv_dtype_of(dtype);
     if (kv == DTYPE_F32) return _mm256_loadu_ps((const float *)base + index);
     if (kv == DTYPE_BF16) return widen_bf16_8((const uint16_t *)base + index);
-    const __m128i wide = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)base + index)));
-    if (kv == KV_DTYPE_E5M2) return _mm256_cvtph_ps(_mm_slli_epi16(wide, 8));
-    const __m128i sign = _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0x80)), 8);
-    const __m128i low = _mm_and_si128(wide, _mm_set1_epi16(0x7F));
-    /* e4m3fn's NaN (0x7F) would read as 480: an fp16 NaN in its place. */
-    const __m128i magnitude = _mm_blendv_epi8(_mm_slli_epi16(low, 7), _mm_set1_epi16(0x7E00),
-                                              _mm_cmpeq_epi16(low, _mm_set1_epi16(0x7F)));
-    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, magnitude)), _mm256_set1_ps(256.0f));
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)((const uint8_t *)base + index));
+    const __m256 x = _mm256_cvtph_ps(_mm256_castsi256_si128(fp8_as_fp16(bytes, kv)));
+    return kv == KV_DTYPE_E5M2 ? x : _mm256_mul_ps(x, _mm256_set1_ps(256.0f));
 }
 
 /* The TILE key rows at offsets[j] + kv_offset of an fp8 cache widened once into stage (TILE x
