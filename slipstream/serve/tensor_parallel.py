@@ -65,9 +65,10 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 exits closes its connections and the others fail at once)."""
 START_TIMEOUT_S = 120.0
 """How long the driver waits for a worker to start its interpreter and reach the rendezvous."""
-STOP_TIMEOUT_S = 2.0
-"""How long a stopped worker has to exit before it is killed (a serving worker exits at once;
-one still loading its shard does not read its stdin)."""
+STOP_TIMEOUT_S = 10.0
+"""How long a stopped worker has to exit before it is killed (a serving worker exits at once, in
+under a second on an idle machine but in over 2 s with four ranks on a busy 2-core one; one still
+loading its shard does not read its stdin)."""
 
 
 def check_tensor_parallel(config: ModelConfig, size: int, device: torch.device) -> None:
