@@ -163,14 +163,14 @@ def test_background_runs_to_the_foreground_reply(client):
     assert done.usage.model_dump() == foreground.usage.model_dump()
     with pytest.raises(openai.BadRequestError) as error:
         client.responses.cancel(done.id)
-    for body, param in (({"store": False}, "background"), ({"stream": True}, "stream")):
-        with pytest.raises(openai.BadRequestError) as error:
-            client.responses.create(model=MODEL_NAME, input=QUESTION, background=True, extra_body=body)
-        assert error.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.create(model=MODEL_NAME, input=QUESTION, background=True, store=False)
+    assert error.value.body["param"] == "background"
 
 
 def test_cancel_stops_a_background_response_and_frees_its_blocks(client, api, engine, slow_steps):
-    """A running background response cannot be continued yet, nor its events streamed (400s).
+    """A running background response cannot be continued yet, nor, not created streamed, its events
+    streamed (400s, as vLLM: it keeps events of streamed ones only).
     Cancelling it makes it "cancelled" (GET says so too) and aborts its request (`wait_aborted`)."""
     before = aborted(api)
     started = client.responses.create(model=MODEL_NAME, input=QUESTION, background=True, **GREEDY)
@@ -180,13 +180,80 @@ def test_cancel_stops_a_background_response_and_frees_its_blocks(client, api, en
     assert error.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.BadRequestError) as error:  # vLLM's replay of its events
         client.responses.retrieve(started.id, stream=True)
-    assert error.value.body["param"] == "stream"
+    assert error.value.body["param"] == "response_id"
     cancelled = client.responses.cancel(started.id)
     assert cancelled.status == "cancelled"
     wait_aborted(api, engine, before)
     assert client.responses.retrieve(started.id).status == "cancelled"
     with pytest.raises(openai.BadRequestError):
         client.responses.cancel(started.id)
+
+
+def test_a_streamed_background_response_runs_on_after_the_client_leaves(client, api, slow_steps):
+    """background and stream: response.created says "queued", then response.in_progress; the client
+    leaving after those does not abort it (no abort counted): GET finds it finished with the
+    foreground reply's text. GET ?stream=true then replays its events, numbered 0, 1, 2, ..., their
+    deltas the reply's text and the last response.completed with the Response GET returns; with
+    starting_after=N, exactly those numbered after N."""
+    options = dict(model=MODEL_NAME, input=QUESTION, max_output_tokens=64, **GREEDY)
+    foreground = client.responses.create(store=False, **options)
+    before = aborted(api)
+    with client.responses.create(background=True, stream=True, **options) as events:
+        created, in_progress = next(events), next(events)
+    assert created.type == "response.created" and created.response.status == "queued"
+    assert created.response.background
+    assert in_progress.type == "response.in_progress" and in_progress.response.status == "in_progress"
+    done = poll(client, created.response.id, until=("completed", "incomplete", "failed"))
+    assert done.status == "incomplete" and done.output_text == foreground.output_text
+    assert aborted(api) == before
+    replayed = list(client.responses.retrieve(done.id, stream=True))
+    assert [event.sequence_number for event in replayed] == list(range(len(replayed)))
+    assert replayed[0].model_dump() == created.model_dump()
+    text = "".join(event.delta for event in replayed if event.type == "response.output_text.delta")
+    assert text == foreground.output_text
+    assert replayed[-1].type == "response.completed"
+    assert replayed[-1].response.model_dump() == done.model_dump()
+    after = list(client.responses.retrieve(done.id, stream=True, starting_after=5))
+    assert [event.model_dump() for event in after] == [event.model_dump() for event in replayed[6:]]
+
+
+def test_cancelling_a_streamed_background_response_ends_its_streams(client, api, engine, slow_steps):
+    """A follower joining a live background stream (GET ?stream=true&starting_after=N) gets the
+    events after N as the creating stream does; cancelling the response ends both streams (OpenAI
+    names no cancelled event) after the same events, and aborts its request (`wait_aborted`)."""
+    before = aborted(api)
+    stream = client.responses.create(model=MODEL_NAME, input=QUESTION, background=True, stream=True,
+                                     **GREEDY)
+    events = iter(stream)
+    first = [next(events) for _ in range(6)]
+    response_id = first[0].response.id
+    follower = client.responses.retrieve(response_id, stream=True, starting_after=3)
+    followed = iter(follower)
+    joined = [next(followed) for _ in range(2)]
+    assert [event.model_dump() for event in joined] == [event.model_dump() for event in first[4:6]]
+    assert client.responses.cancel(response_id).status == "cancelled"
+    rest, followed_rest = list(events), list(followed)
+    assert all(event.type == "response.output_text.delta" for event in rest + followed_rest)
+    assert [event.sequence_number for event in first + rest] == list(range(6 + len(rest)))
+    assert [event.model_dump() for event in followed_rest] == [event.model_dump() for event in rest]
+    wait_aborted(api, engine, before)
+    assert client.responses.retrieve(response_id).status == "cancelled"
+
+
+def test_streaming_a_stored_response_checks_what_it_is_asked(client):
+    """GET ?stream=true of a response not created background and streamed is a 400 naming
+    response_id (as vLLM: none of its events are kept), of an unknown one a 404; starting_after that
+    is not a sequence number, or a stream that is not true or false, a 400 naming it."""
+    stored = client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.retrieve(stored.id, stream=True)
+    assert error.value.body["param"] == "response_id"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_" + "0" * 32, stream=True)
+    for query in ({"starting_after": "-1"}, {"starting_after": "two"}, {"stream": "maybe"}):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.responses.retrieve(stored.id, extra_query=query)
+        assert error.value.body["param"] == next(iter(query))
 
 
 def test_a_truncated_chain_stores_only_the_history_it_rendered(client, api):

@@ -939,8 +939,7 @@ class ResponsesRequest(_Body):
 
     def check_store(self, enabled: bool) -> None:
         """Without the server's store (`enabled` False), vLLM's answers: background is a 400 and a
-        previous response is never found. With it, background needs `store` (as OpenAI) and, here,
-        no `stream` (a background response is read by polling GET /v1/responses/{id})."""
+        previous response is never found. With it, background needs `store` (as OpenAI)."""
         if not enabled:
             if self.background:
                 raise bad_request("background needs store, which this server does not offer (as vLLM "
@@ -951,9 +950,6 @@ class ResponsesRequest(_Body):
         if self.background and not self.store:
             raise bad_request("background needs store true (a background response is read back from the "
                               "store)", "background")
-        if self.background and self.stream:
-            raise bad_request("background responses are not streamed by this server; poll GET "
-                              "/v1/responses/{id} instead", "stream")
         if self.previous_response_id is not None and not self.previous_response_id.startswith("resp_"):
             raise response_not_found(self.previous_response_id, "previous_response_id")
 

@@ -35,6 +35,7 @@ import dataclasses
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from slipstream.serve.reasoning_replies import Reasoning
@@ -179,9 +180,15 @@ class ResponseBuilder:
 
     def opening(self) -> list[str]:
         """response.created and response.in_progress, before the engine's first output."""
-        response = self._body(None, [], None)
-        return [self._event("response.created", response=response),
-                self._event("response.in_progress", response=response)]
+        return [self.created("in_progress"), self.in_progress()]
+
+    def created(self, status: str) -> str:
+        """response.created: "in_progress" for a stream, "queued" for a background one (as OpenAI's),
+        whose response.in_progress waits for the engine's first output."""
+        return self._event("response.created", response=self.pending(status))
+
+    def in_progress(self) -> str:
+        return self._event("response.in_progress", response=self.pending("in_progress"))
 
     def update(self, output: RequestOutput) -> list[str]:
         """The events of the reply's news since the last update: its reasoning, then a text reply's
@@ -386,10 +393,44 @@ class StoredResponse:
     dropped are not kept (`ResponsesRequest.conversation`)."""
     task: asyncio.Task | None = None
     """A background response's run, which cancelling it cancels."""
+    events: list[str] | None = None
+    """A streamed background response's events so far, each numbered by its index (its
+    sequence_number), for GET /v1/responses/{id}?stream=true; None for any other response (as vLLM
+    and OpenAI, only those are replayed). All are kept while the entry is, at most a few more than
+    the reply's tokens (one delta per engine step, and ten or so for the items and the Response), and
+    go with it when the store forgets it."""
+    _news: asyncio.Future | None = None
+    """Resolved (and replaced) when an event is added or the run ends: what followers wait on."""
 
     @property
     def unfinished(self) -> bool:
         return self.response["status"] in UNFINISHED
+
+    def add_events(self, events: list[str]) -> None:
+        self.events.extend(events)
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake every follower waiting for news."""
+        news, self._news = self._news, None
+        if news is not None and not news.done():
+            news.set_result(None)
+
+    async def follow(self, starting_after: int) -> AsyncIterator[str]:
+        """The events numbered after `starting_after`, then the live ones until the run ends (its
+        last event, or a cancel, which OpenAI names no event for: the stream just ends, and GET says
+        "cancelled"). A follower leaving (the client disconnected) leaves the run going."""
+        index = starting_after + 1
+        while True:
+            if self._news is None:
+                self._news = asyncio.get_running_loop().create_future()
+            news = self._news
+            while index < len(self.events):
+                index += 1
+                yield self.events[index - 1]
+            if self.task.done():
+                return
+            await asyncio.wait([news])  # not `await news`: a follower cancelled must not cancel the others'
 
     def history(self) -> list[dict[str, Any]]:
         """What a request continuing from this response (its previous_response_id) puts before its

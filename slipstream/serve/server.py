@@ -502,10 +502,17 @@ class OpenAIServer:
         if store is not None and body.store:
             entry = responses_api.StoredResponse(builder.pending("queued"), body.conversation(dropped_users))
         if body.background:  # check_store: only with an entry
-            entry.task = asyncio.create_task(self._run_in_background(stream, builder, entry))
+            if body.stream:
+                entry.events = []
+                entry.task = asyncio.create_task(self._stream_in_background(stream, builder, entry))
+            else:
+                entry.task = asyncio.create_task(self._run_in_background(stream, builder, entry))
             # A task cancelled before its first step never runs its body: abort the request here.
             entry.task.add_done_callback(lambda _: stream.close())
+            entry.task.add_done_callback(lambda _: entry.wake())
             store.put(builder.id, entry)
+            if body.stream:
+                return _event_stream(entry.follow(-1))
             return JSONResponse(entry.response)
 
         def keep(response: dict[str, Any]) -> None:
@@ -537,6 +544,31 @@ class OpenAIServer:
             return
         entry.response = builder.response(output)
 
+    async def _stream_in_background(self, stream: RequestStream, builder: responses_api.ResponseBuilder,
+                                    entry: responses_api.StoredResponse) -> None:
+        """A streamed background response's run: its events go to the entry, which the POST's stream
+        and any GET ?stream=true follow, so that the client leaving ends neither. response.created
+        says "queued"; response.in_progress comes with the engine's first output, as the status."""
+        entry.add_events([builder.created("queued")])
+        latest = None
+        try:
+            async for outputs in stream:
+                events = []
+                if entry.response["status"] == "queued":
+                    entry.response["status"] = "in_progress"
+                    events.append(builder.in_progress())
+                for latest in outputs:
+                    events += builder.update(latest)
+                entry.add_events(events)
+            events = builder.closing(latest)
+            entry.response = builder.response(latest)
+            entry.add_events(events)
+        except EngineError as error:
+            logger.error("background response %s failed: %s", builder.id, error)
+            entry.response = entry.response | {
+                "status": "failed", "error": {"code": "server_error", "message": str(error)}}
+            entry.add_events([builder.error(str(error))])
+
     def _response_prompt(self, body: protocol.ResponsesRequest,
                          chat: ChatCompletionRequest) -> tuple[list[int], int]:
         """The input's ids as the chat template renders them, and how many of the chat's user messages
@@ -557,13 +589,19 @@ class OpenAIServer:
 
     async def retrieve_response(self, request: Request, response_id: str) -> Response:
         """GET /v1/responses/{id}: the stored Response (a background one as it stands). As vLLM by
-        default, a server without the store finds none. Its `stream` replay of a background
-        response's events is not served (background responses are not streamed here)."""
+        default, a server without the store finds none. With `stream`, a streamed background
+        response's events numbered after `starting_after` (all without it), then the live ones until
+        it ends; any other response has no events kept (a 400, as vLLM)."""
         self._authorize(request)
-        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
-            raise protocol.bad_request("this server does not stream stored responses; GET without stream",
-                                       "stream")
-        return JSONResponse(self._stored(response_id).response)
+        stream = _query_flag(request, "stream")
+        starting_after = _query_count(request, "starting_after")
+        entry = self._stored(response_id)
+        if not stream:
+            return JSONResponse(entry.response)
+        if entry.events is None:
+            raise protocol.bad_request(f"Response {response_id} was not created with background and stream "
+                                       "true: it has no events to stream", "response_id")
+        return _event_stream(entry.follow(-1 if starting_after is None else starting_after))
 
     async def cancel_response(self, request: Request, response_id: str) -> Response:
         """POST /v1/responses/{id}/cancel: a queued or in-progress background response stops (its
@@ -986,6 +1024,24 @@ def _chat_response(meta: ResponseMeta, output: RequestOutput, reasoning: Reasoni
     if reasoning is None:
         return responses.chat_response(meta, output, **options)
     return reasoning_replies.chat_response(reasoning, meta, output, **options)
+
+
+def _query_flag(request: Request, name: str) -> bool:
+    value = request.query_params.get(name, "false")
+    if value.lower() not in ("true", "1", "false", "0"):
+        raise protocol.bad_request(f"{name} must be true or false, got {value!r}", name)
+    return value.lower() in ("true", "1")
+
+
+def _query_count(request: Request, name: str) -> int | None:
+    """A query parameter that is a sequence number (0 or more), None where absent."""
+    value = request.query_params.get(name)
+    if value is None:
+        return None
+    if not (value.isascii() and value.isdigit()):
+        raise protocol.bad_request(f"{name} must be a sequence number (an integer, 0 or more), got "
+                                   f"{value[:64]!r}", name)
+    return int(value)
 
 
 def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
