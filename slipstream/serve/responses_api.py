@@ -24,7 +24,8 @@ output order. With include_reasoning false there are no reasoning items and no l
 tokens would show the reasoning; vLLM hides them too).
 
 With VLLM_ENABLE_RESPONSES_API_STORE, `ResponseStore` keeps the Responses (and the conversations
-that produced them) that GET /v1/responses/{id}, previous_response_id and cancel read.
+that produced them) that GET /v1/responses/{id}, previous_response_id and cancel read, and a
+streamed background response's events, which GET /v1/responses/{id}?stream=true replays.
 """
 
 from __future__ import annotations

@@ -463,8 +463,9 @@ class OpenAIServer:
         answered as a chat completion is, then as a Response or its stream (responses_api.py). As
         vLLM, the output is capped at what the context leaves after the input. With the store
         (VLLM_ENABLE_RESPONSES_API_STORE), a previous response's history leads the input, a Response
-        with `store` is kept once finished, and a background one is answered at once, "queued", and
-        runs on in the engine, whoever disconnects, until it finishes or is cancelled."""
+        with `store` is kept once finished, and a background one is answered at once, "queued" (or,
+        streamed, with a stream that follows its kept events), and runs on in the engine, whoever
+        disconnects, until it finishes or is cancelled."""
         arrival_time_s = time.monotonic()
         body = await self._parse(request, protocol.ResponsesRequest)
         store = self.response_store
@@ -1027,10 +1028,14 @@ def _chat_response(meta: ResponseMeta, output: RequestOutput, reasoning: Reasoni
 
 
 def _query_flag(request: Request, name: str) -> bool:
-    value = request.query_params.get(name, "false")
-    if value.lower() not in ("true", "1", "false", "0"):
-        raise protocol.bad_request(f"{name} must be true or false, got {value!r}", name)
-    return value.lower() in ("true", "1")
+    """A true/false query parameter, false where absent, read as vLLM's (FastAPI's) bool."""
+    value = request.query_params.get(name, "false").lower()
+    if value not in QUERY_TRUE + QUERY_FALSE:
+        raise protocol.bad_request(f"{name} must be true or false, got {value[:64]!r}", name)
+    return value in QUERY_TRUE
+
+
+QUERY_TRUE, QUERY_FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
 def _query_count(request: Request, name: str) -> int | None:
