@@ -194,7 +194,8 @@ def test_a_streamed_background_response_runs_on_after_the_client_leaves(client, 
     leaving after those does not abort it (no abort counted): GET finds it finished with the
     foreground reply's text. GET ?stream=true then replays its events, numbered 0, 1, 2, ..., their
     deltas the reply's text and the last response.completed with the Response GET returns; with
-    starting_after=N, exactly those numbered after N."""
+    starting_after=N, exactly those numbered after N. STORE_SIZE responses later it is forgotten,
+    events and all (a 404)."""
     options = dict(model=MODEL_NAME, input=QUESTION, max_output_tokens=64, **GREEDY)
     foreground = client.responses.create(store=False, **options)
     before = aborted(api)
@@ -215,6 +216,11 @@ def test_a_streamed_background_response_runs_on_after_the_client_leaves(client, 
     assert replayed[-1].response.model_dump() == done.model_dump()
     after = list(client.responses.retrieve(done.id, stream=True, starting_after=5))
     assert [event.model_dump() for event in after] == [event.model_dump() for event in replayed[6:]]
+    for _ in range(STORE_SIZE):  # the store forgets it, and its events with it
+        client.responses.create(model=MODEL_NAME, input=QUESTION, max_output_tokens=1)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(done.id, stream=True)
+    assert len(api.response_store) == STORE_SIZE
 
 
 def test_cancelling_a_streamed_background_response_ends_its_streams(client, api, engine, slow_steps):
