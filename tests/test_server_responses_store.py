@@ -17,6 +17,7 @@ import pytest
 import transformers
 from server_process import MODEL_NAME, in_process
 
+from slipstream.serve import responses_api
 from slipstream.serve.engine import Engine, EngineConfig
 from slipstream.serve.served_models import responses_api_store
 from slipstream.serve.server import OpenAIServer, ServerConfig
@@ -256,10 +257,38 @@ def test_streaming_a_stored_response_checks_what_it_is_asked(client):
     assert error.value.body["param"] == "response_id"
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_" + "0" * 32, stream=True)
-    for query in ({"starting_after": "-1"}, {"starting_after": "two"}, {"stream": "maybe"}):
+    for query in ({"starting_after": "-1"}, {"starting_after": "two"}, {"starting_after": "9" * 5000},
+                  {"stream": "maybe"}):
         with pytest.raises(openai.BadRequestError) as error:
             client.responses.retrieve(stored.id, extra_query=query)
         assert error.value.body["param"] == next(iter(query))
+    for flag in ("t", "y", "on"):  # pydantic's bool spellings, which vLLM's parameter reads: true
+        with pytest.raises(openai.BadRequestError) as error:
+            client.responses.retrieve(stored.id, extra_query={"stream": flag})
+        assert error.value.body["param"] == "response_id"
+    for flag in ("f", "n", "off"):
+        assert client.responses.retrieve(stored.id, extra_query={"stream": flag}).id == stored.id
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_background_run_that_raises_fails_and_says_so(client, monkeypatch, caplog, streamed):
+    """A background run that raises something other than an engine error (a server bug: here the
+    Response builder) makes the Response "failed" with a server_error, logs the error, and, streamed,
+    ends its stream with an error event, instead of staying "in_progress" for ever."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("a builder bug")
+
+    monkeypatch.setattr(responses_api.ResponseBuilder, "update" if streamed else "response", broken)
+    options = dict(model=MODEL_NAME, input=QUESTION, max_output_tokens=8, background=True, **GREEDY)
+    if streamed:
+        events = list(client.responses.create(stream=True, **options))
+        assert events[-1].type == "error"
+        response_id = events[0].response.id
+    else:
+        response_id = client.responses.create(**options).id
+    failed = poll(client, response_id, ("failed", "completed", "incomplete"))
+    assert failed.status == "failed" and failed.error.code == "server_error"
+    assert "a builder bug" in caplog.text
 
 
 def test_a_truncated_chain_stores_only_the_history_it_rendered(client, api):

@@ -532,18 +532,15 @@ class OpenAIServer:
                                  entry: responses_api.StoredResponse) -> None:
         """A background response's run: "in_progress" from the engine's first output, then the
         finished Response. Cancelling the task (cancel_response) leaves the stream, which aborts the
-        request; the engine failing makes it "failed"."""
+        request; the engine failing, or any other error, makes it "failed" (`_background_failed`)."""
         output = None
         try:
             async for outputs in stream:
                 [output] = outputs
                 entry.response["status"] = "in_progress"
-        except EngineError as error:
-            logger.error("background response %s failed: %s", builder.id, error)
-            entry.response = entry.response | {
-                "status": "failed", "error": {"code": "server_error", "message": str(error)}}
-            return
-        entry.response = builder.response(output)
+            entry.response = builder.response(output)
+        except Exception as error:  # noqa: BLE001 (not CancelledError: a cancel is no failure)
+            _background_failed(entry, builder, error)
 
     async def _stream_in_background(self, stream: RequestStream, builder: responses_api.ResponseBuilder,
                                     entry: responses_api.StoredResponse) -> None:
@@ -564,11 +561,8 @@ class OpenAIServer:
             events = builder.closing(latest)
             entry.response = builder.response(latest)
             entry.add_events(events)
-        except EngineError as error:
-            logger.error("background response %s failed: %s", builder.id, error)
-            entry.response = entry.response | {
-                "status": "failed", "error": {"code": "server_error", "message": str(error)}}
-            entry.add_events([builder.error(str(error))])
+        except Exception as error:  # noqa: BLE001 (not CancelledError: a cancel is no failure)
+            _background_failed(entry, builder, error)
 
     def _response_prompt(self, body: protocol.ResponsesRequest,
                          chat: ChatCompletionRequest) -> tuple[list[int], int]:
@@ -1027,6 +1021,23 @@ def _chat_response(meta: ResponseMeta, output: RequestOutput, reasoning: Reasoni
     return reasoning_replies.chat_response(reasoning, meta, output, **options)
 
 
+def _background_failed(entry: responses_api.StoredResponse, builder: responses_api.ResponseBuilder,
+                       error: Exception) -> None:
+    """A background run that raised: its Response "failed" (else GET would say "in_progress" for
+    ever), the error logged (a task's exception is otherwise never seen) and, streamed, its error
+    event. The engine's errors are told; any other is a server bug, told only in the log."""
+    if isinstance(error, EngineError):
+        logger.error("background response %s failed: %s", builder.id, error)
+        message = str(error)
+    else:
+        logger.error("background response %s failed", builder.id, exc_info=error)
+        message = "internal server error; see the server log"
+    entry.response = entry.response | {"status": "failed",
+                                       "error": {"code": "server_error", "message": message}}
+    if entry.events is not None:
+        entry.add_events([builder.error(message)])
+
+
 def _query_flag(request: Request, name: str) -> bool:
     """A true/false query parameter, false where absent, read as vLLM's (FastAPI's) bool."""
     value = request.query_params.get(name, "false").lower()
@@ -1035,7 +1046,8 @@ def _query_flag(request: Request, name: str) -> bool:
     return value in QUERY_TRUE
 
 
-QUERY_TRUE, QUERY_FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+QUERY_TRUE, QUERY_FALSE = ("true", "t", "1", "yes", "y", "on"), ("false", "f", "0", "no", "n", "off")
+"""The spellings pydantic's bool (vLLM's query parameters) reads, lower-cased."""
 
 
 def _query_count(request: Request, name: str) -> int | None:
@@ -1043,7 +1055,7 @@ def _query_count(request: Request, name: str) -> int | None:
     value = request.query_params.get(name)
     if value is None:
         return None
-    if not (value.isascii() and value.isdigit()):
+    if not (value.isascii() and value.isdigit() and len(value) <= 18):  # int() refuses 4,300+ digits
         raise protocol.bad_request(f"{name} must be a sequence number (an integer, 0 or more), got "
                                    f"{value[:64]!r}", name)
     return int(value)
