@@ -104,6 +104,9 @@ HARMONY = {  # reply (raw, special tokens kept; the stop token <|call|> is not i
         "Checking.", [PARIS]),
     "the recipient before the channel": (
         '<|start|>assistant to=functions.noop<|channel|>commentary json<|message|>{}', None, [("noop", {})]),
+    "the recipient in the role's part, right after the prompt's <|start|>assistant": (
+        ' to=functions.noop<|channel|>commentary json<|message|>{}', None, [("noop", {})]),
+    "plain text that begins like a recipient": (" tomorrow, to=be sure", " tomorrow, to=be sure", []),
     "two calls": (f"{GPT_CALL}<|call|><|start|>assistant to=functions.noop<|channel|>commentary"
                   "<|message|>{}", None, [PARIS, ("noop", {})]),
     "a built-in tool's call is left out": (

@@ -98,6 +98,10 @@ HARMONY_HEADS = ("<|start|>", "<|channel|>")
 """Harmony markers that begin a message's header, which `<|message|>` ends."""
 HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
 HARMONY_MESSAGE = "<|message|>"
+HARMONY_OPENINGS = (*HARMONY_HEADS, " to=")
+"""How a reply may open its first header: the prompt ends with `<|start|>assistant`, and the
+header goes on with a channel or, in the role's part, a recipient (`<|start|>assistant
+to=functions.NAME<|channel|>...`)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -150,9 +154,9 @@ class _ReplyStream:
 
 
 class HarmonyStream(_ReplyStream):
-    """One harmony reply read as it grows (ReasoningStream's interface). A reply that does not
-    open with a header (the prompt ends with `<|start|>assistant`) is plain text: content; its
-    content begins with the first message not of the analysis channel."""
+    """One harmony reply read as it grows (ReasoningStream's interface). The prompt ends with
+    `<|start|>assistant`; a reply that does not go on with the rest of a header (`HARMONY_OPENINGS`)
+    is plain text: content. Its content begins with the first message not of the analysis channel."""
 
     def __init__(self, parser: HarmonyParser) -> None:
         super().__init__(parser.thinking)
@@ -171,10 +175,10 @@ class HarmonyStream(_ReplyStream):
         if not self._parser.thinking:
             return "", text
         if not self._began:
-            if not finished and any(head.startswith(text) for head in HARMONY_HEADS):
+            if not finished and any(opening.startswith(text) for opening in HARMONY_OPENINGS):
                 return "", ""  # the reply may yet open with a header
             self._began = True
-            if not text.startswith(HARMONY_HEADS):
+            if not text.startswith(HARMONY_OPENINGS):
                 self._channel = "final"
         reasoning = []
         while True:
@@ -195,8 +199,8 @@ class HarmonyStream(_ReplyStream):
         return "".join(reasoning), self._content
 
     def _header(self, text: str) -> bool:
-        """Read a whole header (`[<|start|>ROLE]<|channel|>NAME[ to=RECIPIENT]...<|message|>`) if
-        the text holds one; the channel is the name's first word."""
+        """Read a whole header (`[<|start|>ROLE][ to=RECIPIENT]<|channel|>NAME[ to=RECIPIENT]...
+        <|message|>`) if the text holds one; the channel is the name's first word."""
         end = text.find(HARMONY_MESSAGE, self._read)
         if end < 0:
             return False

@@ -37,7 +37,13 @@ import re
 import uuid
 from typing import Any
 
-from slipstream.serve.reasoning_parsers import HARMONY_ENDS, HARMONY_HEADS, HARMONY_MESSAGE, held_tail
+from slipstream.serve.reasoning_parsers import (
+    HARMONY_ENDS,
+    HARMONY_HEADS,
+    HARMONY_MESSAGE,
+    HARMONY_OPENINGS,
+    held_tail,
+)
 
 START, END = "<tool_call>", "</tool_call>"
 _CALL = re.compile(rf"{re.escape(START)}(.*?)(?:{re.escape(END)}|$)", re.DOTALL)
@@ -248,12 +254,15 @@ def harmony_header(header: str) -> tuple[str | None, str | None, str | None]:
 
 def _harmony_messages(text: str, finished: bool) -> list[str | _Message]:
     """A reply's text outside messages (a plain reply, a reasoning parser's content) and its
-    messages, in order; a growing reply's last piece holds back a tail that may begin a marker."""
+    messages, in order; a growing reply's last piece holds back a tail that may begin a marker.
+    The reply itself may open with the rest of its first header (`HARMONY_OPENINGS`)."""
+    if not finished and any(opening.startswith(text) for opening in HARMONY_OPENINGS):
+        return []
     pieces: list[str | _Message] = []
     read = 0
     while read < len(text):
         heads = [at for at in (text.find(head, read) for head in HARMONY_HEADS) if at >= 0]
-        head = min(heads, default=-1)
+        head = 0 if read == 0 and text.startswith(HARMONY_OPENINGS) else min(heads, default=-1)
         if head != read:
             end = len(text) if head < 0 else head
             if head < 0 and not finished:
