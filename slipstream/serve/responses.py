@@ -441,6 +441,8 @@ class ChatStream:
         """Per choice, the reader of its reasoning."""
         self._num_reasoning_tokens: dict[int, int] = {}
         """Per choice, its reasoning tokens, counted once its answer has begun (they are then fixed)."""
+        self._thinking_tokens: dict[int, tuple[int, int]] = {}
+        """Per choice, while its answer has not begun: (tokens looked at, how many were no marker)."""
         self._n = n
         if reasoning is not None and not reasoning.include:
             num_logprobs = None
@@ -535,11 +537,16 @@ class ChatStream:
 
     def _reasoning_tokens_so_far(self, completion: CompletionOutput) -> int:
         """A choice's reasoning tokens so far: while its answer has not begun, all its tokens but the
-        markers (no decoding); once it has, their count, made once."""
+        markers (no decoding; only the tokens new since the last chunk are looked at); once it has,
+        their count, made once."""
         if completion.index in self._num_reasoning_tokens:
             return self._num_reasoning_tokens[completion.index]
         if self._reasoning_streams[completion.index].content_start is None:
-            return sum(1 for token_id in completion.token_ids if token_id not in self._reasoning.marker_ids)
+            seen, count = self._thinking_tokens.get(completion.index, (0, 0))
+            markers = self._reasoning.marker_ids
+            count += sum(1 for token_id in completion.token_ids[seen:] if token_id not in markers)
+            self._thinking_tokens[completion.index] = (len(completion.token_ids), count)
+            return count
         count = self._num_reasoning_tokens[completion.index] = self._reasoning.num_tokens(completion)
         return count
 
