@@ -9,7 +9,8 @@ run out of memory there).
 
 Kept: complete events (`"ph": "X"`: CPU ops, annotations, Python frames, runtime calls,
 kernels, memory copies), with an op's input shapes and types (`record_shapes=True`) and FLOPs
-(`with_flops=True`) where given, and the `[memory]` instant events of `profile_memory=True`.
+(`with_flops=True`) where given, what a device-side synchronization waited on, and the
+`[memory]` instant events of `profile_memory=True`.
 Times are microseconds, as Kineto writes them, counted from the first kept event's timestamp in
 whole microseconds: Kineto writes epoch times to the nanosecond,
 more digits than a double holds, so they are read exactly and made relative before they become
@@ -69,6 +70,9 @@ class Event:
     correlation: int | None = None
     inputs: OpInputs | None = None
     """An op's inputs, where the trace recorded them (`record_shapes=True`)."""
+    wait: EventWait | None = None
+    """What a device-side synchronization (`cat` "cuda_sync": "Event Sync", "Stream Wait Event")
+    waited for, where the trace says."""
 
     @property
     def dur_us(self) -> float:
@@ -87,6 +91,16 @@ class OpInputs:
     types: tuple[str, ...]
     flops: int | None = None
     concrete: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EventWait:
+    """The CUDA event a synchronization waited on: recorded on `stream` (of the same device) by the
+    `cudaEventRecord` call of correlation `record_correlation` (Kineto's "wait_on_stream" and
+    "wait_on_cuda_event_record_corr_id" args)."""
+
+    stream: int
+    record_correlation: int
 
 
 @dataclasses.dataclass(slots=True)
@@ -372,6 +386,7 @@ class _TraceBuilder:
             tid=tid,
             correlation=correlation if _is_id(correlation) and isinstance(correlation, int) else None,
             inputs=self._op_inputs(args),
+            wait=_event_wait(args) if raw.get("cat") == "cuda_sync" else None,
         ))
 
     def _op_inputs(self, args: dict[str, Any]) -> OpInputs | None:
@@ -422,6 +437,14 @@ class _TraceBuilder:
     def trace(self) -> Trace:
         return Trace(self.path, self.metadata, self.events, self.skipped, self.memory_events,
                      self.skipped_memory)
+
+
+def _event_wait(args: dict[str, Any]) -> EventWait | None:
+    """The event a "cuda_sync" waited on; None where the trace does not say (Kineto writes -1)."""
+    stream, record = args.get("wait_on_stream"), args.get("wait_on_cuda_event_record_corr_id")
+    if _is_count(stream) and _is_count(record):
+        return EventWait(stream, record)
+    return None
 
 
 def _printable(text: str) -> str:

@@ -39,9 +39,9 @@ from typing import Any
 
 from slipstream.perf.hardware import get_accelerator, is_local
 from slipstream.perf.kineto import Event, Trace, read_trace
+from slipstream.perf.trace_critical import critical_path
 from slipstream.perf.trace_gpu import (
     KERNEL_CATEGORIES,
-    LAUNCH_CATEGORIES,
     gpu_breakdown,
     kernel_class,
     launch_calls,
@@ -49,13 +49,10 @@ from slipstream.perf.trace_gpu import (
 )
 from slipstream.perf.trace_memory import memory_timeline
 from slipstream.perf.trace_roofline import against, op_roofline
+from slipstream.perf.trace_tree import HOST_CATEGORIES, Step, by_thread, parents, profiler_steps, step_at
 from slipstream.perf.trace_tree import STEP_NAME as _STEP
-from slipstream.perf.trace_tree import Step, by_thread, parents, profiler_steps, step_at
 
 TRACE_SUFFIXES = (".json", ".json.gz")
-HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function", *LAUNCH_CATEGORIES)
-"""The host events torch.profiler's own tree holds (and key_averages lists): ops, annotations,
-Python frames (with_stack) and the runtime calls that launch and wait for device work."""
 
 
 @dataclasses.dataclass
@@ -115,9 +112,10 @@ def _launched_within(kernels: Sequence[Event], launch_us: dict[int, float], star
     return [k for k in kernels if start_us <= launch_us.get(k.correlation, k.start_us) < end_us]
 
 
-def analyze_rank(trace: Trace) -> dict[str, Any]:
+def analyze_rank(trace: Trace, critical: bool = False, critical_step: int | None = None) -> dict[str, Any]:
     """One rank's report: its steps (with the GPU split of each), host time by op, annotations,
-    kernels (every row, largest first), and the GPU split over all steps."""
+    kernels (every row, largest first), the GPU split over all steps and, when `critical` or
+    given `critical_step`, the critical path of that step (the slowest without one)."""
     steps = profiler_steps(trace.events)
     ops = host_op_times(trace.events)
     device_events = [e for e in trace.events if e.cat in KERNEL_CATEGORIES]
@@ -149,6 +147,8 @@ def analyze_rank(trace: Trace) -> dict[str, Any]:
         "memory": memory_timeline(trace.memory_events, by_thread(trace.events, HOST_CATEGORIES), steps),
         "skipped_memory_events": trace.skipped_memory_events,
         "roofline": op_roofline(trace.events),
+        "critical_path": critical_path(trace, critical_step).as_dict()
+        if critical or critical_step is not None else None,
     }
 
 
@@ -208,15 +208,21 @@ def trace_files(paths: Sequence[str]) -> list[Path]:
 
 
 def analyze(paths: Sequence[str], top: int = 10, baseline: Sequence[str] = (),
-            hardware: str | None = None) -> dict[str, Any]:
+            hardware: str | None = None, critical: bool = False,
+            critical_step: int | None = None) -> dict[str, Any]:
     """The report of every rank's trace, ordered by rank, how far the ranks' steps spread and,
     given `baseline` traces, what changed per step against them; `top` rows in each table. The
-    ops' roofline is on `hardware` (`_roofline_hardware` says which without it)."""
+    ops' roofline is on `hardware` (`_roofline_hardware` says which without it). With `critical`
+    or a `critical_step`, each rank's critical path of that step (`trace_critical`; the slowest
+    step without one)."""
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
+    if critical_step is not None and (isinstance(critical_step, bool) or not isinstance(critical_step, int)
+                                      or critical_step < 0):
+        raise ValueError(f"critical_step must be a step number (>= 0), got {critical_step!r}")
     if hardware is not None and not is_local(hardware):
         get_accelerator(hardware)  # an unknown name is an error before any trace is read
-    ranks = _analyze_files(trace_files(paths))
+    ranks = _analyze_files(trace_files(paths), critical, critical_step)
     accelerators: dict[str, Any] = {}
     for rank in ranks:
         if rank["roofline"]:
@@ -229,6 +235,8 @@ def analyze(paths: Sequence[str], top: int = 10, baseline: Sequence[str] = (),
     for rank in ranks:
         for table in ("host", "annotations", "kernels"):
             del rank[table][top:]
+        if rank["critical_path"]:
+            del rank["critical_path"]["top"][top:]
         for device in rank["memory"]:
             del device["ops"][top:]
         if rank["roofline"]:
@@ -254,9 +262,10 @@ def _roofline_hardware(hardware: str | None, rank: dict[str, Any], cache: dict[s
     return cache[name]
 
 
-def _analyze_files(files: Sequence[Path]) -> list[dict[str, Any]]:
+def _analyze_files(files: Sequence[Path], critical: bool = False,
+                   critical_step: int | None = None) -> list[dict[str, Any]]:
     """Each trace's report, ordered by rank (unranked traces last, by file name)."""
-    ranks = [analyze_rank(read_trace(path)) for path in files]
+    ranks = [analyze_rank(read_trace(path), critical, critical_step) for path in files]
     ranks.sort(key=lambda r: (r["rank"] is None, r["rank"] if r["rank"] is not None else 0, r["file"]))
     return ranks
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from slipstream.perf.trace_critical import step_label
+
 
 def format_report(report: dict[str, Any], top: int = 10) -> str:
     """The report as text; `top` is the most step rows a rank shows before it summarizes them."""
@@ -77,6 +79,28 @@ def _format_rank(r: dict[str, Any], top: int) -> list[str]:
         lines += _format_memory(device, top)
     if r["roofline"]:
         lines += _format_roofline(r["roofline"])
+    if r["critical_path"]:
+        lines += _format_critical_path(r["critical_path"])
+    return lines
+
+
+_KIND_LABELS = {"host": "host ops", "kernel": "kernels", "launch_delay": "launch delay",
+                "sync_wait": "sync wait", "idle": "GPU idle"}
+
+
+def _format_critical_path(cp: dict[str, Any]) -> list[str]:
+    """The path's length against the step's, its split by kind, and the events most on it."""
+    span = cp["step_us"]
+    split = ", ".join(f"{_KIND_LABELS[kind]} {_ms(t)} ms ({_share(t / span if span else None)})"
+                      for kind, t in cp["breakdown_us"].items() if t > 0)
+    unlinked = cp["unexplained_us"]
+    lines = [f"  critical path of step {cp['step']}: {_ms(cp['length_us'])} ms of the step's {_ms(span)} ms, "
+             f"{len(cp['segments'])} segments" + (f"; {_ms(unlinked)} ms of waits the trace does not link to "
+                                                  "their cause" if unlinked > 1e-3 else ""),
+             f"    {split or 'nothing on it'}",
+             "    on the path (share of the step):"]
+    lines += [f"    {_share(row['share']):>6} {_ms(row['time_us']):>10} ms  {_KIND_LABELS[row['kind']]:<12}  "
+              f"{step_label(row['name'])[:100]}" for row in cp["top"]]
     return lines
 
 

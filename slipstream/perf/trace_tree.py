@@ -12,8 +12,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from slipstream.perf.kineto import Event
+from slipstream.perf.trace_gpu import LAUNCH_CATEGORIES
 
 STEP_NAME = re.compile(r"ProfilerStep#(\d+)$")
+HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function", *LAUNCH_CATEGORIES)
+"""The host events torch.profiler's own tree holds (and key_averages lists): ops, annotations,
+Python frames (with_stack) and the runtime calls that launch and wait for device work."""
 
 
 def by_thread(events: Iterable[Event], categories: Sequence[str]) -> dict[tuple[Any, Any], list[Event]]:
