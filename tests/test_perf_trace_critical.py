@@ -336,3 +336,53 @@ def test_real_cpu_trace(tmp_path):
     worst = max(abs(found[name] - expected[name]) for name in expected)
     print(f"largest difference from torch's self time: {worst:.4f} us over {len(expected)} op names")
     assert worst < 2.0
+
+
+def _random_gpu_trace(rng: random.Random, skew_us: float) -> list[dict]:
+    """A step of random nested ops, launches, kernels on three streams, synchronizations and
+    event waits; kernels start `skew_us` early at most (host and device clocks that disagree)."""
+    events, free, correlation, t = [_step(1, 0, 2000)], {7: 0.0, 8: 0.0, 9: 0.0}, 0, 1.0
+    while t < 1900:
+        correlation += 1
+        roll, dur = rng.random(), rng.uniform(1, 30)
+        if roll < 0.3:
+            events.append(_span("aten::op", t, dur))
+            events.append(_span("aten::inner", t + dur / 4, dur / 2))
+        elif roll < 0.7:
+            stream = rng.choice(list(free))
+            start = max(free[stream], t + dur) + rng.uniform(-skew_us, 20)
+            name = rng.choice(("cudaLaunchKernel", "cudaMemcpyAsync"))
+            events.append(_launch(correlation, t, dur, name))
+            length = rng.uniform(0, 80)
+            events.append(_kernel("k", correlation, stream, start, length))
+            free[stream] = start + length
+        elif roll < 0.85:
+            dur = max(max(free.values()) - t + rng.uniform(-10, 10), 1)
+            events.append(_span(rng.choice(("cudaDeviceSynchronize", "cudaStreamSynchronize")), t, dur,
+                                "cuda_runtime", correlation=correlation))
+            events.append(_span("Stream Sync", t, 1, "cuda_sync", (GPU, rng.choice(list(free))),
+                                correlation=correlation))
+        else:
+            events.append(_span("cudaStreamWaitEvent", t, dur, "cuda_runtime", correlation=correlation))
+            events.append(_span("Stream Wait Event", t, 1, "cuda_sync", (GPU, rng.choice(list(free))),
+                                correlation=correlation, wait_on_stream=rng.choice(list(free)),
+                                wait_on_cuda_event_record_corr_id=rng.randint(1, correlation)))
+        t += dur + rng.uniform(0, 10)
+    return events
+
+
+def test_random_gpu_traces(tmp_path):
+    """Random GPU steps: with agreeing clocks the path is the whole step (every wait is linked),
+    lies in it and its kinds sum to it; with clocks that disagree (kernels that start before
+    their launch) the contradicting dependencies are left out and the path is at most the step."""
+    rng = random.Random(1)
+    for i in range(40):
+        path = _write(tmp_path, _random_gpu_trace(rng, 0.0), f"agree{i}.json")
+        cp = critical_path(read_trace(path))
+        assert cp.length_us == pytest.approx(cp.step_us)  # every wait is linked to its cause
+        assert sum(cp.breakdown_us.values()) == pytest.approx(cp.length_us)
+        assert sum(s.duration_us for s in cp.segments) == pytest.approx(cp.length_us)
+        assert all(0 <= s.start_us and s.start_us + s.duration_us <= cp.step_us + 1e-6 for s in cp.segments)
+        skewed = critical_path(read_trace(_write(tmp_path, _random_gpu_trace(rng, 50.0), f"skew{i}.json")))
+        assert skewed.length_us <= skewed.step_us + 1e-6
+        assert sum(skewed.breakdown_us.values()) == pytest.approx(skewed.length_us)

@@ -25,7 +25,8 @@ dependency the step waited on: the waits are the edges the longest path avoids.
   waiting stream after the wait: a sync wait.
 
 A kernel starts when the last of its launch, stream and cross-stream dependencies finished: that
-edge weighs its gap, the others are not drawn.
+edge weighs its gap, the others are not drawn, nor one that finished after the kernel started
+(host and device clocks that disagree): every edge goes forward in time.
 
 - **Synchronization.** A call that returned only once device work ended waited for it: a copy
   it launched itself (`cudaMemcpy`, a blocking `cudaMemcpyAsync`), or for the synchronize calls
@@ -172,11 +173,13 @@ class _Graph:
         return len(self.times) - 1
 
     def edge(self, u: int, v: int, kind: str, name: str, weighted: bool = True) -> None:
-        """An edge weighing the time from u to v (none when not `weighted`; none for the negative
-        time of clocks that disagree, host and device)."""
+        """An edge weighing the time from u to v (none when not `weighted`). Edges go forward in
+        time, so that a path weighs at most the time between its ends and the graph has no cycle
+        (but among events of no duration at one instant)."""
+        assert self.times[v] >= self.times[u], "an edge goes forward in time"
         self.tails.append(u)
         self.heads.append(v)
-        self.weights.append(max(self.times[v] - self.times[u], 0.0) if weighted else 0.0)
+        self.weights.append(self.times[v] - self.times[u] if weighted else 0.0)
         self.kinds.append(kind)
         self.names.append(name)
 
@@ -377,6 +380,9 @@ def _device_edges(graph: _Graph, events: Sequence[Event], host: _Host, annotatio
                 returned = k.start_us >= call.end_us
                 node = host.end[id(call)] if returned else host.start[id(call)]
                 deps.append((call.end_us if returned else call.start_us, 0, node, "launch_delay"))
+            # A dependency that finished after the kernel started contradicts the clocks (host and
+            # device disagree): it is left out, so that every edge goes forward in time.
+            deps = [d for d in deps if d[0] <= graph.times[start[id(k)]]]
             if deps:
                 _, _, node, kind = max(deps, key=lambda d: (d[0], d[1]))
                 graph.edge(node, start[id(k)], kind, k.name)
@@ -442,7 +448,8 @@ def _sync_edges(graph: _Graph, host: _Host, streams: dict[_Stream, list[Event]],
     own_work: dict[int, list[Event]] = defaultdict(list)
     for stream in streams.values():
         for k in stream:
-            own_work[k.correlation].append(k)
+            if k.correlation is not None:
+                own_work[k.correlation].append(k)
     by_end = {key: (sorted(k.end_us for k in stream), sorted(stream, key=lambda k: k.end_us))
               for key, stream in streams.items()}
     by_correlation = {s.correlation: s for s in syncs}
@@ -452,7 +459,9 @@ def _sync_edges(graph: _Graph, host: _Host, streams: dict[_Stream, list[Event]],
         candidates = own_work.get(call.correlation, []) if "Memcpy" in call.name else []
         if not candidates and call.name in SYNC_CALLS:
             candidates = _synchronized(call, by_correlation.get(call.correlation), by_end, launched, calls)
-        candidates = [k for k in candidates if call.start_us < k.end_us <= call.end_us]
+        # Work that started only as the call returned was launched after it, not waited for.
+        candidates = [k for k in candidates
+                      if call.start_us < k.end_us <= call.end_us and k.start_us < call.end_us]
         if candidates:
             awaited = max(candidates, key=lambda k: k.end_us)
             graph.edge(end[id(awaited)], host.end[id(call)], "sync_wait", call.name)
