@@ -23,6 +23,8 @@ marks each engine step with an annotation of that name). For each rank the repor
   kernels that run after its host part has ended still count to it.
 - **Memory** (`profile_memory=True`) and **ops against the roofline** (`record_shapes=True`), when
   the trace has them: `trace_memory` and `trace_roofline` say how.
+- **The critical path** of one step, when asked (HTA's critical path analysis): `trace_critical`
+  says how.
 
 Sources: HTA `hta/analyzers/breakdown_analysis.py` and `docs/source/features/` (temporal and
 kernel breakdown, comm-comp overlap); TraceLens `TraceLens/TreePerf/gpu_event_analyser.py`.
