@@ -178,11 +178,17 @@ class ParallelConfig:
     """With tensor parallelism: the logits stay split by vocabulary between the tensor-parallel
     ranks and the cross-entropy is computed on the shards (torch's `loss_parallel`, on by default
     as torchtitan has it), so no rank holds the whole (batch, seq, vocab) logits."""
+    context_parallel_degree: int = 1
+    """Ranks that split each sequence (torchtitan's name; `train.context_parallel`): each holds
+    2 of 2 x degree chunks of every sequence and attends to the keys and values gathered from the
+    others; they read the same batches, and FSDP / DDP run over data-parallel x context-parallel
+    ranks. data.seq_len must divide into 2 x degree chunks; 1 is none."""
 
     def __post_init__(self) -> None:
         _check_choice("parallel.strategy", self.strategy, STRATEGIES)
         _check_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
         _check_positive_int("parallel.tensor_parallel_degree", self.tensor_parallel_degree)
+        _check_positive_int("parallel.context_parallel_degree", self.context_parallel_degree)
         if self.compile and self.tensor_parallel_degree > 1:
             # torch 2.13 on CPU: AOTAutograd hands the backward of the tensor-parallel layers a plain
             # gradient where DTensor's redistribution expects a DTensor (AttributeError).
@@ -365,6 +371,13 @@ class TrainConfig:
     supervisor: SupervisorConfig = dataclasses.field(default_factory=SupervisorConfig)
     faults: FaultConfig = dataclasses.field(default_factory=FaultConfig)
 
+    def __post_init__(self) -> None:
+        cp, seq_len = self.parallel.context_parallel_degree, self.data.seq_len
+        if seq_len % (2 * cp):
+            raise ValueError(f"parallel.context_parallel_degree ({cp}) needs data.seq_len ({seq_len}) "
+                             f"divisible by 2 x {cp} = {2 * cp}: each sequence is cut into 2 x degree "
+                             "chunks, two per rank")
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
@@ -468,23 +481,28 @@ def from_dict(values: Mapping[str, Mapping[str, Any]]) -> TrainConfig:
 
 
 def check_run(config: TrainConfig, world_size: int) -> None:
-    """Checks that need the running job: the tensor-parallel degree against the ranks, batch
-    divisibility by the data-parallel replicas, the data dir, the model dir's config.json, and a
-    run.dir apart from the dataset (`_check_run_dir_apart`). The model's shape is checked
-    against the degree by `check_tensor_parallel`, once the model's config is known."""
-    tp = config.parallel.tensor_parallel_degree
+    """Checks that need the running job: the tensor- and context-parallel degrees against the
+    ranks, batch divisibility by the data-parallel replicas (world / (tp x cp)), the data dir,
+    the model dir's config.json, and a run.dir apart from the dataset (`_check_run_dir_apart`).
+    The model's shape is checked against the degrees by `check_tensor_parallel` and
+    `check_context_parallel`, once the model's config is known."""
+    tp, cp = config.parallel.tensor_parallel_degree, config.parallel.context_parallel_degree
     if world_size % tp:
         raise ValueError(f"parallel.tensor_parallel_degree ({tp}) must divide the job's number of ranks "
                          f"({world_size})")
+    if world_size % (tp * cp):
+        raise ValueError(f"parallel.context_parallel_degree ({cp}) x parallel.tensor_parallel_degree ({tp}) "
+                         f"must divide the job's number of ranks ({world_size})")
     if tp > 1 and world_size > tp and config.parallel.strategy == "ddp":
         raise ValueError("parallel.strategy 'ddp' does not compose with parallel.tensor_parallel_degree "
                          f"({tp}) over {world_size // tp} replicas (DDP does not take tensor-parallel "
                          "DTensor parameters); use parallel.strategy=fsdp")
-    replicas = world_size // tp
+    replicas = world_size // (tp * cp)
     per_step = replicas * config.training.micro_batch_size
     if config.training.global_batch_size % per_step:
-        across = (f"world size / parallel.tensor_parallel_degree ({world_size} / {tp})" if tp > 1
-                  else "world size")
+        split = " x ".join(f"parallel.{name}_parallel_degree" for name, degree in
+                           (("context", cp), ("tensor", tp)) if degree > 1)
+        across = f"world size / {split} ({world_size} / {tp * cp})" if split else "world size"
         raise ValueError(
             f"training.global_batch_size ({config.training.global_batch_size}) must be divisible "
             f"by {across} x training.micro_batch_size ({replicas} x "
@@ -534,9 +552,23 @@ def check_tensor_parallel(config: TrainConfig, model_config: ModelConfig) -> Non
         value = getattr(model_config, field)
         if value % tp:
             raise ValueError(f"{name} must divide the model's {field} ({value})")
-    if config.parallel.sequence_parallel and config.data.seq_len % tp:
-        raise ValueError(f"{name} must divide data.seq_len ({config.data.seq_len}) with "
+    cp = config.parallel.context_parallel_degree
+    if config.parallel.sequence_parallel and config.data.seq_len // cp % tp:
+        held = (f"data.seq_len / parallel.context_parallel_degree ({config.data.seq_len} / {cp})" if cp > 1
+                else f"data.seq_len ({config.data.seq_len})")
+        raise ValueError(f"{name} must divide {held} with "
                          "parallel.sequence_parallel, which splits each sequence between the ranks")
+
+
+def check_context_parallel(config: TrainConfig, model_config: ModelConfig) -> None:
+    """ValueError naming parallel.context_parallel_degree for a model it would train otherwise
+    than one process does: longrope (Phi-3) picks its frequencies by the largest position of a
+    forward, which differs between the ranks' slices of a sequence."""
+    cp = config.parallel.context_parallel_degree
+    scaling = model_config.rope_scaling
+    if cp > 1 and scaling is not None and scaling.rope_type == "longrope":
+        raise ValueError(f"parallel.context_parallel_degree ({cp}) does not support longrope's rope_scaling "
+                         "(each rank would choose its frequencies by its own slice's positions)")
 
 
 def _check_run_dir_apart(config: TrainConfig) -> None:

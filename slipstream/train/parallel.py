@@ -3,7 +3,8 @@
 The model is built on the meta device with no process group (model files are math only);
 `parallelize(model, mesh, config)` then applies, in torchtitan's order, tensor parallelism
 (torch's parallel styles over the mesh's "tp" dimension: `apply_tensor_parallel`), activation
-checkpointing, `torch.compile` per decoder layer, and data parallelism over "dp": FSDP2
+checkpointing, `torch.compile` per decoder layer, and data parallelism over "dp" (or "dp" x "cp"
+with context parallelism, `train.context_parallel`): FSDP2
 (`fully_shard` on every decoder layer, then the root) or DDP (`replicate`, which wraps the model
 in DistributedDataParallel when it first runs). None of these change parameter names, so state
 dicts keep Hugging Face's.
@@ -142,36 +143,54 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def build_mesh(info: DistInfo, tensor_parallel_degree: int = 1) -> DeviceMesh | None:
-    """A 1-D data-parallel mesh ("dp") over all ranks, None for a single process; with tensor
-    parallelism a 2-D ("dp", "tp") mesh of world / degree replicas of `tensor_parallel_degree`
-    ranks each (a replica's ranks are neighbours: on GPUs, one host's NVLink domain)."""
-    if tensor_parallel_degree > 1:
-        shape = (info.world_size // tensor_parallel_degree, tensor_parallel_degree)
-        return init_device_mesh(info.device.type, shape, mesh_dim_names=("dp", "tp"))
-    if info.world_size == 1:
-        return None
-    return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp",))
+def build_mesh(info: DistInfo, tensor_parallel_degree: int = 1,
+               context_parallel_degree: int = 1) -> DeviceMesh | None:
+    """The job's mesh, None for a single process: "dp" (data-parallel replicas), then "cp"
+    (context-parallel ranks, with a degree > 1) and "tp" (tensor-parallel ranks, with a degree
+    > 1), laid out row-major as torchtitan does: the ranks of a tensor-parallel group are
+    neighbours (on GPUs, one host's NVLink domain: TP talks twice per layer), those of a
+    context-parallel group next (one all-gather of K and V per layer), and data parallelism,
+    which talks once per layer and overlaps best, spans the farthest ranks."""
+    cp, tp = context_parallel_degree, tensor_parallel_degree
+    if cp == 1 and tp == 1:
+        if info.world_size == 1:
+            return None
+        return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp",))
+    dims = [("dp", info.world_size // (cp * tp))]
+    dims += [(name, degree) for name, degree in (("cp", cp), ("tp", tp)) if degree > 1]
+    return init_device_mesh(info.device.type, tuple(d for _, d in dims),
+                            mesh_dim_names=tuple(name for name, _ in dims))
 
 
-def data_parallel_rank(info: DistInfo, tensor_parallel_degree: int) -> tuple[int, int]:
+def data_parallel_rank(info: DistInfo, tensor_parallel_degree: int,
+                       context_parallel_degree: int = 1) -> tuple[int, int]:
     """(replica, replicas): which data-parallel replica this rank belongs to, and how many there
-    are. The ranks of one replica read the same batches. `build_mesh` lays the ranks out row-major,
-    so replica r is ranks r x degree ... (r + 1) x degree - 1."""
-    return info.rank // tensor_parallel_degree, info.world_size // tensor_parallel_degree
+    are. The ranks of one replica (its context- and tensor-parallel groups) read the same batches.
+    `build_mesh` lays the ranks out row-major, so replica r is ranks r x n ... (r + 1) x n - 1,
+    n = cp x tp."""
+    ranks_per_replica = tensor_parallel_degree * context_parallel_degree
+    return info.rank // ranks_per_replica, info.world_size // ranks_per_replica
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh | None, config: ParallelConfig) -> nn.Module:
     """Apply, in torchtitan's order, tensor parallelism, activation checkpointing, compile and
     FSDP2 / DDP to `model` in place (on meta or a device); returns the model. The model must have
     `model.model.layers` (slipstream's `Transformer`). With tensor parallelism data parallelism
-    runs over the mesh's "dp" dimension, and not at all when that has one replica."""
+    runs over the mesh's "dp" dimension, and not at all when that has one replica; with context
+    parallelism over "dp" and "cp" flattened into one dimension, as torchtitan's "dp_shard_cp":
+    the ranks of a context-parallel group hold one model and each computes gradients from its
+    part of the sequences, which FSDP / DDP average as they average replicas' (the model itself
+    is unchanged: the trainer passes the gathered-K/V attention at each forward)."""
     data_mesh = mesh
     if config.tensor_parallel_degree > 1:
-        assert mesh is not None and mesh.mesh_dim_names == ("dp", "tp"), "build_mesh makes the 2-D mesh"
+        assert mesh is not None and mesh.mesh_dim_names[-1] == "tp", "build_mesh puts tp last"
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=config.sequence_parallel,
                               loss_parallel=config.loss_parallel)
         data_mesh = mesh["dp"] if mesh["dp"].size() > 1 else None
+    if config.context_parallel_degree > 1:
+        assert mesh is not None and "cp" in mesh.mesh_dim_names, "build_mesh makes the cp dimension"
+        # DeviceMesh has no public flatten in torch 2.13; torchtitan uses this one too.
+        data_mesh = mesh["dp", "cp"]._flatten("dp_cp")
     if config.activation_checkpointing:
         apply_activation_checkpointing(model)
     if config.compile:

@@ -3,7 +3,8 @@
 `Trainer(config)` builds everything from a `TrainConfig`: it joins the process group torchrun
 describes, opens the prepared data, builds the model on the meta device, applies the CPU fast
 path and `parallelize` (tensor parallelism, activation checkpointing, compile, FSDP2 / DDP over
-the data-parallel replicas, whose ranks share their batches), materializes the
+the data-parallel replicas, whose ranks share their batches, and their context-parallel ranks,
+which each keep a slice of every sequence: `train.context_parallel`), materializes the
 weights from rank 0's initial state, and creates AdamW, the warm-up + decay schedule and the
 resumable loaders. `run()` then loops: `train_step()` (micro-batches with gradient accumulation,
 clip, optimizer step, schedule step) emits one flat metrics record; evaluation and checkpoints
@@ -50,7 +51,15 @@ from slipstream.model.weights import load_model, new_model_dir
 from slipstream.ops.allocator import keep_freed_memory, keep_large_freed_memory
 from slipstream.perf.flops import mfu, num_params, train_flops_per_token
 from slipstream.train import checkpoint as ckpt
-from slipstream.train.config import TrainConfig, check_run, check_tensor_parallel, load_config, resume_changes
+from slipstream.train.config import (
+    TrainConfig,
+    check_context_parallel,
+    check_run,
+    check_tensor_parallel,
+    load_config,
+    resume_changes,
+)
+from slipstream.train.context_parallel import ContextParallel
 from slipstream.train.cpu_kernels import use_onednn_linears
 from slipstream.train.data import TOKENIZER_DIR, TOKENIZER_FILES, TokenDataset, WindowLoader
 from slipstream.train.export import tokenization_mismatch
@@ -155,11 +164,16 @@ class Trainer:
         if self.dist.is_main and (mismatch := tokenization_mismatch(self.dataset.tokenizer_dir,
                                                                     self.model_config.model_type)):
             logger.warning("`slipstream export` will refuse this run: %s", mismatch)
-        tp = config.parallel.tensor_parallel_degree
-        self.mesh = build_mesh(self.dist, tp)
-        self.replica, self.num_replicas = data_parallel_rank(self.dist, tp)
+        tp, cp = config.parallel.tensor_parallel_degree, config.parallel.context_parallel_degree
+        self.mesh = build_mesh(self.dist, tp, cp)
+        self.replica, self.num_replicas = data_parallel_rank(self.dist, tp, cp)
         """This rank's data-parallel replica and their number: the ranks of one replica (its
-        tensor-parallel group) read the same batches."""
+        context- and tensor-parallel groups) read the same batches."""
+        self.context_parallel = None if cp == 1 else ContextParallel(
+            self.mesh["cp"].get_group(), self.mesh["cp"].get_local_rank(), cp, config.data.seq_len,
+            self.device)
+        """Which tokens of each sequence this rank keeps, and the attention that gathers the rest's
+        keys and values; None without context parallelism."""
         self.model = self._build_model()
         self.router_logits = RouterLogits(self.model) if self.model_config.moe_layers else None
         """The routers' logits of a mixture-of-experts model (load-balancing loss, expert load)."""
@@ -500,8 +514,13 @@ class Trainer:
     def cross_entropy(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (fp32) of a (B, T) batch (the held-out loss)."""
         positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)  # (B, T)
+        attention = None
+        if self.context_parallel is not None:  # this rank's T / C tokens; every rank has as many, so
+            # the mean over ranks of these means (the loss record, FSDP's gradient) is the batch's
+            inputs, targets, positions, attention = self.context_parallel.shard(inputs, targets)
         with self._autocast():
-            logits = self.model(inputs, positions)  # (B, T, V), split by vocabulary under loss parallelism
+            # (B, T, V), split by vocabulary under loss parallelism
+            logits = self.model(inputs, positions, attention)
         with self._loss_parallel():
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
@@ -583,7 +602,7 @@ class Trainer:
     def run_record(self) -> dict[str, Any]:
         """The "run" record: what is trained, where, and the MFU convention."""
         config = self.config
-        tp = config.parallel.tensor_parallel_degree
+        tp, cp = config.parallel.tensor_parallel_degree, config.parallel.context_parallel_degree
         return {
             "kind": "run",
             "step": self.step,
@@ -593,10 +612,12 @@ class Trainer:
             "device": str(self.device),
             "num_threads": torch.get_num_threads(),
             "dtype": config.training.dtype,
-            "strategy": config.parallel.strategy if self.num_replicas > 1 else "single",  # no DP applied
+            # FSDP / DDP run over the replicas' context-parallel ranks; "single": none applied
+            "strategy": config.parallel.strategy if self.num_replicas * cp > 1 else "single",
             "tensor_parallel_degree": tp,
             "sequence_parallel": config.parallel.sequence_parallel and tp > 1,
             "loss_parallel": config.parallel.loss_parallel and tp > 1,
+            "context_parallel_degree": cp,
             "seq_len": config.data.seq_len,
             "global_batch_size": config.training.global_batch_size,
             "accumulation_steps": self.accumulation_steps,
@@ -738,6 +759,7 @@ def resolve_model_config(config: TrainConfig, tokenizer: Tokenizer) -> ModelConf
             f"({model_config.max_position_embeddings})"
         )
     check_tensor_parallel(config, model_config)
+    check_context_parallel(config, model_config)
     return model_config.replace(dtype="float32")
 
 
@@ -745,13 +767,14 @@ def build_train_loader(config: TrainConfig, dataset: TokenDataset, rank: int, wo
                        pin_memory: bool = False) -> WindowLoader:
     """Rank `rank`'s (of `world_size`) loader of the training split (ValueError when the split is
     shorter than one step), which reads its data-parallel replica's share of each global batch;
-    its prefetch thread starts with the first batch."""
-    tp = config.parallel.tensor_parallel_degree
+    its prefetch thread starts with the first batch. The ranks of a replica (its context- and
+    tensor-parallel groups) read the same batches."""
+    ranks_per_replica = config.parallel.tensor_parallel_degree * config.parallel.context_parallel_degree
     return WindowLoader(
         dataset.tokens("train"), seq_len=config.data.seq_len, batch_size=config.training.micro_batch_size,
-        rank=rank // tp, world_size=world_size // tp, seed=config.data.seed, prefetch=config.data.prefetch,
-        pin_memory=pin_memory, windows_per_step=config.training.global_batch_size,
-        vocab_size=dataset.vocab_size,
+        rank=rank // ranks_per_replica, world_size=world_size // ranks_per_replica, seed=config.data.seed,
+        prefetch=config.data.prefetch, pin_memory=pin_memory,
+        windows_per_step=config.training.global_batch_size, vocab_size=dataset.vocab_size,
     )
 
 

@@ -1,0 +1,173 @@
+"""Context parallelism: the ranks of a context-parallel (CP) group each hold a slice of every
+sequence's tokens, so activations per rank shrink with the degree.
+
+The design is Llama 3's (Dubey et al. 2024, section 3.3.2), not a ring: every rank of the group
+reads the same batch, keeps its tokens of each sequence, and runs the whole model on them. Norms,
+MLPs, projections and the loss are per token and need nothing from the other ranks; attention
+does: each layer all-gathers K and V over the group (an autograd-aware gather whose backward
+reduce-scatters, summing, the K/V gradients back to the ranks that hold those tokens) and attends
+its own queries to every key, the causal mask comparing global positions. RoPE takes each
+token's global position. With grouped-query attention K and V are a fraction of the activations,
+so the gather is cheap, and on gloo, with no overlap to win, one collective per layer is simpler
+than a ring's C - 1 exchanges and their online-softmax merge.
+
+The sequence is cut into 2 x C chunks and rank r keeps chunks r and 2C - 1 - r (the load balance
+of PyTorch's `context_parallel` and of Llama 3): under a causal mask the late chunks attend to
+more keys, so each rank gets one early and one late chunk and the same attention work.
+
+The model needs no change: the trainer passes `ContextParallel.shard`'s attention as the model's
+`attn` argument (the same hook the serving engine uses for paged attention).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from slipstream.ops.attention import softmax_with_sinks
+
+
+def chunk_positions(seq_len: int, cp_rank: int, cp_size: int,
+                    device: torch.device | None = None) -> torch.Tensor:
+    """The global positions (T / C,) rank `cp_rank` of `cp_size` holds of a sequence of `seq_len`
+    tokens: chunks cp_rank and 2C - 1 - cp_rank of 2C equal chunks, in that order."""
+    assert seq_len % (2 * cp_size) == 0 and 0 <= cp_rank < cp_size, "checked by the config"
+    chunk = seq_len // (2 * cp_size)
+    starts = (cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk)
+    return torch.cat([torch.arange(s, s + chunk, device=device) for s in starts])
+
+
+def gather_positions(seq_len: int, cp_size: int, device: torch.device | None = None) -> torch.Tensor:
+    """The global positions (T,) of the keys `gather_sequence` returns: every rank's
+    `chunk_positions`, in rank order."""
+    return torch.cat([chunk_positions(seq_len, r, cp_size, device) for r in range(cp_size)])
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along the sequence (dim 1) in the forward; in the backward each rank receives
+    the sum over the group of the gradients of its own slice (a reduce-scatter): every rank's
+    loss depends on every rank's keys."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # (B, t, ..) -> (B, C t, ..)
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # (B, C*t, ...) -> (B, t, ...)
+        parts = [part.contiguous() for part in grad.chunk(dist.get_world_size(ctx.group), dim=1)]
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter(out, parts, op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's `x` (B, t, ...) concatenated along dim 1 in rank order, differentiably."""
+    return _GatherSequence.apply(x, group)
+
+
+def causal_mask_between(query_positions: torch.Tensor, key_positions: torch.Tensor, *,
+                        sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask (Tq, Tk), 0 where a query may attend a key, -inf elsewhere: keys at or
+    before the query's position, and with a sliding window only the `sliding_window` most recent
+    of those (itself included), as `ops.attention.causal_mask` has it for a whole sequence."""
+    allowed = key_positions[None, :] <= query_positions[:, None]
+    if sliding_window is not None:
+        allowed &= key_positions[None, :] > query_positions[:, None] - sliding_window
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, -math.inf)
+
+
+def masked_attention(
+    q: torch.Tensor,  # (B, Tq, H, D)
+    k: torch.Tensor,  # (B, Tk, K, D)
+    v: torch.Tensor,  # (B, Tk, K, D)
+    mask: torch.Tensor,  # (Tq, Tk) additive, from `causal_mask_between`
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # (H,)
+) -> torch.Tensor:  # (B, Tq, H, D)
+    """softmax(q . k * scale + mask) v with grouped K/V heads, as
+    `ops.attention.dense_causal_attention` computes it on a whole sequence (SDPA; a soft cap or
+    sinks through explicit products). Every query sees at least itself: no row is all masked."""
+    num_heads, num_kv_heads = q.shape[2], k.shape[2]
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, heads, T, D)
+    explicit = softcap is not None or sinks is not None
+    # CPU's fused SDPA takes grouped K/V heads with a mask; CUDA's masked kernels would expand them.
+    gqa = num_kv_heads != num_heads and q.device.type == "cpu" and not explicit
+    if num_kv_heads != num_heads and not gqa:
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    if not explicit:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(sdpa_dtype(q)), enable_gqa=gqa,
+                                             scale=scale)
+        return out.transpose(1, 2)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap  # (B, H, Tq, Tk)
+    scores = scores + mask.to(scores.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        probs = softmax_with_sinks(scores.float(), sinks[:, None, None])
+    return torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
+
+
+def sdpa_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype SDPA computes in, which its additive mask must have: autocast's where it is on."""
+    device_type = q.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else q.dtype
+
+
+class GatheredKVAttention:
+    """The model's `attn` under context parallelism: each layer gathers K and V over the group
+    and attends this rank's queries (at `query_positions`) to all of them. One forward's layers
+    share each mask (per sliding window and dtype), so the backward keeps one copy, not one per
+    layer."""
+
+    def __init__(self, group: dist.ProcessGroup, query_positions: torch.Tensor, key_positions: torch.Tensor):
+        self.group = group
+        self.query_positions = query_positions  # (t,)
+        self.key_positions = key_positions  # (T,)
+        self._masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = {}
+
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+        softcap: float | None, sliding_window: int | None, sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # (B, t, H, D)
+        k, v = gather_sequence(k, self.group), gather_sequence(v, self.group)  # (B, T, K, D) each
+        return masked_attention(q, k, v, self._mask(sliding_window, sdpa_dtype(q)), scale=scale,
+                                softcap=softcap, sinks=sinks)
+
+    def _mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:  # (t, T)
+        key = (sliding_window, dtype)
+        if key not in self._masks:
+            self._masks[key] = causal_mask_between(self.query_positions, self.key_positions,
+                                                   sliding_window=sliding_window, dtype=dtype)
+        return self._masks[key]
+
+
+class ContextParallel:
+    """One rank's place in its context-parallel group: which tokens of each sequence it keeps."""
+
+    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp_size: int, seq_len: int,
+                 device: torch.device):
+        self.group = group
+        self.cp_rank = cp_rank
+        self.cp_size = cp_size
+        self.positions = chunk_positions(seq_len, cp_rank, cp_size, device)  # (T / C,)
+        self.key_positions = gather_positions(seq_len, cp_size, device)  # (T,)
+
+    def shard(
+        self, inputs: torch.Tensor, targets: torch.Tensor  # (B, T) each
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, GatheredKVAttention]:
+        """This rank's inputs, targets and positions (B, T / C) of a whole batch, and the attention
+        the model runs with."""
+        positions = self.positions.expand(inputs.shape[0], -1)  # (B, T / C)
+        attention = GatheredKVAttention(self.group, self.positions, self.key_positions)
+        return inputs[:, self.positions], targets[:, self.positions], positions, attention
