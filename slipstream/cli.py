@@ -598,9 +598,12 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
                        help="traces of an earlier run: what changed per step, op by op and kernel by kernel")
         p.add_argument("--hardware", help="the roofline the ops are priced on: a100, h100, ..., cpu "
                        "(default: a GPU trace's own GPU from the table, this CPU calibrated for a CPU trace)")
-        p.add_argument("--critical-path", nargs="?", const=True, type=_int_at_least(0), metavar="STEP",
-                       help="the critical path (HTA's) of ProfilerStep#STEP of each rank, the slowest step "
-                            "without STEP: which host ops, launches, kernels and waits set the step's time")
+        p.add_argument("--critical-path", action="store_true",
+                       help="each rank's critical path (HTA's) of one step, the slowest (the step whose "
+                            "slowest rank took longest) unless --critical-step: which host ops, launches, "
+                            "kernels and waits set the step's time")
+        p.add_argument("--critical-step", type=_int_at_least(0), metavar="N",
+                       help="the critical path of ProfilerStep#N (implies --critical-path)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

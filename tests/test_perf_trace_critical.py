@@ -279,18 +279,22 @@ def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match=r"step 7: .* has no ProfilerStep#7 \(its steps: 3, 4\)"):
         critical_path(read_trace(stepped), 7)
     with pytest.raises(ValueError, match="no ProfilerStep#7"):
-        analyze([str(stepped)], critical_step=7)
+        analyze([str(stepped)], critical_path=7)
+    for bad in (-1, True, "fastest", 2.0):
+        with pytest.raises(ValueError, match=f"critical_path must be .* got {bad!r}"):
+            analyze([str(stepped)], critical_path=bad)
 
 
 def test_cli_text_and_json(tmp_path, capsys):
     """`perf trace --critical-path` prints the path's table per rank and puts it in --json; it
-    takes the slowest step unless given one, and a step the trace lacks is an error."""
+    takes the slowest step unless given one (--critical-step), and a step the trace lacks is an
+    error. The flag takes no value: a trace named after it is a trace, not a step."""
     path = _write(tmp_path, [_step(1, 0, 50), _span("aten::mm", 10, 20), _step(2, 50, 100),
                              _span("aten::add", 60, 70)])
-    assert main(["perf", "trace", str(path), "--critical-path"]) == 0
+    assert main(["perf", "trace", "--critical-path", str(path)]) == 0
     text = capsys.readouterr().out
     assert "critical path of step 2" in text and "aten::add" in text
-    assert main(["perf", "trace", str(path), "--critical-path", "1", "--json"]) == 0
+    assert main(["perf", "trace", str(path), "--critical-step", "1", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     cp = record["ranks"][0]["critical_path"]
     assert cp["step"] == 1 and cp["length_us"] == pytest.approx(50)
@@ -299,7 +303,7 @@ def test_cli_text_and_json(tmp_path, capsys):
                          {"name": "aten::mm", "kind": "host", "time_us": pytest.approx(20),
                           "share": pytest.approx(0.4)}]
     assert [s["start_us"] for s in cp["segments"]] == pytest.approx([0, 10, 30])
-    assert main(["perf", "trace", str(path), "--critical-path", "9"]) == 2
+    assert main(["perf", "trace", str(path), "--critical-step", "9"]) == 2
     assert "has no ProfilerStep#9 (its steps: 1, 2)" in capsys.readouterr().err
 
 
@@ -789,7 +793,7 @@ def test_tied_dependencies_take_the_chain_with_more_behind_it(tmp_path):
     assert ("kernel", "launched before the step") not in _on_path(cp)
 
 
-def test_unexplained_time_is_before_a_kernel_nothing_explains(tmp_path):
+def test_unexplained_time_is_before_a_kernel_nothing_explains(tmp_path, capsys):
     """`unexplained_us` is the time from the step's start to a kernel on the path that no
     dependency in the trace explains (here one launched before the step, 50 us in)."""
     events = _gpu_step([_kernel("launched before the step", 99, 7, 50, 900),
@@ -798,6 +802,9 @@ def test_unexplained_time_is_before_a_kernel_nothing_explains(tmp_path):
     assert cp.unexplained_us == pytest.approx(50) and cp.length_us == pytest.approx(950)
     assert _segments(cp) == [("kernel", "launched before the step", 900),
                              ("sync_wait", "cudaDeviceSynchronize", 5), ("host", "ProfilerStep#1", 45)]
+    assert main(["perf", "trace", str(tmp_path / "trace.json"), "--critical-path"]) == 0
+    assert "0.950 ms of the step's 1.000 ms, 3 segments; 0.050 ms before a kernel whose start the trace " \
+           "explains by no dependency" in capsys.readouterr().out
 
 
 def test_nested_spans_of_one_name_are_one_segment(tmp_path):
@@ -823,3 +830,24 @@ def test_cycle_at_one_instant_is_an_error(tmp_path):
               _kernel("k1", 1, 7, 20, 0), _kernel("k2", 2, 8, 20, 0)]
     with pytest.raises(ValueError, match="cycle among events of no duration at one instant"):
         critical_path(read_trace(_write(tmp_path, events)))
+
+
+def test_ranks_share_one_step(tmp_path, capsys):
+    """Without a step, every rank's path is of the step whose slowest rank took longest (step 2:
+    300 us on rank 0), not each rank's own slowest; a step one rank lacks is reported as lacking
+    there, the other rank analysed; a step no rank has is an error."""
+    _write(tmp_path, [_step(1, 0, 100), _span("aten::mm", 10, 20), _step(2, 100, 300)], "r0.json", rank=0)
+    _write(tmp_path, [_step(1, 0, 200), _step(2, 200, 150), _span("aten::add", 210, 30), _step(3, 350, 10)],
+           "r1.json", rank=1)
+    report = analyze([str(tmp_path)], critical_path="slowest")
+    assert [r["critical_path"]["step"] for r in report["ranks"]] == [2, 2]
+    assert [r["critical_path"]["length_us"] for r in report["ranks"]] == pytest.approx([300, 150])
+    report = analyze([str(tmp_path)], critical_path=3)
+    lacking, found = (r["critical_path"] for r in report["ranks"])
+    assert lacking == {"step": 3, "lacking": f"critical path step 3: {tmp_path / 'r0.json'} has no "
+                                             "ProfilerStep#3 (its steps: 1, 2)"}
+    assert found["step"] == 3 and found["length_us"] == pytest.approx(10)
+    assert main(["perf", "trace", str(tmp_path), "--critical-step", "3"]) == 0
+    assert "critical path of step 3: none on this rank (critical path step 3:" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="has no ProfilerStep#4"):
+        analyze([str(tmp_path)], critical_path=4)

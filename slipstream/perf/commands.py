@@ -696,9 +696,9 @@ def _header_hardware(header: dict[str, Any], where: str) -> str | None:
 
 
 def trace_cmd(args: argparse.Namespace) -> Result:
-    step = args.critical_path  # True for --critical-path without a step: the slowest
-    report = trace.analyze(args.traces, args.top, args.baseline, args.hardware, critical=step is not None,
-                           critical_step=None if step is None or step is True else step)
+    step = args.critical_step if args.critical_step is not None else \
+        trace.SLOWEST if args.critical_path else None
+    report = trace.analyze(args.traces, args.top, args.baseline, args.hardware, critical_path=step)
     return trace_report.format_report(report, args.top), report
 
 

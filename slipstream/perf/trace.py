@@ -41,7 +41,7 @@ from typing import Any
 
 from slipstream.perf.hardware import get_accelerator, is_local
 from slipstream.perf.kineto import Event, Trace, read_trace
-from slipstream.perf.trace_critical import critical_path
+from slipstream.perf.trace_critical import SLOWEST, critical_path, missing_step
 from slipstream.perf.trace_gpu import (
     KERNEL_CATEGORIES,
     gpu_breakdown,
@@ -114,10 +114,10 @@ def _launched_within(kernels: Sequence[Event], launch_us: dict[int, float], star
     return [k for k in kernels if start_us <= launch_us.get(k.correlation, k.start_us) < end_us]
 
 
-def analyze_rank(trace: Trace, critical: bool = False, critical_step: int | None = None) -> dict[str, Any]:
+def analyze_rank(trace: Trace, critical_step: int | None = None) -> dict[str, Any]:
     """One rank's report: its steps (with the GPU split of each), host time by op, annotations,
-    kernels (every row, largest first), the GPU split over all steps and, when `critical` or
-    given `critical_step`, the critical path of that step (the slowest without one)."""
+    kernels (every row, largest first), the GPU split over all steps and, given `critical_step`,
+    the critical path of that step (`_critical_path_record`)."""
     steps = profiler_steps(trace.events)
     ops = host_op_times(trace.events)
     device_events = [e for e in trace.events if e.cat in KERNEL_CATEGORIES]
@@ -149,8 +149,7 @@ def analyze_rank(trace: Trace, critical: bool = False, critical_step: int | None
         "memory": memory_timeline(trace.memory_events, by_thread(trace.events, HOST_CATEGORIES), steps),
         "skipped_memory_events": trace.skipped_memory_events,
         "roofline": op_roofline(trace.events),
-        "critical_path": critical_path(trace, critical_step).as_dict()
-        if critical or critical_step is not None else None,
+        "critical_path": None if critical_step is None else _critical_path_record(trace, critical_step),
     }
 
 
@@ -210,21 +209,21 @@ def trace_files(paths: Sequence[str]) -> list[Path]:
 
 
 def analyze(paths: Sequence[str], top: int = 10, baseline: Sequence[str] = (),
-            hardware: str | None = None, critical: bool = False,
-            critical_step: int | None = None) -> dict[str, Any]:
+            hardware: str | None = None, critical_path: int | str | None = None) -> dict[str, Any]:
     """The report of every rank's trace, ordered by rank, how far the ranks' steps spread and,
     given `baseline` traces, what changed per step against them; `top` rows in each table. The
-    ops' roofline is on `hardware` (`_roofline_hardware` says which without it). With `critical`
-    or a `critical_step`, each rank's critical path of that step (`trace_critical`; the slowest
-    step without one)."""
+    ops' roofline is on `hardware` (`_roofline_hardware` says which without it). Given
+    `critical_path`, a step number or SLOWEST, each rank's critical path of that step
+    (`trace_critical`): SLOWEST is the step whose slowest rank took longest, so that every rank's
+    path is of the same step (in a synchronous run, the one every rank waited for)."""
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
-    if critical_step is not None and (isinstance(critical_step, bool) or not isinstance(critical_step, int)
-                                      or critical_step < 0):
-        raise ValueError(f"critical_step must be a step number (>= 0), got {critical_step!r}")
+    if critical_path is not None and critical_path != SLOWEST and (
+            isinstance(critical_path, bool) or not isinstance(critical_path, int) or critical_path < 0):
+        raise ValueError(f"critical_path must be a step number (>= 0) or {SLOWEST!r}, got {critical_path!r}")
     if hardware is not None and not is_local(hardware):
         get_accelerator(hardware)  # an unknown name is an error before any trace is read
-    ranks = _analyze_files(trace_files(paths), critical, critical_step)
+    ranks = _analyze_files(trace_files(paths), critical_path)
     accelerators: dict[str, Any] = {}
     for rank in ranks:
         if rank["roofline"]:
@@ -237,7 +236,7 @@ def analyze(paths: Sequence[str], top: int = 10, baseline: Sequence[str] = (),
     for rank in ranks:
         for table in ("host", "annotations", "kernels"):
             del rank[table][top:]
-        if rank["critical_path"]:
+        if rank["critical_path"] and "top" in rank["critical_path"]:
             del rank["critical_path"]["top"][top:]
         for device in rank["memory"]:
             del device["ops"][top:]
@@ -264,12 +263,38 @@ def _roofline_hardware(hardware: str | None, rank: dict[str, Any], cache: dict[s
     return cache[name]
 
 
-def _analyze_files(files: Sequence[Path], critical: bool = False,
-                   critical_step: int | None = None) -> list[dict[str, Any]]:
-    """Each trace's report, ordered by rank (unranked traces last, by file name)."""
-    ranks = [analyze_rank(read_trace(path), critical, critical_step) for path in files]
+def _analyze_files(files: Sequence[Path], critical_path: int | str | None = None) -> list[dict[str, Any]]:
+    """Each trace's report, ordered by rank (unranked traces last, by file name), with the
+    critical path of step `critical_path` (`analyze`'s). SLOWEST is known only once every trace's
+    steps are: each trace of several is read again for its path (to hold one trace at a time)."""
+    ranks, kept = [], None
+    for path in files:
+        trace = read_trace(path)
+        ranks.append(analyze_rank(trace, None if critical_path == SLOWEST else critical_path))
+        kept = trace if len(files) == 1 else None
+    if critical_path == SLOWEST:
+        timed = [(s["duration_us"], s["step"]) for r in ranks for s in r["steps"]]
+        if not timed:
+            raise ValueError(f"{', '.join(str(f) for f in files)}: no ProfilerStep#N annotations, so no "
+                             "step to find the critical path of")
+        step = max(timed, key=lambda t: t[0])[1]
+        for rank in ranks:
+            trace = kept if kept is not None else read_trace(rank["file"])
+            rank["critical_path"] = _critical_path_record(trace, step)
+    records = [r["critical_path"] for r in ranks]
+    if critical_path is not None and all("lacking" in cp for cp in records):
+        raise ValueError("; ".join(cp["lacking"] for cp in records))
     ranks.sort(key=lambda r: (r["rank"] is None, r["rank"] if r["rank"] is not None else 0, r["file"]))
     return ranks
+
+
+def _critical_path_record(trace: Trace, step: int) -> dict[str, Any]:
+    """The critical path of `ProfilerStep#step` as `--json` gives it, or, for a trace without that
+    step, the step and why (`lacking`)."""
+    missing = missing_step(trace, step)
+    if missing is not None:
+        return {"step": step, "lacking": missing}
+    return critical_path(trace, step).as_dict()
 
 
 def compare(ranks: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]], top: int) -> dict[str, Any]:

@@ -89,14 +89,18 @@ _KIND_LABELS = {"host": "host ops", "kernel": "kernels", "launch_delay": "launch
 
 
 def _format_critical_path(cp: dict[str, Any]) -> list[str]:
-    """The path's length against the step's, its split by kind, and the events most on it."""
+    """The path's length against the step's, its split by kind, and the events most on it (or
+    that the rank lacks the step)."""
+    if "lacking" in cp:
+        return [f"  critical path of step {cp['step']}: none on this rank ({cp['lacking']})"]
     span = cp["step_us"]
     split = ", ".join(f"{_KIND_LABELS[kind]} {_ms(t)} ms ({_share(t / span if span else None)})"
                       for kind, t in cp["breakdown_us"].items() if t > 0)
-    unlinked = cp["unexplained_us"]
+    unexplained = cp["unexplained_us"]
+    note = f"; {_ms(unexplained)} ms before a kernel whose start the trace explains by no dependency" \
+        if unexplained > 1e-3 else ""
     lines = [f"  critical path of step {cp['step']}: {_ms(cp['length_us'])} ms of the step's {_ms(span)} ms, "
-             f"{len(cp['segments'])} segments" + (f"; {_ms(unlinked)} ms of waits the trace does not link to "
-                                                  "their cause" if unlinked > 1e-3 else ""),
+             f"{len(cp['segments'])} segments{note}",
              f"    {split or 'nothing on it'}",
              "    on the path (share of the step):"]
     lines += [f"    {_share(row['share']):>6} {_ms(row['time_us']):>10} ms  {_KIND_LABELS[row['kind']]:<12}  "
