@@ -39,9 +39,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from slipstream.perf import trace_critical
 from slipstream.perf.hardware import get_accelerator, is_local
 from slipstream.perf.kineto import Event, Trace, read_trace
-from slipstream.perf.trace_critical import SLOWEST, critical_path, missing_step
+from slipstream.perf.trace_critical import SLOWEST, missing_step
 from slipstream.perf.trace_gpu import (
     KERNEL_CATEGORIES,
     gpu_breakdown,
@@ -294,7 +295,7 @@ def _critical_path_record(trace: Trace, step: int) -> dict[str, Any]:
     missing = missing_step(trace, step)
     if missing is not None:
         return {"step": step, "lacking": missing}
-    return critical_path(trace, step).as_dict()
+    return trace_critical.critical_path(trace, step).as_dict()
 
 
 def compare(ranks: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]], top: int) -> dict[str, Any]:
