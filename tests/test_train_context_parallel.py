@@ -21,12 +21,7 @@ from slipstream.model.presets import get_preset
 from slipstream.model.transformer import Attention, RopeTables
 from slipstream.train.checkpoint import list_checkpoints, load_model_state
 from slipstream.train.config import check_context_parallel, check_run, load_config
-from slipstream.train.context_parallel import (
-    causal_mask_between,
-    chunk_positions,
-    gather_positions,
-    masked_attention,
-)
+from slipstream.train.context_parallel import GatheredKVAttention, chunk_positions, gather_positions
 from slipstream.train.trainer import Trainer
 
 pytest_plugins = ["train_fixtures"]
@@ -81,13 +76,13 @@ def _attention_configs() -> dict[str, ModelConfig]:
 
 def _simulated_cp_outputs(attention: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           cp: int) -> list[torch.Tensor]:
-    """Each of `cp` simulated ranks' attention output for its chunks, the K/V all-gather played
-    by keeping every rank's K and V (with their graphs) and concatenating them in rank order: the
-    autograd of a concatenation sums each rank's K/V gradients from every rank's loss, which is
-    what the gather's reduce-scatter does across processes."""
+    """Each of `cp` simulated ranks' attention output for its chunks through `GatheredKVAttention
+    .attend`, the K/V all-gather played by keeping every rank's K and V (with their graphs) and
+    concatenating them in rank order: the autograd of a concatenation sums each rank's K/V
+    gradients from every rank's loss, which is what the gather's reduce-scatter does across
+    processes."""
     seq_len = x.shape[1]
     held = [chunk_positions(seq_len, r, cp) for r in range(cp)]
-    key_positions = gather_positions(seq_len, cp)
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def record(rank):
@@ -97,12 +92,12 @@ def _simulated_cp_outputs(attention: Attention, x: torch.Tensor, cos: torch.Tens
         return attn
 
     def gathered(rank):
-        def attn(layer_idx, q, k, v, *, scale, softcap, sliding_window, sinks=None):
+        cp_attention = GatheredKVAttention(None, seq_len, rank, cp)
+
+        def attn(layer_idx, q, k, v, **kwargs):
             k_all = torch.cat([k if s == rank else kv[s][0] for s in range(cp)], dim=1)
             v_all = torch.cat([v if s == rank else kv[s][1] for s in range(cp)], dim=1)
-            mask = causal_mask_between(held[rank], key_positions, sliding_window=sliding_window,
-                                       dtype=q.dtype)
-            return masked_attention(q, k_all, v_all, mask, scale=scale, softcap=softcap, sinks=sinks)
+            return cp_attention.attend(q, k_all, v_all, **kwargs)
         return attn
 
     for r, positions in enumerate(held):
