@@ -288,7 +288,8 @@ def test_a_tensor_parallel_degree_that_does_not_divide_the_world_is_named(tmp_pa
            "[parallel]\ntensor_parallel_degree = 3\n"
     lines = [json.dumps({"kind": "run", "world_size": 4}),
              json.dumps({"kind": "train", "step": 5, "step_s": 1.0})]
-    with pytest.raises(ValueError, match=r"tensor_parallel_degree \(3\) does not divide its world size"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_degree x context_parallel_degree \(3 x 1\) "
+                                         r"does not divide its world size"):
         train_setup(read_train_run(_write_run(tmp_path, lines, toml)))
 
 
@@ -339,3 +340,32 @@ def test_each_attempts_first_steps_are_warm_up(tmp_path):
     train_run = read_train_run(_write_run(tmp_path, lines, toml))
     assert train_run.step_times_s == [1.0] * 5
     assert [r["step"] for r in train_run.measured] == [3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize(("world", "tp", "cp", "strategy", "expected"), [
+    (2, 1, 2, "fsdp", (1, 1, 2, 3)),  # one replica, yet FSDP2 shards over its two CP ranks
+    (4, 1, 2, "ddp", (2, 1, 2, 0)),
+    (8, 2, 2, "fsdp", (2, 2, 2, 3)),
+])
+def test_a_context_parallel_run_is_modelled_with_its_layout(tmp_path, world, tp, cp, strategy, expected):
+    """A run of `parallel.context_parallel_degree` C is world / (T x C) data-parallel replicas of
+    T x C ranks, FSDP or DDP over the data- and context-parallel ranks together (as the trainer
+    applies them, torchtitan's dp_shard_cp): not world / T replicas, which priced every CP rank as
+    a replica holding whole sequences."""
+    toml = ("[model]\npreset = \"llama3.2-1b\"\n[data]\nseq_len = 2048\n[training]\nglobal_batch_size = 8\n"
+            f"micro_batch_size = 1\n[parallel]\nstrategy = \"{strategy}\"\ntensor_parallel_degree = {tp}\n"
+            f"context_parallel_degree = {cp}\n")
+    lines = [json.dumps({"kind": "run", "world_size": world, "strategy": strategy})]
+    lines += [json.dumps({"kind": "train", "step": s, "step_s": 1.0}) for s in range(1, 8)]
+    _, layout = train_setup(read_train_run(_write_run(tmp_path, lines, toml)))
+    assert (layout.dp, layout.tp, layout.cp, layout.zero_stage) == expected
+    assert layout.num_devices == world
+
+
+def test_a_context_parallel_degree_that_does_not_divide_the_world_is_named(tmp_path):
+    toml = "[model]\npreset = \"tiny\"\n[data]\nseq_len = 256\n[training]\nglobal_batch_size = 8\n" \
+           "[parallel]\ntensor_parallel_degree = 2\ncontext_parallel_degree = 3\n"
+    lines = [json.dumps({"kind": "run", "world_size": 4}),
+             json.dumps({"kind": "train", "step": 5, "step_s": 1.0})]
+    with pytest.raises(ValueError, match=r"context_parallel_degree \(2 x 3\) does not divide its world size"):
+        train_setup(read_train_run(_write_run(tmp_path, lines, toml)))

@@ -97,11 +97,13 @@ def fit_engine_steps(
 
 
 def train_setup(run: TrainRun, shape: TransformerShape | None = None) -> tuple[TrainSetup, Layout]:
-    """The model's description of a measured training run: world / tensor_parallel_degree
-    data-parallel replicas, FSDP or DDP as its strategy says (`ZERO_STAGES`; none with one
-    replica, as the trainer applies none), each over tensor_parallel_degree ranks, with sequence
-    parallelism where the run had it (the trainer's default with TP); ValueError naming the run
-    directory and the config key for a value the model cannot take."""
+    """The model's description of a measured training run: world / (tensor_parallel_degree x
+    context_parallel_degree) data-parallel replicas, each over tensor_parallel_degree x
+    context_parallel_degree ranks, with sequence parallelism where the run had it (the trainer's
+    default with TP); FSDP or DDP as its strategy says (`ZERO_STAGES`), over the data-parallel
+    and context-parallel ranks together as the trainer applies it (none where those are one
+    rank); ValueError naming the run directory and the config key for a value the model cannot
+    take."""
     c = run.config
     missing = [k for k in ("seq_len", "global_batch_size") if k not in c]
     if missing or (shape is None and "preset" not in c and "model_path" not in c):
@@ -112,10 +114,11 @@ def train_setup(run: TrainRun, shape: TransformerShape | None = None) -> tuple[T
     try:
         world, batch = _config_int(c, "world_size", 1), _config_int(c, "global_batch_size")
         tp = _config_int(c, "tensor_parallel_degree", 1)
-        if world % tp:
-            raise ValueError(f"the run's tensor_parallel_degree ({tp}) does not divide its world size "
-                             f"({world})")
-        dp = world // tp
+        cp = _config_int(c, "context_parallel_degree", 1)
+        if world % (tp * cp):
+            raise ValueError(f"the run's tensor_parallel_degree x context_parallel_degree ({tp} x {cp}) "
+                             f"does not divide its world size ({world})")
+        dp = world // (tp * cp)
         strategy = c.get("strategy", "fsdp")
         if strategy not in ZERO_STAGES:
             raise ValueError(f"the run's parallel strategy is {strategy!r}; known: {', '.join(ZERO_STAGES)}")
@@ -125,8 +128,8 @@ def train_setup(run: TrainRun, shape: TransformerShape | None = None) -> tuple[T
                            reserved_bytes=0)
         check_positions(shape, "the run's seq_len", setup.seq_len)
         sequence_parallel = tp > 1 and c.get("sequence_parallel", True) is not False
-        return setup, Layout(dp=dp, tp=tp, sequence_parallel=sequence_parallel,
-                             zero_stage=ZERO_STAGES[strategy] if dp > 1 else 0)
+        return setup, Layout(dp=dp, tp=tp, cp=cp, sequence_parallel=sequence_parallel,
+                             zero_stage=ZERO_STAGES[strategy] if dp * cp > 1 else 0)
     except ValueError as e:
         raise ValueError(f"{run.run_dir}: {e}") from None
 

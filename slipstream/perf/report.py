@@ -176,6 +176,7 @@ def _train_config(train_run) -> dict[str, Any]:
             "device": r.get("device"), "world_size": r.get("world_size", c.get("world_size", 1)),
             "strategy": r.get("strategy", c.get("strategy")),
             "tensor_parallel_degree": r.get("tensor_parallel_degree", 1),
+            "context_parallel_degree": r.get("context_parallel_degree", 1),
             "sequence_parallel": r.get("sequence_parallel", False), "dtype": r.get("dtype", c.get("dtype")),
             "global_batch_size": c.get("global_batch_size"), "micro_batch_size": c.get("micro_batch_size"),
             "seq_len": c.get("seq_len"), "activation_checkpointing": c.get("activation_checkpointing"),

@@ -92,7 +92,8 @@ def _train_sections(s: Mapping[str, Any]) -> list[str]:
                 f"<h2>Steps</h2><p>{steps['num_records']} train records; the statistics leave out the first "
                 f"{steps['warmup_steps']} (warm-up), {steps['num_measured']} measured."
                 + (f" {steps['num_earlier_layout']} records of earlier attempts at another layout (world "
-                   "size, strategy, tensor parallelism) are left out: the run was resumed at this one."
+                   "size, strategy, tensor or context parallelism) are left out: the run was resumed at "
+                   "this one."
                    if steps["num_earlier_layout"] else "") + "</p>",
                 _table(("quantity", *keys), [
                     _spread_row("step time (ms)", steps["step_s"], keys, _ms),
