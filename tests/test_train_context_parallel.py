@@ -1,10 +1,11 @@
 """Context parallelism (`parallel.context_parallel_degree`): the load-balanced split of each
 sequence, the gathered-K/V attention against the model's own attention on the whole sequence
-(forward and gradients, the gather simulated in one process), the config's checks, and under
-torchrun with gloo a 2-rank CP=2 run that follows one process's losses, gradient norms, eval
-losses and weights, and whose checkpoint one process resumes as the uninterrupted run went on;
-slow: DDP x CP, 4 ranks of FSDP2 over dp=2 x cp=2, TP=2 x CP=2, activation checkpointing,
-compile, resumes at CP=2 and by plain FSDP2."""
+(forward and gradients, the gather simulated in one process), the load-balancing loss of a
+mixture-of-experts model pooled over the group (simulated, and on 2 spawned gloo ranks), the
+config's checks, and under torchrun with gloo a 2-rank CP=2 run that follows one process's losses,
+gradient norms, eval losses and weights, and whose checkpoint one process resumes as the
+uninterrupted run went on; slow: DDP x CP, 4 ranks of FSDP2 over dp=2 x cp=2, TP=2 x CP=2,
+activation checkpointing, compile, resumes at CP=2 and by plain FSDP2, a Mixtral at CP=2."""
 
 from __future__ import annotations
 
@@ -13,15 +14,25 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
 from train_fixtures import read_metrics, small_config, train_with_torchrun
 
 from slipstream.model import ModelConfig
 from slipstream.model.config import RopeScaling
 from slipstream.model.presets import get_preset
-from slipstream.model.transformer import Attention, RopeTables
+from slipstream.model.transformer import Attention, RopeTables, Transformer
 from slipstream.train.checkpoint import list_checkpoints, load_model_state
 from slipstream.train.config import check_context_parallel, check_run, load_config
-from slipstream.train.context_parallel import GatheredKVAttention, chunk_positions, gather_positions
+from slipstream.train.context_parallel import (
+    ContextParallel,
+    GatheredKVAttention,
+    chunk_positions,
+    gather_positions,
+)
+from slipstream.train.moe import RouterLogits, StepRouting, routing
+from slipstream.train.parallel import DistInfo
 from slipstream.train.trainer import Trainer
 
 pytest_plugins = ["train_fixtures"]
@@ -146,6 +157,126 @@ def test_gathered_kv_attention_matches_the_whole_sequence(name, cp):
     assert diff <= 1e-5
 
 
+@pytest.mark.parametrize("cp", [2, 3])
+def test_load_balancing_loss_over_simulated_ranks_is_the_whole_forwards(cp):
+    """Switch Transformer's load-balancing loss of a forward whose tokens `cp` simulated ranks
+    share: each rank's `routing` with its group's mean choice shares (the all-reduce played by
+    averaging every rank's own) and its own mean probabilities; the mean over ranks of those
+    losses, and its gradients for the router logits, equal `routing` on the whole forward (fp32,
+    1e-6). Each rank's loss of its own tokens alone (the code before) is checked to differ."""
+    torch.manual_seed(0)
+    num_layers, seq_len, num_experts, top_k = 2, 12 * cp, 8, 2
+    logits = (3 * torch.randn(num_layers, 2, seq_len, num_experts)).requires_grad_()  # (L, B, T, X)
+    whole = routing([layer.flatten(0, 1) for layer in logits], num_experts, top_k).load_balancing_loss
+    (expected_grad,) = torch.autograd.grad(whole, logits)
+
+    ranks = [[layer[:, chunk_positions(seq_len, r, cp)].flatten(0, 1) for layer in logits]
+             for r in range(cp)]  # each rank's (B t, X) logits of each layer
+    own = [routing(rank, num_experts, top_k) for rank in ranks]
+    shares = torch.stack([r.tokens_per_expert.sum(0) / (num_layers * 2 * seq_len // cp) for r in own])
+    pooled = torch.stack([routing(rank, num_experts, top_k, lambda _: shares.mean(0)).load_balancing_loss
+                          for rank in ranks]).mean()
+    (grad,) = torch.autograd.grad(pooled, logits)
+    unpooled = torch.stack([r.load_balancing_loss for r in own]).mean()
+    print(f"cp={cp}: whole {whole.item():.7f}, pooled {pooled.item():.7f}, each rank alone "
+          f"{unpooled.item():.7f}; max gradient difference {(grad - expected_grad).abs().max().item():.1e}")
+    assert abs(pooled.item() - whole.item()) <= 1e-6
+    assert torch.allclose(grad, expected_grad, rtol=0, atol=1e-6)
+    assert abs(unpooled.item() - whole.item()) > 1e-3  # the fix is needed on this batch
+    assert torch.equal(sum(r.tokens_per_expert for r in own), routing(
+        [layer.flatten(0, 1) for layer in logits], num_experts, top_k).tokens_per_expert)
+
+
+def _mixtral(seed: int = 0) -> tuple[ModelConfig, Transformer]:
+    """A 2-layer Mixtral of 4 experts, top 2, trained on its load-balancing loss (coefficient 1),
+    with weights drawn wide enough that routing depends on the token."""
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, model_type="mixtral",
+                         num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                         router_aux_loss_coef=1.0)
+    torch.manual_seed(seed)
+    model = Transformer(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0, 0.3)
+    return config, model
+
+
+def _moe_objective(config, model, inputs, targets, positions, attention, group):
+    """Cross-entropy + router_aux_loss_coef x the load-balancing loss, as the trainer's objective,
+    with the routers' logits pooled over `group` (None: one process); and the forward's routing."""
+    router_logits = RouterLogits(model, group)
+    with router_logits.collect() as logits:
+        loss = F.cross_entropy(model(inputs, positions, attention).flatten(0, 1), targets.flatten())
+    step_routing = router_logits.routing(logits)
+    return loss + config.router_aux_loss_coef * step_routing.load_balancing_loss, step_routing
+
+
+_MOE_BATCH, _MOE_SEQ_LEN = 2, 16
+
+
+def _moe_batch(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, config.vocab_size, (_MOE_BATCH, _MOE_SEQ_LEN + 1),
+                           generator=torch.Generator().manual_seed(1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _moe_cp_rank(rank: int, world_size: int, init_file: str, out: str) -> None:
+    """One of `world_size` gloo ranks of one context-parallel group: the Mixtral objective on its
+    chunks of the batch, the loss and gradients averaged over the group (FSDP's reduction), and
+    the logged load-balancing loss as `StepRouting.record` reduces it; rank 0 saves them."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        config, model = _mixtral()
+        cp = ContextParallel(dist.group.WORLD, rank, world_size, _MOE_SEQ_LEN, torch.device("cpu"))
+        inputs, targets, positions, attention = cp.shard(*_moe_batch(config))
+        loss, forward_routing = _moe_objective(config, model, inputs, targets, positions, attention,
+                                               dist.group.WORLD)
+        loss.backward()
+        step_routing = StepRouting()
+        step_routing.add(forward_routing)
+        record = step_routing.record(DistInfo(rank, world_size, rank, torch.device("cpu")))
+        results = [loss.detach()] + [param.grad for param in model.parameters()]
+        for tensor in results:
+            dist.all_reduce(tensor)
+            tensor /= world_size
+        if rank == 0:
+            torch.save({"loss": results[0], "grads": results[1:], "record": record}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_moe_load_balancing_loss_under_cp2_is_one_processs(tmp_path):
+    """A Mixtral-shaped MoE trained on its load-balancing loss, CP=2 on 2 gloo ranks (spawned
+    processes, the real all-gather and all-reduce): the loss (cross-entropy + load-balancing), every
+    gradient, and the logged `load_balancing_loss` and expert load equal one process's on the
+    whole batch within 1e-5."""
+    out = tmp_path / "cp.pt"
+    mp.start_processes(_moe_cp_rank, args=(2, str(tmp_path / "init"), str(out)), nprocs=2,
+                       start_method="spawn")
+    got = torch.load(out)
+    config, model = _mixtral()
+    inputs, targets = _moe_batch(config)
+    positions = torch.arange(_MOE_SEQ_LEN).expand(_MOE_BATCH, -1)
+    loss, forward_routing = _moe_objective(config, model, inputs, targets, positions, None, None)
+    loss.backward()
+    step_routing = StepRouting()
+    step_routing.add(forward_routing)
+    expected = step_routing.record(DistInfo(0, 1, 0, torch.device("cpu")))
+    grad_diff = max((a - p.grad).abs().max().item()
+                    for a, p in zip(got["grads"], model.parameters(), strict=True))
+    print(f"loss: one process {loss.item():.7f}, CP=2 {got['loss'].item():.7f}; load-balancing loss "
+          f"{expected['load_balancing_loss']:.7f} vs {got['record']['load_balancing_loss']:.7f}; "
+          f"max gradient difference {grad_diff:.1e}")
+    assert abs(got["loss"].item() - loss.item()) <= 1e-5
+    assert grad_diff <= 1e-5
+    assert abs(got["record"]["load_balancing_loss"] - expected["load_balancing_loss"]) <= 1e-5
+    assert got["record"]["expert_load_max_over_mean"] == pytest.approx(expected["expert_load_max_over_mean"])
+    assert got["record"]["idle_experts"] == expected["idle_experts"]
+
+
 # ---- configuration ----------------------------------------------------------------------------
 
 
@@ -185,6 +316,20 @@ def test_bad_degrees_are_refused(data_dir, tmp_path):
     with pytest.raises(ValueError, match=r"parallel.context_parallel_degree \(2\) does not support longrope"):
         check_context_parallel(config(*CP2), longrope)
     check_context_parallel(config(), longrope)
+
+
+def test_an_odd_seq_len_trains_and_resumes_without_context_parallelism(data_dir, train_model_dir, tmp_path):
+    """Only a context-parallel run needs data.seq_len divisible by 2 x degree: at the default
+    degree an odd length loads, trains, and its run dir (config.toml with that length) resumes."""
+    assert load_config(None, ["--data.seq_len=33"]).data.seq_len == 33
+    run_dir = tmp_path / "run"
+    odd = ("--data.seq_len=33", "--checkpoint.save_final=true")
+    Trainer(small_config(data_dir, train_model_dir, run_dir, *odd, "--training.steps=2")).run()
+    assert "seq_len = 33" in (run_dir / "config.toml").read_text()
+    Trainer(small_config(data_dir, train_model_dir, run_dir, *odd, "--training.steps=3")).run()
+    (resume,) = read_metrics(run_dir, "resume")
+    assert resume["step"] == 2
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
 
 
 # ---- two ranks, one replica -------------------------------------------------------------------
@@ -301,4 +446,27 @@ def test_other_layouts_follow_one_process(label, nproc, extra, one_process_run, 
     _assert_records_follow(tmp_path / "run", one_process_run, label)
     diff = _max_weight_diff(_final(tmp_path / "run"), _final(one_process_run))
     print(f"{label}: max weight difference after 8 steps {diff:.1e}")
+    assert diff <= WEIGHT_ATOL
+
+
+@pytest.mark.slow
+def test_a_mixtral_trains_under_cp2_as_one_process(data_dir, tmp_path):
+    """The trainer's wiring of the pooled load-balancing loss: transformers' Mixtral (4 experts,
+    top 2, coefficient 0.05) trained 4 steps at CP=2 on 2 ranks follows one process's losses,
+    load-balancing losses and gradient norms within LOSS_ATOL, and its final weights within
+    WEIGHT_ATOL."""
+    from test_train_moe import moe_model_dir
+
+    model_dir = moe_model_dir(tmp_path / "model", data_dir)
+    run = ("--training.deterministic=true", "--data.seq_len=16", "--training.global_batch_size=4",
+           "--training.micro_batch_size=2", "--training.steps=4", "--checkpoint.save_final=true")
+    Trainer(small_config(data_dir, model_dir, tmp_path / "one", *run)).run()
+    _torchrun(small_config(data_dir, model_dir, tmp_path / "cp", *run, *CP2), tmp_path)
+    reference, records = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "cp")
+    for key in ("loss", "load_balancing_loss", "grad_norm"):
+        diff = max(abs(a[key] - b[key]) for a, b in zip(reference, records, strict=True))
+        print(f"Mixtral CP=2 {key}: max |2 ranks - 1 process| = {diff:.1e}")
+        assert diff <= LOSS_ATOL
+    diff = _max_weight_diff(_final(tmp_path / "cp"), _final(tmp_path / "one"))
+    print(f"Mixtral CP=2: max final weight difference {diff:.1e}")
     assert diff <= WEIGHT_ATOL

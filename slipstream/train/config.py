@@ -373,7 +373,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         cp, seq_len = self.parallel.context_parallel_degree, self.data.seq_len
-        if seq_len % (2 * cp):
+        if cp > 1 and seq_len % (2 * cp):  # without context parallelism any length is one chunk
             raise ValueError(f"parallel.context_parallel_degree ({cp}) needs data.seq_len ({seq_len}) "
                              f"divisible by 2 x {cp} = {2 * cp}: each sequence is cut into 2 x degree "
                              "chunks, two per rank")

@@ -16,7 +16,13 @@ the share of the top-k choices that went to expert e and P_e its mean router pro
 picks its experts by the raw logits and weighs them by a softmax over the chosen ones only, but its
 loss is transformers' same function of the full logits (and the top k of the probabilities are the
 top k of the logits).
-It is computed per forward (one micro-batch on one rank), as transformers computes it per call.
+It is computed per forward (one micro-batch on one replica), as transformers computes it per call.
+Under context parallelism a forward's tokens are spread over the ranks of a CP group, and the mean
+over ranks of each rank's `N sum_e f_e P_e` is not the product of the whole batch's means; so
+each rank takes the group's f_e (an all-reduce of the choice shares, which carry no gradient:
+they count top-k choices) and its own P_e. Every rank holds as many tokens, so the ranks' mean
+P_e is the batch's, and the mean over the group of the ranks' losses (their gradient average,
+the logged metric) is the one-process loss of the whole forward.
 
 An expert that no token of a step chose gets no gradient from autograd. `fill_missing_grads`
 gives it a zero one, so that every layout (one process, DDP with `find_unused_parameters`, FSDP2
@@ -29,9 +35,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from slipstream.model.transformer import GptOssMoeBlock, SparseMoeBlock
@@ -51,9 +59,10 @@ class RouterLogits:
     """Forward hooks on the router linear of every mixture-of-experts block of `model`
     (`SparseMoeBlock.gate`, `GptOssMoeBlock.router`), which keep the router logits of the forwards
     run inside `collect()`. Register them once the model's modules are final (after the CPU fast
-    path swapped its linears); parallelize keeps modules in place."""
+    path swapped its linears); parallelize keeps modules in place. `cp_group`: the context-parallel
+    group whose ranks share each forward's tokens (None without context parallelism)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, cp_group: dist.ProcessGroup | None = None) -> None:
         blocks = [m for m in model.modules() if isinstance(m, (SparseMoeBlock, GptOssMoeBlock))]
         if not blocks:
             raise ValueError("the model has no mixture-of-experts layer (SparseMoeBlock, GptOssMoeBlock) "
@@ -63,6 +72,7 @@ class RouterLogits:
         self.num_layers = len(blocks)
         self.num_experts = blocks[0].num_experts
         self.top_k = blocks[0].top_k
+        self._pool = None if cp_group is None else functools.partial(group_mean, group=cp_group)
         self._collecting = False
         for router in self._routers:
             router.register_forward_hook(self._keep)
@@ -94,13 +104,23 @@ class RouterLogits:
     def routing(self, router_logits: Sequence[torch.Tensor]) -> Routing:
         """The load-balancing loss and expert load of one forward's router logits."""
         assert len(router_logits) == self.num_layers, "each router runs once per forward"
-        return routing(router_logits, self.num_experts, self.top_k)
+        return routing(router_logits, self.num_experts, self.top_k, self._pool)
 
 
-def routing(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int) -> Routing:
+def group_mean(value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The mean of `value` over the ranks of `group` (not differentiable)."""
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+    return value / dist.get_world_size(group)
+
+
+def routing(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int,
+            pool: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Routing:
     """`Routing` of each layer's (tokens, num_experts) router logits. The softmax runs in fp32,
     as the model's router does, so the counted choices are the experts the tokens went to (under
-    bf16 autocast transformers' loss takes the softmax in bf16)."""
+    bf16 autocast transformers' loss takes the softmax in bf16). `pool` turns this rank's choice
+    shares f_e into its context-parallel group's mean (`group_mean`); None: the forward is this
+    rank's alone. `tokens_per_expert` stays this rank's own."""
     logits = torch.stack([layer.float() for layer in router_logits])  # (L, N, X)
     probs = torch.softmax(logits, dim=-1)  # (L, N, X)
     chosen = torch.topk(probs, top_k, dim=-1).indices.flatten(1)  # (L, N * k)
@@ -109,6 +129,8 @@ def routing(router_logits: Sequence[torch.Tensor], num_experts: int, top_k: int)
         1, chosen, ones)  # (L, X)
     num_rows = logits.shape[0] * logits.shape[1]  # tokens of all layers pooled
     choice_share = tokens_per_expert.sum(dim=0) / num_rows  # (X,): f_e, summing to top_k
+    if pool is not None:
+        choice_share = pool(choice_share)
     mean_prob = probs.sum(dim=(0, 1)) / num_rows  # (X,): P_e
     loss = num_experts * torch.sum(choice_share * mean_prob)
     return Routing(load_balancing_loss=loss, tokens_per_expert=tokens_per_expert)
@@ -132,7 +154,9 @@ class StepRouting:
 
     def record(self, info: DistInfo) -> dict[str, float]:
         """`load_balancing_loss` (the mean over the step's forwards on all ranks, before
-        `router_aux_loss_coef`) and `expert_load_metrics` of the step's tokens on all ranks."""
+        `router_aux_loss_coef`; under context parallelism each rank's value takes its group's f_e,
+        so the mean over a group is its forward's) and `expert_load_metrics` of the step's tokens
+        on all ranks."""
         assert self._balance_loss_sum is not None and self._tokens_per_expert is not None
         loss = all_reduce_mean(self._balance_loss_sum / self._num_forwards, info).item()
         return {"load_balancing_loss": loss,

@@ -175,8 +175,11 @@ class Trainer:
         """Which tokens of each sequence this rank keeps, and the attention that gathers the rest's
         keys and values; None without context parallelism."""
         self.model = self._build_model()
-        self.router_logits = RouterLogits(self.model) if self.model_config.moe_layers else None
-        """The routers' logits of a mixture-of-experts model (load-balancing loss, expert load)."""
+        self.router_logits = RouterLogits(
+            self.model, None if self.context_parallel is None else self.mesh["cp"].get_group(),
+        ) if self.model_config.moe_layers else None
+        """The routers' logits of a mixture-of-experts model (load-balancing loss over each forward's
+        tokens on its whole context-parallel group, expert load)."""
         self.optimizer = build_optimizer(self.model, config.optimizer, self.device)
         self.lr_scheduler = self._build_lr_scheduler(steps_taken=0)
         if self.dist.is_main:
