@@ -5,7 +5,8 @@ mixture-of-experts model pooled over the group (simulated, and on 2 spawned gloo
 config's checks, and under torchrun with gloo a 2-rank CP=2 run that follows one process's losses,
 gradient norms, eval losses and weights, and whose checkpoint one process resumes as the
 uninterrupted run went on; slow: DDP x CP, 4 ranks of FSDP2 over dp=2 x cp=2, TP=2 x CP=2,
-activation checkpointing, compile, resumes at CP=2 and by plain FSDP2, a Mixtral at CP=2."""
+activation checkpointing, compile, resumes at CP=2 and by plain FSDP2, a Mixtral and a Phi-3
+with longrope (its choice of frequencies fixed to the whole sequence's) at CP=2."""
 
 from __future__ import annotations
 
@@ -17,18 +18,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from train_fixtures import read_metrics, small_config, train_with_torchrun
+from train_fixtures import VOCAB_SIZE, read_metrics, small_config, train_with_torchrun
 
-from slipstream.model import ModelConfig
+from slipstream.model import ModelConfig, save_model
 from slipstream.model.config import RopeScaling
 from slipstream.model.presets import get_preset
 from slipstream.model.transformer import Attention, RopeTables, Transformer
 from slipstream.train.checkpoint import list_checkpoints, load_model_state
-from slipstream.train.config import check_context_parallel, check_run, load_config
+from slipstream.train.config import check_run, load_config
 from slipstream.train.context_parallel import (
     ContextParallel,
     GatheredKVAttention,
     chunk_positions,
+    fix_rope_choice,
     gather_positions,
 )
 from slipstream.train.moe import RouterLogits, StepRouting, routing
@@ -277,13 +279,43 @@ def test_moe_load_balancing_loss_under_cp2_is_one_processs(tmp_path):
     assert got["record"]["idle_experts"] == expected["idle_experts"]
 
 
+def _phi3_longrope(original: int) -> ModelConfig:
+    """A 2-layer Phi-3 whose longrope switches to its long factors past `original` positions."""
+    return ModelConfig(
+        model_type="phi3", vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=0,
+        pad_token_id=0, rope_scaling=RopeScaling(
+            rope_type="longrope", factor=256 / original, original_max_position_embeddings=original,
+            short_factor=tuple(1.0 + 0.05 * i for i in range(8)),
+            long_factor=tuple(1.5 + 0.9 * i for i in range(8))))
+
+
+def test_fixed_longrope_choice_gives_each_rank_the_whole_sequences_tables():
+    """Phi-3's longrope under CP=2 at 32 tokens past an original context of 24: rank 1 holds
+    positions 8-23, whose largest would pick the short factors where one process's forward over
+    0-31 picks the long ones; after `fix_rope_choice(model, 32)` each rank's cos and sin at its
+    positions are the whole sequence's (exactly). At 24 tokens both pick the short ones."""
+    for seq_len, long in ((32, True), (24, False)):
+        whole = Transformer(_phi3_longrope(original=24))
+        cos, sin = whole.model.rope(torch.arange(seq_len)[None], torch.float32)
+        fixed = Transformer(_phi3_longrope(original=24))
+        fix_rope_choice(fixed, seq_len)
+        for rank in range(2):
+            positions = chunk_positions(seq_len, rank, 2)
+            rank_cos, rank_sin = fixed.model.rope(positions[None], torch.float32)
+            assert torch.equal(rank_cos, cos[:, positions]) and torch.equal(rank_sin, sin[:, positions])
+            unfixed_cos, _ = whole.model.rope(positions[None], torch.float32)
+            if long and rank == 1:  # the choice each rank made alone
+                assert not torch.allclose(unfixed_cos, cos[:, positions], atol=1e-3)
+
+
 # ---- configuration ----------------------------------------------------------------------------
 
 
 def test_bad_degrees_are_refused(data_dir, tmp_path):
     """parallel.context_parallel_degree must be a positive integer, split data.seq_len into 2 x
     degree chunks, and (times the tensor-parallel degree) divide the ranks; the global batch
-    divides into world / degree replicas; longrope is refused. Each error names the key and value."""
+    divides into world / degree replicas. Each error names the key and value."""
     for bad in ("0", "-2", "1.5", "true"):
         with pytest.raises(ValueError, match=r"parallel.context_parallel_degree must be"):
             load_config(None, [f"--parallel.context_parallel_degree={bad}"])
@@ -308,14 +340,6 @@ def test_bad_degrees_are_refused(data_dir, tmp_path):
     with pytest.raises(ValueError, match=r"global_batch_size \(4\) must be divisible by world size / "
                                          r"parallel.context_parallel_degree \(4 / 2\) x training.micro"):
         check_run(config(*CP2, *batch), 4)
-    longrope = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                           num_attention_heads=4, head_dim=8, model_type="phi3",
-                           max_position_embeddings=64, rope_scaling=RopeScaling(
-                               rope_type="longrope", factor=4.0, short_factor=(1.0,) * 4,
-                               long_factor=(2.0,) * 4, original_max_position_embeddings=16))
-    with pytest.raises(ValueError, match=r"parallel.context_parallel_degree \(2\) does not support longrope"):
-        check_context_parallel(config(*CP2), longrope)
-    check_context_parallel(config(), longrope)
 
 
 def test_an_odd_seq_len_trains_and_resumes_without_context_parallelism(data_dir, train_model_dir, tmp_path):
@@ -469,4 +493,24 @@ def test_a_mixtral_trains_under_cp2_as_one_process(data_dir, tmp_path):
         assert diff <= LOSS_ATOL
     diff = _max_weight_diff(_final(tmp_path / "cp"), _final(tmp_path / "one"))
     print(f"Mixtral CP=2: max final weight difference {diff:.1e}")
+    assert diff <= WEIGHT_ATOL
+
+
+@pytest.mark.slow
+def test_a_phi3_longrope_model_trains_under_cp2_as_one_process(data_dir, tmp_path):
+    """Phi-3's longrope (original context 24, sequences of 32: the long factors) trained 8 steps at
+    CP=2 on 2 ranks follows one process's train and eval losses and gradient norms within
+    LOSS_ATOL and its final weights within WEIGHT_ATOL: every rank uses the whole sequence's
+    factors, though one holds only positions 8-23."""
+    model_dir = tmp_path / "model"
+    model = Transformer(_phi3_longrope(original=24))
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    save_model(model, model_dir, dtype="float32")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(data_dir / "tokenizer" / name, model_dir / name)
+    Trainer(small_config(data_dir, model_dir, tmp_path / "one", *RUN)).run()
+    _torchrun(small_config(data_dir, model_dir, tmp_path / "cp", *RUN, *CP2), tmp_path)
+    _assert_records_follow(tmp_path / "cp", tmp_path / "one", "Phi-3 longrope CP=2")
+    diff = _max_weight_diff(_final(tmp_path / "cp"), _final(tmp_path / "one"))
+    print(f"Phi-3 longrope CP=2: max final weight difference {diff:.1e}")
     assert diff <= WEIGHT_ATOL

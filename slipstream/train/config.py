@@ -484,8 +484,8 @@ def check_run(config: TrainConfig, world_size: int) -> None:
     """Checks that need the running job: the tensor- and context-parallel degrees against the
     ranks, batch divisibility by the data-parallel replicas (world / (tp x cp)), the data dir,
     the model dir's config.json, and a run.dir apart from the dataset (`_check_run_dir_apart`).
-    The model's shape is checked against the degrees by `check_tensor_parallel` and
-    `check_context_parallel`, once the model's config is known."""
+    The model's shape is checked against the tensor-parallel degree by `check_tensor_parallel`,
+    once the model's config is known."""
     tp, cp = config.parallel.tensor_parallel_degree, config.parallel.context_parallel_degree
     if world_size % tp:
         raise ValueError(f"parallel.tensor_parallel_degree ({tp}) must divide the job's number of ranks "
@@ -558,17 +558,6 @@ def check_tensor_parallel(config: TrainConfig, model_config: ModelConfig) -> Non
                 else f"data.seq_len ({config.data.seq_len})")
         raise ValueError(f"{name} must divide {held} with "
                          "parallel.sequence_parallel, which splits each sequence between the ranks")
-
-
-def check_context_parallel(config: TrainConfig, model_config: ModelConfig) -> None:
-    """ValueError naming parallel.context_parallel_degree for a model it would train otherwise
-    than one process does: longrope (Phi-3) picks its frequencies by the largest position of a
-    forward, which differs between the ranks' slices of a sequence."""
-    cp = config.parallel.context_parallel_degree
-    scaling = model_config.rope_scaling
-    if cp > 1 and scaling is not None and scaling.rope_type == "longrope":
-        raise ValueError(f"parallel.context_parallel_degree ({cp}) does not support longrope's rope_scaling "
-                         "(each rank would choose its frequencies by its own slice's positions)")
 
 
 def _check_run_dir_apart(config: TrainConfig) -> None:

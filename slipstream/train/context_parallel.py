@@ -16,7 +16,9 @@ of PyTorch's `context_parallel` and of Llama 3): under a causal mask the late ch
 more keys, so each rank gets one early and one late chunk and the same attention work.
 
 The model needs no change: the trainer passes `ContextParallel.shard`'s attention as the model's
-`attn` argument (the same hook the serving engine uses for paged attention).
+`attn` argument (the same hook the serving engine uses for paged attention). Phi-3's longrope
+picks its frequencies by a forward's largest position, which differs between the ranks' slices;
+`fix_rope_choice` fixes every rank's choice to the whole sequence's.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from slipstream.model.transformer import RopeTables
 from slipstream.ops.attention import softmax_with_sinks
 
 
@@ -49,6 +52,15 @@ def gather_positions(seq_len: int, cp_size: int, device: torch.device | None = N
     """The global positions (T,) of the keys `gather_sequence` returns: every rank's
     `chunk_positions`, in rank order."""
     return torch.cat([chunk_positions(seq_len, r, cp_size, device) for r in range(cp_size)])
+
+
+def fix_rope_choice(model: torch.nn.Module, seq_len: int) -> None:
+    """Fix each RoPE table's choice of frequencies (longrope's short or long factors; nothing for
+    other RoPE) to the one a forward over positions 0 .. seq_len - 1 makes, the whole sequence's,
+    rather than each rank's by the largest position of its own chunks."""
+    for module in model.modules():
+        if isinstance(module, RopeTables):
+            module.fix_context(seq_len)
 
 
 class _GatherSequence(torch.autograd.Function):

@@ -53,13 +53,12 @@ from slipstream.perf.flops import mfu, num_params, train_flops_per_token
 from slipstream.train import checkpoint as ckpt
 from slipstream.train.config import (
     TrainConfig,
-    check_context_parallel,
     check_run,
     check_tensor_parallel,
     load_config,
     resume_changes,
 )
-from slipstream.train.context_parallel import ContextParallel
+from slipstream.train.context_parallel import ContextParallel, fix_rope_choice
 from slipstream.train.cpu_kernels import use_onednn_linears
 from slipstream.train.data import TOKENIZER_DIR, TOKENIZER_FILES, TokenDataset, WindowLoader
 from slipstream.train.export import tokenization_mismatch
@@ -315,6 +314,8 @@ class Trainer:
         parallelize(model, self.mesh, self.config.parallel)
         full_state = initial_state(self.config, self.model_config) if self.dist.is_main else {}
         materialize(model, self.device, full_state, distributed=self.mesh is not None)
+        if self.context_parallel is not None:
+            fix_rope_choice(model, self.config.data.seq_len)
         return model
 
     def _build_val_loader(self) -> WindowLoader | None:
@@ -762,7 +763,6 @@ def resolve_model_config(config: TrainConfig, tokenizer: Tokenizer) -> ModelConf
             f"({model_config.max_position_embeddings})"
         )
     check_tensor_parallel(config, model_config)
-    check_context_parallel(config, model_config)
     return model_config.replace(dtype="float32")
 
 
