@@ -111,6 +111,9 @@ class _Allocation:
     """Per group, the free blocks softly reserved for the table's growth (those still free)."""
     root: Root = 0
     """What the first block's key holds in place of a parent's key id (`_root`)."""
+    view: BlockTables | None = None
+    """The tables as tuples, made when asked for and dropped when they change (a decode step
+    mostly changes nothing)."""
 
 
 MAX_RUN_BLOCKS = 64
@@ -137,6 +140,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = windows
+        self._num_groups = len(windows)
         self.null_block: int | None = num_blocks if any(w is not None for w in windows) else None
         """Stands for a released block in a sliding group's table: one past the pool, never
         allocated (the runner's cache has a zero-filled page for it); None without windows."""
@@ -163,7 +167,7 @@ class KVCacheManager:
 
     @property
     def num_groups(self) -> int:
-        return len(self.windows)
+        return self._num_groups
 
     @property
     def num_free_blocks(self) -> int:
@@ -265,20 +269,24 @@ class KVCacheManager:
         """
         self.release_skipped_blocks(request)
         num_needed = self._num_blocks_needed(request, num_new_tokens, cached)
-        if num_needed * self.num_groups > self._num_available_blocks(cached):
+        if num_needed * self._num_groups > self._num_available_blocks(cached):
             return None
         allocation = self._allocations.get(request.request_id)
         if allocation is None:
             allocation = self._start_allocation(request, cached, cache_salt)
-        for group, table in enumerate(allocation.tables):
-            for _ in range(num_needed):
-                table.append(self._take_block_for(allocation, group))
-        return tuple(map(tuple, allocation.tables))
+        if num_needed:
+            allocation.view = None
+            for group, table in enumerate(allocation.tables):
+                for _ in range(num_needed):
+                    table.append(self._take_block_for(allocation, group))
+        if allocation.view is None:
+            allocation.view = tuple(map(tuple, allocation.tables))
+        return allocation.view
 
     def max_new_tokens(self, request: Request, cached: CachedPrefix = NO_HIT) -> int:
         """Most new tokens `allocate(request, ..., cached)` would find blocks for now."""
         num_computed_tokens, num_held_blocks = self._progress(request, cached)
-        num_blocks = num_held_blocks + self._num_available_blocks(cached) // self.num_groups
+        num_blocks = num_held_blocks + self._num_available_blocks(cached) // self._num_groups
         return num_blocks * self.block_size - num_computed_tokens
 
     def num_to_free(
@@ -289,7 +297,7 @@ class KVCacheManager:
         if not even all of them would make enough. A block makes room only when every reference
         to it is among those dropped, and not when it is one of the cached blocks the request
         takes (it is then a hit rather than a block to write)."""
-        num_short = (self._num_blocks_needed(request, num_new_tokens, cached) * self.num_groups
+        num_short = (self._num_blocks_needed(request, num_new_tokens, cached) * self._num_groups
                      - self._num_available_blocks(cached))
         if num_short <= 0:
             return 0
@@ -317,6 +325,8 @@ class KVCacheManager:
             return
         num_full = request.num_computed_tokens // self.block_size
         first = min(allocation.num_registered)
+        if first >= num_full:  # most steps of a decode: no block filled up
+            return
         key_ids, keys = allocation.key_ids, []
         for i in range(first, num_full):
             key = (key_ids[i - 1] if i else allocation.root, self._block_token_ids(request, i))
@@ -339,13 +349,14 @@ class KVCacheManager:
         its first uncomputed token (vLLM's rule): no later token reads them. They join the free
         queue as freed blocks do (their keys kept), and the null block takes their place."""
         allocation = self._allocations.get(request.request_id)
-        if allocation is None:
+        if allocation is None or self.null_block is None:  # no group has a window
             return
         for group, table in enumerate(allocation.tables):
             num_skipped = min(len(table), self._first_read_block(group, request.num_computed_tokens))
             for i in range(allocation.num_released[group], num_skipped):
                 self._drop_reference(table[i])
                 table[i] = self.null_block
+                allocation.view = None
             allocation.num_released[group] = max(allocation.num_released[group], num_skipped)
 
     def free(self, request: Request) -> None:
@@ -433,12 +444,14 @@ class KVCacheManager:
         if it holds no blocks yet."""
         allocation = self._allocations.get(request.request_id)
         if allocation is None:
-            return len(cached) * self.block_size, len(cached)
-        assert not cached, "cached blocks are only taken by a request's first allocation"
+            return len(cached.key_ids) * self.block_size, len(cached.key_ids)
+        assert not cached.key_ids, "cached blocks are only taken by a request's first allocation"
         return request.num_computed_tokens, len(allocation.tables[0])
 
     def _num_available_blocks(self, cached: CachedPrefix) -> int:
         """Free blocks left to write once the free ones among the hit's blocks are taken."""
+        if not cached.key_ids:
+            return len(self._free)
         return len(self._free) - sum(1 for block in self._taken(cached) if self._ref_counts[block] == 0)
 
     def _num_blocks_needed(self, request: Request, num_new_tokens: int, cached: CachedPrefix) -> int:
