@@ -4,8 +4,9 @@ which block ids hold which tokens.
 
 Prefix cache. A full block is known by its key, (key id of the block before it, its token ids):
 the parent's key id (0 for a sequence's first block) and the tuple of its `block_size` token ids.
-Key ids are handed out once per registered block and never reused, so equal keys mean equal token
-ids over the whole prefix. The dict compares keys by value, so a hash collision costs a probe,
+Key ids are handed out when a key is cached where no group caches it yet (a group caching a key
+another group holds takes that group's id) and never name another key, so equal keys mean equal
+token ids over the whole prefix. The dict compares keys by value, so a hash collision costs a probe,
 never wrong KV. (vLLM and nano-vllm chain hashes of (parent hash, tokens) and compare one block's
 tokens on a hit; comparing keys by value makes the whole chain exact at the same cost.) A request
 with a cache salt (vLLM's `cache_salt`) puts the salt, a string, in its first block's key in place
