@@ -16,7 +16,9 @@ printed too.
     python benchmarks/serve_hybrid_kv.py --num-prompts 32 --input-len-range 1024 2048 --output-len 64
 
 Prints, per engine: output tok/s, peak concurrent sequences, the most KV blocks and KV bytes one
-sequence held at once, and preemptions; then the ratio. Last line JSON.
+sequence held between steps (sampled after each step, so after its windows' release: within a step
+a sliding group holds up to its window plus the step's chunk, a block or a chunk's more), and
+preemptions; then the ratio. Last line JSON.
 """
 
 from __future__ import annotations
@@ -132,7 +134,8 @@ def main() -> None:
         rounds = ", ".join(f"{t:.2f}" for t in times[name])
         print(f"{name:>8}: {tok_per_s:7.1f} output tok/s (rounds {rounds} s), "
               f"peak {run.peak_running} sequences at once, at most {run.peak_blocks_per_seq} of {blocks} "
-              f"blocks ({run.peak_blocks_per_seq * run.bytes_per_block / 2**20:.1f} MiB) per sequence, "
+              f"blocks ({run.peak_blocks_per_seq * run.bytes_per_block / 2**20:.1f} MiB) per sequence "
+              "between steps, "
               f"{run.preemptions} preemptions in the last round", flush=True)
     ratio = median([d / h for h, d in zip(times["hybrid"], times["disabled"], strict=True)])
     record["hybrid_speedup"] = ratio

@@ -227,3 +227,45 @@ def test_the_switch_is_vllms_and_checked(tmp_path):
     assert build_parser().parse_args(["serve", str(tmp_path)]).disable_hybrid_kv_cache_manager is False
     with pytest.raises(ValueError, match="disable_hybrid_kv_cache_manager must be True or False, got 'yes'"):
         EngineConfig(model=str(tmp_path), disable_hybrid_kv_cache_manager="yes")
+
+
+def test_a_window_no_request_outgrows_is_full_attention(tmp_path):
+    """Gemma 3 served at a max_model_len whose last position (10) puts no whole 4-token block
+    before its 8-token window: one group (nothing would ever be released), and transformers'
+    tokens; one more token of length and the windowed layers are grouped apart again."""
+    model_dir = save_with_tokenizer(FAMILIES["gemma3_text"](), tmp_path, VOCAB)
+    prompts = [[5, 9, 14], [7, 3, 12, 40]]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    expected, gaps = transformers_greedy(hf, prompts, 6)
+    llm = LLM(str(model_dir), dtype="float32", block_size=BLOCK_SIZE, max_model_len=WINDOW + BLOCK_SIZE - 1)
+    assert llm.engine.limits.kv_groups.windows == (None,)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert_same_tokens(expected, gaps, got, "gemma3_text, one group")
+    longer = LLM(str(model_dir), dtype="float32", block_size=BLOCK_SIZE, max_model_len=WINDOW + BLOCK_SIZE)
+    assert longer.engine.limits.kv_groups.num_groups == GROUPS["gemma3_text"]
+
+
+def test_multi_step_records_each_position_under_the_current_tables(family_dir, reference):
+    """Several decode steps at once are recorded one position at a time, each an update of its
+    own that may release blocks: every chunk the scheduler is handed carries its request's block
+    tables as they stand then (`ScheduledChunk.block_ids`), not the ones taken before the steps,
+    whose released blocks another request may hold by then."""
+    _, model_dir = family_dir
+    prompts, expected, gaps = reference
+    llm = LLM(str(model_dir), dtype="float32", block_size=BLOCK_SIZE, num_scheduler_steps=4)
+    scheduler = llm.engine.scheduler
+    update, stale = scheduler.update, []
+
+    def checked_update(plan, *args, **kwargs):
+        stale.extend(chunk.request.request_id for chunk in plan.chunks
+                     if chunk.block_ids != scheduler.kv_cache.block_tables(chunk.request.request_id))
+        return update(plan, *args, **kwargs)
+
+    scheduler.update = checked_update
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert_same_tokens(expected, gaps, got, "multi-step")
+    assert stale == []

@@ -46,3 +46,13 @@ def test_disabled_is_one_windowless_group():
 def test_bad_windows_are_value_errors(windows):
     with pytest.raises(ValueError, match="sliding window|at least one layer"):
         group_layers(windows)
+
+
+def test_a_window_no_position_outgrows_is_full_attention():
+    """Gemma 2's 4096-token window at max_model_len 4096 never puts a block before it: one group;
+    at a length where position max_model_len - 1 puts a whole block before the window, two."""
+    gemma2 = [4096, None] * 13
+    assert group_layers(gemma2, max_model_len=4096, block_size=16).windows == (None,)
+    assert group_layers(gemma2, max_model_len=4096 + 15, block_size=16).num_groups == 1
+    assert group_layers(gemma2, max_model_len=4096 + 16, block_size=16).num_groups == 2
+    assert group_layers(gemma2).num_groups == 2

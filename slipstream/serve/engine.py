@@ -41,7 +41,7 @@ from slipstream.perf.flops import kv_cache_bytes_per_token
 from slipstream.perf.records import METRICS_FILE
 from slipstream.serve.adapters import LoRARegistry, ShardedLoRALayers
 from slipstream.serve.fsm import compile_pattern
-from slipstream.serve.kv_cache import blocks_held
+from slipstream.serve.kv_cache import BlockTables, blocks_held
 from slipstream.serve.kv_groups import KVCacheGroups, group_layers
 from slipstream.serve.lora import LoRARequest
 from slipstream.serve.outputs import PromptOutput, SequenceOutput
@@ -129,7 +129,9 @@ class EngineConfig:
     """Bytes for the KV cache. Default on CPU: what max_num_seqs full-length sequences need with
     every block of every layer kept (as without sliding windows: the blocks windows give back make
     room for more), at most 4 GiB and 40% of available memory; on CUDA: 90% of the memory left
-    after the weights, at most MAX_DEFAULT_CUDA_BLOCKS blocks."""
+    after the weights, at most MAX_DEFAULT_CUDA_BLOCKS blocks (of the KV cache groups' S cache
+    slots each: where the cap binds, a hybrid model's pool has S / num_layers of the bytes it
+    would have without groups)."""
     kv_cache_dtype: str = "auto"
     """As vLLM's: the KV cache's dtype. "auto" is the model's; "fp8" (= "fp8_e4m3") and "fp8_e5m2"
     store one byte per value (twice the tokens of a bf16 cache in the same kv_cache_memory, four
@@ -882,7 +884,7 @@ class Engine:
         return num_steps
 
     def _run_greedy_steps(
-        self, plan: StepPlan, block_tables: list[tuple[int, ...]], num_steps: int
+        self, plan: StepPlan, block_tables: list[BlockTables], num_steps: int
     ) -> list[RequestOutput]:
         """Run `num_steps` decode steps of the plan at once, then record them one step at a time as if
         each had been a step of its own: a request that stops on one (end-of-sequence, stop token,
@@ -910,7 +912,7 @@ class Engine:
         return drafts if any(drafts) else None
 
     def _run_speculative(
-        self, plan: StepPlan, block_tables: list[tuple[int, ...]], drafts: list[list[int]]
+        self, plan: StepPlan, block_tables: list[BlockTables], drafts: list[list[int]]
     ) -> list[RequestOutput]:
         """Check every chunk's guesses in one forward pass and record, for each, the model's greedy
         tokens up to its first wrong guess (speculative.py)."""
@@ -922,17 +924,22 @@ class Engine:
             return self._outputs(self._record_tokens(plan, block_tables, accepted))
 
     def _record_tokens(
-        self, plan: StepPlan, block_tables: Sequence[tuple[int, ...]], tokens: list[list[int]]
+        self, plan: StepPlan, block_tables: Sequence[BlockTables], tokens: list[list[int]]
     ) -> set[PromptOutput]:
         """Record several greedy tokens per chunk (`tokens[i]` for chunk i, computed past the
         plan at once) one position at a time, as if each had been a step of its own: a request
         that stops on one (end-of-sequence, stop token or string, length) is finished there and
-        its later tokens are dropped."""
+        its later tokens are dropped. Past the first position each chunk carries its request's
+        tables as the previous update left them: that update may have released blocks of
+        `block_tables` (a sliding group's), which another request may hold by now."""
         changed = set()
         now = time.monotonic()
+        kv_cache = self.scheduler.kv_cache
         for offset in range(max(len(t) for t in tokens)):
             present = [i for i, t in enumerate(tokens) if offset < len(t)]
-            chunks = tuple(_chunk_at(plan.chunks[i], offset, block_tables[i]) for i in present)
+            chunks = tuple(_chunk_at(plan.chunks[i], offset, block_tables[i] if offset == 0
+                                     else kv_cache.block_tables(plan.chunks[i].request.request_id))
+                           for i in present)
             self.scheduler.update(StepPlan(chunks, len(chunks), ()),
                                   {c.request.request_id: tokens[i][offset] for c, i in zip(chunks, present,
                                                                                            strict=True)})
@@ -1071,7 +1078,7 @@ class _StepRun:
     drafts: list[list[int]] | None = None
 
 
-def _chunk_at(chunk: ScheduledChunk, offset: int, block_ids: tuple[int, ...]) -> ScheduledChunk:
+def _chunk_at(chunk: ScheduledChunk, offset: int, block_ids: BlockTables) -> ScheduledChunk:
     """The single-token chunk `offset` tokens past `chunk`, over `block_ids`: `chunk` itself for
     the first with its own table (a one-step decode: no copy per sequence and step)."""
     if offset == 0 and block_ids is chunk.block_ids:
@@ -1159,7 +1166,8 @@ def _derive_limits(
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
     num_layers = model_config.num_hidden_layers
     groups = group_layers([model_config.layer_sliding_window(i) for i in range(num_layers)],
-                          hybrid=not config.disable_hybrid_kv_cache_manager)
+                          hybrid=not config.disable_hybrid_kv_cache_manager, max_model_len=max_model_len,
+                          block_size=config.block_size)
     # A block is a page in each of the groups' S cache slots, not in every layer.
     bytes_per_block = (config.block_size * kv_cache_bytes_per_token(model_config, kv_dtype) // num_layers
                        * groups.num_slots // min(tp, model_config.num_key_value_heads))

@@ -9,7 +9,8 @@ uses pair j, so one block id is one page in each of S layers, whichever group ho
 
 S is vLLM's choice (`_get_kv_cache_groups_uniform_page_size`): the fewest layers of any kind, or
 the most where that is under 1.5 times the fewest (12 windowed + 13 full layers make two groups
-of 13 rather than 1 + 24 groups of 12); the last group of a kind may then have fewer layers than
+of 13, one slot idle, rather than three groups of 12, one windowed and two full, with 11 slots
+idle: vLLM's "(12 sw, 24 full)"); the last group of a kind may then have fewer layers than
 S, its missing slots idle. A kind of n layers makes ceil(n / S) groups, group i taking its layers
 i, i + k, i + 2k, ... (k groups), as in vLLM. A model of one kind, or any model when the hybrid
 manager is disabled, has one group of all its layers, windowless when disabled (every block kept):
@@ -55,14 +56,25 @@ class KVCacheGroups:
         return f"{self.num_groups} KV cache group(s) of {self.num_slots} layer(s): " + "; ".join(kinds)
 
 
-def group_layers(layer_windows: Sequence[int | None], *, hybrid: bool = True) -> KVCacheGroups:
+def group_layers(
+    layer_windows: Sequence[int | None], *, hybrid: bool = True, max_model_len: int | None = None,
+    block_size: int = 1,
+) -> KVCacheGroups:
     """The groups of a model whose layer i has sliding window `layer_windows[i]` (None: full).
-    Without `hybrid` (vLLM's disable_hybrid_kv_cache_manager), one windowless group of all."""
+    Without `hybrid` (vLLM's disable_hybrid_kv_cache_manager), one windowless group of all.
+
+    Given `max_model_len`, a window of more than `max_model_len - block_size` tokens counts as
+    full attention: no position a request reaches puts a whole block of `block_size` before it,
+    so its group would never release one, and would only cost a group (Gemma 2's window of 4096
+    at max_model_len 4096 leaves one group, not two)."""
     for i, window in enumerate(layer_windows):
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"layer {i}'s sliding window must be a positive integer or None, got {window!r}")
     if not layer_windows:
         raise ValueError("a model needs at least one layer to cache")
+    if max_model_len is not None:
+        longest = max_model_len - block_size  # a longer window never has a whole block before it
+        layer_windows = [None if w is not None and w > longest else w for w in layer_windows]
     num_layers = len(layer_windows)
     kinds: dict[int | None, list[int]] = {}
     for layer, window in enumerate(layer_windows):

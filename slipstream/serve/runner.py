@@ -237,13 +237,12 @@ class Runner:
     def _batches(
         self, seq_lens: Sequence[int], query_lens: Sequence[int], tables: Sequence[BlockTables]
     ) -> tuple[PagedBatch, ...]:
-        """Each KV cache group's layout of sequences whose block tables, per group, are `tables`."""
-        return tuple(
-            PagedBatch.build(seq_lens=seq_lens, query_lens=query_lens,
-                             block_tables=[t[group] for t in tables], block_size=self.cache.block_size,
-                             device=self.device)
-            for group in range(self.cache.groups.num_groups)
-        )
+        """Each KV cache group's layout of sequences whose block tables, per group, are `tables`
+        (what is common to the groups built once)."""
+        return PagedBatch.build_groups(
+            seq_lens=seq_lens, query_lens=query_lens,
+            group_tables=[[t[group] for t in tables] for group in range(self.cache.groups.num_groups)],
+            block_size=self.cache.block_size, device=self.device)
 
     def _graph_for(
         self, batch: PagedBatch, chunks: Sequence[ScheduledChunk]
