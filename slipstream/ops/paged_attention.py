@@ -117,33 +117,22 @@ class PagedBatch:
     ) -> tuple[PagedBatch, ...]:
         """One layout per KV cache group, `group_tables[g][i]` being sequence i's block table in
         group g. Only the slot mapping and the block tables differ from group to group: the rest
-        is built once and its tensors shared, and each group's slots are one gather from its
-        padded tables rather than a Python loop over the tokens (a model of six groups paid six
-        times a layout's cost every step, and ran slower than without the hybrid manager where
-        the KV budget did not bind)."""
+        is built once and its tensors shared (a model of six groups paid six times a layout's
+        cost every step, and ran slower than without the hybrid manager where the KV budget did
+        not bind); a group's slots are runs of a block's consecutive slots, not a Python step per
+        token, and every tensor comes from a flat list through an array (`_int64_tensor`)."""
         num_blocks = [-(-seq_len // block_size) for seq_len in seq_lens]
-        prefills, prefill_seqs, decode_seqs, decode_rows, decode_lens = [], [], [], [], []
-        token_start = 0
-        for i, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        prefills, decode_rows, decode_lens = [], [], []
+        token_start = decode_width = prefill_width = 0  # the widest decode and prefill tables
+        for seq_len, query_len, n in zip(seq_lens, query_lens, num_blocks, strict=True):
             if query_len == 1:
-                decode_seqs.append(i)
                 decode_rows.append(token_start)
                 decode_lens.append(seq_len)
+                decode_width = max(decode_width, n)
             else:
                 prefills.append(PrefillChunk(token_start=token_start, num_tokens=query_len, seq_len=seq_len))
-                prefill_seqs.append(i)
+                prefill_width = max(prefill_width, n)
             token_start += query_len
-        all_decodes = len(decode_seqs) == len(seq_lens)
-        if not all_decodes:  # each token's sequence and position, for every group's gather
-            counts = torch.tensor(query_lens, dtype=torch.int64)
-            token_seqs = torch.repeat_interleave(torch.arange(len(seq_lens)), counts)
-            # A token's position: its row, less its chunk's first row, plus its chunk's first position.
-            shift = torch.tensor(seq_lens, dtype=torch.int64) - counts.cumsum(0)
-            token_positions = torch.arange(token_start) + shift[token_seqs]
-            token_blocks, token_offsets = token_positions // block_size, token_positions % block_size
-        width = max(num_blocks, default=0)
-        decode_width = max((num_blocks[i] for i in decode_seqs), default=0)
-        prefill_width = max((num_blocks[i] for i in prefill_seqs), default=0)
 
         def int64(values: list) -> torch.Tensor:
             return _int64_tensor(values).to(device)
@@ -158,30 +147,35 @@ class PagedBatch:
             decode_seq_lens=int64(decode_lens),
             decode_max_len=max(decode_lens, default=0),
         )
-        decode_index = torch.tensor(decode_seqs, dtype=torch.int64)
-        prefill_index = torch.tensor(prefill_seqs, dtype=torch.int64)
-        zeros = [0] * width
+        zeros = [0] * max(decode_width, prefill_width)
         batches = []
         for tables in group_tables:
-            flat: list[int] = []  # the tables padded with block 0, row after row
-            for table, n in zip(tables, num_blocks, strict=True):
+            # Each token's slot, and the decode and prefill tables padded with block 0, row after row.
+            slots: list[int] = []
+            decode_flat: list[int] = []
+            prefill_flat: list[int] = []
+            for table, seq_len, query_len, n in zip(tables, seq_lens, query_lens, num_blocks, strict=True):
                 row = table[:n]
                 if len(row) < n:
                     raise ValueError(f"a block table of {len(table)} blocks for a sequence of {n} blocks")
-                flat += row
-                flat += zeros[n:]
-            padded = _int64_tensor(flat).view(len(seq_lens), width)
-            if all_decodes:  # one slot per sequence: cheaper in Python than as tensor operations
-                slots = _int64_tensor([table[(n - 1) // block_size] * block_size + (n - 1) % block_size
-                                       for table, n in zip(tables, seq_lens, strict=True)])
-                decode_tables = padded
-            else:
-                slots = padded[token_seqs, token_blocks] * block_size + token_offsets
-                decode_tables = padded[decode_index, :decode_width]
+                if query_len == 1:
+                    slots.append(row[-1] * block_size + (seq_len - 1) % block_size)
+                    decode_flat += row
+                    decode_flat += zeros[n:decode_width]
+                    continue
+                position = seq_len - query_len
+                while position < seq_len:  # a run of consecutive slots per block
+                    block, offset = divmod(position, block_size)
+                    first = row[block] * block_size + offset
+                    run = min(seq_len - position, block_size - offset)
+                    slots += range(first, first + run)
+                    position += run
+                prefill_flat += row
+                prefill_flat += zeros[n:prefill_width]
             batches.append(cls(
-                slot_mapping=slots.to(device),
-                prefill_block_tables=padded[prefill_index, :prefill_width].to(device),
-                decode_block_tables=decode_tables.to(device),
+                slot_mapping=int64(slots),
+                prefill_block_tables=int64(prefill_flat).view(len(prefills), prefill_width),
+                decode_block_tables=int64(decode_flat).view(len(decode_lens), decode_width),
                 **shared,
             ))
         return tuple(batches)
