@@ -164,6 +164,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_enable_prefix_caching, max_logprobs=args.max_logprobs,
+        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
         enforce_eager=args.enforce_eager, num_scheduler_steps=args.num_scheduler_steps,
         speculative_config=args.speculative_config, profiler_config=args.profiler_config, runner=args.runner,
         scheduling_policy=args.scheduling_policy, metrics_dir=args.metrics_dir,
@@ -337,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="as in vLLM: the fraction of the device's memory (RAM on a CPU) for the "
                         "weights and the KV cache, which gets what the weights leave")
     p.add_argument("--no-enable-prefix-caching", action="store_true")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="as in vLLM: layers with a sliding window keep every block too (by default they "
+                        "give back the blocks their window has passed)")
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step module by module (no CPU decode graph)")

@@ -137,11 +137,18 @@ def test_engine_through_padded_steps_matches_transformers(mistral_dir, num_sched
               fast_cpu_kernels=False, num_scheduler_steps=num_scheduler_steps)
     engine = llm.engine
     runner = engine.runner
-    runner.cache = PagedKVCache(engine.model_config, num_blocks=engine.limits.num_blocks + 1,
-                                block_size=BLOCK_SIZE, dtype=torch.float32, device=torch.device("cpu"))
+    # Laid out as Runner.__init__ lays out a CUDA cache: the pool, the zeroed null block standing for
+    # the blocks the window released, then the padding rows' block past it.
+    num_blocks, groups = engine.limits.num_blocks, runner.cache.groups
+    null_blocks = 1 if groups.has_windows else 0
+    runner.cache = PagedKVCache(engine.model_config, num_blocks=num_blocks + null_blocks + 1,
+                                block_size=BLOCK_SIZE, dtype=torch.float32, device=torch.device("cpu"),
+                                groups=groups)
+    if null_blocks:
+        runner.cache.zero_block(num_blocks)
     runner.decode_graph = CudaDecodeGraphs(
         runner.hidden_states, max_seqs=5, max_blocks=-(-engine.limits.max_model_len // BLOCK_SIZE),
-        block_size=BLOCK_SIZE, pad_block=engine.limits.num_blocks, device=torch.device("cpu"), capture=False)
+        block_size=BLOCK_SIZE, pad_block=num_blocks + null_blocks, device=torch.device("cpu"), capture=False)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected

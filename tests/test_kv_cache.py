@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from slipstream.serve.kv_cache import KVCacheManager
+from slipstream.serve.kv_cache import NO_HIT, KVCacheManager
 from slipstream.serve.request import Request, SamplingParams
 
 BLOCK_SIZE = 4
@@ -30,8 +30,9 @@ def compute(
     assert block_ids is not None
     request.num_computed_tokens += num_tokens
     kv.cache_full_blocks(request)
+    kv.release_skipped_blocks(request)
     kv.check_invariants()
-    return block_ids
+    return block_ids[0]
 
 
 def test_import_does_not_load_torch():
@@ -72,7 +73,7 @@ def test_prefix_hit_shares_blocks_and_counts_tokens():
     first_blocks = compute(kv, first, first.num_tokens)
     second = make_request("b", shared + [60, 61, 62])
     cached = kv.lookup(second)
-    assert cached == list(first_blocks[:3])
+    assert cached.groups == (first_blocks[:3],)
     second_blocks = compute(kv, second, second.num_tokens - 12)
     assert second.num_computed_tokens == second.num_tokens
     assert second_blocks[:3] == first_blocks[:3] and second_blocks[3] != first_blocks[3]
@@ -96,7 +97,7 @@ def test_hit_needs_the_whole_prefix_identical():
     """A block with the same token ids after a different prefix is a miss: the chain is exact."""
     kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
     compute(kv, make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]), 9)
-    assert kv.lookup(make_request("b", [0, 2, 3, 4, 5, 6, 7, 8, 9])) == []
+    assert len(kv.lookup(make_request("b", [0, 2, 3, 4, 5, 6, 7, 8, 9]))) == 0
     assert len(kv.lookup(make_request("c", [1, 2, 3, 4, 0, 6, 7, 8, 9]))) == 1
 
 
@@ -135,7 +136,7 @@ def test_cached_blocks_survive_free_and_evict_least_recently_freed_first():
     assert len(kv.lookup(make_request("a2", range(0, 9)))) == 1
     assert len(kv.lookup(make_request("b2", range(100, 109)))) == 2
     kv.allocate(make_request("f", range(500, 508)), 8)  # the older head, then the newer tail
-    assert kv.lookup(make_request("a3", range(0, 9))) == []
+    assert len(kv.lookup(make_request("a3", range(0, 9)))) == 0
     assert len(kv.lookup(make_request("b3", range(100, 109)))) == 1
     kv.check_invariants()
 
@@ -160,14 +161,14 @@ def test_twin_blocks_from_the_same_step_stay_consistent():
     kv = KVCacheManager(num_blocks=10, block_size=BLOCK_SIZE)
     first, second = make_request("a", range(9)), make_request("b", range(9))
     for request in (first, second):
-        assert kv.lookup(request) == [] and kv.allocate(request, 9) is not None
+        assert len(kv.lookup(request)) == 0 and kv.allocate(request, 9) is not None
     for request in (first, second):
         request.num_computed_tokens = 9
         kv.cache_full_blocks(request)
         kv.check_invariants()
     assert kv.num_cached_blocks == 2
     third = make_request("c", range(9))
-    assert kv.lookup(third) == list(kv.block_ids("a")[:2])
+    assert kv.lookup(third).groups[0] == kv.block_ids("a")[:2]
     kv.free(first)
     kv.free(second)
     kv.check_invariants()
@@ -181,7 +182,7 @@ def test_a_request_that_skips_the_lookup_is_not_counted():
     compute(kv, make_request("a", range(9)), 9)
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (9, 0)
     wants_logprobs = Request("b", list(range(9)), SamplingParams(max_tokens=8, prompt_logprobs=1))
-    assert kv.lookup(wants_logprobs) == []
+    assert len(kv.lookup(wants_logprobs)) == 0
     compute(kv, wants_logprobs, 9)
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (9, 0)
     compute(kv, make_request("c", range(9)), 1)
@@ -198,7 +199,7 @@ def test_cache_salt_keys_the_first_block():
     assert kv.num_cached_blocks == 6  # equal token ids, two chains
     for salt, expected in ((None, "plain"), ("tenant-1", "salted"), ("tenant-2", None)):
         hits = kv.lookup(make_request("probe", prompt), salt)
-        assert hits == (list(kv.block_ids(expected)[:3]) if expected else []), salt
+        assert hits.groups == ((kv.block_ids(expected)[:3],) if expected else ()), salt
     follow_up = make_request("follow-up", prompt + [7, 7, 7])
     compute(kv, follow_up, 4, cache_salt="tenant-1")  # the whole chain continues under the salt
     assert kv.block_ids("follow-up")[:3] == kv.block_ids("salted")[:3]
@@ -215,7 +216,7 @@ def test_num_to_free_counts_only_blocks_that_would_become_writable():
     assert kv.num_free_blocks == 6
     hitting = make_request("hitting", [*range(8), *range(100, 132)])  # 40 tokens: 8 new blocks
     hits = kv.lookup(hitting)
-    assert hits == list(kv.block_ids("a")[:2])
+    assert hits.groups == (kv.block_ids("a")[:2],)
     assert kv.max_new_tokens(hitting, hits) == (2 + 6) * BLOCK_SIZE - 8
     assert kv.num_to_free(hitting, 24, hits, [b]) == 0  # fits already
     assert kv.num_to_free(hitting, 32, hits, [b]) is None  # b frees only its own block
@@ -223,8 +224,8 @@ def test_num_to_free_counts_only_blocks_that_would_become_writable():
     assert kv.num_to_free(hitting, 32, hits, [a, b]) == 2
     assert kv.num_to_free(hitting, 33, hits, [b, a]) is None
     other = make_request("other", range(200, 240))  # 10 new blocks, no hits
-    assert kv.num_to_free(other, 40, [], [b, a]) == 2  # 1 + 3, the shared two once both are freed
-    assert kv.num_to_free(other, 40, [], [b]) is None
+    assert kv.num_to_free(other, 40, NO_HIT, [b, a]) == 2  # 1 + 3, the shared two once both are freed
+    assert kv.num_to_free(other, 40, NO_HIT, [b]) is None
     kv.free(b)
     kv.free(a)
     assert kv.allocate(other, 40) is not None
@@ -237,7 +238,7 @@ def test_prefix_caching_disabled_never_hits():
     request = make_request("a", range(9))
     compute(kv, request, 9)
     kv.free(request)
-    assert kv.lookup(make_request("b", range(9))) == []
+    assert len(kv.lookup(make_request("b", range(9)))) == 0
     assert kv.num_cached_blocks == 0 and kv.prefix_cache_queries == 0
 
 
@@ -250,7 +251,7 @@ def test_reset_prefix_cache_only_when_idle():
     kv.free(request)
     assert kv.reset_prefix_cache()
     kv.check_invariants()
-    assert kv.num_cached_blocks == 0 and kv.lookup(make_request("b", range(9))) == []
+    assert kv.num_cached_blocks == 0 and len(kv.lookup(make_request("b", range(9)))) == 0
 
 
 def test_blocks_used_before_a_reset_are_taken_before_fresh_ones():
@@ -340,3 +341,34 @@ def test_bad_sizes_are_value_errors(field):
     sizes = {"num_blocks": 4, "block_size": 4} | {field: 0}
     with pytest.raises(ValueError, match=field):
         KVCacheManager(**sizes)
+
+
+@pytest.mark.parametrize("windows", [(), (0,), (None, -1), (True,), ("8",)])
+def test_bad_windows_are_value_errors(windows):
+    with pytest.raises(ValueError, match="windows must be"):
+        KVCacheManager(num_blocks=8, block_size=BLOCK_SIZE, windows=windows)
+
+
+def test_a_sliding_group_releases_what_its_window_passed_and_hits_need_only_the_window():
+    """A full group and a window of 6 tokens: after 16 tokens the sliding group holds only the
+    blocks from position 16 - 6 + 1 = 11 on (block 2 of 4 tokens), the null block before; a
+    request sharing the 16-token prefix hits 3 blocks (it must compute its last token), taking
+    the full group's 3 and, in the sliding group, only those the window at position 12 reads
+    (blocks 1 and 2: position 7 on), the null block for block 0."""
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE, windows=(None, 6))
+    first = make_request("a", range(16))
+    compute(kv, first, 16)
+    null = kv.null_block
+    assert null == 16
+    assert kv.block_ids("a", 0)[:2] != (null, null) and kv.block_ids("a", 1)[:2] == (null, null)
+    assert kv.num_held_blocks("a") == 4 + 2 and kv.num_used_blocks == 6
+    hit = kv.lookup(make_request("b", [*range(16), 99]))
+    assert len(hit) == 4
+    second = make_request("c", [*range(12), 99])
+    hit = kv.lookup(second)
+    assert len(hit) == 3
+    assert hit.groups[0] == kv.block_ids("a", 0)[:3]
+    assert hit.groups[1][0] == null and hit.groups[1][2] == kv.block_ids("a", 1)[2]
+    kv.free(first)
+    kv.check_invariants()
+    assert kv.num_used_blocks == 0 and kv.num_free_blocks == 16

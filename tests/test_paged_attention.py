@@ -333,3 +333,40 @@ def test_paged_attention_refuses_a_bad_soft_cap_or_window(bad):
     cache = torch.zeros(1, 4, 1, 8)
     with pytest.raises(ValueError, match=next(iter(bad))):
         paged_attention(torch.zeros(1, 1, 8), cache, cache, batch, **bad)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_group_layouts_share_all_but_tables_and_slots(seed):
+    """`PagedBatch.build_groups`: each group's slot of token p of a sequence is its table's block
+    p // B at offset p % B, its prefill and decode tables its own rows padded with block 0; the
+    lengths and rows are one set of tensors for every group; a table short of its sequence's
+    blocks is a ValueError."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 4, 16])
+    seq_lens = [rng.randint(1, 60) for _ in range(rng.randint(1, 6))]
+    query_lens = [rng.choice([1, rng.randint(1, n)]) for n in seq_lens]
+    if seed == 0:
+        query_lens = [1] * len(seq_lens)  # a decode step
+    group_tables = [[[rng.randrange(1000) for _ in range(-(-n // block_size) + rng.randint(0, 2))]
+                     for n in seq_lens] for _ in range(3)]
+    batches = PagedBatch.build_groups(seq_lens=seq_lens, query_lens=query_lens, group_tables=group_tables,
+                                      block_size=block_size)
+    for tables, batch in zip(group_tables, batches, strict=True):
+        slots = [table[p // block_size] * block_size + p % block_size
+                 for table, n, q in zip(tables, seq_lens, query_lens, strict=True) for p in range(n - q, n)]
+        assert batch.slot_mapping.tolist() == slots
+        for kind, is_kind in (("decode", lambda q: q == 1), ("prefill", lambda q: q > 1)):
+            rows = [table[:-(-n // block_size)]
+                    for table, n, q in zip(tables, seq_lens, query_lens, strict=True) if is_kind(q)]
+            width = max(map(len, rows), default=0)
+            padded = [r + [0] * (width - len(r)) for r in rows]
+            assert getattr(batch, f"{kind}_block_tables").tolist() == padded
+        for name in ("prefill_rows", "prefill_query_lens", "prefill_seq_lens", "decode_token_rows",
+                     "decode_seq_lens"):
+            assert getattr(batch, name) is getattr(batches[0], name)
+    decode_lens = [n for n, q in zip(seq_lens, query_lens, strict=True) if q == 1]
+    assert batches[0].decode_seq_lens.tolist() == decode_lens
+    group_tables[1][0] = group_tables[1][0][:-(-seq_lens[0] // block_size) - 1]
+    with pytest.raises(ValueError, match="block table"):
+        PagedBatch.build_groups(seq_lens=seq_lens, query_lens=query_lens, group_tables=group_tables,
+                                block_size=block_size)

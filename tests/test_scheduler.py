@@ -37,10 +37,16 @@ class FakeRunner:
     token is written to its slot through the block table, and before sampling the whole context
     is read back the same way, so a wrong block table or a wrong prefix hit shows up as a context
     differing from the request's tokens. The sampled token is a function of the context (so
-    recomputation after preemption must reproduce it), or random when `rng` is given."""
+    recomputation after preemption must reproduce it), or random when `rng` is given.
+
+    With KV cache groups (`kv_cache_windows`), each group writes through its own table, and a
+    sliding group's context is read back from the window of the chunk's first token on (what its
+    layers read); no token is written to the null block, one past the pool."""
 
     def __init__(self, config: SchedulerConfig, *, rng: random.Random | None = None, eos_prob=0.0):
         self.block_size = config.block_size
+        self.windows = config.kv_cache_windows
+        self.num_blocks = config.num_blocks
         self.slots: list[tuple[int, int] | None] = [None] * (config.num_blocks * config.block_size)
         self.rng = rng
         self.eos_prob = eos_prob
@@ -50,20 +56,25 @@ class FakeRunner:
         holds other keys and values than under another, so reading it under another is wrong KV."""
         for chunk in plan.chunks:
             token_ids = chunk.request.token_ids_range(chunk.start, chunk.start + chunk.num_tokens)
-            for position, token_id in enumerate(token_ids, start=chunk.start):
-                self.slots[self._slot(chunk.block_ids, position)] = (chunk.request.lora_id, token_id)
+            for table in chunk.block_ids:
+                for position, token_id in enumerate(token_ids, start=chunk.start):
+                    self.slots[self._slot(table, position)] = (chunk.request.lora_id, token_id)
         sampled = {}
         for chunk in plan.chunks:
+            end = chunk.start + chunk.num_tokens
+            expected = [(chunk.request.lora_id, token_id) for token_id in chunk.request.all_token_ids]
+            for table, window in zip(chunk.block_ids, self.windows, strict=True):
+                first = 0 if window is None else max(0, chunk.start - window + 1)
+                context = [self.slots[self._slot(table, p)] for p in range(first, end)]
+                assert context == expected[first:end], f"{chunk.request.request_id} read wrong KV"
             if chunk.samples:
-                end = chunk.start + chunk.num_tokens
-                context = [self.slots[self._slot(chunk.block_ids, p)] for p in range(end)]
-                expected = [(chunk.request.lora_id, token_id) for token_id in chunk.request.all_token_ids]
-                assert context == expected, f"{chunk.request.request_id} read wrong KV"
-                sampled[chunk.request.request_id] = self._sample([token_id for _, token_id in context])
+                sampled[chunk.request.request_id] = self._sample([token_id for _, token_id in expected[:end]])
         return sampled
 
     def _slot(self, block_ids: tuple[int, ...], position: int) -> int:
-        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
+        block = block_ids[position // self.block_size]
+        assert block < self.num_blocks, f"position {position} is in the null block {block}"
+        return block * self.block_size + position % self.block_size
 
     def _sample(self, context: list[int]) -> int:
         if self.rng is None:
@@ -113,7 +124,7 @@ def run_steps_at_once(
     if tables is None:
         return None
     for chunk, table in zip(plan.chunks, tables, strict=True):
-        assert len(table) * scheduler.config.block_size >= chunk.start + num_steps
+        assert all(len(group) * scheduler.config.block_size >= chunk.start + num_steps for group in table)
     finished = []
     for offset in range(num_steps):
         chunks = tuple(dataclasses.replace(chunk, start=chunk.start + offset, block_ids=table)
@@ -502,9 +513,9 @@ def test_reserve_lookahead_covers_the_steps_ahead_or_takes_nothing():
     assert scheduler.reserve_lookahead(decode, 1) == [decode.chunks[0].block_ids]  # the plan's own
     assert scheduler.kv_cache.num_free_blocks == free
     assert scheduler.reserve_lookahead(decode, 18) is None  # 25 tokens: 7 blocks of 6
-    assert scheduler.kv_cache.block_ids("a") == decode.chunks[0].block_ids
-    (table,) = scheduler.reserve_lookahead(decode, 6)  # positions 7-12: 4 blocks
-    assert len(table) == 4 and table[:2] == decode.chunks[0].block_ids
+    assert scheduler.kv_cache.block_tables("a") == decode.chunks[0].block_ids
+    ((table,),) = scheduler.reserve_lookahead(decode, 6)  # positions 7-12: 4 blocks
+    assert len(table) == 4 and table[:2] == decode.chunks[0].block_ids[0]
     scheduler.check_invariants()
 
 
@@ -718,3 +729,76 @@ def test_pooled_requests_end_without_a_token_and_leave_their_blocks_cached():
     assert scheduler.kv_cache.num_used_blocks == 0
     again = make_request("b", range(1, 11), max_tokens=1)
     assert len(scheduler.kv_cache.lookup(again)) == 2  # two full blocks of 4 of the 10 tokens
+
+
+
+def check_windows_released(scheduler: Scheduler, requests: list[Request]) -> None:
+    """Every request's sliding groups hold the null block for exactly the blocks wholly before
+    the window of its first uncomputed token (vLLM's rule), and nowhere else; full groups never."""
+    kv, size = scheduler.kv_cache, scheduler.config.block_size
+    for request in requests:
+        for group, window in enumerate(scheduler.config.kv_cache_windows):
+            table = kv.block_ids(request.request_id, group)
+            skipped = 0 if window is None else max(0, request.num_computed_tokens - window + 1) // size
+            num_null = min(len(table), skipped)
+            assert table[:num_null] == (kv.null_block,) * num_null, (request.request_id, group, table)
+            assert kv.null_block is None or kv.null_block not in table[num_null:], (request.request_id, table)
+
+
+WINDOWS = [(5,), (None, 6), (3, None, 9), (None, None, 4, 4), (1, None)]
+
+
+@pytest.mark.parametrize("steps_at_once", [1, 3])
+@pytest.mark.parametrize("seed", range(10))
+def test_fuzz_kv_cache_groups_with_windows(seed, steps_at_once):
+    """The fuzzer with KV cache groups, some with sliding windows: every group's table reads back
+    the right tokens over what its window reads (FakeRunner), sliding groups release exactly the
+    blocks before the window, invariants hold after every step (null block never owned or free,
+    free + used == total), every request finishes, and a request is refused only if its whole
+    history in every group would overflow the pool."""
+    rng = random.Random(1000 + seed)
+    windows = WINDOWS[seed % len(WINDOWS)]
+    config = dataclasses.replace(fuzz_config(rng), kv_cache_windows=windows)
+    scheduler, runner = Scheduler(config), FakeRunner(config, rng=rng, eos_prob=0.1)
+    prefixes = [[rng.randrange(1, 50) for _ in range(24)] for _ in range(3)]
+    requests: list[Request] = []
+    for step_index in range(200):
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            request = fuzz_request(rng, len(requests), prefixes)
+            request.arrival_time_s = step_index
+            try:
+                scheduler.add(request, cache_salt=rng.choice([None, None, "x"]))
+            except ValueError:
+                num_kv_tokens = request.num_prompt_tokens + request.max_output_tokens - 1
+                assert len(windows) * -(-num_kv_tokens // config.block_size) > config.num_blocks
+                continue
+            requests.append(request)
+        if requests and rng.random() < 0.05:
+            scheduler.abort([rng.choice(requests).request_id])
+        step(scheduler, runner, steps_at_once=steps_at_once)
+        check_windows_released(scheduler, requests)
+    run_to_completion(scheduler, runner, max_steps=5_000, steps_at_once=steps_at_once)
+    assert all(request.is_finished for request in requests)
+
+
+@pytest.mark.parametrize("windows", [(8,), (None, 8, 8)])
+def test_windows_let_more_sequences_run_than_the_pool_holds_whole(windows):
+    """A pool too small for 4 sequences' whole history in every group still runs the 4 at once
+    when sliding groups release what their windows passed; with every group windowless (the
+    hybrid manager disabled) the same pool preempts and never runs them all together."""
+    peaks = {}
+    for kind in ("windows", "windowless"):
+        groups = windows if kind == "windows" else (None,) * len(windows)
+        # Each sequence: 8 + 40 tokens = 12 blocks of 4 per group; whole, 4 of them need 48 per group.
+        config = make_config(max_num_seqs=4, block_size=4, num_blocks=26 * len(windows),
+                             kv_cache_windows=groups)
+        scheduler, runner = Scheduler(config), FakeRunner(config)
+        for i in range(4):
+            scheduler.add(make_request(f"r{i}", range(10 * i + 1, 10 * i + 9), max_tokens=41))
+        peak = 0
+        while scheduler.has_unfinished():
+            plan, _ = step(scheduler, runner)
+            peak = max(peak, len(plan.chunks))
+        peaks[kind] = (peak, scheduler.num_preemptions)
+    assert peaks["windows"] == (4, 0)
+    assert peaks["windowless"][1] > 0

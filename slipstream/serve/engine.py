@@ -41,6 +41,8 @@ from slipstream.perf.flops import kv_cache_bytes_per_token
 from slipstream.perf.records import METRICS_FILE
 from slipstream.serve.adapters import LoRARegistry, ShardedLoRALayers
 from slipstream.serve.fsm import compile_pattern
+from slipstream.serve.kv_cache import BlockTables, blocks_held
+from slipstream.serve.kv_groups import KVCacheGroups, group_layers
 from slipstream.serve.lora import LoRARequest
 from slipstream.serve.outputs import PromptOutput, SequenceOutput
 from slipstream.serve.pooling import EmbeddingRequestOutput, Pool, PoolerConfig, PoolingJob, PoolingParams
@@ -124,9 +126,12 @@ class EngineConfig:
     """Context length (prompt + output); default and upper bound: the model's (`_model_max_len`)."""
     block_size: int = 16
     kv_cache_memory: int | None = None
-    """Bytes for the KV cache. Default on CPU: what max_num_seqs full-length sequences need, at
-    most 4 GiB and 40% of available memory; on CUDA: 90% of the memory left after the weights,
-    at most MAX_DEFAULT_CUDA_BLOCKS blocks."""
+    """Bytes for the KV cache. Default on CPU: what max_num_seqs full-length sequences need with
+    every block of every layer kept (as without sliding windows: the blocks windows give back make
+    room for more), at most 4 GiB and 40% of available memory; on CUDA: 90% of the memory left
+    after the weights, at most MAX_DEFAULT_CUDA_BLOCKS blocks (of the KV cache groups' S cache
+    slots each: where the cap binds, a hybrid model's pool has S / num_layers of the bytes it
+    would have without groups)."""
     kv_cache_dtype: str = "auto"
     """As vLLM's: the KV cache's dtype. "auto" is the model's; "fp8" (= "fp8_e4m3") and "fp8_e5m2"
     store one byte per value (twice the tokens of a bf16 cache in the same kv_cache_memory, four
@@ -140,6 +145,11 @@ class EngineConfig:
     """vLLM's: per-tensor K/V scales computed from the first batch. Not supported: True is refused
     (the scales are always 1.0), and anything but a bool is a ValueError."""
     enable_prefix_caching: bool = True
+    disable_hybrid_kv_cache_manager: bool = False
+    """As vLLM's: every layer keeps every block of its requests. By default layers with a sliding
+    window (Mistral's all, Gemma 2/3's and gpt-oss's some) are grouped apart and give back the
+    blocks their window has passed while the request runs, so more sequences fit in the same
+    kv_cache_memory (kv_groups.py; docs/engine.md, "Hybrid KV cache manager")."""
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
     """Most logprobs a request may ask for per token; -1 for no limit (vLLM's)."""
@@ -237,7 +247,7 @@ class EngineConfig:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
         for name in ("enable_prefix_caching", "fast_cpu_kernels", "enforce_eager", "enable_lora",
-                     "structured_outputs_enable_in_reasoning"):
+                     "structured_outputs_enable_in_reasoning", "disable_hybrid_kv_cache_manager"):
             if not isinstance(getattr(self, name), bool):  # a string such as "false" is truthy
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.device is not None:
@@ -271,6 +281,8 @@ class EngineLimits:
     max_model_len: int
     num_blocks: int
     block_size: int
+    kv_groups: KVCacheGroups
+    """Which layers share block tables and cache tensors (kv_groups.py)."""
     vocab_size: int
     eos_token_ids: tuple[int, ...]
 
@@ -320,6 +332,7 @@ class Engine:
                 self.pooler is None or self.pooler.pooling_type == "LAST"),
             policy=config.scheduling_policy,
             max_loras=config.max_loras,
+            kv_cache_windows=self.limits.kv_groups.windows,
         ))
         layers = self.runner.lora
         if layers is not None and self.workers is not None:
@@ -346,9 +359,9 @@ class Engine:
         """None unless profiler_config names a profiler: then every step is bracketed by it."""
         self._records = None if config.metrics_dir is None else EngineRecords(self)
         """None unless metrics_dir is set: then every step that runs the model is recorded."""
-        logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens in %s",
+        logger.info("engine ready: %s on %s in %s, %d KV blocks of %d tokens in %s; %s",
                     config.model, device, dtype_name(dtype), self.limits.num_blocks, config.block_size,
-                    str(self.limits.kv_dtype).removeprefix("torch."))
+                    str(self.limits.kv_dtype).removeprefix("torch."), self.limits.kv_groups.describe())
 
     def _load(self, dtype: torch.dtype, device: torch.device) -> tuple[EngineLimits, Runner]:
         """The weights on the device (this rank's shard of them under tensor parallelism, with the
@@ -375,12 +388,13 @@ class Engine:
         if self.workers is not None:
             self.workers.start(Start(num_blocks=limits.num_blocks, block_size=config.block_size,
                                      max_num_seqs=config.max_num_seqs, max_model_len=limits.max_model_len,
-                                     enable_lora=config.enable_lora, kv_dtype=limits.kv_dtype))
+                                     enable_lora=config.enable_lora, kv_dtype=limits.kv_dtype,
+                                     kv_groups=limits.kv_groups))
         runner = Runner(model, num_blocks=limits.num_blocks, block_size=config.block_size, dtype=dtype,
                         device=device, max_num_seqs=config.max_num_seqs, max_model_len=limits.max_model_len,
                         use_kernels=config.fast_cpu_kernels,
                         enforce_eager=config.enforce_eager or self.workers is not None, workers=self.workers,
-                        enable_lora=config.enable_lora, kv_dtype=limits.kv_dtype)
+                        enable_lora=config.enable_lora, kv_dtype=limits.kv_dtype, kv_groups=limits.kv_groups)
         return limits, runner
 
     @property
@@ -708,7 +722,7 @@ class Engine:
         entry = self._prompts.get(request_id)
         if entry is None:
             return 0
-        return sum(len(self.scheduler.kv_cache.block_ids(i)) for i in entry.internal_ids)
+        return sum(self.scheduler.kv_cache.num_held_blocks(i) for i in entry.internal_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes (e.g. between benchmark repeats); only possible while no
@@ -870,7 +884,7 @@ class Engine:
         return num_steps
 
     def _run_greedy_steps(
-        self, plan: StepPlan, block_tables: list[tuple[int, ...]], num_steps: int
+        self, plan: StepPlan, block_tables: list[BlockTables], num_steps: int
     ) -> list[RequestOutput]:
         """Run `num_steps` decode steps of the plan at once, then record them one step at a time as if
         each had been a step of its own: a request that stops on one (end-of-sequence, stop token,
@@ -898,7 +912,7 @@ class Engine:
         return drafts if any(drafts) else None
 
     def _run_speculative(
-        self, plan: StepPlan, block_tables: list[tuple[int, ...]], drafts: list[list[int]]
+        self, plan: StepPlan, block_tables: list[BlockTables], drafts: list[list[int]]
     ) -> list[RequestOutput]:
         """Check every chunk's guesses in one forward pass and record, for each, the model's greedy
         tokens up to its first wrong guess (speculative.py)."""
@@ -910,17 +924,22 @@ class Engine:
             return self._outputs(self._record_tokens(plan, block_tables, accepted))
 
     def _record_tokens(
-        self, plan: StepPlan, block_tables: Sequence[tuple[int, ...]], tokens: list[list[int]]
+        self, plan: StepPlan, block_tables: Sequence[BlockTables], tokens: list[list[int]]
     ) -> set[PromptOutput]:
         """Record several greedy tokens per chunk (`tokens[i]` for chunk i, computed past the
         plan at once) one position at a time, as if each had been a step of its own: a request
         that stops on one (end-of-sequence, stop token or string, length) is finished there and
-        its later tokens are dropped."""
+        its later tokens are dropped. Past the first position each chunk carries its request's
+        tables as the previous update left them: that update may have released blocks of
+        `block_tables` (a sliding group's), which another request may hold by now."""
         changed = set()
         now = time.monotonic()
+        kv_cache = self.scheduler.kv_cache
         for offset in range(max(len(t) for t in tokens)):
             present = [i for i, t in enumerate(tokens) if offset < len(t)]
-            chunks = tuple(_chunk_at(plan.chunks[i], offset, block_tables[i]) for i in present)
+            chunks = tuple(_chunk_at(plan.chunks[i], offset, block_tables[i] if offset == 0
+                                     else kv_cache.block_tables(plan.chunks[i].request.request_id))
+                           for i in present)
             self.scheduler.update(StepPlan(chunks, len(chunks), ()),
                                   {c.request.request_id: tokens[i][offset] for c, i in zip(chunks, present,
                                                                                            strict=True)})
@@ -1059,7 +1078,7 @@ class _StepRun:
     drafts: list[list[int]] | None = None
 
 
-def _chunk_at(chunk: ScheduledChunk, offset: int, block_ids: tuple[int, ...]) -> ScheduledChunk:
+def _chunk_at(chunk: ScheduledChunk, offset: int, block_ids: BlockTables) -> ScheduledChunk:
     """The single-token chunk `offset` tokens past `chunk`, over `block_ids`: `chunk` itself for
     the first with its own table (a one-step decode: no copy per sequence and step)."""
     if offset == 0 and block_ids is chunk.block_ids:
@@ -1145,8 +1164,16 @@ def _derive_limits(
     # Each tensor-parallel rank keeps its share of every block's heads (one, with more ranks than heads).
     tp = config.tensor_parallel_size
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
-    bytes_per_block = (config.block_size * kv_cache_bytes_per_token(model_config, kv_dtype)
-                       // min(tp, model_config.num_key_value_heads))
+    num_layers = model_config.num_hidden_layers
+    groups = group_layers([model_config.layer_sliding_window(i) for i in range(num_layers)],
+                          hybrid=not config.disable_hybrid_kv_cache_manager, max_model_len=max_model_len,
+                          block_size=config.block_size)
+    # A block is a page in each of the groups' S cache slots, not in every layer.
+    bytes_per_block = (config.block_size * kv_cache_bytes_per_token(model_config, kv_dtype) // num_layers
+                       * groups.num_slots // min(tp, model_config.num_key_value_heads))
+    # The most blocks one full-length sequence holds at once, over every group.
+    blocks_per_seq = blocks_held(groups.windows, config.block_size, max_model_len,
+                                 config.max_num_batched_tokens)
     if config.kv_cache_memory is not None:
         total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else host_memory()[0]
         if config.kv_cache_memory > total:
@@ -1156,25 +1183,26 @@ def _derive_limits(
             raise ValueError(f"kv_cache_memory of {config.kv_cache_memory / 2**30:.1f} GiB per rank times "
                              f"tensor_parallel_size {tp} is more than the {total / 2**30:.1f} GiB of RAM "
                              "here")
-    budget = config.kv_cache_memory or _default_kv_cache_bytes(
-        config, max_model_len, bytes_per_block, device
-    )
+    # The default keeps every block's bytes, as without windows: what the windows save makes room
+    # for more sequences and prefix-cache blocks rather than less memory.
+    bytes_per_seq = -(-max_model_len // config.block_size) * bytes_per_block * num_layers // groups.num_slots
+    budget = config.kv_cache_memory or _default_kv_cache_bytes(config, bytes_per_seq, bytes_per_block, device)
     num_blocks = int(budget // bytes_per_block)
-    if num_blocks * config.block_size < max_model_len:
+    if num_blocks < blocks_per_seq:
         raise ValueError(
-            f"kv_cache_memory of {budget / 2**20:.1f} MiB holds {num_blocks * config.block_size} "
-            f"tokens, fewer than one full-length sequence ({max_model_len}); raise it or lower max_model_len"
+            f"kv_cache_memory of {budget / 2**20:.1f} MiB holds {num_blocks} blocks of {config.block_size} "
+            f"tokens, fewer than one full-length sequence ({max_model_len} tokens) needs "
+            f"({blocks_per_seq} over {groups.num_groups} KV cache group(s)); raise it or lower max_model_len"
         )
     eos = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *model_config.eos_token_ids]))
     return EngineLimits(dtype=dtype, kv_dtype=kv_dtype, device=device, max_model_len=max_model_len,
-                        num_blocks=num_blocks, block_size=config.block_size,
+                        num_blocks=num_blocks, block_size=config.block_size, kv_groups=groups,
                         vocab_size=model_config.vocab_size, eos_token_ids=eos)
 
 
 def _default_kv_cache_bytes(
-    config: EngineConfig, max_model_len: int, bytes_per_block: int, device: torch.device
+    config: EngineConfig, bytes_per_seq: int, bytes_per_block: int, device: torch.device
 ) -> int:
-    blocks_wanted = config.max_num_seqs * -(-max_model_len // config.block_size)
     if device.type == "cuda":
         gc.collect()  # what an engine before this one left in PyTorch's cache counts as free
         torch.cuda.empty_cache()
@@ -1182,7 +1210,7 @@ def _default_kv_cache_bytes(
         return int(min(0.9 * free_bytes, MAX_DEFAULT_CUDA_BLOCKS * bytes_per_block))
     _, available = host_memory()  # shared by the tensor-parallel ranks of a CPU
     share = 0.4 * available / config.tensor_parallel_size
-    return int(min(blocks_wanted * bytes_per_block, DEFAULT_CPU_KV_CACHE_BYTES, share))
+    return int(min(config.max_num_seqs * bytes_per_seq, DEFAULT_CPU_KV_CACHE_BYTES, share))
 
 
 def host_memory() -> tuple[int, int]:

@@ -24,6 +24,8 @@ from slipstream.ops.inference import optimize_for_cpu_inference
 from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
 from slipstream.ops.quant import quantize_linears
 from slipstream.serve.cuda_graph import CudaDecodeGraphs, can_capture
+from slipstream.serve.kv_cache import BlockTables
+from slipstream.serve.kv_groups import KVCacheGroups, group_layers
 from slipstream.serve.lora import LoRALayers
 from slipstream.serve.profiler import FORWARD_PHASE, PREPARE_INPUTS_PHASE, phase
 from slipstream.serve.sampler import argmax
@@ -50,7 +52,9 @@ def prepare_model(model: Transformer, *, fast_cpu_kernels: bool, quantization: s
 
 
 class PagedKVCache:
-    """Per-layer key and value blocks: (num_blocks, block_size, kv_heads, head_dim) each.
+    """Key and value blocks, (num_blocks, block_size, kv_heads, head_dim) each, one pair per slot
+    of the KV cache groups (kv_groups.py): layer l reads and writes pair `groups.layer_slots[l]`
+    through its group's block tables. Without `groups`, one group of all layers: a pair per layer.
 
     Allocated with `torch.empty`: zeroing gigabytes up front costs seconds of page faults on a
     CPU, and attention never uses a slot before it is written (see `paged_attention`). Not on
@@ -62,26 +66,36 @@ class PagedKVCache:
 
     def __init__(
         self, config: ModelConfig, *, num_blocks: int, block_size: int, dtype: torch.dtype,
-        device: torch.device, num_kv_heads: int | None = None,
+        device: torch.device, num_kv_heads: int | None = None, groups: KVCacheGroups | None = None,
     ) -> None:
         """`num_kv_heads`: the KV heads this process computes, if not all of the model's (a
         tensor-parallel rank's share)."""
         shape = (num_blocks, block_size, num_kv_heads or config.num_key_value_heads, config.head_dim)
-        num_layers = config.num_hidden_layers
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.groups = groups or group_layers([None] * config.num_hidden_layers)
+        num_slots = self.groups.num_slots
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_slots)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_slots)]
         self.num_blocks = num_blocks
         self.block_size = block_size
+
+    def zero_block(self, block: int) -> None:
+        """Zero one block's pages in every slot (the null block: whatever gathers it reads zeros,
+        finite under any mask)."""
+        for cache in (*self.keys, *self.values):
+            cache[block].zero_()
 
 
 @dataclasses.dataclass(frozen=True)
 class PagedAttention:
     """The model's `attn` argument for one step: write new K/V into the cache, then attend with the
-    calling layer's scale, soft cap, window (Gemma 2's differ from layer to layer) and sinks (gpt-oss)."""
+    calling layer's scale, soft cap, window (Gemma 2's differ from layer to layer) and sinks (gpt-oss),
+    through the layout of the layer's KV cache group: `group_batches[g]` for group g where the
+    cache has several groups, else `batch`."""
 
     cache: PagedKVCache
     batch: PagedBatch
     use_kernel: bool = True
+    group_batches: tuple[PagedBatch, ...] = ()
 
     def __call__(
         self,
@@ -95,9 +109,12 @@ class PagedAttention:
         sliding_window: int | None,
         sinks: torch.Tensor | None = None,  # (H,)
     ) -> torch.Tensor:  # (1, N, H, D)
-        k_cache, v_cache = self.cache.keys[layer_idx], self.cache.values[layer_idx]
-        write_kv(k_cache, v_cache, k[0], v[0], self.batch.slot_mapping, use_kernel=self.use_kernel)
-        return paged_attention(q[0], k_cache, v_cache, self.batch, scale=scale, softcap=softcap,
+        groups = self.cache.groups
+        slot = groups.layer_slots[layer_idx]
+        batch = self.group_batches[groups.layer_groups[layer_idx]] if self.group_batches else self.batch
+        k_cache, v_cache = self.cache.keys[slot], self.cache.values[slot]
+        write_kv(k_cache, v_cache, k[0], v[0], batch.slot_mapping, use_kernel=self.use_kernel)
+        return paged_attention(q[0], k_cache, v_cache, batch, scale=scale, softcap=softcap,
                                sliding_window=sliding_window, sinks=sinks, use_kernel=self.use_kernel)[None]
 
 
@@ -121,6 +138,13 @@ class Runner:
     mixture-of-experts layers takes no CUDA graph; the C decode graph runs its steps module by
     module where it declines a token's routing (a NaN; `hidden_states` is its fallback).
 
+    The cache is laid out by `kv_groups` (kv_groups.py; default: one group of all layers). Where
+    some group has a sliding window, the cache has a page past `num_blocks` for the KV cache
+    manager's null block, zero-filled. Graphs serve one group only: a model with several (a hybrid
+    of windowed and full layers under the hybrid KV cache manager) runs module by module, as its
+    layers' differing windows keep the C decode graph from it anyway, and takes no CUDA graphs
+    (they capture one block table per sequence).
+
     The runner of a tensor-parallel driver (`workers`, see tensor_parallel.py) has its workers
     make every forward pass and every lm_head product with it, each over its own shard and cache.
 
@@ -134,7 +158,7 @@ class Runner:
         self, model: Transformer, *, num_blocks: int, block_size: int, dtype: torch.dtype,
         device: torch.device, max_num_seqs: int, max_model_len: int, use_kernels: bool = True,
         enforce_eager: bool = False, workers: Workers | None = None, enable_lora: bool = False,
-        kv_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None, kv_groups: KVCacheGroups | None = None,
     ) -> None:
         self.model = model
         # One set of RoPE frequencies for every position of every sequence (Phi-3's longrope: the
@@ -144,18 +168,26 @@ class Runner:
         self.device = device
         self.use_kernels = use_kernels
         self.workers = workers
+        groups = kv_groups or group_layers([None] * model.config.num_hidden_layers)
+        one_group = groups.num_groups == 1
         cuda_graphs = device.type == "cuda" and not enforce_eager and can_capture(model)
+        if cuda_graphs and not one_group:
+            logger.info("no CUDA graphs: the model's layers are in %d KV cache groups", groups.num_groups)
+            cuda_graphs = False
+        null_blocks = 1 if groups.has_windows else 0
         spare_blocks = 1 if cuda_graphs else 0
-        self.cache = PagedKVCache(model.config, num_blocks=num_blocks + spare_blocks, block_size=block_size,
-                                  dtype=kv_dtype or dtype, device=device,
-                                  num_kv_heads=model.model.layers[0].self_attn.num_kv_heads)
+        self.cache = PagedKVCache(model.config, num_blocks=num_blocks + null_blocks + spare_blocks,
+                                  block_size=block_size, dtype=kv_dtype or dtype, device=device,
+                                  num_kv_heads=model.model.layers[0].self_attn.num_kv_heads, groups=groups)
+        if null_blocks:
+            self.cache.zero_block(num_blocks)
         self.decode_graph: CpuDecodeGraph | CudaDecodeGraphs | None = None
         if cuda_graphs:
             self.decode_graph = CudaDecodeGraphs(
                 self.hidden_states, max_seqs=max_num_seqs, max_blocks=-(-max_model_len // block_size),
-                block_size=block_size, pad_block=num_blocks, device=device,
+                block_size=block_size, pad_block=num_blocks + null_blocks, device=device,
             )
-        elif device.type == "cpu" and use_kernels and not enforce_eager:
+        elif device.type == "cpu" and use_kernels and not enforce_eager and one_group:
             self.decode_graph = CpuDecodeGraph.build(model, self.cache.keys, self.cache.values,
                                                      fallback=self.hidden_states)
         self.lora = LoRALayers.attach(model) if enable_lora else None
@@ -172,39 +204,45 @@ class Runner:
         return dataclasses.replace(logits, sample_logits=logits.sample_logits[restore])
 
     def _execute(self, plan: StepPlan) -> StepLogits:
-        token_ids, positions, batch = self._inputs(plan)
-        graph = self._graph_for(batch, plan.chunks)
+        token_ids, positions, batches = self._inputs(plan)
+        graph = self._graph_for(batches[0], plan.chunks)
         with phase(FORWARD_PHASE), self._adapters(plan.chunks, [c.num_tokens for c in plan.chunks]):
             if isinstance(graph, CpuDecodeGraph) and all(c.samples and not _wants_prompt_logits(c)
                                                          for c in plan.chunks):
                 # Every row samples and none is a prompt position: the lm_head runs in the graph.
-                logits = graph(token_ids, positions, batch, logits=True)
+                logits = graph(token_ids, positions, batches[0], logits=True)
                 return StepLogits(sample_logits=logits, prompt_logits={})
-            return self._logits(plan, self._decode_or_forward(graph, token_ids, positions, batch))
+            return self._logits(plan, self._decode_or_forward(graph, token_ids, positions, batches))
 
     @torch.inference_mode()
     def execute_hidden(self, plan: StepPlan) -> torch.Tensor:  # (num_batched_tokens, E)
         """The plan's final-norm hidden states, every chunk's rows in plan order (for pooling)."""
-        token_ids, positions, batch = self._inputs(plan)
+        token_ids, positions, batches = self._inputs(plan)
         with phase(FORWARD_PHASE):  # a pooling engine's: it serves no adapters
-            return self._decode_or_forward(self._graph_for(batch, plan.chunks), token_ids, positions, batch)
+            graph = self._graph_for(batches[0], plan.chunks)
+            return self._decode_or_forward(graph, token_ids, positions, batches)
 
-    def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
-        """The plan's chunks as one flat batch: token ids, positions and the paged layout."""
+    def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, tuple[PagedBatch, ...]]:
+        """The plan's chunks as one flat batch: token ids, positions and each group's paged layout."""
         with phase(PREPARE_INPUTS_PHASE):
             token_ids, positions = [], []
             for chunk in plan.chunks:
                 token_ids += chunk.request.token_ids_range(chunk.start, chunk.start + chunk.num_tokens)
                 positions += range(chunk.start, chunk.start + chunk.num_tokens)
-            batch = PagedBatch.build(
-                seq_lens=[c.start + c.num_tokens for c in plan.chunks],
-                query_lens=[c.num_tokens for c in plan.chunks],
-                block_tables=[c.block_ids for c in plan.chunks],
-                block_size=self.cache.block_size,
-                device=self.device,
-            )
+            batches = self._batches([c.start + c.num_tokens for c in plan.chunks],
+                                    [c.num_tokens for c in plan.chunks], [c.block_ids for c in plan.chunks])
             device = self.device
-            return torch.tensor(token_ids, device=device), torch.tensor(positions, device=device), batch
+            return torch.tensor(token_ids, device=device), torch.tensor(positions, device=device), batches
+
+    def _batches(
+        self, seq_lens: Sequence[int], query_lens: Sequence[int], tables: Sequence[BlockTables]
+    ) -> tuple[PagedBatch, ...]:
+        """Each KV cache group's layout of sequences whose block tables, per group, are `tables`
+        (what is common to the groups built once)."""
+        return PagedBatch.build_groups(
+            seq_lens=seq_lens, query_lens=query_lens,
+            group_tables=[[t[group] for t in tables] for group in range(self.cache.groups.num_groups)],
+            block_size=self.cache.block_size, device=self.device)
 
     def _graph_for(
         self, batch: PagedBatch, chunks: Sequence[ScheduledChunk]
@@ -236,15 +274,15 @@ class Runner:
 
     def _decode_or_forward(
         self, graph: CpuDecodeGraph | CudaDecodeGraphs | None, token_ids: torch.Tensor,
-        positions: torch.Tensor, batch: PagedBatch,
+        positions: torch.Tensor, batches: tuple[PagedBatch, ...],
     ) -> torch.Tensor:  # (N, E) final-norm hidden states
         if graph is None:
-            return self.hidden_states(token_ids, positions, batch)
-        return graph(token_ids, positions, batch)
+            return self.hidden_states(token_ids, positions, *batches)
+        return graph(token_ids, positions, batches[0])  # graphs serve one-group caches only
 
     @torch.inference_mode()
     def execute_greedy(
-        self, plan: StepPlan, block_tables: Sequence[Sequence[int]], num_steps: int
+        self, plan: StepPlan, block_tables: Sequence[BlockTables], num_steps: int
     ) -> list[list[int]]:
         """`num_steps` decode steps of a plan of single-token chunks, each step feeding every
         sequence the argmax of its previous logits (the sampler's choice for a plain greedy row);
@@ -260,24 +298,21 @@ class Runner:
         with phase(FORWARD_PHASE), self._adapters(chunks, [1] * len(chunks)):
             graph = None if self._runs_adapters(chunks) else self.decode_graph
             if isinstance(graph, CpuDecodeGraph) and len(chunks) <= graph.max_seqs:
-                return graph.greedy(token_ids, positions, block_tables, num_steps)
+                return graph.greedy(token_ids, positions, [tables[0] for tables in block_tables], num_steps)
             token_ids = torch.tensor(token_ids, device=self.device)
             positions = torch.tensor(positions, device=self.device)
             steps = []
             for step in range(num_steps):
-                batch = PagedBatch.build(
-                    seq_lens=[c.start + step + 1 for c in chunks], query_lens=[1] * len(chunks),
-                    block_tables=block_tables, block_size=self.cache.block_size, device=self.device,
-                )
-                hidden = self._decode_or_forward(self._graph_for(batch, chunks), token_ids, positions + step,
-                                                 batch)
+                batches = self._batches([c.start + step + 1 for c in chunks], [1] * len(chunks), block_tables)
+                graph = self._graph_for(batches[0], chunks)
+                hidden = self._decode_or_forward(graph, token_ids, positions + step, batches)
                 token_ids = argmax(self._compute_logits(hidden))
                 steps.append(token_ids)
             return torch.stack(steps).tolist()
 
     @torch.inference_mode()
     def execute_verify(
-        self, plan: StepPlan, block_tables: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]
+        self, plan: StepPlan, block_tables: Sequence[BlockTables], drafts: Sequence[Sequence[int]]
     ) -> list[list[int]]:
         """One forward pass over each single-token chunk's token followed by its guessed tokens
         `drafts[i]` (speculative decoding); returns, per chunk, the argmax at each of those
@@ -296,33 +331,30 @@ class Runner:
                 token_ids += [*chunk.request.token_ids_range(chunk.start, chunk.start + 1), *draft]
                 positions += range(chunk.start, chunk.start + 1 + len(draft))
                 tables += [table] * (1 + len(draft))
-            batch = PagedBatch.build(
-                seq_lens=[position + 1 for position in positions], query_lens=[1] * len(positions),
-                block_tables=tables, block_size=self.cache.block_size, device=self.device,
-            )
+            batches = self._batches([position + 1 for position in positions], [1] * len(positions), tables)
             token_ids = torch.tensor(token_ids, device=self.device)
             positions = torch.tensor(positions, device=self.device)
         with phase(FORWARD_PHASE), self._adapters(chunks, [1 + len(d) for d in drafts]):
-            graph = self._graph_for(batch, chunks)
+            graph = self._graph_for(batches[0], chunks)
             if isinstance(graph, CpuDecodeGraph):
-                logits = graph(token_ids, positions, batch, logits=True)
+                logits = graph(token_ids, positions, batches[0], logits=True)
             else:
-                hidden = self._decode_or_forward(graph, token_ids, positions, batch)
+                hidden = self._decode_or_forward(graph, token_ids, positions, batches)
                 logits = self._compute_logits(hidden)
         choices = argmax(logits).tolist()
         ends = list(itertools.accumulate(1 + len(d) for d in drafts))
         return [choices[end - 1 - len(d):end] for end, d in zip(ends, drafts, strict=True)]
 
     def hidden_states(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch
+        self, token_ids: torch.Tensor, positions: torch.Tensor, *batches: PagedBatch
     ) -> torch.Tensor:
-        """(N,) token ids and positions laid out by `batch` -> (N, E) final-norm hidden states,
-        module by module."""
-        attn = PagedAttention(self.cache, batch, self.use_kernels)
+        """(N,) token ids and positions laid out by `batches` (one per KV cache group) -> (N, E)
+        final-norm hidden states, module by module."""
+        attn = PagedAttention(self.cache, batches[0], self.use_kernels, batches if len(batches) > 1 else ())
         if self.workers is None:
             return self.model.hidden_states(token_ids[None], positions[None], attn)[0]
         with self._with_workers():
-            self.workers.forward(token_ids, positions, batch, self._lora_ids)
+            self.workers.forward(token_ids, positions, batches, self._lora_ids)
             return self.model.hidden_states(token_ids[None], positions[None], attn)[0]
 
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, E) -> (N, V)

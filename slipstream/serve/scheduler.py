@@ -33,7 +33,7 @@ import itertools
 import logging
 from collections.abc import Collection, Iterable, Sequence
 
-from slipstream.serve.kv_cache import KVCacheManager
+from slipstream.serve.kv_cache import BlockTables, CachedPrefix, KVCacheManager
 from slipstream.serve.request import FINISH_REASONS, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,9 @@ class SchedulerConfig:
     """Most tokens one request may compute in a step; 0 means no cap beyond the budget."""
     max_loras: int = 1
     """Most distinct LoRA adapters among the running requests (vLLM's max_loras: per batch)."""
+    kv_cache_windows: tuple[int | None, ...] = (None,)
+    """Each KV cache group's sliding window, None for full attention (`KVCacheGroups.windows`):
+    a sliding group releases the blocks its window no longer reaches."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_loras"):
@@ -67,6 +70,11 @@ class SchedulerConfig:
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        windows = self.kv_cache_windows
+        if not isinstance(windows, tuple) or not windows or any(
+                w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in windows):
+            raise ValueError(f"kv_cache_windows must be a tuple of positive integers or None, one per KV "
+                             f"cache group, got {windows!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
 
@@ -84,8 +92,8 @@ class ScheduledChunk:
     start: int
     """The request's num_computed_tokens before this step: position of the first token."""
     num_tokens: int
-    block_ids: tuple[int, ...]
-    """The request's whole block table, covering start + num_tokens tokens."""
+    block_ids: BlockTables
+    """The request's whole block table in each KV cache group, covering start + num_tokens tokens."""
     samples: bool
     """True iff the chunk reaches the end of the known tokens, so a new token must be sampled."""
 
@@ -105,7 +113,7 @@ class _StepBuilder:
     chunks: dict[str, ScheduledChunk] = dataclasses.field(default_factory=dict)
     preempted_ids: list[str] = dataclasses.field(default_factory=list)
 
-    def add(self, request: Request, num_tokens: int, block_ids: tuple[int, ...]) -> None:
+    def add(self, request: Request, num_tokens: int, block_ids: BlockTables) -> None:
         start = request.num_computed_tokens
         samples = start + num_tokens == request.num_tokens
         self.chunks[request.request_id] = ScheduledChunk(request, start, num_tokens, block_ids, samples)
@@ -164,6 +172,7 @@ class Scheduler:
             num_blocks=config.num_blocks,
             block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
+            windows=config.kv_cache_windows,
         )
         self.num_preemptions = 0
         """Preemptions so far (vLLM's num_preemptions_total)."""
@@ -222,16 +231,22 @@ class Scheduler:
         self._waiting.push(self._order_keys[request.request_id], request)
 
     def _check_fits(self, request: Request) -> None:
-        """Reject a request that needs more KV than the whole pool: it could only livelock."""
+        """Reject a request that needs more KV than the whole pool: it could only livelock. Each
+        KV cache group counts: all its blocks in a full-attention group, its window plus one
+        step's chunk in a sliding one (`KVCacheManager.max_blocks_held`)."""
         # The last generated token is never fed back, so its KV is never needed.
         num_kv_tokens = request.num_prompt_tokens + request.max_output_tokens - 1
-        capacity = self.config.num_blocks * self.config.block_size
-        if num_kv_tokens > capacity:
+        config = self.config
+        max_chunk = min(config.max_num_batched_tokens, config.long_prefill_token_threshold or num_kv_tokens)
+        num_blocks = self.kv_cache.max_blocks_held(num_kv_tokens, max_chunk)
+        if num_blocks > config.num_blocks:
             raise ValueError(
                 f"request {request.request_id!r} may need KV for {num_kv_tokens} tokens "
-                f"({request.num_prompt_tokens} prompt + up to {request.max_output_tokens} output), but the "
-                f"KV cache holds {self.config.num_blocks} blocks x {self.config.block_size} tokens = "
-                f"{capacity} tokens; lower max_tokens or the prompt, or give the cache more memory"
+                f"({request.num_prompt_tokens} prompt + up to {request.max_output_tokens} output): "
+                f"{num_blocks} blocks over {self.kv_cache.num_groups} KV cache group(s), but the KV cache "
+                f"holds {config.num_blocks} blocks x {config.block_size} tokens = "
+                f"{config.num_blocks * config.block_size} tokens; lower max_tokens or the prompt, or give "
+                f"the cache more memory"
             )
 
     def finish(self, request_id: str, reason: str) -> Request | None:
@@ -327,19 +342,19 @@ class Scheduler:
     def _admit(self, request: Request, step: _StepBuilder) -> bool:
         """Start a waiting request from its longest cached prefix; False if blocks are short."""
         cache_salt = self._cache_salts.get(request.request_id)
-        cached_block_ids = self.kv_cache.lookup(request, cache_salt)
-        num_cached_tokens = len(cached_block_ids) * self.config.block_size
+        cached = self.kv_cache.lookup(request, cache_salt)
+        num_cached_tokens = len(cached) * self.config.block_size
         num_new = self._num_new_tokens(request, num_cached_tokens, step.budget)
-        block_ids = self.kv_cache.allocate(request, num_new, cached_block_ids, cache_salt)
+        block_ids = self.kv_cache.allocate(request, num_new, cached, cache_salt)
         if block_ids is None:
-            if not self._make_room(request, num_new, cached_block_ids, step):
+            if not self._make_room(request, num_new, cached, step):
                 return False
             # Victims planned in this step gave their tokens back: the chunk grows into them as
             # far as the blocks now free allow, never by preempting more (a larger chunk is no
             # reason to take another request's KV).
             num_new = min(self._num_new_tokens(request, num_cached_tokens, step.budget),
-                          self.kv_cache.max_new_tokens(request, cached_block_ids))
-            block_ids = self.kv_cache.allocate(request, num_new, cached_block_ids, cache_salt)
+                          self.kv_cache.max_new_tokens(request, cached))
+            block_ids = self.kv_cache.allocate(request, num_new, cached, cache_salt)
             assert block_ids is not None, "the victims' blocks make room for the chunk"
         popped = self._waiting.pop()
         assert popped is request, "victims queue behind the request they make room for"
@@ -351,7 +366,7 @@ class Scheduler:
         return True
 
     def _make_room(
-        self, request: Request, num_new_tokens: int, cached_block_ids: list[int], step: _StepBuilder
+        self, request: Request, num_new_tokens: int, cached: CachedPrefix, step: _StepBuilder
     ) -> bool:
         """Under the priority policy, preempt for a waiting request short of blocks the fewest
         running requests of strictly lower priority, taken from the tail, whose blocks make room
@@ -362,7 +377,7 @@ class Scheduler:
             return False
         candidates = list(itertools.takewhile(
             lambda running: running.priority > request.priority, reversed(self._running)))
-        num_victims = self.kv_cache.num_to_free(request, num_new_tokens, cached_block_ids, candidates)
+        num_victims = self.kv_cache.num_to_free(request, num_new_tokens, cached, candidates)
         if not num_victims:
             return False
         for victim in candidates[:num_victims]:
@@ -382,7 +397,7 @@ class Scheduler:
         step.preempted(request)
         logger.debug("preempted %s (%d tokens to recompute)", request.request_id, request.num_tokens)
 
-    def reserve_tokens(self, plan: StepPlan, num_tokens: Sequence[int]) -> list[tuple[int, ...]] | None:
+    def reserve_tokens(self, plan: StepPlan, num_tokens: Sequence[int]) -> list[BlockTables] | None:
         """Blocks for `num_tokens[i]` tokens from the start of chunk i of a plan of single-token
         chunks (several decode steps at once, or a decode plus guesses to check); returns their
         block tables, or None if the pool is short (nothing is preempted for it: the caller runs
@@ -398,7 +413,7 @@ class Scheduler:
             tables.append(table)
         return tables
 
-    def reserve_lookahead(self, plan: StepPlan, num_steps: int) -> list[tuple[int, ...]] | None:
+    def reserve_lookahead(self, plan: StepPlan, num_steps: int) -> list[BlockTables] | None:
         """`reserve_tokens` of `num_steps` tokens for every chunk, for a runner that runs that many
         decode steps at once. For one step these are the tables the plan's chunks already hold."""
         if num_steps == 1 and all(chunk.num_tokens == 1 for chunk in plan.chunks):
@@ -412,7 +427,8 @@ class Scheduler:
         """Advance the requests the plan ran, append their sampled tokens and apply stop
         conditions; a request of `pooled_ids` (an embedding engine's) whose chunk reached the end
         of its prompt ends here with no token. Returns the requests that finished in this step,
-        their blocks freed (full ones kept in the prefix cache)."""
+        their blocks freed (full ones kept in the prefix cache). Each advanced request's sliding
+        groups release the blocks their windows no longer reach."""
         finished = []
         try:
             for chunk in plan.chunks:
@@ -425,6 +441,7 @@ class Scheduler:
                 if chunk.samples and not pooled:
                     request.output_token_ids.append(sampled_token_ids[request.request_id])
                 self.kv_cache.cache_full_blocks(request)
+                self.kv_cache.release_skipped_blocks(request)
                 reason = "stop" if pooled else _stop_reason(request) if chunk.samples else None
                 if reason is not None:
                     self._release(request, reason)

@@ -53,6 +53,7 @@ from slipstream.model.config import ModelConfig
 from slipstream.model.transformer import MLP, GptOssMoeBlock, SparseMoeBlock, Transformer
 from slipstream.model.weights import load_model
 from slipstream.ops.paged_attention import PagedBatch
+from slipstream.serve.kv_groups import KVCacheGroups
 from slipstream.serve.shm_collectives import SharedExchange
 
 if TYPE_CHECKING:  # lora.py imports this module
@@ -355,6 +356,8 @@ class Start:
     """Wrap the projections for LoRA adapters (`LoadLoRA` then loads them)."""
     kv_dtype: torch.dtype | None = None
     """The cache's dtype (the engine's kv_cache_dtype); None: the model's."""
+    kv_groups: KVCacheGroups | None = None
+    """The cache's KV cache groups (the driver's); None: one group of all layers."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,25 +381,26 @@ class Forward:
 
     token_ids: np.ndarray
     positions: np.ndarray
-    batch: dict[str, Any]
-    """`PagedBatch`'s fields, its tensors as arrays."""
+    batches: list[dict[str, Any]]
+    """Each KV cache group's `PagedBatch`'s fields, its tensors as arrays."""
     lora_ids: list[int] | None = None
     """Each row's LoRA adapter (`LoRALayers.rows`), where a row runs under one."""
 
     @classmethod
-    def of(cls, token_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch,
+    def of(cls, token_ids: torch.Tensor, positions: torch.Tensor, batches: tuple[PagedBatch, ...],
            lora_ids: list[int] | None = None) -> Forward:
-        fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+        fields = [{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)} for batch in batches]
         return cls(_array(token_ids), _array(positions),
-                   {name: _array(v) if isinstance(v, torch.Tensor) else v for name, v in fields.items()},
+                   [{name: _array(v) if isinstance(v, torch.Tensor) else v for name, v in group.items()}
+                    for group in fields],
                    lora_ids)
 
-    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
-        """The token ids, positions and batch as tensors on `device`."""
-        fields = {name: torch.from_numpy(v).to(device) if isinstance(v, np.ndarray) else v
-                  for name, v in self.batch.items()}
+    def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The token ids, positions and each group's batch, as tensors on `device`."""
+        batches = [PagedBatch(**{name: torch.from_numpy(v).to(device) if isinstance(v, np.ndarray) else v
+                                 for name, v in group.items()}) for group in self.batches]
         return (torch.from_numpy(self.token_ids).to(device), torch.from_numpy(self.positions).to(device),
-                PagedBatch(**fields))
+                *batches)
 
 
 def _array(tensor: torch.Tensor) -> np.ndarray:
@@ -521,9 +525,10 @@ class Workers:
         self._wait_for(ready_key, deadline=None)
         shutil.rmtree(self._directory, ignore_errors=True)
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch,
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, batches: tuple[PagedBatch, ...],
                 lora_ids: list[int] | None = None) -> None:
-        self.send(Forward.of(token_ids, positions, batch, lora_ids))
+        """Have the workers run the layer stack over this batch (each KV cache group's layout)."""
+        self.send(Forward.of(token_ids, positions, batches, lora_ids))
 
     def logits(self, hidden: torch.Tensor) -> None:
         self.send(Logits.of(hidden))

@@ -63,7 +63,7 @@ def main() -> None:
         runner = Runner(model, num_blocks=start.num_blocks, block_size=start.block_size, dtype=spec.dtype,
                         device=device, max_num_seqs=start.max_num_seqs, max_model_len=start.max_model_len,
                         use_kernels=spec.fast_cpu_kernels, enforce_eager=True, enable_lora=start.enable_lora,
-                        kv_dtype=start.kv_dtype)
+                        kv_dtype=start.kv_dtype, kv_groups=start.kv_groups)
     except Exception as error:
         store.set(ready_key(spec.rank), f"{type(error).__name__}: {error}")
         raise
