@@ -134,9 +134,7 @@ class KVCacheManager:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         windows = tuple(windows)
-        if not windows or any(w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1)
-                              for w in windows):
-            raise ValueError(f"windows must be one positive integer or None per group, got {windows!r}")
+        check_windows("windows", windows)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -631,6 +629,15 @@ class KVCacheManager:
                 _expect(key == (parent_key_id, self._block_token_ids(request, i)),
                         f"{request_id}'s block {i} holds other token ids than the request")
                 _expect(self._block_key_ids[table[i]] == key_id, f"{request_id}'s key id {i} is stale")
+
+
+def check_windows(name: str, windows: object) -> None:
+    """ValueError naming `name` unless `windows` is a non-empty tuple of one sliding window (a
+    positive integer) or None per KV cache group."""
+    if not isinstance(windows, tuple) or not windows or any(
+            w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in windows):
+        raise ValueError(f"{name} must be a tuple of one positive integer or None per KV cache group, "
+                         f"got {windows!r}")
 
 
 def blocks_held(

@@ -33,7 +33,7 @@ import itertools
 import logging
 from collections.abc import Collection, Iterable, Sequence
 
-from slipstream.serve.kv_cache import BlockTables, CachedPrefix, KVCacheManager
+from slipstream.serve.kv_cache import BlockTables, CachedPrefix, KVCacheManager, check_windows
 from slipstream.serve.request import FINISH_REASONS, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -70,11 +70,7 @@ class SchedulerConfig:
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
-        windows = self.kv_cache_windows
-        if not isinstance(windows, tuple) or not windows or any(
-                w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1) for w in windows):
-            raise ValueError(f"kv_cache_windows must be a tuple of positive integers or None, one per KV "
-                             f"cache group, got {windows!r}")
+        check_windows("kv_cache_windows", self.kv_cache_windows)
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
 
