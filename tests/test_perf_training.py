@@ -298,7 +298,7 @@ def _trainer_saved_activation_bytes(config, dtype: str, batch: int, seq_len: int
         return mask
 
     def cuda_rule(q, masked):
-        sixteen_bits = attention._sdpa_dtype(q) in (torch.float16, torch.bfloat16)
+        sixteen_bits = attention.sdpa_dtype(q) in (torch.float16, torch.bfloat16)
         return sixteen_bits and q.shape[-1] <= 256 and not masked
 
     with mock.patch.object(attention, "_additive_causal_mask", held_mask), mock.patch.object(

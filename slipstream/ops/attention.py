@@ -33,44 +33,49 @@ def dense_causal_attention(
     softcap * tanh(s / softcap) before the mask, and `sinks` (gpt-oss) join each row's softmax
     (`softmax_with_sinks`), neither of which SDPA can, so those go through explicit matrix
     products, as transformers' eager attention computes them."""
-    num_tokens, num_heads, num_kv_heads = q.shape[1], q.shape[2], k.shape[2]
+    num_tokens = q.shape[1]
+    masked = softcap is not None or sinks is not None or (sliding_window is not None
+                                                          and num_tokens > sliding_window)
+    mask = _additive_causal_mask(num_tokens, sliding_window, q.device, sdpa_dtype(q)) if masked else None
+    return masked_attention(q, k, v, mask, scale=scale, softcap=softcap, sinks=sinks)
+
+
+def masked_attention(
+    q: torch.Tensor,  # (B, Tq, H, D)
+    k: torch.Tensor,  # (B, Tk, K, D)
+    v: torch.Tensor,  # (B, Tk, K, D)
+    mask: torch.Tensor | None,  # (Tq, Tk) additive: 0 where a query may attend a key, -inf elsewhere
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # (H,)
+) -> torch.Tensor:  # (B, Tq, H, D)
+    """softmax(q . k * scale + mask) v with grouped K/V heads, through SDPA, or with a soft cap or
+    sinks through explicit products (`dense_causal_attention`'s, and context parallelism's
+    attention of a rank's queries to the gathered keys). Every query must see some key. A mask
+    of None is the causal mask of whole sequences (Tq = Tk), which SDPA applies itself; a soft cap
+    or sinks need a mask given."""
+    num_heads, num_kv_heads = q.shape[2], k.shape[2]
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, heads, T, D)
-    masked = sliding_window is not None and num_tokens > sliding_window
-    grouped = num_kv_heads != num_heads
     explicit = softcap is not None or sinks is not None
-    gqa = grouped and not explicit and _sdpa_takes_gqa(q, masked)
-    if grouped and not gqa:
+    gqa = num_kv_heads != num_heads and not explicit and _sdpa_takes_gqa(q, masked=mask is not None)
+    if num_kv_heads != num_heads and not gqa:
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
-    if explicit:
-        out = _explicit_attention(q, k, v, sliding_window, scale, softcap, sinks)
-    elif not masked:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
-    else:
-        mask = _additive_causal_mask(num_tokens, sliding_window, q.device, _sdpa_dtype(q))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
-    return out.transpose(1, 2)
-
-
-def _explicit_attention(
-    q: torch.Tensor,  # (B, H, T, D)
-    k: torch.Tensor,  # (B, H, T, D)
-    v: torch.Tensor,  # (B, H, T, D)
-    sliding_window: int | None,
-    scale: float | None,
-    softcap: float | None,
-    sinks: torch.Tensor | None,  # (H,)
-) -> torch.Tensor:  # (B, H, T, D)
-    num_tokens = q.shape[2]
+    if not explicit:
+        attn_mask = None if mask is None else mask.to(sdpa_dtype(q))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=mask is None,
+                                             enable_gqa=gqa, scale=scale)
+        return out.transpose(1, 2)
     scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap  # (B, H, T, T)
-    scores = scores + _additive_causal_mask(num_tokens, sliding_window, q.device, scores.dtype)
+        scores = torch.tanh(scores / softcap) * softcap  # (B, H, Tq, Tk)
+    scores = scores + mask.to(scores.dtype)
     if sinks is None:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
     else:
         probs = softmax_with_sinks(scores.float(), sinks[:, None, None])
-    return torch.matmul(probs.to(q.dtype), v)
+    return torch.matmul(probs.to(q.dtype), v).transpose(1, 2)
 
 
 def softmax_with_sinks(
@@ -110,7 +115,7 @@ def _additive_causal_mask(num_tokens: int, sliding_window: int | None, device: t
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, -math.inf)
 
 
-def _sdpa_dtype(q: torch.Tensor) -> torch.dtype:
+def sdpa_dtype(q: torch.Tensor) -> torch.dtype:
     """The dtype SDPA runs in: autocast's where it is on (rotary leaves q in fp32), else q's."""
     device_type = q.device.type
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else q.dtype
@@ -127,7 +132,7 @@ def _sdpa_takes_gqa(q: torch.Tensor, masked: bool) -> bool:
     """
     if q.device.type == "cpu":
         return True
-    return (q.device.type == "cuda" and _sdpa_dtype(q) in (torch.float16, torch.bfloat16)
+    return (q.device.type == "cuda" and sdpa_dtype(q) in (torch.float16, torch.bfloat16)
             and q.shape[-1] <= 256 and not masked)
 
 

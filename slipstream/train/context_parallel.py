@@ -27,10 +27,9 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from slipstream.model.transformer import RopeTables
-from slipstream.ops.attention import softmax_with_sinks
+from slipstream.ops.attention import masked_attention, sdpa_dtype
 
 
 def chunk_bounds(seq_len: int, cp_rank: int, cp_size: int) -> list[tuple[int, int]]:
@@ -97,48 +96,6 @@ def causal_mask_between(query_positions: torch.Tensor, key_positions: torch.Tens
     if sliding_window is not None:
         allowed &= key_positions[None, :] > query_positions[:, None] - sliding_window
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, -math.inf)
-
-
-def masked_attention(
-    q: torch.Tensor,  # (B, Tq, H, D)
-    k: torch.Tensor,  # (B, Tk, K, D)
-    v: torch.Tensor,  # (B, Tk, K, D)
-    mask: torch.Tensor,  # (Tq, Tk) additive, from `causal_mask_between`
-    *,
-    scale: float | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,  # (H,)
-) -> torch.Tensor:  # (B, Tq, H, D)
-    """softmax(q . k * scale + mask) v with grouped K/V heads, as
-    `ops.attention.dense_causal_attention` computes it on a whole sequence (SDPA; a soft cap or
-    sinks through explicit products). Every query sees at least itself: no row is all masked."""
-    num_heads, num_kv_heads = q.shape[2], k.shape[2]
-    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, heads, T, D)
-    explicit = softcap is not None or sinks is not None
-    # CPU's fused SDPA takes grouped K/V heads with a mask; CUDA's masked kernels would expand them.
-    gqa = num_kv_heads != num_heads and q.device.type == "cpu" and not explicit
-    if num_kv_heads != num_heads and not gqa:
-        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
-    if not explicit:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(sdpa_dtype(q)), enable_gqa=gqa,
-                                             scale=scale)
-        return out.transpose(1, 2)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap  # (B, H, Tq, Tk)
-    scores = scores + mask.to(scores.dtype)
-    if sinks is None:
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    else:
-        probs = softmax_with_sinks(scores.float(), sinks[:, None, None])
-    return torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
-
-
-def sdpa_dtype(q: torch.Tensor) -> torch.dtype:
-    """The dtype SDPA computes in, which its additive mask must have: autocast's where it is on."""
-    device_type = q.device.type
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else q.dtype
 
 
 class GatheredKVAttention:
