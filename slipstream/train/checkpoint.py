@@ -370,8 +370,13 @@ class CheckpointManager:
         self.wait()
         path = Path(path)
         model_state, optimizer_state = get_state_dict(model, optimizer)
+        # Which parameters each group holds is this rank's own: under pipeline parallelism the
+        # saving ranks held other layers (the saved list is one rank's). The groups' settings are
+        # the run's config's either way (`Trainer._resume_optimizer_settings`).
+        param_groups = optimizer_state.pop("param_groups")
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=path, process_group=self.process_group, no_dist=self.world_size == 1)
+        state["optimizer"]["param_groups"] = param_groups
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         meta = read_meta(path)
         saved_layout = (meta["world_size"], _tensor_parallel_degree(meta))
