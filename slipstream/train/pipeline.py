@@ -43,6 +43,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.distributed.tensor import DTensor
 
 from slipstream.model import Transformer
 from slipstream.train.config import ParallelConfig
@@ -215,7 +216,7 @@ def sum_tied_embedding_grads(owner: Transformer, group: dist.ProcessGroup | None
     weight = tied_embedding_weight(owner)
     if group is None or weight is None or weight.grad is None:
         return
-    grad = weight.grad.to_local() if hasattr(weight.grad, "to_local") else weight.grad
+    grad = weight.grad.to_local() if isinstance(weight.grad, DTensor) else weight.grad
     dist.all_reduce(grad, group=group)
 
 

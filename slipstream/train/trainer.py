@@ -4,13 +4,15 @@
 describes, opens the prepared data, builds the model on the meta device, applies the CPU fast
 path and `parallelize` (tensor parallelism, activation checkpointing, compile, FSDP2 / DDP over
 the data-parallel replicas, whose ranks share their batches, and their context-parallel ranks,
-which each keep a slice of every sequence: `train.context_parallel`), materializes the
-weights from rank 0's initial state, and creates AdamW, the warm-up + decay schedule and the
-resumable loaders. `run()` then loops: `train_step()` (micro-batches with gradient accumulation,
-clip, optimizer step, schedule step) emits one flat metrics record; evaluation and checkpoints
-happen between steps, and `hooks` are called after every step with the trainer and its record.
-A mixture-of-experts model's loss adds the load-balancing term, and its records the experts'
-load (`train.moe`).
+which each keep a slice of every sequence: `train.context_parallel`) or, with pipeline
+parallelism, prunes the model to this rank's stages and builds torch's schedule over them
+(`train.pipeline`), materializes the weights from rank 0's initial state, and creates AdamW,
+the warm-up + decay schedule and the resumable loaders. `run()` then loops: `train_step()`
+(micro-batches with gradient accumulation, or through the pipeline schedule; clip, optimizer
+step, schedule step) emits one flat metrics record; evaluation and checkpoints happen between
+steps, and `hooks` are called after every step with the trainer and its record. A
+mixture-of-experts model's loss adds the load-balancing term, and its records the experts' load
+(`train.moe`).
 
 Everything a resumed run needs is reachable: `model`, `optimizer`, `lr_scheduler`,
 `train_loader` and `train_state()` (step, tokens seen, loader and schedule state, RNG states),
@@ -84,6 +86,7 @@ from slipstream.train.parallel import (
     set_gradient_sync,
 )
 from slipstream.train.pipeline import (
+    StageModule,
     average_grads,
     build_schedule,
     build_stage_modules,
@@ -281,6 +284,7 @@ class Trainer:
             process_group=checkpoint_group(info), keep_last=config.checkpoint.keep_last,
             keep_every=config.checkpoint.keep_every, async_save=config.checkpoint.async_save,
             tensor_parallel_degree=config.parallel.tensor_parallel_degree,
+            pipeline_parallel_degree=config.parallel.pipeline_parallel_degree,
             on_files_written=self.faults.on_checkpoint_written,
             on_commit=lambda step, path: self.ledger.record("commit", step=step),
         )
@@ -337,6 +341,7 @@ class Trainer:
         if (self.config.training.fast_kernels and self.device.type == "cpu"
                 and self.config.parallel.tensor_parallel_degree == 1):
             use_onednn_linears(model)
+        self.stage_modules: list[StageModule] = []
         if self.pipeline is None:
             parallelize(model, self.mesh, self.config.parallel)
         else:
@@ -604,7 +609,8 @@ class Trainer:
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The training objective of a (B, T) batch: the mean next-token cross-entropy (fp32),
         plus `router_aux_loss_coef` x the load-balancing loss for a mixture-of-experts model
-        with `output_router_logits` (transformers' loss for that model and batch)."""
+        with `output_router_logits` (transformers' loss for that model and batch). Not with
+        pipeline parallelism, where `model` is one rank's stages and the schedule computes it."""
         return self._objective(inputs, targets)[0]
 
     def _objective(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, Routing | None]:
