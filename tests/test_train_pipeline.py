@@ -3,8 +3,9 @@ split against the perf model's `stage_layers`, and under torchrun with gloo 2-ra
 (1F1B, and the interleaved schedule with 2 stages per rank) of a 4-layer model with tied
 embeddings that follow one process's losses, gradient norms, eval losses and weights, whose
 checkpoints one process resumes as the uninterrupted run went on; slow: GPipe, an untied model,
-a one-process checkpoint resumed at pp=2, FSDP2 and DDP over 2 replicas of a 2-stage pipeline
-(4 ranks), and the tied table's two copies bit-equal after training."""
+resumes at other pipeline layouts, FSDP2 and DDP over 2 replicas of a 2-stage pipeline and over
+its stages' 2 context-parallel ranks (4 ranks each), and the tied table's two copies bit-equal
+after training."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from slipstream.perf.memory import stage_layers
 from slipstream.perf.model import Layout
 from slipstream.train.checkpoint import list_checkpoints, load_model_state
 from slipstream.train.config import check_run, load_config
+from slipstream.train.export import export_run
 from slipstream.train.pipeline import rank_stages, stage_layer_ranges
 from slipstream.train.trainer import Trainer
 
@@ -58,9 +60,9 @@ def _config(data_dir: Path, tmp_path: Path, *extra: str):
      r"parallel.pipeline_parallel_stages_per_rank \(2\) must be 1 with .*'1F1B'"),
     ((*PP2, "--parallel.tensor_parallel_degree=2"), 4,
      r"parallel.pipeline_parallel_degree \(2\) does not work with parallel.tensor_parallel_degree"),
-    ((*PP2, "--parallel.context_parallel_degree=2"), 4,
-     r"parallel.pipeline_parallel_degree \(2\) does not work with parallel.context_parallel_degree"),
     (("--parallel.pipeline_parallel_degree=3",), 4, r"parallel.pipeline_parallel_degree \(3\) .* divide"),
+    ((*PP2, "--parallel.context_parallel_degree=2"), 6, r"parallel.pipeline_parallel_degree \(2\) x "
+     r"parallel.context_parallel_degree \(2\) .* must divide the job's number of ranks \(6\)"),
     ((*PP2, "--training.global_batch_size=4", "--training.micro_batch_size=4"), 2,
      r"'1F1B' needs at least parallel.pipeline_parallel_degree \(2\) micro-batches .* = 1"),
     ((*INTERLEAVED, "--training.global_batch_size=6", "--training.micro_batch_size=2"), 2,
@@ -71,7 +73,7 @@ def _config(data_dir: Path, tmp_path: Path, *extra: str):
 def test_bad_pipeline_settings_are_refused(extra, world_size, match, data_dir, tmp_path):
     """Each bad setting is a ValueError naming its key, at construction or by `check_run` (no
     process group): degrees and schedule names, stages per rank against the schedule, PP with
-    TP or CP, a world size pp x cp x tp does not divide, too few micro-batches for 1F1B, a count
+    TP, a world size pp x cp x tp does not divide, too few micro-batches for 1F1B, a count
     the interleaved schedule cannot take; GPipe runs with m < pp."""
     with pytest.raises(ValueError, match=match):
         check_run(_config(data_dir, tmp_path, *extra), world_size)
@@ -182,8 +184,9 @@ def test_pp2_follows_one_process_and_one_process_resumes_it(pp_run, one_process_
                                                            tied_four_layers, tmp_path):
     """A 2-stage 1F1B pipeline of the tied 4-layer model gives one process's train and eval losses
     and gradient norms within LOSS_ATOL for 8 steps and its final weights within WEIGHT_ATOL; it
-    records its layout and counts the global batch's tokens once. Its step-4 checkpoint, rerun by
-    one process (pp=1), trains steps 5-8 as the uninterrupted one-process run does."""
+    records its layout and counts the global batch's tokens once; `slipstream export` writes its
+    final weights. Its step-4 checkpoint, rerun by one process (pp=1), trains steps 5-8 as the
+    uninterrupted one-process run does."""
     (run,) = read_metrics(pp_run, "run")
     assert run["world_size"] == 2 and run["pipeline_parallel_degree"] == 2
     assert run["pipeline_parallel_schedule"] == "1F1B" and run["pipeline_parallel_stages_per_rank"] == 1
@@ -193,6 +196,10 @@ def test_pp2_follows_one_process_and_one_process_resumes_it(pp_run, one_process_
     diff = _max_weight_diff(_final(pp_run), _final(one_process_run))
     print(f"PP=2: max weight difference after 8 steps {diff:.1e}")
     assert diff <= WEIGHT_ATOL
+    export_run(pp_run, tmp_path / "hf")  # every layer's weights, from both stages' shards
+    exported = load_model(tmp_path / "hf", dtype=torch.float32).state_dict()
+    expected = load_model_state(_final(one_process_run))
+    assert max((exported[k] - expected[k]).abs().max().item() for k in expected) <= WEIGHT_ATOL
 
     copy = tmp_path / "run"
     _cut_to_step_4(pp_run, copy)
@@ -236,12 +243,15 @@ def test_the_perf_model_prices_a_pipeline_run_with_its_layout(pp_run):
     ("FSDP2 over dp=2 x pp=2", 4, (*PP2, "--training.micro_batch_size=1")),
     ("DDP over dp=2 x pp=2", 4, (*PP2, "--training.micro_batch_size=1", "--parallel.strategy=ddp")),
     ("PP=2 with activation checkpointing", 2, (*PP2, "--parallel.activation_checkpointing=true")),
+    ("FSDP2 over CP=2 x PP=2", 4, (*PP2, "--parallel.context_parallel_degree=2")),
+    ("DDP over CP=2 x PP=2", 4, (*PP2, "--parallel.context_parallel_degree=2", "--parallel.strategy=ddp")),
 ])
 def test_other_layouts_follow_one_process(label, nproc, extra, one_process_run, data_dir, tied_four_layers,
                                           tmp_path):
     """GPipe, FSDP2 and DDP over 2 replicas of a 2-stage pipeline (4 ranks, micro-batch 1: the
-    same 2 micro-batches per step) and activation checkpointing follow one process within
-    LOSS_ATOL / WEIGHT_ATOL."""
+    same 2 micro-batches per step), activation checkpointing, and FSDP2 and DDP over the 2
+    context-parallel ranks of each stage (4 ranks: each holds half of every sequence's tokens of
+    its stage's layers) follow one process within LOSS_ATOL / WEIGHT_ATOL."""
     _torchrun(small_config(data_dir, tied_four_layers, tmp_path / "run", *RUN, *extra), tmp_path, nproc)
     (run,) = read_metrics(tmp_path / "run", "run")
     assert run["world_size"] == nproc and run["accumulation_steps"] == 2

@@ -189,8 +189,8 @@ class ParallelConfig:
     `train.pipeline`): the outermost mesh dimension, each pipeline's ranks reading the same
     batches, FSDP / DDP running per stage over its data-parallel replicas. The step's
     accumulation micro-batches (global_batch_size / (replicas x micro_batch_size)) are the
-    pipeline's micro-batches. Not with tensor or context parallelism or mixture-of-experts
-    models; 1 is none."""
+    pipeline's micro-batches. Not with tensor parallelism or mixture-of-experts models; 1 is
+    none."""
     pipeline_parallel_schedule: str = "1F1B"
     """With pipeline parallelism, torch's schedule by torchtitan's name: 1F1B (needs at least
     as many micro-batches as stages), GPipe, or Interleaved1F1B (several stages per rank, and
@@ -225,10 +225,10 @@ class ParallelConfig:
             raise ValueError(f"parallel.pipeline_parallel_stages_per_rank ({v}) must be 1 with "
                              f"parallel.pipeline_parallel_schedule {schedule!r}; "
                              "several stages per rank need 'Interleaved1F1B'")
-        for key in ("tensor_parallel_degree", "context_parallel_degree"):
-            if pp > 1 and getattr(self, key) > 1:
-                raise ValueError(f"parallel.pipeline_parallel_degree ({pp}) does not work with "
-                                 f"parallel.{key} ({getattr(self, key)}) here; use one of them")
+        if pp > 1 and self.tensor_parallel_degree > 1:
+            raise ValueError(f"parallel.pipeline_parallel_degree ({pp}) does not work with "
+                             f"parallel.tensor_parallel_degree ({self.tensor_parallel_degree}) here; "
+                             "use one of them")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -46,6 +46,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 
 from slipstream.model import Transformer
+from slipstream.model.transformer import AttentionMetadata
 from slipstream.train.config import ParallelConfig
 from slipstream.train.parallel import apply_activation_checkpointing, apply_compile
 
@@ -139,7 +140,9 @@ def prune_to_stages(model: Transformer, pipeline: Pipeline) -> Transformer:
 class StageModule(nn.Module):
     """One pipeline stage of a pruned model (`prune_to_stages`), sharing its modules: token ids
     (first stage) or hidden states in, hidden states or (last stage) logits out. Its parameters
-    are the stage's own. RoPE tables come from the owner's decoder, for positions 0 .. T - 1."""
+    are the stage's own. RoPE tables come from the owner's decoder, for positions 0 .. T - 1, or
+    under context parallelism for `positions`, this rank's tokens, with `attention` gathering the
+    others' keys and values (`ContextParallel`)."""
 
     def __init__(self, owner: Transformer, layers: range, *, first: bool, last: bool) -> None:
         super().__init__()
@@ -152,14 +155,18 @@ class StageModule(nn.Module):
         self.norm = decoder.norm if last else None
         self.lm_head = owner.lm_head if last else None
         self._owner = [owner]  # not a submodule: the owner's other stages' parameters are not this one's
+        self.positions: torch.Tensor | None = None  # (t,) global positions of the tokens held
+        self.attention: AttentionMetadata | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T) ids or (B, T, E) -> (B, T, E) or (B, T, V)
         owner = self._owner[0]
         decoder = owner.model
         if self.first:
             x = decoder.embed(x)  # (B, T, E)
-        positions = torch.arange(x.shape[1], device=x.device).expand(x.shape[:2])  # (B, T)
-        x = decoder.run_layers(x, positions, None, self.layers)
+        positions = self.positions
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device)  # (T,)
+        x = decoder.run_layers(x, positions.expand(x.shape[:2]), self.attention, self.layers)  # (B, t, E)
         if self.last:
             return owner.compute_logits(self.norm(x))  # (B, T, V)
         return x
@@ -237,17 +244,28 @@ def average_grads(parameters: Sequence[nn.Parameter], group: dist.ProcessGroup) 
 def parallelize_stages(owner: Transformer, modules: Sequence[StageModule], mesh: DeviceMesh,
                        config: ParallelConfig) -> None:
     """`parallel.parallelize` for a pipeline rank: activation checkpointing and compile on the
-    pruned model's layers, then FSDP2 per stage over the "dp" dimension (each layer, then the stage
-    module as the root of its embedding, norm and output layer), so that every stage the schedule
-    runs is an FSDP module whose reduce-scatter torch's stage issues after the last micro-batch.
-    DDP applies no wrapper: `average_grads` reduces each stage's gradients after the schedule."""
+    pruned model's layers, then FSDP2 per stage over its data-parallel ranks (`data_parallel_mesh`:
+    each layer, then the stage module as the root of its embedding, norm and output layer), so that
+    every stage the schedule runs is an FSDP module whose reduce-scatter torch's stage issues after
+    the last micro-batch. DDP applies no wrapper: `average_grads` reduces each stage's gradients
+    after the schedule."""
     if config.activation_checkpointing:
         apply_activation_checkpointing(owner)
     if config.compile:
         apply_compile(owner)
-    dp_mesh = mesh["dp"]
-    if dp_mesh.size() > 1 and config.strategy == "fsdp":
+    dp_mesh = data_parallel_mesh(mesh)
+    if dp_mesh is not None and config.strategy == "fsdp":
         for module in modules:
             for layer in module.layers.children():
                 fully_shard(layer, mesh=dp_mesh)
             fully_shard(module, mesh=dp_mesh)
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The ranks that hold copies of this rank's stages: "dp", or "dp" x "cp" flattened under
+    context parallelism (each context-parallel rank computes gradients from its part of the
+    sequences, which FSDP / DDP average as they average replicas', as `parallel.parallelize` has
+    it); None where that is this rank alone."""
+    if "cp" in mesh.mesh_dim_names:
+        return mesh["dp", "cp"]._flatten("dp_cp")
+    return mesh["dp"] if mesh["dp"].size() > 1 else None

@@ -90,6 +90,7 @@ from slipstream.train.pipeline import (
     average_grads,
     build_schedule,
     build_stage_modules,
+    data_parallel_mesh,
     make_pipeline,
     parallelize_stages,
     prune_to_stages,
@@ -361,9 +362,13 @@ class Trainer:
         assert self.mesh is not None and self.pipeline is not None
         self._tied_group = (tied_embedding_group(self.mesh) if self.model_config.tie_word_embeddings
                             else None)
-        dp_mesh = self.mesh["dp"]
-        ddp = dp_mesh.size() > 1 and self.config.parallel.strategy == "ddp"
+        dp_mesh = data_parallel_mesh(self.mesh)
+        ddp = dp_mesh is not None and self.config.parallel.strategy == "ddp"
         self._ddp_group = dp_mesh.get_group() if ddp else None
+        if self.context_parallel is not None:
+            for module in self.stage_modules:  # every micro-batch's tokens sit at the same positions
+                module.positions = self.context_parallel.positions
+                module.attention = self.context_parallel.attention
 
     def _build_val_loader(self) -> WindowLoader | None:
         if self.config.eval.interval == 0:
@@ -571,10 +576,14 @@ class Trainer:
         return self._pipeline_loss(losses), t1 - t0, time.perf_counter() - t1
 
     def _next_step_batches(self, loader: WindowLoader) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next `accumulation_steps` micro-batches of `loader`, stacked (m B, T) each."""
+        """The next `accumulation_steps` micro-batches of `loader`, stacked (m B, T) each, or
+        (m B, T / C) this rank's tokens under context parallelism."""
         batches = [next(loader) for _ in range(self.accumulation_steps)]
-        return (torch.cat([b.inputs for b in batches]).to(self.device, non_blocking=True),
-                torch.cat([b.targets for b in batches]).to(self.device, non_blocking=True))
+        inputs = torch.cat([b.inputs for b in batches]).to(self.device, non_blocking=True)
+        targets = torch.cat([b.targets for b in batches]).to(self.device, non_blocking=True)
+        if self.context_parallel is not None:
+            inputs, targets, _, _ = self.context_parallel.shard(inputs, targets)
+        return inputs, targets
 
     def _run_schedule(self, run: Callable[..., Any], inputs: torch.Tensor, targets: torch.Tensor,
                       losses: list[torch.Tensor]) -> None:
