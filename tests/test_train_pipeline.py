@@ -4,8 +4,8 @@ split against the perf model's `stage_layers`, and under torchrun with gloo 2-ra
 embeddings that follow one process's losses, gradient norms, eval losses and weights, whose
 checkpoints one process resumes as the uninterrupted run went on; slow: GPipe, an untied model,
 resumes at other pipeline layouts, FSDP2 and DDP over 2 replicas of a 2-stage pipeline and over
-its stages' 2 context-parallel ranks (4 ranks each), and the tied table's two copies bit-equal
-after training."""
+its stages' 2 context-parallel ranks, TP = 2 within each stage (4 ranks each), and the tied
+table's two copies bit-equal after training."""
 
 from __future__ import annotations
 
@@ -58,8 +58,6 @@ def _config(data_dir: Path, tmp_path: Path, *extra: str):
      r"parallel.pipeline_parallel_stages_per_rank \(1\) must be at least 2"),
     ((*PP2, "--parallel.pipeline_parallel_stages_per_rank=2"), 2,
      r"parallel.pipeline_parallel_stages_per_rank \(2\) must be 1 with .*'1F1B'"),
-    ((*PP2, "--parallel.tensor_parallel_degree=2"), 4,
-     r"parallel.pipeline_parallel_degree \(2\) does not work with parallel.tensor_parallel_degree"),
     (("--parallel.pipeline_parallel_degree=3",), 4, r"parallel.pipeline_parallel_degree \(3\) .* divide"),
     ((*PP2, "--parallel.context_parallel_degree=2"), 6, r"parallel.pipeline_parallel_degree \(2\) x "
      r"parallel.context_parallel_degree \(2\) .* must divide the job's number of ranks \(6\)"),
@@ -72,8 +70,8 @@ def _config(data_dir: Path, tmp_path: Path, *extra: str):
 ])
 def test_bad_pipeline_settings_are_refused(extra, world_size, match, data_dir, tmp_path):
     """Each bad setting is a ValueError naming its key, at construction or by `check_run` (no
-    process group): degrees and schedule names, stages per rank against the schedule, PP with
-    TP, a world size pp x cp x tp does not divide, too few micro-batches for 1F1B, a count
+    process group): degrees and schedule names, stages per rank against the schedule, a world
+    size pp x cp x tp does not divide, too few micro-batches for 1F1B, a count
     the interleaved schedule cannot take; GPipe runs with m < pp."""
     with pytest.raises(ValueError, match=match):
         check_run(_config(data_dir, tmp_path, *extra), world_size)
@@ -245,13 +243,19 @@ def test_the_perf_model_prices_a_pipeline_run_with_its_layout(pp_run):
     ("PP=2 with activation checkpointing", 2, (*PP2, "--parallel.activation_checkpointing=true")),
     ("FSDP2 over CP=2 x PP=2", 4, (*PP2, "--parallel.context_parallel_degree=2")),
     ("DDP over CP=2 x PP=2", 4, (*PP2, "--parallel.context_parallel_degree=2", "--parallel.strategy=ddp")),
+    ("TP=2 x PP=2", 4, (*PP2, "--parallel.tensor_parallel_degree=2")),
+    ("TP=2 x PP=2 without sequence or loss parallelism", 4,
+     (*PP2, "--parallel.tensor_parallel_degree=2", "--parallel.sequence_parallel=false",
+      "--parallel.loss_parallel=false")),
 ])
 def test_other_layouts_follow_one_process(label, nproc, extra, one_process_run, data_dir, tied_four_layers,
                                           tmp_path):
     """GPipe, FSDP2 and DDP over 2 replicas of a 2-stage pipeline (4 ranks, micro-batch 1: the
-    same 2 micro-batches per step), activation checkpointing, and FSDP2 and DDP over the 2
+    same 2 micro-batches per step), activation checkpointing, FSDP2 and DDP over the 2
     context-parallel ranks of each stage (4 ranks: each holds half of every sequence's tokens of
-    its stage's layers) follow one process within LOSS_ATOL / WEIGHT_ATOL."""
+    its stage's layers), and each stage split by 2-way tensor parallelism (4 ranks; the tied table
+    split by vocabulary on the first and the last stage) follow one process within LOSS_ATOL /
+    WEIGHT_ATOL."""
     _torchrun(small_config(data_dir, tied_four_layers, tmp_path / "run", *RUN, *extra), tmp_path, nproc)
     (run,) = read_metrics(tmp_path / "run", "run")
     assert run["world_size"] == nproc and run["accumulation_steps"] == 2

@@ -189,8 +189,7 @@ class ParallelConfig:
     `train.pipeline`): the outermost mesh dimension, each pipeline's ranks reading the same
     batches, FSDP / DDP running per stage over its data-parallel replicas. The step's
     accumulation micro-batches (global_batch_size / (replicas x micro_batch_size)) are the
-    pipeline's micro-batches. Not with tensor parallelism or mixture-of-experts models; 1 is
-    none."""
+    pipeline's micro-batches. Not for mixture-of-experts models; 1 is none."""
     pipeline_parallel_schedule: str = "1F1B"
     """With pipeline parallelism, torch's schedule by torchtitan's name: 1F1B (needs at least
     as many micro-batches as stages), GPipe, or Interleaved1F1B (several stages per rank, and
@@ -225,10 +224,6 @@ class ParallelConfig:
             raise ValueError(f"parallel.pipeline_parallel_stages_per_rank ({v}) must be 1 with "
                              f"parallel.pipeline_parallel_schedule {schedule!r}; "
                              "several stages per rank need 'Interleaved1F1B'")
-        if pp > 1 and self.tensor_parallel_degree > 1:
-            raise ValueError(f"parallel.pipeline_parallel_degree ({pp}) does not work with "
-                             f"parallel.tensor_parallel_degree ({self.tensor_parallel_degree}) here; "
-                             "use one of them")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -533,9 +528,9 @@ def check_run(config: TrainConfig, world_size: int) -> None:
     if world_size % (tp * cp):
         raise ValueError(f"parallel.context_parallel_degree ({cp}) x parallel.tensor_parallel_degree ({tp}) "
                          f"must divide the job's number of ranks ({world_size})")
-    if tp > 1 and world_size > tp and config.parallel.strategy == "ddp":
+    if tp > 1 and world_size // pp > tp and config.parallel.strategy == "ddp":  # per pipeline stage
         raise ValueError("parallel.strategy 'ddp' does not compose with parallel.tensor_parallel_degree "
-                         f"({tp}) over {world_size // tp} replicas (DDP does not take tensor-parallel "
+                         f"({tp}) over {world_size // (pp * tp)} replicas (DDP does not take tensor-parallel "
                          "DTensor parameters); use parallel.strategy=fsdp")
     replicas = world_size // (pp * tp * cp)
     per_step = replicas * config.training.micro_batch_size

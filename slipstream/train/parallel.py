@@ -237,15 +237,23 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
                     if loss_parallel else ColwiseParallel(input_layouts=stream, output_layouts=Replicate())),
     }
     root_plan["model.norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
-    parallelize_module(model, tp_mesh, root_plan)
-    if not loss_parallel:
+    held = {name: style for name, style in root_plan.items() if _held(model, name)}
+    parallelize_module(model, tp_mesh, held)
+    if not loss_parallel and model.lm_head is not None:
         model.lm_head.register_forward_hook(_not_a_view)
     for layer in model.model.layers.children():
         parallelize_module(layer, tp_mesh, _layer_plan(layer, stream))
         layer.self_attn.num_heads //= tp
         layer.self_attn.num_kv_heads //= tp
-    if model.config.tie_word_embeddings:  # each style made its own parameter of the one table
-        model.tie_weights()
+    _retie(model)  # each style made its own parameter of the one tied table
+
+
+def _held(model: nn.Module, name: str) -> bool:
+    """Whether `model` holds the submodule `name`: a pipeline stage's pruned model holds the
+    embedding, the final norm and the output layer only on the first or last stage
+    (`train.pipeline.prune_to_stages`)."""
+    parent, _, child = name.rpartition(".")
+    return getattr(model.get_submodule(parent), child) is not None
 
 
 class ReplicateParallel(ParallelStyle):

@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from slipstream.model import Transformer
 from slipstream.model.transformer import AttentionMetadata
 from slipstream.train.config import ParallelConfig
-from slipstream.train.parallel import apply_activation_checkpointing, apply_compile
+from slipstream.train.parallel import apply_activation_checkpointing, apply_compile, apply_tensor_parallel
 
 SCHEDULES: dict[str, type[PipelineScheduleSingle] | type[PipelineScheduleMulti]] = {
     "1F1B": Schedule1F1B,
@@ -140,11 +140,13 @@ def prune_to_stages(model: Transformer, pipeline: Pipeline) -> Transformer:
 class StageModule(nn.Module):
     """One pipeline stage of a pruned model (`prune_to_stages`), sharing its modules: token ids
     (first stage) or hidden states in, hidden states or (last stage) logits out. Its parameters
-    are the stage's own. RoPE tables come from the owner's decoder, for positions 0 .. T - 1, or
-    under context parallelism for `positions`, this rank's tokens, with `attention` gathering the
-    others' keys and values (`ContextParallel`)."""
+    are the stage's own. RoPE tables come from the owner's decoder, for `positions`: the global
+    positions of the tokens this rank holds of each sequence, 0 .. T - 1 (whole also where sequence
+    parallelism splits the hidden states between layers), or under context parallelism its chunks',
+    with `attention` gathering the others' keys and values (`ContextParallel`)."""
 
-    def __init__(self, owner: Transformer, layers: range, *, first: bool, last: bool) -> None:
+    def __init__(self, owner: Transformer, layers: range, *, first: bool, last: bool, positions: torch.Tensor,
+                 attention: AttentionMetadata | None = None) -> None:
         super().__init__()
         decoder = owner.model
         self.config = owner.config
@@ -155,27 +157,26 @@ class StageModule(nn.Module):
         self.norm = decoder.norm if last else None
         self.lm_head = owner.lm_head if last else None
         self._owner = [owner]  # not a submodule: the owner's other stages' parameters are not this one's
-        self.positions: torch.Tensor | None = None  # (t,) global positions of the tokens held
-        self.attention: AttentionMetadata | None = None
+        self.positions = positions  # (t,)
+        self.attention = attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T) ids or (B, T, E) -> (B, T, E) or (B, T, V)
         owner = self._owner[0]
         decoder = owner.model
         if self.first:
             x = decoder.embed(x)  # (B, T, E)
-        positions = self.positions
-        if positions is None:
-            positions = torch.arange(x.shape[1], device=x.device)  # (T,)
-        x = decoder.run_layers(x, positions.expand(x.shape[:2]), self.attention, self.layers)  # (B, t, E)
+        positions = self.positions.expand(x.shape[0], -1)  # (B, t)
+        x = decoder.run_layers(x, positions, self.attention, self.layers)  # (B, t, E)
         if self.last:
             return owner.compute_logits(self.norm(x))  # (B, T, V)
         return x
 
 
-def build_stage_modules(owner: Transformer, pipeline: Pipeline) -> list[StageModule]:
+def build_stage_modules(owner: Transformer, pipeline: Pipeline, positions: torch.Tensor,
+                        attention: AttentionMetadata | None = None) -> list[StageModule]:
     ranges = stage_layer_ranges(owner.config.num_hidden_layers, pipeline.pp, pipeline.stages_per_rank)
-    return [StageModule(owner, ranges[s], first=s == 0, last=s == pipeline.num_stages - 1)
-            for s in pipeline.stage_ids]
+    return [StageModule(owner, ranges[s], first=s == 0, last=s == pipeline.num_stages - 1,
+                        positions=positions, attention=attention) for s in pipeline.stage_ids]
 
 
 def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -219,10 +220,13 @@ def tied_embedding_weight(owner: Transformer) -> nn.Parameter | None:
 def sum_tied_embedding_grads(owner: Transformer, group: dist.ProcessGroup | None) -> None:
     """Add the first stage's gradient of the tied table (through the embedding) and the last
     stage's (through the output layer), on both ranks: the whole model's gradient of the one
-    table. Sharded by FSDP, each rank sums its shard with the same shard of the other."""
+    table. Sharded by FSDP or tensor parallelism, each rank sums its shard with the same shard of
+    the other."""
     weight = tied_embedding_weight(owner)
     if group is None or weight is None or weight.grad is None:
         return
+    if isinstance(weight.grad, DTensor):  # the embedding's may come out replicated under TP
+        weight.grad = weight.grad.redistribute(placements=weight.placements)
     grad = weight.grad.to_local() if isinstance(weight.grad, DTensor) else weight.grad
     dist.all_reduce(grad, group=group)
 
@@ -249,6 +253,9 @@ def parallelize_stages(owner: Transformer, modules: Sequence[StageModule], mesh:
     every stage the schedule runs is an FSDP module whose reduce-scatter torch's stage issues after
     the last micro-batch. DDP applies no wrapper: `average_grads` reduces each stage's gradients
     after the schedule."""
+    if config.tensor_parallel_degree > 1:
+        apply_tensor_parallel(owner, mesh["tp"], sequence_parallel=config.sequence_parallel,
+                              loss_parallel=config.loss_parallel)
     if config.activation_checkpointing:
         apply_activation_checkpointing(owner)
     if config.compile:

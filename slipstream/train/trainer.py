@@ -346,7 +346,11 @@ class Trainer:
         if self.pipeline is None:
             parallelize(model, self.mesh, self.config.parallel)
         else:
-            self.stage_modules = build_stage_modules(model, self.pipeline)
+            cp = self.context_parallel  # every micro-batch's tokens sit at the same positions
+            positions = (torch.arange(self.config.data.seq_len, device=self.device) if cp is None
+                         else cp.positions)
+            self.stage_modules = build_stage_modules(model, self.pipeline, positions,
+                                                     None if cp is None else cp.attention)
             parallelize_stages(model, self.stage_modules, self.mesh, self.config.parallel)
             self._build_pipeline_groups()
         full_state = initial_state(self.config, self.model_config) if self.dist.is_main else {}
@@ -365,10 +369,6 @@ class Trainer:
         dp_mesh = data_parallel_mesh(self.mesh)
         ddp = dp_mesh is not None and self.config.parallel.strategy == "ddp"
         self._ddp_group = dp_mesh.get_group() if ddp else None
-        if self.context_parallel is not None:
-            for module in self.stage_modules:  # every micro-batch's tokens sit at the same positions
-                module.positions = self.context_parallel.positions
-                module.attention = self.context_parallel.attention
 
     def _build_val_loader(self) -> WindowLoader | None:
         if self.config.eval.interval == 0:
@@ -567,7 +567,7 @@ class Trainer:
         inputs, targets = self._next_step_batches(self.train_loader)  # (m B, T) each
         t1 = time.perf_counter()
         losses: list[torch.Tensor] = []
-        with self._autocast():
+        with self._autocast(), self._loss_parallel():  # the loss's backward runs in the schedule
             self._run_schedule(self.schedule.step, inputs, targets, losses)
         sum_tied_embedding_grads(self.model, self._tied_group)
         if self._ddp_group is not None:
@@ -593,9 +593,11 @@ class Trainer:
         run(*args, target=targets if self.pipeline.has_last else None, losses=losses)
 
     def _pipeline_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of the last stage's micro-batch losses (whole, from a loss-parallel DTensor)."""
         if not losses:
             return torch.zeros((), device=self.device)
-        return torch.stack([loss.detach() for loss in losses]).mean()
+        return torch.stack([loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
+                            for loss in losses]).mean()
 
     def _mean_over_replicas(self, loss: torch.Tensor) -> float:
         """The mean over the data-parallel replicas of each rank's mean loss: over every rank, or
@@ -682,7 +684,7 @@ class Trainer:
         for _ in range(global_batches):
             inputs, targets = self._next_step_batches(self.val_loader)
             batch_losses: list[torch.Tensor] = []  # the schedule clears the list it is given
-            with self._autocast():
+            with self._autocast(), self._loss_parallel():
                 self._run_schedule(self.schedule.eval, inputs, targets, batch_losses)
             losses += batch_losses
         return self._pipeline_loss(losses)
