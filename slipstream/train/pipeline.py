@@ -7,9 +7,14 @@ the same batches; a step's m accumulation micro-batches are the schedule's micro
 layers are cut into pp x v contiguous stages (`stage_layer_ranges`, the perf model's rule);
 rank r holds stages r, r + pp, ... (v of them: torch's "loop" placement, Megatron's virtual
 stages). The first stage embeds the tokens, the last applies the final norm and the output
-layer; every stage computes its RoPE tables from the positions 0 .. T - 1 of its micro-batch.
+layer; every stage computes its RoPE tables for the positions of the tokens this rank holds
+(0 .. T - 1, or its chunks under context parallelism, whose gathering attention it runs).
+Tensor parallelism applies its plan to each rank's pruned model; FSDP2 shards each stage over
+its data-parallel (x context-parallel) ranks; DDP averages each stage's gradients after the
+schedule (`average_grads`).
 
-Each rank builds one pruned copy of the model, `stage_owner`: the full model's module tree with
+Each rank builds one pruned copy of the model (`prune_to_stages`: the trainer's `model`, the
+stage modules' owner): the full model's module tree with
 only this rank's layers (a ModuleDict keyed by their global index), the embedding where it holds
 the first stage and the final norm and output layer where it holds the last. Its parameter
 names are the full model's (`model.layers.<i>...`, `model.embed_tokens.weight`,
@@ -20,7 +25,7 @@ stage's parameters (the schedule scales and FSDP reduces each stage's own).
 
 Tied embeddings: the last stage keeps the embedding module too, tied to its output layer as in
 the whole model, so both the first and the last rank hold a copy of the one table under its one
-name; after every backward their gradients are summed between the two ranks (Megatron-LM's
+name; after every schedule step their gradients are summed between the two ranks (Megatron-LM's
 rule), so the copies stay equal, and a checkpoint keeps one (DCP writes a duplicated tensor once).
 """
 
@@ -114,6 +119,7 @@ class Pipeline:
 
 
 def make_pipeline(mesh: DeviceMesh, stages_per_rank: int) -> Pipeline:
+    """This rank's `Pipeline` on the mesh's "pp" dimension."""
     pp_mesh = mesh["pp"]
     pp_rank, pp = pp_mesh.get_local_rank(), pp_mesh.size()
     return Pipeline(pp_rank, pp, stages_per_rank, pp_mesh.get_group(),
