@@ -714,16 +714,30 @@ class Decoder(nn.Module):
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata | None
     ) -> torch.Tensor:  # (B, T, E)
+        return self.norm(self.run_layers(self.embed(token_ids), positions, attn))
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, E)
+        """The scaled token embeddings, the first layer's input."""
         x = self.embed_tokens(token_ids)  # (B, T, E)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         if self.embedding_multiplier is not None:
             x = x * self.embedding_multiplier
+        return x
+
+    def run_layers(
+        self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata | None,
+        layers: nn.Module | None = None,
+    ) -> torch.Tensor:  # (B, T, E) -> (B, T, E)
+        """The layer stack (or `layers`, some of it) on hidden states `x`. A layer's index is its
+        name: a ModuleList's position, or the key of a ModuleDict holding some of the layers (a
+        pipeline stage's), so each layer gets its own RoPE tables either way."""
+        layers = self.layers if layers is None else layers
         tables = self.rope(positions, self.rope_dtype or x.dtype)  # cos and sin, (B, T, R) each
         local = tables if self.local_rope is None else self.local_rope(positions, self.rope_dtype or x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, *(local if i in self.local_rope_layers else tables), attn)
-        return self.norm(x)
+        for name, layer in layers.named_children():
+            x = layer(x, *(local if int(name) in self.local_rope_layers else tables), attn)
+        return x
 
 
 class Transformer(nn.Module):
@@ -800,6 +814,7 @@ class Transformer(nn.Module):
 
     def init_buffers(self) -> None:
         """Recompute non-persistent buffers (the RoPE frequencies) on the model's device."""
+        device = next(self.parameters()).device  # a pipeline stage may hold no embedding
         for rope in (self.model.rope, self.model.local_rope):
             if rope is not None:
-                rope.init(self.model.embed_tokens.weight.device)
+                rope.init(device)

@@ -97,13 +97,15 @@ def fit_engine_steps(
 
 
 def train_setup(run: TrainRun, shape: TransformerShape | None = None) -> tuple[TrainSetup, Layout]:
-    """The model's description of a measured training run: world / (tensor_parallel_degree x
-    context_parallel_degree) data-parallel replicas, each over tensor_parallel_degree x
-    context_parallel_degree ranks, with sequence parallelism where the run had it (the trainer's
-    default with TP); FSDP or DDP as its strategy says (`ZERO_STAGES`), over the data-parallel
-    and context-parallel ranks together as the trainer applies it (none where those are one
-    rank); ValueError naming the run directory and the config key for a value the model cannot
-    take."""
+    """The model's description of a measured training run: world / (pipeline_parallel_degree x
+    tensor_parallel_degree x context_parallel_degree) data-parallel replicas of each pipeline
+    stage, each over tensor_parallel_degree x context_parallel_degree ranks, with sequence
+    parallelism where the run had it (the trainer's default with TP), pipeline_parallel_degree
+    stages of pipeline_parallel_stages_per_rank virtual stages each (the model prices 1F1B's
+    bubble, interleaved with several; GPipe's bubble is 1F1B's); FSDP or DDP as its strategy says
+    (`ZERO_STAGES`), over the data-parallel and context-parallel ranks together as the trainer
+    applies it (none where those are one rank); ValueError naming the run directory and the
+    config key for a value the model cannot take."""
     c = run.config
     missing = [k for k in ("seq_len", "global_batch_size") if k not in c]
     if missing or (shape is None and "preset" not in c and "model_path" not in c):
@@ -115,10 +117,15 @@ def train_setup(run: TrainRun, shape: TransformerShape | None = None) -> tuple[T
         world, batch = _config_int(c, "world_size", 1), _config_int(c, "global_batch_size")
         tp = _config_int(c, "tensor_parallel_degree", 1)
         cp = _config_int(c, "context_parallel_degree", 1)
+        pp = _config_int(c, "pipeline_parallel_degree", 1)
+        v = _config_int(c, "pipeline_parallel_stages_per_rank", 1)
         if world % (tp * cp):
             raise ValueError(f"the run's tensor_parallel_degree x context_parallel_degree ({tp} x {cp}) "
                              f"does not divide its world size ({world})")
-        dp = world // (tp * cp)
+        if world // (tp * cp) % pp:
+            raise ValueError(f"the run's pipeline_parallel_degree ({pp}) does not divide its world size / "
+                             f"(tensor_parallel_degree x context_parallel_degree) ({world} / {tp * cp})")
+        dp = world // (pp * tp * cp)
         strategy = c.get("strategy", "fsdp")
         if strategy not in ZERO_STAGES:
             raise ValueError(f"the run's parallel strategy is {strategy!r}; known: {', '.join(ZERO_STAGES)}")
@@ -128,7 +135,8 @@ def train_setup(run: TrainRun, shape: TransformerShape | None = None) -> tuple[T
                            reserved_bytes=0)
         check_positions(shape, "the run's seq_len", setup.seq_len)
         sequence_parallel = tp > 1 and c.get("sequence_parallel", True) is not False
-        return setup, Layout(dp=dp, tp=tp, cp=cp, sequence_parallel=sequence_parallel,
+        return setup, Layout(dp=dp, tp=tp, cp=cp, pp=pp, virtual_stages=v,
+                             sequence_parallel=sequence_parallel,
                              zero_stage=ZERO_STAGES[strategy] if dp * cp > 1 else 0)
     except ValueError as e:
         raise ValueError(f"{run.run_dir}: {e}") from None

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 """Where the trainer and the serving engine write their records, in a run or metrics directory."""
 LAYOUT_KEYS = ("world_size", "strategy", "tensor_parallel_degree", "context_parallel_degree",
-               "sequence_parallel")
+               "sequence_parallel", "pipeline_parallel_degree", "pipeline_parallel_stages_per_rank")
 """The `run` record's fields that fix the layout: an attempt resumed with others ran another one."""
 STEP_TIME_KEYS = ("step_s", "step_time_s", "time_s", "iteration_time_s", "elapsed_s")
 PHASE_KEYS = ("forward_backward_s", "optimizer_s")
@@ -56,6 +56,12 @@ CONFIG_KEYS = {
     "context_parallel_degree": ("parallel.context_parallel_degree", "parallelism.context_parallel_degree",
                                 "context_parallel_degree"),
     "sequence_parallel": ("parallel.sequence_parallel", "sequence_parallel"),
+    "pipeline_parallel_degree": ("parallel.pipeline_parallel_degree", "parallelism.pipeline_parallel_degree",
+                                 "pipeline_parallel_degree"),
+    "pipeline_parallel_schedule": ("parallel.pipeline_parallel_schedule",
+                                   "parallelism.pipeline_parallel_schedule", "pipeline_parallel_schedule"),
+    "pipeline_parallel_stages_per_rank": ("parallel.pipeline_parallel_stages_per_rank",
+                                          "pipeline_parallel_stages_per_rank"),
 }
 
 
@@ -178,7 +184,8 @@ def read_train_run(run_dir: str | Path, warmup_steps: int = 2) -> TrainRun:
         logger.warning("%s: %d train records without an integer step and a finite step time > 0, "
                        "skipped", metrics, skipped)
     for key in ("world_size", "device", "dtype", "strategy", "tensor_parallel_degree",
-                "context_parallel_degree", "sequence_parallel"):
+                "context_parallel_degree", "sequence_parallel", "pipeline_parallel_degree",
+                "pipeline_parallel_schedule", "pipeline_parallel_stages_per_rank"):
         if key in run and key not in config:
             config[key] = run[key]
     return TrainRun(run_dir, config, times, run, {k: v for k, v in phases.items() if v}, records[start:],
@@ -206,8 +213,10 @@ _THREADS = re.compile(r"^calibrated .*, (\d+) threads, ")
 
 def _layout(run: Mapping[str, Any]) -> tuple[Any, ...]:
     """What of a `run` record decides the parallel layout the model prices (records written
-    before tensor or context parallelism have no degree: 1, without sequence parallelism)."""
-    defaults = {"tensor_parallel_degree": 1, "context_parallel_degree": 1, "sequence_parallel": False}
+    before tensor, context or pipeline parallelism have no degree: 1, without sequence
+    parallelism, one stage per rank)."""
+    defaults = {"tensor_parallel_degree": 1, "context_parallel_degree": 1, "sequence_parallel": False,
+                "pipeline_parallel_degree": 1, "pipeline_parallel_stages_per_rank": 1}
     return tuple(run.get(key, defaults.get(key)) for key in LAYOUT_KEYS)
 
 

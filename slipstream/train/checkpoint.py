@@ -301,6 +301,7 @@ class CheckpointManager:
         keep_every: int = 0,
         async_save: bool = True,
         tensor_parallel_degree: int = 1,
+        pipeline_parallel_degree: int = 1,
         on_files_written: Callable[[int, Path], None] | None = None,
         on_commit: Callable[[int, Path], None] | None = None,
     ) -> None:
@@ -312,6 +313,7 @@ class CheckpointManager:
         self.keep_every = keep_every
         self.async_save = async_save
         self.tensor_parallel_degree = tensor_parallel_degree
+        self.pipeline_parallel_degree = pipeline_parallel_degree
         self.on_files_written = on_files_written
         self.on_commit = on_commit
         self._buffers: dict[str, torch.Tensor] = {}
@@ -364,22 +366,29 @@ class CheckpointManager:
 
     def load(self, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Load a checkpoint into (possibly sharded) `model` and `optimizer` at this world size;
-        returns this rank's train state (`resharded` True when the world size or the
-        tensor-parallel degree changed, and without RNG states for ranks the saving job did not
+        returns this rank's train state (`resharded` True when the world size or the tensor- or
+        pipeline-parallel degree changed, and without RNG states for ranks the saving job did not
         have)."""
         self.wait()
         path = Path(path)
         model_state, optimizer_state = get_state_dict(model, optimizer)
+        # Which parameters each group holds is this rank's own: under pipeline parallelism the
+        # saving ranks held other layers (the saved list is one rank's). The groups' settings are
+        # the run's config's either way (`Trainer._resume_optimizer_settings`).
+        param_groups = optimizer_state.pop("param_groups")
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=path, process_group=self.process_group, no_dist=self.world_size == 1)
+        state["optimizer"]["param_groups"] = param_groups
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         meta = read_meta(path)
-        saved_layout = (meta["world_size"], _tensor_parallel_degree(meta))
+        saved_layout = (meta["world_size"], _parallel_degree(meta, "tensor"),
+                        _parallel_degree(meta, "pipeline"))
         own = path / _rank_file(self.rank)
         train_state = torch.load(own if own.is_file() else path / _rank_file(0), weights_only=True)
         if not own.is_file():
             train_state.pop("rng", None)
-        train_state["resharded"] = saved_layout != (self.world_size, self.tensor_parallel_degree)
+        train_state["resharded"] = saved_layout != (self.world_size, self.tensor_parallel_degree,
+                                                     self.pipeline_parallel_degree)
         return train_state
 
     def newest(self) -> tuple[Path | None, list[str]]:
@@ -503,9 +512,9 @@ def _os_error_in(error: BaseException) -> OSError | None:
     return None
 
 
-def _tensor_parallel_degree(meta: dict[str, Any]) -> int:
-    """The saving run's tensor-parallel degree (1 for a run from before tensor parallelism)."""
-    return meta.get("config", {}).get("parallel", {}).get("tensor_parallel_degree", 1)
+def _parallel_degree(meta: dict[str, Any], kind: str) -> int:
+    """The saving run's tensor- or pipeline-parallel degree (`kind`; 1 for a run from before it)."""
+    return meta.get("config", {}).get("parallel", {}).get(f"{kind}_parallel_degree", 1)
 
 
 def _rank_file(rank: int) -> str:

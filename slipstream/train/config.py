@@ -41,6 +41,7 @@ if typing.TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 STRATEGIES = ("fsdp", "ddp")
+PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
 DECAYS = ("cosine", "linear", "constant")
 MAX_PREFETCH = 64
@@ -183,18 +184,46 @@ class ParallelConfig:
     2 of 2 x degree chunks of every sequence and attends to the keys and values gathered from the
     others; they read the same batches, and FSDP / DDP run over data-parallel x context-parallel
     ranks. data.seq_len must divide into 2 x degree chunks; 1 is none."""
+    pipeline_parallel_degree: int = 1
+    """Ranks that split the decoder's layers into consecutive stages (torchtitan's name;
+    `train.pipeline`): the outermost mesh dimension, each pipeline's ranks reading the same
+    batches, FSDP / DDP running per stage over its data-parallel replicas. The step's
+    accumulation micro-batches (global_batch_size / (replicas x micro_batch_size)) are the
+    pipeline's micro-batches. Not for mixture-of-experts models; 1 is none."""
+    pipeline_parallel_schedule: str = "1F1B"
+    """With pipeline parallelism, torch's schedule by torchtitan's name: 1F1B (needs at least
+    as many micro-batches as stages), GPipe, or Interleaved1F1B (several stages per rank, and
+    micro-batches a multiple of the degree, Megatron's rule)."""
+    pipeline_parallel_stages_per_rank: int = 1
+    """Stages each pipeline rank holds (Megatron's virtual stages, v): 1, or at least 2 with
+    the Interleaved1F1B schedule, which needs them."""
 
     def __post_init__(self) -> None:
         _check_choice("parallel.strategy", self.strategy, STRATEGIES)
         _check_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
         _check_positive_int("parallel.tensor_parallel_degree", self.tensor_parallel_degree)
         _check_positive_int("parallel.context_parallel_degree", self.context_parallel_degree)
+        self._check_pipeline()
         if self.compile and self.tensor_parallel_degree > 1:
             # torch 2.13 on CPU: AOTAutograd hands the backward of the tensor-parallel layers a plain
             # gradient where DTensor's redistribution expects a DTensor (AttributeError).
             raise ValueError(f"parallel.compile does not work with parallel.tensor_parallel_degree "
                              f"({self.tensor_parallel_degree}) here (the compiled backward fails in "
                              "DTensor's redistribution); set parallel.compile=false")
+
+    def _check_pipeline(self) -> None:
+        pp, v = self.pipeline_parallel_degree, self.pipeline_parallel_stages_per_rank
+        _check_positive_int("parallel.pipeline_parallel_degree", pp)
+        schedule = self.pipeline_parallel_schedule
+        _check_choice("parallel.pipeline_parallel_schedule", schedule, PIPELINE_SCHEDULES)
+        _check_positive_int("parallel.pipeline_parallel_stages_per_rank", v)
+        if schedule == "Interleaved1F1B" and v < 2:
+            raise ValueError(f"parallel.pipeline_parallel_stages_per_rank ({v}) must be at least 2 with "
+                             "parallel.pipeline_parallel_schedule 'Interleaved1F1B'")
+        if schedule != "Interleaved1F1B" and v != 1:
+            raise ValueError(f"parallel.pipeline_parallel_stages_per_rank ({v}) must be 1 with "
+                             f"parallel.pipeline_parallel_schedule {schedule!r}; "
+                             "several stages per rank need 'Interleaved1F1B'")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -481,33 +510,40 @@ def from_dict(values: Mapping[str, Mapping[str, Any]]) -> TrainConfig:
 
 
 def check_run(config: TrainConfig, world_size: int) -> None:
-    """Checks that need the running job: the tensor- and context-parallel degrees against the
-    ranks, batch divisibility by the data-parallel replicas (world / (tp x cp)), the data dir,
+    """Checks that need the running job: the pipeline-, tensor- and context-parallel degrees
+    against the ranks, batch divisibility by the data-parallel replicas (world / (pp x tp x cp)),
+    the pipeline schedule against the step's micro-batches, the data dir,
     the model dir's config.json, and a run.dir apart from the dataset (`_check_run_dir_apart`).
-    The model's shape is checked against the tensor-parallel degree by `check_tensor_parallel`,
-    once the model's config is known."""
+    The model's shape is checked against the tensor- and pipeline-parallel degrees by
+    `check_tensor_parallel` and `check_pipeline_parallel`, once the model's config is known."""
     tp, cp = config.parallel.tensor_parallel_degree, config.parallel.context_parallel_degree
+    pp = config.parallel.pipeline_parallel_degree
+    if world_size % (pp * tp * cp):
+        raise ValueError(f"parallel.pipeline_parallel_degree ({pp}) x parallel.context_parallel_degree "
+                         f"({cp}) x parallel.tensor_parallel_degree ({tp}) must divide the job's number of "
+                         f"ranks ({world_size})")
     if world_size % tp:
         raise ValueError(f"parallel.tensor_parallel_degree ({tp}) must divide the job's number of ranks "
                          f"({world_size})")
     if world_size % (tp * cp):
         raise ValueError(f"parallel.context_parallel_degree ({cp}) x parallel.tensor_parallel_degree ({tp}) "
                          f"must divide the job's number of ranks ({world_size})")
-    if tp > 1 and world_size > tp and config.parallel.strategy == "ddp":
+    if tp > 1 and world_size // pp > tp and config.parallel.strategy == "ddp":  # per pipeline stage
         raise ValueError("parallel.strategy 'ddp' does not compose with parallel.tensor_parallel_degree "
-                         f"({tp}) over {world_size // tp} replicas (DDP does not take tensor-parallel "
+                         f"({tp}) over {world_size // (pp * tp)} replicas (DDP does not take tensor-parallel "
                          "DTensor parameters); use parallel.strategy=fsdp")
-    replicas = world_size // (tp * cp)
+    replicas = world_size // (pp * tp * cp)
     per_step = replicas * config.training.micro_batch_size
     if config.training.global_batch_size % per_step:
         split = " x ".join(f"parallel.{name}_parallel_degree" for name, degree in
-                           (("context", cp), ("tensor", tp)) if degree > 1)
-        across = f"world size / {split} ({world_size} / {tp * cp})" if split else "world size"
+                           (("pipeline", pp), ("context", cp), ("tensor", tp)) if degree > 1)
+        across = f"world size / {split} ({world_size} / {pp * tp * cp})" if split else "world size"
         raise ValueError(
             f"training.global_batch_size ({config.training.global_batch_size}) must be divisible "
             f"by {across} x training.micro_batch_size ({replicas} x "
             f"{config.training.micro_batch_size} = {per_step})"
         )
+    _check_pipeline_microbatches(config.parallel, config.training.global_batch_size // per_step)
     data_dir = Path(config.data.path) if config.data.path else None
     if data_dir is None:
         raise ValueError("data.path is required: a directory written by `slipstream data prepare`")
@@ -519,6 +555,41 @@ def check_run(config: TrainConfig, world_size: int) -> None:
     if config.model.path is not None and not (Path(config.model.path) / "config.json").is_file():
         raise ValueError(f"model.path {config.model.path!r} has no config.json")
     _check_run_dir_apart(config)
+
+
+def _check_pipeline_microbatches(parallel: ParallelConfig, num_microbatches: int) -> None:
+    """ValueError when the schedule cannot run the step's m micro-batches: 1F1B needs m >= pp
+    (torch's rule), the interleaved schedule a multiple of pp (Megatron's, which the perf model
+    prices; torch's own is weaker)."""
+    pp, schedule = parallel.pipeline_parallel_degree, parallel.pipeline_parallel_schedule
+    if pp == 1:
+        return
+    m = num_microbatches
+    where = ("(m = training.global_batch_size / (data-parallel replicas x training.micro_batch_size) "
+             f"= {m})")
+    if schedule == "1F1B" and m < pp:
+        raise ValueError(f"parallel.pipeline_parallel_schedule '1F1B' needs at least parallel."
+                         f"pipeline_parallel_degree ({pp}) micro-batches per step {where}")
+    if schedule == "Interleaved1F1B" and m % pp:
+        raise ValueError(f"parallel.pipeline_parallel_schedule 'Interleaved1F1B' needs a multiple of "
+                         f"parallel.pipeline_parallel_degree ({pp}) micro-batches per step {where}")
+
+
+def check_pipeline_parallel(config: TrainConfig, model_config: ModelConfig) -> None:
+    """ValueError naming parallel.pipeline_parallel_degree when the model cannot be cut into
+    pp x v stages of whole layers, or is a mixture-of-experts model (its load-balancing loss and
+    expert-load records span every layer, which no stage sees)."""
+    parallel = config.parallel
+    pp, v = parallel.pipeline_parallel_degree, parallel.pipeline_parallel_stages_per_rank
+    if pp == 1:
+        return
+    if model_config.moe_layers:
+        raise ValueError(f"parallel.pipeline_parallel_degree ({pp}) is not supported for mixture-of-experts "
+                         f"models ({model_config.model_type!r}): their load-balancing loss spans all layers")
+    if pp * v > model_config.num_hidden_layers:
+        raise ValueError(f"parallel.pipeline_parallel_degree ({pp}) x parallel.pipeline_parallel_stages_per_"
+                         f"rank ({v}) stages exceed the model's num_hidden_layers "
+                         f"({model_config.num_hidden_layers})")
 
 
 def check_tensor_parallel(config: TrainConfig, model_config: ModelConfig) -> None:

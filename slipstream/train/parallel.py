@@ -143,33 +143,36 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def build_mesh(info: DistInfo, tensor_parallel_degree: int = 1,
-               context_parallel_degree: int = 1) -> DeviceMesh | None:
-    """The job's mesh, None for a single process: "dp" (data-parallel replicas), then "cp"
-    (context-parallel ranks, with a degree > 1) and "tp" (tensor-parallel ranks, with a degree
-    > 1), laid out row-major as torchtitan does: the ranks of a tensor-parallel group are
-    neighbours (on GPUs, one host's NVLink domain: TP talks twice per layer), those of a
-    context-parallel group next (one all-gather of K and V per layer), and data parallelism,
-    which talks once per layer and overlaps best, spans the farthest ranks."""
-    cp, tp = context_parallel_degree, tensor_parallel_degree
-    if cp == 1 and tp == 1:
+def build_mesh(info: DistInfo, tensor_parallel_degree: int = 1, context_parallel_degree: int = 1,
+               pipeline_parallel_degree: int = 1) -> DeviceMesh | None:
+    """The job's mesh, None for a single process: "pp" (pipeline stages, with a degree > 1), "dp"
+    (data-parallel replicas), then "cp" (context-parallel ranks, with a degree > 1) and "tp"
+    (tensor-parallel ranks, with a degree > 1), laid out row-major as torchtitan does: the ranks of
+    a tensor-parallel group are neighbours (on GPUs, one host's NVLink domain: TP talks twice per
+    layer), those of a context-parallel group next (one all-gather of K and V per layer), data
+    parallelism, which talks once per layer and overlaps best, spans farther ranks, and the
+    pipeline's stages, which send one micro-batch's activations per stage, the farthest."""
+    pp, cp, tp = pipeline_parallel_degree, context_parallel_degree, tensor_parallel_degree
+    if pp == 1 and cp == 1 and tp == 1:
         if info.world_size == 1:
             return None
         return init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp",))
-    dims = [("dp", info.world_size // (cp * tp))]
+    dims = [("pp", pp)] if pp > 1 else []
+    dims += [("dp", info.world_size // (pp * cp * tp))]
     dims += [(name, degree) for name, degree in (("cp", cp), ("tp", tp)) if degree > 1]
     return init_device_mesh(info.device.type, tuple(d for _, d in dims),
                             mesh_dim_names=tuple(name for name, _ in dims))
 
 
-def data_parallel_rank(info: DistInfo, tensor_parallel_degree: int,
-                       context_parallel_degree: int = 1) -> tuple[int, int]:
+def data_parallel_rank(info: DistInfo, tensor_parallel_degree: int, context_parallel_degree: int = 1,
+                       pipeline_parallel_degree: int = 1) -> tuple[int, int]:
     """(replica, replicas): which data-parallel replica this rank belongs to, and how many there
-    are. The ranks of one replica (its context- and tensor-parallel groups) read the same batches.
-    `build_mesh` lays the ranks out row-major, so replica r is ranks r x n ... (r + 1) x n - 1,
-    n = cp x tp."""
+    are. The ranks of one replica (its context- and tensor-parallel groups, and the stages of its
+    pipeline) read the same batches. `build_mesh` lays the ranks out row-major, so replica r is
+    ranks r x n ... (r + 1) x n - 1, n = cp x tp, of every pipeline stage's block of world / pp."""
     ranks_per_replica = tensor_parallel_degree * context_parallel_degree
-    return info.rank // ranks_per_replica, info.world_size // ranks_per_replica
+    ranks_per_stage = info.world_size // pipeline_parallel_degree
+    return (info.rank % ranks_per_stage) // ranks_per_replica, ranks_per_stage // ranks_per_replica
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh | None, config: ParallelConfig) -> nn.Module:
@@ -234,15 +237,23 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_par
                     if loss_parallel else ColwiseParallel(input_layouts=stream, output_layouts=Replicate())),
     }
     root_plan["model.norm"] = SequenceParallel() if sequence_parallel else ReplicateParallel()
-    parallelize_module(model, tp_mesh, root_plan)
-    if not loss_parallel:
+    held = {name: style for name, style in root_plan.items() if _held(model, name)}
+    parallelize_module(model, tp_mesh, held)
+    if not loss_parallel and model.lm_head is not None:
         model.lm_head.register_forward_hook(_not_a_view)
-    for layer in model.model.layers:
+    for layer in model.model.layers.children():
         parallelize_module(layer, tp_mesh, _layer_plan(layer, stream))
         layer.self_attn.num_heads //= tp
         layer.self_attn.num_kv_heads //= tp
-    if model.config.tie_word_embeddings:  # each style made its own parameter of the one table
-        model.tie_weights()
+    _retie(model)  # each style made its own parameter of the one tied table
+
+
+def _held(model: nn.Module, name: str) -> bool:
+    """Whether `model` holds the submodule `name`: a pipeline stage's pruned model holds the
+    embedding, the final norm and the output layer only on the first or last stage
+    (`train.pipeline.prune_to_stages`)."""
+    parent, _, child = name.rpartition(".")
+    return getattr(model.get_submodule(parent), child) is not None
 
 
 class ReplicateParallel(ParallelStyle):
@@ -332,7 +343,7 @@ def _layer_plan(layer: nn.Module, stream: Placement) -> dict[str, ParallelStyle]
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each decoder layer's activations in the backward pass (non-reentrant), by
     wrapping the layer's forward; the layer stays where it was, so names do not change."""
-    for layer in model.model.layers:
+    for layer in model.model.layers.children():
         layer.forward = _checkpointed(layer.forward)
 
 
@@ -349,7 +360,7 @@ def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
 
 def apply_compile(model: nn.Module) -> None:
     """torch.compile every decoder layer in place (the layers share one compiled graph)."""
-    for layer in model.model.layers:
+    for layer in model.model.layers.children():
         layer.compile()
 
 
@@ -359,7 +370,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> None:
     rank chose, so that every rank reduces the same tensors when another rank used them."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.model.layers:
+    for layer in model.model.layers.children():
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if model.config.moe_layers:
@@ -378,23 +389,30 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh) -> None:
 
 
 def materialize(
-    model: nn.Module, device: torch.device, full_state: dict[str, torch.Tensor], distributed: bool
+    model: nn.Module, device: torch.device, full_state: dict[str, torch.Tensor], distributed: bool,
+    *, part: bool = False,
 ) -> None:
     """Allocate `model`'s (meta) parameters on `device` and load `full_state` into them.
 
     With `distributed`, only rank 0 needs `full_state` (others pass {}): it is broadcast and each
     rank keeps its shard. Non-persistent buffers (RoPE tables) are rebuilt. Tied embeddings stay
-    one parameter (`to_empty` makes a new parameter per module, FSDP2's excepted).
+    one parameter (`to_empty` makes a new parameter per module, FSDP2's excepted). With `part`
+    the model is a pipeline rank's pruned copy, which takes only its own names of the whole
+    model's `full_state` (every rank's are broadcast: rank 0 holds them all).
     """
     model.to_empty(device=device)
     _retie(model)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed, strict=True)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed, strict=not part)
     set_model_state_dict(model, full_state, options=options)
     model.init_buffers()
 
 
 def _retie(model: nn.Module) -> None:
-    if model.config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+    """Tie the output projection to the embedding again where the model (or a pipeline stage's
+    pruned copy of it) holds both and they came apart."""
+    head, embed = model.lm_head, model.model.embed_tokens
+    if (model.config.tie_word_embeddings and head is not None and embed is not None
+            and head.weight is not embed.weight):
         model.tie_weights()
 
 
@@ -409,15 +427,25 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
-def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float, *,
+                    counted: list[nn.Parameter] | None = None,
+                    pipeline_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The global L2 norm of all gradients (over every rank's shards), and clipping to
     `max_norm` when it is > 0. Returns the norm before clipping. Under FSDP2 and tensor
     parallelism every gradient is a DTensor on the one mesh (`apply_tensor_parallel` leaves no
-    parameter plain), and their norm is partial per rank until `full_tensor` reduces it."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    parameter plain), and their norm is partial per rank until `full_tensor` reduces it. With
+    pipeline parallelism each stage's squared norm is summed over `pipeline_group`; `counted`
+    (default: all) are the parameters whose gradients make up the norm, which leaves out the last
+    stage's copy of a tied embedding, counted once on the first stage as in the whole model."""
+    counted = parameters if counted is None else counted
+    grads = [p.grad for p in counted if p.grad is not None]
     total_norm = torch.nn.utils.get_total_norm(grads, foreach=True)
     if isinstance(total_norm, DTensor):
         total_norm = total_norm.full_tensor()
+    if pipeline_group is not None:
+        squared = total_norm.square()
+        dist.all_reduce(squared, group=pipeline_group)
+        total_norm = squared.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
     return total_norm

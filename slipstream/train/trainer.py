@@ -4,13 +4,15 @@
 describes, opens the prepared data, builds the model on the meta device, applies the CPU fast
 path and `parallelize` (tensor parallelism, activation checkpointing, compile, FSDP2 / DDP over
 the data-parallel replicas, whose ranks share their batches, and their context-parallel ranks,
-which each keep a slice of every sequence: `train.context_parallel`), materializes the
-weights from rank 0's initial state, and creates AdamW, the warm-up + decay schedule and the
-resumable loaders. `run()` then loops: `train_step()` (micro-batches with gradient accumulation,
-clip, optimizer step, schedule step) emits one flat metrics record; evaluation and checkpoints
-happen between steps, and `hooks` are called after every step with the trainer and its record.
-A mixture-of-experts model's loss adds the load-balancing term, and its records the experts'
-load (`train.moe`).
+which each keep a slice of every sequence: `train.context_parallel`) or, with pipeline
+parallelism, prunes the model to this rank's stages and builds torch's schedule over them
+(`train.pipeline`), materializes the weights from rank 0's initial state, and creates AdamW,
+the warm-up + decay schedule and the resumable loaders. `run()` then loops: `train_step()`
+(micro-batches with gradient accumulation, or through the pipeline schedule; clip, optimizer
+step, schedule step) emits one flat metrics record; evaluation and checkpoints happen between
+steps, and `hooks` are called after every step with the trainer and its record. A
+mixture-of-experts model's loss adds the load-balancing term, and its records the experts' load
+(`train.moe`).
 
 Everything a resumed run needs is reachable: `model`, `optimizer`, `lr_scheduler`,
 `train_loader` and `train_state()` (step, tokens seen, loader and schedule state, RNG states),
@@ -53,6 +55,7 @@ from slipstream.perf.flops import mfu, num_params, train_flops_per_token
 from slipstream.train import checkpoint as ckpt
 from slipstream.train.config import (
     TrainConfig,
+    check_pipeline_parallel,
     check_run,
     check_tensor_parallel,
     load_config,
@@ -81,6 +84,20 @@ from slipstream.train.parallel import (
     materialize,
     parallelize,
     set_gradient_sync,
+)
+from slipstream.train.pipeline import (
+    StageModule,
+    average_grads,
+    build_schedule,
+    build_stage_modules,
+    data_parallel_mesh,
+    make_pipeline,
+    parallelize_stages,
+    prune_to_stages,
+    stage_layer_ranges,
+    sum_tied_embedding_grads,
+    tied_embedding_group,
+    tied_embedding_weight,
 )
 from slipstream.train.preemption import Preempted, PreemptionHandler
 from slipstream.train.profiling import StepProfiler, WrittenTrace
@@ -164,10 +181,14 @@ class Trainer:
                                                                     self.model_config.model_type)):
             logger.warning("`slipstream export` will refuse this run: %s", mismatch)
         tp, cp = config.parallel.tensor_parallel_degree, config.parallel.context_parallel_degree
-        self.mesh = build_mesh(self.dist, tp, cp)
-        self.replica, self.num_replicas = data_parallel_rank(self.dist, tp, cp)
+        pp = config.parallel.pipeline_parallel_degree
+        self.mesh = build_mesh(self.dist, tp, cp, pp)
+        self.replica, self.num_replicas = data_parallel_rank(self.dist, tp, cp, pp)
         """This rank's data-parallel replica and their number: the ranks of one replica (its
-        context- and tensor-parallel groups) read the same batches."""
+        context- and tensor-parallel groups, its pipeline's stages) read the same batches."""
+        self.pipeline = None if pp == 1 else make_pipeline(
+            self.mesh, config.parallel.pipeline_parallel_stages_per_rank)
+        """This rank's pipeline stages and group; None without pipeline parallelism."""
         self.context_parallel = None if cp == 1 else ContextParallel(
             self.mesh["cp"].get_group(), self.mesh["cp"].get_local_rank(), cp, config.data.seq_len,
             self.device)
@@ -190,6 +211,11 @@ class Trainer:
         self.accumulation_steps = config.training.global_batch_size // (
             self.num_replicas * config.training.micro_batch_size
         )
+        self.schedule = None if self.pipeline is None else build_schedule(
+            self.stage_modules, self.pipeline, config.parallel.pipeline_parallel_schedule,
+            self.accumulation_steps, self.device)
+        """torch's pipeline schedule over this rank's stages, whose micro-batches are the step's
+        accumulation micro-batches; None without pipeline parallelism."""
         self.train_loader = build_train_loader(config, self.dataset, self.dist.rank, self.dist.world_size,
                                                pin_memory=self.device.type == "cuda")
         self._held.callback(self.train_loader.close)
@@ -259,6 +285,7 @@ class Trainer:
             process_group=checkpoint_group(info), keep_last=config.checkpoint.keep_last,
             keep_every=config.checkpoint.keep_every, async_save=config.checkpoint.async_save,
             tensor_parallel_degree=config.parallel.tensor_parallel_degree,
+            pipeline_parallel_degree=config.parallel.pipeline_parallel_degree,
             on_files_written=self.faults.on_checkpoint_written,
             on_commit=lambda step, path: self.ledger.record("commit", step=step),
         )
@@ -304,19 +331,44 @@ class Trainer:
         return restore_s
 
     def _build_model(self) -> nn.Module:
-        """Meta-device model -> CPU fast path -> parallelize -> weights from rank 0."""
+        """Meta-device model -> this rank's pipeline stages -> CPU fast path -> parallelize ->
+        weights from rank 0. With pipeline parallelism the model is this rank's pruned copy
+        (`pipeline.prune_to_stages`) and `stage_modules` are the stages the schedule runs."""
         with torch.device("meta"):
             model = Transformer(self.model_config)
+        if self.pipeline is not None:
+            prune_to_stages(model, self.pipeline)
         # The oneDNN op has no DTensor sharding rule, so tensor-parallel linears stay nn.Linear.
         if (self.config.training.fast_kernels and self.device.type == "cpu"
                 and self.config.parallel.tensor_parallel_degree == 1):
             use_onednn_linears(model)
-        parallelize(model, self.mesh, self.config.parallel)
+        self.stage_modules: list[StageModule] = []
+        if self.pipeline is None:
+            parallelize(model, self.mesh, self.config.parallel)
+        else:
+            cp = self.context_parallel  # every micro-batch's tokens sit at the same positions
+            positions = (torch.arange(self.config.data.seq_len, device=self.device) if cp is None
+                         else cp.positions)
+            self.stage_modules = build_stage_modules(model, self.pipeline, positions,
+                                                     None if cp is None else cp.attention)
+            parallelize_stages(model, self.stage_modules, self.mesh, self.config.parallel)
+            self._build_pipeline_groups()
         full_state = initial_state(self.config, self.model_config) if self.dist.is_main else {}
-        materialize(model, self.device, full_state, distributed=self.mesh is not None)
+        materialize(model, self.device, full_state, distributed=self.mesh is not None,
+                    part=self.pipeline is not None)
         if self.context_parallel is not None:
             fix_rope_choice(model, self.config.data.seq_len)
         return model
+
+    def _build_pipeline_groups(self) -> None:
+        """The groups a pipeline step reduces gradients over beyond the schedule's own: the first
+        and last stages' pair for a tied embedding, the stage's data-parallel replicas under DDP."""
+        assert self.mesh is not None and self.pipeline is not None
+        self._tied_group = (tied_embedding_group(self.mesh) if self.model_config.tie_word_embeddings
+                            else None)
+        dp_mesh = data_parallel_mesh(self.mesh)
+        ddp = dp_mesh is not None and self.config.parallel.strategy == "ddp"
+        self._ddp_group = dp_mesh.get_group() if ddp else None
 
     def _build_val_loader(self) -> WindowLoader | None:
         if self.config.eval.interval == 0:
@@ -454,10 +506,39 @@ class Trainer:
         """One optimizer step over `accumulation_steps` micro-batches; returns its record."""
         start = time.perf_counter()
         data_state = self._skip_windows()
+        step_routing = StepRouting() if self.router_logits is not None else None
+        if self.pipeline is None:
+            loss_mean, data_wait_s, forward_backward_s = self._accumulate(step_routing)
+        else:
+            loss_mean, data_wait_s, forward_backward_s = self._pipeline_forward_backward()
+        num_tokens = (self.accumulation_steps * self.config.training.micro_batch_size
+                      * self.config.data.seq_len * self.num_replicas)
+        t2 = time.perf_counter()
+        lr = self.optimizer.param_groups[0]["lr"]
+        if step_routing is not None:
+            fill_missing_grads(self.model)
+        grad_norm = self._clip_grad_norm()
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._synchronize()
+        optimizer_s = time.perf_counter() - t2
+        loss_value = self._mean_over_replicas(loss_mean)
+        routing_fields = step_routing.record(self.dist) if step_routing is not None else {}
+        self.step += 1
+        self.tokens_seen += num_tokens
+        step_s = time.perf_counter() - start
+        return self._train_record(loss_value, grad_norm.item(), lr, num_tokens, step_s, {
+            "data_wait_s": data_wait_s, "forward_backward_s": forward_backward_s,
+            "optimizer_s": optimizer_s, "data_epoch": data_state["epoch"],
+            "data_position": data_state["position"], **routing_fields,
+        })
+
+    def _accumulate(self, step_routing: StepRouting | None) -> tuple[torch.Tensor, float, float]:
+        """Forward and backward of the step's micro-batches one after another, accumulating
+        gradients; returns this rank's mean loss, the seconds waiting for data and computing."""
         data_wait_s = forward_backward_s = 0.0
         loss_sum = torch.zeros((), device=self.device)
-        step_routing = StepRouting() if self.router_logits is not None else None
-        num_tokens = 0
         for micro_step in range(self.accumulation_steps):
             t0 = time.perf_counter()
             batch = next(self.train_loader)
@@ -474,32 +555,73 @@ class Trainer:
             self._synchronize()
             data_wait_s += t1 - t0
             forward_backward_s += time.perf_counter() - t1
-            num_tokens += batch.num_tokens * self.num_replicas
-        t2 = time.perf_counter()
-        lr = self.optimizer.param_groups[0]["lr"]
-        if step_routing is not None:
-            fill_missing_grads(self.model)
-        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.config.training.max_grad_norm)
-        self.optimizer.step()
-        self.lr_scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum / self.accumulation_steps, data_wait_s, forward_backward_s
+
+    def _pipeline_forward_backward(self) -> tuple[torch.Tensor, float, float]:
+        """The step's micro-batches (the windows `_accumulate` reads, in its order) through the
+        pipeline schedule, then the gradient reductions the schedule does not make (the tied
+        embedding's copies, DDP's replicas); returns this rank's mean loss (0 but on the last
+        stage), the seconds waiting for data and computing."""
+        assert self.schedule is not None and self.pipeline is not None
+        t0 = time.perf_counter()
+        inputs, targets = self._next_step_batches(self.train_loader)  # (m B, T) each
+        t1 = time.perf_counter()
+        losses: list[torch.Tensor] = []
+        with self._autocast(), self._loss_parallel():  # the loss's backward runs in the schedule
+            self._run_schedule(self.schedule.step, inputs, targets, losses)
+        sum_tied_embedding_grads(self.model, self._tied_group)
+        if self._ddp_group is not None:
+            average_grads(list(self.model.parameters()), self._ddp_group)
         self._synchronize()
-        optimizer_s = time.perf_counter() - t2
-        loss_value = all_reduce_mean(loss_sum / self.accumulation_steps, self.dist).item()
-        routing_fields = step_routing.record(self.dist) if step_routing is not None else {}
-        self.step += 1
-        self.tokens_seen += num_tokens
-        step_s = time.perf_counter() - start
-        return self._train_record(loss_value, grad_norm.item(), lr, num_tokens, step_s, {
-            "data_wait_s": data_wait_s, "forward_backward_s": forward_backward_s,
-            "optimizer_s": optimizer_s, "data_epoch": data_state["epoch"],
-            "data_position": data_state["position"], **routing_fields,
-        })
+        return self._pipeline_loss(losses), t1 - t0, time.perf_counter() - t1
+
+    def _next_step_batches(self, loader: WindowLoader) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next `accumulation_steps` micro-batches of `loader`, stacked (m B, T) each, or
+        (m B, T / C) this rank's tokens under context parallelism."""
+        batches = [next(loader) for _ in range(self.accumulation_steps)]
+        inputs = torch.cat([b.inputs for b in batches]).to(self.device, non_blocking=True)
+        targets = torch.cat([b.targets for b in batches]).to(self.device, non_blocking=True)
+        if self.context_parallel is not None:
+            inputs, targets, _, _ = self.context_parallel.shard(inputs, targets)
+        return inputs, targets
+
+    def _run_schedule(self, run: Callable[..., Any], inputs: torch.Tensor, targets: torch.Tensor,
+                      losses: list[torch.Tensor]) -> None:
+        """`schedule.step` or `schedule.eval`: inputs go to the first stage, targets to the last."""
+        assert self.pipeline is not None
+        args = (inputs,) if self.pipeline.has_first else ()
+        run(*args, target=targets if self.pipeline.has_last else None, losses=losses)
+
+    def _pipeline_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of the last stage's micro-batch losses (whole, from a loss-parallel DTensor)."""
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack([loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
+                            for loss in losses]).mean()
+
+    def _mean_over_replicas(self, loss: torch.Tensor) -> float:
+        """The mean over the data-parallel replicas of each rank's mean loss: over every rank, or
+        with pipeline parallelism over the last stages (the only ranks with a loss, 1 in pp)."""
+        mean = all_reduce_mean(loss, self.dist)
+        if self.pipeline is not None:
+            mean = mean * self.pipeline.pp
+        return mean.item()
+
+    def _clip_grad_norm(self) -> torch.Tensor:
+        """The gradient norm over every stage and replica, clipped to training.max_grad_norm."""
+        parameters = list(self.model.parameters())
+        if self.pipeline is None:
+            return clip_grad_norm_(parameters, self.config.training.max_grad_norm)
+        tied = tied_embedding_weight(self.model) if not self.pipeline.has_first else None
+        counted = [p for p in parameters if p is not tied]
+        return clip_grad_norm_(parameters, self.config.training.max_grad_norm, counted=counted,
+                               pipeline_group=self.pipeline.group)
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The training objective of a (B, T) batch: the mean next-token cross-entropy (fp32),
         plus `router_aux_loss_coef` x the load-balancing loss for a mixture-of-experts model
-        with `output_router_logits` (transformers' loss for that model and batch)."""
+        with `output_router_logits` (transformers' loss for that model and batch). Not with
+        pipeline parallelism, where `model` is one rank's stages and the schedule computes it."""
         return self._objective(inputs, targets)[0]
 
     def _objective(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, Routing | None]:
@@ -540,16 +662,32 @@ class Trainer:
         global_batches = min(self.config.eval.num_batches,
                              self.val_loader.num_windows // self.config.training.global_batch_size)
         num_micro_batches = global_batches * self.accumulation_steps
-        loss_sum = torch.zeros((), device=self.device)
-        for batch in itertools.islice(self.val_loader, num_micro_batches):
-            loss_sum += self.cross_entropy(batch.inputs.to(self.device), batch.targets.to(self.device))
-        loss = all_reduce_mean(loss_sum / num_micro_batches, self.dist).item()
+        if self.pipeline is None:
+            loss_sum = torch.zeros((), device=self.device)
+            for batch in itertools.islice(self.val_loader, num_micro_batches):
+                loss_sum += self.cross_entropy(batch.inputs.to(self.device), batch.targets.to(self.device))
+            loss = self._mean_over_replicas(loss_sum / num_micro_batches)
+        else:
+            loss = self._mean_over_replicas(self._pipeline_eval(global_batches))
         eval_s = time.perf_counter() - start
         self.time_s["eval"] += eval_s
         self.ledger.record("eval", step=self.step, eval_s=eval_s)
         num_tokens = num_micro_batches * self.val_loader.global_batch_windows * self.config.data.seq_len
         return {"kind": "eval", "step": self.step, "eval_loss": loss,
                 "eval_perplexity": perplexity(loss), "eval_tokens": num_tokens, "eval_s": eval_s}
+
+    def _pipeline_eval(self, global_batches: int) -> torch.Tensor:
+        """This rank's mean held-out loss over `global_batches` schedule runs of forwards only
+        (`schedule.eval`), each of the step's m micro-batches; 0 but on the last stage."""
+        assert self.schedule is not None and self.val_loader is not None
+        losses: list[torch.Tensor] = []
+        for _ in range(global_batches):
+            inputs, targets = self._next_step_batches(self.val_loader)
+            batch_losses: list[torch.Tensor] = []  # the schedule clears the list it is given
+            with self._autocast(), self._loss_parallel():
+                self._run_schedule(self.schedule.eval, inputs, targets, batch_losses)
+            losses += batch_losses
+        return self._pipeline_loss(losses)
 
     def close(self, outcome: str = "closed") -> None:
         """Stop the watchdog, wait for the checkpoint in flight, record how the attempt ended
@@ -622,6 +760,9 @@ class Trainer:
             "sequence_parallel": config.parallel.sequence_parallel and tp > 1,
             "loss_parallel": config.parallel.loss_parallel and tp > 1,
             "context_parallel_degree": cp,
+            "pipeline_parallel_degree": config.parallel.pipeline_parallel_degree,
+            "pipeline_parallel_schedule": config.parallel.pipeline_parallel_schedule,
+            "pipeline_parallel_stages_per_rank": config.parallel.pipeline_parallel_stages_per_rank,
             "seq_len": config.data.seq_len,
             "global_batch_size": config.training.global_batch_size,
             "accumulation_steps": self.accumulation_steps,
@@ -763,6 +904,11 @@ def resolve_model_config(config: TrainConfig, tokenizer: Tokenizer) -> ModelConf
             f"({model_config.max_position_embeddings})"
         )
     check_tensor_parallel(config, model_config)
+    check_pipeline_parallel(config, model_config)
+    parallel = config.parallel
+    if parallel.pipeline_parallel_degree > 1:  # ValueError where the split leaves a rank fewer than none
+        stage_layer_ranges(model_config.num_hidden_layers, parallel.pipeline_parallel_degree,
+                           parallel.pipeline_parallel_stages_per_rank)
     return model_config.replace(dtype="float32")
 
 
@@ -771,11 +917,14 @@ def build_train_loader(config: TrainConfig, dataset: TokenDataset, rank: int, wo
     """Rank `rank`'s (of `world_size`) loader of the training split (ValueError when the split is
     shorter than one step), which reads its data-parallel replica's share of each global batch;
     its prefetch thread starts with the first batch. The ranks of a replica (its context- and
-    tensor-parallel groups) read the same batches."""
-    ranks_per_replica = config.parallel.tensor_parallel_degree * config.parallel.context_parallel_degree
+    tensor-parallel groups, its pipeline's stages) read the same batches."""
+    parallel = config.parallel
+    ranks_per_replica = parallel.tensor_parallel_degree * parallel.context_parallel_degree
+    ranks_per_stage = world_size // parallel.pipeline_parallel_degree
     return WindowLoader(
         dataset.tokens("train"), seq_len=config.data.seq_len, batch_size=config.training.micro_batch_size,
-        rank=rank // ranks_per_replica, world_size=world_size // ranks_per_replica, seed=config.data.seed,
+        rank=rank % ranks_per_stage // ranks_per_replica, world_size=ranks_per_stage // ranks_per_replica,
+        seed=config.data.seed,
         prefetch=config.data.prefetch, pin_memory=pin_memory,
         windows_per_step=config.training.global_batch_size, vocab_size=dataset.vocab_size,
     )

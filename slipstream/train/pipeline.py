@@ -1,0 +1,284 @@
+"""Pipeline parallelism: the decoder's layers split into stages on consecutive ranks, each
+micro-batch's activations sent from stage to stage, run by PyTorch's own schedules
+(`torch.distributed.pipelining`: GPipe, 1F1B, interleaved 1F1B).
+
+The ranks of one pipeline (the mesh's outermost "pp" dimension, as torchtitan lays it out) read
+the same batches; a step's m accumulation micro-batches are the schedule's micro-batches. The
+layers are cut into pp x v contiguous stages (`stage_layer_ranges`, the perf model's rule);
+rank r holds stages r, r + pp, ... (v of them: torch's "loop" placement, Megatron's virtual
+stages). The first stage embeds the tokens, the last applies the final norm and the output
+layer; every stage computes its RoPE tables for the positions of the tokens this rank holds
+(0 .. T - 1, or its chunks under context parallelism, whose gathering attention it runs).
+Tensor parallelism applies its plan to each rank's pruned model; FSDP2 shards each stage over
+its data-parallel (x context-parallel) ranks; DDP averages each stage's gradients after the
+schedule (`average_grads`).
+
+Each rank builds one pruned copy of the model (`prune_to_stages`: the trainer's `model`, the
+stage modules' owner): the full model's module tree with
+only this rank's layers (a ModuleDict keyed by their global index), the embedding where it holds
+the first stage and the final norm and output layer where it holds the last. Its parameter
+names are the full model's (`model.layers.<i>...`, `model.embed_tokens.weight`,
+`lm_head.weight`), so the checkpoint, the optimizer, the gradient norm and `slipstream export`
+work on it as on a whole model, and checkpoints load at any pipeline degree. The schedule runs
+`StageModule`s: one per local stage, sharing that copy's modules, each holding exactly its
+stage's parameters (the schedule scales and FSDP reduces each stage's own).
+
+Tied embeddings: the last stage keeps the embedding module too, tied to its output layer as in
+the whole model, so both the first and the last rank hold a copy of the one table under its one
+name; after every schedule step their gradients are summed between the two ranks (Megatron-LM's
+rule), so the copies stay equal, and a checkpoint keeps one (DCP writes a duplicated tensor once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.distributed.tensor import DTensor
+
+from slipstream.model import Transformer
+from slipstream.model.transformer import AttentionMetadata
+from slipstream.train.config import ParallelConfig
+from slipstream.train.parallel import apply_activation_checkpointing, apply_compile, apply_tensor_parallel
+
+SCHEDULES: dict[str, type[PipelineScheduleSingle] | type[PipelineScheduleMulti]] = {
+    "1F1B": Schedule1F1B,
+    "GPipe": ScheduleGPipe,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+}
+"""torchtitan's names for torch's schedules (`parallel.pipeline_parallel_schedule`)."""
+
+
+def stage_layer_ranges(num_layers: int, pp: int, stages_per_rank: int = 1) -> list[range]:
+    """The decoder layers of each of the pp x v pipeline stages, contiguous and in order: ceil(L /
+    (pp v)) per stage, and where that overshoots L the spare slots are taken off the first and
+    last ranks (the first half of them, rounded down, off the first), which also carry the
+    embedding and the output layer, as `perf.memory.stage_layers` prices it (Llama 3's split):
+    off the first rank's stages from stage 0 on, off the last rank's from the last stage back.
+    ValueError when a rank would be left fewer than no layers."""
+    num_stages = pp * stages_per_rank
+    chunk = -(-num_layers // num_stages)
+    spare = chunk * num_stages - num_layers
+    counts = [chunk] * num_stages
+    for taken, stages in ((spare // 2, range(0, num_stages, pp)),
+                          (spare - spare // 2, range(num_stages - 1, -1, -pp))):
+        for s in stages:
+            cut = min(taken, counts[s])
+            counts[s] -= cut
+            taken -= cut
+        if taken:
+            raise ValueError(f"parallel.pipeline_parallel_degree x parallel.pipeline_parallel_stages_per_"
+                             f"rank ({pp} x {stages_per_rank}) cannot split {num_layers} layers with "
+                             f"ceil(L / stages) = {chunk} per stage: the first or last rank would hold "
+                             "fewer than none; choose fewer stages")
+    starts = [sum(counts[:s]) for s in range(num_stages)]
+    return [range(start, start + count) for start, count in zip(starts, counts, strict=True)]
+
+
+def rank_stages(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """The stages rank `pp_rank` of a pipeline holds: pp_rank, pp_rank + pp, ... (torch's "loop"
+    placement for interleaved schedules; one stage each for the others)."""
+    return [pp_rank + v * pp for v in range(stages_per_rank)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """This rank's place in its pipeline: its rank in the "pp" group, the group, and its stages."""
+
+    pp_rank: int
+    pp: int
+    stages_per_rank: int
+    group: dist.ProcessGroup
+    stage_ids: tuple[int, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+
+def make_pipeline(mesh: DeviceMesh, stages_per_rank: int) -> Pipeline:
+    """This rank's `Pipeline` on the mesh's "pp" dimension."""
+    pp_mesh = mesh["pp"]
+    pp_rank, pp = pp_mesh.get_local_rank(), pp_mesh.size()
+    return Pipeline(pp_rank, pp, stages_per_rank, pp_mesh.get_group(),
+                    tuple(rank_stages(pp_rank, pp, stages_per_rank)))
+
+
+def prune_to_stages(model: Transformer, pipeline: Pipeline) -> Transformer:
+    """`model` (on meta) cut down in place to this rank's stages: its layers in a ModuleDict keyed
+    by their global index, the embedding only with the first stage (or, tied, the last), the final
+    norm and output layer only with the last; parameter names stay the whole model's."""
+    ranges = stage_layer_ranges(model.config.num_hidden_layers, pipeline.pp, pipeline.stages_per_rank)
+    decoder = model.model
+    held = [i for s in pipeline.stage_ids for i in ranges[s]]
+    decoder.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in held})
+    tied_head = pipeline.has_last and model.config.tie_word_embeddings
+    if not (pipeline.has_first or tied_head):
+        decoder.embed_tokens = None
+    if not pipeline.has_last:
+        decoder.norm = None
+        model.lm_head = None
+    return model
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of a pruned model (`prune_to_stages`), sharing its modules: token ids
+    (first stage) or hidden states in, hidden states or (last stage) logits out. Its parameters
+    are the stage's own. RoPE tables come from the owner's decoder, for `positions`: the global
+    positions of the tokens this rank holds of each sequence, 0 .. T - 1 (whole also where sequence
+    parallelism splits the hidden states between layers), or under context parallelism its chunks',
+    with `attention` gathering the others' keys and values (`ContextParallel`)."""
+
+    def __init__(self, owner: Transformer, layers: range, *, first: bool, last: bool, positions: torch.Tensor,
+                 attention: AttentionMetadata | None = None) -> None:
+        super().__init__()
+        decoder = owner.model
+        self.config = owner.config
+        self.first, self.last = first, last
+        self.layers = nn.ModuleDict({str(i): decoder.layers[str(i)] for i in layers})
+        tied_head = last and owner.config.tie_word_embeddings
+        self.embed_tokens = decoder.embed_tokens if first or tied_head else None
+        self.norm = decoder.norm if last else None
+        self.lm_head = owner.lm_head if last else None
+        self._owner = [owner]  # not a submodule: the owner's other stages' parameters are not this one's
+        self.positions = positions  # (t,)
+        self.attention = attention
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T) ids or (B, T, E) -> (B, T, E) or (B, T, V)
+        owner = self._owner[0]
+        decoder = owner.model
+        if self.first:
+            x = decoder.embed(x)  # (B, T, E)
+        positions = self.positions.expand(x.shape[0], -1)  # (B, t)
+        x = decoder.run_layers(x, positions, self.attention, self.layers)  # (B, t, E)
+        if self.last:
+            return owner.compute_logits(self.norm(x))  # (B, T, V)
+        return x
+
+
+def build_stage_modules(owner: Transformer, pipeline: Pipeline, positions: torch.Tensor,
+                        attention: AttentionMetadata | None = None) -> list[StageModule]:
+    ranges = stage_layer_ranges(owner.config.num_hidden_layers, pipeline.pp, pipeline.stages_per_rank)
+    return [StageModule(owner, ranges[s], first=s == 0, last=s == pipeline.num_stages - 1,
+                        positions=positions, attention=attention) for s in pipeline.stage_ids]
+
+
+def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The trainer's loss of one micro-batch: mean next-token cross-entropy in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def build_schedule(
+    modules: Sequence[StageModule], pipeline: Pipeline, schedule: str, num_microbatches: int,
+    device: torch.device, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mean_cross_entropy,
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    """torch's schedule `schedule` over this rank's stages; gradients come out as the mean over
+    the micro-batches (`scale_grads`), as the accumulation loop's (loss / m).backward() makes them."""
+    stages = [PipelineStage(module, stage_id, pipeline.num_stages, device, group=pipeline.group)
+              for module, stage_id in zip(modules, pipeline.stage_ids, strict=True)]
+    cls = SCHEDULES[schedule]
+    if issubclass(cls, PipelineScheduleMulti):
+        return cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+def tied_embedding_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """The two-rank group of this rank's first-stage and last-stage ranks (the same data-parallel
+    coordinates), which sum the tied embedding's gradients; None on middle ranks. Every rank
+    creates every pair's group, in the same order, as `new_group` requires."""
+    ranks = mesh.mesh  # (pp, dp[, cp][, tp]) global ranks
+    mine = None
+    for first, last in zip(ranks[0].flatten().tolist(), ranks[-1].flatten().tolist(), strict=True):
+        group = dist.new_group([first, last])
+        if dist.get_rank() in (first, last):
+            mine = group
+    return mine
+
+
+def tied_embedding_weight(owner: Transformer) -> nn.Parameter | None:
+    """The rank's copy of a tied embedding table (first or last stage), None without one."""
+    embed = owner.model.embed_tokens
+    return embed.weight if owner.config.tie_word_embeddings and embed is not None else None
+
+
+def sum_tied_embedding_grads(owner: Transformer, group: dist.ProcessGroup | None) -> None:
+    """Add the first stage's gradient of the tied table (through the embedding) and the last
+    stage's (through the output layer), on both ranks: the whole model's gradient of the one
+    table. Sharded by FSDP or tensor parallelism, each rank sums its shard with the same shard of
+    the other."""
+    weight = tied_embedding_weight(owner)
+    if group is None or weight is None or weight.grad is None:
+        return
+    if isinstance(weight.grad, DTensor):  # the embedding's may come out replicated under TP
+        weight.grad = weight.grad.redistribute(placements=weight.placements)
+    grad = weight.grad.to_local() if isinstance(weight.grad, DTensor) else weight.grad
+    dist.all_reduce(grad, group=group)
+
+
+def average_grads(parameters: Sequence[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """DDP's gradient mean over the data-parallel replicas of a stage, once after the schedule
+    (DDP's hooks assume one forward per backward, which a pipeline schedule breaks): one flat
+    all-reduce of every gradient."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def parallelize_stages(owner: Transformer, modules: Sequence[StageModule], mesh: DeviceMesh,
+                       config: ParallelConfig) -> None:
+    """`parallel.parallelize` for a pipeline rank: activation checkpointing and compile on the
+    pruned model's layers, then FSDP2 per stage over its data-parallel ranks (`data_parallel_mesh`:
+    each layer, then the stage module as the root of its embedding, norm and output layer), so that
+    every stage the schedule runs is an FSDP module whose reduce-scatter torch's stage issues after
+    the last micro-batch. DDP applies no wrapper: `average_grads` reduces each stage's gradients
+    after the schedule."""
+    if config.tensor_parallel_degree > 1:
+        apply_tensor_parallel(owner, mesh["tp"], sequence_parallel=config.sequence_parallel,
+                              loss_parallel=config.loss_parallel)
+    if config.activation_checkpointing:
+        apply_activation_checkpointing(owner)
+    if config.compile:
+        apply_compile(owner)
+    dp_mesh = data_parallel_mesh(mesh)
+    if dp_mesh is not None and config.strategy == "fsdp":
+        for module in modules:
+            for layer in module.layers.children():
+                fully_shard(layer, mesh=dp_mesh)
+            fully_shard(module, mesh=dp_mesh)
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The ranks that hold copies of this rank's stages: "dp", or "dp" x "cp" flattened under
+    context parallelism (each context-parallel rank computes gradients from its part of the
+    sequences, which FSDP / DDP average as they average replicas', as `parallel.parallelize` has
+    it); None where that is this rank alone."""
+    if "cp" in mesh.mesh_dim_names:
+        return mesh["dp", "cp"]._flatten("dp_cp")
+    return mesh["dp"] if mesh["dp"].size() > 1 else None
