@@ -711,14 +711,22 @@ class Decoder(nn.Module):
         """The dtype of the cos and sin tables: OLMo 2 rotates in fp32 (`FP32Rotary`); None: the
         activations'."""
 
-    def forward(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata | None
-    ) -> torch.Tensor:  # (B, T, E)
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, E)
+        """The input embeddings of `token_ids`, scaled as the family scales them."""
         x = self.embed_tokens(token_ids)  # (B, T, E)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         if self.embedding_multiplier is not None:
             x = x * self.embedding_multiplier
+        return x
+
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata | None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # (B, T, E)
+        """`inputs_embeds` (B, T, E), when given, replaces `embed(token_ids)` (a multimodal model's
+        prompt: image embeddings at its placeholder positions)."""
+        x = self.embed(token_ids) if inputs_embeds is None else inputs_embeds
         tables = self.rope(positions, self.rope_dtype or x.dtype)  # cos and sin, (B, T, R) each
         local = tables if self.local_rope is None else self.local_rope(positions, self.rope_dtype or x.dtype)
         for i, layer in enumerate(self.layers):
@@ -749,14 +757,18 @@ class Transformer(nn.Module):
         token_ids: torch.Tensor,  # (B, T)
         positions: torch.Tensor,  # (B, T)
         attn: AttentionMetadata | None = None,
+        inputs_embeds: torch.Tensor | None = None,  # (B, T, E)
     ) -> torch.Tensor:  # (B, T, E)
-        """The final-norm hidden states, for callers that need logits at only some positions."""
+        """The final-norm hidden states, for callers that need logits at only some positions;
+        `inputs_embeds` in place of the token ids' embeddings (`Decoder.forward`)."""
         if token_ids.dim() != 2 or positions.shape != token_ids.shape:
             raise ValueError(
                 "token_ids and positions must both have shape (batch, seq); got "
                 f"{tuple(token_ids.shape)} and {tuple(positions.shape)}"
             )
-        return self.model(token_ids, positions, attn)
+        if inputs_embeds is None:
+            return self.model(token_ids, positions, attn)
+        return self.model(token_ids, positions, attn, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (..., E) -> (..., V)
         logits = self.lm_head(hidden)
