@@ -153,6 +153,9 @@ class Runner:
     lora.py), after the decode graphs are made, which keep the base weights. A step in which
     some request runs under an adapter (`Request.lora_id`) runs module by module, each row under
     its request's adapter; steps without one take the graphs as before.
+
+    A multimodal model's runner has an `image_embedder` (multimodal.py): a step whose chunks cover
+    image placeholders runs module by module from input embeddings with the images' rows in place.
     """
 
     def __init__(
