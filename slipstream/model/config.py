@@ -1252,6 +1252,8 @@ def language_model_dict(d: dict[str, Any]) -> dict[str, Any]:
     level only (default true), since transformers ties the multimodal model's LM head by that flag. Its
     final logit soft cap is dropped, as the multimodal model never applies it (the released
     checkpoints have none)."""
+    if d.get("model_type") == "llava":
+        return _llava_language_model_dict(d)
     text_type = MULTIMODAL_TEXT_TYPES.get(d.get("model_type"))
     if text_type is None:
         return d
@@ -1269,6 +1271,23 @@ def language_model_dict(d: dict[str, Any]) -> dict[str, Any]:
                        "does not soft-cap its logits", text["final_logit_softcapping"])
     return text | top | {"model_type": text_type, "tie_word_embeddings": d.get("tie_word_embeddings", True),
                          "final_logit_softcapping": None}
+
+
+def _llava_language_model_dict(d: dict[str, Any]) -> dict[str, Any]:
+    """A LLaVA checkpoint's language model (LlavaForConditionalGeneration): its `text_config`, of
+    any text family slipstream serves (transformers' default: llama), with the top level's keys for
+    the whole model over it. As transformers' LlavaConfig, the model ties its head where the top
+    level or the text config says so (each by its own default where it says nothing)."""
+    text = d.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise ValueError(f"config.json's text_config must be an object, got {text!r}")
+    text_type = text.get("model_type", "llama")
+    if text_type not in MODEL_TYPES:
+        raise ValueError(f"unsupported text_config.model_type {text_type!r} of a llava checkpoint; "
+                         f"supported: {', '.join(MODEL_TYPES)}")
+    top = {key: d[key] for key in _MULTIMODAL_TOP_LEVEL_KEYS if key in d}
+    tie = {"tie_word_embeddings": True} if d.get("tie_word_embeddings") is True else {}
+    return text | top | {"model_type": text_type} | tie
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -712,12 +712,17 @@ class Decoder(nn.Module):
         activations'."""
 
     def forward(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata | None
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata | None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:  # (B, T, E)
-        return self.norm(self.run_layers(self.embed(token_ids), positions, attn))
+        """`inputs_embeds` (B, T, E), when given, replaces `embed(token_ids)` (a multimodal model's
+        prompt: image embeddings at its placeholder positions)."""
+        x = self.embed(token_ids) if inputs_embeds is None else inputs_embeds
+        return self.norm(self.run_layers(x, positions, attn))
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, E)
-        """The scaled token embeddings, the first layer's input."""
+        """The input embeddings of `token_ids`, scaled as the family scales them: the first
+        layer's input."""
         x = self.embed_tokens(token_ids)  # (B, T, E)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
@@ -763,14 +768,18 @@ class Transformer(nn.Module):
         token_ids: torch.Tensor,  # (B, T)
         positions: torch.Tensor,  # (B, T)
         attn: AttentionMetadata | None = None,
+        inputs_embeds: torch.Tensor | None = None,  # (B, T, E)
     ) -> torch.Tensor:  # (B, T, E)
-        """The final-norm hidden states, for callers that need logits at only some positions."""
+        """The final-norm hidden states, for callers that need logits at only some positions;
+        `inputs_embeds` in place of the token ids' embeddings (`Decoder.forward`)."""
         if token_ids.dim() != 2 or positions.shape != token_ids.shape:
             raise ValueError(
                 "token_ids and positions must both have shape (batch, seq); got "
                 f"{tuple(token_ids.shape)} and {tuple(positions.shape)}"
             )
-        return self.model(token_ids, positions, attn)
+        if inputs_embeds is None:
+            return self.model(token_ids, positions, attn)
+        return self.model(token_ids, positions, attn, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (..., E) -> (..., V)
         logits = self.lm_head(hidden)

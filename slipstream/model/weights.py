@@ -29,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from slipstream.model.config import ModelConfig
+from slipstream.model.llava import LlavaConfig
 from slipstream.model.transformer import Transformer
 
 logger = logging.getLogger(__name__)
@@ -142,33 +143,36 @@ def _layer_weight(modules: Iterable[str]) -> re.Pattern[str]:
 _PHI3_FUSED, _PHI3_PART = _layer_weight(_PHI3_PARTS), _layer_weight(_PHI3_FUSED_OF)
 
 
-_GEMMA3_LANGUAGE_MODEL = re.compile(r"(?:model\.language_model\.|language_model\.model\.)(.+)")
-_GEMMA3_VISION = re.compile(r"(?:model\.)?(?:vision_tower|multi_modal_projector)\..+")
-"""Names in Gemma 3's multimodal checkpoints (Gemma3ForConditionalGeneration; transformers 5's
-names and the older ones its loader renames): the language model's tensors, and the image
-encoder's, which a text model does not load."""
+_MULTIMODAL_LANGUAGE_MODEL = re.compile(r"(?:model\.language_model\.|language_model\.model\.)(.+)")
+_MULTIMODAL_VISION = re.compile(r"(?:model\.)?(?:vision_tower|multi_modal_projector)\..+")
+"""Names in Gemma 3's and LLaVA's multimodal checkpoints (Gemma3ForConditionalGeneration,
+LlavaForConditionalGeneration; transformers 5's names and the older ones its loader renames): the
+language model's tensors, and the image encoder's, which the language model does not load."""
 
 
-def _language_model_name(config: ModelConfig, name: str) -> str | None:
+def _language_model_name(name: str, multimodal: bool) -> str | None:
     """The name `name` has in a text-only checkpoint of the model, or None for a tensor of a
-    multimodal checkpoint's image encoder: a Gemma 3 language model's tensors are stored under
+    multimodal checkpoint's image encoder: the language model's tensors are stored under
     `model.language_model.` (or `language_model.model.`, with its head at `language_model.lm_head`)."""
-    if config.model_type != "gemma3_text":
+    if not multimodal:
         return name
-    if _GEMMA3_VISION.fullmatch(name):
+    if _MULTIMODAL_VISION.fullmatch(name):
         return None
     if name == "language_model.lm_head.weight":
         return "lm_head.weight"
-    match = _GEMMA3_LANGUAGE_MODEL.fullmatch(name)
+    match = _MULTIMODAL_LANGUAGE_MODEL.fullmatch(name)
     return f"model.{match.group(1)}" if match else name
 
 
-def model_tensors(config: ModelConfig, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def model_tensors(
+    config: ModelConfig, name: str, tensor: torch.Tensor, *, multimodal: bool = False
+) -> list[tuple[str, torch.Tensor]]:
     """The `Transformer` parameters that checkpoint tensor `name` fills, with their values: itself
     under `model_name`, except that Phi-3 stores q/k/v and gate/up fused (rows stacked in that
     order, as transformers' Phi-3 splits them), which become views of the stored tensor's rows, and
-    that a multimodal Gemma 3 checkpoint's image encoder fills none (`_language_model_name`)."""
-    name = _language_model_name(config, name)
+    that the image encoder of a `multimodal` checkpoint (Gemma 3's, LLaVA's) fills none
+    (`_language_model_name`)."""
+    name = _language_model_name(name, multimodal or config.model_type == "gemma3_text")
     if name is None:
         return []
     match = _PHI3_FUSED.fullmatch(name) if config.model_type == "phi3" else None
@@ -329,11 +333,12 @@ def load_model(
     # (no copy at all); otherwise each tensor is converted from its own short-lived mapping.
     keep_mapped = str(device) == "cpu" and dtype == resolve_dtype(stored.dtype)
     tensors = iter_tensors(model_dir, release_each=not keep_mapped)
+    multimodal = LlavaConfig.from_pretrained(model_dir) is not None  # its image encoder: llava.py
     if config.model_type == "gpt_oss":
         tensors = _dequantized(tensors, dtype)
     for stored_name, stored_tensor in tensors:
         try:
-            parts = model_tensors(config, stored_name, stored_tensor)
+            parts = model_tensors(config, stored_name, stored_tensor, multimodal=multimodal)
         except ValueError as e:
             raise ValueError(f"{e} (in {model_dir})") from None
         for name, tensor in parts:

@@ -104,12 +104,17 @@ class KernelDecoder(nn.Module):
                    and all(isinstance(m, kernel_norms) for n, m in layer.named_children() if "norm" in n)
                    for layer in decoder.layers)
 
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, E)
+        """`Decoder.embed`: the embeddings, scaled (by the scale rounded to the dtype) where Gemma's are."""
+        x = self.embed_tokens(token_ids)
+        return x if self.embed_scale is None else x * torch.tensor(self.embed_scale, dtype=x.dtype)
+
     def forward(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata | None
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata | None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:  # (B, T, E)
-        residual = self.embed_tokens(token_ids)  # a new tensor: the stream that the sums update
-        if self.embed_scale is not None:  # as Decoder scales it: by the scale rounded to the dtype
-            residual = residual * torch.tensor(self.embed_scale, dtype=residual.dtype)
+        # A new tensor either way (the stream that the sums update): never the caller's.
+        residual = self.embed(token_ids) if inputs_embeds is None else inputs_embeds.clone()
         tables = self.rope(positions, residual.dtype)  # cos and sin
         local = tables if self.local_rope is None else self.local_rope(positions, residual.dtype)
         hidden = self.layers[0].input_layernorm(residual)

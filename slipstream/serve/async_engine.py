@@ -24,6 +24,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import PIL.Image
+
 from slipstream.serve.engine import Engine
 from slipstream.serve.lora import LoRARequest
 from slipstream.serve.pooling import EmbeddingRequestOutput, PoolingParams
@@ -76,6 +78,8 @@ class _Add:
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    images: Sequence[PIL.Image.Image] = ()
+    """Every prompt's images (a chat's: it has one prompt)."""
 
     @property
     def num_sequences(self) -> int:
@@ -221,11 +225,11 @@ class AsyncEngine:
     async def add(
         self, prompts: dict[str, list[int]], params: SamplingParams | PoolingParams, *, arrival_time_s: float,
         priority: int = 0, cache_salt: str | None = None, lora_request: LoRARequest | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None, images: Sequence[PIL.Image.Image] = (),
     ) -> RequestStream:
         """Queue the prompts of one API call (request id -> prompt token ids) under one stream: to
-        generate from (with `Engine.add_request`'s priority, cache salt, LoRA adapter and chat
-        template variables), or with PoolingParams to embed.
+        generate from (with `Engine.add_request`'s priority, cache salt, LoRA adapter, chat
+        template variables and images), or with PoolingParams to embed.
 
         Raises `Overloaded` when they would take the waiting queue past `max_waiting`, ValueError
         when they could never fit in it, and the engine's ValueError for input it rejects (then
@@ -234,7 +238,7 @@ class AsyncEngine:
             raise Overloaded("the engine is stopping")
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         command = _Add(prompts, params, arrival_time_s, accepted, priority, cache_salt, lora_request,
-                       chat_template_kwargs)
+                       chat_template_kwargs, images)
         num_sequences = command.num_sequences
         if num_sequences > self.max_waiting:
             per_prompt = num_sequences // len(prompts)
@@ -387,7 +391,8 @@ class AsyncEngine:
                     self.engine.add_request(request_id, token_ids, command.params,
                                             arrival_time_s=command.arrival_time_s, priority=command.priority,
                                             cache_salt=command.cache_salt, lora_request=command.lora_request,
-                                            chat_template_kwargs=command.chat_template_kwargs)
+                                            chat_template_kwargs=command.chat_template_kwargs,
+                                            images=command.images)
                 added.append(request_id)
         except Exception as error:
             if not isinstance(error, ValueError):

@@ -28,9 +28,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import PIL.Image
 import torch
 
 from slipstream.model.config import ModelConfig, rope_scaled_context
+from slipstream.model.llava import LlavaConfig, load_image_encoder
 from slipstream.model.tokenizer import Tokenizer
 from slipstream.model.weights import dtype_name, load_model, resolve_dtype
 from slipstream.ops import cpu_kernels
@@ -44,6 +46,7 @@ from slipstream.serve.fsm import compile_pattern
 from slipstream.serve.kv_cache import BlockTables, blocks_held
 from slipstream.serve.kv_groups import KVCacheGroups, group_layers
 from slipstream.serve.lora import LoRARequest
+from slipstream.serve.multimodal import ImageEmbedder, ImagePrompts
 from slipstream.serve.outputs import PromptOutput, SequenceOutput
 from slipstream.serve.pooling import EmbeddingRequestOutput, Pool, PoolerConfig, PoolingJob, PoolingParams
 from slipstream.serve.profiler import (
@@ -57,6 +60,7 @@ from slipstream.serve.profiler_config import ProfilerConfig
 from slipstream.serve.reasoning_parsers import REASONING_PARSERS, ReasoningGate
 from slipstream.serve.records import EngineRecords
 from slipstream.serve.request import (
+    ImageInput,
     Request,
     RequestMetrics,
     RequestOutput,
@@ -309,7 +313,17 @@ class Engine:
         dtype = resolve_dtype(model_config.dtype if config.dtype == "auto" else config.dtype)
         if config.tensor_parallel_size > 1:
             check_tensor_parallel(model_config, config.tensor_parallel_size, device)
+        llava = LlavaConfig.from_pretrained(config.model) if config.runner != "pooling" else None
+        if llava is not None and config.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: a llava checkpoint is "
+                             "served on one rank (its image encoder is not split)")
+        if llava is not None and not 0 <= llava.image_token_index < model_config.vocab_size:
+            raise ValueError(f"config.json's image_token_index ({llava.image_token_index}) is outside the "
+                             f"vocabulary ({model_config.vocab_size} tokens)")
         self.model_config = model_config
+        self._llava = llava
+        self.image_prompts: ImagePrompts | None = None
+        """A multimodal model's placeholders and preprocessing (multimodal.py); None: text only."""
         try:
             self._start(dtype, device)
         except BaseException:
@@ -380,6 +394,7 @@ class Engine:
             model = load_shard(config.model, dtype, device, self.workers.connect())
         else:
             model = load_model(config.model, dtype=dtype, device=device)
+        image_embedder = self._load_image_encoder(dtype, device)
         # Before a CUDA device's limits: the memory quantization frees goes to the KV cache.
         model = prepare_model(model, fast_cpu_kernels=config.fast_cpu_kernels,
                               quantization=config.quantization)
@@ -394,8 +409,20 @@ class Engine:
                         device=device, max_num_seqs=config.max_num_seqs, max_model_len=limits.max_model_len,
                         use_kernels=config.fast_cpu_kernels,
                         enforce_eager=config.enforce_eager or self.workers is not None, workers=self.workers,
-                        enable_lora=config.enable_lora, kv_dtype=limits.kv_dtype, kv_groups=limits.kv_groups)
+                        enable_lora=config.enable_lora, kv_dtype=limits.kv_dtype, kv_groups=limits.kv_groups,
+                        image_embedder=image_embedder)
         return limits, runner
+
+    def _load_image_encoder(self, dtype: torch.dtype, device: torch.device) -> ImageEmbedder | None:
+        """A llava checkpoint's image encoder for the runner, and its prompts' side
+        (`image_prompts`); None for a text model."""
+        if self._llava is None:
+            return None
+        model_dir = self.config.model
+        encoder = load_image_encoder(model_dir, self._llava, self.model_config.hidden_size, dtype=dtype,
+                                     device=device)
+        self.image_prompts = ImagePrompts.from_pretrained(model_dir, self._llava, encoder.num_image_tokens)
+        return ImageEmbedder(encoder, device)
 
     @property
     def is_healthy(self) -> bool:
@@ -424,6 +451,7 @@ class Engine:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        images: Sequence[PIL.Image.Image] = (),
     ) -> None:
         """Queue a prompt (text or token ids); invalid input is a ValueError naming the problem.
 
@@ -436,6 +464,8 @@ class Engine:
         `chat_template_kwargs` are the rendered chat's template variables, which the reasoning
         parser reads as the server's does: with Qwen3's enable_thinking false a constrained reply
         is all answer, constrained from its first token, whatever the template made of the flag.
+        `images` (a multimodal model's) go where the prompt has the image token, one each, in order
+        (multimodal.py).
         """
         if self.pooler is not None:
             raise ValueError("this engine embeds (runner='pooling'): it takes add_embedding_request")
@@ -445,10 +475,10 @@ class Engine:
         if request_id in self._prompts:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else prompt_text
-        token_ids = validate_prompt_token_ids(
-            self.tokenize(prompt, params.truncate_prompt_tokens), vocab_size=self.limits.vocab_size,
-            max_model_len=self.limits.max_model_len,
-        )
+        token_ids = self.tokenize(prompt, params.truncate_prompt_tokens)
+        token_ids, image_inputs = self._with_images(token_ids, images)
+        token_ids = validate_prompt_token_ids(token_ids, vocab_size=self.limits.vocab_size,
+                                              max_model_len=self.limits.max_model_len)
         bad_words = bad_words_token_ids(
             params.bad_words, functools.partial(self.tokenizer.encode, add_special_tokens=False),
             self.limits.vocab_size,
@@ -464,8 +494,8 @@ class Engine:
                              stream=stream)
         guide = None if params.structured_outputs is None else self._guide(params.structured_outputs)
         lora_id = self._lora_id(lora_request)
-        requests = [self._completion_request(entry, params, index, priority, bad_words, guide, lora_id)
-                    for index in range(params.n)]
+        requests = [self._completion_request(entry, params, index, priority, bad_words, guide, lora_id,
+                                             image_inputs) for index in range(params.n)]
         if guide is not None and self._reasons_first(token_ids, chat_template_kwargs):
             for request in requests:
                 request.reasoning_gate = ReasoningGate(
@@ -588,9 +618,22 @@ class Engine:
         spelled = self.tokenizer.tokens_bytes(range(num_tokens))
         return Vocabulary([None if token_id in specials else data for token_id, data in enumerate(spelled)])
 
+    def _with_images(
+        self, token_ids: list[int], images: Sequence[PIL.Image.Image]
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """A multimodal model's prompt with its image placeholders expanded, and its images; a
+        text model's as it is (and images for it are a ValueError)."""
+        if self.image_prompts is None:
+            if images:
+                raise ValueError(f"multi_modal_data: this model ({self.model_config.model_type}, "
+                                 f"{self.config.model}) takes no images")
+            return token_ids, ()
+        return self.image_prompts.expand(token_ids, images)
+
     def _completion_request(
         self, entry: PromptOutput, params: SamplingParams, index: int, priority: int,
         bad_words: tuple[tuple[int, ...], ...], guide: Guide | GrammarGuide | None, lora_id: int,
+        images: tuple[ImageInput, ...],
     ) -> Request:
         """The scheduler's request for completion `index` of a prompt, under an engine-unique id
         (so no user-chosen id can collide with it)."""
@@ -603,7 +646,7 @@ class Engine:
             eos_token_ids=self.limits.eos_token_ids, bad_words_token_ids=bad_words,
             guide=guide, guide_state=None if guide is None else guide.start,
             max_total_tokens=self.limits.max_model_len,
-            arrival_time_s=entry.metrics.arrival_time_s, priority=priority, lora_id=lora_id,
+            arrival_time_s=entry.metrics.arrival_time_s, priority=priority, lora_id=lora_id, images=images,
         )
 
     def _lora_id(self, lora_request: LoRARequest | None) -> int:
@@ -877,7 +920,7 @@ class Engine:
         for chunk in plan.chunks:
             request = chunk.request
             num_output = len(request.output_token_ids)
-            single = chunk.num_tokens == 1 and chunk.samples
+            single = chunk.num_tokens == 1 and chunk.samples and chunk.start >= request.images_end
             if not single or not takes_argmax(request.sampling_params, num_output):
                 return 0
             num_steps = min(num_steps, request.max_output_tokens - num_output)

@@ -14,7 +14,10 @@ of the parent's 0, as vLLM mixes it into the first block's hash only: through th
 of the request differs from those of requests with another salt or none, so they share nothing,
 while requests with the same salt share their prefixes as usual. A request under a LoRA adapter
 (`Request.lora_id`) puts the pair (adapter id, salt) there: its keys and values are the adapter's,
-shared only with requests under the same adapter and salt.
+shared only with requests under the same adapter and salt. A block holding image placeholders
+(`Request.images`) adds each such image's content hash after its token ids, so two prompts with
+the same text and different images share nothing from that block on, and the same image hits (as
+vLLM mixes the images' hashes into the block hashes).
 
 Free blocks wait in one LRU queue (an OrderedDict: O(1) at both ends and in the middle). A freed
 block that holds a key joins the tail and stays hittable until allocation takes it from the head,
@@ -391,9 +394,13 @@ class KVCacheManager:
 
     # ----- internals -----
 
-    def _block_token_ids(self, request: Request, index: int) -> tuple[int, ...]:
+    def _block_token_ids(self, request: Request, index: int) -> tuple[int | str, ...]:
+        """Block `index`'s token ids, then the content hashes of the images whose placeholders it
+        holds (strings, never equal to an id), so that equal placeholders of different images
+        never make equal keys."""
         start = index * self.block_size
-        return tuple(request.token_ids_range(start, start + self.block_size))
+        tokens = tuple(request.token_ids_range(start, start + self.block_size))
+        return tokens + request.image_hashes(start, start + self.block_size) if request.images else tokens
 
     def _first_read_block(self, group: int, position: int) -> int:
         """The first block that the group's layers read for a token at `position` (0 for full

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import PIL.Image
 import torch
 from tqdm.auto import tqdm
 
@@ -35,6 +36,7 @@ from slipstream.serve.beam_search import (
 )
 from slipstream.serve.engine import Engine, EngineConfig, host_memory
 from slipstream.serve.lora import LoRARequest
+from slipstream.serve.multimodal import as_images, content_part
 from slipstream.serve.pooling import EmbeddingRequestOutput, PoolingParams
 from slipstream.serve.request import (
     PositionLogprobs,
@@ -171,6 +173,8 @@ class LLM:
 
         A prompt is a string, a list of token ids, or {"prompt": str} / {"prompt_token_ids": [...]}
         (with both, the ids are generated from and the text is reported as the output's prompt).
+        A multimodal model's prompt dict takes {"multi_modal_data": {"image": image or [images]}}
+        (PIL images), one for each image token in the prompt (`<image>` for LLaVA), in order.
         `sampling_params` (default: `get_default_sampling_params()`) and `priority` are one value
         for every prompt or a list of one per prompt. The engine takes a checked copy of each
         params object (`SamplingParams.clone`), as in vLLM. `lora_request` (an LLM with
@@ -192,7 +196,9 @@ class LLM:
         reasoning gate reads enable_thinking there, as the server's requests pass it)."""
         _check_use_tqdm(use_tqdm)
         prompts = _as_prompt_list(prompts)
-        inputs = [_prompt_input(prompt) for prompt in prompts]
+        inputs = [_prompt_input(prompt, multimodal=True) for prompt in prompts]
+        takes_images = self.engine.image_prompts is not None
+        images = [_prompt_images(prompt, takes_images) for prompt in prompts]
         if sampling_params is None:
             sampling_params = self._default_sampling_params
         params = _per_prompt(sampling_params, len(prompts), "sampling_params", SamplingParams,
@@ -202,11 +208,11 @@ class LLM:
                                "a LoRARequest or None")
         ids = [str(next(self._ids)) for _ in prompts]
         try:
-            for request_id, (prompt, text, salt), p, rank, adapter in zip(ids, inputs, params, priorities,
-                                                                           adapters, strict=True):
+            for request_id, (prompt, text, salt), p, rank, adapter, prompt_images in zip(
+                    ids, inputs, params, priorities, adapters, images, strict=True):
                 self.engine.add_request(request_id, prompt, p, priority=rank, stream=False, prompt_text=text,
                                         cache_salt=salt, lora_request=adapter,
-                                        chat_template_kwargs=chat_template_kwargs)
+                                        chat_template_kwargs=chat_template_kwargs, images=prompt_images)
             outputs = self._run(ids, use_tqdm)
         except BaseException:
             self.engine.abort_request(ids)
@@ -302,10 +308,14 @@ class LLM:
         tokenizer's, or the template source `chat_template`), as vLLM's `LLM.chat`, whose
         positional order the arguments keep (`llm.chat(messages, params, False)`).
 
-        A message's content is a string or a list of OpenAI text parts; None reads as "" (as in
-        vLLM and the HTTP server). `chat_template_content_format` (CONTENT_FORMATS) says how the
-        template sees it. With `continue_final_message` (and add_generation_prompt=False) the
-        reply continues the final message instead of starting a new one. `chat_template_kwargs`
+        A message's content is a string or a list of OpenAI content parts; None reads as "" (as in
+        vLLM and the HTTP server). A multimodal model takes image parts: {"type": "image_url",
+        "image_url": {"url": "data:image/...;base64,..."}} (data URLs only: nothing is fetched) and
+        vLLM's {"type": "image_pil", "image_pil": image}, which reach the template as {"type":
+        "image"} parts (or, for a "string" template, as the image token's text on a line).
+        `chat_template_content_format` (CONTENT_FORMATS) says how the template sees it. With
+        `continue_final_message` (and add_generation_prompt=False) the reply continues the final
+        message instead of starting a new one. `chat_template_kwargs`
         reach the template; the named arguments win over them where both are set (as in vLLM;
         tools and chat_template only when not None). Each output's prompt is the rendered text;
         no conversations give no outputs.
@@ -335,16 +345,23 @@ class LLM:
         if content_format == "auto":
             content_format = template_content_format(
                 tokenizer.template_source(options.get("tools"), options.get("chat_template")))
+        image_prompts = self.engine.image_prompts
+        placeholder = None if image_prompts is None else tokenizer.id_to_token(image_prompts.image_token_id)
         prompts = []
         for conversation in conversations:
+            messages, images = [], []
+            for message in conversation:
+                message, message_images = _template_message(message, content_format, placeholder)
+                messages.append(message)
+                images += message_images
             try:
-                text = tokenizer.apply_chat_template(
-                    [_template_message(m, content_format) for m in conversation],
-                    content_parts=content_format == "openai", **options)
+                text = tokenizer.apply_chat_template(messages, content_parts=content_format == "openai",
+                                                     **options)
             except jinja2.TemplateError as error:  # a template that does not parse, or raises
                 raise ValueError(f"the chat template rejected the messages: {error}") from error
             ids = tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            prompt = {"prompt": text, "prompt_token_ids": ids}
+            prompts.append(prompt | {"multi_modal_data": {"image": images}} if images else prompt)
         return self._generate(prompts, sampling_params, use_tqdm, lora_request, priority,
                               None if chat_template_kwargs is None else dict(chat_template_kwargs))
 
@@ -508,13 +525,17 @@ def _embedding_input(prompt: Prompt) -> str | list[int]:
     return ids_or_text
 
 
-def _prompt_input(prompt: Prompt) -> tuple[str | list[int], str | None, str | None]:
+def _prompt_input(
+    prompt: Prompt, *, multimodal: bool = False
+) -> tuple[str | list[int], str | None, str | None]:
     """(what the engine generates from, the prompt text to report when that is token ids, the
-    prompt dict's cache_salt, as vLLM's TextPrompt and TokensPrompt take it)."""
+    prompt dict's cache_salt, as vLLM's TextPrompt and TokensPrompt take it). `multimodal`: the
+    dict may hold multi_modal_data (`_prompt_images` reads it)."""
     if isinstance(prompt, Mapping):
-        unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
-        if unknown:  # multi_modal_data, lora_request, a misspelt key: not to be dropped silently
-            raise ValueError(f"a prompt dict takes 'prompt', 'prompt_token_ids' and 'cache_salt'; "
+        keys = {"prompt", "prompt_token_ids", "cache_salt"} | ({"multi_modal_data"} if multimodal else set())
+        unknown = set(prompt) - keys
+        if unknown:  # lora_request, a misspelt key: not to be dropped silently
+            raise ValueError(f"a prompt dict takes {', '.join(map(repr, sorted(keys)))} here; "
                              f"{sorted(unknown)} are not supported")
         text, salt = prompt.get("prompt"), prompt.get("cache_salt")
         if text is not None and not isinstance(text, str):
@@ -527,6 +548,23 @@ def _prompt_input(prompt: Prompt) -> tuple[str | list[int], str | None, str | No
     if isinstance(prompt, str):
         return prompt, None, None
     return _token_ids(prompt, "a prompt that is not a string or a dict"), None, None
+
+
+def _prompt_images(prompt: Prompt, takes_images: bool) -> list[PIL.Image.Image]:
+    """A prompt dict's images (`multi_modal_data`: {"image": a PIL image or a list of them}); none
+    for other prompts. Another modality or form, or the key at all for a model that takes no
+    images (`takes_images` False), is a ValueError naming it."""
+    if not isinstance(prompt, Mapping) or "multi_modal_data" not in prompt:
+        return []
+    if not takes_images:
+        raise ValueError("a prompt dict's 'multi_modal_data' is not supported: this model takes no images")
+    data = prompt["multi_modal_data"]
+    if not isinstance(data, Mapping):
+        raise ValueError(f"multi_modal_data must be a dict such as {{'image': image}}, "
+                         f"got {type(data).__name__}")
+    if unknown := sorted(set(data) - {"image"}):
+        raise ValueError(f"multi_modal_data: only 'image' is supported, got {unknown}")
+    return as_images(data.get("image", []))
 
 
 def _token_ids(value: Any, what: str) -> list[int]:
@@ -610,27 +648,30 @@ def _without_text(output: RequestOutput) -> RequestOutput:
     return dataclasses.replace(output, outputs=outputs, prompt_logprobs=bare(output.prompt_logprobs))
 
 
-def _template_message(message: Message, content_format: str) -> Message:
-    """The message as the chat template sees it, as vLLM renders it: for content_format "string",
-    content text parts joined by newlines (as the HTTP server does,
-    protocol.ChatMessage.template_message); for "openai", a list of {"type": "text", "text": ...}
-    parts (a tool message's all-text parts still joined, as vLLM does). Content None is no parts:
-    "" or []."""
+def _template_message(
+    message: Message, content_format: str, placeholder: str | None
+) -> tuple[Message, list[PIL.Image.Image]]:
+    """The message as the chat template sees it, as vLLM renders it, and its images: for
+    content_format "string", content text parts joined by newlines (as the HTTP server does,
+    protocol.ChatMessage.template_message), an image part as `placeholder` (the image token's
+    text); for "openai", a list of {"type": "text", "text": ...} and {"type": "image"} parts (a
+    tool message's all-text parts still joined, as vLLM does). Content None is no parts: "" or [].
+    `placeholder` None: the model takes no images, and an image part is a ValueError."""
     if not isinstance(message, Mapping):
-        return message  # the template's own check names it
+        return message, []  # the template's own check names it
     content = message.get("content")
     if content is None:
         parts = []
     elif isinstance(content, str):
         parts = [content]
     elif isinstance(content, (list, tuple)):
-        if not all(isinstance(part, Mapping) and part.get("type") == "text"
-                   and isinstance(part.get("text"), str) for part in content):
-            raise ValueError(f"only text content parts ({{'type': 'text', 'text': ...}}, the text a string) "
-                             f"are supported, got {content!r}")
-        parts = [part["text"] for part in content]
+        parts = [content_part(part, f"a message's content[{i}]", placeholder is not None)
+                 for i, part in enumerate(content)]
     else:
-        return message  # the template's own check names it
+        return message, []  # the template's own check names it
+    images = [part for part in parts if not isinstance(part, str)]
     if content_format == "openai" and message.get("role") != "tool":
-        return {**message, "content": [{"type": "text", "text": text} for text in parts]}
-    return {**message, "content": "\n".join(parts)}  # as vLLM joins them
+        return {**message, "content": [{"type": "text", "text": part} if isinstance(part, str)
+                                       else {"type": "image"} for part in parts]}, images
+    texts = [part if isinstance(part, str) else placeholder for part in parts]
+    return {**message, "content": "\n".join(texts)}, images  # as vLLM joins them

@@ -400,6 +400,18 @@ class TextPart(_Body):
     text: str
 
 
+class ImageURL(_Body):
+    url: str
+    """A data URL (`data:image/png;base64,...`); any other is a 400: the server fetches nothing."""
+    detail: str | None = None
+    """OpenAI's resolution hint; LLaVA's encoder has one resolution, so it changes nothing."""
+
+
+class ImageURLPart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(_Body):
     name: str
     arguments: str
@@ -416,7 +428,7 @@ class ChatMessage(_Body):
     role: str
     """system, developer, user, assistant, tool, or any other role the chat template knows (Llama
     3.1's "ipython", ...), passed to it as it is, as vLLM's custom-role messages."""
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImageURLPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     """An assistant's earlier calls."""
@@ -428,12 +440,24 @@ class ChatMessage(_Body):
     older name `reasoning_content` is read too); templates see it under their own names
     (chat_template.py)."""
 
-    def template_message(self) -> dict[str, Any]:
+    def template_message(self, placeholder: str | None = None, content_parts: bool = False) -> dict[str, Any]:
         """The message as the chat template sees it: text parts joined by newlines, and a tool call's
-        arguments as a dict (what transformers' tool-use templates expect, as vLLM passes them)."""
-        content = self.content or ""
-        if not isinstance(content, str):
-            content = "\n".join(part.text for part in content)  # as vLLM joins them
+        arguments as a dict (what transformers' tool-use templates expect, as vLLM passes them).
+        An image part reads as `placeholder` (the image token's text) on a line of its own, or,
+        with `content_parts` (a template that loops over a message's content), the content is a
+        list of {"type": "text", "text": ...} and {"type": "image"} parts. `placeholder` None: the
+        model takes no images, and an image part is a 400 naming `messages`."""
+        parts = [self.content] if isinstance(self.content, str) else self.content or []
+        if placeholder is None and self.image_urls:
+            raise bad_request("image_url content parts need a model that takes images (a LLaVA checkpoint); "
+                              "this one is text-only", "messages")
+        content: str | list[dict[str, str]] = "\n".join(  # as vLLM joins them
+            part if isinstance(part, str) else part.text if isinstance(part, TextPart) else placeholder
+            for part in parts)
+        if content_parts and self.role != "tool":
+            content = [{"type": "image"} if isinstance(part, ImageURLPart)
+                       else {"type": "text", "text": part if isinstance(part, str) else part.text}
+                       for part in parts]
         message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
@@ -447,6 +471,13 @@ class ChatMessage(_Body):
                  "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
                 for call in self.tool_calls]
         return message
+
+
+    @property
+    def image_urls(self) -> list[str]:
+        """The URLs of the message's image parts, in order."""
+        content = self.content if isinstance(self.content, list) else []
+        return [part.image_url.url for part in content if isinstance(part, ImageURLPart)]
 
 
 def _arguments(text: str) -> Any:

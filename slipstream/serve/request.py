@@ -326,6 +326,23 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ImageInput:
+    """One image of a prompt: its placeholder tokens, prompt positions [offset, offset + length),
+    whose input embeddings are the image's, and what the image encoder computes them from."""
+
+    offset: int
+    length: int
+    content_hash: str
+    """Of the preprocessed pixels: in the prefix-cache key of every block holding a placeholder."""
+    pixel_values: Any
+    """The image as the processor made it: a (3, H, W) float32 tensor."""
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """One sequence the engine generates: the prompt, what was generated so far, and progress.
@@ -357,6 +374,8 @@ class Request:
     """The LoRA adapter it runs under, as the engine loaded it (0: none, the base model). The
     engine never gives one id to two adapters, so an id also names the adapter's prefix-cache
     blocks."""
+    images: tuple[ImageInput, ...] = ()
+    """The prompt's images, in prompt order (a multimodal model's)."""
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0
@@ -385,6 +404,16 @@ class Request:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : stop - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
+
+    @property
+    def images_end(self) -> int:
+        """The position past the last image's placeholders (0 without images): a chunk that starts
+        before it may need image embeddings."""
+        return self.images[-1].end if self.images else 0
+
+    def image_hashes(self, start: int, stop: int) -> tuple[str, ...]:
+        """The content hashes of the images with a placeholder in positions [start, stop)."""
+        return tuple(image.content_hash for image in self.images if image.offset < stop and start < image.end)
 
     @property
     def max_output_tokens(self) -> int:

@@ -27,6 +27,7 @@ from slipstream.serve.cuda_graph import CudaDecodeGraphs, can_capture
 from slipstream.serve.kv_cache import BlockTables
 from slipstream.serve.kv_groups import KVCacheGroups, group_layers
 from slipstream.serve.lora import LoRALayers
+from slipstream.serve.multimodal import ImageEmbedder
 from slipstream.serve.profiler import FORWARD_PHASE, PREPARE_INPUTS_PHASE, phase
 from slipstream.serve.sampler import argmax
 from slipstream.serve.scheduler import ScheduledChunk, StepPlan
@@ -152,6 +153,9 @@ class Runner:
     lora.py), after the decode graphs are made, which keep the base weights. A step in which
     some request runs under an adapter (`Request.lora_id`) runs module by module, each row under
     its request's adapter; steps without one take the graphs as before.
+
+    A multimodal model's runner has an `image_embedder` (multimodal.py): a step whose chunks cover
+    image placeholders runs module by module from input embeddings with the images' rows in place.
     """
 
     def __init__(
@@ -159,8 +163,11 @@ class Runner:
         device: torch.device, max_num_seqs: int, max_model_len: int, use_kernels: bool = True,
         enforce_eager: bool = False, workers: Workers | None = None, enable_lora: bool = False,
         kv_dtype: torch.dtype | None = None, kv_groups: KVCacheGroups | None = None,
+        image_embedder: ImageEmbedder | None = None,
     ) -> None:
         self.model = model
+        self.image_embedder = image_embedder
+        """A multimodal model's image encoder (multimodal.py); None for a text model."""
         # One set of RoPE frequencies for every position of every sequence (Phi-3's longrope: the
         # long ones where max_model_len passes the original context, as vLLM chooses), so that a
         # sequence growing past it keeps its cached keys' rotations.
@@ -205,14 +212,18 @@ class Runner:
 
     def _execute(self, plan: StepPlan) -> StepLogits:
         token_ids, positions, batches = self._inputs(plan)
-        graph = self._graph_for(batches[0], plan.chunks)
+        inputs_embeds = None if self.image_embedder is None else self.image_embedder.inputs_embeds(
+            plan.chunks, token_ids, self.model.model.embed)
+        # Graphs take token ids only: a step with image embeddings runs module by module.
+        graph = None if inputs_embeds is not None else self._graph_for(batches[0], plan.chunks)
         with phase(FORWARD_PHASE), self._adapters(plan.chunks, [c.num_tokens for c in plan.chunks]):
             if isinstance(graph, CpuDecodeGraph) and all(c.samples and not _wants_prompt_logits(c)
                                                          for c in plan.chunks):
                 # Every row samples and none is a prompt position: the lm_head runs in the graph.
                 logits = graph(token_ids, positions, batches[0], logits=True)
                 return StepLogits(sample_logits=logits, prompt_logits={})
-            return self._logits(plan, self._decode_or_forward(graph, token_ids, positions, batches))
+            return self._logits(plan, self._decode_or_forward(graph, token_ids, positions, batches,
+                                                              inputs_embeds))
 
     @torch.inference_mode()
     def execute_hidden(self, plan: StepPlan) -> torch.Tensor:  # (num_batched_tokens, E)
@@ -274,10 +285,10 @@ class Runner:
 
     def _decode_or_forward(
         self, graph: CpuDecodeGraph | CudaDecodeGraphs | None, token_ids: torch.Tensor,
-        positions: torch.Tensor, batches: tuple[PagedBatch, ...],
+        positions: torch.Tensor, batches: tuple[PagedBatch, ...], inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:  # (N, E) final-norm hidden states
         if graph is None:
-            return self.hidden_states(token_ids, positions, *batches)
+            return self.hidden_states(token_ids, positions, *batches, inputs_embeds=inputs_embeds)
         return graph(token_ids, positions, batches[0])  # graphs serve one-group caches only
 
     @torch.inference_mode()
@@ -346,13 +357,16 @@ class Runner:
         return [choices[end - 1 - len(d):end] for end, d in zip(ends, drafts, strict=True)]
 
     def hidden_states(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, *batches: PagedBatch
+        self, token_ids: torch.Tensor, positions: torch.Tensor, *batches: PagedBatch,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(N,) token ids and positions laid out by `batches` (one per KV cache group) -> (N, E)
-        final-norm hidden states, module by module."""
+        final-norm hidden states, module by module; `inputs_embeds` (1, N, E) in place of the
+        ids' embeddings where given (image placeholders')."""
         attn = PagedAttention(self.cache, batches[0], self.use_kernels, batches if len(batches) > 1 else ())
         if self.workers is None:
-            return self.model.hidden_states(token_ids[None], positions[None], attn)[0]
+            return self.model.hidden_states(token_ids[None], positions[None], attn, inputs_embeds)[0]
+        assert inputs_embeds is None, "tensor-parallel engines take no images"
         with self._with_workers():
             self.workers.forward(token_ids, positions, batches, self._lora_ids)
             return self.model.hidden_states(token_ids[None], positions[None], attn)[0]

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import jinja2
+import PIL.Image
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from slipstream.model.chat_template import template_content_format
 from slipstream.serve import protocol, reasoning_replies, responses, responses_api
 from slipstream.serve.async_engine import AsyncEngine, EngineError, Overloaded, RequestStream
 from slipstream.serve.beam_search import (
@@ -48,6 +50,7 @@ from slipstream.serve.beam_search import (
 from slipstream.serve.engine import Engine, EngineConfig
 from slipstream.serve.lora import LoRARequest
 from slipstream.serve.metrics import ServerMetrics
+from slipstream.serve.multimodal import image_from_url
 from slipstream.serve.pooling import EmbeddingRequestOutput
 from slipstream.serve.profiler import ProfilerAlreadyActiveError
 from slipstream.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -177,6 +180,8 @@ class OpenAIServer:
         self.model_name = config.served_model_name or self.model_path
         self.tokenizer = engine.tokenizer
         self.tokenize = engine.tokenize
+        self.image_prompts = engine.image_prompts
+        """A multimodal model's image token and preprocessing (None: text only)."""
         parser = config.reasoning_parser
         markers = () if parser is None else REASONING_PARSERS[parser]().markers
         self._marker_ids = frozenset(self.tokenizer.token_to_id(marker) for marker in markers) - {None}
@@ -394,6 +399,7 @@ class OpenAIServer:
         params, tool_calls = self._tool_calls(body, params)
         # The template's ids; or its text, which tokenizing adds the special tokens to.
         rendered = await asyncio.to_thread(self._render_chat, body, not body.add_special_tokens)
+        images = await asyncio.to_thread(self._chat_images, body)
         [token_ids] = self._tokenize([rendered], params.truncate_prompt_tokens,
                                      truncation_side=body.truncation_side)
         self._check_context(len(token_ids), body.max_new_tokens, params.min_tokens, "messages",
@@ -403,6 +409,8 @@ class OpenAIServer:
                        echo=body.echoed_text, tool_calls=tool_calls)
         params, reasoning = self._reasoning(body.chat_template_kwargs, body.include_reasoning, params,
                                             tool_calls)
+        if body.use_beam_search and images:
+            raise protocol.bad_request("use_beam_search does not take images", "use_beam_search")
         if body.use_beam_search:
             beams = body.beam_search_params(max_tokens=body.max_new_tokens or self.max_model_len,
                                             max_logprobs=self.max_logprobs)
@@ -414,7 +422,7 @@ class OpenAIServer:
             return JSONResponse(_chat_response(meta, output, reasoning, options))
         named = _chat_params_named(body)
         stream = await self._submit(meta.id, [token_ids], params, arrival_time_s, named, body, lora,
-                                    body.chat_template_kwargs)
+                                    body.chat_template_kwargs, images)
         if body.stream:
             chunks = _chat_stream(meta, params.n, body.usage_mode, len(token_ids), reasoning, options)
             return _event_stream(self._events(stream, chunks))
@@ -814,14 +822,16 @@ class OpenAIServer:
         the sandbox's range limit) is a 400 naming the template, and so is a request template's text
         longer than RENDERED_PER_BODY_BYTE characters per byte of the body limit, refused before
         the tokenizer spends its time on it."""
-        messages = [m.template_message() for m in body.messages]
         arguments = body.template_arguments()
+        placeholder, content_parts = self._image_rendering(arguments)
+        messages = [m.template_message(placeholder, content_parts) for m in body.messages]
         from_kwargs = "chat_template" in (body.chat_template_kwargs or {})  # merged last: it is the one used
         param = "messages" if arguments.get("chat_template") is None else (
             "chat_template_kwargs" if from_kwargs else "chat_template")
         template = "the chat template" if param == "messages" else "the request's chat template"
         try:
-            text = self.tokenizer.apply_chat_template(messages, **arguments, tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, **arguments, tokenize=False,
+                                                      content_parts=content_parts)
             text.encode()  # a lone surrogate (a tool call's "\\ud800" arguments) is no text to tokenize
         except (ValueError, TypeError, jinja2.TemplateError) as error:
             raise protocol.bad_request(f"{template} rejected the messages: {error}", param) from error
@@ -836,6 +846,32 @@ class OpenAIServer:
                 f"{template} rendered {len(text):,} characters, more than a request's template may write "
                 f"({limit:,}: {RENDERED_PER_BODY_BYTE} per byte a request body may hold)", param)
         return self.tokenizer.encode(text, add_special_tokens=False) if tokenize else text
+
+    def _image_rendering(self, arguments: dict[str, Any]) -> tuple[str | None, bool]:
+        """How image parts reach the chat template: the image token's text (None: a text model),
+        and whether messages' content goes as a list of parts, where the template loops over it
+        (vLLM's "auto" content format; a multimodal model's only, so a text model's rendering
+        stays as it was)."""
+        if self.image_prompts is None:
+            return None, False
+        placeholder = self.tokenizer.id_to_token(self.image_prompts.image_token_id)
+        try:
+            source = self.tokenizer.template_source(arguments.get("tools"), arguments.get("chat_template"))
+        except ValueError:  # no template: rendering names it
+            return placeholder, False
+        return placeholder, template_content_format(source) == "openai"
+
+    def _chat_images(self, body: ChatCompletionRequest) -> list[PIL.Image.Image]:
+        """The chat's images, in order, decoded from their data URLs: any other URL, or bytes that
+        are no image, a 400 naming `messages` (nothing is fetched)."""
+        images = []
+        for i, message in enumerate(body.messages):
+            for j, url in enumerate(message.image_urls):
+                try:
+                    images.append(image_from_url(url, f"messages[{i}]'s image_url {j}"))
+                except ValueError as error:
+                    raise protocol.bad_request(str(error), "messages") from None
+        return images
 
     def _check_context(self, num_prompt_tokens: int, max_tokens: int | None, min_tokens: int,
                        prompt_param: str, max_tokens_param: str) -> None:
@@ -862,10 +898,11 @@ class OpenAIServer:
                       arrival_time_s: float, params_named: dict[str, str],
                       body: protocol.GenerationBody | None = None,
                       lora: LoRARequest | None = None,
-                      chat_template_kwargs: dict[str, Any] | None = None) -> RequestStream:
+                      chat_template_kwargs: dict[str, Any] | None = None,
+                      images: Sequence[PIL.Image.Image] = ()) -> RequestStream:
         """Queue the prompts (with the body's vLLM `priority` and `cache_salt`, under the LoRA
         adapter `lora` if one is given, with a chat's template variables, which the engine's
-        reasoning parser reads as the server's does): 503 past the waiting bound or while
+        reasoning parser reads as the server's does, and a chat's images): 503 past the waiting bound or while
         draining, 400 for what the engine rejects (its errors name engine parameters;
         `params_named` maps those whose request field has another name)."""
         if self.is_draining():
@@ -880,7 +917,7 @@ class OpenAIServer:
         try:
             return await self.engine.add(ids, params, arrival_time_s=arrival_time_s, priority=priority,
                                          cache_salt=cache_salt, lora_request=lora,
-                                         chat_template_kwargs=chat_template_kwargs)
+                                         chat_template_kwargs=chat_template_kwargs, images=images)
         except Overloaded as error:
             retry_after = {"Retry-After": str(self.config.retry_after_s)}
             raise APIError(503, f"the server is overloaded ({error}); retry later", type="server_error",
