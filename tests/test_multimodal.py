@@ -3,9 +3,13 @@ the engine's greedy tokens for prompts with images against transformers' LlavaFo
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import dataclasses
 import io
 import json
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -24,6 +28,9 @@ from slipstream.model.create import stdlib_tokenizer
 from slipstream.model.image_processor import ImageProcessor
 from slipstream.model.llava import LlavaConfig, load_image_encoder
 from slipstream.model.weights import load_model
+from slipstream.serve.async_engine import AsyncEngine
+from slipstream.serve.engine import Engine, EngineConfig
+from slipstream.serve.profiler import FORWARD_PHASE
 from slipstream.serve.protocol import APIError, ChatMessage
 
 pytest_plugins = ["serve_fixtures", "server_process"]  # the text model's model_dir, for images refused
@@ -361,3 +368,345 @@ def test_chat_completions_take_data_url_images(llava, llava_server):
     message = ChatMessage.model_validate({"role": "user", "content": messages(data_url(image))[0]["content"]})
     with pytest.raises(APIError, match="text-only"):  # a text model's server: a 400 naming messages
         message.template_message()
+
+
+# ---- Checkpoint formats and server accounting (review B's findings) ----------------------------
+
+LLAVA15_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}"
+    "{% endif %}{% for part in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\\n' }}{% endfor %}"
+    "{% for part in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ part['text'] + ' ' }}{% endfor %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+"""llava-hf/llava-1.5-7b-hf's chat_template.json layout (images first, then the texts), shortened."""
+
+
+@pytest.mark.parametrize("with_jinja", [False, True])
+def test_processor_chat_template_json_is_read(tmp_path, with_jinja):
+    """Guards the template llava-hf checkpoints ship as the processor's chat_template.json: read
+    before chat_template.jinja and tokenizer_config.json, as transformers' LlavaProcessor reads it
+    (and vLLM renders with it), the prompt as the processor renders it."""
+    from slipstream.model.tokenizer import Tokenizer
+
+    model_dir = save_llava(random_llava(), tmp_path)
+    (model_dir / "chat_template.json").write_text(json.dumps({"chat_template": LLAVA15_TEMPLATE}))
+    if with_jinja:
+        (model_dir / "chat_template.jinja").write_text("{{ 'the tokenizer template' }}")
+    processor = json.loads((model_dir / "preprocessor_config.json").read_text())
+    (model_dir / "preprocessor_config.json").write_text(
+        json.dumps(processor | {"image_processor_type": "CLIPImageProcessor"}))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is shown?"}, {"type": "image"}]}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = transformers.AutoProcessor.from_pretrained(model_dir)
+    expected = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    assert tokenizer.chat_template == reference.chat_template == LLAVA15_TEMPLATE
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         content_parts=True) == expected
+    (model_dir / "additional_chat_templates").mkdir()
+    with pytest.raises(ValueError, match="chat_template.json"):  # transformers refuses the mix too
+        Tokenizer.from_pretrained(model_dir)
+
+
+@pytest.mark.parametrize("kind", ["SiglipImageProcessor", "SiglipImageProcessorFast"])
+def test_siglip_preprocessing_matches_siglip_image_processor(kind):
+    """Guards the defaults by image_processor_type: a SigLIP preprocessor_config.json (as
+    transformers saves it, unset keys null) is a plain bicubic resize to 384 x 384, mean and std
+    0.5, no crop: the pixels of transformers' SiglipImageProcessor, not CLIP's resize and crop."""
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    image = PIL.Image.fromarray(np.random.default_rng(0).integers(0, 256, (300, 500, 3), dtype=np.uint8))
+    reference = SiglipImageProcessorPil(size={"height": 384, "width": 384})
+    saved = reference.to_dict() | {"image_processor_type": kind, "do_center_crop": None, "crop_size": None}
+    expected = reference(image, return_tensors="np")["pixel_values"][0]
+    for config in (saved, {"image_processor_type": kind, "size": {"height": 384, "width": 384}}):
+        got = ImageProcessor.from_dict(json.loads(json.dumps(config)))(image)
+        print(f"max |difference| {np.abs(got - expected).max():.3g}")
+        assert got.shape == expected.shape == (3, 384, 384)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="image_processor_type"):
+        ImageProcessor.from_dict({"image_processor_type": "LlavaNextImageProcessor"})
+
+
+@pytest.mark.parametrize("setting", [
+    {"do_resize": False, "crop_size": {"height": 28, "width": 28}},
+    {"do_resize": False, "crop_size": {"height": 12, "width": 40}},
+    {"size": {"shortest_edge": 20}, "crop_size": {"height": 28, "width": 25}},
+])
+def test_crop_larger_than_the_image_pads_as_transformers(setting):
+    """Guards a center crop larger than the (resized) image: zero-padded around it as transformers'
+    center_crop pads, the same pixels as CLIPImageProcessor, never an error or a short array."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = transformers.CLIPImageProcessor(**setting)
+    ours = ImageProcessor.from_dict(setting)
+    for image in (random_image(1, (17, 9)), random_image(2, (21, 30), "RGBA")):
+        expected = reference(image, return_tensors="np")["pixel_values"][0]
+        np.testing.assert_allclose(ours(image), expected, rtol=0, atol=1e-6)
+
+
+def test_bad_preprocessor_values_are_value_errors():
+    """Guards preprocessor_config.json's values: a scalar mean and std broadcast to the three
+    channels as in transformers; a value of the wrong kind is a ValueError naming its key, at load
+    rather than as a TypeError at the first request."""
+    image = random_image(3, (40, 30))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = transformers.CLIPImageProcessor(image_mean=0.5, image_std=0.25)
+    expected = reference(image, return_tensors="np")["pixel_values"][0]
+    got = ImageProcessor.from_dict({"image_mean": 0.5, "image_std": 0.25})(image)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+    bad = [({"size": {"shortest_edge": "336"}}, "size.shortest_edge"), ({"size": [336]}, "size"),
+           ({"crop_size": {"height": 0, "width": 4}}, "crop_size.height"),
+           ({"rescale_factor": "x"}, "rescale_factor"),
+           ({"image_mean": [0.5, 0.5]}, "image_mean"), ({"image_std": "0.5"}, "image_std"),
+           ({"do_resize": "yes"}, "do_resize"), ({"resample": 9}, "resample"),
+           ({"do_center_crop": True, "crop_size": None, "image_processor_type": "SiglipImageProcessor"},
+            "crop_size")]
+    for config, key in bad:
+        with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+            ImageProcessor.from_dict(config)
+
+
+def test_image_size_need_not_be_a_multiple_of_patch_size(tmp_path):
+    """Guards towers like SigLIP so400m-patch14-384 (384 / 14 = 27.4): transformers' convolution
+    keeps the whole patches, floor(30 / 7)^2 = 16 here, and so does ours: the same features."""
+    hf = random_llava(vision_config("siglip_vision_model") | {"image_size": 30},
+                      vision_feature_select_strategy="full", vision_feature_layer=-1)
+    hf.save_pretrained(tmp_path)
+    encoder = load_image_encoder(tmp_path, LlavaConfig.from_pretrained(tmp_path), TEXT["hidden_size"],
+                                 dtype=torch.float32, device="cpu")
+    pixels = torch.randn(2, 3, 30, 30)
+    with torch.no_grad():
+        expected = torch.stack(hf.model.get_image_features(pixels).pooler_output)
+        got = encoder(pixels)
+    assert got.shape == expected.shape == (2, 16, TEXT["hidden_size"])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_legacy_position_ids_buffer_is_skipped(tmp_path, llava):
+    """Guards CLIP dumps from transformers < 4.31, which hold the `embeddings.position_ids` buffer:
+    the checkpoint loads (as in transformers) and the model serves transformers' greedy tokens."""
+    from safetensors.torch import load_file, save_file
+
+    hf, model_dir = llava
+    tensors = load_file(model_dir / "model.safetensors")
+    [name] = [n for n in tensors if n.endswith("embeddings.position_embedding.weight")]
+    tensors[name.replace("position_embedding.weight", "position_ids")] = torch.arange(17)[None]
+    for path in model_dir.iterdir():
+        if path.name != "model.safetensors":
+            (tmp_path / path.name).write_bytes(path.read_bytes())
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    text, images = PROMPTS[0]
+    _, expected, gaps = llava_greedy(hf, model_dir, text, images)
+    [output] = LLM(str(tmp_path), dtype="float32").generate(as_prompt(text, images), greedy(), use_tqdm=False)
+    assert_same_tokens([expected], gaps[None], [list(output.outputs[0].token_ids)], "position_ids")
+
+
+def test_granite_text_model_is_refused():
+    """Guards llava with a Granite language model: transformers multiplies the image rows by
+    embedding_multiplier too, which the engine's image rows would miss, so it is a ValueError
+    naming text_config.model_type rather than wrong tokens."""
+    granite = TEXT | {"model_type": "granite", "embedding_multiplier": 12.0}
+    config = transformers.LlavaConfig(vision_config=vision_config(), text_config=granite).to_dict()
+    with pytest.raises(ValueError, match="text_config.model_type 'granite'"):
+        LlavaConfig.from_hf_dict(config)
+    assert LlavaConfig.from_hf_dict(config | {"text_config": TEXT}).image_token_index == 32000
+
+
+def test_server_counts_the_image_tokens(llava, llava_server):
+    """Guards the server's accounting of images: the context check counts each image's expanded
+    tokens (a 400 with OpenAI's context code, as vLLM checks the processed prompt, not a cut-short
+    reply), every streamed chunk's usage counts them as the reply's does, the plain-string image_url form is
+    taken (as vLLM takes it), and an image token typed as text is a 400 naming the field it is in."""
+    client = openai.OpenAI(base_url=llava_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    url = data_url(random_image(9))
+    content = [{"type": "text", "text": "What? "}, {"type": "image_url", "image_url": url}]
+    messages = [{"role": "user", "content": content}]
+    rendered = httpx.post(llava_server.url + "/tokenize", json={
+        "model": MODEL_NAME, "messages": messages, "add_generation_prompt": True}).json()
+    num_prompt_tokens = rendered["count"] + NUM_IMAGE_TOKENS - 1
+    room = rendered["max_model_len"] - num_prompt_tokens
+    with pytest.raises(openai.BadRequestError) as error:  # fits unexpanded, not expanded
+        client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=room + 1)
+    assert error.value.code == "context_length_exceeded"
+    assert f"{num_prompt_tokens} in the prompt" in str(error.value)
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2, temperature=0)
+    stream = client.chat.completions.create(  # vLLM's continuous_usage_stats: usage in every chunk
+        model=MODEL_NAME, messages=messages, max_tokens=2, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True})
+    usages = {chunk.usage.prompt_tokens for chunk in stream}
+    assert reply.usage.prompt_tokens == num_prompt_tokens and usages == {num_prompt_tokens}
+    typed = [{"role": "user", "content": [{"type": "text", "text": "look: <image>"},
+                                          {"type": "image_url", "image_url": url}]}]
+    calls = [
+        ("messages", lambda: client.chat.completions.create(model=MODEL_NAME, messages=typed, max_tokens=2)),
+        ("prompt", lambda: client.completions.create(model=MODEL_NAME, prompt="a <image>", max_tokens=2)),
+        ("input", lambda: client.responses.create(model=MODEL_NAME, input="a <image>", max_output_tokens=2)),
+    ]
+    for param, call in calls:
+        with pytest.raises(openai.BadRequestError) as error:
+            call()
+        assert error.value.body["param"] == param and "image placeholder" in str(error.value)
+
+
+# ---- Engine: image sizes, the shared encoder cache, off-thread preprocessing (review A's findings) --
+
+
+def test_costly_images_and_truncated_placeholders_are_value_errors(llava, monkeypatch):
+    """Guards the size checks before preprocessing: an empty image, one thinner than 200:1 (a 1 x
+    20000 one would resize to 28 x 560000 here) and one of 1:40 (under 200:1 but resized to 28 x
+    1120, past 32 tower inputs) are ValueErrors naming the image and its size, while 1:30 passes;
+    a prompt whose placeholder truncate_prompt_tokens cut says so; an image past Pillow's
+    MAX_IMAGE_PIXELS is refused from its header (Pillow only warns up to twice that)."""
+    hf, model_dir = llava
+    llm = LLM(str(model_dir), dtype="float32")
+    cases = [((0, 5), "image 1 \\(0x5\\) is empty"), ((1, 20000), "image 1 \\(1x20000\\): its aspect ratio"),
+             ((40, 1), "image 1 \\(40x1\\)"), ((1, 40), "image 1 \\(1x40\\) would be resized to 28x1120")]
+    for size, match in cases:
+        images = [random_image(1), PIL.Image.new("RGB", size)]
+        with pytest.raises(ValueError, match=match):
+            llm.generate(as_prompt("<image> and <image>", images), greedy(), use_tqdm=False)
+    [output] = llm.generate(as_prompt("<image>", [random_image(2, (1, 30))]), greedy(1), use_tqdm=False)
+    assert output.outputs[0].token_ids
+    truncated = SamplingParams(max_tokens=1, truncate_prompt_tokens=3)
+    with pytest.raises(ValueError, match="0 image placeholder.*truncate_prompt_tokens cuts the prompt"):
+        llm.generate(as_prompt("<image> is what I mean", [random_image(1)]), truncated, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
+        with pytest.raises(ValueError, match="the image is 40x40, more than 1000 pixels"):
+            llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {
+                "url": data_url(random_image(1, (40, 40)))}}]}], greedy(), use_tqdm=False)
+
+
+def test_images_are_encoded_once_per_content_in_bounded_batches(llava, reference):
+    """Guards the encoder cache keyed by content: n=3 completions of a prompt, and another prompt
+    with the same image, encode it once; a step's images go to the encoder at most
+    `max_batch_images` at a time; every completion has transformers' tokens; nothing stays cached."""
+    hf, model_dir = llava
+    ids, expected, gaps = reference
+    llm = LLM(str(model_dir), dtype="float32")
+    embedder = llm.engine.runner.image_embedder
+    embedder.max_batch_images = 2
+    batches = []
+    embedder.encoder.register_forward_hook(lambda module, args, out: batches.append(out.shape[0]))
+    prompts = [as_prompt(*PROMPTS[0]), as_prompt(*PROMPTS[1]), as_prompt(*PROMPTS[4]), as_prompt(*PROMPTS[0])]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=3)] + [greedy()] * 3
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    print(f"encoder batches: {batches}")
+    assert sum(batches) == 4 and max(batches) == 2  # the 2 + 1 + 1 distinct images
+    got = [list(c.token_ids) for o in outputs for c in o.outputs]
+    rows = [0, 0, 0, 1, 4, 0]
+    assert_same_tokens([expected[i] for i in rows], gaps[rows], got, "shared images")
+    assert embedder.num_cached == 0
+
+
+def test_aborting_mid_image_frees_its_encoder_cache_entry(llava):
+    """Guards the release on abort: a request whose 8-token chunk ended inside its image holds the
+    image's embeddings, and its abort frees them at once (not at a later step)."""
+    _, model_dir = llava
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_num_batched_tokens=8))
+    engine.add_request("a", "<image> hello", greedy(), images=[random_image(1)])
+    engine.step()
+    assert engine.runner.image_embedder.num_cached == 1
+    engine.abort_request("a")
+    assert engine.runner.image_embedder.num_cached == 0
+
+
+def test_async_engine_preprocesses_images_off_the_engine_thread(llava, reference):
+    """Guards the async engine's preprocessing in a worker thread: a prompt too long once its
+    placeholders are expanded is refused before its images are preprocessed, the engine thread
+    never runs the image processor, and the tokens are transformers'."""
+    hf, model_dir = llava
+    ids, expected, gaps = reference
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32"))
+    threads = []
+
+    class ThreadRecordingProcessor(ImageProcessor):
+        def __call__(self, image):
+            threads.append(threading.current_thread().name)
+            return super().__call__(image)
+
+    prompts = engine.image_prompts
+    prompts.processor = ThreadRecordingProcessor(**dataclasses.asdict(prompts.processor))
+    text, images = PROMPTS[1]
+
+    async def main():
+        loop_engine = AsyncEngine(engine, max_waiting=4)
+        loop_engine.start()
+        too_long = engine.tokenize(text) + [5] * (engine.limits.max_model_len - 20)
+        with pytest.raises(ValueError, match="context length"):
+            await loop_engine.add({"long": too_long}, greedy(), images=images,
+                                  arrival_time_s=time.monotonic())
+        assert not threads
+        stream = await loop_engine.add({"r": engine.tokenize(text)}, greedy(), images=images,
+                                       arrival_time_s=time.monotonic())
+        while not stream.finished:
+            [output] = await stream.get()
+        await loop_engine.stop()
+        return output
+
+    output = asyncio.run(main())
+    assert len(threads) == 2 and "slipstream-engine" not in threads, threads
+    assert_same_tokens([expected[1]], gaps[[1]], [list(output.outputs[0].token_ids)], "async engine")
+
+
+@pytest.mark.parametrize("engine_args", [
+    {"num_scheduler_steps": 4},
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
+                            "prompt_lookup_min": 1}},
+], ids=["multi-step", "speculative"])
+def test_last_prompt_token_is_an_image_placeholder_after_a_hit(llava, engine_args):
+    """Guards Engine._num_greedy_steps' images_end check: a 17-token prompt ending in its image, run
+    twice, leaves one image placeholder to compute after the prefix-cache hit; neither the
+    multi-step nor the speculative path (which take token ids only) may take that chunk."""
+    hf, model_dir = llava
+    text, images = "x<image>", [random_image(1)]
+    ids, expected, gaps = llava_greedy(hf, model_dir, text, images)
+    llm = LLM(str(model_dir), dtype="float32", **engine_args)
+    llm.generate(as_prompt(text, images), greedy(), use_tqdm=False)
+    [again] = llm.generate(as_prompt(text, images), greedy(), use_tqdm=False)
+    assert len(ids) == 17 and again.num_cached_tokens == 16
+    assert_same_tokens([expected], gaps[None], [list(again.outputs[0].token_ids)], str(engine_args))
+
+
+def test_preemption_frees_the_encoder_cache_entries_it_held(llava):
+    """Guards the release on preemption: under an 8-block KV cache and a 12-token budget requests
+    are preempted inside their images; after every step the encoder cache holds exactly the images
+    that running requests are part-way through (none of a preempted one's), and at the end none."""
+    _, model_dir = llava
+    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", max_model_len=128,
+                                 kv_cache_memory=8 * 16 * 512, max_num_batched_tokens=12))
+    for index, (text, images) in enumerate(PROMPTS):
+        engine.add_request(str(index), text, greedy(), images=images)
+    embedder = engine.runner.image_embedder
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        running = engine.scheduler._running  # the scheduler's running requests, in their present state
+        inside = {image.content_hash for request in running for image in request.images
+                  if image.offset < request.num_computed_tokens < image.end}
+        assert embedder.num_cached == len(inside)
+        checked += bool(inside)
+    print(f"preemptions: {engine.scheduler.num_preemptions}, steps inside an image: {checked}")
+    assert engine.scheduler.num_preemptions > 0 and checked > 0 and embedder.num_cached == 0
+
+
+def test_image_encoder_runs_in_the_forward_phase(llava):
+    """Guards the encoder's time in the step's `runner: forward` profiler phase: every convolution
+    (the tower's patch embedding; the language model has none) lies inside one of its ranges."""
+    _, model_dir = llava
+    llm = LLM(str(model_dir), dtype="float32")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        llm.generate(as_prompt(*PROMPTS[1]), greedy(1), use_tqdm=False)
+    events = profile.events()
+    forwards = [e.time_range for e in events if e.name == FORWARD_PHASE]
+    convolutions = [e.time_range for e in events if e.name == "aten::convolution"]
+    assert forwards and convolutions
+    for conv in convolutions:
+        assert any(f.start <= conv.start and conv.end <= f.end for f in forwards)

@@ -7,8 +7,12 @@ tower and projector (`vision.ImageEncoder`).
 The weight layouts read: transformers 5's in memory (`model.vision_tower.*`,
 `model.multi_modal_projector.*`), as it saves them (`vision_tower.*`, `multi_modal_projector.*`)
 and the Hub's older checkpoints (`vision_tower.vision_model.*`). Tensors the encoder never uses
-(the layers past the deepest feature layer, the vision tower's final norm, SigLIP's pooling head)
-are skipped.
+(the layers past the deepest feature layer, the vision tower's final norm, SigLIP's pooling head,
+old CLIP dumps' `position_ids` buffer) are skipped.
+
+A Granite language model is refused: transformers multiplies all its input embeddings, the images'
+rows too, by `embedding_multiplier` inside the text model, where slipstream scales only the token
+embeddings and puts the images' rows in place after.
 """
 
 from __future__ import annotations
@@ -42,8 +46,16 @@ _LLAVA_VISION_DEFAULTS = {"hidden_size": 1024, "intermediate_size": 4096, "num_h
 
 SELECT_STRATEGIES = ("default", "full")
 
+_UNSCALED_IMAGE_ROWS = ("granite",)
+"""Text families whose transformers model scales all its input embeddings, image rows included,
+where slipstream's `Decoder.embed` scales only the token embeddings (Gemma scales inside its
+embedding table in both, so its image rows stay unscaled in both)."""
+
 _ENCODER_TENSOR = re.compile(r"(?:model\.)?(vision_tower\.|multi_modal_projector\.)(?:vision_model\.)?(.+)")
-_UNUSED = re.compile(r"vision_tower\.(?:post_layernorm|head)\..+")
+_UNUSED = re.compile(r"vision_tower\.(?:post_layernorm\..+|head\..+|embeddings\.position_ids)")
+"""Stored tensors the encoder has no use for: the final norm, SigLIP's pooling head, and the
+`position_ids` buffer that CLIP checkpoints saved before transformers 4.31 hold (0, 1, ... in
+order, which the position embedding's rows already are)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,6 +93,11 @@ class LlavaConfig:
         if not isinstance(layers, list) or not layers or not all(
                 isinstance(i, int) and not isinstance(i, bool) for i in layers):
             raise ValueError(f"vision_feature_layer must be an integer or a list of them, got {layers!r}")
+        text = d.get("text_config")
+        if isinstance(text, dict) and text.get("model_type") in _UNSCALED_IMAGE_ROWS:
+            raise ValueError(f"text_config.model_type {text['model_type']!r} is not supported for llava "
+                             "checkpoints: transformers scales the image embeddings by its "
+                             "embedding_multiplier, which slipstream's image rows would miss")
         index = d.get("image_token_index", d.get("image_token_id", 32000))
         fields = {"vision_feature_select_strategy": "default", "projector_hidden_act": "gelu",
                   "multimodal_projector_bias": True}

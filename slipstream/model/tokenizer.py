@@ -2,13 +2,14 @@
 
 `Tokenizer` wraps a `tokenizers.Tokenizer` and reads the few things a model directory adds around
 it: named special tokens and the chat template (`tokenizer_config.json`, `chat_template.jinja`,
-`additional_chat_templates/`) and the end-of-sequence ids (`generation_config.json`). It renders
-chat templates the way `transformers` does, so prompts are byte-identical to a Hugging Face
-tokenizer's, and it answers the calls that vLLM scripts make on `llm.get_tokenizer()` (which in vLLM
-is a transformers tokenizer) with transformers' defaults and results: `tokenizer(text)`, `decode`,
-`batch_decode`, `convert_ids_to_tokens`, `convert_tokens_to_ids`, `len(tokenizer)`, the special
-tokens and their ids; `tokenizer(texts, padding=..., truncation=..., max_length=...)` pads and
-truncates as transformers does (on `padding_side` and `truncation_side`).
+`additional_chat_templates/`, a multimodal processor's `chat_template.json`) and the
+end-of-sequence ids (`generation_config.json`). It renders chat templates the way `transformers`
+does, so prompts are byte-identical to a Hugging Face tokenizer's, and it answers the calls that
+vLLM scripts make on `llm.get_tokenizer()` (which in vLLM is a transformers tokenizer) with
+transformers' defaults and results: `tokenizer(text)`, `decode`, `batch_decode`,
+`convert_ids_to_tokens`, `convert_tokens_to_ids`, `len(tokenizer)`, the special tokens and their
+ids; `tokenizer(texts, padding=..., truncation=..., max_length=...)` pads and truncates as
+transformers does (on `padding_side` and `truncation_side`).
 `IncrementalDetokenizer` turns a stream of generated ids into valid UTF-8 text deltas.
 `train_tokenizer` trains a byte-level BPE with ChatML special tokens on a corpus of files.
 
@@ -196,8 +197,9 @@ class Tokenizer:
             ]
         elif self.chat_template is not None:
             config["chat_template"] = self.chat_template
-        if (model_dir / "chat_template.jinja").exists():
-            logger.warning("%s has a chat_template.jinja, overriding the saved one", model_dir)
+        for name in ("chat_template.json", "chat_template.jinja"):
+            if (model_dir / name).exists():
+                logger.warning("%s has a %s, overriding the saved one", model_dir, name)
         text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
         (model_dir / "tokenizer_config.json").write_text(text, encoding="utf-8")
 
@@ -867,7 +869,14 @@ def _as_id_list(value: Any, what: str) -> list[int]:
 
 
 def _read_chat_templates(model_dir: Path, config: dict[str, Any]) -> str | dict[str, str] | None:
-    """The chat template(s); template files take priority over `tokenizer_config.json`."""
+    """The chat template(s); template files take priority over `tokenizer_config.json`. A
+    multimodal processor's `chat_template.json` ({"chat_template": source}, where llava-hf
+    checkpoints keep theirs) comes first, as transformers' processor reads it before
+    `chat_template.jinja` (and refuses it next to `additional_chat_templates/`) and vLLM renders
+    with the processor's template."""
+    legacy = _read_processor_chat_template(model_dir)
+    if legacy is not None:
+        return legacy
     templates: dict[str, str] = {}
     if (model_dir / "chat_template.jinja").is_file():
         templates["default"] = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
@@ -885,3 +894,20 @@ def _read_chat_templates(model_dir: Path, config: dict[str, Any]) -> str | dict[
             raise ValueError(f"chat_template in {model_dir}/tokenizer_config.json must be a string "
                              f"or a list of {{name, template}}, got {type(configured).__name__}")
     return templates["default"] if list(templates) == ["default"] else templates
+
+
+def _read_processor_chat_template(model_dir: Path) -> str | None:
+    """The template of `model_dir/chat_template.json`, None where there is no such file."""
+    path = model_dir / "chat_template.json"
+    if not path.is_file():
+        return None
+    if (model_dir / "additional_chat_templates").is_dir():
+        raise ValueError(f"{model_dir} has both chat_template.json and additional_chat_templates/, which "
+                         "transformers refuses: replace chat_template.json by chat_template.jinja")
+    try:
+        template = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(template, dict) or not isinstance(template.get("chat_template"), str):
+        raise ValueError(f"{path} must be an object whose chat_template is a string, got {template!r:.200}")
+    return template["chat_template"]

@@ -75,9 +75,6 @@ class VisionConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"vision_config.hidden_size ({self.hidden_size}) must be a multiple of "
                              f"num_attention_heads ({self.num_attention_heads})")
-        if self.image_size % self.patch_size:
-            raise ValueError(f"vision_config.image_size ({self.image_size}) must be a multiple of "
-                             f"patch_size ({self.patch_size})")
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"vision_config.hidden_act must be one of {', '.join(ACTIVATIONS)}, "
                              f"got {self.hidden_act!r}")
@@ -88,6 +85,8 @@ class VisionConfig:
 
     @property
     def num_patches(self) -> int:
+        """Whole patches per image: the strided convolution drops a remainder of fewer than
+        patch_size pixels at the right and bottom (SigLIP so400m's 384 / 14 gives 27 x 27)."""
         return (self.image_size // self.patch_size) ** 2
 
 

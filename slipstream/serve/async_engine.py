@@ -28,6 +28,7 @@ import PIL.Image
 
 from slipstream.serve.engine import Engine
 from slipstream.serve.lora import LoRARequest
+from slipstream.serve.multimodal import ProcessedImage
 from slipstream.serve.pooling import EmbeddingRequestOutput, PoolingParams
 from slipstream.serve.request import RequestOutput, RequestStatus, SamplingParams
 
@@ -78,8 +79,8 @@ class _Add:
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    images: Sequence[PIL.Image.Image] = ()
-    """Every prompt's images (a chat's: it has one prompt)."""
+    images: Sequence[ProcessedImage] = ()
+    """Every prompt's images (a chat's: it has one prompt), preprocessed off the engine thread."""
 
     @property
     def num_sequences(self) -> int:
@@ -233,12 +234,17 @@ class AsyncEngine:
 
         Raises `Overloaded` when they would take the waiting queue past `max_waiting`, ValueError
         when they could never fit in it, and the engine's ValueError for input it rejects (then
-        none of them is queued)."""
+        none of them is queued). Images are checked and preprocessed in a worker thread
+        (`Engine.process_images`), so that the engine thread's steps never wait on them."""
         if self._stopping:
             raise Overloaded("the engine is stopping")
+        if images:
+            truncate = params.truncate_prompt_tokens if isinstance(params, SamplingParams) else None
+            images = await asyncio.to_thread(self.engine.process_images, list(prompts.values()), images,
+                                             truncate)
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         command = _Add(prompts, params, arrival_time_s, accepted, priority, cache_salt, lora_request,
-                       chat_template_kwargs, images)
+                       chat_template_kwargs, tuple(images))
         num_sequences = command.num_sequences
         if num_sequences > self.max_waiting:
             per_prompt = num_sequences // len(prompts)

@@ -46,7 +46,7 @@ from slipstream.serve.fsm import compile_pattern
 from slipstream.serve.kv_cache import BlockTables, blocks_held
 from slipstream.serve.kv_groups import KVCacheGroups, group_layers
 from slipstream.serve.lora import LoRARequest
-from slipstream.serve.multimodal import ImageEmbedder, ImagePrompts
+from slipstream.serve.multimodal import ImageEmbedder, ImagePrompts, ProcessedImage
 from slipstream.serve.outputs import PromptOutput, SequenceOutput
 from slipstream.serve.pooling import EmbeddingRequestOutput, Pool, PoolerConfig, PoolingJob, PoolingParams
 from slipstream.serve.profiler import (
@@ -451,7 +451,7 @@ class Engine:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
-        images: Sequence[PIL.Image.Image] = (),
+        images: Sequence[PIL.Image.Image | ProcessedImage] = (),
     ) -> None:
         """Queue a prompt (text or token ids); invalid input is a ValueError naming the problem.
 
@@ -465,7 +465,8 @@ class Engine:
         parser reads as the server's does: with Qwen3's enable_thinking false a constrained reply
         is all answer, constrained from its first token, whatever the template made of the flag.
         `images` (a multimodal model's) go where the prompt has the image token, one each, in order
-        (multimodal.py).
+        (multimodal.py); they are preprocessed once the prompt has passed its checks, unless
+        `process_images` made them already.
         """
         if self.pooler is not None:
             raise ValueError("this engine embeds (runner='pooling'): it takes add_embedding_request")
@@ -475,8 +476,8 @@ class Engine:
         if request_id in self._prompts:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else prompt_text
-        token_ids = self.tokenize(prompt, params.truncate_prompt_tokens)
-        token_ids, image_inputs = self._with_images(token_ids, images)
+        token_ids, image_offsets = self._expand_images(self.tokenize(prompt, params.truncate_prompt_tokens),
+                                                       images, params.truncate_prompt_tokens)
         token_ids = validate_prompt_token_ids(token_ids, vocab_size=self.limits.vocab_size,
                                               max_model_len=self.limits.max_model_len)
         bad_words = bad_words_token_ids(
@@ -494,6 +495,7 @@ class Engine:
                              stream=stream)
         guide = None if params.structured_outputs is None else self._guide(params.structured_outputs)
         lora_id = self._lora_id(lora_request)
+        image_inputs = self.image_prompts.inputs(image_offsets, images) if images else ()
         requests = [self._completion_request(entry, params, index, priority, bad_words, guide, lora_id,
                                              image_inputs) for index in range(params.n)]
         if guide is not None and self._reasons_first(token_ids, chat_template_kwargs):
@@ -618,17 +620,34 @@ class Engine:
         spelled = self.tokenizer.tokens_bytes(range(num_tokens))
         return Vocabulary([None if token_id in specials else data for token_id, data in enumerate(spelled)])
 
-    def _with_images(
-        self, token_ids: list[int], images: Sequence[PIL.Image.Image]
-    ) -> tuple[list[int], tuple[ImageInput, ...]]:
-        """A multimodal model's prompt with its image placeholders expanded, and its images; a
-        text model's as it is (and images for it are a ValueError)."""
+    def process_images(
+        self, prompts: Iterable[Sequence[int]], images: Sequence[PIL.Image.Image | ProcessedImage],
+        truncate_prompt_tokens: int | None = None,
+    ) -> tuple[ProcessedImage, ...]:
+        """What `add_request` does to the images of token-id prompts, for a caller to do before it,
+        off the engine thread (the async engine does, in a worker thread: nothing here reads what a
+        step changes): each prompt's placeholders counted and expanded and its length checked,
+        then the images' sizes checked, and only then are they preprocessed and hashed. ValueError
+        as `add_request`'s; `add_request` takes the result as its `images`."""
+        for prompt in prompts:
+            token_ids, _ = self._expand_images(self.tokenize(prompt, truncate_prompt_tokens), images,
+                                               truncate_prompt_tokens)
+            validate_prompt_token_ids(token_ids, vocab_size=self.limits.vocab_size,
+                                      max_model_len=self.limits.max_model_len)
+        return self.image_prompts.process(images) if images else ()
+
+    def _expand_images(
+        self, token_ids: list[int], images: Sequence[PIL.Image.Image | ProcessedImage],
+        truncate_prompt_tokens: int | None,
+    ) -> tuple[list[int], list[int]]:
+        """A multimodal model's prompt with its image placeholders expanded, and the offset of
+        each image's; a text model's as it is (and images for it are a ValueError)."""
         if self.image_prompts is None:
             if images:
                 raise ValueError(f"multi_modal_data: this model ({self.model_config.model_type}, "
                                  f"{self.config.model}) takes no images")
-            return token_ids, ()
-        return self.image_prompts.expand(token_ids, images)
+            return token_ids, []
+        return self.image_prompts.expand(token_ids, images, truncated=truncate_prompt_tokens is not None)
 
     def _completion_request(
         self, entry: PromptOutput, params: SamplingParams, index: int, priority: int,
@@ -739,6 +758,7 @@ class Engine:
             if entry is None:
                 continue
             requests = {r.request_id: r for r in self.scheduler.abort(entry.internal_ids)}
+            self._release_images(entry.internal_ids)
             for internal_id, sequence in zip(entry.internal_ids, entry.sequences, strict=True):
                 running = self._sequences.pop(internal_id, None) is not None
                 sequence.finish(reason)
@@ -838,6 +858,11 @@ class Engine:
         self._evict_adapters()
         return run.outputs
 
+    def _release_images(self, request_ids: Sequence[str]) -> None:
+        """Aborted or preempted requests hold no images in the runner's encoder cache any more."""
+        if self.runner.image_embedder is not None and request_ids:
+            self.runner.image_embedder.release(request_ids)
+
     def _evict_adapters(self) -> None:
         """Unload the adapters no request uses beyond max_cpu_loras, and removed ones whose last
         request has ended."""
@@ -847,6 +872,7 @@ class Engine:
     def _step(self) -> _StepRun:
         with phase(SCHEDULE_PHASE):
             plan = self.scheduler.schedule()
+            self._release_images(plan.preempted_request_ids)
         if not plan.chunks:
             return _StepRun([], plan, 0)
         if self.pooler is not None:

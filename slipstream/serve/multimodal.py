@@ -4,55 +4,92 @@ images decoded and preprocessed, and the image encoder run for the runner.
 A prompt names where each image goes by one image token (`<image>`, the checkpoint's
 `image_token_index`) in its text or token ids; `ImagePrompts.expand` repeats each to the number of
 embeddings the encoder makes per image (vLLM's prompt replacement), so that the request's positions
-[offset, offset + length) are the image's, and records each image as an `ImageInput` (placeholder
-range, preprocessed pixels, a content hash of them). The runner's `ImageEmbedder` computes an
-image's embeddings the first time a step's chunk covers any of its placeholders, keeps them while
-the request's prefill goes on step after step (a chunk may end inside an image), and hands the
-language model those rows as its input embeddings at the placeholder positions.
+[offset, offset + length) are the image's, and refuses images whose size would make preprocessing
+costly (empty, too thin, or resized to many times the tower's input). `ImagePrompts.process`
+preprocesses and hashes them (off the engine thread where the async engine serves), and each
+becomes an `ImageInput` (placeholder range, preprocessed pixels, a content hash of them). The
+runner's `ImageEmbedder` computes an image's embeddings the first time a step's chunk covers any of
+its placeholders, once for every request holding the same image, keeps them while the requests'
+prefills go on step after step (a chunk may end inside an image), and hands the language model
+those rows as its input embeddings at the placeholder positions.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import PIL.Image
 import torch
 
-from slipstream.model.image_processor import ImageProcessor, decode_image, pixel_hash
+from slipstream.model.image_processor import ImageProcessor, decode_image, pixel_hash, shortest_edge_size
 from slipstream.model.llava import LlavaConfig
 from slipstream.model.vision import ImageEncoder
 from slipstream.serve.request import ImageInput
 from slipstream.serve.scheduler import ScheduledChunk
 
+MAX_ASPECT_RATIO = 200
+"""The longest side of an image over its shortest, at most (Qwen2-VL's processor refuses past 200
+too): a tower sees a square, so an image thinner than this carries nearly nothing it can see, and
+its aspect-preserving resize grows with the ratio (a 1 x 20000 image to 336 x 6.7M pixels)."""
+
+MAX_RESIZE_PIXELS = 32
+"""The resize target of an image (before the center crop) may have at most this many times the
+tower input's pixels, so that preprocessing's memory and time stay within that many tower
+inputs' worth."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProcessedImage:
+    """An image as the encoder takes it, made by `ImagePrompts.process` (on the async engine's
+    worker thread, so that the engine thread never resizes or hashes an image)."""
+
+    pixel_values: torch.Tensor
+    """A (3, H, W) float32 tensor."""
+    content_hash: str
+    """Of the pixel values (`pixel_hash`): the encoder cache's key and the prefix cache's."""
+
 
 class ImagePrompts:
-    """A multimodal checkpoint's prompt side: its image token, the processor, tokens per image."""
+    """A multimodal checkpoint's prompt side: its image token, the processor, tokens per image,
+    and the tower's input side (`image_size`), which bounds what an image may resize to."""
 
-    def __init__(self, processor: ImageProcessor, image_token_id: int, num_image_tokens: int) -> None:
+    def __init__(self, processor: ImageProcessor, image_token_id: int, num_image_tokens: int,
+                 image_size: int) -> None:
         self.processor = processor
         self.image_token_id = image_token_id
         self.num_image_tokens = num_image_tokens
+        self.image_size = image_size
 
     @classmethod
     def from_pretrained(
         cls, model_dir: str | Path, config: LlavaConfig, num_image_tokens: int
     ) -> ImagePrompts:
         return cls(ImageProcessor.from_pretrained(model_dir, config.vision), config.image_token_index,
-                   num_image_tokens)
+                   num_image_tokens, config.vision.image_size)
 
     def expand(
-        self, token_ids: Sequence[int], images: Sequence[PIL.Image.Image]
-    ) -> tuple[list[int], tuple[ImageInput, ...]]:
-        """The prompt with each image token repeated `num_image_tokens` times, and its images in
-        prompt order. As many images as image tokens, else a ValueError naming both counts."""
+        self, token_ids: Sequence[int], images: Sequence[PIL.Image.Image | ProcessedImage], *,
+        truncated: bool = False,
+    ) -> tuple[list[int], list[int]]:
+        """The prompt with each image token repeated `num_image_tokens` times, and the offset of
+        each image's placeholders in it, in prompt order; cheap (no image is processed), so that a
+        prompt is refused before its images are. As many images as image tokens, else a
+        ValueError naming both counts (`truncated`: the prompt was cut by truncate_prompt_tokens,
+        which the error says); an image of a size `check_size` refuses is a ValueError too."""
         num_placeholders = sum(1 for token_id in token_ids if token_id == self.image_token_id)
         if num_placeholders != len(images):
+            note = (" (truncate_prompt_tokens cuts the prompt before its image placeholders are expanded, "
+                    "so it may cut placeholders off)") if truncated else ""
             raise ValueError(f"multi_modal_data: the prompt has {num_placeholders} image placeholder(s) "
-                             f"(token id {self.image_token_id}) but {len(images)} image(s) were given")
+                             f"(token id {self.image_token_id}) but {len(images)} image(s) were given{note}")
+        for index, image in enumerate(images):
+            if isinstance(image, PIL.Image.Image):
+                self.check_size(image, index)
         expanded: list[int] = []
         offsets = []
         for token_id in token_ids:
@@ -61,12 +98,50 @@ class ImagePrompts:
                 expanded += [token_id] * self.num_image_tokens
             else:
                 expanded.append(token_id)
-        inputs = []
-        for offset, image in zip(offsets, images, strict=True):
-            pixels = self.processor(image)
-            inputs.append(ImageInput(offset=offset, length=self.num_image_tokens,
-                                     content_hash=pixel_hash(pixels), pixel_values=torch.from_numpy(pixels)))
-        return expanded, tuple(inputs)
+        return expanded, offsets
+
+    def check_size(self, image: PIL.Image.Image, index: int) -> None:
+        """A ValueError naming image `index` and its size where it is empty, thinner than
+        MAX_ASPECT_RATIO allows, or resizes to more than MAX_RESIZE_PIXELS tower inputs."""
+        width, height = image.size
+        where = f"multi_modal_data: image {index} ({width}x{height})"
+        if width < 1 or height < 1:
+            raise ValueError(f"{where} is empty")
+        if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+            raise ValueError(f"{where}: its aspect ratio is past {MAX_ASPECT_RATIO}")
+        target_width, target_height = self._resize_target(width, height)
+        if target_width * target_height > MAX_RESIZE_PIXELS * self.image_size**2:
+            side = self.image_size
+            raise ValueError(f"{where} would be resized to {target_width}x{target_height}, more than "
+                             f"{MAX_RESIZE_PIXELS} times the vision tower's {side}x{side} input: its "
+                             "aspect ratio is too far from the tower's square")
+
+    def _resize_target(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) the processor resizes an image of this size to (before the crop)."""
+        processor = self.processor
+        if processor.shortest_edge is not None:
+            return shortest_edge_size((width, height), processor.shortest_edge)
+        if processor.size is not None:
+            return processor.size[1], processor.size[0]
+        return width, height
+
+    def process(self, images: Sequence[PIL.Image.Image | ProcessedImage]) -> tuple[ProcessedImage, ...]:
+        """The images preprocessed and hashed (sizes checked first; processed ones as they are)."""
+        for index, image in enumerate(images):
+            if isinstance(image, PIL.Image.Image):
+                self.check_size(image, index)
+        return tuple(image if isinstance(image, ProcessedImage) else self._process(image) for image in images)
+
+    def _process(self, image: PIL.Image.Image) -> ProcessedImage:
+        pixels = self.processor(image)
+        return ProcessedImage(torch.from_numpy(pixels), pixel_hash(pixels))
+
+    def inputs(self, offsets: Sequence[int], images: Sequence[PIL.Image.Image | ProcessedImage]
+               ) -> tuple[ImageInput, ...]:
+        """The request's images at `offsets` (`expand`'s), processed where they are not yet."""
+        return tuple(ImageInput(offset=offset, length=self.num_image_tokens, content_hash=image.content_hash,
+                                pixel_values=image.pixel_values)
+                     for offset, image in zip(offsets, self.process(images), strict=True))
 
 
 def as_images(value: Any, where: str = "multi_modal_data['image']") -> list[PIL.Image.Image]:
@@ -98,17 +173,33 @@ def image_from_url(url: Any, where: str) -> PIL.Image.Image:
     return decode_image(data, where)
 
 
-class ImageEmbedder:
-    """The runner's image encoder and its cache: image embeddings by request and image index,
-    computed when a step first covers an image's placeholders and kept while the request's prefill
-    runs on; a request's entry is dropped once a step covers its last image, and so are the
-    entries of requests a step leaves out (preempted, finished or aborted ones), which compute
-    their images again should they return to them."""
+MAX_ENCODER_BATCH = 8
+"""Images the encoder runs at once: a step whose chunks start more images encodes them in several
+calls, so that the encoder's activations stay bounded whatever the step holds."""
 
-    def __init__(self, encoder: ImageEncoder, device: torch.device) -> None:
+
+class ImageEmbedder:
+    """The runner's image encoder and its cache of image embeddings, keyed by the images' content
+    hashes (vLLM's encoder cache): an image is encoded the first time a step covers any of its
+    placeholders, once however many requests hold it (the n completions of a prompt, other prompts
+    with the same image), in batches of at most `max_batch_images`, and kept while a request holds
+    it. A request holds an image from the first step that covers it until its prefill passes the
+    image's last placeholder (a chunk may end inside an image), or until it is preempted or aborted
+    (`release`, which the engine calls then); a request's prefill passes its images before it
+    samples, so a finished one holds none. An image nobody holds is dropped, and encoded again
+    should a request (a preempted one, back) cover it later."""
+
+    def __init__(self, encoder: ImageEncoder, device: torch.device,
+                 max_batch_images: int = MAX_ENCODER_BATCH) -> None:
         self.encoder = encoder
         self.device = device
-        self._cache: dict[str, dict[int, torch.Tensor]] = {}
+        self.max_batch_images = max_batch_images
+        self._cache: dict[str, torch.Tensor] = {}
+        """Embeddings, (tokens, D), by content hash."""
+        self._holders: dict[str, set[str]] = {}
+        """The ids of the requests holding each cached image."""
+        self._held: dict[str, set[str]] = {}
+        """The content hashes each request holds."""
 
     def inputs_embeds(
         self, chunks: Sequence[ScheduledChunk], token_ids: torch.Tensor, embed: Any
@@ -116,35 +207,57 @@ class ImageEmbedder:
         """The input embeddings of the step's flat batch of `token_ids` (`embed`: the language
         model's embedding) with the rows of image placeholders replaced by the images'; None when
         no chunk covers a placeholder."""
-        spans = [(row, chunk, index, image) for row, chunk in _rows(chunks)
-                 for index, image in enumerate(chunk.request.images)
+        spans = [(row, chunk, image) for row, chunk in _rows(chunks) for image in chunk.request.images
                  if image.offset < chunk.start + chunk.num_tokens and chunk.start < image.end]
-        in_step = {chunk.request.request_id for chunk in chunks}
-        self._cache = {request_id: cached for request_id, cached in self._cache.items()
-                       if request_id in in_step}
         if not spans:
             return None
-        self._encode([(chunk.request.request_id, index, image) for _, chunk, index, image in spans])
+        self._encode({image.content_hash: image for _, _, image in spans
+                      if image.content_hash not in self._cache})
+        for _, chunk, image in spans:
+            self._holders.setdefault(image.content_hash, set()).add(chunk.request.request_id)
+            self._held.setdefault(chunk.request.request_id, set()).add(image.content_hash)
         x = embed(token_ids[None])  # (1, N, D)
-        for row, chunk, index, image in spans:
+        for row, chunk, image in spans:
             lo, hi = max(chunk.start, image.offset), min(chunk.start + chunk.num_tokens, image.end)
-            rows = self._cache[chunk.request.request_id][index][lo - image.offset:hi - image.offset]
+            rows = self._cache[image.content_hash][lo - image.offset:hi - image.offset]
             x[0, row + lo - chunk.start:row + hi - chunk.start] = rows.to(x.dtype)
-        for chunk in chunks:
-            if chunk.start + chunk.num_tokens >= chunk.request.images_end:
-                self._cache.pop(chunk.request.request_id, None)
+        for chunk in {chunk.request.request_id: chunk for _, chunk, _ in spans}.values():
+            end = chunk.start + chunk.num_tokens
+            ahead = {image.content_hash for image in chunk.request.images if image.end > end}
+            self._drop(chunk.request.request_id, self._held[chunk.request.request_id] - ahead)
         return x
 
-    def _encode(self, wanted: list[tuple[str, int, ImageInput]]) -> None:
-        """Run the encoder once over the images of `wanted` not cached yet."""
-        missing = [(request_id, index, image) for request_id, index, image in wanted
-                   if index not in self._cache.get(request_id, {})]
-        if not missing:
-            return
-        pixels = torch.stack([image.pixel_values for _, _, image in missing]).to(self.device)
-        embeddings = self.encoder(pixels)  # (images, tokens, D)
-        for (request_id, index, _), rows in zip(missing, embeddings, strict=True):
-            self._cache.setdefault(request_id, {})[index] = rows
+    def release(self, request_ids: Iterable[str]) -> None:
+        """The requests hold no image any more (preempted or aborted ones)."""
+        for request_id in request_ids:
+            if request_id in self._held:
+                self._drop(request_id, set(self._held[request_id]))
+
+    @property
+    def num_cached(self) -> int:
+        """Images whose embeddings are kept."""
+        return len(self._cache)
+
+    def _drop(self, request_id: str, content_hashes: set[str]) -> None:
+        """`request_id` no longer holds `content_hashes`; those nobody holds leave the cache."""
+        held = self._held[request_id]
+        for content_hash in content_hashes:
+            held.discard(content_hash)
+            holders = self._holders[content_hash]
+            holders.discard(request_id)
+            if not holders:
+                del self._holders[content_hash], self._cache[content_hash]
+        if not held:
+            del self._held[request_id]
+
+    def _encode(self, missing: dict[str, ImageInput]) -> None:
+        """Encode the images of `missing` (by content hash), `max_batch_images` at a time."""
+        todo = list(missing.items())
+        for first in range(0, len(todo), self.max_batch_images):
+            batch = todo[first:first + self.max_batch_images]
+            pixels = torch.stack([image.pixel_values for _, image in batch]).to(self.device)
+            for (content_hash, _), rows in zip(batch, self.encoder(pixels), strict=True):  # (tokens, D) each
+                self._cache[content_hash] = rows
 
 
 def _rows(chunks: Sequence[ScheduledChunk]) -> list[tuple[int, ScheduledChunk]]:

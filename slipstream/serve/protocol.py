@@ -409,7 +409,12 @@ class ImageURL(_Body):
 
 class ImageURLPart(_Body):
     type: Literal["image_url"]
-    image_url: ImageURL
+    image_url: ImageURL | str
+    """OpenAI's {"url": ...} object, or (as vLLM also takes it) the URL as a plain string."""
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
 
 
 class FunctionCall(_Body):
@@ -477,7 +482,7 @@ class ChatMessage(_Body):
     def image_urls(self) -> list[str]:
         """The URLs of the message's image parts, in order."""
         content = self.content if isinstance(self.content, list) else []
-        return [part.image_url.url for part in content if isinstance(part, ImageURLPart)]
+        return [part.url for part in content if isinstance(part, ImageURLPart)]
 
 
 def _arguments(text: str) -> Any:

@@ -212,11 +212,12 @@ class Runner:
 
     def _execute(self, plan: StepPlan) -> StepLogits:
         token_ids, positions, batches = self._inputs(plan)
-        inputs_embeds = None if self.image_embedder is None else self.image_embedder.inputs_embeds(
-            plan.chunks, token_ids, self.model.model.embed)
-        # Graphs take token ids only: a step with image embeddings runs module by module.
-        graph = None if inputs_embeds is not None else self._graph_for(batches[0], plan.chunks)
         with phase(FORWARD_PHASE), self._adapters(plan.chunks, [c.num_tokens for c in plan.chunks]):
+            # The image encoder's time is the forward pass's (its tower runs under no adapter).
+            inputs_embeds = None if self.image_embedder is None else self.image_embedder.inputs_embeds(
+                plan.chunks, token_ids, self.model.model.embed)
+            # Graphs take token ids only: a step with image embeddings runs module by module.
+            graph = None if inputs_embeds is not None else self._graph_for(batches[0], plan.chunks)
             if isinstance(graph, CpuDecodeGraph) and all(c.samples and not _wants_prompt_logits(c)
                                                          for c in plan.chunks):
                 # Every row samples and none is a prompt position: the lm_head runs in the graph.

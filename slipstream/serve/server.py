@@ -365,7 +365,8 @@ class OpenAIServer:
         prompts = await asyncio.to_thread(self._tokenize, texts, params.truncate_prompt_tokens,
                                           body.add_special_tokens, body.truncation_side)
         for token_ids in prompts:
-            self._check_context(len(token_ids), body.max_tokens, params.min_tokens, "prompt", "max_tokens")
+            self._check_context(self._num_expanded_tokens(token_ids, (), "prompt"), body.max_tokens,
+                                params.min_tokens, "prompt", "max_tokens")
         meta = ResponseMeta.new("cmpl", self._served_name(lora))
         if body.use_beam_search:
             beams = body.beam_search_params(max_tokens=body.max_tokens or self.max_model_len,
@@ -402,7 +403,8 @@ class OpenAIServer:
         images = await asyncio.to_thread(self._chat_images, body)
         [token_ids] = self._tokenize([rendered], params.truncate_prompt_tokens,
                                      truncation_side=body.truncation_side)
-        self._check_context(len(token_ids), body.max_new_tokens, params.min_tokens, "messages",
+        num_prompt_tokens = self._num_expanded_tokens(token_ids, images, "messages")
+        self._check_context(num_prompt_tokens, body.max_new_tokens, params.min_tokens, "messages",
                             body.max_tokens_param)
         meta = ResponseMeta.new("chatcmpl", self._served_name(lora))
         options = dict(num_logprobs=body.num_logprobs, as_token_ids=self._as_token_ids(body),
@@ -424,7 +426,7 @@ class OpenAIServer:
         stream = await self._submit(meta.id, [token_ids], params, arrival_time_s, named, body, lora,
                                     body.chat_template_kwargs, images)
         if body.stream:
-            chunks = _chat_stream(meta, params.n, body.usage_mode, len(token_ids), reasoning, options)
+            chunks = _chat_stream(meta, params.n, body.usage_mode, num_prompt_tokens, reasoning, options)
             return _event_stream(self._events(stream, chunks))
         [output] = await self._collect(request, stream)
         return JSONResponse(_chat_response(meta, output, reasoning, options))
@@ -494,7 +496,8 @@ class OpenAIServer:
                                              logprobs=chat.num_logprobs, defaults=self.sampling_defaults)
             params, tool_calls = self._tool_calls(chat, params)
             token_ids, dropped_users = await asyncio.to_thread(self._response_prompt, body, chat)
-            self._check_context(len(token_ids), None, params.min_tokens, "input", "max_output_tokens")
+            self._check_context(self._num_expanded_tokens(token_ids, (), "input"), None, params.min_tokens,
+                                "input", "max_output_tokens")
             room = self.max_model_len - len(token_ids)
             if params.max_tokens is None or params.max_tokens > room:
                 params = params.replace(max_tokens=room)
@@ -872,6 +875,24 @@ class OpenAIServer:
                 except ValueError as error:
                     raise protocol.bad_request(str(error), "messages") from None
         return images
+
+    def _num_expanded_tokens(self, token_ids: list[int], images: Sequence[PIL.Image.Image],
+                             param: str) -> int:
+        """The prompt's length once the engine has expanded each image placeholder to the image's
+        tokens (what the context holds and vLLM counts in its check and usage). A placeholder count
+        other than the number of images (an image token typed as text, a placeholder cut off by
+        truncate_prompt_tokens) is a 400 naming `param`."""
+        if self.image_prompts is None:
+            return len(token_ids)
+        num_placeholders = token_ids.count(self.image_prompts.image_token_id)
+        if num_placeholders != len(images):
+            token = self.tokenizer.id_to_token(self.image_prompts.image_token_id)
+            raise protocol.bad_request(
+                f"'{param}' gives {num_placeholders} image placeholder(s) ({token!r}, token id "
+                f"{self.image_prompts.image_token_id}) but {len(images)} image(s): each image part renders "
+                "as one placeholder, and the token written as text or cut off by truncate_prompt_tokens "
+                "unbalances them", param)
+        return len(token_ids) + num_placeholders * (self.image_prompts.num_image_tokens - 1)
 
     def _check_context(self, num_prompt_tokens: int, max_tokens: int | None, min_tokens: int,
                        prompt_param: str, max_tokens_param: str) -> None:
