@@ -1,7 +1,8 @@
 """Pipeline parallelism: a 2-stage 1F1B pipeline against FSDP2 on the same 2 ranks and one process.
 
-The `tiny` preset (6 layers, ~16M parameters, untied embeddings) trains on the standard-library corpus, a global batch
-of 8 sequences of 256 tokens in micro-batches of 2, fp32, with `slipstream train` as a user runs it:
+The `tiny` preset (6 layers, ~16M parameters, untied embeddings) trains on the standard-library
+corpus, a global batch of 8 sequences of 256 tokens in micro-batches of 2, fp32, with
+`slipstream train` as a user runs it:
 
 - one process: 4 accumulation micro-batches per step;
 - FSDP2 on 2 ranks (`--nproc 2`): 2 replicas, 2 micro-batches each;

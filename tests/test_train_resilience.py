@@ -1,8 +1,8 @@
 """Failures and restarts: resharding a checkpoint 2 -> 1 and 1 -> 2 ranks, automatic restart
 after a crash (torchrun's agent, per-attempt store prefix), the hang watchdog, rollback on a
-non-finite loss, preemption by SIGTERM (also while a trainer is being built), the attempt-number
-protocol, backoff after failures to start, and the run-dir lock (also for a trainer built in
-Python)."""
+non-finite loss (also injected on a pipeline stage without the final norm), preemption by
+SIGTERM (also while a trainer is being built), the attempt-number protocol, backoff after
+failures to start, and the run-dir lock (also for a trainer built in Python)."""
 
 from __future__ import annotations
 
@@ -236,6 +236,23 @@ def test_nan_rolls_back_and_skips_the_window(data_dir, train_model_dir, tmp_path
     _assert_bitwise(run_dir, reference_dir)
     summary = summarize(read_events(run_dir))
     assert summary["rollbacks"] == 1 and summary["steps_lost"] == 1 and summary["seconds"]["restore"] > 0
+
+
+@pytest.mark.slow  # ~15 s; test_nan_rolls_back_and_skips_the_window is the fast check of rollback
+def test_nan_on_a_first_pipeline_stage_rolls_back(data_dir, train_model_dir, tmp_path):
+    """`faults.nan_at_step` on rank 0 of a 2-stage pipeline, which holds no final norm, poisons a
+    weight that rank holds: the last stage's loss at step 5 is NaN, both ranks roll back to the
+    step-4 checkpoint and skip the step's batches, and the run finishes 8 finite steps."""
+    run_dir = tmp_path / "run"
+    result = _train(tmp_path, run_dir, data_dir, train_model_dir, "--faults.nan_at_step=5", "--faults.rank=0",
+                    "--parallel.pipeline_parallel_degree=2", nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (rollback,) = read_metrics(run_dir, "rollback")
+    assert rollback["step"] == 5 and rollback["to_step"] == 4 and rollback["loss"] == "nan"
+    (skip,) = read_metrics(run_dir, "skip")
+    assert (skip["data_epoch"], skip["data_position"]) == (rollback["data_epoch"], rollback["data_position"])
+    losses = _losses(run_dir)
+    assert sorted(losses) == list(range(1, 9)) and all(torch.isfinite(torch.tensor(list(losses.values()))))
 
 
 def test_ranks_agree_on_a_fresh_attempt_number():

@@ -64,14 +64,14 @@ def _model_dir(out: Path, data_dir: Path, *, tie_word_embeddings: bool) -> Path:
 
 
 def model_dir(out: Path, data_dir: Path, *, tie_word_embeddings: bool = False, model_type: str = "llama",
-              vocab_size: int = VOCAB_SIZE, num_hidden_layers: int = 2) -> Path:
-    """A randomly initialised model of `model_type` (HF directory, 2 layers unless told) with the
-    tokenizer of the dataset in `data_dir`."""
+              vocab_size: int = VOCAB_SIZE, num_hidden_layers: int = 2, **fields) -> Path:
+    """A randomly initialised model of `model_type` (HF directory, 2 layers unless told; `fields`:
+    further `ModelConfig` fields) with the tokenizer of the dataset in `data_dir`."""
     config = ModelConfig(
         model_type=model_type, vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
         num_hidden_layers=num_hidden_layers, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=256,
-        eos_token_id=0, pad_token_id=0, tie_word_embeddings=tie_word_embeddings,
+        eos_token_id=0, pad_token_id=0, tie_word_embeddings=tie_word_embeddings, **fields,
     )
     model = Transformer(config)
     model.init_weights(generator=torch.Generator().manual_seed(0))

@@ -214,9 +214,15 @@ class ParallelConfig:
     def _check_pipeline(self) -> None:
         pp, v = self.pipeline_parallel_degree, self.pipeline_parallel_stages_per_rank
         _check_positive_int("parallel.pipeline_parallel_degree", pp)
-        schedule = self.pipeline_parallel_schedule
-        _check_choice("parallel.pipeline_parallel_schedule", schedule, PIPELINE_SCHEDULES)
+        schedule = _canonical_schedule(self.pipeline_parallel_schedule)
+        object.__setattr__(self, "pipeline_parallel_schedule", schedule)  # frozen; keep torch's spelling
         _check_positive_int("parallel.pipeline_parallel_stages_per_rank", v)
+        if pp == 1 and v > 1:
+            raise ValueError(f"parallel.pipeline_parallel_stages_per_rank ({v}) needs parallel.pipeline_"
+                             "parallel_degree > 1 (it is 1: no pipeline); set it to 1")
+        if pp == 1 and schedule == "Interleaved1F1B":
+            raise ValueError("parallel.pipeline_parallel_schedule 'Interleaved1F1B' needs parallel.pipeline_"
+                             "parallel_degree > 1 (it is 1: no pipeline)")
         if schedule == "Interleaved1F1B" and v < 2:
             raise ValueError(f"parallel.pipeline_parallel_stages_per_rank ({v}) must be at least 2 with "
                              "parallel.pipeline_parallel_schedule 'Interleaved1F1B'")
@@ -224,6 +230,15 @@ class ParallelConfig:
             raise ValueError(f"parallel.pipeline_parallel_stages_per_rank ({v}) must be 1 with "
                              f"parallel.pipeline_parallel_schedule {schedule!r}; "
                              "several stages per rank need 'Interleaved1F1B'")
+
+
+def _canonical_schedule(name: Any) -> str:
+    """The name of PIPELINE_SCHEDULES that `name` spells in any case (as torch's
+    `get_schedule_class` matches it); ValueError naming the key for another."""
+    canonical = {choice.lower(): choice for choice in PIPELINE_SCHEDULES}.get(str(name).lower())
+    _check(isinstance(name, str) and canonical is not None, "parallel.pipeline_parallel_schedule", name,
+           f"one of {', '.join(PIPELINE_SCHEDULES)} (in any case)")
+    return canonical
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -518,16 +533,11 @@ def check_run(config: TrainConfig, world_size: int) -> None:
     `check_tensor_parallel` and `check_pipeline_parallel`, once the model's config is known."""
     tp, cp = config.parallel.tensor_parallel_degree, config.parallel.context_parallel_degree
     pp = config.parallel.pipeline_parallel_degree
+    degrees = [(f"parallel.{name}_parallel_degree", degree) for name, degree in
+               (("pipeline", pp), ("context", cp), ("tensor", tp)) if degree > 1]
     if world_size % (pp * tp * cp):
-        raise ValueError(f"parallel.pipeline_parallel_degree ({pp}) x parallel.context_parallel_degree "
-                         f"({cp}) x parallel.tensor_parallel_degree ({tp}) must divide the job's number of "
-                         f"ranks ({world_size})")
-    if world_size % tp:
-        raise ValueError(f"parallel.tensor_parallel_degree ({tp}) must divide the job's number of ranks "
-                         f"({world_size})")
-    if world_size % (tp * cp):
-        raise ValueError(f"parallel.context_parallel_degree ({cp}) x parallel.tensor_parallel_degree ({tp}) "
-                         f"must divide the job's number of ranks ({world_size})")
+        named = " x ".join(f"{key} ({degree})" for key, degree in degrees)
+        raise ValueError(f"{named} must divide the job's number of ranks ({world_size})")
     if tp > 1 and world_size // pp > tp and config.parallel.strategy == "ddp":  # per pipeline stage
         raise ValueError("parallel.strategy 'ddp' does not compose with parallel.tensor_parallel_degree "
                          f"({tp}) over {world_size // (pp * tp)} replicas (DDP does not take tensor-parallel "
@@ -535,8 +545,7 @@ def check_run(config: TrainConfig, world_size: int) -> None:
     replicas = world_size // (pp * tp * cp)
     per_step = replicas * config.training.micro_batch_size
     if config.training.global_batch_size % per_step:
-        split = " x ".join(f"parallel.{name}_parallel_degree" for name, degree in
-                           (("pipeline", pp), ("context", cp), ("tensor", tp)) if degree > 1)
+        split = " x ".join(key for key, _ in degrees)
         across = f"world size / {split} ({world_size} / {pp * tp * cp})" if split else "world size"
         raise ValueError(
             f"training.global_batch_size ({config.training.global_batch_size}) must be divisible "

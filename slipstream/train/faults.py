@@ -1,7 +1,7 @@
 """Injected faults for tests and drills, from the `[faults]` config section.
 
 `FaultInjector` is handed to the trainer as hooks, so the training code has no fault branches:
-`before_step(trainer)` poisons the final norm's weight with NaN before `nan_at_step`;
+`before_step(trainer)` poisons a norm's weight this rank holds with NaN before `nan_at_step`;
 `after_step(trainer, record)` exits abruptly after `crash_at_step`, stops making progress after
 `hang_at_step`, or sends the process SIGTERM after `preempt_at_step`;
 `on_checkpoint_written(step, folder)` (the checkpoint manager's hook between writing the files
@@ -74,7 +74,14 @@ class FaultInjector:
 
 @torch.no_grad()
 def _poison_weights(model: torch.nn.Module) -> None:
-    """Set this rank's shard of the final norm's weight to NaN: every logit becomes NaN, so
-    the loss does on every rank (sharded weights are gathered, replicated losses averaged)."""
-    weight = model.model.norm.weight
+    """Set this rank's shard of a norm's weight to NaN: the final norm's, or on a pipeline rank
+    without the last stage its first layer's post-attention norm (every kind of decoder layer has
+    one, on the residual stream or the MLP's input). Every hidden state after it becomes NaN,
+    so the loss does on every rank (sharded weights are gathered, activations sent on down the
+    pipeline, replicated losses averaged)."""
+    decoder = model.model
+    norm = decoder.norm
+    if norm is None:
+        norm = next(iter(decoder.layers.children())).post_attention_layernorm
+    weight = norm.weight
     (weight.to_local() if isinstance(weight, DTensor) else weight).fill_(float("nan"))

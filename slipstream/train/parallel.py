@@ -398,13 +398,35 @@ def materialize(
     rank keeps its shard. Non-persistent buffers (RoPE tables) are rebuilt. Tied embeddings stay
     one parameter (`to_empty` makes a new parameter per module, FSDP2's excepted). With `part`
     the model is a pipeline rank's pruned copy, which takes only its own names of the whole
-    model's `full_state` (every rank's are broadcast: rank 0 holds them all).
+    model's `full_state` (every rank's are broadcast: rank 0 holds them all); a name of the part
+    that `full_state` lacks is a ValueError on every rank, as strict loading makes it for a whole
+    model (loading a part is not strict: the part takes some of the names).
     """
     model.to_empty(device=device)
     _retie(model)
+    if part:
+        _check_part_names(model, full_state, distributed)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed, strict=not part)
     set_model_state_dict(model, full_state, options=options)
     model.init_buffers()
+
+
+def _check_part_names(model: nn.Module, full_state: dict[str, torch.Tensor], distributed: bool) -> None:
+    """ValueError when a state-dict name of `model` (a pipeline rank's part) is not in rank 0's
+    `full_state`: it would keep the memory `to_empty` left. Every rank learns rank 0's names and
+    every rank's missing ones, so that all raise together."""
+    full_names = [sorted(full_state)]
+    if distributed:
+        dist.broadcast_object_list(full_names, src=0)
+    missing = sorted(set(model.state_dict()) - set(full_names[0]))
+    every_missing = [missing]
+    if distributed:
+        every_missing = [None] * dist.get_world_size()
+        dist.all_gather_object(every_missing, missing)
+    missing = sorted({name for names in every_missing for name in names})
+    if missing:
+        raise ValueError(f"the initial weights lack {len(missing)} parameter(s) of the pipeline stages: "
+                         f"{missing[:8]}")
 
 
 def _retie(model: nn.Module) -> None:
@@ -422,7 +444,9 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     micro-batch's gradients, as torchtitan does: with the reduction off it would hold every
     gradient unsharded until the last micro-batch (FSDP2's two flavours of accumulation,
     pytorch/pytorch#126166; torchtitan's choice, pytorch/torchtitan#292 and #1710), as much
-    memory as DDP's gradients, for fewer collectives."""
+    memory as DDP's gradients, for fewer collectives. Not under pipeline parallelism, where
+    torch's schedule holds each stage's gradients unsharded until the last micro-batch
+    (`pipeline.parallelize_stages`)."""
     if hasattr(model, "set_requires_gradient_sync") and not isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
 

@@ -10,8 +10,9 @@ stages). The first stage embeds the tokens, the last applies the final norm and 
 layer; every stage computes its RoPE tables for the positions of the tokens this rank holds
 (0 .. T - 1, or its chunks under context parallelism, whose gathering attention it runs).
 Tensor parallelism applies its plan to each rank's pruned model; FSDP2 shards each stage over
-its data-parallel (x context-parallel) ranks; DDP averages each stage's gradients after the
-schedule (`average_grads`).
+its data-parallel (x context-parallel) ranks, keeping its weights and gradients unsharded from
+the first micro-batch to the last; DDP averages each stage's gradients after the schedule
+(`average_grads`, in DDP-sized buckets).
 
 Each rank builds one pruned copy of the model (`prune_to_stages`: the trainer's `model`, the
 stage modules' owner): the full model's module tree with
@@ -39,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
@@ -237,18 +238,40 @@ def sum_tied_embedding_grads(owner: Transformer, group: dist.ProcessGroup | None
     dist.all_reduce(grad, group=group)
 
 
-def average_grads(parameters: Sequence[nn.Parameter], group: dist.ProcessGroup) -> None:
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+"""The most gradient bytes `average_grads` flattens into one all-reduce: DDP's default bucket
+(`bucket_cap_mb=25`), so reducing takes one bucket's memory beyond the gradients, not their size."""
+
+
+def average_grads(parameters: Sequence[nn.Parameter], group: dist.ProcessGroup,
+                  bucket_bytes: int = DDP_BUCKET_BYTES) -> None:
     """DDP's gradient mean over the data-parallel replicas of a stage, once after the schedule
-    (DDP's hooks assume one forward per backward, which a pipeline schedule breaks): one flat
-    all-reduce of every gradient."""
+    (not overlapped with its backward passes: see docs/training.md for why no DDP wrapper runs
+    in the schedule): the gradients all-reduced in buckets of at most `bucket_bytes` (one
+    gradient larger than that alone), each of one dtype."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    offset = 0
+    for bucket in _buckets(grads, bucket_bytes):
+        flat = torch.cat([g.flatten() for g in bucket])
+        dist.all_reduce(flat, group=group)
+        flat /= dist.get_world_size(group)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def _buckets(grads: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """`grads` in order, cut into runs of one dtype of at most `bucket_bytes` each."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+        nbytes = g.numel() * g.element_size()
+        if not buckets or size + nbytes > bucket_bytes or buckets[-1][0].dtype != g.dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(g)
+        size += nbytes
+    return buckets
 
 
 def parallelize_stages(owner: Transformer, modules: Sequence[StageModule], mesh: DeviceMesh,
@@ -257,8 +280,11 @@ def parallelize_stages(owner: Transformer, modules: Sequence[StageModule], mesh:
     pruned model's layers, then FSDP2 per stage over its data-parallel ranks (`data_parallel_mesh`:
     each layer, then the stage module as the root of its embedding, norm and output layer), so that
     every stage the schedule runs is an FSDP module whose reduce-scatter torch's stage issues after
-    the last micro-batch. DDP applies no wrapper: `average_grads` reduces each stage's gradients
-    after the schedule."""
+    the last micro-batch. FSDP keeps the weights it gathers for a stage's first forward until the
+    stage's last backward (`reshard_after_forward=False`): the schedule's backward passes keep the
+    gradients unsharded anyway, and resharding after each forward would gather every weight again
+    for each of the m micro-batches' forward and backward (2m all-gathers a step instead of one).
+    DDP applies no wrapper: `average_grads` reduces each stage's gradients after the schedule."""
     if config.tensor_parallel_degree > 1:
         apply_tensor_parallel(owner, mesh["tp"], sequence_parallel=config.sequence_parallel,
                               loss_parallel=config.loss_parallel)
@@ -270,8 +296,17 @@ def parallelize_stages(owner: Transformer, modules: Sequence[StageModule], mesh:
     if dp_mesh is not None and config.strategy == "fsdp":
         for module in modules:
             for layer in module.layers.children():
-                fully_shard(layer, mesh=dp_mesh)
-            fully_shard(module, mesh=dp_mesh)
+                fully_shard(layer, mesh=dp_mesh, reshard_after_forward=False)
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+
+
+def reshard_stages(modules: Sequence[StageModule]) -> None:
+    """Free the weights FSDP gathered for forward-only schedule runs (`schedule.eval`): without
+    resharding after forward, only a step's last backward would free them."""
+    for module in modules:
+        for part in module.modules():
+            if isinstance(part, FSDPModule):
+                part.reshard()
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:

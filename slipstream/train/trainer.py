@@ -94,6 +94,7 @@ from slipstream.train.pipeline import (
     make_pipeline,
     parallelize_stages,
     prune_to_stages,
+    reshard_stages,
     stage_layer_ranges,
     sum_tied_embedding_grads,
     tied_embedding_group,
@@ -579,8 +580,10 @@ class Trainer:
         """The next `accumulation_steps` micro-batches of `loader`, stacked (m B, T) each, or
         (m B, T / C) this rank's tokens under context parallelism."""
         batches = [next(loader) for _ in range(self.accumulation_steps)]
-        inputs = torch.cat([b.inputs for b in batches]).to(self.device, non_blocking=True)
-        targets = torch.cat([b.targets for b in batches]).to(self.device, non_blocking=True)
+        # Each from its (pinned) batch, then joined on the device: a cat on the host would copy
+        # them into unpinned memory, whose copy to a GPU is synchronous.
+        inputs = torch.cat([b.inputs.to(self.device, non_blocking=True) for b in batches])
+        targets = torch.cat([b.targets.to(self.device, non_blocking=True) for b in batches])
         if self.context_parallel is not None:
             inputs, targets, _, _ = self.context_parallel.shard(inputs, targets)
         return inputs, targets
@@ -621,7 +624,8 @@ class Trainer:
         """The training objective of a (B, T) batch: the mean next-token cross-entropy (fp32),
         plus `router_aux_loss_coef` x the load-balancing loss for a mixture-of-experts model
         with `output_router_logits` (transformers' loss for that model and batch). Not with
-        pipeline parallelism, where `model` is one rank's stages and the schedule computes it."""
+        pipeline parallelism, where `model` is one rank's stages and the schedule computes it
+        (ValueError)."""
         return self._objective(inputs, targets)[0]
 
     def _objective(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, Routing | None]:
@@ -638,7 +642,12 @@ class Trainer:
         return loss, routing
 
     def cross_entropy(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (fp32) of a (B, T) batch (the held-out loss)."""
+        """Mean next-token cross-entropy (fp32) of a (B, T) batch (the held-out loss). ValueError
+        with pipeline parallelism (this rank's `model` holds some of the layers)."""
+        if self.pipeline is not None:
+            raise ValueError(f"Trainer.loss and Trainer.cross_entropy need the whole model, but "
+                             f"parallel.pipeline_parallel_degree is {self.pipeline.pp}: each rank holds some "
+                             "stages and the schedule computes the loss (train_step, evaluate)")
         positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)  # (B, T)
         attention = None
         if self.context_parallel is not None:  # this rank's T / C tokens; every rank has as many, so
@@ -687,6 +696,7 @@ class Trainer:
             with self._autocast(), self._loss_parallel():
                 self._run_schedule(self.schedule.eval, inputs, targets, batch_losses)
             losses += batch_losses
+        reshard_stages(self.stage_modules)
         return self._pipeline_loss(losses)
 
     def close(self, outcome: str = "closed") -> None:
@@ -737,9 +747,20 @@ class Trainer:
             "mfu": mfu(tokens_per_s_per_device, self.flops_per_token, self.peak_flops_per_s),
             **times_s,
             "step_s": step_s,
-            "peak_memory_bytes": peak_memory_bytes(self.device),
+            "peak_memory_bytes": self._peak_memory_bytes(),
             "attempt": self.dist.attempt,
         }
+
+    def _peak_memory_bytes(self) -> int:
+        """This rank's peak memory, or with pipeline parallelism the largest of every rank's: the
+        stages differ (the first holds the most micro-batches' activations under 1F1B, the last
+        the output layer and the logits), and the record, written by rank 0, reports the bound."""
+        peak = peak_memory_bytes(self.device)
+        if self.pipeline is None:
+            return peak
+        value = torch.tensor([peak], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+        return int(value.item())
 
     def run_record(self) -> dict[str, Any]:
         """The "run" record: what is trained, where, and the MFU convention."""
