@@ -189,3 +189,83 @@ def test_tensor_parallel_experts_all_reduce_each_their_rows():
     attention, experts = all_reduce_s(n * row), 8 * all_reduce_s(n * 2 / 8 * row)
     per_layer = (attention + experts) + (attention + 2 * experts)
     assert p.parts["pipeline"].comm_s == pytest.approx(6 * 2 * per_layer, rel=1e-9)
+
+
+# Llama-3 8B's widths (hidden 4096, 32 query and 8 KV heads of 128, SwiGLU 14336, vocabulary
+# 128256, untied): a layer's matrices and two RMSNorm weights; the last stage's root the lm_head
+# and the final norm.
+LLAMA8B_LAYER = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+LLAMA8B_HEAD = 128256 * 4096 + 4096
+NVLINK_STEP_S, NVLINK_BYTES_PER_S = 0.936e-6, 400e9
+"""An H100's ring step latency and NVLink bandwidth in its default efficiency (see the DDP test)."""
+
+
+def _host_of(devices_per_node: int) -> Accelerator:
+    return dataclasses.replace(_cpu_ranks(), devices_per_node=devices_per_node)
+
+
+def test_fsdp_with_pipeline_stages_gathers_and_reduces_each_unit_once_a_step():
+    """Guards FSDP2 under torch's `PipelineStage` (gradient sync and resharding after the backward
+    off for every micro-batch, `perform_reduce_grad` after the schedule; the stages wrapped with
+    `reshard_after_forward=False`): over 2 gloo ranks per stage (dp 2 x pp 2, fp32, 2 micro-batches)
+    each unit of the larger stage (3 layers and the last stage's root: lm_head and norm) is
+    all-gathered once and its gradients all-reduced once a step, whatever m, exposed."""
+    host = _host_of(4)
+    for batch in (8, 16):  # 2 and 4 micro-batches a step
+        p = _predict(_tiny(global_batch_size=batch), Layout(dp=2, pp=2, zero_stage=3), host)
+        root = 8192 * 384 + 384
+
+        def gather(num_params: float) -> float:
+            return ALPHA_S + 4 * num_params / 2 / LINK_BYTES_PER_S
+
+        expected = (3 * gather(LAYER_PARAMS) + gather(root)
+                    + 3 * _all_reduce_s(LAYER_PARAMS) + _all_reduce_s(root))
+        assert p.parts["data_parallel"].comm_s == pytest.approx(expected, rel=1e-9)
+        assert p.parts["data_parallel"].comm_bytes == pytest.approx(4 * 2 * (3 * LAYER_PARAMS + root))
+
+
+def test_fsdp_with_pipeline_stages_exposes_the_reduce_scatters_after_the_schedule():
+    """Guards the overlap of FSDP2 under a pipeline on 8 H100s (dp 4 x pp 2, one node): the
+    all-gathers hide under the first micro-batch's forward (16 Llama-3 8B layers at 4096 tokens,
+    tens of milliseconds), the reduce-scatters of the fp32 gradients run after the schedule with
+    nothing to hide under: per unit of the last stage (16 layers, the lm_head and norm) a 4-rank
+    ring, 3 steps + 3/4 S / B."""
+    setup = TrainSetup(shape=resolve_model("llama3-8b"), global_batch_size=16, seq_len=4096)
+    p = _predict(setup, Layout(dp=4, pp=2, zero_stage=3), H100)
+
+    def scatter(num_params: float) -> float:
+        return 3 * NVLINK_STEP_S + 3 / 4 * 4 * num_params / NVLINK_BYTES_PER_S
+
+    expected = 16 * scatter(LLAMA8B_LAYER) + scatter(LLAMA8B_HEAD)
+    assert p.parts["data_parallel"].comm_s == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_tied_embedding_is_summed_between_the_first_and_last_stages():
+    """Guards the tied table's gradient sum with pp > 1 (`train.pipeline.sum_tied_embedding_grads`):
+    one all-reduce between the two ranks holding its copies, of its fp32 gradient (V x H / tp, and
+    / dp under FSDP, which has reduce-scattered it by then), after the schedule and exposed; none
+    untied or with one stage. On H100s of one node a 2-rank ring: 2 steps + S / B. Over a gloo
+    link (tiny, pp 2): 2 alpha + S / B, and the gradient norm's scalar summed over the stages."""
+    shape = resolve_model("llama3.2-1b")  # tied: vocabulary 128256 x hidden 2048
+    assert shape.tied_embeddings
+    setup = TrainSetup(shape=shape, global_batch_size=16, seq_len=2048)
+    table = 4 * 128256 * 2048
+
+    def pair_s(size: float) -> float:
+        return 2 * NVLINK_STEP_S + size / NVLINK_BYTES_PER_S
+
+    cases = {Layout(pp=2): pair_s(table), Layout(pp=2, dp=2, zero_stage=0): pair_s(table),
+             Layout(pp=2, dp=2, zero_stage=3): pair_s(table / 2),
+             Layout(pp=2, tp=2, sequence_parallel=True): pair_s(table / 2), Layout(dp=2): 0.0}
+    for layout, expected in cases.items():
+        p = _predict(setup, layout, H100)
+        assert p.parts["embedding_sync"].comm_s == pytest.approx(expected, rel=1e-9), layout.describe()
+        assert p.step_time_s == pytest.approx(sum(w.total_s for w in p.parts.values()), rel=1e-12)
+    untied = dataclasses.replace(setup, shape=dataclasses.replace(shape, tied_embeddings=False))
+    assert _predict(untied, Layout(pp=2), H100).parts["embedding_sync"].comm_s == 0.0
+
+    tied = dataclasses.replace(resolve_model("tiny"), tied_embeddings=True)
+    tiny = dataclasses.replace(_tiny(), shape=tied)
+    p = _predict(tiny, Layout(pp=2), _cpu_ranks())
+    assert p.parts["embedding_sync"].comm_s == pytest.approx(_all_reduce_s(8192 * 384), rel=1e-9)
+    assert p.parts["optimizer"].comm_s == pytest.approx(2 * ALPHA_S + 4 / LINK_BYTES_PER_S, rel=1e-12)

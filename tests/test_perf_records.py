@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -369,3 +370,100 @@ def test_a_context_parallel_degree_that_does_not_divide_the_world_is_named(tmp_p
              json.dumps({"kind": "train", "step": 5, "step_s": 1.0})]
     with pytest.raises(ValueError, match=r"context_parallel_degree \(2 x 3\) does not divide its world size"):
         train_setup(read_train_run(_write_run(tmp_path, lines, toml)))
+
+
+def _pipeline_run(tmp_path, parallel: str, run: dict, name: str = "run", batch: str = "local_batch_size = 4"):
+    """A run dir of Llama-3.2 1B (16 layers), 8 sequences of 2048 a step (`batch`: the micro-batch
+    key, torchtitan's local batch by default), `[parallel]` or torchtitan's `[parallelism]` keys as
+    given, and a `run` record."""
+    toml = ("[model]\npreset = \"llama3.2-1b\"\n[data]\nseq_len = 2048\n[training]\nglobal_batch_size = 8\n"
+            f"{batch}\n{parallel}")
+    lines = [json.dumps({"kind": "run"} | run)]
+    lines += [json.dumps({"kind": "train", "step": s, "step_s": 1.0}) for s in range(1, 8)]
+    path = tmp_path / name
+    path.mkdir()
+    return read_train_run(_write_run(path, lines, toml))
+
+
+def test_an_interleaved_pipeline_run_is_priced_with_its_virtual_stages(tmp_path):
+    """A slipstream run of Interleaved1F1B over 2 stages of 2 virtual stages each on 4 ranks is
+    Layout(pp=2, virtual_stages=2) over 2 replicas, its bubble (p - 1) / v = 1/2 of a stage-time
+    (Narayanan et al. 2021, section 2.2.2): half of the same run's at 1F1B."""
+    parallel = ("[parallel]\nstrategy = \"fsdp\"\npipeline_parallel_degree = 2\n"
+                "pipeline_parallel_schedule = \"Interleaved1F1B\"\npipeline_parallel_stages_per_rank = 2\n")
+    run = {"world_size": 4, "strategy": "fsdp", "pipeline_parallel_degree": 2,
+           "pipeline_parallel_schedule": "Interleaved1F1B", "pipeline_parallel_stages_per_rank": 2}
+    setup, layout = train_setup(_pipeline_run(tmp_path, parallel, run, batch="micro_batch_size = 1"))
+    assert (layout.dp, layout.pp, layout.virtual_stages, layout.zero_stage) == (2, 2, 2, 3)
+    assert setup.num_microbatches(layout) == 8 // (2 * 1)
+    one_f_one_b = dataclasses.replace(layout, virtual_stages=1)
+    bubbles = [predict_training(setup, x, A100).breakdown_s["bubble_s"] for x in (layout, one_f_one_b)]
+    assert bubbles[0] == pytest.approx(bubbles[1] / 2, rel=0.05)  # v = 2's stage-time: twice the sends
+
+
+@pytest.mark.parametrize(("parallelism", "expected"), [
+    # torchtitan: an interleaved schedule without a stage count runs 2 stages per rank, and
+    # splits each rank's local batch (4) into micro-batches of pipeline_parallel_microbatch_size
+    ("pipeline_parallel_schedule = \"Interleaved1F1B\"\npipeline_parallel_microbatch_size = 1\n", (2, 1, 4)),
+    ("pipeline_parallel_schedule = \"interleaved1f1b\"\n", (2, 4, 1)),
+    ("pipeline_parallel_schedule = \"1F1B\"\npipeline_parallel_microbatch_size = 2\n", (1, 2, 2)),
+    ("pipeline_parallel_schedule = \"GPipe\"\n", (1, 4, 1)),
+])
+def test_torchtitans_pipeline_keys_give_the_virtual_stages_and_micro_batches(tmp_path, parallelism, expected):
+    """torchtitan's `[parallelism]` keys: 4 ranks of pp 2 are 2 replicas of local batch 4;
+    (virtual stages, micro-batch size, micro-batches a step) follow the schedule and
+    `pipeline_parallel_microbatch_size` as torchtitan runs them."""
+    parallel = f"[parallelism]\npipeline_parallel_degree = 2\n{parallelism}"
+    setup, layout = train_setup(_pipeline_run(tmp_path, parallel, {"world_size": 4}))
+    assert (layout.dp, layout.pp) == (2, 2)
+    assert (layout.virtual_stages, setup.micro_batch_size, setup.num_microbatches(layout)) == expected
+
+
+def test_stages_per_rank_without_pipeline_parallelism_is_one_stage(tmp_path):
+    """A config that names stages per rank, an interleaved schedule or a pipeline micro-batch but
+    runs no pipeline (pp 1) is priced as one stage of its own micro-batch, not refused as
+    virtual stages without pipeline stages."""
+    parallel = ("[parallel]\npipeline_parallel_stages_per_rank = 2\n[parallelism]\n"
+                "pipeline_parallel_schedule = \"Interleaved1F1B\"\npipeline_parallel_microbatch_size = 1\n")
+    setup, layout = train_setup(_pipeline_run(tmp_path, parallel, {"world_size": 2}))
+    assert (layout.dp, layout.pp, layout.virtual_stages, setup.micro_batch_size) == (2, 1, 1, 4)
+
+
+def test_a_ddp_pipeline_run_all_reduces_after_the_schedule(tmp_path):
+    """DDP with pp > 1 (`train.pipeline.average_grads` after the schedule): the all-reduce of each
+    stage's fp32 gradients is not overlapped with the backward, where DDP's hooks overlap it
+    without a pipeline. On H100s (dp 2 x pp 2, one node) a 2-rank ring of the larger stage's
+    gradients: 2 steps + S / B, S = 4 x (8 layers + the tied table's copy and the final norm)."""
+    h100 = get_accelerator("h100")
+    parallel = "[parallel]\nstrategy = \"ddp\"\npipeline_parallel_degree = 2\n"
+    run = {"world_size": 4, "strategy": "ddp", "pipeline_parallel_degree": 2}
+    setup, layout = train_setup(_pipeline_run(tmp_path, parallel, run))
+    assert (layout.dp, layout.pp, layout.zero_stage, setup.dp_overlap) == (2, 2, 0, False)
+    layer = 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192 + 2 * 2048
+    grads = 4 * (8 * layer + 128256 * 2048 + 2048)
+    dp = predict_training(setup, layout, h100).parts["data_parallel"]
+    assert dp.comm_s == pytest.approx(2 * 0.936e-6 + grads / 400e9, rel=1e-9)
+    flat_setup, flat = train_setup(_pipeline_run(tmp_path, "[parallel]\nstrategy = \"ddp\"\n",
+                                                 {"world_size": 2, "strategy": "ddp"}, "flat"))
+    assert flat_setup.dp_overlap
+    assert predict_training(flat_setup, flat, h100).parts["data_parallel"].comm_s == 0
+
+
+def test_a_pipeline_run_resumed_at_another_degree_is_a_layout_change(tmp_path):
+    """A run whose first attempt ran pp 2 and whose resume ran pp 4 (or another schedule) on the
+    same ranks ran two layouts: only the newest attempt's steps are read."""
+    base = {"kind": "run", "world_size": 4, "strategy": "fsdp", "pipeline_parallel_degree": 2,
+            "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_stages_per_rank": 1}
+    toml = "[model]\npreset = \"tiny\"\n[data]\nseq_len = 256\n[training]\nglobal_batch_size = 8\n"
+    steps = [{"kind": "train", "step": s, "step_s": 9.0} for s in range(1, 6)]
+    resumed = [{"kind": "train", "step": s, "step_s": 1.0} for s in range(4, 9)]
+    for i, newest in enumerate([base | {"pipeline_parallel_degree": 4},
+                                base | {"pipeline_parallel_schedule": "GPipe"},
+                                base | {"pipeline_parallel_schedule": "Interleaved1F1B",
+                                        "pipeline_parallel_stages_per_rank": 2}]):
+        lines = [json.dumps(r) for r in (base, *steps, newest, *resumed)]
+        path = tmp_path / str(i)
+        path.mkdir()
+        assert read_train_run(_write_run(path, lines, toml)).step_times_s == [1.0] * 3
+    lines = [json.dumps(r) for r in (base, *steps, base, *resumed)]
+    assert len(read_train_run(_write_run(tmp_path, lines, toml)).step_times_s) == 3 + 3

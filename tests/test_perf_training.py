@@ -62,9 +62,10 @@ def test_flash_and_no_dropout_remove_the_quadratic_term():
 def test_zero_stages_shard_optimizer_grads_weights():
     """Guards ZeRO (Rajbhandari et al.): stage 1 /dp optimizer, 2 also grads, 3 also weights; at
     stage 3 mixed-precision Adam holds 16 bytes a parameter over the N_d ranks (the paper's
-    16 psi / N_d; FSDP2's sharded fp32 master is the parameter, its 16-bit copy transient)."""
+    16 psi / N_d; FSDP2's sharded fp32 master is the parameter, its 16-bit copy transient). One
+    stage: with pp > 1 FSDP holds its stage whole through the step (the test below)."""
     setup = _setup(global_batch_size=64, recompute="selective")
-    mems = [training_memory(setup, Layout(dp=8, tp=8, pp=8, zero_stage=z)) for z in range(4)]
+    mems = [training_memory(setup, Layout(dp=8, tp=8, zero_stage=z)) for z in range(4)]
     assert mems[1].optimizer_bytes == pytest.approx(mems[0].optimizer_bytes / 8)
     assert mems[2].gradients_bytes == pytest.approx(mems[1].gradients_bytes / 8)
     weight_bytes, grad_bytes, optimizer_bytes = setup.state_bytes_per_param()
@@ -74,6 +75,29 @@ def test_zero_stages_shard_optimizer_grads_weights():
         per_param * params)
     assert mems[3].weights_bytes + mems[3].gradients_bytes + mems[3].optimizer_bytes == pytest.approx(
         16 * params / 8)
+
+
+@pytest.mark.parametrize(("dtype", "mixed_precision", "sharded", "whole", "optimizer"), [
+    ("fp32", "autocast", 4, 4, 8),  # fp32 parameters gathered in fp32
+    ("bf16", "autocast", 4, 4 + 2, 8),  # and autocast's bf16 copies, whole as without pipelining
+    ("bf16", "parameters", 0, 2, 12),  # torchtitan's param_dtype: the master with the optimizer
+])
+def test_fsdp_with_pipeline_stages_holds_the_stage_whole(dtype, mixed_precision, sharded, whole, optimizer):
+    """Guards FSDP2 under torch's `PipelineStage` (gathered once before the first micro-batch, not
+    resharded after the forward nor the backward until the last; gradients unsynced until then):
+    every rank of a stage holds its parameters whole beside their 1/N shards and its fp32
+    gradients whole (4 bytes each), the optimizer state sharded. pp = 1 keeps FSDP's sharding."""
+    shape = resolve_model("llama3-8b")
+    setup = TrainSetup(shape=shape, global_batch_size=16, seq_len=4096, dtype=dtype,
+                       mixed_precision=mixed_precision)
+    n = 4
+    mem = training_memory(setup, Layout(dp=n, pp=2, zero_stage=3), H100)
+    params = mem.optimizer_bytes * n / optimizer
+    assert any(params == pytest.approx(p) for p in stage_params(shape, Layout(pp=2)))
+    assert mem.weights_bytes == pytest.approx(params * (sharded / n + whole))
+    assert mem.gradients_bytes == pytest.approx(params * 4)
+    flat = training_memory(setup, Layout(dp=n, zero_stage=3), H100)
+    assert flat.gradients_bytes == pytest.approx(shape.num_params() * 4 / n)
 
 
 def test_windowed_training_attention_computes_every_pair_as_sdpa_with_a_mask_does():

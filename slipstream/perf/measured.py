@@ -29,6 +29,12 @@ shards parameters, gradients and optimizer state (ZeRO-3); DDP (`replicate`) all
 gradients in buckets during the backward and every rank keeps the whole optimizer state (ZeRO-0).
 A config without one ran the trainer's default, fsdp."""
 
+MULTI_STAGE_SCHEDULES = ("interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble",
+                         "dualpipev")
+"""torch's pipeline schedules of several stages per rank (`PipelineScheduleMulti`), lower-cased as
+torch's `get_schedule_class` matches them: a run of one without a stages-per-rank count ran
+torchtitan's default of 2 (its `pipeline_parallel_layers_per_stage` unset)."""
+
 
 def engine_step_work(step: EngineStep, setup: ServeSetup, accelerator: Accelerator,
                      efficiency: Efficiency) -> Work:
@@ -101,11 +107,11 @@ def train_setup(run: TrainRun, shape: TransformerShape | None = None) -> tuple[T
     tensor_parallel_degree x context_parallel_degree) data-parallel replicas of each pipeline
     stage, each over tensor_parallel_degree x context_parallel_degree ranks, with sequence
     parallelism where the run had it (the trainer's default with TP), pipeline_parallel_degree
-    stages of pipeline_parallel_stages_per_rank virtual stages each (the model prices 1F1B's
-    bubble, interleaved with several; GPipe's bubble is 1F1B's); FSDP or DDP as its strategy says
-    (`ZERO_STAGES`), over the data-parallel and context-parallel ranks together as the trainer
-    applies it (none where those are one rank); ValueError naming the run directory and the
-    config key for a value the model cannot take."""
+    stages of pipeline_parallel_stages_per_rank virtual stages each (`_pipeline`); FSDP or DDP as
+    its strategy says (`ZERO_STAGES`), over the data-parallel and context-parallel ranks together
+    as the trainer applies it (none where those are one rank); with pp > 1 DDP's all-reduce not
+    overlapped (the trainer's `average_grads` runs after the schedule); ValueError naming the run
+    directory and the config key for a value the model cannot take."""
     c = run.config
     missing = [k for k in ("seq_len", "global_batch_size") if k not in c]
     if missing or (shape is None and "preset" not in c and "model_path" not in c):
@@ -117,8 +123,7 @@ def train_setup(run: TrainRun, shape: TransformerShape | None = None) -> tuple[T
         world, batch = _config_int(c, "world_size", 1), _config_int(c, "global_batch_size")
         tp = _config_int(c, "tensor_parallel_degree", 1)
         cp = _config_int(c, "context_parallel_degree", 1)
-        pp = _config_int(c, "pipeline_parallel_degree", 1)
-        v = _config_int(c, "pipeline_parallel_stages_per_rank", 1)
+        pp, v, pipeline_micro_batch = _pipeline(c)
         if world % (tp * cp):
             raise ValueError(f"the run's tensor_parallel_degree x context_parallel_degree ({tp} x {cp}) "
                              f"does not divide its world size ({world})")
@@ -129,10 +134,11 @@ def train_setup(run: TrainRun, shape: TransformerShape | None = None) -> tuple[T
         strategy = c.get("strategy", "fsdp")
         if strategy not in ZERO_STAGES:
             raise ValueError(f"the run's parallel strategy is {strategy!r}; known: {', '.join(ZERO_STAGES)}")
+        micro_batch = pipeline_micro_batch or _config_int(c, "micro_batch_size", batch)
         setup = TrainSetup(shape=shape, global_batch_size=batch, seq_len=_config_int(c, "seq_len"),
-                           micro_batch_size=_config_int(c, "micro_batch_size", batch), dtype=dtype,
-                           recompute=recompute, weight_bytes=4, grad_bytes=4, optimizer_bytes=8,
-                           reserved_bytes=0)
+                           micro_batch_size=micro_batch, dtype=dtype, recompute=recompute,
+                           weight_bytes=4, grad_bytes=4, optimizer_bytes=8, reserved_bytes=0,
+                           dp_overlap=pp == 1)
         check_positions(shape, "the run's seq_len", setup.seq_len)
         sequence_parallel = tp > 1 and c.get("sequence_parallel", True) is not False
         return setup, Layout(dp=dp, tp=tp, cp=cp, pp=pp, virtual_stages=v,
@@ -140,6 +146,21 @@ def train_setup(run: TrainRun, shape: TransformerShape | None = None) -> tuple[T
                              zero_stage=ZERO_STAGES[strategy] if dp * cp > 1 else 0)
     except ValueError as e:
         raise ValueError(f"{run.run_dir}: {e}") from None
+
+
+def _pipeline(config: dict[str, Any]) -> tuple[int, int, int | None]:
+    """(stages, virtual stages per rank, micro-batch size or None) of the run's pipeline. The
+    virtual stages: `pipeline_parallel_stages_per_rank`, else 2 for a schedule of several stages
+    per rank (`MULTI_STAGE_SCHEDULES`), else 1; 1 without pipeline parallelism, whatever the
+    keys say. The micro-batch: torchtitan's `parallelism.pipeline_parallel_microbatch_size`, which
+    splits each rank's local batch into the schedule's micro-batches; None where not given."""
+    pp = _config_int(config, "pipeline_parallel_degree", 1)
+    if pp == 1:
+        return 1, 1, None
+    multi = str(config.get("pipeline_parallel_schedule", "1F1B")).lower() in MULTI_STAGE_SCHEDULES
+    v = _config_int(config, "pipeline_parallel_stages_per_rank", 2 if multi else 1)
+    micro_batch = config.get("pipeline_parallel_microbatch_size")
+    return pp, v, None if micro_batch is None else _config_int(config, "pipeline_parallel_microbatch_size")
 
 
 def _config_int(config: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -168,15 +189,15 @@ def _measurements(run: TrainRun) -> list[tuple[str, float]]:
 
 def _phase_work(run: TrainRun, phase: str, accelerator: Accelerator, efficiency: Efficiency) -> Work:
     """The predicted work of one measured phase: the trainer's `optimizer_s` (with the gradient
-    norm), its `forward_backward_s`, or the whole step (every part, the logged loss's all-reduce
-    too)."""
+    norm), its `forward_backward_s` (with the gradient reductions after a pipeline schedule), or
+    the whole step (every part, the logged loss's all-reduce too)."""
     setup, layout = train_setup(run)
     prediction = predict_training(setup, layout, accelerator, efficiency)
     parts = prediction.parts
     if phase == "optimizer":
         return parts["optimizer"]
     if phase == "forward_backward":
-        return parts["pipeline"] + parts["bubble"] + parts["data_parallel"]
+        return parts["pipeline"] + parts["bubble"] + parts["data_parallel"] + parts["embedding_sync"]
     return prediction.work
 
 

@@ -28,7 +28,12 @@ autocast and 4 in fp32, and the residual stream (the norm inputs) stays fp32 und
 (`mixed_precision="parameters"`, Megatron) keep it in 16 bits, as Korthikanti et al. count it.
 Under FSDP (ZeRO-3) autocast's 16-bit copies are of the gathered weights, so every rank holds
 them whole (4 / N + 2 bytes a parameter), and 16-bit parameters are FSDP2's mixed precision
-(torchtitan): the sharded fp32 master is the parameter, 16 / N bytes in all.
+(torchtitan): the sharded fp32 master is the parameter, 16 / N bytes in all. FSDP with pp > 1
+(torch's `PipelineStage`, the trainer's stages wrapped with `reshard_after_forward=False`) gathers
+each unit once before the first micro-batch and reduce-scatters after the last, so through the
+step every rank holds its stage's parameters whole (in the dtype they are gathered in) beside
+their shards, and their gradients whole (the reduce-scatter's shards replace them after the last
+backward, unit by unit).
 
 Gemma's norms keep their input and output in fp32, OLMo 2's and gpt-oss's fp32-weight norms their
 input and their fp32 normalised input, and GeGLU keeps gelu(gate) too; Gemma 2's
@@ -307,13 +312,17 @@ def _stage_memory(setup: TrainSetup, layout: Layout, stage: int, layers: int, pa
     weight_bytes, grad_bytes, optimizer_bytes = setup.state_bytes_per_param()
     zero, dp_shards = layout.zero_stage, layout.dp * layout.cp  # FSDP shards over DP x CP
     whole = 0.0  # bytes per parameter every rank holds whole, sharded or not
-    if zero >= 3 and setup.weight_bytes is None:
-        if setup.autocast:  # autocast casts the gathered weights; autograd keeps the 16-bit
-            whole = 2.0     # copies, whole, from the forward to the backward
-        elif setup.activation_bytes == 2:  # 16-bit parameters under FSDP2 (torchtitan): the
-            weight_bytes = 0.0  # sharded fp32 master, counted with the optimizer, is the parameter
+    if zero >= 3 and setup.weight_bytes is None and setup.autocast:  # autocast casts the gathered
+        whole = 2.0  # weights; autograd keeps the 16-bit copies, whole, from the forward to the backward
+    gathered = weight_bytes - whole  # a whole parameter as FSDP gathers it
+    if zero >= 3 and setup.weight_bytes is None and setup.activation_bytes == 2 and not setup.autocast:
+        weight_bytes = 0.0  # 16-bit parameters under FSDP2 (torchtitan): the sharded fp32 master,
+        # counted with the optimizer, is the parameter
     weights = params * ((weight_bytes - whole) / (dp_shards if zero >= 3 else 1) + whole)
     grads = params * grad_bytes / (dp_shards if zero >= 2 else 1)
+    if zero >= 3 and layout.pp > 1:  # whole through the step (see the module docstring)
+        weights += params * gathered
+        grads = params * grad_bytes
     optimizer = params * optimizer_bytes / (dp_shards if zero >= 1 else 1)
     tokens = setup.micro_batch_size * setup.seq_len / layout.cp
     per_layer = activation_bytes_per_layer(setup, layout.tp, layout.sequence_parallel, tokens,

@@ -16,11 +16,15 @@ stages, each device holding `L / pp` layers split `tp` ways over `num_tokens = b
 - data parallel: gradient all-reduce (ZeRO-1/2: reduce-scatter + all-gather, same bytes) once per
   step, hidden under the last micro-batch's backward when `dp_overlap`; ZeRO-3/FSDP unit by unit
   as FSDP2 runs it (each layer and the root: all-gathers forward and backward and reduce-scatters,
-  every micro-batch, as torchtitan runs it), prefetched under compute;
+  every micro-batch, as torchtitan runs it), prefetched under compute; with pp > 1 as torch's
+  `PipelineStage` runs FSDP2: each unit all-gathered once (the first forward) and reduce-scattered
+  once, after the schedule;
+- with pp > 1 and tied embeddings: the first and last stages' copies of the table sum their
+  gradients (an all-reduce between two ranks) after the schedule, exposed;
 - on a host link (`Accelerator.host_link`: gloo among processes of one CPU) no collective overlaps
   compute: `dp_overlap` and `tp_overlap` change nothing there;
 - the trainer's scalar all-reduces: the logged loss after every step, the gradient norm where
-  the gradients are split (FSDP, tensor parallelism);
+  the gradients are split (FSDP, tensor parallelism) and over the pipeline stages;
 - context parallel: ring attention passes K and V around the group, overlapped with attention;
 - the optimizer step streams each local parameter's weights, gradient and Adam moments.
 
@@ -230,7 +234,8 @@ class TrainingPrediction:
     model_flops_per_step: float
     parts: dict[str, Work] = dataclasses.field(default_factory=dict)
     """The step's Work by phase: "pipeline" (forward, backward), "bubble", "data_parallel",
-    "optimizer" (with the gradient norm's all-reduce), "loss_sync" (the logged loss's all-reduce,
+    "embedding_sync" (the tied table's gradient summed between the first and last stages),
+    "optimizer" (with the gradient norm's all-reduces), "loss_sync" (the logged loss's all-reduce,
     after the optimizer); they sum to `work`."""
 
     @property
@@ -263,8 +268,8 @@ def predict_training(
     bubble = average * ((layout.pp - 1) / layout.virtual_stages)
     pipeline = slowest * m + bubble
     dp, optimizer = _data_parallel(setup, layout, device, layer, m), _optimizer_step(setup, layout, device)
-    loss_sync = _loss_all_reduce(layout, device)
-    work = pipeline + dp + optimizer + loss_sync
+    embedding_sync, loss_sync = _tied_embedding_sync(setup, layout, device), _loss_all_reduce(layout, device)
+    work = pipeline + dp + embedding_sync + optimizer + loss_sync
     flops = setup.tokens_per_step * setup.shape.train_flops_per_token(setup.seq_len)
     peak = accelerator.peak_flops(setup.dtype) * layout.num_devices
     hardware_flops = flops + _recompute_flops(setup) * setup.tokens_per_step
@@ -274,11 +279,12 @@ def predict_training(
         hfu=hardware_flops / work.total_s / peak, tokens_per_s=setup.tokens_per_step / work.total_s,
         memory=memory, fits=memory.total_bytes <= accelerator.memory_bytes, work=work,
         breakdown_s={"pipeline_s": (slowest * m).total_s, "bubble_s": bubble.total_s,
-                     "data_parallel_s": dp.total_s, "optimizer_s": optimizer.total_s,
+                     "data_parallel_s": dp.total_s, "embedding_sync_s": embedding_sync.total_s,
+                     "optimizer_s": optimizer.total_s,
                      "loss_sync_s": loss_sync.total_s, "exposed_comm_s": work.comm_s},
         model_flops_per_step=flops,
-        parts={"pipeline": slowest * m, "bubble": bubble, "data_parallel": dp, "optimizer": optimizer,
-               "loss_sync": loss_sync},
+        parts={"pipeline": slowest * m, "bubble": bubble, "data_parallel": dp,
+               "embedding_sync": embedding_sync, "optimizer": optimizer, "loss_sync": loss_sync},
     )
 
 
@@ -455,16 +461,19 @@ def _data_parallel(setup: TrainSetup, layout: Layout, device: Device, layer: Wor
     buckets filling as the backward runs; FSDP's under 90% of the step's compute, each unit's
     all-gather prefetched during the previous unit's compute) where the collectives have a
     device's link to themselves; on a host link (`Accelerator.host_link`) they take the cores that
-    compute and every second of them is exposed."""
+    compute and every second of them is exposed. FSDP with pp > 1 (`_fsdp_collectives`): the
+    all-gathers hide under 90% of the first micro-batch's forward (a third of its compute), the
+    reduce-scatters, issued after the schedule, are exposed."""
     group = layout.dp * layout.cp
     if group == 1:
         return Work()
     overlaps = not device.accelerator.host_link
     if layout.zero_stage >= 3:
-        comm = _fsdp_collectives(setup, layout, device, m)
-        compute = layer * (setup.shape.num_layers / layout.pp) * m
-        hidden = min(comm.comm_s, 0.9 * (compute.gemm_s + compute.memory_s)) if overlaps else 0.0
-        return comm + Work(comm_s=-hidden)
+        gathers, scatters = _fsdp_collectives(setup, layout, device, m)
+        compute = layer * (setup.shape.num_layers / layout.pp) * (m if layout.pp == 1 else 1 / 3)
+        hideable = gathers + scatters if layout.pp == 1 else gathers
+        hidden = min(hideable.comm_s, 0.9 * (compute.gemm_s + compute.memory_s)) if overlaps else 0.0
+        return gathers + scatters + Work(comm_s=-hidden)
     params = max(stage_params(setup.shape, layout))  # each stage's group at once: the largest sets the pace
     grads = params * setup.state_bytes_per_param()[1]
     comm = device.collective("all_reduce", grads, group, _dp_ranks_per_node(layout, device))
@@ -489,8 +498,8 @@ def _fsdp_units(setup: TrainSetup, layout: Layout) -> tuple[int, float, float]:
     return layers, layer_params, max(stage_params(shape, layout)) - layers * layer_params
 
 
-def _fsdp_collectives(setup: TrainSetup, layout: Layout, device: Device, m: int) -> Work:
-    """FSDP2's collectives in one step, unit by unit, each paying its latency.
+def _fsdp_collectives(setup: TrainSetup, layout: Layout, device: Device, m: int) -> tuple[Work, Work]:
+    """FSDP2's all-gathers and reduce-scatters in one step, unit by unit, each paying its latency.
 
     PyTorch's `fully_shard` (torch/distributed/fsdp/_fully_shard/_fully_shard.py, its docstring
     and `FSDPState._lazy_init`): a unit's parameters are all-gathered before its forward and,
@@ -506,30 +515,61 @@ def _fsdp_collectives(setup: TrainSetup, layout: Layout, device: Device, m: int)
     move the gradients. gloo (a host link) runs a reduce-scatter as an all-reduce of the
     whole buffer (a profile of the trainer's 2-rank FSDP2 step: one gloo all-reduce per
     reduce-scatter), and is priced so there.
+
+    With pp > 1 torch's `PipelineStage` turns gradient sync and resharding after the backward off
+    for every micro-batch (`backward_maybe_with_nosync`) and reduces after the schedule
+    (`perform_reduce_grad`), and the trainer wraps the stages with `reshard_after_forward=False`:
+    each unit is all-gathered once, before the first forward, and reduce-scattered once per step;
+    its parameters and gradients stay whole until then (`memory.training_memory`).
     """
     group, per_node = layout.dp * layout.cp, _dp_ranks_per_node(layout, device)
     layers, layer_params, root_params = _fsdp_units(setup, layout)
     weight = 4.0 if setup.autocast else device.element_bytes
     grad = setup.state_bytes_per_param()[1]
     scatter = "all_reduce" if device.accelerator.host_link else "reduce_scatter"
-    gathers = device.collective("all_gather", layer_params * weight, group, per_node) * (2 * layers)
+    per_step = layout.pp > 1
+    gathers = device.collective("all_gather", layer_params * weight, group, per_node) * (
+        layers if per_step else 2 * layers)
     scatters = device.collective(scatter, layer_params * grad, group, per_node) * layers
     if root_params > 0:
         gathers = gathers + device.collective("all_gather", root_params * weight, group, per_node)
         scatters = scatters + device.collective(scatter, root_params * grad, group, per_node)
-    return (gathers + scatters) * m
+    return (gathers, scatters) if per_step else (gathers * m, scatters * m)
+
+
+def _tied_embedding_sync(setup: TrainSetup, layout: Layout, device: Device) -> Work:
+    """With pp > 1 a tied embedding's table has a copy on the first stage (the embedding) and one
+    on the last (the output layer); after the schedule the two ranks of each pair sum their
+    gradients (`train.pipeline.sum_tied_embedding_grads`, as Megatron-LM does): one all-reduce of
+    the table's fp32 gradient split by tensor parallelism, and by FSDP, which has reduce-scattered
+    it by then; exposed, nothing left to hide it under. The pair spans a node unless every rank of
+    the layout is on one."""
+    if layout.pp == 1 or not setup.shape.tied_embeddings:
+        return Work()
+    shards = layout.tp * (layout.dp * layout.cp if layout.zero_stage >= 3 else 1)
+    size = setup.shape.embedding_params() * setup.state_bytes_per_param()[1] / shards
+    one_node = layout.num_devices <= device.accelerator.devices_per_node
+    return device.collective("all_reduce", size, 2, 2 if one_node else 1)
 
 
 def _optimizer_step(setup: TrainSetup, layout: Layout, device: Device) -> Work:
     """AdamW's update of each local parameter, after the gradient norm (`clip_grad_norm_`): under
     FSDP or tensor parallelism each rank holds a part of the gradients (DTensors), and their norm
-    takes an all-reduce of one scalar over the ranks that split them."""
+    takes an all-reduce of one scalar over the ranks that split them; with pp > 1 each stage's
+    squared norm is then summed over the pipeline group, one more scalar all-reduce."""
     params = max(stage_params(setup.shape, layout))
     if layout.zero_stage >= 1:
         params /= layout.dp * layout.cp
     split = (layout.dp * layout.cp if layout.zero_stage >= 3 else 1) * layout.tp
     norm = device.collective("all_reduce", 4.0, split, device.accelerator.devices_per_node)
+    norm = norm + device.collective("all_reduce", 4.0, layout.pp, _pp_ranks_per_node(layout, device))
     return device.stream(OPTIMIZER_BYTES_PER_PARAM * params, 8) + norm
+
+
+def _pp_ranks_per_node(layout: Layout, device: Device) -> int:
+    """Ranks of one pipeline group on a node: the stages are the slowest-varying mesh dimension,
+    num_devices / pp ranks apart."""
+    return max(device.accelerator.devices_per_node * layout.pp // layout.num_devices, 1)
 
 
 def _loss_all_reduce(layout: Layout, device: Device) -> Work:

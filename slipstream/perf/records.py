@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
 """Where the trainer and the serving engine write their records, in a run or metrics directory."""
 LAYOUT_KEYS = ("world_size", "strategy", "tensor_parallel_degree", "context_parallel_degree",
-               "sequence_parallel", "pipeline_parallel_degree", "pipeline_parallel_stages_per_rank")
+               "sequence_parallel", "pipeline_parallel_degree", "pipeline_parallel_schedule",
+               "pipeline_parallel_stages_per_rank")
 """The `run` record's fields that fix the layout: an attempt resumed with others ran another one."""
 STEP_TIME_KEYS = ("step_s", "step_time_s", "time_s", "iteration_time_s", "elapsed_s")
 PHASE_KEYS = ("forward_backward_s", "optimizer_s")
@@ -62,6 +63,7 @@ CONFIG_KEYS = {
                                    "parallelism.pipeline_parallel_schedule", "pipeline_parallel_schedule"),
     "pipeline_parallel_stages_per_rank": ("parallel.pipeline_parallel_stages_per_rank",
                                           "pipeline_parallel_stages_per_rank"),
+    "pipeline_parallel_microbatch_size": ("parallelism.pipeline_parallel_microbatch_size",),
 }
 
 
@@ -214,9 +216,10 @@ _THREADS = re.compile(r"^calibrated .*, (\d+) threads, ")
 def _layout(run: Mapping[str, Any]) -> tuple[Any, ...]:
     """What of a `run` record decides the parallel layout the model prices (records written
     before tensor, context or pipeline parallelism have no degree: 1, without sequence
-    parallelism, one stage per rank)."""
+    parallelism, one stage per rank of the trainer's default schedule, 1F1B)."""
     defaults = {"tensor_parallel_degree": 1, "context_parallel_degree": 1, "sequence_parallel": False,
-                "pipeline_parallel_degree": 1, "pipeline_parallel_stages_per_rank": 1}
+                "pipeline_parallel_degree": 1, "pipeline_parallel_schedule": "1F1B",
+                "pipeline_parallel_stages_per_rank": 1}
     return tuple(run.get(key, defaults.get(key)) for key in LAYOUT_KEYS)
 
 
