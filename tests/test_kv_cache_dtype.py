@@ -229,9 +229,9 @@ def _kernels_only(monkeypatch):
     prefill chunk through PyTorch's attention, an error: the C kernels must run them."""
     module_step = Runner.hidden_states
 
-    def hidden_states(self, token_ids, positions, batch):
+    def hidden_states(self, token_ids, positions, batch, **kwargs):
         assert batch.prefills, "a pure decode step ran module by module, not through the C decode graph"
-        return module_step(self, token_ids, positions, batch)
+        return module_step(self, token_ids, positions, batch, **kwargs)
 
     def no_pytorch_prefill(*args, **kwargs):
         raise AssertionError("a prefill chunk ran PyTorch's attention, not the C prefill kernel")

@@ -79,10 +79,14 @@ def slow_steps(engine, monkeypatch) -> None:
 def wait_aborted(api, engine, before: float) -> None:
     """Within 5 s the engine holds no request and no KV block, and one more request was aborted
     than `before`: the background one, which left alone would run to its end (finish reason
-    "length"; `slow_steps` keeps it running that long)."""
+    "length"; `slow_steps` keeps it running that long). The server counts the abort on the event
+    loop (`AsyncEngine`'s on_step), which may come after the engine thread has let go."""
     deadline = time.monotonic() + 5
     while engine.has_unfinished_requests() or engine.scheduler.kv_cache.num_used_blocks:
         assert time.monotonic() < deadline, "the request still runs"
+        time.sleep(0.02)
+    while aborted(api) < before + 1:
+        assert time.monotonic() < deadline, "no abort counted"
         time.sleep(0.02)
     assert aborted(api) == before + 1
 
