@@ -18,13 +18,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from train_fixtures import VOCAB_SIZE, read_metrics, small_config, train_with_torchrun
+from train_fixtures import (
+    VOCAB_SIZE,
+    assert_records_follow,
+    final_checkpoint,
+    max_weight_diff,
+    read_metrics,
+    small_config,
+    train_with_torchrun,
+)
 
 from slipstream.model import ModelConfig, save_model
 from slipstream.model.config import RopeScaling
 from slipstream.model.presets import get_preset
 from slipstream.model.transformer import Attention, RopeTables, Transformer
-from slipstream.train.checkpoint import list_checkpoints, load_model_state
+from slipstream.train.checkpoint import list_checkpoints
 from slipstream.train.config import check_run, load_config
 from slipstream.train.context_parallel import (
     ContextParallel,
@@ -364,28 +372,6 @@ def _torchrun(config, work_dir: Path, nproc: int = 2) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def _assert_records_follow(run_dir: Path, reference: Path, label: str) -> None:
-    """`run_dir`'s train losses, gradient norms and eval losses, record for record, within LOSS_ATOL
-    of `reference`'s (a step redone after a resume: its later record)."""
-    for kind, key in (("train", "loss"), ("train", "grad_norm"), ("eval", "eval_loss")):
-        expected = {r["step"]: r[key] for r in read_metrics(reference, kind)}
-        got = {r["step"]: r[key] for r in read_metrics(run_dir, kind)}
-        assert got.keys() == expected.keys()
-        diff = max(abs(got[s] - expected[s]) for s in got)
-        print(f"{label} {key}: max difference from 1 process {diff:.1e} over {len(got)} records")
-        assert diff <= LOSS_ATOL
-
-
-def _max_weight_diff(a: Path, b: Path) -> float:
-    wa, wb = load_model_state(a), load_model_state(b)
-    assert wa.keys() == wb.keys()
-    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
-
-
-def _final(run_dir: Path) -> Path:
-    return list_checkpoints(run_dir)[-1][1]
-
-
 @pytest.fixture(scope="module")
 def one_process_run(data_dir, train_model_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("cp-one") / "run"
@@ -408,9 +394,9 @@ def test_cp2_follows_one_process(cp_run, one_process_run):
     (run,) = read_metrics(cp_run, "run")
     assert run["world_size"] == 2 and run["context_parallel_degree"] == 2 and run["strategy"] == "fsdp"
     assert run["accumulation_steps"] == 2
-    _assert_records_follow(cp_run, one_process_run, "CP=2")
+    assert_records_follow(cp_run, one_process_run, "CP=2", LOSS_ATOL)
     assert all(r["tokens"] == 4 * 32 for r in read_metrics(cp_run))
-    diff = _max_weight_diff(_final(cp_run), _final(one_process_run))
+    diff = max_weight_diff(final_checkpoint(cp_run), final_checkpoint(one_process_run))
     print(f"CP=2: max weight difference after 8 steps {diff:.1e}")
     assert diff <= WEIGHT_ATOL
 
@@ -429,7 +415,7 @@ def test_a_cp_checkpoint_resumes_as_the_uninterrupted_run_goes_on(nproc, degree,
     degree), and (slow) at CP=2 again and by plain FSDP2 on 2 ranks."""
     copy = tmp_path / "run"
     shutil.copytree(cp_run, copy)
-    shutil.rmtree(_final(copy))
+    shutil.rmtree(final_checkpoint(copy))
     assert list_checkpoints(copy)[-1][0] == 4
     config = small_config(data_dir, train_model_dir, copy, *RUN,
                           f"--parallel.context_parallel_degree={degree}")
@@ -439,8 +425,8 @@ def test_a_cp_checkpoint_resumes_as_the_uninterrupted_run_goes_on(nproc, degree,
         _torchrun(config, tmp_path, nproc)
     (resume,) = read_metrics(copy, "resume")
     assert resume["step"] == 4
-    _assert_records_follow(copy, one_process_run, f"CP=2 resumed by {nproc} rank(s) at CP={degree}")
-    assert _max_weight_diff(_final(copy), _final(one_process_run)) <= WEIGHT_ATOL
+    assert_records_follow(copy, one_process_run, f"CP=2 resumed by {nproc} rank(s) at CP={degree}", LOSS_ATOL)
+    assert max_weight_diff(final_checkpoint(copy), final_checkpoint(one_process_run)) <= WEIGHT_ATOL
 
 
 # ---- slow: other layouts ----------------------------------------------------------------------
@@ -466,8 +452,8 @@ def test_other_layouts_follow_one_process(label, nproc, extra, one_process_run, 
     assert run["world_size"] == nproc and run["accumulation_steps"] == 2
     assert run["context_parallel_degree"] == 2
     assert run["strategy"] == ("ddp" if "ddp" in label.lower() else "fsdp")
-    _assert_records_follow(tmp_path / "run", one_process_run, label)
-    diff = _max_weight_diff(_final(tmp_path / "run"), _final(one_process_run))
+    assert_records_follow(tmp_path / "run", one_process_run, label, LOSS_ATOL)
+    diff = max_weight_diff(final_checkpoint(tmp_path / "run"), final_checkpoint(one_process_run))
     print(f"{label}: max weight difference after 8 steps {diff:.1e}")
     assert diff <= WEIGHT_ATOL
 
@@ -490,7 +476,7 @@ def test_a_mixtral_trains_under_cp2_as_one_process(data_dir, tmp_path):
         diff = max(abs(a[key] - b[key]) for a, b in zip(reference, records, strict=True))
         print(f"Mixtral CP=2 {key}: max |2 ranks - 1 process| = {diff:.1e}")
         assert diff <= LOSS_ATOL
-    diff = _max_weight_diff(_final(tmp_path / "cp"), _final(tmp_path / "one"))
+    diff = max_weight_diff(final_checkpoint(tmp_path / "cp"), final_checkpoint(tmp_path / "one"))
     print(f"Mixtral CP=2: max final weight difference {diff:.1e}")
     assert diff <= WEIGHT_ATOL
 
@@ -509,7 +495,7 @@ def test_a_phi3_longrope_model_trains_under_cp2_as_one_process(data_dir, tmp_pat
         shutil.copy(data_dir / "tokenizer" / name, model_dir / name)
     Trainer(small_config(data_dir, model_dir, tmp_path / "one", *RUN)).run()
     _torchrun(small_config(data_dir, model_dir, tmp_path / "cp", *RUN, *CP2), tmp_path)
-    _assert_records_follow(tmp_path / "cp", tmp_path / "one", "Phi-3 longrope CP=2")
-    diff = _max_weight_diff(_final(tmp_path / "cp"), _final(tmp_path / "one"))
+    assert_records_follow(tmp_path / "cp", tmp_path / "one", "Phi-3 longrope CP=2", LOSS_ATOL)
+    diff = max_weight_diff(final_checkpoint(tmp_path / "cp"), final_checkpoint(tmp_path / "one"))
     print(f"Phi-3 longrope CP=2: max final weight difference {diff:.1e}")
     assert diff <= WEIGHT_ATOL

@@ -19,7 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from train_fixtures import model_dir, read_metrics, small_config, train_with_torchrun
+from train_fixtures import (
+    assert_records_follow,
+    final_checkpoint,
+    max_weight_diff,
+    model_dir,
+    read_metrics,
+    small_config,
+    train_with_torchrun,
+)
 
 from slipstream.model import ModelConfig, Transformer
 from slipstream.model.weights import load_model
@@ -173,36 +181,9 @@ def _torchrun(config, work_dir: Path, nproc: int = 2) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def _assert_records_follow(run_dir: Path, reference: Path, label: str) -> None:
-    """`run_dir`'s train and eval losses within LOSS_ATOL and gradient norms within GRAD_NORM_RTOL
-    of `reference`'s, record for record (a step redone after a resume: its later record)."""
-    for kind, key in (("train", "loss"), ("train", "grad_norm"), ("eval", "eval_loss")):
-        expected = {r["step"]: r[key] for r in read_metrics(reference, kind)}
-        got = {r["step"]: r[key] for r in read_metrics(run_dir, kind)}
-        assert got.keys() == expected.keys()
-        if key == "grad_norm":
-            diff = max(abs(got[s] - expected[s]) / expected[s] for s in got)
-            print(f"{label} {key}: max relative difference from 1 process {diff:.1e} over {len(got)} records")
-            assert diff <= GRAD_NORM_RTOL
-            continue
-        diff = max(abs(got[s] - expected[s]) for s in got)
-        print(f"{label} {key}: max difference from 1 process {diff:.1e} over {len(got)} records")
-        assert diff <= LOSS_ATOL
-
-
-def _max_weight_diff(a: Path, b: Path) -> float:
-    wa, wb = load_model_state(a), load_model_state(b)
-    assert wa.keys() == wb.keys()
-    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
-
-
-def _final(run_dir: Path) -> Path:
-    return list_checkpoints(run_dir)[-1][1]
-
-
 def _cut_to_step_4(run_dir: Path, copy: Path) -> None:
     shutil.copytree(run_dir, copy)
-    shutil.rmtree(_final(copy))
+    shutil.rmtree(final_checkpoint(copy))
     assert list_checkpoints(copy)[-1][0] == 4
 
 
@@ -266,14 +247,14 @@ def test_pp2_follows_one_process_and_one_process_resumes_it(gemma3_pp_run, gemma
     assert run["world_size"] == 2 and run["pipeline_parallel_degree"] == 2
     assert run["pipeline_parallel_schedule"] == "1F1B" and run["pipeline_parallel_stages_per_rank"] == 1
     assert run["accumulation_steps"] == 4
-    _assert_records_follow(pp_run, one_process_run, "Gemma 3 PP=2 1F1B")
+    assert_records_follow(pp_run, one_process_run, "Gemma 3 PP=2 1F1B", LOSS_ATOL, GRAD_NORM_RTOL)
     assert all(r["tokens"] == 8 * 32 for r in read_metrics(pp_run))
-    diff = _max_weight_diff(_final(pp_run), _final(one_process_run))
+    diff = max_weight_diff(final_checkpoint(pp_run), final_checkpoint(one_process_run))
     print(f"PP=2: max weight difference after 8 steps {diff:.1e}")
     assert diff <= WEIGHT_ATOL
     export_run(pp_run, tmp_path / "hf")  # every layer's weights, from both stages' shards
     exported = load_model(tmp_path / "hf", dtype=torch.float32).state_dict()
-    expected = load_model_state(_final(one_process_run))
+    expected = load_model_state(final_checkpoint(one_process_run))
     assert max((exported[k] - expected[k]).abs().max().item() for k in expected) <= WEIGHT_ATOL
 
     copy = tmp_path / "run"
@@ -281,8 +262,8 @@ def test_pp2_follows_one_process_and_one_process_resumes_it(gemma3_pp_run, gemma
     Trainer(small_config(data_dir, gemma3_six_layers, copy, *GEMMA_RUN)).run()
     (resume,) = read_metrics(copy, "resume")
     assert resume["step"] == 4
-    _assert_records_follow(copy, one_process_run, "PP=2 resumed by one process")
-    assert _max_weight_diff(_final(copy), _final(one_process_run)) <= WEIGHT_ATOL
+    assert_records_follow(copy, one_process_run, "PP=2 resumed by one process", LOSS_ATOL, GRAD_NORM_RTOL)
+    assert max_weight_diff(final_checkpoint(copy), final_checkpoint(one_process_run)) <= WEIGHT_ATOL
 
 
 @pytest.mark.slow
@@ -296,8 +277,8 @@ def test_llama_pp2_follows_one_process(label, extra, pp_run, one_process_run, da
     if extra is INTERLEAVED:
         run_dir = tmp_path / "run"
         _torchrun(small_config(data_dir, tied_four_layers, run_dir, *RUN, *extra), tmp_path)
-    _assert_records_follow(run_dir, one_process_run, label)
-    assert _max_weight_diff(_final(run_dir), _final(one_process_run)) <= WEIGHT_ATOL
+    assert_records_follow(run_dir, one_process_run, label, LOSS_ATOL, GRAD_NORM_RTOL)
+    assert max_weight_diff(final_checkpoint(run_dir), final_checkpoint(one_process_run)) <= WEIGHT_ATOL
 
 
 def test_the_perf_model_prices_a_pipeline_run_with_its_layout(gemma3_pp_run):
@@ -344,8 +325,9 @@ def test_other_layouts_follow_one_process(label, nproc, extra, one_process_run, 
     (run,) = read_metrics(tmp_path / "run", "run")
     assert run["world_size"] == nproc and run["accumulation_steps"] == 2
     assert run["pipeline_parallel_degree"] == 2
-    _assert_records_follow(tmp_path / "run", one_process_run, label)
-    assert _max_weight_diff(_final(tmp_path / "run"), _final(one_process_run)) <= WEIGHT_ATOL
+    assert_records_follow(tmp_path / "run", one_process_run, label, LOSS_ATOL, GRAD_NORM_RTOL)
+    diff = max_weight_diff(final_checkpoint(tmp_path / "run"), final_checkpoint(one_process_run))
+    assert diff <= WEIGHT_ATOL
 
 
 @pytest.mark.slow
@@ -354,8 +336,9 @@ def test_an_untied_model_follows_one_process(data_dir, tmp_path):
     untied = model_dir(tmp_path / "model", data_dir, num_hidden_layers=4)
     Trainer(small_config(data_dir, untied, tmp_path / "one", *RUN)).run()
     _torchrun(small_config(data_dir, untied, tmp_path / "pp" / "run", *RUN, *PP2), tmp_path / "pp")
-    _assert_records_follow(tmp_path / "pp" / "run", tmp_path / "one", "PP=2 untied")
-    assert _max_weight_diff(_final(tmp_path / "pp" / "run"), _final(tmp_path / "one")) <= WEIGHT_ATOL
+    assert_records_follow(tmp_path / "pp" / "run", tmp_path / "one", "PP=2 untied", LOSS_ATOL, GRAD_NORM_RTOL)
+    diff = max_weight_diff(final_checkpoint(tmp_path / "pp" / "run"), final_checkpoint(tmp_path / "one"))
+    assert diff <= WEIGHT_ATOL
 
 
 @pytest.mark.slow
@@ -371,8 +354,8 @@ def test_a_checkpoint_resumes_at_another_pipeline_layout(source, layout, extra, 
     _torchrun(small_config(data_dir, tied_four_layers, copy, *RUN, *extra), tmp_path)
     (resume,) = read_metrics(copy, "resume")
     assert resume["step"] == 4
-    _assert_records_follow(copy, one_process_run, f"{source} resumed at {layout}")
-    assert _max_weight_diff(_final(copy), _final(one_process_run)) <= WEIGHT_ATOL
+    assert_records_follow(copy, one_process_run, f"{source} resumed at {layout}", LOSS_ATOL, GRAD_NORM_RTOL)
+    assert max_weight_diff(final_checkpoint(copy), final_checkpoint(one_process_run)) <= WEIGHT_ATOL
 
 
 def _tied_copy_rank(rank: int, port: int, config_toml: str, out_dir: str) -> None:

@@ -223,12 +223,7 @@ def test_nan_rolls_back_and_skips_the_window(data_dir, train_model_dir, tmp_path
     torch.set_num_threads(1)
     run_dir = tmp_path / "run"
     Trainer(small_config(data_dir, train_model_dir, run_dir, *RUN, "--faults.nan_at_step=5")).run()
-    (rollback,) = read_metrics(run_dir, "rollback")
-    assert rollback["step"] == 5 and rollback["to_step"] == 4 and rollback["loss"] == "nan"
-    (skip,) = read_metrics(run_dir, "skip")
-    assert (skip["data_epoch"], skip["data_position"]) == (rollback["data_epoch"], rollback["data_position"])
-    losses = _losses(run_dir)
-    assert sorted(losses) == list(range(1, 9)) and all(torch.isfinite(torch.tensor(list(losses.values()))))
+    _assert_rolled_back_from_step_5(run_dir)
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
     (reference_dir / "skipped_windows.jsonl").write_text((run_dir / "skipped_windows.jsonl").read_text())
@@ -236,6 +231,17 @@ def test_nan_rolls_back_and_skips_the_window(data_dir, train_model_dir, tmp_path
     _assert_bitwise(run_dir, reference_dir)
     summary = summarize(read_events(run_dir))
     assert summary["rollbacks"] == 1 and summary["steps_lost"] == 1 and summary["seconds"]["restore"] > 0
+
+
+def _assert_rolled_back_from_step_5(run_dir: Path) -> None:
+    """The run met a NaN loss at step 5, rolled back to the step-4 checkpoint, skipped step 5's
+    windows and finished 8 finite steps."""
+    (rollback,) = read_metrics(run_dir, "rollback")
+    assert rollback["step"] == 5 and rollback["to_step"] == 4 and rollback["loss"] == "nan"
+    (skip,) = read_metrics(run_dir, "skip")
+    assert (skip["data_epoch"], skip["data_position"]) == (rollback["data_epoch"], rollback["data_position"])
+    losses = _losses(run_dir)
+    assert sorted(losses) == list(range(1, 9)) and all(torch.isfinite(torch.tensor(list(losses.values()))))
 
 
 @pytest.mark.slow  # ~15 s; test_nan_rolls_back_and_skips_the_window is the fast check of rollback
@@ -247,12 +253,7 @@ def test_nan_on_a_first_pipeline_stage_rolls_back(data_dir, train_model_dir, tmp
     result = _train(tmp_path, run_dir, data_dir, train_model_dir, "--faults.nan_at_step=5", "--faults.rank=0",
                     "--parallel.pipeline_parallel_degree=2", nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
-    (rollback,) = read_metrics(run_dir, "rollback")
-    assert rollback["step"] == 5 and rollback["to_step"] == 4 and rollback["loss"] == "nan"
-    (skip,) = read_metrics(run_dir, "skip")
-    assert (skip["data_epoch"], skip["data_position"]) == (rollback["data_epoch"], rollback["data_position"])
-    losses = _losses(run_dir)
-    assert sorted(losses) == list(range(1, 9)) and all(torch.isfinite(torch.tensor(list(losses.values()))))
+    _assert_rolled_back_from_step_5(run_dir)
 
 
 def test_ranks_agree_on_a_fresh_attempt_number():

@@ -23,6 +23,7 @@ import torch
 from slipstream.corpus import stdlib_files
 from slipstream.model import ModelConfig, Transformer, save_model
 from slipstream.model.tokenizer import Tokenizer, train_tokenizer
+from slipstream.train.checkpoint import list_checkpoints, load_model_state
 from slipstream.train.config import TrainConfig, load_config
 from slipstream.train.data import Document, prepare_dataset
 
@@ -125,6 +126,37 @@ def train_with_torchrun(config: TrainConfig, work_dir: Path, nproc: int = 2) -> 
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def assert_records_follow(run_dir: Path, reference: Path, label: str, loss_atol: float,
+                          grad_norm_rtol: float | None = None) -> None:
+    """`run_dir`'s train and eval losses within `loss_atol` of `reference`'s, record for record (a
+    step redone after a resume: its later record), and its gradient norms within `grad_norm_rtol`
+    of them, relatively (None: within `loss_atol`, as the losses)."""
+    for kind, key in (("train", "loss"), ("train", "grad_norm"), ("eval", "eval_loss")):
+        expected = {r["step"]: r[key] for r in read_metrics(reference, kind)}
+        got = {r["step"]: r[key] for r in read_metrics(run_dir, kind)}
+        assert got.keys() == expected.keys()
+        if key == "grad_norm" and grad_norm_rtol is not None:
+            diff = max(abs(got[s] - expected[s]) / expected[s] for s in got)
+            print(f"{label} {key}: max relative difference {diff:.1e} over {len(got)} records")
+            assert diff <= grad_norm_rtol
+            continue
+        diff = max(abs(got[s] - expected[s]) for s in got)
+        print(f"{label} {key}: max difference {diff:.1e} over {len(got)} records")
+        assert diff <= loss_atol
+
+
+def max_weight_diff(a: Path, b: Path) -> float:
+    """The largest absolute difference between two checkpoints' weights (the same names in both)."""
+    wa, wb = load_model_state(a), load_model_state(b)
+    assert wa.keys() == wb.keys()
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+
+def final_checkpoint(run_dir: Path) -> Path:
+    """The run's newest checkpoint."""
+    return list_checkpoints(run_dir)[-1][1]
 
 
 def qwen2_style_tokenizer(files: list[Path], vocab_size: int, *, eos_token: str = "<|endoftext|>",
