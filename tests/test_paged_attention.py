@@ -193,6 +193,7 @@ def test_kernel_library_leaves_subnormals_alone():
     assert torch.tensor(1e-40, dtype=torch.float32).item() != 0.0
 
 
+@pytest.mark.slow  # ~18 s: two compiler runs of the kernel library
 def test_kernel_library_builds_once_when_asked_from_two_threads(tmp_path):
     """A cold cache: the engine's background build and a caller's library() on another thread
     share one compilation, and both get the loaded library (in a fresh process)."""

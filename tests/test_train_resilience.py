@@ -146,6 +146,7 @@ def test_resharding_resume(saved_by, resumed_by, data_dir, train_model_dir, tmp_
     assert diff <= RESHARD_LOSS_ATOL
 
 
+@pytest.mark.slow  # ~25 s; test_hang_dumps_stacks_and_restarts is the fast check of a torchrun restart
 def test_crash_is_restarted_by_torchrun_to_the_same_weights(
     data_dir, train_model_dir, tmp_path, two_rank_run
 ):
@@ -374,6 +375,7 @@ def test_stack_files_of_two_launches_do_not_collide(tmp_path):
     assert all("Current thread" in f.read_text() for f in files)
 
 
+@pytest.mark.slow  # ~16 s; test_sigterm_saves_and_a_rerun_resumes is the fast check of SIGTERM
 def test_sigterm_to_the_launcher_of_two_ranks_saves_and_exits_0(data_dir, train_model_dir, tmp_path):
     """SIGTERM to `slipstream train --nproc 2` (a scheduler's preemption) reaches both workers,
     which commit a checkpoint of the same step and exit 0; the launcher exits 0 without
