@@ -11,7 +11,6 @@ with longrope (its choice of frequencies fixed to the whole sequence's) at CP=2.
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,13 +18,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from train_fixtures import (
+    COMPARED_RUN,
     VOCAB_SIZE,
     assert_records_follow,
     final_checkpoint,
     max_weight_diff,
     read_metrics,
     small_config,
-    train_with_torchrun,
+    torchrun_ok,
 )
 
 from slipstream.model import ModelConfig, save_model
@@ -47,10 +47,7 @@ from slipstream.train.trainer import Trainer
 
 pytest_plugins = ["train_fixtures"]
 
-RUN = ("--training.deterministic=true", "--training.steps=8", "--training.global_batch_size=4",
-       "--training.micro_batch_size=2", "--checkpoint.interval=4", "--checkpoint.save_final=true",
-       "--eval.interval=4", "--eval.num_batches=2")
-"""8 steps of 4 sequences of 32 tokens in 2 micro-batches of 2; checkpoints of steps 4 and 8."""
+RUN = COMPARED_RUN
 CP2 = ("--parallel.context_parallel_degree=2",)
 LOSS_ATOL = 1e-5
 """fp32: each rank's attention sums its softmax over keys in another order (its chunks' keys
@@ -366,12 +363,6 @@ def test_an_odd_seq_len_trains_and_resumes_without_context_parallelism(data_dir,
 # ---- two ranks, one replica -------------------------------------------------------------------
 
 
-def _torchrun(config, work_dir: Path, nproc: int = 2) -> None:
-    work_dir.mkdir(exist_ok=True)
-    result = train_with_torchrun(config, work_dir, nproc=nproc)
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
 @pytest.fixture(scope="module")
 def one_process_run(data_dir, train_model_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("cp-one") / "run"
@@ -383,7 +374,7 @@ def one_process_run(data_dir, train_model_dir, tmp_path_factory):
 def cp_run(data_dir, train_model_dir, tmp_path_factory):
     """`slipstream train --nproc 2` at context_parallel_degree 2 (one replica; FSDP2 over both)."""
     tmp = tmp_path_factory.mktemp("cp-two")
-    _torchrun(small_config(data_dir, train_model_dir, tmp / "run", *RUN, *CP2), tmp)
+    torchrun_ok(small_config(data_dir, train_model_dir, tmp / "run", *RUN, *CP2), tmp)
     return tmp / "run"
 
 
@@ -422,7 +413,7 @@ def test_a_cp_checkpoint_resumes_as_the_uninterrupted_run_goes_on(nproc, degree,
     if nproc == 1:
         Trainer(config).run()
     else:
-        _torchrun(config, tmp_path, nproc)
+        torchrun_ok(config, tmp_path, nproc)
     (resume,) = read_metrics(copy, "resume")
     assert resume["step"] == 4
     assert_records_follow(copy, one_process_run, f"CP=2 resumed by {nproc} rank(s) at CP={degree}", LOSS_ATOL)
@@ -447,7 +438,7 @@ def test_other_layouts_follow_one_process(label, nproc, extra, one_process_run, 
     context-parallel rank (sequence- and loss-parallel, 4 ranks) and activation checkpointing
     (the all-gather recomputed in the backward) follow one process within LOSS_ATOL /
     WEIGHT_ATOL."""
-    _torchrun(small_config(data_dir, train_model_dir, tmp_path / "run", *RUN, *extra), tmp_path, nproc)
+    torchrun_ok(small_config(data_dir, train_model_dir, tmp_path / "run", *RUN, *extra), tmp_path, nproc)
     (run,) = read_metrics(tmp_path / "run", "run")
     assert run["world_size"] == nproc and run["accumulation_steps"] == 2
     assert run["context_parallel_degree"] == 2
@@ -470,7 +461,7 @@ def test_a_mixtral_trains_under_cp2_as_one_process(data_dir, tmp_path):
     run = ("--training.deterministic=true", "--data.seq_len=16", "--training.global_batch_size=4",
            "--training.micro_batch_size=2", "--training.steps=4", "--checkpoint.save_final=true")
     Trainer(small_config(data_dir, model_dir, tmp_path / "one", *run)).run()
-    _torchrun(small_config(data_dir, model_dir, tmp_path / "cp", *run, *CP2), tmp_path)
+    torchrun_ok(small_config(data_dir, model_dir, tmp_path / "cp", *run, *CP2), tmp_path)
     reference, records = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "cp")
     for key in ("loss", "load_balancing_loss", "grad_norm"):
         diff = max(abs(a[key] - b[key]) for a, b in zip(reference, records, strict=True))
@@ -494,7 +485,7 @@ def test_a_phi3_longrope_model_trains_under_cp2_as_one_process(data_dir, tmp_pat
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(data_dir / "tokenizer" / name, model_dir / name)
     Trainer(small_config(data_dir, model_dir, tmp_path / "one", *RUN)).run()
-    _torchrun(small_config(data_dir, model_dir, tmp_path / "cp", *RUN, *CP2), tmp_path)
+    torchrun_ok(small_config(data_dir, model_dir, tmp_path / "cp", *RUN, *CP2), tmp_path)
     assert_records_follow(tmp_path / "cp", tmp_path / "one", "Phi-3 longrope CP=2", LOSS_ATOL)
     diff = max_weight_diff(final_checkpoint(tmp_path / "cp"), final_checkpoint(tmp_path / "one"))
     print(f"Phi-3 longrope CP=2: max final weight difference {diff:.1e}")

@@ -20,13 +20,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from train_fixtures import (
+    COMPARED_RUN,
     assert_records_follow,
     final_checkpoint,
     max_weight_diff,
     model_dir,
     read_metrics,
     small_config,
-    train_with_torchrun,
+    torchrun_ok,
 )
 
 from slipstream.model import ModelConfig, Transformer
@@ -42,10 +43,7 @@ from slipstream.train.trainer import Trainer
 
 pytest_plugins = ["train_fixtures"]
 
-RUN = ("--training.deterministic=true", "--training.steps=8", "--training.global_batch_size=4",
-       "--training.micro_batch_size=2", "--checkpoint.interval=4", "--checkpoint.save_final=true",
-       "--eval.interval=4", "--eval.num_batches=2")
-"""8 steps of 4 sequences of 32 tokens in 2 micro-batches of 2; checkpoints of steps 4 and 8."""
+RUN = COMPARED_RUN
 PP2 = ("--parallel.pipeline_parallel_degree=2",)
 INTERLEAVED = (*PP2, "--parallel.pipeline_parallel_schedule=Interleaved1F1B",
                "--parallel.pipeline_parallel_stages_per_rank=2")
@@ -175,12 +173,6 @@ def test_stage_split_agrees_with_the_perf_model(num_layers, pp, v):
 # ---- under torchrun ---------------------------------------------------------------------------
 
 
-def _torchrun(config, work_dir: Path, nproc: int = 2) -> None:
-    work_dir.mkdir(exist_ok=True)
-    result = train_with_torchrun(config, work_dir, nproc=nproc)
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
 def _cut_to_step_4(run_dir: Path, copy: Path) -> None:
     shutil.copytree(run_dir, copy)
     shutil.rmtree(final_checkpoint(copy))
@@ -215,7 +207,7 @@ def one_process_run(data_dir, tied_four_layers, tmp_path_factory):
 def pp_run(data_dir, tied_four_layers, tmp_path_factory):
     """`slipstream train --nproc 2` of the Llama at pipeline_parallel_degree 2 (1F1B, one replica)."""
     tmp = tmp_path_factory.mktemp("pp-two")
-    _torchrun(small_config(data_dir, tied_four_layers, tmp / "run", *RUN, *PP2), tmp)
+    torchrun_ok(small_config(data_dir, tied_four_layers, tmp / "run", *RUN, *PP2), tmp)
     return tmp / "run"
 
 
@@ -231,7 +223,7 @@ def gemma3_pp_run(data_dir, gemma3_six_layers, tmp_path_factory):
     """`slipstream train --nproc 2` of the Gemma 3 model at pipeline_parallel_degree 2 (1F1B, one
     replica, 4 micro-batches a step)."""
     tmp = tmp_path_factory.mktemp("pp-gemma3-two")
-    _torchrun(small_config(data_dir, gemma3_six_layers, tmp / "run", *GEMMA_RUN, *PP2), tmp)
+    torchrun_ok(small_config(data_dir, gemma3_six_layers, tmp / "run", *GEMMA_RUN, *PP2), tmp)
     return tmp / "run"
 
 
@@ -276,7 +268,7 @@ def test_llama_pp2_follows_one_process(label, extra, pp_run, one_process_run, da
     run_dir = pp_run
     if extra is INTERLEAVED:
         run_dir = tmp_path / "run"
-        _torchrun(small_config(data_dir, tied_four_layers, run_dir, *RUN, *extra), tmp_path)
+        torchrun_ok(small_config(data_dir, tied_four_layers, run_dir, *RUN, *extra), tmp_path)
     assert_records_follow(run_dir, one_process_run, label, LOSS_ATOL, GRAD_NORM_RTOL)
     assert max_weight_diff(final_checkpoint(run_dir), final_checkpoint(one_process_run)) <= WEIGHT_ATOL
 
@@ -321,7 +313,7 @@ def test_other_layouts_follow_one_process(label, nproc, extra, one_process_run, 
     its stage's layers), and each stage split by 2-way tensor parallelism (4 ranks; the tied table
     split by vocabulary on the first and the last stage) follow one process within LOSS_ATOL /
     WEIGHT_ATOL."""
-    _torchrun(small_config(data_dir, tied_four_layers, tmp_path / "run", *RUN, *extra), tmp_path, nproc)
+    torchrun_ok(small_config(data_dir, tied_four_layers, tmp_path / "run", *RUN, *extra), tmp_path, nproc)
     (run,) = read_metrics(tmp_path / "run", "run")
     assert run["world_size"] == nproc and run["accumulation_steps"] == 2
     assert run["pipeline_parallel_degree"] == 2
@@ -335,7 +327,7 @@ def test_an_untied_model_follows_one_process(data_dir, tmp_path):
     """Without tied embeddings (the output layer only on the last stage) PP=2 follows one process."""
     untied = model_dir(tmp_path / "model", data_dir, num_hidden_layers=4)
     Trainer(small_config(data_dir, untied, tmp_path / "one", *RUN)).run()
-    _torchrun(small_config(data_dir, untied, tmp_path / "pp" / "run", *RUN, *PP2), tmp_path / "pp")
+    torchrun_ok(small_config(data_dir, untied, tmp_path / "pp" / "run", *RUN, *PP2), tmp_path / "pp")
     assert_records_follow(tmp_path / "pp" / "run", tmp_path / "one", "PP=2 untied", LOSS_ATOL, GRAD_NORM_RTOL)
     diff = max_weight_diff(final_checkpoint(tmp_path / "pp" / "run"), final_checkpoint(tmp_path / "one"))
     assert diff <= WEIGHT_ATOL
@@ -351,7 +343,7 @@ def test_a_checkpoint_resumes_at_another_pipeline_layout(source, layout, extra, 
     uninterrupted one-process run does."""
     copy = tmp_path / "run"
     _cut_to_step_4(one_process_run if source == "one process" else pp_run, copy)
-    _torchrun(small_config(data_dir, tied_four_layers, copy, *RUN, *extra), tmp_path)
+    torchrun_ok(small_config(data_dir, tied_four_layers, copy, *RUN, *extra), tmp_path)
     (resume,) = read_metrics(copy, "resume")
     assert resume["step"] == 4
     assert_records_follow(copy, one_process_run, f"{source} resumed at {layout}", LOSS_ATOL, GRAD_NORM_RTOL)

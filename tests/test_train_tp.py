@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
-from train_fixtures import model_dir, read_metrics, small_config, train_with_torchrun
+from train_fixtures import model_dir, read_metrics, small_config, torchrun_ok
 
 from slipstream.model import ModelConfig
 from slipstream.model.presets import get_preset
@@ -72,12 +72,6 @@ def _cut_after(run_dir: Path, copy: Path, step: int) -> Path:
     return copy
 
 
-def _torchrun(config, work_dir: Path, nproc: int = 2) -> None:
-    work_dir.mkdir(exist_ok=True)
-    result = train_with_torchrun(config, work_dir, nproc=nproc)
-    assert result.returncode == 0, result.stderr[-3000:]
-
-
 @pytest.fixture(scope="module")
 def one_process_run(data_dir, train_model_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tp-one") / "run"
@@ -90,7 +84,7 @@ def tp_run(data_dir, train_model_dir, tmp_path_factory):
     """`slipstream train --nproc 2` at tensor_parallel_degree 2 (one replica), the fixture model
     (4 query heads, 2 K/V heads: one K/V head and its two query heads per rank)."""
     tmp = tmp_path_factory.mktemp("tp-two")
-    _torchrun(small_config(data_dir, train_model_dir, tmp / "run", *RUN, *TP2), tmp)
+    torchrun_ok(small_config(data_dir, train_model_dir, tmp / "run", *RUN, *TP2), tmp)
     return tmp / "run"
 
 
@@ -226,7 +220,7 @@ def test_tp2_resumes_bit_for_bit(tp_run, data_dir, train_model_dir, tmp_path):
     """A TP=2 run that lost its checkpoints after step 4, rerun at TP=2, loads step 4 and ends
     with the uninterrupted TP=2 run's losses and weights bit for bit."""
     run_dir = _cut_after(tp_run, tmp_path / "run", 4)
-    _torchrun(small_config(data_dir, train_model_dir, run_dir, *RUN, *TP2), tmp_path / "work")
+    torchrun_ok(small_config(data_dir, train_model_dir, run_dir, *RUN, *TP2), tmp_path / "work")
     (resume,) = read_metrics(run_dir, "resume")
     assert resume["step"] == 4 and not resume["resharded"]
     assert [r["step"] for r in read_metrics(run_dir)] == [*range(1, 9), *range(5, 9)]
@@ -271,7 +265,7 @@ def test_fsdp_over_two_replicas_of_tp2(data_dir, tied_model_dir, tmp_path):
     and WEIGHT_ATOL."""
     one, run_dir = tmp_path / "one", tmp_path / "run"
     Trainer(small_config(data_dir, tied_model_dir, one, *RUN)).run()
-    _torchrun(small_config(data_dir, tied_model_dir, run_dir, *RUN, *TP2), tmp_path, nproc=4)
+    torchrun_ok(small_config(data_dir, tied_model_dir, run_dir, *RUN, *TP2), tmp_path, nproc=4)
     (run,) = read_metrics(run_dir, "run")
     assert run["world_size"] == 4 and run["accumulation_steps"] == 1 and run["strategy"] == "fsdp"
     _assert_records_follow(run_dir, one, "FSDP 2 x TP 2")
@@ -286,7 +280,7 @@ def test_a_tp2_checkpoint_loads_into_fsdp(tp_run, one_process_run, data_dir, tra
     """The TP=2 checkpoint of step 4, resumed by 2 ranks of FSDP2 (degree 1), continues within
     LOSS_ATOL of one process."""
     run_dir = _cut_after(tp_run, tmp_path / "run", 4)
-    _torchrun(small_config(data_dir, train_model_dir, run_dir, *RUN, "--training.micro_batch_size=1"),
+    torchrun_ok(small_config(data_dir, train_model_dir, run_dir, *RUN, "--training.micro_batch_size=1"),
               tmp_path / "work")
     (resume,) = read_metrics(run_dir, "resume")
     assert resume["step"] == 4 and resume["resharded"]
@@ -312,10 +306,10 @@ def test_other_plans_follow_one_process(variant, data_dir, tmp_path):
     one = tmp_path / "one"
     Trainer(small_config(data_dir, source, one, *RUN)).run()
     run_dirs = [tmp_path / "tp"]
-    _torchrun(small_config(data_dir, source, run_dirs[0], *RUN, *TP2, *extra), tmp_path / "work")
+    torchrun_ok(small_config(data_dir, source, run_dirs[0], *RUN, *TP2, *extra), tmp_path / "work")
     if variant == "qwen2-no-sp":
         run_dirs.append(_cut_after(one, tmp_path / "resumed", 4))
-        _torchrun(small_config(data_dir, source, run_dirs[1], *RUN, *TP2, *extra), tmp_path / "work")
+        torchrun_ok(small_config(data_dir, source, run_dirs[1], *RUN, *TP2, *extra), tmp_path / "work")
         assert read_metrics(run_dirs[1], "resume")[0]["resharded"]
     reference = _losses(one)
     for run_dir in run_dirs:

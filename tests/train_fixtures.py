@@ -123,6 +123,20 @@ def train_with_torchrun(config: TrainConfig, work_dir: Path, nproc: int = 2) -> 
     )
 
 
+COMPARED_RUN = ("--training.deterministic=true", "--training.steps=8", "--training.global_batch_size=4",
+                "--training.micro_batch_size=2", "--checkpoint.interval=4", "--checkpoint.save_final=true",
+                "--eval.interval=4", "--eval.num_batches=2")
+"""The runs the parallel layouts' tests compare with one process: 8 steps of 4 sequences of 32
+tokens in 2 micro-batches of 2; checkpoints of steps 4 and 8."""
+
+
+def torchrun_ok(config: TrainConfig, work_dir: Path, nproc: int = 2) -> None:
+    """`train_with_torchrun` in `work_dir` (made if missing), which must exit 0."""
+    work_dir.mkdir(exist_ok=True)
+    result = train_with_torchrun(config, work_dir, nproc=nproc)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
     lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
