@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, each worker takes its share of the cores (torch's threads, and through
+    OMP_NUM_THREADS the servers and `torchrun` jobs it starts): two workers of two threads each on
+    two cores oversubscribe them, and OpenMP's waiting threads then ran the suite 2-3x slower."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        threads = str(max(len(os.sched_getaffinity(0)) // int(workers), 1))
+        os.environ.setdefault("OMP_NUM_THREADS", threads)
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # One tiny shape per family, each exercising that family's peculiarities: GQA, head_dim independent
 # of hidden_size, Llama 3 RoPE scaling, biases, a sliding window shorter than the test sequences,
