@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -41,14 +42,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    PipelineScheduleSingle,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
 from torch.distributed.tensor import DTensor
 
 from slipstream.model import Transformer
@@ -56,12 +49,8 @@ from slipstream.model.transformer import AttentionMetadata
 from slipstream.train.config import ParallelConfig
 from slipstream.train.parallel import apply_activation_checkpointing, apply_compile, apply_tensor_parallel
 
-SCHEDULES: dict[str, type[PipelineScheduleSingle] | type[PipelineScheduleMulti]] = {
-    "1F1B": Schedule1F1B,
-    "GPipe": ScheduleGPipe,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-}
-"""torchtitan's names for torch's schedules (`parallel.pipeline_parallel_schedule`)."""
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 
 def stage_layer_ranges(num_layers: int, pp: int, stages_per_rank: int = 1) -> list[range]:
@@ -196,11 +185,17 @@ def build_schedule(
     device: torch.device, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mean_cross_entropy,
 ) -> PipelineScheduleSingle | PipelineScheduleMulti:
     """torch's schedule `schedule` over this rank's stages; gradients come out as the mean over
-    the micro-batches (`scale_grads`), as the accumulation loop's (loss / m).backward() makes them."""
+    the micro-batches (`scale_grads`), as the accumulation loop's (loss / m).backward() makes them.
+    `schedule` is one of config.PIPELINE_SCHEDULES, torchtitan's names for torch's schedules:
+    torch's class is `Schedule` + the name."""
+    # Imported here: torch.distributed.pipelining imports torch._dynamo, ~1 s at every start of a
+    # run that has no pipeline.
+    from torch.distributed.pipelining import PipelineStage, schedules
+
     stages = [PipelineStage(module, stage_id, pipeline.num_stages, device, group=pipeline.group)
               for module, stage_id in zip(modules, pipeline.stage_ids, strict=True)]
-    cls = SCHEDULES[schedule]
-    if issubclass(cls, PipelineScheduleMulti):
+    cls = getattr(schedules, f"Schedule{schedule}")
+    if issubclass(cls, schedules.PipelineScheduleMulti):
         return cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True)
     return cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True)
 
