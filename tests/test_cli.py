@@ -13,6 +13,7 @@ import sys
 import pytest
 from train_fixtures import small_config
 
+from slipstream.perf import hardware
 from slipstream.perf.hardware import multiplies_bf16
 
 pytest_plugins = ["train_fixtures"]
@@ -20,8 +21,15 @@ pytest_plugins = ["train_fixtures"]
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
-    """One cache (calibration, tokenizers) shared by the tests here, isolated from the user's."""
-    return tmp_path_factory.mktemp("cache")
+    """One cache (calibration, tokenizers) shared by the tests here, isolated from the user's but
+    for the compiled CPU kernels: those are keyed by their sources, flags and compiler, and a
+    build costs ~15 s."""
+    cache = tmp_path_factory.mktemp("cache")
+    kernels = hardware.cache_dir() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (cache / "slipstream").mkdir()
+    (cache / "slipstream" / "kernels").symlink_to(kernels, target_is_directory=True)
+    return cache
 
 
 def _run(*args: str, cache_dir) -> subprocess.CompletedProcess:

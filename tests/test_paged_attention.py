@@ -218,8 +218,9 @@ def test_kernel_library_builds_once_when_asked_from_two_threads(tmp_path):
     assert len(list((tmp_path / "slipstream" / "kernels").glob("*.so"))) == 1
 
 
-@pytest.mark.parametrize("cc, builds", [("env gcc", True), ("/nonexistent/gcc", False),
-                                        ("gcc -x", False)])
+# A CC that builds is slow (~13 s of compiling; CI skips it): every engine test builds with the default.
+@pytest.mark.parametrize("cc, builds", [pytest.param("env gcc", True, marks=pytest.mark.slow),
+                                        ("/nonexistent/gcc", False), ("gcc -x", False)])
 def test_cc_may_hold_arguments_and_a_bad_one_falls_back_to_pytorch(cc, builds, tmp_path):
     """CC is split as make splits it ("ccache gcc" works), and a compiler that does not exist or
     fails leaves the kernels to PyTorch with a warning (a CC of more than a path raised

@@ -216,6 +216,7 @@ def test_tp2_checkpoints_hold_each_rank_its_shard(tp_run):
     assert chunks[layer + "input_layernorm.weight"] == [((0,), (64,))]
 
 
+@pytest.mark.slow  # ~20 s; test_a_tp2_checkpoint_loads_in_one_process is the fast check of a TP resume
 def test_tp2_resumes_bit_for_bit(tp_run, data_dir, train_model_dir, tmp_path):
     """A TP=2 run that lost its checkpoints after step 4, rerun at TP=2, loads step 4 and ends
     with the uninterrupted TP=2 run's losses and weights bit for bit."""
