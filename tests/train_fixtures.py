@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from slipstream.model.tokenizer import Tokenizer, train_tokenizer
 from slipstream.train.checkpoint import list_checkpoints, load_model_state
 from slipstream.train.config import TrainConfig, load_config
 from slipstream.train.data import Document, prepare_dataset
+from slipstream.train.supervisor import torchrun_command
 
 VOCAB_SIZE = 320
 SEQ_LEN = 32
@@ -113,14 +113,13 @@ def rerun_of_another_shape(data_dir: Path, source_dir: Path, tmp_path: Path,
 
 
 def train_with_torchrun(config: TrainConfig, work_dir: Path, nproc: int = 2) -> subprocess.CompletedProcess:
-    """`slipstream train --nproc N` (torchrun) on `config`, written to work_dir/run.toml, as a user
-    runs it; the finished process, its output captured."""
+    """torchrun running `slipstream train` in N processes on `config`, written to work_dir/run.toml:
+    the command `slipstream train --nproc N` runs, and a multi-host user runs, without the launcher
+    process around it (its checks and run-dir lock are tested in test_cli and test_train_resilience;
+    skipping it saves a torch import, seconds, per run). The finished process, its output captured."""
     (work_dir / "run.toml").write_text(config.to_toml())
-    return subprocess.run(
-        [sys.executable, "-m", "slipstream.cli", "train", "--nproc", str(nproc),
-         "--config", str(work_dir / "run.toml")],
-        capture_output=True, text=True, timeout=300,
-    )
+    command = torchrun_command(nproc, 0, ["--config", str(work_dir / "run.toml")])
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 
 COMPARED_RUN = ("--training.deterministic=true", "--training.steps=8", "--training.global_batch_size=4",
