@@ -39,16 +39,16 @@ def _run(*args: str, cache_dir) -> subprocess.CompletedProcess:
 
 
 def test_demo_trains_exports_and_generates(tmp_path, cache_dir):
-    """`slipstream demo` (the README's main job), shortened to 3 steps on 200 corpus files: the
+    """`slipstream demo` (the README's main job), shortened to 2 steps on 200 corpus files: the
     loss starts near ln(vocab) (random weights) and falls, the run is exported and the engine
     completes every prompt, it trains in bf16 only where the CPU multiplies bf16, and throughput
     and MFU are positive (MFU's upper end depends on the calibration having run on an idle
     machine, so it is not checked here)."""
-    result = _run("demo", "--workdir", str(tmp_path / "demo"), "--max-steps", "3",
+    result = _run("demo", "--workdir", str(tmp_path / "demo"), "--max-steps", "2",
                   "--max-documents", "200", cache_dir=cache_dir)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["steps"] == 3 and report["tokens_trained"] == 3 * 8 * 256
+    assert report["steps"] == 2 and report["tokens_trained"] == 2 * 8 * 256
     assert report["dtype"] == ("bfloat16" if multiplies_bf16("cpu") else "float32")  # --dtype auto
     assert abs(report["first_train_loss"] - math.log(report["vocab_size"])) < 1.0
     assert report["last_train_loss"] < report["first_train_loss"]
