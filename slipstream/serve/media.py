@@ -56,8 +56,9 @@ class MediaConfig:
     """The directory file URLs may name files under (symlinks and `..` resolved first); None: file
     URLs are refused."""
     fetch_timeout_s: float = FETCH_TIMEOUT_S
-    """Seconds one fetch may take in all, redirects and body included (a stalled socket read is cut
-    off once it has waited what was left, so a fetch ends within twice this)."""
+    """Seconds one fetch may take in all, redirects and body included: checked between reads, and a
+    single read waits at most what was left when its connection opened, so a fetch ends within
+    twice this."""
     max_image_bytes: int = MAX_IMAGE_BYTES
 
     def __post_init__(self) -> None:
@@ -122,11 +123,17 @@ def _data_url_bytes(url: str, where: str) -> bytes:
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
     """Hands 3xx answers back as HTTPErrors, so that `_fetch` checks each target itself."""
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001 (urllib's signature)
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any,
+                         newurl: str) -> None:
         return None
 
 
 _OPENER = urllib.request.build_opener(_NoRedirects)
+
+
+def _shown(url: str) -> str:
+    """`url` as an error message shows it: cut short, as a request may send megabytes of it."""
+    return url if len(url) <= 200 else url[:200] + "..."
 
 
 def _fetch(url: str, where: str, media: MediaConfig) -> bytes:
@@ -135,27 +142,35 @@ def _fetch(url: str, where: str, media: MediaConfig) -> bytes:
     deadline = time.monotonic() + media.fetch_timeout_s
     for _ in range(MAX_REDIRECTS + 1):
         _check_host(url, where, media)
+        shown = _shown(url)
         request = urllib.request.Request(url, headers={"User-Agent": "slipstream", "Accept": "image/*"})
         try:
             if time.monotonic() >= deadline:
                 raise TimeoutError
             with _OPENER.open(request, timeout=deadline - time.monotonic()) as response:
-                return _read_body(response, url, where, media, deadline)
+                return _read_body(response, f"{where}: {shown}", media.max_image_bytes, deadline)
         except urllib.error.HTTPError as error:
             with error:
                 location = error.headers.get("Location") if error.code in _REDIRECT_CODES else None
             if location is None:
-                raise ValueError(f"{where}: fetching {url} gave HTTP {error.code} {error.reason}") from None
+                raise ValueError(f"{where}: fetching {shown} gave HTTP {error.code} {error.reason}") from None
             url = urllib.parse.urljoin(url, location)
             if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
-                raise ValueError(f"{where}: {url!r}, a redirect's target, is not an http(s) URL") from None
+                raise ValueError(f"{where}: {_shown(url)!r}, a redirect's target, is not an http(s) "
+                                 "URL") from None
         except (TimeoutError, urllib.error.URLError, OSError, http.client.HTTPException) as error:
-            reason = error.reason if isinstance(error, urllib.error.URLError) else error
-            if isinstance(reason, TimeoutError):  # socket.timeout too
-                raise ValueError(f"{where}: fetching {url} took longer than the {media.fetch_timeout_s:g} s "
-                                 "media fetch timeout (--media-fetch-timeout)") from None
-            raise ValueError(f"{where}: could not fetch {url} ({type(reason).__name__}: {reason})") from None
+            raise _fetch_error(error, f"{where}: fetching {shown}", media.fetch_timeout_s) from None
     raise ValueError(f"{where}: fetching the image took more than {MAX_REDIRECTS} redirects")
+
+
+def _fetch_error(error: Exception, what: str, timeout_s: float) -> ValueError:
+    """The ValueError of a fetch (`what`) that failed with `error`; urllib wraps a timeout or a
+    refused connection in a URLError."""
+    reason = error.reason if isinstance(error, urllib.error.URLError) else error
+    if isinstance(reason, TimeoutError):  # socket.timeout too
+        return ValueError(f"{what} took longer than the {timeout_s:g} s media fetch timeout "
+                          "(--media-fetch-timeout)")
+    return ValueError(f"{what} failed ({type(reason).__name__}: {reason})")
 
 
 def _check_host(url: str, where: str, media: MediaConfig) -> None:
@@ -163,24 +178,22 @@ def _check_host(url: str, where: str, media: MediaConfig) -> None:
     try:
         host = urllib.parse.urlsplit(url).hostname
     except ValueError as error:
-        raise ValueError(f"{where}: {url!r} is not a valid URL ({error})") from None
+        raise ValueError(f"{where}: {_shown(url)!r} is not a valid URL ({error})") from None
     if not host:
-        raise ValueError(f"{where}: {url!r} names no host")
+        raise ValueError(f"{where}: {_shown(url)!r} names no host")
     allowed = media.allowed_media_domains
     if allowed is not None and host not in {domain.lower() for domain in allowed}:
         raise ValueError(f"{where}: the host {host!r} is not one of the allowed media domains "
                          f"({', '.join(allowed)}; --allowed-media-domains)")
 
 
-def _read_body(response: http.client.HTTPResponse, url: str, where: str, media: MediaConfig,
-               deadline: float) -> bytes:
-    """The response's body: refused once it is past `max_image_bytes` (from Content-Length when
-    the server sends one) or once the deadline passes between reads (a server that trickles)."""
-    limit = media.max_image_bytes
+def _read_body(response: http.client.HTTPResponse, what: str, limit: int, deadline: float) -> bytes:
+    """The response's body: `what` (where, and the URL) refused once the body is past `limit` bytes
+    (from Content-Length when the server sends one), a TimeoutError once the deadline passes
+    between reads (a server that trickles)."""
     length = response.headers.get("Content-Length")
     if length is not None and length.isdigit() and int(length) > limit:
-        raise ValueError(f"{where}: {url} is {int(length)} bytes, more than the {limit} bytes an image may "
-                         "have")
+        raise ValueError(f"{what} is {int(length)} bytes, more than the {limit} bytes an image may have")
     chunks, size = [], 0
     while size <= limit:
         chunk = response.read1(min(_READ_BYTES, limit + 1 - size))
@@ -190,7 +203,7 @@ def _read_body(response: http.client.HTTPResponse, url: str, where: str, media: 
         size += len(chunk)
         if time.monotonic() > deadline:
             raise TimeoutError
-    raise ValueError(f"{where}: {url} is more than the {limit} bytes an image may have")
+    raise ValueError(f"{what} is more than the {limit} bytes an image may have")
 
 
 def _read_file(url: str, where: str, media: MediaConfig) -> bytes:
