@@ -741,8 +741,8 @@ FETCH_TIMEOUT_S = 0.5
 class ImageHost:
     """A real HTTP server on 127.0.0.1, in a thread: IMAGE_FILES at /NAME (/NAME?unsized: without
     a Content-Length, the body ended by closing the connection), /missing (404), /text (no
-    image), /redirect?to=URL (302), /loop (redirects to itself), /stall (headers, then nothing)
-    and /trickle (a byte every 0.1 s). `paths` records every request's path."""
+    image), /redirect?to=URL (302), /loop (redirects to itself), /stall (headers, then nothing
+    for 10 s) and /trickle (a byte every 0.1 s for 5 s). `paths` records every request's path."""
 
     def __init__(self) -> None:
         host = self
@@ -768,7 +768,9 @@ class ImageHost:
                     self.send_response(200)
                     self.end_headers()
                     with contextlib.suppress(ConnectionError):  # the client hung up at its timeout
-                        while not host.stop.wait(0.1 if name == "trickle" else 10):
+                        for _ in range(50):  # 5 s of a byte every 0.1 s, or one byte after 10 s
+                            if host.stop.wait(0.1 if name == "trickle" else 10):
+                                break
                             self.wfile.write(b"x")
                             self.wfile.flush()
                 else:
@@ -877,7 +879,7 @@ def test_image_urls_that_cannot_be_loaded_are_value_errors(llava, image_host, me
         start_s = time.monotonic()
         with pytest.raises(ValueError, match=r"a message's content\[0\]\['image_url'\]\['url'\]: .*" + match):
             llm.chat(image_chat(url), greedy(), use_tqdm=False)
-        assert time.monotonic() - start_s < 2 * FETCH_TIMEOUT_S + 0.5, url
+        assert time.monotonic() - start_s < 2 * FETCH_TIMEOUT_S + 2, url  # the trickle would take 5 s
         assert not llm.engine.has_unfinished_requests()
     assert "/cat.png" not in image_host.paths[num_requests:]  # neither the other host nor the redirect's
 
