@@ -888,7 +888,8 @@ def test_image_byte_limit_and_settings_are_checked(image_host, media_dir, capsys
     """Guards MediaConfig: an image of exactly max_image_bytes loads, one byte more is refused
     whether the server sends a Content-Length or not, and from a file; a file URL without an
     allowed directory is refused naming the setting; bad settings are ValueErrors naming them
-    before a model loads, and the CLI's flags one-line errors naming the flag."""
+    before a model loads (a misspelt one a TypeError suggesting it), and the CLI's flags one-line
+    errors naming the flag."""
     from slipstream.cli import build_parser
     from slipstream.serve.media import MediaConfig, load_image
 
@@ -911,6 +912,8 @@ def test_image_byte_limit_and_settings_are_checked(image_host, media_dir, capsys
     for args, match in bad:
         with pytest.raises(ValueError, match=match):
             LLM("no-such-model", **args)
+    with pytest.raises(TypeError, match="did you mean 'allowed_media_domains'"):
+        LLM("no-such-model", allowed_media_domain=["127.0.0.1"])
     flags = [["--allowed-local-media-path", str(media_dir / "nothing")], ["--media-fetch-timeout", "0"],
              ["--allowed-media-domains"]]
     for flag in flags:

@@ -94,6 +94,9 @@ _NONE_MEANS_DEFAULT = frozenset({"max_num_seqs", "max_num_batched_tokens", "bloc
 
 _VLLM_ARG_NAMES = frozenset({*_FIXED_VLLM_ARGS, "tokenizer", "kv_cache_memory_bytes",
                              "gpu_memory_utilization", "structured_outputs_config"})
+_LLM_ARG_NAMES = frozenset({"generation_config", "allowed_media_domains", "allowed_local_media_path",
+                            "media_fetch_timeout_s"})
+"""`LLM`'s own keywords, which a misspelt keyword's TypeError may suggest too."""
 _STRUCTURED_OUTPUTS_CONFIG = {"reasoning_parser": "reasoning_parser",
                               "enable_in_reasoning": "structured_outputs_enable_in_reasoning"}
 """vLLM's structured_outputs_config keys that slipstream takes, and the EngineConfig fields they set."""
@@ -449,7 +452,7 @@ def with_memory_utilization(config: EngineConfig, utilization: Any) -> EngineCon
 
 def _check_argument_names(args: Mapping[str, Any]) -> None:
     """A TypeError for a keyword neither EngineConfig's nor vLLM's, naming the closest valid one."""
-    valid = {field.name for field in dataclasses.fields(EngineConfig)} | _VLLM_ARG_NAMES
+    valid = {field.name for field in dataclasses.fields(EngineConfig)} | _VLLM_ARG_NAMES | _LLM_ARG_NAMES
     for name in args:
         if name not in valid:
             close = difflib.get_close_matches(name, valid, n=1)
