@@ -151,6 +151,7 @@ def _demo(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from slipstream.serve.engine import EngineConfig
+    from slipstream.serve.media import MediaConfig
     from slipstream.serve.served_models import (
         http_timeout_keep_alive,
         responses_api_store,
@@ -190,6 +191,8 @@ def _serve(args: argparse.Namespace) -> None:
         allow_runtime_lora_updating=runtime_lora_updating(os.environ),
         responses_store=responses_store,
         timeout_keep_alive_s=http_timeout_keep_alive(os.environ),
+        media=MediaConfig.from_args(args.allowed_media_domains, args.allowed_local_media_path,
+                                    args.media_fetch_timeout),
         **({} if args.responses_store_size is None else {"responses_store_size": args.responses_store_size}),
     )
     run_server(engine_config, server_config, log_level="debug" if args.verbose else "info")
@@ -261,6 +264,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _directory(text: str) -> str:
+    """An argparse type: an existing directory (argparse names the flag in its error)."""
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"must be an existing directory, got {text!r}")
+    return text
+
+
 def _add(
     subparsers: argparse._SubParsersAction, name: str, handler: Callable, help: str
 ) -> argparse.ArgumentParser:
@@ -320,6 +330,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--responses-store-size", type=_int_at_least(1),
                    help="with VLLM_ENABLE_RESPONSES_API_STORE, the most Responses kept (default 1024; the "
                         "least recently used go first, where vLLM keeps every one)")
+    p.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
+                   help="as vLLM: the only hosts http(s) image URLs (and their redirects) may name; set it "
+                        "on any server untrusted clients reach (default: any host)")
+    p.add_argument("--allowed-local-media-path", type=_directory, metavar="DIR",
+                   help="as vLLM: the directory file:// image URLs may name files under (default: file "
+                        "URLs are refused)")
+    p.add_argument("--media-fetch-timeout", type=_positive_float, default=5.0, metavar="S",
+                   help="seconds a whole image fetch may take (vLLM's VLLM_IMAGE_FETCH_TIMEOUT; default 5)")
     p.add_argument("--dtype", default="auto",
                    help="auto, float32, bfloat16, float16 (also vLLM's float and half)")
     p.add_argument("-q", "--quantization",

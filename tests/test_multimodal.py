@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
+import http.server
 import io
 import json
+import socket
 import threading
 import time
 import warnings
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import numpy as np
@@ -292,8 +296,9 @@ def test_chat_with_image_parts(llava):
 
 def test_bad_image_inputs_are_value_errors(llava, model_dir):
     """Guards the checks of image inputs: images for a text-only model, more or fewer images than
-    placeholders, another modality, an object that is no image, undecodable bytes, a URL that is
-    not a data URL (nothing is fetched) are ValueErrors naming them, and nothing stays queued."""
+    placeholders, another modality, an object that is no image, undecodable bytes, a URL of
+    another scheme, a file URL without allowed_local_media_path are ValueErrors naming them, and
+    nothing stays queued."""
     _, llava_dir = llava
     llm = LLM(str(llava_dir), dtype="float32")
     image = random_image(1)
@@ -309,8 +314,10 @@ def test_bad_image_inputs_are_value_errors(llava, model_dir):
          "only 'image' is supported"),
         (lambda: llm.generate(as_prompt("<image>", ["a.png"]), greedy()), "must be a PIL.Image.Image"),
         (chat({"type": "image_url", "image_url": {"url": garbage}}), "not a decodable image"),
-        (chat({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}),
-         "does not fetch images"),
+        (chat({"type": "image_url", "image_url": {"url": "ftp://example.com/cat.png"}}),
+         "image URLs are data, http, https or file URLs, got 'ftp'"),
+        (chat({"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}),
+         "file URLs are refused unless allowed_local_media_path"),
         (chat({"type": "image_pil", "image_pil": b"png"}), "must be a PIL.Image.Image"),
         (chat({"type": "audio_url", "audio_url": {"url": garbage}}), "content parts are"),
     ]
@@ -327,10 +334,12 @@ def test_bad_image_inputs_are_value_errors(llava, model_dir):
 
 
 @pytest.fixture(scope="module")
-def llava_server(llava, tmp_path_factory):
+def llava_server(llava, media_dir, tmp_path_factory):
+    """The llava model served, fetching image URLs from 127.0.0.1 and reading files in `media_dir`."""
     _, model_dir = llava
     server = ServerProcess(model_dir, tmp_path_factory.mktemp("llava-server") / "server.log", "--api-key",
-                           API_KEY, "--dtype", "float32")
+                           API_KEY, "--dtype", "float32", "--allowed-media-domains", "127.0.0.1",
+                           "--allowed-local-media-path", str(media_dir), "--media-fetch-timeout", "1")
     yield server.wait_ready()
     server.stop()
 
@@ -338,7 +347,8 @@ def llava_server(llava, tmp_path_factory):
 def test_chat_completions_take_data_url_images(llava, llava_server):
     """Guards /v1/chat/completions' image_url parts through the official openai client on a real
     server: rendered as the template's {"type": "image"} parts (/tokenize's ids), a data URL's image
-    reaches the model (transformers' greedy tokens), and an https URL is a 400 naming `messages`."""
+    reaches the model (transformers' greedy tokens), and an https URL of a host that
+    --allowed-media-domains leaves out is a 400 naming `messages`, refused before any connection."""
     hf, model_dir = llava
     image = random_image(8, (45, 29))
     text = "USER: What is this? <image>\n\nASSISTANT:"  # a "string" template would give "this? \n<image>"
@@ -364,7 +374,8 @@ def test_chat_completions_take_data_url_images(llava, llava_server):
     assert_same_tokens([expected], gaps[None], [got], "server")
     with pytest.raises(openai.BadRequestError) as error:
         chat("https://example.com/cat.png")
-    assert "does not fetch" in str(error.value) and error.value.body["param"] == "messages"
+    assert "'example.com' is not one of the allowed media domains" in str(error.value)
+    assert error.value.body["param"] == "messages"
     message = ChatMessage.model_validate({"role": "user", "content": messages(data_url(image))[0]["content"]})
     with pytest.raises(APIError, match="text-only"):  # a text model's server: a 400 naming messages
         message.template_message()
@@ -710,3 +721,238 @@ def test_image_encoder_runs_in_the_forward_phase(llava):
     assert forwards and convolutions
     for conv in convolutions:
         assert any(f.start <= conv.start and conv.end <= f.end for f in forwards)
+
+
+# ---- Image URLs: http(s) fetched, file read, as vLLM's MediaConnector does (serve/media.py) ------
+
+
+def encoded(image: PIL.Image.Image, format: str) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=format)
+    return buffer.getvalue()
+
+
+IMAGE_FILES = {"cat.png": encoded(random_image(10, (45, 29)), "PNG"),
+               "dog.jpg": encoded(random_image(11, (37, 52)), "JPEG")}
+"""What the test host serves and `media_dir` holds: real PNG and JPEG bytes."""
+FETCH_TIMEOUT_S = 0.5
+
+
+class ImageHost:
+    """A real HTTP server on 127.0.0.1, in a thread: IMAGE_FILES at /NAME (/NAME?unsized: without
+    a Content-Length, the body ended by closing the connection), /missing (404), /text (no
+    image), /redirect?to=URL (302), /loop (redirects to itself), /stall (headers, then nothing
+    for 10 s) and /trickle (a byte every 0.1 s for 5 s). `paths` records every request's path."""
+
+    def __init__(self) -> None:
+        host = self
+        self.paths: list[str] = []
+        self.stop = threading.Event()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                host.paths.append(self.path)
+                url = urlsplit(self.path)
+                name = url.path.lstrip("/")
+                if name in IMAGE_FILES:
+                    self._answer(200, IMAGE_FILES[name], sized=url.query != "unsized")
+                elif name in ("redirect", "loop"):
+                    target = parse_qs(url.query)["to"][0] if name == "redirect" else "/loop"
+                    self.send_response(302)
+                    self.send_header("Location", target)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                elif name == "text":
+                    self._answer(200, b"hello, I am no image")
+                elif name in ("stall", "trickle"):
+                    self.send_response(200)
+                    self.end_headers()
+                    with contextlib.suppress(ConnectionError):  # the client hung up at its timeout
+                        for _ in range(50):  # 5 s of a byte every 0.1 s, or one byte after 10 s
+                            if host.stop.wait(0.1 if name == "trickle" else 10):
+                                break
+                            self.wfile.write(b"x")
+                            self.wfile.flush()
+                else:
+                    self._answer(404, b"not found")
+
+            def _answer(self, status: int, body: bytes, sized: bool = True) -> None:
+                self.send_response(status)
+                if sized:
+                    self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    host = ImageHost()
+    yield host
+    host.close()
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory) -> Path:
+    """A directory holding IMAGE_FILES, with `outside.png` (an image too) beside it, not in it."""
+    root = tmp_path_factory.mktemp("media")
+    for name, data in IMAGE_FILES.items():
+        (root / "images" / name).parent.mkdir(exist_ok=True)
+        (root / "images" / name).write_bytes(data)
+    (root / "outside.png").write_bytes(IMAGE_FILES["cat.png"])
+    (root / "images" / "link.png").symlink_to(root / "outside.png")
+    return root / "images"
+
+
+def image_chat(url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is this?"}]}]
+
+
+IMAGE_CHAT_TEXT = "USER: <image>\nWhat is this?\nASSISTANT:"
+
+
+def test_image_urls_give_the_tokens_of_their_images(llava, image_host, media_dir):
+    """Guards loading image URLs in LLM.chat: an http URL (PNG and JPEG), one without a
+    Content-Length, one redirected within the allowed host, and a file URL give transformers'
+    greedy tokens for the decoded image, as its data URL does."""
+    hf, model_dir = llava
+    llm = LLM(str(model_dir), dtype="float32", allowed_media_domains=["127.0.0.1"],
+              allowed_local_media_path=media_dir)
+    for name, data in IMAGE_FILES.items():
+        _, expected, gaps = llava_greedy(hf, model_dir, IMAGE_CHAT_TEXT, [PIL.Image.open(io.BytesIO(data))])
+        kind = "png" if name.endswith("png") else "jpeg"
+        urls = [f"data:image/{kind};base64,{base64.b64encode(data).decode()}", f"{image_host.url}/{name}",
+                f"{image_host.url}/{name}?unsized", f"{image_host.url}/redirect?to=/{name}",
+                (media_dir / name).as_uri()]
+        outputs = llm.chat([image_chat(url) for url in urls], greedy(), use_tqdm=False)
+        assert {o.prompt for o in outputs} == {IMAGE_CHAT_TEXT}
+        got = [list(o.outputs[0].token_ids) for o in outputs]
+        assert_same_tokens([expected] * len(urls), gaps.expand(len(urls), -1), got, name)
+
+
+def test_image_urls_that_cannot_be_loaded_are_value_errors(llava, image_host, media_dir):
+    """Guards every refusal of an image URL in LLM.chat, each a ValueError naming the content part
+    and the problem, nothing left queued: HTTP 404, a body that is no image, a host not allowed
+    (never contacted), a redirect to one (not followed) or to a file URL, a redirect loop, a
+    server that stalls and one that trickles past the timeout (cut off within twice it), a port
+    nobody listens on, and file URLs outside the allowed directory (by path, `..` or symlink)."""
+    _, model_dir = llava
+    llm = LLM(str(model_dir), dtype="float32", allowed_media_domains=["127.0.0.1"],
+              allowed_local_media_path=media_dir, media_fetch_timeout_s=FETCH_TIMEOUT_S)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()
+    other_host = image_host.url.replace("127.0.0.1", "localhost")
+    outside = media_dir.parent / "outside.png"
+    num_requests = len(image_host.paths)
+    cases = [
+        (f"{image_host.url}/missing", "gave HTTP 404"),
+        (f"{image_host.url}/text", "not a decodable image"),
+        (f"{other_host}/cat.png", "the host 'localhost' is not one of the allowed media domains"),
+        (f"{image_host.url}/redirect?to={other_host}/cat.png", "'localhost' is not one of the allowed"),
+        (f"{image_host.url}/redirect?to={outside.as_uri()}", "a redirect's target, is not an http"),
+        (f"{image_host.url}/loop", "more than 5 redirects"),
+        (f"{image_host.url}/stall", "longer than the 0.5 s media fetch timeout"),
+        (f"{image_host.url}/trickle", "longer than the 0.5 s media fetch timeout"),
+        (f"http://127.0.0.1:{closed_port}/cat.png", "fetching .* failed \\(ConnectionRefusedError"),
+        (outside.as_uri(), "is not under the allowed local media path"),
+        (f"file://{media_dir}/../outside.png", "is not under the allowed local media path"),
+        ((media_dir / "link.png").as_uri(), "outside.png is not under the allowed local media path"),
+        ((media_dir / "nothing.png").as_uri(), "cannot read"),
+    ]
+    for url, match in cases:
+        start_s = time.monotonic()
+        with pytest.raises(ValueError, match=r"a message's content\[0\]\['image_url'\]\['url'\]: .*" + match):
+            llm.chat(image_chat(url), greedy(), use_tqdm=False)
+        assert time.monotonic() - start_s < 2 * FETCH_TIMEOUT_S + 2, url  # the trickle would take 5 s
+        assert not llm.engine.has_unfinished_requests()
+    assert "/cat.png" not in image_host.paths[num_requests:]  # neither the other host nor the redirect's
+
+
+def test_image_byte_limit_and_settings_are_checked(image_host, media_dir, capsys):
+    """Guards MediaConfig: an image of exactly max_image_bytes loads, one byte more is refused
+    whether the server sends a Content-Length or not, and from a file; a file URL without an
+    allowed directory is refused naming the setting; bad settings are ValueErrors naming them
+    before a model loads (a misspelt one a TypeError suggesting it), and the CLI's flags one-line
+    errors naming the flag."""
+    from slipstream.cli import build_parser
+    from slipstream.serve.media import MediaConfig, load_image
+
+    size = len(IMAGE_FILES["cat.png"])
+    urls = [f"{image_host.url}/cat.png", f"{image_host.url}/cat.png?unsized",
+            (media_dir / "cat.png").as_uri()]
+    for url in urls:
+        fits = MediaConfig(allowed_local_media_path=str(media_dir), max_image_bytes=size)
+        assert load_image(url, "w", fits).size == (45, 29)
+        with pytest.raises(ValueError, match=f"w: .* more than the {size - 1} bytes an image may have"):
+            load_image(url, "w", dataclasses.replace(fits, max_image_bytes=size - 1))
+    with pytest.raises(ValueError, match="file URLs are refused unless allowed_local_media_path"):
+        load_image(urls[2], "w", MediaConfig())
+    bad = [({"media_fetch_timeout_s": 0}, "media_fetch_timeout_s"),
+           ({"media_fetch_timeout_s": float("nan")}, "media_fetch_timeout_s"),
+           ({"allowed_local_media_path": media_dir / "nothing"}, "allowed_local_media_path"),
+           ({"allowed_local_media_path": media_dir / "cat.png"}, "allowed_local_media_path"),
+           ({"allowed_media_domains": "127.0.0.1"}, "allowed_media_domains"),
+           ({"allowed_media_domains": []}, "allowed_media_domains")]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=match):
+            LLM("no-such-model", **args)
+    with pytest.raises(TypeError, match="did you mean 'allowed_media_domains'"):
+        LLM("no-such-model", allowed_media_domain=["127.0.0.1"])
+    flags = [["--allowed-local-media-path", str(media_dir / "nothing")], ["--media-fetch-timeout", "0"],
+             ["--allowed-media-domains"]]
+    for flag in flags:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "model", *flag])
+        assert flag[0] in capsys.readouterr().err
+
+
+def test_server_fetches_image_urls(llava, llava_server, image_host, media_dir):
+    """Guards the server's image URLs through the official openai client: an http URL and a file
+    URL give transformers' tokens for the image; a 404, a host not allowed, a file outside the
+    allowed directory and a stall past --media-fetch-timeout are 400s naming `messages` and the
+    problem; more images than the context holds are refused before any is fetched; and the
+    server answers the next request."""
+    hf, model_dir = llava
+    client = openai.OpenAI(base_url=llava_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    data = IMAGE_FILES["dog.jpg"]
+    _, expected, gaps = llava_greedy(hf, model_dir, IMAGE_CHAT_TEXT, [PIL.Image.open(io.BytesIO(data))])
+
+    def tokens(url: str) -> list[int]:
+        reply = client.chat.completions.create(
+            model=MODEL_NAME, messages=image_chat(url), max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        return [int(entry.token.removeprefix("token_id:")) for entry in reply.choices[0].logprobs.content]
+
+    urls = [f"{image_host.url}/dog.jpg", (media_dir / "dog.jpg").as_uri()]
+    assert_same_tokens([expected] * 2, gaps.expand(2, -1), [tokens(url) for url in urls], "server")
+    other_host = image_host.url.replace("127.0.0.1", "localhost")
+    cases = [(f"{image_host.url}/missing", "HTTP 404"), (f"{other_host}/dog.jpg", "'localhost' is not one"),
+             ((media_dir.parent / "outside.png").as_uri(), "is not under the allowed local media path"),
+             (f"{image_host.url}/stall", "longer than the 1 s media fetch timeout")]
+    for url, match in cases:
+        with pytest.raises(openai.BadRequestError) as error:
+            tokens(url)
+        assert match in str(error.value) and error.value.body["param"] == "messages", str(error.value)
+    num_fetched = len(image_host.paths)
+    many = [{"type": "image_url", "image_url": {"url": f"{image_host.url}/dog.jpg"}}] * 16  # 16 x 16 tokens
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": many}],
+                                       max_tokens=1)
+    assert error.value.code == "context_length_exceeded" and len(image_host.paths) == num_fetched
+    assert_same_tokens([expected], gaps[None], [tokens(urls[0])], "server, after the refusals")

@@ -36,6 +36,7 @@ from slipstream.serve.beam_search import (
 )
 from slipstream.serve.engine import Engine, EngineConfig, host_memory
 from slipstream.serve.lora import LoRARequest
+from slipstream.serve.media import FETCH_TIMEOUT_S, MediaConfig
 from slipstream.serve.multimodal import as_images, content_part
 from slipstream.serve.pooling import EmbeddingRequestOutput, PoolingParams
 from slipstream.serve.request import (
@@ -93,6 +94,9 @@ _NONE_MEANS_DEFAULT = frozenset({"max_num_seqs", "max_num_batched_tokens", "bloc
 
 _VLLM_ARG_NAMES = frozenset({*_FIXED_VLLM_ARGS, "tokenizer", "kv_cache_memory_bytes",
                              "gpu_memory_utilization", "structured_outputs_config"})
+_LLM_ARG_NAMES = frozenset({"generation_config", "allowed_media_domains", "allowed_local_media_path",
+                            "media_fetch_timeout_s"})
+"""`LLM`'s own keywords, which a misspelt keyword's TypeError may suggest too."""
 _STRUCTURED_OUTPUTS_CONFIG = {"reasoning_parser": "reasoning_parser",
                               "enable_in_reasoning": "structured_outputs_enable_in_reasoning"}
 """vLLM's structured_outputs_config keys that slipstream takes, and the EngineConfig fields they set."""
@@ -111,16 +115,24 @@ class LLM:
     value is a ValueError), and, as in vLLM,
     `generation_config`: where the defaults for `sampling_params=None` come from: "auto" (the
     model's generation_config.json), "vllm" (SamplingParams()) or another model directory.
+    `chat`'s image URLs load as `allowed_media_domains` (the hosts http(s) URLs may name; None: any),
+    `allowed_local_media_path` (the directory file URLs may name files under; None: no file URLs)
+    and `media_fetch_timeout_s` (a whole fetch's seconds) allow (`media.MediaConfig`).
     An unknown keyword is a TypeError, as in vLLM.
     """
 
-    def __init__(self, model: str, *, generation_config: str = "auto", **engine_args: Any) -> None:
+    def __init__(self, model: str, *, generation_config: str = "auto",
+                 allowed_media_domains: Sequence[str] | None = None,
+                 allowed_local_media_path: str | os.PathLike | None = None,
+                 media_fetch_timeout_s: float = FETCH_TIMEOUT_S, **engine_args: Any) -> None:
         if not isinstance(generation_config, (str, os.PathLike)):
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, "
                              f"got {generation_config!r}")
         if generation_config not in ("auto", "vllm") and not Path(generation_config).is_dir():
             raise ValueError(f"generation_config {str(generation_config)!r} is no directory (give 'auto' for "
                              "the model's, 'vllm' for none, or a directory holding generation_config.json)")
+        self._media = MediaConfig.from_args(allowed_media_domains, allowed_local_media_path,
+                                            media_fetch_timeout_s)
         model = os.fspath(model) if isinstance(model, os.PathLike) else model  # the engine checks the rest
         self.engine = Engine(_engine_config(model, engine_args))
         self._default_sampling_params = _default_sampling_params(
@@ -310,9 +322,10 @@ class LLM:
 
         A message's content is a string or a list of OpenAI content parts; None reads as "" (as in
         vLLM and the HTTP server). A multimodal model takes image parts: {"type": "image_url",
-        "image_url": {"url": "data:image/...;base64,..."}} (data URLs only: nothing is fetched) and
-        vLLM's {"type": "image_pil", "image_pil": image}, which reach the template as {"type":
-        "image"} parts (or, for a "string" template, as the image token's text on a line).
+        "image_url": {"url": ...}} (a data URL, or an http(s) or file URL that the LLM's media
+        settings allow, fetched or read then) and vLLM's {"type": "image_pil", "image_pil": image},
+        which reach the template as {"type": "image"} parts (or, for a "string" template, as the
+        image token's text on a line).
         `chat_template_content_format` (CONTENT_FORMATS) says how the template sees it. With
         `continue_final_message` (and add_generation_prompt=False) the reply continues the final
         message instead of starting a new one. `chat_template_kwargs`
@@ -351,7 +364,7 @@ class LLM:
         for conversation in conversations:
             messages, images = [], []
             for message in conversation:
-                message, message_images = _template_message(message, content_format, placeholder)
+                message, message_images = _template_message(message, content_format, placeholder, self._media)
                 messages.append(message)
                 images += message_images
             try:
@@ -439,7 +452,7 @@ def with_memory_utilization(config: EngineConfig, utilization: Any) -> EngineCon
 
 def _check_argument_names(args: Mapping[str, Any]) -> None:
     """A TypeError for a keyword neither EngineConfig's nor vLLM's, naming the closest valid one."""
-    valid = {field.name for field in dataclasses.fields(EngineConfig)} | _VLLM_ARG_NAMES
+    valid = {field.name for field in dataclasses.fields(EngineConfig)} | _VLLM_ARG_NAMES | _LLM_ARG_NAMES
     for name in args:
         if name not in valid:
             close = difflib.get_close_matches(name, valid, n=1)
@@ -649,14 +662,15 @@ def _without_text(output: RequestOutput) -> RequestOutput:
 
 
 def _template_message(
-    message: Message, content_format: str, placeholder: str | None
+    message: Message, content_format: str, placeholder: str | None, media: MediaConfig
 ) -> tuple[Message, list[PIL.Image.Image]]:
     """The message as the chat template sees it, as vLLM renders it, and its images: for
     content_format "string", content text parts joined by newlines (as the HTTP server does,
     protocol.ChatMessage.template_message), an image part as `placeholder` (the image token's
     text); for "openai", a list of {"type": "text", "text": ...} and {"type": "image"} parts (a
     tool message's all-text parts still joined, as vLLM does). Content None is no parts: "" or [].
-    `placeholder` None: the model takes no images, and an image part is a ValueError."""
+    `placeholder` None: the model takes no images, and an image part is a ValueError; image URLs
+    load as `media` allows."""
     if not isinstance(message, Mapping):
         return message, []  # the template's own check names it
     content = message.get("content")
@@ -665,7 +679,7 @@ def _template_message(
     elif isinstance(content, str):
         parts = [content]
     elif isinstance(content, (list, tuple)):
-        parts = [content_part(part, f"a message's content[{i}]", placeholder is not None)
+        parts = [content_part(part, f"a message's content[{i}]", placeholder is not None, media)
                  for i, part in enumerate(content)]
     else:
         return message, []  # the template's own check names it

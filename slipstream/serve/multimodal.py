@@ -16,8 +16,6 @@ those rows as its input embeddings at the placeholder positions.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -26,9 +24,10 @@ from typing import Any
 import PIL.Image
 import torch
 
-from slipstream.model.image_processor import ImageProcessor, decode_image, pixel_hash, shortest_edge_size
+from slipstream.model.image_processor import ImageProcessor, pixel_hash, shortest_edge_size
 from slipstream.model.llava import LlavaConfig
 from slipstream.model.vision import ImageEncoder
+from slipstream.serve.media import MediaConfig, load_image
 from slipstream.serve.request import ImageInput
 from slipstream.serve.scheduler import ScheduledChunk
 
@@ -154,25 +153,6 @@ def as_images(value: Any, where: str = "multi_modal_data['image']") -> list[PIL.
     return images
 
 
-def image_from_url(url: Any, where: str) -> PIL.Image.Image:
-    """The image of a data URL (`data:image/png;base64,...`). Other URLs (http, https, file) are a
-    ValueError naming `where`: slipstream fetches nothing."""
-    if not isinstance(url, str):
-        raise ValueError(f"{where} must be a string (a data URL), got {url!r}")
-    if not url.startswith("data:"):
-        scheme = url.split(":", 1)[0] if ":" in url else url[:20]
-        raise ValueError(f"{where}: only data URLs (data:image/...;base64,...) are supported; slipstream "
-                         f"does not fetch images from URLs (got a {scheme!r} URL)")
-    header, sep, payload = url.partition(",")
-    if not sep or not header.endswith(";base64"):
-        raise ValueError(f"{where}: a data URL must be base64-encoded (data:image/...;base64,...)")
-    try:
-        data = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise ValueError(f"{where}: invalid base64 in the data URL ({e})") from None
-    return decode_image(data, where)
-
-
 MAX_ENCODER_BATCH = 8
 """Images the encoder runs at once: a step whose chunks start more images encodes them in several
 calls, so that the encoder's activations stay bounded whatever the step holds."""
@@ -270,10 +250,11 @@ def _rows(chunks: Sequence[ScheduledChunk]) -> list[tuple[int, ScheduledChunk]]:
 
 
 
-def content_part(part: Any, where: str, takes_images: bool) -> str | PIL.Image.Image:
+def content_part(part: Any, where: str, takes_images: bool, media: MediaConfig) -> str | PIL.Image.Image:
     """A chat message's content part: its text, or (`takes_images`: a multimodal model) its image,
-    from OpenAI's {"type": "image_url", "image_url": {"url": data URL}} or vLLM's {"type":
-    "image_pil", "image_pil": image}. Anything else is a ValueError naming `where`."""
+    from OpenAI's {"type": "image_url", "image_url": {"url": URL}} (a data, http(s) or file URL,
+    loaded as `media` allows) or vLLM's {"type": "image_pil", "image_pil": image}. Anything else is
+    a ValueError naming `where`."""
     is_text = isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
     if is_text:
         return part["text"]
@@ -288,8 +269,8 @@ def content_part(part: Any, where: str, takes_images: bool) -> str | PIL.Image.I
         return image
     if kind == "image_url":
         url = part.get("image_url")
-        return image_from_url(url.get("url") if isinstance(url, Mapping) else url,
-                              f"{where}['image_url']['url']")
+        return load_image(url.get("url") if isinstance(url, Mapping) else url, f"{where}['image_url']['url']",
+                          media)
     raise ValueError(f"{where}: content parts are {{'type': 'text', 'text': str}}, {{'type': 'image_url', "
-                     f"'image_url': {{'url': data URL}}}} or {{'type': 'image_pil', 'image_pil': image}}; "
+                     f"'image_url': {{'url': URL}}}} or {{'type': 'image_pil', 'image_pil': image}}; "
                      f"got {part!r}")

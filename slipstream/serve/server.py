@@ -49,8 +49,8 @@ from slipstream.serve.beam_search import (
 )
 from slipstream.serve.engine import Engine, EngineConfig
 from slipstream.serve.lora import LoRARequest
+from slipstream.serve.media import MediaConfig, load_image
 from slipstream.serve.metrics import ServerMetrics
-from slipstream.serve.multimodal import image_from_url
 from slipstream.serve.pooling import EmbeddingRequestOutput
 from slipstream.serve.profiler import ProfilerAlreadyActiveError
 from slipstream.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -138,6 +138,9 @@ class ServerConfig:
     timeout_keep_alive_s: int = HTTP_TIMEOUT_KEEP_ALIVE_S
     """How long an idle HTTP connection stays open (the CLI sets it from vLLM's
     VLLM_HTTP_TIMEOUT_KEEP_ALIVE)."""
+    media: MediaConfig = dataclasses.field(default_factory=MediaConfig)
+    """Which image URLs chat completions fetch or read (--allowed-media-domains,
+    --allowed-local-media-path, --media-fetch-timeout); data URLs are always taken."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 2**16:
@@ -163,6 +166,8 @@ class ServerConfig:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (as vLLM's "
                              "--enable-auto-tool-choice needs --tool-call-parser)")
+        if not isinstance(self.media, MediaConfig):
+            raise ValueError(f"media must be a MediaConfig, got {self.media!r}")
         if not all(isinstance(module, LoRAModulePath) for module in self.lora_modules):
             raise ValueError(f"lora_modules must be LoRAModulePaths, got {self.lora_modules!r}")
         names = [module.name for module in self.lora_modules]
@@ -865,15 +870,25 @@ class OpenAIServer:
         return placeholder, template_content_format(source) == "openai"
 
     def _chat_images(self, body: ChatCompletionRequest) -> list[PIL.Image.Image]:
-        """The chat's images, in order, decoded from their data URLs: any other URL, or bytes that
-        are no image, a 400 naming `messages` (nothing is fetched)."""
+        """The chat's images, in order, decoded from their data URLs or fetched or read as the
+        server's media settings allow (in a worker thread: `chat_completions` calls this through
+        asyncio.to_thread). A URL that cannot be loaded, or bytes that are no image, are a 400
+        naming `messages`; so are more images than the context holds, before any is fetched."""
+        urls = [(i, j, url) for i, message in enumerate(body.messages)
+                for j, url in enumerate(message.image_urls)]
+        per_image = 0 if self.image_prompts is None else self.image_prompts.num_image_tokens
+        num_image_tokens = len(urls) * per_image
+        if num_image_tokens >= self.max_model_len:
+            raise protocol.bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"messages hold {len(urls)} images, {num_image_tokens} input tokens, which leaves no room "
+                "for output tokens. Please send fewer images.", "messages", CONTEXT_EXCEEDED)
         images = []
-        for i, message in enumerate(body.messages):
-            for j, url in enumerate(message.image_urls):
-                try:
-                    images.append(image_from_url(url, f"messages[{i}]'s image_url {j}"))
-                except ValueError as error:
-                    raise protocol.bad_request(str(error), "messages") from None
+        for i, j, url in urls:
+            try:
+                images.append(load_image(url, f"messages[{i}]'s image_url {j}", self.config.media))
+            except ValueError as error:
+                raise protocol.bad_request(str(error), "messages") from None
         return images
 
     def _num_expanded_tokens(self, token_ids: list[int], images: Sequence[PIL.Image.Image],
