@@ -334,8 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="as vLLM: the only hosts http(s) image URLs (and their redirects) may name; set it "
                         "on any server untrusted clients reach (default: any host)")
     p.add_argument("--allowed-local-media-path", type=_directory, metavar="DIR",
-                   help="as vLLM: the directory file:// image URLs may name files under (default: file "
-                        "URLs are refused)")
+                   help="as vLLM: the directory file:// image URLs may name files under (default, or \"\": "
+                        "file URLs are refused)")
     p.add_argument("--media-fetch-timeout", type=_positive_float, default=5.0, metavar="S",
                    help="seconds a whole image fetch may take (vLLM's VLLM_IMAGE_FETCH_TIMEOUT; default 5)")
     p.add_argument("--dtype", default="auto",

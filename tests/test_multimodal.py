@@ -735,14 +735,26 @@ def encoded(image: PIL.Image.Image, format: str) -> bytes:
 IMAGE_FILES = {"cat.png": encoded(random_image(10, (45, 29)), "PNG"),
                "dog.jpg": encoded(random_image(11, (37, 52)), "JPEG")}
 """What the test host serves and `media_dir` holds: real PNG and JPEG bytes."""
-FETCH_TIMEOUT_S = 0.5
+URL_TIMEOUT_S = 0.5
+"""The tests' --media-fetch-timeout (media.FETCH_TIMEOUT_S is the default)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_proxy_for_local_hosts():
+    """The image host, and the servers started here, reached directly where the environment names
+    a proxy (urllib uses HTTP(S)_PROXY, as vLLM's clients do)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("NO_PROXY", "no_proxy"):
+            patch.setenv(name, "127.0.0.1,localhost")
+        yield
 
 
 class ImageHost:
     """A real HTTP server on 127.0.0.1, in a thread: IMAGE_FILES at /NAME (/NAME?unsized: without
     a Content-Length, the body ended by closing the connection), /missing (404), /text (no
     image), /redirect?to=URL (302), /loop (redirects to itself), /stall (headers, then nothing
-    for 10 s) and /trickle (a byte every 0.1 s for 5 s). `paths` records every request's path."""
+    for 10 s), /trickle (a byte of the body every 0.1 s for 5 s) and /slowheaders (a byte of a
+    header every 0.1 s for 5 s). `paths` records every request's path."""
 
     def __init__(self) -> None:
         host = self
@@ -764,12 +776,15 @@ class ImageHost:
                     self.end_headers()
                 elif name == "text":
                     self._answer(200, b"hello, I am no image")
-                elif name in ("stall", "trickle"):
-                    self.send_response(200)
-                    self.end_headers()
+                elif name in ("stall", "trickle", "slowheaders"):
+                    if name == "slowheaders":
+                        self.wfile.write(b"HTTP/1.0 200 OK\r\nX-Slow: ")
+                    else:
+                        self.send_response(200)
+                        self.end_headers()
                     with contextlib.suppress(ConnectionError):  # the client hung up at its timeout
                         for _ in range(50):  # 5 s of a byte every 0.1 s, or one byte after 10 s
-                            if host.stop.wait(0.1 if name == "trickle" else 10):
+                            if host.stop.wait(10 if name == "stall" else 0.1):
                                 break
                             self.wfile.write(b"x")
                             self.wfile.flush()
@@ -807,13 +822,16 @@ def image_host():
 
 @pytest.fixture(scope="module")
 def media_dir(tmp_path_factory) -> Path:
-    """A directory holding IMAGE_FILES, with `outside.png` (an image too) beside it, not in it."""
+    """A directory holding IMAGE_FILES, a subdirectory and a symlink loop, with `outside.png` (an
+    image too) beside it, not in it."""
     root = tmp_path_factory.mktemp("media")
     for name, data in IMAGE_FILES.items():
         (root / "images" / name).parent.mkdir(exist_ok=True)
         (root / "images" / name).write_bytes(data)
     (root / "outside.png").write_bytes(IMAGE_FILES["cat.png"])
     (root / "images" / "link.png").symlink_to(root / "outside.png")
+    (root / "images" / "folder").mkdir()
+    (root / "images" / "loop.png").symlink_to(root / "images" / "loop.png")
     return root / "images"
 
 
@@ -847,12 +865,14 @@ def test_image_urls_give_the_tokens_of_their_images(llava, image_host, media_dir
 def test_image_urls_that_cannot_be_loaded_are_value_errors(llava, image_host, media_dir):
     """Guards every refusal of an image URL in LLM.chat, each a ValueError naming the content part
     and the problem, nothing left queued: HTTP 404, a body that is no image, a host not allowed
-    (never contacted), a redirect to one (not followed) or to a file URL, a redirect loop, a
-    server that stalls and one that trickles past the timeout (cut off within twice it), a port
-    nobody listens on, and file URLs outside the allowed directory (by path, `..` or symlink)."""
+    (never contacted), a redirect to one (not followed), to a file URL or to no URL, a redirect
+    loop, a server that stalls and ones that trickle the body or the headers past the timeout (cut
+    off at it), URLs with a user, a bad port or a non-ASCII path (sent percent-encoded), a port
+    nobody listens on, and file URLs outside the allowed directory (by path, `..` or symlink), of a
+    directory, of a symlink loop or with a NUL byte."""
     _, model_dir = llava
     llm = LLM(str(model_dir), dtype="float32", allowed_media_domains=["127.0.0.1"],
-              allowed_local_media_path=media_dir, media_fetch_timeout_s=FETCH_TIMEOUT_S)
+              allowed_local_media_path=media_dir, media_fetch_timeout_s=URL_TIMEOUT_S)
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))
     closed_port = closed.getsockname()[1]
@@ -869,46 +889,66 @@ def test_image_urls_that_cannot_be_loaded_are_value_errors(llava, image_host, me
         (f"{image_host.url}/loop", "more than 5 redirects"),
         (f"{image_host.url}/stall", "longer than the 0.5 s media fetch timeout"),
         (f"{image_host.url}/trickle", "longer than the 0.5 s media fetch timeout"),
+        (f"{image_host.url}/slowheaders", "longer than the 0.5 s media fetch timeout"),
+        (f"{image_host.url}/redirect?to=http://[zz/x", r"redirected to 'http://\[zz/x', which is not a"),
+        (f"http://user:secret@{image_host.url[len('http://'):]}/cat.png", "names a user or password"),
+        ("http://127.0.0.1:99999/cat.png", r"is not a valid URL \(Port out of range"),
+        (f"{image_host.url}/caté.png", "fetching .*/cat%C3%A9.png gave HTTP 404"),
         (f"http://127.0.0.1:{closed_port}/cat.png", "fetching .* failed \\(ConnectionRefusedError"),
         (outside.as_uri(), "is not under the allowed local media path"),
         (f"file://{media_dir}/../outside.png", "is not under the allowed local media path"),
         ((media_dir / "link.png").as_uri(), "outside.png is not under the allowed local media path"),
         ((media_dir / "nothing.png").as_uri(), "cannot read"),
+        ((media_dir / "folder").as_uri(), "folder is not a regular file"),
+        ((media_dir / "loop.png").as_uri(), "cannot resolve .*loop.png"),
+        (f"{media_dir.as_uri()}/cat%00.png", "cannot resolve .*embedded null byte"),
     ]
     for url, match in cases:
         start_s = time.monotonic()
         with pytest.raises(ValueError, match=r"a message's content\[0\]\['image_url'\]\['url'\]: .*" + match):
             llm.chat(image_chat(url), greedy(), use_tqdm=False)
-        assert time.monotonic() - start_s < 2 * FETCH_TIMEOUT_S + 2, url  # the trickle would take 5 s
+        assert time.monotonic() - start_s < URL_TIMEOUT_S + 2, url  # a trickle would take 5 s
         assert not llm.engine.has_unfinished_requests()
     assert "/cat.png" not in image_host.paths[num_requests:]  # neither the other host nor the redirect's
 
 
 def test_image_byte_limit_and_settings_are_checked(image_host, media_dir, capsys):
     """Guards MediaConfig: an image of exactly max_image_bytes loads, one byte more is refused
-    whether the server sends a Content-Length or not, and from a file; a file URL without an
-    allowed directory is refused naming the setting; bad settings are ValueErrors naming them
-    before a model loads (a misspelt one a TypeError suggesting it), and the CLI's flags one-line
-    errors naming the flag."""
+    whether the server sends a Content-Length or not, and from a file (its host `localhost` in any
+    case); a file URL without an allowed directory, or with vLLM's default "" for it, is refused
+    naming the setting; allowed hosts compare lower-cased and without a trailing dot; bad settings
+    (a host with a port, path, user or space) are ValueErrors naming them before a model loads (a
+    misspelt one a TypeError suggesting it), and the CLI's flags one-line errors naming the flag."""
     from slipstream.cli import build_parser
     from slipstream.serve.media import MediaConfig, load_image
 
     size = len(IMAGE_FILES["cat.png"])
     urls = [f"{image_host.url}/cat.png", f"{image_host.url}/cat.png?unsized",
-            (media_dir / "cat.png").as_uri()]
+            (media_dir / "cat.png").as_uri(), f"file://LocalHost{media_dir}/cat.png"]
     for url in urls:
         fits = MediaConfig(allowed_local_media_path=str(media_dir), max_image_bytes=size)
         assert load_image(url, "w", fits).size == (45, 29)
         with pytest.raises(ValueError, match=f"w: .* more than the {size - 1} bytes an image may have"):
             load_image(url, "w", dataclasses.replace(fits, max_image_bytes=size - 1))
-    with pytest.raises(ValueError, match="file URLs are refused unless allowed_local_media_path"):
-        load_image(urls[2], "w", MediaConfig())
+    cli_default = build_parser().parse_args(["serve", "model", "--allowed-local-media-path", ""])
+    for media in [MediaConfig(), MediaConfig.from_args(allowed_local_media_path=""),
+                  MediaConfig.from_args(allowed_local_media_path=cli_default.allowed_local_media_path)]:
+        with pytest.raises(ValueError, match="file URLs are refused unless allowed_local_media_path"):
+            load_image(urls[2], "w", media)
+    hosts = MediaConfig.from_args([" 127.0.0.1. ", "Example.COM"])
+    assert hosts.allowed_media_domains == ("127.0.0.1", "example.com")
+    assert load_image(urls[0], "w", hosts).size == (45, 29)
+    with pytest.raises(ValueError, match="the host 'localhost' is not one of the allowed media domains"):
+        load_image(urls[0].replace("127.0.0.1", "LOCALHOST."), "w", hosts)
     bad = [({"media_fetch_timeout_s": 0}, "media_fetch_timeout_s"),
            ({"media_fetch_timeout_s": float("nan")}, "media_fetch_timeout_s"),
            ({"allowed_local_media_path": media_dir / "nothing"}, "allowed_local_media_path"),
            ({"allowed_local_media_path": media_dir / "cat.png"}, "allowed_local_media_path"),
            ({"allowed_media_domains": "127.0.0.1"}, "allowed_media_domains"),
-           ({"allowed_media_domains": []}, "allowed_media_domains")]
+           ({"allowed_media_domains": []}, "allowed_media_domains"),
+           ({"allowed_media_domains": [" "]}, "allowed_media_domains")]
+    bad += [({"allowed_media_domains": ["127.0.0.1", host]}, "allowed_media_domains")
+            for host in ["127.0.0.1:8000", "example.com/images", "user@example.com", "example .com"]]
     for args, match in bad:
         with pytest.raises(ValueError, match=match):
             LLM("no-such-model", **args)

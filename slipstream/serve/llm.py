@@ -116,7 +116,7 @@ class LLM:
     `generation_config`: where the defaults for `sampling_params=None` come from: "auto" (the
     model's generation_config.json), "vllm" (SamplingParams()) or another model directory.
     `chat`'s image URLs load as `allowed_media_domains` (the hosts http(s) URLs may name; None: any),
-    `allowed_local_media_path` (the directory file URLs may name files under; None: no file URLs)
+    `allowed_local_media_path` (the directory file URLs may name files under; None or "": none)
     and `media_fetch_timeout_s` (a whole fetch's seconds) allow (`media.MediaConfig`).
     An unknown keyword is a TypeError, as in vLLM.
     """
