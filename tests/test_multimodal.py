@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import dataclasses
 import http.server
 import io
 import json
+import os
 import socket
 import threading
 import time
@@ -36,6 +38,7 @@ from slipstream.serve.async_engine import AsyncEngine
 from slipstream.serve.engine import Engine, EngineConfig
 from slipstream.serve.profiler import FORWARD_PHASE
 from slipstream.serve.protocol import APIError, ChatMessage
+from slipstream.serve.server import MEDIA_THREADS
 
 pytest_plugins = ["serve_fixtures", "server_process"]  # the text model's model_dir, for images refused
 
@@ -966,8 +969,9 @@ def test_server_fetches_image_urls(llava, llava_server, image_host, media_dir):
     """Guards the server's image URLs through the official openai client: an http URL and a file
     URL give transformers' tokens for the image; a 404, a host not allowed, a file outside the
     allowed directory and a stall past --media-fetch-timeout are 400s naming `messages` and the
-    problem; more images than the context holds are refused before any is fetched; and the
-    server answers the next request."""
+    problem; while fetches stall, in more requests than asyncio's default executor has threads, a
+    text request still answers at once (image URLs load in threads of their own); more images than
+    the context holds are refused before any is fetched; and the server answers the next request."""
     hf, model_dir = llava
     client = openai.OpenAI(base_url=llava_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
     data = IMAGE_FILES["dog.jpg"]
@@ -989,6 +993,22 @@ def test_server_fetches_image_urls(llava, llava_server, image_host, media_dir):
         with pytest.raises(openai.BadRequestError) as error:
             tokens(url)
         assert match in str(error.value) and error.value.body["param"] == "messages", str(error.value)
+    num_stalls = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor's threads
+    stalled = {"model": MODEL_NAME, "messages": image_chat(f"{image_host.url}/stall"), "max_tokens": 1}
+    started = image_host.paths.count("/stall")
+    with concurrent.futures.ThreadPoolExecutor(num_stalls) as threads:
+        replies = [threads.submit(httpx.post, f"{llava_server.url}/v1/chat/completions", json=stalled,
+                                  headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+                   for _ in range(num_stalls)]
+        give_up_s = time.monotonic() + 10
+        while image_host.paths.count("/stall") < started + min(num_stalls, MEDIA_THREADS):
+            assert time.monotonic() < give_up_s, "the stalled fetches never reached the image host"
+            time.sleep(0.01)
+        start_s = time.monotonic()
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=1)
+        assert time.monotonic() - start_s < 0.5  # not after a stall's 1 s timeout
+        assert [reply.result().status_code for reply in replies] == [400] * num_stalls
     num_fetched = len(image_host.paths)
     many = [{"type": "image_url", "image_url": {"url": f"{image_host.url}/dog.jpg"}}] * 16  # 16 x 16 tokens
     with pytest.raises(openai.BadRequestError) as error:

@@ -14,6 +14,7 @@ finish for up to `drain_timeout_s`, aborts the rest and returns.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import hmac
@@ -79,6 +80,9 @@ DRAIN_POLL_S = 0.1
 DRAIN_GRACE_S = 5.0
 """After aborting at the drain deadline, how long uvicorn waits for responses to go out before
 it cancels what is left."""
+MEDIA_THREADS = 8
+"""Threads that load image URLs, each one request's images at a time: a ninth request's images wait
+for one, so stalled fetches hold at most these threads, each until its --media-fetch-timeout."""
 
 
 CONTEXT_EXCEEDED = "context_length_exceeded"
@@ -224,6 +228,10 @@ class OpenAIServer:
                            config.responses_store_size)
             self.response_store = responses_api.ResponseStore(config.responses_store_size)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._media_threads = concurrent.futures.ThreadPoolExecutor(MEDIA_THREADS,
+                                                                    thread_name_prefix="slipstream-media")
+        """Where image URLs load: not asyncio's default executor, which every request's tokenizing
+        shares, so that fetches stalled until their timeout cannot delay other requests."""
         self.app = self._build_app()
 
     def _load_lora_modules(self, engine: Engine) -> None:
@@ -275,6 +283,7 @@ class OpenAIServer:
         drain = asyncio.create_task(self._abort_after_drain_timeout())
         yield
         drain.cancel()
+        self._media_threads.shutdown(wait=False, cancel_futures=True)
         await self.engine.stop()
 
     def abort_all_soon(self) -> None:
@@ -405,7 +414,7 @@ class OpenAIServer:
         params, tool_calls = self._tool_calls(body, params)
         # The template's ids; or its text, which tokenizing adds the special tokens to.
         rendered = await asyncio.to_thread(self._render_chat, body, not body.add_special_tokens)
-        images = await asyncio.to_thread(self._chat_images, body)
+        images = await self._chat_images(body)
         [token_ids] = self._tokenize([rendered], params.truncate_prompt_tokens,
                                      truncation_side=body.truncation_side)
         num_prompt_tokens = self._num_expanded_tokens(token_ids, images, "messages")
@@ -869,11 +878,11 @@ class OpenAIServer:
             return placeholder, False
         return placeholder, template_content_format(source) == "openai"
 
-    def _chat_images(self, body: ChatCompletionRequest) -> list[PIL.Image.Image]:
+    async def _chat_images(self, body: ChatCompletionRequest) -> list[PIL.Image.Image]:
         """The chat's images, in order, decoded from their data URLs or fetched or read as the
-        server's media settings allow (in a worker thread: `chat_completions` calls this through
-        asyncio.to_thread). A URL that cannot be loaded, or bytes that are no image, are a 400
-        naming `messages`; so are more images than the context holds, before any is fetched."""
+        server's media settings allow, in the server's media threads. A URL that cannot be loaded,
+        or bytes that are no image, are a 400 naming `messages`; so are more images than the
+        context holds, before any is fetched."""
         urls = [(i, j, url) for i, message in enumerate(body.messages)
                 for j, url in enumerate(message.image_urls)]
         per_image = 0 if self.image_prompts is None else self.image_prompts.num_image_tokens
@@ -883,6 +892,12 @@ class OpenAIServer:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your "
                 f"messages hold {len(urls)} images, {num_image_tokens} input tokens, which leaves no room "
                 "for output tokens. Please send fewer images.", "messages", CONTEXT_EXCEEDED)
+        if not urls:
+            return []
+        return await asyncio.get_running_loop().run_in_executor(self._media_threads, self._load_images, urls)
+
+    def _load_images(self, urls: list[tuple[int, int, str]]) -> list[PIL.Image.Image]:
+        """The images at `urls` (each with its message's and its part's index), one after another."""
         images = []
         for i, j, url in urls:
             try:
