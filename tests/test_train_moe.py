@@ -221,10 +221,11 @@ def test_two_ranks_with_idle_experts_match_one_process(strategy, data_dir, many_
     assert weights.keys() == expected.keys() and diff <= WEIGHT_ATOL
 
 
-# Each takes ~15 s (torchrun); Mixtral, and Qwen3-MoE without sequence parallelism, are slow.
+# Slow (CI skips them; ~30 s each on a loaded 2-core CPU): CI checks TP=2 on dense models
+# (test_train_tp) and the experts under FSDP2 (test_two_ranks_with_idle_experts_match_one_process).
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type, extra", [
-    ("qwen2_moe", ()), pytest.param("mixtral", (), marks=pytest.mark.slow),
-    pytest.param("qwen3_moe", ("--parallel.sequence_parallel=false",), marks=pytest.mark.slow)])
+    ("qwen2_moe", ()), ("mixtral", ()), ("qwen3_moe", ("--parallel.sequence_parallel=false",))])
 def test_tensor_parallel_splits_the_experts_and_follows_one_process(model_type, extra, data_dir, tmp_path):
     """Tensor parallelism of degree 2 (2 ranks, one replica; with sequence parallelism unless
     `extra` turns it off) splits each expert, and qwen2_moe's shared expert, by columns and rows
