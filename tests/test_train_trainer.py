@@ -131,8 +131,10 @@ def test_fast_kernels_and_accumulation_and_checkpointing_keep_the_losses(data_di
     assert reference[-1] < reference[0]
 
 
-# With activation checkpointing it is slow (~13 s more of compiling; CI skips it).
-@pytest.mark.parametrize("checkpointing", [False, pytest.param(True, marks=pytest.mark.slow)])
+# Slow (CI skips it): ~40 s on a 2-core CI machine with a cold inductor cache, ~13 s more with
+# activation checkpointing. Run it (`-m slow`) after changing the model's or the trainer's code.
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True])
 def test_compile_keeps_the_losses(checkpointing, data_dir, train_model_dir, tmp_path):
     """torch.compile of every decoder layer (with the oneDNN custom op inside) compiles them, with
     activation checkpointing too (under it nothing was compiled), and trains to the eager losses
