@@ -1,7 +1,9 @@
 # The two commands a fresh machine needs: `make demo` (the main job) and `make test`.
 # Both create the virtual environment on first use. torch is pinned and installed first, so that
 # pip takes the CPU build where one is on local disk (as on the project's machines); elsewhere set
-# TORCH_INDEX=https://download.pytorch.org/whl/cpu, or pip may download a CUDA build.
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu, or pip may download a CUDA build. The other
+# packages are installed without compiling their bytecode (transformers alone has ~3,000 modules,
+# of which the tests import a few hundred): Python compiles and caches each one it imports.
 VENV ?= .venv
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
@@ -15,11 +17,13 @@ BIN := $(VENV)/bin
 demo: $(VENV)/.installed
 	$(BIN)/slipstream demo
 
+# Bytecode is written even where PYTHONDONTWRITEBYTECODE is set: the suite starts ~140 Python
+# processes (servers, torchrun workers), and each would compile slipstream's modules again (~0.7 s).
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 test-all: $(VENV)/.installed
-	$(BIN)/python -m pytest -q -m ""
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -m ""
 
 venv: $(VENV)/.installed
 
@@ -27,7 +31,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-compile -e ".[test]"
 	touch $@
 
 clean:

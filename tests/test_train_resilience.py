@@ -117,8 +117,7 @@ def two_rank_run(data_dir, train_model_dir, tmp_path_factory):
 # 2 -> 1 is slow (run it with -m slow; ~40 s, as it needs the uninterrupted 2-rank run): 1 -> 2
 # is the fast check of resharding, the same DCP load planned for another layout.
 @pytest.mark.parametrize("saved_by, resumed_by", [pytest.param(2, 1, marks=pytest.mark.slow), (1, 2)])
-def test_resharding_resume(saved_by, resumed_by, data_dir, train_model_dir, tmp_path, one_process_run,
-                           two_rank_run):
+def test_resharding_resume(saved_by, resumed_by, data_dir, train_model_dir, tmp_path, request):
     """A run on `saved_by` ranks (FSDP2 when 2) that crashes after step 5, rerun on `resumed_by`
     ranks, loads the resharded state of its newest committed checkpoint and continues within
     RESHARD_LOSS_ATOL of the uninterrupted `saved_by` run. The newest is step 4's unless the
@@ -133,14 +132,13 @@ def test_resharding_resume(saved_by, resumed_by, data_dir, train_model_dir, tmp_
     assert second.returncode == 0, second.stderr[-3000:]
     (resume,) = read_metrics(run_dir, "resume")
     assert resume["step"] == committed[-1] and resume["resharded"]
-    reference = _losses(two_rank_run if saved_by == 2 else one_process_run)
+    uninterrupted = request.getfixturevalue("two_rank_run" if saved_by == 2 else "one_process_run")
+    reference = _losses(uninterrupted)
     losses = _losses(run_dir)
     assert sorted(losses) == list(range(1, 9))
     diff = max(abs(losses[s] - reference[s]) for s in range(resume["step"] + 1, 9))
     weight_diff = max((a - b).abs().max().item() for a, b in zip(
-        _final_weights(run_dir).values(),
-        _final_weights(two_rank_run if saved_by == 2 else one_process_run).values(),
-        strict=True))
+        _final_weights(run_dir).values(), _final_weights(uninterrupted).values(), strict=True))
     print(f"{saved_by} -> {resumed_by} ranks: resumed at step {resume['step']}, max loss difference "
           f"after it {diff:.1e}, max final weight difference {weight_diff:.1e}")
     assert diff <= RESHARD_LOSS_ATOL
