@@ -132,7 +132,8 @@ def test_fast_kernels_and_accumulation_and_checkpointing_keep_the_losses(data_di
 
 
 # Slow (CI skips it): ~40 s on a 2-core CI machine with a cold inductor cache, ~13 s more with
-# activation checkpointing. Run it (`-m slow`) after changing the model's or the trainer's code.
+# activation checkpointing. Run it (`-m slow`) after changing the model's or the trainer's code;
+# test_decoder_layers_trace_whole_and_keep_the_gradients is CI's check of the tracing.
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_compile_keeps_the_losses(checkpointing, data_dir, train_model_dir, tmp_path):
@@ -151,6 +152,42 @@ def test_compile_keeps_the_losses(checkpointing, data_dir, train_model_dir, tmp_
     diff = max(abs(a - b) for a, b in zip(eager, compiled, strict=True))
     print(f"max |compiled - eager| loss over {len(eager)} steps: {diff:.1e}")
     assert diff <= LOSS_ATOL
+
+
+def test_decoder_layers_trace_whole_and_keep_the_gradients(train_model_dir):
+    """CI's compile check (the one above needs Inductor's C++ compiler, ~40 s): each decoder layer
+    of the training model, oneDNN linears and the model's own autograd functions inside, is
+    traced by dynamo as one graph (fullgraph: a graph break is an error) and run through
+    AOTAutograd (backend aot_eager, Inductor's front half); the loss and every gradient equal
+    eager's."""
+    from torch._dynamo.utils import counters
+
+    from slipstream.train.cpu_kernels import use_onednn_linears
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 24))
+    positions = torch.arange(24).expand(2, -1)
+
+    def loss_and_grads(compiled: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model = load_model(train_model_dir, dtype=torch.float32)
+        use_onednn_linears(model)
+        if compiled:
+            for layer in model.model.layers.children():
+                layer.compile(backend="aot_eager", fullgraph=True)
+        logits = model(ids[:, :-1], positions[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager_loss, eager_grads = loss_and_grads(compiled=False)
+    loss, grads = loss_and_grads(compiled=True)
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"]
+    torch.testing.assert_close(loss, eager_loss, rtol=0, atol=1e-6)
+    assert grads.keys() == eager_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_resume_from_a_checkpoint_is_bitwise(data_dir, train_model_dir, tmp_path):
