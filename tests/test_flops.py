@@ -262,9 +262,12 @@ def test_utilization_helpers():
 
 
 def test_flops_and_hardware_import_without_torch():
-    """Guards that planners and reports can use the formulas and table without importing torch."""
+    """Guards that planners and reports can use the formulas and table without importing torch,
+    and so can `slipstream perf plan` (its commands and the model presets; torch took ~2 s of
+    each command's ~3 s) and the tokenizer."""
     code = (
-        "import sys, slipstream.perf.flops, slipstream.perf.hardware; "
+        "import sys, slipstream.perf.flops, slipstream.perf.hardware, slipstream.perf.commands, "
+        "slipstream.model.presets, slipstream.model.tokenizer; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
