@@ -135,7 +135,8 @@ def test_a_sparse_vocabulary_sizes_the_token_files_by_its_largest_id(tmp_path):
     assert 70000 in np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint32)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "delete", "garbage"])
+# A deleted file (~5 s, slow: CI skips it) is refused as one cut short is.
+@pytest.mark.parametrize("damage", ["truncate", pytest.param("delete", marks=pytest.mark.slow), "garbage"])
 def test_a_damaged_token_file_is_named_and_prepared_again(data_dir, tmp_path, damage):
     """A split file cut short or deleted is refused when loaded, naming the file; garbage of the
     right size (ids outside the vocabulary) is refused by the loader; preparing again redoes it."""
