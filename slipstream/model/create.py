@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from slipstream.cache import cache_dir
 from slipstream.corpus import stdlib_files
 from slipstream.model.config import ModelConfig
 from slipstream.model.presets import get_preset
@@ -76,16 +77,16 @@ def stdlib_tokenizer(vocab_size: int) -> Tokenizer:
             platform.python_version(), len(files), sum(f.stat().st_size for f in files),
         ]).encode()
     ).hexdigest()[:16]
-    cache_dir = _cache_root() / "tokenizers" / f"stdlib-{vocab_size}-{fingerprint}"
-    if (cache_dir / "tokenizer.json").is_file():
-        return Tokenizer.from_pretrained(cache_dir)
+    cached = cache_dir() / "tokenizers" / f"stdlib-{vocab_size}-{fingerprint}"
+    if (cached / "tokenizer.json").is_file():
+        return Tokenizer.from_pretrained(cached)
     logger.info("training a %d-token BPE tokenizer on the standard library", vocab_size)
     tokenizer = train_tokenizer(files, vocab_size, max_bytes=TOKENIZER_CORPUS_BYTES)
-    cache_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache_dir.parent, prefix=".tmp-"))
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".tmp-"))
     _save_tokenizer(tokenizer, tmp)
     try:
-        os.rename(tmp, cache_dir)  # atomic; another process may have won the race
+        os.rename(tmp, cached)  # atomic; another process may have won the race
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     return tokenizer
@@ -97,9 +98,3 @@ def _save_tokenizer(tokenizer: Tokenizer, model_dir: Path) -> None:
     tokenizer.save_pretrained(model_dir)
     generation = {"eos_token_id": list(tokenizer.eos_token_ids), "pad_token_id": tokenizer.pad_token_id}
     (model_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-
-
-def _cache_root() -> Path:
-    """`$XDG_CACHE_HOME/slipstream`, or `~/.cache/slipstream` where it is unset or empty (as the
-    XDG spec and the kernel and calibration caches read it)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slipstream"

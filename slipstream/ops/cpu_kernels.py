@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from slipstream.cache import cache_dir
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -92,7 +94,7 @@ def _load() -> ctypes.CDLL | None:
         logger.warning("no C compiler found: using PyTorch for attention, norms and rotary")
         return None
     try:
-        path = _cache_dir() / f"cpu_ops-{_build_key(compiler)}.so"
+        path = cache_dir() / "kernels" / f"cpu_ops-{_build_key(compiler)}.so"
         if not path.is_file():
             _compile(compiler, path)
         lib = ctypes.CDLL(str(path))
@@ -756,8 +758,3 @@ def _compile(compiler: list[str], path: Path) -> None:
                        check=True, capture_output=True, text=True)
         os.replace(tmp_path, path)  # atomic: concurrent builders race harmlessly
     logger.info("built %s", path)
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "slipstream" / "kernels"

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from slipstream.cache import cache_dir  # noqa: F401  (re-exported: the calibration cache lives there)
 from slipstream.perf.accelerators import (  # noqa: F401  (re-exported: the table lives there)
     ACCELERATORS,
     DTYPE_KEYS,
@@ -586,12 +587,6 @@ def cpu_name(cpuinfo: str) -> str:
     ids = [f"{key.removeprefix('cpu ')} {fields[key]}" for key in ("cpu family", "model", "stepping")
            if fields.get(key)]
     return f"{name} ({', '.join(ids)})" if ids else name
-
-
-def cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/slipstream`, or `~/.cache/slipstream`."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "slipstream"
 
 
 def _cache_path(
