@@ -756,20 +756,28 @@ class ImageHost:
     """A real HTTP server on 127.0.0.1, in a thread: IMAGE_FILES at /NAME (/NAME?unsized: without
     a Content-Length, the body ended by closing the connection), /missing (404), /text (no
     image), /redirect?to=URL (302), /loop (redirects to itself), /stall (headers, then nothing
-    for 10 s), /trickle (a byte of the body every 0.1 s for 5 s) and /slowheaders (a byte of a
-    header every 0.1 s for 5 s). `paths` records every request's path."""
+    for 10 s), /trickle (a byte of the body every 0.1 s for 5 s), /slowheaders (a byte of a
+    header every 0.1 s for 5 s) and /slow/NAME (IMAGE_FILES[NAME] after SLOW_S). `paths` records
+    every request's path, `started` each one's path and when it came (time.monotonic())."""
+
+    SLOW_S = 0.6
 
     def __init__(self) -> None:
         host = self
         self.paths: list[str] = []
+        self.started: list[tuple[str, float]] = []
         self.stop = threading.Event()
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                host.started.append((self.path, time.monotonic()))
                 host.paths.append(self.path)
                 url = urlsplit(self.path)
                 name = url.path.lstrip("/")
-                if name in IMAGE_FILES:
+                if name.startswith("slow/") and name.removeprefix("slow/") in IMAGE_FILES:
+                    time.sleep(host.SLOW_S)
+                    self._answer(200, IMAGE_FILES[name.removeprefix("slow/")])
+                elif name in IMAGE_FILES:
                     self._answer(200, IMAGE_FILES[name], sized=url.query != "unsized")
                 elif name in ("redirect", "loop"):
                     target = parse_qs(url.query)["to"][0] if name == "redirect" else "/loop"
@@ -1016,3 +1024,27 @@ def test_server_fetches_image_urls(llava, llava_server, image_host, media_dir):
                                        max_tokens=1)
     assert error.value.code == "context_length_exceeded" and len(image_host.paths) == num_fetched
     assert_same_tokens([expected], gaps[None], [tokens(urls[0])], "server, after the refusals")
+
+
+def test_server_loads_a_requests_image_urls_at_once(llava, llava_server, image_host):
+    """Guards that the server fetches the image URLs of one request together, not one after
+    another: five images that each take ImageHost.SLOW_S to arrive are all requested before the
+    first has arrived, and the reply has the tokens of five images; a request whose second
+    image is missing is a 400 naming it, the first failure in the messages."""
+    client = openai.OpenAI(base_url=llava_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    slow = {"type": "image_url", "image_url": {"url": f"{image_host.url}/slow/dog.jpg"}}
+    first = len(image_host.started)
+    content = [slow] * 5 + [{"type": "text", "text": "?"}]
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": content}],
+                                           max_tokens=1)
+    starts = [t for path, t in image_host.started[first:] if path == "/slow/dog.jpg"]
+    assert len(starts) == 5
+    print(f"5 fetches of {image_host.SLOW_S} s each started within {max(starts) - min(starts):.3f} s")
+    assert max(starts) - min(starts) < image_host.SLOW_S  # one after another: >= 4 x SLOW_S
+    assert reply.usage.prompt_tokens > 5 * NUM_IMAGE_TOKENS
+    missing = {"type": "image_url", "image_url": {"url": f"{image_host.url}/missing"}}
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": [
+            slow, missing, {"type": "image_url", "image_url": {"url": f"{image_host.url}/text"}}]}],
+            max_tokens=1)
+    assert "image_url 1" in str(error.value) and "HTTP 404" in str(error.value), str(error.value)

@@ -380,7 +380,8 @@ def test_malformed_manifest_is_a_corrupt_checkpoint(damage, reason, tmp_path, st
 
 
 # Between steps (~13 s, slow: CI skips it): the kill during the write also resumes, from step 2.
-@pytest.mark.parametrize("when", [pytest.param("between_steps", marks=pytest.mark.slow), "during_async_write"])
+@pytest.mark.parametrize("when", [pytest.param("between_steps", marks=pytest.mark.slow),
+                                  "during_async_write"])
 def test_sigkill_then_rerun_is_bitwise(when, data_dir, train_model_dir, tmp_path, straight_run):
     """Deterministic fp32: a `slipstream train` process SIGKILLed after its step-4 checkpoint
     committed (or in the middle of writing its step-4 checkpoint, which then never commits),

@@ -880,9 +880,10 @@ class OpenAIServer:
 
     async def _chat_images(self, body: ChatCompletionRequest) -> list[PIL.Image.Image]:
         """The chat's images, in order, decoded from their data URLs or fetched or read as the
-        server's media settings allow, in the server's media threads. A URL that cannot be loaded,
-        or bytes that are no image, are a 400 naming `messages`; so are more images than the
-        context holds, before any is fetched."""
+        server's media settings allow, all at once in the server's media threads (a request of
+        several URLs waits for its slowest, not their sum). A URL that cannot be loaded, or bytes
+        that are no image, are a 400 naming `messages` (the first such in the messages, once every
+        load has ended); so are more images than the context holds, before any is fetched."""
         urls = [(i, j, url) for i, message in enumerate(body.messages)
                 for j, url in enumerate(message.image_urls)]
         per_image = 0 if self.image_prompts is None else self.image_prompts.num_image_tokens
@@ -892,18 +893,16 @@ class OpenAIServer:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your "
                 f"messages hold {len(urls)} images, {num_image_tokens} input tokens, which leaves no room "
                 "for output tokens. Please send fewer images.", "messages", CONTEXT_EXCEEDED)
-        if not urls:
-            return []
-        return await asyncio.get_running_loop().run_in_executor(self._media_threads, self._load_images, urls)
-
-    def _load_images(self, urls: list[tuple[int, int, str]]) -> list[PIL.Image.Image]:
-        """The images at `urls` (each with its message's and its part's index), one after another."""
-        images = []
-        for i, j, url in urls:
-            try:
-                images.append(load_image(url, f"messages[{i}]'s image_url {j}", self.config.media))
-            except ValueError as error:
-                raise protocol.bad_request(str(error), "messages") from None
+        loop = asyncio.get_running_loop()
+        images = await asyncio.gather(*(
+            loop.run_in_executor(self._media_threads, load_image, url, f"messages[{i}]'s image_url {j}",
+                                 self.config.media)
+            for i, j, url in urls), return_exceptions=True)
+        for image in images:
+            if isinstance(image, ValueError):
+                raise protocol.bad_request(str(image), "messages") from None
+            if isinstance(image, BaseException):
+                raise image
         return images
 
     def _num_expanded_tokens(self, token_ids: list[int], images: Sequence[PIL.Image.Image],
