@@ -29,8 +29,12 @@ LOAD_TIMEOUT_S = 60.0
 
 async def stream_request(client: httpx.AsyncClient, index: int, cancel_after: int | None) -> str:
     """One streamed completion; with `cancel_after`, hang up after that many chunks. Returns
-    "completed", "cancelled" or what went wrong."""
-    body = {"model": MODEL_NAME, "prompt": f"request {index}:", "max_tokens": 24, "stream": True,
+    "completed", "cancelled" or what went wrong. A stream to be cancelled asks for ten times the
+    tokens, so that the server is still generating it when the client hangs up, however late a
+    loaded machine runs the client (at 24 tokens, the server once finished every such stream
+    first, and nothing was aborted)."""
+    max_tokens = 24 if cancel_after is None else 240
+    body = {"model": MODEL_NAME, "prompt": f"request {index}:", "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "temperature": 1.0, "seed": index}
     chunks = []
     async with client.stream("POST", "/v1/completions", json=body) as response:
