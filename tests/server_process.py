@@ -38,33 +38,63 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process `pid` holds a socket listening on TCP `port` of 127.0.0.1 or every address
+    (a LISTEN entry of /proc/net/tcp whose inode is one of the process's descriptors)."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target.removeprefix("socket:[").removesuffix("]"))
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        address, port_hex = fields[1].split(":")
+        if (fields[3] == "0A" and int(port_hex, 16) == port and address in ("0100007F", "00000000")
+                and fields[9] in inodes):
+            return True
+    return False
+
+
 class ServerProcess:
     """`slipstream serve MODEL_DIR --port P ARGS...` in a subprocess."""
 
     def __init__(self, model_dir: Path, log_path: Path, *args: str) -> None:
+        self.log_path = log_path
+        self._args = [str(model_dir), "--served-model-name", MODEL_NAME, *args]
+        self._start()
+
+    def _start(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        command = [sys.executable, "-m", "slipstream.cli", "serve", str(model_dir), "--port", str(self.port),
-                   "--served-model-name", MODEL_NAME, *args]
+        command = [sys.executable, "-m", "slipstream.cli", "serve", "--port", str(self.port), *self._args]
         # Idle connections outlive the clients' (httpx keeps them 5 s, as the server would by
         # default), so a client never reuses one that the server is closing at that moment.
         env = os.environ | {"OMP_NUM_THREADS": "1", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(KEEP_ALIVE_S)}
-        with open(log_path, "wb") as log:
+        with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self) -> ServerProcess:
-        """Wait for /health to answer 200; fail with the server's log if it never does."""
+        """Wait for /health to answer 200 from this server; fail with its log if it never does.
+        The free port may be taken by another test's server before this one binds it (another
+        pytest worker's, which then answers here): this one is then started again on another."""
         deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                break
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+        for _ in range(3):
+            while time.monotonic() < deadline and self.process.poll() is None:
+                try:
+                    answered = httpx.get(self.url + "/health", timeout=1.0).status_code == 200
+                except httpx.HTTPError:
+                    answered = False
+                if answered and listens_on(self.process.pid, self.port):
                     return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+                if answered:  # another process's server on this port
+                    break
+                time.sleep(0.1)
+            else:
+                break
+            self.stop()
+            self._start()
         self.stop()
         pytest.fail(f"the server did not start; its log:\n{self.log()}")
 
