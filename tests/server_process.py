@@ -38,9 +38,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def listens_on(pid: int, port: int) -> bool:
-    """Whether process `pid` holds a socket listening on TCP `port` of 127.0.0.1 or every address
-    (a LISTEN entry of /proc/net/tcp whose inode is one of the process's descriptors)."""
+def listening_sockets(pid: int) -> set[tuple[str, int]]:
+    """(local address, port) of each TCP socket process `pid` listens on: the LISTEN entries of
+    /proc/net/tcp and tcp6 whose inodes are among its descriptors (the address in hex, as those
+    tables write it: 0100007F is 127.0.0.1)."""
     inodes = set()
     with contextlib.suppress(OSError):
         for fd in Path(f"/proc/{pid}/fd").iterdir():
@@ -48,13 +49,19 @@ def listens_on(pid: int, port: int) -> bool:
                 target = os.readlink(fd)
                 if target.startswith("socket:["):
                     inodes.add(target.removeprefix("socket:[").removesuffix("]"))
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        address, port_hex = fields[1].split(":")
-        if (fields[3] == "0A" and int(port_hex, 16) == port and address in ("0100007F", "00000000")
-                and fields[9] in inodes):
-            return True
-    return False
+    sockets = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                address, port = fields[1].rsplit(":", 1)
+                sockets.add((address, int(port, 16)))
+    return sockets
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process `pid` listens on TCP `port` of 127.0.0.1 or of every address."""
+    return bool({("0100007F", port), ("00000000", port)} & listening_sockets(pid))
 
 
 class ServerProcess:

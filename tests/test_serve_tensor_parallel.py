@@ -27,7 +27,7 @@ import openai
 import pytest
 import torch
 from serve_fixtures import uncached_greedy
-from server_process import API_KEY, ENGINE_ARGS, MODEL_NAME, ServerProcess
+from server_process import API_KEY, ENGINE_ARGS, MODEL_NAME, ServerProcess, listening_sockets
 
 from slipstream import LLM, SamplingParams
 from slipstream.model import ModelConfig
@@ -425,29 +425,13 @@ def test_a_step_that_fails_on_the_driver_stops_the_workers(model_dir):
     engine.shutdown()
 
 
-def _listening_addresses(pid: int) -> set[str]:
-    """The local addresses (hex, as /proc/net/tcp writes them) of the TCP sockets `pid` listens on."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        target = os.readlink(f"/proc/{pid}/fd/{fd}") if os.path.islink(f"/proc/{pid}/fd/{fd}") else ""
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    addresses = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in open(table).read().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                addresses.add(fields[1].rsplit(":", 1)[0])
-    return addresses
-
-
 def test_the_ranks_listen_on_loopback_only(model_dir):
     """Neither the driver nor its worker accepts connections from another host: the rendezvous is
     a file store and gloo binds 127.0.0.1 (a TCP store listens on every interface)."""
     llm = LLM(str(model_dir), tensor_parallel_size=2)
     try:
         for pid in (os.getpid(), llm.engine.workers.processes[0].pid):
-            assert _listening_addresses(pid) <= {"0100007F"}, pid  # 127.0.0.1
+            assert {address for address, _ in listening_sockets(pid)} <= {"0100007F"}, pid  # 127.0.0.1
     finally:
         llm.engine.shutdown()
 
