@@ -81,8 +81,8 @@ DRAIN_GRACE_S = 5.0
 """After aborting at the drain deadline, how long uvicorn waits for responses to go out before
 it cancels what is left."""
 MEDIA_THREADS = 8
-"""Threads that load image URLs, each one request's images at a time: a ninth request's images wait
-for one, so stalled fetches hold at most these threads, each until its --media-fetch-timeout."""
+"""Threads that load image URLs, one image each at a time: a ninth image waits for one, so stalled
+fetches hold at most these threads, each until its --media-fetch-timeout."""
 
 
 CONTEXT_EXCEEDED = "context_length_exceeded"
