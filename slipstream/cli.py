@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from slipstream.serve.engine import EngineConfig
+    from slipstream.serve.server import ServerConfig
     from slipstream.train.config import TrainConfig
 
 
@@ -150,6 +152,14 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    from slipstream.serve.server import run_server
+
+    run_server(*serve_configs(args), log_level="debug" if args.verbose else "info")
+
+
+def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """The engine's and the server's configs of `slipstream serve`'s parsed arguments (and of the
+    environment variables vLLM reads)."""
     from slipstream.serve.engine import EngineConfig
     from slipstream.serve.media import MediaConfig
     from slipstream.serve.served_models import (
@@ -157,7 +167,7 @@ def _serve(args: argparse.Namespace) -> None:
         responses_api_store,
         runtime_lora_updating,
     )
-    from slipstream.serve.server import ServerConfig, run_server
+    from slipstream.serve.server import ServerConfig
 
     engine_config = EngineConfig(
         model=args.model_dir, dtype=args.dtype, quantization=args.quantization, device=args.device,
@@ -195,7 +205,7 @@ def _serve(args: argparse.Namespace) -> None:
                                     args.media_fetch_timeout),
         **({} if args.responses_store_size is None else {"responses_store_size": args.responses_store_size}),
     )
-    run_server(engine_config, server_config, log_level="debug" if args.verbose else "info")
+    return engine_config, server_config
 
 
 def _bench_serve(args: argparse.Namespace) -> None:

@@ -1,5 +1,6 @@
 """A real `slipstream serve` process for the server tests, and the session fixture that shares one;
-`in_process`, a server's app under uvicorn on a thread of the test's own process.
+`in_process`, a server's app under uvicorn on a thread of the test's own process, and
+`serve_in_process`, the server a `slipstream serve` command line configures, on such a thread.
 
 The server runs as `python -m slipstream.cli serve` on a free port of 127.0.0.1 over the small
 model of serve_fixtures.py, with one torch thread (the model's ops take microseconds; a second
@@ -10,6 +11,7 @@ prints. PYTEST_DONT_REWRITE: this module holds no asserts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -154,6 +156,33 @@ def server(model_dir, tmp_path_factory) -> ServerProcess:
     process = ServerProcess(model_dir, log_path, "--api-key", API_KEY, *ENGINE_ARGS).wait_ready()
     yield process
     process.stop()
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """A server on a thread of this process, as `serve_in_process` yields it."""
+
+    url: str
+
+
+@contextlib.contextmanager
+def serve_in_process(model_dir: Path, *args: str) -> Iterator[Served]:
+    """`slipstream serve MODEL_DIR ARGS...` as the CLI configures it (its parser and
+    `serve_configs`), served by `in_process`: for the tests of a flag, which need no process of
+    their own (a `ServerProcess` costs ~3 s of imports more, and the model loads either way)."""
+    from slipstream.cli import build_parser, serve_configs
+    from slipstream.serve.engine import Engine
+    from slipstream.serve.server import OpenAIServer, check_lora_config, served_engine_config
+
+    parsed = build_parser().parse_args(["serve", str(model_dir), "--served-model-name", MODEL_NAME, *args])
+    engine_config, config = serve_configs(parsed)
+    check_lora_config(engine_config, config)
+    engine = Engine(served_engine_config(engine_config, config))
+    try:
+        with in_process(OpenAIServer(engine, config)) as url:
+            yield Served(url)
+    finally:
+        engine.shutdown()
 
 
 @contextlib.contextmanager

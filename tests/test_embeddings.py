@@ -221,20 +221,18 @@ def test_a_pool_restarts_with_a_recomputed_prompt(pooling):
 
 
 
-def test_the_embeddings_route_equals_the_offline_engine(model_dir, tmp_path):
+def test_the_embeddings_route_equals_the_offline_engine(model_dir):
     """`slipstream serve --runner pooling` answers OpenAI's embeddings call, through the official
     client, with the offline engine's vectors: texts and token ids, floats and base64 (the
     client's default, which it decodes), usage counting the prompt tokens; generation routes,
     an empty input, one longer than the context and a `dimensions` the model lacks are 400s."""
     openai = pytest.importorskip("openai")
-    from server_process import MODEL_NAME, ServerProcess, metric_values
+    from server_process import MODEL_NAME, metric_values, serve_in_process
 
     llm = LLM(model_dir, runner="pooling", max_model_len=MAX_POSITIONS)
     ids = llm.get_tokenizer().encode(TEXTS[3])
     expected = llm.embed([TEXTS[0], TEXTS[1], ids], use_tqdm=False)
-    server = ServerProcess(model_dir, tmp_path / "server.log", "--runner", "pooling",
-                           "--max-model-len", str(MAX_POSITIONS)).wait_ready()
-    try:
+    with serve_in_process(model_dir, "--runner", "pooling", "--max-model-len", str(MAX_POSITIONS)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         texts = client.embeddings.create(model=MODEL_NAME, input=[TEXTS[0], TEXTS[1]])
         as_ids = client.embeddings.create(model=MODEL_NAME, input=ids, encoding_format="float")
@@ -282,8 +280,6 @@ def test_the_embeddings_route_equals_the_offline_engine(model_dir, tmp_path):
             assert error.value.body["param"] == param
         metrics = metric_values(server)
         assert metrics["slipstream:prompt_tokens_total"] == texts.usage.prompt_tokens + 2 * len(ids) + 2 * 4
-    finally:
-        server.stop()
 
 
 def test_vllms_removed_normalize_field_is_refused_not_ignored():

@@ -2,8 +2,9 @@
 streamed and not, n, stop strings, logprobs, usage, auth, /v1/models and /metrics; greedy output
 equal to the offline `LLM`'s for the same model and prompt.
 
-One real server process (tests/server_process.py) serves all tests here over the small model of
-serve_fixtures.py.
+One real server process (tests/server_process.py) serves the tests here over the small model of
+serve_fixtures.py; a test of a flag serves its own command line on a thread of the test's process
+(`serve_in_process`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ import httpx
 import openai
 import pytest
 from serve_fixtures import dense_logprobs
-from server_process import API_KEY, ENGINE_ARGS, MAX_MODEL_LEN, MODEL_NAME, ServerProcess, metric_values
+from server_process import (
+    API_KEY,
+    ENGINE_ARGS,
+    MAX_MODEL_LEN,
+    MODEL_NAME,
+    metric_values,
+    serve_in_process,
+    wait_for_idle,
+)
 
 from slipstream import LLM, BeamSearchParams, SamplingParams
 from slipstream.serve import json_schema, protocol, responses
@@ -237,19 +246,15 @@ def test_cache_salt_keeps_cached_prompt_blocks_to_requests_of_the_same_salt(clie
     assert error.value.body["param"] == "priority"
 
 
-def test_priority_server_takes_the_priority_field(model_dir, tmp_path):
+def test_priority_server_takes_the_priority_field(model_dir):
     """`--scheduling-policy priority` takes vLLM's per-request `priority` (the order it gives is
     tested on the engine loop: test_server_engine_loop.py)."""
-    server = ServerProcess(model_dir, tmp_path / "server.log", "--scheduling-policy", "priority",
-                           *ENGINE_ARGS).wait_ready()
-    try:
+    with serve_in_process(model_dir, "--scheduling-policy", "priority", *ENGINE_ARGS) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         for priority in (-3, 0, 7):
             response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2,
                                                  extra_body={"priority": priority})
             assert response.usage.completion_tokens == 2
-    finally:
-        server.stop()
 
 
 def test_streamed_chat_sends_role_then_content(client):
@@ -551,15 +556,11 @@ def test_streamed_text_offsets_equal_the_non_streamed(client):
     assert whole.text_offset == sorted(whole.text_offset)
 
 
-def test_multi_step_server_streams_bursts_of_the_same_text(model_dir, llm, tmp_path):
+def test_multi_step_server_streams_bursts_of_the_same_text(model_dir, llm):
     """A server running greedy decodes four steps at once (--num-scheduler-steps 4) streams the
     offline engine's text in fewer, larger chunks, trims a stop string met inside a burst, counts
     every generated token in /metrics and holds no KV blocks afterwards."""
-    from server_process import ENGINE_ARGS, ServerProcess, wait_for_idle
-
-    server = ServerProcess(model_dir, tmp_path / "server.log", "--num-scheduler-steps", "4",
-                           *ENGINE_ARGS).wait_ready()
-    try:
+    with serve_in_process(model_dir, "--num-scheduler-steps", "4", *ENGINE_ARGS) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         [expected] = llm.generate(PROMPT, greedy(21), use_tqdm=False)
         args = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=21, temperature=0,
@@ -577,8 +578,6 @@ def test_multi_step_server_streams_bursts_of_the_same_text(model_dir, llm, tmp_p
         assert values["slipstream:generation_tokens_total"] == 21 + response.usage.completion_tokens
         assert values["slipstream:request_success_total:length"] == 1
         assert values["slipstream:kv_cache_used_blocks"] == 0
-    finally:
-        server.stop()
 
 
 def test_unset_sampling_fields_take_the_generation_config_defaults(model_dir, llm, tmp_path):
@@ -589,8 +588,7 @@ def test_unset_sampling_fields_take_the_generation_config_defaults(model_dir, ll
     config_path = tmp_path / "model" / "generation_config.json"
     config = json.loads(config_path.read_text()) | {"top_k": 1, "max_new_tokens": 6}
     config_path.write_text(json.dumps(config))
-    server = ServerProcess(tmp_path / "model", tmp_path / "server.log", *ENGINE_ARGS).wait_ready()
-    try:
+    with serve_in_process(tmp_path / "model", *ENGINE_ARGS) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
         [expected] = llm.chat(MESSAGES, greedy(6), use_tqdm=False)
         reply = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=1.0, seed=3,
@@ -601,18 +599,12 @@ def test_unset_sampling_fields_take_the_generation_config_defaults(model_dir, ll
             model=MODEL_NAME, messages=MESSAGES, temperature=1.0, seed=seed,
             extra_body={"ignore_eos": True, "top_k": -1}).choices[0].message.content for seed in range(4)}
         assert len(texts) > 1
-    finally:
-        server.stop()
 
 
-def test_return_tokens_as_token_ids_flag_sets_the_servers_default(model_dir, llm, tmp_path):
+def test_return_tokens_as_token_ids_flag_sets_the_servers_default(model_dir, llm):
     """`slipstream serve --return-tokens-as-token-ids` names tokens by id for requests that do not
     say, as vLLM's flag does; a request's own false still gets the tokens' text."""
-    from server_process import ENGINE_ARGS, ServerProcess
-
-    server = ServerProcess(model_dir, tmp_path / "server.log", "--return-tokens-as-token-ids",
-                           *ENGINE_ARGS).wait_ready()
-    try:
+    with serve_in_process(model_dir, "--return-tokens-as-token-ids", *ENGINE_ARGS) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         [expected] = llm.generate(PROMPT, greedy(4), use_tqdm=False)
         args = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0)
@@ -621,8 +613,6 @@ def test_return_tokens_as_token_ids_flag_sets_the_servers_default(model_dir, llm
         texts = client.completions.create(
             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": False}, **args).choices[0]
         assert "".join(texts.logprobs.tokens) == expected.outputs[0].text
-    finally:
-        server.stop()
 
 
 def test_beam_search_equals_offline(client, llm):
@@ -918,16 +908,13 @@ def test_a_complete_required_list_becomes_tool_calls_whole_or_streamed():
     assert [c["index"] for c in choice["delta"]["tool_calls"]] == [0, 1]
 
 
-def test_auto_tool_choice_with_the_hermes_parser(model_dir, llm, tmp_path):
+def test_auto_tool_choice_with_the_hermes_parser(model_dir, llm):
     """`slipstream serve --enable-auto-tool-choice --tool-call-parser hermes` takes tools with the
     default tool_choice, auto: the model's reply (which this one never makes a call) comes back as
     the offline chat's text, special tokens kept as vLLM keeps them for the parser; without the
     flags, auto is a 400."""
-    from server_process import ENGINE_ARGS, ServerProcess
-
-    server = ServerProcess(model_dir, tmp_path / "server.log", "--enable-auto-tool-choice",
-                           "--tool-call-parser", "hermes", *ENGINE_ARGS).wait_ready()
-    try:
+    with serve_in_process(model_dir, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                          *ENGINE_ARGS) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         [expected] = llm.chat(MESSAGES, greedy(12, skip_special_tokens=False), tools=[WEATHER],
                               use_tqdm=False)
@@ -936,8 +923,6 @@ def test_auto_tool_choice_with_the_hermes_parser(model_dir, llm, tmp_path):
                                                 extra_body={"ignore_eos": True}).choices[0]
         assert (choice.message.content, choice.message.tool_calls) == (expected.outputs[0].text, None)
         assert choice.finish_reason == "length"
-    finally:
-        server.stop()
     with pytest.raises(ValueError, match="needs a tool_call_parser"):
         ServerConfig(enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
@@ -954,15 +939,12 @@ CALL_FORMATS = {  # parser: a regex of one get_weather call in its format
 
 
 @pytest.mark.parametrize("parser", sorted(CALL_FORMATS))
-def test_auto_tool_choice_reads_each_parsers_call_format(model_dir, tmp_path, parser):
+def test_auto_tool_choice_reads_each_parsers_call_format(model_dir, parser):
     """With --tool-call-parser, a reply in the model's call format (forced here with guided_regex,
     which "auto" allows) comes back as OpenAI's tool_calls, whole and streamed, finish reason
     "tool_calls", through the official client."""
-    from server_process import ENGINE_ARGS, ServerProcess
-
-    server = ServerProcess(model_dir, tmp_path / "server.log", "--enable-auto-tool-choice",
-                           "--tool-call-parser", parser, *ENGINE_ARGS).wait_ready()
-    try:
+    with serve_in_process(model_dir, "--enable-auto-tool-choice", "--tool-call-parser", parser,
+                          *ENGINE_ARGS) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         request = dict(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER], max_completion_tokens=60,
                        temperature=0, extra_body={"guided_regex": CALL_FORMATS[parser]})
@@ -977,18 +959,13 @@ def test_auto_tool_choice_reads_each_parsers_call_format(model_dir, tmp_path, pa
                                                                          call.function.arguments)
         assert not "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    finally:
-        server.stop()
 
 
-def test_chat_template_kwargs_reach_the_template_and_request_templates_need_trust(client, model_dir,
-                                                                                   tmp_path):
+def test_chat_template_kwargs_reach_the_template_and_request_templates_need_trust(client, model_dir):
     """vLLM's chat_template_kwargs override the named template arguments and add variables (such
     as Qwen 3's enable_thinking), and documents reach the template, rendered as transformers
     renders them; a request's own chat_template needs --trust-request-chat-template."""
     transformers = pytest.importorskip("transformers")
-    from server_process import ENGINE_ARGS, ServerProcess
-
     hf = transformers.AutoTokenizer.from_pretrained(model_dir)
     no_prompt = {"chat_template_kwargs": {"add_generation_prompt": False}}
     response = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=1,
@@ -1005,9 +982,7 @@ def test_chat_template_kwargs_reach_the_template_and_request_templates_need_trus
             client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=1,
                                            extra_body=extra)
         assert error.value.body["param"] == param
-    server = ServerProcess(model_dir, tmp_path / "server.log", "--trust-request-chat-template",
-                           *ENGINE_ARGS).wait_ready()
-    try:
+    with serve_in_process(model_dir, "--trust-request-chat-template", *ENGINE_ARGS) as server:
         trusting = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         for thinking in (True, False):
             expected = hf.apply_chat_template(MESSAGES, chat_template=template, documents=documents,
@@ -1017,19 +992,13 @@ def test_chat_template_kwargs_reach_the_template_and_request_templates_need_trus
                 extra_body={"chat_template": template, "documents": documents,
                             "chat_template_kwargs": {"enable_thinking": thinking}})
             assert response.usage.prompt_tokens == len(expected)
-    finally:
-        server.stop()
 
 
-def test_speculative_server_equals_plain_greedy_and_counts_guesses(model_dir, llm, tmp_path):
+def test_speculative_server_equals_plain_greedy_and_counts_guesses(model_dir, llm):
     """`slipstream serve --speculative-config` (vLLM's JSON) serves plain greedy decoding's text,
     and /metrics counts the guesses checked and confirmed under vLLM's names."""
-    from server_process import ENGINE_ARGS, ServerProcess, wait_for_idle
-
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
-    server = ServerProcess(model_dir, tmp_path / "server.log", "--speculative-config", spec,
-                           *ENGINE_ARGS).wait_ready()
-    try:
+    with serve_in_process(model_dir, "--speculative-config", spec, *ENGINE_ARGS) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         rng = random.Random(0)
         prompt = [rng.randrange(3, 8000) for _ in range(59)]  # its greedy output soon loops
@@ -1041,8 +1010,6 @@ def test_speculative_server_equals_plain_greedy_and_counts_guesses(model_dir, ll
         drafts = values["slipstream:spec_decode_num_draft_tokens_total"]
         assert 0 < values["slipstream:spec_decode_num_accepted_tokens_total"] <= drafts
         assert values["slipstream:generation_tokens_total"] == 100
-    finally:
-        server.stop()
 
 
 def test_tokenize_detokenize_and_version(server, model_dir):
@@ -1098,8 +1065,7 @@ def test_add_special_tokens_as_vllm(model_dir, tmp_path):
         "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
         "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
     (bos_dir / "tokenizer.json").write_text(json.dumps(spec))
-    server = ServerProcess(bos_dir, tmp_path / "server.log", *ENGINE_ARGS).wait_ready()
-    try:
+    with serve_in_process(bos_dir, *ENGINE_ARGS) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         with httpx.Client(base_url=server.url, timeout=60) as http:
             plain = http.post("/tokenize", json={"prompt": "hello", "add_special_tokens": False})
@@ -1120,8 +1086,6 @@ def test_add_special_tokens_as_vllm(model_dir, tmp_path):
 
         templated = chat_tokens()
         assert chat_tokens(add_special_tokens=True) == templated + 1
-    finally:
-        server.stop()
 
 
 def test_a_streamed_chat_opens_with_the_engines_first_output():
