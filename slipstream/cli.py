@@ -75,10 +75,18 @@ def _train(args: argparse.Namespace) -> None:
     try:
         from slipstream.train.config import load_config
         from slipstream.train.goodput import process_start_time
-        from slipstream.train.supervisor import check_job, job_world_size, lock_run_dir, process_locks
-        from slipstream.train.trainer import Trainer
+        from slipstream.train.supervisor import (
+            check_job,
+            job_world_size,
+            lock_run_dir,
+            process_locks,
+            refuse_a_busy_run_dir,
+        )
 
         config = load_config(args.config, args.overrides)
+        refuse_a_busy_run_dir(config.run.dir, process_locks())
+        from slipstream.train.trainer import Trainer  # torch: seconds
+
         check_job(config, job_world_size())
         with contextlib.ExitStack() as locks:
             for name in process_locks():
@@ -99,9 +107,11 @@ def _launch(args: argparse.Namespace, config: TrainConfig) -> None:
         check_job,
         launch,
         lock_run_dir,
+        refuse_a_busy_run_dir,
         torchrun_command,
     )
 
+    refuse_a_busy_run_dir(config.run.dir, (JOB_LOCK, WORKERS_LOCK))
     check_job(config, args.nproc)
     with lock_run_dir(config.run.dir, JOB_LOCK) as job_lock:
         lock_run_dir(config.run.dir, WORKERS_LOCK).close()  # no worker of an earlier job runs on

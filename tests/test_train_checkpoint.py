@@ -156,6 +156,25 @@ def test_a_run_dir_that_cannot_hold_the_run_is_a_one_line_error(tmp_path):
         lock_run_dir(tmp_path / "afile", "job.lock")
 
 
+def test_a_busy_run_dir_is_refused_before_torch_is_imported(tmp_path):
+    """`refuse_a_busy_run_dir` names the holder's pid while another job holds a lock of the run
+    dir, and creates nothing where none is held; the launcher's modules that make that check
+    (the config, the supervisor) import without torch, so a second job is refused at once."""
+    from slipstream.train.supervisor import JOB_LOCK, WORKERS_LOCK, lock_run_dir, refuse_a_busy_run_dir
+
+    refuse_a_busy_run_dir(tmp_path / "new", (JOB_LOCK, WORKERS_LOCK))
+    assert not (tmp_path / "new").exists()
+    with lock_run_dir(tmp_path / "run", WORKERS_LOCK):
+        refuse_a_busy_run_dir(tmp_path / "run", (JOB_LOCK,))
+        with pytest.raises(ValueError, match=rf"run.dir '.*run' is in use by another training job \(pid "
+                                             rf"{os.getpid()} "):
+            refuse_a_busy_run_dir(tmp_path / "run", (JOB_LOCK, WORKERS_LOCK))
+    refuse_a_busy_run_dir(tmp_path / "run", (JOB_LOCK, WORKERS_LOCK))
+    code = ("import sys, slipstream.train.config, slipstream.train.supervisor, slipstream.train.goodput; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_retention_counts_only_valid_checkpoints(data_dir, train_model_dir, tmp_path):
     """Corrupt checkpoints newer than a fresh commit do not count toward keep_last: a rerun with
     keep_last=1 that resumes from step 2 past truncated steps 4 and 6 keeps its step-4 commit

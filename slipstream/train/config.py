@@ -33,8 +33,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from slipstream.train.data import TOKENIZER_DIR
-
 if typing.TYPE_CHECKING:
     from slipstream.model import ModelConfig
 
@@ -44,6 +42,8 @@ STRATEGIES = ("fsdp", "ddp")
 PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
 DECAYS = ("cosine", "linear", "constant")
+TOKENIZER_DIR = "tokenizer"
+"""The tokenizer's folder, in a dataset and in a training run (the run's is a copy of its data's)."""
 MAX_PREFETCH = 64
 """Most batches the data thread may prepare ahead (each is held in memory until its step)."""
 MAX_TIMEOUT_S = 30 * 24 * 3600.0

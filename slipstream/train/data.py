@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from slipstream.corpus import read_documents, stdlib_files, stdlib_root
 from slipstream.model.tokenizer import Tokenizer
 from slipstream.model.weights import new_model_dir
+from slipstream.train.config import TOKENIZER_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,6 @@ HELDOUT_RULE = 2
 split by an older rule is prepared again; its files stay readable)."""
 META_FILE = "meta.json"
 SPLITS = ("train", "val")
-TOKENIZER_DIR = "tokenizer"
-"""The tokenizer's folder, in a dataset and in a training run (the run's is a copy of its data's)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 """What a tokenizer folder holds (`_save_tokenizer` writes them); a run copies them, and export
 writes them beside the model."""

@@ -49,7 +49,6 @@ from types import FrameType
 from typing import IO
 
 from slipstream.train.config import SupervisorConfig, TrainConfig, check_run, load_config, resume_changes
-from slipstream.train.data import TokenDataset
 from slipstream.train.goodput import LEDGER_FILE
 from slipstream.train.preemption import POLL_S
 
@@ -156,6 +155,7 @@ def check_job(config: TrainConfig, world_size: int) -> None:
     checkpoints'), a checkpoint to resume from when there are any, and `faults.rank` among the
     ranks. The trainer makes the same checks, with the same functions, when it is built."""
     from slipstream.model.tokenizer import Tokenizer
+    from slipstream.train.data import TokenDataset
     from slipstream.train.trainer import (
         build_train_loader,
         check_backend,
@@ -247,6 +247,15 @@ def lock_run_dir(run_dir: str | Path, name: str) -> IO[str]:
     file.write(f"{os.getpid()}\n")
     file.flush()
     return file
+
+
+def refuse_a_busy_run_dir(run_dir: str | Path, names: Sequence[str]) -> None:
+    """`lock_run_dir`'s ValueError when another job holds one of the run dir's locks `names`,
+    probed without creating anything: a second job is refused before its checks (`check_job`
+    imports torch, and reads checkpoints that the first job may be writing)."""
+    for name in names:
+        if (Path(run_dir) / name).is_file():
+            lock_run_dir(run_dir, name).close()
 
 
 def process_locks() -> tuple[str, ...]:
