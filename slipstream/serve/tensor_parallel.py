@@ -516,7 +516,7 @@ class Workers:
 
     @property
     def alive(self) -> bool:
-        return self.failure is None and all(process.poll() is None for process in self.processes)
+        return self.failure is None and not any(map(_exited, self.processes))
 
     def start(self, message: Start) -> None:
         """Send the workers their KV caches' size and wait until each is ready; the rendezvous's
@@ -585,6 +585,18 @@ class Workers:
                                    f"{START_TIMEOUT_S:.0f} s")
             if pending:
                 time.sleep(0.02)
+
+
+def _exited(process: subprocess.Popen) -> bool:
+    """Whether `process` has ended, asked without reaping it (waitid's WNOWAIT): `Popen.poll`
+    answers None, "running", whenever another thread holds the process's waitpid lock at that
+    moment (the engine thread asks as it waits in a collective, /health on the server's loop)."""
+    if process.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped by another thread's poll or wait a moment ago
+        return True
 
 
 def _stop(processes: list[subprocess.Popen], directory: str, shared_fds: list[int], threads_before: int,
