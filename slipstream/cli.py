@@ -558,6 +558,9 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
             p.add_argument(f"--{name}", type=_int_at_least(1), default=1)
         p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="3 = FSDP")
         p.add_argument("--no-sp", action="store_true", help="no sequence parallelism with tp > 1")
+        p.add_argument("--gpipe", action="store_true",
+                       help="GPipe's pipeline schedule instead of 1F1B (needs --pp > 1, --vp 1): every "
+                            "forward, then every backward; the same bubble, every micro-batch held")
     # Serving options, each only on the commands that read it (an option a command ignores would
     # be a silently dropped request).
     if "tp" in groups:

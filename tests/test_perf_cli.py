@@ -294,6 +294,23 @@ def test_train_pointwise_and_precision_flags_reach_the_model(capsys):
         assert times[pointwise, "autocast"] > times[pointwise, "parameters"]
 
 
+def test_train_gpipe_holds_every_micro_batch_at_1f1bs_step_time(capsys):
+    """`perf train --gpipe` prices GPipe's schedule: 1F1B's step time, and the memory the model
+    gives a GPipe layout (every micro-batch's activations), more than 1F1B's; without --pp it is
+    an error naming it."""
+    from slipstream.cli import main
+
+    runs = {}
+    for extra in ([], ["--gpipe"]):
+        assert main(["perf", "train", "--model", "llama3-8b", "--hardware", "h100", "--devices", "8",
+                     "--pp", "4", "--global-batch", "32", "--seq-len", "4096", "--json", *extra]) == 0
+        runs[bool(extra)] = json.loads(capsys.readouterr().out)
+    assert runs[True]["layout"]["gpipe"]
+    assert runs[True]["step_time_s"] == pytest.approx(runs[False]["step_time_s"])
+    assert runs[True]["memory"]["activations_bytes"] > 2 * runs[False]["memory"]["activations_bytes"]
+    assert "gpipe (GPipe's schedule) needs pp > 1" in _error(["perf", "train", "--gpipe"], capsys)
+
+
 @pytest.mark.parametrize("argv, expected", [
     (["train", "--model", "gpt3-175b", "--devices", "1024", "--tp", "8", "--pp", "16", "--global-batch", "64",
       "--seq-len", "4096"], "--seq-len 4096 needs 4,096 positions, more than gpt3-175b's "

@@ -565,7 +565,8 @@ def test_data_parallel_gradients_include_the_untied_lm_head():
 def test_pipeline_memory_uses_whole_layers_and_the_fullest_stage():
     """Guards Llama 3 405B at pp 16 (126 layers: 7, 8 x 14, 7): memory counts whole layers as the
     time model does, and the stage that holds the most (here stage 1: 8 layers x 15 micro-batches
-    in flight, against 7 x 16 on the first, plus the rotary tables) is the one reported."""
+    in flight, against 7 x 16 on the first, plus each micro-batch's rotary tables) is the one
+    reported."""
     shape = resolve_model("llama3-405b")
     setup = TrainSetup(shape=shape, global_batch_size=16, seq_len=8192)
     layout = Layout(tp=8, pp=16, sequence_parallel=True)
@@ -573,7 +574,7 @@ def test_pipeline_memory_uses_whole_layers_and_the_fullest_stage():
     per_layer = activation_bytes_per_layer(setup, 8, True, 8192)
     assert stage_layers(126, layout) == (7, 8, 7)
     rotary_tables = 2 * setup.residual_bytes * 8192 * shape.head_dim
-    assert mem.activations_bytes == pytest.approx(per_layer * 8 * 15 + rotary_tables)
+    assert mem.activations_bytes == pytest.approx((per_layer * 8 + rotary_tables) * 15)
     assert mem.weights_bytes == pytest.approx(8 * shape.layer_params() / 8 * 6)
 
 
@@ -586,6 +587,58 @@ def test_in_flight_microbatches_per_stage():
     interleaved = Layout(pp=p, virtual_stages=v)
     assert in_flight_microbatches(interleaved, m, 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
     assert in_flight_microbatches(interleaved, m, p - 1) == pytest.approx(((v - 1) * p + 1) / v)
+
+
+def _torchs_in_flight(schedule: str, p: int, m: int) -> tuple[list[float], list[int]]:
+    """Per rank, the most micro-batches whose forward ran and whose backward has not (in units of
+    the rank's stages: chunk micro-batches / stages per rank), and per rank the most of them on
+    its last stage, as torch's own schedule `schedule` orders its actions (`pipeline_order`),
+    built for rank 0 of a fake process group of p ranks (torch's backend that never
+    communicates: building a schedule needs a group)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, schedules
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the backend
+
+    cls = getattr(schedules, f"Schedule{schedule}")
+    v = 2 if issubclass(cls, schedules.PipelineScheduleMulti) else 1
+    dist.init_process_group("fake", rank=0, world_size=p, store=FakeStore())
+    try:
+        stages = [PipelineStage(torch.nn.Linear(2, 2), k * p, p * v, torch.device("cpu")) for k in range(v)]
+        order = (cls(stages, n_microbatches=m) if v > 1 else cls(stages[0], n_microbatches=m)).pipeline_order
+    finally:
+        dist.destroy_process_group()
+    ranks, last_stage = [], []
+    for rank in range(p):
+        live, peak = {}, {}
+        for action in filter(None, order[rank]):
+            kind = action.computation_type.name
+            live[action.stage_index] = live.get(action.stage_index, 0) + (
+                1 if kind == "FORWARD" else -1 if kind in ("FULL_BACKWARD", "BACKWARD_INPUT") else 0)
+            peak[action.stage_index] = max(peak.get(action.stage_index, 0), live[action.stage_index])
+            peak["all"] = max(peak.get("all", 0), sum(live.values()))
+        ranks.append(peak["all"] / v)
+        last_stage.append(peak.get(p * v - 1, 0))
+    return ranks, last_stage
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe", "Interleaved1F1B"])
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 6), (4, 4), (4, 8), (4, 12)])
+def test_in_flight_microbatches_follow_torchs_schedules(schedule, p, m):
+    """Each rank's micro-batches in flight at its peak, as the memory model prices them, equal
+    what torch's schedule of that name holds (1F1B p - r, GPipe all m, interleaved Megatron's
+    warm-up); the last stage holds one micro-batch's logits in 1F1B and the interleaved schedule
+    (each backward follows its forward there), all m in GPipe's, whose priced activations (the
+    last stage's logits included) are m times one micro-batch's."""
+    ranks, last_stage = _torchs_in_flight(schedule, p, m)
+    layout = Layout(pp=p, virtual_stages=2 if schedule == "Interleaved1F1B" else 1, gpipe=schedule == "GPipe")
+    assert [in_flight_microbatches(layout, m, r) for r in range(p)] == pytest.approx(ranks)
+    assert last_stage[-1] == (m if layout.gpipe else 1)
+    if layout.gpipe:  # every stage's activations, the last one's logits included, scale with m
+        shape = resolve_model("llama3-8b")
+        one, many = (training_memory(TrainSetup(shape=shape, global_batch_size=n, seq_len=1024,
+                                                micro_batch_size=1, dtype="bf16"), layout).activations_bytes
+                     for n in (1, m))
+        assert many == pytest.approx(m * one)
 
 
 def _eager_pointwise_bytes(config, dtype, num_tokens: int, autocast: bool = False

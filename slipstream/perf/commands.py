@@ -163,7 +163,7 @@ def layout_from(args: argparse.Namespace) -> Layout:
         raise ValueError(f"--devices {args.devices} is not a multiple of tp*pp*cp = {model_parallel}")
     return Layout(dp=args.devices // model_parallel, tp=args.tp, pp=args.pp, cp=args.cp,
                   sequence_parallel=args.tp > 1 and not args.no_sp, zero_stage=args.zero,
-                  virtual_stages=args.vp)
+                  virtual_stages=args.vp, gpipe=args.gpipe)
 
 
 def _training_hardware(args: argparse.Namespace) -> tuple[Accelerator, Efficiency, str]:
@@ -288,7 +288,7 @@ def serve(args: argparse.Namespace) -> Result:
 
 _TRAINING_OPTIONS = ("global_batch", "seq_len", "micro_batch", "recompute", "attention", "pointwise",
                      "mixed_precision")
-_LAYOUT_OPTIONS = ("devices", "pp", "cp", "vp", "zero", "no_sp")
+_LAYOUT_OPTIONS = ("devices", "pp", "cp", "vp", "zero", "no_sp", "gpipe")
 _REQUEST_OPTIONS = ("input_len", "output_len", "max_num_seqs")
 
 

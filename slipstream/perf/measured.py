@@ -107,7 +107,8 @@ def train_setup(run: TrainRun, shape: TransformerShape | None = None) -> tuple[T
     tensor_parallel_degree x context_parallel_degree) data-parallel replicas of each pipeline
     stage, each over tensor_parallel_degree x context_parallel_degree ranks, with sequence
     parallelism where the run had it (the trainer's default with TP), pipeline_parallel_degree
-    stages of pipeline_parallel_stages_per_rank virtual stages each (`_pipeline`); FSDP or DDP as
+    stages of pipeline_parallel_stages_per_rank virtual stages each, in GPipe's schedule where its
+    pipeline_parallel_schedule says so (`_pipeline`); FSDP or DDP as
     its strategy says (`ZERO_STAGES`), over the data-parallel and context-parallel ranks together
     as the trainer applies it (none where those are one rank); with pp > 1 DDP's all-reduce not
     overlapped (the trainer's `average_grads` runs after the schedule); ValueError naming the run
@@ -123,7 +124,7 @@ def train_setup(run: TrainRun, shape: TransformerShape | None = None) -> tuple[T
         world, batch = _config_int(c, "world_size", 1), _config_int(c, "global_batch_size")
         tp = _config_int(c, "tensor_parallel_degree", 1)
         cp = _config_int(c, "context_parallel_degree", 1)
-        pp, v, pipeline_micro_batch = _pipeline(c)
+        pp, v, gpipe, pipeline_micro_batch = _pipeline(c)
         if world % (tp * cp):
             raise ValueError(f"the run's tensor_parallel_degree x context_parallel_degree ({tp} x {cp}) "
                              f"does not divide its world size ({world})")
@@ -141,26 +142,29 @@ def train_setup(run: TrainRun, shape: TransformerShape | None = None) -> tuple[T
                            dp_overlap=pp == 1)
         check_positions(shape, "the run's seq_len", setup.seq_len)
         sequence_parallel = tp > 1 and c.get("sequence_parallel", True) is not False
-        return setup, Layout(dp=dp, tp=tp, cp=cp, pp=pp, virtual_stages=v,
+        return setup, Layout(dp=dp, tp=tp, cp=cp, pp=pp, virtual_stages=v, gpipe=gpipe,
                              sequence_parallel=sequence_parallel,
                              zero_stage=ZERO_STAGES[strategy] if dp * cp > 1 else 0)
     except ValueError as e:
         raise ValueError(f"{run.run_dir}: {e}") from None
 
 
-def _pipeline(config: dict[str, Any]) -> tuple[int, int, int | None]:
-    """(stages, virtual stages per rank, micro-batch size or None) of the run's pipeline. The
-    virtual stages: `pipeline_parallel_stages_per_rank`, else 2 for a schedule of several stages
-    per rank (`MULTI_STAGE_SCHEDULES`), else 1; 1 without pipeline parallelism, whatever the
-    keys say. The micro-batch: torchtitan's `parallelism.pipeline_parallel_microbatch_size`, which
-    splits each rank's local batch into the schedule's micro-batches; None where not given."""
+def _pipeline(config: dict[str, Any]) -> tuple[int, int, bool, int | None]:
+    """(stages, virtual stages per rank, whether GPipe's schedule ran, micro-batch size or None)
+    of the run's pipeline. The virtual stages: `pipeline_parallel_stages_per_rank`, else 2 for a
+    schedule of several stages per rank (`MULTI_STAGE_SCHEDULES`), else 1; 1 without pipeline
+    parallelism, whatever the keys say. The micro-batch: torchtitan's
+    `parallelism.pipeline_parallel_microbatch_size`, which splits each rank's local batch into
+    the schedule's micro-batches; None where not given."""
     pp = _config_int(config, "pipeline_parallel_degree", 1)
     if pp == 1:
-        return 1, 1, None
-    multi = str(config.get("pipeline_parallel_schedule", "1F1B")).lower() in MULTI_STAGE_SCHEDULES
+        return 1, 1, False, None
+    schedule = str(config.get("pipeline_parallel_schedule", "1F1B")).lower()
+    multi = schedule in MULTI_STAGE_SCHEDULES
     v = _config_int(config, "pipeline_parallel_stages_per_rank", 2 if multi else 1)
     micro_batch = config.get("pipeline_parallel_microbatch_size")
-    return pp, v, None if micro_batch is None else _config_int(config, "pipeline_parallel_microbatch_size")
+    return (pp, v, schedule == "gpipe",
+            None if micro_batch is None else _config_int(config, "pipeline_parallel_microbatch_size"))
 
 
 def _config_int(config: dict[str, Any], key: str, default: int | None = None) -> int:

@@ -16,9 +16,11 @@ their Table 2 (bytes per layer; s sequence, b micro-batch, h hidden, a heads, t 
     + selective recomputation         the 5 a s / h terms vanish
     full recomputation                2 s b h (the layer input)
 
-With pipeline parallelism stage r holds `min(m, p - r)` micro-batches of its layers in 1F1B
-(the first stage about L layers' worth), times `1 + (p - 1) / (p v)` on the first stage with v
-interleaved chunks (section 4.2.3). Layers are whole, split as the time model splits them
+With pipeline parallelism stage r holds `min(m, p - r)` micro-batches of its layers in 1F1B (the
+first stage about L layers' worth), times `1 + (p - 1) / (p v)` on the first stage with v
+interleaved chunks (section 4.2.3; all m v chunk micro-batches when m = p), and all m under
+GPipe's schedule (every forward before the first backward; the last stage then holds all m
+micro-batches' logits too, 1F1B one's). Layers are whole, split as the time model splits them
 (`stage_layers`), and the stage with the most memory is the one reported: it is what must fit.
 
 Bytes follow the training dtype as slipstream's trainer runs it: fp32 parameters, gradients and
@@ -279,16 +281,20 @@ def in_flight_microbatches(layout: Layout, num_microbatches: int, stage: int = 0
     """Micro-batches of its layers whose activations pipeline stage `stage` holds at its peak.
 
     1F1B: stage r holds min(m, p - r). Interleaved with v chunks: Megatron's warm-up of
-    2 (p - r - 1) + (v - 1) p chunk micro-batches plus the one in flight, in units of the
-    stage's v chunks; on the first stage that is p (1 + (p - 1) / (p v)) (section 4.2.3).
+    2 (p - r - 1) + (v - 1) p chunk micro-batches plus the one in flight, at most all m v of
+    them, in units of the stage's v chunks; on the first stage that is p (1 + (p - 1) / (p v))
+    (section 4.2.3) once m > p. GPipe: every stage holds all m (its backward passes begin after
+    the last forward).
     """
     p, v = layout.pp, layout.virtual_stages
     if p == 1:
         return 1.0
+    if layout.gpipe:
+        return float(num_microbatches)
     if v == 1:
         return float(min(num_microbatches, p - stage))
-    chunks = 2 * (p - stage - 1) + (v - 1) * p + 1
-    return min(num_microbatches, p) * chunks / (p * v)
+    chunks = min(2 * (p - stage - 1) + (v - 1) * p + 1, num_microbatches * v)
+    return chunks / v
 
 
 def training_memory(setup: TrainSetup, layout: Layout, accelerator: Accelerator | None = None
@@ -336,14 +342,17 @@ def _stage_memory(setup: TrainSetup, layout: Layout, stage: int, layers: int, pa
     mask = setup.activation_bytes * setup.seq_len / layout.cp * setup.seq_len
     activations += attention_masks(setup) * mask
     if not setup.shape.learned_positions:  # the rotary cos and sin rows of every token, which
-        # every layer's q and k multiply by (the trainer builds them once per micro-batch)
+        # every layer's q and k multiply by (the trainer builds them once per micro-batch, and a
+        # pipeline stage once per micro-batch and chunk: each one in flight holds its own)
         rows = 2.0 * setup.residual_bytes * tokens * setup.shape.head_dim
-        activations += rows * _rotary_tables(setup.shape)
+        activations += rows * _rotary_tables(setup.shape) * held * layout.virtual_stages
     if stage == layout.pp - 1:  # on the last stage: the final norm's and lm_head's inputs and
-        # the fp32 logits of the loss (section 4.3)
+        # the fp32 logits of the loss (section 4.3), of one micro-batch (1F1B runs each one's
+        # backward right after its forward there) or of all m (GPipe)
         split = layout.tp if layout.sequence_parallel else 1
         h, e, r = setup.shape.hidden_size, setup.activation_bytes, setup.residual_bytes
         logits = 4.0 + (e if setup.shape.logit_softcap else 0)  # (+ the soft cap's tanh output)
-        activations += ((_norm_bytes(setup.shape, r) + e) * tokens * h / split
-                        + logits * tokens * setup.shape.vocab_size / layout.tp)
+        held_heads = held if layout.gpipe else 1.0
+        activations += held_heads * ((_norm_bytes(setup.shape, r) + e) * tokens * h / split
+                                     + logits * tokens * setup.shape.vocab_size / layout.tp)
     return MemoryBreakdown(weights, grads, optimizer, activations, setup.reserved_bytes)

@@ -12,7 +12,8 @@ stages, each device holding `L / pp` layers split `tp` ways over `num_tokens = b
   section 6.2), or not at all, or fully (`"full"`, asynchronous TP);
 - pipeline: the slowest stage sets the pace, plus the bubble `(p - 1) / v` stage-times (1F1B:
   Narayanan et al. 2021, arXiv 2104.04473, section 2.2; interleaved with v chunks per device:
-  section 2.2.2), plus point-to-point sends of each micro-batch's activations;
+  section 2.2.2; GPipe's bubble is 1F1B's, Huang et al. 2019), plus point-to-point sends of each
+  micro-batch's activations;
 - data parallel: gradient all-reduce (ZeRO-1/2: reduce-scatter + all-gather, same bytes) once per
   step, hidden under the last micro-batch's backward when `dp_overlap`; ZeRO-3/FSDP unit by unit
   as FSDP2 runs it (each layer and the root: all-gathers forward and backward and reduce-scatters,
@@ -88,6 +89,10 @@ class Layout:
     """0: plain data parallel; 1-2: sharded optimizer (and gradients); 3: FSDP."""
     virtual_stages: int = 1
     """Model chunks per device: 1 is 1F1B, more is the interleaved schedule."""
+    gpipe: bool = False
+    """GPipe's schedule (Huang et al. 2019, arXiv 1811.06965) instead of 1F1B: every micro-batch's
+    forward, then every backward. The same bubble, but each stage holds the activations of all
+    m micro-batches (Narayanan et al. 2021, section 2.2.1), the last stage their logits too."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "virtual_stages"):
@@ -100,6 +105,11 @@ class Layout:
             raise ValueError("sequence_parallel needs tp > 1")
         if self.virtual_stages > 1 and self.pp == 1:
             raise ValueError("virtual_stages > 1 (interleaved schedule) needs pp > 1")
+        if not isinstance(self.gpipe, bool):
+            raise ValueError(f"layout.gpipe must be a bool, got {self.gpipe!r}")
+        if self.gpipe and (self.pp == 1 or self.virtual_stages > 1):
+            raise ValueError("gpipe (GPipe's schedule) needs pp > 1 and one stage per device "
+                             "(virtual_stages=1)")
 
     @property
     def num_devices(self) -> int:
@@ -107,12 +117,15 @@ class Layout:
 
     @property
     def schedule(self) -> str:
-        return "none" if self.pp == 1 else ("interleaved-1f1b" if self.virtual_stages > 1 else "1f1b")
+        if self.pp == 1:
+            return "none"
+        return "interleaved-1f1b" if self.virtual_stages > 1 else "gpipe" if self.gpipe else "1f1b"
 
     def describe(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"cp{self.cp}"]
         extras = (["sp"] if self.sequence_parallel else []) + [f"zero{self.zero_stage}"]
         extras += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
+        extras += ["gpipe"] if self.gpipe else []
         return " ".join(parts + extras)
 
 
