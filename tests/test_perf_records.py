@@ -404,19 +404,22 @@ def test_an_interleaved_pipeline_run_is_priced_with_its_virtual_stages(tmp_path)
 @pytest.mark.parametrize(("parallelism", "expected"), [
     # torchtitan: an interleaved schedule without a stage count runs 2 stages per rank, and
     # splits each rank's local batch (4) into micro-batches of pipeline_parallel_microbatch_size
-    ("pipeline_parallel_schedule = \"Interleaved1F1B\"\npipeline_parallel_microbatch_size = 1\n", (2, 1, 4)),
-    ("pipeline_parallel_schedule = \"interleaved1f1b\"\n", (2, 4, 1)),
-    ("pipeline_parallel_schedule = \"1F1B\"\npipeline_parallel_microbatch_size = 2\n", (1, 2, 2)),
-    ("pipeline_parallel_schedule = \"GPipe\"\n", (1, 4, 1)),
+    ("pipeline_parallel_schedule = \"Interleaved1F1B\"\npipeline_parallel_microbatch_size = 1\n",
+     (2, 1, 4, False)),
+    ("pipeline_parallel_schedule = \"interleaved1f1b\"\n", (2, 4, 1, False)),
+    ("pipeline_parallel_schedule = \"1F1B\"\npipeline_parallel_microbatch_size = 2\n", (1, 2, 2, False)),
+    ("pipeline_parallel_schedule = \"GPipe\"\n", (1, 4, 1, True)),
+    ("pipeline_parallel_schedule = \"gpipe\"\npipeline_parallel_microbatch_size = 2\n", (1, 2, 2, True)),
 ])
 def test_torchtitans_pipeline_keys_give_the_virtual_stages_and_micro_batches(tmp_path, parallelism, expected):
     """torchtitan's `[parallelism]` keys: 4 ranks of pp 2 are 2 replicas of local batch 4;
-    (virtual stages, micro-batch size, micro-batches a step) follow the schedule and
+    (virtual stages, micro-batch size, micro-batches a step, GPipe) follow the schedule and
     `pipeline_parallel_microbatch_size` as torchtitan runs them."""
     parallel = f"[parallelism]\npipeline_parallel_degree = 2\n{parallelism}"
     setup, layout = train_setup(_pipeline_run(tmp_path, parallel, {"world_size": 4}))
     assert (layout.dp, layout.pp) == (2, 2)
-    assert (layout.virtual_stages, setup.micro_batch_size, setup.num_microbatches(layout)) == expected
+    assert (layout.virtual_stages, setup.micro_batch_size, setup.num_microbatches(layout),
+            layout.gpipe) == expected
 
 
 def test_stages_per_rank_without_pipeline_parallelism_is_one_stage(tmp_path):
