@@ -923,6 +923,30 @@ def test_image_urls_that_cannot_be_loaded_are_value_errors(llava, image_host, me
     assert "/cat.png" not in image_host.paths[num_requests:]  # neither the other host nor the redirect's
 
 
+def test_a_host_name_that_resolves_slowly_is_cut_off_at_the_timeout(monkeypatch):
+    """Resolving an image URL's host name counts toward the fetch's timeout: with the resolver
+    hanging (patched here), the fetch fails at the deadline naming the timeout, not when the
+    resolver answers."""
+    from slipstream.serve.media import MediaConfig, load_image
+
+    release, resolve = threading.Event(), socket.getaddrinfo
+
+    def hanging(host, *args, **kwargs):
+        if host == "slow.invalid":
+            release.wait(30)
+        return resolve(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    start_s = time.monotonic()
+    try:
+        with pytest.raises(ValueError, match=r"w: fetching http://slow.invalid/cat.png took longer than the "
+                                             r"0.3 s media fetch timeout"):
+            load_image("http://slow.invalid/cat.png", "w", MediaConfig(fetch_timeout_s=0.3))
+    finally:
+        release.set()
+    assert time.monotonic() - start_s < 2
+
+
 def test_image_byte_limit_and_settings_are_checked(image_host, media_dir, capsys):
     """Guards MediaConfig: an image of exactly max_image_bytes loads, one byte more is refused
     whether the server sends a Content-Length or not, and from a file (its host `localhost` in any

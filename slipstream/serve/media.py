@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import concurrent.futures
 import dataclasses
 import http.client
 import math
@@ -66,8 +67,8 @@ class MediaConfig:
     """The directory file URLs may name files under (symlinks and `..` resolved first); None: file
     URLs are refused."""
     fetch_timeout_s: float = FETCH_TIMEOUT_S
-    """Seconds one fetch may take in all, redirects, headers and body included: at this deadline
-    the fetch's connection is shut down. Resolving a host name is not bounded by it."""
+    """Seconds one fetch may take in all, resolving host names, redirects, headers and body
+    included: at this deadline the fetch's connection is shut down (or its host name given up)."""
     max_image_bytes: int = MAX_IMAGE_BYTES
 
     def __post_init__(self) -> None:
@@ -200,13 +201,49 @@ def _shut_down(sock: socket.socket) -> None:
 
 
 def _watched(connection_class: type[http.client.HTTPConnection], watchdog: _Watchdog) -> Callable:
-    """A factory of `connection_class` connections whose sockets `watchdog` shuts at its deadline."""
+    """A factory of `connection_class` connections that resolve their host within `watchdog`'s
+    deadline and whose sockets it shuts at that deadline."""
     def connection(*args: Any, **kwargs: Any) -> http.client.HTTPConnection:
         conn = connection_class(*args, **kwargs)
-        create = conn._create_connection
-        conn._create_connection = lambda *a, **k: watchdog.watch(create(*a, **k))
+        conn._create_connection = lambda address, timeout, source_address=None: watchdog.watch(
+            _connect(address, timeout, source_address, watchdog.deadline))
         return conn
     return connection
+
+
+def _connect(address: tuple[str, int], timeout: float, source_address: tuple[str, int] | None,
+             deadline: float) -> socket.socket:
+    """A socket connected to `address` as `socket.create_connection` connects one (each address
+    the host resolves to in turn, each attempt bounded by `timeout`), its host name resolved by
+    `deadline`: the system's resolver takes no timeout, so it runs on a thread of its own, left to
+    finish in the background when the deadline comes first."""
+    host, port = address
+    resolved: concurrent.futures.Future[list] = concurrent.futures.Future()
+
+    def resolve() -> None:
+        try:
+            resolved.set_result(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except Exception as error:  # handed to the waiting fetch
+            resolved.set_exception(error)
+
+    threading.Thread(target=resolve, name="slipstream-media-resolve", daemon=True).start()
+    try:
+        addresses = resolved.result(timeout=max(0.0, deadline - time.monotonic()))
+    except concurrent.futures.TimeoutError:
+        raise TimeoutError(f"resolving {host!r} timed out") from None
+    error: OSError | None = None
+    for family, kind, proto, _, sockaddr in addresses:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(timeout)
+            if source_address is not None:
+                sock.bind(source_address)
+            sock.connect(sockaddr)
+            return sock
+        except OSError as e:
+            sock.close()
+            error = e
+    raise error if error is not None else OSError(f"{host!r} resolved to no address")
 
 
 class _WatchedHTTPHandler(urllib.request.HTTPHandler):
