@@ -35,7 +35,8 @@ from slipstream.perf.records import METRICS_FILE
 from slipstream.train.config import load_config
 from slipstream.train.data import corpus_documents, prepare_dataset
 from slipstream.train.export import export_run
-from slipstream.train.trainer import Trainer, device_type_of
+from slipstream.train.job import device_type_of
+from slipstream.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,10 @@ from slipstream.model import load_model
 from slipstream.train.checkpoint import load_model_state
 from slipstream.train.config import load_config
 from slipstream.train.export import export_run
+from slipstream.train.job import build_train_loader
 from slipstream.train.metrics import format_record
 from slipstream.train.supervisor import check_job
-from slipstream.train.trainer import Trainer, build_train_loader
+from slipstream.train.trainer import Trainer
 
 transformers = pytest.importorskip("transformers")
 

@@ -37,8 +37,9 @@ from slipstream.perf.model import Layout
 from slipstream.train.checkpoint import list_checkpoints, load_model_state
 from slipstream.train.config import check_run, load_config
 from slipstream.train.export import export_run
+from slipstream.train.job import stage_layer_ranges
 from slipstream.train.parallel import materialize
-from slipstream.train.pipeline import Pipeline, prune_to_stages, rank_stages, stage_layer_ranges
+from slipstream.train.pipeline import Pipeline, prune_to_stages, rank_stages
 from slipstream.train.trainer import Trainer
 
 pytest_plugins = ["train_fixtures"]
@@ -136,7 +137,7 @@ def test_models_the_pipeline_cannot_split_are_refused(data_dir, tmp_path):
     layers, and a mixture-of-experts model are ValueErrors naming parallel.pipeline_parallel_degree
     (before any process group is joined: `resolve_model_config`)."""
     from slipstream.model.tokenizer import Tokenizer
-    from slipstream.train.trainer import resolve_model_config
+    from slipstream.train.job import resolve_model_config
 
     tokenizer = Tokenizer.from_pretrained(data_dir / "tokenizer")
     two_layers = model_dir(tmp_path / "two", data_dir)

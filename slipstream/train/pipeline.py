@@ -4,7 +4,7 @@ micro-batch's activations sent from stage to stage, run by PyTorch's own schedul
 
 The ranks of one pipeline (the mesh's outermost "pp" dimension, as torchtitan lays it out) read
 the same batches; a step's m accumulation micro-batches are the schedule's micro-batches. The
-layers are cut into pp x v contiguous stages (`stage_layer_ranges`, the perf model's rule);
+layers are cut into pp x v contiguous stages (`job.stage_layer_ranges`, the perf model's rule);
 rank r holds stages r, r + pp, ... (v of them: torch's "loop" placement, Megatron's virtual
 stages). The first stage embeds the tokens, the last applies the final norm and the output
 layer; every stage computes its RoPE tables for the positions of the tokens this rank holds
@@ -47,36 +47,11 @@ from torch.distributed.tensor import DTensor
 from slipstream.model import Transformer
 from slipstream.model.transformer import AttentionMetadata
 from slipstream.train.config import ParallelConfig
+from slipstream.train.job import stage_layer_ranges
 from slipstream.train.parallel import apply_activation_checkpointing, apply_compile, apply_tensor_parallel
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
-
-
-def stage_layer_ranges(num_layers: int, pp: int, stages_per_rank: int = 1) -> list[range]:
-    """The decoder layers of each of the pp x v pipeline stages, contiguous and in order: ceil(L /
-    (pp v)) per stage, and where that overshoots L the spare slots are taken off the first and
-    last ranks (the first half of them, rounded down, off the first), which also carry the
-    embedding and the output layer, as `perf.memory.stage_layers` prices it (Llama 3's split):
-    off the first rank's stages from stage 0 on, off the last rank's from the last stage back.
-    ValueError when a rank would be left fewer than no layers."""
-    num_stages = pp * stages_per_rank
-    chunk = -(-num_layers // num_stages)
-    spare = chunk * num_stages - num_layers
-    counts = [chunk] * num_stages
-    for taken, stages in ((spare // 2, range(0, num_stages, pp)),
-                          (spare - spare // 2, range(num_stages - 1, -1, -pp))):
-        for s in stages:
-            cut = min(taken, counts[s])
-            counts[s] -= cut
-            taken -= cut
-        if taken:
-            raise ValueError(f"parallel.pipeline_parallel_degree x parallel.pipeline_parallel_stages_per_"
-                             f"rank ({pp} x {stages_per_rank}) cannot split {num_layers} layers with "
-                             f"ceil(L / stages) = {chunk} per stage: the first or last rank would hold "
-                             "fewer than none; choose fewer stages")
-    starts = [sum(counts[:s]) for s in range(num_stages)]
-    return [range(start, start + count) for start, count in zip(starts, counts, strict=True)]
 
 
 def rank_stages(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:

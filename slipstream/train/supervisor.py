@@ -156,12 +156,7 @@ def check_job(config: TrainConfig, world_size: int) -> None:
     ranks. The trainer makes the same checks, with the same functions, when it is built."""
     from slipstream.model.tokenizer import Tokenizer
     from slipstream.train.data import TokenDataset
-    from slipstream.train.trainer import (
-        build_train_loader,
-        check_backend,
-        device_type_of,
-        resolve_model_config,
-    )
+    from slipstream.train.job import build_train_loader, check_backend, device_type_of, resolve_model_config
 
     check_run(config, world_size)
     config.to_toml()

@@ -47,7 +47,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from slipstream.model import ModelConfig, Transformer
-from slipstream.model.presets import get_preset
 from slipstream.model.tokenizer import Tokenizer
 from slipstream.model.weights import load_model, new_model_dir
 from slipstream.ops.allocator import keep_freed_memory, keep_large_freed_memory
@@ -55,9 +54,7 @@ from slipstream.perf.flops import mfu, num_params, train_flops_per_token
 from slipstream.train import checkpoint as ckpt
 from slipstream.train.config import (
     TrainConfig,
-    check_pipeline_parallel,
     check_run,
-    check_tensor_parallel,
     load_config,
     resume_changes,
 )
@@ -67,6 +64,7 @@ from slipstream.train.data import TOKENIZER_DIR, TOKENIZER_FILES, TokenDataset, 
 from slipstream.train.export import tokenization_mismatch
 from slipstream.train.faults import FaultInjector
 from slipstream.train.goodput import GoodputLedger
+from slipstream.train.job import build_train_loader, check_backend, device_type_of, resolve_model_config
 from slipstream.train.metrics import MetricsLogger, peak_memory_bytes, perplexity, resolve_peak_flops
 from slipstream.train.moe import RouterLogits, Routing, StepRouting, fill_missing_grads
 from slipstream.train.optim import WarmupDecay, build_optimizer
@@ -95,7 +93,6 @@ from slipstream.train.pipeline import (
     parallelize_stages,
     prune_to_stages,
     reshard_stages,
-    stage_layer_ranges,
     sum_tied_embedding_grads,
     tied_embedding_group,
     tied_embedding_weight,
@@ -898,59 +895,6 @@ class Trainer:
 # ---- building blocks (public: tests and the benchmark use them) -------------------------------
 
 
-def resolve_model_config(config: TrainConfig, tokenizer: Tokenizer) -> ModelConfig:
-    """The model's shape from the preset or model dir, checked against the data's tokenizer and
-    the tensor-parallel degree."""
-    source = config.model
-    if source.path is not None:
-        model_config = ModelConfig.from_pretrained(source.path)
-        field = "model.path"
-    else:
-        preset = get_preset(source.preset)
-        if preset.config_only:
-            raise ValueError(f"model.preset {source.preset!r} is a planning shape too large to train here")
-        model_config = preset.config.replace(
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
-        )
-        field = "model.preset"
-    if len(tokenizer) > model_config.vocab_size:
-        raise ValueError(
-            f"{field} has a vocabulary of {model_config.vocab_size} tokens, but the data in "
-            f"data.path was tokenized with {len(tokenizer)}; prepare the data with a "
-            "tokenizer of at most that size"
-        )
-    if config.data.seq_len > model_config.max_position_embeddings:
-        raise ValueError(
-            f"data.seq_len ({config.data.seq_len}) exceeds the model's max_position_embeddings "
-            f"({model_config.max_position_embeddings})"
-        )
-    check_tensor_parallel(config, model_config)
-    check_pipeline_parallel(config, model_config)
-    parallel = config.parallel
-    if parallel.pipeline_parallel_degree > 1:  # ValueError where the split leaves a rank fewer than none
-        stage_layer_ranges(model_config.num_hidden_layers, parallel.pipeline_parallel_degree,
-                           parallel.pipeline_parallel_stages_per_rank)
-    return model_config.replace(dtype="float32")
-
-
-def build_train_loader(config: TrainConfig, dataset: TokenDataset, rank: int, world_size: int, *,
-                       pin_memory: bool = False) -> WindowLoader:
-    """Rank `rank`'s (of `world_size`) loader of the training split (ValueError when the split is
-    shorter than one step), which reads its data-parallel replica's share of each global batch;
-    its prefetch thread starts with the first batch. The ranks of a replica (its context- and
-    tensor-parallel groups, its pipeline's stages) read the same batches."""
-    parallel = config.parallel
-    ranks_per_replica = parallel.tensor_parallel_degree * parallel.context_parallel_degree
-    ranks_per_stage = world_size // parallel.pipeline_parallel_degree
-    return WindowLoader(
-        dataset.tokens("train"), seq_len=config.data.seq_len, batch_size=config.training.micro_batch_size,
-        rank=rank % ranks_per_stage // ranks_per_replica, world_size=ranks_per_stage // ranks_per_replica,
-        seed=config.data.seed,
-        prefetch=config.data.prefetch, pin_memory=pin_memory,
-        windows_per_step=config.training.global_batch_size, vocab_size=dataset.vocab_size,
-    )
-
-
 def initial_state(config: TrainConfig, model_config: ModelConfig) -> dict[str, torch.Tensor]:
     """The full fp32 starting weights: a seeded initialisation, or the model dir's weights."""
     if config.model.path is not None:
@@ -996,28 +940,6 @@ def _warn_about_warmup(config: TrainConfig) -> None:
                "length you mean)") if warmup > steps else ""
         logger.warning("schedule.warmup_steps (%d) >= training.steps (%d): the learning rate warms up "
                        "for the whole run and never reaches optimizer.lr%s", warmup, steps, cut)
-
-
-def device_type_of(device: str) -> str:
-    """The device type a `training.device` setting trains on ("auto": CUDA where available)."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("training.device is 'cuda' but no CUDA device is available")
-    return device
-
-
-def check_backend(backend: str, device_type: str, world_size: int) -> None:
-    """ValueError when parallel.backend cannot join `world_size` ranks on `device_type`: NCCL
-    needs CUDA devices and a torch built with it (one rank joins no process group)."""
-    if world_size <= 1 or backend != "nccl":
-        return
-    if device_type != "cuda":
-        raise ValueError(f"parallel.backend is 'nccl', which needs CUDA devices, but the job trains on "
-                         f"{device_type} (training.device); use parallel.backend=gloo or auto")
-    if not torch.distributed.is_nccl_available():
-        raise ValueError("parallel.backend is 'nccl', but this torch is built without NCCL; "
-                         "use parallel.backend=gloo or auto")
 
 
 def _check_resumable(run_dir: Path, config: TrainConfig) -> list[str]:
