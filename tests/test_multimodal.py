@@ -36,9 +36,9 @@ from slipstream.model.llava import LlavaConfig, load_image_encoder
 from slipstream.model.weights import load_model
 from slipstream.serve.async_engine import AsyncEngine
 from slipstream.serve.engine import Engine, EngineConfig
+from slipstream.serve.media import MEDIA_THREADS
 from slipstream.serve.profiler import FORWARD_PHASE
 from slipstream.serve.protocol import APIError, ChatMessage
-from slipstream.serve.server import MEDIA_THREADS
 
 pytest_plugins = ["serve_fixtures", "server_process"]  # the text model's model_dir, for images refused
 
@@ -921,6 +921,38 @@ def test_image_urls_that_cannot_be_loaded_are_value_errors(llava, image_host, me
         assert time.monotonic() - start_s < URL_TIMEOUT_S + 2, url  # a trickle would take 5 s
         assert not llm.engine.has_unfinished_requests()
     assert "/cat.png" not in image_host.paths[num_requests:]  # neither the other host nor the redirect's
+
+
+def test_llm_chat_loads_its_image_urls_at_once(llava, image_host):
+    """Guards that LLM.chat fetches the image URLs of all its conversations together, as the
+    server does: five images that each take ImageHost.SLOW_S to arrive, in two conversations, are
+    all requested before the first has arrived, and each prompt and reply is that of the same
+    images given as PIL images; a
+    conversation whose second image is missing and third no image is a ValueError naming the
+    second, the first failure in the messages, and nothing is left queued."""
+    _, model_dir = llava
+    llm = LLM(str(model_dir), dtype="float32", allowed_media_domains=["127.0.0.1"])
+    slow = {"type": "image_url", "image_url": {"url": f"{image_host.url}/slow/dog.jpg"}}
+    first = len(image_host.started)
+
+    def conversations(part: dict) -> list[list[dict]]:  # three images, then two
+        return [[{"role": "user", "content": [part] * n + [{"type": "text", "text": "?"}]}] for n in (3, 2)]
+
+    outputs = llm.chat(conversations(slow), greedy(1), use_tqdm=False)
+    starts = [t for path, t in image_host.started[first:] if path == "/slow/dog.jpg"]
+    assert len(starts) == 5
+    print(f"5 fetches of {image_host.SLOW_S} s each started within {max(starts) - min(starts):.3f} s")
+    assert max(starts) - min(starts) < image_host.SLOW_S  # one after another: >= 4 x SLOW_S
+    dog = {"type": "image_pil", "image_pil": PIL.Image.open(io.BytesIO(IMAGE_FILES["dog.jpg"]))}
+    given = llm.chat(conversations(dog), greedy(1), use_tqdm=False)
+    assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outputs] == [
+        (o.prompt_token_ids, o.outputs[0].token_ids) for o in given]
+    missing = {"type": "image_url", "image_url": {"url": f"{image_host.url}/missing"}}
+    not_an_image = {"type": "image_url", "image_url": {"url": f"{image_host.url}/text"}}
+    with pytest.raises(ValueError, match=r"a message's content\[1\]\['image_url'\]\['url'\]: fetching "
+                                         r".*/missing gave HTTP 404"):
+        llm.chat([{"role": "user", "content": [slow, missing, not_an_image]}], greedy(1), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_a_host_name_that_resolves_slowly_is_cut_off_at_the_timeout(monkeypatch):

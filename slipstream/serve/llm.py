@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import difflib
+import functools
 import itertools
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -36,7 +38,7 @@ from slipstream.serve.beam_search import (
 )
 from slipstream.serve.engine import Engine, EngineConfig, host_memory
 from slipstream.serve.lora import LoRARequest
-from slipstream.serve.media import FETCH_TIMEOUT_S, MediaConfig
+from slipstream.serve.media import FETCH_TIMEOUT_S, MEDIA_THREADS, MediaConfig, load_image
 from slipstream.serve.multimodal import as_images, content_part
 from slipstream.serve.pooling import EmbeddingRequestOutput, PoolingParams
 from slipstream.serve.request import (
@@ -360,21 +362,30 @@ class LLM:
                 tokenizer.template_source(options.get("tools"), options.get("chat_template")))
         image_prompts = self.engine.image_prompts
         placeholder = None if image_prompts is None else tokenizer.id_to_token(image_prompts.image_token_id)
-        prompts = []
-        for conversation in conversations:
-            messages, images = [], []
-            for message in conversation:
-                message, message_images = _template_message(message, content_format, placeholder, self._media)
-                messages.append(message)
-                images += message_images
-            try:
-                text = tokenizer.apply_chat_template(messages, content_parts=content_format == "openai",
-                                                     **options)
-            except jinja2.TemplateError as error:  # a template that does not parse, or raises
-                raise ValueError(f"the chat template rejected the messages: {error}") from error
-            ids = tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
-            prompt = {"prompt": text, "prompt_token_ids": ids}
-            prompts.append(prompt | {"multi_modal_data": {"image": images}} if images else prompt)
+        prompts, all_images = [], []
+        # Image URLs load at once, each on a thread of the pool, while the templates render; the
+        # first failure in message order is raised once every load has ended (as the server does).
+        with concurrent.futures.ThreadPoolExecutor(MEDIA_THREADS, "slipstream-media") as pool:
+            load = functools.partial(pool.submit, load_image)
+            for conversation in conversations:
+                messages, images = [], []
+                for message in conversation:
+                    message, message_images = _template_message(message, content_format, placeholder,
+                                                                self._media, load)
+                    messages.append(message)
+                    images += message_images
+                try:
+                    text = tokenizer.apply_chat_template(messages, content_parts=content_format == "openai",
+                                                         **options)
+                except jinja2.TemplateError as error:  # a template that does not parse, or raises
+                    raise ValueError(f"the chat template rejected the messages: {error}") from error
+                ids = tokenizer.encode(text, add_special_tokens=False)  # the template wrote them
+                prompts.append({"prompt": text, "prompt_token_ids": ids})
+                all_images.append(images)
+        for prompt, images in zip(prompts, all_images, strict=True):
+            if images:
+                loaded = [i.result() if isinstance(i, concurrent.futures.Future) else i for i in images]
+                prompt["multi_modal_data"] = {"image": loaded}
         return self._generate(prompts, sampling_params, use_tqdm, lora_request, priority,
                               None if chat_template_kwargs is None else dict(chat_template_kwargs))
 
@@ -662,15 +673,16 @@ def _without_text(output: RequestOutput) -> RequestOutput:
 
 
 def _template_message(
-    message: Message, content_format: str, placeholder: str | None, media: MediaConfig
-) -> tuple[Message, list[PIL.Image.Image]]:
+    message: Message, content_format: str, placeholder: str | None, media: MediaConfig,
+    load: Callable[[Any, str, MediaConfig], Any],
+) -> tuple[Message, list[Any]]:
     """The message as the chat template sees it, as vLLM renders it, and its images: for
     content_format "string", content text parts joined by newlines (as the HTTP server does,
     protocol.ChatMessage.template_message), an image part as `placeholder` (the image token's
     text); for "openai", a list of {"type": "text", "text": ...} and {"type": "image"} parts (a
     tool message's all-text parts still joined, as vLLM does). Content None is no parts: "" or [].
     `placeholder` None: the model takes no images, and an image part is a ValueError; image URLs
-    load as `media` allows."""
+    load as `media` allows, by `load` (`content_part`'s)."""
     if not isinstance(message, Mapping):
         return message, []  # the template's own check names it
     content = message.get("content")
@@ -679,7 +691,7 @@ def _template_message(
     elif isinstance(content, str):
         parts = [content]
     elif isinstance(content, (list, tuple)):
-        parts = [content_part(part, f"a message's content[{i}]", placeholder is not None, media)
+        parts = [content_part(part, f"a message's content[{i}]", placeholder is not None, media, load)
                  for i, part in enumerate(content)]
     else:
         return message, []  # the template's own check names it

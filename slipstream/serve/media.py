@@ -45,6 +45,11 @@ MAX_REDIRECTS = 5
 FETCH_TIMEOUT_S = 5.0
 """vLLM's default VLLM_IMAGE_FETCH_TIMEOUT."""
 
+MEDIA_THREADS = 8
+"""Threads that load a server's (or one `LLM.chat` call's) image URLs, one image each at a time: a
+ninth image waits for one, so stalled fetches hold at most these threads, each until its
+--media-fetch-timeout."""
+
 PATH_MAX = 4096
 """The longest file path (Linux's PATH_MAX, in bytes) a file URL may name."""
 

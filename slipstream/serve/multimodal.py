@@ -17,7 +17,7 @@ those rows as its input embeddings at the placeholder positions.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -250,10 +250,12 @@ def _rows(chunks: Sequence[ScheduledChunk]) -> list[tuple[int, ScheduledChunk]]:
 
 
 
-def content_part(part: Any, where: str, takes_images: bool, media: MediaConfig) -> str | PIL.Image.Image:
+def content_part(part: Any, where: str, takes_images: bool, media: MediaConfig,
+                 load: Callable[[Any, str, MediaConfig], Any] = load_image) -> Any:
     """A chat message's content part: its text, or (`takes_images`: a multimodal model) its image,
     from OpenAI's {"type": "image_url", "image_url": {"url": URL}} (a data, http(s) or file URL,
-    loaded as `media` allows) or vLLM's {"type": "image_pil", "image_pil": image}. Anything else is
+    loaded as `media` allows, by `load`: `load_image`, or what stands for the image it will
+    load, such as a future) or vLLM's {"type": "image_pil", "image_pil": image}. Anything else is
     a ValueError naming `where`."""
     is_text = isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
     if is_text:
@@ -269,8 +271,8 @@ def content_part(part: Any, where: str, takes_images: bool, media: MediaConfig) 
         return image
     if kind == "image_url":
         url = part.get("image_url")
-        return load_image(url.get("url") if isinstance(url, Mapping) else url, f"{where}['image_url']['url']",
-                          media)
+        return load(url.get("url") if isinstance(url, Mapping) else url, f"{where}['image_url']['url']",
+                    media)
     raise ValueError(f"{where}: content parts are {{'type': 'text', 'text': str}}, {{'type': 'image_url', "
                      f"'image_url': {{'url': URL}}}} or {{'type': 'image_pil', 'image_pil': image}}; "
                      f"got {part!r}")

@@ -50,7 +50,7 @@ from slipstream.serve.beam_search import (
 )
 from slipstream.serve.engine import Engine, EngineConfig
 from slipstream.serve.lora import LoRARequest
-from slipstream.serve.media import MediaConfig, load_image
+from slipstream.serve.media import MEDIA_THREADS, MediaConfig, load_image
 from slipstream.serve.metrics import ServerMetrics
 from slipstream.serve.pooling import EmbeddingRequestOutput
 from slipstream.serve.profiler import ProfilerAlreadyActiveError
@@ -80,9 +80,6 @@ DRAIN_POLL_S = 0.1
 DRAIN_GRACE_S = 5.0
 """After aborting at the drain deadline, how long uvicorn waits for responses to go out before
 it cancels what is left."""
-MEDIA_THREADS = 8
-"""Threads that load image URLs, one image each at a time: a ninth image waits for one, so stalled
-fetches hold at most these threads, each until its --media-fetch-timeout."""
 
 
 CONTEXT_EXCEEDED = "context_length_exceeded"
