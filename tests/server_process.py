@@ -172,12 +172,11 @@ def serve_in_process(model_dir: Path, *args: str) -> Iterator[Served]:
     their own (a `ServerProcess` costs ~3 s of imports more, and the model loads either way)."""
     from slipstream.cli import build_parser, serve_configs
     from slipstream.serve.engine import Engine
-    from slipstream.serve.server import OpenAIServer, check_lora_config, served_engine_config
+    from slipstream.serve.server import OpenAIServer, served_engine_config
 
     parsed = build_parser().parse_args(["serve", str(model_dir), "--served-model-name", MODEL_NAME, *args])
     engine_config, config = serve_configs(parsed)
-    check_lora_config(engine_config, config)
-    engine = Engine(served_engine_config(engine_config, config))
+    engine = Engine(served_engine_config(engine_config, config))  # OpenAIServer checks the LoRA modules
     try:
         with in_process(OpenAIServer(engine, config)) as url:
             yield Served(url)
