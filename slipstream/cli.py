@@ -191,6 +191,7 @@ def serve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]
         scheduling_policy=args.scheduling_policy, metrics_dir=args.metrics_dir,
         tensor_parallel_size=args.tensor_parallel_size, enable_lora=args.enable_lora,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
     )
     if args.gpu_memory_utilization is not None:
         from slipstream.serve.llm import with_memory_utilization
@@ -358,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "file URLs are refused)")
     p.add_argument("--media-fetch-timeout", type=_positive_float, default=5.0, metavar="S",
                    help="seconds a whole image fetch may take (vLLM's VLLM_IMAGE_FETCH_TIMEOUT; default 5)")
+    p.add_argument("--limit-mm-per-prompt", metavar="JSON",
+                   help='as vLLM: the most images a prompt may hold, e.g. \'{"image": 2}\' (default 999; '
+                        "0 serves a multimodal checkpoint as a text model, its image encoder not loaded)")
     p.add_argument("--dtype", default="auto",
                    help="auto, float32, bfloat16, float16 (also vLLM's float and half)")
     p.add_argument("-q", "--quantization",

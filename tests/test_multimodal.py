@@ -27,7 +27,7 @@ import pytest
 import torch
 import transformers
 from serve_fixtures import assert_same_tokens, random_hf
-from server_process import API_KEY, MODEL_NAME, ServerProcess
+from server_process import API_KEY, MODEL_NAME, ServerProcess, serve_in_process
 
 from slipstream import LLM, SamplingParams
 from slipstream.model.create import stdlib_tokenizer
@@ -1104,3 +1104,76 @@ def test_server_loads_a_requests_image_urls_at_once(llava, llava_server, image_h
             slow, missing, {"type": "image_url", "image_url": {"url": f"{image_host.url}/text"}}]}],
             max_tokens=1)
     assert "image_url 1" in str(error.value) and "HTTP 404" in str(error.value), str(error.value)
+
+
+def test_limit_mm_per_prompt_refuses_more_images_before_loading_them(llava, reference, image_host):
+    """Guards vLLM's limit_mm_per_prompt: with {"image": 1} a prompt of two images is the
+    ValueError vLLM raises (generate, and chat with two image URLs, none fetched), one image still
+    gives transformers' tokens; {"image": 0} serves the checkpoint as a text model, its encoder not
+    loaded, a text prompt with transformers' tokens and any image refused by the limit."""
+    hf, model_dir = llava
+    ids, expected, gaps = reference
+    llm = LLM(str(model_dir), dtype="float32", limit_mm_per_prompt={"image": 1},
+              allowed_media_domains=["127.0.0.1"])
+    with pytest.raises(ValueError, match=r"At most 1 image\(s\) may be provided in one prompt, got 2"):
+        llm.generate(as_prompt(*PROMPTS[1]), greedy(), use_tqdm=False)
+    url = {"type": "image_url", "image_url": {"url": f"{image_host.url}/slow/dog.jpg"}}
+    fetched = len(image_host.paths)
+    with pytest.raises(ValueError, match=r"At most 1 image\(s\) .* got 2"):
+        llm.chat([{"role": "user", "content": [url, url]}], greedy(1), use_tqdm=False)
+    assert len(image_host.paths) == fetched
+    [output] = llm.generate(as_prompt(*PROMPTS[0]), greedy(), use_tqdm=False)
+    assert output.prompt_token_ids == ids[0]
+    assert_same_tokens(expected[:1], gaps[:1], [list(output.outputs[0].token_ids)], "limit 1")
+
+    text_only = LLM(str(model_dir), dtype="float32", limit_mm_per_prompt='{"image": 0}')
+    assert text_only.engine.runner.image_embedder is None and text_only.engine.image_prompts is None
+    [output] = text_only.generate(PROMPTS[2][0], greedy(), use_tqdm=False)
+    assert_same_tokens(expected[2:3], gaps[2:3], [list(output.outputs[0].token_ids)], "limit 0")
+    with pytest.raises(ValueError, match=r"At most 0 image\(s\) .* got 1"):
+        text_only.generate(as_prompt(*PROMPTS[0]), greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"At most 0 image\(s\) .* got 1"):
+        text_only.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": random_image(1)}]}],
+                       greedy(1), use_tqdm=False)
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"image": -1}, r"limit_mm_per_prompt\['image'\] must be an integer >= 0, got -1"),
+    ({"image": True}, r"must be an integer >= 0, got True"),
+    ({"image": "2"}, r"must be an integer >= 0, got '2'"),
+    ({"images": 2}, r"unknown modality 'images' \(known: image, video, audio\)"),
+    ({"image": {"count": 2, "width": 512}}, r"takes only 'count' here, got \['count', 'width'\]"),
+    ('{"image": 2', r"limit_mm_per_prompt is not valid JSON"),
+    ([2], r"must be a dict from modality to count, got \[2\]"),
+])
+def test_bad_limit_mm_per_prompt_is_a_value_error(model_dir, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model=str(model_dir), limit_mm_per_prompt=value)
+
+
+def test_limit_mm_per_prompt_parses_vllms_forms(model_dir):
+    """vLLM's count and {"count": n} forms, and limits on modalities no model here takes."""
+    config = EngineConfig(model=str(model_dir), limit_mm_per_prompt={"image": {"count": 3}, "video": 0})
+    assert config.limit_mm_per_prompt == {"image": 3, "video": 0}
+    assert EngineConfig(model=str(model_dir), limit_mm_per_prompt='{"audio": 1}').limit_mm_per_prompt == {
+        "audio": 1}
+
+
+def test_server_refuses_more_images_than_the_limit_before_fetching(llava, image_host):
+    """Guards --limit-mm-per-prompt at the server: a chat of two image URLs is a 400 naming
+    `messages` with vLLM's message, and neither URL is fetched; one image is served."""
+    _, model_dir = llava
+    url = {"type": "image_url", "image_url": {"url": f"{image_host.url}/dog.jpg"}}
+    with serve_in_process(model_dir, "--dtype", "float32", "--limit-mm-per-prompt", '{"image": 1}',
+                          "--allowed-media-domains", "127.0.0.1") as served:
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        fetched = len(image_host.paths)
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model=MODEL_NAME, max_tokens=1,
+                                           messages=[{"role": "user", "content": [url, url]}])
+        assert "At most 1 image(s) may be provided in one prompt, got 2" in str(error.value)
+        assert error.value.body["param"] == "messages"
+        assert len(image_host.paths) == fetched
+        reply = client.chat.completions.create(model=MODEL_NAME, max_tokens=1,
+                                               messages=[{"role": "user", "content": [url]}])
+        assert reply.usage.prompt_tokens > NUM_IMAGE_TOKENS

@@ -46,7 +46,14 @@ from slipstream.serve.fsm import compile_pattern
 from slipstream.serve.kv_cache import BlockTables, blocks_held
 from slipstream.serve.kv_groups import KVCacheGroups, group_layers
 from slipstream.serve.lora import LoRARequest
-from slipstream.serve.multimodal import ImageEmbedder, ImagePrompts, ProcessedImage
+from slipstream.serve.multimodal import (
+    ITEMS_PER_PROMPT,
+    ImageEmbedder,
+    ImagePrompts,
+    ProcessedImage,
+    check_num_images,
+    parse_mm_limits,
+)
 from slipstream.serve.outputs import PromptOutput, SequenceOutput
 from slipstream.serve.pooling import EmbeddingRequestOutput, Pool, PoolerConfig, PoolingJob, PoolingParams
 from slipstream.serve.profiler import (
@@ -218,6 +225,11 @@ class EngineConfig:
     structured_outputs_enable_in_reasoning: bool = False
     """As vLLM's structured_outputs_config.enable_in_reasoning: constrain the reasoning too (from
     the first token), despite reasoning_parser."""
+    limit_mm_per_prompt: Mapping[str, Any] | str | None = None
+    """As vLLM's: the most images one prompt may hold, `{"image": n}` (default ITEMS_PER_PROMPT, 999),
+    a multimodal model's (multimodal.parse_mm_limits); more is a ValueError before any image is
+    loaded. `{"image": 0}` serves a multimodal checkpoint as a text model, its image encoder
+    not loaded."""
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
@@ -272,6 +284,8 @@ class EngineConfig:
             raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
         if self.metrics_dir is not None:
             _check_metrics_dir(self.metrics_dir)
+        if self.limit_mm_per_prompt is not None:
+            object.__setattr__(self, "limit_mm_per_prompt", parse_mm_limits(self.limit_mm_per_prompt))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -314,9 +328,16 @@ class Engine:
         if config.tensor_parallel_size > 1:
             check_tensor_parallel(model_config, config.tensor_parallel_size, device)
         llava = LlavaConfig.from_pretrained(config.model) if config.runner != "pooling" else None
+        self.image_limit: int | None = None if llava is None else (
+            config.limit_mm_per_prompt or {}).get("image", ITEMS_PER_PROMPT)
+        """The most images a prompt may hold (limit_mm_per_prompt): 0 serves a multimodal
+        checkpoint as a text model; None: a text model's."""
+        if self.image_limit == 0:
+            llava = None
         if llava is not None and config.tensor_parallel_size > 1:
             raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: a llava checkpoint is "
-                             "served on one rank (its image encoder is not split)")
+                             "served on one rank (its image encoder is not split); limit_mm_per_prompt="
+                             "{'image': 0} serves it as a text model")
         if llava is not None and not 0 <= llava.image_token_index < model_config.vocab_size:
             raise ValueError(f"config.json's image_token_index ({llava.image_token_index}) is outside the "
                              f"vocabulary ({model_config.vocab_size} tokens)")
@@ -642,6 +663,8 @@ class Engine:
     ) -> tuple[list[int], list[int]]:
         """A multimodal model's prompt with its image placeholders expanded, and the offset of
         each image's; a text model's as it is (and images for it are a ValueError)."""
+        if self.image_limit is not None:
+            check_num_images(len(images), self.image_limit)
         if self.image_prompts is None:
             if images:
                 raise ValueError(f"multi_modal_data: this model ({self.model_config.model_type}, "

@@ -39,7 +39,7 @@ from slipstream.serve.beam_search import (
 from slipstream.serve.engine import Engine, EngineConfig, host_memory
 from slipstream.serve.lora import LoRARequest
 from slipstream.serve.media import FETCH_TIMEOUT_S, MEDIA_THREADS, MediaConfig, load_image
-from slipstream.serve.multimodal import as_images, content_part
+from slipstream.serve.multimodal import as_images, check_num_images, content_part
 from slipstream.serve.pooling import EmbeddingRequestOutput, PoolingParams
 from slipstream.serve.request import (
     PositionLogprobs,
@@ -211,7 +211,7 @@ class LLM:
         _check_use_tqdm(use_tqdm)
         prompts = _as_prompt_list(prompts)
         inputs = [_prompt_input(prompt, multimodal=True) for prompt in prompts]
-        takes_images = self.engine.image_prompts is not None
+        takes_images = self.engine.image_limit is not None  # a multimodal checkpoint, even at limit 0
         images = [_prompt_images(prompt, takes_images) for prompt in prompts]
         if sampling_params is None:
             sampling_params = self._default_sampling_params
@@ -360,6 +360,9 @@ class LLM:
         if content_format == "auto":
             content_format = template_content_format(
                 tokenizer.template_source(options.get("tools"), options.get("chat_template")))
+        if self.engine.image_limit is not None:  # before any image is loaded
+            for conversation in conversations:
+                check_num_images(_num_image_parts(conversation), self.engine.image_limit)
         image_prompts = self.engine.image_prompts
         placeholder = None if image_prompts is None else tokenizer.id_to_token(image_prompts.image_token_id)
         prompts, all_images = [], []
@@ -670,6 +673,13 @@ def _without_text(output: RequestOutput) -> RequestOutput:
 
     outputs = [dataclasses.replace(c, text="", logprobs=bare(c.logprobs)) for c in output.outputs]
     return dataclasses.replace(output, outputs=outputs, prompt_logprobs=bare(output.prompt_logprobs))
+
+
+def _num_image_parts(conversation: Sequence[Any]) -> int:
+    """The image parts (image_url and image_pil, as `content_part` reads them) of a conversation."""
+    return sum(isinstance(part, Mapping) and part.get("type") in ("image_url", "image_pil")
+               for message in conversation if isinstance(message, Mapping)
+               and isinstance(message.get("content"), (list, tuple)) for part in message["content"])
 
 
 def _template_message(

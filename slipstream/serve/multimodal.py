@@ -17,6 +17,7 @@ those rows as its input embeddings at the placeholder positions.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,51 @@ MAX_RESIZE_PIXELS = 32
 """The resize target of an image (before the center crop) may have at most this many times the
 tower input's pixels, so that preprocessing's memory and time stay within that many tower
 inputs' worth."""
+
+
+ITEMS_PER_PROMPT = 999
+"""vLLM's limit_mm_per_prompt for a modality it is not given for."""
+
+MODALITIES = ("image", "video", "audio")
+"""The modalities limit_mm_per_prompt may name, as vLLM's: slipstream's models take images only, so
+a limit on video or audio is taken (a vLLM script may set them) and has nothing to limit."""
+
+
+def parse_mm_limits(value: Mapping[str, Any] | str) -> dict[str, int]:
+    """vLLM's limit_mm_per_prompt (`--limit-mm-per-prompt`): the most items of each modality one
+    prompt may hold, as a dict (or its JSON text) from modality to a count >= 0 or {"count": n}.
+    A ValueError names what is wrong. vLLM's other per-modality options (width, height,
+    num_frames) size the dummy inputs of its memory profiling, which slipstream does not run:
+    they are refused, not ignored."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"limit_mm_per_prompt is not valid JSON: {error}") from error
+    if not isinstance(value, Mapping):
+        raise ValueError(f"limit_mm_per_prompt must be a dict from modality to count, got {value!r}")
+    limits = {}
+    for modality, limit in value.items():
+        if modality not in MODALITIES:
+            raise ValueError(f"limit_mm_per_prompt: unknown modality {modality!r} "
+                             f"(known: {', '.join(MODALITIES)})")
+        if isinstance(limit, Mapping):
+            if set(limit) != {"count"}:
+                raise ValueError(f"limit_mm_per_prompt[{modality!r}] takes only 'count' here, got "
+                                 f"{sorted(limit)} (vLLM's sizes of its profiling's dummy inputs "
+                                 "have no use in slipstream)")
+            limit = limit["count"]
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be an integer >= 0, got {limit!r}")
+        limits[modality] = limit
+    return limits
+
+
+def check_num_images(num_images: int, limit: int) -> None:
+    """vLLM's error for a prompt with more images than limit_mm_per_prompt allows."""
+    if num_images > limit:
+        raise ValueError(f"At most {limit} image(s) may be provided in one prompt, got {num_images}; "
+                         "set limit_mm_per_prompt (--limit-mm-per-prompt) to increase this limit")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

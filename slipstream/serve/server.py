@@ -52,6 +52,7 @@ from slipstream.serve.engine import Engine, EngineConfig
 from slipstream.serve.lora import LoRARequest
 from slipstream.serve.media import MEDIA_THREADS, MediaConfig, load_image
 from slipstream.serve.metrics import ServerMetrics
+from slipstream.serve.multimodal import check_num_images
 from slipstream.serve.pooling import EmbeddingRequestOutput
 from slipstream.serve.profiler import ProfilerAlreadyActiveError
 from slipstream.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -188,6 +189,8 @@ class OpenAIServer:
         self.tokenize = engine.tokenize
         self.image_prompts = engine.image_prompts
         """A multimodal model's image token and preprocessing (None: text only)."""
+        self.image_limit = engine.image_limit
+        """--limit-mm-per-prompt's for images (None: a text model)."""
         parser = config.reasoning_parser
         markers = () if parser is None else REASONING_PARSERS[parser]().markers
         self._marker_ids = frozenset(self.tokenizer.token_to_id(marker) for marker in markers) - {None}
@@ -409,6 +412,7 @@ class OpenAIServer:
         params = await asyncio.to_thread(body.sampling_params, max_tokens=body.max_new_tokens,
                                          logprobs=body.num_logprobs, defaults=self.sampling_defaults)
         params, tool_calls = self._tool_calls(body, params)
+        self._check_image_limit(body)
         # The template's ids; or its text, which tokenizing adds the special tokens to.
         rendered = await asyncio.to_thread(self._render_chat, body, not body.add_special_tokens)
         images = await self._chat_images(body)
@@ -874,6 +878,15 @@ class OpenAIServer:
         except ValueError:  # no template: rendering names it
             return placeholder, False
         return placeholder, template_content_format(source) == "openai"
+
+    def _check_image_limit(self, body: ChatCompletionRequest) -> None:
+        """A 400 naming `messages` when they hold more images than --limit-mm-per-prompt allows
+        (vLLM's check), before any is fetched or the template renders them."""
+        if self.image_limit is not None:
+            try:
+                check_num_images(sum(len(message.image_urls) for message in body.messages), self.image_limit)
+            except ValueError as error:
+                raise protocol.bad_request(str(error), "messages") from None
 
     async def _chat_images(self, body: ChatCompletionRequest) -> list[PIL.Image.Image]:
         """The chat's images, in order, decoded from their data URLs or fetched or read as the
