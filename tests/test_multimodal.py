@@ -229,13 +229,16 @@ def reference(llava):
     {"max_num_batched_tokens": 8, "fast_cpu_kernels": False},
     {"enable_prefix_caching": False},
     {"max_model_len": 128, "kv_cache_memory": 9 * 16 * 512, "max_num_batched_tokens": 16},
-], ids=["batched", "chunked-eager", "no-prefix-caching", "preempting"])
+    {"tensor_parallel_size": 2, "max_num_batched_tokens": 8},
+], ids=["batched", "chunked-eager", "no-prefix-caching", "preempting", "tensor-parallel-chunked"])
 def test_greedy_tokens_match_transformers(llava, reference, engine_args):
     """Guards placeholder expansion, the preprocessing, the encoder run and its rows placed at the
     placeholders, batched with a text-only prompt: transformers' LLaVA's greedy tokens (fp32),
     with the CPU fast path and module by module, under an 8-token budget that chunks through every
-    image (16 tokens), without prefix caching, and with a 9-block KV cache that preempts requests
-    in their prefill (whose images are encoded again)."""
+    image (16 tokens), without prefix caching, with a 9-block KV cache that preempts requests
+    in their prefill (whose images are encoded again), and split over two tensor-parallel ranks
+    (the encoder on the driver, its rows sent to the worker with each step's batch) under the
+    8-token budget."""
     hf, model_dir = llava
     ids, expected, gaps = reference
     llm = LLM(str(model_dir), dtype="float32", **engine_args)

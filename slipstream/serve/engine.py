@@ -334,10 +334,6 @@ class Engine:
         checkpoint as a text model; None: a text model's."""
         if self.image_limit == 0:
             llava = None
-        if llava is not None and config.tensor_parallel_size > 1:
-            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: a llava checkpoint is "
-                             "served on one rank (its image encoder is not split); limit_mm_per_prompt="
-                             "{'image': 0} serves it as a text model")
         if llava is not None and not 0 <= llava.image_token_index < model_config.vocab_size:
             raise ValueError(f"config.json's image_token_index ({llava.image_token_index}) is outside the "
                              f"vocabulary ({model_config.vocab_size} tokens)")

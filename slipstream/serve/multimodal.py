@@ -10,8 +10,9 @@ preprocesses and hashes them (off the engine thread where the async engine serve
 becomes an `ImageInput` (placeholder range, preprocessed pixels, a content hash of them). The
 runner's `ImageEmbedder` computes an image's embeddings the first time a step's chunk covers any of
 its placeholders, once for every request holding the same image, keeps them while the requests'
-prefills go on step after step (a chunk may end inside an image), and hands the language model
-those rows as its input embeddings at the placeholder positions.
+prefills go on step after step (a chunk may end inside an image), and hands the runner those rows
+(`ImageRows`), which replace the token embeddings at the placeholder positions. Under tensor
+parallelism the encoder runs whole on the driver, and the rows travel to the workers with the step.
 """
 
 from __future__ import annotations
@@ -204,6 +205,25 @@ MAX_ENCODER_BATCH = 8
 calls, so that the encoder's activations stay bounded whatever the step holds."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ImageRows:
+    """A step's image embeddings (`ImageEmbedder.image_rows`): which rows of its flat batch are
+    image placeholders, and the embeddings that replace those rows' token embeddings."""
+
+    rows: torch.Tensor
+    """(M,) int64 rows of the flat batch."""
+    embeds: torch.Tensor
+    """(M, D), row i's at rows[i]."""
+
+    def inputs_embeds(self, embed: Callable[[torch.Tensor], torch.Tensor],
+                      token_ids: torch.Tensor) -> torch.Tensor:  # (N,) -> (1, N, D)
+        """The flat batch's input embeddings: `embed` (the language model's; under tensor
+        parallelism a collective, which every rank runs) of `token_ids`, the image rows replaced."""
+        x = embed(token_ids[None])
+        x[0, self.rows] = self.embeds.to(x.dtype)
+        return x
+
+
 class ImageEmbedder:
     """The runner's image encoder and its cache of image embeddings, keyed by the images' content
     hashes (vLLM's encoder cache): an image is encoded the first time a step covers any of its
@@ -227,12 +247,10 @@ class ImageEmbedder:
         self._held: dict[str, set[str]] = {}
         """The content hashes each request holds."""
 
-    def inputs_embeds(
-        self, chunks: Sequence[ScheduledChunk], token_ids: torch.Tensor, embed: Any
-    ) -> torch.Tensor | None:  # (N,) -> (1, N, D)
-        """The input embeddings of the step's flat batch of `token_ids` (`embed`: the language
-        model's embedding) with the rows of image placeholders replaced by the images'; None when
-        no chunk covers a placeholder."""
+    def image_rows(self, chunks: Sequence[ScheduledChunk]) -> ImageRows | None:
+        """The rows of the step's flat batch (its `chunks` laid end to end) that are image
+        placeholders, with the images' embeddings for them, encoding the images not cached yet;
+        None when no chunk covers a placeholder."""
         spans = [(row, chunk, image) for row, chunk in _rows(chunks) for image in chunk.request.images
                  if image.offset < chunk.start + chunk.num_tokens and chunk.start < image.end]
         if not spans:
@@ -242,16 +260,16 @@ class ImageEmbedder:
         for _, chunk, image in spans:
             self._holders.setdefault(image.content_hash, set()).add(chunk.request.request_id)
             self._held.setdefault(chunk.request.request_id, set()).add(image.content_hash)
-        x = embed(token_ids[None])  # (1, N, D)
+        rows, embeds = [], []
         for row, chunk, image in spans:
             lo, hi = max(chunk.start, image.offset), min(chunk.start + chunk.num_tokens, image.end)
-            rows = self._cache[image.content_hash][lo - image.offset:hi - image.offset]
-            x[0, row + lo - chunk.start:row + hi - chunk.start] = rows.to(x.dtype)
+            rows.append(torch.arange(row + lo - chunk.start, row + hi - chunk.start))
+            embeds.append(self._cache[image.content_hash][lo - image.offset:hi - image.offset])
         for chunk in {chunk.request.request_id: chunk for _, chunk, _ in spans}.values():
             end = chunk.start + chunk.num_tokens
             ahead = {image.content_hash for image in chunk.request.images if image.end > end}
             self._drop(chunk.request.request_id, self._held[chunk.request.request_id] - ahead)
-        return x
+        return ImageRows(torch.cat(rows).to(self.device), torch.cat(embeds))
 
     def release(self, request_ids: Iterable[str]) -> None:
         """The requests hold no image any more (preempted or aborted ones)."""

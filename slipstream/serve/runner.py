@@ -27,7 +27,7 @@ from slipstream.serve.cuda_graph import CudaDecodeGraphs, can_capture
 from slipstream.serve.kv_cache import BlockTables
 from slipstream.serve.kv_groups import KVCacheGroups, group_layers
 from slipstream.serve.lora import LoRALayers
-from slipstream.serve.multimodal import ImageEmbedder
+from slipstream.serve.multimodal import ImageEmbedder, ImageRows
 from slipstream.serve.profiler import FORWARD_PHASE, PREPARE_INPUTS_PHASE, phase
 from slipstream.serve.sampler import argmax
 from slipstream.serve.scheduler import ScheduledChunk, StepPlan
@@ -214,17 +214,15 @@ class Runner:
         token_ids, positions, batches = self._inputs(plan)
         with phase(FORWARD_PHASE), self._adapters(plan.chunks, [c.num_tokens for c in plan.chunks]):
             # The image encoder's time is the forward pass's (its tower runs under no adapter).
-            inputs_embeds = None if self.image_embedder is None else self.image_embedder.inputs_embeds(
-                plan.chunks, token_ids, self.model.model.embed)
+            images = None if self.image_embedder is None else self.image_embedder.image_rows(plan.chunks)
             # Graphs take token ids only: a step with image embeddings runs module by module.
-            graph = None if inputs_embeds is not None else self._graph_for(batches[0], plan.chunks)
+            graph = None if images is not None else self._graph_for(batches[0], plan.chunks)
             if isinstance(graph, CpuDecodeGraph) and all(c.samples and not _wants_prompt_logits(c)
                                                          for c in plan.chunks):
                 # Every row samples and none is a prompt position: the lm_head runs in the graph.
                 logits = graph(token_ids, positions, batches[0], logits=True)
                 return StepLogits(sample_logits=logits, prompt_logits={})
-            return self._logits(plan, self._decode_or_forward(graph, token_ids, positions, batches,
-                                                              inputs_embeds))
+            return self._logits(plan, self._decode_or_forward(graph, token_ids, positions, batches, images))
 
     @torch.inference_mode()
     def execute_hidden(self, plan: StepPlan) -> torch.Tensor:  # (num_batched_tokens, E)
@@ -286,10 +284,10 @@ class Runner:
 
     def _decode_or_forward(
         self, graph: CpuDecodeGraph | CudaDecodeGraphs | None, token_ids: torch.Tensor,
-        positions: torch.Tensor, batches: tuple[PagedBatch, ...], inputs_embeds: torch.Tensor | None = None,
+        positions: torch.Tensor, batches: tuple[PagedBatch, ...], images: ImageRows | None = None,
     ) -> torch.Tensor:  # (N, E) final-norm hidden states
         if graph is None:
-            return self.hidden_states(token_ids, positions, *batches, inputs_embeds=inputs_embeds)
+            return self.hidden_states(token_ids, positions, *batches, images=images)
         return graph(token_ids, positions, batches[0])  # graphs serve one-group caches only
 
     @torch.inference_mode()
@@ -359,18 +357,22 @@ class Runner:
 
     def hidden_states(
         self, token_ids: torch.Tensor, positions: torch.Tensor, *batches: PagedBatch,
-        inputs_embeds: torch.Tensor | None = None,
+        images: ImageRows | None = None,
     ) -> torch.Tensor:
         """(N,) token ids and positions laid out by `batches` (one per KV cache group) -> (N, E)
-        final-norm hidden states, module by module; `inputs_embeds` (1, N, E) in place of the
-        ids' embeddings where given (image placeholders')."""
+        final-norm hidden states, module by module; `images`' embeddings in place of the ids' at
+        their rows. The workers, if any, are sent the same (a worker runs this too)."""
         attn = PagedAttention(self.cache, batches[0], self.use_kernels, batches if len(batches) > 1 else ())
         if self.workers is None:
-            return self.model.hidden_states(token_ids[None], positions[None], attn, inputs_embeds)[0]
-        assert inputs_embeds is None, "tensor-parallel engines take no images"
+            return self._layer_stack(token_ids, positions, attn, images)
         with self._with_workers():
-            self.workers.forward(token_ids, positions, batches, self._lora_ids)
-            return self.model.hidden_states(token_ids[None], positions[None], attn)[0]
+            self.workers.forward(token_ids, positions, batches, self._lora_ids, images)
+            return self._layer_stack(token_ids, positions, attn, images)
+
+    def _layer_stack(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: PagedAttention,
+                     images: ImageRows | None) -> torch.Tensor:
+        inputs_embeds = None if images is None else images.inputs_embeds(self.model.model.embed, token_ids)
+        return self.model.hidden_states(token_ids[None], positions[None], attn, inputs_embeds)[0]
 
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, E) -> (N, V)
         if self.workers is None:

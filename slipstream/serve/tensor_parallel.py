@@ -54,6 +54,7 @@ from slipstream.model.transformer import MLP, GptOssMoeBlock, SparseMoeBlock, Tr
 from slipstream.model.weights import load_model
 from slipstream.ops.paged_attention import PagedBatch
 from slipstream.serve.kv_groups import KVCacheGroups
+from slipstream.serve.multimodal import ImageRows
 from slipstream.serve.shm_collectives import SharedExchange
 
 if TYPE_CHECKING:  # lora.py imports this module
@@ -385,15 +386,20 @@ class Forward:
     """Each KV cache group's `PagedBatch`'s fields, its tensors as arrays."""
     lora_ids: list[int] | None = None
     """Each row's LoRA adapter (`LoRALayers.rows`), where a row runs under one."""
+    image_rows: np.ndarray | None = None
+    """The rows that are image placeholders (`ImageRows.rows`), where the step covers some."""
+    image_embeds: Bits | None = None
+    """Their embeddings, which the driver's image encoder made (`ImageRows.embeds`)."""
 
     @classmethod
     def of(cls, token_ids: torch.Tensor, positions: torch.Tensor, batches: tuple[PagedBatch, ...],
-           lora_ids: list[int] | None = None) -> Forward:
+           lora_ids: list[int] | None = None, images: ImageRows | None = None) -> Forward:
         fields = [{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)} for batch in batches]
         return cls(_array(token_ids), _array(positions),
                    [{name: _array(v) if isinstance(v, torch.Tensor) else v for name, v in group.items()}
                     for group in fields],
-                   lora_ids)
+                   lora_ids, None if images is None else _array(images.rows),
+                   None if images is None else Bits.of(images.embeds))
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The token ids, positions and each group's batch, as tensors on `device`."""
@@ -402,26 +408,45 @@ class Forward:
         return (torch.from_numpy(self.token_ids).to(device), torch.from_numpy(self.positions).to(device),
                 *batches)
 
+    def images_on(self, device: torch.device) -> ImageRows | None:
+        if self.image_rows is None:
+            return None
+        return ImageRows(torch.from_numpy(self.image_rows).to(device), self.image_embeds.on(device))
+
 
 def _array(tensor: torch.Tensor) -> np.ndarray:
     return tensor.cpu().numpy()
 
 
 @dataclasses.dataclass(frozen=True)
-class Logits:
-    """Multiply these final hidden states by this rank's lm_head rows (`Transformer.compute_logits`).
-    They travel as a numpy array of their bits (numpy has no bfloat16): 7-11 us to pickle rather
-    than 55-78 us for 1-64 rows of 768, and a view pickles only its own rows."""
+class Bits:
+    """A tensor as a numpy array of its bits (numpy has no bfloat16), which pickles several times
+    faster than the tensor: 7-11 us rather than 55-78 us for 1-64 rows of 768; a view pickles
+    only its own rows."""
 
     bits: np.ndarray
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, hidden: torch.Tensor) -> Logits:
-        return cls(_array(hidden.contiguous().view(_SAME_WIDTH_INT[hidden.dtype])), hidden.dtype)
+    def of(cls, tensor: torch.Tensor) -> Bits:
+        return cls(_array(tensor.contiguous().view(_SAME_WIDTH_INT[tensor.dtype])), tensor.dtype)
 
     def on(self, device: torch.device) -> torch.Tensor:
         return torch.from_numpy(self.bits).view(self.dtype).to(device)
+
+
+@dataclasses.dataclass(frozen=True)
+class Logits:
+    """Multiply these final hidden states by this rank's lm_head rows (`Transformer.compute_logits`)."""
+
+    hidden: Bits
+
+    @classmethod
+    def of(cls, hidden: torch.Tensor) -> Logits:
+        return cls(Bits.of(hidden))
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        return self.hidden.on(device)
 
 
 _SAME_WIDTH_INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -526,9 +551,9 @@ class Workers:
         shutil.rmtree(self._directory, ignore_errors=True)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, batches: tuple[PagedBatch, ...],
-                lora_ids: list[int] | None = None) -> None:
+                lora_ids: list[int] | None = None, images: ImageRows | None = None) -> None:
         """Have the workers run the layer stack over this batch (each KV cache group's layout)."""
-        self.send(Forward.of(token_ids, positions, batches, lora_ids))
+        self.send(Forward.of(token_ids, positions, batches, lora_ids, images))
 
     def logits(self, hidden: torch.Tensor) -> None:
         self.send(Logits.of(hidden))

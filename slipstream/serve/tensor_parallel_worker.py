@@ -82,7 +82,7 @@ def serve(runner: Runner, stdin: BinaryIO, device: torch.device, spec: WorkerSpe
         if isinstance(message, Forward):
             ids = message.lora_ids
             with contextlib.nullcontext() if ids is None else runner.lora.rows(ids, device):
-                runner.hidden_states(*message.on(device))
+                runner.hidden_states(*message.on(device), images=message.images_on(device))
         elif isinstance(message, LoadLoRA):
             runner.lora.add(shard_adapter(message.adapter, runner.model.config, spec.rank, spec.size))
         elif isinstance(message, UnloadLoRA):
