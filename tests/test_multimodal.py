@@ -33,6 +33,7 @@ from slipstream import LLM, SamplingParams
 from slipstream.model.create import stdlib_tokenizer
 from slipstream.model.image_processor import ImageProcessor
 from slipstream.model.llava import LlavaConfig, load_image_encoder
+from slipstream.model.tokenizer import Tokenizer
 from slipstream.model.weights import load_model
 from slipstream.serve.async_engine import AsyncEngine
 from slipstream.serve.engine import Engine, EngineConfig
@@ -1180,3 +1181,55 @@ def test_server_refuses_more_images_than_the_limit_before_fetching(llava, image_
         reply = client.chat.completions.create(model=MODEL_NAME, max_tokens=1,
                                                messages=[{"role": "user", "content": [url]}])
         assert reply.usage.prompt_tokens > NUM_IMAGE_TOKENS
+
+
+def test_responses_take_input_image_parts(llava, llava_server, image_host):
+    """Guards /v1/responses' input_image parts through the openai client: a data URL's image and
+    an http URL's give transformers' greedy tokens (the chat's rendering of the same parts),
+    usage counting the expanded image tokens; a file_id, an image in an assistant message and a
+    URL that cannot be loaded are 400s naming `input`; truncation "auto" counts a message's
+    images as the tokens they expand to, drops the old message they would overflow, and fetches
+    none of its images."""
+    hf, model_dir = llava
+    image = random_image(10, (45, 29))  # IMAGE_FILES["cat.png"]
+    text = "USER: What is this? <image>\n\nASSISTANT:"
+    ids, expected, gaps = llava_greedy(hf, model_dir, text, [image])
+    assert gaps.min() > 1e-3  # no near tie: the spelled tokens must match exactly
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    spelled = Tokenizer.from_pretrained(model_dir).tokens_bytes(expected)
+    client = openai.OpenAI(base_url=llava_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+    def respond(*parts: dict, role: str = "user", **kwargs):
+        content = [{"type": "input_text", "text": "What is this? "}, *parts]
+        return client.responses.create(
+            model=MODEL_NAME, input=[{"role": role, "content": content}],
+            max_output_tokens=MAX_TOKENS, temperature=0.0, include=["message.output_text.logprobs"],
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}, **kwargs)
+
+    for url in (data_url(image), f"{image_host.url}/cat.png"):
+        reply = respond({"type": "input_image", "image_url": url, "detail": "auto"})
+        assert reply.usage.input_tokens == len(ids)
+        # Responses' logprobs name tokens by their text and bytes: transformers' tokens, spelled.
+        assert [bytes(entry.bytes) for entry in reply.output[0].content[0].logprobs] == spelled
+        assert reply.output_text == tokenizer.decode(expected, skip_special_tokens=True)
+
+    def refused(*parts: dict, role: str = "user") -> str:
+        with pytest.raises(openai.BadRequestError) as error:
+            respond(*parts, role=role)
+        assert error.value.body["param"] == "input", error.value.body
+        return error.value.body["message"]
+
+    assert "no Files API" in refused({"type": "input_image", "file_id": "file-123"})
+    assert "content part of type 'input_image'" in refused(
+        {"type": "input_image", "image_url": data_url(image)}, role="assistant")
+    message = refused({"type": "input_image", "image_url": f"{image_host.url}/missing"})
+    assert "input's image 0" in message and "HTTP 404" in message, message
+
+    fetched = len(image_host.paths)
+    old = [{"type": "input_image", "image_url": f"{image_host.url}/slow/dog.jpg"}] * 12  # 192 image tokens
+    reply = client.responses.create(model=MODEL_NAME, max_output_tokens=100, truncation="auto", input=[
+        {"role": "user", "content": [*old, {"type": "input_text", "text": "and these?"}]},
+        {"role": "assistant", "content": "Dogs."},
+        {"role": "user", "content": "What is this?"}])
+    assert reply.status in ("completed", "incomplete")
+    assert len(image_host.paths) == fetched

@@ -402,7 +402,8 @@ class TextPart(_Body):
 
 class ImageURL(_Body):
     url: str
-    """A data URL (`data:image/png;base64,...`); any other is a 400: the server fetches nothing."""
+    """A data URL (`data:image/png;base64,...`), an http(s) URL or a file URL, loaded as the
+    server's media settings allow (media.py)."""
     detail: str | None = None
     """OpenAI's resolution hint; LLaVA's encoder has one resolution, so it changes nothing."""
 
@@ -1152,7 +1153,7 @@ def _message(index: int, item: dict[str, Any]) -> dict[str, Any]:
         raise bad_request(f"input[{index}] has role {_excerpt(str(role))}; a message's role is one of "
                           f"{', '.join(MESSAGE_ROLES)}", "input")
     if isinstance(content, list):
-        return {"role": role, "content": _parts(index, content)}
+        return {"role": role, "content": _parts(index, content, images=role != "assistant")}
     if not isinstance(content, str):
         raise bad_request(f"input[{index}].content must be a string or a list of input_text parts", "input")
     return {"role": role, "content": content}
@@ -1182,17 +1183,35 @@ def _reasoning_text(index: int, item: dict[str, Any]) -> str:
     return ""
 
 
-def _parts(index: int, parts: list[Any]) -> list[dict[str, str]]:
-    """input_text / output_text parts as chat's text parts."""
-    texts = []
+def _parts(index: int, parts: list[Any], images: bool = False) -> list[dict[str, Any]]:
+    """input_text / output_text parts as chat's text parts, and (`images`: a message other than
+    the assistant's) input_image parts as its image_url parts."""
+    chat_parts: list[dict[str, Any]] = []
     for part in parts:
-        is_text = isinstance(part, dict) and part.get("type") in ("input_text", "output_text")
-        if not is_text or not isinstance(part.get("text"), str):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if images and kind == "input_image":
+            chat_parts.append(_image_part(index, part))
+            continue
+        if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
+            takes = "input_text, output_text and input_image" if images else "input_text and output_text"
             raise bad_request(f"input[{index}] has a content part of type {_excerpt(str(kind))}; this server "
-                              "takes input_text and output_text parts with a text", "input")
-        texts.append({"type": "text", "text": part["text"]})
-    return texts
+                              f"takes {takes} parts here", "input")
+        chat_parts.append({"type": "text", "text": part["text"]})
+    return chat_parts
+
+
+def _image_part(index: int, part: dict[str, Any]) -> dict[str, Any]:
+    """An input_image part ({"image_url": URL, "detail": ...}) as chat's image_url part."""
+    if part.get("file_id") is not None:
+        raise bad_request(f"input[{index}] has an input_image with a file_id; this server has no Files API: "
+                          "send the image as its image_url (a data, http(s) or file URL)", "input")
+    url, detail = part.get("image_url"), part.get("detail")
+    if not isinstance(url, str):
+        raise bad_request(f"input[{index}] has an input_image without an image_url string", "input")
+    if detail not in (None, "auto", "low", "high"):
+        raise bad_request(f"input[{index}] has an input_image whose detail is {_excerpt(str(detail))}; "
+                          "it is auto, low or high", "input")
+    return {"type": "image_url", "image_url": {"url": url, "detail": detail}}
 
 
 def _item_text(index: int, item: dict[str, Any], key: str) -> str:

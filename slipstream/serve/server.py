@@ -510,10 +510,12 @@ class OpenAIServer:
             params = await asyncio.to_thread(chat.sampling_params, max_tokens=chat.max_new_tokens,
                                              logprobs=chat.num_logprobs, defaults=self.sampling_defaults)
             params, tool_calls = self._tool_calls(chat, params)
-            token_ids, dropped_users = await asyncio.to_thread(self._response_prompt, body, chat)
-            self._check_context(self._num_expanded_tokens(token_ids, (), "input"), None, params.min_tokens,
-                                "input", "max_output_tokens")
-            room = self.max_model_len - len(token_ids)
+            self._check_image_limit(chat)
+            token_ids, kept = await asyncio.to_thread(self._response_prompt, body, chat)
+            images = await self._chat_images(kept, "input")
+            num_prompt_tokens = self._num_expanded_tokens(token_ids, images, "input")
+            self._check_context(num_prompt_tokens, None, params.min_tokens, "input", "max_output_tokens")
+            room = self.max_model_len - num_prompt_tokens
             if params.max_tokens is None or params.max_tokens > room:
                 params = params.replace(max_tokens=room)
             settings = body.settings(params, store_enabled=store is not None)
@@ -524,9 +526,11 @@ class OpenAIServer:
                                                     as_token_ids=self._as_token_ids(chat),
                                                     reasoning=reasoning)
             stream = await self._submit(builder.id, [token_ids], params, arrival_time_s,
-                                        _chat_params_named(chat), chat, lora, chat.chat_template_kwargs)
+                                        _chat_params_named(chat), chat, lora, chat.chat_template_kwargs,
+                                        images)
         entry = None
         if store is not None and body.store:
+            dropped_users = _num_user_messages(chat) - _num_user_messages(kept)
             entry = responses_api.StoredResponse(builder.pending("queued"), body.conversation(dropped_users))
         if body.background:  # check_store: only with an entry
             if body.stream:
@@ -591,22 +595,23 @@ class OpenAIServer:
             _background_failed(entry, builder, error)
 
     def _response_prompt(self, body: protocol.ResponsesRequest,
-                         chat: ChatCompletionRequest) -> tuple[list[int], int]:
-        """The input's ids as the chat template renders them, and how many of the chat's user messages
-        were dropped; with truncation "auto", those of the chat less the fewest leading items that
-        leave the output its reserve (protocol.truncated_messages; each candidate is rendered once)."""
+                         chat: ChatCompletionRequest) -> tuple[list[int], ChatCompletionRequest]:
+        """The input's ids as the chat template renders them, and the chat they render; with
+        truncation "auto", the chat less the fewest leading items that leave the output its reserve
+        (protocol.truncated_messages; each candidate is rendered once), its length counting each
+        image as the tokens it expands to."""
         if body.truncation == "disabled":
-            return self._render_chat(chat), 0
+            return self._render_chat(chat), chat
         budget = self.max_model_len - body.output_reserve(self.max_model_len)
         rendered: dict[int, list[int]] = {}  # by number of messages: each candidate has its own
+        per_image = 0 if self.image_prompts is None else self.image_prompts.num_image_tokens - 1
 
         def fits(messages: list[protocol.ChatMessage]) -> bool:
-            rendered[len(messages)] = self._render_chat(chat.model_copy(update={"messages": messages}))
-            return len(rendered[len(messages)]) <= budget
+            ids = rendered[len(messages)] = self._render_chat(chat.model_copy(update={"messages": messages}))
+            return len(ids) + per_image * sum(len(m.image_urls) for m in messages) <= budget
 
         kept = protocol.truncated_messages(chat.messages, fits)
-        users = sum(message.role == "user" for message in chat.messages)
-        return rendered[len(kept)], users - sum(message.role == "user" for message in kept)
+        return rendered[len(kept)], chat.model_copy(update={"messages": kept})
 
     async def retrieve_response(self, request: Request, response_id: str) -> Response:
         """GET /v1/responses/{id}: the stored Response (a background one as it stands). As vLLM by
@@ -888,29 +893,32 @@ class OpenAIServer:
             except ValueError as error:
                 raise protocol.bad_request(str(error), "messages") from None
 
-    async def _chat_images(self, body: ChatCompletionRequest) -> list[PIL.Image.Image]:
+    async def _chat_images(self, body: ChatCompletionRequest,
+                           param: str = "messages") -> list[PIL.Image.Image]:
         """The chat's images, in order, decoded from their data URLs or fetched or read as the
         server's media settings allow, all at once in the server's media threads (a request of
         several URLs waits for its slowest, not their sum). A URL that cannot be loaded, or bytes
-        that are no image, are a 400 naming `messages` (the first such in the messages, once every
-        load has ended); so are more images than the context holds, before any is fetched."""
-        urls = [(i, j, url) for i, message in enumerate(body.messages)
-                for j, url in enumerate(message.image_urls)]
+        that are no image, are a 400 naming `param` (the first such in the messages, once every
+        load has ended); so are more images than the context holds, before any is fetched. The
+        request field the messages came from is `param`: "messages", or a Response's "input",
+        whose images are named by their order in it."""
+        urls = [(f"messages[{i}]'s image_url {j}" if param == "messages" else f"{param}'s image {n}", url)
+                for n, (i, j, url) in enumerate((i, j, url) for i, message in enumerate(body.messages)
+                                                for j, url in enumerate(message.image_urls))]
         per_image = 0 if self.image_prompts is None else self.image_prompts.num_image_tokens
         num_image_tokens = len(urls) * per_image
         if num_image_tokens >= self.max_model_len:
             raise protocol.bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                f"messages hold {len(urls)} images, {num_image_tokens} input tokens, which leaves no room "
-                "for output tokens. Please send fewer images.", "messages", CONTEXT_EXCEEDED)
+                f"{param} hold {len(urls)} images, {num_image_tokens} input tokens, which leaves no room "
+                "for output tokens. Please send fewer images.", param, CONTEXT_EXCEEDED)
         loop = asyncio.get_running_loop()
         images = await asyncio.gather(*(
-            loop.run_in_executor(self._media_threads, load_image, url, f"messages[{i}]'s image_url {j}",
-                                 self.config.media)
-            for i, j, url in urls), return_exceptions=True)
+            loop.run_in_executor(self._media_threads, load_image, url, where, self.config.media)
+            for where, url in urls), return_exceptions=True)
         for image in images:
             if isinstance(image, ValueError):
-                raise protocol.bad_request(str(image), "messages") from None
+                raise protocol.bad_request(str(image), param) from None
             if isinstance(image, BaseException):
                 raise image
         return images
@@ -1160,6 +1168,10 @@ def _query_count(request: Request, name: str) -> int | None:
 
 def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _num_user_messages(chat: ChatCompletionRequest) -> int:
+    return sum(message.role == "user" for message in chat.messages)
 
 
 def _chat_params_named(body: ChatCompletionRequest) -> dict[str, str]:
