@@ -1,13 +1,13 @@
-"""Pipeline parallelism (`parallel.pipeline_parallel_degree`): the config's checks, the stage
-split against the perf model's `stage_layers`, and under torchrun with gloo a 2-rank 1F1B
-pipeline of a 6-layer Gemma 3 model (sliding-window layers with local RoPE tables picked by
-global layer index, a scaled and tied embedding) over 4 micro-batches that follows one process's
-losses, gradient norms, eval losses and weights, whose checkpoint one process resumes as the
-uninterrupted run went on; slow: a 4-layer tied Llama under 1F1B, the interleaved schedule with 2
-stages per rank and GPipe, an untied model, resumes at other pipeline layouts, FSDP2 and DDP over
-2 replicas of a 2-stage pipeline and over its stages' 2 context-parallel ranks, TP = 2 within each
-stage (4 ranks each), the tied table's two copies bit-equal after training, and DDP's bucketed
-gradient mean."""
+"""Pipeline parallelism (`parallel.pipeline_parallel_degree`): the config's checks, the stage split
+against the perf model's `stage_layers`, and under torchrun with gloo a 2-rank 1F1B pipeline of a
+6-layer Gemma 3 model (sliding-window layers with local RoPE tables picked by global layer index, a
+scaled and tied embedding) over 4 micro-batches that follows one process's losses, gradient norms,
+eval losses and weights, whose checkpoint one process resumes as the uninterrupted run went on; a
+4-layer tied Llama under ZBVZeroBubble (a zero-bubble schedule, its stages in a V); slow: that Llama
+under 1F1B, the interleaved schedule with 2 stages per rank, GPipe, InterleavedZeroBubble and
+DualPipeV, an untied model, resumes at other pipeline layouts, FSDP2 and DDP over 2 replicas of a
+2-stage pipeline and over its stages' 2 context-parallel ranks, TP = 2 within each stage (4 ranks
+each), the tied table's two copies bit-equal after training, and DDP's bucketed gradient mean."""
 
 from __future__ import annotations
 
@@ -48,11 +48,15 @@ RUN = COMPARED_RUN
 PP2 = ("--parallel.pipeline_parallel_degree=2",)
 INTERLEAVED = (*PP2, "--parallel.pipeline_parallel_schedule=Interleaved1F1B",
                "--parallel.pipeline_parallel_stages_per_rank=2")
+ZBV = (*PP2, "--parallel.pipeline_parallel_schedule=ZBVZeroBubble",
+       "--parallel.pipeline_parallel_stages_per_rank=2", "--eval.interval=0")
+ZERO_BUBBLE = (*PP2, "--parallel.pipeline_parallel_schedule=InterleavedZeroBubble",
+               "--parallel.pipeline_parallel_stages_per_rank=2")
 GEMMA_RUN = (*RUN, "--training.global_batch_size=8")
 """RUN with 8 sequences a step: 4 micro-batches of 2, more than the pipeline's 2 stages."""
 LOSS_ATOL = 1e-5
-"""fp32: a pipeline computes what one process does, layer by layer; the schedule divides the
-summed gradients by m where one process divides each micro-batch's loss, and the tied table's
+"""fp32: a pipeline computes what one process does, layer by layer; the gradients summed over the
+micro-batches are divided by m where one process divides each micro-batch's loss, and the tied table's
 two gradients are added on both ranks in one order: rounding of order 1e-7 (measured 4.8e-7).
 Measured on the Llama fixture: the tied gradients left unsummed put the loss 9.6e-3 off by step
 8, a wrong stage split (a layer run twice, another skipped) 1.7e-2."""
@@ -88,6 +92,19 @@ def _config(data_dir: Path, tmp_path: Path, *extra: str):
      r"'Interleaved1F1B' needs a multiple of parallel.pipeline_parallel_degree \(2\) .* = 3"),
     ((*PP2, "--training.global_batch_size=4", "--training.micro_batch_size=4"), 4,
      r"training.global_batch_size \(4\) must be divisible by world size / parallel.pipeline_parallel_degree"),
+    ((*PP2, "--parallel.pipeline_parallel_schedule=InterleavedZeroBubble"), 2,
+     r"stages_per_rank \(1\) must be at least 2 with .*_schedule 'InterleavedZeroBubble'"),
+    ((*ZBV, "--parallel.pipeline_parallel_stages_per_rank=3"), 2,
+     r"stages_per_rank \(3\) must be 2 with parallel.pipeline_parallel_schedule 'ZBVZeroBubble'"),
+    ((*ZBV, "--parallel.compile=true"), 2,
+     r"parallel.compile does not work with parallel.pipeline_parallel_schedule 'ZBVZeroBubble'"),
+    ((*ZBV, "--eval.interval=5"), 2,
+     r"'ZBVZeroBubble' cannot run the held-out evaluation \(eval.interval = 5\)"),
+    ((*ZBV, "--parallel.pipeline_parallel_schedule=DualPipeV", "--training.global_batch_size=4",
+      "--training.micro_batch_size=2"), 2,
+     r"'DualPipeV' needs at least as many micro-batches per step as stages \(2 x .* = 4\) .* = 2"),
+    ((*ZERO_BUBBLE, "--training.global_batch_size=10", "--training.micro_batch_size=2"), 2,
+     r"'InterleavedZeroBubble' needs the micro-batches per step to be a multiple of their rounds .* = 5"),
 ])
 def test_bad_pipeline_settings_are_refused(extra, world_size, match, data_dir, tmp_path):
     """Each bad setting is a ValueError naming its key, at construction or by `check_run` (no
@@ -103,11 +120,12 @@ def test_bad_pipeline_settings_are_refused(extra, world_size, match, data_dir, t
 
 
 @pytest.mark.parametrize("spelled, canonical", [("1f1b", "1F1B"), ("gpipe", "GPipe"),
-                                                ("INTERLEAVED1F1B", "Interleaved1F1B")])
+                                                ("INTERLEAVED1F1B", "Interleaved1F1B"),
+                                                ("zbvzerobubble", "ZBVZeroBubble")])
 def test_schedule_names_are_taken_in_any_case(spelled, canonical, data_dir, tmp_path):
     """A schedule name is matched in any case, as torch's `get_schedule_class` and torchtitan
     match it, and kept as torch spells it (the run record and config.toml show that)."""
-    extra = ("--parallel.pipeline_parallel_stages_per_rank=2",) if canonical == "Interleaved1F1B" else ()
+    extra = ("--parallel.pipeline_parallel_stages_per_rank=2",) if canonical not in ("1F1B", "GPipe") else ()
     config = _config(data_dir, tmp_path, *PP2, f"--parallel.pipeline_parallel_schedule={spelled}", *extra)
     assert config.parallel.pipeline_parallel_schedule == canonical
     assert f'pipeline_parallel_schedule = "{canonical}"' in config.to_toml()
@@ -272,6 +290,29 @@ def test_llama_pp2_follows_one_process(label, extra, pp_run, one_process_run, da
         torchrun_ok(small_config(data_dir, tied_four_layers, run_dir, *RUN, *extra), tmp_path)
     assert_records_follow(run_dir, one_process_run, label, LOSS_ATOL, GRAD_NORM_RTOL)
     assert max_weight_diff(final_checkpoint(run_dir), final_checkpoint(one_process_run)) <= WEIGHT_ATOL
+
+
+@pytest.mark.parametrize("label, extra", [
+    pytest.param("InterleavedZeroBubble", ZERO_BUBBLE, marks=pytest.mark.slow), ("ZBVZeroBubble", ZBV),
+    pytest.param("DualPipeV", (*ZBV, "--parallel.pipeline_parallel_schedule=DualPipeV",
+                               "--training.micro_batch_size=1"), marks=pytest.mark.slow),
+])
+def test_zero_bubble_schedules_follow_one_process(label, extra, one_process_run, data_dir, tied_four_layers,
+                                                  tmp_path):
+    """torch's zero-bubble schedules, which split each backward into its input and its weight
+    gradients (Qi et al. 2023), follow one process's losses, gradient norms and final weights:
+    InterleavedZeroBubble (2 stages per rank in a loop: rank 0 holds layers 0 and 2), with its
+    held-out evaluation, and ZBVZeroBubble (2 stages per rank in a V: rank 0 holds layer 0 with the
+    embedding and layer 3 with the output layer, both uses of the tied table on one rank), and
+    DualPipeV (the same V, 4 micro-batches of 1) without (torch's V schedules cannot run forward
+    only)."""
+    torchrun_ok(small_config(data_dir, tied_four_layers, tmp_path / "run", *RUN, *extra), tmp_path)
+    (run,) = read_metrics(tmp_path / "run", "run")
+    assert run["pipeline_parallel_schedule"] == label and run["pipeline_parallel_stages_per_rank"] == 2
+    assert_records_follow(tmp_path / "run", one_process_run, label, LOSS_ATOL, GRAD_NORM_RTOL,
+                          evaluated=extra is ZERO_BUBBLE)
+    diff = max_weight_diff(final_checkpoint(tmp_path / "run"), final_checkpoint(one_process_run))
+    assert diff <= WEIGHT_ATOL
 
 
 def test_the_perf_model_prices_a_pipeline_run_with_its_layout(gemma3_pp_run):

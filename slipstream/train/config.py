@@ -39,7 +39,15 @@ if typing.TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 STRATEGIES = ("fsdp", "ddp")
-PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble",
+                      "DualPipeV")
+LOOPED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
+"""Schedules of v >= 2 stages per rank placed in a loop: rank r holds stages r, r + pp, ..."""
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+"""Schedules of exactly 2 stages per rank placed in a V: rank r holds stages r and 2 pp - 1 - r."""
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""Schedules that run a stage's backward as two passes, the input gradients and later the weight
+gradients (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"), which torch's compile cannot split."""
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
 DECAYS = ("cosine", "linear", "constant")
 TOKENIZER_DIR = "tokenizer"
@@ -192,11 +200,13 @@ class ParallelConfig:
     pipeline's micro-batches. Not for mixture-of-experts models; 1 is none."""
     pipeline_parallel_schedule: str = "1F1B"
     """With pipeline parallelism, torch's schedule by torchtitan's name: 1F1B (needs at least
-    as many micro-batches as stages), GPipe, or Interleaved1F1B (several stages per rank, and
-    micro-batches a multiple of the degree, Megatron's rule)."""
+    as many micro-batches as stages), GPipe, Interleaved1F1B (several stages per rank, and
+    micro-batches a multiple of the degree, Megatron's rule), or the zero-bubble schedules, which
+    split each backward into input and weight gradients: InterleavedZeroBubble (several stages
+    per rank in a loop), ZBVZeroBubble and DualPipeV (two stages per rank in a V)."""
     pipeline_parallel_stages_per_rank: int = 1
-    """Stages each pipeline rank holds (Megatron's virtual stages, v): 1, or at least 2 with
-    the Interleaved1F1B schedule, which needs them."""
+    """Stages each pipeline rank holds (Megatron's virtual stages, v): 1; at least 2 with
+    Interleaved1F1B and InterleavedZeroBubble; 2 with ZBVZeroBubble and DualPipeV."""
 
     def __post_init__(self) -> None:
         _check_choice("parallel.strategy", self.strategy, STRATEGIES)
@@ -220,16 +230,23 @@ class ParallelConfig:
         if pp == 1 and v > 1:
             raise ValueError(f"parallel.pipeline_parallel_stages_per_rank ({v}) needs parallel.pipeline_"
                              "parallel_degree > 1 (it is 1: no pipeline); set it to 1")
-        if pp == 1 and schedule == "Interleaved1F1B":
-            raise ValueError("parallel.pipeline_parallel_schedule 'Interleaved1F1B' needs parallel.pipeline_"
+        if pp == 1 and schedule not in ("1F1B", "GPipe"):
+            raise ValueError(f"parallel.pipeline_parallel_schedule {schedule!r} needs parallel.pipeline_"
                              "parallel_degree > 1 (it is 1: no pipeline)")
-        if schedule == "Interleaved1F1B" and v < 2:
+        if schedule in LOOPED_SCHEDULES and v < 2:
             raise ValueError(f"parallel.pipeline_parallel_stages_per_rank ({v}) must be at least 2 with "
-                             "parallel.pipeline_parallel_schedule 'Interleaved1F1B'")
-        if schedule != "Interleaved1F1B" and v != 1:
+                             f"parallel.pipeline_parallel_schedule {schedule!r}")
+        if schedule in V_SCHEDULES and v != 2:
+            raise ValueError(f"parallel.pipeline_parallel_stages_per_rank ({v}) must be 2 with "
+                             f"parallel.pipeline_parallel_schedule {schedule!r} (its stages form a V)")
+        if schedule in ("1F1B", "GPipe") and v != 1:
             raise ValueError(f"parallel.pipeline_parallel_stages_per_rank ({v}) must be 1 with "
-                             f"parallel.pipeline_parallel_schedule {schedule!r}; "
-                             "several stages per rank need 'Interleaved1F1B'")
+                             f"parallel.pipeline_parallel_schedule {schedule!r}; several stages per rank "
+                             f"need one of {', '.join(LOOPED_SCHEDULES + V_SCHEDULES)}")
+        if self.compile and schedule in SPLIT_BACKWARD_SCHEDULES:
+            raise ValueError(f"parallel.compile does not work with parallel.pipeline_parallel_schedule "
+                             f"{schedule!r}: torch cannot split a compiled backward into its input and "
+                             "weight gradients; set parallel.compile=false or take another schedule")
 
 
 def _canonical_schedule(name: Any) -> str:
@@ -553,6 +570,12 @@ def check_run(config: TrainConfig, world_size: int) -> None:
             f"{config.training.micro_batch_size} = {per_step})"
         )
     _check_pipeline_microbatches(config.parallel, config.training.global_batch_size // per_step)
+    schedule = config.parallel.pipeline_parallel_schedule
+    if pp > 1 and schedule in V_SCHEDULES and config.eval.interval:
+        raise ValueError(f"parallel.pipeline_parallel_schedule {schedule!r} cannot run the held-out "
+                         f"evaluation (eval.interval = {config.eval.interval}): torch's V schedules fail "
+                         "in a forward-only pass (schedule.eval), the two stages on one rank waiting for "
+                         "a backward; set eval.interval=0, or take InterleavedZeroBubble")
     data_dir = Path(config.data.path) if config.data.path else None
     if data_dir is None:
         raise ValueError("data.path is required: a directory written by `slipstream data prepare`")
@@ -582,6 +605,14 @@ def _check_pipeline_microbatches(parallel: ParallelConfig, num_microbatches: int
     if schedule == "Interleaved1F1B" and m % pp:
         raise ValueError(f"parallel.pipeline_parallel_schedule 'Interleaved1F1B' needs a multiple of "
                          f"parallel.pipeline_parallel_degree ({pp}) micro-batches per step {where}")
+    if schedule == "InterleavedZeroBubble" and m % max(1, m // pp):
+        raise ValueError(f"parallel.pipeline_parallel_schedule 'InterleavedZeroBubble' needs the "
+                         f"micro-batches per step to be a multiple of their rounds (m // parallel.pipeline_"
+                         f"parallel_degree ({pp}) = {m // pp}: torch's rule) {where}")
+    if schedule == "DualPipeV" and m < 2 * pp:
+        raise ValueError(f"parallel.pipeline_parallel_schedule 'DualPipeV' needs at least as many "
+                         f"micro-batches per step as stages (2 x parallel.pipeline_parallel_degree = "
+                         f"{2 * pp}) {where}")
 
 
 def check_pipeline_parallel(config: TrainConfig, model_config: ModelConfig) -> None:

@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from slipstream.model import Transformer
 from slipstream.model.transformer import AttentionMetadata
-from slipstream.train.config import ParallelConfig
+from slipstream.train.config import V_SCHEDULES, ParallelConfig
 from slipstream.train.job import stage_layer_ranges
 from slipstream.train.parallel import apply_activation_checkpointing, apply_compile, apply_tensor_parallel
 
@@ -54,9 +54,13 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 
-def rank_stages(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+def rank_stages(pp_rank: int, pp: int, stages_per_rank: int, schedule: str = "1F1B") -> list[int]:
     """The stages rank `pp_rank` of a pipeline holds: pp_rank, pp_rank + pp, ... (torch's "loop"
-    placement for interleaved schedules; one stage each for the others)."""
+    placement for interleaved schedules; one stage each for the others), or for a V schedule
+    (ZBVZeroBubble, DualPipeV) pp_rank and 2 pp - 1 - pp_rank (torch's "v" placement: the first
+    rank holds the first and the last stage)."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + v * pp for v in range(stages_per_rank)]
 
 
@@ -83,12 +87,12 @@ class Pipeline:
         return self.num_stages - 1 in self.stage_ids
 
 
-def make_pipeline(mesh: DeviceMesh, stages_per_rank: int) -> Pipeline:
-    """This rank's `Pipeline` on the mesh's "pp" dimension."""
+def make_pipeline(mesh: DeviceMesh, stages_per_rank: int, schedule: str) -> Pipeline:
+    """This rank's `Pipeline` on the mesh's "pp" dimension, its stages placed as `schedule` runs them."""
     pp_mesh = mesh["pp"]
     pp_rank, pp = pp_mesh.get_local_rank(), pp_mesh.size()
     return Pipeline(pp_rank, pp, stages_per_rank, pp_mesh.get_group(),
-                    tuple(rank_stages(pp_rank, pp, stages_per_rank)))
+                    tuple(rank_stages(pp_rank, pp, stages_per_rank, schedule)))
 
 
 def prune_to_stages(model: Transformer, pipeline: Pipeline) -> Transformer:
@@ -159,10 +163,12 @@ def build_schedule(
     modules: Sequence[StageModule], pipeline: Pipeline, schedule: str, num_microbatches: int,
     device: torch.device, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mean_cross_entropy,
 ) -> PipelineScheduleSingle | PipelineScheduleMulti:
-    """torch's schedule `schedule` over this rank's stages; gradients come out as the mean over
-    the micro-batches (`scale_grads`), as the accumulation loop's (loss / m).backward() makes them.
-    `schedule` is one of config.PIPELINE_SCHEDULES, torchtitan's names for torch's schedules:
-    torch's class is `Schedule` + the name."""
+    """torch's schedule `schedule` over this rank's stages. Gradients come out summed over the
+    micro-batches: `mean_over_microbatches` then divides them once, as the accumulation loop's
+    (loss / m).backward() makes them. (torch's own `scale_grads` divides each stage's parameters'
+    gradients, so a table two stages of one rank share, the tied embedding under a V schedule, was
+    divided twice.) `schedule` is one of config.PIPELINE_SCHEDULES, torchtitan's names for torch's
+    schedules: torch's class is `Schedule` + the name."""
     # Imported here: torch.distributed.pipelining imports torch._dynamo, ~1 s at every start of a
     # run that has no pipeline.
     from torch.distributed.pipelining import PipelineStage, schedules
@@ -171,8 +177,16 @@ def build_schedule(
               for module, stage_id in zip(modules, pipeline.stage_ids, strict=True)]
     cls = getattr(schedules, f"Schedule{schedule}")
     if issubclass(cls, schedules.PipelineScheduleMulti):
-        return cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True)
-    return cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=True)
+        return cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+def mean_over_microbatches(owner: Transformer, num_microbatches: int) -> None:
+    """Divide the gradients the schedule summed over its `num_microbatches` micro-batches by their
+    number, each parameter once (`build_schedule`)."""
+    for param in owner.parameters():
+        if param.grad is not None:
+            param.grad.div_(num_microbatches)
 
 
 def tied_embedding_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:

@@ -53,6 +53,7 @@ from slipstream.ops.allocator import keep_freed_memory, keep_large_freed_memory
 from slipstream.perf.flops import mfu, num_params, train_flops_per_token
 from slipstream.train import checkpoint as ckpt
 from slipstream.train.config import (
+    V_SCHEDULES,
     TrainConfig,
     check_run,
     load_config,
@@ -90,6 +91,7 @@ from slipstream.train.pipeline import (
     build_stage_modules,
     data_parallel_mesh,
     make_pipeline,
+    mean_over_microbatches,
     parallelize_stages,
     prune_to_stages,
     reshard_stages,
@@ -185,7 +187,8 @@ class Trainer:
         """This rank's data-parallel replica and their number: the ranks of one replica (its
         context- and tensor-parallel groups, its pipeline's stages) read the same batches."""
         self.pipeline = None if pp == 1 else make_pipeline(
-            self.mesh, config.parallel.pipeline_parallel_stages_per_rank)
+            self.mesh, config.parallel.pipeline_parallel_stages_per_rank,
+            config.parallel.pipeline_parallel_schedule)
         """This rank's pipeline stages and group; None without pipeline parallelism."""
         self.context_parallel = None if cp == 1 else ContextParallel(
             self.mesh["cp"].get_group(), self.mesh["cp"].get_local_rank(), cp, config.data.seq_len,
@@ -362,8 +365,11 @@ class Trainer:
         """The groups a pipeline step reduces gradients over beyond the schedule's own: the first
         and last stages' pair for a tied embedding, the stage's data-parallel replicas under DDP."""
         assert self.mesh is not None and self.pipeline is not None
+        # Under a V schedule the first rank holds the first and the last stage: one table, whose
+        # two uses add up in its one gradient. (Every rank decides alike: making a group is collective.)
+        v_placed = self.config.parallel.pipeline_parallel_schedule in V_SCHEDULES
         self._tied_group = (tied_embedding_group(self.mesh) if self.model_config.tie_word_embeddings
-                            else None)
+                            and not v_placed else None)
         dp_mesh = data_parallel_mesh(self.mesh)
         ddp = dp_mesh is not None and self.config.parallel.strategy == "ddp"
         self._ddp_group = dp_mesh.get_group() if ddp else None
@@ -567,6 +573,7 @@ class Trainer:
         losses: list[torch.Tensor] = []
         with self._autocast(), self._loss_parallel():  # the loss's backward runs in the schedule
             self._run_schedule(self.schedule.step, inputs, targets, losses)
+        mean_over_microbatches(self.model, self.accumulation_steps)
         sum_tied_embedding_grads(self.model, self._tied_group)
         if self._ddp_group is not None:
             average_grads(list(self.model.parameters()), self._ddp_group)
