@@ -142,13 +142,11 @@ def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
 
 
 def assert_records_follow(run_dir: Path, reference: Path, label: str, loss_atol: float,
-                          grad_norm_rtol: float | None = None, *, evaluated: bool = True) -> None:
+                          grad_norm_rtol: float | None = None) -> None:
     """`run_dir`'s train and eval losses within `loss_atol` of `reference`'s, record for record (a
     step redone after a resume: its later record), and its gradient norms within `grad_norm_rtol`
-    of them, relatively (None: within `loss_atol`, as the losses). `evaluated` False: `run_dir`
-    ran without evaluation, and only the train records are compared."""
-    compared = (("train", "loss"), ("train", "grad_norm")) + ((("eval", "eval_loss"),) if evaluated else ())
-    for kind, key in compared:
+    of them, relatively (None: within `loss_atol`, as the losses)."""
+    for kind, key in (("train", "loss"), ("train", "grad_norm"), ("eval", "eval_loss")):
         expected = {r["step"]: r[key] for r in read_metrics(reference, kind)}
         got = {r["step"]: r[key] for r in read_metrics(run_dir, kind)}
         assert got.keys() == expected.keys()

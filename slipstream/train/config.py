@@ -570,12 +570,6 @@ def check_run(config: TrainConfig, world_size: int) -> None:
             f"{config.training.micro_batch_size} = {per_step})"
         )
     _check_pipeline_microbatches(config.parallel, config.training.global_batch_size // per_step)
-    schedule = config.parallel.pipeline_parallel_schedule
-    if pp > 1 and schedule in V_SCHEDULES and config.eval.interval:
-        raise ValueError(f"parallel.pipeline_parallel_schedule {schedule!r} cannot run the held-out "
-                         f"evaluation (eval.interval = {config.eval.interval}): torch's V schedules fail "
-                         "in a forward-only pass (schedule.eval), the two stages on one rank waiting for "
-                         "a backward; set eval.interval=0, or take InterleavedZeroBubble")
     data_dir = Path(config.data.path) if config.data.path else None
     if data_dir is None:
         raise ValueError("data.path is required: a directory written by `slipstream data prepare`")

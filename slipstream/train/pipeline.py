@@ -189,6 +189,58 @@ def mean_over_microbatches(owner: Transformer, num_microbatches: int) -> None:
             param.grad.div_(num_microbatches)
 
 
+def forward_only(modules: Sequence[StageModule], pipeline: Pipeline, schedule: str,
+                 inputs: torch.Tensor | None, targets: torch.Tensor | None, num_microbatches: int,
+                 device: torch.device,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mean_cross_entropy,
+                 ) -> list[torch.Tensor]:
+    """Each micro-batch's loss from forward passes alone, on the rank of the last stage (none
+    elsewhere): every micro-batch runs through the stages in order, each stage's output kept where
+    the next stage is this rank's and otherwise sent to the rank that holds it. What
+    `schedule.eval` does, for the V schedules, where torch's fails (the two stages at the V's tip,
+    on one rank, each wait for a backward). `inputs` (m B, T) on the first stage's rank and
+    `targets` on the last's, None elsewhere."""
+    owner = {stage: rank for rank in range(pipeline.pp)
+             for stage in rank_stages(rank, pipeline.pp, pipeline.stages_per_rank, schedule)}
+    local = dict(zip(pipeline.stage_ids, modules, strict=True))
+    last = pipeline.num_stages - 1
+    losses = []
+    for micro_batch in range(num_microbatches):
+        x = None
+        for stage in sorted(local):
+            if stage == 0:
+                x = inputs.chunk(num_microbatches)[micro_batch]
+            elif owner[stage - 1] != pipeline.pp_rank:
+                x = _receive(owner[stage - 1], pipeline.group, device)
+            x = local[stage](x)
+            if stage == last:
+                losses.append(loss_fn(x, targets.chunk(num_microbatches)[micro_batch]))
+            elif owner[stage + 1] != pipeline.pp_rank:
+                _send(x, owner[stage + 1], pipeline.group)
+    return losses
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _send(x: torch.Tensor, rank: int, group: dist.ProcessGroup) -> None:
+    """`x` to `rank` of `group`: a header of its dtype and shape (B, T, E), then its values."""
+    x = (x.to_local() if isinstance(x, DTensor) else x).contiguous()
+    header = torch.tensor([_DTYPES.index(x.dtype), *x.shape], dtype=torch.int64, device=x.device)
+    dist.send(header, group=group, group_dst=rank)
+    dist.send(x, group=group, group_dst=rank)
+
+
+def _receive(rank: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    """What `_send` sent from `rank` of `group`."""
+    header = torch.empty(4, dtype=torch.int64, device=device)
+    dist.recv(header, group=group, group_src=rank)
+    code, *shape = header.tolist()
+    x = torch.empty(shape, dtype=_DTYPES[code], device=device)
+    dist.recv(x, group=group, group_src=rank)
+    return x
+
+
 def tied_embedding_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     """The two-rank group of this rank's first-stage and last-stage ranks (the same data-parallel
     coordinates), which sum the tied embedding's gradients; None on middle ranks. Every rank

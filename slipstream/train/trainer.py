@@ -90,6 +90,7 @@ from slipstream.train.pipeline import (
     build_schedule,
     build_stage_modules,
     data_parallel_mesh,
+    forward_only,
     make_pipeline,
     mean_over_microbatches,
     parallelize_stages,
@@ -691,14 +692,22 @@ class Trainer:
 
     def _pipeline_eval(self, global_batches: int) -> torch.Tensor:
         """This rank's mean held-out loss over `global_batches` schedule runs of forwards only
-        (`schedule.eval`), each of the step's m micro-batches; 0 but on the last stage."""
+        (`schedule.eval`; under a V schedule `pipeline.forward_only`), each of the step's m
+        micro-batches; 0 but on the last stage."""
         assert self.schedule is not None and self.val_loader is not None
         losses: list[torch.Tensor] = []
         for _ in range(global_batches):
             inputs, targets = self._next_step_batches(self.val_loader)
             batch_losses: list[torch.Tensor] = []  # the schedule clears the list it is given
             with self._autocast(), self._loss_parallel():
-                self._run_schedule(self.schedule.eval, inputs, targets, batch_losses)
+                schedule = self.config.parallel.pipeline_parallel_schedule
+                if schedule in V_SCHEDULES:  # torch's schedule.eval fails there
+                    first, last = self.pipeline.has_first, self.pipeline.has_last
+                    batch_losses = forward_only(self.stage_modules, self.pipeline, schedule,
+                                                inputs if first else None, targets if last else None,
+                                                self.accumulation_steps, self.device)
+                else:
+                    self._run_schedule(self.schedule.eval, inputs, targets, batch_losses)
             losses += batch_losses
         reshard_stages(self.stage_modules)
         return self._pipeline_loss(losses)
