@@ -373,6 +373,22 @@ def test_an_untied_model_follows_one_process(data_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_four_rank_v_schedule_follows_one_process(data_dir, tmp_path):
+    """ZBVZeroBubble over 4 ranks of an 8-layer tied Llama (rank r holds layers r and 7 - r: the
+    middle ranks receive and send both of their stages' activations, rank 3 hands layer 3's output
+    to its own layer 4), training and evaluating as one process does."""
+    model = model_dir(tmp_path / "model", data_dir, tie_word_embeddings=True, num_hidden_layers=8)
+    Trainer(small_config(data_dir, model, tmp_path / "one", *RUN)).run()
+    zbv = (*ZBV, "--parallel.pipeline_parallel_degree=4", "--training.micro_batch_size=1")
+    torchrun_ok(small_config(data_dir, model, tmp_path / "pp" / "run", *RUN, *zbv), tmp_path / "pp", 4)
+    (run,) = read_metrics(tmp_path / "pp" / "run", "run")
+    assert run["pipeline_parallel_degree"] == 4 and run["accumulation_steps"] == 4
+    assert_records_follow(tmp_path / "pp" / "run", tmp_path / "one", "ZBV x4", LOSS_ATOL, GRAD_NORM_RTOL)
+    diff = max_weight_diff(final_checkpoint(tmp_path / "pp" / "run"), final_checkpoint(tmp_path / "one"))
+    assert diff <= WEIGHT_ATOL
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("source, layout, extra", [("one process", "PP=2", PP2),
                                                    ("PP=2", "PP=2 x v=2", INTERLEAVED)])
 def test_a_checkpoint_resumes_at_another_pipeline_layout(source, layout, extra, one_process_run, pp_run,
