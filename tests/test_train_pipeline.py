@@ -2,12 +2,13 @@
 against the perf model's `stage_layers`, and under torchrun with gloo a 2-rank 1F1B pipeline of a
 6-layer Gemma 3 model (sliding-window layers with local RoPE tables picked by global layer index, a
 scaled and tied embedding) over 4 micro-batches that follows one process's losses, gradient norms,
-eval losses and weights, whose checkpoint one process resumes as the uninterrupted run went on; a
-4-layer tied Llama under ZBVZeroBubble (a zero-bubble schedule, its stages in a V); slow: that Llama
-under 1F1B, the interleaved schedule with 2 stages per rank, GPipe, InterleavedZeroBubble and
-DualPipeV, an untied model, resumes at other pipeline layouts, FSDP2 and DDP over 2 replicas of a
-2-stage pipeline and over its stages' 2 context-parallel ranks, TP = 2 within each stage (4 ranks
-each), the tied table's two copies bit-equal after training, and DDP's bucketed gradient mean."""
+eval losses and weights, whose checkpoint one process resumes as the uninterrupted run went on; the
+same Gemma 3 under ZBVZeroBubble (a zero-bubble schedule, its stages in a V); slow: a 4-layer tied
+Llama under 1F1B, the interleaved schedule with 2 stages per rank, GPipe, the zero-bubble schedules
+(ZBVZeroBubble also over 4 ranks), an untied model, resumes at other pipeline layouts, FSDP2 and DDP
+over 2 replicas of a 2-stage pipeline and over its stages' 2 context-parallel ranks, TP = 2 within
+each stage (4 ranks each), the tied table's two copies bit-equal after training, and DDP's bucketed
+gradient mean."""
 
 from __future__ import annotations
 
@@ -290,20 +291,32 @@ def test_llama_pp2_follows_one_process(label, extra, pp_run, one_process_run, da
     assert max_weight_diff(final_checkpoint(run_dir), final_checkpoint(one_process_run)) <= WEIGHT_ATOL
 
 
+def test_the_zbv_schedule_follows_one_process(gemma3_one_process_run, data_dir, gemma3_six_layers, tmp_path):
+    """torch's ZBVZeroBubble (each backward split into its input and its weight gradients, Qi et
+    al. 2023; 2 stages per rank in a V: rank 0 holds layer 0 with the scaled embedding and layer 5
+    with the output layer, both uses of the tied table on one rank, rank 1 layers 1-4, its
+    sliding-window layers taking the local RoPE tables by their global index) follows one process's
+    losses, gradient norms, eval losses (slipstream's own forward passes, `pipeline.forward_only`:
+    torch's schedule.eval fails under a V schedule) and final weights."""
+    torchrun_ok(small_config(data_dir, gemma3_six_layers, tmp_path / "run", *GEMMA_RUN, *ZBV), tmp_path)
+    (run,) = read_metrics(tmp_path / "run", "run")
+    assert run["pipeline_parallel_schedule"] == "ZBVZeroBubble"
+    assert run["pipeline_parallel_stages_per_rank"] == 2
+    assert_records_follow(tmp_path / "run", gemma3_one_process_run, "ZBV", LOSS_ATOL, GRAD_NORM_RTOL)
+    diff = max_weight_diff(final_checkpoint(tmp_path / "run"), final_checkpoint(gemma3_one_process_run))
+    assert diff <= WEIGHT_ATOL
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("label, extra", [
-    pytest.param("InterleavedZeroBubble", ZERO_BUBBLE, marks=pytest.mark.slow), ("ZBVZeroBubble", ZBV),
-    pytest.param("DualPipeV", (*ZBV, "--parallel.pipeline_parallel_schedule=DualPipeV",
-                               "--training.micro_batch_size=1"), marks=pytest.mark.slow),
+    ("InterleavedZeroBubble", ZERO_BUBBLE), ("ZBVZeroBubble", ZBV),
+    ("DualPipeV", (*ZBV, "--parallel.pipeline_parallel_schedule=DualPipeV", "--training.micro_batch_size=1")),
 ])
 def test_zero_bubble_schedules_follow_one_process(label, extra, one_process_run, data_dir, tied_four_layers,
                                                   tmp_path):
-    """torch's zero-bubble schedules, which split each backward into its input and its weight
-    gradients (Qi et al. 2023), follow one process's losses, gradient norms and final weights:
-    InterleavedZeroBubble (2 stages per rank in a loop: rank 0 holds layers 0 and 2), with its
-    held-out evaluation, and ZBVZeroBubble (2 stages per rank in a V: rank 0 holds layer 0 with the
-    embedding and layer 3 with the output layer, both uses of the tied table on one rank) and
-    DualPipeV (the same V, 4 micro-batches of 1) with forward passes of slipstream's own
-    (`pipeline.forward_only`: torch's schedule.eval fails under a V schedule)."""
+    """The tied 4-layer Llama likewise under the zero-bubble schedules: InterleavedZeroBubble (2
+    stages per rank in a loop: rank 0 holds layers 0 and 2), ZBVZeroBubble (rank 0 holds layers 0
+    and 3) and DualPipeV (the same V, 4 micro-batches of 1)."""
     torchrun_ok(small_config(data_dir, tied_four_layers, tmp_path / "run", *RUN, *extra), tmp_path)
     (run,) = read_metrics(tmp_path / "run", "run")
     assert run["pipeline_parallel_schedule"] == label and run["pipeline_parallel_stages_per_rank"] == 2
