@@ -1148,7 +1148,7 @@ def test_limit_mm_per_prompt_refuses_more_images_before_loading_them(llava, refe
     ({"images": 2}, r"unknown modality 'images' \(known: image, video, audio\)"),
     ({"image": {"count": 2, "width": 512}}, r"takes only 'count' here, got \['count', 'width'\]"),
     ('{"image": 2', r"limit_mm_per_prompt is not valid JSON"),
-    ([2], r"must be a dict from modality to count, got \[2\]"),
+    ([2], r"limit_mm_per_prompt must be a dict, got \[2\]"),
 ])
 def test_bad_limit_mm_per_prompt_is_a_value_error(model_dir, value, message):
     with pytest.raises(ValueError, match=message):

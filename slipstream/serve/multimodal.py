@@ -18,7 +18,6 @@ parallelism the encoder runs whole on the driver, and the rows travel to the wor
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 from slipstream.model.image_processor import ImageProcessor, pixel_hash, shortest_edge_size
 from slipstream.model.llava import LlavaConfig
 from slipstream.model.vision import ImageEncoder
+from slipstream.serve.json_config import json_dict
 from slipstream.serve.media import MediaConfig, load_image
 from slipstream.serve.request import ImageInput
 from slipstream.serve.scheduler import ScheduledChunk
@@ -58,15 +58,8 @@ def parse_mm_limits(value: Mapping[str, Any] | str) -> dict[str, int]:
     A ValueError names what is wrong. vLLM's other per-modality options (width, height,
     num_frames) size the dummy inputs of its memory profiling, which slipstream does not run:
     they are refused, not ignored."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"limit_mm_per_prompt is not valid JSON: {error}") from error
-    if not isinstance(value, Mapping):
-        raise ValueError(f"limit_mm_per_prompt must be a dict from modality to count, got {value!r}")
     limits = {}
-    for modality, limit in value.items():
+    for modality, limit in json_dict(value, "limit_mm_per_prompt").items():
         if modality not in MODALITIES:
             raise ValueError(f"limit_mm_per_prompt: unknown modality {modality!r} "
                              f"(known: {', '.join(MODALITIES)})")
