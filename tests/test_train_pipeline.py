@@ -2,13 +2,13 @@
 against the perf model's `stage_layers`, and under torchrun with gloo a 2-rank 1F1B pipeline of a
 6-layer Gemma 3 model (sliding-window layers with local RoPE tables picked by global layer index, a
 scaled and tied embedding) over 4 micro-batches that follows one process's losses, gradient norms,
-eval losses and weights, whose checkpoint one process resumes as the uninterrupted run went on; the
-same Gemma 3 under ZBVZeroBubble (a zero-bubble schedule, its stages in a V); slow: a 4-layer tied
-Llama under 1F1B, the interleaved schedule with 2 stages per rank, GPipe, the zero-bubble schedules
-(ZBVZeroBubble also over 4 ranks), an untied model, resumes at other pipeline layouts, FSDP2 and DDP
-over 2 replicas of a 2-stage pipeline and over its stages' 2 context-parallel ranks, TP = 2 within
-each stage (4 ranks each), the tied table's two copies bit-equal after training, and DDP's bucketed
-gradient mean."""
+eval losses and weights, whose checkpoint one process resumes as the uninterrupted run went on;
+slow: the same Gemma 3 under ZBVZeroBubble (a zero-bubble schedule, its stages in a V), a 4-layer
+tied Llama under 1F1B, the interleaved schedule with 2 stages per rank, GPipe, the zero-bubble
+schedules (ZBVZeroBubble also over 4 ranks), an untied model, resumes at other pipeline layouts,
+FSDP2 and DDP over 2 replicas of a 2-stage pipeline and over its stages' 2 context-parallel ranks,
+TP = 2 within each stage (4 ranks each), the tied table's two copies bit-equal after training, and
+DDP's bucketed gradient mean."""
 
 from __future__ import annotations
 
@@ -291,6 +291,7 @@ def test_llama_pp2_follows_one_process(label, extra, pp_run, one_process_run, da
     assert max_weight_diff(final_checkpoint(run_dir), final_checkpoint(one_process_run)) <= WEIGHT_ATOL
 
 
+@pytest.mark.slow  # ~20 s, and the CI run is within a minute of its 15
 def test_the_zbv_schedule_follows_one_process(gemma3_one_process_run, data_dir, gemma3_six_layers, tmp_path):
     """torch's ZBVZeroBubble (each backward split into its input and its weight gradients, Qi et
     al. 2023; 2 stages per rank in a V: rank 0 holds layer 0 with the scaled embedding and layer 5
