@@ -902,9 +902,10 @@ class OpenAIServer:
         load has ended); so are more images than the context holds, before any is fetched. The
         request field the messages came from is `param`: "messages", or a Response's "input",
         whose images are named by their order in it."""
+        parts = [(i, j, url) for i, message in enumerate(body.messages)
+                 for j, url in enumerate(message.image_urls)]
         urls = [(f"messages[{i}]'s image_url {j}" if param == "messages" else f"{param}'s image {n}", url)
-                for n, (i, j, url) in enumerate((i, j, url) for i, message in enumerate(body.messages)
-                                                for j, url in enumerate(message.image_urls))]
+                for n, (i, j, url) in enumerate(parts)]
         per_image = 0 if self.image_prompts is None else self.image_prompts.num_image_tokens
         num_image_tokens = len(urls) * per_image
         if num_image_tokens >= self.max_model_len:

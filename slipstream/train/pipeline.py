@@ -73,10 +73,18 @@ class Pipeline:
     stages_per_rank: int
     group: dist.ProcessGroup
     stage_ids: tuple[int, ...]
+    v_shape: bool = False
+    """Whether the stages are placed in a V (`rank_stages`): the first rank holds the last stage too."""
 
     @property
     def num_stages(self) -> int:
         return self.pp * self.stages_per_rank
+
+    def stage_rank(self, stage: int) -> int:
+        """The rank of the pipeline that holds `stage` (`rank_stages` inverted)."""
+        if self.v_shape:
+            return stage if stage < self.pp else 2 * self.pp - 1 - stage
+        return stage % self.pp
 
     @property
     def has_first(self) -> bool:
@@ -92,7 +100,7 @@ def make_pipeline(mesh: DeviceMesh, stages_per_rank: int, schedule: str) -> Pipe
     pp_mesh = mesh["pp"]
     pp_rank, pp = pp_mesh.get_local_rank(), pp_mesh.size()
     return Pipeline(pp_rank, pp, stages_per_rank, pp_mesh.get_group(),
-                    tuple(rank_stages(pp_rank, pp, stages_per_rank, schedule)))
+                    tuple(rank_stages(pp_rank, pp, stages_per_rank, schedule)), schedule in V_SCHEDULES)
 
 
 def prune_to_stages(model: Transformer, pipeline: Pipeline) -> Transformer:
@@ -189,9 +197,8 @@ def mean_over_microbatches(owner: Transformer, num_microbatches: int) -> None:
             param.grad.div_(num_microbatches)
 
 
-def forward_only(modules: Sequence[StageModule], pipeline: Pipeline, schedule: str,
-                 inputs: torch.Tensor | None, targets: torch.Tensor | None, num_microbatches: int,
-                 device: torch.device,
+def forward_only(modules: Sequence[StageModule], pipeline: Pipeline, inputs: torch.Tensor | None,
+                 targets: torch.Tensor | None, num_microbatches: int, device: torch.device,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mean_cross_entropy,
                  ) -> list[torch.Tensor]:
     """Each micro-batch's loss from forward passes alone, on the rank of the last stage (none
@@ -200,23 +207,23 @@ def forward_only(modules: Sequence[StageModule], pipeline: Pipeline, schedule: s
     `schedule.eval` does, for the V schedules, where torch's fails (the two stages at the V's tip,
     on one rank, each wait for a backward). `inputs` (m B, T) on the first stage's rank and
     `targets` on the last's, None elsewhere."""
-    owner = {stage: rank for rank in range(pipeline.pp)
-             for stage in rank_stages(rank, pipeline.pp, pipeline.stages_per_rank, schedule)}
     local = dict(zip(pipeline.stage_ids, modules, strict=True))
     last = pipeline.num_stages - 1
+    input_chunks = None if inputs is None else inputs.chunk(num_microbatches)
+    target_chunks = None if targets is None else targets.chunk(num_microbatches)
     losses = []
     for micro_batch in range(num_microbatches):
         x = None
         for stage in sorted(local):
             if stage == 0:
-                x = inputs.chunk(num_microbatches)[micro_batch]
-            elif owner[stage - 1] != pipeline.pp_rank:
-                x = _receive(owner[stage - 1], pipeline.group, device)
+                x = input_chunks[micro_batch]
+            elif pipeline.stage_rank(stage - 1) != pipeline.pp_rank:
+                x = _receive(pipeline.stage_rank(stage - 1), pipeline.group, device)
             x = local[stage](x)
             if stage == last:
-                losses.append(loss_fn(x, targets.chunk(num_microbatches)[micro_batch]))
-            elif owner[stage + 1] != pipeline.pp_rank:
-                _send(x, owner[stage + 1], pipeline.group)
+                losses.append(loss_fn(x, target_chunks[micro_batch]))
+            elif pipeline.stage_rank(stage + 1) != pipeline.pp_rank:
+                _send(x, pipeline.stage_rank(stage + 1), pipeline.group)
     return losses
 
 

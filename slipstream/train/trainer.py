@@ -53,7 +53,6 @@ from slipstream.ops.allocator import keep_freed_memory, keep_large_freed_memory
 from slipstream.perf.flops import mfu, num_params, train_flops_per_token
 from slipstream.train import checkpoint as ckpt
 from slipstream.train.config import (
-    V_SCHEDULES,
     TrainConfig,
     check_run,
     load_config,
@@ -366,11 +365,10 @@ class Trainer:
         """The groups a pipeline step reduces gradients over beyond the schedule's own: the first
         and last stages' pair for a tied embedding, the stage's data-parallel replicas under DDP."""
         assert self.mesh is not None and self.pipeline is not None
-        # Under a V schedule the first rank holds the first and the last stage: one table, whose
-        # two uses add up in its one gradient. (Every rank decides alike: making a group is collective.)
-        v_placed = self.config.parallel.pipeline_parallel_schedule in V_SCHEDULES
+        # In a V the first rank holds the first and the last stage: one table, whose two uses add up
+        # in its one gradient. (Every rank decides alike: making a group is collective.)
         self._tied_group = (tied_embedding_group(self.mesh) if self.model_config.tie_word_embeddings
-                            and not v_placed else None)
+                            and not self.pipeline.v_shape else None)
         dp_mesh = data_parallel_mesh(self.mesh)
         ddp = dp_mesh is not None and self.config.parallel.strategy == "ddp"
         self._ddp_group = dp_mesh.get_group() if ddp else None
@@ -700,10 +698,9 @@ class Trainer:
             inputs, targets = self._next_step_batches(self.val_loader)
             batch_losses: list[torch.Tensor] = []  # the schedule clears the list it is given
             with self._autocast(), self._loss_parallel():
-                schedule = self.config.parallel.pipeline_parallel_schedule
-                if schedule in V_SCHEDULES:  # torch's schedule.eval fails there
+                if self.pipeline.v_shape:  # torch's schedule.eval fails there
                     first, last = self.pipeline.has_first, self.pipeline.has_last
-                    batch_losses = forward_only(self.stage_modules, self.pipeline, schedule,
+                    batch_losses = forward_only(self.stage_modules, self.pipeline,
                                                 inputs if first else None, targets if last else None,
                                                 self.accumulation_steps, self.device)
                 else:
