@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sysconfig
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -33,11 +34,13 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
     root = stdlib_root() if root is None else Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"standard library directory {root} does not exist")
-    relative_paths = [
-        path.relative_to(root)
-        for path in root.rglob("*.py")
-        if path.is_file() and not _EXCLUDED_DIRS.intersection(path.relative_to(root).parts)
-    ]
+    relative_paths = []
+    for directory, subdirs, files in os.walk(root):
+        # Not descended into: an interpreter's site-packages can hold ten times the stdlib's files.
+        subdirs[:] = [d for d in subdirs if d not in _EXCLUDED_DIRS]
+        relative = Path(directory).relative_to(root)
+        relative_paths += [relative / f for f in files
+                           if f.endswith(".py") and os.path.isfile(os.path.join(directory, f))]
     return [root / rel for rel in sorted(relative_paths, key=lambda rel: rel.as_posix())]
 
 
