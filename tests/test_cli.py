@@ -86,31 +86,33 @@ def test_train_process_counts_out_of_range_are_errors(flag, value, cache_dir):
     assert f"argument {flag}: must be an integer >= " in result.stderr and repr(value) in result.stderr
 
 
+# The two tests below call the command's `main` in this process: the checks fail before anything
+# is started (a subprocess would only add seconds of torch import to each).
 @pytest.mark.parametrize("launch, rank", [((), 7), (("--nproc", "2"), 2)])
-def test_faults_rank_outside_the_job_is_an_error(launch, rank, tmp_path, data_dir, train_model_dir,
-                                                 cache_dir):
+def test_faults_rank_outside_the_job_is_an_error(launch, rank, tmp_path, data_dir, train_model_dir, capsys):
     """A fault aimed at a rank the job does not have would never fire: an error naming it."""
+    from slipstream.cli import main
+
     config = _train_config(tmp_path, data_dir, train_model_dir, "--training.micro_batch_size=2")
-    result = _run("train", "--config", config, *launch, f"--faults.rank={rank}", cache_dir=cache_dir)
-    assert result.returncode == 2
-    assert f"faults.rank ({rank}) must be below the job's number of ranks" in result.stderr
+    assert main(["train", "--config", config, *launch, f"--faults.rank={rank}"]) == 2
+    assert f"faults.rank ({rank}) must be below the job's number of ranks" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 
-def test_the_launcher_checks_the_job_before_starting_workers(tmp_path, data_dir, train_model_dir, cache_dir):
+def test_the_launcher_checks_the_job_before_starting_workers(tmp_path, data_dir, train_model_dir, capsys):
     """Under `--nproc 2 --max-restarts 3`, a data dir without train.bin and a global batch the
     ranks cannot split are one-line errors with status 2 before any worker starts (as without
     --nproc), not a restart loop ending in torchrun's ChildFailedError."""
+    from slipstream.cli import main
+
     broken = tmp_path / "data"
     shutil.copytree(data_dir, broken)
     (broken / "train.bin").unlink()
     config = _train_config(tmp_path, data_dir, train_model_dir)
     for extra, expected in [((f"--data.path={broken}", "--training.micro_batch_size=2"), "train.bin"),
                             ((), "training.global_batch_size (4) must be divisible")]:
-        result = _run("train", "--config", config, "--nproc", "2", "--max-restarts", "3", *extra,
-                      cache_dir=cache_dir)
-        assert result.returncode == 2
-        (line,) = result.stderr.splitlines()
+        assert main(["train", "--config", config, "--nproc", "2", "--max-restarts", "3", *extra]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
         assert line.startswith("slipstream train: error: ") and expected in line, line
     assert not (tmp_path / "run").exists()  # nothing launched
 
