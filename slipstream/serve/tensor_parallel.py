@@ -484,6 +484,8 @@ class Workers:
         self.slot_bytes = slot_bytes
         self.failure: str | None = None
         """Why the workers were stopped after a failed step (None while they serve)."""
+        self.ready = False
+        """Whether every worker has said it is ready (`start`)."""
         self.processes: list[subprocess.Popen] = []
         self._directory = tempfile.mkdtemp(prefix="slipstream-tp-")  # mode 0700
         self._shared_fds: list[int] = []
@@ -548,6 +550,7 @@ class Workers:
         directory then goes (its store is not read again)."""
         self.send(message)
         self._wait_for(ready_key, deadline=None)
+        self.ready = True
         shutil.rmtree(self._directory, ignore_errors=True)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, batches: tuple[PagedBatch, ...],
@@ -584,7 +587,12 @@ class Workers:
 
     def close(self) -> None:
         """Stop the workers (closing their stdin ends their loop), wait for them to exit, and give
-        this process back the threads it had."""
+        this process back the threads it had. Workers not ready yet (the engine failed to start)
+        are killed at once: loading their shard or waiting at the rendezvous, they would read
+        their stdin's end only after STOP_TIMEOUT_S."""
+        if not self.ready:
+            for process in self.processes:
+                process.kill()
         self._finalizer()
 
     def _dead(self, rank: int) -> RuntimeError:
