@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -419,11 +418,20 @@ def test_a_checkpoint_resumes_at_another_pipeline_layout(source, layout, extra, 
     assert max_weight_diff(final_checkpoint(copy), final_checkpoint(one_process_run)) <= WEIGHT_ATOL
 
 
-def _tied_copy_rank(rank: int, port: int, config_toml: str, out_dir: str) -> None:
-    """Rank `rank` of a 2-rank pipeline trained in this process; saves its copy of the tied table."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2")
+def _join(rank: int, out_dir: str) -> None:
+    """Join a 2-rank gloo group through a file in `out_dir` (no port to pick, or to lose to
+    another process between picking and binding it)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=2)
+
+
+def _tied_copy_rank(rank: int, config_toml: str, out_dir: str) -> None:
+    """Rank `rank` of a 2-rank pipeline trained in this process (its group joined before the
+    trainer is built, which then uses it); saves its copy of the tied table."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
+    _join(rank, out_dir)
     trainer = Trainer(load_config(Path(config_toml), []))
     trainer.run()
     ids = torch.zeros(1, 4, dtype=torch.long)
@@ -432,21 +440,14 @@ def _tied_copy_rank(rank: int, port: int, config_toml: str, out_dir: str) -> Non
     torch.save(trainer.model.model.embed_tokens.weight.detach().clone(), Path(out_dir) / f"rank-{rank}.pt")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_the_tied_tables_copies_stay_bit_equal(data_dir, tied_four_layers, tmp_path):
     """After 8 steps the first stage's embedding and the last stage's output layer, two copies of
     one tied table on two ranks, are bit-equal: their gradients are summed on both, and the same
     AdamW step follows. `Trainer.loss` on a pipeline rank is a ValueError naming the degree."""
-    port = _free_port()
     config = small_config(data_dir, tied_four_layers, tmp_path / "run", *RUN, *PP2)
     (tmp_path / "run.toml").write_text(config.to_toml())
-    mp.start_processes(_tied_copy_rank, args=(port, str(tmp_path / "run.toml"), str(tmp_path)), nprocs=2,
+    mp.start_processes(_tied_copy_rank, args=(str(tmp_path / "run.toml"), str(tmp_path)), nprocs=2,
                        start_method="spawn")
     first, last = torch.load(tmp_path / "rank-0.pt"), torch.load(tmp_path / "rank-1.pt")
     assert torch.equal(first, last)
@@ -468,12 +469,12 @@ def _grads(rank: int) -> list[torch.nn.Parameter]:
     return parameters
 
 
-def _average_grads_rank(rank: int, port: int, out_dir: str) -> None:
+def _average_grads_rank(rank: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     from slipstream.train.pipeline import average_grads
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    _join(rank, out_dir)
     parameters = _grads(rank)
     average_grads(parameters, dist.group.WORLD, bucket_bytes=64)  # (40, 2) fp32 alone exceeds it
     torch.save([p.grad for p in parameters], Path(out_dir) / f"rank-{rank}.pt")
@@ -485,7 +486,7 @@ def test_ddp_gradient_mean_in_buckets(tmp_path):
     """`average_grads` (DDP over a stage's replicas) gives each gradient the mean of the two
     ranks' gradients, reducing in buckets smaller than some gradients and across dtypes, and
     leaves a parameter without a gradient without one (2 gloo processes)."""
-    mp.start_processes(_average_grads_rank, args=(_free_port(), str(tmp_path)), nprocs=2,
+    mp.start_processes(_average_grads_rank, args=(str(tmp_path),), nprocs=2,
                        start_method="spawn")
     expected = [None if a.grad is None else (a.grad.float() + b.grad.float()) / 2
                 for a, b in zip(_grads(0), _grads(1), strict=True)]
