@@ -658,9 +658,10 @@ def _perf_arguments(p: argparse.ArgumentParser, groups: tuple[str, ...]) -> None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # At exit, the interpreter's final collections walk every object torch made: ~1 s of each
-    # command's (and torchrun worker's) exit. Frozen in an exit handler, they are skipped; the
-    # other handlers, threads and open files are finished as before.
+    # At exit, the interpreter's final collections walk every object torch made: 0.6-0.8 s of
+    # each command's (and torchrun worker's) exit, 0.2 s with them skipped, as they are once
+    # frozen in an exit handler (benchmarks/process_exit.py); the other handlers, threads and open
+    # files are finished as before.
     atexit.unregister(gc.freeze)
     atexit.register(gc.freeze)
     parser = build_parser()

@@ -96,6 +96,6 @@ def serve(runner: Runner, stdin: BinaryIO, device: torch.device, spec: WorkerSpe
 
 if __name__ == "__main__":
     main()
-    # The interpreter's final collections walk every object torch made (~1 s, which the driver's
-    # close waits for); frozen, they are skipped.
+    # The interpreter's final collections walk every object torch made (0.7 s of the exit, which
+    # the driver's close waits for; benchmarks/process_exit.py); frozen, they are skipped.
     gc.freeze()
