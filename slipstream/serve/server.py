@@ -604,11 +604,10 @@ class OpenAIServer:
             return self._render_chat(chat), chat
         budget = self.max_model_len - body.output_reserve(self.max_model_len)
         rendered: dict[int, list[int]] = {}  # by number of messages: each candidate has its own
-        per_image = 0 if self.image_prompts is None else self.image_prompts.num_image_tokens - 1
 
         def fits(messages: list[protocol.ChatMessage]) -> bool:
             ids = rendered[len(messages)] = self._render_chat(chat.model_copy(update={"messages": messages}))
-            return len(ids) + per_image * sum(len(m.image_urls) for m in messages) <= budget
+            return self._expanded_length(len(ids), sum(len(m.image_urls) for m in messages)) <= budget
 
         kept = protocol.truncated_messages(chat.messages, fits)
         return rendered[len(kept)], chat.model_copy(update={"messages": kept})
@@ -940,7 +939,14 @@ class OpenAIServer:
                 f"{self.image_prompts.image_token_id}) but {len(images)} image(s): each image part renders "
                 "as one placeholder, and the token written as text or cut off by truncate_prompt_tokens "
                 "unbalances them", param)
-        return len(token_ids) + num_placeholders * (self.image_prompts.num_image_tokens - 1)
+        return self._expanded_length(len(token_ids), num_placeholders)
+
+    def _expanded_length(self, num_token_ids: int, num_images: int) -> int:
+        """A prompt of `num_token_ids` ids holding `num_images` image placeholders, each expanded to
+        its image's tokens (a text model's prompt holds none)."""
+        if self.image_prompts is None:
+            return num_token_ids
+        return num_token_ids + num_images * (self.image_prompts.num_image_tokens - 1)
 
     def _check_context(self, num_prompt_tokens: int, max_tokens: int | None, min_tokens: int,
                        prompt_param: str, max_tokens_param: str) -> None:
