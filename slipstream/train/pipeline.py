@@ -54,12 +54,12 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 
-def rank_stages(pp_rank: int, pp: int, stages_per_rank: int, schedule: str = "1F1B") -> list[int]:
+def rank_stages(pp_rank: int, pp: int, stages_per_rank: int, v_shape: bool = False) -> list[int]:
     """The stages rank `pp_rank` of a pipeline holds: pp_rank, pp_rank + pp, ... (torch's "loop"
-    placement for interleaved schedules; one stage each for the others), or for a V schedule
-    (ZBVZeroBubble, DualPipeV) pp_rank and 2 pp - 1 - pp_rank (torch's "v" placement: the first
-    rank holds the first and the last stage)."""
-    if schedule in V_SCHEDULES:
+    placement for interleaved schedules; one stage each for the others), or with `v_shape` (the V
+    schedules, ZBVZeroBubble and DualPipeV) pp_rank and 2 pp - 1 - pp_rank (torch's "v" placement:
+    the first rank holds the first and the last stage)."""
+    if v_shape:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + v * pp for v in range(stages_per_rank)]
 
@@ -99,8 +99,9 @@ def make_pipeline(mesh: DeviceMesh, stages_per_rank: int, schedule: str) -> Pipe
     """This rank's `Pipeline` on the mesh's "pp" dimension, its stages placed as `schedule` runs them."""
     pp_mesh = mesh["pp"]
     pp_rank, pp = pp_mesh.get_local_rank(), pp_mesh.size()
+    v_shape = schedule in V_SCHEDULES
     return Pipeline(pp_rank, pp, stages_per_rank, pp_mesh.get_group(),
-                    tuple(rank_stages(pp_rank, pp, stages_per_rank, schedule)), schedule in V_SCHEDULES)
+                    tuple(rank_stages(pp_rank, pp, stages_per_rank, v_shape)), v_shape)
 
 
 def prune_to_stages(model: Transformer, pipeline: Pipeline) -> Transformer:
