@@ -15,10 +15,12 @@ from slipstream.ops import cpu_kernels
 from slipstream.ops.paged_attention import PagedBatch, paged_attention, write_kv
 
 
-def _dense_reference(q, keys, values, sliding_window, *, scale=None, softcap=None):
+def _dense_reference(q, keys, values, sliding_window, *, scale=None, softcap=None, spans=()):
     """softmax(q k^T / sqrt(d)) v for the last len(q) of len(keys) positions, each over the keys it
     sees (causal, within the window), in float64; with `scale` the scores are q k^T * scale, and
-    with `softcap` they become softcap * tanh(score / softcap) before the mask and softmax."""
+    with `softcap` they become softcap * tanh(score / softcap) before the mask and softmax. A query
+    in one of `spans` ([start, stop) positions) also sees its span's later keys, within the window
+    (transformers' Gemma 3 image mask: (causal or same image) and sliding window)."""
     num_queries, num_heads, head_dim = q.shape
     num_keys, num_kv_heads, _ = keys.shape
     group = num_heads // num_kv_heads
@@ -31,6 +33,11 @@ def _dense_reference(q, keys, values, sliding_window, *, scale=None, softcap=Non
     positions = torch.arange(num_keys - num_queries, num_keys)[:, None]
     keys_at = torch.arange(num_keys)[None, :]
     visible = keys_at <= positions
+    span_of = torch.full((num_keys,), -1)
+    for index, (start, stop) in enumerate(spans):
+        span_of[start:stop] = index
+    query_span = span_of[num_keys - num_queries:][:, None]
+    visible |= (query_span >= 0) & (query_span == span_of[None, :])
     if sliding_window is not None:
         visible &= keys_at > positions - sliding_window
     weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
@@ -326,6 +333,52 @@ def test_scaled_soft_capped_attention_matches_dense(head_dim, block_size, use_ke
           f"head_dim**-0.5 {unscaled:.3g})")
     assert diff < tolerance
     assert min(uncapped, unscaled) > 10 * tolerance
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["c-kernel", "pytorch"])
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bidirectional_spans_match_dense(use_kernel, window, dtype):
+    """Chunks holding spans whose tokens attend both ways (Gemma 3's images): a fresh prompt with
+    two images, a chunk that starts inside a span (the span's first keys cached), one with a span
+    longer than the window, beside a causal chunk and decodes, against the dense float64
+    reference; the step's causal rows keep the C kernel's decodes. Attending causally instead
+    fails by far more than the tolerance."""
+    rng = random.Random(2)
+    torch.manual_seed(2)
+    head_dim, block_size, num_heads, num_kv_heads = 64, 4, 4, 2
+    # (tokens already cached, new tokens, spans in sequence positions)
+    shapes = [(0, 20, ((3, 9), (12, 17))), (0, 7, ()), (8, 1, ()), (5, 10, ((2, 11),)), (0, 16, ((1, 15),)),
+              (30, 1, ())]
+    lens = [c + n for c, n, _ in shapes]
+    num_blocks = sum(-(-length // block_size) for length in lens) + 2
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    free_blocks = list(range(num_blocks))
+    rng.shuffle(free_blocks)
+    tables = [[free_blocks.pop() for _ in range(-(-length // block_size))] for length in lens]
+    keys = [torch.randn(length, num_kv_heads, head_dim).to(dtype) for length in lens]
+    values = [torch.randn(length, num_kv_heads, head_dim).to(dtype) for length in lens]
+    whole = PagedBatch.build(seq_lens=lens, query_lens=lens, block_tables=tables, block_size=block_size)
+    write_kv(k_cache, v_cache, torch.cat(keys), torch.cat(values), whole.slot_mapping, use_kernel=use_kernel)
+    query_lens = [n for _, n, _ in shapes]
+    spans = [s for _, _, s in shapes]
+    batch = PagedBatch.build(seq_lens=lens, query_lens=query_lens, block_tables=tables, block_size=block_size,
+                             bidirectional=spans)
+    q = torch.randn(sum(query_lens), num_heads, head_dim).to(dtype)
+    got = paged_attention(q, k_cache, v_cache, batch, sliding_window=window, use_kernel=use_kernel)
+
+    def reference(both_ways):
+        return torch.cat([_dense_reference(q_i, k, v, window, spans=s if both_ways else ()).float()
+                          for q_i, k, v, s in zip(q.split(query_lens), keys, values, spans, strict=True)])
+
+    expected = reference(True)
+    diff = (got.float() - expected).abs().max().item()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    causal = (reference(False) - expected).abs().max().item()
+    print(f"{dtype} window {window}: max diff {diff:.3g} (causal {causal:.3g})")
+    assert diff < tolerance
+    assert causal > 10 * tolerance
 
 
 @pytest.mark.parametrize("bad", [{"softcap": 0.0}, {"softcap": -1.0}, {"sliding_window": 0}])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -141,13 +142,19 @@ def causal_mask(
     num_keys: int,
     *,
     sliding_window: int | None = None,
+    bidirectional: Sequence[tuple[int, int]] = (),
     device: torch.device | str | None = None,
 ) -> torch.Tensor:  # (num_queries, num_keys) bool, True = may attend
     """Queries are the last `num_queries` of `num_keys` positions; each sees keys at or before it,
-    and with a sliding window only the `sliding_window` most recent of those (itself included)."""
+    and with a sliding window only the `sliding_window` most recent of those (itself included).
+    Within each span [start, stop) of `bidirectional` (Gemma 3's image tokens) queries also see
+    the later keys of their span; the window still bounds them, as transformers composes Gemma 3's
+    sliding mask: (causal or same span) and within the window."""
     query_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
     key_pos = torch.arange(num_keys, device=device)[None, :]
     mask = key_pos <= query_pos
+    for start, stop in bidirectional:
+        mask |= (query_pos >= start) & (query_pos < stop) & (key_pos >= start) & (key_pos < stop)
     if sliding_window is not None:
         mask &= key_pos > query_pos - sliding_window
     return mask

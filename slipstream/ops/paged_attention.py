@@ -10,7 +10,10 @@ its sequence's keys up to its own position (causal, optionally within a sliding 
 scores times a scale (head_dim**-0.5 unless told, Gemma 2's is its own) and optionally soft-capped
 (Gemma 2: cap * tanh(score / cap) before the softmax), and optionally with attention sinks
 (gpt-oss: a logit per query head in each softmax's denominator, `attention.softmax_with_sinks`,
-which the C kernels add when they normalise). The window, scale, cap and
+which the C kernels add when they normalise). A prefill chunk may name spans of positions whose
+tokens attend to each other both ways (`PrefillChunk.bidirectional`: Gemma 3's images); a step
+with one runs its prefills through the PyTorch path, whose masks `causal_mask` builds, as the
+C prefill kernel's are causal only. The window, scale, cap and
 sinks are the calling layer's own (Gemma 2 windows only some layers), so they are arguments of
 each call, not part of the step's `PagedBatch`, which every layer shares. One batched
 computation for all single-token (decode) sequences, and for the multi-token (prefill) chunks
@@ -73,6 +76,9 @@ class PrefillChunk:
     token_start: int  # first row of this chunk in the flat batch
     num_tokens: int  # new tokens
     seq_len: int  # all tokens of the sequence, the new ones included
+    bidirectional: tuple[tuple[int, int], ...] = ()
+    """Spans of positions [start, stop) whose tokens attend to each other both ways (Gemma 3's
+    images), each within the chunk's keys (stop <= seq_len): `causal_mask`'s."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,11 +105,12 @@ class PagedBatch:
         query_lens: Sequence[int],
         block_tables: Sequence[Sequence[int]],
         block_size: int,
+        bidirectional: Sequence[tuple[tuple[int, int], ...]] | None = None,
         device: torch.device | str = "cpu",
     ) -> PagedBatch:
         """Layout for sequences given in batch order (their new tokens are consecutive)."""
         return cls.build_groups(seq_lens=seq_lens, query_lens=query_lens, group_tables=[block_tables],
-                                block_size=block_size, device=device)[0]
+                                block_size=block_size, bidirectional=bidirectional, device=device)[0]
 
     @classmethod
     def build_groups(
@@ -113,24 +120,32 @@ class PagedBatch:
         query_lens: Sequence[int],
         group_tables: Sequence[Sequence[Sequence[int]]],
         block_size: int,
+        bidirectional: Sequence[tuple[tuple[int, int], ...]] | None = None,
         device: torch.device | str = "cpu",
     ) -> tuple[PagedBatch, ...]:
         """One layout per KV cache group, `group_tables[g][i]` being sequence i's block table in
-        group g. Only the slot mapping and the block tables differ from group to group: the rest
-        is built once and its tensors shared (a model of six groups paid six times a layout's
-        cost every step, and ran slower than without the hybrid manager where the KV budget did
-        not bind); a group's slots are runs of a block's consecutive slots, not a Python step per
-        token, and every tensor comes from a flat list through an array (`_int64_tensor`)."""
+        group g; `bidirectional[i]`, where given, sequence i's spans of positions that attend both
+        ways (`PrefillChunk.bidirectional`; a single-token chunk, laid out as a decode, attends
+        causally, which is the same for the last token of a span, the only one of a span that
+        such a chunk can hold when spans are computed whole).
+
+        Only the slot mapping and the block tables differ from group to group: the rest is built
+        once and its tensors shared (a model of six groups paid six times a layout's cost every
+        step, and ran slower than without the hybrid manager where the KV budget did not bind); a
+        group's slots are runs of a block's consecutive slots, not a Python step per token, and
+        every tensor comes from a flat list through an array (`_int64_tensor`)."""
         num_blocks = [-(-seq_len // block_size) for seq_len in seq_lens]
         prefills, decode_rows, decode_lens = [], [], []
         token_start = decode_width = prefill_width = 0  # the widest decode and prefill tables
-        for seq_len, query_len, n in zip(seq_lens, query_lens, num_blocks, strict=True):
+        spans = bidirectional or [()] * len(seq_lens)
+        for seq_len, query_len, n, both_ways in zip(seq_lens, query_lens, num_blocks, spans, strict=True):
             if query_len == 1:
                 decode_rows.append(token_start)
                 decode_lens.append(seq_len)
                 decode_width = max(decode_width, n)
             else:
-                prefills.append(PrefillChunk(token_start=token_start, num_tokens=query_len, seq_len=seq_len))
+                prefills.append(PrefillChunk(token_start=token_start, num_tokens=query_len, seq_len=seq_len,
+                                             bidirectional=both_ways))
                 prefill_width = max(prefill_width, n)
             token_start += query_len
 
@@ -243,7 +258,8 @@ def paged_attention(
         return _decode(q, k_cache, v_cache, batch, scale, softcap, sliding_window, use_kernel, sinks)
     out = torch.empty_like(q)
     readable = k_cache.dtype == q.dtype or k_cache.dtype in cpu_kernels.FP8_CACHE_CODES
-    if use_kernel and readable and cpu_kernels.supports_prefill_attention(q):
+    causal = not any(chunk.bidirectional for chunk in batch.prefills)  # the C kernel's masks only
+    if use_kernel and readable and causal and cpu_kernels.supports_prefill_attention(q):
         cpu_kernels.paged_prefill_attention_(
             out, q, k_cache, v_cache, batch.prefill_rows, batch.prefill_query_lens,
             batch.prefill_seq_lens, batch.prefill_block_tables, sliding_window, scale=scale, softcap=softcap,
@@ -256,7 +272,7 @@ def paged_attention(
             keys = _gather(k_cache, table, chunk.seq_len, q.dtype)  # (L, K, D)
             values = _gather(v_cache, table, chunk.seq_len, q.dtype)
             out[rows] = _attend(q[rows], keys, values, sliding_window, scale=scale, softcap=softcap,
-                                sinks=sinks)
+                                sinks=sinks, bidirectional=chunk.bidirectional)
     if len(batch.decode_token_rows):
         rows = batch.decode_token_rows
         out[rows] = _decode(q[rows], k_cache, v_cache, batch, scale, softcap, sliding_window, use_kernel,
@@ -378,10 +394,12 @@ def _attend(
     scale: float | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # (H,)
+    bidirectional: Sequence[tuple[int, int]] = (),
 ) -> torch.Tensor:  # (T, H, D)
-    """Causal attention of a chunk's queries over its sequence's keys: SDPA's fused kernel, or two
-    matmuls and an fp32 softmax where that is faster (short bf16 sequences) or where the scores
-    are soft-capped or meet sinks, which SDPA cannot do."""
+    """Causal attention of a chunk's queries over its sequence's keys (both ways within the spans
+    of `bidirectional`): SDPA's fused kernel, or two matmuls and an fp32 softmax where that is
+    faster (short bf16 sequences) or where the scores are soft-capped or meet sinks, which SDPA
+    cannot do."""
     num_queries, num_heads = q.shape[0], q.shape[1]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     num_keys, num_kv_heads = keys.shape[0], keys.shape[1]
@@ -391,20 +409,24 @@ def _attend(
     if num_kv_heads != num_heads:
         keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)
         values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
-    causal_only = num_queries == num_keys and (sliding_window is None or num_keys <= sliding_window)
+    causal_only = (num_queries == num_keys and (sliding_window is None or num_keys <= sliding_window)
+                   and not bidirectional)
     cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16
     explicit = softcap is not None or sinks is not None
     short_or_explicit = num_keys <= _BF16_MATMUL_ATTENTION_MAX_KEYS or explicit
     if cpu_bf16 and short_or_explicit and onednn_multiplies(torch.bfloat16):
-        mask = causal_mask(num_queries, num_keys, sliding_window=sliding_window, device=q.device)
+        mask = causal_mask(num_queries, num_keys, sliding_window=sliding_window, bidirectional=bidirectional,
+                           device=q.device)
         out = _matmul_attention(q, keys, values, mask, scale, softcap, sinks)
     elif explicit:  # in fp32 where a bf16 matmul would take PyTorch's reference GEMM
-        mask = causal_mask(num_queries, num_keys, sliding_window=sliding_window, device=q.device)
+        mask = causal_mask(num_queries, num_keys, sliding_window=sliding_window, bidirectional=bidirectional,
+                           device=q.device)
         wide = (x.float() for x in (q, keys, values)) if cpu_bf16 else (q, keys, values)
         out = _matmul_attention(*wide, mask, scale, softcap, sinks).to(q.dtype)
     elif causal_only:
         out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale)
     else:
-        mask = causal_mask(num_queries, num_keys, sliding_window=sliding_window, device=q.device)
+        mask = causal_mask(num_queries, num_keys, sliding_window=sliding_window, bidirectional=bidirectional,
+                           device=q.device)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     return out[0].transpose(0, 1)
