@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from slipstream.serve.request import Request, RequestStatus, SamplingParams
+from slipstream.serve.request import ImageInput, Request, RequestStatus, SamplingParams
 from slipstream.serve.scheduler import Scheduler, SchedulerConfig, StepPlan
 
 EOS = 0
@@ -802,3 +802,82 @@ def test_windows_let_more_sequences_run_than_the_pool_holds_whole(windows):
         peaks[kind] = (peak, scheduler.num_preemptions)
     assert peaks["windows"] == (4, 0)
     assert peaks["windowless"][1] > 0
+
+
+def with_images(request: Request, images: list[tuple[int, int, str]]) -> Request:
+    """`request` with images at (offset, length, content hash) of its prompt."""
+    request.images = tuple(ImageInput(offset=offset, length=length, content_hash=content_hash,
+                                      pixel_values=None) for offset, length, content_hash in images)
+    return request
+
+
+def check_whole_images(plan: StepPlan) -> None:
+    """A chunk that computes any token of an image computes the rest of it too."""
+    for chunk in plan.chunks:
+        stop = chunk.start + chunk.num_tokens
+        for image in chunk.request.images:
+            assert not (chunk.start < image.end and image.offset < stop < image.end), (
+                chunk.request.request_id, chunk.start, stop, image)
+
+
+def test_images_are_computed_whole_under_disable_chunked_mm_input():
+    """With disable_chunked_mm_input a chunk that would end inside an image ends before it, and the
+    image comes whole in a later chunk (vLLM's rule); without it the budget cuts where it falls.
+    A request with an image longer than a chunk may be is refused when added, naming the option."""
+    plans = {}
+    for whole in (False, True):
+        config = make_config(max_num_batched_tokens=8, disable_chunked_mm_input=whole)
+        scheduler, runner = Scheduler(config), FakeRunner(config)
+        scheduler.add(with_images(make_request("a", range(1, 16), max_tokens=1), [(3, 6, "x"), (10, 2, "y")]))
+        plans[whole] = [chunk_sizes(plan)[0] for plan in run_to_completion(scheduler, runner)]
+    assert plans[False] == [("a", 8), ("a", 7)]
+    assert plans[True] == [("a", 3), ("a", 7), ("a", 5)]  # 3 + 8 would end inside (10, 12)
+    scheduler = Scheduler(make_config(max_num_batched_tokens=8, long_prefill_token_threshold=5,
+                                      disable_chunked_mm_input=True))
+    with pytest.raises(ValueError, match="image of 6 tokens.*disable_chunked_mm_input"):
+        scheduler.add(with_images(make_request("b", range(1, 16)), [(3, 6, "x")]))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_fuzz_whole_images(seed):
+    """The fuzzer's workloads with images under disable_chunked_mm_input, some sharing images and
+    prefixes (so that cached prefixes end inside an image, and the rest of it waits for budget):
+    no chunk ends inside an image it computes part of, invariants hold after every step, and
+    every request finishes with all its blocks freed."""
+    rng = random.Random(2000 + seed)
+    config = dataclasses.replace(fuzz_config(rng), disable_chunked_mm_input=True)
+    longest = min(config.max_num_batched_tokens, config.long_prefill_token_threshold or 48)
+    scheduler, runner = Scheduler(config), FakeRunner(config, rng=rng, eos_prob=0.1)
+    capacity = config.num_blocks * config.block_size
+    prefixes = [[rng.randrange(1, 50) for _ in range(24)] for _ in range(3)]
+    requests: list[Request] = []
+    for _ in range(150):
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            request = fuzz_request(rng, len(requests), prefixes)
+            request.lora_id = 0
+            if requests and rng.random() < 0.3:  # an earlier prompt again: its cached blocks hit
+                earlier = rng.choice(requests)
+                request.prompt_token_ids, request.images = earlier.prompt_token_ids, earlier.images
+            images, position = [], rng.randint(0, 3)
+            while not request.images and position < request.num_prompt_tokens and rng.random() < 0.7:
+                length = rng.randint(1, min(6, request.num_prompt_tokens - position))
+                images.append((position, length, f"image{length}-{rng.randrange(2)}"))
+                position += length + rng.randint(0, 4)
+            if images:
+                with_images(request, images)
+            if request.num_prompt_tokens + request.max_output_tokens - 1 > capacity:
+                continue
+            if any(length > longest for _, length, _ in images):
+                with pytest.raises(ValueError, match="disable_chunked_mm_input"):
+                    scheduler.add(request)
+                continue
+            scheduler.add(request)
+            requests.append(request)
+        plan, _ = step(scheduler, runner)
+        check_whole_images(plan)
+    while scheduler.has_unfinished():
+        plan, _ = step(scheduler, runner)
+        check_whole_images(plan)
+    for request in requests:
+        assert request.is_finished and scheduler.kv_cache.block_ids(request.request_id) == ()
+    assert scheduler.kv_cache.num_used_blocks == 0

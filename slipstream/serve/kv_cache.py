@@ -600,7 +600,8 @@ class KVCacheManager:
             for key, block in cache.items():
                 _expect(self._block_keys[block] == key and self._block_groups[block] == group,
                         f"cached key maps to block {block} holding another key or in another group")
-                _expect(len(key[1]) == self.block_size, f"cached block {block} is not full")
+                num_token_ids = sum(not isinstance(item, str) for item in key[1])  # image hashes aside
+                _expect(num_token_ids == self.block_size, f"cached block {block} is not full")
                 key_id = self._block_key_ids[block]
                 _expect(ids_of_keys.setdefault(key, key_id) == key_id, f"a key has two ids ({block})")
                 _expect(keys_of_ids.setdefault(key_id, key) == key, f"key id {key_id} names two keys")

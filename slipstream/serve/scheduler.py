@@ -31,6 +31,7 @@ import dataclasses
 import heapq
 import itertools
 import logging
+import math
 from collections.abc import Collection, Iterable, Sequence
 
 from slipstream.serve.kv_cache import BlockTables, CachedPrefix, KVCacheManager, check_windows
@@ -63,13 +64,19 @@ class SchedulerConfig:
     kv_cache_windows: tuple[int | None, ...] = (None,)
     """Each KV cache group's sliding window, None for full attention (`KVCacheGroups.windows`):
     a sliding group releases the blocks its window no longer reaches."""
+    disable_chunked_mm_input: bool = False
+    """vLLM's option: every image's placeholders are computed in one chunk. A chunk that would end
+    inside an image ends before it instead (nothing, where it starts inside one: the request waits
+    for a step with budget for the rest of the image). Needed where an image's tokens attend to
+    each other both ways (Gemma 3): a token cannot see keys not yet computed."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks", "max_loras"):
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "disable_chunked_mm_input"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         check_windows("kv_cache_windows", self.kv_cache_windows)
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
@@ -218,6 +225,7 @@ class Scheduler:
                 f"room to generate within max_total_tokens={request.max_total_tokens}"
             )
         self._check_fits(request)
+        self._check_images(request)
         order = (request.priority if self.config.policy == "priority" else 0, request.arrival_time_s)
         self._order_keys[request.request_id] = (*order, self._num_added)
         self._num_added += 1
@@ -244,6 +252,21 @@ class Scheduler:
                 f"{config.num_blocks * config.block_size} tokens; lower max_tokens or the prompt, or give "
                 f"the cache more memory"
             )
+
+    def _check_images(self, request: Request) -> None:
+        """Under disable_chunked_mm_input, reject a request with an image longer than the most
+        tokens one chunk may hold: it could never be scheduled."""
+        if not self.config.disable_chunked_mm_input or not request.images:
+            return
+        config = self.config
+        max_chunk = min(config.max_num_batched_tokens, config.long_prefill_token_threshold or math.inf)
+        longest = max(image.length for image in request.images)
+        if longest > max_chunk:
+            raise ValueError(
+                f"request {request.request_id!r} has an image of {longest} tokens, but one step computes at "
+                f"most {max_chunk} tokens of a request (max_num_batched_tokens, "
+                "long_prefill_token_threshold) "
+                "and this model's images are computed whole (disable_chunked_mm_input)")
 
     def finish(self, request_id: str, reason: str) -> Request | None:
         """End a request the engine found finished (e.g. on a stop string) and free its blocks.
@@ -295,6 +318,17 @@ class Scheduler:
         num_tokens = min(request.num_tokens - num_computed_tokens, budget)
         if self.config.long_prefill_token_threshold:
             num_tokens = min(num_tokens, self.config.long_prefill_token_threshold)
+        return self._whole_images(request, num_computed_tokens, num_tokens)
+
+    def _whole_images(self, request: Request, start: int, num_tokens: int) -> int:
+        """`num_tokens` from `start`, cut back to before the image that a chunk of them would end
+        inside of under disable_chunked_mm_input (0 where the chunk starts inside it)."""
+        if not self.config.disable_chunked_mm_input or start >= request.images_end:
+            return num_tokens
+        stop = start + num_tokens
+        for image in request.images:
+            if image.offset < stop < image.end:
+                return max(0, image.offset - start)
         return num_tokens
 
     def _schedule_running(self, step: _StepBuilder) -> None:
@@ -306,6 +340,8 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted for an earlier request
                 continue
             num_new = self._num_new_tokens(request, request.num_computed_tokens, step.budget)
+            if num_new == 0:  # the rest of an image it is inside of needs more budget than is left
+                continue
             while (block_ids := self.kv_cache.allocate(request, num_new)) is None:
                 victim = self._running[-1]
                 self._preempt(victim, step)
@@ -341,6 +377,8 @@ class Scheduler:
         cached = self.kv_cache.lookup(request, cache_salt)
         num_cached_tokens = len(cached) * self.config.block_size
         num_new = self._num_new_tokens(request, num_cached_tokens, step.budget)
+        if num_new == 0:  # an image to compute whole needs more budget than is left
+            return False
         block_ids = self.kv_cache.allocate(request, num_new, cached, cache_salt)
         if block_ids is None:
             if not self._make_room(request, num_new, cached, step):
@@ -348,8 +386,11 @@ class Scheduler:
             # Victims planned in this step gave their tokens back: the chunk grows into them as
             # far as the blocks now free allow, never by preempting more (a larger chunk is no
             # reason to take another request's KV).
-            num_new = min(self._num_new_tokens(request, num_cached_tokens, step.budget),
-                          self.kv_cache.max_new_tokens(request, cached))
+            num_new = self._whole_images(request, num_cached_tokens, min(
+                self._num_new_tokens(request, num_cached_tokens, step.budget),
+                self.kv_cache.max_new_tokens(request, cached)))
+            if num_new == 0:  # the blocks freed fall short of an image to compute whole
+                return False
             block_ids = self.kv_cache.allocate(request, num_new, cached, cache_salt)
             assert block_ids is not None, "the victims' blocks make room for the chunk"
         popped = self._waiting.pop()
