@@ -36,10 +36,13 @@ _CLIP_DEFAULTS = {"size": {"shortest_edge": 224}, "crop_size": {"height": 224, "
                   "do_center_crop": True, "image_mean": CLIP_MEAN, "image_std": CLIP_STD}
 _SIGLIP_DEFAULTS = {"size": {"height": 224, "width": 224}, "crop_size": None, "do_center_crop": False,
                     "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5)}
+_GEMMA3_DEFAULTS = _SIGLIP_DEFAULTS | {"resample": PIL.Image.Resampling.BILINEAR}
 PROCESSOR_DEFAULTS = {"CLIPImageProcessor": _CLIP_DEFAULTS, "CLIPImageProcessorFast": _CLIP_DEFAULTS,
-                      "SiglipImageProcessor": _SIGLIP_DEFAULTS, "SiglipImageProcessorFast": _SIGLIP_DEFAULTS}
+                      "SiglipImageProcessor": _SIGLIP_DEFAULTS, "SiglipImageProcessorFast": _SIGLIP_DEFAULTS,
+                      "Gemma3ImageProcessor": _GEMMA3_DEFAULTS, "Gemma3ImageProcessorFast": _GEMMA3_DEFAULTS}
 """The defaults of each `image_processor_type` read (transformers 5's class attributes), for the keys
-a preprocessor_config.json leaves out; every type resizes bicubic and rescales by 1/255."""
+a preprocessor_config.json leaves out; every type rescales by 1/255 and resizes bicubic but
+Gemma 3's (bilinear, SigLIP's otherwise; its pan-and-scan crops are not supported)."""
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 
@@ -60,13 +63,17 @@ class ImageProcessor:
     image_std: tuple[float, ...] | None = CLIP_STD
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, vision: VisionConfig) -> ImageProcessor:
-        """The processor of `model_dir/preprocessor_config.json`; without one, CLIP's defaults at
-        the vision tower's image size. Its output must be the tower's image size: another is a
-        ValueError naming the file's keys."""
+    def from_pretrained(cls, model_dir: str | Path, vision: VisionConfig,
+                        default_type: str = "CLIPImageProcessor") -> ImageProcessor:
+        """The processor of `model_dir/preprocessor_config.json`; without one, `default_type`'s
+        defaults at the vision tower's image size (LLaVA's CLIP, Gemma 3's own). Its output must be
+        the tower's image size: another is a ValueError naming the file's keys."""
         path = Path(model_dir) / PREPROCESSOR_CONFIG
         if not path.is_file():
             side = vision.image_size
+            if default_type != "CLIPImageProcessor":
+                return cls.from_dict({"image_processor_type": default_type,
+                                      "size": {"height": side, "width": side}})
             return cls(shortest_edge=side, crop_size=(side, side))
         try:
             d = json.loads(path.read_text())
@@ -90,6 +97,9 @@ class ImageProcessor:
             raise ValueError(f"preprocessor_config.json's image_processor_type must be one of "
                              f"{', '.join(PROCESSOR_DEFAULTS)}, got {kind!r}")
         d = PROCESSOR_DEFAULTS[kind] | {key: value for key, value in d.items() if value is not None}
+        if d.get("do_pan_and_scan"):
+            raise ValueError("preprocessor_config.json's do_pan_and_scan (Gemma 3's crops of an image) is "
+                             "not supported: set it to false")
         size = _size_dict(d["size"], "size", square=False)
         crop = None if d["crop_size"] is None else _size_dict(d["crop_size"], "crop_size", square=True)
         resize, center_crop, rescale, normalize = (

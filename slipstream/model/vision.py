@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slipstream.model.transformer import GemmaRMSNorm
+
 VISION_TYPES = ("clip_vision_model", "siglip_vision_model")
 
 
@@ -159,14 +161,18 @@ class VisionEncoder(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    """Embeddings and the first `num_layers` encoder layers (the checkpoints' `vision_tower`)."""
+    """Embeddings and the first `num_layers` encoder layers (the checkpoints' `vision_tower`), and
+    with `final_norm` the tower's last LayerNorm (`post_layernorm`), which Gemma 3 applies to the
+    last layer's output and LLaVA never uses."""
 
-    def __init__(self, config: VisionConfig, num_layers: int) -> None:
+    def __init__(self, config: VisionConfig, num_layers: int, *, final_norm: bool = False) -> None:
         super().__init__()
         self.embeddings = VisionEmbeddings(config)
         self.pre_layrnorm = (nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
                              if config.has_class_token else None)
         self.encoder = VisionEncoder(config, num_layers)
+        self.post_layernorm = (nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+                               if final_norm else None)
 
     def forward(self, pixel_values: torch.Tensor, layers: tuple[int, ...]) -> list[torch.Tensor]:
         """The hidden states after each of `layers` (0: the embeddings, after CLIP's first norm;
@@ -235,3 +241,46 @@ class ImageEncoder(nn.Module):
             states = [state[:, 1:] for state in states]
         return self.multi_modal_projector(torch.cat(states, dim=-1))
 
+
+
+class Gemma3Projector(nn.Module):
+    """Gemma 3's `multi_modal_projector`: the patches' grid average-pooled to `tokens_per_side`
+    squared rows (4 x 4 patches each for the released 896-pixel, 14-pixel-patch towers: 256
+    tokens), then Gemma's RMS norm (`mm_soft_emb_norm`, weights as offsets from 1) and one matmul
+    into the language model's width (`mm_input_projection_weight`, stored (E, D), no bias)."""
+
+    def __init__(self, config: VisionConfig, *, text_hidden_size: int, tokens_per_side: int) -> None:
+        super().__init__()
+        self.patches_per_side = config.image_size // config.patch_size
+        self.pool = self.patches_per_side // tokens_per_side
+        self.mm_input_projection_weight = nn.Parameter(torch.empty(config.hidden_size, text_hidden_size))
+        self.mm_soft_emb_norm = GemmaRMSNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, P, E) -> (N, tokens, D)
+        n, _, e = x.shape
+        grid = x.transpose(1, 2).reshape(n, e, self.patches_per_side, self.patches_per_side)
+        pooled = F.avg_pool2d(grid, self.pool, stride=self.pool).flatten(2).transpose(1, 2)
+        return torch.matmul(self.mm_soft_emb_norm(pooled), self.mm_input_projection_weight).to(x.dtype)
+
+
+class Gemma3ImageEncoder(nn.Module):
+    """Gemma 3's image encoder: a SigLIP tower, every layer and its final norm (the tower's
+    `last_hidden_state`), then `Gemma3Projector`: `forward((N, C, H, W)) -> (N, tokens, D)`."""
+
+    def __init__(self, config: VisionConfig, *, text_hidden_size: int, tokens_per_image: int) -> None:
+        super().__init__()
+        tokens_per_side = round(tokens_per_image**0.5)
+        patches_per_side = config.image_size // config.patch_size
+        if tokens_per_side**2 != tokens_per_image or patches_per_side % tokens_per_side:
+            raise ValueError(f"mm_tokens_per_image ({tokens_per_image}) must be the square of a divisor "
+                             f"of the patches per side ({config.image_size} // {config.patch_size} = "
+                             f"{patches_per_side})")
+        self.config = config
+        self.num_image_tokens = tokens_per_image
+        self.vision_tower = VisionTransformer(config, config.num_hidden_layers, final_norm=True)
+        self.multi_modal_projector = Gemma3Projector(config, text_hidden_size=text_hidden_size,
+                                                     tokens_per_side=tokens_per_side)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:  # (N, C, H, W) -> (N, tokens, D)
+        (last,) = self.vision_tower(pixel_values, (self.config.num_hidden_layers,))
+        return self.multi_modal_projector(self.vision_tower.post_layernorm(last))

@@ -334,9 +334,22 @@ class Engine:
         checkpoint as a text model; None: a text model's."""
         if self.image_limit == 0:
             llava = None
-        if llava is not None and not 0 <= llava.image_token_index < model_config.vocab_size:
-            raise ValueError(f"config.json's image_token_index ({llava.image_token_index}) is outside the "
-                             f"vocabulary ({model_config.vocab_size} tokens)")
+        tokens = {} if llava is None else {key: getattr(llava, key) for key in (
+            "image_token_index", "boi_token_index", "eoi_token_index")}
+        outside = [f"{key} ({index})" for key, index in tokens.items()
+                   if index is not None and not 0 <= index < model_config.vocab_size]
+        if outside and llava.model_type == "gemma3":  # transformers runs its text all the same
+            logger.warning("serving %s as a text model: config.json's %s outside the vocabulary (%d tokens)",
+                           config.model, ", ".join(outside), model_config.vocab_size)
+            llava, self.image_limit = None, None
+        elif outside:
+            raise ValueError(f"config.json's {outside[0]} is outside the vocabulary "
+                             f"({model_config.vocab_size} tokens)")
+        if llava is not None and llava.bidirectional_images and (
+                config.max_num_batched_tokens < llava.mm_tokens_per_image):
+            raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least "
+                             f"the {llava.mm_tokens_per_image} tokens of one image: this model's image "
+                             "tokens attend to each other both ways, so an image is computed in one step")
         self.model_config = model_config
         self._llava = llava
         self.image_prompts: ImagePrompts | None = None
@@ -364,6 +377,7 @@ class Engine:
             policy=config.scheduling_policy,
             max_loras=config.max_loras,
             kv_cache_windows=self.limits.kv_groups.windows,
+            disable_chunked_mm_input=self._llava is not None and self._llava.bidirectional_images,
         ))
         layers = self.runner.lora
         if layers is not None and self.workers is not None:
@@ -438,8 +452,10 @@ class Engine:
         model_dir = self.config.model
         encoder = load_image_encoder(model_dir, self._llava, self.model_config.hidden_size, dtype=dtype,
                                      device=device)
-        self.image_prompts = ImagePrompts.from_pretrained(model_dir, self._llava, encoder.num_image_tokens)
-        return ImageEmbedder(encoder, device)
+        self.image_prompts = ImagePrompts.from_pretrained(
+            model_dir, self._llava, encoder.num_image_tokens,
+            functools.partial(self.tokenizer.encode, add_special_tokens=False))
+        return ImageEmbedder(encoder, device, bidirectional=self._llava.bidirectional_images)
 
     @property
     def is_healthy(self) -> bool:

@@ -1,10 +1,12 @@
 """Image inputs for the serving engine: prompts' placeholders expanded to the model's image tokens,
 images decoded and preprocessed, and the image encoder run for the runner.
 
-A prompt names where each image goes by one image token (`<image>`, the checkpoint's
-`image_token_index`) in its text or token ids; `ImagePrompts.expand` repeats each to the number of
-embeddings the encoder makes per image (vLLM's prompt replacement), so that the request's positions
-[offset, offset + length) are the image's, and refuses images whose size would make preprocessing
+A prompt names where each image goes by one placeholder token in its text or token ids (LLaVA's
+image token `<image>`, the checkpoint's `image_token_index`; Gemma 3's begin-of-image token
+`<start_of_image>`); `ImagePrompts.expand` replaces each by the number of embeddings the encoder
+makes per image (vLLM's prompt replacement; Gemma 3's between its begin and end tokens and blank
+lines, `ImageWrap`), so that the request's positions [offset, offset + length) are the image's,
+and refuses images whose size would make preprocessing
 costly (empty, too thin, or resized to many times the tower's input). `ImagePrompts.process`
 preprocesses and hashes them (off the engine thread where the async engine serves), and each
 becomes an `ImageInput` (placeholder range, preprocessed pixels, a content hash of them). The
@@ -27,7 +29,7 @@ import torch
 
 from slipstream.model.image_processor import ImageProcessor, pixel_hash, shortest_edge_size
 from slipstream.model.llava import LlavaConfig
-from slipstream.model.vision import ImageEncoder
+from slipstream.model.vision import Gemma3ImageEncoder, ImageEncoder
 from slipstream.serve.json_config import json_dict
 from slipstream.serve.media import MediaConfig, load_image
 from slipstream.serve.request import ImageInput
@@ -93,23 +95,76 @@ class ProcessedImage:
     """Of the pixel values (`pixel_hash`): the encoder cache's key and the prefix cache's."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ImageWrap:
+    """What surrounds an image's tokens where they replace its placeholder, and which token they
+    are, where that is not the placeholder repeated (LLaVA's). Gemma 3's processor
+    (transformers' Gemma3Processor) writes "\n\n<start_of_image>", the image tokens,
+    "<end_of_image>\n\n" in the text; tokenizing that joins the blank lines with newlines
+    beside them into one token where the vocabulary has one for the run, and so does `join`
+    at the seams (vLLM's Gemma 3 processor joins the same runs, of up to four newlines)."""
+
+    image_token_id: int
+    before: tuple[int, ...]
+    after: tuple[int, ...]
+    newline_runs: Mapping[int, int]
+    """Each token of the vocabulary that is only newlines: id -> how many."""
+
+    @classmethod
+    def gemma3(cls, config: LlavaConfig, encode: Callable[[str], list[int]]) -> ImageWrap:
+        """Gemma 3's, its newlines as `encode` (the tokenizer's, without special tokens) writes
+        them: runs of up to MAX_NEWLINE_RUN newlines that it writes as one token are joinable."""
+        runs = {}
+        for length in range(1, MAX_NEWLINE_RUN + 1):
+            ids = encode("\n" * length)
+            if len(ids) == 1:
+                runs[ids[0]] = length
+        blank = tuple(encode("\n\n"))
+        return cls(config.image_token_index, before=(*blank, config.boi_token_index),
+                   after=(config.eoi_token_index, *blank), newline_runs=runs)
+
+    def join(self, tokens: list[int], token_id: int) -> None:
+        """Append `token_id` to `tokens`, as one token with a run of newlines ending `tokens` where
+        both are newlines and the vocabulary has a token for their run."""
+        runs = self.newline_runs
+        if tokens and tokens[-1] in runs and token_id in runs:
+            joined = runs[tokens[-1]] + runs[token_id]
+            merged = next((i for i, n in runs.items() if n == joined), None)
+            if merged is not None:
+                tokens[-1] = merged
+                return
+        tokens.append(token_id)
+
+
+MAX_NEWLINE_RUN = 32
+"""The longest run of newlines `ImageWrap` looks for one token of (Gemma 3's vocabulary has them up
+to 31)."""
+
+
 class ImagePrompts:
-    """A multimodal checkpoint's prompt side: its image token, the processor, tokens per image,
+    """A multimodal checkpoint's prompt side: its image placeholder token (`image_token_id`), the
+    processor, tokens per image, what surrounds them (`wrap`; None: the placeholder repeated),
     and the tower's input side (`image_size`), which bounds what an image may resize to."""
 
     def __init__(self, processor: ImageProcessor, image_token_id: int, num_image_tokens: int,
-                 image_size: int) -> None:
+                 image_size: int, wrap: ImageWrap | None = None) -> None:
         self.processor = processor
         self.image_token_id = image_token_id
         self.num_image_tokens = num_image_tokens
         self.image_size = image_size
+        self.wrap = wrap
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, config: LlavaConfig, num_image_tokens: int
+        cls, model_dir: str | Path, config: LlavaConfig, num_image_tokens: int,
+        encode: Callable[[str], list[int]],
     ) -> ImagePrompts:
-        return cls(ImageProcessor.from_pretrained(model_dir, config.vision), config.image_token_index,
-                   num_image_tokens, config.vision.image_size)
+        """`encode`: the tokenizer's, without special tokens (for Gemma 3's newlines)."""
+        wrap = ImageWrap.gemma3(config, encode) if config.model_type == "gemma3" else None
+        default_type = "Gemma3ImageProcessor" if config.model_type == "gemma3" else "CLIPImageProcessor"
+        return cls(ImageProcessor.from_pretrained(model_dir, config.vision, default_type),
+                   config.placeholder_token_index,
+                   num_image_tokens, config.vision.image_size, wrap)
 
     def expand(
         self, token_ids: Sequence[int], images: Sequence[PIL.Image.Image | ProcessedImage], *,
@@ -129,14 +184,32 @@ class ImagePrompts:
         for index, image in enumerate(images):
             if isinstance(image, PIL.Image.Image):
                 self.check_size(image, index)
-        expanded: list[int] = []
-        offsets = []
+        return self.expand_ids(token_ids)
+
+    def expand_ids(self, token_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """`expand`'s result without its checks: the prompt with every placeholder replaced, and
+        the offset of each image's tokens."""
+        wrap = self.wrap
+        if wrap is None:
+            expanded: list[int] = []
+            offsets = []
+            for token_id in token_ids:
+                if token_id == self.image_token_id:
+                    offsets.append(len(expanded))
+                    expanded += [token_id] * self.num_image_tokens
+                else:
+                    expanded.append(token_id)
+            return expanded, offsets
+        expanded, offsets = [], []
         for token_id in token_ids:
-            if token_id == self.image_token_id:
-                offsets.append(len(expanded))
-                expanded += [token_id] * self.num_image_tokens
-            else:
-                expanded.append(token_id)
+            if token_id != self.image_token_id:
+                wrap.join(expanded, token_id)
+                continue
+            for wrapping in wrap.before:
+                wrap.join(expanded, wrapping)
+            offsets.append(len(expanded))
+            expanded += [wrap.image_token_id] * self.num_image_tokens
+            expanded += wrap.after
         return expanded, offsets
 
     def check_size(self, image: PIL.Image.Image, index: int) -> None:
@@ -228,9 +301,12 @@ class ImageEmbedder:
     samples, so a finished one holds none. An image nobody holds is dropped, and encoded again
     should a request (a preempted one, back) cover it later."""
 
-    def __init__(self, encoder: ImageEncoder, device: torch.device,
-                 max_batch_images: int = MAX_ENCODER_BATCH) -> None:
+    def __init__(self, encoder: ImageEncoder | Gemma3ImageEncoder, device: torch.device,
+                 max_batch_images: int = MAX_ENCODER_BATCH, *, bidirectional: bool = False) -> None:
         self.encoder = encoder
+        self.bidirectional = bidirectional
+        """Whether an image's tokens attend to each other both ways (Gemma 3's): the runner lays
+        each chunk's images out as spans of its `PagedBatch` (`PrefillChunk.bidirectional`)."""
         self.device = device
         self.max_batch_images = max_batch_images
         self._cache: dict[str, torch.Tensor] = {}

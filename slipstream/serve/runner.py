@@ -155,7 +155,8 @@ class Runner:
     its request's adapter; steps without one take the graphs as before.
 
     A multimodal model's runner has an `image_embedder` (multimodal.py): a step whose chunks cover
-    image placeholders runs module by module from input embeddings with the images' rows in place.
+    image placeholders runs module by module from input embeddings with the images' rows in place,
+    each image's tokens attending to each other both ways where the model's do (Gemma 3's).
     """
 
     def __init__(
@@ -239,20 +240,24 @@ class Runner:
             for chunk in plan.chunks:
                 token_ids += chunk.request.token_ids_range(chunk.start, chunk.start + chunk.num_tokens)
                 positions += range(chunk.start, chunk.start + chunk.num_tokens)
+            embedder = self.image_embedder
+            spans = [_image_spans(c) for c in plan.chunks] if embedder and embedder.bidirectional else None
             batches = self._batches([c.start + c.num_tokens for c in plan.chunks],
-                                    [c.num_tokens for c in plan.chunks], [c.block_ids for c in plan.chunks])
+                                    [c.num_tokens for c in plan.chunks], [c.block_ids for c in plan.chunks],
+                                    spans)
             device = self.device
             return torch.tensor(token_ids, device=device), torch.tensor(positions, device=device), batches
 
     def _batches(
-        self, seq_lens: Sequence[int], query_lens: Sequence[int], tables: Sequence[BlockTables]
+        self, seq_lens: Sequence[int], query_lens: Sequence[int], tables: Sequence[BlockTables],
+        bidirectional: Sequence[tuple[tuple[int, int], ...]] | None = None,
     ) -> tuple[PagedBatch, ...]:
         """Each KV cache group's layout of sequences whose block tables, per group, are `tables`
-        (what is common to the groups built once)."""
+        (what is common to the groups built once), with each sequence's `bidirectional` spans."""
         return PagedBatch.build_groups(
             seq_lens=seq_lens, query_lens=query_lens,
             group_tables=[[t[group] for t in tables] for group in range(self.cache.groups.num_groups)],
-            block_size=self.cache.block_size, device=self.device)
+            block_size=self.cache.block_size, bidirectional=bidirectional, device=self.device)
 
     def _graph_for(
         self, batch: PagedBatch, chunks: Sequence[ScheduledChunk]
@@ -415,6 +420,14 @@ def _grouped_by_adapter(plan: StepPlan) -> tuple[StepPlan, list[int] | None]:
         return plan, None
     sampled = {id(chunk): row for row, chunk in enumerate(c for c in grouped if c.samples)}
     return dataclasses.replace(plan, chunks=tuple(grouped)), [sampled[id(c)] for c in chunks if c.samples]
+
+
+def _image_spans(chunk: ScheduledChunk) -> tuple[tuple[int, int], ...]:
+    """The positions of the images whose tokens the chunk computes some of, as spans that attend
+    both ways (the scheduler's disable_chunked_mm_input has the chunk reach each one's end)."""
+    stop = chunk.start + chunk.num_tokens
+    return tuple((image.offset, image.end) for image in chunk.request.images
+                 if image.offset < stop and chunk.start < image.end)
 
 
 def _wants_prompt_logits(chunk: ScheduledChunk) -> bool:

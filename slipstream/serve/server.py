@@ -607,7 +607,7 @@ class OpenAIServer:
 
         def fits(messages: list[protocol.ChatMessage]) -> bool:
             ids = rendered[len(messages)] = self._render_chat(chat.model_copy(update={"messages": messages}))
-            return self._expanded_length(len(ids), sum(len(m.image_urls) for m in messages)) <= budget
+            return self._expanded_length(ids) <= budget
 
         kept = protocol.truncated_messages(chat.messages, fits)
         return rendered[len(kept)], chat.model_copy(update={"messages": kept})
@@ -939,14 +939,14 @@ class OpenAIServer:
                 f"{self.image_prompts.image_token_id}) but {len(images)} image(s): each image part renders "
                 "as one placeholder, and the token written as text or cut off by truncate_prompt_tokens "
                 "unbalances them", param)
-        return self._expanded_length(len(token_ids), num_placeholders)
+        return self._expanded_length(token_ids)
 
-    def _expanded_length(self, num_token_ids: int, num_images: int) -> int:
-        """A prompt of `num_token_ids` ids holding `num_images` image placeholders, each expanded to
-        its image's tokens (a text model's prompt holds none)."""
+    def _expanded_length(self, token_ids: list[int]) -> int:
+        """The prompt's length with each image placeholder expanded to its image's tokens (a text
+        model's prompt holds none)."""
         if self.image_prompts is None:
-            return num_token_ids
-        return num_token_ids + num_images * (self.image_prompts.num_image_tokens - 1)
+            return len(token_ids)
+        return len(self.image_prompts.expand_ids(token_ids)[0])
 
     def _check_context(self, num_prompt_tokens: int, max_tokens: int | None, min_tokens: int,
                        prompt_param: str, max_tokens_param: str) -> None:
