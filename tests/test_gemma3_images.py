@@ -4,24 +4,31 @@ to each other both ways, against transformers."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import warnings
 from pathlib import Path
 
 import numpy as np
+import openai
 import PIL.Image
 import pytest
 import torch
 import transformers
 from serve_fixtures import assert_same_tokens, random_hf
+from server_process import MODEL_NAME, serve_in_process
 from test_gemma_model import GEMMA3, SHAPE
 
 from slipstream import LLM, SamplingParams
 from slipstream.model.create import stdlib_tokenizer
 from slipstream.model.llava import LlavaConfig, load_image_encoder
-from slipstream.serve.multimodal import ImagePrompts, ImageWrap
 
-BOI, EOI, IMAGE = 330, 331, 332
+NEWLINE_RUNS = ["\n\n", "\n\n\n", "\n\n\n\n"]
+"""Tokens of the tokenizer below besides the stdlib one's "\n" (Gemma 3's has runs up to 31)."""
+BOI, EOI, IMAGE = 323, 324, 325
+SPECIAL = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+           "image_token": "<image_soft_token>"}
 VOCAB = 336
 NUM_IMAGE_TOKENS = 16
 """A 4 x 4 grid pooled from 8 x 8 patches: longer than the text model's 5-token window."""
@@ -29,6 +36,16 @@ IMAGE_SIZE = 56
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               image_size=IMAGE_SIZE, patch_size=7)
 MAX_TOKENS = 8
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<start_of_turn>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+"""Gemma 3's chat template's layout (an image part renders as `<start_of_image>`), shortened."""
 
 
 def random_gemma3() -> torch.nn.Module:
@@ -50,7 +67,14 @@ def gemma3(tmp_path_factory) -> tuple[torch.nn.Module, Path]:
     hf = random_gemma3()
     path = tmp_path_factory.mktemp("gemma3-images")
     hf.save_pretrained(path)
-    stdlib_tokenizer(320).save_pretrained(path)
+    tokenizer = stdlib_tokenizer(320)
+    tokenizer.backend.add_tokens(NEWLINE_RUNS)
+    tokenizer.backend.add_special_tokens(list(SPECIAL.values()))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    assert [tokenizer.token_to_id(token) for token in SPECIAL.values()] == [BOI, EOI, IMAGE]
+    tokenizer.save_pretrained(path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps(config | {"extra_special_tokens": SPECIAL}))
     processor = {"image_processor_type": "Gemma3ImageProcessor",
                  "size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE}}
     (path / "preprocessor_config.json").write_text(json.dumps(processor))
@@ -78,21 +102,74 @@ def test_image_encoder_matches_transformers(gemma3):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_placeholders_join_newlines_as_the_tokenizer_would():
-    """Gemma 3's expansion, "\\n\\n<start_of_image>", the image tokens, "<end_of_image>\\n\\n", joins
-    its blank lines with newline tokens beside them into one token where the vocabulary has one
-    for the run, as tokenizing the expanded text does (vLLM's Gemma 3 processor joins the runs of
-    "\\n" + "\\n\\n", "\\n\\n" + "\\n" and "\\n\\n" + "\\n\\n" so)."""
-    newlines = {"\n": 1, "\n\n": 2, "\n\n\n": 3, "\n\n\n\n": 4}  # id = the run's length
-    wrap = ImageWrap.gemma3(LlavaConfig.from_hf_dict({"model_type": "gemma3", "boi_token_index": BOI,
-                                                      "eoi_token_index": EOI, "image_token_index": IMAGE}),
-                            lambda text: [newlines[text]] if text in newlines else [9, 9])
-    prompts = ImagePrompts(None, BOI, 3, IMAGE_SIZE, wrap)
-    image = [BOI, IMAGE, IMAGE, IMAGE, EOI]
-    assert prompts.expand_ids([7, BOI, 8]) == ([7, 2, *image, 2, 8], [3])
-    assert prompts.expand_ids([7, 1, BOI, 1, 8]) == ([7, 3, *image, 3, 8], [3])
-    assert prompts.expand_ids([2, BOI, BOI]) == ([4, *image, 4, *image, 2], [2, 8])
-    assert prompts.expand_ids([3, BOI, 3]) == ([3, 2, *image, 2, 3], [3])  # no token for 5 newlines
+@pytest.mark.parametrize("text", [
+    "def f():\n<start_of_image>\nreturn 1",
+    "x<start_of_image>y",
+    "a\n\n<start_of_image>\n\n\nb<start_of_image><start_of_image>",
+    "\n\n\n\n\n<start_of_image>\n\n\n\n\n\n\nz",
+])
+def test_text_prompts_expand_as_gemma3_processor(gemma3, text):
+    """Guards the placeholder's expansion and the joining of its blank lines with the newlines
+    beside them: the prompt token ids equal those of transformers' Gemma3Processor, which expands
+    the text, then tokenizes it (here with tokens for runs of up to four newlines, so that runs
+    of up to eleven are written as several)."""
+    _, model_dir = gemma3
+    processor = gemma3_processor(model_dir)
+    images = [random_image(seed, (30, 20)) for seed in range(text.count("<start_of_image>"))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = processor(text=text, images=images)["input_ids"][0]
+    llm = LLM(str(model_dir), dtype="float32")
+    output = llm.generate({"prompt": text, "multi_modal_data": {"image": images}},
+                          SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert output.prompt_token_ids == list(expected)
+
+
+def gemma3_processor(model_dir: Path):
+    return transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
+        tokenizer=transformers.AutoTokenizer.from_pretrained(model_dir), image_seq_length=NUM_IMAGE_TOKENS)
+
+
+def data_url(image: PIL.Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_chat_and_the_server_take_images(gemma3):
+    """Guards the chat path: an image part renders as `<start_of_image>` through the template, and
+    LLM.chat and /v1/chat/completions (the official openai client on a real server, a data URL)
+    give transformers' prompt ids (Gemma3Processor on the rendered text) and greedy tokens."""
+    hf, model_dir = gemma3
+    image = random_image(5, (36, 48))
+    parts = [{"type": "text", "text": "What is this?"},
+             {"type": "image_url", "image_url": {"url": data_url(image)}}]
+    text = "<start_of_turn>user\nWhat is this?<start_of_image><end_of_turn>\n<start_of_turn>model\n"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        inputs = gemma3_processor(model_dir)(text=text, images=[image], return_tensors="pt")
+    ids = inputs["input_ids"][0].tolist()
+    with torch.no_grad():
+        out = hf.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                          pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    expected = out.sequences[0, len(ids):].tolist()
+    top2 = torch.stack(out.scores, 1).float().topk(2, dim=-1).values
+    gaps = (top2[..., 0] - top2[..., 1])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    [output] = LLM(str(model_dir), dtype="float32").chat([{"role": "user", "content": parts}], params,
+                                                         use_tqdm=False)
+    assert output.prompt == text and output.prompt_token_ids == ids
+    assert_same_tokens([expected], gaps, [list(output.outputs[0].token_ids)], "chat")
+    with serve_in_process(model_dir, "--dtype", "float32") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": parts}], max_tokens=MAX_TOKENS,
+            temperature=0.0, logprobs=True,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    assert reply.usage.prompt_tokens == len(ids)
+    got = [int(entry.token.removeprefix("token_id:")) for entry in reply.choices[0].logprobs.content]
+    assert_same_tokens([expected], gaps, [got], "server")
 
 
 def hf_inputs(ids: list[int], blank: list[int]) -> list[int]:
@@ -136,7 +213,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def reference(gemma3):
     hf, model_dir = gemma3
-    blank = stdlib_tokenizer(320).encode("\n\n", add_special_tokens=False)
+    blank = transformers.AutoTokenizer.from_pretrained(model_dir).encode("\n\n", add_special_tokens=False)
     results = [hf_greedy(hf, hf_inputs(ids, blank), [random_image(*image) for image in images])
                for ids, images in PROMPTS]
     tokens, gaps, first = zip(*results, strict=True)
@@ -204,3 +281,22 @@ def test_a_budget_under_one_image_is_refused(gemma3):
     _, model_dir = gemma3
     with pytest.raises(ValueError, match="max_num_batched_tokens .* one image"):
         LLM(str(model_dir), dtype="float32", max_num_batched_tokens=NUM_IMAGE_TOKENS - 1)
+
+
+def test_a_prefix_hit_inside_an_image_computes_the_rest_of_it(gemma3, reference):
+    """With 16-token blocks the first prompt's cached prefix ends inside its image: the same prompt
+    again starts there, computing the image's last tokens (which see its cached first ones, and
+    they, computed whole before, saw these) and gives transformers' tokens and first log-probability."""
+    _, model_dir = gemma3
+    expected_ids, expected, _, first = reference
+    llm = LLM(str(model_dir), dtype="float32", block_size=16)
+    ids, images = PROMPTS[0]
+    image_start = expected_ids[0].index(IMAGE)
+    prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": [random_image(*i) for i in images]}}
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    for _ in range(2):  # the second finds the first's blocks cached
+        output = llm.generate([prompt], params, use_tqdm=False)[0]
+        token_id = output.outputs[0].token_ids[0]
+        assert list(output.outputs[0].token_ids) == expected[0]
+        assert abs(output.outputs[0].logprobs[0][token_id].logprob - first[0][token_id].item()) < 1e-4
+    assert image_start < output.num_cached_tokens < image_start + NUM_IMAGE_TOKENS

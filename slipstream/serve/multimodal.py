@@ -20,6 +20,7 @@ parallelism the encoder runs whole on the driver, and the rows travel to the wor
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -100,45 +101,50 @@ class ImageWrap:
     """What surrounds an image's tokens where they replace its placeholder, and which token they
     are, where that is not the placeholder repeated (LLaVA's). Gemma 3's processor
     (transformers' Gemma3Processor) writes "\n\n<start_of_image>", the image tokens,
-    "<end_of_image>\n\n" in the text; tokenizing that joins the blank lines with newlines
-    beside them into one token where the vocabulary has one for the run, and so does `join`
-    at the seams (vLLM's Gemma 3 processor joins the same runs, of up to four newlines)."""
+    "<end_of_image>\n\n" in the text and tokenizes the result, which writes each run of newlines
+    (its blank lines and the prompt's newlines beside them) as the tokenizer writes that run
+    alone: `join` does so at the seams (vLLM's Gemma 3 processor joins "\n" + "\n\n",
+    "\n\n" + "\n" and "\n\n" + "\n\n" into one token each, which this gives where the
+    vocabulary has tokens for those runs, as Gemma 3's has)."""
 
     image_token_id: int
     before: tuple[int, ...]
     after: tuple[int, ...]
     newline_runs: Mapping[int, int]
-    """Each token of the vocabulary that is only newlines: id -> how many."""
+    """The tokens that are a run of newlines: id -> how many."""
+    newlines: Callable[[int], tuple[int, ...]]
+    """n -> the tokens of a run of n newlines."""
 
     @classmethod
     def gemma3(cls, config: LlavaConfig, encode: Callable[[str], list[int]]) -> ImageWrap:
         """Gemma 3's, its newlines as `encode` (the tokenizer's, without special tokens) writes
-        them: runs of up to MAX_NEWLINE_RUN newlines that it writes as one token are joinable."""
+        them; the tokens of up to MAX_NEWLINE_RUN newlines are known as runs."""
         runs = {}
         for length in range(1, MAX_NEWLINE_RUN + 1):
             ids = encode("\n" * length)
             if len(ids) == 1:
                 runs[ids[0]] = length
         blank = tuple(encode("\n\n"))
+        newlines = functools.lru_cache(maxsize=64)(lambda n: tuple(encode("\n" * n)))
         return cls(config.image_token_index, before=(*blank, config.boi_token_index),
-                   after=(config.eoi_token_index, *blank), newline_runs=runs)
+                   after=(config.eoi_token_index, *blank), newline_runs=runs, newlines=newlines)
 
     def join(self, tokens: list[int], token_id: int) -> None:
-        """Append `token_id` to `tokens`, as one token with a run of newlines ending `tokens` where
-        both are newlines and the vocabulary has a token for their run."""
+        """Append `token_id` to `tokens`; where both it and the end of `tokens` are newlines, the
+        whole run of them is written again as the tokenizer writes it."""
         runs = self.newline_runs
-        if tokens and tokens[-1] in runs and token_id in runs:
-            joined = runs[tokens[-1]] + runs[token_id]
-            merged = next((i for i, n in runs.items() if n == joined), None)
-            if merged is not None:
-                tokens[-1] = merged
-                return
-        tokens.append(token_id)
+        if token_id not in runs or not tokens or tokens[-1] not in runs:
+            tokens.append(token_id)
+            return
+        count = runs[token_id]
+        while tokens and tokens[-1] in runs:
+            count += runs[tokens.pop()]
+        tokens += self.newlines(count)
 
 
 MAX_NEWLINE_RUN = 32
-"""The longest run of newlines `ImageWrap` looks for one token of (Gemma 3's vocabulary has them up
-to 31)."""
+"""The longest run of newlines `ImageWrap` asks the tokenizer for one token of (Gemma 3's vocabulary
+has them up to 31)."""
 
 
 class ImagePrompts:
