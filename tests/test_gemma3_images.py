@@ -140,7 +140,8 @@ def data_url(image: PIL.Image.Image) -> str:
 def test_chat_and_the_server_take_images(gemma3):
     """Guards the chat path: an image part renders as `<start_of_image>` through the template, and
     LLM.chat and /v1/chat/completions (the official openai client on a real server, a data URL)
-    give transformers' prompt ids (Gemma3Processor on the rendered text) and greedy tokens."""
+    give transformers' prompt ids (Gemma3Processor on the rendered text) and greedy tokens; Gemma
+    3's image token typed in a message is a 400."""
     hf, model_dir = gemma3
     image = random_image(5, (36, 48))
     parts = [{"type": "text", "text": "What is this?"},
@@ -167,6 +168,9 @@ def test_chat_and_the_server_take_images(gemma3):
             model=MODEL_NAME, messages=[{"role": "user", "content": parts}], max_tokens=MAX_TOKENS,
             temperature=0.0, logprobs=True,
             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        with pytest.raises(openai.BadRequestError, match=f"image token \\(id {IMAGE}\\) itself"):
+            client.chat.completions.create(model=MODEL_NAME, max_tokens=1, messages=[
+                {"role": "user", "content": [*parts, {"type": "text", "text": "<image_soft_token>"}]}])
     assert reply.usage.prompt_tokens == len(ids)
     got = [int(entry.token.removeprefix("token_id:")) for entry in reply.choices[0].logprobs.content]
     assert_same_tokens([expected], gaps, [got], "server")
@@ -300,3 +304,20 @@ def test_a_prefix_hit_inside_an_image_computes_the_rest_of_it(gemma3, reference)
         assert list(output.outputs[0].token_ids) == expected[0]
         assert abs(output.outputs[0].logprobs[0][token_id].logprob - first[0][token_id].item()) < 1e-4
     assert image_start < output.num_cached_tokens < image_start + NUM_IMAGE_TOKENS
+
+
+def test_image_tokens_in_the_prompt_itself_are_refused(gemma3):
+    """A prompt holding Gemma 3's image token itself (an already expanded prompt, or
+    `<image_soft_token>` typed as text) stands for no image: a ValueError naming the token, in
+    token ids and in text; so is a placeholder without its image."""
+    _, model_dir = gemma3
+    llm = LLM(str(model_dir), dtype="float32")
+    params = SamplingParams(max_tokens=1)
+    with pytest.raises(ValueError, match=f"image token \\(id {IMAGE}\\) itself"):
+        llm.generate({"prompt_token_ids": [5, IMAGE, 6]}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match=f"image token \\(id {IMAGE}\\) itself"):
+        llm.generate({"prompt": "a<start_of_image>b<image_soft_token>",
+                      "multi_modal_data": {"image": random_image(0, (9, 9))}}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="1 image placeholder.*0 image"):
+        llm.generate("a<start_of_image>b", params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

@@ -180,7 +180,15 @@ class ImagePrompts:
         each image's placeholders in it, in prompt order; cheap (no image is processed), so that a
         prompt is refused before its images are. As many images as image tokens, else a
         ValueError naming both counts (`truncated`: the prompt was cut by truncate_prompt_tokens,
-        which the error says); an image of a size `check_size` refuses is a ValueError too."""
+        which the error says); an image of a size `check_size` refuses is a ValueError too, and
+        so is a prompt that holds the image tokens of a wrapped expansion itself (Gemma 3's
+        `<image_soft_token>`: an expanded prompt, or the token written as text), which would stand
+        for no image."""
+        wrap = self.wrap
+        if wrap is not None and wrap.image_token_id in token_ids:
+            raise ValueError(f"the prompt holds the image token (id {wrap.image_token_id}) itself: an image "
+                             f"goes where its placeholder (token id {self.image_token_id}) is, with the "
+                             "image in multi_modal_data, and the engine expands it")
         num_placeholders = sum(1 for token_id in token_ids if token_id == self.image_token_id)
         if num_placeholders != len(images):
             note = (" (truncate_prompt_tokens cuts the prompt before its image placeholders are expanded, "
