@@ -23,6 +23,7 @@ from test_gemma_model import GEMMA3, SHAPE
 from slipstream import LLM, SamplingParams
 from slipstream.model.create import stdlib_tokenizer
 from slipstream.model.llava import LlavaConfig, load_image_encoder
+from slipstream.ops.linear import onednn_multiplies
 
 NEWLINE_RUNS = ["\n\n", "\n\n\n", "\n\n\n\n"]
 """Tokens of the tokenizer below besides the stdlib one's "\n" (Gemma 3's has runs up to 31)."""
@@ -321,3 +322,28 @@ def test_image_tokens_in_the_prompt_itself_are_refused(gemma3):
     with pytest.raises(ValueError, match="1 image placeholder.*0 image"):
         llm.generate("a<start_of_image>b", params, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.skipif(onednn_multiplies(torch.bfloat16),
+                    reason="oneDNN multiplies bf16 here: the tower runs in bf16")
+def test_a_bf16_engine_encodes_in_fp32_where_the_cpu_multiplies_bf16_slowly(gemma3):
+    """On a CPU where oneDNN does not multiply bf16, a bf16 engine's encoder computes in fp32 (faster
+    there and nearer the exact result: benchmarks/image_encoder.py) and its embeddings are
+    transformers' fp32 image features rounded to bf16."""
+    hf, model_dir = gemma3
+    llm = LLM(str(model_dir), dtype="bfloat16")
+    embedder = llm.engine.runner.image_embedder
+    assert {p.dtype for p in embedder.encoder.parameters()} == {torch.float32}
+    assert embedder.dtype == torch.bfloat16  # the rows the runner takes
+    image = random_image(4, (30, 30))
+    encoded = []
+    embedder.encoder.register_forward_hook(lambda module, args, out: encoded.append(out))
+    llm.generate({"prompt_token_ids": [5, BOI, 6], "multi_modal_data": {"image": image}},
+                 SamplingParams(max_tokens=1), use_tqdm=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pixels = transformers.Gemma3ImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})(
+            [image], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        expected = hf.model.get_image_features(pixels).pooler_output
+    torch.testing.assert_close(encoded[0], expected, rtol=1e-5, atol=1e-5)

@@ -316,8 +316,12 @@ class ImageEmbedder:
     should a request (a preempted one, back) cover it later."""
 
     def __init__(self, encoder: ImageEncoder | Gemma3ImageEncoder, device: torch.device,
-                 max_batch_images: int = MAX_ENCODER_BATCH, *, bidirectional: bool = False) -> None:
+                 max_batch_images: int = MAX_ENCODER_BATCH, *, dtype: torch.dtype | None = None,
+                 bidirectional: bool = False) -> None:
         self.encoder = encoder
+        self.dtype = dtype
+        """The embeddings' dtype (the language model's), where the encoder computes in another;
+        None: the encoder's."""
         self.bidirectional = bidirectional
         """Whether an image's tokens attend to each other both ways (Gemma 3's): the runner lays
         each chunk's images out as spans of its `PagedBatch` (`PrefillChunk.bidirectional`)."""
@@ -383,7 +387,10 @@ class ImageEmbedder:
         for first in range(0, len(todo), self.max_batch_images):
             batch = todo[first:first + self.max_batch_images]
             pixels = torch.stack([image.pixel_values for _, image in batch]).to(self.device)
-            for (content_hash, _), rows in zip(batch, self.encoder(pixels), strict=True):  # (tokens, D) each
+            embeddings = self.encoder(pixels)
+            if self.dtype is not None:
+                embeddings = embeddings.to(self.dtype)
+            for (content_hash, _), rows in zip(batch, embeddings, strict=True):  # (tokens, D) each
                 self._cache[content_hash] = rows
 
 
