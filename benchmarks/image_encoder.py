@@ -7,7 +7,8 @@ at 336 pixels (23 of its 24 layers, to the feature layer -2; 577 positions) with
 4,096; "gemma3" is Gemma 3's SigLIP so400m/14 at 896 pixels (4,096 positions) with its projector to
 2,560 (Gemma 3 4B), `--layers` of its 27 layers (default 2: each layer costs the same, and the whole
 tower takes minutes a side here). One image per call; the two sides take turns (`--repeats`
-each) and the medians are compared. The FLOPs of a call are counted by torch.utils.flop_counter;
+each) and the medians are compared. The FLOPs of a call are counted by torch.utils.flop_counter,
+plus the attention's in closed form (`attention_flops`: it counts no CPU SDPA kernel);
 MFU is against the calibrated peak of the dtype (`slipstream perf calibrate`). In bf16 a third side
 runs the tower in fp32 and rounds its output to bf16 (what the engine does on a CPU where oneDNN
 does not multiply bf16). Each output is compared with the fp32 tower's. Last line JSON.
@@ -49,6 +50,14 @@ def build(tower: str, layers: int) -> torch.nn.Module:
     return encoder
 
 
+def attention_flops(encoder: torch.nn.Module) -> int:
+    """The FLOPs of the tower's attention products, q k^T and the weights times v (2 P^2 E each per
+    layer, P positions, E the width): FlopCounterMode counts no CPU SDPA kernel (torch 2.13)."""
+    config = encoder.config
+    positions = config.num_patches + config.has_class_token
+    return len(encoder.vision_tower.encoder.layers) * 4 * positions**2 * config.hidden_size
+
+
 def measure(tower: str, dtype: torch.dtype, layers: int, repeats: int) -> dict:
     """Median seconds per image of each side in `dtype` (and, for bf16, of the tower in fp32 with its
     output rounded to bf16, which the engine runs where oneDNN cannot multiply bf16), MFU and each
@@ -64,7 +73,7 @@ def measure(tower: str, dtype: torch.dtype, layers: int, repeats: int) -> dict:
     with torch.inference_mode():
         with FlopCounterMode(display=False) as counter:
             sides["nn.Linear"](pixels)
-        flops = counter.get_total_flops()
+        flops = counter.get_total_flops() + attention_flops(fp32)
         expected = fp32(pixels)
         errors = {name: ((run(pixels).float() - expected).norm() / expected.norm()).item()
                   for name, run in sides.items()}

@@ -452,9 +452,9 @@ class Engine:
         A bf16 model on a CPU where oneDNN does not multiply bf16 (AVX2) gets its encoder in fp32,
         its embeddings rounded to bf16: PyTorch's bf16 products there are its reference GEMM, and
         the fp32 tower is both faster and nearer the exact result (benchmarks/image_encoder.py on
-        the Zen 3 development VM: LLaVA-1.5's tower 4.9x faster than in bf16 and 1.16x than with
-        its linears packed for the C panel kernel; Gemma 3's, whose attention over 4,096
-        positions is slow in bf16 too, 7.0x and 4.0x)."""
+        the Zen 3 development VM: LLaVA-1.5's tower 4.9-5.2x faster than in bf16 and 1.14-1.16x
+        than with its linears packed for the C panel kernel; Gemma 3's, whose attention over
+        4,096 positions is slow in bf16 too, 6.7-7.0x and 3.7-4.0x)."""
         if self._llava is None:
             return None
         model_dir = self.config.model

@@ -98,9 +98,9 @@ class ProcessedImage:
 
 @dataclasses.dataclass(frozen=True)
 class ImageWrap:
-    """What surrounds an image's tokens where they replace its placeholder, and which token they
-    are, where that is not the placeholder repeated (LLaVA's). Gemma 3's processor
-    (transformers' Gemma3Processor) writes "\n\n<start_of_image>", the image tokens,
+    """Which token an image's tokens are and what surrounds them where they replace its
+    placeholder. LLaVA's are the placeholder repeated, with nothing around (`repeat`). Gemma 3's
+    processor (transformers' Gemma3Processor) writes "\n\n<start_of_image>", the image tokens,
     "<end_of_image>\n\n" in the text and tokenizes the result, which writes each run of newlines
     (its blank lines and the prompt's newlines beside them) as the tokenizer writes that run
     alone: `join` does so at the seams (vLLM's Gemma 3 processor joins "\n" + "\n\n",
@@ -114,6 +114,10 @@ class ImageWrap:
     """The tokens that are a run of newlines: id -> how many."""
     newlines: Callable[[int], tuple[int, ...]]
     """n -> the tokens of a run of n newlines."""
+
+    @classmethod
+    def repeat(cls, image_token_id: int) -> ImageWrap:
+        return cls(image_token_id, before=(), after=(), newline_runs={}, newlines=lambda n: ())
 
     @classmethod
     def gemma3(cls, config: LlavaConfig, encode: Callable[[str], list[int]]) -> ImageWrap:
@@ -149,8 +153,9 @@ has them up to 31)."""
 
 class ImagePrompts:
     """A multimodal checkpoint's prompt side: its image placeholder token (`image_token_id`), the
-    processor, tokens per image, what surrounds them (`wrap`; None: the placeholder repeated),
-    and the tower's input side (`image_size`), which bounds what an image may resize to."""
+    processor, tokens per image, which they are and what surrounds them (`wrap`; default: the
+    placeholder repeated), and the tower's input side (`image_size`), which bounds what an image
+    may resize to."""
 
     def __init__(self, processor: ImageProcessor, image_token_id: int, num_image_tokens: int,
                  image_size: int, wrap: ImageWrap | None = None) -> None:
@@ -158,7 +163,7 @@ class ImagePrompts:
         self.image_token_id = image_token_id
         self.num_image_tokens = num_image_tokens
         self.image_size = image_size
-        self.wrap = wrap
+        self.wrap = wrap or ImageWrap.repeat(image_token_id)
 
     @classmethod
     def from_pretrained(
@@ -176,16 +181,16 @@ class ImagePrompts:
         self, token_ids: Sequence[int], images: Sequence[PIL.Image.Image | ProcessedImage], *,
         truncated: bool = False,
     ) -> tuple[list[int], list[int]]:
-        """The prompt with each image token repeated `num_image_tokens` times, and the offset of
-        each image's placeholders in it, in prompt order; cheap (no image is processed), so that a
-        prompt is refused before its images are. As many images as image tokens, else a
-        ValueError naming both counts (`truncated`: the prompt was cut by truncate_prompt_tokens,
-        which the error says); an image of a size `check_size` refuses is a ValueError too, and
-        so is a prompt that holds the image tokens of a wrapped expansion itself (Gemma 3's
-        `<image_soft_token>`: an expanded prompt, or the token written as text), which would stand
-        for no image."""
+        """The prompt with each image placeholder replaced by `num_image_tokens` image tokens and
+        what surrounds them (`wrap`), and the offset of each image's tokens in it, in prompt
+        order; cheap (no image is processed), so that a prompt is refused before its images are.
+        As many images as placeholders, else a ValueError naming both counts (`truncated`: the
+        prompt was cut by truncate_prompt_tokens, which the error says); an image of a size
+        `check_size` refuses is a ValueError too, and so is a prompt that holds image tokens other
+        than its placeholders itself (Gemma 3's `<image_soft_token>`: an expanded prompt, or the
+        token written as text), which would stand for no image."""
         wrap = self.wrap
-        if wrap is not None and wrap.image_token_id in token_ids:
+        if wrap.image_token_id != self.image_token_id and wrap.image_token_id in token_ids:
             raise ValueError(f"the prompt holds the image token (id {wrap.image_token_id}) itself: an image "
                              f"goes where its placeholder (token id {self.image_token_id}) is, with the "
                              "image in multi_modal_data, and the engine expands it")
@@ -204,17 +209,8 @@ class ImagePrompts:
         """`expand`'s result without its checks: the prompt with every placeholder replaced, and
         the offset of each image's tokens."""
         wrap = self.wrap
-        if wrap is None:
-            expanded: list[int] = []
-            offsets = []
-            for token_id in token_ids:
-                if token_id == self.image_token_id:
-                    offsets.append(len(expanded))
-                    expanded += [token_id] * self.num_image_tokens
-                else:
-                    expanded.append(token_id)
-            return expanded, offsets
-        expanded, offsets = [], []
+        expanded: list[int] = []
+        offsets = []
         for token_id in token_ids:
             if token_id != self.image_token_id:
                 wrap.join(expanded, token_id)
