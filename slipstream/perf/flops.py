@@ -314,8 +314,9 @@ def attention_flops_per_token(
     of `context_len` tokens of the keys each query really attends to under the causal mask and
     the layers' sliding windows, `mean_keys_per_query` (about half). Gemma 2's soft-capped
     attention computes every query against every key in training (`causal=False`'s count,
-    which is what `torch.utils.flop_counter` counts for its explicit matmuls, and for SDPA too).
-    """
+    which is what `torch.utils.flop_counter` counts for its explicit matmuls, and for SDPA's
+    flash, memory-efficient and cuDNN kernels; it counts nothing for the CPU's fused SDPA kernel,
+    `_scaled_dot_product_flash_attention_for_cpu`, in torch 2.13)."""
     _check_non_negative("context_len", context_len)
     keys = mean_keys_per_query(config, context_len) if causal else context_len
     return 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * keys
