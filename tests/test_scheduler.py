@@ -881,3 +881,24 @@ def test_fuzz_whole_images(seed):
     for request in requests:
         assert request.is_finished and scheduler.kv_cache.block_ids(request.request_id) == ()
     assert scheduler.kv_cache.num_used_blocks == 0
+
+
+def test_a_prefix_hit_inside_an_image_waits_for_budget_for_the_rest_of_it():
+    """Under disable_chunked_mm_input a request whose cached prefix ends inside an image is admitted
+    only with budget for the rest of the image: with 1 token left in a step it waits (no chunk
+    inside the image), and the next step, with 7 left, starts it from the hit."""
+    config = make_config(max_num_batched_tokens=8, disable_chunked_mm_input=True)
+    scheduler, runner = Scheduler(config), FakeRunner(config)
+    first = with_images(make_request("a", range(1, 13), max_tokens=1), [(2, 8, "x")])
+    scheduler.add(first)
+    run_to_completion(scheduler, runner)
+    scheduler.add(make_request("b", range(20, 35), max_tokens=2))  # 15 tokens: 8, then 7
+    step(scheduler, runner)
+    again = with_images(make_request("a2", range(1, 13), max_tokens=1), [(2, 8, "x")])
+    scheduler.add(again)
+    assert len(scheduler.kv_cache.lookup(again)) * config.block_size == 8  # inside the image (2, 10)
+    plan, _ = step(scheduler, runner)
+    assert chunk_sizes(plan) == [("b", 7)]  # 1 token left: not enough for positions 8 and 9
+    plan, _ = step(scheduler, runner)
+    assert chunk_sizes(plan) == [("b", 1), ("a2", 4)] and plan.chunks[1].start == 8
+    run_to_completion(scheduler, runner)
