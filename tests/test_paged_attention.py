@@ -338,12 +338,20 @@ def test_scaled_soft_capped_attention_matches_dense(head_dim, block_size, use_ke
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["c-kernel", "pytorch"])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bidirectional_spans_match_dense(use_kernel, window, dtype):
+def test_bidirectional_spans_match_dense(use_kernel, window, dtype, monkeypatch):
     """Chunks holding spans whose tokens attend both ways (Gemma 3's images): a fresh prompt with
     two images, a chunk that starts inside a span (the span's first keys cached), one with a span
     longer than the window, beside a causal chunk and decodes, against the dense float64
-    reference; the step's causal rows keep the C kernel's decodes. Attending causally instead
-    fails by far more than the tolerance."""
+    reference; the causal chunk keeps the C prefill kernel (and the decodes the decode kernel).
+    Attending causally instead fails by far more than the tolerance."""
+    kernel_chunks = []
+    prefill_kernel = cpu_kernels.paged_prefill_attention_
+
+    def spy(out, q, k_cache, v_cache, chunk_rows, *args, **kwargs):
+        kernel_chunks.append(chunk_rows.tolist())
+        return prefill_kernel(out, q, k_cache, v_cache, chunk_rows, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, "paged_prefill_attention_", spy)
     rng = random.Random(2)
     torch.manual_seed(2)
     head_dim, block_size, num_heads, num_kv_heads = 64, 4, 4, 2
@@ -379,6 +387,8 @@ def test_bidirectional_spans_match_dense(use_kernel, window, dtype):
     print(f"{dtype} window {window}: max diff {diff:.3g} (causal {causal:.3g})")
     assert diff < tolerance
     assert causal > 10 * tolerance
+    takes_kernel = use_kernel and cpu_kernels.supports_prefill_attention(q)
+    assert kernel_chunks == ([[20]] if takes_kernel else [])  # the causal chunk's first row
 
 
 @pytest.mark.parametrize("bad", [{"softcap": 0.0}, {"softcap": -1.0}, {"sliding_window": 0}])

@@ -11,9 +11,9 @@ scores times a scale (head_dim**-0.5 unless told, Gemma 2's is its own) and opti
 (Gemma 2: cap * tanh(score / cap) before the softmax), and optionally with attention sinks
 (gpt-oss: a logit per query head in each softmax's denominator, `attention.softmax_with_sinks`,
 which the C kernels add when they normalise). A prefill chunk may name spans of positions whose
-tokens attend to each other both ways (`PrefillChunk.bidirectional`: Gemma 3's images); a step
-with one runs its prefills through the PyTorch path, whose masks `causal_mask` builds, as the
-C prefill kernel's are causal only. The window, scale, cap and
+tokens attend to each other both ways (`PrefillChunk.bidirectional`: Gemma 3's images); such a
+chunk goes through the PyTorch path, whose masks `causal_mask` builds, as the C prefill kernel's
+are causal only (the step's other chunks keep the kernel). The window, scale, cap and
 sinks are the calling layer's own (Gemma 2 windows only some layers), so they are arguments of
 each call, not part of the step's `PagedBatch`, which every layer shares. One batched
 computation for all single-token (decode) sequences, and for the multi-token (prefill) chunks
@@ -258,21 +258,25 @@ def paged_attention(
         return _decode(q, k_cache, v_cache, batch, scale, softcap, sliding_window, use_kernel, sinks)
     out = torch.empty_like(q)
     readable = k_cache.dtype == q.dtype or k_cache.dtype in cpu_kernels.FP8_CACHE_CODES
-    causal = not any(chunk.bidirectional for chunk in batch.prefills)  # the C kernel's masks only
-    if use_kernel and readable and causal and cpu_kernels.supports_prefill_attention(q):
+    kernel = use_kernel and readable and cpu_kernels.supports_prefill_attention(q)
+    # The C kernel's masks are causal: it takes the causal chunks, PyTorch the rest.
+    by_pytorch = [i for i, chunk in enumerate(batch.prefills) if chunk.bidirectional or not kernel]
+    if len(by_pytorch) < len(batch.prefills):
+        causal = slice(None) if not by_pytorch else torch.tensor(
+            sorted(set(range(len(batch.prefills))) - set(by_pytorch)), device=q.device)
         cpu_kernels.paged_prefill_attention_(
-            out, q, k_cache, v_cache, batch.prefill_rows, batch.prefill_query_lens,
-            batch.prefill_seq_lens, batch.prefill_block_tables, sliding_window, scale=scale, softcap=softcap,
-            sinks=sinks,
+            out, q, k_cache, v_cache, batch.prefill_rows[causal], batch.prefill_query_lens[causal],
+            batch.prefill_seq_lens[causal], batch.prefill_block_tables[causal], sliding_window, scale=scale,
+            softcap=softcap, sinks=sinks,
         )
-    else:
-        for chunk, padded_table in zip(batch.prefills, batch.prefill_block_tables, strict=True):
-            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            table = padded_table[: -(-chunk.seq_len // batch.block_size)]
-            keys = _gather(k_cache, table, chunk.seq_len, q.dtype)  # (L, K, D)
-            values = _gather(v_cache, table, chunk.seq_len, q.dtype)
-            out[rows] = _attend(q[rows], keys, values, sliding_window, scale=scale, softcap=softcap,
-                                sinks=sinks, bidirectional=chunk.bidirectional)
+    for i in by_pytorch:
+        chunk = batch.prefills[i]
+        rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+        table = batch.prefill_block_tables[i, : -(-chunk.seq_len // batch.block_size)]
+        keys = _gather(k_cache, table, chunk.seq_len, q.dtype)  # (L, K, D)
+        values = _gather(v_cache, table, chunk.seq_len, q.dtype)
+        out[rows] = _attend(q[rows], keys, values, sliding_window, scale=scale, softcap=softcap,
+                            sinks=sinks, bidirectional=chunk.bidirectional)
     if len(batch.decode_token_rows):
         rows = batch.decode_token_rows
         out[rows] = _decode(q[rows], k_cache, v_cache, batch, scale, softcap, sliding_window, use_kernel,
