@@ -65,6 +65,9 @@ def random_gemma3() -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory) -> tuple[torch.nn.Module, Path]:
+    """`random_gemma3()` and its model directory: a stdlib tokenizer with tokens for newline runs,
+    Gemma 3's three image tokens (named in tokenizer_config.json, as Gemma3Processor reads them) and
+    CHAT_TEMPLATE, and Gemma 3's preprocessing at the tower's size."""
     hf = random_gemma3()
     path = tmp_path_factory.mktemp("gemma3-images")
     hf.save_pretrained(path)
