@@ -285,10 +285,18 @@ def test_first_token_logprob_matches_transformers_only_both_ways(gemma3, referen
         assert max(diffs) > 1e-3
 
 
-def test_a_budget_under_one_image_is_refused(gemma3):
+def test_a_budget_under_one_image_is_raised_to_it(gemma3, reference):
+    """A step budget under one image's tokens is raised to them, as vLLM raises it for its
+    prefix-LM models (an image is computed in one step), and the tokens stay transformers'."""
     _, model_dir = gemma3
-    with pytest.raises(ValueError, match="max_num_batched_tokens .* one image"):
-        LLM(str(model_dir), dtype="float32", max_num_batched_tokens=NUM_IMAGE_TOKENS - 1)
+    expected_ids, expected, gaps, _ = reference
+    llm = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=NUM_IMAGE_TOKENS - 5)
+    assert llm.engine.config.max_num_batched_tokens == NUM_IMAGE_TOKENS
+    prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"image": [random_image(*i) for i in images]}}
+               if images else {"prompt_token_ids": ids} for ids, images in PROMPTS]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                           use_tqdm=False)
+    assert_same_tokens(expected, gaps, [list(o.outputs[0].token_ids) for o in outputs], "raised budget")
 
 
 def test_a_prefix_hit_inside_an_image_computes_the_rest_of_it(gemma3, reference):

@@ -348,9 +348,13 @@ class Engine:
                              f"({model_config.vocab_size} tokens)")
         if llava is not None and llava.bidirectional_images and (
                 config.max_num_batched_tokens < llava.mm_tokens_per_image):
-            raise ValueError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be at least "
-                             f"the {llava.mm_tokens_per_image} tokens of one image: this model's image "
-                             "tokens attend to each other both ways, so an image is computed in one step")
+            # An image is computed in one step (its tokens attend to each other both ways), so the
+            # step budget must hold one; vLLM raises it so for its prefix-LM models too.
+            logger.info("raising max_num_batched_tokens from %d to %d, the tokens of one image: %s's image "
+                        "tokens attend to each other both ways, so an image is computed in one step",
+                        config.max_num_batched_tokens, llava.mm_tokens_per_image, config.model)
+            config = dataclasses.replace(config, max_num_batched_tokens=llava.mm_tokens_per_image)
+            self.config = config
         self.model_config = model_config
         self._llava = llava
         self.image_prompts: ImagePrompts | None = None
