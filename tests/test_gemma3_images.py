@@ -22,6 +22,7 @@ from test_gemma_model import GEMMA3, SHAPE
 
 from slipstream import LLM, SamplingParams
 from slipstream.model.create import stdlib_tokenizer
+from slipstream.model.image_processor import ImageProcessor
 from slipstream.model.llava import LlavaConfig, load_image_encoder
 from slipstream.ops.linear import onednn_multiplies
 
@@ -358,3 +359,24 @@ def test_a_bf16_engine_encodes_in_fp32_where_the_cpu_multiplies_bf16_slowly(gemm
     with torch.no_grad():
         expected = hf.model.get_image_features(pixels).pooler_output
     torch.testing.assert_close(encoded[0], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "P"])
+def test_preprocessing_matches_gemma3_image_processor(mode):
+    """Guards Gemma 3's preprocessing defaults: its preprocessor_config.json as transformers saves it
+    (unset keys null, pan-and-scan off) and one naming only the type and size are a bilinear
+    resize to the tower's size, mean and std 0.5: the pixels of transformers' Gemma3ImageProcessor
+    (its Pillow backend), for images of every mode; pan-and-scan on is refused, naming the key."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    image = random_image(7, (300, 170)).convert(mode)
+    reference = Gemma3ImageProcessorPil(size={"height": 96, "width": 96})
+    expected = reference(image, return_tensors="np")["pixel_values"][0]
+    saved = reference.to_dict() | {"image_processor_type": "Gemma3ImageProcessor"}
+    named = {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 96, "width": 96}}
+    for config in (saved, named):
+        got = ImageProcessor.from_dict(json.loads(json.dumps(config)))(image)
+        assert got.shape == expected.shape == (3, 96, 96)
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="do_pan_and_scan"):
+        ImageProcessor.from_dict(saved | {"do_pan_and_scan": True})
