@@ -261,9 +261,9 @@ def paged_attention(
     kernel = use_kernel and readable and cpu_kernels.supports_prefill_attention(q)
     # The C kernel's masks are causal: it takes the causal chunks, PyTorch the rest.
     by_pytorch = [i for i, chunk in enumerate(batch.prefills) if chunk.bidirectional or not kernel]
-    if len(by_pytorch) < len(batch.prefills):
+    if kernel and len(by_pytorch) < len(batch.prefills):
         causal = slice(None) if not by_pytorch else torch.tensor(
-            sorted(set(range(len(batch.prefills))) - set(by_pytorch)), device=q.device)
+            [i for i, chunk in enumerate(batch.prefills) if not chunk.bidirectional], device=q.device)
         cpu_kernels.paged_prefill_attention_(
             out, q, k_cache, v_cache, batch.prefill_rows[causal], batch.prefill_query_lens[causal],
             batch.prefill_seq_lens[causal], batch.prefill_block_tables[causal], sliding_window, scale=scale,

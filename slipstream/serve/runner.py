@@ -425,8 +425,10 @@ def _grouped_by_adapter(plan: StepPlan) -> tuple[StepPlan, list[int] | None]:
 def _image_spans(chunk: ScheduledChunk) -> tuple[tuple[int, int], ...]:
     """The positions of the images whose tokens the chunk computes some of, as spans that attend
     both ways (the scheduler's disable_chunked_mm_input has the chunk reach each one's end)."""
-    stop = chunk.start + chunk.num_tokens
-    return tuple((image.offset, image.end) for image in chunk.request.images
+    request, stop = chunk.request, chunk.start + chunk.num_tokens
+    if chunk.start >= request.images_end:  # a decode, or a chunk past the prompt's images
+        return ()
+    return tuple((image.offset, image.end) for image in request.images
                  if image.offset < stop and chunk.start < image.end)
 
 
