@@ -91,6 +91,21 @@ def random_image(seed: int, size: tuple[int, int]) -> PIL.Image.Image:
     return PIL.Image.fromarray(pixels)
 
 
+def engine_prompt(ids: list[int], images: list[tuple[int, tuple[int, int]]]) -> dict:
+    """A token-id prompt with its images (random_image's arguments) in multi_modal_data."""
+    if not images:
+        return {"prompt_token_ids": ids}
+    return {"prompt_token_ids": ids, "multi_modal_data": {"image": [random_image(*i) for i in images]}}
+
+
+def greedy(**overrides) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True} | overrides)
+
+
+def hf_image_processor():
+    return transformers.Gemma3ImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+
+
 def test_image_encoder_matches_transformers(gemma3):
     """Guards the tower used whole with its final norm, the pooling, Gemma's norm and the
     projection, and the weight names transformers saves: Gemma3Model.get_image_features in fp32."""
@@ -132,7 +147,7 @@ def test_text_prompts_expand_as_gemma3_processor(gemma3, text):
 
 def gemma3_processor(model_dir: Path):
     return transformers.Gemma3Processor(
-        image_processor=transformers.Gemma3ImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
+        image_processor=hf_image_processor(),
         tokenizer=transformers.AutoTokenizer.from_pretrained(model_dir), image_seq_length=NUM_IMAGE_TOKENS)
 
 
@@ -162,7 +177,7 @@ def test_chat_and_the_server_take_images(gemma3):
     expected = out.sequences[0, len(ids):].tolist()
     top2 = torch.stack(out.scores, 1).float().topk(2, dim=-1).values
     gaps = (top2[..., 0] - top2[..., 1])
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = greedy()
     [output] = LLM(str(model_dir), dtype="float32").chat([{"role": "user", "content": parts}], params,
                                                          use_tqdm=False)
     assert output.prompt == text and output.prompt_token_ids == ids
@@ -198,7 +213,7 @@ def hf_greedy(hf, ids: list[int], images: list[PIL.Image.Image]
     if images:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            processor = transformers.Gemma3ImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+            processor = hf_image_processor()
             kwargs["pixel_values"] = processor(images, return_tensors="pt")["pixel_values"]
     input_ids = torch.tensor([ids])
     out = hf.generate(input_ids, token_type_ids=(input_ids == IMAGE).long(), max_new_tokens=MAX_TOKENS,
@@ -248,10 +263,8 @@ def test_greedy_tokens_match_transformers(gemma3, reference, engine_args):
     hf, model_dir = gemma3
     expected_ids, expected, gaps, _ = reference
     llm = LLM(str(model_dir), dtype="float32", **engine_args)
-    prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"image": [random_image(*i) for i in images]}}
-               if images else {"prompt_token_ids": ids} for ids, images in PROMPTS]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                           use_tqdm=False)
+    prompts = [engine_prompt(ids, images) for ids, images in PROMPTS]
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == expected_ids
     print(f"preemptions: {llm.engine.scheduler.num_preemptions}")
     if "kv_cache_memory" in engine_args:
@@ -269,10 +282,8 @@ def test_first_token_logprob_matches_transformers_only_both_ways(gemma3, referen
     _, expected, _, first = reference
     llm = LLM(str(model_dir), dtype="float32")
     monkeypatch.setattr(llm.engine.runner.image_embedder, "bidirectional", both_ways)
-    prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"image": [random_image(*i) for i in images]}}
-               if images else {"prompt_token_ids": ids} for ids, images in PROMPTS]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True,
-                                                   logprobs=0), use_tqdm=False)
+    prompts = [engine_prompt(ids, images) for ids, images in PROMPTS]
+    outputs = llm.generate(prompts, greedy(max_tokens=1, logprobs=0), use_tqdm=False)
     diffs = []
     for output, reference_logprobs, (_, images) in zip(outputs, first, PROMPTS, strict=True):
         token_id = output.outputs[0].token_ids[0]
@@ -293,10 +304,8 @@ def test_a_budget_under_one_image_is_raised_to_it(gemma3, reference):
     expected_ids, expected, gaps, _ = reference
     llm = LLM(str(model_dir), dtype="float32", max_num_batched_tokens=NUM_IMAGE_TOKENS - 5)
     assert llm.engine.config.max_num_batched_tokens == NUM_IMAGE_TOKENS
-    prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"image": [random_image(*i) for i in images]}}
-               if images else {"prompt_token_ids": ids} for ids, images in PROMPTS]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                           use_tqdm=False)
+    prompts = [engine_prompt(ids, images) for ids, images in PROMPTS]
+    outputs = llm.generate(prompts, greedy(), use_tqdm=False)
     assert_same_tokens(expected, gaps, [list(o.outputs[0].token_ids) for o in outputs], "raised budget")
 
 
@@ -309,8 +318,7 @@ def test_a_prefix_hit_inside_an_image_computes_the_rest_of_it(gemma3, reference)
     llm = LLM(str(model_dir), dtype="float32", block_size=16)
     ids, images = PROMPTS[0]
     image_start = expected_ids[0].index(IMAGE)
-    prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": [random_image(*i) for i in images]}}
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    prompt, params = engine_prompt(ids, images), greedy(logprobs=0)
     for _ in range(2):  # the second finds the first's blocks cached
         output = llm.generate([prompt], params, use_tqdm=False)[0]
         token_id = output.outputs[0].token_ids[0]
@@ -354,7 +362,7 @@ def test_a_bf16_engine_encodes_in_fp32_where_the_cpu_multiplies_bf16_slowly(gemm
                  SamplingParams(max_tokens=1), use_tqdm=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pixels = transformers.Gemma3ImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})(
+        pixels = hf_image_processor()(
             [image], return_tensors="pt")["pixel_values"]
     with torch.no_grad():
         expected = hf.model.get_image_features(pixels).pooler_output
